@@ -1,0 +1,49 @@
+# Everything a fresh Debian machine of our kind needs: `make demo`, `make test`.
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+# System packages: libvirt (daemon, test driver, headers for libvirt-python), QEMU for real
+# guest memory layouts, xmllint for virt-xml-validate, umockdev for uevent tests.
+APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev \
+            pkg-config qemu-system-x86 libxml2-utils umockdev
+DEMO_DIR := $(CURDIR)/.demo
+
+.PHONY: all demo test test-fast lint bench sysdeps venv clean
+
+all: test
+
+sysdeps:
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "missing system packages (run as root or install):" $$missing >&2; exit 1; fi; \
+	  echo "installing system packages:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: sysdeps $(VENV)/.installed
+
+lint: venv
+	$(VENV)/bin/ruff check vmlend tests bench hooks
+
+test: venv lint
+	$(PY) -m pytest -q
+
+# Unit tests only (no daemons, no QEMU): seconds.
+test-fast: venv
+	$(PY) -m pytest -q -m 'not qemu and not libvirtd and not slow'
+
+demo: venv
+	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
+	VMLEND_STATE=$(DEMO_DIR)/state.db $(VENV)/bin/vmlend demo
+
+bench: venv
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,13 @@
+"""Shared fixtures. Fixtures for daemons live in their own conftest modules/plugins."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def state_path(tmp_path, monkeypatch):
+    """A private state database path; also exported as VMLEND_STATE for the CLI."""
+    path = tmp_path / "state.db"
+    monkeypatch.setenv("VMLEND_STATE", str(path))
+    return path

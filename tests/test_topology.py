@@ -1,0 +1,109 @@
+"""Topology files: the default loads, and every kind of mistake is named precisely."""
+
+from __future__ import annotations
+
+import pytest
+
+from vmlend.errors import TopologyError
+from vmlend.fabric.model import BarKind, GiB, parse_fdid
+from vmlend.fabric.topology import load_topology, parse_topology
+
+MINI = """
+name = "mini"
+[[node]]
+name = "a"
+id = 1
+  [[node.adapter]]
+  index = 0
+  window = "8GiB"
+  segments = 8
+  [[node.device]]
+  fdid = 0x1
+  bdf = "0000:01:00.0"
+  kind = "gpu"
+  vendor = 0x10de
+  device = 0x1
+  class = 0x030000
+  bars = [ { index = 0, size = "16MiB" } ]
+[[node]]
+name = "b"
+id = 2
+  [[node.adapter]]
+  index = 0
+[[link]]
+ends = ["a:0", "b:0"]
+"""
+
+
+def test_default_topology_has_the_documented_cluster():
+    topo = load_topology()
+    assert [n.name for n in topo.nodes] == ["alpha", "beta", "gamma"]
+    by_lender = {n.name: [d.kind for d in topo.devices if d.lender == n.name] for n in topo.nodes}
+    assert by_lender == {
+        "alpha": ["gpu", "gpu", "nvme"],
+        "beta": ["gpu", "nic", "vf", "vf", "vf", "vf"],
+        "gamma": [],
+    }
+    gpu = topo.device(0x10)
+    assert gpu.dma_bits == 40
+    assert any(b.kind is BarKind.MEM64 and b.size == 32 * GiB for b in gpu.bars)
+    vfs = [d for d in topo.devices if d.physfn == 0x21]
+    assert [d.fdid for d in vfs] == [0x22, 0x23, 0x24, 0x25]
+    assert len({d.bdf for d in vfs}) == 4
+    assert all(a.lut_usable == 30 for a in topo.adapters())
+
+
+def test_minimal_topology_parses():
+    topo = parse_topology(MINI, "mini.toml")
+    assert topo.node("b").adapters[0].window_size == 128 * GiB
+    assert topo.links[0].ends == ("a:0", "b:0")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "where"),
+    [
+        ('size = "16MiB"', 'size = "3000"', "node[0] 'a'.device[0].bars[0].size"),
+        ('size = "16MiB"', 'size = "16MB"', "node[0] 'a'.device[0].bars[0].size"),
+        ("fdid = 0x1", 'fdid = "x"', "node[0] 'a'.device[0].fdid"),
+        ('ends = ["a:0", "b:0"]', 'ends = ["a:0", "c:0"]', "link[0].ends[1]"),
+        ('kind = "gpu"', 'kind = "gpu"\n  colour = "red"', "node[0] 'a'.device[0]"),
+        ("id = 2", "id = 1", "node[1] 'b'.id"),
+        ('bdf = "0000:01:00.0"', 'bdf = "1:0.0"', "node[0] 'a'.device[0].bdf"),
+        ("segments = 8", "segments = 6", "node[0] 'a'.adapter[0].segments"),
+    ],
+)
+def test_bad_fields_are_named(old, new, where):
+    assert old in MINI
+    with pytest.raises(TopologyError) as exc:
+        parse_topology(MINI.replace(old, new, 1), "mini.toml")
+    assert str(exc.value).startswith(f"mini.toml: {where}:")
+
+
+def test_syntax_error_names_the_line():
+    with pytest.raises(TopologyError, match=r"mini.toml: not valid TOML: .*line 5, column 6"):
+        parse_topology(MINI.replace("id = 1", "id = = 1", 1), "mini.toml")
+
+
+def test_duplicate_fdid_is_refused():
+    dup = (
+        MINI.replace('[[node]]\nname = "b"', '[[node]]\nname = "b"', 1)
+        + """
+"""
+    )
+    text = dup.replace(
+        "  [[node.adapter]]\n  index = 0\n[[link]]",
+        '  [[node.adapter]]\n  index = 0\n  [[node.device]]\n  fdid = 0x1\n  bdf = "0000:02:00.0"'
+        '\n  kind = "nic"\n  vendor = 1\n  device = 2\n  class = 0x020000\n[[link]]',
+    )
+    with pytest.raises(TopologyError, match=r"fdid 0x1 is already used by a 0000:01:00.0"):
+        parse_topology(text, "mini.toml")
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(TopologyError, match="cannot read"):
+        load_topology(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("text", ["0x10", "16", " 0x10 "])
+def test_fdid_forms(text):
+    assert parse_fdid(text) == 16

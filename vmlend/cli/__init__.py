@@ -1,0 +1,48 @@
+"""The ``vmlend`` command. ``main`` only parses: each ``cmd_*.py`` module in this package
+exposes ``COMMANDS`` (click commands or groups), collected here so command groups stay in
+their own modules."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import click
+
+from vmlend import __version__
+from vmlend.cli.common import CliContext, VmlendGroup
+
+
+@click.group(cls=VmlendGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--state",
+    "state_path",
+    envvar="VMLEND_STATE",
+    type=click.Path(dir_okay=False),
+    help="Shared state database [env VMLEND_STATE; default /var/lib/vmlend/state.db for root,"
+    " else $XDG_STATE_HOME/vmlend/state.db].",
+)
+@click.option(
+    "--node",
+    envvar="VMLEND_NODE",
+    help="The fabric node this host is [env VMLEND_NODE; default: the state's local node].",
+)
+@click.option("-v", "--verbose", count=True, help="More diagnostics on stderr.")
+@click.version_option(__version__, prog_name="vmlend")
+@click.pass_context
+def main(ctx: click.Context, state_path: str | None, node: str | None, verbose: int) -> None:
+    """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
+    ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose)
+
+
+def _register() -> None:
+    pkg = sys.modules[__name__]
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("cmd_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            for command in getattr(module, "COMMANDS", ()):
+                main.add_command(command)
+
+
+_register()

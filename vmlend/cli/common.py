@@ -1,0 +1,84 @@
+"""What every command shares: the context object, error handling and output helpers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vmlend.errors import ConfigError, VmlendError
+
+log = logging.getLogger("vmlend")
+
+
+def default_state_path() -> Path:
+    """Root keeps the state with the system; others under the XDG state dir."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/vmlend/state.db")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "vmlend" / "state.db"
+
+
+@dataclass
+class CliContext:
+    """Shared state of one ``vmlend`` invocation (``ctx.obj``)."""
+
+    state_path: Path
+    node: str | None
+    verbose: int = 0
+
+    @classmethod
+    def create(cls, state_path: str | None, node: str | None, verbose: int) -> CliContext:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
+            format="vmlend: %(message)s",
+            stream=sys.stderr,
+        )
+        path = Path(state_path) if state_path else default_state_path()
+        return cls(state_path=path, node=node, verbose=verbose)
+
+
+class VmlendGroup(click.Group):
+    """Turns ``VmlendError`` into a one-line error and exit 1 (click uses 2 for usage)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as e:
+            # Bad arguments or input files are the user's to fix: still exit 1, one line.
+            raise click.ClickException(str(e)) from None
+        except VmlendError as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("vmlend: interrupted", err=True)
+            raise SystemExit(130) from None
+
+
+def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``--json`` flag every listing command carries."""
+    return click.option("--json", "json_output", is_flag=True, help="Print JSON on stdout.")(f)
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    click.echo(render_table(headers, rows))

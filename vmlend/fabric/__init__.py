@@ -1,0 +1,1 @@
+"""The fabric: its data model, its interface and its backends (``sim``, ``smartio``)."""

@@ -1,0 +1,102 @@
+"""The fabric interface: the one view of the cluster that the hook, the CLI and the daemon use.
+
+Two backends implement it: ``vmlend.fabric.sim`` (the simulated SmartIO cluster, the embedded
+default) and ``vmlend.fabric.smartio`` (the kernel: Linux mdev sysfs plus the SmartIO driver's
+attributes). Both keep "who holds what" in the shared state (``vmlend.registry``), so separate
+processes (hook, CLI, daemon) see one truth.
+
+Life of a device for a VM (DESIGN.md, mechanisms 1-4):
+    lend -> reserve (prepare hook) -> create_mdev -> [guest enables] borrow
+         -> [guest releases] give_back -> remove_mdev -> release (release hook) -> unlend
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from vmlend.fabric.model import (
+    Check,
+    DeviceStatus,
+    Holder,
+    MdevInfo,
+    NodeSpec,
+    Topology,
+)
+
+
+@runtime_checkable
+class Fabric(Protocol):
+    """What every backend offers. All methods raise ``VmlendError`` subclasses on failure."""
+
+    #: The node this process runs on (the borrower when a VM here uses a remote device).
+    local_node: str
+
+    def topology(self) -> Topology:
+        """Nodes, adapters, links and devices as currently known."""
+        ...
+
+    def nodes(self) -> list[NodeSpec]: ...
+
+    def devices(self) -> list[DeviceStatus]:
+        """Every device of the fabric with its state and holder."""
+        ...
+
+    def device(self, fdid: int) -> DeviceStatus:
+        """Raises ``UnknownDeviceError``."""
+        ...
+
+    # --- lender side ---------------------------------------------------------------------
+    def lend(self, fdid: int) -> DeviceStatus:
+        """Offer a device to the fabric. Idempotent."""
+        ...
+
+    def unlend(self, fdid: int) -> DeviceStatus:
+        """Withdraw a device. Refused with ``DeviceHeldError`` while anyone holds it."""
+        ...
+
+    # --- borrower side -------------------------------------------------------------------
+    def admission(self, fdid: int, borrower: str, guest_ram: int = 0) -> list[Check]:
+        """Check, without changing anything, that ``borrower`` could take ``fdid`` for a guest
+        with ``guest_ram`` bytes of RAM: device exists and is lent, not held, an NTB path to the
+        lender exists, a LUT entry is free, the NTB window has room for the DMA windows and the
+        BARs. Returns every check; callers fail on the first ``ok=False``."""
+        ...
+
+    def reserve(self, fdid: int, holder: Holder) -> DeviceStatus:
+        """Exclusively reserve ``fdid`` for ``holder``. Idempotent for the same holder;
+        ``DeviceHeldError`` for another; ``DeviceNotLentError`` if not lent. Atomic across
+        processes: of two racing reservers exactly one wins."""
+        ...
+
+    def release(self, fdid: int, holder: Holder) -> bool:
+        """End ``holder``'s reservation (and hardware borrow, if any). Idempotent: returns
+        False when ``holder`` held nothing. Never releases another holder's device."""
+        ...
+
+    def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
+        """The deferred hardware borrow: take exclusive control and set up the NTB path
+        (LUT entry, BAR mappings). Requires a reservation by ``holder``. Idempotent."""
+        ...
+
+    def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:
+        """Undo ``borrow``; the reservation stays. Idempotent."""
+        ...
+
+    # --- mdevs on this node ----------------------------------------------------------------
+    def ensure_mdev_parent(self, fdid: int) -> str:
+        """Make sure the SmartIO mdev parent for ``fdid`` exists on this node; return its
+        name. Idempotent."""
+        ...
+
+    def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        """Create the mdev child ``uuid`` under ``fdid``'s parent. Idempotent for the same
+        uuid and device."""
+        ...
+
+    def remove_mdev(self, uuid: str) -> bool:
+        """Remove the mdev child. Idempotent: False when it did not exist."""
+        ...
+
+    def mdevs(self) -> list[MdevInfo]:
+        """mdev children on this node."""
+        ...

@@ -1,0 +1,235 @@
+"""Plain data describing a fabric: what a topology file declares and what backends report.
+
+No I/O here. Sizes are bytes, addresses are ints, a fabric device id (fdid) is an int that is
+shown as hex (``0x10``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from vmlend.errors import ConfigError
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+#: Requester LUT entries reserved per CPU on a PXH830-class adapter (DESIGN.md, limits).
+LUT_RESERVED_PER_CPU = 2
+
+
+def parse_fdid(text: str | int) -> int:
+    """Accept ``0x10``, ``16`` or an int; reject anything else with a clear message."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        try:
+            value = int(str(text).strip(), 0)
+        except ValueError:
+            raise ConfigError(
+                f"bad fabric device id {text!r}: expected a number such as 0x10 or 16"
+            ) from None
+    if value < 0 or value >= 1 << 32:
+        raise ConfigError(f"bad fabric device id {text!r}: must be between 0 and 0xffffffff")
+    return value
+
+
+def format_fdid(fdid: int) -> str:
+    return f"{fdid:#x}"
+
+
+class BarKind(enum.StrEnum):
+    IO = "io"
+    MEM32 = "mem32"
+    MEM64 = "mem64"
+
+
+@dataclass(frozen=True)
+class BarSpec:
+    index: int  # 0..5; a 64-bit BAR also uses index+1
+    size: int  # bytes, a power of two
+    kind: BarKind = BarKind.MEM32
+    prefetch: bool = False
+
+
+@dataclass(frozen=True)
+class MsiSpec:
+    vectors: int = 1  # power of two, 1..32
+    bits64: bool = True
+    maskable: bool = False
+
+
+@dataclass(frozen=True)
+class MsixSpec:
+    vectors: int  # 1..2048
+    table_bar: int
+    table_offset: int
+    pba_bar: int
+    pba_offset: int
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One lendable PCIe function as the topology declares it."""
+
+    fdid: int
+    lender: str  # node name
+    bdf: str  # on the lender, e.g. "0000:41:00.0"
+    kind: str  # "gpu", "nvme", "nic", "vf", ... (free text shown to users)
+    vendor_id: int
+    device_id: int
+    class_code: int  # 24-bit class/subclass/prog-if
+    bars: tuple[BarSpec, ...] = ()
+    dma_bits: int = 64  # device DMA address width (e.g. 40)
+    intx_pin: int = 1  # 0 none, 1..4 = INTA..INTD
+    msi: MsiSpec | None = None
+    msix: MsixSpec | None = None
+    physfn: int | None = None  # fdid of the PF when this is an SR-IOV VF
+    lent: bool = True  # lent at fabric init
+
+    @property
+    def dma_limit(self) -> int:
+        """First address the device cannot reach."""
+        return 1 << self.dma_bits
+
+    @property
+    def bar_bytes(self) -> int:
+        return sum(b.size for b in self.bars if b.kind is not BarKind.IO)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """An NTB adapter (PXH830-class) in a node."""
+
+    node: str
+    index: int
+    model: str = "PXH830"
+    window_size: int = 128 * GiB  # the NTB BAR the adapter exposes for remote access
+    segments: int = 32  # the window is split into this many equal segments
+    lut_entries: int = 32
+    cpus: int = 1  # LUT_RESERVED_PER_CPU entries are reserved per CPU
+
+    @property
+    def segment_size(self) -> int:
+        return self.window_size // self.segments
+
+    @property
+    def lut_usable(self) -> int:
+        return self.lut_entries - LUT_RESERVED_PER_CPU * self.cpus
+
+    @property
+    def ref(self) -> str:
+        return f"{self.node}:{self.index}"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    node_id: int  # fabric node id (SmartIO NodeId)
+    hostname: str
+    adapters: tuple[AdapterSpec, ...] = ()
+    ram: int = 64 * GiB  # host RAM, backs guests running here
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A cable between adapters: two ends back-to-back, or a switch joining several."""
+
+    ends: tuple[str, ...]  # adapter refs "node:index"
+    switch: str | None = None
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    links: tuple[LinkSpec, ...]
+    devices: tuple[DeviceSpec, ...]
+    source: str = "<builtin>"
+
+    def node(self, name: str) -> NodeSpec:
+        from vmlend.errors import UnknownNodeError
+
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UnknownNodeError(name)
+
+    def device(self, fdid: int) -> DeviceSpec:
+        from vmlend.errors import UnknownDeviceError
+
+        for d in self.devices:
+            if d.fdid == fdid:
+                return d
+        raise UnknownDeviceError(fdid)
+
+    def adapters(self) -> list[AdapterSpec]:
+        return [a for n in self.nodes for a in n.adapters]
+
+
+# --- what backends report at run time ------------------------------------------------------
+
+
+class DeviceState(enum.StrEnum):
+    UNLENT = "unlent"  # known to the fabric, not offered
+    AVAILABLE = "available"  # lent, nobody holds it
+    RESERVED = "reserved"  # held for a VM (mdev exists), hardware not yet borrowed
+    BORROWED = "borrowed"  # the guest enabled it: NTB mappings and exclusive control active
+    UNAVAILABLE = "unavailable"  # the lender (or its mdev parent) vanished
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a device: a VM on a borrower node."""
+
+    node: str
+    vm: str
+    vm_uuid: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.node}/{self.vm}"
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    spec: DeviceSpec
+    state: DeviceState
+    holder: Holder | None = None
+
+    @property
+    def fdid(self) -> int:
+        return self.spec.fdid
+
+
+@dataclass(frozen=True)
+class MdevInfo:
+    uuid: str
+    parent: str  # mdev parent device name
+    type_id: str
+    fdid: int | None = None
+    node: str = ""
+    vm: str = ""
+
+
+@dataclass(frozen=True)
+class GuestRange:
+    """A guest-physical RAM range [start, end)."""
+
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Check:
+    """One admission check and its outcome (shown by --dry-run and in errors)."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+    data: dict[str, object] = field(default_factory=dict)
