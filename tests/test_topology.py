@@ -107,3 +107,20 @@ def test_missing_file_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("text", ["0x10", "16", " 0x10 "])
 def test_fdid_forms(text):
     assert parse_fdid(text) == 16
+
+
+def test_routes_through_the_switch_and_back_to_back():
+    from vmlend.errors import NoPathError, UnknownNodeError
+    from vmlend.fabric.paths import route
+
+    topo = load_topology()
+    p = route(topo, "gamma", "alpha")
+    assert (p.src.ref, p.dst.ref, p.switch) == ("gamma:0", "alpha:0", "mxs824")
+    assert route(topo, "alpha", "alpha") is None
+    mini = parse_topology(MINI, "mini.toml")
+    assert route(mini, "a", "b").switch is None
+    with pytest.raises(UnknownNodeError):
+        route(mini, "a", "zz")
+    isolated = parse_topology(MINI.replace('[[link]]\nends = ["a:0", "b:0"]\n', ""), "m.toml")
+    with pytest.raises(NoPathError, match="no NTB path from a to b"):
+        route(isolated, "a", "b")
