@@ -140,3 +140,7 @@ class LayoutError(VmlendError):
 
 class RelayError(VmlendError):
     """The interrupt relay could not set up or deliver a vector."""
+
+
+class HookError(VmlendError):
+    """A hook operation failed; the message names the VM, the device and the reason."""

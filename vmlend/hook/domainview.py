@@ -1,0 +1,1 @@
+"""Placeholder until vmlend.domain lands (wired at merge)."""
