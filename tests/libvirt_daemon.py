@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).parent / "data" / "libvirtd"
 TRAMPOLINE = DATA_DIR / "trampoline.sh"
 RECORD_HOOK = DATA_DIR / "record_hook.py"
+REAPER = DATA_DIR / "reaper.py"
 GUEST_XML = DATA_DIR / "guest.xml"
 MDEV_HOSTDEV_XML = DATA_DIR / "mdev-hostdev.xml"
 
@@ -243,7 +244,9 @@ class LibvirtDaemon:
     cache_dir: Path | None = None  # share the QEMU capability cache between sessions
     layout: DaemonLayout = field(init=False)
     timings: dict[str, float] = field(default_factory=dict)
+    # Our children: "virtlogd" and "libvirtd", the latter being the reaper that runs it.
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _libvirtd_pid: int | None = None
 
     def __post_init__(self) -> None:
         self.layout = DaemonLayout(self.root)
@@ -263,7 +266,15 @@ class LibvirtDaemon:
 
     @property
     def pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self._procs.items()}
+        """virtlogd, libvirtd and the reaper process that is libvirtd's parent."""
+        found = {}
+        if "virtlogd" in self._procs:
+            found["virtlogd"] = self._procs["virtlogd"].pid
+        if "libvirtd" in self._procs:
+            found["reaper"] = self._procs["libvirtd"].pid
+        if self._libvirtd_pid is not None:
+            found["libvirtd"] = self._libvirtd_pid
+        return found
 
     def connect(self):
         """A new read-write ``libvirt.virConnect`` to this daemon (caller closes it)."""
@@ -329,8 +340,12 @@ class LibvirtDaemon:
         t0 = time.monotonic()
         self._spawn("virtlogd", self.layout.config_dir / "virtlogd.conf")
         self._wait_socket("virtlogd", self.layout.virtlogd_socket)
-        self._spawn("libvirtd", self.layout.config_dir / "libvirtd.conf")
+        # libvirtd runs under a subreaper so that destroyed QEMUs are reaped at once.
+        self._spawn(
+            "libvirtd", self.layout.config_dir / "libvirtd.conf", [sys.executable, str(REAPER)]
+        )
         self._wait_socket("libvirtd", self.layout.socket)
+        self._libvirtd_pid = int((self.layout.run_dir / "libvirtd.pid").read_text().strip())
         self.timings["sockets_ready"] = time.monotonic() - t0
         if warm_up:
             # The first qemu driver call probes QEMU's capabilities (seconds); pay it here
@@ -348,8 +363,9 @@ class LibvirtDaemon:
     def stop(self) -> list[int]:
         """Destroy running guests, stop libvirtd then virtlogd; return pids still alive."""
         qemu = self.qemu_pids()
-        if "libvirtd" in self._procs and self._procs["libvirtd"].poll() is None:
+        if self._libvirtd_pid is not None and pid_alive(self._libvirtd_pid):
             qemu.update(self._destroy_all_guests())
+            stop_pid(self._libvirtd_pid)  # the reaper reaps it, then exits in turn
         for name in ("libvirtd", "virtlogd"):
             proc = self._procs.get(name)
             if proc is not None:
@@ -361,7 +377,7 @@ class LibvirtDaemon:
             if pid_alive(pid) and _is_qemu(pid):
                 log.warning("QEMU of %s (pid %d) outlived libvirtd, stopping it", name, pid)
                 stop_pid(pid)
-        survivors = [p.pid for p in self._procs.values() if pid_alive(p.pid)]
+        survivors = [pid for pid in self.pids.values() if pid_alive(pid)]
         return survivors + [pid for pid in qemu.values() if pid_alive(pid) and _is_qemu(pid)]
 
     def _destroy_all_guests(self) -> dict[str, int]:
@@ -375,9 +391,10 @@ class LibvirtDaemon:
             conn.close()
         return pids
 
-    def _spawn(self, name: str, config: Path) -> None:
+    def _spawn(self, name: str, config: Path, wrapper: Sequence[str] = ()) -> None:
         out = (self.log_dir / f"{name}.out").open("ab")
-        cmd = [_binary(name), "-f", str(config), "-p", str(self.layout.run_dir / f"{name}.pid")]
+        pidfile = self.layout.run_dir / f"{name}.pid"
+        cmd = [*wrapper, _binary(name), "-f", str(config), "-p", str(pidfile)]
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
         try:
             self._procs[name] = subprocess.Popen(

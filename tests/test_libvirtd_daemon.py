@@ -25,7 +25,8 @@ def seen_by(pid: int, path: str) -> Path:
 
 def test_daemons_run_in_their_own_mount_namespace(libvirtd):
     ours = os.readlink("/proc/self/ns/mnt")
-    assert set(libvirtd.pids) == {"virtlogd", "libvirtd"}
+    assert set(libvirtd.pids) == {"virtlogd", "libvirtd", "reaper"}
+    assert Path(f"/proc/{libvirtd.pids['libvirtd']}/exe").resolve().name == "libvirtd"
     for pid in libvirtd.pids.values():
         assert pid_alive(pid)
         assert os.readlink(f"/proc/{pid}/ns/mnt") != ours

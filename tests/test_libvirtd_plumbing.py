@@ -13,6 +13,7 @@ import pytest
 from lxml import etree
 
 from tests.libvirt_daemon import (
+    REAPER,
     RECORD_HOOK,
     SYSTEM_DIRS,
     TRAMPOLINE,
@@ -225,3 +226,28 @@ def test_guest_xml_is_the_template_with_name_uuid_and_mdevs():
     assert root.xpath("devices/hostdev/source/address/@uuid") == ["m1"]
     assert root.find("devices/interface") is None
     assert root.find("devices/disk") is None
+
+
+def test_reaper_passes_the_exit_status_through():
+    assert subprocess.run([sys.executable, str(REAPER), "bash", "-c", "exit 7"]).returncode == 7
+    assert subprocess.run([sys.executable, str(REAPER)], capture_output=True).returncode == 2
+
+
+def test_reaper_reaps_orphans_at_once_and_forwards_sigterm(tmp_path):
+    # The command leaves an orphan (like libvirtd's double-forked QEMU) that exits soon.
+    orphan_pid = tmp_path / "orphan.pid"
+    script = f"(sleep 0.1 & echo $! > {orphan_pid}); echo ready; exec sleep 30"
+    reaper = subprocess.Popen(
+        [sys.executable, str(REAPER), "bash", "-c", script], stdout=subprocess.PIPE
+    )
+    try:
+        assert reaper.stdout.readline() == b"ready\n"
+        orphan = Path(f"/proc/{int(orphan_pid.read_text())}")
+        # Gone from /proc entirely, not a zombie waiting for PID 1.
+        wait_for(lambda: not orphan.exists(), 1.0, "reaping of the orphan")
+        reaper.terminate()
+        assert reaper.wait(timeout=5) == 128 + 15  # sleep died of the forwarded SIGTERM
+    finally:
+        reaper.kill()
+        reaper.wait()
+        reaper.stdout.close()
