@@ -55,6 +55,7 @@ SYSTEM_DIRS: dict[str, str] = {
 
 START_TIMEOUT = 30.0  # a socket that is not there after this is a broken daemon
 STOP_TIMEOUT = 10.0  # SIGTERM grace before SIGKILL
+UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval=0.02) -> float:
@@ -336,6 +337,10 @@ class LibvirtDaemon:
 
     def start(self, warm_up: bool = True) -> None:
         """Start virtlogd then libvirtd; wait for their sockets (and the QEMU probe)."""
+        if len(os.fsencode(self.layout.socket)) >= UNIX_PATH_MAX:
+            raise ValueError(
+                f"{self.layout.socket} is too long for a unix socket; use a shorter --basetemp"
+            )
         self.prepare()
         t0 = time.monotonic()
         self._spawn("virtlogd", self.layout.config_dir / "virtlogd.conf")

@@ -251,3 +251,10 @@ def test_reaper_reaps_orphans_at_once_and_forwards_sigterm(tmp_path):
         reaper.kill()
         reaper.wait()
         reaper.stdout.close()
+
+
+def test_start_refuses_a_root_too_deep_for_a_unix_socket(tmp_path):
+    daemon = LibvirtDaemon(tmp_path / ("d" * 100))
+    with pytest.raises(ValueError, match="too long for a unix socket"):
+        daemon.start()
+    assert not daemon.root.exists()
