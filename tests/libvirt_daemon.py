@@ -8,7 +8,7 @@ private tree; the host and any system libvirtd are untouched. The unix sockets l
 private run directory, which the tests reach from outside the namespace by its real path.
 
 Register with ``pytest_plugins = ["tests.libvirt_daemon"]``. Fixtures:
-  libvirtd       session: the running LibvirtDaemon (one per test session, ~8 s to start)
+  libvirtd       session: the running LibvirtDaemon (one per test session, ~1 s to start)
   libvirt_conn   a libvirt connection to it, closed after the test
   hook_recorder  installs tests/data/libvirtd/record_hook.py as the qemu hook for one test
   libvirt_guests defines TCG guests and destroys/undefines them (and checks QEMU exited)
@@ -58,12 +58,14 @@ STOP_TIMEOUT = 10.0  # SIGTERM grace before SIGKILL
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval=0.02) -> float:
+def wait_for(
+    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.02
+) -> float:
     """Poll ``predicate`` until true; return the seconds it took, raise TimeoutError after."""
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
-            raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
+            raise TimeoutError(f"{what} not ready after {timeout:g} s")
         time.sleep(interval)
     return time.monotonic() - start
 
@@ -242,7 +244,7 @@ class LibvirtDaemon:
     """A private virtlogd + libvirtd under ``root``; ``start()`` / ``stop()`` by PID."""
 
     root: Path
-    cache_dir: Path | None = None  # share the QEMU capability cache between sessions
+    cache_dir: Path | None = None  # another daemon's QEMU capability cache, to skip the probe
     layout: DaemonLayout = field(init=False)
     timings: dict[str, float] = field(default_factory=dict)
     # Our children: "virtlogd" and "libvirtd", the latter being the reaper that runs it.
@@ -571,8 +573,7 @@ def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtDaemon
         pytest.skip("a private system-mode libvirtd needs root (mount namespace, QEMU)")
     if shutil.which("libvirtd", path="/usr/sbin:/usr/bin") is None:
         pytest.skip("libvirtd is not installed (make sysdeps)")
-    cache = os.environ.get("VMLEND_LIBVIRTD_CACHE")
-    daemon = LibvirtDaemon(tmp_path_factory.mktemp("libvirtd"), Path(cache) if cache else None)
+    daemon = LibvirtDaemon(tmp_path_factory.mktemp("libvirtd"))
     try:
         daemon.start()
         yield daemon
