@@ -236,13 +236,15 @@ def test_reaper_passes_the_exit_status_through():
 def test_reaper_reaps_orphans_at_once_and_forwards_sigterm(tmp_path):
     # The command leaves an orphan (like libvirtd's double-forked QEMU) that exits soon.
     orphan_pid = tmp_path / "orphan.pid"
-    script = f"(sleep 0.1 & echo $! > {orphan_pid}); echo ready; exec sleep 30"
+    script = f"(sleep 0.5 & echo $! > {orphan_pid}); echo ready; exec sleep 30"
     reaper = subprocess.Popen(
         [sys.executable, str(REAPER), "bash", "-c", script], stdout=subprocess.PIPE
     )
     try:
         assert reaper.stdout.readline() == b"ready\n"
         orphan = Path(f"/proc/{int(orphan_pid.read_text())}")
+        stat = (orphan / "stat").read_text()
+        assert int(stat[stat.rindex(")") + 2 :].split()[1]) == reaper.pid, "not adopted"
         # Gone from /proc entirely, not a zombie waiting for PID 1.
         wait_for(lambda: not orphan.exists(), 1.0, "reaping of the orphan")
         reaper.terminate()
