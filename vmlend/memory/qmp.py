@@ -12,6 +12,7 @@ import logging
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -153,18 +154,27 @@ class QemuProcess:
     def start(self) -> None:
         sock = self.run_dir / f"qmp-{id(self)}.sock"
         sock.unlink(missing_ok=True)
-        self._qmp = QEMUMonitorProtocol(str(sock), server=True)
+        # QEMU is the QMP server: if it dies before listening we see it exit instead of
+        # waiting for a connection that never comes.
         cmd = [self.binary, "-accel", "tcg", "-S", "-nodefaults", "-display", "none"]
-        cmd += ["-qmp", f"unix:{sock}", *self.args]
+        cmd += ["-qmp", f"unix:{sock},server=on,wait=off", *self.args]
         log.debug("starting %s", " ".join(cmd))
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
+        deadline = time.monotonic() + self.timeout
         try:
-            self._qmp.accept(self.timeout)
+            while not sock.exists():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise HostError("no QMP socket")
+                time.sleep(0.002)
+            self._qmp = QEMUMonitorProtocol(str(sock))
+            self._qmp.connect()
         except Exception as exc:
             err = self._stop_and_collect()
             raise HostError(f"QEMU did not start ({' '.join(self.args)}): {err or exc}") from None
+        finally:
+            sock.unlink(missing_ok=True)  # connected (or failed): the path is no longer needed
 
     def hmp(self, command: str) -> str:
         if self._qmp is None:
