@@ -3,7 +3,9 @@
 The papers' method: RAM starts at well-known addresses (0, 4 GiB; 1 TiB under the AMD rule).
 From each start, try pages at exponentially growing distances until pinning fails, then binary
 search the last pinnable page: O(log n) probes per range instead of one per page. The probe
-assumes what x86 guests give it: each range is contiguous from its start. The result is checked
+assumes what x86 guests give it: each range is contiguous from its start and ends before the
+next well-known start. Holes inside a range are not looked for (that would take a probe per
+page); the window planner finds them anyway, as pages without a host frame. The result is checked
 against the computed layout, and any difference is a LayoutError — mapping a guessed range
 would expose the wrong memory to a device.
 """
@@ -85,14 +87,18 @@ def probe_ranges(
     """Probe from each start; ranges found (merged, ascending) and the number of probes."""
     counter = _Counter(can_pin)
     found: list[GuestRange] = []
-    for start in sorted(set(starts)):
+    ordered = sorted(set(starts))
+    for i, start in enumerate(ordered):
         if start % page:
             raise LayoutError(f"probe start {start:#x} is not page aligned")
         if any(r.start <= start < r.end for r in found):
             continue  # already inside a range found from a lower start
         if start >= limit or not counter(start):
             continue
-        found.append(GuestRange(start, _range_end(counter, start, page, limit)))
+        # a range never runs into the next well-known start: without this bound the doubling
+        # steps would leap over the PCI hole into high RAM and report one huge range
+        bound = min(ordered[i + 1], limit) if i + 1 < len(ordered) else limit
+        found.append(GuestRange(start, _range_end(counter, start, page, bound)))
     return ProbeResult(tuple(merge_ranges(found)), counter.calls)
 
 
