@@ -132,9 +132,7 @@ def test_dimms_and_max_memory() -> None:
         <address type='dimm' slot='1' base='0x140000000'/></memory>"""
     cpu = "<cpu><numa><cell id='0' cpus='0' memory='2' unit='GiB'/></numa></cpu>"
     extra = "<maxMemory slots='4' unit='GiB'>16</maxMemory>"
-    xml = domain(
-        memory="<memory unit='MiB'>3584</memory>", cpu=cpu, devices=devices, extra=extra
-    )
+    xml = domain(memory="<memory unit='MiB'>3584</memory>", cpu=cpu, devices=devices, extra=extra)
     cfg = memory_config(xml)
     assert cfg.ram == 2 * GiB
     assert (cfg.maxmem, cfg.slots) == (16 * GiB, 4)

@@ -186,9 +186,7 @@ def test_unknown_vendor_refused_only_when_it_matters() -> None:
 
 def test_downstream_type_refused_when_amd_rule_unknown() -> None:
     with pytest.raises(LayoutError, match="HyperTransport"):
-        compute_layout(
-            MemoryConfig("pc-q35-rhel9.4.0", 4 * GiB, cpu_vendor=CpuVendor.AMD, **BIG)
-        )
+        compute_layout(MemoryConfig("pc-q35-rhel9.4.0", 4 * GiB, cpu_vendor=CpuVendor.AMD, **BIG))
 
 
 # --- hot-plug region, DIMMs, NUMA -----------------------------------------------------------
@@ -243,8 +241,10 @@ def test_dimm_fixed_base_and_first_fit() -> None:
         ({"maxmem": 8 * GiB, "slots": 0, "dimms": (Dimm(GiB),)}, "slots"),
         ({"maxmem": 3 * GiB, "slots": 1, "dimms": (Dimm(2 * GiB),)}, "exceed"),
         ({"maxmem": 8 * GiB, "slots": 1, "dimms": (Dimm(3 * MiB),)}, "2 MiB"),
-        ({"maxmem": 8 * GiB, "slots": 2, "dimms": (Dimm(GiB, base=G4), Dimm(GiB, base=G4))},
-         "overlaps"),  # fmt: skip
+        (
+            {"maxmem": 8 * GiB, "slots": 2, "dimms": (Dimm(GiB, base=G4), Dimm(GiB, base=G4))},
+            "overlaps",
+        ),
         ({"maxmem": 8 * GiB, "slots": 1, "dimms": (Dimm(GiB, base=100 * GiB),)}, "does not fit"),
     ],
 )

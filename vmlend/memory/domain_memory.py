@@ -58,9 +58,8 @@ _UNITS = {
     "e": 1 << 60,
     "eib": 1 << 60,
 }
-# QEMU size options: a plain number is bytes; binary suffixes (qemu_strtosz).
-_QEMU_SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-                "p": 1 << 50, "e": 1 << 60}  # fmt: skip
+# QEMU size options: a plain number is bytes; binary suffixes as shifts (qemu_strtosz).
+_QEMU_SUFFIX = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
 
 _AMD_MODELS = re.compile(r"^(epyc|opteron|phenom|athlon|dhyana)", re.IGNORECASE)
 _INTEL_MODELS = re.compile(
@@ -92,12 +91,10 @@ def parse_qemu_size(text: str, what: str) -> int:
     if not m:
         raise DomainXMLError(f"{what}: {text!r} is not a QEMU size such as 2G or 3584M")
     number, suffix = m.groups()
-    value = (
-        float(number) * _QEMU_SUFFIX[suffix.lower()]
-        if "." in number
-        else (int(number) * _QEMU_SUFFIX[suffix.lower()])
-    )
-    return int(value)
+    shift = _QEMU_SUFFIX[suffix.lower()]
+    if "." in number:  # QEMU accepts fractions with a suffix ("1.5G")
+        return int(float(number) * (1 << shift))
+    return int(number) << shift
 
 
 def _round_up(value: int, align: int) -> int:
@@ -260,8 +257,7 @@ def memory_config(
     elif dimms:
         raise DomainXMLError("DIMM memory devices need <maxMemory slots=...>")
     if total is not None and cells and total != ram + dimm_total:
-        log.debug("<memory> %d differs from NUMA cells + DIMMs %d; using the cells",
-                  total, ram + dimm_total)  # fmt: skip
+        log.debug("<memory> %d != NUMA cells + DIMMs %d; using the cells", total, ram + dimm_total)
     return MemoryConfig(
         machine=machine,
         ram=ram,
