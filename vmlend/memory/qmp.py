@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -164,17 +165,31 @@ class QemuProcess:
         )
         deadline = time.monotonic() + self.timeout
         try:
-            while not sock.exists():
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise HostError("no QMP socket")
-                time.sleep(0.002)
-            self._qmp = QEMUMonitorProtocol(str(sock))
-            self._qmp.connect()
+            self._qmp = self._connect(sock, deadline)
         except Exception as exc:
             err = self._stop_and_collect()
             raise HostError(f"QEMU did not start ({' '.join(self.args)}): {err or exc}") from None
         finally:
             sock.unlink(missing_ok=True)  # connected (or failed): the path is no longer needed
+
+    def _connect(self, sock: Path, deadline: float) -> QEMUMonitorProtocol:
+        """Connect once QEMU listens; the socket file appears a moment before listen()."""
+        assert self.proc is not None
+        while True:
+            if self.proc.poll() is not None:
+                raise HostError(f"QEMU exited with status {self.proc.returncode}")
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(str(sock))
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+            else:
+                qmp = QEMUMonitorProtocol(conn)
+                qmp.connect()
+                return qmp
+            if time.monotonic() > deadline:
+                raise HostError(f"QEMU did not open its QMP socket within {self.timeout} s")
+            time.sleep(0.002)
 
     def hmp(self, command: str) -> str:
         if self._qmp is None:
