@@ -169,3 +169,11 @@ def test_qemu_start_failure_is_reported(tmp_path: Path) -> None:
 def test_missing_binary(tmp_path: Path) -> None:
     with pytest.raises(HostError, match="not found"):
         QemuProcess(tmp_path, [], binary="qemu-system-nonesuch")
+
+
+@needs_qemu
+def test_socket_path_too_long(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    with pytest.raises(HostError, match="too long"):
+        QemuProcess(deep, ["-machine", "pc"]).start()

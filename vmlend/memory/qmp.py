@@ -26,6 +26,7 @@ from vmlend.memory.layout import CpuVendor, MemoryConfig, merge_ranges
 
 log = logging.getLogger(__name__)
 
+_SUN_PATH_MAX = 108  # sockaddr_un.sun_path on Linux, terminating NUL included
 _LINE = re.compile(
     r"^\s*(?P<start>[0-9a-f]+)-(?P<end>[0-9a-f]+)\s+\(prio\s+(?P<prio>-?\d+),\s*"
     r"(?P<kind>[^)]+)\):\s*(?P<name>.*?)\s*$"
@@ -153,7 +154,11 @@ class QemuProcess:
         self.stop()
 
     def start(self) -> None:
-        sock = self.run_dir / f"qmp-{id(self)}.sock"
+        sock = self.run_dir / f"qmp-{id(self):x}.sock"
+        if len(str(sock)) >= _SUN_PATH_MAX:
+            raise HostError(
+                f"QMP socket path {sock} is too long for a unix socket; use a shorter run_dir"
+            )
         sock.unlink(missing_ok=True)
         # QEMU is the QMP server: if it dies before listening we see it exit instead of
         # waiting for a connection that never comes.
