@@ -142,7 +142,6 @@ class RelayError(VmlendError):
     """The interrupt relay could not set up or deliver a vector."""
 
 
-
 class DmaLimitError(ResourceExhaustedError):
     """Guest RAM lies beyond what a device can address (``need``/``have`` are end addresses)."""
 
