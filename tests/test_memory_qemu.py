@@ -93,6 +93,12 @@ CASES += [
     MemoryConfig("q35", 4 * GiB, maxmem=1000 * GiB, slots=1, cpu_vendor=CpuVendor.INTEL),
     MemoryConfig("pc-q35-7.0", 4 * GiB, maxmem=1000 * GiB, slots=1, cpu_vendor=CpuVendor.AMD),
     MemoryConfig("pc", 8 * GiB, maxmem=1010 * GiB, slots=1, cpu_vendor=CpuVendor.AMD),
+    # the 64-bit PCI hole decides: 32 GiB on q35 reaches the HT range, 2 GiB on pc does not
+    MemoryConfig("q35", 4 * GiB, maxmem=990 * GiB, slots=1, cpu_vendor=CpuVendor.AMD),
+    MemoryConfig("pc", 4 * GiB, maxmem=990 * GiB, slots=1, cpu_vendor=CpuVendor.AMD),
+    MemoryConfig(
+        "q35", 4 * GiB, maxmem=990 * GiB, slots=1, cpu_vendor=CpuVendor.AMD, pci_hole64_size=GiB
+    ),
 ]
 
 
@@ -108,6 +114,8 @@ def _id(cfg: MemoryConfig) -> str:
         parts.append(f"max{cfg.maxmem // GiB}G")
     if cfg.cpu_vendor is not CpuVendor.UNKNOWN:
         parts.append(str(cfg.cpu_vendor))
+    if cfg.pci_hole64_size is not None:
+        parts.append(f"hole64-{cfg.pci_hole64_size // GiB}G")
     return "-".join(parts)
 
 
