@@ -213,3 +213,10 @@ def test_pcihole64() -> None:
 )
 def test_cpu_vendor(cpu: str, host: CpuVendor | None, vendor: CpuVendor) -> None:
     assert memory_config(domain(cpu=cpu), host_vendor=host).cpu_vendor is vendor
+
+
+def test_domain_layout_shortcut() -> None:
+    from vmlend.memory.domain_memory import domain_layout
+
+    xml = domain(cpu="<cpu mode='host-passthrough'/>")
+    assert domain_layout(xml, host_vendor=CpuVendor.INTEL).high == GuestRange(4 * GiB, 6 * GiB)

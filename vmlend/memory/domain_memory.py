@@ -29,7 +29,7 @@ import re
 from lxml import etree
 
 from vmlend.errors import DomainXMLError
-from vmlend.memory.layout import CpuVendor, Dimm, MemoryConfig
+from vmlend.memory.layout import CpuVendor, Dimm, Layout, MemoryConfig, compute_layout
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +269,10 @@ def memory_config(
         cpu_vendor=_cpu_vendor(root, host_vendor),
         pci_hole64_size=_pci_hole64(root),
     )
+
+
+def domain_layout(
+    xml: str | bytes | etree._Element, host_vendor: CpuVendor | None = None
+) -> Layout:
+    """The guest RAM layout of a domain: :func:`memory_config` then :func:`compute_layout`."""
+    return compute_layout(memory_config(xml, host_vendor))

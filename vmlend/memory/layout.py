@@ -38,7 +38,6 @@ Q35_LOWMEM_LARGE = 0x8000_0000
 #: Legacy window below 1 MiB that the flat view does not show as RAM.
 LEGACY_VGA_START = 0xA_0000
 LEGACY_ROM_START = 0xC_0000
-ONE_MIB = MiB
 #: pc-dimm placement alignment QEMU uses for RAM backends on x86-64 Linux hosts (2 MiB, the
 #: transparent-huge-page size; QEMU also refuses DIMM sizes that are not multiples of it).
 DIMM_ALIGN = 2 * MiB
@@ -193,8 +192,8 @@ class Layout:
             parts.append(GuestRange(0, self.below_4g))
         else:
             parts.append(GuestRange(0, low_end))
-            if self.below_4g > ONE_MIB:
-                parts.append(GuestRange(ONE_MIB, self.below_4g))
+            if self.below_4g > MiB:
+                parts.append(GuestRange(MiB, self.below_4g))
         if self.high is not None:
             parts.append(self.high)
         parts.extend(self.dimms)
