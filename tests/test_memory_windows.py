@@ -281,6 +281,23 @@ def test_mapper_without_unmap_is_tolerated() -> None:
 
     ram = [GuestRange(0, GiB)]
     plan = plan_dma_windows(ram, identity_backing(ram, 0), SMALL, range(8))
-    unapply_plan(plan, MapOnly(), MapOnly(), MapOnly())  # nothing to call, no crash
-    m = Mapping(0, 0, 2 * PAGE)
-    assert m.entries == 2
+    stages = (MapOnly(), MapOnly(), MapOnly())
+    apply_plan(plan, *stages)
+    assert all(s.n for s in stages)
+    unapply_plan(plan, *stages)  # nothing to call, no crash
+
+
+def test_mapping_entries() -> None:
+    assert Mapping(0, 0, 2 * GiB, GiB).entries == 2
+
+
+def test_large_segments_share_one_window() -> None:
+    huge = AdapterSpec(node="alpha", index=1, window_size=128 * GiB, segments=8)  # 16 GiB each
+    ram = compute_layout(MemoryConfig("q35", 8 * GiB)).ranges()
+    plan = plan_dma_windows(ram, identity_backing(ram, 0), huge, range(8))
+    assert [w.name for w in plan.windows] == ["low+high"]
+    assert len(plan.segments_used) == 1
+    stages = (FakeMapper(), FakeMapper(), FakeMapper())
+    apply_plan(plan, *stages)
+    assert device_dma(stages, 5 * GiB) == 5 * GiB
+    assert device_dma(stages, 3 * GiB) is None  # the PCI hole stays unmapped

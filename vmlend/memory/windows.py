@@ -60,7 +60,7 @@ class Mapping:
 
 @dataclass(frozen=True)
 class WindowPlan:
-    name: str  # "low" or "high"
+    name: str  # "low", "high", or "low+high" when segments are too large to keep them apart
     ranges: tuple[GuestRange, ...]  # the RAM this window exposes
     span: GuestRange  # borrower IOVA covered by the window's segments (segment aligned)
     segments: tuple[int, ...]  # adapter segment indices, in window order
@@ -271,6 +271,11 @@ def plan_dma_windows(
     for _, g in groups:
         if g[-1].end > FOUR_GIB and g[0].start < FOUR_GIB:
             raise LayoutError(f"RAM range {g[0].start:#x}-{g[-1].end:#x} crosses 4 GiB")
+    if len(groups) == 2 and _align_up(groups[0][1][-1].end, seg) > _align_down(
+        groups[1][1][0].start, seg
+    ):
+        # segments larger than the gap: both windows would share a segment, so use one
+        groups = [("low+high", groups[0][1] + groups[1][1])]
     need = {n: (_align_up(g[-1].end, seg) - _align_down(g[0].start, seg)) // seg for n, g in groups}
     total = sum(need.values())
     if total > adapter.segments:
