@@ -220,3 +220,10 @@ def test_domain_layout_shortcut() -> None:
 
     xml = domain(cpu="<cpu mode='host-passthrough'/>")
     assert domain_layout(xml, host_vendor=CpuVendor.INTEL).high == GuestRange(4 * GiB, 6 * GiB)
+
+
+def test_dimms_larger_than_memory_refused() -> None:
+    devices = "<memory model='dimm'><target><size unit='GiB'>4</size></target></memory>"
+    extra = "<maxMemory slots='2' unit='GiB'>8</maxMemory>"
+    with pytest.raises(DomainXMLError, match="larger than the DIMMs"):
+        memory_config(domain(devices=devices, extra=extra))

@@ -261,7 +261,7 @@ def plan_dma_windows(
     top = ranges[-1].end
     if top > limit:
         raise DmaLimitError(device, dma_bits, top)
-    checks.append(Check("dma-limit", True, f"guest RAM ends at {top:#x} < {limit:#x}"))
+    checks.append(Check("dma-limit", True, f"guest RAM ends at {top:#x}, within {limit:#x}"))
 
     groups = [
         ("low", [r for r in ranges if r.start < FOUR_GIB]),
