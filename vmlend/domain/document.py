@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from lxml import etree
 
+from vmlend.domain.preserve import keep_original_lines
 from vmlend.errors import DomainXMLError
 
 # Libvirt domain XML never needs a DTD or entities; refusing them keeps parsing safe for XML
@@ -61,6 +62,8 @@ class DomainDocument:
     prolog: bytes = b""
     epilog: bytes = b""
     encoding: str = "UTF-8"
+    #: The root element's bytes as parsed, to keep unchanged lines verbatim on output.
+    original: bytes = b""
 
     @classmethod
     def parse(cls, data: bytes | str, *, source: str = "domain XML") -> DomainDocument:
@@ -83,7 +86,8 @@ class DomainDocument:
         prolog = data[: _prolog_length(data)]
         stripped = data.rstrip()
         epilog = data[len(stripped) :]
-        return cls(root=root, prolog=prolog, epilog=epilog, encoding=encoding)
+        original = data[len(prolog) : len(stripped)]
+        return cls(root=root, prolog=prolog, epilog=epilog, encoding=encoding, original=original)
 
     def copy(self) -> DomainDocument:
         """A deep copy, so rewrites can stay pure."""
@@ -92,6 +96,7 @@ class DomainDocument:
             prolog=self.prolog,
             epilog=self.epilog,
             encoding=self.encoding,
+            original=self.original,
         )
 
     def to_bytes(self) -> bytes:
@@ -105,7 +110,7 @@ class DomainDocument:
         )
         if trailer:
             trailer = b"\n" + trailer
-        return self.prolog + body + trailer + self.epilog
+        return self.prolog + keep_original_lines(self.original, body + trailer) + self.epilog
 
     def canonical(self) -> bytes:
         """C14N 2.0 of the root, for structural comparison (not for writing)."""

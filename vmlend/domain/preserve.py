@@ -1,0 +1,48 @@
+"""Keep the user's own spelling of every line a rewrite did not change.
+
+lxml re-serialises a whole document in its style (double-quoted attributes, ``<a/>``), so a
+one-device edit of ``virsh dumpxml`` output (single quotes) would touch every line. Here the
+serialised lines are matched against the original ones, ignoring quote style; matching lines are
+taken verbatim from the original. The result is accepted only if it parses to exactly the same
+tree (comments included) as lxml's own output, otherwise lxml's output is used as is.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from lxml import etree
+
+_QUOTE = bytes.maketrans(b"'", b'"')
+
+
+def _norm(line: bytes) -> bytes:
+    return line.translate(_QUOTE)
+
+
+def _c14n(data: bytes) -> bytes | None:
+    parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False)
+    try:
+        root = etree.fromstring(data, parser)
+    except etree.XMLSyntaxError:
+        return None
+    return etree.tostring(root, method="c14n2", with_comments=True)
+
+
+def keep_original_lines(original: bytes, serialised: bytes) -> bytes:
+    """``serialised`` with every line that is unchanged from ``original`` (up to quote style)
+    replaced by the original line."""
+    if not original or original == serialised:
+        return serialised
+    old = original.split(b"\n")
+    new = serialised.split(b"\n")
+    matcher = difflib.SequenceMatcher(
+        a=[_norm(x) for x in old], b=[_norm(x) for x in new], autojunk=False
+    )
+    out: list[bytes] = []
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        out.extend(old[a0:a1] if tag == "equal" else new[b0:b1])
+    merged = b"\n".join(out)
+    if merged != serialised and _c14n(merged) != _c14n(serialised):
+        return serialised
+    return merged
