@@ -35,7 +35,7 @@ def _parser() -> etree.XMLParser:
 
 def _prolog_length(data: bytes) -> int:
     """Bytes before the root's start tag: whitespace, the declaration, comments, PIs."""
-    i = 0
+    i = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte order mark
     n = len(data)
     while i < n:
         if data[i : i + 1].isspace():
@@ -82,7 +82,11 @@ class DomainDocument:
             raise DomainXMLError(
                 f"{source} has root element <{root.tag}>, expected a libvirt <domain>"
             )
-        encoding = root.getroottree().docinfo.encoding or "UTF-8"
+        docinfo = root.getroottree().docinfo
+        if docinfo.doctype or docinfo.internalDTD is not None:
+            # libvirt never writes one; entities in a DTD could point outside the document.
+            raise DomainXMLError(f"{source} has a DOCTYPE; libvirt domain XML has none")
+        encoding = docinfo.encoding or "UTF-8"
         prolog = data[: _prolog_length(data)]
         stripped = data.rstrip()
         epilog = data[len(stripped) :]
