@@ -7,6 +7,7 @@ document is consistent, is decided in ``rewrite``. Anything not declared here is
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 from lxml import etree
 
@@ -23,7 +24,7 @@ def _int_any_base(text: str) -> int:
     return int(text, 0)
 
 
-def _hex(width: int):  # -> Callable[[int], str]
+def _hex(width: int) -> Callable[[int], str]:
     return lambda value: f"{value:#0{width + 2}x}"
 
 

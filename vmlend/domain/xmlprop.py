@@ -54,6 +54,15 @@ class XMLProperty(Generic[T]):
         self.attr: str | None = steps[-1][1:] if steps[-1].startswith("@") else None
         self.steps = steps[:-1] if self.attr else steps
         self.name = path
+        # Compiled once per namespace map: compiling dominates a plain lookup's cost.
+        self._compiled: dict[tuple[tuple[str, str], ...], etree.XPath] = {}
+
+    def _find(self, obj: XMLNode) -> list[Any]:
+        key = tuple(sorted(obj.NAMESPACES.items()))
+        xpath = self._compiled.get(key)
+        if xpath is None:
+            xpath = self._compiled[key] = etree.XPath(self.path, namespaces=obj.NAMESPACES)
+        return xpath(obj.element)  # type: ignore[no-any-return]
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = f"{owner.__name__}.{name}"
@@ -65,7 +74,7 @@ class XMLProperty(Generic[T]):
     def __get__(self, obj: XMLNode | None, owner: type) -> Any:
         if obj is None:
             return self
-        found = obj.element.xpath(self.path, namespaces=obj.NAMESPACES)
+        found = self._find(obj)
         if not found:
             return None
         raw = found[0] if self.attr else found[0].text
