@@ -274,6 +274,15 @@ def test_bad_metadata(devices, match):
         read_domain(_meta(devices), strict=False)
 
 
+def test_two_vmlend_elements_are_refused():
+    xml = _meta("").replace(
+        b"</metadata>", f"<v xmlns='{NAMESPACE_URI}' />".encode() + b"</metadata>"
+    )
+    xml = xml.replace(b"<v ", b"<vmlend ")
+    with pytest.raises(DomainXMLError, match="2 vmlend elements"):
+        read_domain(xml)
+
+
 def test_a_newer_metadata_version_is_refused_not_ignored():
     xml = _meta("").replace(NAMESPACE_URI.encode(), b"http://vmlend.org/xmlns/domain/2.0")
     with pytest.raises(DomainXMLError, match="upgrade vmlend"):

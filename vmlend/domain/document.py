@@ -17,20 +17,24 @@ from lxml import etree
 from vmlend.domain.preserve import keep_original_lines
 from vmlend.errors import DomainXMLError
 
-# Libvirt domain XML never needs a DTD or entities; refusing them keeps parsing safe for XML
-# that arrives on a hook's stdin.
-_PARSER_OPTIONS = {
-    "resolve_entities": False,
-    "no_network": True,
-    "load_dtd": False,
-    "remove_blank_text": False,
-    "huge_tree": False,
-}
-
 
 def _parser() -> etree.XMLParser:
-    # A new parser per call: lxml parsers are not safe to share between threads.
-    return etree.XMLParser(**_PARSER_OPTIONS)
+    # Libvirt domain XML never needs a DTD or entities; refusing them keeps parsing safe for
+    # XML that arrives on a hook's stdin. A new parser per call: lxml parsers are not safe to
+    # share between threads.
+    return etree.XMLParser(
+        resolve_entities=False,
+        no_network=True,
+        load_dtd=False,
+        remove_blank_text=False,
+        huge_tree=False,
+    )
+
+
+def _serialise(node: etree._Element, encoding: str) -> bytes:
+    data = etree.tostring(node, encoding=encoding, with_tail=False, xml_declaration=False)
+    assert isinstance(data, bytes)  # an explicit encoding always gives bytes
+    return data
 
 
 def _prolog_length(data: bytes) -> int:
@@ -83,7 +87,8 @@ class DomainDocument:
                 f"{source} has root element <{root.tag}>, expected a libvirt <domain>"
             )
         docinfo = root.getroottree().docinfo
-        if docinfo.doctype or docinfo.internalDTD is not None:
+        # (lxml-stubs lack DocInfo.doctype, which lxml has had since 2.0.)
+        if docinfo.doctype or docinfo.internalDTD is not None:  # type: ignore[union-attr]
             # libvirt never writes one; entities in a DTD could point outside the document.
             raise DomainXMLError(f"{source} has a DOCTYPE; libvirt domain XML has none")
         encoding = docinfo.encoding or "UTF-8"
@@ -104,18 +109,9 @@ class DomainDocument:
         )
 
     def to_bytes(self) -> bytes:
-        body = etree.tostring(
-            self.root, encoding=self.encoding, with_tail=False, xml_declaration=False
-        )
+        body = _serialise(self.root, self.encoding)
         # Comments or PIs after the root element are not kept verbatim, but they are kept.
-        trailer = b"".join(
-            etree.tostring(s, encoding=self.encoding, with_tail=False, xml_declaration=False)
-            for s in self.root.itersiblings()
-        )
+        trailer = b"".join(_serialise(s, self.encoding) for s in self.root.itersiblings())
         if trailer:
             trailer = b"\n" + trailer
         return self.prolog + keep_original_lines(self.original, body + trailer) + self.epilog
-
-    def canonical(self) -> bytes:
-        """C14N 2.0 of the root, for structural comparison (not for writing)."""
-        return etree.tostring(self.root, method="c14n2", with_comments=False, strip_text=True)

@@ -21,11 +21,13 @@ def _is_blank(text: str | None) -> bool:
 def _indent_of(el: etree._Element) -> str | None:
     """The whitespace after the last newline before ``el``'s start tag, if it is indented."""
     prev = el.getprevious()
-    before = (
-        prev.tail
-        if prev is not None
-        else (el.getparent().text if el.getparent() is not None else None)
-    )
+    parent = el.getparent()
+    if prev is not None:
+        before = prev.tail
+    elif parent is not None:
+        before = parent.text
+    else:
+        return None
     if before is None or "\n" not in before or not _is_blank(before):
         return None
     return before.rsplit("\n", 1)[1]

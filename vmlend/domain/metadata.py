@@ -139,9 +139,13 @@ def find_metadata(domain: etree._Element) -> VmlendMetadataXML | None:
     meta = domain.find("metadata")
     if meta is None:
         return None
-    el = meta.find(ROOT_TAG)
-    if el is not None:
-        return VmlendMetadataXML(el)
+    found = meta.findall(ROOT_TAG)
+    if len(found) > 1:
+        raise DomainXMLError(
+            f"domain metadata has {len(found)} vmlend elements; libvirt allows one per namespace"
+        )
+    if found:
+        return VmlendMetadataXML(found[0])
     for child in meta:
         if isinstance(child.tag, str) and child.tag.startswith(_NAMESPACE_FAMILY):
             uri = child.tag.split("}")[0][1:]

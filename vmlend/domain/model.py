@@ -6,8 +6,8 @@ document is consistent, is decided in ``rewrite``. Anything not declared here is
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
+from uuid import UUID
 
 from lxml import etree
 
@@ -15,7 +15,7 @@ from vmlend.domain.address import PciAddress
 from vmlend.domain.layout import insert_child
 from vmlend.domain.units import libvirt_bytes
 from vmlend.domain.uuids import parse_uuid
-from vmlend.domain.xmlprop import XMLNode, XMLProperty
+from vmlend.domain.xmlprop import XMLNode, XMLProperty, elements
 from vmlend.errors import ConfigError, DomainXMLError
 
 
@@ -106,7 +106,7 @@ class DomainXML(XMLNode):
         self.current_memory_text = str(size // 1024)
         self.current_memory_unit = "KiB"
 
-    def require_uuid(self) -> uuid.UUID:
+    def require_uuid(self) -> UUID:
         value = self.uuid
         if value is None:
             raise DomainXMLError(
@@ -122,10 +122,8 @@ class DomainXML(XMLNode):
         return el
 
     def mdev_hostdevs(self) -> list[MdevHostdevXML]:
-        return [
-            MdevHostdevXML(el)
-            for el in self.element.xpath("./devices/hostdev[@mode='subsystem'][@type='mdev']")
-        ]
+        path = "./devices/hostdev[@mode='subsystem'][@type='mdev']"
+        return [MdevHostdevXML(el) for el in elements(self.element, path)]
 
     def metadata_element(self) -> etree._Element | None:
         return self.element.find("metadata")

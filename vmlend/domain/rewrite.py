@@ -29,6 +29,7 @@ from vmlend.domain.metadata import (
 from vmlend.domain.model import DomainXML, MdevHostdevXML, PciAddressXML
 from vmlend.domain.templates import TemplateSet
 from vmlend.domain.uuids import mdev_uuid
+from vmlend.domain.xmlprop import elements
 from vmlend.errors import DomainXMLError
 from vmlend.fabric.model import format_fdid
 
@@ -64,10 +65,11 @@ def _ensure_metadata(domain: DomainXML) -> VmlendMetadataXML:
 
 def _used_guest_addresses(domain: DomainXML) -> dict[PciAddress, str]:
     out: dict[PciAddress, str] = {}
-    for el in domain.element.xpath("./devices/*/address[@type='pci']"):
+    for el in elements(domain.element, "./devices/*/address[@type='pci']"):
         addr = PciAddressXML(el).get()
-        if addr is not None:
-            out[addr] = el.getparent().tag
+        parent = el.getparent()
+        if addr is not None and parent is not None:
+            out[addr] = str(parent.tag)
     return out
 
 
@@ -179,7 +181,8 @@ def drop_host_local_state(doc: DomainDocument) -> DomainDocument:
     ``id`` of the running instance. Guest PCI addresses, aliases and everything else stay (see
     docs/domain-xml.md for why)."""
     out = doc.copy()
-    out.root.attrib.pop("id", None)
+    if "id" in out.root.attrib:
+        del out.root.attrib["id"]
     return out
 
 

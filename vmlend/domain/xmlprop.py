@@ -30,6 +30,14 @@ def _qualify(step: str, namespaces: dict[str, str]) -> str:
     return step
 
 
+def elements(
+    el: etree._Element, path: str, namespaces: dict[str, str] | None = None
+) -> list[etree._Element]:
+    """The elements an XPath selects (lxml's ``xpath`` may also return strings or numbers)."""
+    result = el.xpath(path, namespaces=namespaces or {})
+    return [r for r in result if isinstance(r, etree._Element)] if isinstance(result, list) else []
+
+
 class XMLProperty(Generic[T]):
     """One value at ``path`` relative to the node's element.
 
@@ -38,12 +46,18 @@ class XMLProperty(Generic[T]):
     element for a text path.
     """
 
+    @overload
+    def __init__(self: XMLProperty[str], path: str) -> None: ...
+    @overload
+    def __init__(
+        self, path: str, *, parse: Callable[[str], T], format: Callable[[T], str] = str
+    ) -> None: ...
     def __init__(
         self,
         path: str,
         *,
-        parse: Callable[[str], T] = str,  # type: ignore[assignment]
-        format: Callable[[T], str] = str,
+        parse: Callable[[str], Any] = str,
+        format: Callable[[Any], str] = str,
     ) -> None:
         if not path.startswith("./"):
             raise ValueError(f"XMLProperty path must start with './': {path!r}")
@@ -62,7 +76,8 @@ class XMLProperty(Generic[T]):
         xpath = self._compiled.get(key)
         if xpath is None:
             xpath = self._compiled[key] = etree.XPath(self.path, namespaces=obj.NAMESPACES)
-        return xpath(obj.element)  # type: ignore[no-any-return]
+        result = xpath(obj.element)
+        return list(result) if isinstance(result, list) else []
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = f"{owner.__name__}.{name}"
@@ -104,14 +119,17 @@ class XMLProperty(Generic[T]):
             el.text = text
 
     def _remove(self, obj: XMLNode) -> None:
-        found = obj.element.xpath(self.path.rsplit("/@", 1)[0], namespaces=obj.NAMESPACES)
+        found = elements(obj.element, self.path.rsplit("/@", 1)[0], obj.NAMESPACES)
         if not found:
             return
         target = found[0]
+        parent = target.getparent()
         if self.attr:
-            target.attrib.pop(_qualify(self.attr, obj.NAMESPACES), None)
-        elif target is not obj.element and target.getparent() is not None:
-            target.getparent().remove(target)
+            key = _qualify(self.attr, obj.NAMESPACES)
+            if key in target.attrib:
+                del target.attrib[key]
+        elif target is not obj.element and parent is not None:
+            parent.remove(target)
 
 
 class XMLNode:
