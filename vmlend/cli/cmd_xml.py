@@ -169,7 +169,7 @@ def new_cmd(
         disk=PurePath(disk) if disk else None,
         devices=devices,
     )
-    validator = None if no_fabric_check else fabric_validator(obj)
+    validator = None if no_fabric_check or not devices else fabric_validator(obj)
     doc = new_domain(spec, templates=TemplateSet(), validate_fdid=validator)
     data = doc.to_bytes()
     if output:

@@ -139,13 +139,3 @@ class XMLNode:
 
     def __init__(self, element: etree._Element) -> None:
         self.element = element
-
-    @classmethod
-    def properties(cls) -> dict[str, XMLProperty[Any]]:
-        """Every declared property by attribute name (tests exercise each one)."""
-        out: dict[str, XMLProperty[Any]] = {}
-        for klass in reversed(cls.__mro__):
-            for name, value in vars(klass).items():
-                if isinstance(value, XMLProperty):
-                    out[name] = value
-        return out
