@@ -15,12 +15,14 @@ from vmlend.domain import (
     PciAddress,
     TemplateSet,
     add_device,
+    mdev_uuid,
     new_domain,
     remove_device,
 )
 from vmlend.domain.preserve import keep_original_lines
 
 T = TemplateSet()
+U = uuid.UUID("c7a5fdbd-edaf-9455-926a-d65c16db1809")
 INPUTS = sorted(DATA.glob("*-in.xml"))
 # Inputs a rewrite accepts (migrate-rederive-in.xml is deliberately inconsistent).
 CONSISTENT = [p for p in INPUTS if p.name != "migrate-rederive-in.xml"]
@@ -87,3 +89,19 @@ def test_line_keeping_takes_unchanged_lines_from_the_original():
     assert keep_original_lines(original, serialised) == (
         b"<d>\n  <a x='1'/>\n  <b y='2'></b>\n  <c/>\n</d>"
     )
+
+
+def test_new_lines_follow_the_documents_quote_style():
+    src = (DATA / "add-virsh-in.xml").read_bytes()  # libvirt style: single quotes
+    out = add_device(DomainDocument.parse(src), 0x12, templates=T).to_bytes()
+    added = [line for line in out.splitlines() if line not in src.splitlines()]
+    assert added and all(b'="' not in line for line in added), added
+    src = (DATA / "add-second-in.xml").read_bytes()  # double quotes
+    out = add_device(DomainDocument.parse(src), 0x12, templates=T).to_bytes()
+    assert b'uuid="' + str(mdev_uuid(U, 0x12)).encode() + b'"' in out
+
+
+def test_restyling_that_would_change_text_falls_back_to_lxml():
+    original = b"<d>\n  <a x='1'/>\n</d>"
+    serialised = b'<d>\n  <a x="1"/>\n  <e> k="v"</e>\n</d>'
+    assert keep_original_lines(original, serialised) == serialised
