@@ -46,7 +46,7 @@ def handle(
     action = call.action
     if action is Action.IGNORE:
         return 0
-    dom = read_hook_domain(xml)
+    dom = read_hook_domain(xml, strict=action is not Action.RELEASE)
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
     actions = actions or ActionLog(log_path_for_state(state_path))

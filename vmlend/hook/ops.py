@@ -11,28 +11,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vmlend.domain import DomainInfo
 from vmlend.errors import HookError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hook.actionlog import ActionLog
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HookDevice:
-    fdid: int
-    mdev_uuid: str
-
-
-@dataclass(frozen=True)
-class HookDomain:
-    """What the hook needs from the domain XML."""
-
-    name: str
-    uuid: str
-    memory: int  # bytes of guest RAM: sizes the DMA windows at admission
-    devices: tuple[HookDevice, ...]
 
 
 @dataclass
@@ -59,10 +44,10 @@ class HookOps:
         self.fabric = fabric
         self.actions = actions
 
-    def holder(self, dom: HookDomain) -> Holder:
-        return Holder(node=self.fabric.local_node, vm=dom.name, vm_uuid=dom.uuid)
+    def holder(self, dom: DomainInfo) -> Holder:
+        return Holder(node=self.fabric.local_node, vm=dom.name, vm_uuid=str(dom.uuid or ""))
 
-    def prepare(self, dom: HookDomain) -> None:
+    def prepare(self, dom: DomainInfo) -> None:
         """Reserve every device and create its mdev, or change nothing."""
         holder = self.holder(dom)
 
@@ -75,24 +60,24 @@ class HookOps:
             fd = format_fdid(dev.fdid)
             try:
                 before = self.fabric.device(dev.fdid).holder
-                self.fabric.reserve(dev.fdid, holder, guest_ram=dom.memory)
+                self.fabric.reserve(dev.fdid, holder, guest_ram=dom.memory_bytes or 0)
                 if before != holder:
                     journal.push(f"reserve {fd}", lambda d=dev: self.fabric.release(d.fdid, holder))
                 record(f"reserve {fd}: ok")
                 parent = self.fabric.ensure_mdev_parent(dev.fdid)
-                self.fabric.create_mdev(dev.fdid, dev.mdev_uuid, holder)
-                if dev.mdev_uuid not in existing:
+                self.fabric.create_mdev(dev.fdid, str(dev.mdev), holder)
+                if str(dev.mdev) not in existing:
                     journal.push(
-                        f"mdev {dev.mdev_uuid}", lambda d=dev: self.fabric.remove_mdev(d.mdev_uuid)
+                        f"mdev {dev.mdev}", lambda d=dev: self.fabric.remove_mdev(str(d.mdev))
                     )
-                record(f"mdev {dev.mdev_uuid} for {fd} under {parent}: ok")
+                record(f"mdev {dev.mdev} for {fd} under {parent}: ok")
             except VmlendError as e:
                 record(f"device {fd}: FAILED: {e}")
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
         record(f"{len(dom.devices)} device(s) ready")
 
-    def release(self, dom: HookDomain) -> None:
+    def release(self, dom: DomainInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
         crashed earlier run or a stale XML left behind (matched by VM UUID on this node)."""
         holder = self.holder(dom)
@@ -101,7 +86,7 @@ class HookOps:
         def record(msg: str) -> None:
             self.actions.record(dom.name, "release", msg)
 
-        ours = {d.mdev_uuid for d in dom.devices}
+        ours = {str(d.mdev) for d in dom.devices}
         for m in self.fabric.mdevs():
             if m.uuid in ours or (m.vm == dom.name and m.node in ("", holder.node)):
                 try:
@@ -112,7 +97,7 @@ class HookOps:
         fdids = {d.fdid for d in dom.devices}
         for st in self.fabric.devices():
             h = st.holder
-            if h and h.node == holder.node and (h.vm_uuid == dom.uuid or h.vm == dom.name):
+            if h and h.node == holder.node and (h.vm_uuid == holder.vm_uuid or h.vm == dom.name):
                 fdids.add(st.fdid)
         for fdid in sorted(fdids):
             try:
@@ -125,7 +110,7 @@ class HookOps:
         if failures:
             raise HookError(f"release of VM {dom.name!r} incomplete: " + "; ".join(failures))
 
-    def reconnect(self, dom: HookDomain) -> list[str]:
+    def reconnect(self, dom: DomainInfo) -> list[str]:
         """libvirtd restarted while the VM runs: make the state match the running VM.
 
         Returns the problems found. They are logged, not fatal: a failing reconnect hook makes
@@ -139,12 +124,12 @@ class HookOps:
             try:
                 st = self.fabric.device(dev.fdid)
                 if st.holder != holder:
-                    self.fabric.reserve(dev.fdid, holder, guest_ram=dom.memory)
+                    self.fabric.reserve(dev.fdid, holder, guest_ram=dom.memory_bytes or 0)
                     self.actions.record(dom.name, "reconnect", f"re-reserved {fd}")
-                if dev.mdev_uuid not in have:
+                if str(dev.mdev) not in have:
                     self.fabric.ensure_mdev_parent(dev.fdid)
-                    self.fabric.create_mdev(dev.fdid, dev.mdev_uuid, holder)
-                    self.actions.record(dom.name, "reconnect", f"re-created mdev {dev.mdev_uuid}")
+                    self.fabric.create_mdev(dev.fdid, str(dev.mdev), holder)
+                    self.actions.record(dom.name, "reconnect", f"re-created mdev {dev.mdev}")
             except VmlendError as e:
                 problems.append(f"device {fd}: {e}")
                 self.actions.record(dom.name, "reconnect", f"device {fd}: PROBLEM: {e}")
