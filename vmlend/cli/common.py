@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from vmlend.errors import ConfigError, VmlendError
+from vmlend.fabric.base import Fabric
 
 log = logging.getLogger("vmlend")
 
@@ -43,6 +44,12 @@ class CliContext:
         )
         path = Path(state_path) if state_path else default_state_path()
         return cls(state_path=path, node=node, verbose=verbose)
+
+    def fabric(self) -> Fabric:
+        """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
+        from vmlend.fabric.open import open_fabric  # imported late: keeps --help fast
+
+        return open_fabric(self.state_path, self.node)
 
 
 class VmlendGroup(click.Group):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.model import (
     Check,
     DeviceStatus,
@@ -43,6 +44,10 @@ class Fabric(Protocol):
 
     def device(self, fdid: int) -> DeviceStatus:
         """Raises ``UnknownDeviceError``."""
+        ...
+
+    def usage(self) -> dict[str, AdapterUsage]:
+        """Per adapter ref ("node:index"): LUT entries and NTB window segments in use."""
         ...
 
     # --- lender side ---------------------------------------------------------------------
