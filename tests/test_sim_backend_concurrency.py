@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
+
 from vmlend.errors import DeviceHeldError
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import open_fabric
@@ -46,36 +48,45 @@ def _race(path, name, order, barrier, results):
     fabric.close()
 
 
-def test_exactly_one_of_two_processes_wins_each_device(tmp_path):
+@pytest.mark.parametrize(
+    ("racers", "fdids"),
+    [(2, FDIDS), (4, [0x10])],
+    ids=["two-racers-all-devices", "four-racers-one-device"],
+)
+def test_exactly_one_process_wins_each_device(tmp_path, racers, fdids):
     path = tmp_path / "state.db"
     make_fabric(path).close()
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(2, timeout=30)
+    barrier = ctx.Barrier(racers, timeout=30)
     results = ctx.Queue()
+    names = [f"vm{i}" for i in range(racers)]
     procs = [
-        ctx.Process(target=_racer, args=(path, "vmA", FDIDS, barrier, results)),
-        ctx.Process(target=_racer, args=(path, "vmB", FDIDS[::-1], barrier, results)),
+        # Alternate directions so racers meet in the middle of the list.
+        ctx.Process(target=_racer, args=(path, n, fdids[:: 1 - 2 * (i % 2)], barrier, results))
+        for i, n in enumerate(names)
     ]
     for p in procs:
         p.start()
     got = []
-    for _ in range(2 * ROUNDS):
+    for _ in range(racers * ROUNDS):
         got.append(results.get(timeout=30))
         assert got[-1][0] != "error", f"racer {got[-1][1]} failed: {got[-1][2]}"
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    contested = 0
     for rnd in range(ROUNDS):
-        a = next(r for r in got if r[0] == rnd and r[1] == "vmA")
-        b = next(r for r in got if r[0] == rnd and r[1] == "vmB")
-        assert not set(a[2]) & set(b[2]), f"round {rnd}: both won {set(a[2]) & set(b[2])}"
-        assert sorted(a[2] + b[2]) == sorted(FDIDS), f"round {rnd}: a device nobody won"
-        # Every loss names the winner.
-        assert all((node, vm) == ("gamma", "vmB") for _, node, vm in a[3])
-        assert all((node, vm) == ("gamma", "vmA") for _, node, vm in b[3])
-        contested += bool(a[2] and b[2])
-    assert contested, "the racers never overlapped: the test proved nothing"
+        this = [r for r in got if r[0] == rnd]
+        winner = {}
+        for _, name, won, _lost in this:
+            for fdid in won:
+                assert fdid not in winner, (
+                    f"round {rnd}: {fdid:#x} won by {winner[fdid]} and {name}"
+                )
+                winner[fdid] = name
+        assert sorted(winner) == sorted(fdids), f"round {rnd}: a device nobody won"
+        for _, name, _won, lost in this:
+            for fdid, node, vm in lost:  # every loss names the winner
+                assert (node, vm) == ("gamma", winner[fdid]) and vm != name
     with open_fabric(path) as f:
         assert all(st.holder is None for st in f.devices())
         assert all(u.lut_used == 0 and u.segments_used == 0 for u in f.usage().values())
