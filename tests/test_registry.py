@@ -175,3 +175,10 @@ def test_failed_write_changes_nothing(made):
 def test_read_transaction_cannot_write(made):
     with Registry.open(made) as reg, reg.read() as tx, pytest.raises(RuntimeError):
         tx.set_meta("x", "1")
+
+
+def test_create_in_an_unwritable_place_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StateError, match=r"cannot create the vmlend state .*--state"):
+        Registry.create(blocker / "sub" / "state.db", _fill)

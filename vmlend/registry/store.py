@@ -95,9 +95,9 @@ class Registry:
         see either no file or a complete one, and an existing file is never replaced.
         """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             conn = _connect(tmp, busy_timeout, create=True)
             try:
                 conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
@@ -113,9 +113,16 @@ class Registry:
             log.debug("created state %s", path)
         except sqlite3.Error as e:
             raise StateError(f"cannot create the vmlend state {path}: {e}") from None
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise StateError(
+                f"cannot create the vmlend state {path}: {e.strerror};"
+                " choose a writable place with --state / VMLEND_STATE"
+            ) from None
         finally:
             for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.unlink(f"{tmp}{suffix}")
         return cls.open(path, busy_timeout=busy_timeout)
 
