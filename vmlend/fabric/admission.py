@@ -76,6 +76,15 @@ def device_share(fdid: int) -> str:
     return f"dev:{fdid:#x}"
 
 
+def lender_problem(rec: DeviceRecord | None, node: NodeRecord | None) -> str | None:
+    """Why the device's lender cannot serve it now (for ``LenderUnavailableError``), or None."""
+    if node is not None and not node.up:
+        return f"is down ({node.why})" if node.why else "is down"
+    if rec is not None and not rec.available:
+        return "no longer offers it"
+    return None
+
+
 @dataclass(frozen=True)
 class StateView:
     """The parts of the shared state that admission reads (one consistent snapshot)."""
@@ -174,12 +183,9 @@ def admit(
     adm.add("exists", f"{spec.kind} {spec.bdf} on {spec.lender}", lender=spec.lender)
 
     rec = view.devices.get(fdid)
-    node = view.nodes.get(spec.lender)
-    if node is not None and not node.up:
-        why = f"is down ({node.why})" if node.why else "is down"
-        adm.add("lender", "", LenderUnavailableError(fdid, spec.lender, why))
-    elif rec is not None and not rec.available:
-        adm.add("lender", "", LenderUnavailableError(fdid, spec.lender, "no longer offers it"))
+    problem = lender_problem(rec, view.nodes.get(spec.lender))
+    if problem:
+        adm.add("lender", "", LenderUnavailableError(fdid, spec.lender, problem))
     else:
         adm.add("lender", f"{spec.lender} is up")
     if rec is None or not rec.lent:

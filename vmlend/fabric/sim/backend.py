@@ -21,7 +21,7 @@ from vmlend.errors import (
     LenderUnavailableError,
     MdevError,
 )
-from vmlend.fabric.admission import AdapterUsage, StateView, admit
+from vmlend.fabric.admission import AdapterUsage, StateView, admit, lender_problem
 from vmlend.fabric.admission import usage as adapter_usage
 from vmlend.fabric.model import (
     Check,
@@ -62,7 +62,7 @@ def device_state(
     rec: DeviceRecord | None, node: NodeRecord | None, hold: HoldRecord | None
 ) -> DeviceState:
     """A device's state from its rows: a vanished lender wins over everything else."""
-    if (node is not None and not node.up) or (rec is not None and not rec.available):
+    if lender_problem(rec, node):
         return DeviceState.UNAVAILABLE
     if hold is not None:
         return DeviceState.BORROWED if hold.phase is Phase.BORROWED else DeviceState.RESERVED
@@ -116,6 +116,12 @@ class SimFabric:
             self._digest = rec.digest
         return self._topo
 
+    @staticmethod
+    def _lender_ok(tx: StateTxn, spec: DeviceSpec) -> None:
+        problem = lender_problem(tx.device(spec.fdid), tx.nodes().get(spec.lender))
+        if problem:
+            raise LenderUnavailableError(spec.fdid, spec.lender, problem)
+
     def _status(self, tx: StateTxn, spec: DeviceSpec) -> DeviceStatus:
         hold = tx.hold(spec.fdid)
         state = device_state(tx.device(spec.fdid), tx.nodes().get(spec.lender), hold)
@@ -161,9 +167,7 @@ class SimFabric:
     def lend(self, fdid: int) -> DeviceStatus:
         with self._reg.write() as tx:
             spec = self._topology(tx).device(fdid)
-            node = tx.nodes().get(spec.lender)
-            if node is not None and not node.up:
-                raise LenderUnavailableError(fdid, spec.lender, "is down; it cannot lend")
+            self._lender_ok(tx, spec)
             tx.set_lent(fdid, True)
             return self._status(tx, spec)
 
@@ -244,10 +248,7 @@ class SimFabric:
         with self._reg.write() as tx:
             spec = self._topology(tx).device(fdid)
             self._own_hold(tx, fdid, holder)
-            node = tx.nodes().get(spec.lender)
-            rec = tx.device(fdid)
-            if (node is not None and not node.up) or (rec is not None and not rec.available):
-                raise LenderUnavailableError(fdid, spec.lender)
+            self._lender_ok(tx, spec)
             tx.set_phase(fdid, Phase.BORROWED)
             return self._status(tx, spec)
 
@@ -266,10 +267,8 @@ class SimFabric:
         with self._reg.write() as tx:
             topo = self._topology(tx)
             spec = topo.device(fdid)
+            self._lender_ok(tx, spec)
             rec = tx.device(fdid)
-            node = tx.nodes().get(spec.lender)
-            if (node is not None and not node.up) or (rec is not None and not rec.available):
-                raise LenderUnavailableError(fdid, spec.lender)
             if rec is None or not rec.lent:
                 raise DeviceNotLentError(fdid, spec.lender)
             route(topo, spec.lender, self.local_node)  # the driver offers only reachable devices
