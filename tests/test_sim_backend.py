@@ -341,3 +341,31 @@ def test_another_process_replacing_the_topology_is_seen(fab, tmp_path):
     init_fabric(tmp_path / "state.db", small_topology(), "new.toml", node="b", replace=True)
     assert [n.name for n in fab.nodes()] == ["l", "b"]
     assert {st.fdid for st in fab.devices()} == {0x100, 0x101, 0x102}
+
+
+def test_local_node_choice():
+    from vmlend.fabric.open import choose_local_node, default_topology_text
+    from vmlend.fabric.topology import parse_topology
+
+    topo = parse_topology(default_topology_text()[0])
+    assert choose_local_node(topo, "beta.fabric.local") == "beta"
+    assert choose_local_node(topo, "alpha") == "alpha"  # short hostname
+    assert choose_local_node(topo, "elsewhere") == "gamma"  # the first that lends nothing
+    assert choose_local_node(parse_topology(small_topology()), "elsewhere") == "b"
+    everyone_lends = parse_topology(
+        'name = "x"\n[[node]]\nname = "p"\nid = 1\n  [[node.device]]\n  fdid = 1\n'
+        '  bdf = "0000:01:00.0"\n  kind = "nic"\n  vendor = 1\n  device = 1\n  class = 1\n'
+    )
+    assert choose_local_node(everyone_lends, "elsewhere") == "p"
+
+
+def test_init_same_meaning_is_unchanged(tmp_path):
+    from vmlend.fabric.open import init_fabric
+
+    text = small_topology()
+    path = tmp_path / "s.db"
+    assert init_fabric(path, text, "a.toml", node="b").action == "created"
+    reformatted = "# the same cluster, commented\n" + text.replace("  ", "    ")
+    assert init_fabric(path, reformatted, "copy.toml").action == "unchanged"
+    with pytest.raises(ConfigError, match="--replace"):
+        init_fabric(path, small_topology(devices=2), "a.toml")
