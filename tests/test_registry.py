@@ -182,3 +182,21 @@ def test_create_in_an_unwritable_place_is_a_clear_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(StateError, match=r"cannot create the vmlend state .*--state"):
         Registry.create(blocker / "sub" / "state.db", _fill)
+
+
+def test_a_state_missing_a_table_is_refused(made):
+    conn = sqlite3.connect(made)
+    conn.execute("DROP TABLE mdevs")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError, match=r"lacks vmlend tables \(mdevs\)"):
+        Registry.open(made)
+
+
+def test_a_state_with_unknown_tables_is_refused(made):
+    conn = sqlite3.connect(made)
+    conn.execute("CREATE TABLE intruder (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError, match="carries vmlend's mark but not its tables"):
+        Registry.open(made)

@@ -76,6 +76,7 @@ class Registry:
             _vet_database(conn, path)
             reg = cls(conn, path, busy_timeout)
             reg._migrate()
+            _vet_tables(conn, path)
         except BaseException:
             conn.close()
             raise
@@ -262,3 +263,11 @@ def _vet_database(conn: sqlite3.Connection, path: Path) -> None:
     if "meta" not in tables or not tables <= TABLES:
         raise _refuse(path, "carries vmlend's mark but not its tables (corrupt or tampered with)")
     log.debug("state %s vetted (tables %s)", path, ", ".join(sorted(tables)))
+
+
+def _vet_tables(conn: sqlite3.Connection, path: Path) -> None:
+    """After migration every table of the current schema must be there."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    missing = sorted(TABLES - tables)
+    if missing:
+        raise _refuse(path, f"lacks vmlend tables ({', '.join(missing)}): it is damaged")
