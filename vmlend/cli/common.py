@@ -15,6 +15,7 @@ import click
 
 from vmlend.errors import ConfigError, VmlendError
 from vmlend.fabric.base import Fabric
+from vmlend.fabric.open import open_fabric
 
 log = logging.getLogger("vmlend")
 
@@ -47,8 +48,6 @@ class CliContext:
 
     def fabric(self) -> Fabric:
         """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
-        from vmlend.fabric.open import open_fabric  # imported late: keeps --help fast
-
         return open_fabric(self.state_path, self.node)
 
 
