@@ -23,6 +23,7 @@ def make_fabric(path: Path, text: str | None = None, node: str | None = "gamma")
 def small_topology(
     *,
     lut_entries: int = 32,
+    borrower_lut_entries: int = 32,
     lender_window: str = "128GiB",
     lender_segments: int = 32,
     borrower_window: str = "128GiB",
@@ -75,6 +76,7 @@ id = 2
   index = 0
   window = "{borrower_window}"
   segments = {borrower_segments}
+  lut_entries = {borrower_lut_entries}
 {extra}
 [[link]]
 ends = ["l:0", "b:0"]

@@ -127,7 +127,7 @@ def test_show(run, inited):
         f.reserve(0x10, Holder("gamma", "vm1"), guest_ram=16 * (1 << 30))
     out = run("fabric", "show").output
     assert "alpha:0  PXH830  1/30             16G/128G" in out
-    assert "gamma:0  PXH830  0/30             40G/128G" in out
+    assert "gamma:0  PXH830  1/30             40G/128G" in out
 
 
 def test_show_json(run, inited):

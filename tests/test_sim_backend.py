@@ -161,8 +161,8 @@ def test_reserve_claims_lut_dma_and_bar_room(fab):
     fab.reserve(0x10, VM1, guest_ram=64 * GiB)
     # alpha:0: 1 LUT entry, 64 GiB of DMA windows = 16 segments of 4 GiB.
     assert _used(fab, "alpha:0") == (1, 16)
-    # gamma:0: the GPU's BARs 16M + 32G + 32M, each in whole 4 GiB segments = 1 + 8 + 1.
-    assert _used(fab, "gamma:0") == (0, 10)
+    # gamma:0: 1 LUT entry; the GPU's BARs 16M + 32G + 32M, each in whole 4 GiB segments.
+    assert _used(fab, "gamma:0") == (1, 1 + 8 + 1)
     assert fab.usage()["gamma:0"].window_used == 40 * GiB
 
 
@@ -251,6 +251,17 @@ def test_lut_exhaustion(tmp_path):
     assert f.device(0x102).state is DeviceState.AVAILABLE
     f.release(0x100, Holder("b", "vm1"))
     assert f.reserve(0x102, Holder("b", "vm3")).state is DeviceState.RESERVED
+    f.close()
+
+
+def test_lut_exhaustion_on_the_borrower_side(tmp_path):
+    f = make_fabric(tmp_path / "s.db", small_topology(borrower_lut_entries=3), node="b")
+    f.reserve(0x100, Holder("b", "vm1"))  # 3 entries, 2 reserved for the CPU: 1 usable
+    checks = {c.name: c for c in f.admission(0x101, "b")}
+    assert not checks["lut"].ok
+    assert checks["lut"].detail.startswith("requester LUT on b:0 is short by 1")
+    with pytest.raises(ResourceExhaustedError, match="requester LUT on b:0"):
+        f.reserve(0x101, Holder("b", "vm2"))
     f.close()
 
 

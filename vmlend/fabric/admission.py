@@ -5,7 +5,9 @@ backend that keeps its claims in the registry uses it, inside the registry's wri
 so the decision and the claims it makes are atomic across processes.
 
 What a remote reservation uses (DESIGN.md, limits):
-- one requester LUT entry on the lender's adapter, for the device's requester id;
+- one requester LUT entry on each adapter of the crossing (the device's requester id on the
+  lender's, its identity on the borrower's): 30 usable entries allow 30 devices lent and 30
+  borrowed per node;
 - room in the lender's NTB window for the VM's DMA windows (its guest RAM, whole segments),
   counted once per (lender adapter, VM) however many devices the VM borrows from that lender;
 - room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments.
@@ -236,19 +238,21 @@ def _resource_checks(
     lu, bu = use[lender_a.ref], use[borrower_a.ref]
     fd = f"{spec.fdid:#x}"
 
-    # Requester LUT: one entry on the lender's adapter for the device.
-    if lu.lut_free < 1:
-        err = ResourceExhaustedError("requester LUT", lender_a.ref, 1, lu.lut_free, "entries")
-        adm.add("lut", "", err, used=lu.lut_used, usable=lender_a.lut_usable)
-    else:
-        adm.add(
-            "lut",
-            f"LUT {lender_a.ref}: 1 entry for {fd}; {lu.lut_free} of {lender_a.lut_usable}"
-            " usable free",
-            used=lu.lut_used,
-            usable=lender_a.lut_usable,
-        )
-    adm.claims.append(Claim(lender_a.ref, ClaimKind.LUT, device_share(spec.fdid), entries=1))
+    # Requester LUT: one entry on each adapter of the crossing, for the device's requester id
+    # on the lender's side and its identity on the borrower's side.
+    lut_error: VmlendError | None = None
+    for a, u in ((lender_a, lu), (borrower_a, bu)):
+        if u.lut_free < 1 and lut_error is None:
+            lut_error = ResourceExhaustedError("requester LUT", a.ref, 1, u.lut_free, "entries")
+        adm.claims.append(Claim(a.ref, ClaimKind.LUT, device_share(spec.fdid), entries=1))
+    adm.add(
+        "lut",
+        f"1 entry for {fd} on each of {lender_a.ref} ({lu.lut_free} of {lender_a.lut_usable}"
+        f" usable free) and {borrower_a.ref} ({bu.lut_free} of {borrower_a.lut_usable} free)",
+        lut_error,
+        lender_free=lu.lut_free,
+        borrower_free=bu.lut_free,
+    )
 
     # DMA windows: the VM's RAM in the lender's window, once per (lender adapter, VM).
     seg_l = lender_a.segment_size
