@@ -380,3 +380,43 @@ def test_init_same_meaning_is_unchanged(tmp_path):
     assert init_fabric(path, reformatted, "copy.toml").action == "unchanged"
     with pytest.raises(ConfigError, match="--replace"):
         init_fabric(path, small_topology(devices=2), "a.toml")
+
+
+class FakeHardware:
+    """Records the hardware half of borrowing; refuses when told to."""
+
+    def __init__(self):
+        self.borrowed: dict[int, tuple[str, str]] = {}
+        self.refuse: Exception | None = None
+
+    def borrow(self, fdid, node, vm):
+        if self.refuse:
+            raise self.refuse
+        self.borrowed[fdid] = (node, vm)
+
+    def give_back(self, fdid, node=None, vm=None):
+        return self.borrowed.pop(fdid, None) is not None
+
+
+def test_borrow_drives_the_hardware(tmp_path):
+    from vmlend.fabric.sim.backend import SimFabric
+    from vmlend.registry import Registry
+
+    make_fabric(tmp_path / "s.db").close()
+    hw = FakeHardware()
+    f = SimFabric(Registry.open(tmp_path / "s.db"), hardware=hw)
+    f.reserve(0x10, VM1)
+    assert hw.borrowed == {}  # reserving alone touches no hardware (deferred borrow)
+    hw.refuse = ResourceExhaustedError("requester LUT", "alpha:0", 1, 0, "entries")
+    with pytest.raises(ResourceExhaustedError):
+        f.borrow(0x10, VM1)
+    assert f.device(0x10).state is DeviceState.RESERVED  # the refusal changed nothing
+    hw.refuse = None
+    f.borrow(0x10, VM1)
+    assert hw.borrowed == {0x10: ("gamma", "vm1")}
+    f.give_back(0x10, VM1)
+    assert hw.borrowed == {}
+    f.borrow(0x10, VM1)
+    assert f.release(0x10, VM1) is True
+    assert hw.borrowed == {}  # release returns the hardware too
+    f.close()

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid as uuidlib
 from collections.abc import Callable
+from typing import Protocol
 
 from vmlend.errors import (
     ConfigError,
@@ -78,17 +79,32 @@ def _uuid(text: str) -> str:
         raise ConfigError(f"bad mdev UUID {text!r}: expected e.g. {uuidlib.UUID(int=0)}") from None
 
 
+class BorrowHardware(Protocol):
+    """The hardware half of the deferred borrow (the simulator's ``SimHardware``)."""
+
+    def borrow(self, fdid: int, node: str, vm: str) -> object: ...
+
+    def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool: ...
+
+
 class SimFabric:
-    """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node."""
+    """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node.
+
+    With ``hardware``, ``borrow``/``give_back``/``release`` also drive the simulated hardware
+    (LUT entries, IOMMU attachment) of this process, inside the registry transaction, so a
+    hardware refusal leaves the state unchanged.
+    """
 
     def __init__(
         self,
         registry: Registry,
         local_node: str | None = None,
         clock: Callable[[], float] = time.time,
+        hardware: BorrowHardware | None = None,
     ) -> None:
         self._reg = registry
         self._clock = clock
+        self._hw = hardware
         self._topo: Topology | None = None
         self._digest: str | None = None
         with registry.read() as tx:
@@ -232,6 +248,8 @@ class SimFabric:
             hold = tx.hold(fdid)
             if hold is None or not same_holder(hold.holder, holder):
                 return False
+            if self._hw is not None and hold.phase is Phase.BORROWED:
+                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
             tx.delete_hold(fdid)
         log.info("released %#x from %s", fdid, holder)
         return True
@@ -247,8 +265,12 @@ class SimFabric:
     def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
         with self._reg.write() as tx:
             spec = self._topology(tx).device(fdid)
-            self._own_hold(tx, fdid, holder)
+            hold = self._own_hold(tx, fdid, holder)
             self._lender_ok(tx, spec)
+            if self._hw is not None:
+                # Every call, not only the first: another process may have recorded the
+                # borrow, and this process's hardware must follow. Idempotent for the same VM.
+                self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
             tx.set_phase(fdid, Phase.BORROWED)
             return self._status(tx, spec)
 
@@ -259,6 +281,8 @@ class SimFabric:
             if hold is not None:
                 if not same_holder(hold.holder, holder):
                     raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+                if self._hw is not None:
+                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
                 tx.set_phase(fdid, Phase.RESERVED)
             return self._status(tx, spec)
 
