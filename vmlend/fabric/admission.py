@@ -215,7 +215,7 @@ def admit(
         for name in ("lut", "window-dma", "window-bars", "segments"):
             adm.add(name, "not needed: the device is local")
         return adm
-    adm.add("path", f"{path.describe()}", path=path.describe(), hops=path.hops)
+    adm.add("path", path.describe(), path=path.describe(), hops=path.hops)
     if mine:
         for name in ("lut", "window-dma", "window-bars", "segments"):
             adm.add(name, "already claimed by this VM's reservation")
