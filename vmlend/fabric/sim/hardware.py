@@ -84,6 +84,7 @@ class SimHardware:
         self._vm_domains: dict[tuple[str, str], IommuDomain] = {}
         self._guests: dict[tuple[str, str], SimGuest] = {}
         self._borrows: dict[int, Borrow] = {}
+        self._attached: dict[int, list[tuple[str, Requester]]] = {}  # fdid -> ingress attachments
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
@@ -286,8 +287,41 @@ class SimHardware:
             src.lut_remove(dev.requester_id)
             raise
         ingress = Requester(src.far_requester_id(dst, lender_entry), via=src.ref)
-        self.node(node).iommu.attach(ingress, self.vm_domain(node, vm))
+        try:
+            self.node(node).iommu.attach(ingress, self.vm_domain(node, vm))
+        except Exception:
+            src.lut_remove(dev.requester_id)
+            dst.lut_remove(key)
+            raise
+        self._attached[dev.fdid] = [(node, ingress)]
         return Borrow(dev.fdid, node, vm, dev.lender, path, lender_entry, borrower_entry, ingress)
+
+    def ingress(self, fdid: int, node: str) -> Requester:
+        """The requester a DMA of the (borrowed) device carries when it enters ``node`` through
+        the NTB: what ``node``'s IOMMU must know to translate it."""
+        dev = self.device(fdid)
+        path = self.route(dev.lender, node)
+        if path is None:
+            raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
+        src = self.adapter(path.src.ref)
+        entry = src.lut_lookup(dev.requester_id)
+        if entry is None:
+            raise FabricError(
+                f"device {fdid:#x} has no LUT entry on {src.ref}; borrow it before routing "
+                "its DMA to another node"
+            )
+        return Requester(src.far_requester_id(self.adapter(path.dst.ref), entry), via=src.ref)
+
+    def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:
+        """Let ``fdid``'s DMA entering ``node`` be translated by ``domain`` (peer-to-peer to a
+        device on a third node: ``domain`` maps to that device's BAR). Undone by
+        ``give_back``."""
+        requester = self.ingress(fdid, node)
+        self.node(node).iommu.attach(requester, domain)
+        entries = self._attached.setdefault(fdid, [])
+        if (node, requester) not in entries:
+            entries.append((node, requester))
+        return requester
 
     def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool:
         """Undo ``borrow`` and reset the device (the next user gets it clean). False when it
@@ -298,15 +332,14 @@ class SimHardware:
             return False
         if (node is not None and node != current.node) or (vm is not None and vm != current.vm):
             raise DeviceHeldError(fdid, current.node, current.vm)
+        for node_name, requester in self._attached.pop(fdid, []):
+            self.node(node_name).iommu.detach(requester)
         if current.path is not None:
             src = self.adapter(current.path.src.ref)
             dst = self.adapter(current.path.dst.ref)
             src.lut_remove(dev.requester_id)
-            dst.lut_remove(
-                fabric_requester_key(self.node(dev.lender).spec.node_id, dev.requester_id)
-            )
-            if current.ingress is not None:
-                self.node(current.node).iommu.detach(current.ingress)
+            lender_id = self.node(dev.lender).spec.node_id
+            dst.lut_remove(fabric_requester_key(lender_id, dev.requester_id))
         del self._borrows[fdid]
         dev.reset()
         log.info("device %#x given back by %s/%s", fdid, current.node, current.vm)
