@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import GiB, MiB, BarKind, BarSpec, DeviceSpec, MsiSpec, MsixSpec
+from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, GiB, MiB, MsiSpec, MsixSpec
 from vmlend.pci import regs
 from vmlend.pci.config import ConfigSpace, parse_bdf, write_hits
 

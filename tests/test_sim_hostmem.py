@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from vmlend.errors import ResourceExhaustedError
@@ -24,9 +26,9 @@ def test_frames_are_scattered_and_distinct(mem):
     frames = [mem.alloc(FRAME, owner="vm1") for _ in range(64)]
     assert len(set(frames)) == 64
     assert all(f % FRAME == 0 and mem.contains(f, FRAME) for f in frames)
-    steps = {b - a for a, b in zip(frames, frames[1:], strict=False)}
+    steps = {b - a for a, b in itertools.pairwise(frames)}
     assert FRAME not in steps or len(steps) > 10  # not a bump allocator
-    contiguous_pairs = sum(1 for a, b in zip(frames, frames[1:], strict=False) if b == a + FRAME)
+    contiguous_pairs = sum(1 for a, b in itertools.pairwise(frames) if b == a + FRAME)
     assert contiguous_pairs < 8
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import DmaFault, FabricError, NoPathError, ResourceExhaustedError
-from vmlend.fabric.model import GiB, AdapterSpec
+from vmlend.fabric.model import AdapterSpec, GiB
 from vmlend.fabric.sim.ntb import NtbAdapter
 
 BASE = 0x100_0000_0000
