@@ -119,3 +119,16 @@ def test_node_iommu_context():
         ctx.attach(dev, b)
     assert ctx.detach(dev) and not ctx.detach(dev)
     assert str(ingress) == "f0:00.2 via gamma:0"
+
+
+def test_unmap_across_several_runs_keeps_the_outside(dom):
+    dom.map(0, 0x10_0000, 4 * K4)
+    dom.map(4 * K4, 0x90_0000, 4 * K4)
+    dom.map(8 * K4, 0x50_0000, 4 * K4)
+    assert dom.unmap(2 * K4, 8 * K4) == 8 * K4
+    assert [(m.iova, m.phys, m.size) for m in dom.mappings()] == [
+        (0, 0x10_0000, 2 * K4),
+        (10 * K4, 0x50_0000 + 2 * K4, 2 * K4),
+    ]
+    assert dom.entries()[K4] == 4
+    assert dom.unmap(100 * K4, K4) == 0

@@ -151,21 +151,21 @@ class IommuDomain:
                         size,
                         f"would split a {m.page_size:#x} page of the mapping at {m.iova:#x}",
                     )
-        removed = 0
-        for m in hits:
-            i = self._starts.index(m.iova)
-            del self._starts[i]
-            del self._runs[i]
-            for lo, hi in (
-                (m.iova, max(m.iova, min(iova, m.end))),
-                (min(max(end, m.iova), m.end), m.end),
-            ):
+        if not hits:
+            return 0
+        keep: list[Mapping] = []  # the parts of the first and last run outside the range
+        for m in (hits[0], hits[-1]) if len(hits) > 1 else (hits[0],):
+            for lo, hi in ((m.iova, min(iova, m.end)), (max(end, m.iova), m.end)):
                 if hi > lo:
-                    piece = Mapping(lo, m.phys + (lo - m.iova), hi - lo, m.page_size, m.writable)
-                    j = bisect.bisect_left(self._starts, lo)
-                    self._starts.insert(j, lo)
-                    self._runs.insert(j, piece)
-            removed += min(end, m.end) - max(iova, m.iova)
+                    keep.append(
+                        Mapping(lo, m.phys + (lo - m.iova), hi - lo, m.page_size, m.writable)
+                    )
+        removed = sum(min(end, m.end) - max(iova, m.iova) for m in hits)
+        # hits are consecutive in the sorted list: replace that slice in one go
+        first = bisect.bisect_left(self._starts, hits[0].iova)
+        last = first + len(hits)
+        self._runs[first:last] = keep
+        self._starts[first:last] = [m.iova for m in keep]
         return removed
 
     def clear(self) -> None:
