@@ -108,7 +108,10 @@ class IommuDomain:
                 raise IommuMappingError(
                     self.name, iova, size, f"iova, phys ({phys:#x}) and size must be 4 KiB aligned"
                 )
-            runs = split_pages(iova, phys, size)
+            # one 4 KiB page is the common call (scattered frames): skip the search
+            runs = (
+                [(iova, phys, size, PAGE_4K)] if size == PAGE_4K else split_pages(iova, phys, size)
+            )
         else:
             if page_size not in PAGE_SIZES:
                 raise IommuMappingError(
