@@ -271,3 +271,13 @@ def test_p2p_write_past_a_bar_end_faults_and_writes_nothing(hw):
         hw.dma_write(GPU, end - start - 2, b"abcd")
     assert e.value.hop == "lender-iommu"
     assert nvme.bars.read_bytes(0, end - start - 4, 4) == b"last"
+
+
+def test_p2p_to_a_bar_with_memory_decoding_off_faults(hw):
+    enable(hw, GPU)
+    peer = hw.device(GPU2)
+    hw.lender_domain(GPU).map(0, peer.bar_range(0)[0], 16 * MiB)
+    assert hw.resolve_dma(GPU, 0x100).owner == GPU2
+    peer.config.write(regs.COMMAND, 2, 0)  # e.g. while the OS sizes its BARs
+    f = fault(hw, GPU, 0x100)
+    assert f.hop == "no-target" and "decoding is off" in f.why

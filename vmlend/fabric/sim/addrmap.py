@@ -12,7 +12,7 @@ import bisect
 from dataclasses import dataclass
 
 from vmlend.errors import ResourceExhaustedError
-from vmlend.fabric.model import GiB, TiB
+from vmlend.fabric.model import AdapterSpec, BarKind, DeviceSpec, GiB, TiB
 
 LOW_RAM_MAX = 2 * GiB
 MMIO32_BASE = 2 * GiB
@@ -110,3 +110,52 @@ class AddressMap:
 
     def regions(self) -> list[Region]:
         return list(self._regions)
+
+
+@dataclass(frozen=True)
+class MmioPlan:
+    """Where a node's firmware put things: NTB windows by adapter ref, BARs by fdid and index
+    (I/O BARs: port numbers)."""
+
+    windows: dict[str, int]
+    bars: dict[int, dict[int, int]]
+
+
+def plan_mmio(amap: AddressMap, adapters: list[AdapterSpec], devices: list[DeviceSpec]) -> MmioPlan:
+    """Place every NTB window and BAR of one node and register them in ``amap``.
+
+    64-bit MMIO holds the windows and 64-bit BARs, 32-bit MMIO the 32-bit BARs, each largest
+    first (natural alignment then packs without gaps); ties go by fdid and BAR index, so the
+    layout is deterministic."""
+    # (size, fdid, adapter ref, bar index): windows have no fdid, BARs no ref
+    wide = [(a.window_size, -1, a.ref, -1) for a in adapters]
+    narrow: list[tuple[int, int, str, int]] = []
+    ports: list[tuple[int, int, str, int]] = []
+    for d in devices:
+        for b in d.bars:
+            pool = {BarKind.MEM64: wide, BarKind.MEM32: narrow, BarKind.IO: ports}[b.kind]
+            pool.append((b.size, d.fdid, "", b.index))
+    windows: dict[str, int] = {}
+    bars: dict[int, dict[int, int]] = {d.fdid: {} for d in devices}
+
+    def order(item: tuple[int, int, str, int]) -> tuple[int, int, str, int]:
+        return (-item[0], item[1], item[2], item[3])
+
+    for size, fdid, ref, index in sorted(wide, key=order):
+        base = amap.place(size, below_4g=False)
+        if ref:
+            windows[ref] = base
+            amap.add(Region(base, base + size, "ntb", ref, adapter=ref))
+        else:
+            bars[fdid][index] = base
+    for size, fdid, _, index in sorted(narrow, key=order):
+        bars[fdid][index] = amap.place(size, below_4g=True)
+    for size, fdid, _, index in sorted(ports, key=order):
+        bars[fdid][index] = amap.place_io(size)
+    for d in devices:
+        for b in d.bars:
+            if b.kind is not BarKind.IO:
+                start = bars[d.fdid][b.index]
+                owner = f"fdid:{d.fdid:#x}/bar{b.index}"
+                amap.add(Region(start, start + b.size, "bar", owner, fdid=d.fdid, bar=b.index))
+    return MmioPlan(windows, bars)

@@ -19,9 +19,9 @@ from vmlend.errors import (
     UnknownDeviceError,
     UnknownNodeError,
 )
-from vmlend.fabric.model import BarKind, GuestRange, NodeSpec, Topology
+from vmlend.fabric.model import GuestRange, NodeSpec, Topology
 from vmlend.fabric.paths import NtbPath, route
-from vmlend.fabric.sim.addrmap import AddressMap, Region, ram_ranges
+from vmlend.fabric.sim.addrmap import AddressMap, plan_mmio, ram_ranges
 from vmlend.fabric.sim.device import SimDevice
 from vmlend.fabric.sim.guest import SimGuest
 from vmlend.fabric.sim.hostmem import HUGE_2M, HostMemory
@@ -119,44 +119,16 @@ class SimHardware:
         devices = sorted(
             (d for d in self.topology.devices if d.lender == spec.name), key=lambda d: d.fdid
         )
-        # 64-bit MMIO: NTB windows and 64-bit BARs, largest first so natural alignment packs.
-        wide: list[tuple[int, int, str, int]] = [
-            (a.window_size, 0, a.ref, -1) for a in spec.adapters
-        ]
-        narrow: list[tuple[int, int, str, int]] = []
-        io: list[tuple[int, int, str, int]] = []
+        plan = plan_mmio(amap, list(spec.adapters), devices)
+        for a in spec.adapters:
+            adapter = NtbAdapter(a, plan.windows[a.ref], self._peers(spec.name, a.ref))
+            node.adapters[a.index] = adapter
+            self._adapters[a.ref] = adapter
         for d in devices:
-            for b in d.bars:
-                item = (b.size, d.fdid, "", b.index)
-                {BarKind.MEM64: wide, BarKind.MEM32: narrow, BarKind.IO: io}[b.kind].append(item)
-        bar_phys: dict[int, dict[int, int]] = {d.fdid: {} for d in devices}
-        order = lambda item: (-item[0], item[1], item[2], item[3])  # noqa: E731
-        for size, fdid, ref, index in sorted(wide, key=order):
-            base = amap.place(size, below_4g=False)
-            if ref:
-                adapter = NtbAdapter(
-                    next(a for a in spec.adapters if a.ref == ref),
-                    base,
-                    self._peers(spec.name, ref),
-                )
-                node.adapters[adapter.spec.index] = adapter
-                self._adapters[ref] = adapter
-                amap.add(Region(base, base + size, "ntb", ref, adapter=ref))
-            else:
-                bar_phys[fdid][index] = base
-        for size, fdid, _, index in sorted(narrow, key=order):
-            bar_phys[fdid][index] = amap.place(size, below_4g=True)
-        for size, fdid, _, index in sorted(io, key=order):
-            bar_phys[fdid][index] = amap.place_io(size)
-        for d in devices:
-            dev = SimDevice(d, bar_phys[d.fdid])
-            for b in d.bars:
-                if b.kind is not BarKind.IO:
-                    start = bar_phys[d.fdid][b.index]
-                    owner = f"fdid:{d.fdid:#x}/bar{b.index}"
-                    amap.add(Region(start, start + b.size, "bar", owner, fdid=d.fdid, bar=b.index))
+            dev = SimDevice(d, plan.bars[d.fdid])
             node.devices[d.fdid] = dev
             self._devices[d.fdid] = dev
+            # Each device gets its own domain at once: isolation holds before anything is lent.
             domain = IommuDomain(_domain_name(spec.name, f"dev{d.fdid:#x}"))
             self._lender_domains[d.fdid] = domain
             node.iommu.attach(Requester(dev.requester_id), domain)

@@ -8,8 +8,9 @@ Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
 ``ntb-segment``     the address hit the lender's NTB window in a segment with no translation
 ``lut``             the device's requester id is not in the crossing adapter's requester LUT
 ``borrower-iommu``  the far node's IOMMU has no domain for the crossing, or no mapping in it
-``no-target``       nothing decodes the physical address (or it hits an NTB window again:
-                    hosts do not forward NTB traffic)
+``no-target``       nothing decodes the physical address: a hole, a BAR whose device has
+                    memory decoding off, or an NTB window again (hosts do not forward NTB
+                    traffic)
 
 A request that resolves ends at RAM (a host page, owned by the guest it backs) or at a BAR
 (peer-to-peer, owned by that device).
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from vmlend.errors import DmaFault
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
+from vmlend.pci import regs
 
 if TYPE_CHECKING:
     from vmlend.fabric.sim.hardware import SimHardware, SimNode
@@ -105,6 +107,13 @@ class DmaResolver:
                 )
             if region.kind == "bar":
                 assert region.fdid is not None and region.bar is not None
+                if not self.hw.device(region.fdid).config.command & regs.COMMAND_MEMORY:
+                    raise DmaFault(
+                        "no-target",
+                        phys,
+                        f"{phys:#x} on {node.name} is BAR {region.bar} of device "
+                        f"{region.fdid:#x}, whose memory decoding is off (command bit 1)",
+                    )
                 hops.append(Hop("bar", node.name, phys, region.owner))
                 return DmaTarget(
                     node.name,
