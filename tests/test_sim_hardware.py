@@ -230,3 +230,56 @@ def test_flr_through_config_space_resets_the_device(hw):
     dev.config.write(exp + regs.EXP_DEVCTL, 2, regs.EXP_DEVCTL_BCR_FLR)
     assert resets == [True] and dev.resets == 1
     assert not dev.config.bus_master
+
+
+def test_ingress_needs_a_borrow_and_a_crossing(hw):
+    with pytest.raises(FabricError, match="borrow it"):
+        hw.ingress(0x10, "gamma")
+    with pytest.raises(FabricError, match="local"):
+        hw.ingress(0x10, "alpha")
+    b = hw.borrow(0x10, "gamma", "web")
+    assert hw.ingress(0x10, "gamma") == b.ingress
+    assert hw.ingress(0x10, "beta").via == "alpha:0"
+
+
+def test_two_borrowed_devices_cross_with_distinct_requesters(hw):
+    a = hw.borrow(0x10, "gamma", "web")
+    b = hw.borrow(0x20, "gamma", "db")  # from beta, through the same switch
+    assert a.ingress != b.ingress
+    gamma = hw.node("gamma").iommu
+    assert gamma.domain_for(a.ingress) is hw.vm_domain("gamma", "web")
+    assert gamma.domain_for(b.ingress) is hw.vm_domain("gamma", "db")
+
+
+TOO_MANY_32BIT_BARS = """
+name = "crowded"
+[[node]]
+name = "a"
+id = 1
+  [[node.device]]
+  fdid = 1
+  bdf = "0000:01:00.0"
+  kind = "gpu"
+  vendor = 0x10de
+  device = 0x1
+  class = 0x030000
+  bars = [ { index = 0, size = "1GiB" }, { index = 1, size = "1GiB" } ]
+"""
+
+
+def test_32_bit_mmio_space_runs_out():
+    with pytest.raises(ResourceExhaustedError, match="32-bit MMIO space on a"):
+        SimHardware.from_topology(parse_topology(TOO_MANY_32BIT_BARS))
+
+
+def test_io_bars_get_ports_not_memory():
+    text = TOO_MANY_32BIT_BARS.replace(
+        '{ index = 0, size = "1GiB" }, { index = 1, size = "1GiB" }',
+        '{ index = 0, size = "256B", kind = "io" }, { index = 1, size = "4KiB" }',
+    )
+    hw = SimHardware.from_topology(parse_topology(text))
+    dev = hw.device(1)
+    assert 0x1000 <= dev.bar_phys[0] < 0x10000
+    assert hw.node("a").address_map.find(dev.bar_phys[0]).kind == "ram"  # ports are not memory
+    assert dev.config.command & regs.COMMAND_IO
+    assert dev.config.read(regs.BASE_ADDRESS_0, 4) == dev.bar_phys[0] | regs.BAR_SPACE_IO

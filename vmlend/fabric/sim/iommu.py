@@ -92,12 +92,12 @@ class IommuDomain:
         page_size: int | None = None,
         *,
         writable: bool = True,
-    ) -> list[Mapping]:
+    ) -> None:
         """Map [iova, iova+size) to [phys, phys+size).
 
         With ``page_size`` None the largest page size alignment allows is used piece by piece;
         with a given page size, all three values must be aligned to it. Refuses (changing
-        nothing) when any part of the range is already mapped. Returns the runs added.
+        nothing) when any part of the range is already mapped; ``mappings()`` shows the runs.
         """
         if size <= 0:
             raise IommuMappingError(self.name, iova, size, "size must be positive")
@@ -136,7 +136,6 @@ class IommuDomain:
             i = bisect.bisect_left(self._starts, m.iova)
             self._starts.insert(i, m.iova)
             self._runs.insert(i, m)
-        return added
 
     def unmap(self, iova: int, size: int) -> int:
         """Remove the pages in [iova, iova+size); returns the bytes unmapped (holes are fine).
