@@ -34,7 +34,8 @@ _PAGE = 4096
 
 @dataclass(frozen=True)
 class Hop:
-    """One stage a request passed: ``address`` is where it pointed after the stage."""
+    """One stage a request passed: ``address`` is where it pointed after the stage, in the
+    address space of ``node`` (so the NTB stages already name the far node)."""
 
     stage: str  # "device", "lender-iommu", "ntb-segment", "lut", "borrower-iommu", "ram", "bar"
     node: str
