@@ -140,7 +140,10 @@ class RelayDaemon:
                 if len(fds) != 1:
                     raise RelayError("attach needs exactly one transport fd")
                 devices = [int(f) for f in msg["devices"]]
-                sock = socket.socket(fileno=fds[0])
+                try:
+                    sock = socket.socket(fileno=fds[0])
+                except OSError:
+                    raise RelayError("the transport must be a SOCK_SEQPACKET socket") from None
                 used.add(0)
                 if sock.type != socket.SOCK_SEQPACKET:
                     sock.close()

@@ -77,9 +77,17 @@ class Reactor:
                         continue
                     handler = self._handlers.get(fd)
                     if handler is not None:
-                        handler(mask)
-                self.run_deferred()
+                        self._call(handler, mask)
+                self._call(self.run_deferred)
         self._loop_ident = None
+
+    @staticmethod
+    def _call(fn: Callable[..., None], *args: int) -> None:
+        # One failing handler must not stop the relay of every other device.
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("irq relay handler failed")
 
     def start(self, name: str = "irq-relay") -> None:
         """Run the loop in a daemon thread (tests, and a lender living inside another process)."""
