@@ -196,20 +196,20 @@ class BorrowerRelay:
             log.info("released device %#x", fdid)
 
     def _on_records(self, records: list[Record]) -> None:
-        for r in records:
-            if r.kind != Kind.IRQ:
+        for kind, index, vector, fdid, count in records:
+            if kind != Kind.IRQ:
                 continue
-            device = self._devices.get(r.fdid)
+            device = self._devices.get(fdid)
             if device is None:
-                self.dropped += r.count
+                self.dropped += count
                 continue
-            key = (r.index, r.vector)
+            key = (index, vector)
             efd = device.irqfds.get(key)
             if efd is None:
-                device.held[key] = device.held.get(key, 0) + r.count
+                device.held[key] = device.held.get(key, 0) + count
             else:
-                device.delivered += r.count
-                efd.signal(r.count)
+                device.delivered += count
+                efd.signal(count)
 
     def _on_channel_closed(self, channel: Channel) -> None:
         # The lender hung up (device hot-removed there, lender stopped): release its devices.

@@ -196,8 +196,8 @@ class LenderRelay:
         return self._devices[fdid]
 
     def _on_records(self, records: list[Record]) -> None:
-        for r in records:
-            if r.kind == Kind.UNMASK and (device := self._devices.get(r.fdid)) is not None:
+        for kind, _index, _vector, fdid, _count in records:
+            if kind == Kind.UNMASK and (device := self._devices.get(fdid)) is not None:
                 device.unmask_intx()
 
     def _on_channel_closed(self, channel: Channel) -> None:
