@@ -92,9 +92,12 @@ def ping_pong(signal_fds: list[int], wait_fds: list[EventFd], n: int) -> list[in
     return out
 
 
-def throughput(signal_fds: list[int], wait_fds: list[EventFd], seconds: float) -> tuple[float, int]:
+def throughput(
+    signal_fds: list[int], wait_fds: list[EventFd], seconds: float
+) -> tuple[float, int, float]:
     """Interrupts/s delivered while one thread signals as fast as it can; also the number of
-    VM wake-ups it took (coalescing). Checks that every interrupt arrived."""
+    VM wake-ups it took (coalescing) and how long delivery lagged after signalling stopped.
+    Checks that every interrupt arrived."""
     ep = select.epoll()
     for efd in wait_fds:
         ep.register(efd.fileno(), select.EPOLLIN)
@@ -126,13 +129,15 @@ def throughput(signal_fds: list[int], wait_fds: list[EventFd], seconds: float) -
         if i % 1024 == 0 and time.perf_counter() >= end:
             break
     sent[0] = i
+    stopped = time.perf_counter()
     done.set()
     t.join(30)
     elapsed = time.perf_counter() - start
+    lag = time.perf_counter() - stopped
     ep.close()
     if got != i:
         raise SystemExit(f"throughput run lost interrupts: sent {i}, delivered {got}")
-    return got / elapsed, wakeups
+    return got / elapsed, wakeups, lag
 
 
 def forwarder(pairs: list[tuple[EventFd, EventFd]]) -> Callable[[], None]:
@@ -281,7 +286,7 @@ def main() -> None:
                 assert msg is not None and len(lender_fds) == VECTORS
                 ping_pong(lender_fds, vm, 2000)  # warm-up
                 relay_lat = ping_pong(lender_fds, vm, args.latency)
-                relay_rate, relay_wakes = throughput(lender_fds, vm, args.seconds)
+                relay_rate, relay_wakes, relay_lag = throughput(lender_fds, vm, args.seconds)
                 stats = vmm.status()["devices"][0]
         finally:
             os.kill(lender_pid, signal.SIGTERM)
@@ -295,7 +300,7 @@ def main() -> None:
     b_efds = [b for _, b in pairs]
     ping_pong(a_fds, b_efds, 2000)
     fwd_lat = ping_pong(a_fds, b_efds, args.latency)
-    fwd_rate, fwd_wakes = throughput(a_fds, b_efds, args.seconds)
+    fwd_rate, fwd_wakes, fwd_lag = throughput(a_fds, b_efds, args.seconds)
     stop()
     floor_lat = ping_pong([b.fileno() for b in b_efds], b_efds, args.latency)
 
@@ -319,6 +324,10 @@ def main() -> None:
     print(
         f"{'  VM wake-ups':22}{'':>10}{fwd_wakes:10d}{relay_wakes:10d}"
         f"   (eventfd counts coalesce; every interrupt was counted)"
+    )
+    print(
+        f"{'  drain after stop (ms)':22}{'':>10}{fwd_lag * 1000:10.1f}{relay_lag * 1000:10.1f}"
+        "   (how far delivery lagged behind the signalling thread)"
     )
     print(f"relay delivered {stats['delivered']} interrupts in all, held {stats['held']}")
     print("one-way hop between two processes, median (us):")
