@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from click.testing import CliRunner
 
-from tests.test_irq_standin import StandinDevice, msix_flags, msix_program
+from tests.test_irq_standin import make_device, msix_flags, msix_program
 from vmlend.cli import main
 from vmlend.errors import RelayError
 from vmlend.irq.client import RelayClient
@@ -51,7 +51,7 @@ class Lender:
     """A lender with one MSI-X device, its transport end handed to the daemon by ``attach``."""
 
     def __init__(self, client: RelayClient, fdid: int = FDID, vectors: int = 4) -> None:
-        self.dev = StandinDevice(msix_entries=vectors)
+        self.dev = make_device(msix_entries=vectors)
         for v in range(vectors):
             msix_program(self.dev.bars, v)
         self.reactor = Reactor()

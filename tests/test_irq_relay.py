@@ -11,12 +11,13 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from tests.test_irq_standin import (
-    StandinDevice,
     intx_disable,
+    make_device,
     msi_disable,
     msi_enable,
     msi_mask,
@@ -55,7 +56,7 @@ def read_within(efd: EventFd, timeout: float = 2.0) -> int:
 
 @dataclass
 class Rig:
-    dev: StandinDevice
+    dev: Any
     lender: LenderRelay
     borrower: BorrowerRelay
     host: SimIrqHost
@@ -83,7 +84,7 @@ class Rig:
             e.close()
 
 
-def make_rig(dev: StandinDevice) -> Rig:
+def make_rig(dev: Any) -> Rig:
     lr, br = Reactor(), Reactor()
     lr.start("lender")
     br.start("borrower")
@@ -92,14 +93,14 @@ def make_rig(dev: StandinDevice) -> Rig:
     borrower.attach([FDID], b)
     channel = lender.open_channel(a)
     host = SimIrqHost(dev)
-    watcher = ConfigIrqWatcher(dev.config, dev.bars)
+    watcher = ConfigIrqWatcher.for_device(dev)
     ldev = lender.add_device(FDID, watcher, host, channel)
     return Rig(dev, lender, borrower, host, watcher, ldev, (lr, br), {})
 
 
 @pytest.fixture
 def msix_rig() -> Iterator[Rig]:
-    dev = StandinDevice(msix_entries=8)
+    dev = make_device(msix_entries=8)
     for v in range(8):
         msix_program(dev.bars, v)
     rig = make_rig(dev)
@@ -157,7 +158,7 @@ def test_function_mask_holds_every_vector(msix_rig):
 
 
 def test_msi_multi_vector_setup_and_teardown():
-    dev = StandinDevice(msi_vectors=4, msi64=True)
+    dev = make_device(msi_vectors=4, msi64=True)
     intx_disable(dev.config, True)
     rig = make_rig(dev)
     try:
@@ -190,7 +191,7 @@ def test_interrupts_raised_before_disable_are_still_delivered(msix_rig):
 
 
 def test_intx_is_level_triggered_until_resample():
-    dev = StandinDevice()
+    dev = make_device()
     rig = make_rig(dev)
     try:
         (trigger,) = rig.vm_irqfds(IrqIndex.INTX, 1)
@@ -214,9 +215,11 @@ def test_intx_is_level_triggered_until_resample():
 
 
 def test_interrupts_wait_for_the_vmm_to_assign_an_irqfd():
-    dev = StandinDevice(msix_entries=2)
+    dev = make_device(msix_entries=2)
     rig = make_rig(dev)
     try:
+        for v in range(2):
+            msix_program(dev.bars, v)
         msix_flags(dev.config, enable=True)
         dev.raise_interrupt(1)
         wait_until(lambda: rig.borrower.status()[0]["held"] == 1)
@@ -232,11 +235,12 @@ def test_interrupts_wait_for_the_vmm_to_assign_an_irqfd():
 
 def test_teardown_leaves_no_open_descriptors():
     before = open_fds()
-    dev = StandinDevice(msix_entries=8)
+    dev = make_device(msix_entries=8)
     rig = make_rig(dev)
     rig.vm_irqfds(IrqIndex.MSIX, 8)
     resample = EventFd()
     rig.borrower.set_irqs(FDID, IrqIndex.INTX, UNMASK_EVENTFD, 0, [os.dup(resample.fileno())])
+    msix_program(dev.bars, 3)
     msix_flags(dev.config, enable=True)
     dev.raise_interrupt(3)
     assert read_within(rig.vm[(IrqIndex.MSIX, 3)]) == 1
@@ -287,3 +291,11 @@ def test_bad_set_irqs_requests_are_refused_and_close_what_they_were_given(msix_r
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         a.close()
         rig.borrower.attach([FDID], b)
+
+
+def test_function_level_reset_tears_vectors_down(msix_rig):
+    rig = msix_rig
+    assert rig.ldev.setup.index == IrqIndex.MSIX
+    rig.dev.reset()  # no guest config write: the watcher learns it from the reset
+    assert rig.ldev.setup.index == IrqIndex.INTX
+    assert sorted(rig.ldev.trigger_fds()) == [0]

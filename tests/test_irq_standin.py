@@ -1,19 +1,55 @@
-"""A minimal stand-in for the simulated device (vmlend.pci / vmlend.fabric.sim, being written in
-parallel) with the same API, and the guest-side helpers the irq tests use. The helpers only
-write config space and BAR memory, as a guest driver does, so they work on the real classes.
-No tests here."""
+"""The devices the irq tests run on, and the guest-side helpers they use.
+
+``make_device`` builds the real simulated device (vmlend.fabric.sim.device.SimDevice) when it
+exists, else a minimal stand-in with the same API (the two were written in parallel). The
+helpers only write config space and BAR memory, as a guest driver does. No tests here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from vmlend.irq import vectors as r
+
+try:
+    from vmlend.fabric.sim.device import SimDevice
+
+    from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, MsiSpec, MsixSpec
+except ImportError:  # the simulated hardware is not merged yet
+    SimDevice = None
 
 MSI_AT = 0x50
 MSIX_AT = 0x70
 TABLE_BAR = 2
 TABLE_OFFSET = 0x1000
 PBA_OFFSET = 0x2000
+
+
+def make_device(
+    msi_vectors: int = 0, msi64: bool = True, msix_entries: int = 0, pin: int = 1
+) -> Any:
+    """A device with the given interrupt capabilities (MSI maskable, MSI-X table in BAR 2)."""
+    if SimDevice is None:
+        return StandinDevice(msi_vectors, msi64, msix_entries, pin)
+    spec = DeviceSpec(
+        fdid=0x42,
+        lender="alpha",
+        bdf="0000:41:00.0",
+        kind="nic",
+        vendor_id=0x8086,
+        device_id=0x10FB,
+        class_code=0x020000,
+        bars=(BarSpec(TABLE_BAR, 0x4000, BarKind.MEM32),),
+        intx_pin=pin,
+        msi=MsiSpec(msi_vectors, msi64, maskable=True) if msi_vectors else None,
+        msix=(
+            MsixSpec(msix_entries, TABLE_BAR, TABLE_OFFSET, TABLE_BAR, PBA_OFFSET)
+            if msix_entries
+            else None
+        ),
+    )
+    return SimDevice(spec, {TABLE_BAR: 0xFE00_0000})
 
 
 class StandinConfig:
@@ -89,15 +125,15 @@ class StandinBars:
     def msix_pending(self, vector: int) -> bool:
         return bool(self._mem[TABLE_BAR][PBA_OFFSET + vector // 8] >> (vector % 8) & 1)
 
-    def listener_count(self) -> int:
-        return len(self._listeners)
-
 
 class StandinDevice:
-    def __init__(self, msi_vectors: int = 0, msi64: bool = True, msix_entries: int = 0) -> None:
-        self.config = StandinConfig()
+    def __init__(
+        self, msi_vectors: int = 0, msi64: bool = True, msix_entries: int = 0, pin: int = 1
+    ) -> None:
+        self.config = StandinConfig(pin)
         self.bars = StandinBars(msix_entries)
         self._sinks: list[Callable[[int], None]] = []
+        self._reset_listeners: list[Callable[[], None]] = []
         if msi_vectors:
             self.config.add_cap(r.CAP_ID_MSI, MSI_AT)
             qmask = (msi_vectors.bit_length() - 1) << 1
@@ -108,6 +144,18 @@ class StandinDevice:
             self.config.poke(MSIX_AT + 2, 2, msix_entries - 1)
             self.config.poke(MSIX_AT + 4, 4, TABLE_OFFSET | TABLE_BAR)
             self.config.poke(MSIX_AT + 8, 4, PBA_OFFSET | TABLE_BAR)
+
+    def reset(self) -> None:
+        """Function level reset, as far as interrupts go: MSI and MSI-X off, INTx on."""
+        for cap, enable in ((MSI_AT, r.MSI_FLAGS_ENABLE), (MSIX_AT, r.MSIX_FLAGS_ENABLE)):
+            self.config.poke(cap + 2, 2, self.config.read(cap + 2, 2) & ~enable)
+        self.config.poke(r.COMMAND, 2, 0)
+        for fn in list(self._reset_listeners):
+            fn()
+
+    def on_reset(self, fn: Callable[[], None]) -> Callable[[], None]:
+        self._reset_listeners.append(fn)
+        return lambda: self._reset_listeners.remove(fn) if fn in self._reset_listeners else None
 
     def on_interrupt(self, fn: Callable[[int], None]) -> Callable[[], None]:
         self._sinks.append(fn)

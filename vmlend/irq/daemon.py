@@ -58,13 +58,21 @@ class RelayDaemon:
             finally:
                 probe.close()
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Bind under a private name and rename when listening: a client that sees the socket
+        # can connect at once.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.bind(str(path))
-            os.chmod(path, 0o600)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            sock.bind(str(tmp))
+            os.chmod(tmp, 0o600)
             sock.listen(16)
+            os.rename(tmp, path)
         except OSError as e:
             sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
             raise RelayError(f"cannot listen on {path}: {e.strerror}") from None
         sock.setblocking(False)
         self._listener = sock

@@ -217,10 +217,27 @@ class IrqSetupSource(Protocol):
     def close(self) -> None: ...
 
 
-class ConfigIrqWatcher:
-    """Decodes the setup after every guest write to config space or the MSI-X table."""
+class SimDeviceLike(Protocol):
+    @property
+    def config(self) -> ConfigSpaceLike: ...
+    @property
+    def bars(self) -> BarMemoryLike: ...
+    def on_reset(self, fn: Callable[[], None]) -> Callable[[], None]: ...
 
-    def __init__(self, config: ConfigSpaceLike, bars: BarMemoryLike) -> None:
+
+OnReset = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+class ConfigIrqWatcher:
+    """Decodes the setup after every guest write to config space or the MSI-X table.
+
+    A function-level reset rewrites config space without guest writes; pass ``on_reset`` (a
+    subscription, like ``SimDevice.on_reset``) so the watcher re-reads after one.
+    """
+
+    def __init__(
+        self, config: ConfigSpaceLike, bars: BarMemoryLike, on_reset: OnReset | None = None
+    ) -> None:
         self._config = config
         self._bars = bars
         self._msi_cap = config.find_capability(CAP_ID_MSI)
@@ -232,6 +249,12 @@ class ConfigIrqWatcher:
             config.add_listener(self._on_config_write),
             bars.add_listener(self._on_bar_write),
         ]
+        if on_reset is not None:
+            self._removers.append(on_reset(self.refresh))
+
+    @classmethod
+    def for_device(cls, device: SimDeviceLike) -> ConfigIrqWatcher:
+        return cls(device.config, device.bars, device.on_reset)
 
     def _decode(self) -> IrqSetup:
         return decode_setup(self._config.read, self._bars.read, self._msi_cap, self._msix_cap)
@@ -244,14 +267,15 @@ class ConfigIrqWatcher:
         return lambda: self._subscribers.remove(fn)
 
     def _on_config_write(self, offset: int, size: int, value: int) -> None:
-        self._refresh()
+        self.refresh()
 
     def _on_bar_write(self, bar: int, offset: int, size: int, value: int) -> None:
         loc = self._setup.msix
         if loc is not None and loc.entry_of(bar, offset) is not None:
-            self._refresh()
+            self.refresh()
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Re-read the device; tell subscribers if the setup changed."""
         with self._lock:
             new = self._decode()
             if new == self._setup:
