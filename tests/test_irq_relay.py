@@ -283,6 +283,8 @@ def test_bad_set_irqs_requests_are_refused_and_close_what_they_were_given(msix_r
         rig.borrower.set_irqs(0x99, IrqIndex.MSI, TRIGGER_EVENTFDS, 0, [os.dup(e.fileno())])
     with pytest.raises(RelayError, match="index 7"):
         rig.borrower.set_irqs(FDID, 7, TRIGGER_EVENTFDS, 0, [os.dup(e.fileno())])
+    with pytest.raises(RelayError, match=r"vectors 2047\.\.2048 are outside MSIX's 0\.\.2047"):
+        rig.borrower.set_irqs(FDID, IrqIndex.MSIX, TRIGGER_EVENTFDS, 2047, [-1, -1])
     with pytest.raises(RelayError, match="exactly one DATA"):
         rig.borrower.set_irqs(FDID, IrqIndex.MSI, 0, 0, [])
     e.close()
@@ -299,3 +301,29 @@ def test_function_level_reset_tears_vectors_down(msix_rig):
     rig.dev.reset()  # no guest config write: the watcher learns it from the reset
     assert rig.ldev.setup.index == IrqIndex.INTX
     assert sorted(rig.ldev.trigger_fds()) == [0]
+
+
+def test_stalled_borrower_catches_up_with_exact_counts(msix_rig):
+    rig = msix_rig
+    rig.reactors[1].stop()  # stops reading: the socket fills, the lender coalesces
+    for i in range(60_000):
+        rig.dev.raise_interrupt(i % 8)
+    channel = next(iter(rig.lender._channels))
+    reactor = Reactor()  # a new borrower loop takes over the same relay state
+    borrower_fd = next(iter(rig.borrower._channels))._fd
+    handler = rig.reactors[1]._handlers[borrower_fd]
+    reactor.register(borrower_fd, select.EPOLLIN, handler)
+    reactor.start("borrower-2")
+    got = [0] * 8
+
+    def drained() -> bool:
+        for v in range(8):
+            got[v] += rig.vm[(IrqIndex.MSIX, v)].drain()
+        return sum(got) >= 60_000
+
+    try:
+        wait_until(drained, timeout=20)
+        assert got == [7500] * 8 and channel.dropped == 0
+    finally:
+        reactor.unregister(borrower_fd)
+        reactor.close()

@@ -111,7 +111,7 @@ class BorrowerRelay:
         it fails (they are closed then). Returns the eventfds now owned for them."""
         owned = [EventFd(fd) if fd >= 0 else None for fd in fds]
         try:
-            check_flags(index, flags, len(fds), len(fds))
+            check_flags(index, flags, len(fds), len(fds), start)
             with self._reactor.lock:
                 device = self._device(fdid)
                 if flags == DISABLE:

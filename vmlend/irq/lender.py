@@ -61,8 +61,13 @@ class LenderDevice:
         return self._gate.pending()
 
     def _on_setup(self, setup: IrqSetup) -> None:
+        # Called from the guest's config write: a failure here must not fail that write
+        # (hardware does not refuse a config write); the vectors simply stay down.
         with self._reactor.lock:
-            self._apply(setup)
+            try:
+                self._apply(setup)
+            except RelayError as e:
+                log.error("device %#x: cannot set up interrupts: %s", self.fdid, e)
 
     def _apply(self, new: IrqSetup) -> None:
         old = self._setup

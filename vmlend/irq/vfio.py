@@ -32,10 +32,20 @@ UNMASK_EVENTFD = DATA_EVENTFD | ACTION_UNMASK
 DISABLE = DATA_NONE | ACTION_TRIGGER  # with count 0: tear the whole index down
 
 
-def check_flags(index: int, flags: int, count: int, nfds: int) -> None:
+# Vectors per index: INTx has one line, MSI up to 32 messages, MSI-X up to 2048 entries.
+MAX_VECTORS = {IrqIndex.INTX: 1, IrqIndex.MSI: 32, IrqIndex.MSIX: 2048}
+
+
+def check_flags(index: int, flags: int, count: int, nfds: int, start: int = 0) -> None:
     """Refuse what VFIO would refuse, with a message naming the request."""
     if index not in tuple(IrqIndex):
         raise RelayError(f"SET_IRQS: unsupported irq index {index} (INTX=0, MSI=1, MSIX=2)")
+    limit = MAX_VECTORS[IrqIndex(index)]
+    if start < 0 or count < 0 or start + count > limit:
+        raise RelayError(
+            f"SET_IRQS: vectors {start}..{start + count - 1} are outside"
+            f" {IrqIndex(index).name}'s 0..{limit - 1}"
+        )
     data, action = flags & DATA_MASK, flags & ACTION_MASK_BITS
     if bin(data).count("1") != 1 or bin(action).count("1") != 1:
         raise RelayError(f"SET_IRQS: flags {flags:#x} need exactly one DATA_* and one ACTION_*")
@@ -93,7 +103,7 @@ class SimIrqHost:
         return None
 
     def set_irqs(self, index: int, flags: int, start: int, fds: Sequence[int]) -> None:
-        check_flags(index, flags, len(fds), len(fds))
+        check_flags(index, flags, len(fds), len(fds), start)
         with self._lock:
             if flags == DISABLE:
                 self._clear(index)
