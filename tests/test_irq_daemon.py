@@ -24,8 +24,7 @@ from vmlend.irq.daemon import RelayDaemon
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.lender import LenderRelay
 from vmlend.irq.relay import Reactor
-from vmlend.irq.vectors import ConfigIrqWatcher, IrqIndex
-from vmlend.irq.vfio import SimIrqHost
+from vmlend.irq.vectors import IrqIndex
 
 FDID = 0x7
 
@@ -51,7 +50,7 @@ class Lender:
     """A lender with one MSI-X device, its transport end handed to the daemon by ``attach``."""
 
     def __init__(self, client: RelayClient, fdid: int = FDID, vectors: int = 4) -> None:
-        self.dev = make_device(msix_entries=vectors)
+        self.dev = make_device(msix_entries=vectors, fdid=fdid)
         for v in range(vectors):
             msix_program(self.dev.bars, v)
         self.reactor = Reactor()
@@ -60,15 +59,11 @@ class Lender:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         client.attach([fdid], theirs)
         theirs.close()
-        self.host = SimIrqHost(self.dev)
-        self.watcher = ConfigIrqWatcher(self.dev.config, self.dev.bars)
-        self.relay.add_device(fdid, self.watcher, self.host, self.relay.open_channel(mine))
+        self.relay.add_sim_device(self.dev, self.relay.open_channel(mine))
         msix_flags(self.dev.config, enable=True)
 
     def close(self) -> None:
         self.relay.close()
-        self.watcher.close()
-        self.host.close()
         self.reactor.close()
 
 

@@ -27,13 +27,17 @@ PBA_OFFSET = 0x2000
 
 
 def make_device(
-    msi_vectors: int = 0, msi64: bool = True, msix_entries: int = 0, pin: int = 1
+    msi_vectors: int = 0,
+    msi64: bool = True,
+    msix_entries: int = 0,
+    pin: int = 1,
+    fdid: int = 0x42,
 ) -> Any:
     """A device with the given interrupt capabilities (MSI maskable, MSI-X table in BAR 2)."""
     if SimDevice is None:
-        return StandinDevice(msi_vectors, msi64, msix_entries, pin)
+        return StandinDevice(msi_vectors, msi64, msix_entries, pin, fdid)
     spec = DeviceSpec(
-        fdid=0x42,
+        fdid=fdid,
         lender="alpha",
         bdf="0000:41:00.0",
         kind="nic",
@@ -128,8 +132,14 @@ class StandinBars:
 
 class StandinDevice:
     def __init__(
-        self, msi_vectors: int = 0, msi64: bool = True, msix_entries: int = 0, pin: int = 1
+        self,
+        msi_vectors: int = 0,
+        msi64: bool = True,
+        msix_entries: int = 0,
+        pin: int = 1,
+        fdid: int = 0x42,
     ) -> None:
+        self.fdid = fdid
         self.config = StandinConfig(pin)
         self.bars = StandinBars(msix_entries)
         self._sinks: list[Callable[[int], None]] = []

@@ -11,17 +11,41 @@ from __future__ import annotations
 import logging
 import select
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from vmlend.errors import RelayError
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.gate import VectorGate
 from vmlend.irq.relay import Reactor
 from vmlend.irq.transport import Channel, Kind, Record
-from vmlend.irq.vectors import DISABLED, IrqIndex, IrqSetup, IrqSetupSource
-from vmlend.irq.vfio import DISABLE, TRIGGER_EVENTFDS, UNMASK_EVENTFD, IrqHost
+from vmlend.irq.vectors import (
+    DISABLED,
+    ConfigIrqWatcher,
+    IrqIndex,
+    IrqSetup,
+    IrqSetupSource,
+    SimDeviceLike,
+)
+from vmlend.irq.vfio import (
+    DISABLE,
+    TRIGGER_EVENTFDS,
+    UNMASK_EVENTFD,
+    InterruptSource,
+    IrqHost,
+    SimIrqHost,
+)
 
 log = logging.getLogger(__name__)
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+class SimLike(SimDeviceLike, InterruptSource, Protocol):
+    @property
+    def fdid(self) -> int: ...
 
 
 class LenderDevice:
@@ -170,6 +194,7 @@ class LenderRelay:
         self._reactor = reactor
         self._devices: dict[int, LenderDevice] = {}
         self._channels: dict[Channel, set[int]] = {}
+        self._owned: dict[int, list[Closeable]] = {}
 
     def open_channel(self, sock: socket.socket) -> Channel:
         """Take one end of a transport to a borrower (a connected SOCK_SEQPACKET socket)."""
@@ -178,15 +203,34 @@ class LenderRelay:
         return channel
 
     def add_device(
-        self, fdid: int, source: IrqSetupSource, host: IrqHost, channel: Channel
+        self,
+        fdid: int,
+        source: IrqSetupSource,
+        host: IrqHost,
+        channel: Channel,
+        owns: Sequence[Closeable] = (),
     ) -> LenderDevice:
+        """Relay ``fdid``'s interrupts to ``channel``; ``owns`` are closed with the device."""
         with self._reactor.lock:
             if fdid in self._devices:
                 raise RelayError(f"device {fdid:#x} is already relayed by this lender")
             device = LenderDevice(fdid, source, host, channel, self._reactor)
             self._devices[fdid] = device
+            self._owned[fdid] = list(owns)
             self._channels.setdefault(channel, set()).add(fdid)
             return device
+
+    def add_sim_device(self, device: SimLike, channel: Channel) -> LenderDevice:
+        """Relay a simulated device: its config space drives the vectors, ``SimIrqHost`` plays
+        the lender's kernel. Both are closed when the device is removed."""
+        host = SimIrqHost(device)
+        watcher = ConfigIrqWatcher.for_device(device)
+        try:
+            return self.add_device(device.fdid, watcher, host, channel, owns=(watcher, host))
+        except RelayError:
+            watcher.close()
+            host.close()
+            raise
 
     def remove_device(self, fdid: int) -> None:
         with self._reactor.lock:
@@ -194,6 +238,8 @@ class LenderRelay:
             if device is None:
                 return
             device.close()
+            for owned in self._owned.pop(fdid, []):
+                owned.close()
             for fdids in self._channels.values():
                 fdids.discard(fdid)
 
