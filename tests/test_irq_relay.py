@@ -285,6 +285,10 @@ def test_bad_set_irqs_requests_are_refused_and_close_what_they_were_given(msix_r
         rig.borrower.set_irqs(FDID, 7, TRIGGER_EVENTFDS, 0, [os.dup(e.fileno())])
     with pytest.raises(RelayError, match=r"vectors 2047\.\.2048 are outside MSIX's 0\.\.2047"):
         rig.borrower.set_irqs(FDID, IrqIndex.MSIX, TRIGGER_EVENTFDS, 2047, [-1, -1])
+    r, w = os.pipe()
+    with pytest.raises(RelayError, match="is not an eventfd"):
+        rig.borrower.set_irqs(FDID, IrqIndex.MSIX, TRIGGER_EVENTFDS, 0, [os.dup(e.fileno()), r])
+    os.close(w)
     with pytest.raises(RelayError, match="exactly one DATA"):
         rig.borrower.set_irqs(FDID, IrqIndex.MSI, 0, 0, [])
     e.close()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vmlend.errors import RelayError
+from vmlend.irq.control import close_fds
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.relay import Reactor
 from vmlend.irq.transport import Channel, Kind, Record
@@ -109,8 +110,13 @@ class BorrowerRelay:
     ) -> list[EventFd]:
         """Apply one SET_IRQS request. Takes ownership of every fd >= 0 in ``fds``, also when
         it fails (they are closed then). Returns the eventfds now owned for them."""
-        owned = [EventFd(fd) if fd >= 0 else None for fd in fds]
+        owned: list[EventFd | None] = []
         try:
+            for fd in fds:
+                try:
+                    owned.append(EventFd(fd) if fd >= 0 else None)
+                except ValueError as e:
+                    raise RelayError(f"SET_IRQS: {e}") from None
             check_flags(index, flags, len(fds), len(fds), start)
             with self._reactor.lock:
                 device = self._device(fdid)
@@ -127,6 +133,7 @@ class BorrowerRelay:
             for efd in owned:
                 if efd is not None:
                     efd.close()
+            close_fds(fds[len(owned) :])
             raise
         return [e for e in owned if e is not None]
 

@@ -8,6 +8,7 @@ count is the number of interrupts, however they were batched.
 from __future__ import annotations
 
 import os
+import stat
 from types import TracebackType
 
 # Largest value an eventfd counter holds (2**64 - 2); a write that would pass it blocks or,
@@ -26,6 +27,10 @@ class EventFd:
         if fd is None:
             fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         else:
+            # An eventfd is an anonymous inode (no file type bits); this rejects files, pipes
+            # and sockets handed over by mistake (other anonymous inodes look the same).
+            if stat.S_IFMT(os.fstat(fd).st_mode) != 0:
+                raise ValueError(f"descriptor {fd} is not an eventfd")
             os.set_blocking(fd, False)
         self._fd = fd
 

@@ -70,8 +70,13 @@ class LenderDevice:
         self._gate = VectorGate(0)
         self.raised = 0
         with reactor.lock:
-            self._apply(source.current())
-        self._unsubscribe = source.subscribe(self._on_setup)
+            # Subscribe first: a guest write landing in between is then not missed.
+            self._unsubscribe = source.subscribe(self._on_setup)
+            try:
+                self._apply(source.current())
+            except RelayError:
+                self._unsubscribe()
+                raise
 
     @property
     def setup(self) -> IrqSetup:
