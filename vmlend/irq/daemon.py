@@ -161,9 +161,8 @@ class RelayDaemon:
             if op == "set_irqs":
                 fdid = int(msg["device"])
                 positions = [int(p) for p in msg["fds"]]
-                if any(p >= len(fds) for p in positions) or len(set(positions) - {-1}) != len(
-                    [p for p in positions if p >= 0]
-                ):
+                named = [p for p in positions if p != -1]
+                if any(not 0 <= p < len(fds) for p in named) or len(set(named)) != len(named):
                     raise RelayError("set_irqs: fds must name each passed descriptor once")
                 used.update(p for p in positions if p >= 0)
                 owned = self.borrower.set_irqs(
