@@ -149,6 +149,11 @@ def test_bad_requests_get_errors_and_leak_nothing(daemon):
                 {"op": "set_irqs", "device": 1, "index": 1, "flags": 36, "fds": [-2]},
                 [e.fileno()],
             )
+        with pytest.raises(RelayError, match="count must equal"):
+            c.request(
+                {"op": "set_irqs", "device": 1, "index": 1, "flags": 36, "count": 2, "fds": [0]},
+                [e.fileno()],
+            )
         raw = c._sock
         raw.send(b"not json")
         with pytest.raises(RelayError, match="not JSON"):

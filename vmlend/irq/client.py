@@ -60,6 +60,7 @@ class RelayClient:
             "index": index,
             "flags": flags,
             "start": start,
+            "count": len(positions),
             "fds": positions,
         }
         self.request(msg, passed)

@@ -3,8 +3,9 @@ alongside as SCM_RIGHTS.
 
 Requests (replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``):
 - ``{"op": "attach", "devices": [fdid, ...]}`` + one fd: the transport to those devices' lender.
-- ``{"op": "set_irqs", "device": fdid, "index": i, "flags": f, "start": s, "fds": [...]}``:
-  VFIO_DEVICE_SET_IRQS; each ``fds`` entry is -1 (de-assign) or the position of a passed fd.
+- ``{"op": "set_irqs", "device": fdid, "index": i, "flags": f, "start": s, "count": n,
+  "fds": [...]}``: VFIO_DEVICE_SET_IRQS; each of the ``n`` ``fds`` entries is -1 (de-assign)
+  or the position of a passed fd.
 - ``{"op": "release", "device": fdid}``: the device left this node (hot-remove, VM released).
 - ``{"op": "status"}``: ``{"devices": [...]}``.
 """

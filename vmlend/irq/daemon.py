@@ -160,7 +160,9 @@ class RelayDaemon:
                 return {"ok": True}
             if op == "set_irqs":
                 fdid = int(msg["device"])
-                positions = [int(p) for p in msg["fds"]]
+                positions = [int(p) for p in msg.get("fds", [])]
+                if int(msg.get("count", len(positions))) != len(positions):
+                    raise RelayError("set_irqs: count must equal the number of fds entries")
                 named = [p for p in positions if p != -1]
                 if any(not 0 <= p < len(fds) for p in named) or len(set(named)) != len(named):
                     raise RelayError("set_irqs: fds must name each passed descriptor once")
