@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from click.testing import CliRunner
 
-from tests.test_irq_standin import make_device, msix_flags, msix_program
+from tests.irq_devices import make_device, msix_flags, msix_program
 from vmlend.cli import main
 from vmlend.errors import RelayError
 from vmlend.irq.client import RelayClient

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_irq_standin import (
+from tests.irq_devices import (
     intx_disable,
     make_device,
     msi_disable,
