@@ -231,3 +231,34 @@ def test_runtime_records_follow_the_hold(tmp_path):
     fabric.release(0x10, holder)
     with reg.read() as tx:
         assert tx.runtime() == []
+
+
+def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_path):
+    """Regression: vetting a state file must not open() it. Closing any descriptor of the file
+    drops this process's SQLite locks, so another process's exit then checkpointed and
+    truncated the WAL under a live connection, and the next open saw a 'corrupt' database."""
+    import subprocess
+    import sys
+
+    from tests.simfabric import make_fabric
+    from vmlend.fabric.model import Holder
+    from vmlend.fabric.open import open_fabric
+
+    path = tmp_path / "s.db"
+    keep = make_fabric(path)  # a connection that stays open in this process
+    open_fabric(path)  # a second open (and vet) while `keep` is open
+    step = (
+        "import sys; from vmlend.fabric.open import open_fabric;"
+        "from vmlend.fabric.model import Holder;"
+        "f = open_fabric(sys.argv[1]); h = Holder('gamma', 'vm', 'u');"
+        "[getattr(f, sys.argv[2])(x, h) for x in (0x10, 0x12, 0x21, 0x22)]"
+    )
+    h = Holder("gamma", "vm", "u")
+    for _ in range(3):
+        for op in ("reserve", "release"):
+            subprocess.run([sys.executable, "-c", step, str(path), op], check=True, timeout=60)
+        here = open_fabric(path)
+        for fdid in (0x10, 0x12, 0x21, 0x22):
+            here.reserve(fdid, h)
+            here.release(fdid, h)
+    assert len(keep.devices()) == 9

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from vmlend.registry.txn import StateTxn
 
 log = logging.getLogger(__name__)
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 
 #: How long a process waits for another one's write transaction before giving up. Writers hold
 #: the lock for milliseconds; a hook waiting this long means something is stuck.
@@ -213,22 +213,26 @@ def _schema_version(tx: StateTxn, path: Path) -> int:
 
 
 def _vet_file(path: Path) -> None:
-    """Refuse what is plainly not a state file before SQLite touches it."""
+    """Refuse what is plainly not a state file before SQLite touches it.
+
+    Only ``stat``, never ``open``: closing any descriptor of a file drops every POSIX lock this
+    process holds on it, including those of an SQLite connection already open here, and another
+    process could then checkpoint the WAL under that connection's feet. The content is judged
+    by SQLite itself in ``_vet_database``.
+    """
     try:
-        with path.open("rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
+        st = path.stat()
     except FileNotFoundError:
         raise StateError(
             f"no vmlend state at {path}; run 'vmlend fabric init' first"
             " (or point --state / VMLEND_STATE at an existing one)"
         ) from None
-    except IsADirectoryError:
-        raise _refuse(path, "is a directory, not a vmlend state file") from None
     except OSError as e:
         raise StateError(f"cannot read the vmlend state {path}: {e.strerror}") from None
-    if head != SQLITE_MAGIC:
-        what = "is empty" if not head else "is not an SQLite database"
-        raise _refuse(path, f"{what}, so it is not a vmlend state file")
+    if stat.S_ISDIR(st.st_mode):
+        raise _refuse(path, "is a directory, not a vmlend state file")
+    if st.st_size == 0:
+        raise _refuse(path, "is empty, so it is not a vmlend state file")
 
 
 def _vet_database(conn: sqlite3.Connection, path: Path) -> None:
@@ -242,6 +246,10 @@ def _vet_database(conn: sqlite3.Connection, path: Path) -> None:
             )
         }
     except sqlite3.DatabaseError as e:
+        if "not a database" in str(e):  # SQLite's word for a file without its header
+            raise _refuse(
+                path, "is not an SQLite database, so it is not a vmlend state file"
+            ) from None
         raise _refuse(path, f"is a corrupt database ({e})") from None
     if app_id != APPLICATION_ID:
         if app_id:
