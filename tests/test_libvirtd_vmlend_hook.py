@@ -1,0 +1,115 @@
+"""vmlend's real hook under a real private libvirtd with real TCG guests.
+
+Installed with vmlend's own installer into the daemon's hooks/qemu.d (picked up without a
+restart, since the daemon started with hooks enabled). Here libvirt refuses mdev guests after
+prepare (no VFIO on this machine), which is exactly what shows the hook returns everything.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import libvirt
+import pytest
+
+from tests.simfabric import make_fabric
+from tests.test_libvirtd_hooks import needs_no_vfio
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.fabric.model import Holder, MiB
+from vmlend.fabric.open import open_fabric
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
+from vmlend.hook.install import install_hook, uninstall_hook
+
+pytestmark = pytest.mark.libvirtd
+
+
+@pytest.fixture
+def vmlend_hook(libvirtd, state_path):
+    """The fabric's state, and vmlend's hook installed into the daemon's config dir."""
+    fabric = make_fabric(state_path)
+    libvirt_dir = libvirtd.hooks_dir.parent
+    result = install_hook(libvirt_dir, state_path, "gamma")
+    assert not result.restart_needed  # the daemon's hooks are already enabled
+    yield fabric
+    uninstall_hook(libvirt_dir)
+
+
+def vmlend_guest(conn, fdids, names):
+    name = f"vl-{uuid.uuid4().hex[:8]}"
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=64 * MiB,
+        machine="pc",
+        virt_type="qemu",
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    xml = new_domain(spec, templates=TemplateSet()).to_bytes()
+    dom = conn.defineXML(xml.decode())
+    names.append(name)
+    return dom
+
+
+@pytest.fixture
+def guests(libvirt_conn):
+    names: list[str] = []
+    yield names
+    for name in names:
+        try:
+            dom = libvirt_conn.lookupByName(name)
+        except libvirt.libvirtError:
+            continue
+        if dom.isActive():
+            dom.destroy()
+        dom.undefine()
+
+
+def state_of(state_path):
+    f = open_fabric(state_path)
+    return (
+        sorted((d.fdid, d.state, d.holder) for d in f.devices()),
+        sorted((m.uuid, m.fdid) for m in f.mdevs()),
+    )
+
+
+@needs_no_vfio
+def test_vmlend_guest_passes_prepare_then_release_returns_every_device(
+    vmlend_hook, libvirt_conn, guests, state_path
+):
+    before = state_of(state_path)
+    dom = vmlend_guest(libvirt_conn, [0x10, 0x12, 0x21, 0x22], guests)
+    with pytest.raises(libvirt.libvirtError) as exc:
+        dom.create()
+    assert exc.value.get_error_code() == libvirt.VIR_ERR_CONFIG_UNSUPPORTED
+    log = "\n".join(ActionLog(log_path_for_state(state_path)).tail(50))
+    for fd in ("0x10", "0x12", "0x21", "0x22"):
+        assert f"prepare: reserve {fd}: ok" in log
+        assert f"release: device {fd}: returned" in log
+    assert "prepare: 4 device(s) ready" in log
+    assert state_of(state_path) == before
+    assert not dom.isActive()
+
+
+def test_start_refused_when_a_device_is_held_elsewhere_leaves_nothing(
+    vmlend_hook, libvirt_conn, guests, state_path
+):
+    vmlend_hook.reserve(0x12, Holder("gamma", "other-vm", str(uuid.uuid4())))
+    before = state_of(state_path)
+    dom = vmlend_guest(libvirt_conn, [0x10, 0x12], guests)
+    with pytest.raises(libvirt.libvirtError) as exc:
+        dom.create()
+    assert exc.value.get_error_code() == libvirt.VIR_ERR_HOOK_SCRIPT_FAILED
+    message = str(exc.value)
+    assert "device 0x12" in message and "held by gamma/other-vm" in message
+    assert state_of(state_path) == before
+    assert not dom.isActive()
+
+
+def test_domain_without_vmlend_devices_boots_untouched(vmlend_hook, libvirt_guests, state_path):
+    before = state_of(state_path)
+    log = ActionLog(log_path_for_state(state_path))
+    dom = libvirt_guests.define()
+    dom.create()
+    assert dom.isActive()
+    dom.destroy()
+    assert state_of(state_path) == before
+    assert [line for line in log.tail(100) if dom.name() in line] == []
