@@ -278,3 +278,158 @@ class PipeUeventSource:
     def close(self) -> None:
         os.close(self._r)
         os.close(self._w)
+
+
+@dataclass
+class _FakeDev:
+    fdid: int
+    lender_node_id: int
+    attrs: dict[str, str]
+    availability: str = "available"
+    borrower: int = -1
+    wants_parent: bool = False  # registered by 'borrow', kept across an unreachable lender
+
+
+class FakeSmartio:
+    """The SmartIO driver of docs/smartio-contract.md, on top of a ``FakeSysfs``."""
+
+    def __init__(self, fake: FakeSysfs, node_id: int) -> None:
+        self.fake = fake
+        self.node_id = node_id
+        self.base = fake.env.smartio
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "node_id").write_text(f"{node_id}\n")
+        self.devs: dict[int, _FakeDev] = {}
+        for attr, fn in (
+            ("lend", self._lend),
+            ("unlend", self._unlend),
+            ("borrow", self._borrow),
+            ("unborrow", self._unborrow),
+        ):
+            path = self.base / attr
+            path.write_text("")
+            fake.handlers[path.resolve()] = self._parsing(attr, fn)
+
+    def _name(self, fdid: int) -> str:
+        return f"fdid-{fdid:08x}"
+
+    def _dir(self, fdid: int) -> Path:
+        return self.fake.root / "sys" / "devices" / "virtual" / "smartio" / self._name(fdid)
+
+    def add_device(
+        self,
+        fdid: int,
+        lender_node_id: int,
+        bdf: str = "0000:41:00.0",
+        vendor: int = 0x8086,
+        device: int = 0x0A54,
+        class_code: int = 0x010802,
+        dma_bits: int = 64,
+        bars: str = "0 0x4000 mem64\n",
+        physfn: int | None = None,
+        availability: str = "available",
+        adapter: int = 0,
+    ) -> None:
+        d = self._dir(fdid)
+        d.mkdir(parents=True)
+        attrs = {
+            "fdid": f"{fdid:#x}",
+            "lender_node_id": str(lender_node_id),
+            "lender_adapter": str(adapter),
+            "lender_bdf": bdf,
+            "vendor": f"{vendor:#06x}",
+            "device": f"{device:#06x}",
+            "class": f"{class_code:#08x}",
+            "dma_bits": str(dma_bits),
+            "physfn": "" if physfn is None else f"{physfn:#x}",
+        }
+        for k, v in attrs.items():
+            (d / k).write_text(v + "\n")
+        (d / "bars").write_text(bars)
+        self.devs[fdid] = _FakeDev(fdid, lender_node_id, attrs, availability)
+        self._sync(fdid)
+        _link(self.base / self._name(fdid), d)
+        self.fake.emit(Uevent("add", self._name(fdid), "smartio"))
+
+    def _sync(self, fdid: int) -> None:
+        dev, d = self.devs[fdid], self._dir(fdid)
+        (d / "availability").write_text(dev.availability + "\n")
+        (d / "borrower_node_id").write_text(f"{dev.borrower}\n")
+
+    def _parsing(self, attr: str, fn: Callable[[int], None]) -> Callable[[str], None]:
+        def store(text: str) -> None:
+            try:
+                fdid = int(text.strip(), 0)
+            except ValueError:
+                raise _oserror(errno.EINVAL, self.base / attr) from None
+            if fdid not in self.devs:
+                raise _oserror(errno.ENODEV, self.base / attr)
+            fn(fdid)
+
+        return store
+
+    # --- the store handlers -------------------------------------------------------------------
+    def _lend(self, fdid: int) -> None:
+        dev = self.devs[fdid]
+        if dev.lender_node_id != self.node_id:
+            raise _oserror(errno.EREMOTE, self.base / "lend")
+        if dev.availability == "unlent":
+            self.set_availability(fdid, "available")
+
+    def _unlend(self, fdid: int) -> None:
+        dev = self.devs[fdid]
+        if dev.lender_node_id != self.node_id:
+            raise _oserror(errno.EREMOTE, self.base / "unlend")
+        if dev.borrower >= 0:
+            raise _oserror(errno.EBUSY, self.base / "unlend")
+        self.set_availability(fdid, "unlent")
+
+    def _borrow(self, fdid: int) -> None:
+        dev = self.devs[fdid]
+        if dev.availability == "unlent":
+            raise _oserror(errno.EPERM, self.base / "borrow")
+        if dev.availability == "unreachable":
+            raise _oserror(errno.EHOSTUNREACH, self.base / "borrow")
+        dev.wants_parent = True
+        if self._name(fdid) not in self.fake._parents:
+            self._register(fdid)
+
+    def _unborrow(self, fdid: int) -> None:
+        dev, name = self.devs[fdid], self._name(fdid)
+        if any(c.parent == name for c in self.fake._children.values()):
+            raise _oserror(errno.EBUSY, self.base / "unborrow")
+        dev.wants_parent = False
+        if name in self.fake._parents:
+            self.fake.remove_parent(name)
+
+    def _register(self, fdid: int) -> None:
+        self.fake.add_parent(
+            self._name(fdid),
+            [FakeType("smartio-lend", "SmartIO lent device", f"fdid {fdid:#x}", available=1)],
+            device_dir="devices/virtual/smartio",
+        )
+
+    # --- what happens elsewhere in the fabric -------------------------------------------------
+    def set_availability(self, fdid: int, availability: str) -> None:
+        """The lender lends/withdraws, or its link goes down/up. An unreachable lender takes
+        the parent (and its children) away; its return brings the parent back."""
+        dev, name = self.devs[fdid], self._name(fdid)
+        dev.availability = availability
+        if availability != "available":
+            dev.borrower = -1
+        self._sync(fdid)
+        self.fake.emit(Uevent("change", name, "smartio", {"SMARTIO_AVAILABILITY": availability}))
+        registered = name in self.fake._parents
+        if availability == "unreachable" and registered:
+            self.fake.remove_parent(name)
+        elif availability == "available" and dev.wants_parent and not registered:
+            self._register(fdid)
+
+    def guest_enable(self, fdid: int) -> None:
+        """The guest enabled the device: the driver takes the hardware borrow for this node."""
+        self.devs[fdid].borrower = self.node_id
+        self._sync(fdid)
+
+    def guest_release(self, fdid: int) -> None:
+        self.devs[fdid].borrower = -1
+        self._sync(fdid)

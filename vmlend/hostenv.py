@@ -1,9 +1,9 @@
 """The host environment: the one object that knows where the host's filesystem starts.
 
-Every path vmlend reads or writes on the host (``sys``, ``dev``, ``etc``, ``run``) hangs off
-``HostEnv.root``, like mdevctl's environment root. On a real host the root is ``/``; tests and
-``--root`` / ``VMLEND_ROOT`` point it at a directory that holds a fake tree. No other module
-spells a host path: they ask this object.
+Every path vmlend reads or writes on the host (``sys``, ``dev``, ``etc``, ``run``, ``proc``)
+hangs off ``HostEnv.root``, like mdevctl's environment root. On a real host the root is ``/``;
+tests and ``--root`` / ``VMLEND_ROOT`` point it at a directory that holds a fake tree. No other
+module spells a host path: they ask this object.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DEFAULT_ROOT = Path("/")
 
 @dataclass(frozen=True)
 class HostEnv:
-    """Where the host's ``sys``, ``dev``, ``etc`` and ``run`` trees live."""
+    """Where the host's ``sys``, ``dev``, ``etc``, ``run`` and ``proc`` trees live."""
 
     root: Path = DEFAULT_ROOT
 
@@ -54,6 +54,10 @@ class HostEnv:
     @property
     def run(self) -> Path:
         return self.root / "run"
+
+    @property
+    def proc(self) -> Path:
+        return self.root / "proc"
 
     # --- well-known places inside them ----------------------------------------------------
     @property
@@ -90,6 +94,10 @@ class HostEnv:
     @property
     def libvirt_hooks(self) -> Path:
         return self.etc / "libvirt" / "hooks"
+
+    def process(self, pid: int) -> Path:
+        """``proc/<pid>``: exists while the process runs."""
+        return self.proc / str(pid)
 
     @property
     def libvirtd_pidfiles(self) -> tuple[Path, ...]:
