@@ -311,7 +311,7 @@ class FakeSmartio:
             fake.handlers[path.resolve()] = self._parsing(attr, fn)
 
     def _name(self, fdid: int) -> str:
-        return f"fdid-{fdid:08x}"
+        return f"smartio-{fdid:x}"
 
     def _dir(self, fdid: int) -> Path:
         return self.fake.root / "sys" / "devices" / "virtual" / "smartio" / self._name(fdid)

@@ -56,7 +56,7 @@ def test_healthy_host_passes_every_check(tmp_path):
     found = checks(fake.env)
     assert {n: f.status for n, f in found.items() if f.status is not Status.OK} == {}
     assert "node 12: 1 devices, 1 available, 1 mdev parents here" in found["smartio driver"].detail
-    assert "fdid-00000012 (smartio-lend)" in found["mdev parents"].detail
+    assert "smartio-12 (smartio-lend)" in found["mdev parents"].detail
     assert found["libvirt"].detail == "libvirt 9.0.0"
 
 
@@ -146,7 +146,7 @@ def test_foreign_hook_is_not_ours(tmp_path):
 
 def test_broken_smartio_attribute_is_reported_not_raised(tmp_path):
     fake = healthy(tmp_path)
-    (fake.env.smartio / "fdid-00000012" / "bars").write_text("zero 0x4000 mem64\n")
+    (fake.env.smartio / "smartio-12" / "bars").write_text("zero 0x4000 mem64\n")
     f = checks(fake.env)["smartio driver"]
     assert f.status is Status.FAIL and "bars" in f.detail
 

@@ -6,10 +6,10 @@ driver's errnos into vmlend errors; deciding who may hold what is the backend's 
     class/smartio/node_id                    this host's fabric node id (read)
     class/smartio/{lend,unlend}              write an fdid: offer / withdraw a local device
     class/smartio/{borrow,unborrow}          write an fdid: register / unregister its mdev parent
-    class/smartio/fdid-<8 hex>/              one per device of the fabric, with attributes
+    class/smartio/smartio-<fdid hex>/        one per device of the fabric, with attributes
         fdid lender_node_id lender_adapter lender_bdf vendor device class dma_bits physfn
         bars availability borrower_node_id
-    class/mdev_bus/fdid-<8 hex>              appears once registered; its only type is
+    class/mdev_bus/smartio-<fdid hex>        appears once registered; its only type is
                                              ``smartio-lend``
 """
 
@@ -37,12 +37,12 @@ log = logging.getLogger(__name__)
 
 MODULE = "smartio"
 MDEV_TYPE = "smartio-lend"
-_NAME_RE = re.compile(r"^fdid-([0-9a-f]{8})$")
+_NAME_RE = re.compile(r"^smartio-([0-9a-f]{1,8})$")
 
 
 def device_name(fdid: int) -> str:
     """The driver's name for ``fdid``: its class device and, once registered, its mdev parent."""
-    return f"fdid-{fdid:08x}"
+    return f"smartio-{fdid:x}"
 
 
 def fdid_of(name: str) -> int | None:
@@ -230,6 +230,10 @@ class SmartioDriver:
             return DeviceNotLentError(fdid, lender)
         if code == errno.EHOSTUNREACH:
             return LenderUnavailableError(fdid, lender)
+        if code == errno.EREMOTE:
+            return FabricError(
+                f"device {f} is installed in {lender}, not here: run 'vmlend {attr}' there"
+            )
         if code == errno.EBUSY:
             what = "it has mdev children" if attr == "unborrow" else "it is borrowed"
             return FabricError(f"SmartIO refused to {attr} device {f}: {what}; release it first")
