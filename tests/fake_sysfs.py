@@ -11,6 +11,7 @@ ordinary writable attribute.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vmlend.fabric.model import Topology
 from vmlend.hostenv import HostEnv
 from vmlend.udev import Uevent
 
@@ -94,6 +96,7 @@ class FakeSysfs:
         """Register ``name`` as an mdev parent (what ``mdev_register_parent`` does)."""
         path = self.root / "sys" / device_dir / name
         path.mkdir(parents=True, exist_ok=True)
+        types = [dataclasses.replace(t) for t in types]  # the fake counts in its own copies
         parent = _Parent(name, path, {t.type_id: t for t in types}, pool)
         self._parents[name] = parent
         for t in types:
@@ -433,3 +436,25 @@ class FakeSmartio:
     def guest_release(self, fdid: int) -> None:
         self.devs[fdid].borrower = -1
         self._sync(fdid)
+
+
+def populate_smartio(smartio: FakeSmartio, topology: Topology) -> None:
+    """Every device of ``topology`` as the SmartIO driver would list it."""
+    ids = {n.name: n.node_id for n in topology.nodes}
+    for d in topology.devices:
+        bars = "".join(
+            f"{b.index} {b.size:#x} {b.kind.value}{' prefetch' if b.prefetch else ''}\n"
+            for b in d.bars
+        )
+        smartio.add_device(
+            d.fdid,
+            ids[d.lender],
+            bdf=d.bdf,
+            vendor=d.vendor_id,
+            device=d.device_id,
+            class_code=d.class_code,
+            dma_bits=d.dma_bits,
+            bars=bars,
+            physfn=d.physfn,
+            availability="available" if d.lent else "unlent",
+        )

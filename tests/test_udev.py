@@ -182,3 +182,20 @@ def test_pyudev_adapter_converts_devices():
     assert classify(Uevent("change", P, "", {"MDEV_STATE": "registered"}), False, False) is (
         ParentChange.APPEARED
     )
+
+
+def test_one_vanishing_reported_twice_reacts_once(fake):
+    gone = []
+    w = make_watcher(fake, [WantedMdev(U1, P, "smartio-lend")], on_vanished=gone.append)
+    fake.remove_parent(P)  # emits MDEV_STATE=unregistered
+    assert len(w.handle(Uevent("remove", P, "smartio"))) == 1
+    assert w.handle(Uevent("change", P, "pci", {"MDEV_STATE": "unregistered"})) == []
+    assert gone == [P]
+
+
+def test_explicit_registered_rechecks_a_known_parent(fake):
+    # The parent left and came back while nobody listened: only MDEV_STATE tells us.
+    w = make_watcher(fake, [WantedMdev(U1, P, "smartio-lend")])
+    assert w.handle(Uevent("add", P, "pci")) == []
+    (r,) = w.handle(Uevent("change", P, "pci", {"MDEV_STATE": "registered"}))
+    assert r.outcome is Outcome.RECREATED

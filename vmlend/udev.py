@@ -184,7 +184,19 @@ class ParentWatcher:
             log.debug("mdev child %s: %s", name, ev.action)
             return []
         is_parent_now = name in self.bus.parent_names()
-        change = classify(ev, is_parent_now, name in self.known)
+        was_parent = name in self.known
+        change = classify(ev, is_parent_now, was_parent)
+        # One transition, one reaction: a driver's own event and the mdev core's MDEV_STATE
+        # often report the same change. Only an explicit "registered" is acted on again,
+        # since a parent may have left and come back while we were not listening.
+        if change is ParentChange.VANISHED and not was_parent:
+            return []
+        if (
+            change is ParentChange.APPEARED
+            and was_parent
+            and ev.properties.get(MDEV_STATE) != "registered"
+        ):
+            return []
         if change is ParentChange.APPEARED:
             self.known.add(name)
             reactions = self._appeared(name)

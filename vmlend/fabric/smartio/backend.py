@@ -54,17 +54,15 @@ log = logging.getLogger(__name__)
 
 
 def overlay(status: DeviceStatus, dev: SmartioDevice | None, local_node_id: int) -> DeviceStatus:
-    """The registry's status corrected by what the driver reports now (pure)."""
+    """The registry's status corrected by what the driver reports now (pure).
+
+    The driver can only take availability away (unreachable, withdrawn): a device is offered
+    when both the registry and the lender's driver say so."""
     state = status.state
     if dev is None or dev.availability is Availability.UNREACHABLE:
         state = DeviceState.UNAVAILABLE
     elif dev.availability is Availability.UNLENT and state is DeviceState.AVAILABLE:
         state = DeviceState.UNLENT  # the lender withdrew it
-    elif dev.availability is Availability.AVAILABLE and state in (
-        DeviceState.UNLENT,
-        DeviceState.UNAVAILABLE,
-    ):
-        state = DeviceState.AVAILABLE  # lent (or back) since the registry last heard
     if (
         state is DeviceState.RESERVED
         and dev is not None
@@ -142,24 +140,29 @@ class SmartioFabric:
         if dev.availability is Availability.UNLENT:
             raise DeviceNotLentError(fdid, lender)
 
-    # --- lender side ---------------------------------------------------------------------------
-    def _is_local(self, fdid: int) -> bool:
-        return self._state.topology().device(fdid).lender == self.local_node
+    # --- lender side: only the host the device is installed in can lend it -----------------
+    def _require_local(self, fdid: int, verb: str) -> None:
+        lender = self._state.topology().device(fdid).lender
+        if lender != self.local_node:
+            raise FabricError(
+                f"device {fdid:#x} is installed in {lender}, not in {self.local_node}:"
+                f" run 'vmlend {verb} {fdid:#x}' on {lender}"
+            )
 
     def lend(self, fdid: int) -> DeviceStatus:
-        if self._is_local(fdid):
-            self.driver.lend(fdid)
+        self._require_local(fdid, "lend")
+        self.driver.lend(fdid)
         self._state.lend(fdid)
         return self.device(fdid)
 
     def unlend(self, fdid: int) -> DeviceStatus:
+        self._require_local(fdid, "unlend")
         self._state.unlend(fdid)  # refuses while anyone holds it
-        if self._is_local(fdid):
-            try:
-                self.driver.unlend(fdid)
-            except FabricError:
-                self._state.lend(fdid)  # undo: the driver still lends it
-                raise
+        try:
+            self.driver.unlend(fdid)
+        except FabricError:
+            self._state.lend(fdid)  # undo: the driver still lends it
+            raise
         return self.device(fdid)
 
     # --- borrower side -------------------------------------------------------------------------
