@@ -11,3 +11,7 @@ def state_path(tmp_path, monkeypatch):
     path = tmp_path / "state.db"
     monkeypatch.setenv("VMLEND_STATE", str(path))
     return path
+
+
+# The real private libvirtd (fixtures libvirtd, libvirt_conn, hook_recorder, libvirt_guests).
+pytest_plugins = ["tests.libvirt_daemon"]
