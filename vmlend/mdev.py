@@ -176,7 +176,7 @@ class MdevBus:
 
     def find_type(self, type_id: str) -> list[MdevType]:
         """Every parent's ``type_id``, e.g. all SmartIO parents' ``smartio-lend``."""
-        found = []
+        found: list[MdevType] = []
         for p in self.parents():
             found.extend(t for t in p.types if t.type_id == type_id)
         return found

@@ -241,7 +241,9 @@ class ParentWatcher:
             if w.parent == parent
         ]
 
-    def run(self, source: UeventSource, stop_fd: int | None = None, timeout: float | None = None):
+    def run(
+        self, source: UeventSource, stop_fd: int | None = None, timeout: float | None = None
+    ) -> int:
         """Handle events until ``stop_fd`` becomes readable or ``timeout`` seconds pass with
         nothing to do. Returns the number of events handled."""
         handled = 0
