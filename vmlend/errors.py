@@ -238,3 +238,19 @@ class MdevKernelError(MdevError):
             f"kernel refused to {op} on mdev parent {parent}/{type_id}: {reason}"
             " (see the kernel log, 'dmesg', for the driver's reason)"
         )
+
+
+class DmaLimitError(ResourceExhaustedError):
+    """Guest RAM lies beyond what a device can address (``need``/``have`` are end addresses)."""
+
+    def __init__(self, device: str, dma_bits: int, gpa_end: int) -> None:
+        super().__init__(f"{dma_bits}-bit DMA reach", device, gpa_end, 1 << dma_bits, "bytes")
+        self.dma_bits = dma_bits
+        self.gpa_end = gpa_end
+
+    def __str__(self) -> str:
+        return (
+            f"device {self.where} addresses only {self.dma_bits} bits (below {self.have:#x}) but "
+            f"guest RAM reaches {self.gpa_end:#x}: short by {self.need - self.have} bytes; give "
+            "the guest less memory or keep its RAM below the limit (e.g. no AMD 1 TiB move)"
+        )
