@@ -158,7 +158,9 @@ def test_driver_not_loaded(state, tmp_path):
 def test_lender_reboot_recreates_the_running_vms_mdev(fabric, fake, other_view):
     start_vm(fabric)
     watcher = fabric.watcher()
-    watcher.discover()
+    assert watcher.discover() == [PARENT]
+    assert [r.outcome for r in watcher.reactions] == [Outcome.PRESENT]
+    watcher.reactions.clear()
     source = PipeUeventSource()
     fake.listeners.append(source.send)
     try:

@@ -42,8 +42,10 @@ def source():
 
 
 def make_watcher(fake, wanted, **kw) -> ParentWatcher:
+    """A watcher that has reconciled once; its reactions then hold only what events cause."""
     w = ParentWatcher(MdevBus(fake.env, fake), lambda: list(wanted), **kw)
     w.discover()
+    w.reactions.clear()
     return w
 
 
@@ -70,6 +72,7 @@ def test_parent_returning_recreates_running_vms_mdevs(fake, source):
     wanted = [WantedMdev(U1, P, "smartio-lend", vm="web"), WantedMdev(U2, "other", "x", vm="db")]
     gone, back = [], []
     w = make_watcher(fake, wanted, on_vanished=gone.append, on_appeared=back.append)
+    back.clear()  # discover() reported the parent present at start
     fake.listeners.append(source.send)
 
     fake.remove_parent(P)  # lender reboots: the kernel drops the parent and its children
@@ -96,8 +99,8 @@ def test_parent_returning_recreates_running_vms_mdevs(fake, source):
 def test_parent_vanishing_marks_unavailable(fake, source):
     w = make_watcher(fake, [WantedMdev(U1, P, "smartio-lend", vm="web")])
     fake.listeners.append(source.send)
-    fake.remove_parent(P)
-    assert w.run(source, timeout=0.2) == 1
+    fake.remove_parent(P)  # discover() had created U1: its removal is an event too
+    assert w.run(source, timeout=0.2) == 2
     assert w.unavailable == {P}
     assert [r.outcome for r in w.reactions] == [Outcome.UNAVAILABLE]
 
@@ -196,6 +199,24 @@ def test_one_vanishing_reported_twice_reacts_once(fake):
 def test_explicit_registered_rechecks_a_known_parent(fake):
     # The parent left and came back while nobody listened: only MDEV_STATE tells us.
     w = make_watcher(fake, [WantedMdev(U1, P, "smartio-lend")])
+    fake.remove_parent(P, announce=False)
+    fake.add_parent(P, TYPES, announce=False)
+    assert MdevBus(fake.env, fake).device(U1) is None
     assert w.handle(Uevent("add", P, "pci")) == []
     (r,) = w.handle(Uevent("change", P, "pci", {"MDEV_STATE": "registered"}))
     assert r.outcome is Outcome.RECREATED
+
+
+def test_discover_at_start_creates_missing_wanted_children(fake):
+    bus = MdevBus(fake.env, fake)
+    bus.create(P, "smartio-lend", U1)
+    wanted = [WantedMdev(U1, P, "smartio-lend", "web"), WantedMdev(U2, P, "smartio-lend", "db")]
+    w = ParentWatcher(bus, lambda: wanted)
+    assert w.discover() == [P]
+    assert [(r.uuid, r.outcome) for r in w.reactions] == [
+        (U1, Outcome.PRESENT),
+        (U2, Outcome.RECREATED),
+    ]
+    assert bus.device(U2) is not None
+    assert w.discover() == [P]  # nothing new: nothing done
+    assert len(w.reactions) == 2

@@ -171,10 +171,14 @@ class ParentWatcher:
         self.reactions: list[Reaction] = []
 
     def discover(self) -> list[str]:
-        """Look at sysfs now; parents that went missing since last time count as vanished."""
+        """Reconcile with sysfs now (at start, or after missing events): parents new since last
+        time count as appeared, so wanted children missing from them are created (mdevctl's
+        autostart); parents gone since count as vanished. Returns the parents present."""
         now = set(self.bus.parent_names())
         for gone in sorted(self.known - now):
-            self._vanished(gone)
+            self.reactions.extend(self._vanished(gone))
+        for new in sorted(now - self.known):
+            self.reactions.extend(self._appeared(new))
         self.known = now
         return sorted(now)
 
