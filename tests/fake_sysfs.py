@@ -5,8 +5,8 @@ kernel lays them out, so ``vmlend.mdev`` reads it exactly as it reads ``/sys``. 
 kernel turns into actions (``create``, ``remove``, the SmartIO ``borrow``/``unborrow``...) cannot
 be plain files, so ``FakeSysfs`` *is* the ``SysfsWriter`` handed to the code under test: it
 applies what the kernel would do (make the device directory and its links, count instances, emit
-uevents) or raises ``OSError`` with the kernel's errno. Any other write lands in the file, like an
-ordinary writable attribute.
+uevents) or raises ``OSError`` with the kernel's errno. A write to any other sysfs attribute fails
+with ``EIO``, as for an attribute without a store handler; outside sysfs it lands in the file.
 """
 
 from __future__ import annotations
@@ -167,6 +167,9 @@ class FakeSysfs:
             self._store_create(real.parent.parent.parent.name, real.parent.name, text, path)
         elif real.name == "remove" and any(c.path == real.parent for c in self._children.values()):
             self._store_remove(real.parent.name, text, path)
+        elif real.is_relative_to(self.env.sys.resolve()):
+            # A sysfs attribute without a store handler: even root's write fails.
+            raise _oserror(errno.EIO, path)
         else:
             real.write_text(text)
 

@@ -218,3 +218,11 @@ def test_kernel_writer_does_one_write_and_reports_errno(tmp_path):
     with pytest.raises(OSError) as e:
         KernelWriter().write(tmp_path / "missing", "1")
     assert e.value.errno == errno.ENOENT
+
+
+def test_fake_refuses_writes_to_read_only_attributes(fake):
+    # Keeps the fake honest: vmlend may only write where the kernel has a store handler.
+    attr = fake.env.mdev_bus / "fdid-00000010" / "mdev_supported_types" / "smartio-lend"
+    with pytest.raises(OSError) as e:
+        fake.write(attr / "available_instances", "5")
+    assert e.value.errno == errno.EIO
