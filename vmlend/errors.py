@@ -254,3 +254,39 @@ class DmaLimitError(ResourceExhaustedError):
             f"guest RAM reaches {self.gpa_end:#x}: short by {self.need - self.have} bytes; give "
             "the guest less memory or keep its RAM below the limit (e.g. no AMD 1 TiB move)"
         )
+
+
+# --- appended by the shared-state work ----------------------------------------------------
+
+
+def _size_text(n: int) -> str:
+    """Bytes in binary units for messages: 64 GiB, 32.05 GiB, 16 MiB."""
+    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.2f}".rstrip("0").rstrip(".") + f" {name}"
+    return f"{n} bytes"
+
+
+class WindowExhaustedError(ResourceExhaustedError):
+    """An NTB window has too little free room; ``need``/``have`` are bytes."""
+
+    def __init__(self, where: str, need: int, have: int, purpose: str = "") -> None:
+        super().__init__("NTB window", where, need, have, "bytes")
+        self.purpose = purpose
+        why = f" ({purpose})" if purpose else ""
+        self.args = (
+            f"NTB window {where} short by {_size_text(need - have)}:"
+            f" need {_size_text(need)}, have {_size_text(have)}{why}",
+        )
+
+
+class DeviceNotReservedError(FabricError):
+    """An operation needs the holder's reservation of the device, and there is none."""
+
+    def __init__(self, fdid: int, holder: str) -> None:
+        self.fdid = fdid
+        self.holder = holder
+        super().__init__(
+            f"device {fdid:#x} is not reserved by {holder}; it must be reserved first"
+            " (starting or hot-adding to the VM does that)"
+        )

@@ -14,6 +14,8 @@ from typing import Any
 import click
 
 from vmlend.errors import ConfigError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.open import open_fabric
 
 log = logging.getLogger("vmlend")
 
@@ -46,6 +48,10 @@ class CliContext:
         )
         path = Path(state_path) if state_path else default_state_path()
         return cls(state_path=path, node=node, verbose=verbose, root=Path(root) if root else None)
+
+    def fabric(self) -> Fabric:
+        """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
+        return open_fabric(self.state_path, self.node)
 
 
 class VmlendGroup(click.Group):

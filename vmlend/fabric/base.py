@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.model import (
     Check,
     DeviceStatus,
@@ -45,6 +46,10 @@ class Fabric(Protocol):
         """Raises ``UnknownDeviceError``."""
         ...
 
+    def usage(self) -> dict[str, AdapterUsage]:
+        """Per adapter ref ("node:index"): LUT entries and NTB window segments in use."""
+        ...
+
     # --- lender side ---------------------------------------------------------------------
     def lend(self, fdid: int) -> DeviceStatus:
         """Offer a device to the fabric. Idempotent."""
@@ -55,17 +60,24 @@ class Fabric(Protocol):
         ...
 
     # --- borrower side -------------------------------------------------------------------
-    def admission(self, fdid: int, borrower: str, guest_ram: int = 0) -> list[Check]:
+    def admission(
+        self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
+    ) -> list[Check]:
         """Check, without changing anything, that ``borrower`` could take ``fdid`` for a guest
         with ``guest_ram`` bytes of RAM: device exists and is lent, not held, an NTB path to the
         lender exists, a LUT entry is free, the NTB window has room for the DMA windows and the
-        BARs. Returns every check; callers fail on the first ``ok=False``."""
+        BARs. Returns every check; callers fail on the first ``ok=False``. With ``holder`` (the
+        VM), DMA windows that VM already has through the same lender adapter count as there,
+        and a device that VM already holds passes."""
         ...
 
-    def reserve(self, fdid: int, holder: Holder) -> DeviceStatus:
+    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
         """Exclusively reserve ``fdid`` for ``holder``. Idempotent for the same holder;
         ``DeviceHeldError`` for another; ``DeviceNotLentError`` if not lent. Atomic across
-        processes: of two racing reservers exactly one wins."""
+        processes: of two racing reservers exactly one wins. Admission control happens here:
+        the reservation claims the LUT entry and the NTB window room (DMA windows for
+        ``guest_ram`` bytes, the device's BARs) or fails with ``ResourceExhaustedError`` /
+        ``NoPathError`` / ``LenderUnavailableError`` and changes nothing."""
         ...
 
     def release(self, fdid: int, holder: Holder) -> bool:

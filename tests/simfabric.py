@@ -1,0 +1,83 @@
+"""Helpers for tests of the simulated fabric: small topologies and opened fabrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.fabric.sim.backend import SimFabric
+
+
+def make_fabric(path: Path, text: str | None = None, node: str | None = "gamma") -> SimFabric:
+    """Initialise ``path`` with ``text`` (default cluster when None) and open it as ``node``."""
+    if text is None:
+        text, source = default_topology_text()
+    else:
+        source = "test.toml"
+    init_fabric(path, text, source, node=node, hostname="test-host")
+    fabric = open_fabric(path)
+    assert isinstance(fabric, SimFabric)
+    return fabric
+
+
+def small_topology(
+    *,
+    lut_entries: int = 32,
+    borrower_lut_entries: int = 32,
+    lender_window: str = "128GiB",
+    lender_segments: int = 32,
+    borrower_window: str = "128GiB",
+    borrower_segments: int = 32,
+    devices: int = 3,
+    bars: str = '[ { index = 0, size = "16MiB" } ]',
+    isolated: bool = False,
+) -> str:
+    """One lender ``l`` with ``devices`` devices (fdid 0x100...) and a borrower ``b``; with
+    ``isolated`` a third node ``x`` that no cable reaches."""
+    devs = "\n".join(
+        f"""
+  [[node.device]]
+  fdid = {0x100 + i}
+  bdf = "0000:0{i + 1}:00.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1521
+  class = 0x020000
+  bars = {bars}
+"""
+        for i in range(devices)
+    )
+    extra = (
+        """
+[[node]]
+name = "x"
+id = 3
+  [[node.adapter]]
+  index = 0
+"""
+        if isolated
+        else ""
+    )
+    return f"""
+name = "small"
+[[node]]
+name = "l"
+id = 1
+  [[node.adapter]]
+  index = 0
+  window = "{lender_window}"
+  segments = {lender_segments}
+  lut_entries = {lut_entries}
+{devs}
+[[node]]
+name = "b"
+id = 2
+  [[node.adapter]]
+  index = 0
+  window = "{borrower_window}"
+  segments = {borrower_segments}
+  lut_entries = {borrower_lut_entries}
+{extra}
+[[link]]
+ends = ["l:0", "b:0"]
+"""

@@ -1,0 +1,202 @@
+"""The state database file: create, open, and refusal of missing, corrupt and foreign files."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from vmlend.errors import StateError
+from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.registry import Registry, TopologyRecord
+from vmlend.registry import schema as schema_mod
+from vmlend.registry import store as store_mod
+
+
+def _fill(tx):
+    tx.replace_topology(TopologyRecord("t", "src", "text", "d", "gamma", 0.0), ["gamma"], [])
+
+
+@pytest.fixture
+def made(tmp_path):
+    path = tmp_path / "state.db"
+    Registry.create(path, _fill).close()
+    return path
+
+
+def test_create_marks_the_file_as_ours_in_wal_mode(made):
+    conn = sqlite3.connect(made)
+    try:
+        assert conn.execute("PRAGMA application_id").fetchone()[0] == schema_mod.APPLICATION_ID
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        assert version == (str(schema_mod.SCHEMA_VERSION),)
+    finally:
+        conn.close()
+    with Registry.open(made) as reg, reg.read() as tx:
+        assert tx.topology().local_node == "gamma"
+
+
+def test_create_never_replaces_an_existing_file(made):
+    before = made.read_bytes()
+    with pytest.raises(FileExistsError):
+        Registry.create(made, _fill)
+    assert made.read_bytes() == before
+    assert sorted(p.name for p in made.parent.iterdir()) == ["state.db"]  # no temp files left
+
+
+def test_missing_file_says_to_run_init(tmp_path):
+    with pytest.raises(StateError, match=r"no vmlend state at .*run 'vmlend fabric init' first"):
+        Registry.open(tmp_path / "nope.db")
+    assert not (tmp_path / "nope.db").exists()
+
+
+def test_directory_is_refused(tmp_path):
+    with pytest.raises(StateError, match="is a directory"):
+        Registry.open(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        (bytes(range(256)) * 64, "is not an SQLite database"),
+        (b"", "is empty"),
+        (b"SQLite format", "is not an SQLite database"),
+    ],
+)
+def test_garbage_is_refused_and_left_alone(tmp_path, content, what):
+    path = tmp_path / "state.db"
+    path.write_bytes(content)
+    with pytest.raises(StateError, match=what) as e:
+        Registry.open(path)
+    assert "will not overwrite" in str(e.value)
+    assert path.read_bytes() == content
+
+
+def _foreign(path, app_id=0):
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE recipes (name TEXT)")
+    conn.execute("INSERT INTO recipes VALUES ('soup')")
+    if app_id:
+        conn.execute(f"PRAGMA application_id = {app_id}")
+    conn.commit()
+    conn.close()
+
+
+def test_foreign_sqlite_database_is_refused(tmp_path):
+    path = tmp_path / "state.db"
+    _foreign(path)
+    before = path.read_bytes()
+    with pytest.raises(StateError, match=r"another application \(tables: recipes\)"):
+        Registry.open(path)
+    assert path.read_bytes() == before
+
+
+def test_foreign_application_id_is_refused(tmp_path):
+    path = tmp_path / "state.db"
+    _foreign(path, app_id=0x1234)
+    with pytest.raises(StateError, match="application_id 0x1234"):
+        Registry.open(path)
+
+
+def test_empty_sqlite_database_is_refused(tmp_path):
+    path = tmp_path / "state.db"
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 1")  # forces the header to be written
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError, match="empty SQLite database"):
+        Registry.open(path)
+
+
+def test_init_refuses_a_foreign_file_and_keeps_it(tmp_path):
+    path = tmp_path / "state.db"
+    _foreign(path)
+    before = path.read_bytes()
+    text, source = default_topology_text()
+    with pytest.raises(StateError, match="another application"):
+        init_fabric(path, text, source)
+    assert path.read_bytes() == before
+
+
+def test_corrupt_pages_are_refused(tmp_path):
+    path = tmp_path / "state.db"
+    text, source = default_topology_text()
+    init_fabric(path, text, source, hostname="x")
+    data = bytearray(path.read_bytes())
+    page = 4096
+    assert len(data) > 3 * page
+    data[page : 3 * page] = b"\xa5" * (2 * page)  # smash the pages after the header page
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateError, match="corrupt") as e:
+        Registry.open(path)
+    assert "vmlend fabric init" in str(e.value)
+    assert path.read_bytes() == bytes(data)
+
+
+def test_newer_schema_is_refused(made):
+    conn = sqlite3.connect(made)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError, match=r"schema version 99, newer .* upgrade vmlend"):
+        Registry.open(made)
+
+
+def test_older_schema_is_migrated(made, monkeypatch):
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(store_mod, "MIGRATIONS", {1: ("CREATE TABLE extra (x INTEGER)",)})
+    monkeypatch.setattr(store_mod, "TABLES", schema_mod.TABLES | {"extra"})
+    with Registry.open(made) as reg, reg.read() as tx:
+        assert tx.meta("schema_version") == "2"
+    with Registry.open(made) as reg, reg.read() as tx:  # idempotent: nothing left to do
+        assert tx.meta("schema_version") == "2"
+
+
+def test_a_write_waits_then_fails_clearly_when_locked(made):
+    with Registry.open(made) as a, a.write() as tx:
+        tx.set_meta("x", "1")
+        with Registry.open(made, busy_timeout=0.05) as b:
+            with pytest.raises(StateError, match="locked by another process"), b.write():
+                pass
+            with b.read() as rtx:  # WAL: readers are not blocked by the writer
+                assert rtx.meta("x") is None
+
+
+def test_failed_write_changes_nothing(made):
+    with Registry.open(made) as reg:
+        with pytest.raises(RuntimeError), reg.write() as tx:
+            tx.set_meta("x", "1")
+            raise RuntimeError("boom")
+        with reg.read() as tx:
+            assert tx.meta("x") is None
+
+
+def test_read_transaction_cannot_write(made):
+    with Registry.open(made) as reg, reg.read() as tx, pytest.raises(RuntimeError):
+        tx.set_meta("x", "1")
+
+
+def test_create_in_an_unwritable_place_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StateError, match=r"cannot create the vmlend state .*--state"):
+        Registry.create(blocker / "sub" / "state.db", _fill)
+
+
+def test_a_state_missing_a_table_is_refused(made):
+    conn = sqlite3.connect(made)
+    conn.execute("DROP TABLE mdevs")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError, match=r"lacks vmlend tables \(mdevs\)"):
+        Registry.open(made)
+
+
+def test_a_state_with_unknown_tables_is_refused(made):
+    conn = sqlite3.connect(made)
+    conn.execute("CREATE TABLE intruder (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError, match="carries vmlend's mark but not its tables"):
+        Registry.open(made)

@@ -1,0 +1,211 @@
+"""``vmlend fabric``: initialise the shared state with a topology and show the fabric."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, json_option, render_table
+from vmlend.errors import ConfigError, TopologyError
+from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.fabric.sim.backend import SimFabric
+
+
+@click.group("fabric")
+def fabric() -> None:
+    """The fabric: its nodes, NTB adapters and links, kept in the shared state."""
+
+
+@fabric.command("init")
+@click.option(
+    "--topology",
+    "topology_file",
+    type=click.Path(dir_okay=False),
+    help="Topology file (TOML) [default: the shipped three-node cluster].",
+)
+@click.option("--node", help="The node this host is [default: found by hostname].")
+@click.option("--replace", is_flag=True, help="Replace a different topology (nothing held).")
+@json_option
+@click.pass_obj
+def init(
+    obj: CliContext,
+    topology_file: str | None,
+    node: str | None,
+    replace: bool,
+    json_output: bool,
+) -> None:
+    """Put a topology into the shared state. Running it again with the same topology changes
+    nothing."""
+    if topology_file is None:
+        text, source = default_topology_text()
+    else:
+        try:
+            text, source = Path(topology_file).read_text(), topology_file
+        except OSError as e:
+            raise TopologyError(topology_file, f"cannot read: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise TopologyError(topology_file, "not a text file") from None
+    result = init_fabric(obj.state_path, text, source, node=node or obj.node, replace=replace)
+    topo = result.topology
+    if json_output:
+        emit_json(
+            {
+                "action": result.action,
+                "state": str(obj.state_path),
+                "topology": topo.name,
+                "source": source,
+                "local_node": result.local_node,
+                "nodes": [n.name for n in topo.nodes],
+                "devices": len(topo.devices),
+            }
+        )
+        return
+    click.echo(
+        f"{result.action}: {obj.state_path} holds topology {topo.name!r}"
+        f" ({len(topo.nodes)} nodes, {len(topo.devices)} devices);"
+        f" this host is node {result.local_node}"
+    )
+
+
+def _node_states(f: Fabric) -> dict[str, tuple[bool, str]]:
+    if isinstance(f, SimFabric):
+        return {name: (rec.up, rec.why) for name, rec in f.node_states().items()}
+    return {}
+
+
+def _adapter_json(u: AdapterUsage) -> dict[str, Any]:
+    a = u.adapter
+    return {
+        "ref": a.ref,
+        "model": a.model,
+        "lut_entries": a.lut_entries,
+        "lut_usable": a.lut_usable,
+        "lut_used": u.lut_used,
+        "window_size": a.window_size,
+        "window_used": u.window_used,
+        "segments": a.segments,
+        "segment_size": a.segment_size,
+        "segments_used": u.segments_used,
+    }
+
+
+def fabric_json(f: Fabric) -> dict[str, Any]:
+    topo = f.topology()
+    use = f.usage()
+    states = _node_states(f)
+    return {
+        "name": topo.name,
+        "source": topo.source,
+        "local_node": f.local_node,
+        "nodes": [
+            {
+                "name": n.name,
+                "id": n.node_id,
+                "hostname": n.hostname,
+                "ram": n.ram,
+                "up": states.get(n.name, (True, ""))[0],
+                "down_reason": states.get(n.name, (True, ""))[1],
+                "devices": [f"{d.fdid:#x}" for d in topo.devices if d.lender == n.name],
+                "adapters": [_adapter_json(use[a.ref]) for a in n.adapters],
+            }
+            for n in topo.nodes
+        ],
+        "links": [{"ends": list(link.ends), "switch": link.switch} for link in topo.links],
+    }
+
+
+def render_fabric(f: Fabric) -> str:
+    """The fabric as text: nodes, adapters with their use, links."""
+    topo = f.topology()
+    use = f.usage()
+    states = _node_states(f)
+    node_rows = []
+    for n in topo.nodes:
+        up, why = states.get(n.name, (True, ""))
+        lent = sum(1 for d in topo.devices if d.lender == n.name)
+        here = " (this host)" if n.name == f.local_node else ""
+        node_rows.append(
+            [
+                n.name + here,
+                n.node_id,
+                n.hostname,
+                format_size(n.ram),
+                lent,
+                "up" if up else f"DOWN{': ' + why if why else ''}",
+            ]
+        )
+    adapter_rows = []
+    for a in topo.adapters():
+        u = use[a.ref]
+        adapter_rows.append(
+            [
+                a.ref,
+                a.model,
+                f"{u.lut_used}/{a.lut_usable}",
+                f"{format_size_short(u.window_used) if u.window_used else 0}"
+                f"/{format_size_short(a.window_size)}",
+                f"{u.segments_used}/{a.segments} x {format_size_short(a.segment_size)}",
+            ]
+        )
+    links = [
+        f"switch {link.switch}: {', '.join(link.ends)}"
+        if link.switch
+        else f"cable: {' <-> '.join(link.ends)}"
+        for link in topo.links
+    ]
+    return "\n\n".join(
+        [
+            f"fabric {topo.name!r} from {topo.source}",
+            render_table(("NODE", "ID", "HOSTNAME", "RAM", "DEVICES", "STATE"), node_rows),
+            render_table(
+                ("ADAPTER", "MODEL", "LUT USED/USABLE", "WINDOW USED/SIZE", "SEGMENTS"),
+                adapter_rows,
+            ),
+            "\n".join(["LINKS", *(f"  {line}" for line in links)] if links else ["LINKS  none"]),
+        ]
+    )
+
+
+@fabric.command("show")
+@json_option
+@click.pass_obj
+def show(obj: CliContext, json_output: bool) -> None:
+    """Show nodes (with node ids), NTB adapters (LUT and window use) and links."""
+    f = obj.fabric()
+    if json_output:
+        emit_json(fabric_json(f))
+    else:
+        click.echo(render_fabric(f))
+
+
+def _sim(obj: CliContext) -> SimFabric:
+    f = obj.fabric()
+    if not isinstance(f, SimFabric):
+        raise ConfigError("only the simulated fabric can mark nodes down or up")
+    return f
+
+
+@fabric.command("node-down")
+@click.argument("node")
+@click.option("--why", default="", help="Reason shown with the node's devices.")
+@click.pass_obj
+def node_down(obj: CliContext, node: str, why: str) -> None:
+    """Simulate NODE vanishing: its devices become unavailable and cannot be reserved."""
+    _sim(obj).set_node_up(node, False, why)
+    click.echo(f"node {node} marked down; its devices are unavailable")
+
+
+@fabric.command("node-up")
+@click.argument("node")
+@click.pass_obj
+def node_up(obj: CliContext, node: str) -> None:
+    """Bring a node marked down back."""
+    _sim(obj).set_node_up(node, True)
+    click.echo(f"node {node} marked up")
+
+
+COMMANDS = [fabric]

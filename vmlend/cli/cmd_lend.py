@@ -1,0 +1,57 @@
+"""``vmlend lend`` / ``vmlend unlend``: offer a device to the fabric or withdraw it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from vmlend.cli.cmd_devices import device_json
+from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.errors import ConfigError
+from vmlend.fabric.model import DeviceStatus, format_fdid, parse_fdid
+
+
+class FdidType(click.ParamType):
+    """A fabric device id argument (``0x10`` or ``16``); bad text is a usage error."""
+
+    name = "FDID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_fdid(value)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+
+
+FDID = FdidType()
+
+
+def _report(st: DeviceStatus, json_output: bool) -> None:
+    if json_output:
+        emit_json(device_json(st))
+        return
+    s = st.spec
+    holder = f" (held by {st.holder})" if st.holder else ""
+    click.echo(f"device {format_fdid(s.fdid)} ({s.kind} {s.bdf} on {s.lender}): {st.state}{holder}")
+
+
+@click.command("lend")
+@click.argument("fdid", type=FDID)
+@json_option
+@click.pass_obj
+def lend(obj: CliContext, fdid: int, json_output: bool) -> None:
+    """Offer device FDID to the fabric so VMs on other nodes can borrow it."""
+    _report(obj.fabric().lend(fdid), json_output)
+
+
+@click.command("unlend")
+@click.argument("fdid", type=FDID)
+@json_option
+@click.pass_obj
+def unlend(obj: CliContext, fdid: int, json_output: bool) -> None:
+    """Withdraw device FDID from the fabric (refused while a VM holds it)."""
+    _report(obj.fabric().unlend(fdid), json_output)
+
+
+COMMANDS = [lend, unlend]

@@ -1,0 +1,240 @@
+"""``vmlend xml``: write and edit domain XML with remote devices (parsing only; the work is in
+``vmlend.domain``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import uuid
+from pathlib import Path, PurePath
+from typing import Any
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.domain import (
+    DeviceRequest,
+    DomainDocument,
+    DomainSpec,
+    FdidValidator,
+    PciAddress,
+    TemplateSet,
+    add_device,
+    find_device,
+    new_domain,
+    remove_device,
+)
+from vmlend.domain.info import info_of
+from vmlend.domain.units import format_size, parse_size
+from vmlend.errors import ConfigError
+from vmlend.fabric.model import format_fdid, parse_fdid
+
+log = logging.getLogger(__name__)
+
+
+class _Converting(click.ParamType):
+    """A click type from one of our parse functions: its ConfigError becomes a usage error."""
+
+    def __init__(self, name: str, parse: Any) -> None:
+        self.name = name
+        self._parse = parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self._parse(value)
+        except (ConfigError, ValueError) as e:
+            self.fail(str(e), param, ctx)
+
+
+def _parse_device(text: str) -> DeviceRequest:
+    fdid, _, addr = text.partition("@")
+    return DeviceRequest(parse_fdid(fdid), PciAddress.parse(addr) if addr else None)
+
+
+def _parse_uuid(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise ConfigError(f"bad UUID {text!r}") from None
+
+
+FDID = _Converting("FDID", parse_fdid)
+DEVICE = _Converting("FDID[@ADDR]", _parse_device)
+ADDRESS = _Converting("DDDD:BB:SS.F", PciAddress.parse)
+SIZE = _Converting("SIZE", parse_size)
+UUID = _Converting("UUID", _parse_uuid)
+
+
+def fabric_validator(obj: CliContext) -> FdidValidator | None:
+    """A check that an fdid exists in the fabric, when this host has a state to ask."""
+    if not obj.state_path.exists():
+        log.info("no state at %s: fdids are checked for syntax only", obj.state_path)
+        return None
+    try:
+        from vmlend.fabric.open import open_fabric  # type: ignore[import-not-found]
+    except ImportError:
+        log.info("no fabric backend in this vmlend: fdids are checked for syntax only")
+        return None
+    fabric = open_fabric(obj.state_path, obj.node)
+    return fabric.device  # type: ignore[no-any-return]
+
+
+def _read(path: Path) -> DomainDocument:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    return DomainDocument.parse(data, source=str(path))
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` so a reader never sees half a file; keeps its permission bits."""
+    target = path.resolve()
+    try:
+        mode = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o644
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror}") from None
+
+
+@click.group("xml")
+def xml_group() -> None:
+    """Write and edit libvirt domain XML that uses remote devices."""
+
+
+@xml_group.command("new")
+@click.argument("name")
+@click.option("--memory", type=SIZE, default="1G", show_default=True, help="Guest RAM (4G, 512M).")
+@click.option("--vcpus", type=click.IntRange(1, 4096), default=1, show_default=True)
+@click.option("--machine", type=click.Choice(["q35", "pc"]), default="q35", show_default=True)
+@click.option(
+    "--virt-type",
+    type=click.Choice(["kvm", "qemu"]),
+    default="kvm",
+    show_default=True,
+    help="kvm, or qemu for TCG (no /dev/kvm).",
+)
+@click.option(
+    "--device",
+    "devices",
+    type=DEVICE,
+    multiple=True,
+    help="A remote device by fdid, optionally at a guest address: 0x10 or 0x10@0000:00:05.0."
+    " Repeatable.",
+)
+@click.option("--disk", type=click.Path(dir_okay=False), help="Boot disk image (qcow2 or raw).")
+@click.option("--uuid", "domain_uuid", type=UUID, help="Domain UUID [default: random].")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here, not stdout.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
+@click.option("--no-fabric-check", is_flag=True, help="Do not ask the fabric about the fdids.")
+@click.pass_obj
+def new_cmd(
+    obj: CliContext,
+    name: str,
+    memory: int,
+    vcpus: int,
+    machine: str,
+    virt_type: str,
+    devices: tuple[DeviceRequest, ...],
+    disk: str | None,
+    domain_uuid: uuid.UUID | None,
+    output: str | None,
+    force: bool,
+    no_fabric_check: bool,
+) -> None:
+    """A complete domain XML for NAME, on stdout or in -o FILE."""
+    if output and Path(output).exists() and not force:
+        raise click.UsageError(f"{output} exists; pass --force to overwrite it")
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=memory,
+        vcpus=vcpus,
+        machine=machine,
+        virt_type=virt_type,
+        uuid=domain_uuid,
+        disk=PurePath(disk) if disk else None,
+        devices=devices,
+    )
+    validator = None if no_fabric_check or not devices else fabric_validator(obj)
+    doc = new_domain(spec, templates=TemplateSet(), validate_fdid=validator)
+    data = doc.to_bytes()
+    if output:
+        write_atomically(Path(output), data)
+        click.echo(f"wrote {output} ({len(devices)} remote device(s))", err=True)
+    else:
+        click.echo(data.decode(doc.encoding), nl=False)
+
+
+@xml_group.command("add-device")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("fdid", type=FDID)
+@click.option("--address", type=ADDRESS, help="Guest PCI address [default: libvirt picks].")
+@click.option("--no-fabric-check", is_flag=True, help="Do not ask the fabric about the fdid.")
+@click.pass_obj
+def add_device_cmd(
+    obj: CliContext, file: Path, fdid: int, address: PciAddress | None, no_fabric_check: bool
+) -> None:
+    """Add remote device FDID to the domain XML in FILE (in place). A device that is already
+    there is left alone."""
+    doc = _read(file)
+    if find_device(doc, fdid) is None:
+        validator = None if no_fabric_check else fabric_validator(obj)
+        if validator is not None:
+            validator(fdid)
+    elif address is None:
+        click.echo(f"device {format_fdid(fdid)} is already in {file}; nothing changed", err=True)
+        return
+    changed = add_device(doc, fdid, templates=TemplateSet(), address=address)
+    write_atomically(file, changed.to_bytes())
+
+
+@xml_group.command("remove-device")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("fdid", type=FDID)
+@click.option("--missing-ok", is_flag=True, help="Succeed when the device is not there.")
+def remove_device_cmd(file: Path, fdid: int, missing_ok: bool) -> None:
+    """Remove remote device FDID from the domain XML in FILE (in place)."""
+    doc = _read(file)
+    if missing_ok and find_device(doc, fdid) is None:
+        click.echo(f"device {format_fdid(fdid)} is not in {file}; nothing changed", err=True)
+        return
+    write_atomically(file, remove_device(doc, fdid).to_bytes())
+
+
+@xml_group.command("show")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@json_option
+def show_cmd(file: Path, json_output: bool) -> None:
+    """The remote devices of the domain XML in FILE, and any disagreement in it."""
+    info = info_of(_read(file), strict=False)
+    if json_output:
+        emit_json(info.to_json())
+    else:
+        memory = format_size(info.memory_bytes) if info.memory_bytes is not None else "?"
+        click.echo(f"{info.name}  uuid {info.uuid}  {info.machine or '?'}  {memory}")
+        rows = [
+            (format_fdid(d.fdid), str(d.mdev), str(d.address) if d.address else "-")
+            for d in info.devices
+        ]
+        emit_table(("FDID", "MDEV", "GUEST ADDRESS"), rows)
+    for p in info.problems:
+        click.echo(f"vmlend: warning: {p.message}", err=True)
+    if info.problems:
+        raise SystemExit(1)
+
+
+COMMANDS = [xml_group]

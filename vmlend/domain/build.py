@@ -1,0 +1,102 @@
+"""A new domain from the templates: ``vmlend xml new``."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePath
+
+from vmlend.domain.address import PciAddress
+from vmlend.domain.document import DomainDocument
+from vmlend.domain.layout import insert_child
+from vmlend.domain.model import DomainXML
+from vmlend.domain.rewrite import add_device
+from vmlend.domain.templates import MACHINES, TemplateSet
+from vmlend.domain.xmlprop import XMLNode, XMLProperty
+from vmlend.errors import ConfigError
+
+#: Checks that a fabric device id exists (raises ``UnknownDeviceError`` or similar); the CLI
+#: passes one backed by the fabric when a state exists.
+FdidValidator = Callable[[int], object]
+
+VIRT_TYPES = ("kvm", "qemu")
+_NAME = re.compile(r"^[^/\x00-\x1f]{1,200}$")
+
+
+class DiskXML(XMLNode):
+    driver_type = XMLProperty("./driver/@type")
+    file = XMLProperty("./source/@file")
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    fdid: int
+    address: PciAddress | None = None
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    name: str
+    memory_bytes: int
+    vcpus: int = 1
+    machine: str = "q35"
+    virt_type: str = "kvm"
+    uuid: uuid.UUID | None = None
+    disk: PurePath | None = None
+    devices: Sequence[DeviceRequest] = field(default=())
+
+    def validate(self) -> None:
+        """Checks separate from building: every problem is the user's to fix."""
+        if not _NAME.match(self.name) or self.name.strip() != self.name:
+            raise ConfigError(
+                f"bad domain name {self.name!r}: 1-200 characters, no '/', no control characters"
+            )
+        if self.memory_bytes < 1 << 20 or self.memory_bytes % 1024:
+            raise ConfigError("memory must be at least 1M and a multiple of 1K")
+        if not 1 <= self.vcpus <= 4096:
+            raise ConfigError(f"vcpus must be between 1 and 4096, not {self.vcpus}")
+        if self.machine not in MACHINES:
+            raise ConfigError(f"unknown machine type {self.machine!r}; choose q35 or pc")
+        if self.virt_type not in VIRT_TYPES:
+            raise ConfigError(f"unknown virt type {self.virt_type!r}; choose kvm or qemu (TCG)")
+        fdids = [d.fdid for d in self.devices]
+        if len(set(fdids)) != len(fdids):
+            raise ConfigError("a device is given twice")
+
+
+def _disk_format(path: PurePath) -> str:
+    return "qcow2" if path.suffix == ".qcow2" else "raw"
+
+
+def new_domain(
+    spec: DomainSpec,
+    *,
+    templates: TemplateSet,
+    validate_fdid: FdidValidator | None = None,
+) -> DomainDocument:
+    """A complete domain for ``spec`` (a random UUID unless given)."""
+    spec.validate()
+    for d in spec.devices:
+        if validate_fdid is not None:
+            validate_fdid(d.fdid)
+    root = templates.domain(spec.machine)
+    domain = DomainXML(root)
+    domain.virt_type = spec.virt_type
+    domain.name = spec.name
+    domain.uuid = spec.uuid or uuid.uuid4()
+    domain.set_memory(spec.memory_bytes)
+    domain.vcpus = spec.vcpus
+    doc = DomainDocument(root=root, epilog=b"\n")
+    if spec.disk is not None:
+        disk_el = templates.disk()
+        disk = DiskXML(disk_el)
+        disk.file = str(spec.disk)
+        disk.driver_type = _disk_format(spec.disk)
+        devices = domain.devices_element(create=True)
+        assert devices is not None
+        insert_child(devices, disk_el, 0)
+    for d in spec.devices:
+        doc = add_device(doc, d.fdid, templates=templates, address=d.address)
+    return doc

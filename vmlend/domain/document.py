@@ -1,0 +1,117 @@
+"""Parse domain XML bytes into an lxml tree and serialise it back, changing as little as possible.
+
+lxml keeps element order, attribute order, comments and whitespace inside the root element, but
+drops what lies outside it (the XML declaration, comments before the root, the final newline).
+``DomainDocument`` keeps those bytes verbatim, so a document that was not changed serialises to
+exactly its input, and a changed one differs only where it was changed (plus lxml's own quoting:
+attributes come out in double quotes, ``<a></a>`` as ``<a/>``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from lxml import etree
+
+from vmlend.domain.preserve import keep_original_lines
+from vmlend.errors import DomainXMLError
+
+
+def _parser() -> etree.XMLParser:
+    # Libvirt domain XML never needs a DTD or entities; refusing them keeps parsing safe for
+    # XML that arrives on a hook's stdin. A new parser per call: lxml parsers are not safe to
+    # share between threads.
+    return etree.XMLParser(
+        resolve_entities=False,
+        no_network=True,
+        load_dtd=False,
+        remove_blank_text=False,
+        huge_tree=False,
+    )
+
+
+def _serialise(node: etree._Element, encoding: str) -> bytes:
+    data = etree.tostring(node, encoding=encoding, with_tail=False, xml_declaration=False)
+    assert isinstance(data, bytes)  # an explicit encoding always gives bytes
+    return data
+
+
+def _prolog_length(data: bytes) -> int:
+    """Bytes before the root's start tag: whitespace, the declaration, comments, PIs."""
+    i = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte order mark
+    n = len(data)
+    while i < n:
+        if data[i : i + 1].isspace():
+            i += 1
+        elif data.startswith(b"<?", i):
+            end = data.find(b"?>", i)
+            i = n if end < 0 else end + 2
+        elif data.startswith(b"<!--", i):
+            end = data.find(b"-->", i)
+            i = n if end < 0 else end + 3
+        elif data.startswith(b"<!", i):
+            end = data.find(b">", i)
+            i = n if end < 0 else end + 1
+        else:
+            break
+    return i
+
+
+@dataclass
+class DomainDocument:
+    """A parsed domain: the root element plus the verbatim bytes around it."""
+
+    root: etree._Element
+    prolog: bytes = b""
+    epilog: bytes = b""
+    encoding: str = "UTF-8"
+    #: The root element's bytes as parsed, to keep unchanged lines verbatim on output.
+    original: bytes = b""
+
+    @classmethod
+    def parse(cls, data: bytes | str, *, source: str = "domain XML") -> DomainDocument:
+        """Parse ``data``; malformed XML or a non-``<domain>`` root raise ``DomainXMLError``."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        if not data.strip():
+            raise DomainXMLError(f"{source} is empty; expected a libvirt <domain> document")
+        try:
+            root = etree.fromstring(data, _parser())
+        except etree.XMLSyntaxError as e:
+            line = e.lineno if e.lineno else "?"
+            msg = e.msg.splitlines()[0] if e.msg else "syntax error"
+            raise DomainXMLError(f"{source} is not well-formed XML (line {line}): {msg}") from None
+        if root.tag != "domain":
+            raise DomainXMLError(
+                f"{source} has root element <{root.tag}>, expected a libvirt <domain>"
+            )
+        docinfo = root.getroottree().docinfo
+        # (lxml-stubs lack DocInfo.doctype, which lxml has had since 2.0.)
+        if docinfo.doctype or docinfo.internalDTD is not None:  # type: ignore[union-attr]
+            # libvirt never writes one; entities in a DTD could point outside the document.
+            raise DomainXMLError(f"{source} has a DOCTYPE; libvirt domain XML has none")
+        encoding = docinfo.encoding or "UTF-8"
+        prolog = data[: _prolog_length(data)]
+        stripped = data.rstrip()
+        epilog = data[len(stripped) :]
+        original = data[len(prolog) : len(stripped)]
+        return cls(root=root, prolog=prolog, epilog=epilog, encoding=encoding, original=original)
+
+    def copy(self) -> DomainDocument:
+        """A deep copy, so rewrites can stay pure."""
+        return DomainDocument(
+            root=copy.deepcopy(self.root),
+            prolog=self.prolog,
+            epilog=self.epilog,
+            encoding=self.encoding,
+            original=self.original,
+        )
+
+    def to_bytes(self) -> bytes:
+        body = _serialise(self.root, self.encoding)
+        # Comments or PIs after the root element are not kept verbatim, but they are kept.
+        trailer = b"".join(_serialise(s, self.encoding) for s in self.root.itersiblings())
+        if trailer:
+            trailer = b"\n" + trailer
+        return self.prolog + keep_original_lines(self.original, body + trailer) + self.epilog

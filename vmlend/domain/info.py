@@ -1,0 +1,71 @@
+"""The read API the hook and the CLI use: what a domain XML says about its remote devices."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from vmlend.domain.consistency import Problem, find_problems, raise_on
+from vmlend.domain.document import DomainDocument
+from vmlend.domain.metadata import VmlendDevice, find_metadata
+from vmlend.domain.model import DomainXML
+from vmlend.errors import DomainXMLError
+
+
+@dataclass(frozen=True)
+class DomainInfo:
+    name: str
+    uuid: uuid.UUID | None
+    memory_bytes: int | None
+    machine: str | None
+    virt_type: str | None
+    devices: tuple[VmlendDevice, ...] = ()
+    #: The node the XML was last rewritten for by a migration, if any.
+    host_node: str | None = None
+    problems: tuple[Problem, ...] = field(default=())
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "uuid": None if self.uuid is None else str(self.uuid),
+            "memory_bytes": self.memory_bytes,
+            "machine": self.machine,
+            "virt_type": self.virt_type,
+            "host_node": self.host_node,
+            "devices": [d.to_json() for d in self.devices],
+            "problems": [p.message for p in self.problems],
+        }
+
+
+def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
+    domain = DomainXML(doc.root)
+    name = domain.name
+    if not name:
+        raise DomainXMLError("domain XML has no <name>")
+    meta = find_metadata(doc.root)
+    devices = tuple(meta.devices()) if meta is not None else ()
+    problems = tuple(find_problems(doc))
+    if strict:
+        raise_on(list(problems), f"domain {name} is inconsistent")
+    return DomainInfo(
+        name=name,
+        uuid=domain.uuid,
+        memory_bytes=domain.memory_bytes,
+        machine=domain.machine,
+        virt_type=domain.virt_type,
+        devices=devices,
+        host_node=meta.host_node if meta is not None else None,
+        problems=problems,
+    )
+
+
+def read_domain(xml: bytes | str, *, strict: bool = True, source: str = "domain XML") -> DomainInfo:
+    """Parse domain XML and describe it. Malformed XML, bad metadata and (with ``strict``) any
+    metadata/hostdev disagreement raise ``DomainXMLError`` with one line."""
+    return info_of(DomainDocument.parse(xml, source=source), strict=strict)
+
+
+def has_vmlend_metadata(xml: bytes | str, *, source: str = "domain XML") -> bool:
+    """Whether the domain carries vmlend metadata (the hook ignores domains that do not).
+    Malformed XML raises ``DomainXMLError``."""
+    return find_metadata(DomainDocument.parse(xml, source=source).root) is not None

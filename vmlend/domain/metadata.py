@@ -1,0 +1,156 @@
+"""vmlend's own ``<metadata>`` element, in its own namespace.
+
+::
+
+    <metadata>
+      <vmlend:vmlend xmlns:vmlend="http://vmlend.org/xmlns/domain/1.0">
+        <vmlend:device fdid="0x10" mdev="…uuid…" address="0000:00:05.0"/>
+        <vmlend:host node="beta"/>
+      </vmlend:vmlend>
+    </metadata>
+
+One top-level element per namespace, as libvirt's metadata API expects (key ``vmlend``); other
+tools' elements under ``<metadata>`` are never touched. ``address`` is optional (libvirt then
+assigns one). ``host`` records the node the XML was last rewritten for (migration).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from lxml import etree
+
+from vmlend.domain.address import PciAddress
+from vmlend.domain.xmlprop import XMLNode, XMLProperty
+from vmlend.errors import ConfigError, DomainXMLError
+from vmlend.fabric.model import format_fdid, parse_fdid
+
+#: Stable namespace URI of vmlend's domain metadata. Bump the version only for incompatible
+#: changes; readers then refuse the unknown version instead of guessing.
+NAMESPACE_URI = "http://vmlend.org/xmlns/domain/1.0"
+#: Prefix used when vmlend writes the element (readers go by URI, never by prefix).
+PREFIX = "vmlend"
+#: Key for virDomainSetMetadata / virDomainGetMetadata.
+METADATA_KEY = PREFIX
+ROOT_TAG = f"{{{NAMESPACE_URI}}}vmlend"
+DEVICE_TAG = f"{{{NAMESPACE_URI}}}device"
+HOST_TAG = f"{{{NAMESPACE_URI}}}host"
+
+_NS = {PREFIX: NAMESPACE_URI}
+# Any version of our namespace: a newer one is refused rather than ignored (ignoring it would
+# make the hook treat a vmlend domain as foreign and start it without its devices).
+_NAMESPACE_FAMILY = "{" + NAMESPACE_URI.rsplit("/", 1)[0] + "/"
+
+
+@dataclass(frozen=True)
+class VmlendDevice:
+    """One remote device of a domain, as its metadata lists it."""
+
+    fdid: int
+    mdev: uuid.UUID
+    address: PciAddress | None = None
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "fdid": format_fdid(self.fdid),
+            "mdev": str(self.mdev),
+            "address": None if self.address is None else str(self.address),
+        }
+
+
+def _parse_fdid(text: str) -> int:
+    try:
+        return parse_fdid(text)
+    except ConfigError as e:
+        raise DomainXMLError(str(e)) from None
+
+
+def _parse_address(text: str) -> PciAddress:
+    try:
+        return PciAddress.parse(text)
+    except ConfigError as e:
+        raise DomainXMLError(str(e)) from None
+
+
+def _parse_mdev(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise DomainXMLError(f"bad mdev UUID {text!r}") from None
+
+
+class DeviceEntryXML(XMLNode):
+    NAMESPACES = _NS
+    fdid = XMLProperty("./@fdid", parse=_parse_fdid, format=format_fdid)
+    mdev = XMLProperty("./@mdev", parse=_parse_mdev)
+    address = XMLProperty("./@address", parse=_parse_address)
+
+    def get(self) -> VmlendDevice:
+        fdid, mdev = self.fdid, self.mdev
+        if fdid is None or mdev is None:
+            raise DomainXMLError(
+                "a <vmlend:device> in the domain metadata lacks its fdid or mdev attribute"
+            )
+        return VmlendDevice(fdid=fdid, mdev=mdev, address=self.address)
+
+
+class VmlendMetadataXML(XMLNode):
+    """The ``<vmlend:vmlend>`` element."""
+
+    NAMESPACES = _NS
+    host_node = XMLProperty("./vmlend:host/@node")
+
+    @staticmethod
+    def new_element() -> etree._Element:
+        return etree.Element(ROOT_TAG, nsmap={PREFIX: NAMESPACE_URI})
+
+    def entries(self) -> list[DeviceEntryXML]:
+        return [DeviceEntryXML(el) for el in self.element.findall(DEVICE_TAG)]
+
+    def devices(self) -> list[VmlendDevice]:
+        out = [e.get() for e in self.entries()]
+        seen: set[int] = set()
+        for d in out:
+            if d.fdid in seen:
+                raise DomainXMLError(
+                    f"device {format_fdid(d.fdid)} is listed twice in the vmlend metadata"
+                )
+            seen.add(d.fdid)
+        return out
+
+    def entry(self, fdid: int) -> DeviceEntryXML | None:
+        for e in self.entries():
+            if e.fdid == fdid:
+                return e
+        return None
+
+    def new_entry(self, device: VmlendDevice) -> etree._Element:
+        el = etree.Element(DEVICE_TAG)
+        entry = DeviceEntryXML(el)
+        entry.fdid = device.fdid
+        entry.mdev = device.mdev
+        entry.address = device.address
+        return el
+
+
+def find_metadata(domain: etree._Element) -> VmlendMetadataXML | None:
+    """vmlend's element under ``<metadata>``, found by namespace URI (any prefix)."""
+    meta = domain.find("metadata")
+    if meta is None:
+        return None
+    found = meta.findall(ROOT_TAG)
+    if len(found) > 1:
+        raise DomainXMLError(
+            f"domain metadata has {len(found)} vmlend elements; libvirt allows one per namespace"
+        )
+    if found:
+        return VmlendMetadataXML(found[0])
+    for child in meta:
+        if isinstance(child.tag, str) and child.tag.startswith(_NAMESPACE_FAMILY):
+            uri = child.tag.split("}")[0][1:]
+            raise DomainXMLError(
+                f"domain metadata uses an unsupported vmlend namespace {uri}"
+                f" (this vmlend reads {NAMESPACE_URI}); upgrade vmlend"
+            )
+    return None

@@ -1,0 +1,360 @@
+"""Admission control: may a borrower take a device, and which adapter resources does it use?
+
+Pure logic over a ``Topology`` and a snapshot of the shared state (``StateView``); no I/O. Every
+backend that keeps its claims in the registry uses it, inside the registry's write transaction,
+so the decision and the claims it makes are atomic across processes.
+
+What a remote reservation uses (DESIGN.md, limits):
+- one requester LUT entry on each adapter of the crossing (the device's requester id on the
+  lender's, its identity on the borrower's): 30 usable entries allow 30 devices lent and 30
+  borrowed per node;
+- room in the lender's NTB window for the VM's DMA windows (its guest RAM, whole segments),
+  counted once per (lender adapter, VM) however many devices the VM borrows from that lender;
+- room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments.
+A device lent and used on the same node crosses no NTB and uses none of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vmlend.errors import (
+    DeviceHeldError,
+    DeviceNotLentError,
+    FabricError,
+    LenderUnavailableError,
+    ResourceExhaustedError,
+    UnknownDeviceError,
+    VmlendError,
+    WindowExhaustedError,
+)
+from vmlend.fabric.model import AdapterSpec, BarKind, Check, DeviceSpec, Holder, Topology
+from vmlend.fabric.paths import NtbPath, route
+from vmlend.registry.records import (
+    Claim,
+    ClaimKind,
+    DeviceRecord,
+    HoldRecord,
+    NodeRecord,
+    same_holder,
+)
+
+_UNITS = ((1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K"))
+
+
+def format_size(n: int) -> str:
+    """Bytes in binary units: ``64 GiB``, ``32.05 GiB``, ``16 MiB``, ``512 bytes``."""
+    for unit, prefix in _UNITS:
+        if n >= unit:
+            value = f"{n / unit:.2f}".rstrip("0").rstrip(".")
+            return f"{value} {prefix}iB"
+    return f"{n} bytes"
+
+
+def format_size_short(n: int) -> str:
+    """Compact form for tables: ``16M``, ``32G``, ``4K``."""
+    for unit, prefix in _UNITS:
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{prefix}"
+    return str(n)
+
+
+def _segments(size: int, segment: int) -> int:
+    return -(-size // segment)
+
+
+def bar_segments(spec: DeviceSpec, segment: int) -> int:
+    """Segments the device's memory BARs take in a window: each BAR maps on its own."""
+    return sum(_segments(b.size, segment) for b in spec.bars if b.kind is not BarKind.IO)
+
+
+def vm_share(holder: Holder) -> str:
+    """The key under which a VM's DMA windows are counted once per lender adapter."""
+    return f"vm:{holder.node}/{holder.vm_uuid or holder.vm}"
+
+
+def device_share(fdid: int) -> str:
+    return f"dev:{fdid:#x}"
+
+
+def lender_problem(rec: DeviceRecord | None, node: NodeRecord | None) -> str | None:
+    """Why the device's lender cannot serve it now (for ``LenderUnavailableError``), or None."""
+    if node is not None and not node.up:
+        return f"is down ({node.why})" if node.why else "is down"
+    if rec is not None and not rec.available:
+        return "no longer offers it"
+    return None
+
+
+@dataclass(frozen=True)
+class StateView:
+    """The parts of the shared state that admission reads (one consistent snapshot)."""
+
+    nodes: Mapping[str, NodeRecord]
+    devices: Mapping[int, DeviceRecord]
+    holds: Mapping[int, HoldRecord]
+    claims: Sequence[tuple[int, Claim]]
+
+
+@dataclass(frozen=True)
+class AdapterUsage:
+    """How much of an adapter's LUT and NTB window the current claims use."""
+
+    adapter: AdapterSpec
+    lut_used: int = 0
+    segments_used: int = 0
+
+    @property
+    def lut_free(self) -> int:
+        return self.adapter.lut_usable - self.lut_used
+
+    @property
+    def segments_free(self) -> int:
+        return self.adapter.segments - self.segments_used
+
+    @property
+    def window_used(self) -> int:
+        return self.segments_used * self.adapter.segment_size
+
+    @property
+    def window_free(self) -> int:
+        return self.adapter.window_size - self.window_used
+
+
+def usage(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> dict[str, AdapterUsage]:
+    """Per adapter ref, what the claims use. A shared claim counts once, at its largest."""
+    shared: dict[tuple[str, ClaimKind, str], tuple[int, int]] = {}
+    for _fdid, c in claims:
+        key = (c.adapter, c.kind, c.share)
+        entries, segments = shared.get(key, (0, 0))
+        shared[key] = (max(entries, c.entries), max(segments, c.segments))
+    lut: dict[str, int] = {}
+    segs: dict[str, int] = {}
+    for (ref, _kind, _share), (entries, segments) in shared.items():
+        lut[ref] = lut.get(ref, 0) + entries
+        segs[ref] = segs.get(ref, 0) + segments
+    return {
+        a.ref: AdapterUsage(a, lut.get(a.ref, 0), segs.get(a.ref, 0)) for a in topology.adapters()
+    }
+
+
+@dataclass
+class Admission:
+    """The outcome of admission: every check, and the claims a reservation would make."""
+
+    checks: list[Check] = field(default_factory=list)
+    claims: list[Claim] = field(default_factory=list)
+    _errors: list[VmlendError | None] = field(default_factory=list)
+
+    def add(self, name: str, detail: str, error: VmlendError | None = None, **data: object) -> None:
+        self.checks.append(
+            Check(name=name, ok=error is None, detail=str(error) if error else detail, data=data)
+        )
+        self._errors.append(error)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def first_error(self) -> VmlendError | None:
+        return next((e for e in self._errors if e is not None), None)
+
+    def raise_if_refused(self) -> None:
+        if (e := self.first_error()) is not None:
+            raise e
+
+
+def admit(
+    topology: Topology,
+    view: StateView,
+    fdid: int,
+    borrower: str,
+    guest_ram: int = 0,
+    holder: Holder | None = None,
+) -> Admission:
+    """Check whether ``borrower`` (for ``holder``'s VM with ``guest_ram`` bytes) may take
+    ``fdid``. Checks that cannot be evaluated after an earlier failure (no device, no path)
+    are left out."""
+    adm = Admission()
+    try:
+        spec = topology.device(fdid)
+    except UnknownDeviceError as e:
+        adm.add("exists", "", e)
+        return adm
+    adm.add("exists", f"{spec.kind} {spec.bdf} on {spec.lender}", lender=spec.lender)
+
+    rec = view.devices.get(fdid)
+    problem = lender_problem(rec, view.nodes.get(spec.lender))
+    if problem:
+        adm.add("lender", "", LenderUnavailableError(fdid, spec.lender, problem))
+    else:
+        adm.add("lender", f"{spec.lender} is up")
+    if rec is None or not rec.lent:
+        adm.add("lent", "", DeviceNotLentError(fdid, spec.lender))
+    else:
+        adm.add("lent", f"lent by {spec.lender}")
+
+    hold = view.holds.get(fdid)
+    mine = hold is not None and holder is not None and same_holder(hold.holder, holder)
+    if hold is None:
+        adm.add("not-held", "nobody holds it")
+    elif mine:
+        adm.add("not-held", f"already held by this VM ({hold.holder})", holder=str(hold.holder))
+    else:
+        h = hold.holder
+        adm.add("not-held", "", DeviceHeldError(fdid, h.node, h.vm), holder=str(h))
+
+    try:
+        path = route(topology, spec.lender, borrower)
+    except FabricError as e:  # unknown borrower node or no cable
+        adm.add("path", "", e)
+        return adm
+    if path is None:
+        adm.add("path", f"{borrower} is the lender itself: no NTB crossing")
+        for name in ("lut", "window-dma", "window-bars", "segments"):
+            adm.add(name, "not needed: the device is local")
+        return adm
+    adm.add("path", path.describe(), path=path.describe(), hops=path.hops)
+    if mine:
+        for name in ("lut", "window-dma", "window-bars", "segments"):
+            adm.add(name, "already claimed by this VM's reservation")
+        return adm
+    _resource_checks(adm, topology, view, spec, path, guest_ram, holder)
+    return adm
+
+
+def _resource_checks(
+    adm: Admission,
+    topology: Topology,
+    view: StateView,
+    spec: DeviceSpec,
+    path: NtbPath,
+    guest_ram: int,
+    holder: Holder | None,
+) -> None:
+    use = usage(topology, view.claims)
+    lender_a, borrower_a = path.src, path.dst
+    lu, bu = use[lender_a.ref], use[borrower_a.ref]
+    fd = f"{spec.fdid:#x}"
+
+    # Requester LUT: one entry on each adapter of the crossing, for the device's requester id
+    # on the lender's side and its identity on the borrower's side.
+    lut_error: VmlendError | None = None
+    for a, u in ((lender_a, lu), (borrower_a, bu)):
+        if u.lut_free < 1 and lut_error is None:
+            lut_error = ResourceExhaustedError("requester LUT", a.ref, 1, u.lut_free, "entries")
+        adm.claims.append(Claim(a.ref, ClaimKind.LUT, device_share(spec.fdid), entries=1))
+    adm.add(
+        "lut",
+        f"1 entry for {fd} on each of {lender_a.ref} ({lu.lut_free} of {lender_a.lut_usable}"
+        f" usable free) and {borrower_a.ref} ({bu.lut_free} of {borrower_a.lut_usable} free)",
+        lut_error,
+        lender_free=lu.lut_free,
+        borrower_free=bu.lut_free,
+    )
+
+    # DMA windows: the VM's RAM in the lender's window, once per (lender adapter, VM).
+    seg_l = lender_a.segment_size
+    who = str(holder) if holder else "the VM"
+    prior = 0
+    if holder is not None:
+        share = vm_share(holder)
+        prior = max(
+            (
+                c.segments
+                for _f, c in view.claims
+                if c.adapter == lender_a.ref and c.kind is ClaimKind.DMA and c.share == share
+            ),
+            default=0,
+        )
+    dma_segs = _segments(guest_ram, seg_l)
+    extra_dma_segs = max(0, dma_segs - prior)
+    dma_need = max(0, guest_ram - prior * seg_l)
+    purpose = f"DMA windows for {format_size(guest_ram)} of RAM of {who}"
+    if guest_ram == 0:
+        adm.add("window-dma", "no guest RAM given: no DMA window claimed")
+    elif dma_need > lu.window_free:
+        adm.add(
+            "window-dma",
+            "",
+            WindowExhaustedError(lender_a.ref, dma_need, lu.window_free, purpose),
+            need=dma_need,
+            have=lu.window_free,
+        )
+    elif prior:
+        adm.add(
+            "window-dma",
+            f"NTB window {lender_a.ref}: {who} already has {format_size(prior * seg_l)}"
+            f" of DMA windows there; {format_size(dma_need)} more needed",
+            need=dma_need,
+            have=lu.window_free,
+        )
+    else:
+        adm.add(
+            "window-dma",
+            f"NTB window {lender_a.ref}: {purpose}, {format_size(lu.window_free)} free",
+            need=dma_need,
+            have=lu.window_free,
+        )
+    if holder is not None and dma_segs:
+        adm.claims.append(
+            Claim(
+                lender_a.ref,
+                ClaimKind.DMA,
+                vm_share(holder),
+                segments=dma_segs,
+                bytes=dma_segs * seg_l,
+            )
+        )
+
+    # BARs: the device's memory BARs in the borrower's window.
+    seg_b = borrower_a.segment_size
+    bar_need = spec.bar_bytes
+    bar_segs = bar_segments(spec, seg_b)
+    if bar_need > bu.window_free:
+        adm.add(
+            "window-bars",
+            "",
+            WindowExhaustedError(borrower_a.ref, bar_need, bu.window_free, f"BARs of {fd}"),
+            need=bar_need,
+            have=bu.window_free,
+        )
+    else:
+        adm.add(
+            "window-bars",
+            f"NTB window {borrower_a.ref}: {format_size(bar_need)} of BARs of {fd},"
+            f" {format_size(bu.window_free)} free",
+            need=bar_need,
+            have=bu.window_free,
+        )
+    if bar_segs:
+        adm.claims.append(
+            Claim(
+                borrower_a.ref,
+                ClaimKind.BAR,
+                device_share(spec.fdid),
+                segments=bar_segs,
+                bytes=bar_segs * seg_b,
+            )
+        )
+
+    # Segments: the window is mapped in whole segments, so small mappings round up.
+    parts = []
+    error: VmlendError | None = None
+    for a, u, need in ((lender_a, lu, extra_dma_segs), (borrower_a, bu, bar_segs)):
+        parts.append(
+            f"{a.ref} needs {need} of {u.segments_free} free segments"
+            f" ({format_size(a.segment_size)} each)"
+        )
+        if need > u.segments_free and error is None:
+            error = ResourceExhaustedError(
+                "NTB window segments", a.ref, need, u.segments_free, "segments"
+            )
+    adm.add(
+        "segments",
+        "; ".join(parts),
+        error,
+        lender_segments=extra_dma_segs,
+        borrower_segments=bar_segs,
+    )

@@ -1,0 +1,1 @@
+"""The simulated SmartIO cluster (the embedded default backend)."""

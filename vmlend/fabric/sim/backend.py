@@ -1,0 +1,356 @@
+"""``SimFabric``: the ``Fabric`` interface over the shared state, for the simulated cluster.
+
+Everything lives in the registry (``vmlend.registry``): the topology, lent flags, node
+availability, holds with their adapter claims, mdev parents and children. Each method is one
+transaction, so separate processes (hook, CLI, daemon) see one truth, and decisions that read
+before they write (reserve, unlend, create_mdev) take the write lock before reading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid as uuidlib
+from collections.abc import Callable
+from typing import Protocol
+
+from vmlend.errors import (
+    ConfigError,
+    DeviceHeldError,
+    DeviceNotLentError,
+    DeviceNotReservedError,
+    LenderUnavailableError,
+    MdevError,
+)
+from vmlend.fabric.admission import AdapterUsage, StateView, admit, lender_problem
+from vmlend.fabric.admission import usage as adapter_usage
+from vmlend.fabric.model import (
+    Check,
+    DeviceSpec,
+    DeviceState,
+    DeviceStatus,
+    Holder,
+    MdevInfo,
+    NodeSpec,
+    Topology,
+)
+from vmlend.fabric.paths import route
+from vmlend.fabric.topology import parse_topology
+from vmlend.registry import (
+    DeviceRecord,
+    HoldRecord,
+    MdevRecord,
+    NodeRecord,
+    ParentRecord,
+    Phase,
+    Registry,
+    StateTxn,
+    same_holder,
+)
+
+log = logging.getLogger(__name__)
+
+#: The mdev type the simulated SmartIO driver offers under each parent.
+MDEV_TYPE = "smartio-lend"
+
+
+def parent_name(fdid: int) -> str:
+    """The mdev parent the SmartIO driver registers on a borrower for device ``fdid``."""
+    return f"smartio-{fdid:x}"
+
+
+def device_state(
+    rec: DeviceRecord | None, node: NodeRecord | None, hold: HoldRecord | None
+) -> DeviceState:
+    """A device's state from its rows: a vanished lender wins over everything else."""
+    if lender_problem(rec, node):
+        return DeviceState.UNAVAILABLE
+    if hold is not None:
+        return DeviceState.BORROWED if hold.phase is Phase.BORROWED else DeviceState.RESERVED
+    if rec is not None and rec.lent:
+        return DeviceState.AVAILABLE
+    return DeviceState.UNLENT
+
+
+def _uuid(text: str) -> str:
+    try:
+        return str(uuidlib.UUID(text))
+    except (ValueError, TypeError, AttributeError):
+        raise ConfigError(f"bad mdev UUID {text!r}: expected e.g. {uuidlib.UUID(int=0)}") from None
+
+
+class BorrowHardware(Protocol):
+    """The hardware half of the deferred borrow (the simulator's ``SimHardware``)."""
+
+    def borrow(self, fdid: int, node: str, vm: str) -> object: ...
+
+    def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool: ...
+
+
+class SimFabric:
+    """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node.
+
+    With ``hardware``, ``borrow``/``give_back``/``release`` also drive the simulated hardware
+    (LUT entries, IOMMU attachment) of this process, inside the registry transaction, so a
+    hardware refusal leaves the state unchanged.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        local_node: str | None = None,
+        clock: Callable[[], float] = time.time,
+        hardware: BorrowHardware | None = None,
+    ) -> None:
+        self._reg = registry
+        self._clock = clock
+        self._hw = hardware
+        self._topo: Topology | None = None
+        self._digest: str | None = None
+        with registry.read() as tx:
+            topo = self._topology(tx)
+            node = local_node or tx.topology().local_node
+        topo.node(node)  # UnknownNodeError for a node this fabric does not have
+        self.local_node = node
+
+    def close(self) -> None:
+        self._reg.close()
+
+    def __enter__(self) -> SimFabric:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reading ---------------------------------------------------------------------------
+    def _topology(self, tx: StateTxn) -> Topology:
+        """The parsed topology, re-parsed only when another process replaced it."""
+        digest = tx.topology_digest()
+        if self._topo is None or digest != self._digest:
+            rec = tx.topology()
+            self._topo = parse_topology(rec.text, rec.source)
+            self._digest = rec.digest
+        return self._topo
+
+    @staticmethod
+    def _lender_ok(tx: StateTxn, spec: DeviceSpec) -> None:
+        problem = lender_problem(tx.device(spec.fdid), tx.nodes().get(spec.lender))
+        if problem:
+            raise LenderUnavailableError(spec.fdid, spec.lender, problem)
+
+    def _status(self, tx: StateTxn, spec: DeviceSpec) -> DeviceStatus:
+        hold = tx.hold(spec.fdid)
+        state = device_state(tx.device(spec.fdid), tx.nodes().get(spec.lender), hold)
+        return DeviceStatus(spec=spec, state=state, holder=hold.holder if hold else None)
+
+    def topology(self) -> Topology:
+        with self._reg.read() as tx:
+            return self._topology(tx)
+
+    def nodes(self) -> list[NodeSpec]:
+        return list(self.topology().nodes)
+
+    def devices(self) -> list[DeviceStatus]:
+        with self._reg.read() as tx:
+            topo = self._topology(tx)
+            recs, nodes, holds = tx.devices(), tx.nodes(), tx.holds()
+        out = []
+        for spec in topo.devices:
+            hold = holds.get(spec.fdid)
+            state = device_state(recs.get(spec.fdid), nodes.get(spec.lender), hold)
+            out.append(DeviceStatus(spec, state, hold.holder if hold else None))
+        return out
+
+    def device(self, fdid: int) -> DeviceStatus:
+        with self._reg.read() as tx:
+            return self._status(tx, self._topology(tx).device(fdid))
+
+    def holds(self) -> dict[int, HoldRecord]:
+        """Every hold with its phase and start time (sim and CLI extra)."""
+        with self._reg.read() as tx:
+            return tx.holds()
+
+    def node_states(self) -> dict[str, NodeRecord]:
+        with self._reg.read() as tx:
+            return tx.nodes()
+
+    def usage(self) -> dict[str, AdapterUsage]:
+        """Per adapter ref, the LUT entries and window segments the holds use."""
+        with self._reg.read() as tx:
+            return adapter_usage(self._topology(tx), tx.claims())
+
+    # --- lender side -----------------------------------------------------------------------
+    def lend(self, fdid: int) -> DeviceStatus:
+        with self._reg.write() as tx:
+            spec = self._topology(tx).device(fdid)
+            self._lender_ok(tx, spec)
+            tx.set_lent(fdid, True)
+            return self._status(tx, spec)
+
+    def unlend(self, fdid: int) -> DeviceStatus:
+        with self._reg.write() as tx:
+            spec = self._topology(tx).device(fdid)
+            hold = tx.hold(fdid)
+            if hold is not None:
+                raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+            tx.set_lent(fdid, False)
+            return self._status(tx, spec)
+
+    # --- simulated failures ----------------------------------------------------------------
+    def set_node_up(self, node: str, up: bool, why: str = "") -> None:
+        """Mark a node down (its devices become UNAVAILABLE) or up again."""
+        with self._reg.write() as tx:
+            self._topology(tx).node(node)
+            tx.set_node_up(node, up, "" if up else why)
+        log.info("node %s marked %s", node, "up" if up else "down")
+
+    def set_device_available(self, fdid: int, available: bool) -> None:
+        """Mark one device vanished (e.g. its mdev parent disappeared) or back."""
+        with self._reg.write() as tx:
+            self._topology(tx).device(fdid)
+            tx.set_available(fdid, available)
+
+    # --- borrower side ---------------------------------------------------------------------
+    def admission(
+        self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
+    ) -> list[Check]:
+        with self._reg.read() as tx:
+            return admit(
+                self._topology(tx), self._view(tx), fdid, borrower, guest_ram, holder
+            ).checks
+
+    @staticmethod
+    def _view(tx: StateTxn) -> StateView:
+        return StateView(
+            nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
+        )
+
+    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
+        if not holder.vm or not holder.node:
+            raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
+        if guest_ram < 0:
+            raise ConfigError(f"guest RAM must not be negative, got {guest_ram}")
+        with self._reg.write() as tx:
+            topo = self._topology(tx)
+            spec = topo.device(fdid)
+            hold = tx.hold(fdid)
+            if hold is not None and same_holder(hold.holder, holder):
+                return self._status(tx, spec)
+            adm = admit(topo, self._view(tx), fdid, holder.node, guest_ram, holder)
+            adm.raise_if_refused()
+            record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, guest_ram)
+            tx.add_hold(record, adm.claims)
+            log.info("reserved %#x for %s (%d claims)", fdid, holder, len(adm.claims))
+            return self._status(tx, spec)
+
+    def release(self, fdid: int, holder: Holder) -> bool:
+        with self._reg.write() as tx:
+            hold = tx.hold(fdid)
+            if hold is None or not same_holder(hold.holder, holder):
+                return False
+            if self._hw is not None and hold.phase is Phase.BORROWED:
+                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            tx.delete_hold(fdid)
+        log.info("released %#x from %s", fdid, holder)
+        return True
+
+    def _own_hold(self, tx: StateTxn, fdid: int, holder: Holder) -> HoldRecord:
+        hold = tx.hold(fdid)
+        if hold is None:
+            raise DeviceNotReservedError(fdid, str(holder))
+        if not same_holder(hold.holder, holder):
+            raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+        return hold
+
+    def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
+        with self._reg.write() as tx:
+            spec = self._topology(tx).device(fdid)
+            hold = self._own_hold(tx, fdid, holder)
+            self._lender_ok(tx, spec)
+            if self._hw is not None:
+                # Every call, not only the first: another process may have recorded the
+                # borrow, and this process's hardware must follow. Idempotent for the same VM.
+                self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
+            tx.set_phase(fdid, Phase.BORROWED)
+            return self._status(tx, spec)
+
+    def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:
+        with self._reg.write() as tx:
+            spec = self._topology(tx).device(fdid)
+            hold = tx.hold(fdid)
+            if hold is not None:
+                if not same_holder(hold.holder, holder):
+                    raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+                if self._hw is not None:
+                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+                tx.set_phase(fdid, Phase.RESERVED)
+            return self._status(tx, spec)
+
+    # --- mdevs on this node ------------------------------------------------------------------
+    def ensure_mdev_parent(self, fdid: int) -> str:
+        with self._reg.write() as tx:
+            topo = self._topology(tx)
+            spec = topo.device(fdid)
+            self._lender_ok(tx, spec)
+            rec = tx.device(fdid)
+            if rec is None or not rec.lent:
+                raise DeviceNotLentError(fdid, spec.lender)
+            route(topo, spec.lender, self.local_node)  # the driver offers only reachable devices
+            existing = tx.parent(self.local_node, fdid)
+            if existing is not None:
+                return existing.name
+            tx.add_parent(ParentRecord(self.local_node, fdid, parent_name(fdid)))
+            return parent_name(fdid)
+
+    def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        uuid = _uuid(uuid)
+        if holder.node != self.local_node:
+            raise MdevError(
+                f"the mdev for {holder} belongs on {holder.node}, not on {self.local_node}:"
+                " mdevs are created on the borrower"
+            )
+        with self._reg.write() as tx:
+            self._topology(tx).device(fdid)
+            existing = tx.mdev(uuid)
+            if existing is not None:
+                if existing.fdid == fdid and existing.node == self.local_node:
+                    return _info(existing)
+                raise MdevError(
+                    f"mdev {uuid} already exists for device {existing.fdid:#x} on {existing.node}"
+                )
+            parent = tx.parent(self.local_node, fdid)
+            if parent is None:
+                raise MdevError(
+                    f"no mdev parent {parent_name(fdid)} on {self.local_node}: the SmartIO"
+                    f" driver does not offer device {fdid:#x} here yet"
+                )
+            self._own_hold(tx, fdid, holder)
+            for other in tx.mdevs(self.local_node):
+                if other.fdid == fdid:
+                    raise MdevError(
+                        f"device {fdid:#x} already has mdev {other.uuid}"
+                        f" (VM {other.vm or '?'}); remove it first"
+                    )
+            rec = MdevRecord(
+                uuid, fdid, self.local_node, parent.name, MDEV_TYPE, holder.vm, self._clock()
+            )
+            tx.add_mdev(rec)
+            return _info(rec)
+
+    def remove_mdev(self, uuid: str) -> bool:
+        uuid = _uuid(uuid)
+        with self._reg.write() as tx:
+            rec = tx.mdev(uuid)
+            if rec is None or rec.node != self.local_node:
+                return False
+            return tx.delete_mdev(uuid)
+
+    def mdevs(self) -> list[MdevInfo]:
+        with self._reg.read() as tx:
+            return [_info(m) for m in tx.mdevs(self.local_node)]
+
+
+def _info(m: MdevRecord) -> MdevInfo:
+    return MdevInfo(
+        uuid=m.uuid, parent=m.parent, type_id=m.type_id, fdid=m.fdid, node=m.node, vm=m.vm
+    )

@@ -1,0 +1,100 @@
+"""Rows of the state database as plain typed values (no I/O)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vmlend.fabric.model import Holder
+
+
+class Phase(enum.StrEnum):
+    RESERVED = "reserved"  # held for a VM; the hardware is not borrowed yet
+    BORROWED = "borrowed"  # the guest enabled the device: NTB path and exclusive control
+
+
+class ClaimKind(enum.StrEnum):
+    LUT = "lut"  # one requester LUT entry on the lender's adapter for the device
+    DMA = "dma"  # window segments on the lender's adapter for a VM's DMA windows
+    BAR = "bar"  # window segments on the borrower's adapter for the device's BARs
+
+
+@dataclass(frozen=True)
+class TopologyRecord:
+    name: str
+    source: str
+    text: str  # the TOML the topology was parsed from; re-parsed on open
+    digest: str
+    local_node: str
+    created: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    name: str
+    up: bool
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    fdid: int
+    lender: str
+    lent: bool
+    available: bool = True
+
+
+@dataclass(frozen=True)
+class HoldRecord:
+    fdid: int
+    holder: Holder
+    since: float
+    phase: Phase
+    guest_ram: int = 0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One adapter resource a hold uses.
+
+    Claims with equal ``(adapter, kind, share)`` are one resource that several holds share;
+    it counts once, at the largest amount any of them claims.
+    """
+
+    adapter: str  # adapter ref "node:index"
+    kind: ClaimKind
+    share: str  # "dev:<fdid>" for per-device resources, "vm:<node>/<vm>" for a VM's windows
+    entries: int = 0  # LUT entries
+    segments: int = 0  # NTB window segments
+    bytes: int = 0  # window bytes (segments * segment size)
+
+
+@dataclass(frozen=True)
+class ParentRecord:
+    node: str
+    fdid: int
+    name: str
+
+
+@dataclass(frozen=True)
+class MdevRecord:
+    uuid: str
+    fdid: int
+    node: str
+    parent: str
+    type_id: str
+    vm: str
+    created: float
+
+
+def same_holder(a: Holder, b: Holder) -> bool:
+    """Whether two holders are the same VM on the same node.
+
+    The VM UUID decides when both carry one (a renamed VM is still the same VM, a redefined one
+    with the same name is not); otherwise the name does.
+    """
+    if a.node != b.node:
+        return False
+    if a.vm_uuid and b.vm_uuid:
+        return a.vm_uuid == b.vm_uuid
+    return a.vm == b.vm

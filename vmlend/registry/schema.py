@@ -1,0 +1,87 @@
+"""The state database's identity and schema, and the migrations between schema versions.
+
+Pure data: no connections here. A new schema version appends a migration; nothing is ever
+edited in place, so any older state file can be brought forward step by step.
+"""
+
+from __future__ import annotations
+
+#: ``PRAGMA application_id`` of a vmlend state file: "vmLd" in ASCII. Marks the file as ours.
+APPLICATION_ID = 0x766D4C64
+
+#: The schema version this code writes (stored in ``meta``).
+SCHEMA_VERSION = 1
+
+#: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
+SCHEMA_V1 = """
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+-- The topology: the text it came from and how to re-parse it. Exactly one row.
+CREATE TABLE topology (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    name       TEXT NOT NULL,
+    source     TEXT NOT NULL,
+    text       TEXT NOT NULL,
+    digest     TEXT NOT NULL,
+    local_node TEXT NOT NULL,
+    created    REAL NOT NULL
+);
+CREATE TABLE nodes (
+    name TEXT PRIMARY KEY,
+    up   INTEGER NOT NULL DEFAULT 1,
+    why  TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE devices (
+    fdid      INTEGER PRIMARY KEY,
+    lender    TEXT NOT NULL REFERENCES nodes (name),
+    lent      INTEGER NOT NULL,
+    available INTEGER NOT NULL DEFAULT 1
+);
+-- Who holds a device. At most one holder per device: the primary key is the lock.
+CREATE TABLE holds (
+    fdid      INTEGER PRIMARY KEY REFERENCES devices (fdid),
+    node      TEXT NOT NULL,
+    vm        TEXT NOT NULL,
+    vm_uuid   TEXT NOT NULL DEFAULT '',
+    since     REAL NOT NULL,
+    phase     TEXT NOT NULL CHECK (phase IN ('reserved', 'borrowed')),
+    guest_ram INTEGER NOT NULL DEFAULT 0
+);
+-- Adapter resources a hold uses. Rows with the same (adapter, kind, share) are one resource
+-- shared by several holds (a VM's DMA windows through one lender adapter).
+CREATE TABLE claims (
+    fdid     INTEGER NOT NULL REFERENCES holds (fdid) ON DELETE CASCADE,
+    adapter  TEXT NOT NULL,
+    kind     TEXT NOT NULL CHECK (kind IN ('lut', 'dma', 'bar')),
+    share    TEXT NOT NULL,
+    entries  INTEGER NOT NULL DEFAULT 0,
+    segments INTEGER NOT NULL DEFAULT 0,
+    bytes    INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX claims_adapter ON claims (adapter);
+CREATE TABLE mdev_parents (
+    node TEXT NOT NULL,
+    fdid INTEGER NOT NULL REFERENCES devices (fdid),
+    name TEXT NOT NULL,
+    PRIMARY KEY (node, fdid)
+);
+CREATE TABLE mdevs (
+    uuid    TEXT PRIMARY KEY,
+    fdid    INTEGER NOT NULL REFERENCES devices (fdid),
+    node    TEXT NOT NULL,
+    parent  TEXT NOT NULL,
+    type_id TEXT NOT NULL,
+    vm      TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL
+);
+"""
+
+#: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``.
+MIGRATIONS: dict[int, tuple[str, ...]] = {}
+
+#: Tables a vmlend state file has; anything else under our application_id is suspicious.
+TABLES = frozenset(
+    {"meta", "topology", "nodes", "devices", "holds", "claims", "mdev_parents", "mdevs"}
+)

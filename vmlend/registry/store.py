@@ -1,0 +1,273 @@
+"""The state database file: create it atomically, open and vet it, run transactions.
+
+A state file is ours only if it is SQLite, carries our ``application_id``, passes
+``PRAGMA quick_check`` and has a ``meta`` table with a schema version we understand. Anything
+else is refused with a ``StateError`` that says what the file is and what to do; it is never
+written to. Writers take the database lock up front (``BEGIN IMMEDIATE``), so of two processes
+racing for one device exactly one sees it free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from vmlend.errors import StateError
+from vmlend.registry.schema import (
+    APPLICATION_ID,
+    MIGRATIONS,
+    SCHEMA_V1,
+    SCHEMA_VERSION,
+    TABLES,
+)
+from vmlend.registry.txn import StateTxn
+
+log = logging.getLogger(__name__)
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+#: How long a process waits for another one's write transaction before giving up. Writers hold
+#: the lock for milliseconds; a hook waiting this long means something is stuck.
+DEFAULT_BUSY_TIMEOUT = 10.0
+
+_HINT = (
+    "vmlend will not overwrite it: move it away and run 'vmlend fabric init',"
+    " or point --state / VMLEND_STATE at another path"
+)
+
+
+def _refuse(path: Path, what: str) -> StateError:
+    return StateError(f"{path} {what}; {_HINT}")
+
+
+def _connect(path: Path, busy_timeout: float, *, create: bool) -> sqlite3.Connection:
+    # mode=rw: opening must never create a file that vanished after our checks.
+    uri = f"{path.resolve().as_uri()}?mode={'rwc' if create else 'rw'}"
+    conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None)
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+    return conn
+
+
+class Registry:
+    """An open state database. Use ``read()`` / ``write()`` for transactions."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, busy_timeout: float) -> None:
+        self._conn = conn
+        self.path = path
+        self.busy_timeout = busy_timeout
+
+    # --- opening -----------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Registry:
+        """Open an existing state file; ``StateError`` if it is missing, corrupt or foreign."""
+        path = Path(path)
+        _vet_file(path)
+        try:
+            conn = _connect(path, busy_timeout, create=False)
+        except sqlite3.Error as e:
+            raise StateError(f"cannot open the vmlend state {path}: {e}") from None
+        try:
+            _vet_database(conn, path)
+            reg = cls(conn, path, busy_timeout)
+            reg._migrate()
+            _vet_tables(conn, path)
+        except BaseException:
+            conn.close()
+            raise
+        return reg
+
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        init: Callable[[StateTxn], None],
+        *,
+        busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+    ) -> Registry:
+        """Create a new state file filled by ``init``; ``FileExistsError`` if one exists.
+
+        The file is built under a temporary name and hard-linked into place, so other processes
+        see either no file or a complete one, and an existing file is never replaced.
+        """
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = _connect(tmp, busy_timeout, create=True)
+            try:
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.executescript(SCHEMA_V1)
+                reg = cls(conn, tmp, busy_timeout)
+                with reg.write() as tx:
+                    tx.set_meta("schema_version", str(SCHEMA_VERSION))
+                    init(tx)
+            finally:
+                conn.close()  # checkpoints the WAL into the file before it is linked
+            os.link(tmp, path)
+            log.debug("created state %s", path)
+        except sqlite3.Error as e:
+            raise StateError(f"cannot create the vmlend state {path}: {e}") from None
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise StateError(
+                f"cannot create the vmlend state {path}: {e.strerror};"
+                " choose a writable place with --state / VMLEND_STATE"
+            ) from None
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{tmp}{suffix}")
+        return cls.open(path, busy_timeout=busy_timeout)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- transactions --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def read(self) -> Iterator[StateTxn]:
+        """A consistent snapshot for reading."""
+        with self._txn("BEGIN", writable=False) as tx:
+            yield tx
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[StateTxn]:
+        """An exclusive write transaction: taken before the first read, so decisions made on
+        what it reads hold until it commits."""
+        with self._txn("BEGIN IMMEDIATE", writable=True) as tx:
+            yield tx
+
+    @contextlib.contextmanager
+    def _txn(self, begin: str, writable: bool) -> Iterator[StateTxn]:
+        try:
+            self._conn.execute(begin)
+        except sqlite3.OperationalError as e:
+            raise self._sqlite_error(e) from None
+        try:
+            yield StateTxn(self._conn, writable)
+        except sqlite3.Error as e:
+            self._conn.rollback()
+            raise self._sqlite_error(e) from None
+        except BaseException:
+            self._conn.rollback()
+            raise
+        try:
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._conn.rollback()
+            raise self._sqlite_error(e) from None
+
+    def _sqlite_error(self, e: sqlite3.Error) -> StateError:
+        text = str(e)
+        if "locked" in text or "busy" in text:
+            return StateError(
+                f"the vmlend state {self.path} is locked by another process"
+                f" (waited {self.busy_timeout:g} s); retry in a moment"
+            )
+        return StateError(f"the vmlend state {self.path} failed: {text}")
+
+    def _migrate(self) -> None:
+        with self.read() as tx:
+            version = _schema_version(tx, self.path)
+        if version == SCHEMA_VERSION:
+            return
+        with self.write() as tx:
+            version = _schema_version(tx, self.path)  # another process may have migrated
+            while version < SCHEMA_VERSION:
+                log.info("migrating state %s from schema %d", self.path, version)
+                for statement in MIGRATIONS[version]:
+                    self._conn.execute(statement)
+                version += 1
+                tx.set_meta("schema_version", str(version))
+
+
+def _schema_version(tx: StateTxn, path: Path) -> int:
+    raw = tx.meta("schema_version")
+    try:
+        version = int(raw or "")
+    except ValueError:
+        raise StateError(
+            f"the vmlend state {path} is corrupt (bad schema version {raw!r}); {_HINT}"
+        ) from None
+    if version > SCHEMA_VERSION:
+        raise StateError(
+            f"the vmlend state {path} has schema version {version}, newer than this vmlend"
+            f" understands ({SCHEMA_VERSION}); upgrade vmlend"
+        )
+    if version < 1 or (version < SCHEMA_VERSION and version not in MIGRATIONS):
+        raise StateError(f"the vmlend state {path} has unknown schema version {version}; {_HINT}")
+    return version
+
+
+def _vet_file(path: Path) -> None:
+    """Refuse what is plainly not a state file before SQLite touches it."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except FileNotFoundError:
+        raise StateError(
+            f"no vmlend state at {path}; run 'vmlend fabric init' first"
+            " (or point --state / VMLEND_STATE at an existing one)"
+        ) from None
+    except IsADirectoryError:
+        raise _refuse(path, "is a directory, not a vmlend state file") from None
+    except OSError as e:
+        raise StateError(f"cannot read the vmlend state {path}: {e.strerror}") from None
+    if head != SQLITE_MAGIC:
+        what = "is empty" if not head else "is not an SQLite database"
+        raise _refuse(path, f"{what}, so it is not a vmlend state file")
+
+
+def _vet_database(conn: sqlite3.Connection, path: Path) -> None:
+    """The file is SQLite: check that it is ours and intact."""
+    try:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        tables = {
+            r[0]
+            for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            )
+        }
+    except sqlite3.DatabaseError as e:
+        raise _refuse(path, f"is a corrupt database ({e})") from None
+    if app_id != APPLICATION_ID:
+        if app_id:
+            raise _refuse(
+                path,
+                f"is an SQLite database of another application (application_id {app_id:#x}),"
+                " not vmlend state",
+            )
+        if tables:
+            listed = ", ".join(sorted(tables)[:5])
+            raise _refuse(path, f"is an SQLite database of another application (tables: {listed})")
+        raise _refuse(path, "is an empty SQLite database that vmlend did not create")
+    try:
+        problems = [r[0] for r in conn.execute("PRAGMA quick_check(5)")]
+    except sqlite3.DatabaseError as e:
+        problems = [str(e)]
+    if problems != ["ok"]:
+        raise _refuse(path, f"is corrupt (SQLite quick_check: {'; '.join(problems)})")
+    if "meta" not in tables or not tables <= TABLES:
+        raise _refuse(path, "carries vmlend's mark but not its tables (corrupt or tampered with)")
+    log.debug("state %s vetted (tables %s)", path, ", ".join(sorted(tables)))
+
+
+def _vet_tables(conn: sqlite3.Connection, path: Path) -> None:
+    """After migration every table of the current schema must be there."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    missing = sorted(TABLES - tables)
+    if missing:
+        raise _refuse(path, f"lacks vmlend tables ({', '.join(missing)}): it is damaged")

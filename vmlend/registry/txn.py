@@ -1,0 +1,209 @@
+"""Typed reads and writes of the state database inside one transaction.
+
+A ``StateTxn`` is only handed out by ``Registry.read()`` / ``Registry.write()``, which own
+BEGIN/COMMIT/ROLLBACK; the methods here never commit.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+
+from vmlend.errors import StateError
+from vmlend.fabric.model import Holder
+from vmlend.registry.records import (
+    Claim,
+    ClaimKind,
+    DeviceRecord,
+    HoldRecord,
+    MdevRecord,
+    NodeRecord,
+    ParentRecord,
+    Phase,
+    TopologyRecord,
+)
+
+
+class StateTxn:
+    def __init__(self, conn: sqlite3.Connection, writable: bool) -> None:
+        self._c = conn
+        self.writable = writable
+
+    def _write(self) -> None:
+        if not self.writable:
+            raise RuntimeError("write inside a read transaction")  # a programming error
+
+    # --- meta --------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        row = self._c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._write()
+        self._c.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
+
+    # --- topology ----------------------------------------------------------------------
+    def topology(self) -> TopologyRecord:
+        row = self._c.execute(
+            "SELECT name, source, text, digest, local_node, created FROM topology WHERE id = 1"
+        ).fetchone()
+        if row is None:
+            raise StateError("the state database holds no topology; run 'vmlend fabric init'")
+        return TopologyRecord(*row)
+
+    def has_topology(self) -> bool:
+        return self._c.execute("SELECT 1 FROM topology WHERE id = 1").fetchone() is not None
+
+    def topology_digest(self) -> str | None:
+        row = self._c.execute("SELECT digest FROM topology WHERE id = 1").fetchone()
+        return None if row is None else row[0]
+
+    def replace_topology(
+        self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
+    ) -> None:
+        """Install a topology, dropping everything that described the previous one."""
+        self._write()
+        for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
+            self._c.execute(f"DELETE FROM {table}")  # constant names, not input
+        self._c.execute(
+            "INSERT INTO topology (id, name, source, text, digest, local_node, created)"
+            " VALUES (1, ?, ?, ?, ?, ?, ?)",
+            (rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created),
+        )
+        self._c.executemany("INSERT INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
+        self._c.executemany(
+            "INSERT INTO devices (fdid, lender, lent, available) VALUES (?, ?, ?, ?)",
+            [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
+        )
+
+    def set_local_node(self, node: str) -> None:
+        self._write()
+        self._c.execute("UPDATE topology SET local_node = ? WHERE id = 1", (node,))
+
+    # --- nodes and devices ---------------------------------------------------------------
+    def nodes(self) -> dict[str, NodeRecord]:
+        rows = self._c.execute("SELECT name, up, why FROM nodes").fetchall()
+        return {r[0]: NodeRecord(r[0], bool(r[1]), r[2]) for r in rows}
+
+    def set_node_up(self, node: str, up: bool, why: str = "") -> None:
+        self._write()
+        self._c.execute("UPDATE nodes SET up = ?, why = ? WHERE name = ?", (int(up), why, node))
+
+    def devices(self) -> dict[int, DeviceRecord]:
+        rows = self._c.execute("SELECT fdid, lender, lent, available FROM devices").fetchall()
+        return {r[0]: DeviceRecord(r[0], r[1], bool(r[2]), bool(r[3])) for r in rows}
+
+    def device(self, fdid: int) -> DeviceRecord | None:
+        r = self._c.execute(
+            "SELECT fdid, lender, lent, available FROM devices WHERE fdid = ?", (fdid,)
+        ).fetchone()
+        return None if r is None else DeviceRecord(r[0], r[1], bool(r[2]), bool(r[3]))
+
+    def set_lent(self, fdid: int, lent: bool) -> None:
+        self._write()
+        self._c.execute("UPDATE devices SET lent = ? WHERE fdid = ?", (int(lent), fdid))
+
+    def set_available(self, fdid: int, available: bool) -> None:
+        self._write()
+        self._c.execute("UPDATE devices SET available = ? WHERE fdid = ?", (int(available), fdid))
+
+    # --- holds and claims ------------------------------------------------------------------
+    _HOLD_COLS = "fdid, node, vm, vm_uuid, since, phase, guest_ram"
+
+    @staticmethod
+    def _hold(r: tuple) -> HoldRecord:
+        return HoldRecord(
+            fdid=r[0],
+            holder=Holder(node=r[1], vm=r[2], vm_uuid=r[3]),
+            since=r[4],
+            phase=Phase(r[5]),
+            guest_ram=r[6],
+        )
+
+    def holds(self) -> dict[int, HoldRecord]:
+        rows = self._c.execute(f"SELECT {self._HOLD_COLS} FROM holds").fetchall()
+        return {r[0]: self._hold(r) for r in rows}
+
+    def hold(self, fdid: int) -> HoldRecord | None:
+        r = self._c.execute(
+            f"SELECT {self._HOLD_COLS} FROM holds WHERE fdid = ?", (fdid,)
+        ).fetchone()
+        return None if r is None else self._hold(r)
+
+    def add_hold(self, hold: HoldRecord, claims: Iterable[Claim]) -> None:
+        self._write()
+        h = hold.holder
+        self._c.execute(
+            f"INSERT INTO holds ({self._HOLD_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (hold.fdid, h.node, h.vm, h.vm_uuid, hold.since, hold.phase.value, hold.guest_ram),
+        )
+        self._c.executemany(
+            "INSERT INTO claims (fdid, adapter, kind, share, entries, segments, bytes)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (hold.fdid, c.adapter, c.kind.value, c.share, c.entries, c.segments, c.bytes)
+                for c in claims
+            ],
+        )
+
+    def set_phase(self, fdid: int, phase: Phase) -> None:
+        self._write()
+        self._c.execute("UPDATE holds SET phase = ? WHERE fdid = ?", (phase.value, fdid))
+
+    def delete_hold(self, fdid: int) -> None:
+        """Drop the hold and (by cascade) its claims."""
+        self._write()
+        self._c.execute("DELETE FROM holds WHERE fdid = ?", (fdid,))
+
+    def claims(self) -> list[tuple[int, Claim]]:
+        rows = self._c.execute(
+            "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+        ).fetchall()
+        return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+
+    # --- mdevs -----------------------------------------------------------------------------
+    def parent(self, node: str, fdid: int) -> ParentRecord | None:
+        r = self._c.execute(
+            "SELECT node, fdid, name FROM mdev_parents WHERE node = ? AND fdid = ?",
+            (node, fdid),
+        ).fetchone()
+        return None if r is None else ParentRecord(*r)
+
+    def add_parent(self, rec: ParentRecord) -> None:
+        self._write()
+        self._c.execute(
+            "INSERT OR IGNORE INTO mdev_parents (node, fdid, name) VALUES (?, ?, ?)",
+            (rec.node, rec.fdid, rec.name),
+        )
+
+    _MDEV_COLS = "uuid, fdid, node, parent, type_id, vm, created"
+
+    def mdevs(self, node: str | None = None) -> list[MdevRecord]:
+        if node is None:
+            rows = self._c.execute(f"SELECT {self._MDEV_COLS} FROM mdevs ORDER BY created")
+        else:
+            rows = self._c.execute(
+                f"SELECT {self._MDEV_COLS} FROM mdevs WHERE node = ? ORDER BY created", (node,)
+            )
+        return [MdevRecord(*r) for r in rows.fetchall()]
+
+    def mdev(self, uuid: str) -> MdevRecord | None:
+        r = self._c.execute(
+            f"SELECT {self._MDEV_COLS} FROM mdevs WHERE uuid = ?", (uuid,)
+        ).fetchone()
+        return None if r is None else MdevRecord(*r)
+
+    def add_mdev(self, rec: MdevRecord) -> None:
+        self._write()
+        self._c.execute(
+            f"INSERT INTO mdevs ({self._MDEV_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (rec.uuid, rec.fdid, rec.node, rec.parent, rec.type_id, rec.vm, rec.created),
+        )
+
+    def delete_mdev(self, uuid: str) -> bool:
+        self._write()
+        return self._c.execute("DELETE FROM mdevs WHERE uuid = ?", (uuid,)).rowcount > 0
