@@ -5,14 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-# Until the shared registry (the state work) is merged, these tests have nothing to run on.
-pytest.importorskip("vmlend.registry")
-
-
-from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.registry import Registry
-
 from tests.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
 from vmlend.errors import (
     DeviceHeldError,
@@ -23,7 +15,10 @@ from vmlend.errors import (
 )
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import DeviceState, Holder
+from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric
+from vmlend.registry import Registry
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 DB = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")

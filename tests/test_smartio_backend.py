@@ -3,16 +3,9 @@ kernel steps that fail, and follow a lender's reboot through uevents."""
 
 from __future__ import annotations
 
-import pytest
-
-# Until the shared registry (the state work) is merged, these tests have nothing to run on.
-pytest.importorskip("vmlend.registry")
-
 import os
 
-from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.registry import Registry
+import pytest
 
 from tests.fake_sysfs import (
     FakeSmartio,
@@ -30,8 +23,11 @@ from vmlend.errors import (
     MdevParentGoneError,
 )
 from vmlend.fabric.model import DeviceState, DeviceStatus, Holder
+from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric, open_smartio_fabric, overlay
 from vmlend.fabric.smartio.driver import MDEV_TYPE, Availability, SmartioDevice
+from vmlend.registry import Registry
 from vmlend.udev import Outcome
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
