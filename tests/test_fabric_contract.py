@@ -110,6 +110,7 @@ def test_release_only_by_the_holder(fabric):
 def test_mdev_lifecycle(fabric):
     fabric.reserve(NVME, WEB)
     parent = fabric.ensure_mdev_parent(NVME)
+    assert parent == "smartio-12"  # one naming across backends (docs/smartio-contract.md)
     assert fabric.ensure_mdev_parent(NVME) == parent
     info = fabric.create_mdev(NVME, U1, WEB)
     assert (info.uuid, info.parent, info.fdid, info.vm) == (U1, parent, NVME, "web")

@@ -77,3 +77,18 @@ def test_create_on_a_plain_file_tree_notices_nothing_happened(fake):
     r = run(fake, "create", "mtty", "mtty-1", "83b8f4f2-509f-382f-3c1e-e6bfe0fa1003")
     assert r.exit_code == 1
     assert "no device appeared" in r.output
+
+
+def test_watch_refuses_a_fake_root(fake):
+    r = run(fake, "watch", "--timeout", "0.1")
+    assert r.exit_code == 1
+    assert "live uevents exist only for the running host" in r.output
+
+
+def test_watch_on_this_host_returns_when_idle(state_path):
+    # The real root, read-only: a live netlink monitor, no parents here, nothing to do.
+    from vmlend.fabric.open import default_topology_text, init_fabric
+
+    init_fabric(state_path, *default_topology_text(), node="gamma")
+    r = CliRunner().invoke(main, ["mdev", "watch", "--timeout", "0.05"], env={"VMLEND_ROOT": ""})
+    assert r.exit_code == 0, r.output

@@ -95,4 +95,27 @@ def remove(obj: CliContext, uuid: str) -> None:
         click.echo(f"vmlend: mdev {uuid} does not exist", err=True)
 
 
+@mdev.command("watch")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Stop after this many seconds without events (default: run until interrupted).",
+)
+@click.pass_obj
+def watch(obj: CliContext, timeout: float | None) -> None:
+    """Follow SmartIO mdev parents on this host: when one returns (a lender rebooted), re-create
+    the mdevs of the VMs that were running; while one is gone, mark its device unavailable in
+    the shared state. Reactions are logged on stderr (-v shows them all)."""
+    from vmlend.fabric.smartio.backend import open_smartio_fabric  # needs the registry
+    from vmlend.udev import PyudevSource
+
+    env = HostEnv.from_env(obj.root)
+    source = PyudevSource.for_host(env)  # live uevents exist only for the real root
+    with open_smartio_fabric(obj.state_path, obj.node, env) as fabric:
+        watcher = fabric.watcher()
+        watcher.discover()
+        watcher.run(source, timeout=timeout)
+
+
 COMMANDS = [mdev]
