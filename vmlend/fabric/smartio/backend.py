@@ -25,6 +25,7 @@ from vmlend.errors import (
     LenderUnavailableError,
     MdevError,
     MdevParentNotFoundError,
+    UnknownDeviceError,
 )
 from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.model import (
@@ -127,7 +128,10 @@ class SmartioFabric:
 
     def _driver_device(self, fdid: int) -> SmartioDevice | None:
         self.driver.require()
-        return self.driver.device(fdid) if fdid in self.driver.fdids() else None
+        try:
+            return self.driver.device(fdid)
+        except UnknownDeviceError:
+            return None
 
     def _require_available(self, fdid: int) -> None:
         """The driver's word on whether ``fdid`` can be borrowed now."""
