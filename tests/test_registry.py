@@ -200,3 +200,34 @@ def test_a_state_with_unknown_tables_is_refused(made):
     conn.close()
     with pytest.raises(StateError, match="carries vmlend's mark but not its tables"):
         Registry.open(made)
+
+
+def test_runtime_records_follow_the_hold(tmp_path):
+    """Windows/vectors recorded for a held device are listed, replaced by key, and vanish
+    with the hold; a device nobody holds cannot get any."""
+    from tests.simfabric import make_fabric
+    from vmlend.errors import StateError
+    from vmlend.fabric.model import Holder
+    from vmlend.registry import Registry
+
+    path = tmp_path / "s.db"
+    fabric = make_fabric(path)
+    holder = Holder("gamma", "vm1", "u1")
+    fabric.reserve(0x10, holder)
+    reg = Registry.open(path)
+    with reg.write() as tx:
+        tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 1 << 30})
+        tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 2 << 30})
+        tx.put_runtime(0x10, "irq-vector", "msi.0", {"eventfd": True})
+    with reg.read() as tx:
+        recs = tx.runtime(0x10)
+        assert [(r.kind, r.key) for r in recs] == [("dma-window", "low"), ("irq-vector", "msi.0")]
+        assert recs[0].data == {"start": 0, "end": 2 << 30}
+        assert len(tx.runtime(kind="irq-vector")) == 1
+    with reg.write() as tx:
+        assert tx.clear_runtime(0x10, "irq-vector") == 1
+        with pytest.raises(StateError, match="not held"):
+            tx.put_runtime(0x11, "dma-window", "low", {})
+    fabric.release(0x10, holder)
+    with reg.read() as tx:
+        assert tx.runtime() == []

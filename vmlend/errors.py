@@ -290,3 +290,28 @@ class DeviceNotReservedError(FabricError):
             f"device {fdid:#x} is not reserved by {holder}; it must be reserved first"
             " (starting or hot-adding to the VM does that)"
         )
+
+
+class HookError(VmlendError):
+    """A hook operation failed; the message names the VM, the device and the reason."""
+
+
+class IommuMappingError(FabricError):
+    """An IOMMU map/unmap request conflicts with the domain's page tables."""
+
+    def __init__(self, domain: str, iova: int, size: int, why: str) -> None:
+        self.domain = domain
+        self.iova = iova
+        self.size = size
+        self.why = why
+        super().__init__(f"IOMMU domain {domain}: cannot map/unmap {iova:#x}+{size:#x}: {why}")
+
+
+class PinError(FabricError):
+    """Guest memory could not be pinned (not RAM, or the guest's memory does not exist yet)."""
+
+    def __init__(self, vm: str, gpa: int, why: str) -> None:
+        self.vm = vm
+        self.gpa = gpa
+        self.why = why
+        super().__init__(f"cannot pin guest {vm} memory at {gpa:#x}: {why}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,16 +15,9 @@ import click
 from vmlend.errors import ConfigError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import open_fabric
+from vmlend.settings import default_state_path
 
 log = logging.getLogger("vmlend")
-
-
-def default_state_path() -> Path:
-    """Root keeps the state with the system; others under the XDG state dir."""
-    if os.geteuid() == 0:
-        return Path("/var/lib/vmlend/state.db")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "vmlend" / "state.db"
 
 
 @dataclass

@@ -12,6 +12,7 @@ from vmlend.registry.records import (
     NodeRecord,
     ParentRecord,
     Phase,
+    RuntimeRecord,
     TopologyRecord,
     same_holder,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ParentRecord",
     "Phase",
     "Registry",
+    "RuntimeRecord",
     "StateTxn",
     "TopologyRecord",
     "same_holder",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from vmlend.fabric.model import Holder
 
@@ -85,6 +86,17 @@ class MdevRecord:
     type_id: str
     vm: str
     created: float
+
+
+@dataclass(frozen=True)
+class RuntimeRecord:
+    """One thing the data path set up for a held device: ``kind`` is e.g. "dma-window",
+    "irq-vector" or "p2p-map"; ``key`` tells records of one kind apart; ``data`` is JSON-able."""
+
+    fdid: int
+    kind: str
+    key: str
+    data: dict[str, Any]
 
 
 def same_holder(a: Holder, b: Holder) -> bool:

@@ -76,6 +76,15 @@ CREATE TABLE mdevs (
     vm      TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL
 );
+-- What the data path set up for a held device (DMA windows, interrupt vectors, P2P maps),
+-- so 'vmlend status' in another process can show it. It goes with the hold.
+CREATE TABLE runtime (
+    fdid INTEGER NOT NULL REFERENCES holds (fdid) ON DELETE CASCADE,
+    kind TEXT NOT NULL,
+    key  TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (fdid, kind, key)
+);
 """
 
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``.
@@ -83,5 +92,15 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {}
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.
 TABLES = frozenset(
-    {"meta", "topology", "nodes", "devices", "holds", "claims", "mdev_parents", "mdevs"}
+    {
+        "meta",
+        "topology",
+        "nodes",
+        "devices",
+        "holds",
+        "claims",
+        "mdev_parents",
+        "mdevs",
+        "runtime",
+    }
 )

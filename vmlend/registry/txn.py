@@ -6,8 +6,10 @@ BEGIN/COMMIT/ROLLBACK; the methods here never commit.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable
+from typing import Any
 
 from vmlend.errors import StateError
 from vmlend.fabric.model import Holder
@@ -20,6 +22,7 @@ from vmlend.registry.records import (
     NodeRecord,
     ParentRecord,
     Phase,
+    RuntimeRecord,
     TopologyRecord,
 )
 
@@ -207,3 +210,42 @@ class StateTxn:
     def delete_mdev(self, uuid: str) -> bool:
         self._write()
         return self._c.execute("DELETE FROM mdevs WHERE uuid = ?", (uuid,)).rowcount > 0
+
+    # --- runtime records (windows, vectors, P2P maps of held devices) --------------------
+    def put_runtime(self, fdid: int, kind: str, key: str, data: dict[str, Any]) -> None:
+        """Record (or replace) one runtime record of a held device."""
+        self._write()
+        try:
+            self._c.execute(
+                "INSERT INTO runtime (fdid, kind, key, data) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (fdid, kind, key) DO UPDATE SET data = excluded.data",
+                (fdid, kind, key, json.dumps(data, sort_keys=True)),
+            )
+        except sqlite3.IntegrityError:
+            raise StateError(
+                f"device {fdid:#x} is not held; runtime state can only be recorded for a held"
+                " device"
+            ) from None
+
+    def runtime(self, fdid: int | None = None, kind: str | None = None) -> list[RuntimeRecord]:
+        sql = "SELECT fdid, kind, key, data FROM runtime WHERE 1 = 1"
+        args: list[object] = []
+        if fdid is not None:
+            sql += " AND fdid = ?"
+            args.append(fdid)
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(kind)
+        rows = self._c.execute(sql + " ORDER BY fdid, kind, key", args).fetchall()
+        return [RuntimeRecord(f, k, key, json.loads(d)) for f, k, key, d in rows]
+
+    def clear_runtime(self, fdid: int, kind: str | None = None, key: str | None = None) -> int:
+        self._write()
+        sql, args = "DELETE FROM runtime WHERE fdid = ?", [fdid]
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(kind)
+        if key is not None:
+            sql += " AND key = ?"
+            args.append(key)
+        return self._c.execute(sql, args).rowcount

@@ -1,0 +1,195 @@
+"""The hook against the real simulated fabric: libvirt's argv and XML in, state changes and
+exit codes out. Every failure must leave the state exactly as it was."""
+
+from __future__ import annotations
+
+import io
+import uuid
+
+import pytest
+
+from tests.simfabric import make_fabric
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.fabric.model import DeviceState, Holder, MiB
+from vmlend.fabric.open import open_fabric
+from vmlend.hook.main import run
+
+TEMPLATES = TemplateSet()
+VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-000000000001")
+
+
+def domain_xml(name: str = "vm1", fdids=(0x10, 0x12), vm_uuid=VM_UUID, memory=512 * MiB) -> bytes:
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=memory,
+        uuid=vm_uuid,
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    return new_domain(spec, templates=TEMPLATES).to_bytes()
+
+
+def hook(state_path, *argv: str, xml: bytes = b"", node: str | None = None):
+    out, err = io.BytesIO(), io.StringIO()
+    env = {"VMLEND_STATE": str(state_path)}
+    if node:
+        env["VMLEND_NODE"] = node
+    code = run(list(argv), stdin=io.BytesIO(xml), stdout=out, stderr=err, environ=env)
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(state_path):
+    fabric = open_fabric(state_path)
+    devices = {(d.fdid, d.state, d.holder) for d in fabric.devices()}
+    mdevs = {(m.uuid, m.fdid) for m in fabric.mdevs()}
+    return devices, mdevs
+
+
+@pytest.fixture
+def fabric(state_path):
+    return make_fabric(state_path)
+
+
+def test_prepare_reserves_and_creates_mdevs_release_returns_them(fabric, state_path):
+    xml = domain_xml()
+    code, _out, err = hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)
+    assert (code, err) == (0, "")
+    f = open_fabric(state_path)
+    held = {d.fdid: d for d in f.devices() if d.holder}
+    assert set(held) == {0x10, 0x12}
+    assert all(d.state is DeviceState.RESERVED for d in held.values())
+    assert held[0x10].holder == Holder("gamma", "vm1", str(VM_UUID))
+    assert {m.fdid for m in f.mdevs()} == {0x10, 0x12}
+    # Running prepare again (libvirt retry) changes nothing.
+    before = snapshot(state_path)
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    assert snapshot(state_path) == before
+
+    for op, sub, extra in (("stopped", "end", "-"), ("release", "end", "destroyed")):
+        code, _, err = hook(state_path, "vm1", op, sub, extra, xml=xml)
+        assert (code, err) == (0, "")
+    f = open_fabric(state_path)
+    assert not [d for d in f.devices() if d.holder] and f.mdevs() == []
+
+
+def test_failure_on_second_device_returns_the_first(fabric, state_path):
+    other = Holder("gamma", "vm2", str(uuid.uuid4()))
+    fabric.reserve(0x12, other)
+    before = snapshot(state_path)
+    code, _, err = hook(state_path, "vm1", "prepare", "begin", "-", xml=domain_xml())
+    assert code == 1
+    assert err.count("\n") == 1
+    assert "vm1" in err and "0x12" in err and "held by gamma/vm2" in err
+    assert snapshot(state_path) == before
+
+
+def test_unknown_fdid_fails_cleanly(fabric, state_path):
+    before = snapshot(state_path)
+    code, _, err = hook(
+        state_path, "vm1", "prepare", "begin", "-", xml=domain_xml(fdids=(0x10, 0x99))
+    )
+    assert code == 1 and "unknown device fdid 0x99" in err
+    assert snapshot(state_path) == before
+
+
+def test_lender_that_vanished_fails_cleanly(fabric, state_path):
+    fabric.set_node_up("beta", False)
+    before = snapshot(state_path)
+    code, _, err = hook(
+        state_path, "vm1", "prepare", "begin", "-", xml=domain_xml(fdids=(0x10, 0x20))
+    )
+    assert code == 1 and "0x20" in err and "beta" in err
+    assert snapshot(state_path) == before
+
+
+def test_domain_without_vmlend_metadata_is_untouched(tmp_path):
+    plain = b"<domain type='kvm'><name>plain</name><memory>65536</memory></domain>"
+    missing_state = tmp_path / "never" / "state.db"
+    for argv in (("prepare", "begin", "-"), ("release", "end", "-"), ("migrate", "begin", "-")):
+        code, out, err = hook(missing_state, "plain", *argv, xml=plain)
+        assert (code, out, err) == (0, b"", "")
+    assert not missing_state.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("xml", "message"),
+    [
+        (b"<domain><name>x</name", "domain XML on stdin"),
+        (b"", "domain XML on stdin"),
+    ],
+)
+def test_malformed_xml_is_one_clear_line(fabric, state_path, xml, message):
+    before = snapshot(state_path)
+    code, _, err = hook(state_path, "x", "prepare", "begin", "-", xml=xml)
+    assert code == 1 and message in err and err.count("\n") == 1
+    assert not err.startswith("vmlend: internal error")
+    assert snapshot(state_path) == before
+
+
+def test_missing_state_file_is_one_clear_line(tmp_path):
+    code, _, err = hook(tmp_path / "nope.db", "vm1", "prepare", "begin", "-", xml=domain_xml())
+    assert code == 1 and "vmlend fabric init" in err and err.count("\n") == 1
+
+
+def test_release_after_a_crash_half_way_cleans_up(fabric, state_path):
+    xml = domain_xml()
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    f = open_fabric(state_path)
+    # A crash after one mdev was removed: the other mdev and both holds remain.
+    f.remove_mdev(next(m.uuid for m in f.mdevs() if m.fdid == 0x10))
+    assert hook(state_path, "vm1", "release", "end", "-", xml=xml)[0] == 0
+    assert hook(state_path, "vm1", "release", "end", "-", xml=xml)[0] == 0
+    f = open_fabric(state_path)
+    assert not [d for d in f.devices() if d.holder] and f.mdevs() == []
+
+
+def test_release_does_not_touch_another_vms_devices(fabric, state_path):
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=domain_xml())[0] == 0
+    xml2 = domain_xml("vm2", fdids=(0x11,), vm_uuid=uuid.uuid4())
+    assert hook(state_path, "vm2", "prepare", "begin", "-", xml=xml2)[0] == 0
+    assert hook(state_path, "vm1", "release", "end", "-", xml=domain_xml())[0] == 0
+    f = open_fabric(state_path)
+    assert {d.fdid for d in f.devices() if d.holder} == {0x11}
+    assert {m.fdid for m in f.mdevs()} == {0x11}
+
+
+def test_reconnect_recreates_a_missing_mdev_and_never_fails(fabric, state_path):
+    xml = domain_xml()
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    f = open_fabric(state_path)
+    f.remove_mdev(next(m.uuid for m in f.mdevs() if m.fdid == 0x12))
+    assert hook(state_path, "vm1", "reconnect", "begin", "-", xml=xml)[0] == 0
+    assert {m.fdid for m in open_fabric(state_path).mdevs()} == {0x10, 0x12}
+    # A device now held elsewhere is a logged problem, not a killed guest.
+    f = open_fabric(state_path)
+    assert hook(state_path, "vm1", "release", "end", "-", xml=xml)[0] == 0
+    f.reserve(0x12, Holder("gamma", "vm9", str(uuid.uuid4())))
+    assert hook(state_path, "vm1", "reconnect", "begin", "-", xml=xml)[0] == 0
+
+
+def test_migrate_prints_the_xml_for_this_host(fabric, state_path):
+    xml = domain_xml()
+    code, out, err = hook(state_path, "vm1", "migrate", "begin", "-", xml=xml)
+    assert (code, err) == (0, "")
+    assert b"gamma" in out and b"vmlend" in out
+    from vmlend.domain import read_domain
+
+    info = read_domain(out)
+    assert info.host_node == "gamma"
+    assert [d.fdid for d in info.devices] == [0x10, 0x12]
+
+
+def test_migrate_with_a_device_unknown_here_cancels(fabric, state_path):
+    code, out, err = hook(state_path, "vm1", "migrate", "begin", "-", xml=domain_xml(fdids=(0x77,)))
+    assert code == 1 and out == b"" and "0x77" in err
+
+
+def test_actions_are_logged_and_shown_by_the_cli(fabric, state_path):
+    from click.testing import CliRunner
+
+    from vmlend.cli import main
+
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=domain_xml())[0] == 0
+    r = CliRunner().invoke(main, ["hook", "log", "-n", "5"])
+    assert r.exit_code == 0
+    assert "vm=vm1 prepare: reserve 0x10: ok" in r.output
+    assert "2 device(s) ready" in r.output

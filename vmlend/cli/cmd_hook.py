@@ -1,0 +1,95 @@
+"""`vmlend hook …`: install the libvirt hook, read its action log, run it by hand."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
+from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
+from vmlend.settings import DEFAULT_LIBVIRT_DIR
+
+
+@click.group("hook")
+def hook() -> None:
+    """The libvirt qemu hook that reserves devices when VMs start and returns them at stop."""
+
+
+@hook.command("install")
+@click.option(
+    "--libvirt-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_LIBVIRT_DIR,
+    show_default=True,
+    help="libvirt's config dir; the hook goes to <dir>/hooks/<name>.",
+)
+@click.option("--name", default=DEFAULT_NAME, show_default=True, help="'qemu' or 'qemu.d/<name>'.")
+@click.option("--force", is_flag=True, help="Replace a hook vmlend did not install.")
+@json_option
+@click.pass_obj
+def install(cli: CliContext, libvirt_dir: Path, name: str, force: bool, json_output: bool) -> None:
+    """Install the hook, pinned to this interpreter and this state path."""
+    result = install_hook(libvirt_dir, cli.state_path, cli.node, name=name, force=force)
+    if json_output:
+        emit_json(
+            {
+                "path": str(result.path),
+                "changed": result.changed,
+                "restart_needed": result.restart_needed,
+            }
+        )
+    else:
+        click.echo(result.advice())
+
+
+@hook.command("uninstall")
+@click.option(
+    "--libvirt-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_LIBVIRT_DIR,
+    show_default=True,
+)
+@click.option("--name", default=DEFAULT_NAME, show_default=True)
+def uninstall(libvirt_dir: Path, name: str) -> None:
+    """Remove the hook vmlend installed."""
+    removed = uninstall_hook(libvirt_dir, name)
+    click.echo(f"removed {libvirt_dir / 'hooks' / name}" if removed else "no vmlend hook installed")
+
+
+@hook.command("log")
+@click.option("-n", "--lines", default=20, show_default=True, type=click.IntRange(1, 100000))
+@json_option
+@click.pass_obj
+def show_log(cli: CliContext, lines: int, json_output: bool) -> None:
+    """Show the hook's last actions (one line each)."""
+    log = ActionLog(log_path_for_state(cli.state_path))
+    entries = log.tail(lines)
+    if json_output:
+        emit_json({"path": str(log.path), "entries": entries})
+        return
+    if not entries:
+        click.echo(f"no hook actions recorded yet ({log.path})", err=True)
+    for line in entries:
+        click.echo(line)
+
+
+@hook.command(
+    "run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_obj
+def run_hook(cli: CliContext, args: tuple[str, ...]) -> None:
+    """Run the hook by hand exactly as libvirt does: ARGS = DOMAIN OPERATION SUB-OP [EXTRA],
+    domain XML on stdin."""
+    from vmlend.hook.main import run
+
+    env = {"VMLEND_STATE": str(cli.state_path)}
+    if cli.node:
+        env["VMLEND_NODE"] = cli.node
+    sys.exit(run(list(args), environ=env))
+
+
+COMMANDS = [hook]

@@ -1,0 +1,329 @@
+"""The simulated cluster's hardware, built from a ``Topology``: nodes with RAM, IOMMUs, NTB
+adapters and devices, plus guests and the hardware half of borrowing.
+
+This is the layer below the fabric backend: it knows nothing of reservations or processes.
+The backend (and the DMA-window, interrupt and peer-to-peer code) drive it through
+``borrow``/``give_back`` and the primitives ``lender_domain``, ``vm_domain``, ``adapter``,
+``device`` and ``guest``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vmlend.errors import (
+    DeviceHeldError,
+    FabricError,
+    NoPathError,
+    UnknownDeviceError,
+    UnknownNodeError,
+)
+from vmlend.fabric.model import GuestRange, NodeSpec, Topology
+from vmlend.fabric.paths import NtbPath, route
+from vmlend.fabric.sim.addrmap import AddressMap, plan_mmio, ram_ranges
+from vmlend.fabric.sim.device import SimDevice
+from vmlend.fabric.sim.guest import SimGuest
+from vmlend.fabric.sim.hostmem import HUGE_2M, HostMemory
+from vmlend.fabric.sim.iommu import IommuDomain, NodeIommu, Requester
+from vmlend.fabric.sim.ntb import NtbAdapter
+from vmlend.fabric.sim.resolver import DmaResolver, DmaTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SimNode:
+    """One host: its address map, RAM, IOMMU, adapters (by index) and devices (by fdid)."""
+
+    spec: NodeSpec
+    address_map: AddressMap
+    memory: HostMemory
+    iommu: NodeIommu
+    adapters: dict[int, NtbAdapter] = field(default_factory=dict)
+    devices: dict[int, SimDevice] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Borrow:
+    """A device under a VM's exclusive control, with the fabric resources it uses."""
+
+    fdid: int
+    node: str  # borrower node
+    vm: str
+    lender: str
+    path: NtbPath | None  # None when the VM runs on the lender itself
+    lender_entry: int | None = None  # LUT entry on the lender's adapter (the device's DMA)
+    borrower_entry: int | None = None  # LUT entry on the borrower's adapter
+    ingress: Requester | None = None  # how the device's DMA appears to the borrower's IOMMU
+
+
+def _domain_name(node: str, what: str) -> str:
+    return f"{node}:{what}"
+
+
+def fabric_requester_key(lender_node_id: int, requester_id: int) -> int:
+    """A device's cluster-wide requester identity (the borrower-side LUT key)."""
+    return lender_node_id << 16 | requester_id
+
+
+class SimHardware:
+    """Everything physical in the simulated cluster."""
+
+    def __init__(self, topology: Topology, *, seed: int = 0) -> None:
+        self.topology = topology
+        self.seed = seed
+        self.nodes: dict[str, SimNode] = {}
+        self._adapters: dict[str, NtbAdapter] = {}
+        self._devices: dict[int, SimDevice] = {}
+        self._lender_domains: dict[int, IommuDomain] = {}
+        self._vm_domains: dict[tuple[str, str], IommuDomain] = {}
+        self._guests: dict[tuple[str, str], SimGuest] = {}
+        self._borrows: dict[int, Borrow] = {}
+        self._attached: dict[int, list[tuple[str, Requester]]] = {}  # fdid -> ingress attachments
+        for spec in topology.nodes:
+            self._build_node(spec)
+        self.resolver = DmaResolver(self)
+
+    @classmethod
+    def from_topology(cls, topology: Topology, *, seed: int = 0) -> SimHardware:
+        """Build the hardware of ``topology``; ``seed`` fixes the host page scatter."""
+        return cls(topology, seed=seed)
+
+    def _peers(self, node: str, adapter_ref: str) -> set[str]:
+        peers = set()
+        for other in self.topology.nodes:
+            if other.name == node:
+                continue
+            try:
+                path = route(self.topology, node, other.name)
+            except NoPathError:
+                continue
+            if path is not None and path.src.ref == adapter_ref:
+                peers.add(other.name)
+        return peers
+
+    def _build_node(self, spec: NodeSpec) -> None:
+        amap = AddressMap(spec.name, spec.ram)
+        node = SimNode(
+            spec=spec,
+            address_map=amap,
+            memory=HostMemory(spec.name, ram_ranges(spec.ram), seed=self.seed),
+            iommu=NodeIommu(spec.name),
+        )
+        self.nodes[spec.name] = node
+        devices = sorted(
+            (d for d in self.topology.devices if d.lender == spec.name), key=lambda d: d.fdid
+        )
+        plan = plan_mmio(amap, list(spec.adapters), devices)
+        for a in spec.adapters:
+            adapter = NtbAdapter(a, plan.windows[a.ref], self._peers(spec.name, a.ref))
+            node.adapters[a.index] = adapter
+            self._adapters[a.ref] = adapter
+        for d in devices:
+            dev = SimDevice(d, plan.bars[d.fdid])
+            node.devices[d.fdid] = dev
+            self._devices[d.fdid] = dev
+            # Each device gets its own domain at once: isolation holds before anything is lent.
+            domain = IommuDomain(_domain_name(spec.name, f"dev{d.fdid:#x}"))
+            self._lender_domains[d.fdid] = domain
+            node.iommu.attach(Requester(dev.requester_id), domain)
+
+    # --- lookups ---------------------------------------------------------------------------------
+    def node(self, name: str) -> SimNode:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise UnknownNodeError(name) from None
+
+    def adapter(self, ref: str) -> NtbAdapter:
+        try:
+            return self._adapters[ref]
+        except KeyError:
+            known = ", ".join(sorted(self._adapters)) or "none"
+            raise FabricError(f"unknown NTB adapter {ref!r} (known: {known})") from None
+
+    def adapters(self) -> list[NtbAdapter]:
+        return [self._adapters[r] for r in sorted(self._adapters)]
+
+    def device(self, fdid: int) -> SimDevice:
+        try:
+            return self._devices[fdid]
+        except KeyError:
+            raise UnknownDeviceError(fdid) from None
+
+    def devices(self) -> list[SimDevice]:
+        return [self._devices[f] for f in sorted(self._devices)]
+
+    def route(self, src: str, dst: str) -> NtbPath | None:
+        return route(self.topology, src, dst)
+
+    # --- IOMMU domains ------------------------------------------------------------------------
+    def lender_domain(self, fdid: int) -> IommuDomain:
+        """The device's own domain on its lender (IOVA as the device issues it -> lender
+        physical). Attached from the start: a device with nothing mapped reaches nothing."""
+        self.device(fdid)
+        return self._lender_domains[fdid]
+
+    def vm_domain(self, node: str, vm: str) -> IommuDomain:
+        """The per-VM domain on ``node`` (created on first use). It translates what enters
+        ``node`` through the NTB on behalf of the devices ``vm`` borrowed."""
+        self.node(node)
+        key = (node, vm)
+        if key not in self._vm_domains:
+            self._vm_domains[key] = IommuDomain(_domain_name(node, f"vm:{vm}"))
+        return self._vm_domains[key]
+
+    # --- guests --------------------------------------------------------------------------------
+    def create_guest(
+        self,
+        node: str,
+        vm: str,
+        ranges: list[GuestRange],
+        *,
+        backing: int = HUGE_2M,
+        running: bool = True,
+    ) -> SimGuest:
+        """A guest on ``node`` whose RAM covers ``ranges``. With ``running`` False its memory
+        does not exist until ``guest.start()`` (QEMU not yet started)."""
+        host = self.node(node)
+        if (node, vm) in self._guests:
+            raise FabricError(f"guest {vm} already exists on {node}; destroy it first")
+        guest = SimGuest(node, vm, ranges, host.memory, backing=backing)
+        if running:
+            guest.start()
+        self._guests[(node, vm)] = guest
+        self.vm_domain(node, vm)
+        return guest
+
+    def guest(self, node: str, vm: str) -> SimGuest:
+        try:
+            return self._guests[(node, vm)]
+        except KeyError:
+            raise FabricError(f"no guest {vm} on node {node}") from None
+
+    def guests(self) -> list[SimGuest]:
+        return list(self._guests.values())
+
+    def destroy_guest(self, node: str, vm: str) -> None:
+        """Free the guest's RAM (refused while pages are pinned). Its VM domain goes too once
+        no borrowed device uses it."""
+        guest = self.guest(node, vm)
+        guest.stop()
+        del self._guests[(node, vm)]
+        if not any((b.node, b.vm) == (node, vm) for b in self._borrows.values()):
+            self._vm_domains.pop((node, vm), None)
+
+    # --- borrowing -----------------------------------------------------------------------------
+    def borrowed(self, fdid: int) -> Borrow | None:
+        self.device(fdid)
+        return self._borrows.get(fdid)
+
+    def borrows(self) -> list[Borrow]:
+        return [self._borrows[f] for f in sorted(self._borrows)]
+
+    def borrow(self, fdid: int, node: str, vm: str) -> Borrow:
+        """Take exclusive control of ``fdid`` for ``vm`` on ``node``: a LUT entry for the
+        device's requester id on the lender's adapter, one on the borrower's adapter for the
+        device's borrower-side identity, and the crossing's requester attached to the VM's
+        domain on ``node``. Idempotent for the same VM; ``DeviceHeldError`` for another;
+        ``ResourceExhaustedError`` (nothing changed) when a LUT is full."""
+        dev = self.device(fdid)
+        self.node(node)
+        current = self._borrows.get(fdid)
+        if current is not None:
+            if (current.node, current.vm) == (node, vm):
+                return current
+            raise DeviceHeldError(fdid, current.node, current.vm)
+        path = self.route(dev.lender, node)
+        if path is None:
+            result = Borrow(fdid, node, vm, dev.lender, None)
+        else:
+            result = self._borrow_remote(dev, node, vm, path)
+        self._borrows[fdid] = result
+        log.info("device %#x borrowed by %s/%s", fdid, node, vm)
+        return result
+
+    def _borrow_remote(self, dev: SimDevice, node: str, vm: str, path: NtbPath) -> Borrow:
+        src = self.adapter(path.src.ref)
+        dst = self.adapter(path.dst.ref)
+        key = fabric_requester_key(self.node(dev.lender).spec.node_id, dev.requester_id)
+        lender_entry = src.lut_add(dev.requester_id)
+        try:
+            borrower_entry = dst.lut_add(key)
+        except Exception:
+            src.lut_remove(dev.requester_id)
+            raise
+        ingress = Requester(src.far_requester_id(dst, lender_entry), via=src.ref)
+        try:
+            self.node(node).iommu.attach(ingress, self.vm_domain(node, vm))
+        except Exception:
+            src.lut_remove(dev.requester_id)
+            dst.lut_remove(key)
+            raise
+        self._attached[dev.fdid] = [(node, ingress)]
+        return Borrow(dev.fdid, node, vm, dev.lender, path, lender_entry, borrower_entry, ingress)
+
+    def ingress(self, fdid: int, node: str) -> Requester:
+        """The requester a DMA of the (borrowed) device carries when it enters ``node`` through
+        the NTB: what ``node``'s IOMMU must know to translate it."""
+        dev = self.device(fdid)
+        path = self.route(dev.lender, node)
+        if path is None:
+            raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
+        src = self.adapter(path.src.ref)
+        entry = src.lut_lookup(dev.requester_id)
+        if entry is None:
+            raise FabricError(
+                f"device {fdid:#x} has no LUT entry on {src.ref}; borrow it before routing "
+                "its DMA to another node"
+            )
+        return Requester(src.far_requester_id(self.adapter(path.dst.ref), entry), via=src.ref)
+
+    def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:
+        """Let ``fdid``'s DMA entering ``node`` be translated by ``domain`` (peer-to-peer to a
+        device on a third node: ``domain`` maps to that device's BAR). Undone by
+        ``give_back``."""
+        requester = self.ingress(fdid, node)
+        self.node(node).iommu.attach(requester, domain)
+        entries = self._attached.setdefault(fdid, [])
+        if (node, requester) not in entries:
+            entries.append((node, requester))
+        return requester
+
+    def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool:
+        """Undo ``borrow`` and reset the device (the next user gets it clean). False when it
+        was not borrowed; ``DeviceHeldError`` when ``node``/``vm`` name someone else."""
+        dev = self.device(fdid)
+        current = self._borrows.get(fdid)
+        if current is None:
+            return False
+        if (node is not None and node != current.node) or (vm is not None and vm != current.vm):
+            raise DeviceHeldError(fdid, current.node, current.vm)
+        for node_name, requester in self._attached.pop(fdid, []):
+            self.node(node_name).iommu.detach(requester)
+        if current.path is not None:
+            src = self.adapter(current.path.src.ref)
+            dst = self.adapter(current.path.dst.ref)
+            src.lut_remove(dev.requester_id)
+            lender_id = self.node(dev.lender).spec.node_id
+            dst.lut_remove(fabric_requester_key(lender_id, dev.requester_id))
+        del self._borrows[fdid]
+        dev.reset()
+        log.info("device %#x given back by %s/%s", fdid, current.node, current.vm)
+        return True
+
+    # --- DMA -------------------------------------------------------------------------------------
+    def resolve_dma(self, fdid: int, iova: int, *, write: bool = False) -> DmaTarget:
+        """Where a DMA by ``fdid`` to ``iova`` lands (see ``DmaResolver``)."""
+        return self.resolver.resolve_dma(fdid, iova, write=write)
+
+    def dma_read(self, fdid: int, iova: int, length: int) -> bytes:
+        return self.resolver.dma_read(fdid, iova, length)
+
+    def dma_write(self, fdid: int, iova: int, data: bytes) -> list[DmaTarget]:
+        return self.resolver.dma_write(fdid, iova, data)

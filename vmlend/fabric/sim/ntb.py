@@ -1,0 +1,185 @@
+"""A PXH830-class NTB adapter: its window, the segment translations and the requester LUT.
+
+The window is a 64-bit BAR of the adapter in its node's physical address space, split into
+``segments`` equal segments. Each segment can be translated to an address on one remote node
+the adapter is cabled to (outbound translation, ``ntb_peer_mw_set_trans`` in Linux terms); the
+remote address must be aligned to ``XLAT_ALIGN``.
+
+The requester LUT lists the requester ids allowed to cross from this node: a TLP whose requester
+is not in the LUT is dropped. Entry ``e`` leaves the far adapter with requester id
+``far.bus << 8 | e``, so the far node's IOMMU can tell crossings apart and give each its own
+domain. The first ``2 * cpus`` entries are reserved for the CPUs (their MMIO to remote BARs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vmlend.errors import DmaFault, FabricError, NoPathError, ResourceExhaustedError
+from vmlend.fabric.model import LUT_RESERVED_PER_CPU, AdapterSpec
+
+#: Alignment of a segment's remote (translated) address.
+XLAT_ALIGN = 4096
+#: Bus number of adapter 0's NTB endpoint on its node (adapter i sits on bus BASE_BUS + i).
+BASE_BUS = 0xF0
+
+
+@dataclass(frozen=True)
+class SegmentMapping:
+    index: int
+    remote_node: str
+    remote_addr: int
+
+
+class NtbAdapter:
+    """One adapter. ``peers`` are the nodes its cable (or switch) reaches."""
+
+    def __init__(self, spec: AdapterSpec, window_base: int, peers: Iterable[str] = ()) -> None:
+        if window_base % spec.window_size:
+            raise ValueError(f"{spec.ref}: window base {window_base:#x} is not size aligned")
+        self.spec = spec
+        self.window_base = window_base
+        self.peers = frozenset(peers)
+        self.bus = BASE_BUS + spec.index
+        self._segments: dict[int, SegmentMapping] = {}
+        self._lut: dict[int, int] = {}  # requester id -> entry index
+        self._reserved = LUT_RESERVED_PER_CPU * spec.cpus
+
+    def __repr__(self) -> str:
+        return f"NtbAdapter({self.ref}, window {self.window_base:#x}+{self.window_size:#x})"
+
+    @property
+    def ref(self) -> str:
+        return self.spec.ref
+
+    @property
+    def node(self) -> str:
+        return self.spec.node
+
+    @property
+    def window_size(self) -> int:
+        return self.spec.window_size
+
+    @property
+    def segment_size(self) -> int:
+        return self.spec.segment_size
+
+    @property
+    def segments(self) -> int:
+        return self.spec.segments
+
+    # --- window and segments -------------------------------------------------------------------
+    def contains(self, addr: int) -> bool:
+        return self.window_base <= addr < self.window_base + self.window_size
+
+    def segment_of(self, addr: int) -> int:
+        if not self.contains(addr):
+            raise ValueError(f"{addr:#x} is outside the window of {self.ref}")
+        return (addr - self.window_base) // self.segment_size
+
+    def segment_base(self, index: int) -> int:
+        """Local physical address where segment ``index`` starts."""
+        self._check_index(index)
+        return self.window_base + index * self.segment_size
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.segments:
+            raise ValueError(f"{self.ref}: segment {index} out of range 0..{self.segments - 1}")
+
+    def map_segment(self, index: int, remote_node: str, remote_addr: int) -> None:
+        """Translate segment ``index`` to ``remote_addr`` on ``remote_node``. Remapping a busy
+        segment to something else is refused: unmap it first."""
+        self._check_index(index)
+        if remote_node == self.node:
+            raise FabricError(f"{self.ref}: a segment cannot point back into {self.node} itself")
+        if remote_node not in self.peers:
+            raise NoPathError(self.node, remote_node)
+        if remote_addr % XLAT_ALIGN or remote_addr < 0:
+            raise FabricError(
+                f"{self.ref}: remote address {remote_addr:#x} must be {XLAT_ALIGN}-byte aligned"
+            )
+        new = SegmentMapping(index, remote_node, remote_addr)
+        old = self._segments.get(index)
+        if old is not None and old != new:
+            raise FabricError(
+                f"{self.ref}: segment {index} already maps {old.remote_node}:"
+                f"{old.remote_addr:#x}; unmap it first"
+            )
+        self._segments[index] = new
+
+    def unmap_segment(self, index: int) -> bool:
+        self._check_index(index)
+        return self._segments.pop(index, None) is not None
+
+    def segment(self, index: int) -> SegmentMapping | None:
+        self._check_index(index)
+        return self._segments.get(index)
+
+    def mapped_segments(self) -> list[SegmentMapping]:
+        return [self._segments[i] for i in sorted(self._segments)]
+
+    def free_segments(self, count: int = 1) -> int:
+        """First index of ``count`` consecutive unmapped segments (so a range larger than one
+        segment stays contiguous in the window); ``ResourceExhaustedError`` when none."""
+        run = 0
+        for i in range(self.segments):
+            run = 0 if i in self._segments else run + 1
+            if run == count:
+                return i - count + 1
+        free = self.segments - len(self._segments)
+        raise ResourceExhaustedError(
+            "NTB window segments", self.ref, count, min(free, count - 1), "consecutive segments"
+        )
+
+    def translate(self, addr: int) -> tuple[str, int]:
+        """(remote node, remote address) behind local window address ``addr``;
+        ``DmaFault(hop="ntb-segment")`` when its segment is not mapped."""
+        index = self.segment_of(addr)
+        seg = self._segments.get(index)
+        if seg is None:
+            raise DmaFault(
+                "ntb-segment", addr, f"segment {index} of adapter {self.ref} is not mapped"
+            )
+        return seg.remote_node, seg.remote_addr + (addr - self.segment_base(index))
+
+    # --- requester LUT ---------------------------------------------------------------------------
+    @property
+    def lut_usable(self) -> int:
+        return self.spec.lut_usable
+
+    @property
+    def lut_free(self) -> int:
+        return self.lut_usable - len(self._lut)
+
+    def lut_add(self, requester_id: int) -> int:
+        """Let ``requester_id`` cross; returns its entry index. Idempotent. Raises
+        ``ResourceExhaustedError`` when every usable entry is taken."""
+        if requester_id in self._lut:
+            return self._lut[requester_id]
+        used = set(self._lut.values())
+        for entry in range(self._reserved, self.spec.lut_entries):
+            if entry not in used:
+                self._lut[requester_id] = entry
+                return entry
+        raise ResourceExhaustedError(
+            "requester LUT entries",
+            f"adapter {self.ref}",
+            len(self._lut) + 1,
+            self.lut_usable,
+            "entries",
+        )
+
+    def lut_remove(self, requester_id: int) -> bool:
+        return self._lut.pop(requester_id, None) is not None
+
+    def lut_lookup(self, requester_id: int) -> int | None:
+        return self._lut.get(requester_id)
+
+    def lut(self) -> dict[int, int]:
+        """requester id -> entry."""
+        return dict(self._lut)
+
+    def far_requester_id(self, far: NtbAdapter, entry: int) -> int:
+        """Requester id a TLP using LUT ``entry`` carries when it leaves ``far``."""
+        return far.bus << 8 | entry

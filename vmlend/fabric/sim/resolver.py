@@ -1,0 +1,213 @@
+"""The DMA resolver: follow a device's memory request hop by hop to the page it lands in.
+
+Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
+
+``dma-limit``       the IOVA is beyond the device's DMA address width (e.g. 40 bits)
+``bus-master``      the device's Bus Master bit is off, so it cannot issue requests at all
+``lender-iommu``    the lender's IOMMU, in the device's own domain, has no (writable) mapping
+``ntb-segment``     the address hit the lender's NTB window in a segment with no translation
+``lut``             the device's requester id is not in the crossing adapter's requester LUT
+``borrower-iommu``  the far node's IOMMU has no domain for the crossing, or no mapping in it
+``no-target``       nothing decodes the physical address: a hole, a BAR whose device has
+                    memory decoding off, or an NTB window again (hosts do not forward NTB
+                    traffic)
+
+A request that resolves ends at RAM (a host page, owned by the guest it backs) or at a BAR
+(peer-to-peer, owned by that device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vmlend.errors import DmaFault
+from vmlend.fabric.sim.iommu import IommuDomain, Requester
+from vmlend.pci import regs
+
+if TYPE_CHECKING:
+    from vmlend.fabric.sim.hardware import SimHardware, SimNode
+
+_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One stage a request passed: ``address`` is where it pointed after the stage, in the
+    address space of ``node`` (so the NTB stages already name the far node)."""
+
+    stage: str  # "device", "lender-iommu", "ntb-segment", "lut", "borrower-iommu", "ram", "bar"
+    node: str
+    address: int
+    detail: str = ""
+
+    def __str__(self) -> str:
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{self.stage}@{self.node} -> {self.address:#x}{extra}"
+
+
+@dataclass(frozen=True)
+class DmaTarget:
+    """Where a DMA lands."""
+
+    node: str
+    kind: str  # "ram" or "bar"
+    address: int  # physical address on ``node``
+    owner: str | int | None  # RAM: the VM whose page it is (None: not a guest's); BAR: fdid
+    hops: tuple[Hop, ...]
+    bar: int | None = None  # for kind "bar": BAR index and offset in it
+    offset: int | None = None
+    room: int = 0  # bytes from ``address`` to the end of the RAM range or BAR
+
+    @property
+    def crossed_ntb(self) -> bool:
+        return any(h.stage == "lut" for h in self.hops)
+
+    def describe(self) -> str:
+        return " | ".join(str(h) for h in self.hops)
+
+
+class DmaResolver:
+    """Resolves DMAs over a ``SimHardware``."""
+
+    def __init__(self, hardware: SimHardware) -> None:
+        self.hw = hardware
+
+    def resolve_dma(self, fdid: int, iova: int, *, write: bool = False) -> DmaTarget:
+        """The target of a ``write`` (or read) by device ``fdid`` to ``iova``; ``DmaFault``
+        naming the stage that refused."""
+        dev = self.hw.device(fdid)
+        if iova < 0 or iova >= dev.dma_limit:
+            raise DmaFault(
+                "dma-limit",
+                iova,
+                f"device {fdid:#x} addresses only {dev.spec.dma_bits} bits "
+                f"(below {dev.dma_limit:#x}); map the window lower",
+            )
+        if not dev.config.bus_master:
+            raise DmaFault(
+                "bus-master", iova, f"device {fdid:#x} has Bus Master disabled (command bit 2)"
+            )
+        node = self.hw.node(dev.lender)
+        hops = [Hop("device", node.name, iova, f"fdid {fdid:#x} rid {dev.spec.bdf}")]
+        phys = self._translate(
+            node, Requester(dev.requester_id), iova, write, "lender-iommu", f"device {fdid:#x}"
+        )
+        hops.append(Hop("lender-iommu", node.name, phys, self._domain(node, dev.requester_id)))
+        crossed = False
+        while True:
+            region = node.address_map.find(phys)
+            if region is None:
+                raise DmaFault("no-target", phys, f"nothing on {node.name} decodes {phys:#x}")
+            if region.kind == "ram":
+                owner = node.memory.owner_of(phys)
+                hops.append(Hop("ram", node.name, phys, owner or "host memory"))
+                return DmaTarget(
+                    node.name, "ram", phys, owner or None, tuple(hops), room=region.end - phys
+                )
+            if region.kind == "bar":
+                assert region.fdid is not None and region.bar is not None
+                if not self.hw.device(region.fdid).config.command & regs.COMMAND_MEMORY:
+                    raise DmaFault(
+                        "no-target",
+                        phys,
+                        f"{phys:#x} on {node.name} is BAR {region.bar} of device "
+                        f"{region.fdid:#x}, whose memory decoding is off (command bit 1)",
+                    )
+                hops.append(Hop("bar", node.name, phys, region.owner))
+                return DmaTarget(
+                    node.name,
+                    "bar",
+                    phys,
+                    region.fdid,
+                    tuple(hops),
+                    bar=region.bar,
+                    offset=phys - region.start,
+                    room=region.end - phys,
+                )
+            # An NTB window: cross once; a host does not forward what arrived from the NTB.
+            if crossed:
+                raise DmaFault(
+                    "no-target",
+                    phys,
+                    f"{phys:#x} on {node.name} is in NTB window {region.owner}; "
+                    "hosts do not forward NTB traffic",
+                )
+            crossed = True
+            assert region.adapter is not None
+            adapter = self.hw.adapter(region.adapter)
+            remote_name, remote_addr = adapter.translate(phys)
+            hops.append(Hop("ntb-segment", remote_name, remote_addr, adapter.ref))
+            entry = adapter.lut_lookup(dev.requester_id)
+            if entry is None:
+                raise DmaFault(
+                    "lut",
+                    phys,
+                    f"requester {dev.spec.bdf} (device {fdid:#x}) is not in the requester LUT "
+                    f"of {adapter.ref}; borrow the device first",
+                )
+            path = self.hw.route(node.name, remote_name)
+            assert path is not None
+            far = self.hw.adapter(path.dst.ref)
+            ingress = Requester(adapter.far_requester_id(far, entry), via=adapter.ref)
+            hops.append(Hop("lut", remote_name, remote_addr, f"entry {entry} -> {ingress}"))
+            node = self.hw.node(remote_name)
+            what = f"device {fdid:#x} via {adapter.ref} (LUT entry {entry})"
+            phys = self._translate(node, ingress, remote_addr, write, "borrower-iommu", what)
+            domain = node.iommu.domain_for(ingress)
+            hops.append(Hop("borrower-iommu", node.name, phys, domain.name if domain else ""))
+
+    @staticmethod
+    def _domain(node: SimNode, rid: int) -> str:
+        d = node.iommu.domain_for(Requester(rid))
+        return d.name if d else ""
+
+    @staticmethod
+    def _translate(
+        node: SimNode, requester: Requester, addr: int, write: bool, hop: str, what: str
+    ) -> int:
+        domain: IommuDomain | None = node.iommu.domain_for(requester)
+        if domain is None:
+            raise DmaFault(
+                hop, addr, f"no IOMMU domain on {node.name} for {what} (requester {requester})"
+            )
+        try:
+            return domain.translate(addr, write=write)
+        except DmaFault as fault:
+            raise DmaFault(hop, addr, f"{fault.why} ({what})") from None
+
+    # --- moving bytes ------------------------------------------------------------------------
+    def _pieces(
+        self, fdid: int, iova: int, length: int, write: bool
+    ) -> Iterator[tuple[int, int, DmaTarget]]:
+        at, end = iova, iova + length
+        while at < end:
+            target = self.resolve_dma(fdid, at, write=write)
+            n = min(end - at, _PAGE - at % _PAGE, target.room)
+            yield at - iova, n, target
+            at += n
+
+    def dma_read(self, fdid: int, iova: int, length: int) -> bytes:
+        """Bytes a device read of ``length`` at ``iova`` returns (resolved page by page)."""
+        out = bytearray()
+        for _, n, t in self._pieces(fdid, iova, length, write=False):
+            if t.kind == "ram":
+                out += self.hw.node(t.node).memory.read(t.address, n)
+            else:
+                assert isinstance(t.owner, int) and t.bar is not None and t.offset is not None
+                out += self.hw.device(t.owner).bars.read_bytes(t.bar, t.offset, n)
+        return bytes(out)
+
+    def dma_write(self, fdid: int, iova: int, data: bytes) -> list[DmaTarget]:
+        """Write ``data`` at ``iova`` as device ``fdid``; returns the target of every piece.
+        Every piece is resolved before anything is written, so a fault writes nothing."""
+        pieces = list(self._pieces(fdid, iova, len(data), write=True))
+        for pos, n, t in pieces:
+            chunk = data[pos : pos + n]
+            if t.kind == "ram":
+                self.hw.node(t.node).memory.write(t.address, chunk)
+            else:
+                assert isinstance(t.owner, int) and t.bar is not None and t.offset is not None
+                self.hw.device(t.owner).bars.write_bytes(t.bar, t.offset, chunk)
+        return [t for _, _, t in pieces]

@@ -1,0 +1,53 @@
+"""The hook's action log: one line per action, in a file users can find (`vmlend hook log`).
+
+libvirt shows only a failing hook's stderr, so what the hook did on success is recorded here.
+Lines are appended with O_APPEND, so concurrent hooks (two VMs starting) do not interleave.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+LOG_NAME = "hook.log"
+
+
+def log_path_for_state(state_path: Path) -> Path:
+    """The log lives beside the state database."""
+    return state_path.parent / LOG_NAME
+
+
+class ActionLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def record(self, domain: str, operation: str, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        line = f"{stamp}Z pid={os.getpid()} vm={domain} {operation}: {message}\n"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            # The log must never be the reason a VM fails to start or stop.
+            pass
+
+    def tail(self, lines: int = 20) -> list[str]:
+        try:
+            with self.path.open() as f:
+                return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
+        except FileNotFoundError:
+            return []
+
+
+class NullLog(ActionLog):
+    def __init__(self) -> None:
+        super().__init__(Path(os.devnull))
+
+    def record(self, domain: str, operation: str, message: str) -> None:
+        pass

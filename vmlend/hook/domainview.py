@@ -1,0 +1,19 @@
+"""What the hook reads from the domain XML, via ``vmlend.domain``."""
+
+from __future__ import annotations
+
+from vmlend.domain import DomainInfo, has_vmlend_metadata, read_domain, rewrite_for_destination
+
+
+def read_hook_domain(xml: bytes, *, strict: bool = True) -> DomainInfo | None:
+    """The domain, or None when it carries no vmlend metadata (the hook then touches nothing).
+
+    ``strict=False`` is for returning devices: an inconsistent XML must not keep a device
+    borrowed forever. Malformed XML raises ``DomainXMLError`` either way."""
+    if not has_vmlend_metadata(xml, source="domain XML on stdin"):
+        return None
+    return read_domain(xml, strict=strict, source="domain XML on stdin")
+
+
+def rewrite_for_this_host(xml: bytes, node: str) -> bytes:
+    return rewrite_for_destination(xml, node, source="domain XML on stdin")

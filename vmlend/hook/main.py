@@ -1,0 +1,105 @@
+"""The hook process: libvirt's argv and stdin in, an exit code and one line of stderr out.
+
+Kept thin and fast: it imports neither click nor libvirt. A VmlendError becomes one line on
+stderr (libvirt shows it to the user) and exit 1; anything unexpected is logged with its
+traceback in the action log and still reported in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+from vmlend.errors import VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
+from vmlend.hook.contract import Action, HookCall, parse_argv
+from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
+from vmlend.hook.ops import HookOps
+from vmlend.settings import NODE_ENV, state_path_from_env
+
+FabricFactory = Callable[[Path, str | None], Fabric]
+
+
+def _open_fabric(state_path: Path, node: str | None) -> Fabric:
+    from vmlend.fabric.open import open_fabric
+
+    return open_fabric(state_path, node)
+
+
+def handle(
+    call: HookCall,
+    xml: bytes,
+    state_path: Path,
+    node: str | None,
+    stdout: BinaryIO,
+    open_fabric: FabricFactory = _open_fabric,
+    actions: ActionLog | None = None,
+) -> int:
+    """Do what ``call`` asks. Returns the exit code; raises VmlendError on failure."""
+    action = call.action
+    if action is Action.IGNORE:
+        return 0
+    dom = read_hook_domain(xml, strict=action is not Action.RELEASE)
+    if dom is None:  # not a vmlend domain: touch nothing, change nothing
+        return 0
+    actions = actions or ActionLog(log_path_for_state(state_path))
+    fabric = open_fabric(state_path, node)
+    ops = HookOps(fabric, actions)
+    if action is Action.PREPARE:
+        ops.prepare(dom)
+    elif action is Action.RELEASE:
+        ops.release(dom)
+    elif action is Action.RECONNECT:
+        ops.reconnect(dom)
+    elif action in (Action.MIGRATE, Action.RESTORE):
+        for dev in dom.devices:
+            fabric.device(dev.fdid)  # an fdid unknown to this fabric cancels the migration
+        out = rewrite_for_this_host(xml, fabric.local_node)
+        stdout.write(out)
+        stdout.flush()
+        actions.record(dom.name, call.operation, f"rewrote XML for {fabric.local_node}")
+    return 0
+
+
+def run(
+    argv: list[str] | None = None,
+    stdin: BinaryIO | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: TextIO | None = None,
+    environ: dict[str, str] | None = None,
+    open_fabric: FabricFactory = _open_fabric,
+) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    stdin = stdin or sys.stdin.buffer
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr
+    env = dict(os.environ) if environ is None else environ
+    logging.basicConfig(level=logging.WARNING, stream=stderr, format="vmlend: %(message)s")
+    started = time.monotonic()
+    state_path = state_path_from_env(env)
+    actions = ActionLog(log_path_for_state(state_path))
+    try:
+        call = parse_argv(argv)
+        # Always drain stdin: libvirt writes the whole XML and must not see a broken pipe.
+        xml = stdin.read()
+        code = handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
+    except VmlendError as e:
+        print(f"vmlend: {e}", file=stderr)
+        name = argv[0] if argv else "?"
+        actions.record(name, " ".join(argv[1:3]) or "?", f"FAILED: {e}")
+        return 1
+    except Exception as e:  # a bug: one line for libvirt, the traceback for us
+        print(f"vmlend: internal error: {type(e).__name__}: {e} (see {actions.path})", file=stderr)
+        actions.record(argv[0] if argv else "?", "internal-error", traceback.format_exc())
+        return 1
+    elapsed = (time.monotonic() - started) * 1000
+    if call.action is not Action.IGNORE:
+        logging.getLogger(__name__).debug("%s took %.1f ms", call, elapsed)
+    return code

@@ -1,0 +1,27 @@
+"""Where vmlend keeps its state by default. No CLI imports: the hook uses this too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STATE_ENV = "VMLEND_STATE"
+NODE_ENV = "VMLEND_NODE"
+
+
+def default_state_path() -> Path:
+    """Root keeps the state with the system; others under the XDG state dir."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/vmlend/state.db")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "vmlend" / "state.db"
+
+
+def state_path_from_env(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    value = env.get(STATE_ENV)
+    return Path(value) if value else default_state_path()
+
+
+#: libvirt's system config dir (the hook goes to <dir>/hooks/qemu.d/vmlend).
+DEFAULT_LIBVIRT_DIR = Path("/etc/libvirt")
