@@ -142,6 +142,104 @@ class RelayError(VmlendError):
     """The interrupt relay could not set up or deliver a vector."""
 
 
+# --- the Linux mdev ABI (vmlend.mdev): each names the parent and type and what to do -------
+
+
+class MdevParentNotFoundError(MdevError):
+    def __init__(self, parent: str) -> None:
+        self.parent = parent
+        super().__init__(
+            f"no mdev parent {parent!r}; 'vmlend mdev types' lists the parents"
+            " (is the parent's driver loaded?)"
+        )
+
+
+class MdevTypeNotFoundError(MdevError):
+    def __init__(self, parent: str, type_id: str, known: tuple[str, ...] = ()) -> None:
+        self.parent = parent
+        self.type_id = type_id
+        self.known = known
+        have = ", ".join(known) if known else "none"
+        super().__init__(f"mdev parent {parent} has no type {type_id!r} (it offers: {have})")
+
+
+class MdevBadUuidError(MdevError):
+    def __init__(self, uuid: str, parent: str = "", type_id: str = "") -> None:
+        self.uuid = uuid
+        self.parent = parent
+        self.type_id = type_id
+        where = f" for {parent}/{type_id}" if parent else ""
+        super().__init__(
+            f"invalid mdev UUID {uuid!r}{where}: use the form"
+            " 8-4-4-4-12 hex digits, e.g. 83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
+        )
+
+
+class MdevUuidInUseError(MdevError):
+    """The UUID exists already, but under another parent or type."""
+
+    def __init__(self, uuid: str, parent: str, type_id: str, other_parent: str, other_type: str):
+        self.uuid = uuid
+        self.parent = parent
+        self.type_id = type_id
+        self.other_parent = other_parent
+        self.other_type = other_type
+        super().__init__(
+            f"cannot create mdev {uuid} on {parent}/{type_id}: that UUID already exists on"
+            f" {other_parent}/{other_type}; remove it first ('vmlend mdev remove {uuid}')"
+        )
+
+
+class MdevNoInstancesError(MdevError):
+    def __init__(self, parent: str, type_id: str) -> None:
+        self.parent = parent
+        self.type_id = type_id
+        super().__init__(
+            f"mdev parent {parent} has no {type_id} instances left; remove an unused mdev"
+            " ('vmlend mdev list') or use another parent"
+        )
+
+
+class MdevParentGoneError(MdevError):
+    """The parent disappeared between looking it up and using it (driver unloaded, lender
+    rebooted)."""
+
+    def __init__(self, parent: str, type_id: str = "") -> None:
+        self.parent = parent
+        self.type_id = type_id
+        what = f"{parent}/{type_id}" if type_id else parent
+        super().__init__(
+            f"mdev parent {what} vanished while vmlend was using it; check its driver"
+            " (or the lender) and retry"
+        )
+
+
+class MdevBusyError(MdevError):
+    def __init__(self, uuid: str, parent: str = "", type_id: str = "") -> None:
+        self.uuid = uuid
+        self.parent = parent
+        self.type_id = type_id
+        super().__init__(
+            f"mdev {uuid} ({parent}/{type_id}) is in use, probably by a running VM;"
+            " stop or detach it first"
+        )
+
+
+class MdevKernelError(MdevError):
+    """Any other refusal by the kernel; carries the errno."""
+
+    def __init__(self, op: str, parent: str, type_id: str, errno_: int, reason: str) -> None:
+        self.op = op
+        self.parent = parent
+        self.type_id = type_id
+        self.errno = errno_
+        self.reason = reason
+        super().__init__(
+            f"kernel refused to {op} on mdev parent {parent}/{type_id}: {reason}"
+            " (see the kernel log, 'dmesg', for the driver's reason)"
+        )
+
+
 class DmaLimitError(ResourceExhaustedError):
     """Guest RAM lies beyond what a device can address (``need``/``have`` are end addresses)."""
 

@@ -28,12 +28,20 @@ from vmlend.cli.common import CliContext, VmlendGroup
     envvar="VMLEND_NODE",
     help="The fabric node this host is [env VMLEND_NODE; default: the state's local node].",
 )
+@click.option(
+    "--root",
+    envvar="VMLEND_ROOT",
+    type=click.Path(file_okay=False),
+    help="Root of the host's sys/dev/etc/run trees [env VMLEND_ROOT; default /].",
+)
 @click.option("-v", "--verbose", count=True, help="More diagnostics on stderr.")
 @click.version_option(__version__, prog_name="vmlend")
 @click.pass_context
-def main(ctx: click.Context, state_path: str | None, node: str | None, verbose: int) -> None:
+def main(
+    ctx: click.Context, state_path: str | None, node: str | None, root: str | None, verbose: int
+) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
-    ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose)
+    ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose, root=root)
 
 
 def _register() -> None:

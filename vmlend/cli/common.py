@@ -27,16 +27,19 @@ class CliContext:
     state_path: Path
     node: str | None
     verbose: int = 0
+    root: Path | None = None  # host root (--root / VMLEND_ROOT); None = the real one
 
     @classmethod
-    def create(cls, state_path: str | None, node: str | None, verbose: int) -> CliContext:
+    def create(
+        cls, state_path: str | None, node: str | None, verbose: int, root: str | None = None
+    ) -> CliContext:
         logging.basicConfig(
             level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
             format="vmlend: %(message)s",
             stream=sys.stderr,
         )
         path = Path(state_path) if state_path else default_state_path()
-        return cls(state_path=path, node=node, verbose=verbose)
+        return cls(state_path=path, node=node, verbose=verbose, root=Path(root) if root else None)
 
     def fabric(self) -> Fabric:
         """The fabric in the state, seen from ``--node`` (StateError when there is none)."""

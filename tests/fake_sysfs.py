@@ -1,0 +1,463 @@
+"""A fake host root for tests: a sysfs tree in a temp dir plus the kernel's write semantics.
+
+Reads need no emulation: the tree holds ordinary files and relative symlinks laid out as the
+kernel lays them out, so ``vmlend.mdev`` reads it exactly as it reads ``/sys``. Writes that the
+kernel turns into actions (``create``, ``remove``, the SmartIO ``borrow``/``unborrow``...) cannot
+be plain files, so ``FakeSysfs`` *is* the ``SysfsWriter`` handed to the code under test: it
+applies what the kernel would do (make the device directory and its links, count instances, emit
+uevents) or raises ``OSError`` with the kernel's errno. A write to any other sysfs attribute fails
+with ``EIO``, as for an attribute without a store handler; outside sysfs it lands in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vmlend.fabric.model import Topology
+from vmlend.hostenv import HostEnv
+from vmlend.udev import Uevent
+
+_KERNEL_UUID = re.compile(r"^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\n?$")
+
+
+def _oserror(code: int, path: Path) -> OSError:
+    return OSError(code, os.strerror(code), str(path))
+
+
+def _link(link: Path, target: Path) -> None:
+    """A relative symlink, as sysfs makes them, so the tree can sit under any root."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+@dataclass
+class FakeType:
+    type_id: str
+    name: str = ""
+    description: str = ""
+    device_api: str = "vfio-pci"
+    available: int = 1
+    weight: int = 1  # instances of a shared parent pool one child takes (mtty: ports)
+    probe_errno: int = 0  # the vendor driver's create fails with this errno
+
+
+@dataclass
+class _Parent:
+    name: str
+    path: Path  # the device directory under sys/devices
+    types: dict[str, FakeType]
+    pool: int | None = None  # shared capacity across types (mtty), None = per-type counts
+
+
+@dataclass
+class _Child:
+    uuid: str
+    parent: str
+    type_id: str
+    path: Path
+
+
+@dataclass
+class FakeSysfs:
+    """The fake host below ``root``. Use ``env`` for the code under test and the fake itself
+    as its ``SysfsWriter``."""
+
+    root: Path
+    events: list[Uevent] = field(default_factory=list)
+    listeners: list[Callable[[Uevent], None]] = field(default_factory=list)
+    busy: set[str] = field(default_factory=set)  # children whose remove returns EBUSY
+    handlers: dict[Path, Callable[[str], None]] = field(default_factory=dict)
+    _parents: dict[str, _Parent] = field(default_factory=dict)
+    _children: dict[str, _Child] = field(default_factory=dict)
+    _next_group: int = 100
+
+    def __post_init__(self) -> None:
+        self.env = HostEnv(self.root)
+        for d in (self.env.mdev_bus, self.env.mdev_devices, self.env.iommu_groups):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # --- building the tree --------------------------------------------------------------------
+    def add_parent(
+        self,
+        name: str,
+        types: list[FakeType],
+        device_dir: str = "devices/pci0000:00",
+        pool: int | None = None,
+        announce: bool = True,
+    ) -> Path:
+        """Register ``name`` as an mdev parent (what ``mdev_register_parent`` does)."""
+        path = self.root / "sys" / device_dir / name
+        path.mkdir(parents=True, exist_ok=True)
+        types = [dataclasses.replace(t) for t in types]  # the fake counts in its own copies
+        parent = _Parent(name, path, {t.type_id: t for t in types}, pool)
+        self._parents[name] = parent
+        for t in types:
+            d = path / "mdev_supported_types" / t.type_id
+            (d / "devices").mkdir(parents=True, exist_ok=True)
+            if t.name:
+                (d / "name").write_text(t.name + "\n")
+            if t.description:
+                (d / "description").write_text(t.description + "\n")
+            (d / "device_api").write_text(t.device_api + "\n")
+            (d / "create").write_text("")  # write-only in the kernel; present for open()
+        self._write_available(parent)
+        _link(self.env.mdev_bus / name, path)
+        if announce:
+            self.emit(Uevent("change", name, "pci", {"MDEV_STATE": "registered"}))
+        return path
+
+    def add_mtty(self, ports: int = 24) -> Path:
+        """The kernel's mtty sample: one pool of serial ports shared by a 1- and a 2-port type."""
+        return self.add_parent(
+            "mtty",
+            [
+                FakeType("mtty-1", "Single port serial", device_api="vfio-pci", weight=1),
+                FakeType("mtty-2", "Dual port serial", device_api="vfio-pci", weight=2),
+            ],
+            device_dir="devices/virtual/mtty",
+            pool=ports,
+        )
+
+    def remove_parent(self, name: str, announce: bool = True) -> None:
+        """Unregister ``name``: like the kernel, its children go first."""
+        parent = self._parents[name]
+        for child in [c for c in self._children.values() if c.parent == name]:
+            self._destroy(child)
+        del self._parents[name]
+        (self.env.mdev_bus / name).unlink()
+        shutil.rmtree(parent.path / "mdev_supported_types")
+        if announce:
+            self.emit(Uevent("change", name, "pci", {"MDEV_STATE": "unregistered"}))
+
+    def set_available(self, parent: str, type_id: str, count: int) -> None:
+        p = self._parents[parent]
+        p.types[type_id].available = count
+        self._write_available(p)
+
+    def _write_available(self, p: _Parent) -> None:
+        for t in p.types.values():
+            count = t.available if p.pool is None else p.pool // t.weight
+            (p.path / "mdev_supported_types" / t.type_id / "available_instances").write_text(
+                f"{count}\n"
+            )
+
+    def emit(self, ev: Uevent) -> None:
+        self.events.append(ev)
+        for listener in self.listeners:
+            listener(ev)
+
+    # --- the SysfsWriter: the kernel's store handlers -----------------------------------------
+    def write(self, path: Path, text: str) -> None:
+        if not path.exists():
+            raise _oserror(errno.ENOENT, path)
+        real = path.resolve()
+        handler = self.handlers.get(real)
+        if handler is not None:
+            handler(text)
+            return
+        if real.name == "create" and real.parent.parent.name == "mdev_supported_types":
+            self._store_create(real.parent.parent.parent.name, real.parent.name, text, path)
+        elif real.name == "remove" and any(c.path == real.parent for c in self._children.values()):
+            self._store_remove(real.parent.name, text, path)
+        elif real.is_relative_to(self.env.sys.resolve()):
+            # A sysfs attribute without a store handler: even root's write fails.
+            raise _oserror(errno.EIO, path)
+        else:
+            real.write_text(text)
+
+    def _store_create(self, parent_name: str, type_id: str, text: str, path: Path) -> None:
+        parent = self._parents.get(parent_name)
+        if parent is None:
+            raise _oserror(errno.ENODEV, path)
+        if not _KERNEL_UUID.match(text):
+            raise _oserror(errno.EINVAL, path)
+        uuid = text.strip().lower()
+        if uuid in self._children:
+            raise _oserror(errno.EEXIST, path)
+        t = parent.types[type_id]
+        left = t.available if parent.pool is None else parent.pool // t.weight
+        if left <= 0:
+            # The core's own count says EUSERS; a driver counting a shared pool says ENOSPC.
+            raise _oserror(errno.EUSERS if parent.pool is None else errno.ENOSPC, path)
+        if t.probe_errno:
+            raise _oserror(t.probe_errno, path)
+        if parent.pool is None:
+            t.available -= 1
+        else:
+            parent.pool -= t.weight
+        self._write_available(parent)
+        dev = parent.path / uuid
+        dev.mkdir()
+        type_dir = parent.path / "mdev_supported_types" / type_id
+        _link(dev / "mdev_type", type_dir)
+        group = self.env.iommu_groups / str(self._next_group)
+        self._next_group += 1
+        (group / "devices").mkdir(parents=True)
+        _link(group / "devices" / uuid, dev)
+        _link(dev / "iommu_group", group)
+        (dev / "remove").write_text("")
+        _link(self.env.mdev_devices / uuid, dev)
+        _link(type_dir / "devices" / uuid, dev)
+        self._children[uuid] = _Child(uuid, parent_name, type_id, dev)
+        self.emit(Uevent("add", uuid, "mdev", {"MDEV_TYPE": type_id}))
+
+    def _store_remove(self, uuid: str, text: str, path: Path) -> None:
+        try:
+            value = int(text.strip(), 0)
+        except ValueError:
+            raise _oserror(errno.EINVAL, path) from None
+        if not value:
+            return
+        if uuid in self.busy:
+            raise _oserror(errno.EBUSY, path)
+        self._destroy(self._children[uuid])
+
+    def _destroy(self, child: _Child) -> None:
+        parent = self._parents[child.parent]
+        if parent.pool is None:
+            parent.types[child.type_id].available += 1
+        else:
+            parent.pool += parent.types[child.type_id].weight
+        group = (child.path / "iommu_group").resolve()
+        shutil.rmtree(group)
+        (self.env.mdev_devices / child.uuid).unlink()
+        (parent.path / "mdev_supported_types" / child.type_id / "devices" / child.uuid).unlink()
+        shutil.rmtree(child.path)
+        del self._children[child.uuid]
+        self._write_available(parent)
+        self.emit(Uevent("remove", child.uuid, "mdev"))
+
+
+class RacingWriter:
+    """Wraps a writer and runs ``before`` just before the next write: a race in slow motion
+    (e.g. the parent vanishing between listing and creating)."""
+
+    def __init__(self, inner: FakeSysfs, before: Callable[[], None]) -> None:
+        self.inner = inner
+        self.before: Callable[[], None] | None = before
+
+    def write(self, path: Path, text: str) -> None:
+        if self.before is not None:
+            before, self.before = self.before, None
+            before()
+        self.inner.write(path, text)
+
+
+class PipeUeventSource:
+    """A uevent source on a real pipe: ``send`` writes one JSON line, ``receive`` reads without
+    blocking, so the watcher's ``select`` loop runs for real."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        self._buf = b""
+
+    def fileno(self) -> int:
+        return self._r
+
+    def send(self, ev: Uevent) -> None:
+        line = json.dumps(
+            {"a": ev.action, "n": ev.sys_name, "s": ev.subsystem, "p": dict(ev.properties)}
+        )
+        os.write(self._w, line.encode() + b"\n")
+
+    def receive(self) -> Uevent | None:
+        if b"\n" not in self._buf:
+            try:
+                self._buf += os.read(self._r, 65536)
+            except BlockingIOError:
+                return None
+        if b"\n" not in self._buf:
+            return None
+        line, self._buf = self._buf.split(b"\n", 1)
+        d = json.loads(line)
+        return Uevent(d["a"], d["n"], d["s"], d["p"])
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+@dataclass
+class _FakeDev:
+    fdid: int
+    lender_node_id: int
+    attrs: dict[str, str]
+    availability: str = "available"
+    borrower: int = -1
+    wants_parent: bool = False  # registered by 'borrow', kept across an unreachable lender
+
+
+class FakeSmartio:
+    """The SmartIO driver of docs/smartio-contract.md, on top of a ``FakeSysfs``."""
+
+    def __init__(self, fake: FakeSysfs, node_id: int) -> None:
+        self.fake = fake
+        self.node_id = node_id
+        self.base = fake.env.smartio
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "node_id").write_text(f"{node_id}\n")
+        self.devs: dict[int, _FakeDev] = {}
+        for attr, fn in (
+            ("lend", self._lend),
+            ("unlend", self._unlend),
+            ("borrow", self._borrow),
+            ("unborrow", self._unborrow),
+        ):
+            path = self.base / attr
+            path.write_text("")
+            fake.handlers[path.resolve()] = self._parsing(attr, fn)
+
+    def _name(self, fdid: int) -> str:
+        return f"smartio-{fdid:x}"
+
+    def _dir(self, fdid: int) -> Path:
+        return self.fake.root / "sys" / "devices" / "virtual" / "smartio" / self._name(fdid)
+
+    def add_device(
+        self,
+        fdid: int,
+        lender_node_id: int,
+        bdf: str = "0000:41:00.0",
+        vendor: int = 0x8086,
+        device: int = 0x0A54,
+        class_code: int = 0x010802,
+        dma_bits: int = 64,
+        bars: str = "0 0x4000 mem64\n",
+        physfn: int | None = None,
+        availability: str = "available",
+        adapter: int = 0,
+    ) -> None:
+        d = self._dir(fdid)
+        d.mkdir(parents=True)
+        attrs = {
+            "fdid": f"{fdid:#x}",
+            "lender_node_id": str(lender_node_id),
+            "lender_adapter": str(adapter),
+            "lender_bdf": bdf,
+            "vendor": f"{vendor:#06x}",
+            "device": f"{device:#06x}",
+            "class": f"{class_code:#08x}",
+            "dma_bits": str(dma_bits),
+            "physfn": "" if physfn is None else f"{physfn:#x}",
+        }
+        for k, v in attrs.items():
+            (d / k).write_text(v + "\n")
+        (d / "bars").write_text(bars)
+        self.devs[fdid] = _FakeDev(fdid, lender_node_id, attrs, availability)
+        self._sync(fdid)
+        _link(self.base / self._name(fdid), d)
+        self.fake.emit(Uevent("add", self._name(fdid), "smartio"))
+
+    def _sync(self, fdid: int) -> None:
+        dev, d = self.devs[fdid], self._dir(fdid)
+        (d / "availability").write_text(dev.availability + "\n")
+        (d / "borrower_node_id").write_text(f"{dev.borrower}\n")
+
+    def _parsing(self, attr: str, fn: Callable[[int], None]) -> Callable[[str], None]:
+        def store(text: str) -> None:
+            try:
+                fdid = int(text.strip(), 0)
+            except ValueError:
+                raise _oserror(errno.EINVAL, self.base / attr) from None
+            if fdid not in self.devs:
+                raise _oserror(errno.ENODEV, self.base / attr)
+            fn(fdid)
+
+        return store
+
+    # --- the store handlers -------------------------------------------------------------------
+    def _lend(self, fdid: int) -> None:
+        dev = self.devs[fdid]
+        if dev.lender_node_id != self.node_id:
+            raise _oserror(errno.EREMOTE, self.base / "lend")
+        if dev.availability == "unlent":
+            self.set_availability(fdid, "available")
+
+    def _unlend(self, fdid: int) -> None:
+        dev = self.devs[fdid]
+        if dev.lender_node_id != self.node_id:
+            raise _oserror(errno.EREMOTE, self.base / "unlend")
+        if dev.borrower >= 0:
+            raise _oserror(errno.EBUSY, self.base / "unlend")
+        self.set_availability(fdid, "unlent")
+
+    def _borrow(self, fdid: int) -> None:
+        dev = self.devs[fdid]
+        if dev.availability == "unlent":
+            raise _oserror(errno.EPERM, self.base / "borrow")
+        if dev.availability == "unreachable":
+            raise _oserror(errno.EHOSTUNREACH, self.base / "borrow")
+        dev.wants_parent = True
+        if self._name(fdid) not in self.fake._parents:
+            self._register(fdid)
+
+    def _unborrow(self, fdid: int) -> None:
+        dev, name = self.devs[fdid], self._name(fdid)
+        if any(c.parent == name for c in self.fake._children.values()):
+            raise _oserror(errno.EBUSY, self.base / "unborrow")
+        dev.wants_parent = False
+        if name in self.fake._parents:
+            self.fake.remove_parent(name)
+
+    def _register(self, fdid: int) -> None:
+        self.fake.add_parent(
+            self._name(fdid),
+            [FakeType("smartio-lend", "SmartIO lent device", f"fdid {fdid:#x}", available=1)],
+            device_dir="devices/virtual/smartio",
+        )
+
+    # --- what happens elsewhere in the fabric -------------------------------------------------
+    def set_availability(self, fdid: int, availability: str) -> None:
+        """The lender lends/withdraws, or its link goes down/up. An unreachable lender takes
+        the parent (and its children) away; its return brings the parent back."""
+        dev, name = self.devs[fdid], self._name(fdid)
+        dev.availability = availability
+        if availability != "available":
+            dev.borrower = -1
+        self._sync(fdid)
+        self.fake.emit(Uevent("change", name, "smartio", {"SMARTIO_AVAILABILITY": availability}))
+        registered = name in self.fake._parents
+        if availability == "unreachable" and registered:
+            self.fake.remove_parent(name)
+        elif availability == "available" and dev.wants_parent and not registered:
+            self._register(fdid)
+
+    def guest_enable(self, fdid: int) -> None:
+        """The guest enabled the device: the driver takes the hardware borrow for this node."""
+        self.devs[fdid].borrower = self.node_id
+        self._sync(fdid)
+
+    def guest_release(self, fdid: int) -> None:
+        self.devs[fdid].borrower = -1
+        self._sync(fdid)
+
+
+def populate_smartio(smartio: FakeSmartio, topology: Topology) -> None:
+    """Every device of ``topology`` as the SmartIO driver would list it."""
+    ids = {n.name: n.node_id for n in topology.nodes}
+    for d in topology.devices:
+        bars = "".join(
+            f"{b.index} {b.size:#x} {b.kind.value}{' prefetch' if b.prefetch else ''}\n"
+            for b in d.bars
+        )
+        smartio.add_device(
+            d.fdid,
+            ids[d.lender],
+            bdf=d.bdf,
+            vendor=d.vendor_id,
+            device=d.device_id,
+            class_code=d.class_code,
+            dma_bits=d.dma_bits,
+            bars=bars,
+            physfn=d.physfn,
+            availability="available" if d.lent else "unlent",
+        )

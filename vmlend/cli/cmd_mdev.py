@@ -1,0 +1,121 @@
+"""``vmlend mdev``: the host's mediated devices, for any parent driver (SmartIO, mtty, ...)."""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.hostenv import HostEnv
+from vmlend.mdev import MdevBus
+
+
+def _bus(obj: CliContext) -> MdevBus:
+    return MdevBus(HostEnv.from_env(obj.root))
+
+
+@click.group("mdev")
+def mdev() -> None:
+    """List, create and remove mdev children (sysfs under --root)."""
+
+
+@mdev.command("types")
+@json_option
+@click.pass_obj
+def types(obj: CliContext, json_output: bool) -> None:
+    """Every mdev parent and the types it offers."""
+    rows = [t for p in _bus(obj).parents() for t in p.types]
+    if json_output:
+        emit_json(
+            [
+                {
+                    "parent": t.parent,
+                    "type": t.type_id,
+                    "name": t.name,
+                    "device_api": t.device_api,
+                    "available": t.available_instances,
+                    "devices": list(t.devices),
+                }
+                for t in rows
+            ]
+        )
+        return
+    emit_table(
+        ["PARENT", "TYPE", "NAME", "API", "AVAILABLE", "DEVICES"],
+        [
+            (t.parent, t.type_id, t.name, t.device_api, t.available_instances, len(t.devices))
+            for t in rows
+        ],
+    )
+
+
+@mdev.command("list")
+@json_option
+@click.pass_obj
+def list_(obj: CliContext, json_output: bool) -> None:
+    """Every mdev child on this host."""
+    devices = _bus(obj).devices()
+    if json_output:
+        emit_json(
+            [
+                {
+                    "uuid": d.uuid,
+                    "parent": d.parent,
+                    "type": d.type_id,
+                    "iommu_group": d.iommu_group,
+                }
+                for d in devices
+            ]
+        )
+        return
+    emit_table(
+        ["UUID", "PARENT", "TYPE", "IOMMU GROUP"],
+        [(d.uuid, d.parent, d.type_id, d.iommu_group) for d in devices],
+    )
+
+
+@mdev.command("create")
+@click.argument("parent")
+@click.argument("type_id", metavar="TYPE")
+@click.argument("uuid", required=False)
+@click.pass_obj
+def create(obj: CliContext, parent: str, type_id: str, uuid: str | None) -> None:
+    """Create a child of PARENT/TYPE (a fresh UUID unless given); prints its UUID."""
+    dev = _bus(obj).create(parent, type_id, uuid or str(uuidlib.uuid4()))
+    click.echo(dev.uuid)
+
+
+@mdev.command("remove")
+@click.argument("uuid")
+@click.pass_obj
+def remove(obj: CliContext, uuid: str) -> None:
+    """Remove a child; succeeds quietly (with a note on stderr) when it does not exist."""
+    if not _bus(obj).remove(uuid):
+        click.echo(f"vmlend: mdev {uuid} does not exist", err=True)
+
+
+@mdev.command("watch")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Stop after this many seconds without events (default: run until interrupted).",
+)
+@click.pass_obj
+def watch(obj: CliContext, timeout: float | None) -> None:
+    """Follow SmartIO mdev parents on this host: when one returns (a lender rebooted), re-create
+    the mdevs of the VMs that were running; while one is gone, mark its device unavailable in
+    the shared state. Reactions are logged on stderr (-v shows them all)."""
+    from vmlend.fabric.smartio.backend import open_smartio_fabric  # needs the registry
+    from vmlend.udev import PyudevSource
+
+    env = HostEnv.from_env(obj.root)
+    source = PyudevSource.for_host(env)  # live uevents exist only for the real root
+    with open_smartio_fabric(obj.state_path, obj.node, env) as fabric:
+        watcher = fabric.watcher()
+        watcher.discover()
+        watcher.run(source, timeout=timeout)
+
+
+COMMANDS = [mdev]

@@ -1,0 +1,225 @@
+"""``vmlend doctor``: what this host has and lacks for lending devices to guests.
+
+Each check is a small function of the ``HostEnv`` returning one ``Finding``; a ``FAIL`` blocks
+use (the CLI exits non-zero), a ``WARN`` limits it. Nothing here starts, loads or changes
+anything, and nothing waits on a daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmlend.errors import HostError, MdevError
+from vmlend.fabric.smartio.driver import MODULE as SMARTIO_MODULE
+from vmlend.fabric.smartio.driver import Availability, SmartioDriver
+from vmlend.hostenv import HostEnv
+from vmlend.mdev import MdevBus
+
+log = logging.getLogger(__name__)
+
+#: What marks a hook file as vmlend's (the installer writes it into the script).
+HOOK_MARK = "vmlend"
+
+
+class Status(enum.StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Finding:
+    name: str
+    status: Status
+    detail: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"check": self.name, "status": self.status.value, "detail": self.detail}
+
+
+def blocking(findings: list[Finding]) -> bool:
+    return any(f.status is Status.FAIL for f in findings)
+
+
+def _entries(path: Path) -> list[Path]:
+    return sorted(path.iterdir()) if path.is_dir() else []
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+
+def check_iommu(env: HostEnv) -> Finding:
+    groups = _entries(env.iommu_groups)
+    units = _entries(env.iommu_class)
+    if groups:
+        return Finding("iommu", Status.OK, f"{len(groups)} IOMMU groups, {len(units)} IOMMU units")
+    return Finding(
+        "iommu",
+        Status.FAIL,
+        "no IOMMU groups: enable VT-d/AMD-Vi in firmware and intel_iommu=on or amd_iommu=on"
+        " on the kernel command line",
+    )
+
+
+def check_vfio_module(env: HostEnv) -> Finding:
+    if env.module("vfio").is_dir():
+        extra = " (vfio_pci loaded)" if env.module("vfio_pci").is_dir() else ""
+        return Finding("vfio module", Status.OK, f"vfio loaded{extra}")
+    return Finding("vfio module", Status.FAIL, "vfio is not loaded: 'modprobe vfio-pci'")
+
+
+def check_mdev_module(env: HostEnv) -> Finding:
+    # Kernels from 5.16 on call it mdev; older ones had vfio_mdev on top of it.
+    for name in ("mdev", "vfio_mdev"):
+        if env.module(name).is_dir():
+            return Finding("mdev module", Status.OK, f"{name} loaded")
+    return Finding("mdev module", Status.FAIL, "mdev is not loaded: 'modprobe mdev'")
+
+
+def check_vfio_device(env: HostEnv) -> Finding:
+    path = env.vfio_container
+    if path.exists():
+        return Finding("vfio device", Status.OK, f"{path} present")
+    return Finding(
+        "vfio device",
+        Status.FAIL,
+        f"{path} missing: load vfio ('modprobe vfio-pci'); QEMU needs it for mdevs",
+    )
+
+
+def check_smartio(env: HostEnv, required: bool = False) -> Finding:
+    driver = SmartioDriver(env)
+    if not driver.loaded():
+        return Finding(
+            "smartio driver",
+            Status.FAIL if required else Status.WARN,
+            f"not loaded ('modprobe {SMARTIO_MODULE}'); only the simulated fabric works",
+        )
+    try:
+        node = driver.node_id()
+        devices = driver.devices()
+    except HostError as e:
+        return Finding("smartio driver", Status.FAIL, str(e))
+    available = sum(d.availability is Availability.AVAILABLE for d in devices)
+    parents = sum(d.parent_registered for d in devices)
+    return Finding(
+        "smartio driver",
+        Status.OK,
+        f"node {node}: {len(devices)} devices, {available} available, {parents} mdev parents here",
+    )
+
+
+def check_mdev_parents(env: HostEnv) -> Finding:
+    try:
+        parents = MdevBus(env).parents()
+    except MdevError as e:
+        return Finding("mdev parents", Status.FAIL, str(e))
+    if not parents:
+        return Finding("mdev parents", Status.WARN, "none registered yet")
+    names = ", ".join(f"{p.name} ({'/'.join(t.type_id for t in p.types)})" for p in parents[:5])
+    more = f" and {len(parents) - 5} more" if len(parents) > 5 else ""
+    return Finding("mdev parents", Status.OK, f"{len(parents)}: {names}{more}")
+
+
+def libvirt_library_version() -> str:
+    """The libvirt library's version; ``getVersion()`` needs no daemon and no connection."""
+    import libvirt
+
+    v = libvirt.getVersion()
+    return f"{v // 1_000_000}.{v // 1000 % 1000}.{v % 1000}"
+
+
+def check_libvirt(version: Callable[[], str]) -> Finding:
+    try:
+        return Finding("libvirt", Status.OK, f"libvirt {version()}")
+    except ImportError:
+        return Finding(
+            "libvirt", Status.FAIL, "libvirt-python is missing: 'pip install libvirt-python'"
+        )
+    except Exception as e:  # libvirt.libvirtError, or a broken library: report, don't crash
+        return Finding("libvirt", Status.FAIL, f"libvirt library unusable: {e}")
+
+
+def hook_files(env: HostEnv) -> list[Path]:
+    """Files libvirt runs for qemu events: ``hooks/qemu`` then ``hooks/qemu.d/*``."""
+    hooks = env.libvirt_hooks
+    main = [hooks / "qemu"] if (hooks / "qemu").is_file() else []
+    return main + [p for p in _entries(hooks / "qemu.d") if p.is_file()]
+
+
+def _is_vmlend_hook(path: Path) -> bool:
+    try:
+        return HOOK_MARK in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def check_hook(env: HostEnv) -> Finding:
+    ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
+    if not ours:
+        return Finding(
+            "libvirt hook",
+            Status.FAIL,
+            f"no vmlend hook under {env.libvirt_hooks}: run 'vmlend hook install'",
+        )
+    hook = ours[0]
+    if not hook.stat().st_mode & 0o111:
+        return Finding("libvirt hook", Status.FAIL, f"{hook} is not executable: chmod +x it")
+    return Finding("libvirt hook", Status.OK, str(hook))
+
+
+def _daemon_start(env: HostEnv) -> tuple[Path, float] | None:
+    """The running QEMU daemon's pid file and start time (the pid file's mtime)."""
+    for pidfile in env.libvirtd_pidfiles:
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            continue
+        if env.process(pid).exists():
+            return pidfile, pidfile.stat().st_mtime
+    return None
+
+
+def check_daemon_saw_hook(env: HostEnv) -> Finding:
+    """libvirtd enables hooks only if one existed when it started (FACTS.md), so some hook file
+    must predate the daemon; later files in qemu.d are then picked up."""
+    started = _daemon_start(env)
+    if started is None:
+        return Finding("libvirtd", Status.WARN, "not running (no live pid file); start it")
+    pidfile, when = started
+    files = hook_files(env)
+    if not files:
+        return Finding("libvirtd", Status.WARN, f"running ({pidfile}), no hooks installed")
+    if min(p.stat().st_mtime for p in files) <= when:
+        return Finding("libvirtd", Status.OK, f"running ({pidfile}), started after the hooks")
+    return Finding(
+        "libvirtd",
+        Status.FAIL,
+        f"started before its hooks were installed, so it ignores them: restart libvirtd"
+        f" ({pidfile})",
+    )
+
+
+def run_checks(
+    env: HostEnv,
+    libvirt_version: Callable[[], str] = libvirt_library_version,
+    smartio_required: bool = False,
+) -> list[Finding]:
+    findings = [
+        check_iommu(env),
+        check_vfio_module(env),
+        check_mdev_module(env),
+        check_vfio_device(env),
+        check_smartio(env, required=smartio_required),
+        check_mdev_parents(env),
+        check_libvirt(libvirt_version),
+        check_hook(env),
+        check_daemon_saw_hook(env),
+    ]
+    for f in findings:
+        log.debug("doctor %s: %s %s", f.name, f.status, f.detail)
+    return findings

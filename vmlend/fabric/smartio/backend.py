@@ -1,0 +1,304 @@
+"""``SmartioFabric``: the ``Fabric`` interface over the real kernel.
+
+Two sources of truth, each for what it knows:
+
+- the shared registry (``vmlend.registry``) decides *who holds what*: reservations, adapter
+  claims, admission, mdev records. That bookkeeping is the same as the simulated cluster's, so
+  it is delegated to a ``SimFabric`` over the same registry rather than written twice;
+- the SmartIO driver and the mdev ABI (docs/smartio-contract.md, ``vmlend.mdev``) say what the
+  hardware can do right now: whether a device is lent and reachable, whether its parent exists,
+  which children exist. Their word wins over the registry's for availability.
+
+Every step that changes the kernel records enough to undo itself when a later step fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vmlend.errors import (
+    DeviceNotLentError,
+    FabricError,
+    LenderUnavailableError,
+    MdevError,
+    MdevParentNotFoundError,
+    UnknownDeviceError,
+)
+from vmlend.fabric.admission import AdapterUsage
+from vmlend.fabric.model import (
+    Check,
+    DeviceState,
+    DeviceStatus,
+    Holder,
+    MdevInfo,
+    NodeSpec,
+    Topology,
+)
+from vmlend.fabric.sim.backend import SimFabric
+from vmlend.fabric.smartio.driver import (
+    MDEV_TYPE,
+    Availability,
+    SmartioDevice,
+    SmartioDriver,
+    device_name,
+    fdid_of,
+)
+from vmlend.hostenv import HostEnv
+from vmlend.mdev import MdevBus, SysfsWriter
+from vmlend.registry import Registry
+from vmlend.udev import ParentWatcher, WantedMdev
+
+log = logging.getLogger(__name__)
+
+
+def overlay(status: DeviceStatus, dev: SmartioDevice | None, local_node_id: int) -> DeviceStatus:
+    """The registry's status corrected by what the driver reports now (pure).
+
+    The driver can only take availability away (unreachable, withdrawn): a device is offered
+    when both the registry and the lender's driver say so."""
+    state = status.state
+    if dev is None or dev.availability is Availability.UNREACHABLE:
+        state = DeviceState.UNAVAILABLE
+    elif dev.availability is Availability.UNLENT and state is DeviceState.AVAILABLE:
+        state = DeviceState.UNLENT  # the lender withdrew it
+    if (
+        state is DeviceState.RESERVED
+        and dev is not None
+        and dev.borrower_node_id == local_node_id
+        and status.holder is not None
+    ):
+        state = DeviceState.BORROWED  # the guest enabled it: the driver took the borrow
+    if state is status.state:
+        return status
+    return DeviceStatus(spec=status.spec, state=state, holder=status.holder)
+
+
+class SmartioFabric:
+    """The kernel backend. ``env`` locates sysfs; ``writer`` is the sysfs writer (tests pass a
+    fake kernel)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        env: HostEnv,
+        local_node: str | None = None,
+        writer: SysfsWriter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._state = SimFabric(registry, local_node=local_node, clock=clock)
+        self.local_node = self._state.local_node
+        self.env = env
+        self.driver = SmartioDriver(env, writer)
+        self.bus = MdevBus(env, writer)
+
+    def close(self) -> None:
+        self._state.close()
+
+    def __enter__(self) -> SmartioFabric:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reading -------------------------------------------------------------------------------
+    def topology(self) -> Topology:
+        return self._state.topology()
+
+    def nodes(self) -> list[NodeSpec]:
+        return self._state.nodes()
+
+    def usage(self) -> dict[str, AdapterUsage]:
+        return self._state.usage()
+
+    def _local_node_id(self) -> int:
+        return self.topology().node(self.local_node).node_id
+
+    def devices(self) -> list[DeviceStatus]:
+        self.driver.require()
+        seen = {d.fdid: d for d in self.driver.devices()}
+        me = self._local_node_id()
+        return [overlay(s, seen.get(s.fdid), me) for s in self._state.devices()]
+
+    def device(self, fdid: int) -> DeviceStatus:
+        status = self._state.device(fdid)
+        return overlay(status, self._driver_device(fdid), self._local_node_id())
+
+    def _driver_device(self, fdid: int) -> SmartioDevice | None:
+        self.driver.require()
+        try:
+            return self.driver.device(fdid)
+        except UnknownDeviceError:
+            return None
+
+    def _require_available(self, fdid: int) -> None:
+        """The driver's word on whether ``fdid`` can be borrowed now."""
+        dev = self._driver_device(fdid)
+        lender = self._state.topology().device(fdid).lender
+        if dev is None:
+            raise LenderUnavailableError(fdid, lender, "is not known to this host's SmartIO driver")
+        if dev.availability is Availability.UNREACHABLE:
+            raise LenderUnavailableError(fdid, lender)
+        if dev.availability is Availability.UNLENT:
+            raise DeviceNotLentError(fdid, lender)
+
+    # --- lender side: only the host the device is installed in can lend it -----------------
+    def _require_local(self, fdid: int, verb: str) -> None:
+        lender = self._state.topology().device(fdid).lender
+        if lender != self.local_node:
+            raise FabricError(
+                f"device {fdid:#x} is installed in {lender}, not in {self.local_node}:"
+                f" run 'vmlend {verb} {fdid:#x}' on {lender}"
+            )
+
+    def lend(self, fdid: int) -> DeviceStatus:
+        self._require_local(fdid, "lend")
+        self.driver.lend(fdid)
+        self._state.lend(fdid)
+        return self.device(fdid)
+
+    def unlend(self, fdid: int) -> DeviceStatus:
+        self._require_local(fdid, "unlend")
+        self._state.unlend(fdid)  # refuses while anyone holds it
+        try:
+            self.driver.unlend(fdid)
+        except FabricError:
+            self._state.lend(fdid)  # undo: the driver still lends it
+            raise
+        return self.device(fdid)
+
+    # --- borrower side -------------------------------------------------------------------------
+    def admission(
+        self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
+    ) -> list[Check]:
+        checks = self._state.admission(fdid, borrower, guest_ram, holder=holder)
+        try:
+            self._require_available(fdid)
+            checks.insert(0, Check("driver", True, "the SmartIO driver offers the device"))
+        except FabricError as e:
+            checks.insert(0, Check("driver", False, str(e)))
+        return checks
+
+    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
+        self._require_available(fdid)
+        self._state.reserve(fdid, holder, guest_ram=guest_ram)
+        return self.device(fdid)
+
+    def release(self, fdid: int, holder: Holder) -> bool:
+        if not self._state.release(fdid, holder):
+            return False
+        self._drop_parent_if_unused(fdid)
+        return True
+
+    def _drop_parent_if_unused(self, fdid: int) -> None:
+        """A released device's parent goes too, so the driver stops re-registering it."""
+        name = device_name(fdid)
+        if any(d.parent == name for d in self.bus.devices()):
+            return
+        if not (self.env.mdev_bus / name).exists():
+            return
+        try:
+            self.driver.unregister_parent(fdid)
+        except FabricError as e:
+            log.warning("could not unregister mdev parent %s: %s", name, e)
+
+    def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
+        self._require_available(fdid)
+        self._state.borrow(fdid, holder)
+        return self.device(fdid)
+
+    def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:
+        self._state.give_back(fdid, holder)
+        return self.device(fdid)
+
+    # --- mdevs on this node --------------------------------------------------------------------
+    def ensure_mdev_parent(self, fdid: int) -> str:
+        self._require_available(fdid)
+        name = self._state.ensure_mdev_parent(fdid)  # lent, reachable, routed; recorded
+        if name != device_name(fdid):
+            raise FabricError(
+                f"registry names parent {name!r} for {fdid:#x}, driver {device_name(fdid)!r}"
+            )
+        self.driver.register_parent(fdid)
+        try:
+            self.bus.parent(name).type(MDEV_TYPE)
+        except MdevParentNotFoundError:
+            raise MdevError(
+                f"the SmartIO driver accepted 'borrow {fdid:#x}' but no mdev parent {name}"
+                f" appeared under {self.env.mdev_bus}; see 'dmesg'"
+            ) from None
+        return name
+
+    def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        info = self._state.create_mdev(fdid, uuid, holder)  # checks the hold, records it
+        existed = self.bus.device(info.uuid) is not None
+        try:
+            self.bus.create(info.parent, info.type_id, info.uuid)
+        except MdevError:
+            if not existed:
+                self._state.remove_mdev(info.uuid)  # undo the record: nothing was created
+            raise
+        return info
+
+    def remove_mdev(self, uuid: str) -> bool:
+        removed = self.bus.remove(uuid)  # MdevBusyError keeps the record: it still exists
+        recorded = self._state.remove_mdev(uuid)
+        return removed or recorded
+
+    def mdevs(self) -> list[MdevInfo]:
+        """The SmartIO children the kernel has, with the VM the registry knows for each."""
+        records = {m.uuid: m for m in self._state.mdevs()}
+        out = []
+        for d in self.bus.devices():
+            fdid = fdid_of(d.parent)
+            if fdid is None:
+                continue  # another driver's child (mtty, a GPU's vGPU...)
+            rec = records.get(d.uuid)
+            out.append(
+                MdevInfo(
+                    uuid=d.uuid,
+                    parent=d.parent,
+                    type_id=d.type_id,
+                    fdid=fdid,
+                    node=self.local_node,
+                    vm=rec.vm if rec else "",
+                )
+            )
+        return out
+
+    # --- reacting to the kernel ----------------------------------------------------------------
+    def wanted_mdevs(self) -> list[WantedMdev]:
+        """Children that must exist: those the registry records on this node (a record lives
+        from the prepare hook to the release hook, i.e. while the VM runs)."""
+        return [WantedMdev(m.uuid, m.parent, m.type_id, m.vm) for m in self._state.mdevs()]
+
+    def watcher(self) -> ParentWatcher:
+        """A udev watcher that re-creates running VMs' children when a parent returns and marks
+        the device unavailable in the shared state while its parent is gone."""
+
+        def mark(available: bool) -> Callable[[str], None]:
+            def set_(parent: str) -> None:
+                fdid = fdid_of(parent)
+                if fdid is not None:
+                    self._state.set_device_available(fdid, available)
+
+            return set_
+
+        return ParentWatcher(self.bus, self.wanted_mdevs, mark(False), mark(True))
+
+
+def open_smartio_fabric(
+    state_path: str | Path,
+    node: str | None = None,
+    env: HostEnv | None = None,
+    writer: SysfsWriter | None = None,
+) -> SmartioFabric:
+    """The kernel backend over the state at ``state_path`` (for ``vmlend.fabric.open``)."""
+    registry = Registry.open(state_path)
+    try:
+        return SmartioFabric(registry, env or HostEnv.from_env(), local_node=node, writer=writer)
+    except BaseException:
+        registry.close()
+        raise

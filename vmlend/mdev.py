@@ -1,0 +1,283 @@
+"""The Linux mediated-device (mdev) sysfs ABI, for any parent driver.
+
+As the kernel documents it (Documentation/driver-api/vfio-mediated-device.rst):
+
+- ``class/mdev_bus/<parent>`` links to every device registered as an mdev parent;
+- ``<parent>/mdev_supported_types/<type-id>/`` holds ``name`` (optional), ``description``
+  (optional), ``device_api``, ``available_instances``, ``devices/`` and the write-only
+  ``create``;
+- writing a UUID to ``create`` makes ``bus/mdev/devices/<uuid>`` (links ``mdev_type`` and
+  ``iommu_group``); writing ``1`` to its ``remove`` destroys it.
+
+Reads go to the files directly. Writes go through an injected ``SysfsWriter`` so that tests can
+put the kernel's semantics behind the same call (``tests/fake_sysfs.py``); the real one is one
+``write(2)`` per attribute, because that is what a sysfs ``store`` handler sees. Kernel errnos
+become ``MdevError`` subclasses that name the parent and type.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from vmlend.errors import (
+    MdevBadUuidError,
+    MdevBusyError,
+    MdevError,
+    MdevKernelError,
+    MdevNoInstancesError,
+    MdevParentGoneError,
+    MdevParentNotFoundError,
+    MdevTypeNotFoundError,
+    MdevUuidInUseError,
+)
+from vmlend.hostenv import HostEnv
+
+log = logging.getLogger(__name__)
+
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.I)
+
+#: errnos with which the mdev core or a vendor driver says "no instances left": the core
+#: returns EUSERS when its count is exhausted, drivers that count themselves (mtty) ENOSPC.
+_NO_INSTANCES = {errno.EUSERS, errno.ENOSPC, errno.EDQUOT}
+#: errnos meaning the parent went away under us (directory gone, or device unregistering).
+_GONE = {errno.ENOENT, errno.ENODEV, errno.ENXIO}
+
+
+def normalize_uuid(text: str) -> str:
+    """The kernel's canonical spelling (lower case); ``MdevBadUuidError`` for anything else.
+
+    Checked before any path is built from it, so a hostile string cannot walk the tree."""
+    value = str(text).strip()
+    if not _UUID_RE.match(value):
+        raise MdevBadUuidError(value)
+    return value.lower()
+
+
+class SysfsWriter(Protocol):
+    """Writes one value to one sysfs attribute; raises ``OSError`` carrying the kernel's errno."""
+
+    def write(self, path: Path, text: str) -> None: ...
+
+
+class KernelWriter:
+    """The real writer: one unbuffered ``write(2)``, as a sysfs ``store`` handler expects."""
+
+    def write(self, path: Path, text: str) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class MdevType:
+    parent: str
+    type_id: str
+    name: str
+    description: str
+    device_api: str
+    available_instances: int
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MdevParent:
+    name: str
+    types: tuple[MdevType, ...]
+
+    def type(self, type_id: str) -> MdevType:
+        for t in self.types:
+            if t.type_id == type_id:
+                return t
+        raise MdevTypeNotFoundError(self.name, type_id, tuple(t.type_id for t in self.types))
+
+
+@dataclass(frozen=True)
+class MdevDevice:
+    uuid: str
+    parent: str
+    type_id: str
+    iommu_group: int | None = None
+
+
+def _read(path: Path, default: str | None = None) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        if default is None:
+            raise
+        return default
+
+
+class MdevBus:
+    """The mdev parents and children of one host (``env``)."""
+
+    def __init__(self, env: HostEnv, writer: SysfsWriter | None = None) -> None:
+        self.env = env
+        self.writer: SysfsWriter = writer or KernelWriter()
+
+    # --- reading -------------------------------------------------------------------------------
+    def parent_names(self) -> list[str]:
+        base = self.env.mdev_bus
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir())
+
+    def parents(self) -> list[MdevParent]:
+        """Every registered parent; one that vanishes while being read is left out."""
+        found = []
+        for name in self.parent_names():
+            try:
+                found.append(self.parent(name))
+            except (MdevParentNotFoundError, FileNotFoundError):
+                log.debug("mdev parent %s vanished while listing", name)
+        return found
+
+    def parent(self, name: str) -> MdevParent:
+        types_dir = self._parent_dir(name) / "mdev_supported_types"
+        if not types_dir.is_dir():
+            raise MdevParentNotFoundError(name)
+        types = tuple(self._read_type(name, d) for d in sorted(types_dir.iterdir()))
+        return MdevParent(name=name, types=types)
+
+    def _parent_dir(self, name: str) -> Path:
+        if not name or "/" in name or name in (".", ".."):
+            raise MdevParentNotFoundError(name)
+        return self.env.mdev_bus / name
+
+    def _read_type(self, parent: str, d: Path) -> MdevType:
+        devices_dir = d / "devices"
+        devices = (
+            tuple(sorted(p.name for p in devices_dir.iterdir())) if devices_dir.is_dir() else ()
+        )
+        raw = _read(d / "available_instances")
+        try:
+            available = int(raw)
+        except ValueError:
+            raise MdevError(
+                f"mdev parent {parent}/{d.name}: unreadable available_instances {raw!r}"
+            ) from None
+        return MdevType(
+            parent=parent,
+            type_id=d.name,
+            name=_read(d / "name", d.name),
+            description=_read(d / "description", ""),
+            device_api=_read(d / "device_api", ""),
+            available_instances=available,
+            devices=devices,
+        )
+
+    def find_type(self, type_id: str) -> list[MdevType]:
+        """Every parent's ``type_id``, e.g. all SmartIO parents' ``smartio-lend``."""
+        found: list[MdevType] = []
+        for p in self.parents():
+            found.extend(t for t in p.types if t.type_id == type_id)
+        return found
+
+    def devices(self) -> list[MdevDevice]:
+        base = self.env.mdev_devices
+        if not base.is_dir():
+            return []
+        found = []
+        for link in sorted(base.iterdir()):
+            dev = self.device(link.name)
+            if dev is not None:
+                found.append(dev)
+        return found
+
+    def device(self, uuid: str) -> MdevDevice | None:
+        """The child ``uuid``, or None when it does not exist."""
+        u = normalize_uuid(uuid)
+        link = self.env.mdev_devices / u
+        try:
+            # mdev_type -> .../<parent>/mdev_supported_types/<type-id>
+            type_dir = (link / "mdev_type").resolve(strict=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        group: int | None = None
+        try:
+            group = int((link / "iommu_group").resolve(strict=True).name)
+        except (FileNotFoundError, ValueError):
+            group = None
+        return MdevDevice(
+            uuid=u, parent=type_dir.parent.parent.name, type_id=type_dir.name, iommu_group=group
+        )
+
+    # --- changing ------------------------------------------------------------------------------
+    def create(self, parent: str, type_id: str, uuid: str) -> MdevDevice:
+        """Create child ``uuid`` of ``parent``/``type_id``. Idempotent when it exists already
+        with the same parent and type; ``MdevUuidInUseError`` when it exists elsewhere."""
+        u = normalize_uuid(uuid)
+        existing = self.device(u)
+        if existing is not None:
+            return self._same_or_raise(existing, parent, type_id)
+        type_dir = self._parent_dir(parent) / "mdev_supported_types" / type_id
+        if not type_dir.is_dir():
+            # Tell "no such parent" from "no such type" for the message.
+            self.parent(parent).type(type_id)
+            raise MdevParentGoneError(parent, type_id)
+        try:
+            self.writer.write(type_dir / "create", u)
+        except OSError as e:
+            if e.errno == errno.EEXIST:
+                # Lost a race with another creator of the same UUID: judge what is there now.
+                raced = self.device(u)
+                if raced is not None:
+                    return self._same_or_raise(raced, parent, type_id)
+            raise self._create_error(e, u, parent, type_id) from None
+        created = self.device(u)
+        if created is None:
+            raise MdevKernelError(
+                "create", parent, type_id, 0, f"the kernel accepted {u} but no device appeared"
+            )
+        log.info("created mdev %s on %s/%s", u, parent, type_id)
+        return created
+
+    @staticmethod
+    def _same_or_raise(dev: MdevDevice, parent: str, type_id: str) -> MdevDevice:
+        if dev.parent == parent and dev.type_id == type_id:
+            log.debug("mdev %s already exists on %s/%s", dev.uuid, parent, type_id)
+            return dev
+        raise MdevUuidInUseError(dev.uuid, parent, type_id, dev.parent, dev.type_id)
+
+    @staticmethod
+    def _create_error(e: OSError, uuid: str, parent: str, type_id: str) -> MdevError:
+        code = e.errno or 0
+        if code == errno.EINVAL:
+            return MdevBadUuidError(uuid, parent, type_id)
+        if code in _NO_INSTANCES:
+            return MdevNoInstancesError(parent, type_id)
+        if code in _GONE:
+            return MdevParentGoneError(parent, type_id)
+        if code == errno.EEXIST:
+            return MdevKernelError(
+                "create", parent, type_id, code, f"{uuid} exists but could not be read back"
+            )
+        reason = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+        return MdevKernelError("create", parent, type_id, code, reason)
+
+    def remove(self, uuid: str) -> bool:
+        """Remove child ``uuid``. Returns False when it did not exist (or vanished meanwhile)."""
+        u = normalize_uuid(uuid)
+        dev = self.device(u)
+        if dev is None:
+            return False
+        try:
+            self.writer.write(self.env.mdev_devices / u / "remove", "1")
+        except OSError as e:
+            code = e.errno or 0
+            if code in _GONE:
+                return False
+            if code == errno.EBUSY:
+                raise MdevBusyError(u, dev.parent, dev.type_id) from None
+            reason = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+            raise MdevKernelError(f"remove {u}", dev.parent, dev.type_id, code, reason) from None
+        log.info("removed mdev %s from %s/%s", u, dev.parent, dev.type_id)
+        return True

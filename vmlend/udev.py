@@ -1,0 +1,268 @@
+"""React to mdev parents coming and going, from kernel uevents.
+
+Two halves, kept apart:
+
+- a small adapter over pyudev (``PyudevSource``): pyudev always reads the running host's
+  ``/sys`` and netlink socket, so it hides behind the ``UeventSource`` protocol (a pollable file
+  descriptor plus ``receive()``); tests feed events through a real pipe instead;
+- ``ParentWatcher``, pure event handling over ``MdevBus`` (which does honour ``HostEnv``):
+  discovery reads sysfs, events only say *when* to look again.
+
+What the kernel tells us: the mdev core sends ``change`` with ``MDEV_STATE=registered`` on the
+parent device when it registers as an mdev parent and ``MDEV_STATE=unregistered`` when it
+leaves (mdevctl's autostart hangs off the same event); the device itself sends ``add`` and
+``remove``. A parent coming back (a lender rebooted) gets the children of the VMs that were
+running re-created, mdevctl's autostart lesson; a parent leaving marks its children unavailable.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import selectors
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vmlend.errors import HostError, MdevError
+from vmlend.hostenv import HostEnv
+from vmlend.mdev import MdevBus, normalize_uuid
+
+log = logging.getLogger(__name__)
+
+MDEV_STATE = "MDEV_STATE"
+
+
+@dataclass(frozen=True)
+class Uevent:
+    """One kernel uevent, reduced to what vmlend looks at."""
+
+    action: str  # add, remove, change, bind, unbind, ...
+    sys_name: str  # the kernel's device name (a parent's name, a child's UUID, ...)
+    subsystem: str = ""
+    properties: Mapping[str, str] = field(default_factory=dict)
+
+
+class UeventSource(Protocol):
+    """Where uevents come from: a descriptor to wait on and a non-blocking read."""
+
+    def fileno(self) -> int: ...
+
+    def receive(self) -> Uevent | None:
+        """The next pending event, or None when none is ready right now."""
+        ...
+
+
+class PyudevSource:
+    """The live source: a pyudev netlink monitor. Only meaningful on the real root."""
+
+    def __init__(self, monitor: Any = None) -> None:
+        if monitor is None:
+            import pyudev  # imported here: the rest of vmlend never needs it
+
+            monitor = pyudev.Monitor.from_netlink(pyudev.Context())
+        self._monitor = monitor
+        self._monitor.start()
+
+    @classmethod
+    def for_host(cls, env: HostEnv) -> PyudevSource:
+        if not env.is_real:
+            raise HostError(
+                f"live uevents exist only for the running host, not for root {env.root};"
+                " drop --root / VMLEND_ROOT to watch this host"
+            )
+        return cls()
+
+    def fileno(self) -> int:
+        return int(self._monitor.fileno())
+
+    def receive(self) -> Uevent | None:
+        device = self._monitor.poll(timeout=0)
+        if device is None:
+            return None
+        return Uevent(
+            action=device.action or "",
+            sys_name=device.sys_name,
+            subsystem=device.subsystem or "",
+            properties=dict(device.properties),
+        )
+
+
+# --- deciding what an event means (pure) ------------------------------------------------------
+
+
+class ParentChange(enum.StrEnum):
+    APPEARED = "appeared"
+    VANISHED = "vanished"
+
+
+def classify(ev: Uevent, is_parent_now: bool, was_parent: bool) -> ParentChange | None:
+    """What ``ev`` means for mdev parent ``ev.sys_name``.
+
+    ``is_parent_now``: sysfs lists it under ``class/mdev_bus`` right now; ``was_parent``: it
+    did when we last looked. The ``MDEV_STATE`` property is trusted first; without it (older
+    kernels, or a driver's own add/remove) the sysfs state decides, so a missed or reordered
+    event cannot leave us wrong for long.
+    """
+    state = ev.properties.get(MDEV_STATE)
+    if ev.action == "change" and state == "registered":
+        return ParentChange.APPEARED
+    if ev.action == "change" and state == "unregistered":
+        return ParentChange.VANISHED
+    if ev.action == "remove" and was_parent:
+        return ParentChange.VANISHED
+    if ev.action in ("add", "change", "bind") and is_parent_now and not was_parent:
+        return ParentChange.APPEARED
+    if ev.action in ("change", "unbind") and was_parent and not is_parent_now:
+        return ParentChange.VANISHED
+    return None
+
+
+# --- acting on it -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WantedMdev:
+    """A child that must exist while its VM runs (from the registry, or the caller)."""
+
+    uuid: str
+    parent: str
+    type_id: str
+    vm: str = ""
+
+
+class Outcome(enum.StrEnum):
+    RECREATED = "recreated"
+    PRESENT = "present"  # it was still there
+    FAILED = "failed"
+    UNAVAILABLE = "unavailable"  # its parent vanished
+
+
+@dataclass(frozen=True)
+class Reaction:
+    parent: str
+    outcome: Outcome
+    uuid: str = ""
+    vm: str = ""
+    detail: str = ""
+
+
+class ParentWatcher:
+    """Tracks mdev parents and restores the wanted children when a parent comes back.
+
+    ``wanted`` is asked afresh at every event (the set of running VMs changes); the
+    ``on_vanished`` / ``on_appeared`` callbacks let a backend mark devices unavailable or
+    available again in shared state.
+    """
+
+    def __init__(
+        self,
+        bus: MdevBus,
+        wanted: Callable[[], Iterable[WantedMdev]],
+        on_vanished: Callable[[str], None] | None = None,
+        on_appeared: Callable[[str], None] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.wanted = wanted
+        self.on_vanished = on_vanished
+        self.on_appeared = on_appeared
+        self.known: set[str] = set()
+        self.unavailable: set[str] = set()
+        self.reactions: list[Reaction] = []
+
+    def discover(self) -> list[str]:
+        """Reconcile with sysfs now (at start, or after missing events): parents new since last
+        time count as appeared, so wanted children missing from them are created (mdevctl's
+        autostart); parents gone since count as vanished. Returns the parents present."""
+        now = set(self.bus.parent_names())
+        for gone in sorted(self.known - now):
+            self.reactions.extend(self._vanished(gone))
+        for new in sorted(now - self.known):
+            self.reactions.extend(self._appeared(new))
+        self.known = now
+        return sorted(now)
+
+    def handle(self, ev: Uevent) -> list[Reaction]:
+        name = ev.sys_name
+        if ev.subsystem == "mdev":
+            log.debug("mdev child %s: %s", name, ev.action)
+            return []
+        is_parent_now = name in self.bus.parent_names()
+        was_parent = name in self.known
+        change = classify(ev, is_parent_now, was_parent)
+        # One transition, one reaction: a driver's own event and the mdev core's MDEV_STATE
+        # often report the same change. Only an explicit "registered" is acted on again,
+        # since a parent may have left and come back while we were not listening.
+        if change is ParentChange.VANISHED and not was_parent:
+            return []
+        if (
+            change is ParentChange.APPEARED
+            and was_parent
+            and ev.properties.get(MDEV_STATE) != "registered"
+        ):
+            return []
+        if change is ParentChange.APPEARED:
+            self.known.add(name)
+            reactions = self._appeared(name)
+        elif change is ParentChange.VANISHED:
+            self.known.discard(name)
+            reactions = self._vanished(name)
+        else:
+            return []
+        self.reactions.extend(reactions)
+        return reactions
+
+    def _appeared(self, parent: str) -> list[Reaction]:
+        log.info("mdev parent %s appeared", parent)
+        self.unavailable.discard(parent)
+        if self.on_appeared:
+            self.on_appeared(parent)
+        out = []
+        for w in self.wanted():
+            if w.parent != parent:
+                continue
+            try:
+                existed = self.bus.device(w.uuid) is not None
+                self.bus.create(parent, w.type_id, w.uuid)
+            except MdevError as e:
+                log.warning("could not re-create mdev %s of %s on %s: %s", w.uuid, w.vm, parent, e)
+                out.append(Reaction(parent, Outcome.FAILED, w.uuid, w.vm, str(e)))
+                continue
+            outcome = Outcome.PRESENT if existed else Outcome.RECREATED
+            if outcome is Outcome.RECREATED:
+                log.info("re-created mdev %s of %s on %s", w.uuid, w.vm, parent)
+            out.append(Reaction(parent, outcome, normalize_uuid(w.uuid), w.vm))
+        return out
+
+    def _vanished(self, parent: str) -> list[Reaction]:
+        log.warning("mdev parent %s vanished; its devices are unavailable", parent)
+        self.unavailable.add(parent)
+        if self.on_vanished:
+            self.on_vanished(parent)
+        return [
+            Reaction(parent, Outcome.UNAVAILABLE, normalize_uuid(w.uuid), w.vm)
+            for w in self.wanted()
+            if w.parent == parent
+        ]
+
+    def run(
+        self, source: UeventSource, stop_fd: int | None = None, timeout: float | None = None
+    ) -> int:
+        """Handle events until ``stop_fd`` becomes readable or ``timeout`` seconds pass with
+        nothing to do. Returns the number of events handled."""
+        handled = 0
+        with selectors.DefaultSelector() as sel:
+            sel.register(source.fileno(), selectors.EVENT_READ, "events")
+            if stop_fd is not None:
+                sel.register(stop_fd, selectors.EVENT_READ, "stop")
+            while True:
+                ready = sel.select(timeout)
+                if not ready:
+                    return handled
+                # Drain events before honouring stop, so a stop sent after events loses none.
+                if any(key.data == "events" for key, _ in ready):
+                    while (ev := source.receive()) is not None:
+                        self.handle(ev)
+                        handled += 1
+                if any(key.data == "stop" for key, _ in ready):
+                    return handled
