@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 from click.testing import CliRunner
 
+from tests.fdcheck import fd_snapshot, leaked
 from tests.irq_devices import make_device, msix_flags, msix_program
 from vmlend.cli import main
 from vmlend.errors import RelayError
@@ -27,10 +28,6 @@ from vmlend.irq.relay import Reactor
 from vmlend.irq.vectors import IrqIndex
 
 FDID = 0x7
-
-
-def fds_of(pid: int | str = "self") -> set[str]:
-    return set(os.listdir(f"/proc/{pid}/fd"))
 
 
 def fires(efd: EventFd, timeout: float = 2.0) -> int:
@@ -95,7 +92,7 @@ def test_vmm_registers_irqfds_and_receives_interrupts(daemon):
 
 
 def test_vm_stopping_releases_its_irqfds(daemon):
-    before = fds_of()
+    before = fd_snapshot()
     admin = RelayClient(daemon.socket_path)
     lender = Lender(admin)
     vmm = RelayClient(daemon.socket_path)
@@ -114,7 +111,7 @@ def test_vm_stopping_releases_its_irqfds(daemon):
     admin.close()
     for e in vm:
         e.close()
-    wait_until(lambda: fds_of() == before)
+    wait_until(lambda: not leaked(before))
 
 
 def test_lender_hanging_up_releases_its_devices(daemon):
@@ -126,7 +123,7 @@ def test_lender_hanging_up_releases_its_devices(daemon):
 
 
 def test_bad_requests_get_errors_and_leak_nothing(daemon):
-    before = fds_of()
+    before = fd_snapshot()
     with RelayClient(daemon.socket_path) as c:
         e = EventFd()
         with pytest.raises(RelayError, match="not attached"):
@@ -160,7 +157,7 @@ def test_bad_requests_get_errors_and_leak_nothing(daemon):
             c.request({"op": "status"})  # the reply to the garbage comes first
         e.close()
         assert c.status()["devices"] == []
-    wait_until(lambda: fds_of() == before)
+    wait_until(lambda: not leaked(before))
 
 
 def test_cli_status_lists_devices(daemon, tmp_path):
@@ -200,7 +197,7 @@ def test_daemon_subprocess_relays_and_stops_on_sigterm(tmp_path):
     )
     try:
         wait_until(sock.exists, timeout=10)
-        baseline = fds_of(proc.pid)
+        baseline = fd_snapshot(proc.pid)
         vmm = RelayClient(sock)
         lender = Lender(vmm)
         vm = EventFd()
@@ -212,7 +209,7 @@ def test_daemon_subprocess_relays_and_stops_on_sigterm(tmp_path):
         lender.close()
         vm.close()
         # Everything the VM and the lender handed over is closed again in the daemon.
-        wait_until(lambda: fds_of(proc.pid) == baseline)
+        wait_until(lambda: not leaked(baseline, proc.pid))
         # A borrower-side client that never reads does not stall the daemon for others.
         stuck = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         stuck.connect(str(sock))

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.fdcheck import fd_snapshot, leaked
 from tests.irq_devices import (
     intx_disable,
     make_device,
@@ -34,10 +35,6 @@ from vmlend.irq.vectors import ConfigIrqWatcher, IrqIndex
 from vmlend.irq.vfio import DISABLE, TRIGGER_EVENTFDS, UNMASK_EVENTFD, SimIrqHost
 
 FDID = 0x42
-
-
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 def wait_until(cond, timeout: float = 5.0) -> None:
@@ -234,7 +231,7 @@ def test_interrupts_wait_for_the_vmm_to_assign_an_irqfd():
 
 
 def test_teardown_leaves_no_open_descriptors():
-    before = open_fds()
+    before = fd_snapshot()
     dev = make_device(msix_entries=8)
     rig = make_rig(dev)
     rig.vm_irqfds(IrqIndex.MSIX, 8)
@@ -247,10 +244,10 @@ def test_teardown_leaves_no_open_descriptors():
     msix_flags(dev.config, enable=False)  # back to INTx: new lender fds
     intx_disable(dev.config, True)
     msix_flags(dev.config, enable=True)
-    assert len(open_fds()) > len(before)
+    assert leaked(before)  # the set-up really opened descriptors
     resample.close()
     rig.close()
-    assert open_fds() == before
+    assert not leaked(before)
 
 
 def test_borrower_that_disappears_does_not_block_the_lender(msix_rig):
@@ -275,7 +272,7 @@ def test_borrower_that_disappears_does_not_block_the_lender(msix_rig):
 
 def test_bad_set_irqs_requests_are_refused_and_close_what_they_were_given(msix_rig):
     rig = msix_rig
-    before = open_fds()
+    before = fd_snapshot()
     e = EventFd()
     with pytest.raises(RelayError, match="unmask eventfd exists only for INTx"):
         rig.borrower.set_irqs(FDID, IrqIndex.MSIX, UNMASK_EVENTFD, 0, [os.dup(e.fileno())])
@@ -292,7 +289,7 @@ def test_bad_set_irqs_requests_are_refused_and_close_what_they_were_given(msix_r
     with pytest.raises(RelayError, match="exactly one DATA"):
         rig.borrower.set_irqs(FDID, IrqIndex.MSI, 0, 0, [])
     e.close()
-    assert open_fds() == before
+    assert not leaked(before)
     with pytest.raises(RelayError, match="already attached"):
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         a.close()
