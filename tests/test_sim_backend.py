@@ -420,3 +420,20 @@ def test_borrow_drives_the_hardware(tmp_path):
     assert f.release(0x10, VM1) is True
     assert hw.borrowed == {}  # release returns the hardware too
     f.close()
+
+
+def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
+    from tests.simfabric import make_fabric
+    from vmlend.errors import ConfigError
+    from vmlend.fabric.open import open_fabric
+    from vmlend.fabric.smartio.backend import SmartioFabric
+
+    path = tmp_path / "s.db"
+    make_fabric(path)
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "root"))
+    assert isinstance(open_fabric(path, backend="smartio"), SmartioFabric)
+    monkeypatch.setenv("VMLEND_BACKEND", "smartio")
+    assert isinstance(open_fabric(path), SmartioFabric)
+    monkeypatch.setenv("VMLEND_BACKEND", "nope")
+    with pytest.raises(ConfigError, match="unknown fabric backend 'nope'"):
+        open_fabric(path)

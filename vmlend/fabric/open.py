@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -20,14 +21,26 @@ from vmlend.fabric.model import Topology
 from vmlend.fabric.topology import DEFAULT_TOPOLOGY, parse_topology
 from vmlend.registry import DeviceRecord, Registry, StateTxn, TopologyRecord
 
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "smartio")
+#: Chooses the backend when the caller does not (the hook runs with libvirtd's environment,
+#: so ``vmlend hook install`` pins it like the state path).
+BACKEND_ENV = "VMLEND_BACKEND"
 
 
-def open_fabric(state_path: str | Path, node: str | None = None, backend: str = "sim") -> Fabric:
+def open_fabric(
+    state_path: str | Path, node: str | None = None, backend: str | None = None
+) -> Fabric:
     """The fabric described by the state at ``state_path``, seen from ``node`` (default: the
-    state's local node). ``StateError`` when there is no usable state."""
+    state's local node). ``backend``: "sim" (default) or "smartio" (the kernel: Linux mdev
+    sysfs and the SmartIO driver), else $VMLEND_BACKEND. ``StateError`` when there is no
+    usable state."""
+    backend = backend or os.environ.get(BACKEND_ENV) or "sim"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown fabric backend {backend!r} (available: {', '.join(BACKENDS)})")
+    if backend == "smartio":
+        from vmlend.fabric.smartio.backend import open_smartio_fabric
+
+        return open_smartio_fabric(state_path, node)
     from vmlend.fabric.sim.backend import SimFabric
 
     registry = Registry.open(state_path)

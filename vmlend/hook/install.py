@@ -46,6 +46,9 @@ def hook_script(interpreter: str, state_path: Path, node: str | None) -> str:
     ]
     if node:
         lines.append(f"os.environ.setdefault('VMLEND_NODE', {node!r})")
+    backend = os.environ.get("VMLEND_BACKEND")
+    if backend:
+        lines.append(f"os.environ.setdefault('VMLEND_BACKEND', {backend!r})")
     lines += ["", "from vmlend.hook.main import run", "", "sys.exit(run())", ""]
     return "\n".join(lines)
 
