@@ -226,3 +226,14 @@ def test_malformed_metadata_is_refused(hv):
         hv.set_metadata("vm1", NS, "vl", b"<vm", live=False, config=True)
     assert "\n" not in str(exc.value)
     assert hv.get_metadata("vm1", NS) is None
+
+
+def test_metadata_keeps_foreign_namespaces_inside_the_element(hv):
+    hv.define(DOMAIN_XML)
+    given = b"<vm xmlns:o='http://other/ns' k='v'><o:tag/><dev>t</dev></vm>"
+    hv.set_metadata("vm1", NS, "vl", given, live=False, config=True)
+    got = etree.fromstring(hv.get_metadata("vm1", NS))
+    assert got.get("k") == "v"
+    assert got.find("{http://other/ns}tag") is not None
+    assert got.findtext("dev") == "t"
+    assert got.find("{http://other/ns}tag").prefix == "o"

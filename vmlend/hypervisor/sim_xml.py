@@ -120,16 +120,20 @@ def _namespace(el: Element) -> str | None:
 
 
 def _rebuild(
-    el: Element, rename: Callable[[Element], str], nsmap: dict[str | None, str]
+    el: Element, rename: Callable[[Element], str], uri: str, root_nsmap: dict[str, str]
 ) -> Element:
-    """A copy of ``el`` with every element renamed by ``rename`` (namespace moves)."""
+    """A copy of ``el`` with every element renamed by ``rename``, keeping the prefixes of other
+    namespaces (``uri``'s own prefix is replaced by ``root_nsmap``, given to the top only)."""
+    nsmap = {p: u for p, u in el.nsmap.items() if p is not None and u != uri} | root_nsmap
     new = etree.Element(rename(el), attrib=dict(el.attrib), nsmap=nsmap)  # type: ignore[arg-type]
-    new.text, new.tail = el.text, el.tail
+    new.text = el.text
     for child in el:
         if isinstance(child.tag, str):
-            new.append(_rebuild(child, rename, {}))
+            copied = _rebuild(child, rename, uri, {})
         else:  # comments and processing instructions stay as they are
-            new.append(copy.copy(child))
+            copied = copy.copy(child)
+        copied.tail = child.tail
+        new.append(copied)
     return new
 
 
@@ -137,13 +141,11 @@ def get_metadata(root: Element, uri: str) -> bytes | None:
     """The first ``<metadata>`` child in namespace ``uri``, returned without that namespace."""
     for el in root.iterfind("metadata/*"):
         if isinstance(el.tag, str) and _namespace(el) == uri:
-            others = {p: u for p, u in el.nsmap.items() if u != uri and p is not None}
 
             def strip(e: Element) -> str:
                 return _local(e) if _namespace(e) == uri else e.tag
 
-            plain = _rebuild(el, strip, others)  # type: ignore[arg-type]
-            plain.tail = None
+            plain = _rebuild(el, strip, uri, {})
             etree.cleanup_namespaces(plain)
             return serialize(plain)
     return None
@@ -166,8 +168,8 @@ def set_metadata(root: Element, uri: str, key: str, xml: bytes | None, op: str) 
         def into(e: Element) -> str:
             return f"{{{uri}}}{_local(e)}" if _namespace(e) is None else e.tag
 
-        new = _rebuild(given, into, {key: uri})  # type: ignore[dict-item]
-        new.tail = None
+        new = _rebuild(given, into, uri, {key: uri})
+        etree.cleanup_namespaces(new)
     meta = root.find("metadata")
     if meta is not None:
         for el in list(meta):
