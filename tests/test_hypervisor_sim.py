@@ -215,7 +215,7 @@ def test_attach_twice_and_detach_absent_are_refused(sim):
     with pytest.raises(DomainStateError, match="already in the domain"):
         sim.attach_device("vm1", MDEV_XML, live=False, config=True)
     sim.detach_device("vm1", MDEV_XML, live=False, config=True)
-    with pytest.raises(DomainStateError, match="not found"):
+    with pytest.raises(DomainStateError, match="not present"):
         sim.detach_device("vm1", MDEV_XML, live=False, config=True)
 
 

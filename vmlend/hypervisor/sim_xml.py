@@ -238,7 +238,7 @@ def add_device(root: Element, dev: Element, op: str) -> None:
     for other in devices.iterfind("hostdev"):
         if device_key(other) == key:
             raise DomainStateError(
-                op, name_of(root), f"device {describe(dev)} is already in the domain"
+                op, name_of(root), f"device {describe(dev)} is already in the domain configuration"
             )
     devices.append(copy.deepcopy(dev))
 
@@ -250,4 +250,6 @@ def remove_device(root: Element, dev: Element, op: str) -> Element:
         if device_key(other) == key:
             other.getparent().remove(other)  # type: ignore[union-attr]
             return other
-    raise DomainStateError(op, name_of(root), f"device {describe(dev)} not found in the domain")
+    raise DomainStateError(
+        op, name_of(root), f"device {describe(dev)} not present in domain configuration"
+    )
