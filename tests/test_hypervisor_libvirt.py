@@ -37,6 +37,12 @@ def test_opens_libvirt_for_other_uris(hv):
     assert hv.uri == NODE_URI and hv.node is None
 
 
+def test_libvirt_host_can_name_its_fabric_node(tmp_path):
+    hv = open_hypervisor(NODE_URI, state_dir=tmp_path, hook_command=None, node="gamma")
+    assert hv.node == "gamma"
+    hv.close()
+
+
 def test_each_connection_has_its_own_domains(hv, tmp_path):
     hv.define(DOMAIN_XML)
     other = open_hypervisor(NODE_URI, state_dir=tmp_path, hook_command=None)

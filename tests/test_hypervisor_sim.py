@@ -361,3 +361,9 @@ def test_default_uri_comes_from_the_environment(tmp_path):
 def test_bad_sim_uri(tmp_path, uri):
     with pytest.raises(ConfigError, match="sim:///<node>"):
         open_hypervisor(uri, state_dir=tmp_path, hook_command=None)
+
+
+def test_node_must_match_the_sim_uri(tmp_path):
+    assert open_hypervisor("sim:///beta", state_dir=tmp_path, hook_command=None, node="beta")
+    with pytest.raises(ConfigError, match="'alpha' does not match"):
+        open_hypervisor("sim:///beta", state_dir=tmp_path, hook_command=None, node="alpha")

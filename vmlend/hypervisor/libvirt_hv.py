@@ -6,6 +6,7 @@ import logging
 import time
 import uuid as uuidlib
 from collections.abc import Callable
+from typing import TypeVar
 
 import libvirt
 
@@ -22,6 +23,7 @@ from vmlend.errors import (
 from vmlend.hypervisor.base import METADATA_ELEMENT, DomainInfo, DomainState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _UNSUPPORTED = {
     libvirt.VIR_ERR_NO_SUPPORT,
@@ -147,7 +149,7 @@ class LibvirtHypervisor:
             persistent=bool(dom.isPersistent()),
         )
 
-    def _call(self, op: str, name: str, fn: Callable[[libvirt.virDomain], object]) -> object:
+    def _call(self, op: str, name: str, fn: Callable[[libvirt.virDomain], T]) -> T:
         dom = self._dom(name, op)
         try:
             return fn(dom)
@@ -171,7 +173,7 @@ class LibvirtHypervisor:
         return sorted(out, key=lambda d: d.name)
 
     def lookup(self, name_or_uuid: str) -> DomainInfo:
-        return self._call("lookup", name_or_uuid, self._info)  # type: ignore[return-value]
+        return self._call("lookup", name_or_uuid, self._info)
 
     def define(self, xml: bytes) -> DomainInfo:
         text = _decode(xml, "define", "domain XML")
@@ -188,8 +190,8 @@ class LibvirtHypervisor:
 
     def xml(self, name: str, inactive: bool = False) -> bytes:
         flags = libvirt.VIR_DOMAIN_XML_INACTIVE if inactive else 0
-        text = self._call("read XML of", name, lambda d: d.XMLDesc(flags))
-        return str(text).encode("utf-8")
+        text: str = self._call("read XML of", name, lambda d: d.XMLDesc(flags))
+        return text.encode("utf-8")
 
     def start(self, name: str) -> None:
         self._call("start", name, lambda d: d.create())

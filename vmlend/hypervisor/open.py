@@ -39,17 +39,23 @@ def open_hypervisor(
     state_dir: Path,
     hook_command: Sequence[str] | None,
     guest_driver: GuestDriver | None = None,
+    node: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Hypervisor:
     """``None`` -> ``LIBVIRT_DEFAULT_URI`` (from ``env``, default the process environment) or
     libvirt's own default; ``sim:///<node>`` -> that node's simulated hypervisor with its data
-    under ``state_dir/hv/<node>``; anything else -> libvirt."""
+    under ``state_dir/hv/<node>``; anything else -> libvirt.
+
+    ``node`` names the fabric node a libvirt host is (``Hypervisor.node``); a simulated node
+    takes it from its URI, and a different ``node`` is refused."""
     environ = os.environ if env is None else env
     if uri is None:
         uri = environ.get("LIBVIRT_DEFAULT_URI") or None
-    node = sim_node(uri) if uri else None
-    if node is not None:
-        return SimHypervisor(node, state_dir / "hv" / node, hook_command, guest_driver)
+    simulated = sim_node(uri) if uri else None
+    if simulated is not None:
+        if node is not None and node != simulated:
+            raise ConfigError(f"node {node!r} does not match the hypervisor URI {uri!r}")
+        return SimHypervisor(simulated, state_dir / "hv" / simulated, hook_command, guest_driver)
     # libvirt prints every error to stderr unless a handler is set; ours goes to the log and
     # the error itself reaches the user once, as a VmlendError.
     libvirt.registerErrorHandler(_log_libvirt_error, None)
@@ -60,4 +66,4 @@ def open_hypervisor(
         raise LibvirtError(
             f"cannot connect to {where}: {one_line(e)}; is libvirtd running (or pass --connect)?"
         ) from None
-    return LibvirtHypervisor(conn)
+    return LibvirtHypervisor(conn, node=node)

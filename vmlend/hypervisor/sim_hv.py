@@ -120,9 +120,12 @@ def _pick(
 ) -> sim_xml.Element:
     """The XML libvirt shows: ``inactive`` the persistent one (a transient domain's live XML
     without its id), else the live one when running."""
-    if inactive:
-        return cfg if cfg is not None else sim_xml.inactive_copy(live)  # type: ignore[arg-type]
-    return live if live is not None else cfg  # type: ignore[return-value]
+    if inactive and cfg is not None:
+        return cfg
+    if live is None:
+        assert cfg is not None, "a domain has a persistent or a live XML"
+        return cfg
+    return sim_xml.inactive_copy(live) if inactive else live
 
 
 class SimHypervisor:
@@ -303,11 +306,11 @@ class SimHypervisor:
         if config and cfg_root is None:
             raise DomainStateError(op, name, "transient domains do not have any persistent config")
         out = {}
-        if config:
+        if config and cfg_root is not None:
             out["config"] = cfg_root
-        if live:
+        if live and live_root is not None:
             out["live"] = live_root
-        return out  # type: ignore[return-value]
+        return out
 
     def _commit(self, name: str, trees: dict[str, sim_xml.Element]) -> None:
         for kind, root in trees.items():

@@ -74,7 +74,7 @@ def parse_domain(xml: bytes) -> Element:
     uuid_el = root.find("uuid")
     if uuid_el is None:
         uuid_el = etree.Element("uuid")
-        root.find("name").addnext(uuid_el)  # type: ignore[union-attr]
+        root.find("name").addnext(uuid_el)
         uuid_el.text = str(uuidlib.uuid4())
     else:
         try:
@@ -125,7 +125,7 @@ def _rebuild(
     """A copy of ``el`` with every element renamed by ``rename``, keeping the prefixes of other
     namespaces (``uri``'s own prefix is replaced by ``root_nsmap``, given to the top only)."""
     nsmap = {p: u for p, u in el.nsmap.items() if p is not None and u != uri} | root_nsmap
-    new = etree.Element(rename(el), attrib=dict(el.attrib), nsmap=nsmap)  # type: ignore[arg-type]
+    new = etree.Element(rename(el), attrib=dict(el.attrib), nsmap=nsmap)
     new.text = el.text
     for child in el:
         if isinstance(child.tag, str):
@@ -179,7 +179,7 @@ def set_metadata(root: Element, uri: str, key: str, xml: bytes | None, op: str) 
         if meta is None:
             meta = etree.Element("metadata")
             anchor = root.find("uuid")
-            (anchor if anchor is not None else root.find("name")).addnext(meta)  # type: ignore[union-attr]
+            (anchor if anchor is not None else root.find("name")).addnext(meta)
         meta.append(new)
     elif meta is not None and len(meta) == 0:
         root.remove(meta)
@@ -248,7 +248,7 @@ def remove_device(root: Element, dev: Element, op: str) -> Element:
     key = device_key(dev)
     for other in root.iterfind("devices/hostdev"):
         if device_key(other) == key:
-            other.getparent().remove(other)  # type: ignore[union-attr]
+            other.getparent().remove(other)
             return other
     raise DomainStateError(
         op, name_of(root), f"device {describe(dev)} not present in domain configuration"
