@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -367,3 +369,17 @@ def test_node_must_match_the_sim_uri(tmp_path):
     assert open_hypervisor("sim:///beta", state_dir=tmp_path, hook_command=None, node="beta")
     with pytest.raises(ConfigError, match="'alpha' does not match"):
         open_hypervisor("sim:///beta", state_dir=tmp_path, hook_command=None, node="alpha")
+
+
+def test_racing_starts_from_two_processes_start_the_domain_once(make, hook, tmp_path):
+    make().define(DOMAIN_XML)
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from vmlend.errors import DomainStateError\n"
+        "from vmlend.hypervisor.sim_hv import SimHypervisor\n"
+        f"hv = SimHypervisor('gamma', Path({str(tmp_path / 'hv' / 'gamma')!r}), {HOOK!r})\n"
+        "try:\n    hv.start('vm1')\nexcept DomainStateError:\n    sys.exit(3)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    assert sorted(p.wait(timeout=30) for p in procs) == [0, 3]
+    assert hook.calls() == START + STARTED  # the hook ran for one start only
