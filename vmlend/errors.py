@@ -315,3 +315,46 @@ class PinError(FabricError):
         self.gpa = gpa
         self.why = why
         super().__init__(f"cannot pin guest {vm} memory at {gpa:#x}: {why}")
+
+
+# --- hypervisor (libvirt and the simulated one) ---------------------------------------------
+
+
+class UnknownDomainError(LibvirtError):
+    def __init__(self, name: str, uri: str) -> None:
+        self.name = name
+        self.uri = uri
+        super().__init__(f"no domain {name!r} on {uri}; 'vmlend status' lists the VMs")
+
+
+class DomainOperationError(LibvirtError):
+    """The hypervisor refused ``op`` on ``domain``; ``reason`` is its own one-line reason and
+    ``code`` libvirt's error number (``virErrorNumber``; 0 when not from libvirt)."""
+
+    def __init__(self, op: str, domain: str, reason: str, code: int = 0, hint: str = "") -> None:
+        self.op = op
+        self.domain = domain
+        self.reason = reason
+        self.code = code
+        tail = f"; {hint}" if hint else ""
+        super().__init__(f"{op} {domain} refused: {reason}{tail}")
+
+
+class DomainStateError(DomainOperationError):
+    """The operation is not valid in the domain's current state (e.g. start a running one)."""
+
+
+class UnsupportedOperationError(DomainOperationError):
+    """The hypervisor driver or this host cannot do it (no such API, no VFIO, ...)."""
+
+
+class DomainDefinitionError(DomainOperationError):
+    """Domain or device XML rejected: malformed, incomplete, or conflicting name/UUID."""
+
+
+class HookFailedError(DomainOperationError):
+    """A libvirt hook script exited non-zero and so aborted the operation."""
+
+
+class ShutdownTimeoutError(DomainOperationError):
+    """A graceful shutdown did not finish in time; the domain is still running."""

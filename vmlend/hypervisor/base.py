@@ -1,0 +1,94 @@
+"""The hypervisor interface: what the CLI and the demo need from libvirt.
+
+Two implementations: ``LibvirtHypervisor`` (production, any libvirt URI) and ``SimHypervisor``
+(the demo's fabric nodes: keeps libvirt XML in files and runs the qemu hook as libvirtd does).
+``vmlend.hypervisor.open.open_hypervisor`` picks one from a URI.
+
+Flags follow libvirt's ``virDomainModificationImpact``: ``live`` changes the running domain,
+``config`` its persistent definition; neither means "current" (live if running, else config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+#: ``VIR_DOMAIN_METADATA_ELEMENT``: the custom-namespace element kind of ``<metadata>``.
+METADATA_ELEMENT = 2
+
+
+class DomainState(StrEnum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    SHUTOFF = "shutoff"
+
+
+@dataclass(frozen=True)
+class DomainInfo:
+    name: str
+    uuid: str
+    state: DomainState
+    persistent: bool
+
+    @property
+    def active(self) -> bool:
+        return self.state is not DomainState.SHUTOFF
+
+
+@runtime_checkable
+class Hypervisor(Protocol):
+    """One hypervisor connection. Every method raises ``LibvirtError`` subclasses
+    (``UnknownDomainError``, ``DomainStateError``, ...) carrying the hypervisor's reason."""
+
+    #: The URI this connection was opened with (``qemu:///system``, ``sim:///gamma``).
+    uri: str
+    #: The fabric node this hypervisor runs on; None when unknown (plain libvirt).
+    node: str | None
+
+    def list_domains(self) -> list[DomainInfo]:
+        """Every domain, persistent or running, sorted by name."""
+        ...
+
+    def lookup(self, name_or_uuid: str) -> DomainInfo: ...
+
+    def define(self, xml: bytes) -> DomainInfo:
+        """Define or update a persistent domain. Same name must keep the same UUID."""
+        ...
+
+    def undefine(self, name: str) -> None:
+        """Remove the persistent definition; a running domain goes on as a transient one."""
+        ...
+
+    def xml(self, name: str, inactive: bool = False) -> bytes:
+        """The live XML of a running domain (``inactive``: the persistent one)."""
+        ...
+
+    def start(self, name: str) -> None: ...
+
+    def shutdown(self, name: str, timeout: float) -> None:
+        """Ask the guest to power off and wait up to ``timeout`` seconds for it; raises
+        ``ShutdownTimeoutError`` when it is still running (``destroy`` is then the user's
+        call)."""
+        ...
+
+    def destroy(self, name: str) -> None:
+        """Stop the domain at once (pull the plug)."""
+        ...
+
+    def attach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None: ...
+
+    def detach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None: ...
+
+    def get_metadata(self, name: str, uri: str, inactive: bool = False) -> bytes | None:
+        """The ``<metadata>`` element in namespace ``uri`` (namespace stripped, as libvirt
+        returns it), or None when absent."""
+        ...
+
+    def set_metadata(
+        self, name: str, uri: str, key: str, xml: bytes | None, live: bool, config: bool
+    ) -> None:
+        """Set the element of namespace ``uri`` (prefix ``key``); ``xml=None`` removes it."""
+        ...
+
+    def close(self) -> None: ...

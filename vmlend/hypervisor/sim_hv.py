@@ -1,0 +1,361 @@
+"""The simulated hypervisor of one fabric node: libvirt's domain life cycle without QEMU.
+
+It keeps each domain's persistent and live XML in files (``SimStore``), so every CLI process
+sees the same domains, and runs the qemu hook exactly as libvirtd does (FACTS.md, "libvirt qemu
+hook contract"): ``hook_command + [name, op, subop, extra]``, the full domain XML on stdin, the
+environment passed through, synchronously.
+
+    start:    prepare begin -, start begin -, started begin -
+              (a non-zero exit aborts the start; stopped and release then still run)
+    stop:     stopped end -, release end <reason>   (exit codes ignored, stderr logged)
+    define, undefine, attach, detach, metadata: no hook (libvirt has none for them)
+
+Hot-plug behaves like a working VFIO host: live attach/detach of an mdev hostdev succeeds.
+A ``GuestDriver`` lets the demo play the guest (it sees starts, hot-plugs and stops).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import uuid as uuidlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from vmlend.errors import (
+    DomainDefinitionError,
+    DomainStateError,
+    HookFailedError,
+    ShutdownTimeoutError,
+    UnknownDomainError,
+    VmlendError,
+)
+from vmlend.hypervisor import sim_xml
+from vmlend.hypervisor.base import DomainInfo, DomainState
+from vmlend.hypervisor.sim_store import SimStore
+
+log = logging.getLogger(__name__)
+
+
+class GuestDriver(Protocol):
+    """The simulated guest. Raising a ``VmlendError`` from ``on_started`` fails the start,
+    from ``on_device_added``/``on_device_removed`` fails the hot-plug (nothing changes)."""
+
+    def on_started(self, name: str, domain_xml: bytes) -> None: ...
+
+    def on_device_added(self, name: str, device_xml: bytes) -> None: ...
+
+    def on_device_removed(self, name: str, device_xml: bytes) -> None: ...
+
+    def on_shutdown_request(self, name: str) -> bool:
+        """True when the guest obeys the ACPI power button (False: it ignores it)."""
+        ...
+
+    def on_stopped(self, name: str) -> None: ...
+
+
+class IdleGuest:
+    """A guest that does nothing but power off when asked; subclass to override a part."""
+
+    def on_started(self, name: str, domain_xml: bytes) -> None:
+        pass
+
+    def on_device_added(self, name: str, device_xml: bytes) -> None:
+        pass
+
+    def on_device_removed(self, name: str, device_xml: bytes) -> None:
+        pass
+
+    def on_shutdown_request(self, name: str) -> bool:
+        return True
+
+    def on_stopped(self, name: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class HookRun:
+    argv: tuple[str, ...]
+    returncode: int
+    stderr: str
+
+    def reason(self) -> str:
+        lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip()]
+        detail = "; ".join(lines) if lines else "no message on stderr"
+        return f"hook '{' '.join(self.argv[-3:-1])}' exited {self.returncode}: {detail}"
+
+
+class HookRunner:
+    """Runs ``hook_command`` like libvirtd runs its qemu hook. ``None``: no hook installed."""
+
+    def __init__(self, hook_command: Sequence[str] | None, timeout: float = 120.0) -> None:
+        self.command = list(hook_command) if hook_command else None
+        self.timeout = timeout
+
+    def run(self, name: str, op: str, subop: str, extra: str, xml: bytes) -> HookRun:
+        if self.command is None:
+            return HookRun((name, op, subop, extra), 0, "")
+        argv = (*self.command, name, op, subop, extra or "-")
+        log.debug("hook: %s", " ".join(argv))
+        try:
+            done = subprocess.run(
+                argv, input=xml, capture_output=True, timeout=self.timeout, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return HookRun(argv, 255, f"cannot run hook {argv[0]}: {e}")
+        return HookRun(argv, done.returncode, done.stderr.decode("utf-8", "replace"))
+
+
+def _resolve_impact(live: bool, config: bool, running: bool) -> tuple[bool, bool]:
+    """libvirt's VIR_DOMAIN_AFFECT_CURRENT: neither flag means live if running, else config."""
+    if live or config:
+        return live, config
+    return running, not running
+
+
+def _pick(
+    cfg: sim_xml.Element | None, live: sim_xml.Element | None, inactive: bool
+) -> sim_xml.Element:
+    """The XML libvirt shows: ``inactive`` the persistent one (a transient domain's live XML
+    without its id), else the live one when running."""
+    if inactive and cfg is not None:
+        return cfg
+    if live is None:
+        assert cfg is not None, "a domain has a persistent or a live XML"
+        return cfg
+    return sim_xml.inactive_copy(live) if inactive else live
+
+
+class SimHypervisor:
+    """``Hypervisor`` of the simulated fabric node ``node``, state under ``data_dir``.
+
+    ``release_reasons``: pass the shut-off reason to ``release`` (libvirt >= 10.5: shutdown,
+    destroyed, failed); False passes "-" like libvirt 9.0 on this machine kind.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        data_dir: Path,
+        hook_command: Sequence[str] | None,
+        guest_driver: GuestDriver | None = None,
+        *,
+        release_reasons: bool = True,
+        hook_timeout: float = 120.0,
+    ) -> None:
+        self.node: str | None = node
+        self.uri: str = f"sim:///{node}"
+        self.store = SimStore(data_dir)
+        self.hooks = HookRunner(hook_command, hook_timeout)
+        self.guest: GuestDriver = guest_driver or IdleGuest()
+        self.release_reasons = release_reasons
+
+    # --- reading state -------------------------------------------------------------------
+    def _load(self, name: str, op: str) -> tuple[sim_xml.Element | None, sim_xml.Element | None]:
+        """(persistent XML, live XML) of ``name``; ``UnknownDomainError`` when neither."""
+        cfg, live = self.store.read("config", name), self.store.read("live", name)
+        if cfg is None and live is None:
+            raise UnknownDomainError(name, self.uri)
+        parse = sim_xml.parse
+        return (
+            None if cfg is None else parse(cfg, op, name),
+            None if live is None else parse(live, op, name),
+        )
+
+    def _info(self, name: str) -> DomainInfo:
+        cfg, live = self._load(name, "lookup")
+        root = live if live is not None else cfg
+        assert root is not None
+        return DomainInfo(
+            name=name,
+            uuid=sim_xml.uuid_of(root),
+            state=DomainState.RUNNING if live is not None else DomainState.SHUTOFF,
+            persistent=cfg is not None,
+        )
+
+    def _resolve(self, name_or_uuid: str) -> str:
+        """The domain name for a name or UUID (names win, as names are checked first)."""
+        names = self.store.names()
+        if name_or_uuid in names:
+            return name_or_uuid
+        try:
+            wanted = str(uuidlib.UUID(name_or_uuid))
+        except ValueError:
+            raise UnknownDomainError(name_or_uuid, self.uri) from None
+        for name in names:
+            if self._info(name).uuid == wanted:
+                return name
+        raise UnknownDomainError(name_or_uuid, self.uri)
+
+    def list_domains(self) -> list[DomainInfo]:
+        with self.store.locked():
+            return [self._info(n) for n in self.store.names()]
+
+    def lookup(self, name_or_uuid: str) -> DomainInfo:
+        with self.store.locked():
+            return self._info(self._resolve(name_or_uuid))
+
+    def xml(self, name: str, inactive: bool = False) -> bytes:
+        with self.store.locked():
+            cfg, live = self._load(self._resolve(name), "read XML of")
+        return sim_xml.serialize(_pick(cfg, live, inactive))
+
+    # --- definitions ---------------------------------------------------------------------
+    def define(self, xml: bytes) -> DomainInfo:
+        root = sim_xml.parse_domain(xml)
+        name, uuid = sim_xml.name_of(root), sim_xml.uuid_of(root)
+        with self.store.locked():
+            for other in self.store.names():
+                info = self._info(other)
+                if other == name and info.uuid != uuid:
+                    raise DomainDefinitionError(
+                        "define", name, f"domain '{name}' already exists with uuid {info.uuid}"
+                    )
+                if other != name and info.uuid == uuid:
+                    raise DomainDefinitionError(
+                        "define", name, f"domain '{other}' is already defined with uuid {uuid}"
+                    )
+            # A running domain keeps its live XML; the new definition applies at next start.
+            self.store.write("config", name, sim_xml.serialize(root))
+            info = self._info(name)
+        log.info("defined %s (%s) on %s", name, uuid, self.uri)
+        return info
+
+    def undefine(self, name: str) -> None:
+        with self.store.locked():
+            name = self._resolve(name)
+            cfg, _live = self._load(name, "undefine")
+            if cfg is None:
+                raise DomainStateError("undefine", name, "cannot undefine transient domain")
+            self.store.remove("config", name)
+
+    # --- life cycle ----------------------------------------------------------------------
+    def start(self, name: str) -> None:
+        with self.store.locked():
+            name = self._resolve(name)
+            cfg, live = self._load(name, "start")
+            if live is not None:
+                raise DomainStateError("start", name, "domain is already running")
+            assert cfg is not None
+            xml = sim_xml.serialize(sim_xml.live_copy(cfg, self.store.next_id()))
+            for op in ("prepare", "start"):
+                run = self.hooks.run(name, op, "begin", "-", xml)
+                if run.returncode != 0:
+                    self._stop_hooks(name, xml, "failed")
+                    raise HookFailedError("start", name, run.reason())
+            # QEMU runs from here on (libvirt runs 'started' once the process is up).
+            self.store.write("live", name, xml)
+            try:
+                run = self.hooks.run(name, "started", "begin", "-", xml)
+                if run.returncode != 0:
+                    raise HookFailedError("start", name, run.reason())
+                self.guest.on_started(name, xml)
+            except VmlendError:
+                self._stop_hooks(name, xml, "failed")
+                self.store.remove("live", name)
+                raise
+        log.info("started %s on %s", name, self.uri)
+
+    def _stop_hooks(self, name: str, xml: bytes, reason: str) -> None:
+        """``stopped end -`` then ``release end <reason>``; libvirt ignores their exit codes."""
+        extra = reason if self.release_reasons else "-"
+        for op, subop, arg in (("stopped", "end", "-"), ("release", "end", extra)):
+            run = self.hooks.run(name, op, subop, arg, xml)
+            if run.returncode != 0:
+                log.warning("%s (ignored, as libvirt does)", run.reason())
+
+    def _stop(self, name: str, op: str, reason: str) -> None:
+        """Power off a running domain (caller holds the lock)."""
+        _cfg, live = self._load(name, op)
+        if live is None:
+            raise DomainStateError(op, name, "domain is not running")
+        self.guest.on_stopped(name)
+        self._stop_hooks(name, sim_xml.serialize(live), reason)
+        self.store.remove("live", name)
+        log.info("stopped %s on %s (%s)", name, self.uri, reason)
+
+    def shutdown(self, name: str, timeout: float) -> None:
+        with self.store.locked():
+            name = self._resolve(name)
+            _cfg, live = self._load(name, "shut down")
+            if live is None:
+                raise DomainStateError("shut down", name, "domain is not running")
+            # The simulated guest answers at once, so there is nothing to wait for.
+            if not self.guest.on_shutdown_request(name):
+                raise ShutdownTimeoutError(
+                    "shut down",
+                    name,
+                    f"the guest is still running after {timeout:g} s",
+                    hint="it ignores ACPI power-off; 'destroy' stops it at once",
+                )
+            self._stop(name, "shut down", "shutdown")
+
+    def destroy(self, name: str) -> None:
+        with self.store.locked():
+            self._stop(self._resolve(name), "destroy", "destroyed")
+
+    # --- changes to one domain ----------------------------------------------------------
+    def _targets(self, name: str, op: str, live: bool, config: bool) -> dict[str, sim_xml.Element]:
+        """The XML trees ``op`` changes, keyed "live"/"config", after libvirt's checks."""
+        cfg_root, live_root = self._load(name, op)
+        live, config = _resolve_impact(live, config, live_root is not None)
+        if live and live_root is None:
+            raise DomainStateError(op, name, "domain is not running")
+        if config and cfg_root is None:
+            raise DomainStateError(op, name, "transient domains do not have any persistent config")
+        out = {}
+        if config and cfg_root is not None:
+            out["config"] = cfg_root
+        if live and live_root is not None:
+            out["live"] = live_root
+        return out
+
+    def _commit(self, name: str, trees: dict[str, sim_xml.Element]) -> None:
+        for kind, root in trees.items():
+            self.store.write(kind, name, sim_xml.serialize(root))
+
+    def attach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
+        op = "attach device to"
+        with self.store.locked():
+            name = self._resolve(name)
+            trees = self._targets(name, op, live, config)
+            dev = sim_xml.parse_device(device_xml, op, name)
+            for root in trees.values():
+                sim_xml.add_device(root, dev, op)
+            if "live" in trees:
+                self.guest.on_device_added(name, sim_xml.serialize(dev))
+            self._commit(name, trees)
+        log.info("attached %s to %s (%s)", sim_xml.describe(dev), name, "+".join(trees))
+
+    def detach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
+        op = "detach device from"
+        with self.store.locked():
+            name = self._resolve(name)
+            trees = self._targets(name, op, live, config)
+            dev = sim_xml.parse_device(device_xml, op, name)
+            removed = {kind: sim_xml.remove_device(root, dev, op) for kind, root in trees.items()}
+            if "live" in removed:
+                self.guest.on_device_removed(name, sim_xml.serialize(removed["live"]))
+            self._commit(name, trees)
+        log.info("detached %s from %s (%s)", sim_xml.describe(dev), name, "+".join(trees))
+
+    def get_metadata(self, name: str, uri: str, inactive: bool = False) -> bytes | None:
+        with self.store.locked():
+            cfg, live = self._load(self._resolve(name), "read metadata of")
+        return sim_xml.get_metadata(_pick(cfg, live, inactive), uri)
+
+    def set_metadata(
+        self, name: str, uri: str, key: str, xml: bytes | None, live: bool, config: bool
+    ) -> None:
+        op = "set metadata of"
+        with self.store.locked():
+            name = self._resolve(name)
+            trees = self._targets(name, op, live, config)
+            for root in trees.values():
+                sim_xml.set_metadata(root, uri, key, xml, op)
+            self._commit(name, trees)
+
+    def close(self) -> None:
+        """Nothing to release: every operation opens and closes its files."""

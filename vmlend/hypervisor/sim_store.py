@@ -1,0 +1,99 @@
+"""Files of the simulated hypervisor: one node's domains, shared by every process on it.
+
+Layout under ``data_dir``: ``config/<name>.xml`` (persistent definitions), ``live/<name>.xml``
+(running domains), ``next-id`` (domain id counter) and ``lock``. Writes are atomic (temp file
+and rename); ``locked()`` serialises whole operations across processes with ``flock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from vmlend.errors import StateError
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class SimStore:
+    def __init__(self, data_dir: Path, lock_timeout: float = 30.0) -> None:
+        self.data_dir = data_dir
+        self.lock_timeout = lock_timeout
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the node's lock. A hook that calls back into the simulated hypervisor would
+        wait here, as it would deadlock libvirtd; after ``lock_timeout`` that is an error."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / "lock", "a+b") as f:
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StateError(
+                            f"simulated hypervisor at {self.data_dir} is busy for more than "
+                            f"{self.lock_timeout:g} s; does a hook call back into it?"
+                        ) from None
+                    time.sleep(0.01)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _path(self, kind: str, name: str) -> Path:
+        return self.data_dir / kind / f"{name}.xml"
+
+    def read(self, kind: str, name: str) -> bytes | None:
+        """``kind`` is "config" or "live"; None when there is no such file."""
+        try:
+            return self._path(kind, name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, kind: str, name: str, xml: bytes) -> None:
+        atomic_write(self._path(kind, name), xml)
+
+    def remove(self, kind: str, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(kind, name).unlink()
+
+    def names(self) -> list[str]:
+        found: set[str] = set()
+        for kind in ("config", "live"):
+            folder = self.data_dir / kind
+            if folder.is_dir():
+                found.update(p.stem for p in folder.glob("*.xml"))
+        return sorted(found)
+
+    def next_id(self) -> int:
+        """The next domain id (libvirt numbers running domains from 1). Call while locked."""
+        path = self.data_dir / "next-id"
+        try:
+            value = int(path.read_text().strip() or "1")
+        except FileNotFoundError:
+            value = 1
+        except ValueError:
+            raise StateError(f"{path} is corrupt; remove it to restart numbering") from None
+        atomic_write(path, f"{value + 1}\n".encode())
+        return value
