@@ -217,7 +217,7 @@ def test_peer_device_from_a_spec(topo):
     spec = topo.device(0x21)
     dev = peer_device(spec, {0: 0x8000_0000, 3: 0x8010_0000})
     assert dev.lender == "beta" and dev.bar(3).host == 0x8010_0000
-    with pytest.raises(P2PError, match="no BAR 1 .*0, 3"):
+    with pytest.raises(P2PError, match=r"no BAR 1 .*0, 3"):
         dev.bar(1)
 
 
