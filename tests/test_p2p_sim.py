@@ -207,17 +207,29 @@ def test_a_failure_midway_undoes_everything(hw):
     p2p = P2PMapper(hw, "gamma", "web")
     program(p2p, GPU)
     program(p2p, GPU2)
-    alpha = hw.adapter("alpha:0")
-    for i in range(alpha.segments):  # someone else took the whole window
-        alpha.map_segment(i, "gamma", i * alpha.segment_size)
+    beta = hw.adapter("beta:0")
+    for i in range(beta.segments):  # someone else took beta's whole window
+        beta.map_segment(i, "gamma", i * beta.segment_size)
     before = (p2p.maps(), hw.lender_domain(GPU).mappings(), hw.node("beta").iommu.attached())
-    with pytest.raises(ResourceExhaustedError, match="alpha:0"):
-        program(p2p, BETA_GPU)  # needs alpha segments towards beta
+    # the alpha GPUs' maps to the beta GPU go in first; its own maps to alpha then fail
+    with pytest.raises(ResourceExhaustedError, match="beta:0"):
+        p2p.program_bar(BETA_GPU, 0, gpa(BETA_GPU, 0), 16 * MiB)
     after = (p2p.maps(), hw.lender_domain(GPU).mappings(), hw.node("beta").iommu.attached())
     assert after == before
-    assert hw.lender_domain(BETA_GPU).mappings() == []  # its own maps to alpha were undone too
-    assert {s.remote_node for s in hw.adapter("beta:0").mapped_segments()} == set()
+    assert hw.adapter("alpha:0").mapped_segments() == []
+    assert hw.lender_domain(BETA_GPU).mappings() == []
+    with pytest.raises(DmaFault, match="lender-iommu"):
+        hw.dma_write(GPU, gpa(BETA_GPU, 0), b"x")
     lands(hw, GPU, GPU2, 1, 0)
+
+
+def test_detach_ingress_only_undoes_attach_ingress(hw):
+    domain = hw.vm_domain("beta", "probe")
+    requester = hw.attach_ingress(GPU, "beta", domain)
+    assert hw.node("beta").iommu.domain_for(requester) is domain
+    assert hw.detach_ingress(GPU, "beta") is True
+    assert hw.node("beta").iommu.domain_for(requester) is None
+    assert hw.detach_ingress(GPU, "beta") is False
 
 
 def test_only_the_vms_borrowed_devices_take_part(hw, topology):
@@ -397,3 +409,10 @@ def test_maps_are_registry_runtime_records_of_the_source(tmp_path, hw):
     with reg.read() as tx:
         left = tx.runtime(kind="p2p-map")
     assert {(r.fdid, r.key.split("/")[0]) for r in left} == {(GPU, "0x11"), (GPU2, "0x10")}
+
+
+def test_p2p_segments_come_from_the_top_of_the_window(hw, p2p):
+    alpha = hw.adapter("alpha:0")
+    used = sorted(s.index for s in alpha.mapped_segments())
+    assert used == list(range(alpha.segments - 10, alpha.segments))
+    assert alpha.free_segments(alpha.segments - 10) == 0  # DMA windows still get one long run

@@ -24,13 +24,14 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vmlend.errors import DeviceHeldError, P2PError
+from vmlend.errors import DeviceHeldError, P2PError, ResourceExhaustedError
 from vmlend.fabric.model import BarKind
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
 
 if TYPE_CHECKING:
     from vmlend.fabric.sim.hardware import SimHardware
+    from vmlend.fabric.sim.ntb import NtbAdapter
     from vmlend.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class P2PMapper:
         while chunk < m.iova + m.size:
 
             def map_segment(base: int = chunk) -> tuple[int, Undo]:
-                index = adapter.free_segments(1)
+                index = _last_free_segment(adapter)
                 adapter.map_segment(index, m.target_node, base)
                 return index, lambda: adapter.unmap_segment(index)
 
@@ -287,6 +288,15 @@ class P2PMapper:
             chunk += seg
         for iova, window, size in pieces:  # the device side last
             self._map_lender(applied, iova, window, size)
+
+
+def _last_free_segment(adapter: NtbAdapter) -> int:
+    """The highest unmapped segment: P2P takes single segments from the top of the window so
+    the runs DMA windows want stay whole at the bottom."""
+    for index in reversed(range(adapter.segments)):
+        if adapter.segment(index) is None:
+            return index
+    raise ResourceExhaustedError("NTB window segments", adapter.ref, 1, 0, "segments")
 
 
 def _order(m: P2PMap) -> tuple[int, int, int]:
