@@ -358,3 +358,26 @@ class HookFailedError(DomainOperationError):
 
 class ShutdownTimeoutError(DomainOperationError):
     """A graceful shutdown did not finish in time; the domain is still running."""
+
+
+# --- appended by the peer-to-peer work ----------------------------------------------------
+
+
+class P2PError(FabricError):
+    """Peer-to-peer mappings between a VM's devices cannot be planned as asked (a bad BAR
+    index, size or alignment, a device not passed to the VM)."""
+
+
+class BarConflictError(P2PError):
+    """A guest placed a device BAR over the VM's RAM or over another BAR of the VM."""
+
+    def __init__(self, fdid: int, bar: int, gpa: int, size: int, other: str) -> None:
+        self.fdid = fdid
+        self.bar = bar
+        self.gpa = gpa
+        self.size = size
+        self.other = other
+        super().__init__(
+            f"the guest placed BAR {bar} of device {fdid:#x} at {gpa:#x}+{size:#x}, over {other};"
+            " no peer-to-peer mapping was changed (check the guest's PCI resource assignment)"
+        )

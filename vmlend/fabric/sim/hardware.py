@@ -295,6 +295,16 @@ class SimHardware:
             entries.append((node, requester))
         return requester
 
+    def detach_ingress(self, fdid: int, node: str) -> bool:
+        """Undo ``attach_ingress``: ``fdid``'s DMA entering ``node`` is blocked again. False
+        when nothing was attached there."""
+        entries = self._attached.get(fdid, [])
+        for i, (name, requester) in enumerate(entries):
+            if name == node:
+                del entries[i]
+                return self.node(node).iommu.detach(requester)
+        return False
+
     def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool:
         """Undo ``borrow`` and reset the device (the next user gets it clean). False when it
         was not borrowed; ``DeviceHeldError`` when ``node``/``vm`` name someone else."""

@@ -1,0 +1,310 @@
+"""Peer-to-peer maps of one VM applied to the simulated hardware.
+
+``P2PMapper`` keeps the guest-physical BARs the guest programmed for the VM's devices, re-plans
+with ``vmlend.p2p.plan_p2p`` on every change and applies only the difference, all or nothing:
+
+- same lender: the source's lender IOMMU domain maps IOVA = GPA straight to the target's BAR;
+- across an NTB: the target node's IOMMU maps the GPA to the BAR (the VM's own domain when the
+  target is on the borrower, else a domain of this VM on the target's lender); one segment of
+  the source lender's adapter per segment-sized chunk of that GPA range points at it (shared by
+  every source and every BAR in the chunk); the source's requester id is let through the
+  adapter's LUT (a borrowed device already is) and its crossing is attached to the target
+  domain; the source's lender domain maps the GPA onto the segments last, so the device never
+  reaches a half-built path. Removal runs the other way.
+
+Segments, LUT entries, target mappings and attachments are shared between maps and counted, so
+they go when the last map using them goes. Only what this mapper set up is undone: a borrow's
+own LUT entry or IOMMU attachment is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vmlend.errors import DeviceHeldError, P2PError, ResourceExhaustedError
+from vmlend.fabric.model import BarKind
+from vmlend.fabric.sim.iommu import IommuDomain
+from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
+
+if TYPE_CHECKING:
+    from vmlend.fabric.sim.hardware import SimHardware
+    from vmlend.fabric.sim.ntb import NtbAdapter
+    from vmlend.registry import Registry
+
+log = logging.getLogger(__name__)
+
+#: ``recorder(source fdid, key, data)`` persists a map; ``data`` None removes it.
+Recorder = Callable[[int, str, "dict[str, Any] | None"], None]
+Undo = Callable[[], None]
+
+
+def registry_recorder(registry: Registry) -> Recorder:
+    """A recorder keeping maps as the registry's runtime records of kind ``p2p-map`` (on the
+    source device, so they go with its hold)."""
+
+    def record(fdid: int, key: str, data: dict[str, Any] | None) -> None:
+        with registry.write() as tx:
+            if data is None:
+                tx.clear_runtime(fdid, RECORD_KIND, key)
+            else:
+                tx.put_runtime(fdid, RECORD_KIND, key, data)
+
+    return record
+
+
+class _Shared:
+    """Reference-counted resources: made by the first user, destroyed after the last."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, list[Any]] = {}  # key -> [count, value, destroy]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def acquire(self, key: Hashable, make: Callable[[], tuple[Any, Undo]]) -> tuple[Any, Undo]:
+        """(value, release). ``make`` returns (value, destroy) and runs only for the first."""
+        item = self._items.get(key)
+        if item is None:
+            value, destroy = make()
+            item = self._items[key] = [0, value, destroy]
+        item[0] += 1
+        return item[1], lambda: self._release(key)
+
+    def _release(self, key: Hashable) -> None:
+        item = self._items[key]
+        item[0] -= 1
+        if item[0] == 0:
+            del self._items[key]
+            item[2]()
+
+
+@dataclass
+class _Applied:
+    map: P2PMap
+    undo: list[Undo] = field(default_factory=list)  # in the order things were set up
+
+
+class P2PMapper:
+    """Peer-to-peer maps among the devices VM ``vm`` on ``node`` borrowed from ``hardware``."""
+
+    def __init__(
+        self, hardware: SimHardware, node: str, vm: str, recorder: Recorder | None = None
+    ) -> None:
+        hardware.node(node)
+        self.hw = hardware
+        self.node = node
+        self.vm = vm
+        self._recorder = recorder
+        self._members: set[int] = set()  # devices that programmed a BAR, until removed
+        self._bars: dict[tuple[int, int], GuestBar] = {}  # (fdid, index) -> where the guest put it
+        self._applied: dict[tuple[int, str], _Applied] = {}
+        self._skipped: tuple[Skipped, ...] = ()
+        self._shared = _Shared()
+        self._domains: dict[str, IommuDomain] = {}  # this VM's domains on other lenders
+
+    # --- the interface the pass-through session calls -------------------------------------------
+    def program_bar(self, fdid: int, bar_index: int, gpa: int, size: int) -> None:
+        """The guest programmed (or moved) BAR ``bar_index`` of ``fdid`` to ``gpa``: re-plan
+        and update every affected map. ``gpa`` 0 means unassigned (its maps go); an I/O BAR is
+        ignored (DMA cannot target it). On any error nothing changes."""
+        self._check_borrowed(fdid)
+        dev = self.hw.device(fdid)
+        kind = next((b.kind for b in dev.spec.bars if b.index == bar_index), None)
+        if kind is None:
+            peer_device(dev.spec, dev.bar_phys).bar(bar_index)  # raises with the BARs it has
+        members = self._members | {fdid}
+        bars = dict(self._bars)
+        if kind is BarKind.IO or gpa == 0:
+            bars.pop((fdid, bar_index), None)
+        else:
+            bars[(fdid, bar_index)] = GuestBar(fdid, bar_index, gpa, size)
+        self._update(members, bars)
+        log.debug("%s/%s: device %#x BAR %d at %#x", self.node, self.vm, fdid, bar_index, gpa)
+
+    def remove_device(self, fdid: int) -> None:
+        """``fdid`` left the VM: drop every map targeting it or issued by it. Idempotent."""
+        members = self._members - {fdid}
+        bars = {k: v for k, v in self._bars.items() if k[0] != fdid}
+        self._update(members, bars)
+
+    def maps(self) -> list[P2PMap]:
+        """The maps in place, by source, target and BAR."""
+        return sorted((a.map for a in self._applied.values()), key=_order)
+
+    def skipped(self) -> list[Skipped]:
+        """Pairs left unmapped by the last plan, with the reason (e.g. beyond a DMA width)."""
+        return list(self._skipped)
+
+    # --- planning ------------------------------------------------------------------------------
+    def _check_borrowed(self, fdid: int) -> None:
+        b = self.hw.borrowed(fdid)
+        if b is None:
+            raise P2PError(
+                f"device {fdid:#x} is not borrowed by {self.node}/{self.vm}; borrow it before "
+                "mapping its BARs for peer-to-peer"
+            )
+        if (b.node, b.vm) != (self.node, self.vm):
+            raise DeviceHeldError(fdid, b.node, b.vm)
+
+    def _plan(self, members: set[int], bars: dict[tuple[int, int], GuestBar]) -> P2PPlan:
+        # a device given back without remove_device is no longer the VM's: leave it out
+        live = []
+        for f in sorted(members):
+            b = self.hw.borrowed(f)
+            if b is not None and (b.node, b.vm) == (self.node, self.vm):
+                dev = self.hw.device(f)
+                live.append(peer_device(dev.spec, dev.bar_phys))
+        fdids = {d.fdid for d in live}
+        # no guest (yet): no RAM for a BAR to collide with
+        ram = [
+            r for g in self.hw.guests() if (g.node, g.vm) == (self.node, self.vm) for r in g.ranges
+        ]
+        guest_bars = [g for k, g in sorted(bars.items()) if k[0] in fdids]
+        return plan_p2p(self.hw.topology, self.node, live, guest_bars, ram)
+
+    def _update(self, members: set[int], bars: dict[tuple[int, int], GuestBar]) -> None:
+        plan = self._plan(members, bars)
+        wanted = {(m.source, m.key): m for m in plan.maps}
+        drop = {k for k, a in self._applied.items() if wanted.get(k) != a.map}
+        add = [m for k, m in wanted.items() if k not in self._applied or k in drop]
+        journal: list[Undo] = []
+        try:
+            for key in sorted(drop):
+                old = self._applied[key].map
+                self._unapply(key)
+                journal.append(lambda old=old: self._apply(old))
+            for m in add:
+                self._apply(m)
+                journal.append(lambda k=(m.source, m.key): self._unapply(k))
+        except Exception:
+            for undo in reversed(journal):
+                undo()
+            raise
+        self._members, self._bars, self._skipped = members, bars, plan.skipped
+        if drop or add:
+            log.info(
+                "%s/%s: peer-to-peer %d removed, %d added, %d in place",
+                self.node,
+                self.vm,
+                len(drop),
+                len(add),
+                len(self._applied),
+            )
+
+    # --- applying one map ------------------------------------------------------------------------
+    def _apply(self, m: P2PMap) -> None:
+        applied = _Applied(m)
+        try:
+            if m.path is None:
+                self._map_lender(applied, m.iova, m.target_phys, m.size)
+            else:
+                self._apply_crossing(applied, m)
+            if self._recorder is not None:
+                self._recorder(m.source, m.key, m.record())
+                applied.undo.append(lambda: self._record_gone(m))
+        except Exception:
+            _run(applied.undo)
+            raise
+        self._applied[(m.source, m.key)] = applied
+
+    def _unapply(self, key: tuple[int, str]) -> None:
+        applied = self._applied.pop(key)
+        _run(applied.undo)
+
+    def _record_gone(self, m: P2PMap) -> None:
+        assert self._recorder is not None
+        self._recorder(m.source, m.key, None)
+
+    def _map_lender(self, applied: _Applied, iova: int, phys: int, size: int) -> None:
+        domain = self.hw.lender_domain(applied.map.source)
+        domain.map(iova, phys, size)
+        applied.undo.append(lambda: domain.unmap(iova, size))
+
+    def _share(self, applied: _Applied, key: Hashable, make: Callable[[], tuple[Any, Undo]]) -> Any:
+        value, release = self._shared.acquire(key, make)
+        applied.undo.append(release)
+        return value
+
+    def _target_domain(self, node: str) -> IommuDomain:
+        if node == self.node:
+            return self.hw.vm_domain(node, self.vm)  # the borrow attached the crossings to it
+        if node not in self._domains:
+            self._domains[node] = IommuDomain(f"{node}:p2p:{self.node}/{self.vm}")
+        return self._domains[node]
+
+    def _apply_crossing(self, applied: _Applied, m: P2PMap) -> None:
+        assert m.path is not None
+        target = self._target_domain(m.target_node)
+
+        def map_target() -> tuple[None, Undo]:
+            target.map(m.iova, m.target_phys, m.size)
+            return None, lambda: target.unmap(m.iova, m.size)
+
+        self._share(applied, ("target", target.name, m.iova, m.size, m.target_phys), map_target)
+
+        adapter = self.hw.adapter(m.path.src.ref)
+        rid = self.hw.device(m.source).requester_id
+        lut_key = ("lut", adapter.ref, rid)
+        if lut_key in self._shared or adapter.lut_lookup(rid) is None:
+            # a device local to the borrower was never let across by a borrow
+
+            def let_through() -> tuple[None, Undo]:
+                adapter.lut_add(rid)
+                return None, lambda: adapter.lut_remove(rid)
+
+            self._share(applied, lut_key, let_through)
+
+        far = self.hw.node(m.target_node).iommu
+        ingress_key = ("ingress", m.source, m.target_node)
+        if (
+            ingress_key in self._shared
+            or far.domain_for(self.hw.ingress(m.source, m.target_node)) is None
+        ):
+
+            def attach() -> tuple[None, Undo]:
+                self.hw.attach_ingress(m.source, m.target_node, target)
+                return None, lambda: self.hw.detach_ingress(m.source, m.target_node)
+
+            self._share(applied, ingress_key, attach)
+
+        seg = adapter.segment_size
+        chunk = m.iova - m.iova % seg
+        pieces: list[tuple[int, int, int]] = []
+        while chunk < m.iova + m.size:
+
+            def map_segment(base: int = chunk) -> tuple[int, Undo]:
+                index = _last_free_segment(adapter)
+                adapter.map_segment(index, m.target_node, base)
+                return index, lambda: adapter.unmap_segment(index)
+
+            index = self._share(
+                applied, ("segment", adapter.ref, m.target_node, chunk), map_segment
+            )
+            lo, hi = max(m.iova, chunk), min(m.iova + m.size, chunk + seg)
+            pieces.append((lo, adapter.segment_base(index) + lo - chunk, hi - lo))
+            chunk += seg
+        for iova, window, size in pieces:  # the device side last
+            self._map_lender(applied, iova, window, size)
+
+
+def _last_free_segment(adapter: NtbAdapter) -> int:
+    """The highest unmapped segment: P2P takes single segments from the top of the window so
+    the runs DMA windows want stay whole at the bottom."""
+    for index in reversed(range(adapter.segments)):
+        if adapter.segment(index) is None:
+            return index
+    raise ResourceExhaustedError("NTB window segments", adapter.ref, 1, 0, "segments")
+
+
+def _order(m: P2PMap) -> tuple[int, int, int]:
+    return (m.source, m.target, m.bar)
+
+
+def _run(undo: list[Undo]) -> None:
+    """Run undo steps newest first."""
+    for step in reversed(undo):
+        step()
+    undo.clear()
