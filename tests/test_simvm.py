@@ -50,8 +50,8 @@ class Cluster:
     fabrics: dict[str, SimFabric] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, path: Path, text: str | None = None) -> Cluster:
-        base = make_fabric(path, text)
+    def create(cls, path: Path, text: str | None = None, node: str = "gamma") -> Cluster:
+        base = make_fabric(path, text, node)
         hw = SimHardware.from_topology(base.topology(), seed=1)
         base.close()
         return cls(path, hw, Registry.open(path))
