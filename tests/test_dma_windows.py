@@ -346,3 +346,25 @@ def test_enable_needs_the_borrow_first(cluster):
     with pytest.raises(Exception, match="not borrowed"):
         VmDmaWindows(cluster.hw, guest, layout).enable(0x12)
     assert guest.pinned_bytes == 0
+
+
+def test_segments_promised_at_admission_are_kept_for_their_vm(state_path):
+    # two 4 GiB segments; "later" (1 GiB) is admitted first but enables last. "greedy" (pc,
+    # 4 GiB) was admitted with one segment but its plan needs two (low and high apart): it
+    # may not take the one promised to "later".
+    c = Cluster.create(state_path, small_topology(lender_window="8GiB", lender_segments=2), "b")
+    try:
+        later_xml = domain_xml("later", 1 * GiB, "pc", fdids=(0x100,))
+        later = c.start(later_xml, node="b")
+        greedy = c.start(domain_xml("greedy", 4 * GiB, "pc", fdids=(0x101,)), node="b")
+        err = refuse(c, greedy, 0x101)
+        assert isinstance(err, ResourceExhaustedError) and (err.need, err.have) == (2, 1)
+        later.enable_device(0x100)
+        assert_maps_exactly_ram(later, 0x100)
+        # once "later" is gone (stopped and released), both segments are greedy's to take
+        later.stop()
+        c.release(later_xml, node="b")
+        greedy.enable_device(0x101)
+        assert_maps_exactly_ram(greedy, 0x101)
+    finally:
+        c.close()

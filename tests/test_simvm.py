@@ -17,7 +17,7 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, re
 from vmlend.errors import ConfigError, DmaFault, FabricError, PinError
 from vmlend.fabric.model import DeviceState, GiB, MiB
 from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.sim.dmawin import DMA_WINDOW, RegistryWindowRecorder
+from vmlend.fabric.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.hostmem import HUGE_2M
 from vmlend.fabric.sim.simvm import SimVm
@@ -74,7 +74,7 @@ class Cluster:
             xml,
             hardware=self.hw,
             fabric=self.fabric(node),
-            recorder=RegistryWindowRecorder(self.registry),
+            ledger=RegistryWindowLedger(self.registry),
             backing=backing,
             **kw,
         )
@@ -269,3 +269,49 @@ def test_flr_by_the_guest_tears_down_windows_and_clears_bars(cluster):
     assert cluster.hw.borrowed(0x12) is not None  # still the VM's device
     vm.enable_device(0x12)
     assert s.dma_active
+
+
+def test_msi_and_command_writes_reach_the_physical_listeners(cluster):
+    vm = cluster.start(domain_xml("web", 1 * GiB, fdids=(0x12,)))
+    seen: list[tuple[int, int, int]] = []
+    cluster.hw.device(0x12).config.add_listener(lambda o, s, v: seen.append((o, s, v)))
+    vm.enable_device(0x12)
+    from vmlend.pci.config import MSI_OFFSET, MSIX_OFFSET
+
+    vm.config_write(0x12, MSI_OFFSET + regs.MSI_FLAGS, 2, regs.MSI_FLAGS_ENABLE)
+    vm.config_write(0x12, MSIX_OFFSET + regs.MSIX_FLAGS, 2, regs.MSIX_FLAGS_ENABLE)
+    assert (MSI_OFFSET + regs.MSI_FLAGS, 2, regs.MSI_FLAGS_ENABLE) in seen
+    assert (MSIX_OFFSET + regs.MSIX_FLAGS, 2, regs.MSIX_FLAGS_ENABLE) in seen
+    assert any(o == regs.COMMAND and v & regs.COMMAND_MASTER for o, _s, v in seen)
+    assert not any(regs.BASE_ADDRESS_0 <= o < 0x28 for o, _s, _v in seen)  # BARs are virtual
+    assert cluster.hw.device(0x12).config.msix().enabled
+    assert vm.config_read(0x12, MSIX_OFFSET + regs.MSIX_FLAGS, 2) & regs.MSIX_FLAGS_ENABLE
+
+
+def test_guest_mmio_reaches_the_bar_at_the_guest_address(cluster):
+    vm = cluster.start(domain_xml("web", 1 * GiB, fdids=(0x12,)))
+    vm.enable_device(0x12)
+    (bar0,) = vm.bars(0x12)
+    table = bar0.address + 0x2000  # the MSI-X table (BAR 0, offset 0x2000)
+    vm.mmio_write(table, 4, 0xFEE0_0000)
+    assert cluster.hw.device(0x12).bars.msix_entry(0).address == 0xFEE0_0000
+    assert vm.mmio_read(table + 12, 4) & 1  # vector control: masked at reset
+    with pytest.raises(FabricError, match="decodes"):
+        vm.mmio_read(vm.layout.below_4g, 4)
+    vm.config_write(0x12, regs.COMMAND, 2, 0)  # decoding off: the guest address is dead
+    with pytest.raises(FabricError):
+        vm.mmio_read(table, 4)
+
+
+def test_borrow_refused_leaves_the_device_disabled(cluster):
+    xml = domain_xml("web", 1 * GiB, fdids=(0x12,))
+    vm = cluster.start(xml)
+    cluster.fabric().set_node_up("alpha", False, "cable pulled")
+    with pytest.raises(Exception, match="alpha"):
+        vm.enable_device(0x12)
+    s = vm.session(0x12)
+    assert not s.borrowed and cluster.hw.borrowed(0x12) is None
+    assert not vm.config_read(0x12, regs.COMMAND, 2) & regs.COMMAND_MASTER
+    cluster.fabric().set_node_up("alpha", True)
+    vm.enable_device(0x12)
+    assert s.borrowed and s.dma_active and s.refusal is None

@@ -33,7 +33,7 @@ from vmlend.fabric.sim.ntb import NtbAdapter
 from vmlend.memory.layout import Layout
 from vmlend.memory.probe import probe_layout
 from vmlend.memory.windows import DmaPlan, FrameRun, apply_plan, plan_dma_windows, unapply_plan
-from vmlend.registry import Registry
+from vmlend.registry import ClaimKind, Registry
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +43,40 @@ DMA_WINDOW = "dma-window"
 _PAGE_NAMES = {4 * KiB: "4K", 2 * MiB: "2M", GiB: "1G"}
 
 
-class WindowRecorder(Protocol):
-    """Where the windows of a device are recorded (the registry's runtime records)."""
+class WindowLedger(Protocol):
+    """Where the windows of a device are recorded (the registry's runtime records), and what
+    other VMs were promised at admission on an adapter but have not mapped yet."""
 
     def record_windows(self, fdid: int, windows: Mapping[str, dict[str, Any]]) -> None: ...
 
     def forget_windows(self, fdid: int) -> None: ...
 
+    def promised_segments(self, adapter: str, share: str) -> int: ...
 
-class RegistryWindowRecorder:
+
+class RegistryWindowLedger:
     """Records windows as runtime records of the device's hold (removed with the hold)."""
 
     def __init__(self, registry: Registry) -> None:
         self._reg = registry
+
+    def promised_segments(self, adapter: str, share: str) -> int:
+        """Segments of ``adapter`` that admission claimed for other VMs' DMA windows (claims of
+        kind DMA under another share) whose devices have mapped nothing there yet: the
+        hardware shows them free, but they are spoken for."""
+        with self._reg.read() as tx:
+            claims = tx.claims()
+            mapped = {
+                r.fdid for r in tx.runtime(kind=DMA_WINDOW) if r.data.get("adapter") == adapter
+            }
+        segments: dict[str, int] = {}
+        holders: dict[str, set[int]] = {}
+        for fdid, c in claims:
+            if c.adapter != adapter or c.kind is not ClaimKind.DMA or c.share == share:
+                continue
+            segments[c.share] = max(segments.get(c.share, 0), c.segments)
+            holders.setdefault(c.share, set()).add(fdid)
+        return sum(n for other, n in segments.items() if not holders[other] & mapped)
 
     def record_windows(self, fdid: int, windows: Mapping[str, dict[str, Any]]) -> None:
         with self._reg.write() as tx:
@@ -156,12 +177,14 @@ class VmDmaWindows:
         hardware: SimHardware,
         guest: SimGuest,
         layout: Layout,
-        recorder: WindowRecorder | None = None,
+        ledger: WindowLedger | None = None,
+        share: str = "",
     ) -> None:
         self.hw = hardware
         self.guest = guest
         self.layout = layout
-        self.recorder = recorder
+        self.ledger = ledger
+        self.share = share  # the VM's claim share (admission.vm_share) in the ledger
         self._pinned: _Pinned | None = None
         self._adapters: dict[str, _AdapterWindows] = {}
         self._devices: dict[int, DeviceWindows] = {}
@@ -251,6 +274,10 @@ class VmDmaWindows:
         shared = self._adapters.get(ref)
         if shared is None:
             free = [i for i in range(adapter.segments) if adapter.segment(i) is None]
+            if self.ledger is not None and self.share:
+                # keep what admission promised to VMs that have not mapped yet
+                promised = self.ledger.promised_segments(ref, self.share)
+                free = free[: max(0, len(free) - promised)]
             plan = plan_dma_windows(
                 pinned.ranges,
                 pinned.runs,
@@ -270,8 +297,8 @@ class VmDmaWindows:
         apply_plan(plan, borrower, ntb, lender)
         records = _plan_records(plan, lender)
         try:
-            if self.recorder is not None:
-                self.recorder.record_windows(fdid, records)
+            if self.ledger is not None:
+                self.ledger.record_windows(fdid, records)
         except Exception:
             unapply_plan(plan, borrower, ntb, lender)
             raise
@@ -288,8 +315,8 @@ class VmDmaWindows:
                 domain.map(run.gpa, run.host, run.size)
                 done.append(run)
             records = _local_records(pinned, domain)
-            if self.recorder is not None:
-                self.recorder.record_windows(fdid, records)
+            if self.ledger is not None:
+                self.ledger.record_windows(fdid, records)
         except Exception:
             for run in done:
                 domain.unmap(run.gpa, run.size)
@@ -317,8 +344,8 @@ class VmDmaWindows:
             unapply_plan(shared.plan, borrower, ntb, lender)
             if not shared.users:
                 del self._adapters[win.adapter]
-        if self.recorder is not None:
-            self.recorder.forget_windows(fdid)
+        if self.ledger is not None:
+            self.ledger.forget_windows(fdid)
         if not self._devices:
             self._unpin()
         log.info("DMA windows of %s/%s unmapped for device %#x", self.node, self.vm, fdid)

@@ -90,7 +90,7 @@ class PassthroughSession:
         self.shadow = ConfigSpace.from_spec(device.spec)  # only its BAR registers are used
         self.borrowed = False
         self.closed = False
-        #: The last refused enable (borrow or bus master), None after a successful one.
+        #: Why the latest enabling write (borrow or bus master) was refused, else None.
         self.refusal: VmlendError | None = None
         #: The last error the observer raised (peer-to-peer mapping), for the operator.
         self.observer_error: VmlendError | None = None
@@ -127,11 +127,12 @@ class PassthroughSession:
         covers_low = offset <= regs.COMMAND < offset + size  # the byte holding IO/MEM/MASTER
         flr = write_hits(offset, size, value, EXP_OFFSET + regs.EXP_DEVCTL, 2)
         enables = bool(cmd and cmd & _ENABLE_BITS) or bool(flr and flr & regs.EXP_DEVCTL_BCR_FLR)
+        if enables:
+            self.refusal = None  # it describes the latest enable only
         if enables and not self.borrowed:
             try:
                 self.fabric.borrow(self.fdid, self.holder)
                 self.borrowed = True
-                self.refusal = None
             except VmlendError as e:
                 self._refuse(e, "borrow")
                 # nothing of the device is the guest's yet: no decoding, no reset, no DMA
@@ -143,7 +144,6 @@ class PassthroughSession:
         if want_master and self.borrowed and not self.dma_active:
             try:
                 self.windows.enable(self.fdid)
-                self.refusal = None
             except VmlendError as e:
                 self._refuse(e, "bus master")
                 value = clear_bits(offset, size, value, regs.COMMAND, regs.COMMAND_MASTER)
@@ -163,7 +163,8 @@ class PassthroughSession:
             raise VmlendError(f"device {self.fdid:#x} was removed from {self.holder}")
 
     # --- BARs for peer-to-peer --------------------------------------------------------------
-    def _decoded_bars(self) -> dict[int, int]:
+    def decoded_bars(self) -> dict[int, int]:
+        """Memory BAR index -> guest-physical base, for the BARs the guest decodes now."""
         if not self._memory_on:
             return {}
         out = {}
@@ -176,7 +177,7 @@ class PassthroughSession:
         return out
 
     def _sync_bars(self) -> None:
-        now = self._decoded_bars()
+        now = self.decoded_bars()
         changes = [(i, now.get(i, 0)) for i in sorted(set(now) | set(self._reported))]
         for index, gpa in changes:
             if self._reported.get(index, 0) == gpa:

@@ -17,8 +17,9 @@ from typing import Protocol
 
 from vmlend.domain import read_domain
 from vmlend.errors import ConfigError, FabricError, ResourceExhaustedError
+from vmlend.fabric.admission import vm_share
 from vmlend.fabric.model import BarKind, BarSpec, GiB, Holder, MdevInfo
-from vmlend.fabric.sim.dmawin import VmDmaWindows, WindowRecorder
+from vmlend.fabric.sim.dmawin import VmDmaWindows, WindowLedger
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.hostmem import HUGE_2M
 from vmlend.fabric.sim.passthrough import BarObserver, BorrowFabric, PassthroughSession
@@ -109,8 +110,8 @@ class SimVm:
     """VM ``xml`` running on ``fabric.local_node`` of ``hardware``.
 
     ``fabric`` must drive the same ``hardware`` (``SimFabric(..., hardware=hardware)``) so that
-    the deferred borrow takes the device in this simulation. ``recorder`` keeps the DMA windows
-    in the registry (``RegistryWindowRecorder``); ``p2p`` is told about guest BAR addresses.
+    the deferred borrow takes the device in this simulation. ``ledger`` keeps the DMA windows
+    in the registry (``RegistryWindowLedger``); ``p2p`` is told about guest BAR addresses.
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class SimVm:
         *,
         hardware: SimHardware,
         fabric: VmFabric,
-        recorder: WindowRecorder | None = None,
+        ledger: WindowLedger | None = None,
         p2p: BarObserver | None = None,
         backing: int = HUGE_2M,
         host_vendor: CpuVendor | None = None,
@@ -136,7 +137,9 @@ class SimVm:
         self.guest = hardware.create_guest(
             self.node, info.name, self.layout.ranges(), backing=backing
         )
-        self.windows = VmDmaWindows(hardware, self.guest, self.layout, recorder)
+        self.windows = VmDmaWindows(
+            hardware, self.guest, self.layout, ledger, vm_share(self.holder)
+        )
         self._bars = GuestBarAllocator(self.layout)
         self._sessions: dict[int, PassthroughSession] = {}
         self._placed: dict[int, list[GuestBar]] = {}
@@ -254,6 +257,28 @@ class SimVm:
         """What Linux's pci_disable_device does: clear Bus Master (the windows go)."""
         s = self.session(fdid)
         s.config_write(regs.COMMAND, 2, s.config_read(regs.COMMAND, 2) & ~regs.COMMAND_MASTER)
+
+    def _mmio_target(self, gpa: int, size: int) -> tuple[PassthroughSession, int, int]:
+        self._require_running()
+        for s in self._sessions.values():
+            for index, base in s.decoded_bars().items():
+                if base <= gpa and gpa + size <= base + s.shadow.bars[index].size:
+                    return s, index, gpa - base
+        raise FabricError(
+            f"nothing in VM {self.name} decodes guest-physical {gpa:#x}+{size}: no enabled "
+            "device has a memory BAR there"
+        )
+
+    def mmio_read(self, gpa: int, size: int) -> int:
+        """The guest CPU reads a device register at guest-physical ``gpa`` (the BAR as the
+        guest programmed it; the access reaches the device's BAR memory)."""
+        s, index, offset = self._mmio_target(gpa, size)
+        return s.device.bars.read(index, offset, size)
+
+    def mmio_write(self, gpa: int, size: int, value: int) -> None:
+        """The guest CPU writes a device register (e.g. an MSI-X table entry)."""
+        s, index, offset = self._mmio_target(gpa, size)
+        s.device.bars.write(index, offset, size, value)
 
     def dma_write(self, fdid: int, gpa: int, data: bytes) -> list[DmaTarget]:
         """The device writes ``data`` at guest-physical ``gpa`` (through the resolver)."""
