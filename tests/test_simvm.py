@@ -315,3 +315,28 @@ def test_borrow_refused_leaves_the_device_disabled(cluster):
     cluster.fabric().set_node_up("alpha", True)
     vm.enable_device(0x12)
     assert s.borrowed and s.dma_active and s.refusal is None
+
+
+def _layout(machine: str, memory: int):
+    from vmlend.memory.domain_memory import domain_layout
+
+    return domain_layout(domain_xml("x", memory, machine))
+
+
+def test_firmware_places_32_bit_bars_in_the_hole_around_q35_mmconfig():
+    from vmlend.errors import ResourceExhaustedError
+    from vmlend.fabric.model import BarKind, BarSpec
+    from vmlend.fabric.sim.simvm import GuestBarAllocator
+
+    alloc = GuestBarAllocator(_layout("q35", 2 * GiB))  # all low: RAM ends at 2 GiB
+    half = BarSpec(0, 512 * MiB, BarKind.MEM32)
+    assert alloc.place(half) == 2 * GiB
+    assert alloc.place(half) == 3 * GiB  # 2.5 GiB would overlap MMCONFIG at 0xb0000000
+    with pytest.raises(ResourceExhaustedError, match="32-bit PCI hole"):
+        alloc.place(BarSpec(0, 1 * GiB, BarKind.MEM32))
+    big = GuestBarAllocator(_layout("q35", 8 * GiB))  # high RAM ends at 10 GiB
+    assert big.place(BarSpec(1, 32 * GiB, BarKind.MEM64)) == 32 * GiB
+    assert big.place(BarSpec(3, 32 * MiB, BarKind.MEM64)) == 64 * GiB
+    pc = GuestBarAllocator(_layout("pc", 4 * GiB))  # 3 GiB low: the hole starts there
+    assert pc.place(BarSpec(0, 16 * MiB, BarKind.MEM32)) == 3 * GiB
+    assert pc.place(BarSpec(2, 256, BarKind.IO)) == 0xC000

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from vmlend.errors import VmlendError
+from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.model import BarKind, Holder
 from vmlend.fabric.sim.device import SimDevice
 from vmlend.fabric.sim.dmawin import VmDmaWindows
@@ -160,7 +160,7 @@ class PassthroughSession:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise VmlendError(f"device {self.fdid:#x} was removed from {self.holder}")
+            raise FabricError(f"device {self.fdid:#x} was removed from {self.holder}")
 
     # --- BARs for peer-to-peer --------------------------------------------------------------
     def decoded_bars(self) -> dict[int, int]:
