@@ -340,3 +340,29 @@ def test_firmware_places_32_bit_bars_in_the_hole_around_q35_mmconfig():
     pc = GuestBarAllocator(_layout("pc", 4 * GiB))  # 3 GiB low: the hole starts there
     assert pc.place(BarSpec(0, 16 * MiB, BarKind.MEM32)) == 3 * GiB
     assert pc.place(BarSpec(2, 256, BarKind.IO)) == 0xC000
+
+
+def test_release_while_the_vm_runs_takes_the_windows_down(cluster):
+    # The lender resets the device when it is given back; the session must follow without
+    # writing the registry inside the fabric's own transaction (that would wait on itself).
+    xml = domain_xml("web", 1 * GiB, fdids=(0x12,))
+    vm = cluster.start(xml)
+    vm.enable_device(0x12)
+    cluster.release(xml)
+    s = vm.session(0x12)
+    assert not s.dma_active and vm.guest.pinned_bytes == 0
+    assert cluster.hw.borrowed(0x12) is None
+    assert cluster.hw.adapter("alpha:0").mapped_segments() == []
+    assert cluster.runtime() == []
+    vm.stop()
+
+
+def test_give_back_by_the_fabric_while_running_forgets_the_records(cluster):
+    xml = domain_xml("web", 1 * GiB, fdids=(0x12,))
+    vm = cluster.start(xml)
+    vm.enable_device(0x12)
+    cluster.fabric().give_back(0x12, vm.holder)
+    assert not vm.session(0x12).dma_active
+    vm.config_write(0x12, regs.COMMAND, 2, 0)  # any later guest access settles the records
+    assert cluster.runtime() == []
+    vm.stop()

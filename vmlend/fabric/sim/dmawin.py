@@ -189,6 +189,7 @@ class VmDmaWindows:
         self._adapters: dict[str, _AdapterWindows] = {}
         self._devices: dict[int, DeviceWindows] = {}
         self._borrower_users: set[int] = set()  # remote devices using the VM domain's maps
+        self._unforgotten: set[int] = set()  # unmapped, records still to be removed
 
     @property
     def node(self) -> str:
@@ -216,6 +217,7 @@ class VmDmaWindows:
         """Map the guest's RAM for ``fdid`` (idempotent). Raises, changing nothing, when the
         device is not borrowed by this VM, the probe disagrees with the layout, or the plan is
         refused (DMA limit, NTB window room, free segments: each says what is short)."""
+        self.settle()
         if fdid in self._devices:
             return self._devices[fdid]
         dev = self.hw.device(fdid)
@@ -324,9 +326,15 @@ class VmDmaWindows:
         return DeviceWindows(fdid, None, records)
 
     # --- disable --------------------------------------------------------------------------------
-    def disable(self, fdid: int) -> bool:
+    def disable(self, fdid: int, *, forget: bool = True) -> bool:
         """Unmap ``fdid``'s windows; the last device out also unmaps the shared stages and
-        unpins the guest. False when nothing was mapped."""
+        unpins the guest. False when nothing was mapped.
+
+        ``forget=False`` leaves the runtime records to :meth:`settle`: for a caller inside
+        someone else's registry transaction (a reset during the fabric's give-back), where
+        writing the registry would wait on that very transaction."""
+        if forget:
+            self.settle()
         win = self._devices.pop(fdid, None)
         if win is None:
             return False
@@ -345,16 +353,28 @@ class VmDmaWindows:
             if not shared.users:
                 del self._adapters[win.adapter]
         if self.ledger is not None:
-            self.ledger.forget_windows(fdid)
+            if forget:
+                self.ledger.forget_windows(fdid)
+            else:
+                self._unforgotten.add(fdid)
         if not self._devices:
             self._unpin()
         log.info("DMA windows of %s/%s unmapped for device %#x", self.node, self.vm, fdid)
         return True
 
+    def settle(self) -> None:
+        """Remove the records of windows unmapped with ``forget=False`` (not re-mapped since)."""
+        while self._unforgotten:
+            fdid = min(self._unforgotten)
+            if self.ledger is not None and fdid not in self._devices:
+                self.ledger.forget_windows(fdid)
+            self._unforgotten.discard(fdid)
+
     def close(self) -> None:
         """Unmap everything (VM stop)."""
         for fdid in list(self._devices):
             self.disable(fdid)
+        self.settle()
 
 
 def _plan_records(plan: DmaPlan, lender: IommuDomain) -> dict[str, dict[str, Any]]:

@@ -119,6 +119,7 @@ class PassthroughSession:
 
     def config_write(self, offset: int, size: int, value: int) -> None:
         self._check_open()
+        self.windows.settle()
         if _BAR_START <= offset < _BAR_END:
             self.shadow.write(offset, size, value, notify=False)
             self._sync_bars()
@@ -148,6 +149,7 @@ class PassthroughSession:
                 self._refuse(e, "bus master")
                 value = clear_bits(offset, size, value, regs.COMMAND, regs.COMMAND_MASTER)
         self.device.config.write(offset, size, value)
+        self.windows.settle()  # after a reset the write caused
         if covers_low and cmd is not None:
             if not cmd & regs.COMMAND_MASTER and self.dma_active:
                 self.windows.disable(self.fdid)  # the device stopped mastering first
@@ -203,8 +205,11 @@ class PassthroughSession:
     # --- resets and the end ---------------------------------------------------------------------
     def _on_reset(self) -> None:
         # A function level reset stops the device mastering and clears its BARs; the lender
-        # kernel restores the physical BARs, the guest must program its own again.
-        self.windows.disable(self.fdid)
+        # kernel restores the physical BARs, the guest must program its own again. The reset
+        # may come from the fabric giving the device back inside its registry transaction:
+        # the records are removed later (settle), and the borrow may be over.
+        self.windows.disable(self.fdid, forget=False)
+        self.borrowed = self.windows.hw.borrowed(self.fdid) is not None
         self.shadow.reset()
         self._memory_on = False
         self._sync_bars()
