@@ -1,0 +1,235 @@
+"""A pass-through session: one borrowed device as one VM's guest sees it (the mdev/VFIO device).
+
+The guest's configuration space is a view over the physical one:
+
+- BAR registers (0x10..0x27) are virtual. The guest sizes them and programs guest-physical
+  addresses into a shadow copy with the same masks; the physical device keeps its lender
+  addresses, which is what the lender's decoders answer to.
+- everything else (command, status, MSI/MSI-X capabilities, PCI Express device control with
+  FLR) is read from and written to the physical ``ConfigSpace``, so its listeners (the
+  interrupt relay) see the guest's writes as they happen.
+
+Reactions to the guest's writes (DESIGN.md mechanisms 4-5, 8):
+
+- the first enable (memory or I/O decoding, bus master, or a function level reset) does the
+  deferred hardware borrow through the fabric (``borrow(fdid, holder)``);
+- Bus Master on: the VM's DMA windows are mapped (pin, probe, plan, map) *before* the bit
+  reaches the device, so the device never masters into nothing. A refusal is kept in
+  ``refusal`` and the write reaches the device with Bus Master cleared: the guest reads the bit
+  back as 0 and its DMA faults at the ``bus-master`` hop, as when a real VFIO config write fails;
+- Bus Master off, a reset of the device, removal or VM stop: the windows are unmapped (and the
+  guest unpinned by the last device);
+- memory BAR addresses, while the guest has memory decoding on, are reported to an optional
+  observer (peer-to-peer mapping) as ``program_bar(fdid, index, gpa, size)``; ``gpa`` 0 means
+  the BAR is no longer decoded at any address. ``remove_device(fdid)`` when the session ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from vmlend.errors import FabricError, VmlendError
+from vmlend.fabric.model import BarKind, Holder
+from vmlend.fabric.sim.device import SimDevice
+from vmlend.fabric.sim.dmawin import VmDmaWindows
+from vmlend.pci import regs
+from vmlend.pci.config import EXP_OFFSET, ConfigSpace, write_hits
+
+log = logging.getLogger(__name__)
+
+_BAR_START = regs.BASE_ADDRESS_0
+_BAR_END = regs.BASE_ADDRESS_0 + 4 * regs.BAR_COUNT
+_ENABLE_BITS = regs.COMMAND_IO | regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+
+
+class BarObserver(Protocol):
+    """Told where the guest put a device's memory BARs (the peer-to-peer mapper)."""
+
+    def program_bar(self, fdid: int, bar_index: int, gpa: int, size: int) -> None: ...
+
+    def remove_device(self, fdid: int) -> None: ...
+
+
+class BorrowFabric(Protocol):
+    """The deferred borrow (``SimFabric``): hardware and registry phase in one transaction."""
+
+    def borrow(self, fdid: int, holder: Holder) -> object: ...
+
+    def give_back(self, fdid: int, holder: Holder) -> object: ...
+
+
+def clear_bits(offset: int, size: int, value: int, reg: int, bits: int) -> int:
+    """``value`` of a write at ``offset`` with ``bits`` of register ``reg`` cleared."""
+    out = value
+    for bit in range(bits.bit_length()):
+        if not bits >> bit & 1:
+            continue
+        at = reg + bit // 8
+        if offset <= at < offset + size:
+            out &= ~(1 << (8 * (at - offset) + bit % 8))
+    return out
+
+
+class PassthroughSession:
+    """``device`` passed through to the VM ``holder`` whose DMA windows are ``windows``."""
+
+    def __init__(
+        self,
+        device: SimDevice,
+        holder: Holder,
+        fabric: BorrowFabric,
+        windows: VmDmaWindows,
+        observer: BarObserver | None = None,
+    ) -> None:
+        self.device = device
+        self.holder = holder
+        self.fabric = fabric
+        self.windows = windows
+        self.observer = observer
+        self.shadow = ConfigSpace.from_spec(device.spec)  # only its BAR registers are used
+        self.borrowed = False
+        self.closed = False
+        #: Why the latest enabling write (borrow or bus master) was refused, else None.
+        self.refusal: VmlendError | None = None
+        #: The last error the observer raised (peer-to-peer mapping), for the operator.
+        self.observer_error: VmlendError | None = None
+        self._memory_on = False  # the guest's memory decoding, as it last wrote it
+        self._reported: dict[int, int] = {}  # BAR index -> GPA told to the observer
+        self._remove_reset = device.on_reset(self._on_reset)
+
+    @property
+    def fdid(self) -> int:
+        return self.device.fdid
+
+    @property
+    def dma_active(self) -> bool:
+        return self.windows.active(self.fdid)
+
+    def guest_bar(self, index: int) -> int | None:
+        """The guest-physical address the guest programmed into BAR ``index``."""
+        return self.shadow.bar_address(index)
+
+    # --- config space ---------------------------------------------------------------------------
+    def config_read(self, offset: int, size: int) -> int:
+        self._check_open()
+        if _BAR_START <= offset < _BAR_END:
+            return self.shadow.read(offset, size)
+        return self.device.config.read(offset, size)
+
+    def config_write(self, offset: int, size: int, value: int) -> None:
+        self._check_open()
+        self.windows.settle()
+        if _BAR_START <= offset < _BAR_END:
+            self.shadow.write(offset, size, value, notify=False)
+            self._sync_bars()
+            return
+        cmd = write_hits(offset, size, value, regs.COMMAND, 2)
+        covers_low = offset <= regs.COMMAND < offset + size  # the byte holding IO/MEM/MASTER
+        flr = write_hits(offset, size, value, EXP_OFFSET + regs.EXP_DEVCTL, 2)
+        enables = bool(cmd and cmd & _ENABLE_BITS) or bool(flr and flr & regs.EXP_DEVCTL_BCR_FLR)
+        if enables:
+            self.refusal = None  # it describes the latest enable only
+        if enables and not self.borrowed:
+            try:
+                self.fabric.borrow(self.fdid, self.holder)
+                self.borrowed = True
+            except VmlendError as e:
+                self._refuse(e, "borrow")
+                # nothing of the device is the guest's yet: no decoding, no reset, no DMA
+                value = clear_bits(offset, size, value, regs.COMMAND, _ENABLE_BITS)
+                value = clear_bits(
+                    offset, size, value, EXP_OFFSET + regs.EXP_DEVCTL, regs.EXP_DEVCTL_BCR_FLR
+                )
+        want_master = covers_low and cmd is not None and bool(cmd & regs.COMMAND_MASTER)
+        if want_master and self.borrowed and not self.dma_active:
+            try:
+                self.windows.enable(self.fdid)
+            except VmlendError as e:
+                self._refuse(e, "bus master")
+                value = clear_bits(offset, size, value, regs.COMMAND, regs.COMMAND_MASTER)
+        self.device.config.write(offset, size, value)
+        self.windows.settle()  # after a reset the write caused
+        if covers_low and cmd is not None:
+            if not cmd & regs.COMMAND_MASTER and self.dma_active:
+                self.windows.disable(self.fdid)  # the device stopped mastering first
+            self._memory_on = bool(cmd & regs.COMMAND_MEMORY) and self.borrowed
+            self._sync_bars()
+
+    def _refuse(self, error: VmlendError, what: str) -> None:
+        self.refusal = error
+        log.warning("device %#x of %s: %s refused: %s", self.fdid, self.holder, what, error)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FabricError(f"device {self.fdid:#x} was removed from {self.holder}")
+
+    # --- BARs for peer-to-peer --------------------------------------------------------------
+    def decoded_bars(self) -> dict[int, int]:
+        """Memory BAR index -> guest-physical base, for the BARs the guest decodes now."""
+        if not self._memory_on:
+            return {}
+        out = {}
+        for index, bar in self.shadow.bars.items():
+            if bar.kind is BarKind.IO:
+                continue
+            gpa = self.shadow.bar_address(index)
+            if gpa is not None:
+                out[index] = gpa
+        return out
+
+    def _sync_bars(self) -> None:
+        now = self.decoded_bars()
+        changes = [(i, now.get(i, 0)) for i in sorted(set(now) | set(self._reported))]
+        for index, gpa in changes:
+            if self._reported.get(index, 0) == gpa:
+                continue
+            if gpa:
+                self._reported[index] = gpa
+            else:
+                self._reported.pop(index, None)
+            self._notify_bar(index, gpa)
+
+    def _notify_bar(self, index: int, gpa: int) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer.program_bar(self.fdid, index, gpa, self.shadow.bars[index].size)
+            self.observer_error = None
+        except VmlendError as e:
+            self.observer_error = e
+            log.warning(
+                "device %#x BAR %d at %#x: peer mapping failed: %s", self.fdid, index, gpa, e
+            )
+
+    # --- resets and the end ---------------------------------------------------------------------
+    def _on_reset(self) -> None:
+        # A function level reset stops the device mastering and clears its BARs; the lender
+        # kernel restores the physical BARs, the guest must program its own again. The reset
+        # may come from the fabric giving the device back inside its registry transaction:
+        # the records are removed later (settle), and the borrow may be over.
+        self.windows.disable(self.fdid, forget=False)
+        self.borrowed = self.windows.hw.borrowed(self.fdid) is not None
+        self.shadow.reset()
+        self._memory_on = False
+        self._sync_bars()
+
+    def close(self) -> None:
+        """The device leaves the VM (hot-remove, VM stop): unmap its windows (the last device
+        unpins the guest), tell the observer, give the hardware back. Idempotent."""
+        if self.closed:
+            return
+        self._remove_reset()
+        self.windows.disable(self.fdid)
+        self._memory_on = False
+        self._reported.clear()
+        if self.observer is not None:
+            try:
+                self.observer.remove_device(self.fdid)
+            except VmlendError as e:
+                self.observer_error = e
+                log.warning("device %#x: peer unmapping failed: %s", self.fdid, e)
+        if self.borrowed:
+            self.fabric.give_back(self.fdid, self.holder)
+            self.borrowed = False
+        self.closed = True
