@@ -59,6 +59,20 @@ class HostEnv:
     def proc(self) -> Path:
         return self.root / "proc"
 
+    @property
+    def var(self) -> Path:
+        return self.root / "var"
+
+    @property
+    def system_state(self) -> Path:
+        """Where root keeps vmlend's shared state by default."""
+        return self.var / "lib" / "vmlend" / "state.db"
+
+    @property
+    def libvirt_config(self) -> Path:
+        """libvirt's system config dir (hooks go to its hooks/)."""
+        return self.etc / "libvirt"
+
     # --- well-known places inside them ----------------------------------------------------
     @property
     def mdev_bus(self) -> Path:
@@ -93,7 +107,7 @@ class HostEnv:
 
     @property
     def libvirt_hooks(self) -> Path:
-        return self.etc / "libvirt" / "hooks"
+        return self.libvirt_config / "hooks"
 
     def process(self, pid: int) -> Path:
         """``proc/<pid>``: exists while the process runs."""

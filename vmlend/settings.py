@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from vmlend.hostenv import HostEnv
+
 STATE_ENV = "VMLEND_STATE"
 NODE_ENV = "VMLEND_NODE"
 
@@ -12,7 +14,7 @@ NODE_ENV = "VMLEND_NODE"
 def default_state_path() -> Path:
     """Root keeps the state with the system; others under the XDG state dir."""
     if os.geteuid() == 0:
-        return Path("/var/lib/vmlend/state.db")
+        return HostEnv.from_env().system_state
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "vmlend" / "state.db"
 
@@ -23,5 +25,6 @@ def state_path_from_env(environ: dict[str, str] | None = None) -> Path:
     return Path(value) if value else default_state_path()
 
 
-#: libvirt's system config dir (the hook goes to <dir>/hooks/qemu.d/vmlend).
-DEFAULT_LIBVIRT_DIR = Path("/etc/libvirt")
+def default_libvirt_dir() -> Path:
+    """libvirt's system config dir (the hook goes to <dir>/hooks/qemu.d/vmlend)."""
+    return HostEnv.from_env().libvirt_config

@@ -10,7 +10,7 @@ import click
 from vmlend.cli.common import CliContext, emit_json, json_option
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
-from vmlend.settings import DEFAULT_LIBVIRT_DIR
+from vmlend.hostenv import HostEnv
 
 
 @click.group("hook")
@@ -22,16 +22,18 @@ def hook() -> None:
 @click.option(
     "--libvirt-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_LIBVIRT_DIR,
-    show_default=True,
-    help="libvirt's config dir; the hook goes to <dir>/hooks/<name>.",
+    help="libvirt's config dir; the hook goes to <dir>/hooks/<name> [default: /etc/libvirt"
+    " under --root].",
 )
 @click.option("--name", default=DEFAULT_NAME, show_default=True, help="'qemu' or 'qemu.d/<name>'.")
 @click.option("--force", is_flag=True, help="Replace a hook vmlend did not install.")
 @json_option
 @click.pass_obj
-def install(cli: CliContext, libvirt_dir: Path, name: str, force: bool, json_output: bool) -> None:
+def install(
+    cli: CliContext, libvirt_dir: Path | None, name: str, force: bool, json_output: bool
+) -> None:
     """Install the hook, pinned to this interpreter and this state path."""
+    libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
     result = install_hook(libvirt_dir, cli.state_path, cli.node, name=name, force=force)
     if json_output:
         emit_json(
@@ -49,12 +51,13 @@ def install(cli: CliContext, libvirt_dir: Path, name: str, force: bool, json_out
 @click.option(
     "--libvirt-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_LIBVIRT_DIR,
-    show_default=True,
+    help="libvirt's config dir [default: /etc/libvirt under --root].",
 )
 @click.option("--name", default=DEFAULT_NAME, show_default=True)
-def uninstall(libvirt_dir: Path, name: str) -> None:
+@click.pass_obj
+def uninstall(cli: CliContext, libvirt_dir: Path | None, name: str) -> None:
     """Remove the hook vmlend installed."""
+    libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
     removed = uninstall_hook(libvirt_dir, name)
     click.echo(f"removed {libvirt_dir / 'hooks' / name}" if removed else "no vmlend hook installed")
 
