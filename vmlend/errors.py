@@ -381,3 +381,7 @@ class BarConflictError(P2PError):
             f"the guest placed BAR {bar} of device {fdid:#x} at {gpa:#x}+{size:#x}, over {other};"
             " no peer-to-peer mapping was changed (check the guest's PCI resource assignment)"
         )
+
+
+class DemoError(VmlendError):
+    """A step of ``vmlend demo`` did not show what it should: the data path misbehaved."""

@@ -1,0 +1,151 @@
+"""The demo's simulated cluster in this process: one ``SimHardware``, one ``SimFabric`` per node
+driving it, and a simulated hypervisor per node whose guests are ``DemoGuest``.
+
+The hypervisors are the ones ``vmlend --connect sim:///<node>`` opens (same data directory
+beside the state, same hook command), so ``vmlend status -c sim:///gamma`` sees the demo's VM.
+The hook is the real one, run as a subprocess the way libvirtd runs it; ``HookTrace`` keeps a
+record of each call for the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmlend.cli.connect import hook_command
+from vmlend.demo.guest import DemoGuest
+from vmlend.errors import UnknownDomainError
+from vmlend.fabric.model import GiB
+from vmlend.fabric.sim.backend import SimFabric
+from vmlend.fabric.sim.dmawin import RegistryWindowLedger
+from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
+from vmlend.fabric.topology import parse_topology
+from vmlend.hypervisor import SimHypervisor, open_hypervisor
+from vmlend.hypervisor.sim_hv import HookRun, HookRunner
+from vmlend.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HookCall:
+    node: str
+    args: tuple[str, ...]  # libvirt's argv: domain, operation, sub-operation, extra
+    returncode: int
+    seconds: float
+
+
+class HookTrace(HookRunner):
+    """Runs the hook exactly as ``HookRunner`` does and remembers each call."""
+
+    def __init__(self, node: str, command: Sequence[str] | None, timeout: float) -> None:
+        super().__init__(command, timeout)
+        self.node = node
+        self.calls: list[HookCall] = []
+
+    def run(self, name: str, op: str, subop: str, extra: str, xml: bytes) -> HookRun:
+        started = time.monotonic()
+        result = super().run(name, op, subop, extra, xml)
+        args = (name, op, subop, extra or "-")
+        self.calls.append(HookCall(self.node, args, result.returncode, time.monotonic() - started))
+        return result
+
+
+class DemoCluster:
+    """The simulated cluster of the state at ``state_path`` (already initialised)."""
+
+    def __init__(self, state_path: Path, *, backing: int = GiB, seed: int = 0) -> None:
+        self.state_path = state_path
+        self.backing = backing
+        self.registry = Registry.open(state_path)
+        self.ledger = RegistryWindowLedger(self.registry)
+        try:
+            with self.registry.read() as tx:
+                rec = tx.topology()
+        except BaseException:
+            self.registry.close()
+            raise
+        self.hw = SimHardware.from_topology(parse_topology(rec.text, rec.source), seed=seed)
+        self._fabrics: dict[str, SimFabric] = {}
+        self.guests: dict[str, DemoGuest] = {}
+        self._hypervisors: dict[str, SimHypervisor] = {}
+        self.hook_calls: list[HookCall] = []
+
+    # --- collaborators ------------------------------------------------------------------------
+    def fabric(self, node: str | None = None) -> SimFabric:
+        """The fabric seen from ``node`` (default: the state's local node), driving the
+        hardware of this process."""
+        key = node or ""
+        if key not in self._fabrics:
+            registry = Registry.open(self.state_path)
+            self._fabrics[key] = SimFabric(registry, node, hardware=self.hw)
+        return self._fabrics[key]
+
+    def p2p_recorder(self) -> Recorder:
+        return registry_recorder(self.registry)
+
+    def guest(self, node: str) -> DemoGuest:
+        if node not in self.guests:
+            self.guests[node] = DemoGuest(self, node)
+        return self.guests[node]
+
+    def hypervisor(self, node: str) -> SimHypervisor:
+        """The simulated hypervisor ``sim:///<node>`` with the real hook and our guests."""
+        if node not in self._hypervisors:
+            self.hw.node(node)  # UnknownNodeError before anything is created
+            hv = open_hypervisor(
+                f"sim:///{node}",
+                state_dir=self.state_path.parent,
+                hook_command=hook_command(self.state_path, node),
+                guest_driver=self.guest(node),
+            )
+            assert isinstance(hv, SimHypervisor), "a sim:/// URI opens a simulated node"
+            trace = HookTrace(node, hv.hooks.command, hv.hooks.timeout)
+            trace.calls = self.hook_calls  # one record of every node's calls, in order
+            hv.hooks = trace
+            self._hypervisors[node] = hv
+        return self._hypervisors[node]
+
+    # --- idempotence --------------------------------------------------------------------------
+    def remove_vm(self, name: str) -> list[str]:
+        """Remove every trace of a VM called ``name`` a previous run left: its domain on every
+        node (stopped first, so the hook returns its devices), then any hold or mdev still
+        naming it. Returns what was done."""
+        done: list[str] = []
+        for node in sorted(self.hw.nodes):
+            hv = self.hypervisor(node)
+            try:
+                info = hv.lookup(name)
+            except UnknownDomainError:
+                continue
+            if info.active:
+                hv.destroy(name)
+                done.append(f"destroyed {name} on {node}")
+            if info.persistent:
+                hv.undefine(name)
+                done.append(f"undefined {name} on {node}")
+        for st in self.fabric().devices():
+            h = st.holder
+            if h is not None and h.vm == name:
+                self.fabric(h.node).release(st.fdid, h)
+                done.append(f"returned {st.fdid:#x} from {h}")
+        for node in sorted(self.hw.nodes):
+            for m in self.fabric(node).mdevs():
+                if m.vm == name and self.fabric(node).remove_mdev(m.uuid):
+                    done.append(f"removed mdev {m.uuid} on {node}")
+        return done
+
+    def close(self) -> None:
+        for guest in self.guests.values():
+            for name in list(guest.running):
+                guest.on_stopped(name)
+        for hv in self._hypervisors.values():
+            hv.close()
+        for f in self._fabrics.values():
+            f.close()
+        self._fabrics.clear()
+        self.registry.close()

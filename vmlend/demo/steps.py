@@ -1,0 +1,467 @@
+"""The steps of the story. Each takes the ``Story`` and returns its data (JSON-able); a step
+that cannot show what it should raises ``DemoError``. The report renders the data."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vmlend.cli.cmd_attach import apply_attach, detach, plan_attach
+from vmlend.cli.cmd_devices import device_json
+from vmlend.cli.cmd_fabric import fabric_json
+from vmlend.cli.cmd_migrate import migrate
+from vmlend.demo import facts
+from vmlend.demo.cluster import DemoCluster
+from vmlend.demo.libvirt_check import libvirt_accepts
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
+from vmlend.errors import DemoError, DmaFault
+from vmlend.fabric.model import DeviceState, GiB, format_fdid
+from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.fabric.sim.simvm import SimVm
+from vmlend.memory.domain_memory import domain_layout
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the story is told with (the defaults fit the shipped three-node cluster)."""
+
+    vm: str = "demo"
+    memory: int = 8 * GiB
+    vcpus: int = 2
+    machine: str = "q35"
+    #: Host page size backing the guest's RAM: 1 GiB pages keep pinning and mapping quick.
+    backing: int = GiB
+    borrower: str = "gamma"
+    devices: tuple[int, ...] = (0x10, 0x20, 0x12)  # GPU from alpha, GPU from beta, NVMe
+    gpus: tuple[int, int] = (0x10, 0x20)
+    nvme: int = 0x12
+    hot_add: int = 0x22  # a VF of beta's NIC
+    migrate_to: str = "alpha"
+    interrupts: int = 1000  # raised per device
+    shutdown_timeout: float = 10.0
+
+
+@dataclass
+class Story:
+    """What the steps share."""
+
+    state_path: Path
+    config: DemoConfig
+    cluster: DemoCluster | None = None
+    xml: bytes = b""
+    uuid: str = ""
+    node: str = ""  # where the VM is defined now
+    progress: list[str] = field(default_factory=list)
+
+    @property
+    def c(self) -> DemoCluster:
+        assert self.cluster is not None, "the first step opens the cluster"
+        return self.cluster
+
+    def vm(self) -> SimVm:
+        return self.c.guest(self.node).guest(self.config.vm).vm
+
+    def devices(self) -> list[int]:
+        return self.vm().devices()
+
+    def hook_calls_since(self, mark: int) -> list[Json]:
+        return [
+            {
+                "node": h.node,
+                "argv": list(h.args),
+                "exit": h.returncode,
+                "ms": round(h.seconds * 1000, 1),
+            }
+            for h in self.c.hook_calls[mark:]
+        ]
+
+
+def require(ok: bool, what: str) -> None:
+    if not ok:
+        raise DemoError(what)
+
+
+# --- 1. the fabric -------------------------------------------------------------------------------
+
+
+def fabric_step(s: Story) -> Json:
+    text, source = default_topology_text()
+    init = init_fabric(s.state_path, text, source, node=s.config.borrower)
+    s.cluster = DemoCluster(s.state_path, backing=s.config.backing)
+    cleaned = s.c.remove_vm(s.config.vm)
+    f = s.c.fabric(s.config.borrower)
+    return {
+        "action": init.action,
+        "state": str(s.state_path),
+        "local_node": init.local_node,
+        "cleaned_up": cleaned,
+        "fabric": fabric_json(f),
+        "devices": [device_json(st) for st in f.devices()],
+    }
+
+
+# --- 2. the domain XML ---------------------------------------------------------------------------
+
+
+def xml_step(s: Story) -> Json:
+    cfg = s.config
+    fabric = s.c.fabric(cfg.borrower)
+    spec = DomainSpec(
+        name=cfg.vm,
+        memory_bytes=cfg.memory,
+        vcpus=cfg.vcpus,
+        machine=cfg.machine,
+        uuid=uuid.uuid4(),
+        devices=[DeviceRequest(f) for f in cfg.devices],
+    )
+    doc = new_domain(spec, templates=TemplateSet(), validate_fdid=fabric.device)
+    s.xml = doc.to_bytes()
+    info = read_domain(s.xml)
+    s.uuid = str(info.uuid)
+    layout = domain_layout(s.xml)
+    accepted = libvirt_accepts(s.xml)
+    require(
+        accepted["mdevs"] == [str(d.mdev) for d in info.devices],
+        "libvirt's test driver did not keep the mdev hostdevs of the generated XML",
+    )
+    return {
+        "name": info.name,
+        "uuid": s.uuid,
+        "memory": cfg.memory,
+        "machine": cfg.machine,
+        "ram": [[r.start, r.end] for r in layout.ranges()],
+        "devices": [
+            {"fdid": format_fdid(d.fdid), "mdev": str(d.mdev), "lender": _lender(s, d.fdid)}
+            for d in info.devices
+        ],
+        "libvirt": accepted,
+        "xml": s.xml.decode(),
+    }
+
+
+def _lender(s: Story, fdid: int) -> str:
+    return s.c.hw.device(fdid).lender
+
+
+# --- 3. define and start -------------------------------------------------------------------------
+
+
+def start_step(s: Story) -> Json:
+    cfg = s.config
+    s.node = cfg.borrower
+    hv = s.c.hypervisor(s.node)
+    mark = len(s.c.hook_calls)
+    hv.define(s.xml)
+    hv.start(cfg.vm)
+    fabric = s.c.fabric(s.node)
+    states = facts.device_states(fabric, s.c.registry, list(cfg.devices))
+    require(
+        all(d["state"] == DeviceState.RESERVED.value for d in states),
+        "after the start every device should be reserved, not yet borrowed (deferred borrow)",
+    )
+    require(all(d["mdev"] for d in states), "the hook did not create every mdev")
+    return {
+        "uri": hv.uri,
+        "hooks": s.hook_calls_since(mark),
+        "devices": states,
+        "adapters": facts.adapter_use(fabric, s.c.hw),
+    }
+
+
+# --- 4. the guest enables its devices ------------------------------------------------------------
+
+
+def enable_step(s: Story) -> Json:
+    cfg = s.config
+    guest = s.c.guest(s.node)
+    wired = guest.load_drivers(cfg.vm)
+    fabric = s.c.fabric(s.node)
+    states = facts.device_states(fabric, s.c.registry, s.devices())
+    require(
+        all(d["state"] == DeviceState.BORROWED.value for d in states),
+        "the guest's enable should have borrowed every device",
+    )
+    windows = facts.windows(s.c.registry)
+    remote = [f for f in s.devices() if _lender(s, f) != s.node]
+    for fdid in remote:
+        keys = {w["key"] for w in windows if w["fdid"] == format_fdid(fdid)}
+        require(
+            {"low", "high"} <= keys,
+            f"device {fdid:#x} should have a low and a high DMA window, has {sorted(keys)}",
+        )
+    maps = facts.p2p_maps(guest.guest(cfg.vm).p2p.maps())
+    pairs = {(m["source"], m["target"]) for m in maps}
+    a, b = (format_fdid(g) for g in cfg.gpus)
+    nvme = format_fdid(cfg.nvme)
+    for pair in ((a, b), (b, a), (a, nvme), (nvme, a)):
+        require(pair in pairs, f"no peer-to-peer map from {pair[0]} to {pair[1]}")
+    return {
+        "devices": states,
+        "guest_bars": _guest_bars(s),
+        "windows": windows,
+        "vectors": [w.json() for w in wired],
+        "p2p": maps,
+        "adapters": facts.adapter_use(fabric, s.c.hw),
+    }
+
+
+def _guest_bars(s: Story) -> list[Json]:
+    vm = s.vm()
+    return [
+        {"fdid": format_fdid(b.fdid), "bar": b.index, "gpa": b.address, "size": b.size}
+        for f in vm.devices()
+        for b in vm.bars(f)
+    ]
+
+
+# --- 5. traffic ----------------------------------------------------------------------------------
+
+
+PAYLOAD = b"vmlend: block 0 of the remote NVMe drive, DMA'd straight into guest memory. "
+
+
+def dma_into_guest(s: Story, fdid: int, gpa: int, length: int = 8192) -> Json:
+    """``fdid`` DMA-writes a buffer at ``gpa``; the guest reads its page back."""
+    vm = s.vm()
+    data = (PAYLOAD * (length // len(PAYLOAD) + 1))[:length]
+    targets = vm.dma_write(fdid, gpa, data)
+    back = vm.guest.read(gpa, length)
+    first = targets[0]
+    require(back == data, f"device {fdid:#x} wrote {length} bytes but the guest read others")
+    require(
+        first.kind == "ram" and first.owner == s.config.vm,
+        f"device {fdid:#x}'s DMA landed in {first.kind} of {first.owner}, not the guest's RAM",
+    )
+    require(
+        first.address == vm.guest.host_address(gpa),
+        "the DMA landed on another host page than the one backing the guest address",
+    )
+    return {
+        "device": format_fdid(fdid),
+        "gpa": gpa,
+        "bytes": length,
+        "match": back == data,
+        "pages": len(targets),
+        "host_page": first.address,
+        "target": facts.target_json(first),
+    }
+
+
+def p2p_write(s: Story, src: int, dst: int, bar: int, offset: int, data: bytes) -> Json:
+    """``src`` DMA-writes at ``dst``'s guest BAR address; it must land in that BAR."""
+    vm = s.vm()
+    base = vm.session(dst).guest_bar(bar)
+    require(base is not None, f"the guest has not placed BAR {bar} of {dst:#x}")
+    assert base is not None
+    (t,) = vm.dma_write(src, base + offset, data)
+    landed = s.c.hw.device(dst).bars.read_bytes(bar, offset, len(data))
+    ok = (t.kind, t.owner, t.bar, t.offset) == ("bar", dst, bar, offset) and landed == data
+    require(ok, f"the DMA from {src:#x} at {dst:#x} BAR {bar} landed in {t.describe()}")
+    return {
+        "source": format_fdid(src),
+        "target": format_fdid(dst),
+        "bar": bar,
+        "gpa": base + offset,
+        "bytes": len(data),
+        "landed": ok,
+        "target_hops": facts.target_json(t),
+    }
+
+
+def hole_fault(s: Story, fdid: int) -> Json:
+    """A DMA into the PCI hole (between low RAM and 4 GiB, away from every guest BAR) faults."""
+    vm = s.vm()
+    bars = [(b.address, b.address + b.size) for f in vm.devices() for b in vm.bars(f)]
+    gpa = vm.layout.below_4g
+    while any(lo <= gpa < hi for lo, hi in bars):
+        gpa = next(hi for lo, hi in bars if lo <= gpa < hi)
+    require(gpa < 4 * GiB, "no address in the PCI hole is free of guest BARs")
+    try:
+        vm.dma_write(fdid, gpa, b"\xff" * 64)
+    except DmaFault as e:
+        return {
+            "device": format_fdid(fdid),
+            "gpa": gpa,
+            "faulted": True,
+            "hop": e.hop,
+            "why": e.why,
+        }
+    raise DemoError(f"a DMA by {fdid:#x} into the PCI hole at {gpa:#x} did not fault")
+
+
+def interrupts(s: Story, fdids: list[int]) -> list[Json]:
+    g = s.c.guest(s.node).guest(s.config.vm)
+    out = []
+    for fdid in fdids:
+        got = g.irqs.fire(s.c.hw.device(fdid), s.config.interrupts)
+        wired = g.irqs.devices[fdid]
+        out.append(
+            wired.json() | {"raised": s.config.interrupts, "received": sum(got), "per_vector": got}
+        )
+        require(
+            sum(got) == s.config.interrupts,
+            f"device {fdid:#x} raised {s.config.interrupts} interrupts, the VM got {sum(got)}",
+        )
+    return out
+
+
+def traffic_step(s: Story) -> Json:
+    cfg = s.config
+    a, b = cfg.gpus
+    high = s.vm().layout.above_4g_start + GiB + 0x1234_5000
+    return {
+        "dma": [dma_into_guest(s, cfg.nvme, high)],
+        "p2p": [
+            p2p_write(s, a, b, 1, 0x10_0000, b"GPU 0x10 -> GPU 0x20 BAR1, peer to peer"),
+            p2p_write(s, b, cfg.nvme, 0, 0x1000, b"\x01\x00\x00\x00"),
+        ],
+        "fault": hole_fault(s, cfg.nvme),
+        "interrupts": interrupts(s, s.devices()),
+    }
+
+
+# --- 6. hot-add and hot-remove -------------------------------------------------------------------
+
+
+def hotplug_step(s: Story) -> Json:
+    cfg = s.config
+    hv = s.c.hypervisor(s.node)
+    fabric = s.c.fabric(s.node)
+    fdid = cfg.hot_add
+    before = facts.adapter_use(fabric, s.c.hw)
+    plan = plan_attach(hv, fabric, cfg.vm, fdid, live=True, config=False)
+    if not plan.ok:
+        raise plan.refusal()
+    steps: list[str] = []
+    apply_attach(hv, fabric, plan, steps.append)
+    require(fdid in s.devices(), f"the guest did not see device {fdid:#x} arrive")
+    state = facts.device_states(fabric, s.c.registry, [fdid])[0]
+    require(
+        state["state"] == DeviceState.BORROWED.value, "the guest's driver did not enable the VF"
+    )
+    added = facts.adapter_use(fabric, s.c.hw)
+    windows = [w for w in facts.windows(s.c.registry) if w["fdid"] == format_fdid(fdid)]
+    dma = dma_into_guest(s, fdid, 0x10_0000, 4096)
+    irqs = interrupts(s, [fdid])
+    res = detach(hv, fabric, cfg.vm, fdid, live=True, config=False, progress=steps.append)
+    after = facts.adapter_use(fabric, s.c.hw)
+    final = fabric.device(fdid)
+    require(fdid not in s.devices(), f"device {fdid:#x} is still in the guest")
+    require(final.holder is None, f"device {fdid:#x} is still held by {final.holder}")
+    require(after == before, "the adapters' accounting after the hot-remove differs from before")
+    return {
+        "device": format_fdid(fdid),
+        "kind": state["kind"],
+        "lender": state["lender"],
+        "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in plan.checks],
+        "attached": state,
+        "windows": windows,
+        "dma": dma,
+        "interrupts": irqs,
+        "returned": res.returned,
+        "state_after": final.state.value,
+        "adapters": {"before": before, "attached": added, "after": after},
+        "steps": steps,
+    }
+
+
+# --- 7. cold migration ---------------------------------------------------------------------------
+
+
+def migrate_step(s: Story) -> Json:
+    cfg = s.config
+    src_node, dst_node = s.node, cfg.migrate_to
+    src, dst = s.c.hypervisor(src_node), s.c.hypervisor(dst_node)
+    mark = len(s.c.hook_calls)
+    res = migrate(
+        src,
+        dst,
+        s.c.fabric(src_node),
+        cfg.vm,
+        dst_node,
+        start=True,
+        shutdown_timeout=cfg.shutdown_timeout,
+        progress=s.progress.append,
+    )
+    s.node = dst_node
+    moved = read_domain(dst.xml(cfg.vm, inactive=True))
+    require(
+        [d.fdid for d in moved.devices] == list(cfg.devices),
+        "the migrated domain names other devices than before",
+    )
+    wired = s.c.guest(dst_node).load_drivers(cfg.vm)
+    fabric = s.c.fabric(dst_node)
+    states = facts.device_states(fabric, s.c.registry, s.devices())
+    require(
+        all(d["state"] == DeviceState.BORROWED.value for d in states),
+        f"on {dst_node} the guest's enable should have borrowed every device",
+    )
+    remote_gpu = next(f for f in cfg.gpus if _lender(s, f) != dst_node)
+    high = s.vm().layout.above_4g_start + 2 * GiB
+    return {
+        "from": src_node,
+        "to": dst_node,
+        "steps": res.to_json()["steps"],
+        "hooks": s.hook_calls_since(mark),
+        "devices": [
+            d | {"path": "local" if d["lender"] == dst_node else f"NTB {d['lender']}->{dst_node}"}
+            for d in states
+        ],
+        "windows": facts.windows(s.c.registry),
+        "vectors": [w.json() for w in wired],
+        "p2p": facts.p2p_maps(s.c.guest(dst_node).guest(cfg.vm).p2p.maps()),
+        "dma": [dma_into_guest(s, cfg.nvme, high), dma_into_guest(s, remote_gpu, high + GiB)],
+        "p2p_write": [
+            p2p_write(s, cfg.gpus[0], cfg.gpus[1], 1, 0x20_0000, b"after the move, still P2P")
+        ],
+        "interrupts": interrupts(s, s.devices()),
+        "adapters": facts.adapter_use(fabric, s.c.hw),
+    }
+
+
+# --- 8. stop -------------------------------------------------------------------------------------
+
+
+def stop_step(s: Story) -> Json:
+    cfg = s.config
+    hv = s.c.hypervisor(s.node)
+    mark = len(s.c.hook_calls)
+    hv.shutdown(cfg.vm, cfg.shutdown_timeout)
+    fabric = s.c.fabric(s.node)
+    left = facts.leftovers(fabric, s.c.registry, s.c.hw, cfg.vm)
+    busy = {k: v for k, v in left.items() if v}
+    require(
+        not busy, "still in use after the stop: " + ", ".join(f"{k}={v}" for k, v in busy.items())
+    )
+    return {
+        "node": s.node,
+        "uri": hv.uri,
+        "hooks": s.hook_calls_since(mark),
+        "left": left,
+        "devices": facts.device_states(fabric, s.c.registry, list(cfg.devices)),
+        "defined_on": s.node,
+    }
+
+
+@dataclass(frozen=True)
+class Step:
+    key: str
+    title: str
+    run: Callable[[Story], Json]
+
+
+STEPS: list[Step] = [
+    Step("fabric", "The simulated cluster: nodes, NTB adapters, devices", fabric_step),
+    Step("xml", "The VM's domain XML, accepted by libvirt", xml_step),
+    Step("start", "Define and start the VM on gamma: the hook reserves", start_step),
+    Step("enable", "The guest enables its devices: borrow, DMA windows, vectors, P2P", enable_step),
+    Step("traffic", "Traffic: DMA into guest RAM, peer-to-peer, a fault, interrupts", traffic_step),
+    Step("hotplug", "Hot-add a VF to the running VM, then remove it", hotplug_step),
+    Step("migrate", "Cold-migrate the VM to alpha; its devices work there", migrate_step),
+    Step("stop", "Stop the VM: everything is returned", stop_step),
+]
