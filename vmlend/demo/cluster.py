@@ -42,10 +42,12 @@ class HookCall:
 class HookTrace(HookRunner):
     """Runs the hook exactly as ``HookRunner`` does and remembers each call."""
 
-    def __init__(self, node: str, command: Sequence[str] | None, timeout: float) -> None:
+    def __init__(
+        self, node: str, command: Sequence[str] | None, timeout: float, calls: list[HookCall]
+    ) -> None:
         super().__init__(command, timeout)
         self.node = node
-        self.calls: list[HookCall] = []
+        self.calls = calls  # shared by every node's trace: one record, in call order
 
     def run(self, name: str, op: str, subop: str, extra: str, xml: bytes) -> HookRun:
         started = time.monotonic()
@@ -104,9 +106,7 @@ class DemoCluster:
                 guest_driver=self.guest(node),
             )
             assert isinstance(hv, SimHypervisor), "a sim:/// URI opens a simulated node"
-            trace = HookTrace(node, hv.hooks.command, hv.hooks.timeout)
-            trace.calls = self.hook_calls  # one record of every node's calls, in order
-            hv.hooks = trace
+            hv.hooks = HookTrace(node, hv.hooks.command, hv.hooks.timeout, self.hook_calls)
             self._hypervisors[node] = hv
         return self._hypervisors[node]
 

@@ -67,8 +67,8 @@ def runtime(registry: Registry, kind: str) -> list[Json]:
 
 
 def windows(registry: Registry) -> list[Json]:
-    """The DMA windows in place, one per device and window (low, high)."""
-    return runtime(registry, DMA_WINDOW)
+    """The DMA windows in place, one per device and window, by device then address."""
+    return sorted(runtime(registry, DMA_WINDOW), key=lambda w: (int(w["fdid"], 16), w["gpa_start"]))
 
 
 def p2p_maps(maps: list[P2PMap]) -> list[Json]:
@@ -126,5 +126,5 @@ def leftovers(fabric: SimFabric, registry: Registry, hw: SimHardware, vm: str) -
         "segments_mapped": sum(len(a.mapped_segments()) for a in hw.adapters()),
         "borrows": len(hw.borrows()),
         "guests": len(hw.guests()),
-        "lender_iommu_bytes": sum(hw.lender_domain(d.fdid).mapped_bytes() for d in hw.devices()),
+        "lender_iommu_bytes": sum(hw.lender_domain(d.fdid).mapped_bytes for d in hw.devices()),
     }

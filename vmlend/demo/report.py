@@ -104,7 +104,7 @@ def p2p_table(maps: list[Json]) -> str:
                 ",".join(str(g["bar"]) for g in group),
                 m["case"],
                 f"{m['source_node']} -> {m['target_node']}",
-                f"{m['hops']} hops, {m['roots']} roots, {m['ntb_crossings']} NTB",
+                f"hops {m['hops']}, roots {m['roots']}, NTB crossings {m['ntb_crossings']}",
             ]
         )
     return render_table(("PEERS", "BARS", "CASE", "LENDERS", "ROUTE"), rows)
@@ -144,7 +144,8 @@ def p2p_rows(writes: list[Json]) -> str:
 def _fabric(d: Json) -> str:
     f = d["fabric"]
     lines = [
-        f"{d['action']}: {d['state']} holds the default cluster; this host is {d['local_node']}"
+        f"{d['action']}: state {d['state']} with the default cluster ({len(f['nodes'])} nodes,"
+        f" {len(d['devices'])} devices); we act as node {d['local_node']}, the borrower"
     ]
     if d["cleaned_up"]:
         lines.append("left by an earlier run, removed: " + "; ".join(d["cleaned_up"]))
@@ -302,8 +303,9 @@ def _stop(d: Json) -> str:
             f"shut down on {d['uri']}:",
             hooks_table(d["hooks"]),
             render_table(("STILL IN USE", "COUNT"), rows),
-            f"the VM stays defined (stopped) on {d['defined_on']}:"
-            f" `vmlend status -c sim:///{d['defined_on']}` shows it",
+            devices_table(d["devices"]),
+            f"the VM stays defined (stopped) on {d['defined_on']}; see it with"
+            f" `vmlend --state {d['state']} status -c sim:///{d['defined_on']}`",
         ]
     )
 

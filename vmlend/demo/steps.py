@@ -256,8 +256,8 @@ def p2p_write(s: Story, src: int, dst: int, bar: int, offset: int, data: bytes) 
     """``src`` DMA-writes at ``dst``'s guest BAR address; it must land in that BAR."""
     vm = s.vm()
     base = vm.session(dst).guest_bar(bar)
-    require(base is not None, f"the guest has not placed BAR {bar} of {dst:#x}")
-    assert base is not None
+    if base is None:
+        raise DemoError(f"the guest has not placed BAR {bar} of {dst:#x}")
     (t,) = vm.dma_write(src, base + offset, data)
     landed = s.c.hw.device(dst).bars.read_bytes(bar, offset, len(data))
     ok = (t.kind, t.owner, t.bar, t.offset) == ("bar", dst, bar, offset) and landed == data
@@ -445,6 +445,7 @@ def stop_step(s: Story) -> Json:
         "left": left,
         "devices": facts.device_states(fabric, s.c.registry, list(cfg.devices)),
         "defined_on": s.node,
+        "state": str(s.state_path),
     }
 
 
