@@ -358,3 +358,10 @@ class HookFailedError(DomainOperationError):
 
 class ShutdownTimeoutError(DomainOperationError):
     """A graceful shutdown did not finish in time; the domain is still running."""
+
+
+# --- appended by the CLI work (attach, detach, migrate) -------------------------------------
+
+
+class MigrationError(LibvirtError):
+    """A cold-migration step failed; the message says where the VM is defined now."""

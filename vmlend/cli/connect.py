@@ -38,13 +38,14 @@ def hook_command(state_path: Path, node: str) -> list[str]:
     return [sys.executable, "-m", "vmlend.hook", "--state", str(state_path), "--node", node]
 
 
-def open_hv(obj: CliContext, uri: str | None) -> Hypervisor:
+def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hypervisor:
     """The hypervisor at ``uri`` (None: ``LIBVIRT_DEFAULT_URI`` or libvirt's default). A libvirt
-    host is the fabric node ``--node`` names (default: the state's local node)."""
+    host is the fabric node ``node`` (default ``--node``, else the state's local node); a
+    simulated one is the node its URI names."""
     uri = uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
     simulated = sim_node(uri) if uri else None
     hook = hook_command(obj.state_path, simulated) if simulated else None
-    node = None if simulated else obj.node
+    node = node or (None if simulated else obj.node)
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
 
 
