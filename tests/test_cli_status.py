@@ -122,3 +122,11 @@ def test_without_state_says_init(tmp_path, monkeypatch):
     cluster = SimCluster(tmp_path / "none.db")
     line = one_line(cluster.cli("status", *GAMMA))
     assert "vmlend fabric init" in line
+
+
+def test_devices_of_the_definition_show_as_at_next_start(cluster):
+    cluster.define("gamma", "vm1", [0x10], running=True)
+    assert cluster.cli("attach", "vm1", "0x12", "--config", *GAMMA).exit_code == 0
+    data = json.loads(cluster.cli("status", "vm1", "--json", *GAMMA).stdout)
+    states = [(d["fdid"], d["state"]) for d in data["vms"][0]["devices"]]
+    assert states == [("0x10", "reserved"), ("0x12", "at next start")]

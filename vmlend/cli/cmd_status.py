@@ -18,7 +18,7 @@ import click
 
 from vmlend.cli.common import CliContext, emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
-from vmlend.domain import has_vmlend_metadata, read_domain
+from vmlend.domain import VmlendDevice, read_domain
 from vmlend.errors import UnknownDomainError
 from vmlend.fabric.admission import AdapterUsage, format_size_short
 from vmlend.fabric.base import Fabric
@@ -108,17 +108,27 @@ def collect(
     else:
         domains = [hv.lookup(vm)]
     for info in domains:
-        xml = hv.xml(info.name)
-        if not has_vmlend_metadata(xml):
+        live = read_domain(hv.xml(info.name), strict=False)
+        # A running domain's definition may name devices the guest gets at its next start.
+        pending: list[VmlendDevice] = []
+        if info.active and info.persistent:
+            config = read_domain(hv.xml(info.name, inactive=True), strict=False)
+            have = {d.fdid for d in live.devices}
+            pending = [d for d in config.devices if d.fdid not in have]
+        if not live.devices and not pending:
             continue
-        dom = read_domain(xml, strict=False)
-        holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+        holder = holder_for(fabric, info.name, live.uuid or info.uuid)
         seen.append(holder)
         devices = [
             _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
-            for d in dom.devices
+            for d in live.devices
             if d.fdid in statuses
         ]
+        for d in pending:
+            if d.fdid in statuses:
+                view = _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
+                view.state = "at next start"
+                devices.append(view)
         views.append(VmView(info.name, node, info.state.value, devices))
     for holder, held in _other_holders(statuses.values(), seen):
         if vm is not None and holder.vm != vm:
