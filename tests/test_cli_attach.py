@@ -347,3 +347,16 @@ def test_detach_of_a_device_not_attached_is_one_line(cluster):
     assert cluster.snapshot() == before
     line = one_line(cluster.cli("detach", "ghost", "0x10", *GAMMA))
     assert "no domain 'ghost'" in line
+
+
+def test_sim_hook_command_passes_state_and_node_before_libvirts_argv(tmp_path):
+    from vmlend.cli.connect import hook_command
+    from vmlend.hook.__main__ import split_options
+
+    cmd = hook_command(tmp_path / "s.db", "beta")
+    assert cmd[1:3] == ["-m", "vmlend.hook"]
+    env: dict[str, str] = {"VMLEND_NODE": "gamma"}
+    argv = split_options([*cmd[3:], "vm1", "prepare", "begin", "-"], env)
+    assert argv == ["vm1", "prepare", "begin", "-"]
+    assert env == {"VMLEND_STATE": str(tmp_path / "s.db"), "VMLEND_NODE": "beta"}
+    assert split_options(["vm1", "--state", "x"], {}) == ["vm1", "--state", "x"]
