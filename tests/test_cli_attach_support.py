@@ -111,12 +111,16 @@ def make_cluster(state_path: Path, text: str | None = None, node: str = "gamma")
 
 
 def hostdev_uuids(xml: bytes) -> list[str]:
-    return etree.fromstring(xml).xpath("devices/hostdev[@type='mdev']/source/address/@uuid")
+    found = etree.fromstring(xml).xpath("devices/hostdev[@type='mdev']/source/address/@uuid")
+    assert isinstance(found, list)
+    return [str(u) for u in found]
 
 
 def metadata_fdids(xml: bytes) -> list[str]:
     ns = {"v": "http://vmlend.org/xmlns/domain/1.0"}
-    return etree.fromstring(xml).xpath("metadata/v:vmlend/v:device/@fdid", namespaces=ns)
+    found = etree.fromstring(xml).xpath("metadata/v:vmlend/v:device/@fdid", namespaces=ns)
+    assert isinstance(found, list)
+    return [str(f) for f in found]
 
 
 def one_line(result: Result, code: int = 1) -> str:

@@ -79,7 +79,9 @@ def plain_metadata(doc: DomainDocument) -> bytes | None:
         return None
 
     def plain(el: etree._Element) -> etree._Element:
-        out = etree.Element(etree.QName(el).localname, attrib=dict(el.attrib))
+        out = etree.Element(
+            etree.QName(el).localname, attrib={str(k): str(v) for k, v in el.attrib.items()}
+        )
         for child in el:
             if isinstance(child.tag, str):
                 out.append(plain(child))
@@ -220,35 +222,39 @@ def apply_attach(
                 record=progress,
             )
         for t in plan.pending:
-            is_live = t == LIVE
-            doc = plan.after[t]
-            dev = hostdev_xml(doc, plan.device)
-            hv.attach_device(name, dev, live=is_live, config=not is_live)
-            journal.push(
-                f"{t} hostdev",
-                lambda d=dev, lv=is_live: hv.detach_device(name, d, live=lv, config=not lv),
-            )
-            progress(f"attach {t} hostdev mdev {plan.device.mdev}: ok")
-            old = hv.get_metadata(name, NAMESPACE_URI, inactive=not is_live)
-            hv.set_metadata(
-                name,
-                NAMESPACE_URI,
-                METADATA_KEY,
-                plain_metadata(doc),
-                live=is_live,
-                config=not is_live,
-            )
-            journal.push(
-                f"{t} metadata",
-                lambda o=old, lv=is_live: hv.set_metadata(
-                    name, NAMESPACE_URI, METADATA_KEY, o, live=lv, config=not lv
-                ),
-            )
-            progress(f"{t} metadata: ok")
+            _attach_to(hv, name, t, plan.after[t], plan.device, journal, progress)
     except VmlendError as e:
         failed = journal.rollback(progress)
         tail = f"; could not undo: {'; '.join(failed)}" if failed else "; nothing was changed"
         raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
+
+
+def _attach_to(
+    hv: Hypervisor,
+    name: str,
+    target: str,
+    doc: DomainDocument,
+    device: VmlendDevice,
+    journal: UndoJournal,
+    progress: Callable[[str], None],
+) -> None:
+    """Plug the hostdev into one definition (live or config) and update its metadata."""
+    live = target == LIVE
+    dev = hostdev_xml(doc, device)
+    hv.attach_device(name, dev, live=live, config=not live)
+    journal.push(
+        f"{target} hostdev", lambda: hv.detach_device(name, dev, live=live, config=not live)
+    )
+    progress(f"attach {target} hostdev mdev {device.mdev}: ok")
+    old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
+    hv.set_metadata(
+        name, NAMESPACE_URI, METADATA_KEY, plain_metadata(doc), live=live, config=not live
+    )
+    journal.push(
+        f"{target} metadata",
+        lambda: hv.set_metadata(name, NAMESPACE_URI, METADATA_KEY, old, live=live, config=not live),
+    )
+    progress(f"{target} metadata: ok")
 
 
 @dataclass
