@@ -360,3 +360,26 @@ def test_sim_hook_command_passes_state_and_node_before_libvirts_argv(tmp_path):
     assert argv == ["vm1", "prepare", "begin", "-"]
     assert env == {"VMLEND_STATE": str(tmp_path / "s.db"), "VMLEND_NODE": "beta"}
     assert split_options(["vm1", "--state", "x"], {}) == ["vm1", "--state", "x"]
+
+
+def test_detach_finishes_returning_a_device_an_interrupted_detach_left_held(cluster):
+    cluster.define("gamma", "vm1", running=True)
+    assert cluster.cli("attach", "vm1", "0x10", *GAMMA).exit_code == 0
+    hv = cluster.hv("gamma")
+    live = hv.xml("vm1")
+    mdev = hostdev_uuids(live)[0]
+    # libvirt unplugged it and the metadata went, but the CLI died before returning it.
+    from vmlend.cli.cmd_attach import hostdev_xml
+    from vmlend.domain import DomainDocument, find_device
+
+    doc = DomainDocument.parse(live)
+    device = find_device(doc, 0x10)
+    assert device is not None
+    hv.detach_device("vm1", hostdev_xml(doc, device), live=True, config=False)
+    hv.set_metadata("vm1", "http://vmlend.org/xmlns/domain/1.0", "vmlend", None, True, False)
+    assert cluster.holds() == {0x10: "gamma/vm1"} and cluster.mdevs() == {(mdev, 0x10)}
+    r = cluster.cli("detach", "vm1", "0x10", *GAMMA)
+    assert r.exit_code == 0, r.output
+    assert "no longer attached" in r.stdout
+    assert cluster.holds() == {} and cluster.mdevs() == set()
+    assert "not attached" in one_line(cluster.cli("detach", "vm1", "0x10", *GAMMA))

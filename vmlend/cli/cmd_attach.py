@@ -41,7 +41,7 @@ from vmlend.errors import ConfigError, DomainStateError, FabricError, VmlendErro
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Check, Holder, format_fdid
 from vmlend.hypervisor import DomainInfo, Hypervisor
-from vmlend.lending import UndoJournal, acquire_device, holder_for, return_device
+from vmlend.lending import UndoJournal, acquire_device, held_by, holder_for, return_device
 from vmlend.memory.domain_memory import domain_layout
 
 log = logging.getLogger(__name__)
@@ -283,6 +283,14 @@ def detach(
     present = {t: find_device(d, fdid) for t, d in docs.items()}
     todo = tuple(t for t in targets if present[t] is not None)
     fd = format_fdid(fdid)
+    if not todo and LIVE in targets:
+        # An earlier detach that stopped after libvirt unplugged the device: finish returning it.
+        dom = read_domain(before[LIVE], strict=False)
+        holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+        if fdid in held_by(fabric, holder):
+            leftover = next((m.uuid for m in fabric.mdevs() if m.fdid == fdid), None)
+            return_device(fabric, holder, fdid, leftover, progress)
+            return DetachResult(info.name, fdid, (), True)
     if not todo:
         raise ConfigError(
             f"device {fd} is not attached to VM {info.name!r} ({'+'.join(targets)});"
@@ -420,6 +428,11 @@ def detach_cmd(
     if json_output:
         emit_json(
             {"vm": res.name, "fdid": fd, "targets": list(res.targets), "returned": res.returned}
+        )
+        return
+    if not res.targets:
+        click.echo(
+            f"device {fd} was no longer attached to VM {res.name!r}; returned what it still held"
         )
         return
     tail = "; device returned to the fabric" if res.returned else ""
