@@ -381,3 +381,10 @@ class BarConflictError(P2PError):
             f"the guest placed BAR {bar} of device {fdid:#x} at {gpa:#x}+{size:#x}, over {other};"
             " no peer-to-peer mapping was changed (check the guest's PCI resource assignment)"
         )
+
+
+# --- appended by the CLI work (attach, detach, migrate) -------------------------------------
+
+
+class MigrationError(LibvirtError):
+    """A cold-migration step failed; the message says where the VM is defined now."""
