@@ -385,3 +385,10 @@ class BarConflictError(P2PError):
 
 class DemoError(VmlendError):
     """A step of ``vmlend demo`` did not show what it should: the data path misbehaved."""
+
+
+# --- appended by the CLI work (attach, detach, migrate) -------------------------------------
+
+
+class MigrationError(LibvirtError):
+    """A cold-migration step failed; the message says where the VM is defined now."""

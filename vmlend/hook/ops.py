@@ -8,35 +8,15 @@ them twice, or after a crash half-way, converges on the same clean state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from vmlend.domain import DomainInfo
 from vmlend.errors import HookError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hook.actionlog import ActionLog
+from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Journal:
-    """Undo steps of a prepare in progress, run in reverse on failure."""
-
-    steps: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
-
-    def push(self, what: str, undo: Callable[[], object]) -> None:
-        self.steps.append((what, undo))
-
-    def rollback(self, record: Callable[[str], None]) -> None:
-        for what, undo in reversed(self.steps):
-            try:
-                undo()
-                record(f"undo {what}: ok")
-            except VmlendError as e:  # keep undoing the rest; say what could not be undone
-                record(f"undo {what}: FAILED: {e}")
-        self.steps.clear()
 
 
 class HookOps:
@@ -45,7 +25,7 @@ class HookOps:
         self.actions = actions
 
     def holder(self, dom: DomainInfo) -> Holder:
-        return Holder(node=self.fabric.local_node, vm=dom.name, vm_uuid=str(dom.uuid or ""))
+        return holder_for(self.fabric, dom.name, dom.uuid)
 
     def prepare(self, dom: DomainInfo) -> None:
         """Reserve every device and create its mdev, or change nothing."""
@@ -54,23 +34,19 @@ class HookOps:
         def record(msg: str) -> None:
             self.actions.record(dom.name, "prepare", msg)
 
-        journal = _Journal()
-        existing = {m.uuid for m in self.fabric.mdevs()}
+        journal = UndoJournal()
         for dev in dom.devices:
             fd = format_fdid(dev.fdid)
             try:
-                before = self.fabric.device(dev.fdid).holder
-                self.fabric.reserve(dev.fdid, holder, guest_ram=dom.memory_bytes or 0)
-                if before != holder:
-                    journal.push(f"reserve {fd}", lambda d=dev: self.fabric.release(d.fdid, holder))
-                record(f"reserve {fd}: ok")
-                parent = self.fabric.ensure_mdev_parent(dev.fdid)
-                self.fabric.create_mdev(dev.fdid, str(dev.mdev), holder)
-                if str(dev.mdev) not in existing:
-                    journal.push(
-                        f"mdev {dev.mdev}", lambda d=dev: self.fabric.remove_mdev(str(d.mdev))
-                    )
-                record(f"mdev {dev.mdev} for {fd} under {parent}: ok")
+                acquire_device(
+                    self.fabric,
+                    holder,
+                    dev.fdid,
+                    dev.mdev,
+                    journal,
+                    guest_ram=dom.memory_bytes or 0,
+                    record=record,
+                )
             except VmlendError as e:
                 record(f"device {fd}: FAILED: {e}")
                 journal.rollback(record)
@@ -80,31 +56,12 @@ class HookOps:
     def release(self, dom: DomainInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
         crashed earlier run or a stale XML left behind (matched by VM UUID on this node)."""
-        holder = self.holder(dom)
-        failures: list[str] = []
 
         def record(msg: str) -> None:
             self.actions.record(dom.name, "release", msg)
 
-        ours = {str(d.mdev) for d in dom.devices}
-        for m in self.fabric.mdevs():
-            if m.uuid in ours or (m.vm == dom.name and m.node in ("", holder.node)):
-                try:
-                    if self.fabric.remove_mdev(m.uuid):
-                        record(f"mdev {m.uuid}: removed")
-                except VmlendError as e:
-                    failures.append(f"mdev {m.uuid}: {e}")
-        fdids = {d.fdid for d in dom.devices}
-        for st in self.fabric.devices():
-            h = st.holder
-            if h and h.node == holder.node and (h.vm_uuid == holder.vm_uuid or h.vm == dom.name):
-                fdids.add(st.fdid)
-        for fdid in sorted(fdids):
-            try:
-                if self.fabric.release(fdid, holder):
-                    record(f"device {format_fdid(fdid)}: returned")
-            except VmlendError as e:
-                failures.append(f"device {format_fdid(fdid)}: {e}")
+        devices = [(d.fdid, d.mdev) for d in dom.devices]
+        failures = return_all(self.fabric, self.holder(dom), devices, record)
         for f in failures:
             record(f"FAILED: {f}")
         if failures:

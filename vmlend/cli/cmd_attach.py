@@ -1,0 +1,442 @@
+"""``vmlend attach`` / ``vmlend detach``: hot-add and hot-remove a remote device.
+
+libvirt runs no hook for hot-plug (FACTS.md), so for a live attach the CLI borrows the device
+itself with the hook's own steps (``vmlend.lending``): reserve, mdev parent, mdev child, then
+``attach_device`` and the vmlend metadata. Every step pushes its undo; any failure undoes them
+all and reports one line. A ``--config`` change only edits the persistent definition: the hook
+borrows the device at the next start.
+
+Like virsh, neither flag means "current": live on a running domain, config on a stopped one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+from lxml import etree
+
+from vmlend.cli.cmd_lend import FDID
+from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.connect import connect_option, fabric_for, open_hv
+from vmlend.domain import (
+    METADATA_KEY,
+    NAMESPACE_URI,
+    DomainDocument,
+    PciAddress,
+    TemplateSet,
+    VmlendDevice,
+    add_device,
+    find_device,
+    read_domain,
+    remove_device,
+)
+from vmlend.domain.metadata import find_metadata
+from vmlend.domain.model import DomainXML
+from vmlend.errors import ConfigError, DomainStateError, FabricError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.model import Check, Holder, format_fdid
+from vmlend.hypervisor import DomainInfo, Hypervisor
+from vmlend.lending import UndoJournal, acquire_device, held_by, holder_for, return_device
+from vmlend.memory.domain_memory import domain_layout
+
+log = logging.getLogger(__name__)
+
+LIVE, CONFIG = "live", "config"
+
+
+def resolve_targets(info: DomainInfo, live: bool, config: bool) -> tuple[str, ...]:
+    """Which definitions change: libvirt's rules, checked up front with a clear line."""
+    if not live and not config:
+        live, config = info.active, not info.active
+    if live and not info.active:
+        raise DomainStateError(
+            "change",
+            info.name,
+            "domain is not running",
+            hint="use --config to change its definition",
+        )
+    if config and not info.persistent:
+        raise DomainStateError(
+            "change", info.name, "transient domains have no persistent definition"
+        )
+    return tuple(t for t, on in ((LIVE, live), (CONFIG, config)) if on)
+
+
+def read_targets(hv: Hypervisor, name: str, targets: tuple[str, ...]) -> dict[str, bytes]:
+    return {t: hv.xml(name, inactive=t == CONFIG) for t in targets}
+
+
+def plain_metadata(doc: DomainDocument) -> bytes | None:
+    """vmlend's metadata element in the form libvirt's metadata API takes (no namespace: the
+    API puts it in ``NAMESPACE_URI`` under prefix ``METADATA_KEY``); None when there is none."""
+    meta = find_metadata(doc.root)
+    if meta is None:
+        return None
+
+    def plain(el: etree._Element) -> etree._Element:
+        out = etree.Element(
+            etree.QName(el).localname, attrib={str(k): str(v) for k, v in el.attrib.items()}
+        )
+        for child in el:
+            if isinstance(child.tag, str):
+                out.append(plain(child))
+        return out
+
+    return etree.tostring(plain(meta.element))
+
+
+def hostdev_xml(doc: DomainDocument, device: VmlendDevice) -> bytes:
+    for h in DomainXML(doc.root).mdev_hostdevs():
+        if h.uuid == device.mdev:
+            return etree.tostring(h.element, with_tail=False)
+    raise ConfigError(f"the domain has no hostdev for mdev {device.mdev}")
+
+
+def xml_diff(before: bytes, after: bytes, label: str) -> str:
+    lines = difflib.unified_diff(
+        before.decode().splitlines(keepends=True),
+        after.decode().splitlines(keepends=True),
+        fromfile=f"{label} (before)",
+        tofile=f"{label} (after)",
+    )
+    return "".join(lines)
+
+
+def dma_limit_check(fabric: Fabric, fdid: int, xml: bytes) -> Check:
+    """The device must reach all guest RAM by DMA (its address width vs the guest layout)."""
+    try:
+        spec = fabric.device(fdid).spec
+    except VmlendError:
+        return Check("dma-limit", True, "not checked: unknown device")
+    try:
+        top = domain_layout(xml).ranges()[-1].end
+    except VmlendError as e:
+        return Check("dma-limit", True, f"not checked: {e}")
+    limit = 1 << spec.dma_bits
+    if top > limit:
+        return Check(
+            "dma-limit",
+            False,
+            f"device {format_fdid(fdid)} addresses only {spec.dma_bits} bits (below {limit:#x})"
+            f" but guest RAM reaches {top:#x}; give the guest less memory",
+        )
+    return Check("dma-limit", True, f"guest RAM ends at {top:#x}, within {spec.dma_bits}-bit DMA")
+
+
+@dataclass
+class AttachPlan:
+    """What an attach would do, computed without changing anything."""
+
+    name: str
+    fdid: int
+    holder: Holder
+    guest_ram: int
+    targets: tuple[str, ...]
+    before: dict[str, bytes]
+    after: dict[str, DomainDocument]
+    device: VmlendDevice
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """Targets that do not have the device yet."""
+        return tuple(t for t in self.targets if self.after[t].to_bytes() != self.before[t])
+
+    def refusal(self) -> FabricError:
+        bad = next(c for c in self.checks if not c.ok)
+        return FabricError(
+            f"cannot attach device {format_fdid(self.fdid)} to VM {self.name!r}: {bad.detail}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vm": self.name,
+            "fdid": format_fdid(self.fdid),
+            "mdev": str(self.device.mdev),
+            "targets": list(self.targets),
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+        }
+
+
+def plan_attach(
+    hv: Hypervisor,
+    fabric: Fabric,
+    vm: str,
+    fdid: int,
+    *,
+    live: bool,
+    config: bool,
+    address: PciAddress | None = None,
+    templates: TemplateSet | None = None,
+) -> AttachPlan:
+    info = hv.lookup(vm)
+    targets = resolve_targets(info, live, config)
+    before = read_targets(hv, info.name, targets)
+    templates = templates or TemplateSet()
+    after = {
+        t: add_device(
+            DomainDocument.parse(x, source=f"{t} XML of {info.name}"),
+            fdid,
+            templates=templates,
+            address=address,
+        )
+        for t, x in before.items()
+    }
+    first = targets[0]
+    device = find_device(after[first], fdid)
+    assert device is not None
+    dom = read_domain(before[first], strict=False)
+    holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+    guest_ram = dom.memory_bytes or 0
+    checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
+    if all(c.ok for c in checks):
+        checks.append(dma_limit_check(fabric, fdid, before[first]))
+    return AttachPlan(info.name, fdid, holder, guest_ram, targets, before, after, device, checks)
+
+
+def apply_attach(
+    hv: Hypervisor, fabric: Fabric, plan: AttachPlan, progress: Callable[[str], None]
+) -> None:
+    """Carry out ``plan`` (checks passed): all of it, or nothing and one error line."""
+    journal = UndoJournal()
+    fd = format_fdid(plan.fdid)
+    name = plan.name
+    try:
+        if LIVE in plan.pending:
+            acquire_device(
+                fabric,
+                plan.holder,
+                plan.fdid,
+                plan.device.mdev,
+                journal,
+                guest_ram=plan.guest_ram,
+                record=progress,
+            )
+        for t in plan.pending:
+            _attach_to(hv, name, t, plan.after[t], plan.device, journal, progress)
+    except VmlendError as e:
+        failed = journal.rollback(progress)
+        tail = f"; could not undo: {'; '.join(failed)}" if failed else "; nothing was changed"
+        raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
+
+
+def _attach_to(
+    hv: Hypervisor,
+    name: str,
+    target: str,
+    doc: DomainDocument,
+    device: VmlendDevice,
+    journal: UndoJournal,
+    progress: Callable[[str], None],
+) -> None:
+    """Plug the hostdev into one definition (live or config) and update its metadata."""
+    live = target == LIVE
+    dev = hostdev_xml(doc, device)
+    hv.attach_device(name, dev, live=live, config=not live)
+    journal.push(
+        f"{target} hostdev", lambda: hv.detach_device(name, dev, live=live, config=not live)
+    )
+    progress(f"attach {target} hostdev mdev {device.mdev}: ok")
+    old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
+    hv.set_metadata(
+        name, NAMESPACE_URI, METADATA_KEY, plain_metadata(doc), live=live, config=not live
+    )
+    journal.push(
+        f"{target} metadata",
+        lambda: hv.set_metadata(name, NAMESPACE_URI, METADATA_KEY, old, live=live, config=not live),
+    )
+    progress(f"{target} metadata: ok")
+
+
+@dataclass
+class DetachResult:
+    name: str
+    fdid: int
+    targets: tuple[str, ...]
+    returned: bool
+
+
+def detach(
+    hv: Hypervisor,
+    fabric: Fabric,
+    vm: str,
+    fdid: int,
+    *,
+    live: bool,
+    config: bool,
+    progress: Callable[[str], None],
+) -> DetachResult:
+    """Remove ``fdid`` from the chosen definitions; a live detach returns the device."""
+    info = hv.lookup(vm)
+    targets = resolve_targets(info, live, config)
+    before = read_targets(hv, info.name, targets)
+    docs = {t: DomainDocument.parse(x, source=f"{t} XML of {info.name}") for t, x in before.items()}
+    present = {t: find_device(d, fdid) for t, d in docs.items()}
+    todo = tuple(t for t in targets if present[t] is not None)
+    fd = format_fdid(fdid)
+    if not todo and LIVE in targets:
+        # An earlier detach that stopped after libvirt unplugged the device: finish returning it.
+        dom = read_domain(before[LIVE], strict=False)
+        holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+        if fdid in held_by(fabric, holder):
+            leftover = next((m.uuid for m in fabric.mdevs() if m.fdid == fdid), None)
+            return_device(fabric, holder, fdid, leftover, progress)
+            return DetachResult(info.name, fdid, (), True)
+    if not todo:
+        raise ConfigError(
+            f"device {fd} is not attached to VM {info.name!r} ({'+'.join(targets)});"
+            " 'vmlend status' lists its devices"
+        )
+    returned = False
+    for t in todo:
+        is_live = t == LIVE
+        device = present[t]
+        assert device is not None
+        hv.detach_device(info.name, hostdev_xml(docs[t], device), live=is_live, config=not is_live)
+        progress(f"detach {t} hostdev mdev {device.mdev}: ok")
+        after = remove_device(docs[t], fdid)
+        hv.set_metadata(
+            info.name,
+            NAMESPACE_URI,
+            METADATA_KEY,
+            plain_metadata(after),
+            live=is_live,
+            config=not is_live,
+        )
+        progress(f"{t} metadata: ok")
+        if is_live:
+            dom = read_domain(before[t], strict=False)
+            holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+            returned = return_device(fabric, holder, fdid, device.mdev, progress)
+    return DetachResult(info.name, fdid, todo, returned)
+
+
+def progress(msg: str) -> None:
+    """Step-by-step lines: on stderr with ``-v`` (the CLI's logging), else quiet."""
+    log.info("%s", msg)
+
+
+def _address(value: str | None) -> PciAddress | None:
+    if value is None:
+        return None
+    try:
+        return PciAddress.parse(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--address") from None
+
+
+@click.command("attach")
+@click.argument("vm")
+@click.argument("fdid", type=FDID)
+@click.option("--live", is_flag=True, help="Hot-add to the running domain.")
+@click.option("--config", is_flag=True, help="Add to the persistent definition.")
+@click.option("--address", metavar="BDF", help="Guest PCI address, e.g. 0000:00:05.0.")
+@click.option("--dry-run", is_flag=True, help="Print the checks and the XML diff; change nothing.")
+@connect_option
+@json_option
+@click.pass_obj
+def attach_cmd(
+    obj: CliContext,
+    vm: str,
+    fdid: int,
+    live: bool,
+    config: bool,
+    address: str | None,
+    dry_run: bool,
+    uri: str | None,
+    json_output: bool,
+) -> None:
+    """Attach remote device FDID to VM (default: live if running, else its definition)."""
+    addr = _address(address)
+    hv = open_hv(obj, uri)
+    try:
+        fabric = fabric_for(obj, hv)
+        plan = plan_attach(hv, fabric, vm, fdid, live=live, config=config, address=addr)
+        if dry_run:
+            _show_plan(plan, json_output)
+            if not plan.ok:
+                raise SystemExit(1)
+            return
+        if not plan.ok:
+            raise plan.refusal()
+        fd = format_fdid(fdid)
+        if not plan.pending:
+            msg = f"device {fd} is already attached to VM {plan.name!r} ({'+'.join(plan.targets)})"
+        else:
+            apply_attach(hv, fabric, plan, progress)
+            msg = (
+                f"attached device {fd} to VM {plan.name!r} ({'+'.join(plan.pending)}),"
+                f" mdev {plan.device.mdev}"
+            )
+        if json_output:
+            emit_json(plan.to_json() | {"changed": list(plan.pending)})
+        else:
+            click.echo(msg)
+    finally:
+        hv.close()
+
+
+def _show_plan(plan: AttachPlan, json_output: bool) -> None:
+    diffs = {
+        t: xml_diff(plan.before[t], plan.after[t].to_bytes(), f"{t} XML") for t in plan.targets
+    }
+    if json_output:
+        emit_json(plan.to_json() | {"ok": plan.ok, "diff": diffs})
+        return
+    for c in plan.checks:
+        click.echo(f"{'ok  ' if c.ok else 'FAIL'}  {c.name:<12} {c.detail}")
+    for t in plan.targets:
+        click.echo(diffs[t] or f"({t} XML unchanged: the device is already there)\n", nl=False)
+    verdict = "would attach" if plan.ok else "would be refused"
+    click.echo(f"dry run: device {format_fdid(plan.fdid)} {verdict}; nothing was changed")
+
+
+@click.command("detach")
+@click.argument("vm")
+@click.argument("fdid", type=FDID)
+@click.option("--live", is_flag=True, help="Hot-remove from the running domain.")
+@click.option("--config", is_flag=True, help="Remove from the persistent definition.")
+@connect_option
+@json_option
+@click.pass_obj
+def detach_cmd(
+    obj: CliContext,
+    vm: str,
+    fdid: int,
+    live: bool,
+    config: bool,
+    uri: str | None,
+    json_output: bool,
+) -> None:
+    """Detach remote device FDID from VM; a live detach returns the device to the fabric."""
+    hv = open_hv(obj, uri)
+    try:
+        fabric = fabric_for(obj, hv)
+        res = detach(hv, fabric, vm, fdid, live=live, config=config, progress=progress)
+    finally:
+        hv.close()
+    fd = format_fdid(fdid)
+    if json_output:
+        emit_json(
+            {"vm": res.name, "fdid": fd, "targets": list(res.targets), "returned": res.returned}
+        )
+        return
+    if not res.targets:
+        click.echo(
+            f"device {fd} was no longer attached to VM {res.name!r}; returned what it still held"
+        )
+        return
+    tail = "; device returned to the fabric" if res.returned else ""
+    click.echo(f"detached device {fd} from VM {res.name!r} ({'+'.join(res.targets)}){tail}")
+
+
+COMMANDS = [attach_cmd, detach_cmd]

@@ -1,0 +1,54 @@
+"""``--connect URI`` (like ``virsh -c``) and opening the hypervisor and fabric a command uses.
+
+A ``sim:///<node>`` URI is a simulated node: it keeps its domains beside the state database and
+runs vmlend's hook as ``python -m vmlend.hook --state <state> --node <node>`` (libvirtd instead
+runs the hook installed with ``vmlend hook install``). The fabric is then seen from that node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vmlend.cli.common import CliContext
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.open import open_fabric
+from vmlend.hypervisor import Hypervisor, open_hypervisor
+from vmlend.hypervisor.open import sim_node
+
+
+def connect_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "-c",
+        "--connect",
+        "uri",
+        metavar="URI",
+        help="Hypervisor URI, e.g. qemu:///system or sim:///gamma"
+        " [default: $LIBVIRT_DEFAULT_URI, else libvirt's default].",
+    )(f)
+
+
+def hook_command(state_path: Path, node: str) -> list[str]:
+    """How a simulated node runs vmlend's hook (absolute interpreter, as libvirtd needs)."""
+    return [sys.executable, "-m", "vmlend.hook", "--state", str(state_path), "--node", node]
+
+
+def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hypervisor:
+    """The hypervisor at ``uri`` (None: ``LIBVIRT_DEFAULT_URI`` or libvirt's default). A libvirt
+    host is the fabric node ``node`` (default ``--node``, else the state's local node); a
+    simulated one is the node its URI names."""
+    uri = uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
+    simulated = sim_node(uri) if uri else None
+    hook = hook_command(obj.state_path, simulated) if simulated else None
+    node = node or (None if simulated else obj.node)
+    return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
+
+
+def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
+    """The fabric seen from the node ``hv`` runs on."""
+    return open_fabric(obj.state_path, hv.node or obj.node)

@@ -1,0 +1,143 @@
+"""Taking a remote device for a VM on this node and giving it back: the steps shared by the
+qemu hook (at VM start and stop) and the CLI (hot-add and hot-remove, where libvirt runs no
+hook, and the clean-up before a migration).
+
+Taking a device is reserve -> ensure the mdev parent -> create the mdev child. Every step that
+changed something pushes its undo on an ``UndoJournal``, so a caller that fails later (another
+device, libvirt refusing the hot-plug) rolls back exactly what was done, in reverse.
+Returning is idempotent: it converges on "nothing held" however often it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from uuid import UUID
+
+from vmlend.errors import VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.model import Holder, format_fdid
+from vmlend.registry.records import same_holder
+
+log = logging.getLogger(__name__)
+
+#: Where a step reports what it did (the hook's action log, the CLI's progress lines).
+Record = Callable[[str], None]
+
+
+def _ignore(_msg: str) -> None:
+    pass
+
+
+@dataclass
+class UndoJournal:
+    """Undo steps of an operation in progress, run in reverse on failure."""
+
+    steps: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
+
+    def push(self, what: str, undo: Callable[[], object]) -> None:
+        self.steps.append((what, undo))
+
+    def rollback(self, record: Record = _ignore) -> list[str]:
+        """Undo every step (newest first); keeps going past failures and returns them."""
+        failed: list[str] = []
+        for what, undo in reversed(self.steps):
+            try:
+                undo()
+                record(f"undo {what}: ok")
+            except VmlendError as e:  # keep undoing the rest; say what could not be undone
+                record(f"undo {what}: FAILED: {e}")
+                failed.append(f"{what}: {e}")
+        self.steps.clear()
+        return failed
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+def holder_for(fabric: Fabric, vm: str, vm_uuid: UUID | str | None) -> Holder:
+    """The holder a VM on this node is in the shared state."""
+    return Holder(node=fabric.local_node, vm=vm, vm_uuid=str(vm_uuid or ""))
+
+
+def acquire_device(
+    fabric: Fabric,
+    holder: Holder,
+    fdid: int,
+    mdev: UUID | str,
+    journal: UndoJournal,
+    *,
+    guest_ram: int = 0,
+    record: Record = _ignore,
+) -> str:
+    """Reserve ``fdid`` for ``holder``, make sure its mdev parent exists on this node and create
+    the mdev child ``mdev``. Returns the parent's name. What this call newly did is pushed on
+    ``journal``; what was already there (a re-run) is left alone on rollback."""
+    fd = format_fdid(fdid)
+    uuid = str(mdev)
+    had_mdev = any(m.uuid == uuid for m in fabric.mdevs())
+    before = fabric.device(fdid).holder
+    fabric.reserve(fdid, holder, guest_ram=guest_ram)
+    if before != holder:
+        journal.push(f"reserve {fd}", lambda: fabric.release(fdid, holder))
+    record(f"reserve {fd}: ok")
+    parent = fabric.ensure_mdev_parent(fdid)
+    fabric.create_mdev(fdid, uuid, holder)
+    if not had_mdev:
+        journal.push(f"mdev {uuid}", lambda: fabric.remove_mdev(uuid))
+    record(f"mdev {uuid} for {fd} under {parent}: ok")
+    return parent
+
+
+def return_device(
+    fabric: Fabric, holder: Holder, fdid: int, mdev: UUID | str | None, record: Record = _ignore
+) -> bool:
+    """Remove the device's mdev (if any) and end ``holder``'s reservation. Idempotent; returns
+    whether anything was still there. Never touches another holder's device."""
+    fd = format_fdid(fdid)
+    changed = False
+    if mdev is not None and fabric.remove_mdev(str(mdev)):
+        record(f"mdev {mdev}: removed")
+        changed = True
+    if fabric.release(fdid, holder):
+        record(f"device {fd}: returned")
+        changed = True
+    return changed
+
+
+def return_all(
+    fabric: Fabric,
+    holder: Holder,
+    devices: Iterable[tuple[int, UUID | str]],
+    record: Record = _ignore,
+) -> list[str]:
+    """Return every device of a stopped VM: the ones its XML names (``(fdid, mdev)`` pairs) and
+    whatever a crashed earlier run or a stale XML left held by it on this node (matched by VM
+    UUID, else by name). Idempotent. Returns the failures (empty when all is clean); keeps going
+    past them so one bad device does not keep the others."""
+    failures: list[str] = []
+    named = list(devices)
+    ours = {str(m) for _f, m in named}
+    for m in fabric.mdevs():
+        if m.uuid in ours or (m.vm == holder.vm and m.node in ("", holder.node)):
+            try:
+                if fabric.remove_mdev(m.uuid):
+                    record(f"mdev {m.uuid}: removed")
+            except VmlendError as e:
+                failures.append(f"mdev {m.uuid}: {e}")
+    fdids = {f for f, _m in named}
+    fdids.update(held_by(fabric, holder))
+    for fdid in sorted(fdids):
+        try:
+            if fabric.release(fdid, holder):
+                record(f"device {format_fdid(fdid)}: returned")
+        except VmlendError as e:
+            failures.append(f"device {format_fdid(fdid)}: {e}")
+    return failures
+
+
+def held_by(fabric: Fabric, holder: Holder) -> list[int]:
+    """The fdids ``holder``'s VM holds on its node (same VM: by UUID when both carry one,
+    else by name)."""
+    return [st.fdid for st in fabric.devices() if st.holder and same_holder(st.holder, holder)]
