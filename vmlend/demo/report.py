@@ -124,18 +124,23 @@ def dma_line(d: Json) -> str:
 
 
 def p2p_rows(writes: list[Json]) -> str:
-    rows = [
-        [
-            f"{w['source']} -> {w['target']}",
-            w["bar"],
-            f"{w['gpa']:#x}",
-            w["bytes"],
-            " > ".join(h["stage"] for h in w["target_hops"]["hops"]),
-            "yes" if w["landed"] else "NO",
-        ]
-        for w in writes
-    ]
-    return render_table(("PEER WRITE", "BAR", "GUEST ADDRESS", "BYTES", "PATH", "LANDED"), rows)
+    rows = []
+    for w in writes:
+        hops = w["target_hops"]["hops"]
+        nodes = list(dict.fromkeys(h["node"] for h in hops))  # in the order the write passes
+        rows.append(
+            [
+                f"{w['source']} -> {w['target']}",
+                w["bar"],
+                f"{w['gpa']:#x}",
+                w["bytes"],
+                " > ".join(nodes),
+                " > ".join(h["stage"] for h in hops),
+                "yes" if w["landed"] else "NO",
+            ]
+        )
+    headers = ("PEER WRITE", "BAR", "GUEST ADDRESS", "BYTES", "NODES", "STAGES", "LANDED")
+    return render_table(headers, rows)
 
 
 # --- one renderer per step -----------------------------------------------------------------------
@@ -195,8 +200,8 @@ def _xml(d: Json) -> str:
         [
             f"VM {d['name']} ({d['uuid']}): {d['machine']}, {size(d['memory'])} RAM at {ram}",
             render_table(("FDID", "LENDER", "MDEV (derived from the VM UUID and the fdid)"), rows),
-            f"libvirt's test driver ({lib['uri']}) defined {lib['name']!r}: it kept"
-            f" {len(lib['mdevs'])} mdev hostdevs and vmlend's metadata, adding"
+            f"libvirt's test driver defined {lib['name']!r} on a fresh connection:\n  {lib['uri']}"
+            f"\n  it kept the {len(lib['mdevs'])} mdev hostdevs and vmlend's metadata, adding"
             f" {' '.join(f'{k}={v!r}' for k, v in attrs.items() if k in ('managed', 'display'))}",
         ]
     )
@@ -244,7 +249,7 @@ def _traffic(d: Json) -> str:
 
 
 def _hotplug(d: Json) -> str:
-    checks = ", ".join(f"{c['name']} {'ok' if c['ok'] else 'FAILED'}" for c in d["checks"])
+    checks = ", ".join(c["name"] if c["ok"] else f"{c['name']} FAILED" for c in d["checks"])
     ads = d["adapters"]
     rows = []
     for before, added, after in zip(ads["before"], ads["attached"], ads["after"], strict=True):
@@ -262,7 +267,8 @@ def _hotplug(d: Json) -> str:
     irq = d["interrupts"][0]
     return "\n\n".join(
         [
-            f"vmlend attach {d['device']} ({d['kind']} from {d['lender']}), live: {checks}",
+            f"vmlend attach {d['device']} ({d['kind']} from {d['lender']}) --live"
+            f"\n  admission checks passed: {checks}",
             "\n".join(f"  {s}" for s in d["steps"]),
             windows_table(d["windows"]),
             dma_line(d["dma"]),
