@@ -31,9 +31,14 @@ log = logging.getLogger(__name__)
 class GuestWorld(Protocol):
     """What a node's guests need of the simulated cluster."""
 
-    hw: SimHardware
-    ledger: WindowLedger
-    backing: int
+    @property
+    def hw(self) -> SimHardware: ...
+
+    @property
+    def ledger(self) -> WindowLedger: ...
+
+    @property
+    def backing(self) -> int: ...
 
     def fabric(self, node: str) -> SimFabric: ...
 

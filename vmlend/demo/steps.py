@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,6 @@ class Story:
     xml: bytes = b""
     uuid: str = ""
     node: str = ""  # where the VM is defined now
-    progress: list[str] = field(default_factory=list)
 
     @property
     def c(self) -> DemoCluster:
@@ -386,7 +385,6 @@ def migrate_step(s: Story) -> Json:
         dst_node,
         start=True,
         shutdown_timeout=cfg.shutdown_timeout,
-        progress=s.progress.append,
     )
     s.node = dst_node
     moved = read_domain(dst.xml(cfg.vm, inactive=True))
@@ -406,7 +404,7 @@ def migrate_step(s: Story) -> Json:
     return {
         "from": src_node,
         "to": dst_node,
-        "steps": res.to_json()["steps"],
+        "steps": res.steps,
         "hooks": s.hook_calls_since(mark),
         "devices": [
             d | {"path": "local" if d["lender"] == dst_node else f"NTB {d['lender']}->{dst_node}"}
