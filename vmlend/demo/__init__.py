@@ -7,8 +7,9 @@ the VM is cold-migrated to alpha through ``vmlend migrate``'s code and works the
 stops everything is returned. ``run_demo`` runs it; ``render_step`` turns a step into text.
 """
 
+from vmlend.demo.context import DemoConfig
 from vmlend.demo.report import render_step
-from vmlend.demo.steps import STEPS, DemoConfig, Step
+from vmlend.demo.steps import STEPS, Step
 from vmlend.demo.story import DemoResult, StepResult, run_demo
 
 __all__ = ["STEPS", "DemoConfig", "DemoResult", "Step", "StepResult", "render_step", "run_demo"]

@@ -6,8 +6,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from vmlend.cli.cmd_attach import apply_attach, detach, plan_attach
 from vmlend.cli.cmd_devices import device_json
@@ -15,75 +13,13 @@ from vmlend.cli.cmd_fabric import fabric_json
 from vmlend.cli.cmd_migrate import migrate
 from vmlend.demo import facts
 from vmlend.demo.cluster import DemoCluster
+from vmlend.demo.context import Json, Story, require
 from vmlend.demo.libvirt_check import libvirt_accepts
+from vmlend.demo.traffic import dma_into_guest, hole_fault, interrupts, p2p_write
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
-from vmlend.errors import DemoError, DmaFault
 from vmlend.fabric.model import DeviceState, GiB, format_fdid
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.memory.domain_memory import domain_layout
-
-Json = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What the story is told with (the defaults fit the shipped three-node cluster)."""
-
-    vm: str = "demo"
-    memory: int = 8 * GiB
-    vcpus: int = 2
-    machine: str = "q35"
-    #: Host page size backing the guest's RAM: 1 GiB pages keep pinning and mapping quick.
-    backing: int = GiB
-    borrower: str = "gamma"
-    devices: tuple[int, ...] = (0x10, 0x20, 0x12)  # GPU from alpha, GPU from beta, NVMe
-    gpus: tuple[int, int] = (0x10, 0x20)
-    nvme: int = 0x12
-    hot_add: int = 0x22  # a VF of beta's NIC
-    migrate_to: str = "alpha"
-    interrupts: int = 1000  # raised per device
-    shutdown_timeout: float = 10.0
-
-
-@dataclass
-class Story:
-    """What the steps share."""
-
-    state_path: Path
-    config: DemoConfig
-    cluster: DemoCluster | None = None
-    xml: bytes = b""
-    uuid: str = ""
-    node: str = ""  # where the VM is defined now
-
-    @property
-    def c(self) -> DemoCluster:
-        assert self.cluster is not None, "the first step opens the cluster"
-        return self.cluster
-
-    def vm(self) -> SimVm:
-        return self.c.guest(self.node).guest(self.config.vm).vm
-
-    def devices(self) -> list[int]:
-        return self.vm().devices()
-
-    def hook_calls_since(self, mark: int) -> list[Json]:
-        return [
-            {
-                "node": h.node,
-                "argv": list(h.args),
-                "exit": h.returncode,
-                "ms": round(h.seconds * 1000, 1),
-            }
-            for h in self.c.hook_calls[mark:]
-        ]
-
-
-def require(ok: bool, what: str) -> None:
-    if not ok:
-        raise DemoError(what)
-
 
 # --- 1. the fabric -------------------------------------------------------------------------------
 
@@ -219,94 +155,6 @@ def _guest_bars(s: Story) -> list[Json]:
 
 
 # --- 5. traffic ----------------------------------------------------------------------------------
-
-
-PAYLOAD = b"vmlend: block 0 of the remote NVMe drive, DMA'd straight into guest memory. "
-
-
-def dma_into_guest(s: Story, fdid: int, gpa: int, length: int = 8192) -> Json:
-    """``fdid`` DMA-writes a buffer at ``gpa``; the guest reads its page back."""
-    vm = s.vm()
-    data = (PAYLOAD * (length // len(PAYLOAD) + 1))[:length]
-    targets = vm.dma_write(fdid, gpa, data)
-    back = vm.guest.read(gpa, length)
-    first = targets[0]
-    require(back == data, f"device {fdid:#x} wrote {length} bytes but the guest read others")
-    require(
-        first.kind == "ram" and first.owner == s.config.vm,
-        f"device {fdid:#x}'s DMA landed in {first.kind} of {first.owner}, not the guest's RAM",
-    )
-    require(
-        first.address == vm.guest.host_address(gpa),
-        "the DMA landed on another host page than the one backing the guest address",
-    )
-    return {
-        "device": format_fdid(fdid),
-        "gpa": gpa,
-        "bytes": length,
-        "match": back == data,
-        "pages": len(targets),
-        "host_page": first.address,
-        "target": facts.target_json(first),
-    }
-
-
-def p2p_write(s: Story, src: int, dst: int, bar: int, offset: int, data: bytes) -> Json:
-    """``src`` DMA-writes at ``dst``'s guest BAR address; it must land in that BAR."""
-    vm = s.vm()
-    base = vm.session(dst).guest_bar(bar)
-    if base is None:
-        raise DemoError(f"the guest has not placed BAR {bar} of {dst:#x}")
-    (t,) = vm.dma_write(src, base + offset, data)
-    landed = s.c.hw.device(dst).bars.read_bytes(bar, offset, len(data))
-    ok = (t.kind, t.owner, t.bar, t.offset) == ("bar", dst, bar, offset) and landed == data
-    require(ok, f"the DMA from {src:#x} at {dst:#x} BAR {bar} landed in {t.describe()}")
-    return {
-        "source": format_fdid(src),
-        "target": format_fdid(dst),
-        "bar": bar,
-        "gpa": base + offset,
-        "bytes": len(data),
-        "landed": ok,
-        "target_hops": facts.target_json(t),
-    }
-
-
-def hole_fault(s: Story, fdid: int) -> Json:
-    """A DMA into the PCI hole (between low RAM and 4 GiB, away from every guest BAR) faults."""
-    vm = s.vm()
-    bars = [(b.address, b.address + b.size) for f in vm.devices() for b in vm.bars(f)]
-    gpa = vm.layout.below_4g
-    while any(lo <= gpa < hi for lo, hi in bars):
-        gpa = next(hi for lo, hi in bars if lo <= gpa < hi)
-    require(gpa < 4 * GiB, "no address in the PCI hole is free of guest BARs")
-    try:
-        vm.dma_write(fdid, gpa, b"\xff" * 64)
-    except DmaFault as e:
-        return {
-            "device": format_fdid(fdid),
-            "gpa": gpa,
-            "faulted": True,
-            "hop": e.hop,
-            "why": e.why,
-        }
-    raise DemoError(f"a DMA by {fdid:#x} into the PCI hole at {gpa:#x} did not fault")
-
-
-def interrupts(s: Story, fdids: list[int]) -> list[Json]:
-    g = s.c.guest(s.node).guest(s.config.vm)
-    out = []
-    for fdid in fdids:
-        got = g.irqs.fire(s.c.hw.device(fdid), s.config.interrupts)
-        wired = g.irqs.devices[fdid]
-        out.append(
-            wired.json() | {"raised": s.config.interrupts, "received": sum(got), "per_vector": got}
-        )
-        require(
-            sum(got) == s.config.interrupts,
-            f"device {fdid:#x} raised {s.config.interrupts} interrupts, the VM got {sum(got)}",
-        )
-    return out
 
 
 def traffic_step(s: Story) -> Json:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vmlend.demo.steps import STEPS, DemoConfig, Step, Story
+from vmlend.demo.context import DemoConfig, Story
+from vmlend.demo.steps import STEPS, Step
 from vmlend.errors import VmlendError
 
 log = logging.getLogger(__name__)
