@@ -12,6 +12,7 @@ from tests.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import DeviceState, Holder, MiB
 from vmlend.fabric.open import open_fabric
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.main import run
 
 TEMPLATES = TemplateSet()
@@ -164,6 +165,9 @@ def test_reconnect_recreates_a_missing_mdev_and_never_fails(fabric, state_path):
     assert hook(state_path, "vm1", "release", "end", "-", xml=xml)[0] == 0
     f.reserve(0x12, Holder("gamma", "vm9", str(uuid.uuid4())))
     assert hook(state_path, "vm1", "reconnect", "begin", "-", xml=xml)[0] == 0
+    log = "\n".join(ActionLog(log_path_for_state(state_path)).tail(5))
+    assert "reconnect: device 0x12: PROBLEM: device 0x12 is held by gamma/vm9" in log
+    assert open_fabric(state_path).device(0x12).holder.vm == "vm9"  # not taken over
 
 
 def test_migrate_prints_the_xml_for_this_host(fabric, state_path):

@@ -75,21 +75,27 @@ class HookOps:
         """
         holder = self.holder(dom)
         problems: list[str] = []
-        have = {m.uuid for m in self.fabric.mdevs()}
+
+        def record(msg: str) -> None:
+            self.actions.record(dom.name, "reconnect", msg)
+
         for dev in dom.devices:
-            fd = format_fdid(dev.fdid)
             try:
-                st = self.fabric.device(dev.fdid)
-                if st.holder != holder:
-                    self.fabric.reserve(dev.fdid, holder, guest_ram=dom.memory_bytes or 0)
-                    self.actions.record(dom.name, "reconnect", f"re-reserved {fd}")
-                if str(dev.mdev) not in have:
-                    self.fabric.ensure_mdev_parent(dev.fdid)
-                    self.fabric.create_mdev(dev.fdid, str(dev.mdev), holder)
-                    self.actions.record(dom.name, "reconnect", f"re-created mdev {dev.mdev}")
+                # Idempotent: what is there stays, what is missing is re-created. Nothing is
+                # rolled back on a problem: the running guest keeps whatever it has.
+                acquire_device(
+                    self.fabric,
+                    holder,
+                    dev.fdid,
+                    dev.mdev,
+                    UndoJournal(),
+                    guest_ram=dom.memory_bytes or 0,
+                    record=record,
+                )
             except VmlendError as e:
+                fd = format_fdid(dev.fdid)
                 problems.append(f"device {fd}: {e}")
-                self.actions.record(dom.name, "reconnect", f"device {fd}: PROBLEM: {e}")
+                record(f"device {fd}: PROBLEM: {e}")
         if not problems:
             self.actions.record(dom.name, "reconnect", f"{len(dom.devices)} device(s) consistent")
         return problems
