@@ -7,6 +7,7 @@ import io
 import uuid
 
 import pytest
+from lxml import etree
 
 from tests.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
@@ -197,3 +198,63 @@ def test_actions_are_logged_and_shown_by_the_cli(fabric, state_path):
     assert r.exit_code == 0
     assert "vm=vm1 prepare: reserve 0x10: ok" in r.output
     assert "2 device(s) ready" in r.output
+
+
+# --- regressions found in review --------------------------------------------------------
+
+
+def test_reconnect_never_fails_the_guest(fabric, state_path, tmp_path):
+    """libvirt kills a running guest whose reconnect hook fails: an inconsistent XML or a
+    missing state must be logged, not fatal."""
+    xml = domain_xml()
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    doc = etree.fromstring(xml)
+    for h in doc.iter("hostdev"):  # e.g. unplugged by hand: metadata and hostdevs disagree
+        h.getparent().remove(h)
+    code, _out, err = hook(state_path, "vm1", "reconnect", "begin", "-", xml=etree.tostring(doc))
+    assert (code, err) == (0, "")
+    code, _out, err = hook(tmp_path / "gone" / "s.db", "vm1", "reconnect", "begin", "-", xml=xml)
+    assert (code, err) == (0, "")
+    log = "\n".join(ActionLog(tmp_path / "gone" / "hook.log").tail(3))
+    assert "reconnect: PROBLEM (guest kept running): no vmlend state" in log
+
+
+def test_release_of_a_copied_xml_leaves_the_running_vms_mdev(fabric, state_path):
+    """A clone (new name and UUID, hostdev and metadata copied) is refused at prepare; libvirt
+    then runs its release, which must not remove the original VM's mdev."""
+    a = domain_xml("vmA", fdids=(0x10,))
+    assert hook(state_path, "vmA", "prepare", "begin", "-", xml=a)[0] == 0
+    clone_uuid = uuid.UUID("6f1c5a2e-0000-4000-8000-00000000000b")
+    b = a.replace(b"vmA", b"vmB").replace(str(VM_UUID).encode(), str(clone_uuid).encode())
+    assert hook(state_path, "vmB", "prepare", "begin", "-", xml=b)[0] == 1
+    before = snapshot(state_path)
+    assert hook(state_path, "vmB", "release", "end", "-", xml=b)[0] == 0
+    assert snapshot(state_path) == before
+    assert [m.fdid for m in open_fabric(state_path).mdevs()] == [0x10]
+
+
+def test_stdin_is_drained_even_for_bad_arguments(state_path):
+    stdin = io.BytesIO(b"<domain/>" * 1000)
+    code = run(["vm1"], stdin=stdin, stdout=io.BytesIO(), stderr=io.StringIO(), environ={})
+    assert code == 1 and stdin.read() == b""
+
+
+def test_library_warnings_go_to_the_action_log_not_stderr(fabric, state_path):
+    import logging
+
+    def noisy_open(path, node):
+        logging.getLogger("vmlend.fabric").warning("something odd about the fabric")
+        return open_fabric(path, node)
+
+    err = io.StringIO()
+    code = run(
+        ["vm1", "prepare", "begin", "-"],
+        stdin=io.BytesIO(domain_xml()),
+        stdout=io.BytesIO(),
+        stderr=err,
+        environ={"VMLEND_STATE": str(state_path)},
+        open_fabric=noisy_open,
+    )
+    assert (code, err.getvalue()) == (0, "")
+    log = "\n".join(ActionLog(log_path_for_state(state_path)).tail(10))
+    assert "vm=vm1 warning: something odd about the fabric" in log

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +45,8 @@ def handle(
     action = call.action
     if action is Action.IGNORE:
         return 0
-    dom = read_hook_domain(xml, strict=action is not Action.RELEASE)
+    # Returning devices and reconciling a running guest must work from an inconsistent XML too.
+    dom = read_hook_domain(xml, strict=action not in (Action.RELEASE, Action.RECONNECT))
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
     actions = actions or ActionLog(log_path_for_state(state_path))
@@ -81,25 +81,56 @@ def run(
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr
     env = dict(os.environ) if environ is None else environ
-    logging.basicConfig(level=logging.WARNING, stream=stderr, format="vmlend: %(message)s")
-    started = time.monotonic()
+    # Drain stdin before anything can fail: libvirt writes the whole XML and must not see a
+    # broken pipe.
+    xml = stdin.read()
     state_path = state_path_from_env(env)
     actions = ActionLog(log_path_for_state(state_path))
+    name = argv[0] if argv else "?"
+    _log_to(actions, name)
     try:
         call = parse_argv(argv)
-        # Always drain stdin: libvirt writes the whole XML and must not see a broken pipe.
-        xml = stdin.read()
+    except VmlendError as e:
+        print(f"vmlend: {e}", file=stderr)
+        return 1
+    if call.action is Action.RECONNECT:
+        # A failing reconnect hook makes libvirt kill the running guest: never fail it.
+        try:
+            handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
+        except Exception as e:
+            detail = str(e) if isinstance(e, VmlendError) else traceback.format_exc()
+            actions.record(name, "reconnect", f"PROBLEM (guest kept running): {detail}")
+        return 0
+    try:
         code = handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
     except VmlendError as e:
         print(f"vmlend: {e}", file=stderr)
-        name = argv[0] if argv else "?"
-        actions.record(name, " ".join(argv[1:3]) or "?", f"FAILED: {e}")
+        actions.record(name, f"{call.operation} {call.sub_operation}", f"FAILED: {e}")
         return 1
     except Exception as e:  # a bug: one line for libvirt, the traceback for us
         print(f"vmlend: internal error: {type(e).__name__}: {e} (see {actions.path})", file=stderr)
-        actions.record(argv[0] if argv else "?", "internal-error", traceback.format_exc())
+        actions.record(name, "internal-error", traceback.format_exc())
         return 1
-    elapsed = (time.monotonic() - started) * 1000
-    if call.action is not Action.IGNORE:
-        logging.getLogger(__name__).debug("%s took %.1f ms", call, elapsed)
     return code
+
+
+class _ActionLogHandler(logging.Handler):
+    """Library warnings go to the action log: libvirt shows the hook's stderr, which must stay
+    one line (the reason of a failure)."""
+
+    def __init__(self, actions: ActionLog, domain: str) -> None:
+        super().__init__(logging.WARNING)
+        self.actions = actions
+        self.domain = domain
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.actions.record(self.domain, record.levelname.lower(), record.getMessage())
+
+
+def _log_to(actions: ActionLog, domain: str) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, _ActionLogHandler):
+            root.removeHandler(h)
+    root.addHandler(_ActionLogHandler(actions, domain))
+    root.setLevel(min(root.level or logging.WARNING, logging.WARNING))
