@@ -17,7 +17,7 @@ from uuid import UUID
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Holder, format_fdid
+from vmlend.fabric.model import Holder, MdevInfo, format_fdid
 from vmlend.registry.records import same_holder
 
 log = logging.getLogger(__name__)
@@ -119,21 +119,40 @@ def return_all(
     failures: list[str] = []
     named = list(devices)
     ours = {str(m) for _f, m in named}
+    holds = {st.fdid: st.holder for st in fabric.devices() if st.holder}
+
+    def mdev_is_ours(m: MdevInfo) -> bool:
+        if m.node not in ("", holder.node):
+            return False
+        hold = holds.get(m.fdid) if m.fdid is not None else None
+        if hold is not None:  # the hold decides: a copied XML must not touch a running VM
+            return same_holder(hold, holder)
+        return m.vm == holder.vm or (m.uuid in ours and m.vm == "")
+
+    stuck: set[int] = set()  # devices whose mdev could not be removed keep their hold
     for m in fabric.mdevs():
-        if m.uuid in ours or (m.vm == holder.vm and m.node in ("", holder.node)):
-            try:
-                if fabric.remove_mdev(m.uuid):
-                    record(f"mdev {m.uuid}: removed")
-            except VmlendError as e:
-                failures.append(f"mdev {m.uuid}: {e}")
+        if not mdev_is_ours(m):
+            continue
+        try:
+            if fabric.remove_mdev(m.uuid):
+                record(f"mdev {m.uuid}: removed")
+        except VmlendError as e:
+            failures.append(f"mdev {m.uuid}: {e}")
+            if m.fdid is not None:
+                stuck.add(m.fdid)
     fdids = {f for f, _m in named}
     fdids.update(held_by(fabric, holder))
-    for fdid in sorted(fdids):
+    for fdid in sorted(fdids - stuck):
         try:
             if fabric.release(fdid, holder):
                 record(f"device {format_fdid(fdid)}: returned")
         except VmlendError as e:
             failures.append(f"device {format_fdid(fdid)}: {e}")
+    for fdid in sorted(stuck):
+        failures.append(
+            f"device {format_fdid(fdid)} stays reserved while its mdev exists; "
+            "remove the mdev and run the release again"
+        )
     return failures
 
 
