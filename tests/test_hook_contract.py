@@ -99,3 +99,12 @@ def test_action_log_appends_and_tails(tmp_path):
         log.record("vm1", "prepare", f"step {i}")
     tail = log.tail(3)
     assert len(tail) == 3 and tail[-1].endswith("vm=vm1 prepare: step 29")
+
+
+def test_install_leaves_nothing_else_in_qemu_d_and_fixes_a_lost_mode(tmp_path):
+    first = install_hook(tmp_path, tmp_path / "s.db", None)
+    assert sorted(p.name for p in first.path.parent.iterdir()) == ["vmlend"]
+    assert sorted(p.name for p in (tmp_path / "hooks").iterdir()) == ["qemu.d"]
+    first.path.chmod(0o644)  # libvirt ignores a non-executable hook
+    again = install_hook(tmp_path, tmp_path / "s.db", None)
+    assert again.changed and first.path.stat().st_mode & 0o111

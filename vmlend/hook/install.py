@@ -74,7 +74,7 @@ def install_hook(
     restart = not hooks_enabled(hooks_dir)
     if target.exists():
         current = target.read_text(errors="replace")
-        if current == text:
+        if current == text and os.access(target, os.X_OK):
             return InstallResult(target, changed=False, restart_needed=restart)
         if _MARK not in current and not force:
             raise ConfigError(
@@ -83,7 +83,9 @@ def install_hook(
             )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
+        # Not inside qemu.d: libvirt runs every executable there, dotfiles included. hooks/ is
+        # on the same filesystem, so the rename stays atomic.
+        tmp = hooks_dir / f".vmlend-install.{os.getpid()}.tmp"
         tmp.write_text(text)
         tmp.chmod(0o755)
         os.replace(tmp, target)  # atomic: libvirtd never runs a half-written hook
