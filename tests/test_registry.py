@@ -262,3 +262,22 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
             here.reserve(fdid, h)
             here.release(fdid, h)
     assert len(keep.devices()) == 9
+
+
+def test_vector_records_replace_and_clear(tmp_path):
+    from tests.simfabric import make_fabric
+    from vmlend.fabric.model import Holder
+    from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
+    from vmlend.registry import Registry
+
+    path = tmp_path / "s.db"
+    make_fabric(path).reserve(0x12, Holder("gamma", "vm1", "u1"))
+    reg = Registry.open(path)
+    record = registry_vector_recorder(reg)
+    record(0x12, [{"mode": "MSIX", "vector": i, "path": "relay"} for i in range(4)])
+    record(0x12, [{"mode": "MSI", "vector": 0, "path": "relay"}])  # the guest switched modes
+    with reg.read() as tx:
+        assert [r.key for r in tx.runtime(0x12, RECORD_KIND)] == ["MSI.0"]
+    record(0x12, None)
+    with reg.read() as tx:
+        assert tx.runtime(0x12, RECORD_KIND) == []

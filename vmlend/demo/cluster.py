@@ -26,6 +26,7 @@ from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
 from vmlend.fabric.topology import parse_topology
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.hypervisor.sim_hv import HookRun, HookRunner
+from vmlend.irq.records import VectorRecorder, registry_vector_recorder
 from vmlend.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class DemoCluster:
 
     def p2p_recorder(self) -> Recorder:
         return registry_recorder(self.registry)
+
+    def vector_recorder(self) -> VectorRecorder:
+        return registry_vector_recorder(self.registry)
 
     def guest(self, node: str) -> DemoGuest:
         if node not in self.guests:

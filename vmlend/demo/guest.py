@@ -24,6 +24,7 @@ from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.p2pmap import P2PMapper, Recorder
 from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hypervisor import IdleGuest
+from vmlend.irq.records import VectorRecorder
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class GuestWorld(Protocol):
     def fabric(self, node: str) -> SimFabric: ...
 
     def p2p_recorder(self) -> Recorder: ...
+
+    def vector_recorder(self) -> VectorRecorder: ...
 
 
 @dataclass
@@ -107,6 +110,8 @@ class DemoGuest(IdleGuest):
         g = self.running.pop(name, None)
         if g is None:  # a domain this process did not start (a leftover being cleaned up)
             return
+        for fdid in g.vm.devices():  # the vectors end with the guest, like its DMA windows
+            self.world.vector_recorder()(fdid, None)
         g.irqs.close()
         g.vm.stop()
 
@@ -121,9 +126,18 @@ class DemoGuest(IdleGuest):
         g = self.guest(name)
         g.vm.enable_device(fdid)
         index, vectors = enable_guest_interrupts(g.vm, fdid)
-        return g.irqs.wire(self.world.hw.device(fdid), index, vectors)
+        wired = g.irqs.wire(self.world.hw.device(fdid), index, vectors)
+        self.world.vector_recorder()(
+            fdid,
+            [
+                {"mode": index.name, "vector": i, "path": wired.path}
+                for i in range(len(wired.eventfds))
+            ],
+        )
+        return wired
 
     def _remove(self, g: RunningGuest, fdid: int) -> None:
+        self.world.vector_recorder()(fdid, None)
         g.irqs.unwire(fdid)
         g.vm.remove_device(fdid)
 

@@ -229,6 +229,8 @@ def _enable(d: Json) -> str:
             f"peer-to-peer: {len(d['p2p'])} BAR maps, each at the BAR's guest-physical address",
             p2p_table(d["p2p"]),
             adapters_table(d["adapters"]),
+            "meanwhile `vmlend status` (another process, the shared state) shows:",
+            d["status"],
         ]
     )
 

@@ -11,6 +11,7 @@ from vmlend.cli.cmd_attach import apply_attach, detach, plan_attach
 from vmlend.cli.cmd_devices import device_json
 from vmlend.cli.cmd_fabric import fabric_json
 from vmlend.cli.cmd_migrate import migrate
+from vmlend.cli.cmd_status import collect, read_runtime, render_status, usage_rows
 from vmlend.demo import facts
 from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.context import Json, Story, require
@@ -135,6 +136,14 @@ def enable_step(s: Story) -> Json:
     nvme = format_fdid(cfg.nvme)
     for pair in ((a, b), (b, a), (a, nvme), (nvme, a)):
         require(pair in pairs, f"no peer-to-peer map from {pair[0]} to {pair[1]}")
+    # What `vmlend status` (another process, reading the shared state) shows meanwhile.
+    views = collect(s.c.hypervisor(s.node), fabric, read_runtime(s.c.state_path), cfg.vm)
+    for view in views:
+        for d in view.devices:
+            require(
+                bool(d.runtime.get("irq-vector")) and bool(d.runtime.get("dma-window")),
+                f"status should show the vectors and DMA windows of {d.fdid:#x}",
+            )
     return {
         "devices": states,
         "guest_bars": _guest_bars(s),
@@ -142,6 +151,7 @@ def enable_step(s: Story) -> Json:
         "vectors": [w.json() for w in wired],
         "p2p": maps,
         "adapters": facts.adapter_use(fabric, s.c.hw),
+        "status": render_status(views, usage_rows(fabric.usage())),
     }
 
 
