@@ -223,8 +223,10 @@ def apply_attach(
             )
         for t in plan.pending:
             _attach_to(hv, name, t, plan.after[t], plan.device, journal, progress)
-    except VmlendError as e:
+    except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
         failed = journal.rollback(progress)
+        if not isinstance(e, VmlendError):
+            raise
         tail = f"; could not undo: {'; '.join(failed)}" if failed else "; nothing was changed"
         raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
 
