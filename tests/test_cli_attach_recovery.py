@@ -9,8 +9,16 @@ import pytest
 from vmlend.cli.cmd_attach import apply_attach, hostdev_xml, plan_attach
 from vmlend.domain import DomainDocument, find_device
 
-from .test_cli_attach import GAMMA, cluster  # noqa: F401  (fixture)
-from .test_cli_attach_support import SimCluster, hostdev_uuids, metadata_fdids
+from .test_cli_attach_support import SimCluster, hostdev_uuids, make_cluster, metadata_fdids
+
+GAMMA = ("-c", "sim:///gamma")
+
+
+@pytest.fixture
+def cluster(state_path, monkeypatch) -> SimCluster:
+    monkeypatch.delenv("VMLEND_NODE", raising=False)
+    monkeypatch.delenv("LIBVIRT_DEFAULT_URI", raising=False)
+    return make_cluster(state_path)
 
 
 def attached(cluster: SimCluster, fdid: int = 0x10) -> str:

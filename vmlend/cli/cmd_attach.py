@@ -90,11 +90,19 @@ def plain_metadata(doc: DomainDocument) -> bytes | None:
     return etree.tostring(plain(meta.element))
 
 
-def hostdev_xml(doc: DomainDocument, device: VmlendDevice) -> bytes:
+def find_hostdev(doc: DomainDocument, device: VmlendDevice) -> bytes | None:
+    """The hostdev element of ``device``'s mdev in ``doc``; None when the domain has none."""
     for h in DomainXML(doc.root).mdev_hostdevs():
         if h.uuid == device.mdev:
             return etree.tostring(h.element, with_tail=False)
-    raise ConfigError(f"the domain has no hostdev for mdev {device.mdev}")
+    return None
+
+
+def hostdev_xml(doc: DomainDocument, device: VmlendDevice) -> bytes:
+    found = find_hostdev(doc, device)
+    if found is None:
+        raise ConfigError(f"the domain has no hostdev for mdev {device.mdev}")
+    return found
 
 
 def xml_diff(before: bytes, after: bytes, label: str) -> str:
@@ -303,9 +311,14 @@ def detach(
         is_live = t == LIVE
         device = present[t]
         assert device is not None
-        hv.detach_device(info.name, hostdev_xml(docs[t], device), live=is_live, config=not is_live)
-        progress(f"detach {t} hostdev mdev {device.mdev}: ok")
-        after = remove_device(docs[t], fdid)
+        dev = find_hostdev(docs[t], device)
+        if dev is None:
+            # An earlier detach stopped after libvirt unplugged it: finish the rest.
+            progress(f"{t} hostdev mdev {device.mdev}: already gone")
+        else:
+            hv.detach_device(info.name, dev, live=is_live, config=not is_live)
+            progress(f"detach {t} hostdev mdev {device.mdev}: ok")
+        after = remove_device(docs[t], fdid, unplugged=dev is None)
         hv.set_metadata(
             info.name,
             NAMESPACE_URI,
