@@ -258,17 +258,24 @@ class SimFabric:
             log.info("released %#x from %s", fdid, holder)
         return mine
 
-    def _drop_unused_parent(self, tx: StateTxn, fdid: int) -> None:
+    def forget_unused_parent(self, fdid: int) -> bool:
+        """Drop this node's parent record of ``fdid`` if no hold here and no mdev use it."""
+        with self._reg.write() as tx:
+            return self._drop_unused_parent(tx, fdid)
+
+    def _drop_unused_parent(self, tx: StateTxn, fdid: int) -> bool:
         """Forget this node's parent of ``fdid`` when no hold here and no child remain, so a
         failed or finished borrow leaves the state as it was before (the driver, too, drops
         the parent when it is given back)."""
         hold = tx.hold(fdid)
         if hold is not None and hold.holder.node == self.local_node:
-            return
+            return False
         if any(m.fdid == fdid for m in tx.mdevs(self.local_node)):
-            return
-        if tx.delete_parent(self.local_node, fdid):
-            log.info("dropped mdev parent of %#x on %s", fdid, self.local_node)
+            return False
+        if not tx.delete_parent(self.local_node, fdid):
+            return False
+        log.info("dropped mdev parent of %#x on %s", fdid, self.local_node)
+        return True
 
     def _own_hold(self, tx: StateTxn, fdid: int, holder: Holder) -> HoldRecord:
         hold = tx.hold(fdid)
