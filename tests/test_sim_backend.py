@@ -21,6 +21,7 @@ from vmlend.errors import (
     UnknownNodeError,
     WindowExhaustedError,
 )
+from vmlend.fabric.admission import vm_share
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import DeviceState, GiB, Holder, MiB
 from vmlend.fabric.open import open_fabric
@@ -188,6 +189,25 @@ def test_dma_windows_count_once_per_lender_adapter_and_vm(fab):
     assert _used(fab, "alpha:0") == (1, 16)  # 0x11 still needs the DMA windows
     fab.release(0x11, VM1)
     assert _used(fab, "alpha:0") == (0, 0)
+
+
+def test_dma_windows_count_once_for_one_vm_with_and_without_its_uuid(tmp_path):
+    # 16 one-GiB segments: one VM's 10 GiB fit once, not twice.
+    topo = small_topology(lender_window="16GiB", lender_segments=16)
+    f = make_fabric(tmp_path / "s.db", topo, node="b")
+    by_name = Holder("b", "vm", "")  # e.g. a hold recorded before the VM's UUID was known
+    by_uuid = Holder("b", "vm", "11111111-1111-1111-1111-111111111111")
+    f.reserve(0x100, by_name, guest_ram=10 * GiB)
+    f.reserve(0x101, by_uuid, guest_ram=10 * GiB)  # the same VM (same_holder): no new window
+    assert _used(f, "l:0") == (2, 10)
+    f.release(0x100, by_name)
+    assert _used(f, "l:0") == (1, 10)  # 0x101 still needs them
+    # Another VM on the node has windows of its own.
+    with pytest.raises(WindowExhaustedError):
+        f.reserve(0x102, Holder("b", "other", ""), guest_ram=10 * GiB)
+    f.close()
+    assert vm_share(by_name) == vm_share(by_uuid)
+    assert vm_share(Holder("a", "vm", by_uuid.vm_uuid)) != vm_share(by_uuid)  # another node
 
 
 def test_window_shortage_is_refused_with_exact_numbers(fab):
