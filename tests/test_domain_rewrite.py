@@ -94,6 +94,17 @@ def test_migration_rederives_uuids_copied_from_another_domain():
     assert [d.mdev for d in info.devices] == [mdev_uuid(dom, 0x10), mdev_uuid(dom, 0x11)]
 
 
+def test_removing_a_device_whose_hostdev_libvirt_already_unplugged():
+    gone = DISAGREEMENTS["missing-hostdev"]  # 0x11's hostdev is not there
+    out = read_domain(remove_device(_doc(gone), 0x11, unplugged=True).to_bytes())
+    assert [d.fdid for d in out.devices] == [0x10]
+    # Only the device being removed may lack its hostdev.
+    with pytest.raises(DomainXMLError, match="inconsistent"):
+        remove_device(_doc(gone), 0x10, unplugged=True)
+    with pytest.raises(DomainXMLError, match="inconsistent"):
+        remove_device(_doc(DISAGREEMENTS["address-mismatch"]), 0x10, unplugged=True)
+
+
 def test_a_foreign_mdev_hostdev_is_not_vmlends_business():
     doc = _doc(MIGRATE_IN)  # has an mdev hostdev vmlend does not list
     assert find_problems(doc) == []

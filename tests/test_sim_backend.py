@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import uuid
+
 import pytest
 
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import (
     ConfigError,
     DeviceHeldError,
@@ -17,10 +21,14 @@ from vmlend.errors import (
     UnknownNodeError,
     WindowExhaustedError,
 )
+from vmlend.fabric.admission import vm_share
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceState, GiB, Holder
+from vmlend.fabric.model import DeviceState, GiB, Holder, MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.fabric.sim.backend import MDEV_TYPE
+from vmlend.fabric.topology import parse_topology
+from vmlend.hook.main import run as run_hook
+from vmlend.registry import Registry
 
 from .simfabric import make_fabric, small_topology
 
@@ -181,6 +189,25 @@ def test_dma_windows_count_once_per_lender_adapter_and_vm(fab):
     assert _used(fab, "alpha:0") == (1, 16)  # 0x11 still needs the DMA windows
     fab.release(0x11, VM1)
     assert _used(fab, "alpha:0") == (0, 0)
+
+
+def test_dma_windows_count_once_for_one_vm_with_and_without_its_uuid(tmp_path):
+    # 16 one-GiB segments: one VM's 10 GiB fit once, not twice.
+    topo = small_topology(lender_window="16GiB", lender_segments=16)
+    f = make_fabric(tmp_path / "s.db", topo, node="b")
+    by_name = Holder("b", "vm", "")  # e.g. a hold recorded before the VM's UUID was known
+    by_uuid = Holder("b", "vm", "11111111-1111-1111-1111-111111111111")
+    f.reserve(0x100, by_name, guest_ram=10 * GiB)
+    f.reserve(0x101, by_uuid, guest_ram=10 * GiB)  # the same VM (same_holder): no new window
+    assert _used(f, "l:0") == (2, 10)
+    f.release(0x100, by_name)
+    assert _used(f, "l:0") == (1, 10)  # 0x101 still needs them
+    # Another VM on the node has windows of its own.
+    with pytest.raises(WindowExhaustedError):
+        f.reserve(0x102, Holder("b", "other", ""), guest_ram=10 * GiB)
+    f.close()
+    assert vm_share(by_name) == vm_share(by_uuid)
+    assert vm_share(Holder("a", "vm", by_uuid.vm_uuid)) != vm_share(by_uuid)  # another node
 
 
 def test_window_shortage_is_refused_with_exact_numbers(fab):
@@ -437,3 +464,90 @@ def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("VMLEND_BACKEND", "nope")
     with pytest.raises(ConfigError, match="unknown fabric backend 'nope'"):
         open_fabric(path)
+
+
+# --- mdev parents end with the last use of the device on the node ---------------------------
+
+
+def _parents(path) -> set[tuple[str, int]]:
+    """Every (node, fdid) mdev parent the shared state records."""
+    with Registry.open(path) as reg, reg.read() as tx:
+        topo = parse_topology(tx.topology().text)
+        return {
+            (n.name, d.fdid)
+            for n in topo.nodes
+            for d in topo.devices
+            if tx.parent(n.name, d.fdid) is not None
+        }
+
+
+def full_snapshot(path) -> tuple[object, ...]:
+    """All the shared state a refused operation must leave as it was: holds, adapter usage,
+    mdevs and mdev parents of every node, runtime records."""
+    with open_fabric(path, "gamma") as f:
+        devices = sorted((d.fdid, d.state.value, str(d.holder)) for d in f.devices())
+        usage = sorted((ref, u.lut_used, u.segments_used) for ref, u in f.usage().items())
+        nodes = [n.name for n in f.nodes()]
+    mdevs = []
+    for n in nodes:
+        with open_fabric(path, n) as fn:
+            mdevs += sorted((m.uuid, m.node, m.fdid) for m in fn.mdevs())
+    with Registry.open(path) as reg, reg.read() as tx:
+        runtime = sorted((r.fdid, r.kind, r.key) for r in tx.runtime())
+    return devices, usage, mdevs, sorted(_parents(path)), runtime
+
+
+def test_release_drops_the_parent_once_nothing_uses_it(fab, tmp_path):
+    path = tmp_path / "state.db"
+    fab.reserve(0x10, VM1)
+    fab.ensure_mdev_parent(0x10)
+    fab.create_mdev(0x10, U1, VM1)
+    assert fab.release(0x10, VM2) is False  # not VM2's: nothing changes
+    assert ("gamma", 0x10) in _parents(path)
+    fab.remove_mdev(U1)
+    assert fab.release(0x10, VM1) is True
+    assert _parents(path) == set()
+
+
+def test_the_parent_stays_while_a_child_or_a_local_hold_remains(fab, tmp_path):
+    path = tmp_path / "state.db"
+    fab.reserve(0x10, VM1)
+    fab.ensure_mdev_parent(0x10)
+    fab.create_mdev(0x10, U1, VM1)
+    assert fab.release(0x10, VM1) is True  # the child is still there (e.g. busy)
+    assert _parents(path) == {("gamma", 0x10)}
+    fab.remove_mdev(U1)
+    fab.reserve(0x10, VM2)
+    assert fab.release(0x10, VM1) is False  # VM2 on this node holds it now
+    assert _parents(path) == {("gamma", 0x10)}
+    # A release re-run after the hold is gone still drops an unused parent.
+    fab.release(0x10, VM2)
+    fab.ensure_mdev_parent(0x10)
+    assert fab.release(0x10, VM1) is False
+    assert _parents(path) == set()
+
+
+def _domain(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=512 * MiB,
+        uuid=uuid.UUID(vm_uuid),
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, tmp_path):
+    path = tmp_path / "state.db"
+    fab.reserve(0x12, VM2)  # the VM's second device is taken: its prepare must fail
+    before = full_snapshot(path)
+    err = io.StringIO()
+    code = run_hook(
+        ["vm1", "prepare", "begin", "-"],
+        stdin=io.BytesIO(_domain("vm1", VM1.vm_uuid, (0x10, 0x12))),
+        stdout=io.BytesIO(),
+        stderr=err,
+        environ={"VMLEND_STATE": str(path), "VMLEND_NODE": "gamma"},
+    )
+    assert code == 1 and "held by gamma/vm2" in err.getvalue()
+    assert full_snapshot(path) == before

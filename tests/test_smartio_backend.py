@@ -27,6 +27,7 @@ from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric, open_smartio_fabric, overlay
 from vmlend.fabric.smartio.driver import MDEV_TYPE, Availability, SmartioDevice
+from vmlend.lending import return_all
 from vmlend.registry import Registry
 from vmlend.udev import Outcome
 
@@ -214,3 +215,59 @@ def test_overlay(fabric, registry, dev, want):
     spec = fabric.topology().device(NVME)
     holder = WEB if registry is DeviceState.RESERVED else None
     assert overlay(DeviceStatus(spec, registry, holder), dev, 12).state is want
+
+
+# --- the driver forgets the parent once the device's last use on this node ends -------------
+
+
+def recorded_parent(state) -> bool:
+    with Registry.open(state) as reg, reg.read() as tx:
+        return tx.parent("gamma", NVME) is not None
+
+
+def test_release_while_the_lender_is_unreachable_ends_the_drivers_remembering(fabric, fake, state):
+    start_vm(fabric)
+    fake.smartio.set_availability(NVME, "unreachable")  # the driver drops parent and child
+    assert PARENT not in fabric.bus.parent_names()
+    assert return_all(fabric, WEB, [(NVME, U1)]) == []
+    fake.smartio.set_availability(NVME, "available")  # the lender is back
+    # Nobody runs on this node with it any more: the driver must not bring the parent back.
+    assert PARENT not in fabric.bus.parent_names()
+    assert fabric.device(NVME).holder is None and not recorded_parent(state)
+
+
+def test_a_release_rerun_after_the_hold_ended_unborrows_the_parent(fabric, fake, state):
+    start_vm(fabric)
+    fake.busy.add(U1)  # QEMU still has the child open: the first release cannot remove it
+    failures = return_all(fabric, WEB, [(NVME, U1)])
+    assert len(failures) == 1 and U1 in failures[0]
+    assert PARENT in fabric.bus.parent_names()  # its child is still there
+    fake.busy.discard(U1)
+    assert return_all(fabric, WEB, [(NVME, U1)]) == []  # libvirt's release hook, re-run
+    assert fabric.bus.device(U1) is None
+    assert PARENT not in fabric.bus.parent_names()
+    assert fabric.driver.device(NVME).parent_registered is False
+    assert not recorded_parent(state)
+
+
+def test_the_parent_stays_while_another_vm_here_holds_the_device(fabric, fake):
+    start_vm(fabric)
+    fabric.remove_mdev(U1)
+    fabric.release(NVME, WEB)
+    other = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")
+    fabric.reserve(NVME, other)
+    fabric.ensure_mdev_parent(NVME)
+    assert fabric.release(NVME, WEB) is False  # not web's any more
+    assert PARENT in fabric.bus.parent_names()
+
+
+def test_a_refused_borrow_records_no_parent(fabric, fake, state):
+    fabric.reserve(NVME, WEB)
+    # The lender goes away between the availability check and the driver's 'borrow'.
+    fabric.driver.writer = RacingWriter(
+        fake, lambda: fake.smartio.set_availability(NVME, "unreachable")
+    )
+    with pytest.raises(LenderUnavailableError):
+        fabric.ensure_mdev_parent(NVME)
+    assert not recorded_parent(state)
+    assert PARENT not in fabric.bus.parent_names()

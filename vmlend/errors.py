@@ -392,3 +392,24 @@ class DemoError(VmlendError):
 
 class MigrationError(LibvirtError):
     """A cold-migration step failed; the message says where the VM is defined now."""
+
+
+# --- appended by the review fixes ---------------------------------------------------------
+
+
+class DetachTimeoutError(DomainOperationError):
+    """A live detach was asked for, but the guest has not released the device in time (libvirt's
+    live detach is asynchronous). It is still plugged, so vmlend keeps its reservation and mdev."""
+
+    def __init__(self, domain: str, fdid: int, mdev: str, timeout: float) -> None:
+        self.fdid = fdid
+        self.mdev = mdev
+        self.timeout = timeout
+        super().__init__(
+            "detach device from",
+            domain,
+            f"device {fdid:#x} (mdev {mdev}) is still attached after {timeout:g} s;"
+            " the guest did not release it",
+            hint=f"re-run 'vmlend detach {domain} {fdid:#x}' once it has"
+            " (the device stays reserved until then)",
+        )

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import difflib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import UUID
 
 import click
 from lxml import etree
@@ -37,7 +39,13 @@ from vmlend.domain import (
 )
 from vmlend.domain.metadata import find_metadata
 from vmlend.domain.model import DomainXML
-from vmlend.errors import ConfigError, DomainStateError, FabricError, VmlendError
+from vmlend.errors import (
+    ConfigError,
+    DetachTimeoutError,
+    DomainStateError,
+    FabricError,
+    VmlendError,
+)
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Check, Holder, format_fdid
 from vmlend.hypervisor import DomainInfo, Hypervisor
@@ -90,11 +98,53 @@ def plain_metadata(doc: DomainDocument) -> bytes | None:
     return etree.tostring(plain(meta.element))
 
 
-def hostdev_xml(doc: DomainDocument, device: VmlendDevice) -> bytes:
+def find_hostdev(doc: DomainDocument, device: VmlendDevice) -> bytes | None:
+    """The hostdev element of ``device``'s mdev in ``doc``; None when the domain has none."""
     for h in DomainXML(doc.root).mdev_hostdevs():
         if h.uuid == device.mdev:
             return etree.tostring(h.element, with_tail=False)
-    raise ConfigError(f"the domain has no hostdev for mdev {device.mdev}")
+    return None
+
+
+def hostdev_xml(doc: DomainDocument, device: VmlendDevice) -> bytes:
+    found = find_hostdev(doc, device)
+    if found is None:
+        raise ConfigError(f"the domain has no hostdev for mdev {device.mdev}")
+    return found
+
+
+@dataclass(frozen=True)
+class DetachWait:
+    """How long a live detach waits for the guest to let go of the hostdev: libvirt's live
+    detach returns once it asked QEMU, which unplugs only when the guest acknowledges (a guest
+    without an OS never does; FACTS.md). ``clock`` and ``sleep`` are injectable for tests."""
+
+    timeout: float = 10.0
+    interval: float = 0.2
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+    def __post_init__(self) -> None:
+        if self.timeout < 0 or self.interval <= 0:
+            raise ValueError(f"bad detach wait: timeout {self.timeout}, interval {self.interval}")
+
+
+def live_has_hostdev(hv: Hypervisor, name: str, mdev: UUID | str) -> bool:
+    """Whether the running domain's XML still has an mdev hostdev with UUID ``mdev``."""
+    doc = DomainDocument.parse(hv.xml(name), source=f"live XML of {name}")
+    return any(str(h.uuid) == str(mdev) for h in DomainXML(doc.root).mdev_hostdevs())
+
+
+def wait_unplugged(
+    hv: Hypervisor, name: str, fdid: int, mdev: UUID | str, wait: DetachWait
+) -> None:
+    """Return once the hostdev of ``mdev`` has left the live XML; ``DetachTimeoutError`` when
+    it is still there after ``wait.timeout`` (the caller must then keep the device held)."""
+    deadline = wait.clock() + wait.timeout
+    while live_has_hostdev(hv, name, mdev):
+        if wait.clock() >= deadline:
+            raise DetachTimeoutError(name, fdid, str(mdev), wait.timeout)
+        wait.sleep(wait.interval)
 
 
 def xml_diff(before: bytes, after: bytes, label: str) -> str:
@@ -204,10 +254,17 @@ def plan_attach(
 
 
 def apply_attach(
-    hv: Hypervisor, fabric: Fabric, plan: AttachPlan, progress: Callable[[str], None]
+    hv: Hypervisor,
+    fabric: Fabric,
+    plan: AttachPlan,
+    progress: Callable[[str], None],
+    *,
+    wait: DetachWait | None = None,
 ) -> None:
-    """Carry out ``plan`` (checks passed): all of it, or nothing and one error line."""
-    journal = UndoJournal()
+    """Carry out ``plan`` (checks passed): all of it, or nothing and one error line. A device
+    the guest still has plugged after the rollback keeps its reservation and mdev."""
+    held = UndoJournal()  # reservation and mdev
+    plugged = UndoJournal()  # hostdevs and metadata
     fd = format_fdid(plan.fdid)
     name = plan.name
     try:
@@ -217,16 +274,30 @@ def apply_attach(
                 plan.holder,
                 plan.fdid,
                 plan.device.mdev,
-                journal,
+                held,
                 guest_ram=plan.guest_ram,
                 record=progress,
             )
         for t in plan.pending:
-            _attach_to(hv, name, t, plan.after[t], plan.device, journal, progress)
-    except VmlendError as e:
-        failed = journal.rollback(progress)
+            _attach_to(hv, name, t, plan.after[t], plan.device, plugged, progress, wait)
+    except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
+        failed = plugged.rollback(progress)
+        mdev = plan.device.mdev
+        if len(held) and _still_plugged(hv, name, mdev):
+            failed.append(f"reserve and mdev {mdev} kept: the guest still has it")
+        else:
+            failed += held.rollback(progress)
+        if not isinstance(e, VmlendError):
+            raise
         tail = f"; could not undo: {'; '.join(failed)}" if failed else "; nothing was changed"
         raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
+
+
+def _still_plugged(hv: Hypervisor, name: str, mdev: UUID) -> bool:
+    try:
+        return live_has_hostdev(hv, name, mdev)
+    except VmlendError:
+        return True  # cannot tell: keeping the device held is the safe side
 
 
 def _attach_to(
@@ -237,14 +308,19 @@ def _attach_to(
     device: VmlendDevice,
     journal: UndoJournal,
     progress: Callable[[str], None],
+    wait: DetachWait | None,
 ) -> None:
     """Plug the hostdev into one definition (live or config) and update its metadata."""
     live = target == LIVE
     dev = hostdev_xml(doc, device)
     hv.attach_device(name, dev, live=live, config=not live)
-    journal.push(
-        f"{target} hostdev", lambda: hv.detach_device(name, dev, live=live, config=not live)
-    )
+
+    def unplug() -> None:
+        hv.detach_device(name, dev, live=live, config=not live)
+        if live:
+            wait_unplugged(hv, name, device.fdid, device.mdev, wait or DetachWait())
+
+    journal.push(f"{target} hostdev", unplug)
     progress(f"attach {target} hostdev mdev {device.mdev}: ok")
     old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
     hv.set_metadata(
@@ -274,8 +350,11 @@ def detach(
     live: bool,
     config: bool,
     progress: Callable[[str], None],
+    wait: DetachWait | None = None,
 ) -> DetachResult:
-    """Remove ``fdid`` from the chosen definitions; a live detach returns the device."""
+    """Remove ``fdid`` from the chosen definitions; a live detach returns the device once the
+    guest has let go of it (``DetachTimeoutError``, device still held, when it does not)."""
+    wait = wait or DetachWait()
     info = hv.lookup(vm)
     targets = resolve_targets(info, live, config)
     before = read_targets(hv, info.name, targets)
@@ -289,6 +368,8 @@ def detach(
         holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
         if fdid in held_by(fabric, holder):
             leftover = next((m.uuid for m in fabric.mdevs() if m.fdid == fdid), None)
+            if leftover is not None:
+                _unplug_orphan(hv, info.name, docs[LIVE], fdid, leftover, wait, progress)
             return_device(fabric, holder, fdid, leftover, progress)
             return DetachResult(info.name, fdid, (), True)
     if not todo:
@@ -301,9 +382,16 @@ def detach(
         is_live = t == LIVE
         device = present[t]
         assert device is not None
-        hv.detach_device(info.name, hostdev_xml(docs[t], device), live=is_live, config=not is_live)
-        progress(f"detach {t} hostdev mdev {device.mdev}: ok")
-        after = remove_device(docs[t], fdid)
+        dev = find_hostdev(docs[t], device)
+        if dev is None:
+            # An earlier detach stopped after libvirt unplugged it: finish the rest.
+            progress(f"{t} hostdev mdev {device.mdev}: already gone")
+        else:
+            hv.detach_device(info.name, dev, live=is_live, config=not is_live)
+            if is_live:
+                wait_unplugged(hv, info.name, fdid, device.mdev, wait)
+            progress(f"detach {t} hostdev mdev {device.mdev}: ok")
+        after = remove_device(docs[t], fdid, unplugged=dev is None)
         hv.set_metadata(
             info.name,
             NAMESPACE_URI,
@@ -318,6 +406,26 @@ def detach(
             holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
             returned = return_device(fabric, holder, fdid, device.mdev, progress)
     return DetachResult(info.name, fdid, todo, returned)
+
+
+def _unplug_orphan(
+    hv: Hypervisor,
+    name: str,
+    doc: DomainDocument,
+    fdid: int,
+    mdev: str,
+    wait: DetachWait,
+    progress: Callable[[str], None],
+) -> None:
+    """A hostdev the metadata no longer names (an attach rolled back while the guest still
+    had it): unplug it before its mdev goes."""
+    for h in DomainXML(doc.root).mdev_hostdevs():
+        if str(h.uuid) == mdev:
+            hv.detach_device(
+                name, etree.tostring(h.element, with_tail=False), live=True, config=False
+            )
+            wait_unplugged(hv, name, fdid, mdev, wait)
+            progress(f"detach live hostdev mdev {mdev}: ok")
 
 
 def progress(msg: str) -> None:

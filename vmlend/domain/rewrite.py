@@ -15,6 +15,7 @@ from vmlend.domain.address import PciAddress
 from vmlend.domain.consistency import (
     check_consistency,
     derivation_problems,
+    find_problems,
     pairing_problems,
     raise_on,
 )
@@ -121,10 +122,18 @@ def add_device(
     return out
 
 
-def remove_device(doc: DomainDocument, fdid: int) -> DomainDocument:
+def remove_device(doc: DomainDocument, fdid: int, *, unplugged: bool = False) -> DomainDocument:
     """Remove remote device ``fdid``; ``DomainXMLError`` if the domain does not have it. When
-    the last device goes, vmlend's metadata element goes too (and an emptied ``<metadata>``)."""
-    check_consistency(doc)
+    the last device goes, vmlend's metadata element goes too (and an emptied ``<metadata>``).
+    ``unplugged``: its hostdev may already be gone (libvirt unplugged it, then a detach was
+    interrupted before the metadata update); only that one disagreement is accepted."""
+    if unplugged:
+        name = DomainXML(doc.root).name or "?"
+        problems = find_problems(doc)
+        others = [p for p in problems if not (p.fdid == fdid and p.kind == "missing-hostdev")]
+        raise_on(others, f"domain {name} is inconsistent")
+    else:
+        check_consistency(doc)
     out = doc.copy()
     domain = DomainXML(out.root)
     meta = find_metadata(out.root)

@@ -9,7 +9,8 @@ What a remote reservation uses (DESIGN.md, limits):
   lender's, its identity on the borrower's): 30 usable entries allow 30 devices lent and 30
   borrowed per node;
 - room in the lender's NTB window for the VM's DMA windows (its guest RAM, whole segments),
-  counted once per (lender adapter, VM) however many devices the VM borrows from that lender;
+  counted once per (lender adapter, VM) however many devices the VM borrows from that lender
+  (a VM here is node + domain name: ``vm_share`` says why);
 - room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments.
 A device lent and used on the same node crosses no NTB and uses none of these.
 """
@@ -70,8 +71,17 @@ def bar_segments(spec: DeviceSpec, segment: int) -> int:
 
 
 def vm_share(holder: Holder) -> str:
-    """The key under which a VM's DMA windows are counted once per lender adapter."""
-    return f"vm:{holder.node}/{holder.vm_uuid or holder.vm}"
+    """The key under which a VM's DMA windows are counted once per lender adapter: its node
+    and domain name.
+
+    Not the UUID: ``same_holder`` treats a holder without a UUID and one with it as the same
+    VM when node and name agree, so a UUID key would count that VM's windows twice. The name
+    is what identifies the QEMU process whose RAM the windows map: libvirt allows one domain
+    per name on a host and renames only stopped domains. Two holders with one name but
+    different UUIDs (a stale hold of a redefined VM) therefore never map windows at the same
+    time, and sharing their count is exact; a VM renamed while stopped that finds a stale hold
+    under its old name is counted twice, which errs on the safe side."""
+    return f"vm:{holder.node}/{holder.vm}"
 
 
 def device_share(fdid: int) -> str:

@@ -183,6 +183,11 @@ class StateTxn:
             (rec.node, rec.fdid, rec.name),
         )
 
+    def delete_parent(self, node: str, fdid: int) -> bool:
+        self._write()
+        cur = self._c.execute("DELETE FROM mdev_parents WHERE node = ? AND fdid = ?", (node, fdid))
+        return cur.rowcount > 0
+
     _MDEV_COLS = "uuid, fdid, node, parent, type_id, vm, created"
 
     def mdevs(self, node: str | None = None) -> list[MdevRecord]:

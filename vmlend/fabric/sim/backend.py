@@ -244,14 +244,37 @@ class SimFabric:
             return self._status(tx, spec)
 
     def release(self, fdid: int, holder: Holder) -> bool:
+        """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold
+        is never touched). Either way an mdev parent nothing uses any more goes too."""
         with self._reg.write() as tx:
             hold = tx.hold(fdid)
-            if hold is None or not same_holder(hold.holder, holder):
-                return False
-            if self._hw is not None and hold.phase is Phase.BORROWED:
-                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
-            tx.delete_hold(fdid)
-        log.info("released %#x from %s", fdid, holder)
+            mine = hold is not None and same_holder(hold.holder, holder)
+            if hold is not None and mine:
+                if self._hw is not None and hold.phase is Phase.BORROWED:
+                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+                tx.delete_hold(fdid)
+            self._drop_unused_parent(tx, fdid)
+        if mine:
+            log.info("released %#x from %s", fdid, holder)
+        return mine
+
+    def forget_unused_parent(self, fdid: int) -> bool:
+        """Drop this node's parent record of ``fdid`` if no hold here and no mdev use it."""
+        with self._reg.write() as tx:
+            return self._drop_unused_parent(tx, fdid)
+
+    def _drop_unused_parent(self, tx: StateTxn, fdid: int) -> bool:
+        """Forget this node's parent of ``fdid`` when no hold here and no child remain, so a
+        failed or finished borrow leaves the state as it was before (the driver, too, drops
+        the parent when it is given back)."""
+        hold = tx.hold(fdid)
+        if hold is not None and hold.holder.node == self.local_node:
+            return False
+        if any(m.fdid == fdid for m in tx.mdevs(self.local_node)):
+            return False
+        if not tx.delete_parent(self.local_node, fdid):
+            return False
+        log.info("dropped mdev parent of %#x on %s", fdid, self.local_node)
         return True
 
     def _own_hold(self, tx: StateTxn, fdid: int, holder: Holder) -> HoldRecord:

@@ -22,6 +22,7 @@ from pathlib import Path
 from vmlend.errors import (
     DeviceNotLentError,
     FabricError,
+    HostError,
     LenderUnavailableError,
     MdevError,
     MdevParentNotFoundError,
@@ -187,22 +188,36 @@ class SmartioFabric:
         return self.device(fdid)
 
     def release(self, fdid: int, holder: Holder) -> bool:
-        if not self._state.release(fdid, holder):
-            return False
+        released = self._state.release(fdid, holder)
+        # Also on a re-run that found no hold: an earlier run may have left the parent.
         self._drop_parent_if_unused(fdid)
-        return True
+        return released
 
     def _drop_parent_if_unused(self, fdid: int) -> None:
-        """A released device's parent goes too, so the driver stops re-registering it."""
+        """When no hold on this node and no child in the kernel remain for ``fdid``, forget
+        its stale child and parent records and write ``unborrow``: it unregisters the parent
+        and ends the driver's remembering, so a returning lender does not bring the parent
+        back for a VM that is gone. The contract makes it succeed with no parent registered,
+        so it is always sent."""
         name = device_name(fdid)
         if any(d.parent == name for d in self.bus.devices()):
             return
-        if not (self.env.mdev_bus / name).exists():
+        hold = self._state.holds().get(fdid)
+        if hold is not None and hold.holder.node == self.local_node:
             return
+        for m in self._state.mdevs():
+            if m.fdid == fdid:
+                # A child the driver took away with an unreachable lender: with no hold left
+                # here no VM runs with it, so the watcher must not re-create it.
+                self._state.remove_mdev(m.uuid)
+        self._state.forget_unused_parent(fdid)
+        self._unborrow(fdid)
+
+    def _unborrow(self, fdid: int) -> None:
         try:
             self.driver.unregister_parent(fdid)
-        except FabricError as e:
-            log.warning("could not unregister mdev parent %s: %s", name, e)
+        except (FabricError, HostError) as e:
+            log.warning("could not unregister mdev parent %s: %s", device_name(fdid), e)
 
     def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
         self._require_available(fdid)
@@ -215,20 +230,30 @@ class SmartioFabric:
 
     # --- mdevs on this node --------------------------------------------------------------------
     def ensure_mdev_parent(self, fdid: int) -> str:
+        """Have the driver register ``fdid``'s parent, then record it: the registry names only
+        parents the driver accepted. A parent this call registered is unregistered again when
+        a later step (the parent not appearing, the registry refusing) fails."""
         self._require_available(fdid)
-        name = self._state.ensure_mdev_parent(fdid)  # lent, reachable, routed; recorded
-        if name != device_name(fdid):
-            raise FabricError(
-                f"registry names parent {name!r} for {fdid:#x}, driver {device_name(fdid)!r}"
-            )
+        name = device_name(fdid)
+        had = (self.env.mdev_bus / name).exists()
         self.driver.register_parent(fdid)
         try:
-            self.bus.parent(name).type(MDEV_TYPE)
-        except MdevParentNotFoundError:
-            raise MdevError(
-                f"the SmartIO driver accepted 'borrow {fdid:#x}' but no mdev parent {name}"
-                f" appeared under {self.env.mdev_bus}; see 'dmesg'"
-            ) from None
+            try:
+                self.bus.parent(name).type(MDEV_TYPE)
+            except MdevParentNotFoundError:
+                raise MdevError(
+                    f"the SmartIO driver accepted 'borrow {fdid:#x}' but no mdev parent {name}"
+                    f" appeared under {self.env.mdev_bus}; see 'dmesg'"
+                ) from None
+            recorded = self._state.ensure_mdev_parent(fdid)  # lent, reachable, routed
+            if recorded != name:
+                raise FabricError(
+                    f"registry names parent {recorded!r} for {fdid:#x}, driver {name!r}"
+                )
+        except BaseException:
+            if not had:
+                self._unborrow(fdid)
+            raise
         return name
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
