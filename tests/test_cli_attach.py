@@ -11,11 +11,12 @@ from lxml import etree
 from tests.simfabric import small_topology
 from vmlend.cli.cmd_attach import apply_attach, dma_limit_check, plan_attach
 from vmlend.domain import mdev_uuid, read_domain
-from vmlend.errors import DomainDefinitionError, FabricError, UnsupportedOperationError
+from vmlend.errors import FabricError, UnsupportedOperationError
 from vmlend.fabric.model import GiB, MiB
 from vmlend.hypervisor.sim_hv import IdleGuest
 
 from .test_cli_attach_support import (
+    MetadataFails,
     SimCluster,
     hostdev_uuids,
     make_cluster,
@@ -263,21 +264,6 @@ def test_hypervisor_refusing_the_hotplug_undoes_borrow_and_mdev(cluster):
     assert cluster.snapshot() == before
     assert any(s.startswith("undo mdev") for s in steps)
     assert any(s.startswith("undo reserve 0x10") for s in steps)
-
-
-class MetadataFails:
-    """A hypervisor whose metadata API fails after the hot-plug succeeded."""
-
-    def __init__(self, hv) -> None:
-        self._hv = hv
-
-    def __getattr__(self, name):
-        return getattr(self._hv, name)
-
-    def set_metadata(self, name, uri, key, xml, live, config):
-        if xml is not None and b"0x10" in xml:
-            raise DomainDefinitionError("set metadata of", name, "metadata refused")
-        return self._hv.set_metadata(name, uri, key, xml, live, config)
 
 
 def test_a_late_failure_unplugs_the_hostdev_and_returns_the_device(cluster):

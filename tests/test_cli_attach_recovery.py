@@ -8,9 +8,15 @@ import pytest
 
 from vmlend.cli.cmd_attach import DetachWait, apply_attach, detach, hostdev_xml, plan_attach
 from vmlend.domain import DomainDocument, find_device
-from vmlend.errors import DetachTimeoutError, DomainDefinitionError, FabricError
+from vmlend.errors import DetachTimeoutError, FabricError
 
-from .test_cli_attach_support import SimCluster, hostdev_uuids, make_cluster, metadata_fdids
+from .test_cli_attach_support import (
+    MetadataFails,
+    SimCluster,
+    hostdev_uuids,
+    make_cluster,
+    metadata_fdids,
+)
 
 GAMMA = ("-c", "sim:///gamma")
 
@@ -138,21 +144,6 @@ def test_bad_wait_settings_are_refused():
         DetachWait(timeout=-1)
     with pytest.raises(ValueError):
         DetachWait(interval=0)
-
-
-class MetadataFails:
-    """set_metadata fails once the hostdev is plugged: the attach must roll back."""
-
-    def __init__(self, hv) -> None:
-        self._hv = hv
-
-    def __getattr__(self, name):
-        return getattr(self._hv, name)
-
-    def set_metadata(self, name, uri, key, xml, live, config):
-        if xml is not None and b"0x10" in xml:
-            raise DomainDefinitionError("set metadata of", name, "metadata refused")
-        return self._hv.set_metadata(name, uri, key, xml, live, config)
 
 
 def test_attach_rollback_waits_for_the_unplug_and_keeps_the_device_while_plugged(cluster):

@@ -16,6 +16,7 @@ from tests.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.cli.connect import hook_command
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.errors import DomainDefinitionError
 from vmlend.fabric.model import MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.fabric.sim.backend import SimFabric
@@ -130,3 +131,19 @@ def one_line(result: Result, code: int = 1) -> str:
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     return lines[0]
+
+
+class MetadataFails:
+    """A hypervisor whose metadata API fails for device 0x10 after the hot-plug succeeded:
+    the attach must roll back."""
+
+    def __init__(self, hv) -> None:
+        self._hv = hv
+
+    def __getattr__(self, name):
+        return getattr(self._hv, name)
+
+    def set_metadata(self, name, uri, key, xml, live, config):
+        if xml is not None and b"0x10" in xml:
+            raise DomainDefinitionError("set metadata of", name, "metadata refused")
+        return self._hv.set_metadata(name, uri, key, xml, live, config)
