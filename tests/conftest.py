@@ -13,5 +13,6 @@ def state_path(tmp_path, monkeypatch):
     return path
 
 
-# The real private libvirtd (fixtures libvirtd, libvirt_conn, hook_recorder, libvirt_guests).
-pytest_plugins = ["tests.libvirt_daemon"]
+# The real private libvirtd (fixtures libvirtd, libvirt_conn, hook_recorder, libvirt_guests),
+# and the simulated CLI cluster (fixture cluster; modules with their own cluster override it).
+pytest_plugins = ["tests.libvirt_daemon", "tests.cli_cluster"]

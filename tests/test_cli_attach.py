@@ -15,7 +15,8 @@ from vmlend.errors import FabricError, UnsupportedOperationError
 from vmlend.fabric.model import GiB, MiB
 from vmlend.hypervisor.sim_hv import IdleGuest
 
-from .test_cli_attach_support import (
+from .cli_cluster import (
+    GAMMA,
     MetadataFails,
     SimCluster,
     hostdev_uuids,
@@ -23,15 +24,6 @@ from .test_cli_attach_support import (
     metadata_fdids,
     one_line,
 )
-
-GAMMA = ("-c", "sim:///gamma")
-
-
-@pytest.fixture
-def cluster(state_path, monkeypatch) -> SimCluster:
-    monkeypatch.delenv("VMLEND_NODE", raising=False)
-    monkeypatch.delenv("LIBVIRT_DEFAULT_URI", raising=False)
-    return make_cluster(state_path)
 
 
 def vm_uuid(cluster: SimCluster, name: str = "vm1", node: str = "gamma") -> str:

@@ -10,22 +10,13 @@ from vmlend.cli.cmd_attach import DetachWait, apply_attach, detach, hostdev_xml,
 from vmlend.domain import DomainDocument, find_device
 from vmlend.errors import DetachTimeoutError, FabricError
 
-from .test_cli_attach_support import (
+from .cli_cluster import (
+    GAMMA,
     MetadataFails,
     SimCluster,
     hostdev_uuids,
-    make_cluster,
     metadata_fdids,
 )
-
-GAMMA = ("-c", "sim:///gamma")
-
-
-@pytest.fixture
-def cluster(state_path, monkeypatch) -> SimCluster:
-    monkeypatch.delenv("VMLEND_NODE", raising=False)
-    monkeypatch.delenv("LIBVIRT_DEFAULT_URI", raising=False)
-    return make_cluster(state_path)
 
 
 class FakeClock:

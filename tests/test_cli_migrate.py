@@ -21,16 +21,7 @@ from vmlend.hypervisor import DomainState
 from vmlend.hypervisor.sim_hv import IdleGuest
 from vmlend.registry import Registry
 
-from .test_cli_attach_support import SimCluster, make_cluster, one_line
-
-GAMMA = ("-c", "sim:///gamma")
-
-
-@pytest.fixture
-def cluster(state_path, monkeypatch) -> SimCluster:
-    monkeypatch.delenv("VMLEND_NODE", raising=False)
-    monkeypatch.delenv("LIBVIRT_DEFAULT_URI", raising=False)
-    return make_cluster(state_path)
+from .cli_cluster import GAMMA, SimCluster, make_cluster, one_line
 
 
 def where(cluster: SimCluster, name: str = "vm1") -> dict[str, tuple[str, bool]]:

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from vmlend.domain import mdev_uuid
 from vmlend.fabric.model import Holder
 from vmlend.registry import Registry
 
-from .test_cli_attach_support import SimCluster, make_cluster, one_line
-
-GAMMA = ("-c", "sim:///gamma")
-
-
-@pytest.fixture
-def cluster(state_path, monkeypatch) -> SimCluster:
-    monkeypatch.delenv("VMLEND_NODE", raising=False)
-    monkeypatch.delenv("LIBVIRT_DEFAULT_URI", raising=False)
-    return make_cluster(state_path)
+from .cli_cluster import GAMMA, SimCluster, one_line
 
 
 def rows(text: str) -> list[list[str]]:

@@ -14,7 +14,7 @@ from tests.simfabric import make_fabric
 from tests.test_libvirtd_hooks import needs_no_vfio
 from vmlend.domain import mdev_uuid
 
-from .test_cli_attach_support import SimCluster, hostdev_uuids, metadata_fdids, one_line
+from .cli_cluster import SimCluster, hostdev_uuids, metadata_fdids, one_line
 
 pytestmark = pytest.mark.libvirtd
 

@@ -1,6 +1,7 @@
 """Helpers for the attach/detach, migrate and status CLI tests: a simulated cluster in a real
 state file, simulated hypervisor nodes that run the real vmlend hook as a subprocess, and the
-``vmlend`` CLI through click's CliRunner. (No tests here; the name keeps it with its tests.)"""
+``vmlend`` CLI through click's CliRunner. No tests here; conftest registers it as a plugin for the
+``cluster`` fixture."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner, Result
 from lxml import etree
 
@@ -147,3 +149,14 @@ class MetadataFails:
         if xml is not None and b"0x10" in xml:
             raise DomainDefinitionError("set metadata of", name, "metadata refused")
         return self._hv.set_metadata(name, uri, key, xml, live, config)
+
+
+#: The CLI's option for the simulated borrower node.
+GAMMA = ("-c", "sim:///gamma")
+
+
+@pytest.fixture
+def cluster(state_path, monkeypatch) -> SimCluster:
+    monkeypatch.delenv("VMLEND_NODE", raising=False)
+    monkeypatch.delenv("LIBVIRT_DEFAULT_URI", raising=False)
+    return make_cluster(state_path)
