@@ -8,6 +8,7 @@ them twice, or after a crash half-way, converges on the same clean state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from vmlend.domain import DomainInfo
 from vmlend.errors import HookError, VmlendError
@@ -24,6 +25,10 @@ class HookOps:
         self.fabric = fabric
         self.actions = actions
 
+    def _recorder(self, dom: DomainInfo, operation: str) -> Callable[[str], None]:
+        """One action-log line per step of ``operation`` on ``dom``."""
+        return lambda msg: self.actions.record(dom.name, operation, msg)
+
     def holder(self, dom: DomainInfo) -> Holder:
         return holder_for(self.fabric, dom.name, dom.uuid)
 
@@ -31,8 +36,7 @@ class HookOps:
         """Reserve every device and create its mdev, or change nothing."""
         holder = self.holder(dom)
 
-        def record(msg: str) -> None:
-            self.actions.record(dom.name, "prepare", msg)
+        record = self._recorder(dom, "prepare")
 
         journal = UndoJournal()
         for dev in dom.devices:
@@ -57,8 +61,7 @@ class HookOps:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
         crashed earlier run or a stale XML left behind (matched by VM UUID on this node)."""
 
-        def record(msg: str) -> None:
-            self.actions.record(dom.name, "release", msg)
+        record = self._recorder(dom, "release")
 
         devices = [(d.fdid, d.mdev) for d in dom.devices]
         failures = return_all(self.fabric, self.holder(dom), devices, record)
@@ -76,8 +79,7 @@ class HookOps:
         holder = self.holder(dom)
         problems: list[str] = []
 
-        def record(msg: str) -> None:
-            self.actions.record(dom.name, "reconnect", msg)
+        record = self._recorder(dom, "reconnect")
 
         for dev in dom.devices:
             try:
