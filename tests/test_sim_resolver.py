@@ -170,7 +170,11 @@ def test_fault_lut_after_give_back(lent):
     hw = lent.hw
     hw.give_back(NVME)
     enable(hw, NVME)
-    # the mappings are still there, but the requester can no longer cross
+    # the end of the borrow emptied the device's own domain
+    assert hw.lender_domain(NVME).mappings() == []
+    assert fault(hw, NVME, 0x1000).hop == "lender-iommu"
+    # a stale mapping made afterwards still cannot cross: the requester left the LUT
+    hw.lender_domain(NVME).map(0, lent.window.segment_base(SEGMENT), 1 * MiB)
     assert fault(hw, NVME, 0x1000).hop == "lut"
 
 

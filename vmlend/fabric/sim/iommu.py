@@ -75,8 +75,10 @@ def split_pages(iova: int, phys: int, size: int) -> list[tuple[int, int, int, in
 class IommuDomain:
     """One I/O address space: per-device on a lender, per-VM on a borrower."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, owner: tuple[str, str] | None = None) -> None:
         self.name = name
+        #: (node, vm) of the VM whose borrows justify the mappings; None: a device's own domain
+        self.owner = owner
         self._starts: list[int] = []  # sorted iovas of the runs, parallel to _runs
         self._runs: list[Mapping] = []
 

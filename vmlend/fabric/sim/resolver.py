@@ -4,6 +4,8 @@ Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
 
 ``dma-limit``       the IOVA is beyond the device's DMA address width (e.g. 40 bits)
 ``bus-master``      the device's Bus Master bit is off, so it cannot issue requests at all
+``fenced``          the device's last borrow teardown failed: the lender contains it until a
+                    give-back succeeds (its BARs do not answer either: ``no-target``)
 ``lender-iommu``    the lender's IOMMU, in the device's own domain, has no (writable) mapping
 ``ntb-segment``     the address hit the lender's NTB window in a segment with no translation
 ``lut``             the device's requester id is not in the crossing adapter's requester LUT
@@ -89,6 +91,9 @@ class DmaResolver:
             raise DmaFault(
                 "bus-master", iova, f"device {fdid:#x} has Bus Master disabled (command bit 2)"
             )
+        why = self.hw.fenced(fdid)
+        if why is not None:
+            raise DmaFault("fenced", iova, f"device {fdid:#x} is fenced: {why}")
         node = self.hw.node(dev.lender)
         hops = [Hop("device", node.name, iova, f"fdid {fdid:#x} rid {dev.spec.bdf}")]
         phys = self._translate(
@@ -108,6 +113,10 @@ class DmaResolver:
                 )
             if region.kind == "bar":
                 assert region.fdid is not None and region.bar is not None
+                if self.hw.fenced(region.fdid) is not None:
+                    raise DmaFault(
+                        "no-target", phys, f"{phys:#x} is a BAR of fenced device {region.fdid:#x}"
+                    )
                 if not self.hw.device(region.fdid).config.command & regs.COMMAND_MEMORY:
                     raise DmaFault(
                         "no-target",
