@@ -55,7 +55,7 @@ def test_stale_segment_lut_entry_and_context(hw):
     adapter = hw.adapter("alpha:0")
     adapter.map_segment(3, "gamma", 0)
     adapter.lut_add(hw.device(NVME).requester_id)
-    hw.node("gamma").iommu.attach(Requester(0xF0AA, via="alpha:0"), hw.vm_domain("gamma", "web"))
+    hw.node("gamma").iommu.attach(Requester(0xF0AA), hw.vm_domain("gamma", "web"))
     assert kinds(hw) == ["context", "lut", "ntb-segment"]
 
 
@@ -78,11 +78,19 @@ def test_a_vm_domain_mapping_ram_of_another_guest(hw):
     db.unpin(0, 4096)
 
 
-def test_one_requester_id_in_two_contexts(hw):
-    iommu = hw.node("gamma").iommu
-    iommu.attach(Requester(0xF002, via="alpha:0"), IommuDomain("x", owner=("gamma", "web")))
-    iommu.attach(Requester(0xF002, via="beta:0"), IommuDomain("y", owner=("gamma", "db")))
-    assert "requester-id" in kinds(hw)
+def test_two_lenders_devices_for_two_vms_on_one_node(hw):
+    # the first device of each lender: once both entered gamma as f0:00.2 (issue 10 part 2)
+    hw.borrow(GPU, "gamma", "web")
+    hw.borrow(BETA_GPU, "gamma", "db")
+    assert check_hardware(hw) == []
+    rids = {r.rid for r in hw.node("gamma").iommu.attached()}
+    assert len(rids) == 2
+
+
+def test_a_crossing_attached_where_its_device_is_not_borrowed(hw):
+    hw.borrow(GPU, "gamma", "web")
+    hw.attach_ingress(GPU, "beta", IommuDomain("beta:p2p:gamma/db", owner=("gamma", "db")))
+    assert kinds(hw) == ["context"]
 
 
 def test_an_interrupt_route_without_a_borrow(hw):

@@ -65,6 +65,16 @@ class Borrow:
     ingress: Requester | None = None  # how the device's DMA appears to the borrower's IOMMU
 
 
+@dataclass(frozen=True)
+class _Ingress:
+    """A device's crossing into ``node`` attached to a domain there. ``lut`` is the adapter
+    whose LUT entry for the device this attachment made (None: the borrow's own entry)."""
+
+    node: str
+    requester: Requester
+    lut: str | None = None
+
+
 #: ``fn(borrow)``, run when ``borrow`` ends and before the hardware forgets it: removes every
 #: mapping its owner made from or towards the device (DMA windows, peer maps, interrupt routes).
 BorrowEndSubscriber = Callable[[Borrow], None]
@@ -92,7 +102,7 @@ class SimHardware:
         self._vm_domains: dict[tuple[str, str], IommuDomain] = {}
         self._guests: dict[tuple[str, str], SimGuest] = {}
         self._borrows: dict[int, Borrow] = {}
-        self._attached: dict[int, list[tuple[str, Requester]]] = {}  # fdid -> ingress attachments
+        self._attached: dict[int, list[_Ingress]] = {}  # fdid -> ingress attachments
         self._borrow_end: list[BorrowEndSubscriber] = []
         self._fenced: dict[int, str] = {}  # fdid -> why its last teardown failed
         self._routes: dict[tuple[str, str], NtbPath | NoPathError | None] = {}
@@ -284,62 +294,98 @@ class SimHardware:
         log.info("device %#x borrowed by %s/%s", fdid, node, vm)
         return result
 
+    def requester_key(self, fdid: int) -> int:
+        """``fdid``'s cluster-wide requester identity: the key of its LUT entries on the far
+        side of a crossing."""
+        dev = self.device(fdid)
+        return fabric_requester_key(self.node(dev.lender).spec.node_id, dev.requester_id)
+
     def _borrow_remote(self, dev: SimDevice, node: str, vm: str, path: NtbPath) -> Borrow:
         src = self.adapter(path.src.ref)
         dst = self.adapter(path.dst.ref)
-        key = fabric_requester_key(self.node(dev.lender).spec.node_id, dev.requester_id)
+        key = self.requester_key(dev.fdid)
         lender_entry = src.lut_add(dev.requester_id)
         try:
             borrower_entry = dst.lut_add(key)
         except Exception:
             src.lut_remove(dev.requester_id)
             raise
-        ingress = Requester(src.far_requester_id(dst, lender_entry), via=src.ref)
+        ingress = Requester(dst.assigned_requester_id(borrower_entry))
         try:
             self.node(node).iommu.attach(ingress, self.vm_domain(node, vm))
         except Exception:
             src.lut_remove(dev.requester_id)
             dst.lut_remove(key)
             raise
-        self._attached[dev.fdid] = [(node, ingress)]
+        self._attached[dev.fdid] = [_Ingress(node, ingress)]
         return Borrow(dev.fdid, node, vm, dev.lender, path, lender_entry, borrower_entry, ingress)
 
     def ingress(self, fdid: int, node: str) -> Requester:
         """The requester a DMA of the (borrowed) device carries when it enters ``node`` through
-        the NTB: what ``node``'s IOMMU must know to translate it."""
+        the NTB: the id the entering adapter's own LUT entry for the device assigns, which is
+        all ``node``'s IOMMU sees. ``FabricError`` when the device may not cross, or ``node``'s
+        adapter has no entry for it (nothing entering as it would be translated)."""
         dev = self.device(fdid)
         path = self.route(dev.lender, node)
         if path is None:
             raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
         src = self.adapter(path.src.ref)
-        entry = src.lut_lookup(dev.requester_id)
-        if entry is None:
+        if src.lut_lookup(dev.requester_id) is None:
             raise FabricError(
                 f"device {fdid:#x} has no LUT entry on {src.ref}; borrow it before routing "
                 "its DMA to another node"
             )
-        return Requester(src.far_requester_id(self.adapter(path.dst.ref), entry), via=src.ref)
+        dst = self.adapter(path.dst.ref)
+        entry = dst.lut_lookup(self.requester_key(fdid))
+        if entry is None:
+            raise FabricError(
+                f"device {fdid:#x} has no LUT entry on {dst.ref}: {node} would not know its "
+                "requests"
+            )
+        return Requester(dst.assigned_requester_id(entry))
 
     def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:
         """Let ``fdid``'s DMA entering ``node`` be translated by ``domain`` (peer-to-peer to a
-        device on a third node: ``domain`` maps to that device's BAR). Undone by
+        device on a third node: ``domain`` maps to that device's BAR), giving the device a LUT
+        entry on ``node``'s adapter if it has none. Undone by ``detach_ingress`` or
         ``give_back``."""
-        requester = self.ingress(fdid, node)
-        self.node(node).iommu.attach(requester, domain)
+        dev = self.device(fdid)
+        path = self.route(dev.lender, node)
+        if path is None:
+            raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
+        dst = self.adapter(path.dst.ref)
+        key = self.requester_key(fdid)
+        made = None
+        if dst.lut_lookup(key) is None:
+            dst.lut_add(key)
+            made = dst.ref
+        try:
+            requester = self.ingress(fdid, node)
+            self.node(node).iommu.attach(requester, domain)
+        except Exception:
+            if made is not None:
+                dst.lut_remove(key)
+            raise
         entries = self._attached.setdefault(fdid, [])
-        if (node, requester) not in entries:
-            entries.append((node, requester))
+        if not any(a.node == node for a in entries):
+            entries.append(_Ingress(node, requester, made))
         return requester
 
     def detach_ingress(self, fdid: int, node: str) -> bool:
-        """Undo ``attach_ingress``: ``fdid``'s DMA entering ``node`` is blocked again. False
-        when nothing was attached there."""
+        """Undo ``attach_ingress``: ``fdid``'s DMA entering ``node`` is blocked again (and the
+        LUT entry it made goes). False when nothing was attached there."""
         entries = self._attached.get(fdid, [])
-        for i, (name, requester) in enumerate(entries):
-            if name == node:
+        for i, attached in enumerate(entries):
+            if attached.node == node:
                 del entries[i]
-                return self.node(node).iommu.detach(requester)
+                return self._detach(fdid, attached)
         return False
+
+    def _detach(self, fdid: int, attached: _Ingress) -> bool:
+        done = self.node(attached.node).iommu.detach(attached.requester)
+        if attached.lut is not None:
+            self.adapter(attached.lut).lut_remove(self.requester_key(fdid))
+        return done
 
     def on_borrow_end(self, fn: BorrowEndSubscriber) -> Callable[[], None]:
         """Run ``fn(borrow)`` whenever a borrow ends, before the hardware drops it, so whoever
@@ -382,14 +428,13 @@ class SimHardware:
         if failures:
             self._fence(dev, current, failures)
         self._fenced.pop(fdid, None)
-        for node_name, requester in self._attached.pop(fdid, []):
-            self.node(node_name).iommu.detach(requester)
+        for attached in self._attached.pop(fdid, []):
+            self._detach(fdid, attached)
         if current.path is not None:
             src = self.adapter(current.path.src.ref)
             dst = self.adapter(current.path.dst.ref)
             src.lut_remove(dev.requester_id)
-            lender_id = self.node(dev.lender).spec.node_id
-            dst.lut_remove(fabric_requester_key(lender_id, dev.requester_id))
+            dst.lut_remove(self.requester_key(fdid))
         left = self._lender_domains[fdid].mappings()
         if left:
             # the device's own domain is the borrow's: what no subscriber claimed goes with it

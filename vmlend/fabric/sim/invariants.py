@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from vmlend.errors import FabricError
 from vmlend.fabric.admission import vm_share
 from vmlend.fabric.model import Holder
-from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
+from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.fabric.sim.iommu import Mapping as IommuMapping
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
@@ -202,24 +202,26 @@ class _Checker:
 
     def luts(self) -> None:
         by_rid = {(d.lender, d.requester_id): d.fdid for d in self.hw.devices()}
-        by_key = {
-            fabric_requester_key(self.hw.node(d.lender).spec.node_id, d.requester_id): d.fdid
-            for d in self.hw.devices()
-        }
+        by_key = {self.hw.requester_key(d.fdid): d.fdid for d in self.hw.devices()}
         for adapter in self.hw.adapters():
             for rid, entry in sorted(adapter.lut().items()):
                 where = f"{adapter.ref} LUT entry {entry}"
                 fdid = by_rid.get((adapter.node, rid))
-                if fdid is not None:
+                if fdid is not None:  # outbound: a local function allowed to cross
                     if fdid not in self.owners:
-                        self.bad(
-                            "lut", where, f"lets device {fdid:#x} across, which is not borrowed"
-                        )
+                        self.bad("lut", where, f"lets {fdid:#x} across, which is not borrowed")
                     continue
-                fdid = by_key.get(rid)
-                borrow = self.hw.borrowed(fdid) if fdid is not None else None
-                if borrow is None or borrow.path is None or borrow.path.dst.ref != adapter.ref:
-                    self.bad("lut", where, f"key {rid:#x} belongs to no borrow through it")
+                fdid = by_key.get(rid)  # inbound: how this adapter names a remote function
+                if fdid is None or fdid not in self.owners:
+                    self.bad("lut", where, f"key {rid:#x} names no borrowed device")
+                    continue
+                try:
+                    requester = self.hw.ingress(fdid, adapter.node)
+                except FabricError:
+                    requester = None
+                iommu = self.hw.node(adapter.node).iommu
+                if requester is None or iommu.domain_for(requester) is None:
+                    self.bad("lut", where, f"names {fdid:#x}, which enters no domain here")
 
     def contexts(self) -> None:
         for name, node in self.hw.nodes.items():
@@ -236,7 +238,7 @@ class _Checker:
                 fdid = self.hw.crossing_source(name, requester)
                 if fdid is None:
                     local = [d for d in node.devices.values() if d.requester_id == requester.rid]
-                    if requester.via or not local:
+                    if not local:
                         self.bad(
                             "context", where, f"no borrowed device enters as it ({domain.name})"
                         )

@@ -39,15 +39,14 @@ class Mapping:
 
 @dataclass(frozen=True)
 class Requester:
-    """A DMA issuer as one node's IOMMU sees it: a local function (``via`` empty), or traffic
-    that entered through an NTB adapter (``via`` = the adapter ref it came from)."""
+    """A DMA issuer as one node's IOMMU sees it: the 16-bit requester id and nothing else. A
+    local function has its BDF; traffic that entered through an NTB adapter has the id that
+    adapter's LUT entry assigned (on the adapter's bus)."""
 
     rid: int  # 16-bit bus/device/function
-    via: str = ""
 
     def __str__(self) -> str:
-        bdf = f"{self.rid >> 8:02x}:{self.rid >> 3 & 0x1F:02x}.{self.rid & 7}"
-        return f"{bdf} via {self.via}" if self.via else bdf
+        return f"{self.rid >> 8:02x}:{self.rid >> 3 & 0x1F:02x}.{self.rid & 7}"
 
 
 def split_pages(iova: int, phys: int, size: int) -> list[tuple[int, int, int, int]]:

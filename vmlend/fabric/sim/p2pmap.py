@@ -8,9 +8,10 @@ with ``vmlend.p2p.plan_p2p`` on every change and applies only the difference, al
   target is on the borrower, else a domain of this VM on the target's lender); one segment of
   the source lender's adapter per segment-sized chunk of that GPA range points at it (shared by
   every source and every BAR in the chunk); the source's requester id is let through the
-  adapter's LUT (a borrowed device already is) and its crossing is attached to the target
-  domain; the source's lender domain maps the GPA onto the segments last, so the device never
-  reaches a half-built path. Removal runs the other way.
+  adapter's LUT (a borrowed device already is), the target's adapter gets an entry naming it
+  (the id it enters with) and its crossing is attached to the target domain; the source's
+  lender domain maps the GPA onto the segments last, so the device never reaches a half-built
+  path. Removal runs the other way.
 
 Segments, LUT entries, target mappings and attachments are shared between maps and counted, so
 they go when the last map using them goes. Only what this mapper set up is undone: a borrow's
@@ -30,7 +31,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vmlend.errors import DeviceHeldError, P2PError, ResourceExhaustedError
+from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
 from vmlend.fabric.model import BarKind
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
@@ -311,12 +312,8 @@ class P2PMapper:
 
             self._share(applied, lut_key, let_through)
 
-        far = self.hw.node(m.target_node).iommu
         ingress_key = ("ingress", m.source, m.target_node)
-        if (
-            ingress_key in self._shared
-            or far.domain_for(self.hw.ingress(m.source, m.target_node)) is None
-        ):
+        if ingress_key in self._shared or not self._enters(m.source, m.target_node):
 
             def attach() -> tuple[None, Undo]:
                 self.hw.attach_ingress(m.source, m.target_node, target)
@@ -342,6 +339,15 @@ class P2PMapper:
             chunk += seg
         for iova, window, size in pieces:  # the device side last
             self._map_lender(applied, iova, window, size)
+
+
+    def _enters(self, fdid: int, node: str) -> bool:
+        """Whether ``fdid``'s DMA entering ``node`` is translated already (by its borrow)."""
+        try:
+            requester = self.hw.ingress(fdid, node)
+        except FabricError:
+            return False  # the far adapter has no LUT entry for it yet
+        return self.hw.node(node).iommu.domain_for(requester) is not None
 
 
 def _last_free_segment(adapter: NtbAdapter) -> int:

@@ -8,7 +8,8 @@ Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
                     give-back succeeds (its BARs do not answer either: ``no-target``)
 ``lender-iommu``    the lender's IOMMU, in the device's own domain, has no (writable) mapping
 ``ntb-segment``     the address hit the lender's NTB window in a segment with no translation
-``lut``             the device's requester id is not in the crossing adapter's requester LUT
+``lut``             the device's requester id is not in the crossing adapter's requester LUT,
+                    or the far adapter has no entry for it (it assigns the id the far side sees)
 ``borrower-iommu``  the far node's IOMMU has no domain for the crossing, or no mapping in it
 ``no-target``       nothing decodes the physical address: a hole, a BAR whose device has
                     memory decoding off, or an NTB window again (hosts do not forward NTB
@@ -159,10 +160,20 @@ class DmaResolver:
             path = self.hw.route(node.name, remote_name)
             assert path is not None
             far = self.hw.adapter(path.dst.ref)
-            ingress = Requester(adapter.far_requester_id(far, entry), via=adapter.ref)
-            hops.append(Hop("lut", remote_name, remote_addr, f"entry {entry} -> {ingress}"))
+            far_entry = far.lut_lookup(self.hw.requester_key(fdid))
+            if far_entry is None:
+                raise DmaFault(
+                    "lut",
+                    phys,
+                    f"device {fdid:#x} has no entry in the requester LUT of {far.ref}: "
+                    f"{remote_name} drops its requests",
+                )
+            ingress = Requester(far.assigned_requester_id(far_entry))
+            hops.append(
+                Hop("lut", remote_name, remote_addr, f"{far.ref} entry {far_entry} -> {ingress}")
+            )
             node = self.hw.node(remote_name)
-            what = f"device {fdid:#x} via {adapter.ref} (LUT entry {entry})"
+            what = f"device {fdid:#x} entering through {far.ref} (LUT entry {far_entry})"
             phys = self._translate(node, ingress, remote_addr, write, "borrower-iommu", what)
             domain = node.iommu.domain_for(ingress)
             hops.append(Hop("borrower-iommu", node.name, phys, domain.name if domain else ""))
