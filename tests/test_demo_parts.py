@@ -114,3 +114,22 @@ def test_cleanup_on_a_clean_state_does_nothing(tmp_path: Path):
 def test_a_cluster_needs_an_initialised_state(tmp_path: Path):
     with pytest.raises(StateError):
         DemoCluster(tmp_path / "missing.db")
+
+
+def test_a_step_leaving_an_unjustified_mapping_fails_the_run(tmp_path: Path):
+    from vmlend.demo.steps import fabric_step
+
+    def stale(story) -> dict:
+        # a device nobody borrowed keeps a mapping into the NVMe's BAR (a leaked P2P map)
+        hw = story.c.hw
+        hw.lender_domain(0x10).map(0x1000_0000, hw.device(0x12).bar_range(0)[0], 4096)
+        return {}
+
+    result = run_demo(
+        tmp_path / "state.db",
+        steps=[Step("fabric", "fabric", fabric_step), Step("stale", "stale", stale)],
+    )
+    assert [s.ok for s in result.steps] == [True, False]
+    assert result.error is not None
+    assert "fabric invariant violated: lender-iommu alpha:dev0x10" in result.error
+    assert "device 0x10 is not borrowed" in result.error

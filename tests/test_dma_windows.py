@@ -180,9 +180,14 @@ def test_a_vm_on_another_borrower_is_out_of_reach(cluster):
     assert_maps_exactly_ram(there, 0x11)
     t = cluster.hw.resolve_dma(0x12, 0x1000)
     assert t.node == "gamma" and t.owner == "here"
-    # point 0x12 at the segment that leads to beta: beta's IOMMU does not know its crossing
+    # point 0x12 at the segment that leads to beta: beta's adapter has no LUT entry naming
+    # it (its requests are dropped there), and beta's IOMMU does not know its crossing
     seg = {r.key: r.data for r in cluster.runtime() if r.fdid == 0x11}["low"]["ntb_window"]
     cluster.hw.lender_domain(0x12).map(3 * GiB, seg, 2 * MiB)
+    with pytest.raises(DmaFault) as e:
+        cluster.hw.resolve_dma(0x12, 3 * GiB)
+    assert e.value.hop == "lut" and "beta:0" in str(e.value)
+    cluster.hw.adapter("beta:0").lut_add(cluster.hw.requester_key(0x12))
     with pytest.raises(DmaFault) as e:
         cluster.hw.resolve_dma(0x12, 3 * GiB)
     assert e.value.hop == "borrower-iommu"

@@ -10,6 +10,7 @@ from vmlend.errors import (
     BarConflictError,
     DeviceHeldError,
     DmaFault,
+    FabricError,
     NoPathError,
     P2PError,
     ResourceExhaustedError,
@@ -147,8 +148,9 @@ def test_a_removed_device_is_unreachable_and_reaches_nothing(hw, p2p):
     p2p.remove_device(NIC)  # idempotent
     # nothing of alpha crosses to beta any more: segments and beta attachments are gone
     assert hw.adapter("alpha:0").mapped_segments() == []
-    beta = hw.node("beta").iommu
-    assert beta.domain_for(hw.ingress(GPU, "beta")) is None
+    assert hw.adapter("beta:0").lut_lookup(hw.requester_key(GPU)) is None
+    with pytest.raises(FabricError, match="no LUT entry on beta:0"):
+        hw.ingress(GPU, "beta")
     assert [m.case for m in p2p.maps()] == [SAME_LENDER, SAME_LENDER] * 3
 
 

@@ -16,7 +16,8 @@ from vmlend.errors import (
 )
 from vmlend.fabric.model import GiB, GuestRange, MiB
 from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.iommu import Requester
+from vmlend.fabric.sim.invariants import check_hardware
+from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.pci import regs
 
@@ -239,7 +240,29 @@ def test_ingress_needs_a_borrow_and_a_crossing(hw):
         hw.ingress(0x10, "alpha")
     b = hw.borrow(0x10, "gamma", "web")
     assert hw.ingress(0x10, "gamma") == b.ingress
-    assert hw.ingress(0x10, "beta").via == "alpha:0"
+    # beta's adapter does not know the device: nothing entering beta carries an id for it
+    with pytest.raises(FabricError, match="no LUT entry on beta:0"):
+        hw.ingress(0x10, "beta")
+    domain = IommuDomain("beta:p2p")
+    requester = hw.attach_ingress(0x10, "beta", domain)
+    assert requester.rid >> 8 == hw.adapter("beta:0").bus
+    assert hw.node("beta").iommu.domain_for(requester) is domain
+    assert hw.detach_ingress(0x10, "beta")
+    assert hw.adapter("beta:0").lut_lookup(hw.requester_key(0x10)) is None
+
+
+def test_two_lenders_devices_enter_with_distinct_requester_ids(hw):
+    # both are the first device lent by their lender: the same outbound LUT entry on alpha:0
+    # and beta:0, yet gamma sees two ids, assigned by gamma:0's own entries
+    a = hw.borrow(0x10, "gamma", "web")
+    b = hw.borrow(0x20, "gamma", "db")
+    assert a.lender_entry == b.lender_entry
+    assert a.ingress is not None and b.ingress is not None
+    assert a.ingress.rid != b.ingress.rid
+    gamma0 = hw.adapter("gamma:0")
+    assert a.ingress.rid == gamma0.assigned_requester_id(a.borrower_entry)
+    assert b.ingress.rid == gamma0.assigned_requester_id(b.borrower_entry)
+    assert check_hardware(hw) == []
 
 
 def test_two_borrowed_devices_cross_with_distinct_requesters(hw):

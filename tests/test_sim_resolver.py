@@ -170,7 +170,11 @@ def test_fault_lut_after_give_back(lent):
     hw = lent.hw
     hw.give_back(NVME)
     enable(hw, NVME)
-    # the mappings are still there, but the requester can no longer cross
+    # the end of the borrow emptied the device's own domain
+    assert hw.lender_domain(NVME).mappings() == []
+    assert fault(hw, NVME, 0x1000).hop == "lender-iommu"
+    # a stale mapping made afterwards still cannot cross: the requester left the LUT
+    hw.lender_domain(NVME).map(0, lent.window.segment_base(SEGMENT), 1 * MiB)
     assert fault(hw, NVME, 0x1000).hop == "lut"
 
 
@@ -182,11 +186,15 @@ def test_fault_borrower_iommu_unmapped(lent):
     assert hw.resolve_dma(NVME, 0x2000).kind == "ram"
 
 
-def test_fault_borrower_iommu_other_node_has_no_domain(lent):
-    # the LUT lets the device cross, but beta's IOMMU knows nothing of it: isolation holds
+def test_fault_other_node_does_not_know_the_device(lent):
+    # alpha's LUT lets the device cross, but beta's adapter has no entry naming it: dropped
     hw = lent.hw
     lent.window.map_segment(SEGMENT + 3, "beta", 0)
     hw.lender_domain(NVME).map(1 << 44, lent.window.segment_base(SEGMENT + 3), FRAME)
+    f = fault(hw, NVME, 1 << 44)
+    assert f.hop == "lut" and "requester LUT of beta:0" in f.why
+    # with an entry, beta's IOMMU still knows nothing of the id it assigns: isolation holds
+    hw.adapter("beta:0").lut_add(hw.requester_key(NVME))
     f = fault(hw, NVME, 1 << 44)
     assert f.hop == "borrower-iommu" and "no IOMMU domain on beta" in f.why
 

@@ -72,6 +72,21 @@ class DeviceHeldError(FabricError):
         super().__init__(f"device {fdid:#x} is held by {node}/{vm}")
 
 
+class BorrowTeardownError(FabricError):
+    """Ending a borrow could not remove every mapping of the device: it stays fenced under
+    its old borrow (no bus mastering, no decoding) until a retried give-back succeeds."""
+
+    def __init__(self, fdid: int, node: str, vm: str, why: str) -> None:
+        self.fdid = fdid
+        self.node = node
+        self.vm = vm
+        self.why = why
+        super().__init__(
+            f"device {fdid:#x} stays fenced by {node}/{vm}: its mappings could not be torn "
+            f"down ({why}); fix the cause and give it back again"
+        )
+
+
 class LenderUnavailableError(FabricError):
     def __init__(self, fdid: int, lender: str, why: str = "is unreachable") -> None:
         self.fdid = fdid

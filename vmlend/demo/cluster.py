@@ -22,6 +22,7 @@ from vmlend.fabric.model import GiB
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.dmawin import RegistryWindowLedger
 from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.invariants import Violation, check_hardware
 from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
 from vmlend.fabric.topology import parse_topology
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
@@ -113,6 +114,12 @@ class DemoCluster:
             hv.hooks = HookTrace(node, hv.hooks.command, hv.hooks.timeout, self.hook_calls)
             self._hypervisors[node] = hv
         return self._hypervisors[node]
+
+    def violations(self) -> list[Violation]:
+        """The fabric's invariants over this process's hardware and the shared holds/claims."""
+        with self.registry.read() as tx:
+            holds, claims = tx.holds(), tx.claims()
+        return check_hardware(self.hw, holds=holds, claims=claims)
 
     # --- idempotence --------------------------------------------------------------------------
     def remove_vm(self, name: str) -> list[str]:

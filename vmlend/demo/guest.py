@@ -11,6 +11,7 @@ device; a hot-remove and a stop take it all down again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,7 +21,7 @@ from vmlend.demo.interrupts import VmInterrupts, WiredDevice, enable_guest_inter
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.dmawin import WindowLedger
-from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.hardware import Borrow, SimHardware
 from vmlend.fabric.sim.p2pmap import P2PMapper, Recorder
 from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hypervisor import IdleGuest
@@ -53,6 +54,7 @@ class RunningGuest:
     vm: SimVm
     p2p: P2PMapper
     irqs: VmInterrupts
+    unsubscribe: Callable[[], None]  # stops following the hardware's borrow ends
 
 
 def _mdev_uuid(device_xml: bytes) -> str:
@@ -86,7 +88,16 @@ class DemoGuest(IdleGuest):
             p2p=p2p,
             backing=self.world.backing,
         )
-        self.running[name] = RunningGuest(vm, p2p, VmInterrupts(self.node))
+        irqs = VmInterrupts(self.node)
+
+        def borrow_ended(borrow: Borrow) -> None:
+            # the device's interrupts stop reaching this VM in the same step as its DMA; the
+            # vector records go when the device leaves the guest (no registry write here: the
+            # borrow may end inside the fabric's transaction)
+            if (borrow.node, borrow.vm) == (self.node, name):
+                irqs.unwire(borrow.fdid)
+
+        self.running[name] = RunningGuest(vm, p2p, irqs, hw.on_borrow_end(borrow_ended))
 
     def on_device_added(self, name: str, device_xml: bytes) -> None:
         g = self.guest(name)
@@ -114,6 +125,8 @@ class DemoGuest(IdleGuest):
             self.world.vector_recorder()(fdid, None)
         g.irqs.close()
         g.vm.stop()
+        g.p2p.close()
+        g.unsubscribe()
 
     # --- the guest OS ---------------------------------------------------------------------------
     def load_drivers(self, name: str) -> list[WiredDevice]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from vmlend.demo.context import DemoConfig, Story
 from vmlend.demo.steps import STEPS, Step
-from vmlend.errors import VmlendError
+from vmlend.errors import DemoError, VmlendError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ def run_demo(
             t0 = clock()
             try:
                 data = step.run(story)
+                _check_invariants(story)
             except VmlendError as e:
                 log.debug("step %s failed", step.key, exc_info=True)
                 done = StepResult(n, step.key, step.title, False, clock() - t0, {}, str(e))
@@ -104,3 +105,14 @@ def run_demo(
             story.cluster.close()
         result.seconds = clock() - started
     return result
+
+
+def _check_invariants(story: Story) -> None:
+    """Fail the step loudly when any mapping, LUT entry, context or interrupt route is not
+    justified by a current borrow (``vmlend.fabric.sim.invariants``)."""
+    if story.cluster is None:
+        return
+    found = story.cluster.violations()
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise DemoError(f"fabric invariant violated: {found[0]}{more}")

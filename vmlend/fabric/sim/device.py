@@ -121,6 +121,11 @@ class SimDevice:
 
         return remove
 
+    @property
+    def interrupt_routes(self) -> int:
+        """How many sinks receive this device's interrupts (relays, the lender's vfio)."""
+        return len(self._sinks)
+
     def raise_interrupt(self, vector: int) -> int:
         """The device signals ``vector``. Whether that is INTx, MSI or MSI-X and whether it is
         masked is for the sinks to decide from config and MSI-X state. Returns how many sinks

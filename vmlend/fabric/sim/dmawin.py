@@ -15,6 +15,9 @@ programs the three stages (DESIGN.md mechanism 6):
 A device lent by the VM's own node crosses no NTB: its domain maps IOVA = GPA -> host frames,
 as local VFIO does. Every refusal (layout mismatch, DMA limit, window room, free segments) is
 raised before anything is mapped, and a failure part way undoes what was done, pins included.
+
+The windows follow the hardware's borrow ends: a device of this VM given back by any path loses
+its windows before the borrow goes (the records are removed at the next ``settle``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Protocol
 from vmlend.errors import DmaLimitError, FabricError
 from vmlend.fabric.model import GiB, GuestRange, KiB, MiB
 from vmlend.fabric.sim.guest import SimGuest
-from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.hardware import Borrow, SimHardware
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.fabric.sim.ntb import NtbAdapter
 from vmlend.memory.layout import Layout
@@ -190,6 +193,7 @@ class VmDmaWindows:
         self._devices: dict[int, DeviceWindows] = {}
         self._borrower_users: set[int] = set()  # remote devices using the VM domain's maps
         self._unforgotten: set[int] = set()  # unmapped, records still to be removed
+        self._unsubscribe = hardware.on_borrow_end(self._borrow_ended)
 
     @property
     def node(self) -> str:
@@ -371,10 +375,16 @@ class VmDmaWindows:
             self._unforgotten.discard(fdid)
 
     def close(self) -> None:
-        """Unmap everything (VM stop)."""
+        """Unmap everything (VM stop) and stop following borrow ends."""
         for fdid in list(self._devices):
             self.disable(fdid)
         self.settle()
+        self._unsubscribe()
+
+    def _borrow_ended(self, borrow: Borrow) -> None:
+        if (borrow.node, borrow.vm) == (self.node, self.vm):
+            # maybe inside the fabric's registry transaction: the records wait for settle
+            self.disable(borrow.fdid, forget=False)
 
 
 def _plan_records(plan: DmaPlan, lender: IommuDomain) -> dict[str, dict[str, Any]]:

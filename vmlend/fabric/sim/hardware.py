@@ -10,9 +10,11 @@ The backend (and the DMA-window, interrupt and peer-to-peer code) drive it throu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vmlend.errors import (
+    BorrowTeardownError,
     DeviceHeldError,
     FabricError,
     NoPathError,
@@ -28,6 +30,7 @@ from vmlend.fabric.sim.hostmem import HUGE_2M, HostMemory
 from vmlend.fabric.sim.iommu import IommuDomain, NodeIommu, Requester
 from vmlend.fabric.sim.ntb import NtbAdapter
 from vmlend.fabric.sim.resolver import DmaResolver, DmaTarget
+from vmlend.pci import regs
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,21 @@ class Borrow:
     ingress: Requester | None = None  # how the device's DMA appears to the borrower's IOMMU
 
 
+@dataclass(frozen=True)
+class _Ingress:
+    """A device's crossing into ``node`` attached to a domain there. ``lut`` is the adapter
+    whose LUT entry for the device this attachment made (None: the borrow's own entry)."""
+
+    node: str
+    requester: Requester
+    lut: str | None = None
+
+
+#: ``fn(borrow)``, run when ``borrow`` ends and before the hardware forgets it: removes every
+#: mapping its owner made from or towards the device (DMA windows, peer maps, interrupt routes).
+BorrowEndSubscriber = Callable[[Borrow], None]
+
+
 def _domain_name(node: str, what: str) -> str:
     return f"{node}:{what}"
 
@@ -84,7 +102,10 @@ class SimHardware:
         self._vm_domains: dict[tuple[str, str], IommuDomain] = {}
         self._guests: dict[tuple[str, str], SimGuest] = {}
         self._borrows: dict[int, Borrow] = {}
-        self._attached: dict[int, list[tuple[str, Requester]]] = {}  # fdid -> ingress attachments
+        self._attached: dict[int, list[_Ingress]] = {}  # fdid -> ingress attachments
+        self._borrow_end: list[BorrowEndSubscriber] = []
+        self._fenced: dict[int, str] = {}  # fdid -> why its last teardown failed
+        self._routes: dict[tuple[str, str], NtbPath | NoPathError | None] = {}
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
@@ -160,7 +181,17 @@ class SimHardware:
         return [self._devices[f] for f in sorted(self._devices)]
 
     def route(self, src: str, dst: str) -> NtbPath | None:
-        return route(self.topology, src, dst)
+        # the topology never changes under a SimHardware: each route is computed once
+        key = (src, dst)
+        if key not in self._routes:
+            try:
+                self._routes[key] = route(self.topology, src, dst)
+            except NoPathError as e:
+                self._routes[key] = e
+        found = self._routes[key]
+        if isinstance(found, NoPathError):
+            raise NoPathError(src, dst)
+        return found
 
     # --- IOMMU domains ------------------------------------------------------------------------
     def lender_domain(self, fdid: int) -> IommuDomain:
@@ -175,8 +206,23 @@ class SimHardware:
         self.node(node)
         key = (node, vm)
         if key not in self._vm_domains:
-            self._vm_domains[key] = IommuDomain(_domain_name(node, f"vm:{vm}"))
+            self._vm_domains[key] = IommuDomain(_domain_name(node, f"vm:{vm}"), owner=key)
         return self._vm_domains[key]
+
+    def vm_domains(self) -> list[IommuDomain]:
+        """Every per-VM domain that exists now."""
+        return [self._vm_domains[k] for k in sorted(self._vm_domains)]
+
+    def crossing_source(self, node: str, requester: Requester) -> int | None:
+        """The device whose DMA enters ``node`` through the NTB as ``requester``, or None when
+        no LUT entry produces that requester (a local function, or a stale attachment)."""
+        for fdid in sorted(self._devices):
+            try:  # FabricError: local to ``node``, unreachable, or never let across
+                if self.ingress(fdid, node) == requester:
+                    return fdid
+            except FabricError:
+                continue
+        return None
 
     # --- guests --------------------------------------------------------------------------------
     def create_guest(
@@ -248,84 +294,165 @@ class SimHardware:
         log.info("device %#x borrowed by %s/%s", fdid, node, vm)
         return result
 
+    def requester_key(self, fdid: int) -> int:
+        """``fdid``'s cluster-wide requester identity: the key of its LUT entries on the far
+        side of a crossing."""
+        dev = self.device(fdid)
+        return fabric_requester_key(self.node(dev.lender).spec.node_id, dev.requester_id)
+
     def _borrow_remote(self, dev: SimDevice, node: str, vm: str, path: NtbPath) -> Borrow:
         src = self.adapter(path.src.ref)
         dst = self.adapter(path.dst.ref)
-        key = fabric_requester_key(self.node(dev.lender).spec.node_id, dev.requester_id)
+        key = self.requester_key(dev.fdid)
         lender_entry = src.lut_add(dev.requester_id)
         try:
             borrower_entry = dst.lut_add(key)
         except Exception:
             src.lut_remove(dev.requester_id)
             raise
-        ingress = Requester(src.far_requester_id(dst, lender_entry), via=src.ref)
+        ingress = Requester(dst.assigned_requester_id(borrower_entry))
         try:
             self.node(node).iommu.attach(ingress, self.vm_domain(node, vm))
         except Exception:
             src.lut_remove(dev.requester_id)
             dst.lut_remove(key)
             raise
-        self._attached[dev.fdid] = [(node, ingress)]
+        self._attached[dev.fdid] = [_Ingress(node, ingress)]
         return Borrow(dev.fdid, node, vm, dev.lender, path, lender_entry, borrower_entry, ingress)
 
     def ingress(self, fdid: int, node: str) -> Requester:
         """The requester a DMA of the (borrowed) device carries when it enters ``node`` through
-        the NTB: what ``node``'s IOMMU must know to translate it."""
+        the NTB: the id the entering adapter's own LUT entry for the device assigns, which is
+        all ``node``'s IOMMU sees. ``FabricError`` when the device may not cross, or ``node``'s
+        adapter has no entry for it (nothing entering as it would be translated)."""
         dev = self.device(fdid)
         path = self.route(dev.lender, node)
         if path is None:
             raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
         src = self.adapter(path.src.ref)
-        entry = src.lut_lookup(dev.requester_id)
-        if entry is None:
+        if src.lut_lookup(dev.requester_id) is None:
             raise FabricError(
                 f"device {fdid:#x} has no LUT entry on {src.ref}; borrow it before routing "
                 "its DMA to another node"
             )
-        return Requester(src.far_requester_id(self.adapter(path.dst.ref), entry), via=src.ref)
+        dst = self.adapter(path.dst.ref)
+        entry = dst.lut_lookup(self.requester_key(fdid))
+        if entry is None:
+            raise FabricError(
+                f"device {fdid:#x} has no LUT entry on {dst.ref}: {node} would not know its "
+                "requests"
+            )
+        return Requester(dst.assigned_requester_id(entry))
 
     def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:
         """Let ``fdid``'s DMA entering ``node`` be translated by ``domain`` (peer-to-peer to a
-        device on a third node: ``domain`` maps to that device's BAR). Undone by
+        device on a third node: ``domain`` maps to that device's BAR), giving the device a LUT
+        entry on ``node``'s adapter if it has none. Undone by ``detach_ingress`` or
         ``give_back``."""
-        requester = self.ingress(fdid, node)
-        self.node(node).iommu.attach(requester, domain)
+        dev = self.device(fdid)
+        path = self.route(dev.lender, node)
+        if path is None:
+            raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
+        dst = self.adapter(path.dst.ref)
+        key = self.requester_key(fdid)
+        made = None
+        if dst.lut_lookup(key) is None:
+            dst.lut_add(key)
+            made = dst.ref
+        try:
+            requester = self.ingress(fdid, node)
+            self.node(node).iommu.attach(requester, domain)
+        except Exception:
+            if made is not None:
+                dst.lut_remove(key)
+            raise
         entries = self._attached.setdefault(fdid, [])
-        if (node, requester) not in entries:
-            entries.append((node, requester))
+        if not any(a.node == node for a in entries):
+            entries.append(_Ingress(node, requester, made))
         return requester
 
     def detach_ingress(self, fdid: int, node: str) -> bool:
-        """Undo ``attach_ingress``: ``fdid``'s DMA entering ``node`` is blocked again. False
-        when nothing was attached there."""
+        """Undo ``attach_ingress``: ``fdid``'s DMA entering ``node`` is blocked again (and the
+        LUT entry it made goes). False when nothing was attached there."""
         entries = self._attached.get(fdid, [])
-        for i, (name, requester) in enumerate(entries):
-            if name == node:
+        for i, attached in enumerate(entries):
+            if attached.node == node:
                 del entries[i]
-                return self.node(node).iommu.detach(requester)
+                return self._detach(fdid, attached)
         return False
 
+    def _detach(self, fdid: int, attached: _Ingress) -> bool:
+        done = self.node(attached.node).iommu.detach(attached.requester)
+        if attached.lut is not None:
+            self.adapter(attached.lut).lut_remove(self.requester_key(fdid))
+        return done
+
+    def on_borrow_end(self, fn: BorrowEndSubscriber) -> Callable[[], None]:
+        """Run ``fn(borrow)`` whenever a borrow ends, before the hardware drops it, so whoever
+        mapped something for the device (or towards its BARs) removes it in the same step.
+        Subscribers run in the order they subscribed; returns a remover."""
+        self._borrow_end.append(fn)
+
+        def remove() -> None:
+            if fn in self._borrow_end:
+                self._borrow_end.remove(fn)
+
+        return remove
+
+    def fenced(self, fdid: int) -> str | None:
+        """Why ``fdid`` is fenced (its last borrow teardown failed), or None."""
+        self.device(fdid)
+        return self._fenced.get(fdid)
+
     def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool:
-        """Undo ``borrow`` and reset the device (the next user gets it clean). False when it
-        was not borrowed; ``DeviceHeldError`` when ``node``/``vm`` name someone else."""
+        """End the borrow of ``fdid``: every borrow-end subscriber removes what it mapped for
+        or towards the device, then the hardware undoes ``borrow`` and resets the device (the
+        next user gets it clean). False when it was not borrowed; ``DeviceHeldError`` when
+        ``node``/``vm`` name someone else.
+
+        A subscriber's error is raised as ``BorrowTeardownError`` after every other subscriber
+        ran; the borrow then stays (nobody else can take the device) and the device is fenced:
+        it neither masters nor decodes until a retried ``give_back`` succeeds."""
         dev = self.device(fdid)
         current = self._borrows.get(fdid)
         if current is None:
             return False
         if (node is not None and node != current.node) or (vm is not None and vm != current.vm):
             raise DeviceHeldError(fdid, current.node, current.vm)
-        for node_name, requester in self._attached.pop(fdid, []):
-            self.node(node_name).iommu.detach(requester)
+        failures: list[Exception] = []
+        for fn in list(self._borrow_end):
+            try:
+                fn(current)
+            except Exception as e:  # the rest still run: remove as much as possible
+                failures.append(e)
+        if failures:
+            self._fence(dev, current, failures)
+        self._fenced.pop(fdid, None)
+        for attached in self._attached.pop(fdid, []):
+            self._detach(fdid, attached)
         if current.path is not None:
             src = self.adapter(current.path.src.ref)
             dst = self.adapter(current.path.dst.ref)
             src.lut_remove(dev.requester_id)
-            lender_id = self.node(dev.lender).spec.node_id
-            dst.lut_remove(fabric_requester_key(lender_id, dev.requester_id))
+            dst.lut_remove(self.requester_key(fdid))
+        left = self._lender_domains[fdid].mappings()
+        if left:
+            # the device's own domain is the borrow's: what no subscriber claimed goes with it
+            log.warning("device %#x: %d unowned lender mappings dropped", fdid, len(left))
+            self._lender_domains[fdid].clear()
         del self._borrows[fdid]
         dev.reset()
         log.info("device %#x given back by %s/%s", fdid, current.node, current.vm)
         return True
+
+    def _fence(self, dev: SimDevice, current: Borrow, failures: list[Exception]) -> None:
+        why = "; ".join(str(e) or type(e).__name__ for e in failures)
+        self._fenced[dev.fdid] = why
+        # a platform write (the lender's containment), not the guest's: no listener sees it
+        cmd = dev.config.command & ~(regs.COMMAND_MASTER | regs.COMMAND_MEMORY)
+        dev.config.write(regs.COMMAND, 2, cmd, notify=False)
+        log.error("device %#x fenced: %s", dev.fdid, why)
+        raise BorrowTeardownError(dev.fdid, current.node, current.vm, why) from failures[0]
 
     # --- DMA -------------------------------------------------------------------------------------
     def resolve_dma(self, fdid: int, iova: int, *, write: bool = False) -> DmaTarget:

@@ -39,15 +39,14 @@ class Mapping:
 
 @dataclass(frozen=True)
 class Requester:
-    """A DMA issuer as one node's IOMMU sees it: a local function (``via`` empty), or traffic
-    that entered through an NTB adapter (``via`` = the adapter ref it came from)."""
+    """A DMA issuer as one node's IOMMU sees it: the 16-bit requester id and nothing else. A
+    local function has its BDF; traffic that entered through an NTB adapter has the id that
+    adapter's LUT entry assigned (on the adapter's bus)."""
 
     rid: int  # 16-bit bus/device/function
-    via: str = ""
 
     def __str__(self) -> str:
-        bdf = f"{self.rid >> 8:02x}:{self.rid >> 3 & 0x1F:02x}.{self.rid & 7}"
-        return f"{bdf} via {self.via}" if self.via else bdf
+        return f"{self.rid >> 8:02x}:{self.rid >> 3 & 0x1F:02x}.{self.rid & 7}"
 
 
 def split_pages(iova: int, phys: int, size: int) -> list[tuple[int, int, int, int]]:
@@ -75,8 +74,10 @@ def split_pages(iova: int, phys: int, size: int) -> list[tuple[int, int, int, in
 class IommuDomain:
     """One I/O address space: per-device on a lender, per-VM on a borrower."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, owner: tuple[str, str] | None = None) -> None:
         self.name = name
+        #: (node, vm) of the VM whose borrows justify the mappings; None: a device's own domain
+        self.owner = owner
         self._starts: list[int] = []  # sorted iovas of the runs, parallel to _runs
         self._runs: list[Mapping] = []
 

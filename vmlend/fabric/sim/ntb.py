@@ -5,10 +5,14 @@ The window is a 64-bit BAR of the adapter in its node's physical address space, 
 the adapter is cabled to (outbound translation, ``ntb_peer_mw_set_trans`` in Linux terms); the
 remote address must be aligned to ``XLAT_ALIGN``.
 
-The requester LUT lists the requester ids allowed to cross from this node: a TLP whose requester
-is not in the LUT is dropped. Entry ``e`` leaves the far adapter with requester id
-``far.bus << 8 | e``, so the far node's IOMMU can tell crossings apart and give each its own
-domain. The first ``2 * cpus`` entries are reserved for the CPUs (their MMIO to remote BARs).
+The requester LUT has the entries of both directions. Outbound, it lists the local requester
+ids allowed to cross from this node: a TLP whose requester is not in the LUT is dropped.
+Inbound, an entry keyed by a remote function's cluster-wide identity (lender node id << 16 |
+requester id) is how this adapter knows that function: a TLP from it enters this node with
+requester id ``bus << 8 | entry`` (``assigned_requester_id``), and a TLP from a function with
+no entry here is dropped. So two functions of two lenders never share an id on this node, and
+the node's IOMMU tells them apart by that id alone. The first ``2 * cpus`` entries are reserved
+for the CPUs (their MMIO to remote BARs).
 """
 
 from __future__ import annotations
@@ -180,6 +184,7 @@ class NtbAdapter:
         """requester id -> entry."""
         return dict(self._lut)
 
-    def far_requester_id(self, far: NtbAdapter, entry: int) -> int:
-        """Requester id a TLP using LUT ``entry`` carries when it leaves ``far``."""
-        return far.bus << 8 | entry
+    def assigned_requester_id(self, entry: int) -> int:
+        """The requester id a TLP entering through this adapter carries on this node when this
+        adapter's LUT ``entry`` names its source: what this node's IOMMU sees."""
+        return self.bus << 8 | entry

@@ -8,13 +8,20 @@ with ``vmlend.p2p.plan_p2p`` on every change and applies only the difference, al
   target is on the borrower, else a domain of this VM on the target's lender); one segment of
   the source lender's adapter per segment-sized chunk of that GPA range points at it (shared by
   every source and every BAR in the chunk); the source's requester id is let through the
-  adapter's LUT (a borrowed device already is) and its crossing is attached to the target
-  domain; the source's lender domain maps the GPA onto the segments last, so the device never
-  reaches a half-built path. Removal runs the other way.
+  adapter's LUT (a borrowed device already is), the target's adapter gets an entry naming it
+  (the id it enters with) and its crossing is attached to the target domain; the source's
+  lender domain maps the GPA onto the segments last, so the device never reaches a half-built
+  path. Removal runs the other way.
 
 Segments, LUT entries, target mappings and attachments are shared between maps and counted, so
 they go when the last map using them goes. Only what this mapper set up is undone: a borrow's
 own LUT entry or IOMMU attachment is left alone.
+
+The mapper subscribes to the hardware's borrow ends: when one of its devices is given back by
+any path (the VM's removal, a release after a crash, the fabric's give-back), every map from or
+to it goes before the borrow does. Errors propagate (the hardware then fences the device). The
+records of those maps are removed at the mapper's next call (``settle``): the borrow may end
+inside the fabric's registry transaction, which a write from here would wait on.
 """
 
 from __future__ import annotations
@@ -24,13 +31,13 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vmlend.errors import DeviceHeldError, P2PError, ResourceExhaustedError
+from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
 from vmlend.fabric.model import BarKind
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
 
 if TYPE_CHECKING:
-    from vmlend.fabric.sim.hardware import SimHardware
+    from vmlend.fabric.sim.hardware import Borrow, SimHardware
     from vmlend.fabric.sim.ntb import NtbAdapter
     from vmlend.registry import Registry
 
@@ -104,12 +111,20 @@ class P2PMapper:
         self._skipped: tuple[Skipped, ...] = ()
         self._shared = _Shared()
         self._domains: dict[str, IommuDomain] = {}  # this VM's domains on other lenders
+        self._defer_records = False  # inside a borrow end: keep record changes for settle
+        self._unrecorded: list[tuple[int, str, dict[str, Any] | None]] = []  # still to record
+        self._unsubscribe = hardware.on_borrow_end(self._borrow_ended)
 
     # --- the interface the pass-through session calls -------------------------------------------
     def program_bar(self, fdid: int, bar_index: int, gpa: int, size: int) -> None:
         """The guest programmed (or moved) BAR ``bar_index`` of ``fdid`` to ``gpa``: re-plan
         and update every affected map. ``gpa`` 0 means unassigned (its maps go); an I/O BAR is
-        ignored (DMA cannot target it). On any error nothing changes."""
+        ignored (DMA cannot target it). On any error nothing changes. Unassigning a BAR of a
+        device no longer borrowed is not an error: its maps went with its borrow."""
+        if gpa == 0 and not self._is_mine(fdid):
+            self._drop(fdid)  # e.g. the reset of a give-back, inside the fabric's transaction
+            return
+        self.settle()
         self._check_borrowed(fdid)
         dev = self.hw.device(fdid)
         kind = next((b.kind for b in dev.spec.bars if b.index == bar_index), None)
@@ -126,9 +141,44 @@ class P2PMapper:
 
     def remove_device(self, fdid: int) -> None:
         """``fdid`` left the VM: drop every map targeting it or issued by it. Idempotent."""
+        self.settle()
         members = self._members - {fdid}
         bars = {k: v for k, v in self._bars.items() if k[0] != fdid}
         self._update(members, bars)
+
+    def close(self) -> None:
+        """The VM is gone: drop every map and stop following borrow ends. Idempotent."""
+        for fdid in sorted(self._members):
+            self.remove_device(fdid)
+        self._unsubscribe()
+        self.settle()
+
+    def settle(self) -> None:
+        """Write the record changes of maps changed when a borrow ended."""
+        while self._unrecorded and self._recorder is not None:
+            self._recorder(*self._unrecorded.pop(0))
+
+    def _borrow_ended(self, borrow: Borrow) -> None:
+        fdid = borrow.fdid
+        if (borrow.node, borrow.vm) != (self.node, self.vm):
+            return
+        self._drop(fdid)
+
+    def _drop(self, fdid: int) -> None:
+        """Drop ``fdid``'s maps without writing the registry now (see ``settle``)."""
+        if fdid not in self._members and not any(k[0] == fdid for k in self._bars):
+            return
+        self._defer_records = True
+        try:
+            members = self._members - {fdid}
+            bars = {k: v for k, v in self._bars.items() if k[0] != fdid}
+            self._update(members, bars)
+        finally:
+            self._defer_records = False
+
+    def _is_mine(self, fdid: int) -> bool:
+        b = self.hw.borrowed(fdid)
+        return b is not None and (b.node, b.vm) == (self.node, self.vm)
 
     def maps(self) -> list[P2PMap]:
         """The maps in place, by source, target and BAR."""
@@ -203,8 +253,8 @@ class P2PMapper:
             else:
                 self._apply_crossing(applied, m)
             if self._recorder is not None:
-                self._recorder(m.source, m.key, m.record())
-                applied.undo.append(lambda: self._record_gone(m))
+                self._record(m.source, m.key, m.record())
+                applied.undo.append(lambda: self._record(m.source, m.key, None))
         except Exception:
             _run(applied.undo)
             raise
@@ -214,9 +264,12 @@ class P2PMapper:
         applied = self._applied.pop(key)
         _run(applied.undo)
 
-    def _record_gone(self, m: P2PMap) -> None:
+    def _record(self, source: int, key: str, data: dict[str, Any] | None) -> None:
         assert self._recorder is not None
-        self._recorder(m.source, m.key, None)
+        if self._defer_records:
+            self._unrecorded.append((source, key, data))
+        else:
+            self._recorder(source, key, data)
 
     def _map_lender(self, applied: _Applied, iova: int, phys: int, size: int) -> None:
         domain = self.hw.lender_domain(applied.map.source)
@@ -232,7 +285,9 @@ class P2PMapper:
         if node == self.node:
             return self.hw.vm_domain(node, self.vm)  # the borrow attached the crossings to it
         if node not in self._domains:
-            self._domains[node] = IommuDomain(f"{node}:p2p:{self.node}/{self.vm}")
+            self._domains[node] = IommuDomain(
+                f"{node}:p2p:{self.node}/{self.vm}", owner=(self.node, self.vm)
+            )
         return self._domains[node]
 
     def _apply_crossing(self, applied: _Applied, m: P2PMap) -> None:
@@ -257,12 +312,8 @@ class P2PMapper:
 
             self._share(applied, lut_key, let_through)
 
-        far = self.hw.node(m.target_node).iommu
         ingress_key = ("ingress", m.source, m.target_node)
-        if (
-            ingress_key in self._shared
-            or far.domain_for(self.hw.ingress(m.source, m.target_node)) is None
-        ):
+        if ingress_key in self._shared or not self._enters(m.source, m.target_node):
 
             def attach() -> tuple[None, Undo]:
                 self.hw.attach_ingress(m.source, m.target_node, target)
@@ -288,6 +339,15 @@ class P2PMapper:
             chunk += seg
         for iova, window, size in pieces:  # the device side last
             self._map_lender(applied, iova, window, size)
+
+
+    def _enters(self, fdid: int, node: str) -> bool:
+        """Whether ``fdid``'s DMA entering ``node`` is translated already (by its borrow)."""
+        try:
+            requester = self.hw.ingress(fdid, node)
+        except FabricError:
+            return False  # the far adapter has no LUT entry for it yet
+        return self.hw.node(node).iommu.domain_for(requester) is not None
 
 
 def _last_free_segment(adapter: NtbAdapter) -> int:

@@ -4,9 +4,12 @@ Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
 
 ``dma-limit``       the IOVA is beyond the device's DMA address width (e.g. 40 bits)
 ``bus-master``      the device's Bus Master bit is off, so it cannot issue requests at all
+``fenced``          the device's last borrow teardown failed: the lender contains it until a
+                    give-back succeeds (its BARs do not answer either: ``no-target``)
 ``lender-iommu``    the lender's IOMMU, in the device's own domain, has no (writable) mapping
 ``ntb-segment``     the address hit the lender's NTB window in a segment with no translation
-``lut``             the device's requester id is not in the crossing adapter's requester LUT
+``lut``             the device's requester id is not in the crossing adapter's requester LUT,
+                    or the far adapter has no entry for it (it assigns the id the far side sees)
 ``borrower-iommu``  the far node's IOMMU has no domain for the crossing, or no mapping in it
 ``no-target``       nothing decodes the physical address: a hole, a BAR whose device has
                     memory decoding off, or an NTB window again (hosts do not forward NTB
@@ -89,6 +92,9 @@ class DmaResolver:
             raise DmaFault(
                 "bus-master", iova, f"device {fdid:#x} has Bus Master disabled (command bit 2)"
             )
+        why = self.hw.fenced(fdid)
+        if why is not None:
+            raise DmaFault("fenced", iova, f"device {fdid:#x} is fenced: {why}")
         node = self.hw.node(dev.lender)
         hops = [Hop("device", node.name, iova, f"fdid {fdid:#x} rid {dev.spec.bdf}")]
         phys = self._translate(
@@ -108,6 +114,10 @@ class DmaResolver:
                 )
             if region.kind == "bar":
                 assert region.fdid is not None and region.bar is not None
+                if self.hw.fenced(region.fdid) is not None:
+                    raise DmaFault(
+                        "no-target", phys, f"{phys:#x} is a BAR of fenced device {region.fdid:#x}"
+                    )
                 if not self.hw.device(region.fdid).config.command & regs.COMMAND_MEMORY:
                     raise DmaFault(
                         "no-target",
@@ -150,10 +160,20 @@ class DmaResolver:
             path = self.hw.route(node.name, remote_name)
             assert path is not None
             far = self.hw.adapter(path.dst.ref)
-            ingress = Requester(adapter.far_requester_id(far, entry), via=adapter.ref)
-            hops.append(Hop("lut", remote_name, remote_addr, f"entry {entry} -> {ingress}"))
+            far_entry = far.lut_lookup(self.hw.requester_key(fdid))
+            if far_entry is None:
+                raise DmaFault(
+                    "lut",
+                    phys,
+                    f"device {fdid:#x} has no entry in the requester LUT of {far.ref}: "
+                    f"{remote_name} drops its requests",
+                )
+            ingress = Requester(far.assigned_requester_id(far_entry))
+            hops.append(
+                Hop("lut", remote_name, remote_addr, f"{far.ref} entry {far_entry} -> {ingress}")
+            )
             node = self.hw.node(remote_name)
-            what = f"device {fdid:#x} via {adapter.ref} (LUT entry {entry})"
+            what = f"device {fdid:#x} entering through {far.ref} (LUT entry {far_entry})"
             phys = self._translate(node, ingress, remote_addr, write, "borrower-iommu", what)
             domain = node.iommu.domain_for(ingress)
             hops.append(Hop("borrower-iommu", node.name, phys, domain.name if domain else ""))

@@ -1,0 +1,123 @@
+"""No mapping outlives the borrow that justified it.
+
+A device given back by any path other than the VM's own removal (a release after a crash, the
+fabric's give-back) loses, in the same step, every mapping sourced from or targeting it: DMA
+windows, peer-to-peer maps in both directions, LUT entries, ingress attachments. A teardown that
+fails is never swallowed: the device stays fenced under its old borrow, unreachable.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_simvm import Cluster, domain_xml
+from vmlend.errors import BorrowTeardownError, DeviceHeldError, DmaFault
+from vmlend.fabric.model import GiB
+from vmlend.fabric.sim.hardware import Borrow
+from vmlend.fabric.sim.invariants import check_hardware
+from vmlend.fabric.sim.p2pmap import P2PMapper
+from vmlend.fabric.sim.simvm import SimVm
+from vmlend.pci import regs
+
+GPU, GPU2 = 0x10, 0x11  # both lent by alpha: only alpha's IOMMU is on a peer write's path
+
+
+@pytest.fixture
+def cluster(state_path):
+    c = Cluster.create(state_path)
+    yield c
+    c.close()
+
+
+def start_with_p2p(cluster: Cluster, name: str, fdids: tuple[int, ...]) -> tuple[SimVm, P2PMapper]:
+    p2p = P2PMapper(cluster.hw, "gamma", name)
+    vm = cluster.start(domain_xml(name, 1 * GiB, fdids=fdids), p2p=p2p)
+    for f in fdids:
+        vm.enable_device(f)
+    return vm, p2p
+
+
+def bar1(vm: SimVm, fdid: int) -> int:
+    (bar,) = [b for b in vm.bars(fdid) if b.index == 1]
+    return bar.address
+
+
+def hand_over_gpu2(cluster: Cluster, a: SimVm) -> SimVm:
+    """VM a's GPU2 is released behind its back (a release after a crash), then VM b on the
+    same node takes it and enables it."""
+    assert cluster.fabric().release(GPU2, a.holder)
+    for m in cluster.fabric().mdevs():
+        if m.fdid == GPU2:
+            cluster.fabric().remove_mdev(m.uuid)
+    b = cluster.start(domain_xml("b", 1 * GiB, fdids=(GPU2,)))
+    b.enable_device(GPU2)
+    return b
+
+
+def test_a_released_peer_is_unreachable_from_the_old_vm(cluster):
+    a, p2p = start_with_p2p(cluster, "a", (GPU, GPU2))
+    (t,) = cluster.hw.dma_write(GPU, bar1(a, GPU2), b"peer")
+    assert (t.kind, t.owner) == ("bar", GPU2)
+    b = hand_over_gpu2(cluster, a)
+    assert cluster.hw.borrowed(GPU2).vm == "b"
+    with pytest.raises(DmaFault) as e:
+        cluster.hw.dma_write(GPU, bar1(a, GPU2), b"from VM A")
+    assert e.value.hop == "lender-iommu"
+    assert cluster.hw.device(GPU2).bars.read_bytes(1, 0, 9) == bytes(9)
+    assert p2p.maps() == []
+    assert check_hardware(cluster.hw) == []
+    b.stop()
+    a.stop()
+
+
+def test_a_released_device_reaches_nothing_of_the_old_vm(cluster):
+    a, _ = start_with_p2p(cluster, "a", (GPU, GPU2))
+    b = hand_over_gpu2(cluster, a)
+    with pytest.raises(DmaFault):
+        cluster.hw.dma_write(GPU2, bar1(a, GPU), b"from VM B")
+    assert cluster.hw.device(GPU).bars.read_bytes(1, 0, 9) == bytes(9)
+    b.stop()
+    a.stop()
+
+
+def test_give_back_removes_windows_and_maps_in_the_same_step(cluster):
+    a, p2p = start_with_p2p(cluster, "a", (GPU, GPU2))
+    seen: list[tuple[int, int]] = []
+
+    def observe(borrow: Borrow) -> None:
+        # runs after every earlier subscriber: the mapper and the windows are done already
+        seen.append((borrow.fdid, len(p2p.maps())))
+
+    cluster.hw.on_borrow_end(observe)
+    cluster.fabric().give_back(GPU2, a.holder)
+    assert seen == [(GPU2, 0)]
+    assert not a.session(GPU2).dma_active and a.session(GPU).dma_active
+    assert cluster.hw.lender_domain(GPU2).mappings() == []
+    assert check_hardware(cluster.hw) == []
+    a.stop()
+
+
+def test_a_failing_teardown_is_raised_and_fences_the_device(cluster):
+    a, _ = start_with_p2p(cluster, "a", (GPU, GPU2))
+
+    def broken(borrow: Borrow) -> None:
+        raise RuntimeError("mapper lost its tables")
+
+    remove = cluster.hw.on_borrow_end(broken)
+    with pytest.raises(BorrowTeardownError, match="fenced"):
+        cluster.fabric().release(GPU2, a.holder)
+    # still the old VM's (nobody else can take it), but it neither masters nor decodes
+    assert cluster.hw.borrowed(GPU2).vm == "a"
+    assert cluster.hw.fenced(GPU2) is not None
+    cmd = cluster.hw.device(GPU2).config.command
+    assert not cmd & (regs.COMMAND_MASTER | regs.COMMAND_MEMORY)
+    with pytest.raises(DmaFault):
+        cluster.hw.dma_write(GPU, bar1(a, GPU2), b"x")
+    with pytest.raises(DeviceHeldError):
+        cluster.hw.borrow(GPU2, "gamma", "b")
+    assert cluster.fabric().device(GPU2).holder == a.holder  # the hold was not dropped
+    remove()
+    assert cluster.fabric().release(GPU2, a.holder)  # a retry finishes the job
+    assert cluster.hw.fenced(GPU2) is None and cluster.hw.borrowed(GPU2) is None
+    assert check_hardware(cluster.hw) == []
+    a.stop()

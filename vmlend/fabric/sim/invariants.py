@@ -1,0 +1,312 @@
+"""The simulated fabric's invariants, checked over a ``SimHardware`` (and optionally the
+registry's holds and claims): every mapping is justified by a current borrow of the right VM.
+
+``check_hardware`` is pure (it reads, never changes) and returns the violations it finds:
+
+- ``lender-iommu``: a device's own domain maps something while it is not borrowed, or maps
+  onto RAM of another VM, a BAR of a device another VM holds, an unmapped NTB segment, or a
+  segment whose far side does not translate the device into its VM's domain;
+- ``domain``: a VM's domain (its own, or its peer-to-peer domain on another lender) maps RAM
+  or a BAR that is not that VM's;
+- ``ntb-segment``: a translated segment no borrowed device's mapping uses;
+- ``lut``: a requester LUT entry for a device that is not borrowed (or not through this adapter);
+- ``context``: an IOMMU attachment of a requester no borrowed device produces, or into a domain
+  of another VM; ``requester-id``: one requester id with two contexts on one node;
+- ``interrupt``: a device that is not borrowed still has an interrupt route;
+- ``hold``: a hold without a holder, a hardware borrow without the matching BORROWED hold;
+- ``claims``: a VM's DMA-window segments on an adapter mapped without a claim, or fewer than
+  claimed; with ``exact_claims`` (``EXACT_CLAIMS``) any difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from vmlend.errors import FabricError
+from vmlend.fabric.admission import vm_share
+from vmlend.fabric.model import Holder
+from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.iommu import IommuDomain
+from vmlend.fabric.sim.iommu import Mapping as IommuMapping
+from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
+
+#: Claims must equal the mapped DMA-window segments (not just cover them). Off until admission
+#: claims what the planner maps (issue 10 part 3); ``check_hardware(exact_claims=True)`` too.
+EXACT_CLAIMS = False
+
+Owner = tuple[str, str]  # (node, vm)
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    where: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.where}: {self.detail}"
+
+
+def check_hardware(
+    hw: SimHardware,
+    *,
+    holds: Mapping[int, HoldRecord] | None = None,
+    claims: Sequence[tuple[int, Claim]] | None = None,
+    exact_claims: bool = EXACT_CLAIMS,
+) -> list[Violation]:
+    """Every violation of the fabric's invariants in ``hw`` now (empty: all hold)."""
+    c = _Checker(hw)
+    c.lender_domains()
+    c.vm_domains()
+    c.segments()
+    c.luts()
+    c.contexts()
+    c.interrupts()
+    if holds is not None:
+        c.holds(holds)
+    if claims is not None:
+        c.claims(claims, exact_claims)
+    return c.found
+
+
+def _fmt(m: IommuMapping) -> str:
+    return f"{m.iova:#x}+{m.size:#x}->{m.phys:#x}"
+
+
+class _Checker:
+    def __init__(self, hw: SimHardware) -> None:
+        self.hw = hw
+        self.found: list[Violation] = []
+        self.owners: dict[int, Owner] = {b.fdid: (b.node, b.vm) for b in hw.borrows()}
+        # (adapter ref, segment) -> devices whose lender mapping points into it
+        self.segment_users: dict[tuple[str, int], set[int]] = {}
+
+    def bad(self, kind: str, where: str, detail: str) -> None:
+        self.found.append(Violation(kind, where, detail))
+
+    # --- what an address on a node is --------------------------------------------------------
+    def _target_ok(self, node: str, addr: int, owner: Owner) -> str | None:
+        """Why ``addr`` on ``node`` is not ``owner``'s to reach (None: it is). NTB windows are
+        the caller's business."""
+        region = self.hw.node(node).address_map.find(addr)
+        if region is None:
+            return f"{addr:#x} decodes to nothing on {node}"
+        if region.kind == "ram":
+            tag = self.hw.node(node).memory.owner_of(addr)
+            if node != owner[0] or tag != owner[1]:
+                return f"{addr:#x} is RAM of {tag or 'nobody'} on {node}, not of {owner[1]}"
+        elif region.kind == "bar":
+            assert region.fdid is not None
+            if self.owners.get(region.fdid) != owner:
+                held = self.owners.get(region.fdid)
+                who = f"{held[0]}/{held[1]}" if held else "nobody"
+                return f"{addr:#x} is a BAR of {region.fdid:#x}, held by {who}"
+        return None
+
+    @staticmethod
+    def _ends(m: IommuMapping) -> Iterator[int]:
+        yield m.phys
+        if m.size > 1:
+            yield m.phys + m.size - 1
+
+    # --- the checks ------------------------------------------------------------------------------
+    def lender_domains(self) -> None:
+        for dev in self.hw.devices():
+            domain = self.hw.lender_domain(dev.fdid)
+            owner = self.owners.get(dev.fdid)
+            for m in domain.mappings():
+                where = f"{domain.name} {_fmt(m)}"
+                if owner is None:
+                    self.bad("lender-iommu", where, f"device {dev.fdid:#x} is not borrowed")
+                    continue
+                self._lender_mapping(dev.fdid, dev.lender, m, owner, where)
+
+    def _lender_mapping(
+        self, fdid: int, lender: str, m: IommuMapping, owner: Owner, where: str
+    ) -> None:
+        amap = self.hw.node(lender).address_map
+        region = amap.find(m.phys)
+        if region is None or region.kind != "ntb":
+            for addr in self._ends(m):
+                why = self._target_ok(lender, addr, owner)
+                if why:
+                    self.bad("lender-iommu", where, why)
+                    return
+            return
+        assert region.adapter is not None
+        adapter = self.hw.adapter(region.adapter)
+        first = adapter.segment_of(m.phys)
+        last = adapter.segment_of(min(m.phys + m.size - 1, region.end - 1))
+        for index in range(first, last + 1):
+            seg = adapter.segment(index)
+            if seg is None:
+                self.bad(
+                    "lender-iommu", where, f"points at unmapped segment {index} of {adapter.ref}"
+                )
+                continue
+            self.segment_users.setdefault((adapter.ref, index), set()).add(fdid)
+            try:
+                requester = self.hw.ingress(fdid, seg.remote_node)
+            except FabricError as e:
+                self.bad("lender-iommu", where, f"crosses to {seg.remote_node} but {e}")
+                continue
+            far = self.hw.node(seg.remote_node).iommu.domain_for(requester)
+            if far is None or far.owner != owner:
+                got = far.name if far else "no domain"
+                self.bad(
+                    "lender-iommu",
+                    where,
+                    f"enters {seg.remote_node} as {requester} into {got}, not a domain of "
+                    f"{owner[0]}/{owner[1]}",
+                )
+
+    def _vm_owned_domains(self) -> list[tuple[str, IommuDomain]]:
+        seen: dict[int, tuple[str, IommuDomain]] = {}
+        for d in self.hw.vm_domains():
+            assert d.owner is not None
+            seen[id(d)] = (d.owner[0], d)
+        for name, node in self.hw.nodes.items():
+            for d in node.iommu.attached().values():
+                if d.owner is not None:
+                    seen[id(d)] = (name, d)
+        return list(seen.values())
+
+    def vm_domains(self) -> None:
+        borrowers = set(self.owners.values())
+        for node, domain in self._vm_owned_domains():
+            assert domain.owner is not None
+            for m in domain.mappings():
+                where = f"{domain.name} {_fmt(m)}"
+                if domain.owner not in borrowers:
+                    self.bad(
+                        "domain", where, f"{domain.owner[0]}/{domain.owner[1]} borrows nothing"
+                    )
+                    continue
+                for addr in self._ends(m):
+                    why = self._target_ok(node, addr, domain.owner)
+                    if why:
+                        self.bad("domain", where, why)
+                        break
+
+    def segments(self) -> None:
+        for adapter in self.hw.adapters():
+            for seg in adapter.mapped_segments():
+                if not self.segment_users.get((adapter.ref, seg.index)):
+                    self.bad(
+                        "ntb-segment",
+                        f"{adapter.ref}[{seg.index}]",
+                        f"translates to {seg.remote_node}:{seg.remote_addr:#x} for no borrowed "
+                        "device",
+                    )
+
+    def luts(self) -> None:
+        by_rid = {(d.lender, d.requester_id): d.fdid for d in self.hw.devices()}
+        by_key = {self.hw.requester_key(d.fdid): d.fdid for d in self.hw.devices()}
+        for adapter in self.hw.adapters():
+            for rid, entry in sorted(adapter.lut().items()):
+                where = f"{adapter.ref} LUT entry {entry}"
+                fdid = by_rid.get((adapter.node, rid))
+                if fdid is not None:  # outbound: a local function allowed to cross
+                    if fdid not in self.owners:
+                        self.bad("lut", where, f"lets {fdid:#x} across, which is not borrowed")
+                    continue
+                fdid = by_key.get(rid)  # inbound: how this adapter names a remote function
+                if fdid is None or fdid not in self.owners:
+                    self.bad("lut", where, f"key {rid:#x} names no borrowed device")
+                    continue
+                try:
+                    requester = self.hw.ingress(fdid, adapter.node)
+                except FabricError:
+                    requester = None
+                iommu = self.hw.node(adapter.node).iommu
+                if requester is None or iommu.domain_for(requester) is None:
+                    self.bad("lut", where, f"names {fdid:#x}, which enters no domain here")
+
+    def contexts(self) -> None:
+        for name, node in self.hw.nodes.items():
+            ids: dict[int, IommuDomain] = {}
+            for requester, domain in node.iommu.attached().items():
+                where = f"{name} context {requester}"
+                other = ids.setdefault(requester.rid, domain)
+                if other is not domain:
+                    self.bad(
+                        "requester-id",
+                        f"{name} rid {requester.rid:#06x}",
+                        f"maps to two contexts: {other.name} and {domain.name}",
+                    )
+                fdid = self.hw.crossing_source(name, requester)
+                if fdid is None:
+                    local = [d for d in node.devices.values() if d.requester_id == requester.rid]
+                    if not local:
+                        self.bad(
+                            "context", where, f"no borrowed device enters as it ({domain.name})"
+                        )
+                    elif domain is not self.hw.lender_domain(local[0].fdid):
+                        self.bad("context", where, f"a local function in {domain.name}")
+                    continue
+                owner = self.owners.get(fdid)
+                if owner is None or domain.owner != owner:
+                    who = f"{owner[0]}/{owner[1]}" if owner else "nobody"
+                    self.bad("context", where, f"device {fdid:#x} (held by {who}) in {domain.name}")
+
+    def interrupts(self) -> None:
+        for dev in self.hw.devices():
+            if dev.interrupt_routes and dev.fdid not in self.owners:
+                self.bad(
+                    "interrupt",
+                    f"device {dev.fdid:#x}",
+                    f"{dev.interrupt_routes} interrupt route(s) but it is not borrowed",
+                )
+
+    def holds(self, holds: Mapping[int, HoldRecord]) -> None:
+        for fdid, hold in sorted(holds.items()):
+            if not hold.holder.node or not hold.holder.vm:
+                self.bad("hold", f"device {fdid:#x}", f"hold without a holder ({hold.holder!r})")
+        for fdid, (node, vm) in sorted(self.owners.items()):
+            hold = holds.get(fdid)
+            if hold is None or (hold.holder.node, hold.holder.vm) != (node, vm):
+                self.bad("hold", f"device {fdid:#x}", f"borrowed by {node}/{vm} without its hold")
+            elif hold.phase is not Phase.BORROWED:
+                self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {hold.phase}")
+
+    def claims(self, claims: Sequence[tuple[int, Claim]], exact: bool) -> None:
+        claimed: dict[tuple[str, str], int] = {}
+        for _fdid, c in claims:
+            if c.kind is ClaimKind.DMA:
+                key = (c.adapter, c.share)
+                claimed[key] = max(claimed.get(key, 0), c.segments)
+        mapped: dict[tuple[str, str], int] = {}
+        for (ref, index), users in self.segment_users.items():
+            if not self._is_window_segment(ref, index, users):
+                continue
+            for owner in {self.owners[f] for f in users if f in self.owners}:
+                key = (ref, vm_share(Holder(*owner)))
+                mapped[key] = mapped.get(key, 0) + 1
+        for key in sorted(mapped):
+            have, want = mapped[key], claimed.get(key, 0)
+            # today admission may claim fewer than the planner maps (issue 10 part 3): only
+            # "mapped without a claim" and over-claiming are checked unless ``exact``
+            if not want or want > have or (exact and have != want):
+                self.bad(
+                    "claims",
+                    f"{key[0]} {key[1]}",
+                    f"{have} DMA-window segment(s) mapped, {want} claimed",
+                )
+
+    def _is_window_segment(self, ref: str, index: int, users: set[int]) -> bool:
+        """A segment into a VM's RAM (a DMA window), not towards a peer's BAR."""
+        seg = self.hw.adapter(ref).segment(index)
+        if seg is None:
+            return False
+        node = self.hw.node(seg.remote_node)
+        for fdid in sorted(users):
+            try:
+                domain = node.iommu.domain_for(self.hw.ingress(fdid, seg.remote_node))
+            except FabricError:
+                continue
+            m = domain.lookup(seg.remote_addr) if domain else None
+            if m is not None:
+                region = node.address_map.find(m.phys + seg.remote_addr - m.iova)
+                return region is not None and region.kind == "ram"
+        return False
