@@ -11,6 +11,7 @@ from typing import Any
 from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, MsiSpec, MsixSpec
 from vmlend.fabric.sim.device import SimDevice
 from vmlend.irq import vectors as r
+from vmlend.pci import regs
 
 MSI_AT = 0x50
 MSIX_AT = 0x70
@@ -44,7 +45,10 @@ def make_device(
             else None
         ),
     )
-    return SimDevice(spec, {TABLE_BAR: 0xFE00_0000})
+    dev = SimDevice(spec, {TABLE_BAR: 0xFE00_0000})
+    # what the guest's driver does first (pci_set_master): MSI and MSI-X need Bus Master
+    dev.config.write(regs.COMMAND, 2, dev.config.read(regs.COMMAND, 2) | regs.COMMAND_MASTER)
+    return dev
 
 
 def msi_enable(config, vectors: int, address: int = 0xFEE0_0000, data: int = 0x4020) -> None:

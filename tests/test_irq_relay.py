@@ -33,6 +33,7 @@ from vmlend.irq.lender import LenderDevice, LenderRelay
 from vmlend.irq.relay import Reactor
 from vmlend.irq.vectors import ConfigIrqWatcher, IrqIndex
 from vmlend.irq.vfio import DISABLE, TRIGGER_EVENTFDS, UNMASK_EVENTFD, SimIrqHost
+from vmlend.pci import regs
 
 FDID = 0x42
 
@@ -328,3 +329,30 @@ def test_stalled_borrower_catches_up_with_exact_counts(msix_rig):
     finally:
         reactor.unregister(borrower_fd)
         reactor.close()
+
+
+def test_no_message_interrupt_while_bus_master_is_off(msix_rig):
+    # MSI-X is a memory write by the device: with Bus Master off it cannot be sent
+    dev = msix_rig.dev
+    vm0 = msix_rig.vm[(IrqIndex.MSIX, 0)]
+    command = dev.config.read(regs.COMMAND, 2)
+    dev.config.write(regs.COMMAND, 2, command & ~regs.COMMAND_MASTER)
+    assert dev.raise_interrupt(0) == 0
+    assert dev.blocked_messages == 1
+    assert read_within(vm0, 0.2) == 0
+    dev.config.write(regs.COMMAND, 2, command)
+    assert dev.raise_interrupt(0) == 1
+    assert read_within(vm0) == 1
+
+
+def test_intx_does_not_need_bus_master():
+    dev = make_device(pin=1)
+    rig = make_rig(dev)
+    try:
+        (vm0,) = rig.vm_irqfds(IrqIndex.INTX, 1)
+        command = dev.config.read(regs.COMMAND, 2)
+        dev.config.write(regs.COMMAND, 2, command & ~regs.COMMAND_MASTER)
+        assert dev.raise_interrupt(0) == 1  # a wire, not a memory write
+        assert read_within(vm0) == 1 and dev.blocked_messages == 0
+    finally:
+        rig.close()

@@ -129,3 +129,32 @@ def test_gate_holds_masked_and_releases_on_unmask():
     g.set_masked(frozenset({0}))
     g.admit(0, 1)
     assert g.take_all() == {0: 1} and g.pending() == {}
+
+
+def test_delivery_follows_decode_order_when_two_writers_interleave():
+    # Forced interleaving: writer 1 masks vector 0; while its setup is being delivered, writer 2
+    # (another thread) unmasks it. The subscriber must end with writer 2's setup (nothing
+    # masked), as the guest left the table, never with writer 1's stale mask.
+    import threading
+
+    dev = make_device(msix_entries=4)
+    for v in range(4):
+        msix_program(dev.bars, v)
+    msix_flags(dev.config, enable=True)
+    w = ConfigIrqWatcher(dev.config, dev.bars)
+    seen: list[frozenset[int]] = []
+    second = threading.Thread(target=msix_mask, args=(dev.bars, 0, False))
+
+    def subscriber(setup) -> None:
+        if not seen and not second.is_alive() and setup.masked == {0}:
+            # the first delivery is in progress: the second writer runs to its end now
+            second.start()
+            second.join(timeout=10)
+            assert not second.is_alive(), "the second writer must not wait for the first"
+        seen.append(setup.masked)
+
+    w.subscribe(subscriber)
+    msix_mask(dev.bars, 0, True)
+    assert w.current().masked == frozenset()
+    assert seen == [{0}, frozenset()]  # decode order, the guest's last word last
+    w.close()

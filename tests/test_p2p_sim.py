@@ -418,3 +418,24 @@ def test_p2p_segments_come_from_the_top_of_the_window(hw, p2p):
     used = sorted(s.index for s in alpha.mapped_segments())
     assert used == list(range(alpha.segments - 10, alpha.segments))
     assert alpha.free_segments(alpha.segments - 10) == 0  # DMA windows still get one long run
+
+
+def test_a_peer_write_into_the_msix_table_reaches_the_relay_like_a_cpu_write(hw, p2p):
+    from vmlend.irq.vectors import MSIX_ENTRY_CTRL, MSIX_ENTRY_SIZE, ConfigIrqWatcher
+
+    nic = hw.device(NIC)  # MSI-X table at BAR 3 offset 0
+    cap = nic.config.find_capability(regs.CAP_ID_MSIX)
+    flags = nic.config.read(cap + 2, 2)
+    nic.config.write(cap + 2, 2, flags | regs.MSIX_FLAGS_ENABLE)
+    for v in range(3):  # entries start masked: the guest unmasked three of them
+        nic.bars.write(3, v * MSIX_ENTRY_SIZE + MSIX_ENTRY_CTRL, 4, 0)
+    watcher = ConfigIrqWatcher.for_device(nic)
+    seen: list[frozenset[int]] = []
+    watcher.subscribe(lambda setup: seen.append(setup.masked))
+    assert 1 not in watcher.current().masked
+    # the GPU (a peer of the same VM) masks vector 1 by DMA, as a device driver may arrange
+    (t,) = hw.dma_write(GPU, gpa(NIC, 3) + MSIX_ENTRY_SIZE + MSIX_ENTRY_CTRL, b"\x01\0\0\0")
+    assert (t.owner, t.bar) == (NIC, 3)
+    assert nic.bars.msix_entry(1).masked
+    assert seen and 1 in seen[-1] and 1 in watcher.current().masked
+    watcher.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -244,6 +245,8 @@ class ConfigIrqWatcher:
         self._msix_cap = config.find_capability(CAP_ID_MSIX)
         self._lock = threading.Lock()
         self._subscribers: list[Callable[[IrqSetup], None]] = []
+        self._undelivered: deque[IrqSetup] = deque()  # decoded, in order, not yet delivered
+        self._delivering = False  # a thread is delivering _undelivered now
         self._setup = self._decode()
         self._removers = [
             config.add_listener(self._on_config_write),
@@ -275,16 +278,35 @@ class ConfigIrqWatcher:
             self.refresh()
 
     def refresh(self) -> None:
-        """Re-read the device; tell subscribers if the setup changed."""
+        """Re-read the device; tell subscribers if the setup changed.
+
+        Subscribers see the setups in the order they were decoded, the last one last: two
+        threads writing at once must not leave a stale setup (say, an old mask set) at the
+        lender. Decoding queues the new setup under the lock; one thread at a time delivers
+        the queue in order, outside the lock (a subscriber may write the device again). A
+        thread that finds another delivering leaves its setup to it and returns."""
         with self._lock:
             new = self._decode()
             if new == self._setup:
                 return
             log.debug("irq setup %s -> %s", self._setup, new)
             self._setup = new
-            subscribers = list(self._subscribers)
-        for fn in subscribers:
-            fn(new)
+            self._undelivered.append(new)
+            if self._delivering:
+                return
+            self._delivering = True
+        try:
+            while True:
+                with self._lock:
+                    if not self._undelivered:
+                        return
+                    setup = self._undelivered.popleft()
+                    subscribers = list(self._subscribers)
+                for fn in subscribers:
+                    fn(setup)
+        finally:
+            with self._lock:
+                self._delivering = False
 
     def set_pending(self, vector: int, pending: bool) -> None:
         """Mirror a masked vector's pending state into the device (MSI-X PBA, MSI pending bits),

@@ -36,6 +36,7 @@ class SimDevice:
         self._sinks: list[InterruptSink] = []
         self._reset_listeners: list[Callable[[], None]] = []
         self.resets = 0
+        self.blocked_messages = 0  # MSI/MSI-X not sent because Bus Master was off
         self._program_bars()
         self.config.add_listener(self._on_config_write)
 
@@ -126,14 +127,27 @@ class SimDevice:
         """How many sinks receive this device's interrupts (relays, the lender's vfio)."""
         return len(self._sinks)
 
+    def _message_blocked(self) -> bool:
+        if self.config.bus_master:
+            return False
+        msi, msix = self.config.msi(), self.config.msix()
+        return bool((msix is not None and msix.enabled) or (msi is not None and msi.enabled))
+
     def raise_interrupt(self, vector: int) -> int:
         """The device signals ``vector``. Whether that is INTx, MSI or MSI-X and whether it is
         masked is for the sinks to decide from config and MSI-X state. Returns how many sinks
-        were called (0: nobody listens, the interrupt is lost as on unbound hardware)."""
+        were called (0: nobody listens, the interrupt is lost as on unbound hardware; or MSI or
+        MSI-X is enabled while Bus Master is off, so the message write cannot be sent: counted
+        in ``blocked_messages``)."""
         if not 0 <= vector < self.vectors:
             raise ValueError(
                 f"device {self.fdid:#x} has {self.vectors} interrupt vector(s); got {vector}"
             )
+        if self._message_blocked():
+            # MSI and MSI-X are memory writes: without Bus Master the device cannot send them
+            self.blocked_messages += 1
+            log.debug("device %#x: vector %d not sent, Bus Master is off", self.fdid, vector)
+            return 0
         sinks = list(self._sinks)
         for fn in sinks:
             fn(vector)

@@ -340,7 +340,6 @@ class P2PMapper:
         for iova, window, size in pieces:  # the device side last
             self._map_lender(applied, iova, window, size)
 
-
     def _enters(self, fdid: int, node: str) -> bool:
         """Whether ``fdid``'s DMA entering ``node`` is translated already (by its borrow)."""
         try:

@@ -229,5 +229,19 @@ class DmaResolver:
                 self.hw.node(t.node).memory.write(t.address, chunk)
             else:
                 assert isinstance(t.owner, int) and t.bar is not None and t.offset is not None
-                self.hw.device(t.owner).bars.write_bytes(t.bar, t.offset, chunk)
+                self._write_bar(t.owner, t.bar, t.offset, chunk)
         return [t for _, _, t in pieces]
+
+    def _write_bar(self, fdid: int, bar: int, offset: int, chunk: bytes) -> None:
+        """A peer's write into a BAR. Where it hits the MSI-X table it is a table write like a
+        CPU's: its listeners (the interrupt relay) hear of each dword touched."""
+        dev = self.hw.device(fdid)
+        dev.bars.write_bytes(bar, offset, chunk)
+        msix = dev.spec.msix
+        if msix is None or msix.table_bar != bar:
+            return
+        lo = max(offset, msix.table_offset)
+        hi = min(offset + len(chunk), msix.table_offset + msix.vectors * 16)
+        for dword in range(lo - lo % 4, hi, 4):
+            # the stored (already masked) value written again: same memory, listeners told
+            dev.bars.write(bar, dword, 4, dev.bars.read(bar, dword, 4))
