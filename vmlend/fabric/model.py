@@ -204,6 +204,15 @@ class DeviceStatus:
 
 
 @dataclass(frozen=True)
+class Reservation(DeviceStatus):
+    """What ``Fabric.reserve`` returns: the device's status, and whether this very call made
+    the hold (False when the holder already had it). Decided inside the backend's write
+    transaction, so an undo journal can trust it even when processes race."""
+
+    created: bool = False
+
+
+@dataclass(frozen=True)
 class MdevInfo:
     uuid: str
     parent: str  # mdev parent device name
@@ -211,6 +220,9 @@ class MdevInfo:
     fdid: int | None = None
     node: str = ""
     vm: str = ""
+    #: From ``Fabric.create_mdev``: whether this very call created the child (False when it
+    #: existed already). Decided atomically by the backend; False in listings.
+    created: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -223,6 +235,24 @@ class GuestRange:
     @property
     def size(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class GuestRam:
+    """A guest's RAM as its DMA windows will map it: the guest-physical ranges of its layout
+    (low RAM, high RAM, cold-plugged DIMMs), ascending. Admission counts window segments and
+    checks DMA reach from these, not from a byte total (``vmlend.memory.windows``)."""
+
+    ranges: tuple[GuestRange, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(r.size for r in self.ranges)
+
+    @property
+    def top(self) -> int:
+        """First address past the guest's RAM (0 without RAM)."""
+        return max((r.end for r in self.ranges), default=0)
 
 
 @dataclass
