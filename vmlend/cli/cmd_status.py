@@ -1,4 +1,5 @@
-"""``vmlend status [VM]``: per VM its remote devices and what the data path set up for them;
+"""``vmlend status [VM]``: per VM its remote devices and what the data path set up for them,
+with each device's PCIe path into the VM's RAM (``vmlend path`` explains it stage by stage);
 per NTB adapter the LUT entries and window room in use.
 
 VMs come from the hypervisor (domains with vmlend metadata) and from the fabric's holds (a
@@ -19,10 +20,11 @@ import click
 from vmlend.cli.common import CliContext, emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.domain import VmlendDevice, read_domain
-from vmlend.errors import UnknownDomainError
+from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.admission import AdapterUsage, format_size_short
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceStatus, Holder, format_fdid
+from vmlend.fabric.model import DeviceStatus, Holder, Topology, format_fdid
+from vmlend.fabric.pcie import PciePath, device_to_ram
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for
 from vmlend.registry import Registry
@@ -40,6 +42,8 @@ class DeviceView:
     mdev: str | None
     mdev_present: bool
     runtime: dict[str, list[RuntimeRecord]] = field(default_factory=dict)
+    #: The device's DMA path into the VM's RAM (None when the topology cannot say).
+    path: PciePath | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -51,6 +55,15 @@ class DeviceView:
         }
         for kind, key in RUNTIME_KINDS.items():
             out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
+        out["dma_path"] = None
+        if self.path is not None:
+            p = self.path
+            out["dma_path"] = {
+                "hops": p.hops,
+                "roots": p.roots,
+                "ntb_crossings": p.ntb_crossings,
+                "added_ns": p.added_ns,
+            }
         return out
 
 
@@ -137,7 +150,25 @@ def collect(
         devices = [_device_view(st, holder, owned.get(st.fdid), mdevs, runtime) for st in held]
         where = "not on this hypervisor" if holder.node == node else f"on {holder.node}"
         views.append(VmView(holder.vm, holder.node, where, devices))
+    topology = fabric.topology()
+    for v in views:
+        for d in v.devices:
+            d.path = _dma_path(topology, d.fdid, v.node)
     return views
+
+
+def _dma_path(topology: Topology, fdid: int, node: str) -> PciePath | None:
+    try:
+        return device_to_ram(topology, fdid, node)
+    except VmlendError:  # e.g. no NTB path to the lender: admission says so where it matters
+        return None
+
+
+def path_cell(path: PciePath | None) -> str:
+    """Hops, root complexes and the NTB's added latency, e.g. ``11h/2rc/+360ns``."""
+    if path is None:
+        return "-"
+    return f"{path.hops}h/{path.roots}rc/+{path.added_ns}ns"
 
 
 def _fabric_only(hv: Hypervisor, fabric: Fabric, vm: str) -> bool:
@@ -197,11 +228,11 @@ def _runtime_cell(records: list[RuntimeRecord]) -> str:
 
 
 def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
-    headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P")
+    headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P", "PATH")
     rows = []
     for v in vms:
         if not v.devices:
-            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-"])
+            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-", "-"])
         for d in v.devices:
             mdev = d.mdev or "-"
             if d.mdev and not d.mdev_present:
@@ -215,6 +246,7 @@ def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
                     d.state,
                     mdev,
                     *(_runtime_cell(d.runtime.get(k, [])) for k in RUNTIME_KINDS),
+                    path_cell(d.path),
                 ]
             )
     parts = [render_table(headers, rows) if rows else "no VMs with remote devices"]
@@ -243,8 +275,9 @@ def read_runtime(state_path: Path) -> list[RuntimeRecord]:
 @json_option
 @click.pass_obj
 def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bool) -> None:
-    """Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps); per
-    NTB adapter the LUT entries and window in use."""
+    """Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps, and the
+    PCIe path of the device's DMA into the VM's RAM: hops, root complexes, latency the NTB
+    adds); per NTB adapter the LUT entries and window in use."""
     hv = open_hv(obj, uri)
     try:
         fabric = fabric_for(obj, hv)
