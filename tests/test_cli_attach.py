@@ -13,7 +13,7 @@ from vmlend.domain import mdev_uuid, read_domain
 from vmlend.errors import FabricError, UnsupportedOperationError
 from vmlend.fabric.model import GiB, MiB
 from vmlend.hypervisor.sim_hv import IdleGuest
-from vmlend.ops.attach import apply_attach, dma_limit_check, plan_attach
+from vmlend.ops.attach import apply_attach, plan_attach
 
 from .cli_cluster import (
     GAMMA,
@@ -216,19 +216,23 @@ def test_too_small_ntb_window_is_one_line(state_path, monkeypatch):
     assert cluster.snapshot() == before
 
 
-def test_dma_limit_check_refuses_ram_beyond_the_device_reach(cluster):
-    from vmlend.domain import DomainSpec, TemplateSet, new_domain
+def test_admission_refuses_ram_beyond_the_device_reach(cluster):
+    from vmlend.domain import DomainSpec, TemplateSet, new_domain, read_domain
 
     doc = new_domain(DomainSpec(name="big", memory_bytes=2048 * GiB), templates=TemplateSet())
     cpu = etree.SubElement(doc.root, "cpu")  # Intel: no AMD 1 TiB hole question
     etree.SubElement(cpu, "vendor").text = "Intel"
-    big = doc.to_bytes()
+    big = read_domain(doc.to_bytes()).guest_ram
     small = new_domain(DomainSpec(name="s", memory_bytes=512 * MiB), templates=TemplateSet())
+
+    def dma_limit(f, fdid, ram):
+        return next(c for c in f.admission(fdid, "gamma", ram) if c.name == "dma-limit")
+
     with cluster.fabric() as f:
-        bad = dma_limit_check(f, 0x10, big)  # a 40-bit GPU
+        bad = dma_limit(f, 0x10, big)  # a 40-bit GPU
         assert not bad.ok and "40 bits" in bad.detail
-        assert dma_limit_check(f, 0x12, big).ok  # a 64-bit NVMe
-        assert dma_limit_check(f, 0x10, small.to_bytes()).ok
+        assert dma_limit(f, 0x12, big).ok  # a 64-bit NVMe
+        assert dma_limit(f, 0x10, read_domain(small.to_bytes()).guest_ram).ok
 
 
 class RefusingGuest(IdleGuest):

@@ -126,7 +126,8 @@ def test_show(run, inited):
     with open_fabric(inited) as f:
         f.reserve(0x10, Holder("gamma", "vm1"), guest_ram=16 * (1 << 30))
     out = run("fabric", "show").output
-    assert "alpha:0  PXH830  1/30             16G/128G" in out
+    # a 16 GiB q35 guest: low RAM in 1 segment, high RAM 4-20 GiB in 4: 20 GiB of window
+    assert "alpha:0  PXH830  1/30             20G/128G" in out
     assert "gamma:0  PXH830  1/30             40G/128G" in out
 
 

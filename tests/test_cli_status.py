@@ -35,10 +35,14 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
         "DMA",
         "VECTORS",
         "P2P",
+        "PATH",
     ]
     m10, m12 = (str(mdev_uuid(uuid, f)) for f in (0x10, 0x12))
-    assert ["vm1", "gamma", "running", "0x10", "borrowed", m10, "-", "-", "-"] in table
-    assert ["vm1", "gamma", "running", "0x12", "reserved", m12, "-", "-", "-"] in table
+    # alpha's GPU and NVMe: device, switch, root port, root complex, root port, switch, NTB
+    # adapter, cluster switch, gamma's adapter, root port, root complex
+    path = "11h/2rc/+360ns"
+    assert ["vm1", "gamma", "running", "0x10", "borrowed", m10, "-", "-", "-", path] in table
+    assert ["vm1", "gamma", "running", "0x12", "reserved", m12, "-", "-", "-", path] in table
     idle = [row for row in table if row and row[0] == "idle"]
     assert idle and idle[0][2:5] == ["shutoff", "0x20", "not"]  # "not held"
     assert ["ADAPTER", "LUT", "USED", "WINDOW", "USED", "SEGMENTS"] in table
@@ -58,12 +62,13 @@ def test_runtime_records_are_shown(cluster):
     r = cluster.cli("status", "vm1", *GAMMA)
     assert r.exit_code == 0, r.output
     row = next(row for row in rows(r.stdout) if row and row[0] == "vm1")
-    assert row[-3:] == ["low:0x0-0x20000000", "msix.0,msix.1", "0x12"]
+    assert row[-4:] == ["low:0x0-0x20000000", "msix.0,msix.1", "0x12", "11h/2rc/+360ns"]
     data = json.loads(cluster.cli("status", "vm1", "--json", *GAMMA).stdout)
     dev = data["vms"][0]["devices"][0]
     assert dev["dma_windows"] == [{"key": "low", "start": 0, "end": 0x20000000}]
     assert [v["key"] for v in dev["irq_vectors"]] == ["msix.0", "msix.1"]
     assert dev["p2p_maps"] == [{"key": "0x12", "gpa": 0xC0000000}]
+    assert dev["dma_path"] == {"hops": 11, "roots": 2, "ntb_crossings": 1, "added_ns": 360}
 
 
 def test_json(cluster):

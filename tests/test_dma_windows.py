@@ -12,9 +12,16 @@ from lxml import etree
 
 from tests.simfabric import small_topology
 from tests.test_simvm import Cluster, domain_xml
-from vmlend.errors import DmaFault, DmaLimitError, LayoutError, ResourceExhaustedError
+from vmlend.errors import (
+    DmaFault,
+    DmaLimitError,
+    HookError,
+    LayoutError,
+    ResourceExhaustedError,
+    WindowExhaustedError,
+)
 from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.sim.dmawin import VmDmaWindows
+from vmlend.fabric.sim.dmawin import RegistryWindowLedger, VmDmaWindows
 from vmlend.fabric.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
 from vmlend.fabric.sim.simvm import SimVm
 from vmlend.memory.domain_memory import domain_layout
@@ -239,10 +246,13 @@ def amd_xml(name: str, fdids: tuple[int, ...] = (0x10,)) -> bytes:
 
 
 def test_40_bit_gpu_refused_when_ram_crosses_1_tib(cluster):
-    vm = cluster.start(amd_xml("amd"))
-    assert vm.layout.high is not None and vm.layout.high.start == 1 << 40
-    err = refuse(cluster, vm, 0x10)
+    assert domain_layout(amd_xml("amd")).high.start == 1 << 40
+    # refused when the VM starts (admission knows the layout), not at Bus Master enable
+    with pytest.raises(HookError) as e:
+        cluster.start(amd_xml("amd"))
+    err = e.value.__cause__
     assert isinstance(err, DmaLimitError)
+    assert cluster.fabric().device(0x10).holder is None
     assert err.need - err.have == 2 * GiB  # RAM ends 2 GiB past the 40-bit limit
     assert "short by 2147483648 bytes" in str(err)
     # a 64-bit device reaches the same layout, high RAM at 1 TiB included
@@ -253,14 +263,17 @@ def test_40_bit_gpu_refused_when_ram_crosses_1_tib(cluster):
 
 
 def test_window_too_small_is_refused_with_the_shortfall(state_path):
-    # one 4 GiB segment: admission (4 GiB of RAM) passes, but low and high need one each
+    # one 4 GiB segment: a pc guest with 4 GiB has low (3 GiB) and high (1 GiB) RAM, one
+    # segment each; admission counts as the planner does, so the VM is refused at its start
     c = Cluster.create(state_path, small_topology(lender_window="4GiB", lender_segments=1), "b")
     try:
-        vm = c.start(domain_xml("web", 4 * GiB, "pc", fdids=(0x100,)), node="b")
-        err = refuse(c, vm, 0x100)
-        assert isinstance(err, ResourceExhaustedError)
+        with pytest.raises(HookError) as e:
+            c.start(domain_xml("web", 4 * GiB, "pc", fdids=(0x100,)), node="b")
+        err = e.value.__cause__
+        assert isinstance(err, WindowExhaustedError)
         assert (err.need, err.have) == (8 * GiB, 4 * GiB)
-        assert "NTB window room" in str(err)
+        assert "2 segments" in str(err)
+        assert c.fabric("b").device(0x100).holder is None
     finally:
         c.close()
 
@@ -270,11 +283,11 @@ def test_segments_taken_by_another_vm_are_refused_with_the_shortfall(state_path)
     try:
         first = c.start(domain_xml("first", 1 * GiB, "pc", fdids=(0x100,)), node="b")
         first.enable_device(0x100)
-        second = c.start(domain_xml("second", 4 * GiB, "pc", fdids=(0x101,)), node="b")
-        err = refuse(c, second, 0x101)
-        assert isinstance(err, ResourceExhaustedError)
-        assert (err.need, err.have) == (2, 1)
-        assert "free NTB segments" in str(err)
+        with pytest.raises(HookError) as e:  # needs 2 segments (low and high), 1 is left
+            c.start(domain_xml("second", 4 * GiB, "pc", fdids=(0x101,)), node="b")
+        err = e.value.__cause__
+        assert isinstance(err, WindowExhaustedError)
+        assert (err.need, err.have) == (8 * GiB, 4 * GiB)
         # the first VM is untouched and works
         assert_maps_exactly_ram(first, 0x100)
     finally:
@@ -294,9 +307,10 @@ def test_two_devices_from_one_lender_share_the_segments(cluster):
     }
     assert segs[0x10] == segs[0x11] == segs[0x12]
     assert [m.index for m in adapter.mapped_segments()] == segs[0x10]
-    # the claims count the VM's windows once
+    # the claims count the VM's windows once, exactly as mapped: low 0-2 GiB in 1 segment,
+    # high 4-10 GiB in 2, whatever the device count
     usage = cluster.fabric().usage()["alpha:0"]
-    assert usage.segments_used == 2  # ceil(8 GiB / 4 GiB segments), whatever the device count
+    assert usage.segments_used == len(adapter.mapped_segments()) == 3
     for fdid in (0x10, 0x11, 0x12):
         assert_maps_exactly_ram(vm, fdid)
     vm.disable_device(0x10)
@@ -355,20 +369,30 @@ def test_enable_needs_the_borrow_first(cluster):
 
 def test_segments_promised_at_admission_are_kept_for_their_vm(state_path):
     # two 4 GiB segments; "later" (1 GiB) is admitted first but enables last. "greedy" (pc,
-    # 4 GiB) was admitted with one segment but its plan needs two (low and high apart): it
-    # may not take the one promised to "later".
+    # 4 GiB) needs two (low and high apart): admission refuses it the segment promised to
+    # "later", and even a greedy VM that got past admission could not take it at Bus Master.
     c = Cluster.create(state_path, small_topology(lender_window="8GiB", lender_segments=2), "b")
     try:
         later_xml = domain_xml("later", 1 * GiB, "pc", fdids=(0x100,))
         later = c.start(later_xml, node="b")
-        greedy = c.start(domain_xml("greedy", 4 * GiB, "pc", fdids=(0x101,)), node="b")
-        err = refuse(c, greedy, 0x101)
-        assert isinstance(err, ResourceExhaustedError) and (err.need, err.have) == (2, 1)
+        greedy_xml = domain_xml("greedy", 4 * GiB, "pc", fdids=(0x101,))
+        with pytest.raises(HookError, match="short by 4 GiB"):
+            c.start(greedy_xml, node="b")
+        c.hw.borrow(0x101, "b", "greedy")  # past admission by hand: the ledger still holds
+        layout = domain_layout(greedy_xml)
+        guest = c.hw.create_guest("b", "greedy", layout.ranges())
+        windows = VmDmaWindows(c.hw, guest, layout, RegistryWindowLedger(c.registry), "x")
+        with pytest.raises(ResourceExhaustedError) as e:
+            windows.enable(0x101)
+        assert (e.value.need, e.value.have) == (2, 1)
+        c.hw.give_back(0x101, "b", "greedy")
+        c.hw.destroy_guest("b", "greedy")
         later.enable_device(0x100)
         assert_maps_exactly_ram(later, 0x100)
         # once "later" is gone (stopped and released), both segments are greedy's to take
         later.stop()
         c.release(later_xml, node="b")
+        greedy = c.start(greedy_xml, node="b")
         greedy.enable_device(0x101)
         assert_maps_exactly_ram(greedy, 0x101)
     finally:

@@ -144,13 +144,41 @@ def test_newer_schema_is_refused(made):
 
 
 def test_older_schema_is_migrated(made, monkeypatch):
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(store_mod, "MIGRATIONS", {1: ("CREATE TABLE extra (x INTEGER)",)})
+    current = schema_mod.SCHEMA_VERSION
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", current + 1)
+    monkeypatch.setattr(
+        store_mod, "MIGRATIONS", {**schema_mod.MIGRATIONS, current: ("CREATE TABLE extra (x)",)}
+    )
     monkeypatch.setattr(store_mod, "TABLES", schema_mod.TABLES | {"extra"})
     with Registry.open(made) as reg, reg.read() as tx:
-        assert tx.meta("schema_version") == "2"
+        assert tx.meta("schema_version") == str(current + 1)
     with Registry.open(made) as reg, reg.read() as tx:  # idempotent: nothing left to do
-        assert tx.meta("schema_version") == "2"
+        assert tx.meta("schema_version") == str(current + 1)
+
+
+def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monkeypatch):
+    from vmlend.fabric.model import Holder
+    from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
+
+    path = tmp_path / "v1.db"
+    with monkeypatch.context() as m:  # what a version-1 vmlend created
+        m.setattr(store_mod, "SCHEMA_VERSION", 1)
+        m.setattr(store_mod, "MIGRATIONS", {})
+        init_fabric(path, *default_topology_text(), node="gamma")
+        with Registry.open(path) as reg, reg.write() as tx:
+            hold = HoldRecord(0x10, Holder("gamma", "vm1"), 0.0, Phase.RESERVED, 8 << 30)
+            tx.add_hold(hold, [Claim("alpha:0", ClaimKind.LUT, "dev:0x10", entries=1)])
+            with pytest.raises(sqlite3.IntegrityError):  # version 1 knows no p2p claims
+                tx.replace_claims(ClaimKind.P2P, [0x10], [(0x10, Claim("a:0", ClaimKind.P2P, "x"))])
+    with Registry.open(path) as reg:
+        with reg.read() as tx:
+            assert tx.meta("schema_version") == "2"
+            assert tx.claims() == [(0x10, Claim("alpha:0", ClaimKind.LUT, "dev:0x10", entries=1))]
+        with reg.write() as tx:
+            tx.replace_claims(ClaimKind.P2P, [0x10], [(0x10, Claim("a:0", ClaimKind.P2P, "x"))])
+            assert len(tx.claims()) == 2
+            tx.delete_hold(0x10)  # the rebuilt table still goes with its hold
+            assert tx.claims() == []
 
 
 def test_a_write_waits_then_fails_clearly_when_locked(made):

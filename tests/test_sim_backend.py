@@ -167,28 +167,35 @@ def test_a_vanished_device_is_unavailable(fab):
 
 def test_reserve_claims_lut_dma_and_bar_room(fab):
     fab.reserve(0x10, VM1, guest_ram=64 * GiB)
-    # alpha:0: 1 LUT entry, 64 GiB of DMA windows = 16 segments of 4 GiB.
-    assert _used(fab, "alpha:0") == (1, 16)
+    # alpha:0: 1 LUT entry; a 64 GiB q35 guest's DMA windows in 4 GiB segments, as the
+    # planner maps them: low RAM 0-2 GiB in 1, high RAM 4-66 GiB rounded out to 4-68 GiB in 16.
+    assert _used(fab, "alpha:0") == (1, 17)
     # gamma:0: 1 LUT entry; the GPU's BARs 16M + 32G + 32M, each in whole 4 GiB segments.
     assert _used(fab, "gamma:0") == (1, 1 + 8 + 1)
     assert fab.usage()["gamma:0"].window_used == 40 * GiB
 
 
 def test_dma_windows_count_once_per_lender_adapter_and_vm(fab):
-    fab.reserve(0x10, VM1, guest_ram=64 * GiB)
-    fab.reserve(0x11, VM1, guest_ram=64 * GiB)
-    assert _used(fab, "alpha:0") == (2, 16)  # two LUT entries, one set of DMA windows
-    fab.reserve(0x20, VM1, guest_ram=64 * GiB)
-    assert _used(fab, "beta:0") == (1, 16)  # another lender: its own window
-    fab.reserve(0x12, VM2, guest_ram=64 * GiB)
+    # 16 GiB q35: low 0-2 GiB in 1 segment, high 4-18 GiB rounded out to 4-20 GiB in 4.
+    fab.reserve(0x10, VM1, guest_ram=16 * GiB)
+    fab.reserve(0x11, VM1, guest_ram=16 * GiB)
+    assert _used(fab, "alpha:0") == (2, 5)  # two LUT entries, one set of DMA windows
+    fab.reserve(0x20, VM1, guest_ram=16 * GiB)
+    # another lender: its own windows (5), plus room for 0x20 to reach the BARs of 0x10 and
+    # 0x11 (16M + 32G + 32M each: 1 + 8 + 1 segments); alpha:0 gets room to reach 0x20's.
+    assert _used(fab, "beta:0") == (1, 5 + 20)
+    assert _used(fab, "alpha:0") == (2, 5 + 10)
+    fab.reserve(0x12, VM2, guest_ram=64 * GiB)  # 17 segments: the window is full
     assert fab.usage()["alpha:0"].window_free == 0
     fab.release(0x11, VM1)
-    fab.reserve(0x11, VM1, guest_ram=64 * GiB)  # a full window still admits vm1's own windows
+    assert _used(fab, "beta:0") == (1, 5 + 10)  # 0x11's BARs are no longer a P2P target
+    fab.reserve(0x11, VM1, guest_ram=16 * GiB)  # a full window still admits vm1's own windows
     fab.release(0x12, VM2)
     fab.release(0x10, VM1)
-    assert _used(fab, "alpha:0") == (1, 16)  # 0x11 still needs the DMA windows
+    assert _used(fab, "alpha:0") == (1, 5 + 10)  # 0x11 still needs the DMA windows and P2P
     fab.release(0x11, VM1)
     assert _used(fab, "alpha:0") == (0, 0)
+    assert _used(fab, "beta:0") == (1, 5)  # 0x20 alone: no peer to reach
 
 
 def test_dma_windows_count_once_for_one_vm_with_and_without_its_uuid(tmp_path):
@@ -215,26 +222,27 @@ def test_window_shortage_is_refused_with_exact_numbers(fab):
     before = fab.usage()
     with pytest.raises(WindowExhaustedError) as e:
         fab.reserve(0x12, VM2, guest_ram=72 * GiB)
-    assert str(e.value).startswith("NTB window alpha:0 short by 8 GiB: need 72 GiB, have 64 GiB")
+    # 72 GiB: low 1 segment + high 4-76 GiB 18 segments = 76 GiB of window; 15 segments free
+    assert str(e.value).startswith("NTB window alpha:0 short by 16 GiB: need 76 GiB, have 60 GiB")
     assert "gamma/vm2" in str(e.value)
-    assert (e.value.need, e.value.have) == (72 * GiB, 64 * GiB)
+    assert (e.value.need, e.value.have) == (76 * GiB, 60 * GiB)
     assert fab.usage() == before
     assert fab.device(0x12).state is DeviceState.AVAILABLE
-    assert fab.reserve(0x12, VM2, guest_ram=64 * GiB).state is DeviceState.RESERVED
+    assert fab.reserve(0x12, VM2, guest_ram=56 * GiB).state is DeviceState.RESERVED
 
 
 def test_admission_reports_every_check_and_changes_nothing(fab):
     checks = fab.admission(0x10, "gamma", 72 * GiB, holder=VM1)
     assert [c.name for c in checks] == [
-        "exists", "lender", "lent", "not-held", "path", "lut", "window-dma", "window-bars",
-        "segments",
+        "exists", "lender", "lent", "not-held", "dma-limit", "path", "lut", "window-dma",
+        "window-bars", "segments", "p2p",
     ]  # fmt: skip
     assert all(c.ok for c in checks)
     by = {c.name: c for c in checks}
     assert by["path"].detail == "alpha:0 -> gamma:0 via mxs824"
     assert "30 of 30 usable free" in by["lut"].detail
     assert "72 GiB of RAM" in by["window-dma"].detail and "128 GiB free" in by["window-dma"].detail
-    assert "alpha:0 needs 18 of 32 free segments" in by["segments"].detail
+    assert "alpha:0 needs 19 of 32 free segments" in by["segments"].detail
     assert "gamma:0 needs 10 of 32" in by["segments"].detail
     assert fab.device(0x10).state is DeviceState.AVAILABLE
     assert _used(fab, "alpha:0") == (0, 0)

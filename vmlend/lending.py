@@ -17,7 +17,7 @@ from uuid import UUID
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Holder, MdevInfo, format_fdid
+from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
 from vmlend.registry.records import same_holder
 
 log = logging.getLogger(__name__)
@@ -68,23 +68,22 @@ def acquire_device(
     mdev: UUID | str,
     journal: UndoJournal,
     *,
-    guest_ram: int = 0,
+    guest_ram: GuestRam | int = 0,
     record: Record = _ignore,
 ) -> str:
     """Reserve ``fdid`` for ``holder``, make sure its mdev parent exists on this node and create
     the mdev child ``mdev``. Returns the parent's name. What this call newly did is pushed on
-    ``journal``; what was already there (a re-run) is left alone on rollback."""
+    ``journal``; what was already there (a re-run, or another process acting for the same VM)
+    is left alone on rollback. Whether a step created something is the fabric's answer from
+    inside its own write transaction, never a look taken before it: between a look and the
+    write another process may create the very thing this call would then undo."""
     fd = format_fdid(fdid)
     uuid = str(mdev)
-    had_mdev = any(m.uuid == uuid for m in fabric.mdevs())
-    before = fabric.device(fdid).holder
-    fabric.reserve(fdid, holder, guest_ram=guest_ram)
-    if before != holder:
+    if fabric.reserve(fdid, holder, guest_ram=guest_ram).created:
         journal.push(f"reserve {fd}", lambda: fabric.release(fdid, holder))
     record(f"reserve {fd}: ok")
     parent = fabric.ensure_mdev_parent(fdid)
-    fabric.create_mdev(fdid, uuid, holder)
-    if not had_mdev:
+    if fabric.create_mdev(fdid, uuid, holder).created:
         journal.push(f"mdev {uuid}", lambda: fabric.remove_mdev(uuid))
     record(f"mdev {uuid} for {fd} under {parent}: ok")
     return parent

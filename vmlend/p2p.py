@@ -249,8 +249,7 @@ def _route(
     hops = [f"device {source:#x}", _root(src_node)]
     if path is not None:
         hops.append(path.src.ref)
-        if path.switch:
-            hops.append(path.switch)
+        hops.extend(path.switches)
         hops += [path.dst.ref, _root(dst_node)]
     hops.append(target)
     return tuple(hops)

@@ -115,6 +115,7 @@ def fabric_json(f: Fabric) -> dict[str, Any]:
             for n in topo.nodes
         ],
         "links": [{"ends": list(link.ends), "switch": link.switch} for link in topo.links],
+        "switch_links": [list(pair) for pair in topo.switch_links],
     }
 
 
@@ -157,6 +158,7 @@ def render_fabric(f: Fabric) -> str:
         else f"cable: {' <-> '.join(link.ends)}"
         for link in topo.links
     ]
+    links += [f"switch link: {a} <-> {b}" for a, b in topo.switch_links]
     return "\n\n".join(
         [
             f"fabric {topo.name!r} from {topo.source}",

@@ -1,4 +1,5 @@
-"""``vmlend status [VM]``: per VM its remote devices and what the data path set up for them;
+"""``vmlend status [VM]``: per VM its remote devices and what the data path set up for them,
+with each device's PCIe path into the VM's RAM (``vmlend path`` explains it stage by stage);
 per NTB adapter the LUT entries and window room in use. The collection is in
 ``vmlend.ops.status``; this module renders it.
 """
@@ -13,6 +14,7 @@ from vmlend.cli.common import CliContext, emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.fabric.admission import format_size_short
 from vmlend.fabric.model import format_fdid
+from vmlend.fabric.pcie import PciePath
 from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
 from vmlend.registry.records import RuntimeRecord
 
@@ -32,12 +34,19 @@ def _runtime_cell(records: list[RuntimeRecord]) -> str:
     return ",".join(parts)
 
 
+def path_cell(path: PciePath | None) -> str:
+    """Hops, root complexes and the NTB's added latency, e.g. ``11h/2rc/+360ns``."""
+    if path is None:
+        return "-"
+    return f"{path.hops}h/{path.roots}rc/+{path.added_ns}ns"
+
+
 def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
-    headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P")
+    headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P", "PATH")
     rows = []
     for v in vms:
         if not v.devices:
-            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-"])
+            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-", "-"])
         for d in v.devices:
             mdev = d.mdev or "-"
             if d.mdev and not d.mdev_present:
@@ -51,6 +60,7 @@ def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
                     d.state,
                     mdev,
                     *(_runtime_cell(d.runtime.get(k, [])) for k in RUNTIME_KINDS),
+                    path_cell(d.path),
                 ]
             )
     parts = [render_table(headers, rows) if rows else "no VMs with remote devices"]

@@ -9,7 +9,9 @@ from vmlend.domain.consistency import Problem, find_problems, raise_on
 from vmlend.domain.document import DomainDocument
 from vmlend.domain.metadata import VmlendDevice, find_metadata
 from vmlend.domain.model import DomainXML
-from vmlend.errors import DomainXMLError
+from vmlend.errors import DomainXMLError, VmlendError
+from vmlend.fabric.model import GuestRam
+from vmlend.memory.domain_memory import domain_layout
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,15 @@ class DomainInfo:
     #: The node the XML was last rewritten for by a migration, if any.
     host_node: str | None = None
     problems: tuple[Problem, ...] = field(default=())
+    #: The guest's RAM ranges by QEMU's layout rules (None when the XML does not decide them,
+    #: e.g. no machine type yet).
+    ram: GuestRam | None = None
+
+    @property
+    def guest_ram(self) -> GuestRam | int:
+        """What admission counts: the layout's ranges, else the plain memory size (which
+        admission counts as a q35 guest of that size)."""
+        return self.ram if self.ram is not None else (self.memory_bytes or 0)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -47,6 +58,10 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
     problems = tuple(find_problems(doc))
     if strict:
         raise_on(list(problems), f"domain {name} is inconsistent")
+    try:
+        ram: GuestRam | None = GuestRam(tuple(domain_layout(doc.root).ranges()))
+    except VmlendError:
+        ram = None  # the hook or the VM start reports a layout that cannot be known
     return DomainInfo(
         name=name,
         uuid=domain.uuid,
@@ -56,6 +71,7 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
         devices=devices,
         host_node=meta.host_node if meta is not None else None,
         problems=problems,
+        ram=ram,
     )
 
 

@@ -11,8 +11,16 @@ What a remote reservation uses (DESIGN.md, limits):
 - room in the lender's NTB window for the VM's DMA windows (its guest RAM, whole segments),
   counted once per (lender adapter, VM) however many devices the VM borrows from that lender
   (a VM here is node + domain name: ``vm_share`` says why);
-- room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments.
-A device lent and used on the same node crosses no NTB and uses none of these.
+- room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments;
+- peer-to-peer among the VM's devices (``p2p_claims``): for every memory BAR of every device
+  that another device of the VM reaches across an NTB, the segments of the source lender's
+  adapter that BAR can occupy, and a LUT entry for a source installed in the borrower itself
+  (a borrowed source already has one).
+The DMA window segments are the planner's own count (``vmlend.memory.windows.window_segments``)
+over the guest's RAM ranges, so what is claimed is what bus-master enable maps; the device's
+DMA address width is checked against the top of that RAM. A device lent and used on the same
+node crosses no NTB for its own DMA and uses none of the adapter resources, but its
+peer-to-peer with remote devices may.
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vmlend.errors import (
+    ConfigError,
     DeviceHeldError,
     DeviceNotLentError,
+    DmaLimitError,
     FabricError,
     LenderUnavailableError,
     ResourceExhaustedError,
@@ -30,14 +40,25 @@ from vmlend.errors import (
     VmlendError,
     WindowExhaustedError,
 )
-from vmlend.fabric.model import AdapterSpec, BarKind, Check, DeviceSpec, Holder, Topology
+from vmlend.fabric.model import (
+    AdapterSpec,
+    BarKind,
+    Check,
+    DeviceSpec,
+    GuestRam,
+    Holder,
+    Topology,
+)
 from vmlend.fabric.paths import NtbPath, route
+from vmlend.memory.layout import PAGE, MemoryConfig, compute_layout
+from vmlend.memory.windows import window_segments
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
     DeviceRecord,
     HoldRecord,
     NodeRecord,
+    Phase,
     same_holder,
 )
 
@@ -68,6 +89,20 @@ def _segments(size: int, segment: int) -> int:
 def bar_segments(spec: DeviceSpec, segment: int) -> int:
     """Segments the device's memory BARs take in a window: each BAR maps on its own."""
     return sum(_segments(b.size, segment) for b in spec.bars if b.kind is not BarKind.IO)
+
+
+def guest_ram_of(value: GuestRam | int) -> GuestRam:
+    """``value`` as RAM ranges. A bare byte count stands for a q35 guest of that size (the
+    machine ``vmlend xml new`` writes), so callers that know only a size are counted by the
+    same layout rules and planner as everyone else; callers that have the domain XML pass its
+    real layout (``vmlend.memory.domain_memory.domain_guest_ram``)."""
+    if isinstance(value, GuestRam):
+        return value
+    if value < 0:
+        raise ConfigError(f"guest RAM must not be negative, got {value}")
+    if value == 0:
+        return GuestRam()
+    return GuestRam(tuple(compute_layout(MemoryConfig("q35", value)).ranges()))
 
 
 def vm_share(holder: Holder) -> str:
@@ -155,6 +190,10 @@ class Admission:
 
     checks: list[Check] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
+    #: The VM's peer-to-peer claims once this device is added, each with the fdid whose hold
+    #: owns it, and the VM's devices they replace the P2P claims of (None: not computed).
+    p2p: list[tuple[int, Claim]] | None = None
+    vm_devices: tuple[int, ...] = ()
     _errors: list[VmlendError | None] = field(default_factory=list)
 
     def add(self, name: str, detail: str, error: VmlendError | None = None, **data: object) -> None:
@@ -180,13 +219,14 @@ def admit(
     view: StateView,
     fdid: int,
     borrower: str,
-    guest_ram: int = 0,
+    guest_ram: GuestRam | int = 0,
     holder: Holder | None = None,
 ) -> Admission:
-    """Check whether ``borrower`` (for ``holder``'s VM with ``guest_ram`` bytes) may take
+    """Check whether ``borrower`` (for ``holder``'s VM with RAM ``guest_ram``) may take
     ``fdid``. Checks that cannot be evaluated after an earlier failure (no device, no path)
     are left out."""
     adm = Admission()
+    ram = guest_ram_of(guest_ram)
     try:
         spec = topology.device(fdid)
     except UnknownDeviceError as e:
@@ -215,6 +255,19 @@ def admit(
         h = hold.holder
         adm.add("not-held", "", DeviceHeldError(fdid, h.node, h.vm), holder=str(h))
 
+    # The device's DMA reaches the guest's RAM at its guest-physical addresses (lender IOMMU:
+    # IOVA = GPA), so all of it must lie below the device's DMA limit.
+    if ram.top > spec.dma_limit:
+        adm.add("dma-limit", "", DmaLimitError(f"{fdid:#x}", spec.dma_bits, ram.top))
+    elif ram.ranges:
+        adm.add(
+            "dma-limit",
+            f"guest RAM ends at {ram.top:#x}, within {spec.dma_bits}-bit DMA reach",
+            top=ram.top,
+        )
+    else:
+        adm.add("dma-limit", "no guest RAM given: DMA reach not checked")
+
     try:
         path = route(topology, spec.lender, borrower)
     except FabricError as e:  # unknown borrower node or no cable
@@ -222,16 +275,155 @@ def admit(
         return adm
     if path is None:
         adm.add("path", f"{borrower} is the lender itself: no NTB crossing")
-        for name in ("lut", "window-dma", "window-bars", "segments"):
-            adm.add(name, "not needed: the device is local")
-        return adm
-    adm.add("path", path.describe(), path=path.describe(), hops=path.hops)
+    else:
+        adm.add("path", path.describe(), path=path.describe(), hops=path.hops)
     if mine:
-        for name in ("lut", "window-dma", "window-bars", "segments"):
+        for name in ("lut", "window-dma", "window-bars", "segments", "p2p"):
             adm.add(name, "already claimed by this VM's reservation")
         return adm
-    _resource_checks(adm, topology, view, spec, path, guest_ram, holder)
+    if path is None:
+        for name in ("lut", "window-dma", "window-bars", "segments"):
+            adm.add(name, "not needed: the device is local")
+    else:
+        _resource_checks(adm, topology, view, spec, path, ram, holder)
+    _p2p_checks(adm, topology, view, spec, holder)
     return adm
+
+
+def admit_vm(
+    topology: Topology,
+    view: StateView,
+    fdids: Sequence[int],
+    borrower: str,
+    guest_ram: GuestRam | int,
+    holder: Holder,
+    leaving: Holder | None = None,
+) -> dict[int, Admission]:
+    """Admit all of a VM's devices together from ``borrower``'s view: each device against the
+    claims the ones before it would make, as if ``leaving`` (the same VM on the node it leaves,
+    about to give its devices back) held nothing. What a migration must know before it stops
+    the VM: several devices through one adapter are summed, not checked each on its own."""
+    ram = guest_ram_of(guest_ram)
+    holds = {
+        f: h for f, h in view.holds.items() if leaving is None or not same_holder(h.holder, leaving)
+    }
+    claims = [(f, c) for f, c in view.claims if f in holds]
+    out: dict[int, Admission] = {}
+    for fdid in fdids:
+        adm = admit(
+            topology,
+            StateView(view.nodes, view.devices, holds, claims),
+            fdid,
+            borrower,
+            ram,
+            holder,
+        )
+        out[fdid] = adm
+        if not adm.ok or fdid in holds:
+            continue
+        holds = {**holds, fdid: HoldRecord(fdid, holder, 0.0, Phase.RESERVED, ram.size)}
+        claims = [*claims, *((fdid, c) for c in adm.claims)]
+        if adm.p2p is not None:
+            owners = set(adm.vm_devices)
+            claims = [
+                (f, c) for f, c in claims if not (c.kind is ClaimKind.P2P and f in owners)
+            ] + adm.p2p
+    return out
+
+
+def _bar_chunks(size: int, segment: int) -> int:
+    """Segments a naturally aligned BAR of ``size`` bytes can touch: each segment translates
+    one segment-aligned chunk of guest-physical space."""
+    chunks = -(-size // segment)
+    aligned = size & (size - 1) == 0 and (segment % size == 0 or size % segment == 0)
+    return chunks if aligned else chunks + 1
+
+
+def p2p_share(holder: Holder, target: int, bar: int) -> str:
+    return f"p2p:{holder.node}/{holder.vm}>{target:#x}/bar{bar}"
+
+
+def p2p_claims(
+    topology: Topology, holder: Holder, devices: Sequence[DeviceSpec]
+) -> list[tuple[int, Claim]]:
+    """The adapter resources peer-to-peer among ``devices`` (one VM's, on ``holder.node``)
+    can use, each owned by the target device's fdid (its hold).
+
+    Mirrors ``vmlend.p2p.plan_p2p`` and the simulated mapper: a source reaches a BAR across
+    an NTB through segments of its lender's adapter, one per segment-sized chunk of the BAR's
+    guest-physical range, shared by every source through that adapter (hence one claim per
+    adapter and BAR, which ``usage`` counts once); a source installed in the borrower has no
+    LUT entry from a borrow and needs one there. Where the guest puts the BARs is not known
+    before it runs, so the count is the most the BAR can touch. ``NoPathError`` when two
+    lenders of the VM have no NTB between them."""
+    out: list[tuple[int, Claim]] = []
+    for target in sorted(devices, key=lambda d: d.fdid):
+        for source in sorted(devices, key=lambda d: d.fdid):
+            if source.fdid == target.fdid:
+                continue
+            path = route(topology, source.lender, target.lender)
+            if path is None:
+                continue  # same lender: the lender IOMMU alone, no NTB resource
+            adapter = path.src
+            seg = adapter.segment_size
+            for bar in target.bars:
+                if bar.kind is BarKind.IO or bar.size < PAGE:
+                    continue
+                n = _bar_chunks(bar.size, seg)
+                share = p2p_share(holder, target.fdid, bar.index)
+                claim = Claim(adapter.ref, ClaimKind.P2P, share, segments=n, bytes=n * seg)
+                out.append((target.fdid, claim))
+            if source.lender == holder.node:
+                rid = Claim(adapter.ref, ClaimKind.P2P, f"p2p-rid:{source.fdid:#x}", entries=1)
+                out.append((target.fdid, rid))
+    return out
+
+
+def _p2p_checks(
+    adm: Admission, topology: Topology, view: StateView, spec: DeviceSpec, holder: Holder | None
+) -> None:
+    if holder is None:
+        adm.add("p2p", "no VM given: peer-to-peer not counted")
+        return
+    mine = sorted(
+        f for f, h in view.holds.items() if f != spec.fdid and same_holder(h.holder, holder)
+    )
+    specs = [spec]
+    for f in mine:
+        try:
+            specs.append(topology.device(f))
+        except UnknownDeviceError:
+            continue  # a hold on a device the topology no longer has: nothing to reach
+    try:
+        p2p = p2p_claims(topology, holder, specs)
+    except FabricError as e:  # two lenders of the VM that no NTB joins
+        adm.add("p2p", "", e)
+        return
+    adm.p2p, adm.vm_devices = p2p, (*mine, spec.fdid)
+    if not p2p:
+        adm.add("p2p", "peer-to-peer among the VM's devices crosses no NTB")
+        return
+    owners = set(adm.vm_devices)
+    base = [(f, c) for f, c in view.claims if not (c.kind is ClaimKind.P2P and f in owners)]
+    base += [(spec.fdid, c) for c in adm.claims]
+    before, after = usage(topology, base), usage(topology, [*base, *p2p])
+    parts: list[str] = []
+    error: VmlendError | None = None
+    for ref in sorted({c.adapter for _f, c in p2p}):
+        b, a = before[ref], after[ref]
+        segs, luts = a.segments_used - b.segments_used, a.lut_used - b.lut_used
+        parts.append(f"{ref} needs {segs} of {b.segments_free} free segments")
+        if luts:
+            parts[-1] += f" and {luts} of {b.lut_free} free LUT entries"
+        if error is None and a.segments_free < 0:
+            error = ResourceExhaustedError(
+                "NTB window segments for peer-to-peer", ref, segs, b.segments_free, "segments"
+            )
+        if error is None and a.lut_free < 0:
+            error = ResourceExhaustedError(
+                "requester LUT for peer-to-peer", ref, luts, b.lut_free, "entries"
+            )
+    adm.add("p2p", "peer-to-peer: " + "; ".join(parts), error)
 
 
 def _resource_checks(
@@ -240,7 +432,7 @@ def _resource_checks(
     view: StateView,
     spec: DeviceSpec,
     path: NtbPath,
-    guest_ram: int,
+    ram: GuestRam,
     holder: Holder | None,
 ) -> None:
     use = usage(topology, view.claims)
@@ -278,11 +470,12 @@ def _resource_checks(
             ),
             default=0,
         )
-    dma_segs = _segments(guest_ram, seg_l)
+    # the planner's own count: low and high windows each rounded out to whole segments
+    dma_segs = window_segments(ram.ranges, seg_l) if ram.ranges else 0
     extra_dma_segs = max(0, dma_segs - prior)
-    dma_need = max(0, guest_ram - prior * seg_l)
-    purpose = f"DMA windows for {format_size(guest_ram)} of RAM of {who}"
-    if guest_ram == 0:
+    dma_need = extra_dma_segs * seg_l
+    purpose = f"DMA windows for {format_size(ram.size)} of RAM of {who} ({dma_segs} segments)"
+    if not ram.ranges:
         adm.add("window-dma", "no guest RAM given: no DMA window claimed")
     elif dma_need > lu.window_free:
         adm.add(

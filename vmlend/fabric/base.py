@@ -18,9 +18,11 @@ from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.model import (
     Check,
     DeviceStatus,
+    GuestRam,
     Holder,
     MdevInfo,
     NodeSpec,
+    Reservation,
     Topology,
 )
 
@@ -61,22 +63,44 @@ class Fabric(Protocol):
 
     # --- borrower side -------------------------------------------------------------------
     def admission(
-        self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
+        self,
+        fdid: int,
+        borrower: str,
+        guest_ram: GuestRam | int = 0,
+        *,
+        holder: Holder | None = None,
     ) -> list[Check]:
         """Check, without changing anything, that ``borrower`` could take ``fdid`` for a guest
-        with ``guest_ram`` bytes of RAM: device exists and is lent, not held, an NTB path to the
-        lender exists, a LUT entry is free, the NTB window has room for the DMA windows and the
-        BARs. Returns every check; callers fail on the first ``ok=False``. With ``holder`` (the
-        VM), DMA windows that VM already has through the same lender adapter count as there,
-        and a device that VM already holds passes."""
+        with RAM ``guest_ram`` (its layout's ranges; a bare byte count stands for a q35 guest of
+        that size): device exists and is lent, not held, within the device's DMA reach, an NTB
+        path to the lender exists, a LUT entry is free, the NTB window has room for the DMA
+        windows (the planner's segment count) and the BARs, and peer-to-peer with the VM's other
+        devices fits. Returns every check; callers fail on the first ``ok=False``. With
+        ``holder`` (the VM), DMA windows that VM already has through the same lender adapter
+        count as there, and a device that VM already holds passes."""
         ...
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
+    def vm_admission(
+        self,
+        fdids: list[int],
+        borrower: str,
+        guest_ram: GuestRam | int,
+        *,
+        holder: Holder,
+        leaving: Holder | None = None,
+    ) -> dict[int, list[Check]]:
+        """Admission of a whole VM (all of ``fdids`` together, summed per adapter) on
+        ``borrower``, as if ``leaving`` (the same VM where it runs now) held nothing: what a
+        migration checks before it stops the VM. Changes nothing."""
+        ...
+
+    def reserve(self, fdid: int, holder: Holder, *, guest_ram: GuestRam | int = 0) -> Reservation:
         """Exclusively reserve ``fdid`` for ``holder``. Idempotent for the same holder;
         ``DeviceHeldError`` for another; ``DeviceNotLentError`` if not lent. Atomic across
-        processes: of two racing reservers exactly one wins. Admission control happens here:
-        the reservation claims the LUT entry and the NTB window room (DMA windows for
-        ``guest_ram`` bytes, the device's BARs) or fails with ``ResourceExhaustedError`` /
+        processes: of two racing reservers exactly one wins, and ``Reservation.created`` says
+        whether this call made the hold. Admission control happens here: the reservation claims
+        the LUT entry and the NTB window room (DMA windows for ``guest_ram``, the device's BARs,
+        peer-to-peer) or fails with ``ResourceExhaustedError`` / ``DmaLimitError`` /
         ``NoPathError`` / ``LenderUnavailableError`` and changes nothing."""
         ...
 
@@ -102,7 +126,7 @@ class Fabric(Protocol):
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         """Create the mdev child ``uuid`` under ``fdid``'s parent. Idempotent for the same
-        uuid and device."""
+        uuid and device; ``MdevInfo.created`` says whether this call created it (atomically)."""
         ...
 
     def remove_mdev(self, uuid: str) -> bool:

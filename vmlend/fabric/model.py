@@ -88,6 +88,7 @@ class DeviceSpec:
     msix: MsixSpec | None = None
     physfn: int | None = None  # fdid of the PF when this is an SR-IOV VF
     lent: bool = True  # lent at fabric init
+    slot: str | None = None  # the in-host PCIe element it hangs below (None: a root port)
 
     @property
     def dma_limit(self) -> int:
@@ -110,6 +111,7 @@ class AdapterSpec:
     segments: int = 32  # the window is split into this many equal segments
     lut_entries: int = 32
     cpus: int = 1  # LUT_RESERVED_PER_CPU entries are reserved per CPU
+    slot: str | None = None  # the in-host PCIe element it hangs below (None: a root port)
 
     @property
     def segment_size(self) -> int:
@@ -124,6 +126,21 @@ class AdapterSpec:
         return f"{self.node}:{self.index}"
 
 
+class PcieKind(enum.StrEnum):
+    ROOT_PORT = "root-port"
+    SWITCH = "switch"  # an in-host PCIe switch
+    CHASSIS = "chassis"  # an expansion chassis (its switch, behind a host cable adapter)
+
+
+@dataclass(frozen=True)
+class PcieElement:
+    """One element of a host's PCIe tree between its root complex and its endpoints."""
+
+    name: str
+    kind: PcieKind
+    parent: str | None = None  # None for a root port (it sits on the root complex)
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
@@ -131,6 +148,7 @@ class NodeSpec:
     hostname: str
     adapters: tuple[AdapterSpec, ...] = ()
     ram: int = 64 * GiB  # host RAM, backs guests running here
+    pcie: tuple[PcieElement, ...] = ()  # root ports, switches, chassis, parents first
 
 
 @dataclass(frozen=True)
@@ -148,6 +166,8 @@ class Topology:
     links: tuple[LinkSpec, ...]
     devices: tuple[DeviceSpec, ...]
     source: str = "<builtin>"
+    #: Cables between two cluster switches (cascaded switches), by switch name.
+    switch_links: tuple[tuple[str, str], ...] = ()
 
     def node(self, name: str) -> NodeSpec:
         from vmlend.errors import UnknownNodeError
@@ -204,6 +224,15 @@ class DeviceStatus:
 
 
 @dataclass(frozen=True)
+class Reservation(DeviceStatus):
+    """What ``Fabric.reserve`` returns: the device's status, and whether this very call made
+    the hold (False when the holder already had it). Decided inside the backend's write
+    transaction, so an undo journal can trust it even when processes race."""
+
+    created: bool = False
+
+
+@dataclass(frozen=True)
 class MdevInfo:
     uuid: str
     parent: str  # mdev parent device name
@@ -211,6 +240,9 @@ class MdevInfo:
     fdid: int | None = None
     node: str = ""
     vm: str = ""
+    #: From ``Fabric.create_mdev``: whether this very call created the child (False when it
+    #: existed already). Decided atomically by the backend; False in listings.
+    created: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -223,6 +255,24 @@ class GuestRange:
     @property
     def size(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class GuestRam:
+    """A guest's RAM as its DMA windows will map it: the guest-physical ranges of its layout
+    (low RAM, high RAM, cold-plugged DIMMs), ascending. Admission counts window segments and
+    checks DMA reach from these, not from a byte total (``vmlend.memory.windows``)."""
+
+    ranges: tuple[GuestRange, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(r.size for r in self.ranges)
+
+    @property
+    def top(self) -> int:
+        """First address past the guest's RAM (0 without RAM)."""
+        return max((r.end for r in self.ranges), default=0)
 
 
 @dataclass

@@ -23,6 +23,8 @@ from vmlend.fabric.model import (
     MsiSpec,
     MsixSpec,
     NodeSpec,
+    PcieElement,
+    PcieKind,
     Topology,
 )
 
@@ -172,12 +174,58 @@ def _msix(r: _Reader, raw: Any, path: str, bars: tuple[BarSpec, ...]) -> MsixSpe
 
 _DEVICE_KEYS = {
     "fdid", "bdf", "kind", "vendor", "device", "class", "bars", "dma_bits", "intx", "msi",
-    "msix", "sriov", "lent",
+    "msix", "sriov", "lent", "slot",
 }  # fmt: skip
 _SRIOV_KEYS = {"vfs", "first_fdid", "device", "bars", "msix", "msi", "dma_bits"}
 
 
-def _device(r: _Reader, raw: Any, path: str, lender: str) -> list[DeviceSpec]:
+def _pcie(r: _Reader, raw: Any, path: str) -> tuple[PcieElement, ...]:
+    """A host's PCIe tree: root ports on the root complex, switches and chassis below a
+    parent declared before them (so there are no cycles)."""
+    out: list[PcieElement] = []
+    for i, item in enumerate(r.list_(raw, path)):
+        p = f"{path}[{i}]"
+        t = r.table(item, p, {"name", "kind", "parent"}, {"name", "kind"})
+        name = r.str_(t["name"], f"{p}.name")
+        if any(e.name == name for e in out):
+            raise r.fail(f"{p}.name", f"duplicate PCIe element name {name!r}")
+        kind_s = t["kind"]
+        try:
+            kind = PcieKind(kind_s)
+        except ValueError:
+            raise r.fail(
+                f"{p}.kind", f"expected root-port, switch or chassis, got {kind_s!r}"
+            ) from None
+        parent = None
+        if kind is PcieKind.ROOT_PORT:
+            if "parent" in t:
+                raise r.fail(f"{p}.parent", "a root port sits on the root complex: no parent")
+        else:
+            if "parent" not in t:
+                raise r.fail(f"{p}.parent", f"a {kind.value} needs a parent declared before it")
+            parent = r.str_(t["parent"], f"{p}.parent")
+            if not any(e.name == parent for e in out):
+                known = ", ".join(e.name for e in out) or "none"
+                raise r.fail(
+                    f"{p}.parent", f"no PCIe element {parent!r} declared before it (known: {known})"
+                )
+        out.append(PcieElement(name, kind, parent))
+    return tuple(out)
+
+
+def _slot(r: _Reader, t: dict, path: str, elements: tuple[PcieElement, ...]) -> str | None:
+    if "slot" not in t:
+        return None
+    slot = r.str_(t["slot"], f"{path}.slot")
+    if not any(e.name == slot for e in elements):
+        known = ", ".join(e.name for e in elements) or "none (declare [[node.pcie]])"
+        raise r.fail(f"{path}.slot", f"no PCIe element {slot!r} in this node (known: {known})")
+    return slot
+
+
+def _device(
+    r: _Reader, raw: Any, path: str, lender: str, elements: tuple[PcieElement, ...] = ()
+) -> list[DeviceSpec]:
     t = r.table(raw, path, _DEVICE_KEYS, {"fdid", "bdf", "kind", "vendor", "device", "class"})
     bdf = r.str_(t["bdf"], f"{path}.bdf").lower()
     if not _BDF_RE.match(bdf):
@@ -200,6 +248,7 @@ def _device(r: _Reader, raw: Any, path: str, lender: str) -> list[DeviceSpec]:
         msi=_msi(r, t["msi"], f"{path}.msi") if "msi" in t else None,
         msix=_msix(r, t["msix"], f"{path}.msix", bars) if "msix" in t else None,
         lent=r.bool_(t.get("lent", True), f"{path}.lent"),
+        slot=_slot(r, t, path, elements),
     )
     out = [pf]
     if "sriov" in t:
@@ -230,13 +279,16 @@ def _device(r: _Reader, raw: Any, path: str, lender: str) -> list[DeviceSpec]:
                     msix=_msix(r, s["msix"], f"{sp}.msix", vf_bars) if "msix" in s else None,
                     physfn=pf.fdid,
                     lent=pf.lent,
+                    slot=pf.slot,  # a VF is a function of its PF: same place in the tree
                 )
             )
     return out
 
 
-def _adapter(r: _Reader, raw: Any, path: str, node: str) -> AdapterSpec:
-    keys = {"index", "model", "window", "segments", "lut_entries", "cpus"}
+def _adapter(
+    r: _Reader, raw: Any, path: str, node: str, elements: tuple[PcieElement, ...] = ()
+) -> AdapterSpec:
+    keys = {"index", "model", "window", "segments", "lut_entries", "cpus", "slot"}
     t = r.table(raw, path, keys, {"index"})
     a = AdapterSpec(
         node=node,
@@ -246,6 +298,7 @@ def _adapter(r: _Reader, raw: Any, path: str, node: str) -> AdapterSpec:
         segments=r.int_(t.get("segments", 32), f"{path}.segments", 1, 4096),
         lut_entries=r.int_(t.get("lut_entries", 32), f"{path}.lut_entries", 1, 4096),
         cpus=r.int_(t.get("cpus", 1), f"{path}.cpus", 0, 64),
+        slot=_slot(r, t, path, elements),
     )
     if a.segments & (a.segments - 1):
         raise r.fail(f"{path}.segments", f"must be a power of two, got {a.segments}")
@@ -263,14 +316,15 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise TopologyError(source, f"not valid TOML: {e}") from None
-    top = r.table(doc, "", {"name", "node", "link", "switch"}, {"node"})
+    top = r.table(doc, "", {"name", "node", "link", "switch", "switch_link"}, {"node"})
     nodes: list[NodeSpec] = []
     devices: list[DeviceSpec] = []
     seen_ids: dict[int, str] = {}
     seen_fdids: dict[int, str] = {}
     for i, raw in enumerate(r.list_(top["node"], "node")):
         p = f"node[{i}]"
-        t = r.table(raw, p, {"name", "id", "hostname", "ram", "adapter", "device"}, {"name", "id"})
+        node_keys = {"name", "id", "hostname", "ram", "adapter", "device", "pcie"}
+        t = r.table(raw, p, node_keys, {"name", "id"})
         name = r.str_(t["name"], f"{p}.name")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
             raise r.fail(f"{p}.name", f"use letters, digits, '.', '_' or '-', got {name!r}")
@@ -281,15 +335,16 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
         if node_id in seen_ids:
             raise r.fail(f"{p}.id", f"node id {node_id} is already used by {seen_ids[node_id]}")
         seen_ids[node_id] = name
+        pcie = _pcie(r, t.get("pcie", []), f"{p}.pcie")
         adapters = tuple(
-            _adapter(r, a, f"{p}.adapter[{j}]", name)
+            _adapter(r, a, f"{p}.adapter[{j}]", name, pcie)
             for j, a in enumerate(r.list_(t.get("adapter", []), f"{p}.adapter"))
         )
         if len({a.index for a in adapters}) != len(adapters):
             raise r.fail(f"{p}.adapter", "adapter indexes must be unique within a node")
         bdfs: set[str] = set()
         for j, d in enumerate(r.list_(t.get("device", []), f"{p}.device")):
-            for dev in _device(r, d, f"{p}.device[{j}]", name):
+            for dev in _device(r, d, f"{p}.device[{j}]", name, pcie):
                 if dev.fdid in seen_fdids:
                     raise r.fail(
                         f"{p}.device[{j}].fdid",
@@ -307,6 +362,7 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
                 hostname=r.str_(t.get("hostname", name), f"{p}.hostname"),
                 adapters=adapters,
                 ram=r.size(t.get("ram", "64GiB"), f"{p}.ram"),
+                pcie=pcie,
             )
         )
     refs = {a.ref for n in nodes for a in n.adapters}
@@ -336,9 +392,12 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
     for i, raw in enumerate(r.list_(top.get("switch", []), "switch")):
         t = r.table(raw, f"switch[{i}]", {"name", "ports"}, {"name", "ports"})
         sw = r.str_(t["name"], f"switch[{i}].name")
+        if any(link.switch == sw for link in links):
+            raise r.fail(f"switch[{i}].name", f"duplicate switch name {sw!r}")
         links.append(
             LinkSpec(ends=ends(t["ports"], f"switch[{i}].ports", f"switch {sw}", 1), switch=sw)
         )
+    switch_links = _switch_links(r, top.get("switch_link", []), links)
     for d in devices:
         if d.physfn is None and d.kind == "vf":
             raise r.fail(f"device {d.fdid:#x}", "kind 'vf' is reserved for SR-IOV VFs")
@@ -348,7 +407,31 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
         links=tuple(links),
         devices=tuple(devices),
         source=source,
+        switch_links=switch_links,
     )
+
+
+def _switch_links(r: _Reader, raw: Any, links: list[LinkSpec]) -> tuple[tuple[str, str], ...]:
+    """Cables between cluster switches: each joins two distinct declared switches, once."""
+    switches = sorted(link.switch for link in links if link.switch)
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate(r.list_(raw, "switch_link")):
+        p = f"switch_link[{i}]"
+        t = r.table(item, p, {"ends"}, {"ends"})
+        ends = [r.str_(x, f"{p}.ends[{k}]") for k, x in enumerate(r.list_(t["ends"], f"{p}.ends"))]
+        if len(ends) != 2:
+            raise r.fail(f"{p}.ends", f"a switch link joins exactly two switches, got {len(ends)}")
+        for k, sw in enumerate(ends):
+            if sw not in switches:
+                known = ", ".join(switches) or "none"
+                raise r.fail(f"{p}.ends[{k}]", f"no switch {sw!r} (known: {known})")
+        if ends[0] == ends[1]:
+            raise r.fail(f"{p}.ends", f"switch {ends[0]} cannot be linked to itself")
+        pair = (ends[0], ends[1]) if ends[0] < ends[1] else (ends[1], ends[0])
+        if pair in out:
+            raise r.fail(f"{p}.ends", f"switches {pair[0]} and {pair[1]} are already linked")
+        out.append(pair)
+    return tuple(out)
 
 
 def load_topology(path: str | Path | None = None) -> Topology:

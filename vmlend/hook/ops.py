@@ -48,7 +48,7 @@ class HookOps:
                     dev.fdid,
                     dev.mdev,
                     journal,
-                    guest_ram=dom.memory_bytes or 0,
+                    guest_ram=dom.guest_ram,
                     record=record,
                 )
             except VmlendError as e:
@@ -91,7 +91,7 @@ class HookOps:
                     dev.fdid,
                     dev.mdev,
                     UndoJournal(),
-                    guest_ram=dom.memory_bytes or 0,
+                    guest_ram=dom.guest_ram,
                     record=record,
                 )
             except VmlendError as e:

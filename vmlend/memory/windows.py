@@ -231,6 +231,44 @@ def _window(
     )
 
 
+def _group_segments(group: Sequence[GuestRange], seg: int) -> int:
+    return (_align_up(group[-1].end, seg) - _align_down(group[0].start, seg)) // seg
+
+
+def window_groups(
+    ram: Sequence[GuestRange], segment_size: int
+) -> list[tuple[str, list[GuestRange]]]:
+    """The guest's RAM split into the windows the planner maps: ``low`` (below 4 GiB) and
+    ``high`` (from 4 GiB, hot-plug DIMMs included), or one ``low+high`` window when the
+    segments are too large to keep the two apart. LayoutError for a range across 4 GiB."""
+    ranges = merge_ranges(ram)
+    seg = segment_size
+    groups = [
+        ("low", [r for r in ranges if r.start < FOUR_GIB]),
+        ("high", [r for r in ranges if r.start >= FOUR_GIB]),
+    ]
+    groups = [(n, g) for n, g in groups if g]
+    for _, g in groups:
+        if g[-1].end > FOUR_GIB and g[0].start < FOUR_GIB:
+            raise LayoutError(f"RAM range {g[0].start:#x}-{g[-1].end:#x} crosses 4 GiB")
+    if len(groups) == 2 and _align_up(groups[0][1][-1].end, seg) > _align_down(
+        groups[1][1][0].start, seg
+    ):
+        # segments larger than the gap: both windows would share a segment, so use one
+        groups = [("low+high", groups[0][1] + groups[1][1])]
+    return groups
+
+
+def window_segments(ram: Sequence[GuestRange], segment_size: int) -> int:
+    """How many NTB segments the DMA windows of a guest with RAM ``ram`` take: each window
+    covers its ranges rounded out to whole segments, so the gaps between them (the PCI hole
+    below 4 GiB, the space before hot-plug DIMMs) count where they share a segment with RAM.
+    The planner maps exactly this many; admission claims exactly this many."""
+    if segment_size <= 0 or segment_size % PAGE:
+        raise LayoutError(f"NTB segment size {segment_size} is not a page multiple")
+    return sum(_group_segments(g, segment_size) for _, g in window_groups(ram, segment_size))
+
+
 def plan_dma_windows(
     ram: Sequence[GuestRange],
     backing: Sequence[FrameRun],
@@ -263,20 +301,8 @@ def plan_dma_windows(
         raise DmaLimitError(device, dma_bits, top)
     checks.append(Check("dma-limit", True, f"guest RAM ends at {top:#x}, within {limit:#x}"))
 
-    groups = [
-        ("low", [r for r in ranges if r.start < FOUR_GIB]),
-        ("high", [r for r in ranges if r.start >= FOUR_GIB]),
-    ]
-    groups = [(n, g) for n, g in groups if g]
-    for _, g in groups:
-        if g[-1].end > FOUR_GIB and g[0].start < FOUR_GIB:
-            raise LayoutError(f"RAM range {g[0].start:#x}-{g[-1].end:#x} crosses 4 GiB")
-    if len(groups) == 2 and _align_up(groups[0][1][-1].end, seg) > _align_down(
-        groups[1][1][0].start, seg
-    ):
-        # segments larger than the gap: both windows would share a segment, so use one
-        groups = [("low+high", groups[0][1] + groups[1][1])]
-    need = {n: (_align_up(g[-1].end, seg) - _align_down(g[0].start, seg)) // seg for n, g in groups}
+    groups = window_groups(ranges, seg)
+    need = {n: _group_segments(g, seg) for n, g in groups}
     total = sum(need.values())
     if total > adapter.segments:
         raise ResourceExhaustedError(

@@ -27,10 +27,9 @@ from vmlend.domain import (
 )
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Check, Holder, format_fdid
+from vmlend.fabric.model import Check, GuestRam, Holder, format_fdid
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import UndoJournal, acquire_device, holder_for
-from vmlend.memory.domain_memory import domain_layout
 from vmlend.ops.definitions import (
     LIVE,
     hostdev_xml,
@@ -41,27 +40,6 @@ from vmlend.ops.definitions import (
 from vmlend.ops.unplug import DetachWait, live_has_hostdev, wait_unplugged
 
 
-def dma_limit_check(fabric: Fabric, fdid: int, xml: bytes) -> Check:
-    """The device must reach all guest RAM by DMA (its address width vs the guest layout)."""
-    try:
-        spec = fabric.device(fdid).spec
-    except VmlendError:
-        return Check("dma-limit", True, "not checked: unknown device")
-    try:
-        top = domain_layout(xml).ranges()[-1].end
-    except VmlendError as e:
-        return Check("dma-limit", True, f"not checked: {e}")
-    limit = 1 << spec.dma_bits
-    if top > limit:
-        return Check(
-            "dma-limit",
-            False,
-            f"device {format_fdid(fdid)} addresses only {spec.dma_bits} bits (below {limit:#x})"
-            f" but guest RAM reaches {top:#x}; give the guest less memory",
-        )
-    return Check("dma-limit", True, f"guest RAM ends at {top:#x}, within {spec.dma_bits}-bit DMA")
-
-
 @dataclass
 class AttachPlan:
     """What an attach would do, computed without changing anything."""
@@ -69,7 +47,7 @@ class AttachPlan:
     name: str
     fdid: int
     holder: Holder
-    guest_ram: int
+    guest_ram: GuestRam | int
     targets: tuple[str, ...]
     before: dict[str, bytes]
     after: dict[str, DomainDocument]
@@ -130,10 +108,8 @@ def plan_attach(
     assert device is not None
     dom = read_domain(before[first], strict=False)
     holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
-    guest_ram = dom.memory_bytes or 0
+    guest_ram = dom.guest_ram  # the layout's ranges: DMA reach and window segments exactly
     checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
-    if all(c.ok for c in checks):
-        checks.append(dma_limit_check(fabric, fdid, before[first]))
     return AttachPlan(info.name, fdid, holder, guest_ram, targets, before, after, device, checks)
 
 

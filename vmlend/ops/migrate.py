@@ -5,11 +5,14 @@ Order, chosen so that a failure at any step leaves the VM defined (and startable
 of the two hosts, never on neither:
 
 1. checks that change nothing: the destination node exists and is not the source, it has no
-   domain of that name, every device is admissible from it (path to the lender, LUT entry,
-   window room), the XML rewrites for it;
+   domain of that name, the whole VM is admissible from it (its devices together, summed per
+   adapter: path to each lender, LUT entries, window room for DMA windows, BARs and
+   peer-to-peer, DMA reach), the XML rewrites for it;
 2. stop the VM if it runs (graceful; ``--force`` destroys it after the timeout) and make sure its
    devices are back in the fabric (the release hook does it; leftovers are returned here);
-3. the admission checks again, now exact (the VM's own holds are gone);
+3. the same whole-VM admission again, now against the state without the VM's holds (another
+   host may have taken room in between; the check is as exact as admission's claims, which
+   count P2P room for the worst BAR placement);
 4. define on the destination, then undefine on the source (a failed undefine undoes the define);
 5. ``--start``: start on the destination (its hook borrows the devices); if that fails, the
    definition moves back to the source.
@@ -31,10 +34,9 @@ from vmlend.errors import (
     VmlendError,
 )
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Check, Holder, format_fdid
+from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for, return_all
-from vmlend.registry.records import same_holder
 
 Progress = Callable[[str], None]
 
@@ -64,24 +66,18 @@ class MigrateResult:
 def admission_problems(
     fabric: Fabric, dom: DomainXMLInfo, dest: str, holder: Holder, leaving: Holder | None
 ) -> list[str]:
-    """Why a device of ``dom`` could not be taken from ``dest`` (empty: all admissible). A device
-    held by ``leaving`` (the VM itself on the source, about to give it back) is not a problem."""
+    """Why ``dom`` could not run on ``dest`` (empty: admissible). The whole VM is admitted
+    at once, as the destination would see it: its devices summed per adapter (DMA windows,
+    BARs, LUT entries, peer-to-peer), with what ``leaving`` (the VM itself on the source, about
+    to give its devices back) holds counted as gone."""
     problems = []
-    for dev in dom.devices:
-        checks: list[Check] = fabric.admission(dev.fdid, dest, dom.memory_bytes or 0, holder=holder)
-        for c in checks:
-            if c.ok:
-                continue
-            if c.name == "not-held" and leaving is not None and _held_by(fabric, dev.fdid, leaving):
-                continue
-            problems.append(f"device {format_fdid(dev.fdid)}: {c.detail}")
-            break
+    fdids = [dev.fdid for dev in dom.devices]
+    results = fabric.vm_admission(fdids, dest, dom.guest_ram, holder=holder, leaving=leaving)
+    for fdid in fdids:
+        bad = next((c for c in results[fdid] if not c.ok), None)
+        if bad is not None:
+            problems.append(f"device {format_fdid(fdid)}: {bad.detail}")
     return problems
-
-
-def _held_by(fabric: Fabric, fdid: int, holder: Holder) -> bool:
-    h = fabric.device(fdid).holder
-    return h is not None and same_holder(h, holder)
 
 
 def migrate(

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from vmlend.domain import VmlendDevice, read_domain
-from vmlend.errors import UnknownDomainError
+from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceStatus, Holder, format_fdid
+from vmlend.fabric.model import DeviceStatus, Holder, Topology, format_fdid
+from vmlend.fabric.pcie import PciePath, device_to_ram
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for
 from vmlend.registry import Registry
@@ -36,6 +37,8 @@ class DeviceView:
     mdev: str | None
     mdev_present: bool
     runtime: dict[str, list[RuntimeRecord]] = field(default_factory=dict)
+    #: The device's DMA path into the VM's RAM (None when the topology cannot say).
+    path: PciePath | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -47,6 +50,15 @@ class DeviceView:
         }
         for kind, key in RUNTIME_KINDS.items():
             out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
+        out["dma_path"] = None
+        if self.path is not None:
+            p = self.path
+            out["dma_path"] = {
+                "hops": p.hops,
+                "roots": p.roots,
+                "ntb_crossings": p.ntb_crossings,
+                "added_ns": p.added_ns,
+            }
         return out
 
 
@@ -133,7 +145,18 @@ def collect(
         devices = [_device_view(st, holder, owned.get(st.fdid), mdevs, runtime) for st in held]
         where = "not on this hypervisor" if holder.node == node else f"on {holder.node}"
         views.append(VmView(holder.vm, holder.node, where, devices))
+    topology = fabric.topology()
+    for v in views:
+        for d in v.devices:
+            d.path = _dma_path(topology, d.fdid, v.node)
     return views
+
+
+def _dma_path(topology: Topology, fdid: int, node: str) -> PciePath | None:
+    try:
+        return device_to_ram(topology, fdid, node)
+    except VmlendError:  # e.g. no NTB path to the lender: admission says so where it matters
+        return None
 
 
 def _fabric_only(hv: Hypervisor, fabric: Fabric, vm: str) -> bool:

@@ -18,6 +18,7 @@ class ClaimKind(enum.StrEnum):
     LUT = "lut"  # one requester LUT entry on the lender's adapter for the device
     DMA = "dma"  # window segments on the lender's adapter for a VM's DMA windows
     BAR = "bar"  # window segments on the borrower's adapter for the device's BARs
+    P2P = "p2p"  # segments (and LUT entries) peer-to-peer among a VM's devices can use
 
 
 @dataclass(frozen=True)

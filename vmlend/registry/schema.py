@@ -10,7 +10,7 @@ from __future__ import annotations
 APPLICATION_ID = 0x766D4C64
 
 #: The schema version this code writes (stored in ``meta``).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """
@@ -87,8 +87,28 @@ CREATE TABLE runtime (
 );
 """
 
-#: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``.
-MIGRATIONS: dict[int, tuple[str, ...]] = {}
+#: Version 2: claims of kind 'p2p' (peer-to-peer among a VM's devices is admitted). SQLite
+#: cannot change a CHECK constraint, so the claims table is rebuilt with its rows.
+MIGRATE_V1_V2 = (
+    """CREATE TABLE claims_v2 (
+    fdid     INTEGER NOT NULL REFERENCES holds (fdid) ON DELETE CASCADE,
+    adapter  TEXT NOT NULL,
+    kind     TEXT NOT NULL CHECK (kind IN ('lut', 'dma', 'bar', 'p2p')),
+    share    TEXT NOT NULL,
+    entries  INTEGER NOT NULL DEFAULT 0,
+    segments INTEGER NOT NULL DEFAULT 0,
+    bytes    INTEGER NOT NULL DEFAULT 0
+)""",
+    "INSERT INTO claims_v2 (fdid, adapter, kind, share, entries, segments, bytes)"
+    " SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims",
+    "DROP TABLE claims",
+    "ALTER TABLE claims_v2 RENAME TO claims",
+    "CREATE INDEX claims_adapter ON claims (adapter)",
+)
+
+#: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
+#: created as version 1 and brought forward by the same steps, so both paths give one schema.
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: MIGRATE_V1_V2}
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.
 TABLES = frozenset(

@@ -104,6 +104,9 @@ class Registry:
                 conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.executescript(SCHEMA_V1)
+                for version in range(1, SCHEMA_VERSION):
+                    for statement in MIGRATIONS[version]:
+                        conn.execute(statement)
                 reg = cls(conn, tmp, busy_timeout)
                 with reg.write() as tx:
                     tx.set_meta("schema_version", str(SCHEMA_VERSION))

@@ -162,6 +162,25 @@ class StateTxn:
         self._write()
         self._c.execute("DELETE FROM holds WHERE fdid = ?", (fdid,))
 
+    def replace_claims(
+        self, kind: ClaimKind, owners: Iterable[int], claims: Iterable[tuple[int, Claim]]
+    ) -> None:
+        """Replace the claims of ``kind`` held by the holds of ``owners`` with ``claims``
+        (each ``(owner fdid, claim)``; the owner must have a hold)."""
+        self._write()
+        self._c.executemany(
+            "DELETE FROM claims WHERE fdid = ? AND kind = ?",
+            [(fdid, kind.value) for fdid in owners],
+        )
+        self._c.executemany(
+            "INSERT INTO claims (fdid, adapter, kind, share, entries, segments, bytes)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (fdid, c.adapter, c.kind.value, c.share, c.entries, c.segments, c.bytes)
+                for fdid, c in claims
+            ],
+        )
+
     def claims(self) -> list[tuple[int, Claim]]:
         rows = self._c.execute(
             "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"

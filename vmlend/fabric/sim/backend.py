@@ -21,22 +21,34 @@ from vmlend.errors import (
     DeviceNotReservedError,
     LenderUnavailableError,
     MdevError,
+    VmlendError,
 )
-from vmlend.fabric.admission import AdapterUsage, StateView, admit, lender_problem
+from vmlend.fabric.admission import (
+    AdapterUsage,
+    StateView,
+    admit,
+    admit_vm,
+    guest_ram_of,
+    lender_problem,
+    p2p_claims,
+)
 from vmlend.fabric.admission import usage as adapter_usage
 from vmlend.fabric.model import (
     Check,
     DeviceSpec,
     DeviceState,
     DeviceStatus,
+    GuestRam,
     Holder,
     MdevInfo,
     NodeSpec,
+    Reservation,
     Topology,
 )
 from vmlend.fabric.paths import route
 from vmlend.fabric.topology import parse_topology
 from vmlend.registry import (
+    ClaimKind,
     DeviceRecord,
     HoldRecord,
     MdevRecord,
@@ -212,12 +224,32 @@ class SimFabric:
 
     # --- borrower side ---------------------------------------------------------------------
     def admission(
-        self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
+        self,
+        fdid: int,
+        borrower: str,
+        guest_ram: GuestRam | int = 0,
+        *,
+        holder: Holder | None = None,
     ) -> list[Check]:
         with self._reg.read() as tx:
             return admit(
                 self._topology(tx), self._view(tx), fdid, borrower, guest_ram, holder
             ).checks
+
+    def vm_admission(
+        self,
+        fdids: list[int],
+        borrower: str,
+        guest_ram: GuestRam | int,
+        *,
+        holder: Holder,
+        leaving: Holder | None = None,
+    ) -> dict[int, list[Check]]:
+        with self._reg.read() as tx:
+            result = admit_vm(
+                self._topology(tx), self._view(tx), fdids, borrower, guest_ram, holder, leaving
+            )
+        return {fdid: adm.checks for fdid, adm in result.items()}
 
     @staticmethod
     def _view(tx: StateTxn) -> StateView:
@@ -225,23 +257,24 @@ class SimFabric:
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
+    def reserve(self, fdid: int, holder: Holder, *, guest_ram: GuestRam | int = 0) -> Reservation:
         if not holder.vm or not holder.node:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
-        if guest_ram < 0:
-            raise ConfigError(f"guest RAM must not be negative, got {guest_ram}")
+        ram = guest_ram_of(guest_ram)
         with self._reg.write() as tx:
             topo = self._topology(tx)
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
-                return self._status(tx, spec)
-            adm = admit(topo, self._view(tx), fdid, holder.node, guest_ram, holder)
+                return Reservation(**vars(self._status(tx, spec)), created=False)
+            adm = admit(topo, self._view(tx), fdid, holder.node, ram, holder)
             adm.raise_if_refused()
-            record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, guest_ram)
+            record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, ram.size)
             tx.add_hold(record, adm.claims)
+            if adm.p2p is not None:
+                tx.replace_claims(ClaimKind.P2P, adm.vm_devices, adm.p2p)
             log.info("reserved %#x for %s (%d claims)", fdid, holder, len(adm.claims))
-            return self._status(tx, spec)
+            return Reservation(**vars(self._status(tx, spec)), created=True)
 
     def release(self, fdid: int, holder: Holder) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold
@@ -253,10 +286,25 @@ class SimFabric:
                 if self._hw is not None and hold.phase is Phase.BORROWED:
                     self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
                 tx.delete_hold(fdid)
+                self._reclaim_p2p(tx, hold.holder)
             self._drop_unused_parent(tx, fdid)
         if mine:
             log.info("released %#x from %s", fdid, holder)
         return mine
+
+    def _reclaim_p2p(self, tx: StateTxn, holder: Holder) -> None:
+        """Re-count the peer-to-peer claims of ``holder``'s remaining devices: a device gone
+        takes its pairs with it, whichever hold owned their claims."""
+        topo = self._topology(tx)
+        left = sorted(f for f, h in tx.holds().items() if same_holder(h.holder, holder))
+        known = {d.fdid for d in topo.devices}
+        specs = [topo.device(f) for f in left if f in known]
+        try:
+            claims = p2p_claims(topo, holder, specs)
+        except VmlendError as e:  # the remaining devices were admitted; keep their claims
+            log.warning("peer-to-peer claims of %s kept as they were: %s", holder, e)
+            return
+        tx.replace_claims(ClaimKind.P2P, left, claims)
 
     def forget_unused_parent(self, fdid: int) -> bool:
         """Drop this node's parent record of ``fdid`` if no hold here and no mdev use it."""
@@ -358,7 +406,7 @@ class SimFabric:
                 uuid, fdid, self.local_node, parent.name, MDEV_TYPE, holder.vm, self._clock()
             )
             tx.add_mdev(rec)
-            return _info(rec)
+            return _info(rec, created=True)
 
     def remove_mdev(self, uuid: str) -> bool:
         uuid = _uuid(uuid)
@@ -373,7 +421,13 @@ class SimFabric:
             return [_info(m) for m in tx.mdevs(self.local_node)]
 
 
-def _info(m: MdevRecord) -> MdevInfo:
+def _info(m: MdevRecord, *, created: bool = False) -> MdevInfo:
     return MdevInfo(
-        uuid=m.uuid, parent=m.parent, type_id=m.type_id, fdid=m.fdid, node=m.node, vm=m.vm
+        uuid=m.uuid,
+        parent=m.parent,
+        type_id=m.type_id,
+        fdid=m.fdid,
+        node=m.node,
+        vm=m.vm,
+        created=created,
     )

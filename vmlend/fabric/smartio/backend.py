@@ -33,9 +33,11 @@ from vmlend.fabric.model import (
     Check,
     DeviceState,
     DeviceStatus,
+    GuestRam,
     Holder,
     MdevInfo,
     NodeSpec,
+    Reservation,
     Topology,
 )
 from vmlend.fabric.sim.backend import SimFabric
@@ -172,7 +174,12 @@ class SmartioFabric:
 
     # --- borrower side -------------------------------------------------------------------------
     def admission(
-        self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
+        self,
+        fdid: int,
+        borrower: str,
+        guest_ram: GuestRam | int = 0,
+        *,
+        holder: Holder | None = None,
     ) -> list[Check]:
         checks = self._state.admission(fdid, borrower, guest_ram, holder=holder)
         try:
@@ -182,10 +189,22 @@ class SmartioFabric:
             checks.insert(0, Check("driver", False, str(e)))
         return checks
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
+    def vm_admission(
+        self,
+        fdids: list[int],
+        borrower: str,
+        guest_ram: GuestRam | int,
+        *,
+        holder: Holder,
+        leaving: Holder | None = None,
+    ) -> dict[int, list[Check]]:
+        # the driver's word is about this node; the destination's view is the registry's
+        return self._state.vm_admission(fdids, borrower, guest_ram, holder=holder, leaving=leaving)
+
+    def reserve(self, fdid: int, holder: Holder, *, guest_ram: GuestRam | int = 0) -> Reservation:
         self._require_available(fdid)
-        self._state.reserve(fdid, holder, guest_ram=guest_ram)
-        return self.device(fdid)
+        made = self._state.reserve(fdid, holder, guest_ram=guest_ram)
+        return Reservation(**vars(self.device(fdid)), created=made.created)
 
     def release(self, fdid: int, holder: Holder) -> bool:
         released = self._state.release(fdid, holder)
@@ -258,12 +277,11 @@ class SmartioFabric:
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         info = self._state.create_mdev(fdid, uuid, holder)  # checks the hold, records it
-        existed = self.bus.device(info.uuid) is not None
         try:
             self.bus.create(info.parent, info.type_id, info.uuid)
         except MdevError:
-            if not existed:
-                self._state.remove_mdev(info.uuid)  # undo the record: nothing was created
+            if info.created:  # undo only the record this call made, never another process's
+                self._state.remove_mdev(info.uuid)
             raise
         return info
 

@@ -1,0 +1,311 @@
+"""PCIe paths with hops and roots, and NTB routes through cascaded switches (issue 10, part 6).
+
+Hops count every element a TLP passes, both ends included (devices, in-host switches, root
+ports, root complexes, NTB adapters, cluster switches); roots count the root complexes. The
+default topology reproduces DESIGN.md's Table-2 anchors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_simvm import Cluster, domain_xml
+from vmlend.errors import ConfigError, NoPathError, TopologyError, UnknownDeviceError
+from vmlend.fabric.model import GiB
+from vmlend.fabric.paths import route
+from vmlend.fabric.pcie import (
+    NTB_ONE_WAY_NS,
+    Hop,
+    cpu_to_bar,
+    device_to_device,
+    device_to_ram,
+    device_via_ram,
+    explain,
+)
+from vmlend.fabric.topology import load_topology, parse_topology
+
+
+def _node(name: str, ident: int, adapters: int = 1, device: int | None = None) -> str:
+    text = f'[[node]]\nname = "{name}"\nid = {ident}\n'
+    for i in range(adapters):
+        text += f"  [[node.adapter]]\n  index = {i}\n"
+    if device is not None:
+        text += f"""  [[node.device]]
+  fdid = {device:#x}
+  bdf = "0000:01:00.0"
+  kind = "nvme"
+  vendor = 0x8086
+  device = 0x0a54
+  class = 0x010802
+  bars = [ {{ index = 0, size = "16KiB", kind = "mem64" }} ]
+"""
+    return text
+
+
+#: a and d hang on switches s1 and s3, cascaded s1 - s2 - s3; b and c sit on s2.
+CASCADE = (
+    'name = "cascade"\n'
+    + _node("a", 1, device=0x100)
+    + _node("b", 2)
+    + _node("c", 3)
+    + _node("d", 4)
+    + """
+[[switch]]
+name = "s1"
+ports = ["a:0"]
+[[switch]]
+name = "s2"
+ports = ["b:0", "c:0"]
+[[switch]]
+name = "s3"
+ports = ["d:0"]
+[[switch_link]]
+ends = ["s1", "s2"]
+[[switch_link]]
+ends = ["s3", "s2"]
+"""
+)
+
+
+def names(path) -> list[str]:
+    return [s.name for s in path.stages]
+
+
+# --- DESIGN.md's anchors on the default topology -----------------------------------------------
+
+
+def test_local_vm_p2p_is_7_hops_through_1_root():
+    p = device_to_device(load_topology(), 0x10, 0x11)  # alpha's two GPUs, VM on alpha
+    assert (p.hops, p.roots, p.added_ns) == (7, 1, 0)
+    assert names(p) == ["gpu 0x10", "sw1", "rp1", "alpha root complex", "rp1", "sw1", "gpu 0x11"]
+
+
+def test_remote_vm_via_borrower_ram_is_21_hops_through_3_roots():
+    # a VM on gamma whose GPUs on alpha and beta exchange data through its RAM
+    p = device_via_ram(load_topology(), 0x10, 0x20, "gamma")
+    assert (p.hops, p.roots, p.ntb_crossings) == (21, 3, 2)
+    assert p.added_ns == 2 * NTB_ONE_WAY_NS
+    kinds = [s.kind for s in p.stages]
+    assert kinds.count(Hop.NTB) == 4 and kinds.count(Hop.CLUSTER_SWITCH) == 2
+    assert [s.node for s in p.stages if s.kind is Hop.ROOT_COMPLEX] == ["alpha", "gamma", "beta"]
+
+
+def test_device_to_ram_cpu_to_bar_and_direct_p2p_between_lenders():
+    topo = load_topology()
+    local = device_to_ram(topo, 0x10, "alpha")
+    assert (local.hops, local.roots, local.added_ns) == (4, 1, 0)
+    remote = device_to_ram(topo, 0x10, "gamma")
+    assert (remote.hops, remote.roots, remote.added_ns) == (11, 2, NTB_ONE_WAY_NS)
+    assert names(remote)[-5:] == ["alpha:0", "mxs824", "gamma:0", "rp1", "gamma root complex"]
+    bar = cpu_to_bar(topo, "gamma", 0x12)
+    assert (bar.hops, bar.roots) == (11, 2) and names(bar)[-1] == "nvme 0x12"
+    p2p = device_to_device(topo, 0x10, 0x20)  # straight from alpha to beta, not via gamma
+    assert (p2p.hops, p2p.roots, p2p.ntb_crossings) == (15, 2, 1)
+    assert "gamma:0" not in names(p2p)
+    assert [leg for leg, _stages in p2p.legs()] == ["alpha", "fabric", "beta"]
+
+
+def test_an_endpoint_without_a_slot_sits_in_a_root_port_of_its_own():
+    topo = parse_topology(CASCADE, "c.toml")
+    p = device_to_ram(topo, 0x100, "a")
+    assert names(p) == ["nvme 0x100", "root port of nvme 0x100", "a root complex"]
+
+
+def test_bad_path_requests_are_refused():
+    topo = load_topology()
+    with pytest.raises(ConfigError, match="both nodes"):
+        explain(topo, "gamma", "alpha")
+    with pytest.raises(ConfigError, match="give two devices"):
+        explain(topo, "0x10", "gamma", via="gamma")
+    with pytest.raises(UnknownDeviceError):
+        explain(topo, "0x99", "gamma")
+    with pytest.raises(ConfigError, match="bad fabric device id 'delta'"):
+        explain(topo, "delta", "gamma")
+    with pytest.raises(Exception, match="both ends"):
+        explain(topo, "0x10", "0x10")
+
+
+# --- routes through cascaded switches ----------------------------------------------------------
+
+
+def test_routes_cross_cascaded_switches_in_order():
+    topo = parse_topology(CASCADE, "c.toml")
+    ad = route(topo, "a", "d")
+    assert (ad.src.ref, ad.dst.ref, ad.switches) == ("a:0", "d:0", ("s1", "s2", "s3"))
+    assert ad.describe() == "a:0 -> d:0 via s1, s2, s3" and ad.hops == 3
+    assert route(topo, "d", "a").switches == ("s3", "s2", "s1")
+    assert route(topo, "b", "c").switches == ("s2",)
+    p = device_to_ram(topo, 0x100, "d")
+    assert [s.name for s in p.stages if s.kind is Hop.CLUSTER_SWITCH] == ["s1", "s2", "s3"]
+    assert p.ntb_crossings == 1  # one crossing, however many switches
+
+
+def test_the_shortest_route_wins_and_ties_are_deterministic():
+    # a has two adapters: a:0 on the long way (s1 - s2 - s3), a:1 cabled straight to d:1
+    text = (
+        'name = "two-ways"\n'
+        + _node("a", 1, adapters=2)
+        + _node("d", 4, adapters=2)
+        + """
+[[switch]]
+name = "s1"
+ports = ["a:0"]
+[[switch]]
+name = "s2"
+ports = ["d:0"]
+[[switch_link]]
+ends = ["s1", "s2"]
+[[link]]
+ends = ["a:1", "d:1"]
+"""
+    )
+    topo = parse_topology(text, "t.toml")
+    p = route(topo, "a", "d")
+    assert (p.src.ref, p.dst.ref, p.switches) == ("a:1", "d:1", ())
+    # two equally short ways: the lower adapter index wins, every time
+    tie = text.replace(
+        '[[link]]\nends = ["a:1", "d:1"]', '[[switch]]\nname = "s9"\nports = ["a:1", "d:1"]'
+    )
+    tied = parse_topology(tie, "t.toml")
+    assert {route(tied, "a", "d").src.ref for _ in range(5)} == {"a:1"}
+
+
+def test_a_host_does_not_forward_between_its_adapters():
+    # b joins a and c with two cables, but hosts do not forward NTB traffic for others
+    text = (
+        'name = "chain"\n'
+        + _node("a", 1)
+        + _node("b", 2, adapters=2)
+        + _node("c", 3)
+        + '[[link]]\nends = ["a:0", "b:0"]\n[[link]]\nends = ["b:1", "c:0"]\n'
+    )
+    topo = parse_topology(text, "t.toml")
+    with pytest.raises(NoPathError, match="no NTB path from a to c"):
+        route(topo, "a", "c")
+    assert route(topo, "a", "b").dst.ref == "b:0"
+
+
+def test_the_simulated_fabric_borrows_and_dmas_across_cascaded_switches(state_path):
+    c = Cluster.create(state_path, CASCADE, node="d")
+    try:
+        vm = c.start(domain_xml("web", 1 * GiB, fdids=(0x100,)), node="d")
+        vm.enable_device(0x100)
+        vm.dma_write(0x100, 0x10_0000, b"over three switches")
+        assert vm.guest.read(0x10_0000, 19) == b"over three switches"
+        vm.stop()
+    finally:
+        c.close()
+
+
+# --- the topology format ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (('ends = ["s3", "s2"]', 'ends = ["s3", "s7"]'), "switch_link[1].ends[1]: no switch 's7'"),
+        (('ends = ["s3", "s2"]', 'ends = ["s3", "s3"]'), "cannot be linked to itself"),
+        (('ends = ["s3", "s2"]', 'ends = ["s2", "s1"]'), "switch_link[1].ends: switches s1 and s2"),
+        (('ends = ["s3", "s2"]', 'ends = ["s3"]'), "joins exactly two switches"),
+        (('[[switch_link]]\nends = ["s1", "s2"]', '[[switch_link]]\nend = ["s1", "s2"]'),
+         "switch_link[0]: unknown key 'end'"),
+        (('name = "s3"', 'name = "s1"'), "switch[2].name: duplicate switch name 's1'"),
+    ],
+)  # fmt: skip
+def test_switch_link_mistakes_are_named(edit, message):
+    with pytest.raises(TopologyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_topology(CASCADE.replace(*edit), "c.toml")
+
+
+PCIE = """
+  [[node.pcie]]
+  name = "rp0"
+  kind = "root-port"
+  [[node.pcie]]
+  name = "sw0"
+  kind = "switch"
+  parent = "rp0"
+"""
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (('kind = "switch"', 'kind = "hub"'), "pcie[1].kind: expected root-port, switch"),
+        (('parent = "rp0"', 'parent = "rp9"'), "pcie[1].parent: no PCIe element 'rp9'"),
+        (('  parent = "rp0"\n', ""), "pcie[1].parent: a switch needs a parent"),
+        (('kind = "root-port"', 'kind = "root-port"\n  parent = "sw0"'), "a root port sits on"),
+        (('name = "sw0"', 'name = "rp0"'), "duplicate PCIe element name 'rp0'"),
+        (('kind = "switch"', 'kind = "switch"\n  speed = 8'), "pcie[1]: unknown key 'speed'"),
+    ],
+)  # fmt: skip
+def test_pcie_tree_mistakes_are_named(edit, message):
+    text = CASCADE.replace("id = 1\n", "id = 1\n" + PCIE.replace(*edit), 1)
+    with pytest.raises(TopologyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_topology(text, "c.toml")
+
+
+def test_slots_must_name_an_element_of_their_node():
+    text = CASCADE.replace("id = 1\n", "id = 1\n" + PCIE, 1)
+    ok = parse_topology(
+        text.replace('bdf = "0000:01:00.0"', 'bdf = "0000:01:00.0"\n  slot = "sw0"')
+    )
+    assert ok.device(0x100).slot == "sw0"
+    with pytest.raises(TopologyError, match=r"device\[0\]\.slot: no PCIe element 'sw9'"):
+        parse_topology(text.replace('bdf = "0000:01:00.0"', 'bdf = "0000:01:00.0"\n  slot = "sw9"'))
+    bad_adapter = text.replace("  index = 0\n", '  index = 0\n  slot = "nope"\n', 1)
+    with pytest.raises(TopologyError, match=r"adapter\[0\]\.slot: no PCIe element 'nope'"):
+        parse_topology(bad_adapter)
+
+
+def test_default_topology_keeps_its_names_and_places_devices_below_a_switch():
+    topo = load_topology()
+    assert [n.name for n in topo.nodes] == ["alpha", "beta", "gamma"]
+    assert [d.fdid for d in topo.devices] == [0x10, 0x11, 0x12, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25]
+    assert {d.slot for d in topo.devices} == {"sw1"}  # VFs follow their PF
+    assert topo.node("gamma").adapters[0].slot == "rp1"
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def test_path_command_explains_stage_by_stage(cluster):
+    r = cluster.cli("path", "0x10", "0x20", "--via", "gamma")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == (
+        "device 0x10 -> device 0x20 via RAM of gamma: 21 hops, 3 root complex(es),"
+        " 2 NTB crossing(s), about +720 ns one way"
+    )
+    assert lines[1].split() == ["#", "HOST", "KIND", "ELEMENT"]
+    assert lines[1 + 8].split() == ["8", "(fabric)", "cluster-switch", "mxs824"]
+    assert len(lines) == 2 + 21
+    data = json.loads(cluster.cli("path", "gamma", "0x12", "--json").stdout)
+    assert (data["hops"], data["roots"], data["added_ns"]) == (11, 2, 360)
+    assert data["stages"][0] == {
+        "kind": "root-complex",
+        "name": "gamma root complex",
+        "node": "gamma",
+    }
+    bad = cluster.cli("path", "gamma", "beta")
+    assert bad.exit_code == 1
+    assert bad.output.strip().splitlines()[-1].startswith("Error: gamma and beta are both nodes")
+
+
+def test_fabric_show_lists_switch_links(tmp_path):
+    from click.testing import CliRunner
+
+    from vmlend.cli import main
+
+    topo = tmp_path / "cascade.toml"
+    topo.write_text(CASCADE)
+    state = ["--state", str(tmp_path / "s.db")]
+    init = CliRunner().invoke(main, [*state, "fabric", "init", "--topology", str(topo)])
+    assert init.exit_code == 0, init.output
+    shown = CliRunner().invoke(main, [*state, "fabric", "show"])
+    assert "switch link: s1 <-> s2" in shown.output and "switch link: s2 <-> s3" in shown.output
+    data = json.loads(CliRunner().invoke(main, [*state, "fabric", "show", "--json"]).output)
+    assert data["switch_links"] == [["s1", "s2"], ["s2", "s3"]]
+    routed = CliRunner().invoke(main, [*state, "path", "0x100", "d"])
+    assert "1 NTB crossing(s)" in routed.output and "s3" in routed.output

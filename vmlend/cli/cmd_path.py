@@ -1,0 +1,42 @@
+"""``vmlend path SRC DST``: one PCIe path stage by stage, with its hops, root complexes and the
+latency the NTB adds (the pure logic is ``vmlend.fabric.pcie``)."""
+
+from __future__ import annotations
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.fabric.pcie import explain
+
+HEADERS = ("#", "HOST", "KIND", "ELEMENT")
+
+
+@click.command("path")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--via", metavar="NODE", help="Device to device through the RAM of a VM on NODE.")
+@json_option
+@click.pass_obj
+def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool) -> None:
+    """Explain the PCIe path from SRC to DST.
+
+    Each end is a device (fdid, e.g. 0x10) or a node (its CPU and RAM): a device and a node is
+    the device's DMA into a VM's RAM on that node, a node and a device is that node's CPU
+    reaching the device's BARs, two devices is peer-to-peer between them.
+    """
+    found = explain(obj.fabric().topology(), src, dst, via)
+    if json_output:
+        emit_json(found.to_json())
+        return
+    click.echo(
+        f"{found.src} -> {found.dst}: {found.hops} hops, {found.roots} root complex(es),"
+        f" {found.ntb_crossings} NTB crossing(s), about +{found.added_ns} ns one way"
+    )
+    rows = [
+        [str(i), s.node or "(fabric)", s.kind.value, s.name]
+        for i, s in enumerate(found.stages, start=1)
+    ]
+    emit_table(HEADERS, rows)
+
+
+COMMANDS = [path]
