@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +353,8 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
 def load_topology(path: str | Path | None = None) -> Topology:
     """Load a topology file, or the shipped default cluster when ``path`` is None."""
     if path is None:
+        from importlib import resources  # only the built-in default needs it
+
         text = resources.files("vmlend.data").joinpath(DEFAULT_TOPOLOGY).read_text()
         return parse_topology(text, f"<builtin {DEFAULT_TOPOLOGY}>")
     p = Path(path)
