@@ -182,10 +182,12 @@ def admit(
     borrower: str,
     guest_ram: int = 0,
     holder: Holder | None = None,
+    msi_over_ntb: bool = False,
 ) -> Admission:
     """Check whether ``borrower`` (for ``holder``'s VM with ``guest_ram`` bytes) may take
     ``fdid``. Checks that cannot be evaluated after an earlier failure (no device, no path)
-    are left out."""
+    are left out. ``msi_over_ntb`` also asks for an interrupt window (``msiadmit``), which is
+    never a reason to refuse."""
     adm = Admission()
     try:
         spec = topology.device(fdid)
@@ -231,7 +233,27 @@ def admit(
             adm.add(name, "already claimed by this VM's reservation")
         return adm
     _resource_checks(adm, topology, view, spec, path, guest_ram, holder)
+    if msi_over_ntb:
+        _msi_check(adm, topology, view, spec, path, holder)
     return adm
+
+
+def _msi_check(
+    adm: Admission,
+    topology: Topology,
+    view: StateView,
+    spec: DeviceSpec,
+    path: NtbPath,
+    holder: Holder | None,
+) -> None:
+    from vmlend.fabric.msiadmit import msi_claim
+
+    # Free segments after this reservation's own claims (shared claims count once).
+    left = usage(topology, [*view.claims, *((spec.fdid, c) for c in adm.claims)])[path.src.ref]
+    claim, why = msi_claim(spec, path.src, left.segments_free, holder, view.claims)
+    adm.add("msi-ntb", why, path="ntb" if claim else "relay")
+    if claim is not None:
+        adm.claims.append(claim)
 
 
 def _resource_checks(

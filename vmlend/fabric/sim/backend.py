@@ -47,6 +47,7 @@ from vmlend.registry import (
     StateTxn,
     same_holder,
 )
+from vmlend.registry.records import Claim
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,9 @@ class SimFabric:
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
+    def reserve(
+        self, fdid: int, holder: Holder, *, guest_ram: int = 0, msi_over_ntb: bool = False
+    ) -> DeviceStatus:
         if not holder.vm or not holder.node:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
         if guest_ram < 0:
@@ -236,12 +239,22 @@ class SimFabric:
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
                 return self._status(tx, spec)
-            adm = admit(topo, self._view(tx), fdid, holder.node, guest_ram, holder)
+            adm = admit(
+                topo, self._view(tx), fdid, holder.node, guest_ram, holder, msi_over_ntb
+            )
             adm.raise_if_refused()
             record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, guest_ram)
             tx.add_hold(record, adm.claims)
             log.info("reserved %#x for %s (%d claims)", fdid, holder, len(adm.claims))
             return self._status(tx, spec)
+
+    def interrupt_window(self, fdid: int) -> Claim | None:
+        """The interrupt window (MSI over the NTB) ``fdid``'s hold was admitted with; None:
+        its interrupts use the relay."""
+        from vmlend.fabric.msiadmit import is_msi_claim
+
+        with self._reg.read() as tx:
+            return next((c for f, c in tx.claims() if f == fdid and is_msi_claim(c)), None)
 
     def release(self, fdid: int, holder: Holder) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold
