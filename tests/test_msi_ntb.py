@@ -227,3 +227,23 @@ def test_the_admission_check_says_which_path(state_path):
         adm = admit(fabric._topology(tx), fabric._view(tx), NVME, "gamma", 0, HOLDER, True)
     check = next(c for c in adm.checks if c.name == "msi-ntb")
     assert check.ok and check.data["path"] == NTB and "alpha:0" in check.detail
+
+
+def test_the_vectors_are_recorded_for_status_with_their_path(hw, state_path):
+    from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
+    from vmlend.registry import Registry
+
+    fabric = make_fabric(state_path)
+    fabric.reserve(NVME, HOLDER, msi_over_ntb=True)
+    registry = Registry.open(state_path)
+    route = NtbMsiRoute(hw, MsiTargets(hw), NVME, recorder=registry_vector_recorder(registry))
+    enable_msix(hw, NVME, 2, masked=frozenset({1}))
+    with registry.read() as tx:
+        records = {rec.key: rec.data for rec in tx.runtime(NVME, RECORD_KIND)}
+    assert set(records) == {f"MSIX.{v}" for v in range(32)}  # the table's size, as the relay
+    assert records["MSIX.0"]["path"] == NTB and records["MSIX.0"]["via"] == "alpha:0"
+    assert records["MSIX.1"]["masked"] is True
+    route.close()
+    with registry.read() as tx:
+        assert tx.runtime(NVME, RECORD_KIND) == []
+    registry.close()
