@@ -247,3 +247,17 @@ def test_the_vectors_are_recorded_for_status_with_their_path(hw, state_path):
     with registry.read() as tx:
         assert tx.runtime(NVME, RECORD_KIND) == []
     registry.close()
+
+
+def test_a_route_opens_only_for_a_hold_admitted_with_an_interrupt_window(hw, state_path):
+    from vmlend.irq.ntbmsi import open_route
+
+    fabric = make_fabric(state_path)
+    targets = MsiTargets(hw)
+    fabric.reserve(NVME, HOLDER)
+    assert open_route(fabric, hw, targets, NVME) is None  # the relay's
+    fabric.release(NVME, HOLDER)
+    fabric.reserve(NVME, HOLDER, msi_over_ntb=True)
+    route = open_route(fabric, hw, targets, NVME)
+    assert route is not None
+    route.close()

@@ -49,6 +49,21 @@ def interrupt_path(fabric: SimFabric, fdid: int, index: IrqIndex) -> str:
     return NTB if fabric.interrupt_window(fdid) is not None else RELAY
 
 
+def open_route(
+    fabric: SimFabric,
+    hw: SimHardware,
+    targets: MsiTargets,
+    fdid: int,
+    *,
+    recorder: VectorRecorder | None = None,
+) -> NtbMsiRoute | None:
+    """The NTB route for a borrowed device whose hold was admitted with an interrupt window;
+    None when its MSI/MSI-X use the relay (not asked for, or no room: the fallback)."""
+    if fabric.interrupt_window(fdid) is None:
+        return None
+    return NtbMsiRoute(hw, targets, fdid, recorder=recorder)
+
+
 class NtbMsiRoute:
     """One borrowed device's MSI/MSI-X, posted by the device through the NTB to its VM."""
 
