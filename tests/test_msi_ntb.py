@@ -261,3 +261,22 @@ def test_a_route_opens_only_for_a_hold_admitted_with_an_interrupt_window(hw, sta
     route = open_route(fabric, hw, targets, NVME)
     assert route is not None
     route.close()
+
+
+def test_multiple_message_msi_masks_and_releases_like_msix(hw, route, vm_fds):
+    from tests.irq_devices import msi_enable, msi_mask
+
+    dev = hw.device(NVME)
+    dev.config.write(regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER)
+    msi_enable(dev.config, 4)
+    msi_mask(dev.config, 0b0100)
+    route.set_triggers(IrqIndex.MSI, [f.fileno() for f in vm_fds])
+    for v in range(4):
+        dev.raise_interrupt(v)
+    assert [read_all(f) for f in vm_fds] == [1, 1, 0, 1]
+    cap = dev.config.find_capability(r.CAP_ID_MSI)
+    pending = cap + 20  # 64-bit form: mask at +16, pending at +20
+    assert dev.config.read(pending, 4) == 0b0100
+    msi_mask(dev.config, 0)
+    assert read_all(vm_fds[2]) == 1 and dev.config.read(pending, 4) == 0
+    assert {route.message(v)[0] for v in range(4)} == {MSI_IOVA}
