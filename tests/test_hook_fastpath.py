@@ -117,3 +117,14 @@ def test_prefilter_follows_the_namespace_and_the_contract():
     # A newer metadata version still reaches the full parse (which refuses it).
     assert concerns_vmlend(["vm1", "prepare", "begin"], xml.replace(b"/1.0", b"/2.0"))
     assert concerns_vmlend(["vm1"], b"")  # bad argv: the full path reports it
+
+
+def test_the_simulated_hypervisors_hook_entry_is_as_lean(tmp_path):
+    # `python -m vmlend.hook --state S --node N ...`, what the simulated hypervisor runs.
+    import vmlend.hook.__main__ as entry
+
+    state = tmp_path / "never" / "state.db"
+    args = ["--state", str(state), "--node", "gamma", "plain", "prepare", "begin", "-"]
+    run = run_script(Path(entry.__file__), args, PLAIN)
+    assert (run.code, run.stdout, run.stderr) == (0, b"", [])
+    assert run.within(*HEAVY) == set() and not state.parent.exists()
