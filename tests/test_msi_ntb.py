@@ -280,3 +280,60 @@ def test_multiple_message_msi_masks_and_releases_like_msix(hw, route, vm_fds):
     msi_mask(dev.config, 0)
     assert read_all(vm_fds[2]) == 1 and dev.config.read(pending, 4) == 0
     assert {route.message(v)[0] for v in range(4)} == {MSI_IOVA}
+
+
+@pytest.mark.parametrize("admitted", [True, False])
+def test_the_demo_guest_wires_over_the_ntb_or_falls_back_to_the_relay(hw, admitted):
+    from vmlend.demo.interrupts import VmInterrupts
+
+    targets = MsiTargets(hw)
+    enable_msix(hw, NVME, 32)
+
+    def open_ntb(fdid: int) -> NtbMsiRoute | None:
+        return NtbMsiRoute(hw, targets, fdid) if admitted else None
+
+    irqs = VmInterrupts("gamma", open_ntb)
+    try:
+        wired = irqs.wire(hw.device(NVME), IrqIndex.MSIX, 4)
+        expected = "ntb alpha->gamma" if admitted else "relay alpha->gamma"
+        assert wired.path.startswith(expected)
+        assert irqs.fire(hw.device(NVME), 40) == [10, 10, 10, 10]
+        irqs.unwire(NVME)
+        # Unwired: the route is closed, the device's message IOVA leads nowhere any more.
+        assert hw.lender_domain(NVME).lookup(MSI_IOVA) is None
+    finally:
+        irqs.close()
+
+
+def test_a_vm_started_on_a_simulated_node_gets_its_msix_over_the_ntb(state_path):
+    """End to end: admission with the option, the real hook (a subprocess) reserving and
+    creating the mdev, the guest's drivers enabling the device, interrupts arriving, and the
+    vectors in the shared state that `vmlend status` reads."""
+    import uuid
+
+    from vmlend.demo.cluster import DemoCluster
+    from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+    from vmlend.irq.records import RECORD_KIND
+
+    make_fabric(state_path)
+    vm_uuid = uuid.UUID(HOLDER.vm_uuid)
+    spec = DomainSpec("web", 512 * MiB, uuid=vm_uuid, devices=[DeviceRequest(NVME)])
+    xml = new_domain(spec, templates=TemplateSet()).to_bytes()
+    cluster = DemoCluster(state_path)
+    try:
+        cluster.fabric("gamma").reserve(NVME, HOLDER, guest_ram=512 * MiB, msi_over_ntb=True)
+        hv = cluster.hypervisor("gamma")
+        hv.define(xml)
+        hv.start("web")
+        [wired] = cluster.guest("gamma").load_drivers("web")
+        assert wired.index is IrqIndex.MSIX and wired.path.startswith("ntb alpha->gamma")
+        irqs = cluster.guest("gamma").guest("web").irqs
+        n = len(wired.eventfds)
+        assert irqs.fire(cluster.hw.device(NVME), 3 * n) == [3] * n
+        with cluster.registry.read() as tx:
+            paths = {r.data["path"] for r in tx.runtime(NVME, RECORD_KIND)}
+        assert paths == {wired.path}
+        hv.destroy("web")
+        assert cluster.hw.lender_domain(NVME).lookup(MSI_IOVA) is None
+    finally:
+        cluster.close()
