@@ -8,7 +8,7 @@ is not the user's) and the state path (libvirtd's environment is not the user's 
 libvirtd runs the hook for every domain on every operation, so its start-up counts: the script
 runs the interpreter with ``-I -S`` and puts the import roots found at install time on
 ``sys.path`` itself. That skips ``site`` (every ``.pth`` file, an editable install's import
-finder) and the caller's ``PYTHON*`` variables, about half of a bare interpreter start
+finder) and the caller's ``PYTHON*`` variables: about two thirds of a bare interpreter start
 (``docs/hooks.md``, measured).
 """
 
