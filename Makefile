@@ -42,8 +42,13 @@ demo: venv
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	VMLEND_STATE=$(DEMO_DIR)/state.db $(VENV)/bin/vmlend demo
 
+# Every benchmark, each printing ratios measured side by side in one run (~3 min on 2 cores).
 bench: venv
-	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in bench/bench_*.py; do \
+	  echo "== $$b"; start=$$(date +%s); \
+	  $(PY) $$b || exit 1; \
+	  echo "== $$b took $$(( $$(date +%s) - start )) s"; \
+	done
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) *.egg-info .pytest_cache .ruff_cache

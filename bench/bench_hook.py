@@ -1,41 +1,103 @@
-"""How long libvirt waits for vmlend's hook: a VM with 4 remote devices, prepare then release.
+"""How long libvirt waits for vmlend's hook, and how long `vmlend` takes to answer.
 
-Printed side by side in one run: the installed hook as libvirtd runs it (a new process,
-argv + XML on stdin), a bare interpreter start (the floor any Python hook pays), and the same
-work in-process (what vmlend itself costs). Ratios, not absolute thresholds.
+Printed side by side in one run, as ratios to a bare interpreter start (`python -c pass`, the
+floor any Python hook pays) measured in the same rounds: the installed hook as libvirtd runs
+it (a new process, argv + XML on stdin) for a plain domain, for an operation vmlend ignores,
+and for prepare/release of a VM with 4 remote devices; the same prepare/release in-process
+(what vmlend's own work costs); `vmlend --help` and `vmlend devices`. Then an import-time
+breakdown (`-X importtime`) of the hook's prepare: what the remaining time goes to.
+
+Bytecode is compiled first (as `pip install` does): a run under PYTHONDONTWRITEBYTECODE would
+otherwise compile every module from source in every process and measure the compiler.
 """
 
 from __future__ import annotations
 
+import argparse
+import compileall
 import io
+import os
+import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
+import vmlend
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import MiB
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.hook.install import install_hook
 from vmlend.hook.main import run
 
-ROUNDS = 15
 FDIDS = (0x10, 0x12, 0x21, 0x22)
+PLAIN_XML = b"<domain type='kvm'><name>plain</name><memory unit='KiB'>65536</memory></domain>"
+GOALS = {"plain": 1.3, "ignored": 1.3, "prep": 2.0, "rel": 2.0, "help": 3.0, "devices": 3.0}
+
+
+class Sample(NamedTuple):
+    wall: float
+    cpu: float
 
 
 def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1000
 
 
+def child_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(argv: list[str], stdin: bytes = b"", env: dict[str, str] | None = None) -> Sample:
+    """Wall time and the child's CPU time (user + system): on a machine others share, CPU
+    time is the steadier of the two."""
+    t, c = time.perf_counter(), child_cpu()
+    subprocess.run(argv, input=stdin, check=True, env=env, stdout=subprocess.DEVNULL)
+    return Sample(time.perf_counter() - t, child_cpu() - c)
+
+
+def import_breakdown(argv: list[str], stdin: bytes, env: dict[str, str], top: int) -> None:
+    """The modules ``python ARGV`` imports, by self time, and the top-level entries by total."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv], input=stdin, env=env, capture_output=True
+    )
+    rows = []
+    for line in out.stderr.decode().splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+        if m:
+            rows.append((int(m.group(1)), int(m.group(2)), len(m.group(3)), m.group(4)))
+    total = sum(r[0] for r in rows) / 1000
+    print(f"\nimport time of the hook's prepare: {len(rows)} modules, {total:.1f} ms in all")
+    print(f"  top {top} top-level imports (cumulative ms)")
+    for _self, cum_us, _depth, name in sorted(
+        (r for r in rows if r[2] == 1), key=lambda r: -r[1]
+    )[:top]:
+        print(f"    {cum_us / 1000:7.1f}  {name}")
+    print(f"  top {top} modules by their own time (ms)")
+    for self_us, _cum, _depth, name in sorted(rows, key=lambda r: -r[0])[:top]:
+        print(f"    {self_us / 1000:7.1f}  {name}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--top", type=int, default=12, help="rows of the import breakdown")
+    args = ap.parse_args()
+    compileall.compile_dir(Path(vmlend.__file__).parent, quiet=1)
+    cli = str(Path(sys.executable).with_name("vmlend"))
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state.db"
         text, source = default_topology_text()
         init_fabric(state, text, source, node="gamma", hostname="bench")
-        hook = install_hook(Path(tmp) / "libvirt", state, "gamma").path
+        hook = str(install_hook(Path(tmp) / "libvirt", state, "gamma").path)
+        env = dict(os.environ, VMLEND_STATE=str(state), VMLEND_NODE="gamma")
         spec = DomainSpec(
             name="bench-vm",
             memory_bytes=4096 * MiB,
@@ -44,13 +106,8 @@ def main() -> None:
         )
         xml = new_domain(spec, templates=TemplateSet()).to_bytes()
 
-        def hook_process(op: str, sub: str) -> float:
-            t = time.perf_counter()
-            subprocess.run([str(hook), "bench-vm", op, sub, "-"], input=xml, check=True)
-            return time.perf_counter() - t
-
-        def in_process(op: str, sub: str) -> float:
-            t = time.perf_counter()
+        def in_process(op: str, sub: str) -> Sample:
+            t, c = time.perf_counter(), time.process_time()
             code = run(
                 ["bench-vm", op, sub, "-"],
                 stdin=io.BytesIO(xml),
@@ -58,33 +115,60 @@ def main() -> None:
                 environ={"VMLEND_STATE": str(state)},
             )
             assert code == 0
-            return time.perf_counter() - t
+            return Sample(time.perf_counter() - t, time.process_time() - c)
 
-        def bare() -> float:
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "pass"], check=True)
-            return time.perf_counter() - t
+        columns: dict[str, tuple[str, Callable[[], Sample]]] = {
+            "bare": ("bare 'python -c pass'", lambda: timed([sys.executable, "-c", "pass"])),
+            "bare_is": (
+                "bare 'python -I -S -c pass'",
+                lambda: timed([sys.executable, "-I", "-S", "-c", "pass"]),
+            ),
+            "plain": (
+                "hook: plain domain, prepare",
+                lambda: timed([hook, "plain", "prepare", "begin", "-"], PLAIN_XML, env),
+            ),
+            "ignored": (
+                "hook: vmlend VM, 'started begin'",
+                lambda: timed([hook, "bench-vm", "started", "begin", "-"], xml, env),
+            ),
+            "prep": (
+                f"hook: {len(FDIDS)}-device VM, prepare",
+                lambda: timed([hook, "bench-vm", "prepare", "begin", "-"], xml, env),
+            ),
+            "rel": (
+                f"hook: {len(FDIDS)}-device VM, release",
+                lambda: timed([hook, "bench-vm", "release", "end", "-"], xml, env),
+            ),
+            "prep_in": (
+                "in-process: prepare (vmlend's work)",
+                lambda: in_process("prepare", "begin"),
+            ),
+            "rel_in": ("in-process: release", lambda: in_process("release", "end")),
+            "help": ("vmlend --help", lambda: timed([cli, "--help"], env=env)),
+            "devices": ("vmlend devices", lambda: timed([cli, "devices"], env=env)),
+        }
+        rows: dict[str, list[Sample]] = {k: [] for k in columns}
+        for _ in range(args.rounds):  # interleaved so machine noise hits every column alike
+            for key, (_label, measure) in columns.items():
+                rows[key].append(measure())
 
-        rows: dict[str, list[float]] = {k: [] for k in ("prep", "rel", "prep_in", "rel_in", "bare")}
-        for _ in range(ROUNDS):  # interleaved so machine noise hits every column alike
-            rows["prep"].append(hook_process("prepare", "begin"))
-            rows["rel"].append(hook_process("release", "end"))
-            rows["prep_in"].append(in_process("prepare", "begin"))
-            rows["rel_in"].append(in_process("release", "end"))
-            rows["bare"].append(bare())
+        wall_floor = median_ms([s.wall for s in rows["bare"]])
+        cpu_floor = median_ms([s.cpu for s in rows["bare"]])
+        print(f"median of {args.rounds} interleaved rounds; ratios to the bare start")
+        print(f"{'what':40} {'wall ms':>8} {'x bare':>7} {'cpu ms':>8} {'x bare':>7} {'goal':>6}")
+        for key, (label, _m) in columns.items():
+            wall = median_ms([s.wall for s in rows[key]])
+            cpu = median_ms([s.cpu for s in rows[key]])
+            goal = f"<={GOALS[key]}" if key in GOALS else ""
+            print(
+                f"{label:40} {wall:8.1f} {wall / wall_floor:7.2f} {cpu:8.1f} "
+                f"{cpu / cpu_floor:7.2f} {goal:>6}"
+            )
 
-    floor = median_ms(rows["bare"])
-    print(f"hook wall time, VM with {len(FDIDS)} remote devices, median of {ROUNDS} rounds")
-    print(f"{'what':38} {'ms':>8} {'x bare python':>14}")
-    for label, key in (
-        ("bare 'python -c pass'", "bare"),
-        ("hook process: prepare begin", "prep"),
-        ("hook process: release end", "rel"),
-        ("in-process: prepare (vmlend's own work)", "prep_in"),
-        ("in-process: release", "rel_in"),
-    ):
-        ms = median_ms(rows[key])
-        print(f"{label:38} {ms:8.1f} {ms / floor:14.2f}")
+        # The installed script's shebang runs the interpreter with -IS: so does the breakdown.
+        argv = ["-I", "-S", hook, "bench-vm", "prepare", "begin", "-"]
+        import_breakdown(argv, xml, env, args.top)
+        subprocess.run([hook, "bench-vm", "release", "end", "-"], input=xml, env=env, check=True)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vmlend.hostenv import HostEnv
-
 STATE_ENV = "VMLEND_STATE"
 NODE_ENV = "VMLEND_NODE"
 
@@ -14,6 +12,8 @@ NODE_ENV = "VMLEND_NODE"
 def default_state_path() -> Path:
     """Root keeps the state with the system; others under the XDG state dir."""
     if os.geteuid() == 0:
+        from vmlend.hostenv import HostEnv  # loaded when used: the hook reads only the names above
+
         return HostEnv.from_env().system_state
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "vmlend" / "state.db"
@@ -27,4 +27,6 @@ def state_path_from_env(environ: dict[str, str] | None = None) -> Path:
 
 def default_libvirt_dir() -> Path:
     """libvirt's system config dir (the hook goes to <dir>/hooks/qemu.d/vmlend)."""
+    from vmlend.hostenv import HostEnv
+
     return HostEnv.from_env().libvirt_config

@@ -1,20 +1,73 @@
 """The ``vmlend`` command. ``main`` only parses: each ``cmd_*.py`` module in this package
-exposes ``COMMANDS`` (click commands or groups), collected here so command groups stay in
-their own modules."""
+exposes ``COMMANDS`` (click commands or groups), so command groups stay in their own modules.
+A module is imported only when one of its commands runs (``lazy.LazyGroup``): ``COMMANDS``
+below names each command's module and the summary ``vmlend --help`` shows."""
 
 from __future__ import annotations
-
-import importlib
-import pkgutil
-import sys
 
 import click
 
 from vmlend import __version__
-from vmlend.cli.common import CliContext, VmlendGroup
+from vmlend.cli.common import CliContext
+from vmlend.cli.lazy import LazyGroup
+
+#: command -> (its module, the first sentence of its help). A new command goes here too;
+#: tests/test_cli_lazy.py fails until it does (it would still work, loaded eagerly).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "attach": (
+        "cmd_attach",
+        "Attach remote device FDID to VM (default: live if running, else its definition).",
+    ),
+    "demo": (
+        "cmd_demo",
+        "Run the whole vmlend story on the simulated cluster in the state (--state): a VM on "
+        "gamma borrows two GPUs and an NVMe drive, DMA and interrupts flow, a VF is hot-added "
+        "and removed, the VM moves to alpha, and everything is returned.",
+    ),
+    "detach": (
+        "cmd_attach",
+        "Detach remote device FDID from VM; a live detach returns the device to the fabric.",
+    ),
+    "devices": (
+        "cmd_devices",
+        "List the devices of the fabric: lender, PCI address, BARs, state and holder.",
+    ),
+    "doctor": ("cmd_doctor", "Check this host: IOMMU, vfio/mdev, SmartIO, libvirt and the hook."),
+    "fabric": (
+        "cmd_fabric",
+        "The fabric: its nodes, NTB adapters and links, kept in the shared state.",
+    ),
+    "hook": (
+        "cmd_hook",
+        "The libvirt qemu hook that reserves devices when VMs start and returns them at stop.",
+    ),
+    "lend": ("cmd_lend", "Offer device FDID to the fabric so VMs on other nodes can borrow it."),
+    "mdev": ("cmd_mdev", "List, create and remove mdev children (sysfs under --root)."),
+    "migrate": (
+        "cmd_migrate",
+        "Move VM (stopped, or shut down first) to node NODE keeping its remote devices.",
+    ),
+    "path": ("cmd_path", "Explain the PCIe path from SRC to DST."),
+    "relay": (
+        "cmd_relay",
+        "Run the interrupt relay daemon in the foreground (until SIGTERM or SIGINT).",
+    ),
+    "status": (
+        "cmd_status",
+        "Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps); per "
+        "NTB adapter the LUT entries and window in use.",
+    ),
+    "unlend": ("cmd_lend", "Withdraw device FDID from the fabric (refused while a VM holds it)."),
+    "xml": ("cmd_xml", "Write and edit libvirt domain XML that uses remote devices."),
+}
 
 
-@click.group(cls=VmlendGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    package=__name__,
+    lazy=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.option(
     "--state",
     "state_path",
@@ -43,14 +96,3 @@ def main(
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
     ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose, root=root)
 
-
-def _register() -> None:
-    pkg = sys.modules[__name__]
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        if info.name.startswith("cmd_"):
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            for command in getattr(module, "COMMANDS", ()):
-                main.add_command(command)
-
-
-_register()

@@ -8,14 +8,15 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from vmlend.errors import ConfigError, VmlendError
-from vmlend.fabric.base import Fabric
-from vmlend.fabric.open import open_fabric
 from vmlend.settings import default_state_path
+
+if TYPE_CHECKING:
+    from vmlend.fabric.base import Fabric
 
 log = logging.getLogger("vmlend")
 
@@ -43,6 +44,8 @@ class CliContext:
 
     def fabric(self) -> Fabric:
         """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
+        from vmlend.fabric.open import open_fabric  # commands that need no fabric skip it
+
         return open_fabric(self.state_path, self.node)
 
 

@@ -23,6 +23,7 @@ from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.dmawin import RegistryWindowLedger
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.invariants import Violation, check_hardware
+from vmlend.fabric.sim.msitarget import MsiTargets
 from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
 from vmlend.fabric.topology import parse_topology
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
@@ -74,6 +75,7 @@ class DemoCluster:
             self.registry.close()
             raise
         self.hw = SimHardware.from_topology(parse_topology(rec.text, rec.source), seed=seed)
+        self.msi_targets = MsiTargets(self.hw)  # one per hardware: a page per VM
         self._fabrics: dict[str, SimFabric] = {}
         self.guests: dict[str, DemoGuest] = {}
         self._hypervisors: dict[str, SimHypervisor] = {}

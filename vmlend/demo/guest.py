@@ -22,9 +22,11 @@ from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.dmawin import WindowLedger
 from vmlend.fabric.sim.hardware import Borrow, SimHardware
+from vmlend.fabric.sim.msitarget import MsiTargets
 from vmlend.fabric.sim.p2pmap import P2PMapper, Recorder
 from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hypervisor import IdleGuest
+from vmlend.irq.ntbmsi import NtbMsiRoute, open_route
 from vmlend.irq.records import VectorRecorder
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ class GuestWorld(Protocol):
 
     @property
     def backing(self) -> int: ...
+
+    @property
+    def msi_targets(self) -> MsiTargets: ...
 
     def fabric(self, node: str) -> SimFabric: ...
 
@@ -88,7 +93,7 @@ class DemoGuest(IdleGuest):
             p2p=p2p,
             backing=self.world.backing,
         )
-        irqs = VmInterrupts(self.node)
+        irqs = VmInterrupts(self.node, self._open_ntb)
 
         def borrow_ended(borrow: Borrow) -> None:
             # the device's interrupts stop reaching this VM in the same step as its DMA; the
@@ -98,6 +103,10 @@ class DemoGuest(IdleGuest):
                 irqs.unwire(borrow.fdid)
 
         self.running[name] = RunningGuest(vm, p2p, irqs, hw.on_borrow_end(borrow_ended))
+
+    def _open_ntb(self, fdid: int) -> NtbMsiRoute | None:
+        world = self.world
+        return open_route(world.fabric(self.node), world.hw, world.msi_targets, fdid)
 
     def on_device_added(self, name: str, device_xml: bytes) -> None:
         g = self.guest(name)

@@ -25,6 +25,7 @@ from vmlend.irq import vectors as r
 from vmlend.irq.borrower import BorrowerRelay
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.lender import LenderRelay
+from vmlend.irq.ntbmsi import MESSAGE_INDEXES, NtbMsiRoute
 from vmlend.irq.relay import Reactor
 from vmlend.irq.vectors import IrqIndex
 from vmlend.irq.vfio import TRIGGER_EVENTFDS, SimIrqHost
@@ -92,11 +93,20 @@ class WiredDevice:
         }
 
 
-class VmInterrupts:
-    """The eventfds of one VM on ``node`` and what feeds them. ``close`` stops every thread."""
+#: The NTB route of a borrowed device, or None when its MSI/MSI-X use the relay.
+OpenNtbRoute = Callable[[int], NtbMsiRoute | None]
 
-    def __init__(self, node: str) -> None:
+
+class VmInterrupts:
+    """The eventfds of one VM on ``node`` and what feeds them. ``close`` stops every thread.
+
+    ``open_ntb`` (``vmlend.irq.ntbmsi.open_route`` bound to the cluster) maps a remote device's
+    MSI/MSI-X over the NTB when its hold was admitted with an interrupt window; everything else
+    (INTx, no window) goes through the relay."""
+
+    def __init__(self, node: str, open_ntb: OpenNtbRoute | None = None) -> None:
         self.node = node
+        self._open_ntb = open_ntb
         self._reactor = Reactor()
         self._reactor.start(f"irq-vm-{node}")
         self.borrower = BorrowerRelay(self._reactor)
@@ -111,7 +121,9 @@ class VmInterrupts:
             if device.lender == self.node:
                 wired = self._wire_local(device, index, efds)
             else:
-                wired = self._wire_relay(device, index, efds)
+                wired = self._wire_ntb(device, index, efds) or self._wire_relay(
+                    device, index, efds
+                )
         except BaseException:
             for e in efds:
                 e.close()
@@ -127,6 +139,22 @@ class VmInterrupts:
             host.close()
             raise
         return WiredDevice(device.fdid, index, efds, "vfio (local)", host.close)
+
+    def _wire_ntb(
+        self, device: SimDevice, index: IrqIndex, efds: list[EventFd]
+    ) -> WiredDevice | None:
+        if self._open_ntb is None or index not in MESSAGE_INDEXES:
+            return None
+        route = self._open_ntb(device.fdid)
+        if route is None:
+            return None
+        try:
+            route.set_triggers(index, [e.fileno() for e in efds])
+        except BaseException:
+            route.close()
+            raise
+        path = f"ntb {device.lender}->{self.node} (no lender software)"
+        return WiredDevice(device.fdid, index, efds, path, route.close)
 
     def _wire_relay(self, device: SimDevice, index: IrqIndex, efds: list[EventFd]) -> WiredDevice:
         # One lender relay (its own thread, as the lender's process) per device, so removing

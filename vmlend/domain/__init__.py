@@ -8,23 +8,36 @@ The API other parts use:
 - ``mdev_uuid(domain_uuid, fdid)`` (anything that must name a device's mdev)
 """
 
-from vmlend.domain.address import PciAddress
-from vmlend.domain.build import DeviceRequest, DomainSpec, FdidValidator, new_domain
-from vmlend.domain.consistency import Problem, check_consistency, find_problems
-from vmlend.domain.document import DomainDocument
-from vmlend.domain.info import DomainInfo, has_vmlend_metadata, read_domain
-from vmlend.domain.metadata import METADATA_KEY, NAMESPACE_URI, VmlendDevice
-from vmlend.domain.rewrite import (
-    add_device,
-    drop_host_local_state,
-    find_device,
-    record_destination,
-    rederive_mdev_uuids,
-    remove_device,
-    rewrite_for_destination,
-)
-from vmlend.domain.templates import TemplateSet
-from vmlend.domain.uuids import mdev_uuid
+import importlib
+
+# Loaded on first use (PEP 562): the hook reads a domain with ``vmlend.domain.info`` alone and
+# must not pay for templates, builders and rewrites it does not use.
+_EXPORTS: dict[str, str] = {
+    "PciAddress": "address",
+    "DeviceRequest": "build",
+    "DomainSpec": "build",
+    "FdidValidator": "build",
+    "new_domain": "build",
+    "Problem": "consistency",
+    "check_consistency": "consistency",
+    "find_problems": "consistency",
+    "DomainDocument": "document",
+    "DomainInfo": "info",
+    "has_vmlend_metadata": "info",
+    "read_domain": "info",
+    "METADATA_KEY": "metadata",
+    "NAMESPACE_URI": "metadata",
+    "VmlendDevice": "metadata",
+    "add_device": "rewrite",
+    "drop_host_local_state": "rewrite",
+    "find_device": "rewrite",
+    "record_destination": "rewrite",
+    "rederive_mdev_uuids": "rewrite",
+    "remove_device": "rewrite",
+    "rewrite_for_destination": "rewrite",
+    "TemplateSet": "templates",
+    "mdev_uuid": "uuids",
+}
 
 __all__ = [
     "METADATA_KEY",
@@ -52,3 +65,16 @@ __all__ = [
     "remove_device",
     "rewrite_for_destination",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -9,7 +9,6 @@ tree (comments included) as lxml's own output, otherwise lxml's output is used a
 
 from __future__ import annotations
 
-import difflib
 import re
 
 from lxml import etree
@@ -47,6 +46,8 @@ def keep_original_lines(original: bytes, serialised: bytes) -> bytes:
     replaced by the original line; new lines follow the original's attribute quoting."""
     if not original or original == serialised:
         return serialised
+    import difflib  # only rewrites get here, never a plain read (the hook's)
+
     old = original.split(b"\n")
     new = serialised.split(b"\n")
     matcher = difflib.SequenceMatcher(

@@ -221,10 +221,12 @@ def admit(
     borrower: str,
     guest_ram: GuestRam | int = 0,
     holder: Holder | None = None,
+    msi_over_ntb: bool = False,
 ) -> Admission:
     """Check whether ``borrower`` (for ``holder``'s VM with RAM ``guest_ram``) may take
     ``fdid``. Checks that cannot be evaluated after an earlier failure (no device, no path)
-    are left out."""
+    are left out. ``msi_over_ntb`` also asks for an interrupt window (``msiadmit``), which is
+    never a reason to refuse."""
     adm = Admission()
     ram = guest_ram_of(guest_ram)
     try:
@@ -286,6 +288,8 @@ def admit(
             adm.add(name, "not needed: the device is local")
     else:
         _resource_checks(adm, topology, view, spec, path, ram, holder)
+        if msi_over_ntb:
+            _msi_check(adm, topology, view, spec, path, holder)
     _p2p_checks(adm, topology, view, spec, holder)
     return adm
 
@@ -424,6 +428,24 @@ def _p2p_checks(
                 "requester LUT for peer-to-peer", ref, luts, b.lut_free, "entries"
             )
     adm.add("p2p", "peer-to-peer: " + "; ".join(parts), error)
+
+
+def _msi_check(
+    adm: Admission,
+    topology: Topology,
+    view: StateView,
+    spec: DeviceSpec,
+    path: NtbPath,
+    holder: Holder | None,
+) -> None:
+    from vmlend.fabric.msiadmit import msi_claim
+
+    # Free segments after this reservation's own claims (shared claims count once).
+    left = usage(topology, [*view.claims, *((spec.fdid, c) for c in adm.claims)])[path.src.ref]
+    claim, why = msi_claim(spec, path.src, left.segments_free, holder, view.claims)
+    adm.add("msi-ntb", why, path="ntb" if claim else "relay")
+    if claim is not None:
+        adm.claims.append(claim)
 
 
 def _resource_checks(

@@ -6,13 +6,10 @@ The CLI and the hook call ``open_fabric``; ``vmlend fabric init`` calls ``init_f
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from vmlend.errors import ConfigError, StateError
@@ -53,6 +50,8 @@ def open_fabric(
 
 def default_topology_text() -> tuple[str, str]:
     """The shipped default cluster: its TOML text and a source name for messages."""
+    from importlib import resources  # init only: the hook and most commands never need it
+
     text = resources.files("vmlend.data").joinpath(DEFAULT_TOPOLOGY).read_text()
     return text, f"<builtin {DEFAULT_TOPOLOGY}>"
 
@@ -97,6 +96,9 @@ def init_fabric(
     The same topology again changes nothing (except the local node when ``node`` is given);
     a different one is refused unless ``replace`` and nothing is held or has an mdev.
     """
+    import hashlib
+    import socket
+
     topo = parse_topology(text, source)
     if node is not None:
         topo.node(node)

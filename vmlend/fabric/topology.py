@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -437,6 +436,8 @@ def _switch_links(r: _Reader, raw: Any, links: list[LinkSpec]) -> tuple[tuple[st
 def load_topology(path: str | Path | None = None) -> Topology:
     """Load a topology file, or the shipped default cluster when ``path`` is None."""
     if path is None:
+        from importlib import resources  # only the built-in default needs it
+
         text = resources.files("vmlend.data").joinpath(DEFAULT_TOPOLOGY).read_text()
         return parse_topology(text, f"<builtin {DEFAULT_TOPOLOGY}>")
     p = Path(path)

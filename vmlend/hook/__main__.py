@@ -7,10 +7,11 @@ can drive several simulated nodes. libvirt's own argv follows them unchanged.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 
-from vmlend.hook.main import run
+from vmlend.hook.prefilter import concerns_vmlend
 from vmlend.settings import NODE_ENV, STATE_ENV
 
 _OPTIONS = {"--state": STATE_ENV, "--node": NODE_ENV}
@@ -27,7 +28,13 @@ def split_options(argv: list[str], environ: dict[str, str]) -> list[str]:
 
 def main() -> int:
     env = dict(os.environ)
-    return run(split_options(sys.argv[1:], env), environ=env)
+    argv = split_options(sys.argv[1:], env)
+    xml = sys.stdin.buffer.read()  # drained first, as libvirt's hook must (see entry.py)
+    if not concerns_vmlend(argv, xml):
+        return 0
+    from vmlend.hook.main import run
+
+    return run(argv, stdin=io.BytesIO(xml), environ=env)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 
 from vmlend.errors import ConfigError
+from vmlend.hook.prefilter import OPERATIONS
 
 
 class Action(enum.Enum):
@@ -24,16 +25,7 @@ class Action(enum.Enum):
     IGNORE = "ignore"
 
 
-_ACTIONS: dict[tuple[str, str], Action] = {
-    ("prepare", "begin"): Action.PREPARE,
-    ("release", "end"): Action.RELEASE,
-    # stopped runs before release; returning the devices there frees them as early as
-    # possible, and release then finds nothing left to do.
-    ("stopped", "end"): Action.RELEASE,
-    ("reconnect", "begin"): Action.RECONNECT,
-    ("migrate", "begin"): Action.MIGRATE,
-    ("restore", "begin"): Action.RESTORE,
-}
+_ACTIONS: dict[tuple[str, str], Action] = {ops: Action(name) for ops, name in OPERATIONS.items()}
 
 
 @dataclass(frozen=True)

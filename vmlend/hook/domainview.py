@@ -1,8 +1,9 @@
-"""What the hook reads from the domain XML, via ``vmlend.domain``."""
+"""What the hook reads from the domain XML, via ``vmlend.domain``'s read and rewrite modules
+(imported one by one: the hook does not pay for templates and builders)."""
 
 from __future__ import annotations
 
-from vmlend.domain import DomainInfo, has_vmlend_metadata, read_domain, rewrite_for_destination
+from vmlend.domain.info import DomainInfo, has_vmlend_metadata, read_domain
 
 
 def read_hook_domain(xml: bytes, *, strict: bool = True) -> DomainInfo | None:
@@ -16,4 +17,6 @@ def read_hook_domain(xml: bytes, *, strict: bool = True) -> DomainInfo | None:
 
 
 def rewrite_for_this_host(xml: bytes, node: str) -> bytes:
+    from vmlend.domain.rewrite import rewrite_for_destination
+
     return rewrite_for_destination(xml, node, source="domain XML on stdin")

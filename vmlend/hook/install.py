@@ -4,6 +4,12 @@ libvirtd decides at start-up whether hooks are enabled at all (``hooks/qemu`` or
 ``hooks/qemu.d/`` must exist then); files added to ``qemu.d`` later are picked up. So we report
 whether a daemon restart is needed. The installed script pins the interpreter (libvirtd's PATH
 is not the user's) and the state path (libvirtd's environment is not the user's either).
+
+libvirtd runs the hook for every domain on every operation, so its start-up counts: the script
+runs the interpreter with ``-I -S`` and puts the import roots found at install time on
+``sys.path`` itself. That skips ``site`` (every ``.pth`` file, an editable install's import
+finder) and the caller's ``PYTHON*`` variables: about two thirds of a bare interpreter start
+(``docs/hooks.md``, measured).
 """
 
 from __future__ import annotations
@@ -34,22 +40,44 @@ class InstallResult:
         return f"installed {self.path}" if self.changed else f"{self.path} is already installed"
 
 
-def hook_script(interpreter: str, state_path: Path, node: str | None) -> str:
-    """The text of the installed hook (the same body as hooks/vmlend-qemu)."""
-    lines = [
-        f"#!{interpreter}",
-        _MARK,
-        "import os",
-        "import sys",
-        "",
-        f"os.environ.setdefault('VMLEND_STATE', {str(state_path)!r})",
-    ]
+def import_roots() -> list[str]:
+    """Where this interpreter finds vmlend and its dependencies without ``site``: the directory
+    holding the vmlend package (the source tree of an editable install) and the site dirs."""
+    import site
+
+    import vmlend
+
+    roots = [str(Path(vmlend.__file__).resolve().parent.parent)]
+    for d in site.getsitepackages():
+        if d not in roots and Path(d).is_dir():
+            roots.append(d)
+    return roots
+
+
+def hook_script(
+    interpreter: str, state_path: Path, node: str | None, roots: list[str] | None = None
+) -> str:
+    """The text of the installed hook (the same body as hooks/vmlend-qemu). With ``roots``
+    the interpreter runs isolated and without ``site``, importing from ``roots`` only."""
+    lines = [f"#!{interpreter} -IS" if roots else f"#!{interpreter}", _MARK]
+    if roots:
+        lines += [
+            "# -IS: no site (.pth files, import finders) and no PYTHON* variables; the import",
+            "# roots were found by 'vmlend hook install'.",
+            "import sys",
+            "",
+            f"sys.path[:0] = {roots!r}",
+            "import os",
+        ]
+    else:
+        lines += ["import os", "import sys"]
+    lines += ["", f"os.environ.setdefault('VMLEND_STATE', {str(state_path)!r})"]
     if node:
         lines.append(f"os.environ.setdefault('VMLEND_NODE', {node!r})")
     backend = os.environ.get("VMLEND_BACKEND")
     if backend:
         lines.append(f"os.environ.setdefault('VMLEND_BACKEND', {backend!r})")
-    lines += ["", "from vmlend.hook.main import run", "", "sys.exit(run())", ""]
+    lines += ["", "from vmlend.hook.entry import main", "", "sys.exit(main())", ""]
     return "\n".join(lines)
 
 
@@ -70,7 +98,10 @@ def install_hook(
         raise ConfigError(f"hook name must be 'qemu' or 'qemu.d/<name>', got {name!r}")
     hooks_dir = libvirt_dir / "hooks"
     target = hooks_dir / name
-    text = hook_script(interpreter or sys.executable, state_path, node)
+    # The roots are this interpreter's: another one runs with its own site instead.
+    interpreter = interpreter or sys.executable
+    roots = import_roots() if interpreter == sys.executable else None
+    text = hook_script(interpreter, state_path, node, roots)
     restart = not hooks_enabled(hooks_dir)
     if target.exists():
         current = target.read_text(errors="replace")

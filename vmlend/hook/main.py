@@ -1,35 +1,48 @@
 """The hook process: libvirt's argv and stdin in, an exit code and one line of stderr out.
 
-Kept thin and fast: it imports neither click nor libvirt. A VmlendError becomes one line on
+Kept thin and fast: libvirt runs it for every domain on every operation and waits. Whether a
+call concerns vmlend at all is decided from argv and the raw stdin bytes (``prefilter``)
+before anything heavy is imported: a plain domain, or an operation vmlend ignores, costs an
+interpreter start and nothing more. The domain model, lxml and the fabric are imported only
+for the calls that use them, and click and libvirt never. A VmlendError becomes one line on
 stderr (libvirt shows it to the user) and exit 1; anything unexpected is logged with its
 traceback in the action log and still reported in one line.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TYPE_CHECKING, BinaryIO, TextIO
 
 from vmlend.errors import VmlendError
-from vmlend.fabric.base import Fabric
-from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.contract import Action, HookCall, parse_argv
-from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
-from vmlend.hook.ops import HookOps
-from vmlend.settings import NODE_ENV, state_path_from_env
+from vmlend.hook.prefilter import concerns_vmlend
 
-FabricFactory = Callable[[Path, str | None], Fabric]
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from vmlend.fabric.base import Fabric
+    from vmlend.hook.actionlog import ActionLog
+
+FabricFactory = Callable[["Path", str | None], "Fabric"]
 
 
 def _open_fabric(state_path: Path, node: str | None) -> Fabric:
     from vmlend.fabric.open import open_fabric
 
     return open_fabric(state_path, node)
+
+
+def load_handlers() -> None:
+    """Import what a call that concerns vmlend uses (``handle`` would import it on first use;
+    the hook's entry does it up front, with the garbage collector paused)."""
+    import vmlend.fabric.open
+    import vmlend.hook.domainview
+    import vmlend.hook.loghandler
+    import vmlend.hook.ops
+    import vmlend.settings  # noqa: F401
 
 
 def handle(
@@ -42,6 +55,10 @@ def handle(
     actions: ActionLog | None = None,
 ) -> int:
     """Do what ``call`` asks. Returns the exit code; raises VmlendError on failure."""
+    from vmlend.hook.actionlog import ActionLog, log_path_for_state
+    from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
+    from vmlend.hook.ops import HookOps
+
     action = call.action
     if action is Action.IGNORE:
         return 0
@@ -84,20 +101,38 @@ def run(
     # Drain stdin before anything can fail: libvirt writes the whole XML and must not see a
     # broken pipe.
     xml = stdin.read()
-    state_path = state_path_from_env(env)
-    actions = ActionLog(log_path_for_state(state_path))
-    name = argv[0] if argv else "?"
-    _log_to(actions, name)
     try:
         call = parse_argv(argv)
     except VmlendError as e:
         print(f"vmlend: {e}", file=stderr)
         return 1
+    if not concerns_vmlend(argv, xml):
+        return 0  # not ours: touch nothing, not even the state file or the log
+    return _run_for_vmlend(call, xml, stdout, stderr, env, open_fabric)
+
+
+def _run_for_vmlend(
+    call: HookCall,
+    xml: bytes,
+    stdout: BinaryIO,
+    stderr: TextIO,
+    env: dict[str, str],
+    open_fabric: FabricFactory,
+) -> int:
+    from vmlend.hook.actionlog import ActionLog, log_path_for_state
+    from vmlend.settings import NODE_ENV, state_path_from_env
+
+    state_path = state_path_from_env(env)
+    actions = ActionLog(log_path_for_state(state_path))
+    name = call.domain
+    _log_to(actions, name)
     if call.action is Action.RECONNECT:
         # A failing reconnect hook makes libvirt kill the running guest: never fail it.
         try:
             handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
         except Exception as e:
+            import traceback
+
             detail = str(e) if isinstance(e, VmlendError) else traceback.format_exc()
             actions.record(name, "reconnect", f"PROBLEM (guest kept running): {detail}")
         return 0
@@ -108,29 +143,22 @@ def run(
         actions.record(name, f"{call.operation} {call.sub_operation}", f"FAILED: {e}")
         return 1
     except Exception as e:  # a bug: one line for libvirt, the traceback for us
+        import traceback
+
         print(f"vmlend: internal error: {type(e).__name__}: {e} (see {actions.path})", file=stderr)
         actions.record(name, "internal-error", traceback.format_exc())
         return 1
     return code
 
 
-class _ActionLogHandler(logging.Handler):
-    """Library warnings go to the action log: libvirt shows the hook's stderr, which must stay
-    one line (the reason of a failure)."""
-
-    def __init__(self, actions: ActionLog, domain: str) -> None:
-        super().__init__(logging.WARNING)
-        self.actions = actions
-        self.domain = domain
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.actions.record(self.domain, record.levelname.lower(), record.getMessage())
-
-
 def _log_to(actions: ActionLog, domain: str) -> None:
+    import logging
+
+    from vmlend.hook.loghandler import ActionLogHandler
+
     root = logging.getLogger()
     for h in list(root.handlers):
-        if isinstance(h, _ActionLogHandler):
+        if isinstance(h, ActionLogHandler):
             root.removeHandler(h)
-    root.addHandler(_ActionLogHandler(actions, domain))
+    root.addHandler(ActionLogHandler(actions, domain))
     root.setLevel(min(root.level or logging.WARNING, logging.WARNING))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from vmlend.domain import DomainInfo
+from vmlend.domain.info import DomainInfo
 from vmlend.errors import HookError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid

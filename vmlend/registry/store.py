@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import sqlite3
 import stat
 from collections.abc import Callable, Iterator
@@ -96,6 +95,8 @@ class Registry:
         see either no file or a complete one, and an existing file is never replaced.
         """
         path = Path(path)
+        import secrets  # creation only: every other open (the hook's) skips random and hmac
+
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

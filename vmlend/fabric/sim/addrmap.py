@@ -29,7 +29,7 @@ class Region:
 
     start: int
     end: int
-    kind: str  # "ram", "bar", "ntb"
+    kind: str  # "ram", "bar", "ntb", "irq" (an MSI target, ``msitarget``)
     owner: str  # "ram", "fdid:0x10/bar1", adapter ref
     fdid: int | None = None
     bar: int | None = None

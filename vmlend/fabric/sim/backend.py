@@ -59,6 +59,7 @@ from vmlend.registry import (
     StateTxn,
     same_holder,
 )
+from vmlend.registry.records import Claim
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,14 @@ class SimFabric:
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: GuestRam | int = 0) -> Reservation:
+    def reserve(
+        self,
+        fdid: int,
+        holder: Holder,
+        *,
+        guest_ram: GuestRam | int = 0,
+        msi_over_ntb: bool = False,
+    ) -> Reservation:
         if not holder.vm or not holder.node:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
         ram = guest_ram_of(guest_ram)
@@ -267,7 +275,7 @@ class SimFabric:
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
                 return Reservation(**vars(self._status(tx, spec)), created=False)
-            adm = admit(topo, self._view(tx), fdid, holder.node, ram, holder)
+            adm = admit(topo, self._view(tx), fdid, holder.node, ram, holder, msi_over_ntb)
             adm.raise_if_refused()
             record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, ram.size)
             tx.add_hold(record, adm.claims)
@@ -275,6 +283,14 @@ class SimFabric:
                 tx.replace_claims(ClaimKind.P2P, adm.vm_devices, adm.p2p)
             log.info("reserved %#x for %s (%d claims)", fdid, holder, len(adm.claims))
             return Reservation(**vars(self._status(tx, spec)), created=True)
+
+    def interrupt_window(self, fdid: int) -> Claim | None:
+        """The interrupt window (MSI over the NTB) ``fdid``'s hold was admitted with; None:
+        its interrupts use the relay."""
+        from vmlend.fabric.msiadmit import is_msi_claim
+
+        with self._reg.read() as tx:
+            return next((c for f, c in tx.claims() if f == fdid and is_msi_claim(c)), None)
 
     def release(self, fdid: int, holder: Holder) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold

@@ -15,8 +15,9 @@ Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
                     memory decoding off, or an NTB window again (hosts do not forward NTB
                     traffic)
 
-A request that resolves ends at RAM (a host page, owned by the guest it backs) or at a BAR
-(peer-to-peer, owned by that device).
+A request that resolves ends at RAM (a host page, owned by the guest it backs), at a BAR
+(peer-to-peer, owned by that device) or at an interrupt target (``irq``: a VM's MSI page,
+see ``msitarget``).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class DmaTarget:
     """Where a DMA lands."""
 
     node: str
-    kind: str  # "ram" or "bar"
+    kind: str  # "ram", "bar" or "irq"
     address: int  # physical address on ``node``
-    owner: str | int | None  # RAM: the VM whose page it is (None: not a guest's); BAR: fdid
+    owner: str | int | None  # RAM: the VM whose page it is (None: not a guest's); BAR: fdid;
+    # irq: the interrupt target
     hops: tuple[Hop, ...]
     bar: int | None = None  # for kind "bar": BAR index and offset in it
     offset: int | None = None
@@ -111,6 +113,11 @@ class DmaResolver:
                 hops.append(Hop("ram", node.name, phys, owner or "host memory"))
                 return DmaTarget(
                     node.name, "ram", phys, owner or None, tuple(hops), room=region.end - phys
+                )
+            if region.kind == "irq":  # MSI over the NTB: the posted write ends at the target
+                hops.append(Hop("irq", node.name, phys, region.owner))
+                return DmaTarget(
+                    node.name, "irq", phys, region.owner, tuple(hops), room=region.end - phys
                 )
             if region.kind == "bar":
                 assert region.fdid is not None and region.bar is not None

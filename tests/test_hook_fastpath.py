@@ -1,0 +1,130 @@
+"""The hook pays only for what an operation uses: a plain domain or an ignored operation is
+decided from the raw bytes without lxml, libvirt or the fabric; the installed script runs
+isolated from site and the caller's PYTHON* variables. What a real hook process imported is
+read from its ``sys.modules`` at exit (``tests/modtrace.py``): nothing here is timed."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.modtrace import run_script
+from tests.simfabric import make_fabric
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.domain.metadata import NAMESPACE_URI
+from vmlend.fabric.model import MiB
+from vmlend.hook.contract import Action, parse_argv
+from vmlend.hook.install import install_hook
+from vmlend.hook.prefilter import NAMESPACE_FAMILY, OPERATIONS, concerns_vmlend
+
+REPO_HOOK = Path(__file__).resolve().parent.parent / "hooks" / "vmlend-qemu"
+PLAIN = b"<domain type='kvm'><name>plain</name><memory unit='KiB'>65536</memory></domain>"
+HEAVY = ("lxml", "libvirt", "click", "vmlend.fabric", "vmlend.domain", "vmlend.registry")
+
+
+def vm_xml(fdids=(0x10, 0x12)) -> bytes:
+    spec = DomainSpec(
+        name="vm1",
+        memory_bytes=512 * MiB,
+        uuid=uuid.UUID("6f1c5a2e-0000-4000-8000-000000000009"),
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+@pytest.fixture
+def installed(tmp_path, state_path):
+    make_fabric(state_path)
+    return install_hook(tmp_path / "libvirt", state_path, "gamma").path
+
+
+def shebang_flags(script: Path) -> list[str]:
+    """The interpreter flags of the installed script's shebang (it runs with them)."""
+    return script.read_text().splitlines()[0].split()[1:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "xml"),
+    [
+        (["plain", "prepare", "begin", "-"], PLAIN),
+        (["plain", "release", "end", "-"], PLAIN),
+        (["plain", "migrate", "begin", "-"], PLAIN),
+        (["vm1", "started", "begin", "-"], None),  # a vmlend domain, an operation we ignore
+    ],
+)
+def test_calls_that_are_not_ours_import_nothing_heavy(installed, state_path, argv, xml):
+    xml = vm_xml() if xml is None else xml
+    env = {"PATH": "/nonexistent", "VMLEND_STATE": str(state_path)}
+    for script, flags in ((REPO_HOOK, []), (installed, shebang_flags(installed))):
+        run = run_script(script, argv, xml, env, flags)
+        assert (run.code, run.stdout, run.stderr) == (0, b"", []), script
+        assert "vmlend.hook.entry" in run.modules
+        assert run.within(*HEAVY) == set(), script
+
+
+def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt(
+    installed, state_path
+):
+    env = {"VMLEND_STATE": str(state_path)}
+    flags = shebang_flags(installed)
+    run = run_script(installed, ["vm1", "prepare", "begin", "-"], vm_xml(), env, flags)
+    assert (run.code, run.stderr) == (0, [])
+    assert {"lxml.etree", "vmlend.domain.info", "vmlend.fabric.sim.backend"} <= run.modules
+    unused = ("click", "libvirt", "vmlend.cli", "vmlend.irq", "vmlend.hypervisor")
+    unused += ("vmlend.domain.build", "vmlend.domain.templates", "vmlend.domain.rewrite")
+    assert run.within(*unused) == set()
+    run = run_script(installed, ["vm1", "release", "end", "-"], vm_xml(), env, flags)
+    assert (run.code, run.stderr) == (0, [])
+
+
+def test_installed_hook_ignores_the_callers_python_environment(installed, state_path, tmp_path):
+    # A PYTHONPATH with a broken 'vmlend' (or any PYTHON* setting libvirtd happens to carry)
+    # must not change what the hook runs.
+    decoy = tmp_path / "decoy" / "vmlend"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise SystemExit('decoy vmlend imported')\n")
+    env = {
+        "PATH": "/nonexistent",
+        "VMLEND_STATE": str(state_path),
+        "PYTHONPATH": str(decoy.parent),
+    }
+    xml = vm_xml()
+    for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
+        out = subprocess.run(
+            [str(installed), "vm1", *op], input=xml, capture_output=True, env=env, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+    assert "-IS" in installed.read_text().splitlines()[0]
+
+
+def test_installed_hook_for_another_interpreter_keeps_its_site(tmp_path):
+    other = "/usr/bin/python3"  # its site dirs are not ours to pin
+    text = install_hook(tmp_path, tmp_path / "s.db", None, interpreter=other).path.read_text()
+    assert text.splitlines()[0] == f"#!{other}" and "sys.path" not in text
+
+
+def test_prefilter_follows_the_namespace_and_the_contract():
+    assert NAMESPACE_URI.encode().startswith(NAMESPACE_FAMILY)
+    for (op, sub), action in OPERATIONS.items():
+        assert parse_argv(["vm", op, sub]).action is Action(action)
+    xml = vm_xml()
+    assert concerns_vmlend(["vm1", "prepare", "begin", "-"], xml)
+    assert not concerns_vmlend(["vm1", "start", "begin", "-"], xml)
+    assert not concerns_vmlend(["plain", "prepare", "begin", "-"], PLAIN)
+    # A newer metadata version still reaches the full parse (which refuses it).
+    assert concerns_vmlend(["vm1", "prepare", "begin"], xml.replace(b"/1.0", b"/2.0"))
+    assert concerns_vmlend(["vm1"], b"")  # bad argv: the full path reports it
+
+
+def test_the_simulated_hypervisors_hook_entry_is_as_lean(tmp_path):
+    # `python -m vmlend.hook --state S --node N ...`, what the simulated hypervisor runs.
+    import vmlend.hook.__main__ as entry
+
+    state = tmp_path / "never" / "state.db"
+    args = ["--state", str(state), "--node", "gamma", "plain", "prepare", "begin", "-"]
+    run = run_script(Path(entry.__file__), args, PLAIN)
+    assert (run.code, run.stdout, run.stderr) == (0, b"", [])
+    assert run.within(*HEAVY) == set() and not state.parent.exists()
