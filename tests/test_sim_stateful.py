@@ -99,9 +99,11 @@ class FabricMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.vms) < len(SLOTS))
     @rule(slot=slots, chosen=st.sets(devices, min_size=1, max_size=4))
     def start(self, slot: int, chosen: set[int]) -> None:
-        """Start a VM with the chosen devices nobody holds; its guest enables them all."""
-        if slot in self.vms:
-            return
+        """Start a VM (in the first free slot from ``slot`` on) with the chosen devices nobody
+        holds; its guest enables them all."""
+        slot = next(
+            s % len(SLOTS) for s in range(slot, slot + len(SLOTS)) if s % len(SLOTS) not in self.vms
+        )
         node, name = SLOTS[slot]
         free = tuple(sorted(f for f in chosen if self._holder_of(f) is None))
         if not free:
