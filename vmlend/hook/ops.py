@@ -14,6 +14,7 @@ from vmlend.domain import DomainInfo
 from vmlend.errors import HookError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
+from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
 from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
 from vmlend.ops.restore import restore_running
@@ -56,6 +57,7 @@ class HookOps:
                 record(f"device {fd}: FAILED: {e}")
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
+            fault_point("prepare:after-device")
         record(f"{len(dom.devices)} device(s) ready")
 
     def release(self, dom: DomainInfo) -> None:
