@@ -8,10 +8,11 @@ is not the user's) and the state path (libvirtd's environment is not the user's 
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 from vmlend.errors import ConfigError
 
@@ -24,6 +25,7 @@ class InstallResult:
     path: Path
     changed: bool  # False when an identical hook was already there
     restart_needed: bool  # hooks were not enabled for a running libvirtd
+    pins: dict[str, str] = field(default_factory=dict)  # what the hook runs with
 
     def advice(self) -> str:
         if self.restart_needed:
@@ -32,6 +34,31 @@ class InstallResult:
                 "hook dir exists at daemon start)"
             )
         return f"installed {self.path}" if self.changed else f"{self.path} is already installed"
+
+
+#: The environment the installed hook pins, by the name ``pins`` reports them under.
+PINNED_ENV = {"state": "VMLEND_STATE", "node": "VMLEND_NODE", "backend": "VMLEND_BACKEND"}
+
+
+def read_pins(text: str) -> dict[str, str]:
+    """What a hook script vmlend installed pins: ``interpreter`` (its ``#!`` line) and the
+    ``os.environ.setdefault`` values (``state``, ``node``, ``backend``) it sets."""
+    pins: dict[str, str] = {}
+    lines = text.splitlines()
+    if lines and lines[0].startswith("#!"):
+        pins["interpreter"] = lines[0][2:].strip()
+    names = {env: key for key, env in PINNED_ENV.items()}
+    prefix = "os.environ.setdefault("
+    for line in lines:
+        if not line.startswith(prefix):
+            continue
+        try:
+            env, value = ast.literal_eval(line[len(prefix) - 1 :])
+        except (ValueError, SyntaxError, TypeError):
+            continue
+        if env in names and isinstance(value, str):
+            pins[names[env]] = value
+    return pins
 
 
 def hook_script(interpreter: str, state_path: Path, node: str | None) -> str:
@@ -66,16 +93,26 @@ def install_hook(
     interpreter: str | None = None,
     force: bool = False,
 ) -> InstallResult:
-    if name not in ("qemu", DEFAULT_NAME) and not name.startswith("qemu.d/"):
-        raise ConfigError(f"hook name must be 'qemu' or 'qemu.d/<name>', got {name!r}")
+    """Install the hook under ``libvirt_dir``/hooks. Paths are pinned absolute: libvirtd runs
+    the hook from ``/``, so a relative state path would name another file for every VM."""
+    parts = PurePosixPath(name).parts
+    if not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d")) or any(
+        p in (".", "..") for p in parts
+    ):
+        raise ConfigError(
+            f"hook name must be 'qemu' or 'qemu.d/<name>' (inside the hooks dir), got {name!r}"
+        )
+    interpreter = os.path.abspath(interpreter or sys.executable)
+    state_path = Path(os.path.abspath(state_path))
     hooks_dir = libvirt_dir / "hooks"
     target = hooks_dir / name
-    text = hook_script(interpreter or sys.executable, state_path, node)
+    text = hook_script(interpreter, state_path, node)
+    pins = read_pins(text)
     restart = not hooks_enabled(hooks_dir)
     if target.exists():
         current = target.read_text(errors="replace")
         if current == text and os.access(target, os.X_OK):
-            return InstallResult(target, changed=False, restart_needed=restart)
+            return InstallResult(target, changed=False, restart_needed=restart, pins=pins)
         if _MARK not in current and not force:
             raise ConfigError(
                 f"{target} exists and was not installed by vmlend; move it into "
@@ -91,7 +128,7 @@ def install_hook(
         os.replace(tmp, target)  # atomic: libvirtd never runs a half-written hook
     except OSError as e:
         raise ConfigError(f"cannot install the hook at {target}: {e.strerror}") from None
-    return InstallResult(target, changed=True, restart_needed=restart)
+    return InstallResult(target, changed=True, restart_needed=restart, pins=pins)
 
 
 def uninstall_hook(libvirt_dir: Path, name: str = DEFAULT_NAME) -> bool:
