@@ -151,7 +151,7 @@ def test_a_device_held_by_another_vm_is_left_to_the_operator(cluster):
     assert _kinds(_reconcile(cluster)) == [("missing-hold", "vm1", "0x10")]
 
 
-def test_hostdev_without_metadata_names_the_command_that_finishes_it(cluster):
+def test_hostdev_without_metadata_is_finished(cluster):
     vid = uuid.uuid4()
     cluster.define("gamma", "vm1", [0x11], running=True, vm_uuid=vid)
     hv = cluster.hv("gamma")
@@ -163,6 +163,9 @@ def test_hostdev_without_metadata_names_the_command_that_finishes_it(cluster):
     report = _reconcile(cluster)
     assert _kinds(report) == [("hostdev-without-metadata", "vm1", "0x10")]
     (d,) = report["drift"]
-    assert d["fixable"] is False
-    assert d["fix"].startswith("re-run 'vmlend attach vm1 0x10 --live'")
-    assert read_domain(hv.xml("vm1"), strict=False).devices[0].fdid == 0x11
+    assert "interrupted between libvirt's hot-plug and the metadata write" in d["cause"]
+    assert d["fix"].startswith("finish the attach: write 0x10 into the live metadata")
+    _reconcile(cluster, "--fix")
+    assert [x.fdid for x in read_domain(hv.xml("vm1")).devices] == [0x11, 0x10]
+    assert cluster.holds() == {0x10: "gamma/vm1", 0x11: "gamma/vm1"}
+    assert _reconcile(cluster)["drift"] == []

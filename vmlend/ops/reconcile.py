@@ -33,6 +33,7 @@ from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import DeviceStatus, Holder, MdevInfo, format_fdid
 from vmlend.lending import holder_for, return_device
+from vmlend.ops.attach import apply_attach, plan_attach
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
 from vmlend.registry.records import same_holder
@@ -166,9 +167,8 @@ def find_drift(views: Views) -> list[Drift]:
                     f"running VM {vm.name!r} has the hostdev of device {fd} (mdev {mdev}) but"
                     " its live metadata does not name it (an attach interrupted between"
                     " libvirt's hot-plug and the metadata write)",
-                    f"re-run 'vmlend attach {vm.name} {fd} --live' to finish the attach, or"
-                    f" 'vmlend detach {vm.name} {fd} --live' to undo it",
-                    fixable=False,
+                    f"finish the attach: write {fd} into the live metadata (the VM keeps the"
+                    f" device; 'vmlend detach {vm.name} {fd} --live' afterwards removes it)",
                     holder=vm.holder,
                 )
             )
@@ -318,6 +318,13 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
             )
             record(f"live metadata of {d.vm}: {format_fdid(d.fdid)} dropped")
             return_device(fabric, d.holder, d.fdid, d.mdev, record)
+        case DriftKind.HOSTDEV_WITHOUT_METADATA:
+            assert d.fdid is not None
+            # The attach's own re-run: it sees the plugged hostdev and writes the metadata.
+            plan = plan_attach(hv, fabric, d.vm, d.fdid, live=True, config=False)
+            if not plan.ok:
+                raise plan.refusal()
+            apply_attach(hv, fabric, plan, record)
         case DriftKind.MISSING_HOLD | DriftKind.MISSING_MDEV:
             assert d.holder is not None and d.fdid is not None and d.mdev is not None
             dom = read_domain(hv.xml(d.vm), strict=False)
