@@ -83,7 +83,10 @@ def _open_read_only(path: Path, busy_timeout: float, reason: StateHostError) -> 
         if not wal.exists() or wal.stat().st_size == 0:
             queries.append("mode=ro&immutable=1")
     for query in queries:
-        conn = _connect(path, busy_timeout, create=False, query=query)
+        try:
+            conn = _connect(path, busy_timeout, create=False, query=query)
+        except sqlite3.Error:
+            continue
         try:
             _vet_database(conn, path, busy_timeout)
         except StateError:
