@@ -16,6 +16,7 @@ from pathlib import Path
 from vmlend.errors import HostError, MdevError
 from vmlend.fabric.smartio.driver import MODULE as SMARTIO_MODULE
 from vmlend.fabric.smartio.driver import Availability, SmartioDriver
+from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus
 
@@ -172,6 +173,52 @@ def check_hook(env: HostEnv) -> Finding:
     return Finding("libvirt hook", Status.OK, str(hook))
 
 
+def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Finding:
+    """The hook's pins (``read_pins``) against what this CLI uses (same keys; "" for unset).
+    Another state or node means the hook and the CLI see different fabrics: FAIL. Another
+    interpreter may be a venv upgrade: WARN."""
+    if "state" not in pinned:
+        return Finding(
+            "hook pins",
+            Status.WARN,
+            f"{hook} pins no registry (libvirtd's environment decides): re-run"
+            " 'vmlend hook install' to pin this CLI's",
+        )
+    labels = {"state": "registry", "node": "node", "backend": "backend"}
+    differ = [
+        f"{label} {pinned.get(key) or '(unset)'} vs {cli.get(key) or '(unset)'}"
+        for key, label in labels.items()
+        if (pinned.get(key) or "") != (cli.get(key) or "")
+    ]
+    if differ:
+        return Finding(
+            "hook pins",
+            Status.FAIL,
+            f"{hook} pins {'; '.join(differ)} (hook vs this CLI): re-run 'vmlend hook install'"
+            " with this CLI's --state/--node",
+        )
+    if pinned.get("interpreter") != cli.get("interpreter"):
+        return Finding(
+            "hook pins",
+            Status.WARN,
+            f"{hook} runs {pinned.get('interpreter') or '(unknown)'}, this CLI"
+            f" {cli.get('interpreter')}: re-run 'vmlend hook install' if that is not intended",
+        )
+    return Finding("hook pins", Status.OK, f"same registry {cli.get('state')} as this CLI")
+
+
+def check_hook_pins(env: HostEnv, cli: dict[str, str]) -> Finding | None:
+    """None when there is no vmlend hook (``check_hook`` says so)."""
+    ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
+    if not ours:
+        return None
+    try:
+        pinned = read_pins(ours[0].read_text(errors="replace"))
+    except OSError as e:
+        return Finding("hook pins", Status.WARN, f"cannot read {ours[0]}: {e.strerror}")
+    return compare_pins(ours[0], pinned, cli)
+
+
 def _daemon_start(env: HostEnv) -> tuple[Path, float] | None:
     """The running QEMU daemon's pid file and start time (the pid file's mtime)."""
     for pidfile in env.libvirtd_pidfiles:
@@ -208,7 +255,11 @@ def run_checks(
     env: HostEnv,
     libvirt_version: Callable[[], str] = libvirt_library_version,
     smartio_required: bool = False,
+    cli_pins: dict[str, str] | None = None,
 ) -> list[Finding]:
+    """``cli_pins``: what the CLI uses (``interpreter``, ``state``, ``node``, ``backend``), to
+    compare with what the installed hook pins; None skips that check."""
+
     findings = [
         check_iommu(env),
         check_vfio_module(env),
@@ -220,6 +271,10 @@ def run_checks(
         check_hook(env),
         check_daemon_saw_hook(env),
     ]
+    if cli_pins is not None:
+        pins = check_hook_pins(env, cli_pins)
+        if pins is not None:
+            findings.append(pins)
     for f in findings:
         log.debug("doctor %s: %s %s", f.name, f.status, f.detail)
     return findings

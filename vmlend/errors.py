@@ -134,7 +134,55 @@ class DmaFault(FabricError):
 
 
 class StateError(VmlendError):
-    """The shared state database is missing, corrupt, foreign or locked."""
+    """The shared state database is missing, corrupt, foreign or cannot be used."""
+
+
+class StateHostError(StateError):
+    """The state file is sound but the host will not let vmlend use it (read-only, full,
+    permissions, a lock). Never a reason to move the file away: fix the host and retry."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class StateReadOnlyError(StateHostError):
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            path,
+            f"cannot change the vmlend state {path}: its file system is read-only; remount it"
+            " read-write and retry (commands that only read, such as 'vmlend status', still work)",
+        )
+
+
+class StateDiskFullError(StateHostError):
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            path,
+            f"cannot change the vmlend state {path}: its file system is full; free space there"
+            " and retry (the state was not changed)",
+        )
+
+
+class StatePermissionError(StateHostError):
+    def __init__(self, path: str, access: str) -> None:
+        self.access = access  # "read" or "write"
+        super().__init__(
+            path,
+            f"cannot {access} the vmlend state {path}: permission denied; run vmlend as a user"
+            " who may (root for the system state) or fix the owner and mode of the file and its"
+            " directory",
+        )
+
+
+class StateLockedError(StateHostError):
+    def __init__(self, path: str, waited: float) -> None:
+        self.waited = waited
+        super().__init__(
+            path,
+            f"the vmlend state {path} is locked by another process (waited {waited:g} s);"
+            f" retry when it is done ('fuser -v {path}' shows which process holds it)",
+        )
 
 
 class MdevError(VmlendError):

@@ -18,6 +18,7 @@ from uuid import UUID
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
+from vmlend.faults import fault_point
 from vmlend.registry.records import same_holder
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ def return_all(
             failures.append(f"mdev {m.uuid}: {e}")
             if m.fdid is not None:
                 stuck.add(m.fdid)
+    fault_point("release:after-mdevs")
     fdids = {f for f, _m in named}
     fdids.update(held_by(fabric, holder))
     for fdid in sorted(fdids - stuck):

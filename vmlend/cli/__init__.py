@@ -48,6 +48,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Move VM (stopped, or shut down first) to node NODE keeping its remote devices.",
     ),
     "path": ("cmd_path", "Explain the PCIe path from SRC to DST."),
+    "reconcile": (
+        "cmd_reconcile",
+        "Compare running VMs, the state's holds and the host's mdevs; --fix returns what no "
+        "running VM uses and re-creates what a running VM needs.",
+    ),
     "relay": (
         "cmd_relay",
         "Run the interrupt relay daemon in the foreground (until SIGTERM or SIGINT).",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from vmlend.cli.common import CliContext, emit_json, json_option
 from vmlend.doctor import Status, blocking, run_checks
+from vmlend.fabric.open import BACKEND_ENV
 from vmlend.hostenv import HostEnv
 
 _MARKS = {Status.OK: "ok", Status.WARN: "warn", Status.FAIL: "FAIL"}
@@ -23,7 +27,13 @@ _MARKS = {Status.OK: "ok", Status.WARN: "warn", Status.FAIL: "FAIL"}
 def doctor(obj: CliContext, smartio_required: bool, json_output: bool) -> None:
     """Check this host: IOMMU, vfio/mdev, SmartIO, libvirt and the hook."""
     env = HostEnv.from_env(obj.root)
-    findings = run_checks(env, smartio_required=smartio_required)
+    cli_pins = {
+        "interpreter": os.path.abspath(sys.executable),
+        "state": os.path.abspath(obj.state_path),
+        "node": obj.node or "",
+        "backend": os.environ.get(BACKEND_ENV, ""),
+    }
+    findings = run_checks(env, smartio_required=smartio_required, cli_pins=cli_pins)
     failed = blocking(findings)
     if json_output:
         emit_json(

@@ -13,6 +13,7 @@ from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.fabric.sim.backend import SimFabric
+from vmlend.ops.identity import identity_change
 
 
 @click.group("fabric")
@@ -29,6 +30,9 @@ def fabric() -> None:
 )
 @click.option("--node", help="The node this host is [default: found by hostname].")
 @click.option("--replace", is_flag=True, help="Replace a different topology (nothing held).")
+@click.option(
+    "--force", is_flag=True, help="Change this host's node even while its old node holds devices."
+)
 @json_option
 @click.pass_obj
 def init(
@@ -36,6 +40,7 @@ def init(
     topology_file: str | None,
     node: str | None,
     replace: bool,
+    force: bool,
     json_output: bool,
 ) -> None:
     """Put a topology into the shared state. Running it again with the same topology changes
@@ -49,7 +54,11 @@ def init(
             raise TopologyError(topology_file, f"cannot read: {e.strerror}") from None
         except UnicodeDecodeError:
             raise TopologyError(topology_file, "not a text file") from None
-    result = init_fabric(obj.state_path, text, source, node=node or obj.node, replace=replace)
+    node = node or obj.node
+    change = identity_change(obj.state_path, node) if node else None
+    if change is not None and change.held and not force:
+        raise change.refusal()
+    result = init_fabric(obj.state_path, text, source, node=node, replace=replace)
     topo = result.topology
     if json_output:
         emit_json(
@@ -59,16 +68,25 @@ def init(
                 "topology": topo.name,
                 "source": source,
                 "local_node": result.local_node,
+                "previous_node": change.old if change is not None else None,
                 "nodes": [n.name for n in topo.nodes],
                 "devices": len(topo.devices),
             }
         )
         return
+    was = f" (was {change.old})" if change is not None and result.action != "created" else ""
     click.echo(
         f"{result.action}: {obj.state_path} holds topology {topo.name!r}"
         f" ({len(topo.nodes)} nodes, {len(topo.devices)} devices);"
-        f" this host is node {result.local_node}"
+        f" this host is node {result.local_node}{was}"
     )
+    if was and change is not None and change.held:
+        click.echo(
+            f"vmlend: --force: {len(change.held)} hold(s) or mdev(s) of {change.old} are no"
+            f" longer this host's; 'vmlend reconcile -c ...' on the host that is {change.old}"
+            " now can return them",
+            err=True,
+        )
 
 
 def _node_states(f: Fabric) -> dict[str, tuple[bool, str]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
 from vmlend.hostenv import HostEnv
@@ -33,6 +34,12 @@ def install(
     cli: CliContext, libvirt_dir: Path | None, name: str, force: bool, json_output: bool
 ) -> None:
     """Install the hook, pinned to this interpreter and this state path."""
+    if libvirt_dir is not None and not libvirt_dir.is_dir():
+        # A typo here would create a hooks dir libvirtd never reads.
+        raise ConfigError(
+            f"--libvirt-dir {libvirt_dir} does not exist; give libvirt's config dir (the one"
+            " that holds libvirtd.conf, usually /etc/libvirt)"
+        )
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
     result = install_hook(libvirt_dir, cli.state_path, cli.node, name=name, force=force)
     if json_output:
@@ -41,10 +48,16 @@ def install(
                 "path": str(result.path),
                 "changed": result.changed,
                 "restart_needed": result.restart_needed,
+                "pins": result.pins,
             }
         )
     else:
         click.echo(result.advice())
+        pins = result.pins
+        click.echo(f"  interpreter  {pins['interpreter']}")
+        click.echo(f"  registry     {pins['state']}")
+        click.echo(f"  node         {pins.get('node', '(the state local node)')}")
+        click.echo(f"  backend      {pins.get('backend', '(sim, the default)')}")
 
 
 @hook.command("uninstall")

@@ -12,7 +12,7 @@ from vmlend.cli.common import CliContext, emit_json, json_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.hypervisor import Hypervisor
 from vmlend.hypervisor.open import sim_node
-from vmlend.ops.migrate import migrate
+from vmlend.ops.migrate import migrate, migration_lock
 
 
 def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
@@ -43,6 +43,11 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
     help="Seconds to wait for a running VM to shut down.",
 )
 @click.option("--force", is_flag=True, help="Destroy the VM if it does not shut down in time.")
+@click.option(
+    "--rollback",
+    is_flag=True,
+    help="Undo an interrupted migrate: keep the VM on this (source) host only.",
+)
 @connect_option
 @json_option
 @click.pass_obj
@@ -54,6 +59,7 @@ def migrate_cmd(
     start: bool,
     shutdown_timeout: float,
     force: bool,
+    rollback: bool,
     uri: str | None,
     json_output: bool,
 ) -> None:
@@ -68,23 +74,27 @@ def migrate_cmd(
             def progress(msg: str) -> None:
                 click.echo(f"vmlend: {msg}", err=True)
 
-            res = migrate(
-                src,
-                dst,
-                fabric,
-                vm,
-                to,
-                start=start,
-                shutdown_timeout=shutdown_timeout,
-                force=force,
-                progress=progress,
-            )
+            with migration_lock(obj.state_path.parent, vm):
+                res = migrate(
+                    src,
+                    dst,
+                    fabric,
+                    vm,
+                    to,
+                    start=start,
+                    shutdown_timeout=shutdown_timeout,
+                    force=force,
+                    rollback=rollback,
+                    progress=progress,
+                )
         finally:
             dst.close()
     finally:
         src.close()
     if json_output:
         emit_json(res.to_json())
+    elif res.rolled_back:
+        click.echo(f"rolled back the migrate of VM {res.vm!r}: it is defined on {res.source} only")
     else:
         state = "running" if res.started else "stopped"
         click.echo(

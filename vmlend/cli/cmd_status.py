@@ -15,6 +15,7 @@ from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.fabric.admission import format_size_short
 from vmlend.fabric.model import format_fdid
 from vmlend.fabric.pcie import PciePath
+from vmlend.ops.reconcile import find_drift, look
 from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
 from vmlend.registry.records import RuntimeRecord
 
@@ -91,12 +92,26 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
         fabric = fabric_for(obj, hv)
         vms = collect(hv, fabric, read_runtime(obj.state_path), vm)
         usage = usage_rows(fabric.usage())
+        drift = find_drift(look(hv, fabric))
     finally:
         hv.close()
     if json_output:
-        emit_json({"node": fabric.local_node, "vms": [v.to_json() for v in vms], "adapters": usage})
+        emit_json(
+            {
+                "node": fabric.local_node,
+                "vms": [v.to_json() for v in vms],
+                "adapters": usage,
+                "drift": [d.to_json() for d in drift],
+            }
+        )
     else:
         click.echo(render_status(vms, usage))
+        if drift:
+            kinds = ", ".join(sorted({d.kind.value for d in drift}))
+            click.echo(
+                f"\nDRIFT: {len(drift)} disagreement(s) between VMs, state and mdevs ({kinds});"
+                " 'vmlend reconcile' explains them, 'vmlend reconcile --fix' repairs them"
+            )
 
 
 COMMANDS = [status_cmd]

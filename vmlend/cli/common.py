@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ class CliContext:
 class VmlendGroup(click.Group):
     """Turns ``VmlendError`` into a one-line error and exit 1 (click uses 2 for usage)."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["vmlend.argv"] = list(args)  # for the re-run line after Ctrl-C
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -61,7 +66,13 @@ class VmlendGroup(click.Group):
         except VmlendError as e:
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt:
-            click.echo("vmlend: interrupted", err=True)
+            # Every operation is re-runnable: say which command picks up where this one stopped.
+            again = shlex.join(["vmlend", *ctx.meta.get("vmlend.argv", [])])
+            click.echo(
+                f"vmlend: interrupted; run '{again}' again to finish (it picks up where this"
+                " one stopped), then 'vmlend reconcile' to check",
+                err=True,
+            )
             raise SystemExit(130) from None
 
 

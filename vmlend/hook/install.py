@@ -14,10 +14,11 @@ finder) and the caller's ``PYTHON*`` variables: about two thirds of a bare inter
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 from vmlend.errors import ConfigError
 
@@ -30,6 +31,7 @@ class InstallResult:
     path: Path
     changed: bool  # False when an identical hook was already there
     restart_needed: bool  # hooks were not enabled for a running libvirtd
+    pins: dict[str, str] = field(default_factory=dict)  # what the hook runs with
 
     def advice(self) -> str:
         if self.restart_needed:
@@ -38,6 +40,33 @@ class InstallResult:
                 "hook dir exists at daemon start)"
             )
         return f"installed {self.path}" if self.changed else f"{self.path} is already installed"
+
+
+#: The environment the installed hook pins, by the name ``pins`` reports them under.
+PINNED_ENV = {"state": "VMLEND_STATE", "node": "VMLEND_NODE", "backend": "VMLEND_BACKEND"}
+
+
+def read_pins(text: str) -> dict[str, str]:
+    """What a hook script vmlend installed pins: ``interpreter`` (its ``#!`` line) and the
+    ``os.environ.setdefault`` values (``state``, ``node``, ``backend``) it sets."""
+    pins: dict[str, str] = {}
+    lines = text.splitlines()
+    if lines and lines[0].startswith("#!"):
+        # the interpreter alone: the installed hook may add flags (-IS)
+        shebang = lines[0][2:].split()
+        pins["interpreter"] = shebang[0] if shebang else ""
+    names = {env: key for key, env in PINNED_ENV.items()}
+    prefix = "os.environ.setdefault("
+    for line in lines:
+        if not line.startswith(prefix):
+            continue
+        try:
+            env, value = ast.literal_eval(line[len(prefix) - 1 :])
+        except (ValueError, SyntaxError, TypeError):
+            continue
+        if env in names and isinstance(value, str):
+            pins[names[env]] = value
+    return pins
 
 
 def import_roots() -> list[str]:
@@ -94,19 +123,28 @@ def install_hook(
     interpreter: str | None = None,
     force: bool = False,
 ) -> InstallResult:
-    if name not in ("qemu", DEFAULT_NAME) and not name.startswith("qemu.d/"):
-        raise ConfigError(f"hook name must be 'qemu' or 'qemu.d/<name>', got {name!r}")
+    """Install the hook under ``libvirt_dir``/hooks. Paths are pinned absolute: libvirtd runs
+    the hook from ``/``, so a relative state path would name another file for every VM."""
+    parts = PurePosixPath(name).parts
+    if not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d")) or any(
+        p in (".", "..") for p in parts
+    ):
+        raise ConfigError(
+            f"hook name must be 'qemu' or 'qemu.d/<name>' (inside the hooks dir), got {name!r}"
+        )
+    interpreter = os.path.abspath(interpreter or sys.executable)
+    state_path = Path(os.path.abspath(state_path))
     hooks_dir = libvirt_dir / "hooks"
     target = hooks_dir / name
     # The roots are this interpreter's: another one runs with its own site instead.
-    interpreter = interpreter or sys.executable
-    roots = import_roots() if interpreter == sys.executable else None
+    roots = import_roots() if interpreter == os.path.abspath(sys.executable) else None
     text = hook_script(interpreter, state_path, node, roots)
+    pins = read_pins(text)
     restart = not hooks_enabled(hooks_dir)
     if target.exists():
         current = target.read_text(errors="replace")
         if current == text and os.access(target, os.X_OK):
-            return InstallResult(target, changed=False, restart_needed=restart)
+            return InstallResult(target, changed=False, restart_needed=restart, pins=pins)
         if _MARK not in current and not force:
             raise ConfigError(
                 f"{target} exists and was not installed by vmlend; move it into "
@@ -122,7 +160,7 @@ def install_hook(
         os.replace(tmp, target)  # atomic: libvirtd never runs a half-written hook
     except OSError as e:
         raise ConfigError(f"cannot install the hook at {target}: {e.strerror}") from None
-    return InstallResult(target, changed=True, restart_needed=restart)
+    return InstallResult(target, changed=True, restart_needed=restart, pins=pins)
 
 
 def uninstall_hook(libvirt_dir: Path, name: str = DEFAULT_NAME) -> bool:

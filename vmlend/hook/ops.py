@@ -14,8 +14,10 @@ from vmlend.domain.info import DomainInfo
 from vmlend.errors import HookError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
+from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
 from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.ops.restore import restore_running
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class HookOps:
                 record(f"device {fd}: FAILED: {e}")
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
+            fault_point("prepare:after-device")
         record(f"{len(dom.devices)} device(s) ready")
 
     def release(self, dom: DomainInfo) -> None:
@@ -71,33 +74,16 @@ class HookOps:
             raise HookError(f"release of VM {dom.name!r} incomplete: " + "; ".join(failures))
 
     def reconnect(self, dom: DomainInfo) -> list[str]:
-        """libvirtd restarted while the VM runs: make the state match the running VM.
+        """libvirtd restarted while the VM runs: make the state match the running VM, with the
+        repair ``vmlend reconcile --fix`` uses for a running VM (``restore_running``).
 
         Returns the problems found. They are logged, not fatal: a failing reconnect hook makes
         libvirt kill the guest, which is worse than a state that needs an operator's look.
         """
-        holder = self.holder(dom)
-        problems: list[str] = []
-
         record = self._recorder(dom, "reconnect")
-
-        for dev in dom.devices:
-            try:
-                # Idempotent: what is there stays, what is missing is re-created. Nothing is
-                # rolled back on a problem: the running guest keeps whatever it has.
-                acquire_device(
-                    self.fabric,
-                    holder,
-                    dev.fdid,
-                    dev.mdev,
-                    UndoJournal(),
-                    guest_ram=dom.guest_ram,
-                    record=record,
-                )
-            except VmlendError as e:
-                fd = format_fdid(dev.fdid)
-                problems.append(f"device {fd}: {e}")
-                record(f"device {fd}: PROBLEM: {e}")
+        problems = restore_running(
+            self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record
+        )
         if not problems:
-            self.actions.record(dom.name, "reconnect", f"{len(dom.devices)} device(s) consistent")
+            record(f"{len(dom.devices)} device(s) consistent")
         return problems

@@ -8,6 +8,7 @@ and rename); ``locked()`` serialises whole operations across processes with ``fl
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import tempfile
@@ -15,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from vmlend.errors import StateError
+from vmlend.errors import StateError, StateReadOnlyError
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -42,8 +43,17 @@ class SimStore:
     def locked(self) -> Iterator[None]:
         """Hold the node's lock. A hook that calls back into the simulated hypervisor would
         wait here, as it would deadlock libvirtd; after ``lock_timeout`` that is an error."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / "lock", "a+b") as f:
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            f = open(self.data_dir / "lock", "a+b")  # noqa: SIM115 (closed below)
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                raise
+            # Nothing can change on a read-only file system: reading needs no lock, and a
+            # write fails in ``write`` with the condition named.
+            yield
+            return
+        with f:
             deadline = time.monotonic() + self.lock_timeout
             while True:
                 try:
@@ -72,7 +82,12 @@ class SimStore:
             return None
 
     def write(self, kind: str, name: str, xml: bytes) -> None:
-        atomic_write(self._path(kind, name), xml)
+        try:
+            atomic_write(self._path(kind, name), xml)
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                raise StateReadOnlyError(str(self.data_dir)) from None
+            raise
 
     def remove(self, kind: str, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

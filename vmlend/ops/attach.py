@@ -23,11 +23,15 @@ from vmlend.domain import (
     VmlendDevice,
     add_device,
     find_device,
+    mdev_uuid,
     read_domain,
 )
+from vmlend.domain.layout import remove_child
+from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Check, GuestRam, Holder, format_fdid
+from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import UndoJournal, acquire_device, holder_for
 from vmlend.ops.definitions import (
@@ -53,6 +57,9 @@ class AttachPlan:
     after: dict[str, DomainDocument]
     device: VmlendDevice
     checks: list[Check] = field(default_factory=list)
+    #: Targets whose XML already has the device's hostdev but not its metadata: an earlier
+    #: attach stopped between libvirt's hot-plug and the metadata write. A re-run finishes it.
+    plugged: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -94,15 +101,13 @@ def plan_attach(
     targets = resolve_targets(info, live, config)
     before = read_targets(hv, info.name, targets)
     templates = templates or TemplateSet()
-    after = {
-        t: add_device(
-            DomainDocument.parse(x, source=f"{t} XML of {info.name}"),
-            fdid,
-            templates=templates,
-            address=address,
-        )
-        for t, x in before.items()
-    }
+    after: dict[str, DomainDocument] = {}
+    plugged: list[str] = []
+    for t, x in before.items():
+        doc = DomainDocument.parse(x, source=f"{t} XML of {info.name}")
+        if _unrecorded_hostdev(doc, fdid):
+            plugged.append(t)
+        after[t] = add_device(doc, fdid, templates=templates, address=address)
     first = targets[0]
     device = find_device(after[first], fdid)
     assert device is not None
@@ -110,7 +115,24 @@ def plan_attach(
     holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
     guest_ram = dom.guest_ram  # the layout's ranges: DMA reach and window segments exactly
     checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
-    return AttachPlan(info.name, fdid, holder, guest_ram, targets, before, after, device, checks)
+    return AttachPlan(
+        info.name, fdid, holder, guest_ram, targets, before, after, device, checks, tuple(plugged)
+    )
+
+
+def _unrecorded_hostdev(doc: DomainDocument, fdid: int) -> bool:
+    """Whether ``doc`` has the hostdev of ``fdid``'s mdev (derived from the domain UUID) while
+    its metadata does not name ``fdid``. Removes that hostdev from ``doc`` so that
+    ``add_device`` builds the whole device again; the hypervisor keeps its plugged one."""
+    domain = DomainXML(doc.root)
+    if find_device(doc, fdid) is not None or domain.uuid is None:
+        return False
+    mdev = mdev_uuid(domain.uuid, fdid)
+    for h in domain.mdev_hostdevs():
+        if h.uuid == mdev:
+            remove_child(h.element)
+            return True
+    return False
 
 
 def apply_attach(
@@ -138,8 +160,11 @@ def apply_attach(
                 guest_ram=plan.guest_ram,
                 record=progress,
             )
+            fault_point("attach:after-acquire")
         for t in plan.pending:
-            _attach_to(hv, name, t, plan.after[t], plan.device, plugged, progress, wait)
+            _attach_to(
+                hv, name, t, plan.after[t], plan.device, plugged, progress, wait, t in plan.plugged
+            )
     except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
         failed = plugged.rollback(progress)
         mdev = plan.device.mdev
@@ -169,19 +194,25 @@ def _attach_to(
     journal: UndoJournal,
     progress: Callable[[str], None],
     wait: DetachWait | None,
+    already_plugged: bool = False,
 ) -> None:
     """Plug the hostdev into one definition (live or config) and update its metadata."""
     live = target == LIVE
     dev = hostdev_xml(doc, device)
-    hv.attach_device(name, dev, live=live, config=not live)
+    if already_plugged:
+        # Plugged by an earlier, interrupted attach: not this run's to undo.
+        progress(f"{target} hostdev mdev {device.mdev}: already plugged")
+    else:
+        hv.attach_device(name, dev, live=live, config=not live)
 
-    def unplug() -> None:
-        hv.detach_device(name, dev, live=live, config=not live)
-        if live:
-            wait_unplugged(hv, name, device.fdid, device.mdev, wait or DetachWait())
+        def unplug() -> None:
+            hv.detach_device(name, dev, live=live, config=not live)
+            if live:
+                wait_unplugged(hv, name, device.fdid, device.mdev, wait or DetachWait())
 
-    journal.push(f"{target} hostdev", unplug)
-    progress(f"attach {target} hostdev mdev {device.mdev}: ok")
+        journal.push(f"{target} hostdev", unplug)
+        progress(f"attach {target} hostdev mdev {device.mdev}: ok")
+    fault_point("attach:after-hotplug")
     old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
     hv.set_metadata(
         name, NAMESPACE_URI, METADATA_KEY, plain_metadata(doc), live=live, config=not live
@@ -191,3 +222,4 @@ def _attach_to(
         lambda: hv.set_metadata(name, NAMESPACE_URI, METADATA_KEY, old, live=live, config=not live),
     )
     progress(f"{target} metadata: ok")
+    fault_point("attach:after-metadata")

@@ -20,6 +20,7 @@ from vmlend.domain.model import DomainXML
 from vmlend.errors import ConfigError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import format_fdid
+from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import held_by, holder_for, return_device
 from vmlend.ops.definitions import (
@@ -90,6 +91,7 @@ def detach(
             if is_live:
                 wait_unplugged(hv, info.name, fdid, device.mdev, wait)
             progress(f"detach {t} hostdev mdev {device.mdev}: ok")
+            fault_point("detach:after-unplug")
         after = remove_device(docs[t], fdid, unplugged=dev is None)
         hv.set_metadata(
             info.name,
@@ -100,6 +102,7 @@ def detach(
             config=not is_live,
         )
         progress(f"{t} metadata: ok")
+        fault_point("detach:after-metadata")
         if is_live:
             dom = read_domain(before[t], strict=False)
             holder = holder_for(fabric, info.name, dom.uuid or info.uuid)

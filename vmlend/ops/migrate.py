@@ -20,8 +20,12 @@ of the two hosts, never on neither:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import fcntl
+import hashlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vmlend.domain import DomainInfo as DomainXMLInfo
@@ -30,13 +34,16 @@ from vmlend.errors import (
     FabricError,
     MigrationError,
     ShutdownTimeoutError,
+    StateError,
     UnknownDomainError,
     VmlendError,
 )
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
+from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for, return_all
+from vmlend.registry.conditions import classify_errno, host_error
 
 Progress = Callable[[str], None]
 
@@ -49,6 +56,8 @@ class MigrateResult:
     devices: list[str]
     stopped: bool = False  # the VM was running and was shut down (or destroyed)
     started: bool = False
+    resumed: bool = False  # finished what an interrupted earlier run began
+    rolled_back: bool = False  # --rollback: the VM is back on the source only
     steps: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -59,6 +68,8 @@ class MigrateResult:
             "devices": self.devices,
             "stopped": self.stopped,
             "started": self.started,
+            "resumed": self.resumed,
+            "rolled_back": self.rolled_back,
             "steps": self.steps,
         }
 
@@ -90,26 +101,57 @@ def migrate(
     start: bool = False,
     shutdown_timeout: float = 60.0,
     force: bool = False,
+    rollback: bool = False,
     progress: Progress = lambda _m: None,
 ) -> MigrateResult:
+    """Move ``vm`` from ``src`` to ``dest_node`` (``dst``). Re-runnable: after an interruption
+    that left the VM defined on both hosts (same UUID) or on the destination only, a re-run
+    finishes the move, and ``rollback`` moves it back to the source instead."""
     source_node = fabric.local_node
-    info = src.lookup(vm)
-    name = info.name
-    topo = fabric.topology()
-    topo.node(dest_node)  # UnknownNodeError: nothing changed
+    fabric.topology().node(dest_node)  # UnknownNodeError: nothing changed
     if dest_node == source_node:
-        raise MigrationError(f"VM {name!r} is already on {dest_node}; nothing to migrate")
+        raise MigrationError(f"VM {vm!r} is already on {dest_node}; nothing to migrate")
+    try:
+        info = src.lookup(vm)
+    except UnknownDomainError:
+        # Perhaps an earlier run got as far as the undefine here.
+        moved = _defined_on_destination_only(src, dst, vm, source_node, dest_node)
+        if moved is None:
+            raise
+        return _finish_or_roll_back(
+            src, dst, moved, source_node, dest_node, start, rollback, progress
+        )
+    name = info.name
     if not info.persistent:
         raise MigrationError(
             f"VM {name!r} is transient (not defined) on {src.uri}; define it before migrating"
         )
     try:
-        dst.lookup(name)
+        there = dst.lookup(name)
     except UnknownDomainError:
-        pass
-    else:
+        there = None
+    if there is not None:
+        if there.uuid != info.uuid:
+            raise MigrationError(
+                f"{dst.uri} already has a domain named {name!r}; remove or rename it first"
+            )
+        if there.active or info.active:
+            where = dest_node if there.active else source_node
+            raise MigrationError(
+                f"VM {name!r} is defined on both {source_node} and {dest_node} (same UUID) and"
+                f" runs on {where}; shut it down, then re-run the migrate (or --rollback)"
+            )
+        # An earlier run stopped after the define there: finish it, or undo it.
+        progress(f"{name} is defined on both {source_node} and {dest_node}: an interrupted migrate")
+        if rollback:
+            dst.undefine(name)
+            msg = f"rolled back: undefined on {dest_node} ({dst.uri})"
+            progress(msg)
+            return MigrateResult(name, source_node, dest_node, [], rolled_back=True, steps=[msg])
+    elif rollback:
         raise MigrationError(
-            f"{dst.uri} already has a domain named {name!r}; remove or rename it first"
+            f"VM {name!r} is defined on {source_node} only: there is no interrupted migration"
+            " to roll back"
         )
     xml = src.xml(name, inactive=True)
     dom = read_domain(xml, source=f"definition of {name}")
@@ -117,6 +159,7 @@ def migrate(
     src_holder = holder_for(fabric, name, dom.uuid or info.uuid)
     dst_holder = Holder(node=dest_node, vm=name, vm_uuid=src_holder.vm_uuid)
     result = MigrateResult(name, source_node, dest_node, [format_fdid(d.fdid) for d in dom.devices])
+    result.resumed = there is not None
 
     def step(msg: str) -> None:
         result.steps.append(msg)
@@ -132,6 +175,7 @@ def migrate(
     if info.active:
         _stop(src, name, shutdown_timeout, force, step)
         result.stopped = True
+        fault_point("migrate:after-stop")
     failures = return_all(fabric, src_holder, [(d.fdid, d.mdev) for d in dom.devices], step)
     if failures:
         raise MigrationError(
@@ -139,6 +183,7 @@ def migrate(
             f" ({'; '.join(failures)}); it stays defined there"
         )
     step(f"devices returned on {source_node}")
+    fault_point("migrate:after-return")
     problems = admission_problems(fabric, dom, dest_node, dst_holder, None)
     if problems:
         raise FabricError(
@@ -153,14 +198,22 @@ def migrate(
             f"defining VM {name!r} on {dst.uri} failed: {e}; it stays defined on {source_node}"
         ) from e
     step(f"defined on {dest_node} ({dst.uri})")
+    fault_point("migrate:after-define")
     try:
         src.undefine(name)
+    except UnknownDomainError as e:
+        # Someone else undefined it here meanwhile: it is defined on the destination only.
+        raise MigrationError(
+            f"VM {name!r} vanished from {src.uri} during the migrate (another process?);"
+            f" it is defined on {dest_node} ({dst.uri})"
+        ) from e
     except VmlendError as e:
         _undo_define(dst, name, step)
         raise MigrationError(
             f"undefining VM {name!r} on {src.uri} failed: {e}; it stays defined on {source_node}"
         ) from e
     step(f"undefined on {source_node} ({src.uri})")
+    fault_point("migrate:after-undefine")
 
     if start:
         try:
@@ -172,6 +225,84 @@ def migrate(
             ) from e
         result.started = True
         step(f"started on {dest_node}")
+    return result
+
+
+@contextlib.contextmanager
+def migration_lock(lock_dir: Path, vm: str) -> Iterator[None]:
+    """One migrate of ``vm`` at a time from this host: a second one is refused with the truth
+    instead of racing the first (and perhaps undoing its define). ``flock``: a killed migrate
+    holds nothing, so its re-run is never locked out."""
+    digest = hashlib.sha256(vm.encode()).hexdigest()[:16]
+    path = lock_dir / f".migrate-{digest}.lock"
+    try:
+        f = open(path, "a+b")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        condition = classify_errno(e.errno or 0)
+        raise (host_error(condition, path, 0) if condition else None) or StateError(
+            f"cannot take the migrate lock {path}: {e.strerror}"
+        ) from None
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MigrationError(
+                f"VM {vm!r} is being migrated by another vmlend process right now; wait for it"
+                " to finish, then see where the VM is with 'vmlend status'"
+            ) from None
+        yield
+
+
+def _defined_on_destination_only(
+    src: Hypervisor, dst: Hypervisor, vm: str, source_node: str, dest_node: str
+) -> str | None:
+    """The VM's name when ``dst`` has it (rewritten for ``dest_node`` by a migrate) and the
+    source does not; None otherwise."""
+    try:
+        info = dst.lookup(vm)
+    except UnknownDomainError:
+        return None
+    dom = read_domain(dst.xml(info.name, inactive=True), strict=False)
+    return info.name if dom.host_node == dest_node else None
+
+
+def _finish_or_roll_back(
+    src: Hypervisor,
+    dst: Hypervisor,
+    name: str,
+    source_node: str,
+    dest_node: str,
+    start: bool,
+    rollback: bool,
+    progress: Progress,
+) -> MigrateResult:
+    """The VM is defined on the destination only: the move itself is done."""
+    xml = dst.xml(name, inactive=True)
+    devices = [format_fdid(d.fdid) for d in read_domain(xml, strict=False).devices]
+    result = MigrateResult(name, source_node, dest_node, devices)
+
+    def step(msg: str) -> None:
+        result.steps.append(msg)
+        progress(msg)
+
+    info = dst.lookup(name)
+    if rollback:
+        if info.active:
+            raise MigrationError(
+                f"VM {name!r} already runs on {dest_node}; shut it down there to roll back"
+            )
+        src.define(rewrite_for_destination(xml, source_node, source=f"definition of {name}"))
+        step(f"rolled back: defined on {source_node} ({src.uri})")
+        dst.undefine(name)
+        step(f"undefined on {dest_node} ({dst.uri})")
+        result.rolled_back = True
+        return result
+    step(f"{name} is already defined on {dest_node} only: the move was done")
+    result.resumed = True
+    if start and not info.active:
+        dst.start(name)
+        step(f"started on {dest_node}")
+    result.started = start or info.active
     return result
 
 

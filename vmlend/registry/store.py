@@ -5,6 +5,11 @@ A state file is ours only if it is SQLite, carries our ``application_id``, passe
 else is refused with a ``StateError`` that says what the file is and what to do; it is never
 written to. Writers take the database lock up front (``BEGIN IMMEDIATE``), so of two processes
 racing for one device exactly one sees it free.
+
+A sound file the host will not let us use (read-only mount, full disk, permissions, another
+process's lock) is a ``StateHostError`` naming that condition (``conditions.py``), never the
+"move it away" advice. When the file can be read but not written, it is opened read-only, so
+commands that only read work; the first write raises the condition.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from vmlend.errors import StateError
+from vmlend.errors import StateError, StateHostError, StateLockedError, StatePermissionError
+from vmlend.registry.conditions import (
+    Condition,
+    FsFacts,
+    classify,
+    classify_errno,
+    host_error,
+    probe,
+)
 from vmlend.registry.schema import (
     APPLICATION_ID,
     MIGRATIONS,
@@ -29,6 +42,9 @@ from vmlend.registry.txn import StateTxn
 
 log = logging.getLogger(__name__)
 
+
+#: ``classify`` needs no file-system facts to tell a damaged file.
+_NO_FACTS = FsFacts(read_only_fs=False, readable=True, writable=True, space_left=True)
 
 #: How long a process waits for another one's write transaction before giving up. Writers hold
 #: the lock for milliseconds; a hook waiting this long means something is stuck.
@@ -44,9 +60,47 @@ def _refuse(path: Path, what: str) -> StateError:
     return StateError(f"{path} {what}; {_HINT}")
 
 
-def _connect(path: Path, busy_timeout: float, *, create: bool) -> sqlite3.Connection:
+def _host_error(e: sqlite3.Error, path: Path, busy_timeout: float) -> StateHostError | None:
+    """The host condition behind ``e``, if that is what it is."""
+    condition = classify(getattr(e, "sqlite_errorname", None) or "", probe(path))
+    return host_error(condition, path, busy_timeout) if condition else None
+
+
+def _damaged(e: sqlite3.Error) -> bool:
+    return classify(getattr(e, "sqlite_errorname", None) or "", _NO_FACTS) is Condition.DAMAGED
+
+
+def _open_read_only(path: Path, busy_timeout: float, reason: StateHostError) -> sqlite3.Connection:
+    """A read-only connection to a state that cannot be written; ``reason`` when there is none.
+
+    ``mode=ro`` still needs the ``-shm`` file, which a read-only directory cannot get; then the
+    file is opened ``immutable``, which reads the database file alone and so only when no
+    ``-wal`` file holds changes not yet written back to it."""
+    queries = ["mode=ro"]
+    wal = Path(f"{path}-wal")
+    with contextlib.suppress(OSError):
+        if not wal.exists() or wal.stat().st_size == 0:
+            queries.append("mode=ro&immutable=1")
+    for query in queries:
+        try:
+            conn = _connect(path, busy_timeout, create=False, query=query)
+        except sqlite3.Error:
+            continue
+        try:
+            _vet_database(conn, path, busy_timeout)
+        except StateError:
+            conn.close()
+            continue
+        log.info("state %s opened read-only (%s): %s", path, query, reason)
+        return conn
+    raise reason
+
+
+def _connect(
+    path: Path, busy_timeout: float, *, create: bool, query: str = ""
+) -> sqlite3.Connection:
     # mode=rw: opening must never create a file that vanished after our checks.
-    uri = f"{path.resolve().as_uri()}?mode={'rwc' if create else 'rw'}"
+    uri = f"{path.resolve().as_uri()}?{query or ('mode=rwc' if create else 'mode=rw')}"
     conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None)
     conn.execute("PRAGMA foreign_keys = ON")
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
@@ -56,24 +110,48 @@ def _connect(path: Path, busy_timeout: float, *, create: bool) -> sqlite3.Connec
 class Registry:
     """An open state database. Use ``read()`` / ``write()`` for transactions."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, busy_timeout: float) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        path: Path,
+        busy_timeout: float,
+        read_only: StateHostError | None = None,
+    ) -> None:
         self._conn = conn
         self.path = path
         self.busy_timeout = busy_timeout
+        #: Why this state was opened read-only (raised by ``write()``); None when writable.
+        self.read_only = read_only
 
     # --- opening -----------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Registry:
-        """Open an existing state file; ``StateError`` if it is missing, corrupt or foreign."""
+        """Open an existing state file; ``StateError`` if it is missing, corrupt or foreign,
+        ``StateHostError`` if the host will not let it be read. A state that can be read but
+        not written opens read-only."""
         path = Path(path)
         _vet_file(path)
+        read_only: StateHostError | None = None
         try:
             conn = _connect(path, busy_timeout, create=False)
         except sqlite3.Error as e:
-            raise StateError(f"cannot open the vmlend state {path}: {e}") from None
+            raise _host_error(e, path, busy_timeout) or StateError(
+                f"cannot open the vmlend state {path}: {e}"
+            ) from None
         try:
-            _vet_database(conn, path)
-            reg = cls(conn, path, busy_timeout)
+            _vet_database(conn, path, busy_timeout)
+        except StateHostError as e:
+            conn.close()
+            unreadable = isinstance(e, StatePermissionError) and e.access == "read"
+            if unreadable or isinstance(e, StateLockedError):
+                raise
+            conn = _open_read_only(path, busy_timeout, e)
+            read_only = e
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            reg = cls(conn, path, busy_timeout, read_only)
             reg._migrate()
             _vet_tables(conn, path)
         except BaseException:
@@ -117,10 +195,16 @@ class Registry:
             os.link(tmp, path)
             log.debug("created state %s", path)
         except sqlite3.Error as e:
-            raise StateError(f"cannot create the vmlend state {path}: {e}") from None
+            raise _host_error(e, tmp, busy_timeout) or StateError(
+                f"cannot create the vmlend state {path}: {e}"
+            ) from None
         except FileExistsError:
             raise
         except OSError as e:
+            condition = classify_errno(e.errno or 0)
+            err = host_error(condition, path, busy_timeout) if condition else None
+            if err is not None:
+                raise err from None
             raise StateError(
                 f"cannot create the vmlend state {path}: {e.strerror};"
                 " choose a writable place with --state / VMLEND_STATE"
@@ -151,6 +235,8 @@ class Registry:
     def write(self) -> Iterator[StateTxn]:
         """An exclusive write transaction: taken before the first read, so decisions made on
         what it reads hold until it commits."""
+        if self.read_only is not None:
+            raise self.read_only
         with self._txn("BEGIN IMMEDIATE", writable=True) as tx:
             yield tx
 
@@ -175,13 +261,10 @@ class Registry:
             raise self._sqlite_error(e) from None
 
     def _sqlite_error(self, e: sqlite3.Error) -> StateError:
-        text = str(e)
-        if "locked" in text or "busy" in text:
-            return StateError(
-                f"the vmlend state {self.path} is locked by another process"
-                f" (waited {self.busy_timeout:g} s); retry in a moment"
-            )
-        return StateError(f"the vmlend state {self.path} failed: {text}")
+        if _damaged(e):
+            return _refuse(self.path, f"is a corrupt database ({e})")
+        found = _host_error(e, self.path, self.busy_timeout)
+        return found or StateError(f"the vmlend state {self.path} failed: {e}")
 
     def _migrate(self) -> None:
         with self.read() as tx:
@@ -231,6 +314,8 @@ def _vet_file(path: Path) -> None:
             f"no vmlend state at {path}; run 'vmlend fabric init' first"
             " (or point --state / VMLEND_STATE at an existing one)"
         ) from None
+    except PermissionError:
+        raise StatePermissionError(str(path), "read") from None
     except OSError as e:
         raise StateError(f"cannot read the vmlend state {path}: {e.strerror}") from None
     if stat.S_ISDIR(st.st_mode):
@@ -239,7 +324,7 @@ def _vet_file(path: Path) -> None:
         raise _refuse(path, "is empty, so it is not a vmlend state file")
 
 
-def _vet_database(conn: sqlite3.Connection, path: Path) -> None:
+def _vet_database(conn: sqlite3.Connection, path: Path, busy_timeout: float) -> None:
     """The file is SQLite: check that it is ours and intact."""
     try:
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
@@ -254,7 +339,11 @@ def _vet_database(conn: sqlite3.Connection, path: Path) -> None:
             raise _refuse(
                 path, "is not an SQLite database, so it is not a vmlend state file"
             ) from None
-        raise _refuse(path, f"is a corrupt database ({e})") from None
+        if _damaged(e):
+            raise _refuse(path, f"is a corrupt database ({e})") from None
+        raise _host_error(e, path, busy_timeout) or StateError(
+            f"cannot open the vmlend state {path}: {e}; check the disk (the kernel log)"
+        ) from None
     if app_id != APPLICATION_ID:
         if app_id:
             raise _refuse(

@@ -1,0 +1,122 @@
+"""``vmlend hook install`` pins absolute paths and says what it pinned; bad names and a missing
+``--libvirt-dir`` are refused with nothing written; ``doctor`` compares the hook's pins with the
+CLI's."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from vmlend.cli import main
+from vmlend.doctor import Status, compare_pins
+from vmlend.hook.install import hook_script, read_pins
+
+
+def _tree(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.fixture
+def libvirt_dir(tmp_path):
+    d = tmp_path / "etc-libvirt"
+    d.mkdir()
+    return d
+
+
+def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
+    tmp_path, libvirt_dir, monkeypatch
+):
+    monkeypatch.delenv("VMLEND_STATE", raising=False)
+    monkeypatch.delenv("VMLEND_NODE", raising=False)
+    monkeypatch.delenv("VMLEND_BACKEND", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = ["--state", "rel/state.db", "hook", "install", "--libvirt-dir", str(libvirt_dir)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    hook = libvirt_dir / "hooks" / "qemu.d" / "vmlend"
+    pins = read_pins(hook.read_text())
+    assert pins == {
+        "interpreter": os.path.abspath(sys.executable),
+        "state": str(tmp_path / "rel" / "state.db"),
+    }
+    assert r.output.splitlines()[1:] == [
+        f"  interpreter  {os.path.abspath(sys.executable)}",
+        f"  registry     {tmp_path / 'rel' / 'state.db'}",
+        "  node         (the state local node)",
+        "  backend      (sim, the default)",
+    ]
+    data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    assert data["pins"]["state"] == str(tmp_path / "rel" / "state.db")
+
+
+@pytest.mark.parametrize("name", ["qemu.d/../../x", "qemu.d/../qemu", "../qemu", "qemu.d/a/b"])
+def test_a_name_outside_the_hooks_dir_is_refused(tmp_path, libvirt_dir, state_path, name):
+    before = _tree(tmp_path)
+    r = CliRunner().invoke(
+        main, ["hook", "install", "--libvirt-dir", str(libvirt_dir), "--name", name]
+    )
+    assert r.exit_code == 1
+    assert r.output == (
+        f"Error: hook name must be 'qemu' or 'qemu.d/<name>' (inside the hooks dir), got {name!r}\n"
+    )
+    assert _tree(tmp_path) == before
+
+
+def test_a_missing_libvirt_dir_is_refused(tmp_path, state_path):
+    missing = tmp_path / "etc" / "libvirtt"
+    before = _tree(tmp_path)
+    r = CliRunner().invoke(main, ["hook", "install", "--libvirt-dir", str(missing)])
+    assert r.exit_code == 1
+    assert r.output == (
+        f"Error: --libvirt-dir {missing} does not exist; give libvirt's config dir (the one"
+        " that holds libvirtd.conf, usually /etc/libvirt)\n"
+    )
+    assert _tree(tmp_path) == before
+
+
+def test_read_pins_reads_what_hook_script_writes(tmp_path, monkeypatch):
+    monkeypatch.setenv("VMLEND_BACKEND", "smartio")
+    text = hook_script("/usr/bin/python3", tmp_path / "s.db", "gamma")
+    assert read_pins(text) == {
+        "interpreter": "/usr/bin/python3",
+        "state": str(tmp_path / "s.db"),
+        "node": "gamma",
+        "backend": "smartio",
+    }
+
+
+def test_compare_pins(tmp_path):
+    hook = tmp_path / "vmlend"
+    cli = {"interpreter": "/py", "state": "/a.db", "node": "", "backend": ""}
+    assert compare_pins(hook, {"interpreter": "/py", "state": "/a.db"}, cli).status is Status.OK
+    other = compare_pins(hook, {"interpreter": "/py", "state": "/b.db", "node": "alpha"}, cli)
+    assert other.status is Status.FAIL
+    assert other.detail == (
+        f"{hook} pins registry /b.db vs /a.db; node alpha vs (unset) (hook vs this CLI):"
+        " re-run 'vmlend hook install' with this CLI's --state/--node"
+    )
+    venv = compare_pins(hook, {"interpreter": "/old/py", "state": "/a.db"}, cli)
+    assert venv.status is Status.WARN
+
+
+def test_doctor_flags_a_hook_pinned_to_another_state(tmp_path, monkeypatch):
+    monkeypatch.delenv("VMLEND_NODE", raising=False)
+    monkeypatch.delenv("VMLEND_BACKEND", raising=False)
+    root = tmp_path / "root"
+    (root / "etc" / "libvirt").mkdir(parents=True)
+    one, two = str(tmp_path / "one.db"), str(tmp_path / "two.db")
+    r = CliRunner().invoke(main, ["--root", str(root), "--state", one, "hook", "install"])
+    assert r.exit_code == 0, r.output
+
+    def pins_check(state: str) -> dict:
+        out = CliRunner().invoke(main, ["--root", str(root), "--state", state, "doctor", "--json"])
+        return next(c for c in json.loads(out.output)["checks"] if c["check"] == "hook pins")
+
+    assert pins_check(one)["status"] == "ok"
+    bad = pins_check(two)
+    assert bad["status"] == "fail"
+    assert f"pins registry {one} vs {two}" in bad["detail"]

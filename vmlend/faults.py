@@ -1,0 +1,36 @@
+"""Named fault-injection points, for tests only.
+
+``VMLEND_FAULT=attach:after-hotplug`` (several: comma-separated) makes the process kill itself
+with SIGKILL when it reaches that point, as ``kill -9`` or a power cut would: no ``finally``,
+no undo journal, no exit handler runs. Nothing but the tests sets it: they run an operation
+with each point, then re-run it (or ``vmlend reconcile --fix``) and check the end state
+(docs/testing.md). Unset, a point costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_ENV = "VMLEND_FAULT"
+
+#: Every point, by operation, in the order the operation reaches them.
+POINTS: dict[str, tuple[str, ...]] = {
+    "attach": ("after-acquire", "after-hotplug", "after-metadata"),
+    "detach": ("after-unplug", "after-metadata"),
+    "migrate": ("after-stop", "after-return", "after-define", "after-undefine"),
+    "prepare": ("after-device",),
+    "release": ("after-mdevs",),
+}
+
+
+def fault_point(name: str) -> None:
+    """Die here if ``VMLEND_FAULT`` names this point (``operation:point``); with ``=INT``
+    appended (``attach:after-hotplug=INT``) send SIGINT instead, as Ctrl-C would."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted:
+        return
+    for item in wanted.split(","):
+        point, _, how = item.partition("=")
+        if point == name:
+            os.kill(os.getpid(), signal.SIGINT if how == "INT" else signal.SIGKILL)

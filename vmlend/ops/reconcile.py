@@ -1,0 +1,339 @@
+"""Reconcile: find where the hypervisor, the registry and the host disagree, and repair it.
+
+Three views of one truth: the hypervisor (which VMs run, what their live XML and vmlend
+metadata name), the registry (holds) and the host (mdevs). An interruption (a release hook that
+failed on a full disk, an attach killed after the reserve, a detach killed after the unplug)
+leaves them apart. ``look`` gathers the views (I/O), ``find_drift`` compares them (pure), and
+``fix`` repairs each drift: whatever no running VM uses is returned, whatever a running VM
+uses is re-created. Only this node's holds and mdevs are judged: another node's VMs are
+another hypervisor's.
+
+The hook's ``reconnect`` (libvirtd restarted while a VM runs) uses ``restore_running``
+(``restore.py``), the same repair ``fix`` applies to a running VM's missing hold or mdev.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vmlend.domain import (
+    METADATA_KEY,
+    NAMESPACE_URI,
+    DomainDocument,
+    VmlendDevice,
+    read_domain,
+    remove_device,
+)
+from vmlend.domain.model import DomainXML
+from vmlend.errors import FabricError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.model import DeviceStatus, Holder, MdevInfo, format_fdid
+from vmlend.lending import holder_for, return_device
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.definitions import plain_metadata
+from vmlend.ops.restore import restore_running
+from vmlend.registry.records import same_holder
+
+if TYPE_CHECKING:
+    from vmlend.hypervisor import Hypervisor
+
+Record = Callable[[str], None]
+
+
+class DriftKind(enum.StrEnum):
+    HOLD_OF_STOPPED_VM = "hold-of-stopped-vm"
+    HOLD_NOT_IN_XML = "hold-not-in-xml"
+    MDEV_WITHOUT_HOLD = "mdev-without-hold"
+    METADATA_WITHOUT_HOSTDEV = "metadata-without-hostdev"
+    HOSTDEV_WITHOUT_METADATA = "hostdev-without-metadata"
+    MISSING_HOLD = "missing-hold"
+    MISSING_MDEV = "missing-mdev"
+    HELD_BY_ANOTHER = "held-by-another"
+
+
+@dataclass(frozen=True)
+class Drift:
+    kind: DriftKind
+    vm: str  # the VM concerned ("" for an mdev nobody holds)
+    fdid: int | None
+    mdev: str | None
+    cause: str  # what the three views say, and what probably led there
+    fix: str  # what ``fix`` does; when ``fixable`` is False, what the operator must do
+    fixable: bool = True
+    holder: Holder | None = None  # the hold concerned, if any
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "vm": self.vm,
+            "fdid": format_fdid(self.fdid) if self.fdid is not None else None,
+            "mdev": self.mdev,
+            "cause": self.cause,
+            "fix": self.fix,
+            "fixable": self.fixable,
+        }
+
+
+@dataclass(frozen=True)
+class RunningVm:
+    """A running domain as its live XML describes it."""
+
+    name: str
+    holder: Holder
+    devices: tuple[VmlendDevice, ...]  # what the vmlend metadata names
+    hostdevs: frozenset[str]  # mdev UUIDs of its mdev hostdevs
+    guest_ram: int
+
+
+@dataclass
+class Views:
+    node: str
+    running: list[RunningVm]
+    holds: list[DeviceStatus]  # devices held by a VM of this node
+    mdevs: list[MdevInfo]  # mdevs on this node
+    defined: set[str] = field(default_factory=set)  # names of domains that are not running
+
+
+def look(hv: Hypervisor, fabric: Fabric) -> Views:
+    """Gather the three views of this node."""
+    node = fabric.local_node
+    running: list[RunningVm] = []
+    defined: set[str] = set()
+    for info in hv.list_domains():
+        if not info.active:
+            defined.add(info.name)
+            continue
+        doc = DomainDocument.parse(hv.xml(info.name), source=f"live XML of {info.name}")
+        dom = read_domain(doc.to_bytes(), strict=False)
+        hostdevs = frozenset(str(h.uuid) for h in DomainXML(doc.root).mdev_hostdevs())
+        holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+        running.append(RunningVm(info.name, holder, dom.devices, hostdevs, dom.memory_bytes or 0))
+    holds = [st for st in fabric.devices() if st.holder is not None and st.holder.node == node]
+    mdevs = [m for m in fabric.mdevs() if m.node in ("", node)]
+    return Views(node, running, holds, mdevs, defined)
+
+
+def find_drift(views: Views) -> list[Drift]:
+    """Every disagreement between the views, each with its cause and its repair."""
+    drift: list[Drift] = []
+    held = {st.fdid: st for st in views.holds}
+    present = {m.uuid for m in views.mdevs}
+    mdev_of_fdid = {m.fdid: m.uuid for m in views.mdevs if m.fdid is not None}
+    fdid_of_mdev = {m.uuid: m.fdid for m in views.mdevs}
+    in_use: set[str] = set()  # mdevs a running VM has a hostdev for
+    used: set[tuple[int, str]] = set()  # (fdid, vm) pairs a running VM uses or names
+
+    for vm in views.running:
+        in_use |= vm.hostdevs
+        for dev in vm.devices:
+            fd, mdev = format_fdid(dev.fdid), str(dev.mdev)
+            used.add((dev.fdid, vm.name))
+            if mdev not in vm.hostdevs:
+                drift.append(
+                    Drift(
+                        DriftKind.METADATA_WITHOUT_HOSTDEV,
+                        vm.name,
+                        dev.fdid,
+                        mdev,
+                        f"the live metadata of running VM {vm.name!r} names device {fd} but the"
+                        f" VM has no hostdev for mdev {mdev} (a detach interrupted after libvirt"
+                        " unplugged it)",
+                        f"drop {fd} from the live metadata and return the device",
+                        holder=vm.holder,
+                    )
+                )
+                continue
+            drift.extend(_running_device_drift(vm, dev, held.get(dev.fdid), present))
+        named = {str(d.mdev) for d in vm.devices}
+        for mdev in sorted(vm.hostdevs - named):
+            fdid = fdid_of_mdev.get(mdev)
+            st = held.get(fdid) if fdid is not None else None
+            if fdid is None or st is None or st.holder is None:
+                continue  # not a vmlend device: libvirt's business
+            if not same_holder(st.holder, vm.holder):
+                continue  # reported with the holder below
+            used.add((fdid, vm.name))
+            fd = format_fdid(fdid)
+            drift.append(
+                Drift(
+                    DriftKind.HOSTDEV_WITHOUT_METADATA,
+                    vm.name,
+                    fdid,
+                    mdev,
+                    f"running VM {vm.name!r} has the hostdev of device {fd} (mdev {mdev}) but"
+                    " its live metadata does not name it (an attach interrupted between"
+                    " libvirt's hot-plug and the metadata write)",
+                    f"finish the attach: write {fd} into the live metadata (the VM keeps the"
+                    f" device; 'vmlend detach {vm.name} {fd} --live' afterwards removes it)",
+                    holder=vm.holder,
+                )
+            )
+
+    for st in views.holds:
+        h = st.holder
+        assert h is not None
+        fd = format_fdid(st.fdid)
+        vm = next((v for v in views.running if same_holder(h, v.holder)), None)
+        mdev = mdev_of_fdid.get(st.fdid)
+        if vm is None:
+            where = "is defined but not running" if h.vm in views.defined else "is not running"
+            drift.append(
+                Drift(
+                    DriftKind.HOLD_OF_STOPPED_VM,
+                    h.vm,
+                    st.fdid,
+                    mdev,
+                    f"device {fd} is {st.state.value} for VM {h.vm!r}, which {where} here"
+                    " (its release hook did not finish, e.g. on a full disk, or it was killed"
+                    " without it)",
+                    f"return {fd}" + (f" and remove mdev {mdev}" if mdev else ""),
+                    holder=h,
+                )
+            )
+        elif (st.fdid, vm.name) not in used:
+            drift.append(
+                Drift(
+                    DriftKind.HOLD_NOT_IN_XML,
+                    vm.name,
+                    st.fdid,
+                    mdev,
+                    f"device {fd} is {st.state.value} for running VM {vm.name!r}, whose live"
+                    " XML does not name it (an attach killed after the reserve)",
+                    f"return {fd}" + (f" and remove mdev {mdev}" if mdev else ""),
+                    holder=h,
+                )
+            )
+
+    held_fdids = set(held)
+    for m in views.mdevs:
+        if m.uuid in in_use or (m.fdid is not None and m.fdid in held_fdids):
+            continue
+        what = f"device {format_fdid(m.fdid)}" if m.fdid is not None else "no known device"
+        drift.append(
+            Drift(
+                DriftKind.MDEV_WITHOUT_HOLD,
+                m.vm,
+                m.fdid,
+                m.uuid,
+                f"mdev {m.uuid} ({what}) exists but nothing holds its device and no running VM"
+                " uses it (a release or attach rollback interrupted before removing it)",
+                f"remove mdev {m.uuid}",
+            )
+        )
+    return drift
+
+
+def _running_device_drift(
+    vm: RunningVm, dev: VmlendDevice, st: DeviceStatus | None, present: set[str]
+) -> list[Drift]:
+    fd, mdev = format_fdid(dev.fdid), str(dev.mdev)
+    if st is None or st.holder is None:
+        return [
+            Drift(
+                DriftKind.MISSING_HOLD,
+                vm.name,
+                dev.fdid,
+                mdev,
+                f"running VM {vm.name!r} uses device {fd} but the state shows no hold for it"
+                " (the state was restored or edited, or the device returned by mistake)",
+                f"reserve {fd} for {vm.name!r} again and make sure mdev {mdev} exists",
+                holder=vm.holder,
+            )
+        ]
+    if not same_holder(st.holder, vm.holder):
+        return [
+            Drift(
+                DriftKind.HELD_BY_ANOTHER,
+                vm.name,
+                dev.fdid,
+                mdev,
+                f"running VM {vm.name!r} uses device {fd}, which the state says {st.holder} holds",
+                "stop one of the two VMs; then run 'vmlend reconcile --fix' (not fixed here:"
+                " either VM may be the one the device really serves)",
+                fixable=False,
+                holder=vm.holder,
+            )
+        ]
+    if mdev not in present:
+        return [
+            Drift(
+                DriftKind.MISSING_MDEV,
+                vm.name,
+                dev.fdid,
+                mdev,
+                f"running VM {vm.name!r} holds device {fd} but its mdev {mdev} is gone from"
+                " this host",
+                f"re-create mdev {mdev}",
+                holder=vm.holder,
+            )
+        ]
+    return []
+
+
+@dataclass
+class FixResult:
+    fixed: list[Drift] = field(default_factory=list)
+    failed: list[tuple[Drift, str]] = field(default_factory=list)
+    left: list[Drift] = field(default_factory=list)  # not fixable by vmlend
+
+
+def fix(
+    hv: Hypervisor, fabric: Fabric, drift: Iterable[Drift], record: Record = lambda _m: None
+) -> FixResult:
+    """Repair each fixable drift; one failure does not stop the others."""
+    result = FixResult()
+    for d in drift:
+        if not d.fixable:
+            result.left.append(d)
+            continue
+        try:
+            _fix_one(hv, fabric, d, record)
+        except VmlendError as e:
+            result.failed.append((d, str(e)))
+            record(f"{d.kind.value} {d.vm} {d.fdid}: FAILED: {e}")
+        else:
+            result.fixed.append(d)
+    return result
+
+
+def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
+    match d.kind:
+        case DriftKind.HOLD_OF_STOPPED_VM | DriftKind.HOLD_NOT_IN_XML:
+            assert d.holder is not None and d.fdid is not None
+            return_device(fabric, d.holder, d.fdid, d.mdev, record)
+        case DriftKind.MDEV_WITHOUT_HOLD:
+            assert d.mdev is not None
+            if fabric.remove_mdev(d.mdev):
+                record(f"mdev {d.mdev}: removed")
+        case DriftKind.METADATA_WITHOUT_HOSTDEV:
+            assert d.holder is not None and d.fdid is not None
+            doc = DomainDocument.parse(hv.xml(d.vm), source=f"live XML of {d.vm}")
+            after = remove_device(doc, d.fdid, unplugged=True)
+            hv.set_metadata(
+                d.vm, NAMESPACE_URI, METADATA_KEY, plain_metadata(after), live=True, config=False
+            )
+            record(f"live metadata of {d.vm}: {format_fdid(d.fdid)} dropped")
+            return_device(fabric, d.holder, d.fdid, d.mdev, record)
+        case DriftKind.HOSTDEV_WITHOUT_METADATA:
+            assert d.fdid is not None
+            # The attach's own re-run: it sees the plugged hostdev and writes the metadata.
+            plan = plan_attach(hv, fabric, d.vm, d.fdid, live=True, config=False)
+            if not plan.ok:
+                raise plan.refusal()
+            apply_attach(hv, fabric, plan, record)
+        case DriftKind.MISSING_HOLD | DriftKind.MISSING_MDEV:
+            assert d.holder is not None and d.fdid is not None and d.mdev is not None
+            dom = read_domain(hv.xml(d.vm), strict=False)
+            problems = restore_running(
+                fabric,
+                d.holder,
+                [VmlendDevice(fdid=d.fdid, mdev=uuid.UUID(d.mdev))],
+                dom.memory_bytes or 0,
+                record,
+            )
+            if problems:
+                raise FabricError(problems[0])

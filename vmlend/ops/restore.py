@@ -1,0 +1,41 @@
+"""A running VM keeps what it uses: the repair the hook's ``reconnect`` (libvirtd restarted
+while the VM runs) and ``vmlend reconcile --fix`` share. Imports little: the hook runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from vmlend.domain.metadata import VmlendDevice
+from vmlend.errors import VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.model import GuestRam, Holder, format_fdid
+from vmlend.lending import UndoJournal, acquire_device
+
+
+def restore_running(
+    fabric: Fabric,
+    holder: Holder,
+    devices: Iterable[VmlendDevice],
+    guest_ram: GuestRam | int,
+    record: Callable[[str], None] = lambda _m: None,
+) -> list[str]:
+    """A running VM keeps what it uses: make sure each device is held by it and has its mdev.
+    Idempotent; nothing is rolled back (the guest keeps whatever it has). Returns the
+    problems, one line per device that could not be restored."""
+    problems: list[str] = []
+    for dev in devices:
+        try:
+            acquire_device(
+                fabric,
+                holder,
+                dev.fdid,
+                dev.mdev,
+                UndoJournal(),
+                guest_ram=guest_ram,
+                record=record,
+            )
+        except VmlendError as e:
+            fd = format_fdid(dev.fdid)
+            problems.append(f"device {fd}: {e}")
+            record(f"device {fd}: PROBLEM: {e}")
+    return problems
