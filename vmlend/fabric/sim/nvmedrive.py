@@ -1,0 +1,115 @@
+"""Put the NVMe controller model behind a simulated device's BAR0.
+
+The controller's bus-master traffic goes through the simulator's resolver (``hw.dma_read`` /
+``hw.dma_write``), so queues, PRP lists and data honour every window and fault like any DMA;
+its completion interrupts are the device's (``raise_interrupt``), relayed by whoever listens.
+A function level reset of the device resets the controller too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmlend.errors import FabricError
+from vmlend.fabric.sim.device import SimDevice
+from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.nvme import spec
+from vmlend.nvme.controller import ControllerConfig, NvmeController
+from vmlend.nvme.namespace import Namespace
+
+
+class ResolverDma:
+    """The controller's DMA port: device ``fdid``'s requests resolved hop by hop."""
+
+    def __init__(self, hardware: SimHardware, fdid: int) -> None:
+        self.hw = hardware
+        self.fdid = fdid
+
+    def read(self, iova: int, length: int) -> bytes:
+        return self.hw.dma_read(self.fdid, iova, length)
+
+    def write(self, iova: int, data: bytes) -> None:
+        self.hw.dma_write(self.fdid, iova, data)
+
+
+def doorbell_room(device: SimDevice) -> int:
+    """Bytes of BAR0 from the first doorbell to the next thing in the BAR (MSI-X table or PBA
+    when they sit in BAR0, else the end of the BAR)."""
+    bar0 = next((b for b in device.spec.bars if b.index == 0), None)
+    if bar0 is None or bar0.size <= spec.DOORBELL_BASE:
+        raise FabricError(f"device {device.fdid:#x} has no BAR0 large enough for NVMe registers")
+    end = bar0.size
+    m = device.spec.msix
+    if m is not None:
+        for bar, offset in ((m.table_bar, m.table_offset), (m.pba_bar, m.pba_offset)):
+            if bar == 0 and offset >= spec.DOORBELL_BASE:
+                end = min(end, offset)
+    return end - spec.DOORBELL_BASE
+
+
+def drive_config(device: SimDevice, dstrd: int = 0, entries: int = 1024) -> ControllerConfig:
+    """What the device's BAR layout allows: as many queue pairs as doorbells fit."""
+    slots = doorbell_room(device) // (4 << dstrd)
+    pairs = min(slots // 2 - 1, 0xFFFE)
+    if pairs < 1:
+        raise FabricError(f"device {device.fdid:#x}: BAR0 has no room for an I/O queue doorbell")
+    vectors = device.spec.msix.vectors if device.spec.msix else 1
+    return ControllerConfig(
+        queue_pairs=pairs,
+        entries=entries,
+        dstrd=dstrd,
+        vectors=vectors,
+        serial=f"VMLEND{device.fdid:08X}",
+        vendor_id=device.spec.vendor_id,
+    )
+
+
+@dataclass
+class SimNvmeDrive:
+    """A controller attached to a device, with its namespace."""
+
+    device: SimDevice
+    controller: NvmeController
+    namespace: Namespace
+    remove_reset: Callable[[], None]
+
+    def close(self) -> None:
+        self.remove_reset()
+        self.controller.close()
+        self.namespace.close()
+
+
+def attach_nvme(
+    hardware: SimHardware,
+    fdid: int,
+    directory: Path,
+    *,
+    blocks: int = 1 << 21,
+    block_size: int = 512,
+    config: ControllerConfig | None = None,
+) -> SimNvmeDrive:
+    """Make device ``fdid`` an NVMe drive whose namespace 1 (``blocks`` blocks) lives in a
+    sparse file under ``directory``."""
+    device = hardware.device(fdid)
+    cfg = config or drive_config(device)
+    if cfg.doorbell_end() > spec.DOORBELL_BASE + doorbell_room(device):
+        raise FabricError(
+            f"device {fdid:#x}: {cfg.queue_pairs} queue pairs' doorbells do not fit in BAR0"
+        )
+    ns = Namespace(1, Path(directory) / f"nvme-{fdid:x}-ns1.img", blocks, block_size)
+
+    def msix_on() -> bool:
+        state = device.config.msix()
+        return bool(state and state.enabled)
+
+    controller = NvmeController(
+        device.bars,
+        ResolverDma(hardware, fdid),
+        device.raise_interrupt,
+        [ns],
+        cfg,
+        msix_enabled=msix_on,
+    )
+    return SimNvmeDrive(device, controller, ns, device.on_reset(controller.function_reset))
