@@ -236,6 +236,12 @@ class NvmeController:
         self._remove()
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held while the controller works; whoever drives it from outside (the manager) takes
+        it first, so there is one lock order."""
+        return self._lock
+
+    @property
     def ready(self) -> bool:
         return bool(self._csts & spec.CSTS_RDY)
 
