@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tests.nvme_guest import SHARED_NVME, guest_driver, share_topology
+from tests.nvme_guest import guest_driver
 from vmlend.errors import (
     ConfigError,
     DeviceHeldError,
@@ -19,7 +19,7 @@ from vmlend.errors import (
 )
 from vmlend.fabric.model import GuestRange, MiB
 from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
+from vmlend.fabric.sim.nvmeshare import SHARED_NVME, SharedNvmeDrive, sharing_topology
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
@@ -31,7 +31,7 @@ BLOCKS = 1 << 20  # 512 MiB namespace
 
 @pytest.fixture
 def hw():
-    return SimHardware.from_topology(parse_topology(share_topology(3)), seed=3)
+    return SimHardware.from_topology(parse_topology(sharing_topology(3)), seed=3)
 
 
 @pytest.fixture
