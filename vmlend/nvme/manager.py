@@ -67,18 +67,27 @@ class NvmeManager:
         blocks: int,
         admin_doorbell: AdminDoorbell | None = None,
         interrupt: GuestInterrupt | None = None,
+        decided: Share | None = None,
     ) -> Share:
-        """Allocate a share (``ResourceExhaustedError`` when the drive has not enough left) and
-        guard its queue ids."""
+        """Allocate a share (``ResourceExhaustedError`` when the drive has not enough left), or
+        take the one the registry ``decided``, and guard its queue ids."""
         with self._lock:
-            share = self.book.allocate(name, queue_pairs, blocks)
-            for g in range(1, queue_pairs + 1):
+            if decided is not None:
+                share = self.book.adopt(decided)
+            else:
+                share = self.book.allocate(name, queue_pairs, blocks)
+            for g in range(1, share.queue_pairs + 1):
                 self.controller.set_domain(
                     share.real_qid(g),
                     QueueDomain(
-                        name, nsid=1, offset=share.lba_offset, length=blocks, asid=share.asid
+                        share.name,
+                        nsid=1,
+                        offset=share.lba_offset,
+                        length=share.blocks,
+                        asid=share.asid,
                     ),
                 )
+            name = share.name
             self._queues[name] = set()
             if admin_doorbell is not None:
                 self._admin_doorbells[name] = admin_doorbell

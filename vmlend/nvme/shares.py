@@ -87,6 +87,35 @@ class Share:
             return None
         return spec.DOORBELL_BASE + self.page * spec.PAGE
 
+    def record(self) -> dict[str, object]:
+        """Every field, for the registry (``from_record`` reads it back)."""
+        return {
+            "name": self.name,
+            "queue_pairs": self.queue_pairs,
+            "blocks": self.blocks,
+            "lba_offset": self.lba_offset,
+            "asid": self.asid,
+            "qid_base": self.qid_base,
+            "vector_base": self.vector_base,
+            "mode": self.mode,
+            "page": self.page,
+        }
+
+    @classmethod
+    def from_record(cls, data: dict[str, object]) -> Share:
+        page = data.get("page")
+        return cls(
+            str(data["name"]),
+            int(data["queue_pairs"]),  # type: ignore[call-overload]
+            int(data["blocks"]),  # type: ignore[call-overload]
+            int(data["lba_offset"]),  # type: ignore[call-overload]
+            int(data["asid"]),  # type: ignore[call-overload]
+            int(data["qid_base"]),  # type: ignore[call-overload]
+            int(data["vector_base"]),  # type: ignore[call-overload]
+            str(data["mode"]),
+            None if page is None else int(page),  # type: ignore[call-overload]
+        )
+
     def as_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -110,12 +139,16 @@ def _first_fit(taken: list[tuple[int, int]], need: int, lo: int, hi: int) -> int
     return at if hi - at >= need else None
 
 
+def _overlap(a: int, alen: int, b: int, blen: int) -> bool:
+    return a < b + blen and b < a + alen
+
+
 class ShareBook:
     """Allocations of one controller among its shares."""
 
-    def __init__(self, geometry: Geometry) -> None:
+    def __init__(self, geometry: Geometry, shares: list[Share] | None = None) -> None:
         self.geometry = geometry
-        self.shares: dict[str, Share] = {}
+        self.shares: dict[str, Share] = {s.name: s for s in shares or []}
 
     def free_queue_pairs(self) -> int:
         g = self.geometry
@@ -177,6 +210,32 @@ class ShareBook:
         asid = next(a for a in range(1, len(shares) + 2) if a not in {s.asid for s in shares})
         share = Share(name, queue_pairs, blocks, lba, asid, qid_base, vbase, g.mode, page)
         self.shares[name] = share
+        return share
+
+    def adopt(self, share: Share) -> Share:
+        """Take a share decided elsewhere (the registry's reserve), refusing overlaps."""
+        g = self.geometry
+        if share.name in self.shares or share.mode != g.mode:
+            raise ConfigError(f"share {share.name!r} does not fit {g.name}")
+        for other in self.shares.values():
+            clash = (
+                _overlap(
+                    share.qid_base, share.queue_pairs + 1, other.qid_base, other.queue_pairs + 1
+                )
+                or _overlap(
+                    share.vector_base, share.queue_pairs, other.vector_base, other.queue_pairs
+                )
+                or _overlap(share.lba_offset, share.blocks, other.lba_offset, other.blocks)
+                or share.asid == other.asid
+            )
+            if clash:
+                raise ConfigError(f"share {share.name!r} overlaps {other.name!r} on {g.name}")
+        if (
+            share.qid_base + share.queue_pairs > g.queue_pairs
+            or share.lba_offset + share.blocks > g.blocks
+        ):
+            raise ConfigError(f"share {share.name!r} is beyond what {g.name} has")
+        self.shares[share.name] = share
         return share
 
     def release(self, name: str) -> Share | None:

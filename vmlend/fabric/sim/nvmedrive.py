@@ -12,12 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmlend.errors import FabricError
+from vmlend.errors import FabricError, SharingUnsupportedError
+from vmlend.fabric.model import DeviceSpec
 from vmlend.fabric.sim.device import SimDevice
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig, NvmeController
 from vmlend.nvme.namespace import Namespace
+from vmlend.nvme.shares import Geometry
 
 
 class ResolverDma:
@@ -34,14 +36,14 @@ class ResolverDma:
         self.hw.dma_write(self.fdid, iova, data)
 
 
-def doorbell_room(device: SimDevice) -> int:
+def doorbell_room(device: DeviceSpec) -> int:
     """Bytes of BAR0 from the first doorbell to the next thing in the BAR (MSI-X table or PBA
     when they sit in BAR0, else the end of the BAR)."""
-    bar0 = next((b for b in device.spec.bars if b.index == 0), None)
+    bar0 = next((b for b in device.bars if b.index == 0), None)
     if bar0 is None or bar0.size <= spec.DOORBELL_BASE:
-        raise FabricError(f"device {device.fdid:#x} has no BAR0 large enough for NVMe registers")
+        raise SharingUnsupportedError(device.fdid, "BAR0 is too small for NVMe registers")
     end = bar0.size
-    m = device.spec.msix
+    m = device.msix
     if m is not None:
         for bar, offset in ((m.table_bar, m.table_offset), (m.pba_bar, m.pba_offset)):
             if bar == 0 and offset >= spec.DOORBELL_BASE:
@@ -49,20 +51,20 @@ def doorbell_room(device: SimDevice) -> int:
     return end - spec.DOORBELL_BASE
 
 
-def drive_config(device: SimDevice, dstrd: int = 0, entries: int = 1024) -> ControllerConfig:
+def drive_config(device: DeviceSpec, dstrd: int = 0, entries: int = 1024) -> ControllerConfig:
     """What the device's BAR layout allows: as many queue pairs as doorbells fit."""
     slots = doorbell_room(device) // (4 << dstrd)
     pairs = min(slots // 2 - 1, 0xFFFE)
     if pairs < 1:
-        raise FabricError(f"device {device.fdid:#x}: BAR0 has no room for an I/O queue doorbell")
-    vectors = device.spec.msix.vectors if device.spec.msix else 1
+        raise SharingUnsupportedError(device.fdid, "BAR0 has no room for an I/O queue doorbell")
+    vectors = device.msix.vectors if device.msix else 1
     return ControllerConfig(
         queue_pairs=pairs,
         entries=entries,
         dstrd=dstrd,
         vectors=vectors,
         serial=f"VMLEND{device.fdid:08X}",
-        vendor_id=device.spec.vendor_id,
+        vendor_id=device.vendor_id,
     )
 
 
@@ -81,6 +83,17 @@ class SimNvmeDrive:
         self.namespace.close()
 
 
+def drive_geometry(device: DeviceSpec, blocks: int) -> Geometry:
+    """What the manager of ``device`` can share (``SharingUnsupportedError`` when nothing):
+    the queue pairs its doorbells allow, its MSI-X vectors (one per queue pair), ``blocks``."""
+    if device.kind != "nvme" or device.class_code >> 8 != 0x0108:
+        raise SharingUnsupportedError(device.fdid, f"it is a {device.kind}, not an NVMe controller")
+    if device.msix is None or device.msix.vectors < 2:
+        raise SharingUnsupportedError(device.fdid, "it has no MSI-X vectors to give each VM")
+    cfg = drive_config(device)
+    return Geometry(cfg.queue_pairs, cfg.dstrd, cfg.vectors, blocks, f"nvme {device.fdid:#x}")
+
+
 def attach_nvme(
     hardware: SimHardware,
     fdid: int,
@@ -93,8 +106,8 @@ def attach_nvme(
     """Make device ``fdid`` an NVMe drive whose namespace 1 (``blocks`` blocks) lives in a
     sparse file under ``directory``."""
     device = hardware.device(fdid)
-    cfg = config or drive_config(device)
-    if cfg.doorbell_end() > spec.DOORBELL_BASE + doorbell_room(device):
+    cfg = config or drive_config(device.spec)
+    if cfg.doorbell_end() > spec.DOORBELL_BASE + doorbell_room(device.spec):
         raise FabricError(
             f"device {fdid:#x}: {cfg.queue_pairs} queue pairs' doorbells do not fit in BAR0"
         )

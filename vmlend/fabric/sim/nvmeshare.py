@@ -33,15 +33,15 @@ from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
 from vmlend.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.nvme.guard import asid_base
+from vmlend.nvme.ledger import MANAGER_VM, record_usage
 from vmlend.nvme.manager import NvmeManager
 from vmlend.nvme.shares import Share
 from vmlend.nvme.virtual import VirtualNvmeController
 from vmlend.pci import regs
+from vmlend.registry import Registry
 
 log = logging.getLogger(__name__)
 
-#: The hardware holder name of a drive its manager owns.
-MANAGER_VM = "nvme-manager"
 #: mdev type a shared drive's parent offers (one virtual controller per VM).
 MDEV_TYPE = "vmlend-nvme_share"
 _MANAGER_IOVA = 0x4000_0000  # the manager's admin memory, in the untagged address space
@@ -273,11 +273,14 @@ class SharedNvmeDrive:
         return self.manager.book.geometry.mode
 
     # --- shares -------------------------------------------------------------------------------
-    def open_share(self, node: str, vm: str, queue_pairs: int, blocks: int) -> VmNvmeShare:
-        """Give VM ``vm`` on ``node`` (a running guest) a share; all or nothing."""
+    def open_share(
+        self, node: str, vm: str, queue_pairs: int = 1, blocks: int = 0, share: Share | None = None
+    ) -> VmNvmeShare:
+        """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
+        ``blocks``, or the ``share`` the registry reserved for it; all or nothing."""
         guest = self.hw.guest(node, vm)
-        name = f"{node}/{vm}"
-        share = self.manager.add_share(name, queue_pairs, blocks)
+        name = share.name if share is not None else f"vm:{node}/{vm}"
+        share = self.manager.add_share(name, queue_pairs, blocks, decided=share)
         vms = VmNvmeShare(self, node, vm, share)
         try:
             self._map(vms, guest.ranges)
@@ -367,6 +370,18 @@ class SharedNvmeDrive:
         finally:
             vms.windows.close()
             self.shares.pop(vms.name, None)
+
+    def record(self, registry: Registry) -> None:
+        """Put what the data path sees of each share (real queues, guard rejections) into
+        the registry, for ``vmlend nvme status`` in any process."""
+        for vms in self.shares.values():
+            record_usage(
+                registry,
+                self.fdid,
+                vms.name,
+                self.manager.real_queues(vms.name),
+                self.manager.rejections(vms.name),
+            )
 
     # --- life -----------------------------------------------------------------------------------
     def status(self) -> dict[str, object]:
