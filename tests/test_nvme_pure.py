@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -121,3 +122,19 @@ def test_guard_address_space_keeps_owners_apart():
     assert QueueDomain("host", 1, 0, 10).dma_address(1 << ADDRESS_BITS) == 1 << ADDRESS_BITS
     with pytest.raises(ValueError):
         QueueDomain("x", 1, 0, 0)
+
+
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_share_book_adopts_what_it_would_allocate_and_refuses_overlaps(pairs):
+    from vmlend.errors import ConfigError
+    from vmlend.nvme.shares import Geometry, ShareBook
+
+    for geometry in (Geometry(511, 0, 32, 10_000), Geometry(4000, 0, 32, 10_000)):
+        planner = ShareBook(geometry)
+        made = [planner.allocate(f"vm{i}", pairs, 100) for i in range(3)]
+        book = ShareBook(geometry)
+        for share in made:
+            book.adopt(share)
+        with pytest.raises(ConfigError):
+            book.adopt(dataclasses.replace(made[0], name="again"))
+        assert book.allocate("next", 1, 10).lba_offset == 300

@@ -220,8 +220,9 @@ class ShareBook:
         for other in self.shares.values():
             clash = (
                 _overlap(
-                    share.qid_base, share.queue_pairs + 1, other.qid_base, other.queue_pairs + 1
+                    share.qid_base + 1, share.queue_pairs, other.qid_base + 1, other.queue_pairs
                 )
+                or (share.page is not None and share.page == other.page)
                 or _overlap(
                     share.vector_base, share.queue_pairs, other.vector_base, other.queue_pairs
                 )
