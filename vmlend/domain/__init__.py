@@ -13,7 +13,7 @@ from vmlend.domain.build import DeviceRequest, DomainSpec, FdidValidator, new_do
 from vmlend.domain.consistency import Problem, check_consistency, find_problems
 from vmlend.domain.document import DomainDocument
 from vmlend.domain.info import DomainInfo, has_vmlend_metadata, read_domain
-from vmlend.domain.metadata import METADATA_KEY, NAMESPACE_URI, VmlendDevice
+from vmlend.domain.metadata import METADATA_KEY, NAMESPACE_URI, NvmeShareRequest, VmlendDevice
 from vmlend.domain.rewrite import (
     add_device,
     drop_host_local_state,
@@ -34,6 +34,7 @@ __all__ = [
     "DomainInfo",
     "DomainSpec",
     "FdidValidator",
+    "NvmeShareRequest",
     "PciAddress",
     "Problem",
     "TemplateSet",
