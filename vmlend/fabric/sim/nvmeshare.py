@@ -234,10 +234,10 @@ class SharedNvmeDrive:
     ) -> None:
         self.hw = hardware
         self.fdid = fdid
-        if hardware.borrowed(fdid) is not None:
-            b = hardware.borrowed(fdid)
+        held = hardware.borrowed(fdid)
+        if held is not None:
             raise FabricError(
-                f"device {fdid:#x} is borrowed exclusively by {b.node}/{b.vm}; "  # type: ignore[union-attr]
+                f"device {fdid:#x} is borrowed exclusively by {held.node}/{held.vm}; "
                 "release it before sharing the drive"
             )
         self.nvme = attach_nvme(hardware, fdid, directory, blocks=blocks, config=config)
