@@ -83,6 +83,21 @@ def _entries(tx: StateTxn, fdid: int | None = None) -> list[ShareEntry]:
     return out
 
 
+def holder_share(tx: StateTxn, fdid: int, holder: Holder) -> Share | None:
+    """``holder``'s share of ``fdid`` (inside a transaction), None when it has none."""
+    key = vm_share(holder)
+    for e in _entries(tx, fdid):
+        if e.share.name == key:
+            return e.share
+    return None
+
+
+def shares_held(tx: StateTxn, holder: Holder) -> list[int]:
+    """The drives ``holder``'s VM has shares of."""
+    key = vm_share(holder)
+    return sorted({e.fdid for e in _entries(tx) if e.share.name == key})
+
+
 def lend_shared(
     registry: Registry, fdid: int, geometry: Geometry, clock: Callable[[], float] = time.time
 ) -> None:

@@ -42,8 +42,6 @@ from vmlend.registry import Registry
 
 log = logging.getLogger(__name__)
 
-#: mdev type a shared drive's parent offers (one virtual controller per VM).
-MDEV_TYPE = "vmlend-nvme_share"
 _MANAGER_IOVA = 0x4000_0000  # the manager's admin memory, in the untagged address space
 _MANAGER_BYTES = 256 * 1024
 
