@@ -33,6 +33,10 @@ class SimShareOps:
         with self._reg.read() as tx:
             return ledger.shares_held(tx, holder)
 
+    def share_of(self, fdid: int, holder: Holder) -> Share | None:
+        with self._reg.read() as tx:
+            return ledger.holder_share(tx, fdid, holder)
+
     def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         try:
             uuid = str(uuidlib.UUID(uuid))
