@@ -236,3 +236,33 @@ def test_a_vm_on_the_lender_shares_too(hw, drive):
     _, db, (qb,) = boot(hw, drive, "b1", "remote", pairs=1)
     assert da.write(qa, 0, b"L" * 512).ok and db.write(qb, 0, b"R" * 512).ok
     assert da.read(qa, 0, 1)[1] == b"L" * 512 and db.read(qb, 0, 1)[1] == b"R" * 512
+
+
+def _fabric_snapshot(hw):
+    """What sharing may change in the hardware: LUTs, segments, IOMMU attachments and
+    mappings, allocated host memory, borrows."""
+    return (
+        {a.ref: dict(a.lut()) for a in hw.adapters()},
+        {a.ref: len(a.mapped_segments()) for a in hw.adapters()},
+        {n: dict(hw.node(n).iommu.attached()) for n in hw.nodes},
+        hw.lender_domain(SHARED_NVME).mappings(),
+        {n: hw.node(n).memory.allocated_bytes for n in hw.nodes},
+        hw.borrows(),
+    )
+
+
+def test_closing_the_drive_leaves_the_fabric_as_it_was(hw, tmp_path):
+    before = _fabric_snapshot(hw)
+    drive = SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS)
+    for i, node in enumerate(("b1", "b1", "b2", "store")):  # two VMs on b1 share its crossing
+        _, drv, (qp,) = boot(hw, drive, node, f"vm{i}", pairs=1)
+        assert drv.write(qp, 0, b"z" * 512).ok
+    first = drive.shares["vm:b1/vm0"]
+    first.close()
+    hw.destroy_guest("b1", "vm0")
+    assert hw.node("b1").iommu.attached(), "vm1 on b1 still needs the crossing"
+    drive.close()
+    for node, vm in (("b1", "vm1"), ("b2", "vm2"), ("store", "vm3")):
+        hw.destroy_guest(node, vm)
+    assert _fabric_snapshot(hw) == before
+    assert hw.device(SHARED_NVME).resets >= 1  # given back clean
