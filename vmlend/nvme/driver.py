@@ -17,7 +17,7 @@ from typing import Protocol
 
 from vmlend.errors import VmlendError
 from vmlend.nvme import spec
-from vmlend.nvme.controller import (
+from vmlend.nvme.identify import (
     MDTS,
     parse_active_nsids,
     parse_identify_controller,

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from vmlend.nvme import spec
-from vmlend.nvme.controller import (
-    ControllerConfig,
+from vmlend.nvme.controller import ControllerConfig
+from vmlend.nvme.identify import (
     active_nsids,
     identify_controller,
     identify_namespace,

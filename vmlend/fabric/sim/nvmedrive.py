@@ -16,8 +16,11 @@ from vmlend.errors import FabricError, SharingUnsupportedError
 from vmlend.fabric.model import DeviceSpec
 from vmlend.fabric.sim.device import SimDevice
 from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.hostmem import FRAME, HostMemory
+from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig, NvmeController
+from vmlend.nvme.driver import BumpAllocator
 from vmlend.nvme.namespace import Namespace
 from vmlend.nvme.shares import Geometry
 
@@ -126,3 +129,63 @@ def attach_nvme(
         msix_enabled=msix_on,
     )
     return SimNvmeDrive(device, controller, ns, device.on_reset(controller.function_reset))
+
+
+class HostDmaMemory:
+    """Lender memory of the drive's host driver (the manager), mapped for the drive at ``iova``
+    (frames need not be contiguous: each is mapped on its own)."""
+
+    def __init__(
+        self, memory: HostMemory, domain: IommuDomain, iova: int, size: int, owner: str
+    ) -> None:
+        self.memory = memory
+        self.domain = domain
+        self.iova = iova
+        self.frames: list[int] = []
+        try:
+            for i in range(size // FRAME):
+                frame = memory.alloc(FRAME, owner=owner)
+                self.frames.append(frame)
+                domain.map(iova + i * FRAME, frame, FRAME)
+        except Exception:
+            self.close()
+            raise
+        self.alloc = BumpAllocator(iova, iova + size)
+
+    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
+        out, at, end = [], address, address + length
+        while at < end:
+            index = (at - self.iova) // FRAME
+            if not 0 <= index < len(self.frames):
+                raise ValueError(f"{at:#x} is outside the manager's memory")
+            n = min(end - at, FRAME - at % FRAME)
+            out.append((self.frames[index] + at % FRAME, at - address, n))
+            at += n
+        return out
+
+    def read(self, address: int, length: int) -> bytes:
+        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
+
+    def write(self, address: int, data: bytes) -> None:
+        for phys, pos, n in self._pieces(address, len(data)):
+            self.memory.write(phys, data[pos : pos + n])
+
+    def close(self) -> None:
+        for i, frame in enumerate(self.frames):
+            if self.domain.lookup(self.iova + i * FRAME) is not None:
+                self.domain.unmap(self.iova + i * FRAME, FRAME)
+            self.memory.free(frame)
+        self.frames = []
+
+
+class DeviceBar0:
+    """BAR0 as the lender's CPU reaches it (the manager's driver)."""
+
+    def __init__(self, device: SimDevice) -> None:
+        self.bars = device.bars
+
+    def read(self, offset: int, size: int) -> int:
+        return self.bars.read(0, offset, size)
+
+    def write(self, offset: int, size: int, value: int) -> None:
+        self.bars.write(0, offset, size, value)

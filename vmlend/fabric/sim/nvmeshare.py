@@ -26,12 +26,11 @@ from pathlib import Path
 
 from vmlend.errors import FabricError
 from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
-from vmlend.fabric.sim.hostmem import FRAME, HostMemory
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
-from vmlend.fabric.sim.nvmedrive import SimNvmeDrive, attach_nvme
+from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
-from vmlend.nvme.driver import BumpAllocator, NvmeDriver
+from vmlend.nvme.driver import NvmeDriver
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.ledger import MANAGER_VM, record_usage
 from vmlend.nvme.manager import NvmeManager
@@ -44,64 +43,6 @@ log = logging.getLogger(__name__)
 
 _MANAGER_IOVA = 0x4000_0000  # the manager's admin memory, in the untagged address space
 _MANAGER_BYTES = 256 * 1024
-
-
-class HostDmaMemory:
-    """Lender memory of the manager, mapped for the drive at ``iova`` (frames need not be
-    contiguous: each is mapped on its own)."""
-
-    def __init__(self, memory: HostMemory, domain: IommuDomain, iova: int, size: int) -> None:
-        self.memory = memory
-        self.domain = domain
-        self.iova = iova
-        self.frames: list[int] = []
-        try:
-            for i in range(size // FRAME):
-                frame = memory.alloc(FRAME, owner=MANAGER_VM)
-                self.frames.append(frame)
-                domain.map(iova + i * FRAME, frame, FRAME)
-        except Exception:
-            self.close()
-            raise
-        self.alloc = BumpAllocator(iova, iova + size)
-
-    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
-        out, at, end = [], address, address + length
-        while at < end:
-            index = (at - self.iova) // FRAME
-            if not 0 <= index < len(self.frames):
-                raise ValueError(f"{at:#x} is outside the manager's memory")
-            n = min(end - at, FRAME - at % FRAME)
-            out.append((self.frames[index] + at % FRAME, at - address, n))
-            at += n
-        return out
-
-    def read(self, address: int, length: int) -> bytes:
-        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
-
-    def write(self, address: int, data: bytes) -> None:
-        for phys, pos, n in self._pieces(address, len(data)):
-            self.memory.write(phys, data[pos : pos + n])
-
-    def close(self) -> None:
-        for i, frame in enumerate(self.frames):
-            if self.domain.lookup(self.iova + i * FRAME) is not None:
-                self.domain.unmap(self.iova + i * FRAME, FRAME)
-            self.memory.free(frame)
-        self.frames = []
-
-
-class DeviceBar0:
-    """BAR0 as the lender's CPU reaches it (the manager's driver)."""
-
-    def __init__(self, drive: SimNvmeDrive) -> None:
-        self.bars = drive.device.bars
-
-    def read(self, offset: int, size: int) -> int:
-        return self.bars.read(0, offset, size)
-
-    def write(self, offset: int, size: int, value: int) -> None:
-        self.bars.write(0, offset, size, value)
 
 
 @dataclass
@@ -257,8 +198,9 @@ class SharedNvmeDrive:
                 hardware.lender_domain(fdid),
                 _MANAGER_IOVA,
                 _MANAGER_BYTES,
+                MANAGER_VM,
             )
-            driver = NvmeDriver(DeviceBar0(self.nvme), self.memory, self.memory.alloc)
+            driver = NvmeDriver(DeviceBar0(self.device), self.memory, self.memory.alloc)
             self.manager = NvmeManager(self.controller, driver, f"nvme {fdid:#x}")
             self._remove_irq = self.device.on_interrupt(self.manager.route_interrupt)
             self.manager.start()
@@ -407,51 +349,3 @@ class SharedNvmeDrive:
         self.manager.close()
         self._remove_irq()
         self._teardown()
-
-
-#: fdid of the drive in ``sharing_topology``.
-SHARED_NVME = 0x40
-
-
-def sharing_topology(borrowers: int = 2, bar0: str = "64KiB", vectors: int = 64) -> str:
-    """A lender ``store`` with an NVMe drive (fdid 0x40) whose BAR0 has doorbell pages to spare
-    (MSI-X in BAR 4) and ``borrowers`` nodes b1.. on one switch."""
-    nodes = "\n".join(
-        f"""
-[[node]]
-name = "b{i}"
-id = {i + 1}
-ram = "8GiB"
-  [[node.adapter]]
-  index = 0
-"""
-        for i in range(1, borrowers + 1)
-    )
-    msix = (
-        f"{{ vectors = {vectors}, table_bar = 4, table_offset = 0, pba_bar = 4, "
-        "pba_offset = 0x2000 }"
-    )
-    ports = ", ".join(['"store:0"', *(f'"b{i}:0"' for i in range(1, borrowers + 1))])
-    return f"""
-name = "nvme-share"
-[[node]]
-name = "store"
-id = 1
-ram = "16GiB"
-  [[node.adapter]]
-  index = 0
-  [[node.device]]
-  fdid = {SHARED_NVME}
-  bdf = "0000:05:00.0"
-  kind = "nvme"
-  vendor = 0x144d
-  device = 0xa80a
-  class = 0x010802
-  bars = [ {{ index = 0, size = "{bar0}", kind = "mem64" }},
-           {{ index = 4, size = "16KiB", kind = "mem64" }} ]
-  msix = {msix}
-{nodes}
-[[switch]]
-name = "sw"
-ports = [{ports}]
-"""
