@@ -267,3 +267,19 @@ def test_closing_the_drive_leaves_the_fabric_as_it_was(hw, tmp_path):
         hw.destroy_guest(node, vm)
     assert _fabric_snapshot(hw) == before
     assert hw.device(SHARED_NVME).resets >= 1  # given back clean
+
+
+def test_a_manager_that_cannot_start_leaves_nothing_behind(hw, tmp_path, monkeypatch):
+    from vmlend.nvme.manager import NvmeManager
+
+    before = _fabric_snapshot(hw)
+
+    def broken(self):
+        raise FabricError("the controller did not become ready")
+
+    monkeypatch.setattr(NvmeManager, "start", broken)
+    with pytest.raises(FabricError, match="ready"):
+        SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS)
+    assert _fabric_snapshot(hw) == before
+    assert hw.borrowed(SHARED_NVME) is None
+    assert hw.device(SHARED_NVME).raise_interrupt(1) == 0  # the manager's sink is gone too

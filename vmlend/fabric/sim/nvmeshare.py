@@ -8,7 +8,8 @@ admin queues in lender memory, and for each VM (``open_share``):
   guest RAM range onto NTB segments that point at the same IOVAs on the VM's node, where a
   per-node domain (attached to the drive's crossing into that node) maps them onto the guest's
   pinned frames. A VM on the lender itself is mapped in the lender domain directly.
-- a virtual controller (the mdev of type ``nvme-share``): emulated registers and admin queue.
+- a virtual controller (its mdev is of type ``smartio-nvme_share``): emulated registers and
+  admin queue.
 - the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
   software on the I/O path); in trap mode each write is trapped and forwarded to the share's
   own real queue ids only (one software step each).
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmlend.errors import FabricError
+from vmlend.fabric.model import GuestRange
 from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
@@ -187,6 +189,7 @@ class SharedNvmeDrive:
         self._lut_users: dict[str, int] = {}  # lender adapter -> nodes crossed to through it
         self.shares: dict[str, VmNvmeShare] = {}
         self.memory: HostDmaMemory | None = None
+        self._remove_irq: Callable[[], None] = lambda: None
         try:
             hardware.borrow(fdid, self.device.lender, MANAGER_VM)
             cmd = self.device.config.read(regs.COMMAND, 2)
@@ -232,7 +235,7 @@ class SharedNvmeDrive:
         self.shares[name] = vms
         return vms
 
-    def _map(self, vms: VmNvmeShare, ranges: list) -> None:
+    def _map(self, vms: VmNvmeShare, ranges: list[GuestRange]) -> None:
         guest = self.hw.guest(vms.node, vms.vm)
         base = asid_base(vms.share.asid)
         lender_domain = self.hw.lender_domain(self.fdid)
@@ -336,6 +339,7 @@ class SharedNvmeDrive:
         }
 
     def _teardown(self) -> None:
+        self._remove_irq()
         if self.memory is not None:
             self.memory.close()
         if self.hw.borrowed(self.fdid) is not None:
@@ -347,5 +351,4 @@ class SharedNvmeDrive:
         for vms in list(self.shares.values()):
             vms.close()
         self.manager.close()
-        self._remove_irq()
         self._teardown()
