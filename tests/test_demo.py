@@ -22,7 +22,7 @@ from .simfabric import small_topology
 
 pytestmark = pytest.mark.slow
 
-KEYS = ["fabric", "xml", "start", "enable", "traffic", "hotplug", "migrate", "stop"]
+KEYS = ["fabric", "xml", "start", "enable", "traffic", "hotplug", "migrate", "stop", "nvme-share"]
 
 
 def invoke(state: Path, *args: str) -> Any:
@@ -55,7 +55,7 @@ def test_every_step_succeeded_in_order(story):
     assert doc["ok"] is True and doc["error"] is None
     assert [s["key"] for s in doc["steps"]] == KEYS
     assert all(s["ok"] for s in doc["steps"])
-    assert [s["n"] for s in doc["steps"]] == list(range(1, 9))
+    assert [s["n"] for s in doc["steps"]] == list(range(1, 10))
 
 
 def test_xml_is_accepted_by_libvirts_test_driver(story):
@@ -181,12 +181,25 @@ def test_everything_is_returned_at_the_end(story):
     assert [h["argv"][1] for h in stop["hooks"]] == ["stopped", "release"]
 
 
+def test_two_vms_on_two_hosts_share_the_nvme_and_the_guard_rejects_a_stray_command(story):
+    share = step(story[1], "nvme-share")
+    assert share["fdid"] == "0x12" and share["doorbells"] == "trap"
+    assert share["namespace"] == [[1 << 16, 512], [1 << 16, 512]]
+    assert [i["vm"] for i in share["io"]] == ["gamma/nvme-a", "beta/nvme-b"]
+    assert share["stray"]["status"] == "LBA out of range"
+    by_vm = {s["vm"]: s for s in share["shares"]}
+    assert by_vm["nvme-a"]["guard_rejections"] == 1 and by_vm["nvme-b"]["guard_rejections"] == 0
+    assert by_vm["nvme-a"]["lba_offset"] + (1 << 16) == by_vm["nvme-b"]["lba_offset"]
+    assert by_vm["nvme-a"]["real_queues"] and by_vm["nvme-b"]["real_queues"]
+
+
 def test_text_report_and_a_second_run_on_the_same_state(story):
     state, _doc = story
     r = invoke(state)
     assert r.exit_code == 0, r.output
-    for n in range(1, 9):
+    for n in range(1, 10):
         assert f"== {n}. " in r.output
+    assert "(outside its window): LBA out of range" in r.output
     assert "unchanged: state" in r.output
     assert "left by an earlier run, removed: undefined demo on alpha" in r.output
     assert "the guest read the same bytes" in r.output

@@ -163,7 +163,7 @@ def test_cli_doctor_exit_codes_and_json(tmp_path):
     healthy(tmp_path / "good")
     r = CliRunner().invoke(main, ["--root", str(tmp_path / "good"), "doctor"])
     assert r.exit_code == 0, r.output
-    assert len(r.output.splitlines()) == 10  # 9 host checks and the hook's pins vs the CLI's
+    assert len(r.output.splitlines()) == 11  # 10 host checks and the hook's pins vs the CLI's
     r = CliRunner().invoke(main, ["doctor", "--json"], env={"VMLEND_ROOT": str(tmp_path)})
     assert r.exit_code == 1
     data = json.loads(r.output)

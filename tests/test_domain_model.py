@@ -49,6 +49,8 @@ SAMPLES: dict[tuple[type, str], object] = {
     (DeviceEntryXML, "fdid"): 0x10,
     (DeviceEntryXML, "mdev"): U,
     (DeviceEntryXML, "address"): PciAddress(0, 0, 5, 0),
+    (DeviceEntryXML, "nvme_queues"): 2,
+    (DeviceEntryXML, "nvme_size"): 64 << 30,
     (VmlendMetadataXML, "host_node"): "beta",
     (DiskXML, "driver_type"): "qcow2",
     (DiskXML, "file"): "vm.qcow2",

@@ -16,6 +16,7 @@ from pathlib import Path
 from vmlend.errors import HostError, MdevError
 from vmlend.fabric.smartio.driver import MODULE as SMARTIO_MODULE
 from vmlend.fabric.smartio.driver import Availability, SmartioDriver
+from vmlend.fabric.smartio.nvmeshare import share_support
 from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus
@@ -124,6 +125,28 @@ def check_mdev_parents(env: HostEnv) -> Finding:
     names = ", ".join(f"{p.name} ({'/'.join(t.type_id for t in p.types)})" for p in parents[:5])
     more = f" and {len(parents) - 5} more" if len(parents) > 5 else ""
     return Finding("mdev parents", Status.OK, f"{len(parents)}: {names}{more}")
+
+
+def check_nvme_sharing(env: HostEnv) -> Finding:
+    """Which NVMe drives the driver can share at the queue level, and why not the others.
+    Informational: a drive that cannot be shared can still be lent whole."""
+    driver = SmartioDriver(env)
+    if not driver.loaded():
+        return Finding("nvme sharing", Status.OK, "no SmartIO driver: the simulated fabric shares")
+    try:
+        drives = [d for d in driver.devices() if d.kind == "nvme"]
+    except HostError as e:
+        return Finding("nvme sharing", Status.OK, f"not checked: {e}")
+    if not drives:
+        return Finding("nvme sharing", Status.OK, "no NVMe drive in the fabric")
+    parts = []
+    for d in drives:
+        support = share_support(driver, d.fdid)
+        if support.supported:
+            parts.append(f"{d.fdid:#x}: {support.queue_pairs} queue pairs")
+        else:
+            parts.append(f"{d.fdid:#x}: refused, {support.why}; lend it whole")
+    return Finding("nvme sharing", Status.OK, "; ".join(parts))
 
 
 def libvirt_library_version() -> str:
@@ -267,6 +290,7 @@ def run_checks(
         check_vfio_device(env),
         check_smartio(env, required=smartio_required),
         check_mdev_parents(env),
+        check_nvme_sharing(env),
         check_libvirt(libvirt_version),
         check_hook(env),
         check_daemon_saw_hook(env),

@@ -476,3 +476,36 @@ class DetachTimeoutError(DomainOperationError):
             hint=f"re-run 'vmlend detach {domain} {fdid:#x}' once it has"
             " (the device stays reserved until then)",
         )
+
+
+# --- NVMe sharing ---------------------------------------------------------------------------
+
+
+class NvmeShareError(FabricError):
+    """A shared NVMe drive (queue-level sharing) cannot do what was asked."""
+
+
+class NotSharedError(NvmeShareError):
+    def __init__(self, fdid: int) -> None:
+        self.fdid = fdid
+        super().__init__(
+            f"device {fdid:#x} is not lent for sharing; run 'vmlend nvme share {fdid:#x}' "
+            "on its lender first"
+        )
+
+
+class SharesActiveError(NvmeShareError):
+    def __init__(self, fdid: int, shares: list[str]) -> None:
+        self.fdid = fdid
+        self.shares = shares
+        super().__init__(
+            f"device {fdid:#x} still has {len(shares)} share(s) ({', '.join(shares)}); "
+            "stop those VMs first"
+        )
+
+
+class SharingUnsupportedError(NvmeShareError):
+    def __init__(self, fdid: int, why: str) -> None:
+        self.fdid = fdid
+        self.why = why
+        super().__init__(f"device {fdid:#x} cannot be shared at the queue level: {why}")

@@ -47,6 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cmd_migrate",
         "Move VM (stopped, or shut down first) to node NODE keeping its remote devices.",
     ),
+    "nvme": (
+        "cmd_nvme",
+        "Queue-level sharing of NVMe drives: each VM gets I/O queue pairs and an LBA window.",
+    ),
     "path": ("cmd_path", "Explain the PCIe path from SRC to DST."),
     "reconcile": (
         "cmd_reconcile",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vmlend.cli.common import render_table
+from vmlend.demo.nvmeshare import render_nvme_share
 from vmlend.demo.story import StepResult
 from vmlend.fabric.admission import format_size_short
 
@@ -327,6 +328,7 @@ RENDERERS: dict[str, Callable[[Json], str]] = {
     "hotplug": _hotplug,
     "migrate": _migrate,
     "stop": _stop,
+    "nvme-share": render_nvme_share,
 }
 
 

@@ -14,6 +14,7 @@ from vmlend.demo import facts
 from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.context import Json, Story, require
 from vmlend.demo.libvirt_check import libvirt_accepts
+from vmlend.demo.nvmeshare import nvme_share_step
 from vmlend.demo.traffic import dma_into_guest, hole_fault, interrupts, p2p_write
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.fabric.model import DeviceState, GiB, format_fdid
@@ -323,4 +324,9 @@ STEPS: list[Step] = [
     Step("hotplug", "Hot-add a VF to the running VM, then remove it", hotplug_step),
     Step("migrate", "Cold-migrate the VM to alpha; its devices work there", migrate_step),
     Step("stop", "Stop the VM: everything is returned", stop_step),
+    Step(
+        "nvme-share",
+        "Two VMs on two hosts share the NVMe drive; the guard rejects a stray command",
+        nvme_share_step,
+    ),
 ]

@@ -11,6 +11,7 @@ from pathlib import PurePath
 from vmlend.domain.address import PciAddress
 from vmlend.domain.document import DomainDocument
 from vmlend.domain.layout import insert_child
+from vmlend.domain.metadata import NvmeShareRequest
 from vmlend.domain.model import DomainXML
 from vmlend.domain.rewrite import add_device
 from vmlend.domain.templates import MACHINES, TemplateSet
@@ -34,6 +35,7 @@ class DiskXML(XMLNode):
 class DeviceRequest:
     fdid: int
     address: PciAddress | None = None
+    share: NvmeShareRequest | None = None  # a queue-level share of an NVMe drive
 
 
 @dataclass(frozen=True)
@@ -98,5 +100,5 @@ def new_domain(
         assert devices is not None
         insert_child(devices, disk_el, 0)
     for d in spec.devices:
-        doc = add_device(doc, d.fdid, templates=templates, address=d.address)
+        doc = add_device(doc, d.fdid, templates=templates, address=d.address, share=d.share)
     return doc

@@ -5,6 +5,7 @@
     <metadata>
       <vmlend:vmlend xmlns:vmlend="http://vmlend.org/xmlns/domain/1.0">
         <vmlend:device fdid="0x10" mdev="…uuid…" address="0000:00:05.0"/>
+        <vmlend:device fdid="0x12" mdev="…uuid…" nvme-queues="2" nvme-size="64G"/>
         <vmlend:host node="beta"/>
       </vmlend:vmlend>
     </metadata>
@@ -12,16 +13,20 @@
 One top-level element per namespace, as libvirt's metadata API expects (key ``vmlend``); other
 tools' elements under ``<metadata>`` are never touched. ``address`` is optional (libvirt then
 assigns one). ``host`` records the node the XML was last rewritten for (migration).
+``nvme-queues`` and ``nvme-size`` (together) ask for a queue-level share of an NVMe drive
+instead of the whole drive.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from lxml import etree
 
 from vmlend.domain.address import PciAddress
+from vmlend.domain.units import format_size, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
 from vmlend.fabric.model import format_fdid, parse_fdid
@@ -44,19 +49,38 @@ _NAMESPACE_FAMILY = "{" + NAMESPACE_URI.rsplit("/", 1)[0] + "/"
 
 
 @dataclass(frozen=True)
+class NvmeShareRequest:
+    """A share of an NVMe drive instead of the whole drive (docs/nvme-sharing.md): I/O queue
+    pairs and the size of the one namespace the VM sees."""
+
+    queue_pairs: int
+    size: int  # bytes
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.queue_pairs <= 0xFFFE:
+            raise DomainXMLError(f"an NVMe share has 1..65534 queue pairs, not {self.queue_pairs}")
+        if self.size < 512 or self.size % 512:
+            raise DomainXMLError(f"an NVMe share's size is whole 512-byte blocks, not {self.size}")
+
+
+@dataclass(frozen=True)
 class VmlendDevice:
     """One remote device of a domain, as its metadata lists it."""
 
     fdid: int
     mdev: uuid.UUID
     address: PciAddress | None = None
+    share: NvmeShareRequest | None = None  # a queue-level share, not the whole device
 
-    def to_json(self) -> dict[str, str | None]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "fdid": format_fdid(self.fdid),
             "mdev": str(self.mdev),
             "address": None if self.address is None else str(self.address),
         }
+        if self.share is not None:
+            out["nvme_share"] = {"queue_pairs": self.share.queue_pairs, "size": self.share.size}
+        return out
 
 
 def _parse_fdid(text: str) -> int:
@@ -73,6 +97,20 @@ def _parse_address(text: str) -> PciAddress:
         raise DomainXMLError(str(e)) from None
 
 
+def _parse_queues(text: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise DomainXMLError(f"bad nvme-queues {text!r}: expected a number such as 2") from None
+
+
+def _parse_share_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise DomainXMLError(f"bad nvme-size: {e}") from None
+
+
 def _parse_mdev(text: str) -> uuid.UUID:
     try:
         return uuid.UUID(text)
@@ -85,6 +123,8 @@ class DeviceEntryXML(XMLNode):
     fdid = XMLProperty("./@fdid", parse=_parse_fdid, format=format_fdid)
     mdev = XMLProperty("./@mdev", parse=_parse_mdev)
     address = XMLProperty("./@address", parse=_parse_address)
+    nvme_queues = XMLProperty("./@nvme-queues", parse=_parse_queues, format=str)
+    nvme_size = XMLProperty("./@nvme-size", parse=_parse_share_size, format=format_size)
 
     def get(self) -> VmlendDevice:
         fdid, mdev = self.fdid, self.mdev
@@ -92,7 +132,13 @@ class DeviceEntryXML(XMLNode):
             raise DomainXMLError(
                 "a <vmlend:device> in the domain metadata lacks its fdid or mdev attribute"
             )
-        return VmlendDevice(fdid=fdid, mdev=mdev, address=self.address)
+        queues, size = self.nvme_queues, self.nvme_size
+        if (queues is None) != (size is None):
+            raise DomainXMLError(
+                f"device {format_fdid(fdid)}: an NVMe share needs both nvme-queues and nvme-size"
+            )
+        share = None if queues is None or size is None else NvmeShareRequest(queues, size)
+        return VmlendDevice(fdid=fdid, mdev=mdev, address=self.address, share=share)
 
 
 class VmlendMetadataXML(XMLNode):
@@ -131,6 +177,9 @@ class VmlendMetadataXML(XMLNode):
         entry.fdid = device.fdid
         entry.mdev = device.mdev
         entry.address = device.address
+        if device.share is not None:
+            entry.nvme_queues = device.share.queue_pairs
+            entry.nvme_size = device.share.size
         return el
 
 

@@ -23,6 +23,7 @@ from vmlend.domain.document import DomainDocument
 from vmlend.domain.layout import insert_child, remove_child
 from vmlend.domain.metadata import (
     HOST_TAG,
+    NvmeShareRequest,
     VmlendDevice,
     VmlendMetadataXML,
     find_metadata,
@@ -80,9 +81,11 @@ def add_device(
     *,
     templates: TemplateSet,
     address: PciAddress | None = None,
+    share: NvmeShareRequest | None = None,
 ) -> DomainDocument:
-    """Add remote device ``fdid`` (metadata entry + mdev hostdev). Adding a device the domain
-    already has returns an unchanged copy; asking for a different address for it raises."""
+    """Add remote device ``fdid`` (metadata entry + mdev hostdev), or with ``share`` a
+    queue-level share of that NVMe drive. Adding a device the domain already has returns an
+    unchanged copy; asking for a different address for it raises."""
     check_consistency(doc)
     present = find_device(doc, fdid)
     if present is not None:
@@ -102,7 +105,7 @@ def add_device(
                 f"guest PCI address {address} is already used by a <{used[address]}>;"
                 " pick a free slot or omit --address"
             )
-    device = VmlendDevice(fdid=fdid, mdev=mdev_uuid(dom_uuid, fdid), address=address)
+    device = VmlendDevice(fdid=fdid, mdev=mdev_uuid(dom_uuid, fdid), address=address, share=share)
 
     meta = _ensure_metadata(domain)
     entries = meta.entries()

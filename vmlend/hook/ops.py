@@ -17,6 +17,7 @@ from vmlend.fabric.model import Holder, format_fdid
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
 from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.nvme.lending import acquire_share, return_shares
 from vmlend.ops.restore import restore_running
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ class HookOps:
         for dev in dom.devices:
             fd = format_fdid(dev.fdid)
             try:
+                if dev.share is not None:  # a queue-level share of an NVMe drive
+                    acquire_share(
+                        self.fabric, holder, dev.fdid, dev.mdev, dev.share, journal, record
+                    )
+                    continue
                 acquire_device(
                     self.fabric,
                     holder,
@@ -66,8 +72,10 @@ class HookOps:
 
         record = self._recorder(dom, "release")
 
-        devices = [(d.fdid, d.mdev) for d in dom.devices]
-        failures = return_all(self.fabric, self.holder(dom), devices, record)
+        devices = [(d.fdid, d.mdev) for d in dom.devices if d.share is None]
+        shared = [d.mdev for d in dom.devices if d.share is not None]
+        failures = return_shares(self.fabric, self.holder(dom), shared, record)
+        failures += return_all(self.fabric, self.holder(dom), devices, record)
         for f in failures:
             record(f"FAILED: {f}")
         if failures:

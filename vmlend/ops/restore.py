@@ -10,6 +10,7 @@ from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import GuestRam, Holder, format_fdid
 from vmlend.lending import UndoJournal, acquire_device
+from vmlend.nvme.lending import acquire_share
 
 
 def restore_running(
@@ -25,6 +26,9 @@ def restore_running(
     problems: list[str] = []
     for dev in devices:
         try:
+            if dev.share is not None:  # a queue-level NVMe share: its own claim and mdev type
+                acquire_share(fabric, holder, dev.fdid, dev.mdev, dev.share, UndoJournal(), record)
+                continue
             acquire_device(
                 fabric,
                 holder,

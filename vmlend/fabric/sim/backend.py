@@ -46,6 +46,7 @@ from vmlend.fabric.model import (
     Topology,
 )
 from vmlend.fabric.paths import route
+from vmlend.fabric.sim.shareops import SimShareOps
 from vmlend.fabric.topology import parse_topology
 from vmlend.registry import (
     ClaimKind,
@@ -100,7 +101,7 @@ class BorrowHardware(Protocol):
     def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool: ...
 
 
-class SimFabric:
+class SimFabric(SimShareOps):
     """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node.
 
     With ``hardware``, ``borrow``/``give_back``/``release`` also drive the simulated hardware

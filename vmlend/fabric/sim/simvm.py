@@ -11,7 +11,7 @@ the hardware when the guest enables a device and gives it back when the device l
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,10 +22,12 @@ from vmlend.fabric.model import BarKind, BarSpec, GiB, Holder, MdevInfo
 from vmlend.fabric.sim.dmawin import VmDmaWindows, WindowLedger
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.hostmem import HUGE_2M
+from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
 from vmlend.fabric.sim.passthrough import BarObserver, BorrowFabric, PassthroughSession
 from vmlend.fabric.sim.resolver import DmaTarget
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.layout import CpuVendor, Family, Layout
+from vmlend.nvme.lending import ShareFabric
 from vmlend.pci import regs
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,7 @@ class SimVm:
         p2p: BarObserver | None = None,
         backing: int = HUGE_2M,
         host_vendor: CpuVendor | None = None,
+        nvme: Mapping[int, SharedNvmeDrive] | None = None,
     ) -> None:
         info = read_domain(xml)
         self.name = info.name
@@ -133,7 +136,11 @@ class SimVm:
         self.node = fabric.local_node
         self.holder = Holder(self.node, info.name, str(info.uuid or ""))
         self.layout = domain_layout(xml, host_vendor)
-        self._mdevs = {d.fdid: str(d.mdev) for d in info.devices}
+        self._mdevs = {d.fdid: str(d.mdev) for d in info.devices if d.share is None}
+        # queue-level NVMe shares: the drive's manager (``nvme``) serves them, not a borrow
+        shared = {d.fdid: str(d.mdev) for d in info.devices if d.share is not None}
+        self._nvme = dict(nvme or {})
+        self._shares: dict[int, VmNvmeShare] = {}
         self.guest = hardware.create_guest(
             self.node, info.name, self.layout.ranges(), backing=backing
         )
@@ -147,10 +154,13 @@ class SimVm:
         present = {m.uuid for m in fabric.mdevs() if m.node in ("", self.node)}
         try:
             self._attach([f for f, u in sorted(self._mdevs.items()) if u in present])
+            for fdid, u in sorted(shared.items()):
+                if u in present:
+                    self._open_share(fdid)
         except BaseException:
             self.stop()
             raise
-        missing = sorted(f for f, u in self._mdevs.items() if u not in present)
+        missing = sorted(f for f, u in {**self._mdevs, **shared}.items() if u not in present)
         if missing:
             log.warning(
                 "VM %s starts without devices %s: their mdevs do not exist on %s",
@@ -180,6 +190,31 @@ class SimVm:
 
     def devices(self) -> list[int]:
         return sorted(self._sessions)
+
+    def _open_share(self, fdid: int) -> None:
+        drive = self._nvme.get(fdid)
+        share = (
+            self.fabric.share_of(fdid, self.holder)
+            if isinstance(self.fabric, ShareFabric)
+            else None
+        )
+        if drive is None or share is None:
+            raise FabricError(
+                f"VM {self.name} has an NVMe share mdev for {fdid:#x} but "
+                + ("no manager serves that drive here" if drive is None else "no share of it")
+            )
+        self._shares[fdid] = drive.open_share(self.node, self.name, share=share)
+
+    def nvme_share(self, fdid: int) -> VmNvmeShare:
+        """The VM's share of NVMe drive ``fdid``: its virtual controller's BAR0 (``bar0``)."""
+        self._require_running()
+        try:
+            return self._shares[fdid]
+        except KeyError:
+            raise FabricError(f"VM {self.name} has no share of device {fdid:#x}") from None
+
+    def shares(self) -> list[int]:
+        return sorted(self._shares)
 
     def session(self, fdid: int) -> PassthroughSession:
         self._require_running()
@@ -300,6 +335,13 @@ class SimVm:
         if not self.running:
             return
         errors: list[Exception] = []
+        for fdid in sorted(self._shares):  # its real queues go, then its windows and pins
+            try:
+                self._shares[fdid].close()
+            except Exception as e:  # keep stopping the rest; the first error is raised
+                log.warning("VM %s: NVMe share of %#x did not stop cleanly: %s", self.name, fdid, e)
+                errors.append(e)
+        self._shares.clear()
         for fdid in sorted(self._sessions):
             try:
                 self._sessions[fdid].close()

@@ -1,0 +1,29 @@
+"""The guest side of the NVMe tests: the guest's view of its controller's BAR0 and its RAM, for
+``vmlend.nvme.driver.NvmeDriver`` acting as the guest's unmodified driver."""
+
+from __future__ import annotations
+
+from vmlend.fabric.model import MiB
+from vmlend.fabric.sim.guest import SimGuest
+from vmlend.fabric.sim.simvm import SimVm
+from vmlend.nvme.driver import BumpAllocator, NvmeDriver
+
+
+class VmBar0:
+    """BAR0 of ``fdid`` as the guest CPU reaches it (its guest-physical BAR address)."""
+
+    def __init__(self, vm: SimVm, fdid: int) -> None:
+        self.vm = vm
+        self.base = next(b.address for b in vm.bars(fdid) if b.index == 0)
+
+    def read(self, offset: int, size: int) -> int:
+        return self.vm.mmio_read(self.base + offset, size)
+
+    def write(self, offset: int, size: int, value: int) -> None:
+        self.vm.mmio_write(self.base + offset, size, value)
+
+
+def guest_driver(mmio, guest: SimGuest, start: int = 16 * MiB, size: int = 16 * MiB) -> NvmeDriver:
+    """A driver whose queues and buffers live in guest RAM [start, start + size)."""
+    return NvmeDriver(mmio, guest, BumpAllocator(start, start + size))
+

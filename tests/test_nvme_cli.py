@@ -1,0 +1,55 @@
+"""``vmlend nvme``: share a drive, claim and return VM shares, status and --json."""
+
+from __future__ import annotations
+
+import json
+
+from tests.cli_cluster import make_cluster
+
+
+def test_share_reserve_status_release_unshare(state_path):
+    c = make_cluster(state_path)
+    r = c.cli("nvme", "share", "0x12", "--size", "2G")
+    assert r.exit_code == 0, r.output
+    assert "511 queue pairs" in r.output and "trap doorbells" in r.output
+    assert c.holds()[0x12] == "alpha/nvme-manager"
+    r = c.cli("nvme", "reserve", "0x12", "web", "--queues", "2", "--size", "64M")
+    assert r.exit_code == 0, r.output
+    assert "gamma/web: 2 queue pair(s)" in r.output
+    assert c.cli("nvme", "reserve", "0x12", "db", "--node", "beta", "--size", "1G").exit_code == 0
+    r = c.cli("nvme", "status")
+    assert r.exit_code == 0
+    assert "gamma/web" in r.output and "0+131072 (64M)" in r.output and "beta/db" in r.output
+    data = json.loads(c.cli("nvme", "status", "--json").output)
+    (drive,) = data
+    assert drive["fdid"] == "0x12" and drive["doorbells"] == "trap"
+    shares = {s["vm"]: s for s in drive["shares"]}
+    assert shares["web"]["queue_pairs"] == 2 and shares["web"]["guard_rejections"] == 0
+    assert shares["db"]["lba_offset"] == 131072
+    # the fabric-wide status shows the manager holding the drive
+    r = c.cli("status", "--connect", "sim:///gamma")
+    assert r.exit_code == 0 and "nvme-manager" in r.output, r.output
+    r = c.cli("nvme", "unshare", "0x12")
+    assert r.exit_code == 1 and "still has 2 share(s)" in r.output
+    assert "share returned" in c.cli("nvme", "release", "0x12", "web").output
+    assert "share returned" in c.cli("nvme", "release", "0x12", "db", "--node", "beta").output
+    assert "no longer shared" in c.cli("nvme", "unshare", "0x12").output
+    assert 0x12 not in c.holds()
+
+
+def test_refusals_are_one_line_errors(state_path):
+    c = make_cluster(state_path)
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "64M")
+    assert r.exit_code == 1 and "not lent for sharing" in r.output
+    r = c.cli("nvme", "share", "0x10")
+    assert r.exit_code == 1 and "not an NVMe controller" in r.output
+    assert c.cli("nvme", "share", "0x12", "--size", "1M").exit_code == 0
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "2M")
+    assert r.exit_code == 1 and "LBA space" in r.output
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "1000")
+    assert r.exit_code == 1 and "multiple of 512" in r.output
+    r = c.cli("nvme", "reserve", "0x12", "web", "--queues", "40", "--size", "64K")
+    assert r.exit_code == 1 and "vectors" in r.output
+    assert "no drive is shared" in make_cluster(state_path.parent / "other.db").cli(
+        "nvme", "status"
+    ).output

@@ -1,0 +1,35 @@
+"""``vmlend doctor`` says which NVMe drives the SmartIO driver can share and why not the rest
+(contract section 6)."""
+
+from __future__ import annotations
+
+from tests.test_doctor import checks, healthy
+from vmlend.doctor import Status
+from vmlend.hostenv import HostEnv
+
+
+def _attr(fake, text):
+    (fake.env.smartio / "smartio-12" / "nvme_share").write_text(text)
+
+
+def test_a_driver_without_sharing_is_named_as_the_reason(tmp_path):
+    fake = healthy(tmp_path)
+    found = checks(fake.env)["nvme sharing"]
+    assert found.status is Status.OK  # lending the drive whole still works
+    assert "0x12: refused, the SmartIO driver offers no queue-level sharing" in found.detail
+
+
+def test_the_driver_reason_and_the_supported_case(tmp_path):
+    fake = healthy(tmp_path)
+    _attr(fake, "unsupported controller has no per-queue LBA guard\n")
+    assert "refused, controller has no per-queue LBA guard" in checks(fake.env)[
+        "nvme sharing"
+    ].detail
+    _attr(fake, "supported 511 32 0\n")
+    assert checks(fake.env)["nvme sharing"].detail == "0x12: 511 queue pairs"
+    _attr(fake, "supported lots\n")
+    assert "unreadable nvme_share" in checks(fake.env)["nvme sharing"].detail
+
+
+def test_no_driver_no_drive(tmp_path):
+    assert "no SmartIO driver" in checks(HostEnv(tmp_path))["nvme sharing"].detail

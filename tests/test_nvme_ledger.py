@@ -1,0 +1,138 @@
+"""Shares of a drive in the registry: claimed at reserve, returned at release, exclusive and
+shared use of one drive excluding each other, refusals leaving nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.simfabric import make_fabric
+from vmlend.errors import (
+    DeviceHeldError,
+    NotSharedError,
+    ResourceExhaustedError,
+    SharesActiveError,
+    SharingUnsupportedError,
+)
+from vmlend.fabric.model import Holder
+from vmlend.fabric.sim.nvmedrive import drive_geometry
+from vmlend.nvme import ledger
+from vmlend.registry import Registry
+
+NVME = 0x12
+BLOCKS = 1 << 20
+
+
+@pytest.fixture
+def fab(state_path):
+    f = make_fabric(state_path)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def reg(state_path, fab):
+    r = Registry.open(state_path)
+    yield r
+    r.close()
+
+
+def geometry(fab):
+    return drive_geometry(fab.topology().device(NVME), BLOCKS)
+
+
+def test_geometry_of_the_default_drive_and_refusals_for_other_devices(fab):
+    g = geometry(fab)
+    assert (g.queue_pairs, g.vectors, g.mode) == (511, 32, "trap")
+    with pytest.raises(SharingUnsupportedError, match="gpu"):
+        drive_geometry(fab.topology().device(0x10), BLOCKS)
+
+
+def test_shares_are_claimed_at_reserve_and_returned_at_release(fab, reg):
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    ledger.lend_shared(reg, NVME, geometry(fab))  # idempotent
+    a, b = Holder("gamma", "a"), Holder("beta", "b")
+    sa = ledger.reserve_share(reg, NVME, a, 4, 1000)
+    assert ledger.reserve_share(reg, NVME, a, 4, 1000) == sa  # the same VM again
+    sb = ledger.reserve_share(reg, NVME, b, 2, 500)
+    assert sa.lba_offset + 1000 <= sb.lba_offset and sa.asid != sb.asid
+    assert {sa.vector_base, sb.vector_base} == {1, 5}
+    (holder, geo, entries) = ledger.shared_drives(reg)[NVME]
+    assert holder.vm == ledger.MANAGER_VM and geo.queue_pairs == 511
+    assert sorted(str(e.holder) for e in entries) == ["beta/b", "gamma/a"]
+    assert ledger.release_share(reg, NVME, a)
+    assert not ledger.release_share(reg, NVME, a)
+    # a's space is free again
+    assert ledger.reserve_share(reg, NVME, Holder("gamma", "c"), 4, 1000).lba_offset == 0
+
+
+def test_the_controller_refuses_more_than_it_has_and_claims_nothing(fab, reg):
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 30, 10)
+    with pytest.raises(ResourceExhaustedError, match="vectors"):
+        ledger.reserve_share(reg, NVME, Holder("gamma", "b"), 2, 10)  # 31 I/O vectors in all
+    with pytest.raises(ResourceExhaustedError, match="LBA"):
+        ledger.reserve_share(reg, NVME, Holder("gamma", "b"), 1, BLOCKS)
+    assert len(ledger.shared_drives(reg)[NVME][2]) == 1
+
+
+def test_exclusive_and_shared_exclude_each_other(fab, reg):
+    fab.reserve(NVME, Holder("gamma", "solo"))
+    with pytest.raises(DeviceHeldError):
+        ledger.lend_shared(reg, NVME, geometry(fab))
+    with pytest.raises(DeviceHeldError):
+        ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 1, 10)
+    fab.release(NVME, Holder("gamma", "solo"))
+    with pytest.raises(NotSharedError):
+        ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 1, 10)
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    with pytest.raises(DeviceHeldError):
+        fab.reserve(NVME, Holder("gamma", "solo"))
+
+
+def test_unshare_waits_for_the_shares_to_go(fab, reg):
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    a = Holder("gamma", "a")
+    ledger.reserve_share(reg, NVME, a, 1, 10)
+    with pytest.raises(SharesActiveError):
+        ledger.unshare(reg, NVME)
+    ledger.release_share(reg, NVME, a)
+    assert ledger.unshare(reg, NVME)
+    assert not ledger.unshare(reg, NVME)
+    fab.reserve(NVME, Holder("gamma", "solo"))  # exclusive use is possible again
+
+
+def test_usage_recorded_by_the_data_path_shows_in_the_entries(fab, reg):
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    share = ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 2, 10)
+    ledger.record_usage(reg, NVME, share.name, [share.real_qid(1)], 3)
+    (entry,) = ledger.shared_drives(reg)[NVME][2]
+    assert entry.rejections == 3 and entry.real_queues == (share.real_qid(1),)
+    assert entry.to_json()["guard_rejections"] == 3
+
+
+def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
+    fab, reg, tmp_path
+):
+    from tests.nvme_guest import guest_driver
+    from vmlend.fabric.model import GuestRange, MiB
+    from vmlend.fabric.sim.hardware import SimHardware
+    from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
+    from vmlend.nvme import spec
+
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    holder = Holder("gamma", "a")
+    share = ledger.reserve_share(reg, NVME, holder, 1, 64)
+    hw = SimHardware.from_topology(fab.topology(), seed=2)
+    drive = SharedNvmeDrive(hw, NVME, tmp_path, blocks=BLOCKS)
+    try:
+        guest = hw.create_guest("gamma", "a", [GuestRange(0, 64 * MiB)])
+        vms = drive.open_share("gamma", "a", share=share)
+        drv = guest_driver(vms.bar0, guest)
+        (qp,) = drv.start(queues=1)
+        assert drv.identify_namespace(1) == (64, 512)
+        assert drv.write(qp, 64, b"x" * 512).status == spec.SC_LBA_OUT_OF_RANGE
+        drive.record(reg)
+        (entry,) = ledger.shared_drives(reg)[NVME][2]
+        assert entry.rejections == 1 and entry.real_queues == (share.real_qid(1),)
+    finally:
+        drive.close()

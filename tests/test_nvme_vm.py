@@ -1,0 +1,83 @@
+"""End to end in the simulator: domains asking for NVMe shares start through the hook's
+prepare (share + share mdev), their SimVms get virtual controllers served by the drive's
+manager, their guests' drivers do I/O; one VM stops and is released while the other goes on."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.nvme_guest import guest_driver
+from tests.test_simvm import Cluster
+from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
+from vmlend.errors import FabricError
+from vmlend.fabric.model import MiB
+from vmlend.fabric.sim.nvmedrive import drive_geometry
+from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
+from vmlend.fabric.sim.simvm import SimVm
+from vmlend.nvme import ledger, spec
+
+NVME = 0x12
+BLOCKS = 1 << 20
+
+
+def share_xml(name: str, queues: int = 1, size: int = 32 * MiB) -> bytes:
+    spec_ = DomainSpec(
+        name=name,
+        memory_bytes=256 * MiB,
+        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
+        devices=[DeviceRequest(NVME, share=NvmeShareRequest(queues, size))],
+    )
+    return new_domain(spec_, templates=TemplateSet()).to_bytes()
+
+
+@pytest.fixture
+def setup(state_path, tmp_path):
+    c = Cluster.create(state_path)
+    ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
+    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS)
+    yield c, drive
+    drive.close()
+    c.close()
+
+
+def start(c, drive, xml, node):
+    c.prepare(xml, node)
+    return SimVm(xml, hardware=c.hw, fabric=c.fabric(node), nvme={NVME: drive})
+
+
+def test_two_vms_started_by_the_hook_share_the_drive(setup):
+    c, drive = setup
+    xa, xb = share_xml("sa", queues=2), share_xml("sb")
+    va, vb = start(c, drive, xa, "gamma"), start(c, drive, xb, "beta")
+    assert va.shares() == [NVME] and va.devices() == []  # no exclusive borrow of the drive
+    da = guest_driver(va.nvme_share(NVME).bar0, va.guest)
+    db = guest_driver(vb.nvme_share(NVME).bar0, vb.guest)
+    qa, qb = da.start(queues=2)[0], db.start(queues=1)[0]
+    assert da.identify_namespace(1) == (65536, 512)
+    assert da.write(qa, 0, b"a" * 4096).ok and db.write(qb, 0, b"b" * 4096).ok
+    assert da.write(qa, 65536, b"a" * 512).status == spec.SC_LBA_OUT_OF_RANGE
+    # A stops and the hook releases it: its queues and its share go, B goes on
+    va.stop()
+    c.release(xa, "gamma")
+    assert [str(e.holder) for e in ledger.shared_drives(c.registry)[NVME][2]] == ["beta/sb"]
+    assert c.fabric("gamma").mdevs() == []
+    assert db.read(qb, 0, 8)[1] == b"b" * 4096
+    for i in range(8):
+        assert db.write(qb, i, bytes([i]) * 512).ok
+    assert db.read(qb, 0, 8)[1] == b"".join(bytes([i]) * 512 for i in range(8))
+    vb.stop()
+    c.release(xb, "beta")
+    assert ledger.shared_drives(c.registry)[NVME][2] == []
+    assert drive.manager.real_queues("vm:beta/sb") == []
+
+
+def test_a_vm_whose_share_has_no_manager_here_fails_to_start_cleanly(setup):
+    c, _drive = setup
+    xml = share_xml("lonely")
+    c.prepare(xml)
+    with pytest.raises(FabricError, match="no manager serves"):
+        SimVm(xml, hardware=c.hw, fabric=c.fabric())
+    with pytest.raises(FabricError):
+        c.hw.guest("gamma", "lonely")  # its RAM is gone again

@@ -1,0 +1,148 @@
+"""``vmlend nvme``: share one NVMe drive among VMs at the queue level (docs/nvme-sharing.md)."""
+
+from __future__ import annotations
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.domain.units import format_size, parse_size
+from vmlend.errors import ConfigError
+from vmlend.fabric.model import Holder, format_fdid, parse_fdid
+from vmlend.fabric.sim.nvmedrive import drive_geometry
+from vmlend.nvme import ledger
+from vmlend.registry import Registry
+
+BLOCK = 512
+
+
+def _blocks(size: str) -> int:
+    n = parse_size(size)
+    if n < BLOCK or n % BLOCK:
+        raise ConfigError(f"size {size!r} must be a positive multiple of {BLOCK} bytes")
+    return n // BLOCK
+
+
+@click.group("nvme")
+def nvme() -> None:
+    """Queue-level sharing of NVMe drives: each VM gets I/O queue pairs and an LBA window."""
+
+
+@nvme.command("share")
+@click.argument("fdid")
+@click.option("--size", default="1T", show_default=True, help="Namespace size to share out.")
+@click.pass_obj
+def share_cmd(obj: CliContext, fdid: str, size: str) -> None:
+    """Lend FDID for sharing: its manager holds it; VMs then get shares, not the drive."""
+    dev = parse_fdid(fdid)
+    with obj.fabric() as fabric:
+        geometry = drive_geometry(fabric.topology().device(dev), _blocks(size))
+    with Registry.open(obj.state_path) as reg:
+        ledger.lend_shared(reg, dev, geometry)
+    click.echo(
+        f"{format_fdid(dev)} shared: {geometry.queue_pairs} queue pairs, "
+        f"{geometry.vectors - 1} vectors, {size} ({geometry.mode} doorbells)"
+    )
+
+
+@nvme.command("unshare")
+@click.argument("fdid")
+@click.pass_obj
+def unshare_cmd(obj: CliContext, fdid: str) -> None:
+    """Stop sharing FDID (refused while VMs have shares)."""
+    dev = parse_fdid(fdid)
+    with Registry.open(obj.state_path) as reg:
+        done = ledger.unshare(reg, dev)
+    click.echo(f"{format_fdid(dev)} {'no longer shared' if done else 'was not shared'}")
+
+
+def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
+    if node is None:
+        with obj.fabric() as fabric:
+            node = fabric.local_node
+    return Holder(node, vm)
+
+
+@nvme.command("reserve")
+@click.argument("fdid")
+@click.argument("vm")
+@click.option("--queues", type=click.IntRange(1, 0xFFFE), default=1, show_default=True)
+@click.option("--size", required=True, help="The VM's namespace size, e.g. 64G.")
+@click.option("--node", help="The VM's node (default: this host's).")
+@click.pass_obj
+def reserve_cmd(
+    obj: CliContext, fdid: str, vm: str, queues: int, size: str, node: str | None
+) -> None:
+    """Claim a share of FDID for VM: queue pairs, MSI-X vectors and an LBA window."""
+    dev = parse_fdid(fdid)
+    holder = _holder(obj, vm, node)
+    with Registry.open(obj.state_path) as reg:
+        share = ledger.reserve_share(reg, dev, holder, queues, _blocks(size))
+    click.echo(
+        f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "
+        f"LBAs {share.lba_offset}..{share.lba_offset + share.blocks - 1}"
+    )
+
+
+@nvme.command("release")
+@click.argument("fdid")
+@click.argument("vm")
+@click.option("--node", help="The VM's node (default: this host's).")
+@click.pass_obj
+def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None) -> None:
+    """Return VM's share of FDID."""
+    dev = parse_fdid(fdid)
+    holder = _holder(obj, vm, node)
+    with Registry.open(obj.state_path) as reg:
+        done = ledger.release_share(reg, dev, holder)
+    click.echo(f"{holder}: {'share returned' if done else 'had no share'} of {format_fdid(dev)}")
+
+
+@nvme.command("status")
+@json_option
+@click.pass_obj
+def status_cmd(obj: CliContext, json_output: bool) -> None:
+    """Shared drives and each VM's share: queue pairs, LBA window, guard rejections."""
+    with Registry.open(obj.state_path) as reg:
+        drives = ledger.shared_drives(reg)
+    if json_output:
+        emit_json(
+            [
+                {
+                    "fdid": format_fdid(fdid),
+                    "manager": str(manager),
+                    "queue_pairs": geo.queue_pairs,
+                    "vectors": geo.vectors,
+                    "blocks": geo.blocks,
+                    "doorbells": geo.mode,
+                    "shares": [e.to_json() for e in entries],
+                }
+                for fdid, (manager, geo, entries) in drives.items()
+            ]
+        )
+        return
+    if not drives:
+        click.echo("no drive is shared ('vmlend nvme share FDID' on its lender)")
+        return
+    rows = []
+    for fdid, (_, geo, entries) in drives.items():
+        for e in entries:
+            s = e.share
+            rows.append(
+                (
+                    format_fdid(fdid),
+                    str(e.holder),
+                    s.queue_pairs,
+                    f"{s.lba_offset}+{s.blocks} ({format_size(s.blocks * BLOCK)})",
+                    ",".join(map(str, e.real_queues)) or "-",
+                    geo.mode,
+                    e.rejections,
+                )
+            )
+        if not entries:
+            rows.append((format_fdid(fdid), "-", 0, "-", "-", geo.mode, 0))
+    emit_table(
+        ("FDID", "VM", "QUEUE PAIRS", "LBA WINDOW", "REAL QIDS", "DOORBELLS", "REJECTED"), rows
+    )
+
+
+COMMANDS = [nvme]

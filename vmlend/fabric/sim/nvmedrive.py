@@ -1,0 +1,191 @@
+"""Put the NVMe controller model behind a simulated device's BAR0.
+
+The controller's bus-master traffic goes through the simulator's resolver (``hw.dma_read`` /
+``hw.dma_write``), so queues, PRP lists and data honour every window and fault like any DMA;
+its completion interrupts are the device's (``raise_interrupt``), relayed by whoever listens.
+A function level reset of the device resets the controller too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmlend.errors import FabricError, SharingUnsupportedError
+from vmlend.fabric.model import DeviceSpec
+from vmlend.fabric.sim.device import SimDevice
+from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.hostmem import FRAME, HostMemory
+from vmlend.fabric.sim.iommu import IommuDomain
+from vmlend.nvme import spec
+from vmlend.nvme.controller import ControllerConfig, NvmeController
+from vmlend.nvme.driver import BumpAllocator
+from vmlend.nvme.namespace import Namespace
+from vmlend.nvme.shares import Geometry
+
+
+class ResolverDma:
+    """The controller's DMA port: device ``fdid``'s requests resolved hop by hop."""
+
+    def __init__(self, hardware: SimHardware, fdid: int) -> None:
+        self.hw = hardware
+        self.fdid = fdid
+
+    def read(self, iova: int, length: int) -> bytes:
+        return self.hw.dma_read(self.fdid, iova, length)
+
+    def write(self, iova: int, data: bytes) -> None:
+        self.hw.dma_write(self.fdid, iova, data)
+
+
+def doorbell_room(device: DeviceSpec) -> int:
+    """Bytes of BAR0 from the first doorbell to the next thing in the BAR (MSI-X table or PBA
+    when they sit in BAR0, else the end of the BAR)."""
+    bar0 = next((b for b in device.bars if b.index == 0), None)
+    if bar0 is None or bar0.size <= spec.DOORBELL_BASE:
+        raise SharingUnsupportedError(device.fdid, "BAR0 is too small for NVMe registers")
+    end = bar0.size
+    m = device.msix
+    if m is not None:
+        for bar, offset in ((m.table_bar, m.table_offset), (m.pba_bar, m.pba_offset)):
+            if bar == 0 and offset >= spec.DOORBELL_BASE:
+                end = min(end, offset)
+    return end - spec.DOORBELL_BASE
+
+
+def drive_config(device: DeviceSpec, dstrd: int = 0, entries: int = 1024) -> ControllerConfig:
+    """What the device's BAR layout allows: as many queue pairs as doorbells fit."""
+    slots = doorbell_room(device) // (4 << dstrd)
+    pairs = min(slots // 2 - 1, 0xFFFE)
+    if pairs < 1:
+        raise SharingUnsupportedError(device.fdid, "BAR0 has no room for an I/O queue doorbell")
+    vectors = device.msix.vectors if device.msix else 1
+    return ControllerConfig(
+        queue_pairs=pairs,
+        entries=entries,
+        dstrd=dstrd,
+        vectors=vectors,
+        serial=f"VMLEND{device.fdid:08X}",
+        vendor_id=device.vendor_id,
+    )
+
+
+@dataclass
+class SimNvmeDrive:
+    """A controller attached to a device, with its namespace."""
+
+    device: SimDevice
+    controller: NvmeController
+    namespace: Namespace
+    remove_reset: Callable[[], None]
+
+    def close(self) -> None:
+        self.remove_reset()
+        self.controller.close()
+        self.namespace.close()
+
+
+def drive_geometry(device: DeviceSpec, blocks: int) -> Geometry:
+    """What the manager of ``device`` can share (``SharingUnsupportedError`` when nothing):
+    the queue pairs its doorbells allow, its MSI-X vectors (one per queue pair), ``blocks``."""
+    if device.kind != "nvme" or device.class_code >> 8 != 0x0108:
+        raise SharingUnsupportedError(device.fdid, f"it is a {device.kind}, not an NVMe controller")
+    if device.msix is None or device.msix.vectors < 2:
+        raise SharingUnsupportedError(device.fdid, "it has no MSI-X vectors to give each VM")
+    cfg = drive_config(device)
+    return Geometry(cfg.queue_pairs, cfg.dstrd, cfg.vectors, blocks, f"nvme {device.fdid:#x}")
+
+
+def attach_nvme(
+    hardware: SimHardware,
+    fdid: int,
+    directory: Path,
+    *,
+    blocks: int = 1 << 21,
+    block_size: int = 512,
+    config: ControllerConfig | None = None,
+) -> SimNvmeDrive:
+    """Make device ``fdid`` an NVMe drive whose namespace 1 (``blocks`` blocks) lives in a
+    sparse file under ``directory``."""
+    device = hardware.device(fdid)
+    cfg = config or drive_config(device.spec)
+    if cfg.doorbell_end() > spec.DOORBELL_BASE + doorbell_room(device.spec):
+        raise FabricError(
+            f"device {fdid:#x}: {cfg.queue_pairs} queue pairs' doorbells do not fit in BAR0"
+        )
+    ns = Namespace(1, Path(directory) / f"nvme-{fdid:x}-ns1.img", blocks, block_size)
+
+    def msix_on() -> bool:
+        state = device.config.msix()
+        return bool(state and state.enabled)
+
+    controller = NvmeController(
+        device.bars,
+        ResolverDma(hardware, fdid),
+        device.raise_interrupt,
+        [ns],
+        cfg,
+        msix_enabled=msix_on,
+    )
+    return SimNvmeDrive(device, controller, ns, device.on_reset(controller.function_reset))
+
+
+class HostDmaMemory:
+    """Lender memory of the drive's host driver (the manager), mapped for the drive at ``iova``
+    (frames need not be contiguous: each is mapped on its own)."""
+
+    def __init__(
+        self, memory: HostMemory, domain: IommuDomain, iova: int, size: int, owner: str
+    ) -> None:
+        self.memory = memory
+        self.domain = domain
+        self.iova = iova
+        self.frames: list[int] = []
+        try:
+            for i in range(size // FRAME):
+                frame = memory.alloc(FRAME, owner=owner)
+                self.frames.append(frame)
+                domain.map(iova + i * FRAME, frame, FRAME)
+        except Exception:
+            self.close()
+            raise
+        self.alloc = BumpAllocator(iova, iova + size)
+
+    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
+        out, at, end = [], address, address + length
+        while at < end:
+            index = (at - self.iova) // FRAME
+            if not 0 <= index < len(self.frames):
+                raise ValueError(f"{at:#x} is outside the manager's memory")
+            n = min(end - at, FRAME - at % FRAME)
+            out.append((self.frames[index] + at % FRAME, at - address, n))
+            at += n
+        return out
+
+    def read(self, address: int, length: int) -> bytes:
+        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
+
+    def write(self, address: int, data: bytes) -> None:
+        for phys, pos, n in self._pieces(address, len(data)):
+            self.memory.write(phys, data[pos : pos + n])
+
+    def close(self) -> None:
+        for i, frame in enumerate(self.frames):
+            if self.domain.lookup(self.iova + i * FRAME) is not None:
+                self.domain.unmap(self.iova + i * FRAME, FRAME)
+            self.memory.free(frame)
+        self.frames = []
+
+
+class DeviceBar0:
+    """BAR0 as the lender's CPU reaches it (the manager's driver)."""
+
+    def __init__(self, device: SimDevice) -> None:
+        self.bars = device.bars
+
+    def read(self, offset: int, size: int) -> int:
+        return self.bars.read(0, offset, size)
+
+    def write(self, offset: int, size: int, value: int) -> None:
+        self.bars.write(0, offset, size, value)

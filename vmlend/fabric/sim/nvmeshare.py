@@ -1,0 +1,355 @@
+"""One simulated NVMe drive shared by VMs on any nodes at the queue level (mechanism 11).
+
+``SharedNvmeDrive`` puts the controller model on the device, takes the device for the
+manager on its lender (so no VM can borrow it exclusively meanwhile), gives the manager its
+admin queues in lender memory, and for each VM (``open_share``):
+
+- DMA windows in the share's address space: the lender IOMMU maps ``asid_base + GPA`` of each
+  guest RAM range onto NTB segments that point at the same IOVAs on the VM's node, where a
+  per-node domain (attached to the drive's crossing into that node) maps them onto the guest's
+  pinned frames. A VM on the lender itself is mapped in the lender domain directly.
+- a virtual controller (its mdev is of type ``smartio-nvme_share``): emulated registers and
+  admin queue.
+- the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
+  software on the I/O path); in trap mode each write is trapped and forwarded to the share's
+  own real queue ids only (one software step each).
+
+A VM's stop (``VmNvmeShare.close``) deletes its real queues, unmaps its windows and unpins its
+RAM; other shares keep running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vmlend.errors import FabricError
+from vmlend.fabric.model import GuestRange
+from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
+from vmlend.fabric.sim.iommu import IommuDomain, Requester
+from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
+from vmlend.nvme import spec
+from vmlend.nvme.controller import ControllerConfig
+from vmlend.nvme.driver import NvmeDriver
+from vmlend.nvme.guard import asid_base
+from vmlend.nvme.ledger import MANAGER_VM, record_usage
+from vmlend.nvme.manager import NvmeManager
+from vmlend.nvme.shares import Share
+from vmlend.nvme.virtual import VirtualNvmeController
+from vmlend.pci import regs
+from vmlend.registry import Registry
+
+log = logging.getLogger(__name__)
+
+_MANAGER_IOVA = 0x4000_0000  # the manager's admin memory, in the untagged address space
+_MANAGER_BYTES = 256 * 1024
+
+
+@dataclass
+class _Ingress:
+    """The drive's crossing into one borrower node, shared by the VMs of that node."""
+
+    requester: Requester
+    domain: IommuDomain
+    users: int = 0
+    undo: list[Callable[[], object]] = field(default_factory=list)
+
+
+@dataclass
+class _Windows:
+    undo: list[Callable[[], object]] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self.undo:
+            self.undo.pop()()
+
+
+class VmNvmeShare:
+    """One VM's share: its virtual controller's BAR0 (``bar0``), its interrupts."""
+
+    def __init__(self, drive: SharedNvmeDrive, node: str, vm: str, share: Share) -> None:
+        self.drive = drive
+        self.node = node
+        self.vm = vm
+        self.share = share
+        self.windows = _Windows()
+        self.interrupts: dict[int, int] = {}
+        self._listeners: list[Callable[[int], object]] = []
+        self.traps = 0  # software steps taken for the guest's I/O doorbell writes
+        self.admin_traps = 0
+        self.open = True
+        self.virtual = VirtualNvmeController(
+            share,
+            drive.controller.config,
+            drive.namespace.block_size,
+            drive.hw.guest(node, vm),
+            drive.manager,
+            self._interrupt,
+        )
+        self.bar0 = _GuestBar0(self)
+
+    @property
+    def name(self) -> str:
+        return self.share.name
+
+    def _interrupt(self, vector: int) -> None:
+        self.interrupts[vector] = self.interrupts.get(vector, 0) + 1
+        for fn in list(self._listeners):
+            fn(vector)
+
+    def on_interrupt(self, fn: Callable[[int], object]) -> None:
+        self._listeners.append(fn)
+
+    def status(self) -> dict[str, object]:
+        return {
+            **self.share.as_dict(),
+            "node": self.node,
+            "vm": self.vm,
+            "real_queues": self.drive.manager.real_queues(self.name),
+            "rejections": self.drive.manager.rejections(self.name),
+        }
+
+    def close(self) -> None:
+        """The VM stops: its queues go, then its windows and pins. Idempotent."""
+        if self.open:
+            self.open = False
+            self.drive._close_share(self)
+
+
+class _GuestBar0:
+    """The guest's view of its virtual controller's BAR0 (the mdev region)."""
+
+    def __init__(self, share: VmNvmeShare) -> None:
+        self.s = share
+        self.real = share.drive.device.bars
+        self.dstrd = share.drive.controller.config.dstrd
+        self.page = share.share.doorbell_page_offset(self.dstrd)
+
+    def read(self, offset: int, size: int) -> int:
+        if offset < spec.DOORBELL_BASE:
+            return self.s.virtual.read(offset, size)
+        return 0
+
+    def write(self, offset: int, size: int, value: int) -> None:
+        if not self.s.open:
+            raise FabricError(f"VM {self.s.vm}'s NVMe share is closed")
+        if offset < spec.DOORBELL_BASE:
+            self.s.admin_traps += 1
+            self.s.virtual.write(offset, size, value)
+            return
+        if offset >= spec.DOORBELL_BASE + spec.PAGE:
+            return  # nothing else in the BAR decodes
+        if self.page is not None:
+            # page mode: the guest page is mapped onto the share's real doorbell page, so the
+            # write lands in the drive with no software in between (guest qid g = real
+            # qid_base + g by construction); admin doorbells come back as stray doorbells
+            self.real.write(0, self.page + offset - spec.DOORBELL_BASE, size, value)
+            return
+        slot = spec.doorbell_of(offset, self.dstrd)
+        if slot is None or size != 4:
+            return
+        qid, completion = slot
+        if qid == 0:
+            self.s.admin_traps += 1
+            self.s.virtual.admin_doorbell(completion, value)
+            return
+        self.s.traps += 1  # trap mode: one software step per I/O doorbell write
+        if qid <= self.s.share.queue_pairs:
+            real = spec.doorbell_offset(self.s.share.real_qid(qid), completion, self.dstrd)
+            self.real.write(0, real, 4, value)
+
+
+class SharedNvmeDrive:
+    """Device ``fdid`` as an NVMe drive shared by VMs, its manager on the lender."""
+
+    def __init__(
+        self,
+        hardware: SimHardware,
+        fdid: int,
+        directory: Path,
+        *,
+        blocks: int = 1 << 21,
+        config: ControllerConfig | None = None,
+    ) -> None:
+        self.hw = hardware
+        self.fdid = fdid
+        held = hardware.borrowed(fdid)
+        if held is not None:
+            raise FabricError(
+                f"device {fdid:#x} is borrowed exclusively by {held.node}/{held.vm}; "
+                "release it before sharing the drive"
+            )
+        self.nvme = attach_nvme(hardware, fdid, directory, blocks=blocks, config=config)
+        self.device = self.nvme.device
+        self.controller = self.nvme.controller
+        self.namespace = self.nvme.namespace
+        self._ingress: dict[str, _Ingress] = {}
+        self._lut_users: dict[str, int] = {}  # lender adapter -> nodes crossed to through it
+        self.shares: dict[str, VmNvmeShare] = {}
+        self.memory: HostDmaMemory | None = None
+        self._remove_irq: Callable[[], None] = lambda: None
+        try:
+            hardware.borrow(fdid, self.device.lender, MANAGER_VM)
+            cmd = self.device.config.read(regs.COMMAND, 2)
+            self.device.config.write(
+                regs.COMMAND, 2, cmd | regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+            )
+            self.memory = HostDmaMemory(
+                hardware.node(self.device.lender).memory,
+                hardware.lender_domain(fdid),
+                _MANAGER_IOVA,
+                _MANAGER_BYTES,
+                MANAGER_VM,
+            )
+            driver = NvmeDriver(DeviceBar0(self.device), self.memory, self.memory.alloc)
+            self.manager = NvmeManager(self.controller, driver, f"nvme {fdid:#x}")
+            self._remove_irq = self.device.on_interrupt(self.manager.route_interrupt)
+            self.manager.start()
+        except Exception:
+            self._teardown()
+            raise
+
+    @property
+    def mode(self) -> str:
+        return self.manager.book.geometry.mode
+
+    # --- shares -------------------------------------------------------------------------------
+    def open_share(
+        self, node: str, vm: str, queue_pairs: int = 1, blocks: int = 0, share: Share | None = None
+    ) -> VmNvmeShare:
+        """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
+        ``blocks``, or the ``share`` the registry reserved for it; all or nothing."""
+        guest = self.hw.guest(node, vm)
+        name = share.name if share is not None else f"vm:{node}/{vm}"
+        share = self.manager.add_share(name, queue_pairs, blocks, decided=share)
+        vms = VmNvmeShare(self, node, vm, share)
+        try:
+            self._map(vms, guest.ranges)
+            self.manager.connect(name, vms.virtual.admin_doorbell, vms._interrupt)
+        except Exception:
+            vms.windows.close()
+            self.manager.remove_share(name)
+            raise
+        self.shares[name] = vms
+        return vms
+
+    def _map(self, vms: VmNvmeShare, ranges: list[GuestRange]) -> None:
+        guest = self.hw.guest(vms.node, vms.vm)
+        base = asid_base(vms.share.asid)
+        lender_domain = self.hw.lender_domain(self.fdid)
+        undo = vms.windows.undo
+        frames = []
+        for r in ranges:
+            frames += guest.pin(r.start, r.size)
+            undo.append(lambda r=r: guest.unpin(r.start, r.size))
+        path = self.hw.route(self.device.lender, vms.node)
+        if path is None:  # a VM on the lender: no NTB, the lender domain maps its frames
+            for f in frames:
+                lender_domain.map(base + f.gpa, f.phys, f.size)
+                undo.append(lambda f=f: lender_domain.unmap(base + f.gpa, f.size))
+            return
+        ingress = self._enter(vms.node, path)
+        undo.append(lambda: self._leave(vms.node))
+        for f in frames:
+            ingress.domain.map(base + f.gpa, f.phys, f.size)
+            undo.append(lambda f=f: ingress.domain.unmap(base + f.gpa, f.size))
+        src = self.hw.adapter(path.src.ref)
+        seg = src.segment_size
+        for r in ranges:
+            count = -(-r.size // seg)
+            first = src.free_segments(count)
+            for i in range(count):
+                src.map_segment(first + i, vms.node, base + r.start + i * seg)
+                undo.append(lambda index=first + i: src.unmap_segment(index))
+            window = src.segment_base(first)
+            lender_domain.map(base + r.start, window, r.size)
+            undo.append(lambda r=r, w=window: lender_domain.unmap(base + r.start, r.size))
+
+    def _enter(self, node: str, path) -> _Ingress:
+        ingress = self._ingress.get(node)
+        if ingress is None:
+            src, dst = self.hw.adapter(path.src.ref), self.hw.adapter(path.dst.ref)
+            rid = self.device.requester_id
+            key = fabric_requester_key(self.hw.node(self.device.lender).spec.node_id, rid)
+            undo: list[Callable[[], object]] = []
+            try:
+                src.lut_add(rid)
+                # one entry per adapter serves every node the drive's DMA crosses to
+                self._lut_users[src.ref] = self._lut_users.get(src.ref, 0) + 1
+                undo.append(lambda: self._lut_release(src.ref, rid))
+                # the far side sees the id its own entry for the drive assigns, and nothing else
+                entry = dst.lut_add(key)
+                undo.append(lambda: dst.lut_remove(key))
+                requester = Requester(dst.assigned_requester_id(entry))
+                domain = IommuDomain(f"{node}:nvme{self.fdid:#x}")
+                self.hw.node(node).iommu.attach(requester, domain)
+                undo.append(lambda: self.hw.node(node).iommu.detach(requester))
+            except Exception:
+                while undo:
+                    undo.pop()()
+                raise
+            ingress = self._ingress[node] = _Ingress(requester, domain, 0, undo)
+        ingress.users += 1
+        return ingress
+
+    def _lut_release(self, ref: str, rid: int) -> None:
+        self._lut_users[ref] -= 1
+        if not self._lut_users[ref]:
+            del self._lut_users[ref]
+            self.hw.adapter(ref).lut_remove(rid)
+
+    def _leave(self, node: str) -> None:
+        ingress = self._ingress[node]
+        ingress.users -= 1
+        if ingress.users == 0:
+            while ingress.undo:
+                ingress.undo.pop()()
+            del self._ingress[node]
+
+    def _close_share(self, vms: VmNvmeShare) -> None:
+        try:
+            self.manager.remove_share(vms.name)
+        finally:
+            vms.windows.close()
+            self.shares.pop(vms.name, None)
+
+    def record(self, registry: Registry) -> None:
+        """Put what the data path sees of each share (real queues, guard rejections) into
+        the registry, for ``vmlend nvme status`` in any process."""
+        for vms in self.shares.values():
+            record_usage(
+                registry,
+                self.fdid,
+                vms.name,
+                self.manager.real_queues(vms.name),
+                self.manager.rejections(vms.name),
+            )
+
+    # --- life -----------------------------------------------------------------------------------
+    def status(self) -> dict[str, object]:
+        return {
+            "fdid": f"{self.fdid:#x}",
+            "mode": "shared",
+            "doorbells": self.mode,
+            "queue_pairs": self.controller.config.queue_pairs,
+            "free_queue_pairs": self.manager.book.free_queue_pairs(),
+            "blocks": self.namespace.blocks,
+            "shares": [s.status() for s in self.shares.values()],
+        }
+
+    def _teardown(self) -> None:
+        self._remove_irq()
+        if self.memory is not None:
+            self.memory.close()
+        if self.hw.borrowed(self.fdid) is not None:
+            self.hw.give_back(self.fdid)
+        self.nvme.close()
+
+    def close(self) -> None:
+        """Every share closes, the manager stops and the device is given back (reset)."""
+        for vms in list(self.shares.values()):
+            vms.close()
+        self.manager.close()
+        self._teardown()

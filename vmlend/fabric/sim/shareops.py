@@ -1,0 +1,80 @@
+"""NVMe shares in the simulated backend (``vmlend.nvme.lending.ShareFabric``): a share is the
+registry's (``vmlend.nvme.ledger``), its mdev a child of type ``smartio-nvme_share`` under the
+drive's parent; a parent may have one such child per VM."""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from collections.abc import Callable
+
+from vmlend.errors import ConfigError, MdevError
+from vmlend.fabric.model import Holder, MdevInfo
+from vmlend.nvme import ledger
+from vmlend.nvme.lending import SHARE_MDEV_TYPE
+from vmlend.nvme.shares import Share
+from vmlend.registry import Registry
+from vmlend.registry.records import MdevRecord
+
+
+class SimShareOps:
+    """Mixed into ``SimFabric``, whose registry, node and clock it uses."""
+
+    _reg: Registry
+    _clock: Callable[[], float]
+    local_node: str
+
+    def reserve_share(self, fdid: int, holder: Holder, queue_pairs: int, blocks: int) -> Share:
+        return ledger.reserve_share(self._reg, fdid, holder, queue_pairs, blocks)
+
+    def release_share(self, fdid: int, holder: Holder) -> bool:
+        return ledger.release_share(self._reg, fdid, holder)
+
+    def shares_held(self, holder: Holder) -> list[int]:
+        with self._reg.read() as tx:
+            return ledger.shares_held(tx, holder)
+
+    def share_of(self, fdid: int, holder: Holder) -> Share | None:
+        with self._reg.read() as tx:
+            return ledger.holder_share(tx, fdid, holder)
+
+    def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        try:
+            uuid = str(uuidlib.UUID(uuid))
+        except (ValueError, TypeError, AttributeError):
+            raise ConfigError(f"bad mdev UUID {uuid!r}") from None
+        if holder.node != self.local_node:
+            raise MdevError(
+                f"the mdev for {holder} belongs on {holder.node}, not on {self.local_node}"
+            )
+        with self._reg.write() as tx:
+            existing = tx.mdev(uuid)
+            if existing is not None:
+                if existing.fdid == fdid and existing.node == self.local_node:
+                    return _info(existing)
+                raise MdevError(
+                    f"mdev {uuid} already exists for device {existing.fdid:#x} on {existing.node}"
+                )
+            parent = tx.parent(self.local_node, fdid)
+            if parent is None:
+                raise MdevError(f"no mdev parent for device {fdid:#x} on {self.local_node}")
+            if ledger.holder_share(tx, fdid, holder) is None:
+                raise MdevError(
+                    f"{holder} has no share of device {fdid:#x}; reserve one before its mdev"
+                )
+            rec = MdevRecord(
+                uuid,
+                fdid,
+                self.local_node,
+                parent.name,
+                SHARE_MDEV_TYPE,
+                holder.vm,
+                self._clock(),
+            )
+            tx.add_mdev(rec)
+            return _info(rec)
+
+
+def _info(m: MdevRecord) -> MdevInfo:
+    return MdevInfo(
+        uuid=m.uuid, parent=m.parent, type_id=m.type_id, fdid=m.fdid, node=m.node, vm=m.vm
+    )

@@ -1,0 +1,186 @@
+"""Shared NVMe drives in the registry: who manages a drive, and each VM's share of it.
+
+A drive lent for sharing is held by its manager (holder ``<lender>/nvme-manager``), so an
+exclusive reservation of it is refused as for any held device, and sharing a drive a VM holds
+is refused in turn: the two modes exclude each other. The controller's geometry and each share
+(queue pairs, MSI-X vectors, LBA extent, address space) are runtime records of that hold, so
+they go with it; a share is claimed at reserve (all or nothing, inside one write transaction)
+and returned at release. The data path records what it sees (real queues, guard rejections)
+in the share's record so ``vmlend nvme status`` in any process shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vmlend.errors import (
+    DeviceHeldError,
+    DeviceNotLentError,
+    NotSharedError,
+    SharesActiveError,
+    UnknownDeviceError,
+)
+from vmlend.fabric.admission import vm_share
+from vmlend.fabric.model import Holder
+from vmlend.nvme.shares import Geometry, Share, ShareBook
+from vmlend.registry import Registry
+from vmlend.registry.records import HoldRecord, Phase
+from vmlend.registry.txn import StateTxn
+
+MANAGER_VM = "nvme-manager"
+GEOMETRY_RECORD = "nvme-geometry"
+SHARE_RECORD = "nvme-share"
+
+
+@dataclass(frozen=True)
+class ShareEntry:
+    """A share as the registry keeps it, with what the data path last recorded."""
+
+    fdid: int
+    holder: Holder
+    share: Share
+    real_queues: tuple[int, ...] = ()
+    rejections: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fdid": f"{self.fdid:#x}",
+            "node": self.holder.node,
+            "vm": self.holder.vm,
+            **self.share.as_dict(),
+            "real_queues": list(self.real_queues),
+            "guard_rejections": self.rejections,
+        }
+
+
+def is_manager(holder: Holder) -> bool:
+    return holder.vm == MANAGER_VM
+
+
+def _geometry(tx: StateTxn, fdid: int) -> Geometry:
+    for r in tx.runtime(fdid, GEOMETRY_RECORD):
+        return Geometry(**r.data)
+    raise NotSharedError(fdid)
+
+
+def _entries(tx: StateTxn, fdid: int | None = None) -> list[ShareEntry]:
+    out = []
+    for r in tx.runtime(fdid, SHARE_RECORD):
+        h = r.data["holder"]
+        out.append(
+            ShareEntry(
+                r.fdid,
+                Holder(h["node"], h["vm"], h.get("vm_uuid", "")),
+                Share.from_record(r.data["share"]),
+                tuple(r.data.get("real_queues", ())),
+                int(r.data.get("rejections", 0)),
+            )
+        )
+    return out
+
+
+def holder_share(tx: StateTxn, fdid: int, holder: Holder) -> Share | None:
+    """``holder``'s share of ``fdid`` (inside a transaction), None when it has none."""
+    key = vm_share(holder)
+    for e in _entries(tx, fdid):
+        if e.share.name == key:
+            return e.share
+    return None
+
+
+def shares_held(tx: StateTxn, holder: Holder) -> list[int]:
+    """The drives ``holder``'s VM has shares of."""
+    key = vm_share(holder)
+    return sorted({e.fdid for e in _entries(tx) if e.share.name == key})
+
+
+def lend_shared(
+    registry: Registry, fdid: int, geometry: Geometry, clock: Callable[[], float] = time.time
+) -> None:
+    """Hand ``fdid`` to its manager for sharing (idempotent)."""
+    with registry.write() as tx:
+        dev = tx.device(fdid)
+        if dev is None:
+            raise UnknownDeviceError(fdid)
+        if not dev.lent:
+            raise DeviceNotLentError(fdid, dev.lender)
+        hold = tx.hold(fdid)
+        if hold is not None:
+            if is_manager(hold.holder):
+                return
+            raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+        manager = Holder(dev.lender, MANAGER_VM)
+        # the manager drives the device on its own node: no NTB crossing, so no claims
+        tx.add_hold(HoldRecord(fdid, manager, clock(), Phase.BORROWED), [])
+        tx.put_runtime(fdid, GEOMETRY_RECORD, "controller", dataclasses.asdict(geometry))
+
+
+def unshare(registry: Registry, fdid: int) -> bool:
+    """End sharing (refused while shares exist); False when the drive was not shared."""
+    with registry.write() as tx:
+        hold = tx.hold(fdid)
+        if hold is None or not is_manager(hold.holder):
+            return False
+        active = [str(e.holder) for e in _entries(tx, fdid)]
+        if active:
+            raise SharesActiveError(fdid, active)
+        tx.delete_hold(fdid)
+        return True
+
+
+def reserve_share(
+    registry: Registry, fdid: int, holder: Holder, queue_pairs: int, blocks: int
+) -> Share:
+    """Claim a share of ``fdid`` for ``holder`` (the same share again for the same VM);
+    ``ResourceExhaustedError`` when the controller has not enough left, nothing claimed."""
+    key = vm_share(holder)
+    with registry.write() as tx:
+        hold = tx.hold(fdid)
+        if hold is None:
+            raise NotSharedError(fdid)
+        if not is_manager(hold.holder):
+            raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+        entries = _entries(tx, fdid)
+        for e in entries:
+            if e.share.name == key:
+                return e.share
+        book = ShareBook(_geometry(tx, fdid), [e.share for e in entries])
+        share = book.allocate(key, queue_pairs, blocks)
+        tx.put_runtime(
+            fdid,
+            SHARE_RECORD,
+            key,
+            {"holder": dataclasses.asdict(holder), "share": share.record()},
+        )
+        return share
+
+
+def release_share(registry: Registry, fdid: int, holder: Holder) -> bool:
+    """Return ``holder``'s share of ``fdid``; False when it had none."""
+    with registry.write() as tx:
+        return tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)) > 0
+
+
+def record_usage(
+    registry: Registry, fdid: int, name: str, real_queues: list[int], rejections: int
+) -> None:
+    """What the data path sees of a share (shown by status)."""
+    with registry.write() as tx:
+        for r in tx.runtime(fdid, SHARE_RECORD):
+            if r.key == name:
+                data = {**r.data, "real_queues": sorted(real_queues), "rejections": rejections}
+                tx.put_runtime(fdid, SHARE_RECORD, name, data)
+
+
+def shared_drives(registry: Registry) -> dict[int, tuple[Holder, Geometry, list[ShareEntry]]]:
+    """Every drive lent for sharing: its manager, geometry and shares."""
+    with registry.read() as tx:
+        out = {}
+        for fdid, hold in sorted(tx.holds().items()):
+            if is_manager(hold.holder):
+                out[fdid] = (hold.holder, _geometry(tx, fdid), _entries(tx, fdid))
+        return out

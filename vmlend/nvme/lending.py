@@ -1,0 +1,114 @@
+"""The hook's side of NVMe shares: prepare claims the VM's share and creates its mdev of the
+share type; release removes the mdev and returns the share (docs/nvme-sharing.md).
+
+Backends that can share implement ``ShareFabric`` (the simulated one does); with any other
+backend a domain asking for a share fails to start with ``SharingUnsupportedError``, and
+``vmlend doctor`` says what the SmartIO driver offers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from uuid import UUID
+
+from vmlend.errors import SharingUnsupportedError, VmlendError
+from vmlend.fabric.model import Holder, MdevInfo, format_fdid
+from vmlend.lending import Record, UndoJournal
+from vmlend.nvme.shares import Share
+
+if TYPE_CHECKING:  # the fabric imports this module: no lxml for it
+    from vmlend.domain import NvmeShareRequest
+
+#: The mdev type a shared drive's parent offers: one child per VM, its virtual controller.
+SHARE_MDEV_TYPE = "smartio-nvme_share"
+BLOCK = 512
+
+
+@runtime_checkable
+class ShareFabric(Protocol):
+    local_node: str
+
+    def reserve_share(self, fdid: int, holder: Holder, queue_pairs: int, blocks: int) -> Share: ...
+
+    def release_share(self, fdid: int, holder: Holder) -> bool: ...
+
+    def shares_held(self, holder: Holder) -> list[int]: ...
+
+    def share_of(self, fdid: int, holder: Holder) -> Share | None: ...
+
+    def ensure_mdev_parent(self, fdid: int) -> str: ...
+
+    def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo: ...
+
+    def remove_mdev(self, uuid: str) -> bool: ...
+
+    def mdevs(self) -> list[MdevInfo]: ...
+
+
+def _ignore(_msg: str) -> None:
+    pass
+
+
+def acquire_share(
+    fabric: object,
+    holder: Holder,
+    fdid: int,
+    mdev: UUID | str,
+    request: NvmeShareRequest,
+    journal: UndoJournal,
+    record: Record = _ignore,
+) -> str:
+    """Claim ``holder``'s share of ``fdid`` and create its share mdev ``mdev``; what this call
+    newly did is pushed on ``journal``. Returns the parent's name."""
+    fd = format_fdid(fdid)
+    if not isinstance(fabric, ShareFabric):
+        raise SharingUnsupportedError(
+            fdid,
+            "this backend does not share NVMe drives at the queue level; 'vmlend doctor' says"
+            " what the SmartIO driver offers",
+        )
+    uuid = str(mdev)
+    had_mdev = any(m.uuid == uuid for m in fabric.mdevs())
+    had_share = fdid in fabric.shares_held(holder)
+    share = fabric.reserve_share(fdid, holder, request.queue_pairs, request.size // BLOCK)
+    if not had_share:
+        journal.push(f"share of {fd}", lambda: fabric.release_share(fdid, holder))
+    record(
+        f"share of {fd}: {share.queue_pairs} queue pair(s), "
+        f"LBAs {share.lba_offset}+{share.blocks}: ok"
+    )
+    parent = fabric.ensure_mdev_parent(fdid)
+    fabric.create_share_mdev(fdid, uuid, holder)
+    if not had_mdev:
+        journal.push(f"mdev {uuid}", lambda: fabric.remove_mdev(uuid))
+    record(f"mdev {uuid} ({SHARE_MDEV_TYPE}) for {fd} under {parent}: ok")
+    return parent
+
+
+def return_shares(
+    fabric: object, holder: Holder, named: Iterable[UUID | str], record: Record = _ignore
+) -> list[str]:
+    """Remove ``holder``'s share mdevs (the ones its XML names, and any of this VM's left by a
+    crash) and return its shares. Idempotent; returns the failures."""
+    if not isinstance(fabric, ShareFabric):
+        return []
+    failures: list[str] = []
+    ours = {str(u) for u in named}
+    for m in fabric.mdevs():
+        if m.type_id != SHARE_MDEV_TYPE or m.node not in ("", holder.node):
+            continue
+        if m.vm != holder.vm and m.uuid not in ours:
+            continue
+        try:
+            if fabric.remove_mdev(m.uuid):
+                record(f"mdev {m.uuid}: removed")
+        except VmlendError as e:
+            failures.append(f"mdev {m.uuid}: {e}")
+    for fdid in fabric.shares_held(holder):
+        try:
+            if fabric.release_share(fdid, holder):
+                record(f"share of {format_fdid(fdid)}: returned")
+        except VmlendError as e:
+            failures.append(f"share of {format_fdid(fdid)}: {e}")
+    return failures

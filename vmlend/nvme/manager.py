@@ -1,0 +1,206 @@
+"""The manager of a shared NVMe drive (SmartIO's distributed NVMe driver, on the lender).
+
+It owns the controller: resets and enables it, keeps the admin queues in its own memory,
+allocates queue ids, vectors, LBA extents and address spaces to shares (``ShareBook``), gives
+each share's queue ids their guard domain before anything is created on them, and creates and
+deletes real I/O queues on a share's behalf at the addresses the guest chose (tagged with the
+share's address space, so they resolve through that VM's DMA windows). Completion interrupts
+are routed back to the share whose vector fired; page-mode guests' admin doorbell writes come
+back from the drive as stray doorbells and are handed to the share's emulated admin queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from vmlend.errors import FabricError
+from vmlend.nvme import spec
+from vmlend.nvme.controller import NvmeController
+from vmlend.nvme.driver import NvmeDriver
+from vmlend.nvme.guard import QueueDomain
+from vmlend.nvme.shares import Geometry, Share, ShareBook
+
+log = logging.getLogger(__name__)
+
+AdminDoorbell = Callable[[bool, int], None]
+GuestInterrupt = Callable[[int], object]
+
+
+class NvmeManager:
+    """Manager of ``controller`` through ``driver`` (the lender's own NVMe driver)."""
+
+    def __init__(self, controller: NvmeController, driver: NvmeDriver, name: str = "nvme") -> None:
+        self.controller = controller
+        self.driver = driver
+        ns = controller.namespaces[1]
+        cfg = controller.config
+        self.book = ShareBook(Geometry(cfg.queue_pairs, cfg.dstrd, cfg.vectors, ns.blocks, name))
+        self._lock = controller.lock
+        self._admin_doorbells: dict[str, AdminDoorbell] = {}
+        self._interrupts: dict[str, GuestInterrupt] = {}
+        self._queues: dict[str, set[tuple[str, int]]] = {}  # share -> {("sq"|"cq", real qid)}
+        self._remove_stray = controller.on_stray_doorbell(self._stray)
+        self.interrupts_routed = 0
+
+    def start(self) -> None:
+        """Reset and enable the controller, keep its admin queues, take every queue id."""
+        with self._lock:
+            self.driver.reset()
+            self.driver.enable()
+            self.driver.identify_controller()
+            granted = self.driver.set_queue_count(self.controller.config.queue_pairs)
+            if granted < self.controller.config.queue_pairs:
+                raise FabricError(f"NVMe controller granted {granted} queue pairs only")
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self.book.shares):
+                self.remove_share(name)
+            self._remove_stray()
+
+    # --- shares --------------------------------------------------------------------------------
+    def add_share(
+        self,
+        name: str,
+        queue_pairs: int,
+        blocks: int,
+        admin_doorbell: AdminDoorbell | None = None,
+        interrupt: GuestInterrupt | None = None,
+        decided: Share | None = None,
+    ) -> Share:
+        """Allocate a share (``ResourceExhaustedError`` when the drive has not enough left), or
+        take the one the registry ``decided``, and guard its queue ids."""
+        with self._lock:
+            if decided is not None:
+                share = self.book.adopt(decided)
+            else:
+                share = self.book.allocate(name, queue_pairs, blocks)
+            for g in range(1, share.queue_pairs + 1):
+                self.controller.set_domain(
+                    share.real_qid(g),
+                    QueueDomain(
+                        share.name,
+                        nsid=1,
+                        offset=share.lba_offset,
+                        length=share.blocks,
+                        asid=share.asid,
+                    ),
+                )
+            name = share.name
+            self._queues[name] = set()
+            if admin_doorbell is not None:
+                self._admin_doorbells[name] = admin_doorbell
+            if interrupt is not None:
+                self._interrupts[name] = interrupt
+            log.info("NVMe share %s: %s", name, share.as_dict())
+            return share
+
+    def connect(self, name: str, admin_doorbell: AdminDoorbell, interrupt: GuestInterrupt) -> None:
+        with self._lock:
+            self._admin_doorbells[name] = admin_doorbell
+            self._interrupts[name] = interrupt
+
+    def remove_share(self, name: str) -> None:
+        """Delete the share's real queues (others' queues are untouched) and free it."""
+        with self._lock:
+            share = self.book.shares.get(name)
+            if share is None:
+                return
+            for g in range(1, share.queue_pairs + 1):
+                self.delete_sq(share, g)
+            for g in range(1, share.queue_pairs + 1):
+                self.delete_cq(share, g)
+                self.controller.clear_domain(share.real_qid(g))
+            self.book.release(name)
+            self._queues.pop(name, None)
+            self._admin_doorbells.pop(name, None)
+            self._interrupts.pop(name, None)
+
+    def shares(self) -> list[Share]:
+        return list(self.book.shares.values())
+
+    def real_queues(self, name: str) -> list[int]:
+        """Real SQ ids the share has now."""
+        return sorted(q for kind, q in self._queues.get(name, set()) if kind == "sq")
+
+    # --- queue commands forwarded from a virtual controller --------------------------------
+    def _admin(self, cmd: spec.Command, what: str) -> int:
+        return self.driver.admin_command(cmd, what, check=False).status
+
+    def create_cq(
+        self, share: Share, qid: int, gpa: int, entries: int, vector: int, irq: bool
+    ) -> int:
+        with self._lock:
+            real = share.real_qid(qid)
+            flags = spec.QUEUE_PHYS_CONTIG | (spec.CQ_IRQ_ENABLED if irq else 0)
+            status = self._admin(
+                spec.Command(
+                    spec.ADMIN_CREATE_CQ,
+                    prp1=gpa,
+                    cdw10=(entries - 1) << 16 | real,
+                    cdw11=flags | share.real_vector(vector) << 16,
+                ),
+                f"create CQ {real} for {share.name}",
+            )
+            if status == spec.SC_SUCCESS:
+                self._queues[share.name].add(("cq", real))
+            return status
+
+    def create_sq(self, share: Share, qid: int, gpa: int, entries: int, cqid: int) -> int:
+        with self._lock:
+            real = share.real_qid(qid)
+            status = self._admin(
+                spec.Command(
+                    spec.ADMIN_CREATE_SQ,
+                    prp1=gpa,
+                    cdw10=(entries - 1) << 16 | real,
+                    cdw11=spec.QUEUE_PHYS_CONTIG | share.real_qid(cqid) << 16,
+                ),
+                f"create SQ {real} for {share.name}",
+            )
+            if status == spec.SC_SUCCESS:
+                self._queues[share.name].add(("sq", real))
+            return status
+
+    def _delete(self, share: Share, qid: int, kind: str, opcode: int) -> int:
+        with self._lock:
+            real = share.real_qid(qid)
+            if (kind, real) not in self._queues.get(share.name, set()):
+                return spec.SC_INVALID_QID
+            status = self._admin(spec.Command(opcode, cdw10=real), f"delete {kind} {real}")
+            if status == spec.SC_SUCCESS:
+                self._queues[share.name].discard((kind, real))
+            return status
+
+    def delete_sq(self, share: Share, qid: int) -> int:
+        return self._delete(share, qid, "sq", spec.ADMIN_DELETE_SQ)
+
+    def delete_cq(self, share: Share, qid: int) -> int:
+        return self._delete(share, qid, "cq", spec.ADMIN_DELETE_CQ)
+
+    # --- routing ----------------------------------------------------------------------------
+    def route_interrupt(self, vector: int) -> None:
+        """The drive raised ``vector``: signal the share that owns it (vector 0 is ours)."""
+        if vector == 0:
+            return
+        share = self.book.by_real_vector(vector)
+        sink = self._interrupts.get(share.name) if share else None
+        if share is None or sink is None:
+            log.debug("NVMe vector %d has no share", vector)
+            return
+        guest_vector = share.guest_vector(vector)
+        assert guest_vector is not None
+        self.interrupts_routed += 1
+        sink(guest_vector)
+
+    def _stray(self, qid: int, completion: bool, value: int) -> None:
+        share = self.book.by_admin_slot(qid)
+        handler = self._admin_doorbells.get(share.name) if share else None
+        if handler is None:
+            log.debug("stray doorbell write to queue %d ignored", qid)
+            return
+        handler(completion, value)
+
+    def rejections(self, name: str) -> int:
+        return self.controller.stats.rejections.get(name, 0)

@@ -1,0 +1,262 @@
+"""Who gets what of a shared NVMe controller (pure): queue ids, MSI-X vectors, LBA extents
+and DMA address spaces, per share (one VM's virtual controller).
+
+Doorbell pages. Doorbells of consecutive queue ids are ``4 << DSTRD`` bytes apart, so one
+4 KiB page holds the doorbells of ``4096 / (2 * stride)`` queue ids (512 with DSTRD = 0). When
+the controller's BAR has doorbell pages to spare, each share gets a page of its own (mode
+``page``): guest queue id ``g`` is real queue id ``page * per_page + g``, so the guest's doorbell
+page maps 1:1 onto that real page and its writes reach the drive with no software in between,
+and only its own queue ids. The first queue id of the page stands for the guest's admin queue:
+it is never created, and writes to its doorbells are reported by the drive (stray doorbell) and
+handed to the emulated admin queue. When there is a single doorbell page (queue ids of several
+shares would share it), the guest's doorbell page is trapped (mode ``trap``): one software step
+per doorbell write, which forwards only to the share's own queue ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vmlend.errors import ConfigError, ResourceExhaustedError
+from vmlend.nvme import spec
+
+PAGE_MODE = "page"
+TRAP_MODE = "trap"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the shared controller offers."""
+
+    queue_pairs: int  # I/O queue ids 1..queue_pairs
+    dstrd: int
+    vectors: int  # MSI-X vectors; 0 is the manager's admin queue
+    blocks: int  # namespace 1
+    name: str = "nvme"
+
+    @property
+    def per_page(self) -> int:
+        return spec.PAGE // (2 * (4 << self.dstrd))
+
+    @property
+    def doorbell_pages(self) -> int:
+        return -(-(self.queue_pairs + 1) // self.per_page)
+
+    @property
+    def mode(self) -> str:
+        return PAGE_MODE if self.doorbell_pages > 1 else TRAP_MODE
+
+
+@dataclass(frozen=True)
+class Share:
+    """One VM's share. Real queue id of guest queue ``g`` (1..queue_pairs) is ``qid_base + g``;
+    real vector of guest vector ``v`` (1..queue_pairs; 0 is its emulated admin queue) is
+    ``vector_base + v - 1``; its LBA 0 is ``lba_offset``; its DMA is tagged ``asid``."""
+
+    name: str
+    queue_pairs: int
+    blocks: int
+    lba_offset: int
+    asid: int
+    qid_base: int
+    vector_base: int
+    mode: str
+    page: int | None = None  # doorbell page index (page mode)
+
+    def real_qid(self, guest_qid: int) -> int:
+        if not 1 <= guest_qid <= self.queue_pairs:
+            raise ValueError(f"{self.name} has queue ids 1..{self.queue_pairs}, not {guest_qid}")
+        return self.qid_base + guest_qid
+
+    def guest_qid(self, real_qid: int) -> int | None:
+        g = real_qid - self.qid_base
+        return g if 1 <= g <= self.queue_pairs else None
+
+    def real_vector(self, guest_vector: int) -> int:
+        if not 1 <= guest_vector <= self.queue_pairs:
+            raise ValueError(f"{self.name} has vectors 1..{self.queue_pairs}, not {guest_vector}")
+        return self.vector_base + guest_vector - 1
+
+    def guest_vector(self, real_vector: int) -> int | None:
+        v = real_vector - self.vector_base + 1
+        return v if 1 <= v <= self.queue_pairs else None
+
+    def doorbell_page_offset(self, dstrd: int) -> int | None:
+        """BAR0 offset of the real doorbell page this share's guest page maps onto."""
+        if self.page is None:
+            return None
+        return spec.DOORBELL_BASE + self.page * spec.PAGE
+
+    def record(self) -> dict[str, object]:
+        """Every field, for the registry (``from_record`` reads it back)."""
+        return {
+            "name": self.name,
+            "queue_pairs": self.queue_pairs,
+            "blocks": self.blocks,
+            "lba_offset": self.lba_offset,
+            "asid": self.asid,
+            "qid_base": self.qid_base,
+            "vector_base": self.vector_base,
+            "mode": self.mode,
+            "page": self.page,
+        }
+
+    @classmethod
+    def from_record(cls, data: dict[str, object]) -> Share:
+        page = data.get("page")
+        return cls(
+            str(data["name"]),
+            int(data["queue_pairs"]),  # type: ignore[call-overload]
+            int(data["blocks"]),  # type: ignore[call-overload]
+            int(data["lba_offset"]),  # type: ignore[call-overload]
+            int(data["asid"]),  # type: ignore[call-overload]
+            int(data["qid_base"]),  # type: ignore[call-overload]
+            int(data["vector_base"]),  # type: ignore[call-overload]
+            str(data["mode"]),
+            None if page is None else int(page),  # type: ignore[call-overload]
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "queue_pairs": self.queue_pairs,
+            "lba_offset": self.lba_offset,
+            "blocks": self.blocks,
+            "asid": self.asid,
+            "qids": [self.qid_base + 1, self.qid_base + self.queue_pairs],
+            "vectors": [self.vector_base, self.vector_base + self.queue_pairs - 1],
+            "doorbells": self.mode,
+        }
+
+
+def _first_fit(taken: list[tuple[int, int]], need: int, lo: int, hi: int) -> int | None:
+    """Start of the first gap of ``need`` in [lo, hi) between ``taken`` (start, length)."""
+    at = lo
+    for start, length in sorted(taken):
+        if start - at >= need:
+            return at
+        at = max(at, start + length)
+    return at if hi - at >= need else None
+
+
+def _overlap(a: int, alen: int, b: int, blen: int) -> bool:
+    return a < b + blen and b < a + alen
+
+
+class ShareBook:
+    """Allocations of one controller among its shares."""
+
+    def __init__(self, geometry: Geometry, shares: list[Share] | None = None) -> None:
+        self.geometry = geometry
+        self.shares: dict[str, Share] = {s.name: s for s in shares or []}
+
+    def free_queue_pairs(self) -> int:
+        g = self.geometry
+        if g.mode == PAGE_MODE:
+            pages = g.doorbell_pages - 1 - len(self.shares)
+            return max(0, min(pages * (g.per_page - 1), g.queue_pairs - len(self.shares)))
+        return g.queue_pairs - sum(s.queue_pairs for s in self.shares.values())
+
+    def allocate(self, name: str, queue_pairs: int, blocks: int) -> Share:
+        """A share of ``queue_pairs`` queue pairs and ``blocks`` blocks; ``ResourceExhaustedError``
+        (nothing allocated) when the controller has not that much left."""
+        g = self.geometry
+        if name in self.shares:
+            raise ConfigError(f"{g.name} already has a share named {name!r}")
+        if queue_pairs < 1 or blocks < 1:
+            raise ConfigError(
+                f"a share needs at least one queue pair and one block, got "
+                f"{queue_pairs} and {blocks}"
+            )
+        shares = list(self.shares.values())
+        page: int | None = None
+        if g.mode == PAGE_MODE:
+            if queue_pairs > g.per_page - 1:
+                raise ResourceExhaustedError(
+                    "queue pairs per doorbell page", g.name, queue_pairs, g.per_page - 1
+                )
+            used = {s.page for s in shares}
+            page = next(
+                (
+                    p
+                    for p in range(1, g.doorbell_pages)
+                    if p not in used and p * g.per_page + queue_pairs <= g.queue_pairs
+                ),
+                None,
+            )
+            if page is None:
+                raise ResourceExhaustedError(
+                    "NVMe queue pairs", g.name, queue_pairs, self.free_queue_pairs()
+                )
+            qid_base = page * g.per_page
+        else:
+            taken = [(s.qid_base + 1, s.queue_pairs) for s in shares]
+            start = _first_fit(taken, queue_pairs, 1, g.queue_pairs + 1)
+            if start is None:
+                raise ResourceExhaustedError(
+                    "NVMe queue pairs", g.name, queue_pairs, self.free_queue_pairs()
+                )
+            qid_base = start - 1
+        vtaken = [(s.vector_base, s.queue_pairs) for s in shares]
+        vbase = _first_fit(vtaken, queue_pairs, 1, g.vectors)
+        if vbase is None:
+            free = g.vectors - 1 - sum(s.queue_pairs for s in shares)
+            raise ResourceExhaustedError("NVMe MSI-X vectors", g.name, queue_pairs, free)
+        ltaken = [(s.lba_offset, s.blocks) for s in shares]
+        lba = _first_fit(ltaken, blocks, 0, g.blocks)
+        if lba is None:
+            free = g.blocks - sum(s.blocks for s in shares)
+            raise ResourceExhaustedError("NVMe LBA space", g.name, blocks, free, "blocks")
+        asid = next(a for a in range(1, len(shares) + 2) if a not in {s.asid for s in shares})
+        share = Share(name, queue_pairs, blocks, lba, asid, qid_base, vbase, g.mode, page)
+        self.shares[name] = share
+        return share
+
+    def adopt(self, share: Share) -> Share:
+        """Take a share decided elsewhere (the registry's reserve), refusing overlaps."""
+        g = self.geometry
+        if share.name in self.shares or share.mode != g.mode:
+            raise ConfigError(f"share {share.name!r} does not fit {g.name}")
+        for other in self.shares.values():
+            clash = (
+                _overlap(
+                    share.qid_base + 1, share.queue_pairs, other.qid_base + 1, other.queue_pairs
+                )
+                or (share.page is not None and share.page == other.page)
+                or _overlap(
+                    share.vector_base, share.queue_pairs, other.vector_base, other.queue_pairs
+                )
+                or _overlap(share.lba_offset, share.blocks, other.lba_offset, other.blocks)
+                or share.asid == other.asid
+            )
+            if clash:
+                raise ConfigError(f"share {share.name!r} overlaps {other.name!r} on {g.name}")
+        if (
+            share.qid_base + share.queue_pairs > g.queue_pairs
+            or share.lba_offset + share.blocks > g.blocks
+        ):
+            raise ConfigError(f"share {share.name!r} is beyond what {g.name} has")
+        self.shares[share.name] = share
+        return share
+
+    def release(self, name: str) -> Share | None:
+        return self.shares.pop(name, None)
+
+    def by_real_qid(self, qid: int) -> Share | None:
+        for s in self.shares.values():
+            if s.guest_qid(qid) is not None or s.qid_base == qid:
+                return s
+        return None
+
+    def by_admin_slot(self, qid: int) -> Share | None:
+        """The page-mode share whose guest admin doorbells are real queue id ``qid``'s."""
+        for s in self.shares.values():
+            if s.mode == PAGE_MODE and s.qid_base == qid:
+                return s
+        return None
+
+    def by_real_vector(self, vector: int) -> Share | None:
+        for s in self.shares.values():
+            if s.guest_vector(vector) is not None:
+                return s
+        return None
