@@ -50,6 +50,8 @@ SAMPLES: dict[tuple[type, str], object] = {
     (DeviceEntryXML, "mdev"): U,
     (DeviceEntryXML, "address"): PciAddress(0, 0, 5, 0),
     (VmlendMetadataXML, "host_node"): "beta",
+    (VmlendMetadataXML, "metadata_container"): "kept",
+    (VmlendMetadataXML, "devices_container"): "absent",
     (DiskXML, "driver_type"): "qcow2",
     (DiskXML, "file"): "vm.qcow2",
 }

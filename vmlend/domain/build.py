@@ -88,7 +88,6 @@ def new_domain(
     domain.uuid = spec.uuid or uuid.uuid4()
     domain.set_memory(spec.memory_bytes)
     domain.vcpus = spec.vcpus
-    doc = DomainDocument(root=root, epilog=b"\n")
     if spec.disk is not None:
         disk_el = templates.disk()
         disk = DiskXML(disk_el)
@@ -97,6 +96,7 @@ def new_domain(
         devices = domain.devices_element(create=True)
         assert devices is not None
         insert_child(devices, disk_el, 0)
+    doc = DomainDocument.from_element(root)
     for d in spec.devices:
         doc = add_device(doc, d.fdid, templates=templates, address=d.address)
     return doc
