@@ -9,11 +9,11 @@ import pytest
 from lxml import etree
 
 from tests.simfabric import small_topology
-from vmlend.cli.cmd_attach import apply_attach, dma_limit_check, plan_attach
 from vmlend.domain import mdev_uuid, read_domain
 from vmlend.errors import FabricError, UnsupportedOperationError
 from vmlend.fabric.model import GiB, MiB
 from vmlend.hypervisor.sim_hv import IdleGuest
+from vmlend.ops.attach import apply_attach, dma_limit_check, plan_attach
 
 from .cli_cluster import (
     GAMMA,
@@ -347,8 +347,8 @@ def test_detach_finishes_returning_a_device_an_interrupted_detach_left_held(clus
     live = hv.xml("vm1")
     mdev = hostdev_uuids(live)[0]
     # libvirt unplugged it and the metadata went, but the CLI died before returning it.
-    from vmlend.cli.cmd_attach import hostdev_xml
     from vmlend.domain import DomainDocument, find_device
+    from vmlend.ops.definitions import hostdev_xml
 
     doc = DomainDocument.parse(live)
     device = find_device(doc, 0x10)

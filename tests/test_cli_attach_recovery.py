@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from vmlend.cli.cmd_attach import DetachWait, apply_attach, detach, hostdev_xml, plan_attach
 from vmlend.domain import DomainDocument, find_device
 from vmlend.errors import DetachTimeoutError, FabricError
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.definitions import hostdev_xml
+from vmlend.ops.detach import detach
+from vmlend.ops.unplug import DetachWait
 
 from .cli_cluster import (
     GAMMA,

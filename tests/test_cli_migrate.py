@@ -9,7 +9,6 @@ import json
 import pytest
 
 from tests.simfabric import small_topology
-from vmlend.cli.cmd_migrate import migrate
 from vmlend.domain import read_domain
 from vmlend.errors import (
     DomainDefinitionError,
@@ -19,6 +18,7 @@ from vmlend.errors import (
 )
 from vmlend.hypervisor import DomainState
 from vmlend.hypervisor.sim_hv import IdleGuest
+from vmlend.ops.migrate import migrate
 from vmlend.registry import Registry
 
 from .cli_cluster import GAMMA, SimCluster, make_cluster, one_line

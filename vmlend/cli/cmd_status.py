@@ -1,184 +1,20 @@
 """``vmlend status [VM]``: per VM its remote devices and what the data path set up for them;
-per NTB adapter the LUT entries and window room in use.
-
-VMs come from the hypervisor (domains with vmlend metadata) and from the fabric's holds (a
-device held by a VM this hypervisor does not know: another node's VM, or a leftover).
-The data-path records (DMA windows, interrupt vectors, P2P maps) are the registry's runtime
-records of each held device; "-" when there are none.
+per NTB adapter the LUT entries and window room in use. The collection is in
+``vmlend.ops.status``; this module renders it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import click
 
 from vmlend.cli.common import CliContext, emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
-from vmlend.domain import VmlendDevice, read_domain
-from vmlend.errors import UnknownDomainError
-from vmlend.fabric.admission import AdapterUsage, format_size_short
-from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceStatus, Holder, format_fdid
-from vmlend.hypervisor import Hypervisor
-from vmlend.lending import holder_for
-from vmlend.registry import Registry
-from vmlend.registry.records import RuntimeRecord, same_holder
-
-#: Runtime record kinds shown, and their column names.
-RUNTIME_KINDS = {"dma-window": "dma_windows", "irq-vector": "irq_vectors", "p2p-map": "p2p_maps"}
-
-
-@dataclass
-class DeviceView:
-    fdid: int
-    state: str  # reserved / borrowed, "defined" (VM not holding it), "held elsewhere", ...
-    holder: Holder | None
-    mdev: str | None
-    mdev_present: bool
-    runtime: dict[str, list[RuntimeRecord]] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "fdid": format_fdid(self.fdid),
-            "state": self.state,
-            "holder": str(self.holder) if self.holder else None,
-            "mdev": self.mdev,
-            "mdev_present": self.mdev_present,
-        }
-        for kind, key in RUNTIME_KINDS.items():
-            out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
-        return out
-
-
-@dataclass
-class VmView:
-    name: str
-    node: str
-    state: str  # running / shutoff / "not on this hypervisor"
-    devices: list[DeviceView]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "node": self.node,
-            "state": self.state,
-            "devices": [d.to_json() for d in self.devices],
-        }
-
-
-def _device_view(
-    st: DeviceStatus,
-    holder: Holder,
-    mdev: str | None,
-    mdevs: set[str],
-    runtime: list[RuntimeRecord],
-) -> DeviceView:
-    mine = st.holder is not None and same_holder(st.holder, holder)
-    if mine:
-        state = st.state.value
-    elif st.holder is not None:
-        state = f"held by {st.holder}"
-    else:
-        state = "not held"
-    by_kind: dict[str, list[RuntimeRecord]] = {}
-    if mine:
-        for r in runtime:
-            if r.fdid == st.fdid:
-                by_kind.setdefault(r.kind, []).append(r)
-    return DeviceView(st.fdid, state, st.holder, mdev, mdev is not None and mdev in mdevs, by_kind)
-
-
-def collect(
-    hv: Hypervisor, fabric: Fabric, runtime: list[RuntimeRecord], vm: str | None = None
-) -> list[VmView]:
-    """Every vmlend VM of ``hv``, then VMs known only from the fabric's holds."""
-    statuses = {st.fdid: st for st in fabric.devices()}
-    mdevs = {m.uuid for m in fabric.mdevs()}
-    node = fabric.local_node
-    views: list[VmView] = []
-    seen: list[Holder] = []
-    if vm is None:
-        domains = hv.list_domains()
-    elif _fabric_only(hv, fabric, vm):
-        domains = []
-    else:
-        domains = [hv.lookup(vm)]
-    for info in domains:
-        live = read_domain(hv.xml(info.name), strict=False)
-        # A running domain's definition may name devices the guest gets at its next start.
-        pending: list[VmlendDevice] = []
-        if info.active and info.persistent:
-            config = read_domain(hv.xml(info.name, inactive=True), strict=False)
-            have = {d.fdid for d in live.devices}
-            pending = [d for d in config.devices if d.fdid not in have]
-        if not live.devices and not pending:
-            continue
-        holder = holder_for(fabric, info.name, live.uuid or info.uuid)
-        seen.append(holder)
-        devices = [
-            _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
-            for d in live.devices
-            if d.fdid in statuses
-        ]
-        for d in pending:
-            if d.fdid in statuses:
-                view = _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
-                view.state = "at next start"
-                devices.append(view)
-        views.append(VmView(info.name, node, info.state.value, devices))
-    for holder, held in _other_holders(statuses.values(), seen):
-        if vm is not None and holder.vm != vm:
-            continue
-        owned = {m.fdid: m.uuid for m in fabric.mdevs() if m.vm == holder.vm}
-        devices = [_device_view(st, holder, owned.get(st.fdid), mdevs, runtime) for st in held]
-        where = "not on this hypervisor" if holder.node == node else f"on {holder.node}"
-        views.append(VmView(holder.vm, holder.node, where, devices))
-    return views
-
-
-def _fabric_only(hv: Hypervisor, fabric: Fabric, vm: str) -> bool:
-    """``vm`` is unknown to ``hv`` but holds devices in the fabric (else the lookup error)."""
-    try:
-        hv.lookup(vm)
-        return False
-    except UnknownDomainError:
-        if any(st.holder and st.holder.vm == vm for st in fabric.devices()):
-            return True
-        raise
-
-
-def _other_holders(
-    statuses: Iterable[DeviceStatus], seen: list[Holder]
-) -> list[tuple[Holder, list[DeviceStatus]]]:
-    groups: dict[tuple[str, str, str], list[DeviceStatus]] = {}
-    for st in statuses:
-        h = st.holder
-        if h is None or any(same_holder(h, s) for s in seen):
-            continue
-        groups.setdefault((h.node, h.vm, h.vm_uuid), []).append(st)
-    return [(Holder(*key), sts) for key, sts in sorted(groups.items())]
-
-
-def usage_rows(usage: dict[str, AdapterUsage]) -> list[dict[str, Any]]:
-    out = []
-    for ref, u in sorted(usage.items()):
-        a = u.adapter
-        out.append(
-            {
-                "adapter": ref,
-                "lut_used": u.lut_used,
-                "lut_usable": a.lut_usable,
-                "window_used": u.window_used,
-                "window_size": a.window_size,
-                "segments_used": u.segments_used,
-                "segments": a.segments,
-            }
-        )
-    return out
+from vmlend.fabric.admission import format_size_short
+from vmlend.fabric.model import format_fdid
+from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
+from vmlend.registry.records import RuntimeRecord
 
 
 def _runtime_cell(records: list[RuntimeRecord]) -> str:
@@ -230,11 +66,6 @@ def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
     ]
     parts.append(render_table(("ADAPTER", "LUT USED", "WINDOW USED", "SEGMENTS"), a_rows))
     return "\n\n".join(parts)
-
-
-def read_runtime(state_path: Path) -> list[RuntimeRecord]:
-    with Registry.open(state_path) as reg, reg.read() as tx:
-        return tx.runtime()
 
 
 @click.command("status")

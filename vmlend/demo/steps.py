@@ -7,11 +7,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmlend.cli.cmd_attach import apply_attach, detach, plan_attach
 from vmlend.cli.cmd_devices import device_json
 from vmlend.cli.cmd_fabric import fabric_json
-from vmlend.cli.cmd_migrate import migrate
-from vmlend.cli.cmd_status import collect, read_runtime, render_status, usage_rows
+from vmlend.cli.cmd_status import render_status
 from vmlend.demo import facts
 from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.context import Json, Story, require
@@ -21,6 +19,10 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, re
 from vmlend.fabric.model import DeviceState, GiB, format_fdid
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.memory.domain_memory import domain_layout
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.detach import detach
+from vmlend.ops.migrate import migrate
+from vmlend.ops.status import collect, read_runtime, usage_rows
 
 # --- 1. the fabric -------------------------------------------------------------------------------
 

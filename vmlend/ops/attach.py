@@ -1,0 +1,217 @@
+"""Attach: hot-add a remote device to a domain, or add it to its definition.
+
+libvirt runs no hook for hot-plug (FACTS.md), so for a live attach vmlend borrows the device
+itself with the hook's own steps (``vmlend.lending``): reserve, mdev parent, mdev child, then
+``attach_device`` and the vmlend metadata. Every step pushes its undo; any failure undoes them
+all and reports one line. A config change only edits the persistent definition: the hook
+borrows the device at the next start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from vmlend.domain import (
+    METADATA_KEY,
+    NAMESPACE_URI,
+    DomainDocument,
+    PciAddress,
+    TemplateSet,
+    VmlendDevice,
+    add_device,
+    find_device,
+    read_domain,
+)
+from vmlend.errors import FabricError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.model import Check, Holder, format_fdid
+from vmlend.hypervisor import Hypervisor
+from vmlend.lending import UndoJournal, acquire_device, holder_for
+from vmlend.memory.domain_memory import domain_layout
+from vmlend.ops.definitions import (
+    LIVE,
+    hostdev_xml,
+    plain_metadata,
+    read_targets,
+    resolve_targets,
+)
+from vmlend.ops.unplug import DetachWait, live_has_hostdev, wait_unplugged
+
+
+def dma_limit_check(fabric: Fabric, fdid: int, xml: bytes) -> Check:
+    """The device must reach all guest RAM by DMA (its address width vs the guest layout)."""
+    try:
+        spec = fabric.device(fdid).spec
+    except VmlendError:
+        return Check("dma-limit", True, "not checked: unknown device")
+    try:
+        top = domain_layout(xml).ranges()[-1].end
+    except VmlendError as e:
+        return Check("dma-limit", True, f"not checked: {e}")
+    limit = 1 << spec.dma_bits
+    if top > limit:
+        return Check(
+            "dma-limit",
+            False,
+            f"device {format_fdid(fdid)} addresses only {spec.dma_bits} bits (below {limit:#x})"
+            f" but guest RAM reaches {top:#x}; give the guest less memory",
+        )
+    return Check("dma-limit", True, f"guest RAM ends at {top:#x}, within {spec.dma_bits}-bit DMA")
+
+
+@dataclass
+class AttachPlan:
+    """What an attach would do, computed without changing anything."""
+
+    name: str
+    fdid: int
+    holder: Holder
+    guest_ram: int
+    targets: tuple[str, ...]
+    before: dict[str, bytes]
+    after: dict[str, DomainDocument]
+    device: VmlendDevice
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """Targets that do not have the device yet."""
+        return tuple(t for t in self.targets if self.after[t].to_bytes() != self.before[t])
+
+    def refusal(self) -> FabricError:
+        bad = next(c for c in self.checks if not c.ok)
+        return FabricError(
+            f"cannot attach device {format_fdid(self.fdid)} to VM {self.name!r}: {bad.detail}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vm": self.name,
+            "fdid": format_fdid(self.fdid),
+            "mdev": str(self.device.mdev),
+            "targets": list(self.targets),
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+        }
+
+
+def plan_attach(
+    hv: Hypervisor,
+    fabric: Fabric,
+    vm: str,
+    fdid: int,
+    *,
+    live: bool,
+    config: bool,
+    address: PciAddress | None = None,
+    templates: TemplateSet | None = None,
+) -> AttachPlan:
+    info = hv.lookup(vm)
+    targets = resolve_targets(info, live, config)
+    before = read_targets(hv, info.name, targets)
+    templates = templates or TemplateSet()
+    after = {
+        t: add_device(
+            DomainDocument.parse(x, source=f"{t} XML of {info.name}"),
+            fdid,
+            templates=templates,
+            address=address,
+        )
+        for t, x in before.items()
+    }
+    first = targets[0]
+    device = find_device(after[first], fdid)
+    assert device is not None
+    dom = read_domain(before[first], strict=False)
+    holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+    guest_ram = dom.memory_bytes or 0
+    checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
+    if all(c.ok for c in checks):
+        checks.append(dma_limit_check(fabric, fdid, before[first]))
+    return AttachPlan(info.name, fdid, holder, guest_ram, targets, before, after, device, checks)
+
+
+def apply_attach(
+    hv: Hypervisor,
+    fabric: Fabric,
+    plan: AttachPlan,
+    progress: Callable[[str], None],
+    *,
+    wait: DetachWait | None = None,
+) -> None:
+    """Carry out ``plan`` (checks passed): all of it, or nothing and one error line. A device
+    the guest still has plugged after the rollback keeps its reservation and mdev."""
+    held = UndoJournal()  # reservation and mdev
+    plugged = UndoJournal()  # hostdevs and metadata
+    fd = format_fdid(plan.fdid)
+    name = plan.name
+    try:
+        if LIVE in plan.pending:
+            acquire_device(
+                fabric,
+                plan.holder,
+                plan.fdid,
+                plan.device.mdev,
+                held,
+                guest_ram=plan.guest_ram,
+                record=progress,
+            )
+        for t in plan.pending:
+            _attach_to(hv, name, t, plan.after[t], plan.device, plugged, progress, wait)
+    except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
+        failed = plugged.rollback(progress)
+        mdev = plan.device.mdev
+        if len(held) and _still_plugged(hv, name, mdev):
+            failed.append(f"reserve and mdev {mdev} kept: the guest still has it")
+        else:
+            failed += held.rollback(progress)
+        if not isinstance(e, VmlendError):
+            raise
+        tail = f"; could not undo: {'; '.join(failed)}" if failed else "; nothing was changed"
+        raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
+
+
+def _still_plugged(hv: Hypervisor, name: str, mdev: UUID) -> bool:
+    try:
+        return live_has_hostdev(hv, name, mdev)
+    except VmlendError:
+        return True  # cannot tell: keeping the device held is the safe side
+
+
+def _attach_to(
+    hv: Hypervisor,
+    name: str,
+    target: str,
+    doc: DomainDocument,
+    device: VmlendDevice,
+    journal: UndoJournal,
+    progress: Callable[[str], None],
+    wait: DetachWait | None,
+) -> None:
+    """Plug the hostdev into one definition (live or config) and update its metadata."""
+    live = target == LIVE
+    dev = hostdev_xml(doc, device)
+    hv.attach_device(name, dev, live=live, config=not live)
+
+    def unplug() -> None:
+        hv.detach_device(name, dev, live=live, config=not live)
+        if live:
+            wait_unplugged(hv, name, device.fdid, device.mdev, wait or DetachWait())
+
+    journal.push(f"{target} hostdev", unplug)
+    progress(f"attach {target} hostdev mdev {device.mdev}: ok")
+    old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
+    hv.set_metadata(
+        name, NAMESPACE_URI, METADATA_KEY, plain_metadata(doc), live=live, config=not live
+    )
+    journal.push(
+        f"{target} metadata",
+        lambda: hv.set_metadata(name, NAMESPACE_URI, METADATA_KEY, old, live=live, config=not live),
+    )
+    progress(f"{target} metadata: ok")
