@@ -220,8 +220,9 @@ def test_dma_limit_check_refuses_ram_beyond_the_device_reach(cluster):
     from vmlend.domain import DomainSpec, TemplateSet, new_domain
 
     doc = new_domain(DomainSpec(name="big", memory_bytes=2048 * GiB), templates=TemplateSet())
-    cpu = etree.SubElement(doc.root, "cpu")  # Intel: no AMD 1 TiB hole question
-    etree.SubElement(cpu, "vendor").text = "Intel"
+    cpu = etree.SubElement(doc.root, "cpu")  # an Intel vCPU: no AMD 1 TiB hole question
+    model = etree.SubElement(cpu, "model", vendor_id="GenuineIntel")  # what QEMU is told
+    model.text = "Skylake-Client"
     big = doc.to_bytes()
     small = new_domain(DomainSpec(name="s", memory_bytes=512 * MiB), templates=TemplateSet())
     with cluster.fabric() as f:

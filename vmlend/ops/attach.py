@@ -132,8 +132,8 @@ def plan_attach(
     holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
     guest_ram = dom.memory_bytes or 0
     checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
-    if all(c.ok for c in checks):
-        checks.append(dma_limit_check(fabric, fdid, before[first]))
+    # Every check, even after one failed: a dry run lists them all.
+    checks.append(dma_limit_check(fabric, fdid, before[first]))
     return AttachPlan(info.name, fdid, holder, guest_ram, targets, before, after, device, checks)
 
 
