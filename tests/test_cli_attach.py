@@ -200,7 +200,7 @@ def test_full_lut_is_one_line(state_path, monkeypatch):
     cluster.define("b", "vm2", running=True)
     before = cluster.snapshot()
     line = one_line(cluster.cli("attach", "vm2", "0x101", "-c", "sim:///b"))
-    assert "requester LUT on b:0 is short by 1 entries (need 1 entries, have 0" in line
+    assert "requester LUT on b:0 is short by 1 entry (need 1 entry, have 0" in line
     assert cluster.snapshot() == before
 
 

@@ -32,7 +32,9 @@ def _runtime_cell(records: list[RuntimeRecord]) -> str:
     return ",".join(parts)
 
 
-def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
+def render_status(
+    vms: list[VmView], usage: list[dict[str, Any]], empty: str = "no VMs with remote devices"
+) -> str:
     headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P")
     rows = []
     for v in vms:
@@ -53,7 +55,7 @@ def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
                     *(_runtime_cell(d.runtime.get(k, [])) for k in RUNTIME_KINDS),
                 ]
             )
-    parts = [render_table(headers, rows) if rows else "no VMs with remote devices"]
+    parts = [render_table(headers, rows) if rows else empty]
     a_rows = [
         [
             u["adapter"],
@@ -86,7 +88,10 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
     if json_output:
         emit_json({"node": fabric.local_node, "vms": [v.to_json() for v in vms], "adapters": usage})
     else:
-        click.echo(render_status(vms, usage))
+        empty = "no VMs with remote devices"
+        if vm is not None:
+            empty = f"VM {vm!r} has no remote devices; 'vmlend attach' adds one"
+        click.echo(render_status(vms, usage, empty))
 
 
 COMMANDS = [status_cmd]

@@ -16,6 +16,7 @@ from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hook.actionlog import ActionLog
 from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.messages import plural
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class HookOps:
                 record(f"device {fd}: FAILED: {e}")
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
-        record(f"{len(dom.devices)} device(s) ready")
+        record(f"{plural(len(dom.devices), 'device')} ready")
 
     def release(self, dom: DomainInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
@@ -99,5 +100,6 @@ class HookOps:
                 problems.append(f"device {fd}: {e}")
                 record(f"device {fd}: PROBLEM: {e}")
         if not problems:
-            self.actions.record(dom.name, "reconnect", f"{len(dom.devices)} device(s) consistent")
+            done = f"{plural(len(dom.devices), 'device')} consistent"
+            self.actions.record(dom.name, "reconnect", done)
         return problems

@@ -34,6 +34,7 @@ from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Check, Holder, format_fdid
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for, return_all
+from vmlend.messages import about, plural
 from vmlend.registry.records import same_holder
 
 Progress = Callable[[str], None]
@@ -74,7 +75,7 @@ def admission_problems(
                 continue
             if c.name == "not-held" and leaving is not None and _held_by(fabric, dev.fdid, leaving):
                 continue
-            problems.append(f"device {format_fdid(dev.fdid)}: {c.detail}")
+            problems.append(about(f"device {format_fdid(dev.fdid)}", c.detail))
             break
     return problems
 
@@ -131,7 +132,7 @@ def migrate(
         raise FabricError(
             f"cannot migrate VM {name!r} to {dest_node}: {problems[0]}; nothing was changed"
         )
-    step(f"checked {len(dom.devices)} device(s): all admissible from {dest_node}")
+    step(f"checked {plural(len(dom.devices), 'device')}: all admissible from {dest_node}")
 
     if info.active:
         _stop(src, name, shutdown_timeout, force, step)
