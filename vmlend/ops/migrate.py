@@ -181,6 +181,7 @@ def migrate(
 
 
 def _stop(src: Hypervisor, name: str, timeout: float, force: bool, step: Progress) -> None:
+    step(f"waiting up to {timeout:g} s for {name} to shut down")  # a wait is never silent
     try:
         src.shutdown(name, timeout)
         step(f"shut down {name}")
