@@ -108,3 +108,18 @@ def test_the_readme_tour_runs_as_written(cluster, tmp_path):
     defined = cluster.cli("-c", "sim:///alpha", "vm", "dumpxml", "web", "--inactive").stdout
     assert metadata_fdids(defined.encode()) == ["0x10", "0x12"]
     assert cluster.holds() == {}
+
+
+def test_the_same_commands_drive_libvirt(cluster, tmp_path):
+    """A libvirt URI (the test driver on a checked-in node file; its state lives for one
+    connection, so each command starts from the file's state)."""
+    from tests.domain_support import DATA
+
+    uri = f"test://{DATA / 'test-node.xml'}"
+    r = cluster.cli("-c", uri, "vm", "list", "--all")
+    assert (r.exit_code, _rows(r.stdout)) == (0, [])
+    xml = tmp_path / "t.xml"
+    assert cluster.cli("xml", "new", "t", "--device", "0x10", "-o", str(xml)).exit_code == 0
+    r = cluster.cli("-c", uri, "vm", "define", str(xml))
+    assert (r.exit_code, r.stdout) == (0, f"Domain 't' defined from {xml}\n"), r.output
+    assert "ghost" in one_line(cluster.cli("-c", uri, "vm", "start", "ghost"))
