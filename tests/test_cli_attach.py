@@ -200,7 +200,7 @@ def test_full_lut_is_one_line(state_path, monkeypatch):
     cluster.define("b", "vm2", running=True)
     before = cluster.snapshot()
     line = one_line(cluster.cli("attach", "vm2", "0x101", "-c", "sim:///b"))
-    assert "requester LUT on b:0 is short by 1 entries (need 1 entries, have 0" in line
+    assert "requester LUT on b:0 is short by 1 entry (need 1 entry, have 0" in line
     assert cluster.snapshot() == before
 
 
@@ -220,8 +220,9 @@ def test_admission_refuses_ram_beyond_the_device_reach(cluster):
     from vmlend.domain import DomainSpec, TemplateSet, new_domain, read_domain
 
     doc = new_domain(DomainSpec(name="big", memory_bytes=2048 * GiB), templates=TemplateSet())
-    cpu = etree.SubElement(doc.root, "cpu")  # Intel: no AMD 1 TiB hole question
-    etree.SubElement(cpu, "vendor").text = "Intel"
+    cpu = etree.SubElement(doc.root, "cpu")  # an Intel vCPU: no AMD 1 TiB hole question
+    model = etree.SubElement(cpu, "model", vendor_id="GenuineIntel")  # what QEMU is told
+    model.text = "Skylake-Client"
     big = read_domain(doc.to_bytes()).guest_ram
     small = new_domain(DomainSpec(name="s", memory_bytes=512 * MiB), templates=TemplateSet())
 

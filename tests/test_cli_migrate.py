@@ -110,7 +110,7 @@ def test_device_held_by_another_vm_blocks_the_move(cluster):
     cluster.define("beta", "other", [0x10], running=True)
     before = cluster.snapshot()
     line = one_line(cluster.cli("migrate", "vm1", "--to", "beta", *GAMMA))
-    assert "device 0x10: device 0x10 is held by beta/other" in line
+    assert "to beta: device 0x10 is held by beta/other;" in line
     assert cluster.snapshot() == before
 
 

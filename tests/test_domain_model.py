@@ -52,6 +52,8 @@ SAMPLES: dict[tuple[type, str], object] = {
     (DeviceEntryXML, "nvme_queues"): 2,
     (DeviceEntryXML, "nvme_size"): 64 << 30,
     (VmlendMetadataXML, "host_node"): "beta",
+    (VmlendMetadataXML, "metadata_container"): "kept",
+    (VmlendMetadataXML, "devices_container"): "absent",
     (DiskXML, "driver_type"): "qcow2",
     (DiskXML, "file"): "vm.qcow2",
 }

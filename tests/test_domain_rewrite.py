@@ -199,3 +199,72 @@ def test_malformed_xml_on_migration_is_one_line():
     with pytest.raises(DomainXMLError, match="not well-formed") as e:
         rewrite_for_destination(b"<domain><name>x</domain>", "beta")
     assert "\n" not in str(e.value)
+
+
+def _machine_doc(machine: str, devices: str) -> DomainDocument:
+    return _doc(
+        f"""<domain type='kvm'>
+  <name>m</name>
+  <uuid>{U}</uuid>
+  <os>
+    <type arch='x86_64' machine='{machine}'>hvm</type>
+  </os>
+  <devices>
+{devices}
+  </devices>
+</domain>
+""".encode()
+    )
+
+
+_NET = "<interface type='bridge'><address type='pci' domain='0x0000' bus='0x00' slot='0x03'"
+_PORT = "<controller type='pci' index='1' model='pcie-root-port'/>"
+
+
+@pytest.mark.parametrize(
+    ("machine", "devices", "address", "match"),
+    [
+        ("pc-i440fx-7.2", "", "00:00.0", "host bridge"),
+        ("pc", "", "00:01.0", "PIIX3"),
+        ("pc-1.7", "", "00:01.3", "PIIX3"),
+        ("pc-i440fx-7.2", "<video><model type='vga'/></video>", "00:02.0", "video"),
+        ("pc-q35-7.2", "", "00:1f.0", "ICH9"),
+        ("q35", "<video><model type='virtio'/></video>", "00:01.0", "video"),
+        ("q35", _PORT, "01:01.0", "only slot 0"),
+        ("q35", _NET + " function='0x0'/></interface>", "00:03.1", "multifunction"),
+        ("q35", _NET + " function='0x1'/></interface>", "00:03.0", "multifunction"),
+        ("q35", "", "00:04.2", "multifunction"),
+    ],
+)
+def test_addresses_libvirt_keeps_for_itself_are_refused(machine, devices, address, match):
+    doc = _machine_doc(machine, devices)
+    with pytest.raises(DomainXMLError, match=match):
+        add_device(doc, 0x12, templates=T, address=PciAddress.parse(address))
+
+
+@pytest.mark.parametrize(
+    ("machine", "devices", "address"),
+    [
+        ("pc-i440fx-7.2", "", "00:02.0"),  # no video: slot 2 is free
+        ("pc-q35-7.2", "", "00:01.0"),
+        ("q35", "<video><model type='none'/></video>", "00:01.0"),
+        ("q35", _PORT, "01:00.0"),
+        ("q35", _NET + " function='0x0' multifunction='on'/></interface>", "00:03.1"),
+        ("pc", "", "00:1f.0"),
+    ],
+)
+def test_free_addresses_are_accepted(machine, devices, address):
+    doc = _machine_doc(machine, devices)
+    out = add_device(doc, 0x12, templates=T, address=PciAddress.parse(address))
+    assert read_domain(out.to_bytes()).devices[0].address == PciAddress.parse(address)
+
+
+def test_an_unlisted_hostdev_with_the_derived_uuid_is_not_duplicated():
+    derived = mdev_uuid(U, 0x12)
+    doc = _machine_doc(
+        "q35",
+        "<hostdev mode='subsystem' type='mdev' model='vfio-pci'><source>"
+        f"<address uuid='{derived}'/></source></hostdev>",
+    )
+    with pytest.raises(DomainXMLError, match=f"already has an mdev <hostdev> with UUID {derived}"):
+        add_device(doc, 0x12, templates=T)

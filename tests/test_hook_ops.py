@@ -199,7 +199,7 @@ def test_actions_are_logged_and_shown_by_the_cli(fabric, state_path):
     r = CliRunner().invoke(main, ["hook", "log", "-n", "5"])
     assert r.exit_code == 0
     assert "vm=vm1 prepare: reserve 0x10: ok" in r.output
-    assert "2 device(s) ready" in r.output
+    assert "2 devices ready" in r.output
 
 
 # --- regressions found in review --------------------------------------------------------

@@ -84,7 +84,7 @@ def test_vmlend_guest_passes_prepare_then_release_returns_every_device(
     for fd in ("0x10", "0x12", "0x21", "0x22"):
         assert f"prepare: reserve {fd}: ok" in log
         assert f"release: device {fd}: returned" in log
-    assert "prepare: 4 device(s) ready" in log
+    assert "prepare: 4 devices ready" in log
     assert state_of(state_path) == before
     assert not dom.isActive()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lxml import etree
 
-from vmlend.errors import DomainXMLError
+from vmlend.errors import DomainXMLError, LayoutError
 from vmlend.fabric.model import GiB, GuestRange, MiB
 from vmlend.memory.domain_memory import memory_config, parse_libvirt_size, parse_qemu_size
 from vmlend.memory.layout import CpuVendor, Dimm, compute_layout
@@ -199,27 +199,59 @@ def test_pcihole64() -> None:
     assert memory_config(domain(devices=devices)).pci_hole64_size == 64 * GiB
 
 
+_AMD, _INTEL, _OTHER, _UNKNOWN = CpuVendor.AMD, CpuVendor.INTEL, CpuVendor.OTHER, CpuVendor.UNKNOWN
+
+
 @pytest.mark.parametrize(
-    ("cpu", "host", "vendor"),
+    ("virt", "cpu", "host", "vendor"),
     [
-        ("", None, CpuVendor.UNKNOWN),
-        ("<cpu mode='custom'><model>EPYC-Rome</model></cpu>", None, CpuVendor.AMD),
-        ("<cpu mode='custom'><model>Skylake-Server</model></cpu>", None, CpuVendor.INTEL),
-        ("<cpu mode='custom'><vendor>AMD</vendor><model>x</model></cpu>", None, CpuVendor.AMD),
-        ("<cpu mode='custom'><model>qemu64</model></cpu>", None, CpuVendor.UNKNOWN),
-        ("<cpu mode='host-passthrough'/>", CpuVendor.AMD, CpuVendor.AMD),
-        ("<cpu mode='host-model'/>", None, CpuVendor.UNKNOWN),
+        # TCG: the model's own vendor; no model is QEMU's default qemu64 (AuthenticAMD).
+        ("qemu", "", None, _AMD),
+        ("qemu", "<cpu><numa><cell id='0' cpus='0' memory='4194304'/></numa></cpu>", None, _AMD),
+        ("qemu", "<cpu mode='custom'><model>qemu64</model></cpu>", None, _AMD),
+        ("qemu", "<cpu mode='custom'><model>EPYC-Rome-v2</model></cpu>", None, _AMD),
+        ("qemu", "<cpu mode='custom'><model>Skylake-Server</model></cpu>", _AMD, _INTEL),
+        ("qemu", "<cpu><model>kvm64</model></cpu>", None, _INTEL),
+        ("qemu", "<cpu><model>Dhyana</model></cpu>", None, _OTHER),  # HygonGenuine
+        ("qemu", "<cpu mode='maximum'/>", _INTEL, _AMD),  # TCG 'max' is AuthenticAMD
+        ("qemu", "<cpu mode='host-passthrough'/>", _AMD, _UNKNOWN),  # KVM only
+        ("qemu", "<cpu mode='host-model'/>", _AMD, _UNKNOWN),  # libvirt's pick
+        ("qemu", "<cpu><model>NoSuchModel</model></cpu>", None, _UNKNOWN),
+        # <vendor> is not passed to QEMU; contradicting the model it leaves nothing certain.
+        ("qemu", "<cpu><vendor>AMD</vendor><model>EPYC</model></cpu>", None, _AMD),
+        ("qemu", "<cpu><vendor>AMD</vendor><model>Haswell</model></cpu>", None, _UNKNOWN),
+        # vendor_id is passed verbatim.
+        ("qemu", "<cpu><model vendor_id='AuthenticAMD'>Haswell</model></cpu>", None, _AMD),
+        ("kvm", "<cpu><model vendor_id='GenuineIntel'>EPYC</model></cpu>", _AMD, _INTEL),
+        # KVM: every model takes the host's vendor (x86_cpu_load_model).
+        ("kvm", "<cpu mode='custom'><model>EPYC-Rome</model></cpu>", _INTEL, _INTEL),
+        ("kvm", "<cpu mode='custom'><model>Skylake-Server</model></cpu>", _AMD, _AMD),
+        ("kvm", "", _AMD, _AMD),
+        ("kvm", "<cpu mode='host-passthrough'/>", _AMD, _AMD),
+        ("kvm", "<cpu mode='host-model'/>", None, _UNKNOWN),
+        ("kvm", "<cpu mode='custom'><model>EPYC</model></cpu>", None, _UNKNOWN),
     ],
 )
-def test_cpu_vendor(cpu: str, host: CpuVendor | None, vendor: CpuVendor) -> None:
-    assert memory_config(domain(cpu=cpu), host_vendor=host).cpu_vendor is vendor
+def test_cpu_vendor(virt: str, cpu: str, host: CpuVendor | None, vendor: CpuVendor) -> None:
+    xml = domain(cpu=cpu).replace("type='qemu'", f"type='{virt}'", 1)
+    assert memory_config(xml, host_vendor=host).cpu_vendor is vendor
 
 
 def test_domain_layout_shortcut() -> None:
     from vmlend.memory.domain_memory import domain_layout
 
-    xml = domain(cpu="<cpu mode='host-passthrough'/>")
+    xml = domain(cpu="<cpu mode='host-passthrough'/>").replace("type='qemu'", "type='kvm'", 1)
     assert domain_layout(xml, host_vendor=CpuVendor.INTEL).high == GuestRange(4 * GiB, 6 * GiB)
+
+
+def test_a_kvm_guest_with_an_unknown_host_vendor_is_refused_where_it_matters() -> None:
+    from vmlend.memory.domain_memory import domain_layout
+
+    extra = "<maxMemory slots='1' unit='GiB'>1000</maxMemory>"
+    xml = domain(cpu="<cpu><model>EPYC</model></cpu>", extra=extra)
+    assert domain_layout(xml).notes  # TCG EPYC: AMD, high RAM above 1 TiB
+    with pytest.raises(LayoutError, match="host's"):
+        domain_layout(xml.replace("type='qemu'", "type='kvm'", 1))
 
 
 def test_dimms_larger_than_memory_refused() -> None:
@@ -227,3 +259,25 @@ def test_dimms_larger_than_memory_refused() -> None:
     extra = "<maxMemory slots='2' unit='GiB'>8</maxMemory>"
     with pytest.raises(DomainXMLError, match="larger than the DIMMs"):
         memory_config(domain(devices=devices, extra=extra))
+
+
+def test_dimm_sizes_are_rounded_as_libvirt_rounds_them() -> None:
+    # libvirt's own example DIMM (docs/kbase/memorydevices.rst): 523264 KiB = 511 MiB, which
+    # libvirt rounds up to 2 MiB (memory-module alignment) before QEMU sees it.
+    devices = "<memory model='dimm'><target><size unit='KiB'>523264</size></target></memory>"
+    extra = "<maxMemory slots='2' unit='GiB'>8</maxMemory>"
+    memory = "<memory unit='KiB'>4717568</memory>"  # 4 GiB + the DIMM as written
+    cfg = memory_config(domain(memory=memory, devices=devices, extra=extra))
+    assert cfg.dimms == (Dimm(512 * MiB, None, None),)
+    assert cfg.ram == 4 * GiB  # initial RAM from the DIMM as written, rounded to 1 MiB
+    lay = compute_layout(cfg)
+    assert lay.dimms[0].end - lay.dimms[0].start == 512 * MiB
+
+
+def test_initial_memory_is_rounded_after_taking_the_written_dimms_out() -> None:
+    devices = "<memory model='dimm'><target><size unit='KiB'>1023</size></target></memory>"
+    extra = "<maxMemory slots='2' unit='GiB'>8</maxMemory>"
+    memory = f"<memory unit='KiB'>{GiB // 1024 + 1023 + 1}</memory>"  # 1 GiB + 1 KiB + DIMM
+    cfg = memory_config(domain(memory=memory, devices=devices, extra=extra))
+    assert cfg.ram == GiB + MiB
+    assert cfg.dimms[0].size == 2 * MiB

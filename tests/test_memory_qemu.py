@@ -185,3 +185,46 @@ def test_socket_path_too_long(tmp_path: Path) -> None:
     deep.mkdir()
     with pytest.raises(HostError, match="too long"):
         QemuProcess(deep, ["-machine", "pc"]).start()
+
+
+@needs_qemu
+@pytest.mark.qemu
+def test_every_qemu_cpu_model_has_the_vendor_vmlend_expects(tmp_path: Path) -> None:
+    """The AMD rule keys on QEMU's vendor string: compare vmlend's table with what this QEMU
+    sets under TCG for every model it lists, and for its default CPU (no -cpu)."""
+    from vmlend.memory.cpu_vendor import AMD_VENDOR, tcg_model_vendor
+
+    with QemuProcess(tmp_path, ["-machine", "q35"]) as qemu:
+        names = [d["name"] for d in qemu.qmp("query-cpu-definitions")]
+        vendors = {}
+        for name in names:
+            if name in ("base", "host"):  # no vendor at all; the host CPU (KVM only)
+                continue
+            expansion = qemu.qmp(
+                "query-cpu-model-expansion", {"type": "full", "model": {"name": name}}
+            )
+            vendors[name] = expansion["model"]["props"].get("vendor")
+        cpu_path = qemu.qmp("query-cpus-fast")[0]["qom-path"]
+        default_vendor = qemu.qmp("qom-get", {"path": cpu_path, "property": "vendor"})
+    assert len(vendors) > 100
+    wrong = {n: (v, tcg_model_vendor(n)) for n, v in vendors.items() if tcg_model_vendor(n) != v}
+    assert not wrong
+    assert default_vendor == AMD_VENDOR == tcg_model_vendor("qemu64")
+
+
+@needs_qemu
+@pytest.mark.qemu
+def test_a_dimm_libvirt_rounds_lands_where_vmlend_puts_it(tmp_path: Path) -> None:
+    xml = """<domain type='qemu'>
+      <name>g</name>
+      <maxMemory slots='2' unit='GiB'>8</maxMemory>
+      <memory unit='KiB'>1571840</memory>
+      <os><type arch='x86_64' machine='pc-q35-7.2'>hvm</type></os>
+      <devices>
+        <memory model='dimm'><target><size unit='KiB'>523264</size></target></memory>
+      </devices>
+    </domain>"""
+    cfg = memory_config(xml)
+    assert (cfg.ram, cfg.dimms[0].size) == (GiB, 512 * MiB)
+    with QemuProcess(tmp_path, qemu_memory_args(cfg)) as qemu:
+        assert qemu.ram_ranges() == compute_layout(cfg).flat_ram()

@@ -309,3 +309,44 @@ def test_vector_records_replace_and_clear(tmp_path):
     record(0x12, None)
     with reg.read() as tx:
         assert tx.runtime(0x12, RECORD_KIND) == []
+
+
+def test_a_lock_wait_longer_than_a_second_says_so_and_then_proceeds(made, caplog):
+    import subprocess
+    import sys
+
+    # Another process holds the write lock for 1.5 s.
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sqlite3, sys, time\n"
+         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
+         "time.sleep(1.5); c.execute('COMMIT')",
+         str(made)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with Registry.open(made, busy_timeout=10) as b:
+            with caplog.at_level("WARNING", logger="vmlend.registry.store"), b.write() as tx:
+                tx.set_meta("y", "2")  # got the lock once the other process committed
+            with b.read() as rtx:
+                assert rtx.meta("y") == "2"
+    finally:
+        holder.wait(timeout=10)
+    waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert len(waits) == 1 and "9 s" in waits[0] and "locked by another process" in waits[0]
+
+
+def test_a_short_lock_wait_is_quiet(made, caplog):
+    with Registry.open(made) as a, a.write() as tx:
+        tx.set_meta("x", "1")
+        with (
+            Registry.open(made, busy_timeout=0.05) as b,
+            caplog.at_level("WARNING"),
+            pytest.raises(StateError, match="locked by another process"),
+            b.write(),
+        ):
+            pass
+    assert not [r for r in caplog.records if "waiting up to" in r.getMessage()]

@@ -281,7 +281,7 @@ def test_lut_exhaustion(tmp_path):
     with pytest.raises(ResourceExhaustedError) as e:
         f.reserve(0x102, Holder("b", "vm3"))
     assert str(e.value) == (
-        "requester LUT on l:0 is short by 1 entries (need 1 entries, have 0 entries)"
+        "requester LUT on l:0 is short by 1 entry (need 1 entry, have 0 entries)"
     )
     assert f.device(0x102).state is DeviceState.AVAILABLE
     f.release(0x100, Holder("b", "vm1"))

@@ -101,6 +101,13 @@ class NoPathError(FabricError):
         super().__init__(f"no NTB path from {src} to {dst}; check the fabric links")
 
 
+def _unit(count: int, unit: str) -> str:
+    """``unit`` (a plural: segments, entries, bytes) in the singular for a count of one."""
+    if count != 1 or not unit.endswith("s"):
+        return unit
+    return unit[:-3] + "y" if unit.endswith("ies") else unit[:-1]
+
+
 class ResourceExhaustedError(FabricError):
     """A finite fabric resource (LUT entries, NTB window, segments) is short.
 
@@ -114,9 +121,12 @@ class ResourceExhaustedError(FabricError):
         self.have = have
         self.unit = unit
         short = need - have
-        u = f" {unit}" if unit else ""
+
+        def n(count: int) -> str:
+            return f"{count} {_unit(count, unit)}" if unit else str(count)
+
         super().__init__(
-            f"{what} on {where} is short by {short}{u} (need {need}{u}, have {have}{u})"
+            f"{what} on {where} is short by {n(short)} (need {n(need)}, have {n(have)})"
         )
 
 

@@ -19,6 +19,7 @@ from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
 from vmlend.faults import fault_point
+from vmlend.messages import about
 from vmlend.registry.records import same_holder
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def return_all(
             if fabric.release(fdid, holder):
                 record(f"device {format_fdid(fdid)}: returned")
         except VmlendError as e:
-            failures.append(f"device {format_fdid(fdid)}: {e}")
+            failures.append(about(f"device {format_fdid(fdid)}", str(e)))
     for fdid in sorted(stuck):
         failures.append(
             f"device {format_fdid(fdid)} stays reserved while its mdev exists; "

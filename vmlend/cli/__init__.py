@@ -67,6 +67,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "NTB adapter the LUT entries and window in use.",
     ),
     "unlend": ("cmd_lend", "Withdraw device FDID from the fabric (refused while a VM holds it)."),
+    "vm": (
+        "cmd_vm",
+        "Define, start, stop and list VMs (virsh's lifecycle commands).",
+    ),
     "xml": ("cmd_xml", "Write and edit libvirt domain XML that uses remote devices."),
 }
 
@@ -97,11 +101,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     help="Root of the host's sys/dev/etc/run trees [env VMLEND_ROOT; default /].",
 )
 @click.option("-v", "--verbose", count=True, help="More diagnostics on stderr.")
+@click.option(
+    "-c", "--connect", "uri", metavar="URI", help="Hypervisor URI for every command (as virsh -c)."
+)
 @click.version_option(__version__, prog_name="vmlend")
 @click.pass_context
 def main(
-    ctx: click.Context, state_path: str | None, node: str | None, root: str | None, verbose: int
+    ctx: click.Context,
+    state_path: str | None,
+    node: str | None,
+    root: str | None,
+    verbose: int,
+    uri: str | None,
 ) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
     ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose, root=root)
+    ctx.obj.uri = uri
 

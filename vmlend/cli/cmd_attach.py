@@ -1,8 +1,8 @@
 """``vmlend attach`` / ``vmlend detach``: hot-add and hot-remove a remote device.
 
 The operations are in ``vmlend.ops.attach`` and ``vmlend.ops.detach``; this module parses the
-options and prints. Like virsh, neither flag means "current": live on a running domain, config
-on a stopped one.
+options and prints. Like virsh, no flag (or ``--current``) means live on a running domain, config
+on a stopped one; ``--persistent`` is the definition plus the running domain when it runs.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ import logging
 import click
 
 from vmlend.cli.cmd_lend import FDID
-from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.common import CliContext, emit_json, json_option, verbose_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
+from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import format_fdid
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
+from vmlend.ops.detach_preview import DetachPreview, preview_detach
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +53,12 @@ def _address(value: str | None) -> PciAddress | None:
 @click.command("attach")
 @click.argument("vm")
 @click.argument("fdid", type=FDID)
-@click.option("--live", is_flag=True, help="Hot-add to the running domain.")
-@click.option("--config", is_flag=True, help="Add to the persistent definition.")
+@impact_options("Hot-add to the running domain.", "Add to the persistent definition.")
 @click.option("--address", metavar="BDF", help="Guest PCI address, e.g. 0000:00:05.0.")
 @click.option("--dry-run", is_flag=True, help="Print the checks and the XML diff; change nothing.")
 @connect_option
 @json_option
+@verbose_option
 @click.pass_obj
 def attach_cmd(
     obj: CliContext,
@@ -64,6 +66,8 @@ def attach_cmd(
     fdid: int,
     live: bool,
     config: bool,
+    persistent: bool,
+    current: bool,
     address: str | None,
     dry_run: bool,
     uri: str | None,
@@ -73,6 +77,9 @@ def attach_cmd(
     addr = _address(address)
     hv = open_hv(obj, uri)
     try:
+        live, config = resolve_impact(
+            hv, vm, live=live, config=config, persistent=persistent, current=current
+        )
         fabric = fabric_for(obj, hv)
         plan = plan_attach(hv, fabric, vm, fdid, live=live, config=config, address=addr)
         if dry_run:
@@ -117,10 +124,11 @@ def _show_plan(plan: AttachPlan, json_output: bool) -> None:
 @click.command("detach")
 @click.argument("vm")
 @click.argument("fdid", type=FDID)
-@click.option("--live", is_flag=True, help="Hot-remove from the running domain.")
-@click.option("--config", is_flag=True, help="Remove from the persistent definition.")
+@impact_options("Hot-remove from the running domain.", "Remove from the persistent definition.")
+@click.option("--dry-run", is_flag=True, help="Print the XML diff; change nothing.")
 @connect_option
 @json_option
+@verbose_option
 @click.pass_obj
 def detach_cmd(
     obj: CliContext,
@@ -128,12 +136,23 @@ def detach_cmd(
     fdid: int,
     live: bool,
     config: bool,
+    persistent: bool,
+    current: bool,
+    dry_run: bool,
     uri: str | None,
     json_output: bool,
 ) -> None:
     """Detach remote device FDID from VM; a live detach returns the device to the fabric."""
     hv = open_hv(obj, uri)
     try:
+        live, config = resolve_impact(
+            hv, vm, live=live, config=config, persistent=persistent, current=current
+        )
+        if dry_run:
+            _show_detach_preview(
+                preview_detach(hv, vm, fdid, live=live, config=config), json_output
+            )
+            return
         fabric = fabric_for(obj, hv)
         res = detach(hv, fabric, vm, fdid, live=live, config=config, progress=progress)
     finally:
@@ -151,6 +170,29 @@ def detach_cmd(
         return
     tail = "; device returned to the fabric" if res.returned else ""
     click.echo(f"detached device {fd} from VM {res.name!r} ({'+'.join(res.targets)}){tail}")
+
+
+def _show_detach_preview(preview: DetachPreview, json_output: bool) -> None:
+    diffs = {t: xml_diff(preview.before[t], preview.after[t], f"{t} XML") for t in preview.targets}
+    fd = format_fdid(preview.fdid)
+    if json_output:
+        emit_json(
+            {
+                "vm": preview.name,
+                "fdid": fd,
+                "targets": list(preview.targets),
+                "pending": list(preview.pending),
+                "diff": diffs,
+            }
+        )
+        return
+    for t in preview.targets:
+        click.echo(diffs[t] or f"({t} XML unchanged: the device is not there)\n", nl=False)
+    if preview.pending:
+        verdict = f"would be detached ({'+'.join(preview.pending)})"
+    else:
+        verdict = "is not attached"
+    click.echo(f"dry run: device {fd} {verdict}; nothing was changed")
 
 
 COMMANDS = [attach_cmd, detach_cmd]

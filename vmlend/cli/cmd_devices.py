@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.errors import ConfigError
 from vmlend.fabric.admission import format_size_short
 from vmlend.fabric.model import BarKind, DeviceSpec, DeviceState, DeviceStatus, format_fdid
 
@@ -74,9 +75,15 @@ def devices(
     fabric = obj.fabric()
     if lender is not None:
         fabric.topology().node(lender)  # an unknown node is an error, not an empty list
+    every = fabric.devices()
+    kinds = sorted({st.spec.kind for st in every})
+    if kind is not None and kind not in kinds:
+        # Like an unknown --lender: a typo should not look like an empty fabric.
+        known = ", ".join(kinds) or "none"
+        raise ConfigError(f"no device of kind {kind!r} in the fabric; its kinds: {known}")
     rows = [
         st
-        for st in fabric.devices()
+        for st in every
         if (lender is None or st.spec.lender == lender)
         and (kind is None or st.spec.kind == kind)
         and (not available or st.state is DeviceState.AVAILABLE)

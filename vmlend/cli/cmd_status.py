@@ -42,7 +42,9 @@ def path_cell(path: PciePath | None) -> str:
     return f"{path.hops}h/{path.roots}rc/+{path.added_ns}ns"
 
 
-def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
+def render_status(
+    vms: list[VmView], usage: list[dict[str, Any]], empty: str = "no VMs with remote devices"
+) -> str:
     headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P", "PATH")
     rows = []
     for v in vms:
@@ -64,7 +66,7 @@ def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
                     path_cell(d.path),
                 ]
             )
-    parts = [render_table(headers, rows) if rows else "no VMs with remote devices"]
+    parts = [render_table(headers, rows) if rows else empty]
     a_rows = [
         [
             u["adapter"],
@@ -105,7 +107,10 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
             }
         )
     else:
-        click.echo(render_status(vms, usage))
+        empty = "no VMs with remote devices"
+        if vm is not None:
+            empty = f"VM {vm!r} has no remote devices; 'vmlend attach' adds one"
+        click.echo(render_status(vms, usage, empty))
         if drift:
             kinds = ", ".join(sorted({d.kind.value for d in drift}))
             click.echo(

@@ -29,6 +29,7 @@ from vmlend.domain.info import info_of
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import format_fdid, parse_fdid
+from vmlend.messages import plural
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +69,28 @@ SIZE = _Converting("SIZE", parse_size)
 UUID = _Converting("UUID", _parse_uuid)
 
 
+def warn_unchecked(obj: CliContext) -> None:
+    """After a successful write: say that the ids were not checked against a fabric."""
+    why = (
+        f"no state at {obj.state_path}"
+        if not obj.state_path.exists()
+        else "no fabric backend in this vmlend"
+    )
+    click.echo(
+        f"vmlend: warning: {why}: device ids were checked for syntax only, not against a"
+        " fabric (--state names one)",
+        err=True,
+    )
+
+
 def fabric_validator(obj: CliContext) -> FdidValidator | None:
-    """A check that an fdid exists in the fabric, when this host has a state to ask."""
+    """A check that an fdid exists in the fabric, when this host has a state to ask (None:
+    syntax only; the caller warns with ``warn_unchecked`` once it has written)."""
     if not obj.state_path.exists():
-        log.info("no state at %s: fdids are checked for syntax only", obj.state_path)
         return None
     try:
         from vmlend.fabric.open import open_fabric  # type: ignore[import-not-found]
     except ImportError:
-        log.info("no fabric backend in this vmlend: fdids are checked for syntax only")
         return None
     fabric = open_fabric(obj.state_path, obj.node)
     return fabric.device  # type: ignore[no-any-return]
@@ -91,17 +105,24 @@ def _read(path: Path) -> DomainDocument:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` so a reader never sees half a file; keeps its permission bits."""
+    """Replace ``path`` so a reader never sees half a file; keeps its owner and permission
+    bits (refusing, with nothing changed, when it cannot keep the owner)."""
     target = path.resolve()
     try:
-        mode = target.stat().st_mode & 0o7777
+        st: os.stat_result | None = target.stat()
     except FileNotFoundError:
-        mode = 0o644
+        st = None
+    mode = st.st_mode & 0o7777 if st is not None else 0o644
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            if st is not None and (os.stat(tmp).st_uid, os.stat(tmp).st_gid) != (
+                st.st_uid,
+                st.st_gid,
+            ):
+                _keep_owner(tmp, st, path)
             os.chmod(tmp, mode)
             os.replace(tmp, target)
         except BaseException:
@@ -109,6 +130,16 @@ def write_atomically(path: Path, data: bytes) -> None:
             raise
     except OSError as e:
         raise ConfigError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _keep_owner(tmp: str, st: os.stat_result, path: Path) -> None:
+    try:
+        os.chown(tmp, st.st_uid, st.st_gid)
+    except PermissionError:
+        raise ConfigError(
+            f"cannot write {path} keeping its owner {st.st_uid}:{st.st_gid} (run as that user"
+            " or root); nothing was changed"
+        ) from None
 
 
 @click.group("xml")
@@ -136,6 +167,13 @@ def xml_group() -> None:
     help="A remote device by fdid, optionally at a guest address: 0x10 or 0x10@0000:00:05.0."
     " Repeatable.",
 )
+@click.option(
+    "--hotplug-slots",
+    type=click.IntRange(0, 64),
+    default=0,
+    show_default=True,
+    help="Free pcie-root-ports (q35) for devices hot-added later.",
+)
 @click.option("--disk", type=click.Path(dir_okay=False), help="Boot disk image (qcow2 or raw).")
 @click.option("--uuid", "domain_uuid", type=UUID, help="Domain UUID [default: random].")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here, not stdout.")
@@ -150,6 +188,7 @@ def new_cmd(
     machine: str,
     virt_type: str,
     devices: tuple[DeviceRequest, ...],
+    hotplug_slots: int,
     disk: str | None,
     domain_uuid: uuid.UUID | None,
     output: str | None,
@@ -168,15 +207,18 @@ def new_cmd(
         uuid=domain_uuid,
         disk=PurePath(disk) if disk else None,
         devices=devices,
+        hotplug_slots=hotplug_slots,
     )
     validator = None if no_fabric_check or not devices else fabric_validator(obj)
     doc = new_domain(spec, templates=TemplateSet(), validate_fdid=validator)
     data = doc.to_bytes()
     if output:
         write_atomically(Path(output), data)
-        click.echo(f"wrote {output} ({len(devices)} remote device(s))", err=True)
+        click.echo(f"wrote {output} ({plural(len(devices), 'remote device')})", err=True)
     else:
         click.echo(data.decode(doc.encoding), nl=False)
+    if devices and not no_fabric_check and validator is None:
+        warn_unchecked(obj)
 
 
 @xml_group.command("add-device")
@@ -191,15 +233,20 @@ def add_device_cmd(
     """Add remote device FDID to the domain XML in FILE (in place). A device that is already
     there is left alone."""
     doc = _read(file)
+    validator = None
     if find_device(doc, fdid) is None:
         validator = None if no_fabric_check else fabric_validator(obj)
         if validator is not None:
             validator(fdid)
     elif address is None:
-        click.echo(f"device {format_fdid(fdid)} is already in {file}; nothing changed", err=True)
+        click.echo(
+            f"device {format_fdid(fdid)} is already in {file}; nothing was changed", err=True
+        )
         return
     changed = add_device(doc, fdid, templates=TemplateSet(), address=address)
     write_atomically(file, changed.to_bytes())
+    if not no_fabric_check and validator is None:
+        warn_unchecked(obj)
 
 
 @xml_group.command("remove-device")
@@ -210,7 +257,7 @@ def remove_device_cmd(file: Path, fdid: int, missing_ok: bool) -> None:
     """Remove remote device FDID from the domain XML in FILE (in place)."""
     doc = _read(file)
     if missing_ok and find_device(doc, fdid) is None:
-        click.echo(f"device {format_fdid(fdid)} is not in {file}; nothing changed", err=True)
+        click.echo(f"device {format_fdid(fdid)} is not in {file}; nothing was changed", err=True)
         return
     write_atomically(file, remove_device(doc, fdid).to_bytes())
 

@@ -30,6 +30,7 @@ class CliContext:
     node: str | None
     verbose: int = 0
     root: Path | None = None  # host root (--root / VMLEND_ROOT); None = the real one
+    uri: str | None = None  # the global -c/--connect; a command's own -c wins
 
     @classmethod
     def create(
@@ -97,3 +98,26 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     click.echo(render_table(headers, rows))
+
+
+def _more_verbose(ctx: click.Context, _param: click.Parameter, value: int) -> None:
+    if not value:
+        return
+    obj = ctx.find_object(CliContext)
+    level = (obj.verbose if obj is not None else 0) + value
+    if obj is not None:
+        obj.verbose = level
+    # vmlend's own loggers only: the handler basicConfig installed prints them.
+    logging.getLogger("vmlend").setLevel(logging.DEBUG if level > 1 else logging.INFO)
+
+
+def verbose_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``-v`` after a subcommand too (``vmlend detach VM FDID -v``), not only before it."""
+    return click.option(
+        "-v",
+        "--verbose",
+        count=True,
+        expose_value=False,
+        callback=_more_verbose,
+        help="More diagnostics on stderr (also accepted before the command).",
+    )(f)

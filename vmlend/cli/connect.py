@@ -42,7 +42,7 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     """The hypervisor at ``uri`` (None: ``LIBVIRT_DEFAULT_URI`` or libvirt's default). A libvirt
     host is the fabric node ``node`` (default ``--node``, else the state's local node); a
     simulated one is the node its URI names."""
-    uri = uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
+    uri = uri or obj.uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
     simulated = sim_node(uri) if uri else None
     hook = hook_command(obj.state_path, simulated) if simulated else None
     node = node or (None if simulated else obj.node)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
+from lxml import etree
+
 from vmlend.domain.address import PciAddress
 from vmlend.domain.document import DomainDocument
 from vmlend.domain.layout import insert_child
@@ -23,6 +25,8 @@ from vmlend.errors import ConfigError
 FdidValidator = Callable[[int], object]
 
 VIRT_TYPES = ("kvm", "qemu")
+#: Root ports fit the free slots of pcie-root (libvirt fills slots 1-0x1e, 8 functions each).
+MAX_HOTPLUG_SLOTS = 64
 _NAME = re.compile(r"^[^/\x00-\x1f]{1,200}$")
 
 
@@ -48,6 +52,8 @@ class DomainSpec:
     uuid: uuid.UUID | None = None
     disk: PurePath | None = None
     devices: Sequence[DeviceRequest] = field(default=())
+    #: Empty pcie-root-ports (q35) to hot-plug devices into later; libvirt numbers them.
+    hotplug_slots: int = 0
 
     def validate(self) -> None:
         """Checks separate from building: every problem is the user's to fix."""
@@ -63,9 +69,31 @@ class DomainSpec:
             raise ConfigError(f"unknown machine type {self.machine!r}; choose q35 or pc")
         if self.virt_type not in VIRT_TYPES:
             raise ConfigError(f"unknown virt type {self.virt_type!r}; choose kvm or qemu (TCG)")
+        if not 0 <= self.hotplug_slots <= MAX_HOTPLUG_SLOTS:
+            raise ConfigError(f"--hotplug-slots must be 0..{MAX_HOTPLUG_SLOTS}")
+        if self.hotplug_slots and self.machine != "q35":
+            raise ConfigError(
+                "--hotplug-slots is for q35 (PCIe needs a root port per hot-plugged device);"
+                " pc hot-plugs into its root bus without one"
+            )
         fdids = [d.fdid for d in self.devices]
         if len(set(fdids)) != len(fdids):
             raise ConfigError("a device is given twice")
+
+
+def _add_root_ports(domain: DomainXML, count: int) -> None:
+    """``count`` pcie-root-ports after the last PCI controller, indexes after the highest."""
+    if not count:
+        return
+    devices = domain.devices_element(create=True)
+    assert devices is not None
+    controllers = devices.findall("controller[@type='pci']")
+    indexes = [int(c.get("index", "0"), 0) for c in controllers]
+    first = max(indexes, default=0) + 1
+    at = devices.index(controllers[-1]) + 1 if controllers else 0
+    for n in range(count):
+        port = etree.Element("controller", type="pci", index=str(first + n), model="pcie-root-port")
+        insert_child(devices, port, at + n)
 
 
 def _disk_format(path: PurePath) -> str:
@@ -90,7 +118,6 @@ def new_domain(
     domain.uuid = spec.uuid or uuid.uuid4()
     domain.set_memory(spec.memory_bytes)
     domain.vcpus = spec.vcpus
-    doc = DomainDocument(root=root, epilog=b"\n")
     if spec.disk is not None:
         disk_el = templates.disk()
         disk = DiskXML(disk_el)
@@ -99,6 +126,8 @@ def new_domain(
         devices = domain.devices_element(create=True)
         assert devices is not None
         insert_child(devices, disk_el, 0)
+    _add_root_ports(domain, spec.hotplug_slots)
+    doc = DomainDocument.from_element(root)
     for d in spec.devices:
         doc = add_device(doc, d.fdid, templates=templates, address=d.address, share=d.share)
     return doc

@@ -16,6 +16,7 @@ from vmlend.domain.model import DomainXML, MdevHostdevXML
 from vmlend.domain.uuids import mdev_uuid
 from vmlend.errors import DomainXMLError
 from vmlend.fabric.model import format_fdid
+from vmlend.messages import plural
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def find_problems(doc: DomainDocument) -> list[Problem]:
 
 def raise_on(problems: list[Problem], what: str) -> None:
     if problems:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        more = f" (and {plural(len(problems) - 1, 'more problem')})" if len(problems) > 1 else ""
         raise DomainXMLError(f"{what}: {problems[0].message}{more}")
 
 

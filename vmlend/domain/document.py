@@ -1,10 +1,9 @@
 """Parse domain XML bytes into an lxml tree and serialise it back, changing as little as possible.
 
-lxml keeps element order, attribute order, comments and whitespace inside the root element, but
-drops what lies outside it (the XML declaration, comments before the root, the final newline).
-``DomainDocument`` keeps those bytes verbatim, so a document that was not changed serialises to
-exactly its input, and a changed one differs only where it was changed (plus lxml's own quoting:
-attributes come out in double quotes, ``<a></a>`` as ``<a/>``).
+``DomainDocument`` keeps the source bytes next to the tree: what lies outside the root element
+(declaration, comments before and after it, the final newline) is written back verbatim, and the
+root element is spliced over its source (``preserve``), so a document that was not changed
+serialises to exactly its input and a changed one differs only where it was changed.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from vmlend.domain.preserve import keep_original_lines
+from vmlend.domain.preserve import splice
+from vmlend.domain.spans import scan_element
 from vmlend.errors import DomainXMLError
 
 
@@ -63,11 +63,9 @@ class DomainDocument:
     """A parsed domain: the root element plus the verbatim bytes around it."""
 
     root: etree._Element
-    prolog: bytes = b""
-    epilog: bytes = b""
     encoding: str = "UTF-8"
-    #: The root element's bytes as parsed, to keep unchanged lines verbatim on output.
-    original: bytes = b""
+    #: The whole document as parsed, to keep every untouched byte on output.
+    source: bytes = b""
 
     @classmethod
     def parse(cls, data: bytes | str, *, source: str = "domain XML") -> DomainDocument:
@@ -92,26 +90,30 @@ class DomainDocument:
             # libvirt never writes one; entities in a DTD could point outside the document.
             raise DomainXMLError(f"{source} has a DOCTYPE; libvirt domain XML has none")
         encoding = docinfo.encoding or "UTF-8"
-        prolog = data[: _prolog_length(data)]
-        stripped = data.rstrip()
-        epilog = data[len(stripped) :]
-        original = data[len(prolog) : len(stripped)]
-        return cls(root=root, prolog=prolog, epilog=epilog, encoding=encoding, original=original)
+        return cls(root=root, encoding=encoding, source=data)
+
+    @classmethod
+    def from_element(cls, root: etree._Element) -> DomainDocument:
+        """A new document for a tree built in memory, written as lxml writes it."""
+        return cls.parse(_serialise(root, "UTF-8") + b"\n")
 
     def copy(self) -> DomainDocument:
         """A deep copy, so rewrites can stay pure."""
         return DomainDocument(
             root=copy.deepcopy(self.root),
-            prolog=self.prolog,
-            epilog=self.epilog,
             encoding=self.encoding,
-            original=self.original,
+            source=self.source,
         )
 
     def to_bytes(self) -> bytes:
-        body = _serialise(self.root, self.encoding)
-        # Comments or PIs after the root element are not kept verbatim, but they are kept.
-        trailer = b"".join(_serialise(s, self.encoding) for s in self.root.itersiblings())
-        if trailer:
-            trailer = b"\n" + trailer
-        return self.prolog + keep_original_lines(self.original, body + trailer) + self.epilog
+        if not self.source:
+            return _serialise(self.root, self.encoding)
+        try:
+            span = scan_element(self.source, _prolog_length(self.source))
+        except ValueError:
+            # Not expected for input lxml accepted; lxml's spelling is still the same tree.
+            return _serialise(self.root, self.encoding)
+        # Rewrites edit the root element only: what surrounds it (declaration, comments
+        # before and after it, the final newline) is the source's.
+        body = splice(self.source, span, self.root, self.encoding)
+        return self.source[: span.start] + body + self.source[span.end :]

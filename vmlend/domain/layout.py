@@ -112,8 +112,10 @@ def remove_child(child: etree._Element) -> None:
         elif not _is_blank(tail):
             prev.tail = (prev.tail or "") + (tail or "")
     elif is_last:
-        # The only child: the parent becomes empty.
-        parent.text = None if _is_blank(parent.text) and _is_blank(tail) else parent.text
+        # The only child: the parent becomes empty. An indented parent keeps the line break
+        # before its end tag, as libvirt writes an empty <devices>.
+        if _is_blank(parent.text) and _is_blank(tail):
+            parent.text = tail if tail and "\n" in tail else None
     elif not _is_blank(tail):
         parent.text = (parent.text or "") + (tail or "")
     parent.remove(child)

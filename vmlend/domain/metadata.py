@@ -15,6 +15,8 @@ tools' elements under ``<metadata>`` are never touched. ``address`` is optional 
 assigns one). ``host`` records the node the XML was last rewritten for (migration).
 ``nvme-queues`` and ``nvme-size`` (together) ask for a queue-level share of an NVMe drive
 instead of the whole drive.
+``metadata='kept'`` marks a ``<metadata>`` that existed, empty, before vmlend's element;
+``devices='absent'|'empty'`` a ``<devices>`` that libvirt would have written otherwise.
 """
 
 from __future__ import annotations
@@ -146,6 +148,12 @@ class VmlendMetadataXML(XMLNode):
 
     NAMESPACES = _NS
     host_node = XMLProperty("./vmlend:host/@node")
+    #: ``"kept"`` when the ``<metadata>`` element was there, empty, before vmlend added its
+    #: own element: removing the last device then leaves it as it was instead of deleting it.
+    metadata_container = XMLProperty("./@metadata")
+    #: How ``<devices>`` was before vmlend's first hostdev, when libvirt would not have
+    #: written it so: ``"absent"`` or ``"empty"`` (``<devices/>``); restored with the last one.
+    devices_container = XMLProperty("./@devices")
 
     @staticmethod
     def new_element() -> etree._Element:

@@ -78,6 +78,9 @@ class MdevHostdevXML(XMLNode):
         PciAddressXML(el).set(address)
 
 
+_AFTER_DEVICES = ("seclabel", "keywrap", "launchSecurity")
+
+
 class DomainXML(XMLNode):
     """The ``<domain>`` root: what vmlend needs to know about a VM."""
 
@@ -118,8 +121,17 @@ class DomainXML(XMLNode):
     def devices_element(self, *, create: bool = False) -> etree._Element | None:
         el = self.element.find("devices")
         if el is None and create:
-            el = etree.SubElement(self.element, "devices")
+            el = insert_child(self.element, etree.Element("devices"), self._devices_index())
         return el
+
+    def _devices_index(self) -> int:
+        """Where libvirt writes ``<devices>``: before the security labels and before the
+        hypervisor namespaces' elements (``<qemu:commandline>``), else last."""
+        for i, child in enumerate(self.element):
+            tag = child.tag
+            if isinstance(tag, str) and (tag in _AFTER_DEVICES or tag.startswith("{")):
+                return i
+        return len(self.element)
 
     def mdev_hostdevs(self) -> list[MdevHostdevXML]:
         path = "./devices/hostdev[@mode='subsystem'][@type='mdev']"

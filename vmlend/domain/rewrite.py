@@ -20,7 +20,7 @@ from vmlend.domain.consistency import (
     raise_on,
 )
 from vmlend.domain.document import DomainDocument
-from vmlend.domain.layout import insert_child, remove_child
+from vmlend.domain.layout import insert_child, is_indented, remove_child
 from vmlend.domain.metadata import (
     HOST_TAG,
     NvmeShareRequest,
@@ -28,10 +28,10 @@ from vmlend.domain.metadata import (
     VmlendMetadataXML,
     find_metadata,
 )
-from vmlend.domain.model import DomainXML, MdevHostdevXML, PciAddressXML
+from vmlend.domain.model import DomainXML, MdevHostdevXML
+from vmlend.domain.slots import address_problem
 from vmlend.domain.templates import TemplateSet
 from vmlend.domain.uuids import mdev_uuid
-from vmlend.domain.xmlprop import elements
 from vmlend.errors import DomainXMLError
 from vmlend.fabric.model import format_fdid
 
@@ -51,28 +51,62 @@ def find_device(doc: DomainDocument, fdid: int) -> VmlendDevice | None:
     return entry.get() if entry is not None else None
 
 
+_KEPT = "kept"
+_ABSENT = "absent"
+_EMPTY = "empty"
+
+
 def _ensure_metadata(domain: DomainXML) -> VmlendMetadataXML:
     meta = find_metadata(domain.element)
     if meta is not None:
         return meta
     container = domain.metadata_element()
+    was_empty = container is not None and len(container) == 0
     if container is None:
         index = 0
         for i, child in enumerate(domain.element):
             if child.tag in _BEFORE_METADATA:
                 index = i + 1
         container = insert_child(domain.element, etree.Element("metadata"), index)
-    return VmlendMetadataXML(insert_child(container, VmlendMetadataXML.new_element()))
+    meta = VmlendMetadataXML(insert_child(container, VmlendMetadataXML.new_element()))
+    if was_empty:
+        meta.metadata_container = _KEPT
+    return meta
 
 
-def _used_guest_addresses(domain: DomainXML) -> dict[PciAddress, str]:
-    out: dict[PciAddress, str] = {}
-    for el in elements(domain.element, "./devices/*/address[@type='pci']"):
-        addr = PciAddressXML(el).get()
-        parent = el.getparent()
-        if addr is not None and parent is not None:
-            out[addr] = str(parent.tag)
-    return out
+def _devices_spelling(domain: DomainXML) -> str | None:
+    """How ``<devices>`` is, when it is not as libvirt writes it (present, with a line
+    break before ``</devices>`` in an indented document)."""
+    devices = domain.devices_element()
+    if devices is None:
+        return _ABSENT
+    if len(devices) == 0 and not devices.text and is_indented(domain.element):
+        return _EMPTY
+    return None
+
+
+def _restore_devices(domain: DomainXML, spelling: str | None) -> None:
+    devices = domain.devices_element()
+    if devices is None or len(devices) or (devices.text or "").strip():
+        return
+    if spelling == _ABSENT:
+        remove_child(devices)
+    elif spelling == _EMPTY:
+        devices.text = None
+
+
+def _drop_metadata(meta: VmlendMetadataXML) -> None:
+    """Remove vmlend's element, and the ``<metadata>`` it leaves empty unless that was there
+    before vmlend (then it goes back to libvirt's empty ``<metadata/>``)."""
+    container = meta.element.getparent()
+    kept = meta.metadata_container == _KEPT
+    remove_child(meta.element)
+    if container is None or len(container) or (container.text or "").strip():
+        return
+    if kept:
+        container.text = None
+    else:
+        remove_child(container)
 
 
 def add_device(
@@ -99,15 +133,23 @@ def add_device(
     domain = DomainXML(out.root)
     dom_uuid = domain.require_uuid()
     if address is not None:
-        used = _used_guest_addresses(domain)
-        if address in used:
-            raise DomainXMLError(
-                f"guest PCI address {address} is already used by a <{used[address]}>;"
-                " pick a free slot or omit --address"
-            )
+        problem = address_problem(domain, address)
+        if problem is not None:
+            raise DomainXMLError(f"{problem}; pick a free slot or omit --address")
     device = VmlendDevice(fdid=fdid, mdev=mdev_uuid(dom_uuid, fdid), address=address, share=share)
+    for hostdev in domain.mdev_hostdevs():
+        if hostdev.uuid == device.mdev:
+            # Not listed in the metadata (check_consistency passed), yet it is this device's.
+            raise DomainXMLError(
+                f"the domain already has an mdev <hostdev> with UUID {device.mdev}, the one"
+                f" vmlend derives for device {format_fdid(fdid)}, but vmlend's metadata does"
+                " not list it; remove that <hostdev> first"
+            )
 
+    devices_before = _devices_spelling(domain)
     meta = _ensure_metadata(domain)
+    if devices_before is not None and not meta.entries():
+        meta.devices_container = devices_before
     entries = meta.entries()
     index = meta.element.index(entries[-1].element) + 1 if entries else 0
     insert_child(meta.element, meta.new_entry(device), index)
@@ -122,6 +164,7 @@ def add_device(
     index = devices.index(existing[-1]) + 1 if existing else len(devices)
     insert_child(devices, hostdev_el, index)
     log.debug("added device %s as mdev %s", format_fdid(fdid), device.mdev)
+    check_consistency(out)  # never hand back a document vmlend itself would refuse
     return out
 
 
@@ -152,10 +195,8 @@ def remove_device(doc: DomainDocument, fdid: int, *, unplugged: bool = False) ->
             remove_child(hostdev.element)
     remove_child(entry.element)
     if not meta.entries():
-        container = meta.element.getparent()
-        remove_child(meta.element)
-        if container is not None and len(container) == 0 and not (container.text or "").strip():
-            remove_child(container)
+        _restore_devices(domain, meta.devices_container)
+        _drop_metadata(meta)
     return out
 
 

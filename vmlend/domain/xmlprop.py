@@ -98,7 +98,11 @@ class XMLProperty(Generic[T]):
         try:
             return self.parse(str(raw).strip())
         except (ValueError, DomainXMLError) as e:
-            raise DomainXMLError(f"bad value {raw!r} at {self.path} ({self.name}): {e}") from None
+            tag = obj.element.tag
+            qname = etree.QName(tag).localname if isinstance(tag, str) else "?"
+            prefix = obj.element.prefix
+            where = f"<{prefix}:{qname}>" if prefix else f"<{qname}>"
+            raise DomainXMLError(f"bad value {raw!r} at {self.path} of {where}: {e}") from None
 
     def __set__(self, obj: XMLNode, value: T | None) -> None:
         if value is None:

@@ -26,6 +26,7 @@ from vmlend.fabric.model import (
     PcieKind,
     Topology,
 )
+from vmlend.messages import plural
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -304,7 +305,7 @@ def _adapter(
     if a.lut_usable < 1:
         raise r.fail(
             f"{path}.lut_entries",
-            f"{a.lut_entries} entries leave none after {a.cpus} CPU(s) reserve 2 each",
+            f"{a.lut_entries} entries leave none after {plural(a.cpus, 'CPU')} reserve 2 each",
         )
     return a
 

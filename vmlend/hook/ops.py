@@ -17,6 +17,7 @@ from vmlend.fabric.model import Holder, format_fdid
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
 from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.messages import plural
 from vmlend.nvme.lending import acquire_share, return_shares
 from vmlend.ops.restore import restore_running
 
@@ -64,7 +65,7 @@ class HookOps:
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
             fault_point("prepare:after-device")
-        record(f"{len(dom.devices)} device(s) ready")
+        record(f"{plural(len(dom.devices), 'device')} ready")
 
     def release(self, dom: DomainInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
@@ -93,5 +94,5 @@ class HookOps:
             self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record
         )
         if not problems:
-            record(f"{len(dom.devices)} device(s) consistent")
+            record(f"{plural(len(dom.devices), 'device')} consistent")
         return problems

@@ -8,7 +8,9 @@ Accepted forms (anything else that matters is a DomainXMLError, never a guess):
 - memory: ``<memory unit=...>`` (total, DIMMs included, as libvirt keeps it) with libvirt's
   units (b/bytes, KB, k/KiB, MB, M/MiB, GB, G/GiB, TB, T/TiB, PB, P/PiB, EB, E/EiB; default KiB).
   The initial RAM is the sum of the NUMA cells when there are any, else ``<memory>`` minus the
-  DIMMs. Like libvirt (qemuDomainAlignMemorySizes) it is rounded up to 1 MiB.
+  DIMMs. Like libvirt (qemuDomainAlignMemorySizes) it is rounded up to 1 MiB, from the
+  DIMM sizes as written; each DIMM is then rounded up to 2 MiB (libvirt's memory-module
+  alignment on x86, qemuDomainGetMemoryModuleSizeAlignment), so a 523264 KiB DIMM is 512 MiB.
 - NUMA: ``/domain/cpu/numa/cell/@memory`` (+ ``@unit``), in ``@id`` order.
 - hot-plug: ``<maxMemory slots=N unit=...>`` and ``<devices><memory model='dimm'>`` with
   ``<target><size>`` and optionally ``<address type='dimm' base='0x...'/>``. Other memory
@@ -17,8 +19,8 @@ Accepted forms (anything else that matters is a DomainXMLError, never a guess):
   option in ``<qemu:commandline>`` (``<qemu:arg value='-machine'/><qemu:arg
   value='pc,max-ram-below-4g=2G'/>`` or ``-machine=...``), with QEMU's size suffixes.
 - 64-bit PCI hole: ``<controller type='pci' model='pcie-root|pci-root'><pcihole64>``.
-- vCPU vendor (for the AMD 1 TiB rule): ``<cpu><vendor>``, else the ``<cpu><model>`` name,
-  else ``host-passthrough``/``host-model`` take ``host_vendor`` (the caller knows the host).
+- vCPU vendor (for the AMD 1 TiB rule): as QEMU sets it, see ``cpu_vendor``; under KVM it is
+  the host's (``host_vendor``, which the caller knows), under TCG the model's.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import re
 from lxml import etree
 
 from vmlend.errors import DomainXMLError
+from vmlend.memory.cpu_vendor import guest_cpu_vendor
 from vmlend.memory.layout import CpuVendor, Dimm, Layout, MemoryConfig, compute_layout
 
 log = logging.getLogger(__name__)
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 _ALIGN = 1 << 20  # libvirt aligns x86 guest memory sizes to 1 MiB
+_DIMM_ALIGN = 2 << 20  # ... and memory modules (DIMMs) to 2 MiB
 
 _UNITS = {
     "b": 1,
@@ -60,15 +64,6 @@ _UNITS = {
 }
 # QEMU size options: a plain number is bytes; binary suffixes as shifts (qemu_strtosz).
 _QEMU_SUFFIX = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
-
-_AMD_MODELS = re.compile(r"^(epyc|opteron|phenom|athlon|dhyana)", re.IGNORECASE)
-_INTEL_MODELS = re.compile(
-    r"^(skylake|cascadelake|cooperlake|icelake|sapphirerapids|graniterapids|sierraforest|"
-    r"broadwell|haswell|ivybridge|sandybridge|westmere|nehalem|penryn|conroe|core2duo|coreduo|"
-    r"snowridge|denverton|kngerms|knightsmill|pentium|n270|486|kvm32|kvm64|qemu32)",
-    re.IGNORECASE,
-)
-
 
 def parse_libvirt_size(value: str | None, unit: str | None, what: str) -> int:
     """A libvirt scaled integer in bytes (unit default KiB); DomainXMLError when malformed."""
@@ -155,25 +150,6 @@ def _machine_and_below_4g(root: etree._Element) -> tuple[str, int | None]:
     return machine, below
 
 
-def _cpu_vendor(root: etree._Element, host_vendor: CpuVendor | None) -> CpuVendor:
-    cpu = root.find("cpu")
-    if cpu is None:
-        return CpuVendor.UNKNOWN  # QEMU's default model depends on the accelerator
-    vendor = (cpu.findtext("vendor") or "").strip().lower()
-    if vendor in ("amd", "authenticamd"):
-        return CpuVendor.AMD
-    if vendor in ("intel", "genuineintel"):
-        return CpuVendor.INTEL
-    if cpu.get("mode") in ("host-passthrough", "host-model", "maximum"):
-        return host_vendor or CpuVendor.UNKNOWN
-    model = (cpu.findtext("model") or "").strip()
-    if _AMD_MODELS.match(model):
-        return CpuVendor.AMD
-    if _INTEL_MODELS.match(model):
-        return CpuVendor.INTEL
-    return CpuVendor.UNKNOWN
-
-
 def _numa_cells(root: etree._Element) -> tuple[int, ...]:
     cells = root.findall("cpu/numa/cell")
     sized: list[tuple[int, int]] = []
@@ -207,8 +183,12 @@ def _dimms(root: etree._Element) -> tuple[Dimm, ...]:
             except ValueError:
                 raise DomainXMLError(f"DIMM base {addr.get('base')!r} is not a number") from None
         node = int(node_text) if node_text and node_text.strip().isdigit() else None
-        out.append(Dimm(size=_round_up(size, _ALIGN), base=base, node=node))
+        out.append(Dimm(size=size, base=base, node=node))
     return tuple(out)
+
+
+def _aligned(dimm: Dimm) -> Dimm:
+    return Dimm(size=_round_up(dimm.size, _DIMM_ALIGN), base=dimm.base, node=dimm.node)
 
 
 def _pci_hole64(root: etree._Element) -> int | None:
@@ -231,14 +211,16 @@ def memory_config(
     if mem_el is not None:
         total = parse_libvirt_size(mem_el.text, mem_el.get("unit"), "<memory>")
     cells = _numa_cells(root)
-    dimms = _dimms(root)
-    dimm_total = sum(d.size for d in dimms)
+    written = _dimms(root)
     if cells:
         ram = sum(cells)
     elif total is None:
         raise DomainXMLError("the domain XML has no <memory> element; give the guest memory")
     else:
-        ram = _round_up(total, _ALIGN) - dimm_total
+        # libvirt: initial = <memory> minus the DIMMs as written, then aligned.
+        ram = _round_up(total - sum(d.size for d in written), _ALIGN)
+    dimms = tuple(_aligned(d) for d in written)
+    dimm_total = sum(d.size for d in dimms)
     if ram <= 0:
         raise DomainXMLError(
             f"the guest's initial memory is {ram} bytes; <memory> must be larger than zero "
@@ -266,7 +248,7 @@ def memory_config(
         slots=slots,
         dimms=dimms,
         numa_cells=cells,
-        cpu_vendor=_cpu_vendor(root, host_vendor),
+        cpu_vendor=guest_cpu_vendor(root, host_vendor),
         pci_hole64_size=_pci_hole64(root),
     )
 

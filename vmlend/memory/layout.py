@@ -53,6 +53,8 @@ class Family(enum.StrEnum):
 class CpuVendor(enum.StrEnum):
     INTEL = "intel"
     AMD = "amd"
+    #: Another vendor string (HygonGenuine, ...): QEMU's AMD rule does not apply.
+    OTHER = "other"
     UNKNOWN = "unknown"
 
 
@@ -337,14 +339,16 @@ def compute_layout(cfg: MemoryConfig) -> Layout:
     above = cfg.ram - below
     start = ABOVE_4G_START
     notes: list[str] = []
-    if machine.amd_1tb_hole is not False and cfg.cpu_vendor is not CpuVendor.INTEL:
+    not_amd = cfg.cpu_vendor in (CpuVendor.INTEL, CpuVendor.OTHER)
+    if machine.amd_1tb_hole is not False and not not_amd:
         reaches_ht = _max_used_gpa(machine, cfg, start + above) >= AMD_HT_START
         if reaches_ht and (cfg.cpu_vendor is CpuVendor.UNKNOWN or machine.amd_1tb_hole is None):
             raise LayoutError(
                 f"the guest's address space reaches the AMD HyperTransport hole at "
                 f"{AMD_HT_START:#x} and whether QEMU moves high RAM to 1 TiB cannot be "
                 f"decided (vCPU vendor {cfg.cpu_vendor}, machine type {machine.name}); "
-                "name the CPU model or vendor in the domain XML"
+                "name the CPU model (type='qemu') or run vmlend where it knows the host's"
+                " CPU vendor (type='kvm'); see docs/memory.md"
             )
         if reaches_ht:
             start = AMD_ABOVE_1TB_START

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
@@ -101,6 +102,8 @@ def qemu_memory_args(cfg: MemoryConfig) -> list[str]:
         args += ["-cpu", "EPYC,phys-bits=48"]
     elif cfg.cpu_vendor is CpuVendor.INTEL:
         args += ["-cpu", "Skylake-Client,phys-bits=48"]
+    elif cfg.cpu_vendor is CpuVendor.OTHER:
+        args += ["-cpu", "Dhyana,phys-bits=48"]
     if cfg.pci_hole64_size is not None:
         host = "q35-pcihost" if "q35" in cfg.machine else "i440FX-pcihost"
         args += ["-global", f"{host}.pci-hole64-size={cfg.pci_hole64_size}"]
@@ -195,6 +198,15 @@ class QemuProcess:
             if time.monotonic() > deadline:
                 raise HostError(f"QEMU did not open its QMP socket within {self.timeout} s")
             time.sleep(0.002)
+
+    def qmp(self, command: str, arguments: dict[str, object] | None = None) -> Any:
+        """The ``return`` value of a QMP command; HostError when QEMU refuses it."""
+        if self._qmp is None:
+            raise HostError("QEMU is not running")
+        reply = self._qmp.cmd_raw(command, arguments)
+        if "error" in reply:
+            raise HostError(f"QEMU refused {command}: {reply['error'].get('desc')}")
+        return reply["return"]
 
     def hmp(self, command: str) -> str:
         if self._qmp is None:

@@ -43,6 +43,7 @@ from vmlend.fabric.model import Holder, format_fdid
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for, return_all
+from vmlend.messages import about, plural
 from vmlend.registry.conditions import classify_errno, host_error
 
 Progress = Callable[[str], None]
@@ -87,7 +88,7 @@ def admission_problems(
     for fdid in fdids:
         bad = next((c for c in results[fdid] if not c.ok), None)
         if bad is not None:
-            problems.append(f"device {format_fdid(fdid)}: {bad.detail}")
+            problems.append(about(f"device {format_fdid(fdid)}", bad.detail))
     return problems
 
 
@@ -170,7 +171,7 @@ def migrate(
         raise FabricError(
             f"cannot migrate VM {name!r} to {dest_node}: {problems[0]}; nothing was changed"
         )
-    step(f"checked {len(dom.devices)} device(s): all admissible from {dest_node}")
+    step(f"checked {plural(len(dom.devices), 'device')}: all admissible from {dest_node}")
 
     if info.active:
         _stop(src, name, shutdown_timeout, force, step)
@@ -307,6 +308,7 @@ def _finish_or_roll_back(
 
 
 def _stop(src: Hypervisor, name: str, timeout: float, force: bool, step: Progress) -> None:
+    step(f"waiting up to {timeout:g} s for {name} to shut down")  # a wait is never silent
     try:
         src.shutdown(name, timeout)
         step(f"shut down {name}")

@@ -41,6 +41,12 @@ from vmlend.registry.schema import (
 from vmlend.registry.txn import StateTxn
 
 log = logging.getLogger(__name__)
+#: How long a lock wait stays quiet before it says so.
+_QUIET_WAIT = 1.0
+
+
+def _is_busy(e: sqlite3.Error) -> bool:
+    return "locked" in str(e) or "busy" in str(e)
 
 
 #: ``classify`` needs no file-system facts to tell a damaged file.
@@ -240,10 +246,35 @@ class Registry:
         with self._txn("BEGIN IMMEDIATE", writable=True) as tx:
             yield tx
 
+    def _begin(self, begin: str) -> None:
+        """``begin``, waiting up to the busy timeout for another process's lock; a wait longer
+        than a second is announced once (a wait is never silent)."""
+        quiet = min(_QUIET_WAIT, self.busy_timeout)
+        try:
+            self._set_busy(quiet)
+            try:
+                self._conn.execute(begin)
+                return
+            except sqlite3.OperationalError as e:
+                if not _is_busy(e) or quiet >= self.busy_timeout:
+                    raise
+            log.warning(
+                "waiting up to %g s for the vmlend state %s, locked by another process",
+                self.busy_timeout - quiet,
+                self.path,
+            )
+            self._set_busy(self.busy_timeout - quiet)
+            self._conn.execute(begin)
+        finally:
+            self._set_busy(self.busy_timeout)
+
+    def _set_busy(self, seconds: float) -> None:
+        self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
     @contextlib.contextmanager
     def _txn(self, begin: str, writable: bool) -> Iterator[StateTxn]:
         try:
-            self._conn.execute(begin)
+            self._begin(begin)
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
         try:

@@ -1,0 +1,156 @@
+"""``vmlend vm``: virsh's lifecycle commands, on simulated nodes (``sim:///NODE``) and libvirt
+URIs alike. For libvirt this is a convenience; virsh stays the tool there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.connect import connect_option, open_hv
+from vmlend.cli.progress import Wait
+from vmlend.domain import DomainDocument
+from vmlend.hypervisor import DomainInfo, DomainState, Hypervisor
+
+# virsh's words for the states.
+_STATE_WORDS = {
+    DomainState.RUNNING: "running",
+    DomainState.PAUSED: "paused",
+    DomainState.SHUTOFF: "shut off",
+}
+
+
+def _state(info: DomainInfo) -> str:
+    return _STATE_WORDS.get(info.state, str(info.state))
+
+
+class _Session:
+    """The hypervisor a command talks to, closed when the command ends."""
+
+    def __init__(self, obj: CliContext, uri: str | None) -> None:
+        self.hv: Hypervisor = open_hv(obj, uri)
+
+    def __enter__(self) -> Hypervisor:
+        return self.hv
+
+    def __exit__(self, *exc: object) -> None:
+        self.hv.close()
+
+
+@click.group("vm")
+def vm_group() -> None:
+    """Define, start, stop and list VMs (virsh's lifecycle commands)."""
+
+
+@vm_group.command("list")
+@connect_option
+@click.option("--all", "show_all", is_flag=True, help="Also the VMs that are shut off.")
+@json_option
+@click.pass_obj
+def vm_list(obj: CliContext, uri: str | None, show_all: bool, json_output: bool) -> None:
+    """The running VMs (with --all: every defined one), like 'virsh list'."""
+    with _Session(obj, uri) as hv:
+        domains = [d for d in hv.list_domains() if show_all or d.active]
+    if json_output:
+        emit_json(
+            [
+                {"name": d.name, "uuid": d.uuid, "state": _state(d), "persistent": d.persistent}
+                for d in domains
+            ]
+        )
+        return
+    emit_table(
+        ["Name", "State", "Persistent"],
+        [(d.name, _state(d), "yes" if d.persistent else "no") for d in domains],
+    )
+
+
+@vm_group.command("define")
+@connect_option
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.pass_obj
+def vm_define(obj: CliContext, uri: str | None, file: Path) -> None:
+    """Define (or update) a VM from a domain XML FILE."""
+    data = file.read_bytes()
+    DomainDocument.parse(data, source=str(file))  # one clear line for a malformed file
+    with _Session(obj, uri) as hv:
+        info = hv.define(data)
+    click.echo(f"Domain '{info.name}' defined from {file}")
+
+
+@vm_group.command("undefine")
+@connect_option
+@click.argument("name")
+@click.pass_obj
+def vm_undefine(obj: CliContext, uri: str | None, name: str) -> None:
+    """Remove a VM's persistent definition (a running VM goes on, transient)."""
+    with _Session(obj, uri) as hv:
+        hv.undefine(name)
+    click.echo(f"Domain '{name}' has been undefined")
+
+
+@vm_group.command("start")
+@connect_option
+@click.argument("name")
+@click.pass_obj
+def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
+    """Start a defined VM (the vmlend hook prepares its remote devices)."""
+    with _Session(obj, uri) as hv:
+        hv.start(name)
+    click.echo(f"Domain '{name}' started")
+
+
+@vm_group.command("shutdown")
+@connect_option
+@click.argument("name")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the guest to power off.",
+)
+@click.pass_obj
+def vm_shutdown(obj: CliContext, uri: str | None, name: str, timeout: float) -> None:
+    """Ask a VM's guest to power off and wait for it ('vmlend vm destroy' pulls the plug)."""
+    with _Session(obj, uri) as hv, Wait(f"domain '{name}' to shut down", timeout):
+        hv.shutdown(name, timeout)
+    click.echo(f"Domain '{name}' is shut off")
+
+
+@vm_group.command("destroy")
+@connect_option
+@click.argument("name")
+@click.pass_obj
+def vm_destroy(obj: CliContext, uri: str | None, name: str) -> None:
+    """Stop a VM at once, like pulling its power cord."""
+    with _Session(obj, uri) as hv:
+        hv.destroy(name)
+    click.echo(f"Domain '{name}' destroyed")
+
+
+@vm_group.command("dumpxml")
+@connect_option
+@click.argument("name")
+@click.option("--inactive", is_flag=True, help="The persistent definition, not the live XML.")
+@click.pass_obj
+def vm_dumpxml(obj: CliContext, uri: str | None, name: str, inactive: bool) -> None:
+    """Print a VM's domain XML."""
+    with _Session(obj, uri) as hv:
+        data = hv.xml(name, inactive=inactive)
+    click.echo(data.decode(), nl=not data.endswith(b"\n"))
+
+
+@vm_group.command("domstate")
+@connect_option
+@click.argument("name")
+@click.pass_obj
+def vm_domstate(obj: CliContext, uri: str | None, name: str) -> None:
+    """Print a VM's state: running, paused or shut off."""
+    with _Session(obj, uri) as hv:
+        info = hv.lookup(name)
+    click.echo(_state(info))
+
+
+COMMANDS = [vm_group]

@@ -1,0 +1,14 @@
+"""Small helpers that keep user-facing lines right: plurals and non-repeated subjects."""
+
+from __future__ import annotations
+
+
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """``1 device``, ``2 devices`` (``words``: an irregular plural)."""
+    return f"{count} {word if count == 1 else (words or word + 's')}"
+
+
+def about(subject: str, detail: str) -> str:
+    """``subject: detail``, unless the detail already starts with the subject (no
+    ``device 0x10: device 0x10 is held ...``)."""
+    return detail if detail.startswith(subject) else f"{subject}: {detail}"
