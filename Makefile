@@ -3,9 +3,10 @@ PYTHON  ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 # System packages: libvirt (daemon, test driver, headers for libvirt-python), QEMU for real
-# guest memory layouts, xmllint for virt-xml-validate, umockdev for uevent tests.
+# guest memory layouts, xmllint for virt-xml-validate, umockdev for uevent tests, etcd-server
+# for the cluster registry (tests start a private etcd).
 APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev \
-            pkg-config qemu-system-x86 libxml2-utils umockdev
+            pkg-config qemu-system-x86 libxml2-utils umockdev etcd-server
 DEMO_DIR := $(CURDIR)/.demo
 
 .PHONY: all demo test test-fast lint bench sysdeps venv clean
