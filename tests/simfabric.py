@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.fabric.open import Location, default_topology_text, init_fabric, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
 
 
-def make_fabric(path: Path, text: str | None = None, node: str | None = "gamma") -> SimFabric:
-    """Initialise ``path`` with ``text`` (default cluster when None) and open it as ``node``."""
+def make_fabric(path: Location, text: str | None = None, node: str | None = "gamma") -> SimFabric:
+    """Initialise the registry at ``path`` (a path or registry URL) with ``text`` (default
+    cluster when None) and open it as ``node``."""
     if text is None:
         text, source = default_topology_text()
     else:
         source = "test.toml"
     init_fabric(path, text, source, node=node, hostname="test-host")
-    fabric = open_fabric(path)
+    fabric = open_fabric(path, node)
     assert isinstance(fabric, SimFabric)
     return fabric
 

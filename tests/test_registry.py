@@ -8,7 +8,7 @@ import pytest
 
 from vmlend.errors import StateError
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.registry import Registry, TopologyRecord
+from vmlend.registry import SqliteRegistry, TopologyRecord
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
 
@@ -20,7 +20,7 @@ def _fill(tx):
 @pytest.fixture
 def made(tmp_path):
     path = tmp_path / "state.db"
-    Registry.create(path, _fill).close()
+    SqliteRegistry.create(path, _fill).close()
     return path
 
 
@@ -33,27 +33,27 @@ def test_create_marks_the_file_as_ours_in_wal_mode(made):
         assert version == (str(schema_mod.SCHEMA_VERSION),)
     finally:
         conn.close()
-    with Registry.open(made) as reg, reg.read() as tx:
+    with SqliteRegistry.open(made) as reg, reg.read() as tx:
         assert tx.topology().local_node == "gamma"
 
 
 def test_create_never_replaces_an_existing_file(made):
     before = made.read_bytes()
     with pytest.raises(FileExistsError):
-        Registry.create(made, _fill)
+        SqliteRegistry.create(made, _fill)
     assert made.read_bytes() == before
     assert sorted(p.name for p in made.parent.iterdir()) == ["state.db"]  # no temp files left
 
 
 def test_missing_file_says_to_run_init(tmp_path):
     with pytest.raises(StateError, match=r"no vmlend state at .*run 'vmlend fabric init' first"):
-        Registry.open(tmp_path / "nope.db")
+        SqliteRegistry.open(tmp_path / "nope.db")
     assert not (tmp_path / "nope.db").exists()
 
 
 def test_directory_is_refused(tmp_path):
     with pytest.raises(StateError, match="is a directory"):
-        Registry.open(tmp_path)
+        SqliteRegistry.open(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_garbage_is_refused_and_left_alone(tmp_path, content, what):
     path = tmp_path / "state.db"
     path.write_bytes(content)
     with pytest.raises(StateError, match=what) as e:
-        Registry.open(path)
+        SqliteRegistry.open(path)
     assert "will not overwrite" in str(e.value)
     assert path.read_bytes() == content
 
@@ -88,7 +88,7 @@ def test_foreign_sqlite_database_is_refused(tmp_path):
     _foreign(path)
     before = path.read_bytes()
     with pytest.raises(StateError, match=r"another application \(tables: recipes\)"):
-        Registry.open(path)
+        SqliteRegistry.open(path)
     assert path.read_bytes() == before
 
 
@@ -96,7 +96,7 @@ def test_foreign_application_id_is_refused(tmp_path):
     path = tmp_path / "state.db"
     _foreign(path, app_id=0x1234)
     with pytest.raises(StateError, match="application_id 0x1234"):
-        Registry.open(path)
+        SqliteRegistry.open(path)
 
 
 def test_empty_sqlite_database_is_refused(tmp_path):
@@ -106,7 +106,7 @@ def test_empty_sqlite_database_is_refused(tmp_path):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match="empty SQLite database"):
-        Registry.open(path)
+        SqliteRegistry.open(path)
 
 
 def test_init_refuses_a_foreign_file_and_keeps_it(tmp_path):
@@ -129,7 +129,7 @@ def test_corrupt_pages_are_refused(tmp_path):
     data[page : 3 * page] = b"\xa5" * (2 * page)  # smash the pages after the header page
     path.write_bytes(bytes(data))
     with pytest.raises(StateError, match="corrupt") as e:
-        Registry.open(path)
+        SqliteRegistry.open(path)
     assert "vmlend fabric init" in str(e.value)
     assert path.read_bytes() == bytes(data)
 
@@ -140,23 +140,23 @@ def test_newer_schema_is_refused(made):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match=r"schema version 99, newer .* upgrade vmlend"):
-        Registry.open(made)
+        SqliteRegistry.open(made)
 
 
 def test_older_schema_is_migrated(made, monkeypatch):
     monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
     monkeypatch.setattr(store_mod, "MIGRATIONS", {1: ("CREATE TABLE extra (x INTEGER)",)})
     monkeypatch.setattr(store_mod, "TABLES", schema_mod.TABLES | {"extra"})
-    with Registry.open(made) as reg, reg.read() as tx:
+    with SqliteRegistry.open(made) as reg, reg.read() as tx:
         assert tx.meta("schema_version") == "2"
-    with Registry.open(made) as reg, reg.read() as tx:  # idempotent: nothing left to do
+    with SqliteRegistry.open(made) as reg, reg.read() as tx:  # idempotent: nothing left to do
         assert tx.meta("schema_version") == "2"
 
 
 def test_a_write_waits_then_fails_clearly_when_locked(made):
-    with Registry.open(made) as a, a.write() as tx:
+    with SqliteRegistry.open(made) as a, a.write() as tx:
         tx.set_meta("x", "1")
-        with Registry.open(made, busy_timeout=0.05) as b:
+        with SqliteRegistry.open(made, busy_timeout=0.05) as b:
             with pytest.raises(StateError, match="locked by another process"), b.write():
                 pass
             with b.read() as rtx:  # WAL: readers are not blocked by the writer
@@ -164,7 +164,7 @@ def test_a_write_waits_then_fails_clearly_when_locked(made):
 
 
 def test_failed_write_changes_nothing(made):
-    with Registry.open(made) as reg:
+    with SqliteRegistry.open(made) as reg:
         with pytest.raises(RuntimeError), reg.write() as tx:
             tx.set_meta("x", "1")
             raise RuntimeError("boom")
@@ -173,7 +173,7 @@ def test_failed_write_changes_nothing(made):
 
 
 def test_read_transaction_cannot_write(made):
-    with Registry.open(made) as reg, reg.read() as tx, pytest.raises(RuntimeError):
+    with SqliteRegistry.open(made) as reg, reg.read() as tx, pytest.raises(RuntimeError):
         tx.set_meta("x", "1")
 
 
@@ -181,7 +181,7 @@ def test_create_in_an_unwritable_place_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(StateError, match=r"cannot create the vmlend state .*--state"):
-        Registry.create(blocker / "sub" / "state.db", _fill)
+        SqliteRegistry.create(blocker / "sub" / "state.db", _fill)
 
 
 def test_a_state_missing_a_table_is_refused(made):
@@ -190,7 +190,7 @@ def test_a_state_missing_a_table_is_refused(made):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match=r"lacks vmlend tables \(mdevs\)"):
-        Registry.open(made)
+        SqliteRegistry.open(made)
 
 
 def test_a_state_with_unknown_tables_is_refused(made):
@@ -199,7 +199,7 @@ def test_a_state_with_unknown_tables_is_refused(made):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match="carries vmlend's mark but not its tables"):
-        Registry.open(made)
+        SqliteRegistry.open(made)
 
 
 def test_runtime_records_follow_the_hold(tmp_path):
@@ -208,13 +208,13 @@ def test_runtime_records_follow_the_hold(tmp_path):
     from tests.simfabric import make_fabric
     from vmlend.errors import StateError
     from vmlend.fabric.model import Holder
-    from vmlend.registry import Registry
+    from vmlend.registry import SqliteRegistry
 
     path = tmp_path / "s.db"
     fabric = make_fabric(path)
     holder = Holder("gamma", "vm1", "u1")
     fabric.reserve(0x10, holder)
-    reg = Registry.open(path)
+    reg = SqliteRegistry.open(path)
     with reg.write() as tx:
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 1 << 30})
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 2 << 30})
@@ -268,11 +268,11 @@ def test_vector_records_replace_and_clear(tmp_path):
     from tests.simfabric import make_fabric
     from vmlend.fabric.model import Holder
     from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
-    from vmlend.registry import Registry
+    from vmlend.registry import SqliteRegistry
 
     path = tmp_path / "s.db"
     make_fabric(path).reserve(0x12, Holder("gamma", "vm1", "u1"))
-    reg = Registry.open(path)
+    reg = SqliteRegistry.open(path)
     record = registry_vector_recorder(reg)
     record(0x12, [{"mode": "MSIX", "vector": i, "path": "relay"} for i in range(4)])
     record(0x12, [{"mode": "MSI", "vector": 0, "path": "relay"}])  # the guest switched modes

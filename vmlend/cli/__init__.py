@@ -24,9 +24,17 @@ from vmlend.cli.common import CliContext, VmlendGroup
     " else $XDG_STATE_HOME/vmlend/state.db].",
 )
 @click.option(
+    "--registry",
+    envvar="VMLEND_REGISTRY",
+    metavar="URL",
+    help="Shared state: etcd://HOST:PORT[,HOST:PORT...]/CLUSTER, sqlite:///PATH or a path"
+    " [env VMLEND_REGISTRY; default: the --state file].",
+)
+@click.option(
     "--node",
     envvar="VMLEND_NODE",
-    help="The fabric node this host is [env VMLEND_NODE; default: the state's local node].",
+    help="The fabric node this host is [env VMLEND_NODE; default: the SQLite state's local"
+    " node; required with an etcd registry].",
 )
 @click.option(
     "--root",
@@ -38,10 +46,17 @@ from vmlend.cli.common import CliContext, VmlendGroup
 @click.version_option(__version__, prog_name="vmlend")
 @click.pass_context
 def main(
-    ctx: click.Context, state_path: str | None, node: str | None, root: str | None, verbose: int
+    ctx: click.Context,
+    state_path: str | None,
+    registry: str | None,
+    node: str | None,
+    root: str | None,
+    verbose: int,
 ) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
-    ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose, root=root)
+    ctx.obj = CliContext.create(
+        state_path=state_path, node=node, verbose=verbose, root=root, registry=registry
+    )
 
 
 def _register() -> None:

@@ -49,13 +49,13 @@ def init(
             raise TopologyError(topology_file, f"cannot read: {e.strerror}") from None
         except UnicodeDecodeError:
             raise TopologyError(topology_file, "not a text file") from None
-    result = init_fabric(obj.state_path, text, source, node=node or obj.node, replace=replace)
+    result = init_fabric(obj.location, text, source, node=node or obj.node, replace=replace)
     topo = result.topology
     if json_output:
         emit_json(
             {
                 "action": result.action,
-                "state": str(obj.state_path),
+                "state": str(obj.location),
                 "topology": topo.name,
                 "source": source,
                 "local_node": result.local_node,
@@ -64,10 +64,14 @@ def init(
             }
         )
         return
+    who = (
+        f"this host is node {result.local_node}"
+        if result.local_node
+        else "each host names its node with --node / VMLEND_NODE"
+    )
     click.echo(
-        f"{result.action}: {obj.state_path} holds topology {topo.name!r}"
-        f" ({len(topo.nodes)} nodes, {len(topo.devices)} devices);"
-        f" this host is node {result.local_node}"
+        f"{result.action}: {obj.location} holds topology {topo.name!r}"
+        f" ({len(topo.nodes)} nodes, {len(topo.devices)} devices); {who}"
     )
 
 

@@ -32,9 +32,11 @@ def hook() -> None:
 def install(
     cli: CliContext, libvirt_dir: Path | None, name: str, force: bool, json_output: bool
 ) -> None:
-    """Install the hook, pinned to this interpreter and this state path."""
+    """Install the hook, pinned to this interpreter and this state path or registry URL."""
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
-    result = install_hook(libvirt_dir, cli.state_path, cli.node, name=name, force=force)
+    result = install_hook(
+        libvirt_dir, cli.state_path, cli.node, name=name, force=force, registry=cli.registry
+    )
     if json_output:
         emit_json(
             {
@@ -90,6 +92,8 @@ def run_hook(cli: CliContext, args: tuple[str, ...]) -> None:
     from vmlend.hook.main import run
 
     env = {"VMLEND_STATE": str(cli.state_path)}
+    if cli.registry:
+        env["VMLEND_REGISTRY"] = cli.registry
     if cli.node:
         env["VMLEND_NODE"] = cli.node
     sys.exit(run(list(args), environ=env))

@@ -25,7 +25,7 @@ from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import DeviceStatus, Holder, format_fdid
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
 
 #: Runtime record kinds shown, and their column names.
@@ -232,8 +232,8 @@ def render_status(vms: list[VmView], usage: list[dict[str, Any]]) -> str:
     return "\n\n".join(parts)
 
 
-def read_runtime(state_path: Path) -> list[RuntimeRecord]:
-    with Registry.open(state_path) as reg, reg.read() as tx:
+def read_runtime(registry: str | Path) -> list[RuntimeRecord]:
+    with open_registry(registry) as reg, reg.read() as tx:
         return tx.runtime()
 
 
@@ -248,7 +248,7 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
     hv = open_hv(obj, uri)
     try:
         fabric = fabric_for(obj, hv)
-        vms = collect(hv, fabric, read_runtime(obj.state_path), vm)
+        vms = collect(hv, fabric, read_runtime(obj.location), vm)
         usage = usage_rows(fabric.usage())
     finally:
         hv.close()

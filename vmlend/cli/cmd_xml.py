@@ -70,7 +70,7 @@ UUID = _Converting("UUID", _parse_uuid)
 
 def fabric_validator(obj: CliContext) -> FdidValidator | None:
     """A check that an fdid exists in the fabric, when this host has a state to ask."""
-    if not obj.state_path.exists():
+    if obj.registry is None and not obj.state_path.exists():
         log.info("no state at %s: fdids are checked for syntax only", obj.state_path)
         return None
     try:
@@ -78,7 +78,7 @@ def fabric_validator(obj: CliContext) -> FdidValidator | None:
     except ImportError:
         log.info("no fabric backend in this vmlend: fdids are checked for syntax only")
         return None
-    fabric = open_fabric(obj.state_path, obj.node)
+    fabric = open_fabric(obj.location, obj.node)
     return fabric.device  # type: ignore[no-any-return]
 
 

@@ -11,13 +11,14 @@ import os
 import sys
 
 from vmlend.hook.main import run
-from vmlend.settings import NODE_ENV, STATE_ENV
+from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
 
-_OPTIONS = {"--state": STATE_ENV, "--node": NODE_ENV}
+_OPTIONS = {"--state": STATE_ENV, "--registry": REGISTRY_ENV, "--node": NODE_ENV}
 
 
 def split_options(argv: list[str], environ: dict[str, str]) -> list[str]:
-    """Move leading ``--state``/``--node`` options into ``environ``; return libvirt's argv."""
+    """Move leading ``--state``/``--registry``/``--node`` options into ``environ``; return
+    libvirt's argv."""
     rest = list(argv)
     while len(rest) >= 2 and rest[0] in _OPTIONS:
         environ[_OPTIONS[rest[0]]] = rest[1]

@@ -34,8 +34,11 @@ class InstallResult:
         return f"installed {self.path}" if self.changed else f"{self.path} is already installed"
 
 
-def hook_script(interpreter: str, state_path: Path, node: str | None) -> str:
-    """The text of the installed hook (the same body as hooks/vmlend-qemu)."""
+def hook_script(
+    interpreter: str, state_path: Path, node: str | None, registry: str | None = None
+) -> str:
+    """The text of the installed hook (the same body as hooks/vmlend-qemu). ``registry``: a
+    registry URL to pin (libvirtd's environment does not carry the caller's)."""
     lines = [
         f"#!{interpreter}",
         _MARK,
@@ -44,6 +47,8 @@ def hook_script(interpreter: str, state_path: Path, node: str | None) -> str:
         "",
         f"os.environ.setdefault('VMLEND_STATE', {str(state_path)!r})",
     ]
+    if registry:
+        lines.append(f"os.environ.setdefault('VMLEND_REGISTRY', {registry!r})")
     if node:
         lines.append(f"os.environ.setdefault('VMLEND_NODE', {node!r})")
     backend = os.environ.get("VMLEND_BACKEND")
@@ -65,12 +70,13 @@ def install_hook(
     name: str = DEFAULT_NAME,
     interpreter: str | None = None,
     force: bool = False,
+    registry: str | None = None,
 ) -> InstallResult:
     if name not in ("qemu", DEFAULT_NAME) and not name.startswith("qemu.d/"):
         raise ConfigError(f"hook name must be 'qemu' or 'qemu.d/<name>', got {name!r}")
     hooks_dir = libvirt_dir / "hooks"
     target = hooks_dir / name
-    text = hook_script(interpreter or sys.executable, state_path, node)
+    text = hook_script(interpreter or sys.executable, state_path, node, registry)
     restart = not hooks_enabled(hooks_dir)
     if target.exists():
         current = target.read_text(errors="replace")

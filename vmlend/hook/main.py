@@ -21,12 +21,13 @@ from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.contract import Action, HookCall, parse_argv
 from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
 from vmlend.hook.ops import HookOps
-from vmlend.settings import NODE_ENV, state_path_from_env
+from vmlend.settings import NODE_ENV, registry_from_env, state_path_from_env
 
-FabricFactory = Callable[[Path, str | None], Fabric]
+#: Opens the fabric of a registry (an SQLite path or a registry URL) as a node.
+FabricFactory = Callable[[Path | str, str | None], Fabric]
 
 
-def _open_fabric(state_path: Path, node: str | None) -> Fabric:
+def _open_fabric(state_path: Path | str, node: str | None) -> Fabric:
     from vmlend.fabric.open import open_fabric
 
     return open_fabric(state_path, node)
@@ -35,7 +36,7 @@ def _open_fabric(state_path: Path, node: str | None) -> Fabric:
 def handle(
     call: HookCall,
     xml: bytes,
-    state_path: Path,
+    state_path: Path | str,
     node: str | None,
     stdout: BinaryIO,
     open_fabric: FabricFactory = _open_fabric,
@@ -49,7 +50,8 @@ def handle(
     dom = read_hook_domain(xml, strict=action not in (Action.RELEASE, Action.RECONNECT))
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
-    actions = actions or ActionLog(log_path_for_state(state_path))
+    local = state_path if isinstance(state_path, Path) else state_path_from_env()
+    actions = actions or ActionLog(log_path_for_state(local))
     fabric = open_fabric(state_path, node)
     ops = HookOps(fabric, actions)
     if action is Action.PREPARE:
@@ -84,7 +86,8 @@ def run(
     # Drain stdin before anything can fail: libvirt writes the whole XML and must not see a
     # broken pipe.
     xml = stdin.read()
-    state_path = state_path_from_env(env)
+    state_path = state_path_from_env(env)  # its directory keeps the host's action log
+    registry = registry_from_env(env)
     actions = ActionLog(log_path_for_state(state_path))
     name = argv[0] if argv else "?"
     _log_to(actions, name)
@@ -96,13 +99,13 @@ def run(
     if call.action is Action.RECONNECT:
         # A failing reconnect hook makes libvirt kill the running guest: never fail it.
         try:
-            handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
+            handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions)
         except Exception as e:
             detail = str(e) if isinstance(e, VmlendError) else traceback.format_exc()
             actions.record(name, "reconnect", f"PROBLEM (guest kept running): {detail}")
         return 0
     try:
-        code = handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
+        code = handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions)
     except VmlendError as e:
         print(f"vmlend: {e}", file=stderr)
         actions.record(name, f"{call.operation} {call.sub_operation}", f"FAILED: {e}")

@@ -17,6 +17,7 @@ import sqlite3
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from vmlend.errors import StateError
 from vmlend.registry.schema import (
@@ -29,6 +30,8 @@ from vmlend.registry.schema import (
 from vmlend.registry.txn import StateTxn
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 #: How long a process waits for another one's write transaction before giving up. Writers hold
@@ -55,7 +58,11 @@ def _connect(path: Path, busy_timeout: float, *, create: bool) -> sqlite3.Connec
 
 
 class Registry:
-    """An open state database. Use ``read()`` / ``write()`` for transactions."""
+    """An open state database. Use ``read()`` / ``transact()`` (or ``write()``) for
+    transactions. The SQLite backend of ``vmlend.registry.api.Registry``."""
+
+    #: One host's state file may name the host's node (``topology.local_node``).
+    shares_host_identity = True
 
     def __init__(self, conn: sqlite3.Connection, path: Path, busy_timeout: float) -> None:
         self._conn = conn
@@ -127,6 +134,10 @@ class Registry:
                     os.unlink(f"{tmp}{suffix}")
         return cls.open(path, busy_timeout=busy_timeout)
 
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
     def close(self) -> None:
         self._conn.close()
 
@@ -149,6 +160,11 @@ class Registry:
         what it reads hold until it commits."""
         with self._txn("BEGIN IMMEDIATE", writable=True) as tx:
             yield tx
+
+    def transact(self, body: Callable[[StateTxn], T]) -> T:
+        """Run ``body`` in one write transaction (once: the lock is taken before it reads)."""
+        with self.write() as tx:
+            return body(tx)
 
     @contextlib.contextmanager
     def _txn(self, begin: str, writable: bool) -> Iterator[StateTxn]:

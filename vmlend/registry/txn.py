@@ -92,6 +92,10 @@ class StateTxn:
         rows = self._c.execute("SELECT name, up, why FROM nodes").fetchall()
         return {r[0]: NodeRecord(r[0], bool(r[1]), r[2]) for r in rows}
 
+    def node(self, name: str) -> NodeRecord | None:
+        r = self._c.execute("SELECT name, up, why FROM nodes WHERE name = ?", (name,)).fetchone()
+        return None if r is None else NodeRecord(r[0], bool(r[1]), r[2])
+
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         self._write()
         self._c.execute("UPDATE nodes SET up = ?, why = ? WHERE name = ?", (int(up), why, node))
@@ -165,6 +169,16 @@ class StateTxn:
     def claims(self) -> list[tuple[int, Claim]]:
         rows = self._c.execute(
             "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+        ).fetchall()
+        return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+
+    def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
+        """The claims on the given adapters only (what one reservation's admission reads)."""
+        refs = list(dict.fromkeys(adapters))
+        rows = self._c.execute(
+            "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+            f" WHERE adapter IN ({', '.join('?' * len(refs))})",
+            refs,
         ).fetchall()
         return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
 

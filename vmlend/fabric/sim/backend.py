@@ -2,8 +2,10 @@
 
 Everything lives in the registry (``vmlend.registry``): the topology, lent flags, node
 availability, holds with their adapter claims, mdev parents and children. Each method is one
-transaction, so separate processes (hook, CLI, daemon) see one truth, and decisions that read
-before they write (reserve, unlend, create_mdev) take the write lock before reading.
+transaction (``Registry.transact``), so separate processes and hosts (hook, CLI, agent) see
+one truth, and decisions that read before they write (reserve, unlend, create_mdev) commit only
+if what they read still holds. A transaction body may run again after a conflict, so the
+hardware steps of borrow, give_back and release run between transactions, never inside one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vmlend.errors import (
     DeviceHeldError,
     DeviceNotLentError,
     DeviceNotReservedError,
+    FabricError,
     LenderUnavailableError,
     MdevError,
 )
@@ -34,7 +37,7 @@ from vmlend.fabric.model import (
     NodeSpec,
     Topology,
 )
-from vmlend.fabric.paths import route
+from vmlend.fabric.paths import NtbPath, route
 from vmlend.fabric.topology import parse_topology
 from vmlend.registry import (
     DeviceRecord,
@@ -91,8 +94,10 @@ class SimFabric:
     """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node.
 
     With ``hardware``, ``borrow``/``give_back``/``release`` also drive the simulated hardware
-    (LUT entries, IOMMU attachment) of this process, inside the registry transaction, so a
-    hardware refusal leaves the state unchanged.
+    (LUT entries, IOMMU attachment) of this process: borrow checks the hold, borrows the
+    hardware, then records the phase (giving the hardware back if that fails), so a hardware
+    refusal leaves the state unchanged; give_back and release free the hardware before the
+    state says the device is free.
     """
 
     def __init__(
@@ -110,6 +115,11 @@ class SimFabric:
         with registry.read() as tx:
             topo = self._topology(tx)
             node = local_node or tx.topology().local_node
+        if not node:
+            raise ConfigError(
+                f"say which fabric node this host is with --node or VMLEND_NODE (the registry"
+                f" {registry.where} is shared by every host, so it cannot say)"
+            )
         topo.node(node)  # UnknownNodeError for a node this fabric does not have
         self.local_node = node
 
@@ -134,13 +144,13 @@ class SimFabric:
 
     @staticmethod
     def _lender_ok(tx: StateTxn, spec: DeviceSpec) -> None:
-        problem = lender_problem(tx.device(spec.fdid), tx.nodes().get(spec.lender))
+        problem = lender_problem(tx.device(spec.fdid), tx.node(spec.lender))
         if problem:
             raise LenderUnavailableError(spec.fdid, spec.lender, problem)
 
     def _status(self, tx: StateTxn, spec: DeviceSpec) -> DeviceStatus:
         hold = tx.hold(spec.fdid)
-        state = device_state(tx.device(spec.fdid), tx.nodes().get(spec.lender), hold)
+        state = device_state(tx.device(spec.fdid), tx.node(spec.lender), hold)
         return DeviceStatus(spec=spec, state=state, holder=hold.holder if hold else None)
 
     def topology(self) -> Topology:
@@ -181,14 +191,16 @@ class SimFabric:
 
     # --- lender side -----------------------------------------------------------------------
     def lend(self, fdid: int) -> DeviceStatus:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
             self._lender_ok(tx, spec)
             tx.set_lent(fdid, True)
             return self._status(tx, spec)
 
+        return self._reg.transact(body)
+
     def unlend(self, fdid: int) -> DeviceStatus:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
             hold = tx.hold(fdid)
             if hold is not None:
@@ -196,33 +208,57 @@ class SimFabric:
             tx.set_lent(fdid, False)
             return self._status(tx, spec)
 
+        return self._reg.transact(body)
+
     # --- simulated failures ----------------------------------------------------------------
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         """Mark a node down (its devices become UNAVAILABLE) or up again."""
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> None:
             self._topology(tx).node(node)
             tx.set_node_up(node, up, "" if up else why)
+
+        self._reg.transact(body)
         log.info("node %s marked %s", node, "up" if up else "down")
 
     def set_device_available(self, fdid: int, available: bool) -> None:
         """Mark one device vanished (e.g. its mdev parent disappeared) or back."""
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> None:
             self._topology(tx).device(fdid)
             tx.set_available(fdid, available)
+
+        self._reg.transact(body)
 
     # --- borrower side ---------------------------------------------------------------------
     def admission(
         self, fdid: int, borrower: str, guest_ram: int = 0, *, holder: Holder | None = None
     ) -> list[Check]:
         with self._reg.read() as tx:
-            return admit(
-                self._topology(tx), self._view(tx), fdid, borrower, guest_ram, holder
-            ).checks
+            topo = self._topology(tx)
+            view = self._view(tx, topo, fdid, borrower)
+            return admit(topo, view, fdid, borrower, guest_ram, holder).checks
 
     @staticmethod
-    def _view(tx: StateTxn) -> StateView:
+    def _view(tx: StateTxn, topo: Topology, fdid: int, borrower: str) -> StateView:
+        """What admission of ``fdid`` for ``borrower`` decides on, and nothing more: the
+        device, its lender node, its hold and the claims of the two adapters of its path. So a
+        reserve reads (and, on etcd, conflicts on) the same few keys however big the fabric."""
+        try:
+            spec = topo.device(fdid)
+        except FabricError:
+            return StateView(nodes={}, devices={}, holds={}, claims=[])  # admit says why
+        path: NtbPath | None
+        try:
+            path = route(topo, spec.lender, borrower)
+        except FabricError:
+            path = None  # admit reports the missing path
+        node, rec, hold = tx.node(spec.lender), tx.device(fdid), tx.hold(fdid)
         return StateView(
-            nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
+            nodes={} if node is None else {spec.lender: node},
+            devices={} if rec is None else {fdid: rec},
+            holds={} if hold is None else {fdid: hold},
+            claims=tx.claims_on((path.src.ref, path.dst.ref)) if path else [],
         )
 
     def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
@@ -230,38 +266,57 @@ class SimFabric:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
         if guest_ram < 0:
             raise ConfigError(f"guest RAM must not be negative, got {guest_ram}")
-        with self._reg.write() as tx:
+        claimed: list[int] = []
+
+        def body(tx: StateTxn) -> DeviceStatus:
+            claimed.clear()
             topo = self._topology(tx)
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
                 return self._status(tx, spec)
-            adm = admit(topo, self._view(tx), fdid, holder.node, guest_ram, holder)
+            adm = admit(
+                topo, self._view(tx, topo, fdid, holder.node), fdid, holder.node, guest_ram, holder
+            )
             adm.raise_if_refused()
             record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, guest_ram)
             tx.add_hold(record, adm.claims)
-            log.info("reserved %#x for %s (%d claims)", fdid, holder, len(adm.claims))
+            claimed.append(len(adm.claims))
             return self._status(tx, spec)
+
+        status = self._reg.transact(body)
+        if claimed:
+            log.info("reserved %#x for %s (%d claims)", fdid, holder, claimed[0])
+        return status
 
     def release(self, fdid: int, holder: Holder) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold
-        is never touched). Either way an mdev parent nothing uses any more goes too."""
-        with self._reg.write() as tx:
+        is never touched). Either way an mdev parent nothing uses any more goes too.
+
+        The hardware is given back first, then the hold is dropped: the state never says a
+        device is free while this process still has it mapped."""
+        with self._reg.read() as tx:
+            hold = tx.hold(fdid)
+        mine = hold is not None and same_holder(hold.holder, holder)
+        if mine and hold is not None and hold.phase is Phase.BORROWED and self._hw is not None:
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+
+        def body(tx: StateTxn) -> bool:
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
-            if hold is not None and mine:
-                if self._hw is not None and hold.phase is Phase.BORROWED:
-                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            if mine:
                 tx.delete_hold(fdid)
             self._drop_unused_parent(tx, fdid)
+            return mine
+
+        mine = self._reg.transact(body)
         if mine:
             log.info("released %#x from %s", fdid, holder)
         return mine
 
     def forget_unused_parent(self, fdid: int) -> bool:
         """Drop this node's parent record of ``fdid`` if no hold here and no mdev use it."""
-        with self._reg.write() as tx:
-            return self._drop_unused_parent(tx, fdid)
+        return self._reg.transact(lambda tx: self._drop_unused_parent(tx, fdid))
 
     def _drop_unused_parent(self, tx: StateTxn, fdid: int) -> bool:
         """Forget this node's parent of ``fdid`` when no hold here and no child remain, so a
@@ -285,33 +340,59 @@ class SimFabric:
             raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
         return hold
 
+    def _may_borrow(self, tx: StateTxn, fdid: int, holder: Holder) -> tuple[DeviceSpec, HoldRecord]:
+        spec = self._topology(tx).device(fdid)
+        hold = self._own_hold(tx, fdid, holder)
+        self._lender_ok(tx, spec)
+        return spec, hold
+
     def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
-        with self._reg.write() as tx:
-            spec = self._topology(tx).device(fdid)
-            hold = self._own_hold(tx, fdid, holder)
-            self._lender_ok(tx, spec)
-            if self._hw is not None:
-                # Every call, not only the first: another process may have recorded the
-                # borrow, and this process's hardware must follow. Idempotent for the same VM.
-                self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
+        """Intent, hardware, record: check the hold, borrow the hardware, record the phase;
+        when recording fails, give back what this call borrowed."""
+        with self._reg.read() as tx:
+            _spec, hold = self._may_borrow(tx, fdid, holder)
+        # Only a borrow this call starts is undone on failure, not one recorded before.
+        fresh = hold.phase is Phase.RESERVED
+        if self._hw is not None:
+            # Every call, not only the first: another process may have recorded the borrow,
+            # and this process's hardware must follow. Idempotent for the same VM.
+            self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
+
+        def record(tx: StateTxn) -> DeviceStatus:
+            spec, _hold = self._may_borrow(tx, fdid, holder)
             tx.set_phase(fdid, Phase.BORROWED)
             return self._status(tx, spec)
 
+        try:
+            return self._reg.transact(record)
+        except BaseException:
+            if fresh and self._hw is not None:
+                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            raise
+
     def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:
-        with self._reg.write() as tx:
+        """Hardware first, then the phase: the state never says RESERVED while mapped."""
+        with self._reg.read() as tx:
+            hold = tx.hold(fdid)
+            if hold is not None and not same_holder(hold.holder, holder):
+                raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+        if hold is not None and self._hw is not None:
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+
+        def record(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
             hold = tx.hold(fdid)
             if hold is not None:
                 if not same_holder(hold.holder, holder):
                     raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
-                if self._hw is not None:
-                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
                 tx.set_phase(fdid, Phase.RESERVED)
             return self._status(tx, spec)
 
+        return self._reg.transact(record)
+
     # --- mdevs on this node ------------------------------------------------------------------
     def ensure_mdev_parent(self, fdid: int) -> str:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> str:
             topo = self._topology(tx)
             spec = topo.device(fdid)
             self._lender_ok(tx, spec)
@@ -325,6 +406,8 @@ class SimFabric:
             tx.add_parent(ParentRecord(self.local_node, fdid, parent_name(fdid)))
             return parent_name(fdid)
 
+        return self._reg.transact(body)
+
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         uuid = _uuid(uuid)
         if holder.node != self.local_node:
@@ -332,7 +415,8 @@ class SimFabric:
                 f"the mdev for {holder} belongs on {holder.node}, not on {self.local_node}:"
                 " mdevs are created on the borrower"
             )
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> MdevInfo:
             self._topology(tx).device(fdid)
             existing = tx.mdev(uuid)
             if existing is not None:
@@ -360,13 +444,18 @@ class SimFabric:
             tx.add_mdev(rec)
             return _info(rec)
 
+        return self._reg.transact(body)
+
     def remove_mdev(self, uuid: str) -> bool:
         uuid = _uuid(uuid)
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> bool:
             rec = tx.mdev(uuid)
             if rec is None or rec.node != self.local_node:
                 return False
             return tx.delete_mdev(uuid)
+
+        return self._reg.transact(body)
 
     def mdevs(self) -> list[MdevInfo]:
         with self._reg.read() as tx:
