@@ -80,3 +80,55 @@ id = 2
 [[link]]
 ends = ["l:0", "b:0"]
 """
+
+
+def star_topology(
+    borrowers: int,
+    devices: int,
+    *,
+    lut_entries: int = 32,
+    lender_window: str = "128GiB",
+    lender_segments: int = 32,
+) -> str:
+    """One lender ``l`` with ``devices`` devices (fdid 0x100...) and ``borrowers`` borrower
+    nodes ``h0``, ``h1``, ... all on one switch: many hosts contending for one adapter."""
+    devs = "".join(
+        f"""
+  [[node.device]]
+  fdid = {0x100 + i}
+  bdf = "0000:{i // 32 + 1:02x}:{i % 32:02x}.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1521
+  class = 0x020000
+  bars = [ {{ index = 0, size = "16MiB" }} ]
+"""
+        for i in range(devices)
+    )
+    hosts = "".join(
+        f"""
+[[node]]
+name = "h{i}"
+id = {10 + i}
+  [[node.adapter]]
+  index = 0
+"""
+        for i in range(borrowers)
+    )
+    ports = ", ".join(['"l:0"'] + [f'"h{i}:0"' for i in range(borrowers)])
+    return f"""
+name = "star"
+[[node]]
+name = "l"
+id = 1
+  [[node.adapter]]
+  index = 0
+  window = "{lender_window}"
+  segments = {lender_segments}
+  lut_entries = {lut_entries}
+{devs}
+{hosts}
+[[switch]]
+name = "sw"
+ports = [{ports}]
+"""

@@ -8,13 +8,21 @@ import pytest
 
 from vmlend.errors import StateError
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.registry import SqliteRegistry, TopologyRecord
+from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
 
 
 def _fill(tx):
     tx.replace_topology(TopologyRecord("t", "src", "text", "d", "gamma", 0.0), ["gamma"], [])
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def location(request, tmp_path):
+    """A new shared state of either backend: an SQLite path or an etcd cluster URL."""
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd_url")
+    return tmp_path / "s.db"
 
 
 @pytest.fixture
@@ -163,18 +171,38 @@ def test_a_write_waits_then_fails_clearly_when_locked(made):
                 assert rtx.meta("x") is None
 
 
-def test_failed_write_changes_nothing(made):
-    with SqliteRegistry.open(made) as reg:
-        with pytest.raises(RuntimeError), reg.write() as tx:
-            tx.set_meta("x", "1")
-            raise RuntimeError("boom")
+def test_failed_write_changes_nothing(location):
+    def boom(tx):
+        tx.set_meta("x", "1")
+        raise RuntimeError("boom")
+
+    with create_registry(location, _fill) as reg:
+        with pytest.raises(RuntimeError):
+            reg.transact(boom)
         with reg.read() as tx:
             assert tx.meta("x") is None
+        reg.transact(lambda tx: tx.set_meta("x", "2"))
+    with open_registry(location) as reg, reg.read() as tx:
+        assert tx.meta("x") == "2"
+        assert tx.topology().name == "t"
 
 
-def test_read_transaction_cannot_write(made):
-    with SqliteRegistry.open(made) as reg, reg.read() as tx, pytest.raises(RuntimeError):
+def test_read_transaction_cannot_write(location):
+    with create_registry(location, _fill) as reg, reg.read() as tx, pytest.raises(RuntimeError):
         tx.set_meta("x", "1")
+
+
+def test_create_never_replaces_existing_state(location):
+    create_registry(location, _fill).close()
+    with pytest.raises(FileExistsError):
+        create_registry(location, _fill)
+
+
+def test_newer_schema_of_either_backend_is_refused_in_one_line(location):
+    with create_registry(location, _fill) as reg:
+        reg.transact(lambda tx: tx.set_meta("schema_version", str(schema_mod.SCHEMA_VERSION + 1)))
+    with pytest.raises(StateError, match=r"newer than this vmlend understands.*upgrade vmlend"):
+        open_registry(location)
 
 
 def test_create_in_an_unwritable_place_is_a_clear_error(tmp_path):
@@ -202,32 +230,32 @@ def test_a_state_with_unknown_tables_is_refused(made):
         SqliteRegistry.open(made)
 
 
-def test_runtime_records_follow_the_hold(tmp_path):
+def test_runtime_records_follow_the_hold(location):
     """Windows/vectors recorded for a held device are listed, replaced by key, and vanish
     with the hold; a device nobody holds cannot get any."""
     from tests.simfabric import make_fabric
     from vmlend.errors import StateError
     from vmlend.fabric.model import Holder
-    from vmlend.registry import SqliteRegistry
 
-    path = tmp_path / "s.db"
-    fabric = make_fabric(path)
+    fabric = make_fabric(location)
     holder = Holder("gamma", "vm1", "u1")
     fabric.reserve(0x10, holder)
-    reg = SqliteRegistry.open(path)
-    with reg.write() as tx:
+    reg = open_registry(location)
+
+    def put(tx):
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 1 << 30})
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 2 << 30})
         tx.put_runtime(0x10, "irq-vector", "msi.0", {"eventfd": True})
+
+    reg.transact(put)
     with reg.read() as tx:
         recs = tx.runtime(0x10)
         assert [(r.kind, r.key) for r in recs] == [("dma-window", "low"), ("irq-vector", "msi.0")]
         assert recs[0].data == {"start": 0, "end": 2 << 30}
         assert len(tx.runtime(kind="irq-vector")) == 1
-    with reg.write() as tx:
-        assert tx.clear_runtime(0x10, "irq-vector") == 1
-        with pytest.raises(StateError, match="not held"):
-            tx.put_runtime(0x11, "dma-window", "low", {})
+    assert reg.transact(lambda tx: tx.clear_runtime(0x10, "irq-vector")) == 1
+    with pytest.raises(StateError, match="not held"):
+        reg.transact(lambda tx: tx.put_runtime(0x11, "dma-window", "low", {}))
     fabric.release(0x10, holder)
     with reg.read() as tx:
         assert tx.runtime() == []
@@ -264,15 +292,13 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
     assert len(keep.devices()) == 9
 
 
-def test_vector_records_replace_and_clear(tmp_path):
+def test_vector_records_replace_and_clear(location):
     from tests.simfabric import make_fabric
     from vmlend.fabric.model import Holder
     from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
-    from vmlend.registry import SqliteRegistry
 
-    path = tmp_path / "s.db"
-    make_fabric(path).reserve(0x12, Holder("gamma", "vm1", "u1"))
-    reg = SqliteRegistry.open(path)
+    make_fabric(location).reserve(0x12, Holder("gamma", "vm1", "u1"))
+    reg = open_registry(location)
     record = registry_vector_recorder(reg)
     record(0x12, [{"mode": "MSIX", "vector": i, "path": "relay"} for i in range(4)])
     record(0x12, [{"mode": "MSI", "vector": 0, "path": "relay"}])  # the guest switched modes

@@ -178,7 +178,7 @@ def _server_error(e: gw_errors.Etcd3Exception, where: str) -> Exception:
         return _Transient(message or "timeout")
     if "has been compacted" in message:
         return RevisionCompactedError(f"etcd at {where} compacted the revision a transaction read")
-    if "request is too large" in message:
+    if "request is too large" in message or "larger than max" in message:
         return StateError(
             f"etcd at {where} refused a request as too large (over its --max-request-bytes);"
             " nothing was written; raise the limit or make the topology smaller"
