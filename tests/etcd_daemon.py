@@ -13,6 +13,7 @@ Outside CI a machine without etcd skips these tests; in CI (``$CI`` set) that is
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -148,8 +149,28 @@ def cluster_name(request: pytest.FixtureRequest) -> str:
     return f"{base}-{secrets.token_hex(3)}"
 
 
+def host_lease(server: EtcdServer, root: Path, node: str = "test", ttl: int = 600) -> int:
+    """Grant a lease and publish it as the agent of the host rooted at ``root`` would (a test
+    stand-in for ``vmlend agent``: long enough to need no keepalive)."""
+    from vmlend.hostenv import HostEnv
+    from vmlend.registry import hostlease
+
+    body = json.dumps({"TTL": ttl, "ID": 0}).encode()
+    req = urllib.request.Request(f"http://{server.endpoint}/v3/lease/grant", data=body)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        lease = int(json.loads(r.read())["ID"])
+    lease_file = hostlease.lease_path(HostEnv(root))
+    hostlease.publish(lease_file, hostlease.HostLease(lease, node, ttl, os.getpid()))
+    return lease
+
+
 @pytest.fixture
-def etcd_url(etcd: EtcdServer, request: pytest.FixtureRequest) -> str:
+def etcd_url(etcd: EtcdServer, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch) -> str:
+    """A cluster of this test alone, and a host root (``$VMLEND_ROOT``) whose agent lease is
+    published, so the test's processes may create holds."""
+    root = tmp_path / "etcd-host"
+    host_lease(etcd, root)
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
     return etcd.url(cluster_name(request))
 
 

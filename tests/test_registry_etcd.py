@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.etcd_daemon import free_port
+from tests.etcd_daemon import free_port, host_lease
 from tests.simfabric import make_fabric, star_topology
 from vmlend.cli import main
 from vmlend.errors import ConfigError, DeviceHeldError, StateError
@@ -217,7 +217,9 @@ def test_a_request_too_large_writes_nothing(etcd_url):
         assert tx.runtime(0x10) == []
 
 
-def test_etcd_stopped_mid_operation_then_restarted(private_etcd):
+def test_etcd_stopped_mid_operation_then_restarted(private_etcd, tmp_path, monkeypatch):
+    host_lease(private_etcd, tmp_path / "host")
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "host"))
     url = private_etcd.url("restart")
     fabric = make_fabric(url)
     fabric.reserve(0x10, VM1)

@@ -60,7 +60,7 @@ class CliContext:
 
     def fabric(self) -> Fabric:
         """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
-        return open_fabric(self.location, self.node)
+        return open_fabric(self.location, self.node, root=self.root)
 
 
 class VmlendGroup(click.Group):

@@ -52,4 +52,4 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
 
 def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
     """The fabric seen from the node ``hv`` runs on."""
-    return open_fabric(obj.location, hv.node or obj.node)
+    return open_fabric(obj.location, hv.node or obj.node, root=obj.root)

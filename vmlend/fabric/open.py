@@ -20,12 +20,14 @@ from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Topology
 from vmlend.fabric.topology import DEFAULT_TOPOLOGY, parse_topology
+from vmlend.hostenv import HostEnv
 from vmlend.registry import (
     DeviceRecord,
     RegistryLocation,
     StateTxn,
     TopologyRecord,
     create_registry,
+    hostlease,
     open_registry,
 )
 
@@ -39,12 +41,16 @@ BACKEND_ENV = "VMLEND_BACKEND"
 
 
 def open_fabric(
-    state_path: Location, node: str | None = None, backend: str | None = None
+    state_path: Location,
+    node: str | None = None,
+    backend: str | None = None,
+    root: Path | None = None,
 ) -> Fabric:
     """The fabric described by the registry at ``state_path``, seen from ``node`` (default:
     the SQLite state's local node; a cluster registry needs it). ``backend``: "sim" (default)
     or "smartio" (the kernel: Linux mdev sysfs and the SmartIO driver), else $VMLEND_BACKEND.
-    ``StateError`` when there is no usable state."""
+    ``StateError`` when there is no usable state. ``root``: the host root whose agent lease a
+    cluster registry's writes use (default ``$VMLEND_ROOT``)."""
     backend = backend or os.environ.get(BACKEND_ENV) or "sim"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown fabric backend {backend!r} (available: {', '.join(BACKENDS)})")
@@ -54,7 +60,7 @@ def open_fabric(
         return open_smartio_fabric(state_path, node)
     from vmlend.fabric.sim.backend import SimFabric
 
-    registry = open_registry(state_path)
+    registry = open_registry(state_path, hostlease.lease_path(HostEnv.from_env(root)))
     try:
         return SimFabric(registry, local_node=node)
     except BaseException:

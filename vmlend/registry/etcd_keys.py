@@ -8,7 +8,10 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 - ``nodes/<name>``, ``devices/<fdid>``: only once a node or device differs from what the
   topology says (down, unlent, vanished), so initialising a 1,000-device fabric writes two
   keys instead of exceeding etcd's 128 operations per transaction;
-- ``holds/<fdid>``: who holds a device (the record lists its claims' keys);
+- ``holds/<fdid>``: who holds a device (the record lists its claims' keys); ``fence/<fdid>``:
+  written with every hold, without a lease, removed with it by a normal release (so a hold
+  that vanished by lease expiry leaves a fence that only the lender's agent removes);
+- ``hosts/<node>``: the host's agent is alive (attached to its lease);
 - ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
   reserve reads, and compares as one prefix, exactly the claims of the adapters on its path;
 - ``parents/<node>/<fdid>``, ``mdevs/<node>/<uuid>``: mdev parents and children per node;
@@ -94,6 +97,16 @@ class Keys:
 
     def claim(self, adapter: str, fdid: int, n: int) -> str:
         return f"{self.claims_on(adapter)}{fdid:#x}/{n}"
+
+    @property
+    def fences(self) -> str:
+        return self.base + "fence/"
+
+    def fence(self, fdid: int) -> str:
+        return f"{self.fences}{fdid:#x}"
+
+    def host(self, node: str) -> str:
+        return f"{self.base}hosts/{node}"
 
     @property
     def parents(self) -> str:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from vmlend.errors import StateError
+from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.registry.api import StateTxn
 from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
 from vmlend.registry.etcd_keys import Keys
@@ -45,8 +45,11 @@ class EtcdRegistry:
         *,
         attempts: int = ATTEMPTS,
         sleep: Callable[[float], None] = time.sleep,
+        host_lease: Callable[[], int] | None = None,
     ) -> None:
         self._gw = gateway
+        #: This host's agent lease for the records it creates (None: refuse such writes).
+        self._host_lease = host_lease
         self.keys = Keys(cluster)
         self.cluster = cluster
         self._attempts = attempts
@@ -60,11 +63,17 @@ class EtcdRegistry:
         return f"etcd://{self._gw.where}/{self.cluster}"
 
     # --- opening -----------------------------------------------------------------------
+    @property
+    def gateway(self) -> EtcdGateway:
+        return self._gw
+
     @classmethod
-    def open(cls, gateway: EtcdGateway, cluster: str) -> EtcdRegistry:
+    def open(
+        cls, gateway: EtcdGateway, cluster: str, host_lease: Callable[[], int] | None = None
+    ) -> EtcdRegistry:
         """The cluster's state; ``StateError`` when there is none or it is from a newer
         vmlend."""
-        reg = cls(gateway, cluster)
+        reg = cls(gateway, cluster, host_lease=host_lease)
         with reg.read() as tx:
             raw = tx.meta("schema_version")
         if raw is None:
@@ -104,7 +113,16 @@ class EtcdRegistry:
 
     # --- transactions --------------------------------------------------------------------
     def _txn(self, writable: bool) -> EtcdTxn:
-        return EtcdTxn(Snapshot(self._gw), self.keys, writable, self._topology_cache)
+        memo: list[int] = []
+
+        def lease() -> int:  # read once per attempt: a restarted agent has a new lease
+            if not memo:
+                if self._host_lease is None:
+                    raise AgentNotRunningError(f"{self.where} (no agent lease given)")
+                memo.append(self._host_lease())
+            return memo[0]
+
+        return EtcdTxn(Snapshot(self._gw), self.keys, writable, self._topology_cache, lease)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[StateTxn]:

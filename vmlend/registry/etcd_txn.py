@@ -13,16 +13,18 @@ When the compares fail the caller (``EtcdRegistry.transact``) re-runs the whole 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vmlend.errors import StateError
+from vmlend.fabric.model import Holder
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.records import (
     Claim,
     DeviceRecord,
+    FenceRecord,
     HoldRecord,
     MdevRecord,
     NodeRecord,
@@ -96,12 +98,15 @@ class EtcdTxn:
         keys: Keys,
         writable: bool,
         topology_cache: dict[str, dict[str, Any]],
+        host_lease: Callable[[], int] | None = None,
     ) -> None:
         self._snap = snapshot
         self._k = keys
         self.writable = writable
         self._topo_cache = topology_cache
+        self._host_lease = host_lease
         self._writes: dict[str, bytes | None] = {}
+        self._leased: set[str] = set()
         self._range_deletes: list[str] = []
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
@@ -134,9 +139,22 @@ class EtcdTxn:
                     out[k] = v
         return out
 
-    def _put(self, key: str, value: bytes) -> None:
+    def _put(self, key: str, value: bytes, *, leased: bool = False) -> None:
+        """Buffer a put. ``leased``: the record goes with its host (holds, claims, mdevs,
+        runtime): a new key gets this host's agent lease, a rewritten one keeps its lease."""
         self._write()
         self._writes[key] = value
+        if leased:
+            self._leased.add(key)
+            self._lease_for(key)  # no agent: refuse now, before anything else is decided
+
+    def lease(self) -> int:
+        """This host's agent lease (``AgentNotRunningError`` when there is none)."""
+        return self._host_lease() if self._host_lease is not None else 0
+
+    def _lease_for(self, key: str) -> int:
+        kv = None if self._deleted_by_range(key) else self._snap.get(key)
+        return kv.lease if kv is not None else self.lease()
 
     def _delete(self, key: str) -> None:
         self._write()
@@ -164,7 +182,10 @@ class EtcdTxn:
                 if self._deleted_by_range(key):
                     # etcd refuses a Txn that deletes a range and puts a key inside it.
                     raise RuntimeError(f"put of {key} inside a range this transaction deletes")
-                ops.append({"request_put": {"key": b64(key), "value": b64(value)}})
+                put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+                if key in self._leased and (lease := self._lease_for(key)):
+                    put["lease"] = lease
+                ops.append({"request_put": put})
         return ops
 
     def compares(self) -> list[dict[str, Any]]:
@@ -324,16 +345,20 @@ class EtcdTxn:
         keys = []
         for n, c in enumerate(claims):
             key = self._k.claim(c.adapter, hold.fdid, n)
-            self._put(key, enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)}))
+            self._put(key, enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)}), leased=True)
             keys.append(key)
-        self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys))
+        self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys), leased=True)
+        # The fence outlives the hold when the lease ends; the lease id is its token.
+        h = hold.holder
+        fence = {"fdid": hold.fdid, "node": h.node, "vm": h.vm, "vm_uuid": h.vm_uuid}
+        self._put(self._k.fence(hold.fdid), enc.dump({**fence, "token": self.lease()}))
 
     def set_phase(self, fdid: int, phase: Phase) -> None:
         d = self._hold_dict(fdid)
         if d is None:
             self._write()
             return
-        self._put(self._k.hold(fdid), enc.dump({**d, "phase": phase.value}))
+        self._put(self._k.hold(fdid), enc.dump({**d, "phase": phase.value}), leased=True)
 
     def delete_hold(self, fdid: int) -> None:
         """Drop the hold, its claims and its runtime records."""
@@ -346,6 +371,31 @@ class EtcdTxn:
         for key in self._range(self._k.runtime_of(fdid)):
             self._delete(key)
         self._delete(self._k.hold(fdid))
+        self._delete(self._k.fence(fdid))  # a normal release needs no taking back
+
+    @staticmethod
+    def _fence_from(raw: bytes) -> FenceRecord:
+        d = enc.load(raw)
+        holder = Holder(node=d["node"], vm=d["vm"], vm_uuid=d.get("vm_uuid", ""))
+        return FenceRecord(int(d["fdid"]), holder, int(d.get("token", 0)))
+
+    def fence(self, fdid: int) -> FenceRecord | None:
+        raw = self._get(self._k.fence(fdid))
+        return None if raw is None else self._fence_from(raw)
+
+    def fences(self) -> list[FenceRecord]:
+        return sorted(
+            (self._fence_from(raw) for raw in self._range(self._k.fences).values()),
+            key=lambda f: f.fdid,
+        )
+
+    def clear_fence(self, fdid: int) -> bool:
+        """Drop the fence of a hold that is gone (the lender took the device back)."""
+        self._write()
+        if self._hold_dict(fdid) is not None or self.fence(fdid) is None:
+            return False
+        self._delete(self._k.fence(fdid))
+        return True
 
     @staticmethod
     def _claims_of(values: Iterable[bytes]) -> list[tuple[int, Claim]]:
@@ -372,7 +422,7 @@ class EtcdTxn:
     def add_parent(self, rec: ParentRecord) -> None:
         self._write()
         if self.parent(rec.node, rec.fdid) is None:
-            self._put(self._k.parent(rec.node, rec.fdid), rec.name.encode())
+            self._put(self._k.parent(rec.node, rec.fdid), rec.name.encode(), leased=True)
 
     def delete_parent(self, node: str, fdid: int) -> bool:
         self._write()
@@ -393,7 +443,7 @@ class EtcdTxn:
         self._write()
         if self.mdev(rec.uuid) is not None:
             raise StateError(f"mdev {rec.uuid} is already recorded")
-        self._put(self._k.mdev(rec.node, rec.uuid), enc.mdev_to_json(rec))
+        self._put(self._k.mdev(rec.node, rec.uuid), enc.mdev_to_json(rec), leased=True)
 
     def delete_mdev(self, uuid: str) -> bool:
         self._write()
@@ -412,7 +462,7 @@ class EtcdTxn:
                 " device"
             )
         value = enc.dump({"fdid": fdid, "kind": kind, "key": key, "data": data})
-        self._put(self._k.runtime_record(fdid, kind, key), value)
+        self._put(self._k.runtime_record(fdid, kind, key), value, leased=True)
 
     def _runtime(self, prefix: str) -> list[tuple[str, RuntimeRecord]]:
         out = []

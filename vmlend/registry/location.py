@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmlend.errors import ConfigError
+from vmlend.hostenv import HostEnv
+from vmlend.registry import hostlease
 from vmlend.registry.api import Registry, StateTxn
 from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
 from vmlend.registry.etcd_keys import check_cluster_name
@@ -86,14 +88,19 @@ def _parse_etcd(text: str) -> RegistryLocation:
     return RegistryLocation(endpoints=tuple(endpoints), cluster=check_cluster_name(cluster))
 
 
-def open_registry(location: str | Path | RegistryLocation) -> Registry:
-    """The existing state at ``location``; ``StateError`` when it is missing or unusable."""
+def open_registry(
+    location: str | Path | RegistryLocation, lease_file: Path | None = None
+) -> Registry:
+    """The existing state at ``location``; ``StateError`` when it is missing or unusable.
+    ``lease_file``: where this host's agent publishes its lease (default: under the host
+    root of ``$VMLEND_ROOT``); only a cluster registry uses it."""
     loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     if loc.path is not None:
         return SqliteRegistry.open(loc.path)
+    path = lease_file or hostlease.lease_path(HostEnv.from_env())
     gateway = EtcdGateway(loc.endpoints)
     try:
-        return EtcdRegistry.open(gateway, loc.cluster)
+        return EtcdRegistry.open(gateway, loc.cluster, lambda: hostlease.read(path).lease)
     except BaseException:
         gateway.close()
         raise

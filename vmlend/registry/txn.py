@@ -17,6 +17,7 @@ from vmlend.registry.records import (
     Claim,
     ClaimKind,
     DeviceRecord,
+    FenceRecord,
     HoldRecord,
     MdevRecord,
     NodeRecord,
@@ -171,6 +172,18 @@ class StateTxn:
             "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
         ).fetchall()
         return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+
+    # One host's state has no leases, so a hold never vanishes behind its holder's back and
+    # nothing is ever fenced.
+    def fence(self, fdid: int) -> FenceRecord | None:
+        return None
+
+    def fences(self) -> list[FenceRecord]:
+        return []
+
+    def clear_fence(self, fdid: int) -> bool:
+        self._write()
+        return False
 
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
         """The claims on the given adapters only (what one reservation's admission reads)."""

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from vmlend.errors import (
     ConfigError,
+    DeviceFencedError,
     DeviceHeldError,
     DeviceNotLentError,
     DeviceNotReservedError,
@@ -41,6 +42,7 @@ from vmlend.fabric.paths import NtbPath, route
 from vmlend.fabric.topology import parse_topology
 from vmlend.registry import (
     DeviceRecord,
+    FenceRecord,
     HoldRecord,
     MdevRecord,
     NodeRecord,
@@ -122,6 +124,10 @@ class SimFabric:
             )
         topo.node(node)  # UnknownNodeError for a node this fabric does not have
         self.local_node = node
+
+    @property
+    def registry(self) -> Registry:
+        return self._reg
 
     def close(self) -> None:
         self._reg.close()
@@ -210,6 +216,30 @@ class SimFabric:
 
         return self._reg.transact(body)
 
+    # --- fencing: taking back what a vanished holder had ----------------------------------------
+    def fenced(self) -> list[FenceRecord]:
+        """Fences of devices this node lends whose hold is gone: their holder's lease ended
+        while it held them, so this lender must take them back before anyone borrows them."""
+        with self._reg.read() as tx:
+            topo = self._topology(tx)
+            mine = {d.fdid for d in topo.devices if d.lender == self.local_node}
+            return [f for f in tx.fences() if f.fdid in mine and tx.hold(f.fdid) is None]
+
+    def take_back(self, fence: FenceRecord) -> bool:
+        """Reset the device on this lender (unmap its NTB and IOMMU mappings; in the sim: give
+        its simulated hardware back), then drop the fence, which makes it borrowable again.
+        False when a new hold appeared meanwhile (then it is not ours to touch)."""
+        if self._hw is not None:
+            self._hw.give_back(fence.fdid)
+        cleared = self._reg.transact(lambda tx: tx.clear_fence(fence.fdid))
+        if cleared:
+            log.warning(
+                "took back %#x from %s (its lease ended): mappings removed, device reset",
+                fence.fdid,
+                fence.holder,
+            )
+        return cleared
+
     # --- simulated failures ----------------------------------------------------------------
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         """Mark a node down (its devices become UNAVAILABLE) or up again."""
@@ -275,6 +305,9 @@ class SimFabric:
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
                 return self._status(tx, spec)
+            fence = tx.fence(fdid) if hold is None else None
+            if fence is not None:  # the last holder's lease ended; the lender must reset it
+                raise DeviceFencedError(fdid, spec.lender, str(fence.holder))
             adm = admit(
                 topo, self._view(tx, topo, fdid, holder.node), fdid, holder.node, guest_ram, holder
             )

@@ -1,0 +1,52 @@
+"""``vmlend agent``: this host's service for a cluster registry (foreground; SIGTERM stops it)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+import click
+
+from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
+from vmlend.cli.common import CliContext
+from vmlend.errors import ConfigError
+from vmlend.hostenv import HostEnv
+from vmlend.registry import hostlease
+
+
+@click.command("agent")
+@click.option(
+    "--ttl",
+    default=DEFAULT_TTL,
+    show_default=True,
+    type=click.IntRange(2, 3600),
+    help="Lease TTL in seconds: how long after this host dies its holds vanish.",
+)
+@click.option(
+    "--interval",
+    default=DEFAULT_INTERVAL,
+    show_default=True,
+    type=click.FloatRange(0.05, 60),
+    help="Seconds between scans for fenced devices this node lends.",
+)
+@click.pass_obj
+def agent_cmd(obj: CliContext, ttl: int, interval: float) -> None:
+    """Hold this host's lease on the cluster registry and take back devices whose borrower's
+    lease ended. Runs in the foreground until SIGTERM or SIGINT."""
+    if obj.registry is None or not obj.registry.startswith("etcd://"):
+        raise ConfigError("'vmlend agent' needs --registry etcd://HOST:PORT/CLUSTER")
+    if not obj.node:
+        raise ConfigError("'vmlend agent' needs --node or VMLEND_NODE: which node this host is")
+    lease_file = hostlease.lease_path(HostEnv.from_env(obj.root))
+    agent = Agent(AgentConfig(obj.registry, obj.node, lease_file, ttl, interval))
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        agent.stop_event.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    sys.exit(agent.run())
+
+
+COMMANDS = [agent_cmd]
