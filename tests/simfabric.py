@@ -132,3 +132,26 @@ id = 1
 name = "sw"
 ports = [{ports}]
 """
+
+
+def fabric_topology(nodes: int, devices_per_node: int) -> str:
+    """A generated fabric of ``nodes`` nodes ``n0``, ``n1``, ... each lending
+    ``devices_per_node`` devices (fdid ``node * 0x100 + i``), all on one switch: the shape of
+    the 60-node, ~1,000-device cluster of the scaling benchmark. Adapters have 64 LUT entries
+    and 64 segments so that each node may lend and borrow ~17 devices through one adapter."""
+    parts = ['name = "generated"']
+    for n in range(nodes):
+        parts.append(
+            f'[[node]]\nname = "n{n}"\nid = {n + 1}\n  [[node.adapter]]\n  index = 0\n'
+            "  lut_entries = 64\n  segments = 64\n"
+        )
+        for i in range(devices_per_node):
+            parts.append(
+                f"  [[node.device]]\n  fdid = {(n + 1) * 0x100 + i}\n"
+                f'  bdf = "0000:{i // 32 + 1:02x}:{i % 32:02x}.0"\n  kind = "nic"\n'
+                "  vendor = 0x8086\n  device = 0x1521\n  class = 0x020000\n"
+                '  bars = [ { index = 0, size = "16MiB" } ]\n'
+            )
+    ports = ", ".join(f'"n{n}:0"' for n in range(nodes))
+    parts.append(f'[[switch]]\nname = "sw"\nports = [{ports}]\n')
+    return "\n".join(parts)
