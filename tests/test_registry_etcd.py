@@ -171,9 +171,18 @@ def test_a_fabric_bigger_than_one_etcd_transaction_initialises(etcd_url):
 
 def test_host_identity_never_comes_from_the_cluster_registry(etcd_url):
     init_fabric(etcd_url, star_topology(2, 1), "star.toml", node="h0")
-    with pytest.raises(ConfigError, match="--node or VMLEND_NODE"):
+    with pytest.raises(ConfigError, match="--node, VMLEND_NODE or the file etc/vmlend/node"):
         open_fabric(etcd_url)
     assert open_fabric(etcd_url, "h1").local_node == "h1"
+
+
+def test_host_identity_from_the_host_roots_config_file(etcd_url, tmp_path):
+    init_fabric(etcd_url, star_topology(2, 1), "star.toml")
+    root = tmp_path / "host-h0"
+    (root / "etc" / "vmlend").mkdir(parents=True)
+    (root / "etc" / "vmlend" / "node").write_text("h0\n")
+    assert open_fabric(etcd_url, root=root).local_node == "h0"
+    assert open_fabric(etcd_url, "h1", root=root).local_node == "h1"  # --node wins
 
 
 # --- failures: one clear line each, nothing half-done -------------------------------------------
@@ -250,7 +259,7 @@ def test_cli_commands_work_on_an_etcd_registry(etcd_url, monkeypatch, tmp_path):
     r = run("--node", "gamma", "devices")
     assert r.exit_code == 0 and "0x10" in r.output, r.output
     r = run("devices")
-    assert r.exit_code == 1 and "--node or VMLEND_NODE" in r.output
+    assert r.exit_code == 1 and "--node, VMLEND_NODE or the file etc/vmlend/node" in r.output
     assert not (tmp_path / "unused.db").exists()
 
 

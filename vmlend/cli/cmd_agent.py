@@ -36,10 +36,13 @@ def agent_cmd(obj: CliContext, ttl: int, interval: float) -> None:
     lease ended. Runs in the foreground until SIGTERM or SIGINT."""
     if obj.registry is None or not obj.registry.startswith("etcd://"):
         raise ConfigError("'vmlend agent' needs --registry etcd://HOST:PORT/CLUSTER")
-    if not obj.node:
-        raise ConfigError("'vmlend agent' needs --node or VMLEND_NODE: which node this host is")
-    lease_file = hostlease.lease_path(HostEnv.from_env(obj.root))
-    agent = Agent(AgentConfig(obj.registry, obj.node, lease_file, ttl, interval))
+    host = HostEnv.from_env(obj.root)
+    node = obj.node or host.configured_node()
+    if not node:
+        raise ConfigError(
+            "'vmlend agent' needs --node, VMLEND_NODE or etc/vmlend/node: which node this host is"
+        )
+    agent = Agent(AgentConfig(obj.registry, node, hostlease.lease_path(host), ttl, interval))
 
     def stop(signum: int, frame: FrameType | None) -> None:
         agent.stop_event.set()

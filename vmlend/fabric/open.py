@@ -49,8 +49,9 @@ def open_fabric(
     """The fabric described by the registry at ``state_path``, seen from ``node`` (default:
     the SQLite state's local node; a cluster registry needs it). ``backend``: "sim" (default)
     or "smartio" (the kernel: Linux mdev sysfs and the SmartIO driver), else $VMLEND_BACKEND.
-    ``StateError`` when there is no usable state. ``root``: the host root whose agent lease a
-    cluster registry's writes use (default ``$VMLEND_ROOT``)."""
+    ``StateError`` when there is no usable state. ``root``: the host root (default
+    ``$VMLEND_ROOT``) whose ``etc/vmlend/node`` names the node when ``node`` is None, and
+    whose agent lease a cluster registry's writes use."""
     backend = backend or os.environ.get(BACKEND_ENV) or "sim"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown fabric backend {backend!r} (available: {', '.join(BACKENDS)})")
@@ -60,7 +61,9 @@ def open_fabric(
         return open_smartio_fabric(state_path, node)
     from vmlend.fabric.sim.backend import SimFabric
 
-    registry = open_registry(state_path, hostlease.lease_path(HostEnv.from_env(root)))
+    host = HostEnv.from_env(root)
+    node = node or host.configured_node()
+    registry = open_registry(state_path, hostlease.lease_path(host))
     try:
         return SimFabric(registry, local_node=node)
     except BaseException:

@@ -119,8 +119,9 @@ class SimFabric:
             node = local_node or tx.topology().local_node
         if not node:
             raise ConfigError(
-                f"say which fabric node this host is with --node or VMLEND_NODE (the registry"
-                f" {registry.where} is shared by every host, so it cannot say)"
+                f"say which fabric node this host is with --node, VMLEND_NODE or the file"
+                f" etc/vmlend/node under the host root (the registry {registry.where} is shared"
+                " by every host, so it cannot say)"
             )
         topo.node(node)  # UnknownNodeError for a node this fabric does not have
         self.local_node = node
