@@ -256,3 +256,53 @@ def test_a_frozen_agent_loses_its_lease_and_its_late_writes_are_refused(hosts):
     assert "lost its lease" in gamma.log()
     assert not gamma.lease_file.exists()
     assert alpha.stop_agent() == 0
+
+
+@pytest.mark.slow
+def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
+    private_etcd, tmp_path, monkeypatch
+):
+    from tests.test_sim_backend import _domain
+    from vmlend.hypervisor.base import DomainState
+    from vmlend.hypervisor.open import open_hypervisor
+
+    url = private_etcd.url("pause")
+    make_fabric(url).close()
+    gamma = Host(url, "gamma", tmp_path / "gamma")
+    monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
+    ttl = 6  # long enough to pause at TTL/2 and come back before the lease ends
+    log = (gamma.root / "agent.log").open("ab")
+    gamma.agent = subprocess.Popen(
+        [VMLEND, "agent", "--ttl", str(ttl), "--interval", "0.2", "--connect", "sim:///gamma"],
+        env=gamma.env,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    try:
+        deadline = time.monotonic() + 20
+        while not gamma.lease_file.exists():
+            assert gamma.agent.poll() is None and time.monotonic() < deadline, gamma.log()
+            time.sleep(0.05)
+        hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", "gamma"]
+        hv = open_hypervisor("sim:///gamma", state_dir=gamma.root, hook_command=hook)
+        hv.define(_domain("web", WEB.vm_uuid, (GPU,)))
+        hv.start("web")  # its prepare hook reserves 0x10 from alpha under gamma's lease
+        assert hv.lookup("web").state is DomainState.RUNNING
+
+        private_etcd.stop()
+        deadline = time.monotonic() + ttl
+        while hv.lookup("web").state is not DomainState.PAUSED:
+            assert time.monotonic() < deadline, gamma.log()
+            time.sleep(0.1)
+        private_etcd.start()
+        deadline = time.monotonic() + ttl
+        while hv.lookup("web").state is not DomainState.RUNNING:
+            assert time.monotonic() < deadline, gamma.log()
+            time.sleep(0.1)
+        assert "paused web" in gamma.log() and "resumed web" in gamma.log()
+        with open_fabric(url, "gamma") as f:
+            assert f.device(GPU).holder == WEB  # the lease lived: the hold is still there
+    finally:
+        assert gamma.stop_agent() == 0

@@ -17,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
+from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class AgentConfig:
     lease_file: Path
     ttl: int = DEFAULT_TTL
     interval: float = DEFAULT_INTERVAL
+    #: Opens this host's hypervisor (to pause VMs with remote devices); None: none to guard.
+    hypervisor: Callable[[], Hypervisor] | None = None
 
 
 class Agent:
@@ -69,6 +73,11 @@ class Agent:
             lease.ttl,
             cfg.lease_file,
         )
+        guard = None
+        if cfg.hypervisor is not None:
+            guard = RemoteVmGuard(cfg.hypervisor(), fabric, cfg.node)
+        in_doubt = False  # renewing failed for half the TTL: VMs with remote devices paused
+        paused: list[str] = []
         renewed = self._clock()
         next_renew = renewed
         try:
@@ -78,6 +87,10 @@ class Agent:
                     try:
                         lease.refresh()
                         renewed = now
+                        if in_doubt:
+                            if guard is not None:
+                                guard.resume(paused)
+                            in_doubt, paused = False, []
                     except LeaseLost:
                         raise
                     except StateError as e:
@@ -86,7 +99,11 @@ class Agent:
                             raise LeaseLost(
                                 f"lease {lease.id:x} not renewed for {lease.ttl} s"
                             ) from None
-                    next_renew = now + lease.ttl / 3
+                        if not in_doubt and now - renewed > lease.ttl / 2:
+                            in_doubt = True
+                            paused = guard.pause() if guard is not None else []
+                    # In doubt, retry often: every moment counts before the TTL runs out.
+                    next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
                 self._take_back(fabric)
                 self.stop_event.wait(cfg.interval)
         except LeaseLost as e:
@@ -95,6 +112,12 @@ class Agent:
                 cfg.node,
                 e,
             )
+            if paused:
+                log.error(
+                    "VMs %s stay paused: their devices may be taken back; re-reserve or unplug"
+                    " them before resuming",
+                    ", ".join(paused),
+                )
             hostlease.withdraw(cfg.lease_file, lease.id)
             return 3
         hostlease.withdraw(cfg.lease_file, lease.id)

@@ -10,6 +10,7 @@ import click
 
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
 from vmlend.cli.common import CliContext
+from vmlend.cli.connect import open_hv
 from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
@@ -30,8 +31,16 @@ from vmlend.registry import hostlease
     type=click.FloatRange(0.05, 60),
     help="Seconds between scans for fenced devices this node lends.",
 )
+@click.option(
+    "-c",
+    "--connect",
+    "uri",
+    metavar="URI",
+    help="This host's hypervisor (e.g. qemu:///system, sim:///gamma): VMs with remote devices"
+    " are paused while the lease is in doubt [default: none guarded].",
+)
 @click.pass_obj
-def agent_cmd(obj: CliContext, ttl: int, interval: float) -> None:
+def agent_cmd(obj: CliContext, ttl: int, interval: float, uri: str | None) -> None:
     """Hold this host's lease on the cluster registry and take back devices whose borrower's
     lease ended. Runs in the foreground until SIGTERM or SIGINT."""
     if obj.registry is None or not obj.registry.startswith("etcd://"):
@@ -42,7 +51,10 @@ def agent_cmd(obj: CliContext, ttl: int, interval: float) -> None:
         raise ConfigError(
             "'vmlend agent' needs --node, VMLEND_NODE or etc/vmlend/node: which node this host is"
         )
-    agent = Agent(AgentConfig(obj.registry, node, hostlease.lease_path(host), ttl, interval))
+    hv = (lambda: open_hv(obj, uri)) if uri else None
+    agent = Agent(
+        AgentConfig(obj.registry, node, hostlease.lease_path(host), ttl, interval, hypervisor=hv)
+    )
 
     def stop(signum: int, frame: FrameType | None) -> None:
         agent.stop_event.set()
