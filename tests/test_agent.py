@@ -29,7 +29,7 @@ INTERVAL = 0.2
 #: lender agent's scan interval, one transaction, and slack for a loaded CI machine.
 REUSE_BOUND = 3.0
 VMLEND = str(Path(sys.executable).parent / "vmlend")  # the console script of this venv
-GPU, NVME = 0x10, 0x12  # lent by alpha and beta in the default topology
+GPU, NIC = 0x10, 0x20  # lent by alpha and by beta in the default topology
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 DB = Holder("beta", "db", "22222222-2222-2222-2222-222222222222")
@@ -75,10 +75,17 @@ class Host:
         )
         log.close()
         deadline = time.monotonic() + 20
-        while not self.lease_file.exists():
+        while not self._published_by(self.agent.pid):
             assert self.agent.poll() is None, self.log()
             assert time.monotonic() < deadline, f"agent of {self.node} never published its lease"
             time.sleep(0.05)
+
+    def _published_by(self, pid: int) -> bool:
+        """Whether the lease file is this agent's (a killed one leaves its own behind)."""
+        try:
+            return json.loads(self.lease_file.read_text())["pid"] == pid
+        except (OSError, ValueError):
+            return False
 
     def log(self) -> str:
         return (self.root / "agent.log").read_text(errors="replace")
@@ -181,8 +188,8 @@ def test_a_hold_whose_lease_ended_is_fenced_until_the_lender_takes_it_back(
     monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "gamma"))
     gamma = open_fabric(etcd_url, "gamma")
     gamma.reserve(GPU, WEB)
-    gamma.reserve(NVME, WEB)
-    assert gamma.release(NVME, WEB) is True  # a normal release leaves no fence
+    gamma.reserve(NIC, WEB)
+    assert gamma.release(NIC, WEB) is True  # a normal release leaves no fence
     EtcdGateway(parse_location(etcd_url).endpoints).call("kv/lease/revoke", {"ID": gamma_lease})
     host_lease(etcd, tmp_path / "beta")
     monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
@@ -190,7 +197,7 @@ def test_a_hold_whose_lease_ended_is_fenced_until_the_lender_takes_it_back(
     assert beta.device(GPU).holder is None  # the hold went with the lease...
     with pytest.raises(DeviceFencedError, match=r"0x10 is fenced.*gamma/web.*alpha"):
         beta.reserve(GPU, DB)  # ...but the device is not borrowable yet
-    beta.reserve(NVME, DB)  # a released device is
+    beta.reserve(NIC, DB)  # a released device is
     alpha = open_fabric(etcd_url, "alpha")
     assert [f.fdid for f in alpha.fenced()] == [GPU]
     assert beta.fenced() == []  # not beta's to take back
@@ -211,7 +218,7 @@ def test_hosts_share_one_truth_and_a_killed_borrower_frees_its_devices(hosts, et
     for h in (alpha, beta, gamma):
         h.start_agent()
     # A VM on gamma borrows from alpha and from beta.
-    for fdid in (GPU, NVME):
+    for fdid in (GPU, NIC):
         r = gamma.run(_reserve_code(fdid, WEB))
         assert r.returncode == 0 and "reserved" in r.stdout, r.stderr
     views = []
@@ -248,7 +255,7 @@ def test_a_frozen_agent_loses_its_lease_and_its_late_writes_are_refused(hosts):
     gamma.stop_agent(signal.SIGSTOP)  # frozen: its lease is not renewed
     time.sleep(TTL + 2 * INTERVAL + 1)
     # The lease ended: a write from gamma under it is refused as a whole.
-    r = gamma.run(_reserve_code(NVME, WEB))
+    r = gamma.run(_reserve_code(NIC, WEB))
     assert r.returncode != 0 and "lease has expired" in r.stderr, r.stderr
     assert gamma.agent is not None
     gamma.agent.send_signal(signal.SIGCONT)
@@ -306,3 +313,24 @@ def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
             assert f.device(GPU).holder == WEB  # the lease lived: the hold is still there
     finally:
         assert gamma.stop_agent() == 0
+
+
+@pytest.mark.slow
+def test_a_lender_whose_agent_died_has_its_devices_unavailable_until_it_returns(hosts, etcd_url):
+    alpha, gamma = hosts["alpha"], hosts["gamma"]
+    alpha.start_agent()
+    gamma.start_agent()
+    alpha.stop_agent(signal.SIGKILL)
+    time.sleep(TTL + 1)  # its lease, and with it hosts/alpha, ends
+    r = gamma.run(_reserve_code(GPU, WEB))
+    assert r.returncode != 0 and "alpha" in r.stderr and "agent stopped uncleanly" in r.stderr
+    r = gamma.vmlend("devices", "--json")
+    states = {d["fdid"]: d["state"] for d in json.loads(r.stdout)}
+    assert states["0x10"] == "unavailable" and states["0x20"] == "available"  # beta's are fine
+    alpha.start_agent()  # back: its devices are offered again
+    r = gamma.run(_reserve_code(GPU, WEB))
+    assert r.returncode == 0, r.stderr
+    assert alpha.stop_agent() == 0  # a clean stop does not mark it unavailable
+    with open_fabric(etcd_url, "beta") as f:
+        assert f.device(NIC).state is DeviceState.AVAILABLE
+        assert f.device(0x11).state is DeviceState.AVAILABLE

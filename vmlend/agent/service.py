@@ -24,6 +24,7 @@ from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
+from vmlend.registry.etcd_gateway import b64
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,18 @@ class Agent:
             )
         registry = fabric.registry
         lease = SessionLease(registry.gateway, cfg.ttl)
-        hostlease.publish(
-            cfg.lease_file, hostlease.HostLease(lease.id, cfg.node, lease.ttl, os.getpid())
-        )
         lease.put(
             registry.keys.host(cfg.node),
             json.dumps({"pid": os.getpid(), "ttl": lease.ttl}).encode(),
+        )
+        # Without a lease: if this agent dies uncleanly, the marker outlives hosts/<node> and
+        # marks this node's devices unavailable until an agent runs here again.
+        registry.gateway.call(
+            "kv/put", {"key": b64(registry.keys.agent(cfg.node)), "value": b64(b"1")}
+        )
+        # Last: the host's processes may use the lease once the file is there.
+        hostlease.publish(
+            cfg.lease_file, hostlease.HostLease(lease.id, cfg.node, lease.ttl, os.getpid())
         )
         log.warning(
             "agent for %s up: lease %x (TTL %d s) published in %s",
@@ -122,6 +129,7 @@ class Agent:
             return 3
         hostlease.withdraw(cfg.lease_file, lease.id)
         try:
+            registry.gateway.call("kv/deleterange", {"key": b64(registry.keys.agent(cfg.node))})
             lease.revoke()  # a clean stop: this host's records go now, not after the TTL
         except StateError as e:
             log.warning("could not revoke lease %x (it ends by its TTL): %s", lease.id, e)

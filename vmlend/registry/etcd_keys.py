@@ -11,7 +11,9 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 - ``holds/<fdid>``: who holds a device (the record lists its claims' keys); ``fence/<fdid>``:
   written with every hold, without a lease, removed with it by a normal release (so a hold
   that vanished by lease expiry leaves a fence that only the lender's agent removes);
-- ``hosts/<node>``: the host's agent is alive (attached to its lease);
+- ``hosts/<node>``: the host's agent is alive (attached to its lease); ``agents/<node>``: the
+  node runs an agent (no lease; removed by a clean stop), so ``agents`` without ``hosts``
+  means its agent stopped uncleanly and the node's devices are unavailable;
 - ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
   reserve reads, and compares as one prefix, exactly the claims of the adapters on its path;
 - ``parents/<node>/<fdid>``, ``mdevs/<node>/<uuid>``: mdev parents and children per node;
@@ -105,8 +107,19 @@ class Keys:
     def fence(self, fdid: int) -> str:
         return f"{self.fences}{fdid:#x}"
 
+    @property
+    def hosts(self) -> str:
+        return self.base + "hosts/"
+
     def host(self, node: str) -> str:
-        return f"{self.base}hosts/{node}"
+        return f"{self.hosts}{node}"
+
+    @property
+    def agents(self) -> str:
+        return self.base + "agents/"
+
+    def agent(self, node: str) -> str:
+        return f"{self.agents}{node}"
 
     @property
     def parents(self) -> str:

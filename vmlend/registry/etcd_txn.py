@@ -34,6 +34,8 @@ from vmlend.registry.records import (
     TopologyRecord,
 )
 
+_AGENT_GONE = "its vmlend agent stopped uncleanly, it has no live lease; start the agent there"
+
 
 class Snapshot:
     """The reads of one attempt, all at one revision, and the compares they imply."""
@@ -262,15 +264,28 @@ class EtcdTxn:
         for raw in self._range(self._k.nodes).values():
             d = enc.load(raw)
             out[d["name"]] = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
+        managed = {k.removeprefix(self._k.agents) for k in self._range(self._k.agents)}
+        alive = {k.removeprefix(self._k.hosts) for k in self._range(self._k.hosts)}
+        for name in managed - alive:
+            if name in out and out[name].up:
+                out[name] = NodeRecord(name, False, _AGENT_GONE)
         return out
 
     def node(self, name: str) -> NodeRecord | None:
         raw = self._get(self._k.node(name))
         if raw is not None:
             d = enc.load(raw)
-            return NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
-        topo = self._topology()
-        return NodeRecord(name, True) if topo and name in topo["nodes"] else None
+            rec: NodeRecord | None = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
+        else:
+            topo = self._topology()
+            rec = NodeRecord(name, True) if topo and name in topo["nodes"] else None
+        if rec is not None and rec.up and self._agent_gone(name):
+            return NodeRecord(name, False, _AGENT_GONE)
+        return rec
+
+    def _agent_gone(self, name: str) -> bool:
+        """The node ran an agent that stopped without saying so (crash, power, cut off)."""
+        return self._get(self._k.agent(name)) is not None and self._get(self._k.host(name)) is None
 
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         if self.node(node) is None:
