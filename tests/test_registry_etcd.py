@@ -273,3 +273,60 @@ def test_hook_install_pins_the_registry_url(etcd_url, tmp_path):
     )
     text = result.path.read_text()
     assert f"os.environ.setdefault('VMLEND_REGISTRY', {etcd_url!r})" in text
+
+
+def test_cold_migration_moves_the_holds_through_the_etcd_registry(etcd_url, tmp_path, monkeypatch):
+    import uuid
+
+    from vmlend.cli.connect import hook_command
+    from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+    from vmlend.fabric.model import MiB
+    from vmlend.hypervisor import open_hypervisor
+
+    make_fabric(etcd_url).close()
+    local = tmp_path / "local"
+    monkeypatch.setenv("VMLEND_STATE", str(local / "state.db"))
+    monkeypatch.delenv("VMLEND_NODE", raising=False)
+    spec = DomainSpec(
+        name="vm1",
+        memory_bytes=512 * MiB,
+        virt_type="qemu",
+        uuid=uuid.uuid4(),
+        devices=[DeviceRequest(0x10), DeviceRequest(0x20)],
+    )
+    gamma = open_hypervisor(
+        "sim:///gamma", state_dir=local, hook_command=hook_command(etcd_url, "gamma")
+    )
+    gamma.define(new_domain(spec, templates=TemplateSet()).to_bytes())
+    gamma.start("vm1")  # gamma's prepare hook reserves both in etcd
+
+    def holders(node: str) -> dict[int, str]:
+        with open_fabric(etcd_url, node) as f:
+            return {d.fdid: str(d.holder) for d in f.devices() if d.holder}
+
+    assert holders("beta") == {0x10: "gamma/vm1", 0x20: "gamma/vm1"}
+    r = CliRunner().invoke(
+        main,
+        [
+            "--registry",
+            etcd_url,
+            "migrate",
+            "vm1",
+            "--to",
+            "alpha",
+            "--start",
+            "-c",
+            "sim:///gamma",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    # Every host reads the same truth: the VM holds its devices from alpha now.
+    assert (
+        holders("alpha")
+        == holders("beta")
+        == holders("gamma")
+        == {
+            0x10: "alpha/vm1",
+            0x20: "alpha/vm1",
+        }
+    )
