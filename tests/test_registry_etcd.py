@@ -330,3 +330,31 @@ def test_cold_migration_moves_the_holds_through_the_etcd_registry(etcd_url, tmp_
             0x20: "alpha/vm1",
         }
     )
+
+
+def test_the_hook_fails_a_vm_start_cleanly_when_etcd_is_unreachable(tmp_path):
+    import io
+    import uuid
+
+    from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+    from vmlend.fabric.model import MiB
+    from vmlend.hook.main import run as run_hook
+
+    spec = DomainSpec(
+        name="vm1", memory_bytes=512 * MiB, uuid=uuid.uuid4(), devices=[DeviceRequest(0x10)]
+    )
+    err = io.StringIO()
+    code = run_hook(
+        ["vm1", "prepare", "begin", "-"],
+        stdin=io.BytesIO(new_domain(spec, templates=TemplateSet()).to_bytes()),
+        stdout=io.BytesIO(),
+        stderr=err,
+        environ={
+            "VMLEND_REGISTRY": f"etcd://127.0.0.1:{free_port()}/lab",
+            "VMLEND_NODE": "gamma",
+            "VMLEND_STATE": str(tmp_path / "state.db"),
+        },
+    )
+    lines = err.getvalue().strip().splitlines()
+    assert code == 1 and len(lines) == 1, err.getvalue()
+    assert "cannot reach etcd at 127.0.0.1:" in lines[0] and "Traceback" not in lines[0]
