@@ -358,3 +358,27 @@ def test_the_hook_fails_a_vm_start_cleanly_when_etcd_is_unreachable(tmp_path):
     lines = err.getvalue().strip().splitlines()
     assert code == 1 and len(lines) == 1, err.getvalue()
     assert "cannot reach etcd at 127.0.0.1:" in lines[0] and "Traceback" not in lines[0]
+
+
+def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, monkeypatch):
+    """A reserve reads what it decides on in one request and commits in a second, on a small
+    fabric and on a fabric with 60 times more devices and many holds."""
+    requests: list[str] = []
+    real_call = EtcdGateway.call
+
+    def counting(self, path, body):
+        requests.append(path)
+        return real_call(self, path, body)
+
+    monkeypatch.setattr(EtcdGateway, "call", counting)
+    counts = []
+    for name, devices, held in (("small", 5, 0), ("large", 300, 25)):
+        url = f"{etcd_url}-{name}"
+        init_fabric(url, star_topology(4, devices), "star.toml")
+        with open_fabric(url, "h1") as f:
+            for i in range(held):
+                f.reserve(0x100 + devices - 1 - i, Holder(f"h{i % 4}", f"vm{i}"))
+            requests.clear()
+            f.reserve(0x100, Holder("h1", "probe"))
+            counts.append(len(requests))
+    assert counts[0] == counts[1] <= 2

@@ -38,6 +38,13 @@ class StateTxn(Protocol):
 
     writable: bool
 
+    def prefetch(
+        self, fdids: Iterable[int] = (), nodes: Iterable[str] = (), adapters: Iterable[str] = ()
+    ) -> None:
+        """A hint that the body will read these devices, nodes and adapters' claims (a remote
+        backend fetches them in one request)."""
+        ...
+
     def meta(self, key: str) -> str | None: ...
     def set_meta(self, key: str, value: str) -> None: ...
 

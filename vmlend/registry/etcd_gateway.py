@@ -146,6 +146,26 @@ class EtcdGateway:
         answer = self.call("kv/range", body)
         return _revision(answer), [_kv(kv) for kv in answer.get("kvs", [])]
 
+    def read_many(
+        self, ranges: list[tuple[str, str | None]], revision: int = 0
+    ) -> tuple[int, list[list[KeyValue]]]:
+        """Several ranges ``(key, range_end or None)`` in one request (a Txn of reads: all at
+        one revision, ``revision`` or now). The revision and each range's keys, in order."""
+        ops = []
+        for key, end in ranges:
+            r: dict[str, Any] = {"key": b64(key)}
+            if end is not None:
+                r["range_end"] = b64(end)
+            if revision:
+                r["revision"] = revision
+            ops.append({"request_range": r})
+        answer = self.call("kv/txn", {"compare": [], "success": ops, "failure": []})
+        results = [
+            [_kv(kv) for kv in resp.get("response_range", {}).get("kvs", [])]
+            for resp in answer.get("responses", [])
+        ]
+        return _revision(answer), results
+
     def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> tuple[bool, int]:
         """One transaction: ``success`` ops iff every ``compare`` holds. (succeeded, revision)"""
         answer = self.call("kv/txn", {"compare": compare, "success": success, "failure": []})

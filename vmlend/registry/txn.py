@@ -37,6 +37,11 @@ class StateTxn:
         if not self.writable:
             raise RuntimeError("write inside a read transaction")  # a programming error
 
+    def prefetch(
+        self, fdids: Iterable[int] = (), nodes: Iterable[str] = (), adapters: Iterable[str] = ()
+    ) -> None:
+        """Nothing to do: SQLite reads are local."""
+
     # --- meta --------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
         row = self._c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -292,6 +292,17 @@ class SimFabric:
             claims=tx.claims_on((path.src.ref, path.dst.ref)) if path else [],
         )
 
+    @staticmethod
+    def _prefetch(tx: StateTxn, topo: Topology, fdid: int, borrower: str) -> None:
+        """Tell the registry what a reserve will read (``_view``), so etcd serves it at once."""
+        try:
+            spec = topo.device(fdid)
+            path = route(topo, spec.lender, borrower)
+        except FabricError:
+            return
+        adapters = (path.src.ref, path.dst.ref) if path else ()
+        tx.prefetch([fdid], [spec.lender], adapters)
+
     def reserve(self, fdid: int, holder: Holder, *, guest_ram: int = 0) -> DeviceStatus:
         if not holder.vm or not holder.node:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
@@ -301,6 +312,8 @@ class SimFabric:
 
         def body(tx: StateTxn) -> DeviceStatus:
             claimed.clear()
+            if self._topo is not None:
+                self._prefetch(tx, self._topo, fdid, holder.node)
             topo = self._topology(tx)
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
