@@ -27,7 +27,7 @@ from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric
 from vmlend.mdev import MdevBus
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 from vmlend.udev import ParentWatcher, Uevent, WantedMdev
 
 N = 100
@@ -72,14 +72,14 @@ def main() -> None:
         state = root / "state.db"
         init_fabric(state, *default_topology_text(), node="gamma")
 
-        with SimFabric(Registry.open(state)) as sim:
+        with SimFabric(open_registry(state)) as sim:
             t_sim = _per_op(lambda: _cycle(sim))
 
         fake = FakeSysfs(root / "host")
-        with SimFabric(Registry.open(state)) as sim:
+        with SimFabric(open_registry(state)) as sim:
             populate_smartio(FakeSmartio(fake, node_id=12), sim.topology())
         writer = TimedWriter(fake)
-        with SmartioFabric(Registry.open(state), fake.env, writer=writer) as kernel:
+        with SmartioFabric(open_registry(state), fake.env, writer=writer) as kernel:
             t_kernel = _per_op(lambda: _cycle(kernel))
         t_emulated = writer.spent / N
         t_reads = t_kernel - t_emulated - t_sim

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.fabric.open import Location, default_topology_text, init_fabric, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
 
 
-def make_fabric(path: Path, text: str | None = None, node: str | None = "gamma") -> SimFabric:
-    """Initialise ``path`` with ``text`` (default cluster when None) and open it as ``node``."""
+def make_fabric(path: Location, text: str | None = None, node: str | None = "gamma") -> SimFabric:
+    """Initialise the registry at ``path`` (a path or registry URL) with ``text`` (default
+    cluster when None) and open it as ``node``."""
     if text is None:
         text, source = default_topology_text()
     else:
         source = "test.toml"
     init_fabric(path, text, source, node=node, hostname="test-host")
-    fabric = open_fabric(path)
+    fabric = open_fabric(path, node)
     assert isinstance(fabric, SimFabric)
     return fabric
 
@@ -81,3 +80,78 @@ id = 2
 [[link]]
 ends = ["l:0", "b:0"]
 """
+
+
+def star_topology(
+    borrowers: int,
+    devices: int,
+    *,
+    lut_entries: int = 32,
+    lender_window: str = "128GiB",
+    lender_segments: int = 32,
+) -> str:
+    """One lender ``l`` with ``devices`` devices (fdid 0x100...) and ``borrowers`` borrower
+    nodes ``h0``, ``h1``, ... all on one switch: many hosts contending for one adapter."""
+    devs = "".join(
+        f"""
+  [[node.device]]
+  fdid = {0x100 + i}
+  bdf = "0000:{i // 32 + 1:02x}:{i % 32:02x}.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1521
+  class = 0x020000
+  bars = [ {{ index = 0, size = "16MiB" }} ]
+"""
+        for i in range(devices)
+    )
+    hosts = "".join(
+        f"""
+[[node]]
+name = "h{i}"
+id = {10 + i}
+  [[node.adapter]]
+  index = 0
+"""
+        for i in range(borrowers)
+    )
+    ports = ", ".join(['"l:0"'] + [f'"h{i}:0"' for i in range(borrowers)])
+    return f"""
+name = "star"
+[[node]]
+name = "l"
+id = 1
+  [[node.adapter]]
+  index = 0
+  window = "{lender_window}"
+  segments = {lender_segments}
+  lut_entries = {lut_entries}
+{devs}
+{hosts}
+[[switch]]
+name = "sw"
+ports = [{ports}]
+"""
+
+
+def fabric_topology(nodes: int, devices_per_node: int) -> str:
+    """A generated fabric of ``nodes`` nodes ``n0``, ``n1``, ... each lending
+    ``devices_per_node`` devices (fdid ``node * 0x100 + i``), all on one switch: the shape of
+    the 60-node, ~1,000-device cluster of the scaling benchmark. Adapters have 64 LUT entries
+    and 64 segments so that each node may lend and borrow ~17 devices through one adapter."""
+    parts = ['name = "generated"']
+    for n in range(nodes):
+        parts.append(
+            f'[[node]]\nname = "n{n}"\nid = {n + 1}\n  [[node.adapter]]\n  index = 0\n'
+            "  lut_entries = 64\n  segments = 64\n"
+        )
+        for i in range(devices_per_node):
+            parts.append(
+                f"  [[node.device]]\n  fdid = {(n + 1) * 0x100 + i}\n"
+                f'  bdf = "0000:{i // 32 + 1:02x}:{i % 32:02x}.0"\n  kind = "nic"\n'
+                "  vendor = 0x8086\n  device = 0x1521\n  class = 0x020000\n"
+                '  bars = [ { index = 0, size = "16MiB" } ]\n'
+            )
+    ports = ", ".join(f'"n{n}:0"' for n in range(nodes))
+    parts.append(f'[[switch]]\nname = "sw"\nports = [{ports}]\n')
+    return "\n".join(parts)

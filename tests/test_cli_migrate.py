@@ -20,7 +20,7 @@ from vmlend.fabric.model import GiB
 from vmlend.hypervisor import DomainState
 from vmlend.hypervisor.sim_hv import IdleGuest
 from vmlend.ops.migrate import migrate
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 
 from .cli_cluster import GAMMA, SimCluster, make_cluster, one_line
 
@@ -245,10 +245,10 @@ def test_a_lost_hook_release_is_cleaned_up_before_the_move(cluster):
 
 def test_runtime_records_go_with_the_release(cluster):
     cluster.define("gamma", "vm1", [0x10], running=True)
-    with Registry.open(cluster.state_path) as reg, reg.write() as tx:
+    with SqliteRegistry.open(cluster.state_path) as reg, reg.write() as tx:
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 1 << 29})
     run_migrate(cluster, cluster.hv("gamma"), cluster.hv("beta"))
-    with Registry.open(cluster.state_path) as reg, reg.read() as tx:
+    with SqliteRegistry.open(cluster.state_path) as reg, reg.read() as tx:
         assert tx.runtime() == []
 
 

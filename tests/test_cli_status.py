@@ -6,7 +6,7 @@ import json
 
 from vmlend.domain import mdev_uuid
 from vmlend.fabric.model import Holder
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 
 from .cli_cluster import GAMMA, SimCluster, one_line
 
@@ -54,7 +54,7 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
 
 def test_runtime_records_are_shown(cluster):
     cluster.define("gamma", "vm1", [0x10], running=True)
-    with Registry.open(cluster.state_path) as reg, reg.write() as tx:
+    with SqliteRegistry.open(cluster.state_path) as reg, reg.write() as tx:
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 0x20000000})
         tx.put_runtime(0x10, "irq-vector", "msix.0", {"eventfd": 7})
         tx.put_runtime(0x10, "irq-vector", "msix.1", {"eventfd": 8})

@@ -18,7 +18,7 @@ from vmlend.fabric.model import DeviceState, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 DB = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")
@@ -28,28 +28,30 @@ NVME = 0x12
 GPU = 0x10
 
 BACKENDS = ["sim", "smartio"]
+REGISTRIES = ["sqlite", "etcd"]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[(b, r) for b in BACKENDS for r in REGISTRIES], ids="-".join)
 def make(request, tmp_path):
     """``make(node)``: a fabric seen from ``node``, all over one shared state."""
-    state = tmp_path / "state.db"
+    backend, registry = request.param
+    state = request.getfixturevalue("etcd_url") if registry == "etcd" else tmp_path / "state.db"
     text, source = default_topology_text()
     init_fabric(state, text, source, node="gamma")
     opened: list = []
     fakes: dict[str, FakeSysfs] = {}
 
     def make(node: str = "gamma") -> Fabric:
-        if request.param == "sim":
-            fab = SimFabric(Registry.open(state), local_node=node)
+        if backend == "sim":
+            fab = SimFabric(open_registry(state), local_node=node)
         else:
             if node not in fakes:
                 fake = FakeSysfs(tmp_path / node)
-                topo = SimFabric(Registry.open(state)).topology()
+                topo = SimFabric(open_registry(state), local_node=node).topology()
                 populate_smartio(FakeSmartio(fake, topo.node(node).node_id), topo)
                 fakes[node] = fake
             fake = fakes[node]
-            fab = SmartioFabric(Registry.open(state), fake.env, local_node=node, writer=fake)
+            fab = SmartioFabric(open_registry(state), fake.env, local_node=node, writer=fake)
         opened.append(fab)
         return fab
 

@@ -232,18 +232,20 @@ def test_the_admission_check_says_which_path(state_path):
 
     fabric = make_fabric(state_path)
     with fabric._reg.read() as tx:
-        adm = admit(fabric._topology(tx), fabric._view(tx), NVME, "gamma", 0, HOLDER, True)
+        topo = fabric._topology(tx)
+        view = fabric._view(tx, topo, NVME, "gamma", HOLDER)
+        adm = admit(topo, view, NVME, "gamma", 0, HOLDER, True)
     check = next(c for c in adm.checks if c.name == "msi-ntb")
     assert check.ok and check.data["path"] == NTB and "alpha:0" in check.detail
 
 
 def test_the_vectors_are_recorded_for_status_with_their_path(hw, state_path):
     from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
-    from vmlend.registry import Registry
+    from vmlend.registry import SqliteRegistry
 
     fabric = make_fabric(state_path)
     fabric.reserve(NVME, HOLDER, msi_over_ntb=True)
-    registry = Registry.open(state_path)
+    registry = SqliteRegistry.open(state_path)
     route = NtbMsiRoute(hw, MsiTargets(hw), NVME, recorder=registry_vector_recorder(registry))
     enable_msix(hw, NVME, 2, masked=frozenset({1}))
     with registry.read() as tx:

@@ -26,7 +26,7 @@ from vmlend.hook.ops import HookOps
 from vmlend.lending import UndoJournal
 from vmlend.nvme import ledger
 from vmlend.nvme.lending import SHARE_MDEV_TYPE, acquire_share
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 
 NVME = 0x12
 
@@ -44,12 +44,12 @@ def domain(name: str, queues: int = 2, size: int = 64 * MiB, extra=()):
 @pytest.fixture
 def env(state_path):
     make_fabric(state_path).close()
-    reg = Registry.open(state_path)
+    reg = SqliteRegistry.open(state_path)
     fabrics: dict[str, SimFabric] = {}
 
     def fabric(node="gamma"):
         if node not in fabrics:
-            fabrics[node] = SimFabric(Registry.open(state_path), node)
+            fabrics[node] = SimFabric(SqliteRegistry.open(state_path), node)
         return fabrics[node]
 
     geometry = drive_geometry(fabric().topology().device(NVME), 1 << 20)

@@ -16,24 +16,23 @@ from vmlend.errors import (
 from vmlend.fabric.model import Holder
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.nvme import ledger
-from vmlend.registry import Registry
 
 NVME = 0x12
 BLOCKS = 1 << 20
 
 
-@pytest.fixture
-def fab(state_path):
-    f = make_fabric(state_path)
+@pytest.fixture(params=["sqlite", "etcd"])
+def fab(request, state_path):
+    """The ledger on both registry backends (etcd: a private server, this host's lease)."""
+    where = state_path if request.param == "sqlite" else request.getfixturevalue("etcd_url")
+    f = make_fabric(where)
     yield f
     f.close()
 
 
 @pytest.fixture
-def reg(state_path, fab):
-    r = Registry.open(state_path)
-    yield r
-    r.close()
+def reg(fab):
+    return fab.registry
 
 
 def geometry(fab):

@@ -384,13 +384,13 @@ def test_the_recorder_sees_every_put_and_removal(hw):
 
 def test_maps_are_registry_runtime_records_of_the_source(tmp_path, hw):
     from tests.simfabric import make_fabric
-    from vmlend.registry import Registry
+    from vmlend.registry import SqliteRegistry
 
     fabric = make_fabric(tmp_path / "s.db")
     holder = Holder("gamma", "web", "u1")
     for f in (GPU, GPU2, BETA_GPU):  # the NIC is not reserved in the registry
         fabric.reserve(f, holder)
-    reg = Registry.open(tmp_path / "s.db")
+    reg = SqliteRegistry.open(tmp_path / "s.db")
     p2p = P2PMapper(hw, "gamma", "web", recorder=registry_recorder(reg))
     program(p2p, GPU)
     program(p2p, GPU2)

@@ -8,7 +8,7 @@ import pytest
 
 from vmlend.errors import StateError
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.registry import Registry, TopologyRecord
+from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
 
@@ -17,10 +17,18 @@ def _fill(tx):
     tx.replace_topology(TopologyRecord("t", "src", "text", "d", "gamma", 0.0), ["gamma"], [])
 
 
+@pytest.fixture(params=["sqlite", "etcd"])
+def location(request, tmp_path):
+    """A new shared state of either backend: an SQLite path or an etcd cluster URL."""
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd_url")
+    return tmp_path / "s.db"
+
+
 @pytest.fixture
 def made(tmp_path):
     path = tmp_path / "state.db"
-    Registry.create(path, _fill).close()
+    SqliteRegistry.create(path, _fill).close()
     return path
 
 
@@ -33,27 +41,27 @@ def test_create_marks_the_file_as_ours_in_wal_mode(made):
         assert version == (str(schema_mod.SCHEMA_VERSION),)
     finally:
         conn.close()
-    with Registry.open(made) as reg, reg.read() as tx:
+    with SqliteRegistry.open(made) as reg, reg.read() as tx:
         assert tx.topology().local_node == "gamma"
 
 
 def test_create_never_replaces_an_existing_file(made):
     before = made.read_bytes()
     with pytest.raises(FileExistsError):
-        Registry.create(made, _fill)
+        SqliteRegistry.create(made, _fill)
     assert made.read_bytes() == before
     assert sorted(p.name for p in made.parent.iterdir()) == ["state.db"]  # no temp files left
 
 
 def test_missing_file_says_to_run_init(tmp_path):
     with pytest.raises(StateError, match=r"no vmlend state at .*run 'vmlend fabric init' first"):
-        Registry.open(tmp_path / "nope.db")
+        SqliteRegistry.open(tmp_path / "nope.db")
     assert not (tmp_path / "nope.db").exists()
 
 
 def test_directory_is_refused(tmp_path):
     with pytest.raises(StateError, match="is a directory"):
-        Registry.open(tmp_path)
+        SqliteRegistry.open(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +76,7 @@ def test_garbage_is_refused_and_left_alone(tmp_path, content, what):
     path = tmp_path / "state.db"
     path.write_bytes(content)
     with pytest.raises(StateError, match=what) as e:
-        Registry.open(path)
+        SqliteRegistry.open(path)
     assert "will not overwrite" in str(e.value)
     assert path.read_bytes() == content
 
@@ -88,7 +96,7 @@ def test_foreign_sqlite_database_is_refused(tmp_path):
     _foreign(path)
     before = path.read_bytes()
     with pytest.raises(StateError, match=r"another application \(tables: recipes\)"):
-        Registry.open(path)
+        SqliteRegistry.open(path)
     assert path.read_bytes() == before
 
 
@@ -96,7 +104,7 @@ def test_foreign_application_id_is_refused(tmp_path):
     path = tmp_path / "state.db"
     _foreign(path, app_id=0x1234)
     with pytest.raises(StateError, match="application_id 0x1234"):
-        Registry.open(path)
+        SqliteRegistry.open(path)
 
 
 def test_empty_sqlite_database_is_refused(tmp_path):
@@ -106,7 +114,7 @@ def test_empty_sqlite_database_is_refused(tmp_path):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match="empty SQLite database"):
-        Registry.open(path)
+        SqliteRegistry.open(path)
 
 
 def test_init_refuses_a_foreign_file_and_keeps_it(tmp_path):
@@ -129,7 +137,7 @@ def test_corrupt_pages_are_refused(tmp_path):
     data[page : 3 * page] = b"\xa5" * (2 * page)  # smash the pages after the header page
     path.write_bytes(bytes(data))
     with pytest.raises(StateError, match="corrupt") as e:
-        Registry.open(path)
+        SqliteRegistry.open(path)
     assert "vmlend fabric init" in str(e.value)
     assert path.read_bytes() == bytes(data)
 
@@ -140,7 +148,7 @@ def test_newer_schema_is_refused(made):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match=r"schema version 99, newer .* upgrade vmlend"):
-        Registry.open(made)
+        SqliteRegistry.open(made)
 
 
 def test_older_schema_is_migrated(made, monkeypatch):
@@ -150,9 +158,9 @@ def test_older_schema_is_migrated(made, monkeypatch):
         store_mod, "MIGRATIONS", {**schema_mod.MIGRATIONS, current: ("CREATE TABLE extra (x)",)}
     )
     monkeypatch.setattr(store_mod, "TABLES", schema_mod.TABLES | {"extra"})
-    with Registry.open(made) as reg, reg.read() as tx:
+    with SqliteRegistry.open(made) as reg, reg.read() as tx:
         assert tx.meta("schema_version") == str(current + 1)
-    with Registry.open(made) as reg, reg.read() as tx:  # idempotent: nothing left to do
+    with SqliteRegistry.open(made) as reg, reg.read() as tx:  # idempotent: nothing left to do
         assert tx.meta("schema_version") == str(current + 1)
 
 
@@ -165,12 +173,12 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
         m.setattr(store_mod, "SCHEMA_VERSION", 1)
         m.setattr(store_mod, "MIGRATIONS", {})
         init_fabric(path, *default_topology_text(), node="gamma")
-        with Registry.open(path) as reg, reg.write() as tx:
+        with SqliteRegistry.open(path) as reg, reg.write() as tx:
             hold = HoldRecord(0x10, Holder("gamma", "vm1"), 0.0, Phase.RESERVED, 8 << 30)
             tx.add_hold(hold, [Claim("alpha:0", ClaimKind.LUT, "dev:0x10", entries=1)])
             with pytest.raises(sqlite3.IntegrityError):  # version 1 knows no p2p claims
                 tx.replace_claims(ClaimKind.P2P, [0x10], [(0x10, Claim("a:0", ClaimKind.P2P, "x"))])
-    with Registry.open(path) as reg:
+    with SqliteRegistry.open(path) as reg:
         with reg.read() as tx:
             assert tx.meta("schema_version") == "2"
             assert tx.claims() == [(0x10, Claim("alpha:0", ClaimKind.LUT, "dev:0x10", entries=1))]
@@ -182,34 +190,54 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
 
 
 def test_a_write_waits_then_fails_clearly_when_locked(made):
-    with Registry.open(made) as a, a.write() as tx:
+    with SqliteRegistry.open(made) as a, a.write() as tx:
         tx.set_meta("x", "1")
-        with Registry.open(made, busy_timeout=0.05) as b:
+        with SqliteRegistry.open(made, busy_timeout=0.05) as b:
             with pytest.raises(StateError, match="locked by another process"), b.write():
                 pass
             with b.read() as rtx:  # WAL: readers are not blocked by the writer
                 assert rtx.meta("x") is None
 
 
-def test_failed_write_changes_nothing(made):
-    with Registry.open(made) as reg:
-        with pytest.raises(RuntimeError), reg.write() as tx:
-            tx.set_meta("x", "1")
-            raise RuntimeError("boom")
+def test_failed_write_changes_nothing(location):
+    def boom(tx):
+        tx.set_meta("x", "1")
+        raise RuntimeError("boom")
+
+    with create_registry(location, _fill) as reg:
+        with pytest.raises(RuntimeError):
+            reg.transact(boom)
         with reg.read() as tx:
             assert tx.meta("x") is None
+        reg.transact(lambda tx: tx.set_meta("x", "2"))
+    with open_registry(location) as reg, reg.read() as tx:
+        assert tx.meta("x") == "2"
+        assert tx.topology().name == "t"
 
 
-def test_read_transaction_cannot_write(made):
-    with Registry.open(made) as reg, reg.read() as tx, pytest.raises(RuntimeError):
+def test_read_transaction_cannot_write(location):
+    with create_registry(location, _fill) as reg, reg.read() as tx, pytest.raises(RuntimeError):
         tx.set_meta("x", "1")
+
+
+def test_create_never_replaces_existing_state(location):
+    create_registry(location, _fill).close()
+    with pytest.raises(FileExistsError):
+        create_registry(location, _fill)
+
+
+def test_newer_schema_of_either_backend_is_refused_in_one_line(location):
+    with create_registry(location, _fill) as reg:
+        reg.transact(lambda tx: tx.set_meta("schema_version", str(schema_mod.SCHEMA_VERSION + 1)))
+    with pytest.raises(StateError, match=r"newer than this vmlend understands.*upgrade vmlend"):
+        open_registry(location)
 
 
 def test_create_in_an_unwritable_place_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(StateError, match=r"cannot create the vmlend state .*--state"):
-        Registry.create(blocker / "sub" / "state.db", _fill)
+        SqliteRegistry.create(blocker / "sub" / "state.db", _fill)
 
 
 def test_a_state_missing_a_table_is_refused(made):
@@ -218,7 +246,7 @@ def test_a_state_missing_a_table_is_refused(made):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match=r"lacks vmlend tables \(mdevs\)"):
-        Registry.open(made)
+        SqliteRegistry.open(made)
 
 
 def test_a_state_with_unknown_tables_is_refused(made):
@@ -227,35 +255,35 @@ def test_a_state_with_unknown_tables_is_refused(made):
     conn.commit()
     conn.close()
     with pytest.raises(StateError, match="carries vmlend's mark but not its tables"):
-        Registry.open(made)
+        SqliteRegistry.open(made)
 
 
-def test_runtime_records_follow_the_hold(tmp_path):
+def test_runtime_records_follow_the_hold(location):
     """Windows/vectors recorded for a held device are listed, replaced by key, and vanish
     with the hold; a device nobody holds cannot get any."""
     from tests.simfabric import make_fabric
     from vmlend.errors import StateError
     from vmlend.fabric.model import Holder
-    from vmlend.registry import Registry
 
-    path = tmp_path / "s.db"
-    fabric = make_fabric(path)
+    fabric = make_fabric(location)
     holder = Holder("gamma", "vm1", "u1")
     fabric.reserve(0x10, holder)
-    reg = Registry.open(path)
-    with reg.write() as tx:
+    reg = open_registry(location)
+
+    def put(tx):
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 1 << 30})
         tx.put_runtime(0x10, "dma-window", "low", {"start": 0, "end": 2 << 30})
         tx.put_runtime(0x10, "irq-vector", "msi.0", {"eventfd": True})
+
+    reg.transact(put)
     with reg.read() as tx:
         recs = tx.runtime(0x10)
         assert [(r.kind, r.key) for r in recs] == [("dma-window", "low"), ("irq-vector", "msi.0")]
         assert recs[0].data == {"start": 0, "end": 2 << 30}
         assert len(tx.runtime(kind="irq-vector")) == 1
-    with reg.write() as tx:
-        assert tx.clear_runtime(0x10, "irq-vector") == 1
-        with pytest.raises(StateError, match="not held"):
-            tx.put_runtime(0x11, "dma-window", "low", {})
+    assert reg.transact(lambda tx: tx.clear_runtime(0x10, "irq-vector")) == 1
+    with pytest.raises(StateError, match="not held"):
+        reg.transact(lambda tx: tx.put_runtime(0x11, "dma-window", "low", {}))
     fabric.release(0x10, holder)
     with reg.read() as tx:
         assert tx.runtime() == []
@@ -292,15 +320,13 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
     assert len(keep.devices()) == 9
 
 
-def test_vector_records_replace_and_clear(tmp_path):
+def test_vector_records_replace_and_clear(location):
     from tests.simfabric import make_fabric
     from vmlend.fabric.model import Holder
     from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
-    from vmlend.registry import Registry
 
-    path = tmp_path / "s.db"
-    make_fabric(path).reserve(0x12, Holder("gamma", "vm1", "u1"))
-    reg = Registry.open(path)
+    make_fabric(location).reserve(0x12, Holder("gamma", "vm1", "u1"))
+    reg = open_registry(location)
     record = registry_vector_recorder(reg)
     record(0x12, [{"mode": "MSIX", "vector": i, "path": "relay"} for i in range(4)])
     record(0x12, [{"mode": "MSI", "vector": 0, "path": "relay"}])  # the guest switched modes
@@ -328,7 +354,7 @@ def test_a_lock_wait_longer_than_a_second_says_so_and_then_proceeds(made, caplog
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        with Registry.open(made, busy_timeout=10) as b:
+        with SqliteRegistry.open(made, busy_timeout=10) as b:
             with caplog.at_level("WARNING", logger="vmlend.registry.store"), b.write() as tx:
                 tx.set_meta("y", "2")  # got the lock once the other process committed
             with b.read() as rtx:
@@ -340,10 +366,10 @@ def test_a_lock_wait_longer_than_a_second_says_so_and_then_proceeds(made, caplog
 
 
 def test_a_short_lock_wait_is_quiet(made, caplog):
-    with Registry.open(made) as a, a.write() as tx:
+    with SqliteRegistry.open(made) as a, a.write() as tx:
         tx.set_meta("x", "1")
         with (
-            Registry.open(made, busy_timeout=0.05) as b,
+            SqliteRegistry.open(made, busy_timeout=0.05) as b,
             caplog.at_level("WARNING"),
             pytest.raises(StateError, match="locked by another process"),
             b.write(),

@@ -28,7 +28,7 @@ from vmlend.fabric.open import open_fabric
 from vmlend.fabric.sim.backend import MDEV_TYPE
 from vmlend.fabric.topology import parse_topology
 from vmlend.hook.main import run as run_hook
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 
 from .simfabric import make_fabric, small_topology
 
@@ -38,9 +38,17 @@ U1 = "aaaaaaaa-0000-0000-0000-000000000001"
 U2 = "aaaaaaaa-0000-0000-0000-000000000002"
 
 
+@pytest.fixture(params=["sqlite", "etcd"])
+def location(request, tmp_path):
+    """The shared state of one test: an SQLite file, or a cluster prefix on a real etcd."""
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd_url")
+    return tmp_path / "state.db"
+
+
 @pytest.fixture
-def fab(tmp_path):
-    f = make_fabric(tmp_path / "state.db")
+def fab(location):
+    f = make_fabric(location)
     yield f
     f.close()
 
@@ -369,11 +377,11 @@ def test_mdev_bad_input(fab):
         fab.ensure_mdev_parent(0x12)
 
 
-def test_mdevs_are_per_node(fab, tmp_path):
+def test_mdevs_are_per_node(fab, location):
     fab.ensure_mdev_parent(0x10)
     fab.reserve(0x10, VM1)
     fab.create_mdev(0x10, U1, VM1)
-    beta = open_fabric(tmp_path / "state.db", node="beta")
+    beta = open_fabric(location, node="beta")
     assert beta.local_node == "beta"
     assert beta.mdevs() == []
     assert beta.remove_mdev(U1) is False  # not on this node
@@ -381,10 +389,10 @@ def test_mdevs_are_per_node(fab, tmp_path):
     beta.close()
 
 
-def test_another_process_replacing_the_topology_is_seen(fab, tmp_path):
+def test_another_process_replacing_the_topology_is_seen(fab, location):
     from vmlend.fabric.open import init_fabric
 
-    init_fabric(tmp_path / "state.db", small_topology(), "new.toml", node="b", replace=True)
+    init_fabric(location, small_topology(), "new.toml", node="b", replace=True)
     assert [n.name for n in fab.nodes()] == ["l", "b"]
     assert {st.fdid for st in fab.devices()} == {0x100, 0x101, 0x102}
 
@@ -435,11 +443,11 @@ class FakeHardware:
 
 def test_borrow_drives_the_hardware(tmp_path):
     from vmlend.fabric.sim.backend import SimFabric
-    from vmlend.registry import Registry
+    from vmlend.registry import SqliteRegistry
 
     make_fabric(tmp_path / "s.db").close()
     hw = FakeHardware()
-    f = SimFabric(Registry.open(tmp_path / "s.db"), hardware=hw)
+    f = SimFabric(SqliteRegistry.open(tmp_path / "s.db"), hardware=hw)
     f.reserve(0x10, VM1)
     assert hw.borrowed == {}  # reserving alone touches no hardware (deferred borrow)
     hw.refuse = ResourceExhaustedError("requester LUT", "alpha:0", 1, 0, "entries")
@@ -455,6 +463,88 @@ def test_borrow_drives_the_hardware(tmp_path):
     assert f.release(0x10, VM1) is True
     assert hw.borrowed == {}  # release returns the hardware too
     f.close()
+
+
+class RerunningRegistry:
+    """A registry whose every write body runs twice, the first run rolled back: what an
+    optimistic backend (etcd) does after a conflict."""
+
+    class _Rollback(Exception):
+        pass
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.where = inner.where
+        self.shares_host_identity = inner.shares_host_identity
+        self.runs = 0
+
+    def read(self):
+        return self._inner.read()
+
+    def transact(self, body):
+        try:
+            with self._inner.write() as tx:
+                self.runs += 1
+                body(tx)
+                raise self._Rollback
+        except self._Rollback:
+            pass
+        return self._inner.transact(body)
+
+    def close(self):
+        self._inner.close()
+
+
+class CountingHardware(FakeHardware):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def borrow(self, fdid, node, vm):
+        self.calls.append("borrow")
+        super().borrow(fdid, node, vm)
+
+    def give_back(self, fdid, node=None, vm=None):
+        self.calls.append("give_back")
+        return super().give_back(fdid, node, vm)
+
+
+def test_hardware_steps_run_once_even_when_transaction_bodies_rerun(tmp_path):
+    from vmlend.fabric.sim.backend import SimFabric
+    from vmlend.registry import SqliteRegistry
+
+    make_fabric(tmp_path / "s.db").close()
+    hw = CountingHardware()
+    reg = RerunningRegistry(SqliteRegistry.open(tmp_path / "s.db"))
+    f = SimFabric(reg, local_node="gamma", hardware=hw)
+    f.reserve(0x10, VM1)
+    f.borrow(0x10, VM1)
+    f.give_back(0x10, VM1)
+    f.borrow(0x10, VM1)
+    assert f.release(0x10, VM1) is True
+    assert reg.runs >= 5  # every write body did run twice
+    assert hw.calls == ["borrow", "give_back", "borrow", "give_back"]
+    assert hw.borrowed == {} and f.device(0x10).state is DeviceState.AVAILABLE
+
+
+def test_a_borrow_that_cannot_be_recorded_gives_the_hardware_back(tmp_path):
+    from vmlend.fabric.sim.backend import SimFabric
+    from vmlend.registry import SqliteRegistry
+
+    make_fabric(tmp_path / "s.db").close()
+    other = SimFabric(SqliteRegistry.open(tmp_path / "s.db"))
+
+    class ReleasedMeanwhile(FakeHardware):
+        def borrow(self, fdid, node, vm):
+            super().borrow(fdid, node, vm)
+            other.release(fdid, VM1)  # the hold ends between the intent and the record
+
+    hw = ReleasedMeanwhile()
+    f = SimFabric(SqliteRegistry.open(tmp_path / "s.db"), hardware=hw)
+    f.reserve(0x10, VM1)
+    with pytest.raises(DeviceNotReservedError):
+        f.borrow(0x10, VM1)
+    assert hw.borrowed == {}  # undone: no hardware borrow without a recorded hold
 
 
 def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
@@ -479,7 +569,7 @@ def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
 
 def _parents(path) -> set[tuple[str, int]]:
     """Every (node, fdid) mdev parent the shared state records."""
-    with Registry.open(path) as reg, reg.read() as tx:
+    with open_registry(path) as reg, reg.read() as tx:
         topo = parse_topology(tx.topology().text)
         return {
             (n.name, d.fdid)
@@ -500,13 +590,13 @@ def full_snapshot(path) -> tuple[object, ...]:
     for n in nodes:
         with open_fabric(path, n) as fn:
             mdevs += sorted((m.uuid, m.node, m.fdid) for m in fn.mdevs())
-    with Registry.open(path) as reg, reg.read() as tx:
+    with open_registry(path) as reg, reg.read() as tx:
         runtime = sorted((r.fdid, r.kind, r.key) for r in tx.runtime())
     return devices, usage, mdevs, sorted(_parents(path)), runtime
 
 
-def test_release_drops_the_parent_once_nothing_uses_it(fab, tmp_path):
-    path = tmp_path / "state.db"
+def test_release_drops_the_parent_once_nothing_uses_it(fab, location):
+    path = location
     fab.reserve(0x10, VM1)
     fab.ensure_mdev_parent(0x10)
     fab.create_mdev(0x10, U1, VM1)
@@ -517,8 +607,8 @@ def test_release_drops_the_parent_once_nothing_uses_it(fab, tmp_path):
     assert _parents(path) == set()
 
 
-def test_the_parent_stays_while_a_child_or_a_local_hold_remains(fab, tmp_path):
-    path = tmp_path / "state.db"
+def test_the_parent_stays_while_a_child_or_a_local_hold_remains(fab, location):
+    path = location
     fab.reserve(0x10, VM1)
     fab.ensure_mdev_parent(0x10)
     fab.create_mdev(0x10, U1, VM1)
@@ -545,8 +635,8 @@ def _domain(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
     return new_domain(spec, templates=TemplateSet()).to_bytes()
 
 
-def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, tmp_path):
-    path = tmp_path / "state.db"
+def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location):
+    path = location
     fab.reserve(0x12, VM2)  # the VM's second device is taken: its prepare must fail
     before = full_snapshot(path)
     err = io.StringIO()
@@ -555,7 +645,7 @@ def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, tmp_path)
         stdin=io.BytesIO(_domain("vm1", VM1.vm_uuid, (0x10, 0x12))),
         stdout=io.BytesIO(),
         stderr=err,
-        environ={"VMLEND_STATE": str(path), "VMLEND_NODE": "gamma"},
+        environ={"VMLEND_REGISTRY": str(path), "VMLEND_NODE": "gamma"},
     )
     assert code == 1 and "held by gamma/vm2" in err.getvalue()
     assert full_snapshot(path) == before

@@ -24,7 +24,7 @@ from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.pci import regs
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 
 TEMPLATES = TemplateSet()
 
@@ -46,7 +46,7 @@ class Cluster:
 
     path: Path
     hw: SimHardware
-    registry: Registry
+    registry: SqliteRegistry
     fabrics: dict[str, SimFabric] = field(default_factory=dict)
 
     @classmethod
@@ -54,11 +54,11 @@ class Cluster:
         base = make_fabric(path, text, node)
         hw = SimHardware.from_topology(base.topology(), seed=1)
         base.close()
-        return cls(path, hw, Registry.open(path))
+        return cls(path, hw, SqliteRegistry.open(path))
 
     def fabric(self, node: str = "gamma") -> SimFabric:
         if node not in self.fabrics:
-            self.fabrics[node] = SimFabric(Registry.open(self.path), node, hardware=self.hw)
+            self.fabrics[node] = SimFabric(SqliteRegistry.open(self.path), node, hardware=self.hw)
         return self.fabrics[node]
 
     def prepare(self, xml: bytes, node: str = "gamma") -> None:

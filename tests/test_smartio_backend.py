@@ -28,7 +28,7 @@ from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric, open_smartio_fabric, overlay
 from vmlend.fabric.smartio.driver import MDEV_TYPE, Availability, SmartioDevice
 from vmlend.lending import return_all
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 from vmlend.udev import Outcome
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
@@ -48,7 +48,7 @@ def state(tmp_path):
 @pytest.fixture
 def fake(tmp_path, state):
     fake = FakeSysfs(tmp_path / "root")
-    topo = SimFabric(Registry.open(state)).topology()
+    topo = SimFabric(SqliteRegistry.open(state)).topology()
     smartio = FakeSmartio(fake, node_id=12)
     populate_smartio(smartio, topo)
     fake.smartio = smartio  # type: ignore[attr-defined]
@@ -57,14 +57,14 @@ def fake(tmp_path, state):
 
 @pytest.fixture
 def fabric(state, fake):
-    with SmartioFabric(Registry.open(state), fake.env, writer=fake) as fab:
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fab:
         yield fab
 
 
 @pytest.fixture
 def other_view(state):
     """Another process on the same state that knows nothing of the kernel."""
-    with SimFabric(Registry.open(state)) as sim:
+    with SimFabric(SqliteRegistry.open(state)) as sim:
         yield sim
 
 
@@ -145,7 +145,7 @@ def test_lending_is_for_the_lender(fabric):
 
 def test_driver_not_loaded(state, tmp_path):
     empty = FakeSysfs(tmp_path / "empty")
-    with SmartioFabric(Registry.open(state), empty.env, writer=empty) as fab:
+    with SmartioFabric(SqliteRegistry.open(state), empty.env, writer=empty) as fab:
         with pytest.raises(HostError, match="modprobe smartio"):
             fab.devices()
         with pytest.raises(HostError):
@@ -221,7 +221,7 @@ def test_overlay(fabric, registry, dev, want):
 
 
 def recorded_parent(state) -> bool:
-    with Registry.open(state) as reg, reg.read() as tx:
+    with SqliteRegistry.open(state) as reg, reg.read() as tx:
         return tx.parent("gamma", NVME) is not None
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from vmlend.errors import StateLockedError
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 from vmlend.registry.conditions import Condition, FsFacts, classify, classify_errno
 
 CORRUPT_ADVICE = "move it away"
@@ -222,10 +222,10 @@ main(sys.argv[1:], prog_name="vmlend")
 AS_NOBODY_OPEN = f"""
 import os, sys
 from vmlend.errors import StateError
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
 try:
-    Registry.open(sys.argv[1]).close()
+    SqliteRegistry.open(sys.argv[1]).close()
 except StateError as e:
     print(e)
 """
@@ -300,7 +300,7 @@ def test_a_lock_held_by_another_process_is_named(state):
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with pytest.raises(StateLockedError) as info:
-            Registry.open(state, busy_timeout=0.2)
+            SqliteRegistry.open(state, busy_timeout=0.2)
         assert str(info.value) == (
             f"the vmlend state {state} is locked by another process (waited 0.2 s); retry when"
             f" it is done ('fuser -v {state}' shows which process holds it)"
@@ -310,7 +310,7 @@ def test_a_lock_held_by_another_process_is_named(state):
         holder.stdin.close()
         holder.wait(timeout=10)
     assert _digest(state) == before
-    with Registry.open(state) as reg, reg.read() as tx:  # released: usable again
+    with SqliteRegistry.open(state) as reg, reg.read() as tx:  # released: usable again
         assert tx.topology().local_node == "gamma"
 
 

@@ -207,7 +207,7 @@ def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Fin
             f"{hook} pins no registry (libvirtd's environment decides): re-run"
             " 'vmlend hook install' to pin this CLI's",
         )
-    labels = {"state": "registry", "node": "node", "backend": "backend"}
+    labels = {"state": "registry", "registry": "registry URL", "node": "node", "backend": "backend"}
     differ = [
         f"{label} {pinned.get(key) or '(unset)'} vs {cli.get(key) or '(unset)'}"
         for key, label in labels.items()
@@ -218,7 +218,7 @@ def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Fin
             "hook pins",
             Status.FAIL,
             f"{hook} pins {'; '.join(differ)} (hook vs this CLI): re-run 'vmlend hook install'"
-            " with this CLI's --state/--node",
+            " with this CLI's --state/--registry/--node",
         )
     if pinned.get("interpreter") != cli.get("interpreter"):
         return Finding(
@@ -227,7 +227,8 @@ def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Fin
             f"{hook} runs {pinned.get('interpreter') or '(unknown)'}, this CLI"
             f" {cli.get('interpreter')}: re-run 'vmlend hook install' if that is not intended",
         )
-    return Finding("hook pins", Status.OK, f"same registry {cli.get('state')} as this CLI")
+    same = cli.get("registry") or cli.get("state")
+    return Finding("hook pins", Status.OK, f"same registry {same} as this CLI")
 
 
 def check_hook_pins(env: HostEnv, cli: dict[str, str]) -> Finding | None:
@@ -280,8 +281,8 @@ def run_checks(
     smartio_required: bool = False,
     cli_pins: dict[str, str] | None = None,
 ) -> list[Finding]:
-    """``cli_pins``: what the CLI uses (``interpreter``, ``state``, ``node``, ``backend``), to
-    compare with what the installed hook pins; None skips that check."""
+    """``cli_pins``: what the CLI uses (``interpreter``, ``state``, ``registry``, ``node``,
+    ``backend``), to compare with what the installed hook pins; None skips that check."""
 
     findings = [
         check_iommu(env),

@@ -519,3 +519,30 @@ class SharingUnsupportedError(NvmeShareError):
         self.fdid = fdid
         self.why = why
         super().__init__(f"device {fdid:#x} cannot be shared at the queue level: {why}")
+# --- appended by the cluster work (etcd registry, agent, fencing) ----------------------------
+
+
+class DeviceFencedError(FabricError):
+    """The device's last holder lost its lease (its host died or was cut off) and the lender
+    has not yet taken the device back, so nobody may borrow it yet."""
+
+    def __init__(self, fdid: int, lender: str, holder: str) -> None:
+        self.fdid = fdid
+        self.lender = lender
+        self.holder = holder
+        super().__init__(
+            f"device {fdid:#x} is fenced: its holder {holder} lost its lease and the lender"
+            f" {lender} has not taken it back yet; retry once the vmlend agent on {lender}"
+            " has reset it"
+        )
+
+
+class AgentNotRunningError(StateError):
+    """A cluster registry write needs this host's agent lease, and there is none."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"no vmlend agent runs on this host (no live lease at {where}); start 'vmlend agent'"
+            " (see docs/cluster.md) and retry"
+        )

@@ -106,6 +106,18 @@ class HostEnv:
         return self.dev / "vfio" / "vfio"
 
     @property
+    def node_file(self) -> Path:
+        """``etc/vmlend/node``: which fabric node this host is (host-local configuration; used
+        when neither --node nor VMLEND_NODE says)."""
+        return self.etc / "vmlend" / "node"
+
+    def configured_node(self) -> str | None:
+        try:
+            return self.node_file.read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    @property
     def libvirt_hooks(self) -> Path:
         return self.libvirt_config / "hooks"
 

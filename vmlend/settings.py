@@ -7,6 +7,8 @@ from pathlib import Path
 
 STATE_ENV = "VMLEND_STATE"
 NODE_ENV = "VMLEND_NODE"
+#: A registry URL (etcd://... or sqlite:///...); wins over VMLEND_STATE for the shared state.
+REGISTRY_ENV = "VMLEND_REGISTRY"
 
 
 def default_state_path() -> Path:
@@ -23,6 +25,13 @@ def state_path_from_env(environ: dict[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     value = env.get(STATE_ENV)
     return Path(value) if value else default_state_path()
+
+
+def registry_from_env(environ: dict[str, str] | None = None) -> str | Path:
+    """Where the shared state is: $VMLEND_REGISTRY, else the SQLite file of $VMLEND_STATE
+    (or the default path)."""
+    env = os.environ if environ is None else environ
+    return env.get(REGISTRY_ENV) or state_path_from_env(env)
 
 
 def default_libvirt_dir() -> Path:

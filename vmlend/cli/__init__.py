@@ -14,6 +14,11 @@ from vmlend.cli.lazy import LazyGroup
 #: command -> (its module, the first sentence of its help). A new command goes here too;
 #: tests/test_cli_lazy.py fails until it does (it would still work, loaded eagerly).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": (
+        "cmd_agent",
+        "Hold this host's lease on the cluster registry and take back devices whose borrower's "
+        "lease ended.",
+    ),
     "attach": (
         "cmd_attach",
         "Attach remote device FDID to VM (default: live if running, else its definition).",
@@ -90,9 +95,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     " else $XDG_STATE_HOME/vmlend/state.db].",
 )
 @click.option(
+    "--registry",
+    envvar="VMLEND_REGISTRY",
+    metavar="URL",
+    help="Shared state: etcd://HOST:PORT[,HOST:PORT...]/CLUSTER, sqlite:///PATH or a path"
+    " [env VMLEND_REGISTRY; default: the --state file].",
+)
+@click.option(
     "--node",
     envvar="VMLEND_NODE",
-    help="The fabric node this host is [env VMLEND_NODE; default: the state's local node].",
+    help="The fabric node this host is [env VMLEND_NODE; default: the SQLite state's local"
+    " node; required with an etcd registry].",
 )
 @click.option(
     "--root",
@@ -109,12 +122,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def main(
     ctx: click.Context,
     state_path: str | None,
+    registry: str | None,
     node: str | None,
     root: str | None,
     verbose: int,
     uri: str | None,
 ) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
-    ctx.obj = CliContext.create(state_path=state_path, node=node, verbose=verbose, root=root)
+    ctx.obj = CliContext.create(
+        state_path=state_path, node=node, verbose=verbose, root=root, registry=registry
+    )
     ctx.obj.uri = uri
 

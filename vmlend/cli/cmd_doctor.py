@@ -30,6 +30,7 @@ def doctor(obj: CliContext, smartio_required: bool, json_output: bool) -> None:
     cli_pins = {
         "interpreter": os.path.abspath(sys.executable),
         "state": os.path.abspath(obj.state_path),
+        "registry": obj.registry or "",
         "node": obj.node or "",
         "backend": os.environ.get(BACKEND_ENV, ""),
     }

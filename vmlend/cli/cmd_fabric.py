@@ -14,6 +14,7 @@ from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.ops.identity import identity_change
+from vmlend.registry.location import parse_location
 
 
 @click.group("fabric")
@@ -55,16 +56,18 @@ def init(
         except UnicodeDecodeError:
             raise TopologyError(topology_file, "not a text file") from None
     node = node or obj.node
-    change = identity_change(obj.state_path, node) if node else None
+    sqlite_path = parse_location(obj.location).path
+    # Only an SQLite state names this host's node: a cluster registry has no identity to change.
+    change = identity_change(sqlite_path, node) if node and sqlite_path is not None else None
     if change is not None and change.held and not force:
         raise change.refusal()
-    result = init_fabric(obj.state_path, text, source, node=node, replace=replace)
+    result = init_fabric(obj.location, text, source, node=node, replace=replace)
     topo = result.topology
     if json_output:
         emit_json(
             {
                 "action": result.action,
-                "state": str(obj.state_path),
+                "state": str(obj.location),
                 "topology": topo.name,
                 "source": source,
                 "local_node": result.local_node,
@@ -75,10 +78,14 @@ def init(
         )
         return
     was = f" (was {change.old})" if change is not None and result.action != "created" else ""
+    who = (
+        f"this host is node {result.local_node}{was}"
+        if result.local_node
+        else "each host names its node with --node / VMLEND_NODE"
+    )
     click.echo(
-        f"{result.action}: {obj.state_path} holds topology {topo.name!r}"
-        f" ({len(topo.nodes)} nodes, {len(topo.devices)} devices);"
-        f" this host is node {result.local_node}{was}"
+        f"{result.action}: {obj.location} holds topology {topo.name!r}"
+        f" ({len(topo.nodes)} nodes, {len(topo.devices)} devices); {who}"
     )
     if was and change is not None and change.held:
         click.echo(

@@ -33,7 +33,7 @@ def hook() -> None:
 def install(
     cli: CliContext, libvirt_dir: Path | None, name: str, force: bool, json_output: bool
 ) -> None:
-    """Install the hook, pinned to this interpreter and this state path."""
+    """Install the hook, pinned to this interpreter and this state path or registry URL."""
     if libvirt_dir is not None and not libvirt_dir.is_dir():
         # A typo here would create a hooks dir libvirtd never reads.
         raise ConfigError(
@@ -41,7 +41,9 @@ def install(
             " that holds libvirtd.conf, usually /etc/libvirt)"
         )
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
-    result = install_hook(libvirt_dir, cli.state_path, cli.node, name=name, force=force)
+    result = install_hook(
+        libvirt_dir, cli.state_path, cli.node, name=name, force=force, registry=cli.registry
+    )
     if json_output:
         emit_json(
             {
@@ -56,6 +58,8 @@ def install(
         pins = result.pins
         click.echo(f"  interpreter  {pins['interpreter']}")
         click.echo(f"  registry     {pins['state']}")
+        if "registry" in pins:
+            click.echo(f"  registry URL {pins['registry']}")
         click.echo(f"  node         {pins.get('node', '(the state local node)')}")
         click.echo(f"  backend      {pins.get('backend', '(sim, the default)')}")
 
@@ -103,6 +107,8 @@ def run_hook(cli: CliContext, args: tuple[str, ...]) -> None:
     from vmlend.hook.main import run
 
     env = {"VMLEND_STATE": str(cli.state_path)}
+    if cli.registry:
+        env["VMLEND_REGISTRY"] = cli.registry
     if cli.node:
         env["VMLEND_NODE"] = cli.node
     sys.exit(run(list(args), environ=env))

@@ -112,7 +112,7 @@ def watch(obj: CliContext, timeout: float | None) -> None:
 
     env = HostEnv.from_env(obj.root)
     source = PyudevSource.for_host(env)  # live uevents exist only for the real root
-    with open_smartio_fabric(obj.state_path, obj.node, env) as fabric:
+    with open_smartio_fabric(obj.location, obj.node, env) as fabric:
         watcher = fabric.watcher()
         watcher.discover()
         watcher.run(source, timeout=timeout)

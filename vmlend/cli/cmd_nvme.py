@@ -10,7 +10,7 @@ from vmlend.errors import ConfigError
 from vmlend.fabric.model import Holder, format_fdid, parse_fdid
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.nvme import ledger
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 
 BLOCK = 512
 
@@ -36,7 +36,7 @@ def share_cmd(obj: CliContext, fdid: str, size: str) -> None:
     dev = parse_fdid(fdid)
     with obj.fabric() as fabric:
         geometry = drive_geometry(fabric.topology().device(dev), _blocks(size))
-    with Registry.open(obj.state_path) as reg:
+    with open_registry(obj.location) as reg:
         ledger.lend_shared(reg, dev, geometry)
     click.echo(
         f"{format_fdid(dev)} shared: {geometry.queue_pairs} queue pairs, "
@@ -50,7 +50,7 @@ def share_cmd(obj: CliContext, fdid: str, size: str) -> None:
 def unshare_cmd(obj: CliContext, fdid: str) -> None:
     """Stop sharing FDID (refused while VMs have shares)."""
     dev = parse_fdid(fdid)
-    with Registry.open(obj.state_path) as reg:
+    with open_registry(obj.location) as reg:
         done = ledger.unshare(reg, dev)
     click.echo(f"{format_fdid(dev)} {'no longer shared' if done else 'was not shared'}")
 
@@ -75,7 +75,7 @@ def reserve_cmd(
     """Claim a share of FDID for VM: queue pairs, MSI-X vectors and an LBA window."""
     dev = parse_fdid(fdid)
     holder = _holder(obj, vm, node)
-    with Registry.open(obj.state_path) as reg:
+    with open_registry(obj.location) as reg:
         share = ledger.reserve_share(reg, dev, holder, queues, _blocks(size))
     click.echo(
         f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "
@@ -92,7 +92,7 @@ def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None) -> None:
     """Return VM's share of FDID."""
     dev = parse_fdid(fdid)
     holder = _holder(obj, vm, node)
-    with Registry.open(obj.state_path) as reg:
+    with open_registry(obj.location) as reg:
         done = ledger.release_share(reg, dev, holder)
     click.echo(f"{holder}: {'share returned' if done else 'had no share'} of {format_fdid(dev)}")
 
@@ -102,7 +102,7 @@ def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None) -> None:
 @click.pass_obj
 def status_cmd(obj: CliContext, json_output: bool) -> None:
     """Shared drives and each VM's share: queue pairs, LBA window, guard rejections."""
-    with Registry.open(obj.state_path) as reg:
+    with open_registry(obj.location) as reg:
         drives = ledger.shared_drives(reg)
     if json_output:
         emit_json(

@@ -92,7 +92,7 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
     hv = open_hv(obj, uri)
     try:
         fabric = fabric_for(obj, hv)
-        vms = collect(hv, fabric, read_runtime(obj.state_path), vm)
+        vms = collect(hv, fabric, read_runtime(obj.location), vm)
         usage = usage_rows(fabric.usage())
         drift = find_drift(look(hv, fabric))
     finally:

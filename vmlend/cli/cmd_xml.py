@@ -86,13 +86,13 @@ def warn_unchecked(obj: CliContext) -> None:
 def fabric_validator(obj: CliContext) -> FdidValidator | None:
     """A check that an fdid exists in the fabric, when this host has a state to ask (None:
     syntax only; the caller warns with ``warn_unchecked`` once it has written)."""
-    if not obj.state_path.exists():
+    if obj.registry is None and not obj.state_path.exists():
         return None
     try:
         from vmlend.fabric.open import open_fabric  # type: ignore[import-not-found]
     except ImportError:
         return None
-    fabric = open_fabric(obj.state_path, obj.node)
+    fabric = open_fabric(obj.location, obj.node)
     return fabric.device  # type: ignore[no-any-return]
 
 

@@ -33,9 +33,10 @@ def connect_option(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
-def hook_command(state_path: Path, node: str) -> list[str]:
+def hook_command(state_path: Path | str, node: str) -> list[str]:
     """How a simulated node runs vmlend's hook (absolute interpreter, as libvirtd needs)."""
-    return [sys.executable, "-m", "vmlend.hook", "--state", str(state_path), "--node", node]
+    option = "--state" if isinstance(state_path, Path) else "--registry"
+    return [sys.executable, "-m", "vmlend.hook", option, str(state_path), "--node", node]
 
 
 def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hypervisor:
@@ -44,11 +45,11 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     simulated one is the node its URI names."""
     uri = uri or obj.uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
     simulated = sim_node(uri) if uri else None
-    hook = hook_command(obj.state_path, simulated) if simulated else None
+    hook = hook_command(obj.location, simulated) if simulated else None
     node = node or (None if simulated else obj.node)
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
 
 
 def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
     """The fabric seen from the node ``hv`` runs on."""
-    return open_fabric(obj.state_path, hv.node or obj.node)
+    return open_fabric(obj.location, hv.node or obj.node, root=obj.root)

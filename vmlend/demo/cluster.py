@@ -29,7 +29,7 @@ from vmlend.fabric.topology import parse_topology
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.hypervisor.sim_hv import HookRun, HookRunner
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class DemoCluster:
     def __init__(self, state_path: Path, *, backing: int = GiB, seed: int = 0) -> None:
         self.state_path = state_path
         self.backing = backing
-        self.registry = Registry.open(state_path)
+        self.registry = open_registry(state_path)
         self.ledger = RegistryWindowLedger(self.registry)
         try:
             with self.registry.read() as tx:
@@ -87,7 +87,7 @@ class DemoCluster:
         hardware of this process."""
         key = node or ""
         if key not in self._fabrics:
-            registry = Registry.open(self.state_path)
+            registry = open_registry(self.state_path)
             self._fabrics[key] = SimFabric(registry, node, hardware=self.hw)
         return self._fabrics[key]
 

@@ -1,6 +1,7 @@
 """Open the fabric a process works with, and initialise the shared state with a topology.
 
-The CLI and the hook call ``open_fabric``; ``vmlend fabric init`` calls ``init_fabric``.
+The CLI and the hook call ``open_fabric``; ``vmlend fabric init`` calls ``init_fabric``. Both
+take a registry location: an SQLite path or a registry URL (``vmlend.registry.location``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Topology
 from vmlend.fabric.topology import DEFAULT_TOPOLOGY, parse_topology
-from vmlend.registry import DeviceRecord, Registry, StateTxn, TopologyRecord
+from vmlend.hostenv import HostEnv
+from vmlend.registry import (
+    DeviceRecord,
+    RegistryLocation,
+    StateTxn,
+    TopologyRecord,
+    create_registry,
+    hostlease,
+    open_registry,
+)
+
+#: Where the shared state is: an SQLite path, a registry URL, or a parsed location.
+Location = str | Path | RegistryLocation
 
 BACKENDS = ("sim", "smartio")
 #: Chooses the backend when the caller does not (the hook runs with libvirtd's environment,
@@ -25,12 +38,17 @@ BACKEND_ENV = "VMLEND_BACKEND"
 
 
 def open_fabric(
-    state_path: str | Path, node: str | None = None, backend: str | None = None
+    state_path: Location,
+    node: str | None = None,
+    backend: str | None = None,
+    root: Path | None = None,
 ) -> Fabric:
-    """The fabric described by the state at ``state_path``, seen from ``node`` (default: the
-    state's local node). ``backend``: "sim" (default) or "smartio" (the kernel: Linux mdev
-    sysfs and the SmartIO driver), else $VMLEND_BACKEND. ``StateError`` when there is no
-    usable state."""
+    """The fabric described by the registry at ``state_path``, seen from ``node`` (default:
+    the SQLite state's local node; a cluster registry needs it). ``backend``: "sim" (default)
+    or "smartio" (the kernel: Linux mdev sysfs and the SmartIO driver), else $VMLEND_BACKEND.
+    ``StateError`` when there is no usable state. ``root``: the host root (default
+    ``$VMLEND_ROOT``) whose ``etc/vmlend/node`` names the node when ``node`` is None, and
+    whose agent lease a cluster registry's writes use."""
     backend = backend or os.environ.get(BACKEND_ENV) or "sim"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown fabric backend {backend!r} (available: {', '.join(BACKENDS)})")
@@ -40,7 +58,9 @@ def open_fabric(
         return open_smartio_fabric(state_path, node)
     from vmlend.fabric.sim.backend import SimFabric
 
-    registry = Registry.open(state_path)
+    host = HostEnv.from_env(root)
+    node = node or host.configured_node()
+    registry = open_registry(state_path, hostlease.lease_path(host))
     try:
         return SimFabric(registry, local_node=node)
     except BaseException:
@@ -83,7 +103,7 @@ def _same(a: Topology, b: Topology) -> bool:
 
 
 def init_fabric(
-    state_path: str | Path,
+    state_path: Location,
     text: str,
     source: str,
     node: str | None = None,
@@ -91,10 +111,11 @@ def init_fabric(
     hostname: str | None = None,
     clock: Callable[[], float] = time.time,
 ) -> InitResult:
-    """Put a topology into the state at ``state_path``, creating the file if needed.
+    """Put a topology into the registry at ``state_path``, creating the state if needed.
 
-    The same topology again changes nothing (except the local node when ``node`` is given);
-    a different one is refused unless ``replace`` and nothing is held or has an mdev.
+    The same topology again changes nothing (except, in an SQLite state, the local node when
+    ``node`` is given; a cluster registry never records which node a host is); a different
+    one is refused unless ``replace`` and nothing is held or has an mdev.
     """
     import hashlib
     import socket
@@ -120,32 +141,43 @@ def init_fabric(
         )
 
     try:
-        Registry.create(state_path, fill).close()
-        return InitResult("created", topo, local)
+        reg = create_registry(state_path, fill)
+        shared = not reg.shares_host_identity
+        reg.close()
+        # A cluster registry records no host's identity: report only what was asked for.
+        return InitResult("created", topo, (node or "") if shared else local)
     except FileExistsError:
         pass  # an existing state: same topology is a no-op, another needs --replace
-    with Registry.open(state_path) as reg, reg.write() as tx:
-        if not tx.has_topology():
+
+    with open_registry(state_path) as reg:
+        shared = not reg.shares_host_identity
+        if shared:
+            local = node or ""
+
+        def update(tx: StateTxn) -> InitResult:
+            if not tx.has_topology():
+                fill(tx)
+                return InitResult("created", topo, local)
+            old = tx.topology()
+            if _same(parse_topology(old.text, old.source), topo):
+                if node is not None and node != old.local_node and not shared:
+                    tx.set_local_node(node)
+                    return InitResult("local node set", topo, node)
+                return InitResult("unchanged", topo, local if shared else old.local_node)
+            if not replace:
+                raise ConfigError(
+                    f"{reg.where} already holds topology {old.name!r} from {old.source};"
+                    " pass --replace to replace it (allowed while nothing is held)"
+                )
+            busy = [f"{fdid:#x} by {h.holder}" for fdid, h in sorted(tx.holds().items())]
+            busy += [f"mdev {m.uuid} on {m.node}" for m in tx.mdevs()]
+            if busy:
+                raise StateError(
+                    "cannot replace the topology while devices are in use: "
+                    + ", ".join(busy)
+                    + "; stop those VMs first"
+                )
             fill(tx)
-            return InitResult("created", topo, local)
-        old = tx.topology()
-        if _same(parse_topology(old.text, old.source), topo):
-            if node is not None and node != old.local_node:
-                tx.set_local_node(node)
-                return InitResult("local node set", topo, node)
-            return InitResult("unchanged", topo, old.local_node)
-        if not replace:
-            raise ConfigError(
-                f"{state_path} already holds topology {old.name!r} from {old.source};"
-                " pass --replace to replace it (allowed while nothing is held)"
-            )
-        busy = [f"{fdid:#x} by {h.holder}" for fdid, h in sorted(tx.holds().items())]
-        busy += [f"mdev {m.uuid} on {m.node}" for m in tx.mdevs()]
-        if busy:
-            raise StateError(
-                "cannot replace the topology while devices are in use: "
-                + ", ".join(busy)
-                + "; stop those VMs first"
-            )
-        fill(tx)
-        return InitResult("replaced", topo, local)
+            return InitResult("replaced", topo, local)
+
+        return reg.transact(update)

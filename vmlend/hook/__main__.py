@@ -1,4 +1,5 @@
-"""``python -m vmlend.hook [--state PATH] [--node NODE] DOMAIN OP SUBOP EXTRA``: the qemu hook.
+"""``python -m vmlend.hook [--state PATH] [--registry URL] [--node NODE] DOMAIN OP SUBOP
+EXTRA``: the qemu hook.
 
 The simulated hypervisor runs this as its hook command (``vmlend.cli.connect``), with the state
 path and the node it plays given up front rather than through the environment, so one process
@@ -12,13 +13,14 @@ import os
 import sys
 
 from vmlend.hook.prefilter import concerns_vmlend
-from vmlend.settings import NODE_ENV, STATE_ENV
+from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
 
-_OPTIONS = {"--state": STATE_ENV, "--node": NODE_ENV}
+_OPTIONS = {"--state": STATE_ENV, "--registry": REGISTRY_ENV, "--node": NODE_ENV}
 
 
 def split_options(argv: list[str], environ: dict[str, str]) -> list[str]:
-    """Move leading ``--state``/``--node`` options into ``environ``; return libvirt's argv."""
+    """Move leading ``--state``/``--registry``/``--node`` options into ``environ``; return
+    libvirt's argv."""
     rest = list(argv)
     while len(rest) >= 2 and rest[0] in _OPTIONS:
         environ[_OPTIONS[rest[0]]] = rest[1]

@@ -43,12 +43,18 @@ class InstallResult:
 
 
 #: The environment the installed hook pins, by the name ``pins`` reports them under.
-PINNED_ENV = {"state": "VMLEND_STATE", "node": "VMLEND_NODE", "backend": "VMLEND_BACKEND"}
+PINNED_ENV = {
+    "state": "VMLEND_STATE",
+    "registry": "VMLEND_REGISTRY",
+    "node": "VMLEND_NODE",
+    "backend": "VMLEND_BACKEND",
+}
 
 
 def read_pins(text: str) -> dict[str, str]:
     """What a hook script vmlend installed pins: ``interpreter`` (its ``#!`` line) and the
-    ``os.environ.setdefault`` values (``state``, ``node``, ``backend``) it sets."""
+    ``os.environ.setdefault`` values (``state``, ``registry``, ``node``, ``backend``) it
+    sets."""
     pins: dict[str, str] = {}
     lines = text.splitlines()
     if lines and lines[0].startswith("#!"):
@@ -84,10 +90,15 @@ def import_roots() -> list[str]:
 
 
 def hook_script(
-    interpreter: str, state_path: Path, node: str | None, roots: list[str] | None = None
+    interpreter: str,
+    state_path: Path,
+    node: str | None,
+    roots: list[str] | None = None,
+    registry: str | None = None,
 ) -> str:
     """The text of the installed hook (the same body as hooks/vmlend-qemu). With ``roots``
-    the interpreter runs isolated and without ``site``, importing from ``roots`` only."""
+    the interpreter runs isolated and without ``site``, importing from ``roots`` only.
+    ``registry``: a registry URL to pin (libvirtd's environment does not carry the caller's)."""
     lines = [f"#!{interpreter} -IS" if roots else f"#!{interpreter}", _MARK]
     if roots:
         lines += [
@@ -101,6 +112,8 @@ def hook_script(
     else:
         lines += ["import os", "import sys"]
     lines += ["", f"os.environ.setdefault('VMLEND_STATE', {str(state_path)!r})"]
+    if registry:
+        lines.append(f"os.environ.setdefault('VMLEND_REGISTRY', {registry!r})")
     if node:
         lines.append(f"os.environ.setdefault('VMLEND_NODE', {node!r})")
     backend = os.environ.get("VMLEND_BACKEND")
@@ -122,6 +135,7 @@ def install_hook(
     name: str = DEFAULT_NAME,
     interpreter: str | None = None,
     force: bool = False,
+    registry: str | None = None,
 ) -> InstallResult:
     """Install the hook under ``libvirt_dir``/hooks. Paths are pinned absolute: libvirtd runs
     the hook from ``/``, so a relative state path would name another file for every VM."""
@@ -138,7 +152,7 @@ def install_hook(
     target = hooks_dir / name
     # The roots are this interpreter's: another one runs with its own site instead.
     roots = import_roots() if interpreter == os.path.abspath(sys.executable) else None
-    text = hook_script(interpreter, state_path, node, roots)
+    text = hook_script(interpreter, state_path, node, roots, registry)
     pins = read_pins(text)
     restart = not hooks_enabled(hooks_dir)
     if target.exists():

@@ -26,10 +26,11 @@ if TYPE_CHECKING:
     from vmlend.fabric.base import Fabric
     from vmlend.hook.actionlog import ActionLog
 
-FabricFactory = Callable[["Path", str | None], "Fabric"]
+#: Opens the fabric of a registry (an SQLite path or a registry URL) as a node.
+FabricFactory = Callable[["Path | str", str | None], "Fabric"]
 
 
-def _open_fabric(state_path: Path, node: str | None) -> Fabric:
+def _open_fabric(state_path: Path | str, node: str | None) -> Fabric:
     from vmlend.fabric.open import open_fabric
 
     return open_fabric(state_path, node)
@@ -48,16 +49,19 @@ def load_handlers() -> None:
 def handle(
     call: HookCall,
     xml: bytes,
-    state_path: Path,
+    state_path: Path | str,
     node: str | None,
     stdout: BinaryIO,
     open_fabric: FabricFactory = _open_fabric,
     actions: ActionLog | None = None,
 ) -> int:
     """Do what ``call`` asks. Returns the exit code; raises VmlendError on failure."""
+    from pathlib import Path
+
     from vmlend.hook.actionlog import ActionLog, log_path_for_state
     from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
     from vmlend.hook.ops import HookOps
+    from vmlend.settings import state_path_from_env
 
     action = call.action
     if action is Action.IGNORE:
@@ -66,7 +70,8 @@ def handle(
     dom = read_hook_domain(xml, strict=action not in (Action.RELEASE, Action.RECONNECT))
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
-    actions = actions or ActionLog(log_path_for_state(state_path))
+    local = state_path if isinstance(state_path, Path) else state_path_from_env()
+    actions = actions or ActionLog(log_path_for_state(local))
     fabric = open_fabric(state_path, node)
     ops = HookOps(fabric, actions)
     if action is Action.PREPARE:
@@ -120,16 +125,17 @@ def _run_for_vmlend(
     open_fabric: FabricFactory,
 ) -> int:
     from vmlend.hook.actionlog import ActionLog, log_path_for_state
-    from vmlend.settings import NODE_ENV, state_path_from_env
+    from vmlend.settings import NODE_ENV, registry_from_env, state_path_from_env
 
-    state_path = state_path_from_env(env)
+    state_path = state_path_from_env(env)  # its directory keeps the host's action log
+    registry = registry_from_env(env)
     actions = ActionLog(log_path_for_state(state_path))
     name = call.domain
     _log_to(actions, name)
     if call.action is Action.RECONNECT:
         # A failing reconnect hook makes libvirt kill the running guest: never fail it.
         try:
-            handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
+            handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions)
         except Exception as e:
             import traceback
 
@@ -137,7 +143,7 @@ def _run_for_vmlend(
             actions.record(name, "reconnect", f"PROBLEM (guest kept running): {detail}")
         return 0
     try:
-        code = handle(call, xml, state_path, env.get(NODE_ENV), stdout, open_fabric, actions)
+        code = handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions)
     except VmlendError as e:
         print(f"vmlend: {e}", file=stderr)
         actions.record(name, f"{call.operation} {call.sub_operation}", f"FAILED: {e}")

@@ -218,6 +218,12 @@ class LibvirtHypervisor:
     def destroy(self, name: str) -> None:
         self._call("destroy", name, lambda d: d.destroy())
 
+    def suspend(self, name: str) -> None:
+        self._call("suspend", name, lambda d: d.suspend())
+
+    def resume(self, name: str) -> None:
+        self._call("resume", name, lambda d: d.resume())
+
     def attach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
         op = "attach device to"
         text, flags = _decode(device_xml, op, name), _flags(live, config)

@@ -171,7 +171,13 @@ class SimHypervisor:
         return DomainInfo(
             name=name,
             uuid=sim_xml.uuid_of(root),
-            state=DomainState.RUNNING if live is not None else DomainState.SHUTOFF,
+            state=(
+                DomainState.SHUTOFF
+                if live is None
+                else DomainState.PAUSED
+                if self.store.read("paused", name) is not None
+                else DomainState.RUNNING
+            ),
             persistent=cfg is not None,
         )
 
@@ -274,6 +280,7 @@ class SimHypervisor:
         self.guest.on_stopped(name)
         self._stop_hooks(name, sim_xml.serialize(live), reason)
         self.store.remove("live", name)
+        self.store.remove("paused", name)
         log.info("stopped %s on %s (%s)", name, self.uri, reason)
 
     def shutdown(self, name: str, timeout: float) -> None:
@@ -295,6 +302,24 @@ class SimHypervisor:
     def destroy(self, name: str) -> None:
         with self.store.locked():
             self._stop(self._resolve(name), "destroy", "destroyed")
+
+    def _set_paused(self, name: str, op: str, paused: bool) -> None:
+        with self.store.locked():
+            name = self._resolve(name)
+            _cfg, live = self._load(name, op)
+            if live is None:
+                raise DomainStateError(op, name, "domain is not running")
+            if paused:
+                self.store.write("paused", name, b"")  # a marker: the simulated vCPUs stop
+            else:
+                self.store.remove("paused", name)
+        log.info("%s %s on %s", "paused" if paused else "resumed", name, self.uri)
+
+    def suspend(self, name: str) -> None:
+        self._set_paused(name, "suspend", True)
+
+    def resume(self, name: str) -> None:
+        self._set_paused(name, "resume", False)
 
     # --- changes to one domain ----------------------------------------------------------
     def _targets(self, name: str, op: str, live: bool, config: bool) -> dict[str, sim_xml.Element]:

@@ -75,7 +75,7 @@ class SimStore:
         return self.data_dir / kind / f"{name}.xml"
 
     def read(self, kind: str, name: str) -> bytes | None:
-        """``kind`` is "config" or "live"; None when there is no such file."""
+        """``kind`` is "config", "live" or "paused" (a marker); None when there is no such file."""
         try:
             return self._path(kind, name).read_bytes()
         except FileNotFoundError:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from vmlend.registry import Registry
+from vmlend.registry import Registry, StateTxn
 
 RECORD_KIND = "irq-vector"
 
@@ -17,9 +17,11 @@ VectorRecorder = Callable[[int, Sequence[dict[str, object]] | None], None]
 
 def registry_vector_recorder(registry: Registry) -> VectorRecorder:
     def record(fdid: int, vectors: Sequence[dict[str, object]] | None) -> None:
-        with registry.write() as tx:
+        def body(tx: StateTxn) -> None:
             tx.clear_runtime(fdid, RECORD_KIND)
             for v in vectors or ():
                 tx.put_runtime(fdid, RECORD_KIND, f"{v['mode']}.{v['vector']}", dict(v))
+
+        registry.transact(body)
 
     return record

@@ -27,9 +27,8 @@ from vmlend.errors import (
 from vmlend.fabric.admission import vm_share
 from vmlend.fabric.model import Holder
 from vmlend.nvme.shares import Geometry, Share, ShareBook
-from vmlend.registry import Registry
+from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import HoldRecord, Phase
-from vmlend.registry.txn import StateTxn
 
 MANAGER_VM = "nvme-manager"
 GEOMETRY_RECORD = "nvme-geometry"
@@ -102,7 +101,8 @@ def lend_shared(
     registry: Registry, fdid: int, geometry: Geometry, clock: Callable[[], float] = time.time
 ) -> None:
     """Hand ``fdid`` to its manager for sharing (idempotent)."""
-    with registry.write() as tx:
+
+    def body(tx: StateTxn) -> None:
         dev = tx.device(fdid)
         if dev is None:
             raise UnknownDeviceError(fdid)
@@ -118,10 +118,13 @@ def lend_shared(
         tx.add_hold(HoldRecord(fdid, manager, clock(), Phase.BORROWED), [])
         tx.put_runtime(fdid, GEOMETRY_RECORD, "controller", dataclasses.asdict(geometry))
 
+    registry.transact(body)
+
 
 def unshare(registry: Registry, fdid: int) -> bool:
     """End sharing (refused while shares exist); False when the drive was not shared."""
-    with registry.write() as tx:
+
+    def body(tx: StateTxn) -> bool:
         hold = tx.hold(fdid)
         if hold is None or not is_manager(hold.holder):
             return False
@@ -131,6 +134,8 @@ def unshare(registry: Registry, fdid: int) -> bool:
         tx.delete_hold(fdid)
         return True
 
+    return registry.transact(body)
+
 
 def reserve_share(
     registry: Registry, fdid: int, holder: Holder, queue_pairs: int, blocks: int
@@ -138,7 +143,8 @@ def reserve_share(
     """Claim a share of ``fdid`` for ``holder`` (the same share again for the same VM);
     ``ResourceExhaustedError`` when the controller has not enough left, nothing claimed."""
     key = vm_share(holder)
-    with registry.write() as tx:
+
+    def body(tx: StateTxn) -> Share:
         hold = tx.hold(fdid)
         if hold is None:
             raise NotSharedError(fdid)
@@ -158,22 +164,26 @@ def reserve_share(
         )
         return share
 
+    return registry.transact(body)
+
 
 def release_share(registry: Registry, fdid: int, holder: Holder) -> bool:
     """Return ``holder``'s share of ``fdid``; False when it had none."""
-    with registry.write() as tx:
-        return tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)) > 0
+    return registry.transact(lambda tx: tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)) > 0)
 
 
 def record_usage(
     registry: Registry, fdid: int, name: str, real_queues: list[int], rejections: int
 ) -> None:
     """What the data path sees of a share (shown by status)."""
-    with registry.write() as tx:
+
+    def body(tx: StateTxn) -> None:
         for r in tx.runtime(fdid, SHARE_RECORD):
             if r.key == name:
                 data = {**r.data, "real_queues": sorted(real_queues), "rejections": rejections}
                 tx.put_runtime(fdid, SHARE_RECORD, name, data)
+
+    registry.transact(body)
 
 
 def shared_drives(registry: Registry) -> dict[int, tuple[Holder, Geometry, list[ShareEntry]]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmlend.errors import ConfigError
-from vmlend.registry import Registry
+from vmlend.registry import SqliteRegistry
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def identity_change(state_path: Path, new: str) -> IdentityChange | None:
     state does not exist yet, has no topology, or already says ``new``."""
     if not state_path.exists():
         return None
-    with Registry.open(state_path) as reg, reg.read() as tx:
+    with SqliteRegistry.open(state_path) as reg, reg.read() as tx:
         if not tx.has_topology():
             return None
         old = tx.topology().local_node

@@ -22,7 +22,7 @@ from vmlend.fabric.model import DeviceStatus, Holder, Topology, format_fdid
 from vmlend.fabric.pcie import PciePath, device_to_ram
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for
-from vmlend.registry import Registry
+from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
 
 #: Runtime record kinds shown, and their column names.
@@ -200,6 +200,7 @@ def usage_rows(usage: dict[str, AdapterUsage]) -> list[dict[str, Any]]:
     return out
 
 
-def read_runtime(state_path: Path) -> list[RuntimeRecord]:
-    with Registry.open(state_path) as reg, reg.read() as tx:
+def read_runtime(registry: str | Path) -> list[RuntimeRecord]:
+    """The runtime records in the registry at ``registry`` (a URL or an SQLite path)."""
+    with open_registry(registry) as reg, reg.read() as tx:
         return tx.runtime()

@@ -56,6 +56,17 @@ class HoldRecord:
 
 
 @dataclass(frozen=True)
+class FenceRecord:
+    """Left by every hold on a cluster registry and removed with it by a normal release. A
+    fence whose hold vanished (its host's lease ended) keeps the device from being borrowed
+    until the lender's agent has taken it back. ``token``: the lease the hold was under."""
+
+    fdid: int
+    holder: Holder
+    token: int
+
+
+@dataclass(frozen=True)
 class Claim:
     """One adapter resource a hold uses.
 

@@ -21,6 +21,7 @@ import sqlite3
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from vmlend.errors import StateError, StateHostError, StateLockedError, StatePermissionError
 from vmlend.registry.conditions import (
@@ -43,6 +44,8 @@ from vmlend.registry.txn import StateTxn
 log = logging.getLogger(__name__)
 #: How long a lock wait stays quiet before it says so.
 _QUIET_WAIT = 1.0
+
+T = TypeVar("T")
 
 
 def _is_busy(e: sqlite3.Error) -> bool:
@@ -114,7 +117,11 @@ def _connect(
 
 
 class Registry:
-    """An open state database. Use ``read()`` / ``write()`` for transactions."""
+    """An open state database. Use ``read()`` / ``transact()`` (or ``write()``) for
+    transactions. The SQLite backend of ``vmlend.registry.api.Registry``."""
+
+    #: One host's state file may name the host's node (``topology.local_node``).
+    shares_host_identity = True
 
     def __init__(
         self,
@@ -221,6 +228,10 @@ class Registry:
                     os.unlink(f"{tmp}{suffix}")
         return cls.open(path, busy_timeout=busy_timeout)
 
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
     def close(self) -> None:
         self._conn.close()
 
@@ -270,6 +281,10 @@ class Registry:
 
     def _set_busy(self, seconds: float) -> None:
         self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+    def transact(self, body: Callable[[StateTxn], T]) -> T:
+        """Run ``body`` in one write transaction (once: the lock is taken before it reads)."""
+        with self.write() as tx:
+            return body(tx)
 
     @contextlib.contextmanager
     def _txn(self, begin: str, writable: bool) -> Iterator[StateTxn]:

@@ -17,6 +17,7 @@ from vmlend.registry.records import (
     Claim,
     ClaimKind,
     DeviceRecord,
+    FenceRecord,
     HoldRecord,
     MdevRecord,
     NodeRecord,
@@ -24,6 +25,7 @@ from vmlend.registry.records import (
     Phase,
     RuntimeRecord,
     TopologyRecord,
+    same_holder,
 )
 
 
@@ -35,6 +37,15 @@ class StateTxn:
     def _write(self) -> None:
         if not self.writable:
             raise RuntimeError("write inside a read transaction")  # a programming error
+
+    def prefetch(
+        self,
+        fdids: Iterable[int] = (),
+        nodes: Iterable[str] = (),
+        adapters: Iterable[str] = (),
+        held_on: Iterable[str] = (),
+    ) -> None:
+        """Nothing to do: SQLite reads are local."""
 
     # --- meta --------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -92,6 +103,10 @@ class StateTxn:
         rows = self._c.execute("SELECT name, up, why FROM nodes").fetchall()
         return {r[0]: NodeRecord(r[0], bool(r[1]), r[2]) for r in rows}
 
+    def node(self, name: str) -> NodeRecord | None:
+        r = self._c.execute("SELECT name, up, why FROM nodes WHERE name = ?", (name,)).fetchone()
+        return None if r is None else NodeRecord(r[0], bool(r[1]), r[2])
+
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         self._write()
         self._c.execute("UPDATE nodes SET up = ?, why = ? WHERE name = ?", (int(up), why, node))
@@ -130,6 +145,14 @@ class StateTxn:
     def holds(self) -> dict[int, HoldRecord]:
         rows = self._c.execute(f"SELECT {self._HOLD_COLS} FROM holds").fetchall()
         return {r[0]: self._hold(r) for r in rows}
+
+    def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
+        """The holds of ``holder``'s VM (``same_holder``)."""
+        rows = self._c.execute(
+            f"SELECT {self._HOLD_COLS} FROM holds WHERE node = ?", (holder.node,)
+        ).fetchall()
+        holds = (self._hold(r) for r in rows)
+        return {h.fdid: h for h in holds if same_holder(h.holder, holder)}
 
     def hold(self, fdid: int) -> HoldRecord | None:
         r = self._c.execute(
@@ -184,6 +207,28 @@ class StateTxn:
     def claims(self) -> list[tuple[int, Claim]]:
         rows = self._c.execute(
             "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+        ).fetchall()
+        return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+
+    # One host's state has no leases, so a hold never vanishes behind its holder's back and
+    # nothing is ever fenced.
+    def fence(self, fdid: int) -> FenceRecord | None:
+        return None
+
+    def fences(self) -> list[FenceRecord]:
+        return []
+
+    def clear_fence(self, fdid: int) -> bool:
+        self._write()
+        return False
+
+    def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
+        """The claims on the given adapters only (what one reservation's admission reads)."""
+        refs = list(dict.fromkeys(adapters))
+        rows = self._c.execute(
+            "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+            f" WHERE adapter IN ({', '.join('?' * len(refs))})",
+            refs,
         ).fetchall()
         return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
 

@@ -2,12 +2,15 @@
 
 Everything lives in the registry (``vmlend.registry``): the topology, lent flags, node
 availability, holds with their adapter claims, mdev parents and children. Each method is one
-transaction, so separate processes (hook, CLI, daemon) see one truth, and decisions that read
-before they write (reserve, unlend, create_mdev) take the write lock before reading.
+transaction (``Registry.transact``), so separate processes and hosts (hook, CLI, agent) see
+one truth, and decisions that read before they write (reserve, unlend, create_mdev) commit only
+if what they read still holds. A transaction body may run again after a conflict, so the
+hardware steps of borrow, give_back and release run between transactions, never inside one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid as uuidlib
@@ -16,9 +19,11 @@ from typing import Protocol
 
 from vmlend.errors import (
     ConfigError,
+    DeviceFencedError,
     DeviceHeldError,
     DeviceNotLentError,
     DeviceNotReservedError,
+    FabricError,
     LenderUnavailableError,
     MdevError,
     VmlendError,
@@ -45,12 +50,13 @@ from vmlend.fabric.model import (
     Reservation,
     Topology,
 )
-from vmlend.fabric.paths import route
+from vmlend.fabric.paths import NtbPath, route
 from vmlend.fabric.sim.shareops import SimShareOps
 from vmlend.fabric.topology import parse_topology
 from vmlend.registry import (
     ClaimKind,
     DeviceRecord,
+    FenceRecord,
     HoldRecord,
     MdevRecord,
     NodeRecord,
@@ -105,8 +111,10 @@ class SimFabric(SimShareOps):
     """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node.
 
     With ``hardware``, ``borrow``/``give_back``/``release`` also drive the simulated hardware
-    (LUT entries, IOMMU attachment) of this process, inside the registry transaction, so a
-    hardware refusal leaves the state unchanged.
+    (LUT entries, IOMMU attachment) of this process: borrow checks the hold, borrows the
+    hardware, then records the phase (giving the hardware back if that fails), so a hardware
+    refusal leaves the state unchanged; give_back and release free the hardware before the
+    state says the device is free.
     """
 
     def __init__(
@@ -124,8 +132,18 @@ class SimFabric(SimShareOps):
         with registry.read() as tx:
             topo = self._topology(tx)
             node = local_node or tx.topology().local_node
+        if not node:
+            raise ConfigError(
+                f"say which fabric node this host is with --node, VMLEND_NODE or the file"
+                f" etc/vmlend/node under the host root (the registry {registry.where} is shared"
+                " by every host, so it cannot say)"
+            )
         topo.node(node)  # UnknownNodeError for a node this fabric does not have
         self.local_node = node
+
+    @property
+    def registry(self) -> Registry:
+        return self._reg
 
     def close(self) -> None:
         self._reg.close()
@@ -148,13 +166,13 @@ class SimFabric(SimShareOps):
 
     @staticmethod
     def _lender_ok(tx: StateTxn, spec: DeviceSpec) -> None:
-        problem = lender_problem(tx.device(spec.fdid), tx.nodes().get(spec.lender))
+        problem = lender_problem(tx.device(spec.fdid), tx.node(spec.lender))
         if problem:
             raise LenderUnavailableError(spec.fdid, spec.lender, problem)
 
     def _status(self, tx: StateTxn, spec: DeviceSpec) -> DeviceStatus:
         hold = tx.hold(spec.fdid)
-        state = device_state(tx.device(spec.fdid), tx.nodes().get(spec.lender), hold)
+        state = device_state(tx.device(spec.fdid), tx.node(spec.lender), hold)
         return DeviceStatus(spec=spec, state=state, holder=hold.holder if hold else None)
 
     def topology(self) -> Topology:
@@ -195,14 +213,16 @@ class SimFabric(SimShareOps):
 
     # --- lender side -----------------------------------------------------------------------
     def lend(self, fdid: int) -> DeviceStatus:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
             self._lender_ok(tx, spec)
             tx.set_lent(fdid, True)
             return self._status(tx, spec)
 
+        return self._reg.transact(body)
+
     def unlend(self, fdid: int) -> DeviceStatus:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
             hold = tx.hold(fdid)
             if hold is not None:
@@ -210,19 +230,51 @@ class SimFabric(SimShareOps):
             tx.set_lent(fdid, False)
             return self._status(tx, spec)
 
+        return self._reg.transact(body)
+
+    # --- fencing: taking back what a vanished holder had ----------------------------------------
+    def fenced(self) -> list[FenceRecord]:
+        """Fences of devices this node lends whose hold is gone: their holder's lease ended
+        while it held them, so this lender must take them back before anyone borrows them."""
+        with self._reg.read() as tx:
+            topo = self._topology(tx)
+            mine = {d.fdid for d in topo.devices if d.lender == self.local_node}
+            return [f for f in tx.fences() if f.fdid in mine and tx.hold(f.fdid) is None]
+
+    def take_back(self, fence: FenceRecord) -> bool:
+        """Reset the device on this lender (unmap its NTB and IOMMU mappings; in the sim: give
+        its simulated hardware back), then drop the fence, which makes it borrowable again.
+        False when a new hold appeared meanwhile (then it is not ours to touch)."""
+        if self._hw is not None:
+            self._hw.give_back(fence.fdid)
+        cleared = self._reg.transact(lambda tx: tx.clear_fence(fence.fdid))
+        if cleared:
+            log.warning(
+                "took back %#x from %s (its lease ended): mappings removed, device reset",
+                fence.fdid,
+                fence.holder,
+            )
+        return cleared
+
     # --- simulated failures ----------------------------------------------------------------
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         """Mark a node down (its devices become UNAVAILABLE) or up again."""
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> None:
             self._topology(tx).node(node)
             tx.set_node_up(node, up, "" if up else why)
+
+        self._reg.transact(body)
         log.info("node %s marked %s", node, "up" if up else "down")
 
     def set_device_available(self, fdid: int, available: bool) -> None:
         """Mark one device vanished (e.g. its mdev parent disappeared) or back."""
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> None:
             self._topology(tx).device(fdid)
             tx.set_available(fdid, available)
+
+        self._reg.transact(body)
 
     # --- borrower side ---------------------------------------------------------------------
     def admission(
@@ -234,9 +286,9 @@ class SimFabric(SimShareOps):
         holder: Holder | None = None,
     ) -> list[Check]:
         with self._reg.read() as tx:
-            return admit(
-                self._topology(tx), self._view(tx), fdid, borrower, guest_ram, holder
-            ).checks
+            topo = self._topology(tx)
+            view = self._view(tx, topo, fdid, borrower, holder)
+            return admit(topo, view, fdid, borrower, guest_ram, holder).checks
 
     def vm_admission(
         self,
@@ -249,15 +301,74 @@ class SimFabric(SimShareOps):
     ) -> dict[int, list[Check]]:
         with self._reg.read() as tx:
             result = admit_vm(
-                self._topology(tx), self._view(tx), fdids, borrower, guest_ram, holder, leaving
+                self._topology(tx),
+                self._whole_view(tx),
+                fdids,
+                borrower,
+                guest_ram,
+                holder,
+                leaving,
             )
         return {fdid: adm.checks for fdid, adm in result.items()}
 
     @staticmethod
-    def _view(tx: StateTxn) -> StateView:
+    def _whole_view(tx: StateTxn) -> StateView:
+        """The whole state: what a VM's admission on another node (a migration) sums over."""
         return StateView(
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )
+
+    @staticmethod
+    def _view(
+        tx: StateTxn, topo: Topology, fdid: int, borrower: str, holder: Holder | None
+    ) -> StateView:
+        """What admission of ``fdid`` for ``borrower`` decides on, and nothing more, so a
+        reserve reads (and, on etcd, conflicts on) a few keys however big the fabric:
+
+        - the device, its lender node and its hold;
+        - the holds of ``holder``'s VM (``holds_of``): peer-to-peer admission needs the VM's
+          own other devices;
+        - the claims on the two adapters of the device's path (LUT, DMA and BAR windows, the
+          MSI window share) and on every adapter that peer-to-peer among the VM's devices
+          would use (``p2p_claims``: their segments and LUT entries are counted there).
+        """
+        try:
+            spec = topo.device(fdid)
+        except FabricError:
+            return StateView(nodes={}, devices={}, holds={}, claims=[])  # admit says why
+        path: NtbPath | None
+        try:
+            path = route(topo, spec.lender, borrower)
+        except FabricError:
+            path = None  # admit reports the missing path
+        node, rec, hold = tx.node(spec.lender), tx.device(fdid), tx.hold(fdid)
+        holds = {} if hold is None else {fdid: hold}
+        adapters = [path.src.ref, path.dst.ref] if path else []
+        if holder is not None:
+            mine = tx.holds_of(holder)
+            holds.update(mine)
+            known = {d.fdid for d in topo.devices}
+            specs = [spec] + [topo.device(f) for f in sorted(mine) if f in known and f != fdid]
+            # two lenders no NTB joins: admit refuses, and reads no claims for it
+            with contextlib.suppress(FabricError):
+                adapters += [c.adapter for _f, c in p2p_claims(topo, holder, specs)]
+        return StateView(
+            nodes={} if node is None else {spec.lender: node},
+            devices={} if rec is None else {fdid: rec},
+            holds=holds,
+            claims=tx.claims_on(adapters) if adapters else [],
+        )
+
+    @staticmethod
+    def _prefetch(tx: StateTxn, topo: Topology, fdid: int, borrower: str) -> None:
+        """Tell the registry what a reserve will read (``_view``), so etcd serves it at once."""
+        try:
+            spec = topo.device(fdid)
+            path = route(topo, spec.lender, borrower)
+        except FabricError:
+            return
+        adapters = (path.src.ref, path.dst.ref) if path else ()
+        tx.prefetch([fdid], [spec.lender], adapters, held_on=[borrower])
 
     def reserve(
         self,
@@ -270,20 +381,34 @@ class SimFabric(SimShareOps):
         if not holder.vm or not holder.node:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
         ram = guest_ram_of(guest_ram)
-        with self._reg.write() as tx:
+        claimed: list[int] = []
+
+        def body(tx: StateTxn) -> Reservation:
+            claimed.clear()
+            if self._topo is not None:
+                self._prefetch(tx, self._topo, fdid, holder.node)
             topo = self._topology(tx)
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
                 return Reservation(**vars(self._status(tx, spec)), created=False)
-            adm = admit(topo, self._view(tx), fdid, holder.node, ram, holder, msi_over_ntb)
+            fence = tx.fence(fdid) if hold is None else None
+            if fence is not None:  # the last holder's lease ended; the lender must reset it
+                raise DeviceFencedError(fdid, spec.lender, str(fence.holder))
+            view = self._view(tx, topo, fdid, holder.node, holder)
+            adm = admit(topo, view, fdid, holder.node, ram, holder, msi_over_ntb)
             adm.raise_if_refused()
             record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, ram.size)
             tx.add_hold(record, adm.claims)
             if adm.p2p is not None:
                 tx.replace_claims(ClaimKind.P2P, adm.vm_devices, adm.p2p)
-            log.info("reserved %#x for %s (%d claims)", fdid, holder, len(adm.claims))
+            claimed.append(len(adm.claims))
             return Reservation(**vars(self._status(tx, spec)), created=True)
+
+        reservation = self._reg.transact(body)
+        if claimed:
+            log.info("reserved %#x for %s (%d claims)", fdid, holder, claimed[0])
+        return reservation
 
     def interrupt_window(self, fdid: int) -> Claim | None:
         """The interrupt window (MSI over the NTB) ``fdid``'s hold was admitted with; None:
@@ -295,16 +420,26 @@ class SimFabric(SimShareOps):
 
     def release(self, fdid: int, holder: Holder) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold
-        is never touched). Either way an mdev parent nothing uses any more goes too."""
-        with self._reg.write() as tx:
+        is never touched). Either way an mdev parent nothing uses any more goes too.
+
+        The hardware is given back first, then the hold is dropped: the state never says a
+        device is free while this process still has it mapped."""
+        with self._reg.read() as tx:
+            hold = tx.hold(fdid)
+        mine = hold is not None and same_holder(hold.holder, holder)
+        if mine and hold is not None and hold.phase is Phase.BORROWED and self._hw is not None:
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+
+        def body(tx: StateTxn) -> bool:
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
-            if hold is not None and mine:
-                if self._hw is not None and hold.phase is Phase.BORROWED:
-                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            if mine:
                 tx.delete_hold(fdid)
                 self._reclaim_p2p(tx, hold.holder)
             self._drop_unused_parent(tx, fdid)
+            return mine
+
+        mine = self._reg.transact(body)
         if mine:
             log.info("released %#x from %s", fdid, holder)
         return mine
@@ -313,7 +448,7 @@ class SimFabric(SimShareOps):
         """Re-count the peer-to-peer claims of ``holder``'s remaining devices: a device gone
         takes its pairs with it, whichever hold owned their claims."""
         topo = self._topology(tx)
-        left = sorted(f for f, h in tx.holds().items() if same_holder(h.holder, holder))
+        left = sorted(tx.holds_of(holder))
         known = {d.fdid for d in topo.devices}
         specs = [topo.device(f) for f in left if f in known]
         try:
@@ -325,8 +460,7 @@ class SimFabric(SimShareOps):
 
     def forget_unused_parent(self, fdid: int) -> bool:
         """Drop this node's parent record of ``fdid`` if no hold here and no mdev use it."""
-        with self._reg.write() as tx:
-            return self._drop_unused_parent(tx, fdid)
+        return self._reg.transact(lambda tx: self._drop_unused_parent(tx, fdid))
 
     def _drop_unused_parent(self, tx: StateTxn, fdid: int) -> bool:
         """Forget this node's parent of ``fdid`` when no hold here and no child remain, so a
@@ -350,33 +484,59 @@ class SimFabric(SimShareOps):
             raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
         return hold
 
+    def _may_borrow(self, tx: StateTxn, fdid: int, holder: Holder) -> tuple[DeviceSpec, HoldRecord]:
+        spec = self._topology(tx).device(fdid)
+        hold = self._own_hold(tx, fdid, holder)
+        self._lender_ok(tx, spec)
+        return spec, hold
+
     def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:
-        with self._reg.write() as tx:
-            spec = self._topology(tx).device(fdid)
-            hold = self._own_hold(tx, fdid, holder)
-            self._lender_ok(tx, spec)
-            if self._hw is not None:
-                # Every call, not only the first: another process may have recorded the
-                # borrow, and this process's hardware must follow. Idempotent for the same VM.
-                self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
+        """Intent, hardware, record: check the hold, borrow the hardware, record the phase;
+        when recording fails, give back what this call borrowed."""
+        with self._reg.read() as tx:
+            _spec, hold = self._may_borrow(tx, fdid, holder)
+        # Only a borrow this call starts is undone on failure, not one recorded before.
+        fresh = hold.phase is Phase.RESERVED
+        if self._hw is not None:
+            # Every call, not only the first: another process may have recorded the borrow,
+            # and this process's hardware must follow. Idempotent for the same VM.
+            self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
+
+        def record(tx: StateTxn) -> DeviceStatus:
+            spec, _hold = self._may_borrow(tx, fdid, holder)
             tx.set_phase(fdid, Phase.BORROWED)
             return self._status(tx, spec)
 
+        try:
+            return self._reg.transact(record)
+        except BaseException:
+            if fresh and self._hw is not None:
+                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            raise
+
     def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:
-        with self._reg.write() as tx:
+        """Hardware first, then the phase: the state never says RESERVED while mapped."""
+        with self._reg.read() as tx:
+            hold = tx.hold(fdid)
+            if hold is not None and not same_holder(hold.holder, holder):
+                raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+        if hold is not None and self._hw is not None:
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+
+        def record(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
             hold = tx.hold(fdid)
             if hold is not None:
                 if not same_holder(hold.holder, holder):
                     raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
-                if self._hw is not None:
-                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
                 tx.set_phase(fdid, Phase.RESERVED)
             return self._status(tx, spec)
 
+        return self._reg.transact(record)
+
     # --- mdevs on this node ------------------------------------------------------------------
     def ensure_mdev_parent(self, fdid: int) -> str:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> str:
             topo = self._topology(tx)
             spec = topo.device(fdid)
             self._lender_ok(tx, spec)
@@ -390,6 +550,8 @@ class SimFabric(SimShareOps):
             tx.add_parent(ParentRecord(self.local_node, fdid, parent_name(fdid)))
             return parent_name(fdid)
 
+        return self._reg.transact(body)
+
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         uuid = _uuid(uuid)
         if holder.node != self.local_node:
@@ -397,7 +559,8 @@ class SimFabric(SimShareOps):
                 f"the mdev for {holder} belongs on {holder.node}, not on {self.local_node}:"
                 " mdevs are created on the borrower"
             )
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> MdevInfo:
             self._topology(tx).device(fdid)
             existing = tx.mdev(uuid)
             if existing is not None:
@@ -425,13 +588,18 @@ class SimFabric(SimShareOps):
             tx.add_mdev(rec)
             return _info(rec, created=True)
 
+        return self._reg.transact(body)
+
     def remove_mdev(self, uuid: str) -> bool:
         uuid = _uuid(uuid)
-        with self._reg.write() as tx:
+
+        def body(tx: StateTxn) -> bool:
             rec = tx.mdev(uuid)
             if rec is None or rec.node != self.local_node:
                 return False
             return tx.delete_mdev(uuid)
+
+        return self._reg.transact(body)
 
     def mdevs(self) -> list[MdevInfo]:
         with self._reg.read() as tx:

@@ -36,7 +36,7 @@ from vmlend.fabric.sim.ntb import NtbAdapter
 from vmlend.memory.layout import Layout
 from vmlend.memory.probe import probe_layout
 from vmlend.memory.windows import DmaPlan, FrameRun, apply_plan, plan_dma_windows, unapply_plan
-from vmlend.registry import ClaimKind, Registry
+from vmlend.registry import ClaimKind, Registry, StateTxn
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +82,15 @@ class RegistryWindowLedger:
         return sum(n for other, n in segments.items() if not holders[other] & mapped)
 
     def record_windows(self, fdid: int, windows: Mapping[str, dict[str, Any]]) -> None:
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> None:
             tx.clear_runtime(fdid, DMA_WINDOW)
             for key, data in windows.items():
                 tx.put_runtime(fdid, DMA_WINDOW, key, data)
 
+        self._reg.transact(body)
+
     def forget_windows(self, fdid: int) -> None:
-        with self._reg.write() as tx:
-            tx.clear_runtime(fdid, DMA_WINDOW)
+        self._reg.transact(lambda tx: tx.clear_runtime(fdid, DMA_WINDOW))
 
 
 class _NoStage:

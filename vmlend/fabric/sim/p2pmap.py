@@ -39,7 +39,7 @@ from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_dev
 if TYPE_CHECKING:
     from vmlend.fabric.sim.hardware import Borrow, SimHardware
     from vmlend.fabric.sim.ntb import NtbAdapter
-    from vmlend.registry import Registry
+    from vmlend.registry import Registry, StateTxn
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,13 @@ def registry_recorder(registry: Registry) -> Recorder:
     source device, so they go with its hold)."""
 
     def record(fdid: int, key: str, data: dict[str, Any] | None) -> None:
-        with registry.write() as tx:
+        def body(tx: StateTxn) -> None:
             if data is None:
                 tx.clear_runtime(fdid, RECORD_KIND, key)
             else:
                 tx.put_runtime(fdid, RECORD_KIND, key, data)
+
+        registry.transact(body)
 
     return record
 

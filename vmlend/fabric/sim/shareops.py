@@ -12,7 +12,7 @@ from vmlend.fabric.model import Holder, MdevInfo
 from vmlend.nvme import ledger
 from vmlend.nvme.lending import SHARE_MDEV_TYPE
 from vmlend.nvme.shares import Share
-from vmlend.registry import Registry
+from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import MdevRecord
 
 
@@ -46,7 +46,7 @@ class SimShareOps:
             raise MdevError(
                 f"the mdev for {holder} belongs on {holder.node}, not on {self.local_node}"
             )
-        with self._reg.write() as tx:
+        def body(tx: StateTxn) -> MdevInfo:
             existing = tx.mdev(uuid)
             if existing is not None:
                 if existing.fdid == fdid and existing.node == self.local_node:
@@ -72,6 +72,8 @@ class SimShareOps:
             )
             tx.add_mdev(rec)
             return _info(rec)
+
+        return self._reg.transact(body)
 
 
 def _info(m: MdevRecord) -> MdevInfo:

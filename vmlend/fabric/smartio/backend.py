@@ -51,7 +51,7 @@ from vmlend.fabric.smartio.driver import (
 )
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus, SysfsWriter
-from vmlend.registry import Registry
+from vmlend.registry import Registry, open_registry
 from vmlend.udev import ParentWatcher, WantedMdev
 
 log = logging.getLogger(__name__)
@@ -338,8 +338,9 @@ def open_smartio_fabric(
     env: HostEnv | None = None,
     writer: SysfsWriter | None = None,
 ) -> SmartioFabric:
-    """The kernel backend over the state at ``state_path`` (for ``vmlend.fabric.open``)."""
-    registry = Registry.open(state_path)
+    """The kernel backend over the registry at ``state_path`` (a path or registry URL; for
+    ``vmlend.fabric.open``)."""
+    registry = open_registry(state_path)
     try:
         return SmartioFabric(registry, env or HostEnv.from_env(), local_node=node, writer=writer)
     except BaseException:

@@ -1,0 +1,185 @@
+"""The cluster registry, side by side in one run (prints times and ratios; asserts nothing).
+
+1. reserve+release p50/p99: SQLite vs etcd (a private etcd on loopback, fast election flags).
+2. Admission at scale: 500 VMs with two remote devices each on a generated 60-node,
+   1,020-device fabric, on each backend: total time, and the mean reserve latency of the
+   first 50 VMs vs the last 50 (it should stay flat: a reserve reads only the device, its hold,
+   its lender and the claims of the two adapters on its path). For contrast, the admission
+   decision alone with the whole-fabric view the registry used to hand it vs the narrow one.
+3. A borrower host's death: ``vmlend agent`` processes for a lender and a borrower; the
+   borrower's agent is killed with SIGKILL; time until another host can reserve the device.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* helpers
+
+from tests.etcd_daemon import EtcdServer, host_lease
+from tests.simfabric import fabric_topology
+from vmlend.errors import DeviceFencedError, DeviceHeldError
+from vmlend.fabric.admission import StateView, admit
+from vmlend.fabric.model import GiB, Holder
+from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.fabric.sim.backend import SimFabric
+
+CYCLES = 200
+VMS = 500
+NODES, PER_NODE = 60, 17
+TTL = 2
+ms = 1e3
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    qs = statistics.quantiles(samples, n=100)
+    return qs[49], qs[98]
+
+
+def reserve_release(location) -> list[float]:
+    text, source = default_topology_text()
+    init_fabric(location, text, source, node="gamma")
+    f = open_fabric(location, "gamma")
+    h = Holder("gamma", "bench")
+    out = []
+    for _ in range(CYCLES):
+        t = time.perf_counter()
+        f.reserve(0x10, h, guest_ram=16 * GiB)
+        f.release(0x10, h)
+        out.append(time.perf_counter() - t)
+    f.close()
+    return out
+
+
+def admit_many(location) -> tuple[float, list[float], SimFabric]:
+    init_fabric(location, fabric_topology(NODES, PER_NODE), "generated.toml")
+    fabrics: dict[str, SimFabric] = {}
+    lat = []
+    start = time.perf_counter()
+    for vm in range(VMS):
+        first = 2 * vm
+        lender = first // PER_NODE
+        node = f"n{(lender + NODES // 2) % NODES}"
+        f = fabrics.get(node)
+        if f is None:
+            opened = open_fabric(location, node)
+            assert isinstance(opened, SimFabric)
+            f = fabrics[node] = opened
+        holder = Holder(node, f"vm{vm}")
+        for dev in (first, first + 1):
+            fdid = (dev // PER_NODE + 1) * 0x100 + dev % PER_NODE
+            t = time.perf_counter()
+            f.reserve(fdid, holder, guest_ram=1 * GiB)
+            lat.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    keep = fabrics.pop(next(iter(fabrics)))
+    for f in fabrics.values():
+        f.close()
+    return total, lat, keep
+
+
+def decision_cost(f: SimFabric) -> tuple[float, float]:
+    """The admission decision with the whole fabric's state vs with the narrow view."""
+    topo = f.topology()
+    fdid, node = (NODES - 1 + 1) * 0x100 + PER_NODE - 1, "n0"  # a free device
+    with f.registry.read() as tx:
+        full = StateView(tx.nodes(), tx.devices(), tx.holds(), tx.claims())
+        narrow = f._view(tx, topo, fdid, node, Holder(node, "probe"))
+    n = 50
+
+    def per(view: StateView) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            admit(topo, view, fdid, node, GiB, Holder(node, "probe"))
+        return (time.perf_counter() - t) / n
+
+    return per(full), per(narrow)
+
+
+def death_to_reuse(server: EtcdServer, root: Path) -> float:
+    url = server.url("death")
+    text, source = default_topology_text()
+    init_fabric(url, text, source)
+    vmlend = str(Path(sys.executable).parent / "vmlend")
+    agents = {}
+    for node in ("alpha", "gamma"):
+        env = {**os.environ, "VMLEND_REGISTRY": url, "VMLEND_NODE": node}
+        env["VMLEND_ROOT"] = str(root / node)
+        agents[node] = subprocess.Popen(
+            [vmlend, "agent", "--ttl", str(TTL), "--interval", "0.2"],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+    lease_file = root / "gamma" / "run" / "vmlend" / "agent.lease"
+    while not lease_file.exists():
+        time.sleep(0.05)
+    os.environ["VMLEND_ROOT"] = str(root / "gamma")
+    open_fabric(url, "gamma").reserve(0x10, Holder("gamma", "web"))
+    host_lease(server, root / "beta")
+    os.environ["VMLEND_ROOT"] = str(root / "beta")
+    beta = open_fabric(url, "beta")
+    agents["gamma"].send_signal(signal.SIGKILL)
+    agents["gamma"].wait()
+    died = time.perf_counter()
+    while True:
+        try:
+            beta.reserve(0x10, Holder("beta", "db"))
+            break
+        except (DeviceHeldError, DeviceFencedError):
+            time.sleep(0.02)
+    reused = time.perf_counter() - died
+    agents["alpha"].send_signal(signal.SIGTERM)
+    agents["alpha"].wait(20)
+    return reused
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        server = EtcdServer(root / "etcd")
+        server.start()
+        try:
+            host_lease(server, root / "host", ttl=3600)
+            os.environ["VMLEND_ROOT"] = str(root / "host")
+            sq = reserve_release(root / "rr.db")
+            et = reserve_release(server.url("rr"))
+            (sq50, sq99), (et50, et99) = _percentiles(sq), _percentiles(et)
+            print(
+                f"reserve+release p50/p99   SQLite {sq50 * ms:6.2f}/{sq99 * ms:6.2f} ms"
+                f"   etcd {et50 * ms:6.2f}/{et99 * ms:6.2f} ms"
+                f"   etcd/SQLite p50 {et50 / sq50:5.2f}x"
+            )
+            for name, location in (("SQLite", root / "big.db"), ("etcd", server.url("big"))):
+                total, lat, f = admit_many(location)
+                first, last = statistics.mean(lat[:100]), statistics.mean(lat[-100:])
+                print(
+                    f"{name:6} {VMS} two-device VMs on {NODES} nodes / {NODES * PER_NODE} devices:"
+                    f" {total:6.2f} s total; reserve first 50 VMs {first * ms:6.2f} ms,"
+                    f" last 50 {last * ms:6.2f} ms, last/first {last / first:5.2f}x"
+                )
+                if name == "SQLite":
+                    full, narrow = decision_cost(f)
+                    print(
+                        f"       admission decision at {VMS} VMs: whole-fabric view"
+                        f" {full * ms:6.2f} ms, narrow view {narrow * ms:6.3f} ms,"
+                        f" full/narrow {full / narrow:6.1f}x"
+                    )
+                f.close()
+            reused = death_to_reuse(server, root)
+            print(
+                f"borrower host killed (lease TTL {TTL} s): device borrowable again after"
+                f" {reused:5.2f} s ({reused / TTL:4.2f}x the TTL)"
+            )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A private, real etcd for tests, and the pytest fixtures around it.
+
+etcd (Debian's etcd-server) runs on free loopback ports with a temporary data dir and the
+fast election flags from FACTS.md, is healthy in ~0.1 s, and is stopped by PID. Every test
+gets its own cluster name, so its keys live under their own prefix ``/vmlend/<name>/``.
+
+Register with ``pytest_plugins = ["tests.etcd_daemon"]``. Fixtures:
+  etcd          session: the running EtcdServer
+  etcd_url      a registry URL ``etcd://127.0.0.1:PORT/<unique cluster>`` for one test
+  private_etcd  an EtcdServer of the test's own (for tests that stop and restart it)
+Outside CI a machine without etcd skips these tests; in CI (``$CI`` set) that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT = 15.0
+STOP_TIMEOUT = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class EtcdServer:
+    """One etcd member under ``root``; ``start()`` / ``stop()`` by PID, restartable."""
+
+    root: Path
+    client_port: int = field(default_factory=free_port)
+    peer_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def url(self, cluster: str) -> str:
+        return f"etcd://{self.endpoint}/{cluster}"
+
+    def start(self) -> None:
+        client = f"http://{self.endpoint}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = (self.root / "etcd.log").open("ab")
+        argv = [
+            "etcd",
+            "--name=default",
+            f"--data-dir={self.root / 'data'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=default={peer}",
+            "--heartbeat-interval=10",
+            "--election-timeout=100",
+        ]
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited at start: {self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"etcd not healthy after {START_TIMEOUT} s: {self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop our etcd by its PID (SIGKILL after a grace period)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT)
+        assert not _pid_alive(self.proc.pid) or self.proc.returncode is not None
+
+    def log_tail(self, lines: int = 5) -> str:
+        path = self.root / "etcd.log"
+        return (
+            " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
+
+
+def _need_etcd() -> None:
+    if shutil.which("etcd") is None:
+        if os.environ.get("CI"):
+            pytest.fail("etcd is not installed (make sysdeps installs etcd-server)")
+        pytest.skip("etcd is not installed (make sysdeps installs etcd-server)")
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    _need_etcd()
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def cluster_name(request: pytest.FixtureRequest) -> str:
+    """A cluster name (key prefix) of this test alone."""
+    base = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:40].strip("-") or "t"
+    return f"{base}-{secrets.token_hex(3)}"
+
+
+def host_lease(server: EtcdServer, root: Path, node: str = "test", ttl: int = 600) -> int:
+    """Grant a lease and publish it as the agent of the host rooted at ``root`` would (a test
+    stand-in for ``vmlend agent``: long enough to need no keepalive)."""
+    from vmlend.hostenv import HostEnv
+    from vmlend.registry import hostlease
+
+    body = json.dumps({"TTL": ttl, "ID": 0}).encode()
+    req = urllib.request.Request(f"http://{server.endpoint}/v3/lease/grant", data=body)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        lease = int(json.loads(r.read())["ID"])
+    lease_file = hostlease.lease_path(HostEnv(root))
+    hostlease.publish(lease_file, hostlease.HostLease(lease, node, ttl, os.getpid()))
+    return lease
+
+
+@pytest.fixture
+def etcd_url(etcd: EtcdServer, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch) -> str:
+    """A cluster of this test alone, and a host root (``$VMLEND_ROOT``) whose agent lease is
+    published, so the test's processes may create holds."""
+    root = tmp_path / "etcd-host"
+    host_lease(etcd, root)
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    return etcd.url(cluster_name(request))
+
+
+@pytest.fixture
+def private_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    _need_etcd()
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,336 @@
+"""Hosts as separate processes sharing one real etcd: each host is its own VMLEND_ROOT and
+VMLEND_NODE, with its own ``vmlend agent``. Leases, fencing and what survives a dead, frozen
+or cut-off host. Every process is started here and stopped by its PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_daemon import host_lease
+from tests.simfabric import make_fabric
+from vmlend.errors import AgentNotRunningError, DeviceFencedError, DeviceHeldError, StateError
+from vmlend.fabric.model import DeviceState, Holder
+from vmlend.fabric.open import open_fabric
+from vmlend.registry import parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.etcd_keys import Keys
+
+TTL = 2  # etcd's minimum lease
+INTERVAL = 0.2
+#: How long after the TTL a dead borrower's device may take to be borrowable again: the
+#: lender agent's scan interval, one transaction, and slack for a loaded CI machine.
+REUSE_BOUND = 3.0
+VMLEND = str(Path(sys.executable).parent / "vmlend")  # the console script of this venv
+GPU, NIC = 0x10, 0x20  # lent by alpha and by beta in the default topology
+
+WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
+DB = Holder("beta", "db", "22222222-2222-2222-2222-222222222222")
+
+
+class Host:
+    """One simulated host: a root directory, a node name and (maybe) its agent process."""
+
+    def __init__(self, url: str, node: str, root: Path) -> None:
+        self.url, self.node, self.root = url, node, root
+        self.agent: subprocess.Popen | None = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VMLEND_REGISTRY": self.url,
+            "VMLEND_NODE": self.node,
+            "VMLEND_ROOT": str(self.root),
+            "VMLEND_STATE": str(self.root / "state.db"),
+        }
+
+    @property
+    def lease_file(self) -> Path:
+        return self.root / "run" / "vmlend" / "agent.lease"
+
+    def start_agent(self) -> None:
+        log = (self.root / "agent.log").open("ab")
+        self.agent = subprocess.Popen(
+            [
+                VMLEND,
+                "agent",
+                "--ttl",
+                str(TTL),
+                "--interval",
+                str(INTERVAL),
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        deadline = time.monotonic() + 20
+        while not self._published_by(self.agent.pid):
+            assert self.agent.poll() is None, self.log()
+            assert time.monotonic() < deadline, f"agent of {self.node} never published its lease"
+            time.sleep(0.05)
+
+    def _published_by(self, pid: int) -> bool:
+        """Whether the lease file is this agent's (a killed one leaves its own behind)."""
+        try:
+            return json.loads(self.lease_file.read_text())["pid"] == pid
+        except (OSError, ValueError):
+            return False
+
+    def log(self) -> str:
+        return (self.root / "agent.log").read_text(errors="replace")
+
+    def stop_agent(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.agent is None or self.agent.poll() is not None:
+            return None if self.agent is None else self.agent.returncode
+        self.agent.send_signal(sig)
+        if sig in (signal.SIGTERM, signal.SIGKILL):
+            return self.agent.wait(20)
+        return None
+
+    def run(self, code: str) -> subprocess.CompletedProcess:
+        """Python ``code`` run as a process of this host (like its hook or CLI)."""
+        return subprocess.run(
+            [sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60
+        )
+
+    def vmlend(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [VMLEND, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+
+def _reserve_code(fdid: int, holder: Holder) -> str:
+    return (
+        "from vmlend.fabric.open import open_fabric\n"
+        "from vmlend.fabric.model import Holder\n"
+        "import os\n"
+        f"f = open_fabric(os.environ['VMLEND_REGISTRY'], os.environ['VMLEND_NODE'])\n"
+        f"h = Holder({holder.node!r}, {holder.vm!r}, {holder.vm_uuid!r})\n"
+        f"print(f.reserve({fdid}, h).state)\n"
+    )
+
+
+@pytest.fixture
+def hosts(etcd_url, tmp_path):
+    make_fabric(etcd_url).close()  # the default cluster: alpha, beta lend; gamma borrows
+    made = {n: Host(etcd_url, n, tmp_path / n) for n in ("alpha", "beta", "gamma")}
+    yield made
+    for h in made.values():
+        if h.agent is not None and h.agent.poll() is None:
+            h.agent.send_signal(signal.SIGCONT)
+            h.stop_agent(signal.SIGKILL)
+
+
+def _history(url: str) -> list[dict[int, tuple[str | None, str | None]]]:
+    """Per revision from 1 to now, per device: (holder of its hold, holder of its fence)."""
+    loc = parse_location(url)
+    gw = EtcdGateway(loc.endpoints)
+    keys = Keys(loc.cluster)
+    now, _ = gw.range(keys.holds, keys.holds + "\xff")
+    out = []
+    for rev in range(1, now + 1):
+        state: dict[int, list[str | None]] = {}
+        for prefix, slot in ((keys.holds, 0), (keys.fences, 1)):
+            _r, kvs = gw.range(prefix, prefix[:-1] + "0", revision=rev)
+            for kv in kvs:
+                d = json.loads(kv.value)
+                state.setdefault(int(d["fdid"]), [None, None])[slot] = f"{d['node']}/{d['vm']}"
+        out.append({f: (h, fe) for f, (h, fe) in state.items()})
+    gw.close()
+    return out
+
+
+def _check_never_two_holders(history) -> None:
+    """A device's fence changes hands only through its absence (the lender took it back),
+    and every hold has the fence of its own holder: no revision lets two holders use it."""
+    last_fence: dict[int, str | None] = {}
+    for snapshot in history:
+        for fdid in set(last_fence) | set(snapshot):
+            hold, fence = snapshot.get(fdid, (None, None))
+            if hold is not None:
+                assert fence == hold, (fdid, hold, fence)
+            before = last_fence.get(fdid)
+            assert before is None or fence is None or fence == before, (fdid, before, fence)
+            last_fence[fdid] = fence
+
+
+# --- in-process: the rules ---------------------------------------------------------------------
+def test_a_reserve_without_an_agent_is_refused_in_one_line(etcd_url, tmp_path, monkeypatch):
+    make_fabric(etcd_url).close()
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "no-agent-here"))
+    with open_fabric(etcd_url, "gamma") as f:
+        with pytest.raises(AgentNotRunningError, match=r"start 'vmlend agent'") as e:
+            f.reserve(GPU, WEB)
+        assert "\n" not in str(e.value)
+        assert f.device(GPU).state is DeviceState.AVAILABLE
+
+
+def test_a_hold_whose_lease_ended_is_fenced_until_the_lender_takes_it_back(
+    etcd, etcd_url, tmp_path, monkeypatch
+):
+    make_fabric(etcd_url).close()
+    gamma_lease = host_lease(etcd, tmp_path / "gamma", ttl=TTL)
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "gamma"))
+    gamma = open_fabric(etcd_url, "gamma")
+    gamma.reserve(GPU, WEB)
+    gamma.reserve(NIC, WEB)
+    assert gamma.release(NIC, WEB) is True  # a normal release leaves no fence
+    EtcdGateway(parse_location(etcd_url).endpoints).call("kv/lease/revoke", {"ID": gamma_lease})
+    host_lease(etcd, tmp_path / "beta")
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
+    beta = open_fabric(etcd_url, "beta")
+    assert beta.device(GPU).holder is None  # the hold went with the lease...
+    with pytest.raises(DeviceFencedError, match=r"0x10 is fenced.*gamma/web.*alpha"):
+        beta.reserve(GPU, DB)  # ...but the device is not borrowable yet
+    beta.reserve(NIC, DB)  # a released device is
+    alpha = open_fabric(etcd_url, "alpha")
+    assert [f.fdid for f in alpha.fenced()] == [GPU]
+    assert beta.fenced() == []  # not beta's to take back
+    assert alpha.take_back(alpha.fenced()[0]) is True
+    assert beta.reserve(GPU, DB).holder == DB
+    # The stale holder's late writes are refused: its hold is gone, and another holds it now.
+    with pytest.raises(DeviceHeldError):
+        gamma.borrow(GPU, WEB)
+    with pytest.raises(StateError, match="lease has expired"):
+        gamma.reserve(0x11, WEB)  # a new record under the ended lease fails the whole Txn
+    assert beta.device(0x11).state is DeviceState.AVAILABLE
+
+
+# --- real processes ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_hosts_share_one_truth_and_a_killed_borrower_frees_its_devices(hosts, etcd_url):
+    alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
+    for h in (alpha, beta, gamma):
+        h.start_agent()
+    # A VM on gamma borrows from alpha and from beta.
+    for fdid in (GPU, NIC):
+        r = gamma.run(_reserve_code(fdid, WEB))
+        assert r.returncode == 0 and "reserved" in r.stdout, r.stderr
+    views = []
+    for h in (alpha, beta, gamma):  # every host sees the same holders
+        r = h.vmlend("devices", "--json")
+        assert r.returncode == 0, r.stderr
+        views.append({d["fdid"]: d.get("holder") for d in json.loads(r.stdout)})
+    assert views[0] == views[1] == views[2]
+    # gamma dies hard: no release, no revoke.
+    gamma.stop_agent(signal.SIGKILL)
+    died = time.monotonic()
+    deadline = died + TTL + REUSE_BOUND + 5
+    while True:
+        r = beta.run(_reserve_code(GPU, DB))
+        if r.returncode == 0:
+            break
+        assert "held by gamma/web" in r.stderr or "fenced" in r.stderr, r.stderr
+        assert time.monotonic() < deadline, "the dead host's device never came back"
+        time.sleep(0.1)
+    reused_after = time.monotonic() - died
+    assert reused_after < TTL + REUSE_BOUND + 5  # includes ~1 s of process start per try
+    assert "took back 0x10" in alpha.log()
+    _check_never_two_holders(_history(etcd_url))
+    assert alpha.stop_agent() == 0 and beta.stop_agent() == 0
+
+
+@pytest.mark.slow
+def test_a_frozen_agent_loses_its_lease_and_its_late_writes_are_refused(hosts):
+    alpha, gamma = hosts["alpha"], hosts["gamma"]
+    alpha.start_agent()
+    gamma.start_agent()
+    r = gamma.run(_reserve_code(GPU, WEB))
+    assert r.returncode == 0, r.stderr
+    gamma.stop_agent(signal.SIGSTOP)  # frozen: its lease is not renewed
+    time.sleep(TTL + 2 * INTERVAL + 1)
+    # The lease ended: a write from gamma under it is refused as a whole.
+    r = gamma.run(_reserve_code(NIC, WEB))
+    assert r.returncode != 0 and "lease has expired" in r.stderr, r.stderr
+    assert gamma.agent is not None
+    gamma.agent.send_signal(signal.SIGCONT)
+    assert gamma.agent.wait(20) == 3  # it notices, says so and exits for a restart
+    assert "lost its lease" in gamma.log()
+    assert not gamma.lease_file.exists()
+    assert alpha.stop_agent() == 0
+
+
+@pytest.mark.slow
+def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
+    private_etcd, tmp_path, monkeypatch
+):
+    from tests.test_sim_backend import _domain
+    from vmlend.hypervisor.base import DomainState
+    from vmlend.hypervisor.open import open_hypervisor
+
+    url = private_etcd.url("pause")
+    make_fabric(url).close()
+    gamma = Host(url, "gamma", tmp_path / "gamma")
+    monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
+    ttl = 6  # long enough to pause at TTL/2 and come back before the lease ends
+    log = (gamma.root / "agent.log").open("ab")
+    gamma.agent = subprocess.Popen(
+        [VMLEND, "agent", "--ttl", str(ttl), "--interval", "0.2", "--connect", "sim:///gamma"],
+        env=gamma.env,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    try:
+        deadline = time.monotonic() + 20
+        while not gamma.lease_file.exists():
+            assert gamma.agent.poll() is None and time.monotonic() < deadline, gamma.log()
+            time.sleep(0.05)
+        hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", "gamma"]
+        hv = open_hypervisor("sim:///gamma", state_dir=gamma.root, hook_command=hook)
+        hv.define(_domain("web", WEB.vm_uuid, (GPU,)))
+        hv.start("web")  # its prepare hook reserves 0x10 from alpha under gamma's lease
+        assert hv.lookup("web").state is DomainState.RUNNING
+
+        private_etcd.stop()
+        deadline = time.monotonic() + ttl
+        while hv.lookup("web").state is not DomainState.PAUSED:
+            assert time.monotonic() < deadline, gamma.log()
+            time.sleep(0.1)
+        private_etcd.start()
+        deadline = time.monotonic() + ttl
+        while hv.lookup("web").state is not DomainState.RUNNING:
+            assert time.monotonic() < deadline, gamma.log()
+            time.sleep(0.1)
+        assert "paused web" in gamma.log() and "resumed web" in gamma.log()
+        with open_fabric(url, "gamma") as f:
+            assert f.device(GPU).holder == WEB  # the lease lived: the hold is still there
+    finally:
+        assert gamma.stop_agent() == 0
+
+
+@pytest.mark.slow
+def test_a_lender_whose_agent_died_has_its_devices_unavailable_until_it_returns(hosts, etcd_url):
+    alpha, gamma = hosts["alpha"], hosts["gamma"]
+    alpha.start_agent()
+    gamma.start_agent()
+    alpha.stop_agent(signal.SIGKILL)
+    time.sleep(TTL + 1)  # its lease, and with it hosts/alpha, ends
+    r = gamma.run(_reserve_code(GPU, WEB))
+    assert r.returncode != 0 and "alpha" in r.stderr and "agent stopped uncleanly" in r.stderr
+    r = gamma.vmlend("devices", "--json")
+    states = {d["fdid"]: d["state"] for d in json.loads(r.stdout)}
+    assert states["0x10"] == "unavailable" and states["0x20"] == "available"  # beta's are fine
+    alpha.start_agent()  # back: its devices are offered again
+    r = gamma.run(_reserve_code(GPU, WEB))
+    assert r.returncode == 0, r.stderr
+    assert alpha.stop_agent() == 0  # a clean stop does not mark it unavailable
+    with open_fabric(etcd_url, "beta") as f:
+        assert f.device(NIC).state is DeviceState.AVAILABLE
+        assert f.device(0x11).state is DeviceState.AVAILABLE

@@ -1,0 +1,230 @@
+"""The few etcd v3 calls the registry needs, over etcd's HTTP/JSON gateway (via etcd3gw).
+
+Turns etcd's failures into one-line ``StateError``s: unreachable endpoints (each is tried in
+turn), a leader change or an election in progress (retried a few times first), a request too
+large and a transaction with too many operations. Keys and values are bytes on the wire
+(base64 in JSON); here keys are ``str`` and values ``bytes``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from etcd3gw import exceptions as gw_errors
+from etcd3gw.client import Etcd3Client
+
+from vmlend.errors import StateError
+
+log = logging.getLogger(__name__)
+
+#: Seconds one HTTP request to etcd may take before the endpoint counts as unreachable.
+REQUEST_TIMEOUT = 5.0
+#: Transient server errors (leader change, no leader, timeouts inside raft) are retried this
+#: many times with a jittered backoff (about 1.5 s in all, longer than a default election).
+TRANSIENT_ATTEMPTS = 6
+
+# Substrings of etcd's error messages (etcdserver/api/v3rpc/rpctypes) that pass by themselves.
+_TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests")
+
+
+def b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_end(prefix: str) -> str:
+    """The ``range_end`` that makes a range cover every key starting with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1  # our prefixes end in "/", never in 0xff
+    return raw.decode()
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EtcdGateway:
+    """A connection to one etcd cluster through any of its client ``endpoints``."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        timeout: float = REQUEST_TIMEOUT,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("an etcd gateway needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self._clients = [
+            Etcd3Client(e.host, e.port, timeout=timeout, api_path="/v3/") for e in self.endpoints
+        ]
+        self._current = 0
+        self._sleep = sleep
+
+    @property
+    def where(self) -> str:
+        return ",".join(str(e) for e in self.endpoints)
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.session.close()
+
+    # --- one request, with failover and retries -------------------------------------------
+    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on a reachable endpoint; the JSON answer."""
+        delay = 0.02
+        for attempt in range(TRANSIENT_ATTEMPTS):
+            try:
+                return self._call_any(path, body)
+            except _Transient as e:
+                if attempt == TRANSIENT_ATTEMPTS - 1:
+                    raise StateError(
+                        f"etcd at {self.where} keeps failing ({e.reason}) after"
+                        f" {TRANSIENT_ATTEMPTS} attempts; check the etcd cluster's health"
+                        " (etcdctl endpoint health) and retry"
+                    ) from None
+                log.debug("etcd: %s; retrying", e.reason)
+                self._sleep(delay * (0.5 + random.random()))
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _call_any(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        failures = []
+        for i in range(len(self._clients)):
+            index = (self._current + i) % len(self._clients)
+            client = self._clients[index]
+            try:
+                answer = client.post(client.get_url(path), data=json.dumps(body))
+            except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError) as e:
+                failures.append(f"{self.endpoints[index]}: {_short(e)}")
+                continue
+            except gw_errors.Etcd3Exception as e:
+                raise _server_error(e, self.where) from None
+            self._current = index
+            return dict(answer)
+        raise StateError(
+            f"cannot reach etcd at {self.where} ({'; '.join(failures)}); start etcd or point"
+            " --registry / VMLEND_REGISTRY at a running cluster"
+        )
+
+    # --- the calls --------------------------------------------------------------------------
+    def range(
+        self, key: str, range_end: str | None = None, revision: int = 0
+    ) -> tuple[int, list[KeyValue]]:
+        """The header revision and the keys in ``[key, range_end)`` (or ``key`` alone) as of
+        ``revision`` (0 = now)."""
+        body: dict[str, Any] = {"key": b64(key)}
+        if range_end is not None:
+            body["range_end"] = b64(range_end)
+        if revision:
+            body["revision"] = revision
+        answer = self.call("kv/range", body)
+        return _revision(answer), [_kv(kv) for kv in answer.get("kvs", [])]
+
+    def read_many(
+        self, ranges: list[tuple[str, str | None]], revision: int = 0
+    ) -> tuple[int, list[list[KeyValue]]]:
+        """Several ranges ``(key, range_end or None)`` in one request (a Txn of reads: all at
+        one revision, ``revision`` or now). The revision and each range's keys, in order."""
+        ops = []
+        for key, end in ranges:
+            r: dict[str, Any] = {"key": b64(key)}
+            if end is not None:
+                r["range_end"] = b64(end)
+            if revision:
+                r["revision"] = revision
+            ops.append({"request_range": r})
+        answer = self.call("kv/txn", {"compare": [], "success": ops, "failure": []})
+        results = [
+            [_kv(kv) for kv in resp.get("response_range", {}).get("kvs", [])]
+            for resp in answer.get("responses", [])
+        ]
+        return _revision(answer), results
+
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> tuple[bool, int]:
+        """One transaction: ``success`` ops iff every ``compare`` holds. (succeeded, revision)"""
+        answer = self.call("kv/txn", {"compare": compare, "success": success, "failure": []})
+        return bool(answer.get("succeeded", False)), _revision(answer)
+
+
+class RevisionCompactedError(StateError):
+    """A snapshot read asked for a revision etcd has compacted away: re-run with fresh reads."""
+
+
+class _Transient(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _short(e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    # requests' messages carry the whole urllib3 chain; the last clause says what happened.
+    return text.rsplit(": ", 1)[-1].rstrip(")'\"") or text
+
+
+def _server_error(e: gw_errors.Etcd3Exception, where: str) -> Exception:
+    try:
+        message = str(json.loads(e.detail_text or "{}").get("error", "")) or str(e.detail_text)
+    except ValueError:
+        message = str(e.detail_text or e)
+    message = message.removeprefix("etcdserver: ")
+    if any(t in message for t in _TRANSIENT) or isinstance(e, gw_errors.ConnectionTimeoutError):
+        return _Transient(message or "timeout")
+    if "has been compacted" in message:
+        return RevisionCompactedError(f"etcd at {where} compacted the revision a transaction read")
+    if "request is too large" in message or "larger than max" in message:
+        return StateError(
+            f"etcd at {where} refused a request as too large (over its --max-request-bytes);"
+            " nothing was written; raise the limit or make the topology smaller"
+        )
+    if "too many operations in txn" in message:
+        return StateError(
+            f"etcd at {where} refused a transaction with too many operations (over its"
+            " --max-txn-ops, default 128); nothing was written; raise the limit"
+        )
+    if "requested lease not found" in message:
+        return StateError(
+            "the host's etcd lease has expired, so etcd refused the write; nothing was written;"
+            " restart 'vmlend agent' on this host"
+        )
+    return StateError(f"etcd at {where} failed: {message or e}")
+
+
+def _revision(answer: dict[str, Any]) -> int:
+    return int(answer.get("header", {}).get("revision", 0))
+
+
+def _kv(kv: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=unb64(kv["key"]).decode(),
+        value=unb64(kv.get("value", "")),
+        mod_revision=int(kv.get("mod_revision", 0)),
+        create_revision=int(kv.get("create_revision", 0)),
+        lease=int(kv.get("lease", 0)),
+    )

@@ -1,0 +1,260 @@
+"""Where each record lives in etcd, and how it is encoded (pure: no I/O).
+
+Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
+
+- ``meta/<key>``: metadata, e.g. ``meta/schema_version``;
+- ``topology/digest`` and ``topology/record``: the topology (one record; the digest is a
+  small key every transaction reads, the record is fetched only when the digest changes);
+- ``nodes/<name>``, ``devices/<fdid>``: only once a node or device differs from what the
+  topology says (down, unlent, vanished), so initialising a 1,000-device fabric writes two
+  keys instead of exceeding etcd's 128 operations per transaction;
+- ``holds/<fdid>``: who holds a device (the record lists its claims' keys); ``fence/<fdid>``:
+  written with every hold, without a lease, removed with it by a normal release (so a hold
+  that vanished by lease expiry leaves a fence that only the lender's agent removes);
+- ``hosts/<node>``: the host's agent is alive (attached to its lease); ``agents/<node>``: the
+  node runs an agent (no lease; removed by a clean stop), so ``agents`` without ``hosts``
+  means its agent stopped uncleanly and the node's devices are unavailable;
+- ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
+  reserve reads, and compares as one prefix, exactly the claims of the adapters on its path;
+- ``parents/<node>/<fdid>``, ``mdevs/<node>/<uuid>``: mdev parents and children per node;
+- ``runtime/<fdid>/<n>``: what the data path set up for a held device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from vmlend.errors import ConfigError
+from vmlend.fabric.model import Holder
+from vmlend.registry.records import (
+    Claim,
+    ClaimKind,
+    HoldRecord,
+    MdevRecord,
+    Phase,
+    TopologyRecord,
+)
+
+ROOT = "/vmlend/"
+_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def check_cluster_name(name: str) -> str:
+    if not _CLUSTER_NAME.match(name):
+        raise ConfigError(
+            f"bad cluster name {name!r} in the registry URL: use letters, digits, '.', '_', '-'"
+            " (e.g. etcd://127.0.0.1:2379/lab)"
+        )
+    return name
+
+
+class Keys:
+    """The key layout of one cluster."""
+
+    def __init__(self, cluster: str) -> None:
+        self.cluster = check_cluster_name(cluster)
+        self.base = f"{ROOT}{cluster}/"
+
+    def meta(self, key: str) -> str:
+        return f"{self.base}meta/{key}"
+
+    @property
+    def topology_digest(self) -> str:
+        return self.base + "topology/digest"
+
+    @property
+    def topology_record(self) -> str:
+        return self.base + "topology/record"
+
+    @property
+    def nodes(self) -> str:
+        return self.base + "nodes/"
+
+    def node(self, name: str) -> str:
+        return self.nodes + name
+
+    @property
+    def devices(self) -> str:
+        return self.base + "devices/"
+
+    def device(self, fdid: int) -> str:
+        return f"{self.devices}{fdid:#x}"
+
+    @property
+    def holds(self) -> str:
+        return self.base + "holds/"
+
+    def hold(self, fdid: int) -> str:
+        return f"{self.holds}{fdid:#x}"
+
+    def holds_on(self, node: str) -> str:
+        """The index of the holds whose holder runs on ``node``: one key per held fdid, its
+        value the holder's VM name and UUID."""
+        return f"{self.base}held-on/{node}/"
+
+    def held_on(self, node: str, fdid: int) -> str:
+        return f"{self.holds_on(node)}{fdid:#x}"
+
+    @property
+    def claims(self) -> str:
+        return self.base + "claims/"
+
+    def claims_on(self, adapter: str) -> str:
+        return f"{self.claims}{adapter}/"
+
+    def claim(self, adapter: str, fdid: int, n: int) -> str:
+        return f"{self.claims_on(adapter)}{fdid:#x}/{n}"
+
+    @property
+    def fences(self) -> str:
+        return self.base + "fence/"
+
+    def fence(self, fdid: int) -> str:
+        return f"{self.fences}{fdid:#x}"
+
+    @property
+    def hosts(self) -> str:
+        return self.base + "hosts/"
+
+    def host(self, node: str) -> str:
+        return f"{self.hosts}{node}"
+
+    @property
+    def agents(self) -> str:
+        return self.base + "agents/"
+
+    def agent(self, node: str) -> str:
+        return f"{self.agents}{node}"
+
+    @property
+    def parents(self) -> str:
+        return self.base + "parents/"
+
+    def parent(self, node: str, fdid: int) -> str:
+        return f"{self.parents}{node}/{fdid:#x}"
+
+    @property
+    def mdevs(self) -> str:
+        return self.base + "mdevs/"
+
+    def mdevs_on(self, node: str) -> str:
+        return f"{self.mdevs}{node}/"
+
+    def mdev(self, node: str, uuid: str) -> str:
+        return f"{self.mdevs_on(node)}{uuid}"
+
+    @property
+    def runtime(self) -> str:
+        return self.base + "runtime/"
+
+    def runtime_of(self, fdid: int) -> str:
+        return f"{self.runtime}{fdid:#x}/"
+
+    def runtime_record(self, fdid: int, kind: str, key: str) -> str:
+        # kind and key are free text: a digest keeps them from adding "/" levels to the key.
+        name = hashlib.sha256(f"{kind}\0{key}".encode()).hexdigest()[:24]
+        return f"{self.runtime_of(fdid)}{name}"
+
+
+# --- values: JSON ---------------------------------------------------------------------------
+def dump(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+def load(raw: bytes) -> Any:
+    return json.loads(raw)
+
+
+def topology_to_json(
+    rec: TopologyRecord, nodes: list[str], devices: dict[int, tuple[str, bool]]
+) -> bytes:
+    """The topology record with each node and device's initial state: nodes up, devices
+    with their lender and whether they are lent."""
+    return dump(
+        {
+            "name": rec.name,
+            "source": rec.source,
+            "text": rec.text,
+            "digest": rec.digest,
+            "created": rec.created,
+            "nodes": nodes,
+            "devices": {f"{fdid:#x}": [lender, lent] for fdid, (lender, lent) in devices.items()},
+        }
+    )
+
+
+def hold_to_json(hold: HoldRecord, claim_keys: list[str]) -> bytes:
+    h = hold.holder
+    return dump(
+        {
+            "fdid": hold.fdid,
+            "node": h.node,
+            "vm": h.vm,
+            "vm_uuid": h.vm_uuid,
+            "since": hold.since,
+            "phase": hold.phase.value,
+            "guest_ram": hold.guest_ram,
+            "claims": claim_keys,
+        }
+    )
+
+
+def hold_from_dict(d: dict[str, Any]) -> HoldRecord:
+    return HoldRecord(
+        fdid=int(d["fdid"]),
+        holder=Holder(node=d["node"], vm=d["vm"], vm_uuid=d.get("vm_uuid", "")),
+        since=float(d["since"]),
+        phase=Phase(d["phase"]),
+        guest_ram=int(d.get("guest_ram", 0)),
+    )
+
+
+def claim_to_dict(c: Claim) -> dict[str, Any]:
+    return {
+        "adapter": c.adapter,
+        "kind": c.kind.value,
+        "share": c.share,
+        "entries": c.entries,
+        "segments": c.segments,
+        "bytes": c.bytes,
+    }
+
+
+def claim_from_dict(d: dict[str, Any]) -> Claim:
+    return Claim(
+        adapter=d["adapter"],
+        kind=ClaimKind(d["kind"]),
+        share=d["share"],
+        entries=int(d.get("entries", 0)),
+        segments=int(d.get("segments", 0)),
+        bytes=int(d.get("bytes", 0)),
+    )
+
+
+def mdev_to_json(m: MdevRecord) -> bytes:
+    return dump(
+        {
+            "uuid": m.uuid,
+            "fdid": m.fdid,
+            "node": m.node,
+            "parent": m.parent,
+            "type_id": m.type_id,
+            "vm": m.vm,
+            "created": m.created,
+        }
+    )
+
+
+def mdev_from_dict(d: dict[str, Any]) -> MdevRecord:
+    return MdevRecord(
+        uuid=d["uuid"],
+        fdid=int(d["fdid"]),
+        node=d["node"],
+        parent=d["parent"],
+        type_id=d["type_id"],
+        vm=d.get("vm", ""),
+        created=float(d["created"]),
+    )

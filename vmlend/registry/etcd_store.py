@@ -1,0 +1,188 @@
+"""``EtcdRegistry``: the shared state of a cluster in etcd, with optimistic write transactions.
+
+``transact(body)`` runs ``body`` against a snapshot, buffers its writes and commits them in one
+etcd Txn guarded by compares on everything it read (``etcd_txn``). When another host changed
+any of that first, the body runs again on fresh reads: at most ``ATTEMPTS`` times, sleeping a
+jittered, doubling pause between runs (2 ms up to 200 ms; about 1.5 s in all), then a
+``StateError``. No lock is ever held, so a crashed host blocks nobody.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from vmlend.errors import AgentNotRunningError, StateError
+from vmlend.registry.api import StateTxn
+from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
+from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
+from vmlend.registry.schema import SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How often a write body runs before the transaction gives up on conflicts.
+ATTEMPTS = 12
+_FIRST_PAUSE = 0.002
+_MAX_PAUSE = 0.2
+
+
+class EtcdRegistry:
+    """The state of cluster ``cluster`` in the etcd reached through ``gateway``."""
+
+    shares_host_identity = False
+
+    def __init__(
+        self,
+        gateway: EtcdGateway,
+        cluster: str,
+        *,
+        attempts: int = ATTEMPTS,
+        sleep: Callable[[float], None] = time.sleep,
+        host_lease: Callable[[], int] | None = None,
+    ) -> None:
+        self._gw = gateway
+        #: This host's agent lease for the records it creates (None: refuse such writes).
+        self._host_lease = host_lease
+        self.keys = Keys(cluster)
+        self.cluster = cluster
+        self._attempts = attempts
+        self._sleep = sleep
+        self._topology_cache: dict[str, dict[str, Any]] = {}
+        #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.
+        self.conflicts = 0
+
+    @property
+    def where(self) -> str:
+        return f"etcd://{self._gw.where}/{self.cluster}"
+
+    # --- opening -----------------------------------------------------------------------
+    @property
+    def gateway(self) -> EtcdGateway:
+        return self._gw
+
+    @classmethod
+    def open(
+        cls, gateway: EtcdGateway, cluster: str, host_lease: Callable[[], int] | None = None
+    ) -> EtcdRegistry:
+        """The cluster's state; ``StateError`` when there is none or it is from a newer
+        vmlend."""
+        reg = cls(gateway, cluster, host_lease=host_lease)
+        with reg.read() as tx:
+            raw = tx.meta("schema_version")
+        if raw is None:
+            raise StateError(
+                f"no vmlend state in {reg.where}; run 'vmlend fabric init' with this --registry"
+                " first"
+            )
+        check_schema(raw, reg.where)
+        return reg
+
+    @classmethod
+    def create(
+        cls, gateway: EtcdGateway, cluster: str, init: Callable[[StateTxn], None]
+    ) -> EtcdRegistry:
+        """Create the cluster's state filled by ``init``, in one transaction;
+        ``FileExistsError`` when it exists (like the SQLite backend's file)."""
+        reg = cls(gateway, cluster)
+
+        def body(tx: StateTxn) -> None:
+            if tx.meta("schema_version") is not None:
+                raise FileExistsError(reg.where)
+            tx.set_meta("schema_version", str(SCHEMA_VERSION))
+            init(tx)
+
+        reg.transact(body)
+        log.debug("created state in %s", reg.where)
+        return reg
+
+    def close(self) -> None:
+        self._gw.close()
+
+    def __enter__(self) -> EtcdRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- transactions --------------------------------------------------------------------
+    def _txn(self, writable: bool) -> EtcdTxn:
+        memo: list[int] = []
+
+        def lease() -> int:  # read once per attempt: a restarted agent has a new lease
+            if not memo:
+                if self._host_lease is None:
+                    raise AgentNotRunningError(f"{self.where} (no agent lease given)")
+                memo.append(self._host_lease())
+            return memo[0]
+
+        return EtcdTxn(Snapshot(self._gw), self.keys, writable, self._topology_cache, lease)
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[StateTxn]:
+        """A consistent snapshot for reading (every read at one revision)."""
+        yield self._txn(writable=False)
+
+    def transact(self, body: Callable[[StateTxn], T]) -> T:
+        """Run ``body`` and commit what it wrote iff nothing it read changed meanwhile;
+        otherwise run it again. ``body`` may run several times: it must not touch hardware."""
+        start = time.monotonic()
+        pause = _FIRST_PAUSE
+        for attempt in range(1, self._attempts + 1):
+            tx = self._txn(writable=True)
+            try:
+                result = body(tx)
+                ops = tx.operations()
+                if not ops:
+                    return result  # read only: the snapshot was consistent, nothing to commit
+                ok, revision = self._gw.txn(tx.compares(), ops)
+            except RevisionCompactedError:
+                ok = False
+            if ok:
+                log.debug("committed %d operations at revision %d", len(ops), revision)
+                return result
+            self.conflicts += 1
+            log.debug("transaction conflict (attempt %d); re-running", attempt)
+            if attempt < self._attempts:
+                self._sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, _MAX_PAUSE)
+        raise StateError(
+            f"the registry {self.where} kept changing under this transaction ({self._attempts}"
+            f" attempts in {time.monotonic() - start:.1f} s); nothing was written; retry"
+        )
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[StateTxn]:
+        """A write that runs its body once and fails on a conflict (for callers that cannot
+        re-run; prefer ``transact``)."""
+        tx = self._txn(writable=True)
+        yield tx
+        ops = tx.operations()
+        if ops:
+            ok, _rev = self._gw.txn(tx.compares(), ops)
+            if not ok:
+                raise StateError(
+                    f"the registry {self.where} changed under this transaction; nothing was"
+                    " written; retry"
+                )
+
+
+def check_schema(raw: str, where: str) -> int:
+    try:
+        version = int(raw)
+    except ValueError:
+        raise StateError(f"the vmlend state in {where} has a bad schema version {raw!r}") from None
+    if version > SCHEMA_VERSION:
+        raise StateError(
+            f"the vmlend state in {where} has schema version {version}, newer than this vmlend"
+            f" understands ({SCHEMA_VERSION}); upgrade vmlend on this host"
+        )
+    if version < 1:
+        raise StateError(f"the vmlend state in {where} has unknown schema version {version}")
+    return version

@@ -1,0 +1,600 @@
+"""One optimistic transaction on etcd (a software transactional memory over etcd's Txn).
+
+Reads are served from one snapshot (the revision of the first read) and remembered: a key by
+its mod_revision (0 when absent), a range by the snapshot revision. Writes are buffered and
+read back by later reads of the same transaction. ``commit`` sends one etcd Txn that applies
+the writes only if
+- every key read still has the mod_revision it had (so a change or a deletion fails it), and
+- no key under a range read was created or changed after the snapshot (``MOD < R + 1`` with
+  ``range_end``). A key deleted under a range is not seen by that compare; deletions only free
+  things (a claim, an mdev), so a decision made on the larger set stays safe.
+When the compares fail the caller (``EtcdRegistry.transact``) re-runs the whole body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vmlend.errors import StateError
+from vmlend.fabric.model import Holder
+from vmlend.registry import etcd_keys as enc
+from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
+from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.records import (
+    Claim,
+    ClaimKind,
+    DeviceRecord,
+    FenceRecord,
+    HoldRecord,
+    MdevRecord,
+    NodeRecord,
+    ParentRecord,
+    Phase,
+    RuntimeRecord,
+    TopologyRecord,
+    same_holder,
+)
+
+_AGENT_GONE = "its vmlend agent stopped uncleanly, it has no live lease; start the agent there"
+
+
+class Snapshot:
+    """The reads of one attempt, all at one revision, and the compares they imply."""
+
+    def __init__(self, gateway: EtcdGateway) -> None:
+        self._gw = gateway
+        self.revision = 0
+        self._keys: dict[str, KeyValue | None] = {}
+        self._ranges: dict[str, dict[str, KeyValue]] = {}
+
+    def _range(self, key: str, range_end: str | None) -> list[KeyValue]:
+        revision, kvs = self._gw.range(key, range_end, self.revision)
+        if not self.revision:
+            self.revision = revision
+        return kvs
+
+    def get(self, key: str) -> KeyValue | None:
+        if key in self._keys:
+            return self._keys[key]
+        for prefix, kvs in self._ranges.items():
+            if key.startswith(prefix):
+                return kvs.get(key)
+        kvs = self._range(key, None)
+        kv = kvs[0] if kvs else None
+        self._keys[key] = kv
+        return kv
+
+    def range(self, prefix: str) -> dict[str, KeyValue]:
+        if prefix not in self._ranges:
+            self._ranges[prefix] = {kv.key: kv for kv in self._range(prefix, prefix_end(prefix))}
+        return self._ranges[prefix]
+
+    def prefetch(self, keys: Iterable[str], prefixes: Iterable[str]) -> None:
+        """Read these keys and prefixes now, in one request, into the snapshot: a body that
+        knows what it will read saves one round trip per read."""
+        todo_keys = [
+            k
+            for k in dict.fromkeys(keys)
+            if k not in self._keys and not any(k.startswith(p) for p in self._ranges)
+        ]
+        todo_prefixes = [p for p in dict.fromkeys(prefixes) if p not in self._ranges]
+        ranges = [(k, None) for k in todo_keys] + [(p, prefix_end(p)) for p in todo_prefixes]
+        if not ranges:
+            return
+        revision, results = self._gw.read_many(ranges, self.revision)
+        if not self.revision:
+            self.revision = revision
+        for k, kvs in zip(todo_keys, results, strict=False):
+            self._keys[k] = kvs[0] if kvs else None
+        for p, kvs in zip(todo_prefixes, results[len(todo_keys) :], strict=False):
+            self._ranges[p] = {kv.key: kv for kv in kvs}
+
+    def compares(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [
+            {
+                "key": b64(key),
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": kv.mod_revision if kv else 0,
+            }
+            for key, kv in self._keys.items()
+        ]
+        out += [
+            {
+                "key": b64(prefix),
+                "range_end": b64(prefix_end(prefix)),
+                "target": "MOD",
+                "result": "LESS",
+                "mod_revision": self.revision + 1,
+            }
+            for prefix in self._ranges
+        ]
+        return out
+
+
+class EtcdTxn:
+    """The ``StateTxn`` of the etcd backend (see ``vmlend.registry.api``)."""
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        keys: Keys,
+        writable: bool,
+        topology_cache: dict[str, dict[str, Any]],
+        host_lease: Callable[[], int] | None = None,
+    ) -> None:
+        self._snap = snapshot
+        self._k = keys
+        self.writable = writable
+        self._topo_cache = topology_cache
+        self._host_lease = host_lease
+        self._writes: dict[str, bytes | None] = {}
+        self._leased: set[str] = set()
+        self._range_deletes: list[str] = []
+
+    # --- the overlay of buffered writes over the snapshot --------------------------------
+    def _write(self) -> None:
+        if not self.writable:
+            raise RuntimeError("write inside a read transaction")  # a programming error
+
+    def _deleted_by_range(self, key: str) -> bool:
+        return any(key.startswith(p) for p in self._range_deletes)
+
+    def _get(self, key: str) -> bytes | None:
+        if key in self._writes:
+            return self._writes[key]
+        if self._deleted_by_range(key):
+            return None
+        kv = self._snap.get(key)
+        return None if kv is None else kv.value
+
+    def _range(self, prefix: str) -> dict[str, bytes]:
+        out = {
+            k: kv.value
+            for k, kv in self._snap.range(prefix).items()
+            if not self._deleted_by_range(k)
+        }
+        for k, v in self._writes.items():
+            if k.startswith(prefix):
+                if v is None:
+                    out.pop(k, None)
+                else:
+                    out[k] = v
+        return out
+
+    def _put(self, key: str, value: bytes, *, leased: bool = False) -> None:
+        """Buffer a put. ``leased``: the record goes with its host (holds, claims, mdevs,
+        runtime): a new key gets this host's agent lease, a rewritten one keeps its lease."""
+        self._write()
+        self._writes[key] = value
+        if leased:
+            self._leased.add(key)
+            self._lease_for(key)  # no agent: refuse now, before anything else is decided
+
+    def lease(self) -> int:
+        """This host's agent lease (``AgentNotRunningError`` when there is none)."""
+        return self._host_lease() if self._host_lease is not None else 0
+
+    def _lease_for(self, key: str) -> int:
+        kv = None if self._deleted_by_range(key) else self._snap.get(key)
+        return kv.lease if kv is not None else self.lease()
+
+    def _delete(self, key: str) -> None:
+        self._write()
+        self._writes[key] = None
+
+    def _delete_range(self, prefix: str) -> None:
+        self._write()
+        for k in list(self._writes):
+            if k.startswith(prefix):
+                del self._writes[k]
+        self._range_deletes.append(prefix)
+
+    # --- commit ------------------------------------------------------------------------------
+    def operations(self) -> list[dict[str, Any]]:
+        ops: list[dict[str, Any]] = [
+            {"request_delete_range": {"key": b64(p), "range_end": b64(prefix_end(p))}}
+            for p in self._range_deletes
+        ]
+        for key, value in self._writes.items():
+            if value is None:
+                if self._deleted_by_range(key):
+                    continue  # already gone with its range
+                ops.append({"request_delete_range": {"key": b64(key)}})
+            else:
+                if self._deleted_by_range(key):
+                    # etcd refuses a Txn that deletes a range and puts a key inside it.
+                    raise RuntimeError(f"put of {key} inside a range this transaction deletes")
+                put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+                if key in self._leased and (lease := self._lease_for(key)):
+                    put["lease"] = lease
+                ops.append({"request_put": put})
+        return ops
+
+    def compares(self) -> list[dict[str, Any]]:
+        return self._snap.compares()
+
+    def prefetch(
+        self,
+        fdids: Iterable[int] = (),
+        nodes: Iterable[str] = (),
+        adapters: Iterable[str] = (),
+        held_on: Iterable[str] = (),
+    ) -> None:
+        """A hint: the body is about to read these devices (record, hold, fence), nodes,
+        adapters' claims, the index of the holds on the ``held_on`` nodes, and the topology
+        digest; fetch them in one request."""
+        keys = [self._k.topology_digest]
+        for fdid in fdids:
+            keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
+        for node in nodes:
+            keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
+        prefixes = [self._k.claims_on(a) for a in adapters]
+        prefixes += [self._k.holds_on(n) for n in held_on]
+        self._snap.prefetch(keys, prefixes)
+
+    # --- meta ----------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        raw = self._get(self._k.meta(key))
+        return None if raw is None else raw.decode()
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._put(self._k.meta(key), value.encode())
+
+    # --- topology ----------------------------------------------------------------------
+    def topology_digest(self) -> str | None:
+        raw = self._get(self._k.topology_digest)
+        return None if raw is None else raw.decode()
+
+    def _topology(self) -> dict[str, Any] | None:
+        digest = self.topology_digest()
+        if digest is None:
+            return None
+        cached = self._topo_cache.get(digest)
+        if cached is None:
+            raw = self._get(self._k.topology_record)
+            if raw is None:
+                raise StateError(f"etcd holds a topology digest but no topology record ({digest})")
+            cached = enc.load(raw)
+            self._topo_cache.clear()  # one topology at a time is all a process needs
+            self._topo_cache[digest] = cached
+        return cached
+
+    def _need_topology(self) -> dict[str, Any]:
+        topo = self._topology()
+        if topo is None:
+            raise StateError("the registry holds no topology; run 'vmlend fabric init'")
+        return topo
+
+    def topology(self) -> TopologyRecord:
+        t = self._need_topology()
+        # local_node stays empty: on a cluster, which node a host is is host configuration.
+        return TopologyRecord(t["name"], t["source"], t["text"], t["digest"], "", t["created"])
+
+    def has_topology(self) -> bool:
+        return self.topology_digest() is not None
+
+    def replace_topology(
+        self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
+    ) -> None:
+        """Install a topology, dropping everything that described the previous one."""
+        self._write()
+        for prefix in (
+            self._k.nodes,
+            self._k.devices,
+            self._k.holds,
+            self._k.claims,
+            self._k.parents,
+            self._k.mdevs,
+            self._k.runtime,
+        ):
+            self._delete_range(prefix)
+        defaults = {d.fdid: (d.lender, d.lent) for d in devices}
+        self._put(self._k.topology_record, enc.topology_to_json(rec, list(nodes), defaults))
+        self._put(self._k.topology_digest, rec.digest.encode())
+
+    def set_local_node(self, node: str) -> None:
+        """Nothing to do: the shared state never says which node a host is."""
+        self._write()
+
+    # --- nodes and devices: the topology's defaults, overridden by records -------------------
+    def nodes(self) -> dict[str, NodeRecord]:
+        topo = self._topology()
+        out = {n: NodeRecord(n, True) for n in (topo["nodes"] if topo else [])}
+        for raw in self._range(self._k.nodes).values():
+            d = enc.load(raw)
+            out[d["name"]] = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
+        managed = {k.removeprefix(self._k.agents) for k in self._range(self._k.agents)}
+        alive = {k.removeprefix(self._k.hosts) for k in self._range(self._k.hosts)}
+        for name in managed - alive:
+            if name in out and out[name].up:
+                out[name] = NodeRecord(name, False, _AGENT_GONE)
+        return out
+
+    def node(self, name: str) -> NodeRecord | None:
+        raw = self._get(self._k.node(name))
+        if raw is not None:
+            d = enc.load(raw)
+            rec: NodeRecord | None = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
+        else:
+            topo = self._topology()
+            rec = NodeRecord(name, True) if topo and name in topo["nodes"] else None
+        if rec is not None and rec.up and self._agent_gone(name):
+            return NodeRecord(name, False, _AGENT_GONE)
+        return rec
+
+    def _agent_gone(self, name: str) -> bool:
+        """The node ran an agent that stopped without saying so (crash, power, cut off)."""
+        return self._get(self._k.agent(name)) is not None and self._get(self._k.host(name)) is None
+
+    def set_node_up(self, node: str, up: bool, why: str = "") -> None:
+        if self.node(node) is None:
+            self._write()
+            return
+        if up:
+            self._delete(self._k.node(node))
+        else:
+            self._put(self._k.node(node), enc.dump({"name": node, "up": False, "why": why}))
+
+    @staticmethod
+    def _device_default(topo: dict[str, Any] | None, fdid: int) -> DeviceRecord | None:
+        entry = topo["devices"].get(f"{fdid:#x}") if topo else None
+        return None if entry is None else DeviceRecord(fdid, entry[0], bool(entry[1]))
+
+    @staticmethod
+    def _device_from(raw: bytes) -> DeviceRecord:
+        d = enc.load(raw)
+        return DeviceRecord(int(d["fdid"]), d["lender"], bool(d["lent"]), bool(d["available"]))
+
+    def devices(self) -> dict[int, DeviceRecord]:
+        topo = self._topology()
+        out: dict[int, DeviceRecord] = {}
+        for hex_fdid, (lender, lent) in (topo["devices"] if topo else {}).items():
+            out[int(hex_fdid, 16)] = DeviceRecord(int(hex_fdid, 16), lender, bool(lent))
+        for raw in self._range(self._k.devices).values():
+            rec = self._device_from(raw)
+            out[rec.fdid] = rec
+        return out
+
+    def device(self, fdid: int) -> DeviceRecord | None:
+        raw = self._get(self._k.device(fdid))
+        if raw is not None:
+            return self._device_from(raw)
+        return self._device_default(self._topology(), fdid)
+
+    def _set_device(self, fdid: int, **change: bool) -> None:
+        rec = self.device(fdid)
+        if rec is None:
+            self._write()
+            return
+        d = {"fdid": fdid, "lender": rec.lender, "lent": rec.lent, "available": rec.available}
+        d.update(change)
+        self._put(self._k.device(fdid), enc.dump(d))
+
+    def set_lent(self, fdid: int, lent: bool) -> None:
+        self._set_device(fdid, lent=lent)
+
+    def set_available(self, fdid: int, available: bool) -> None:
+        self._set_device(fdid, available=available)
+
+    # --- holds and claims ------------------------------------------------------------------
+    def holds(self) -> dict[int, HoldRecord]:
+        out = {}
+        for raw in self._range(self._k.holds).values():
+            hold = enc.hold_from_dict(enc.load(raw))
+            out[hold.fdid] = hold
+        return out
+
+    def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
+        """Through the per-node index (``Keys.holds_on``), never every hold of the cluster:
+        the index of ``holder``'s node names the VM of each hold, and only the holds of this
+        VM are fetched (in one request; none when it holds nothing)."""
+        fdids = []
+        for key, raw in self._range(self._k.holds_on(holder.node)).items():
+            d = enc.load(raw)
+            other = Holder(holder.node, d.get("vm", ""), d.get("vm_uuid", ""))
+            if same_holder(other, holder):
+                fdids.append(int(key.rsplit("/", 1)[1], 16))
+        self._snap.prefetch([self._k.hold(f) for f in fdids], [])
+        out = {}
+        for fdid in fdids:
+            hold = self.hold(fdid)
+            if hold is not None:
+                out[fdid] = hold
+        return out
+
+    def _hold_dict(self, fdid: int) -> dict[str, Any] | None:
+        raw = self._get(self._k.hold(fdid))
+        return None if raw is None else enc.load(raw)
+
+    def hold(self, fdid: int) -> HoldRecord | None:
+        d = self._hold_dict(fdid)
+        return None if d is None else enc.hold_from_dict(d)
+
+    def add_hold(self, hold: HoldRecord, claims: Iterable[Claim]) -> None:
+        self._write()
+        if self._hold_dict(hold.fdid) is not None:
+            raise StateError(f"device {hold.fdid:#x} is already held")
+        keys = []
+        for n, c in enumerate(claims):
+            key = self._k.claim(c.adapter, hold.fdid, n)
+            self._put(key, enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)}), leased=True)
+            keys.append(key)
+        self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys), leased=True)
+        who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
+        self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
+        # The fence outlives the hold when the lease ends; the lease id is its token.
+        h = hold.holder
+        fence = {"fdid": hold.fdid, "node": h.node, "vm": h.vm, "vm_uuid": h.vm_uuid}
+        self._put(self._k.fence(hold.fdid), enc.dump({**fence, "token": self.lease()}))
+
+    def set_phase(self, fdid: int, phase: Phase) -> None:
+        d = self._hold_dict(fdid)
+        if d is None:
+            self._write()
+            return
+        self._put(self._k.hold(fdid), enc.dump({**d, "phase": phase.value}), leased=True)
+
+    def delete_hold(self, fdid: int) -> None:
+        """Drop the hold, its claims and its runtime records."""
+        d = self._hold_dict(fdid)
+        if d is None:
+            self._write()
+            return
+        for key in d.get("claims", []):
+            self._delete(key)
+        for key in self._range(self._k.runtime_of(fdid)):
+            self._delete(key)
+        self._delete(self._k.hold(fdid))
+        self._delete(self._k.held_on(d["node"], fdid))
+        self._delete(self._k.fence(fdid))  # a normal release needs no taking back
+
+    def replace_claims(
+        self, kind: ClaimKind, owners: Iterable[int], claims: Iterable[tuple[int, Claim]]
+    ) -> None:
+        """Replace the claims of ``kind`` held by the holds of ``owners`` with ``claims``
+        (each ``(owner fdid, claim)``; the owner must have a hold). Each owner's hold record
+        lists its claim keys, so it is rewritten with the new list (keeping its lease)."""
+        self._write()
+        replaced = set(owners)
+        added: dict[int, list[Claim]] = {}
+        for fdid, c in claims:
+            added.setdefault(fdid, []).append(c)
+        for fdid in sorted(replaced | set(added)):
+            d = self._hold_dict(fdid)
+            if d is None:
+                if fdid in added:
+                    raise StateError(f"device {fdid:#x} has no hold to own {kind.value} claims")
+                continue
+            old: list[str] = list(d.get("claims", []))
+            keep = []
+            for key in old:
+                raw = self._get(key)
+                ours = raw is not None and enc.claim_from_dict(enc.load(raw)).kind is kind
+                if fdid in replaced and ours:
+                    self._delete(key)
+                    continue
+                keep.append(key)
+            # new keys after every old index: a key deleted above is never put again
+            n = 1 + max((int(k.rsplit("/", 1)[1]) for k in old), default=-1)
+            for c in added.get(fdid, []):
+                key = self._k.claim(c.adapter, fdid, n)
+                n += 1
+                self._put(key, enc.dump({"fdid": fdid, **enc.claim_to_dict(c)}), leased=True)
+                keep.append(key)
+            if keep != old:
+                self._put(self._k.hold(fdid), enc.dump({**d, "claims": keep}), leased=True)
+
+    @staticmethod
+    def _fence_from(raw: bytes) -> FenceRecord:
+        d = enc.load(raw)
+        holder = Holder(node=d["node"], vm=d["vm"], vm_uuid=d.get("vm_uuid", ""))
+        return FenceRecord(int(d["fdid"]), holder, int(d.get("token", 0)))
+
+    def fence(self, fdid: int) -> FenceRecord | None:
+        raw = self._get(self._k.fence(fdid))
+        return None if raw is None else self._fence_from(raw)
+
+    def fences(self) -> list[FenceRecord]:
+        return sorted(
+            (self._fence_from(raw) for raw in self._range(self._k.fences).values()),
+            key=lambda f: f.fdid,
+        )
+
+    def clear_fence(self, fdid: int) -> bool:
+        """Drop the fence of a hold that is gone (the lender took the device back)."""
+        self._write()
+        if self._hold_dict(fdid) is not None or self.fence(fdid) is None:
+            return False
+        self._delete(self._k.fence(fdid))
+        return True
+
+    @staticmethod
+    def _claims_of(values: Iterable[bytes]) -> list[tuple[int, Claim]]:
+        out = []
+        for raw in values:
+            d = enc.load(raw)
+            out.append((int(d["fdid"]), enc.claim_from_dict(d)))
+        return out
+
+    def claims(self) -> list[tuple[int, Claim]]:
+        return self._claims_of(self._range(self._k.claims).values())
+
+    def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
+        out = []
+        for a in dict.fromkeys(adapters):
+            out += self._claims_of(self._range(self._k.claims_on(a)).values())
+        return out
+
+    # --- mdevs -----------------------------------------------------------------------------
+    def parent(self, node: str, fdid: int) -> ParentRecord | None:
+        raw = self._get(self._k.parent(node, fdid))
+        return None if raw is None else ParentRecord(node, fdid, raw.decode())
+
+    def add_parent(self, rec: ParentRecord) -> None:
+        self._write()
+        if self.parent(rec.node, rec.fdid) is None:
+            self._put(self._k.parent(rec.node, rec.fdid), rec.name.encode(), leased=True)
+
+    def delete_parent(self, node: str, fdid: int) -> bool:
+        self._write()
+        if self.parent(node, fdid) is None:
+            return False
+        self._delete(self._k.parent(node, fdid))
+        return True
+
+    def mdevs(self, node: str | None = None) -> list[MdevRecord]:
+        prefix = self._k.mdevs if node is None else self._k.mdevs_on(node)
+        recs = [enc.mdev_from_dict(enc.load(raw)) for raw in self._range(prefix).values()]
+        return sorted(recs, key=lambda m: (m.created, m.uuid))
+
+    def mdev(self, uuid: str) -> MdevRecord | None:
+        return next((m for m in self.mdevs() if m.uuid == uuid), None)
+
+    def add_mdev(self, rec: MdevRecord) -> None:
+        self._write()
+        if self.mdev(rec.uuid) is not None:
+            raise StateError(f"mdev {rec.uuid} is already recorded")
+        self._put(self._k.mdev(rec.node, rec.uuid), enc.mdev_to_json(rec), leased=True)
+
+    def delete_mdev(self, uuid: str) -> bool:
+        self._write()
+        rec = self.mdev(uuid)
+        if rec is None:
+            return False
+        self._delete(self._k.mdev(rec.node, uuid))
+        return True
+
+    # --- runtime records (windows, vectors, P2P maps of held devices) --------------------
+    def put_runtime(self, fdid: int, kind: str, key: str, data: dict[str, Any]) -> None:
+        self._write()
+        if self._hold_dict(fdid) is None:
+            raise StateError(
+                f"device {fdid:#x} is not held; runtime state can only be recorded for a held"
+                " device"
+            )
+        value = enc.dump({"fdid": fdid, "kind": kind, "key": key, "data": data})
+        self._put(self._k.runtime_record(fdid, kind, key), value, leased=True)
+
+    def _runtime(self, prefix: str) -> list[tuple[str, RuntimeRecord]]:
+        out = []
+        for k, raw in self._range(prefix).items():
+            d = enc.load(raw)
+            out.append((k, RuntimeRecord(int(d["fdid"]), d["kind"], d["key"], d["data"])))
+        return sorted(out, key=lambda kr: (kr[1].fdid, kr[1].kind, kr[1].key))
+
+    def runtime(self, fdid: int | None = None, kind: str | None = None) -> list[RuntimeRecord]:
+        prefix = self._k.runtime if fdid is None else self._k.runtime_of(fdid)
+        return [r for _k, r in self._runtime(prefix) if kind is None or r.kind == kind]
+
+    def clear_runtime(self, fdid: int, kind: str | None = None, key: str | None = None) -> int:
+        self._write()
+        gone = [
+            k
+            for k, r in self._runtime(self._k.runtime_of(fdid))
+            if (kind is None or r.kind == kind) and (key is None or r.key == key)
+        ]
+        for k in gone:
+            self._delete(k)
+        return len(gone)

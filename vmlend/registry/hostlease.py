@@ -1,0 +1,57 @@
+"""The host's agent lease, as the hook and the CLI on the host find it.
+
+``vmlend agent`` holds one etcd lease for its host and publishes it in a host-local file
+(``<root>/run/vmlend/agent.lease``); every cluster-registry write of the host's processes that
+creates a host record (hold, claim, mdev, runtime record) attaches it. The file is written
+atomically and removed when the agent stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vmlend.errors import AgentNotRunningError, StateError
+from vmlend.hostenv import HostEnv
+
+
+@dataclass(frozen=True)
+class HostLease:
+    lease: int
+    node: str
+    ttl: int
+    pid: int
+
+
+def lease_path(env: HostEnv) -> Path:
+    return env.run / "vmlend" / "agent.lease"
+
+
+def publish(path: Path, lease: HostLease) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(lease)))
+    os.replace(tmp, path)
+
+
+def withdraw(path: Path, lease: int) -> None:
+    """Remove the file if it still names ``lease`` (a newer agent may have replaced it)."""
+    try:
+        if read(path).lease == lease:
+            path.unlink()
+    except (AgentNotRunningError, StateError, OSError):
+        pass
+
+
+def read(path: Path) -> HostLease:
+    try:
+        data = json.loads(path.read_text())
+        return HostLease(int(data["lease"]), str(data["node"]), int(data["ttl"]), int(data["pid"]))
+    except FileNotFoundError:
+        raise AgentNotRunningError(str(path)) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StateError(
+            f"the agent lease file {path} is unreadable ({e}); restart 'vmlend agent'"
+        ) from None

@@ -1,0 +1,121 @@
+"""Which registry a host uses, from ``--registry`` / ``VMLEND_REGISTRY`` (or the older
+``--state`` / ``VMLEND_STATE``), and opening it.
+
+- ``etcd://HOST[:PORT][,HOST[:PORT]...]/CLUSTER``: a cluster's state in etcd (port 2379 by
+  default), under the key prefix ``/vmlend/CLUSTER/``;
+- ``sqlite:///PATH`` or a plain path: one host's state in an SQLite file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmlend.errors import ConfigError
+from vmlend.hostenv import HostEnv
+from vmlend.registry import hostlease
+from vmlend.registry.api import Registry, StateTxn
+from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
+from vmlend.registry.etcd_keys import check_cluster_name
+from vmlend.registry.etcd_store import EtcdRegistry
+from vmlend.registry.store import Registry as SqliteRegistry
+
+REGISTRY_ENV = "VMLEND_REGISTRY"
+ETCD_DEFAULT_PORT = 2379
+_HOST_PORT = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9._-]+))(?::(?P<port>\d+))?$"
+)
+_EXAMPLE = "etcd://10.0.0.1:2379,10.0.0.2:2379/lab or sqlite:///var/lib/vmlend/state.db"
+
+
+@dataclass(frozen=True)
+class RegistryLocation:
+    """Where the shared state is: an SQLite ``path``, or etcd ``endpoints`` + ``cluster``."""
+
+    path: Path | None = None
+    endpoints: tuple[Endpoint, ...] = ()
+    cluster: str = ""
+
+    @property
+    def is_etcd(self) -> bool:
+        return self.path is None
+
+    def __str__(self) -> str:
+        if self.path is not None:
+            return f"sqlite://{self.path.resolve()}"
+        hosts = ",".join(
+            f"[{e.host}]:{e.port}" if ":" in e.host else str(e) for e in self.endpoints
+        )
+        return f"etcd://{hosts}/{self.cluster}"
+
+
+def parse_location(text: str | Path) -> RegistryLocation:
+    """A registry URL or a plain SQLite path; ``ConfigError`` for anything else."""
+    if isinstance(text, Path):
+        return RegistryLocation(path=text)
+    if text.startswith("etcd://"):
+        return _parse_etcd(text)
+    if text.startswith("sqlite://"):
+        rest = text.removeprefix("sqlite://")
+        if not rest:
+            raise ConfigError(f"registry URL {text!r} names no file; e.g. {_EXAMPLE}")
+        return RegistryLocation(path=Path(rest))
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise ConfigError(f"unknown registry URL {text!r}; use {_EXAMPLE}")
+    if not text:
+        raise ConfigError(f"empty registry location; use {_EXAMPLE}")
+    return RegistryLocation(path=Path(text))
+
+
+def _parse_etcd(text: str) -> RegistryLocation:
+    rest = text.removeprefix("etcd://")
+    hosts, slash, cluster = rest.partition("/")
+    if not slash or not cluster or "/" in cluster:
+        raise ConfigError(
+            f"registry URL {text!r} needs one cluster name after the hosts; e.g. {_EXAMPLE}"
+        )
+    endpoints = []
+    for part in hosts.split(","):
+        m = _HOST_PORT.match(part.strip())
+        if not m:
+            raise ConfigError(f"bad etcd endpoint {part!r} in {text!r}; e.g. {_EXAMPLE}")
+        port = int(m["port"] or ETCD_DEFAULT_PORT)
+        if not 0 < port < 65536:
+            raise ConfigError(f"bad etcd port {port} in {text!r}")
+        endpoints.append(Endpoint(m["v6"] or m["host"], port))
+    return RegistryLocation(endpoints=tuple(endpoints), cluster=check_cluster_name(cluster))
+
+
+def open_registry(
+    location: str | Path | RegistryLocation, lease_file: Path | None = None
+) -> Registry:
+    """The existing state at ``location``; ``StateError`` when it is missing or unusable.
+    ``lease_file``: where this host's agent publishes its lease (default: under the host
+    root of ``$VMLEND_ROOT``); only a cluster registry uses it."""
+    loc = location if isinstance(location, RegistryLocation) else parse_location(location)
+    if loc.path is not None:
+        return SqliteRegistry.open(loc.path)
+    path = lease_file or hostlease.lease_path(HostEnv.from_env())
+    gateway = EtcdGateway(loc.endpoints)
+    try:
+        return EtcdRegistry.open(gateway, loc.cluster, lambda: hostlease.read(path).lease)
+    except BaseException:
+        gateway.close()
+        raise
+
+
+def create_registry(
+    location: str | Path | RegistryLocation, init: Callable[[StateTxn], None]
+) -> Registry:
+    """A new state at ``location`` filled by ``init``; ``FileExistsError`` when one exists."""
+    loc = location if isinstance(location, RegistryLocation) else parse_location(location)
+    if loc.path is not None:
+        return SqliteRegistry.create(loc.path, init)
+    gateway = EtcdGateway(loc.endpoints)
+    try:
+        return EtcdRegistry.create(gateway, loc.cluster, init)
+    except BaseException:
+        gateway.close()
+        raise
