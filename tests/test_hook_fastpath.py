@@ -75,9 +75,11 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     assert {"lxml.etree", "vmlend.domain.info", "vmlend.fabric.sim.backend"} <= run.modules
     unused = ("click", "libvirt", "vmlend.cli", "vmlend.irq", "vmlend.hypervisor")
     unused += ("vmlend.domain.build", "vmlend.domain.templates", "vmlend.domain.rewrite")
+    unused += ("etcd3gw", "requests")  # an SQLite host never loads the etcd client
     assert run.within(*unused) == set()
     run = run_script(installed, ["vm1", "release", "end", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])
+    assert run.within("etcd3gw", "requests") == set()
 
 
 def test_installed_hook_ignores_the_callers_python_environment(installed, state_path, tmp_path):

@@ -15,10 +15,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from etcd3gw import exceptions as gw_errors
-from etcd3gw.client import Etcd3Client
+from typing import TYPE_CHECKING, Any
 
 from vmlend.errors import StateError
 
@@ -31,6 +28,12 @@ REQUEST_TIMEOUT = 5.0
 TRANSIENT_ATTEMPTS = 6
 
 # Substrings of etcd's error messages (etcdserver/api/v3rpc/rpctypes) that pass by themselves.
+if TYPE_CHECKING:
+    from etcd3gw import exceptions as gw_errors
+
+# etcd3gw (and requests under it) is imported only where a gateway is made or used: a host on
+# an SQLite registry - its hook above all, run for every domain operation - never loads it.
+
 _TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests")
 
 
@@ -77,6 +80,8 @@ class EtcdGateway:
         timeout: float = REQUEST_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        from etcd3gw.client import Etcd3Client
+
         if not endpoints:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
@@ -114,6 +119,8 @@ class EtcdGateway:
         raise AssertionError("unreachable")
 
     def _call_any(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        from etcd3gw import exceptions as gw_errors
+
         failures = []
         for i in range(len(self._clients)):
             index = (self._current + i) % len(self._clients)
@@ -189,6 +196,8 @@ def _short(e: Exception) -> str:
 
 
 def _server_error(e: gw_errors.Etcd3Exception, where: str) -> Exception:
+    from etcd3gw import exceptions as gw_errors
+
     try:
         message = str(json.loads(e.detail_text or "{}").get("error", "")) or str(e.detail_text)
     except ValueError:
