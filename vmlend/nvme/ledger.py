@@ -28,7 +28,7 @@ from vmlend.fabric.admission import vm_share
 from vmlend.fabric.model import Holder
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry
-from vmlend.registry.records import HoldRecord, Phase
+from vmlend.registry.records import HoldRecord, Phase, RuntimeRecord
 from vmlend.registry.txn import StateTxn
 
 MANAGER_VM = "nvme-manager"
@@ -67,20 +67,20 @@ def _geometry(tx: StateTxn, fdid: int) -> Geometry:
     raise NotSharedError(fdid)
 
 
+def share_entry(r: RuntimeRecord) -> ShareEntry:
+    """The share a runtime record of kind ``SHARE_RECORD`` keeps."""
+    h = r.data["holder"]
+    return ShareEntry(
+        r.fdid,
+        Holder(h["node"], h["vm"], h.get("vm_uuid", "")),
+        Share.from_record(r.data["share"]),
+        tuple(r.data.get("real_queues", ())),
+        int(r.data.get("rejections", 0)),
+    )
+
+
 def _entries(tx: StateTxn, fdid: int | None = None) -> list[ShareEntry]:
-    out = []
-    for r in tx.runtime(fdid, SHARE_RECORD):
-        h = r.data["holder"]
-        out.append(
-            ShareEntry(
-                r.fdid,
-                Holder(h["node"], h["vm"], h.get("vm_uuid", "")),
-                Share.from_record(r.data["share"]),
-                tuple(r.data.get("real_queues", ())),
-                int(r.data.get("rejections", 0)),
-            )
-        )
-    return out
+    return [share_entry(r) for r in tx.runtime(fdid, SHARE_RECORD)]
 
 
 def holder_share(tx: StateTxn, fdid: int, holder: Holder) -> Share | None:
