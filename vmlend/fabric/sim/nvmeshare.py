@@ -28,8 +28,10 @@ from pathlib import Path
 from vmlend.errors import FabricError
 from vmlend.fabric.model import GuestRange
 from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
+from vmlend.fabric.sim.invariants import ShareGrant
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
+from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
 from vmlend.nvme.driver import NvmeDriver
@@ -257,15 +259,20 @@ class SharedNvmeDrive:
             undo.append(lambda f=f: ingress.domain.unmap(base + f.gpa, f.size))
         src = self.hw.adapter(path.src.ref)
         seg = src.segment_size
-        for r in ranges:
-            count = -(-r.size // seg)
+        # the planner's windows (low, high), each rounded out to whole segments: exactly the
+        # segments admission claimed for the share (``vmlend.nvme.admit``)
+        for _name, group in window_groups(ranges, seg):
+            start = group[0].start // seg * seg
+            count = -(-(group[-1].end - start) // seg)
             first = src.free_segments(count)
             for i in range(count):
-                src.map_segment(first + i, vms.node, base + r.start + i * seg)
+                src.map_segment(first + i, vms.node, base + start + i * seg)
                 undo.append(lambda index=first + i: src.unmap_segment(index))
             window = src.segment_base(first)
-            lender_domain.map(base + r.start, window, r.size)
-            undo.append(lambda r=r, w=window: lender_domain.unmap(base + r.start, r.size))
+            for r in group:
+                at = window + r.start - start
+                lender_domain.map(base + r.start, at, r.size)
+                undo.append(lambda r=r: lender_domain.unmap(base + r.start, r.size))
 
     def _enter(self, node: str, path) -> _Ingress:
         ingress = self._ingress.get(node)
@@ -326,6 +333,10 @@ class SharedNvmeDrive:
                 self.manager.real_queues(vms.name),
                 self.manager.rejections(vms.name),
             )
+
+    def grants(self) -> list[ShareGrant]:
+        """The shares open now, as justifications for the fabric's invariant checker."""
+        return [ShareGrant(self.fdid, v.node, v.vm, v.share.asid) for v in self.shares.values()]
 
     # --- life -----------------------------------------------------------------------------------
     def status(self) -> dict[str, object]:
