@@ -127,6 +127,7 @@ def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
     try:
         guest = hw.create_guest("gamma", "a", [GuestRange(0, 64 * MiB)])
         vms = drive.open_share("gamma", "a", share=share)
+        vms.set_master()
         drv = guest_driver(vms.bar0, guest)
         (qp,) = drv.start(queues=1)
         assert drv.identify_namespace(1) == (64, 512)

@@ -26,6 +26,7 @@ from vmlend.fabric.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
+from vmlend.nvme.driver import NvmeTimeoutError
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import PAGE_MODE, TRAP_MODE
 
@@ -56,6 +57,8 @@ def drive(hw, tmp_path):
 def boot(hw, drive, node, vm, *, ram=64 * MiB, pairs=2, blocks=4096):
     hw.create_guest(node, vm, [GuestRange(0, ram)])
     share = drive.open_share(node, vm, pairs, blocks)
+    holds(hw, drive)
+    share.set_master()  # the guest driver's pci_set_master: the share's windows are mapped
     holds(hw, drive)
     drv = guest_driver(share.bar0, hw.guest(node, vm))
     queues = drv.start(queues=pairs, entries=16)
@@ -346,3 +349,32 @@ def test_a_share_justifies_only_its_own_vm(hw, drive):
     kinds = {v.kind for v in found}
     assert {"lender-iommu", "share-domain", "lut", "context"} <= kinds
     assert not any(v.where.startswith("b1") for v in found)
+
+
+def test_a_shares_windows_follow_bus_master_of_its_controller(hw, drive):
+    """As for a borrowed device: nothing of the VM is pinned or mapped until its driver sets
+    Bus Master on the virtual controller, and clearing it takes the windows away."""
+    before = _fabric_snapshot(hw)
+    hw.create_guest("b1", "vm-a", [GuestRange(0, 64 * MiB)])
+    a = drive.open_share("b1", "vm-a", 1, 4096)
+    assert _fabric_snapshot(hw) == before  # a share opened, nothing mapped
+    drv = guest_driver(a.bar0, hw.guest("b1", "vm-a"))
+    (qp,) = drv.start(queues=1, entries=16)  # admin emulation and queue creation need no DMA
+    with pytest.raises(NvmeTimeoutError):  # the drive cannot fetch from the VM's RAM yet
+        drv.write(qp, 0, b"a" * 512)
+    assert drive.controller.sq_stopped(a.share.real_qid(1))
+    assert drive.controller.stats.faults[-1].hop == "lender-iommu"
+    holds(hw, drive)
+    a.set_master()
+    assert hw.node("b1").iommu.attached() and a.config.read(0x04, 2) & 0x4
+    holds(hw, drive)
+    drv.reset()
+    (qp,) = drv.start(queues=1, entries=16)
+    assert drv.write(qp, 0, b"a" * 512).ok and drv.read(qp, 0, 1)[1] == b"a" * 512
+    a.set_master(False)
+    assert not hw.node("b1").iommu.attached()
+    assert hw.lender_domain(SHARED_NVME).mappings() == before[3]
+    holds(hw, drive)
+    a.close()
+    hw.destroy_guest("b1", "vm-a")  # unpinned when Bus Master went off
+    assert _fabric_snapshot(hw) == before

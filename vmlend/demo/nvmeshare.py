@@ -43,6 +43,7 @@ def nvme_share_step(s: Story) -> Json:
         for (node, vm), share in zip(VMS, shares, strict=True):
             guest = hw.create_guest(node, vm, [GuestRange(0, GUEST_RAM)])
             vms.append(drive.open_share(node, vm, share=share))
+            vms[-1].set_master()  # the guest's driver enables its controller: windows mapped
             drivers.append(NvmeDriver(vms[-1].bar0, guest, BumpAllocator(16 * MiB, 32 * MiB)))
         queues = [d.start(queues=1)[0] for d in drivers]
         seen = [d.identify_namespace(1) for d in drivers]

@@ -9,7 +9,8 @@ admin queues in lender memory, and for each VM (``open_share``):
   per-node domain (attached to the drive's crossing into that node) maps them onto the guest's
   pinned frames. A VM on the lender itself is mapped in the lender domain directly.
 - a virtual controller (its mdev is of type ``smartio-nvme_share``): emulated registers and
-  admin queue.
+  admin queue, and a config space whose Bus Master bit maps the share's DMA windows (as for a
+  borrowed device: set, the windows are mapped; cleared, they go).
 - the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
   software on the I/O path); in trap mode each write is trapped and forwarded to the share's
   own real queue ids only (one software step each).
@@ -91,6 +92,7 @@ class VmNvmeShare:
             self._interrupt,
         )
         self.bar0 = _GuestBar0(self)
+        self.config = _ShareConfig(self)
 
     @property
     def name(self) -> str:
@@ -103,6 +105,13 @@ class VmNvmeShare:
 
     def on_interrupt(self, fn: Callable[[int], object]) -> None:
         self._listeners.append(fn)
+
+    def set_master(self, on: bool = True) -> None:
+        """What the guest's ``pci_set_master``/``pci_clear_master`` does to its controller's
+        config space: Bus Master (with memory decoding) on or off."""
+        cmd = self.config.read(regs.COMMAND, 2) | regs.COMMAND_MEMORY
+        mask = regs.COMMAND_MASTER
+        self.config.write(regs.COMMAND, 2, cmd | mask if on else cmd & ~mask)
 
     def status(self) -> dict[str, object]:
         return {
@@ -118,6 +127,34 @@ class VmNvmeShare:
         if self.open:
             self.open = False
             self.drive._close_share(self)
+
+
+class _ShareConfig:
+    """The Command register of the virtual controller's config space (the rest reads 0):
+    Bus Master maps the share's DMA windows, as bus-master enable does for a borrowed device,
+    so a guest that never enables its controller pins and maps nothing."""
+
+    def __init__(self, share: VmNvmeShare) -> None:
+        self.s = share
+        self.command = 0
+
+    def read(self, offset: int, size: int) -> int:
+        if offset == regs.COMMAND:
+            return self.command & ((1 << (8 * size)) - 1)
+        return 0
+
+    def write(self, offset: int, size: int, value: int) -> None:
+        if offset != regs.COMMAND or size not in (2, 4):
+            return
+        if not self.s.open:
+            raise FabricError(f"VM {self.s.vm}'s NVMe share is closed")
+        value &= regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+        was, now = self.command & regs.COMMAND_MASTER, value & regs.COMMAND_MASTER
+        if now and not was:
+            self.s.drive._map_share(self.s)  # a refusal leaves Bus Master clear
+        elif was and not now:
+            self.s.windows.close()
+        self.command = value
 
 
 class _GuestBar0:
@@ -223,19 +260,25 @@ class SharedNvmeDrive:
     ) -> VmNvmeShare:
         """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
         ``blocks``, or the ``share`` the registry reserved for it; all or nothing."""
-        guest = self.hw.guest(node, vm)
+        self.hw.guest(node, vm)  # a running guest, or FabricError
         name = share.name if share is not None else f"vm:{node}/{vm}"
         share = self.manager.add_share(name, queue_pairs, blocks, decided=share)
         vms = VmNvmeShare(self, node, vm, share)
         try:
-            self._map(vms, guest.ranges)
             self.manager.connect(name, vms.virtual.admin_doorbell, vms._interrupt)
         except Exception:
-            vms.windows.close()
             self.manager.remove_share(name)
             raise
         self.shares[name] = vms
         return vms
+
+    def _map_share(self, vms: VmNvmeShare) -> None:
+        """Bus Master of ``vms``'s controller went on: pin and map its RAM; all or nothing."""
+        try:
+            self._map(vms, self.hw.guest(vms.node, vms.vm).ranges)
+        except Exception:
+            vms.windows.close()
+            raise
 
     def _map(self, vms: VmNvmeShare, ranges: list[GuestRange]) -> None:
         guest = self.hw.guest(vms.node, vms.vm)
