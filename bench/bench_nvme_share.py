@@ -74,6 +74,7 @@ def shared(hw: SimHardware, fdid: int, nodes: list[str], tmp: Path):  # type: ig
     for i, node in enumerate(nodes):
         guest = hw.create_guest(node, f"vm{i}", [GuestRange(0, RAM)])
         share = drive.open_share(node, f"vm{i}", 1, BLOCKS // 16)
+        share.set_master()
         drv = _driver(share.bar0, guest)
         (qp,) = drv.start(queues=1, entries=64)
         vms.append((drv, qp, share))

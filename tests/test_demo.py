@@ -191,6 +191,8 @@ def test_two_vms_on_two_hosts_share_the_nvme_and_the_guard_rejects_a_stray_comma
     assert by_vm["nvme-a"]["guard_rejections"] == 1 and by_vm["nvme-b"]["guard_rejections"] == 0
     assert by_vm["nvme-a"]["lba_offset"] + (1 << 16) == by_vm["nvme-b"]["lba_offset"]
     assert by_vm["nvme-a"]["real_queues"] and by_vm["nvme-b"]["real_queues"]
+    # checked mid-step, with both shares open: their mappings and claims are justified
+    assert share["invariant_violations"] == 0
 
 
 def test_text_report_and_a_second_run_on_the_same_state(story):

@@ -53,3 +53,19 @@ def test_refusals_are_one_line_errors(state_path):
     assert "no drive is shared" in make_cluster(state_path.parent / "other.db").cli(
         "nvme", "status"
     ).output
+
+
+def test_reserve_by_hand_claims_the_share_windows_of_the_vms_ram(state_path):
+    c = make_cluster(state_path)
+    assert c.cli("nvme", "share", "0x12", "--size", "2G").exit_code == 0
+    before = json.loads(c.cli("status", "--json", "--connect", "sim:///gamma").output)["adapters"]
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "64M", "--ram", "300G")
+    assert r.exit_code == 1 and "NTB window" in r.output and "share of 0x12" in r.output
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "64M", "--ram", "8G")
+    assert r.exit_code == 0, r.output
+    after = json.loads(c.cli("status", "--json", "--connect", "sim:///gamma").output)["adapters"]
+    used = {a["adapter"]: a["segments_used"] for a in after}
+    assert sum(used.values()) > sum(a["segments_used"] for a in before)
+    assert c.cli("nvme", "release", "0x12", "web").exit_code == 0
+    back = json.loads(c.cli("status", "--json", "--connect", "sim:///gamma").output)["adapters"]
+    assert back == before

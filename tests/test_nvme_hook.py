@@ -71,8 +71,14 @@ def test_prepare_claims_the_share_and_its_mdev_release_returns_them(env):
     entries = {str(e.holder): e.share for e in ledger.shared_drives(reg)[NVME][2]}
     assert entries["gamma/vm-a"].queue_pairs == 2 and entries["gamma/vm-a"].blocks == 131072
     assert entries["beta/vm-b"].queue_pairs == 1
+    # the shares' DMA windows (the domain's RAM) are claimed on the lender's adapter
+    with reg.read() as tx:
+        share_windows = {c.share: c.segments for _f, c in tx.claims() if c.kind == "dma"}
+    assert share_windows == {"nvme:0x12:gamma/vm-a": 1, "nvme:0x12:beta/vm-b": 1}
     HookOps(fabric("gamma"), NullLog()).release(a)
     assert fabric("gamma").mdevs() == []
+    with reg.read() as tx:
+        assert "nvme:0x12:gamma/vm-a" not in {c.share for _f, c in tx.claims()}
     assert [str(e.holder) for e in ledger.shared_drives(reg)[NVME][2]] == ["beta/vm-b"]
     HookOps(fabric("gamma"), NullLog()).release(a)  # idempotent
 

@@ -126,6 +126,7 @@ def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
     try:
         guest = hw.create_guest("gamma", "a", [GuestRange(0, 64 * MiB)])
         vms = drive.open_share("gamma", "a", share=share)
+        vms.set_master()
         drv = guest_driver(vms.bar0, guest)
         (qp,) = drv.start(queues=1)
         assert drv.identify_namespace(1) == (64, 512)
@@ -135,3 +136,52 @@ def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
         assert entry.rejections == 1 and entry.real_queues == (share.real_qid(1),)
     finally:
         drive.close()
+
+
+def _use(fab):
+    return {ref: (u.lut_used, u.segments_used) for ref, u in fab.usage().items()}
+
+
+def test_a_share_claims_the_ntb_resources_of_its_dma_path_and_returns_them(fab, reg):
+    from vmlend.fabric.admission import guest_ram_of
+    from vmlend.fabric.model import GiB
+    from vmlend.fabric.paths import route
+    from vmlend.memory.windows import window_segments
+
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    before = _use(fab)
+    topo = fab.topology()
+    path = route(topo, topo.device(NVME).lender, "gamma")
+    lender, borrower = path.src.ref, path.dst.ref
+    segs = window_segments(guest_ram_of(8 * GiB).ranges, path.src.segment_size)
+    assert segs >= 2  # low and high windows
+
+    a, a2 = Holder("gamma", "a"), Holder("gamma", "a2")
+    ledger.reserve_share(reg, NVME, a, 1, 10, guest_ram=8 * GiB)
+    after_a = _use(fab)
+    assert after_a[lender] == (before[lender][0] + 1, before[lender][1] + segs)
+    assert after_a[borrower] == (before[borrower][0] + 1, before[borrower][1])
+    # a second VM on the same node shares the drive's LUT entries, not its windows
+    ledger.reserve_share(reg, NVME, a2, 1, 10, guest_ram=8 * GiB)
+    assert _use(fab)[lender] == (before[lender][0] + 1, before[lender][1] + 2 * segs)
+    assert _use(fab)[borrower] == after_a[borrower]
+    assert ledger.release_share(reg, NVME, a)
+    assert _use(fab) == after_a  # a2's windows and the crossing it still uses remain
+    assert ledger.release_share(reg, NVME, a2)
+    assert _use(fab) == before
+
+
+def test_a_share_whose_windows_do_not_fit_is_refused_claiming_nothing(fab, reg):
+    from vmlend.errors import WindowExhaustedError
+    from vmlend.fabric.model import GiB
+
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    before = _use(fab)
+    with pytest.raises(WindowExhaustedError) as e:
+        ledger.reserve_share(reg, NVME, Holder("gamma", "big"), 1, 10, guest_ram=200 * GiB)
+    assert "share of 0x12" in str(e.value) and "\n" not in str(e.value)
+    assert _use(fab) == before and ledger.shared_drives(reg)[NVME][2] == []
+    # a VM on the lender crosses no NTB: nothing to claim, whatever its size
+    lender = fab.topology().device(NVME).lender
+    ledger.reserve_share(reg, NVME, Holder(lender, "local"), 1, 10, guest_ram=200 * GiB)
+    assert _use(fab) == before

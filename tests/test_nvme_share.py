@@ -1,7 +1,8 @@
 """One NVMe drive shared by VMs on different borrowers at the queue level: each VM's guest
 driver sees a standard controller with one namespace of its share's size; its I/O queues live
 in its own RAM and are fetched by the drive through its DMA windows; the guard keeps each VM
-inside its LBA window."""
+inside its LBA window. After every step the fabric's invariants hold with the open shares as
+the only justification of the drive's shared mappings."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from vmlend.errors import (
 )
 from vmlend.fabric.model import GuestRange, MiB
 from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.invariants import ShareGrant, check_hardware
 from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
 from vmlend.fabric.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
+from vmlend.nvme.driver import NvmeTimeoutError
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import PAGE_MODE, TRAP_MODE
 
@@ -35,18 +38,31 @@ def hw():
     return SimHardware.from_topology(parse_topology(sharing_topology(3)), seed=3)
 
 
+def holds(hw, drive=None):
+    """The fabric's invariants, each mapping of the drive's shares justified by an open one."""
+    found = check_hardware(hw, shares=drive.grants() if drive is not None else ())
+    assert not found, "\n".join(map(str, found))
+
+
 @pytest.fixture
 def drive(hw, tmp_path):
     d = SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS)
+    holds(hw, d)
     yield d
+    holds(hw, d)
     d.close()
+    holds(hw)
 
 
 def boot(hw, drive, node, vm, *, ram=64 * MiB, pairs=2, blocks=4096):
     hw.create_guest(node, vm, [GuestRange(0, ram)])
     share = drive.open_share(node, vm, pairs, blocks)
+    holds(hw, drive)
+    share.set_master()  # the guest driver's pci_set_master: the share's windows are mapped
+    holds(hw, drive)
     drv = guest_driver(share.bar0, hw.guest(node, vm))
     queues = drv.start(queues=pairs, entries=16)
+    holds(hw, drive)
     return share, drv, queues
 
 
@@ -145,6 +161,7 @@ def test_a_vm_stops_while_the_other_keeps_doing_io(hw, drive):
     assert da.write(qa, 0, b"a" * 512).ok and db.write(qb, 0, b"b" * 512).ok
     real_a = a.share.real_qid(1)
     a.close()
+    holds(hw, drive)
     hw.destroy_guest("b1", "vm-a")  # its RAM is unpinned: the guest can go
     assert real_a not in drive.controller.queue_ids()
     assert drive.manager.real_queues(b.name) == [b.share.real_qid(1)]
@@ -260,9 +277,11 @@ def test_closing_the_drive_leaves_the_fabric_as_it_was(hw, tmp_path):
         assert drv.write(qp, 0, b"z" * 512).ok
     first = drive.shares["vm:b1/vm0"]
     first.close()
+    holds(hw, drive)
     hw.destroy_guest("b1", "vm0")
     assert hw.node("b1").iommu.attached(), "vm1 on b1 still needs the crossing"
     drive.close()
+    holds(hw)
     for node, vm in (("b1", "vm1"), ("b2", "vm2"), ("store", "vm3")):
         hw.destroy_guest(node, vm)
     assert _fabric_snapshot(hw) == before
@@ -283,3 +302,79 @@ def test_a_manager_that_cannot_start_leaves_nothing_behind(hw, tmp_path, monkeyp
     assert _fabric_snapshot(hw) == before
     assert hw.borrowed(SHARED_NVME) is None
     assert hw.device(SHARED_NVME).raise_interrupt(1) == 0  # the manager's sink is gone too
+
+
+def _sticky(domain, asid):
+    """Make ``domain`` forget to unmap anything of address space ``asid``: a stale mapping."""
+    unmap = domain.unmap
+
+    def forgetful(iova, size):
+        if iova >> 47 != asid:
+            unmap(iova, size)
+
+    domain.unmap = forgetful
+
+
+@pytest.mark.parametrize("where", ["lender", "ingress"])
+def test_the_checker_catches_a_mapping_a_closed_share_left_behind(hw, tmp_path, where):
+    drive = SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS)
+    try:
+        a, _, _ = boot(hw, drive, "b1", "vm-a", pairs=1)
+        boot(hw, drive, "b1", "vm-a2", pairs=1)  # keeps the crossing into b1 after A stops
+        if where == "lender":
+            _sticky(hw.lender_domain(SHARED_NVME), a.share.asid)
+            kind, at = "lender-iommu", f"store:dev{SHARED_NVME:#x}"
+        else:
+            _sticky(next(iter(hw.node("b1").iommu.attached().values())), a.share.asid)
+            kind, at = "share-domain", f"b1:nvme{SHARED_NVME:#x}"
+        a.close()
+        found = check_hardware(hw, shares=drive.grants())
+        assert found and {v.kind for v in found} == {kind}, found
+        assert all(v.where.startswith(at) for v in found)
+        assert f"address space {a.share.asid} " in found[0].detail
+    finally:
+        drive.close()
+
+
+def test_a_share_justifies_only_its_own_vm(hw, drive):
+    boot(hw, drive, "b1", "vm-a", pairs=1)
+    boot(hw, drive, "b2", "vm-b", pairs=1)
+    # A's address space claimed for another VM: its mappings reach RAM that is not that VM's
+    wrong = [g if g.vm != "vm-a" else ShareGrant(g.fdid, g.node, "vm-x", g.asid)
+             for g in drive.grants()]
+    found = check_hardware(hw, shares=wrong)
+    assert found and all("not of vm-x" in v.detail for v in found), found
+    # without B's share, everything of B's crossing is unjustified, A's still is
+    found = check_hardware(hw, shares=[g for g in drive.grants() if g.vm != "vm-b"])
+    kinds = {v.kind for v in found}
+    assert {"lender-iommu", "share-domain", "lut", "context"} <= kinds
+    assert not any(v.where.startswith("b1") for v in found)
+
+
+def test_a_shares_windows_follow_bus_master_of_its_controller(hw, drive):
+    """As for a borrowed device: nothing of the VM is pinned or mapped until its driver sets
+    Bus Master on the virtual controller, and clearing it takes the windows away."""
+    before = _fabric_snapshot(hw)
+    hw.create_guest("b1", "vm-a", [GuestRange(0, 64 * MiB)])
+    a = drive.open_share("b1", "vm-a", 1, 4096)
+    assert _fabric_snapshot(hw) == before  # a share opened, nothing mapped
+    drv = guest_driver(a.bar0, hw.guest("b1", "vm-a"))
+    (qp,) = drv.start(queues=1, entries=16)  # admin emulation and queue creation need no DMA
+    with pytest.raises(NvmeTimeoutError):  # the drive cannot fetch from the VM's RAM yet
+        drv.write(qp, 0, b"a" * 512)
+    assert drive.controller.sq_stopped(a.share.real_qid(1))
+    assert drive.controller.stats.faults[-1].hop == "lender-iommu"
+    holds(hw, drive)
+    a.set_master()
+    assert hw.node("b1").iommu.attached() and a.config.read(0x04, 2) & 0x4
+    holds(hw, drive)
+    drv.reset()
+    (qp,) = drv.start(queues=1, entries=16)
+    assert drv.write(qp, 0, b"a" * 512).ok and drv.read(qp, 0, 1)[1] == b"a" * 512
+    a.set_master(False)
+    assert not hw.node("b1").iommu.attached()
+    assert hw.lender_domain(SHARED_NVME).mappings() == before[3]
+    holds(hw, drive)
+    a.close()
+    hw.destroy_guest("b1", "vm-a")  # unpinned when Bus Master went off
+    assert _fabric_snapshot(hw) == before

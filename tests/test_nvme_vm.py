@@ -52,6 +52,8 @@ def test_two_vms_started_by_the_hook_share_the_drive(setup):
     xa, xb = share_xml("sa", queues=2), share_xml("sb")
     va, vb = start(c, drive, xa, "gamma"), start(c, drive, xb, "beta")
     assert va.shares() == [NVME] and va.devices() == []  # no exclusive borrow of the drive
+    va.nvme_share(NVME).set_master()
+    vb.nvme_share(NVME).set_master()
     da = guest_driver(va.nvme_share(NVME).bar0, va.guest)
     db = guest_driver(vb.nvme_share(NVME).bar0, vb.guest)
     qa, qb = da.start(queues=2)[0], db.start(queues=1)[0]

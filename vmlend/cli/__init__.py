@@ -68,8 +68,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "status": (
         "cmd_status",
-        "Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps); per "
-        "NTB adapter the LUT entries and window in use.",
+        "Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps) and "
+        "NVMe shares (queue pairs, LBA window, real queues, guard rejections); per NTB adapter "
+        "the LUT entries and window in use.",
     ),
     "unlend": ("cmd_lend", "Withdraw device FDID from the fabric (refused while a VM holds it)."),
     "vm": (

@@ -68,15 +68,21 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
 @click.option("--queues", type=click.IntRange(1, 0xFFFE), default=1, show_default=True)
 @click.option("--size", required=True, help="The VM's namespace size, e.g. 64G.")
 @click.option("--node", help="The VM's node (default: this host's).")
+@click.option(
+    "--ram", default="0", help="The VM's RAM (e.g. 8G): its DMA windows' NTB room is claimed."
+)
 @click.pass_obj
 def reserve_cmd(
-    obj: CliContext, fdid: str, vm: str, queues: int, size: str, node: str | None
+    obj: CliContext, fdid: str, vm: str, queues: int, size: str, node: str | None, ram: str
 ) -> None:
-    """Claim a share of FDID for VM: queue pairs, MSI-X vectors and an LBA window."""
+    """Claim a share of FDID for VM: queue pairs, MSI-X vectors, an LBA window and the NTB
+    resources of its DMA path."""
     dev = parse_fdid(fdid)
     holder = _holder(obj, vm, node)
     with open_registry(obj.location) as reg:
-        share = ledger.reserve_share(reg, dev, holder, queues, _blocks(size))
+        share = ledger.reserve_share(
+            reg, dev, holder, queues, _blocks(size), guest_ram=parse_size(ram)
+        )
     click.echo(
         f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "
         f"LBAs {share.lba_offset}..{share.lba_offset + share.blocks - 1}"

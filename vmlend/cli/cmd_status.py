@@ -1,6 +1,7 @@
 """``vmlend status [VM]``: per VM its remote devices and what the data path set up for them,
 with each device's PCIe path into the VM's RAM (``vmlend path`` explains it stage by stage);
-per NTB adapter the LUT entries and window room in use. The collection is in
+each VM's queue-level NVMe shares (queue pairs, LBA window, real queue ids, doorbell mode,
+guard rejections); per NTB adapter the LUT entries and window room in use. The collection is in
 ``vmlend.ops.status``; this module renders it.
 """
 
@@ -15,6 +16,7 @@ from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.fabric.admission import format_size_short
 from vmlend.fabric.model import format_fdid
 from vmlend.fabric.pcie import PciePath
+from vmlend.nvme.lending import BLOCK
 from vmlend.ops.reconcile import find_drift, look
 from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
 from vmlend.registry.records import RuntimeRecord
@@ -67,6 +69,25 @@ def render_status(
                 ]
             )
     parts = [render_table(headers, rows) if rows else empty]
+    s_rows = [
+        [
+            v.name,
+            v.node,
+            format_fdid(e.fdid),
+            str(e.share.queue_pairs),
+            f"{e.share.lba_offset}+{e.share.blocks} ({format_size_short(e.share.blocks * BLOCK)})",
+            ",".join(map(str, e.real_queues)) or "-",
+            e.share.mode,
+            str(e.rejections),
+        ]
+        for v in vms
+        for e in v.shares
+    ]
+    if s_rows:
+        s_headers = (
+            "VM", "NODE", "NVME", "QUEUE PAIRS", "LBA WINDOW", "REAL QIDS", "DOORBELLS", "REJECTED"
+        )
+        parts.append(render_table(s_headers, s_rows))
     a_rows = [
         [
             u["adapter"],
@@ -87,8 +108,9 @@ def render_status(
 @json_option
 @click.pass_obj
 def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bool) -> None:
-    """Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps); per
-    NTB adapter the LUT entries and window in use."""
+    """Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps) and
+    NVMe shares (queue pairs, LBA window, real queues, guard rejections); per NTB adapter the
+    LUT entries and window in use."""
     hv = open_hv(obj, uri)
     try:
         fabric = fabric_for(obj, hv)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vmlend.cli.common import render_table
 from vmlend.demo.context import Json, Story, require
-from vmlend.fabric.model import GuestRange, Holder, MiB, format_fdid
+from vmlend.fabric.model import GuestRam, GuestRange, Holder, MiB, format_fdid
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
 from vmlend.nvme import ledger, spec
@@ -31,7 +31,11 @@ def nvme_share_step(s: Story) -> Json:
     holders = [Holder(node, vm) for node, vm in VMS]
     drive: SharedNvmeDrive | None = None
     try:
-        shares = [ledger.reserve_share(reg, fdid, h, 1, SHARE_BLOCKS) for h in holders]
+        ram = GuestRam((GuestRange(0, GUEST_RAM),))
+        # each share claims its DMA windows' room on the lender's adapter, as a device would
+        shares = [
+            ledger.reserve_share(reg, fdid, h, 1, SHARE_BLOCKS, guest_ram=ram) for h in holders
+        ]
         backing = s.state_path.parent / "nvme"  # the namespace's sparse file
         backing.mkdir(exist_ok=True)
         drive = SharedNvmeDrive(hw, fdid, backing, blocks=NAMESPACE_BLOCKS)
@@ -39,6 +43,7 @@ def nvme_share_step(s: Story) -> Json:
         for (node, vm), share in zip(VMS, shares, strict=True):
             guest = hw.create_guest(node, vm, [GuestRange(0, GUEST_RAM)])
             vms.append(drive.open_share(node, vm, share=share))
+            vms[-1].set_master()  # the guest's driver enables its controller: windows mapped
             drivers.append(NvmeDriver(vms[-1].bar0, guest, BumpAllocator(16 * MiB, 32 * MiB)))
         queues = [d.start(queues=1)[0] for d in drivers]
         seen = [d.identify_namespace(1) for d in drivers]
@@ -51,11 +56,13 @@ def nvme_share_step(s: Story) -> Json:
             io.append({"vm": f"{node}/{vm}", "wrote": 8, "read_back": True})
         # VM A names the first block past its window: B's first block
         stray = drivers[0].write(queues[0], SHARE_BLOCKS, b"X" * 512)
-        require(
-            stray.status == spec.SC_LBA_OUT_OF_RANGE, "the guard let a stray command through"
-        )
+        require(stray.status == spec.SC_LBA_OUT_OF_RANGE, "the guard let a stray command through")
         b_data = drivers[1].read(queues[1], 0, 1)[1]
         require(b_data.startswith(b"block 0 of nvme-b"), "VM B's block changed")
+        # while both share the drive, every mapping is justified by a share of the right VM
+        # and the shares' windows take exactly the segments they claimed
+        found = s.c.violations()
+        require(not found, f"fabric invariant violated while sharing: {found[0] if found else ''}")
         drive.record(reg)
         status = [e.to_json() for e in ledger.shared_drives(reg)[fdid][2]]
         traps = sum(v.traps for v in vms)
@@ -72,6 +79,7 @@ def nvme_share_step(s: Story) -> Json:
             },
             "shares": status,
             "doorbell_traps": traps,
+            "invariant_violations": len(found),
         }
         for v in vms:
             v.close()

@@ -48,7 +48,14 @@ class HookOps:
             try:
                 if dev.share is not None:  # a queue-level share of an NVMe drive
                     acquire_share(
-                        self.fabric, holder, dev.fdid, dev.mdev, dev.share, journal, record
+                        self.fabric,
+                        holder,
+                        dev.fdid,
+                        dev.mdev,
+                        dev.share,
+                        journal,
+                        record,
+                        guest_ram=dom.guest_ram,
                     )
                     continue
                 acquire_device(

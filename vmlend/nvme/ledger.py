@@ -5,8 +5,10 @@ exclusive reservation of it is refused as for any held device, and sharing a dri
 is refused in turn: the two modes exclude each other. The controller's geometry and each share
 (queue pairs, MSI-X vectors, LBA extent, address space) are runtime records of that hold, so
 they go with it; a share is claimed at reserve (all or nothing, inside one write transaction)
-and returned at release. The data path records what it sees (real queues, guard rejections)
-in the share's record so ``vmlend nvme status`` in any process shows it.
+and returned at release, together with the NTB resources its DMA path uses (LUT entries,
+window segments: ``vmlend.nvme.admit``), which are claims of the manager's hold. The data
+path records what it sees (real queues, guard rejections) in the share's record so
+``vmlend nvme status`` in any process shows it.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from vmlend.errors import (
     SharesActiveError,
     UnknownDeviceError,
 )
-from vmlend.fabric.admission import vm_share
-from vmlend.fabric.model import Holder
+from vmlend.fabric.admission import guest_ram_of, vm_share
+from vmlend.fabric.model import GuestRam, Holder
+from vmlend.fabric.topology import parse_topology
+from vmlend.nvme.admit import check_share_claims, share_claims
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
-from vmlend.registry.records import HoldRecord, Phase
+from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase, RuntimeRecord
 
 MANAGER_VM = "nvme-manager"
 GEOMETRY_RECORD = "nvme-geometry"
@@ -66,20 +70,20 @@ def _geometry(tx: StateTxn, fdid: int) -> Geometry:
     raise NotSharedError(fdid)
 
 
+def share_entry(r: RuntimeRecord) -> ShareEntry:
+    """The share a runtime record of kind ``SHARE_RECORD`` keeps."""
+    h = r.data["holder"]
+    return ShareEntry(
+        r.fdid,
+        Holder(h["node"], h["vm"], h.get("vm_uuid", "")),
+        Share.from_record(r.data["share"]),
+        tuple(r.data.get("real_queues", ())),
+        int(r.data.get("rejections", 0)),
+    )
+
+
 def _entries(tx: StateTxn, fdid: int | None = None) -> list[ShareEntry]:
-    out = []
-    for r in tx.runtime(fdid, SHARE_RECORD):
-        h = r.data["holder"]
-        out.append(
-            ShareEntry(
-                r.fdid,
-                Holder(h["node"], h["vm"], h.get("vm_uuid", "")),
-                Share.from_record(r.data["share"]),
-                tuple(r.data.get("real_queues", ())),
-                int(r.data.get("rejections", 0)),
-            )
-        )
-    return out
+    return [share_entry(r) for r in tx.runtime(fdid, SHARE_RECORD)]
 
 
 def holder_share(tx: StateTxn, fdid: int, holder: Holder) -> Share | None:
@@ -137,11 +141,35 @@ def unshare(registry: Registry, fdid: int) -> bool:
     return registry.transact(body)
 
 
+def _claims_of(r: RuntimeRecord) -> list[Claim]:
+    return [
+        Claim(
+            c["adapter"], ClaimKind(c["kind"]), c["share"], c["entries"], c["segments"], c["bytes"]
+        )
+        for c in r.data.get("claims", ())
+    ]
+
+
+def _store_claims(tx: StateTxn, fdid: int) -> None:
+    """The manager's hold claims what its current shares use, and nothing more."""
+    records = tx.runtime(fdid, SHARE_RECORD)
+    for kind in (ClaimKind.LUT, ClaimKind.DMA):
+        mine = [(fdid, c) for r in records for c in _claims_of(r) if c.kind is kind]
+        tx.replace_claims(kind, [fdid], mine)
+
+
 def reserve_share(
-    registry: Registry, fdid: int, holder: Holder, queue_pairs: int, blocks: int
+    registry: Registry,
+    fdid: int,
+    holder: Holder,
+    queue_pairs: int,
+    blocks: int,
+    *,
+    guest_ram: GuestRam | int = 0,
 ) -> Share:
-    """Claim a share of ``fdid`` for ``holder`` (the same share again for the same VM);
-    ``ResourceExhaustedError`` when the controller has not enough left, nothing claimed."""
+    """Claim a share of ``fdid`` for ``holder`` (the same share again for the same VM) and
+    the NTB resources its DMA path into RAM ``guest_ram`` uses; ``ResourceExhaustedError``
+    when the controller or an adapter has not enough left, nothing claimed."""
     key = vm_share(holder)
 
     def body(tx: StateTxn) -> Share:
@@ -156,20 +184,37 @@ def reserve_share(
                 return e.share
         book = ShareBook(_geometry(tx, fdid), [e.share for e in entries])
         share = book.allocate(key, queue_pairs, blocks)
+        rec = tx.topology()
+        topology = parse_topology(rec.text, rec.source)
+        claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram))
+        check_share_claims(topology, tx.claims(), fdid, holder, claims)
         tx.put_runtime(
             fdid,
             SHARE_RECORD,
             key,
-            {"holder": dataclasses.asdict(holder), "share": share.record()},
+            {
+                "holder": dataclasses.asdict(holder),
+                "share": share.record(),
+                "claims": [dataclasses.asdict(c) for c in claims],
+            },
         )
+        _store_claims(tx, fdid)
         return share
 
     return registry.transact(body)
 
 
 def release_share(registry: Registry, fdid: int, holder: Holder) -> bool:
-    """Return ``holder``'s share of ``fdid``; False when it had none."""
-    return registry.transact(lambda tx: tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)) > 0)
+    """Return ``holder``'s share of ``fdid`` and the NTB resources only it used; False when
+    it had none."""
+
+    def body(tx: StateTxn) -> bool:
+        if not tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)):
+            return False
+        _store_claims(tx, fdid)
+        return True
+
+    return registry.transact(body)
 
 
 def record_usage(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from uuid import UUID
 
 from vmlend.errors import SharingUnsupportedError, VmlendError
-from vmlend.fabric.model import Holder, MdevInfo, format_fdid
+from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
 from vmlend.lending import Record, UndoJournal
 from vmlend.nvme.shares import Share
 
@@ -29,7 +29,15 @@ BLOCK = 512
 class ShareFabric(Protocol):
     local_node: str
 
-    def reserve_share(self, fdid: int, holder: Holder, queue_pairs: int, blocks: int) -> Share: ...
+    def reserve_share(
+        self,
+        fdid: int,
+        holder: Holder,
+        queue_pairs: int,
+        blocks: int,
+        *,
+        guest_ram: GuestRam | int = 0,
+    ) -> Share: ...
 
     def release_share(self, fdid: int, holder: Holder) -> bool: ...
 
@@ -58,9 +66,12 @@ def acquire_share(
     request: NvmeShareRequest,
     journal: UndoJournal,
     record: Record = _ignore,
+    *,
+    guest_ram: GuestRam | int = 0,
 ) -> str:
-    """Claim ``holder``'s share of ``fdid`` and create its share mdev ``mdev``; what this call
-    newly did is pushed on ``journal``. Returns the parent's name."""
+    """Claim ``holder``'s share of ``fdid`` (with the NTB resources its DMA windows into RAM
+    ``guest_ram`` use) and create its share mdev ``mdev``; what this call newly did is pushed
+    on ``journal``. Returns the parent's name."""
     fd = format_fdid(fdid)
     if not isinstance(fabric, ShareFabric):
         raise SharingUnsupportedError(
@@ -71,7 +82,9 @@ def acquire_share(
     uuid = str(mdev)
     had_mdev = any(m.uuid == uuid for m in fabric.mdevs())
     had_share = fdid in fabric.shares_held(holder)
-    share = fabric.reserve_share(fdid, holder, request.queue_pairs, request.size // BLOCK)
+    share = fabric.reserve_share(
+        fdid, holder, request.queue_pairs, request.size // BLOCK, guest_ram=guest_ram
+    )
     if not had_share:
         journal.push(f"share of {fd}", lambda: fabric.release_share(fdid, holder))
     record(

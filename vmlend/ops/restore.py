@@ -27,7 +27,16 @@ def restore_running(
     for dev in devices:
         try:
             if dev.share is not None:  # a queue-level NVMe share: its own claim and mdev type
-                acquire_share(fabric, holder, dev.fdid, dev.mdev, dev.share, UndoJournal(), record)
+                acquire_share(
+                    fabric,
+                    holder,
+                    dev.fdid,
+                    dev.mdev,
+                    dev.share,
+                    UndoJournal(),
+                    record,
+                    guest_ram=guest_ram,
+                )
                 continue
             acquire_device(
                 fabric,

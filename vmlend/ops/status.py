@@ -4,7 +4,9 @@ per NTB adapter the LUT entries and window room in use.
 VMs come from the hypervisor (domains with vmlend metadata) and from the fabric's holds (a
 device held by a VM this hypervisor does not know: another node's VM, or a leftover).
 The data-path records (DMA windows, interrupt vectors, P2P maps) are the registry's runtime
-records of each held device; "-" when there are none.
+records of each held device; "-" when there are none. A VM's queue-level NVMe shares
+(``vmlend.nvme.ledger``) are runtime records of the drive's manager hold: they are shown per
+VM apart from its devices (the drive itself is the manager's, not the VM's).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vmlend.fabric.model import DeviceStatus, Holder, Topology, format_fdid
 from vmlend.fabric.pcie import PciePath, device_to_ram
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for
+from vmlend.nvme.ledger import SHARE_RECORD, ShareEntry, share_entry
 from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
 
@@ -68,6 +71,8 @@ class VmView:
     node: str
     state: str  # running / shutoff / "not on this hypervisor"
     devices: list[DeviceView]
+    #: Its queue-level shares of NVMe drives, with what the data path last recorded.
+    shares: list[ShareEntry] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +80,7 @@ class VmView:
             "node": self.node,
             "state": self.state,
             "devices": [d.to_json() for d in self.devices],
+            "nvme_shares": [s.to_json() for s in self.shares],
         }
 
 
@@ -107,11 +113,12 @@ def collect(
     statuses = {st.fdid: st for st in fabric.devices()}
     mdevs = {m.uuid for m in fabric.mdevs()}
     node = fabric.local_node
+    shares = [share_entry(r) for r in runtime if r.kind == SHARE_RECORD]
     views: list[VmView] = []
     seen: list[Holder] = []
     if vm is None:
         domains = hv.list_domains()
-    elif _fabric_only(hv, fabric, vm):
+    elif _fabric_only(hv, fabric, vm, {s.holder.vm for s in shares}):
         domains = []
     else:
         domains = [hv.lookup(vm)]
@@ -127,24 +134,27 @@ def collect(
             continue
         holder = holder_for(fabric, info.name, live.uuid or info.uuid)
         seen.append(holder)
+        # a share's drive is held by its manager: the share, not the drive, is the VM's
         devices = [
             _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
             for d in live.devices
-            if d.fdid in statuses
+            if d.fdid in statuses and d.share is None
         ]
         for d in pending:
-            if d.fdid in statuses:
+            if d.fdid in statuses and d.share is None:
                 view = _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
                 view.state = "at next start"
                 devices.append(view)
-        views.append(VmView(info.name, node, info.state.value, devices))
-    for holder, held in _other_holders(statuses.values(), seen):
+        views.append(
+            VmView(info.name, node, info.state.value, devices, _shares_of(shares, holder))
+        )
+    for holder, held in _other_holders(statuses.values(), seen, shares):
         if vm is not None and holder.vm != vm:
             continue
         owned = {m.fdid: m.uuid for m in fabric.mdevs() if m.vm == holder.vm}
         devices = [_device_view(st, holder, owned.get(st.fdid), mdevs, runtime) for st in held]
         where = "not on this hypervisor" if holder.node == node else f"on {holder.node}"
-        views.append(VmView(holder.vm, holder.node, where, devices))
+        views.append(VmView(holder.vm, holder.node, where, devices, _shares_of(shares, holder)))
     topology = fabric.topology()
     for v in views:
         for d in v.devices:
@@ -159,26 +169,40 @@ def _dma_path(topology: Topology, fdid: int, node: str) -> PciePath | None:
         return None
 
 
-def _fabric_only(hv: Hypervisor, fabric: Fabric, vm: str) -> bool:
-    """``vm`` is unknown to ``hv`` but holds devices in the fabric (else the lookup error)."""
+def _fabric_only(hv: Hypervisor, fabric: Fabric, vm: str, sharers: set[str]) -> bool:
+    """``vm`` is unknown to ``hv`` but holds devices or NVMe shares (``sharers``) in the
+    fabric (else the lookup error)."""
     try:
         hv.lookup(vm)
         return False
     except UnknownDomainError:
-        if any(st.holder and st.holder.vm == vm for st in fabric.devices()):
+        if vm in sharers or any(st.holder and st.holder.vm == vm for st in fabric.devices()):
             return True
         raise
 
 
+def _shares_of(shares: Iterable[ShareEntry], holder: Holder) -> list[ShareEntry]:
+    return sorted(
+        (s for s in shares if same_holder(s.holder, holder)), key=lambda s: s.fdid
+    )
+
+
 def _other_holders(
-    statuses: Iterable[DeviceStatus], seen: list[Holder]
+    statuses: Iterable[DeviceStatus], seen: list[Holder], shares: Iterable[ShareEntry] = ()
 ) -> list[tuple[Holder, list[DeviceStatus]]]:
+    """Holders of devices or shares not among ``seen``, each with the devices it holds."""
     groups: dict[tuple[str, str, str], list[DeviceStatus]] = {}
     for st in statuses:
         h = st.holder
         if h is None or any(same_holder(h, s) for s in seen):
             continue
         groups.setdefault((h.node, h.vm, h.vm_uuid), []).append(st)
+    for e in shares:
+        h = e.holder
+        known = [Holder(*key) for key in groups]
+        if any(same_holder(h, s) for s in [*seen, *known]):
+            continue
+        groups[(h.node, h.vm, h.vm_uuid)] = []
     return [(Holder(*key), sts) for key, sts in sorted(groups.items())]
 
 

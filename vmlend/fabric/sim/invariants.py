@@ -15,7 +15,22 @@ registry's holds and claims): every mapping is justified by a current borrow of 
 - ``interrupt``: a device that is not borrowed still has an interrupt route;
 - ``hold``: a hold without a holder, a hardware borrow without the matching BORROWED hold;
 - ``claims``: a VM's DMA-window segments on an adapter mapped without a claim, or fewer than
-  claimed; with ``exact_claims`` (``EXACT_CLAIMS``) any difference.
+  claimed; with ``exact_claims`` (``EXACT_CLAIMS``) any difference. A share's windows must
+  match its claim exactly (admission claims the planner's count for them).
+
+Shared NVMe drives (docs/nvme-sharing.md) are borrowed by their manager (``nvme-manager`` on
+the lender), which justifies only the drive's untagged address space. Everything a share maps
+must be justified by a current share of the right VM, given as ``shares`` (``ShareGrant``:
+drive, VM, address-space id):
+
+- ``lender-iommu``: a mapping of the drive's domain in an address space no current share has,
+  or reaching anything but that share's VM's RAM (directly on the lender, or through NTB
+  segments into the drive's ingress domain on the VM's node);
+- ``share-domain``: the per-node ingress domain of a shared drive maps an address space of no
+  current share on that node, or RAM that is not that share's VM's;
+- ``context``/``lut``: a shared drive's crossing into a node (LUT entries on both adapters, the
+  ingress context) where no current share needs it.
+Without ``shares`` a shared drive's share mappings are all violations.
 """
 
 from __future__ import annotations
@@ -29,6 +44,9 @@ from vmlend.fabric.model import Holder
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.fabric.sim.iommu import Mapping as IommuMapping
+from vmlend.nvme.admit import share_window_key
+from vmlend.nvme.guard import ADDRESS_BITS
+from vmlend.nvme.ledger import MANAGER_VM
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 
 #: Claims must equal the mapped DMA-window segments (not just cover them). Off until admission
@@ -36,6 +54,21 @@ from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 EXACT_CLAIMS = False
 
 Owner = tuple[str, str]  # (node, vm)
+
+
+@dataclass(frozen=True)
+class ShareGrant:
+    """A current share of shared drive ``fdid`` by VM ``vm`` on ``node``: it justifies the
+    mappings of address space ``asid``."""
+
+    fdid: int
+    node: str
+    vm: str
+    asid: int
+
+    @property
+    def owner(self) -> Owner:
+        return (self.node, self.vm)
 
 
 @dataclass(frozen=True)
@@ -54,11 +87,13 @@ def check_hardware(
     holds: Mapping[int, HoldRecord] | None = None,
     claims: Sequence[tuple[int, Claim]] | None = None,
     exact_claims: bool = EXACT_CLAIMS,
+    shares: Sequence[ShareGrant] = (),
 ) -> list[Violation]:
     """Every violation of the fabric's invariants in ``hw`` now (empty: all hold)."""
-    c = _Checker(hw)
+    c = _Checker(hw, shares)
     c.lender_domains()
     c.vm_domains()
+    c.share_domains()
     c.segments()
     c.luts()
     c.contexts()
@@ -75,12 +110,19 @@ def _fmt(m: IommuMapping) -> str:
 
 
 class _Checker:
-    def __init__(self, hw: SimHardware) -> None:
+    def __init__(self, hw: SimHardware, shares: Sequence[ShareGrant] = ()) -> None:
         self.hw = hw
         self.found: list[Violation] = []
         self.owners: dict[int, Owner] = {b.fdid: (b.node, b.vm) for b in hw.borrows()}
         # (adapter ref, segment) -> devices whose lender mapping points into it
         self.segment_users: dict[tuple[str, int], set[int]] = {}
+        # drives their manager holds for sharing: their shares justify the tagged mappings
+        self.shared = {f for f, (_n, vm) in self.owners.items() if vm == MANAGER_VM}
+        self.grants: dict[int, dict[int, ShareGrant]] = {}
+        for g in shares:
+            self.grants.setdefault(g.fdid, {})[g.asid] = g
+        # (adapter ref, segment) -> the shares whose windows point into it
+        self.share_segments: dict[tuple[str, int], set[ShareGrant]] = {}
 
     def bad(self, kind: str, where: str, detail: str) -> None:
         self.found.append(Violation(kind, where, detail))
@@ -120,7 +162,61 @@ class _Checker:
                 if owner is None:
                     self.bad("lender-iommu", where, f"device {dev.fdid:#x} is not borrowed")
                     continue
+                asid = m.iova >> ADDRESS_BITS
+                if dev.fdid in self.shared and asid:
+                    self._share_mapping(dev.fdid, dev.lender, m, asid, where)
+                    continue
                 self._lender_mapping(dev.fdid, dev.lender, m, owner, where)
+
+    def _grant(self, fdid: int, asid: int) -> ShareGrant | None:
+        return self.grants.get(fdid, {}).get(asid)
+
+    def _share_mapping(
+        self, fdid: int, lender: str, m: IommuMapping, asid: int, where: str
+    ) -> None:
+        """A mapping in address space ``asid`` of shared drive ``fdid``: its share's VM's RAM
+        only, on the lender or through segments into the drive's ingress domain there."""
+        grant = self._grant(fdid, asid)
+        if grant is None:
+            self.bad(
+                "lender-iommu", where, f"address space {asid} of {fdid:#x} is no current share's"
+            )
+            return
+        owner = grant.owner
+        region = self.hw.node(lender).address_map.find(m.phys)
+        if region is None or region.kind != "ntb":
+            for addr in self._ends(m):
+                why = self._target_ok(lender, addr, owner)
+                if why:
+                    self.bad("lender-iommu", where, why)
+                    return
+            return
+        assert region.adapter is not None
+        adapter = self.hw.adapter(region.adapter)
+        first = adapter.segment_of(m.phys)
+        last = adapter.segment_of(min(m.phys + m.size - 1, region.end - 1))
+        for index in range(first, last + 1):
+            seg = adapter.segment(index)
+            if seg is None:
+                self.bad(
+                    "lender-iommu", where, f"points at unmapped segment {index} of {adapter.ref}"
+                )
+                continue
+            self.segment_users.setdefault((adapter.ref, index), set()).add(fdid)
+            self.share_segments.setdefault((adapter.ref, index), set()).add(grant)
+            if seg.remote_node != grant.node:
+                self.bad(
+                    "lender-iommu",
+                    where,
+                    f"crosses to {seg.remote_node}, but address space {asid} is the share of "
+                    f"{grant.node}/{grant.vm}",
+                )
+            elif seg.remote_addr >> ADDRESS_BITS != asid:
+                self.bad(
+                    "lender-iommu",
+                    where,
+                    f"segment {index} of {adapter.ref} leaves address space {asid}",
+                )
 
     def _lender_mapping(
         self, fdid: int, lender: str, m: IommuMapping, owner: Owner, where: str
@@ -189,6 +285,45 @@ class _Checker:
                         self.bad("domain", where, why)
                         break
 
+    def share_domains(self) -> None:
+        """The ingress domain of each shared drive on each node: every mapping in the address
+        space of a current share of a VM on that node, onto that VM's RAM."""
+        for name, node in self.hw.nodes.items():
+            for requester, domain in node.iommu.attached().items():
+                fdid = self.hw.crossing_source(name, requester)
+                if fdid not in self.shared:
+                    continue
+                for m in domain.mappings():
+                    where = f"{domain.name} {_fmt(m)}"
+                    asid = m.iova >> ADDRESS_BITS
+                    grant = self._grant(fdid, asid)
+                    if grant is None or grant.node != name:
+                        self.bad(
+                            "share-domain",
+                            where,
+                            f"address space {asid} of {fdid:#x} is no current share on {name}",
+                        )
+                        continue
+                    for addr in self._ends(m):
+                        why = self._target_ok(name, addr, grant.owner)
+                        if why:
+                            self.bad("share-domain", where, why)
+                            break
+
+    def _share_crosses(self, fdid: int, node: str, adapter: str | None = None) -> bool:
+        """A current share of ``fdid`` is of a VM on ``node`` (``adapter``: reached through
+        that adapter of the lender)."""
+        lender = self.hw.device(fdid).lender
+        for g in self.grants.get(fdid, {}).values():
+            if adapter is None:
+                if g.node == node:
+                    return True
+                continue
+            path = self.hw.route(lender, g.node)
+            if path is not None and path.src.ref == adapter:
+                return True
+        return False
+
     def segments(self) -> None:
         for adapter in self.hw.adapters():
             for seg in adapter.mapped_segments():
@@ -210,10 +345,15 @@ class _Checker:
                 if fdid is not None:  # outbound: a local function allowed to cross
                     if fdid not in self.owners:
                         self.bad("lut", where, f"lets {fdid:#x} across, which is not borrowed")
+                    elif fdid in self.shared and not self._share_crosses(fdid, "", adapter.ref):
+                        self.bad("lut", where, f"lets shared {fdid:#x} across for no share")
                     continue
                 fdid = by_key.get(rid)  # inbound: how this adapter names a remote function
                 if fdid is None or fdid not in self.owners:
                     self.bad("lut", where, f"key {rid:#x} names no borrowed device")
+                    continue
+                if fdid in self.shared and not self._share_crosses(fdid, adapter.node):
+                    self.bad("lut", where, f"names shared {fdid:#x}, no share on {adapter.node}")
                     continue
                 try:
                     requester = self.hw.ingress(fdid, adapter.node)
@@ -244,6 +384,10 @@ class _Checker:
                         )
                     elif domain is not self.hw.lender_domain(local[0].fdid):
                         self.bad("context", where, f"a local function in {domain.name}")
+                    continue
+                if fdid in self.shared:  # the drive's ingress domain (``share_domains``)
+                    if domain.owner is not None or not self._share_crosses(fdid, name):
+                        self.bad("context", where, f"shared {fdid:#x} enters for no share here")
                     continue
                 owner = self.owners.get(fdid)
                 if owner is None or domain.owner != owner:
@@ -277,8 +421,15 @@ class _Checker:
                 key = (c.adapter, c.share)
                 claimed[key] = max(claimed.get(key, 0), c.segments)
         mapped: dict[tuple[str, str], int] = {}
+        shared_keys: set[tuple[str, str]] = set()
+        for (ref, _index), grants in self.share_segments.items():
+            for g in grants:
+                key = (ref, share_window_key(g.fdid, Holder(g.node, g.vm)))
+                mapped[key] = mapped.get(key, 0) + 1
+                shared_keys.add(key)
         for (ref, index), users in self.segment_users.items():
-            if not self._is_window_segment(ref, index, users):
+            users = users - self.shared  # a shared drive's segments are its shares' (above)
+            if not users or not self._is_window_segment(ref, index, users):
                 continue
             for owner in {self.owners[f] for f in users if f in self.owners}:
                 key = (ref, vm_share(Holder(*owner)))
@@ -287,7 +438,7 @@ class _Checker:
             have, want = mapped[key], claimed.get(key, 0)
             # today admission may claim fewer than the planner maps (issue 10 part 3): only
             # "mapped without a claim" and over-claiming are checked unless ``exact``
-            if not want or want > have or (exact and have != want):
+            if not want or want > have or ((exact or key in shared_keys) and have != want):
                 self.bad(
                     "claims",
                     f"{key[0]} {key[1]}",

@@ -9,7 +9,8 @@ admin queues in lender memory, and for each VM (``open_share``):
   per-node domain (attached to the drive's crossing into that node) maps them onto the guest's
   pinned frames. A VM on the lender itself is mapped in the lender domain directly.
 - a virtual controller (its mdev is of type ``smartio-nvme_share``): emulated registers and
-  admin queue.
+  admin queue, and a config space whose Bus Master bit maps the share's DMA windows (as for a
+  borrowed device: set, the windows are mapped; cleared, they go).
 - the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
   software on the I/O path); in trap mode each write is trapped and forwarded to the share's
   own real queue ids only (one software step each).
@@ -28,8 +29,10 @@ from pathlib import Path
 from vmlend.errors import FabricError
 from vmlend.fabric.model import GuestRange
 from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
+from vmlend.fabric.sim.invariants import ShareGrant
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
+from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
 from vmlend.nvme.driver import NvmeDriver
@@ -89,6 +92,7 @@ class VmNvmeShare:
             self._interrupt,
         )
         self.bar0 = _GuestBar0(self)
+        self.config = _ShareConfig(self)
 
     @property
     def name(self) -> str:
@@ -101,6 +105,13 @@ class VmNvmeShare:
 
     def on_interrupt(self, fn: Callable[[int], object]) -> None:
         self._listeners.append(fn)
+
+    def set_master(self, on: bool = True) -> None:
+        """What the guest's ``pci_set_master``/``pci_clear_master`` does to its controller's
+        config space: Bus Master (with memory decoding) on or off."""
+        cmd = self.config.read(regs.COMMAND, 2) | regs.COMMAND_MEMORY
+        mask = regs.COMMAND_MASTER
+        self.config.write(regs.COMMAND, 2, cmd | mask if on else cmd & ~mask)
 
     def status(self) -> dict[str, object]:
         return {
@@ -116,6 +127,34 @@ class VmNvmeShare:
         if self.open:
             self.open = False
             self.drive._close_share(self)
+
+
+class _ShareConfig:
+    """The Command register of the virtual controller's config space (the rest reads 0):
+    Bus Master maps the share's DMA windows, as bus-master enable does for a borrowed device,
+    so a guest that never enables its controller pins and maps nothing."""
+
+    def __init__(self, share: VmNvmeShare) -> None:
+        self.s = share
+        self.command = 0
+
+    def read(self, offset: int, size: int) -> int:
+        if offset == regs.COMMAND:
+            return self.command & ((1 << (8 * size)) - 1)
+        return 0
+
+    def write(self, offset: int, size: int, value: int) -> None:
+        if offset != regs.COMMAND or size not in (2, 4):
+            return
+        if not self.s.open:
+            raise FabricError(f"VM {self.s.vm}'s NVMe share is closed")
+        value &= regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+        was, now = self.command & regs.COMMAND_MASTER, value & regs.COMMAND_MASTER
+        if now and not was:
+            self.s.drive._map_share(self.s)  # a refusal leaves Bus Master clear
+        elif was and not now:
+            self.s.windows.close()
+        self.command = value
 
 
 class _GuestBar0:
@@ -221,19 +260,25 @@ class SharedNvmeDrive:
     ) -> VmNvmeShare:
         """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
         ``blocks``, or the ``share`` the registry reserved for it; all or nothing."""
-        guest = self.hw.guest(node, vm)
+        self.hw.guest(node, vm)  # a running guest, or FabricError
         name = share.name if share is not None else f"vm:{node}/{vm}"
         share = self.manager.add_share(name, queue_pairs, blocks, decided=share)
         vms = VmNvmeShare(self, node, vm, share)
         try:
-            self._map(vms, guest.ranges)
             self.manager.connect(name, vms.virtual.admin_doorbell, vms._interrupt)
         except Exception:
-            vms.windows.close()
             self.manager.remove_share(name)
             raise
         self.shares[name] = vms
         return vms
+
+    def _map_share(self, vms: VmNvmeShare) -> None:
+        """Bus Master of ``vms``'s controller went on: pin and map its RAM; all or nothing."""
+        try:
+            self._map(vms, self.hw.guest(vms.node, vms.vm).ranges)
+        except Exception:
+            vms.windows.close()
+            raise
 
     def _map(self, vms: VmNvmeShare, ranges: list[GuestRange]) -> None:
         guest = self.hw.guest(vms.node, vms.vm)
@@ -257,15 +302,20 @@ class SharedNvmeDrive:
             undo.append(lambda f=f: ingress.domain.unmap(base + f.gpa, f.size))
         src = self.hw.adapter(path.src.ref)
         seg = src.segment_size
-        for r in ranges:
-            count = -(-r.size // seg)
+        # the planner's windows (low, high), each rounded out to whole segments: exactly the
+        # segments admission claimed for the share (``vmlend.nvme.admit``)
+        for _name, group in window_groups(ranges, seg):
+            start = group[0].start // seg * seg
+            count = -(-(group[-1].end - start) // seg)
             first = src.free_segments(count)
             for i in range(count):
-                src.map_segment(first + i, vms.node, base + r.start + i * seg)
+                src.map_segment(first + i, vms.node, base + start + i * seg)
                 undo.append(lambda index=first + i: src.unmap_segment(index))
             window = src.segment_base(first)
-            lender_domain.map(base + r.start, window, r.size)
-            undo.append(lambda r=r, w=window: lender_domain.unmap(base + r.start, r.size))
+            for r in group:
+                at = window + r.start - start
+                lender_domain.map(base + r.start, at, r.size)
+                undo.append(lambda r=r: lender_domain.unmap(base + r.start, r.size))
 
     def _enter(self, node: str, path) -> _Ingress:
         ingress = self._ingress.get(node)
@@ -326,6 +376,10 @@ class SharedNvmeDrive:
                 self.manager.real_queues(vms.name),
                 self.manager.rejections(vms.name),
             )
+
+    def grants(self) -> list[ShareGrant]:
+        """The shares open now, as justifications for the fabric's invariant checker."""
+        return [ShareGrant(self.fdid, v.node, v.vm, v.share.asid) for v in self.shares.values()]
 
     # --- life -----------------------------------------------------------------------------------
     def status(self) -> dict[str, object]:

@@ -8,7 +8,7 @@ import uuid as uuidlib
 from collections.abc import Callable
 
 from vmlend.errors import ConfigError, MdevError
-from vmlend.fabric.model import Holder, MdevInfo
+from vmlend.fabric.model import GuestRam, Holder, MdevInfo
 from vmlend.nvme import ledger
 from vmlend.nvme.lending import SHARE_MDEV_TYPE
 from vmlend.nvme.shares import Share
@@ -23,8 +23,18 @@ class SimShareOps:
     _clock: Callable[[], float]
     local_node: str
 
-    def reserve_share(self, fdid: int, holder: Holder, queue_pairs: int, blocks: int) -> Share:
-        return ledger.reserve_share(self._reg, fdid, holder, queue_pairs, blocks)
+    def reserve_share(
+        self,
+        fdid: int,
+        holder: Holder,
+        queue_pairs: int,
+        blocks: int,
+        *,
+        guest_ram: GuestRam | int = 0,
+    ) -> Share:
+        return ledger.reserve_share(
+            self._reg, fdid, holder, queue_pairs, blocks, guest_ram=guest_ram
+        )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:
         return ledger.release_share(self._reg, fdid, holder)

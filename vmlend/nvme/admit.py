@@ -1,0 +1,79 @@
+"""Admission of a VM's NVMe share against the fabric's adapters (pure): what the share's
+DMA path uses, claimed at reserve like a borrowed device's (``vmlend.fabric.admission``).
+
+A share's DMA crosses from the drive's lender to the VM's node (docs/nvme-sharing.md):
+- one requester LUT entry for the drive on the lender's adapter, shared by every share
+  through it, and one on the borrower's adapter, shared by the shares of that node (both
+  under the drive's ``device_share`` key, so ``usage`` counts each once);
+- the share's DMA windows in the lender's NTB window: the planner's own segment count for the
+  VM's RAM layout (``window_segments``), under a key of its own (``share_window_key``): the
+  share's windows live in its address space, apart from any windows of the VM's borrowed
+  devices, so they take segments of their own.
+A VM on the lender crosses no NTB and claims nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vmlend.errors import ResourceExhaustedError, WindowExhaustedError
+from vmlend.fabric.admission import device_share, format_size, usage
+from vmlend.fabric.model import GuestRam, Holder, Topology
+from vmlend.fabric.paths import route
+from vmlend.memory.windows import window_segments
+from vmlend.registry.records import Claim, ClaimKind
+
+
+def share_window_key(fdid: int, holder: Holder) -> str:
+    """The claim key of ``holder``'s share windows of drive ``fdid``."""
+    return f"nvme:{fdid:#x}:{holder.node}/{holder.vm}"
+
+
+def share_claims(topology: Topology, fdid: int, holder: Holder, ram: GuestRam) -> list[Claim]:
+    """The adapter resources ``holder``'s share of ``fdid`` uses with RAM ``ram``."""
+    spec = topology.device(fdid)
+    path = route(topology, spec.lender, holder.node)
+    if path is None:
+        return []
+    lender_a, borrower_a = path.src, path.dst
+    claims = [
+        Claim(lender_a.ref, ClaimKind.LUT, device_share(fdid), entries=1),
+        Claim(borrower_a.ref, ClaimKind.LUT, device_share(fdid), entries=1),
+    ]
+    segs = window_segments(ram.ranges, lender_a.segment_size) if ram.ranges else 0
+    if segs:
+        claims.append(
+            Claim(
+                lender_a.ref,
+                ClaimKind.DMA,
+                share_window_key(fdid, holder),
+                segments=segs,
+                bytes=segs * lender_a.segment_size,
+            )
+        )
+    return claims
+
+
+def check_share_claims(
+    topology: Topology,
+    existing: Sequence[tuple[int, Claim]],
+    fdid: int,
+    holder: Holder,
+    claims: Sequence[Claim],
+) -> None:
+    """Raise the first shortfall of ``claims`` on top of ``existing`` (a
+    ``ResourceExhaustedError`` naming the adapter and how much is short)."""
+    before = usage(topology, existing)
+    after = usage(topology, [*existing, *((fdid, c) for c in claims)])
+    for ref in sorted({c.adapter for c in claims}):
+        b, a = before[ref], after[ref]
+        if a.lut_free < 0:
+            need = a.lut_used - b.lut_used
+            raise ResourceExhaustedError("requester LUT", ref, need, b.lut_free, "entries")
+        if a.segments_free < 0:
+            segs = a.segments_used - b.segments_used
+            purpose = (
+                f"DMA windows of {holder}'s share of {fdid:#x}, {segs} segments of "
+                f"{format_size(a.adapter.segment_size)}"
+            )
+            raise WindowExhaustedError(ref, segs * a.adapter.segment_size, b.window_free, purpose)
