@@ -58,6 +58,7 @@ class HookOps:
                     dev.mdev,
                     journal,
                     guest_ram=dom.guest_ram,
+                    interrupts=dom.interrupts_of(dev),
                     record=record,
                 )
             except VmlendError as e:
