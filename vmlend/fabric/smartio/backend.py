@@ -211,6 +211,9 @@ class SmartioFabric:
         msi_over_ntb: bool = False,
     ) -> Reservation:
         self._require_available(fdid)
+        # An interrupt window only where the driver can map MSI over the NTB: else the claim
+        # would take a segment, and status would say ntb, for interrupts the relay carries.
+        msi_over_ntb = msi_over_ntb and self.driver.msi_capable(fdid)
         made = self._state.reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
         return Reservation(**vars(self.device(fdid)), created=made.created)
 
