@@ -92,7 +92,7 @@ class HookOps:
         """
         record = self._recorder(dom, "reconnect")
         problems = restore_running(
-            self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record
+            self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record, dom.interrupts_of
         )
         if not problems:
             record(f"{plural(len(dom.devices), 'device')} consistent")
