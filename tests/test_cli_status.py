@@ -32,6 +32,7 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
         "FDID",
         "STATE",
         "MDEV",
+        "INTERRUPTS",
         "DMA",
         "VECTORS",
         "P2P",
@@ -41,15 +42,18 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
     # alpha's GPU and NVMe: device, switch, root port, root complex, root port, switch, NTB
     # adapter, cluster switch, gamma's adapter, root port, root complex
     path = "11h/2rc/+360ns"
-    assert ["vm1", "gamma", "running", "0x10", "borrowed", m10, "-", "-", "-", path] in table
-    assert ["vm1", "gamma", "running", "0x12", "reserved", m12, "-", "-", "-", path] in table
+    # MSI/MSI-X over alpha's NTB: both have MSI-X and the window had room (the default)
+    ntb = "ntb(alpha:0)"
+    assert ["vm1", "gamma", "running", "0x10", "borrowed", m10, ntb, "-", "-", "-", path] in table
+    assert ["vm1", "gamma", "running", "0x12", "reserved", m12, ntb, "-", "-", "-", path] in table
     idle = [row for row in table if row and row[0] == "idle"]
     assert idle and idle[0][2:5] == ["shutoff", "0x20", "not"]  # "not held"
     assert ["ADAPTER", "LUT", "USED", "WINDOW", "USED", "SEGMENTS"] in table
     gamma = next(row for row in table if row and row[0] == "gamma:0")
     assert gamma[1] == "2/30"  # one LUT entry per borrowed device
     alpha = next(row for row in table if row and row[0] == "alpha:0")
-    assert alpha[1] == "2/30" and alpha[2] == "4G/128G"  # vm1's DMA window, counted once
+    # vm1's DMA window and its interrupt window, each one 4G segment counted once
+    assert alpha[1] == "2/30" and alpha[2] == "8G/128G"
 
 
 def test_runtime_records_are_shown(cluster):

@@ -21,6 +21,7 @@ from vmlend.domain.model import DomainXML, MdevHostdevXML, PciAddressXML
 from vmlend.domain.units import format_size, libvirt_bytes, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
+from vmlend.fabric.model import InterruptPath
 
 U = uuid.UUID("c7a5fdbd-edaf-9455-926a-d65c16db1809")
 
@@ -51,6 +52,8 @@ SAMPLES: dict[tuple[type, str], object] = {
     (DeviceEntryXML, "address"): PciAddress(0, 0, 5, 0),
     (DeviceEntryXML, "nvme_queues"): 2,
     (DeviceEntryXML, "nvme_size"): 64 << 30,
+    (DeviceEntryXML, "interrupts"): InterruptPath.RELAY,
+    (VmlendMetadataXML, "interrupts"): InterruptPath.NTB,
     (VmlendMetadataXML, "host_node"): "beta",
     (VmlendMetadataXML, "metadata_container"): "kept",
     (VmlendMetadataXML, "devices_container"): "absent",

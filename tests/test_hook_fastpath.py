@@ -76,6 +76,8 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     unused = ("click", "libvirt", "vmlend.cli", "vmlend.irq", "vmlend.hypervisor")
     unused += ("vmlend.domain.build", "vmlend.domain.templates", "vmlend.domain.rewrite")
     unused += ("etcd3gw", "requests")  # an SQLite host never loads the etcd client
+    # A VM without NVMe shares: the share ledger and the NVMe geometry are not needed.
+    unused += ("vmlend.nvme.ledger", "vmlend.nvme.shares", "vmlend.nvme.spec")
     assert run.within(*unused) == set()
     run = run_script(installed, ["vm1", "release", "end", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])

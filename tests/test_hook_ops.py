@@ -260,3 +260,24 @@ def test_library_warnings_go_to_the_action_log_not_stderr(fabric, state_path):
     assert (code, err.getvalue()) == (0, "")
     log = "\n".join(ActionLog(log_path_for_state(state_path)).tail(10))
     assert "vm=vm1 warning: something odd about the fabric" in log
+
+
+def test_prepare_and_reconnect_reserve_with_the_xmls_interrupt_path(fabric, state_path):
+    from vmlend.fabric.model import InterruptPath
+
+    spec = DomainSpec(
+        "vm1",
+        512 * MiB,
+        uuid=VM_UUID,
+        devices=[DeviceRequest(0x10), DeviceRequest(0x12, interrupts=InterruptPath.NTB)],
+        interrupts=InterruptPath.RELAY,
+    )
+    xml = new_domain(spec, templates=TemplateSet()).to_bytes()
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    f = open_fabric(state_path)
+    assert f.interrupt_window(0x10) is None and f.interrupt_window(0x12) is not None
+    # libvirtd restarted while the holds were lost: reconnect takes them again, the same way.
+    assert hook(state_path, "vm1", "release", "end", "-", xml=xml)[0] == 0
+    assert hook(state_path, "vm1", "reconnect", "begin", "-", xml=xml)[0] == 0
+    f = open_fabric(state_path)
+    assert f.interrupt_window(0x10) is None and f.interrupt_window(0x12) is not None

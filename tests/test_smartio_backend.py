@@ -272,3 +272,22 @@ def test_a_refused_borrow_records_no_parent(fabric, fake, state):
         fabric.ensure_mdev_parent(NVME)
     assert not recorded_parent(state)
     assert PARENT not in fabric.bus.parent_names()
+
+
+def test_an_interrupt_window_only_where_the_driver_maps_msi_over_the_ntb(state, fake):
+    """A driver without ``msi/capable`` (or saying 0) carries interrupts on the relay: asking
+    for the NTB claims nothing there. One that says 1 gets the window (contract section 6)."""
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
+        fabric.reserve(NVME, WEB, msi_over_ntb=True)
+        assert fabric.interrupt_window(NVME) is None
+        fabric.release(NVME, WEB)
+        msi = fake.env.smartio / "smartio-12" / "msi"
+        msi.mkdir()
+        (msi / "capable").write_text("0\n")
+        fabric.reserve(NVME, WEB, msi_over_ntb=True)
+        assert fabric.interrupt_window(NVME) is None
+        fabric.release(NVME, WEB)
+        (msi / "capable").write_text("1\n")
+        fabric.reserve(NVME, WEB, msi_over_ntb=True)
+        window = fabric.interrupt_window(NVME)
+        assert window is not None and window.adapter == "alpha:0"

@@ -17,7 +17,14 @@ from uuid import UUID
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
+from vmlend.fabric.model import (
+    DEFAULT_INTERRUPTS,
+    GuestRam,
+    Holder,
+    InterruptPath,
+    MdevInfo,
+    format_fdid,
+)
 from vmlend.faults import fault_point
 from vmlend.messages import about
 from vmlend.registry.records import same_holder
@@ -71,17 +78,21 @@ def acquire_device(
     journal: UndoJournal,
     *,
     guest_ram: GuestRam | int = 0,
+    interrupts: InterruptPath = DEFAULT_INTERRUPTS,
     record: Record = _ignore,
 ) -> str:
-    """Reserve ``fdid`` for ``holder``, make sure its mdev parent exists on this node and create
-    the mdev child ``mdev``. Returns the parent's name. What this call newly did is pushed on
-    ``journal``; what was already there (a re-run, or another process acting for the same VM)
-    is left alone on rollback. Whether a step created something is the fabric's answer from
-    inside its own write transaction, never a look taken before it: between a look and the
-    write another process may create the very thing this call would then undo."""
+    """Reserve ``fdid`` for ``holder`` (with an interrupt window over the NTB when
+    ``interrupts`` asks for it and there is room), make sure its mdev parent exists on this
+    node and create the mdev child ``mdev``. Returns the parent's name. What this call newly
+    did is pushed on ``journal``; what was already there (a re-run, or another process acting
+    for the same VM) is left alone on rollback. Whether a step created something is the
+    fabric's answer from inside its own write transaction, never a look taken before it:
+    between a look and the write another process may create the very thing this call would
+    then undo."""
     fd = format_fdid(fdid)
     uuid = str(mdev)
-    if fabric.reserve(fdid, holder, guest_ram=guest_ram).created:
+    msi_over_ntb = interrupts is InterruptPath.NTB
+    if fabric.reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb).created:
         journal.push(f"reserve {fd}", lambda: fabric.release(fdid, holder))
     record(f"reserve {fd}: ok")
     parent = fabric.ensure_mdev_parent(fdid)

@@ -18,7 +18,7 @@ from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import format_fdid
+from vmlend.fabric.model import InterruptPath, format_fdid
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.detach_preview import DetachPreview, preview_detach
@@ -55,6 +55,12 @@ def _address(value: str | None) -> PciAddress | None:
 @click.argument("fdid", type=FDID)
 @impact_options("Hot-add to the running domain.", "Add to the persistent definition.")
 @click.option("--address", metavar="BDF", help="Guest PCI address, e.g. 0000:00:05.0.")
+@click.option(
+    "--interrupts",
+    type=click.Choice([p.value for p in InterruptPath]),
+    help="How the device's MSI/MSI-X reach the VM: over the NTB (when its window has room,"
+    " else the relay) or always the relay [default: the VM's, else ntb].",
+)
 @click.option("--dry-run", is_flag=True, help="Print the checks and the XML diff; change nothing.")
 @connect_option
 @json_option
@@ -69,11 +75,13 @@ def attach_cmd(
     persistent: bool,
     current: bool,
     address: str | None,
+    interrupts: str | None,
     dry_run: bool,
     uri: str | None,
     json_output: bool,
 ) -> None:
     """Attach remote device FDID to VM (default: live if running, else its definition)."""
+    irq = None if interrupts is None else InterruptPath(interrupts)
     addr = _address(address)
     hv = open_hv(obj, uri)
     try:
@@ -81,7 +89,9 @@ def attach_cmd(
             hv, vm, live=live, config=config, persistent=persistent, current=current
         )
         fabric = fabric_for(obj, hv)
-        plan = plan_attach(hv, fabric, vm, fdid, live=live, config=config, address=addr)
+        plan = plan_attach(
+            hv, fabric, vm, fdid, live=live, config=config, address=addr, interrupts=irq
+        )
         if dry_run:
             _show_plan(plan, json_output)
             if not plan.ok:

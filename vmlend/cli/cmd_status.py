@@ -47,11 +47,23 @@ def path_cell(path: PciePath | None) -> str:
 def render_status(
     vms: list[VmView], usage: list[dict[str, Any]], empty: str = "no VMs with remote devices"
 ) -> str:
-    headers = ("VM", "NODE", "VM STATE", "FDID", "STATE", "MDEV", "DMA", "VECTORS", "P2P", "PATH")
+    headers = (
+        "VM",
+        "NODE",
+        "VM STATE",
+        "FDID",
+        "STATE",
+        "MDEV",
+        "INTERRUPTS",
+        "DMA",
+        "VECTORS",
+        "P2P",
+        "PATH",
+    )
     rows = []
     for v in vms:
         if not v.devices:
-            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-", "-", "-"])
         for d in v.devices:
             mdev = d.mdev or "-"
             if d.mdev and not d.mdev_present:
@@ -64,6 +76,7 @@ def render_status(
                     format_fdid(d.fdid),
                     d.state,
                     mdev,
+                    d.interrupts,
                     *(_runtime_cell(d.runtime.get(k, [])) for k in RUNTIME_KINDS),
                     path_cell(d.path),
                 ]

@@ -28,7 +28,7 @@ from vmlend.domain import (
 from vmlend.domain.info import info_of
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import format_fdid, parse_fdid
+from vmlend.fabric.model import InterruptPath, format_fdid, parse_fdid
 from vmlend.messages import plural
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ DEVICE = _Converting("FDID[@ADDR]", _parse_device)
 ADDRESS = _Converting("DDDD:BB:SS.F", PciAddress.parse)
 SIZE = _Converting("SIZE", parse_size)
 UUID = _Converting("UUID", _parse_uuid)
+INTERRUPTS = click.Choice([p.value for p in InterruptPath])
 
 
 def warn_unchecked(obj: CliContext) -> None:
@@ -174,6 +175,12 @@ def xml_group() -> None:
     show_default=True,
     help="Free pcie-root-ports (q35) for devices hot-added later.",
 )
+@click.option(
+    "--interrupts",
+    type=INTERRUPTS,
+    help="How the devices' MSI/MSI-X reach the VM (the VM's default): over the NTB when its"
+    " window has room, else the relay; or always the relay [default: ntb].",
+)
 @click.option("--disk", type=click.Path(dir_okay=False), help="Boot disk image (qcow2 or raw).")
 @click.option("--uuid", "domain_uuid", type=UUID, help="Domain UUID [default: random].")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here, not stdout.")
@@ -189,6 +196,7 @@ def new_cmd(
     virt_type: str,
     devices: tuple[DeviceRequest, ...],
     hotplug_slots: int,
+    interrupts: str | None,
     disk: str | None,
     domain_uuid: uuid.UUID | None,
     output: str | None,
@@ -208,6 +216,7 @@ def new_cmd(
         disk=PurePath(disk) if disk else None,
         devices=devices,
         hotplug_slots=hotplug_slots,
+        interrupts=None if interrupts is None else InterruptPath(interrupts),
     )
     validator = None if no_fabric_check or not devices else fabric_validator(obj)
     doc = new_domain(spec, templates=TemplateSet(), validate_fdid=validator)
@@ -225,10 +234,21 @@ def new_cmd(
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("fdid", type=FDID)
 @click.option("--address", type=ADDRESS, help="Guest PCI address [default: libvirt picks].")
+@click.option(
+    "--interrupts",
+    type=INTERRUPTS,
+    help="How this device's MSI/MSI-X reach the VM: over the NTB when its window has room,"
+    " else the relay; or always the relay [default: the VM's, else ntb].",
+)
 @click.option("--no-fabric-check", is_flag=True, help="Do not ask the fabric about the fdid.")
 @click.pass_obj
 def add_device_cmd(
-    obj: CliContext, file: Path, fdid: int, address: PciAddress | None, no_fabric_check: bool
+    obj: CliContext,
+    file: Path,
+    fdid: int,
+    address: PciAddress | None,
+    interrupts: str | None,
+    no_fabric_check: bool,
 ) -> None:
     """Add remote device FDID to the domain XML in FILE (in place). A device that is already
     there is left alone."""
@@ -238,12 +258,13 @@ def add_device_cmd(
         validator = None if no_fabric_check else fabric_validator(obj)
         if validator is not None:
             validator(fdid)
-    elif address is None:
+    elif address is None and interrupts is None:
         click.echo(
             f"device {format_fdid(fdid)} is already in {file}; nothing was changed", err=True
         )
         return
-    changed = add_device(doc, fdid, templates=TemplateSet(), address=address)
+    irq = None if interrupts is None else InterruptPath(interrupts)
+    changed = add_device(doc, fdid, templates=TemplateSet(), address=address, interrupts=irq)
     write_atomically(file, changed.to_bytes())
     if not no_fabric_check and validator is None:
         warn_unchecked(obj)
@@ -274,10 +295,15 @@ def show_cmd(file: Path, json_output: bool) -> None:
         memory = format_size(info.memory_bytes) if info.memory_bytes is not None else "?"
         click.echo(f"{info.name}  uuid {info.uuid}  {info.machine or '?'}  {memory}")
         rows = [
-            (format_fdid(d.fdid), str(d.mdev), str(d.address) if d.address else "-")
+            (
+                format_fdid(d.fdid),
+                str(d.mdev),
+                str(d.address) if d.address else "-",
+                info.interrupts_of(d).value,
+            )
             for d in info.devices
         ]
-        emit_table(("FDID", "MDEV", "GUEST ADDRESS"), rows)
+        emit_table(("FDID", "MDEV", "GUEST ADDRESS", "INTERRUPTS"), rows)
     for p in info.problems:
         click.echo(f"vmlend: warning: {p.message}", err=True)
     if info.problems:

@@ -15,10 +15,11 @@ from vmlend.domain.document import DomainDocument
 from vmlend.domain.layout import insert_child
 from vmlend.domain.metadata import NvmeShareRequest
 from vmlend.domain.model import DomainXML
-from vmlend.domain.rewrite import add_device
+from vmlend.domain.rewrite import add_device, set_vm_interrupts
 from vmlend.domain.templates import MACHINES, TemplateSet
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError
+from vmlend.fabric.model import InterruptPath
 
 #: Checks that a fabric device id exists (raises ``UnknownDeviceError`` or similar); the CLI
 #: passes one backed by the fabric when a state exists.
@@ -40,6 +41,7 @@ class DeviceRequest:
     fdid: int
     address: PciAddress | None = None
     share: NvmeShareRequest | None = None  # a queue-level share of an NVMe drive
+    interrupts: InterruptPath | None = None  # the device's own; None: the VM's default
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class DomainSpec:
     devices: Sequence[DeviceRequest] = field(default=())
     #: Empty pcie-root-ports (q35) to hot-plug devices into later; libvirt numbers them.
     hotplug_slots: int = 0
+    #: The VM's default interrupt path for its devices (None: vmlend's, the NTB if admissible).
+    interrupts: InterruptPath | None = None
 
     def validate(self) -> None:
         """Checks separate from building: every problem is the user's to fix."""
@@ -79,6 +83,10 @@ class DomainSpec:
         fdids = [d.fdid for d in self.devices]
         if len(set(fdids)) != len(fdids):
             raise ConfigError("a device is given twice")
+        if self.interrupts is not None and not self.devices:
+            raise ConfigError(
+                "--interrupts is the interrupt path of the VM's remote devices: give a --device"
+            )
 
 
 def _add_root_ports(domain: DomainXML, count: int) -> None:
@@ -129,5 +137,12 @@ def new_domain(
     _add_root_ports(domain, spec.hotplug_slots)
     doc = DomainDocument.from_element(root)
     for d in spec.devices:
-        doc = add_device(doc, d.fdid, templates=templates, address=d.address, share=d.share)
-    return doc
+        doc = add_device(
+            doc,
+            d.fdid,
+            templates=templates,
+            address=d.address,
+            share=d.share,
+            interrupts=d.interrupts,
+        )
+    return set_vm_interrupts(doc, spec.interrupts)

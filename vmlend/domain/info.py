@@ -10,7 +10,7 @@ from vmlend.domain.document import DomainDocument
 from vmlend.domain.metadata import VmlendDevice, find_metadata
 from vmlend.domain.model import DomainXML
 from vmlend.errors import DomainXMLError, VmlendError
-from vmlend.fabric.model import GuestRam
+from vmlend.fabric.model import DEFAULT_INTERRUPTS, GuestRam, InterruptPath
 from vmlend.memory.domain_memory import domain_layout
 
 
@@ -28,6 +28,12 @@ class DomainInfo:
     #: The guest's RAM ranges by QEMU's layout rules (None when the XML does not decide them,
     #: e.g. no machine type yet).
     ram: GuestRam | None = None
+    #: The VM's default interrupt path (``<vmlend:vmlend interrupts=…>``); None: not given.
+    interrupts: InterruptPath | None = None
+
+    def interrupts_of(self, device: VmlendDevice) -> InterruptPath:
+        """The path ``device``'s MSI/MSI-X ask for: its own, else the VM's, else the NTB."""
+        return device.interrupts or self.interrupts or DEFAULT_INTERRUPTS
 
     @property
     def guest_ram(self) -> GuestRam | int:
@@ -43,6 +49,7 @@ class DomainInfo:
             "machine": self.machine,
             "virt_type": self.virt_type,
             "host_node": self.host_node,
+            "interrupts": None if self.interrupts is None else self.interrupts.value,
             "devices": [d.to_json() for d in self.devices],
             "problems": [p.message for p in self.problems],
         }
@@ -72,6 +79,7 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
         host_node=meta.host_node if meta is not None else None,
         problems=problems,
         ram=ram,
+        interrupts=meta.interrupts if meta is not None else None,
     )
 
 

@@ -6,6 +6,7 @@
       <vmlend:vmlend xmlns:vmlend="http://vmlend.org/xmlns/domain/1.0">
         <vmlend:device fdid="0x10" mdev="…uuid…" address="0000:00:05.0"/>
         <vmlend:device fdid="0x12" mdev="…uuid…" nvme-queues="2" nvme-size="64G"/>
+        <vmlend:device fdid="0x14" mdev="…uuid…" interrupts="relay"/>
         <vmlend:host node="beta"/>
       </vmlend:vmlend>
     </metadata>
@@ -15,6 +16,9 @@ tools' elements under ``<metadata>`` are never touched. ``address`` is optional 
 assigns one). ``host`` records the node the XML was last rewritten for (migration).
 ``nvme-queues`` and ``nvme-size`` (together) ask for a queue-level share of an NVMe drive
 instead of the whole drive.
+``interrupts`` (``ntb`` or ``relay``) picks how a device's MSI/MSI-X reach the VM; on
+``<vmlend:vmlend>`` it is the VM's default for devices that do not say. Absent everywhere: the
+NTB when its window has room, else the relay (docs/interrupts.md).
 ``metadata='kept'`` marks a ``<metadata>`` that existed, empty, before vmlend's element;
 ``devices='absent'|'empty'`` a ``<devices>`` that libvirt would have written otherwise.
 """
@@ -31,7 +35,7 @@ from vmlend.domain.address import PciAddress
 from vmlend.domain.units import format_size, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
-from vmlend.fabric.model import format_fdid, parse_fdid
+from vmlend.fabric.model import InterruptPath, format_fdid, parse_fdid
 
 #: Stable namespace URI of vmlend's domain metadata. Bump the version only for incompatible
 #: changes; readers then refuse the unknown version instead of guessing.
@@ -73,6 +77,8 @@ class VmlendDevice:
     mdev: uuid.UUID
     address: PciAddress | None = None
     share: NvmeShareRequest | None = None  # a queue-level share, not the whole device
+    #: The device's own choice of interrupt path; None: the VM's default applies.
+    interrupts: InterruptPath | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -82,6 +88,8 @@ class VmlendDevice:
         }
         if self.share is not None:
             out["nvme_share"] = {"queue_pairs": self.share.queue_pairs, "size": self.share.size}
+        if self.interrupts is not None:
+            out["interrupts"] = self.interrupts.value
         return out
 
 
@@ -113,6 +121,13 @@ def _parse_share_size(text: str) -> int:
         raise DomainXMLError(f"bad nvme-size: {e}") from None
 
 
+def _parse_interrupts(text: str) -> InterruptPath:
+    try:
+        return InterruptPath.parse(text)
+    except ConfigError as e:
+        raise DomainXMLError(str(e)) from None
+
+
 def _parse_mdev(text: str) -> uuid.UUID:
     try:
         return uuid.UUID(text)
@@ -127,6 +142,7 @@ class DeviceEntryXML(XMLNode):
     address = XMLProperty("./@address", parse=_parse_address)
     nvme_queues = XMLProperty("./@nvme-queues", parse=_parse_queues, format=str)
     nvme_size = XMLProperty("./@nvme-size", parse=_parse_share_size, format=format_size)
+    interrupts = XMLProperty("./@interrupts", parse=_parse_interrupts, format=str)
 
     def get(self) -> VmlendDevice:
         fdid, mdev = self.fdid, self.mdev
@@ -140,7 +156,9 @@ class DeviceEntryXML(XMLNode):
                 f"device {format_fdid(fdid)}: an NVMe share needs both nvme-queues and nvme-size"
             )
         share = None if queues is None or size is None else NvmeShareRequest(queues, size)
-        return VmlendDevice(fdid=fdid, mdev=mdev, address=self.address, share=share)
+        return VmlendDevice(
+            fdid=fdid, mdev=mdev, address=self.address, share=share, interrupts=self.interrupts
+        )
 
 
 class VmlendMetadataXML(XMLNode):
@@ -154,6 +172,8 @@ class VmlendMetadataXML(XMLNode):
     #: How ``<devices>`` was before vmlend's first hostdev, when libvirt would not have
     #: written it so: ``"absent"`` or ``"empty"`` (``<devices/>``); restored with the last one.
     devices_container = XMLProperty("./@devices")
+    #: The VM's default interrupt path for devices that do not name one.
+    interrupts = XMLProperty("./@interrupts", parse=_parse_interrupts, format=str)
 
     @staticmethod
     def new_element() -> etree._Element:
@@ -188,6 +208,7 @@ class VmlendMetadataXML(XMLNode):
         if device.share is not None:
             entry.nvme_queues = device.share.queue_pairs
             entry.nvme_size = device.share.size
+        entry.interrupts = device.interrupts
         return el
 
 

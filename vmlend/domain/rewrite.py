@@ -33,7 +33,7 @@ from vmlend.domain.slots import address_problem
 from vmlend.domain.templates import TemplateSet
 from vmlend.domain.uuids import mdev_uuid
 from vmlend.errors import DomainXMLError
-from vmlend.fabric.model import format_fdid
+from vmlend.fabric.model import InterruptPath, format_fdid
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +116,12 @@ def add_device(
     templates: TemplateSet,
     address: PciAddress | None = None,
     share: NvmeShareRequest | None = None,
+    interrupts: InterruptPath | None = None,
 ) -> DomainDocument:
     """Add remote device ``fdid`` (metadata entry + mdev hostdev), or with ``share`` a
-    queue-level share of that NVMe drive. Adding a device the domain already has returns an
-    unchanged copy; asking for a different address for it raises."""
+    queue-level share of that NVMe drive; ``interrupts`` is the device's own interrupt path
+    (None: the VM's default). Adding a device the domain already has returns an unchanged
+    copy; asking for a different address or interrupt path for it raises."""
     check_consistency(doc)
     present = find_device(doc, fdid)
     if present is not None:
@@ -127,6 +129,12 @@ def add_device(
             raise DomainXMLError(
                 f"device {format_fdid(fdid)} is already in the domain at guest address"
                 f" {present.address or '(assigned by libvirt)'}; remove it first to move it"
+            )
+        if interrupts is not None and present.interrupts != interrupts:
+            said = present.interrupts.value if present.interrupts else "the VM's default"
+            raise DomainXMLError(
+                f"device {format_fdid(fdid)} is already in the domain with interrupts {said};"
+                " remove it first to change its interrupt path"
             )
         return doc.copy()
     out = doc.copy()
@@ -136,7 +144,13 @@ def add_device(
         problem = address_problem(domain, address)
         if problem is not None:
             raise DomainXMLError(f"{problem}; pick a free slot or omit --address")
-    device = VmlendDevice(fdid=fdid, mdev=mdev_uuid(dom_uuid, fdid), address=address, share=share)
+    device = VmlendDevice(
+        fdid=fdid,
+        mdev=mdev_uuid(dom_uuid, fdid),
+        address=address,
+        share=share,
+        interrupts=interrupts,
+    )
     for hostdev in domain.mdev_hostdevs():
         if hostdev.uuid == device.mdev:
             # Not listed in the metadata (check_consistency passed), yet it is this device's.
@@ -165,6 +179,21 @@ def add_device(
     insert_child(devices, hostdev_el, index)
     log.debug("added device %s as mdev %s", format_fdid(fdid), device.mdev)
     check_consistency(out)  # never hand back a document vmlend itself would refuse
+    return out
+
+
+def set_vm_interrupts(doc: DomainDocument, interrupts: InterruptPath | None) -> DomainDocument:
+    """The VM's default interrupt path for its devices that name none (None: vmlend's
+    default). It lives on vmlend's metadata element, so the domain needs a remote device."""
+    out = doc.copy()
+    meta = find_metadata(out.root)
+    if meta is None:
+        if interrupts is None:
+            return out
+        raise DomainXMLError(
+            "the domain has no remote device to set an interrupt path for; add one first"
+        )
+    meta.interrupts = interrupts
     return out
 
 

@@ -12,7 +12,7 @@ Life of a device for a VM (DESIGN.md, mechanisms 1-4):
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.model import (
@@ -25,6 +25,9 @@ from vmlend.fabric.model import (
     Reservation,
     Topology,
 )
+
+if TYPE_CHECKING:
+    from vmlend.registry.records import Claim
 
 
 @runtime_checkable
@@ -94,14 +97,28 @@ class Fabric(Protocol):
         migration checks before it stops the VM. Changes nothing."""
         ...
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: GuestRam | int = 0) -> Reservation:
+    def reserve(
+        self,
+        fdid: int,
+        holder: Holder,
+        *,
+        guest_ram: GuestRam | int = 0,
+        msi_over_ntb: bool = False,
+    ) -> Reservation:
         """Exclusively reserve ``fdid`` for ``holder``. Idempotent for the same holder;
         ``DeviceHeldError`` for another; ``DeviceNotLentError`` if not lent. Atomic across
         processes: of two racing reservers exactly one wins, and ``Reservation.created`` says
         whether this call made the hold. Admission control happens here: the reservation claims
         the LUT entry and the NTB window room (DMA windows for ``guest_ram``, the device's BARs,
         peer-to-peer) or fails with ``ResourceExhaustedError`` / ``DmaLimitError`` /
-        ``NoPathError`` / ``LenderUnavailableError`` and changes nothing."""
+        ``NoPathError`` / ``LenderUnavailableError`` and changes nothing. ``msi_over_ntb``
+        also claims an interrupt window when the lender's window has room (never a reason to
+        refuse: without room the device's MSI/MSI-X use the relay)."""
+        ...
+
+    def interrupt_window(self, fdid: int) -> Claim | None:
+        """The interrupt window (MSI/MSI-X over the NTB) ``fdid``'s hold was admitted with;
+        None: its interrupts use the relay."""
         ...
 
     def release(self, fdid: int, holder: Holder) -> bool:

@@ -192,6 +192,26 @@ class Topology:
 # --- what backends report at run time ------------------------------------------------------
 
 
+class InterruptPath(enum.StrEnum):
+    """How a remote device's MSI/MSI-X reach its VM (docs/interrupts.md). INTx always takes
+    the relay: it is a wire and cannot cross the NTB."""
+
+    NTB = "ntb"  # mapped over the NTB when the window has room; else the relay (fallback)
+    RELAY = "relay"  # the software relay, always
+
+    @classmethod
+    def parse(cls, text: str) -> InterruptPath:
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            choices = " or ".join(repr(p.value) for p in cls)
+            raise ConfigError(f"bad interrupts {text!r}: expected {choices}") from None
+
+
+#: What a device whose VM and metadata say nothing gets: the NTB when admissible.
+DEFAULT_INTERRUPTS = InterruptPath.NTB
+
+
 class DeviceState(enum.StrEnum):
     UNLENT = "unlent"  # known to the fabric, not offered
     AVAILABLE = "available"  # lent, nobody holds it

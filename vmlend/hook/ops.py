@@ -65,6 +65,7 @@ class HookOps:
                     dev.mdev,
                     journal,
                     guest_ram=dom.guest_ram,
+                    interrupts=dom.interrupts_of(dev),
                     record=record,
                 )
             except VmlendError as e:
@@ -98,7 +99,7 @@ class HookOps:
         """
         record = self._recorder(dom, "reconnect")
         problems = restore_running(
-            self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record
+            self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record, dom.interrupts_of
         )
         if not problems:
             record(f"{plural(len(dom.devices), 'device')} consistent")

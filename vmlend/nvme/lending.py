@@ -15,10 +15,10 @@ from uuid import UUID
 from vmlend.errors import SharingUnsupportedError, VmlendError
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
 from vmlend.lending import Record, UndoJournal
-from vmlend.nvme.shares import Share
 
-if TYPE_CHECKING:  # the fabric imports this module: no lxml for it
+if TYPE_CHECKING:  # the fabric imports this module: no lxml, no NVMe geometry for it
     from vmlend.domain import NvmeShareRequest
+    from vmlend.nvme.shares import Share
 
 #: The mdev type a shared drive's parent offers: one child per VM, its virtual controller.
 SHARE_MDEV_TYPE = "smartio-nvme_share"

@@ -30,7 +30,14 @@ from vmlend.domain.layout import remove_child
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Check, GuestRam, Holder, format_fdid
+from vmlend.fabric.model import (
+    DEFAULT_INTERRUPTS,
+    Check,
+    GuestRam,
+    Holder,
+    InterruptPath,
+    format_fdid,
+)
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import UndoJournal, acquire_device, holder_for
@@ -60,6 +67,8 @@ class AttachPlan:
     #: Targets whose XML already has the device's hostdev but not its metadata: an earlier
     #: attach stopped between libvirt's hot-plug and the metadata write. A re-run finishes it.
     plugged: tuple[str, ...] = ()
+    #: The path the device's MSI/MSI-X ask for (its own, else the VM's default).
+    interrupts: InterruptPath = DEFAULT_INTERRUPTS
 
     @property
     def ok(self) -> bool:
@@ -82,6 +91,7 @@ class AttachPlan:
             "fdid": format_fdid(self.fdid),
             "mdev": str(self.device.mdev),
             "targets": list(self.targets),
+            "interrupts": self.interrupts.value,
             "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
         }
 
@@ -96,6 +106,7 @@ def plan_attach(
     config: bool,
     address: PciAddress | None = None,
     templates: TemplateSet | None = None,
+    interrupts: InterruptPath | None = None,
 ) -> AttachPlan:
     info = hv.lookup(vm)
     targets = resolve_targets(info, live, config)
@@ -107,7 +118,9 @@ def plan_attach(
         doc = DomainDocument.parse(x, source=f"{t} XML of {info.name}")
         if _unrecorded_hostdev(doc, fdid):
             plugged.append(t)
-        after[t] = add_device(doc, fdid, templates=templates, address=address)
+        after[t] = add_device(
+            doc, fdid, templates=templates, address=address, interrupts=interrupts
+        )
     first = targets[0]
     device = find_device(after[first], fdid)
     assert device is not None
@@ -116,7 +129,17 @@ def plan_attach(
     guest_ram = dom.guest_ram  # the layout's ranges: DMA reach and window segments exactly
     checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
     return AttachPlan(
-        info.name, fdid, holder, guest_ram, targets, before, after, device, checks, tuple(plugged)
+        info.name,
+        fdid,
+        holder,
+        guest_ram,
+        targets,
+        before,
+        after,
+        device,
+        checks,
+        tuple(plugged),
+        dom.interrupts_of(device),
     )
 
 
@@ -158,6 +181,7 @@ def apply_attach(
                 plan.device.mdev,
                 held,
                 guest_ram=plan.guest_ram,
+                interrupts=plan.interrupts,
                 record=progress,
             )
             fault_point("attach:after-acquire")

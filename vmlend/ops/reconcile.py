@@ -328,12 +328,14 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
         case DriftKind.MISSING_HOLD | DriftKind.MISSING_MDEV:
             assert d.holder is not None and d.fdid is not None and d.mdev is not None
             dom = read_domain(hv.xml(d.vm), strict=False)
+            listed = next((v for v in dom.devices if v.fdid == d.fdid), None)
+            device = VmlendDevice(
+                fdid=d.fdid,
+                mdev=uuid.UUID(d.mdev),
+                interrupts=listed.interrupts if listed is not None else None,
+            )
             problems = restore_running(
-                fabric,
-                d.holder,
-                [VmlendDevice(fdid=d.fdid, mdev=uuid.UUID(d.mdev))],
-                dom.memory_bytes or 0,
-                record,
+                fabric, d.holder, [device], dom.memory_bytes or 0, record, dom.interrupts_of
             )
             if problems:
                 raise FabricError(problems[0])

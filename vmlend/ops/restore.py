@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from vmlend.domain.metadata import VmlendDevice
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import GuestRam, Holder, format_fdid
+from vmlend.fabric.model import DEFAULT_INTERRUPTS, GuestRam, Holder, InterruptPath, format_fdid
 from vmlend.lending import UndoJournal, acquire_device
 from vmlend.nvme.lending import acquire_share
 
@@ -19,10 +19,13 @@ def restore_running(
     devices: Iterable[VmlendDevice],
     guest_ram: GuestRam | int,
     record: Callable[[str], None] = lambda _m: None,
+    interrupts_of: Callable[[VmlendDevice], InterruptPath] | None = None,
 ) -> list[str]:
     """A running VM keeps what it uses: make sure each device is held by it and has its mdev.
     Idempotent; nothing is rolled back (the guest keeps whatever it has). Returns the
-    problems, one line per device that could not be restored."""
+    problems, one line per device that could not be restored. ``interrupts_of``: the path
+    each device's MSI/MSI-X ask for (``DomainInfo.interrupts_of``; default: the device's own,
+    else the NTB)."""
     problems: list[str] = []
     for dev in devices:
         try:
@@ -45,6 +48,11 @@ def restore_running(
                 dev.mdev,
                 UndoJournal(),
                 guest_ram=guest_ram,
+                interrupts=(
+                    interrupts_of(dev)
+                    if interrupts_of is not None
+                    else dev.interrupts or DEFAULT_INTERRUPTS
+                ),
                 record=record,
             )
         except VmlendError as e:

@@ -6,7 +6,9 @@ device held by a VM this hypervisor does not know: another node's VM, or a lefto
 The data-path records (DMA windows, interrupt vectors, P2P maps) are the registry's runtime
 records of each held device; "-" when there are none. A VM's queue-level NVMe shares
 (``vmlend.nvme.ledger``) are runtime records of the drive's manager hold: they are shown per
-VM apart from its devices (the drive itself is the manager's, not the VM's).
+VM apart from its devices (the drive itself is the manager's, not the VM's). Each device also
+says which path its MSI/MSI-X take: the one its hold was admitted with (NTB through an adapter,
+or the relay), and the one its XML asks for.
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ class DeviceView:
     runtime: dict[str, list[RuntimeRecord]] = field(default_factory=dict)
     #: The device's DMA path into the VM's RAM (None when the topology cannot say).
     path: PciePath | None = None
+    #: What the device's XML asks for (``ntb``/``relay``); None: not in this VM's XML.
+    interrupts_asked: str | None = None
+    #: The adapter its MSI/MSI-X are mapped over (the hold's interrupt window); None: relay.
+    interrupts_via: str | None = None
+
+    @property
+    def interrupts(self) -> str:
+        """The path the device's MSI/MSI-X take while this VM holds it, else the one asked."""
+        if not self.state.startswith(("reserved", "borrowed")):
+            return f"asks {self.interrupts_asked}" if self.interrupts_asked else "-"
+        return "relay" if self.interrupts_via is None else f"ntb({self.interrupts_via})"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -50,6 +63,11 @@ class DeviceView:
             "holder": str(self.holder) if self.holder else None,
             "mdev": self.mdev,
             "mdev_present": self.mdev_present,
+            "interrupts": {
+                "path": self.interrupts,
+                "via": self.interrupts_via,
+                "asked": self.interrupts_asked,
+            },
         }
         for kind, key in RUNTIME_KINDS.items():
             out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
@@ -135,15 +153,17 @@ def collect(
         holder = holder_for(fabric, info.name, live.uuid or info.uuid)
         seen.append(holder)
         # a share's drive is held by its manager: the share, not the drive, is the VM's
-        devices = [
-            _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
-            for d in live.devices
-            if d.fdid in statuses and d.share is None
-        ]
+        devices = []
+        for d in live.devices:
+            if d.fdid in statuses and d.share is None:
+                view = _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
+                view.interrupts_asked = live.interrupts_of(d).value
+                devices.append(view)
         for d in pending:
             if d.fdid in statuses and d.share is None:
                 view = _device_view(statuses[d.fdid], holder, str(d.mdev), mdevs, runtime)
                 view.state = "at next start"
+                view.interrupts_asked = config.interrupts_of(d).value
                 devices.append(view)
         views.append(
             VmView(info.name, node, info.state.value, devices, _shares_of(shares, holder))
@@ -159,6 +179,9 @@ def collect(
     for v in views:
         for d in v.devices:
             d.path = _dma_path(topology, d.fdid, v.node)
+            if d.holder is not None and d.holder.node == v.node and d.holder.vm == v.name:
+                window = fabric.interrupt_window(d.fdid)
+                d.interrupts_via = None if window is None else window.adapter
     return views
 
 

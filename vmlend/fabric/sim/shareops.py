@@ -1,19 +1,25 @@
 """NVMe shares in the simulated backend (``vmlend.nvme.lending.ShareFabric``): a share is the
 registry's (``vmlend.nvme.ledger``), its mdev a child of type ``smartio-nvme_share`` under the
-drive's parent; a parent may have one such child per VM."""
+drive's parent; a parent may have one such child per VM.
+
+The ledger (and the NVMe geometry behind it) is imported on first use: every ``SimFabric``
+carries these operations, while the hook's prepare of a VM without shares never calls them.
+"""
 
 from __future__ import annotations
 
 import uuid as uuidlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from vmlend.errors import ConfigError, MdevError
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo
-from vmlend.nvme import ledger
 from vmlend.nvme.lending import SHARE_MDEV_TYPE
-from vmlend.nvme.shares import Share
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import MdevRecord
+
+if TYPE_CHECKING:
+    from vmlend.nvme.shares import Share
 
 
 class SimShareOps:
@@ -32,22 +38,32 @@ class SimShareOps:
         *,
         guest_ram: GuestRam | int = 0,
     ) -> Share:
+        from vmlend.nvme import ledger
+
         return ledger.reserve_share(
             self._reg, fdid, holder, queue_pairs, blocks, guest_ram=guest_ram
         )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:
+        from vmlend.nvme import ledger
+
         return ledger.release_share(self._reg, fdid, holder)
 
     def shares_held(self, holder: Holder) -> list[int]:
+        from vmlend.nvme import ledger
+
         with self._reg.read() as tx:
             return ledger.shares_held(tx, holder)
 
     def share_of(self, fdid: int, holder: Holder) -> Share | None:
+        from vmlend.nvme import ledger
+
         with self._reg.read() as tx:
             return ledger.holder_share(tx, fdid, holder)
 
     def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        from vmlend.nvme import ledger
+
         try:
             uuid = str(uuidlib.UUID(uuid))
         except (ValueError, TypeError, AttributeError):

@@ -52,6 +52,7 @@ from vmlend.fabric.smartio.driver import (
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus, SysfsWriter
 from vmlend.registry import Registry, open_registry
+from vmlend.registry.records import Claim
 from vmlend.udev import ParentWatcher, WantedMdev
 
 log = logging.getLogger(__name__)
@@ -201,10 +202,23 @@ class SmartioFabric:
         # the driver's word is about this node; the destination's view is the registry's
         return self._state.vm_admission(fdids, borrower, guest_ram, holder=holder, leaving=leaving)
 
-    def reserve(self, fdid: int, holder: Holder, *, guest_ram: GuestRam | int = 0) -> Reservation:
+    def reserve(
+        self,
+        fdid: int,
+        holder: Holder,
+        *,
+        guest_ram: GuestRam | int = 0,
+        msi_over_ntb: bool = False,
+    ) -> Reservation:
         self._require_available(fdid)
-        made = self._state.reserve(fdid, holder, guest_ram=guest_ram)
+        # An interrupt window only where the driver can map MSI over the NTB: else the claim
+        # would take a segment, and status would say ntb, for interrupts the relay carries.
+        msi_over_ntb = msi_over_ntb and self.driver.msi_capable(fdid)
+        made = self._state.reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
         return Reservation(**vars(self.device(fdid)), created=made.created)
+
+    def interrupt_window(self, fdid: int) -> Claim | None:
+        return self._state.interrupt_window(fdid)
 
     def release(self, fdid: int, holder: Holder) -> bool:
         released = self._state.release(fdid, holder)

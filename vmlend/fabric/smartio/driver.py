@@ -190,6 +190,16 @@ class SmartioDriver:
                 " the driver does not match docs/smartio-contract.md"
             ) from None
 
+    def msi_capable(self, fdid: int) -> bool:
+        """Whether the driver can map ``fdid``'s MSI/MSI-X over the NTB
+        (``msi/capable``, docs/smartio-contract.md section 6). A driver without that
+        directory predates it: the relay."""
+        path = self.base / device_name(fdid) / "msi" / "capable"
+        try:
+            return self._int(path) == 1
+        except FileNotFoundError:
+            return False
+
     @staticmethod
     def _int(path: Path) -> int:
         text = path.read_text().strip()
