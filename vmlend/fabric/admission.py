@@ -359,8 +359,9 @@ def p2p_claims(
     guest-physical range, shared by every source through that adapter (hence one claim per
     adapter and BAR, which ``usage`` counts once); a source installed in the borrower has no
     LUT entry from a borrow and needs one there; a target on a lender other than the borrower
-    needs the source named in that lender adapter's LUT (once per source and adapter). Where the guest puts the BARs is not known
-    before it runs, so the count is the most the BAR can touch. ``NoPathError`` when two
+    needs the source named in that lender adapter's LUT (once per source and adapter). Where
+    the guest puts the BARs is not known before it runs, so the count is the most the BAR can
+    touch. ``NoPathError`` when two
     lenders of the VM have no NTB between them."""
     out: list[tuple[int, Claim]] = []
     for target in sorted(devices, key=lambda d: d.fdid):
