@@ -113,12 +113,15 @@ class FabricMachine(RuleBasedStateMachine):
             self.c.prepare(xml, node)
         except VmlendError:
             return  # a lender down, admission: nothing was reserved
-        p2p = P2PMapper(self.c.hw, node, name, recorder=registry_recorder(self.c.registry))
+        ledger = RegistryWindowLedger(self.c.registry)
+        p2p = P2PMapper(
+            self.c.hw, node, name, recorder=registry_recorder(self.c.registry), promises=ledger
+        )
         vm = SimVm(
             xml,
             hardware=self.c.hw,
             fabric=self.c.fabric(node),
-            ledger=RegistryWindowLedger(self.c.registry),
+            ledger=ledger,
             p2p=p2p,
             backing=GiB,
         )
