@@ -212,11 +212,46 @@ class SimFabric(SimShareOps):
 
     # --- simulated failures ----------------------------------------------------------------
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
-        """Mark a node down (its devices become UNAVAILABLE) or up again."""
+        """Mark a node down (its devices become UNAVAILABLE) or up again. A lender going down
+        ends the hardware borrows of its devices in the same step (``_end_borrow``: their
+        mappings go, the holds stay RESERVED for their holders to release). A teardown that
+        fails leaves that device fenced and BORROWED, and is raised after the rest is done."""
+        failures: list[VmlendError] = []
         with self._reg.write() as tx:
-            self._topology(tx).node(node)
+            topo = self._topology(tx)
+            topo.node(node)
             tx.set_node_up(node, up, "" if up else why)
+            lent_here = {d.fdid for d in topo.devices if d.lender == node}
+            if not up:
+                for fdid, hold in sorted(tx.holds().items()):
+                    if fdid in lent_here:
+                        try:
+                            self._end_borrow(tx, hold)
+                        except VmlendError as e:  # fenced by the hardware; the others go on
+                            failures.append(e)
         log.info("node %s marked %s", node, "up" if up else "down")
+        if failures:
+            raise failures[0]
+
+    def reclaim(self, fdid: int) -> Holder | None:
+        """The lender takes ``fdid`` back from whoever borrows it, in one step: the hardware
+        borrow ends (``_end_borrow``: every mapping from or to the device goes), the hold and
+        its claims go, and so do the device's mdevs, so the borrowing VM's guest loses the
+        device as in a surprise removal. Returns the holder it was taken from (None: nobody
+        held it). The device stays lent."""
+        with self._reg.write() as tx:
+            self._topology(tx).device(fdid)
+            hold = tx.hold(fdid)
+            if hold is None:
+                return None
+            self._end_borrow(tx, hold)
+            tx.delete_hold(fdid)
+            self._reclaim_p2p(tx, hold.holder)
+            for m in tx.mdevs():
+                if m.fdid == fdid:
+                    tx.delete_mdev(m.uuid)
+        log.info("lender reclaimed %#x from %s", fdid, hold.holder)
+        return hold.holder
 
     def set_device_available(self, fdid: int, available: bool) -> None:
         """Mark one device vanished (e.g. its mdev parent disappeared) or back."""
@@ -300,8 +335,7 @@ class SimFabric(SimShareOps):
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
             if hold is not None and mine:
-                if self._hw is not None and hold.phase is Phase.BORROWED:
-                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+                self._end_borrow(tx, hold)
                 tx.delete_hold(fdid)
                 self._reclaim_p2p(tx, hold.holder)
             self._drop_unused_parent(tx, fdid)
@@ -369,10 +403,18 @@ class SimFabric(SimShareOps):
             if hold is not None:
                 if not same_holder(hold.holder, holder):
                     raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
-                if self._hw is not None:
-                    self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
-                tx.set_phase(fdid, Phase.RESERVED)
+                self._end_borrow(tx, hold)
             return self._status(tx, spec)
+
+    def _end_borrow(self, tx: StateTxn, hold: HoldRecord) -> None:
+        """End ``hold``'s hardware borrow: the one way every path (give back, release, lender
+        reclaim, lender down) does it. The hardware's borrow-end subscribers remove every
+        mapping from or to the device first; their failure raises (the device is fenced) and
+        leaves the hold as it was."""
+        if self._hw is not None:
+            self._hw.give_back(hold.fdid, hold.holder.node, hold.holder.vm)
+        if hold.phase is Phase.BORROWED:
+            tx.set_phase(hold.fdid, Phase.RESERVED)
 
     # --- mdevs on this node ------------------------------------------------------------------
     def ensure_mdev_parent(self, fdid: int) -> str:
