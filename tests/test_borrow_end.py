@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_simvm import Cluster, domain_xml
-from vmlend.errors import BorrowTeardownError, DeviceHeldError, DmaFault
+from vmlend.errors import BorrowTeardownError, DeviceHeldError, DmaFault, VmlendError
 from vmlend.fabric.model import GiB
 from vmlend.fabric.sim.hardware import Borrow
 from vmlend.fabric.sim.invariants import check_hardware
@@ -120,4 +120,51 @@ def test_a_failing_teardown_is_raised_and_fences_the_device(cluster):
     assert cluster.fabric().release(GPU2, a.holder)  # a retry finishes the job
     assert cluster.hw.fenced(GPU2) is None and cluster.hw.borrowed(GPU2) is None
     assert check_hardware(cluster.hw) == []
+    a.stop()
+
+
+def _claims_and_holds(cluster: Cluster):
+    with cluster.registry.read() as tx:
+        return {"holds": tx.holds(), "claims": tx.claims()}
+
+
+def test_lender_reclaim_ends_the_borrow_the_hold_and_the_mdev_in_one_step(cluster):
+    a, p2p = start_with_p2p(cluster, "a", (GPU, GPU2))
+    fabric = cluster.fabric()
+    assert fabric.reclaim(GPU2) == a.holder
+    # hardware: no borrow, no windows, no peer maps to or from it
+    assert cluster.hw.borrowed(GPU2) is None
+    assert not a.windows.active(GPU2)
+    assert {(m.source, m.target) for m in p2p.maps()} == set()
+    with pytest.raises(DmaFault):
+        cluster.hw.dma_write(GPU, bar1(a, GPU2), b"peer")
+    with pytest.raises(DmaFault):
+        cluster.hw.dma_write(GPU2, 0x1000, b"ram")
+    # registry: the hold, its claims and its mdev are gone; the device is still lent
+    assert GPU2 not in fabric.holds()
+    assert not [m for m in fabric.mdevs() if m.fdid == GPU2]
+    assert fabric.device(GPU2).state.value == "available"
+    assert check_hardware(cluster.hw, **_claims_and_holds(cluster)) == []
+    # the guest cannot take the device back; its other device still works
+    with pytest.raises(VmlendError):
+        a.enable_device(GPU2)
+    assert cluster.hw.borrowed(GPU2) is None
+    (t,) = cluster.hw.dma_write(GPU, 0x1000, b"still mine")
+    assert (t.kind, t.owner) == ("ram", "a")
+    assert fabric.reclaim(GPU2) is None  # nobody holds it: nothing to take back
+    a.stop()
+
+
+def test_a_lender_going_down_ends_the_hardware_borrows_of_its_devices(cluster):
+    a, p2p = start_with_p2p(cluster, "a", (GPU, GPU2))
+    cluster.fabric().set_node_up("alpha", False, "lost power")
+    for fdid in (GPU, GPU2):
+        assert cluster.hw.borrowed(fdid) is None
+        with pytest.raises(DmaFault):
+            cluster.hw.dma_write(fdid, 0x1000, b"ram")
+    assert p2p.maps() == [] and not a.windows.devices()
+    # the holds stay, no longer borrowed, for their holder (or reconcile) to release
+    holds = cluster.fabric().holds()
+    assert {f: h.phase.value for f, h in holds.items()} == {GPU: "reserved", GPU2: "reserved"}
+    assert check_hardware(cluster.hw, **_claims_and_holds(cluster)) == []
     a.stop()

@@ -222,6 +222,16 @@ def test_node_down_and_up(run, inited):
     assert "unknown node 'delta'" in _one_line_error(run("fabric", "node-down", "delta"))
 
 
+def test_reclaim_ends_the_hold_and_keeps_the_device_lent(run, inited):
+    with open_fabric(inited) as f:
+        f.reserve(0x20, Holder("gamma", "vm7"))
+    r = run("fabric", "reclaim", "0x20")
+    assert r.exit_code == 0 and "reclaimed from gamma/vm7" in r.output
+    assert json.loads(run("devices", "--json").output)[3]["state"] == "available"
+    assert "was not held" in run("fabric", "reclaim", "0x20").output
+    assert "unknown" in _one_line_error(run("fabric", "reclaim", "0x99"))
+
+
 def test_global_node_option_selects_the_view(run, inited):
     r = run("--node", "beta", "fabric", "show", "--json")
     assert json.loads(r.output)["local_node"] == "beta"

@@ -439,3 +439,32 @@ def test_a_peer_write_into_the_msix_table_reaches_the_relay_like_a_cpu_write(hw,
     assert nic.bars.msix_entry(1).masked
     assert seen and 1 in seen[-1] and 1 in watcher.current().masked
     watcher.close()
+
+
+class _Promised:
+    """Other VMs were promised ``n`` segments of alpha:0 (and have mapped none)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.asked: list[tuple[str, str]] = []
+
+    def promised_segments(self, adapter: str, share: str) -> int:
+        self.asked.append((adapter, share))
+        return self.n if adapter == "alpha:0" else 0
+
+
+def test_segments_promised_to_other_vms_are_left_free(hw):
+    # alpha -> beta needs 10 segments of alpha:0 (32): with 23 promised elsewhere only 9 may go
+    promised = _Promised(23)
+    mapper = P2PMapper(hw, "gamma", "web", promises=promised)
+    for f in (GPU, NIC):
+        program(mapper, f)  # alpha -> beta: 1 segment of alpha:0 for the NIC's BARs
+    assert len(hw.adapter("alpha:0").mapped_segments()) == 1
+    with pytest.raises(ResourceExhaustedError, match="alpha:0"):
+        program(mapper, BETA_GPU)  # 9 more, BAR by BAR: the last is one beyond the promises
+    assert len(hw.adapter("alpha:0").mapped_segments()) == 32 - 23  # none of the promised
+    assert ("alpha:0", "vm:gamma/web") in promised.asked
+    promised.n = 22
+    program(mapper, BETA_GPU)
+    assert len(hw.adapter("alpha:0").mapped_segments()) == 10
+    mapper.close()

@@ -191,16 +191,17 @@ def test_dma_windows_count_once_per_lender_adapter_and_vm(fab):
     fab.reserve(0x20, VM1, guest_ram=16 * GiB)
     # another lender: its own windows (5), plus room for 0x20 to reach the BARs of 0x10 and
     # 0x11 (16M + 32G + 32M each: 1 + 8 + 1 segments); alpha:0 gets room to reach 0x20's.
-    assert _used(fab, "beta:0") == (1, 5 + 20)
-    assert _used(fab, "alpha:0") == (2, 5 + 10)
+    # Each adapter also names the other lender's sources in its LUT (peer-to-peer ingress).
+    assert _used(fab, "beta:0") == (1 + 2, 5 + 20)
+    assert _used(fab, "alpha:0") == (2 + 1, 5 + 10)
     fab.reserve(0x12, VM2, guest_ram=64 * GiB)  # 17 segments: the window is full
     assert fab.usage()["alpha:0"].window_free == 0
     fab.release(0x11, VM1)
-    assert _used(fab, "beta:0") == (1, 5 + 10)  # 0x11's BARs are no longer a P2P target
+    assert _used(fab, "beta:0") == (1 + 1, 5 + 10)  # 0x11 is no longer a P2P target or source
     fab.reserve(0x11, VM1, guest_ram=16 * GiB)  # a full window still admits vm1's own windows
     fab.release(0x12, VM2)
     fab.release(0x10, VM1)
-    assert _used(fab, "alpha:0") == (1, 5 + 10)  # 0x11 still needs the DMA windows and P2P
+    assert _used(fab, "alpha:0") == (1 + 1, 5 + 10)  # 0x11 still needs the windows and P2P
     fab.release(0x11, VM1)
     assert _used(fab, "alpha:0") == (0, 0)
     assert _used(fab, "beta:0") == (1, 5)  # 0x20 alone: no peer to reach

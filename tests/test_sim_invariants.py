@@ -113,7 +113,7 @@ def test_holds_against_borrows(hw):
     assert [v.detail.split(" (")[0] for v in found] == ["hold without a holder"]
 
 
-def test_window_segments_against_claims_and_the_exact_flag(hw):
+def test_window_segments_equal_their_claims(hw):
     from vmlend.fabric.sim.dmawin import VmDmaWindows
     from vmlend.memory.layout import MemoryConfig, compute_layout
 
@@ -125,19 +125,18 @@ def test_window_segments_against_claims_and_the_exact_flag(hw):
     mapped = len(hw.adapter("alpha:0").mapped_segments())
     assert mapped >= 1
 
+    path = hw.borrowed(NVME).path
+    luts = [(NVME, Claim(a.ref, ClaimKind.LUT, "dev", entries=1)) for a in (path.src, path.dst)]
+
     def claims(n: int) -> list[tuple[int, Claim]]:
-        return [(NVME, Claim("alpha:0", ClaimKind.DMA, "vm:gamma/web", segments=n))]
+        return [*luts, (NVME, Claim("alpha:0", ClaimKind.DMA, "vm:gamma/web", segments=n))]
 
     assert kinds(hw, claims=[]) == ["claims"]  # mapped without a claim
     assert kinds(hw, claims=claims(mapped)) == []
-    assert kinds(hw, claims=claims(mapped), exact_claims=True) == []
     assert kinds(hw, claims=claims(mapped + 1)) == ["claims"]  # promised more than it maps
-    # fewer claimed than mapped (issue 10 part 3): reported only with the exact flag
-    under = [(NVME, Claim("alpha:0", ClaimKind.DMA, "vm:gamma/web", segments=1))] * 2
-    hw_segments = [(NVME, Claim("alpha:0", ClaimKind.DMA, "vm:gamma/web", segments=mapped))]
-    assert kinds(hw, claims=hw_segments, exact_claims=True) == []
-    if mapped > 1:
-        assert kinds(hw, claims=under) == []
-        assert kinds(hw, claims=under, exact_claims=True) == ["claims"]
+    assert kinds(hw, claims=claims(mapped - 1)) == ["claims"]  # maps more than it was promised
+    # a claim shared by the VM's devices counts once, at its largest
+    assert kinds(hw, claims=claims(mapped) + claims(mapped - 1)) == []
+    assert kinds(hw, claims=claims(mapped)[1:]) == ["claims"]  # a LUT entry without a claim
     windows.close()
-    assert kinds(hw, claims=[]) == []
+    assert kinds(hw, claims=luts) == []  # the borrow's LUT entries stay, its windows went

@@ -6,7 +6,8 @@ of alpha's and beta's devices (reserve + mdev through the hook's prepare), and t
 fabric and the operator do, in any order: enable (the deferred borrow and the DMA windows),
 Bus Master and memory decoding on and off, BAR moves (peer-to-peer re-plans), function level
 resets, hot-remove, the fabric's give-back behind the VM's back (detach's return step), a
-release after a crash, VM stop, lender node down (its holds released) and up again.
+release after a crash, the lender reclaiming a device, VM stop, lender node down (its borrows
+end on the hardware; its holds released, or left for later) and up again.
 
 After each step: ``check_hardware`` (with the registry's holds and claims) finds nothing, and
 every device (Bus Master forced on, as a misbehaving device would) reaches only RAM and BARs of
@@ -113,12 +114,15 @@ class FabricMachine(RuleBasedStateMachine):
             self.c.prepare(xml, node)
         except VmlendError:
             return  # a lender down, admission: nothing was reserved
-        p2p = P2PMapper(self.c.hw, node, name, recorder=registry_recorder(self.c.registry))
+        ledger = RegistryWindowLedger(self.c.registry)
+        p2p = P2PMapper(
+            self.c.hw, node, name, recorder=registry_recorder(self.c.registry), promises=ledger
+        )
         vm = SimVm(
             xml,
             hardware=self.c.hw,
             fabric=self.c.fabric(node),
-            ledger=RegistryWindowLedger(self.c.registry),
+            ledger=ledger,
             p2p=p2p,
             backing=GiB,
         )
@@ -207,13 +211,22 @@ class FabricMachine(RuleBasedStateMachine):
         if slot in self.vms:
             self._stop(slot)
 
-    @rule(node=st.sampled_from(LENDERS))
-    def lender_down(self, node: str) -> None:
+    @precondition(lambda self: self.vms)
+    @rule(fdid=devices)
+    def lender_reclaim(self, fdid: int) -> None:
+        """The lender takes the device back: borrow, hold and mdev end in one step."""
+        self.c.fabric(self.c.hw.device(fdid).lender).reclaim(fdid)
+
+    @rule(node=st.sampled_from(LENDERS), release=st.booleans())
+    def lender_down(self, node: str, release: bool) -> None:
+        """The lender's borrows end on the hardware; the holds stay until released."""
         self.c.fabric().set_node_up(node, False, "lost power")
         self.down.add(node)
         for fdid in DEVICES:
             if self.c.hw.device(fdid).lender == node:
-                self._release(fdid)
+                assert self.c.hw.borrowed(fdid) is None
+                if release:
+                    self._release(fdid)
 
     @precondition(lambda self: self.down)
     @rule(node=st.sampled_from(LENDERS))

@@ -152,6 +152,7 @@ class P2PMap:
             "target_node": self.target_node,
             "target_phys": self.target_phys,
             "ntb": self.path.describe() if self.path else None,
+            "adapter": self.path.src.ref if self.path else None,  # whose segments it uses
             "route": list(self.route),
             "hops": self.hops,
             "roots": self.roots,

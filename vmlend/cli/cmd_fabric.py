@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from vmlend.cli.cmd_lend import FDID
 from vmlend.cli.common import CliContext, emit_json, json_option, render_table
 from vmlend.errors import ConfigError, TopologyError
 from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
@@ -212,7 +213,7 @@ def show(obj: CliContext, json_output: bool) -> None:
 def _sim(obj: CliContext) -> SimFabric:
     f = obj.fabric()
     if not isinstance(f, SimFabric):
-        raise ConfigError("only the simulated fabric can mark nodes down or up")
+        raise ConfigError("only the simulated fabric can mark nodes down or up or reclaim devices")
     return f
 
 
@@ -233,6 +234,18 @@ def node_up(obj: CliContext, node: str) -> None:
     """Bring a node marked down back."""
     _sim(obj).set_node_up(node, True)
     click.echo(f"node {node} marked up")
+
+
+@fabric.command("reclaim")
+@click.argument("fdid", type=FDID)
+@click.pass_obj
+def reclaim(obj: CliContext, fdid: int) -> None:
+    """Simulate FDID's lender taking it back: its hold, claims and mdev end in one step."""
+    holder = _sim(obj).reclaim(fdid)
+    if holder is None:
+        click.echo(f"device {fdid:#x} was not held: nothing to reclaim")
+    else:
+        click.echo(f"device {fdid:#x} reclaimed from {holder}; it stays lent")
 
 
 COMMANDS = [fabric]

@@ -84,7 +84,9 @@ class DemoGuest(IdleGuest):
     # --- GuestDriver --------------------------------------------------------------------------
     def on_started(self, name: str, domain_xml: bytes) -> None:
         hw = self.world.hw
-        p2p = P2PMapper(hw, self.node, name, recorder=self.world.p2p_recorder())
+        p2p = P2PMapper(
+            hw, self.node, name, recorder=self.world.p2p_recorder(), promises=self.world.ledger
+        )
         vm = SimVm(
             domain_xml,
             hardware=hw,

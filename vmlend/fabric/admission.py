@@ -14,8 +14,9 @@ What a remote reservation uses (DESIGN.md, limits):
 - room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments;
 - peer-to-peer among the VM's devices (``p2p_claims``): for every memory BAR of every device
   that another device of the VM reaches across an NTB, the segments of the source lender's
-  adapter that BAR can occupy, and a LUT entry for a source installed in the borrower itself
-  (a borrowed source already has one).
+  adapter that BAR can occupy, a LUT entry for a source installed in the borrower itself
+  (a borrowed source already has one), and a LUT entry on the target lender's adapter that
+  names the source there when the target is not in the borrower.
 The DMA window segments are the planner's own count (``vmlend.memory.windows.window_segments``)
 over the guest's RAM ranges, so what is claimed is what bus-master enable maps; the device's
 DMA address width is checked against the top of that RAM. A device lent and used on the same
@@ -357,8 +358,10 @@ def p2p_claims(
     an NTB through segments of its lender's adapter, one per segment-sized chunk of the BAR's
     guest-physical range, shared by every source through that adapter (hence one claim per
     adapter and BAR, which ``usage`` counts once); a source installed in the borrower has no
-    LUT entry from a borrow and needs one there. Where the guest puts the BARs is not known
-    before it runs, so the count is the most the BAR can touch. ``NoPathError`` when two
+    LUT entry from a borrow and needs one there; a target on a lender other than the borrower
+    needs the source named in that lender adapter's LUT (once per source and adapter). Where
+    the guest puts the BARs is not known before it runs, so the count is the most the BAR can
+    touch. ``NoPathError`` when two
     lenders of the VM have no NTB between them."""
     out: list[tuple[int, Claim]] = []
     for target in sorted(devices, key=lambda d: d.fdid):
@@ -380,6 +383,11 @@ def p2p_claims(
             if source.lender == holder.node:
                 rid = Claim(adapter.ref, ClaimKind.P2P, f"p2p-rid:{source.fdid:#x}", entries=1)
                 out.append((target.fdid, rid))
+            if target.lender != holder.node:
+                # the far lender's adapter names the source in its own LUT (attach_ingress);
+                # towards the borrower itself the source's borrow made that entry already
+                far = Claim(path.dst.ref, ClaimKind.P2P, f"p2p-in:{source.fdid:#x}", entries=1)
+                out.append((target.fdid, far))
     return out
 
 

@@ -258,14 +258,59 @@ class SimFabric(SimShareOps):
 
     # --- simulated failures ----------------------------------------------------------------
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
-        """Mark a node down (its devices become UNAVAILABLE) or up again."""
+        """Mark a node down (its devices become UNAVAILABLE) or up again. A lender going down
+        ends the hardware borrows of its devices (``_end_borrow``: their mappings go, the holds
+        stay RESERVED for their holders to release). The node is marked first, then each borrow
+        ends outside the registry transaction (its body may re-run on etcd). A teardown that
+        fails leaves that device fenced and BORROWED, and is raised after the rest is done."""
 
-        def body(tx: StateTxn) -> None:
-            self._topology(tx).node(node)
+        def mark(tx: StateTxn) -> list[HoldRecord]:
+            topo = self._topology(tx)
+            topo.node(node)
             tx.set_node_up(node, up, "" if up else why)
+            lent_here = {d.fdid for d in topo.devices if d.lender == node}
+            return [h for f, h in sorted(tx.holds().items()) if f in lent_here]
 
-        self._reg.transact(body)
+        held = self._reg.transact(mark)
+        failures: list[VmlendError] = []
+        if not up:
+            for hold in held:
+                try:
+                    self._end_borrow(hold)
+                except VmlendError as e:  # fenced by the hardware; the others go on
+                    failures.append(e)
         log.info("node %s marked %s", node, "up" if up else "down")
+        if failures:
+            raise failures[0]
+
+    def reclaim(self, fdid: int) -> Holder | None:
+        """The lender takes ``fdid`` back from whoever borrows it: the hardware borrow ends
+        first (``_end_borrow``: every mapping from or to the device goes), then in one
+        transaction the hold and its claims go, and so do the device's mdevs, so the borrowing
+        VM's guest loses the device as in a surprise removal. Returns the holder it was taken
+        from (None: nobody held it). The device stays lent."""
+        with self._reg.read() as tx:
+            self._topology(tx).device(fdid)
+            hold = tx.hold(fdid)
+        if hold is None:
+            return None
+        self._end_borrow(hold)
+
+        def drop(tx: StateTxn) -> Holder | None:
+            now = tx.hold(fdid)
+            if now is None or not same_holder(now.holder, hold.holder):
+                return None  # released meanwhile, or someone else's now: not ours to drop
+            tx.delete_hold(fdid)
+            self._reclaim_p2p(tx, now.holder)
+            for m in tx.mdevs():
+                if m.fdid == fdid:
+                    tx.delete_mdev(m.uuid)
+            return now.holder
+
+        taken = self._reg.transact(drop)
+        if taken is not None:
+            log.info("lender reclaimed %#x from %s", fdid, taken)
+        return taken
 
     def set_device_available(self, fdid: int, available: bool) -> None:
         """Mark one device vanished (e.g. its mdev parent disappeared) or back."""
@@ -427,8 +472,9 @@ class SimFabric(SimShareOps):
         with self._reg.read() as tx:
             hold = tx.hold(fdid)
         mine = hold is not None and same_holder(hold.holder, holder)
-        if mine and hold is not None and hold.phase is Phase.BORROWED and self._hw is not None:
-            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+        if mine and hold is not None:
+            # whatever the recorded phase: this process's hardware may still have it borrowed
+            self._end_borrow(hold)
 
         def body(tx: StateTxn) -> bool:
             hold = tx.hold(fdid)
@@ -533,6 +579,24 @@ class SimFabric(SimShareOps):
             return self._status(tx, spec)
 
         return self._reg.transact(record)
+
+    def _end_borrow(self, hold: HoldRecord) -> None:
+        """End ``hold``'s hardware borrow: the one way the paths that take a device from its
+        VM (lender reclaim, lender down) do it, as ``give_back`` and ``release`` do for the VM's
+        own. Hardware first, outside any registry transaction: the hardware's borrow-end
+        subscribers remove every mapping from or to the device; their failure raises (the
+        device is fenced) and leaves the hold as it was. Then the phase, if the hold is still
+        the same one."""
+        if self._hw is not None:
+            self._hw.give_back(hold.fdid, hold.holder.node, hold.holder.vm)
+
+        def record(tx: StateTxn) -> None:
+            now = tx.hold(hold.fdid)
+            same = now is not None and same_holder(now.holder, hold.holder)
+            if same and now is not None and now.phase is Phase.BORROWED:
+                tx.set_phase(hold.fdid, Phase.RESERVED)
+
+        self._reg.transact(record)
 
     # --- mdevs on this node ------------------------------------------------------------------
     def ensure_mdev_parent(self, fdid: int) -> str:

@@ -33,10 +33,12 @@ from vmlend.fabric.sim.guest import SimGuest
 from vmlend.fabric.sim.hardware import Borrow, SimHardware
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.fabric.sim.ntb import NtbAdapter
+from vmlend.fabric.sim.promises import promised_segments
 from vmlend.memory.layout import Layout
 from vmlend.memory.probe import probe_layout
 from vmlend.memory.windows import DmaPlan, FrameRun, apply_plan, plan_dma_windows, unapply_plan
-from vmlend.registry import ClaimKind, Registry, StateTxn
+from vmlend.p2p import RECORD_KIND as P2P_RECORD_KIND
+from vmlend.registry import Registry, StateTxn
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +66,18 @@ class RegistryWindowLedger:
         self._reg = registry
 
     def promised_segments(self, adapter: str, share: str) -> int:
-        """Segments of ``adapter`` that admission claimed for other VMs' DMA windows (claims of
-        kind DMA under another share) whose devices have mapped nothing there yet: the
-        hardware shows them free, but they are spoken for."""
+        """Segments of ``adapter`` admission promised to other VMs (DMA windows and
+        peer-to-peer) that they have not mapped yet: the hardware shows them free, but they
+        are spoken for (``promises.promised_segments``)."""
         with self._reg.read() as tx:
-            claims = tx.claims()
-            mapped = {
-                r.fdid for r in tx.runtime(kind=DMA_WINDOW) if r.data.get("adapter") == adapter
-            }
-        segments: dict[str, int] = {}
-        holders: dict[str, set[int]] = {}
-        for fdid, c in claims:
-            if c.adapter != adapter or c.kind is not ClaimKind.DMA or c.share == share:
-                continue
-            segments[c.share] = max(segments.get(c.share, 0), c.segments)
-            holders.setdefault(c.share, set()).add(fdid)
-        return sum(n for other, n in segments.items() if not holders[other] & mapped)
+            return promised_segments(
+                adapter,
+                share,
+                tx.claims(),
+                tx.holds(),
+                tx.runtime(kind=DMA_WINDOW),
+                tx.runtime(kind=P2P_RECORD_KIND),
+            )
 
     def record_windows(self, fdid: int, windows: Mapping[str, dict[str, Any]]) -> None:
         def body(tx: StateTxn) -> None:

@@ -14,9 +14,11 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   of another VM; ``requester-id``: one requester id with two contexts on one node;
 - ``interrupt``: a device that is not borrowed still has an interrupt route;
 - ``hold``: a hold without a holder, a hardware borrow without the matching BORROWED hold;
-- ``claims``: a VM's DMA-window segments on an adapter mapped without a claim, or fewer than
-  claimed; with ``exact_claims`` (``EXACT_CLAIMS``) any difference. A share's windows must
-  match its claim exactly (admission claims the planner's count for them).
+- ``claims``: a VM's DMA-window segments on an adapter differ from what admission claimed for
+  them (the planner's own count: claimed == mapped); more peer-to-peer segments mapped on an
+  adapter than its P2P claims allow, or more LUT entries in use than its claims allow (P2P
+  claims are an upper bound: where the guest puts a BAR is not known at reserve). A share's
+  windows and a VM's interrupt window (MSI over the NTB) must match their claims exactly too.
 
 Shared NVMe drives (docs/nvme-sharing.md) are borrowed by their manager (``nvme-manager`` on
 the lender), which justifies only the drive's untagged address space. Everything a share maps
@@ -39,8 +41,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from vmlend.errors import FabricError
-from vmlend.fabric.admission import vm_share
+from vmlend.fabric.admission import usage, vm_share
 from vmlend.fabric.model import Holder
+from vmlend.fabric.msiadmit import msi_share
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.fabric.sim.iommu import Mapping as IommuMapping
@@ -48,10 +51,6 @@ from vmlend.nvme.admit import share_window_key
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.nvme.ledger import MANAGER_VM
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
-
-#: Claims must equal the mapped DMA-window segments (not just cover them). Off until admission
-#: claims what the planner maps (issue 10 part 3); ``check_hardware(exact_claims=True)`` too.
-EXACT_CLAIMS = False
 
 Owner = tuple[str, str]  # (node, vm)
 
@@ -86,7 +85,6 @@ def check_hardware(
     *,
     holds: Mapping[int, HoldRecord] | None = None,
     claims: Sequence[tuple[int, Claim]] | None = None,
-    exact_claims: bool = EXACT_CLAIMS,
     shares: Sequence[ShareGrant] = (),
 ) -> list[Violation]:
     """Every violation of the fabric's invariants in ``hw`` now (empty: all hold)."""
@@ -101,7 +99,7 @@ def check_hardware(
     if holds is not None:
         c.holds(holds)
     if claims is not None:
-        c.claims(claims, exact_claims)
+        c.claims(claims)
     return c.found
 
 
@@ -123,6 +121,8 @@ class _Checker:
             self.grants.setdefault(g.fdid, {})[g.asid] = g
         # (adapter ref, segment) -> the shares whose windows point into it
         self.share_segments: dict[tuple[str, int], set[ShareGrant]] = {}
+        # (adapter ref, segment) -> what those mappings reach through it ("ram", "bar", ...)
+        self.segment_reaches: dict[tuple[str, int], set[str]] = {}
 
     def bad(self, kind: str, where: str, detail: str) -> None:
         self.found.append(Violation(kind, where, detail))
@@ -248,6 +248,15 @@ class _Checker:
                 self.bad("lender-iommu", where, f"crosses to {seg.remote_node} but {e}")
                 continue
             far = self.hw.node(seg.remote_node).iommu.domain_for(requester)
+            if far is not None:
+                # what the device reaches through this segment: the first address it uses there
+                start = max(m.phys, adapter.segment_base(index))
+                self._classify(
+                    ref_index=(adapter.ref, index),
+                    node=seg.remote_node,
+                    domain=far,
+                    remote=seg.remote_addr + start - adapter.segment_base(index),
+                )
             if far is None or far.owner != owner:
                 got = far.name if far else "no domain"
                 self.bad(
@@ -414,50 +423,70 @@ class _Checker:
             elif hold.phase is not Phase.BORROWED:
                 self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {hold.phase}")
 
-    def claims(self, claims: Sequence[tuple[int, Claim]], exact: bool) -> None:
-        claimed: dict[tuple[str, str], int] = {}
+    def claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
+        window_claims: dict[tuple[str, str], int] = {}
         for _fdid, c in claims:
             if c.kind is ClaimKind.DMA:
                 key = (c.adapter, c.share)
-                claimed[key] = max(claimed.get(key, 0), c.segments)
-        mapped: dict[tuple[str, str], int] = {}
-        shared_keys: set[tuple[str, str]] = set()
+                window_claims[key] = max(window_claims.get(key, 0), c.segments)
+        windows: dict[tuple[str, str], int] = {}
         for (ref, _index), grants in self.share_segments.items():
             for g in grants:
                 key = (ref, share_window_key(g.fdid, Holder(g.node, g.vm)))
-                mapped[key] = mapped.get(key, 0) + 1
-                shared_keys.add(key)
+                windows[key] = windows.get(key, 0) + 1
+        p2p: dict[str, int] = {}
         for (ref, index), users in self.segment_users.items():
             users = users - self.shared  # a shared drive's segments are its shares' (above)
-            if not users or not self._is_window_segment(ref, index, users):
+            if not users:
+                continue
+            if "irq" in self.segment_reaches.get((ref, index), set()):
+                # an interrupt window (MSI over the NTB): one per adapter and VM, claimed as such
+                for owner in {self.owners[f] for f in users if f in self.owners}:
+                    key = (ref, msi_share(Holder(*owner)))
+                    windows[key] = windows.get(key, 0) + 1
+                continue
+            if not self._is_window_segment(ref, index, users):
+                p2p[ref] = p2p.get(ref, 0) + 1
                 continue
             for owner in {self.owners[f] for f in users if f in self.owners}:
                 key = (ref, vm_share(Holder(*owner)))
-                mapped[key] = mapped.get(key, 0) + 1
-        for key in sorted(mapped):
-            have, want = mapped[key], claimed.get(key, 0)
-            # today admission may claim fewer than the planner maps (issue 10 part 3): only
-            # "mapped without a claim" and over-claiming are checked unless ``exact``
-            if not want or want > have or ((exact or key in shared_keys) and have != want):
+                windows[key] = windows.get(key, 0) + 1
+        for key in sorted(windows):
+            have, want = windows[key], window_claims.get(key, 0)
+            if have != want:  # admission counts with the planner: exactly what enable maps
                 self.bad(
                     "claims",
                     f"{key[0]} {key[1]}",
                     f"{have} DMA-window segment(s) mapped, {want} claimed",
                 )
+        p2p_claimed = usage(
+            self.hw.topology, [(f, c) for f, c in claims if c.kind is ClaimKind.P2P]
+        )
+        for ref in sorted(p2p):
+            want = p2p_claimed[ref].segments_used if ref in p2p_claimed else 0
+            if p2p[ref] > want:
+                self.bad(
+                    "claims",
+                    ref,
+                    f"{p2p[ref]} peer-to-peer segment(s) mapped, at most {want} claimed",
+                )
+        claimed = usage(self.hw.topology, claims)
+        for adapter in self.hw.adapters():
+            used = len(adapter.lut())
+            want = claimed[adapter.ref].lut_used if adapter.ref in claimed else 0
+            if used > want:
+                self.bad("claims", adapter.ref, f"{used} LUT entries in use, {want} claimed")
+
+    def _classify(
+        self, ref_index: tuple[str, int], node: str, domain: IommuDomain, remote: int
+    ) -> None:
+        m = domain.lookup(remote)
+        region = None
+        if m is not None:
+            region = self.hw.node(node).address_map.find(m.phys + remote - m.iova)
+        kind = region.kind if region is not None else "nothing"
+        self.segment_reaches.setdefault(ref_index, set()).add(kind)
 
     def _is_window_segment(self, ref: str, index: int, users: set[int]) -> bool:
         """A segment into a VM's RAM (a DMA window), not towards a peer's BAR."""
-        seg = self.hw.adapter(ref).segment(index)
-        if seg is None:
-            return False
-        node = self.hw.node(seg.remote_node)
-        for fdid in sorted(users):
-            try:
-                domain = node.iommu.domain_for(self.hw.ingress(fdid, seg.remote_node))
-            except FabricError:
-                continue
-            m = domain.lookup(seg.remote_addr) if domain else None
-            if m is not None:
-                region = node.address_map.find(m.phys + seg.remote_addr - m.iova)
-                return region is not None and region.kind == "ram"
-        return False
+        return "ram" in self.segment_reaches.get((ref, index), set())

@@ -29,10 +29,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
-from vmlend.fabric.model import BarKind
+from vmlend.fabric.admission import vm_share
+from vmlend.fabric.model import BarKind, Holder
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
 
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
     from vmlend.registry import Registry, StateTxn
 
 log = logging.getLogger(__name__)
+
+
+class Promises(Protocol):
+    """What admission promised other VMs on an adapter and they have not mapped yet
+    (``dmawin.RegistryWindowLedger``): the mapper leaves that many free segments alone."""
+
+    def promised_segments(self, adapter: str, share: str) -> int: ...
+
 
 #: ``recorder(source fdid, key, data)`` persists a map; ``data`` None removes it.
 Recorder = Callable[[int, str, "dict[str, Any] | None"], None]
@@ -100,13 +109,20 @@ class P2PMapper:
     """Peer-to-peer maps among the devices VM ``vm`` on ``node`` borrowed from ``hardware``."""
 
     def __init__(
-        self, hardware: SimHardware, node: str, vm: str, recorder: Recorder | None = None
+        self,
+        hardware: SimHardware,
+        node: str,
+        vm: str,
+        recorder: Recorder | None = None,
+        promises: Promises | None = None,
     ) -> None:
         hardware.node(node)
         self.hw = hardware
         self.node = node
         self.vm = vm
         self._recorder = recorder
+        self._promises = promises
+        self._share_key = vm_share(Holder(node, vm))
         self._members: set[int] = set()  # devices that programmed a BAR, until removed
         self._bars: dict[tuple[int, int], GuestBar] = {}  # (fdid, index) -> where the guest put it
         self._applied: dict[tuple[int, str], _Applied] = {}
@@ -329,7 +345,7 @@ class P2PMapper:
         while chunk < m.iova + m.size:
 
             def map_segment(base: int = chunk) -> tuple[int, Undo]:
-                index = _last_free_segment(adapter)
+                index = _last_free_segment(adapter, self._promised(adapter.ref))
                 adapter.map_segment(index, m.target_node, base)
                 return index, lambda: adapter.unmap_segment(index)
 
@@ -342,6 +358,12 @@ class P2PMapper:
         for iova, window, size in pieces:  # the device side last
             self._map_lender(applied, iova, window, size)
 
+    def _promised(self, ref: str) -> int:
+        """Segments of ``ref`` promised to other VMs and not mapped yet (kept free for them)."""
+        if self._promises is None:
+            return 0
+        return self._promises.promised_segments(ref, self._share_key)
+
     def _enters(self, fdid: int, node: str) -> bool:
         """Whether ``fdid``'s DMA entering ``node`` is translated already (by its borrow)."""
         try:
@@ -351,13 +373,20 @@ class P2PMapper:
         return self.hw.node(node).iommu.domain_for(requester) is not None
 
 
-def _last_free_segment(adapter: NtbAdapter) -> int:
+def _last_free_segment(adapter: NtbAdapter, promised: int = 0) -> int:
     """The highest unmapped segment: P2P takes single segments from the top of the window so
-    the runs DMA windows want stay whole at the bottom."""
-    for index in reversed(range(adapter.segments)):
-        if adapter.segment(index) is None:
-            return index
-    raise ResourceExhaustedError("NTB window segments", adapter.ref, 1, 0, "segments")
+    the runs DMA windows want stay whole at the bottom. ``promised`` free segments are other
+    VMs' (admitted, not mapped yet): one must be left over beyond them."""
+    free = [i for i in range(adapter.segments) if adapter.segment(i) is None]
+    if len(free) <= promised:
+        raise ResourceExhaustedError(
+            "NTB window segments for peer-to-peer",
+            adapter.ref,
+            1,
+            max(0, len(free) - promised),
+            "segments",
+        )
+    return free[-1]
 
 
 def _order(m: P2PMap) -> tuple[int, int, int]:
