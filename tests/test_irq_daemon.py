@@ -174,6 +174,18 @@ def test_cli_status_lists_devices(daemon, tmp_path):
     assert r.exit_code == 1 and "start it with 'vmlend relay'" in r.output
 
 
+def test_a_second_stop_after_the_daemon_stopped_is_harmless(tmp_path):
+    # SIGTERM twice, or a supervisor stopping a daemon whose serve() already returned.
+    d = RelayDaemon(tmp_path / "relay.sock")
+    d.start()
+    t = threading.Thread(target=d.serve, daemon=True)
+    t.start()
+    d.stop()
+    t.join(5)
+    assert not t.is_alive() and not d.socket_path.exists()
+    d.stop()
+
+
 def test_second_daemon_refuses_a_live_socket(daemon):
     with pytest.raises(RelayError, match="already listens"):
         RelayDaemon(daemon.socket_path).start()
