@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -74,3 +75,43 @@ def test_stop_racing_the_loop_threads_close_never_signals_a_closed_descriptor(mo
     monkeypatch.setattr(os, "eventfd_write", write_after_the_loop_closed)
     reactor.stop()
     served.join()
+
+
+def test_an_event_for_a_closed_descriptor_never_reaches_the_one_that_reuses_its_number():
+    # Two peers hung up in the same round. Whichever handler runs first closes the other's
+    # socket and puts a fresh, healthy connection at the same number (what an attach after a
+    # lender's hang-up does). The hang-up already polled for the closed one must not be handed
+    # to the fresh one: to a transport channel it would mean "peer gone" and drop its devices.
+    reactor = Reactor()
+    dead = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    for _mine, theirs in dead:
+        theirs.close()
+    fresh: list[socket.socket] = []
+    seen_by_fresh: list[int] = []
+
+    def hung_up(me: int) -> Callable[[int], None]:
+        def handle(_events: int) -> None:
+            if fresh:
+                return
+            other = dead[1 - me][0]
+            number = other.fileno()
+            reactor.unregister(number)
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # both != number
+            other.close()
+            os.dup2(a.fileno(), number)  # the fresh one gets the closed one's number
+            a.close()
+            fresh.extend((socket.socket(fileno=number), b))
+            reactor.register(number, select.EPOLLIN, seen_by_fresh.append)
+            reactor.stop()  # after this round
+
+        return handle
+
+    for me, (mine, _theirs) in enumerate(dead):
+        reactor.register(mine.fileno(), select.EPOLLIN, hung_up(me))
+    reactor.run()
+    reactor.close()
+    try:
+        assert fresh and seen_by_fresh == []
+    finally:
+        for s in fresh + [mine for mine, _ in dead]:
+            s.close()

@@ -26,6 +26,10 @@ class Reactor:
         self._epoll = select.epoll()
         self._handlers: dict[int, Handler] = {}
         self._deferred: dict[Callable[[], None], None] = {}
+        # Descriptors unregistered since the last round ended: an event for one may already
+        # be in hand from this round's poll, and must not reach a later registration of the
+        # same number (a stale hang-up would kill a fresh channel).
+        self._retired: set[int] = set()
         self._wake = EventFd()
         # Guards the wake eventfd alone: ``stop`` and ``defer`` signal it from other threads
         # while the loop thread may be closing it; a signal landing after the close would hit
@@ -51,6 +55,7 @@ class Reactor:
         with self.lock:
             if self._handlers.pop(fd, None) is not None:
                 self._epoll.unregister(fd)
+                self._retired.add(fd)
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once on the loop thread after the current round of events."""
@@ -87,9 +92,11 @@ class Reactor:
                         self._wake.drain()
                         continue
                     handler = self._handlers.get(fd)
-                    if handler is not None:
+                    if handler is not None and fd not in self._retired:
                         self._call(handler, mask)
                 self._call(self.run_deferred)
+                # Level-triggered: a live descriptor skipped here is reported again.
+                self._retired.clear()
         self._loop_ident = None
 
     @staticmethod
@@ -119,6 +126,7 @@ class Reactor:
             if self._handlers:
                 log.debug("reactor closed with %d handlers still registered", len(self._handlers))
             self._handlers.clear()
+            self._retired.clear()
             self._epoll.close()
             with self._wake_lock:
                 self._wake.close()
