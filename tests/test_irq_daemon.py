@@ -83,7 +83,13 @@ def test_vmm_registers_irqfds_and_receives_interrupts(daemon):
         vmm.set_triggers(FDID, IrqIndex.MSIX, [e.fileno() for e in vm])
         for v in (0, 3, 3):
             lender.dev.raise_interrupt(v)
-        assert [fires(vm[0]), fires(vm[3])] == [1, 2]
+        assert fires(vm[0]) == 1
+        # The two on vector 3 travel in one batch or in two (the lender may read its eventfd
+        # between the raises), so the VM's first read may see only one: once the daemon has
+        # delivered all three, the eventfds hold the rest.
+        got = fires(vm[3])
+        wait_until(lambda: vmm.status()["devices"][0]["delivered"] == 3)
+        assert [vm[0].drain(), got + vm[3].drain()] == [0, 2]
         (dev,) = vmm.status()["devices"]
         assert (dev["fdid"], dev["delivered"], len(dev["vectors"])) == (FDID, 3, 4)
         lender.close()
