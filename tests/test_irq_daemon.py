@@ -83,7 +83,13 @@ def test_vmm_registers_irqfds_and_receives_interrupts(daemon):
         vmm.set_triggers(FDID, IrqIndex.MSIX, [e.fileno() for e in vm])
         for v in (0, 3, 3):
             lender.dev.raise_interrupt(v)
-        assert [fires(vm[0]), fires(vm[3])] == [1, 2]
+        assert fires(vm[0]) == 1
+        # The two on vector 3 travel in one batch or in two (the lender may read its eventfd
+        # between the raises), so the VM's first read may see only one: once the daemon has
+        # delivered all three, the eventfds hold the rest.
+        got = fires(vm[3])
+        wait_until(lambda: vmm.status()["devices"][0]["delivered"] == 3)
+        assert [vm[0].drain(), got + vm[3].drain()] == [0, 2]
         (dev,) = vmm.status()["devices"]
         assert (dev["fdid"], dev["delivered"], len(dev["vectors"])) == (FDID, 3, 4)
         lender.close()
@@ -172,6 +178,18 @@ def test_cli_status_lists_devices(daemon, tmp_path):
         lender.close()
     r = CliRunner().invoke(main, ["relay", "--socket", str(tmp_path / "none.sock"), "status"])
     assert r.exit_code == 1 and "start it with 'vmlend relay'" in r.output
+
+
+def test_a_second_stop_after_the_daemon_stopped_is_harmless(tmp_path):
+    # SIGTERM twice, or a supervisor stopping a daemon whose serve() already returned.
+    d = RelayDaemon(tmp_path / "relay.sock")
+    d.start()
+    t = threading.Thread(target=d.serve, daemon=True)
+    t.start()
+    d.stop()
+    t.join(5)
+    assert not t.is_alive() and not d.socket_path.exists()
+    d.stop()
 
 
 def test_second_daemon_refuses_a_live_socket(daemon):

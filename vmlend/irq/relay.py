@@ -26,7 +26,16 @@ class Reactor:
         self._epoll = select.epoll()
         self._handlers: dict[int, Handler] = {}
         self._deferred: dict[Callable[[], None], None] = {}
+        # Descriptors unregistered since the last round ended: an event for one may already
+        # be in hand from this round's poll, and must not reach a later registration of the
+        # same number (a stale hang-up would kill a fresh channel).
+        self._retired: set[int] = set()
         self._wake = EventFd()
+        # Guards the wake eventfd alone: ``stop`` and ``defer`` signal it from other threads
+        # while the loop thread may be closing it; a signal landing after the close would hit
+        # a dead descriptor or, worse, whatever reused its number. Reentrant, because a signal
+        # handler calling ``stop`` may interrupt the thread that holds it.
+        self._wake_lock = threading.RLock()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop_ident: int | None = None
@@ -46,6 +55,7 @@ class Reactor:
         with self.lock:
             if self._handlers.pop(fd, None) is not None:
                 self._epoll.unregister(fd)
+                self._retired.add(fd)
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once on the loop thread after the current round of events."""
@@ -54,7 +64,13 @@ class Reactor:
         if threading.get_ident() != self._loop_ident:
             # Another thread: the loop may be asleep in epoll. From the loop itself the round's
             # end comes anyway, and a wake-up per round would cost two syscalls per interrupt.
-            self._wake.signal()
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        """Interrupt the loop's epoll wait; nothing to do once the reactor is closed."""
+        with self._wake_lock:
+            if not self._wake.closed:
+                self._wake.signal()
 
     def run_deferred(self) -> None:
         with self.lock:
@@ -76,9 +92,11 @@ class Reactor:
                         self._wake.drain()
                         continue
                     handler = self._handlers.get(fd)
-                    if handler is not None:
+                    if handler is not None and fd not in self._retired:
                         self._call(handler, mask)
                 self._call(self.run_deferred)
+                # Level-triggered: a live descriptor skipped here is reported again.
+                self._retired.clear()
         self._loop_ident = None
 
     @staticmethod
@@ -97,7 +115,7 @@ class Reactor:
     def stop(self) -> None:
         """Safe from signal handlers and other threads. A stopped reactor stays stopped."""
         self._stopping = True
-        self._wake.signal()
+        self._wake_up()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
             self._thread = None
@@ -108,5 +126,7 @@ class Reactor:
             if self._handlers:
                 log.debug("reactor closed with %d handlers still registered", len(self._handlers))
             self._handlers.clear()
+            self._retired.clear()
             self._epoll.close()
-            self._wake.close()
+            with self._wake_lock:
+                self._wake.close()
