@@ -390,3 +390,50 @@ def test_a_lender_whose_agent_died_has_its_devices_unavailable_until_it_returns(
     with open_fabric(etcd_url, "beta") as f:
         assert f.device(NIC).state is DeviceState.AVAILABLE
         assert f.device(0x11).state is DeviceState.AVAILABLE
+
+
+@pytest.mark.slow
+def test_a_restarted_agent_keeps_running_vms_devices_and_returns_the_rest(
+    hosts, etcd_url, monkeypatch
+):
+    """gamma's agent is killed and restarted within its TTL. Its successor takes over the
+    running VM's hold (which would otherwise vanish with the dead agent's lease) and returns
+    the holds of a stopped VM (its release hook 'failed') and of a VM gamma no longer has."""
+    from tests.test_sim_backend import _domain
+    from vmlend.hypervisor.open import open_hypervisor
+
+    alpha, gamma = hosts["alpha"], hosts["gamma"]
+    old = Holder("gamma", "old", "44444444-4444-4444-4444-444444444444")
+    ghost = Holder("gamma", "ghost", "55555555-5555-5555-5555-555555555555")
+    monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
+    alpha.start_agent()
+    ttl = 6  # the restarted agent must start (~1 s on a loaded machine) before it runs out
+    gamma.start_agent("--ttl", str(ttl), "--connect", "sim:///gamma")  # the last --ttl counts
+    hook = [sys.executable, "-m", "vmlend.hook", "--registry", etcd_url, "--node", "gamma"]
+    hv = open_hypervisor("sim:///gamma", state_dir=gamma.root, hook_command=hook)
+    hv.define(_domain("web", WEB.vm_uuid, (GPU,)))
+    hv.define(_domain("old", old.vm_uuid, (0x11,)))
+    hv.start("web")
+    for fdid, holder in ((0x11, old), (0x12, ghost)):  # held, though nothing here runs them
+        r = gamma.run(_reserve_code(fdid, holder))
+        assert r.returncode == 0, r.stderr
+
+    gamma.stop_agent(signal.SIGKILL)
+    gamma.start_agent("--connect", "sim:///gamma")  # at once: the old lease still lives
+    deadline = time.monotonic() + 20
+    while "start-up reconcile of gamma done" not in gamma.log().rsplit("up: lease", 1)[-1]:
+        assert time.monotonic() < deadline, gamma.log()
+        time.sleep(0.05)
+    log = gamma.log()
+    assert "took over" in log and "records of this host's previous lease" in log
+    assert "start-up reconcile: old release: device 0x11: returned" in log
+    assert "start-up reconcile: ghost return (no such VM here): device 0x12: returned" in log
+    with open_fabric(etcd_url, "alpha") as f:
+        assert f.device(0x11).state is DeviceState.AVAILABLE  # returned, not fenced
+        assert f.device(0x12).state is DeviceState.AVAILABLE
+        assert f.fenced() == []
+    time.sleep(ttl + 1)  # the dead agent's lease has ended by now
+    with open_fabric(etcd_url, "alpha") as f:
+        assert f.device(GPU).holder == WEB  # the running VM kept its device
+        assert f.fenced() == []
+    assert gamma.stop_agent() == 0 and alpha.stop_agent() == 0

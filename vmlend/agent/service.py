@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmlend.agent.guard import RemoteVmGuard
-from vmlend.agent.lease import LeaseLost, SessionLease
+from vmlend.agent.lease import LeaseLost, SessionLease, adopt_records
+from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
@@ -42,6 +43,8 @@ class AgentConfig:
     interval: float = DEFAULT_INTERVAL
     #: Opens this host's hypervisor (to pause VMs with remote devices); None: none to guard.
     hypervisor: Callable[[], Hypervisor] | None = None
+    #: Makes the registry match this host's VMs at start-up (with a hypervisor only).
+    reconciler: Reconciler = reconcile_host
 
 
 class Agent:
@@ -66,10 +69,21 @@ class Agent:
         registry.gateway.call(
             "kv/put", {"key": b64(registry.keys.agent(cfg.node)), "value": b64(b"1")}
         )
+        previous = self._previous_lease()
         lease = self._take_lease(registry)
+        if previous is not None and previous != lease.id:
+            moved = adopt_records(registry.gateway, registry.keys, previous, lease.id)
+            if moved:
+                log.warning(
+                    "took over %d records of this host's previous lease %x", moved, previous
+                )
         guard = recovery = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
+            lines = cfg.reconciler(hv, fabric)
+            for line in lines:
+                log.warning("start-up reconcile: %s", line)
+            log.warning("start-up reconcile of %s done (%d line(s))", cfg.node, len(lines))
             guard = RemoteVmGuard(hv, fabric, cfg.node)
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
@@ -120,6 +134,13 @@ class Agent:
         fabric.close()
         log.warning("agent for %s stopped", cfg.node)
         return 0
+
+    def _previous_lease(self) -> int | None:
+        """The lease an earlier agent of this host published and did not withdraw (it died)."""
+        try:
+            return hostlease.read(self.config.lease_file).lease
+        except StateError:  # none, or unreadable: nothing to take over
+            return None
 
     def _take_lease(self, registry: EtcdRegistry) -> SessionLease:
         """A new lease for this host, announced in etcd and then published in the lease file."""
