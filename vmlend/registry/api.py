@@ -39,10 +39,16 @@ class StateTxn(Protocol):
     writable: bool
 
     def prefetch(
-        self, fdids: Iterable[int] = (), nodes: Iterable[str] = (), adapters: Iterable[str] = ()
+        self,
+        fdids: Iterable[int] = (),
+        nodes: Iterable[str] = (),
+        adapters: Iterable[str] = (),
+        *,
+        release_on: str | None = None,
     ) -> None:
         """A hint that the body will read these devices, nodes and adapters' claims (a remote
-        backend fetches them in one request)."""
+        backend fetches them in one request). ``release_on``: it releases ``fdids`` on that
+        node, so it also reads their runtime records, the node's mdevs and mdev parents."""
         ...
 
     def meta(self, key: str) -> str | None: ...

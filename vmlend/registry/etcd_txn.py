@@ -214,16 +214,29 @@ class EtcdTxn:
         return self._snap.compares()
 
     def prefetch(
-        self, fdids: Iterable[int] = (), nodes: Iterable[str] = (), adapters: Iterable[str] = ()
+        self,
+        fdids: Iterable[int] = (),
+        nodes: Iterable[str] = (),
+        adapters: Iterable[str] = (),
+        *,
+        release_on: str | None = None,
     ) -> None:
         """A hint: the body is about to read these devices (record, hold, fence), nodes and
-        adapters' claims, and the topology digest; fetch them in one request."""
+        adapters' claims, and the topology digest; fetch them in one request. A release
+        (``release_on``) also reads the devices' runtime records and that node's mdevs and
+        mdev parents of them."""
+        fdids = list(fdids)
         keys = [self._k.topology_digest]
+        prefixes = [self._k.claims_on(a) for a in adapters]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
-        self._snap.prefetch(keys, [self._k.claims_on(a) for a in adapters])
+        if release_on is not None:
+            keys += [self._k.parent(release_on, fdid) for fdid in fdids]
+            prefixes += [self._k.runtime_of(fdid) for fdid in fdids]
+            prefixes.append(self._k.mdevs_on(release_on))
+        self._snap.prefetch(keys, prefixes)
 
     # --- meta ----------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:

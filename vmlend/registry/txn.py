@@ -38,7 +38,12 @@ class StateTxn:
             raise RuntimeError("write inside a read transaction")  # a programming error
 
     def prefetch(
-        self, fdids: Iterable[int] = (), nodes: Iterable[str] = (), adapters: Iterable[str] = ()
+        self,
+        fdids: Iterable[int] = (),
+        nodes: Iterable[str] = (),
+        adapters: Iterable[str] = (),
+        *,
+        release_on: str | None = None,
     ) -> None:
         """Nothing to do: SQLite reads are local."""
 

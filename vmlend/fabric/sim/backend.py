@@ -349,6 +349,7 @@ class SimFabric:
             self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
 
         def body(tx: StateTxn) -> bool:
+            tx.prefetch([fdid], release_on=self.local_node)  # one request on etcd, not six
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
             if mine:
