@@ -5,10 +5,10 @@ PY      := $(VENV)/bin/python
 # System packages: libvirt (daemon, test driver, headers for libvirt-python), QEMU for real
 # guest memory layouts, xmllint for virt-xml-validate, umockdev (+ its GObject introspection
 # data and python3-gi, which the uevent test's testbed API needs) for uevent tests, etcd-server
-# for the cluster registry (tests start a private etcd).
+# for the cluster registry (tests start a private etcd), openssl to make the TLS test's certificates.
 APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev \
             pkg-config qemu-system-x86 libxml2-utils umockdev \
-            python3-gi gir1.2-umockdev-1.0 etcd-server
+            python3-gi gir1.2-umockdev-1.0 etcd-server openssl
 DEMO_DIR := $(CURDIR)/.demo
 
 .PHONY: all demo test test-fast lint bench sysdeps venv clean

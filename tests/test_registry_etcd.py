@@ -382,3 +382,31 @@ def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, 
             f.reserve(0x100, Holder("h1", "probe"))
             counts.append(len(requests))
     assert counts[0] == counts[1] <= 2
+
+
+def test_a_release_costs_the_same_few_requests_however_big_the_fabric(etcd_url, monkeypatch):
+    """A release reads its hold (to give the hardware back first), then reads everything the
+    state change needs in one request and commits: three requests, on a small fabric and on
+    one with 60 times more devices and many holds and mdevs."""
+    requests: list[str] = []
+    real_call = EtcdGateway.call
+
+    def counting(self, path, body):
+        requests.append(path)
+        return real_call(self, path, body)
+
+    monkeypatch.setattr(EtcdGateway, "call", counting)
+    counts = []
+    for name, devices, held in (("small", 5, 0), ("large", 300, 25)):
+        url = f"{etcd_url}-{name}"
+        init_fabric(url, star_topology(4, devices), "star.toml")
+        with open_fabric(url, "h1") as f:
+            for i in range(held):
+                f.reserve(0x100 + devices - 1 - i, Holder(f"h{i % 4}", f"vm{i}"))
+            probe = Holder("h1", "probe")
+            f.reserve(0x100, probe)
+            requests.clear()
+            assert f.release(0x100, probe) is True
+            counts.append(len(requests))
+            assert f.device(0x100).holder is None
+    assert counts[0] == counts[1] <= 3

@@ -4,8 +4,8 @@ A borrower that cannot renew its lease may lose its holds at any moment, and the
 then take the devices back; a guest that keeps running would do DMA through mappings that are
 about to vanish or belong to somebody else. So the agent pauses those VMs once renewing has
 failed for half the TTL, and resumes them when it renews again. When the lease is gone the
-VMs stay paused and the agent says which (re-reserving or unplugging them is left to the
-operator for now).
+agent pauses them all (a frozen agent could not in time) and, under a new lease, hands them
+to ``recover.LostLeaseRecovery``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class RemoteVmGuard:
         # Read now: when the guard acts, the registry is exactly what cannot be reached.
         self._lenders = {d.fdid: d.lender for d in fabric.topology().devices}
         self._node = node
+        #: The VMs paused when the lease was lost, for the recovery under the next lease.
+        self.paused_after_loss: list[str] = []
 
     def _uses_remote_devices(self, name: str) -> bool:
         dom = read_hook_domain(self._hv.xml(name), strict=False)

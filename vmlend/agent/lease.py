@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from vmlend.registry.etcd_gateway import EtcdGateway, b64
+from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
+from vmlend.registry.etcd_keys import Keys, dump, load
 
 log = logging.getLogger(__name__)
 
@@ -34,3 +35,51 @@ class SessionLease:
 
     def revoke(self) -> None:
         self._gw.call("kv/lease/revoke", {"ID": self.id})
+
+
+#: Keys moved per Txn: a compare and a put each, under etcd's default --max-txn-ops (128).
+_ADOPT_BATCH = 60
+
+
+def adopt_records(gateway: EtcdGateway, keys: Keys, old: int, new: int) -> int:
+    """Move the records of lease ``old`` (this host's agent that died before its TTL ran out)
+    to lease ``new``, fence tokens included, so the holds of the VMs still running here do not
+    vanish when ``old`` expires. A key changed since it was read is left alone (its writer
+    decided). Returns how many keys moved."""
+    _rev, kvs = gateway.range(keys.base, prefix_end(keys.base))
+    moves: list[tuple[KeyValue, bytes, int]] = []  # (read as, new value, new lease)
+    held = set()  # the devices whose holds move: their fences take the new token
+    for kv in kvs:
+        if kv.lease == old:
+            moves.append((kv, kv.value, new))
+            if kv.key.startswith(keys.holds):
+                held.add(kv.key.removeprefix(keys.holds))
+    for kv in kvs:
+        if kv.key.removeprefix(keys.fences) in held and kv.key.startswith(keys.fences):
+            fence = load(kv.value)
+            if fence.get("token") == old:
+                moves.append((kv, dump({**fence, "token": new}), 0))
+    moved = 0
+    for i in range(0, len(moves), _ADOPT_BATCH):
+        compare, success = [], []
+        for kv, value, lease in moves[i : i + _ADOPT_BATCH]:
+            compare.append(
+                {
+                    "key": b64(kv.key),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": kv.mod_revision,
+                }
+            )
+            put: dict[str, object] = {"key": b64(kv.key), "value": b64(value)}
+            if lease:
+                put["lease"] = lease
+            success.append({"request_put": put})
+        ok, _ = gateway.txn(compare, success)
+        if ok:
+            moved += len(success)
+        else:  # someone wrote meanwhile: move those that still are as read, one by one
+            for c, s in zip(compare, success, strict=True):
+                ok, _ = gateway.txn([c], [s])
+                moved += ok
+    return moved

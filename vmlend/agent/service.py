@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmlend.agent.guard import RemoteVmGuard
-from vmlend.agent.lease import LeaseLost, SessionLease
+from vmlend.agent.lease import LeaseLost, SessionLease, adopt_records
+from vmlend.agent.reconcile import Reconciler, reconcile_host
+from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
@@ -41,6 +43,8 @@ class AgentConfig:
     interval: float = DEFAULT_INTERVAL
     #: Opens this host's hypervisor (to pause VMs with remote devices); None: none to guard.
     hypervisor: Callable[[], Hypervisor] | None = None
+    #: Makes the registry match this host's VMs at start-up (with a hypervisor only).
+    reconciler: Reconciler = reconcile_host
 
 
 class Agent:
@@ -51,7 +55,8 @@ class Agent:
         self.taken_back: list[int] = []
 
     def run(self) -> int:
-        """Serve until ``stop_event`` (0) or the lease is lost (3)."""
+        """Serve until ``stop_event``: 0, or 3 when stopped after losing the lease and before
+        etcd granted a new one. A lost lease is replaced and the paused VMs recovered."""
         cfg = self.config
         fabric = open_fabric(cfg.location, cfg.node)
         if not isinstance(fabric, SimFabric) or not isinstance(fabric.registry, EtcdRegistry):
@@ -59,15 +64,91 @@ class Agent:
                 "'vmlend agent' serves a cluster registry: give --registry etcd://HOST:PORT/CLUSTER"
             )
         registry = fabric.registry
-        lease = SessionLease(registry.gateway, cfg.ttl)
-        lease.put(
-            registry.keys.host(cfg.node),
-            json.dumps({"pid": os.getpid(), "ttl": lease.ttl}).encode(),
-        )
         # Without a lease: if this agent dies uncleanly, the marker outlives hosts/<node> and
         # marks this node's devices unavailable until an agent runs here again.
         registry.gateway.call(
             "kv/put", {"key": b64(registry.keys.agent(cfg.node)), "value": b64(b"1")}
+        )
+        previous = self._previous_lease()
+        lease = self._take_lease(registry)
+        if previous is not None and previous != lease.id:
+            moved = adopt_records(registry.gateway, registry.keys, previous, lease.id)
+            if moved:
+                log.warning(
+                    "took over %d records of this host's previous lease %x", moved, previous
+                )
+        guard = recovery = None
+        if cfg.hypervisor is not None:
+            hv = cfg.hypervisor()
+            lines = cfg.reconciler(hv, fabric)
+            for line in lines:
+                log.warning("start-up reconcile: %s", line)
+            log.warning("start-up reconcile of %s done (%d line(s))", cfg.node, len(lines))
+            guard = RemoteVmGuard(hv, fabric, cfg.node)
+            # A fenced device is back within the lender's scan interval; allow a TTL for it.
+            recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
+        in_doubt = False  # renewing failed for half the TTL: VMs with remote devices paused
+        paused: list[str] = []
+        renewed = self._clock()
+        next_renew = renewed
+        while not self.stop_event.is_set():
+            now = self._clock()
+            if now >= next_renew:
+                try:
+                    try:
+                        lease.refresh()
+                    except StateError as e:
+                        log.warning("cannot renew lease %x: %s", lease.id, e)
+                        if now - renewed > lease.ttl:
+                            raise LeaseLost(
+                                f"lease {lease.id:x} not renewed for {lease.ttl} s"
+                            ) from None
+                        if not in_doubt and now - renewed > lease.ttl / 2:
+                            in_doubt = True
+                            paused = guard.pause() if guard is not None else []
+                    else:
+                        renewed = now
+                        if in_doubt:
+                            if guard is not None:
+                                guard.resume(paused)
+                            in_doubt, paused = False, []
+                except LeaseLost as e:
+                    new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
+                    if new_lease is None:
+                        return 3
+                    lease = new_lease
+                    if recovery is not None and guard is not None:
+                        recovery.recover(guard.paused_after_loss)
+                    in_doubt, paused = False, []
+                    now = renewed = self._clock()
+                # In doubt, retry often: every moment counts before the TTL runs out.
+                next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
+            self._take_back(fabric)
+            self.stop_event.wait(cfg.interval)
+        hostlease.withdraw(cfg.lease_file, lease.id)
+        try:
+            registry.gateway.call("kv/deleterange", {"key": b64(registry.keys.agent(cfg.node))})
+            lease.revoke()  # a clean stop: this host's records go now, not after the TTL
+        except StateError as e:
+            log.warning("could not revoke lease %x (it ends by its TTL): %s", lease.id, e)
+        fabric.close()
+        log.warning("agent for %s stopped", cfg.node)
+        return 0
+
+    def _previous_lease(self) -> int | None:
+        """The lease an earlier agent of this host published and did not withdraw (it died)."""
+        try:
+            return hostlease.read(self.config.lease_file).lease
+        except StateError:  # none, or unreadable: nothing to take over
+            return None
+
+    def _take_lease(self, registry: EtcdRegistry) -> SessionLease:
+        """A new lease for this host, announced in etcd and then published in the lease file."""
+        cfg = self.config
+        lease = SessionLease(registry.gateway, cfg.ttl)
+        lease.put(
+            registry.keys.host(cfg.node),
+            json.dumps({"pid": os.getpid(), "ttl": lease.ttl}).encode(),
         )
         # Last: the host's processes may use the lease once the file is there.
         hostlease.publish(
@@ -80,62 +161,43 @@ class Agent:
             lease.ttl,
             cfg.lease_file,
         )
-        guard = None
-        if cfg.hypervisor is not None:
-            guard = RemoteVmGuard(cfg.hypervisor(), fabric, cfg.node)
-        in_doubt = False  # renewing failed for half the TTL: VMs with remote devices paused
-        paused: list[str] = []
-        renewed = self._clock()
-        next_renew = renewed
-        try:
-            while not self.stop_event.is_set():
-                now = self._clock()
-                if now >= next_renew:
-                    try:
-                        lease.refresh()
-                        renewed = now
-                        if in_doubt:
-                            if guard is not None:
-                                guard.resume(paused)
-                            in_doubt, paused = False, []
-                    except LeaseLost:
-                        raise
-                    except StateError as e:
-                        log.warning("cannot renew lease %x: %s", lease.id, e)
-                        if now - renewed > lease.ttl:
-                            raise LeaseLost(
-                                f"lease {lease.id:x} not renewed for {lease.ttl} s"
-                            ) from None
-                        if not in_doubt and now - renewed > lease.ttl / 2:
-                            in_doubt = True
-                            paused = guard.pause() if guard is not None else []
-                    # In doubt, retry often: every moment counts before the TTL runs out.
-                    next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
-                self._take_back(fabric)
-                self.stop_event.wait(cfg.interval)
-        except LeaseLost as e:
-            log.error(
-                "agent for %s lost its lease (%s): this host's holds are gone; restart the agent",
-                cfg.node,
-                e,
-            )
-            if paused:
-                log.error(
-                    "VMs %s stay paused: their devices may be taken back; re-reserve or unplug"
-                    " them before resuming",
-                    ", ".join(paused),
-                )
-            hostlease.withdraw(cfg.lease_file, lease.id)
-            return 3
-        hostlease.withdraw(cfg.lease_file, lease.id)
-        try:
-            registry.gateway.call("kv/deleterange", {"key": b64(registry.keys.agent(cfg.node))})
-            lease.revoke()  # a clean stop: this host's records go now, not after the TTL
-        except StateError as e:
-            log.warning("could not revoke lease %x (it ends by its TTL): %s", lease.id, e)
-        fabric.close()
-        log.warning("agent for %s stopped", cfg.node)
-        return 0
+        return lease
+
+    def _after_lost_lease(
+        self,
+        registry: EtcdRegistry,
+        lost: SessionLease,
+        why: LeaseLost,
+        guard: RemoteVmGuard | None,
+        paused: list[str],
+    ) -> SessionLease | None:
+        """Say so, pause what uses remote devices and take a new lease (None: stopped first)."""
+        cfg = self.config
+        log.error(
+            "agent for %s lost its lease (%s): this host's holds are gone; taking a new lease",
+            cfg.node,
+            why,
+        )
+        hostlease.withdraw(cfg.lease_file, lost.id)
+        if guard is not None:
+            # A frozen agent could not pause anything in time: pause now, before the guests
+            # touch devices that may be somebody else's already.
+            guard.paused_after_loss = sorted(set(paused) | set(guard.pause()))
+        lease = self._retake_lease(registry)
+        if lease is None and guard is not None and guard.paused_after_loss:
+            log.error("VMs %s stay paused", ", ".join(guard.paused_after_loss))
+        return lease
+
+    def _retake_lease(self, registry: EtcdRegistry) -> SessionLease | None:
+        """A new lease after the old one was lost, retried until etcd answers; None when the
+        agent is stopped first."""
+        while not self.stop_event.is_set():
+            try:
+                return self._take_lease(registry)
+            except StateError as e:
+                log.warning("cannot take a new lease yet: %s", e)
+                self.stop_event.wait(self.config.interval)
+        return None
 
     def _take_back(self, fabric: SimFabric) -> None:
         try:

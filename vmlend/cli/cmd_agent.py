@@ -43,7 +43,7 @@ from vmlend.registry import hostlease
 def agent_cmd(obj: CliContext, ttl: int, interval: float, uri: str | None) -> None:
     """Hold this host's lease on the cluster registry and take back devices whose borrower's
     lease ended. Runs in the foreground until SIGTERM or SIGINT."""
-    if obj.registry is None or not obj.registry.startswith("etcd://"):
+    if obj.registry is None or not obj.registry.startswith(("etcd://", "etcds://")):
         raise ConfigError("'vmlend agent' needs --registry etcd://HOST:PORT/CLUSTER")
     host = HostEnv.from_env(obj.root)
     node = obj.node or host.configured_node()

@@ -46,9 +46,13 @@ class StateTxn(Protocol):
         nodes: Iterable[str] = (),
         adapters: Iterable[str] = (),
         held_on: Iterable[str] = (),
+        *,
+        release_on: str | None = None,
     ) -> None:
         """A hint that the body will read these devices, nodes, adapters' claims and the holds
-        of VMs on the ``held_on`` nodes (a remote backend fetches them in one request)."""
+        of VMs on the ``held_on`` nodes (a remote backend fetches them in one request).
+        ``release_on``: it releases ``fdids`` on that node, so it also reads their runtime
+        records, the node's mdevs and mdev parents."""
         ...
 
     def meta(self, key: str) -> str | None: ...

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vmlend.errors import StateError
@@ -30,6 +31,7 @@ TRANSIENT_ATTEMPTS = 6
 # Substrings of etcd's error messages (etcdserver/api/v3rpc/rpctypes) that pass by themselves.
 if TYPE_CHECKING:
     from etcd3gw import exceptions as gw_errors
+    from etcd3gw.client import Etcd3Client
 
 # etcd3gw (and requests under it) is imported only where a gateway is made or used: a host on
 # an SQLite registry - its hook above all, run for every domain operation - never loads it.
@@ -62,6 +64,16 @@ class KeyValue:
 
 
 @dataclass(frozen=True)
+class EtcdTls:
+    """HTTPS to etcd: ``cacert`` verifies the server (None: the system's CAs); ``cert`` and
+    ``key`` are this host's client certificate (both or neither)."""
+
+    cacert: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+
+@dataclass(frozen=True)
 class Endpoint:
     host: str
     port: int
@@ -79,15 +91,12 @@ class EtcdGateway:
         *,
         timeout: float = REQUEST_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
+        tls: EtcdTls | None = None,
     ) -> None:
-        from etcd3gw.client import Etcd3Client
-
         if not endpoints:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
-        self._clients = [
-            Etcd3Client(e.host, e.port, timeout=timeout, api_path="/v3/") for e in self.endpoints
-        ]
+        self._clients = [_client(e, timeout, tls) for e in self.endpoints]
         self._current = 0
         self._sleep = sleep
 
@@ -177,6 +186,30 @@ class EtcdGateway:
         """One transaction: ``success`` ops iff every ``compare`` holds. (succeeded, revision)"""
         answer = self.call("kv/txn", {"compare": compare, "success": success, "failure": []})
         return bool(answer.get("succeeded", False)), _revision(answer)
+
+
+def _client(endpoint: Endpoint, timeout: float, tls: EtcdTls | None) -> Etcd3Client:
+    import requests
+    from etcd3gw.client import Etcd3Client
+
+    if tls is None:
+        return Etcd3Client(endpoint.host, endpoint.port, timeout=timeout, api_path="/v3/")
+    session = requests.Session()
+    if tls.cacert is not None:
+        session.verify = str(tls.cacert)
+        # Else requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override the CA the URL
+        # names, and etcd's certificate fails to verify against the system's CAs.
+        session.trust_env = False
+    if tls.cert is not None and tls.key is not None:
+        session.cert = (str(tls.cert), str(tls.key))
+    return Etcd3Client(
+        endpoint.host,
+        endpoint.port,
+        protocol="https",
+        timeout=timeout,
+        api_path="/v3/",
+        session=session,
+    )
 
 
 class RevisionCompactedError(StateError):

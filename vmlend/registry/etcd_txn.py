@@ -221,17 +221,25 @@ class EtcdTxn:
         nodes: Iterable[str] = (),
         adapters: Iterable[str] = (),
         held_on: Iterable[str] = (),
+        *,
+        release_on: str | None = None,
     ) -> None:
         """A hint: the body is about to read these devices (record, hold, fence), nodes,
         adapters' claims, the index of the holds on the ``held_on`` nodes, and the topology
-        digest; fetch them in one request."""
+        digest; fetch them in one request. A release (``release_on``) also reads the devices'
+        runtime records and that node's mdevs and mdev parents of them."""
+        fdids = list(fdids)
         keys = [self._k.topology_digest]
+        prefixes = [self._k.claims_on(a) for a in adapters]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
-        prefixes = [self._k.claims_on(a) for a in adapters]
         prefixes += [self._k.holds_on(n) for n in held_on]
+        if release_on is not None:
+            keys += [self._k.parent(release_on, fdid) for fdid in fdids]
+            prefixes += [self._k.runtime_of(fdid) for fdid in fdids]
+            prefixes.append(self._k.mdevs_on(release_on))
         self._snap.prefetch(keys, prefixes)
 
     # --- meta ----------------------------------------------------------------------------

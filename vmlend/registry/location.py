@@ -2,22 +2,25 @@
 ``--state`` / ``VMLEND_STATE``), and opening it.
 
 - ``etcd://HOST[:PORT][,HOST[:PORT]...]/CLUSTER``: a cluster's state in etcd (port 2379 by
-  default), under the key prefix ``/vmlend/CLUSTER/``;
+  default), under the key prefix ``/vmlend/CLUSTER/``; ``etcds://`` for HTTPS, with
+  ``?cacert=PATH&cert=PATH&key=PATH`` (absolute paths; a ``cacert`` alone also means HTTPS);
 - ``sqlite:///PATH`` or a plain path: one host's state in an SQLite file.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
 from vmlend.registry.api import Registry, StateTxn
-from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
+from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, EtcdTls
 from vmlend.registry.etcd_keys import check_cluster_name
 from vmlend.registry.etcd_store import EtcdRegistry
 from vmlend.registry.store import Registry as SqliteRegistry
@@ -37,6 +40,8 @@ class RegistryLocation:
     path: Path | None = None
     endpoints: tuple[Endpoint, ...] = ()
     cluster: str = ""
+    #: HTTPS settings of an etcd registry; None: plain HTTP.
+    tls: EtcdTls | None = None
 
     @property
     def is_etcd(self) -> bool:
@@ -48,14 +53,25 @@ class RegistryLocation:
         hosts = ",".join(
             f"[{e.host}]:{e.port}" if ":" in e.host else str(e) for e in self.endpoints
         )
-        return f"etcd://{hosts}/{self.cluster}"
+        if self.tls is None:
+            return f"etcd://{hosts}/{self.cluster}"
+        query = "&".join(
+            f"{name}={value}"
+            for name, value in (
+                ("cacert", self.tls.cacert),
+                ("cert", self.tls.cert),
+                ("key", self.tls.key),
+            )
+            if value is not None
+        )
+        return f"etcds://{hosts}/{self.cluster}" + (f"?{query}" if query else "")
 
 
 def parse_location(text: str | Path) -> RegistryLocation:
     """A registry URL or a plain SQLite path; ``ConfigError`` for anything else."""
     if isinstance(text, Path):
         return RegistryLocation(path=text)
-    if text.startswith("etcd://"):
+    if text.startswith(("etcd://", "etcds://")):
         return _parse_etcd(text)
     if text.startswith("sqlite://"):
         rest = text.removeprefix("sqlite://")
@@ -69,8 +85,44 @@ def parse_location(text: str | Path) -> RegistryLocation:
     return RegistryLocation(path=Path(text))
 
 
+_TLS_PARAMS = ("cacert", "cert", "key")
+
+
+def _parse_tls(text: str, query: str, https: bool) -> EtcdTls | None:
+    """The TLS settings of ``?cacert=&cert=&key=``; None for plain HTTP."""
+    try:
+        params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ConfigError(f"bad query {query!r} in registry URL {text!r}") from None
+    unknown = sorted(set(params) - set(_TLS_PARAMS))
+    if unknown:
+        raise ConfigError(
+            f"unknown setting {unknown[0]!r} in registry URL {text!r}; it takes"
+            " cacert=, cert= and key= (absolute paths)"
+        )
+    paths: dict[str, Path] = {}
+    for name, values in params.items():
+        if len(values) != 1 or not values[0]:
+            raise ConfigError(f"registry URL {text!r} needs exactly one {name}=PATH")
+        path = Path(values[0])
+        if not path.is_absolute():
+            # libvirtd runs the hook from /, so a relative path would name another file.
+            raise ConfigError(f"{name}={values[0]} in registry URL {text!r} must be absolute")
+        paths[name] = path
+    if ("cert" in paths) != ("key" in paths):
+        raise ConfigError(
+            f"registry URL {text!r} gives a client {'cert' if 'cert' in paths else 'key'}"
+            " without its pair; give both cert= and key="
+        )
+    if not https and not paths:
+        return None
+    return EtcdTls(paths.get("cacert"), paths.get("cert"), paths.get("key"))
+
+
 def _parse_etcd(text: str) -> RegistryLocation:
-    rest = text.removeprefix("etcd://")
+    https = text.startswith("etcds://")
+    rest, _q, query = text.removeprefix("etcds://" if https else "etcd://").partition("?")
+    tls = _parse_tls(text, query, https)
     hosts, slash, cluster = rest.partition("/")
     if not slash or not cluster or "/" in cluster:
         raise ConfigError(
@@ -85,7 +137,22 @@ def _parse_etcd(text: str) -> RegistryLocation:
         if not 0 < port < 65536:
             raise ConfigError(f"bad etcd port {port} in {text!r}")
         endpoints.append(Endpoint(m["v6"] or m["host"], port))
-    return RegistryLocation(endpoints=tuple(endpoints), cluster=check_cluster_name(cluster))
+    return RegistryLocation(
+        endpoints=tuple(endpoints), cluster=check_cluster_name(cluster), tls=tls
+    )
+
+
+def _gateway(loc: RegistryLocation) -> EtcdGateway:
+    """A gateway to ``loc``'s etcd, after checking its TLS files can be read."""
+    if loc.tls is not None:
+        for name in _TLS_PARAMS:
+            path = getattr(loc.tls, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ConfigError(
+                    f"cannot read the etcd TLS file {name}={path}; fix the path in --registry"
+                    " / VMLEND_REGISTRY or the file's permissions"
+                )
+    return EtcdGateway(loc.endpoints, tls=loc.tls)
 
 
 def open_registry(
@@ -98,7 +165,7 @@ def open_registry(
     if loc.path is not None:
         return SqliteRegistry.open(loc.path)
     path = lease_file or hostlease.lease_path(HostEnv.from_env())
-    gateway = EtcdGateway(loc.endpoints)
+    gateway = _gateway(loc)
     try:
         return EtcdRegistry.open(gateway, loc.cluster, lambda: hostlease.read(path).lease)
     except BaseException:
@@ -113,7 +180,7 @@ def create_registry(
     loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     if loc.path is not None:
         return SqliteRegistry.create(loc.path, init)
-    gateway = EtcdGateway(loc.endpoints)
+    gateway = _gateway(loc)
     try:
         return EtcdRegistry.create(gateway, loc.cluster, init)
     except BaseException:

@@ -44,6 +44,8 @@ class StateTxn:
         nodes: Iterable[str] = (),
         adapters: Iterable[str] = (),
         held_on: Iterable[str] = (),
+        *,
+        release_on: str | None = None,
     ) -> None:
         """Nothing to do: SQLite reads are local."""
 

@@ -477,6 +477,7 @@ class SimFabric(SimShareOps):
             self._end_borrow(hold)
 
         def body(tx: StateTxn) -> bool:
+            tx.prefetch([fdid], release_on=self.local_node)  # one request on etcd, not six
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
             if mine:

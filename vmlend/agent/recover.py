@@ -1,0 +1,148 @@
+"""Borrower side, after the host's lease was lost and a new one taken: win back the paused VMs.
+
+Every hold of the old lease is gone. For each VM the guard paused, the agent re-reserves its
+devices under the new lease (waiting a bounded time for a lender to take a fenced device back
+first). A device that another host took meanwhile, or that cannot be had, is lost: its hostdev
+is hot-unplugged from the running VM (live only: the persistent definition is the operator's)
+and the VM resumes without it. When even that fails the VM stays paused, and the log says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lxml import etree
+
+from vmlend.domain import (
+    METADATA_KEY,
+    NAMESPACE_URI,
+    DomainDocument,
+    find_device,
+    read_domain,
+    remove_device,
+)
+from vmlend.domain.model import DomainXML
+from vmlend.errors import DeviceFencedError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.fabric.model import Holder, format_fdid
+from vmlend.hook.domainview import read_hook_domain
+from vmlend.hypervisor.base import Hypervisor
+from vmlend.lending import UndoJournal, acquire_device, holder_for
+from vmlend.ops.definitions import plain_metadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VmRecovery:
+    """What became of one paused VM: ``outcome`` is "resumed", "unplugged" (lost devices
+    removed, then resumed) or "paused" (``why`` says why it stays so)."""
+
+    vm: str
+    regained: list[int] = field(default_factory=list)
+    lost: dict[int, str] = field(default_factory=dict)
+    outcome: str = "paused"
+    why: str = ""
+
+    def describe(self) -> str:
+        got = ", ".join(format_fdid(f) for f in self.regained) or "none"
+        lost = "; ".join(f"{format_fdid(f)} ({r})" for f, r in self.lost.items())
+        text = f"VM {self.vm}: re-reserved {got}"
+        if lost:
+            text += f"; lost {lost}"
+        if self.outcome == "resumed":
+            return text + "; resumed"
+        if self.outcome == "unplugged":
+            return text + "; hot-unplugged the lost devices and resumed"
+        return text + f"; stays paused: {self.why}"
+
+
+class LostLeaseRecovery:
+    def __init__(
+        self,
+        hv: Hypervisor,
+        fabric: Fabric,
+        *,
+        fence_wait: float,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._hv = hv
+        self._fabric = fabric
+        #: How long to wait for a lender to take back a device fenced under the old lease.
+        self._fence_wait = fence_wait
+        self._interval = interval
+        self._clock = clock
+        self._sleep = sleep
+
+    def recover(self, names: list[str]) -> list[VmRecovery]:
+        out = []
+        for name in names:
+            try:
+                result = self._recover_one(name)
+            except VmlendError as e:  # the hypervisor itself failed: nothing more to try
+                result = VmRecovery(name, why=str(e))
+            log.warning("after a new lease: %s", result.describe())
+            out.append(result)
+        return out
+
+    def _recover_one(self, name: str) -> VmRecovery:
+        result = VmRecovery(name)
+        live = self._hv.xml(name)
+        dom = read_hook_domain(live, strict=False)
+        if dom is not None:
+            holder = holder_for(self._fabric, name, dom.uuid or self._hv.lookup(name).uuid)
+            for dev in dom.devices:
+                try:
+                    self._acquire(holder, dev.fdid, str(dev.mdev), dom.memory_bytes or 0)
+                    result.regained.append(dev.fdid)
+                except VmlendError as e:
+                    result.lost[dev.fdid] = str(e)
+        if result.lost:
+            try:
+                self._unplug(name, list(result.lost))
+            except VmlendError as e:
+                result.why = f"could not hot-unplug its lost devices: {e}"
+                return result
+        self._hv.resume(name)
+        result.outcome = "unplugged" if result.lost else "resumed"
+        return result
+
+    def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
+        deadline = self._clock() + self._fence_wait
+        while True:
+            try:
+                acquire_device(self._fabric, holder, fdid, mdev, UndoJournal(), guest_ram=guest_ram)
+                return
+            except DeviceFencedError:
+                # Fenced under our old lease: the lender's agent takes it back within its
+                # scan interval; after that it is ours again unless someone else is faster.
+                if self._clock() >= deadline:
+                    raise
+                self._sleep(self._interval)
+
+    def _unplug(self, name: str, fdids: list[int]) -> None:
+        """Remove the hostdevs and metadata entries of ``fdids`` from the running domain."""
+        for fdid in fdids:
+            doc = DomainDocument.parse(self._hv.xml(name), source=f"live XML of {name}")
+            device = find_device(doc, fdid)
+            if device is None:
+                continue
+            for h in DomainXML(doc.root).mdev_hostdevs():
+                if str(h.uuid) == str(device.mdev):
+                    xml = etree.tostring(h.element, with_tail=False)
+                    self._hv.detach_device(name, xml, live=True, config=False)
+            after = remove_device(doc, fdid, unplugged=True)
+            self._hv.set_metadata(
+                name, NAMESPACE_URI, METADATA_KEY, plain_metadata(after), live=True, config=False
+            )
+            try:  # this host's mdev of a device it no longer holds
+                self._fabric.remove_mdev(str(device.mdev))
+            except VmlendError as e:
+                log.warning("could not remove mdev %s of %s: %s", device.mdev, name, e)
+            log.warning("VM %s: hot-unplugged lost device %s", name, format_fdid(fdid))
+        read_domain(self._hv.xml(name), strict=False)  # what is left still parses
