@@ -472,12 +472,15 @@ class SimFabric(SimShareOps):
         with self._reg.read() as tx:
             hold = tx.hold(fdid)
         mine = hold is not None and same_holder(hold.holder, holder)
-        if mine and hold is not None:
-            # whatever the recorded phase: this process's hardware may still have it borrowed
-            self._end_borrow(hold)
+        if mine and hold is not None and self._hw is not None:
+            # whatever the recorded phase: this process's hardware may still have it borrowed;
+            # no phase to record, the hold goes below
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
 
         def body(tx: StateTxn) -> bool:
-            tx.prefetch([fdid], release_on=self.local_node)  # one request on etcd, not six
+            # one request on etcd, not six: the hold, the release's records, and the holds of
+            # the VM's other devices on its node (their peer-to-peer claims are recounted)
+            tx.prefetch([fdid], held_on=[holder.node], release_on=self.local_node)
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
             if mine:
@@ -590,6 +593,8 @@ class SimFabric(SimShareOps):
         the same one."""
         if self._hw is not None:
             self._hw.give_back(hold.fdid, hold.holder.node, hold.holder.vm)
+        if hold.phase is not Phase.BORROWED:
+            return  # nothing to record
 
         def record(tx: StateTxn) -> None:
             now = tx.hold(hold.fdid)
