@@ -47,6 +47,7 @@ from vmlend.fabric.msiadmit import msi_share
 from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.fabric.sim.iommu import Mapping as IommuMapping
+from vmlend.fabric.sim.ntb import NtbAdapter, SegmentMapping
 from vmlend.nvme.admit import share_window_key
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.nvme.ledger import MANAGER_VM
@@ -182,7 +183,28 @@ class _Checker:
                 "lender-iommu", where, f"address space {asid} of {fdid:#x} is no current share's"
             )
             return
-        owner = grant.owner
+        for adapter, index, seg in self._crossed_segments(fdid, lender, m, grant.owner, where):
+            self.share_segments.setdefault((adapter.ref, index), set()).add(grant)
+            if seg.remote_node != grant.node:
+                self.bad(
+                    "lender-iommu",
+                    where,
+                    f"crosses to {seg.remote_node}, but address space {asid} is the share of "
+                    f"{grant.node}/{grant.vm}",
+                )
+            elif seg.remote_addr >> ADDRESS_BITS != asid:
+                self.bad(
+                    "lender-iommu",
+                    where,
+                    f"segment {index} of {adapter.ref} leaves address space {asid}",
+                )
+
+    def _crossed_segments(
+        self, fdid: int, lender: str, m: IommuMapping, owner: Owner, where: str
+    ) -> Iterator[tuple[NtbAdapter, int, SegmentMapping]]:
+        """The NTB segments lender mapping ``m`` of ``fdid`` points into, each recorded as used
+        by the device (an unmapped one is a violation). A mapping to anything but an NTB window
+        is checked here, as a local target of ``owner``, and yields nothing."""
         region = self.hw.node(lender).address_map.find(m.phys)
         if region is None or region.kind != "ntb":
             for addr in self._ends(m):
@@ -203,45 +225,12 @@ class _Checker:
                 )
                 continue
             self.segment_users.setdefault((adapter.ref, index), set()).add(fdid)
-            self.share_segments.setdefault((adapter.ref, index), set()).add(grant)
-            if seg.remote_node != grant.node:
-                self.bad(
-                    "lender-iommu",
-                    where,
-                    f"crosses to {seg.remote_node}, but address space {asid} is the share of "
-                    f"{grant.node}/{grant.vm}",
-                )
-            elif seg.remote_addr >> ADDRESS_BITS != asid:
-                self.bad(
-                    "lender-iommu",
-                    where,
-                    f"segment {index} of {adapter.ref} leaves address space {asid}",
-                )
+            yield adapter, index, seg
 
     def _lender_mapping(
         self, fdid: int, lender: str, m: IommuMapping, owner: Owner, where: str
     ) -> None:
-        amap = self.hw.node(lender).address_map
-        region = amap.find(m.phys)
-        if region is None or region.kind != "ntb":
-            for addr in self._ends(m):
-                why = self._target_ok(lender, addr, owner)
-                if why:
-                    self.bad("lender-iommu", where, why)
-                    return
-            return
-        assert region.adapter is not None
-        adapter = self.hw.adapter(region.adapter)
-        first = adapter.segment_of(m.phys)
-        last = adapter.segment_of(min(m.phys + m.size - 1, region.end - 1))
-        for index in range(first, last + 1):
-            seg = adapter.segment(index)
-            if seg is None:
-                self.bad(
-                    "lender-iommu", where, f"points at unmapped segment {index} of {adapter.ref}"
-                )
-                continue
-            self.segment_users.setdefault((adapter.ref, index), set()).add(fdid)
+        for adapter, index, seg in self._crossed_segments(fdid, lender, m, owner, where):
             try:
                 requester = self.hw.ingress(fdid, seg.remote_node)
             except FabricError as e:
