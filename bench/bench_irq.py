@@ -253,18 +253,13 @@ def start_relay(workdir: Path) -> tuple[subprocess.Popen[bytes], Path]:
     return proc, sock
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--latency", type=int, default=100_000, help="interrupts timed one by one")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of each throughput run")
-    ap.add_argument("--hops", type=int, default=20_000, help="round trips per transport")
-    args = ap.parse_args()
-
-    # Fork the lender before any thread exists.
+def fork_lender() -> tuple[int, socket.socket, socket.socket]:
+    """Fork the lender process (``run_lender``) before any thread exists: (its pid, the
+    transport end for the daemon, the end on which it sends its eventfds)."""
     t_lender, t_daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     e_parent, e_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lender_pid = os.fork()
-    if lender_pid == 0:
+    pid = os.fork()
+    if pid == 0:
         t_daemon.close()
         e_parent.close()
         try:
@@ -273,6 +268,18 @@ def main() -> None:
             os._exit(0)
     t_lender.close()
     e_child.close()
+    return pid, t_daemon, e_parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--latency", type=int, default=100_000, help="interrupts timed one by one")
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of each throughput run")
+    ap.add_argument("--hops", type=int, default=20_000, help="round trips per transport")
+    args = ap.parse_args()
+
+    # Fork the lender before any thread exists.
+    lender_pid, t_daemon, e_parent = fork_lender()
 
     with TemporaryDirectory(prefix="bench-irq-") as tmp:
         daemon, sock = start_relay(Path(tmp))

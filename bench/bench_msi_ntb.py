@@ -25,7 +25,6 @@ import argparse
 import os
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from tempfile import TemporaryDirectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_irq import percentiles, run_lender, start_relay
+from bench_irq import fork_lender, percentiles, start_relay
 
 from vmlend.fabric.model import GuestRange, MiB
 from vmlend.fabric.sim.hardware import SimHardware
@@ -147,19 +146,7 @@ def ntb_setup() -> tuple[SimHardware, NtbMsiRoute, list[EventFd]]:
 
 
 def measure_relay(n: int, seconds: float) -> tuple[list[int], float]:
-    # Fork the lender before any thread exists (as bench_irq.py does).
-    t_lender, t_daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    e_parent, e_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        t_daemon.close()
-        e_parent.close()
-        try:
-            run_lender(t_lender, e_child)
-        finally:
-            os._exit(0)
-    t_lender.close()
-    e_child.close()
+    pid, t_daemon, e_parent = fork_lender()  # before any thread exists
     with TemporaryDirectory(prefix="bench-msi-") as tmp:
         daemon, sock = start_relay(Path(tmp))
         try:
