@@ -360,53 +360,53 @@ def test_the_hook_fails_a_vm_start_cleanly_when_etcd_is_unreachable(tmp_path):
     assert "cannot reach etcd at 127.0.0.1:" in lines[0] and "Traceback" not in lines[0]
 
 
-def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, monkeypatch):
-    """A reserve reads what it decides on in one request and commits in a second, on a small
-    fabric and on a fabric with 60 times more devices and many holds."""
-    requests: list[str] = []
+@pytest.fixture
+def etcd_requests(monkeypatch) -> list[str]:
+    """The path of every request the etcd gateway sends from now on."""
+    sent: list[str] = []
     real_call = EtcdGateway.call
 
     def counting(self, path, body):
-        requests.append(path)
+        sent.append(path)
         return real_call(self, path, body)
 
     monkeypatch.setattr(EtcdGateway, "call", counting)
-    counts = []
+    return sent
+
+
+def _small_and_large_fabrics(etcd_url):
+    """Seen from h1: a 4-node star with 5 devices per node and no holds, then one with 60 times
+    more devices and 25 holds."""
     for name, devices, held in (("small", 5, 0), ("large", 300, 25)):
         url = f"{etcd_url}-{name}"
         init_fabric(url, star_topology(4, devices), "star.toml")
         with open_fabric(url, "h1") as f:
             for i in range(held):
                 f.reserve(0x100 + devices - 1 - i, Holder(f"h{i % 4}", f"vm{i}"))
-            requests.clear()
-            f.reserve(0x100, Holder("h1", "probe"))
-            counts.append(len(requests))
+            yield f
+
+
+def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, etcd_requests):
+    """A reserve reads what it decides on in one request and commits in a second, on a small
+    fabric and on a fabric with 60 times more devices and many holds."""
+    counts = []
+    for f in _small_and_large_fabrics(etcd_url):
+        etcd_requests.clear()
+        f.reserve(0x100, Holder("h1", "probe"))
+        counts.append(len(etcd_requests))
     assert counts[0] == counts[1] <= 2
 
 
-def test_a_release_costs_the_same_few_requests_however_big_the_fabric(etcd_url, monkeypatch):
+def test_a_release_costs_the_same_few_requests_however_big_the_fabric(etcd_url, etcd_requests):
     """A release reads its hold (to give the hardware back first), then reads everything the
     state change needs in one request and commits: three requests, on a small fabric and on
     one with 60 times more devices and many holds and mdevs."""
-    requests: list[str] = []
-    real_call = EtcdGateway.call
-
-    def counting(self, path, body):
-        requests.append(path)
-        return real_call(self, path, body)
-
-    monkeypatch.setattr(EtcdGateway, "call", counting)
     counts = []
-    for name, devices, held in (("small", 5, 0), ("large", 300, 25)):
-        url = f"{etcd_url}-{name}"
-        init_fabric(url, star_topology(4, devices), "star.toml")
-        with open_fabric(url, "h1") as f:
-            for i in range(held):
-                f.reserve(0x100 + devices - 1 - i, Holder(f"h{i % 4}", f"vm{i}"))
-            probe = Holder("h1", "probe")
-            f.reserve(0x100, probe)
-            requests.clear()
-            assert f.release(0x100, probe) is True
-            counts.append(len(requests))
-            assert f.device(0x100).holder is None
+    for f in _small_and_large_fabrics(etcd_url):
+        probe = Holder("h1", "probe")
+        f.reserve(0x100, probe)
+        etcd_requests.clear()
+        assert f.release(0x100, probe) is True
+        counts.append(len(etcd_requests))
+        assert f.device(0x100).holder is None
     assert counts[0] == counts[1] <= 3
