@@ -12,9 +12,13 @@ from pathlib import Path
 _MARK = "MODULES-AT-EXIT"
 # Runs a script file or the vmlend CLI under the interpreter flags given, and prints the
 # loaded modules at exit (atexit also runs on sys.exit).
+# The installed hook ends with os._exit (no atexit): that exit reports too.
 _WRAPPER = (
-    "import atexit, runpy, sys\n"
-    f"atexit.register(lambda: print({_MARK!r}, *sorted(sys.modules), file=sys.stderr))\n"
+    "import atexit, os, runpy, sys\n"
+    f"report = lambda: print({_MARK!r}, *sorted(sys.modules), file=sys.stderr, flush=True)\n"
+    "atexit.register(report)\n"
+    "_exit = os._exit\n"
+    "os._exit = lambda code: (report(), _exit(code))\n"
     "target = sys.argv.pop(1)\n"
     "if target == '-vmlend':\n"
     "    from vmlend.cli import main\n"

@@ -5,6 +5,7 @@ read from its ``sys.modules`` at exit (``tests/modtrace.py``): nothing here is t
 
 from __future__ import annotations
 
+import io
 import subprocess
 import uuid
 from pathlib import Path
@@ -78,10 +79,39 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     unused += ("etcd3gw", "requests")  # an SQLite host never loads the etcd client
     # A VM without NVMe shares: the share ledger and the NVMe geometry are not needed.
     unused += ("vmlend.nvme.ledger", "vmlend.nvme.shares", "vmlend.nvme.spec")
+    # Nor vmlend's own etcd modules, nor the byte-preserving writer (prepare writes no XML).
+    unused += ("vmlend.registry.etcd_gateway", "vmlend.registry.etcd_store")
+    unused += ("vmlend.domain.preserve", "difflib")
     assert run.within(*unused) == set()
     run = run_script(installed, ["vm1", "release", "end", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])
     assert run.within("etcd3gw", "requests") == set()
+
+
+def test_installed_hook_delivers_its_output_though_it_skips_interpreter_teardown(
+    installed, state_path
+):
+    # The script ends with os._exit: what it wrote to stdout (migrate's rewritten XML) and
+    # stderr (a refusal) must still reach libvirt whole, with the right exit code.
+    from vmlend.hook.main import run
+
+    env = {"PATH": "/nonexistent", "VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"}
+    xml = vm_xml()
+    expected = io.BytesIO()
+    assert run(["vm1", "migrate", "begin", "-"], io.BytesIO(xml), expected, environ=env) == 0
+    out = subprocess.run(
+        [str(installed), "vm1", "migrate", "begin", "-"], input=xml, capture_output=True,
+        env=env, timeout=60,
+    )
+    assert (out.returncode, out.stderr) == (0, b"")
+    assert out.stdout == expected.getvalue() and out.stdout.rstrip().endswith(b"</domain>")
+    unknown = vm_xml(fdids=(0x10, 0x7777))
+    out = subprocess.run(
+        [str(installed), "vm1", "prepare", "begin", "-"], input=unknown, capture_output=True,
+        env=env, timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr.decode().count("\n") == 1 and "0x7777" in out.stderr.decode()
 
 
 def test_installed_hook_ignores_the_callers_python_environment(installed, state_path, tmp_path):

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from vmlend.domain.preserve import splice
-from vmlend.domain.spans import scan_element
 from vmlend.errors import DomainXMLError
 
 
@@ -106,6 +104,10 @@ class DomainDocument:
         )
 
     def to_bytes(self) -> bytes:
+        # Loaded here: reading a domain (the hook's prepare and release) never writes it.
+        from vmlend.domain.preserve import splice
+        from vmlend.domain.spans import scan_element
+
         if not self.source:
             return _serialise(self.root, self.encoding)
         try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import gc
 import io
+import os
 import sys
+from typing import NoReturn
 
 from vmlend.hook.prefilter import concerns_vmlend
 
@@ -31,3 +33,17 @@ def main() -> int:
     finally:
         gc.enable()
     return run(argv, stdin=io.BytesIO(xml))
+
+
+def main_and_exit() -> NoReturn:
+    """The installed script's body: ``main()``, then end the process without tearing the
+    interpreter down. Freeing every module and object the fabric imported is work nobody
+    needs (~10-30 ms, measured): the hook's files are written with unbuffered ``os.write``,
+    its state commits are durable when they return, and stdout/stderr are flushed here."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # libvirt stopped reading: nothing more to tell it
+            code = code or 1
+    os._exit(code)

@@ -119,7 +119,7 @@ def hook_script(
     backend = os.environ.get("VMLEND_BACKEND")
     if backend:
         lines.append(f"os.environ.setdefault('VMLEND_BACKEND', {backend!r})")
-    lines += ["", "from vmlend.hook.entry import main", "", "sys.exit(main())", ""]
+    lines += ["", "from vmlend.hook.entry import main_and_exit", "", "main_and_exit()", ""]
     return "\n".join(lines)
 
 

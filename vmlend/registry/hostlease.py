@@ -8,7 +8,6 @@ atomically and removed when the agent stops.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ def lease_path(env: HostEnv) -> Path:
 def publish(path: Path, lease: HostLease) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    import json  # only the agent and etcd hosts read or write the file
+
     tmp.write_text(json.dumps(asdict(lease)))
     os.replace(tmp, path)
 
@@ -46,6 +47,8 @@ def withdraw(path: Path, lease: int) -> None:
 
 
 def read(path: Path) -> HostLease:
+    import json
+
     try:
         data = json.loads(path.read_text())
         return HostLease(int(data["lease"]), str(data["node"]), int(data["ttl"]), int(data["pid"]))

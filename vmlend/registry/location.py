@@ -14,16 +14,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs
+from typing import TYPE_CHECKING
 
 from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
 from vmlend.registry.api import Registry, StateTxn
-from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, EtcdTls
-from vmlend.registry.etcd_keys import check_cluster_name
-from vmlend.registry.etcd_store import EtcdRegistry
 from vmlend.registry.store import Registry as SqliteRegistry
+
+if TYPE_CHECKING:  # the etcd modules (json, hashlib, random, ...) load only for etcd URLs
+    from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, EtcdTls
 
 REGISTRY_ENV = "VMLEND_REGISTRY"
 ETCD_DEFAULT_PORT = 2379
@@ -90,6 +90,10 @@ _TLS_PARAMS = ("cacert", "cert", "key")
 
 def _parse_tls(text: str, query: str, https: bool) -> EtcdTls | None:
     """The TLS settings of ``?cacert=&cert=&key=``; None for plain HTTP."""
+    from urllib.parse import parse_qs
+
+    from vmlend.registry.etcd_gateway import EtcdTls
+
     try:
         params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
@@ -120,6 +124,9 @@ def _parse_tls(text: str, query: str, https: bool) -> EtcdTls | None:
 
 
 def _parse_etcd(text: str) -> RegistryLocation:
+    from vmlend.registry.etcd_gateway import Endpoint
+    from vmlend.registry.etcd_keys import check_cluster_name
+
     https = text.startswith("etcds://")
     rest, _q, query = text.removeprefix("etcds://" if https else "etcd://").partition("?")
     tls = _parse_tls(text, query, https)
@@ -144,6 +151,8 @@ def _parse_etcd(text: str) -> RegistryLocation:
 
 def _gateway(loc: RegistryLocation) -> EtcdGateway:
     """A gateway to ``loc``'s etcd, after checking its TLS files can be read."""
+    from vmlend.registry.etcd_gateway import EtcdGateway
+
     if loc.tls is not None:
         for name in _TLS_PARAMS:
             path = getattr(loc.tls, name)
@@ -164,6 +173,8 @@ def open_registry(
     loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     if loc.path is not None:
         return SqliteRegistry.open(loc.path)
+    from vmlend.registry.etcd_store import EtcdRegistry
+
     path = lease_file or hostlease.lease_path(HostEnv.from_env())
     gateway = _gateway(loc)
     try:
@@ -180,6 +191,8 @@ def create_registry(
     loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     if loc.path is not None:
         return SqliteRegistry.create(loc.path, init)
+    from vmlend.registry.etcd_store import EtcdRegistry
+
     gateway = _gateway(loc)
     try:
         return EtcdRegistry.create(gateway, loc.cluster, init)
