@@ -139,6 +139,20 @@ def test_dry_run_prints_checks_and_diff_and_changes_nothing(cluster):
     assert "nothing was changed" in out
 
 
+def test_dry_run_lists_the_interrupt_window_the_attach_would_claim(cluster):
+    # The attach itself maps MSI/MSI-X over the NTB when the window has room: the dry run
+    # shows that check too, and says which path the interrupts would take.
+    cluster.define("gamma", "vm1", running=True)
+    before = cluster.snapshot()
+    r = cluster.cli("attach", "vm1", "0x10", "--dry-run", "--json", *GAMMA)
+    assert r.exit_code == 0, r.output
+    msi = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "msi-ntb"]
+    assert len(msi) == 1 and msi[0]["ok"], msi
+    r = cluster.cli("attach", "vm1", "0x10", "--dry-run", "--interrupts", "relay", *GAMMA)
+    assert r.exit_code == 0 and "msi-ntb" not in r.stdout
+    assert cluster.snapshot() == before
+
+
 def test_dry_run_json_and_a_failing_check_exits_1(cluster):
     cluster.define("gamma", "vm1", running=True)
     cluster.define("gamma", "vm2", running=True)

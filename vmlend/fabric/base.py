@@ -72,6 +72,7 @@ class Fabric(Protocol):
         guest_ram: GuestRam | int = 0,
         *,
         holder: Holder | None = None,
+        msi_over_ntb: bool = False,
     ) -> list[Check]:
         """Check, without changing anything, that ``borrower`` could take ``fdid`` for a guest
         with RAM ``guest_ram`` (its layout's ranges; a bare byte count stands for a q35 guest of
@@ -80,7 +81,9 @@ class Fabric(Protocol):
         windows (the planner's segment count) and the BARs, and peer-to-peer with the VM's other
         devices fits. Returns every check; callers fail on the first ``ok=False``. With
         ``holder`` (the VM), DMA windows that VM already has through the same lender adapter
-        count as there, and a device that VM already holds passes."""
+        count as there, and a device that VM already holds passes. ``msi_over_ntb`` adds the
+        interrupt window check ``reserve`` would make (which never refuses: without room the
+        device's MSI/MSI-X take the relay)."""
         ...
 
     def vm_admission(

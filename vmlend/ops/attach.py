@@ -127,7 +127,10 @@ def plan_attach(
     dom = read_domain(before[first], strict=False)
     holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
     guest_ram = dom.guest_ram  # the layout's ranges: DMA reach and window segments exactly
-    checks = fabric.admission(fdid, fabric.local_node, guest_ram, holder=holder)
+    irq = dom.interrupts_of(device)
+    checks = fabric.admission(
+        fdid, fabric.local_node, guest_ram, holder=holder, msi_over_ntb=irq is InterruptPath.NTB
+    )
     return AttachPlan(
         info.name,
         fdid,
@@ -139,7 +142,7 @@ def plan_attach(
         device,
         checks,
         tuple(plugged),
-        dom.interrupts_of(device),
+        irq,
     )
 
 

@@ -329,11 +329,12 @@ class SimFabric(SimShareOps):
         guest_ram: GuestRam | int = 0,
         *,
         holder: Holder | None = None,
+        msi_over_ntb: bool = False,
     ) -> list[Check]:
         with self._reg.read() as tx:
             topo = self._topology(tx)
             view = self._view(tx, topo, fdid, borrower, holder)
-            return admit(topo, view, fdid, borrower, guest_ram, holder).checks
+            return admit(topo, view, fdid, borrower, guest_ram, holder, msi_over_ntb).checks
 
     def vm_admission(
         self,

@@ -181,8 +181,13 @@ class SmartioFabric:
         guest_ram: GuestRam | int = 0,
         *,
         holder: Holder | None = None,
+        msi_over_ntb: bool = False,
     ) -> list[Check]:
-        checks = self._state.admission(fdid, borrower, guest_ram, holder=holder)
+        # As reserve: an interrupt window only where the driver can map MSI over the NTB.
+        msi_over_ntb = msi_over_ntb and self.driver.msi_capable(fdid)
+        checks = self._state.admission(
+            fdid, borrower, guest_ram, holder=holder, msi_over_ntb=msi_over_ntb
+        )
         try:
             self._require_available(fdid)
             checks.insert(0, Check("driver", True, "the SmartIO driver offers the device"))
