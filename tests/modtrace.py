@@ -12,9 +12,10 @@ from pathlib import Path
 _MARK = "MODULES-AT-EXIT"
 # Runs a script file or the vmlend CLI under the interpreter flags given, and prints the
 # loaded modules at exit (atexit also runs on sys.exit).
-# The installed hook ends with os._exit (no atexit): that exit reports too.
+# The installed hook ends with os._exit (no atexit): that exit reports too. A script runs
+# by exec, as the interpreter runs it (runpy would import typing, re and enum of its own).
 _WRAPPER = (
-    "import atexit, os, runpy, sys\n"
+    "import atexit, os, sys\n"
     f"report = lambda: print({_MARK!r}, *sorted(sys.modules), file=sys.stderr, flush=True)\n"
     "atexit.register(report)\n"
     "_exit = os._exit\n"
@@ -25,7 +26,9 @@ _WRAPPER = (
     "    main()\n"
     "else:\n"
     "    sys.argv[0] = target\n"
-    "    runpy.run_path(target, run_name='__main__')\n"
+    "    with open(target, 'rb') as f:\n"
+    "        code = compile(f.read(), target, 'exec')\n"
+    "    exec(code, {'__name__': '__main__', '__file__': target})\n"
 )
 
 

@@ -66,6 +66,21 @@ def test_calls_that_are_not_ours_import_nothing_heavy(installed, state_path, arg
         assert run.within(*HEAVY) == set(), script
 
 
+def test_a_plain_domain_costs_the_prefilter_and_nothing_else(installed, state_path, tmp_path):
+    # Beyond what the interpreter (and the tracing wrapper) load anyway, the plain-domain path
+    # loads vmlend's hook entry and its byte prefilter: no typing, re, logging or pathlib.
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    flags = shebang_flags(installed)
+    floor = run_script(empty, [], b"", None, flags).modules
+    env = {"PATH": "/nonexistent", "VMLEND_STATE": str(state_path)}
+    run = run_script(installed, ["plain", "prepare", "begin", "-"], PLAIN, env, flags)
+    assert run.code == 0
+    ours = {"vmlend", "vmlend.hook", "vmlend.hook.entry", "vmlend.hook.prefilter"}
+    builtin = {"gc", "__future__"}  # compiled in / a few constants
+    assert run.modules - floor <= ours | builtin and ours <= run.modules
+
+
 def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt(
     installed, state_path
 ):

@@ -11,9 +11,12 @@ import gc
 import io
 import os
 import sys
-from typing import NoReturn
 
 from vmlend.hook.prefilter import concerns_vmlend
+
+TYPE_CHECKING = False  # typing itself is not imported: the plain-domain path must stay bare
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
 def main() -> int:
