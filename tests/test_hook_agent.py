@@ -28,6 +28,7 @@ import pytest
 
 from tests.modtrace import run_script
 from tests.simfabric import make_fabric
+from vmlend.doctor import Status, check_hook_served
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import Holder, MiB
 from vmlend.fabric.open import open_fabric
@@ -413,3 +414,23 @@ def test_the_wire_format_round_trips_and_refuses_bad_frames():
     )
     with pytest.raises(wire.WireError):
         wire.decode_answer(wire.Reader(io.BytesIO(b"?").read))
+
+
+def test_doctor_says_whether_an_agent_serves_the_installed_hook(hosts):
+    served = hosts["served"]
+    host = HostEnv(served.root)
+    host.libvirt_config.mkdir(parents=True)
+    install_hook(host.libvirt_config, served.state, "gamma", hook_socket=served.socket)
+    finding = check_hook_served(host)
+    assert finding is not None and finding.status is Status.WARN
+    assert "no vmlend agent serves the hook" in finding.detail and "no socket" in finding.detail
+    served.start_agent()
+    finding = check_hook_served(host)
+    assert finding is not None and finding.status is Status.OK
+    assert finding.detail == f"by the vmlend agent on {served.socket}"
+    served.stop_agent()
+    served.start_agent(env=served.env | {"VMLEND_NODE": "alpha"})
+    finding = check_hook_served(host)
+    assert finding is not None and finding.status is Status.WARN
+    assert "serves another registry, node or root" in finding.detail
+    assert served.log_pids() == []  # probing touched nothing
