@@ -434,3 +434,18 @@ def test_doctor_says_whether_an_agent_serves_the_installed_hook(hosts):
     assert finding is not None and finding.status is Status.WARN
     assert "serves another registry, node or root" in finding.detail
     assert served.log_pids() == []  # probing touched nothing
+
+
+def test_a_second_agent_on_the_host_refuses_to_start_and_changes_nothing(hosts):
+    served = hosts["served"]
+    first = served.start_agent()
+    second = subprocess.run(
+        [VMLEND, "agent"], env=served.env, capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"Error: another vmlend agent serves the hook on {served.socket}; stop it first"
+    )
+    assert served.serving()
+    res = served.hook_run("prepare", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"") and set(served.log_pids()) == {first}

@@ -62,7 +62,11 @@ def agent_cmd(obj: CliContext, ttl: int, interval: float, uri: str | None) -> No
         raise ConfigError(
             "'vmlend agent' needs --node, VMLEND_NODE or etc/vmlend/node: which node this host is"
         )
+    if obj.root is not None:
+        # The hook calls this agent runs find the host root where a hook process does.
+        os.environ[ROOT_ENV] = str(obj.root)
     server = HookServer(hostlease.hook_socket_path(host), identity_of(_hook_env(obj, node)))
+    server.check_free()  # before the lease: a second agent on this host changes nothing
     stop_event = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:

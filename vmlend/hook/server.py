@@ -133,6 +133,11 @@ class HookServer:
         self._threads[1].join()
         log.warning("stopped serving the hook (%d call(s) served)", self.served)
 
+    def check_free(self) -> None:
+        """ConfigError when another agent serves the hook on ``path`` already: called before
+        anything else at start, so a second agent on a host changes nothing."""
+        self._replace_stale(self.path)
+
     def _bind(self) -> socket.socket:
         path = self.path
         path.parent.mkdir(parents=True, exist_ok=True)
