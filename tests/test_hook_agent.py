@@ -82,7 +82,9 @@ class Host:
             env["VMLEND_REGISTRY"] = self.registry
         return env
 
-    def start_agent(self, *extra: str, env: dict[str, str] | None = None) -> int:
+    def start_agent(
+        self, *extra: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> int:
         log = (self.base / "agent.log").open("ab")
         self.agent = subprocess.Popen(
             [VMLEND, "agent", *extra],
@@ -90,6 +92,7 @@ class Host:
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,
+            cwd=cwd or self.base,
         )
         log.close()
         deadline = time.monotonic() + 30
@@ -449,3 +452,33 @@ def test_a_second_agent_on_the_host_refuses_to_start_and_changes_nothing(hosts):
     assert served.serving()
     res = served.hook_run("prepare", vm_xml())
     assert (res.returncode, res.stderr) == (0, b"") and set(served.log_pids()) == {first}
+
+
+def test_a_relative_state_in_a_request_is_never_the_agents(hosts, tmp_path):
+    # "state.db" in the hook's working directory is the agent's state only by accident of
+    # where each process runs: the agent must not guess.
+    served = hosts["served"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    served.start_agent(env=served.env | {"VMLEND_STATE": "state.db"}, cwd=elsewhere)
+    rel = {"VMLEND_STATE": "state.db", "VMLEND_HOOK_SOCKET": str(served.socket)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from vmlend.hook.entry import main; sys.exit(main())",
+            "vm1",
+            "prepare",
+            "begin",
+            "-",
+        ],
+        input=vm_xml(),
+        capture_output=True,
+        env=served.env | rel,
+        cwd=served.base,
+        timeout=120,
+    )
+    assert (out.returncode, out.stderr) == (0, b"")
+    assert served.agent is not None and served.agent.pid not in served.log_pids()
+    assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # done, in-process
+    assert not (elsewhere / "hook.log").exists()

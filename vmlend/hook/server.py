@@ -42,7 +42,7 @@ from vmlend.hook import wire
 from vmlend.hook.main import load_handlers, run
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import parse_location
-from vmlend.settings import NODE_ENV, REGISTRY_ENV, state_path_from_env
+from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_env
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,18 @@ def identity_of(environ: Mapping[str, str]) -> HookIdentity:
         backend=environ.get(BACKEND_ENV) or "sim",
         fault=environ.get(FAULT_ENV) or "",
     )
+
+
+def _relative_paths(environ: Mapping[str, str]) -> bool:
+    """Whether a path in the request is relative: it names a file in the hook's working
+    directory, which the agent does not know, so the call is never the agent's."""
+    paths = [environ.get(STATE_ENV), environ.get(ROOT_ENV)]
+    registry = environ.get(REGISTRY_ENV) or ""
+    if "://" not in registry:
+        paths.append(registry)
+    elif registry.startswith("sqlite://"):
+        paths.append(registry.removeprefix("sqlite://"))
+    return any(p and not os.path.isabs(p) for p in paths)
 
 
 class _Call(NamedTuple):
@@ -228,7 +240,7 @@ class HookServer:
             log.warning("hook socket %s: dropped an incomplete request: %s", self.path, e)
             return None
         try:
-            theirs = identity_of(env)
+            theirs = None if _relative_paths(env) else identity_of(env)
         except VmlendError:
             theirs = None  # e.g. a registry URL this agent cannot parse: the hook reports it
         if theirs != self.identity:
