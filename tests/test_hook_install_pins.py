@@ -33,21 +33,25 @@ def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
     monkeypatch.delenv("VMLEND_STATE", raising=False)
     monkeypatch.delenv("VMLEND_NODE", raising=False)
     monkeypatch.delenv("VMLEND_BACKEND", raising=False)
+    monkeypatch.setenv("VMLEND_ROOT", "rel-root")
     monkeypatch.chdir(tmp_path)
     args = ["--state", "rel/state.db", "hook", "install", "--libvirt-dir", str(libvirt_dir)]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     hook = libvirt_dir / "hooks" / "qemu.d" / "vmlend"
     pins = read_pins(hook.read_text())
+    sock = tmp_path / "rel-root" / "run" / "vmlend" / "hook.sock"
     assert pins == {
         "interpreter": os.path.abspath(sys.executable),
         "state": str(tmp_path / "rel" / "state.db"),
+        "hook socket": str(sock),
     }
     assert r.output.splitlines()[1:] == [
         f"  interpreter  {os.path.abspath(sys.executable)}",
         f"  registry     {tmp_path / 'rel' / 'state.db'}",
         "  node         (the state local node)",
         "  backend      (sim, the default)",
+        f"  hook socket  {sock} (served by 'vmlend agent' when it runs)",
     ]
     data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
     assert data["pins"]["state"] == str(tmp_path / "rel" / "state.db")
@@ -80,12 +84,13 @@ def test_a_missing_libvirt_dir_is_refused(tmp_path, state_path):
 
 def test_read_pins_reads_what_hook_script_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("VMLEND_BACKEND", "smartio")
-    text = hook_script("/usr/bin/python3", tmp_path / "s.db", "gamma")
+    text = hook_script("/usr/bin/python3", tmp_path / "s.db", "gamma", hook_socket=tmp_path / "s")
     assert read_pins(text) == {
         "interpreter": "/usr/bin/python3",
         "state": str(tmp_path / "s.db"),
         "node": "gamma",
         "backend": "smartio",
+        "hook socket": str(tmp_path / "s"),
     }
 
 

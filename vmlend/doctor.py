@@ -231,6 +231,53 @@ def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Fin
     return Finding("hook pins", Status.OK, f"same registry {same} as this CLI")
 
 
+def check_hook_served(env: HostEnv) -> Finding | None:
+    """Whether this host's agent serves the installed hook (the hook is ~6x faster then); an
+    agent is never required, so this is at worst a WARN. None without a readable vmlend hook
+    (``check_hook`` and ``check_hook_pins`` say so)."""
+    ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
+    try:
+        pinned = read_pins(ours[0].read_text(errors="replace")) if ours else None
+    except OSError:
+        pinned = None
+    if pinned is None:
+        return None
+    from vmlend.hook.install import PINNED_ENV
+    from vmlend.hook.probe import probe_agent
+    from vmlend.registry.hostlease import hook_socket_path
+
+    sock = Path(pinned.get("hook socket") or hook_socket_path(env))
+    # What the hook process would send: its pins (and this root, as a hook run here would).
+    hook_env = {PINNED_ENV[k]: v for k, v in pinned.items() if k in PINNED_ENV}
+    hook_env.pop(PINNED_ENV["hook socket"], None)
+    if env.root != Path("/"):
+        hook_env["VMLEND_ROOT"] = str(env.root)
+    answer = probe_agent(sock, hook_env)
+    if answer == "served":
+        return Finding("hook served", Status.OK, f"by the vmlend agent on {sock}")
+    if answer == "not mine":
+        return Finding(
+            "hook served",
+            Status.WARN,
+            f"the vmlend agent on {sock} serves another registry, node or root than the hook;"
+            " the hook works in-process (slower): run the agent with the hook's"
+            " --state/--registry/--node",
+        )
+    if answer == "denied":
+        return Finding(
+            "hook served",
+            Status.WARN,
+            f"the vmlend agent on {sock} does not serve this user; run 'vmlend doctor' as root"
+            " (libvirtd's user) to check the hook",
+        )
+    return Finding(
+        "hook served",
+        Status.WARN,
+        f"no vmlend agent serves the hook ({sock}: {answer}); it works in-process (slower):"
+        " start 'vmlend agent' to serve it",
+    )
+
+
 def check_hook_pins(env: HostEnv, cli: dict[str, str]) -> Finding | None:
     """None when there is no vmlend hook (``check_hook`` says so)."""
     ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
@@ -300,6 +347,9 @@ def run_checks(
         pins = check_hook_pins(env, cli_pins)
         if pins is not None:
             findings.append(pins)
+            served = check_hook_served(env)
+            if served is not None:
+                findings.append(served)
     for f in findings:
         log.debug("doctor %s: %s %s", f.name, f.status, f.detail)
     return findings

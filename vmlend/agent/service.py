@@ -24,6 +24,7 @@ from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
+from vmlend.hook.server import HookServer
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64
@@ -45,6 +46,8 @@ class AgentConfig:
     hypervisor: Callable[[], Hypervisor] | None = None
     #: Makes the registry match this host's VMs at start-up (with a hypervisor only).
     reconciler: Reconciler = reconcile_host
+    #: Serves the libvirt hook (``vmlend.hook.server``) while the host's lease is held.
+    hook_server: HookServer | None = None
 
 
 class Agent:
@@ -57,6 +60,13 @@ class Agent:
     def run(self) -> int:
         """Serve until ``stop_event``: 0, or 3 when stopped after losing the lease and before
         etcd granted a new one. A lost lease is replaced and the paused VMs recovered."""
+        try:
+            return self._run()
+        finally:
+            if self.config.hook_server is not None:
+                self.config.hook_server.stop()  # idempotent: a clean stop did it already
+
+    def _run(self) -> int:
         cfg = self.config
         fabric = open_fabric(cfg.location, cfg.node)
         if not isinstance(fabric, SimFabric) or not isinstance(fabric.registry, EtcdRegistry):
@@ -71,6 +81,9 @@ class Agent:
         )
         previous = self._previous_lease()
         lease = self._take_lease(registry)
+        if cfg.hook_server is not None:
+            # Once the lease file is there: a served prepare attaches the lease to its holds.
+            cfg.hook_server.start()
         if previous is not None and previous != lease.id:
             moved = adopt_records(registry.gateway, registry.keys, previous, lease.id)
             if moved:
@@ -125,6 +138,8 @@ class Agent:
                 next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
             self._take_back(fabric)
             self.stop_event.wait(cfg.interval)
+        if cfg.hook_server is not None:
+            cfg.hook_server.stop()  # what it accepted still runs under the lease
         hostlease.withdraw(cfg.lease_file, lease.id)
         try:
             registry.gateway.call("kv/deleterange", {"key": b64(registry.keys.agent(cfg.node))})

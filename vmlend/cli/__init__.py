@@ -18,8 +18,8 @@ from vmlend.cli.lazy import LazyGroup
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": (
         "cmd_agent",
-        "Hold this host's lease on the cluster registry and take back devices whose borrower's "
-        "lease ended.",
+        "Serve the libvirt hook and, on a cluster registry, hold this host's lease and take "
+        "back devices whose borrower's lease ended.",
     ),
     "attach": (
         "cmd_attach",

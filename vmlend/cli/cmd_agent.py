@@ -1,9 +1,13 @@
-"""``vmlend agent``: this host's service for a cluster registry (foreground; SIGTERM stops it)."""
+"""``vmlend agent``: this host's service (foreground; SIGTERM stops it). On a cluster registry
+it keeps the host's lease and fences; on any registry it serves the libvirt hook."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
+import threading
 from types import FrameType
 
 import click
@@ -12,8 +16,12 @@ from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConf
 from vmlend.cli.common import CliContext
 from vmlend.cli.connect import open_hv
 from vmlend.errors import ConfigError
-from vmlend.hostenv import HostEnv
+from vmlend.hook.server import HookServer, identity_of
+from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import hostlease
+from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
+
+log = logging.getLogger(__name__)
 
 
 @click.command("agent")
@@ -41,28 +49,72 @@ from vmlend.registry import hostlease
 )
 @click.pass_obj
 def agent_cmd(obj: CliContext, ttl: int, interval: float, uri: str | None) -> None:
-    """Hold this host's lease on the cluster registry and take back devices whose borrower's
-    lease ended. Runs in the foreground until SIGTERM or SIGINT."""
-    if obj.registry is None or not obj.registry.startswith(("etcd://", "etcds://")):
-        raise ConfigError("'vmlend agent' needs --registry etcd://HOST:PORT/CLUSTER")
+    """Serve the libvirt hook and, on a cluster registry, hold this host's lease and take back
+    devices whose borrower's lease ended.
+
+    The hook is served on <root>/run/vmlend/hook.sock (the installed hook forwards to it). On
+    an SQLite registry the agent only serves the hook: no lease, no fencing scan. Runs in the
+    foreground until SIGTERM or SIGINT."""
+    on_etcd = obj.registry is not None and obj.registry.startswith(("etcd://", "etcds://"))
     host = HostEnv.from_env(obj.root)
     node = obj.node or host.configured_node()
-    if not node:
+    if on_etcd and not node:
         raise ConfigError(
             "'vmlend agent' needs --node, VMLEND_NODE or etc/vmlend/node: which node this host is"
         )
-    uri = uri or obj.uri  # its own -c wins over the global one
-    hv = (lambda: open_hv(obj, uri)) if uri else None
-    agent = Agent(
-        AgentConfig(obj.registry, node, hostlease.lease_path(host), ttl, interval, hypervisor=hv)
-    )
+    if obj.root is not None:
+        # The hook calls this agent runs find the host root where a hook process does.
+        os.environ[ROOT_ENV] = str(obj.root)
+    server = HookServer(hostlease.hook_socket_path(host), identity_of(_hook_env(obj, node)))
+    server.check_free()  # before the lease: a second agent on this host changes nothing
+    stop_event = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        agent.stop_event.set()
+        stop_event.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if not on_etcd:
+        log.warning(
+            "agent on the SQLite registry %s: serving the hook only (no lease, no fencing scan;"
+            " those need a cluster registry, --registry etcd://HOST:PORT/CLUSTER)",
+            obj.location,
+        )
+        server.start()
+        try:
+            while not stop_event.wait(3600):
+                pass
+        finally:
+            server.stop()
+        return
+    uri = uri or obj.uri  # its own -c wins over the global one
+    hv = (lambda: open_hv(obj, uri)) if uri else None
+    agent = Agent(
+        AgentConfig(
+            obj.location,
+            node or "",
+            hostlease.lease_path(host),
+            ttl,
+            interval,
+            hypervisor=hv,
+            hook_server=server,
+        )
+    )
+    agent.stop_event = stop_event
     sys.exit(agent.run())
+
+
+def _hook_env(obj: CliContext, node: str | None) -> dict[str, str]:
+    """The environment a hook process of this agent's host works under: the process's own,
+    with this command's --state/--registry/--node/--root in it."""
+    env = dict(os.environ)
+    env[STATE_ENV] = str(obj.state_path)
+    for name, value in ((REGISTRY_ENV, obj.registry), (NODE_ENV, node), (ROOT_ENV, obj.root)):
+        if value:
+            env[name] = str(value)
+        else:
+            env.pop(name, None)
+    return env
 
 
 COMMANDS = [agent_cmd]

@@ -12,6 +12,7 @@ from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
 from vmlend.hostenv import HostEnv
+from vmlend.registry import hostlease
 
 
 @click.group("hook")
@@ -42,7 +43,13 @@ def install(
         )
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
     result = install_hook(
-        libvirt_dir, cli.state_path, cli.node, name=name, force=force, registry=cli.registry
+        libvirt_dir,
+        cli.state_path,
+        cli.node,
+        name=name,
+        force=force,
+        registry=cli.registry,
+        hook_socket=hostlease.hook_socket_path(HostEnv.from_env(cli.root)),
     )
     if json_output:
         emit_json(
@@ -62,6 +69,7 @@ def install(
             click.echo(f"  registry URL {pins['registry']}")
         click.echo(f"  node         {pins.get('node', '(the state local node)')}")
         click.echo(f"  backend      {pins.get('backend', '(sim, the default)')}")
+        click.echo(f"  hook socket  {pins['hook socket']} (served by 'vmlend agent' when it runs)")
 
 
 @hook.command("uninstall")

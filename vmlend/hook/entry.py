@@ -26,6 +26,10 @@ def main() -> int:
     xml = sys.stdin.buffer.read()
     if not concerns_vmlend(argv, xml):
         return 0
+    from vmlend.hook.forward import forward  # to this host's agent, if it serves the hook
+
+    if (served := forward(argv, xml)) is not None:
+        return served
     # Importing creates tens of thousands of objects and none of them is garbage: collections
     # during the imports only cost time (~10 % of the hook's CPU time, measured).
     gc.disable()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from vmlend.errors import ConfigError
+from vmlend.hostenv import HostEnv
 
 DEFAULT_NAME = "qemu.d/vmlend"
 _MARK = "# installed by 'vmlend hook install'"
@@ -48,13 +49,14 @@ PINNED_ENV = {
     "registry": "VMLEND_REGISTRY",
     "node": "VMLEND_NODE",
     "backend": "VMLEND_BACKEND",
+    "hook socket": "VMLEND_HOOK_SOCKET",
 }
 
 
 def read_pins(text: str) -> dict[str, str]:
     """What a hook script vmlend installed pins: ``interpreter`` (its ``#!`` line) and the
-    ``os.environ.setdefault`` values (``state``, ``registry``, ``node``, ``backend``) it
-    sets."""
+    ``os.environ.setdefault`` values (``state``, ``registry``, ``node``, ``backend``,
+    ``hook socket``) it sets."""
     pins: dict[str, str] = {}
     lines = text.splitlines()
     if lines and lines[0].startswith("#!"):
@@ -95,10 +97,12 @@ def hook_script(
     node: str | None,
     roots: list[str] | None = None,
     registry: str | None = None,
+    hook_socket: Path | None = None,
 ) -> str:
     """The text of the installed hook (the same body as hooks/vmlend-qemu). With ``roots``
     the interpreter runs isolated and without ``site``, importing from ``roots`` only.
-    ``registry``: a registry URL to pin (libvirtd's environment does not carry the caller's)."""
+    ``registry``: a registry URL to pin (libvirtd's environment does not carry the caller's).
+    ``hook_socket``: where this host's agent serves the hook (``vmlend.hook.forward``)."""
     lines = [f"#!{interpreter} -IS" if roots else f"#!{interpreter}", _MARK]
     if roots:
         lines += [
@@ -119,6 +123,8 @@ def hook_script(
     backend = os.environ.get("VMLEND_BACKEND")
     if backend:
         lines.append(f"os.environ.setdefault('VMLEND_BACKEND', {backend!r})")
+    if hook_socket is not None:
+        lines.append(f"os.environ.setdefault('VMLEND_HOOK_SOCKET', {str(hook_socket)!r})")
     lines += ["", "from vmlend.hook.entry import main_and_exit", "", "main_and_exit()", ""]
     return "\n".join(lines)
 
@@ -136,9 +142,11 @@ def install_hook(
     interpreter: str | None = None,
     force: bool = False,
     registry: str | None = None,
+    hook_socket: Path | None = None,
 ) -> InstallResult:
     """Install the hook under ``libvirt_dir``/hooks. Paths are pinned absolute: libvirtd runs
-    the hook from ``/``, so a relative state path would name another file for every VM."""
+    the hook from ``/``, so a relative state path would name another file for every VM.
+    ``hook_socket``: the agent's hook socket (default: the one under ``$VMLEND_ROOT`` or /)."""
     parts = PurePosixPath(name).parts
     if not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d")) or any(
         p in (".", "..") for p in parts
@@ -152,7 +160,12 @@ def install_hook(
     target = hooks_dir / name
     # The roots are this interpreter's: another one runs with its own site instead.
     roots = import_roots() if interpreter == os.path.abspath(sys.executable) else None
-    text = hook_script(interpreter, state_path, node, roots, registry)
+    if hook_socket is None:
+        from vmlend.registry import hostlease  # the registry package: only when needed
+
+        hook_socket = hostlease.hook_socket_path(HostEnv.from_env())
+    hook_socket = Path(os.path.abspath(hook_socket))
+    text = hook_script(interpreter, state_path, node, roots, registry, hook_socket)
     pins = read_pins(text)
     restart = not hooks_enabled(hooks_dir)
     if target.exists():

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from vmlend.fabric.base import Fabric
     from vmlend.hook.actionlog import ActionLog
+    from vmlend.hook.loghandler import ActionLogHandler
 
 #: Opens the fabric of a registry (an SQLite path or a registry URL) as a node.
 FabricFactory = Callable[["Path | str", str | None], "Fabric"]
@@ -125,13 +126,31 @@ def _run_for_vmlend(
     open_fabric: FabricFactory,
 ) -> int:
     from vmlend.hook.actionlog import ActionLog, log_path_for_state
-    from vmlend.settings import NODE_ENV, registry_from_env, state_path_from_env
+    from vmlend.settings import registry_from_env, state_path_from_env
 
     state_path = state_path_from_env(env)  # its directory keeps the host's action log
     registry = registry_from_env(env)
     actions = ActionLog(log_path_for_state(state_path))
+    handler, root_level = _log_to(actions, call.domain)
+    try:
+        return _run_logged(call, xml, stdout, stderr, env, open_fabric, registry, actions)
+    finally:
+        _stop_logging(handler, root_level)
+
+
+def _run_logged(
+    call: HookCall,
+    xml: bytes,
+    stdout: BinaryIO,
+    stderr: TextIO,
+    env: dict[str, str],
+    open_fabric: FabricFactory,
+    registry: Path | str,
+    actions: ActionLog,
+) -> int:
+    from vmlend.settings import NODE_ENV
+
     name = call.domain
-    _log_to(actions, name)
     if call.action is Action.RECONNECT:
         # A failing reconnect hook makes libvirt kill the running guest: never fail it.
         try:
@@ -157,14 +176,28 @@ def _run_for_vmlend(
     return code
 
 
-def _log_to(actions: ActionLog, domain: str) -> None:
+def _log_to(actions: ActionLog, domain: str) -> tuple[ActionLogHandler, int]:
+    """Library warnings of this call go to its domain's action log, for the call only: the
+    handler takes the records of this thread alone, so in the agent (which runs calls on a
+    worker thread) other threads' records never land in a domain's log."""
     import logging
+    import threading
 
     from vmlend.hook.loghandler import ActionLogHandler
 
+    handler = ActionLogHandler(actions, domain)
+    thread = threading.get_ident()
+    handler.addFilter(lambda record: record.thread == thread)
     root = logging.getLogger()
-    for h in list(root.handlers):
-        if isinstance(h, ActionLogHandler):
-            root.removeHandler(h)
-    root.addHandler(ActionLogHandler(actions, domain))
-    root.setLevel(min(root.level or logging.WARNING, logging.WARNING))
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(min(level or logging.WARNING, logging.WARNING))
+    return handler, level
+
+
+def _stop_logging(handler: ActionLogHandler, root_level: int) -> None:
+    import logging
+
+    root = logging.getLogger()
+    root.removeHandler(handler)
+    root.setLevel(root_level)

@@ -28,6 +28,12 @@ def lease_path(env: HostEnv) -> Path:
     return env.run / "vmlend" / "agent.lease"
 
 
+def hook_socket_path(env: HostEnv) -> Path:
+    """Where the agent serves the hook (``vmlend.hook.server``; the hook process computes the
+    same default without importing this: ``vmlend.hook.forward.SOCKET_UNDER_ROOT``)."""
+    return env.run / "vmlend" / "hook.sock"
+
+
 def publish(path: Path, lease: HostLease) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,0 +1,484 @@
+"""The host's ``vmlend agent`` serves the libvirt hook (``vmlend.hook.forward`` in the hook
+process, ``vmlend.hook.server`` in the agent): the same results as in-process, a lean hook
+process, and the fallback rules (docs/hooks.md, "The agent serves the hook").
+
+Real processes throughout: the installed hook script as libvirtd runs it, ``vmlend agent`` as a
+daemon on a unix socket, stopped by its PID. Who did the work is read from the action log: each
+line names the pid of the process that wrote it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.modtrace import run_script
+from tests.simfabric import make_fabric
+from vmlend.doctor import Status, check_hook_served
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.fabric.model import Holder, MiB
+from vmlend.fabric.open import open_fabric
+from vmlend.hook import wire
+from vmlend.hook.forward import SOCKET_UNDER_ROOT, pinned_environment, socket_path
+from vmlend.hook.install import install_hook
+from vmlend.hostenv import HostEnv
+from vmlend.registry import hostlease, parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.etcd_keys import Keys
+
+VMLEND = str(Path(sys.executable).parent / "vmlend")
+FDIDS = (0x10, 0x12, 0x21, 0x22)
+NOBODY = 65534
+VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-00000000000a")
+#: What the hook process must not load when the agent does the work.
+HEAVY = ("vmlend.fabric", "vmlend.registry", "vmlend.domain", "lxml", "sqlite3", "libvirt")
+
+
+def vm_xml(name: str = "vm1", fdids: tuple[int, ...] = FDIDS) -> bytes:
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=512 * MiB,
+        uuid=VM_UUID,
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+class Host:
+    """One host: a root (its run/vmlend/hook.sock), an SQLite state or a registry URL, the
+    installed hook, and maybe its agent."""
+
+    def __init__(self, base: Path, registry: str | None = None, node: str = "gamma") -> None:
+        self.base, self.node, self.registry = base, node, registry
+        self.root = base / "root"
+        self.state = base / "state.db"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.socket = hostlease.hook_socket_path(HostEnv(self.root))
+        self.hook = install_hook(
+            base / "libvirt", self.state, node, registry=registry, hook_socket=self.socket
+        ).path
+        self.agent: subprocess.Popen[bytes] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+        env |= {"VMLEND_STATE": str(self.state), "VMLEND_NODE": self.node}
+        env["VMLEND_ROOT"] = str(self.root)
+        if self.registry:
+            env["VMLEND_REGISTRY"] = self.registry
+        return env
+
+    def start_agent(
+        self, *extra: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> int:
+        log = (self.base / "agent.log").open("ab")
+        self.agent = subprocess.Popen(
+            [VMLEND, "agent", *extra],
+            env=env or self.env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd or self.base,
+        )
+        log.close()
+        deadline = time.monotonic() + 30
+        while not self.serving():
+            assert self.agent.poll() is None, self.agent_log()
+            assert time.monotonic() < deadline, f"the agent never served: {self.agent_log()}"
+            time.sleep(0.05)
+        return self.agent.pid
+
+    def serving(self) -> bool:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.socket))
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
+    def stop_agent(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.agent is None:
+            return None
+        if self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGCONT)
+            self.agent.send_signal(sig)
+        return self.agent.wait(30)
+
+    def agent_log(self) -> str:
+        return (self.base / "agent.log").read_text(errors="replace")
+
+    def hook_run(
+        self, op: str, xml: bytes, name: str = "vm1", **env: str
+    ) -> subprocess.CompletedProcess[bytes]:
+        sub = {"prepare": "begin", "migrate": "begin", "restore": "begin"}.get(op, "end")
+        return subprocess.run(
+            [str(self.hook), name, op, sub, "-"],
+            input=xml,
+            capture_output=True,
+            env=self.env | env,
+            timeout=120,
+        )
+
+    def log_pids(self) -> list[int]:
+        """The pid of every action-log line, in order."""
+        text = (self.base / "hook.log").read_text() if (self.base / "hook.log").exists() else ""
+        return [int(m) for m in re.findall(r" pid=(\d+) ", text)]
+
+    def actions(self) -> list[str]:
+        path = self.base / "hook.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [line.split(" ", 3)[3] for line in lines]
+
+    def snapshot(self) -> tuple[dict[int, str], set[tuple[str, int | None]]]:
+        """Who holds what, and the mdev records."""
+        with open_fabric(self.registry or self.state, self.node) as f:
+            holds = {d.fdid: str(d.holder) for d in f.devices() if d.holder}
+            return holds, {(m.uuid, m.fdid) for m in f.mdevs()}
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[dict[str, Host]]:
+    """Two SQLite hosts with the same fabric: "served" (its agent does the work) and "local"
+    (no agent: in-process, the reference)."""
+    made = {}
+    for name in ("served", "local"):
+        host = Host(tmp_path / name)
+        make_fabric(host.state).close()
+        made[name] = host
+    yield made
+    for host in made.values():
+        host.stop_agent(signal.SIGKILL)
+
+
+def _one_line(stderr: bytes) -> str:
+    lines = stderr.decode().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# --- served: the same results as in-process ------------------------------------------------
+def test_prepare_and_release_served_by_the_agent_match_in_process(hosts):
+    served, local = hosts["served"], hosts["local"]
+    agent = served.start_agent()
+    xml = vm_xml()
+    flags = served.hook.read_text().splitlines()[0].split()[1:]
+    for op in ("prepare", "release"):
+        sub = "begin" if op == "prepare" else "end"
+        traced = run_script(served.hook, ["vm1", op, sub, "-"], xml, served.env, flags)
+        reference = local.hook_run(op, xml)
+        assert (traced.code, traced.stdout, traced.stderr) == (0, b"", [])
+        assert (reference.returncode, reference.stdout, reference.stderr) == (0, b"", b"")
+        # The hook process forwarded: none of what the work needs was imported there.
+        assert traced.within(*HEAVY) == set(), op
+        assert {"vmlend.hook.forward", "vmlend.hook.wire"} <= traced.modules
+        assert "socket" not in traced.modules  # the C module only: no enum, no selectors
+        assert served.snapshot() == local.snapshot()
+        if op == "prepare":
+            holds, mdevs = served.snapshot()
+            assert holds == dict.fromkeys(FDIDS, "gamma/vm1") and len(mdevs) == len(FDIDS)
+    assert served.snapshot() == ({}, set())
+    assert set(served.log_pids()) == {agent}  # the agent did all of it
+    assert served.actions() == local.actions()
+
+
+@pytest.mark.parametrize("op", ["migrate", "restore"])
+def test_migrate_and_restore_return_the_same_rewritten_xml(hosts, op):
+    served, local = hosts["served"], hosts["local"]
+    served.start_agent()
+    xml = vm_xml()
+    got, reference = served.hook_run(op, xml), local.hook_run(op, xml)
+    assert (got.returncode, got.stderr) == (0, b"") and reference.returncode == 0
+    assert got.stdout == reference.stdout and b"vmlend" in got.stdout
+
+
+def test_a_refused_prepare_comes_back_as_exit_1_and_the_same_line(hosts):
+    served, local = hosts["served"], hosts["local"]
+    served.start_agent()
+    other = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")
+    for host in (served, local):
+        with open_fabric(host.state, "gamma") as f:
+            f.reserve(0x21, other)
+    got, reference = served.hook_run("prepare", vm_xml()), local.hook_run("prepare", vm_xml())
+    assert got.returncode == reference.returncode == 1
+    line = _one_line(got.stderr)
+    assert line == _one_line(reference.stderr) and "0x21" in line
+    assert served.snapshot() == local.snapshot()
+    assert served.snapshot()[0] == {0x21: str(other)}  # all or nothing
+
+
+# --- not served: in-process, same results ---------------------------------------------------
+def test_without_an_agent_the_hook_works_in_process(hosts):
+    served = hosts["served"]
+    assert not served.socket.exists()
+    for op in ("prepare", "release"):
+        res = served.hook_run(op, vm_xml())
+        assert (res.returncode, res.stderr) == (0, b"")
+    assert served.snapshot() == ({}, set()) and len(set(served.log_pids())) == 2
+
+
+def test_a_stale_socket_means_in_process_and_a_new_agent_replaces_it(hosts):
+    served = hosts["served"]
+    served.start_agent()
+    served.stop_agent(signal.SIGKILL)
+    assert served.socket.exists() and not served.serving()  # what a killed agent leaves
+    res = served.hook_run("prepare", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")
+    agent = served.start_agent()  # replaces the stale file
+    res = served.hook_run("release", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.snapshot() == ({}, set())
+    assert served.log_pids()[-1] == agent
+    assert served.stop_agent() == 0 and not served.socket.exists()  # a clean stop removes it
+
+
+def test_an_agent_of_another_node_or_state_does_nothing(hosts, tmp_path):
+    served, local = hosts["served"], hosts["local"]
+    served.start_agent(env=served.env | {"VMLEND_NODE": "alpha"})
+    res = served.hook_run("prepare", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.agent is not None and served.agent.pid not in served.log_pids()
+    served.stop_agent()
+    # An agent of another state file on this socket: the same.
+    served.start_agent(env=served.env | {"VMLEND_STATE": str(local.state)})
+    res = served.hook_run("release", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.agent.pid not in served.log_pids()
+    assert served.snapshot() == ({}, set()) and local.snapshot() == ({}, set())
+
+
+# --- the agent dies or stalls once it has the request ---------------------------------------
+def test_agent_killed_during_a_served_prepare_then_release_cleans_up(hosts):
+    served = hosts["served"]
+    fault = {"VMLEND_FAULT": "prepare:after-device"}  # the agent kills itself there
+    served.start_agent(env=served.env | fault)
+    res = served.hook_run("prepare", vm_xml(), **fault)
+    assert res.returncode == 1
+    line = _one_line(res.stderr)
+    assert "ended the connection before answering" in line and "reconcile --fix" in line
+    assert served.agent is not None and served.agent.wait(30) == -signal.SIGKILL
+    assert served.snapshot()[0] == {FDIDS[0]: "gamma/vm1"}  # half done, as the line says
+    # libvirt runs release after a failed prepare; the agent is gone: in-process.
+    res = served.hook_run("release", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.snapshot() == ({}, set())
+    out = subprocess.run(
+        [VMLEND, "reconcile", "-c", "sim:///gamma", "--json"],
+        env=served.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["drift"] == []
+
+
+def test_a_stopped_agent_times_the_hook_out_and_runs_its_queue_in_order_after(hosts):
+    served = hosts["served"]
+    agent = served.start_agent()
+    assert served.agent is not None
+    served.agent.send_signal(signal.SIGSTOP)
+    try:
+        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="1")
+        assert res.returncode == 1
+        assert "gave no answer within 1 s" in _one_line(res.stderr)
+        assert served.snapshot() == ({}, set())  # nothing yet: the agent is stopped
+    finally:
+        served.agent.send_signal(signal.SIGCONT)
+    res = served.hook_run("release", vm_xml())  # queued behind the prepare
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.snapshot() == ({}, set())
+    actions = served.actions()
+    assert actions[0].startswith("prepare: reserve")
+    assert actions[-1].startswith("release:") and "4 devices ready" in " ".join(actions)
+    assert set(served.log_pids()) == {agent}
+
+
+# --- who may use the agent --------------------------------------------------------------------
+@pytest.fixture
+def open_host() -> Iterator[Host]:
+    """A host under a directory uid 65534 may enter (pytest's tmp_path is root's only)."""
+    base = Path(tempfile.mkdtemp(prefix="vmlend-hookserver-"))
+    try:
+        base.chmod(0o755)
+        host = Host(base)
+        make_fabric(host.state).close()
+        yield host
+        host.stop_agent(signal.SIGKILL)
+    finally:
+        shutil.rmtree(base)
+
+
+#: ``forward`` as uid 65534: imports first (the venv may live where that user cannot enter),
+#: then drops to 65534 and forwards a prepare; prints what forward returned.
+AS_NOBODY = f"""
+import os, sys
+from vmlend.hook.forward import forward
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+env = dict(os.environ)
+print(repr(forward(["vm1", "prepare", "begin", "-"], sys.stdin.buffer.read(), env)))
+"""
+
+
+def _as_nobody(host: Host) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", AS_NOBODY],
+        input=vm_xml(),
+        capture_output=True,
+        env=host.env | {"VMLEND_HOOK_SOCKET": str(host.socket)},
+        timeout=60,
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.decode().strip()
+
+
+def test_another_uid_is_never_served_and_runs_in_process(open_host):
+    open_host.start_agent()
+    assert (open_host.socket.stat().st_mode & 0o777) == 0o600
+    assert _as_nobody(open_host) == "None"  # permission denied on connect: in-process
+    # Even through a socket someone made world-writable, the peer's uid is checked.
+    open_host.socket.chmod(0o666)
+    assert _as_nobody(open_host) == "None"  # "denied": nothing done, in-process
+    assert "refused a call from uid 65534" in open_host.agent_log()
+    assert open_host.snapshot() == ({}, set()) and open_host.log_pids() == []
+
+
+# --- the cluster registry ---------------------------------------------------------------------
+def test_an_agent_on_etcd_serves_the_hook_and_the_holds_carry_its_lease(etcd_url, tmp_path):
+    make_fabric(etcd_url).close()
+    host = Host(tmp_path / "gamma", registry=etcd_url)
+    try:
+        agent = host.start_agent("--ttl", "2", "--interval", "0.2")
+        lease = hostlease.read(hostlease.lease_path(HostEnv(host.root))).lease
+        res = host.hook_run("prepare", vm_xml(fdids=(0x10, 0x20)))
+        assert (res.returncode, res.stderr) == (0, b"")
+        assert set(host.log_pids()) == {agent}
+        loc = parse_location(etcd_url)
+        keys, gw = Keys(loc.cluster), EtcdGateway(loc.endpoints)
+        try:
+            for fdid in (0x10, 0x20):
+                _rev, kvs = gw.range(keys.hold(fdid))
+                assert [kv.lease for kv in kvs] == [lease], hex(fdid)
+        finally:
+            gw.close()
+        res = host.hook_run("release", vm_xml(fdids=(0x10, 0x20)))
+        assert (res.returncode, res.stderr) == (0, b"")
+        assert host.snapshot() == ({}, set())
+    finally:
+        host.stop_agent()
+
+
+# --- the pieces -------------------------------------------------------------------------------
+def test_the_hook_and_the_agent_agree_on_the_default_socket(tmp_path):
+    env = {"VMLEND_ROOT": str(tmp_path)}
+    assert socket_path(env) == str(hostlease.hook_socket_path(HostEnv(tmp_path)))
+    assert socket_path({}) == os.path.join("/", *SOCKET_UNDER_ROOT)
+    assert socket_path({"VMLEND_HOOK_SOCKET": "/x.sock"}) == "/x.sock"
+    pinned = pinned_environment(
+        {"VMLEND_STATE": "s", "VMLEND_HOOK_TIMEOUT": "1", "HOME": "/root", "VMLEND_FAULT": "f"}
+    )
+    assert pinned == {"VMLEND_STATE": "s", "VMLEND_FAULT": "f"}
+
+
+def test_the_wire_format_round_trips_and_refuses_bad_frames():
+    argv = ["vm1", "prepare", "begin", "-", "caf\udce9"]  # not UTF-8 in argv: kept
+    env = {"VMLEND_STATE": "/s.db"}
+    frame = wire.encode_request(argv, env, b"<domain/>")
+    assert wire.decode_request(wire.Reader(io.BytesIO(frame).read)) == (argv, env, b"<domain/>")
+    for bad in (frame[:-1], b"HTTP/1.1" + frame[8:], frame[:-8] + b"XXXXXXXX"):
+        with pytest.raises(wire.WireError):
+            wire.decode_request(wire.Reader(io.BytesIO(bad).read))
+    huge = wire.MAGIC + (wire.MAX_STRINGS + 1).to_bytes(4, "big")
+    with pytest.raises(wire.WireError, match="over the limit"):
+        wire.decode_request(wire.Reader(io.BytesIO(huge).read))
+    answer = wire.encode_answer(-2, b"<x/>", "vmlend: no\n")
+    assert wire.decode_answer(wire.Reader(io.BytesIO(answer).read)) == (
+        wire.RAN,
+        -2,
+        b"<x/>",
+        "vmlend: no\n",
+    )
+    with pytest.raises(wire.WireError):
+        wire.decode_answer(wire.Reader(io.BytesIO(b"?").read))
+
+
+def test_doctor_says_whether_an_agent_serves_the_installed_hook(hosts):
+    served = hosts["served"]
+    host = HostEnv(served.root)
+    host.libvirt_config.mkdir(parents=True)
+    install_hook(host.libvirt_config, served.state, "gamma", hook_socket=served.socket)
+    finding = check_hook_served(host)
+    assert finding is not None and finding.status is Status.WARN
+    assert "no vmlend agent serves the hook" in finding.detail and "no socket" in finding.detail
+    served.start_agent()
+    finding = check_hook_served(host)
+    assert finding is not None and finding.status is Status.OK
+    assert finding.detail == f"by the vmlend agent on {served.socket}"
+    served.stop_agent()
+    served.start_agent(env=served.env | {"VMLEND_NODE": "alpha"})
+    finding = check_hook_served(host)
+    assert finding is not None and finding.status is Status.WARN
+    assert "serves another registry, node or root" in finding.detail
+    assert served.log_pids() == []  # probing touched nothing
+
+
+def test_a_second_agent_on_the_host_refuses_to_start_and_changes_nothing(hosts):
+    served = hosts["served"]
+    first = served.start_agent()
+    second = subprocess.run(
+        [VMLEND, "agent"], env=served.env, capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"Error: another vmlend agent serves the hook on {served.socket}; stop it first"
+    )
+    assert served.serving()
+    res = served.hook_run("prepare", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"") and set(served.log_pids()) == {first}
+
+
+def test_a_relative_state_in_a_request_is_never_the_agents(hosts, tmp_path):
+    # "state.db" in the hook's working directory is the agent's state only by accident of
+    # where each process runs: the agent must not guess.
+    served = hosts["served"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    served.start_agent(env=served.env | {"VMLEND_STATE": "state.db"}, cwd=elsewhere)
+    rel = {"VMLEND_STATE": "state.db", "VMLEND_HOOK_SOCKET": str(served.socket)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from vmlend.hook.entry import main; sys.exit(main())",
+            "vm1",
+            "prepare",
+            "begin",
+            "-",
+        ],
+        input=vm_xml(),
+        capture_output=True,
+        env=served.env | rel,
+        cwd=served.base,
+        timeout=120,
+    )
+    assert (out.returncode, out.stderr) == (0, b"")
+    assert served.agent is not None and served.agent.pid not in served.log_pids()
+    assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # done, in-process
+    assert not (elsewhere / "hook.log").exists()

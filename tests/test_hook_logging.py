@@ -1,0 +1,79 @@
+"""The hook's action log gets the records of its own call only: in ``vmlend agent``, which
+runs hook calls on a worker thread of a long-running process, other threads' records must not
+land in a domain's log, and no handler may outlive its call."""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+import uuid
+
+from tests.simfabric import make_fabric
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.fabric.model import MiB
+from vmlend.fabric.open import open_fabric
+from vmlend.hook.loghandler import ActionLogHandler
+from vmlend.hook.main import run
+
+
+def vm_xml() -> bytes:
+    spec = DomainSpec(
+        name="vm1",
+        memory_bytes=512 * MiB,
+        uuid=uuid.UUID("6f1c5a2e-0000-4000-8000-00000000000b"),
+        devices=[DeviceRequest(f) for f in (0x10, 0x12, 0x21, 0x22)],
+    )
+    return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+def test_other_threads_log_records_never_reach_a_domains_action_log(state_path):
+    make_fabric(state_path).close()
+    stop = threading.Event()
+
+    def agent_thread() -> None:  # another thread of a long-running process, logging away
+        while not stop.is_set():
+            logging.getLogger("vmlend.agent.service").warning("agent-thread-line")
+            time.sleep(0.001)
+
+    other = threading.Thread(target=agent_thread)
+    other.start()
+    try:
+        for op, sub in (("prepare", "begin"), ("release", "end")):
+            code = run(
+                ["vm1", op, sub, "-"],
+                stdin=io.BytesIO(vm_xml()),
+                stdout=io.BytesIO(),
+                stderr=io.StringIO(),
+                environ={"VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"},
+            )
+            assert code == 0
+    finally:
+        stop.set()
+        other.join()
+    logging.getLogger("vmlend.agent.service").warning("agent-thread-line after the calls")
+    text = (state_path.parent / "hook.log").read_text()
+    assert "prepare: 4 devices ready" in text and "agent-thread-line" not in text
+    root = logging.getLogger()
+    assert not [h for h in root.handlers if isinstance(h, ActionLogHandler)]  # no leak
+
+
+def test_a_library_warning_of_the_call_itself_still_reaches_its_action_log(state_path):
+    make_fabric(state_path).close()
+
+    def warning_fabric(location, node):
+        logging.getLogger("vmlend.fabric").warning("warned while opening the fabric")
+        return open_fabric(location, node)
+
+    code = run(
+        ["vm1", "release", "end", "-"],
+        stdin=io.BytesIO(vm_xml()),
+        stdout=io.BytesIO(),
+        stderr=io.StringIO(),
+        environ={"VMLEND_STATE": str(state_path)},
+        open_fabric=warning_fabric,
+    )
+    assert code == 0
+    text = (state_path.parent / "hook.log").read_text()
+    assert "vm=vm1 warning: warned while opening the fabric" in text

@@ -1,0 +1,124 @@
+"""Hand a hook call to this host's ``vmlend agent``, which has everything imported already.
+
+The hook process pays an interpreter start and this module; the agent runs the call through
+the very same ``vmlend.hook.main.run`` and sends back the exit code, stdout and stderr
+(``docs/hooks.md``, "The agent serves the hook"). Only builtins, ``os``, ``time`` and the C
+``_socket`` module are imported: ``socket`` itself pulls in ``enum`` and ``selectors``
+(~20 ms, measured with ``-X importtime``), more than everything else here.
+
+The rules, which keep a hook call done exactly once:
+
+- no socket file, connection refused (a stale file of a killed agent), permission denied, or
+  the request could not be written whole: the agent cannot have run it, so ``forward`` returns
+  None and the caller runs the call in-process, as without an agent;
+- the agent answers "not mine" (it serves another registry, state, node, root, backend) or
+  "denied" (our uid may not use it): nothing was done, None as well;
+- once the whole request was written, never fall back: wait for the answer. A connection that
+  ends early (the agent died) or no answer within the timeout exits 1 with one line, since the
+  agent may have done part of the work or may still do it.
+"""
+
+from __future__ import annotations
+
+import _socket  # the C module: see above
+import os
+import sys
+import time
+
+from vmlend.hook import wire
+
+TYPE_CHECKING = False  # not from typing: see above
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+#: The agent's socket; ``vmlend hook install`` pins it like the state path.
+SOCKET_ENV = "VMLEND_HOOK_SOCKET"
+#: Seconds to wait for the agent's answer (tests set it short).
+TIMEOUT_ENV = "VMLEND_HOOK_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+#: The default socket under the host root ($VMLEND_ROOT, else /), beside the agent's lease file.
+SOCKET_UNDER_ROOT = ("run", "vmlend", "hook.sock")
+#: What the agent needs to decide "mine or not" and to run the call as this process would.
+FORWARDED_PREFIX = "VMLEND_"
+_CLIENT_ONLY = (SOCKET_ENV, TIMEOUT_ENV)
+
+
+def socket_path(environ: Mapping[str, str]) -> str:
+    pinned = environ.get(SOCKET_ENV)
+    if pinned:
+        return pinned
+    return os.path.join(environ.get("VMLEND_ROOT") or "/", *SOCKET_UNDER_ROOT)
+
+
+def pinned_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    return {
+        k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIX) and k not in _CLIENT_ONLY
+    }
+
+
+def answer_timeout(environ: Mapping[str, str]) -> float:
+    try:
+        value = float(environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
+    except ValueError:
+        return DEFAULT_TIMEOUT  # a test knob must never be why a VM fails to start
+    return value if value > 0 else DEFAULT_TIMEOUT
+
+
+def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = None) -> int | None:
+    """The exit code of the call as the agent ran it (its stdout and stderr written to ours),
+    or None when the agent did nothing and the caller must run the call itself."""
+    env = os.environ if environ is None else environ
+    path = socket_path(env)
+    request = wire.encode_request(argv, pinned_environment(env), xml)
+    timeout = answer_timeout(env)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            sock.sendall(request)
+        except OSError:
+            # The agent runs a request only once it has read all of it, up to the end mark: a
+            # send that failed was not read whole, so nothing ran (docs/hooks.md).
+            return None
+        try:
+            kind, code, out, err = wire.decode_answer(wire.Reader(_deadline_recv(sock, timeout)))
+        except TimeoutError:
+            return _lost(path, f"gave no answer within {timeout:g} s")
+        except (OSError, wire.WireError):
+            return _lost(path, "ended the connection before answering (it died?)")
+    finally:
+        sock.close()
+    if kind != wire.RAN:
+        return None
+    if out:
+        sys.stdout.buffer.write(out)
+        sys.stdout.buffer.flush()
+    if err:
+        sys.stderr.write(err)
+        sys.stderr.flush()
+    return code
+
+
+def _deadline_recv(sock: _socket.socket, timeout: float) -> Callable[[int], bytes]:
+    """``recv`` bounded by one deadline for the whole answer, not per read."""
+    deadline = time.monotonic() + timeout
+
+    def recv(n: int) -> bytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        return sock.recv(n)
+
+    return recv
+
+
+def _lost(path: str, what: str) -> int:
+    print(
+        f"vmlend: the vmlend agent serving this hook ({path}) {what}; the operation may be"
+        " half done: 'vmlend reconcile' shows it and 'vmlend reconcile --fix' repairs it"
+        " (libvirt runs release after a failed prepare)",
+        file=sys.stderr,
+    )
+    return 1
