@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.hostenv import HostEnv
 
 
-@dataclass(frozen=True)
-class HostLease:
+class HostLease(msgspec.Struct, frozen=True):
     lease: int
     node: str
     ttl: int
@@ -32,7 +32,7 @@ def lease_path(env: HostEnv) -> Path:
 def publish(path: Path, lease: HostLease) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(lease)))
+    tmp.write_text(json.dumps(msgspec.structs.asdict(lease)))
     os.replace(tmp, path)
 
 
