@@ -259,8 +259,8 @@ class MdevInfo(msgspec.Struct, frozen=True):
     # Equality is the mdev's identity: what create_mdev returned equals what mdevs() lists
     # (and a repeated create_mdev's answer) whoever created it, so ``created`` stays out of
     # it, and out of the hash with it (equal objects hash equal).
-    def _identity(self) -> tuple[str, str, str, int | None, str, str]:
-        return (self.uuid, self.parent, self.type_id, self.fdid, self.node, self.vm)
+    def _identity(self) -> tuple[object, ...]:
+        return tuple(getattr(self, f) for f in self.__struct_fields__ if f != "created")
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not MdevInfo:
