@@ -7,11 +7,11 @@ import logging
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+import msgspec
 
 from vmlend.errors import ConfigError, VmlendError
 from vmlend.settings import default_state_path
@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vmlend")
 
 
-@dataclass
-class CliContext:
+class CliContext(msgspec.Struct):
     """Shared state of one ``vmlend`` invocation (``ctx.obj``)."""
 
     state_path: Path  # the SQLite state; its directory also keeps this host's local files
