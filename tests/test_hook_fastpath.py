@@ -84,6 +84,19 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     assert run.within("etcd3gw", "requests") == set()
 
 
+def test_prepare_and_release_of_a_four_device_vm_never_import_dataclasses(installed, state_path):
+    # vmlend's records are msgspec Structs: ``dataclasses`` (inspect, ast, dis, tokenize) and
+    # the per-class code generation of @dataclass cost the hook more than its own work.
+    env = {"VMLEND_STATE": str(state_path)}
+    flags = shebang_flags(installed)
+    xml = vm_xml((0x10, 0x12, 0x21, 0x22))
+    for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
+        run = run_script(installed, ["vm1", *op], xml, env, flags)
+        assert (run.code, run.stderr) == (0, []), op
+        assert "vmlend.fabric.sim.backend" in run.modules, op  # it did the work
+        assert "dataclasses" not in run.modules, op
+
+
 def test_installed_hook_ignores_the_callers_python_environment(installed, state_path, tmp_path):
     # A PYTHONPATH with a broken 'vmlend' (or any PYTHON* setting libvirtd happens to carry)
     # must not change what the hook runs.
