@@ -8,7 +8,6 @@ from __future__ import annotations
 import click
 
 from vmlend import __version__
-from vmlend.cli.common import CliContext
 from vmlend.cli.lazy import LazyGroup
 
 #: command -> (its module, the first sentence of its help). A new command goes here too;
@@ -130,6 +129,8 @@ def main(
     uri: str | None,
 ) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
+    from vmlend.cli.context import CliContext  # a command runs: --help never gets here
+
     ctx.obj = CliContext.create(
         state_path=state_path, node=node, verbose=verbose, root=root, registry=registry
     )
