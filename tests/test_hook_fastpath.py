@@ -129,6 +129,19 @@ def test_installed_hook_delivers_its_output_though_it_skips_interpreter_teardown
     assert out.stderr.decode().count("\n") == 1 and "0x7777" in out.stderr.decode()
 
 
+def test_prepare_and_release_of_a_four_device_vm_never_import_dataclasses(installed, state_path):
+    # vmlend's records are msgspec Structs: ``dataclasses`` (inspect, ast, dis, tokenize) and
+    # the per-class code generation of @dataclass cost the hook more than its own work.
+    env = {"VMLEND_STATE": str(state_path)}
+    flags = shebang_flags(installed)
+    xml = vm_xml((0x10, 0x12, 0x21, 0x22))
+    for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
+        run = run_script(installed, ["vm1", *op], xml, env, flags)
+        assert (run.code, run.stderr) == (0, []), op
+        assert "vmlend.fabric.sim.backend" in run.modules, op  # it did the work
+        assert "dataclasses" not in run.modules, op
+
+
 def test_installed_hook_ignores_the_callers_python_environment(installed, state_path, tmp_path):
     # A PYTHONPATH with a broken 'vmlend' (or any PYTHON* setting libvirtd happens to carry)
     # must not change what the hook runs.

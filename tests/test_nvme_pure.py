@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 
+import msgspec
 import pytest
 
 from vmlend.nvme import spec
@@ -136,5 +136,5 @@ def test_share_book_adopts_what_it_would_allocate_and_refuses_overlaps(pairs):
         for share in made:
             book.adopt(share)
         with pytest.raises(ConfigError):
-            book.adopt(dataclasses.replace(made[0], name="again"))
+            book.adopt(msgspec.structs.replace(made[0], name="again"))
         assert book.allocate("next", 1, 10).lba_offset == 300

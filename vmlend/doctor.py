@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import HostError, MdevError
 from vmlend.fabric.smartio.driver import MODULE as SMARTIO_MODULE
@@ -33,8 +34,7 @@ class Status(enum.StrEnum):
     FAIL = "fail"
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(msgspec.Struct, frozen=True):
     name: str
     status: Status
     detail: str

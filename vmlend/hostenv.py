@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 #: Environment variable that moves the root (the CLI's ``--root`` sets the same thing).
 ROOT_ENV = "VMLEND_ROOT"
 DEFAULT_ROOT = Path("/")
 
 
-@dataclass(frozen=True)
-class HostEnv:
+class HostEnv(msgspec.Struct, frozen=True):
     """Where the host's ``sys``, ``dev``, ``etc``, ``run`` and ``proc`` trees live."""
 
     root: Path = DEFAULT_ROOT

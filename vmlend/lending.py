@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from uuid import UUID
+
+import msgspec
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
@@ -39,11 +40,10 @@ def _ignore(_msg: str) -> None:
     pass
 
 
-@dataclass
-class UndoJournal:
+class UndoJournal(msgspec.Struct):
     """Undo steps of an operation in progress, run in reverse on failure."""
 
-    steps: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
+    steps: list[tuple[str, Callable[[], object]]] = msgspec.field(default_factory=list)
 
     def push(self, what: str, undo: Callable[[], object]) -> None:
         self.steps.append((what, undo))

@@ -21,9 +21,10 @@ import errno
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from vmlend.errors import (
     MdevBadUuidError,
@@ -76,8 +77,7 @@ class KernelWriter:
             os.close(fd)
 
 
-@dataclass(frozen=True)
-class MdevType:
+class MdevType(msgspec.Struct, frozen=True):
     parent: str
     type_id: str
     name: str
@@ -87,8 +87,7 @@ class MdevType:
     devices: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class MdevParent:
+class MdevParent(msgspec.Struct, frozen=True):
     name: str
     types: tuple[MdevType, ...]
 
@@ -99,8 +98,7 @@ class MdevParent:
         raise MdevTypeNotFoundError(self.name, type_id, tuple(t.type_id for t in self.types))
 
 
-@dataclass(frozen=True)
-class MdevDevice:
+class MdevDevice(msgspec.Struct, frozen=True):
     uuid: str
     parent: str
     type_id: str

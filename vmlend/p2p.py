@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from vmlend.errors import BarConflictError, P2PError
 from vmlend.fabric.model import BarKind, DeviceSpec, GiB, GuestRange, Topology
@@ -44,8 +45,7 @@ NTB_ONE_WAY_NS = 360
 RECORD_KIND = "p2p-map"
 
 
-@dataclass(frozen=True)
-class PeerBar:
+class PeerBar(msgspec.Struct, frozen=True):
     """One BAR of a passed-through device; ``host`` is its physical base on the lender (what
     the lender's address decoders answer to)."""
 
@@ -55,8 +55,7 @@ class PeerBar:
     host: int
 
 
-@dataclass(frozen=True)
-class PeerDevice:
+class PeerDevice(msgspec.Struct, frozen=True):
     """A device passed through to the VM: where it is lent from and what it has."""
 
     fdid: int
@@ -78,8 +77,7 @@ def peer_device(spec: DeviceSpec, host_bars: Mapping[int, int]) -> PeerDevice:
     return PeerDevice(spec.fdid, spec.lender, bars, spec.dma_bits)
 
 
-@dataclass(frozen=True)
-class GuestBar:
+class GuestBar(msgspec.Struct, frozen=True):
     """Where the guest programmed BAR ``index`` of device ``fdid``: [gpa, gpa + size)."""
 
     fdid: int
@@ -95,8 +93,7 @@ class GuestBar:
         return f"BAR {self.index} of device {self.fdid:#x} at {self.gpa:#x}+{self.size:#x}"
 
 
-@dataclass(frozen=True)
-class P2PMap:
+class P2PMap(msgspec.Struct, frozen=True):
     """Device ``source`` reaches BAR ``bar`` of device ``target`` at IOVA ``iova`` (the BAR's
     guest-physical address) in its own lender IOMMU domain."""
 
@@ -159,8 +156,7 @@ class P2PMap:
         }
 
 
-@dataclass(frozen=True)
-class Skipped:
+class Skipped(msgspec.Struct, frozen=True):
     """A (source, target BAR) pair that gets no mapping, and why."""
 
     source: int
@@ -169,8 +165,7 @@ class Skipped:
     reason: str
 
 
-@dataclass(frozen=True)
-class P2PPlan:
+class P2PPlan(msgspec.Struct, frozen=True):
     borrower: str
     maps: tuple[P2PMap, ...]
     skipped: tuple[Skipped, ...] = ()

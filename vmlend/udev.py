@@ -21,8 +21,9 @@ import enum
 import logging
 import selectors
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from vmlend.errors import HostError, MdevError
 from vmlend.hostenv import HostEnv
@@ -33,14 +34,13 @@ log = logging.getLogger(__name__)
 MDEV_STATE = "MDEV_STATE"
 
 
-@dataclass(frozen=True)
-class Uevent:
+class Uevent(msgspec.Struct, frozen=True):
     """One kernel uevent, reduced to what vmlend looks at."""
 
     action: str  # add, remove, change, bind, unbind, ...
     sys_name: str  # the kernel's device name (a parent's name, a child's UUID, ...)
     subsystem: str = ""
-    properties: Mapping[str, str] = field(default_factory=dict)
+    properties: Mapping[str, str] = msgspec.field(default_factory=dict)
 
 
 class UeventSource(Protocol):
@@ -121,8 +121,7 @@ def classify(ev: Uevent, is_parent_now: bool, was_parent: bool) -> ParentChange 
 # --- acting on it -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WantedMdev:
+class WantedMdev(msgspec.Struct, frozen=True):
     """A child that must exist while its VM runs (from the registry, or the caller)."""
 
     uuid: str
@@ -138,8 +137,7 @@ class Outcome(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # its parent vanished
 
 
-@dataclass(frozen=True)
-class Reaction:
+class Reaction(msgspec.Struct, frozen=True):
     parent: str
     outcome: Outcome
     uuid: str = ""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+import msgspec
 from lxml import etree
 
 from vmlend.domain import (
@@ -36,14 +36,13 @@ from vmlend.ops.definitions import plain_metadata
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class VmRecovery:
+class VmRecovery(msgspec.Struct):
     """What became of one paused VM: ``outcome`` is "resumed", "unplugged" (lost devices
     removed, then resumed) or "paused" (``why`` says why it stays so)."""
 
     vm: str
-    regained: list[int] = field(default_factory=list)
-    lost: dict[int, str] = field(default_factory=dict)
+    regained: list[int] = msgspec.field(default_factory=list)
+    lost: dict[int, str] = msgspec.field(default_factory=dict)
     outcome: str = "paused"
     why: str = ""
 

@@ -14,8 +14,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, adopt_records
@@ -35,8 +36,7 @@ DEFAULT_TTL = 10
 DEFAULT_INTERVAL = 0.5
 
 
-@dataclass
-class AgentConfig:
+class AgentConfig(msgspec.Struct):
     location: Location
     node: str
     lease_file: Path

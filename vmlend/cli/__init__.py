@@ -10,7 +10,6 @@ import gc
 import click
 
 from vmlend import __version__
-from vmlend.cli.common import CliContext
 from vmlend.cli.lazy import LazyGroup
 
 #: command -> (its module, the first sentence of its help). A new command goes here too;
@@ -132,6 +131,8 @@ def main(
     uri: str | None,
 ) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
+    from vmlend.cli.context import CliContext  # a command runs: --help never gets here
+
     ctx.obj = CliContext.create(
         state_path=state_path, node=node, verbose=verbose, root=root, registry=registry
     )

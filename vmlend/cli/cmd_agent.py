@@ -13,8 +13,8 @@ from types import FrameType
 import click
 
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
-from vmlend.cli.common import CliContext
 from vmlend.cli.connect import open_hv
+from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.server import HookServer, identity_of
 from vmlend.hostenv import ROOT_ENV, HostEnv

@@ -13,8 +13,9 @@ import logging
 import click
 
 from vmlend.cli.cmd_lend import FDID
-from vmlend.cli.common import CliContext, emit_json, json_option, verbose_option
+from vmlend.cli.common import emit_json, json_option, verbose_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
+from vmlend.cli.context import CliContext
 from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
 from vmlend.errors import ConfigError

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.context import CliContext
 
 
 @click.command("demo")

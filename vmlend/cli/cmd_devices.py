@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.fabric.admission import format_size_short
 from vmlend.fabric.model import BarKind, DeviceSpec, DeviceState, DeviceStatus, format_fdid

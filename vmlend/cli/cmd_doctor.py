@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.context import CliContext
 from vmlend.doctor import Status, blocking, run_checks
 from vmlend.fabric.open import BACKEND_ENV
 from vmlend.hostenv import HostEnv

@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from vmlend.cli.cmd_lend import FDID
-from vmlend.cli.common import CliContext, emit_json, json_option, render_table
+from vmlend.cli.common import emit_json, json_option, render_table
+from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
 from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
 from vmlend.fabric.base import Fabric

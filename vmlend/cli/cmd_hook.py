@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook

@@ -7,7 +7,8 @@ from typing import Any
 import click
 
 from vmlend.cli.cmd_devices import device_json
-from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import DeviceStatus, format_fdid, parse_fdid
 

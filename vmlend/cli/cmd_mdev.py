@@ -6,7 +6,8 @@ import uuid as uuidlib
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.context import CliContext
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus
 

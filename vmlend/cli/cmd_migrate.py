@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, json_option
+from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
+from vmlend.cli.context import CliContext
 from vmlend.hypervisor import Hypervisor
 from vmlend.hypervisor.open import sim_node
 from vmlend.ops.migrate import migrate, migration_lock

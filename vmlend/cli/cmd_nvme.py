@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.context import CliContext
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import Holder, format_fdid, parse_fdid

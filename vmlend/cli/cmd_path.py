@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.context import CliContext
 from vmlend.fabric.pcie import explain
 
 HEADERS = ("#", "HOST", "KIND", "ELEMENT")

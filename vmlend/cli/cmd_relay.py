@@ -10,7 +10,8 @@ from types import FrameType
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.context import CliContext
 from vmlend.irq.client import RelayClient
 from vmlend.irq.daemon import RelayDaemon
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, json_option, render_table
+from vmlend.cli.common import emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
+from vmlend.cli.context import CliContext
 from vmlend.fabric.admission import format_size_short
 from vmlend.fabric.model import format_fdid
 from vmlend.fabric.pcie import PciePath

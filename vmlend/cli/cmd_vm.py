@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.connect import connect_option, open_hv
+from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
 from vmlend.domain import DomainDocument
 from vmlend.hypervisor import DomainInfo, DomainState, Hypervisor

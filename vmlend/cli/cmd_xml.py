@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from vmlend.cli.common import CliContext, emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.context import CliContext
 from vmlend.domain import (
     DeviceRequest,
     DomainDocument,

@@ -1,71 +1,19 @@
-"""What every command shares: the context object, error handling and output helpers."""
+"""What every command shares: error handling and output helpers (the context object is in
+``context``)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import shlex
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from vmlend.errors import ConfigError, VmlendError
-from vmlend.settings import default_state_path
-
-if TYPE_CHECKING:
-    from vmlend.fabric.base import Fabric
 
 log = logging.getLogger("vmlend")
-
-
-@dataclass
-class CliContext:
-    """Shared state of one ``vmlend`` invocation (``ctx.obj``)."""
-
-    state_path: Path  # the SQLite state; its directory also keeps this host's local files
-    node: str | None
-    verbose: int = 0
-    root: Path | None = None  # host root (--root / VMLEND_ROOT); None = the real one
-    registry: str | None = None  # --registry / VMLEND_REGISTRY: wins over state_path
-    uri: str | None = None  # the global -c/--connect; a command's own -c wins
-
-    @classmethod
-    def create(
-        cls,
-        state_path: str | None,
-        node: str | None,
-        verbose: int,
-        root: str | None = None,
-        registry: str | None = None,
-    ) -> CliContext:
-        logging.basicConfig(
-            level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
-            format="vmlend: %(message)s",
-            stream=sys.stderr,
-        )
-        path = Path(state_path) if state_path else default_state_path()
-        return cls(
-            state_path=path,
-            node=node,
-            verbose=verbose,
-            root=Path(root) if root else None,
-            registry=registry or None,
-        )
-
-    @property
-    def location(self) -> str | Path:
-        """Where the shared state is: the registry URL, else the SQLite state path."""
-        return self.registry or self.state_path
-
-    def fabric(self) -> Fabric:
-        """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
-        from vmlend.fabric.open import open_fabric  # commands that need no fabric skip it
-
-        return open_fabric(self.location, self.node, root=self.root)
 
 
 class VmlendGroup(click.Group):
@@ -120,6 +68,8 @@ def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 def _more_verbose(ctx: click.Context, _param: click.Parameter, value: int) -> None:
     if not value:
         return
+    from vmlend.cli.context import CliContext  # a callback: the command is running
+
     obj = ctx.find_object(CliContext)
     level = (obj.verbose if obj is not None else 0) + value
     if obj is not None:

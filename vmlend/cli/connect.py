@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from vmlend.cli.common import CliContext
+from vmlend.cli.context import CliContext
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import open_fabric
 from vmlend.hypervisor import Hypervisor, open_hypervisor

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.cli.connect import hook_command
 from vmlend.demo.guest import DemoGuest
@@ -35,8 +36,7 @@ from vmlend.registry import open_registry
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class HookCall:
+class HookCall(msgspec.Struct, frozen=True):
     node: str
     args: tuple[str, ...]  # libvirt's argv: domain, operation, sub-operation, extra
     returncode: int

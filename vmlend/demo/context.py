@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from vmlend.demo.cluster import DemoCluster
 from vmlend.errors import DemoError
@@ -14,8 +15,7 @@ from vmlend.fabric.sim.simvm import SimVm
 Json = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class DemoConfig:
+class DemoConfig(msgspec.Struct, frozen=True):
     """What the story is told with (the defaults fit the shipped three-node cluster)."""
 
     vm: str = "demo"
@@ -34,8 +34,7 @@ class DemoConfig:
     shutdown_timeout: float = 10.0
 
 
-@dataclass
-class Story:
+class Story(msgspec.Struct):
     """What the steps share."""
 
     state_path: Path

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 from lxml import etree
 
 from vmlend.demo.interrupts import VmInterrupts, WiredDevice, enable_guest_interrupts
@@ -54,8 +54,7 @@ class GuestWorld(Protocol):
     def vector_recorder(self) -> VectorRecorder: ...
 
 
-@dataclass
-class RunningGuest:
+class RunningGuest(msgspec.Struct):
     vm: SimVm
     p2p: P2PMapper
     irqs: VmInterrupts

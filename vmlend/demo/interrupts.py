@@ -16,7 +16,8 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import RelayError
 from vmlend.fabric.sim.device import SimDevice
@@ -74,8 +75,7 @@ def enable_guest_interrupts(vm: SimVm, fdid: int) -> tuple[IrqIndex, int]:
     return IrqIndex.INTX, 1
 
 
-@dataclass
-class WiredDevice:
+class WiredDevice(msgspec.Struct):
     """One device's vectors as the VM sees them."""
 
     fdid: int

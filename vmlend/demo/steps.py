@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.cli.cmd_devices import device_json
 from vmlend.cli.cmd_fabric import fabric_json
@@ -308,8 +309,7 @@ def stop_step(s: Story) -> Json:
     }
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(msgspec.Struct, frozen=True):
     key: str
     title: str
     run: Callable[[Story], Json]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from vmlend.demo.context import DemoConfig, Story
 from vmlend.demo.steps import STEPS, Step
@@ -22,8 +23,7 @@ from vmlend.errors import DemoError, VmlendError
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(msgspec.Struct, frozen=True):
     n: int
     key: str
     title: str
@@ -44,11 +44,10 @@ class StepResult:
         }
 
 
-@dataclass
-class DemoResult:
+class DemoResult(msgspec.Struct):
     state: Path
     vm: str
-    steps: list[StepResult] = field(default_factory=list)
+    steps: list[StepResult] = msgspec.field(default_factory=list)
     seconds: float = 0.0
 
     @property

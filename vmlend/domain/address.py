@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import ConfigError
 
@@ -13,8 +14,7 @@ _BDF = re.compile(
 )
 
 
-@dataclass(frozen=True, order=True)
-class PciAddress:
+class PciAddress(msgspec.Struct, frozen=True, order=True):
     domain: int
     bus: int
     slot: int

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import PurePath
 
+import msgspec
 from lxml import etree
 
 from vmlend.domain.address import PciAddress
@@ -36,16 +36,14 @@ class DiskXML(XMLNode):
     file = XMLProperty("./source/@file")
 
 
-@dataclass(frozen=True)
-class DeviceRequest:
+class DeviceRequest(msgspec.Struct, frozen=True):
     fdid: int
     address: PciAddress | None = None
     share: NvmeShareRequest | None = None  # a queue-level share of an NVMe drive
     interrupts: InterruptPath | None = None  # the device's own; None: the VM's default
 
 
-@dataclass(frozen=True)
-class DomainSpec:
+class DomainSpec(msgspec.Struct, frozen=True):
     name: str
     memory_bytes: int
     vcpus: int = 1
@@ -53,7 +51,7 @@ class DomainSpec:
     virt_type: str = "kvm"
     uuid: uuid.UUID | None = None
     disk: PurePath | None = None
-    devices: Sequence[DeviceRequest] = field(default=())
+    devices: Sequence[DeviceRequest] = msgspec.field(default=())
     #: Empty pcie-root-ports (q35) to hot-plug devices into later; libvirt numbers them.
     hotplug_slots: int = 0
     #: The VM's default interrupt path for its devices (None: vmlend's, the NTB if admissible).

@@ -8,7 +8,8 @@ and attach another, so every writer checks first and aborts.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.domain.document import DomainDocument
 from vmlend.domain.metadata import VmlendDevice, find_metadata
@@ -19,8 +20,7 @@ from vmlend.fabric.model import format_fdid
 from vmlend.messages import plural
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(msgspec.Struct, frozen=True):
     """One disagreement. ``kind`` is stable for programs: missing-hostdev, duplicate-hostdev,
     address-mismatch, model-mismatch, not-derived."""
 

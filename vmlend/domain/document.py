@@ -9,8 +9,8 @@ serialises to exactly its input and a changed one differs only where it was chan
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
+import msgspec
 from lxml import etree
 
 from vmlend.errors import DomainXMLError
@@ -56,8 +56,7 @@ def _prolog_length(data: bytes) -> int:
     return i
 
 
-@dataclass
-class DomainDocument:
+class DomainDocument(msgspec.Struct):
     """A parsed domain: the root element plus the verbatim bytes around it."""
 
     root: etree._Element

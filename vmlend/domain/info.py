@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+
+import msgspec
 
 from vmlend.domain.consistency import Problem, find_problems, raise_on
 from vmlend.domain.document import DomainDocument
@@ -14,8 +15,7 @@ from vmlend.fabric.model import DEFAULT_INTERRUPTS, GuestRam, InterruptPath
 from vmlend.memory.domain_memory import domain_layout
 
 
-@dataclass(frozen=True)
-class DomainInfo:
+class DomainInfo(msgspec.Struct, frozen=True):
     name: str
     uuid: uuid.UUID | None
     memory_bytes: int | None
@@ -24,7 +24,7 @@ class DomainInfo:
     devices: tuple[VmlendDevice, ...] = ()
     #: The node the XML was last rewritten for by a migration, if any.
     host_node: str | None = None
-    problems: tuple[Problem, ...] = field(default=())
+    problems: tuple[Problem, ...] = msgspec.field(default=())
     #: The guest's RAM ranges by QEMU's layout rules (None when the XML does not decide them,
     #: e.g. no machine type yet).
     ram: GuestRam | None = None

@@ -26,9 +26,9 @@ NTB when its window has room, else the relay (docs/interrupts.md).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from lxml import etree
 
 from vmlend.domain.address import PciAddress
@@ -54,8 +54,7 @@ _NS = {PREFIX: NAMESPACE_URI}
 _NAMESPACE_FAMILY = "{" + NAMESPACE_URI.rsplit("/", 1)[0] + "/"
 
 
-@dataclass(frozen=True)
-class NvmeShareRequest:
+class NvmeShareRequest(msgspec.Struct, frozen=True):
     """A share of an NVMe drive instead of the whole drive (docs/nvme-sharing.md): I/O queue
     pairs and the size of the one namespace the VM sees."""
 
@@ -69,8 +68,7 @@ class NvmeShareRequest:
             raise DomainXMLError(f"an NVMe share's size is whole 512-byte blocks, not {self.size}")
 
 
-@dataclass(frozen=True)
-class VmlendDevice:
+class VmlendDevice(msgspec.Struct, frozen=True):
     """One remote device of a domain, as its metadata lists it."""
 
     fdid: int

@@ -13,15 +13,14 @@ not give exactly the edited tree, lxml's own output is used instead.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
 
+import msgspec
 from lxml import etree
 
 from vmlend.domain.spans import AttributeSpan, NodeSpan
 
 
-@dataclass(frozen=True)
-class Style:
+class Style(msgspec.Struct, frozen=True):
     """How the source writes what vmlend adds."""
 
     quote: str  # "'" (libvirt's) or '"'

@@ -10,7 +10,8 @@ instructions. CDATA sections, character references and entity references are tex
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+
+import msgspec
 
 _COMMENT_END = b"-->"
 _PI_END = b"?>"
@@ -23,8 +24,7 @@ _ATTRIBUTE = re.compile(rb"(\s+)(" + _NAME + rb")(\s*=\s*)(\"[^\"]*\"|'[^']*')")
 _END_TAG = re.compile(rb"</" + _NAME + rb"\s*>")
 
 
-@dataclass(frozen=True)
-class AttributeSpan:
+class AttributeSpan(msgspec.Struct, frozen=True):
     """One attribute (or namespace declaration) as written: ``<space><name><eq><quoted>``."""
 
     space: bytes
@@ -41,8 +41,7 @@ class AttributeSpan:
         return self.name == b"xmlns" or self.name.startswith(b"xmlns:")
 
 
-@dataclass
-class NodeSpan:
+class NodeSpan(msgspec.Struct):
     """An element, comment or PI. For elements: ``start..head_end`` is the start tag,
     ``close_start..end`` the end tag (empty for ``<a/>``); the content lies in between."""
 
@@ -53,10 +52,10 @@ class NodeSpan:
     is_element: bool
     self_closing: bool = False
     qname: bytes = b""
-    attributes: list[AttributeSpan] = field(default_factory=list)
+    attributes: list[AttributeSpan] = msgspec.field(default_factory=list)
     #: Bytes between the last attribute and ``>`` (``" /"`` in ``<model type='x' />``).
     head_rest: bytes = b""
-    children: list[NodeSpan] = field(default_factory=list)
+    children: list[NodeSpan] = msgspec.field(default_factory=list)
 
     def text_range(self) -> tuple[int, int]:
         """Where the text before the first child lies."""

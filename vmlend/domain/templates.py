@@ -7,10 +7,10 @@ XML properties of ``model``, never by pasting strings.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import msgspec
 from lxml import etree
 
 from vmlend.errors import ConfigError, HostError
@@ -23,12 +23,14 @@ def default_template_dir() -> Path:
     return Path(str(resources.files("vmlend.data") / "xml-templates"))
 
 
-@dataclass
-class TemplateSet:
+class TemplateSet(msgspec.Struct):
     """Loads and caches the templates of one directory; hands out fresh copies."""
 
-    directory: Path = field(default_factory=default_template_dir)
-    _cache: dict[str, etree._Element] = field(default_factory=dict, repr=False)
+    directory: Path = msgspec.field(default_factory=default_template_dir)
+    _cache: dict[str, etree._Element] = msgspec.field(default_factory=dict)
+
+    def __repr__(self) -> str:  # the cache is how the set works, not what it is
+        return f"TemplateSet(directory={self.directory!r})"
 
     def load(self, name: str) -> etree._Element:
         """A private copy of the root element of ``<directory>/<name>.xml``."""

@@ -27,7 +27,8 @@ peer-to-peer with remote devices may.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+
+import msgspec
 
 from vmlend.errors import (
     ConfigError,
@@ -133,8 +134,7 @@ def lender_problem(rec: DeviceRecord | None, node: NodeRecord | None) -> str | N
     return None
 
 
-@dataclass(frozen=True)
-class StateView:
+class StateView(msgspec.Struct, frozen=True):
     """The parts of the shared state that admission reads (one consistent snapshot)."""
 
     nodes: Mapping[str, NodeRecord]
@@ -143,8 +143,7 @@ class StateView:
     claims: Sequence[tuple[int, Claim]]
 
 
-@dataclass(frozen=True)
-class AdapterUsage:
+class AdapterUsage(msgspec.Struct, frozen=True):
     """How much of an adapter's LUT and NTB window the current claims use."""
 
     adapter: AdapterSpec
@@ -185,17 +184,16 @@ def usage(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> dict[str, 
     }
 
 
-@dataclass
-class Admission:
+class Admission(msgspec.Struct):
     """The outcome of admission: every check, and the claims a reservation would make."""
 
-    checks: list[Check] = field(default_factory=list)
-    claims: list[Claim] = field(default_factory=list)
+    checks: list[Check] = msgspec.field(default_factory=list)
+    claims: list[Claim] = msgspec.field(default_factory=list)
     #: The VM's peer-to-peer claims once this device is added, each with the fdid whose hold
     #: owns it, and the VM's devices they replace the P2P claims of (None: not computed).
     p2p: list[tuple[int, Claim]] | None = None
     vm_devices: tuple[int, ...] = ()
-    _errors: list[VmlendError | None] = field(default_factory=list)
+    _errors: list[VmlendError | None] = msgspec.field(default_factory=list)
 
     def add(self, name: str, detail: str, error: VmlendError | None = None, **data: object) -> None:
         self.checks.append(

@@ -7,7 +7,8 @@ shown as hex (``0x10``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+
+import msgspec
 
 from vmlend.errors import ConfigError
 
@@ -46,23 +47,20 @@ class BarKind(enum.StrEnum):
     MEM64 = "mem64"
 
 
-@dataclass(frozen=True)
-class BarSpec:
+class BarSpec(msgspec.Struct, frozen=True):
     index: int  # 0..5; a 64-bit BAR also uses index+1
     size: int  # bytes, a power of two
     kind: BarKind = BarKind.MEM32
     prefetch: bool = False
 
 
-@dataclass(frozen=True)
-class MsiSpec:
+class MsiSpec(msgspec.Struct, frozen=True):
     vectors: int = 1  # power of two, 1..32
     bits64: bool = True
     maskable: bool = False
 
 
-@dataclass(frozen=True)
-class MsixSpec:
+class MsixSpec(msgspec.Struct, frozen=True):
     vectors: int  # 1..2048
     table_bar: int
     table_offset: int
@@ -70,8 +68,7 @@ class MsixSpec:
     pba_offset: int
 
 
-@dataclass(frozen=True)
-class DeviceSpec:
+class DeviceSpec(msgspec.Struct, frozen=True):
     """One lendable PCIe function as the topology declares it."""
 
     fdid: int
@@ -100,8 +97,7 @@ class DeviceSpec:
         return sum(b.size for b in self.bars if b.kind is not BarKind.IO)
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
+class AdapterSpec(msgspec.Struct, frozen=True):
     """An NTB adapter (PXH830-class) in a node."""
 
     node: str
@@ -132,8 +128,7 @@ class PcieKind(enum.StrEnum):
     CHASSIS = "chassis"  # an expansion chassis (its switch, behind a host cable adapter)
 
 
-@dataclass(frozen=True)
-class PcieElement:
+class PcieElement(msgspec.Struct, frozen=True):
     """One element of a host's PCIe tree between its root complex and its endpoints."""
 
     name: str
@@ -141,8 +136,7 @@ class PcieElement:
     parent: str | None = None  # None for a root port (it sits on the root complex)
 
 
-@dataclass(frozen=True)
-class NodeSpec:
+class NodeSpec(msgspec.Struct, frozen=True):
     name: str
     node_id: int  # fabric node id (SmartIO NodeId)
     hostname: str
@@ -151,16 +145,14 @@ class NodeSpec:
     pcie: tuple[PcieElement, ...] = ()  # root ports, switches, chassis, parents first
 
 
-@dataclass(frozen=True)
-class LinkSpec:
+class LinkSpec(msgspec.Struct, frozen=True):
     """A cable between adapters: two ends back-to-back, or a switch joining several."""
 
     ends: tuple[str, ...]  # adapter refs "node:index"
     switch: str | None = None
 
 
-@dataclass(frozen=True)
-class Topology:
+class Topology(msgspec.Struct, frozen=True):
     name: str
     nodes: tuple[NodeSpec, ...]
     links: tuple[LinkSpec, ...]
@@ -220,8 +212,7 @@ class DeviceState(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # the lender (or its mdev parent) vanished
 
 
-@dataclass(frozen=True)
-class Holder:
+class Holder(msgspec.Struct, frozen=True):
     """Who holds a device: a VM on a borrower node."""
 
     node: str
@@ -232,8 +223,7 @@ class Holder:
         return f"{self.node}/{self.vm}"
 
 
-@dataclass(frozen=True)
-class DeviceStatus:
+class DeviceStatus(msgspec.Struct, frozen=True):
     spec: DeviceSpec
     state: DeviceState
     holder: Holder | None = None
@@ -243,17 +233,19 @@ class DeviceStatus:
         return self.spec.fdid
 
 
-@dataclass(frozen=True)
-class Reservation(DeviceStatus):
+class Reservation(DeviceStatus, frozen=True):
     """What ``Fabric.reserve`` returns: the device's status, and whether this very call made
     the hold (False when the holder already had it). Decided inside the backend's write
     transaction, so an undo journal can trust it even when processes race."""
 
     created: bool = False
 
+    @classmethod
+    def of(cls, status: DeviceStatus, *, created: bool) -> Reservation:
+        return cls(**msgspec.structs.asdict(status), created=created)
 
-@dataclass(frozen=True)
-class MdevInfo:
+
+class MdevInfo(msgspec.Struct, frozen=True):
     uuid: str
     parent: str  # mdev parent device name
     type_id: str
@@ -262,11 +254,24 @@ class MdevInfo:
     vm: str = ""
     #: From ``Fabric.create_mdev``: whether this very call created the child (False when it
     #: existed already). Decided atomically by the backend; False in listings.
-    created: bool = field(default=False, compare=False)
+    created: bool = False
+
+    # Equality is the mdev's identity: what create_mdev returned equals what mdevs() lists
+    # (and a repeated create_mdev's answer) whoever created it, so ``created`` stays out of
+    # it, and out of the hash with it (equal objects hash equal).
+    def _identity(self) -> tuple[object, ...]:
+        return tuple(getattr(self, f) for f in self.__struct_fields__ if f != "created")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not MdevInfo:
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
 
 
-@dataclass(frozen=True)
-class GuestRange:
+class GuestRange(msgspec.Struct, frozen=True):
     """A guest-physical RAM range [start, end)."""
 
     start: int
@@ -277,8 +282,7 @@ class GuestRange:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class GuestRam:
+class GuestRam(msgspec.Struct, frozen=True):
     """A guest's RAM as its DMA windows will map it: the guest-physical ranges of its layout
     (low RAM, high RAM, cold-plugged DIMMs), ascending. Admission counts window segments and
     checks DMA reach from these, not from a byte total (``vmlend.memory.windows``)."""
@@ -295,11 +299,10 @@ class GuestRam:
         return max((r.end for r in self.ranges), default=0)
 
 
-@dataclass
-class Check:
+class Check(msgspec.Struct):
     """One admission check and its outcome (shown by --dry-run and in errors)."""
 
     name: str
     ok: bool
     detail: str = ""
-    data: dict[str, object] = field(default_factory=dict)
+    data: dict[str, object] = msgspec.field(default_factory=dict)

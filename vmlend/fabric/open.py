@@ -6,12 +6,12 @@ take a registry location: an SQLite path or a registry URL (``vmlend.registry.lo
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric
@@ -90,8 +90,7 @@ def choose_local_node(topology: Topology, hostname: str) -> str:
     return topology.nodes[0].name
 
 
-@dataclass(frozen=True)
-class InitResult:
+class InitResult(msgspec.Struct, frozen=True):
     action: str  # "created", "unchanged", "local node set", "replaced"
     topology: Topology
     local_node: str
@@ -99,7 +98,8 @@ class InitResult:
 
 def _same(a: Topology, b: Topology) -> bool:
     """Equal in meaning: where the text came from and how it was written do not matter."""
-    return dataclasses.replace(a, source="", name="") == dataclasses.replace(b, source="", name="")
+    replace = msgspec.structs.replace
+    return replace(a, source="", name="") == replace(b, source="", name="")
 
 
 def init_fabric(

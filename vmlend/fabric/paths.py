@@ -9,14 +9,14 @@ through a third host's adapter. The same node needs no NTB (``route`` returns No
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import NoPathError
 from vmlend.fabric.model import AdapterSpec, Topology
 
 
-@dataclass(frozen=True)
-class NtbPath:
+class NtbPath(msgspec.Struct, frozen=True):
     src: AdapterSpec  # adapter in the source node
     dst: AdapterSpec  # adapter in the destination node
     switches: tuple[str, ...] = ()  # cluster switches between them, in order; () back-to-back

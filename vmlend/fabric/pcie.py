@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import ConfigError, FabricError
 from vmlend.fabric.model import AdapterSpec, DeviceSpec, PcieKind, Topology, parse_fdid
@@ -41,8 +42,7 @@ class Hop(enum.StrEnum):
 _ELEMENT_HOP = {PcieKind.SWITCH: Hop.SWITCH, PcieKind.CHASSIS: Hop.CHASSIS}
 
 
-@dataclass(frozen=True)
-class Stage:
+class Stage(msgspec.Struct, frozen=True):
     """One element of a path: what it is, its name, and the host it sits in ("" for the
     cluster switches between hosts)."""
 
@@ -54,8 +54,7 @@ class Stage:
         return {"kind": self.kind.value, "name": self.name, "node": self.node}
 
 
-@dataclass(frozen=True)
-class PciePath:
+class PciePath(msgspec.Struct, frozen=True):
     """A path from ``src`` to ``dst`` (their descriptions) through ``stages``."""
 
     src: str

@@ -8,7 +8,8 @@ where libvirt honours it: prepare, start, migrate, restore, reconnect).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import ConfigError
 from vmlend.hook.prefilter import OPERATIONS
@@ -28,8 +29,7 @@ class Action(enum.Enum):
 _ACTIONS: dict[tuple[str, str], Action] = {ops: Action(name) for ops, name in OPERATIONS.items()}
 
 
-@dataclass(frozen=True)
-class HookCall:
+class HookCall(msgspec.Struct, frozen=True):
     domain: str
     operation: str
     sub_operation: str

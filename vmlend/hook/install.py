@@ -17,8 +17,9 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+import msgspec
 
 from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
@@ -27,12 +28,11 @@ DEFAULT_NAME = "qemu.d/vmlend"
 _MARK = "# installed by 'vmlend hook install'"
 
 
-@dataclass(frozen=True)
-class InstallResult:
+class InstallResult(msgspec.Struct, frozen=True):
     path: Path
     changed: bool  # False when an identical hook was already there
     restart_needed: bool  # hooks were not enabled for a running libvirtd
-    pins: dict[str, str] = field(default_factory=dict)  # what the hook runs with
+    pins: dict[str, str] = msgspec.field(default_factory=dict)  # what the hook runs with
 
     def advice(self) -> str:
         if self.restart_needed:

@@ -10,9 +10,10 @@ Flags follow libvirt's ``virDomainModificationImpact``: ``live`` changes the run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
+
+import msgspec
 
 #: ``VIR_DOMAIN_METADATA_ELEMENT``: the custom-namespace element kind of ``<metadata>``.
 METADATA_ELEMENT = 2
@@ -24,8 +25,7 @@ class DomainState(StrEnum):
     SHUTOFF = "shutoff"
 
 
-@dataclass(frozen=True)
-class DomainInfo:
+class DomainInfo(msgspec.Struct, frozen=True):
     name: str
     uuid: str
     state: DomainState

@@ -20,9 +20,10 @@ import logging
 import subprocess
 import uuid as uuidlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from vmlend.errors import (
     DomainDefinitionError,
@@ -75,8 +76,7 @@ class IdleGuest:
         pass
 
 
-@dataclass(frozen=True)
-class HookRun:
+class HookRun(msgspec.Struct, frozen=True):
     argv: tuple[str, ...]
     returncode: int
     stderr: str

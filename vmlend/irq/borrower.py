@@ -15,7 +15,8 @@ import logging
 import select
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+import msgspec
 
 from vmlend.errors import RelayError
 from vmlend.irq.control import close_fds
@@ -37,13 +38,12 @@ log = logging.getLogger(__name__)
 VectorKey = tuple[int, int]  # index, vector
 
 
-@dataclass
-class BorrowerDevice:
+class BorrowerDevice(msgspec.Struct):
     fdid: int
     channel: Channel
-    irqfds: dict[VectorKey, EventFd] = field(default_factory=dict)
+    irqfds: dict[VectorKey, EventFd] = msgspec.field(default_factory=dict)
     resample: EventFd | None = None
-    held: dict[VectorKey, int] = field(default_factory=dict)
+    held: dict[VectorKey, int] = msgspec.field(default_factory=dict)
     delivered: int = 0
     unmasks: int = 0
 

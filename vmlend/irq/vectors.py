@@ -11,9 +11,10 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
+
+import msgspec
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,7 @@ class BarMemoryLike(Protocol):
 # --- the decoded state ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MsixLocation:
+class MsixLocation(msgspec.Struct, frozen=True):
     """Where the MSI-X table and pending-bit array live (BAR index and offset)."""
 
     table_bar: int
@@ -97,16 +97,14 @@ class MsixLocation:
         return rel // MSIX_ENTRY_SIZE
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(msgspec.Struct, frozen=True):
     """An MSI/MSI-X message (address and data) as the guest programmed it."""
 
     address: int
     data: int
 
 
-@dataclass(frozen=True)
-class IrqSetup:
+class IrqSetup(msgspec.Struct, frozen=True):
     """The vectors the guest enabled and which of them are masked.
 
     ``index`` None means no interrupt is enabled. ``masked`` already folds in the MSI-X function
@@ -119,7 +117,21 @@ class IrqSetup:
     function_masked: bool = False
     msix: MsixLocation | None = None
     maskable: bool = False
-    messages: tuple[Message, ...] = field(default=(), compare=False)
+    messages: tuple[Message, ...] = ()  # not compared (see __eq__)
+
+    # The watcher tells subscribers only when the setup changes (``new == old``): a guest
+    # reprogramming a message alone is not a change for the relay, so equality and the hash
+    # (equal objects hash equal) leave ``messages`` out.
+    def _compared(self) -> tuple[object, ...]:
+        return tuple(getattr(self, f) for f in self.__struct_fields__ if f != "messages")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not IrqSetup:
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
 
     @property
     def shape(self) -> tuple[IrqIndex | None, int]:

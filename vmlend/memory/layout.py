@@ -12,7 +12,8 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+import msgspec
 
 from vmlend.errors import LayoutError
 from vmlend.fabric.model import GiB, GuestRange, MiB
@@ -58,8 +59,7 @@ class CpuVendor(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
-@dataclass(frozen=True)
-class MachineType:
+class MachineType(msgspec.Struct, frozen=True):
     """What a machine type name tells the layout rules.
 
     ``version`` is None for the unversioned aliases ``pc`` / ``q35`` (assumed to be a QEMU of at
@@ -117,8 +117,7 @@ def parse_machine_type(name: str) -> MachineType:
     )
 
 
-@dataclass(frozen=True)
-class Dimm:
+class Dimm(msgspec.Struct, frozen=True):
     """A cold-plugged pc-dimm: ``size`` bytes, at ``base`` if the config fixes it."""
 
     size: int
@@ -126,8 +125,7 @@ class Dimm:
     node: int | None = None
 
 
-@dataclass(frozen=True)
-class MemoryConfig:
+class MemoryConfig(msgspec.Struct, frozen=True):
     """What decides a guest's layout. Sizes in bytes.
 
     ``ram`` is the initial (boot) RAM, QEMU's ``-m size``; DIMMs come on top. ``maxmem`` and
@@ -146,8 +144,7 @@ class MemoryConfig:
     pci_hole64_size: int | None = None
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(msgspec.Struct, frozen=True):
     """The guest-physical RAM of one guest: low RAM at 0, high RAM, and cold-plugged DIMMs."""
 
     machine: MachineType
@@ -157,7 +154,20 @@ class Layout:
     device_memory: GuestRange | None = None
     dimms: tuple[GuestRange, ...] = ()
     numa_cells: tuple[int, ...] = ()
-    notes: tuple[str, ...] = field(default=(), compare=False)
+    notes: tuple[str, ...] = ()  # why the layout is what it is; not part of it (see __eq__)
+
+    # Two layouts with the same ranges are the same layout whatever their notes say: equality
+    # and the hash (equal objects hash equal) leave ``notes`` out.
+    def _compared(self) -> tuple[object, ...]:
+        return tuple(getattr(self, f) for f in self.__struct_fields__ if f != "notes")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Layout:
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
 
     @property
     def low(self) -> GuestRange:

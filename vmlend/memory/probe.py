@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import LayoutError
 from vmlend.fabric.model import GuestRange
@@ -36,8 +37,7 @@ WELL_KNOWN_STARTS = (0, ABOVE_4G_START, AMD_ABOVE_1TB_START)
 ADDRESS_LIMIT = 1 << 52
 
 
-@dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(msgspec.Struct, frozen=True):
     ranges: tuple[GuestRange, ...]
     probes: int
 

@@ -14,11 +14,11 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import msgspec
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from vmlend.errors import HostError, LayoutError
@@ -34,8 +34,7 @@ _LINE = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class FlatRange:
+class FlatRange(msgspec.Struct, frozen=True):
     """One line of a flat view: [start, end) of ``kind`` (ram, rom, i/o, romd, ...)."""
 
     start: int

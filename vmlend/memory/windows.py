@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from vmlend.errors import DmaLimitError, LayoutError, ResourceExhaustedError
 from vmlend.fabric.model import AdapterSpec, Check, GiB, GuestRange, MiB
@@ -35,8 +36,7 @@ class Mapper(Protocol):
     def map(self, iova: int, phys: int, size: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class FrameRun:
+class FrameRun(msgspec.Struct, frozen=True):
     """Guest-physical [gpa, gpa+size) is backed by host-physical [host, host+size)."""
 
     gpa: int
@@ -44,8 +44,7 @@ class FrameRun:
     size: int
 
 
-@dataclass(frozen=True)
-class Mapping:
+class Mapping(msgspec.Struct, frozen=True):
     """One translation: [iova, iova+size) -> [phys, phys+size) in pages of ``page_size``."""
 
     iova: int
@@ -58,8 +57,7 @@ class Mapping:
         return self.size // self.page_size
 
 
-@dataclass(frozen=True)
-class WindowPlan:
+class WindowPlan(msgspec.Struct, frozen=True):
     name: str  # "low", "high", or "low+high" when segments are too large to keep them apart
     ranges: tuple[GuestRange, ...]  # the RAM this window exposes
     span: GuestRange  # borrower IOVA covered by the window's segments (segment aligned)
@@ -76,8 +74,7 @@ class WindowPlan:
         return counts
 
 
-@dataclass(frozen=True)
-class DmaPlan:
+class DmaPlan(msgspec.Struct, frozen=True):
     adapter: str
     segment_size: int
     windows: tuple[WindowPlan, ...]

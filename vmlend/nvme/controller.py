@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
+
+import msgspec
 
 from vmlend.errors import DmaFault
 from vmlend.nvme import spec
@@ -54,8 +55,7 @@ class RegisterFile(Protocol):
 StrayDoorbell = Callable[[int, bool, int], None]
 
 
-@dataclass(frozen=True)
-class ControllerConfig:
+class ControllerConfig(msgspec.Struct, frozen=True):
     """What the drive offers. ``queue_pairs``: I/O queue pairs (ids 1..queue_pairs);
     ``entries``: largest queue (CAP.MQES + 1); ``vectors``: MSI-X vectors."""
 
@@ -86,15 +86,13 @@ class ControllerConfig:
         return spec.doorbell_offset(self.queue_pairs + 1, False, self.dstrd)
 
 
-@dataclass
-class _Queue:
+class _Queue(msgspec.Struct):
     qid: int
     base: int
     size: int
     domain: QueueDomain | None
 
 
-@dataclass
 class _Sq(_Queue):
     cqid: int = 0
     head: int = 0
@@ -102,7 +100,6 @@ class _Sq(_Queue):
     stopped: str = ""  # why the controller stopped fetching (a fault on the ring)
 
 
-@dataclass
 class _Cq(_Queue):
     vector: int = 0
     irq: bool = True
@@ -111,11 +108,10 @@ class _Cq(_Queue):
     phase: int = 1
 
 
-@dataclass
-class ControllerStats:
+class ControllerStats(msgspec.Struct):
     commands: int = 0
-    rejections: dict[str, int] = field(default_factory=dict)  # guard rejections per owner
-    faults: list[DmaFault] = field(default_factory=list)  # the last few DMA faults
+    rejections: dict[str, int] = msgspec.field(default_factory=dict)  # guard rejections per owner
+    faults: list[DmaFault] = msgspec.field(default_factory=list)  # the last few DMA faults
     interrupts: int = 0
 
 

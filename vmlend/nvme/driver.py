@@ -12,8 +12,9 @@ Registers are reached through ``mmio`` (the BAR as the CPU sees it), queues and 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
+
+import msgspec
 
 from vmlend.errors import VmlendError
 from vmlend.nvme import spec
@@ -72,8 +73,7 @@ class BumpAllocator:
         return at
 
 
-@dataclass
-class QueuePair:
+class QueuePair(msgspec.Struct):
     qid: int
     entries: int
     sq: int  # base addresses
@@ -85,11 +85,10 @@ class QueuePair:
     phase: int = 1
     next_cid: int = 0
     # command slot -> (data buffer, PRP list pages, buffer bytes)
-    buffers: dict[int, tuple[int, list[int], int]] = field(default_factory=dict)
+    buffers: dict[int, tuple[int, list[int], int]] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(msgspec.Struct, frozen=True):
     """One submitted I/O: its command id and where its data buffer is."""
 
     cid: int
@@ -209,7 +208,7 @@ class NvmeDriver:
     def admin_command(self, cmd: spec.Command, what: str, check: bool = True) -> spec.Completion:
         if self.admin is None:
             raise NvmeTimeoutError("take admin commands: enable it first")
-        cmd = spec.Command(**{**cmd.__dict__, "cid": self._cid(self.admin)})
+        cmd = msgspec.structs.replace(cmd, cid=self._cid(self.admin))
         done = self._call(self.admin, cmd, what)
         if check and not done.ok:
             raise NvmeCommandError(what, done.status)

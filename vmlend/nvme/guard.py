@@ -5,7 +5,7 @@ controller applies it to every command fetched from a guarded queue.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from vmlend.nvme import spec
 
@@ -20,8 +20,7 @@ class GuardRejection(ValueError):
         super().__init__(why)
 
 
-@dataclass(frozen=True)
-class QueueDomain:
+class QueueDomain(msgspec.Struct, frozen=True):
     """Who owns a queue id and what it may reach.
 
     ``offset``/``length``: the owner's blocks on namespace ``nsid`` (its LBA 0 is ``offset``).

@@ -13,11 +13,11 @@ path records what it sees (real queues, guard rejections) in the share's record 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from vmlend.errors import (
     DeviceHeldError,
@@ -39,8 +39,7 @@ GEOMETRY_RECORD = "nvme-geometry"
 SHARE_RECORD = "nvme-share"
 
 
-@dataclass(frozen=True)
-class ShareEntry:
+class ShareEntry(msgspec.Struct, frozen=True):
     """A share as the registry keeps it, with what the data path last recorded."""
 
     fdid: int
@@ -120,7 +119,8 @@ def lend_shared(
         manager = Holder(dev.lender, MANAGER_VM)
         # the manager drives the device on its own node: no NTB crossing, so no claims
         tx.add_hold(HoldRecord(fdid, manager, clock(), Phase.BORROWED), [])
-        tx.put_runtime(fdid, GEOMETRY_RECORD, "controller", dataclasses.asdict(geometry))
+        # asdict is shallow: Geometry, Holder and Claim hold scalars only (enums stay members)
+        tx.put_runtime(fdid, GEOMETRY_RECORD, "controller", msgspec.structs.asdict(geometry))
 
     registry.transact(body)
 
@@ -193,9 +193,9 @@ def reserve_share(
             SHARE_RECORD,
             key,
             {
-                "holder": dataclasses.asdict(holder),
+                "holder": msgspec.structs.asdict(holder),
                 "share": share.record(),
-                "claims": [dataclasses.asdict(c) for c in claims],
+                "claims": [msgspec.structs.asdict(c) for c in claims],
             },
         )
         _store_claims(tx, fdid)

@@ -15,7 +15,7 @@ per doorbell write, which forwards only to the share's own queue ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from vmlend.errors import ConfigError, ResourceExhaustedError
 from vmlend.nvme import spec
@@ -24,8 +24,7 @@ PAGE_MODE = "page"
 TRAP_MODE = "trap"
 
 
-@dataclass(frozen=True)
-class Geometry:
+class Geometry(msgspec.Struct, frozen=True):
     """What the shared controller offers."""
 
     queue_pairs: int  # I/O queue ids 1..queue_pairs
@@ -47,8 +46,7 @@ class Geometry:
         return PAGE_MODE if self.doorbell_pages > 1 else TRAP_MODE
 
 
-@dataclass(frozen=True)
-class Share:
+class Share(msgspec.Struct, frozen=True):
     """One VM's share. Real queue id of guest queue ``g`` (1..queue_pairs) is ``qid_base + g``;
     real vector of guest vector ``v`` (1..queue_pairs; 0 is its emulated admin queue) is
     ``vector_base + v - 1``; its LBA 0 is ``lba_offset``; its DMA is tagged ``asid``."""

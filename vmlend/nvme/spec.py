@@ -7,7 +7,8 @@ are the 15-bit Status Field without the phase tag: ``sct << 8 | sc``.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+
+import msgspec
 
 # --- BAR0 registers --------------------------------------------------------------------------
 REG_CAP = 0x00
@@ -142,8 +143,7 @@ _SQE = struct.Struct("<IIQQQQIIIIII")
 _CQE = struct.Struct("<IIHHHH")
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(msgspec.Struct, frozen=True):
     """A submission queue entry."""
 
     opcode: int
@@ -201,8 +201,7 @@ def io_command(
     return Command(opcode, cid, nsid, prp1, prp2, slba & 0xFFFFFFFF, slba >> 32, blocks - 1)
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(msgspec.Struct, frozen=True):
     """A completion queue entry; ``status`` without the phase bit."""
 
     cid: int
@@ -211,7 +210,11 @@ class Completion:
     sq_head: int
     phase: int = 0
     result: int = 0
-    extra: int = field(default=0, repr=False)  # DW1, command specific
+    extra: int = 0  # DW1, command specific; left out of repr
+
+    def __repr__(self) -> str:
+        shown = (f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "extra")
+        return f"Completion({', '.join(shown)})"
 
     @property
     def ok(self) -> bool:

@@ -10,9 +10,10 @@ borrows the device at the next start.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
+
+import msgspec
 
 from vmlend.domain import (
     METADATA_KEY,
@@ -51,8 +52,7 @@ from vmlend.ops.definitions import (
 from vmlend.ops.unplug import DetachWait, live_has_hostdev, wait_unplugged
 
 
-@dataclass
-class AttachPlan:
+class AttachPlan(msgspec.Struct):
     """What an attach would do, computed without changing anything."""
 
     name: str
@@ -63,7 +63,7 @@ class AttachPlan:
     before: dict[str, bytes]
     after: dict[str, DomainDocument]
     device: VmlendDevice
-    checks: list[Check] = field(default_factory=list)
+    checks: list[Check] = msgspec.field(default_factory=list)
     #: Targets whose XML already has the device's hostdev but not its metadata: an earlier
     #: attach stopped between libvirt's hot-plug and the metadata write. A re-run finishes it.
     plugged: tuple[str, ...] = ()

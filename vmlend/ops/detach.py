@@ -4,8 +4,8 @@ detach returns the device to the fabric once the guest has let go of it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import msgspec
 from lxml import etree
 
 from vmlend.domain import (
@@ -33,8 +33,7 @@ from vmlend.ops.definitions import (
 from vmlend.ops.unplug import DetachWait, wait_unplugged
 
 
-@dataclass
-class DetachResult:
+class DetachResult(msgspec.Struct):
     name: str
     fdid: int
     targets: tuple[str, ...]

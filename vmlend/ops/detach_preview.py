@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from vmlend.domain import DomainDocument, find_device, remove_device
 from vmlend.hypervisor import Hypervisor
 from vmlend.ops.definitions import read_targets, resolve_targets
 
 
-@dataclass
-class DetachPreview:
+class DetachPreview(msgspec.Struct):
     name: str
     fdid: int
     targets: tuple[str, ...]

@@ -7,15 +7,15 @@ node nobody speaks for: the hook would return nothing on release.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import ConfigError
 from vmlend.registry import SqliteRegistry
 
 
-@dataclass(frozen=True)
-class IdentityChange:
+class IdentityChange(msgspec.Struct, frozen=True):
     old: str
     new: str
     held: list[str]  # "0x10 by gamma/vm1", the holds and mdevs of the old identity

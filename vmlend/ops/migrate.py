@@ -24,9 +24,10 @@ import contextlib
 import fcntl
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from vmlend.domain import DomainInfo as DomainXMLInfo
 from vmlend.domain import read_domain, rewrite_for_destination
@@ -49,8 +50,7 @@ from vmlend.registry.conditions import classify_errno, host_error
 Progress = Callable[[str], None]
 
 
-@dataclass
-class MigrateResult:
+class MigrateResult(msgspec.Struct):
     vm: str
     source: str
     destination: str
@@ -59,7 +59,7 @@ class MigrateResult:
     started: bool = False
     resumed: bool = False  # finished what an interrupted earlier run began
     rolled_back: bool = False  # --rollback: the VM is back on the source only
-    steps: list[str] = field(default_factory=list)
+    steps: list[str] = msgspec.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {

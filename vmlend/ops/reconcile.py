@@ -17,8 +17,9 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from vmlend.domain import (
     METADATA_KEY,
@@ -55,8 +56,7 @@ class DriftKind(enum.StrEnum):
     HELD_BY_ANOTHER = "held-by-another"
 
 
-@dataclass(frozen=True)
-class Drift:
+class Drift(msgspec.Struct, frozen=True):
     kind: DriftKind
     vm: str  # the VM concerned ("" for an mdev nobody holds)
     fdid: int | None
@@ -78,8 +78,7 @@ class Drift:
         }
 
 
-@dataclass(frozen=True)
-class RunningVm:
+class RunningVm(msgspec.Struct, frozen=True):
     """A running domain as its live XML describes it."""
 
     name: str
@@ -89,13 +88,12 @@ class RunningVm:
     guest_ram: int
 
 
-@dataclass
-class Views:
+class Views(msgspec.Struct):
     node: str
     running: list[RunningVm]
     holds: list[DeviceStatus]  # devices held by a VM of this node
     mdevs: list[MdevInfo]  # mdevs on this node
-    defined: set[str] = field(default_factory=set)  # names of domains that are not running
+    defined: set[str] = msgspec.field(default_factory=set)  # names of domains that are not running
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -274,11 +272,10 @@ def _running_device_drift(
     return []
 
 
-@dataclass
-class FixResult:
-    fixed: list[Drift] = field(default_factory=list)
-    failed: list[tuple[Drift, str]] = field(default_factory=list)
-    left: list[Drift] = field(default_factory=list)  # not fixable by vmlend
+class FixResult(msgspec.Struct):
+    fixed: list[Drift] = msgspec.field(default_factory=list)
+    failed: list[tuple[Drift, str]] = msgspec.field(default_factory=list)
+    left: list[Drift] = msgspec.field(default_factory=list)  # not fixable by vmlend
 
 
 def fix(

@@ -14,9 +14,10 @@ or the relay), and the one its XML asks for.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from vmlend.domain import VmlendDevice, read_domain
 from vmlend.errors import UnknownDomainError, VmlendError
@@ -34,14 +35,13 @@ from vmlend.registry.records import RuntimeRecord, same_holder
 RUNTIME_KINDS = {"dma-window": "dma_windows", "irq-vector": "irq_vectors", "p2p-map": "p2p_maps"}
 
 
-@dataclass
-class DeviceView:
+class DeviceView(msgspec.Struct):
     fdid: int
     state: str  # reserved / borrowed, "defined" (VM not holding it), "held elsewhere", ...
     holder: Holder | None
     mdev: str | None
     mdev_present: bool
-    runtime: dict[str, list[RuntimeRecord]] = field(default_factory=dict)
+    runtime: dict[str, list[RuntimeRecord]] = msgspec.field(default_factory=dict)
     #: The device's DMA path into the VM's RAM (None when the topology cannot say).
     path: PciePath | None = None
     #: What the device's XML asks for (``ntb``/``relay``); None: not in this VM's XML.
@@ -83,14 +83,13 @@ class DeviceView:
         return out
 
 
-@dataclass
-class VmView:
+class VmView(msgspec.Struct):
     name: str
     node: str
     state: str  # running / shutoff / "not on this hypervisor"
     devices: list[DeviceView]
     #: Its queue-level shares of NVMe drives, with what the data path last recorded.
-    shares: list[ShareEntry] = field(default_factory=list)
+    shares: list[ShareEntry] = msgspec.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {

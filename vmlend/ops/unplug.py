@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from uuid import UUID
+
+import msgspec
 
 from vmlend.domain import DomainDocument
 from vmlend.domain.model import DomainXML
@@ -13,8 +14,7 @@ from vmlend.errors import DetachTimeoutError
 from vmlend.hypervisor import Hypervisor
 
 
-@dataclass(frozen=True)
-class DetachWait:
+class DetachWait(msgspec.Struct, frozen=True):
     """How long a live detach waits for the guest to let go of the hostdev: libvirt's live
     detach returns once it asked QEMU, which unplugs only when the guest acknowledges (a guest
     without an OS never does; FACTS.md). ``clock`` and ``sleep`` are injectable for tests."""

@@ -12,7 +12,8 @@ Listeners see every software write after it took effect: ``fn(bar, offset, size,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.fabric.model import BarKind, BarSpec, MsixSpec
 from vmlend.pci import regs
@@ -22,8 +23,7 @@ BarListener = Callable[[int, int, int, int], None]
 _PAGE = 4096
 
 
-@dataclass(frozen=True)
-class MsixEntry:
+class MsixEntry(msgspec.Struct, frozen=True):
     """One MSI-X table entry as software programmed it."""
 
     address: int

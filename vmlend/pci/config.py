@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec
@@ -58,8 +59,7 @@ def write_hits(offset: int, size: int, value: int, reg: int, reg_size: int) -> i
     return part << (8 * (lo - reg))
 
 
-@dataclass(frozen=True)
-class MsiState:
+class MsiState(msgspec.Struct, frozen=True):
     """The MSI capability as software programmed it."""
 
     enabled: bool
@@ -73,8 +73,7 @@ class MsiState:
     pending: int
 
 
-@dataclass(frozen=True)
-class MsixState:
+class MsixState(msgspec.Struct, frozen=True):
     """The MSI-X capability's control fields (the table itself lives in BAR memory)."""
 
     enabled: bool

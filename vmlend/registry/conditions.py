@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import (
     StateDiskFullError,
@@ -33,8 +34,7 @@ class Condition(Enum):
     DAMAGED = "damaged"  # the file's content: corrupt or not a database
 
 
-@dataclass(frozen=True)
-class FsFacts:
+class FsFacts(msgspec.Struct, frozen=True):
     """What the file system says about a state file and its directory."""
 
     read_only_fs: bool

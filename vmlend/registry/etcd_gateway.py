@@ -14,9 +14,10 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from vmlend.errors import StateError
 
@@ -54,8 +55,7 @@ def prefix_end(prefix: str) -> str:
     return raw.decode()
 
 
-@dataclass(frozen=True)
-class KeyValue:
+class KeyValue(msgspec.Struct, frozen=True):
     key: str
     value: bytes
     mod_revision: int
@@ -63,8 +63,7 @@ class KeyValue:
     lease: int = 0
 
 
-@dataclass(frozen=True)
-class EtcdTls:
+class EtcdTls(msgspec.Struct, frozen=True):
     """HTTPS to etcd: ``cacert`` verifies the server (None: the system's CAs); ``cert`` and
     ``key`` are this host's client certificate (both or neither)."""
 
@@ -73,8 +72,7 @@ class EtcdTls:
     key: Path | None = None
 
 
-@dataclass(frozen=True)
-class Endpoint:
+class Endpoint(msgspec.Struct, frozen=True):
     host: str
     port: int
 

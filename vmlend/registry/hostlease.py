@@ -9,15 +9,15 @@ atomically and removed when the agent stops.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.hostenv import HostEnv
 
 
-@dataclass(frozen=True)
-class HostLease:
+class HostLease(msgspec.Struct, frozen=True):
     lease: int
     node: str
     ttl: int
@@ -39,7 +39,7 @@ def publish(path: Path, lease: HostLease) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     import json  # only the agent and etcd hosts read or write the file
 
-    tmp.write_text(json.dumps(asdict(lease)))
+    tmp.write_text(json.dumps(msgspec.structs.asdict(lease)))
     os.replace(tmp, path)
 
 

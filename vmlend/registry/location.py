@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
@@ -33,8 +34,7 @@ _HOST_PORT = re.compile(
 _EXAMPLE = "etcd://10.0.0.1:2379,10.0.0.2:2379/lab or sqlite:///var/lib/vmlend/state.db"
 
 
-@dataclass(frozen=True)
-class RegistryLocation:
+class RegistryLocation(msgspec.Struct, frozen=True):
     """Where the shared state is: an SQLite ``path``, or etcd ``endpoints`` + ``cluster``."""
 
     path: Path | None = None

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from vmlend.fabric.model import Holder
 
@@ -21,8 +22,7 @@ class ClaimKind(enum.StrEnum):
     P2P = "p2p"  # segments (and LUT entries) peer-to-peer among a VM's devices can use
 
 
-@dataclass(frozen=True)
-class TopologyRecord:
+class TopologyRecord(msgspec.Struct, frozen=True):
     name: str
     source: str
     text: str  # the TOML the topology was parsed from; re-parsed on open
@@ -31,23 +31,20 @@ class TopologyRecord:
     created: float
 
 
-@dataclass(frozen=True)
-class NodeRecord:
+class NodeRecord(msgspec.Struct, frozen=True):
     name: str
     up: bool
     why: str = ""
 
 
-@dataclass(frozen=True)
-class DeviceRecord:
+class DeviceRecord(msgspec.Struct, frozen=True):
     fdid: int
     lender: str
     lent: bool
     available: bool = True
 
 
-@dataclass(frozen=True)
-class HoldRecord:
+class HoldRecord(msgspec.Struct, frozen=True):
     fdid: int
     holder: Holder
     since: float
@@ -55,8 +52,7 @@ class HoldRecord:
     guest_ram: int = 0
 
 
-@dataclass(frozen=True)
-class FenceRecord:
+class FenceRecord(msgspec.Struct, frozen=True):
     """Left by every hold on a cluster registry and removed with it by a normal release. A
     fence whose hold vanished (its host's lease ended) keeps the device from being borrowed
     until the lender's agent has taken it back. ``token``: the lease the hold was under."""
@@ -66,8 +62,7 @@ class FenceRecord:
     token: int
 
 
-@dataclass(frozen=True)
-class Claim:
+class Claim(msgspec.Struct, frozen=True):
     """One adapter resource a hold uses.
 
     Claims with equal ``(adapter, kind, share)`` are one resource that several holds share;
@@ -82,15 +77,13 @@ class Claim:
     bytes: int = 0  # window bytes (segments * segment size)
 
 
-@dataclass(frozen=True)
-class ParentRecord:
+class ParentRecord(msgspec.Struct, frozen=True):
     node: str
     fdid: int
     name: str
 
 
-@dataclass(frozen=True)
-class MdevRecord:
+class MdevRecord(msgspec.Struct, frozen=True):
     uuid: str
     fdid: int
     node: str
@@ -100,8 +93,7 @@ class MdevRecord:
     created: float
 
 
-@dataclass(frozen=True)
-class RuntimeRecord:
+class RuntimeRecord(msgspec.Struct, frozen=True):
     """One thing the data path set up for a held device: ``kind`` is e.g. "dma-window",
     "irq-vector" or "p2p-map"; ``key`` tells records of one kind apart; ``data`` is JSON-able."""
 

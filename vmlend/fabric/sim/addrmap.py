@@ -9,7 +9,8 @@ multiple of its size), largest first so they pack. I/O BARs get port numbers fro
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import ResourceExhaustedError
 from vmlend.fabric.model import AdapterSpec, BarKind, DeviceSpec, GiB, TiB
@@ -23,8 +24,7 @@ IO_PORT_BASE = 0x1000
 IO_PORT_END = 0x10000
 
 
-@dataclass(frozen=True)
-class Region:
+class Region(msgspec.Struct, frozen=True):
     """Something that decodes [start, end) of a node's physical address space."""
 
     start: int
@@ -112,8 +112,7 @@ class AddressMap:
         return list(self._regions)
 
 
-@dataclass(frozen=True)
-class MmioPlan:
+class MmioPlan(msgspec.Struct, frozen=True):
     """Where a node's firmware put things: NTB windows by adapter ref, BARs by fdid and index
     (I/O BARs: port numbers)."""
 

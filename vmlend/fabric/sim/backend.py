@@ -437,7 +437,7 @@ class SimFabric(SimShareOps):
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
-                return Reservation(**vars(self._status(tx, spec)), created=False)
+                return Reservation.of(self._status(tx, spec), created=False)
             fence = tx.fence(fdid) if hold is None else None
             if fence is not None:  # the last holder's lease ended; the lender must reset it
                 raise DeviceFencedError(fdid, spec.lender, str(fence.holder))
@@ -449,7 +449,7 @@ class SimFabric(SimShareOps):
             if adm.p2p is not None:
                 tx.replace_claims(ClaimKind.P2P, adm.vm_devices, adm.p2p)
             claimed.append(len(adm.claims))
-            return Reservation(**vars(self._status(tx, spec)), created=True)
+            return Reservation.of(self._status(tx, spec), created=True)
 
         reservation = self._reg.transact(body)
         if claimed:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from vmlend.errors import DmaLimitError, FabricError
 from vmlend.fabric.model import GiB, GuestRange, KiB, MiB
@@ -146,23 +147,20 @@ def coalesce_frames(frames: Iterable[FrameRun]) -> list[FrameRun]:
     return runs
 
 
-@dataclass
-class _Pinned:
+class _Pinned(msgspec.Struct):
     ranges: list[GuestRange]
     runs: list[FrameRun]
     probes: int
 
 
-@dataclass
-class _AdapterWindows:
+class _AdapterWindows(msgspec.Struct):
     """The windows of the VM on one lender adapter, and the devices using them."""
 
     plan: DmaPlan
-    users: set[int] = field(default_factory=set)
+    users: set[int] = msgspec.field(default_factory=set)
 
 
-@dataclass(frozen=True)
-class DeviceWindows:
+class DeviceWindows(msgspec.Struct, frozen=True):
     """What one device's DMA uses: the adapter plan (None for a device local to the VM's node)
     and the runtime records written for it."""
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import ConfigError, PinError
 from vmlend.fabric.model import GuestRange
@@ -24,8 +25,7 @@ from vmlend.fabric.sim.hostmem import FRAME, HUGE_2M, PAGE_SIZES, HostMemory
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(msgspec.Struct, frozen=True):
     """A pinned piece of guest RAM: [gpa, gpa+size) lives at host physical [phys, phys+size).
 
     Each piece lies within one backing page, so it is physically contiguous."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+import msgspec
 
 from vmlend.errors import (
     BorrowTeardownError,
@@ -35,24 +36,22 @@ from vmlend.pci import regs
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SimNode:
+class SimNode(msgspec.Struct):
     """One host: its address map, RAM, IOMMU, adapters (by index) and devices (by fdid)."""
 
     spec: NodeSpec
     address_map: AddressMap
     memory: HostMemory
     iommu: NodeIommu
-    adapters: dict[int, NtbAdapter] = field(default_factory=dict)
-    devices: dict[int, SimDevice] = field(default_factory=dict)
+    adapters: dict[int, NtbAdapter] = msgspec.field(default_factory=dict)
+    devices: dict[int, SimDevice] = msgspec.field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.spec.name
 
 
-@dataclass(frozen=True)
-class Borrow:
+class Borrow(msgspec.Struct, frozen=True):
     """A device under a VM's exclusive control, with the fabric resources it uses."""
 
     fdid: int
@@ -65,8 +64,7 @@ class Borrow:
     ingress: Requester | None = None  # how the device's DMA appears to the borrower's IOMMU
 
 
-@dataclass(frozen=True)
-class _Ingress:
+class _Ingress(msgspec.Struct, frozen=True):
     """A device's crossing into ``node`` attached to a domain there. ``lut`` is the adapter
     whose LUT entry for the device this attachment made (None: the borrow's own entry)."""
 

@@ -38,7 +38,8 @@ Without ``shares`` a shared drive's share mappings are all violations.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.fabric.admission import usage, vm_share
@@ -56,8 +57,7 @@ from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 Owner = tuple[str, str]  # (node, vm)
 
 
-@dataclass(frozen=True)
-class ShareGrant:
+class ShareGrant(msgspec.Struct, frozen=True):
     """A current share of shared drive ``fdid`` by VM ``vm`` on ``node``: it justifies the
     mappings of address space ``asid``."""
 
@@ -71,8 +71,7 @@ class ShareGrant:
         return (self.node, self.vm)
 
 
-@dataclass(frozen=True)
-class Violation:
+class Violation(msgspec.Struct, frozen=True):
     kind: str
     where: str
     detail: str

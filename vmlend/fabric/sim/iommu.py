@@ -9,7 +9,8 @@ what IOTLB pressure and the papers' numbers are about.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import DmaFault, IommuMappingError
 from vmlend.fabric.model import GiB, KiB, MiB
@@ -18,8 +19,7 @@ PAGE_SIZES: tuple[int, ...] = (1 * GiB, 2 * MiB, 4 * KiB)  # largest first
 PAGE_4K = 4 * KiB
 
 
-@dataclass(frozen=True)
-class Mapping:
+class Mapping(msgspec.Struct, frozen=True):
     """A run of pages of one size: [iova, iova + size) -> [phys, phys + size)."""
 
     iova: int
@@ -37,8 +37,7 @@ class Mapping:
         return self.size // self.page_size
 
 
-@dataclass(frozen=True)
-class Requester:
+class Requester(msgspec.Struct, frozen=True):
     """A DMA issuer as one node's IOMMU sees it: the 16-bit requester id and nothing else. A
     local function has its BDF; traffic that entered through an NTB adapter has the id that
     adapter's LUT entry assigned (on the adapter's bus)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.fabric.sim.addrmap import Region
@@ -37,14 +38,12 @@ IRQ_REGION = "irq"
 SLOTS = 8192
 
 
-@dataclass
-class _Slot:
+class _Slot(msgspec.Struct):
     fd: int | None = None  # the VM's eventfd (our own dup), None until the VMM assigns one
     held: int = 0  # interrupts that arrived before an eventfd was assigned
 
 
-@dataclass
-class MsiTarget:
+class MsiTarget(msgspec.Struct):
     """One VM's interrupt page on its borrower node."""
 
     node: str
@@ -52,8 +51,8 @@ class MsiTarget:
     base: int  # borrower physical address of the page
     delivered: int = 0
     spurious: int = 0  # writes of a data value no vector owns
-    _slots: dict[int, _Slot] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _slots: dict[int, _Slot] = msgspec.field(default_factory=dict)
+    _lock: threading.Lock = msgspec.field(default_factory=threading.Lock)
 
     @property
     def owner(self) -> str:

@@ -18,7 +18,8 @@ for the CPUs (their MMIO to remote BARs).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from vmlend.errors import DmaFault, FabricError, NoPathError, ResourceExhaustedError
 from vmlend.fabric.model import LUT_RESERVED_PER_CPU, AdapterSpec
@@ -29,8 +30,7 @@ XLAT_ALIGN = 4096
 BASE_BUS = 0xF0
 
 
-@dataclass(frozen=True)
-class SegmentMapping:
+class SegmentMapping(msgspec.Struct, frozen=True):
     index: int
     remote_node: str
     remote_addr: int

@@ -9,8 +9,9 @@ A function level reset of the device resets the controller too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import FabricError, SharingUnsupportedError
 from vmlend.fabric.model import DeviceSpec
@@ -71,8 +72,7 @@ def drive_config(device: DeviceSpec, dstrd: int = 0, entries: int = 1024) -> Con
     )
 
 
-@dataclass
-class SimNvmeDrive:
+class SimNvmeDrive(msgspec.Struct):
     """A controller attached to a device, with its namespace."""
 
     device: SimDevice

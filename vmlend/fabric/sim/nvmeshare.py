@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.fabric.model import GuestRange
@@ -50,19 +51,17 @@ _MANAGER_IOVA = 0x4000_0000  # the manager's admin memory, in the untagged addre
 _MANAGER_BYTES = 256 * 1024
 
 
-@dataclass
-class _Ingress:
+class _Ingress(msgspec.Struct):
     """The drive's crossing into one borrower node, shared by the VMs of that node."""
 
     requester: Requester
     domain: IommuDomain
     users: int = 0
-    undo: list[Callable[[], object]] = field(default_factory=list)
+    undo: list[Callable[[], object]] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class _Windows:
-    undo: list[Callable[[], object]] = field(default_factory=list)
+class _Windows(msgspec.Struct):
+    undo: list[Callable[[], object]] = msgspec.field(default_factory=list)
 
     def close(self) -> None:
         while self.undo:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
 from vmlend.fabric.admission import vm_share
@@ -99,10 +100,9 @@ class _Shared:
             item[2]()
 
 
-@dataclass
-class _Applied:
+class _Applied(msgspec.Struct):
     map: P2PMap
-    undo: list[Undo] = field(default_factory=list)  # in the order things were set up
+    undo: list[Undo] = msgspec.field(default_factory=list)  # in the order things were set up
 
 
 class P2PMapper:

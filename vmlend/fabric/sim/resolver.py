@@ -23,8 +23,9 @@ see ``msitarget``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from vmlend.errors import DmaFault
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
@@ -36,8 +37,7 @@ if TYPE_CHECKING:
 _PAGE = 4096
 
 
-@dataclass(frozen=True)
-class Hop:
+class Hop(msgspec.Struct, frozen=True):
     """One stage a request passed: ``address`` is where it pointed after the stage, in the
     address space of ``node`` (so the NTB stages already name the far node)."""
 
@@ -51,8 +51,7 @@ class Hop:
         return f"{self.stage}@{self.node} -> {self.address:#x}{extra}"
 
 
-@dataclass(frozen=True)
-class DmaTarget:
+class DmaTarget(msgspec.Struct, frozen=True):
     """Where a DMA lands."""
 
     node: str

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from vmlend.domain import read_domain
 from vmlend.errors import ConfigError, FabricError, ResourceExhaustedError
@@ -48,8 +49,7 @@ class VmFabric(BorrowFabric, Protocol):
     def mdevs(self) -> list[MdevInfo]: ...
 
 
-@dataclass(frozen=True)
-class GuestBar:
+class GuestBar(msgspec.Struct, frozen=True):
     """Where the guest's firmware put one BAR (I/O BARs: a port number)."""
 
     fdid: int

@@ -220,7 +220,7 @@ class SmartioFabric:
         # would take a segment, and status would say ntb, for interrupts the relay carries.
         msi_over_ntb = msi_over_ntb and self.driver.msi_capable(fdid)
         made = self._state.reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
-        return Reservation(**vars(self.device(fdid)), created=made.created)
+        return Reservation.of(self.device(fdid), created=made.created)
 
     def interrupt_window(self, fdid: int) -> Claim | None:
         return self._state.interrupt_window(fdid)

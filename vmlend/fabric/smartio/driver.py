@@ -19,8 +19,9 @@ import enum
 import errno
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from vmlend.errors import (
     DeviceNotLentError,
@@ -57,8 +58,7 @@ class Availability(enum.StrEnum):
     UNREACHABLE = "unreachable"  # the lender (or the NTB path to it) is down
 
 
-@dataclass(frozen=True)
-class SmartioDevice:
+class SmartioDevice(msgspec.Struct, frozen=True):
     """One device as the driver describes it."""
 
     fdid: int

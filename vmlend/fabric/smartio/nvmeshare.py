@@ -8,13 +8,12 @@ attribute predates sharing: the drive can only be lent whole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from vmlend.fabric.smartio.driver import SmartioDriver, device_name
 
 
-@dataclass(frozen=True)
-class ShareSupport:
+class ShareSupport(msgspec.Struct, frozen=True):
     fdid: int
     supported: bool
     why: str = ""  # when not supported

@@ -1,0 +1,63 @@
+"""The context object of one ``vmlend`` invocation (``ctx.obj``).
+
+Apart from ``common`` so that ``vmlend --help``, which runs no command, does not load msgspec.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from vmlend.settings import default_state_path
+
+if TYPE_CHECKING:
+    from vmlend.fabric.base import Fabric
+
+
+class CliContext(msgspec.Struct):
+    """Shared state of one ``vmlend`` invocation (``ctx.obj``)."""
+
+    state_path: Path  # the SQLite state; its directory also keeps this host's local files
+    node: str | None
+    verbose: int = 0
+    root: Path | None = None  # host root (--root / VMLEND_ROOT); None = the real one
+    registry: str | None = None  # --registry / VMLEND_REGISTRY: wins over state_path
+    uri: str | None = None  # the global -c/--connect; a command's own -c wins
+
+    @classmethod
+    def create(
+        cls,
+        state_path: str | None,
+        node: str | None,
+        verbose: int,
+        root: str | None = None,
+        registry: str | None = None,
+    ) -> CliContext:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
+            format="vmlend: %(message)s",
+            stream=sys.stderr,
+        )
+        path = Path(state_path) if state_path else default_state_path()
+        return cls(
+            state_path=path,
+            node=node,
+            verbose=verbose,
+            root=Path(root) if root else None,
+            registry=registry or None,
+        )
+
+    @property
+    def location(self) -> str | Path:
+        """Where the shared state is: the registry URL, else the SQLite state path."""
+        return self.registry or self.state_path
+
+    def fabric(self) -> Fabric:
+        """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
+        from vmlend.fabric.open import open_fabric  # commands that need no fabric skip it
+
+        return open_fabric(self.location, self.node, root=self.root)
