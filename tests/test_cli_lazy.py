@@ -45,6 +45,8 @@ def test_devices_imports_its_module_and_the_fabric_only(state_path):
     assert {m for m in run.modules if m.startswith("vmlend.cli.cmd_")} == {"vmlend.cli.cmd_devices"}
     assert run.within(*HEAVY) == set()
     assert "dataclasses" not in run.modules  # vmlend's records are msgspec Structs
+    # Listing reads state: no guest-memory layout rules or planner, no NVMe share code.
+    assert run.within("vmlend.memory", "vmlend.nvme") == set()
 
 
 def test_table_matches_the_commands_the_modules_define():

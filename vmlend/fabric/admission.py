@@ -52,8 +52,6 @@ from vmlend.fabric.model import (
     Topology,
 )
 from vmlend.fabric.paths import NtbPath, route
-from vmlend.memory.layout import PAGE, MemoryConfig, compute_layout
-from vmlend.memory.windows import window_segments
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -104,6 +102,10 @@ def guest_ram_of(value: GuestRam | int) -> GuestRam:
         raise ConfigError(f"guest RAM must not be negative, got {value}")
     if value == 0:
         return GuestRam()
+    # The layout rules and the planner load here, not with the module: listing devices
+    # (`vmlend devices`, status) imports this module for its state rules only.
+    from vmlend.memory.layout import MemoryConfig, compute_layout
+
     return GuestRam(tuple(compute_layout(MemoryConfig("q35", value)).ranges()))
 
 
@@ -361,6 +363,8 @@ def p2p_claims(
     the guest puts the BARs is not known before it runs, so the count is the most the BAR can
     touch. ``NoPathError`` when two
     lenders of the VM have no NTB between them."""
+    from vmlend.memory.layout import PAGE
+
     out: list[tuple[int, Claim]] = []
     for target in sorted(devices, key=lambda d: d.fdid):
         for source in sorted(devices, key=lambda d: d.fdid):
@@ -498,6 +502,8 @@ def _resource_checks(
             ),
             default=0,
         )
+    from vmlend.memory.windows import window_segments
+
     # the planner's own count: low and high windows each rounded out to whole segments
     dma_segs = window_segments(ram.ranges, seg_l) if ram.ranges else 0
     extra_dma_segs = max(0, dma_segs - prior)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from vmlend.errors import ConfigError, MdevError
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo
-from vmlend.nvme.lending import SHARE_MDEV_TYPE
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import MdevRecord
 
@@ -63,6 +62,7 @@ class SimShareOps:
 
     def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         from vmlend.nvme import ledger
+        from vmlend.nvme.lending import SHARE_MDEV_TYPE
 
         try:
             uuid = str(uuidlib.UUID(uuid))
