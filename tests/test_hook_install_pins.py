@@ -33,6 +33,7 @@ def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
     monkeypatch.delenv("VMLEND_STATE", raising=False)
     monkeypatch.delenv("VMLEND_NODE", raising=False)
     monkeypatch.delenv("VMLEND_BACKEND", raising=False)
+    monkeypatch.delenv("VMLEND_HOOK_SOCKET", raising=False)
     monkeypatch.setenv("VMLEND_ROOT", "rel-root")
     monkeypatch.chdir(tmp_path)
     args = ["--state", "rel/state.db", "hook", "install", "--libvirt-dir", str(libvirt_dir)]
@@ -55,6 +56,17 @@ def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
     ]
     data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
     assert data["pins"]["state"] == str(tmp_path / "rel" / "state.db")
+
+
+def test_hook_socket_option_is_pinned_absolute(tmp_path, libvirt_dir, monkeypatch):
+    # The same socket 'vmlend agent --hook-socket' serves: the hook must find it from /.
+    monkeypatch.chdir(tmp_path)
+    args = ["--state", "s.db", "hook", "install", "--libvirt-dir", str(libvirt_dir)]
+    r = CliRunner().invoke(main, [*args, "--hook-socket", "sock/hook.sock", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["pins"]["hook socket"] == str(tmp_path / "sock" / "hook.sock")
+    hook = libvirt_dir / "hooks" / "qemu.d" / "vmlend"
+    assert read_pins(hook.read_text())["hook socket"] == str(tmp_path / "sock" / "hook.sock")
 
 
 @pytest.mark.parametrize("name", ["qemu.d/../../x", "qemu.d/../qemu", "../qemu", "qemu.d/a/b"])

@@ -7,7 +7,13 @@ prepare (no VFIO on this machine), which is exactly what shows the hook returns 
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import libvirt
 import pytest
@@ -113,3 +119,44 @@ def test_domain_without_vmlend_devices_boots_untouched(vmlend_hook, libvirt_gues
     dom.destroy()
     assert state_of(state_path) == before
     assert [line for line in log.tail(100) if dom.name() in line] == []
+
+
+@needs_no_vfio
+def test_the_agent_serves_libvirtds_hook_calls_without_deadlock(
+    libvirtd, libvirt_conn, guests, state_path, tmp_path
+):
+    # libvirtd holds the domain's job while its hook runs, and the hook now waits for the
+    # agent: prepare and release must go through the agent (whose pid writes the action log)
+    # and leave the fabric as it was, as in-process.
+    make_fabric(state_path).close()
+    sock = tmp_path / "hook.sock"
+    libvirt_dir = libvirtd.hooks_dir.parent
+    install_hook(libvirt_dir, state_path, "gamma", hook_socket=sock)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    env |= {"VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"}
+    agent = subprocess.Popen(
+        [str(Path(sys.executable).parent / "vmlend"), "agent", "--hook-socket", str(sock)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "agent never served"
+            time.sleep(0.05)
+        before = state_of(state_path)
+        dom = vmlend_guest(libvirt_conn, [0x10, 0x12, 0x21, 0x22], guests)
+        with pytest.raises(libvirt.libvirtError) as exc:
+            dom.create()
+        assert exc.value.get_error_code() == libvirt.VIR_ERR_CONFIG_UNSUPPORTED
+        lines = ActionLog(log_path_for_state(state_path)).tail(50)
+        log = "\n".join(lines)
+        assert "prepare: 4 devices ready" in log and "release: device 0x22: returned" in log
+        assert {int(p) for p in re.findall(r" pid=(\d+) ", log)} == {agent.pid}
+        assert state_of(state_path) == before
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        uninstall_hook(libvirt_dir)

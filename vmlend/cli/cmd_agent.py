@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 import click
@@ -47,8 +48,17 @@ log = logging.getLogger(__name__)
     help="This host's hypervisor (e.g. qemu:///system, sim:///gamma): VMs with remote devices"
     " are paused while the lease is in doubt [default: none guarded].",
 )
+@click.option(
+    "--hook-socket",
+    envvar="VMLEND_HOOK_SOCKET",
+    type=click.Path(dir_okay=False),
+    help="Serve the hook on this socket [env VMLEND_HOOK_SOCKET, the variable 'vmlend hook"
+    " install' pins for the hook; default <root>/run/vmlend/hook.sock].",
+)
 @click.pass_obj
-def agent_cmd(obj: CliContext, ttl: int, interval: float, uri: str | None) -> None:
+def agent_cmd(
+    obj: CliContext, ttl: int, interval: float, uri: str | None, hook_socket: str | None
+) -> None:
     """Serve the libvirt hook and, on a cluster registry, hold this host's lease and take back
     devices whose borrower's lease ended.
 
@@ -65,7 +75,8 @@ def agent_cmd(obj: CliContext, ttl: int, interval: float, uri: str | None) -> No
     if obj.root is not None:
         # The hook calls this agent runs find the host root where a hook process does.
         os.environ[ROOT_ENV] = str(obj.root)
-    server = HookServer(hostlease.hook_socket_path(host), identity_of(_hook_env(obj, node)))
+    socket_path = Path(hook_socket).absolute() if hook_socket else hostlease.hook_socket_path(host)
+    server = HookServer(socket_path, identity_of(_hook_env(obj, node)))
     server.check_free()  # before the lease: a second agent on this host changes nothing
     stop_event = threading.Event()
 

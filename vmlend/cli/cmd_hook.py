@@ -30,10 +30,22 @@ def hook() -> None:
 )
 @click.option("--name", default=DEFAULT_NAME, show_default=True, help="'qemu' or 'qemu.d/<name>'.")
 @click.option("--force", is_flag=True, help="Replace a hook vmlend did not install.")
+@click.option(
+    "--hook-socket",
+    envvar="VMLEND_HOOK_SOCKET",
+    type=click.Path(dir_okay=False),
+    help="The agent's hook socket to pin (as 'vmlend agent --hook-socket') [default"
+    " <root>/run/vmlend/hook.sock].",
+)
 @json_option
 @click.pass_obj
 def install(
-    cli: CliContext, libvirt_dir: Path | None, name: str, force: bool, json_output: bool
+    cli: CliContext,
+    libvirt_dir: Path | None,
+    name: str,
+    force: bool,
+    hook_socket: str | None,
+    json_output: bool,
 ) -> None:
     """Install the hook, pinned to this interpreter and this state path or registry URL."""
     if libvirt_dir is not None and not libvirt_dir.is_dir():
@@ -50,7 +62,9 @@ def install(
         name=name,
         force=force,
         registry=cli.registry,
-        hook_socket=hostlease.hook_socket_path(HostEnv.from_env(cli.root)),
+        hook_socket=Path(hook_socket).absolute()
+        if hook_socket
+        else hostlease.hook_socket_path(HostEnv.from_env(cli.root)),
     )
     if json_output:
         emit_json(
