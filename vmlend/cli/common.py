@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 from collections.abc import Callable, Sequence
@@ -48,6 +47,8 @@ def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def emit_json(data: Any) -> None:
+    import json  # only --json output uses it
+
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 

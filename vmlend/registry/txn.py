@@ -6,7 +6,6 @@ BEGIN/COMMIT/ROLLBACK; the methods here never commit.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterable
 from typing import Any
@@ -285,6 +284,8 @@ class StateTxn:
     # --- runtime records (windows, vectors, P2P maps of held devices) --------------------
     def put_runtime(self, fdid: int, kind: str, key: str, data: dict[str, Any]) -> None:
         """Record (or replace) one runtime record of a held device."""
+        import json  # runtime records only: reading devices and holds never loads it
+
         self._write()
         try:
             self._c.execute(
@@ -308,6 +309,10 @@ class StateTxn:
             sql += " AND kind = ?"
             args.append(kind)
         rows = self._c.execute(sql + " ORDER BY fdid, kind, key", args).fetchall()
+        if not rows:
+            return []
+        import json
+
         return [RuntimeRecord(f, k, key, json.loads(d)) for f, k, key, d in rows]
 
     def clear_runtime(self, fdid: int, kind: str | None = None, key: str | None = None) -> int:
