@@ -8,7 +8,6 @@ Unknown keys are errors: a typo must not silently become a default.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +310,8 @@ def _adapter(
 
 
 def parse_topology(text: str, source: str = "<string>") -> Topology:
+    import tomllib  # here, not above: opening a compiled topology (compiled.py) parses no TOML
+
     r = _Reader(source)
     try:
         doc = tomllib.loads(text)
