@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 
 import pytest
@@ -11,10 +12,40 @@ from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
+from vmlend.registry import txn as txn_mod
 
 
 def _fill(tx):
     tx.replace_topology(TopologyRecord("t", "src", "text", "d", "gamma", 0.0), ["gamma"], [])
+
+
+def _replace_topology_before_v3(self, rec, nodes, devices):
+    """``StateTxn.replace_topology`` as vmlend wrote it before schema version 3: no compiled
+    topology column."""
+    for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
+        self._c.execute(f"DELETE FROM {table}")
+    self._c.execute(
+        "INSERT INTO topology (id, name, source, text, digest, local_node, created)"
+        " VALUES (1, ?, ?, ?, ?, ?, ?)",
+        (rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created),
+    )
+    self._c.executemany("INSERT INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
+    self._c.executemany(
+        "INSERT INTO devices (fdid, lender, lent, available) VALUES (?, ?, ?, ?)",
+        [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
+    )
+
+
+@contextlib.contextmanager
+def older_vmlend(monkeypatch, version):
+    """Within: state files are created and written as a vmlend of schema ``version`` did."""
+    with monkeypatch.context() as m:
+        m.setattr(store_mod, "SCHEMA_VERSION", version)
+        older = {v: steps for v, steps in schema_mod.MIGRATIONS.items() if v < version}
+        m.setattr(store_mod, "MIGRATIONS", older)
+        if version < 3:
+            m.setattr(txn_mod.StateTxn, "replace_topology", _replace_topology_before_v3)
+        yield
 
 
 @pytest.fixture(params=["sqlite", "etcd"])
@@ -169,9 +200,7 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
     from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 
     path = tmp_path / "v1.db"
-    with monkeypatch.context() as m:  # what a version-1 vmlend created
-        m.setattr(store_mod, "SCHEMA_VERSION", 1)
-        m.setattr(store_mod, "MIGRATIONS", {})
+    with older_vmlend(monkeypatch, 1):
         init_fabric(path, *default_topology_text(), node="gamma")
         with SqliteRegistry.open(path) as reg, reg.write() as tx:
             hold = HoldRecord(0x10, Holder("gamma", "vm1"), 0.0, Phase.RESERVED, 8 << 30)
@@ -180,13 +209,40 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
                 tx.replace_claims(ClaimKind.P2P, [0x10], [(0x10, Claim("a:0", ClaimKind.P2P, "x"))])
     with SqliteRegistry.open(path) as reg:
         with reg.read() as tx:
-            assert tx.meta("schema_version") == "2"
+            assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
             assert tx.claims() == [(0x10, Claim("alpha:0", ClaimKind.LUT, "dev:0x10", entries=1))]
         with reg.write() as tx:
             tx.replace_claims(ClaimKind.P2P, [0x10], [(0x10, Claim("a:0", ClaimKind.P2P, "x"))])
             assert len(tx.claims()) == 2
             tx.delete_hold(0x10)  # the rebuilt table still goes with its hold
             assert tx.claims() == []
+
+
+def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(
+    tmp_path, monkeypatch
+):
+    from vmlend.fabric.compiled import decode_compiled
+    from vmlend.fabric.open import open_fabric
+    from vmlend.fabric.topology import parse_topology
+
+    path = tmp_path / "v2.db"
+    text, source = default_topology_text()
+    with older_vmlend(monkeypatch, 2):
+        init_fabric(path, text, source, node="gamma")
+    conn = sqlite3.connect(path)
+    columns = [r[1] for r in conn.execute("PRAGMA table_info(topology)")]
+    conn.close()
+    assert "compiled" not in columns  # a version-2 file, as that vmlend left it
+    with open_fabric(path, "gamma") as fabric:  # migrates: the column is added, NULL
+        assert fabric.topology() == parse_topology(text, source)
+        assert fabric.device(0x10).spec.fdid == 0x10
+    with SqliteRegistry.open(path) as reg, reg.read() as tx:
+        assert tx.meta("schema_version") == "3"
+        assert tx.topology().compiled is None
+    assert init_fabric(path, text, source, node="gamma").action == "unchanged"
+    with SqliteRegistry.open(path) as reg, reg.read() as tx:
+        rec = tx.topology()
+    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
 
 
 def test_a_write_waits_then_fails_clearly_when_locked(made):

@@ -19,6 +19,7 @@ import msgspec
 from vmlend.cli.connect import hook_command
 from vmlend.demo.guest import DemoGuest
 from vmlend.errors import UnknownDomainError
+from vmlend.fabric.compiled import stored_topology
 from vmlend.fabric.model import GiB
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.dmawin import RegistryWindowLedger
@@ -26,7 +27,6 @@ from vmlend.fabric.sim.hardware import SimHardware
 from vmlend.fabric.sim.invariants import ShareGrant, Violation, check_hardware
 from vmlend.fabric.sim.msitarget import MsiTargets
 from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
-from vmlend.fabric.topology import parse_topology
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.hypervisor.sim_hv import HookRun, HookRunner
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
@@ -75,7 +75,7 @@ class DemoCluster:
         except BaseException:
             self.registry.close()
             raise
-        self.hw = SimHardware.from_topology(parse_topology(rec.text, rec.source), seed=seed)
+        self.hw = SimHardware.from_topology(stored_topology(rec), seed=seed)
         self.msi_targets = MsiTargets(self.hw)  # one per hardware: a page per VM
         self._fabrics: dict[str, SimFabric] = {}
         self.guests: dict[str, DemoGuest] = {}

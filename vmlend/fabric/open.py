@@ -15,8 +15,8 @@ import msgspec
 
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric
+from vmlend.fabric.compiled import compile_topology, decode_compiled, stored_topology
 from vmlend.fabric.model import Topology
-from vmlend.fabric.topology import DEFAULT_TOPOLOGY, parse_topology
 from vmlend.hostenv import HostEnv
 from vmlend.registry import (
     DeviceRecord,
@@ -72,6 +72,8 @@ def default_topology_text() -> tuple[str, str]:
     """The shipped default cluster: its TOML text and a source name for messages."""
     from importlib import resources  # init only: the hook and most commands never need it
 
+    from vmlend.fabric.topology import DEFAULT_TOPOLOGY
+
     text = resources.files("vmlend.data").joinpath(DEFAULT_TOPOLOGY).read_text()
     return text, f"<builtin {DEFAULT_TOPOLOGY}>"
 
@@ -114,23 +116,29 @@ def init_fabric(
     """Put a topology into the registry at ``state_path``, creating the state if needed.
 
     The same topology again changes nothing (except, in an SQLite state, the local node when
-    ``node`` is given; a cluster registry never records which node a host is); a different
-    one is refused unless ``replace`` and nothing is held or has an mdev.
+    ``node`` is given; a cluster registry never records which node a host is; and the
+    compiled form of a topology an older vmlend stored without one); a different one is
+    refused unless ``replace`` and nothing is held or has an mdev.
     """
     import hashlib
     import socket
+
+    # Only here: opening a fabric decodes the compiled topology and never loads the parser.
+    from vmlend.fabric.topology import parse_topology
 
     topo = parse_topology(text, source)
     if node is not None:
         topo.node(node)
     local = node or choose_local_node(topo, hostname or socket.gethostname())
+    digest = hashlib.sha256(text.encode()).hexdigest()
     rec = TopologyRecord(
         name=topo.name,
         source=source,
         text=text,
-        digest=hashlib.sha256(text.encode()).hexdigest(),
+        digest=digest,
         local_node=local,
         created=clock(),
+        compiled=compile_topology(topo, digest),
     )
 
     def fill(tx: StateTxn) -> None:
@@ -159,7 +167,13 @@ def init_fabric(
                 fill(tx)
                 return InitResult("created", topo, local)
             old = tx.topology()
-            if _same(parse_topology(old.text, old.source), topo):
+            old_topo = stored_topology(old)
+            if _same(old_topo, topo):
+                compiled = compile_topology(old_topo, old.digest)
+                if compiled is not None and decode_compiled(old.compiled, old.digest) is None:
+                    # Installed by an older vmlend (or in another compiled format): compile
+                    # it now, so that opening the fabric stops parsing its TOML.
+                    tx.set_topology_compiled(compiled)
                 if node is not None and node != old.local_node and not shared:
                     tx.set_local_node(node)
                     return InitResult("local node set", topo, node)

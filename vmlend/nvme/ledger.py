@@ -27,8 +27,8 @@ from vmlend.errors import (
     UnknownDeviceError,
 )
 from vmlend.fabric.admission import guest_ram_of, vm_share
+from vmlend.fabric.compiled import stored_topology
 from vmlend.fabric.model import GuestRam, Holder
-from vmlend.fabric.topology import parse_topology
 from vmlend.nvme.admit import check_share_claims, share_claims
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
@@ -184,8 +184,7 @@ def reserve_share(
                 return e.share
         book = ShareBook(_geometry(tx, fdid), [e.share for e in entries])
         share = book.allocate(key, queue_pairs, blocks)
-        rec = tx.topology()
-        topology = parse_topology(rec.text, rec.source)
+        topology = stored_topology(tx.topology())
         claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram))
         check_share_claims(topology, tx.claims(), fdid, holder, claims)
         tx.put_runtime(

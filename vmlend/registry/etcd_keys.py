@@ -4,7 +4,9 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 
 - ``meta/<key>``: metadata, e.g. ``meta/schema_version``;
 - ``topology/digest`` and ``topology/record``: the topology (one record; the digest is a
-  small key every transaction reads, the record is fetched only when the digest changes);
+  small key every transaction reads, the record is fetched only when the digest changes). The
+  record is JSON: the TOML text, the initial node and device states, and under ``compiled``
+  the compiled topology in base64 (absent when an older vmlend wrote it: the text is parsed);
 - ``nodes/<name>``, ``devices/<fdid>``: only once a node or device differs from what the
   topology says (down, unlent, vanished), so initialising a 1,000-device fabric writes two
   keys instead of exceeding etcd's 128 operations per transaction;
@@ -22,6 +24,8 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import re
@@ -182,8 +186,27 @@ def topology_to_json(
             "created": rec.created,
             "nodes": nodes,
             "devices": {f"{fdid:#x}": [lender, lent] for fdid, (lender, lent) in devices.items()},
+            **with_compiled(rec.compiled),
         }
     )
+
+
+def with_compiled(compiled: bytes | None) -> dict[str, str]:
+    """The topology record's ``compiled`` key (base64 of ``TopologyRecord.compiled``); none
+    when not compiled. Older readers ignore the key."""
+    return {} if compiled is None else {"compiled": base64.b64encode(compiled).decode()}
+
+
+def compiled_of(record: dict[str, Any]) -> bytes | None:
+    """The compiled topology of a topology record; None when it has none (an older vmlend
+    wrote it) or the key is not base64 (the TOML is then parsed, as without it)."""
+    raw = record.get("compiled")
+    if not isinstance(raw, str):
+        return None
+    try:
+        return base64.b64decode(raw, validate=True)
+    except binascii.Error:
+        return None
 
 
 def hold_to_json(hold: HoldRecord, claim_keys: list[str]) -> bytes:

@@ -21,7 +21,7 @@ from vmlend.registry.api import StateTxn
 from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
-from vmlend.registry.schema import SCHEMA_VERSION
+from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class EtcdRegistry:
         def body(tx: StateTxn) -> None:
             if tx.meta("schema_version") is not None:
                 raise FileExistsError(reg.where)
-            tx.set_meta("schema_version", str(SCHEMA_VERSION))
+            tx.set_meta("schema_version", str(ETCD_SCHEMA_VERSION))
             init(tx)
 
         reg.transact(body)
@@ -178,10 +178,10 @@ def check_schema(raw: str, where: str) -> int:
         version = int(raw)
     except ValueError:
         raise StateError(f"the vmlend state in {where} has a bad schema version {raw!r}") from None
-    if version > SCHEMA_VERSION:
+    if version > ETCD_SCHEMA_VERSION:
         raise StateError(
             f"the vmlend state in {where} has schema version {version}, newer than this vmlend"
-            f" understands ({SCHEMA_VERSION}); upgrade vmlend on this host"
+            f" understands ({ETCD_SCHEMA_VERSION}); upgrade vmlend on this host"
         )
     if version < 1:
         raise StateError(f"the vmlend state in {where} has unknown schema version {version}")

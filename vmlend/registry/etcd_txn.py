@@ -278,7 +278,9 @@ class EtcdTxn:
     def topology(self) -> TopologyRecord:
         t = self._need_topology()
         # local_node stays empty: on a cluster, which node a host is is host configuration.
-        return TopologyRecord(t["name"], t["source"], t["text"], t["digest"], "", t["created"])
+        return TopologyRecord(
+            t["name"], t["source"], t["text"], t["digest"], "", t["created"], enc.compiled_of(t)
+        )
 
     def has_topology(self) -> bool:
         return self.topology_digest() is not None
@@ -301,6 +303,14 @@ class EtcdTxn:
         defaults = {d.fdid: (d.lender, d.lent) for d in devices}
         self._put(self._k.topology_record, enc.topology_to_json(rec, list(nodes), defaults))
         self._put(self._k.topology_digest, rec.digest.encode())
+
+    def set_topology_compiled(self, compiled: bytes) -> None:
+        """Store the compiled form of the topology already installed (one an older vmlend
+        wrote without it). The digest stays: another process's cached record without it still
+        describes the same topology."""
+        self._write()
+        record = {**self._need_topology(), **enc.with_compiled(compiled)}
+        self._put(self._k.topology_record, enc.dump(record))
 
     def set_local_node(self, node: str) -> None:
         """Nothing to do: the shared state never says which node a host is."""

@@ -25,10 +25,13 @@ class ClaimKind(enum.StrEnum):
 class TopologyRecord(msgspec.Struct, frozen=True):
     name: str
     source: str
-    text: str  # the TOML the topology was parsed from; re-parsed on open
+    text: str  # the TOML the topology was parsed from: the source of truth
     digest: str
     local_node: str
     created: float
+    #: The parsed topology, compiled (``vmlend.fabric.compiled``): what opening a fabric
+    #: reads instead of parsing ``text``. None: not compiled (written by an older vmlend).
+    compiled: bytes | None = None
 
 
 class NodeRecord(msgspec.Struct, frozen=True):

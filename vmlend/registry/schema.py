@@ -10,7 +10,12 @@ from __future__ import annotations
 APPLICATION_ID = 0x766D4C64
 
 #: The schema version this code writes (stored in ``meta``).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+#: The version of the etcd layout (``etcd_keys``), in its ``meta/schema_version`` key. It was
+#: SQLite's until version 2; SQLite's version 3 adds a column, while etcd's topology record only
+#: gains an optional key that older readers ignore, so an older vmlend keeps working on it.
+ETCD_SCHEMA_VERSION = 2
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """
@@ -106,9 +111,14 @@ MIGRATE_V1_V2 = (
     "CREATE INDEX claims_adapter ON claims (adapter)",
 )
 
+#: Version 3: the topology's compiled form next to its text (``vmlend.fabric.compiled``), so
+#: opening a fabric parses no TOML. NULL: not compiled yet, the text is parsed as before; the
+#: next ``vmlend fabric init`` compiles it.
+MIGRATE_V2_V3 = ("ALTER TABLE topology ADD COLUMN compiled BLOB",)
+
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
 #: created as version 1 and brought forward by the same steps, so both paths give one schema.
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: MIGRATE_V1_V2}
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: MIGRATE_V1_V2, 2: MIGRATE_V2_V3}
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.
 TABLES = frozenset(

@@ -64,7 +64,8 @@ class StateTxn:
     # --- topology ----------------------------------------------------------------------
     def topology(self) -> TopologyRecord:
         row = self._c.execute(
-            "SELECT name, source, text, digest, local_node, created FROM topology WHERE id = 1"
+            "SELECT name, source, text, digest, local_node, created, compiled"
+            " FROM topology WHERE id = 1"
         ).fetchone()
         if row is None:
             raise StateError("the state database holds no topology; run 'vmlend fabric init'")
@@ -85,15 +86,21 @@ class StateTxn:
         for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
             self._c.execute(f"DELETE FROM {table}")  # constant names, not input
         self._c.execute(
-            "INSERT INTO topology (id, name, source, text, digest, local_node, created)"
-            " VALUES (1, ?, ?, ?, ?, ?, ?)",
-            (rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created),
+            "INSERT INTO topology (id, name, source, text, digest, local_node, created, compiled)"
+            " VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+            (rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created, rec.compiled),
         )
         self._c.executemany("INSERT INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
         self._c.executemany(
             "INSERT INTO devices (fdid, lender, lent, available) VALUES (?, ?, ?, ?)",
             [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
         )
+
+    def set_topology_compiled(self, compiled: bytes) -> None:
+        """Store the compiled form of the topology already installed (one an older vmlend
+        wrote without it)."""
+        self._write()
+        self._c.execute("UPDATE topology SET compiled = ? WHERE id = 1", (compiled,))
 
     def set_local_node(self, node: str) -> None:
         self._write()

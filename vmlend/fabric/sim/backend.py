@@ -38,6 +38,7 @@ from vmlend.fabric.admission import (
     p2p_claims,
 )
 from vmlend.fabric.admission import usage as adapter_usage
+from vmlend.fabric.compiled import stored_topology
 from vmlend.fabric.model import (
     Check,
     DeviceSpec,
@@ -52,7 +53,6 @@ from vmlend.fabric.model import (
 )
 from vmlend.fabric.paths import NtbPath, route
 from vmlend.fabric.sim.shareops import SimShareOps
-from vmlend.fabric.topology import parse_topology
 from vmlend.registry import (
     ClaimKind,
     DeviceRecord,
@@ -156,11 +156,11 @@ class SimFabric(SimShareOps):
 
     # --- reading ---------------------------------------------------------------------------
     def _topology(self, tx: StateTxn) -> Topology:
-        """The parsed topology, re-parsed only when another process replaced it."""
+        """The topology, decoded (or parsed) again only when another process replaced it."""
         digest = tx.topology_digest()
         if self._topo is None or digest != self._digest:
             rec = tx.topology()
-            self._topo = parse_topology(rec.text, rec.source)
+            self._topo = stored_topology(rec)
             self._digest = rec.digest
         return self._topo
 

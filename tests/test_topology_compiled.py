@@ -1,0 +1,222 @@
+"""The compiled topology the registry stores next to the TOML: it decodes into exactly the
+topology the TOML parses into, every reader falls back to the TOML when it is missing, foreign
+or damaged, and ``fabric init`` compiles a topology an older vmlend stored without it."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import msgspec.inspect
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.simfabric import fabric_topology, small_topology, star_topology
+from vmlend.errors import TopologyError
+from vmlend.fabric.compiled import (
+    COMPILED_FORMAT,
+    compile_topology,
+    decode_compiled,
+    stored_topology,
+)
+from vmlend.fabric.model import Topology
+from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.fabric.topology import parse_topology
+from vmlend.registry import TopologyRecord, open_registry
+from vmlend.registry import etcd_keys as etcd_keys_mod
+
+TESTS = Path(__file__).resolve().parent
+BIG_BAR = """
+[[node]]
+name = "l"
+id = 1
+  [[node.adapter]]
+  index = 0
+  [[node.device]]
+  fdid = 0x100
+  bdf = "0000:01:00.0"
+  kind = "gpu"
+  vendor = 0x10de
+  device = 0x1db6
+  class = 0x030200
+  bars = [ { index = 0, size = "1099511627776TiB", kind = "mem64" } ]
+[[node]]
+name = "b"
+id = 2
+  [[node.adapter]]
+  index = 0
+[[link]]
+ends = ["l:0", "b:0"]
+"""
+
+
+def round_trips(topology: Topology) -> bool:
+    return decode_compiled(compile_topology(topology, "digest"), "digest") == topology
+
+
+def suite_topologies() -> list[tuple[str, str]]:
+    """Every valid topology text the test suite writes literally (TOML with ``[[node]]``),
+    the test helpers' generated ones, and the shipped default, with a name for each."""
+    found = [(default_topology_text()[0], "default")]
+    for module in sorted(TESTS.glob("*.py")):
+        if module.name == Path(__file__).name:
+            continue  # BIG_BAR here is meant not to compile
+        for node in ast.walk(ast.parse(module.read_text())):
+            literal = isinstance(node, ast.Constant) and isinstance(node.value, str)
+            if literal and "[[node]]" in node.value:
+                found.append((node.value, f"{module.name}:{node.lineno}"))
+    found += [
+        (small_topology(), "small"),
+        (small_topology(isolated=True, devices=5, lut_entries=4), "small isolated"),
+        (small_topology(bars='[ { index = 0, size = "4GiB", kind = "mem64" } ]'), "small mem64"),
+        (star_topology(3, 4), "star"),
+        (fabric_topology(4, 3), "fabric 4x3"),
+    ]
+    return found
+
+
+def test_the_suites_topologies_decode_equal_to_what_their_toml_parses_into():
+    checked = 0
+    for text, where in suite_topologies():
+        try:
+            parsed = parse_topology(text, where)
+        except TopologyError:
+            continue  # a test of bad input
+        assert round_trips(parsed), where
+        checked += 1
+    assert checked >= 10  # the scan found the suite's topologies
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.from_type(Topology))
+def test_any_topology_either_compiles_into_itself_or_is_not_compiled(topology):
+    blob = compile_topology(topology, "d")
+    assert blob is None or decode_compiled(blob, "d") == topology
+
+
+def test_an_integer_beyond_64_bits_is_not_compiled_and_the_toml_still_opens(tmp_path):
+    topology = parse_topology(BIG_BAR, "big.toml")
+    assert compile_topology(topology, "d") is None
+    init_fabric(tmp_path / "s.db", BIG_BAR, "big.toml", node="b")
+    with open_registry(tmp_path / "s.db") as reg, reg.read() as tx:
+        assert tx.topology().compiled is None
+    with open_fabric(tmp_path / "s.db", "b") as fabric:
+        assert fabric.topology() == topology
+
+
+def test_the_model_shape_is_pinned_to_the_compiled_format():
+    # The compiled bytes are a Topology as msgpack: a changed Struct (a field added, renamed,
+    # retyped, a new default) could decode old bytes into a topology the TOML no longer
+    # gives. Such a change must bump COMPILED_FORMAT and update this pin.
+    shape = repr(msgspec.inspect.type_info(Topology))  # every Struct, field, type, default
+    pinned = {"vmlend-topology/1": "885294337b94557b"}
+    assert pinned.get(COMPILED_FORMAT) == hashlib.sha256(shape.encode()).hexdigest()[:16], (
+        "the Topology model changed: bump COMPILED_FORMAT (vmlend/fabric/compiled.py)"
+        " and pin the new shape here"
+    )
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        None,
+        b"",
+        b"not msgpack at all",
+        msgspec.msgpack.encode(["vmlend-topology/0", "d", {"name": "x"}]),  # another format
+        msgspec.msgpack.encode([COMPILED_FORMAT, "other digest", {"name": "x"}]),
+        msgspec.msgpack.encode([COMPILED_FORMAT, "d", {"name": 5}]),  # not a Topology
+        msgspec.msgpack.encode({"format": COMPILED_FORMAT}),
+    ],
+    ids=["none", "empty", "garbage", "format", "digest", "invalid", "shape"],
+)
+def test_a_missing_foreign_or_damaged_blob_is_not_decoded(blob):
+    assert decode_compiled(blob, "d") is None
+
+
+def test_a_truncated_blob_falls_back_to_the_same_topology():
+    text, source = default_topology_text()
+    parsed = parse_topology(text, source)
+    blob = compile_topology(parsed, "d")
+    assert blob is not None
+    for cut in (1, len(blob) // 2, len(blob) - 1):
+        rec = TopologyRecord("n", source, text, "d", "", 0.0, blob[:cut])
+        assert stored_topology(rec) == parsed
+
+
+def test_the_compiled_path_imports_no_toml_parser(tmp_path):
+    init_fabric(tmp_path / "s.db", *default_topology_text(), node="gamma")
+    code = (
+        "import sys; from vmlend.registry import open_registry;"
+        " from vmlend.fabric.compiled import stored_topology;"
+        f" reg = open_registry({str(tmp_path / 's.db')!r});"
+        " tx = reg.read().__enter__(); t = stored_topology(tx.topology());"
+        " print(len(t.devices), 'tomllib' in sys.modules, 'vmlend.fabric.topology' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, text=True)
+    assert out.returncode == 0, out.stderr
+    count, tomllib, parser = out.stdout.split()
+    assert int(count) > 0 and (tomllib, parser) == ("False", "False")
+
+
+# --- in the registry, either backend ---------------------------------------------------------
+@pytest.fixture(params=["sqlite", "etcd"])
+def location(request, tmp_path):
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd_url")
+    return tmp_path / "s.db"
+
+
+def stored(location) -> TopologyRecord:
+    with open_registry(location) as reg, reg.read() as tx:
+        return tx.topology()
+
+
+def test_fabric_init_stores_the_compiled_topology(location):
+    text, source = default_topology_text()
+    init_fabric(location, text, source, node="gamma")
+    rec = stored(location)
+    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+    with open_fabric(location, "gamma") as fabric:
+        assert fabric.topology() == parse_topology(text, source)
+
+
+def test_a_damaged_compiled_topology_opens_from_the_toml_and_init_compiles_it_again(location):
+    text, source = default_topology_text()
+    init_fabric(location, text, source, node="gamma")
+    with open_registry(location) as reg:
+        reg.transact(lambda tx: tx.set_topology_compiled(b"\x93\xa1x damaged"))
+    assert decode_compiled(stored(location).compiled, stored(location).digest) is None
+    with open_fabric(location, "gamma") as fabric:
+        assert fabric.topology() == parse_topology(text, source)
+    assert init_fabric(location, text, source, node="gamma").action == "unchanged"
+    rec = stored(location)
+    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+
+
+def test_an_etcd_record_without_the_compiled_key_opens_and_init_adds_it(etcd_url, monkeypatch):
+    text, source = default_topology_text()
+    with monkeypatch.context() as m:  # as a vmlend before the compiled topology wrote it
+        m.setattr(etcd_keys_mod, "with_compiled", lambda compiled: {})
+        init_fabric(etcd_url, text, source)
+    with open_registry(etcd_url) as reg:
+        _rev, kvs = reg.gateway.range(reg.keys.topology_record, None, 0)
+        assert "compiled" not in json.loads(kvs[0].value) and "text" in json.loads(kvs[0].value)
+    assert stored(etcd_url).compiled is None
+    with open_fabric(etcd_url, "gamma") as fabric:
+        assert fabric.topology() == parse_topology(text, source)
+    assert init_fabric(etcd_url, text, source).action == "unchanged"
+    rec = stored(etcd_url)
+    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+
+
+def test_an_etcd_record_with_a_compiled_key_that_is_not_base64_opens_from_the_toml():
+    record = {"compiled": "not base64 !", "text": "x"}
+    assert etcd_keys_mod.compiled_of(record) is None
+    assert etcd_keys_mod.compiled_of({"compiled": 7}) is None
+    assert etcd_keys_mod.compiled_of({}) is None

@@ -1,0 +1,67 @@
+"""The compiled form of a topology: the parsed ``Topology`` as msgpack, stored in the registry
+next to the TOML it came from, so that opening a fabric parses no TOML (no ``tomllib``, no
+validation: about 7 ms of a CLI command or a hook call).
+
+The TOML stays the source of truth; the compiled form is a cache of it. It is trusted only when
+its format tag is this code's and it names the digest of the text stored beside it; anything
+else (a record an older vmlend wrote, another format, damage) falls back to parsing the text.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from vmlend.fabric.model import Topology
+
+if TYPE_CHECKING:
+    from vmlend.registry.records import TopologyRecord
+
+#: Bump when the same bytes would decode into a different ``Topology``: a change to any Struct
+#: reachable from it (tests/test_topology_compiled.py pins their shape) or to what the parser
+#: derives from the text. A record of another format is simply parsed from its TOML.
+COMPILED_FORMAT = "vmlend-topology/1"
+
+
+class _Compiled(msgspec.Struct, frozen=True, array_like=True):
+    format: str
+    digest: str  # the registry's digest of the TOML text this was compiled from
+    topology: msgspec.Raw  # decoded as a Topology only once format and digest match
+
+
+def compile_topology(topology: Topology, digest: str) -> bytes | None:
+    """The bytes to store next to the text whose digest is ``digest`` and which parses into
+    ``topology``; None when the topology would not come back equal (msgpack has no integer
+    beyond 64 bits, which TOML sizes can reach): it is then parsed from its text, as before.
+    Checked here, once per installed topology, so that no reader ever gets another one."""
+    try:
+        body = msgspec.Raw(msgspec.msgpack.encode(topology))
+    except (OverflowError, msgspec.EncodeError):
+        return None
+    blob = msgspec.msgpack.encode(_Compiled(COMPILED_FORMAT, digest, body))
+    return blob if decode_compiled(blob, digest) == topology else None
+
+
+def decode_compiled(blob: bytes | None, digest: str) -> Topology | None:
+    """The topology ``blob`` holds, or None when it is missing, of another format, compiled
+    from another text, or does not decode into a ``Topology``."""
+    if not blob:
+        return None
+    try:
+        envelope = msgspec.msgpack.decode(blob, type=_Compiled)
+        if envelope.format != COMPILED_FORMAT or envelope.digest != digest:
+            return None
+        return msgspec.msgpack.decode(envelope.topology, type=Topology)
+    except msgspec.DecodeError:  # also msgspec.ValidationError, its subclass
+        return None
+
+
+def stored_topology(rec: TopologyRecord) -> Topology:
+    """The topology a registry record holds: its compiled form, else its TOML parsed."""
+    topology = decode_compiled(rec.compiled, rec.digest)
+    if topology is None:
+        from vmlend.fabric.topology import parse_topology  # only without a usable compiled form
+
+        topology = parse_topology(rec.text, rec.source)
+    return topology
