@@ -47,7 +47,7 @@ def main() -> None:
         t_cycle = _per_op(lambda: _cycle(f))
         f.close()
     ms = 1e3
-    print(f"open state (vet + parse topology) {t_open * ms:8.3f} ms")
+    print(f"open state (vet + read topology)  {t_open * ms:8.3f} ms")
     print(f"devices() listing                 {t_list * ms:8.3f} ms")
     print(f"admission dry-run                 {t_admit * ms:8.3f} ms")
     print(f"reserve+release                   {t_cycle * ms:8.3f} ms")
