@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -34,8 +35,9 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import Holder, MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.hook import wire
-from vmlend.hook.forward import SOCKET_UNDER_ROOT, pinned_environment, socket_path
+from vmlend.hook.forward import SOCKET_UNDER_ROOT, forward, pinned_environment, socket_path
 from vmlend.hook.install import install_hook
+from vmlend.hook.server import HookServer, identity_of
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
@@ -788,3 +790,80 @@ def test_a_request_over_the_wire_limits_runs_in_process(hosts):
     frame = wire.encode_request(["vm1"], {}, b"x" * (wire.MAX_BLOB + 1))
     with pytest.raises(wire.WireError, match="over the limit"):
         wire.decode_request(wire.Reader(io.BytesIO(frame).read))
+
+
+def test_a_full_queue_answers_not_mine_so_the_hook_runs_in_process(tmp_path):
+    # The worker is held up (the state is locked by another process's transaction); one call
+    # waits in the queue; the next hook is told "not mine" at once, with nothing done.
+    host = Host(tmp_path / "h")
+    make_fabric(host.state).close()
+    env = {
+        "VMLEND_STATE": str(host.state),
+        "VMLEND_ROOT": str(host.root),
+        "VMLEND_NODE": "gamma",
+        "VMLEND_HOOK_SOCKET": str(host.socket),
+        "VMLEND_HOOK_TIMEOUT": "30",
+    }
+    server = HookServer(host.socket, identity_of(env), queue_limit=1)
+    server.start()
+    lock = sqlite3.connect(host.state, isolation_level=None)
+    codes: dict[str, int | None] = {}
+
+    def hook(name: str, op: str, xml: bytes) -> None:
+        codes[name] = forward([name, op, "begin" if op == "prepare" else "end", "-"], xml, env)
+
+    waiting = [
+        threading.Thread(target=hook, args=("vm1", "prepare", vm_xml())),
+        threading.Thread(
+            target=hook, args=("vm2", "release", vm_xml("vm2", vm_uuid=uuid.UUID(int=2)))
+        ),
+    ]
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        for t in waiting:
+            t.start()
+            time.sleep(0.5)  # the first is running (blocked), the second queued
+        third = vm_xml("vm3", vm_uuid=uuid.UUID(int=3))
+        assert forward(["vm3", "release", "end", "-"], third, env) is None  # run it yourself
+        assert server.served == 0
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+        for t in waiting:
+            t.join(60)
+        server.stop()
+    assert codes == {"vm1": 0, "vm2": 0} and server.served == 2
+    assert host.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")
+
+
+def test_hook_install_warns_about_a_socket_directory_the_agent_would_refuse(tmp_path):
+    libvirt = tmp_path / "libvirt"
+    libvirt.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    base = [VMLEND, "--state", str(tmp_path / "state.db"), "hook", "install"]
+    args = ["--libvirt-dir", str(libvirt), "--hook-socket"]
+    out = subprocess.run(
+        [*base, *args, str(shared / "hook.sock")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "vmlend: warning: 'vmlend agent' will refuse to serve the hook: the hook socket's"
+        f" directory {shared} (owner uid 0, mode 1777) is writable by others: make it owned by"
+        " root or uid 0 and mode 755, or choose another --hook-socket"
+    ]
+    safe = tmp_path / "run"
+    out = subprocess.run(
+        [*base, *args, str(safe / "hook.sock")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stderr) == (0, "")

@@ -45,6 +45,7 @@ from vmlend.hook import wire
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.contract import Action, parse_argv
 from vmlend.hook.main import load_handlers, run
+from vmlend.hook.sockdir import check_socket_directory
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import parse_location
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_env
@@ -133,12 +134,14 @@ class HookServer:
         identity: HookIdentity,
         allowed_uids: frozenset[int] | None = None,
         read_timeout: float = READ_TIMEOUT,
+        queue_limit: int = QUEUE_LIMIT,
     ) -> None:
         self.path = path
         self.identity = identity
         self.allowed_uids = allowed_uids or frozenset({0, os.getuid()})
         self.read_timeout = read_timeout
-        self._calls: queue.Queue[_Call | None] = queue.Queue(QUEUE_LIMIT)
+        self.queue_limit = queue_limit
+        self._calls: queue.Queue[_Call | None] = queue.Queue(queue_limit)
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
@@ -311,7 +314,7 @@ class HookServer:
             log.warning(
                 "hook socket %s: %d calls queued already; the hook runs this one itself",
                 self.path,
-                QUEUE_LIMIT,
+                self.queue_limit,
             )
             _send(conn, wire.NOT_MINE)
             conn.close()
@@ -405,31 +408,6 @@ class HookServer:
                 except Exception as e:
                     log.warning("closing the fabric of a hook call: %s", e)
         return code, stdout.getvalue(), stderr.getvalue()
-
-
-def check_socket_directory(directory: Path, create: bool = False) -> None:
-    """ConfigError unless ``directory`` is owned by root or us and writable by its owner only:
-    whoever can write there can put their own socket in the agent's place, and a hook that
-    talks to it. ``create``: make it (0755) if missing."""
-    if create and not directory.exists():
-        try:
-            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-            os.chmod(directory, 0o755)  # not narrowed by the umask: the hook must enter it
-        except OSError as e:
-            raise ConfigError(
-                f"cannot create {directory} for the hook socket: {e.strerror}"
-            ) from None
-    try:
-        st = directory.stat()
-    except OSError as e:
-        raise ConfigError(f"cannot use {directory} for the hook socket: {e.strerror}") from None
-    uid = os.geteuid()
-    if st.st_uid not in (0, uid) or st.st_mode & 0o022:
-        raise ConfigError(
-            f"the hook socket's directory {directory} (owner uid {st.st_uid}, mode"
-            f" {stat.S_IMODE(st.st_mode):o}) is writable by others: make it owned by root or uid"
-            f" {uid} and mode 755, or choose another --hook-socket"
-        )
 
 
 def _harmful_alone(argv: list[str]) -> bool:
