@@ -867,3 +867,53 @@ def test_hook_install_warns_about_a_socket_directory_the_agent_would_refuse(tmp_
         timeout=60,
     )
     assert (out.returncode, out.stderr) == (0, "")
+
+
+#: ``vmlend ARGS...`` as uid 65534: everything the agent uses is imported first (the
+#: interpreter's own files may be where that user cannot read).
+AGENT_AS_NOBODY = f"""
+import os, sys
+import vmlend.cli.cmd_agent, vmlend.hook.server
+from vmlend.cli import run
+from vmlend.hook.main import load_handlers
+load_handlers()
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+sys.argv = ["vmlend", *sys.argv[1:]]
+sys.exit(run())
+"""
+
+
+def test_an_agent_that_may_not_probe_the_socket_leaves_it_alone():
+    # uid 65534 owns the directory, root listens on the socket (0600): the probe gets EACCES.
+    # That is no proof the socket is stale, so the new agent must not unlink it.
+    base = Path(tempfile.mkdtemp(prefix="vmlend-eacces-"))
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        base.chmod(0o755)
+        sock = hostlease.hook_socket_path(HostEnv(base))  # the default: no --hook-socket
+        run = sock.parent
+        run.mkdir(parents=True)
+        os.chown(run, NOBODY, NOBODY)
+        live.bind(str(sock))
+        sock.chmod(0o600)
+        live.listen(8)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+        env["VMLEND_ROOT"] = str(base)
+        argv = ["--state", str(run / "state.db"), "agent"]
+        out = subprocess.run(
+            [sys.executable, "-c", AGENT_AS_NOBODY, *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            cwd="/",
+        )
+        assert out.returncode == 1
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"Error: cannot tell whether an agent serves the hook on {sock} (Permission"
+            " denied); remove it if none does"
+        )
+        assert sock.exists() and sock.stat().st_uid == 0  # still the live one
+    finally:
+        live.close()
+        shutil.rmtree(base)
