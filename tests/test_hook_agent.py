@@ -37,6 +37,7 @@ from vmlend.fabric.open import open_fabric
 from vmlend.hook import wire
 from vmlend.hook.forward import SOCKET_UNDER_ROOT, forward, pinned_environment, socket_path
 from vmlend.hook.install import install_hook
+from vmlend.hook.probe import probe_agent
 from vmlend.hook.server import HookServer, identity_of
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease, parse_location
@@ -701,6 +702,7 @@ def test_a_second_agent_does_not_wait_on_nor_replace_a_busy_socket(tmp_path):
             " (stopped? overloaded?); stop it first"
         )
         assert host.socket.exists()
+        assert probe_agent(host.socket, {"VMLEND_STATE": str(host.state)}) == "not accepting"
     finally:
         for c in queued:
             c.close()
