@@ -333,6 +333,20 @@ def test_a_stopped_agent_times_the_hook_out_then_skips_only_what_libvirt_aborted
     assert "skipped hook call migrate begin of vm1" in log
 
 
+def _wait_queued(path: Path, count: int) -> None:
+    """Wait until exactly ``count`` connections to the socket ``path`` wait in its listen
+    backlog. ``/proc/net/unix`` lists them with the listener's bound address (the agent binds
+    under a temporary name in the same directory, then renames it) and state 02."""
+    deadline = time.monotonic() + 30
+    while True:
+        lines = Path("/proc/net/unix").read_text().splitlines()
+        queued = sum(ln.split()[5] == "02" and f" {path.parent}/" in ln for ln in lines)
+        if queued == count:
+            return
+        assert time.monotonic() < deadline, f"{queued} connection(s) queued, not {count}"
+        time.sleep(0.02)
+
+
 def _trickle(path: Path, seconds: float) -> socket.socket:
     """A peer that connects and sends a request's first bytes one at a time, every 0.3 s."""
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -356,7 +370,7 @@ def test_a_trickling_peer_does_not_hold_the_hooks_behind_it(hosts):
     agent = served.start_agent(env=served.env | {"VMLEND_AGENT_READ_TIMEOUT": "1"})
     peer = _trickle(served.socket, 8.0)
     try:
-        time.sleep(0.3)  # the acceptor reads the trickling peer first
+        _wait_queued(served.socket, 0)  # the acceptor took the trickling peer first
         res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="4")
         assert (res.returncode, res.stderr) == (0, b"")
         assert set(served.log_pids()) == {agent}
@@ -389,12 +403,12 @@ def test_a_clean_stop_serves_the_connections_the_kernel_had_queued(hosts):
     silent.connect(str(served.socket))  # the acceptor waits for its request (3 s)
     hooks: list[subprocess.Popen[bytes]] = []
     try:
-        time.sleep(0.3)
+        _wait_queued(served.socket, 0)  # the acceptor took the silent peer
         hooks.append(_start_hook(served, "vm1", "release", vm_xml()))
         for n in (2, 3):
             xml = vm_xml(f"vm{n}", vm_uuid=uuid.UUID(int=n))
             hooks.append(_start_hook(served, f"vm{n}", "release", xml))
-        time.sleep(1.0)  # they connected: in the listen backlog, behind the silent peer
+        _wait_queued(served.socket, 3)  # in the listen backlog, behind the silent peer
         served.agent.send_signal(signal.SIGTERM)
         results = [(h.wait(60), h.stderr.read() if h.stderr else b"") for h in hooks]
     finally:
