@@ -12,7 +12,7 @@ from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
-from vmlend.hook.sockdir import check_socket_directory
+from vmlend.hook.sockplace import check_socket_directory
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
 

@@ -11,7 +11,8 @@ it is this agent's (same registry, state, node, host root, backend and fault set
 worker thread runs the accepted calls strictly in that order (a release queued behind its
 prepare runs after it). A call whose hook process went away meanwhile (it timed out and exited
 1, so libvirt aborted and will run release) is skipped when running it alone would do harm
-(prepare, migrate, restore); release and reconnect still run, they are idempotent.
+(prepare, migrate, restore); release and reconnect still run, they are idempotent. Where
+the socket may live and how it takes its place is ``vmlend.hook.sockplace``.
 
 **Deadlock rule.** libvirt holds the domain's job while the hook runs. So nothing on this path
 may call libvirt, nor wait for anything (lock, event, queue) that the agent's lease, guard or
@@ -23,13 +24,11 @@ nothing with those threads.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import logging
 import os
 import queue
 import socket
-import stat
 import struct
 import threading
 import time
@@ -37,7 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from vmlend.errors import ConfigError, VmlendError
+from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import BACKEND_ENV, open_fabric
 from vmlend.faults import FAULT_ENV
@@ -45,7 +44,7 @@ from vmlend.hook import wire
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.contract import Action, parse_argv
 from vmlend.hook.main import load_handlers, run
-from vmlend.hook.sockdir import check_socket_directory
+from vmlend.hook.sockplace import SocketPlace
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import parse_location
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_env
@@ -57,8 +56,6 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT = 10.0
 #: Overrides READ_TIMEOUT in the agent's environment (tests set it short).
 READ_TIMEOUT_ENV = "VMLEND_AGENT_READ_TIMEOUT"
-#: How long a starting agent waits for an existing socket to accept its probe.
-PROBE_TIMEOUT = 1.0
 #: Accepted calls waiting for the worker; over it the hook runs the call itself ("not mine").
 QUEUE_LIMIT = 64
 _BACKLOG = 64
@@ -144,15 +141,15 @@ class HookServer:
         self._calls: queue.Queue[_Call | None] = queue.Queue(queue_limit)
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
-        self._lock_fd: int | None = None
-        self._inode: int | None = None
+        self._place = SocketPlace(path)
         self._threads: list[threading.Thread] = []
         self.served = 0  # calls run (for logs and tests)
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         load_handlers()  # what a call uses, imported once here rather than in the first call
-        self._listener = self._bind()
+        self._listener = self._place.bind(_BACKLOG)
+        self._listener.settimeout(_ACCEPT_POLL)
         self._threads = [
             threading.Thread(target=self._accept_loop, name="hook-accept", daemon=True),
             threading.Thread(target=self._work_loop, name="hook-worker", daemon=True),
@@ -167,111 +164,21 @@ class HookServer:
         and may not fall back) and close."""
         if self._listener is None or self._stopping.is_set():
             return
-        self._remove_socket()
+        self._place.remove()
         self._stopping.set()
         self._threads[0].join()
         self._drain_backlog(self._listener)
         self._listener.close()
         self._calls.put(None)
         self._threads[1].join()
-        self._unlock()
+        self._place.release()
         log.warning("stopped serving the hook (%d call(s) served)", self.served)
 
     def check_free(self) -> None:
         """ConfigError when the socket's directory is unsafe or another agent serves the hook
         on ``path`` already: called before anything else at start, so a second agent on a
-        host changes nothing. Holds the lock beside the socket from here until ``stop``."""
-        check_socket_directory(self.path.parent, create=True)
-        self._lock()
-        self._replace_stale(self.path)
-
-    def _lock(self) -> None:
-        """An exclusive ``flock`` on ``.<socket name>.lock`` for the agent's life: of two
-        agents starting together only one gets past this, so the stale check and the rename
-        below never race another agent's."""
-        if self._lock_fd is not None:
-            return
-        lock = self.path.with_name(f".{self.path.name}.lock")
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot serve the hook on {self.path}: {lock}: {e.strerror}"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise ConfigError(
-                f"another vmlend agent serves the hook on {self.path}; stop it first"
-            ) from None
-        self._lock_fd = fd
-
-    def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # the file stays: removing it would race the next agent
-            self._lock_fd = None
-
-    def _bind(self) -> socket.socket:
-        path = self.path
-        self.check_free()
-        # Bound under a temporary name, made 0600, listening, then renamed into place: the
-        # socket never exists at its real path with a wider mode or before it accepts.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(str(tmp))
-            os.chmod(tmp, 0o600)
-            listener.listen(_BACKLOG)
-            listener.settimeout(_ACCEPT_POLL)
-            os.replace(tmp, path)
-            self._inode = path.stat().st_ino
-        except OSError as e:
-            listener.close()
-            tmp.unlink(missing_ok=True)
-            raise ConfigError(f"cannot serve the hook on {path}: {e.strerror}") from None
-        return listener
-
-    @staticmethod
-    def _replace_stale(path: Path) -> None:
-        """A socket file no one listens on (connection refused) is a killed agent's: remove
-        it. Anything else is another agent's, or cannot be told apart from one: refuse to
-        start rather than take its hooks."""
-        try:
-            mode = path.lstat().st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(mode):
-            raise ConfigError(f"{path} exists and is not a socket; remove it and start again")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(PROBE_TIMEOUT)  # a stopped agent, or a full backlog, never accepts
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)
-            return
-        except (TimeoutError, BlockingIOError):
-            raise ConfigError(
-                f"another vmlend agent serves the hook on {path} but does not answer (stopped?"
-                " overloaded?); stop it first"
-            ) from None
-        except OSError as e:
-            raise ConfigError(
-                f"cannot tell whether an agent serves the hook on {path} ({e.strerror});"
-                " remove it if none does"
-            ) from None
-        else:
-            raise ConfigError(f"another vmlend agent serves the hook on {path}; stop it first")
-        finally:
-            probe.close()
-
-    def _remove_socket(self) -> None:
-        try:
-            if self.path.stat().st_ino == self._inode:  # not a newer agent's
-                self.path.unlink()
-        except OSError:
-            pass
+        host changes nothing. Holds the socket's lock from here until ``stop``."""
+        self._place.claim()
 
     # --- the acceptor: arrival order, peer check, whole request, mine or not ---------------
     def _accept_loop(self) -> None:
