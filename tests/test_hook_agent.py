@@ -765,23 +765,26 @@ def test_a_request_without_state_or_registry_is_never_the_agents(tmp_path):
     host.state = HostEnv(host.root).system_state
     host.state.parent.mkdir(parents=True)
     make_fabric(host.state).close()
-    agent = host.start_agent()
     env = {k: v for k, v in host.env.items() if k != "VMLEND_STATE"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from vmlend.hook.entry import main; sys.exit(main())",
-            "vm1",
-            "prepare",
-            "begin",
-            "-",
-        ],
-        input=vm_xml(),
-        capture_output=True,
-        env=env | {"VMLEND_HOOK_SOCKET": str(host.socket)},
-        timeout=120,
-    )
+    try:
+        agent = host.start_agent()
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from vmlend.hook.entry import main; sys.exit(main())",
+                "vm1",
+                "prepare",
+                "begin",
+                "-",
+            ],
+            input=vm_xml(),
+            capture_output=True,
+            env=env | {"VMLEND_HOOK_SOCKET": str(host.socket)},
+            timeout=120,
+        )
+    finally:
+        host.stop_agent(signal.SIGKILL)
     assert (out.returncode, out.stderr) == (0, b"")
     text = (host.state.parent / "hook.log").read_text()
     pids = {int(m) for m in re.findall(r" pid=(\d+) ", text)}
