@@ -16,9 +16,11 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,8 +35,10 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import Holder, MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.hook import wire
-from vmlend.hook.forward import SOCKET_UNDER_ROOT, pinned_environment, socket_path
+from vmlend.hook.forward import SOCKET_UNDER_ROOT, forward, pinned_environment, socket_path
 from vmlend.hook.install import install_hook
+from vmlend.hook.probe import probe_agent
+from vmlend.hook.server import HookServer, identity_of
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
@@ -48,11 +52,13 @@ VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-00000000000a")
 HEAVY = ("vmlend.fabric", "vmlend.registry", "vmlend.domain", "lxml", "sqlite3", "libvirt")
 
 
-def vm_xml(name: str = "vm1", fdids: tuple[int, ...] = FDIDS) -> bytes:
+def vm_xml(
+    name: str = "vm1", fdids: tuple[int, ...] = FDIDS, vm_uuid: uuid.UUID = VM_UUID
+) -> bytes:
     spec = DomainSpec(
         name=name,
         memory_bytes=512 * MiB,
-        uuid=VM_UUID,
+        uuid=vm_uuid,
         devices=[DeviceRequest(f) for f in fdids],
     )
     return new_domain(spec, templates=TemplateSet()).to_bytes()
@@ -289,25 +295,132 @@ def test_agent_killed_during_a_served_prepare_then_release_cleans_up(hosts):
     assert json.loads(out.stdout)["drift"] == []
 
 
-def test_a_stopped_agent_times_the_hook_out_and_runs_its_queue_in_order_after(hosts):
+def _barrier(host: Host) -> None:
+    """A served call that changes nothing (a release of a VM holding nothing): once it is
+    answered, the agent's worker has run everything queued before it."""
+    other = vm_xml("barrier", fdids=(0x10,), vm_uuid=uuid.UUID(int=1))
+    res = host.hook_run("release", other, name="barrier")
+    assert (res.returncode, res.stderr) == (0, b"")
+
+
+def test_a_stopped_agent_times_the_hook_out_then_skips_only_what_libvirt_aborted(hosts):
     served = hosts["served"]
     agent = served.start_agent()
     assert served.agent is not None
+    res = served.hook_run("prepare", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
     served.agent.send_signal(signal.SIGSTOP)
     try:
-        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="1")
-        assert res.returncode == 1
-        assert "gave no answer within 1 s" in _one_line(res.stderr)
-        assert served.snapshot() == ({}, set())  # nothing yet: the agent is stopped
+        for op in ("release", "prepare", "migrate"):
+            res = served.hook_run(op, vm_xml(), VMLEND_HOOK_TIMEOUT="1")
+            assert res.returncode == 1, op
+            assert "gave no answer within 1 s" in _one_line(res.stderr)
+        assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # nothing yet
     finally:
         served.agent.send_signal(signal.SIGCONT)
-    res = served.hook_run("release", vm_xml())  # queued behind the prepare
-    assert (res.returncode, res.stderr) == (0, b"")
+    _barrier(served)
+    # The release still ran (idempotent, and libvirt relies on it); the prepare and the
+    # migrate, whose hooks had failed so libvirt aborted them, did nothing.
     assert served.snapshot() == ({}, set())
-    actions = served.actions()
-    assert actions[0].startswith("prepare: reserve")
-    assert actions[-1].startswith("release:") and "4 devices ready" in " ".join(actions)
+    actions = [a for a in served.actions() if not a.startswith("release: nothing")]
+    skipped = [a for a in actions if "SKIPPED" in a]
+    assert [a.split(":")[0] for a in skipped] == ["prepare begin", "migrate begin"]
+    assert "rewrote XML" not in " ".join(actions)
+    assert sum(a.startswith("prepare: reserve") for a in actions) == len(FDIDS)  # the first
     assert set(served.log_pids()) == {agent}
+    log = served.agent_log()
+    assert "skipped hook call prepare begin of vm1" in log
+    assert "skipped hook call migrate begin of vm1" in log
+
+
+def _wait_queued(path: Path, count: int) -> None:
+    """Wait until exactly ``count`` connections to the socket ``path`` wait in its listen
+    backlog. ``/proc/net/unix`` lists them with the listener's bound address (the agent binds
+    under a temporary name in the same directory, then renames it) and state 02."""
+    deadline = time.monotonic() + 30
+    while True:
+        lines = Path("/proc/net/unix").read_text().splitlines()
+        queued = sum(ln.split()[5] == "02" and f" {path.parent}/" in ln for ln in lines)
+        if queued == count:
+            return
+        assert time.monotonic() < deadline, f"{queued} connection(s) queued, not {count}"
+        time.sleep(0.02)
+
+
+def _trickle(path: Path, seconds: float) -> socket.socket:
+    """A peer that connects and sends a request's first bytes one at a time, every 0.3 s."""
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.connect(str(path))
+    frame = wire.encode_request(["vm9", "release", "end", "-"], {}, b"<domain/>")
+
+    def send() -> None:
+        for i in range(int(seconds / 0.3)):
+            try:
+                peer.send(frame[i : i + 1])
+            except OSError:  # the agent dropped it
+                return
+            time.sleep(0.3)
+
+    threading.Thread(target=send, daemon=True).start()
+    return peer
+
+
+def test_a_trickling_peer_does_not_hold_the_hooks_behind_it(hosts):
+    served = hosts["served"]
+    agent = served.start_agent(env=served.env | {"VMLEND_AGENT_READ_TIMEOUT": "1"})
+    peer = _trickle(served.socket, 8.0)
+    try:
+        _wait_queued(served.socket, 0)  # the acceptor took the trickling peer first
+        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="4")
+        assert (res.returncode, res.stderr) == (0, b"")
+        assert set(served.log_pids()) == {agent}
+    finally:
+        peer.close()
+    assert "dropped an incomplete request: no whole request within 1 s" in served.agent_log()
+
+
+def _start_hook(host: Host, name: str, op: str, xml: bytes) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [str(host.hook), name, op, "end", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=host.env | {"VMLEND_HOOK_TIMEOUT": "30"},
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(xml)
+    proc.stdin.close()
+    return proc
+
+
+def test_a_clean_stop_serves_the_connections_the_kernel_had_queued(hosts):
+    served = hosts["served"]
+    agent = served.start_agent(env=served.env | {"VMLEND_AGENT_READ_TIMEOUT": "3"})
+    assert served.agent is not None
+    res = served.hook_run("prepare", vm_xml())
+    assert (res.returncode, res.stderr) == (0, b"")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(str(served.socket))  # the acceptor waits for its request (3 s)
+    hooks: list[subprocess.Popen[bytes]] = []
+    try:
+        _wait_queued(served.socket, 0)  # the acceptor took the silent peer
+        hooks.append(_start_hook(served, "vm1", "release", vm_xml()))
+        for n in (2, 3):
+            xml = vm_xml(f"vm{n}", vm_uuid=uuid.UUID(int=n))
+            hooks.append(_start_hook(served, f"vm{n}", "release", xml))
+        _wait_queued(served.socket, 3)  # in the listen backlog, behind the silent peer
+        served.agent.send_signal(signal.SIGTERM)
+        results = [(h.wait(60), h.stderr.read() if h.stderr else b"") for h in hooks]
+    finally:
+        silent.close()
+        for h in hooks:
+            if h.poll() is None:
+                h.kill()
+                h.wait()
+    assert results == [(0, b"")] * 3
+    assert served.agent.wait(30) == 0 and not served.socket.exists()
+    assert served.snapshot() == ({}, set())
+    assert set(served.log_pids()) == {agent}  # served by the stopping agent, not in-process
 
 
 # --- who may use the agent --------------------------------------------------------------------
@@ -482,3 +595,344 @@ def test_a_relative_state_in_a_request_is_never_the_agents(hosts, tmp_path):
     assert served.agent is not None and served.agent.pid not in served.log_pids()
     assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # done, in-process
     assert not (elsewhere / "hook.log").exists()
+
+
+# --- whom the hook trusts, where the agent serves -------------------------------------------
+#: A listener that is not root's: binds argv[1] as uid 65534 and answers any request with a
+#: forged domain XML, as a hostile local user could. Prints what it saw.
+FORGER = f"""
+import os, socket, sys
+from vmlend.hook import wire
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1]); listener.listen(8); listener.settimeout(60)
+print("ready", flush=True)
+conn, _ = listener.accept()
+conn.settimeout(10)
+try:
+    wire.decode_request(wire.Reader(conn.recv))
+except (OSError, wire.WireError):
+    print("no request", flush=True)
+    sys.exit(0)
+conn.sendall(wire.encode_answer(0, b"<domain>forged</domain>", ""))
+print("answered", flush=True)
+"""
+
+
+def test_the_hook_never_trusts_a_listener_of_another_uid(hosts):
+    local = hosts["local"]
+    base = Path(tempfile.mkdtemp(prefix="vmlend-forger-"))
+    forger = None
+    try:
+        base.chmod(0o755)
+        theirs = base / "nobody"
+        theirs.mkdir()
+        os.chown(theirs, NOBODY, NOBODY)
+        sock = theirs / "hook.sock"
+        forger = subprocess.Popen(
+            [sys.executable, "-c", FORGER, str(sock)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",
+        )
+        assert forger.stdout is not None and forger.stdout.readline() == "ready\n"
+        res = local.hook_run("migrate", vm_xml(), VMLEND_HOOK_SOCKET=str(sock))
+        assert forger.wait(30) == 0
+        assert forger.stdout.read() == "no request\n"  # connected, checked, sent nothing
+    finally:
+        if forger is not None and forger.poll() is None:
+            forger.kill()
+            forger.wait()
+        shutil.rmtree(base)
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert b"forged" not in res.stdout and b"vmlend" in res.stdout  # done in-process
+
+
+@pytest.mark.parametrize(
+    "mode", [0o777, 0o1777, 0o775, "owned by 65534"], ids=["777", "1777", "775", "other-owner"]
+)
+def test_the_agent_refuses_a_socket_directory_others_can_write(hosts, mode):
+    served = hosts["served"]
+    base = Path(tempfile.mkdtemp(prefix="vmlend-sockdir-"))
+    try:
+        base.chmod(0o755)
+        where = base / "run"
+        where.mkdir()
+        if mode == "owned by 65534":
+            os.chown(where, NOBODY, NOBODY)
+            where.chmod(0o755)
+        else:
+            where.chmod(int(mode))
+        out = subprocess.run(
+            [VMLEND, "agent", "--hook-socket", str(where / "hook.sock")],
+            env=served.env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        assert out.returncode == 1
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"Error: the hook socket's directory {where} (owner uid ")
+        assert line.endswith(
+            "is writable by others: make it owned by root or uid 0 and mode 755, or choose"
+            " another --hook-socket"
+        )
+        assert list(where.iterdir()) == []  # nothing created there
+    finally:
+        shutil.rmtree(base)
+
+
+def test_the_agent_creates_the_socket_directory_0755(hosts):
+    served = hosts["served"]
+    served.start_agent()
+    assert (served.socket.parent.stat().st_mode & 0o777) == 0o755
+
+
+def test_a_second_agent_does_not_wait_on_nor_replace_a_busy_socket(tmp_path):
+    # A live listener whose backlog is full (an agent overloaded, or stopped with hooks
+    # queued) never accepts the probe: the new agent must not hang, nor take the path.
+    host = Host(tmp_path / "h")
+    make_fabric(host.state).close()
+    host.socket.parent.mkdir(parents=True)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(host.socket))
+    live.listen(0)
+    queued = []
+    try:
+        for _ in range(8):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(str(host.socket))
+            except BlockingIOError:
+                break
+        out = subprocess.run(
+            [VMLEND, "agent"], env=host.env, capture_output=True, text=True, timeout=20
+        )
+        assert out.returncode == 1
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"Error: another vmlend agent serves the hook on {host.socket} but does not answer"
+            " (stopped? overloaded?); stop it first"
+        )
+        assert host.socket.exists()
+        assert probe_agent(host.socket, {"VMLEND_STATE": str(host.state)}) == "not accepting"
+    finally:
+        for c in queued:
+            c.close()
+        live.close()
+
+
+def test_of_two_agents_starting_together_exactly_one_serves(hosts):
+    served = hosts["served"]
+    agents = [
+        subprocess.Popen(
+            [VMLEND, "agent"],
+            env=served.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while sum(a.poll() is None for a in agents) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        running = [a for a in agents if a.poll() is None]
+        assert len(running) == 1, [a.returncode for a in agents]
+        loser = next(a for a in agents if a.poll() is not None)
+        assert loser.returncode == 1 and loser.stderr is not None
+        assert loser.stderr.read().strip().splitlines()[-1] == (
+            f"Error: another vmlend agent serves the hook on {served.socket}; stop it first"
+        )
+        res = served.hook_run("prepare", vm_xml())
+        assert (res.returncode, res.stderr) == (0, b"")
+        assert set(served.log_pids()) == {running[0].pid}
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGKILL)
+            a.wait(30)
+
+
+# --- what the agent does not take -------------------------------------------------------------
+def test_a_request_without_state_or_registry_is_never_the_agents(tmp_path):
+    # Without VMLEND_STATE the hook's state is a default that depends on its uid, HOME and XDG
+    # variables; the agent cannot know those, so it must not guess, even when the guess would
+    # name its own state.
+    host = Host(tmp_path / "h")
+    host.state = HostEnv(host.root).system_state
+    host.state.parent.mkdir(parents=True)
+    make_fabric(host.state).close()
+    env = {k: v for k, v in host.env.items() if k != "VMLEND_STATE"}
+    try:
+        agent = host.start_agent()
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from vmlend.hook.entry import main; sys.exit(main())",
+                "vm1",
+                "prepare",
+                "begin",
+                "-",
+            ],
+            input=vm_xml(),
+            capture_output=True,
+            env=env | {"VMLEND_HOOK_SOCKET": str(host.socket)},
+            timeout=120,
+        )
+    finally:
+        host.stop_agent(signal.SIGKILL)
+    assert (out.returncode, out.stderr) == (0, b"")
+    text = (host.state.parent / "hook.log").read_text()
+    pids = {int(m) for m in re.findall(r" pid=(\d+) ", text)}
+    assert pids and agent not in pids  # done in-process, on the same default state
+    with open_fabric(host.state, "gamma") as f:
+        assert {d.fdid for d in f.devices() if d.holder} == set(FDIDS)
+
+
+def test_a_request_over_the_wire_limits_runs_in_process(hosts):
+    served = hosts["served"]
+    agent = served.start_agent()
+    padding = b"<!--" + b"x" * (9 * 1024 * 1024) + b"-->"  # over the 8 MiB the agent takes
+    big = vm_xml().replace(b"</domain>", padding + b"</domain>")
+    res = served.hook_run("prepare", big)
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")
+    assert agent not in served.log_pids()
+    assert wire.within_limits(["vm1"], {}, b"x" * wire.MAX_BLOB)
+    assert not wire.within_limits(["vm1"], {}, b"x" * (wire.MAX_BLOB + 1))
+    assert not wire.within_limits(["vm1"], {"VMLEND_X": "y" * (wire.MAX_STRING + 1)}, b"")
+    assert not wire.within_limits(["a"] * (wire.MAX_STRINGS + 1), {}, b"")
+    frame = wire.encode_request(["vm1"], {}, b"x" * (wire.MAX_BLOB + 1))
+    with pytest.raises(wire.WireError, match="over the limit"):
+        wire.decode_request(wire.Reader(io.BytesIO(frame).read))
+
+
+def test_a_full_queue_answers_not_mine_so_the_hook_runs_in_process(tmp_path):
+    # The worker is held up (the state is locked by another process's transaction); one call
+    # waits in the queue; the next hook is told "not mine" at once, with nothing done.
+    host = Host(tmp_path / "h")
+    make_fabric(host.state).close()
+    env = {
+        "VMLEND_STATE": str(host.state),
+        "VMLEND_ROOT": str(host.root),
+        "VMLEND_NODE": "gamma",
+        "VMLEND_HOOK_SOCKET": str(host.socket),
+        "VMLEND_HOOK_TIMEOUT": "30",
+    }
+    server = HookServer(host.socket, identity_of(env), queue_limit=1)
+    server.start()
+    lock = sqlite3.connect(host.state, isolation_level=None)
+    codes: dict[str, int | None] = {}
+
+    def hook(name: str, op: str, xml: bytes) -> None:
+        codes[name] = forward([name, op, "begin" if op == "prepare" else "end", "-"], xml, env)
+
+    waiting = [
+        threading.Thread(target=hook, args=("vm1", "prepare", vm_xml())),
+        threading.Thread(
+            target=hook, args=("vm2", "release", vm_xml("vm2", vm_uuid=uuid.UUID(int=2)))
+        ),
+    ]
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        for t in waiting:
+            t.start()
+            time.sleep(0.5)  # the first is running (blocked), the second queued
+        third = vm_xml("vm3", vm_uuid=uuid.UUID(int=3))
+        assert forward(["vm3", "release", "end", "-"], third, env) is None  # run it yourself
+        assert server.served == 0
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+        for t in waiting:
+            t.join(60)
+        server.stop()
+    assert codes == {"vm1": 0, "vm2": 0} and server.served == 2
+    assert host.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")
+
+
+def test_hook_install_warns_about_a_socket_directory_the_agent_would_refuse(tmp_path):
+    libvirt = tmp_path / "libvirt"
+    libvirt.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    base = [VMLEND, "--state", str(tmp_path / "state.db"), "hook", "install"]
+    args = ["--libvirt-dir", str(libvirt), "--hook-socket"]
+    out = subprocess.run(
+        [*base, *args, str(shared / "hook.sock")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "vmlend: warning: 'vmlend agent' will refuse to serve the hook: the hook socket's"
+        f" directory {shared} (owner uid 0, mode 1777) is writable by others: make it owned by"
+        " root or uid 0 and mode 755, or choose another --hook-socket"
+    ]
+    safe = tmp_path / "run"
+    out = subprocess.run(
+        [*base, *args, str(safe / "hook.sock")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stderr) == (0, "")
+
+
+#: ``vmlend ARGS...`` as uid 65534: everything the agent uses is imported first (the
+#: interpreter's own files may be where that user cannot read).
+AGENT_AS_NOBODY = f"""
+import os, sys
+import vmlend.cli.cmd_agent, vmlend.hook.server
+from vmlend.cli import run
+from vmlend.hook.main import load_handlers
+load_handlers()
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+sys.argv = ["vmlend", *sys.argv[1:]]
+sys.exit(run())
+"""
+
+
+def test_an_agent_that_may_not_probe_the_socket_leaves_it_alone():
+    # uid 65534 owns the directory, root listens on the socket (0600): the probe gets EACCES.
+    # That is no proof the socket is stale, so the new agent must not unlink it.
+    base = Path(tempfile.mkdtemp(prefix="vmlend-eacces-"))
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        base.chmod(0o755)
+        sock = hostlease.hook_socket_path(HostEnv(base))  # the default: no --hook-socket
+        run = sock.parent
+        run.mkdir(parents=True)
+        os.chown(run, NOBODY, NOBODY)
+        live.bind(str(sock))
+        sock.chmod(0o600)
+        live.listen(8)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+        env["VMLEND_ROOT"] = str(base)
+        argv = ["--state", str(run / "state.db"), "agent"]
+        out = subprocess.run(
+            [sys.executable, "-c", AGENT_AS_NOBODY, *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            cwd="/",
+        )
+        assert out.returncode == 1
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"Error: cannot tell whether an agent serves the hook on {sock} (Permission"
+            " denied); remove it if none does"
+        )
+        assert sock.exists() and sock.stat().st_uid == 0  # still the live one
+    finally:
+        live.close()
+        shutil.rmtree(base)

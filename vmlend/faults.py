@@ -25,7 +25,12 @@ POINTS: dict[str, tuple[str, ...]] = {
 
 def fault_point(name: str) -> None:
     """Die here if ``VMLEND_FAULT`` names this point (``operation:point``); with ``=INT``
-    appended (``attach:after-hotplug=INT``) send SIGINT instead, as Ctrl-C would."""
+    appended (``attach:after-hotplug=INT``) send SIGINT instead, as Ctrl-C would.
+
+    SIGINT goes to the process, and Python runs its handler on the main thread: reached on
+    another thread (a hook call on the agent's worker), ``=INT`` does not interrupt the call
+    there but asks the agent to stop, which finishes the call and the queued ones first.
+    Tests of agent-served calls use the default SIGKILL."""
     wanted = os.environ.get(FAULT_ENV)
     if not wanted:
         return

@@ -17,7 +17,7 @@ from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConf
 from vmlend.cli.connect import open_hv
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
-from vmlend.hook.server import HookServer, identity_of
+from vmlend.hook.server import HookServer, identity_of, read_timeout_from_env
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import hostlease
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
@@ -76,7 +76,11 @@ def agent_cmd(
         # The hook calls this agent runs find the host root where a hook process does.
         os.environ[ROOT_ENV] = str(obj.root)
     socket_path = Path(hook_socket).absolute() if hook_socket else hostlease.hook_socket_path(host)
-    server = HookServer(socket_path, identity_of(_hook_env(obj, node)))
+    server = HookServer(
+        socket_path,
+        identity_of(_hook_env(obj, node)),
+        read_timeout=read_timeout_from_env(os.environ),
+    )
     server.check_free()  # before the lease: a second agent on this host changes nothing
     stop_event = threading.Event()
 

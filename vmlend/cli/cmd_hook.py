@@ -12,6 +12,7 @@ from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
+from vmlend.hook.sockplace import check_socket_directory
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
 
@@ -55,6 +56,11 @@ def install(
             " that holds libvirtd.conf, usually /etc/libvirt)"
         )
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
+    socket_path = (
+        Path(hook_socket).absolute()
+        if hook_socket
+        else hostlease.hook_socket_path(HostEnv.from_env(cli.root))
+    )
     result = install_hook(
         libvirt_dir,
         cli.state_path,
@@ -62,10 +68,16 @@ def install(
         name=name,
         force=force,
         registry=cli.registry,
-        hook_socket=Path(hook_socket).absolute()
-        if hook_socket
-        else hostlease.hook_socket_path(HostEnv.from_env(cli.root)),
+        hook_socket=socket_path,
     )
+    if socket_path.parent.exists():  # a missing one the agent creates 0755
+        try:
+            check_socket_directory(socket_path.parent)
+        except ConfigError as e:
+            # The hook still works (in-process); only the agent will not serve it there.
+            click.echo(
+                f"vmlend: warning: 'vmlend agent' will refuse to serve the hook: {e}", err=True
+            )
     if json_output:
         emit_json(
             {

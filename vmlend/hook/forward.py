@@ -8,7 +8,9 @@ the very same ``vmlend.hook.main.run`` and sends back the exit code, stdout and 
 
 The rules, which keep a hook call done exactly once:
 
-- no socket file, connection refused (a stale file of a killed agent), permission denied, or
+- no socket file, connection refused (a stale file of a killed agent), permission denied, a
+  listener that is not root's nor ours (``SO_PEERCRED``: it could answer anything, and for
+  migrate/restore our stdout becomes libvirt's domain XML), a request over the wire limits, or
   the request could not be written whole: the agent cannot have run it, so ``forward`` returns
   None and the caller runs the call in-process, as without an agent;
 - the agent answers "not mine" (it serves another registry, state, node, root, backend) or
@@ -69,13 +71,18 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
     or None when the agent did nothing and the caller must run the call itself."""
     env = os.environ if environ is None else environ
     path = socket_path(env)
-    request = wire.encode_request(argv, pinned_environment(env), xml)
+    pinned = pinned_environment(env)
+    if not wire.within_limits(argv, pinned, xml):
+        return None  # the agent would drop it unanswered: do it here
+    request = wire.encode_request(argv, pinned, xml)
     timeout = answer_timeout(env)
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
+            if not _trusted_peer(sock):
+                return None  # nothing sent yet
             sock.sendall(request)
         except OSError:
             # The agent runs a request only once it has read all of it, up to the end mark: a
@@ -98,6 +105,14 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
         sys.stderr.write(err)
         sys.stderr.flush()
     return code
+
+
+def _trusted_peer(sock: _socket.socket) -> bool:
+    """Whether the listener runs as root or as our effective uid: only those could have
+    created a socket we trust with the call (struct ucred: pid, uid, gid as native ints)."""
+    cred = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+    uid = int.from_bytes(cred[4:8], sys.byteorder)
+    return uid in (0, os.geteuid())
 
 
 def _deadline_recv(sock: _socket.socket, timeout: float) -> Callable[[int], bytes]:

@@ -54,15 +54,13 @@ def handle(
     node: str | None,
     stdout: BinaryIO,
     open_fabric: FabricFactory = _open_fabric,
-    actions: ActionLog | None = None,
+    *,
+    actions: ActionLog,
 ) -> int:
-    """Do what ``call`` asks. Returns the exit code; raises VmlendError on failure."""
-    from pathlib import Path
-
-    from vmlend.hook.actionlog import ActionLog, log_path_for_state
+    """Do what ``call`` asks, recording it in ``actions`` (the log beside the state of the
+    call's environment). Returns the exit code; raises VmlendError on failure."""
     from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
     from vmlend.hook.ops import HookOps
-    from vmlend.settings import state_path_from_env
 
     action = call.action
     if action is Action.IGNORE:
@@ -71,8 +69,6 @@ def handle(
     dom = read_hook_domain(xml, strict=action not in (Action.RELEASE, Action.RECONNECT))
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
-    local = state_path if isinstance(state_path, Path) else state_path_from_env()
-    actions = actions or ActionLog(log_path_for_state(local))
     fabric = open_fabric(state_path, node)
     ops = HookOps(fabric, actions)
     if action is Action.PREPARE:
@@ -154,7 +150,7 @@ def _run_logged(
     if call.action is Action.RECONNECT:
         # A failing reconnect hook makes libvirt kill the running guest: never fail it.
         try:
-            handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions)
+            handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions=actions)
         except Exception as e:
             import traceback
 
@@ -162,7 +158,7 @@ def _run_logged(
             actions.record(name, "reconnect", f"PROBLEM (guest kept running): {detail}")
         return 0
     try:
-        code = handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions)
+        code = handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions=actions)
     except VmlendError as e:
         print(f"vmlend: {e}", file=stderr)
         actions.record(name, f"{call.operation} {call.sub_operation}", f"FAILED: {e}")

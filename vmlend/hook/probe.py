@@ -17,7 +17,7 @@ PROBE_ARGV = ["vmlend-doctor-probe", "started", "begin", "-"]
 
 def probe_agent(path: Path, environ: dict[str, str], timeout: float = 5.0) -> str:
     """ "served", "not mine", "denied", or why nobody answered ("no socket", "refused",
-    "permission denied", "no answer")."""
+    "permission denied", "not accepting", "no answer")."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -29,6 +29,8 @@ def probe_agent(path: Path, environ: dict[str, str], timeout: float = 5.0) -> st
             return "refused"
         except PermissionError:
             return "permission denied"
+        except OSError:  # a full backlog (EAGAIN) or a timeout: a listener that does not accept
+            return "not accepting"
         try:
             sock.sendall(wire.encode_request(PROBE_ARGV, environ, b""))
             kind, _code, _out, _err = wire.decode_answer(wire.Reader(sock.recv))

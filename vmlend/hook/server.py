@@ -6,11 +6,13 @@ call runs through the very same ``vmlend.hook.main.run`` as in the hook process,
 cannot drift apart.
 
 One acceptor thread takes connections in arrival order: it checks the peer (``SO_PEERCRED``:
-uid 0 or the agent's own uid), reads the whole request and decides whether it is this agent's
-(same registry, state, node, host root, backend and fault setting). One worker thread runs the
-accepted calls strictly in that order (a release queued behind its prepare runs after it) and
-runs a call even when its hook process went away meanwhile, since that process may no longer
-fall back (``forward``'s rules).
+uid 0 or the agent's own uid), reads the whole request within one deadline and decides whether
+it is this agent's (same registry, state, node, host root, backend and fault setting). One
+worker thread runs the accepted calls strictly in that order (a release queued behind its
+prepare runs after it). A call whose hook process went away meanwhile (it timed out and exited
+1, so libvirt aborted and will run release) is skipped when running it alone would do harm
+(prepare, migrate, restore); release and reconnect still run, they are idempotent. Where
+the socket may live and how it takes its place is ``vmlend.hook.sockplace``.
 
 **Deadlock rule.** libvirt holds the domain's job while the hook runs. So nothing on this path
 may call libvirt, nor wait for anything (lock, event, queue) that the agent's lease, guard or
@@ -27,27 +29,38 @@ import logging
 import os
 import queue
 import socket
-import stat
 import struct
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from vmlend.errors import ConfigError, VmlendError
+from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import BACKEND_ENV, open_fabric
 from vmlend.faults import FAULT_ENV
 from vmlend.hook import wire
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
+from vmlend.hook.contract import Action, parse_argv
 from vmlend.hook.main import load_handlers, run
+from vmlend.hook.sockplace import SocketPlace
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import parse_location
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_env
 
 log = logging.getLogger(__name__)
 
-#: How long the acceptor waits for a peer's request (the hook writes it right after connecting).
+#: How long the acceptor waits for a peer's whole request (the hook writes it right after
+#: connecting): one deadline per request, so a trickling peer cannot hold the acceptor.
 READ_TIMEOUT = 10.0
+#: Overrides READ_TIMEOUT in the agent's environment (tests set it short).
+READ_TIMEOUT_ENV = "VMLEND_AGENT_READ_TIMEOUT"
+#: Accepted calls waiting for the worker; over it the hook runs the call itself ("not mine").
+QUEUE_LIMIT = 64
+_BACKLOG = 64
+#: Calls that must not run once their hook is gone: libvirt already aborted the operation.
+_NOT_ALONE = (Action.PREPARE, Action.MIGRATE, Action.RESTORE)
 #: How long the worker tries to hand an answer back (the hook may be gone: then it is dropped).
 WRITE_TIMEOUT = 10.0
 _ACCEPT_POLL = 0.2  # how often the acceptor looks at the stop flag
@@ -94,6 +107,14 @@ def _relative_paths(environ: Mapping[str, str]) -> bool:
     return any(p and not os.path.isabs(p) for p in paths)
 
 
+def read_timeout_from_env(environ: Mapping[str, str]) -> float:
+    try:
+        value = float(environ.get(READ_TIMEOUT_ENV) or READ_TIMEOUT)
+    except ValueError:
+        return READ_TIMEOUT
+    return value if value > 0 else READ_TIMEOUT
+
+
 class _Call(NamedTuple):
     conn: socket.socket
     argv: list[str]
@@ -109,21 +130,26 @@ class HookServer:
         path: Path,
         identity: HookIdentity,
         allowed_uids: frozenset[int] | None = None,
+        read_timeout: float = READ_TIMEOUT,
+        queue_limit: int = QUEUE_LIMIT,
     ) -> None:
         self.path = path
         self.identity = identity
         self.allowed_uids = allowed_uids or frozenset({0, os.getuid()})
-        self._calls: queue.Queue[_Call | None] = queue.Queue()
+        self.read_timeout = read_timeout
+        self.queue_limit = queue_limit
+        self._calls: queue.Queue[_Call | None] = queue.Queue(queue_limit)
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
-        self._inode: int | None = None
+        self._place = SocketPlace(path)
         self._threads: list[threading.Thread] = []
         self.served = 0  # calls run (for logs and tests)
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         load_handlers()  # what a call uses, imported once here rather than in the first call
-        self._listener = self._bind()
+        self._listener = self._place.bind(_BACKLOG)
+        self._listener.settimeout(_ACCEPT_POLL)
         self._threads = [
             threading.Thread(target=self._accept_loop, name="hook-accept", daemon=True),
             threading.Thread(target=self._work_loop, name="hook-worker", daemon=True),
@@ -133,75 +159,26 @@ class HookServer:
         log.warning("serving the libvirt hook on %s", self.path)
 
     def stop(self) -> None:
-        """Stop accepting, remove the socket, then run what was already accepted (its hooks
-        wait for the answer and may not fall back)."""
+        """Remove the socket (no new connections: those hooks run in-process), take what the
+        kernel queued already, then run every accepted call (their hooks wait for the answer
+        and may not fall back) and close."""
         if self._listener is None or self._stopping.is_set():
             return
+        self._place.remove()
         self._stopping.set()
         self._threads[0].join()
-        self._remove_socket()
+        self._drain_backlog(self._listener)
         self._listener.close()
         self._calls.put(None)
         self._threads[1].join()
+        self._place.release()
         log.warning("stopped serving the hook (%d call(s) served)", self.served)
 
     def check_free(self) -> None:
-        """ConfigError when another agent serves the hook on ``path`` already: called before
-        anything else at start, so a second agent on a host changes nothing."""
-        self._replace_stale(self.path)
-
-    def _bind(self) -> socket.socket:
-        path = self.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._replace_stale(path)
-        # Bound under a temporary name, made 0600, listening, then renamed into place: the
-        # socket never exists at its real path with a wider mode or before it accepts.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(str(tmp))
-            os.chmod(tmp, 0o600)
-            listener.listen(64)
-            listener.settimeout(_ACCEPT_POLL)
-            os.replace(tmp, path)
-            self._inode = path.stat().st_ino
-        except OSError as e:
-            listener.close()
-            tmp.unlink(missing_ok=True)
-            raise ConfigError(f"cannot serve the hook on {path}: {e.strerror}") from None
-        return listener
-
-    @staticmethod
-    def _replace_stale(path: Path) -> None:
-        """A socket file no one listens on is a killed agent's: remove it. A live one is
-        another agent's: refuse to start rather than take its hooks."""
-        try:
-            mode = path.lstat().st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(mode):
-            raise ConfigError(f"{path} exists and is not a socket; remove it and start again")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except ConnectionRefusedError:
-            path.unlink(missing_ok=True)
-            return
-        except OSError:
-            pass  # unusable anyway: replace it
-        else:
-            raise ConfigError(f"another vmlend agent serves the hook on {path}; stop it first")
-        finally:
-            probe.close()
-        path.unlink(missing_ok=True)
-
-    def _remove_socket(self) -> None:
-        try:
-            if self.path.stat().st_ino == self._inode:  # not a newer agent's
-                self.path.unlink()
-        except OSError:
-            pass
+        """ConfigError when the socket's directory is unsafe or another agent serves the hook
+        on ``path`` already: called before anything else at start, so a second agent on a
+        host changes nothing. Holds the socket's lock from here until ``stop``."""
+        self._place.claim()
 
     # --- the acceptor: arrival order, peer check, whole request, mine or not ---------------
     def _accept_loop(self) -> None:
@@ -215,18 +192,42 @@ class HookServer:
                 log.warning("hook socket %s: accept failed: %s", self.path, e)
                 self._stopping.wait(_ACCEPT_POLL)
                 continue
+            self._take(conn)
+
+    def _drain_backlog(self, listener: socket.socket) -> None:
+        """Take the connections the kernel queued before the socket was removed: their hooks
+        sent (or are sending) a request and wait, so closing them would fail those hooks."""
+        listener.setblocking(False)
+        for _ in range(2 * _BACKLOG):  # bounded: nobody can connect to a removed socket
             try:
-                call = self._receive(conn)
-            except Exception as e:  # one bad peer must not stop the serving
-                log.warning("hook socket %s: dropped a connection: %s", self.path, e)
-                call = None
-            if call is None:
-                conn.close()
-            else:
-                self._calls.put(call)
+                conn, _addr = listener.accept()
+            except OSError:  # BlockingIOError: the backlog is empty
+                return
+            self._take(conn)
+
+    def _take(self, conn: socket.socket) -> None:
+        """Read the request on ``conn``, then queue the call, or answer and close."""
+        try:
+            call = self._receive(conn)
+        except Exception as e:  # one bad peer must not stop the serving
+            log.warning("hook socket %s: dropped a connection: %s", self.path, e)
+            call = None
+        if call is None:
+            conn.close()
+            return
+        try:
+            self._calls.put_nowait(call)
+        except queue.Full:
+            log.warning(
+                "hook socket %s: %d calls queued already; the hook runs this one itself",
+                self.path,
+                self.queue_limit,
+            )
+            _send(conn, wire.NOT_MINE)
+            conn.close()
 
     def _receive(self, conn: socket.socket) -> _Call | None:
-        conn.settimeout(READ_TIMEOUT)
+        conn.settimeout(self.read_timeout)
         _pid, uid, _gid = _PEERCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
@@ -235,12 +236,17 @@ class HookServer:
             _send(conn, wire.DENIED)
             return None
         try:
-            argv, env, xml = wire.decode_request(wire.Reader(conn.recv))
+            argv, env, xml = wire.decode_request(
+                wire.Reader(_deadline_recv(conn, self.read_timeout))
+            )
         except (OSError, wire.WireError) as e:
             log.warning("hook socket %s: dropped an incomplete request: %s", self.path, e)
             return None
         try:
-            theirs = None if _relative_paths(env) else identity_of(env)
+            # Without a state or registry the hook's default state path depends on its own
+            # uid, HOME and XDG variables, which the agent does not know: never guess.
+            unpinned = not env.get(STATE_ENV) and not env.get(REGISTRY_ENV)
+            theirs = None if unpinned or _relative_paths(env) else identity_of(env)
         except VmlendError:
             theirs = None  # e.g. a registry URL this agent cannot parse: the hook reports it
         if theirs != self.identity:
@@ -251,11 +257,29 @@ class HookServer:
     # --- the worker: one call at a time, in order ------------------------------------------
     def _work_loop(self) -> None:
         while (call := self._calls.get()) is not None:
-            code, out, err = self._execute(call)
-            self.served += 1
-            call.conn.settimeout(WRITE_TIMEOUT)
-            _send(call.conn, wire.encode_answer(code, out, err))  # the hook may be gone: fine
+            if _harmful_alone(call.argv) and _hook_gone(call.conn):
+                self._skip(call)
+            else:
+                code, out, err = self._execute(call)
+                self.served += 1
+                call.conn.settimeout(WRITE_TIMEOUT)
+                _send(call.conn, wire.encode_answer(code, out, err))  # the hook may be gone
             call.conn.close()
+
+    def _skip(self, call: _Call) -> None:
+        """The hook of this prepare, migrate or restore exited 1 already (it timed out), so
+        libvirt aborted: running it now would reserve devices for a VM that is not starting."""
+        what = " ".join(call.argv[1:3])
+        log.warning(
+            "skipped hook call %s of %s: its hook process had gone away", what, call.argv[0]
+        )
+        state = state_path_from_env(call.env)
+        ActionLog(log_path_for_state(state)).record(
+            call.argv[0],
+            what,
+            "SKIPPED by the agent: the hook process had gone away (timed out) before the call"
+            " ran, so libvirt aborted it; nothing done",
+        )
 
     def _execute(self, call: _Call) -> tuple[int, bytes, str]:
         opened: list[Fabric] = []
@@ -291,6 +315,40 @@ class HookServer:
                 except Exception as e:
                     log.warning("closing the fabric of a hook call: %s", e)
         return code, stdout.getvalue(), stderr.getvalue()
+
+
+def _harmful_alone(argv: list[str]) -> bool:
+    try:
+        return parse_argv(argv).action in _NOT_ALONE
+    except VmlendError:
+        return False  # run() reports a bad argv
+
+
+def _hook_gone(conn: socket.socket) -> bool:
+    """Whether the hook process closed its end (it exits at its timeout): a peek sees the end
+    of the stream. A live hook sends nothing more, so the peek would block."""
+    try:
+        conn.setblocking(False)
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: gone as well
+        return True
+
+
+def _deadline_recv(conn: socket.socket, timeout: float) -> Callable[[int], bytes]:
+    """``recv`` bounded by one deadline for the whole request, not per read."""
+    deadline = time.monotonic() + timeout
+
+    def recv(n: int) -> bytes:
+        left = deadline - time.monotonic()
+        if left > 0:
+            conn.settimeout(left)
+            with contextlib.suppress(TimeoutError):
+                return conn.recv(n)
+        raise TimeoutError(f"no whole request within {timeout:g} s")
+
+    return recv
 
 
 def _send(conn: socket.socket, data: bytes) -> None:

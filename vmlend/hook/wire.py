@@ -30,10 +30,14 @@ RAN = b"R"
 NOT_MINE = b"N"
 DENIED = b"D"
 
-#: Bounds on what the agent reads from a peer (the XML of a domain is a few KiB).
-MAX_STRINGS = 256
-MAX_STRING = 64 * 1024
-MAX_BLOB = 64 * 1024 * 1024
+#: Bounds on what the agent reads from a peer: libvirt's argv is 4 items, the VMLEND_*
+#: environment a handful of paths and names, the XML of a domain a few KiB. The hook checks
+#: them before sending (``within_limits``) and runs a call over them in-process.
+MAX_STRINGS = 64
+MAX_STRING = 8 * 1024
+MAX_BLOB = 8 * 1024 * 1024
+#: What the hook reads back: the rewritten XML of migrate/restore is a little longer.
+MAX_ANSWER = 2 * MAX_BLOB
 
 
 class WireError(ValueError):
@@ -50,6 +54,17 @@ def _blob(data: bytes) -> bytes:
 
 def _text(s: str) -> bytes:
     return _blob(s.encode("utf-8", "surrogateescape"))
+
+
+def within_limits(argv: list[str], env: dict[str, str], xml: bytes) -> bool:
+    """Whether ``decode_request`` would take this request whole."""
+    texts = [*argv, *env.keys(), *env.values()]
+    return (
+        len(argv) <= MAX_STRINGS
+        and len(env) <= MAX_STRINGS
+        and len(xml) <= MAX_BLOB
+        and all(len(t.encode("utf-8", "surrogateescape")) <= MAX_STRING for t in texts)
+    )
 
 
 def encode_request(argv: list[str], env: dict[str, str], xml: bytes) -> bytes:
@@ -124,5 +139,5 @@ def decode_answer(reader: Reader) -> tuple[bytes, int, bytes, str]:
     if kind != RAN:
         raise WireError(f"unknown answer {kind!r}")
     code = int.from_bytes(reader.exact(4), "big", signed=True)
-    stdout = reader.blob(MAX_BLOB)
-    return kind, code, stdout, reader.text(MAX_BLOB)
+    stdout = reader.blob(MAX_ANSWER)
+    return kind, code, stdout, reader.text(MAX_ANSWER)

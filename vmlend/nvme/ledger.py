@@ -119,8 +119,7 @@ def lend_shared(
         manager = Holder(dev.lender, MANAGER_VM)
         # the manager drives the device on its own node: no NTB crossing, so no claims
         tx.add_hold(HoldRecord(fdid, manager, clock(), Phase.BORROWED), [])
-        # asdict is shallow: Geometry, Holder and Claim hold scalars only (enums stay members)
-        tx.put_runtime(fdid, GEOMETRY_RECORD, "controller", msgspec.structs.asdict(geometry))
+        tx.put_runtime(fdid, GEOMETRY_RECORD, "controller", msgspec.to_builtins(geometry))
 
     registry.transact(body)
 
@@ -192,9 +191,9 @@ def reserve_share(
             SHARE_RECORD,
             key,
             {
-                "holder": msgspec.structs.asdict(holder),
+                "holder": msgspec.to_builtins(holder),
                 "share": share.record(),
-                "claims": [msgspec.structs.asdict(c) for c in claims],
+                "claims": msgspec.to_builtins(claims),
             },
         )
         _store_claims(tx, fdid)

@@ -39,7 +39,7 @@ def publish(path: Path, lease: HostLease) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     import json  # only the agent and etcd hosts read or write the file
 
-    tmp.write_text(json.dumps(msgspec.structs.asdict(lease)))
+    tmp.write_text(json.dumps(msgspec.to_builtins(lease)))
     os.replace(tmp, path)
 
 
