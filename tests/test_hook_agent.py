@@ -172,6 +172,20 @@ def hosts(tmp_path: Path) -> Iterator[dict[str, Host]]:
         host.stop_agent(signal.SIGKILL)
 
 
+def run_entry(env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+    """The hook's entry (``hooks/vmlend-qemu``'s body) preparing vm1 with exactly ``env``: for
+    the environments the installed script, which pins them, cannot produce."""
+    code = "import sys; from vmlend.hook.entry import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, "vm1", "prepare", "begin", "-"],
+        input=vm_xml(),
+        capture_output=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
 def _one_line(stderr: bytes) -> str:
     lines = stderr.decode().splitlines()
     assert len(lines) == 1, lines
@@ -575,22 +589,7 @@ def test_a_relative_state_in_a_request_is_never_the_agents(hosts, tmp_path):
     elsewhere.mkdir()
     served.start_agent(env=served.env | {"VMLEND_STATE": "state.db"}, cwd=elsewhere)
     rel = {"VMLEND_STATE": "state.db", "VMLEND_HOOK_SOCKET": str(served.socket)}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from vmlend.hook.entry import main; sys.exit(main())",
-            "vm1",
-            "prepare",
-            "begin",
-            "-",
-        ],
-        input=vm_xml(),
-        capture_output=True,
-        env=served.env | rel,
-        cwd=served.base,
-        timeout=120,
-    )
+    out = run_entry(served.env | rel, cwd=served.base)
     assert (out.returncode, out.stderr) == (0, b"")
     assert served.agent is not None and served.agent.pid not in served.log_pids()
     assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # done, in-process
@@ -768,21 +767,7 @@ def test_a_request_without_state_or_registry_is_never_the_agents(tmp_path):
     env = {k: v for k, v in host.env.items() if k != "VMLEND_STATE"}
     try:
         agent = host.start_agent()
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import sys; from vmlend.hook.entry import main; sys.exit(main())",
-                "vm1",
-                "prepare",
-                "begin",
-                "-",
-            ],
-            input=vm_xml(),
-            capture_output=True,
-            env=env | {"VMLEND_HOOK_SOCKET": str(host.socket)},
-            timeout=120,
-        )
+        out = run_entry(env | {"VMLEND_HOOK_SOCKET": str(host.socket)})
     finally:
         host.stop_agent(signal.SIGKILL)
     assert (out.returncode, out.stderr) == (0, b"")
