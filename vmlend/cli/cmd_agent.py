@@ -14,6 +14,7 @@ from types import FrameType
 import click
 
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
+from vmlend.cli.common import hook_socket_option
 from vmlend.cli.connect import open_hv
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
@@ -48,16 +49,10 @@ log = logging.getLogger(__name__)
     help="This host's hypervisor (e.g. qemu:///system, sim:///gamma): VMs with remote devices"
     " are paused while the lease is in doubt [default: none guarded].",
 )
-@click.option(
-    "--hook-socket",
-    envvar="VMLEND_HOOK_SOCKET",
-    type=click.Path(dir_okay=False),
-    help="Serve the hook on this socket [env VMLEND_HOOK_SOCKET, the variable 'vmlend hook"
-    " install' pins for the hook; default <root>/run/vmlend/hook.sock].",
-)
+@hook_socket_option("Serve the hook on this socket (give 'vmlend hook install' the same one)")
 @click.pass_obj
 def agent_cmd(
-    obj: CliContext, ttl: int, interval: float, uri: str | None, hook_socket: str | None
+    obj: CliContext, ttl: int, interval: float, uri: str | None, hook_socket: Path | None
 ) -> None:
     """Serve the libvirt hook and, on a cluster registry, hold this host's lease and take back
     devices whose borrower's lease ended.
@@ -75,7 +70,7 @@ def agent_cmd(
     if obj.root is not None:
         # The hook calls this agent runs find the host root where a hook process does.
         os.environ[ROOT_ENV] = str(obj.root)
-    socket_path = Path(hook_socket).absolute() if hook_socket else hostlease.hook_socket_path(host)
+    socket_path = hook_socket or hostlease.hook_socket_path(host)
     server = HookServer(
         socket_path,
         identity_of(_hook_env(obj, node)),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.common import emit_json, hook_socket_option, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
@@ -31,13 +31,7 @@ def hook() -> None:
 )
 @click.option("--name", default=DEFAULT_NAME, show_default=True, help="'qemu' or 'qemu.d/<name>'.")
 @click.option("--force", is_flag=True, help="Replace a hook vmlend did not install.")
-@click.option(
-    "--hook-socket",
-    envvar="VMLEND_HOOK_SOCKET",
-    type=click.Path(dir_okay=False),
-    help="The agent's hook socket to pin (as 'vmlend agent --hook-socket') [default"
-    " <root>/run/vmlend/hook.sock].",
-)
+@hook_socket_option("The agent's hook socket to pin (as 'vmlend agent --hook-socket')")
 @json_option
 @click.pass_obj
 def install(
@@ -45,7 +39,7 @@ def install(
     libvirt_dir: Path | None,
     name: str,
     force: bool,
-    hook_socket: str | None,
+    hook_socket: Path | None,
     json_output: bool,
 ) -> None:
     """Install the hook, pinned to this interpreter and this state path or registry URL."""
@@ -56,11 +50,7 @@ def install(
             " that holds libvirtd.conf, usually /etc/libvirt)"
         )
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
-    socket_path = (
-        Path(hook_socket).absolute()
-        if hook_socket
-        else hostlease.hook_socket_path(HostEnv.from_env(cli.root))
-    )
+    socket_path = hook_socket or hostlease.hook_socket_path(HostEnv.from_env(cli.root))
     result = install_hook(
         libvirt_dir,
         cli.state_path,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shlex
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -44,6 +45,23 @@ class VmlendGroup(click.Group):
 def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
     """The ``--json`` flag every listing command carries."""
     return click.option("--json", "json_output", is_flag=True, help="Print JSON on stdout.")(f)
+
+
+def hook_socket_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--hook-socket PATH`` (env ``VMLEND_HOOK_SOCKET``, the variable the installed hook
+    reads): the agent's socket, made absolute; None when not given (each command's default is
+    the one under the host root, ``hostlease.hook_socket_path``)."""
+
+    def absolute(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+        return Path(value).absolute() if value else None
+
+    return click.option(
+        "--hook-socket",
+        envvar="VMLEND_HOOK_SOCKET",
+        type=click.Path(dir_okay=False),
+        callback=absolute,
+        help=help_text + " [env VMLEND_HOOK_SOCKET; default <root>/run/vmlend/hook.sock].",
+    )
 
 
 def emit_json(data: Any) -> None:
