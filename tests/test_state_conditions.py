@@ -149,6 +149,30 @@ def test_read_only_file_system_reads_work_and_writes_name_it(state):
     assert json.loads(_cli("devices", "--json", state=state).stdout) == json.loads(devices)
 
 
+def test_a_version_2_state_on_a_read_only_file_system_still_reads(tmp_path, monkeypatch):
+    # Schema 3 only adds the compiled topology (a cache of the text): a version-2 state that
+    # cannot be migrated, because nothing may write it, is read as it is, not refused.
+    from tests.test_registry import older_vmlend
+
+    folder = tmp_path / "v2"
+    folder.mkdir()
+    path = folder / "state.db"
+    with older_vmlend(monkeypatch, 2):
+        init_fabric(path, *default_topology_text(), node="gamma")
+    reference = tmp_path / "copy.db"
+    shutil.copy(path, reference)  # read (and so migrated) writable, for the expected output
+    devices = json.loads(_cli("devices", "--json", state=reference).stdout)
+    before = _digest(path)
+    head = 'mount --bind "$(dirname "$1")" "$(dirname "$1")"\n'
+    head += 'mount -o remount,bind,ro "$(dirname "$1")"\n'
+    got = _run_steps(head, path)
+    assert got[0]["rc"] == 0, got[0]["out"]
+    assert json.loads(got[0]["out"]) == devices
+    assert got[1]["rc"] == 0 and got[2]["rc"] == 0, got
+    assert got[3]["rc"] == 1 and "read-only" in got[3]["out"]
+    assert _digest(path) == before  # still version 2, untouched
+
+
 def test_full_disk_reads_work_and_writes_name_it(state):
     devices = json.loads(_cli("devices", "--json", state=state).stdout)
     # A 1 MiB tmpfs over the state's directory, the state copied in, the rest filled up.

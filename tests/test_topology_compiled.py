@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -145,11 +146,58 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     # gives. Such a change must bump COMPILED_FORMAT and update this pin.
     described = shape(msgspec.inspect.type_info(Topology), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    pinned = {"vmlend-topology/1": "c33a3eb7444cb6b4"}
+    pinned = {"vmlend-topology/2": "c33a3eb7444cb6b4"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/fabric/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
     )
+
+
+def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
+    # Old bytes are trusted as long as the format tag matches: a parser that derives something
+    # else from the same text (a default window, RAM, a VF's DMA width, a name) must bump
+    # COMPILED_FORMAT too. Fixed inputs: the default topology and the generated ones.
+    texts = [default_topology_text()[0], small_topology(), star_topology(3, 4)]
+    texts.append(fabric_topology(4, 3))
+    body = b"".join(msgspec.msgpack.encode(parse_topology(t, "pin.toml")) for t in texts)
+    digest = hashlib.sha256(body).hexdigest()[:16]
+    pinned = {"vmlend-topology/2": "bd307ab2ac1fa13c"}
+    assert pinned.get(COMPILED_FORMAT) == digest, (
+        "the parser's output changed: bump COMPILED_FORMAT (vmlend/fabric/compiled.py) and pin"
+        f" it here ({digest})"
+    )
+
+
+def test_damaged_blobs_never_raise_nor_decode_into_another_topology():
+    # Every one-byte change of a real blob: the TOML's topology or None, never an exception
+    # (e.g. a bad UTF-8 byte in a name) and never a different topology.
+    text, source = default_topology_text()
+    parsed = parse_topology(text, source)
+    blob = compile_topology(parsed, "d")
+    assert blob is not None
+    rnd = random.Random(14)
+    for _ in range(3000):
+        damaged = bytearray(blob)
+        damaged[rnd.randrange(len(damaged))] = rnd.randrange(256)
+        assert decode_compiled(bytes(damaged), "d") in (None, parsed)
+
+
+def test_fabric_init_repairs_a_compiled_form_its_text_no_longer_gives(tmp_path):
+    # A blob of the right format and digest that decodes into something else (a parser that
+    # changed without a format bump, or damage the check missed): init with the same text
+    # rewrites it from the text instead of refusing the "different" topology.
+    path = tmp_path / "s.db"
+    text, source = default_topology_text()
+    init_fabric(path, text, source, node="gamma")
+    parsed = parse_topology(text, source)
+    other = msgspec.structs.replace(parsed, name="not-what-the-text-says")
+    with open_registry(path) as reg, reg.write() as tx:
+        tx.set_topology_compiled(compile_topology(other, tx.topology().digest))
+    with open_fabric(path, "gamma") as fabric:
+        assert fabric.topology().name == "not-what-the-text-says"  # the cache is trusted
+    assert init_fabric(path, text, source, node="gamma").action == "unchanged"
+    with open_fabric(path, "gamma") as fabric:
+        assert fabric.topology() == parsed
 
 
 @pytest.mark.parametrize(

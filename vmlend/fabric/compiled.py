@@ -9,6 +9,7 @@ else (a record an older vmlend wrote, another format, damage) falls back to pars
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -21,13 +22,18 @@ if TYPE_CHECKING:
 #: Bump when the same bytes would decode into a different ``Topology``: a change to any Struct
 #: reachable from it (tests/test_topology_compiled.py pins their shape) or to what the parser
 #: derives from the text. A record of another format is simply parsed from its TOML.
-COMPILED_FORMAT = "vmlend-topology/1"
+COMPILED_FORMAT = "vmlend-topology/2"
+
+#: What a damaged or foreign blob can raise while msgspec decodes it: besides its own errors,
+#: a bad byte inside a string (UnicodeDecodeError, a ValueError) and deep nesting.
+_UNDECODABLE = (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError)
 
 
 class _Compiled(msgspec.Struct, frozen=True, array_like=True):
     format: str
     digest: str  # the registry's digest of the TOML text this was compiled from
-    topology: msgspec.Raw  # decoded as a Topology only once format and digest match
+    check: int  # CRC-32 of the topology bytes: damage that still decodes is not used
+    topology: msgspec.Raw  # decoded as a Topology only once format, digest and check match
 
 
 def compile_topology(topology: Topology, digest: str) -> bytes | None:
@@ -36,10 +42,11 @@ def compile_topology(topology: Topology, digest: str) -> bytes | None:
     beyond 64 bits, which TOML sizes can reach): it is then parsed from its text, as before.
     Checked here, once per installed topology, so that no reader ever gets another one."""
     try:
-        body = msgspec.Raw(msgspec.msgpack.encode(topology))
+        body = msgspec.msgpack.encode(topology)
     except (OverflowError, msgspec.EncodeError):
         return None
-    blob = msgspec.msgpack.encode(_Compiled(COMPILED_FORMAT, digest, body))
+    envelope = _Compiled(COMPILED_FORMAT, digest, zlib.crc32(body), msgspec.Raw(body))
+    blob = msgspec.msgpack.encode(envelope)
     return blob if decode_compiled(blob, digest) == topology else None
 
 
@@ -52,8 +59,11 @@ def decode_compiled(blob: bytes | None, digest: str) -> Topology | None:
         envelope = msgspec.msgpack.decode(blob, type=_Compiled)
         if envelope.format != COMPILED_FORMAT or envelope.digest != digest:
             return None
-        return msgspec.msgpack.decode(envelope.topology, type=Topology)
-    except msgspec.DecodeError:  # also msgspec.ValidationError, its subclass
+        body = bytes(envelope.topology)
+        if zlib.crc32(body) != envelope.check:
+            return None
+        return msgspec.msgpack.decode(body, type=Topology)
+    except _UNDECODABLE:  # msgspec.ValidationError is a DecodeError
         return None
 
 

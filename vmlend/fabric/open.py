@@ -15,7 +15,7 @@ import msgspec
 
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.compiled import compile_topology, decode_compiled, stored_topology
+from vmlend.fabric.compiled import compile_topology, decode_compiled
 from vmlend.fabric.model import Topology
 from vmlend.hostenv import HostEnv
 from vmlend.registry import (
@@ -167,12 +167,14 @@ def init_fabric(
                 fill(tx)
                 return InitResult("created", topo, local)
             old = tx.topology()
-            old_topo = stored_topology(old)
+            # From its text, not its compiled form: that form is what may need repair here.
+            old_topo = parse_topology(old.text, old.source)
             if _same(old_topo, topo):
                 compiled = compile_topology(old_topo, old.digest)
-                if compiled is not None and decode_compiled(old.compiled, old.digest) is None:
-                    # Installed by an older vmlend (or in another compiled format): compile
-                    # it now, so that opening the fabric stops parsing its TOML.
+                if compiled is not None and decode_compiled(old.compiled, old.digest) != old_topo:
+                    # Installed by an older vmlend, in another compiled format, damaged, or
+                    # compiled by a parser that derived something else: compile it now, so
+                    # that opening the fabric decodes what its text says.
                     tx.set_topology_compiled(compiled)
                 if node is not None and node != old.local_node and not shared:
                     tx.set_local_node(node)

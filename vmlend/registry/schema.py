@@ -115,6 +115,9 @@ MIGRATE_V1_V2 = (
 #: opening a fabric parses no TOML. NULL: not compiled yet, the text is parsed as before; the
 #: next ``vmlend fabric init`` compiles it.
 MIGRATE_V2_V3 = ("ALTER TABLE topology ADD COLUMN compiled BLOB",)
+#: The first version with that column. A version-2 state this process may not write is read
+#: without it rather than refused (read-only commands keep working on a read-only state).
+COMPILED_SINCE = 3
 
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
 #: created as version 1 and brought forward by the same steps, so both paths give one schema.

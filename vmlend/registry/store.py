@@ -34,6 +34,7 @@ from vmlend.registry.conditions import (
 )
 from vmlend.registry.schema import (
     APPLICATION_ID,
+    COMPILED_SINCE,
     MIGRATIONS,
     SCHEMA_V1,
     SCHEMA_VERSION,
@@ -135,6 +136,8 @@ class Registry:
         self.busy_timeout = busy_timeout
         #: Why this state was opened read-only (raised by ``write()``); None when writable.
         self.read_only = read_only
+        #: Whether the topology table has the compiled column (``_migrate``).
+        self._has_compiled = True
 
     # --- opening -----------------------------------------------------------------------
     @classmethod
@@ -293,7 +296,7 @@ class Registry:
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
         try:
-            yield StateTxn(self._conn, writable)
+            yield StateTxn(self._conn, writable, self._has_compiled)
         except sqlite3.Error as e:
             self._conn.rollback()
             raise self._sqlite_error(e) from None
@@ -316,6 +319,11 @@ class Registry:
         with self.read() as tx:
             version = _schema_version(tx, self.path)
         if version == SCHEMA_VERSION:
+            return
+        if version == COMPILED_SINCE - 1 and self.read_only is not None:
+            # Version 3 only adds the compiled topology, a cache of the text: a state this
+            # process may not write is read as it is (its topology parsed), not refused.
+            self._has_compiled = False
             return
         with self.write() as tx:
             version = _schema_version(tx, self.path)  # another process may have migrated

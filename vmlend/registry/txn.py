@@ -29,9 +29,14 @@ from vmlend.registry.records import (
 
 
 class StateTxn:
-    def __init__(self, conn: sqlite3.Connection, writable: bool) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, writable: bool, has_compiled: bool = True
+    ) -> None:
         self._c = conn
         self.writable = writable
+        #: False for a schema-2 file opened read-only: it has no compiled column (the
+        #: migration that adds it needs a write), so its topology is parsed from the text.
+        self._has_compiled = has_compiled
 
     def _write(self) -> None:
         if not self.writable:
@@ -63,8 +68,9 @@ class StateTxn:
 
     # --- topology ----------------------------------------------------------------------
     def topology(self) -> TopologyRecord:
+        compiled = "compiled" if self._has_compiled else "NULL"
         row = self._c.execute(
-            "SELECT name, source, text, digest, local_node, created, compiled"
+            f"SELECT name, source, text, digest, local_node, created, {compiled}"
             " FROM topology WHERE id = 1"
         ).fetchone()
         if row is None:
