@@ -361,6 +361,27 @@ def _wait_queued(path: Path, count: int) -> None:
         time.sleep(0.02)
 
 
+def test_a_request_the_agent_cannot_judge_is_answered_not_mine(hosts):
+    # Deciding "mine or not" may fail in ways no VmlendError covers (here a root the file
+    # system refuses: an embedded NUL, which only a raw request can carry). The whole request
+    # was read, so the agent owes an answer: "not mine", and the hook runs the call itself,
+    # instead of a dropped connection that fails the VM's start "maybe half done".
+    served = hosts["served"]
+    served.start_agent()
+    env = {"VMLEND_STATE": str(served.state), "VMLEND_ROOT": "/tmp/bad\x00root"}
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        peer.settimeout(30)
+        peer.connect(str(served.socket))
+        peer.sendall(wire.encode_request(["vm1", "prepare", "begin", "-"], env, vm_xml()))
+        kind, *_rest = wire.decode_answer(wire.Reader(peer.recv))
+    finally:
+        peer.close()
+    assert kind == wire.NOT_MINE
+    assert served.snapshot() == ({}, set())  # nothing was done
+    assert served.serving()
+
+
 def _trickle(path: Path, seconds: float) -> socket.socket:
     """A peer that connects and sends a request's first bytes one at a time, every 0.3 s."""
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -64,7 +64,7 @@ _NOT_ALONE = (Action.PREPARE, Action.MIGRATE, Action.RESTORE)
 #: How long the worker tries to hand an answer back (the hook may be gone: then it is dropped).
 WRITE_TIMEOUT = 10.0
 _ACCEPT_POLL = 0.2  # how often the acceptor looks at the stop flag
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_PEERCRED = struct.Struct("iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
 
 
 class HookIdentity(NamedTuple):
@@ -135,7 +135,7 @@ class HookServer:
     ) -> None:
         self.path = path
         self.identity = identity
-        self.allowed_uids = allowed_uids or frozenset({0, os.getuid()})
+        self.allowed_uids = allowed_uids or frozenset({0, os.geteuid()})
         self.read_timeout = read_timeout
         self.queue_limit = queue_limit
         self._calls: queue.Queue[_Call | None] = queue.Queue(queue_limit)
@@ -247,8 +247,11 @@ class HookServer:
             # uid, HOME and XDG variables, which the agent does not know: never guess.
             unpinned = not env.get(STATE_ENV) and not env.get(REGISTRY_ENV)
             theirs = None if unpinned or _relative_paths(env) else identity_of(env)
-        except VmlendError:
-            theirs = None  # e.g. a registry URL this agent cannot parse: the hook reports it
+        except Exception:  # any doubt here means "not mine", never no answer
+            # e.g. a registry URL this agent cannot parse (the hook reports it), or an
+            # unreadable etc/vmlend/node under the hook's root: the whole request was read,
+            # so an answer is owed; without one the hook would fail the VM for nothing done.
+            theirs = None
         if theirs != self.identity:
             _send(conn, wire.NOT_MINE)
             return None
