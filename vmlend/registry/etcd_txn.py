@@ -309,7 +309,12 @@ class EtcdTxn:
         wrote without it). The digest stays: another process's cached record without it still
         describes the same topology."""
         self._write()
-        record = {**self._need_topology(), **enc.with_compiled(compiled)}
+        # The record itself, read in this transaction (so its revision is compared at commit),
+        # not the process's cache of it: another host may have re-installed the same text.
+        raw = self._get(self._k.topology_record)
+        if raw is None:
+            raise StateError("the registry holds no topology; run 'vmlend fabric init'")
+        record = {**enc.load(raw), **enc.with_compiled(compiled)}
         self._put(self._k.topology_record, enc.dump(record))
 
     def set_local_node(self, node: str) -> None:
