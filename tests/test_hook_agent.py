@@ -702,6 +702,30 @@ def test_the_agent_refuses_a_socket_directory_others_can_write(hosts, mode):
         shutil.rmtree(base)
 
 
+def test_the_agent_refuses_a_lock_file_another_user_made(hosts):
+    # Whoever owns the lock file could hold its flock and keep every agent out.
+    served = hosts["served"]
+    sock = served.base / "sock" / "hook.sock"
+    sock.parent.mkdir(mode=0o755)
+    lock = sock.with_name(".hook.sock.lock")
+    lock.touch(mode=0o644)
+    os.chown(lock, NOBODY, NOBODY)
+    out = subprocess.run(
+        [VMLEND, "agent", "--hook-socket", str(sock)],
+        env=served.env,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert out.returncode == 1
+    line = out.stderr.strip().splitlines()[-1]
+    assert line == (
+        f"Error: cannot serve the hook on {sock}: {lock} is not a plain file of root or this"
+        " user; remove it"
+    )
+    assert not sock.exists()
+
+
 def test_the_agent_creates_the_socket_directory_0755(hosts):
     served = hosts["served"]
     served.start_agent()

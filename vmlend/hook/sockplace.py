@@ -78,6 +78,15 @@ class SocketPlace:
             raise ConfigError(
                 f"cannot serve the hook on {self.path}: {lock}: {e.strerror}"
             ) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()) or st.st_nlink != 1:
+            # A lock file someone else made (or linked) could be held by them for ever.
+            os.close(fd)
+            raise ConfigError(
+                f"cannot serve the hook on {self.path}: {lock} is not a plain file of root or"
+                " this user; remove it"
+            )
+        os.fchmod(fd, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
