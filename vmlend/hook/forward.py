@@ -83,6 +83,8 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
             sock.connect(path)
             if not _trusted_peer(sock):
                 return None  # nothing sent yet
+            # Never half-close after this (shutdown(SHUT_WR)): the agent reads an end of stream
+            # as "this hook has gone" and skips a prepare/migrate/restore it has queued.
             sock.sendall(request)
         except OSError:
             # The agent runs a request only once it has read all of it, up to the end mark: a
