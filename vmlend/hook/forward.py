@@ -25,13 +25,12 @@ from __future__ import annotations
 import _socket  # the C module: see above
 import os
 import sys
-import time
 
 from vmlend.hook import wire
 
 TYPE_CHECKING = False  # not from typing: see above
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
 #: The agent's socket; ``vmlend hook install`` pins it like the state path.
 SOCKET_ENV = "VMLEND_HOOK_SOCKET"
@@ -91,7 +90,8 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
             # send that failed was not read whole, so nothing ran (docs/hooks.md).
             return None
         try:
-            kind, code, out, err = wire.decode_answer(wire.Reader(_deadline_recv(sock, timeout)))
+            recv = wire.deadline_recv(sock, timeout, "answer")
+            kind, code, out, err = wire.decode_answer(wire.Reader(recv))
         except TimeoutError:
             return _lost(path, f"gave no answer within {timeout:g} s")
         except (OSError, wire.WireError):
@@ -115,20 +115,6 @@ def _trusted_peer(sock: _socket.socket) -> bool:
     cred = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
     uid = int.from_bytes(cred[4:8], sys.byteorder)
     return uid in (0, os.geteuid())
-
-
-def _deadline_recv(sock: _socket.socket, timeout: float) -> Callable[[int], bytes]:
-    """``recv`` bounded by one deadline for the whole answer, not per read."""
-    deadline = time.monotonic() + timeout
-
-    def recv(n: int) -> bytes:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        return sock.recv(n)
-
-    return recv
 
 
 def _lost(path: str, what: str) -> int:

@@ -31,8 +31,7 @@ import queue
 import socket
 import struct
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -237,7 +236,7 @@ class HookServer:
             return None
         try:
             argv, env, xml = wire.decode_request(
-                wire.Reader(_deadline_recv(conn, self.read_timeout))
+                wire.Reader(wire.deadline_recv(conn, self.read_timeout, "request"))
             )
         except (OSError, wire.WireError) as e:
             log.warning("hook socket %s: dropped an incomplete request: %s", self.path, e)
@@ -337,21 +336,6 @@ def _hook_gone(conn: socket.socket) -> bool:
         return False
     except OSError:  # reset: gone as well
         return True
-
-
-def _deadline_recv(conn: socket.socket, timeout: float) -> Callable[[int], bytes]:
-    """``recv`` bounded by one deadline for the whole request, not per read."""
-    deadline = time.monotonic() + timeout
-
-    def recv(n: int) -> bytes:
-        left = deadline - time.monotonic()
-        if left > 0:
-            conn.settimeout(left)
-            with contextlib.suppress(TimeoutError):
-                return conn.recv(n)
-        raise TimeoutError(f"no whole request within {timeout:g} s")
-
-    return recv
 
 
 def _send(conn: socket.socket, data: bytes) -> None:

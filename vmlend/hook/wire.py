@@ -1,8 +1,8 @@
 """The hook <-> agent protocol: length-prefixed binary frames on a unix stream socket.
 
-Imports nothing: the hook process loads it right after deciding that a call concerns vmlend,
-before anything heavy. All integers are big-endian; every string is UTF-8 (surrogateescape, so
-argv and environment bytes that are not UTF-8 survive the trip).
+Imports only ``time`` (built in): the hook process loads it right after deciding that a call
+concerns vmlend, before anything heavy. All integers are big-endian; every string is UTF-8
+(surrogateescape, so argv and environment bytes that are not UTF-8 survive the trip).
 
 Request (hook -> agent), one per connection::
 
@@ -21,9 +21,16 @@ Answer (agent -> hook), then the agent closes the connection::
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # not from typing: this module imports nothing at run time
+import time
+
+TYPE_CHECKING = False  # not from typing: this module imports nothing heavy at run time
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Protocol
+
+    class _Socket(Protocol):  # socket.socket and the C _socket.socket alike
+        def settimeout(self, value: float | None, /) -> None: ...
+        def recv(self, bufsize: int, /) -> bytes: ...
 
 MAGIC = b"VMLHOOK1"
 RAN = b"R"
@@ -79,6 +86,24 @@ def encode_request(argv: list[str], env: dict[str, str], xml: bytes) -> bytes:
 
 def encode_answer(code: int, stdout: bytes, stderr: str) -> bytes:
     return b"".join([RAN, code.to_bytes(4, "big", signed=True), _blob(stdout), _text(stderr)])
+
+
+def deadline_recv(sock: _Socket, timeout: float, what: str) -> Callable[[int], bytes]:
+    """``sock.recv`` bounded by one deadline for the whole ``what`` (request or answer), not
+    per read: a peer that trickles bytes cannot stretch it. TimeoutError when it passes."""
+    deadline = time.monotonic() + timeout
+
+    def recv(n: int) -> bytes:
+        left = deadline - time.monotonic()
+        if left > 0:
+            sock.settimeout(left)
+            try:
+                return sock.recv(n)
+            except TimeoutError:
+                pass
+        raise TimeoutError(f"no whole {what} within {timeout:g} s")
+
+    return recv
 
 
 class Reader:
