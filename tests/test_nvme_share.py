@@ -343,11 +343,16 @@ def test_a_share_justifies_only_its_own_vm(hw, drive):
     wrong = [g if g.vm != "vm-a" else ShareGrant(g.fdid, g.node, "vm-x", g.asid)
              for g in drive.grants()]
     found = check_hardware(hw, shares=wrong)
-    assert found and all("not of vm-x" in v.detail for v in found), found
+    mapped = [v for v in found if v.kind != "share-wire"]
+    assert mapped and all("not of vm-x" in v.detail for v in mapped), found
+    # and what the manager keeps for A (queues, routes, doorbell page) is nobody's share now
+    wires = [v for v in found if v.kind == "share-wire"]
+    assert wires and all("b1/vm-a, which has no current share" in v.detail for v in wires)
+    assert {v.where.split()[1] for v in wires} >= {"queue", "interrupt-route", "doorbell-page"}
     # without B's share, everything of B's crossing is unjustified, A's still is
     found = check_hardware(hw, shares=[g for g in drive.grants() if g.vm != "vm-b"])
     kinds = {v.kind for v in found}
-    assert {"lender-iommu", "share-domain", "lut", "context"} <= kinds
+    assert {"lender-iommu", "share-domain", "lut", "context", "share-wire"} <= kinds
     assert not any(v.where.startswith("b1") for v in found)
 
 

@@ -431,6 +431,7 @@ class FakeHardware:
 
     def __init__(self):
         self.borrowed: dict[int, tuple[str, str]] = {}
+        self.revoked: list[tuple[int, str | None, str | None]] = []
         self.refuse: Exception | None = None
 
     def borrow(self, fdid, node, vm):
@@ -440,6 +441,10 @@ class FakeHardware:
 
     def give_back(self, fdid, node=None, vm=None):
         return self.borrowed.pop(fdid, None) is not None
+
+    def revoke(self, fdid, node=None, vm=None):
+        self.revoked.append((fdid, node, vm))
+        return 0
 
 
 def test_borrow_drives_the_hardware(tmp_path):
@@ -463,6 +468,7 @@ def test_borrow_drives_the_hardware(tmp_path):
     f.borrow(0x10, VM1)
     assert f.release(0x10, VM1) is True
     assert hw.borrowed == {}  # release returns the hardware too
+    assert hw.revoked == [(0x10, "gamma", "vm1")]  # and cuts the VM's open mdev
     f.close()
 
 

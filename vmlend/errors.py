@@ -87,6 +87,19 @@ class BorrowTeardownError(FabricError):
         )
 
 
+class DeviceRevokedError(FabricError):
+    """A VM's device was taken from it (lender reclaim, a release or give-back behind its
+    back): its mdev and config space are dead for that VM, as after a surprise removal."""
+
+    def __init__(self, fdid: int, holder: str) -> None:
+        self.fdid = fdid
+        self.holder = holder
+        super().__init__(
+            f"device {fdid:#x} is no longer {holder}'s (its borrow or hold ended): hot-remove"
+            " it from the VM, then attach it again if it is free"
+        )
+
+
 class LenderUnavailableError(FabricError):
     def __init__(self, fdid: int, lender: str, why: str = "is unreachable") -> None:
         self.fdid = fdid

@@ -117,6 +117,41 @@ class NvmeManager:
             self._admin_doorbells.pop(name, None)
             self._interrupts.pop(name, None)
 
+    def forget_share(self, name: str) -> None:
+        """Drop the share without asking the controller (it is being reset, or cannot answer):
+        the guard, the queue book and the interrupt and admin-doorbell routes forget it; its
+        queues go with the next controller reset."""
+        with self._lock:
+            share = self.book.shares.get(name)
+            if share is not None:
+                for g in range(1, share.queue_pairs + 1):
+                    self.controller.clear_domain(share.real_qid(g))
+                self.book.release(name)
+            self._queues.pop(name, None)
+            self._admin_doorbells.pop(name, None)
+            self._interrupts.pop(name, None)
+
+    def detach(self) -> None:
+        """The manager lost the drive (its borrow ended): forget every share, stop listening
+        for stray doorbells. The controller is reset by whoever takes the drive next."""
+        with self._lock:
+            for name in list(self.book.shares) + list(self._interrupts):
+                self.forget_share(name)
+            self._remove_stray()
+
+    def wiring(self) -> list[tuple[str, str, str]]:
+        """``(share, kind, detail)`` for each path the manager keeps for a share: its real
+        queues, its interrupt route and its admin doorbell route."""
+        with self._lock:
+            out = [
+                (name, "queue", f"{kind} {qid}")
+                for name, queues in self._queues.items()
+                for kind, qid in sorted(queues)
+            ]
+            out += [(name, "interrupt-route", "vectors") for name in self._interrupts]
+            out += [(name, "admin-doorbell", "route") for name in self._admin_doorbells]
+            return out
+
     def shares(self) -> list[Share]:
         return list(self.book.shares.values())
 

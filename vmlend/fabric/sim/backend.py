@@ -106,6 +106,8 @@ class BorrowHardware(Protocol):
 
     def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool: ...
 
+    def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
+
 
 class SimFabric(SimShareOps):
     """The simulated SmartIO cluster. ``local_node`` defaults to the state's local node.
@@ -295,6 +297,8 @@ class SimFabric(SimShareOps):
         if hold is None:
             return None
         self._end_borrow(hold)
+        if self._hw is not None:  # the holder's open mdev goes too, borrowed or not
+            self._hw.revoke(fdid, hold.holder.node, hold.holder.vm)
 
         def drop(tx: StateTxn) -> Holder | None:
             now = tx.hold(fdid)
@@ -475,8 +479,10 @@ class SimFabric(SimShareOps):
         mine = hold is not None and same_holder(hold.holder, holder)
         if mine and hold is not None and self._hw is not None:
             # whatever the recorded phase: this process's hardware may still have it borrowed;
-            # no phase to record, the hold goes below
+            # no phase to record, the hold goes below. The VM's open mdev is cut with the hold
+            # even when nothing was borrowed (the hand-over rule, docs/simulator.md).
             self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            self._hw.revoke(fdid, hold.holder.node, hold.holder.vm)
 
         def body(tx: StateTxn) -> bool:
             # one request on etcd, not six: the hold, the release's records, and the holds of

@@ -10,7 +10,9 @@ The backend (and the DMA-window, interrupt and peer-to-peer code) drive it throu
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -18,6 +20,7 @@ from vmlend.errors import (
     BorrowTeardownError,
     DeviceHeldError,
     FabricError,
+    MdevError,
     NoPathError,
     UnknownDeviceError,
     UnknownNodeError,
@@ -78,6 +81,56 @@ class _Ingress(msgspec.Struct, frozen=True):
 BorrowEndSubscriber = Callable[[Borrow], None]
 
 
+class OpenMdev(msgspec.Struct, frozen=True):
+    """An mdev a VM has open (QEMU holds its VFIO device): the VM's path to the device's config
+    space, BARs and (for a share) its virtual controller. ``on_revoke`` cuts that path."""
+
+    uuid: str
+    fdid: int
+    node: str
+    vm: str
+    on_revoke: Callable[[], object] | None = None
+    share: bool = False  # a queue-level share's mdev (justified by a share, not a hold)
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        return (self.node, self.vm)
+
+
+class ConfigWrite(msgspec.Struct, frozen=True):
+    """A guest's config-space write that reached a physical device: who wrote it, and whose
+    borrow the device was under at that moment (None: nobody's)."""
+
+    fdid: int
+    writer: tuple[str, str]
+    owner: tuple[str, str] | None
+    offset: int
+    value: int
+
+
+class ShareWire(msgspec.Struct, frozen=True):
+    """One path a shared drive keeps for a share's VM (a real queue, an interrupt route, an
+    admin doorbell route, a doorbell page), for the invariant checker to justify."""
+
+    fdid: int
+    node: str
+    vm: str
+    kind: str
+    detail: str
+
+
+class ShareWiring(Protocol):
+    """A shared drive as the hardware knows it: what it has wired for its shares now."""
+
+    fdid: int
+
+    def wiring(self) -> list[ShareWire]: ...
+
+
+#: How many of the latest guest config writes the hardware keeps for the checker.
+CONFIG_AUDIT = 512
+
+
 def _domain_name(node: str, what: str) -> str:
     return f"{node}:{what}"
 
@@ -103,6 +156,12 @@ class SimHardware:
         self._attached: dict[int, list[_Ingress]] = {}  # fdid -> ingress attachments
         self._borrow_end: list[BorrowEndSubscriber] = []
         self._fenced: dict[int, str] = {}  # fdid -> why its last teardown failed
+        self._open: dict[str, OpenMdev] = {}  # mdev UUID -> the VM that has it open
+        self._config_audit: deque[ConfigWrite] = deque(maxlen=CONFIG_AUDIT)
+        self._share_wiring: list[ShareWiring] = []
+        #: Borrow ends whose owners left lender mappings behind (the fallback had to clean
+        #: up): each is a bug in whoever mapped them, reported by the invariant checker.
+        self.teardown_gaps: list[str] = []
         self._routes: dict[tuple[str, str], NtbPath | NoPathError | None] = {}
         for spec in topology.nodes:
             self._build_node(spec)
@@ -435,10 +494,16 @@ class SimHardware:
             dst.lut_remove(self.requester_key(fdid))
         left = self._lender_domains[fdid].mappings()
         if left:
-            # the device's own domain is the borrow's: what no subscriber claimed goes with it
-            log.warning("device %#x: %d unowned lender mappings dropped", fdid, len(left))
+            # the device's own domain is the borrow's: what no subscriber claimed goes with it,
+            # but whoever mapped it should have removed it: the checker reports the gap
+            gap = f"device {fdid:#x}: {len(left)} lender mappings nobody removed at borrow end"
+            log.warning("%s", gap)
+            self.teardown_gaps.append(gap)
             self._lender_domains[fdid].clear()
         del self._borrows[fdid]
+        # the open mdevs go in the same step (config space, BARs, shares), once no borrow is
+        # left that a peer mapper could map them for again
+        self.revoke(fdid)
         dev.reset()
         log.info("device %#x given back by %s/%s", fdid, current.node, current.vm)
         return True
@@ -451,6 +516,91 @@ class SimHardware:
         dev.config.write(regs.COMMAND, 2, cmd, notify=False)
         log.error("device %#x fenced: %s", dev.fdid, why)
         raise BorrowTeardownError(dev.fdid, current.node, current.vm, why) from failures[0]
+
+    # --- mdevs a VM has open, and what reaches a device through them ---------------------------
+    def open_mdev(
+        self,
+        uuid: str,
+        fdid: int,
+        node: str,
+        vm: str,
+        on_revoke: Callable[[], object] | None = None,
+        *,
+        share: bool = False,
+    ) -> OpenMdev:
+        """VM ``vm`` on ``node`` opens mdev ``uuid`` of ``fdid`` (QEMU's VFIO open). One VM at a
+        time: ``MdevError`` when another VM has it open, or (unless ``share``: a queue-level
+        share's mdev, one per VM) another VM has an mdev of the same device open.
+        ``on_revoke`` runs when the device's borrow or hold ends."""
+        self.device(fdid)
+        current = self._open.get(uuid)
+        if current is not None and current.owner != (node, vm):
+            raise MdevError(
+                f"mdev {uuid} is open in VM {current.vm} on {current.node}; it can be opened by"
+                " one VM at a time"
+            )
+        for other in self._open.values():
+            if other.fdid == fdid and other.owner != (node, vm) and not share:
+                raise MdevError(
+                    f"device {fdid:#x} is open in VM {other.vm} on {other.node} (mdev"
+                    f" {other.uuid}); stop that VM or hot-remove the device first"
+                )
+        opened = OpenMdev(uuid, fdid, node, vm, on_revoke, share)
+        self._open[uuid] = opened
+        return opened
+
+    def close_mdev(self, uuid: str) -> bool:
+        """The VM closed mdev ``uuid`` (hot-remove, VM stop). False when it was not open."""
+        return self._open.pop(uuid, None) is not None
+
+    def open_mdevs(self) -> list[OpenMdev]:
+        return [self._open[u] for u in sorted(self._open)]
+
+    def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int:
+        """Cut the paths of the VMs that have an mdev of ``fdid`` open (only ``node``/``vm``'s
+        when given): their sessions read all ones and drop writes from now on, as for a removed
+        device. Run when a borrow or a hold ends. Returns how many were cut."""
+        cut = [
+            o
+            for o in self._open.values()
+            if o.fdid == fdid and (node is None or o.node == node) and (vm is None or o.vm == vm)
+        ]
+        for o in cut:
+            del self._open[o.uuid]
+            if o.on_revoke is not None:
+                o.on_revoke()
+        if cut:
+            log.info("device %#x: %d open mdev(s) revoked", fdid, len(cut))
+        return len(cut)
+
+    def config_write(
+        self, fdid: int, writer: tuple[str, str], offset: int, size: int, value: int
+    ) -> None:
+        """A guest's config write reaching device ``fdid`` on behalf of ``writer`` (node, VM),
+        kept for the checker with whose borrow the device was under."""
+        dev = self.device(fdid)
+        borrow = self._borrows.get(fdid)
+        owner = None if borrow is None else (borrow.node, borrow.vm)
+        self._config_audit.append(ConfigWrite(fdid, writer, owner, offset, value))
+        dev.config.write(offset, size, value)
+
+    def config_writes(self) -> list[ConfigWrite]:
+        """The latest guest config writes that reached devices (at most ``CONFIG_AUDIT``)."""
+        return list(self._config_audit)
+
+    # --- shared drives ---------------------------------------------------------------------
+    def add_share_wiring(self, drive: ShareWiring) -> Callable[[], None]:
+        """Make a shared drive's wiring visible to the invariant checker; returns a remover."""
+        self._share_wiring.append(drive)
+
+        def remove() -> None:
+            if drive in self._share_wiring:
+                self._share_wiring.remove(drive)
+
+        return remove
+
+    def share_wiring(self) -> list[ShareWire]:
+        return [w for d in self._share_wiring for w in d.wiring()]
 
     # --- DMA -------------------------------------------------------------------------------------
     def resolve_dma(self, fdid: int, iova: int, *, write: bool = False) -> DmaTarget:

@@ -33,6 +33,17 @@ drive, VM, address-space id):
 - ``context``/``lut``: a shared drive's crossing into a node (LUT entries on both adapters, the
   ingress context) where no current share needs it.
 Without ``shares`` a shared drive's share mappings are all violations.
+
+The hand-over rule (docs/simulator.md: when a borrow ends, every path of the old owner is cut in
+that same step) adds:
+
+- ``config-write``: a guest config write reached a device while the device was not under the
+  writer's borrow (the session of another, or of no, current borrow wrote it);
+- ``mdev``: an mdev open in a VM that the device's borrow or (given ``holds``) hold does not
+  name, or one device's mdevs open in two VMs; a share's mdev open with no current share;
+- ``share-wire``: a real queue, interrupt route, admin doorbell route or doorbell page a shared
+  drive keeps for a VM that has no current share of it, or while the manager does not borrow it;
+- ``teardown``: a borrow ended and its owners left lender mappings for the hardware's fallback.
 """
 
 from __future__ import annotations
@@ -96,6 +107,10 @@ def check_hardware(
     c.luts()
     c.contexts()
     c.interrupts()
+    c.config_writes()
+    c.open_mdevs(holds)
+    c.share_wires()
+    c.teardown_gaps()
     if holds is not None:
         c.holds(holds)
     if claims is not None:
@@ -399,6 +414,52 @@ class _Checker:
                     f"device {dev.fdid:#x}",
                     f"{dev.interrupt_routes} interrupt route(s) but it is not borrowed",
                 )
+
+    def config_writes(self) -> None:
+        for w in self.hw.config_writes():
+            if w.owner != w.writer:
+                held = f"{w.owner[0]}/{w.owner[1]}" if w.owner else "nobody"
+                self.bad(
+                    "config-write",
+                    f"device {w.fdid:#x} offset {w.offset:#x}",
+                    f"{w.writer[0]}/{w.writer[1]} wrote {w.value:#x} while {held} borrowed it",
+                )
+
+    def open_mdevs(self, holds: Mapping[int, HoldRecord] | None) -> None:
+        users: dict[int, set[Owner]] = {}
+        for o in self.hw.open_mdevs():
+            where = f"mdev {o.uuid} ({o.fdid:#x})"
+            if o.share:
+                if not any(g.owner == o.owner for g in self.grants.get(o.fdid, {}).values()):
+                    self.bad("mdev", where, f"open in {o.node}/{o.vm}, which has no share of it")
+                continue
+            users.setdefault(o.fdid, set()).add(o.owner)
+            borrower = self.owners.get(o.fdid)
+            if borrower is not None and borrower != o.owner:
+                by = f"{borrower[0]}/{borrower[1]}"
+                self.bad("mdev", where, f"open in {o.node}/{o.vm}, borrowed by {by}")
+            if holds is not None:
+                hold = holds.get(o.fdid)
+                if hold is None or (hold.holder.node, hold.holder.vm) != o.owner:
+                    who = str(hold.holder) if hold else "nobody"
+                    self.bad("mdev", where, f"open in {o.node}/{o.vm}, held by {who}")
+        for fdid, owners in sorted(users.items()):
+            if len(owners) > 1:
+                names = ", ".join(f"{n}/{v}" for n, v in sorted(owners))
+                self.bad("mdev", f"device {fdid:#x}", f"open in two VMs: {names}")
+
+    def share_wires(self) -> None:
+        for w in self.hw.share_wiring():
+            where = f"{w.fdid:#x} {w.kind} {w.detail}"
+            owner = self.owners.get(w.fdid)
+            if owner is None or owner[1] != MANAGER_VM:
+                self.bad("share-wire", where, f"for {w.node}/{w.vm}, but no manager borrows it")
+            elif not any(g.owner == (w.node, w.vm) for g in self.grants.get(w.fdid, {}).values()):
+                self.bad("share-wire", where, f"for {w.node}/{w.vm}, which has no current share")
+
+    def teardown_gaps(self) -> None:
+        for gap in self.hw.teardown_gaps:
+            self.bad("teardown", "borrow end", gap)
 
     def holds(self, holds: Mapping[int, HoldRecord]) -> None:
         for fdid, hold in sorted(holds.items()):

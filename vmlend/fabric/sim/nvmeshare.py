@@ -17,6 +17,15 @@ admin queues in lender memory, and for each VM (``open_share``):
 
 A VM's stop (``VmNvmeShare.close``) deletes its real queues, unmaps its windows and unpins its
 RAM; other shares keep running.
+
+When the manager's borrow of the drive ends by any path (the lender reclaims it, goes down,
+takes a fenced drive back), every share ends in that same step (a borrow-end subscriber): the
+guard forgets its queues, the interrupt and doorbell routes go, its windows, NTB segments, LUT
+entries and ingress contexts are removed, and the manager's own memory is unmapped; the
+hardware then resets the drive, so the next owner finds a reset controller. The shares'
+virtual controllers read all ones and drop writes from then on, as after a surprise removal.
+A share revoked alone (its registry share released behind its VM's back) ends the same way.
+What a drive keeps wired for its shares (``wiring``) is visible to the invariant checker.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.fabric.model import GuestRange
-from vmlend.fabric.sim.hardware import SimHardware, fabric_requester_key
+from vmlend.fabric.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
 from vmlend.fabric.sim.invariants import ShareGrant
 from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
@@ -82,6 +91,9 @@ class VmNvmeShare:
         self.traps = 0  # software steps taken for the guest's I/O doorbell writes
         self.admin_traps = 0
         self.open = True
+        #: The share was cut (its drive's borrow or its own share ended): a removed device.
+        self.revoked = False
+        self.mdev: str | None = None  # the mdev the VM opened it through (``SimVm``)
         self.virtual = VirtualNvmeController(
             share,
             drive.controller.config,
@@ -123,9 +135,23 @@ class VmNvmeShare:
 
     def close(self) -> None:
         """The VM stops: its queues go, then its windows and pins. Idempotent."""
+        if self.mdev is not None:
+            self.drive.hw.close_mdev(self.mdev)
         if self.open:
             self.open = False
             self.drive._close_share(self)
+
+    def revoke(self) -> None:
+        """The share was taken from the VM (the hardware cuts its open mdev): its queues,
+        routes and windows go now; the guest sees a removed controller. Idempotent."""
+        if self.revoked:
+            return
+        self.revoked = True
+        if self.open:
+            self.open = False
+            self.drive._cut_share(self)
+        log.warning("NVMe share %s of %#x was taken from %s/%s", self.name, self.drive.fdid,
+                    self.node, self.vm)
 
 
 class _ShareConfig:
@@ -138,12 +164,14 @@ class _ShareConfig:
         self.command = 0
 
     def read(self, offset: int, size: int) -> int:
+        if self.s.revoked:
+            return (1 << 8 * size) - 1  # a removed device
         if offset == regs.COMMAND:
             return self.command & ((1 << (8 * size)) - 1)
         return 0
 
     def write(self, offset: int, size: int, value: int) -> None:
-        if offset != regs.COMMAND or size not in (2, 4):
+        if self.s.revoked or offset != regs.COMMAND or size not in (2, 4):
             return
         if not self.s.open:
             raise FabricError(f"VM {self.s.vm}'s NVMe share is closed")
@@ -166,11 +194,15 @@ class _GuestBar0:
         self.page = share.share.doorbell_page_offset(self.dstrd)
 
     def read(self, offset: int, size: int) -> int:
+        if self.s.revoked:
+            return (1 << 8 * size) - 1  # a removed device
         if offset < spec.DOORBELL_BASE:
             return self.s.virtual.read(offset, size)
         return 0
 
     def write(self, offset: int, size: int, value: int) -> None:
+        if self.s.revoked:
+            return  # dropped, as a write to a removed device
         if not self.s.open:
             raise FabricError(f"VM {self.s.vm}'s NVMe share is closed")
         if offset < spec.DOORBELL_BASE:
@@ -228,6 +260,10 @@ class SharedNvmeDrive:
         self.shares: dict[str, VmNvmeShare] = {}
         self.memory: HostDmaMemory | None = None
         self._remove_irq: Callable[[], None] = lambda: None
+        #: Why the manager's borrow ended under it (every share ended with it), else None.
+        self.ended: str | None = None
+        self._remove_end = hardware.on_borrow_end(self._borrow_ended)
+        self._remove_wiring = hardware.add_share_wiring(self)
         try:
             hardware.borrow(fdid, self.device.lender, MANAGER_VM)
             cmd = self.device.config.read(regs.COMMAND, 2)
@@ -358,11 +394,64 @@ class SharedNvmeDrive:
             del self._ingress[node]
 
     def _close_share(self, vms: VmNvmeShare) -> None:
+        if self.ended is not None:
+            return  # cut with the drive's borrow already
         try:
             self.manager.remove_share(vms.name)
         finally:
             vms.windows.close()
             self.shares.pop(vms.name, None)
+
+    def _cut_share(self, vms: VmNvmeShare) -> None:
+        """End ``vms`` now. While the drive goes on its queues are deleted (the others keep
+        theirs); when the drive's borrow ends the controller is not asked (the reset that
+        follows deletes every queue). Either way the guard and the routes forget it and its
+        windows go."""
+        try:
+            if self.ended is None:
+                self.manager.remove_share(vms.name)
+        except Exception as e:  # a cut never stops half-way: forget it all the same
+            log.warning("NVMe share %s: its queues could not be deleted: %s", vms.name, e)
+        finally:
+            self.manager.forget_share(vms.name)
+            vms.windows.close()
+            self.shares.pop(vms.name, None)
+
+    def _borrow_ended(self, borrow: Borrow) -> None:
+        """The manager's borrow of the drive ends (reclaim, lender down, take-back): every
+        share and the manager's own paths go in this same step, before the hardware resets
+        the drive and forgets the borrow."""
+        if borrow.fdid != self.fdid or borrow.vm != MANAGER_VM or self.ended is not None:
+            return
+        self.ended = f"the manager's borrow of {self.fdid:#x} ended"
+        failures: list[Exception] = []
+        for vms in list(self.shares.values()):
+            try:
+                vms.revoke()
+            except Exception as e:  # cut the rest all the same; the hardware fences on raise
+                failures.append(e)
+        self._remove_irq()
+        self._remove_irq = lambda: None
+        self.manager.detach()
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
+        log.warning("NVMe drive %#x: %s; every share ended", self.fdid, self.ended)
+        if failures:
+            raise failures[0]
+
+    def wiring(self) -> list[ShareWire]:
+        """What the drive keeps wired for shares now: real queues, interrupt and admin
+        doorbell routes (the manager's), and doorbell pages (open shares in page mode)."""
+        owners = {n: (v.node, v.vm) for n, v in self.shares.items()}
+        out = [
+            ShareWire(self.fdid, *owners.get(name, ("?", name)), kind, detail)
+            for name, kind, detail in self.manager.wiring()
+        ]
+        for v in self.shares.values():
+            if v.open and v.bar0.page is not None:
+                out.append(ShareWire(self.fdid, v.node, v.vm, "doorbell-page", f"{v.bar0.page:#x}"))
+        return out
 
     def record(self, registry: Registry) -> None:
         """Put what the data path sees of each share (real queues, guard rejections) into
@@ -393,16 +482,21 @@ class SharedNvmeDrive:
         }
 
     def _teardown(self) -> None:
+        self._remove_end()
         self._remove_irq()
         if self.memory is not None:
             self.memory.close()
-        if self.hw.borrowed(self.fdid) is not None:
-            self.hw.give_back(self.fdid)
+            self.memory = None
+        borrow = self.hw.borrowed(self.fdid)
+        if borrow is not None and borrow.vm == MANAGER_VM:  # never another owner's borrow
+            self.hw.give_back(self.fdid, borrow.node, MANAGER_VM)
+        self._remove_wiring()
         self.nvme.close()
 
     def close(self) -> None:
         """Every share closes, the manager stops and the device is given back (reset)."""
         for vms in list(self.shares.values()):
             vms.close()
-        self.manager.close()
+        if self.ended is None:
+            self.manager.close()
         self._teardown()

@@ -22,6 +22,14 @@ Reactions to the guest's writes (DESIGN.md mechanisms 4-5, 8):
 - memory BAR addresses, while the guest has memory decoding on, are reported to an optional
   observer (peer-to-peer mapping) as ``program_bar(fdid, index, gpa, size)``; ``gpa`` 0 means
   the BAR is no longer decoded at any address. ``remove_device(fdid)`` when the session ends.
+
+Only the session of the device's current borrow reaches the physical device (the hand-over
+rule, docs/simulator.md). The session opens its mdev on the hardware (one VM at a time); when
+the borrow or the hold ends by any path (lender reclaim, a release after a crash, the fabric's
+give-back, the lender going down) the hardware revokes it, and from then on it reads all ones
+and its writes are dropped, as for a removed device. Before the first borrow the guest may read
+the (reset, unborrowed) device to discover it, but only an enabling write, which borrows it
+first, reaches it; while another VM borrows the device the session reads all ones too.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from vmlend.errors import FabricError, VmlendError
+from vmlend.errors import DeviceHeldError, DeviceRevokedError, FabricError, VmlendError
 from vmlend.fabric.model import BarKind, Holder
 from vmlend.fabric.sim.device import SimDevice
 from vmlend.fabric.sim.dmawin import VmDmaWindows
@@ -72,7 +80,8 @@ def clear_bits(offset: int, size: int, value: int, reg: int, bits: int) -> int:
 
 
 class PassthroughSession:
-    """``device`` passed through to the VM ``holder`` whose DMA windows are ``windows``."""
+    """``device`` passed through to the VM ``holder`` whose DMA windows are ``windows``, through
+    mdev ``mdev`` (opened on the hardware here: ``MdevError`` when another VM has it open)."""
 
     def __init__(
         self,
@@ -81,15 +90,22 @@ class PassthroughSession:
         fabric: BorrowFabric,
         windows: VmDmaWindows,
         observer: BarObserver | None = None,
+        mdev: str | None = None,
     ) -> None:
         self.device = device
         self.holder = holder
         self.fabric = fabric
         self.windows = windows
+        self.hw = windows.hw
         self.observer = observer
+        self.mdev = mdev
         self.shadow = ConfigSpace.from_spec(device.spec)  # only its BAR registers are used
         self.borrowed = False
         self.closed = False
+        #: The device was taken from this VM (its borrow or hold ended): a removed device.
+        self.revoked = False
+        if mdev is not None:
+            self.hw.open_mdev(mdev, device.fdid, holder.node, holder.vm, self._revoke)
         #: Why the latest enabling write (borrow or bus master) was refused, else None.
         self.refusal: VmlendError | None = None
         #: The last error the observer raised (peer-to-peer mapping), for the operator.
@@ -111,8 +127,23 @@ class PassthroughSession:
         return self.shadow.bar_address(index)
 
     # --- config space ---------------------------------------------------------------------------
+    def _ours(self) -> bool:
+        """The device is under this VM's current borrow."""
+        borrow = self.hw.borrowed(self.fdid)
+        return (
+            not self.revoked
+            and borrow is not None
+            and (borrow.node, borrow.vm) == (self.holder.node, self.holder.vm)
+        )
+
+    def _cut_off(self) -> bool:
+        """This VM may not see the device: it was taken from it, or another VM borrows it."""
+        return self.revoked or (self.hw.borrowed(self.fdid) is not None and not self._ours())
+
     def config_read(self, offset: int, size: int) -> int:
         self._check_open()
+        if self._cut_off():
+            return (1 << 8 * size) - 1  # a removed device
         if _BAR_START <= offset < _BAR_END:
             return self.shadow.read(offset, size)
         return self.device.config.read(offset, size)
@@ -120,41 +151,64 @@ class PassthroughSession:
     def config_write(self, offset: int, size: int, value: int) -> None:
         self._check_open()
         self.windows.settle()
-        if _BAR_START <= offset < _BAR_END:
-            self.shadow.write(offset, size, value, notify=False)
-            self._sync_bars()
-            return
         cmd = write_hits(offset, size, value, regs.COMMAND, 2)
         covers_low = offset <= regs.COMMAND < offset + size  # the byte holding IO/MEM/MASTER
         flr = write_hits(offset, size, value, EXP_OFFSET + regs.EXP_DEVCTL, 2)
         enables = bool(cmd and cmd & _ENABLE_BITS) or bool(flr and flr & regs.EXP_DEVCTL_BCR_FLR)
         if enables:
             self.refusal = None  # it describes the latest enable only
-        if enables and not self.borrowed:
+        if self._cut_off():
+            if enables:
+                self._refuse(self._cut_off_error(), "enable")
+            return  # dropped, as a write to a removed device
+        if _BAR_START <= offset < _BAR_END:
+            self.shadow.write(offset, size, value, notify=False)
+            self._sync_bars()
+            return
+        if enables and not self._ours():
             try:
                 self.fabric.borrow(self.fdid, self.holder)
                 self.borrowed = True
             except VmlendError as e:
                 self._refuse(e, "borrow")
-                # nothing of the device is the guest's yet: no decoding, no reset, no DMA
-                value = clear_bits(offset, size, value, regs.COMMAND, _ENABLE_BITS)
-                value = clear_bits(
-                    offset, size, value, EXP_OFFSET + regs.EXP_DEVCTL, regs.EXP_DEVCTL_BCR_FLR
-                )
+        if not self._ours():
+            # nothing of the device is the guest's (yet): no decoding, no reset, no DMA, and
+            # nothing it writes reaches the device
+            self.borrowed = False
+            if covers_low and cmd is not None:
+                self._memory_on = False
+                self._sync_bars()
+            return
         want_master = covers_low and cmd is not None and bool(cmd & regs.COMMAND_MASTER)
-        if want_master and self.borrowed and not self.dma_active:
+        if want_master and not self.dma_active:
             try:
                 self.windows.enable(self.fdid)
             except VmlendError as e:
                 self._refuse(e, "bus master")
                 value = clear_bits(offset, size, value, regs.COMMAND, regs.COMMAND_MASTER)
-        self.device.config.write(offset, size, value)
+        self.hw.config_write(self.fdid, (self.holder.node, self.holder.vm), offset, size, value)
         self.windows.settle()  # after a reset the write caused
         if covers_low and cmd is not None:
             if not cmd & regs.COMMAND_MASTER and self.dma_active:
                 self.windows.disable(self.fdid)  # the device stopped mastering first
             self._memory_on = bool(cmd & regs.COMMAND_MEMORY) and self.borrowed
             self._sync_bars()
+
+    def _cut_off_error(self) -> VmlendError:
+        borrow = self.hw.borrowed(self.fdid)
+        if not self.revoked and borrow is not None:
+            return DeviceHeldError(self.fdid, borrow.node, borrow.vm)
+        return DeviceRevokedError(self.fdid, str(self.holder))
+
+    def _revoke(self) -> None:
+        # the hardware cut this VM off (inside the step that ended the borrow or the hold):
+        # no decoding, no DMA windows, nothing the guest does reaches the device again
+        self.revoked = True
+        self.borrowed = False
+        self.windows.disable(self.fdid, forget=False)
+        self._memory_on = False
+        self._sync_bars()
+        log.warning("device %#x was taken from %s: its mdev is revoked", self.fdid, self.holder)
 
     def _refuse(self, error: VmlendError, what: str) -> None:
         self.refusal = error
@@ -209,7 +263,7 @@ class PassthroughSession:
         # may come from the fabric giving the device back inside its registry transaction:
         # the records are removed later (settle), and the borrow may be over.
         self.windows.disable(self.fdid, forget=False)
-        self.borrowed = self.windows.hw.borrowed(self.fdid) is not None
+        self.borrowed = self._ours()
         self.shadow.reset()
         self._memory_on = False
         self._sync_bars()
@@ -220,6 +274,8 @@ class PassthroughSession:
         if self.closed:
             return
         self._remove_reset()
+        if self.mdev is not None:
+            self.hw.close_mdev(self.mdev)
         self.windows.disable(self.fdid)
         self._memory_on = False
         self._reported.clear()
@@ -229,7 +285,7 @@ class PassthroughSession:
             except VmlendError as e:
                 self.observer_error = e
                 log.warning("device %#x: peer unmapping failed: %s", self.fdid, e)
-        if self.borrowed:
+        if self._ours():
             self.fabric.give_back(self.fdid, self.holder)
-            self.borrowed = False
+        self.borrowed = False
         self.closed = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid as uuidlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from vmlend.errors import ConfigError, MdevError
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo
@@ -21,11 +21,18 @@ if TYPE_CHECKING:
     from vmlend.nvme.shares import Share
 
 
+class ShareRevoker(Protocol):
+    """The hardware's cut of a VM's open mdevs of a device (``SimHardware.revoke``)."""
+
+    def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
+
+
 class SimShareOps:
-    """Mixed into ``SimFabric``, whose registry, node and clock it uses."""
+    """Mixed into ``SimFabric``, whose registry, node, clock and hardware it uses."""
 
     _reg: Registry
     _clock: Callable[[], float]
+    _hw: ShareRevoker | None
     local_node: str
 
     def reserve_share(
@@ -46,6 +53,8 @@ class SimShareOps:
     def release_share(self, fdid: int, holder: Holder) -> bool:
         from vmlend.nvme import ledger
 
+        if self._hw is not None:  # hardware first: the VM's share ends before its record goes
+            self._hw.revoke(fdid, holder.node, holder.vm)
         return ledger.release_share(self._reg, fdid, holder)
 
     def shares_held(self, holder: Holder) -> list[int]:

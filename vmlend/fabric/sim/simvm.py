@@ -151,12 +151,12 @@ class SimVm:
         self._sessions: dict[int, PassthroughSession] = {}
         self._placed: dict[int, list[GuestBar]] = {}
         self.running = True
-        present = {m.uuid for m in fabric.mdevs() if m.node in ("", self.node)}
+        present = {m.uuid for m in self._my_mdevs()}
         try:
             self._attach([f for f, u in sorted(self._mdevs.items()) if u in present])
             for fdid, u in sorted(shared.items()):
                 if u in present:
-                    self._open_share(fdid)
+                    self._open_share(fdid, u)
         except BaseException:
             self.stop()
             raise
@@ -170,6 +170,11 @@ class SimVm:
             )
 
     # --- devices -------------------------------------------------------------------------------
+    def _my_mdevs(self) -> list[MdevInfo]:
+        """This node's mdevs made for this VM: QEMU opens only those. An mdev the XML names
+        but the registry made for another VM (forged or stale metadata) stays closed."""
+        return [m for m in self.fabric.mdevs() if m.node in ("", self.node) and m.vm == self.name]
+
     def _attach(self, fdids: Iterable[int]) -> None:
         wanted = list(fdids)
         # firmware places the largest BARs first so natural alignment packs them
@@ -184,14 +189,19 @@ class SimVm:
             )
         for fdid in wanted:
             self._sessions[fdid] = PassthroughSession(
-                self.hw.device(fdid), self.holder, self.fabric, self.windows, self.p2p
+                self.hw.device(fdid),
+                self.holder,
+                self.fabric,
+                self.windows,
+                self.p2p,
+                mdev=self._mdevs[fdid],
             )
             self._placed[fdid] = sorted(placed[fdid], key=lambda b: b.index)
 
     def devices(self) -> list[int]:
         return sorted(self._sessions)
 
-    def _open_share(self, fdid: int) -> None:
+    def _open_share(self, fdid: int, mdev: str) -> None:
         drive = self._nvme.get(fdid)
         share = (
             self.fabric.share_of(fdid, self.holder)
@@ -203,7 +213,14 @@ class SimVm:
                 f"VM {self.name} has an NVMe share mdev for {fdid:#x} but "
                 + ("no manager serves that drive here" if drive is None else "no share of it")
             )
-        self._shares[fdid] = drive.open_share(self.node, self.name, share=share)
+        opened = drive.open_share(self.node, self.name, share=share)
+        try:
+            self.hw.open_mdev(mdev, fdid, self.node, self.name, opened.revoke, share=True)
+        except BaseException:
+            opened.close()
+            raise
+        opened.mdev = mdev
+        self._shares[fdid] = opened
 
     def nvme_share(self, fdid: int) -> VmNvmeShare:
         """The VM's share of NVMe drive ``fdid``: its virtual controller's BAR0 (``bar0``)."""
@@ -233,12 +250,13 @@ class SimVm:
         self._require_running()
         if fdid in self._sessions:
             return self._sessions[fdid]
-        mdevs = [m for m in self.fabric.mdevs() if m.fdid == fdid and m.node in ("", self.node)]
+        mdevs = [m for m in self._my_mdevs() if m.fdid == fdid]
         if not mdevs:
             raise FabricError(
-                f"device {fdid:#x} has no mdev on {self.node}; reserve it and create its mdev "
-                "before hot-adding it"
+                f"device {fdid:#x} has no mdev for VM {self.name} on {self.node}; reserve it"
+                " and create its mdev before hot-adding it"
             )
+        self._mdevs[fdid] = mdevs[0].uuid
         self._attach([fdid])
         return self._sessions[fdid]
 

@@ -1,0 +1,289 @@
+"""When a device changes hands, the old owner keeps nothing (docs/simulator.md, "Hand-over").
+
+Each test builds one hand-over the way a user or an attacker would reach it (the lender taking
+a shared drive back, a release after a crash, the fabric's give-back, a VM opening another VM's
+mdev) and then lets the old owner try what it could do before: ring doorbells, receive
+interrupts, read and write config space. The invariant checker runs after each step, with the
+registry's holds, claims and shares as the only justification.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.nvme_guest import VmBar0, guest_driver
+from tests.test_simvm import Cluster, domain_xml
+from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
+from vmlend.errors import FabricError, MdevError, VmlendError
+from vmlend.fabric.model import GiB, MiB
+from vmlend.fabric.sim.hardware import Borrow, OpenMdev
+from vmlend.fabric.sim.invariants import ShareGrant, check_hardware
+from vmlend.fabric.sim.nvmedrive import drive_geometry
+from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
+from vmlend.fabric.sim.simvm import SimVm
+from vmlend.nvme import ledger, spec
+from vmlend.pci import regs
+from vmlend.pci.config import MSI_OFFSET, MSIX_OFFSET
+
+NVME = 0x12
+GPU = 0x10
+BLOCKS = 1 << 20
+ALL_ONES_16 = 0xFFFF
+
+
+def share_xml(name: str, queues: int = 1, size: int = 32 * MiB) -> bytes:
+    request = DomainSpec(
+        name=name,
+        memory_bytes=256 * MiB,
+        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
+        devices=[DeviceRequest(NVME, share=NvmeShareRequest(queues, size))],
+    )
+    return new_domain(request, templates=TemplateSet()).to_bytes()
+
+
+def no_violations(c: Cluster) -> None:
+    with c.registry.read() as tx:
+        holds, claims = tx.holds(), tx.claims()
+        shares = [ledger.share_entry(r) for r in tx.runtime(None, ledger.SHARE_RECORD)]
+    grants = [ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid) for e in shares]
+    found = check_hardware(c.hw, holds=holds, claims=claims, shares=grants)
+    assert found == [], "\n".join(map(str, found))
+
+
+@pytest.fixture
+def shared(state_path, tmp_path):
+    c = Cluster.create(state_path)
+    ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
+    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS)
+    yield c, drive
+    drive.close()
+    c.close()
+
+
+def _share_vm(c: Cluster, drive: SharedNvmeDrive, name: str, node: str):
+    xml = share_xml(name)
+    c.prepare(xml, node)
+    vm = SimVm(xml, hardware=c.hw, fabric=c.fabric(node), nvme={NVME: drive})
+    share = vm.nvme_share(NVME)
+    share.set_master()
+    driver = guest_driver(share.bar0, vm.guest)
+    (queue,) = driver.start(queues=1)
+    assert driver.write(queue, 0, name.encode() * 512).ok
+    return vm, share, driver, queue
+
+
+def test_reclaim_of_a_shared_drive_ends_every_share_in_the_same_step(shared, monkeypatch):
+    c, drive = shared
+    _va, a, _da, _qa = _share_vm(c, drive, "sa", "gamma")
+    vb, b, _db, _qb = _share_vm(c, drive, "sb", "beta")
+    no_violations(c)
+    before = dict(b.interrupts)
+
+    manager = c.fabric("alpha").reclaim(NVME)
+    assert manager is not None and manager.vm == ledger.MANAGER_VM
+    # nothing of any share is left wired: the checker (with the registry's shares) agrees
+    no_violations(c)
+    assert c.fabric().device(NVME).holder is None
+    assert drive.manager.shares() == []
+
+    # the old shares' controllers are gone as after a surprise removal
+    for s in (a, b):
+        assert s.bar0.read(spec.REG_CSTS, 4) == 0xFFFF_FFFF
+        assert s.config.read(regs.COMMAND, 2) == ALL_ONES_16
+
+    # C takes the drive exclusively and finds a reset controller
+    xc = domain_xml("c", 1 * GiB, fdids=(NVME,))
+    vc = c.start(xc, "gamma")
+    vc.enable_device(NVME)
+    bar = VmBar0(vc, NVME)
+    assert bar.read(spec.REG_CSTS, 4) & spec.CSTS_RDY == 0
+    vc.config_write(NVME, MSIX_OFFSET + regs.MSIX_FLAGS, 2, regs.MSIX_FLAGS_ENABLE)
+    dc = guest_driver(bar, vc.guest)
+    (qc,) = dc.start(queues=1)
+    no_violations(c)
+
+    # B rings what were its doorbells (and C's queue's): nothing reaches the drive
+    reached: list[tuple[int, int]] = []
+    real_write = drive.device.bars.write
+    monkeypatch.setattr(
+        drive.device.bars,
+        "write",
+        lambda index, offset, size, value: (reached.append((index, offset)),
+                                             real_write(index, offset, size, value)),
+    )
+    for offset in range(spec.DOORBELL_BASE, spec.DOORBELL_BASE + 64, 4):
+        b.bar0.write(offset, 4, 1)
+    assert reached == []
+    monkeypatch.undo()
+
+    # C's completions interrupt C only
+    for i in range(4):
+        assert dc.write(qc, i, b"c" * 512).ok
+    assert b.interrupts == before
+    assert dc.read(qc, 0, 4)[1] == b"c" * 2048
+    no_violations(c)
+
+    vb.stop()  # the old share's VM stops cleanly
+    vc.stop()
+    c.release(xc, "gamma")
+    no_violations(c)
+
+
+def test_lender_down_ends_every_share_of_its_drive(shared):
+    c, drive = shared
+    _va, a, _da, _qa = _share_vm(c, drive, "sa", "gamma")
+    c.fabric().set_node_up("alpha", False, "lost power")
+    assert c.hw.borrowed(NVME) is None
+    assert a.bar0.read(spec.REG_CSTS, 4) == 0xFFFF_FFFF
+    a.bar0.write(spec.DOORBELL_BASE, 4, 1)  # dropped, not an error: the device is gone
+    with c.registry.read() as tx:
+        holds, claims = tx.holds(), tx.claims()
+    assert check_hardware(c.hw, holds=holds, claims=claims) == []
+
+
+# --- config space of a device that changed hands ----------------------------------------------
+
+
+@pytest.fixture
+def cluster(state_path):
+    c = Cluster.create(state_path)
+    yield c
+    c.close()
+
+
+def _hand_over(c: Cluster, how: str) -> tuple[SimVm, SimVm]:
+    """VM a (gamma) enables the GPU; it leaves a by ``how``; VM b (gamma) takes it over."""
+    xa = domain_xml("a", 1 * GiB, fdids=(GPU,))
+    a = c.start(xa)
+    a.enable_device(GPU)
+    a.config_write(GPU, MSI_OFFSET + regs.MSI_FLAGS, 2, regs.MSI_FLAGS_ENABLE)
+    fabric = c.fabric()
+    if how == "reclaim":
+        c.fabric("alpha").reclaim(GPU)
+    elif how == "release-after-crash":
+        assert fabric.release(GPU, a.holder)
+        for m in fabric.mdevs():
+            if m.fdid == GPU:
+                fabric.remove_mdev(m.uuid)
+    elif how == "give-back":
+        fabric.give_back(GPU, a.holder)
+        fabric.release(GPU, a.holder)
+        for m in fabric.mdevs():
+            if m.fdid == GPU:
+                fabric.remove_mdev(m.uuid)
+    else:
+        raise AssertionError(how)
+    b = c.start(domain_xml("b", 1 * GiB, fdids=(GPU,)))
+    b.enable_device(GPU)
+    b.config_write(GPU, MSI_OFFSET + regs.MSI_FLAGS, 2, regs.MSI_FLAGS_ENABLE)
+    return a, b
+
+
+@pytest.mark.parametrize("how", ["reclaim", "release-after-crash", "give-back"])
+def test_the_old_session_reads_all_ones_and_its_writes_are_dropped(cluster, how):
+    a, b = _hand_over(cluster, how)
+    dev = cluster.hw.device(GPU)
+    command = dev.config.command
+    assert command & regs.COMMAND_MASTER
+    # the old VM's driver does what a driver does on a device that vanished
+    assert a.config_read(GPU, regs.COMMAND, 2) == ALL_ONES_16
+    assert a.config_read(GPU, 0, 4) == 0xFFFF_FFFF
+    a.config_write(GPU, regs.COMMAND, 2, 0)
+    a.config_write(GPU, MSI_OFFSET + regs.MSI_FLAGS, 2, 0)
+    with pytest.raises(VmlendError):
+        a.enable_device(GPU)  # enabling again is refused: the device is not a's any more
+    assert dev.config.command == command
+    assert dev.config.msi().enabled
+    assert cluster.hw.borrowed(GPU).vm == "b"
+    no_violations(cluster)
+    a.stop()
+    b.stop()
+    no_violations(cluster)
+
+
+def test_a_vm_cannot_open_or_hot_add_another_vms_mdev(cluster):
+    a = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    a.enable_device(GPU)
+    # b's definition copies a's (same UUID, so the same derived mdev): b starts without it
+    xa = domain_xml("a", 1 * GiB, fdids=(GPU,))
+    forged = xa.replace(b"<name>a</name>", b"<name>b</name>")
+    b = SimVm(forged, hardware=cluster.hw, fabric=cluster.fabric())
+    assert b.devices() == []
+    with pytest.raises((FabricError, MdevError)):
+        b.add_device(GPU)
+    assert b.devices() == []
+    command = cluster.hw.device(GPU).config.command
+    assert command & regs.COMMAND_MASTER and command & regs.COMMAND_MEMORY
+    no_violations(cluster)
+    b.stop()
+    a.stop()
+
+
+def test_an_mdev_is_open_in_one_vm_at_a_time(cluster):
+    a = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    (m,) = [m for m in cluster.fabric().mdevs() if m.fdid == GPU]
+    with pytest.raises(MdevError, match="open"):
+        cluster.hw.open_mdev(m.uuid, GPU, "gamma", "other")
+    a.stop()
+    cluster.hw.open_mdev(m.uuid, GPU, "gamma", "a")  # free again once a stopped
+    cluster.hw.close_mdev(m.uuid)
+
+
+# --- the checker sees each hand-over gap ------------------------------------------------------
+
+
+def test_checker_reports_a_config_write_outside_the_writers_borrow(cluster):
+    hw = cluster.hw
+    hw.borrow(GPU, "gamma", "b")
+    hw.config_write(GPU, ("gamma", "b"), regs.COMMAND, 2, regs.COMMAND_MEMORY)
+    assert check_hardware(hw) == []
+    # what the old session did: a's write reached b's device
+    hw.config_write(GPU, ("gamma", "a"), regs.COMMAND, 2, 0)
+    (v,) = check_hardware(hw)
+    assert v.kind == "config-write" and "gamma/a wrote 0x0 while gamma/b borrowed it" in v.detail
+
+
+def test_checker_reports_an_mdev_open_in_a_vm_its_hold_does_not_name(cluster):
+    a = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    (m,) = [m for m in cluster.fabric().mdevs() if m.fdid == GPU]
+    with cluster.registry.read() as tx:
+        holds = tx.holds()
+    assert check_hardware(cluster.hw, holds=holds) == []
+    # the release forgot to cut the open mdev: the VM still has it, nobody holds the device
+    cluster.hw.close_mdev(m.uuid)
+    assert cluster.fabric().release(GPU, a.holder)
+    cluster.hw.open_mdev(m.uuid, GPU, "gamma", "a")
+    (v,) = check_hardware(cluster.hw, holds={})
+    assert v.kind == "mdev" and "open in gamma/a, held by nobody" in v.detail
+    # two VMs with mdevs of one device open (a state ``open_mdev`` refuses, forged here)
+    other = "66666666-2222-3333-4444-555555555555"
+    cluster.hw._open[other] = OpenMdev(other, GPU, "gamma", "b")
+    assert any("open in two VMs" in v.detail for v in check_hardware(cluster.hw))
+    cluster.hw.close_mdev(other)
+    a.stop()
+
+
+def test_checker_reports_shares_left_wired_after_the_drives_borrow_ended(shared):
+    c, drive = shared
+    _vm, share, _d, _q = _share_vm(c, drive, "sb", "beta")
+    # what the drive did before: it never heard of the borrow's end, and nothing cut its VM
+    drive._remove_end()
+    assert share.mdev is not None and c.hw.close_mdev(share.mdev)
+    c.fabric("alpha").reclaim(NVME)
+    with c.registry.read() as tx:
+        holds, claims = tx.holds(), tx.claims()
+    found = {v.kind for v in check_hardware(c.hw, holds=holds, claims=claims)}
+    assert {"share-wire", "teardown", "interrupt"} <= found
+    drive._borrow_ended(Borrow(NVME, "alpha", ledger.MANAGER_VM, "alpha", None))  # clean up
+
+
+def test_checker_reports_mappings_left_for_the_hardwares_fallback(cluster):
+    hw = cluster.hw
+    hw.borrow(GPU, "gamma", "a")
+    hw.lender_domain(GPU).map(0, hw.device(GPU).bar_range(0)[0], 4096)  # nobody removes it
+    hw.give_back(GPU)
+    assert hw.lender_domain(GPU).mappings() == []  # the fallback still cleans up
+    (v,) = check_hardware(hw)
+    assert v.kind == "teardown" and "1 lender mappings nobody removed" in v.detail
