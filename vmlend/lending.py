@@ -144,6 +144,8 @@ def return_all(
     stuck: set[int] = set()  # devices whose mdev could not be removed keep their hold
     for m in fabric.mdevs():
         if not mdev_is_ours(m):
+            if m.uuid in ours:
+                record(left_alone(m))
             continue
         try:
             if fabric.remove_mdev(m.uuid):
@@ -167,6 +169,13 @@ def return_all(
             "remove the mdev and run the release again"
         )
     return failures
+
+
+def left_alone(m: MdevInfo) -> str:
+    """The action-log line for an mdev a domain names but another VM owns: a copied or forged
+    XML, whose release must not take the other VM's device away."""
+    owner = f"{m.node}/{m.vm}" if m.vm else "another VM"
+    return f"mdev {m.uuid}: named by this domain but serves {owner}; left alone"
 
 
 def held_by(fabric: Fabric, holder: Holder) -> list[int]:
