@@ -123,6 +123,32 @@ def test_a_failing_teardown_is_raised_and_fences_the_device(cluster):
     a.stop()
 
 
+def test_a_fenced_device_with_bus_master_set_again_faults_at_the_fence(cluster):
+    """The fence, not only the cleared Bus Master bit, stops a fenced device: a platform
+    write (firmware, a lender-side tool) that turns Bus Master on again must not let its DMA
+    through."""
+    a, _ = start_with_p2p(cluster, "a", (GPU, GPU2))
+
+    def broken(borrow: Borrow) -> None:
+        raise RuntimeError("mapper lost its tables")
+
+    remove = cluster.hw.on_borrow_end(broken)
+    with pytest.raises(BorrowTeardownError):
+        cluster.fabric().release(GPU2, a.holder)
+    remove()
+    config = cluster.hw.device(GPU2).config
+    config.write(regs.COMMAND, 2, config.command | regs.COMMAND_MASTER, notify=False)
+    assert config.bus_master and cluster.hw.fenced(GPU2) is not None
+    for target in (0x10_0000, bar1(a, GPU)):  # the old VM's RAM, its peer's BAR
+        with pytest.raises(DmaFault) as e:
+            cluster.hw.dma_write(GPU2, target, b"after the fence")
+        assert e.value.hop == "fenced"
+    assert cluster.hw.device(GPU).bars.read_bytes(1, 0, 15) == bytes(15)
+    assert cluster.fabric().release(GPU2, a.holder)  # a retry lifts the fence
+    assert cluster.hw.fenced(GPU2) is None
+    a.stop()
+
+
 def _claims_and_holds(cluster: Cluster):
     with cluster.registry.read() as tx:
         return {"holds": tx.holds(), "claims": tx.claims()}
