@@ -18,7 +18,7 @@ from vmlend.domain import (
     new_domain,
     read_domain,
 )
-from vmlend.errors import HookError
+from vmlend.errors import HookError, MdevOwnedError
 from vmlend.fabric.model import Holder, MiB
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.nvmedrive import drive_geometry
@@ -199,6 +199,19 @@ def test_a_forged_share_domain_cannot_take_the_other_vms_mdev(env, state_path):
     with pytest.raises(HookError, match="serves VM gamma/vm-a"):
         HookOps(fabric(), NullLog()).prepare(b)
     assert state_of_a(env) == before
+
+
+def test_a_share_mdev_is_never_handed_to_another_share(env, state_path):
+    """The fabric itself refuses, inside its transaction, to give vm-b vm-a's share mdev,
+    even once vm-b has a share of the same drive."""
+    _reg, fabric, _geometry = env
+    _spec, a = start_vm_a(env, state_path, devices=())
+    (share_mdev,) = (str(d.mdev) for d in a.devices)
+    vm_b = Holder("gamma", "vm-b", str(uuid.uuid5(uuid.NAMESPACE_DNS, "vm-b")))
+    fabric().reserve_share(NVME, vm_b, 1, 1024)
+    with pytest.raises(MdevOwnedError, match=f"mdev {share_mdev} serves VM gamma/vm-a"):
+        fabric().create_share_mdev(NVME, share_mdev, vm_b)
+    assert [(m.uuid, m.vm) for m in fabric().mdevs()] == [(share_mdev, "vm-a")]
 
 
 def test_reconnect_of_a_forged_domain_adopts_nothing(env, state_path):
