@@ -123,6 +123,32 @@ def test_a_failing_teardown_is_raised_and_fences_the_device(cluster):
     a.stop()
 
 
+def test_a_fenced_device_with_bus_master_set_again_faults_at_the_fence(cluster):
+    """The fence, not only the cleared Bus Master bit, stops a fenced device: a platform
+    write (firmware, a lender-side tool) that turns Bus Master on again must not let its DMA
+    through."""
+    a, _ = start_with_p2p(cluster, "a", (GPU, GPU2))
+
+    def broken(borrow: Borrow) -> None:
+        raise RuntimeError("mapper lost its tables")
+
+    remove = cluster.hw.on_borrow_end(broken)
+    with pytest.raises(BorrowTeardownError):
+        cluster.fabric().release(GPU2, a.holder)
+    remove()
+    config = cluster.hw.device(GPU2).config
+    config.write(regs.COMMAND, 2, config.command | regs.COMMAND_MASTER, notify=False)
+    assert config.bus_master and cluster.hw.fenced(GPU2) is not None
+    for target in (0x10_0000, bar1(a, GPU)):  # the old VM's RAM, its peer's BAR
+        with pytest.raises(DmaFault) as e:
+            cluster.hw.dma_write(GPU2, target, b"after the fence")
+        assert e.value.hop == "fenced"
+    assert cluster.hw.device(GPU).bars.read_bytes(1, 0, 15) == bytes(15)
+    assert cluster.fabric().release(GPU2, a.holder)  # a retry lifts the fence
+    assert cluster.hw.fenced(GPU2) is None
+    a.stop()
+
+
 def _claims_and_holds(cluster: Cluster):
     with cluster.registry.read() as tx:
         return {"holds": tx.holds(), "claims": tx.claims()}
@@ -168,3 +194,41 @@ def test_a_lender_going_down_ends_the_hardware_borrows_of_its_devices(cluster):
     assert {f: h.phase.value for f, h in holds.items()} == {GPU: "reserved", GPU2: "reserved"}
     assert check_hardware(cluster.hw, **_claims_and_holds(cluster)) == []
     a.stop()
+
+
+def test_same_name_and_uuid_on_two_nodes_are_two_vms(cluster):
+    """VM "web" with one UUID runs on gamma and on alpha (a domain defined on both hosts):
+    holder identity includes the node, so give-back, reclaim and release of one never touch
+    the other's device."""
+    beta_gpu = 0x20
+    xml_g = domain_xml("web", 1 * GiB, fdids=(GPU,))
+    xml_a = domain_xml("web", 1 * GiB, fdids=(beta_gpu,))
+    g = cluster.start(xml_g)
+    a = cluster.start(xml_a, node="alpha")
+    g.enable_device(GPU)
+    a.enable_device(beta_gpu)
+    assert (g.holder.vm, g.holder.vm_uuid) == (a.holder.vm, a.holder.vm_uuid)
+    alpha, gamma = cluster.fabric("alpha"), cluster.fabric("gamma")
+
+    def gamma_web_keeps_its_gpu() -> None:
+        assert gamma.device(GPU).holder == g.holder
+        assert cluster.hw.borrowed(GPU).node == "gamma"
+        g.dma_write(GPU, 0x10_0000, b"gamma")
+        assert g.guest.read(0x10_0000, 5) == b"gamma"
+
+    # alpha's web cannot give back, or release, what gamma's web holds
+    with pytest.raises(DeviceHeldError):
+        alpha.give_back(GPU, a.holder)
+    assert not alpha.release(GPU, a.holder)
+    gamma_web_keeps_its_gpu()
+    # the lender takes alpha's web's device back: gamma's web keeps its own
+    assert cluster.fabric("beta").reclaim(beta_gpu) == a.holder
+    gamma_web_keeps_its_gpu()
+    # alpha's web stops and its release hook runs
+    a.stop()
+    cluster.release(xml_a, node="alpha")
+    gamma_web_keeps_its_gpu()
+    assert check_hardware(cluster.hw) == []
+    g.stop()
+    cluster.release(xml_g)
+    assert gamma.device(GPU).holder is None

@@ -235,6 +235,21 @@ def test_release_of_a_copied_xml_leaves_the_running_vms_mdev(fabric, state_path)
     assert [m.fdid for m in open_fabric(state_path).mdevs()] == [0x10]
 
 
+def test_returning_a_device_by_a_copied_xml_leaves_the_running_vms_mdev(fabric, state_path):
+    """detach and reconcile return one device with the mdev the XML names: another VM's
+    mdev is left alone (and said so), as release does."""
+    from vmlend.lending import return_device
+
+    a = domain_xml("vmA", fdids=(0x10,))
+    assert hook(state_path, "vmA", "prepare", "begin", "-", xml=a)[0] == 0
+    before = snapshot(state_path)
+    (mdev,) = (m.uuid for m in fabric.mdevs())
+    lines: list[str] = []
+    clone = Holder("gamma", "vmB", "6f1c5a2e-0000-4000-8000-00000000000b")
+    assert not return_device(fabric, clone, 0x10, mdev.upper(), lines.append)
+    assert snapshot(state_path) == before
+    assert lines == [f"mdev {mdev}: named by this domain but serves gamma/vmA; left alone"]
+
 def test_stdin_is_drained_even_for_bad_arguments(state_path):
     stdin = io.BytesIO(b"<domain/>" * 1000)
     code = run(["vm1"], stdin=stdin, stdout=io.BytesIO(), stderr=io.StringIO(), environ={})

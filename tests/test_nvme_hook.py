@@ -4,6 +4,7 @@ refuses the start."""
 
 from __future__ import annotations
 
+import io
 import uuid
 
 import pytest
@@ -17,11 +18,12 @@ from vmlend.domain import (
     new_domain,
     read_domain,
 )
-from vmlend.errors import HookError
+from vmlend.errors import HookError, MdevOwnedError
 from vmlend.fabric.model import Holder, MiB
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.nvmedrive import drive_geometry
-from vmlend.hook.actionlog import NullLog
+from vmlend.hook.actionlog import ActionLog, NullLog, log_path_for_state
+from vmlend.hook.main import run
 from vmlend.hook.ops import HookOps
 from vmlend.lending import UndoJournal
 from vmlend.nvme import ledger
@@ -116,3 +118,111 @@ def test_a_backend_without_shares_says_so():
     with pytest.raises(SharingUnsupportedError, match="doctor"):
         acquire_share(object(), Holder("g", "v"), NVME, uuid.uuid4(),
                       NvmeShareRequest(1, 512), UndoJournal())
+
+
+# --- a domain naming another VM's mdevs (a copied or forged XML) ---------------------------
+
+
+def forged_copy(original: DomainSpec, name: str) -> bytes:
+    """``original``'s XML under another name and domain UUID, its metadata still naming the
+    original's mdev UUIDs (what a copied XML edited by hand looks like)."""
+    xml = new_domain(original, templates=TemplateSet()).to_bytes()
+    xml = xml.replace(original.name.encode(), name.encode())
+    forged_uuid = uuid.uuid5(uuid.NAMESPACE_DNS, name)
+    return xml.replace(str(original.uuid).encode(), str(forged_uuid).encode())
+
+
+def hook(state_path, name: str, *argv: str, xml: bytes) -> tuple[int, str]:
+    err = io.StringIO()
+    env = {"VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"}
+    code = run([name, *argv], stdin=io.BytesIO(xml), stdout=io.BytesIO(), stderr=err, environ=env)
+    return code, err.getvalue()
+
+
+def start_vm_a(env, state_path, devices=(0x10,)):
+    """VM vm-a started on gamma by the hook, with a share of the drive and ``devices``."""
+    reg, _fabric, geometry = env
+    ledger.lend_shared(reg, NVME, geometry)
+    spec = DomainSpec(
+        name="vm-a",
+        memory_bytes=256 * MiB,
+        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, "vm-a"),
+        devices=[
+            DeviceRequest(NVME, share=NvmeShareRequest(2, 64 * MiB)),
+            *(DeviceRequest(f) for f in devices),
+        ],
+    )
+    xml = new_domain(spec, templates=TemplateSet()).to_bytes()
+    assert hook(state_path, "vm-a", "prepare", "begin", "-", xml=xml) == (0, "")
+    return spec, read_domain(xml)
+
+
+def state_of_a(env):
+    reg, fabric, _geometry = env
+    return (
+        sorted((m.uuid, m.fdid, m.vm) for m in fabric().mdevs()),
+        fabric().device(0x10).holder,
+        [(str(e.holder), e.share) for e in ledger.shared_drives(reg)[NVME][2]],
+    )
+
+
+def test_release_of_a_forged_domain_leaves_the_other_vms_mdevs(env, state_path):
+    """libvirt runs release after every failed start: a domain whose metadata names vm-a's
+    mdevs fails its prepare, and its release must leave vm-a's mdevs, hold and share; the
+    action log names each foreign mdev."""
+    spec, a = start_vm_a(env, state_path)
+    before = state_of_a(env)
+    assert len(before[0]) == 2 and before[1].vm == "vm-a" and len(before[2]) == 1
+    b = forged_copy(spec, "vm-b")
+    assert hook(state_path, "vm-b", "prepare", "begin", "-", xml=b)[0] == 1
+    assert state_of_a(env) == before
+    for _ in range(2):  # libvirt may run release twice (release, then stopped + release)
+        assert hook(state_path, "vm-b", "release", "end", "-", xml=b) == (0, "")
+        assert state_of_a(env) == before
+    log = "\n".join(ActionLog(log_path_for_state(state_path)).tail(20))
+    for dev in a.devices:
+        note = f"mdev {dev.mdev}: named by this domain but serves gamma/vm-a; left alone"
+        assert f"vm=vm-b release: {note}" in log
+    # vm-a's own release still returns everything
+    xml_a = new_domain(spec, templates=TemplateSet()).to_bytes()
+    assert hook(state_path, "vm-a", "release", "end", "-", xml=xml_a) == (0, "")
+    assert state_of_a(env) == ([], None, [])
+
+
+def test_a_forged_share_domain_cannot_take_the_other_vms_mdev(env, state_path):
+    """Past the XML check (an attach, a lenient read): the share itself would be free to
+    claim, but the mdev is vm-a's, so vm-b gets neither and vm-a keeps both."""
+    _reg, fabric, _geometry = env
+    spec, _a = start_vm_a(env, state_path, devices=())
+    before = state_of_a(env)
+    b = read_domain(forged_copy(spec, "vm-b"), strict=False)
+    with pytest.raises(HookError, match="serves VM gamma/vm-a"):
+        HookOps(fabric(), NullLog()).prepare(b)
+    assert state_of_a(env) == before
+
+
+def test_a_share_mdev_is_never_handed_to_another_share(env, state_path):
+    """The fabric itself refuses, inside its transaction, to give vm-b vm-a's share mdev,
+    even once vm-b has a share of the same drive."""
+    _reg, fabric, _geometry = env
+    _spec, a = start_vm_a(env, state_path, devices=())
+    (share_mdev,) = (str(d.mdev) for d in a.devices)
+    vm_b = Holder("gamma", "vm-b", str(uuid.uuid5(uuid.NAMESPACE_DNS, "vm-b")))
+    fabric().reserve_share(NVME, vm_b, 1, 1024)
+    with pytest.raises(MdevOwnedError, match=f"mdev {share_mdev} serves VM gamma/vm-a"):
+        fabric().create_share_mdev(NVME, share_mdev, vm_b)
+    assert [(m.uuid, m.vm) for m in fabric().mdevs()] == [(share_mdev, "vm-a")]
+
+
+def test_reconnect_of_a_forged_domain_adopts_nothing(env, state_path):
+    """A running domain whose metadata names vm-a's mdevs (libvirtd restarted): reconnect
+    reports the foreign mdevs and neither takes them nor claims anything for vm-b."""
+    spec, a = start_vm_a(env, state_path)
+    before = state_of_a(env)
+    b = forged_copy(spec, "vm-b")
+    assert hook(state_path, "vm-b", "reconnect", "begin", "-", xml=b) == (0, "")
+    assert state_of_a(env) == before
+    log = "\n".join(ActionLog(log_path_for_state(state_path)).tail(20))
+    share_mdev = next(d.mdev for d in a.devices if d.share is not None)
+    problem = f"device 0x12: PROBLEM: mdev {share_mdev} serves VM gamma/vm-a"
+    assert f"vm=vm-b reconnect: {problem}" in log

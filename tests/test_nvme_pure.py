@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from vmlend.nvme import spec
-from vmlend.nvme.guard import ADDRESS_BITS, GuardRejection, QueueDomain
+from vmlend.nvme.guard import ADDRESS_BITS, GuardRejection, QueueDomain, asid_base
 from vmlend.nvme.prp import PrpError, build_prp_list, list_pages_needed, prp_pieces
 
 PAGE = spec.PAGE
@@ -123,6 +123,20 @@ def test_guard_address_space_keeps_owners_apart():
     with pytest.raises(ValueError):
         QueueDomain("x", 1, 0, 0)
 
+
+
+def test_guard_address_space_boundary_of_a_non_zero_asid():
+    """The owner's last address is the last IOVA of its own space; one more would be the
+    first IOVA of the next share's space, and is refused."""
+    owner, nxt = QueueDomain("a", 1, 0, 10, asid=3), QueueDomain("b", 1, 10, 10, asid=4)
+    last = (1 << ADDRESS_BITS) - 1
+    assert owner.dma_address(last) == asid_base(4) - 1
+    assert owner.dma_address(0) == asid_base(3)
+    assert nxt.dma_address(0) == asid_base(4)
+    for address in (1 << ADDRESS_BITS, -1):
+        with pytest.raises(GuardRejection) as e:
+            owner.dma_address(address)
+        assert e.value.status == spec.SC_DATA_TRANSFER_ERROR
 
 @pytest.mark.parametrize("pairs", [1, 3])
 def test_share_book_adopts_what_it_would_allocate_and_refuses_overlaps(pairs):

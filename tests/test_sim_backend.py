@@ -15,6 +15,7 @@ from vmlend.errors import (
     DeviceNotReservedError,
     LenderUnavailableError,
     MdevError,
+    MdevOwnedError,
     NoPathError,
     ResourceExhaustedError,
     UnknownDeviceError,
@@ -363,6 +364,18 @@ def test_mdev_lifecycle(fab):
     assert fab.remove_mdev(U1) is False
     assert fab.mdevs() == []
 
+
+def test_an_mdev_left_behind_is_never_handed_to_the_next_holder(fab):
+    """vm1's hold ended but its mdev stayed (a release interrupted half-way); vm2 reserves the
+    device and names vm1's mdev (a copied XML): it gets a refusal, not vm1's mdev."""
+    fab.ensure_mdev_parent(0x10)
+    fab.reserve(0x10, VM1)
+    fab.create_mdev(0x10, U1, VM1)
+    assert fab.release(0x10, VM1)
+    fab.reserve(0x10, VM2)
+    with pytest.raises(MdevOwnedError, match=f"mdev {U1} serves VM gamma/vm1, not gamma/vm2"):
+        fab.create_mdev(0x10, U1, VM2)
+    assert [(m.uuid, m.vm) for m in fab.mdevs()] == [(U1, "vm1")]
 
 def test_mdev_bad_input(fab):
     fab.ensure_mdev_parent(0x10)

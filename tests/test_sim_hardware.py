@@ -274,6 +274,64 @@ def test_two_borrowed_devices_cross_with_distinct_requesters(hw):
     assert gamma.domain_for(b.ingress) is hw.vm_domain("gamma", "db")
 
 
+
+SAME_BDF = """
+name = "same-bdf"
+[[node]]
+name = "l1"
+id = 1
+  [[node.adapter]]
+  index = 0
+  [[node.device]]
+  fdid = 1
+  bdf = "0000:01:00.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1521
+  class = 0x020000
+[[node]]
+name = "l2"
+id = 3
+  [[node.adapter]]
+  index = 0
+  [[node.device]]
+  fdid = 2
+  bdf = "0000:01:00.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1521
+  class = 0x020000
+[[node]]
+name = "b"
+id = 2
+  [[node.adapter]]
+  index = 0
+[[switch]]
+name = "sw"
+ports = ["l1:0", "l2:0", "b:0"]
+"""
+
+
+def test_same_bdf_on_two_lenders_crosses_as_two_requesters():
+    """Two lenders' devices at one BDF, borrowed by two VMs on one node: the borrower's LUT
+    tells them apart by lender, so neither borrow nor give-back of one touches the other."""
+    hw = SimHardware.from_topology(parse_topology(SAME_BDF))
+    assert hw.device(1).requester_id == hw.device(2).requester_id
+    first = hw.borrow(1, "b", "vm1")
+    second = hw.borrow(2, "b", "vm2")
+    assert first.borrower_entry != second.borrower_entry
+    assert first.ingress is not None and second.ingress is not None
+    assert first.ingress != second.ingress
+    iommu = hw.node("b").iommu
+    assert iommu.domain_for(first.ingress) is hw.vm_domain("b", "vm1")
+    assert iommu.domain_for(second.ingress) is hw.vm_domain("b", "vm2")
+    assert check_hardware(hw) == []
+    hw.give_back(2)
+    assert hw.ingress(1, "b") == first.ingress
+    assert iommu.domain_for(first.ingress) is hw.vm_domain("b", "vm1")
+    assert check_hardware(hw) == []
+
+
 TOO_MANY_32BIT_BARS = """
 name = "crowded"
 [[node]]

@@ -87,6 +87,21 @@ def test_two_lenders_devices_for_two_vms_on_one_node(hw):
     assert len(rids) == 2
 
 
+def test_two_devices_entering_a_node_as_one_requester_id(hw):
+    """A borrower LUT that gives two devices one entry: gamma's IOMMU sees one requester id
+    for both, so whichever domain it is attached to translates the other VM's DMA too."""
+    web = hw.borrow(GPU, "gamma", "web")
+    hw.borrow(BETA_GPU, "gamma", "db")
+    assert check_hardware(hw) == []
+    gamma0 = hw.adapter("gamma:0")
+    gamma0._lut[hw.requester_key(BETA_GPU)] = web.borrower_entry  # the LUT programmed wrong
+    assert hw.ingress(BETA_GPU, "gamma") == web.ingress
+    found = [v for v in check_hardware(hw) if v.kind == "requester-id"]
+    rid = gamma0.assigned_requester_id(web.borrower_entry)
+    assert [(v.where, v.detail) for v in found] == [
+        (f"gamma rid {rid:#06x}", "0x10 and 0x20 enter as it")
+    ]
+
 def test_a_crossing_attached_where_its_device_is_not_borrowed(hw):
     hw.borrow(GPU, "gamma", "web")
     hw.attach_ingress(GPU, "beta", IommuDomain("beta:p2p:gamma/db", owner=("gamma", "db")))

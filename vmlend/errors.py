@@ -276,6 +276,21 @@ class MdevUuidInUseError(MdevError):
         )
 
 
+class MdevOwnedError(MdevError):
+    """A domain names an mdev that the registry says serves another VM (a copied or forged
+    domain XML)."""
+
+    def __init__(self, uuid: str, owner: str, vm: str) -> None:
+        self.uuid = uuid
+        self.owner = owner
+        self.vm = vm
+        super().__init__(
+            f"mdev {uuid} serves VM {owner}, not {vm}: the domain's vmlend metadata names"
+            " another VM's mdev (a copied XML?); give the domain its own UUID, then remove"
+            " the device and add it again ('vmlend xml remove-device', 'add-device')"
+        )
+
+
 class MdevNoInstancesError(MdevError):
     def __init__(self, parent: str, type_id: str) -> None:
         self.parent = parent

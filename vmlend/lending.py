@@ -106,12 +106,19 @@ def return_device(
     fabric: Fabric, holder: Holder, fdid: int, mdev: UUID | str | None, record: Record = _ignore
 ) -> bool:
     """Remove the device's mdev (if any) and end ``holder``'s reservation. Idempotent; returns
-    whether anything was still there. Never touches another holder's device."""
+    whether anything was still there. Never touches another holder's device or mdev."""
     fd = format_fdid(fdid)
     changed = False
-    if mdev is not None and fabric.remove_mdev(str(mdev)):
-        record(f"mdev {mdev}: removed")
-        changed = True
+    if mdev is not None:
+        uuid = _canonical(mdev)
+        m = next((m for m in fabric.mdevs() if m.uuid == uuid), None)
+        holds = {st.fdid: st.holder for st in fabric.devices()} if m is not None else {}
+        hold = holds.get(m.fdid) if m is not None and m.fdid is not None else None
+        if m is not None and not owns_mdev(m, holder, hold, named=True):
+            record(left_alone(m))
+        elif fabric.remove_mdev(uuid):
+            record(f"mdev {mdev}: removed")
+            changed = True
     if fabric.release(fdid, holder):
         record(f"device {fd}: returned")
         changed = True
@@ -133,17 +140,12 @@ def return_all(
     ours = {str(m) for _f, m in named}
     holds = {st.fdid: st.holder for st in fabric.devices() if st.holder}
 
-    def mdev_is_ours(m: MdevInfo) -> bool:
-        if m.node not in ("", holder.node):
-            return False
-        hold = holds.get(m.fdid) if m.fdid is not None else None
-        if hold is not None:  # the hold decides: a copied XML must not touch a running VM
-            return same_holder(hold, holder)
-        return m.vm == holder.vm or (m.uuid in ours and m.vm == "")
-
     stuck: set[int] = set()  # devices whose mdev could not be removed keep their hold
     for m in fabric.mdevs():
-        if not mdev_is_ours(m):
+        hold = holds.get(m.fdid) if m.fdid is not None else None
+        if not owns_mdev(m, holder, hold, named=m.uuid in ours):
+            if m.uuid in ours:
+                record(left_alone(m))
             continue
         try:
             if fabric.remove_mdev(m.uuid):
@@ -167,6 +169,32 @@ def return_all(
             "remove the mdev and run the release again"
         )
     return failures
+
+
+def _canonical(mdev: UUID | str) -> str:
+    """The form mdev listings use; a malformed UUID is left for the fabric to refuse."""
+    try:
+        return str(UUID(str(mdev)))
+    except ValueError:
+        return str(mdev)
+
+
+def owns_mdev(m: MdevInfo, holder: Holder, hold: Holder | None, *, named: bool) -> bool:
+    """Whether mdev ``m`` (on this node) is ``holder``'s as the registry says: the hold of its
+    device decides (a copied XML must not touch a running VM); without a hold, the VM name its
+    record carries, or, for an mdev whose VM is unknown, that the domain names it (``named``)."""
+    if m.node not in ("", holder.node):
+        return False
+    if hold is not None:
+        return same_holder(hold, holder)
+    return m.vm == holder.vm or (named and m.vm == "")
+
+
+def left_alone(m: MdevInfo) -> str:
+    """The action-log line for an mdev a domain names but another VM owns: a copied or forged
+    XML, whose release must not take the other VM's device away."""
+    owner = f"{m.node}/{m.vm}" if m.vm else "another VM"
+    return f"mdev {m.uuid}: named by this domain but serves {owner}; left alone"
 
 
 def held_by(fabric: Fabric, holder: Holder) -> list[int]:

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from uuid import UUID
 
-from vmlend.errors import SharingUnsupportedError, VmlendError
+from vmlend.errors import MdevOwnedError, SharingUnsupportedError, VmlendError
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
-from vmlend.lending import Record, UndoJournal
+from vmlend.lending import Record, UndoJournal, left_alone
 
 if TYPE_CHECKING:  # the fabric imports this module: no lxml, no NVMe geometry for it
     from vmlend.domain import NvmeShareRequest
@@ -80,7 +80,12 @@ def acquire_share(
             " what the SmartIO driver offers",
         )
     uuid = str(mdev)
-    had_mdev = any(m.uuid == uuid for m in fabric.mdevs())
+    existing = next((m for m in fabric.mdevs() if m.uuid == uuid), None)
+    if existing is not None and not _serves(existing, holder):
+        # before the share is claimed: a reconnect rolls nothing back (create_share_mdev
+        # refuses it too, inside its transaction)
+        raise MdevOwnedError(uuid, f"{existing.node}/{existing.vm}", str(holder))
+    had_mdev = existing is not None
     had_share = fdid in fabric.shares_held(holder)
     share = fabric.reserve_share(
         fdid, holder, request.queue_pairs, request.size // BLOCK, guest_ram=guest_ram
@@ -99,19 +104,31 @@ def acquire_share(
     return parent
 
 
+def _serves(m: MdevInfo, holder: Holder) -> bool:
+    """Whether mdev ``m`` is ``holder``'s as the registry records it: its node and VM name
+    (what a share is keyed by, ``vm_share``; libvirt runs one domain per name on a node)."""
+    return m.node in ("", holder.node) and m.vm == holder.vm
+
+
 def return_shares(
     fabric: object, holder: Holder, named: Iterable[UUID | str], record: Record = _ignore
 ) -> list[str]:
     """Remove ``holder``'s share mdevs (the ones its XML names, and any of this VM's left by a
-    crash) and return its shares. Idempotent; returns the failures."""
+    crash) and return its shares. Idempotent; returns the failures.
+
+    Only what the registry says is this VM's is touched: a share mdev whose record names
+    another VM stays, even when the XML names it (libvirt runs release after every failed
+    start, also of a copied or forged domain); the action log says so."""
     if not isinstance(fabric, ShareFabric):
         return []
     failures: list[str] = []
-    ours = {str(u) for u in named}
+    named_uuids = {str(u) for u in named}
     for m in fabric.mdevs():
-        if m.type_id != SHARE_MDEV_TYPE or m.node not in ("", holder.node):
+        if m.type_id != SHARE_MDEV_TYPE:
             continue
-        if m.vm != holder.vm and m.uuid not in ours:
+        if not _serves(m, holder):
+            if m.uuid in named_uuids:
+                record(left_alone(m))
             continue
         try:
             if fabric.remove_mdev(m.uuid):

@@ -26,6 +26,7 @@ from vmlend.errors import (
     FabricError,
     LenderUnavailableError,
     MdevError,
+    MdevOwnedError,
     VmlendError,
 )
 from vmlend.fabric.admission import (
@@ -641,6 +642,8 @@ class SimFabric(SimShareOps):
             self._topology(tx).device(fdid)
             existing = tx.mdev(uuid)
             if existing is not None:
+                if existing.vm != holder.vm:  # never hand one VM's mdev to another
+                    raise MdevOwnedError(uuid, f"{existing.node}/{existing.vm}", str(holder))
                 if existing.fdid == fdid and existing.node == self.local_node:
                     return _info(existing)
                 raise MdevError(

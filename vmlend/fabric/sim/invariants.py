@@ -11,7 +11,8 @@ registry's holds and claims): every mapping is justified by a current borrow of 
 - ``ntb-segment``: a translated segment no borrowed device's mapping uses;
 - ``lut``: a requester LUT entry for a device that is not borrowed (or not through this adapter);
 - ``context``: an IOMMU attachment of a requester no borrowed device produces, or into a domain
-  of another VM; ``requester-id``: one requester id with two contexts on one node;
+  of another VM; ``requester-id``: two devices entering one node as one requester id (the
+  IOMMU would translate both in one context);
 - ``interrupt``: a device that is not borrowed still has an interrupt route;
 - ``hold``: a hold without a holder, a hardware borrow without the matching BORROWED hold;
 - ``claims``: a VM's DMA-window segments on an adapter differ from what admission claimed for
@@ -377,16 +378,22 @@ class _Checker:
 
     def contexts(self) -> None:
         for name, node in self.hw.nodes.items():
-            ids: dict[int, IommuDomain] = {}
+            # The IOMMU knows a crossing device only by the id its entering LUT entry assigns:
+            # two devices entering as one id (two LUT keys on one entry) share a context, so
+            # one VM's domain would translate another's DMA.
+            entering: dict[int, list[int]] = {}
+            for dev in self.hw.devices():
+                try:  # FabricError: local to ``name``, or not let into it
+                    rid = self.hw.ingress(dev.fdid, name).rid
+                except FabricError:
+                    continue
+                entering.setdefault(rid, []).append(dev.fdid)
+            for rid, fdids in sorted(entering.items()):
+                if len(fdids) > 1:
+                    devs = " and ".join(f"{f:#x}" for f in fdids)
+                    self.bad("requester-id", f"{name} rid {rid:#06x}", f"{devs} enter as it")
             for requester, domain in node.iommu.attached().items():
                 where = f"{name} context {requester}"
-                other = ids.setdefault(requester.rid, domain)
-                if other is not domain:
-                    self.bad(
-                        "requester-id",
-                        f"{name} rid {requester.rid:#06x}",
-                        f"maps to two contexts: {other.name} and {domain.name}",
-                    )
                 fdid = self.hw.crossing_source(name, requester)
                 if fdid is None:
                     local = [d for d in node.devices.values() if d.requester_id == requester.rid]

@@ -12,7 +12,7 @@ import uuid as uuidlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from vmlend.errors import ConfigError, MdevError
+from vmlend.errors import ConfigError, MdevError, MdevOwnedError
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import MdevRecord
@@ -84,6 +84,8 @@ class SimShareOps:
         def body(tx: StateTxn) -> MdevInfo:
             existing = tx.mdev(uuid)
             if existing is not None:
+                if existing.vm != holder.vm:  # never hand one VM's mdev to another
+                    raise MdevOwnedError(uuid, f"{existing.node}/{existing.vm}", str(holder))
                 if existing.fdid == fdid and existing.node == self.local_node:
                     return _info(existing)
                 raise MdevError(
