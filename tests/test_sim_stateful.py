@@ -1,86 +1,241 @@
-"""A seeded, randomised sequence of fabric operations, with the invariant checker after every
-step (hypothesis' rule-based state machine).
+"""A seeded, randomised sequence of fabric operations and hand-overs, with the invariant checker
+and an isolation probe after every step (hypothesis' rule-based state machine).
 
-Four VM slots on the default cluster (two on gamma, one on alpha, one on beta) start with a few
-of alpha's and beta's devices (reserve + mdev through the hook's prepare), and the guests, the
-fabric and the operator do, in any order: enable (the deferred borrow and the DMA windows),
-Bus Master and memory decoding on and off, BAR moves (peer-to-peer re-plans), function level
-resets, hot-remove, the fabric's give-back behind the VM's back (detach's return step), a
-release after a crash, the lender reclaiming a device, VM stop, lender node down (its borrows
-end on the hardware; its holds released, or left for later) and up again.
+The cluster (``TOPOLOGY``) has two lenders whose devices sit at the same BDFs (alpha's GPU and
+beta's GPU at 0000:41:00.0, alpha's NVMe drive and beta's NIC at 0000:43:00.0), two borrowers,
+and alpha's NVMe drive lent for queue-level sharing. Five VM slots run on four nodes; the VM
+"a" runs on gamma and on delta with the same name and UUID. The guests, the fabric, the
+operator and an attacker do, in any order:
 
-After each step: ``check_hardware`` (with the registry's holds and claims) finds nothing, and
-every device (Bus Master forced on, as a misbehaving device would) reaches only RAM and BARs of
-the VM that borrowed it. CI runs ``MAX_EXAMPLES`` sequences of up to ``STEPS`` steps each
-(marked slow) plus a short smoke run in the fast suite, derandomized (the same sequences every
-run); docs/simulator.md states the numbers.
+- start a VM with free devices and, sometimes, a share of the drive (the hook's prepare; the
+  guest enables everything and its NVMe driver starts), share I/O;
+- enable, Bus Master and memory decoding on and off, BAR moves (peer-to-peer re-plans),
+  function level resets, hot-remove (the VM's own hold released);
+- hand-overs: the fabric's give-back behind the VM's back, a release after a crash, a share
+  released behind its VM, the lender reclaiming a device or the shared drive, lender down and
+  up, VM stop, the drive shared again once it is free;
+- attacks: a VM hot-adding another VM's mdev, a failed start of a domain whose metadata names
+  another VM's mdevs followed by its release (with a consistent and an inconsistent copy).
+
+After each step: ``check_hardware`` (with the registry's holds, claims and shares) finds
+nothing; every device (Bus Master forced on, as a misbehaving device would) reaches only RAM
+and BARs of the VM that borrowed it; the shared drive reaches, in each address space, only the
+RAM of the VM whose registry share it is; every session whose device moved on reads all ones,
+and its config writes (Command, MSI, a function level reset) change nothing on the device; a
+share taken from its VM reads all ones.
+
+CI runs ``MAX_EXAMPLES`` sequences of up to ``STEPS`` steps (marked slow) plus a short smoke
+run in the fast suite, derandomized (the same sequences every run). ``VMLEND_STATEFUL_EXAMPLES``
+and ``VMLEND_STATEFUL_STEPS`` explore more (docs/simulator.md states the numbers).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from tests.test_simvm import Cluster, domain_xml
+from tests.nvme_guest import guest_driver
+from tests.test_simvm import Cluster
+from vmlend.domain import (
+    DeviceRequest,
+    DomainSpec,
+    NvmeShareRequest,
+    TemplateSet,
+    new_domain,
+    read_domain,
+)
 from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
-from vmlend.fabric.model import BarKind, GiB
+from vmlend.fabric.model import BarKind, GiB, MiB
 from vmlend.fabric.sim.dmawin import RegistryWindowLedger
-from vmlend.fabric.sim.invariants import check_hardware
+from vmlend.fabric.sim.invariants import ShareGrant, check_hardware
+from vmlend.fabric.sim.nvmedrive import drive_geometry
+from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
 from vmlend.fabric.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.fabric.sim.simvm import SimVm
+from vmlend.hook.actionlog import NullLog
+from vmlend.hook.ops import HookOps
+from vmlend.nvme import ledger
+from vmlend.nvme.driver import NvmeDriver, QueuePair
+from vmlend.nvme.guard import asid_base
 from vmlend.pci import regs
-from vmlend.pci.config import EXP_OFFSET
+from vmlend.pci.config import EXP_OFFSET, MSI_OFFSET
+from vmlend.registry import same_holder
 
-MAX_EXAMPLES = 60
-STEPS = 30
+MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
+STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))
 SMOKE_EXAMPLES = 5  # the fast suite's share (unmarked); the full run is marked slow
 SMOKE_STEPS = 20
 
-SLOTS = (("gamma", "a"), ("gamma", "b"), ("alpha", "c"), ("beta", "d"))
-DEVICES = (0x10, 0x11, 0x12, 0x20, 0x21, 0x22)
+_GPU = """
+  kind = "gpu"
+  vendor = 0x10de
+  device = 0x1db4
+  class = 0x030200
+  dma_bits = 40
+  intx = "A"
+  bars = [ {{ index = 0, size = "16MiB", kind = "mem32" }},
+           {{ index = 1, size = "1GiB", kind = "mem64", prefetch = true }} ]
+  msi = {{ vectors = 1, bits64 = true }}
+"""
+_ADAPTER = """
+  [[node.adapter]]
+  index = 0
+  model = "PXH830"
+  window = "64GiB"
+  segments = 32
+  lut_entries = 32
+  cpus = 1
+"""
+
+TOPOLOGY = f"""
+name = "handover"
+[[node]]
+name = "alpha"
+id = 4
+ram = "64GiB"
+{_ADAPTER}
+  [[node.device]]
+  fdid = 0x10
+  bdf = "0000:41:00.0"
+{_GPU.format()}
+  [[node.device]]
+  fdid = 0x12
+  bdf = "0000:43:00.0"
+  kind = "nvme"
+  vendor = 0x144d
+  device = 0xa80a
+  class = 0x010802
+  bars = [ {{ index = 0, size = "64KiB", kind = "mem64" }},
+           {{ index = 4, size = "16KiB", kind = "mem64" }} ]
+  msix = {{ vectors = 64, table_bar = 4, table_offset = 0, pba_bar = 4, pba_offset = 0x2000 }}
+
+[[node]]
+name = "beta"
+id = 8
+ram = "64GiB"
+{_ADAPTER}
+  [[node.device]]
+  fdid = 0x20
+  bdf = "0000:41:00.0"
+{_GPU.format()}
+  [[node.device]]
+  fdid = 0x21
+  bdf = "0000:43:00.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1572
+  class = 0x020000
+  bars = [ {{ index = 0, size = "1MiB", kind = "mem32" }} ]
+  msi = {{ vectors = 4, bits64 = true }}
+
+[[node]]
+name = "gamma"
+id = 12
+ram = "64GiB"
+{_ADAPTER}
+
+[[node]]
+name = "delta"
+id = 16
+ram = "64GiB"
+{_ADAPTER}
+
+[[switch]]
+name = "sw"
+ports = ["alpha:0", "beta:0", "gamma:0", "delta:0"]
+"""
+
+SHARED = 0x12
+BLOCKS = 1 << 16
+SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta", "d"))
+DEVICES = (0x10, 0x12, 0x20, 0x21)
 LENDERS = ("alpha", "beta")
+PROBE_GPAS = (0x1000, 512 * MiB)
 
 slots = st.sampled_from(range(len(SLOTS)))
 picks = st.integers(min_value=0, max_value=len(DEVICES) - 1)
 devices = st.sampled_from(DEVICES)
 
 
+def vm_xml(name: str, fdids: tuple[int, ...], share: bool) -> bytes:
+    requests = [DeviceRequest(f) for f in fdids]
+    if share:
+        requests.append(DeviceRequest(SHARED, share=NvmeShareRequest(1, 8 * MiB)))
+    return new_domain(
+        DomainSpec(
+            name=name,
+            memory_bytes=1 * GiB,
+            uuid=uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.vmlend.test"),
+            devices=requests,
+        ),
+        templates=TemplateSet(),
+    ).to_bytes()
+
+
+class Running(msgspec.Struct):
+    vm: SimVm
+    p2p: P2PMapper
+    xml: bytes
+    driver: NvmeDriver | None = None
+    queue: QueuePair | None = None
+
+
 class FabricMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="vmlend-stateful-"))
-        self.c = Cluster.create(self.tmp / "state.db")
-        self.vms: dict[int, tuple[SimVm, P2PMapper, bytes]] = {}
+        self.c = Cluster.create(self.tmp / "state.db", TOPOLOGY)
+        self.vms: dict[int, Running] = {}
         self.down: set[str] = set()
+        self.drive: SharedNvmeDrive | None = None
+        self.drives: list[SharedNvmeDrive] = []
+        self._share_drive()
 
     def teardown(self) -> None:
         try:
             for slot in list(self.vms):
                 self._stop(slot)
+            for d in self.drives:
+                d.close()
         finally:
             self.c.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     # --- helpers ---------------------------------------------------------------------------------
+    def _share_drive(self) -> None:
+        geometry = drive_geometry(self.c.hw.device(SHARED).spec, BLOCKS)
+        ledger.lend_shared(self.c.registry, SHARED, geometry)
+        self.drive = SharedNvmeDrive(self.c.hw, SHARED, self.tmp, blocks=BLOCKS)
+        self.drives.append(self.drive)
+
     def _vm(self, slot: int, pick: int) -> tuple[SimVm, int] | None:
         entry = self.vms.get(slot)
-        if entry is None or not entry[0].devices():
+        if entry is None or not entry.vm.devices():
             return None
-        vm = entry[0]
+        vm = entry.vm
         return vm, vm.devices()[pick % len(vm.devices())]
 
     def _stop(self, slot: int) -> None:
-        vm, p2p, xml = self.vms.pop(slot)
+        entry = self.vms.pop(slot)
         node = SLOTS[slot][0]
-        vm.stop()
-        p2p.close()
-        self.c.release(xml, node)  # idempotent for devices released behind the VM's back
+        entry.vm.stop()
+        entry.p2p.close()
+        self.c.release(entry.xml, node)  # idempotent for devices released behind the VM's back
 
     def _holder_of(self, fdid: int):
         return self.c.fabric().device(fdid).holder
@@ -88,47 +243,89 @@ class FabricMachine(RuleBasedStateMachine):
     def _release(self, fdid: int) -> None:
         """What the cleanup after a crash does: the hold goes, then the mdev."""
         holder = self._holder_of(fdid)
-        if holder is None:
+        if holder is None or holder.vm == ledger.MANAGER_VM:
             return
+        self._release_own(fdid, holder)
+
+    def _release_own(self, fdid: int, holder) -> None:
         fabric = self.c.fabric(holder.node)
-        assert fabric.release(fdid, holder)
+        fabric.release(fdid, holder)
         for m in fabric.mdevs():
-            if m.fdid == fdid:
+            if m.fdid == fdid and m.vm == holder.vm:
                 fabric.remove_mdev(m.uuid)
 
-    # --- rules ---------------------------------------------------------------------------------
+    def _records_of(self, holder) -> tuple[list, dict, list]:
+        """The mdevs, holds and shares the registry has for ``holder``'s VM."""
+        with self.c.registry.read() as tx:
+            mdevs = sorted(
+                (m for m in tx.mdevs() if (m.node, m.vm) == (holder.node, holder.vm)),
+                key=lambda m: m.uuid,
+            )
+            holds = {f: h for f, h in tx.holds().items() if same_holder(h.holder, holder)}
+        shares = [e for e in self._registry_shares() if same_holder(e.holder, holder)]
+        return mdevs, holds, shares
+
+    def _registry_shares(self) -> list[ledger.ShareEntry]:
+        with self.c.registry.read() as tx:
+            return [ledger.share_entry(r) for r in tx.runtime(None, ledger.SHARE_RECORD)]
+
+    # --- rules: VMs and their guests -----------------------------------------------------------
+    @initialize(
+        first=st.sets(devices, min_size=1, max_size=2),
+        second=st.sets(devices, min_size=1, max_size=2),
+        share=st.booleans(),
+    )
+    def two_vms_named_a(self, first: set[int], second: set[int], share: bool) -> None:
+        """Every sequence starts with VM "a" on gamma and on delta (one name, one UUID), so
+        hand-overs and attacks have victims from the first step."""
+        self.start(0, first, share)
+        self.start(2, second, not share)
+
     @precondition(lambda self: len(self.vms) < len(SLOTS))
-    @rule(slot=slots, chosen=st.sets(devices, min_size=1, max_size=4))
-    def start(self, slot: int, chosen: set[int]) -> None:
+    @rule(
+        slot=slots,
+        chosen=st.sets(devices, min_size=0, max_size=3),
+        share=st.booleans(),
+    )
+    def start(self, slot: int, chosen: set[int], share: bool) -> None:
         """Start a VM (in the first free slot from ``slot`` on) with the chosen devices nobody
-        holds; its guest enables them all."""
+        holds and, if the drive is shared now, a share of it; its guest enables them all."""
         slot = next(
             s % len(SLOTS) for s in range(slot, slot + len(SLOTS)) if s % len(SLOTS) not in self.vms
         )
         node, name = SLOTS[slot]
         free = tuple(sorted(f for f in chosen if self._holder_of(f) is None))
-        if not free:
+        share = share and self.drive is not None and self.drive.ended is None
+        if not free and not share:
             return
-        xml = domain_xml(name, 1 * GiB, fdids=free)
+        xml = vm_xml(name, free, share)
         try:
             self.c.prepare(xml, node)
         except VmlendError:
-            return  # a lender down, admission: nothing was reserved
-        ledger = RegistryWindowLedger(self.c.registry)
+            self.c.release(xml, node)  # what libvirt runs after a failed prepare
+            return
+        ledger_ = RegistryWindowLedger(self.c.registry)
         p2p = P2PMapper(
-            self.c.hw, node, name, recorder=registry_recorder(self.c.registry), promises=ledger
+            self.c.hw, node, name, recorder=registry_recorder(self.c.registry), promises=ledger_
         )
         vm = SimVm(
             xml,
             hardware=self.c.hw,
             fabric=self.c.fabric(node),
-            ledger=ledger,
+            ledger=ledger_,
             p2p=p2p,
             backing=GiB,
+            nvme={SHARED: self.drive} if share and self.drive is not None else None,
         )
-        self.vms[slot] = (vm, p2p, xml)
+        entry = self.vms[slot] = Running(vm, p2p, xml)
+        event(f"start: a VM with {len(vm.devices())} device(s)" + (" and a share" if share else ""))
         for fdid in vm.devices():
             self._enable(vm, fdid)
+        if vm.shares():
+            s = vm.nvme_share(SHARED)
+            s.set_master()
+            entry.driver = guest_driver(s.bar0, vm.guest)
+            (entry.queue,) = entry.driver.start(queues=1, entries=8)
 
     def _enable(self, vm: SimVm, fdid: int) -> None:
         try:
@@ -136,7 +333,27 @@ class FabricMachine(RuleBasedStateMachine):
         except BorrowTeardownError:
             raise
         except VmlendError:
-            pass  # refused (not reserved, lender down, no room): the bit stays 0
+            pass  # refused (not reserved, lender down, no room, taken): the bit stays 0
+
+    @precondition(lambda self: self.vms)
+    @rule(slot=slots, lba=st.integers(min_value=0, max_value=15))
+    def share_io(self, slot: int, lba: int) -> None:
+        """The guest writes and reads back a block of its share: it works while the share is
+        the VM's; once taken, the controller is gone (the driver times out)."""
+        entry = self.vms.get(slot)
+        if entry is None or entry.driver is None or entry.queue is None:
+            return
+        share = entry.vm.nvme_share(SHARED)
+        data = bytes([lba + 1]) * 512
+        try:
+            done = entry.driver.write(entry.queue, lba, data)
+            back = entry.driver.read(entry.queue, lba, 1)[1]
+        except VmlendError:
+            assert share.revoked, "I/O failed on a share that is still the VM's"
+            return
+        assert not share.revoked, "I/O completed on a share taken from the VM"
+        event("share_io: done")
+        assert done.ok and back == data
 
     @precondition(lambda self: self.vms)
     @rule(slot=slots, pick=picks)
@@ -187,17 +404,25 @@ class FabricMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.vms)
     @rule(slot=slots, pick=picks)
     def hot_remove(self, slot: int, pick: int) -> None:
+        """The guest's device leaves (detach); the VM's own hold and mdev go, nobody else's."""
         got = self._vm(slot, pick)
         if got is not None:
             vm, fdid = got
             vm.remove_device(fdid)
-            self._release(fdid)
+            self._release_own(fdid, vm.holder)
 
+    @precondition(lambda self: self.vms)
+    @rule(slot=slots)
+    def stop(self, slot: int) -> None:
+        if slot in self.vms:
+            self._stop(slot)
+
+    # --- rules: hand-overs -----------------------------------------------------------------------
     @precondition(lambda self: self.vms)
     @rule(fdid=devices)
     def give_back_behind_the_vm(self, fdid: int) -> None:
         holder = self._holder_of(fdid)
-        if holder is not None:
+        if holder is not None and holder.vm != ledger.MANAGER_VM:
             self.c.fabric(holder.node).give_back(fdid, holder)
 
     @precondition(lambda self: self.vms)
@@ -207,15 +432,29 @@ class FabricMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.vms)
     @rule(slot=slots)
-    def stop(self, slot: int) -> None:
-        if slot in self.vms:
-            self._stop(slot)
+    def release_share_behind_the_vm(self, slot: int) -> None:
+        """A crash cleanup returns the VM's share while the VM still runs."""
+        entry = self.vms.get(slot)
+        if entry is None or not entry.vm.shares():
+            return
+        holder = entry.vm.holder
+        fabric = self.c.fabric(holder.node)
+        fabric.release_share(SHARED, holder)
+        event("hand-over: a share released behind its VM")
+        for m in fabric.mdevs():
+            if m.fdid == SHARED and m.vm == holder.vm:
+                fabric.remove_mdev(m.uuid)
+        assert entry.vm.nvme_share(SHARED).revoked
 
-    @precondition(lambda self: self.vms)
+    @precondition(lambda self: self.vms or self.drive is not None)
     @rule(fdid=devices)
     def lender_reclaim(self, fdid: int) -> None:
-        """The lender takes the device back: borrow, hold and mdev end in one step."""
-        self.c.fabric(self.c.hw.device(fdid).lender).reclaim(fdid)
+        """The lender takes the device (or the shared drive) back: borrow, hold, shares and
+        mdevs end in one step."""
+        taken = self.c.fabric(self.c.hw.device(fdid).lender).reclaim(fdid)
+        if taken is not None:
+            whom = "the manager" if taken.vm == ledger.MANAGER_VM else "a VM"
+            event(f"hand-over: reclaimed from {whom}")
 
     @rule(node=st.sampled_from(LENDERS), release=st.booleans())
     def lender_down(self, node: str, release: bool) -> None:
@@ -234,12 +473,86 @@ class FabricMachine(RuleBasedStateMachine):
         self.c.fabric().set_node_up(node, True)
         self.down.discard(node)
 
+    @precondition(lambda self: self.drive is None or self.drive.ended is not None)
+    @rule()
+    def share_again(self) -> None:
+        """The lender shares the drive again once its old manager lost it and nobody else
+        holds it: a new manager, a reset controller."""
+        holder = self._holder_of(SHARED)
+        if "alpha" in self.down or self.c.hw.borrowed(SHARED) is not None:
+            return
+        if holder is not None and holder.vm != ledger.MANAGER_VM:
+            return
+        if self.drive is not None:
+            self.drives.remove(self.drive)
+            self.drive.close()
+            self.drive = None
+        self._share_drive()
+        event("hand-over: the drive shared again")
+
+    # --- rules: attacks ------------------------------------------------------------------------
+    @precondition(lambda self: len(self.vms) >= 2)
+    @rule(slot=slots, victim=slots)
+    def hot_add_anothers_mdev(self, slot: int, victim: int) -> None:
+        """A VM hot-adds a device whose mdev another VM on its node has: refused, and the
+        device does not notice."""
+        attacker, target = self.vms.get(slot), self.vms.get(victim)
+        if attacker is None or target is None or slot == victim:
+            return
+        for fdid in target.vm.devices():
+            if fdid in attacker.vm.devices():
+                continue
+            dev = self.c.hw.device(fdid)
+            before = [dev.config.read(o, 4) for o in range(0, 0x100, 4)]
+            with pytest.raises(VmlendError):
+                attacker.vm.add_device(fdid)
+            event("attack: hot-add of another VM's mdev refused")
+            assert fdid not in attacker.vm.devices()
+            assert [dev.config.read(o, 4) for o in range(0, 0x100, 4)] == before
+
+    @precondition(lambda self: self.vms)
+    @rule(victim=slots, elsewhere=st.booleans())
+    def forged_start_then_release(self, victim: int, elsewhere: bool) -> None:
+        """A copy of a running VM's domain fails to start, then libvirt runs its release: the
+        victim's holds and mdevs stay as they were. The copy runs on another node unchanged
+        (``elsewhere``), or on the victim's node under another name and domain UUID, its
+        metadata still naming the victim's mdevs (libvirt refuses a second domain with the
+        same UUID on one host, so that is the copy a user can define there)."""
+        target = self.vms.get(victim)
+        if target is None:
+            return
+        node, name = SLOTS[victim]
+        forged = target.xml
+        if elsewhere:
+            node = "delta" if node == "gamma" else "gamma"
+        else:
+            own = str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.vmlend.test")).encode()
+            forged = forged.replace(f"<name>{name}</name>".encode(), b"<name>forged</name>")
+            forged = forged.replace(own, str(uuid.uuid5(uuid.NAMESPACE_DNS, "forged")).encode())
+        if any(SLOTS[s] == (node, "a") for s in self.vms) and elsewhere:
+            return  # that node runs its own "a": the copy is that VM's business
+        victim_holder = target.vm.holder
+        before = self._records_of(victim_holder)
+        ops = HookOps(self.c.fabric(node), NullLog())
+        try:
+            ops.prepare(read_domain(forged))
+            started = "started (the victim held nothing it names)"
+        except VmlendError:
+            started = "refused"
+        ops.release(read_domain(forged, strict=False))
+        event(f"attack: a copied domain {started} {'elsewhere' if elsewhere else 'here'}")
+        assert self._records_of(victim_holder) == before
+
     # --- after every step ----------------------------------------------------------------------
     @invariant()
     def every_mapping_is_justified(self) -> None:
         with self.c.registry.read() as tx:
             holds, claims = tx.holds(), tx.claims()
-        found = check_hardware(self.c.hw, holds=holds, claims=claims)
+        grants = [
+            ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid)
+            for e in self._registry_shares()
+        ]
+        found = check_hardware(self.c.hw, holds=holds, claims=claims, shares=grants)
         assert found == [], "\n".join(map(str, found))
 
     @invariant()
@@ -247,11 +560,11 @@ class FabricMachine(RuleBasedStateMachine):
         hw = self.c.hw
         targets = [
             (b.address, b.fdid)
-            for vm, _p2p, _xml in self.vms.values()
-            for f in vm.devices()
-            for b in vm.bars(f)
+            for entry in self.vms.values()
+            for f in entry.vm.devices()
+            for b in entry.vm.bars(f)
             if b.kind is not BarKind.IO
-        ] + [(gpa, None) for gpa in (0x1000, 512 << 20)]
+        ] + [(gpa, None) for gpa in PROBE_GPAS]
         for dev in hw.devices():
             borrow = hw.borrowed(dev.fdid)
             owner = None if borrow is None else (borrow.node, borrow.vm)
@@ -271,6 +584,52 @@ class FabricMachine(RuleBasedStateMachine):
                         assert b is not None and (b.node, b.vm) == owner, f"{dev.fdid:#x}: {t}"
             finally:
                 dev.config.write(regs.COMMAND, 2, command, notify=False)
+
+    @invariant()
+    def the_shared_drive_reaches_only_each_shares_vm(self) -> None:
+        hw = self.c.hw
+        owners = {e.share.asid: (e.holder.node, e.holder.vm) for e in self._registry_shares()}
+        dev = hw.device(SHARED)
+        command = dev.config.command
+        dev.config.write(regs.COMMAND, 2, command | regs.COMMAND_MASTER, notify=False)
+        try:
+            for asid in sorted(set(owners) | {1, 2, 3, 4}):
+                for gpa in PROBE_GPAS:
+                    try:
+                        t = hw.resolve_dma(SHARED, asid_base(asid) + gpa, write=True)
+                    except DmaFault:
+                        continue
+                    assert t.kind == "ram" and (t.node, t.owner) == owners.get(asid), (
+                        f"address space {asid} of the drive reached {t}"
+                    )
+        finally:
+            dev.config.write(regs.COMMAND, 2, command, notify=False)
+
+    @invariant()
+    def a_session_whose_device_moved_on_changes_nothing(self) -> None:
+        for entry in self.vms.values():
+            vm = entry.vm
+            for fdid in vm.devices():
+                s = vm.session(fdid)
+                if not s.cut_off:
+                    continue
+                dev = self.c.hw.device(fdid)
+                before = [dev.config.read(o, 4) for o in range(0, 0x100, 4)]
+                borrow = self.c.hw.borrowed(fdid)
+                assert vm.config_read(fdid, regs.COMMAND, 2) == 0xFFFF
+                vm.config_write(fdid, regs.COMMAND, 2, 0)
+                vm.config_write(fdid, MSI_OFFSET + regs.MSI_FLAGS, 2, 0)
+                vm.config_write(fdid, EXP_OFFSET + regs.EXP_DEVCTL, 2, regs.EXP_DEVCTL_BCR_FLR)
+                assert [dev.config.read(o, 4) for o in range(0, 0x100, 4)] == before
+                assert self.c.hw.borrowed(fdid) == borrow
+                event("probe: a cut-off session poked")
+            for fdid in vm.shares():
+                share = vm.nvme_share(fdid)
+                if share.revoked:
+                    assert share.bar0.read(0x1C, 4) == 0xFFFF_FFFF
+                    assert share.config.read(regs.COMMAND, 2) == 0xFFFF
+                    share.bar0.write(0x1000, 4, 1)  # dropped
+                    event("probe: a revoked share poked")
 
 
 def _settings(examples: int, steps: int) -> settings:

@@ -114,6 +114,8 @@ def lend_shared(
         hold = tx.hold(fdid)
         if hold is not None:
             if is_manager(hold.holder):
+                if hold.phase is not Phase.BORROWED:  # shared again after its lender was down
+                    tx.set_phase(fdid, Phase.BORROWED)
                 return
             raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
         manager = Holder(dev.lender, MANAGER_VM)

@@ -140,6 +140,11 @@ class PassthroughSession:
         """This VM may not see the device: it was taken from it, or another VM borrows it."""
         return self.revoked or (self.hw.borrowed(self.fdid) is not None and not self._ours())
 
+    @property
+    def cut_off(self) -> bool:
+        """The guest sees a removed device here: all ones, its writes dropped."""
+        return self._cut_off()
+
     def config_read(self, offset: int, size: int) -> int:
         self._check_open()
         if self._cut_off():
