@@ -1,8 +1,12 @@
 """The guest side of the NVMe tests: the guest's view of its controller's BAR0 and its RAM, for
-``vmlend.nvme.driver.NvmeDriver`` acting as the guest's unmodified driver."""
+``vmlend.nvme.driver.NvmeDriver`` acting as the guest's unmodified driver, and the domain XML
+of a VM that asks for a share."""
 
 from __future__ import annotations
 
+import uuid
+
+from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
 from vmlend.fabric.model import MiB
 from vmlend.fabric.sim.guest import SimGuest
 from vmlend.fabric.sim.simvm import SimVm
@@ -27,3 +31,26 @@ def guest_driver(mmio, guest: SimGuest, start: int = 16 * MiB, size: int = 16 * 
     """A driver whose queues and buffers live in guest RAM [start, start + size)."""
     return NvmeDriver(mmio, guest, BumpAllocator(start, start + size))
 
+
+def share_xml(
+    name: str,
+    queues: int = 1,
+    size: int = 32 * MiB,
+    *,
+    fdid: int = 0x12,
+    also: tuple[int, ...] = (),
+    virt_type: str = "kvm",
+) -> bytes:
+    """A 256 MiB domain asking for a share (``queues`` pairs, ``size`` bytes) of drive ``fdid``
+    and, whole, the devices ``also``; its UUID derived from ``name``."""
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=256 * MiB,
+        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
+        devices=[
+            DeviceRequest(fdid, share=NvmeShareRequest(queues, size)),
+            *(DeviceRequest(f) for f in also),
+        ],
+        virt_type=virt_type,
+    )
+    return new_domain(spec, templates=TemplateSet()).to_bytes()

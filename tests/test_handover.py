@@ -9,17 +9,14 @@ registry's holds, claims and shares as the only justification.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from tests.nvme_guest import VmBar0, guest_driver
+from tests.nvme_guest import VmBar0, guest_driver, share_xml
 from tests.test_simvm import Cluster, domain_xml
-from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
 from vmlend.errors import FabricError, MdevError, VmlendError
-from vmlend.fabric.model import GiB, MiB
+from vmlend.fabric.model import GiB
 from vmlend.fabric.sim.hardware import Borrow, OpenMdev
-from vmlend.fabric.sim.invariants import ShareGrant, check_hardware
+from vmlend.fabric.sim.invariants import check_hardware, registry_grants
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
 from vmlend.fabric.sim.simvm import SimVm
@@ -33,21 +30,9 @@ BLOCKS = 1 << 20
 ALL_ONES_16 = 0xFFFF
 
 
-def share_xml(name: str, queues: int = 1, size: int = 32 * MiB) -> bytes:
-    request = DomainSpec(
-        name=name,
-        memory_bytes=256 * MiB,
-        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
-        devices=[DeviceRequest(NVME, share=NvmeShareRequest(queues, size))],
-    )
-    return new_domain(request, templates=TemplateSet()).to_bytes()
-
-
 def no_violations(c: Cluster) -> None:
     with c.registry.read() as tx:
-        holds, claims = tx.holds(), tx.claims()
-        shares = [ledger.share_entry(r) for r in tx.runtime(None, ledger.SHARE_RECORD)]
-    grants = [ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid) for e in shares]
+        holds, claims, grants = tx.holds(), tx.claims(), registry_grants(tx)
     found = check_hardware(c.hw, holds=holds, claims=claims, shares=grants)
     assert found == [], "\n".join(map(str, found))
 

@@ -4,36 +4,21 @@ doorbell mode, guard rejections), in text and ``--json``, beside its borrowed de
 from __future__ import annotations
 
 import json
-import uuid
 
-from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
 from vmlend.fabric.model import MiB
 from vmlend.nvme import ledger
 from vmlend.registry import SqliteRegistry
 
 from .cli_cluster import GAMMA, SimCluster
+from .nvme_guest import share_xml
 
 NVME = 0x12
-
-
-def share_xml(name: str, *, queues: int, size: int, also: tuple[int, ...] = ()) -> bytes:
-    spec = DomainSpec(
-        name=name,
-        memory_bytes=256 * MiB,
-        virt_type="qemu",
-        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
-        devices=[
-            DeviceRequest(NVME, share=NvmeShareRequest(queues, size)),
-            *(DeviceRequest(f) for f in also),
-        ],
-    )
-    return new_domain(spec, templates=TemplateSet()).to_bytes()
 
 
 def test_status_shows_each_vms_nvme_shares(cluster: SimCluster):
     assert cluster.cli("nvme", "share", "0x12", "--size", "1G").exit_code == 0
     hv = cluster.hv("gamma")
-    hv.define(share_xml("web", queues=2, size=64 * MiB, also=(0x10,)))
+    hv.define(share_xml("web", 2, 64 * MiB, also=(0x10,), virt_type="qemu"))
     hv.start("web")  # the hook claims the share and borrows the GPU
     r = cluster.cli("nvme", "reserve", "0x12", "db", "--node", "beta", "--size", "32M")
     assert r.exit_code == 0, r.output

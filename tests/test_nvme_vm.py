@@ -4,15 +4,11 @@ manager, their guests' drivers do I/O; one VM stops and is released while the ot
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from tests.nvme_guest import guest_driver
+from tests.nvme_guest import guest_driver, share_xml
 from tests.test_simvm import Cluster
-from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
 from vmlend.errors import FabricError
-from vmlend.fabric.model import MiB
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
 from vmlend.fabric.sim.simvm import SimVm
@@ -20,16 +16,6 @@ from vmlend.nvme import ledger, spec
 
 NVME = 0x12
 BLOCKS = 1 << 20
-
-
-def share_xml(name: str, queues: int = 1, size: int = 32 * MiB) -> bytes:
-    spec_ = DomainSpec(
-        name=name,
-        memory_bytes=256 * MiB,
-        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
-        devices=[DeviceRequest(NVME, share=NvmeShareRequest(queues, size))],
-    )
-    return new_domain(spec_, templates=TemplateSet()).to_bytes()
 
 
 @pytest.fixture

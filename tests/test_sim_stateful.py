@@ -62,7 +62,7 @@ from vmlend.domain import (
 from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
 from vmlend.fabric.model import BarKind, GiB, MiB
 from vmlend.fabric.sim.dmawin import RegistryWindowLedger
-from vmlend.fabric.sim.invariants import ShareGrant, check_hardware
+from vmlend.fabric.sim.invariants import check_hardware, registry_grants
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
 from vmlend.fabric.sim.p2pmap import P2PMapper, registry_recorder
@@ -547,11 +547,7 @@ class FabricMachine(RuleBasedStateMachine):
     @invariant()
     def every_mapping_is_justified(self) -> None:
         with self.c.registry.read() as tx:
-            holds, claims = tx.holds(), tx.claims()
-        grants = [
-            ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid)
-            for e in self._registry_shares()
-        ]
+            holds, claims, grants = tx.holds(), tx.claims(), registry_grants(tx)
         found = check_hardware(self.c.hw, holds=holds, claims=claims, shares=grants)
         assert found == [], "\n".join(map(str, found))
 

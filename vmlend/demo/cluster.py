@@ -24,13 +24,12 @@ from vmlend.fabric.model import GiB
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.sim.dmawin import RegistryWindowLedger
 from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.invariants import ShareGrant, Violation, check_hardware
+from vmlend.fabric.sim.invariants import Violation, check_hardware, registry_grants
 from vmlend.fabric.sim.msitarget import MsiTargets
 from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.hypervisor.sim_hv import HookRun, HookRunner
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
-from vmlend.nvme.ledger import SHARE_RECORD, share_entry
 from vmlend.registry import open_registry
 
 log = logging.getLogger(__name__)
@@ -122,9 +121,7 @@ class DemoCluster:
         """The fabric's invariants over this process's hardware and the shared holds/claims;
         the registry's NVMe shares justify what shared drives map for them."""
         with self.registry.read() as tx:
-            holds, claims = tx.holds(), tx.claims()
-            shares = [share_entry(r) for r in tx.runtime(None, SHARE_RECORD)]
-        grants = [ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid) for e in shares]
+            holds, claims, grants = tx.holds(), tx.claims(), registry_grants(tx)
         return check_hardware(self.hw, holds=holds, claims=claims, shares=grants)
 
     # --- idempotence --------------------------------------------------------------------------

@@ -63,8 +63,8 @@ from vmlend.fabric.sim.iommu import Mapping as IommuMapping
 from vmlend.fabric.sim.ntb import NtbAdapter, SegmentMapping
 from vmlend.nvme.admit import share_window_key
 from vmlend.nvme.guard import ADDRESS_BITS
-from vmlend.nvme.ledger import MANAGER_VM
-from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
+from vmlend.nvme.ledger import MANAGER_VM, SHARE_RECORD, share_entry
+from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 
 Owner = tuple[str, str]  # (node, vm)
 
@@ -81,6 +81,12 @@ class ShareGrant(msgspec.Struct, frozen=True):
     @property
     def owner(self) -> Owner:
         return (self.node, self.vm)
+
+
+def registry_grants(tx: StateTxn) -> list[ShareGrant]:
+    """The NVMe shares the registry records now, as the checker's justifications."""
+    entries = [share_entry(r) for r in tx.runtime(None, SHARE_RECORD)]
+    return [ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid) for e in entries]
 
 
 class Violation(msgspec.Struct, frozen=True):
