@@ -27,6 +27,7 @@ from vmlend.domain import (
     remove_device,
 )
 from vmlend.domain.info import info_of
+from vmlend.domain.ramcheck import require_computable_layout
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import InterruptPath, format_fdid, parse_fdid
@@ -221,6 +222,8 @@ def new_cmd(
     )
     validator = None if no_fabric_check or not devices else fabric_validator(obj)
     doc = new_domain(spec, templates=TemplateSet(), validate_fdid=validator)
+    if devices:
+        require_computable_layout(doc)
     data = doc.to_bytes()
     if output:
         write_atomically(Path(output), data)
@@ -256,6 +259,7 @@ def add_device_cmd(
     doc = _read(file)
     validator = None
     if find_device(doc, fdid) is None:
+        require_computable_layout(doc)
         validator = None if no_fabric_check else fabric_validator(obj)
         if validator is not None:
             validator(fdid)

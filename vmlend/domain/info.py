@@ -10,7 +10,7 @@ from vmlend.domain.consistency import Problem, find_problems, raise_on
 from vmlend.domain.document import DomainDocument
 from vmlend.domain.metadata import VmlendDevice, find_metadata
 from vmlend.domain.model import DomainXML
-from vmlend.errors import DomainXMLError, VmlendError
+from vmlend.errors import DomainXMLError, LayoutError, VmlendError
 from vmlend.fabric.model import DEFAULT_INTERRUPTS, GuestRam, InterruptPath
 from vmlend.memory.domain_memory import domain_layout
 
@@ -26,8 +26,10 @@ class DomainInfo(msgspec.Struct, frozen=True):
     host_node: str | None = None
     problems: tuple[Problem, ...] = msgspec.field(default=())
     #: The guest's RAM ranges by QEMU's layout rules (None when the XML does not decide them,
-    #: e.g. no machine type yet).
+    #: e.g. no machine type yet, or a memory device vmlend does not model: ``layout_error``).
     ram: GuestRam | None = None
+    #: Why the layout cannot be computed (None: it can).
+    layout_error: str | None = None
     #: The VM's default interrupt path (``<vmlend:vmlend interrupts=…>``); None: not given.
     interrupts: InterruptPath | None = None
 
@@ -36,10 +38,17 @@ class DomainInfo(msgspec.Struct, frozen=True):
         return device.interrupts or self.interrupts or DEFAULT_INTERRUPTS
 
     @property
-    def guest_ram(self) -> GuestRam | int:
-        """What admission counts: the layout's ranges, else the plain memory size (which
-        admission counts as a q35 guest of that size)."""
-        return self.ram if self.ram is not None else (self.memory_bytes or 0)
+    def guest_ram(self) -> GuestRam:
+        """What admission counts: the guest's RAM ranges by QEMU's rules. ``LayoutError`` when
+        the XML does not decide them: vmlend never admits a device on a guessed layout (a
+        plain q35 guest of the same size could have other ranges, or none)."""
+        if self.ram is not None:
+            return self.ram
+        why = self.layout_error or "its memory layout is unknown"
+        raise LayoutError(
+            f"domain {self.name}: {why}; vmlend computes the DMA windows from the guest's exact"
+            " memory layout and never guesses it, so it admits no remote device for this domain"
+        )
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -65,10 +74,14 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
     problems = tuple(find_problems(doc))
     if strict:
         raise_on(list(problems), f"domain {name} is inconsistent")
+    ram: GuestRam | None = None
+    layout_error: str | None = None
     try:
-        ram: GuestRam | None = GuestRam(tuple(domain_layout(doc.root).ranges()))
-    except VmlendError:
-        ram = None  # the hook or the VM start reports a layout that cannot be known
+        ram = GuestRam(tuple(domain_layout(doc.root).ranges()))
+        if not ram.ranges:
+            ram, layout_error = None, "it has no guest RAM (<memory> is missing or 0)"
+    except VmlendError as e:  # reported by whoever needs the layout (``guest_ram``)
+        layout_error = str(e)
     return DomainInfo(
         name=name,
         uuid=domain.uuid,
@@ -79,6 +92,7 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
         host_node=meta.host_node if meta is not None else None,
         problems=problems,
         ram=ram,
+        layout_error=layout_error,
         interrupts=meta.interrupts if meta is not None else None,
     )
 

@@ -98,8 +98,13 @@ class HookOps:
         libvirt kill the guest, which is worse than a state that needs an operator's look.
         """
         record = self._recorder(dom, "reconnect")
+        try:
+            ram = dom.guest_ram
+        except VmlendError as e:  # reported, not fatal: the guest keeps running
+            record(f"PROBLEM: {e}")
+            return [str(e)]
         problems = restore_running(
-            self.fabric, self.holder(dom), dom.devices, dom.guest_ram, record, dom.interrupts_of
+            self.fabric, self.holder(dom), dom.devices, ram, record, dom.interrupts_of
         )
         if not problems:
             record(f"{plural(len(dom.devices), 'device')} consistent")

@@ -332,7 +332,7 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
                 interrupts=listed.interrupts if listed is not None else None,
             )
             problems = restore_running(
-                fabric, d.holder, [device], dom.memory_bytes or 0, record, dom.interrupts_of
+                fabric, d.holder, [device], dom.guest_ram, record, dom.interrupts_of
             )
             if problems:
                 raise FabricError(problems[0])
