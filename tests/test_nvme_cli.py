@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.cli_cluster import make_cluster
 
 
@@ -69,3 +71,22 @@ def test_reserve_by_hand_claims_the_share_windows_of_the_vms_ram(state_path):
     assert c.cli("nvme", "release", "0x12", "web").exit_code == 0
     back = json.loads(c.cli("status", "--json", "--connect", "sim:///gamma").output)["adapters"]
     assert back == before
+
+
+def test_a_namespace_of_2_to_the_64_blocks_or_more_is_refused(state_path):
+    """NVMe sizes and LBAs are 64-bit: a share (or a shared namespace) that large is refused
+    in one line, at the CLI and in domain metadata, before anything is recorded."""
+    from vmlend.domain.metadata import NvmeShareRequest
+    from vmlend.errors import DomainXMLError
+
+    c = make_cluster(state_path)
+    huge = f"{(1 << 64) * 512 >> 40}T"  # exactly 2^64 blocks of 512 bytes
+    r = c.cli("nvme", "share", "0x12", "--size", huge)
+    assert r.exit_code == 1 and "2^64" in r.output and len(r.output.strip().splitlines()) == 1
+    assert "no drive is shared" in c.cli("nvme", "status").output
+    assert c.cli("nvme", "share", "0x12", "--size", "1G").exit_code == 0
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", huge)
+    assert r.exit_code == 1 and "2^64" in r.output
+    with pytest.raises(DomainXMLError, match="2\\^64"):
+        NvmeShareRequest(1, (1 << 64) * 512)
+    assert NvmeShareRequest(1, ((1 << 64) - 1) * 512).size  # the largest that fits

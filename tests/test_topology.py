@@ -124,3 +124,49 @@ def test_routes_through_the_switch_and_back_to_back():
     isolated = parse_topology(MINI.replace('[[link]]\nends = ["a:0", "b:0"]\n', ""), "m.toml")
     with pytest.raises(NoPathError, match="no NTB path from a to b"):
         route(isolated, "a", "b")
+
+
+# --- numbers bounded by what the hardware holds (refused when the topology is read) ---------
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "where", "why"),
+    [
+        ('window = "8GiB"', 'window = "1"', "adapter[0].window", "less than a 4KiB page"),
+        ('window = "8GiB"', 'window = "16KiB"', "adapter[0].window", "at least 32KiB"),
+        ('window = "8GiB"', f"window = {1 << 70}", "adapter[0].window", "at most 4096TiB"),
+        ('size = "16MiB"', f'size = "{1 << 40}TiB"', "bars[0].size", "at most 4096TiB"),
+        ('id = 1', 'id = 1\nram = "1"', ".ram", "at least 1MiB"),
+        ('id = 1', 'id = 1\nram = "8192TiB"', ".ram", "at most 4096TiB"),
+    ],
+)
+def test_sizes_beyond_what_a_host_holds_are_refused(old, new, where, why):
+    assert old in MINI
+    with pytest.raises(TopologyError, match=why) as exc:
+        parse_topology(MINI.replace(old, new, 1), "mini.toml")
+    assert where in str(exc.value)
+
+
+@pytest.mark.parametrize("nest", ["[" * 5000 + "]" * 5000, "{a = " * 5000 + "1" + "}" * 5000])
+def test_a_value_nested_thousands_deep_is_one_line_not_a_recursion_error(nest):
+    with pytest.raises(TopologyError, match="nested too deeply"):
+        parse_topology(MINI + f"\nx = {nest}\n", "deep.toml")
+
+
+def test_a_huge_text_is_not_parsed():
+    with pytest.raises(TopologyError, match="is not a topology"):
+        parse_topology(MINI + "#" * (5 << 20), "huge.toml")
+
+
+def test_fabric_init_refuses_them_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from vmlend.cli import main
+
+    path = tmp_path / "bad.toml"
+    path.write_text(MINI.replace('window = "8GiB"', 'window = "1"'))
+    r = CliRunner().invoke(
+        main, ["--state", str(tmp_path / "s.db"), "fabric", "init", "--topology", str(path)]
+    )
+    assert r.exit_code != 0 and "page per segment" in r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1

@@ -6,6 +6,7 @@ import click
 
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
+from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import Holder, format_fdid, parse_fdid
@@ -20,6 +21,8 @@ def _blocks(size: str) -> int:
     n = parse_size(size)
     if n < BLOCK or n % BLOCK:
         raise ConfigError(f"size {size!r} must be a positive multiple of {BLOCK} bytes")
+    if n // BLOCK >= MAX_NVME_BLOCKS:
+        raise ConfigError(f"size {size!r} is more blocks than an NVMe namespace has (2^64)")
     return n // BLOCK
 
 

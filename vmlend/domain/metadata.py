@@ -54,6 +54,10 @@ _NS = {PREFIX: NAMESPACE_URI}
 _NAMESPACE_FAMILY = "{" + NAMESPACE_URI.rsplit("/", 1)[0] + "/"
 
 
+#: An NVMe namespace's size and LBAs are 64-bit (NSZE, SLBA): no share has 2^64 blocks or more.
+MAX_NVME_BLOCKS = 1 << 64
+
+
 class NvmeShareRequest(msgspec.Struct, frozen=True):
     """A share of an NVMe drive instead of the whole drive (docs/nvme-sharing.md): I/O queue
     pairs and the size of the one namespace the VM sees."""
@@ -66,6 +70,11 @@ class NvmeShareRequest(msgspec.Struct, frozen=True):
             raise DomainXMLError(f"an NVMe share has 1..65534 queue pairs, not {self.queue_pairs}")
         if self.size < 512 or self.size % 512:
             raise DomainXMLError(f"an NVMe share's size is whole 512-byte blocks, not {self.size}")
+        if self.size // 512 >= MAX_NVME_BLOCKS:
+            raise DomainXMLError(
+                f"an NVMe share of {self.size} bytes has more blocks than an NVMe namespace can"
+                " (2^64)"
+            )
 
 
 class VmlendDevice(msgspec.Struct, frozen=True):

@@ -34,6 +34,14 @@ _PINS = {"none": 0, "A": 1, "B": 2, "C": 3, "D": 4}
 
 DEFAULT_TOPOLOGY = "default-topology.toml"
 
+#: The largest physical address an x86-64 host decodes (52 bits): no RAM, BAR or NTB window
+#: of a real host is larger, and sizes past it would overflow the address planning later.
+MAX_ADDRESS = 1 << 52
+#: A segment of an NTB window maps at least one page.
+PAGE = 4096
+#: A topology file is a description of hosts, not data: refuse what no fabric needs.
+MAX_TOPOLOGY_BYTES = 4 << 20
+
 
 class _Reader:
     """Walks the parsed TOML, tracking the field path for error messages."""
@@ -76,7 +84,9 @@ class _Reader:
             raise self.fail(path, f"expected true or false, got {value!r}")
         return value
 
-    def size(self, value: Any, path: str, pow2: bool = False) -> int:
+    def size(
+        self, value: Any, path: str, pow2: bool = False, lo: int = 1, hi: int = MAX_ADDRESS
+    ) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             n = value
         elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
@@ -85,6 +95,12 @@ class _Reader:
             raise self.fail(path, f'expected a size such as 4096 or "16MiB", got {value!r}')
         if n <= 0:
             raise self.fail(path, f"size must be positive, got {value!r}")
+        if n < lo:
+            raise self.fail(path, f"must be at least {_human(lo)}, got {value!r}")
+        if n > hi:
+            raise self.fail(
+                path, f"must be at most {_human(hi)} (what a host can address), got {value!r}"
+            )
         if pow2 and n & (n - 1):
             raise self.fail(path, f"not a power of two: {value!r}")
         return n
@@ -93,6 +109,13 @@ class _Reader:
         if not isinstance(value, list):
             raise self.fail(path, f"expected a list, got {type(value).__name__}")
         return value
+
+
+def _human(n: int) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return f"{n}B"
 
 
 def _bars(r: _Reader, raw: Any, path: str) -> tuple[BarSpec, ...]:
@@ -301,6 +324,12 @@ def _adapter(
     )
     if a.segments & (a.segments - 1):
         raise r.fail(f"{path}.segments", f"must be a power of two, got {a.segments}")
+    if a.window_size // a.segments < PAGE:
+        raise r.fail(
+            f"{path}.window",
+            f"{_human(a.window_size)} split into {a.segments} segments leaves less than a"
+            f" {_human(PAGE)} page per segment; give at least {_human(a.segments * PAGE)}",
+        )
     if a.lut_usable < 1:
         raise r.fail(
             f"{path}.lut_entries",
@@ -313,10 +342,16 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
     import tomllib  # here, not above: opening a compiled topology (compiled.py) parses no TOML
 
     r = _Reader(source)
+    if len(text) > MAX_TOPOLOGY_BYTES:
+        raise TopologyError(
+            source, f"{len(text)} characters is not a topology (at most {MAX_TOPOLOGY_BYTES})"
+        )
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise TopologyError(source, f"not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise TopologyError(source, "values are nested too deeply to be a topology") from None
     top = r.table(doc, "", {"name", "node", "link", "switch", "switch_link"}, {"node"})
     nodes: list[NodeSpec] = []
     devices: list[DeviceSpec] = []
@@ -362,7 +397,7 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
                 node_id=node_id,
                 hostname=r.str_(t.get("hostname", name), f"{p}.hostname"),
                 adapters=adapters,
-                ram=r.size(t.get("ram", "64GiB"), f"{p}.ram"),
+                ram=r.size(t.get("ram", "64GiB"), f"{p}.ram", lo=1 << 20),
                 pcie=pcie,
             )
         )
