@@ -203,6 +203,17 @@ class HostError(VmlendError):
     """The host lacks something vmlend needs (a module, a path, a daemon)."""
 
 
+class UnsafePathError(VmlendError):
+    """vmlend, often running as root, will not use ``path`` as it is: a symbolic link where a
+    file is expected, not a regular file, too large, owned or writable by someone other than
+    root, or a name that would leave the tree it belongs to. ``why`` says which."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"refusing {path}: {why}")
+
+
 class LibvirtError(VmlendError):
     """libvirt refused an operation; the message carries libvirt's own reason."""
 

@@ -10,28 +10,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from vmlend import safefile
 from vmlend.errors import StateError, StateReadOnlyError
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` whole; a planted link at ``path`` is refused, never followed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    safefile.write_atomically(path, data, mode=0o600)
 
 
 class SimStore:
