@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.common import emit_json, emit_table, json_option, read_input
 from vmlend.cli.connect import connect_option, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
@@ -73,7 +73,7 @@ def vm_list(obj: CliContext, uri: str | None, show_all: bool, json_output: bool)
 @click.pass_obj
 def vm_define(obj: CliContext, uri: str | None, file: Path) -> None:
     """Define (or update) a VM from a domain XML FILE."""
-    data = file.read_bytes()
+    data = read_input(file)
     DomainDocument.parse(data, source=str(file))  # one clear line for a malformed file
     with _Session(obj, uri) as hv:
         info = hv.define(data)
