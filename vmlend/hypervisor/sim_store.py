@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,8 @@ class SimStore:
         wait here, as it would deadlock libvirtd; after ``lock_timeout`` that is an error."""
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.data_dir / "lock", "a+b")  # noqa: SIM115 (closed below)
+            flags = os.O_RDWR | os.O_CREAT | os.O_APPEND
+            f = os.fdopen(safefile.open_nofollow(self.data_dir / "lock", flags, 0o600), "a+b")
         except OSError as e:
             if e.errno != errno.EROFS:
                 raise
