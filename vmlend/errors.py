@@ -259,6 +259,20 @@ class MdevBadUuidError(MdevError):
         )
 
 
+class MdevBadNameError(MdevError):
+    """A parent, type or device name from the registry, the topology or sysfs that the kernel
+    would never give, or whose path leaves the sysfs tree: never used to build a path."""
+
+    def __init__(self, kind: str, name: str, why: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.why = why
+        super().__init__(
+            f"refusing mdev {kind} name {name!r}: {why}; the record naming it is damaged"
+            " (check the registry with 'vmlend reconcile')"
+        )
+
+
 class MdevUuidInUseError(MdevError):
     """The UUID exists already, but under another parent or type."""
 
