@@ -23,6 +23,7 @@ from vmlend.errors import UnsafePathError
 MAX_INPUT_BYTES = 16 << 20
 
 _KINDS = {
+    stat.S_IFREG: "a regular file",
     stat.S_IFDIR: "a directory",
     stat.S_IFIFO: "a FIFO",
     stat.S_IFCHR: "a character device",
@@ -34,7 +35,7 @@ _KINDS = {
 
 def kind_of(mode: int) -> str:
     """What a file of ``mode`` is, in words ("a FIFO")."""
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return _KINDS.get(stat.S_IFMT(mode), "an unknown kind of file")
 
 
 def _link_refused(path: str | os.PathLike[str]) -> UnsafePathError:
@@ -141,3 +142,19 @@ def is_link(path: Path) -> bool:
         return stat.S_ISLNK(path.lstat().st_mode)
     except OSError:
         return False
+
+
+#: sizeof(sun_path) on Linux: the longest path a unix socket can be bound or connected at.
+SUN_PATH_MAX = 108
+
+
+def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot name a unix socket (too long for ``sun_path``), or None. The kernel's
+    own error carries no errno, so without this users read "...: None"."""
+    size = len(os.fsencode(path))
+    if size <= SUN_PATH_MAX:
+        return None
+    return (
+        f"the socket path {os.fspath(path)!r} is {size} bytes, and a unix socket path holds at"
+        f" most {SUN_PATH_MAX}: choose a shorter path"
+    )
