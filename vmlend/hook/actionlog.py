@@ -24,13 +24,26 @@ def log_path_for_state(state_path: Path) -> Path:
     return state_path.parent / LOG_NAME
 
 
+def one_line(text: str) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``): a domain name or
+    a message holding a newline must not be able to forge a line of the log."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+
+
 class ActionLog:
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def record(self, domain: str, operation: str, message: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-        line = f"{stamp}Z pid={os.getpid()} vm={domain} {operation}: {message}\n"
+        line = (
+            f"{stamp}Z pid={os.getpid()} vm={one_line(domain)} {one_line(operation)}:"
+            f" {one_line(message)}\n"
+        )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = open_nofollow(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)

@@ -174,8 +174,10 @@ def install_hook(
     the hook from ``/``, so a relative state path would name another file for every VM.
     ``hook_socket``: the agent's hook socket (default: the one under ``$VMLEND_ROOT`` or /)."""
     parts = PurePosixPath(name).parts
-    if not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d")) or any(
-        p in (".", "..") for p in parts
+    if (
+        not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d"))
+        or any(p in (".", "..") for p in parts)
+        or not name.isprintable()  # a newline or an escape in a file name root runs
     ):
         raise ConfigError(
             f"hook name must be 'qemu' or 'qemu.d/<name>' (inside the hooks dir), got {name!r}"
