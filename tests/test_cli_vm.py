@@ -159,3 +159,16 @@ def test_inputs_that_would_block_or_grow_are_refused_with_one_line(cluster, tmp_
 def _open_and_close_writer(path) -> None:
     with contextlib.suppress(OSError):
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_timeout_that_is_not_a_finite_number_is_refused(cluster):
+    def refused(*args: str) -> str:
+        r = cluster.cli(*args)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        return r.output
+
+    for value in ("1e400", "inf", "nan"):
+        out = refused("vm", "shutdown", "g1", "--timeout", value)
+        assert f"'{value}' is not a finite number of seconds" in out
+    assert "'1e400' is not a finite" in refused("mdev", "watch", "--timeout", "1e400")
+    assert "'nan' is not a finite" in refused("migrate", "g1", "alpha", "--shutdown-timeout", "nan")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option, read_input
+from vmlend.cli.common import Seconds, emit_json, emit_table, json_option, read_input
 from vmlend.cli.connect import connect_option, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
@@ -107,7 +107,7 @@ def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
 @click.argument("name")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=60.0,
     show_default=True,
     help="Seconds to wait for the guest to power off.",

@@ -119,3 +119,18 @@ def read_input(path: str | Path) -> bytes:
         return safefile.read_regular(path)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds from ``min`` up: ``1e400`` (inf) and ``nan`` are refused, where a
+    plain float range would take them (and wait for ever, or print "inf s")."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds

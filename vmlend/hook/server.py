@@ -113,7 +113,7 @@ def read_timeout_from_env(environ: Mapping[str, str]) -> float:
         value = float(environ.get(READ_TIMEOUT_ENV) or READ_TIMEOUT)
     except ValueError:
         return READ_TIMEOUT
-    return value if value > 0 else READ_TIMEOUT
+    return value if 0 < value < float("inf") else READ_TIMEOUT  # no inf, and nan fails both
 
 
 class _Call(NamedTuple):
