@@ -147,6 +147,20 @@ class StateError(VmlendError):
     """The shared state database is missing, corrupt, foreign or cannot be used."""
 
 
+class StateRecordError(StateError):
+    """One record of the state cannot be decoded (a wrong type, a value out of its set, text
+    that is not JSON). ``table`` and ``key`` name it; the rest of the state is usable."""
+
+    def __init__(self, table: str, key: object, why: str) -> None:
+        self.table = table
+        self.key = key
+        self.why = why
+        super().__init__(
+            f"the state's {table} record {key} is damaged ({why}); repair or delete that"
+            " record (the rest of the state is fine)"
+        )
+
+
 class StateHostError(StateError):
     """The state file is sound but the host will not let vmlend use it (read-only, full,
     permissions, a lock). Never a reason to move the file away: fix the host and retry."""
