@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -296,3 +297,16 @@ def test_the_agents_hook_socket_too_long_says_so(tmp_path):
     with pytest.raises(ConfigError, match="holds at most 108: choose a shorter path"):
         SocketPlace(long_path).bind(1)
     assert not long_path.parent.exists()  # refused before anything was made
+
+
+def test_the_relay_socket_is_born_owner_only(tmp_path):
+    d = RelayDaemon(tmp_path / "relay.sock")
+    old = os.umask(0)  # whatever the caller's umask: the socket is 0600
+    try:
+        d.start()
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE((tmp_path / "relay.sock").lstat().st_mode) == 0o600
+    finally:
+        d.close()

@@ -215,8 +215,6 @@ def install_hook(
         target.parent.mkdir(parents=True, exist_ok=True)
         # Not inside qemu.d: libvirt runs every executable there, dotfiles included. hooks/ is
         # on the same filesystem, so the rename stays atomic.
-        # Not inside qemu.d: libvirt runs every executable there, dotfiles included. hooks/ is
-        # on the same filesystem, so the rename stays atomic.
         tmp = hooks_dir / f".vmlend-install.{os.getpid()}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         with os.fdopen(safefile.open_nofollow(tmp, flags, 0o700), "w") as f:

@@ -61,8 +61,13 @@ class RelayDaemon:
         try:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            sock.bind(str(tmp))
-            os.chmod(tmp, 0o600)
+            # Born 0600 through the umask: a chmod by name in a directory a user can write
+            # could be turned onto another file by renaming a link over the name.
+            umask = os.umask(0o177)
+            try:
+                sock.bind(str(tmp))
+            finally:
+                os.umask(umask)
             sock.listen(16)
             os.rename(tmp, path)
         except OSError as e:
