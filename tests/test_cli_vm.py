@@ -3,10 +3,15 @@ and the README tour's commands as a user types them."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import stat
+import threading
 import time
 
 from tests.cli_cluster import metadata_fdids, one_line
+from vmlend import safefile
 from vmlend.cli.progress import Wait
 
 
@@ -123,3 +128,47 @@ def test_the_same_commands_drive_libvirt(cluster, tmp_path):
     r = cluster.cli("-c", uri, "vm", "define", str(xml))
     assert (r.exit_code, r.stdout) == (0, f"Domain 't' defined from {xml}\n"), r.output
     assert "ghost" in one_line(cluster.cli("-c", uri, "vm", "start", "ghost"))
+
+
+def test_inputs_that_would_block_or_grow_are_refused_with_one_line(cluster, tmp_path):
+    fifo = tmp_path / "fifo.xml"
+    os.mkfifo(fifo)
+    # Unfixed, opening the FIFO blocks: a late writer bounds the wait (the reader then gets EOF).
+    unblock = threading.Timer(5, _open_and_close_writer, [fifo])
+    unblock.start()
+    try:
+        assert "it is a FIFO, not a regular file" in one_line(cluster.cli("xml", "show", str(fifo)))
+        assert "it is a FIFO" in one_line(
+            cluster.cli("vm", "define", str(fifo), "-c", "sim:///gamma")
+        )
+        assert "it is a FIFO" in one_line(cluster.cli("fabric", "init", "--topology", str(fifo)))
+    finally:
+        unblock.cancel()
+    device = tmp_path / "device.xml"  # a null device: the same kind as a zero device
+    os.mknod(device, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    assert "it is a character device" in one_line(
+        cluster.cli("vm", "define", str(device), "-c", "sim:///gamma")
+    )
+    huge = tmp_path / "huge.xml"
+    with huge.open("wb") as f:
+        f.truncate(safefile.MAX_INPUT_BYTES + 1)
+    assert "larger than" in one_line(cluster.cli("vm", "define", str(huge), "-c", "sim:///gamma"))
+    assert "larger than" in one_line(cluster.cli("xml", "show", str(huge)))
+
+
+def _open_and_close_writer(path) -> None:
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_timeout_that_is_not_a_finite_number_is_refused(cluster):
+    def refused(*args: str) -> str:
+        r = cluster.cli(*args)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        return r.output
+
+    for value in ("1e400", "inf", "nan"):
+        out = refused("vm", "shutdown", "g1", "--timeout", value)
+        assert f"'{value}' is not a finite number of seconds" in out
+    assert "'1e400' is not a finite" in refused("mdev", "watch", "--timeout", "1e400")
+    assert "'nan' is not a finite" in refused("migrate", "g1", "alpha", "--shutdown-timeout", "nan")

@@ -163,8 +163,8 @@ def test_cli_doctor_exit_codes_and_json(tmp_path):
     healthy(tmp_path / "good")
     r = CliRunner().invoke(main, ["--root", str(tmp_path / "good"), "doctor"])
     assert r.exit_code == 0, r.output
-    # 10 host checks, the hook's pins vs the CLI's, whether an agent serves the hook
-    assert len(r.output.splitlines()) == 12
+    # 10 host checks, the hook's ownership, its pins vs the CLI's, whether an agent serves it
+    assert len(r.output.splitlines()) == 13
     r = CliRunner().invoke(main, ["doctor", "--json"], env={"VMLEND_ROOT": str(tmp_path)})
     assert r.exit_code == 1
     data = json.loads(r.output)

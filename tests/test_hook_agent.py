@@ -414,6 +414,29 @@ def test_a_trickling_peer_does_not_hold_the_hooks_behind_it(hosts):
     assert "dropped an incomplete request: no whole request within 1 s" in served.agent_log()
 
 
+def test_idle_connections_cannot_make_a_vm_start_time_out(hosts):
+    """A privileged local process opens idle connections ahead of a hook. With the default
+    read deadline each holds the acceptor ~1 s, so the hook is still served by the agent well
+    within its timeout (10 s of 10 s deadlines would have taken 60 s)."""
+    served = hosts["served"]
+    agent = served.start_agent()  # the default deadline, as on a real host
+    idle = []
+    try:
+        for _ in range(6):
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.connect(str(served.socket))
+            idle.append(peer)
+        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="20")
+        assert (res.returncode, res.stderr) == (0, b"")
+        assert set(served.log_pids()) == {agent}  # the agent ran it, not the hook itself
+    finally:
+        for peer in idle:
+            peer.close()
+    assert (
+        served.agent_log().count("dropped an incomplete request: no whole request within 1 s") >= 6
+    )
+
+
 def _start_hook(host: Host, name: str, op: str, xml: bytes) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [str(host.hook), name, op, "end", "-"],

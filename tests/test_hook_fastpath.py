@@ -192,3 +192,13 @@ def test_the_simulated_hypervisors_hook_entry_is_as_lean(tmp_path):
     run = run_script(Path(entry.__file__), args, PLAIN)
     assert (run.code, run.stdout, run.stderr) == (0, b"", [])
     assert run.within(*HEAVY) == set() and not state.parent.exists()
+
+
+def test_timeouts_from_the_environment_that_are_not_finite_fall_back_to_the_defaults():
+    from vmlend.hook.forward import DEFAULT_TIMEOUT, answer_timeout
+    from vmlend.hook.server import READ_TIMEOUT, read_timeout_from_env
+
+    for value in ("1e400", "inf", "nan", "-1", "x"):
+        assert answer_timeout({"VMLEND_HOOK_TIMEOUT": value}) == DEFAULT_TIMEOUT
+        assert read_timeout_from_env({"VMLEND_AGENT_READ_TIMEOUT": value}) == READ_TIMEOUT
+    assert answer_timeout({"VMLEND_HOOK_TIMEOUT": "3"}) == 3.0

@@ -69,7 +69,10 @@ def test_hook_socket_option_is_pinned_absolute(tmp_path, libvirt_dir, monkeypatc
     assert read_pins(hook.read_text())["hook socket"] == str(tmp_path / "sock" / "hook.sock")
 
 
-@pytest.mark.parametrize("name", ["qemu.d/../../x", "qemu.d/../qemu", "../qemu", "qemu.d/a/b"])
+@pytest.mark.parametrize(
+    "name",
+    ["qemu.d/../../x", "qemu.d/../qemu", "../qemu", "qemu.d/a/b", "qemu.d/vm\nlend", "qemu\n"],
+)
 def test_a_name_outside_the_hooks_dir_is_refused(tmp_path, libvirt_dir, state_path, name):
     before = _tree(tmp_path)
     r = CliRunner().invoke(

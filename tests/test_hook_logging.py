@@ -77,3 +77,24 @@ def test_a_library_warning_of_the_call_itself_still_reaches_its_action_log(state
     assert code == 0
     text = (state_path.parent / "hook.log").read_text()
     assert "vm=vm1 warning: warned while opening the fabric" in text
+
+
+def test_a_newline_in_a_domain_name_cannot_forge_a_log_line(state_path):
+    """A (simulated) domain's name holding a newline and a fake entry stays on its own line of
+    the hook's log, escaped."""
+    make_fabric(state_path).close()
+    forged = "vm1\n2026-01-01T00:00:00Z pid=1 vm=vm2 release: released 0x10"
+    xml = vm_xml().replace(b"<name>vm1</name>", f"<name>{forged}</name>".encode())
+    assert forged.encode() in xml
+    for op, sub in (("prepare", "begin"), ("release", "end")):
+        run(
+            [forged, op, sub, "-"],
+            stdin=io.BytesIO(xml),
+            stdout=io.BytesIO(),
+            stderr=io.StringIO(),
+            environ={"VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"},
+        )
+    lines = (state_path.parent / "hook.log").read_text().splitlines()
+    assert len(lines) > 2 and all(line.startswith("20") for line in lines)
+    assert all(" vm=vm1\\n2026-01-01T00:00:00Z pid=1 vm=vm2 " in line for line in lines)
+    assert not any(line.startswith("2026-01-01T00:00:00Z") for line in lines)

@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -15,10 +16,12 @@ from collections.abc import Iterator
 import pytest
 from click.testing import CliRunner
 
+from tests.cli_cluster import one_line
 from tests.fdcheck import fd_snapshot, leaked
 from tests.irq_devices import make_device, msix_flags, msix_program
 from vmlend.cli import main
-from vmlend.errors import RelayError
+from vmlend.errors import ConfigError, RelayError
+from vmlend.hook.sockplace import SocketPlace
 from vmlend.irq.client import RelayClient
 from vmlend.irq.control import send_message
 from vmlend.irq.daemon import RelayDaemon
@@ -244,3 +247,66 @@ def test_daemon_subprocess_relays_and_stops_on_sigterm(tmp_path):
             proc.wait()
         log.close()
     assert "relay stopped" in (tmp_path / "relay.log").read_text()
+
+
+def test_relay_socket_option_never_deletes_what_is_not_a_stale_socket(tmp_path):
+    """Root runs the relay: ``--socket FILE`` on a regular file, or a link to one, is refused
+    with one line and the file kept; only a socket nobody listens on is replaced."""
+    precious = tmp_path / "precious"
+    precious.write_text("keep me\n")
+    r = CliRunner().invoke(main, ["relay", "--socket", str(precious)])
+    assert one_line(r) == (
+        f"Error: {precious} exists and is not a socket (a regular file); remove it or give"
+        " another --socket"
+    )
+    assert precious.read_text() == "keep me\n"
+    link = tmp_path / "link.sock"
+    link.symlink_to(precious)
+    assert "is not a socket (a symbolic link)" in one_line(
+        CliRunner().invoke(main, ["relay", "--socket", str(link)])
+    )
+    assert link.is_symlink() and precious.read_text() == "keep me\n"
+
+
+def test_a_stale_relay_socket_is_replaced(tmp_path):
+    path = tmp_path / "relay.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(str(path))
+    dead.close()  # bound, never listening: connecting is refused
+    d = RelayDaemon(path)
+    d.start()
+    try:
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        live.connect(str(path))  # listening now: the backlog takes it
+        live.close()
+    finally:
+        d.close()
+
+
+def test_a_socket_path_too_long_for_unix_sockets_says_so(tmp_path):
+    long_path = tmp_path / ("d" * 60) / ("s" * 60)
+    line = one_line(CliRunner().invoke(main, ["relay", "--socket", str(long_path)]))
+    assert "a unix socket path holds at most 108: choose a shorter path" in line
+    assert "None" not in line
+    line = one_line(CliRunner().invoke(main, ["relay", "--socket", str(long_path), "status"]))
+    assert "at most 108" in line and "None" not in line
+
+
+def test_the_agents_hook_socket_too_long_says_so(tmp_path):
+    long_path = tmp_path / ("d" * 60) / ("s" * 60)
+    with pytest.raises(ConfigError, match="holds at most 108: choose a shorter path"):
+        SocketPlace(long_path).bind(1)
+    assert not long_path.parent.exists()  # refused before anything was made
+
+
+def test_the_relay_socket_is_born_owner_only(tmp_path):
+    d = RelayDaemon(tmp_path / "relay.sock")
+    old = os.umask(0)  # whatever the caller's umask: the socket is 0600
+    try:
+        d.start()
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE((tmp_path / "relay.sock").lstat().st_mode) == 0o600
+    finally:
+        d.close()

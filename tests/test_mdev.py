@@ -8,6 +8,7 @@ import pytest
 
 from tests.fake_sysfs import FakeSysfs, FakeType, RacingWriter
 from vmlend.errors import (
+    MdevBadNameError,
     MdevBadUuidError,
     MdevBusyError,
     MdevKernelError,
@@ -226,3 +227,30 @@ def test_fake_refuses_writes_to_read_only_attributes(fake):
     with pytest.raises(OSError) as e:
         fake.write(attr / "available_instances", "5")
     assert e.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize(
+    "parent, type_id",
+    [
+        ("fdid-00000010", "../../x"),
+        ("fdid-00000010", "t\nx"),
+        ("fdid-00000010", "a" * 256),
+        ("fdid-00000010", "type x"),
+        ("..", "t"),
+        ("fdid-00000010", ""),
+    ],
+)
+def test_names_the_kernel_never_gives_are_refused_before_any_path(fake, bus, parent, type_id):
+    with pytest.raises(MdevBadNameError):
+        bus.create(parent, type_id, U1)
+    assert bus.devices() == []
+
+
+def test_a_parent_link_leading_outside_sysfs_is_refused(tmp_path, fake, bus):
+    outside = tmp_path / "outside" / "mdev_supported_types" / "t"
+    outside.mkdir(parents=True)
+    (outside / "create").write_text("untouched")
+    (fake.env.mdev_bus / "evil").symlink_to(tmp_path / "outside")
+    with pytest.raises(MdevBadNameError, match="leads outside"):
+        bus.create("evil", "t", U1)
+    assert (outside / "create").read_text() == "untouched"

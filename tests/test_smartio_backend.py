@@ -4,6 +4,8 @@ kernel steps that fail, and follow a lender's reboot through uevents."""
 from __future__ import annotations
 
 import os
+import re
+import sqlite3
 
 import pytest
 
@@ -19,6 +21,7 @@ from vmlend.errors import (
     FabricError,
     HostError,
     LenderUnavailableError,
+    MdevBadNameError,
     MdevBusyError,
     MdevParentGoneError,
 )
@@ -291,3 +294,22 @@ def test_an_interrupt_window_only_where_the_driver_maps_msi_over_the_ntb(state, 
         fabric.reserve(NVME, WEB, msi_over_ntb=True)
         window = fabric.interrupt_window(NVME)
         assert window is not None and window.adapter == "alpha:0"
+
+
+def test_a_hostile_type_id_in_the_registry_never_steers_a_sysfs_write(fabric, fake, state):
+    """A damaged (or hostile) mdev record names type ``../../x``: the backend would write the
+    UUID into ``x/create`` beside the parent's directory. It is refused before any path is
+    built from it, and the planted file is untouched."""
+    fabric.reserve(NVME, WEB)
+    fabric.ensure_mdev_parent(NVME)
+    planted = fake.root / "sys" / "devices" / "virtual" / "x"
+    planted.mkdir()
+    (planted / "create").write_text("untouched")
+    with sqlite3.connect(state) as db:
+        db.execute(
+            "INSERT INTO mdevs VALUES (?, ?, 'gamma', ?, '../../x', 'web', 0)", (U1, NVME, PARENT)
+        )
+    with pytest.raises(MdevBadNameError, match=re.escape("refusing mdev type name '../../x'")):
+        fabric.create_mdev(NVME, U1, WEB)
+    assert (planted / "create").read_text() == "untouched"
+    assert fabric.bus.device(U1) is None

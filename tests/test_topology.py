@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmlend.errors import TopologyError
+from vmlend.errors import ConfigError, TopologyError
 from vmlend.fabric.model import BarKind, GiB, parse_fdid
 from vmlend.fabric.topology import load_topology, parse_topology
 
@@ -104,9 +104,27 @@ def test_missing_file_is_a_clear_error(tmp_path):
         load_topology(tmp_path / "nope.toml")
 
 
-@pytest.mark.parametrize("text", ["0x10", "16", " 0x10 "])
+@pytest.mark.parametrize("text", ["0x10", "16", "0X10", "0x00000010", 16])
 def test_fdid_forms(text):
     assert parse_fdid(text) == 16
+
+
+@pytest.mark.parametrize(
+    "text", ["१६", " 0x10 ", "16\n", "0b10000", "0o20", "1_6", "0x1_0", "+16", "-0", "", "0x", True]
+)
+def test_only_the_documented_fdid_forms_are_accepted(text):
+    with pytest.raises(ConfigError, match="expected a number such as 0x10 or 16"):
+        parse_fdid(text)
+
+
+def test_the_cli_refuses_an_fdid_in_other_digits(tmp_path):
+    from click.testing import CliRunner
+
+    from vmlend.cli import main
+
+    r = CliRunner().invoke(main, ["--state", str(tmp_path / "s.db"), "lend", "१६"])
+    assert r.exit_code == 2 and "bad fabric device id '१६'" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_routes_through_the_switch_and_back_to_back():

@@ -196,6 +196,32 @@ def check_hook(env: HostEnv) -> Finding:
     return Finding("libvirt hook", Status.OK, str(hook))
 
 
+def check_hook_trust(env: HostEnv) -> Finding | None:
+    """Whether non-root can change what libvirtd runs as root through the vmlend hook (its
+    file, interpreter, import roots, state directory). None without a vmlend hook."""
+    ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
+    if not ours:
+        return None
+    from vmlend.hook import trust
+    from vmlend.hook.install import read_roots
+
+    try:
+        text = ours[0].read_text(errors="replace")
+    except OSError as e:
+        return Finding("hook ownership", Status.WARN, f"cannot read {ours[0]}: {e.strerror}")
+    pins = read_pins(text)
+    state = Path(pins["state"]) if pins.get("state") else ours[0].parent / "(no state pinned)"
+    problems = trust.hook_problems(ours[0], pins.get("interpreter", ""), read_roots(text), state)
+    if problems:
+        return Finding(
+            "hook ownership",
+            Status.FAIL,
+            f"libvirtd runs {ours[0]} as root from {len(problems)} path(s) non-root can change:"
+            f" {trust.summary(problems)}; make them root's alone (docs/security.md)",
+        )
+    return Finding("hook ownership", Status.OK, "everything the hook runs or writes is root's")
+
+
 def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Finding:
     """The hook's pins (``read_pins``) against what this CLI uses (same keys; "" for unset).
     Another state or node means the hook and the CLI see different fabrics: FAIL. Another
@@ -343,6 +369,9 @@ def run_checks(
         check_hook(env),
         check_daemon_saw_hook(env),
     ]
+    trust = check_hook_trust(env)
+    if trust is not None:
+        findings.append(trust)
     if cli_pins is not None:
         pins = check_hook_pins(env, cli_pins)
         if pins is not None:

@@ -160,6 +160,20 @@ class StateError(VmlendError):
     """The shared state database is missing, corrupt, foreign or cannot be used."""
 
 
+class StateRecordError(StateError):
+    """One record of the state cannot be decoded (a wrong type, a value out of its set, text
+    that is not JSON). ``table`` and ``key`` name it; the rest of the state is usable."""
+
+    def __init__(self, table: str, key: object, why: str) -> None:
+        self.table = table
+        self.key = key
+        self.why = why
+        super().__init__(
+            f"the state's {table} record {key} is damaged ({why}); repair or delete that"
+            " record (the rest of the state is fine)"
+        )
+
+
 class StateHostError(StateError):
     """The state file is sound but the host will not let vmlend use it (read-only, full,
     permissions, a lock). Never a reason to move the file away: fix the host and retry."""
@@ -216,6 +230,17 @@ class HostError(VmlendError):
     """The host lacks something vmlend needs (a module, a path, a daemon)."""
 
 
+class UnsafePathError(VmlendError):
+    """vmlend, often running as root, will not use ``path`` as it is: a symbolic link where a
+    file is expected, not a regular file, too large, owned or writable by someone other than
+    root, or a name that would leave the tree it belongs to. ``why`` says which."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"refusing {path}: {why}")
+
+
 class LibvirtError(VmlendError):
     """libvirt refused an operation; the message carries libvirt's own reason."""
 
@@ -258,6 +283,20 @@ class MdevBadUuidError(MdevError):
         super().__init__(
             f"invalid mdev UUID {uuid!r}{where}: use the form"
             " 8-4-4-4-12 hex digits, e.g. 83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
+        )
+
+
+class MdevBadNameError(MdevError):
+    """A parent, type or device name from the registry, the topology or sysfs that the kernel
+    would never give, or whose path leaves the sysfs tree: never used to build a path."""
+
+    def __init__(self, kind: str, name: str, why: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.why = why
+        super().__init__(
+            f"refusing mdev {kind} name {name!r}: {why}; the record naming it is damaged"
+            " (check the registry with 'vmlend reconcile')"
         )
 
 

@@ -27,6 +27,7 @@ from typing import Protocol
 import msgspec
 
 from vmlend.errors import (
+    MdevBadNameError,
     MdevBadUuidError,
     MdevBusyError,
     MdevError,
@@ -48,6 +49,27 @@ _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f
 _NO_INSTANCES = {errno.EUSERS, errno.ENOSPC, errno.EDQUOT}
 #: errnos meaning the parent went away under us (directory gone, or device unregistering).
 _GONE = {errno.ENOENT, errno.ENODEV, errno.ENXIO}
+
+
+#: NAME_MAX: the longest name a sysfs directory entry can have.
+_NAME_MAX = 255
+
+
+def sysfs_name(kind: str, name: object) -> str:
+    """``name`` when the kernel could have given it to an mdev parent or type directory, else
+    ``MdevBadNameError``. The kernel's rules for a kobject name: not empty, no ``/``, not ``.``
+    or ``..``, at most NAME_MAX bytes. vmlend also wants printable ASCII without spaces, which
+    every mdev driver uses (``nvidia-63``, ``i915-GVTg_V5_4``, ``smartio-lend``, PCI
+    addresses): a name from the registry is data, and data must not steer root's writes."""
+    if not isinstance(name, str):
+        raise MdevBadNameError(kind, repr(name), f"a {type(name).__name__}, not a name")
+    if not name or name in (".", "..") or "/" in name:
+        raise MdevBadNameError(kind, name, "not a directory name (empty, '.', '..' or a '/')")
+    if len(name.encode()) > _NAME_MAX:
+        raise MdevBadNameError(kind, name[:40] + "...", f"longer than {_NAME_MAX} bytes")
+    if not (name.isascii() and name.isprintable()) or any(c.isspace() for c in name):
+        raise MdevBadNameError(kind, name, "not printable ASCII without spaces")
+    return name
 
 
 def normalize_uuid(text: str) -> str:
@@ -150,6 +172,13 @@ class MdevBus:
             raise MdevParentNotFoundError(name)
         return self.env.mdev_bus / name
 
+    def _inside_sys(self, path: Path, kind: str, name: str) -> Path:
+        """``path`` when, with every link resolved, it stays under this host's sysfs root (a
+        parent link pointing elsewhere would take root's write there)."""
+        if not path.resolve().is_relative_to(self.env.sys.resolve()):
+            raise MdevBadNameError(kind, name, f"{path} leads outside {self.env.sys}")
+        return path
+
     def _read_type(self, parent: str, d: Path) -> MdevType:
         devices_dir = d / "devices"
         devices = (
@@ -213,16 +242,19 @@ class MdevBus:
         """Create child ``uuid`` of ``parent``/``type_id``. Idempotent when it exists already
         with the same parent and type; ``MdevUuidInUseError`` when it exists elsewhere."""
         u = normalize_uuid(uuid)
+        sysfs_name("parent", parent)
+        sysfs_name("type", type_id)
         existing = self.device(u)
         if existing is not None:
             return self._same_or_raise(existing, parent, type_id)
         type_dir = self._parent_dir(parent) / "mdev_supported_types" / type_id
+        self._inside_sys(type_dir, "type", type_id)
         if not type_dir.is_dir():
             # Tell "no such parent" from "no such type" for the message.
             self.parent(parent).type(type_id)
             raise MdevParentGoneError(parent, type_id)
         try:
-            self.writer.write(type_dir / "create", u)
+            self.writer.write(self._inside_sys(type_dir / "create", "type", type_id), u)
         except OSError as e:
             if e.errno == errno.EEXIST:
                 # Lost a race with another creator of the same UUID: judge what is there now.
@@ -268,7 +300,8 @@ class MdevBus:
         if dev is None:
             return False
         try:
-            self.writer.write(self.env.mdev_devices / u / "remove", "1")
+            remove = self._inside_sys(self.env.mdev_devices / u / "remove", "device", u)
+            self.writer.write(remove, "1")
         except OSError as e:
             code = e.errno or 0
             if code in _GONE:

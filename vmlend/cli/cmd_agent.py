@@ -14,7 +14,7 @@ from types import FrameType
 import click
 
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
-from vmlend.cli.common import hook_socket_option
+from vmlend.cli.common import Seconds, hook_socket_option
 from vmlend.cli.connect import open_hv
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
     "--interval",
     default=DEFAULT_INTERVAL,
     show_default=True,
-    type=click.FloatRange(0.05, 60),
+    type=Seconds(0.05, 60),
     help="Seconds between scans for fenced devices this node lends.",
 )
 @click.option(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
 from vmlend.cli.cmd_lend import FDID
-from vmlend.cli.common import emit_json, json_option, render_table
+from vmlend.cli.common import emit_json, json_option, read_input, render_table
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
 from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
@@ -52,9 +51,8 @@ def init(
         text, source = default_topology_text()
     else:
         try:
-            text, source = Path(topology_file).read_text(), topology_file
-        except OSError as e:
-            raise TopologyError(topology_file, f"cannot read: {e.strerror}") from None
+            # read_input: one line for a FIFO, a device or a huge file
+            text, source = read_input(topology_file).decode(), topology_file
         except UnicodeDecodeError:
             raise TopologyError(topology_file, "not a text file") from None
     node = node or obj.node

@@ -30,7 +30,12 @@ def hook() -> None:
     " under --root].",
 )
 @click.option("--name", default=DEFAULT_NAME, show_default=True, help="'qemu' or 'qemu.d/<name>'.")
-@click.option("--force", is_flag=True, help="Replace a hook vmlend did not install.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a hook vmlend did not install; install even when non-root can change what"
+    " the hook runs (with a warning).",
+)
 @hook_socket_option("The agent's hook socket to pin (as 'vmlend agent --hook-socket')")
 @json_option
 @click.pass_obj
@@ -60,6 +65,15 @@ def install(
         registry=cli.registry,
         hook_socket=socket_path,
     )
+    if result.untrusted:
+        from vmlend.hook import trust
+
+        click.echo(
+            f"vmlend: WARNING: INSECURE: libvirtd will run {result.path} as root from"
+            f" {len(result.untrusted)} path(s) non-root can change: "
+            f"{trust.summary(result.untrusted)}; anyone who can write there becomes root",
+            err=True,
+        )
     if socket_path.parent.exists():  # a missing one the agent creates 0755
         try:
             check_socket_directory(socket_path.parent)

@@ -6,7 +6,7 @@ import uuid as uuidlib
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.common import Seconds, emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus
@@ -99,7 +99,7 @@ def remove(obj: CliContext, uuid: str) -> None:
 @mdev.command("watch")
 @click.option(
     "--timeout",
-    type=float,
+    type=Seconds(min=0),
     default=None,
     help="Stop after this many seconds without events (default: run until interrupted).",
 )

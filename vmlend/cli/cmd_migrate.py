@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.common import Seconds, emit_json, json_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.hypervisor import Hypervisor
@@ -37,7 +37,7 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
 @click.option("--start", is_flag=True, help="Start the VM on the destination.")
 @click.option(
     "--shutdown-timeout",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=60.0,
     show_default=True,
     metavar="S",

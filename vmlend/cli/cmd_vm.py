@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.common import Seconds, emit_json, emit_table, json_option, read_input
 from vmlend.cli.connect import connect_option, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
@@ -73,7 +73,7 @@ def vm_list(obj: CliContext, uri: str | None, show_all: bool, json_output: bool)
 @click.pass_obj
 def vm_define(obj: CliContext, uri: str | None, file: Path) -> None:
     """Define (or update) a VM from a domain XML FILE."""
-    data = file.read_bytes()
+    data = read_input(file)
     DomainDocument.parse(data, source=str(file))  # one clear line for a malformed file
     with _Session(obj, uri) as hv:
         info = hv.define(data)
@@ -107,7 +107,7 @@ def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
 @click.argument("name")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=60.0,
     show_default=True,
     help="Seconds to wait for the guest to power off.",

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import uuid
 from pathlib import Path, PurePath
 from typing import Any
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend import safefile
+from vmlend.cli.common import emit_json, emit_table, json_option, read_input
 from vmlend.cli.context import CliContext
 from vmlend.domain import (
     DeviceRequest,
@@ -100,49 +99,24 @@ def fabric_validator(obj: CliContext) -> FdidValidator | None:
 
 
 def _read(path: Path) -> DomainDocument:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-    return DomainDocument.parse(data, source=str(path))
+    return DomainDocument.parse(read_input(path), source=str(path))
 
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Replace ``path`` so a reader never sees half a file; keeps its owner and permission
-    bits (refusing, with nothing changed, when it cannot keep the owner)."""
-    target = path.resolve()
+    bits (refusing, with nothing changed, when it cannot keep the owner). Root edits files in
+    users' directories: ``vmlend.safefile`` never acts on a name a user can swap."""
     try:
-        st: os.stat_result | None = target.stat()
-    except FileNotFoundError:
-        st = None
-    mode = st.st_mode & 0o7777 if st is not None else 0o644
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            if st is not None and (os.stat(tmp).st_uid, os.stat(tmp).st_gid) != (
-                st.st_uid,
-                st.st_gid,
-            ):
-                _keep_owner(tmp, st, path)
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        safefile.write_atomically(path, data, keep_owner=True)
+    except PermissionError as e:
+        if e.filename is None:  # fchown: the descriptor has no name
+            raise ConfigError(
+                f"cannot write {path} keeping its owner (run as that user or root);"
+                " nothing was changed"
+            ) from None
+        raise ConfigError(f"cannot write {path}: {e.strerror}") from None
     except OSError as e:
         raise ConfigError(f"cannot write {path}: {e.strerror}") from None
-
-
-def _keep_owner(tmp: str, st: os.stat_result, path: Path) -> None:
-    try:
-        os.chown(tmp, st.st_uid, st.st_gid)
-    except PermissionError:
-        raise ConfigError(
-            f"cannot write {path} keeping its owner {st.st_uid}:{st.st_gid} (run as that user"
-            " or root); nothing was changed"
-        ) from None
 
 
 @click.group("xml")

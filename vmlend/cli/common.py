@@ -107,3 +107,30 @@ def verbose_option(f: Callable[..., Any]) -> Callable[..., Any]:
         callback=_more_verbose,
         help="More diagnostics on stderr (also accepted before the command).",
     )(f)
+
+
+def read_input(path: str | Path) -> bytes:
+    """The bytes of a user's input file (domain XML, topology TOML): a regular file of bounded
+    size, so a FIFO or ``/dev/zero`` is refused with one line instead of blocking or growing
+    memory. ``ConfigError`` when it cannot be read."""
+    from vmlend import safefile
+
+    try:
+        return safefile.read_regular(path)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds from ``min`` up: ``1e400`` (inf) and ``nan`` are refused, where a
+    plain float range would take them (and wait for ever, or print "inf s")."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds

@@ -14,6 +14,7 @@ import msgspec
 from lxml import etree
 
 from vmlend.errors import ConfigError, HostError
+from vmlend.safefile import read_regular
 
 MACHINES = ("q35", "pc")
 
@@ -37,7 +38,7 @@ class TemplateSet(msgspec.Struct):
         if name not in self._cache:
             path = self.directory / f"{name}.xml"
             try:
-                data = path.read_bytes()
+                data = read_regular(path)  # a FIFO or device is refused, not read
             except OSError as e:
                 raise HostError(
                     f"cannot read XML template {path}: {e.strerror}; the vmlend installation"

@@ -7,6 +7,7 @@ shown as hex (``0x10``).
 from __future__ import annotations
 
 import enum
+import re
 
 import msgspec
 
@@ -21,17 +22,20 @@ TiB = 1 << 40
 LUT_RESERVED_PER_CPU = 2
 
 
+#: The documented spellings of an fdid: hexadecimal with 0x (``0x10``) or decimal (``16``), in
+#: ASCII digits only. ``int(text, 0)`` alone would also take ``१६``, `` 16 ``, ``0b10000``,
+#: ``0o20`` and ``1_6``: a fabric device id must mean the same to every reader.
+_FDID_RE = re.compile(r"0[xX][0-9a-fA-F]{1,16}|0|[1-9][0-9]{0,19}")
+
+
 def parse_fdid(text: str | int) -> int:
     """Accept ``0x10``, ``16`` or an int; reject anything else with a clear message."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
+    elif isinstance(text, str) and _FDID_RE.fullmatch(text):
+        value = int(text, 0)
     else:
-        try:
-            value = int(str(text).strip(), 0)
-        except ValueError:
-            raise ConfigError(
-                f"bad fabric device id {text!r}: expected a number such as 0x10 or 16"
-            ) from None
+        raise ConfigError(f"bad fabric device id {text!r}: expected a number such as 0x10 or 16")
     if value < 0 or value >= 1 << 32:
         raise ConfigError(f"bad fabric device id {text!r}: must be between 0 and 0xffffffff")
     return value

@@ -62,7 +62,8 @@ def answer_timeout(environ: Mapping[str, str]) -> float:
         value = float(environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
     except ValueError:
         return DEFAULT_TIMEOUT  # a test knob must never be why a VM fails to start
-    return value if value > 0 else DEFAULT_TIMEOUT
+    # 1e400 parses as inf and "nan" as nan: neither is a timeout a socket can take
+    return value if 0 < value < float("inf") else DEFAULT_TIMEOUT
 
 
 def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = None) -> int | None:

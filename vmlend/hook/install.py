@@ -21,7 +21,9 @@ from pathlib import Path, PurePosixPath
 
 import msgspec
 
+from vmlend import safefile
 from vmlend.errors import ConfigError
+from vmlend.hook import trust
 from vmlend.hostenv import HostEnv
 
 DEFAULT_NAME = "qemu.d/vmlend"
@@ -33,6 +35,8 @@ class InstallResult(msgspec.Struct, frozen=True):
     changed: bool  # False when an identical hook was already there
     restart_needed: bool  # hooks were not enabled for a running libvirtd
     pins: dict[str, str] = msgspec.field(default_factory=dict)  # what the hook runs with
+    #: Paths non-root could change that the hook runs as root (installed anyway: --force).
+    untrusted: list[str] = msgspec.field(default_factory=list)
 
     def advice(self) -> str:
         if self.restart_needed:
@@ -75,6 +79,28 @@ def read_pins(text: str) -> dict[str, str]:
         if env in names and isinstance(value, str):
             pins[names[env]] = value
     return pins
+
+
+def read_roots(text: str) -> list[str]:
+    """The import roots an installed hook puts on ``sys.path`` (none for a hook that runs its
+    interpreter with ``site``)."""
+    prefix = "sys.path[:0] = "
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            try:
+                roots = ast.literal_eval(line[len(prefix) :])
+            except (ValueError, SyntaxError):
+                return []
+            return [r for r in roots if isinstance(r, str)] if isinstance(roots, list) else []
+    return []
+
+
+def untrusted_problem(target: Path, problems: list[str]) -> ConfigError:
+    return ConfigError(
+        f"the hook {target} would run as root from {len(problems)} path(s) non-root can"
+        f" change: {trust.summary(problems)}; make them owned by root and not group- or"
+        " other-writable (docs/security.md), or pass --force to install anyway"
+    )
 
 
 def import_roots() -> list[str]:
@@ -148,8 +174,10 @@ def install_hook(
     the hook from ``/``, so a relative state path would name another file for every VM.
     ``hook_socket``: the agent's hook socket (default: the one under ``$VMLEND_ROOT`` or /)."""
     parts = PurePosixPath(name).parts
-    if not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d")) or any(
-        p in (".", "..") for p in parts
+    if (
+        not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d"))
+        or any(p in (".", "..") for p in parts)
+        or not name.isprintable()  # a newline or an escape in a file name root runs
     ):
         raise ConfigError(
             f"hook name must be 'qemu' or 'qemu.d/<name>' (inside the hooks dir), got {name!r}"
@@ -168,10 +196,16 @@ def install_hook(
     text = hook_script(interpreter, state_path, node, roots, registry, hook_socket)
     pins = read_pins(text)
     restart = not hooks_enabled(hooks_dir)
+    # libvirtd runs this as root: everything it runs, imports or writes must be root's alone.
+    problems = trust.hook_problems(target, interpreter, roots or [], state_path)
+    if problems and not force:
+        raise untrusted_problem(target, problems)
     if target.exists():
         current = target.read_text(errors="replace")
         if current == text and os.access(target, os.X_OK):
-            return InstallResult(target, changed=False, restart_needed=restart, pins=pins)
+            return InstallResult(
+                target, changed=False, restart_needed=restart, pins=pins, untrusted=problems
+            )
         if _MARK not in current and not force:
             raise ConfigError(
                 f"{target} exists and was not installed by vmlend; move it into "
@@ -182,12 +216,16 @@ def install_hook(
         # Not inside qemu.d: libvirt runs every executable there, dotfiles included. hooks/ is
         # on the same filesystem, so the rename stays atomic.
         tmp = hooks_dir / f".vmlend-install.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        tmp.chmod(0o755)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with os.fdopen(safefile.open_nofollow(tmp, flags, 0o700), "w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o755)
         os.replace(tmp, target)  # atomic: libvirtd never runs a half-written hook
     except OSError as e:
         raise ConfigError(f"cannot install the hook at {target}: {e.strerror}") from None
-    return InstallResult(target, changed=True, restart_needed=restart, pins=pins)
+    return InstallResult(
+        target, changed=True, restart_needed=restart, pins=pins, untrusted=problems
+    )
 
 
 def uninstall_hook(libvirt_dir: Path, name: str = DEFAULT_NAME) -> bool:

@@ -51,8 +51,10 @@ from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_e
 log = logging.getLogger(__name__)
 
 #: How long the acceptor waits for a peer's whole request (the hook writes it right after
-#: connecting): one deadline per request, so a trickling peer cannot hold the acceptor.
-READ_TIMEOUT = 10.0
+#: connecting): one deadline per request, so a trickling peer cannot hold the acceptor. Far
+#: below the hook's answer timeout (60 s): the acceptor reads one peer at a time, so idle
+#: connections opened ahead of a hook each delay it by this much.
+READ_TIMEOUT = 1.0
 #: Overrides READ_TIMEOUT in the agent's environment (tests set it short).
 READ_TIMEOUT_ENV = "VMLEND_AGENT_READ_TIMEOUT"
 #: Accepted calls waiting for the worker; over it the hook runs the call itself ("not mine").
@@ -111,7 +113,7 @@ def read_timeout_from_env(environ: Mapping[str, str]) -> float:
         value = float(environ.get(READ_TIMEOUT_ENV) or READ_TIMEOUT)
     except ValueError:
         return READ_TIMEOUT
-    return value if value > 0 else READ_TIMEOUT
+    return value if 0 < value < float("inf") else READ_TIMEOUT  # no inf, and nan fails both
 
 
 class _Call(NamedTuple):

@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 
 from vmlend.errors import ConfigError
+from vmlend.safefile import socket_path_problem
 
 #: How long a starting agent waits for an existing socket to accept its probe.
 PROBE_TIMEOUT = 1.0
@@ -105,10 +106,13 @@ class SocketPlace:
     def bind(self, backlog: int) -> socket.socket:
         """A listening socket at ``path`` (``claim`` first if not done)."""
         path = self.path
-        self.claim()
         # Bound under a temporary name, made 0600, listening, then renamed into place: the
         # socket never exists at its real path with a wider mode or before it accepts.
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        problem = socket_path_problem(path) or socket_path_problem(tmp)
+        if problem is not None:
+            raise ConfigError(f"cannot serve the hook on {path}: {problem}")
+        self.claim()
         tmp.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

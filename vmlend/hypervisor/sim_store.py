@@ -11,27 +11,18 @@ import contextlib
 import errno
 import fcntl
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from vmlend import safefile
 from vmlend.errors import StateError, StateReadOnlyError
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` whole; a planted link at ``path`` is refused, never followed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    safefile.write_atomically(path, data, mode=0o600)
 
 
 class SimStore:
@@ -45,7 +36,8 @@ class SimStore:
         wait here, as it would deadlock libvirtd; after ``lock_timeout`` that is an error."""
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.data_dir / "lock", "a+b")  # noqa: SIM115 (closed below)
+            flags = os.O_RDWR | os.O_CREAT | os.O_APPEND
+            f = os.fdopen(safefile.open_nofollow(self.data_dir / "lock", flags, 0o600), "a+b")
         except OSError as e:
             if e.errno != errno.EROFS:
                 raise

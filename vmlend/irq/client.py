@@ -11,10 +11,14 @@ from typing import Any
 from vmlend.errors import RelayError
 from vmlend.irq.control import close_fds, recv_message, send_message
 from vmlend.irq.vfio import DISABLE, TRIGGER_EVENTFDS, UNMASK_EVENTFD
+from vmlend.safefile import socket_path_problem
 
 
 class RelayClient:
     def __init__(self, socket_path: Path, timeout: float = 5.0) -> None:
+        problem = socket_path_problem(socket_path)
+        if problem is not None:
+            raise RelayError(f"cannot reach the relay daemon: {problem}")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
         try:

@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from vmlend.irq.borrower import BorrowerRelay
 from vmlend.irq.control import close_fds, recv_message, send_message
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.relay import Reactor
+from vmlend.safefile import kind_of, socket_path_problem
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +49,25 @@ class RelayDaemon:
     def start(self) -> None:
         """Bind the control socket (refusing to steal one a live daemon answers on)."""
         path = self.socket_path
-        if path.exists():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                probe.connect(str(path))
-            except OSError:
-                path.unlink()  # stale: nobody listens
-            else:
-                raise RelayError(f"a relay daemon already listens on {path}; stop it first")
-            finally:
-                probe.close()
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Bind under a private name and rename when listening: a client that sees the socket
         # can connect at once.
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        problem = socket_path_problem(path) or socket_path_problem(tmp)
+        if problem is not None:
+            raise RelayError(f"cannot listen on {path}: {problem}")
+        self._replace_stale(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            sock.bind(str(tmp))
-            os.chmod(tmp, 0o600)
+            # Born 0600 through the umask: a chmod by name in a directory a user can write
+            # could be turned onto another file by renaming a link over the name.
+            umask = os.umask(0o177)
+            try:
+                sock.bind(str(tmp))
+            finally:
+                os.umask(umask)
             sock.listen(16)
             os.rename(tmp, path)
         except OSError as e:
@@ -78,6 +79,37 @@ class RelayDaemon:
         self._listener = sock
         self.reactor.register(sock.fileno(), select.EPOLLIN, self._accept)
         log.info("relay listening on %s", path)
+
+    @staticmethod
+    def _replace_stale(path: Path) -> None:
+        """Remove a socket file nobody listens on (a killed relay's), as the agent does with its
+        hook socket. Anything else at ``path`` (a file, a link, a live socket) is refused: the
+        relay runs as root and must never delete what it did not make."""
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise RelayError(
+                f"{path} exists and is not a socket ({kind_of(mode)}); remove it or give"
+                " another --socket"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)  # stale: nobody listens
+            return
+        except OSError as e:
+            # EPROTOTYPE: another program's stream socket; anything else cannot be told apart
+            raise RelayError(
+                f"{path} is a socket vmlend cannot tell is stale ({e.strerror}); remove it if no"
+                " program serves it, or give another --socket"
+            ) from None
+        else:
+            raise RelayError(f"a relay daemon already listens on {path}; stop it first")
+        finally:
+            probe.close()
 
     def serve(self) -> None:
         """Run until ``stop``, then release everything."""

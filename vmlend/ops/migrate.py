@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for, return_all
 from vmlend.messages import about, plural
 from vmlend.registry.conditions import classify_errno, host_error
+from vmlend.safefile import open_nofollow
 
 Progress = Callable[[str], None]
 
@@ -237,7 +239,8 @@ def migration_lock(lock_dir: Path, vm: str) -> Iterator[None]:
     digest = hashlib.sha256(vm.encode()).hexdigest()[:16]
     path = lock_dir / f".migrate-{digest}.lock"
     try:
-        f = open(path, "a+b")  # noqa: SIM115 (closed below)
+        # no O_NOFOLLOW, and root would create or append through a link planted at the name
+        f = os.fdopen(open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+b")
     except OSError as e:
         condition = classify_errno(e.errno or 0)
         raise (host_error(condition, path, 0) if condition else None) or StateError(

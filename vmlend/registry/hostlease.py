@@ -8,7 +8,6 @@ atomically and removed when the agent stops.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
@@ -36,11 +35,11 @@ def hook_socket_path(env: HostEnv) -> Path:
 
 def publish(path: Path, lease: HostLease) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     import json  # only the agent and etcd hosts read or write the file
 
-    tmp.write_text(json.dumps(msgspec.to_builtins(lease)))
-    os.replace(tmp, path)
+    from vmlend import safefile  # the agent (root) writes it: never through a planted link
+
+    safefile.write_atomically(path, json.dumps(msgspec.to_builtins(lease)).encode())
 
 
 def withdraw(path: Path, lease: int) -> None:

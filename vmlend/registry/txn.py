@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
-from vmlend.errors import StateError
+import msgspec
+
+from vmlend.errors import StateError, StateRecordError
 from vmlend.fabric.model import Holder
 from vmlend.registry.records import (
     Claim,
@@ -27,11 +29,31 @@ from vmlend.registry.records import (
     same_holder,
 )
 
+_T = TypeVar("_T")
+
+
+def decoded(table: str, key: object, cls: type[_T], fields: dict[str, Any]) -> _T:
+    """The record ``cls`` from one row's ``fields``, type-checked: a damaged row (text in an
+    integer column, a phase or kind out of its set) is a ``StateRecordError`` naming ``table``
+    and ``key``, never a traceback from deep inside a caller. SQLite has no boolean type:
+    callers pass flags through ``_flag``."""
+    try:
+        return msgspec.convert(fields, cls, strict=True)
+    except msgspec.ValidationError as e:
+        raise StateRecordError(table, key, str(e)) from None
+
+
+def _flag(value: object) -> object:
+    """A stored 0/1 as a bool; anything else as it is (the type check then names it)."""
+    return bool(value) if type(value) is int and value in (0, 1) else value
+
+
+def _key(value: object) -> str:
+    return f"{value:#x}" if type(value) is int else repr(value)
+
 
 class StateTxn:
-    def __init__(
-        self, conn: sqlite3.Connection, writable: bool, has_compiled: bool = True
-    ) -> None:
+    def __init__(self, conn: sqlite3.Connection, writable: bool, has_compiled: bool = True) -> None:
         self._c = conn
         self.writable = writable
         #: False for a schema-2 file opened read-only: it has no compiled column (the
@@ -115,11 +137,17 @@ class StateTxn:
     # --- nodes and devices ---------------------------------------------------------------
     def nodes(self) -> dict[str, NodeRecord]:
         rows = self._c.execute("SELECT name, up, why FROM nodes").fetchall()
-        return {r[0]: NodeRecord(r[0], bool(r[1]), r[2]) for r in rows}
+        return {r[0]: self._node(r) for r in rows}
 
     def node(self, name: str) -> NodeRecord | None:
         r = self._c.execute("SELECT name, up, why FROM nodes WHERE name = ?", (name,)).fetchone()
-        return None if r is None else NodeRecord(r[0], bool(r[1]), r[2])
+        return None if r is None else self._node(r)
+
+    @staticmethod
+    def _node(r: tuple) -> NodeRecord:
+        return decoded(
+            "node", _key(r[0]), NodeRecord, {"name": r[0], "up": _flag(r[1]), "why": r[2]}
+        )
 
     def set_node_up(self, node: str, up: bool, why: str = "") -> None:
         self._write()
@@ -127,13 +155,18 @@ class StateTxn:
 
     def devices(self) -> dict[int, DeviceRecord]:
         rows = self._c.execute("SELECT fdid, lender, lent, available FROM devices").fetchall()
-        return {r[0]: DeviceRecord(r[0], r[1], bool(r[2]), bool(r[3])) for r in rows}
+        return {r[0]: self._device(r) for r in rows}
 
     def device(self, fdid: int) -> DeviceRecord | None:
         r = self._c.execute(
             "SELECT fdid, lender, lent, available FROM devices WHERE fdid = ?", (fdid,)
         ).fetchone()
-        return None if r is None else DeviceRecord(r[0], r[1], bool(r[2]), bool(r[3]))
+        return None if r is None else self._device(r)
+
+    @staticmethod
+    def _device(r: tuple) -> DeviceRecord:
+        fields = {"fdid": r[0], "lender": r[1], "lent": _flag(r[2]), "available": _flag(r[3])}
+        return decoded("device", _key(r[0]), DeviceRecord, fields)
 
     def set_lent(self, fdid: int, lent: bool) -> None:
         self._write()
@@ -148,13 +181,14 @@ class StateTxn:
 
     @staticmethod
     def _hold(r: tuple) -> HoldRecord:
-        return HoldRecord(
-            fdid=r[0],
-            holder=Holder(node=r[1], vm=r[2], vm_uuid=r[3]),
-            since=r[4],
-            phase=Phase(r[5]),
-            guest_ram=r[6],
-        )
+        fields = {
+            "fdid": r[0],
+            "holder": {"node": r[1], "vm": r[2], "vm_uuid": r[3]},
+            "since": r[4],
+            "phase": r[5],
+            "guest_ram": r[6],
+        }
+        return decoded("hold", _key(r[0]), HoldRecord, fields)
 
     def holds(self) -> dict[int, HoldRecord]:
         rows = self._c.execute(f"SELECT {self._HOLD_COLS} FROM holds").fetchall()
@@ -222,7 +256,14 @@ class StateTxn:
         rows = self._c.execute(
             "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
         ).fetchall()
-        return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+        return [(r[0], self._claim(r)) for r in rows]
+
+    @staticmethod
+    def _claim(r: tuple) -> Claim:
+        fields = dict(
+            zip(("adapter", "kind", "share", "entries", "segments", "bytes"), r[1:], strict=True)
+        )
+        return decoded("claim", f"{_key(r[0])} on {r[1]!r}", Claim, fields)
 
     # One host's state has no leases, so a hold never vanishes behind its holder's back and
     # nothing is ever fenced.
@@ -244,7 +285,7 @@ class StateTxn:
             f" WHERE adapter IN ({', '.join('?' * len(refs))})",
             refs,
         ).fetchall()
-        return [(r[0], Claim(r[1], ClaimKind(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+        return [(r[0], self._claim(r)) for r in rows]
 
     # --- mdevs -----------------------------------------------------------------------------
     def parent(self, node: str, fdid: int) -> ParentRecord | None:
@@ -252,7 +293,12 @@ class StateTxn:
             "SELECT node, fdid, name FROM mdev_parents WHERE node = ? AND fdid = ?",
             (node, fdid),
         ).fetchone()
-        return None if r is None else ParentRecord(*r)
+        return None if r is None else self._parent(r)
+
+    @staticmethod
+    def _parent(r: tuple) -> ParentRecord:
+        fields = {"node": r[0], "fdid": r[1], "name": r[2]}
+        return decoded("mdev parent", f"{r[0]!r}/{_key(r[1])}", ParentRecord, fields)
 
     def add_parent(self, rec: ParentRecord) -> None:
         self._write()
@@ -275,13 +321,19 @@ class StateTxn:
             rows = self._c.execute(
                 f"SELECT {self._MDEV_COLS} FROM mdevs WHERE node = ? ORDER BY created", (node,)
             )
-        return [MdevRecord(*r) for r in rows.fetchall()]
+        return [self._mdev(r) for r in rows.fetchall()]
 
     def mdev(self, uuid: str) -> MdevRecord | None:
         r = self._c.execute(
             f"SELECT {self._MDEV_COLS} FROM mdevs WHERE uuid = ?", (uuid,)
         ).fetchone()
-        return None if r is None else MdevRecord(*r)
+        return None if r is None else self._mdev(r)
+
+    _MDEV_FIELDS = ("uuid", "fdid", "node", "parent", "type_id", "vm", "created")
+
+    @classmethod
+    def _mdev(cls, r: tuple) -> MdevRecord:
+        return decoded("mdev", _key(r[0]), MdevRecord, dict(zip(cls._MDEV_FIELDS, r, strict=True)))
 
     def add_mdev(self, rec: MdevRecord) -> None:
         self._write()
@@ -326,7 +378,16 @@ class StateTxn:
             return []
         import json
 
-        return [RuntimeRecord(f, k, key, json.loads(d)) for f, k, key, d in rows]
+        records = []
+        for f, k, key, d in rows:
+            where = f"{_key(f)}/{k}/{key}"
+            try:
+                data = json.loads(d) if isinstance(d, str | bytes) else d
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                raise StateRecordError("runtime", where, "its data is not JSON") from None
+            fields = {"fdid": f, "kind": k, "key": key, "data": data}
+            records.append(decoded("runtime", where, RuntimeRecord, fields))
+        return records
 
     def clear_runtime(self, fdid: int, kind: str | None = None, key: str | None = None) -> int:
         self._write()
