@@ -172,3 +172,12 @@ def test_a_timeout_that_is_not_a_finite_number_is_refused(cluster):
         assert f"'{value}' is not a finite number of seconds" in out
     assert "'1e400' is not a finite" in refused("mdev", "watch", "--timeout", "1e400")
     assert "'nan' is not a finite" in refused("migrate", "g1", "alpha", "--shutdown-timeout", "nan")
+
+
+def test_a_simulated_node_the_fabric_does_not_have_is_refused_by_every_command(cluster):
+    # `vm list` used to list an empty node while `status` refused it
+    for args in (("vm", "list"), ("status",), ("vm", "domstate", "web")):
+        r = cluster.cli("-c", "sim:///nonexistent", *args)
+        assert r.exit_code == 1, (args, r.output)
+        assert "unknown node 'nonexistent'" in r.output
+        assert len(r.output.strip().splitlines()) == 1

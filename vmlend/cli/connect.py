@@ -45,6 +45,10 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     simulated one is the node its URI names."""
     uri = uri or obj.uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
     simulated = sim_node(uri) if uri else None
+    if simulated:
+        # a simulated node is a node of the fabric: every command refuses one that is not
+        # (UnknownNodeError), not only those that open the fabric themselves
+        open_fabric(obj.location, simulated, root=obj.root).close()
     hook = hook_command(obj.location, simulated) if simulated else None
     node = node or (None if simulated else obj.node)
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
