@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from vmlend.agent.guard import RemoteVmGuard
-from vmlend.agent.lease import LeaseLost, SessionLease, adopt_records
+from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import ConfigError, StateError
@@ -81,15 +81,8 @@ class Agent:
         )
         previous = self._previous_lease()
         lease = self._take_lease(registry)
-        if cfg.hook_server is not None:
-            # Once the lease file is there: a served prepare attaches the lease to its holds.
-            cfg.hook_server.start()
-        if previous is not None and previous != lease.id:
-            moved = adopt_records(registry.gateway, registry.keys, previous, lease.id)
-            if moved:
-                log.warning(
-                    "took over %d records of this host's previous lease %x", moved, previous
-                )
+        if not self._follow_until(registry, lease, [] if previous is None else [previous]):
+            return self._stopped(registry, fabric, lease)
         guard = recovery = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
@@ -100,6 +93,10 @@ class Agent:
             guard = RemoteVmGuard(hv, fabric, cfg.node)
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
+        if cfg.hook_server is not None:
+            # Last: nothing is served before this host's records are on its current lease and
+            # its running VMs are reconciled with them.
+            cfg.hook_server.start()
         in_doubt = False  # renewing failed for half the TTL: VMs with remote devices paused
         paused: list[str] = []
         renewed = self._clock()
@@ -138,6 +135,11 @@ class Agent:
                 next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
             self._take_back(fabric)
             self.stop_event.wait(cfg.interval)
+        return self._stopped(registry, fabric, lease)
+
+    def _stopped(self, registry: EtcdRegistry, fabric: SimFabric, lease: SessionLease) -> int:
+        """A clean stop: withdraw and revoke the lease, drop the agent marker."""
+        cfg = self.config
         if cfg.hook_server is not None:
             cfg.hook_server.stop()  # what it accepted still runs under the lease
         hostlease.withdraw(cfg.lease_file, lease.id)
@@ -199,9 +201,38 @@ class Agent:
             # touch devices that may be somebody else's already.
             guard.paused_after_loss = sorted(set(paused) | set(guard.pause()))
         lease = self._retake_lease(registry)
-        if lease is None and guard is not None and guard.paused_after_loss:
-            log.error("VMs %s stay paused", ", ".join(guard.paused_after_loss))
-        return lease
+        if lease is None:
+            if guard is not None and guard.paused_after_loss:
+                log.error("VMs %s stay paused", ", ".join(guard.paused_after_loss))
+            return None
+        # etcd may not have ended the old lease (a returning leader extends it): what is still
+        # on it must move now, or it vanishes later while the VMs run.
+        return lease if self._follow_until(registry, lease, [lost.id]) else None
+
+    def _follow_until(self, registry: EtcdRegistry, lease: SessionLease, known: list[int]) -> bool:
+        """``_follow`` until it lands; False when the agent is stopped first."""
+        while not self._follow(registry, lease, known):
+            if self.stop_event.wait(self.config.interval):
+                return False
+        return True
+
+    def _follow(self, registry: EtcdRegistry, lease: SessionLease, known: list[int]) -> bool:
+        """Holds follow the lease: move this host's records of earlier leases onto ``lease``
+        and revoke those (``lease.follow_lease``). False when etcd could not be reached."""
+        try:
+            moved = follow_lease(registry.gateway, registry.keys, self.config.node, lease.id, known)
+        except StateError as e:
+            log.warning("cannot move this host's records onto lease %x yet: %s", lease.id, e)
+            return False
+        if moved.moved:
+            old = ", ".join(f"{x:x}" for x in moved.old)
+            log.warning(
+                "took over %d records of this host's previous lease(s) %s onto lease %x",
+                moved.moved,
+                old,
+                lease.id,
+            )
+        return True
 
     def _retake_lease(self, registry: EtcdRegistry) -> SessionLease | None:
         """A new lease after the old one was lost, retried until etcd answers; None when the

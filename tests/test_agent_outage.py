@@ -1,0 +1,114 @@
+"""The promise across etcd outages and agent restarts: a device is never used by two running
+VMs. Real etcd (restarted by PID), hosts as separate processes with their own agents and a
+simulated hypervisor whose hooks run as processes of the host."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_hosts import GPU, TTL, VMLEND, WEB, Host, domain_xml
+from tests.simfabric import make_fabric
+from vmlend.hypervisor.base import DomainState
+from vmlend.registry import parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.etcd_keys import Keys
+
+#: Bounded waits for what an agent does after an event (process start-ups included).
+WAIT = 30.0
+
+
+def _wait_for(what: str, check, host: Host | None = None, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        detail = host.log() if host is not None else ""
+        assert time.monotonic() < deadline, f"{what} never happened\n{detail}"
+        time.sleep(0.1)
+
+
+def _start_agent(host: Host, *extra: str) -> None:
+    log = (host.root / "agent.log").open("ab")
+    host.agent = subprocess.Popen(
+        [VMLEND, "agent", "--ttl", str(TTL), "--interval", "0.2", *extra],
+        env=host.env,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    _wait_for(f"the agent of {host.node} publishing its lease", host.lease_file.exists, host)
+
+
+def _lease_alive(gw: EtcdGateway, lease: int) -> bool:
+    answer = gw.call("kv/lease/timetolive", {"ID": lease})
+    return int(answer.get("TTL", -1)) > 0
+
+
+def _hold_lease(gw: EtcdGateway, keys: Keys, fdid: int) -> int | None:
+    _rev, kvs = gw.range(keys.hold(fdid))
+    return kvs[0].lease if kvs else None
+
+
+def _hv(host: Host, url: str):
+    from vmlend.hypervisor.open import open_hypervisor
+
+    hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", host.node]
+    return open_hypervisor(f"sim:///{host.node}", state_dir=host.root, hook_command=hook)
+
+
+@pytest.fixture
+def outage(private_etcd, tmp_path: Path, monkeypatch):
+    url = private_etcd.url("outage")
+    make_fabric(url).close()
+    hosts = {n: Host(url, n, tmp_path / n) for n in ("alpha", "beta", "gamma")}
+    monkeypatch.setenv("VMLEND_ROOT", str(hosts["gamma"].root))
+    yield url, hosts
+    for h in hosts.values():
+        h.stop_agent()
+
+
+@pytest.mark.slow
+def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease(
+    private_etcd, outage
+):
+    """etcd is away for longer than the TTL. gamma's agent gives its lease up and takes a new
+    one when etcd returns, but the returning etcd extended the old lease, so the VM's hold is
+    still on it. The hold must move to the new lease, or it vanishes with the old one while
+    the VM runs (and another host gets the device)."""
+    url, hosts = outage
+    alpha, gamma = hosts["alpha"], hosts["gamma"]
+    _start_agent(alpha)
+    _start_agent(gamma, "--connect", f"sim:///{gamma.node}")
+    old = json.loads(gamma.lease_file.read_text())["lease"]
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.start("web")  # the prepare hook reserves 0x10 under the old lease
+
+    private_etcd.stop()
+    _wait_for("gamma giving its lease up", lambda: "lost its lease" in gamma.log(), gamma)
+    private_etcd.start()
+    _wait_for(
+        "the recovery of web",
+        lambda: "after a new lease: VM web" in gamma.log(),
+        gamma,
+    )
+    new = json.loads(gamma.lease_file.read_text())["lease"]
+    assert new != old
+    loc = parse_location(url)
+    gw, keys = EtcdGateway(loc.endpoints), Keys(loc.cluster)
+    try:
+        # However it ends (revoked at once, or by its TTL), the old lease goes...
+        _wait_for("the old lease ending", lambda: not _lease_alive(gw, old), gamma)
+        # ...and the running VM's hold, and its fence's token, are on the new one.
+        assert _hold_lease(gw, keys, GPU) == new, gamma.log()
+        _rev, [fence] = gw.range(keys.fence(GPU))
+        assert json.loads(fence.value)["token"] == new
+    finally:
+        gw.close()
+    assert hv.lookup("web").state is DomainState.RUNNING
+    assert "VM web: re-reserved 0x10; resumed" in gamma.log()
