@@ -112,3 +112,38 @@ def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease
         gw.close()
     assert hv.lookup("web").state is DomainState.RUNNING
     assert "VM web: re-reserved 0x10; resumed" in gamma.log()
+
+
+@pytest.mark.slow
+def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_returns(
+    private_etcd, outage
+):
+    """The release hook cannot reach etcd: the host keeps the release, the user reads one line
+    saying so, and the agent lands it once etcd is back (no 'reconcile --fix')."""
+    from vmlend.fabric.model import DeviceState
+    from vmlend.fabric.open import open_fabric
+
+    url, hosts = outage
+    gamma = hosts["gamma"]
+    # A TTL well past the outage: the lease lives, so only the journal can free the device.
+    _start_agent(gamma, "--ttl", "30")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.start("web")
+    pending = gamma.root / "var" / "lib" / "vmlend" / "pending-releases"
+
+    private_etcd.stop()
+    r = gamma.vmlend("vm", "destroy", "web", "--connect", "sim:///gamma")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    [line] = r.stderr.splitlines()
+    assert "release of VM 'web' is pending" in line and "retries it" in line, line
+    assert [p.name for p in pending.glob("*.json")] == [f"{WEB.vm_uuid}.json"]
+
+    private_etcd.start()
+    with open_fabric(url, "alpha") as f:
+        _wait_for("0x10 returned", lambda: f.device(GPU).state is DeviceState.AVAILABLE, gamma)
+        assert f.fenced() == []  # returned, not lost with a lease
+    assert list(pending.glob("*.json")) == []
+    assert "pending release of VM 'web'" in gamma.log() and "landed: 0x10" in gamma.log()
+

@@ -26,9 +26,11 @@ from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.hook.server import HookServer
+from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64
+from vmlend.release_journal import ReleaseJournal
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class Agent:
         lease = self._take_lease(registry)
         if not self._follow_until(registry, lease, [] if previous is None else [previous]):
             return self._stopped(registry, fabric, lease)
+        journal = ReleaseJournal.for_host(HostEnv.from_env())
+        self._land_releases(journal, fabric)
         guard = recovery = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
@@ -118,6 +122,7 @@ class Agent:
                             paused = guard.pause() if guard is not None else []
                     else:
                         renewed = now
+                        self._land_releases(journal, fabric)
                         if in_doubt:
                             if guard is not None:
                                 guard.resume(paused)
@@ -244,6 +249,15 @@ class Agent:
                 log.warning("cannot take a new lease yet: %s", e)
                 self.stop_event.wait(self.config.interval)
         return None
+
+    @staticmethod
+    def _land_releases(journal: ReleaseJournal, fabric: SimFabric) -> None:
+        """Retry the releases this host's hooks could not land (etcd was away)."""
+        try:
+            for line in journal.settle(fabric):
+                log.warning("%s", line)
+        except StateError as e:
+            log.warning("pending releases wait: %s", e)
 
     def _take_back(self, fabric: SimFabric) -> None:
         try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from vmlend.errors import StateError
+from vmlend.errors import RegistryUnreachableError, StateError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,12 @@ if TYPE_CHECKING:
 
 # etcd3gw (and requests under it) is imported only where a gateway is made or used: a host on
 # an SQLite registry - its hook above all, run for every domain operation - never loads it.
+
+#: The advice when a cluster misbehaves (Debian's etcd-server has no etcdctl).
+_HEALTH = (
+    "check that a majority of its members run and see each other ('etcdctl endpoint health',"
+    " from Debian's etcd-client package)"
+)
 
 _TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests")
 
@@ -115,10 +121,11 @@ class EtcdGateway:
                 return self._call_any(path, body)
             except _Transient as e:
                 if attempt == TRANSIENT_ATTEMPTS - 1:
-                    raise StateError(
+                    raise RegistryUnreachableError(
+                        self.where,
                         f"etcd at {self.where} keeps failing ({e.reason}) after"
-                        f" {TRANSIENT_ATTEMPTS} attempts; check the etcd cluster's health"
-                        " (etcdctl endpoint health) and retry"
+                        f" {TRANSIENT_ATTEMPTS} attempts: no quorum (fewer than a majority of"
+                        f" its members run or see each other); {_HEALTH}, then retry",
                     ) from None
                 log.debug("etcd: %s; retrying", e.reason)
                 self._sleep(delay * (0.5 + random.random()))
@@ -129,6 +136,7 @@ class EtcdGateway:
         from etcd3gw import exceptions as gw_errors
 
         failures = []
+        timed_out = False
         for i in range(len(self._clients)):
             index = (self._current + i) % len(self._clients)
             client = self._clients[index]
@@ -136,14 +144,24 @@ class EtcdGateway:
                 answer = client.post(client.get_url(path), data=json.dumps(body))
             except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError) as e:
                 failures.append(f"{self.endpoints[index]}: {_short(e)}")
+                timed_out |= isinstance(e, gw_errors.ConnectionTimeoutError)
                 continue
             except gw_errors.Etcd3Exception as e:
                 raise _server_error(e, self.where) from None
             self._current = index
             return dict(answer)
-        raise StateError(
+        if timed_out:
+            # A member that accepts connections but never answers: it has no quorum (a
+            # request waits for a leader) or it hangs. Starting etcd is not the advice.
+            raise RegistryUnreachableError(
+                self.where,
+                f"etcd at {self.where} does not answer ({'; '.join(failures)}): no quorum, or"
+                f" its members hang; {_HEALTH}, then retry",
+            )
+        raise RegistryUnreachableError(
+            self.where,
             f"cannot reach etcd at {self.where} ({'; '.join(failures)}); start etcd or point"
-            " --registry / VMLEND_REGISTRY at a running cluster"
+            " --registry / VMLEND_REGISTRY at a running cluster",
         )
 
     # --- the calls --------------------------------------------------------------------------
