@@ -229,7 +229,8 @@ def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
     log.close()
     try:
         deadline = time.monotonic() + 20
-        while not gamma.lease_file.exists():
+        # Up once its start-up (holds onto its lease, reconcile) is done and it guards the VMs.
+        while "reconcile of gamma done" not in gamma.log():
             assert gamma.agent.poll() is None and time.monotonic() < deadline, gamma.log()
             time.sleep(0.05)
         hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", "gamma"]

@@ -5,6 +5,7 @@ simulated hypervisor whose hooks run as processes of the host."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -12,8 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_hosts import GPU, TTL, VMLEND, WEB, Host, domain_xml
+from tests.cluster_hosts import (
+    DB,
+    GPU,
+    NIC,
+    TTL,
+    VMLEND,
+    WEB,
+    Host,
+    check_never_two_holders,
+    domain_xml,
+    history,
+    reserve_code,
+)
 from tests.simfabric import make_fabric
+from vmlend.fabric.model import Holder
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
@@ -42,6 +56,8 @@ def _start_agent(host: Host, *extra: str) -> None:
     )
     log.close()
     _wait_for(f"the agent of {host.node} publishing its lease", host.lease_file.exists, host)
+    if "--connect" in extra:  # and done with its start-up: from now on it guards the VMs
+        _wait_for(f"the start-up of {host.node}", lambda: "reconcile of" in host.log(), host)
 
 
 def _lease_alive(gw: EtcdGateway, lease: int) -> bool:
@@ -147,3 +163,55 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
     assert list(pending.glob("*.json")) == []
     assert "pending release of VM 'web'" in gamma.log() and "landed: 0x10" in gamma.log()
 
+
+@pytest.mark.slow
+def test_an_agent_restarted_after_its_lease_ended_pauses_re_reserves_or_unplugs_and_resumes(
+    outage,
+):
+    """gamma's agent is killed with two VMs running and stays down past its TTL: the holds go
+    with the lease and the lenders take the devices back; beta's VM takes the GPU. The
+    restarted agent must not leave web running with a device beta's VM now uses: it pauses
+    both VMs, re-reserves app's NIC, hot-unplugs web's GPU, and resumes them."""
+    from vmlend.domain import read_domain
+    from vmlend.fabric.open import open_fabric
+
+    url, hosts = outage
+    alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
+    app = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")
+    _start_agent(alpha)
+    _start_agent(beta)
+    _start_agent(gamma, "--connect", "sim:///gamma")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.define(domain_xml("app", app.vm_uuid, (NIC,)))
+    hv.start("web")
+    hv.start("app")
+
+    gamma.stop_agent(signal.SIGKILL)
+
+    def beta_took_the_gpu() -> bool:
+        return beta.run(reserve_code(GPU, DB)).returncode == 0  # fenced, then taken back
+
+    _wait_for("beta taking 0x10", beta_took_the_gpu, alpha)
+    with open_fabric(url, "beta") as f:
+        _wait_for("0x20 taken back", lambda: f.fenced() == [], beta)
+    assert hv.lookup("web").state is DomainState.RUNNING  # nobody paused it: no agent ran
+
+    gamma.start_agent("--connect", "sim:///gamma")
+    _wait_for(
+        "the start-up reconcile",
+        lambda: "start-up reconcile of gamma done" in gamma.log().rsplit("up: lease", 1)[-1],
+        gamma,
+    )
+    log = gamma.log().rsplit("up: lease", 1)[-1]
+    assert "VM app: re-reserved 0x20; resumed" in log
+    assert "VM web: re-reserved none; lost 0x10 (" in log
+    assert "hot-unplugged the lost devices and resumed" in log
+    assert hv.lookup("web").state is DomainState.RUNNING
+    assert hv.lookup("app").state is DomainState.RUNNING
+    assert read_domain(hv.xml("web"), strict=False).devices == ()
+    assert b"<hostdev" not in hv.xml("web")
+    with open_fabric(url, "alpha") as f:
+        assert f.device(GPU).holder == DB
+        assert f.device(NIC).holder == app
+    check_never_two_holders(history(url))

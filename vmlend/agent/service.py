@@ -21,7 +21,7 @@ import msgspec
 from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.reconcile import Reconciler, reconcile_host
-from vmlend.agent.recover import LostLeaseRecovery
+from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
@@ -90,13 +90,27 @@ class Agent:
         guard = recovery = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
-            lines = cfg.reconciler(hv, fabric)
-            for line in lines:
-                log.warning("start-up reconcile: %s", line)
-            log.warning("start-up reconcile of %s done (%d line(s))", cfg.node, len(lines))
             guard = RemoteVmGuard(hv, fabric, cfg.node)
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
+            # Restarted after the lease ended: the running VMs' holds are gone. The same path
+            # as a lost lease (pause, re-reserve or unplug, resume), before anything else.
+            lost = self._until_reachable(lambda: vms_without_their_holds(hv, fabric))
+            if lost is None:
+                return self._stopped(registry, fabric, lease)
+            if lost:
+                log.error(
+                    "VMs %s run without their holds (this host's lease ended while no agent"
+                    " ran); pausing them to re-reserve their devices",
+                    ", ".join(lost),
+                )
+                recovery.recover(guard.pause_these(lost))
+            lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
+            if lines is None:
+                return self._stopped(registry, fabric, lease)
+            for line in lines:
+                log.warning("start-up reconcile: %s", line)
+            log.warning("start-up reconcile of %s done (%d line(s))", cfg.node, len(lines))
         if cfg.hook_server is not None:
             # Last: nothing is served before this host's records are on its current lease and
             # its running VMs are reconciled with them.
@@ -213,6 +227,16 @@ class Agent:
         # etcd may not have ended the old lease (a returning leader extends it): what is still
         # on it must move now, or it vanishes later while the VMs run.
         return lease if self._follow_until(registry, lease, [lost.id]) else None
+
+    def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
+        """``read()``, retried while etcd cannot be reached; None when stopped first."""
+        while True:
+            try:
+                return read()
+            except StateError as e:
+                log.warning("start-up waits for etcd: %s", e)
+                if self.stop_event.wait(self.config.interval):
+                    return None
 
     def _follow_until(self, registry: EtcdRegistry, lease: SessionLease, known: list[int]) -> bool:
         """``_follow`` until it lands; False when the agent is stopped first."""
