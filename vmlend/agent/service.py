@@ -22,6 +22,7 @@ from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
+from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
@@ -29,7 +30,7 @@ from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
-from vmlend.registry.etcd_gateway import b64
+from vmlend.registry.etcd_gateway import b64, call_deadline
 from vmlend.release_journal import ReleaseJournal
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,47 @@ class Agent:
         )
         previous = self._previous_lease()
         lease = self._take_lease(registry)
-        if not self._follow_until(registry, lease, [] if previous is None else [previous]):
-            return self._stopped(registry, fabric, lease)
-        journal = ReleaseJournal.for_host(HostEnv.from_env())
-        self._land_releases(journal, fabric)
+        # Every call well inside the TTL: a blackholed endpoint must not hold the loop for
+        # longer than the lease lives (the watch pauses the VMs regardless).
+        registry.gateway.set_timeout(call_deadline(lease.ttl))
         guard = recovery = None
+        hv: Hypervisor | None = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
             guard = RemoteVmGuard(hv, fabric, cfg.node)
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
+        # From the moment the lease exists, on its own thread: the start-up below and every
+        # registry call after it may block.
+        watch = LeaseWatch(
+            lease.ttl,
+            guard.pause if guard is not None else list,
+            clock=self._clock,
+            tick=min(cfg.interval, lease.ttl / 10),
+        )
+        watch.start()
+        try:
+            return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
+        finally:
+            watch.stop()
+
+    def _serve(
+        self,
+        registry: EtcdRegistry,
+        fabric: SimFabric,
+        lease: SessionLease,
+        previous: int | None,
+        watch: LeaseWatch,
+        guard: RemoteVmGuard | None,
+        recovery: LostLeaseRecovery | None,
+        hv: Hypervisor | None,
+    ) -> int:
+        cfg = self.config
+        if not self._follow_until(registry, lease, [] if previous is None else [previous]):
+            return self._stopped(registry, fabric, lease)
+        journal = ReleaseJournal.for_host(HostEnv.from_env())
+        self._land_releases(journal, fabric)
+        if hv is not None and guard is not None and recovery is not None:
             # Restarted after the lease ended: the running VMs' holds are gone. The same path
             # as a lost lease (pause, re-reserve or unplug, resume), before anything else.
             lost = self._until_reachable(lambda: vms_without_their_holds(hv, fabric))
@@ -115,8 +147,6 @@ class Agent:
             # Last: nothing is served before this host's records are on its current lease and
             # its running VMs are reconciled with them.
             cfg.hook_server.start()
-        in_doubt = False  # renewing failed for half the TTL: VMs with remote devices paused
-        paused: list[str] = []
         renewed = self._clock()
         next_renew = renewed
         while not self.stop_event.is_set():
@@ -124,37 +154,39 @@ class Agent:
             if now >= next_renew:
                 try:
                     try:
-                        lease.refresh()
+                        self._renew(lease)
                     except StateError as e:
                         log.warning("cannot renew lease %x: %s", lease.id, e)
-                        if now - renewed > lease.ttl:
+                        if self._clock() - renewed > lease.ttl:
                             raise LeaseLost(
                                 f"lease {lease.id:x} not renewed for {lease.ttl} s"
                             ) from None
-                        if not in_doubt and now - renewed > lease.ttl / 2:
-                            in_doubt = True
-                            paused = guard.pause() if guard is not None else []
                     else:
                         renewed = now
+                        if guard is not None:
+                            guard.resume(watch.renewed())
+                        else:
+                            watch.renewed()
                         self._land_releases(journal, fabric)
-                        if in_doubt:
-                            if guard is not None:
-                                guard.resume(paused)
-                            in_doubt, paused = False, []
                 except LeaseLost as e:
+                    paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
                         return 3
                     lease = new_lease
+                    watch.renewed()  # a new lease: the clock starts again
                     if recovery is not None and guard is not None:
                         recovery.recover(guard.paused_after_loss)
-                    in_doubt, paused = False, []
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.
-                next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
+                next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)
             self._take_back(fabric)
             self.stop_event.wait(cfg.interval)
         return self._stopped(registry, fabric, lease)
+
+    def _renew(self, lease: SessionLease) -> None:
+        """One keepalive (a method, so a test can make it block as a partition does)."""
+        lease.refresh()
 
     def _stopped(self, registry: EtcdRegistry, fabric: SimFabric, lease: SessionLease) -> int:
         """A clean stop: withdraw and revoke the lease, drop the agent marker."""

@@ -46,6 +46,13 @@ _HEALTH = (
 _TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests")
 
 
+def call_deadline(ttl: float) -> float:
+    """The per-request timeout for a process holding a lease of ``ttl`` seconds: a quarter of
+    it (at most ``REQUEST_TIMEOUT``, at least 0.25 s), so a hung endpoint cannot outlast the
+    lease unnoticed."""
+    return max(0.25, min(REQUEST_TIMEOUT, ttl / 4))
+
+
 def b64(data: str | bytes) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
@@ -107,6 +114,11 @@ class EtcdGateway:
     @property
     def where(self) -> str:
         return ",".join(str(e) for e in self.endpoints)
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bound each HTTP request to an endpoint by ``seconds`` from now on."""
+        for c in self._clients:
+            c.timeout = seconds
 
     def close(self) -> None:
         for c in self._clients:
