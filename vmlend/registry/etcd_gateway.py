@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -103,13 +104,41 @@ class EtcdGateway:
         timeout: float = REQUEST_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
         tls: EtcdTls | None = None,
+        endpoint_file: Path | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
         self._clients = [_client(e, timeout, tls) for e in self.endpoints]
-        self._current = 0
+        #: Where short-lived processes of the host share the endpoint that last answered, so
+        #: a hung member listed first costs one timeout per host, not one per process.
+        self._endpoint_file = endpoint_file
+        self._current = self._remembered()
         self._sleep = sleep
+
+    def _remembered(self) -> int:
+        if self._endpoint_file is None or len(self.endpoints) < 2:
+            return 0
+        try:
+            data = json.loads(self._endpoint_file.read_text())
+            if data.get("endpoints") == self.where:
+                return [str(e) for e in self.endpoints].index(data["good"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return 0
+
+    def _remember(self, index: int) -> None:
+        if self._endpoint_file is None or len(self.endpoints) < 2:
+            return
+        path = self._endpoint_file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            good = str(self.endpoints[index])
+            tmp.write_text(json.dumps({"endpoints": self.where, "good": good}))
+            os.replace(tmp, path)
+        except OSError as e:  # a user without access to the run dir: only slower
+            log.debug("cannot remember the etcd endpoint in %s: %s", path, e)
 
     @property
     def where(self) -> str:
@@ -160,7 +189,9 @@ class EtcdGateway:
                 continue
             except gw_errors.Etcd3Exception as e:
                 raise _server_error(e, self.where) from None
-            self._current = index
+            if index != self._current:
+                self._current = index
+                self._remember(index)
             return dict(answer)
         if timed_out:
             # A member that accepts connections but never answers: it has no quorum (a
