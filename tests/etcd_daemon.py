@@ -55,6 +55,13 @@ class EtcdServer:
     client_port: int = field(default_factory=free_port)
     peer_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    name: str = "default"
+    #: ``--initial-cluster`` of a multi-member cluster (None: this member alone).
+    initial_cluster: str | None = None
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
@@ -69,24 +76,31 @@ class EtcdServer:
         return f"etcd://{self.endpoint}/{cluster}"
 
     def start(self) -> None:
+        self.spawn()
+        self.wait_healthy()
+
+    def spawn(self) -> None:
         client = f"http://{self.endpoint}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = self.peer_url
         self.root.mkdir(parents=True, exist_ok=True)
         log = (self.root / "etcd.log").open("ab")
         argv = [
             "etcd",
-            "--name=default",
+            f"--name={self.name}",
             f"--data-dir={self.root / 'data'}",
             f"--listen-client-urls={client}",
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=default={peer}",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={peer}'}",
             "--heartbeat-interval=10",
             "--election-timeout=100",
         ]
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
+
+    def wait_healthy(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -123,6 +137,23 @@ class EtcdServer:
             if path.exists()
             else ""
         )
+
+
+def start_members(root: Path, n: int) -> list[EtcdServer]:
+    """A cluster of ``n`` members on loopback (healthy: a leader elected); stop each by PID."""
+    members = [EtcdServer(root / f"m{i}", name=f"m{i}") for i in range(n)]
+    initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    for m in members:
+        m.initial_cluster = initial
+        m.spawn()
+    try:
+        for m in members:
+            m.wait_healthy()
+    except BaseException:
+        for m in members:
+            m.stop()
+        raise
+    return members
 
 
 def _need_etcd() -> None:

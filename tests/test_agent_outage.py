@@ -5,6 +5,7 @@ simulated hypervisor whose hooks run as processes of the host."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease
         gw.close()
     assert hv.lookup("web").state is DomainState.RUNNING
     assert "VM web: re-reserved 0x10; resumed" in gamma.log()
+    # The agent's lines say when: the order of events around a lease loss is read from them.
+    [lost] = [line for line in gamma.log().splitlines() if "lost its lease" in line]
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z vmlend: agent for gamma", lost), lost
 
 
 @pytest.mark.slow

@@ -44,7 +44,13 @@ _HEALTH = (
     " from Debian's etcd-client package)"
 )
 
-_TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests")
+_TRANSIENT = (
+    "leader changed",
+    "no leader",
+    "request timed out",
+    "too many requests",
+    "context deadline exceeded",  # the gateway's own call timed out (a write without quorum)
+)
 
 
 def call_deadline(ttl: float) -> float:
@@ -110,6 +116,7 @@ class EtcdGateway:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
         self._clients = [_client(e, timeout, tls) for e in self.endpoints]
+        self._timeout = timeout
         #: Where short-lived processes of the host share the endpoint that last answered, so
         #: a hung member listed first costs one timeout per host, not one per process.
         self._endpoint_file = endpoint_file
@@ -146,6 +153,7 @@ class EtcdGateway:
 
     def set_timeout(self, seconds: float) -> None:
         """Bound each HTTP request to an endpoint by ``seconds`` from now on."""
+        self._timeout = seconds
         for c in self._clients:
             c.timeout = seconds
 
@@ -157,16 +165,19 @@ class EtcdGateway:
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` on a reachable endpoint; the JSON answer."""
         delay = 0.02
+        start = time.monotonic()
         for attempt in range(TRANSIENT_ATTEMPTS):
             try:
                 return self._call_any(path, body)
             except _Transient as e:
-                if attempt == TRANSIENT_ATTEMPTS - 1:
+                # A leader change passes in milliseconds; a member that timed out inside raft
+                # (no quorum) would cost a whole timeout per attempt: one is the deadline.
+                if attempt == TRANSIENT_ATTEMPTS - 1 or time.monotonic() - start >= self._timeout:
                     raise RegistryUnreachableError(
                         self.where,
-                        f"etcd at {self.where} keeps failing ({e.reason}) after"
-                        f" {TRANSIENT_ATTEMPTS} attempts: no quorum (fewer than a majority of"
-                        f" its members run or see each other); {_HEALTH}, then retry",
+                        f"etcd at {self.where} fails ({e.reason}; {attempt + 1} attempt(s) in"
+                        f" {time.monotonic() - start:.1f} s): no quorum (fewer than a majority"
+                        f" of its members run or see each other); {_HEALTH}, then retry",
                     ) from None
                 log.debug("etcd: %s; retrying", e.reason)
                 self._sleep(delay * (0.5 + random.random()))
