@@ -125,6 +125,13 @@ def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease
         assert _hold_lease(gw, keys, GPU) == new, gamma.log()
         _rev, [fence] = gw.range(keys.fence(GPU))
         assert json.loads(fence.value)["token"] == new
+        # ...and so are the hold's claims, its index entry and the VM's mdev record.
+        _rev, kvs = gw.range(keys.base, keys.base[:-1] + "0")
+        claims = [kv for kv in kvs if kv.key.startswith(keys.claims) and f"/{GPU:#x}/" in kv.key]
+        mdevs = [kv for kv in kvs if kv.key.startswith(keys.mdevs_on("gamma"))]
+        index = [kv for kv in kvs if kv.key == keys.held_on("gamma", GPU)]
+        assert claims and mdevs and index
+        assert {kv.lease for kv in claims + mdevs + index} == {new}
     finally:
         gw.close()
     assert hv.lookup("web").state is DomainState.RUNNING
