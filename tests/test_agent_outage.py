@@ -226,3 +226,24 @@ def test_an_agent_restarted_after_its_lease_ended_pauses_re_reserves_or_unplugs_
         assert f.device(GPU).holder == DB
         assert f.device(NIC).holder == app
     check_never_two_holders(history(url))
+
+
+@pytest.mark.slow
+def test_a_borrower_cut_off_from_etcd_pauses_its_vm_and_runs_it_again_after_the_heal(
+    private_etcd, tmp_path
+):
+    """A silent partition (a blackhole, not a refusal) between gamma and etcd: gamma's agent
+    pauses the VM that uses alpha's device; after the heal the VM runs again with its device
+    (the lease lived, or the agent re-reserved under a new one), and no revision ever shows
+    two holders."""
+    from tests.partition import cut_off_borrower, cut_to_pause
+    from vmlend.fabric.open import open_fabric
+
+    with cut_off_borrower(private_etcd, tmp_path, "cut", ttl=4) as c:
+        cut_to_pause(c)
+        assert "pausing VMs with remote devices" in c.gamma.log()
+        c.proxy.heal()
+        _wait_for("web running again", lambda: c.state() is DomainState.RUNNING, c.gamma)
+        with open_fabric(c.direct_url, "alpha") as f:
+            _wait_for("0x10 held by web", lambda: f.device(GPU).holder == WEB, c.gamma)
+        check_never_two_holders(history(c.direct_url))
