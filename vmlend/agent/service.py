@@ -163,10 +163,11 @@ class Agent:
                             ) from None
                     else:
                         renewed = now
+                        # Counted from the answer: etcd restarted the TTL at most one call
+                        # deadline (TTL/4) earlier, so the pause still comes before 3/4 TTL.
+                        resume = watch.renewed()
                         if guard is not None:
-                            guard.resume(watch.renewed())
-                        else:
-                            watch.renewed()
+                            guard.resume(resume)
                         self._land_releases(journal, fabric)
                 except LeaseLost as e:
                     paused = watch.take_paused()
