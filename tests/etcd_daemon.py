@@ -8,6 +8,7 @@ Register with ``pytest_plugins = ["tests.etcd_daemon"]``. Fixtures:
   etcd          session: the running EtcdServer
   etcd_url      a registry URL ``etcd://127.0.0.1:PORT/<unique cluster>`` for one test
   private_etcd  an EtcdServer of the test's own (for tests that stop and restart it)
+``start_members(root, n)`` starts an n-member cluster (e.g. to take its quorum away).
 Outside CI a machine without etcd skips these tests; in CI (``$CI`` set) that is a failure.
 """
 
