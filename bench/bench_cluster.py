@@ -140,6 +140,18 @@ def death_to_reuse(server: EtcdServer, root: Path) -> float:
     return reused
 
 
+#: The borrower's TTL under a partition: long enough that TTL/2 stands out from the ticks.
+PARTITION_TTL = 4
+
+
+def partition_to_pause(server: EtcdServer, root: Path) -> float:
+    """A borrower cut off from etcd (a blackhole): seconds from the cut to its paused VM."""
+    from tests.partition import cut_off_borrower, cut_to_pause
+
+    with cut_off_borrower(server, root / "cut", "cut", PARTITION_TTL) as c:
+        return cut_to_pause(c)
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
@@ -176,6 +188,11 @@ def main() -> None:
             print(
                 f"borrower host killed (lease TTL {TTL} s): device borrowable again after"
                 f" {reused:5.2f} s ({reused / TTL:4.2f}x the TTL)"
+            )
+            paused = partition_to_pause(server, root)
+            print(
+                f"borrower cut off from etcd (lease TTL {PARTITION_TTL} s): VM paused after"
+                f" {paused:5.2f} s (TTL/2 = {PARTITION_TTL / 2:g} s; goal <= TTL/2 + 1 s)"
             )
         finally:
             server.stop()

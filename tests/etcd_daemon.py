@@ -8,6 +8,7 @@ Register with ``pytest_plugins = ["tests.etcd_daemon"]``. Fixtures:
   etcd          session: the running EtcdServer
   etcd_url      a registry URL ``etcd://127.0.0.1:PORT/<unique cluster>`` for one test
   private_etcd  an EtcdServer of the test's own (for tests that stop and restart it)
+``start_members(root, n)`` starts an n-member cluster (e.g. to take its quorum away).
 Outside CI a machine without etcd skips these tests; in CI (``$CI`` set) that is a failure.
 """
 
@@ -55,6 +56,13 @@ class EtcdServer:
     client_port: int = field(default_factory=free_port)
     peer_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    name: str = "default"
+    #: ``--initial-cluster`` of a multi-member cluster (None: this member alone).
+    initial_cluster: str | None = None
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
@@ -69,24 +77,31 @@ class EtcdServer:
         return f"etcd://{self.endpoint}/{cluster}"
 
     def start(self) -> None:
+        self.spawn()
+        self.wait_healthy()
+
+    def spawn(self) -> None:
         client = f"http://{self.endpoint}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = self.peer_url
         self.root.mkdir(parents=True, exist_ok=True)
         log = (self.root / "etcd.log").open("ab")
         argv = [
             "etcd",
-            "--name=default",
+            f"--name={self.name}",
             f"--data-dir={self.root / 'data'}",
             f"--listen-client-urls={client}",
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=default={peer}",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={peer}'}",
             "--heartbeat-interval=10",
             "--election-timeout=100",
         ]
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
+
+    def wait_healthy(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -123,6 +138,23 @@ class EtcdServer:
             if path.exists()
             else ""
         )
+
+
+def start_members(root: Path, n: int) -> list[EtcdServer]:
+    """A cluster of ``n`` members on loopback (healthy: a leader elected); stop each by PID."""
+    members = [EtcdServer(root / f"m{i}", name=f"m{i}") for i in range(n)]
+    initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    for m in members:
+        m.initial_cluster = initial
+        m.spawn()
+    try:
+        for m in members:
+            m.wait_healthy()
+    except BaseException:
+        for m in members:
+            m.stop()
+        raise
+    return members
 
 
 def _need_etcd() -> None:

@@ -5,15 +5,27 @@ or cut-off host. Every process is started here and stopped by its PID."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.cluster_hosts import (
+    DB,
+    GPU,
+    INTERVAL,
+    NIC,
+    REUSE_BOUND,
+    TTL,
+    VMLEND,
+    WEB,
+    Host,
+    check_never_two_holders,
+    history,
+    reserve_code,
+)
 from tests.etcd_daemon import host_lease
 from tests.simfabric import make_fabric
 from vmlend.errors import AgentNotRunningError, DeviceFencedError, DeviceHeldError, StateError
@@ -21,101 +33,6 @@ from vmlend.fabric.model import DeviceState, Holder
 from vmlend.fabric.open import open_fabric
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
-from vmlend.registry.etcd_keys import Keys
-
-TTL = 2  # etcd's minimum lease
-INTERVAL = 0.2
-#: How long after the TTL a dead borrower's device may take to be borrowable again: the
-#: lender agent's scan interval, one transaction, and slack for a loaded CI machine.
-REUSE_BOUND = 3.0
-VMLEND = str(Path(sys.executable).parent / "vmlend")  # the console script of this venv
-GPU, NIC = 0x10, 0x20  # lent by alpha and by beta in the default topology
-
-WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
-DB = Holder("beta", "db", "22222222-2222-2222-2222-222222222222")
-
-
-class Host:
-    """One simulated host: a root directory, a node name and (maybe) its agent process."""
-
-    def __init__(self, url: str, node: str, root: Path) -> None:
-        self.url, self.node, self.root = url, node, root
-        self.agent: subprocess.Popen | None = None
-        root.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "VMLEND_REGISTRY": self.url,
-            "VMLEND_NODE": self.node,
-            "VMLEND_ROOT": str(self.root),
-            "VMLEND_STATE": str(self.root / "state.db"),
-        }
-
-    @property
-    def lease_file(self) -> Path:
-        return self.root / "run" / "vmlend" / "agent.lease"
-
-    def start_agent(self, *extra: str) -> None:
-        log = (self.root / "agent.log").open("ab")
-        self.agent = subprocess.Popen(
-            [VMLEND, "agent", "--ttl", str(TTL), "--interval", str(INTERVAL), *extra],
-            env=self.env,
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-        )
-        log.close()
-        deadline = time.monotonic() + 20
-        while not self._published_by(self.agent.pid):
-            assert self.agent.poll() is None, self.log()
-            assert time.monotonic() < deadline, f"agent of {self.node} never published its lease"
-            time.sleep(0.05)
-
-    def _published_by(self, pid: int) -> bool:
-        """Whether the lease file is this agent's (a killed one leaves its own behind)."""
-        try:
-            return json.loads(self.lease_file.read_text())["pid"] == pid
-        except (OSError, ValueError):
-            return False
-
-    def log(self) -> str:
-        return (self.root / "agent.log").read_text(errors="replace")
-
-    def stop_agent(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.agent is None or self.agent.poll() is not None:
-            return None if self.agent is None else self.agent.returncode
-        self.agent.send_signal(sig)
-        if sig in (signal.SIGTERM, signal.SIGKILL):
-            return self.agent.wait(20)
-        return None
-
-    def run(self, code: str) -> subprocess.CompletedProcess:
-        """Python ``code`` run as a process of this host (like its hook or CLI)."""
-        return subprocess.run(
-            [sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60
-        )
-
-    def vmlend(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [VMLEND, *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-
-def _reserve_code(fdid: int, holder: Holder) -> str:
-    return (
-        "from vmlend.fabric.open import open_fabric\n"
-        "from vmlend.fabric.model import Holder\n"
-        "import os\n"
-        f"f = open_fabric(os.environ['VMLEND_REGISTRY'], os.environ['VMLEND_NODE'])\n"
-        f"h = Holder({holder.node!r}, {holder.vm!r}, {holder.vm_uuid!r})\n"
-        f"print(f.reserve({fdid}, h).state)\n"
-    )
 
 
 @pytest.fixture
@@ -127,39 +44,6 @@ def hosts(etcd_url, tmp_path):
         if h.agent is not None and h.agent.poll() is None:
             h.agent.send_signal(signal.SIGCONT)
             h.stop_agent(signal.SIGKILL)
-
-
-def _history(url: str) -> list[dict[int, tuple[str | None, str | None]]]:
-    """Per revision from 1 to now, per device: (holder of its hold, holder of its fence)."""
-    loc = parse_location(url)
-    gw = EtcdGateway(loc.endpoints)
-    keys = Keys(loc.cluster)
-    now, _ = gw.range(keys.holds, keys.holds + "\xff")
-    out = []
-    for rev in range(1, now + 1):
-        state: dict[int, list[str | None]] = {}
-        for prefix, slot in ((keys.holds, 0), (keys.fences, 1)):
-            _r, kvs = gw.range(prefix, prefix[:-1] + "0", revision=rev)
-            for kv in kvs:
-                d = json.loads(kv.value)
-                state.setdefault(int(d["fdid"]), [None, None])[slot] = f"{d['node']}/{d['vm']}"
-        out.append({f: (h, fe) for f, (h, fe) in state.items()})
-    gw.close()
-    return out
-
-
-def _check_never_two_holders(history) -> None:
-    """A device's fence changes hands only through its absence (the lender took it back),
-    and every hold has the fence of its own holder: no revision lets two holders use it."""
-    last_fence: dict[int, str | None] = {}
-    for snapshot in history:
-        for fdid in set(last_fence) | set(snapshot):
-            hold, fence = snapshot.get(fdid, (None, None))
-            if hold is not None:
-                assert fence == hold, (fdid, hold, fence)
-            before = last_fence.get(fdid)
-            assert before is None or fence is None or fence == before, (fdid, before, fence)
-            last_fence[fdid] = fence
 
 
 # --- in-process: the rules ---------------------------------------------------------------------
@@ -212,7 +96,7 @@ def test_hosts_share_one_truth_and_a_killed_borrower_frees_its_devices(hosts, et
         h.start_agent()
     # A VM on gamma borrows from alpha and from beta.
     for fdid in (GPU, NIC):
-        r = gamma.run(_reserve_code(fdid, WEB))
+        r = gamma.run(reserve_code(fdid, WEB))
         assert r.returncode == 0 and "reserved" in r.stdout, r.stderr
     views = []
     for h in (alpha, beta, gamma):  # every host sees the same holders
@@ -225,7 +109,7 @@ def test_hosts_share_one_truth_and_a_killed_borrower_frees_its_devices(hosts, et
     died = time.monotonic()
     deadline = died + TTL + REUSE_BOUND + 5
     while True:
-        r = beta.run(_reserve_code(GPU, DB))
+        r = beta.run(reserve_code(GPU, DB))
         if r.returncode == 0:
             break
         assert "held by gamma/web" in r.stderr or "fenced" in r.stderr, r.stderr
@@ -234,7 +118,7 @@ def test_hosts_share_one_truth_and_a_killed_borrower_frees_its_devices(hosts, et
     reused_after = time.monotonic() - died
     assert reused_after < TTL + REUSE_BOUND + 5  # includes ~1 s of process start per try
     assert "took back 0x10" in alpha.log()
-    _check_never_two_holders(_history(etcd_url))
+    check_never_two_holders(history(etcd_url))
     assert alpha.stop_agent() == 0 and beta.stop_agent() == 0
 
 
@@ -244,12 +128,12 @@ def test_a_frozen_agent_loses_its_lease_and_its_late_writes_are_refused(hosts):
     alpha.start_agent()
     gamma.start_agent()
     old_lease = json.loads(gamma.lease_file.read_text())["lease"]
-    r = gamma.run(_reserve_code(GPU, WEB))
+    r = gamma.run(reserve_code(GPU, WEB))
     assert r.returncode == 0, r.stderr
     gamma.stop_agent(signal.SIGSTOP)  # frozen: its lease is not renewed
     time.sleep(TTL + 2 * INTERVAL + 1)
     # The lease ended: a write from gamma under it is refused as a whole.
-    r = gamma.run(_reserve_code(NIC, WEB))
+    r = gamma.run(reserve_code(NIC, WEB))
     assert r.returncode != 0 and "lease has expired" in r.stderr, r.stderr
     assert gamma.agent is not None
     gamma.agent.send_signal(signal.SIGCONT)
@@ -259,7 +143,7 @@ def test_a_frozen_agent_loses_its_lease_and_its_late_writes_are_refused(hosts):
         assert gamma.agent.poll() is None and time.monotonic() < deadline, gamma.log()
         time.sleep(0.05)
     assert "lost its lease" in gamma.log()
-    r = gamma.run(_reserve_code(NIC, WEB))  # the host may write again
+    r = gamma.run(reserve_code(NIC, WEB))  # the host may write again
     assert r.returncode == 0, r.stderr
     assert gamma.stop_agent() == 0 and alpha.stop_agent() == 0
 
@@ -292,7 +176,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
 
     gamma.stop_agent(signal.SIGSTOP)
     deadline = time.monotonic() + TTL + REUSE_BOUND + 10
-    while (r := beta.run(_reserve_code(NIC, DB))).returncode != 0:  # fenced, then taken back
+    while (r := beta.run(reserve_code(NIC, DB))).returncode != 0:  # fenced, then taken back
         assert "held by gamma/app" in r.stderr or "fenced" in r.stderr, r.stderr
         assert time.monotonic() < deadline, beta.log()
         time.sleep(0.1)
@@ -317,7 +201,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     with open_fabric(etcd_url, "alpha") as f:
         assert f.device(GPU).holder == WEB  # under gamma's new lease
         assert f.device(NIC).holder == DB
-    _check_never_two_holders(_history(etcd_url))
+    check_never_two_holders(history(etcd_url))
     assert gamma.stop_agent() == 0 and alpha.stop_agent() == 0 and beta.stop_agent() == 0
 
 
@@ -345,7 +229,8 @@ def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
     log.close()
     try:
         deadline = time.monotonic() + 20
-        while not gamma.lease_file.exists():
+        # Up once its start-up (holds onto its lease, reconcile) is done and it guards the VMs.
+        while "reconcile of gamma done" not in gamma.log():
             assert gamma.agent.poll() is None and time.monotonic() < deadline, gamma.log()
             time.sleep(0.05)
         hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", "gamma"]
@@ -378,13 +263,13 @@ def test_a_lender_whose_agent_died_has_its_devices_unavailable_until_it_returns(
     gamma.start_agent()
     alpha.stop_agent(signal.SIGKILL)
     time.sleep(TTL + 1)  # its lease, and with it hosts/alpha, ends
-    r = gamma.run(_reserve_code(GPU, WEB))
+    r = gamma.run(reserve_code(GPU, WEB))
     assert r.returncode != 0 and "alpha" in r.stderr and "agent stopped uncleanly" in r.stderr
     r = gamma.vmlend("devices", "--json")
     states = {d["fdid"]: d["state"] for d in json.loads(r.stdout)}
     assert states["0x10"] == "unavailable" and states["0x20"] == "available"  # beta's are fine
     alpha.start_agent()  # back: its devices are offered again
-    r = gamma.run(_reserve_code(GPU, WEB))
+    r = gamma.run(reserve_code(GPU, WEB))
     assert r.returncode == 0, r.stderr
     assert alpha.stop_agent() == 0  # a clean stop does not mark it unavailable
     with open_fabric(etcd_url, "beta") as f:
@@ -415,7 +300,7 @@ def test_a_restarted_agent_keeps_running_vms_devices_and_returns_the_rest(
     hv.define(_domain("old", old.vm_uuid, (0x11,)))
     hv.start("web")
     for fdid, holder in ((0x11, old), (0x12, ghost)):  # held, though nothing here runs them
-        r = gamma.run(_reserve_code(fdid, holder))
+        r = gamma.run(reserve_code(fdid, holder))
         assert r.returncode == 0, r.stderr
 
     gamma.stop_agent(signal.SIGKILL)

@@ -151,6 +151,25 @@ def test_a_device_held_by_another_vm_is_left_to_the_operator(cluster):
     assert _kinds(_reconcile(cluster)) == [("missing-hold", "vm1", "0x10")]
 
 
+def test_a_device_another_hosts_vm_holds_is_held_by_another_not_missing(cluster):
+    # gamma lost its hold (its lease ended) and a VM on beta took the device meanwhile.
+    vid = uuid.uuid4()
+    cluster.define("gamma", "vm1", [0x10], running=True, vm_uuid=vid)
+    with cluster.fabric() as f:
+        return_device(f, Holder("gamma", "vm1", str(vid)), 0x10, str(mdev_uuid(vid, 0x10)))
+    with cluster.fabric("beta") as f:
+        f.reserve(0x10, Holder("beta", "db", str(uuid.uuid4())))
+    report = _reconcile(cluster)
+    assert _kinds(report) == [("held-by-another", "vm1", "0x10")]
+    (d,) = report["drift"]
+    assert "VM 'db' on host beta holds" in d["cause"] and not d["fixable"]
+    assert "vmlend detach vm1 0x10 --live" in d["fix"]
+    before = cluster.snapshot()
+    res = cluster.cli("reconcile", *GAMMA, "--fix")
+    assert res.exit_code == 1
+    assert cluster.snapshot() == before  # nothing taken from beta, nothing re-reserved
+
+
 def test_hostdev_without_metadata_is_finished(cluster):
     vid = uuid.uuid4()
     cluster.define("gamma", "vm1", [0x11], running=True, vm_uuid=vid)

@@ -613,3 +613,25 @@ class AgentNotRunningError(StateError):
             f"no vmlend agent runs on this host (no live lease at {where}); start 'vmlend agent'"
             " (see docs/cluster.md) and retry"
         )
+
+
+class RegistryUnreachableError(StateError):
+    """The cluster registry cannot be reached, or answers without a quorum: nothing was read
+    or written. ``where`` names its endpoints."""
+
+    def __init__(self, where: str, message: str) -> None:
+        self.where = where
+        super().__init__(message)
+
+
+class ReleasePendingError(VmlendError):
+    """A release could not reach the registry; it is recorded on the host and the agent
+    retries it until it lands."""
+
+    def __init__(self, vm: str, why: str, journal: str) -> None:
+        self.vm = vm
+        self.journal = journal
+        super().__init__(
+            f"release of VM {vm!r} is pending: {why}; recorded in {journal}, and 'vmlend agent'"
+            " retries it until it lands (nothing to run by hand)"
+        )

@@ -16,7 +16,7 @@ from uuid import UUID
 
 import msgspec
 
-from vmlend.errors import VmlendError
+from vmlend.errors import RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import (
     DEFAULT_INTERRUPTS,
@@ -150,6 +150,8 @@ def return_all(
         try:
             if fabric.remove_mdev(m.uuid):
                 record(f"mdev {m.uuid}: removed")
+        except RegistryUnreachableError:
+            raise  # the whole release is retried later (release_journal)
         except VmlendError as e:
             failures.append(f"mdev {m.uuid}: {e}")
             if m.fdid is not None:
@@ -161,6 +163,8 @@ def return_all(
         try:
             if fabric.release(fdid, holder):
                 record(f"device {format_fdid(fdid)}: returned")
+        except RegistryUnreachableError:
+            raise  # the whole release is retried later (release_journal)
         except VmlendError as e:
             failures.append(about(f"device {format_fdid(fdid)}", str(e)))
     for fdid in sorted(stuck):

@@ -51,6 +51,19 @@ class RemoteVmGuard:
             log.warning("lease in doubt: paused %s (they use remote devices)", ", ".join(paused))
         return paused
 
+    def pause_these(self, names: list[str]) -> list[str]:
+        """Pause ``names`` (whatever devices they use); the names paused."""
+        paused = []
+        for name in names:
+            try:
+                self._hv.suspend(name)
+                paused.append(name)
+            except VmlendError as e:
+                log.error("could not pause %s: %s", name, e)
+        if paused:
+            log.warning("paused %s (their holds are gone)", ", ".join(paused))
+        return paused
+
     def resume(self, names: list[str]) -> None:
         for name in names:
             try:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
+import msgspec
+
+from vmlend.errors import StateError
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys, dump, load
 
@@ -38,48 +42,99 @@ class SessionLease:
 
 
 #: Keys moved per Txn: a compare and a put each, under etcd's default --max-txn-ops (128).
-_ADOPT_BATCH = 60
+_MOVE_BATCH = 60
+#: Re-reads when another writer changed a record between the read and the move.
+_MOVE_ATTEMPTS = 5
 
 
-def adopt_records(gateway: EtcdGateway, keys: Keys, old: int, new: int) -> int:
-    """Move the records of lease ``old`` (this host's agent that died before its TTL ran out)
-    to lease ``new``, fence tokens included, so the holds of the VMs still running here do not
-    vanish when ``old`` expires. A key changed since it was read is left alone (its writer
-    decided). Returns how many keys moved."""
-    _rev, kvs = gateway.range(keys.base, prefix_end(keys.base))
-    moves: list[tuple[KeyValue, bytes, int]] = []  # (read as, new value, new lease)
-    held = set()  # the devices whose holds move: their fences take the new token
+class LeaseMove(msgspec.Struct):
+    """What ``follow_lease`` did: the keys moved, and the old leases found and revoked."""
+
+    moved: int = 0
+    old: list[int] = msgspec.field(default_factory=list)
+    revoked: list[int] = msgspec.field(default_factory=list)
+
+
+def _old_leases(kvs: list[KeyValue], keys: Keys, node: str, current: int) -> set[int]:
+    """The leases, other than ``current``, that this node's node-scoped records are on (its
+    hold index, mdevs, mdev parents): each was an earlier lease of this host."""
+    mine = (keys.holds_on(node), keys.mdevs_on(node), f"{keys.parents}{node}/")
+    return {kv.lease for kv in kvs if kv.key.startswith(mine) and kv.lease not in (0, current)}
+
+
+def follow_lease(
+    gateway: EtcdGateway, keys: Keys, node: str, current: int, known: Iterable[int] = ()
+) -> LeaseMove:
+    """Move every record of this host that is attached to an earlier lease (``known``, plus
+    any other lease this node's records are on) onto ``current``, fence tokens included, then
+    revoke the earlier leases.
+
+    Why: a lease nobody renews ends later (after an etcd outage a returning leader extends it
+    by its TTL) and takes its holds with it while this host's VMs still use the devices. With
+    up to ``_MOVE_BATCH`` keys (a host's usual load) the move is one Txn; a larger one is
+    batched, and a crash between batches leaves the rest for the next start-up, which finds
+    the old lease again through this node's records. A record changed since it was read is
+    re-read; an old lease is revoked only when nothing of it is left."""
+    result = LeaseMove()
+    known = {lease for lease in known if lease not in (0, current)}
+    for _attempt in range(_MOVE_ATTEMPTS):
+        _rev, kvs = gateway.range(keys.base, prefix_end(keys.base))
+        old = known | _old_leases(kvs, keys, node, current)
+        result.old = sorted(old)
+        moves = _moves(kvs, keys, old, current)
+        if not moves:
+            break
+        conflict = False
+        for i in range(0, len(moves), _MOVE_BATCH):
+            compare, success = [], []
+            for kv, value, lease in moves[i : i + _MOVE_BATCH]:
+                compare.append(
+                    {
+                        "key": b64(kv.key),
+                        "target": "MOD",
+                        "result": "EQUAL",
+                        "mod_revision": kv.mod_revision,
+                    }
+                )
+                put: dict[str, object] = {"key": b64(kv.key), "value": b64(value)}
+                if lease:
+                    put["lease"] = lease
+                success.append({"request_put": put})
+            ok, _ = gateway.txn(compare, success)
+            if ok:
+                result.moved += len(success)
+            else:
+                conflict = True
+                break
+        if not conflict:
+            break
+    else:
+        log.warning("records of leases %s kept changing; left them", result.old)
+        return result
+    for lease in result.old:
+        try:
+            gateway.call("kv/lease/revoke", {"ID": lease})
+            result.revoked.append(lease)
+        except StateError as e:  # already ended: nothing of it is left either way
+            log.debug("lease %x not revoked: %s", lease, e)
+    return result
+
+
+def _moves(
+    kvs: list[KeyValue], keys: Keys, old: set[int], new: int
+) -> list[tuple[KeyValue, bytes, int]]:
+    """(read as, new value, new lease) for every key on an ``old`` lease, and the fences of
+    the holds among them (their token is the holder's lease)."""
+    moves: list[tuple[KeyValue, bytes, int]] = []
+    held = set()
     for kv in kvs:
-        if kv.lease == old:
+        if kv.lease in old:
             moves.append((kv, kv.value, new))
             if kv.key.startswith(keys.holds):
                 held.add(kv.key.removeprefix(keys.holds))
     for kv in kvs:
-        if kv.key.removeprefix(keys.fences) in held and kv.key.startswith(keys.fences):
+        if kv.key.startswith(keys.fences) and kv.key.removeprefix(keys.fences) in held:
             fence = load(kv.value)
-            if fence.get("token") == old:
+            if fence.get("token") in old:
                 moves.append((kv, dump({**fence, "token": new}), 0))
-    moved = 0
-    for i in range(0, len(moves), _ADOPT_BATCH):
-        compare, success = [], []
-        for kv, value, lease in moves[i : i + _ADOPT_BATCH]:
-            compare.append(
-                {
-                    "key": b64(kv.key),
-                    "target": "MOD",
-                    "result": "EQUAL",
-                    "mod_revision": kv.mod_revision,
-                }
-            )
-            put: dict[str, object] = {"key": b64(kv.key), "value": b64(value)}
-            if lease:
-                put["lease"] = lease
-            success.append({"request_put": put})
-        ok, _ = gateway.txn(compare, success)
-        if ok:
-            moved += len(success)
-        else:  # someone wrote meanwhile: move those that still are as read, one by one
-            for c, s in zip(compare, success, strict=True):
-                ok, _ = gateway.txn([c], [s])
-                moved += ok
-    return moved
+    return moves

@@ -25,13 +25,14 @@ from vmlend.domain import (
     remove_device,
 )
 from vmlend.domain.model import DomainXML
-from vmlend.errors import DeviceFencedError, VmlendError
+from vmlend.errors import DeviceFencedError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hook.domainview import read_hook_domain
-from vmlend.hypervisor.base import Hypervisor
+from vmlend.hypervisor.base import DomainState, Hypervisor
 from vmlend.lending import UndoJournal, acquire_device, holder_for
 from vmlend.ops.definitions import plain_metadata
+from vmlend.registry.records import same_holder
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class LostLeaseRecovery:
                 try:
                     self._acquire(holder, dev.fdid, str(dev.mdev), dom.memory_bytes or 0)
                     result.regained.append(dev.fdid)
+                except RegistryUnreachableError as e:
+                    # Not lost, unknown: the device may still be ours. Stay paused.
+                    result.why = f"the registry cannot be reached to re-reserve it ({e})"
+                    return result
                 except VmlendError as e:
                     result.lost[dev.fdid] = str(e)
         if result.lost:
@@ -117,9 +122,10 @@ class LostLeaseRecovery:
             try:
                 acquire_device(self._fabric, holder, fdid, mdev, UndoJournal(), guest_ram=guest_ram)
                 return
-            except DeviceFencedError:
+            except (DeviceFencedError, RegistryUnreachableError):
                 # Fenced under our old lease: the lender's agent takes it back within its
                 # scan interval; after that it is ours again unless someone else is faster.
+                # etcd away again: wait for it as long.
                 if self._clock() >= deadline:
                     raise
                 self._sleep(self._interval)
@@ -145,3 +151,27 @@ class LostLeaseRecovery:
                 log.warning("could not remove mdev %s of %s: %s", device.mdev, name, e)
             log.warning("VM %s: hot-unplugged lost device %s", name, format_fdid(fdid))
         read_domain(self._hv.xml(name), strict=False)  # what is left still parses
+
+
+def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
+    """The running VMs here that use a device the registry does not say is theirs: this
+    host's lease ended while its agent was down, so the holds went with it (and another
+    host may hold the device by now). They take the lost-lease path at start-up."""
+    # The domains first, then the holds: a VM listed as running had its prepare hook (which
+    # reserves) done before, so its holds are in any later read.
+    running = [i for i in hv.list_domains() if i.state is DomainState.RUNNING]
+    holders = {st.fdid: st.holder for st in fabric.devices()}
+    out = []
+    for info in running:
+        dom = read_hook_domain(hv.xml(info.name), strict=False)
+        if dom is None:
+            continue
+        holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
+        for dev in dom.devices:
+            if dev.share is not None:  # a queue-level share: the lender's manager holds it
+                continue
+            held = holders.get(dev.fdid)
+            if held is None or not same_holder(held, holder):
+                out.append(info.name)
+                break
+    return out

@@ -19,16 +19,19 @@ from pathlib import Path
 import msgspec
 
 from vmlend.agent.guard import RemoteVmGuard
-from vmlend.agent.lease import LeaseLost, SessionLease, adopt_records
+from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.reconcile import Reconciler, reconcile_host
-from vmlend.agent.recover import LostLeaseRecovery
+from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
+from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.fabric.sim.backend import SimFabric
 from vmlend.hook.server import HookServer
+from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
-from vmlend.registry.etcd_gateway import b64
+from vmlend.registry.etcd_gateway import b64, call_deadline
+from vmlend.release_journal import ReleaseJournal
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +84,69 @@ class Agent:
         )
         previous = self._previous_lease()
         lease = self._take_lease(registry)
-        if cfg.hook_server is not None:
-            # Once the lease file is there: a served prepare attaches the lease to its holds.
-            cfg.hook_server.start()
-        if previous is not None and previous != lease.id:
-            moved = adopt_records(registry.gateway, registry.keys, previous, lease.id)
-            if moved:
-                log.warning(
-                    "took over %d records of this host's previous lease %x", moved, previous
-                )
+        # Every call well inside the TTL: a blackholed endpoint must not hold the loop for
+        # longer than the lease lives (the watch pauses the VMs regardless).
+        registry.gateway.set_timeout(call_deadline(lease.ttl))
         guard = recovery = None
+        hv: Hypervisor | None = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
-            lines = cfg.reconciler(hv, fabric)
-            for line in lines:
-                log.warning("start-up reconcile: %s", line)
-            log.warning("start-up reconcile of %s done (%d line(s))", cfg.node, len(lines))
             guard = RemoteVmGuard(hv, fabric, cfg.node)
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
-        in_doubt = False  # renewing failed for half the TTL: VMs with remote devices paused
-        paused: list[str] = []
+        # From the moment the lease exists, on its own thread: the start-up below and every
+        # registry call after it may block.
+        watch = LeaseWatch(
+            lease.ttl,
+            guard.pause if guard is not None else list,
+            clock=self._clock,
+            tick=min(cfg.interval, lease.ttl / 10),
+        )
+        watch.start()
+        try:
+            return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
+        finally:
+            watch.stop()
+
+    def _serve(
+        self,
+        registry: EtcdRegistry,
+        fabric: SimFabric,
+        lease: SessionLease,
+        previous: int | None,
+        watch: LeaseWatch,
+        guard: RemoteVmGuard | None,
+        recovery: LostLeaseRecovery | None,
+        hv: Hypervisor | None,
+    ) -> int:
+        cfg = self.config
+        if not self._follow_until(registry, lease, [] if previous is None else [previous]):
+            return self._stopped(registry, fabric, lease)
+        journal = ReleaseJournal.for_host(HostEnv.from_env())
+        self._land_releases(journal, fabric)
+        if hv is not None and guard is not None and recovery is not None:
+            # Restarted after the lease ended: the running VMs' holds are gone. The same path
+            # as a lost lease (pause, re-reserve or unplug, resume), before anything else.
+            lost = self._until_reachable(lambda: vms_without_their_holds(hv, fabric))
+            if lost is None:
+                return self._stopped(registry, fabric, lease)
+            if lost:
+                log.error(
+                    "VMs %s run without their holds (this host's lease ended while no agent"
+                    " ran); pausing them to re-reserve their devices",
+                    ", ".join(lost),
+                )
+                recovery.recover(guard.pause_these(lost))
+            lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
+            if lines is None:
+                return self._stopped(registry, fabric, lease)
+            for line in lines:
+                log.warning("start-up reconcile: %s", line)
+            log.warning("start-up reconcile of %s done (%d line(s))", cfg.node, len(lines))
+        if cfg.hook_server is not None:
+            # Last: nothing is served before this host's records are on its current lease and
+            # its running VMs are reconciled with them.
+            cfg.hook_server.start()
         renewed = self._clock()
         next_renew = renewed
         while not self.stop_event.is_set():
@@ -109,35 +154,44 @@ class Agent:
             if now >= next_renew:
                 try:
                     try:
-                        lease.refresh()
+                        self._renew(lease)
                     except StateError as e:
                         log.warning("cannot renew lease %x: %s", lease.id, e)
-                        if now - renewed > lease.ttl:
+                        if self._clock() - renewed > lease.ttl:
                             raise LeaseLost(
                                 f"lease {lease.id:x} not renewed for {lease.ttl} s"
                             ) from None
-                        if not in_doubt and now - renewed > lease.ttl / 2:
-                            in_doubt = True
-                            paused = guard.pause() if guard is not None else []
                     else:
                         renewed = now
-                        if in_doubt:
-                            if guard is not None:
-                                guard.resume(paused)
-                            in_doubt, paused = False, []
+                        # Counted from the answer: etcd restarted the TTL at most one call
+                        # deadline (TTL/4) earlier, so the pause still comes before 3/4 TTL.
+                        resume = watch.renewed()
+                        if guard is not None:
+                            guard.resume(resume)
+                        self._land_releases(journal, fabric)
                 except LeaseLost as e:
+                    paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
                         return 3
                     lease = new_lease
+                    watch.renewed()  # a new lease: the clock starts again
                     if recovery is not None and guard is not None:
                         recovery.recover(guard.paused_after_loss)
-                    in_doubt, paused = False, []
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.
-                next_renew = now + (cfg.interval if in_doubt else lease.ttl / 3)
+                next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)
             self._take_back(fabric)
             self.stop_event.wait(cfg.interval)
+        return self._stopped(registry, fabric, lease)
+
+    def _renew(self, lease: SessionLease) -> None:
+        """One keepalive (a method, so a test can make it block as a partition does)."""
+        lease.refresh()
+
+    def _stopped(self, registry: EtcdRegistry, fabric: SimFabric, lease: SessionLease) -> int:
+        """A clean stop: withdraw and revoke the lease, drop the agent marker."""
+        cfg = self.config
         if cfg.hook_server is not None:
             cfg.hook_server.stop()  # what it accepted still runs under the lease
         hostlease.withdraw(cfg.lease_file, lease.id)
@@ -199,9 +253,48 @@ class Agent:
             # touch devices that may be somebody else's already.
             guard.paused_after_loss = sorted(set(paused) | set(guard.pause()))
         lease = self._retake_lease(registry)
-        if lease is None and guard is not None and guard.paused_after_loss:
-            log.error("VMs %s stay paused", ", ".join(guard.paused_after_loss))
-        return lease
+        if lease is None:
+            if guard is not None and guard.paused_after_loss:
+                log.error("VMs %s stay paused", ", ".join(guard.paused_after_loss))
+            return None
+        # etcd may not have ended the old lease (a returning leader extends it): what is still
+        # on it must move now, or it vanishes later while the VMs run.
+        return lease if self._follow_until(registry, lease, [lost.id]) else None
+
+    def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
+        """``read()``, retried while etcd cannot be reached; None when stopped first."""
+        while True:
+            try:
+                return read()
+            except StateError as e:
+                log.warning("start-up waits for etcd: %s", e)
+                if self.stop_event.wait(self.config.interval):
+                    return None
+
+    def _follow_until(self, registry: EtcdRegistry, lease: SessionLease, known: list[int]) -> bool:
+        """``_follow`` until it lands; False when the agent is stopped first."""
+        while not self._follow(registry, lease, known):
+            if self.stop_event.wait(self.config.interval):
+                return False
+        return True
+
+    def _follow(self, registry: EtcdRegistry, lease: SessionLease, known: list[int]) -> bool:
+        """Holds follow the lease: move this host's records of earlier leases onto ``lease``
+        and revoke those (``lease.follow_lease``). False when etcd could not be reached."""
+        try:
+            moved = follow_lease(registry.gateway, registry.keys, self.config.node, lease.id, known)
+        except StateError as e:
+            log.warning("cannot move this host's records onto lease %x yet: %s", lease.id, e)
+            return False
+        if moved.moved:
+            old = ", ".join(f"{x:x}" for x in moved.old)
+            log.warning(
+                "took over %d records of this host's previous lease(s) %s onto lease %x",
+                moved.moved,
+                old,
+                lease.id,
+            )
+        return True
 
     def _retake_lease(self, registry: EtcdRegistry) -> SessionLease | None:
         """A new lease after the old one was lost, retried until etcd answers; None when the
@@ -213,6 +306,15 @@ class Agent:
                 log.warning("cannot take a new lease yet: %s", e)
                 self.stop_event.wait(self.config.interval)
         return None
+
+    @staticmethod
+    def _land_releases(journal: ReleaseJournal, fabric: SimFabric) -> None:
+        """Retry the releases this host's hooks could not land (etcd was away)."""
+        try:
+            for line in journal.settle(fabric):
+                log.warning("%s", line)
+        except StateError as e:
+            log.warning("pending releases wait: %s", e)
 
     def _take_back(self, fabric: SimFabric) -> None:
         try:

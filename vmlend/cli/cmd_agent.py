@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -60,6 +61,7 @@ def agent_cmd(
     The hook is served on <root>/run/vmlend/hook.sock (the installed hook forwards to it). On
     an SQLite registry the agent only serves the hook: no lease, no fencing scan. Runs in the
     foreground until SIGTERM or SIGINT."""
+    _timestamped()
     on_etcd = obj.registry is not None and obj.registry.startswith(("etcd://", "etcds://"))
     host = HostEnv.from_env(obj.root)
     node = obj.node or host.configured_node()
@@ -128,3 +130,14 @@ def _hook_env(obj: CliContext, node: str | None) -> dict[str, str]:
 
 
 COMMANDS = [agent_cmd]
+
+
+def _timestamped() -> None:
+    """A long-running service's lines say when (UTC, milliseconds): what happened in which
+    order around a lease loss is read from them."""
+    formatter = logging.Formatter(
+        "%(asctime)s.%(msecs)03dZ vmlend: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
+    )
+    formatter.converter = time.gmtime
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO, TextIO
 
-from vmlend.errors import VmlendError
+from vmlend.errors import RegistryUnreachableError, VmlendError
 from vmlend.hook.contract import Action, HookCall, parse_argv
 from vmlend.hook.prefilter import concerns_vmlend
 
@@ -69,7 +69,17 @@ def handle(
     dom = read_hook_domain(xml, strict=action not in (Action.RELEASE, Action.RECONNECT))
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
-    fabric = open_fabric(state_path, node)
+    try:
+        fabric = open_fabric(state_path, node)
+    except RegistryUnreachableError as e:
+        if action is not Action.RELEASE:
+            raise
+        from vmlend.release_journal import pend_unopened
+
+        pending = pend_unopened(dom, node, e, lambda m: actions.record(dom.name, "release", m))
+        if pending is not None:
+            raise pending from e
+        return 0
     ops = HookOps(fabric, actions)
     if action is Action.PREPARE:
         ops.prepare(dom)

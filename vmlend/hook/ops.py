@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from vmlend.domain.info import DomainInfo
-from vmlend.errors import HookError, VmlendError
+from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import Holder, format_fdid
 from vmlend.faults import fault_point
@@ -20,6 +20,7 @@ from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
 from vmlend.messages import plural
 from vmlend.nvme.lending import acquire_share, return_shares
 from vmlend.ops.restore import restore_running
+from vmlend.release_journal import pend_release, settle_own
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class HookOps:
         holder = self.holder(dom)
 
         record = self._recorder(dom, "prepare")
+        settle_own(self.fabric, holder, record)  # a pending release of its last run goes first
 
         journal = UndoJournal()
         for dev in dom.devices:
@@ -83,8 +85,14 @@ class HookOps:
 
         devices = [(d.fdid, d.mdev) for d in dom.devices if d.share is None]
         shared = [d.mdev for d in dom.devices if d.share is not None]
-        failures = return_shares(self.fabric, self.holder(dom), shared, record)
-        failures += return_all(self.fabric, self.holder(dom), devices, record)
+        try:
+            failures = return_shares(self.fabric, self.holder(dom), shared, record)
+            failures += return_all(self.fabric, self.holder(dom), devices, record)
+        except RegistryUnreachableError as e:  # kept on the host; the agent lands it later
+            pending = pend_release(self.holder(dom), devices, shared, e, record)
+            if pending is not None:
+                raise pending from e
+            return
         for f in failures:
             record(f"FAILED: {f}")
         if failures:

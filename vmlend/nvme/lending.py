@@ -12,7 +12,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from uuid import UUID
 
-from vmlend.errors import MdevOwnedError, SharingUnsupportedError, VmlendError
+from vmlend.errors import (
+    MdevOwnedError,
+    RegistryUnreachableError,
+    SharingUnsupportedError,
+    VmlendError,
+)
 from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
 from vmlend.lending import Record, UndoJournal, left_alone
 
@@ -133,12 +138,16 @@ def return_shares(
         try:
             if fabric.remove_mdev(m.uuid):
                 record(f"mdev {m.uuid}: removed")
+        except RegistryUnreachableError:
+            raise  # the whole release is retried later (release_journal)
         except VmlendError as e:
             failures.append(f"mdev {m.uuid}: {e}")
     for fdid in fabric.shares_held(holder):
         try:
             if fabric.release_share(fdid, holder):
                 record(f"share of {format_fdid(fdid)}: returned")
+        except RegistryUnreachableError:
+            raise  # the whole release is retried later (release_journal)
         except VmlendError as e:
             failures.append(f"share of {format_fdid(fdid)}: {e}")
     return failures

@@ -94,6 +94,8 @@ class Views(msgspec.Struct):
     holds: list[DeviceStatus]  # devices held by a VM of this node
     mdevs: list[MdevInfo]  # mdevs on this node
     defined: set[str] = msgspec.field(default_factory=set)  # names of domains that are not running
+    #: devices held by VMs of other nodes (a running VM here may still name one)
+    elsewhere: dict[int, DeviceStatus] = msgspec.field(default_factory=dict)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -110,9 +112,11 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
         hostdevs = frozenset(str(h.uuid) for h in DomainXML(doc.root).mdev_hostdevs())
         holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
         running.append(RunningVm(info.name, holder, dom.devices, hostdevs, dom.memory_bytes or 0))
-    holds = [st for st in fabric.devices() if st.holder is not None and st.holder.node == node]
+    held = [st for st in fabric.devices() if st.holder is not None]
+    holds = [st for st in held if st.holder is not None and st.holder.node == node]
+    elsewhere = {st.fdid: st for st in held if st.holder is not None and st.holder.node != node}
     mdevs = [m for m in fabric.mdevs() if m.node in ("", node)]
-    return Views(node, running, holds, mdevs, defined)
+    return Views(node, running, holds, mdevs, defined, elsewhere)
 
 
 def find_drift(views: Views) -> list[Drift]:
@@ -145,7 +149,8 @@ def find_drift(views: Views) -> list[Drift]:
                     )
                 )
                 continue
-            drift.extend(_running_device_drift(vm, dev, held.get(dev.fdid), present))
+            st = held.get(dev.fdid) or views.elsewhere.get(dev.fdid)
+            drift.extend(_running_device_drift(vm, dev, st, present))
         named = {str(d.mdev) for d in vm.devices}
         for mdev in sorted(vm.hostdevs - named):
             fdid = fdid_of_mdev.get(mdev)
@@ -239,6 +244,22 @@ def _running_device_drift(
                 f"running VM {vm.name!r} uses device {fd} but the state shows no hold for it"
                 " (the state was restored or edited, or the device returned by mistake)",
                 f"reserve {fd} for {vm.name!r} again and make sure mdev {mdev} exists",
+                holder=vm.holder,
+            )
+        ]
+    if st.holder.node != vm.holder.node:  # another host won it (e.g. after this one's lease)
+        return [
+            Drift(
+                DriftKind.HELD_BY_ANOTHER,
+                vm.name,
+                dev.fdid,
+                mdev,
+                f"running VM {vm.name!r} uses device {fd}, which VM {st.holder.vm!r} on host"
+                f" {st.holder.node} holds (this host lost its hold, e.g. with its lease)",
+                f"stop VM {vm.name!r} or hot-unplug the device from it ('vmlend detach"
+                f" {vm.name} {fd} --live'); the hold on {st.holder.node} stays (not fixed here:"
+                " only the operator may stop or change a running VM)",
+                fixable=False,
                 holder=vm.holder,
             )
         ]

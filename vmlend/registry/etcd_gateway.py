@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from vmlend.errors import StateError
+from vmlend.errors import RegistryUnreachableError, StateError
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,26 @@ if TYPE_CHECKING:
 # etcd3gw (and requests under it) is imported only where a gateway is made or used: a host on
 # an SQLite registry - its hook above all, run for every domain operation - never loads it.
 
-_TRANSIENT = ("leader changed", "no leader", "request timed out", "too many requests")
+#: The advice when a cluster misbehaves (Debian's etcd-server has no etcdctl).
+_HEALTH = (
+    "check that a majority of its members run and see each other ('etcdctl endpoint health',"
+    " from Debian's etcd-client package)"
+)
+
+_TRANSIENT = (
+    "leader changed",
+    "no leader",
+    "request timed out",
+    "too many requests",
+    "context deadline exceeded",  # the gateway's own call timed out (a write without quorum)
+)
+
+
+def call_deadline(ttl: float) -> float:
+    """The per-request timeout for a process holding a lease of ``ttl`` seconds: a quarter of
+    it (at most ``REQUEST_TIMEOUT``, at least 0.25 s), so a hung endpoint cannot outlast the
+    lease unnoticed."""
+    return max(0.25, min(REQUEST_TIMEOUT, ttl / 4))
 
 
 def b64(data: str | bytes) -> str:
@@ -90,17 +110,52 @@ class EtcdGateway:
         timeout: float = REQUEST_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
         tls: EtcdTls | None = None,
+        endpoint_file: Path | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
         self._clients = [_client(e, timeout, tls) for e in self.endpoints]
-        self._current = 0
+        self._timeout = timeout
+        #: Where short-lived processes of the host share the endpoint that last answered, so
+        #: a hung member listed first costs one timeout per host, not one per process.
+        self._endpoint_file = endpoint_file
+        self._current = self._remembered()
         self._sleep = sleep
+
+    def _remembered(self) -> int:
+        if self._endpoint_file is None or len(self.endpoints) < 2:
+            return 0
+        try:
+            data = json.loads(self._endpoint_file.read_text())
+            if data.get("endpoints") == self.where:
+                return [str(e) for e in self.endpoints].index(data["good"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return 0
+
+    def _remember(self, index: int) -> None:
+        if self._endpoint_file is None or len(self.endpoints) < 2:
+            return
+        path = self._endpoint_file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            good = str(self.endpoints[index])
+            tmp.write_text(json.dumps({"endpoints": self.where, "good": good}))
+            os.replace(tmp, path)
+        except OSError as e:  # a user without access to the run dir: only slower
+            log.debug("cannot remember the etcd endpoint in %s: %s", path, e)
 
     @property
     def where(self) -> str:
         return ",".join(str(e) for e in self.endpoints)
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bound each HTTP request to an endpoint by ``seconds`` from now on."""
+        self._timeout = seconds
+        for c in self._clients:
+            c.timeout = seconds
 
     def close(self) -> None:
         for c in self._clients:
@@ -110,15 +165,19 @@ class EtcdGateway:
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` on a reachable endpoint; the JSON answer."""
         delay = 0.02
+        start = time.monotonic()
         for attempt in range(TRANSIENT_ATTEMPTS):
             try:
                 return self._call_any(path, body)
             except _Transient as e:
-                if attempt == TRANSIENT_ATTEMPTS - 1:
-                    raise StateError(
-                        f"etcd at {self.where} keeps failing ({e.reason}) after"
-                        f" {TRANSIENT_ATTEMPTS} attempts; check the etcd cluster's health"
-                        " (etcdctl endpoint health) and retry"
+                # A leader change passes in milliseconds; a member that timed out inside raft
+                # (no quorum) would cost a whole timeout per attempt: one is the deadline.
+                if attempt == TRANSIENT_ATTEMPTS - 1 or time.monotonic() - start >= self._timeout:
+                    raise RegistryUnreachableError(
+                        self.where,
+                        f"etcd at {self.where} fails ({e.reason}; {attempt + 1} attempt(s) in"
+                        f" {time.monotonic() - start:.1f} s): no quorum (fewer than a majority"
+                        f" of its members run or see each other); {_HEALTH}, then retry",
                     ) from None
                 log.debug("etcd: %s; retrying", e.reason)
                 self._sleep(delay * (0.5 + random.random()))
@@ -129,6 +188,7 @@ class EtcdGateway:
         from etcd3gw import exceptions as gw_errors
 
         failures = []
+        timed_out = False
         for i in range(len(self._clients)):
             index = (self._current + i) % len(self._clients)
             client = self._clients[index]
@@ -136,14 +196,26 @@ class EtcdGateway:
                 answer = client.post(client.get_url(path), data=json.dumps(body))
             except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError) as e:
                 failures.append(f"{self.endpoints[index]}: {_short(e)}")
+                timed_out |= isinstance(e, gw_errors.ConnectionTimeoutError)
                 continue
             except gw_errors.Etcd3Exception as e:
                 raise _server_error(e, self.where) from None
-            self._current = index
+            if index != self._current:
+                self._current = index
+                self._remember(index)
             return dict(answer)
-        raise StateError(
+        if timed_out:
+            # A member that accepts connections but never answers: it has no quorum (a
+            # request waits for a leader) or it hangs. Starting etcd is not the advice.
+            raise RegistryUnreachableError(
+                self.where,
+                f"etcd at {self.where} does not answer ({'; '.join(failures)}): no quorum, or"
+                f" its members hang; {_HEALTH}, then retry",
+            )
+        raise RegistryUnreachableError(
+            self.where,
             f"cannot reach etcd at {self.where} ({'; '.join(failures)}); start etcd or point"
-            " --registry / VMLEND_REGISTRY at a running cluster"
+            " --registry / VMLEND_REGISTRY at a running cluster",
         )
 
     # --- the calls --------------------------------------------------------------------------

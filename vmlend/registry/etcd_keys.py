@@ -10,6 +10,9 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 - ``nodes/<name>``, ``devices/<fdid>``: only once a node or device differs from what the
   topology says (down, unlent, vanished), so initialising a 1,000-device fabric writes two
   keys instead of exceeding etcd's 128 operations per transaction;
+- ``held-on/<node>/<fdid>``: the index of a node's holds, naming each one's VM;
+  ``held-vm/<node>/<hash of VM name>``: rewritten with every hold the VM gains (a reserve
+  compares it, not the whole index);
 - ``holds/<fdid>``: who holds a device (the record lists its claims' keys); ``fence/<fdid>``:
   written with every hold, without a lease, removed with it by a normal release (so a hold
   that vanished by lease expiry leaves a fence that only the lender's agent removes);
@@ -101,6 +104,16 @@ class Keys:
 
     def held_on(self, node: str, fdid: int) -> str:
         return f"{self.holds_on(node)}{fdid:#x}"
+
+    def vm_holds(self, node: str, vm: str) -> str:
+        """Rewritten with every hold a VM on ``node`` gains (leased): what a reserve compares
+        to know the VM's own set of holds did not grow, instead of the node's whole
+        ``held-on`` index, so reserves of unrelated VMs on one node do not conflict."""
+        digest = hashlib.sha256(vm.encode()).hexdigest()[:24]
+        return f"{self.vm_holds_on(node)}{digest}"
+
+    def vm_holds_on(self, node: str) -> str:
+        return f"{self.base}held-vm/{node}/"
 
     @property
     def claims(self) -> str:

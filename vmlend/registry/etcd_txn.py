@@ -47,6 +47,9 @@ class Snapshot:
         self.revision = 0
         self._keys: dict[str, KeyValue | None] = {}
         self._ranges: dict[str, dict[str, KeyValue]] = {}
+        #: Ranges read without a prefix compare (``loose_range``); a key of one that is read
+        #: through ``get`` is compared on its own.
+        self._loose: dict[str, dict[str, KeyValue]] = {}
 
     def _range(self, key: str, range_end: str | None) -> list[KeyValue]:
         revision, kvs = self._gw.range(key, range_end, self.revision)
@@ -60,6 +63,10 @@ class Snapshot:
         for prefix, kvs in self._ranges.items():
             if key.startswith(prefix):
                 return kvs.get(key)
+        for prefix, kvs in self._loose.items():
+            if key.startswith(prefix):
+                self._keys[key] = kvs.get(key)
+                return self._keys[key]
         kvs = self._range(key, None)
         kv = kvs[0] if kvs else None
         self._keys[key] = kv
@@ -67,19 +74,40 @@ class Snapshot:
 
     def range(self, prefix: str) -> dict[str, KeyValue]:
         if prefix not in self._ranges:
-            self._ranges[prefix] = {kv.key: kv for kv in self._range(prefix, prefix_end(prefix))}
+            loose = self._loose.pop(prefix, None)  # read already: now compared as a prefix
+            self._ranges[prefix] = (
+                loose
+                if loose is not None
+                else {kv.key: kv for kv in self._range(prefix, prefix_end(prefix))}
+            )
         return self._ranges[prefix]
 
-    def prefetch(self, keys: Iterable[str], prefixes: Iterable[str]) -> None:
-        """Read these keys and prefixes now, in one request, into the snapshot: a body that
-        knows what it will read saves one round trip per read."""
+    def loose_range(self, prefix: str) -> dict[str, KeyValue]:
+        """A range at the snapshot's revision that adds no compare: the caller compares what
+        it decides on through other keys."""
+        if prefix in self._ranges:
+            return self._ranges[prefix]
+        if prefix not in self._loose:
+            self._loose[prefix] = {kv.key: kv for kv in self._range(prefix, prefix_end(prefix))}
+        return self._loose[prefix]
+
+    def prefetch(
+        self, keys: Iterable[str], prefixes: Iterable[str], loose: Iterable[str] = ()
+    ) -> None:
+        """Read these keys, prefixes and ``loose`` ranges (see ``loose_range``) now, in one
+        request, into the snapshot: a body that knows what it will read saves one round trip
+        per read."""
         todo_keys = [
             k
             for k in dict.fromkeys(keys)
             if k not in self._keys and not any(k.startswith(p) for p in self._ranges)
         ]
         todo_prefixes = [p for p in dict.fromkeys(prefixes) if p not in self._ranges]
-        ranges = [(k, None) for k in todo_keys] + [(p, prefix_end(p)) for p in todo_prefixes]
+        todo_loose = [
+            p for p in dict.fromkeys(loose) if p not in self._ranges and p not in self._loose
+        ]
+        ranges = [(k, None) for k in todo_keys]
+        ranges += [(p, prefix_end(p)) for p in todo_prefixes + todo_loose]
         if not ranges:
             return
         revision, results = self._gw.read_many(ranges, self.revision)
@@ -87,8 +115,11 @@ class Snapshot:
             self.revision = revision
         for k, kvs in zip(todo_keys, results, strict=False):
             self._keys[k] = kvs[0] if kvs else None
-        for p, kvs in zip(todo_prefixes, results[len(todo_keys) :], strict=False):
+        rest = results[len(todo_keys) :]
+        for p, kvs in zip(todo_prefixes, rest, strict=False):
             self._ranges[p] = {kv.key: kv for kv in kvs}
+        for p, kvs in zip(todo_loose, rest[len(todo_prefixes) :], strict=False):
+            self._loose[p] = {kv.key: kv for kv in kvs}
 
     def compares(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
@@ -163,6 +194,29 @@ class EtcdTxn:
                     out[k] = v
         return out
 
+    def _loose_range(self, prefix: str) -> dict[str, bytes]:
+        """``_range`` without a prefix compare (``Snapshot.loose_range``)."""
+        out = {
+            k: kv.value
+            for k, kv in self._snap.loose_range(prefix).items()
+            if not self._deleted_by_range(k)
+        }
+        for k, v in self._writes.items():
+            if k.startswith(prefix):
+                if v is None:
+                    out.pop(k, None)
+                else:
+                    out[k] = v
+        return out
+
+    def _touch_vm(self, holder: Holder) -> None:
+        """Rewrite the VM's marker as it gains a hold: a concurrent reserve for the same VM
+        (which compares the marker) conflicts; one for another VM does not."""
+        key = self._k.vm_holds(holder.node, holder.vm)
+        raw = self._get(key)
+        n = int(enc.load(raw).get("n", 0)) + 1 if raw is not None else 1
+        self._put(key, enc.dump({"vm": holder.vm, "n": n}), leased=True)
+
     def _put(self, key: str, value: bytes, *, leased: bool = False) -> None:
         """Buffer a put. ``leased``: the record goes with its host (holds, claims, mdevs,
         runtime): a new key gets this host's agent lease, a rewritten one keeps its lease."""
@@ -235,12 +289,13 @@ class EtcdTxn:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
-        prefixes += [self._k.holds_on(n) for n in held_on]
+        # Compared per VM, not as prefixes (``holds_of``): the index and the VMs' markers.
+        loose = [p for n in held_on for p in (self._k.holds_on(n), self._k.vm_holds_on(n))]
         if release_on is not None:
             keys += [self._k.parent(release_on, fdid) for fdid in fdids]
             prefixes += [self._k.runtime_of(fdid) for fdid in fdids]
             prefixes.append(self._k.mdevs_on(release_on))
-        self._snap.prefetch(keys, prefixes)
+        self._snap.prefetch(keys, prefixes, loose)
 
     # --- meta ----------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -413,8 +468,12 @@ class EtcdTxn:
         """Through the per-node index (``Keys.holds_on``), never every hold of the cluster:
         the index of ``holder``'s node names the VM of each hold, and only the holds of this
         VM are fetched (in one request; none when it holds nothing)."""
+        # The node's index without a prefix compare (another VM's hold there changes nothing
+        # decided here). Compared instead: the VM's marker, which every hold it gains
+        # rewrites, and each of its holds (read below), which a release deletes.
+        self._get(self._k.vm_holds(holder.node, holder.vm))
         fdids = []
-        for key, raw in self._range(self._k.holds_on(holder.node)).items():
+        for key, raw in self._loose_range(self._k.holds_on(holder.node)).items():
             d = enc.load(raw)
             other = Holder(holder.node, d.get("vm", ""), d.get("vm_uuid", ""))
             if same_holder(other, holder):
@@ -447,6 +506,7 @@ class EtcdTxn:
         self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys), leased=True)
         who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
         self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
+        self._touch_vm(hold.holder)
         # The fence outlives the hold when the lease ends; the lease id is its token.
         h = hold.holder
         fence = {"fdid": hold.fdid, "node": h.node, "vm": h.vm, "vm_uuid": h.vm_uuid}

@@ -149,8 +149,9 @@ def _parse_etcd(text: str) -> RegistryLocation:
     )
 
 
-def _gateway(loc: RegistryLocation) -> EtcdGateway:
-    """A gateway to ``loc``'s etcd, after checking its TLS files can be read."""
+def _gateway(loc: RegistryLocation, run_dir: Path | None = None) -> EtcdGateway:
+    """A gateway to ``loc``'s etcd, after checking its TLS files can be read. It remembers
+    the endpoint that last answered in ``run_dir`` (default: the host's ``run/vmlend``)."""
     from vmlend.registry.etcd_gateway import EtcdGateway
 
     if loc.tls is not None:
@@ -161,7 +162,8 @@ def _gateway(loc: RegistryLocation) -> EtcdGateway:
                     f"cannot read the etcd TLS file {name}={path}; fix the path in --registry"
                     " / VMLEND_REGISTRY or the file's permissions"
                 )
-    return EtcdGateway(loc.endpoints, tls=loc.tls)
+    remember = (run_dir or HostEnv.from_env().run / "vmlend") / "etcd-endpoint"
+    return EtcdGateway(loc.endpoints, tls=loc.tls, endpoint_file=remember)
 
 
 def open_registry(
@@ -176,7 +178,7 @@ def open_registry(
     from vmlend.registry.etcd_store import EtcdRegistry
 
     path = lease_file or hostlease.lease_path(HostEnv.from_env())
-    gateway = _gateway(loc)
+    gateway = _gateway(loc, path.parent)
     try:
         return EtcdRegistry.open(gateway, loc.cluster, lambda: hostlease.read(path).lease)
     except BaseException:

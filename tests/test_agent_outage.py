@@ -1,0 +1,249 @@
+"""The promise across etcd outages and agent restarts: a device is never used by two running
+VMs. Real etcd (restarted by PID), hosts as separate processes with their own agents and a
+simulated hypervisor whose hooks run as processes of the host."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_hosts import (
+    DB,
+    GPU,
+    NIC,
+    TTL,
+    VMLEND,
+    WEB,
+    Host,
+    check_never_two_holders,
+    domain_xml,
+    history,
+    reserve_code,
+)
+from tests.simfabric import make_fabric
+from vmlend.fabric.model import Holder
+from vmlend.hypervisor.base import DomainState
+from vmlend.registry import parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.etcd_keys import Keys
+
+#: Bounded waits for what an agent does after an event (process start-ups included).
+WAIT = 30.0
+
+
+def _wait_for(what: str, check, host: Host | None = None, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        detail = host.log() if host is not None else ""
+        assert time.monotonic() < deadline, f"{what} never happened\n{detail}"
+        time.sleep(0.1)
+
+
+def _start_agent(host: Host, *extra: str) -> None:
+    log = (host.root / "agent.log").open("ab")
+    host.agent = subprocess.Popen(
+        [VMLEND, "agent", "--ttl", str(TTL), "--interval", "0.2", *extra],
+        env=host.env,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    _wait_for(f"the agent of {host.node} publishing its lease", host.lease_file.exists, host)
+    if "--connect" in extra:  # and done with its start-up: from now on it guards the VMs
+        _wait_for(f"the start-up of {host.node}", lambda: "reconcile of" in host.log(), host)
+
+
+def _lease_alive(gw: EtcdGateway, lease: int) -> bool:
+    answer = gw.call("kv/lease/timetolive", {"ID": lease})
+    return int(answer.get("TTL", -1)) > 0
+
+
+def _hold_lease(gw: EtcdGateway, keys: Keys, fdid: int) -> int | None:
+    _rev, kvs = gw.range(keys.hold(fdid))
+    return kvs[0].lease if kvs else None
+
+
+def _hv(host: Host, url: str):
+    from vmlend.hypervisor.open import open_hypervisor
+
+    hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", host.node]
+    return open_hypervisor(f"sim:///{host.node}", state_dir=host.root, hook_command=hook)
+
+
+@pytest.fixture
+def outage(private_etcd, tmp_path: Path, monkeypatch):
+    url = private_etcd.url("outage")
+    make_fabric(url).close()
+    hosts = {n: Host(url, n, tmp_path / n) for n in ("alpha", "beta", "gamma")}
+    monkeypatch.setenv("VMLEND_ROOT", str(hosts["gamma"].root))
+    yield url, hosts
+    for h in hosts.values():
+        h.stop_agent()
+
+
+@pytest.mark.slow
+def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease(
+    private_etcd, outage
+):
+    """etcd is away for longer than the TTL. gamma's agent gives its lease up and takes a new
+    one when etcd returns, but the returning etcd extended the old lease, so the VM's hold is
+    still on it. The hold must move to the new lease, or it vanishes with the old one while
+    the VM runs (and another host gets the device)."""
+    url, hosts = outage
+    alpha, gamma = hosts["alpha"], hosts["gamma"]
+    _start_agent(alpha)
+    _start_agent(gamma, "--connect", f"sim:///{gamma.node}")
+    old = json.loads(gamma.lease_file.read_text())["lease"]
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.start("web")  # the prepare hook reserves 0x10 under the old lease
+
+    private_etcd.stop()
+    _wait_for("gamma giving its lease up", lambda: "lost its lease" in gamma.log(), gamma)
+    private_etcd.start()
+    _wait_for(
+        "the recovery of web",
+        lambda: "after a new lease: VM web" in gamma.log(),
+        gamma,
+    )
+    new = json.loads(gamma.lease_file.read_text())["lease"]
+    assert new != old
+    loc = parse_location(url)
+    gw, keys = EtcdGateway(loc.endpoints), Keys(loc.cluster)
+    try:
+        # However it ends (revoked at once, or by its TTL), the old lease goes...
+        _wait_for("the old lease ending", lambda: not _lease_alive(gw, old), gamma)
+        # ...and the running VM's hold, and its fence's token, are on the new one.
+        assert _hold_lease(gw, keys, GPU) == new, gamma.log()
+        _rev, [fence] = gw.range(keys.fence(GPU))
+        assert json.loads(fence.value)["token"] == new
+        # ...and so are the hold's claims, its index entry and the VM's mdev record.
+        _rev, kvs = gw.range(keys.base, keys.base[:-1] + "0")
+        claims = [kv for kv in kvs if kv.key.startswith(keys.claims) and f"/{GPU:#x}/" in kv.key]
+        mdevs = [kv for kv in kvs if kv.key.startswith(keys.mdevs_on("gamma"))]
+        index = [kv for kv in kvs if kv.key == keys.held_on("gamma", GPU)]
+        assert claims and mdevs and index
+        assert {kv.lease for kv in claims + mdevs + index} == {new}
+    finally:
+        gw.close()
+    assert hv.lookup("web").state is DomainState.RUNNING
+    assert "VM web: re-reserved 0x10; resumed" in gamma.log()
+    # The agent's lines say when: the order of events around a lease loss is read from them.
+    [lost] = [line for line in gamma.log().splitlines() if "lost its lease" in line]
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z vmlend: agent for gamma", lost), lost
+
+
+@pytest.mark.slow
+def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_returns(
+    private_etcd, outage
+):
+    """The release hook cannot reach etcd: the host keeps the release, the user reads one line
+    saying so, and the agent lands it once etcd is back (no 'reconcile --fix')."""
+    from vmlend.fabric.model import DeviceState
+    from vmlend.fabric.open import open_fabric
+
+    url, hosts = outage
+    gamma = hosts["gamma"]
+    # A TTL well past the outage: the lease lives, so only the journal can free the device.
+    _start_agent(gamma, "--ttl", "30")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.start("web")
+    pending = gamma.root / "var" / "lib" / "vmlend" / "pending-releases"
+
+    private_etcd.stop()
+    r = gamma.vmlend("vm", "destroy", "web", "--connect", "sim:///gamma")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    [line] = r.stderr.splitlines()
+    assert "release of VM 'web' is pending" in line and "retries it" in line, line
+    assert [p.name for p in pending.glob("*.json")] == [f"{WEB.vm_uuid}.json"]
+
+    private_etcd.start()
+    with open_fabric(url, "alpha") as f:
+        _wait_for("0x10 returned", lambda: f.device(GPU).state is DeviceState.AVAILABLE, gamma)
+        assert f.fenced() == []  # returned, not lost with a lease
+    assert list(pending.glob("*.json")) == []
+    assert "pending release of VM 'web'" in gamma.log() and "landed: 0x10" in gamma.log()
+
+
+@pytest.mark.slow
+def test_an_agent_restarted_after_its_lease_ended_pauses_re_reserves_or_unplugs_and_resumes(
+    outage,
+):
+    """gamma's agent is killed with two VMs running and stays down past its TTL: the holds go
+    with the lease and the lenders take the devices back; beta's VM takes the GPU. The
+    restarted agent must not leave web running with a device beta's VM now uses: it pauses
+    both VMs, re-reserves app's NIC, hot-unplugs web's GPU, and resumes them."""
+    from vmlend.domain import read_domain
+    from vmlend.fabric.open import open_fabric
+
+    url, hosts = outage
+    alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
+    app = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")
+    _start_agent(alpha)
+    _start_agent(beta)
+    _start_agent(gamma, "--connect", "sim:///gamma")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.define(domain_xml("app", app.vm_uuid, (NIC,)))
+    hv.start("web")
+    hv.start("app")
+
+    gamma.stop_agent(signal.SIGKILL)
+
+    def beta_took_the_gpu() -> bool:
+        return beta.run(reserve_code(GPU, DB)).returncode == 0  # fenced, then taken back
+
+    _wait_for("beta taking 0x10", beta_took_the_gpu, alpha)
+    with open_fabric(url, "beta") as f:
+        _wait_for("0x20 taken back", lambda: f.fenced() == [], beta)
+    assert hv.lookup("web").state is DomainState.RUNNING  # nobody paused it: no agent ran
+
+    gamma.start_agent("--connect", "sim:///gamma")
+    _wait_for(
+        "the start-up reconcile",
+        lambda: "start-up reconcile of gamma done" in gamma.log().rsplit("up: lease", 1)[-1],
+        gamma,
+    )
+    log = gamma.log().rsplit("up: lease", 1)[-1]
+    assert "VM app: re-reserved 0x20; resumed" in log
+    assert "VM web: re-reserved none; lost 0x10 (" in log
+    assert "hot-unplugged the lost devices and resumed" in log
+    assert hv.lookup("web").state is DomainState.RUNNING
+    assert hv.lookup("app").state is DomainState.RUNNING
+    assert read_domain(hv.xml("web"), strict=False).devices == ()
+    assert b"<hostdev" not in hv.xml("web")
+    with open_fabric(url, "alpha") as f:
+        assert f.device(GPU).holder == DB
+        assert f.device(NIC).holder == app
+    check_never_two_holders(history(url))
+
+
+@pytest.mark.slow
+def test_a_borrower_cut_off_from_etcd_pauses_its_vm_and_runs_it_again_after_the_heal(
+    private_etcd, tmp_path
+):
+    """A silent partition (a blackhole, not a refusal) between gamma and etcd: gamma's agent
+    pauses the VM that uses alpha's device; after the heal the VM runs again with its device
+    (the lease lived, or the agent re-reserved under a new one), and no revision ever shows
+    two holders."""
+    from tests.partition import cut_off_borrower, cut_to_pause
+    from vmlend.fabric.open import open_fabric
+
+    with cut_off_borrower(private_etcd, tmp_path, "cut", ttl=4) as c:
+        cut_to_pause(c)
+        assert "pausing VMs with remote devices" in c.gamma.log()
+        c.proxy.heal()
+        _wait_for("web running again", lambda: c.state() is DomainState.RUNNING, c.gamma)
+        with open_fabric(c.direct_url, "alpha") as f:
+            _wait_for("0x10 held by web", lambda: f.device(GPU).holder == WEB, c.gamma)
+        check_never_two_holders(history(c.direct_url))

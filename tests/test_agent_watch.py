@@ -1,0 +1,122 @@
+"""The guard's own clock: a borrower pauses its VMs with remote devices once half the TTL has
+passed since the last successful renewal, even while the renewal itself hangs (a silent
+partition). Time is an injected monotonic clock the test moves; the agent runs in-process
+against a real etcd, and its keepalive is made to hang."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from tests.cluster_hosts import GPU, WEB, domain_xml
+from tests.simfabric import make_fabric
+from vmlend.agent.lease import SessionLease
+from vmlend.agent.service import Agent, AgentConfig
+from vmlend.agent.watch import LeaseWatch
+from vmlend.fabric.open import open_fabric
+from vmlend.hostenv import HostEnv
+from vmlend.hypervisor.base import DomainState
+from vmlend.hypervisor.sim_hv import SimHypervisor
+from vmlend.registry import hostlease
+
+TTL = 10  # in fake seconds; etcd's own clock never gets near it during the test
+WAIT = 20.0  # bounded real-time waits for another thread to act
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class HangingAgent(Agent):
+    """An agent whose keepalive hangs once ``hang`` is set, as over a blackholed etcd."""
+
+    def __init__(self, config: AgentConfig, clock: FakeClock) -> None:
+        super().__init__(config, clock=clock)
+        self.hang = threading.Event()
+        self.hanging = threading.Event()
+        self.answer = threading.Event()
+
+    def _renew(self, lease: SessionLease) -> None:
+        if self.hang.is_set():
+            self.hanging.set()
+            self.answer.wait(WAIT)
+        super()._renew(lease)
+
+
+def _until(what: str, check) -> None:
+    deadline = time.monotonic() + WAIT
+    while not check():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.02)
+
+
+def test_the_guard_pauses_at_half_the_ttl_while_the_renewal_hangs(
+    etcd_url, tmp_path, monkeypatch, caplog
+):
+    caplog.set_level(logging.WARNING)
+    make_fabric(etcd_url).close()
+    root = tmp_path / "gamma"
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    clock = FakeClock()
+    config = AgentConfig(
+        etcd_url,
+        "gamma",
+        hostlease.lease_path(HostEnv(root)),
+        ttl=TTL,
+        interval=0.05,
+        hypervisor=lambda: hv,
+    )
+    agent = HangingAgent(config, clock)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(agent.run()))
+    thread.start()
+    try:
+        _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
+        with open_fabric(etcd_url, "gamma") as f:
+            f.reserve(GPU, WEB)  # under the agent's lease
+        hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+        hv.start("web")
+
+        agent.hang.set()
+        clock.advance(TTL / 3 + 0.1)  # the next keepalive is due, and hangs
+        _until("the keepalive hanging", agent.hanging.is_set)
+        assert hv.lookup("web").state is DomainState.RUNNING  # not yet half the TTL
+        clock.advance(TTL / 2 - TTL / 3)  # now past TTL/2 since the last good renewal
+        _until("web paused", lambda: hv.lookup("web").state is DomainState.PAUSED)
+
+        agent.hang.clear()
+        agent.answer.set()  # the keepalive answers after all: the lease lived
+        _until("web resumed", lambda: hv.lookup("web").state is DomainState.RUNNING)
+        with open_fabric(etcd_url, "gamma") as f:
+            assert f.device(GPU).holder == WEB
+    finally:
+        agent.answer.set()
+        agent.stop_event.set()
+        thread.join(WAIT)
+    assert result == [0]
+
+
+def test_the_watch_counts_from_the_last_good_renewal_on_its_own_clock():
+    clock = FakeClock()
+    paused: list[list[str]] = []
+    watch = LeaseWatch(4, lambda: paused.append(["web"]) or ["web"], clock=clock)
+    clock.advance(2)
+    assert watch.check() is False  # exactly TTL/2: not yet
+    clock.advance(0.01)
+    assert watch.check() is True and paused == [["web"]]
+    assert watch.check() is False  # once per doubt
+    assert watch.renewed() == ["web"]  # the caller resumes what the watch paused
+    clock.advance(2)
+    assert watch.check() is False  # the clock started again at the renewal

@@ -1,0 +1,92 @@
+"""The borrower's watch over its own lease, on its own thread and its own clock.
+
+The lease is renewed by the agent's loop, and any registry call there may block (a silent
+partition: TCP connections that never answer). Were the pause decided in that loop, a VM with
+remote devices would run on while the loop waits, long after etcd let the lease go and a lender
+gave the device to another host. So the watch measures, on a monotonic clock of its own, the
+time since the last *successful* renewal, and pauses the VMs with remote devices once half the
+TTL has passed, whatever the loop is doing. A later good renewal resumes what it paused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class LeaseWatch:
+    """``pause()`` once ``ttl / 2`` has passed on ``clock`` since the last ``renewed()``;
+    ``renewed()`` hands back the names paused, for the caller to resume."""
+
+    def __init__(
+        self,
+        ttl: float,
+        pause: Callable[[], list[str]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        tick: float = 0.1,
+    ) -> None:
+        self._ttl = ttl
+        self._pause = pause
+        self._clock = clock
+        self._tick = tick
+        # Held while pausing, so a renewal that lands meanwhile resumes what was paused.
+        self._lock = threading.Lock()
+        self._last_ok = clock()
+        self._paused: list[str] = []
+        self.in_doubt = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def renewed(self) -> list[str]:
+        """A renewal succeeded: the clock starts again. The VMs the watch paused."""
+        with self._lock:
+            self._last_ok = self._clock()
+            names, self._paused = self._paused, []
+            self.in_doubt = False
+        return names
+
+    def since_renewal(self) -> float:
+        with self._lock:
+            return self._clock() - self._last_ok
+
+    def check(self) -> bool:
+        """One look: pause when in doubt for the first time. Whether it paused now."""
+        with self._lock:
+            if self.in_doubt or self._clock() - self._last_ok <= self._ttl / 2:
+                return False
+            self.in_doubt = True
+            log.warning(
+                "lease not renewed for %.1f s (half the TTL of %g s): pausing VMs with remote"
+                " devices",
+                self._clock() - self._last_ok,
+                self._ttl,
+            )
+            self._paused = self._pause()
+            return True
+
+    def take_paused(self) -> list[str]:
+        """The VMs paused so far (the lost-lease path takes them over)."""
+        with self._lock:
+            names, self._paused = self._paused, []
+            return names
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lease-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick):
+            try:
+                self.check()
+            except Exception:  # the watch must outlive one bad look (it is all that guards)
+                log.exception("lease watch: a check failed")
