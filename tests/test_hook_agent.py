@@ -217,6 +217,27 @@ def test_prepare_and_release_served_by_the_agent_match_in_process(hosts):
     assert served.actions() == local.actions()
 
 
+def test_the_simulated_hypervisors_hook_is_served_by_the_agent_too(hosts, tmp_path):
+    """``-c sim:///gamma vm start`` runs ``python -m vmlend.hook``, which runs the installed
+    hook's entry: with an agent serving this host, the agent does the prepare and release
+    (every action-log line carries its pid), as for a real libvirtd."""
+    served = hosts["served"]
+    agent = served.start_agent()
+    xml = tmp_path / "vm1.xml"
+    xml.write_bytes(vm_xml(fdids=(0x10,)))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
+        cmd = [VMLEND, "-c", "sim:///gamma", *args]
+        return subprocess.run(cmd, env=served.env, capture_output=True, timeout=120)
+
+    for args in (("vm", "define", str(xml)), ("vm", "start", "vm1"), ("vm", "destroy", "vm1")):
+        done = cli(*args)
+        assert done.returncode == 0, done.stderr
+    pids = served.log_pids()
+    assert pids and set(pids) == {agent}
+    assert served.snapshot() == ({}, set())
+
+
 @pytest.mark.parametrize("op", ["migrate", "restore"])
 def test_migrate_and_restore_return_the_same_rewritten_xml(hosts, op):
     served, local = hosts["served"], hosts["local"]

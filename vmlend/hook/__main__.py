@@ -1,24 +1,25 @@
 """``python -m vmlend.hook [--state PATH] [--registry URL] [--node NODE] DOMAIN OP SUBOP
-EXTRA``: the qemu hook.
+EXTRA``: the qemu hook as the simulated hypervisor runs it (``vmlend.cli.connect``).
 
-The simulated hypervisor runs this as its hook command (``vmlend.cli.connect``), with the state
-path and the node it plays given up front rather than through the environment, so one process
-can drive several simulated nodes. libvirt's own argv follows them unchanged.
+The state path and the node it plays come up front rather than through the environment, so one
+process can drive several simulated nodes; libvirt's own argv follows them unchanged. After
+moving them into this process's environment it runs the installed hook's own entry
+(``entry.main_and_exit``): the same prefilter, forwarding to the host's agent, gc handling and
+exit, so the simulator exercises the path a real libvirtd runs.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import sys
+from collections.abc import MutableMapping
 
-from vmlend.hook.prefilter import concerns_vmlend
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
 
 _OPTIONS = {"--state": STATE_ENV, "--registry": REGISTRY_ENV, "--node": NODE_ENV}
 
 
-def split_options(argv: list[str], environ: dict[str, str]) -> list[str]:
+def split_options(argv: list[str], environ: MutableMapping[str, str]) -> list[str]:
     """Move leading ``--state``/``--registry``/``--node`` options into ``environ``; return
     libvirt's argv."""
     rest = list(argv)
@@ -28,16 +29,12 @@ def split_options(argv: list[str], environ: dict[str, str]) -> list[str]:
     return rest
 
 
-def main() -> int:
-    env = dict(os.environ)
-    argv = split_options(sys.argv[1:], env)
-    xml = sys.stdin.buffer.read()  # drained first, as libvirt's hook must (see entry.py)
-    if not concerns_vmlend(argv, xml):
-        return 0
-    from vmlend.hook.main import run
+def main() -> None:
+    argv = split_options(sys.argv[1:], os.environ)  # this process's own environment
+    from vmlend.hook.entry import main_and_exit
 
-    return run(argv, stdin=io.BytesIO(xml), environ=env)
+    main_and_exit(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

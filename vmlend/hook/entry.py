@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     # Drain stdin before anything can fail: libvirt writes the whole XML and must not see a
     # broken pipe.
     xml = sys.stdin.buffer.read()
@@ -42,12 +42,13 @@ def main() -> int:
     return run(argv, stdin=io.BytesIO(xml))
 
 
-def main_and_exit() -> NoReturn:
-    """The installed script's body: ``main()``, then end the process without tearing the
-    interpreter down. Freeing every module and object the fabric imported is work nobody
-    needs (~10-30 ms, measured): the hook's files are written with unbuffered ``os.write``,
-    its state commits are durable when they return, and stdout/stderr are flushed here."""
-    code = main()
+def main_and_exit(argv: list[str] | None = None) -> NoReturn:
+    """The installed script's body (and ``python -m vmlend.hook``'s): ``main()``, then end the
+    process without tearing the interpreter down. Freeing every module and object the fabric
+    imported is work nobody needs (~10-30 ms, measured): the hook's files are written with
+    unbuffered ``os.write``, its state commits are durable when they return, and stdout/stderr
+    are flushed here."""
+    code = main(argv)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
