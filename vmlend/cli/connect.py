@@ -7,6 +7,7 @@ runs the hook installed with ``vmlend hook install``). The fabric is then seen f
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -16,10 +17,13 @@ from typing import Any
 import click
 
 from vmlend.cli.context import CliContext
+from vmlend.errors import UnknownNodeError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import open_fabric
 from vmlend.hypervisor import Hypervisor, open_hypervisor
 from vmlend.hypervisor.open import sim_node
+
+log = logging.getLogger(__name__)
 
 
 def connect_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,6 +43,19 @@ def hook_command(state_path: Path | str, node: str) -> list[str]:
     return [sys.executable, "-m", "vmlend.hook", option, str(state_path), "--node", node]
 
 
+def _require_fabric_node(obj: CliContext, node: str) -> None:
+    """A simulated node is a node of the fabric: every command refuses one that is not
+    (``UnknownNodeError``), not only those that open the fabric themselves. When the fabric
+    cannot be read now (no state yet, the registry unreachable) the commands that need it say
+    so themselves; one that does not (a VM stopped while etcd is away) goes on."""
+    try:
+        open_fabric(obj.location, node, root=obj.root).close()
+    except UnknownNodeError:
+        raise
+    except VmlendError as e:
+        log.debug("could not check node %s against the fabric: %s", node, e)
+
+
 def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hypervisor:
     """The hypervisor at ``uri`` (None: ``LIBVIRT_DEFAULT_URI`` or libvirt's default). A libvirt
     host is the fabric node ``node`` (default ``--node``, else the state's local node); a
@@ -46,9 +63,7 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     uri = uri or obj.uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
     simulated = sim_node(uri) if uri else None
     if simulated:
-        # a simulated node is a node of the fabric: every command refuses one that is not
-        # (UnknownNodeError), not only those that open the fabric themselves
-        open_fabric(obj.location, simulated, root=obj.root).close()
+        _require_fabric_node(obj, simulated)
     hook = hook_command(obj.location, simulated) if simulated else None
     node = node or (None if simulated else obj.node)
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
