@@ -237,12 +237,38 @@ def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(
         assert fabric.topology() == parse_topology(text, source)
         assert fabric.device(0x10).spec.fdid == 0x10
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
-        assert tx.meta("schema_version") == "3"
+        assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
         assert tx.topology().compiled is None
     assert init_fabric(path, text, source, node="gamma").action == "unchanged"
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
         rec = tx.topology()
     assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+
+
+def test_a_version_3_state_learns_hold_tokens_and_every_new_hold_gets_a_larger_one(
+    tmp_path, monkeypatch
+):
+    from vmlend.fabric.model import Holder
+    from vmlend.registry import HoldRecord, Phase
+
+    path = tmp_path / "v3.db"
+    with older_vmlend(monkeypatch, 3):
+        init_fabric(path, *default_topology_text(), node="gamma")
+        with SqliteRegistry.open(path) as reg, reg.write() as tx:
+            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+    with SqliteRegistry.open(path) as reg:
+        with reg.read() as tx:
+            assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
+            assert tx.hold(0x10).token == 0  # made before tokens: not checked
+        tokens = []
+        for vm in ("a", "b", "c"):
+            with reg.write() as tx:
+                tx.add_hold(HoldRecord(0x11, Holder("gamma", vm), 0.0, Phase.RESERVED), [])
+            with reg.read() as tx:
+                tokens.append(tx.hold(0x11).token)
+            with reg.write() as tx:
+                tx.delete_hold(0x11)
+        assert tokens == sorted(tokens) and len(set(tokens)) == 3 and tokens[0] > 0
 
 
 def test_a_write_waits_then_fails_clearly_when_locked(made):

@@ -51,3 +51,17 @@ def test_the_interrupt_window_is_a_claim_of_the_hold_on_both_backends(fabric):
     assert fabric.release(NVME, VM1)
     assert fabric.interrupt_window(NVME) is None
     assert claims_of(fabric, ClaimKind.DMA) == []
+
+
+def test_every_new_hold_gets_a_larger_fencing_token_on_both_backends(fabric):
+    """The token orders holds (etcd: the hold key's creation revision; SQLite: a counter):
+    a later hold of the same device, or of any device, has a larger one."""
+    vm1, vm2 = Holder("gamma", "vm1"), Holder("gamma", "vm2")
+    tokens = []
+    for holder, fdid in ((vm1, 0x10), (vm2, 0x10), (vm1, 0x20)):
+        fabric.reserve(fdid, holder)
+        tokens.append(fabric.holds()[fdid].token)
+        assert fabric.holds()[fdid].token == tokens[-1]  # stable while the hold lives
+        if fdid == 0x10:
+            assert fabric.release(fdid, holder)
+    assert tokens[0] > 0 and tokens == sorted(tokens) and len(set(tokens)) == 3

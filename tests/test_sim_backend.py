@@ -447,12 +447,12 @@ class FakeHardware:
         self.revoked: list[tuple[int, str | None, str | None]] = []
         self.refuse: Exception | None = None
 
-    def borrow(self, fdid, node, vm):
+    def borrow(self, fdid, node, vm, *, token=0):
         if self.refuse:
             raise self.refuse
         self.borrowed[fdid] = (node, vm)
 
-    def give_back(self, fdid, node=None, vm=None):
+    def give_back(self, fdid, node=None, vm=None, *, token=0):
         return self.borrowed.pop(fdid, None) is not None
 
     def revoke(self, fdid, node=None, vm=None):
@@ -520,11 +520,11 @@ class CountingHardware(FakeHardware):
         super().__init__()
         self.calls: list[str] = []
 
-    def borrow(self, fdid, node, vm):
+    def borrow(self, fdid, node, vm, *, token=0):
         self.calls.append("borrow")
         super().borrow(fdid, node, vm)
 
-    def give_back(self, fdid, node=None, vm=None):
+    def give_back(self, fdid, node=None, vm=None, *, token=0):
         self.calls.append("give_back")
         return super().give_back(fdid, node, vm)
 
@@ -555,7 +555,7 @@ def test_a_borrow_that_cannot_be_recorded_gives_the_hardware_back(tmp_path):
     other = SimFabric(SqliteRegistry.open(tmp_path / "s.db"))
 
     class ReleasedMeanwhile(FakeHardware):
-        def borrow(self, fdid, node, vm):
+        def borrow(self, fdid, node, vm, *, token=0):
             super().borrow(fdid, node, vm)
             other.release(fdid, VM1)  # the hold ends between the intent and the record
 

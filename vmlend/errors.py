@@ -87,6 +87,20 @@ class BorrowTeardownError(FabricError):
         )
 
 
+class StaleTokenError(FabricError):
+    """A step on a device for a hold older than the one the device last served (the fencing
+    token check): the hold it was made for has ended and a newer holder took the device."""
+
+    def __init__(self, fdid: int, token: int, current: int, what: str) -> None:
+        self.fdid = fdid
+        self.token = token
+        self.current = current
+        super().__init__(
+            f"device {fdid:#x}: {what} for an ended hold (fencing token {token}) refused: the"
+            f" device has since served a newer hold (token {current}); nothing was changed"
+        )
+
+
 class DeviceRevokedError(FabricError):
     """A VM's device was taken from it (lender reclaim, a release or give-back behind its
     back): its mdev and config space are dead for that VM, as after a surprise removal."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from vmlend.errors import StateError
 from vmlend.fabric.model import Holder
 from vmlend.registry import etcd_keys as enc
@@ -459,9 +461,9 @@ class EtcdTxn:
     # --- holds and claims ------------------------------------------------------------------
     def holds(self) -> dict[int, HoldRecord]:
         out = {}
-        for raw in self._range(self._k.holds).values():
+        for key, raw in self._range(self._k.holds).items():
             hold = enc.hold_from_dict(enc.load(raw))
-            out[hold.fdid] = hold
+            out[hold.fdid] = msgspec.structs.replace(hold, token=self._created(key))
         return out
 
     def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
@@ -492,7 +494,19 @@ class EtcdTxn:
 
     def hold(self, fdid: int) -> HoldRecord | None:
         d = self._hold_dict(fdid)
-        return None if d is None else enc.hold_from_dict(d)
+        if d is None:
+            return None
+        return msgspec.structs.replace(
+            enc.hold_from_dict(d), token=self._created(self._k.hold(fdid))
+        )
+
+    def _created(self, key: str) -> int:
+        """``key``'s creation revision as this transaction read it (0: written by it): the
+        fencing token of a hold and of the fence it leaves (both made in one Txn)."""
+        if key in self._writes:
+            return 0
+        kv = self._snap.get(key)
+        return 0 if kv is None else kv.create_revision
 
     def add_hold(self, hold: HoldRecord, claims: Iterable[Claim]) -> None:
         self._write()
@@ -507,7 +521,9 @@ class EtcdTxn:
         who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
         self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
         self._touch_vm(hold.holder)
-        # The fence outlives the hold when the lease ends; the lease id is its token.
+        # The fence outlives the hold when the lease ends. Written in the hold's Txn, its key's
+        # creation revision is the hold's: its fencing token. Its "token" field keeps the lease
+        # the hold was under (what the agent moves when the host's lease changes).
         h = hold.holder
         fence = {"fdid": hold.fdid, "node": h.node, "vm": h.vm, "vm_uuid": h.vm_uuid}
         self._put(self._k.fence(hold.fdid), enc.dump({**fence, "token": self.lease()}))
@@ -569,19 +585,19 @@ class EtcdTxn:
             if keep != old:
                 self._put(self._k.hold(fdid), enc.dump({**d, "claims": keep}), leased=True)
 
-    @staticmethod
-    def _fence_from(raw: bytes) -> FenceRecord:
+    def _fence_from(self, key: str, raw: bytes) -> FenceRecord:
         d = enc.load(raw)
         holder = Holder(node=d["node"], vm=d["vm"], vm_uuid=d.get("vm_uuid", ""))
-        return FenceRecord(int(d["fdid"]), holder, int(d.get("token", 0)))
+        return FenceRecord(int(d["fdid"]), holder, self._created(key))
 
     def fence(self, fdid: int) -> FenceRecord | None:
-        raw = self._get(self._k.fence(fdid))
-        return None if raw is None else self._fence_from(raw)
+        key = self._k.fence(fdid)
+        raw = self._get(key)
+        return None if raw is None else self._fence_from(key, raw)
 
     def fences(self) -> list[FenceRecord]:
         return sorted(
-            (self._fence_from(raw) for raw in self._range(self._k.fences).values()),
+            (self._fence_from(k, raw) for k, raw in self._range(self._k.fences).items()),
             key=lambda f: f.fdid,
         )
 

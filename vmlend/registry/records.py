@@ -53,12 +53,18 @@ class HoldRecord(msgspec.Struct, frozen=True):
     since: float
     phase: Phase
     guest_ram: int = 0
+    #: The hold's fencing token: larger for every newer hold of any device, so the device's
+    #: side can refuse a step made for a hold older than the one it last served (etcd: the
+    #: hold key's creation revision; SQLite: a counter of the state). 0: not known yet (a
+    #: hold written in the transaction that reads it).
+    token: int = 0
 
 
 class FenceRecord(msgspec.Struct, frozen=True):
     """Left by every hold on a cluster registry and removed with it by a normal release. A
     fence whose hold vanished (its host's lease ended) keeps the device from being borrowed
-    until the lender's agent has taken it back. ``token``: the lease the hold was under."""
+    until the lender's agent has taken it back. ``token``: the fencing token of the hold it
+    was left by (``HoldRecord.token``)."""
 
     fdid: int
     holder: Holder

@@ -10,7 +10,7 @@ from __future__ import annotations
 APPLICATION_ID = 0x766D4C64
 
 #: The schema version this code writes (stored in ``meta``).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: The version of the etcd layout (``etcd_keys``), in its ``meta/schema_version`` key. It was
 #: SQLite's until version 2; SQLite's version 3 adds a column, while etcd's topology record only
@@ -119,9 +119,19 @@ MIGRATE_V2_V3 = ("ALTER TABLE topology ADD COLUMN compiled BLOB",)
 #: without it rather than refused (read-only commands keep working on a read-only state).
 COMPILED_SINCE = 3
 
+#: Version 4: each hold's fencing token (``HoldRecord.token``), from a counter of the state
+#: (``meta.hold_token``), so the device's side can refuse a step made for an older hold.
+#: Holds made before it have token 0 (not checked).
+MIGRATE_V3_V4 = (
+    "ALTER TABLE holds ADD COLUMN token INTEGER NOT NULL DEFAULT 0",
+    "INSERT OR IGNORE INTO meta (key, value) VALUES ('hold_token', '0')",
+)
+#: The first version with that column (a read-only older state is read without it).
+TOKEN_SINCE = 4
+
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
 #: created as version 1 and brought forward by the same steps, so both paths give one schema.
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: MIGRATE_V1_V2, 2: MIGRATE_V2_V3}
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: MIGRATE_V1_V2, 2: MIGRATE_V2_V3, 3: MIGRATE_V3_V4}
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.
 TABLES = frozenset(

@@ -39,6 +39,7 @@ from vmlend.registry.schema import (
     SCHEMA_V1,
     SCHEMA_VERSION,
     TABLES,
+    TOKEN_SINCE,
 )
 from vmlend.registry.txn import StateTxn
 
@@ -138,6 +139,7 @@ class Registry:
         self.read_only = read_only
         #: Whether the topology table has the compiled column (``_migrate``).
         self._has_compiled = True
+        self._has_token = True
 
     # --- opening -----------------------------------------------------------------------
     @classmethod
@@ -296,7 +298,7 @@ class Registry:
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
         try:
-            yield StateTxn(self._conn, writable, self._has_compiled)
+            yield StateTxn(self._conn, writable, self._has_compiled, self._has_token)
         except sqlite3.Error as e:
             self._conn.rollback()
             raise self._sqlite_error(e) from None
@@ -319,11 +321,14 @@ class Registry:
         with self.read() as tx:
             version = _schema_version(tx, self.path)
         if version == SCHEMA_VERSION:
+            self._has_token = version >= TOKEN_SINCE  # False only as an older vmlend
             return
-        if version == COMPILED_SINCE - 1 and self.read_only is not None:
-            # Version 3 only adds the compiled topology, a cache of the text: a state this
-            # process may not write is read as it is (its topology parsed), not refused.
-            self._has_compiled = False
+        if version >= COMPILED_SINCE - 1 and self.read_only is not None:
+            # Versions 3 and 4 only add the compiled topology (a cache of the text) and hold
+            # tokens (0 when not known): a state this process may not write is read as it is
+            # (its topology parsed, its tokens 0), not refused.
+            self._has_compiled = version >= COMPILED_SINCE
+            self._has_token = version >= TOKEN_SINCE
             return
         with self.write() as tx:
             version = _schema_version(tx, self.path)  # another process may have migrated

@@ -53,12 +53,20 @@ def _key(value: object) -> str:
 
 
 class StateTxn:
-    def __init__(self, conn: sqlite3.Connection, writable: bool, has_compiled: bool = True) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        writable: bool,
+        has_compiled: bool = True,
+        has_token: bool = True,
+    ) -> None:
         self._c = conn
         self.writable = writable
         #: False for a schema-2 file opened read-only: it has no compiled column (the
         #: migration that adds it needs a write), so its topology is parsed from the text.
         self._has_compiled = has_compiled
+        self._has_token = has_token
+        self._hold_cols = self._HOLD_COLS + (", token" if has_token else ", 0")
 
     def _write(self) -> None:
         if not self.writable:
@@ -187,34 +195,44 @@ class StateTxn:
             "since": r[4],
             "phase": r[5],
             "guest_ram": r[6],
+            "token": r[7],
         }
         return decoded("hold", _key(r[0]), HoldRecord, fields)
 
     def holds(self) -> dict[int, HoldRecord]:
-        rows = self._c.execute(f"SELECT {self._HOLD_COLS} FROM holds").fetchall()
+        rows = self._c.execute(f"SELECT {self._hold_cols} FROM holds").fetchall()
         return {r[0]: self._hold(r) for r in rows}
 
     def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
         """The holds of ``holder``'s VM (``same_holder``)."""
         rows = self._c.execute(
-            f"SELECT {self._HOLD_COLS} FROM holds WHERE node = ?", (holder.node,)
+            f"SELECT {self._hold_cols} FROM holds WHERE node = ?", (holder.node,)
         ).fetchall()
         holds = (self._hold(r) for r in rows)
         return {h.fdid: h for h in holds if same_holder(h.holder, holder)}
 
     def hold(self, fdid: int) -> HoldRecord | None:
         r = self._c.execute(
-            f"SELECT {self._HOLD_COLS} FROM holds WHERE fdid = ?", (fdid,)
+            f"SELECT {self._hold_cols} FROM holds WHERE fdid = ?", (fdid,)
         ).fetchone()
         return None if r is None else self._hold(r)
 
     def add_hold(self, hold: HoldRecord, claims: Iterable[Claim]) -> None:
         self._write()
         h = hold.holder
-        self._c.execute(
-            f"INSERT INTO holds ({self._HOLD_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (hold.fdid, h.node, h.vm, h.vm_uuid, hold.since, hold.phase.value, hold.guest_ram),
-        )
+        row = (hold.fdid, h.node, h.vm, h.vm_uuid, hold.since, hold.phase.value, hold.guest_ram)
+        if self._has_token:
+            # every new hold gets the next fencing token of this state (the write lock is held)
+            token = int(self.meta("hold_token") or 0) + 1
+            self.set_meta("hold_token", str(token))
+            self._c.execute(
+                f"INSERT INTO holds ({self._HOLD_COLS}, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (*row, token),
+            )
+        else:
+            self._c.execute(
+                f"INSERT INTO holds ({self._HOLD_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)", row
+            )
         self._c.executemany(
             "INSERT INTO claims (fdid, adapter, kind, share, entries, segments, bytes)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",

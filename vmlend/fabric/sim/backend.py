@@ -27,6 +27,7 @@ from vmlend.errors import (
     LenderUnavailableError,
     MdevError,
     MdevOwnedError,
+    StaleTokenError,
     VmlendError,
 )
 from vmlend.fabric.admission import (
@@ -103,9 +104,11 @@ def _uuid(text: str) -> str:
 class BorrowHardware(Protocol):
     """The hardware half of the deferred borrow (the simulator's ``SimHardware``)."""
 
-    def borrow(self, fdid: int, node: str, vm: str) -> object: ...
+    def borrow(self, fdid: int, node: str, vm: str, *, token: int = 0) -> object: ...
 
-    def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool: ...
+    def give_back(
+        self, fdid: int, node: str | None = None, vm: str | None = None, *, token: int = 0
+    ) -> bool: ...
 
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
 
@@ -249,7 +252,11 @@ class SimFabric(SimShareOps):
         its simulated hardware back), then drop the fence, which makes it borrowable again.
         False when a new hold appeared meanwhile (then it is not ours to touch)."""
         if self._hw is not None:
-            self._hw.give_back(fence.fdid)
+            try:  # the fence's token: a late take-back never touches a newer holder's device
+                self._hw.give_back(fence.fdid, token=fence.token)
+            except StaleTokenError as e:
+                log.warning("%s", e)
+                return False
         cleared = self._reg.transact(lambda tx: tx.clear_fence(fence.fdid))
         if cleared:
             log.warning(
@@ -482,7 +489,7 @@ class SimFabric(SimShareOps):
             # whatever the recorded phase: this process's hardware may still have it borrowed;
             # no phase to record, the hold goes below. The VM's open mdev is cut with the hold
             # even when nothing was borrowed (the hand-over rule, docs/simulator.md).
-            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
             self._hw.revoke(fdid, hold.holder.node, hold.holder.vm)
 
         def body(tx: StateTxn) -> bool:
@@ -558,7 +565,8 @@ class SimFabric(SimShareOps):
         if self._hw is not None:
             # Every call, not only the first: another process may have recorded the borrow,
             # and this process's hardware must follow. Idempotent for the same VM.
-            self._hw.borrow(fdid, hold.holder.node, hold.holder.vm)
+            # The hold's fencing token goes with it: the device refuses an older hold's step.
+            self._hw.borrow(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
 
         def record(tx: StateTxn) -> DeviceStatus:
             spec, _hold = self._may_borrow(tx, fdid, holder)
@@ -569,7 +577,7 @@ class SimFabric(SimShareOps):
             return self._reg.transact(record)
         except BaseException:
             if fresh and self._hw is not None:
-                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
             raise
 
     def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:
@@ -579,7 +587,7 @@ class SimFabric(SimShareOps):
             if hold is not None and not same_holder(hold.holder, holder):
                 raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
         if hold is not None and self._hw is not None:
-            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm)
+            self._hw.give_back(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
 
         def record(tx: StateTxn) -> DeviceStatus:
             spec = self._topology(tx).device(fdid)
@@ -600,7 +608,7 @@ class SimFabric(SimShareOps):
         device is fenced) and leaves the hold as it was. Then the phase, if the hold is still
         the same one."""
         if self._hw is not None:
-            self._hw.give_back(hold.fdid, hold.holder.node, hold.holder.vm)
+            self._hw.give_back(hold.fdid, hold.holder.node, hold.holder.vm, token=hold.token)
         if hold.phase is not Phase.BORROWED:
             return  # nothing to record
 

@@ -22,6 +22,7 @@ from vmlend.errors import (
     FabricError,
     MdevError,
     NoPathError,
+    StaleTokenError,
     UnknownDeviceError,
     UnknownNodeError,
 )
@@ -157,6 +158,8 @@ class SimHardware:
         self._borrow_end: list[BorrowEndSubscriber] = []
         self._fenced: dict[int, str] = {}  # fdid -> why its last teardown failed
         self._open: dict[str, OpenMdev] = {}  # mdev UUID -> the VM that has it open
+        #: fdid -> the newest hold's fencing token a step on the device carried (0: none yet)
+        self._tokens: dict[int, int] = {}
         self._config_audit: deque[ConfigWrite] = deque(maxlen=CONFIG_AUDIT)
         self._share_wiring: list[ShareWiring] = []
         #: Borrow ends whose owners left lender mappings behind (the fallback had to clean
@@ -329,14 +332,32 @@ class SimHardware:
     def borrows(self) -> list[Borrow]:
         return [self._borrows[f] for f in sorted(self._borrows)]
 
-    def borrow(self, fdid: int, node: str, vm: str) -> Borrow:
+    def token(self, fdid: int) -> int:
+        """The newest fencing token a step on ``fdid`` carried (0: none)."""
+        self.device(fdid)
+        return self._tokens.get(fdid, 0)
+
+    def _check_token(self, fdid: int, token: int, what: str) -> None:
+        """The lender side of fencing: a step made for a hold older than one the device has
+        already served is refused; a newer token becomes the device's. 0: no hold behind the
+        step (the hardware used directly), nothing to check."""
+        current = self._tokens.get(fdid, 0)
+        if token and token < current:
+            raise StaleTokenError(fdid, token, current, what)
+        if token > current:
+            self._tokens[fdid] = token
+
+    def borrow(self, fdid: int, node: str, vm: str, *, token: int = 0) -> Borrow:
         """Take exclusive control of ``fdid`` for ``vm`` on ``node``: a LUT entry for the
         device's requester id on the lender's adapter, one on the borrower's adapter for the
         device's borrower-side identity, and the crossing's requester attached to the VM's
         domain on ``node``. Idempotent for the same VM; ``DeviceHeldError`` for another;
-        ``ResourceExhaustedError`` (nothing changed) when a LUT is full."""
+        ``ResourceExhaustedError`` (nothing changed) when a LUT is full; ``StaleTokenError``
+        (nothing changed) when ``token``, the fencing token of the hold it is made for, is
+        older than one the device has served."""
         dev = self.device(fdid)
         self.node(node)
+        self._check_token(fdid, token, "a borrow")
         current = self._borrows.get(fdid)
         if current is not None:
             if (current.node, current.vm) == (node, vm):
@@ -461,16 +482,21 @@ class SimHardware:
         self.device(fdid)
         return self._fenced.get(fdid)
 
-    def give_back(self, fdid: int, node: str | None = None, vm: str | None = None) -> bool:
+    def give_back(
+        self, fdid: int, node: str | None = None, vm: str | None = None, *, token: int = 0
+    ) -> bool:
         """End the borrow of ``fdid``: every borrow-end subscriber removes what it mapped for
         or towards the device, then the hardware undoes ``borrow`` and resets the device (the
         next user gets it clean). False when it was not borrowed; ``DeviceHeldError`` when
-        ``node``/``vm`` name someone else.
+        ``node``/``vm`` name someone else; ``StaleTokenError`` (nothing changed) when
+        ``token`` is older than one the device has served (a late take-back, say).
 
         A subscriber's error is raised as ``BorrowTeardownError`` after every other subscriber
         ran; the borrow then stays (nobody else can take the device) and the device is fenced:
         it neither masters nor decodes until a retried ``give_back`` succeeds."""
         dev = self.device(fdid)
+        if token and token < self._tokens.get(fdid, 0):  # a late step of an ended hold
+            raise StaleTokenError(fdid, token, self._tokens[fdid], "a give-back")
         current = self._borrows.get(fdid)
         if current is None:
             return False
