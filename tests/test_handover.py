@@ -14,7 +14,7 @@ import pytest
 from tests.nvme_guest import VmBar0, guest_driver, share_xml
 from tests.test_simvm import Cluster, domain_xml
 from vmlend.errors import FabricError, MdevError, VmlendError
-from vmlend.fabric.model import GiB
+from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.sim.hardware import Borrow, OpenMdev
 from vmlend.fabric.sim.invariants import check_hardware, registry_grants
 from vmlend.fabric.sim.nvmedrive import drive_geometry
@@ -272,3 +272,114 @@ def test_checker_reports_mappings_left_for_the_hardwares_fallback(cluster):
     assert hw.lender_domain(GPU).mappings() == []  # the fallback still cleans up
     (v,) = check_hardware(hw)
     assert v.kind == "teardown" and "1 lender mappings nobody removed" in v.detail
+
+
+# --- what a review of the hand-over found (each failed before its fix) ------------------------
+
+
+def test_no_share_opens_on_a_drive_whose_manager_lost_it(shared):
+    """The lender down and up: the drive's manager lost it. A VM whose prepare still got a
+    share (the registry keeps the manager's hold) must not open it on the dead drive, or its
+    RAM stays mapped for whoever borrows the drive next."""
+    c, drive = shared
+    c.fabric().set_node_up("alpha", False, "lost power")
+    c.fabric().set_node_up("alpha", True)
+    assert drive.ended is not None
+    xb = share_xml("sb")
+    c.prepare(xb, "beta")
+    with pytest.raises(FabricError, match="not served by its manager"):
+        SimVm(xb, hardware=c.hw, fabric=c.fabric("beta"), nvme={NVME: drive})
+    c.release(xb, "beta")
+    assert c.hw.lender_domain(NVME).mappings() == []
+    c.fabric("alpha").reclaim(NVME)
+    vc = c.start(domain_xml("c", 1 * GiB, fdids=(NVME,)), "gamma")
+    vc.enable_device(NVME)
+    no_violations(c)
+    vc.stop()
+
+
+def test_the_old_vm_cannot_make_the_device_do_dma_after_it_moved(cluster):
+    a, b = _hand_over(cluster, "release-after-crash")
+    b.guest.write(0x1000, b"b's data")
+    with pytest.raises(VmlendError, match=r"no longer|held by"):
+        a.dma_write(GPU, 0x1000, b"from a")
+    with pytest.raises(VmlendError):
+        a.dma_read(GPU, 0x1000, 8)
+    assert b.guest.read(0x1000, 8) == b"b's data"
+    assert b.dma_read(GPU, 0x1000, 8) == b"b's data"
+    a.stop()
+    b.stop()
+
+
+def test_a_borrow_that_could_not_be_recorded_leaves_the_vm_its_device(cluster, monkeypatch):
+    """The hardware borrow is undone when its record fails (the registry briefly away), but
+    the hold is still the VM's: the next enable works, nothing was revoked."""
+    from vmlend.errors import StateError
+
+    vm = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    fabric = cluster.fabric()
+    real, calls = fabric.registry.transact, []
+
+    def flaky(body):
+        calls.append(body)
+        if len(calls) == 1:
+            raise StateError("the registry is briefly away")
+        return real(body)
+
+    monkeypatch.setattr(fabric.registry, "transact", flaky)
+    with pytest.raises(VmlendError):
+        vm.enable_device(GPU)
+    assert cluster.hw.borrowed(GPU) is None and not vm.session(GPU).revoked
+    vm.enable_device(GPU)
+    assert vm.session(GPU).borrowed and vm.session(GPU).dma_active
+    vm.stop()
+
+
+def test_a_failing_revocation_still_resets_the_device_and_cuts_the_others(cluster):
+    hw = cluster.hw
+    hw.borrow(GPU, "gamma", "a")
+    cut: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("the VM's QEMU did not answer")
+
+    hw.open_mdev("11111111-0000-0000-0000-000000000001", GPU, "gamma", "a", boom)
+    hw.open_mdev(
+        "11111111-0000-0000-0000-000000000002", GPU, "gamma", "a", lambda: cut.append("2")
+    )
+    hw.device(GPU).config.write(
+        regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER, notify=False
+    )
+    resets = hw.device(GPU).resets
+    with pytest.raises(RuntimeError):
+        hw.give_back(GPU)
+    assert hw.borrowed(GPU) is None and hw.open_mdevs() == [] and cut == ["2"]
+    assert hw.device(GPU).resets == resets + 1  # reset for the next owner
+    assert not hw.device(GPU).config.command & regs.COMMAND_MASTER
+
+
+def test_config_written_before_the_first_borrow_reaches_the_device_when_borrowed(cluster):
+    from vmlend.pci.config import MSI_OFFSET as MSI
+
+    vm = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    dev = cluster.hw.device(GPU)
+    vm.config_write(GPU, MSI + regs.MSI_ADDRESS_LO, 4, 0xFEE0_1000)
+    assert vm.config_read(GPU, MSI + regs.MSI_ADDRESS_LO, 4) == 0xFEE0_1000  # the guest's view
+    assert dev.config.read(MSI + regs.MSI_ADDRESS_LO, 4) == 0  # not the VM's device yet
+    vm.enable_device(GPU)
+    assert dev.config.read(MSI + regs.MSI_ADDRESS_LO, 4) == 0xFEE0_1000
+    assert vm.config_read(GPU, MSI + regs.MSI_ADDRESS_LO, 4) == 0xFEE0_1000
+    no_violations(cluster)
+    vm.stop()
+
+
+def test_the_managers_name_is_reserved_and_a_down_lender_shares_nothing(shared):
+    c, _drive = shared
+    with pytest.raises(VmlendError, match="reserved"):
+        c.fabric().reserve(GPU, Holder("gamma", ledger.MANAGER_VM))
+    with pytest.raises(VmlendError, match="reserved"):
+        c.fabric().reserve_share(NVME, Holder("gamma", ledger.MANAGER_VM), 1, 1024)
+    c.fabric().set_node_up("alpha", False, "lost power")
+    with pytest.raises(VmlendError, match="alpha"):
+        ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
+    assert c.fabric().holds()[NVME].phase.value == "reserved"

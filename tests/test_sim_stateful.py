@@ -295,7 +295,9 @@ class FabricMachine(RuleBasedStateMachine):
         )
         node, name = SLOTS[slot]
         free = tuple(sorted(f for f in chosen if self._holder_of(f) is None))
-        share = share and self.drive is not None and self.drive.ended is None
+        # a share even of a drive whose manager lost it (it must be refused), never of a drive
+        # the VM takes whole
+        share = share and self.drive is not None and SHARED not in free
         if not free and not share:
             return
         xml = vm_xml(name, free, share)
@@ -308,15 +310,23 @@ class FabricMachine(RuleBasedStateMachine):
         p2p = P2PMapper(
             self.c.hw, node, name, recorder=registry_recorder(self.c.registry), promises=ledger_
         )
-        vm = SimVm(
-            xml,
-            hardware=self.c.hw,
-            fabric=self.c.fabric(node),
-            ledger=ledger_,
-            p2p=p2p,
-            backing=GiB,
-            nvme={SHARED: self.drive} if share and self.drive is not None else None,
-        )
+        try:
+            vm = SimVm(
+                xml,
+                hardware=self.c.hw,
+                fabric=self.c.fabric(node),
+                ledger=ledger_,
+                p2p=p2p,
+                backing=GiB,
+                nvme={SHARED: self.drive} if share and self.drive is not None else None,
+            )
+        except VmlendError:
+            # only a share of a drive whose manager lost it may fail the start
+            assert share and self.drive is not None and self.drive.ended is not None
+            p2p.close()
+            self.c.release(xml, node)
+            event("start: refused a share of a drive whose manager lost it")
+            return
         entry = self.vms[slot] = Running(vm, p2p, xml)
         event(f"start: a VM with {len(vm.devices())} device(s)" + (" and a share" if share else ""))
         for fdid in vm.devices():
@@ -613,6 +623,8 @@ class FabricMachine(RuleBasedStateMachine):
                 before = [dev.config.read(o, 4) for o in range(0, 0x100, 4)]
                 borrow = self.c.hw.borrowed(fdid)
                 assert vm.config_read(fdid, regs.COMMAND, 2) == 0xFFFF
+                with pytest.raises(VmlendError):
+                    vm.dma_write(fdid, 0x1000, b"stale")
                 vm.config_write(fdid, regs.COMMAND, 2, 0)
                 vm.config_write(fdid, MSI_OFFSET + regs.MSI_FLAGS, 2, 0)
                 vm.config_write(fdid, EXP_OFFSET + regs.EXP_DEVCTL, 2, regs.EXP_DEVCTL_BCR_FLR)

@@ -45,6 +45,10 @@ def format_fdid(fdid: int) -> str:
     return f"{fdid:#x}"
 
 
+#: The holder name of a shared NVMe drive's manager (docs/nvme-sharing.md): reserved, no VM may
+#: take it (a guest called so would pass for the manager).
+MANAGER_VM = "nvme-manager"
+
 class BarKind(enum.StrEnum):
     IO = "io"
     MEM32 = "mem32"

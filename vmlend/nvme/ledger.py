@@ -20,21 +20,22 @@ from typing import Any
 import msgspec
 
 from vmlend.errors import (
+    ConfigError,
     DeviceHeldError,
     DeviceNotLentError,
+    LenderUnavailableError,
     NotSharedError,
     SharesActiveError,
     UnknownDeviceError,
 )
 from vmlend.fabric.admission import guest_ram_of, vm_share
 from vmlend.fabric.compiled import stored_topology
-from vmlend.fabric.model import GuestRam, Holder
+from vmlend.fabric.model import MANAGER_VM, GuestRam, Holder
 from vmlend.nvme.admit import check_share_claims, share_claims
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase, RuntimeRecord
 
-MANAGER_VM = "nvme-manager"
 GEOMETRY_RECORD = "nvme-geometry"
 SHARE_RECORD = "nvme-share"
 
@@ -59,8 +60,10 @@ class ShareEntry(msgspec.Struct, frozen=True):
         }
 
 
-def is_manager(holder: Holder) -> bool:
-    return holder.vm == MANAGER_VM
+def is_manager(holder: Holder, lender: str | None = None) -> bool:
+    """The manager of a shared drive: its reserved name (no VM may take it: ``reserve``
+    refuses it), on the drive's lender when ``lender`` is given."""
+    return holder.vm == MANAGER_VM and (lender is None or holder.node == lender)
 
 
 def _geometry(tx: StateTxn, fdid: int) -> Geometry:
@@ -111,9 +114,12 @@ def lend_shared(
             raise UnknownDeviceError(fdid)
         if not dev.lent:
             raise DeviceNotLentError(fdid, dev.lender)
+        node = tx.node(dev.lender)
+        if node is not None and not node.up:  # its manager runs there: nothing to share now
+            raise LenderUnavailableError(fdid, dev.lender, node.why or "is down")
         hold = tx.hold(fdid)
         if hold is not None:
-            if is_manager(hold.holder):
+            if is_manager(hold.holder, dev.lender):
                 if hold.phase is not Phase.BORROWED:  # shared again after its lender was down
                     tx.set_phase(fdid, Phase.BORROWED)
                 return
@@ -172,6 +178,11 @@ def reserve_share(
     the NTB resources its DMA path into RAM ``guest_ram`` uses; ``ResourceExhaustedError``
     when the controller or an adapter has not enough left, nothing claimed."""
     key = vm_share(holder)
+    if holder.vm == MANAGER_VM:
+        raise ConfigError(
+            f"the VM name {MANAGER_VM!r} is reserved for the manager of shared NVMe drives;"
+            " rename the VM"
+        )
 
     def body(tx: StateTxn) -> Share:
         hold = tx.hold(fdid)

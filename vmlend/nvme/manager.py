@@ -111,11 +111,7 @@ class NvmeManager:
                 self.delete_sq(share, g)
             for g in range(1, share.queue_pairs + 1):
                 self.delete_cq(share, g)
-                self.controller.clear_domain(share.real_qid(g))
-            self.book.release(name)
-            self._queues.pop(name, None)
-            self._admin_doorbells.pop(name, None)
-            self._interrupts.pop(name, None)
+            self.forget_share(name)
 
     def forget_share(self, name: str) -> None:
         """Drop the share without asking the controller (it is being reset, or cannot answer):
@@ -135,7 +131,7 @@ class NvmeManager:
         """The manager lost the drive (its borrow ended): forget every share, stop listening
         for stray doorbells. The controller is reset by whoever takes the drive next."""
         with self._lock:
-            for name in list(self.book.shares) + list(self._interrupts):
+            for name in set(self.book.shares) | set(self._interrupts):
                 self.forget_share(name)
             self._remove_stray()
 

@@ -42,6 +42,7 @@ from vmlend.fabric.admission import (
 from vmlend.fabric.admission import usage as adapter_usage
 from vmlend.fabric.compiled import stored_topology
 from vmlend.fabric.model import (
+    MANAGER_VM,
     Check,
     DeviceSpec,
     DeviceState,
@@ -107,7 +108,13 @@ class BorrowHardware(Protocol):
     def borrow(self, fdid: int, node: str, vm: str, *, token: int = 0) -> object: ...
 
     def give_back(
-        self, fdid: int, node: str | None = None, vm: str | None = None, *, token: int = 0
+        self,
+        fdid: int,
+        node: str | None = None,
+        vm: str | None = None,
+        *,
+        token: int = 0,
+        revoke: bool = True,
     ) -> bool: ...
 
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
@@ -305,8 +312,8 @@ class SimFabric(SimShareOps):
         if hold is None:
             return None
         self._end_borrow(hold)
-        if self._hw is not None:  # the holder's open mdev goes too, borrowed or not
-            self._hw.revoke(fdid, hold.holder.node, hold.holder.vm)
+        if self._hw is not None:  # every open mdev goes too (a manager's: its shares')
+            self._hw.revoke(fdid)
 
         def drop(tx: StateTxn) -> Holder | None:
             now = tx.hold(fdid)
@@ -438,6 +445,11 @@ class SimFabric(SimShareOps):
     ) -> Reservation:
         if not holder.vm or not holder.node:
             raise ConfigError(f"a holder needs a node and a VM name, got {holder!r}")
+        if holder.vm == MANAGER_VM:
+            raise ConfigError(
+                f"the VM name {MANAGER_VM!r} is reserved for the manager of shared NVMe drives;"
+                " rename the VM"
+            )
         ram = guest_ram_of(guest_ram)
         claimed: list[int] = []
 
@@ -490,7 +502,8 @@ class SimFabric(SimShareOps):
             # no phase to record, the hold goes below. The VM's open mdev is cut with the hold
             # even when nothing was borrowed (the hand-over rule, docs/simulator.md).
             self._hw.give_back(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
-            self._hw.revoke(fdid, hold.holder.node, hold.holder.vm)
+            # every open mdev of the device (a manager's hold: its shares' too)
+            self._hw.revoke(fdid)
 
         def body(tx: StateTxn) -> bool:
             # one request on etcd, not six: the hold, the release's records, and the holds of
@@ -577,7 +590,10 @@ class SimFabric(SimShareOps):
             return self._reg.transact(record)
         except BaseException:
             if fresh and self._hw is not None:
-                self._hw.give_back(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
+                # only the hardware borrow is undone: the hold, and the VM's mdev, go on
+                self._hw.give_back(
+                    fdid, hold.holder.node, hold.holder.vm, token=hold.token, revoke=False
+                )
             raise
 
     def give_back(self, fdid: int, holder: Holder) -> DeviceStatus:

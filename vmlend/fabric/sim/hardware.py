@@ -363,6 +363,12 @@ class SimHardware:
             if (current.node, current.vm) == (node, vm):
                 return current
             raise DeviceHeldError(fdid, current.node, current.vm)
+        left = self._lender_domains[fdid].mappings()
+        if left:  # whoever mapped them outlived the borrow that justified them: a bug to report
+            gap = f"device {fdid:#x}: {len(left)} lender mappings left when it was borrowed again"
+            log.warning("%s", gap)
+            self.teardown_gaps.append(gap)
+            self._lender_domains[fdid].clear()
         path = self.route(dev.lender, node)
         if path is None:
             result = Borrow(fdid, node, vm, dev.lender, None)
@@ -483,13 +489,21 @@ class SimHardware:
         return self._fenced.get(fdid)
 
     def give_back(
-        self, fdid: int, node: str | None = None, vm: str | None = None, *, token: int = 0
+        self,
+        fdid: int,
+        node: str | None = None,
+        vm: str | None = None,
+        *,
+        token: int = 0,
+        revoke: bool = True,
     ) -> bool:
         """End the borrow of ``fdid``: every borrow-end subscriber removes what it mapped for
         or towards the device, then the hardware undoes ``borrow`` and resets the device (the
         next user gets it clean). False when it was not borrowed; ``DeviceHeldError`` when
         ``node``/``vm`` name someone else; ``StaleTokenError`` (nothing changed) when
-        ``token`` is older than one the device has served (a late take-back, say).
+        ``token`` is older than one the device has served (a late take-back, say). The open
+        mdevs of the device are revoked in the same step, unless ``revoke`` is False: the undo
+        of a borrow that could not be recorded, whose hold (and VM) goes on.
 
         A subscriber's error is raised as ``BorrowTeardownError`` after every other subscriber
         ran; the borrow then stays (nobody else can take the device) and the device is fenced:
@@ -527,10 +541,13 @@ class SimHardware:
             self.teardown_gaps.append(gap)
             self._lender_domains[fdid].clear()
         del self._borrows[fdid]
-        # the open mdevs go in the same step (config space, BARs, shares), once no borrow is
-        # left that a peer mapper could map them for again
-        self.revoke(fdid)
-        dev.reset()
+        try:
+            # the open mdevs go in the same step (config space, BARs, shares), once no borrow
+            # is left that a peer mapper could map them for again
+            if revoke:
+                self.revoke(fdid)
+        finally:
+            dev.reset()  # whatever a revocation raised: the next owner finds it reset
         log.info("device %#x given back by %s/%s", fdid, current.node, current.vm)
         return True
 
@@ -591,12 +608,18 @@ class SimHardware:
             for o in self._open.values()
             if o.fdid == fdid and (node is None or o.node == node) and (vm is None or o.vm == vm)
         ]
+        failures: list[Exception] = []
         for o in cut:
             del self._open[o.uuid]
             if o.on_revoke is not None:
-                o.on_revoke()
+                try:
+                    o.on_revoke()
+                except Exception as e:  # cut the others all the same, then say so
+                    failures.append(e)
         if cut:
             log.info("device %#x: %d open mdev(s) revoked", fdid, len(cut))
+        if failures:
+            raise failures[0]
         return len(cut)
 
     def config_write(

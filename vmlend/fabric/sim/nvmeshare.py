@@ -139,7 +139,7 @@ class VmNvmeShare:
             self.drive.hw.close_mdev(self.mdev)
         if self.open:
             self.open = False
-            self.drive._close_share(self)
+            self.drive._end_share(self)
 
     def revoke(self) -> None:
         """The share was taken from the VM (the hardware cuts its open mdev): its queues,
@@ -149,7 +149,7 @@ class VmNvmeShare:
         self.revoked = True
         if self.open:
             self.open = False
-            self.drive._cut_share(self)
+            self.drive._end_share(self)
         log.warning("NVMe share %s of %#x was taken from %s/%s", self.name, self.drive.fdid,
                     self.node, self.vm)
 
@@ -296,6 +296,13 @@ class SharedNvmeDrive:
         """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
         ``blocks``, or the ``share`` the registry reserved for it; all or nothing."""
         self.hw.guest(node, vm)  # a running guest, or FabricError
+        borrow = self.hw.borrowed(self.fdid)
+        if self.ended is not None or borrow is None or borrow.vm != MANAGER_VM:
+            raise FabricError(
+                f"NVMe drive {self.fdid:#x} is not served by its manager any more"
+                f" ({self.ended or 'its borrow ended'}); share it again ('vmlend nvme share')"
+                " before VMs use it"
+            )
         name = share.name if share is not None else f"vm:{node}/{vm}"
         share = self.manager.add_share(name, queue_pairs, blocks, decided=share)
         vms = VmNvmeShare(self, node, vm, share)
@@ -393,24 +400,15 @@ class SharedNvmeDrive:
                 ingress.undo.pop()()
             del self._ingress[node]
 
-    def _close_share(self, vms: VmNvmeShare) -> None:
-        if self.ended is not None:
-            return  # cut with the drive's borrow already
-        try:
-            self.manager.remove_share(vms.name)
-        finally:
-            vms.windows.close()
-            self.shares.pop(vms.name, None)
-
-    def _cut_share(self, vms: VmNvmeShare) -> None:
-        """End ``vms`` now. While the drive goes on its queues are deleted (the others keep
-        theirs); when the drive's borrow ends the controller is not asked (the reset that
-        follows deletes every queue). Either way the guard and the routes forget it and its
-        windows go."""
+    def _end_share(self, vms: VmNvmeShare) -> None:
+        """End ``vms`` (its VM stops, or it is cut). While the drive goes on its real queues
+        are deleted (the others keep theirs); once the drive's borrow ended the controller is
+        not asked (the reset deletes every queue). Either way the guard and the routes forget
+        it and its windows and pins go: nothing of it is left whatever fails."""
         try:
             if self.ended is None:
                 self.manager.remove_share(vms.name)
-        except Exception as e:  # a cut never stops half-way: forget it all the same
+        except Exception as e:  # never stop half-way: forget it all the same
             log.warning("NVMe share %s: its queues could not be deleted: %s", vms.name, e)
         finally:
             self.manager.forget_share(vms.name)

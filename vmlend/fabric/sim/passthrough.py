@@ -100,7 +100,11 @@ class PassthroughSession:
         self.observer = observer
         self.mdev = mdev
         self.shadow = ConfigSpace.from_spec(device.spec)  # only its BAR registers are used
-        self.borrowed = False
+        #: Before the first borrow: the guest's config writes (replayed onto the device right
+        #: after it is borrowed) and the view of config space they make (the device itself is
+        #: not the VM's yet and stays untouched).
+        self._pending: list[tuple[int, int, int]] = []
+        self._pre: ConfigSpace | None = None
         self.closed = False
         #: The device was taken from this VM (its borrow or hold ended): a removed device.
         self.revoked = False
@@ -141,6 +145,11 @@ class PassthroughSession:
         return self.revoked or (self.hw.borrowed(self.fdid) is not None and not self._ours())
 
     @property
+    def borrowed(self) -> bool:
+        """The device is under this VM's current borrow (the deferred borrow happened)."""
+        return self._ours()
+
+    @property
     def cut_off(self) -> bool:
         """The guest sees a removed device here: all ones, its writes dropped."""
         return self._cut_off()
@@ -151,6 +160,8 @@ class PassthroughSession:
             return (1 << 8 * size) - 1  # a removed device
         if _BAR_START <= offset < _BAR_END:
             return self.shadow.read(offset, size)
+        if self._pre is not None and not self._ours():
+            return self._pre.read(offset, size)
         return self.device.config.read(offset, size)
 
     def config_write(self, offset: int, size: int, value: int) -> None:
@@ -164,7 +175,7 @@ class PassthroughSession:
             self.refusal = None  # it describes the latest enable only
         if self._cut_off():
             if enables:
-                self._refuse(self._cut_off_error(), "enable")
+                self._refuse(self.cut_off_error(), "enable")
             return  # dropped, as a write to a removed device
         if _BAR_START <= offset < _BAR_END:
             self.shadow.write(offset, size, value, notify=False)
@@ -173,13 +184,16 @@ class PassthroughSession:
         if enables and not self._ours():
             try:
                 self.fabric.borrow(self.fdid, self.holder)
-                self.borrowed = True
             except VmlendError as e:
                 self._refuse(e, "borrow")
+            else:
+                self._replay_pending()
         if not self._ours():
-            # nothing of the device is the guest's (yet): no decoding, no reset, no DMA, and
-            # nothing it writes reaches the device
-            self.borrowed = False
+            # nothing of the device is the guest's yet: no decoding, no reset, no DMA, and
+            # nothing it writes reaches the device now; what it configures (device control,
+            # MSI, INTx disable) is kept and written once the device is borrowed
+            if not enables:
+                self._keep_pending(offset, size, value)
             if covers_low and cmd is not None:
                 self._memory_on = False
                 self._sync_bars()
@@ -196,10 +210,23 @@ class PassthroughSession:
         if covers_low and cmd is not None:
             if not cmd & regs.COMMAND_MASTER and self.dma_active:
                 self.windows.disable(self.fdid)  # the device stopped mastering first
-            self._memory_on = bool(cmd & regs.COMMAND_MEMORY) and self.borrowed
+            self._memory_on = bool(cmd & regs.COMMAND_MEMORY) and self._ours()
             self._sync_bars()
 
-    def _cut_off_error(self) -> VmlendError:
+    def _keep_pending(self, offset: int, size: int, value: int) -> None:
+        if self._pre is None:
+            self._pre = ConfigSpace.from_spec(self.device.spec)  # the reset device's view
+        self._pre.write(offset, size, value, notify=False)
+        self._pending.append((offset, size, value))
+
+    def _replay_pending(self) -> None:
+        """Just borrowed: the guest's earlier config writes reach the device, in order."""
+        owner = (self.holder.node, self.holder.vm)
+        pending, self._pending, self._pre = self._pending, [], None
+        for offset, size, value in pending:
+            self.hw.config_write(self.fdid, owner, offset, size, value)
+
+    def cut_off_error(self) -> VmlendError:
         borrow = self.hw.borrowed(self.fdid)
         if not self.revoked and borrow is not None:
             return DeviceHeldError(self.fdid, borrow.node, borrow.vm)
@@ -209,7 +236,7 @@ class PassthroughSession:
         # the hardware cut this VM off (inside the step that ended the borrow or the hold):
         # no decoding, no DMA windows, nothing the guest does reaches the device again
         self.revoked = True
-        self.borrowed = False
+        self._pending, self._pre = [], None
         self.windows.disable(self.fdid, forget=False)
         self._memory_on = False
         self._sync_bars()
@@ -268,7 +295,6 @@ class PassthroughSession:
         # may come from the fabric giving the device back inside its registry transaction:
         # the records are removed later (settle), and the borrow may be over.
         self.windows.disable(self.fdid, forget=False)
-        self.borrowed = self._ours()
         self.shadow.reset()
         self._memory_on = False
         self._sync_bars()
@@ -292,5 +318,4 @@ class PassthroughSession:
                 log.warning("device %#x: peer unmapping failed: %s", self.fdid, e)
         if self._ours():
             self.fabric.give_back(self.fdid, self.holder)
-        self.borrowed = False
         self.closed = True

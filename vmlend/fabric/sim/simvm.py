@@ -333,13 +333,21 @@ class SimVm:
         s, index, offset = self._mmio_target(gpa, size)
         s.device.bars.write(index, offset, size, value)
 
+    def _live(self, fdid: int) -> PassthroughSession:
+        """``fdid``'s session while the device is still this VM's: the guest's driver can make
+        it do DMA only then (a device taken from the VM is a removed device)."""
+        s = self.session(fdid)
+        if s.cut_off:
+            raise s.cut_off_error()
+        return s
+
     def dma_write(self, fdid: int, gpa: int, data: bytes) -> list[DmaTarget]:
         """The device writes ``data`` at guest-physical ``gpa`` (through the resolver)."""
-        self.session(fdid)
+        self._live(fdid)
         return self.hw.dma_write(fdid, gpa, data)
 
     def dma_read(self, fdid: int, gpa: int, length: int) -> bytes:
-        self.session(fdid)
+        self._live(fdid)
         return self.hw.dma_read(fdid, gpa, length)
 
     # --- life -----------------------------------------------------------------------------------
