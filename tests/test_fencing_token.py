@@ -98,3 +98,20 @@ def test_the_fence_carries_the_token_of_the_hold_that_left_it(etcd_url):
         assert fence.token == hold.token > 0
     finally:
         fabric.close()
+
+
+def test_taking_back_a_fenced_device_cuts_the_vanished_holders_open_mdev(cluster):
+    """The holder's lease ended before its guest enabled the device: nothing was borrowed,
+    but its VM still has the mdev open; the take-back cuts it, so the next holder's VM can
+    open its own."""
+    a = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    fence = FenceRecord(GPU, a.holder, _token(cluster, GPU))
+    _release_behind(cluster, GPU, a.holder)
+    cluster.hw.open_mdev("22222222-0000-0000-0000-000000000001", GPU, "gamma", "a")
+    assert cluster.fabric("alpha").take_back(fence) is False  # SQLite keeps no fences
+    assert cluster.hw.open_mdevs() == []
+    b = cluster.start(domain_xml("b", 1 * GiB, fdids=(GPU,)))
+    assert b.devices() == [GPU]
+    b.enable_device(GPU)
+    a.stop()
+    b.stop()

@@ -264,6 +264,8 @@ class SimFabric(SimShareOps):
             except StaleTokenError as e:
                 log.warning("%s", e)
                 return False
+            # the vanished holder's open mdev goes too, even when nothing was borrowed
+            self._hw.revoke(fence.fdid)
         cleared = self._reg.transact(lambda tx: tx.clear_fence(fence.fdid))
         if cleared:
             log.warning(
