@@ -81,3 +81,65 @@ def test_the_cli_prints_a_damaged_record_as_one_line(held):
     _damage(held, "UPDATE holds SET guest_ram = 'lots' WHERE fdid = 16")
     line = one_line(CliRunner().invoke(main, ["--state", str(held), "devices"]))
     assert "hold record 0x10 is damaged" in line and "guest_ram" in line
+
+
+# --- the etcd backend: one typed error per damaged value, and release frees what it can -------
+
+DAMAGE = [b"not json", b"\xff\xfe", b"[]", b'{"fdid": "x"}', b'{"fdid": 16, "node": 5}', b"{}"]
+
+
+def _put_raw(url: str, key: str, value: bytes) -> None:
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_gateway import EtcdGateway, b64
+
+    gw = EtcdGateway(parse_location(url).endpoints)
+    try:
+        gw.call("kv/put", {"key": b64(key), "value": b64(value)})
+    finally:
+        gw.close()
+
+
+@pytest.mark.parametrize("value", DAMAGE)
+def test_a_damaged_etcd_hold_is_one_record_error(etcd_url, value):
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_keys import Keys
+
+    fab = make_fabric(etcd_url)
+    try:
+        fab.reserve(0x10, WEB)
+        _put_raw(etcd_url, Keys(parse_location(etcd_url).cluster).hold(0x10), value)
+        for read in (lambda tx: tx.hold(0x10), lambda tx: tx.holds()):
+            with fab.registry.read() as tx, pytest.raises(StateRecordError, match="hold record"):
+                read(tx)
+    finally:
+        fab.close()
+
+
+def test_release_frees_every_device_it_can_when_one_record_is_damaged(etcd_url):
+    """A VM holds 0x10 and 0x20; 0x10's hold is damaged. Its release hook returns 0x20 and
+    reports 0x10 in one line (exit 1), instead of failing before it freed anything."""
+    import io
+
+    from tests.test_hook_ops import domain_xml
+    from vmlend.fabric.open import open_fabric
+    from vmlend.hook.main import run
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_keys import Keys
+
+    make_fabric(etcd_url).close()
+    xml = domain_xml("vm1", fdids=(0x10, 0x20))
+    env = {"VMLEND_REGISTRY": etcd_url, "VMLEND_NODE": "gamma"}
+
+    def hook(op: str, sub: str) -> tuple[int, str]:
+        err = io.StringIO()
+        argv = ["vm1", op, sub, "-"]
+        code = run(argv, stdin=io.BytesIO(xml), stdout=io.BytesIO(), stderr=err, environ=env)
+        return code, err.getvalue()
+
+    assert hook("prepare", "begin") == (0, "")
+    _put_raw(etcd_url, Keys(parse_location(etcd_url).cluster).hold(0x10), b"not json")
+    code, err = hook("release", "end")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "0x10" in err and "damaged" in err and "Traceback" not in err
+    with open_fabric(etcd_url, "gamma") as fabric:
+        assert fabric.device(0x20).holder is None  # freed despite 0x10

@@ -16,7 +16,7 @@ from uuid import UUID
 
 import msgspec
 
-from vmlend.errors import RegistryUnreachableError, VmlendError
+from vmlend.errors import RegistryUnreachableError, StateRecordError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import (
     DEFAULT_INTERRUPTS,
@@ -138,7 +138,12 @@ def return_all(
     failures: list[str] = []
     named = list(devices)
     ours = {str(m) for _f, m in named}
-    holds = {st.fdid: st.holder for st in fabric.devices() if st.holder}
+    try:
+        holds = {st.fdid: st.holder for st in fabric.devices() if st.holder}
+    except StateRecordError as e:
+        # one damaged record must not keep the others held: judge device by device
+        failures.append(str(e))
+        holds = _holders_one_by_one(fabric, {f for f, _m in named} | _mdev_fdids(fabric))
 
     stuck: set[int] = set()  # devices whose mdev could not be removed keep their hold
     for m in fabric.mdevs():
@@ -158,7 +163,10 @@ def return_all(
                 stuck.add(m.fdid)
     fault_point("release:after-mdevs")
     fdids = {f for f, _m in named}
-    fdids.update(held_by(fabric, holder))
+    try:
+        fdids.update(held_by(fabric, holder))
+    except StateRecordError:
+        fdids.update(f for f, h in holds.items() if h is not None and same_holder(h, holder))
     for fdid in sorted(fdids - stuck):
         try:
             if fabric.release(fdid, holder):
@@ -173,6 +181,22 @@ def return_all(
             "remove the mdev and run the release again"
         )
     return failures
+
+
+def _mdev_fdids(fabric: Fabric) -> set[int]:
+    return {m.fdid for m in fabric.mdevs() if m.fdid is not None}
+
+
+def _holders_one_by_one(fabric: Fabric, fdids: Iterable[int]) -> dict[int, Holder | None]:
+    """Who holds each of ``fdids``, read one device at a time; a damaged one holds nobody
+    here (its own release then reports it)."""
+    out: dict[int, Holder | None] = {}
+    for fdid in fdids:
+        try:
+            out[fdid] = fabric.device(fdid).holder
+        except VmlendError:
+            out[fdid] = None
+    return out
 
 
 def _canonical(mdev: UUID | str) -> str:

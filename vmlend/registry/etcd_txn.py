@@ -13,12 +13,13 @@ When the compares fail the caller (``EtcdRegistry.transact``) re-runs the whole 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
-from vmlend.errors import StateError
+from vmlend.errors import StateError, StateRecordError
 from vmlend.fabric.model import Holder
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
@@ -144,6 +145,35 @@ class Snapshot:
             for prefix in self._ranges
         ]
         return out
+
+
+#: What decoding a damaged value raises (not JSON, bad UTF-8, a missing field, a wrong type, a
+#: value out of its set): turned into one ``StateRecordError`` by ``_decoding``.
+_DAMAGE = (ValueError, KeyError, TypeError, AttributeError, msgspec.MsgspecError)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _decoding(table: str) -> Callable[[_F], _F]:
+    """Run a ``StateTxn`` method so that a damaged record it decodes is one
+    ``StateRecordError`` naming ``table`` and the record's key (the method's first argument),
+    never a traceback: a hostile or corrupt value in etcd is an error of that record only."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def decoding(self: EtcdTxn, *args: Any, **kw: Any) -> Any:
+            try:
+                return fn(self, *args, **kw)
+            except StateError:
+                raise
+            except _DAMAGE as e:
+                key = args[0] if args else "(one of them)"
+                shown = f"{key:#x}" if type(key) is int else str(key)
+                raise StateRecordError(table, shown, f"{type(e).__name__}: {e}") from None
+
+        return decoding  # type: ignore[return-value]
+
+    return wrap
 
 
 class EtcdTxn:
@@ -300,6 +330,7 @@ class EtcdTxn:
         self._snap.prefetch(keys, prefixes, loose)
 
     # --- meta ----------------------------------------------------------------------------
+    @_decoding("meta")
     def meta(self, key: str) -> str | None:
         raw = self._get(self._k.meta(key))
         return None if raw is None else raw.decode()
@@ -332,6 +363,7 @@ class EtcdTxn:
             raise StateError("the registry holds no topology; run 'vmlend fabric init'")
         return topo
 
+    @_decoding("topology")
     def topology(self) -> TopologyRecord:
         t = self._need_topology()
         # local_node stays empty: on a cluster, which node a host is is host configuration.
@@ -379,6 +411,7 @@ class EtcdTxn:
         self._write()
 
     # --- nodes and devices: the topology's defaults, overridden by records -------------------
+    @_decoding("node")
     def nodes(self) -> dict[str, NodeRecord]:
         topo = self._topology()
         out = {n: NodeRecord(n, True) for n in (topo["nodes"] if topo else [])}
@@ -392,6 +425,7 @@ class EtcdTxn:
                 out[name] = NodeRecord(name, False, _AGENT_GONE)
         return out
 
+    @_decoding("node")
     def node(self, name: str) -> NodeRecord | None:
         raw = self._get(self._k.node(name))
         if raw is not None:
@@ -427,6 +461,7 @@ class EtcdTxn:
         d = enc.load(raw)
         return DeviceRecord(int(d["fdid"]), d["lender"], bool(d["lent"]), bool(d["available"]))
 
+    @_decoding("device")
     def devices(self) -> dict[int, DeviceRecord]:
         topo = self._topology()
         out: dict[int, DeviceRecord] = {}
@@ -437,6 +472,7 @@ class EtcdTxn:
             out[rec.fdid] = rec
         return out
 
+    @_decoding("device")
     def device(self, fdid: int) -> DeviceRecord | None:
         raw = self._get(self._k.device(fdid))
         if raw is not None:
@@ -459,6 +495,7 @@ class EtcdTxn:
         self._set_device(fdid, available=available)
 
     # --- holds and claims ------------------------------------------------------------------
+    @_decoding("hold")
     def holds(self) -> dict[int, HoldRecord]:
         out = {}
         for key, raw in self._range(self._k.holds).items():
@@ -466,6 +503,7 @@ class EtcdTxn:
             out[hold.fdid] = msgspec.structs.replace(hold, token=self._created(key))
         return out
 
+    @_decoding("hold")
     def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
         """Through the per-node index (``Keys.holds_on``), never every hold of the cluster:
         the index of ``holder``'s node names the VM of each hold, and only the holds of this
@@ -492,6 +530,7 @@ class EtcdTxn:
         raw = self._get(self._k.hold(fdid))
         return None if raw is None else enc.load(raw)
 
+    @_decoding("hold")
     def hold(self, fdid: int) -> HoldRecord | None:
         d = self._hold_dict(fdid)
         if d is None:
@@ -528,6 +567,7 @@ class EtcdTxn:
         fence = {"fdid": hold.fdid, "node": h.node, "vm": h.vm, "vm_uuid": h.vm_uuid}
         self._put(self._k.fence(hold.fdid), enc.dump({**fence, "token": self.lease()}))
 
+    @_decoding("hold")
     def set_phase(self, fdid: int, phase: Phase) -> None:
         d = self._hold_dict(fdid)
         if d is None:
@@ -535,6 +575,7 @@ class EtcdTxn:
             return
         self._put(self._k.hold(fdid), enc.dump({**d, "phase": phase.value}), leased=True)
 
+    @_decoding("hold")
     def delete_hold(self, fdid: int) -> None:
         """Drop the hold, its claims and its runtime records."""
         d = self._hold_dict(fdid)
@@ -549,6 +590,7 @@ class EtcdTxn:
         self._delete(self._k.held_on(d["node"], fdid))
         self._delete(self._k.fence(fdid))  # a normal release needs no taking back
 
+    @_decoding("claim")
     def replace_claims(
         self, kind: ClaimKind, owners: Iterable[int], claims: Iterable[tuple[int, Claim]]
     ) -> None:
@@ -590,17 +632,20 @@ class EtcdTxn:
         holder = Holder(node=d["node"], vm=d["vm"], vm_uuid=d.get("vm_uuid", ""))
         return FenceRecord(int(d["fdid"]), holder, self._created(key))
 
+    @_decoding("fence")
     def fence(self, fdid: int) -> FenceRecord | None:
         key = self._k.fence(fdid)
         raw = self._get(key)
         return None if raw is None else self._fence_from(key, raw)
 
+    @_decoding("fence")
     def fences(self) -> list[FenceRecord]:
         return sorted(
             (self._fence_from(k, raw) for k, raw in self._range(self._k.fences).items()),
             key=lambda f: f.fdid,
         )
 
+    @_decoding("fence")
     def clear_fence(self, fdid: int) -> bool:
         """Drop the fence of a hold that is gone (the lender took the device back)."""
         self._write()
@@ -617,9 +662,11 @@ class EtcdTxn:
             out.append((int(d["fdid"]), enc.claim_from_dict(d)))
         return out
 
+    @_decoding("claim")
     def claims(self) -> list[tuple[int, Claim]]:
         return self._claims_of(self._range(self._k.claims).values())
 
+    @_decoding("claim")
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
         out = []
         for a in dict.fromkeys(adapters):
@@ -627,6 +674,7 @@ class EtcdTxn:
         return out
 
     # --- mdevs -----------------------------------------------------------------------------
+    @_decoding("mdev parent")
     def parent(self, node: str, fdid: int) -> ParentRecord | None:
         raw = self._get(self._k.parent(node, fdid))
         return None if raw is None else ParentRecord(node, fdid, raw.decode())
@@ -643,11 +691,13 @@ class EtcdTxn:
         self._delete(self._k.parent(node, fdid))
         return True
 
+    @_decoding("mdev")
     def mdevs(self, node: str | None = None) -> list[MdevRecord]:
         prefix = self._k.mdevs if node is None else self._k.mdevs_on(node)
         recs = [enc.mdev_from_dict(enc.load(raw)) for raw in self._range(prefix).values()]
         return sorted(recs, key=lambda m: (m.created, m.uuid))
 
+    @_decoding("mdev")
     def mdev(self, uuid: str) -> MdevRecord | None:
         return next((m for m in self.mdevs() if m.uuid == uuid), None)
 
@@ -683,10 +733,12 @@ class EtcdTxn:
             out.append((k, RuntimeRecord(int(d["fdid"]), d["kind"], d["key"], d["data"])))
         return sorted(out, key=lambda kr: (kr[1].fdid, kr[1].kind, kr[1].key))
 
+    @_decoding("runtime")
     def runtime(self, fdid: int | None = None, kind: str | None = None) -> list[RuntimeRecord]:
         prefix = self._k.runtime if fdid is None else self._k.runtime_of(fdid)
         return [r for _k, r in self._runtime(prefix) if kind is None or r.kind == kind]
 
+    @_decoding("runtime")
     def clear_runtime(self, fdid: int, kind: str | None = None, key: str | None = None) -> int:
         self._write()
         gone = [

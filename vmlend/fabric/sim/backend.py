@@ -28,6 +28,7 @@ from vmlend.errors import (
     MdevError,
     MdevOwnedError,
     StaleTokenError,
+    StateRecordError,
     VmlendError,
 )
 from vmlend.fabric.admission import (
@@ -528,7 +529,11 @@ class SimFabric(SimShareOps):
         """Re-count the peer-to-peer claims of ``holder``'s remaining devices: a device gone
         takes its pairs with it, whichever hold owned their claims."""
         topo = self._topology(tx)
-        left = sorted(tx.holds_of(holder))
+        try:
+            left = sorted(tx.holds_of(holder))
+        except StateRecordError as e:  # one damaged hold: the others' release goes on
+            log.warning("peer-to-peer claims of %s kept as they were: %s", holder, e)
+            return
         known = {d.fdid for d in topo.devices}
         specs = [topo.device(f) for f in left if f in known]
         try:
