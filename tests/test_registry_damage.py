@@ -143,3 +143,11 @@ def test_release_frees_every_device_it_can_when_one_record_is_damaged(etcd_url):
     assert "0x10" in err and "damaged" in err and "Traceback" not in err
     with open_fabric(etcd_url, "gamma") as fabric:
         assert fabric.device(0x20).holder is None  # freed despite 0x10
+
+
+def test_a_damaged_topology_in_the_state_is_blamed_on_the_state_not_on_the_default_file(held):
+    _damage(held, "UPDATE topology SET text = ?, compiled = NULL", "garbage = [")
+    r = CliRunner().invoke(main, ["--state", str(held), "devices"])
+    line = one_line(r)
+    assert r.exit_code == 1 and "the state's copy of" in line and "fabric init" in line
+    assert not line.startswith("Error: <builtin")

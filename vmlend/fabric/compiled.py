@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from vmlend.errors import TopologyError
 from vmlend.fabric.model import Topology
 
 if TYPE_CHECKING:
@@ -73,5 +74,13 @@ def stored_topology(rec: TopologyRecord) -> Topology:
     if topology is None:
         from vmlend.fabric.topology import parse_topology  # only without a usable compiled form
 
-        topology = parse_topology(rec.text, rec.source)
+        try:
+            topology = parse_topology(rec.text, rec.source)
+        except TopologyError as e:
+            # the text is the state's copy: name the state, not the file it was once read
+            # from (the built-in default, say), which may be fine while the copy is damaged
+            raise TopologyError(
+                f"the state's copy of {rec.source}",
+                f"{e.problem}; run 'vmlend fabric init --topology FILE' to install it again",
+            ) from None
     return topology
