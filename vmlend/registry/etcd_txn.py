@@ -213,26 +213,16 @@ class EtcdTxn:
         return None if kv is None else kv.value
 
     def _range(self, prefix: str) -> dict[str, bytes]:
-        out = {
-            k: kv.value
-            for k, kv in self._snap.range(prefix).items()
-            if not self._deleted_by_range(k)
-        }
-        for k, v in self._writes.items():
-            if k.startswith(prefix):
-                if v is None:
-                    out.pop(k, None)
-                else:
-                    out[k] = v
-        return out
+        return self._overlaid(prefix, self._snap.range(prefix))
 
     def _loose_range(self, prefix: str) -> dict[str, bytes]:
         """``_range`` without a prefix compare (``Snapshot.loose_range``)."""
-        out = {
-            k: kv.value
-            for k, kv in self._snap.loose_range(prefix).items()
-            if not self._deleted_by_range(k)
-        }
+        return self._overlaid(prefix, self._snap.loose_range(prefix))
+
+    def _overlaid(self, prefix: str, read: dict[str, KeyValue]) -> dict[str, bytes]:
+        """The values under ``prefix`` as this transaction sees them: what was ``read``, less
+        what it deleted, with what it wrote."""
+        out = {k: kv.value for k, kv in read.items() if not self._deleted_by_range(k)}
         for k, v in self._writes.items():
             if k.startswith(prefix):
                 if v is None:
