@@ -28,8 +28,10 @@ rule, docs/simulator.md). The session opens its mdev on the hardware (one VM at 
 the borrow or the hold ends by any path (lender reclaim, a release after a crash, the fabric's
 give-back, the lender going down) the hardware revokes it, and from then on it reads all ones
 and its writes are dropped, as for a removed device. Before the first borrow the guest may read
-the (reset, unborrowed) device to discover it, but only an enabling write, which borrows it
-first, reaches it; while another VM borrows the device the session reads all ones too.
+the (reset, unborrowed) device to discover it, but nothing it writes reaches the device: its
+config writes are kept (and read back from a view of their own) until the enabling write
+borrows the device, then written to it in order. While another VM borrows the device the
+session reads all ones too.
 """
 
 from __future__ import annotations
