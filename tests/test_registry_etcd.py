@@ -398,9 +398,10 @@ def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, 
 
 
 def test_a_release_costs_the_same_few_requests_however_big_the_fabric(etcd_url, etcd_requests):
-    """A release reads its hold (to give the hardware back first), then reads everything the
-    state change needs in one request and commits: three requests, on a small fabric and on
-    one with 60 times more devices and many holds and mdevs."""
+    """A release without hardware in its process (the hook, the CLI) reads everything the
+    state change needs in one request and commits in a second: two requests (a reserve and
+    release cycle, four), on a small fabric and on one with 60 times more devices and many
+    holds and mdevs. (With hardware it first reads its hold, to give the hardware back.)"""
     counts = []
     for f in _small_and_large_fabrics(etcd_url):
         probe = Holder("h1", "probe")
@@ -409,4 +410,4 @@ def test_a_release_costs_the_same_few_requests_however_big_the_fabric(etcd_url, 
         assert f.release(0x100, probe) is True
         counts.append(len(etcd_requests))
         assert f.device(0x100).holder is None
-    assert counts[0] == counts[1] <= 3
+    assert counts[0] == counts[1] <= 2

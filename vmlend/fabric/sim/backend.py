@@ -497,8 +497,10 @@ class SimFabric(SimShareOps):
 
         The hardware is given back first, then the hold is dropped: the state never says a
         device is free while this process still has it mapped."""
-        with self._reg.read() as tx:
-            hold = tx.hold(fdid)
+        hold = None
+        if self._hw is not None:  # no hardware here (the hook, the CLI): nothing to read first
+            with self._reg.read() as tx:
+                hold = tx.hold(fdid)
         mine = hold is not None and same_holder(hold.holder, holder)
         if mine and hold is not None and self._hw is not None:
             # whatever the recorded phase: this process's hardware may still have it borrowed;
