@@ -58,6 +58,73 @@ def reserve_release(location) -> list[float]:
     return out
 
 
+def raw_cycle(url: str) -> list[float]:
+    """The floor: a reserve+release's round trips as bare etcd requests (a range read and a
+    one-put Txn, then a range read and a one-delete Txn), one cycle at a time."""
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_gateway import EtcdGateway, b64
+
+    gw = EtcdGateway(parse_location(url).endpoints)
+    key = b64("/raw/bench/hold")
+    out = []
+    for _ in range(CYCLES):
+        t = time.perf_counter()
+        gw.call("kv/range", {"key": key})
+        gw.call("kv/txn", {"success": [{"request_put": {"key": key, "value": b64("h")}}]})
+        gw.call("kv/range", {"key": key})
+        gw.call("kv/txn", {"success": [{"request_delete_range": {"key": key}}]})
+        out.append(time.perf_counter() - t)
+    gw.close()
+    return out
+
+
+def concurrent_cycles(url: str, borrowers: int = 10, cycles: int = 20) -> tuple[float, int, float]:
+    """``borrowers`` threads, each its own fabric on gamma and its own device of the star
+    topology, each doing ``cycles`` reserve+release: the run's time, the failed cycles, and the
+    same number of 4-request raw cycles done by as many threads (the floor)."""
+    import threading
+
+    from tests.simfabric import star_topology
+    from vmlend.errors import VmlendError
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_gateway import EtcdGateway, b64
+
+    init_fabric(url, star_topology(4, borrowers), "star.toml", node="h0")
+    failures: list[str] = []
+
+    def borrower(i: int) -> None:
+        f = open_fabric(url, "h0")
+        h = Holder("h0", f"vm{i}")
+        for _ in range(cycles):
+            try:
+                f.reserve(0x100 + i, h)  # distinct devices of one lender, one adapter pair
+                f.release(0x100 + i, h)
+            except VmlendError as e:
+                failures.append(str(e))
+        f.close()
+
+    def raw(i: int) -> None:
+        gw = EtcdGateway(parse_location(url).endpoints)
+        key = b64(f"/raw/concurrent/{i}")
+        for _ in range(cycles):
+            gw.call("kv/range", {"key": key})
+            gw.call("kv/txn", {"success": [{"request_put": {"key": key, "value": b64("h")}}]})
+            gw.call("kv/range", {"key": key})
+            gw.call("kv/txn", {"success": [{"request_delete_range": {"key": key}}]})
+        gw.close()
+
+    times = []
+    for work in (borrower, raw):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(borrowers)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        times.append(time.perf_counter() - t)
+    return times[0], len(failures), times[1]
+
+
 def admit_many(location) -> tuple[float, list[float], SimFabric]:
     init_fabric(location, fabric_topology(NODES, PER_NODE), "generated.toml")
     fabrics: dict[str, SimFabric] = {}
@@ -162,11 +229,23 @@ def main() -> None:
             os.environ["VMLEND_ROOT"] = str(root / "host")
             sq = reserve_release(root / "rr.db")
             et = reserve_release(server.url("rr"))
+            raw = raw_cycle(server.url("raw"))
             (sq50, sq99), (et50, et99) = _percentiles(sq), _percentiles(et)
+            raw50, _ = _percentiles(raw)
             print(
                 f"reserve+release p50/p99   SQLite {sq50 * ms:6.2f}/{sq99 * ms:6.2f} ms"
                 f"   etcd {et50 * ms:6.2f}/{et99 * ms:6.2f} ms"
                 f"   etcd/SQLite p50 {et50 / sq50:5.2f}x"
+            )
+            print(
+                f"reserve+release on etcd vs 4 raw etcd requests, p50: {et50 * ms:6.2f} vs"
+                f" {raw50 * ms:6.2f} ms, {et50 / raw50:5.2f}x (goal <= 1.2x)"
+            )
+            took, failed, floor = concurrent_cycles(server.url("many"))
+            print(
+                f"10 concurrent borrowers x 20 cycles on etcd: {failed} failed cycles;"
+                f" {took:5.2f} s vs {floor:5.2f} s for as many raw 4-request cycles,"
+                f" throughput {floor / took:5.0%} of the floor (goal >= 70 %, 0 failed)"
             )
             for name, location in (("SQLite", root / "big.db"), ("etcd", server.url("big"))):
                 total, lat, f = admit_many(location)
