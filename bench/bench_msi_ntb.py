@@ -9,7 +9,7 @@ device raises it" to "the VM's eventfd is readable":
   (``MsiTarget.write``). The write's trip through the fabric is hardware there;
 - ntb (simulated fabric): the whole simulated path: the device's posted write resolved hop by
   hop in Python (lender IOMMU, NTB segment, LUT, borrower IOMMU, target). Its extra time is
-  the simulator's, standing in for ~0.35 us of one NTB crossing (DESIGN.md numbers);
+  the simulator's, standing in for ~0.35 us of one NTB crossing (docs/design.md numbers);
 - relay: the lender's trigger eventfd -> lender relay process -> SOCK_SEQPACKET -> `vmlend
   relay` daemon -> VM eventfd (bench_irq.py's set-up).
 

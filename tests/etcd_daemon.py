@@ -1,7 +1,8 @@
 """A private, real etcd for tests, and the pytest fixtures around it.
 
 etcd (Debian's etcd-server) runs on free loopback ports with a temporary data dir and the
-fast election flags from FACTS.md, is healthy in ~0.1 s, and is stopped by PID. Every test
+fast election flags (--heartbeat-interval 10 --election-timeout 100), is healthy in ~0.1 s,
+and is stopped by PID. Every test
 gets its own cluster name, so its keys live under their own prefix ``/vmlend/<name>/``.
 
 Register with ``pytest_plugins = ["tests.etcd_daemon"]``. Fixtures:

@@ -114,7 +114,7 @@ def test_libvirtd_started_before_hook_must_restart(tmp_path):
 
 
 def test_an_older_hook_enables_hooks_for_a_newer_vmlend_one(tmp_path):
-    # qemu.d files added after start are picked up once any hook existed at start (FACTS.md).
+    # qemu.d files added after start are picked up once any hook existed at start (docs/hooks.md).
     fake = healthy(tmp_path)
     old = fake.env.libvirt_hooks / "qemu"
     old.write_text("#!/bin/sh\nexit 0\n")

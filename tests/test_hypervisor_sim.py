@@ -27,7 +27,7 @@ MDEV_XML = (DATA / "mdev-hostdev.xml").read_bytes()
 MDEV_UUID = "5e0f7d21-3b6a-4c8d-9e1f-223344556677"
 HOOK = [shutil.which("sh") or "sh", str(DATA / "recording-hook.sh")]
 
-# What libvirtd passes its qemu hook (FACTS.md "libvirt qemu hook contract"), libvirt >= 10.5.
+# What libvirtd passes its qemu hook (docs/hooks.md), libvirt >= 10.5.
 START = [["vm1", "prepare", "begin", "-"], ["vm1", "start", "begin", "-"]]
 STARTED = [["vm1", "started", "begin", "-"]]
 

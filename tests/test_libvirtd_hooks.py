@@ -1,6 +1,6 @@
 """libvirt's qemu hook contract, shown with a real private libvirtd and real TCG guests.
 
-These are the facts vmlend's hook is built on (shared/FACTS.md, "libvirt qemu hook
+These are the facts vmlend's hook is built on ("libvirt qemu hook
 contract"); if a libvirt upgrade changes one of them, a test here fails first.
 """
 

@@ -2,7 +2,7 @@
 
 Hops count every element a TLP passes, both ends included (devices, in-host switches, root
 ports, root complexes, NTB adapters, cluster switches); roots count the root complexes. The
-default topology reproduces DESIGN.md's Table-2 anchors."""
+default topology reproduces the papers' Table-2 anchors (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def names(path) -> list[str]:
     return [s.name for s in path.stages]
 
 
-# --- DESIGN.md's anchors on the default topology -----------------------------------------------
+# --- the papers' anchors (docs/design.md) on the default topology ---------------------------
 
 
 def test_local_vm_p2p_is_7_hops_through_1_root():

@@ -329,7 +329,7 @@ def _daemon_start(env: HostEnv) -> tuple[Path, float] | None:
 
 
 def check_daemon_saw_hook(env: HostEnv) -> Finding:
-    """libvirtd enables hooks only if one existed when it started (FACTS.md), so some hook file
+    """libvirtd enables hooks only if one existed when it started (docs/hooks.md), so some hook file
     must predate the daemon; later files in qemu.d are then picked up."""
     started = _daemon_start(env)
     if started is None:

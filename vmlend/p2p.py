@@ -39,7 +39,7 @@ OTHER_LENDER = "other-lender"
 
 #: Smallest IOMMU page: a BAR below this cannot be mapped on its own.
 PAGE = 4096
-#: Latency one NTB crossing adds one way (DESIGN.md: ~350-370 ns); an estimate for status.
+#: Latency one NTB crossing adds one way (docs/design.md: ~350-370 ns); an estimate for status.
 NTB_ONE_WAY_NS = 360
 #: Kind of runtime record a P2P map is persisted as (registry ``put_runtime``).
 RECORD_KIND = "p2p-map"

@@ -4,7 +4,7 @@ Pure logic over a ``Topology`` and a snapshot of the shared state (``StateView``
 backend that keeps its claims in the registry uses it, inside the registry's write transaction,
 so the decision and the claims it makes are atomic across processes.
 
-What a remote reservation uses (DESIGN.md, limits):
+What a remote reservation uses (docs/design.md, limits):
 - one requester LUT entry on each adapter of the crossing (the device's requester id on the
   lender's, its identity on the borrower's): 30 usable entries allow 30 devices lent and 30
   borrowed per node;

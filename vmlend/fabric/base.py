@@ -5,7 +5,7 @@ default) and ``vmlend.fabric.smartio`` (the kernel: Linux mdev sysfs plus the Sm
 attributes). Both keep "who holds what" in the shared state (``vmlend.registry``), so separate
 processes (hook, CLI, daemon) see one truth.
 
-Life of a device for a VM (DESIGN.md, mechanisms 1-4):
+Life of a device for a VM (docs/design.md, mechanisms 1-4):
     lend -> reserve (prepare hook) -> create_mdev -> [guest enables] borrow
          -> [guest releases] give_back -> remove_mdev -> release (release hook) -> unlend
 """

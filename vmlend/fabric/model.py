@@ -18,7 +18,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 TiB = 1 << 40
 
-#: Requester LUT entries reserved per CPU on a PXH830-class adapter (DESIGN.md, limits).
+#: Requester LUT entries reserved per CPU on a PXH830-class adapter (docs/design.md, limits).
 LUT_RESERVED_PER_CPU = 2
 
 

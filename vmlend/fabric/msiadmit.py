@@ -1,4 +1,4 @@
-"""Admission of an MSI/MSI-X window over the NTB (DESIGN.md, mechanism 12; docs/interrupts.md).
+"""Admission of an MSI/MSI-X window over the NTB (docs/design.md, mechanism 12; docs/interrupts.md).
 
 Interrupts mapped over the NTB need one segment of the lender's NTB window for the VM's
 interrupt target page, shared by every device the VM borrows through that adapter (like its DMA

@@ -7,10 +7,10 @@ the root complexes passed. With the IOMMU on (always, for lending), peer-to-peer
 complex is forced up through it (ACS redirect), so a device reaching a peer under the same
 switch still goes switch -> root port -> root complex -> root port -> switch.
 
-The counting matches DESIGN.md's Table-2 anchors on the default topology: local VM P2P is
+The counting matches docs/design.md's Table-2 anchors on the default topology: local VM P2P is
 ``gpu, switch, root port, root complex, root port, switch, gpu`` = 7 hops, 1 root; a remote VM
 whose two devices on two lenders exchange data through the borrower's RAM is 21 hops, 3 roots
-(see docs/simulator.md). Latency: each NTB crossing adds ``NTB_ONE_WAY_NS`` one way (DESIGN.md:
+(see docs/simulator.md). Latency: each NTB crossing adds ``NTB_ONE_WAY_NS`` one way (docs/design.md:
 ~350-370 ns); the other hops are not costed, the papers give no per-hop figure for them.
 """
 
@@ -25,7 +25,7 @@ from vmlend.errors import ConfigError, FabricError
 from vmlend.fabric.model import AdapterSpec, DeviceSpec, PcieKind, Topology, parse_fdid
 from vmlend.fabric.paths import NtbPath, route
 
-#: One way across one NTB crossing (adapter, cable or cluster switches, adapter), DESIGN.md.
+#: One way across one NTB crossing (adapter, cable or cluster switches, adapter), docs/design.md.
 NTB_ONE_WAY_NS = 360
 
 

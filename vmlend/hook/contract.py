@@ -1,4 +1,4 @@
-"""libvirt's qemu hook calling convention, as pure data (FACTS.md, "libvirt qemu hook contract").
+"""libvirt's qemu hook calling convention, as pure data (libvirt's hooks docs; docs/hooks.md).
 
 argv: object (domain name), operation, sub-operation, extra ("-" when empty); the domain XML on
 stdin. Exit 0 is success; non-zero makes libvirt log our stderr and abort the operation (only

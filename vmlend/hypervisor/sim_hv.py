@@ -1,7 +1,7 @@
 """The simulated hypervisor of one fabric node: libvirt's domain life cycle without QEMU.
 
 It keeps each domain's persistent and live XML in files (``SimStore``), so every CLI process
-sees the same domains, and runs the qemu hook exactly as libvirtd does (FACTS.md, "libvirt qemu
+sees the same domains, and runs the qemu hook exactly as libvirtd does (docs/hooks.md, "libvirt qemu
 hook contract"): ``hook_command + [name, op, subop, extra]``, the full domain XML on stdin, the
 environment passed through, synchronously.
 

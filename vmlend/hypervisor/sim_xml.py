@@ -1,7 +1,7 @@
 """Pure domain-XML rules of the simulated hypervisor: what libvirt checks and adds on define,
 how it edits ``<metadata>`` and hot-plugged devices. No I/O; every function works on lxml trees.
 
-Only behaviour observed from libvirt is mimicked (FACTS.md, "This machine kind"): define
+Only behaviour observed from libvirt is mimicked (docs/testing.md): define
 generates a missing UUID and marks mdev hostdevs ``managed='no'`` (and ``display='off'`` for
 vfio-pci); a running domain's XML carries ``id``. Errors reuse libvirt's wording.
 """

@@ -1,4 +1,4 @@
-"""MSI/MSI-X mapped over the NTB: the device signals the VM itself (DESIGN.md, mechanism 12).
+"""MSI/MSI-X mapped over the NTB: the device signals the VM itself (docs/design.md, mechanism 12).
 
 The guest's MSI/MSI-X address and data stay virtual (the VMM routes the guest's vectors, as
 with the relay). vmlend owns the physical message each vector sends: address ``MSI_IOVA`` in

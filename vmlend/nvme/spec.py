@@ -1,4 +1,4 @@
-"""NVMe base-spec constants and the wire format of queue entries (pure; FACTS.md "NVMe").
+"""NVMe base-spec constants and the wire format of queue entries (pure; the NVMe base spec).
 
 Submission entries are 64 bytes, completion entries 16; both little-endian. Status values here
 are the 15-bit Status Field without the phase tag: ``sct << 8 | sc``.

@@ -1,6 +1,6 @@
 """Attach: hot-add a remote device to a domain, or add it to its definition.
 
-libvirt runs no hook for hot-plug (FACTS.md), so for a live attach vmlend borrows the device
+libvirt runs no hook for hot-plug (docs/hooks.md), so for a live attach vmlend borrows the device
 itself with the hook's own steps (``vmlend.lending``): reserve, mdev parent, mdev child, then
 ``attach_device`` and the vmlend metadata. Every step pushes its undo; any failure undoes them
 all and reports one line. A config change only edits the persistent definition: the hook

@@ -1,6 +1,6 @@
 """Migrate: cold migration of a VM to another node of the fabric.
 
-The VM keeps its devices because its XML names fdids, not host paths (DESIGN.md, mechanism 10).
+The VM keeps its devices because its XML names fdids, not host paths (docs/design.md, mechanism 10).
 Order, chosen so that a failure at any step leaves the VM defined (and startable) on exactly one
 of the two hosts, never on neither:
 

@@ -17,7 +17,7 @@ from vmlend.hypervisor import Hypervisor
 class DetachWait(msgspec.Struct, frozen=True):
     """How long a live detach waits for the guest to let go of the hostdev: libvirt's live
     detach returns once it asked QEMU, which unplugs only when the guest acknowledges (a guest
-    without an OS never does; FACTS.md). ``clock`` and ``sleep`` are injectable for tests."""
+    without an OS never does; docs/testing.md). ``clock`` and ``sleep`` are injectable for tests."""
 
     timeout: float = 10.0
     interval: float = 0.2

@@ -4,7 +4,7 @@ The glue between the pure memory code (``vmlend.memory``: layout, probe, plan) a
 hardware. When a device's Bus Master bit goes on, :meth:`VmDmaWindows.enable` probes the guest's
 RAM with the pin oracle (a mismatch with the computed layout is refused), pins it, plans the low
 and high windows against the lender adapter's free segments and the device's DMA limit, and
-programs the three stages (DESIGN.md mechanism 6):
+programs the three stages (docs/design.md mechanism 6):
 
 - borrower IOMMU, the VM's domain: IOVA = GPA -> host frames. Shared by every remote device of
   the VM (the domain is per VM), mapped by the first and unmapped by the last.

@@ -1,4 +1,4 @@
-"""Borrower-side interrupt targets for MSI/MSI-X over the NTB (DESIGN.md, mechanism 12).
+"""Borrower-side interrupt targets for MSI/MSI-X over the NTB (docs/design.md, mechanism 12).
 
 MSI and MSI-X are posted memory writes. Instead of a lender-side handler relaying each
 interrupt, the device's physical message address points, through the lender IOMMU and an NTB

@@ -9,7 +9,7 @@ The guest's configuration space is a view over the physical one:
   FLR) is read from and written to the physical ``ConfigSpace``, so its listeners (the
   interrupt relay) see the guest's writes as they happen.
 
-Reactions to the guest's writes (DESIGN.md mechanisms 4-5, 8):
+Reactions to the guest's writes (docs/design.md mechanisms 4-5, 8):
 
 - the first enable (memory or I/O decoding, bus master, or a function level reset) does the
   deferred hardware borrow through the fabric (``borrow(fdid, holder)``);
