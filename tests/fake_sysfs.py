@@ -294,6 +294,8 @@ class _FakeDev:
     availability: str = "available"
     borrower: int = -1
     wants_parent: bool = False  # registered by 'borrow', kept across an unreachable lender
+    token: int = 0  # the largest fencing token written to 'token'
+    tokens: list[int] = field(default_factory=list)  # every token accepted, in order
 
 
 class FakeSmartio:
@@ -352,6 +354,8 @@ class FakeSmartio:
         for k, v in attrs.items():
             (d / k).write_text(v + "\n")
         (d / "bars").write_text(bars)
+        (d / "token").write_text("0\n")
+        self.fake.handlers[(d / "token").resolve()] = lambda text, f=fdid: self._token(f, text)
         self.devs[fdid] = _FakeDev(fdid, lender_node_id, attrs, availability)
         self._sync(fdid)
         _link(self.base / self._name(fdid), d)
@@ -399,6 +403,19 @@ class FakeSmartio:
         dev.wants_parent = True
         if self._name(fdid) not in self.fake._parents:
             self._register(fdid)
+
+    def _token(self, fdid: int, text: str) -> None:
+        """The fencing token of the hold the next step is for: an older one is ``ESTALE``."""
+        dev, path = self.devs[fdid], self._dir(fdid) / "token"
+        try:
+            token = int(text.strip())
+        except ValueError:
+            raise _oserror(errno.EINVAL, path) from None
+        if token < dev.token:
+            raise _oserror(errno.ESTALE, path)
+        dev.token = token
+        dev.tokens.append(token)
+        path.write_text(f"{token}\n")
 
     def _unborrow(self, fdid: int) -> None:
         dev, name = self.devs[fdid], self._name(fdid)

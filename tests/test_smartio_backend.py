@@ -24,6 +24,7 @@ from vmlend.errors import (
     MdevBadNameError,
     MdevBusyError,
     MdevParentGoneError,
+    StaleTokenError,
 )
 from vmlend.fabric.model import DeviceState, DeviceStatus, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric
@@ -36,6 +37,7 @@ from vmlend.udev import Outcome
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
+U2 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1002"
 NVME = 0x12
 PARENT = "smartio-12"
 
@@ -313,3 +315,26 @@ def test_a_hostile_type_id_in_the_registry_never_steers_a_sysfs_write(fabric, fa
         fabric.create_mdev(NVME, U1, WEB)
     assert (planted / "create").read_text() == "untouched"
     assert fabric.bus.device(U1) is None
+
+
+def test_the_mdev_carries_the_holds_fencing_token_and_the_driver_refuses_an_older_one(
+    fabric, fake, other_view
+):
+    """docs/smartio-contract.md, "The fencing token": vmlend writes the hold's token before it
+    creates the child; a holder whose hold ended (its host cut off) and that comes back late
+    with its old token is refused by the driver, and its mdev record does not stay."""
+    start_vm(fabric)
+    first = other_view.holds()[NVME].token
+    assert fake.smartio.devs[NVME].tokens == [first] and first > 0
+    fabric.remove_mdev(U1)
+    fabric.release(NVME, WEB)
+    other = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")
+    fabric.reserve(NVME, other)
+    fabric.ensure_mdev_parent(NVME)
+    fabric.create_mdev(NVME, U2, other)
+    newer = other_view.holds()[NVME].token
+    assert newer > first and fake.smartio.devs[NVME].token == newer
+    # the old holder's late step, as its host still believes in its hold
+    with pytest.raises(StaleTokenError, match="fencing token"):
+        fabric.driver.set_token(NVME, first)
+    assert fake.smartio.devs[NVME].token == newer

@@ -26,6 +26,7 @@ from vmlend.errors import (
     LenderUnavailableError,
     MdevError,
     MdevParentNotFoundError,
+    StaleTokenError,
     UnknownDeviceError,
 )
 from vmlend.fabric.admission import AdapterUsage
@@ -297,8 +298,12 @@ class SmartioFabric:
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         info = self._state.create_mdev(fdid, uuid, holder)  # checks the hold, records it
         try:
+            # the hold's fencing token first: the driver refuses a step of an older hold
+            hold = self._state.holds().get(fdid)
+            if hold is not None and hold.token:
+                self.driver.set_token(fdid, hold.token)
             self.bus.create(info.parent, info.type_id, info.uuid)
-        except MdevError:
+        except (MdevError, StaleTokenError):
             if info.created:  # undo only the record this call made, never another process's
                 self._state.remove_mdev(info.uuid)
             raise

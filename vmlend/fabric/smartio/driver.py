@@ -28,6 +28,7 @@ from vmlend.errors import (
     FabricError,
     HostError,
     LenderUnavailableError,
+    StaleTokenError,
     UnknownDeviceError,
 )
 from vmlend.fabric.model import BarKind, BarSpec, format_fdid
@@ -230,6 +231,21 @@ class SmartioDriver:
         except OSError as e:
             raise self._error(attr, fdid, e.errno or 0) from None
         log.info("smartio %s %s", attr, format_fdid(fdid))
+
+    def set_token(self, fdid: int, token: int) -> None:
+        """Give the device the fencing token of the hold the next step is made for
+        (docs/smartio-contract.md, "The fencing token"): the driver keeps the largest and
+        refuses an older one with ``ESTALE`` (``StaleTokenError``)."""
+        self.require()
+        path = self.base / device_name(fdid) / "token"
+        try:
+            self.writer.write(path, str(token))
+        except OSError as e:
+            if e.errno == errno.ESTALE:
+                current = self._int(path) if path.exists() else 0
+                raise StaleTokenError(fdid, token, current, "a step") from None
+            raise self._error("token", fdid, e.errno or 0) from None
+        log.info("smartio token %s %d", format_fdid(fdid), token)
 
     def _error(self, attr: str, fdid: int, code: int) -> Exception:
         f = format_fdid(fdid)
