@@ -211,6 +211,14 @@ def test_available_instances_is_a_count(fake, bus, data, says):
         bus.parent("mtty")
 
 
+def test_a_missing_available_instances_is_damage_not_a_vanished_parent(fake, bus):
+    # Found by tests/test_fuzz_boundaries.py: a bare FileNotFoundError escaped parent().
+    (types_dir(fake, "mtty", "mtty-1") / "available_instances").unlink()
+    with pytest.raises(SysfsAttributeError, match="available_instances: missing"):
+        bus.parent("mtty")
+    assert [p.name for p in bus.parents()] == ["good"] and len(bus.unreadable) == 1
+
+
 def test_a_damaged_parent_does_not_hide_the_others(fake, bus):
     plant_directory(types_dir(fake, "mtty", "mtty-1") / "device_api")
     assert [p.name for p in bus.parents()] == ["good"]

@@ -140,9 +140,11 @@ def _read(path: Path, default: str | None = None, lines: bool = False) -> str:
     try:
         return read_text(path, CHECK).strip() if lines else read_value(path, CHECK)
     except FileNotFoundError:
-        if default is None:
-            raise
-        return default
+        if default is not None:
+            return default
+        if path.parent.is_dir():  # still there: a required attribute is missing, not gone
+            raise SysfsAttributeError(path, "missing: the mdev ABI requires it", CHECK) from None
+        raise
 
 
 def _resolve(link: Path) -> Path | None:
