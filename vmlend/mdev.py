@@ -186,7 +186,7 @@ class MdevBus:
             except (MdevParentNotFoundError, FileNotFoundError):
                 log.debug("mdev parent %s vanished while listing", name)
             except SysfsAttributeError as e:
-                log.warning("mdev parent %s left out: %s", name, e)
+                log.info("mdev parent %s left out: %s", name, e)
                 self.unreadable.append(e)
         return found
 
@@ -243,7 +243,7 @@ class MdevBus:
             try:
                 dev = self.device(link.name)
             except (MdevBadUuidError, SysfsAttributeError) as e:
-                log.warning("mdev device %s left out: %s", link.name, e)
+                log.info("mdev device %s left out: %s", link.name, e)
                 self.unreadable.append(e)
                 continue
             if dev is not None:

@@ -185,7 +185,7 @@ class SmartioDriver:
             except UnknownDeviceError:
                 log.debug("SmartIO device %s vanished while listing", format_fdid(fdid))
             except SysfsAttributeError as e:
-                log.warning("SmartIO device %s left out: %s", format_fdid(fdid), e)
+                log.info("SmartIO device %s left out: %s", format_fdid(fdid), e)
                 damaged.append(e)
         return found, damaged
 
