@@ -10,6 +10,7 @@ still break vmlend and prints them.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from pathlib import Path
 
@@ -194,7 +195,14 @@ def mutate_xml(xml: bytes, plan: list[tuple[str, int, str]], tail: tuple[str, in
 
 # --- topology TOML --------------------------------------------------------------------------
 
-TOML_OPS = ("drop", "dup", "value", "insert", "swap", "bytes")
+TOML_OPS = ("drop", "dup", "value", "number", "number", "insert", "swap", "bytes")
+#: Numbers near the edges a topology's fields have, for the "number" step: mostly accepted,
+#: so what is taken gets used by the commands after ``fabric init``.
+TOML_NUMBERS = (
+    "0", "1", "2", "3", "-1", "4", "15", "16", "31", "32", "33", "63", "64", "65", "4096",
+    "65535", "65536", "0x7fffffff", "0xffffffff", "0x100000000", str(1 << 52),
+    str((1 << 52) + 1), '"4KiB"', '"1MiB"', '"4095B"', '"4096TiB"', '"8192TiB"', '"0B"',
+)  # fmt: skip
 #: What can stand right of ``=`` in TOML, beyond NASTY as strings.
 TOML_VALUES = (
     "0",
@@ -233,6 +241,10 @@ toml_plan = st.lists(
 )
 
 
+# ``key = 12``, ``key = 0x10``, ``key = "16MiB"``; also inside inline tables.
+_NUMERIC = re.compile(r'(\b[a-z_]+\s*=\s*)("\d+[KMGT]?i?B"|0x[0-9a-fA-F]+|-?\d+)')
+
+
 def mutate_toml(text: str, plan: list[tuple[str, int, str]]) -> bytes:
     lines = text.splitlines()
     raw = b""
@@ -244,6 +256,12 @@ def mutate_toml(text: str, plan: list[tuple[str, int, str]]) -> bytes:
             lines.insert(i, lines[i])
         elif op == "value" and "=" in lines[i]:
             lines[i] = lines[i].split("=", 1)[0] + "= " + value
+        elif op == "number":
+            numeric = [k for k, line in enumerate(lines) if _NUMERIC.search(line)]
+            if numeric:
+                k = numeric[pos % len(numeric)]
+                number = TOML_NUMBERS[(pos // len(numeric)) % len(TOML_NUMBERS)]
+                lines[k] = _NUMERIC.sub(lambda m, n=number: m.group(1) + n, lines[k], count=1)
         elif op == "insert":
             lines.insert(i, f"{value.strip(chr(39))} = {value}")
         elif op == "swap":
