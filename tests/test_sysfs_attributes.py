@@ -273,6 +273,16 @@ def test_vmlend_devices_lists_the_others_and_reports_the_damaged_one_in_one_line
     assert "smartio-11/bars" in line and "power of two" in line
 
 
+def test_the_root_option_reaches_the_kernel_backend(smartio_host):
+    # --root used to be ignored by the SmartIO backend (only $VMLEND_ROOT counted).
+    fake, env = smartio_host
+    plant_bytes(attr(fake, "physfn", 0x12), b"pf\n")
+    root = env.pop("VMLEND_ROOT")
+    r = CliRunner().invoke(main, ["--root", root, "devices"], env={**env, "VMLEND_ROOT": ""})
+    assert r.exit_code == 0, r.output
+    assert "smartio-12/physfn" in r.stderr
+
+
 def test_vmlend_doctor_fails_the_smartio_check_naming_the_attribute(smartio_host):
     fake, env = smartio_host
     plant_loop(attr(fake, "dma_bits", 0x12))
