@@ -226,6 +226,15 @@ def test_a_damaged_parent_does_not_hide_the_others(fake, bus):
     assert "device_api" in str(problem) and "a directory" in str(problem)
 
 
+def test_vmlend_mdev_types_lists_the_others_and_reports_the_damaged_one_in_one_line(fake, bus):
+    plant_loop(types_dir(fake, "mtty", "mtty-1") / "available_instances")
+    r = CliRunner().invoke(main, ["--root", str(fake.root), "mdev", "types"])
+    assert r.exit_code == 0, r.output
+    assert [line.split()[0] for line in r.stdout.splitlines()[1:]] == ["good"]
+    (line,) = r.stderr.splitlines()
+    assert "mtty-1/available_instances" in line and "symbolic link loop" in line
+
+
 def test_a_file_where_a_type_directory_belongs(fake, bus):
     plant_bytes(types_dir(fake, "mtty", "stray"), b"x\n")
     assert [p.name for p in bus.parents()] == ["good"]
