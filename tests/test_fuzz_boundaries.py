@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs, FakeType
+from tests.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
 from tests.fuzz_support import (
     assert_clean_failure,
     assert_cli_result,
@@ -52,6 +52,7 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import SysfsAttributeError, VmlendError
 from vmlend.fabric.model import BarKind, MiB
 from vmlend.fabric.open import default_topology_text, open_fabric
+from vmlend.fabric.smartio.backend import open_smartio_fabric
 from vmlend.fabric.smartio.driver import SmartioDriver
 from vmlend.fabric.topology import MAX_ADDRESS
 from vmlend.hook import wire
@@ -206,6 +207,64 @@ def test_mdev_type_attributes_are_a_sound_type_or_one_typed_error(smartio_root, 
     except VmlendError as e:
         assert "\n" not in str(e)
     assert "good" in [p.name for p in bus.parents()]
+
+
+@pytest.fixture(scope="module")
+def kernel_host(workdir, pristine) -> tuple[FakeSysfs, dict[Path, bytes]]:
+    """A fake host whose SmartIO driver lists the default cluster, and the sound bytes of
+    every attribute of the two devices the next property damages."""
+    fake = FakeSysfs(workdir / "kernel")
+    with open_fabric(pristine) as sim:
+        populate_smartio(FakeSmartio(fake, node_id=12), sim.topology())
+    sound = {
+        fake.env.smartio / f"smartio-{fdid:x}" / name: b""
+        for fdid in (0x10, 0x12)
+        for name in SMARTIO_ATTRIBUTES
+    }
+    return fake, {path: path.read_bytes() for path in sound}
+
+
+@fuzz_settings()
+@given(
+    attacks=st.lists(
+        st.tuples(st.sampled_from((0x10, 0x12)), st.sampled_from(SMARTIO_ATTRIBUTES), damage),
+        min_size=1,
+        max_size=2,
+    )
+)
+def test_hostile_sysfs_under_the_hook_on_the_kernel_backend(
+    pristine, kernel_host, tmp_path, attacks
+):
+    fake, sound = kernel_host
+    for path, data in sound.items():
+        plant_bytes(path, data)
+    for fdid, name, (how, data) in attacks:
+        plant(fake.env.smartio / f"smartio-{fdid:x}" / name, how, data)
+    state = tmp_path / "kernel" / "state.db"
+    state.parent.mkdir(exist_ok=True)
+    copy_state(pristine, state)
+    before = dump_state(state)
+    xml = vmlend_domain()
+
+    def on_this_host(path, node):
+        return open_smartio_fabric(path, node, env=fake.env, writer=fake)
+
+    def call(*argv: str) -> tuple[int, str]:
+        err = io.StringIO()
+        code = run(["vm1", *argv], stdin=io.BytesIO(xml), stdout=io.BytesIO(), stderr=err,
+                   environ={"VMLEND_STATE": str(state)}, open_fabric=on_this_host)  # fmt: skip
+        return code, err.getvalue()
+
+    code, err = call("prepare", "begin", "-")
+    event(f"prepare: exit {code}")
+    assert code in (0, 1)
+    assert_clean_failure(code, err)
+    if code == 0:
+        assert call("release", "end", "-") == (0, "")
+    else:
+        assert dump_state(state) == before
+    # Nothing is left in the kernel either way: no child, no registered parent.
+    assert MdevBus(fake.env, fake).devices() == [] and MdevBus(fake.env, fake).parents() == []
 
 
 # --- 2. domain XML into the hook ---------------------------------------------------------------
