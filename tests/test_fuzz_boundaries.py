@@ -413,7 +413,7 @@ def assert_frame_or_wire_error(data: bytes, answer: bool) -> None:
         argv, env, xml = decoded  # type: ignore[misc]
         assert len(argv) <= wire.MAX_STRINGS and len(env) <= wire.MAX_STRINGS
         assert len(xml) <= wire.MAX_BLOB
-        assert data.startswith(wire.encode_request(argv, env, xml)[: len(wire.MAGIC)])
+        assert data.startswith(wire.MAGIC) and all(isinstance(a, str) for a in argv)
 
 
 request = st.tuples(
