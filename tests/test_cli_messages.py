@@ -78,3 +78,14 @@ def test_a_refused_migration_does_not_repeat_the_device(cluster):
     line = one_line(cluster.cli("migrate", "vm1", "--to", "alpha", *GAMMA))
     assert "device 0x10: device 0x10" not in line
     assert line.endswith("nothing was changed")
+
+
+def test_a_newline_in_a_value_an_error_quotes_stays_one_line(tmp_path):
+    # Found by tests/test_fuzz_boundaries.py: libvirt's reason repeated the URI's newline.
+    from click.testing import CliRunner
+
+    from vmlend.cli import main
+
+    r = CliRunner().invoke(main, ["--state", str(tmp_path / "s.db"), "status", "-c", "a\nb"])
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "a\\nb" in r.stderr

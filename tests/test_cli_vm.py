@@ -63,6 +63,8 @@ def test_bad_input_is_one_line(cluster, tmp_path):
     )
     assert "ghost" in one_line(cluster.cli("vm", "start", "ghost", "-c", "sim:///gamma"))
     assert "ghost" in one_line(cluster.cli("vm", "domstate", "ghost", "-c", "sim:///gamma"))
+    # Found by tests/test_fuzz_boundaries.py: no "waiting up to ..." line before the error.
+    assert "ghost" in one_line(cluster.cli("vm", "shutdown", "ghost", "-c", "sim:///gamma"))
 
 
 def test_a_wait_says_what_it_waits_for_and_shows_a_live_indicator_on_a_tty():

@@ -103,9 +103,12 @@ def check_smartio(env: HostEnv, required: bool = False) -> Finding:
         )
     try:
         node = driver.node_id()
-        devices = driver.devices()
+        devices, damaged = driver.scan()
     except HostError as e:
         return Finding("smartio driver", Status.FAIL, str(e))
+    if damaged:
+        more = f" (and {len(damaged) - 1} more damaged devices)" if len(damaged) > 1 else ""
+        return Finding("smartio driver", Status.FAIL, f"{damaged[0]}{more}")
     available = sum(d.availability is Availability.AVAILABLE for d in devices)
     parents = sum(d.parent_registered for d in devices)
     return Finding(

@@ -244,6 +244,18 @@ class HostError(VmlendError):
     """The host lacks something vmlend needs (a module, a path, a daemon)."""
 
 
+class SysfsAttributeError(HostError):
+    """A sysfs attribute is not what the kernel makes it: a directory or a loop where a file
+    belongs, bytes that are not ASCII text, or a value outside what the attribute can hold.
+    ``path`` names it, ``problem`` says what is wrong and ``check`` whom to blame."""
+
+    def __init__(self, path: object, problem: str, check: str = "its driver ('dmesg')") -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.check = check
+        super().__init__(f"sysfs attribute {self.path}: {problem}; check {check}")
+
+
 class UnsafePathError(VmlendError):
     """vmlend, often running as root, will not use ``path`` as it is: a symbolic link where a
     file is expected, not a regular file, too large, owned or writable by someone other than
@@ -600,6 +612,8 @@ class SharingUnsupportedError(NvmeShareError):
         self.fdid = fdid
         self.why = why
         super().__init__(f"device {fdid:#x} cannot be shared at the queue level: {why}")
+
+
 # --- appended by the cluster work (etcd registry, agent, fencing) ----------------------------
 
 

@@ -37,8 +37,11 @@ from vmlend.errors import (
     MdevParentNotFoundError,
     MdevTypeNotFoundError,
     MdevUuidInUseError,
+    SysfsAttributeError,
+    VmlendError,
 )
 from vmlend.hostenv import HostEnv
+from vmlend.sysfsattr import is_directory, parse_number, read_text, read_value
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +130,33 @@ class MdevDevice(msgspec.Struct, frozen=True):
     iommu_group: int | None = None
 
 
-def _read(path: Path, default: str | None = None) -> str:
+#: Whom a damaged mdev attribute blames, for messages.
+CHECK = "the parent's driver ('dmesg')"
+#: ``available_instances`` is the kernel's ``%d`` of a non-negative count.
+_INSTANCES_MAX = 0x7FFFFFFF
+
+
+def _read(path: Path, default: str | None = None, lines: bool = False) -> str:
     try:
-        return path.read_text().strip()
+        return read_text(path, CHECK).strip() if lines else read_value(path, CHECK)
     except FileNotFoundError:
-        if default is None:
-            raise
-        return default
+        if default is not None:
+            return default
+        if path.parent.is_dir():  # still there: a required attribute is missing, not gone
+            raise SysfsAttributeError(path, "missing: the mdev ABI requires it", CHECK) from None
+        raise
+
+
+def _resolve(link: Path) -> Path | None:
+    """Where the kernel's link ``link`` leads; None when it does not exist (the device went
+    away), ``SysfsAttributeError`` for a loop."""
+    try:
+        return link.resolve(strict=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, RuntimeError):
+        # Python 3.11 reports a link loop as RuntimeError, later versions as OSError (ELOOP).
+        raise SysfsAttributeError(link, "a symbolic link loop", CHECK) from None
 
 
 class MdevBus:
@@ -142,6 +165,8 @@ class MdevBus:
     def __init__(self, env: HostEnv, writer: SysfsWriter | None = None) -> None:
         self.env = env
         self.writer: SysfsWriter = writer or KernelWriter()
+        #: What the last ``parents()`` or ``devices()`` left out because sysfs was damaged.
+        self.unreadable: list[VmlendError] = []
 
     # --- reading -------------------------------------------------------------------------------
     def parent_names(self) -> list[str]:
@@ -151,18 +176,23 @@ class MdevBus:
         return sorted(p.name for p in base.iterdir())
 
     def parents(self) -> list[MdevParent]:
-        """Every registered parent; one that vanishes while being read is left out."""
+        """Every registered parent; one that vanishes while being read is left out, and so is
+        one whose attributes are damaged (kept in ``unreadable``): it must not hide the rest."""
         found = []
+        self.unreadable = []
         for name in self.parent_names():
             try:
                 found.append(self.parent(name))
             except (MdevParentNotFoundError, FileNotFoundError):
                 log.debug("mdev parent %s vanished while listing", name)
+            except SysfsAttributeError as e:
+                log.info("mdev parent %s left out: %s", name, e)
+                self.unreadable.append(e)
         return found
 
     def parent(self, name: str) -> MdevParent:
         types_dir = self._parent_dir(name) / "mdev_supported_types"
-        if not types_dir.is_dir():
+        if not is_directory(types_dir, CHECK):
             raise MdevParentNotFoundError(name)
         types = tuple(self._read_type(name, d) for d in sorted(types_dir.iterdir()))
         return MdevParent(name=name, types=types)
@@ -184,18 +214,13 @@ class MdevBus:
         devices = (
             tuple(sorted(p.name for p in devices_dir.iterdir())) if devices_dir.is_dir() else ()
         )
-        raw = _read(d / "available_instances")
-        try:
-            available = int(raw)
-        except ValueError:
-            raise MdevError(
-                f"mdev parent {parent}/{d.name}: unreadable available_instances {raw!r}"
-            ) from None
+        path = d / "available_instances"
+        available = parse_number(path, _read(path), 0, _INSTANCES_MAX, "a count", CHECK)
         return MdevType(
             parent=parent,
             type_id=d.name,
             name=_read(d / "name", d.name),
-            description=_read(d / "description", ""),
+            description=_read(d / "description", "", lines=True),
             device_api=_read(d / "device_api", ""),
             available_instances=available,
             devices=devices,
@@ -213,8 +238,14 @@ class MdevBus:
         if not base.is_dir():
             return []
         found = []
+        self.unreadable = []
         for link in sorted(base.iterdir()):
-            dev = self.device(link.name)
+            try:
+                dev = self.device(link.name)
+            except (MdevBadUuidError, SysfsAttributeError) as e:
+                log.info("mdev device %s left out: %s", link.name, e)
+                self.unreadable.append(e)
+                continue
             if dev is not None:
                 found.append(dev)
         return found
@@ -223,16 +254,13 @@ class MdevBus:
         """The child ``uuid``, or None when it does not exist."""
         u = normalize_uuid(uuid)
         link = self.env.mdev_devices / u
-        try:
-            # mdev_type -> .../<parent>/mdev_supported_types/<type-id>
-            type_dir = (link / "mdev_type").resolve(strict=True)
-        except (FileNotFoundError, NotADirectoryError):
+        type_dir = _resolve(link / "mdev_type")  # -> <parent>/mdev_supported_types/<type-id>
+        if type_dir is None:
             return None
-        group: int | None = None
-        try:
-            group = int((link / "iommu_group").resolve(strict=True).name)
-        except (FileNotFoundError, ValueError):
-            group = None
+        group_dir = _resolve(link / "iommu_group")
+        group = None
+        if group_dir is not None and group_dir.name.isascii() and group_dir.name.isdigit():
+            group = int(group_dir.name)
         return MdevDevice(
             uuid=u, parent=type_dir.parent.parent.name, type_id=type_dir.name, iommu_group=group
         )

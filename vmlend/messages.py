@@ -12,3 +12,13 @@ def about(subject: str, detail: str) -> str:
     """``subject: detail``, unless the detail already starts with the subject (no
     ``device 0x10: device 0x10 is held ...``)."""
     return detail if detail.startswith(subject) else f"{subject}: {detail}"
+
+
+def single_line(text: str) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``): an error naming a
+    user's value that holds a newline must still be one line, and not forge a second one."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )

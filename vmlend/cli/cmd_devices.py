@@ -93,6 +93,9 @@ def devices(
         emit_json([device_json(st) for st in rows])
     else:
         emit_table(HEADERS, [device_row(st) for st in rows])
+    # The kernel backend lists a device it cannot read as unavailable; say why, one line each.
+    for problem in getattr(fabric, "unreadable", ()):
+        click.echo(f"vmlend: warning: device left unavailable: {problem}", err=True)
 
 
 COMMANDS = [devices]

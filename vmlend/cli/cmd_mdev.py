@@ -16,6 +16,12 @@ def _bus(obj: CliContext) -> MdevBus:
     return MdevBus(HostEnv.from_env(obj.root))
 
 
+def _warn(bus: MdevBus) -> None:
+    """One line on stderr for each parent or child a listing left out as damaged."""
+    for problem in bus.unreadable:
+        click.echo(f"vmlend: warning: left out: {problem}", err=True)
+
+
 @click.group("mdev")
 def mdev() -> None:
     """List, create and remove mdev children (sysfs under --root)."""
@@ -26,7 +32,9 @@ def mdev() -> None:
 @click.pass_obj
 def types(obj: CliContext, json_output: bool) -> None:
     """Every mdev parent and the types it offers."""
-    rows = [t for p in _bus(obj).parents() for t in p.types]
+    bus = _bus(obj)
+    rows = [t for p in bus.parents() for t in p.types]
+    _warn(bus)
     if json_output:
         emit_json(
             [
@@ -56,7 +64,9 @@ def types(obj: CliContext, json_output: bool) -> None:
 @click.pass_obj
 def list_(obj: CliContext, json_output: bool) -> None:
     """Every mdev child on this host."""
-    devices = _bus(obj).devices()
+    bus = _bus(obj)
+    devices = bus.devices()
+    _warn(bus)
     if json_output:
         emit_json(
             [

@@ -115,8 +115,10 @@ def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
 @click.pass_obj
 def vm_shutdown(obj: CliContext, uri: str | None, name: str, timeout: float) -> None:
     """Ask a VM's guest to power off and wait for it ('vmlend vm destroy' pulls the plug)."""
-    with _Session(obj, uri) as hv, Wait(f"domain '{name}' to shut down", timeout):
-        hv.shutdown(name, timeout)
+    with _Session(obj, uri) as hv:
+        hv.lookup(name)  # an unknown domain is its one error line, not a wait announced first
+        with Wait(f"domain '{name}' to shut down", timeout):
+            hv.shutdown(name, timeout)
     click.echo(f"Domain '{name}' is shut off")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from vmlend.errors import ConfigError, VmlendError
+from vmlend.messages import single_line
 
 log = logging.getLogger("vmlend")
 
@@ -28,9 +29,10 @@ class VmlendGroup(click.Group):
             return super().invoke(ctx)
         except ConfigError as e:
             # Bad arguments or input files are the user's to fix: still exit 1, one line.
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(single_line(str(e))) from None
         except VmlendError as e:
-            raise click.ClickException(str(e)) from None
+            # One line even when the message quotes a user's value holding a newline.
+            raise click.ClickException(single_line(str(e))) from None
         except KeyboardInterrupt:
             # Every operation is re-runnable: say which command picks up where this one stopped.
             again = shlex.join(["vmlend", *ctx.meta.get("vmlend.argv", [])])

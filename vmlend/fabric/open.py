@@ -55,7 +55,7 @@ def open_fabric(
     if backend == "smartio":
         from vmlend.fabric.smartio.backend import open_smartio_fabric
 
-        return open_smartio_fabric(state_path, node)
+        return open_smartio_fabric(state_path, node, env=HostEnv.from_env(root))
     from vmlend.fabric.sim.backend import SimFabric
 
     host = HostEnv.from_env(root)

@@ -29,7 +29,7 @@ from vmlend.messages import plural
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-1][0-9a-f]\.[0-7]$")
+BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-1][0-9a-f]\.[0-7]$")
 _PINS = {"none": 0, "A": 1, "B": 2, "C": 3, "D": 4}
 
 DEFAULT_TOPOLOGY = "default-topology.toml"
@@ -250,7 +250,7 @@ def _device(
 ) -> list[DeviceSpec]:
     t = r.table(raw, path, _DEVICE_KEYS, {"fdid", "bdf", "kind", "vendor", "device", "class"})
     bdf = r.str_(t["bdf"], f"{path}.bdf").lower()
-    if not _BDF_RE.match(bdf):
+    if not BDF_RE.match(bdf):
         raise r.fail(f"{path}.bdf", f"expected a PCI address like 0000:41:00.0, got {bdf!r}")
     bars = _bars(r, t.get("bars", []), f"{path}.bars")
     pin_s = t.get("intx", "A")

@@ -14,6 +14,7 @@ from collections import deque
 from pathlib import Path
 
 from vmlend.errors import UnsafePathError
+from vmlend.messages import single_line
 from vmlend.safefile import open_nofollow
 
 LOG_NAME = "hook.log"
@@ -25,13 +26,9 @@ def log_path_for_state(state_path: Path) -> Path:
 
 
 def one_line(text: str) -> str:
-    """``text`` with every control character escaped (``\\n``, ``\\x1b``): a domain name or
-    a message holding a newline must not be able to forge a line of the log."""
-    if text.isprintable():
-        return text
-    return "".join(
-        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
-    )
+    """``text`` with every control character escaped: a domain name or a message holding a
+    newline must not be able to forge a line of the log."""
+    return single_line(text)
 
 
 class ActionLog:

@@ -116,7 +116,9 @@ def run(
     try:
         call = parse_argv(argv)
     except VmlendError as e:
-        print(f"vmlend: {e}", file=stderr)
+        from vmlend.messages import single_line
+
+        print(f"vmlend: {single_line(str(e))}", file=stderr)  # one line for libvirt's log
         return 1
     if not concerns_vmlend(argv, xml):
         return 0  # not ours: touch nothing, not even the state file or the log
@@ -170,7 +172,9 @@ def _run_logged(
     try:
         code = handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions=actions)
     except VmlendError as e:
-        print(f"vmlend: {e}", file=stderr)
+        from vmlend.messages import single_line
+
+        print(f"vmlend: {single_line(str(e))}", file=stderr)  # one line for libvirt's log
         actions.record(name, f"{call.operation} {call.sub_operation}", f"FAILED: {e}")
         return 1
     except Exception as e:  # a bug: one line for libvirt, the traceback for us

@@ -27,6 +27,7 @@ from vmlend.errors import (
     MdevError,
     MdevParentNotFoundError,
     StaleTokenError,
+    SysfsAttributeError,
     UnknownDeviceError,
 )
 from vmlend.fabric.admission import AdapterUsage
@@ -98,6 +99,8 @@ class SmartioFabric:
         self.env = env
         self.driver = SmartioDriver(env, writer)
         self.bus = MdevBus(env, writer)
+        #: The damaged devices the last ``devices()`` left out (not part of ``Fabric``).
+        self.unreadable: list[SysfsAttributeError] = []
 
     def close(self) -> None:
         self._state.close()
@@ -122,8 +125,12 @@ class SmartioFabric:
         return self.topology().node(self.local_node).node_id
 
     def devices(self) -> list[DeviceStatus]:
+        """Every device of the registry as the driver sees it now. A device whose attributes
+        are damaged shows as unavailable (nobody can borrow what cannot be read); the errors
+        stay in ``unreadable`` for the caller to report."""
         self.driver.require()
-        seen = {d.fdid: d for d in self.driver.devices()}
+        found, self.unreadable = self.driver.scan()
+        seen = {d.fdid: d for d in found}
         me = self._local_node_id()
         return [overlay(s, seen.get(s.fdid), me) for s in self._state.devices()]
 

@@ -29,17 +29,29 @@ from vmlend.errors import (
     HostError,
     LenderUnavailableError,
     StaleTokenError,
+    SysfsAttributeError,
     UnknownDeviceError,
 )
 from vmlend.fabric.model import BarKind, BarSpec, format_fdid
+from vmlend.fabric.topology import BDF_RE, MAX_ADDRESS
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import KernelWriter, SysfsWriter
+from vmlend.sysfsattr import is_directory, parse_number, read_number, read_text, read_value
 
 log = logging.getLogger(__name__)
 
 MODULE = "smartio"
 MDEV_TYPE = "smartio-lend"
-_NAME_RE = re.compile(r"^smartio-([0-9a-f]{1,8})$")
+# Lower-case hex without leading zeros, so one fdid has one name.
+_NAME_RE = re.compile(r"^smartio-(0|[1-9a-f][0-9a-f]{0,7})$")
+#: Whom a damaged attribute blames, for messages.
+CHECK = "the SmartIO driver against docs/smartio-contract.md ('dmesg')"
+# The widths the contract's attributes have (PCI ids; node ids and adapter indexes as the
+# topology allows them).
+FDID_MAX = 0xFFFFFFFF
+NODE_ID_MIN, NODE_ID_MAX = 1, 0xFFFF
+ADAPTER_MAX = 15
+DMA_BITS_MIN, DMA_BITS_MAX = 32, 64
 
 
 def device_name(fdid: int) -> str:
@@ -87,30 +99,45 @@ class SmartioDevice(msgspec.Struct, frozen=True):
 _KINDS = {0x0108: "nvme", 0x03: "gpu", 0x12: "accel", 0x02: "nic"}
 
 
-def parse_bars(text: str, where: str) -> tuple[BarSpec, ...]:
-    """``bars``: one line per implemented BAR, ``<index> <size> <mem32|mem64|io> [prefetch]``."""
-    bars = []
+def parse_bars(text: str, where: Path | str) -> tuple[BarSpec, ...]:
+    """``bars``: one line per implemented BAR, ``<index> <size> <mem32|mem64|io> [prefetch]``,
+    each as the PCI spec allows it: index 0..5 (a 64-bit BAR also takes the next slot), a size
+    that is a power of two, at least 16 bytes for memory and 4 for I/O, at most 2 GiB for a
+    32-bit BAR and 2^52 bytes (``MAX_ADDRESS``) for any."""
+    bars: list[BarSpec] = []
+    used: set[int] = set()
     for n, line in enumerate(text.splitlines(), 1):
         words = line.split()
         if not words:
             continue
+
+        def bad(problem: str, line: str = line, n: int = n) -> SysfsAttributeError:
+            return SysfsAttributeError(where, f"line {n} {line[:60]!r}: {problem}", CHECK)
+
+        if len(words) not in (3, 4) or (len(words) == 4 and words[3] != "prefetch"):
+            raise bad("expected '<index> <size> <mem32|mem64|io> [prefetch]'")
         try:
-            if len(words) not in (3, 4) or (len(words) == 4 and words[3] != "prefetch"):
-                raise ValueError
-            bars.append(
-                BarSpec(
-                    index=int(words[0], 0),
-                    size=int(words[1], 0),
-                    kind=BarKind(words[2]),
-                    prefetch=len(words) == 4,
-                )
-            )
+            index = parse_number(Path(where), words[0], 0, 5, "a BAR index", CHECK)
+            size = parse_number(Path(where), words[1], 1, MAX_ADDRESS, "a size in bytes", CHECK)
+        except SysfsAttributeError as e:
+            raise bad(e.problem) from None
+        try:
+            kind = BarKind(words[2])
         except ValueError:
-            raise HostError(
-                f"{where} line {n}: cannot read BAR {line!r} (expected '<index> <size>"
-                " <mem32|mem64|io> [prefetch]'); the SmartIO driver does not match"
-                " docs/smartio-contract.md"
-            ) from None
+            raise bad("the kind must be mem32, mem64 or io") from None
+        if size & (size - 1):
+            raise bad("a BAR size is a power of two")
+        if size < (4 if kind is BarKind.IO else 16):
+            raise bad("an I/O BAR is at least 4 bytes, a memory BAR at least 16")
+        if kind is BarKind.MEM32 and size > 1 << 31:
+            raise bad("a 32-bit BAR is at most 2 GiB")
+        slots = {index, index + 1} if kind is BarKind.MEM64 else {index}
+        if 6 in slots:
+            raise bad("a 64-bit BAR at index 5 has no second slot")
+        if slots & used:
+            raise bad(f"BAR slot {min(slots & used)} is listed twice")
+        used |= slots
+        bars.append(BarSpec(index=index, size=size, kind=kind, prefetch=len(words) == 4))
     return tuple(bars)
 
 
@@ -137,7 +164,7 @@ class SmartioDriver:
 
     def node_id(self) -> int:
         self.require()
-        return self._int(self.base / "node_id")
+        return read_number(self.base / "node_id", NODE_ID_MIN, NODE_ID_MAX, "a node id", CHECK)
 
     def fdids(self) -> list[int]:
         if not self.base.is_dir():
@@ -145,51 +172,94 @@ class SmartioDriver:
         return sorted(f for p in self.base.iterdir() if (f := fdid_of(p.name)) is not None)
 
     def devices(self) -> list[SmartioDevice]:
-        found = []
+        """Every device the driver describes soundly; damaged ones are logged and left out
+        (``scan`` returns them too)."""
+        return self.scan()[0]
+
+    def scan(self) -> tuple[list[SmartioDevice], list[SysfsAttributeError]]:
+        """Every device of the fabric, and one error per device whose attributes are damaged:
+        one bad device must not hide the others."""
+        found, damaged = [], []
         for fdid in self.fdids():
             try:
                 found.append(self.device(fdid))
             except UnknownDeviceError:
                 log.debug("SmartIO device %s vanished while listing", format_fdid(fdid))
-        return found
+            except SysfsAttributeError as e:
+                log.info("SmartIO device %s left out: %s", format_fdid(fdid), e)
+                damaged.append(e)
+        return found, damaged
 
     def device(self, fdid: int) -> SmartioDevice:
         d = self.base / device_name(fdid)
-        if not d.is_dir():
+        if not is_directory(d, CHECK):
             raise UnknownDeviceError(fdid)
         try:
-            borrower = self._int(d / "borrower_node_id")
-            physfn = (d / "physfn").read_text().strip()
-            availability = (d / "availability").read_text().strip()
-            try:
-                avail = Availability(availability)
-            except ValueError:
-                raise HostError(
-                    f"{d / 'availability'}: unknown value {availability!r} (expected one of"
-                    f" {', '.join(a.value for a in Availability)})"
-                ) from None
-            return SmartioDevice(
-                fdid=self._int(d / "fdid"),
-                lender_node_id=self._int(d / "lender_node_id"),
-                lender_adapter=self._int(d / "lender_adapter"),
-                lender_bdf=(d / "lender_bdf").read_text().strip(),
-                vendor_id=self._int(d / "vendor"),
-                device_id=self._int(d / "device"),
-                class_code=self._int(d / "class"),
-                dma_bits=self._int(d / "dma_bits"),
-                bars=parse_bars((d / "bars").read_text(), str(d / "bars")),
-                availability=avail,
-                borrower_node_id=None if borrower < 0 else borrower,
-                physfn=int(physfn, 0) if physfn else None,
-                parent_registered=(self.env.mdev_bus / device_name(fdid)).exists(),
-            )
+            return self._read_device(fdid, d)
         except FileNotFoundError as e:
             if not d.is_dir():
                 raise UnknownDeviceError(fdid) from None
-            raise HostError(
-                f"SmartIO device {format_fdid(fdid)} lacks attribute {Path(e.filename).name};"
-                " the driver does not match docs/smartio-contract.md"
+            raise SysfsAttributeError(
+                e.filename,
+                f"missing: SmartIO device {format_fdid(fdid)} lacks attribute"
+                f" {Path(e.filename).name}",
+                CHECK,
             ) from None
+
+    def _read_device(self, fdid: int, d: Path) -> SmartioDevice:
+        def number(attr: str, lo: int, hi: int, what: str) -> int:
+            return read_number(d / attr, lo, hi, what, CHECK)
+
+        said = number("fdid", 0, FDID_MAX, "an fdid")
+        if said != fdid:
+            raise SysfsAttributeError(
+                d / "fdid", f"says {format_fdid(said)}, but its directory is {d.name}", CHECK
+            )
+        borrower = number("borrower_node_id", -1, NODE_ID_MAX, "a node id or -1")
+        if borrower == 0:
+            raise SysfsAttributeError(
+                d / "borrower_node_id", "0 is no node id (-1 means no borrower)", CHECK
+            )
+        physfn_text = read_value(d / "physfn", CHECK)
+        physfn = (
+            parse_number(d / "physfn", physfn_text, 0, FDID_MAX, "a PF's fdid or nothing", CHECK)
+            if physfn_text
+            else None
+        )
+        if physfn == fdid:
+            raise SysfsAttributeError(d / "physfn", "a function cannot be its own PF", CHECK)
+        availability = read_value(d / "availability", CHECK)
+        try:
+            avail = Availability(availability)
+        except ValueError:
+            raise SysfsAttributeError(
+                d / "availability",
+                f"unknown value {availability[:40]!r} (expected one of"
+                f" {', '.join(a.value for a in Availability)})",
+                CHECK,
+            ) from None
+        bdf = read_value(d / "lender_bdf", CHECK)
+        if not BDF_RE.fullmatch(bdf):
+            raise SysfsAttributeError(
+                d / "lender_bdf",
+                f"expected a PCI address like 0000:41:00.0, got {bdf[:40]!r}",
+                CHECK,
+            )
+        return SmartioDevice(
+            fdid=fdid,
+            lender_node_id=number("lender_node_id", NODE_ID_MIN, NODE_ID_MAX, "a node id"),
+            lender_adapter=number("lender_adapter", 0, ADAPTER_MAX, "an adapter index"),
+            lender_bdf=bdf,
+            vendor_id=number("vendor", 0, 0xFFFF, "a 16-bit vendor id"),
+            device_id=number("device", 0, 0xFFFF, "a 16-bit device id"),
+            class_code=number("class", 0, 0xFFFFFF, "a 24-bit class code"),
+            dma_bits=number("dma_bits", DMA_BITS_MIN, DMA_BITS_MAX, "a DMA address width"),
+            bars=parse_bars(read_text(d / "bars", CHECK), d / "bars"),
+            availability=avail,
+            borrower_node_id=None if borrower < 0 else borrower,
+            physfn=physfn,
+            parent_registered=(self.env.mdev_bus / device_name(fdid)).exists(),
+        )
 
     def msi_capable(self, fdid: int) -> bool:
         """Whether the driver can map ``fdid``'s MSI/MSI-X over the NTB
@@ -197,17 +267,9 @@ class SmartioDriver:
         directory predates it: the relay."""
         path = self.base / device_name(fdid) / "msi" / "capable"
         try:
-            return self._int(path) == 1
+            return read_number(path, 0, 1, "0 or 1", CHECK) == 1
         except FileNotFoundError:
             return False
-
-    @staticmethod
-    def _int(path: Path) -> int:
-        text = path.read_text().strip()
-        try:
-            return int(text, 0)
-        except ValueError:
-            raise HostError(f"{path}: expected a number, got {text!r}") from None
 
     # --- asking the driver to act ---------------------------------------------------------------
     def lend(self, fdid: int) -> None:

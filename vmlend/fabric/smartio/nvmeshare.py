@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
-from vmlend.fabric.smartio.driver import SmartioDriver, device_name
+from vmlend.errors import SysfsAttributeError
+from vmlend.fabric.smartio.driver import CHECK, SmartioDriver, device_name
+from vmlend.sysfsattr import read_text
 
 
 class ShareSupport(msgspec.Struct, frozen=True):
@@ -24,11 +26,14 @@ class ShareSupport(msgspec.Struct, frozen=True):
 
 def share_support(driver: SmartioDriver, fdid: int) -> ShareSupport:
     path = driver.base / device_name(fdid) / "nvme_share"
-    if not path.is_file():
+    try:
+        words = read_text(path, CHECK).split()
+    except FileNotFoundError:
         return ShareSupport(
             fdid, False, "the SmartIO driver offers no queue-level sharing (no nvme_share)"
         )
-    words = path.read_text().split()
+    except SysfsAttributeError as e:
+        return ShareSupport(fdid, False, f"unreadable nvme_share: {e.problem}")
     if words[:1] == ["supported"] and len(words) == 4:
         try:
             pairs, vectors, dstrd = (int(w, 0) for w in words[1:])
