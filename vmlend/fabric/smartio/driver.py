@@ -304,7 +304,7 @@ class SmartioDriver:
             self.writer.write(path, str(token))
         except OSError as e:
             if e.errno == errno.ESTALE:
-                current = self._int(path) if path.exists() else 0
+                current = read_number(path, 0, 1 << 63, "fencing token") if path.exists() else 0
                 raise StaleTokenError(fdid, token, current, "a step") from None
             raise self._error("token", fdid, e.errno or 0) from None
         log.info("smartio token %s %d", format_fdid(fdid), token)
