@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* helpers
 
-from tests.etcd_daemon import EtcdServer, host_lease
-from tests.simfabric import fabric_topology
+from tests.support.etcd_daemon import EtcdServer, host_lease
+from tests.support.simfabric import fabric_topology
 from vmlend.errors import DeviceFencedError, DeviceHeldError
 from vmlend.fabric.admission import StateView, admit
 from vmlend.fabric.model import GiB, Holder
@@ -84,7 +84,7 @@ def concurrent_cycles(url: str, borrowers: int = 10, cycles: int = 20) -> tuple[
     same number of 4-request raw cycles done by as many threads (the floor)."""
     import threading
 
-    from tests.simfabric import star_topology
+    from tests.support.simfabric import star_topology
     from vmlend.errors import VmlendError
     from vmlend.registry import parse_location
     from vmlend.registry.etcd_gateway import EtcdGateway, b64
@@ -213,7 +213,7 @@ PARTITION_TTL = 4
 
 def partition_to_pause(server: EtcdServer, root: Path) -> float:
     """A borrower cut off from etcd (a blackhole): seconds from the cut to its paused VM."""
-    from tests.partition import cut_off_borrower, cut_to_pause
+    from tests.support.partition import cut_off_borrower, cut_to_pause
 
     with cut_off_borrower(server, root / "cut", "cut", PARTITION_TTL) as c:
         return cut_to_pause(c)

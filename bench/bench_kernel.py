@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.fake_sysfs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support.fake_sysfs
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.fabric.sim.backend import SimFabric

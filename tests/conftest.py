@@ -16,4 +16,8 @@ def state_path(tmp_path, monkeypatch):
 # The real private libvirtd (fixtures libvirtd, libvirt_conn, hook_recorder, libvirt_guests),
 # a private etcd (fixtures etcd, etcd_url, private_etcd),
 # and the simulated CLI cluster (fixture cluster; modules with their own cluster override it).
-pytest_plugins = ["tests.libvirt_daemon", "tests.etcd_daemon", "tests.cli_cluster"]
+pytest_plugins = [
+    "tests.support.libvirt_daemon",
+    "tests.support.etcd_daemon",
+    "tests.support.cli_cluster",
+]

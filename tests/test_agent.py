@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.cluster_hosts import (
+from tests.support.cluster_hosts import (
     DB,
     GPU,
     INTERVAL,
@@ -26,8 +26,8 @@ from tests.cluster_hosts import (
     history,
     reserve_code,
 )
-from tests.etcd_daemon import host_lease
-from tests.simfabric import make_fabric
+from tests.support.etcd_daemon import host_lease
+from tests.support.simfabric import make_fabric
 from vmlend.errors import AgentNotRunningError, DeviceFencedError, DeviceHeldError, StateError
 from vmlend.fabric.model import DeviceState, Holder
 from vmlend.fabric.open import open_fabric

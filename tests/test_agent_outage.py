@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_hosts import (
+from tests.support.cluster_hosts import (
     DB,
     GPU,
     NIC,
@@ -27,7 +27,7 @@ from tests.cluster_hosts import (
     history,
     reserve_code,
 )
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import Holder
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import parse_location
@@ -236,7 +236,7 @@ def test_a_borrower_cut_off_from_etcd_pauses_its_vm_and_runs_it_again_after_the_
     pauses the VM that uses alpha's device; after the heal the VM runs again with its device
     (the lease lived, or the agent re-reserved under a new one), and no revision ever shows
     two holders."""
-    from tests.partition import cut_off_borrower, cut_to_pause
+    from tests.support.partition import cut_off_borrower, cut_to_pause
     from vmlend.fabric.open import open_fabric
 
     with cut_off_borrower(private_etcd, tmp_path, "cut", ttl=4) as c:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from tests.test_sim_backend import _domain
 from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import LibvirtError

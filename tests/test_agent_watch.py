@@ -9,8 +9,8 @@ import logging
 import threading
 import time
 
-from tests.cluster_hosts import GPU, WEB, domain_xml
-from tests.simfabric import make_fabric
+from tests.support.cluster_hosts import GPU, WEB, domain_xml
+from tests.support.simfabric import make_fabric
 from vmlend.agent.lease import SessionLease
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.agent.watch import LeaseWatch

@@ -13,7 +13,7 @@ from vmlend.ops.definitions import hostdev_xml
 from vmlend.ops.detach import detach
 from vmlend.ops.unplug import DetachWait
 
-from .cli_cluster import (
+from .support.cli_cluster import (
     GAMMA,
     MetadataFails,
     SimCluster,

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from .cli_cluster import GAMMA, metadata_fdids, one_line
+from .support.cli_cluster import GAMMA, metadata_fdids, one_line
 
 
 def _config_fdids(cluster, name="vm1"):

@@ -12,7 +12,7 @@ from vmlend.cli import main
 from vmlend.fabric.model import Holder
 from vmlend.fabric.open import open_fabric
 
-from .simfabric import small_topology
+from .support.simfabric import small_topology
 
 
 @pytest.fixture

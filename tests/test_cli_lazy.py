@@ -7,7 +7,7 @@ import click
 from click.testing import CliRunner
 
 import vmlend.cli
-from tests.modtrace import run_cli
+from tests.support.modtrace import run_cli
 from vmlend.cli.lazy import LazyGroup
 
 HEAVY = ("lxml", "libvirt", "vmlend.irq", "vmlend.hypervisor", "vmlend.domain")
@@ -37,7 +37,7 @@ def test_help_lists_every_command_and_imports_no_command_module():
 
 
 def test_devices_imports_its_module_and_the_fabric_only(state_path):
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
 
     make_fabric(state_path)
     run = run_cli(["devices"], {"VMLEND_STATE": str(state_path)})

@@ -7,7 +7,7 @@ import os
 
 from lxml import etree
 
-from tests.cli_cluster import GAMMA, one_line
+from tests.support.cli_cluster import GAMMA, one_line
 from vmlend.domain.metadata import DeviceEntryXML
 from vmlend.errors import DomainXMLError, ResourceExhaustedError
 

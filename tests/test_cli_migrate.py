@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.simfabric import small_topology
+from tests.support.simfabric import small_topology
 from vmlend.domain import read_domain
 from vmlend.errors import (
     DomainDefinitionError,
@@ -22,7 +22,7 @@ from vmlend.hypervisor.sim_hv import IdleGuest
 from vmlend.ops.migrate import migrate
 from vmlend.registry import SqliteRegistry
 
-from .cli_cluster import GAMMA, SimCluster, make_cluster, one_line
+from .support.cli_cluster import GAMMA, SimCluster, make_cluster, one_line
 
 
 def where(cluster: SimCluster, name: str = "vm1") -> dict[str, tuple[str, bool]]:

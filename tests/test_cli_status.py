@@ -8,7 +8,7 @@ from vmlend.domain import mdev_uuid
 from vmlend.fabric.model import Holder
 from vmlend.registry import SqliteRegistry
 
-from .cli_cluster import GAMMA, SimCluster, one_line
+from .support.cli_cluster import GAMMA, SimCluster, one_line
 
 
 def rows(text: str) -> list[list[str]]:

@@ -10,7 +10,7 @@ import stat
 import threading
 import time
 
-from tests.cli_cluster import metadata_fdids, one_line
+from tests.support.cli_cluster import metadata_fdids, one_line
 from vmlend import safefile
 from vmlend.cli.progress import Wait
 
@@ -120,7 +120,7 @@ def test_the_readme_tour_runs_as_written(cluster, tmp_path):
 def test_the_same_commands_drive_libvirt(cluster, tmp_path):
     """A libvirt URI (the test driver on a checked-in node file; its state lives for one
     connection, so each command starts from the file's state)."""
-    from tests.domain_support import DATA
+    from tests.support.domain_support import DATA
 
     uri = f"test://{DATA / 'test-node.xml'}"
     r = cluster.cli("-c", uri, "vm", "list", "--all")

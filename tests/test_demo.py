@@ -18,7 +18,7 @@ from vmlend.demo import STEPS, run_demo
 from vmlend.fabric.model import Holder
 from vmlend.fabric.open import init_fabric, open_fabric
 
-from .simfabric import small_topology
+from .support.simfabric import small_topology
 
 pytestmark = pytest.mark.slow
 

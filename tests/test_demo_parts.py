@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fdcheck import fd_snapshot, leaked
-from tests.irq_devices import make_device, msix_flags, msix_program
+from tests.support.fdcheck import fd_snapshot, leaked
+from tests.support.irq_devices import make_device, msix_flags, msix_program
 from vmlend.demo import Step, StepResult, render_step, run_demo
 from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.interrupts import VmInterrupts

@@ -10,7 +10,7 @@ import random
 import pytest
 from lxml import etree
 
-from tests.simfabric import small_topology
+from tests.support.simfabric import small_topology
 from tests.test_simvm import Cluster, domain_xml
 from vmlend.errors import (
     DmaFault,

@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs
 from vmlend.cli import main
 from vmlend.doctor import Status, blocking, check_libvirt, libvirt_library_version, run_checks
 from vmlend.hostenv import HostEnv

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from tests.domain_support import DATA
+from tests.support.domain_support import DATA
 from vmlend.domain import (
     DeviceRequest,
     DomainDocument,

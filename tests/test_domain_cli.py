@@ -10,7 +10,7 @@ import types
 import pytest
 from click.testing import CliRunner
 
-from tests.domain_support import DATA, define_in_test_driver, validate_with_libvirt_schema
+from tests.support.domain_support import DATA, define_in_test_driver, validate_with_libvirt_schema
 from vmlend.cli import main
 from vmlend.domain import mdev_uuid, read_domain
 from vmlend.errors import UnknownDeviceError

@@ -1,5 +1,5 @@
 """Byte-exact edits on a large generated corpus of libvirt-formatted domain XML (see
-``tests/domain_corpus.py``): parse-and-write is the identity, add-then-remove gives back the
+``tests/support/domain_corpus.py``): parse-and-write is the identity, add-then-remove gives back the
 original bytes, and adding a device changes only vmlend's own lines."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.domain_corpus import corpus
+from tests.support.domain_corpus import corpus
 from vmlend.domain import (
     DomainDocument,
     PciAddress,

@@ -10,7 +10,7 @@ from pathlib import PurePath
 
 import pytest
 
-from tests.domain_support import (
+from tests.support.domain_support import (
     DATA,
     assert_matches_file,
     define_in_test_driver,

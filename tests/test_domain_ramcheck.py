@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from lxml import etree
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.errors import LayoutError

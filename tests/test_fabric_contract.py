@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
 from vmlend.errors import (
     DeviceHeldError,
     DeviceNotLentError,

@@ -23,7 +23,7 @@ from vmlend.errors import HookFailedError
 from vmlend.fabric.model import MiB
 from vmlend.faults import FAULT_ENV, POINTS
 
-from .cli_cluster import GAMMA, SimCluster
+from .support.cli_cluster import GAMMA, SimCluster
 
 CLI = [sys.executable, "-c", "from vmlend.cli import main; main()"]
 

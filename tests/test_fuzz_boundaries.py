@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
-from tests.fuzz_support import (
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
+from tests.support.fuzz_support import (
     assert_clean_failure,
     assert_cli_result,
     byte_op,
@@ -39,8 +39,8 @@ from tests.fuzz_support import (
     toml_plan,
     xml_plan,
 )
-from tests.simfabric import make_fabric
-from tests.sysfs_damage import (
+from tests.support.simfabric import make_fabric
+from tests.support.sysfs_damage import (
     SMARTIO_ATTRIBUTES,
     plant_bytes,
     plant_directory,

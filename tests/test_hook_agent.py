@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.modtrace import run_script
-from tests.simfabric import make_fabric
+from tests.support.modtrace import run_script
+from tests.support.simfabric import make_fabric
 from vmlend.doctor import Status, check_hook_served
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import Holder, MiB

@@ -1,7 +1,7 @@
 """The hook pays only for what an operation uses: a plain domain or an ignored operation is
 decided from the raw bytes without lxml, libvirt or the fabric; the installed script runs
 isolated from site and the caller's PYTHON* variables. What a real hook process imported is
-read from its ``sys.modules`` at exit (``tests/modtrace.py``): nothing here is timed."""
+read from its ``sys.modules`` at exit (``tests/support/modtrace.py``): nothing here is timed."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.modtrace import run_script
-from tests.simfabric import make_fabric
+from tests.support.modtrace import run_script
+from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.domain.metadata import NAMESPACE_URI
 from vmlend.fabric.model import MiB

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import MiB
 from vmlend.fabric.open import open_fabric

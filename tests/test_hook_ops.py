@@ -9,7 +9,7 @@ import uuid
 import pytest
 from lxml import etree
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import DeviceState, Holder, MiB
 from vmlend.fabric.open import open_fabric

@@ -9,8 +9,8 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from tests.cli_cluster import one_line
-from tests.symlink_racer import NOBODY
+from tests.support.cli_cluster import one_line
+from tests.support.symlink_racer import NOBODY
 from vmlend.cli import main
 from vmlend.errors import ConfigError, UnsafePathError
 from vmlend.hook import trust

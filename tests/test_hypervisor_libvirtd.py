@@ -1,6 +1,6 @@
 """LibvirtHypervisor against a real, private libvirtd, and the simulator checked against it.
 
-The daemon is the test session's private libvirtd (tests/libvirt_daemon.py: its own mount
+The daemon is the test session's private libvirtd (tests/support/libvirt_daemon.py: its own mount
 namespace, stopped by PID); the recording hook is swapped in through its trampoline.
 """
 
@@ -30,7 +30,7 @@ SH = shutil.which("sh") or "sh"
 
 @pytest.fixture
 def daemon(libvirtd, tmp_path):
-    """The session's private libvirtd (tests/libvirt_daemon.py) with the recording hook."""
+    """The session's private libvirtd (tests/support/libvirt_daemon.py) with the recording hook."""
     hook_log = tmp_path / "hook.log"
     hook_log.write_text("")
     # libvirtd passes hooks only a minimal environment: the trampoline exports HOOK_LOG.

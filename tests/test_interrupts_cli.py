@@ -11,7 +11,7 @@ from lxml import etree
 from vmlend.domain import read_domain
 from vmlend.fabric.model import InterruptPath
 
-from .cli_cluster import GAMMA, one_line
+from .support.cli_cluster import GAMMA, one_line
 
 NS = {"v": "http://vmlend.org/xmlns/domain/1.0"}
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 from click.testing import CliRunner
 
-from tests.cli_cluster import one_line
-from tests.fdcheck import fd_snapshot, leaked
-from tests.irq_devices import make_device, msix_flags, msix_program
+from tests.support.cli_cluster import one_line
+from tests.support.fdcheck import fd_snapshot, leaked
+from tests.support.irq_devices import make_device, msix_flags, msix_program
 from vmlend.cli import main
 from vmlend.errors import ConfigError, RelayError
 from vmlend.hook.sockplace import SocketPlace

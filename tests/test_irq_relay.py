@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.fdcheck import fd_snapshot, leaked
-from tests.irq_devices import (
+from tests.support.fdcheck import fd_snapshot, leaked
+from tests.support.irq_devices import (
     intx_disable,
     make_device,
     msi_disable,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.irq_devices import (
+from tests.support.irq_devices import (
     intx_disable,
     make_device,
     msi_disable,

@@ -14,7 +14,7 @@ from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import open_fabric
 from vmlend.lending import UndoJournal, acquire_device
 
-from .simfabric import make_fabric
+from .support.simfabric import make_fabric
 
 VM = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
 MDEV = str(uuid.UUID(int=0x10))

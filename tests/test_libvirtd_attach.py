@@ -10,11 +10,11 @@ import json
 import pytest
 from lxml import etree
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from tests.test_libvirtd_hooks import needs_no_vfio
 from vmlend.domain import mdev_uuid
 
-from .cli_cluster import SimCluster, hostdev_uuids, metadata_fdids, one_line
+from .support.cli_cluster import SimCluster, hostdev_uuids, metadata_fdids, one_line
 
 pytestmark = pytest.mark.libvirtd
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.libvirt_daemon import (
+from tests.support.libvirt_daemon import (
     TRAMPOLINE,
     LibvirtDaemon,
     guest_xml,

@@ -14,7 +14,7 @@ import libvirt
 import pytest
 from lxml import etree
 
-from tests.libvirt_daemon import mdev_hostdev_xml, pid_alive
+from tests.support.libvirt_daemon import mdev_hostdev_xml, pid_alive
 
 pytestmark = pytest.mark.libvirtd
 

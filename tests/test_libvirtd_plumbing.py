@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from tests.libvirt_daemon import (
+from tests.support.libvirt_daemon import (
     REAPER,
     RECORD_HOOK,
     SYSTEM_DIRS,

@@ -1,4 +1,4 @@
-"""vmlend.mdev against a fake sysfs with the kernel's semantics (tests/fake_sysfs.py)."""
+"""vmlend.mdev against a fake sysfs with the kernel's semantics (tests/support/fake_sysfs.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from tests.fake_sysfs import FakeSysfs, FakeType, RacingWriter
+from tests.support.fake_sysfs import FakeSysfs, FakeType, RacingWriter
 from vmlend.errors import (
     MdevBadNameError,
     MdevBadUuidError,

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tests.fake_sysfs import FakeSysfs, FakeType
+from tests.support.fake_sysfs import FakeSysfs, FakeType
 from vmlend.cli import main
 from vmlend.mdev import MdevBus
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
 from vmlend.fabric.msiadmit import is_msi_claim
 from vmlend.fabric.sim.hardware import SimHardware
@@ -274,7 +274,7 @@ def test_a_route_opens_only_for_a_hold_admitted_with_an_interrupt_window(hw, sta
 
 
 def test_multiple_message_msi_masks_and_releases_like_msix(hw, route, vm_fds):
-    from tests.irq_devices import msi_enable, msi_mask
+    from tests.support.irq_devices import msi_enable, msi_mask
 
     dev = hw.device(NVME)
     dev.config.write(regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER)

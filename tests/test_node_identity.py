@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .cli_cluster import GAMMA, SimCluster, one_line
+from .support.cli_cluster import GAMMA, SimCluster, one_line
 
 
 def test_changing_the_node_while_it_holds_devices_is_refused(cluster: SimCluster):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.cli_cluster import make_cluster
+from tests.support.cli_cluster import make_cluster
 
 
 def test_share_reserve_status_release_unshare(state_path):

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.domain import (
     DeviceRequest,
     DomainSpec,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.errors import (
     DeviceHeldError,
     NotSharedError,
@@ -112,7 +112,7 @@ def test_usage_recorded_by_the_data_path_shows_in_the_entries(fab, reg):
 def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
     fab, reg, tmp_path
 ):
-    from tests.nvme_guest import guest_driver
+    from tests.support.nvme_guest import guest_driver
     from vmlend.fabric.model import GuestRange, MiB
     from vmlend.fabric.sim.hardware import SimHardware
     from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tests.nvme_guest import guest_driver
+from tests.support.nvme_guest import guest_driver
 from vmlend.errors import (
     ConfigError,
     DeviceHeldError,

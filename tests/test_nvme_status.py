@@ -9,8 +9,8 @@ from vmlend.fabric.model import MiB
 from vmlend.nvme import ledger
 from vmlend.registry import SqliteRegistry
 
-from .cli_cluster import GAMMA, SimCluster
-from .nvme_guest import share_xml
+from .support.cli_cluster import GAMMA, SimCluster
+from .support.nvme_guest import share_xml
 
 NVME = 0x12
 

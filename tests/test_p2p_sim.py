@@ -383,7 +383,7 @@ def test_the_recorder_sees_every_put_and_removal(hw):
 
 
 def test_maps_are_registry_runtime_records_of_the_source(tmp_path, hw):
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
     from vmlend.registry import SqliteRegistry
 
     fabric = make_fabric(tmp_path / "s.db")

@@ -13,7 +13,7 @@ from vmlend.lending import UndoJournal, acquire_device, return_device
 from vmlend.ops.attach import plan_attach
 from vmlend.ops.definitions import hostdev_xml
 
-from .cli_cluster import GAMMA, SimCluster, hostdev_uuids, metadata_fdids
+from .support.cli_cluster import GAMMA, SimCluster, hostdev_uuids, metadata_fdids
 
 
 def _reconcile(cluster: SimCluster, *args: str) -> dict:

@@ -343,7 +343,7 @@ def test_a_state_with_unknown_tables_is_refused(made):
 def test_runtime_records_follow_the_hold(location):
     """Windows/vectors recorded for a held device are listed, replaced by key, and vanish
     with the hold; a device nobody holds cannot get any."""
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
     from vmlend.errors import StateError
     from vmlend.fabric.model import Holder
 
@@ -378,7 +378,7 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
     import subprocess
     import sys
 
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
     from vmlend.fabric.model import Holder
     from vmlend.fabric.open import open_fabric
 
@@ -403,7 +403,7 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
 
 
 def test_vector_records_replace_and_clear(location):
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
     from vmlend.fabric.model import Holder
     from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
 

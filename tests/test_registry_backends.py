@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import GiB, Holder
 from vmlend.registry import ClaimKind
 

@@ -9,8 +9,8 @@ import sqlite3
 import pytest
 from click.testing import CliRunner
 
-from tests.cli_cluster import one_line
-from tests.simfabric import make_fabric
+from tests.support.cli_cluster import one_line
+from tests.support.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.errors import StateRecordError
 from vmlend.fabric.model import Holder

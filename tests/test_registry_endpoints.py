@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hung_endpoint import HungEndpoint
-from tests.simfabric import make_fabric
+from tests.support.hung_endpoint import HungEndpoint
+from tests.support.simfabric import make_fabric
 from vmlend.registry import open_registry
 
 

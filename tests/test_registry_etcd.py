@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.etcd_daemon import free_port, host_lease
-from tests.simfabric import make_fabric, star_topology
+from tests.support.etcd_daemon import free_port, host_lease
+from tests.support.simfabric import make_fabric, star_topology
 from vmlend.cli import main
 from vmlend.errors import ConfigError, DeviceHeldError, StateError
 from vmlend.fabric.model import DeviceState, Holder

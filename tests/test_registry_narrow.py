@@ -5,7 +5,7 @@ first one's reads and its commit."""
 
 from __future__ import annotations
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import Holder
 from vmlend.fabric.open import open_fabric
 

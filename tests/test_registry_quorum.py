@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.etcd_daemon import EtcdServer, start_members
+from tests.support.etcd_daemon import EtcdServer, start_members
 from vmlend.errors import RegistryUnreachableError
 from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, b64
 

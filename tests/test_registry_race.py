@@ -9,7 +9,7 @@ import queue as queue_mod
 
 import pytest
 
-from tests.simfabric import star_topology
+from tests.support.simfabric import star_topology
 from vmlend.errors import DeviceHeldError, ResourceExhaustedError
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import init_fabric, open_fabric

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.etcd_daemon import _need_etcd, free_port
+from tests.support.etcd_daemon import _need_etcd, free_port
 from vmlend.errors import ConfigError, StateError
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, EtcdTls
@@ -127,7 +127,7 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 
 def test_a_registry_over_tls_with_a_client_certificate(tls_etcd):
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
 
     where, certs = tls_etcd
     good = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import uuid
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain
 from vmlend.fabric.model import Holder, MiB
 from vmlend.hook.main import run

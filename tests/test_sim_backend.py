@@ -31,7 +31,7 @@ from vmlend.fabric.topology import parse_topology
 from vmlend.hook.main import run as run_hook
 from vmlend.registry import open_registry
 
-from .simfabric import make_fabric, small_topology
+from .support.simfabric import make_fabric, small_topology
 
 VM1 = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
 VM2 = Holder("gamma", "vm2", "22222222-2222-2222-2222-222222222222")
@@ -568,7 +568,7 @@ def test_a_borrow_that_cannot_be_recorded_gives_the_hardware_back(tmp_path):
 
 
 def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
-    from tests.simfabric import make_fabric
+    from tests.support.simfabric import make_fabric
     from vmlend.errors import ConfigError
     from vmlend.fabric.open import open_fabric
     from vmlend.fabric.smartio.backend import SmartioFabric

@@ -10,7 +10,7 @@ from vmlend.errors import DeviceHeldError
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import open_fabric
 
-from .simfabric import make_fabric
+from .support.simfabric import make_fabric
 
 ROUNDS = 25
 # Every device but the GPU 0x20: together their BARs fill 31 of gamma:0's 32 segments, so

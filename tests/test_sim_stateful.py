@@ -49,7 +49,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tests.nvme_guest import guest_driver
+from tests.support.nvme_guest import guest_driver
 from tests.test_simvm import Cluster
 from vmlend.domain import (
     DeviceRequest,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.errors import ConfigError, DmaFault, FabricError, PinError
 from vmlend.fabric.model import DeviceState, GiB, MiB

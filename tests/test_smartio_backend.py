@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from tests.fake_sysfs import (
+from tests.support.fake_sysfs import (
     FakeSmartio,
     FakeSysfs,
     PipeUeventSource,

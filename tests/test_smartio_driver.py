@@ -1,5 +1,5 @@
 """The SmartIO sysfs contract (docs/smartio-contract.md) as vmlend.fabric.smartio.driver reads
-and writes it, against the fake driver in tests/fake_sysfs.py."""
+and writes it, against the fake driver in tests/support/fake_sysfs.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs
 from vmlend.errors import (
     DeviceNotLentError,
     FabricError,

@@ -9,7 +9,7 @@ import sqlite3
 
 import msgspec
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import Holder
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.nvme import ledger

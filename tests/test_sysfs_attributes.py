@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from tests.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
-from tests.sysfs_damage import plant_bytes, plant_directory, plant_fifo, plant_loop
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
+from tests.support.sysfs_damage import plant_bytes, plant_directory, plant_fifo, plant_loop
 from vmlend.cli import main
 from vmlend.errors import SysfsAttributeError, UnknownDeviceError
 from vmlend.fabric.model import DeviceState, Holder

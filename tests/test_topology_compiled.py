@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.simfabric import fabric_topology, small_topology, star_topology
+from tests.support.simfabric import fabric_topology, small_topology, star_topology
 from vmlend.errors import TopologyError
 from vmlend.fabric.compiled import (
     COMPILED_FORMAT,
@@ -65,7 +65,7 @@ def suite_topologies() -> list[tuple[str, str]]:
     """Every valid topology text the test suite writes literally (TOML with ``[[node]]``),
     the test helpers' generated ones, and the shipped default, with a name for each."""
     found = [(default_topology_text()[0], "default")]
-    for module in sorted(TESTS.glob("*.py")):
+    for module in sorted(TESTS.rglob("*.py")):
         if module.name == Path(__file__).name:
             continue  # BIG_BAR here is meant not to compile
         for node in ast.walk(ast.parse(module.read_text())):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.fake_sysfs import FakeSysfs, FakeType, PipeUeventSource
+from tests.support.fake_sysfs import FakeSysfs, FakeType, PipeUeventSource
 from vmlend.errors import HostError
 from vmlend.hostenv import HostEnv
 from vmlend.mdev import MdevBus

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.symlink_racer import NOBODY, symlink_racer
+from tests.support.symlink_racer import NOBODY, symlink_racer
 from vmlend import safefile
 from vmlend.cli import main
 from vmlend.errors import UnsafePathError

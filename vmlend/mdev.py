@@ -10,9 +10,9 @@ As the kernel documents it (Documentation/driver-api/vfio-mediated-device.rst):
   ``iommu_group``); writing ``1`` to its ``remove`` destroys it.
 
 Reads go to the files directly. Writes go through an injected ``SysfsWriter`` so that tests can
-put the kernel's semantics behind the same call (``tests/fake_sysfs.py``); the real one is one
-``write(2)`` per attribute, because that is what a sysfs ``store`` handler sees. Kernel errnos
-become ``MdevError`` subclasses that name the parent and type.
+put the kernel's semantics behind the same call (``tests/support/fake_sysfs.py``); the real one
+is one ``write(2)`` per attribute, because that is what a sysfs ``store`` handler sees. Kernel
+errnos become ``MdevError`` subclasses that name the parent and type.
 """
 
 from __future__ import annotations

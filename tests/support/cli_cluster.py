@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner, Result
 from lxml import etree
 
-from tests.simfabric import make_fabric
+from tests.support.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.cli.connect import hook_command
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain

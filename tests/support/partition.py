@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster_hosts import GPU, WEB, Host, domain_xml
-from tests.etcd_daemon import EtcdServer
-from tests.tcp_proxy import TcpProxy
+from tests.support.cluster_hosts import GPU, WEB, Host, domain_xml
+from tests.support.etcd_daemon import EtcdServer
+from tests.support.tcp_proxy import TcpProxy
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.hypervisor.base import DomainState, Hypervisor
 

@@ -7,7 +7,7 @@ system ones (see SYSTEM_DIRS). The daemons, and the QEMU processes they spawn, s
 private tree; the host and any system libvirtd are untouched. The unix sockets land in the
 private run directory, which the tests reach from outside the namespace by its real path.
 
-Register with ``pytest_plugins = ["tests.libvirt_daemon"]``. Fixtures:
+Register with ``pytest_plugins = ["tests.support.libvirt_daemon"]``. Fixtures:
   libvirtd       session: the running LibvirtDaemon (one per test session, ~1 s to start)
   libvirt_conn   a libvirt connection to it, closed after the test
   hook_recorder  installs tests/data/libvirtd/record_hook.py as the qemu hook for one test
@@ -37,7 +37,7 @@ from lxml import etree
 
 log = logging.getLogger(__name__)
 
-DATA_DIR = Path(__file__).parent / "data" / "libvirtd"
+DATA_DIR = Path(__file__).parent.parent / "data" / "libvirtd"
 TRAMPOLINE = DATA_DIR / "trampoline.sh"
 RECORD_HOOK = DATA_DIR / "record_hook.py"
 REAPER = DATA_DIR / "reaper.py"

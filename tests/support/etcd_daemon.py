@@ -5,7 +5,7 @@ fast election flags (--heartbeat-interval 10 --election-timeout 100), is healthy
 and is stopped by PID. Every test
 gets its own cluster name, so its keys live under their own prefix ``/vmlend/<name>/``.
 
-Register with ``pytest_plugins = ["tests.etcd_daemon"]``. Fixtures:
+Register with ``pytest_plugins = ["tests.support.etcd_daemon"]``. Fixtures:
   etcd          session: the running EtcdServer
   etcd_url      a registry URL ``etcd://127.0.0.1:PORT/<unique cluster>`` for one test
   private_etcd  an EtcdServer of the test's own (for tests that stop and restart it)
