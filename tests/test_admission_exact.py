@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from lxml import etree
 
+from tests.support.simcluster import Cluster, domain_xml
 from tests.support.simfabric import make_fabric
-from tests.test_simvm import Cluster, domain_xml
 from vmlend.domain import read_domain
 from vmlend.errors import DmaLimitError, ResourceExhaustedError
 from vmlend.fabric.model import DeviceState, GiB, GuestRam, GuestRange, Holder

@@ -156,7 +156,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     app (NIC, lent by beta). Meanwhile beta's own VM takes the NIC. Thawed, the agent pauses
     both, takes a new lease, wins the GPU back for web and resumes it, and hot-unplugs the
     NIC from app before resuming it."""
-    from tests.test_sim_backend import _domain
+    from tests.support.simcluster import domain_of as _domain
     from vmlend.domain import read_domain
     from vmlend.hypervisor.base import DomainState
     from vmlend.hypervisor.open import open_hypervisor
@@ -209,7 +209,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
 def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
     private_etcd, tmp_path, monkeypatch
 ):
-    from tests.test_sim_backend import _domain
+    from tests.support.simcluster import domain_of as _domain
     from vmlend.hypervisor.base import DomainState
     from vmlend.hypervisor.open import open_hypervisor
 
@@ -284,7 +284,7 @@ def test_a_restarted_agent_keeps_running_vms_devices_and_returns_the_rest(
     """gamma's agent is killed and restarted within its TTL. Its successor takes over the
     running VM's hold (which would otherwise vanish with the dead agent's lease) and returns
     the holds of a stopped VM (its release hook 'failed') and of a VM gamma no longer has."""
-    from tests.test_sim_backend import _domain
+    from tests.support.simcluster import domain_of as _domain
     from vmlend.hypervisor.open import open_hypervisor
 
     alpha, gamma = hosts["alpha"], hosts["gamma"]

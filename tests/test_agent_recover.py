@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.support.simcluster import domain_of as _domain
 from tests.support.simfabric import make_fabric
-from tests.test_sim_backend import _domain
 from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import LibvirtError
 from vmlend.fabric.model import Holder

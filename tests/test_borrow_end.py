@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_simvm import Cluster, domain_xml
+from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import BorrowTeardownError, DeviceHeldError, DmaFault, VmlendError
 from vmlend.fabric.model import GiB
 from vmlend.fabric.sim.hardware import Borrow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_simvm import Cluster, domain_xml
+from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ResourceExhaustedError
 from vmlend.fabric.admission import usage
 from vmlend.fabric.model import GiB, Holder

@@ -10,8 +10,8 @@ import random
 import pytest
 from lxml import etree
 
+from tests.support.simcluster import Cluster, domain_xml
 from tests.support.simfabric import small_topology
-from tests.test_simvm import Cluster, domain_xml
 from vmlend.errors import (
     DmaFault,
     DmaLimitError,

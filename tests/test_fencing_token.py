@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.simcluster import Cluster, domain_xml
 from tests.support.simfabric import make_fabric
-from tests.test_simvm import Cluster, domain_xml
 from vmlend.errors import StaleTokenError
 from vmlend.fabric.model import GiB, Holder
 from vmlend.registry import FenceRecord

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.nvme_guest import VmBar0, guest_driver, share_xml
-from tests.test_simvm import Cluster, domain_xml
+from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import FabricError, MdevError, VmlendError
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.sim.hardware import Borrow, OpenMdev

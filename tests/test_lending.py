@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_smartio_backend import NVME, U1, WEB, fabric, fake, start_vm, state  # noqa: F401
+from tests.support.smartio_host import NVME, U1, WEB, fabric, fake, start_vm, state  # noqa: F401
 from vmlend.errors import DeviceHeldError
 from vmlend.fabric.model import Holder
 from vmlend.lending import return_all

@@ -10,8 +10,8 @@ import json
 import pytest
 from lxml import etree
 
+from tests.support.libvirt_daemon import needs_no_vfio
 from tests.support.simfabric import make_fabric
-from tests.test_libvirtd_hooks import needs_no_vfio
 from vmlend.domain import mdev_uuid
 
 from .support.cli_cluster import SimCluster, hostdev_uuids, metadata_fdids, one_line

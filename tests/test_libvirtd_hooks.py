@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 
 import libvirt
 import pytest
 from lxml import etree
 
-from tests.support.libvirt_daemon import mdev_hostdev_xml, pid_alive
+from tests.support.libvirt_daemon import mdev_hostdev_xml, needs_no_vfio, pid_alive
 
 pytestmark = pytest.mark.libvirtd
 
@@ -22,16 +21,6 @@ START = [("prepare", "begin", "-"), ("start", "begin", "-"), ("started", "begin"
 # libvirt 9.0 passes "-" as release's extra; from 10.5 it is the shut-off reason.
 STOP = [("stopped", "end", "-"), ("release", "end", "-")]
 FAILED_START = [("prepare", "begin", "-"), ("stopped", "end", "-"), ("release", "end", "-")]
-
-
-def host_supports_vfio() -> bool:
-    """libvirt's own test (qemuHostdevHostSupportsPassthroughVFIO): IOMMU groups + the node."""
-    groups = Path("/sys/kernel/iommu_groups")
-    return groups.is_dir() and any(groups.iterdir()) and Path("/dev/vfio/vfio").exists()
-
-
-# With VFIO present libvirt gets further and fails on the missing mdev instead.
-needs_no_vfio = pytest.mark.skipif(host_supports_vfio(), reason="host has VFIO: other refusal")
 
 
 def mdev_uuids(xml: str) -> list[str]:

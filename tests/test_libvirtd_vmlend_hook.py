@@ -18,8 +18,8 @@ from pathlib import Path
 import libvirt
 import pytest
 
+from tests.support.libvirt_daemon import needs_no_vfio
 from tests.support.simfabric import make_fabric
-from tests.test_libvirtd_hooks import needs_no_vfio
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.fabric.model import Holder, MiB
 from vmlend.fabric.open import open_fabric

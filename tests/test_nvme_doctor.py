@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tests.test_doctor import checks, healthy
+from tests.support.doctor_host import checks, healthy
 from vmlend.doctor import Status
 from vmlend.hostenv import HostEnv
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.nvme_guest import VmBar0, guest_driver
-from tests.test_simvm import Cluster, domain_xml
+from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import DmaFault
 from vmlend.fabric.model import GiB, MiB
 from vmlend.fabric.sim.nvmedrive import attach_nvme

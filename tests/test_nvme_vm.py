@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.nvme_guest import guest_driver, share_xml
-from tests.test_simvm import Cluster
+from tests.support.simcluster import Cluster
 from vmlend.errors import FabricError
 from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive

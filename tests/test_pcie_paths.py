@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.test_simvm import Cluster, domain_xml
+from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ConfigError, NoPathError, TopologyError, UnknownDeviceError
 from vmlend.fabric.model import GiB
 from vmlend.fabric.paths import route

@@ -2,50 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 
 import pytest
 
+from tests.support.older_state import older_vmlend
 from vmlend.errors import StateError
 from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
-from vmlend.registry import txn as txn_mod
 
 
 def _fill(tx):
     tx.replace_topology(TopologyRecord("t", "src", "text", "d", "gamma", 0.0), ["gamma"], [])
-
-
-def _replace_topology_before_v3(self, rec, nodes, devices):
-    """``StateTxn.replace_topology`` as vmlend wrote it before schema version 3: no compiled
-    topology column."""
-    for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
-        self._c.execute(f"DELETE FROM {table}")
-    self._c.execute(
-        "INSERT INTO topology (id, name, source, text, digest, local_node, created)"
-        " VALUES (1, ?, ?, ?, ?, ?, ?)",
-        (rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created),
-    )
-    self._c.executemany("INSERT INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
-    self._c.executemany(
-        "INSERT INTO devices (fdid, lender, lent, available) VALUES (?, ?, ?, ?)",
-        [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
-    )
-
-
-@contextlib.contextmanager
-def older_vmlend(monkeypatch, version):
-    """Within: state files are created and written as a vmlend of schema ``version`` did."""
-    with monkeypatch.context() as m:
-        m.setattr(store_mod, "SCHEMA_VERSION", version)
-        older = {v: steps for v, steps in schema_mod.MIGRATIONS.items() if v < version}
-        m.setattr(store_mod, "MIGRATIONS", older)
-        if version < 3:
-            m.setattr(txn_mod.StateTxn, "replace_topology", _replace_topology_before_v3)
-        yield
 
 
 @pytest.fixture(params=["sqlite", "etcd"])

@@ -120,14 +120,14 @@ def test_release_frees_every_device_it_can_when_one_record_is_damaged(etcd_url):
     reports 0x10 in one line (exit 1), instead of failing before it freed anything."""
     import io
 
-    from tests.test_hook_ops import domain_xml
+    from tests.support.simcluster import domain_of
     from vmlend.fabric.open import open_fabric
     from vmlend.hook.main import run
     from vmlend.registry import parse_location
     from vmlend.registry.etcd_keys import Keys
 
     make_fabric(etcd_url).close()
-    xml = domain_xml("vm1", fdids=(0x10, 0x20))
+    xml = domain_of("vm1", "6f1c5a2e-0000-4000-8000-000000000001", (0x10, 0x20))
     env = {"VMLEND_REGISTRY": etcd_url, "VMLEND_NODE": "gamma"}
 
     def hook(op: str, sub: str) -> tuple[int, str]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import io
-import uuid
 
 import pytest
 
-from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import (
     ConfigError,
     DeviceHeldError,
@@ -24,13 +22,14 @@ from vmlend.errors import (
 )
 from vmlend.fabric.admission import vm_share
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceState, GiB, Holder, MiB
+from vmlend.fabric.model import DeviceState, GiB, Holder
 from vmlend.fabric.open import open_fabric
 from vmlend.fabric.sim.backend import MDEV_TYPE
 from vmlend.fabric.topology import parse_topology
 from vmlend.hook.main import run as run_hook
 from vmlend.registry import open_registry
 
+from .support.simcluster import domain_of
 from .support.simfabric import make_fabric, small_topology
 
 VM1 = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
@@ -645,16 +644,6 @@ def test_the_parent_stays_while_a_child_or_a_local_hold_remains(fab, location):
     assert _parents(path) == set()
 
 
-def _domain(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
-    spec = DomainSpec(
-        name=name,
-        memory_bytes=512 * MiB,
-        uuid=uuid.UUID(vm_uuid),
-        devices=[DeviceRequest(f) for f in fdids],
-    )
-    return new_domain(spec, templates=TemplateSet()).to_bytes()
-
-
 def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location):
     path = location
     fab.reserve(0x12, VM2)  # the VM's second device is taken: its prepare must fail
@@ -662,7 +651,7 @@ def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location)
     err = io.StringIO()
     code = run_hook(
         ["vm1", "prepare", "begin", "-"],
-        stdin=io.BytesIO(_domain("vm1", VM1.vm_uuid, (0x10, 0x12))),
+        stdin=io.BytesIO(domain_of("vm1", VM1.vm_uuid, (0x10, 0x12))),
         stdout=io.BytesIO(),
         stderr=err,
         environ={"VMLEND_REGISTRY": str(path), "VMLEND_NODE": "gamma"},

@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 )
 
 from tests.support.nvme_guest import guest_driver
-from tests.test_simvm import Cluster
+from tests.support.simcluster import Cluster
 from vmlend.domain import (
     DeviceRequest,
     DomainSpec,

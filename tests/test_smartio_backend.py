@@ -1,6 +1,8 @@
 """What only the kernel backend does: touch sysfs, believe the driver about availability, undo
 kernel steps that fail, and follow a lender's reboot through uevents."""
 
+# ruff: noqa: F811 (the imported fixtures are parameters of the tests)
+
 from __future__ import annotations
 
 import os
@@ -10,11 +12,23 @@ import sqlite3
 import pytest
 
 from tests.support.fake_sysfs import (
-    FakeSmartio,
     FakeSysfs,
     PipeUeventSource,
     RacingWriter,
-    populate_smartio,
+)
+
+# the host's fixtures, which the tests below name as parameters
+from tests.support.smartio_host import (  # noqa: F401
+    NVME,
+    PARENT,
+    U1,
+    U2,
+    WEB,
+    fabric,
+    fake,
+    other_view,
+    start_vm,
+    state,
 )
 from vmlend.errors import (
     DeviceNotLentError,
@@ -27,56 +41,11 @@ from vmlend.errors import (
     StaleTokenError,
 )
 from vmlend.fabric.model import DeviceState, DeviceStatus, Holder
-from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.backend import SimFabric
 from vmlend.fabric.smartio.backend import SmartioFabric, open_smartio_fabric, overlay
 from vmlend.fabric.smartio.driver import MDEV_TYPE, Availability, SmartioDevice
 from vmlend.lending import return_all
 from vmlend.registry import SqliteRegistry
 from vmlend.udev import Outcome
-
-WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
-U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
-U2 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1002"
-NVME = 0x12
-PARENT = "smartio-12"
-
-
-@pytest.fixture
-def state(tmp_path):
-    path = tmp_path / "state.db"
-    text, source = default_topology_text()
-    init_fabric(path, text, source, node="gamma")
-    return path
-
-
-@pytest.fixture
-def fake(tmp_path, state):
-    fake = FakeSysfs(tmp_path / "root")
-    topo = SimFabric(SqliteRegistry.open(state)).topology()
-    smartio = FakeSmartio(fake, node_id=12)
-    populate_smartio(smartio, topo)
-    fake.smartio = smartio  # type: ignore[attr-defined]
-    return fake
-
-
-@pytest.fixture
-def fabric(state, fake):
-    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fab:
-        yield fab
-
-
-@pytest.fixture
-def other_view(state):
-    """Another process on the same state that knows nothing of the kernel."""
-    with SimFabric(SqliteRegistry.open(state)) as sim:
-        yield sim
-
-
-def start_vm(fabric) -> None:
-    fabric.reserve(NVME, WEB)
-    fabric.ensure_mdev_parent(NVME)
-    fabric.create_mdev(NVME, U1, WEB)
 
 
 def test_start_and_stop_drive_the_kernel(fabric, fake):

@@ -152,7 +152,7 @@ def test_read_only_file_system_reads_work_and_writes_name_it(state):
 def test_a_version_2_state_on_a_read_only_file_system_still_reads(tmp_path, monkeypatch):
     # Schema 3 only adds the compiled topology (a cache of the text): a version-2 state that
     # cannot be migrated, because nothing may write it, is read as it is, not refused.
-    from tests.test_registry import older_vmlend
+    from tests.support.older_state import older_vmlend
 
     folder = tmp_path / "v2"
     folder.mkdir()

@@ -1,0 +1,98 @@
+"""One simulated cluster for tests (``Cluster``): one SimHardware, a SimFabric per borrower
+node driving it, the state file they share, and the hook's prepare/release; and the domain XML
+of a plain VM with remote devices (``domain_xml``)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.simfabric import make_fabric
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
+from vmlend.fabric.model import MiB
+from vmlend.fabric.sim.backend import SimFabric
+from vmlend.fabric.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
+from vmlend.fabric.sim.hardware import SimHardware
+from vmlend.fabric.sim.hostmem import HUGE_2M
+from vmlend.fabric.sim.simvm import SimVm
+from vmlend.hook.actionlog import NullLog
+from vmlend.hook.ops import HookOps
+from vmlend.registry import SqliteRegistry
+
+TEMPLATES = TemplateSet()
+
+
+def domain_xml(name: str, memory: int, machine: str = "q35", fdids=(0x12,)) -> bytes:
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=memory,
+        machine=machine,
+        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.vmlend.test"),
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    return new_domain(spec, templates=TEMPLATES).to_bytes()
+
+
+@dataclass
+class Cluster:
+    """The default cluster: one hardware, one SimFabric per borrower node, one state file."""
+
+    path: Path
+    hw: SimHardware
+    registry: SqliteRegistry
+    fabrics: dict[str, SimFabric] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, path: Path, text: str | None = None, node: str = "gamma") -> Cluster:
+        base = make_fabric(path, text, node)
+        hw = SimHardware.from_topology(base.topology(), seed=1)
+        base.close()
+        return cls(path, hw, SqliteRegistry.open(path))
+
+    def fabric(self, node: str = "gamma") -> SimFabric:
+        if node not in self.fabrics:
+            self.fabrics[node] = SimFabric(SqliteRegistry.open(self.path), node, hardware=self.hw)
+        return self.fabrics[node]
+
+    def prepare(self, xml: bytes, node: str = "gamma") -> None:
+        """What the hook's prepare does: reserve every device and create its mdev."""
+        HookOps(self.fabric(node), NullLog()).prepare(read_domain(xml))
+
+    def release(self, xml: bytes, node: str = "gamma") -> None:
+        HookOps(self.fabric(node), NullLog()).release(read_domain(xml))
+
+    def start(self, xml: bytes, node: str = "gamma", backing: int = HUGE_2M, **kw) -> SimVm:
+        self.prepare(xml, node)
+        return SimVm(
+            xml,
+            hardware=self.hw,
+            fabric=self.fabric(node),
+            ledger=RegistryWindowLedger(self.registry),
+            backing=backing,
+            **kw,
+        )
+
+    def runtime(self, kind: str = DMA_WINDOW):
+        with self.registry.read() as tx:
+            return tx.runtime(kind=kind)
+
+    def claims(self):
+        with self.registry.read() as tx:
+            return sorted(tx.claims(), key=repr)
+
+    def close(self) -> None:
+        for f in self.fabrics.values():
+            f.close()
+        self.registry.close()
+
+
+def domain_of(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
+    """A 512 MiB domain ``name`` with UUID ``vm_uuid`` asking for the remote ``fdids``."""
+    spec = DomainSpec(
+        name=name,
+        memory_bytes=512 * MiB,
+        uuid=uuid.UUID(vm_uuid),
+        devices=[DeviceRequest(f) for f in fdids],
+    )
+    return new_domain(spec, templates=TemplateSet()).to_bytes()
