@@ -383,3 +383,15 @@ def test_the_managers_name_is_reserved_and_a_down_lender_shares_nothing(shared):
     with pytest.raises(VmlendError, match="alpha"):
         ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
     assert c.fabric().holds()[NVME].phase.value == "reserved"
+
+
+def test_checker_reports_an_interrupt_route_of_an_old_owner(cluster):
+    hw = cluster.hw
+    hw.borrow(GPU, "gamma", "b")
+    remove = hw.device(GPU).on_interrupt(lambda _v: None, owner=("gamma", "b"))
+    assert check_hardware(hw) == []
+    stale = hw.device(GPU).on_interrupt(lambda _v: None, owner=("gamma", "a"))
+    (v,) = check_hardware(hw)
+    assert v.kind == "interrupt" and "a route to gamma/a while gamma/b borrows it" in v.detail
+    stale()
+    remove()

@@ -112,7 +112,9 @@ class NtbMsiRoute:
         self._watcher = watcher or ConfigIrqWatcher.for_device(self.device)
         self._owns_watcher = watcher is None
         self._unsubscribe = self._watcher.subscribe(self._apply)
-        self._remove_sink = self.device.on_interrupt(self._on_interrupt)
+        self._remove_sink = self.device.on_interrupt(
+            self._on_interrupt, owner=(self.node, self.vm)
+        )
         self._apply(self._watcher.current())
 
     # --- the VMM's side (VFIO_DEVICE_SET_IRQS with DATA_EVENTFD|ACTION_TRIGGER) --------------
@@ -217,6 +219,9 @@ class NtbMsiRoute:
     def _borrow_ended(self, borrow: Borrow) -> None:
         if borrow.fdid == self.fdid:
             self._unmap()
+            # the route is dead with the borrow: the device's next owner's interrupts must not
+            # reach this VM's eventfds, nor this route post into the next owner's target
+            self._remove_sink()
 
     def _unmap(self) -> None:
         """The device's side first, then the segment. Idempotent."""

@@ -34,6 +34,8 @@ class SimDevice:
         self.requester_id = parse_bdf(spec.bdf)
         self.bar_phys = dict(bar_phys)
         self._sinks: list[InterruptSink] = []
+        #: The VM (node, vm) each sink delivers to, where its maker said (the checker's).
+        self._sink_owners: dict[int, tuple[str, str]] = {}
         self._reset_listeners: list[Callable[[], None]] = []
         self.resets = 0
         self.blocked_messages = 0  # MSI/MSI-X not sent because Bus Master was off
@@ -112,15 +114,26 @@ class SimDevice:
             n = max(n, self.spec.msix.vectors)
         return n
 
-    def on_interrupt(self, fn: InterruptSink) -> Callable[[], None]:
-        """Call ``fn(vector)`` whenever the device raises ``vector``; returns a remover."""
+    def on_interrupt(
+        self, fn: InterruptSink, owner: tuple[str, str] | None = None
+    ) -> Callable[[], None]:
+        """Call ``fn(vector)`` whenever the device raises ``vector``; returns a remover.
+        ``owner``: the (node, VM) the route delivers to, so the invariant checker can tell a
+        route of an old owner from one of the device's current borrower."""
         self._sinks.append(fn)
+        if owner is not None:
+            self._sink_owners[id(fn)] = owner
 
         def remove() -> None:
             if fn in self._sinks:
                 self._sinks.remove(fn)
+                self._sink_owners.pop(id(fn), None)
 
         return remove
+
+    def interrupt_route_owners(self) -> list[tuple[str, str]]:
+        """The (node, VM) of every route whose maker named it."""
+        return [self._sink_owners[id(f)] for f in self._sinks if id(f) in self._sink_owners]
 
     @property
     def interrupt_routes(self) -> int:

@@ -13,7 +13,8 @@ registry's holds and claims): every mapping is justified by a current borrow of 
 - ``context``: an IOMMU attachment of a requester no borrowed device produces, or into a domain
   of another VM; ``requester-id``: two devices entering one node as one requester id (the
   IOMMU would translate both in one context);
-- ``interrupt``: a device that is not borrowed still has an interrupt route;
+- ``interrupt``: a device that is not borrowed still has an interrupt route, or a route its
+  maker named delivers to another VM than the device's borrower;
 - ``hold``: a hold without a holder, a hardware borrow without the matching BORROWED hold;
 - ``claims``: a VM's DMA-window segments on an adapter differ from what admission claimed for
   them (the planner's own count: claimed == mapped); more peer-to-peer segments mapped on an
@@ -427,6 +428,16 @@ class _Checker:
                     f"device {dev.fdid:#x}",
                     f"{dev.interrupt_routes} interrupt route(s) but it is not borrowed",
                 )
+                continue
+            borrower = self.owners.get(dev.fdid)
+            for owner in dev.interrupt_route_owners():
+                if owner != borrower:
+                    by = f"{borrower[0]}/{borrower[1]}" if borrower else "nobody"
+                    self.bad(
+                        "interrupt",
+                        f"device {dev.fdid:#x}",
+                        f"a route to {owner[0]}/{owner[1]} while {by} borrows it",
+                    )
 
     def config_writes(self) -> None:
         for w in self.hw.config_writes():

@@ -279,7 +279,9 @@ class SharedNvmeDrive:
             )
             driver = NvmeDriver(DeviceBar0(self.device), self.memory, self.memory.alloc)
             self.manager = NvmeManager(self.controller, driver, f"nvme {fdid:#x}")
-            self._remove_irq = self.device.on_interrupt(self.manager.route_interrupt)
+            self._remove_irq = self.device.on_interrupt(
+                self.manager.route_interrupt, owner=(self.device.lender, MANAGER_VM)
+            )
             self.manager.start()
         except Exception:
             self._teardown()
