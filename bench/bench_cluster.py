@@ -29,7 +29,7 @@ from vmlend.errors import DeviceFencedError, DeviceHeldError
 from vmlend.fabric.admission import StateView, admit
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
-from vmlend.fabric.sim.backend import SimFabric
+from vmlend.sim.backend import SimFabric
 
 CYCLES = 200
 VMS = 500

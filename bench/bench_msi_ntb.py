@@ -37,8 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_irq import fork_lender, percentiles, start_relay
 
 from vmlend.fabric.model import GuestRange, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.msitarget import MsiTargets
 from vmlend.fabric.topology import load_topology
 from vmlend.irq import vectors as r
 from vmlend.irq.client import RelayClient
@@ -46,7 +44,9 @@ from vmlend.irq.control import recv_message
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.ntbmsi import NtbMsiRoute
 from vmlend.irq.vectors import IrqIndex
-from vmlend.pci import regs
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.msitarget import MsiTargets
+from vmlend.sim.pci import regs
 
 VECTORS = 8
 FDID = 0x12  # the default cluster's NVMe on alpha, borrowed by a VM on gamma

@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 from vmlend.fabric.model import GuestRange, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.nvmedrive import attach_nvme
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
-from vmlend.fabric.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.driver import BumpAllocator, NvmeDriver, QueuePair
-from vmlend.pci import regs
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.nvmedrive import attach_nvme
+from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
+from vmlend.sim.pci import regs
 
 RAM = 64 * MiB
 BLOCKS = 1 << 20

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
-from vmlend.fabric.sim.backend import SimFabric
+from vmlend.sim.backend import SimFabric
 
 N = 200
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 
 from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
 from vmlend.fabric.topology import load_topology
-from vmlend.pci import regs
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
+from vmlend.sim.pci import regs
 
 GUEST = [GuestRange(0, 1 * GiB), GuestRange(4 * GiB, 5 * GiB)]  # 2 GiB, q35-like split
 BORROWER_IOVA = 0x40_0000_0000

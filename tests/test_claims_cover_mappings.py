@@ -10,10 +10,10 @@ from vmlend.errors import ResourceExhaustedError
 from vmlend.fabric.admission import usage
 from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import default_topology_text
-from vmlend.fabric.sim.dmawin import RegistryWindowLedger
-from vmlend.fabric.sim.invariants import check_hardware
-from vmlend.fabric.sim.p2pmap import P2PMapper, registry_recorder
-from vmlend.fabric.sim.simvm import SimVm
+from vmlend.sim.dmawin import RegistryWindowLedger
+from vmlend.sim.invariants import check_hardware
+from vmlend.sim.p2pmap import P2PMapper, registry_recorder
+from vmlend.sim.simvm import SimVm
 
 ALPHA_GPU, ALPHA_GPU2, BETA_GPU = 0x10, 0x11, 0x20
 

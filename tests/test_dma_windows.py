@@ -21,11 +21,11 @@ from vmlend.errors import (
     WindowExhaustedError,
 )
 from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.sim.dmawin import RegistryWindowLedger, VmDmaWindows
-from vmlend.fabric.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.memory.domain_memory import domain_layout
-from vmlend.pci import regs
+from vmlend.sim.dmawin import RegistryWindowLedger, VmDmaWindows
+from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
+from vmlend.sim.pci import regs
+from vmlend.sim.simvm import SimVm
 
 PAGE = FRAME
 FOUR_GIB = 4 * GiB

@@ -16,9 +16,9 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import DeviceState, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.smartio.backend import SmartioFabric
+from vmlend.kernel.backend import SmartioFabric
 from vmlend.registry import open_registry
+from vmlend.sim.backend import SimFabric
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 DB = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")

@@ -15,14 +15,14 @@ from tests.support.nvme_guest import VmBar0, guest_driver, share_xml
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import FabricError, MdevError, VmlendError
 from vmlend.fabric.model import GiB, Holder
-from vmlend.fabric.sim.hardware import Borrow, OpenMdev
-from vmlend.fabric.sim.invariants import check_hardware, registry_grants
-from vmlend.fabric.sim.nvmedrive import drive_geometry
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.nvme import ledger, spec
-from vmlend.pci import regs
-from vmlend.pci.config import MSI_OFFSET, MSIX_OFFSET
+from vmlend.sim.hardware import Borrow, OpenMdev
+from vmlend.sim.invariants import check_hardware, registry_grants
+from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.sim.pci import regs
+from vmlend.sim.pci.config import MSI_OFFSET, MSIX_OFFSET
+from vmlend.sim.simvm import SimVm
 
 NVME = 0x12
 GPU = 0x10
@@ -359,7 +359,7 @@ def test_a_failing_revocation_still_resets_the_device_and_cuts_the_others(cluste
 
 
 def test_config_written_before_the_first_borrow_reaches_the_device_when_borrowed(cluster):
-    from vmlend.pci.config import MSI_OFFSET as MSI
+    from vmlend.sim.pci.config import MSI_OFFSET as MSI
 
     vm = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
     dev = cluster.hw.device(GPU)

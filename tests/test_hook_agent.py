@@ -49,7 +49,16 @@ FDIDS = (0x10, 0x12, 0x21, 0x22)
 NOBODY = 65534
 VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-00000000000a")
 #: What the hook process must not load when the agent does the work.
-HEAVY = ("vmlend.fabric", "vmlend.registry", "vmlend.domain", "lxml", "sqlite3", "libvirt")
+HEAVY = (
+    "vmlend.fabric",
+    "vmlend.sim",
+    "vmlend.kernel",
+    "vmlend.registry",
+    "vmlend.domain",
+    "lxml",
+    "sqlite3",
+    "libvirt",
+)
 
 
 def vm_xml(

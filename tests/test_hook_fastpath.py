@@ -23,7 +23,16 @@ from vmlend.hook.prefilter import NAMESPACE_FAMILY, OPERATIONS, concerns_vmlend
 
 REPO_HOOK = Path(__file__).resolve().parent.parent / "hooks" / "vmlend-qemu"
 PLAIN = b"<domain type='kvm'><name>plain</name><memory unit='KiB'>65536</memory></domain>"
-HEAVY = ("lxml", "libvirt", "click", "vmlend.fabric", "vmlend.domain", "vmlend.registry")
+HEAVY = (
+    "lxml",
+    "libvirt",
+    "click",
+    "vmlend.fabric",
+    "vmlend.sim",
+    "vmlend.kernel",
+    "vmlend.domain",
+    "vmlend.registry",
+)
 
 
 def vm_xml(fdids=(0x10, 0x12)) -> bytes:
@@ -88,7 +97,7 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     flags = shebang_flags(installed)
     run = run_script(installed, ["vm1", "prepare", "begin", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])
-    assert {"lxml.etree", "vmlend.domain.info", "vmlend.fabric.sim.backend"} <= run.modules
+    assert {"lxml.etree", "vmlend.domain.info", "vmlend.sim.backend"} <= run.modules
     unused = ("click", "libvirt", "vmlend.cli", "vmlend.irq", "vmlend.hypervisor")
     unused += ("vmlend.domain.build", "vmlend.domain.templates", "vmlend.domain.rewrite")
     unused += ("etcd3gw", "requests")  # an SQLite host never loads the etcd client
@@ -140,7 +149,7 @@ def test_prepare_and_release_of_a_four_device_vm_never_import_dataclasses(instal
     for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
         run = run_script(installed, ["vm1", *op], xml, env, flags)
         assert (run.code, run.stderr) == (0, []), op
-        assert "vmlend.fabric.sim.backend" in run.modules, op  # it did the work
+        assert "vmlend.sim.backend" in run.modules, op  # it did the work
         assert "dataclasses" not in run.modules, op
 
 

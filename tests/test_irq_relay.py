@@ -33,7 +33,7 @@ from vmlend.irq.lender import LenderDevice, LenderRelay
 from vmlend.irq.relay import Reactor
 from vmlend.irq.vectors import ConfigIrqWatcher, IrqIndex
 from vmlend.irq.vfio import DISABLE, TRIGGER_EVENTFDS, UNMASK_EVENTFD, SimIrqHost
-from vmlend.pci import regs
+from vmlend.sim.pci import regs
 
 FDID = 0x42
 

@@ -1,4 +1,5 @@
-"""vmlend.mdev against a fake sysfs with the kernel's semantics (tests/support/fake_sysfs.py)."""
+"""vmlend.kernel.mdev against a fake sysfs with the kernel's semantics
+(tests/support/fake_sysfs.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from vmlend.errors import (
     MdevUuidInUseError,
 )
 from vmlend.hostenv import HostEnv
-from vmlend.mdev import KernelWriter, MdevBus, normalize_uuid
+from vmlend.kernel.mdev import KernelWriter, MdevBus, normalize_uuid
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
 U2 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1002"

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from tests.support.fake_sysfs import FakeSysfs, FakeType
 from vmlend.cli import main
-from vmlend.mdev import MdevBus
+from vmlend.kernel.mdev import MdevBus
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
 

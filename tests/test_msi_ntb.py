@@ -10,14 +10,14 @@ import pytest
 from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
 from vmlend.fabric.msiadmit import is_msi_claim
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.msitarget import MSI_IOVA, MsiTargets
 from vmlend.fabric.topology import load_topology
 from vmlend.irq import vectors as r
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.ntbmsi import NTB, RELAY, NtbMsiRoute, interrupt_path
 from vmlend.irq.vectors import IrqIndex
-from vmlend.pci import regs
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.msitarget import MSI_IOVA, MsiTargets
+from vmlend.sim.pci import regs
 
 NVME = 0x12  # on alpha: MSI (32, maskable) and MSI-X (32 entries, table in BAR 0)
 LOCAL_GPU = 0x10  # alpha's, used by a VM on alpha: no NTB

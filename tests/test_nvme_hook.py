@@ -20,8 +20,6 @@ from vmlend.domain import (
 )
 from vmlend.errors import HookError, MdevOwnedError
 from vmlend.fabric.model import Holder, MiB
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.hook.actionlog import ActionLog, NullLog, log_path_for_state
 from vmlend.hook.main import run
 from vmlend.hook.ops import HookOps
@@ -29,6 +27,8 @@ from vmlend.lending import UndoJournal
 from vmlend.nvme import ledger
 from vmlend.nvme.lending import SHARE_MDEV_TYPE, acquire_share
 from vmlend.registry import SqliteRegistry
+from vmlend.sim.backend import SimFabric
+from vmlend.sim.nvmedrive import drive_geometry
 
 NVME = 0x12
 

@@ -14,8 +14,8 @@ from vmlend.errors import (
     SharingUnsupportedError,
 )
 from vmlend.fabric.model import Holder
-from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.nvme import ledger
+from vmlend.sim.nvmedrive import drive_geometry
 
 NVME = 0x12
 BLOCKS = 1 << 20
@@ -114,9 +114,9 @@ def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
 ):
     from tests.support.nvme_guest import guest_driver
     from vmlend.fabric.model import GuestRange, MiB
-    from vmlend.fabric.sim.hardware import SimHardware
-    from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
     from vmlend.nvme import spec
+    from vmlend.sim.hardware import SimHardware
+    from vmlend.sim.nvmeshare import SharedNvmeDrive
 
     ledger.lend_shared(reg, NVME, geometry(fab))
     holder = Holder("gamma", "a")

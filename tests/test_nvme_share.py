@@ -19,16 +19,16 @@ from vmlend.errors import (
     ResourceExhaustedError,
 )
 from vmlend.fabric.model import GuestRange, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.invariants import ShareGrant, check_hardware
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
-from vmlend.fabric.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
 from vmlend.nvme.driver import NvmeTimeoutError
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import PAGE_MODE, TRAP_MODE
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.invariants import ShareGrant, check_hardware
+from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
 
 BLOCKS = 1 << 20  # 512 MiB namespace
 

@@ -9,10 +9,10 @@ import pytest
 from tests.support.nvme_guest import guest_driver, share_xml
 from tests.support.simcluster import Cluster
 from vmlend.errors import FabricError
-from vmlend.fabric.sim.nvmedrive import drive_geometry
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.nvme import ledger, spec
+from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.sim.simvm import SimVm
 
 NVME = 0x12
 BLOCKS = 1 << 20

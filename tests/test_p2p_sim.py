@@ -17,11 +17,11 @@ from vmlend.errors import (
     StateError,
 )
 from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.p2p import BORROWER_LOCAL, OTHER_LENDER, SAME_LENDER
-from vmlend.pci import regs
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.p2pmap import P2PMapper, registry_recorder
+from vmlend.sim.pci import regs
 
 GPU, GPU2, BETA_GPU, NIC = 0x10, 0x11, 0x20, 0x21
 RAM = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 6 * GiB)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vmlend.fabric.model import BarKind, BarSpec, GiB, MsixSpec
-from vmlend.pci.bar import BarMemory
+from vmlend.sim.pci.bar import BarMemory
 
 MSIX = MsixSpec(vectors=70, table_bar=0, table_offset=0x2000, pba_bar=2, pba_offset=0x100)
 

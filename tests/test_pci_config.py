@@ -6,8 +6,8 @@ import pytest
 
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, GiB, MiB, MsiSpec, MsixSpec
-from vmlend.pci import regs
-from vmlend.pci.config import ConfigSpace, parse_bdf, write_hits
+from vmlend.sim.pci import regs
+from vmlend.sim.pci.config import ConfigSpace, parse_bdf, write_hits
 
 
 def spec(**kw) -> DeviceSpec:

@@ -24,10 +24,10 @@ from vmlend.fabric.admission import vm_share
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.model import DeviceState, GiB, Holder
 from vmlend.fabric.open import open_fabric
-from vmlend.fabric.sim.backend import MDEV_TYPE
 from vmlend.fabric.topology import parse_topology
 from vmlend.hook.main import run as run_hook
 from vmlend.registry import open_registry
+from vmlend.sim.backend import MDEV_TYPE
 
 from .support.simcluster import domain_of
 from .support.simfabric import make_fabric, small_topology
@@ -460,8 +460,8 @@ class FakeHardware:
 
 
 def test_borrow_drives_the_hardware(tmp_path):
-    from vmlend.fabric.sim.backend import SimFabric
     from vmlend.registry import SqliteRegistry
+    from vmlend.sim.backend import SimFabric
 
     make_fabric(tmp_path / "s.db").close()
     hw = FakeHardware()
@@ -529,8 +529,8 @@ class CountingHardware(FakeHardware):
 
 
 def test_hardware_steps_run_once_even_when_transaction_bodies_rerun(tmp_path):
-    from vmlend.fabric.sim.backend import SimFabric
     from vmlend.registry import SqliteRegistry
+    from vmlend.sim.backend import SimFabric
 
     make_fabric(tmp_path / "s.db").close()
     hw = CountingHardware()
@@ -547,8 +547,8 @@ def test_hardware_steps_run_once_even_when_transaction_bodies_rerun(tmp_path):
 
 
 def test_a_borrow_that_cannot_be_recorded_gives_the_hardware_back(tmp_path):
-    from vmlend.fabric.sim.backend import SimFabric
     from vmlend.registry import SqliteRegistry
+    from vmlend.sim.backend import SimFabric
 
     make_fabric(tmp_path / "s.db").close()
     other = SimFabric(SqliteRegistry.open(tmp_path / "s.db"))
@@ -570,7 +570,7 @@ def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
     from tests.support.simfabric import make_fabric
     from vmlend.errors import ConfigError
     from vmlend.fabric.open import open_fabric
-    from vmlend.fabric.smartio.backend import SmartioFabric
+    from vmlend.kernel.backend import SmartioFabric
 
     path = tmp_path / "s.db"
     make_fabric(path)

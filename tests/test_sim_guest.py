@@ -8,9 +8,9 @@ import pytest
 
 from vmlend.errors import ConfigError, PinError
 from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.sim.addrmap import ram_ranges
-from vmlend.fabric.sim.guest import SimGuest
-from vmlend.fabric.sim.hostmem import FRAME, HUGE_1G, HUGE_2M, HostMemory
+from vmlend.sim.addrmap import ram_ranges
+from vmlend.sim.guest import SimGuest
+from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M, HostMemory
 
 # q35 with 3 GiB: 2 GiB low, 1 GiB high at 4 GiB.
 Q35_3G = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 5 * GiB)]

@@ -15,11 +15,11 @@ from vmlend.errors import (
     UnknownNodeError,
 )
 from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.invariants import check_hardware
-from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.topology import load_topology, parse_topology
-from vmlend.pci import regs
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.invariants import check_hardware
+from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.pci import regs
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 
 from vmlend.errors import ResourceExhaustedError
 from vmlend.fabric.model import GiB, MiB
-from vmlend.fabric.sim.addrmap import ram_ranges
-from vmlend.fabric.sim.hostmem import FRAME, HUGE_1G, HUGE_2M, HostMemory
+from vmlend.sim.addrmap import ram_ranges
+from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M, HostMemory
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.invariants import check_hardware
-from vmlend.fabric.sim.iommu import IommuDomain, Requester
 from vmlend.fabric.topology import load_topology
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.invariants import check_hardware
+from vmlend.sim.iommu import IommuDomain, Requester
 
 GPU, GPU2, NVME, BETA_GPU = 0x10, 0x11, 0x12, 0x20
 
@@ -129,8 +129,8 @@ def test_holds_against_borrows(hw):
 
 
 def test_window_segments_equal_their_claims(hw):
-    from vmlend.fabric.sim.dmawin import VmDmaWindows
     from vmlend.memory.layout import MemoryConfig, compute_layout
+    from vmlend.sim.dmawin import VmDmaWindows
 
     layout = compute_layout(MemoryConfig("q35", 1 * GiB))
     guest = hw.guest("gamma", "web")

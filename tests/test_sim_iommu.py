@@ -6,7 +6,7 @@ import pytest
 
 from vmlend.errors import DmaFault, IommuMappingError
 from vmlend.fabric.model import GiB, KiB, MiB
-from vmlend.fabric.sim.iommu import IommuDomain, NodeIommu, Requester
+from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
 
 K4, M2, G1 = 4 * KiB, 2 * MiB, 1 * GiB
 

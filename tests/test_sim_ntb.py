@@ -6,7 +6,7 @@ import pytest
 
 from vmlend.errors import DmaFault, FabricError, NoPathError, ResourceExhaustedError
 from vmlend.fabric.model import AdapterSpec, GiB
-from vmlend.fabric.sim.ntb import NtbAdapter
+from vmlend.sim.ntb import NtbAdapter
 
 BASE = 0x100_0000_0000
 

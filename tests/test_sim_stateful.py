@@ -61,20 +61,20 @@ from vmlend.domain import (
 )
 from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
 from vmlend.fabric.model import BarKind, GiB, MiB
-from vmlend.fabric.sim.dmawin import RegistryWindowLedger
-from vmlend.fabric.sim.invariants import check_hardware, registry_grants
-from vmlend.fabric.sim.nvmedrive import drive_geometry
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive
-from vmlend.fabric.sim.p2pmap import P2PMapper, registry_recorder
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.nvme import ledger
 from vmlend.nvme.driver import NvmeDriver, QueuePair
 from vmlend.nvme.guard import asid_base
-from vmlend.pci import regs
-from vmlend.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.registry import same_holder
+from vmlend.sim.dmawin import RegistryWindowLedger
+from vmlend.sim.invariants import check_hardware, registry_grants
+from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.sim.p2pmap import P2PMapper, registry_recorder
+from vmlend.sim.pci import regs
+from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
+from vmlend.sim.simvm import SimVm
 
 MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
 STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))

@@ -11,8 +11,8 @@ import pytest
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ConfigError, DmaFault, FabricError, PinError
 from vmlend.fabric.model import DeviceState, GiB, MiB
-from vmlend.fabric.sim.simvm import SimVm
-from vmlend.pci import regs
+from vmlend.sim.pci import regs
+from vmlend.sim.simvm import SimVm
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def test_p2p_observer_sees_guest_bar_addresses_and_removal(cluster):
 def test_flr_by_the_guest_tears_down_windows_and_clears_bars(cluster):
     vm = cluster.start(domain_xml("web", 1 * GiB))
     vm.enable_device(0x12)
-    from vmlend.pci.config import EXP_OFFSET
+    from vmlend.sim.pci.config import EXP_OFFSET
 
     vm.config_write(0x12, EXP_OFFSET + regs.EXP_DEVCTL, 2, regs.EXP_DEVCTL_BCR_FLR)
     s = vm.session(0x12)
@@ -198,7 +198,7 @@ def test_msi_and_command_writes_reach_the_physical_listeners(cluster):
     seen: list[tuple[int, int, int]] = []
     cluster.hw.device(0x12).config.add_listener(lambda o, s, v: seen.append((o, s, v)))
     vm.enable_device(0x12)
-    from vmlend.pci.config import MSI_OFFSET, MSIX_OFFSET
+    from vmlend.sim.pci.config import MSI_OFFSET, MSIX_OFFSET
 
     vm.config_write(0x12, MSI_OFFSET + regs.MSI_FLAGS, 2, regs.MSI_FLAGS_ENABLE)
     vm.config_write(0x12, MSIX_OFFSET + regs.MSIX_FLAGS, 2, regs.MSIX_FLAGS_ENABLE)
@@ -248,7 +248,7 @@ def _layout(machine: str, memory: int):
 def test_firmware_places_32_bit_bars_in_the_hole_around_q35_mmconfig():
     from vmlend.errors import ResourceExhaustedError
     from vmlend.fabric.model import BarKind, BarSpec
-    from vmlend.fabric.sim.simvm import GuestBarAllocator
+    from vmlend.sim.simvm import GuestBarAllocator
 
     alloc = GuestBarAllocator(_layout("q35", 2 * GiB))  # all low: RAM ends at 2 GiB
     half = BarSpec(0, 512 * MiB, BarKind.MEM32)

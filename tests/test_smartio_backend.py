@@ -41,11 +41,11 @@ from vmlend.errors import (
     StaleTokenError,
 )
 from vmlend.fabric.model import DeviceState, DeviceStatus, Holder
-from vmlend.fabric.smartio.backend import SmartioFabric, open_smartio_fabric, overlay
-from vmlend.fabric.smartio.driver import MDEV_TYPE, Availability, SmartioDevice
+from vmlend.kernel.backend import SmartioFabric, open_smartio_fabric, overlay
+from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDevice
+from vmlend.kernel.udev import Outcome
 from vmlend.lending import return_all
 from vmlend.registry import SqliteRegistry
-from vmlend.udev import Outcome
 
 
 def test_start_and_stop_drive_the_kernel(fabric, fake):

@@ -1,4 +1,4 @@
-"""The SmartIO sysfs contract (docs/smartio-contract.md) as vmlend.fabric.smartio.driver reads
+"""The SmartIO sysfs contract (docs/smartio-contract.md) as vmlend.kernel.driver reads
 and writes it, against the fake driver in tests/support/fake_sysfs.py."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from vmlend.errors import (
     UnknownDeviceError,
 )
 from vmlend.fabric.model import BarKind, BarSpec
-from vmlend.fabric.smartio.driver import (
+from vmlend.hostenv import HostEnv
+from vmlend.kernel.driver import (
     MDEV_TYPE,
     Availability,
     SmartioDriver,
@@ -24,8 +25,7 @@ from vmlend.fabric.smartio.driver import (
     fdid_of,
     parse_bars,
 )
-from vmlend.hostenv import HostEnv
-from vmlend.mdev import MdevBus
+from vmlend.kernel.mdev import MdevBus
 
 GPU_BARS = "0 0x1000000 mem32\n1 0x800000000 mem64 prefetch\n3 0x2000000 mem64 prefetch\n"
 

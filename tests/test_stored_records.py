@@ -11,11 +11,11 @@ import msgspec
 
 from tests.support.simfabric import make_fabric
 from vmlend.fabric.model import Holder
-from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.nvme import ledger
 from vmlend.registry import hostlease
 from vmlend.registry.etcd_keys import dump
 from vmlend.registry.records import Claim, ClaimKind
+from vmlend.sim.nvmedrive import drive_geometry
 
 NVME = 0x12
 

@@ -14,11 +14,11 @@ from vmlend.cli import main
 from vmlend.errors import SysfsAttributeError, UnknownDeviceError
 from vmlend.fabric.model import DeviceState, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.smartio.backend import open_smartio_fabric
-from vmlend.fabric.smartio.driver import SmartioDriver, fdid_of
-from vmlend.mdev import MdevBus
+from vmlend.kernel.backend import open_smartio_fabric
+from vmlend.kernel.driver import SmartioDriver, fdid_of
+from vmlend.kernel.mdev import MdevBus
 from vmlend.registry import SqliteRegistry
+from vmlend.sim.backend import SimFabric
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
 

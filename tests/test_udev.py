@@ -10,8 +10,8 @@ import pytest
 from tests.support.fake_sysfs import FakeSysfs, FakeType, PipeUeventSource
 from vmlend.errors import HostError
 from vmlend.hostenv import HostEnv
-from vmlend.mdev import MdevBus
-from vmlend.udev import (
+from vmlend.kernel.mdev import MdevBus
+from vmlend.kernel.udev import (
     Outcome,
     ParentChange,
     ParentWatcher,

@@ -15,7 +15,7 @@ import site
 import subprocess
 from pathlib import Path
 
-from vmlend.udev import ParentChange, Uevent, classify
+from vmlend.kernel.udev import ParentChange, Uevent, classify
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ sys.path[:0] = sys.argv[1:]
 import gi
 gi.require_version("UMockdev", "1.0")
 from gi.repository import UMockdev
-from vmlend.udev import PyudevSource
+from vmlend.kernel.udev import PyudevSource
 
 bed = UMockdev.Testbed.new()
 source = PyudevSource()  # the real adapter, on a real pyudev netlink monitor

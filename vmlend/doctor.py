@@ -15,12 +15,12 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import HostError, MdevError
-from vmlend.fabric.smartio.driver import MODULE as SMARTIO_MODULE
-from vmlend.fabric.smartio.driver import Availability, SmartioDriver
-from vmlend.fabric.smartio.nvmeshare import share_support
 from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
-from vmlend.mdev import MdevBus
+from vmlend.kernel.driver import MODULE as SMARTIO_MODULE
+from vmlend.kernel.driver import Availability, SmartioDriver
+from vmlend.kernel.mdev import MdevBus
+from vmlend.kernel.nvmeshare import share_support
 
 log = logging.getLogger(__name__)
 

@@ -279,7 +279,7 @@ class RelayError(VmlendError):
     """The interrupt relay could not set up or deliver a vector."""
 
 
-# --- the Linux mdev ABI (vmlend.mdev): each names the parent and type and what to do -------
+# --- the Linux mdev ABI (vmlend.kernel.mdev): each names the parent and type and what to do -------
 
 
 class MdevParentNotFoundError(MdevError):

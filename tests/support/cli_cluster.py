@@ -21,9 +21,9 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import DomainDefinitionError
 from vmlend.fabric.model import MiB
 from vmlend.fabric.open import open_fabric
-from vmlend.fabric.sim.backend import SimFabric
 from vmlend.hypervisor import open_hypervisor
 from vmlend.hypervisor.sim_hv import SimHypervisor
+from vmlend.sim.backend import SimFabric
 
 TEMPLATES = TemplateSet()
 

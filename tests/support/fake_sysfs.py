@@ -1,7 +1,8 @@
 """A fake host root for tests: a sysfs tree in a temp dir plus the kernel's write semantics.
 
 Reads need no emulation: the tree holds ordinary files and relative symlinks laid out as the
-kernel lays them out, so ``vmlend.mdev`` reads it exactly as it reads ``/sys``. Writes that the
+kernel lays them out, so ``vmlend.kernel.mdev`` reads it exactly as it reads ``/sys``. Writes
+that the
 kernel turns into actions (``create``, ``remove``, the SmartIO ``borrow``/``unborrow``...) cannot
 be plain files, so ``FakeSysfs`` *is* the ``SysfsWriter`` handed to the code under test: it
 applies what the kernel would do (make the device directory and its links, count instances, emit
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from vmlend.fabric.model import Topology
 from vmlend.hostenv import HostEnv
-from vmlend.udev import Uevent
+from vmlend.kernel.udev import Uevent
 
 _KERNEL_UUID = re.compile(r"^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\n?$")
 

@@ -1,6 +1,6 @@
 """The devices the irq tests run on, and the guest-side helpers they use.
 
-``make_device`` builds a real simulated device (vmlend.fabric.sim.device.SimDevice). The
+``make_device`` builds a real simulated device (vmlend.sim.device.SimDevice). The
 helpers only write config space and BAR memory, as a guest driver does. No tests here.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, MsiSpec, MsixSpec
-from vmlend.fabric.sim.device import SimDevice
 from vmlend.irq import vectors as r
-from vmlend.pci import regs
+from vmlend.sim.device import SimDevice
+from vmlend.sim.pci import regs
 
 MSI_AT = 0x50
 MSIX_AT = 0x70

@@ -8,9 +8,9 @@ import uuid
 
 from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
 from vmlend.fabric.model import MiB
-from vmlend.fabric.sim.guest import SimGuest
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.nvme.driver import BumpAllocator, NvmeDriver
+from vmlend.sim.guest import SimGuest
+from vmlend.sim.simvm import SimVm
 
 
 class VmBar0:

@@ -11,14 +11,14 @@ from pathlib import Path
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.fabric.model import MiB
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.hostmem import HUGE_2M
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.registry import SqliteRegistry
+from vmlend.sim.backend import SimFabric
+from vmlend.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hostmem import HUGE_2M
+from vmlend.sim.simvm import SimVm
 
 TEMPLATES = TemplateSet()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vmlend.fabric.open import Location, default_topology_text, init_fabric, open_fabric
-from vmlend.fabric.sim.backend import SimFabric
+from vmlend.sim.backend import SimFabric
 
 
 def make_fabric(path: Location, text: str | None = None, node: str | None = "gamma") -> SimFabric:

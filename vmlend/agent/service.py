@@ -25,13 +25,13 @@ from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.open import Location, open_fabric
-from vmlend.fabric.sim.backend import SimFabric
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64, call_deadline
 from vmlend.release_journal import ReleaseJournal
+from vmlend.sim.backend import SimFabric
 
 log = logging.getLogger(__name__)
 

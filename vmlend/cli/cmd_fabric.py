@@ -13,9 +13,9 @@ from vmlend.errors import ConfigError, TopologyError
 from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
 from vmlend.fabric.base import Fabric
 from vmlend.fabric.open import default_topology_text, init_fabric
-from vmlend.fabric.sim.backend import SimFabric
 from vmlend.ops.identity import identity_change
 from vmlend.registry.location import parse_location
+from vmlend.sim.backend import SimFabric
 
 
 @click.group("fabric")

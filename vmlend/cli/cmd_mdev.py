@@ -9,7 +9,7 @@ import click
 from vmlend.cli.common import Seconds, emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.hostenv import HostEnv
-from vmlend.mdev import MdevBus
+from vmlend.kernel.mdev import MdevBus
 
 
 def _bus(obj: CliContext) -> MdevBus:
@@ -118,8 +118,8 @@ def watch(obj: CliContext, timeout: float | None) -> None:
     """Follow SmartIO mdev parents on this host: when one returns (a lender rebooted), re-create
     the mdevs of the VMs that were running; while one is gone, mark its device unavailable in
     the shared state. Reactions are logged on stderr (-v shows them all)."""
-    from vmlend.fabric.smartio.backend import open_smartio_fabric  # needs the registry
-    from vmlend.udev import PyudevSource
+    from vmlend.kernel.backend import open_smartio_fabric  # needs the registry
+    from vmlend.kernel.udev import PyudevSource
 
     env = HostEnv.from_env(obj.root)
     source = PyudevSource.for_host(env)  # live uevents exist only for the real root

@@ -10,9 +10,9 @@ from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import Holder, format_fdid, parse_fdid
-from vmlend.fabric.sim.nvmedrive import drive_geometry
 from vmlend.nvme import ledger
 from vmlend.registry import open_registry
+from vmlend.sim.nvmedrive import drive_geometry
 
 BLOCK = 512
 

@@ -21,16 +21,16 @@ from vmlend.demo.guest import DemoGuest
 from vmlend.errors import UnknownDomainError
 from vmlend.fabric.compiled import stored_topology
 from vmlend.fabric.model import GiB
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.sim.dmawin import RegistryWindowLedger
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.invariants import Violation, check_hardware, registry_grants
-from vmlend.fabric.sim.msitarget import MsiTargets
-from vmlend.fabric.sim.p2pmap import Recorder, registry_recorder
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.hypervisor.sim_hv import HookRun, HookRunner
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
 from vmlend.registry import open_registry
+from vmlend.sim.backend import SimFabric
+from vmlend.sim.dmawin import RegistryWindowLedger
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.invariants import Violation, check_hardware, registry_grants
+from vmlend.sim.msitarget import MsiTargets
+from vmlend.sim.p2pmap import Recorder, registry_recorder
 
 log = logging.getLogger(__name__)
 

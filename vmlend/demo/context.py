@@ -10,7 +10,7 @@ import msgspec
 from vmlend.demo.cluster import DemoCluster
 from vmlend.errors import DemoError
 from vmlend.fabric.model import GiB
-from vmlend.fabric.sim.simvm import SimVm
+from vmlend.sim.simvm import SimVm
 
 Json = dict[str, Any]
 

@@ -19,15 +19,15 @@ from lxml import etree
 
 from vmlend.demo.interrupts import VmInterrupts, WiredDevice, enable_guest_interrupts
 from vmlend.errors import FabricError, VmlendError
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.sim.dmawin import WindowLedger
-from vmlend.fabric.sim.hardware import Borrow, SimHardware
-from vmlend.fabric.sim.msitarget import MsiTargets
-from vmlend.fabric.sim.p2pmap import P2PMapper, Recorder
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.hypervisor import IdleGuest
 from vmlend.irq.ntbmsi import NtbMsiRoute, open_route
 from vmlend.irq.records import VectorRecorder
+from vmlend.sim.backend import SimFabric
+from vmlend.sim.dmawin import WindowLedger
+from vmlend.sim.hardware import Borrow, SimHardware
+from vmlend.sim.msitarget import MsiTargets
+from vmlend.sim.p2pmap import P2PMapper, Recorder
+from vmlend.sim.simvm import SimVm
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,6 @@ from collections.abc import Callable
 import msgspec
 
 from vmlend.errors import RelayError
-from vmlend.fabric.sim.device import SimDevice
-from vmlend.fabric.sim.simvm import SimVm
 from vmlend.irq import vectors as r
 from vmlend.irq.borrower import BorrowerRelay
 from vmlend.irq.eventfd import EventFd
@@ -30,6 +28,8 @@ from vmlend.irq.ntbmsi import MESSAGE_INDEXES, NtbMsiRoute
 from vmlend.irq.relay import Reactor
 from vmlend.irq.vectors import IrqIndex
 from vmlend.irq.vfio import TRIGGER_EVENTFDS, SimIrqHost
+from vmlend.sim.device import SimDevice
+from vmlend.sim.simvm import SimVm
 
 log = logging.getLogger(__name__)
 

@@ -108,7 +108,7 @@ def run_demo(
 
 def _check_invariants(story: Story) -> None:
     """Fail the step loudly when any mapping, LUT entry, context or interrupt route is not
-    justified by a current borrow (``vmlend.fabric.sim.invariants``)."""
+    justified by a current borrow (``vmlend.sim.invariants``)."""
     if story.cluster is None:
         return
     found = story.cluster.violations()

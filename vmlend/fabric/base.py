@@ -1,7 +1,7 @@
 """The fabric interface: the one view of the cluster that the hook, the CLI and the daemon use.
 
-Two backends implement it: ``vmlend.fabric.sim`` (the simulated SmartIO cluster, the embedded
-default) and ``vmlend.fabric.smartio`` (the kernel: Linux mdev sysfs plus the SmartIO driver's
+Two backends implement it: ``vmlend.sim`` (the simulated SmartIO cluster, the embedded
+default) and ``vmlend.kernel`` (the kernel: Linux mdev sysfs plus the SmartIO driver's
 attributes). Both keep "who holds what" in the shared state (``vmlend.registry``), so separate
 processes (hook, CLI, daemon) see one truth.
 

@@ -53,10 +53,10 @@ def open_fabric(
     if backend not in BACKENDS:
         raise ConfigError(f"unknown fabric backend {backend!r} (available: {', '.join(BACKENDS)})")
     if backend == "smartio":
-        from vmlend.fabric.smartio.backend import open_smartio_fabric
+        from vmlend.kernel.backend import open_smartio_fabric
 
         return open_smartio_fabric(state_path, node, env=HostEnv.from_env(root))
-    from vmlend.fabric.sim.backend import SimFabric
+    from vmlend.sim.backend import SimFabric
 
     host = HostEnv.from_env(root)
     node = node or host.configured_node()

@@ -3,7 +3,7 @@
 The guest's MSI/MSI-X address and data stay virtual (the VMM routes the guest's vectors, as
 with the relay). vmlend owns the physical message each vector sends: address ``MSI_IOVA`` in
 the device's lender IOMMU domain, mapped onto an NTB segment that translates to the VM's
-interrupt target page on the borrower (``vmlend.fabric.sim.msitarget``), and a data value
+interrupt target page on the borrower (``vmlend.sim.msitarget``), and a data value
 that selects the VM's eventfd there. An interrupt is then one posted write, resolved hop by hop
 like any DMA: lender IOMMU, NTB segment, requester LUT, borrower IOMMU, target. No software
 on the lender touches it. When a mapping is gone (the device was given back, reset, reclaimed
@@ -23,15 +23,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vmlend.errors import DmaFault, FabricError
-from vmlend.fabric.sim.msitarget import MSI_IOVA, PAGE, MsiTarget, MsiTargets
 from vmlend.irq.gate import VectorGate
 from vmlend.irq.records import VectorRecorder
 from vmlend.irq.vectors import ConfigIrqWatcher, IrqIndex, IrqSetup, IrqSetupSource
+from vmlend.sim.msitarget import MSI_IOVA, PAGE, MsiTarget, MsiTargets
 
 if TYPE_CHECKING:
-    from vmlend.fabric.sim.backend import SimFabric
-    from vmlend.fabric.sim.hardware import Borrow, SimHardware
-    from vmlend.fabric.sim.resolver import Hop
+    from vmlend.sim.backend import SimFabric
+    from vmlend.sim.hardware import Borrow, SimHardware
+    from vmlend.sim.resolver import Hop
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ class DmaPort(Protocol):
 
 
 class RegisterFile(Protocol):
-    """BAR memory as ``vmlend.pci.bar.BarMemory`` offers it."""
+    """BAR memory as ``vmlend.sim.pci.bar.BarMemory`` offers it."""
 
     def read(self, bar: int, offset: int, size: int) -> int: ...
 

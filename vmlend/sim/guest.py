@@ -20,7 +20,7 @@ import msgspec
 
 from vmlend.errors import ConfigError, PinError
 from vmlend.fabric.model import GuestRange
-from vmlend.fabric.sim.hostmem import FRAME, HUGE_2M, PAGE_SIZES, HostMemory
+from vmlend.sim.hostmem import FRAME, HUGE_2M, PAGE_SIZES, HostMemory
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from vmlend.errors import (
 from vmlend.fabric.model import BarKind, BarSpec, format_fdid
 from vmlend.fabric.topology import BDF_RE, MAX_ADDRESS
 from vmlend.hostenv import HostEnv
-from vmlend.mdev import KernelWriter, SysfsWriter
-from vmlend.sysfsattr import is_directory, parse_number, read_number, read_text, read_value
+from vmlend.kernel.mdev import KernelWriter, SysfsWriter
+from vmlend.kernel.sysfsattr import is_directory, parse_number, read_number, read_text, read_value
 
 log = logging.getLogger(__name__)
 

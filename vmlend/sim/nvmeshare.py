@@ -38,10 +38,6 @@ import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.fabric.model import GuestRange
-from vmlend.fabric.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
-from vmlend.fabric.sim.invariants import ShareGrant
-from vmlend.fabric.sim.iommu import IommuDomain, Requester
-from vmlend.fabric.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
@@ -51,8 +47,12 @@ from vmlend.nvme.ledger import MANAGER_VM, record_usage
 from vmlend.nvme.manager import NvmeManager
 from vmlend.nvme.shares import Share
 from vmlend.nvme.virtual import VirtualNvmeController
-from vmlend.pci import regs
 from vmlend.registry import Registry
+from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
+from vmlend.sim.invariants import ShareGrant
+from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
+from vmlend.sim.pci import regs
 
 log = logging.getLogger(__name__)
 

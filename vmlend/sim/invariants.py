@@ -58,14 +58,14 @@ from vmlend.errors import FabricError
 from vmlend.fabric.admission import usage, vm_share
 from vmlend.fabric.model import Holder
 from vmlend.fabric.msiadmit import msi_share
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.iommu import IommuDomain
-from vmlend.fabric.sim.iommu import Mapping as IommuMapping
-from vmlend.fabric.sim.ntb import NtbAdapter, SegmentMapping
 from vmlend.nvme.admit import share_window_key
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.nvme.ledger import MANAGER_VM, SHARE_RECORD, share_entry
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.iommu import IommuDomain
+from vmlend.sim.iommu import Mapping as IommuMapping
+from vmlend.sim.ntb import NtbAdapter, SegmentMapping
 
 Owner = tuple[str, str]  # (node, vm)
 

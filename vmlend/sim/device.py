@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 
 from vmlend.fabric.model import BarKind, DeviceSpec
-from vmlend.pci import regs
-from vmlend.pci.bar import BarMemory
-from vmlend.pci.config import EXP_OFFSET, ConfigSpace, parse_bdf, write_hits
+from vmlend.sim.pci import regs
+from vmlend.sim.pci.bar import BarMemory
+from vmlend.sim.pci.config import EXP_OFFSET, ConfigSpace, parse_bdf, write_hits
 
 log = logging.getLogger(__name__)
 

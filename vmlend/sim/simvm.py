@@ -20,16 +20,16 @@ from vmlend.domain import read_domain
 from vmlend.errors import ConfigError, FabricError, ResourceExhaustedError
 from vmlend.fabric.admission import vm_share
 from vmlend.fabric.model import BarKind, BarSpec, GiB, Holder, MdevInfo
-from vmlend.fabric.sim.dmawin import VmDmaWindows, WindowLedger
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.hostmem import HUGE_2M
-from vmlend.fabric.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
-from vmlend.fabric.sim.passthrough import BarObserver, BorrowFabric, PassthroughSession
-from vmlend.fabric.sim.resolver import DmaTarget
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.layout import CpuVendor, Family, Layout
 from vmlend.nvme.lending import ShareFabric
-from vmlend.pci import regs
+from vmlend.sim.dmawin import VmDmaWindows, WindowLedger
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hostmem import HUGE_2M
+from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
+from vmlend.sim.passthrough import BarObserver, BorrowFabric, PassthroughSession
+from vmlend.sim.pci import regs
+from vmlend.sim.resolver import DmaTarget
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import msgspec
 
 from vmlend.errors import ConfigError
 from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec
-from vmlend.pci import regs
+from vmlend.sim.pci import regs
 
 ConfigListener = Callable[[int, int, int], None]
 

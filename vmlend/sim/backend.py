@@ -56,7 +56,6 @@ from vmlend.fabric.model import (
     Topology,
 )
 from vmlend.fabric.paths import NtbPath, route
-from vmlend.fabric.sim.shareops import SimShareOps
 from vmlend.registry import (
     ClaimKind,
     DeviceRecord,
@@ -71,6 +70,7 @@ from vmlend.registry import (
     same_holder,
 )
 from vmlend.registry.records import Claim
+from vmlend.sim.shareops import SimShareOps
 
 log = logging.getLogger(__name__)
 

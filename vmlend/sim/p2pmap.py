@@ -35,13 +35,13 @@ import msgspec
 from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
 from vmlend.fabric.admission import vm_share
 from vmlend.fabric.model import BarKind, Holder
-from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
+from vmlend.sim.iommu import IommuDomain
 
 if TYPE_CHECKING:
-    from vmlend.fabric.sim.hardware import Borrow, SimHardware
-    from vmlend.fabric.sim.ntb import NtbAdapter
     from vmlend.registry import Registry, StateTxn
+    from vmlend.sim.hardware import Borrow, SimHardware
+    from vmlend.sim.ntb import NtbAdapter
 
 log = logging.getLogger(__name__)
 

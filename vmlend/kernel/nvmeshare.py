@@ -11,8 +11,8 @@ from __future__ import annotations
 import msgspec
 
 from vmlend.errors import SysfsAttributeError
-from vmlend.fabric.smartio.driver import CHECK, SmartioDriver, device_name
-from vmlend.sysfsattr import read_text
+from vmlend.kernel.driver import CHECK, SmartioDriver, device_name
+from vmlend.kernel.sysfsattr import read_text
 
 
 class ShareSupport(msgspec.Struct, frozen=True):

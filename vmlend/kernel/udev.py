@@ -27,7 +27,7 @@ import msgspec
 
 from vmlend.errors import HostError, MdevError
 from vmlend.hostenv import HostEnv
-from vmlend.mdev import MdevBus, normalize_uuid
+from vmlend.kernel.mdev import MdevBus, normalize_uuid
 
 log = logging.getLogger(__name__)
 

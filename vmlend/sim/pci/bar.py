@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from vmlend.fabric.model import BarKind, BarSpec, MsixSpec
-from vmlend.pci import regs
+from vmlend.sim.pci import regs
 
 BarListener = Callable[[int, int, int, int], None]
 

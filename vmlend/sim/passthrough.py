@@ -41,10 +41,10 @@ from typing import Protocol
 
 from vmlend.errors import DeviceHeldError, DeviceRevokedError, FabricError, VmlendError
 from vmlend.fabric.model import BarKind, Holder
-from vmlend.fabric.sim.device import SimDevice
-from vmlend.fabric.sim.dmawin import VmDmaWindows
-from vmlend.pci import regs
-from vmlend.pci.config import EXP_OFFSET, ConfigSpace, write_hits
+from vmlend.sim.device import SimDevice
+from vmlend.sim.dmawin import VmDmaWindows
+from vmlend.sim.pci import regs
+from vmlend.sim.pci.config import EXP_OFFSET, ConfigSpace, write_hits
 
 log = logging.getLogger(__name__)
 

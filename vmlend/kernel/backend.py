@@ -5,9 +5,9 @@ Two sources of truth, each for what it knows:
 - the shared registry (``vmlend.registry``) decides *who holds what*: reservations, adapter
   claims, admission, mdev records. That bookkeeping is the same as the simulated cluster's, so
   it is delegated to a ``SimFabric`` over the same registry rather than written twice;
-- the SmartIO driver and the mdev ABI (docs/smartio-contract.md, ``vmlend.mdev``) say what the
-  hardware can do right now: whether a device is lent and reachable, whether its parent exists,
-  which children exist. Their word wins over the registry's for availability.
+- the SmartIO driver and the mdev ABI (docs/smartio-contract.md, ``vmlend.kernel.mdev``) say
+  what the hardware can do right now: whether a device is lent and reachable, whether its
+  parent exists, which children exist. Their word wins over the registry's for availability.
 
 Every step that changes the kernel records enough to undo itself when a later step fails.
 """
@@ -42,8 +42,8 @@ from vmlend.fabric.model import (
     Reservation,
     Topology,
 )
-from vmlend.fabric.sim.backend import SimFabric
-from vmlend.fabric.smartio.driver import (
+from vmlend.hostenv import HostEnv
+from vmlend.kernel.driver import (
     MDEV_TYPE,
     Availability,
     SmartioDevice,
@@ -51,11 +51,11 @@ from vmlend.fabric.smartio.driver import (
     device_name,
     fdid_of,
 )
-from vmlend.hostenv import HostEnv
-from vmlend.mdev import MdevBus, SysfsWriter
+from vmlend.kernel.mdev import MdevBus, SysfsWriter
+from vmlend.kernel.udev import ParentWatcher, WantedMdev
 from vmlend.registry import Registry, open_registry
 from vmlend.registry.records import Claim
-from vmlend.udev import ParentWatcher, WantedMdev
+from vmlend.sim.backend import SimFabric
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,15 @@ import msgspec
 
 from vmlend.errors import FabricError, SharingUnsupportedError
 from vmlend.fabric.model import DeviceSpec
-from vmlend.fabric.sim.device import SimDevice
-from vmlend.fabric.sim.hardware import SimHardware
-from vmlend.fabric.sim.hostmem import FRAME, HostMemory
-from vmlend.fabric.sim.iommu import IommuDomain
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig, NvmeController
 from vmlend.nvme.driver import BumpAllocator
 from vmlend.nvme.namespace import Namespace
 from vmlend.nvme.shares import Geometry
+from vmlend.sim.device import SimDevice
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hostmem import FRAME, HostMemory
+from vmlend.sim.iommu import IommuDomain
 
 
 class ResolverDma:

@@ -41,7 +41,7 @@ from vmlend.errors import (
     VmlendError,
 )
 from vmlend.hostenv import HostEnv
-from vmlend.sysfsattr import is_directory, parse_number, read_text, read_value
+from vmlend.kernel.sysfsattr import is_directory, parse_number, read_text, read_value
 
 log = logging.getLogger(__name__)
 

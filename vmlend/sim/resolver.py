@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from vmlend.errors import DmaFault
-from vmlend.fabric.sim.iommu import IommuDomain, Requester
-from vmlend.pci import regs
+from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.pci import regs
 
 if TYPE_CHECKING:
-    from vmlend.fabric.sim.hardware import SimHardware, SimNode
+    from vmlend.sim.hardware import SimHardware, SimNode
 
 _PAGE = 4096
 

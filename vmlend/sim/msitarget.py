@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from vmlend.errors import FabricError
-from vmlend.fabric.sim.addrmap import Region
+from vmlend.sim.addrmap import Region
 
 if TYPE_CHECKING:
-    from vmlend.fabric.sim.hardware import SimHardware
+    from vmlend.sim.hardware import SimHardware
 
 log = logging.getLogger(__name__)
 

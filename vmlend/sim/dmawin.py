@@ -30,16 +30,16 @@ import msgspec
 
 from vmlend.errors import DmaLimitError, FabricError
 from vmlend.fabric.model import GiB, GuestRange, KiB, MiB
-from vmlend.fabric.sim.guest import SimGuest
-from vmlend.fabric.sim.hardware import Borrow, SimHardware
-from vmlend.fabric.sim.iommu import IommuDomain
-from vmlend.fabric.sim.ntb import NtbAdapter
-from vmlend.fabric.sim.promises import promised_segments
 from vmlend.memory.layout import Layout
 from vmlend.memory.probe import probe_layout
 from vmlend.memory.windows import DmaPlan, FrameRun, apply_plan, plan_dma_windows, unapply_plan
 from vmlend.p2p import RECORD_KIND as P2P_RECORD_KIND
 from vmlend.registry import Registry, StateTxn
+from vmlend.sim.guest import SimGuest
+from vmlend.sim.hardware import Borrow, SimHardware
+from vmlend.sim.iommu import IommuDomain
+from vmlend.sim.ntb import NtbAdapter
+from vmlend.sim.promises import promised_segments
 
 log = logging.getLogger(__name__)
 

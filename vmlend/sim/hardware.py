@@ -28,14 +28,14 @@ from vmlend.errors import (
 )
 from vmlend.fabric.model import GuestRange, NodeSpec, Topology
 from vmlend.fabric.paths import NtbPath, route
-from vmlend.fabric.sim.addrmap import AddressMap, plan_mmio, ram_ranges
-from vmlend.fabric.sim.device import SimDevice
-from vmlend.fabric.sim.guest import SimGuest
-from vmlend.fabric.sim.hostmem import HUGE_2M, HostMemory
-from vmlend.fabric.sim.iommu import IommuDomain, NodeIommu, Requester
-from vmlend.fabric.sim.ntb import NtbAdapter
-from vmlend.fabric.sim.resolver import DmaResolver, DmaTarget
-from vmlend.pci import regs
+from vmlend.sim.addrmap import AddressMap, plan_mmio, ram_ranges
+from vmlend.sim.device import SimDevice
+from vmlend.sim.guest import SimGuest
+from vmlend.sim.hostmem import HUGE_2M, HostMemory
+from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
+from vmlend.sim.ntb import NtbAdapter
+from vmlend.sim.pci import regs
+from vmlend.sim.resolver import DmaResolver, DmaTarget
 
 log = logging.getLogger(__name__)
 
