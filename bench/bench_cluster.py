@@ -27,9 +27,9 @@ from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.simfabric import fabric_topology
 from vmlend.errors import DeviceFencedError, DeviceHeldError
 from vmlend.fabric.admission import StateView, admit
-from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
 from vmlend.sim.backend import SimFabric
+from vmlend.topology.model import GiB, Holder
 
 CYCLES = 200
 VMS = 500

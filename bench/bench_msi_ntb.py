@@ -36,8 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_irq import fork_lender, percentiles, start_relay
 
-from vmlend.fabric.model import GuestRange, MiB
-from vmlend.fabric.topology import load_topology
 from vmlend.irq import vectors as r
 from vmlend.irq.client import RelayClient
 from vmlend.irq.control import recv_message
@@ -47,6 +45,8 @@ from vmlend.irq.vectors import IrqIndex
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.msitarget import MsiTargets
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GuestRange, MiB
+from vmlend.topology.parse import load_topology
 
 VECTORS = 8
 FDID = 0x12  # the default cluster's NVMe on alpha, borrowed by a VM on gamma

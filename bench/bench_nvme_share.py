@@ -16,8 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from vmlend.fabric.model import GuestRange, MiB
-from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.driver import BumpAllocator, NvmeDriver, QueuePair
 from vmlend.sim.hardware import SimHardware
@@ -25,6 +23,8 @@ from vmlend.sim.nvmedrive import attach_nvme
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GuestRange, MiB
+from vmlend.topology.parse import load_topology, parse_topology
 
 RAM = 64 * MiB
 BLOCKS = 1 << 20

@@ -11,12 +11,12 @@ import itertools
 import time
 from collections.abc import Callable
 
-from vmlend.fabric.model import BarKind, GiB, GuestRange, MiB
-from vmlend.fabric.topology import load_topology
 from vmlend.p2p import GuestBar, PeerBar, PeerDevice, plan_p2p
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.p2pmap import P2PMapper
 from vmlend.sim.pci import regs
+from vmlend.topology.model import BarKind, GiB, GuestRange, MiB
+from vmlend.topology.parse import load_topology
 
 RAM = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 8 * GiB)]
 HI = 0x80_0000_0000

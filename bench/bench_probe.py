@@ -14,9 +14,9 @@ import argparse
 import time
 from collections.abc import Callable
 
-from vmlend.fabric.model import GiB
 from vmlend.memory.layout import PAGE, CpuVendor, MemoryConfig, compute_layout
 from vmlend.memory.probe import linear_walk, probe_layout
+from vmlend.topology.model import GiB
 
 
 def make_oracle(size: int) -> tuple[Callable[[int], bool], int, object]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 
-from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.topology import load_topology
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GiB, GuestRange, MiB
+from vmlend.topology.parse import load_topology
 
 GUEST = [GuestRange(0, 1 * GiB), GuestRange(4 * GiB, 5 * GiB)]  # 2 GiB, q35-like split
 BORROWER_IOVA = 0x40_0000_0000

@@ -11,11 +11,11 @@ from tests.support.simcluster import Cluster, domain_xml
 from tests.support.simfabric import make_fabric
 from vmlend.domain import read_domain
 from vmlend.errors import DmaLimitError, ResourceExhaustedError
-from vmlend.fabric.model import DeviceState, GiB, GuestRam, GuestRange, Holder
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.windows import window_segments
 from vmlend.registry import ClaimKind
 from vmlend.sim.p2pmap import P2PMapper
+from vmlend.topology.model import DeviceState, GiB, GuestRam, GuestRange, Holder
 
 SEGMENT = 4 * GiB  # the default topology: 128 GiB windows in 32 segments
 

@@ -29,10 +29,10 @@ from tests.support.cluster_hosts import (
 from tests.support.etcd_daemon import host_lease
 from tests.support.simfabric import make_fabric
 from vmlend.errors import AgentNotRunningError, DeviceFencedError, DeviceHeldError, StateError
-from vmlend.fabric.model import DeviceState, Holder
 from vmlend.fabric.open import open_fabric
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.topology.model import DeviceState, Holder
 
 
 @pytest.fixture

@@ -28,11 +28,11 @@ from tests.support.cluster_hosts import (
     reserve_code,
 )
 from tests.support.simfabric import make_fabric
-from vmlend.fabric.model import Holder
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.etcd_keys import Keys
+from vmlend.topology.model import Holder
 
 #: Bounded waits for what an agent does after an event (process start-ups included).
 WAIT = 30.0
@@ -147,8 +147,8 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
 ):
     """The release hook cannot reach etcd: the host keeps the release, the user reads one line
     saying so, and the agent lands it once etcd is back (no 'reconcile --fix')."""
-    from vmlend.fabric.model import DeviceState
     from vmlend.fabric.open import open_fabric
+    from vmlend.topology.model import DeviceState
 
     url, hosts = outage
     gamma = hosts["gamma"]

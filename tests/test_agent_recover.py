@@ -9,9 +9,9 @@ from tests.support.simcluster import domain_of as _domain
 from tests.support.simfabric import make_fabric
 from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.errors import LibvirtError
-from vmlend.fabric.model import Holder
 from vmlend.hypervisor.base import DomainState
 from vmlend.hypervisor.sim_hv import SimHypervisor
+from vmlend.topology.model import Holder
 
 GPU, NIC = 0x10, 0x20
 APP = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")

@@ -12,12 +12,12 @@ import pytest
 
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import BorrowTeardownError, DeviceHeldError, DmaFault, VmlendError
-from vmlend.fabric.model import GiB
 from vmlend.sim.hardware import Borrow
 from vmlend.sim.invariants import check_hardware
 from vmlend.sim.p2pmap import P2PMapper
 from vmlend.sim.pci import regs
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import GiB
 
 GPU, GPU2 = 0x10, 0x11  # both lent by alpha: only alpha's IOMMU is on a peer write's path
 

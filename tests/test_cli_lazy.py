@@ -49,7 +49,7 @@ def test_devices_imports_its_module_and_the_fabric_only(state_path):
     # Listing reads state: no guest-memory layout rules or planner, no NVMe share code.
     assert run.within("vmlend.memory", "vmlend.nvme") == set()
     # The registry holds the compiled topology: no TOML parser, no topology validation.
-    assert run.within("tomllib", "vmlend.fabric.topology") == set()
+    assert run.within("tomllib", "vmlend.topology.parse") == set()
 
 
 def test_table_matches_the_commands_the_modules_define():

@@ -16,11 +16,11 @@ from vmlend.errors import (
     MigrationError,
     UnknownDomainError,
 )
-from vmlend.fabric.model import GiB
 from vmlend.hypervisor import DomainState
 from vmlend.hypervisor.sim_hv import IdleGuest
 from vmlend.ops.migrate import migrate
 from vmlend.registry import SqliteRegistry
+from vmlend.topology.model import GiB
 
 from .support.cli_cluster import GAMMA, SimCluster, make_cluster, one_line
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from vmlend.domain import mdev_uuid
-from vmlend.fabric.model import Holder
 from vmlend.registry import SqliteRegistry
+from vmlend.topology.model import Holder
 
 from .support.cli_cluster import GAMMA, SimCluster, one_line
 

@@ -20,12 +20,12 @@ from vmlend.errors import (
     ResourceExhaustedError,
     WindowExhaustedError,
 )
-from vmlend.fabric.model import GiB, GuestRange, MiB
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.sim.dmawin import RegistryWindowLedger, VmDmaWindows
 from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M
 from vmlend.sim.pci import regs
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import GiB, GuestRange, MiB
 
 PAGE = FRAME
 FOUR_GIB = 4 * GiB

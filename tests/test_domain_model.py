@@ -21,7 +21,7 @@ from vmlend.domain.model import DomainXML, MdevHostdevXML, PciAddressXML
 from vmlend.domain.units import format_size, libvirt_bytes, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
-from vmlend.fabric.model import InterruptPath
+from vmlend.topology.model import InterruptPath
 
 U = uuid.UUID("c7a5fdbd-edaf-9455-926a-d65c16db1809")
 

@@ -17,9 +17,9 @@ from tests.support.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.errors import LayoutError
-from vmlend.fabric.model import MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.hook.main import run
+from vmlend.topology.model import MiB
 
 GPU = 0x10
 

@@ -20,8 +20,8 @@ import pytest
 
 from vmlend.domain import read_domain
 from vmlend.errors import HookFailedError
-from vmlend.fabric.model import MiB
 from vmlend.faults import FAULT_ENV, POINTS
+from vmlend.topology.model import MiB
 
 from .support.cli_cluster import GAMMA, SimCluster
 

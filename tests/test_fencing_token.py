@@ -10,8 +10,8 @@ import pytest
 from tests.support.simcluster import Cluster, domain_xml
 from tests.support.simfabric import make_fabric
 from vmlend.errors import StaleTokenError
-from vmlend.fabric.model import GiB, Holder
 from vmlend.registry import FenceRecord
+from vmlend.topology.model import GiB, Holder
 
 GPU = 0x10
 

@@ -14,7 +14,6 @@ import pytest
 from tests.support.nvme_guest import VmBar0, guest_driver, share_xml
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import FabricError, MdevError, VmlendError
-from vmlend.fabric.model import GiB, Holder
 from vmlend.nvme import ledger, spec
 from vmlend.sim.hardware import Borrow, OpenMdev
 from vmlend.sim.invariants import check_hardware, registry_grants
@@ -23,6 +22,7 @@ from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import MSI_OFFSET, MSIX_OFFSET
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import GiB, Holder
 
 NVME = 0x12
 GPU = 0x10

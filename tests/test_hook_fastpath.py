@@ -16,10 +16,10 @@ from tests.support.modtrace import run_script
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.domain.metadata import NAMESPACE_URI
-from vmlend.fabric.model import MiB
 from vmlend.hook.contract import Action, parse_argv
 from vmlend.hook.install import install_hook
 from vmlend.hook.prefilter import NAMESPACE_FAMILY, OPERATIONS, concerns_vmlend
+from vmlend.topology.model import MiB
 
 REPO_HOOK = Path(__file__).resolve().parent.parent / "hooks" / "vmlend-qemu"
 PLAIN = b"<domain type='kvm'><name>plain</name><memory unit='KiB'>65536</memory></domain>"
@@ -107,7 +107,7 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     unused += ("vmlend.registry.etcd_gateway", "vmlend.registry.etcd_store")
     unused += ("vmlend.domain.preserve", "difflib")
     # The registry holds the compiled topology: no TOML parser, no topology validation.
-    unused += ("tomllib", "vmlend.fabric.topology")
+    unused += ("tomllib", "vmlend.topology.parse")
     assert run.within(*unused) == set()
     run = run_script(installed, ["vm1", "release", "end", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])

@@ -11,10 +11,10 @@ from lxml import etree
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.model import DeviceState, Holder, MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.main import run
+from vmlend.topology.model import DeviceState, Holder, MiB
 
 TEMPLATES = TemplateSet()
 VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-000000000001")
@@ -278,7 +278,7 @@ def test_library_warnings_go_to_the_action_log_not_stderr(fabric, state_path):
 
 
 def test_prepare_and_reconnect_reserve_with_the_xmls_interrupt_path(fabric, state_path):
-    from vmlend.fabric.model import InterruptPath
+    from vmlend.topology.model import InterruptPath
 
     spec = DomainSpec(
         "vm1",

@@ -9,7 +9,7 @@ import json
 from lxml import etree
 
 from vmlend.domain import read_domain
-from vmlend.fabric.model import InterruptPath
+from vmlend.topology.model import InterruptPath
 
 from .support.cli_cluster import GAMMA, one_line
 

@@ -6,8 +6,8 @@ import pytest
 
 from tests.support.smartio_host import NVME, U1, WEB, fabric, fake, start_vm, state  # noqa: F401
 from vmlend.errors import DeviceHeldError
-from vmlend.fabric.model import Holder
 from vmlend.lending import return_all
+from vmlend.topology.model import Holder
 
 
 def test_a_device_whose_mdev_cannot_be_removed_keeps_its_hold(fabric, fake):  # noqa: F811

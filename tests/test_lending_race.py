@@ -10,9 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import uuid
 
-from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import open_fabric
 from vmlend.lending import UndoJournal, acquire_device
+from vmlend.topology.model import GiB, Holder
 
 from .support.simfabric import make_fabric
 

@@ -6,9 +6,9 @@ import pytest
 from lxml import etree
 
 from vmlend.errors import DomainXMLError, LayoutError
-from vmlend.fabric.model import GiB, GuestRange, MiB
 from vmlend.memory.domain_memory import memory_config, parse_libvirt_size, parse_qemu_size
 from vmlend.memory.layout import CpuVendor, Dimm, compute_layout
+from vmlend.topology.model import GiB, GuestRange, MiB
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import LayoutError
-from vmlend.fabric.model import GiB, GuestRange, MiB, TiB
 from vmlend.memory.layout import (
     AMD_ABOVE_1TB_START,
     CpuVendor,
@@ -16,6 +15,7 @@ from vmlend.memory.layout import (
     merge_ranges,
     parse_machine_type,
 )
+from vmlend.topology.model import GiB, GuestRange, MiB, TiB
 
 G4 = 4 * GiB
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from vmlend.errors import LayoutError
-from vmlend.fabric.model import GiB, GuestRange, MiB, TiB
 from vmlend.memory.layout import (
     AMD_ABOVE_1TB_START,
     PAGE,
@@ -17,6 +16,7 @@ from vmlend.memory.layout import (
     compute_layout,
 )
 from vmlend.memory.probe import linear_walk, probe_layout, probe_ranges
+from vmlend.topology.model import GiB, GuestRange, MiB, TiB
 
 G4 = 4 * GiB
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from vmlend.errors import HostError, LayoutError
-from vmlend.fabric.model import GiB, GuestRange, MiB
 from vmlend.memory.domain_memory import memory_config
 from vmlend.memory.layout import CpuVendor, Dimm, MemoryConfig, compute_layout
 from vmlend.memory.qmp import QemuProcess, parse_flat_view, qemu_memory_args, ram_ranges
+from vmlend.topology.model import GiB, GuestRange, MiB
 
 G4 = 4 * GiB
 

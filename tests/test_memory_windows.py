@@ -12,7 +12,6 @@ import random
 import pytest
 
 from vmlend.errors import DmaLimitError, LayoutError, ResourceExhaustedError
-from vmlend.fabric.model import AdapterSpec, GiB, GuestRange, MiB, TiB
 from vmlend.memory.layout import PAGE, CpuVendor, MemoryConfig, compute_layout
 from vmlend.memory.windows import (
     FrameRun,
@@ -23,6 +22,7 @@ from vmlend.memory.windows import (
     split_pages,
     unapply_plan,
 )
+from vmlend.topology.model import AdapterSpec, GiB, GuestRange, MiB, TiB
 
 G4 = 4 * GiB
 ADAPTER = AdapterSpec(node="alpha", index=0)  # 128 GiB window, 32 segments of 4 GiB

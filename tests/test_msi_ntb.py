@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.simfabric import make_fabric
-from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
 from vmlend.fabric.msiadmit import is_msi_claim
-from vmlend.fabric.topology import load_topology
 from vmlend.irq import vectors as r
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.ntbmsi import NTB, RELAY, NtbMsiRoute, interrupt_path
@@ -18,6 +16,8 @@ from vmlend.irq.vectors import IrqIndex
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.msitarget import MSI_IOVA, MsiTargets
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GiB, GuestRange, Holder, MiB
+from vmlend.topology.parse import load_topology
 
 NVME = 0x12  # on alpha: MSI (32, maskable) and MSI-X (32 entries, table in BAR 0)
 LOCAL_GPU = 0x10  # alpha's, used by a VM on alpha: no NTB

@@ -15,10 +15,10 @@ from tests.support.simfabric import make_fabric
 from vmlend.demo.cluster import DemoCluster
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import GiB, Holder, InterruptPath, MiB
 from vmlend.irq.records import RECORD_KIND
 from vmlend.irq.vectors import IrqIndex
 from vmlend.sim.msitarget import MSI_IOVA
+from vmlend.topology.model import GiB, Holder, InterruptPath, MiB
 
 NVME = 0x12  # on alpha, MSI and MSI-X: borrowed by gamma through alpha:0
 GPU = 0x10  # on alpha too

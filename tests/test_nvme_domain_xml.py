@@ -17,7 +17,7 @@ from vmlend.domain import (
     read_domain,
 )
 from vmlend.errors import DomainXMLError
-from vmlend.fabric.model import GiB, MiB
+from vmlend.topology.model import GiB, MiB
 
 NS = {"v": "http://vmlend.org/xmlns/domain/1.0"}
 

@@ -8,10 +8,10 @@ import pytest
 from tests.support.nvme_guest import VmBar0, guest_driver
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import DmaFault
-from vmlend.fabric.model import GiB, MiB
 from vmlend.nvme import spec
 from vmlend.nvme.driver import NvmeCommandError
 from vmlend.sim.nvmedrive import attach_nvme
+from vmlend.topology.model import GiB, MiB
 
 NVME = 0x12
 

@@ -19,7 +19,6 @@ from vmlend.domain import (
     read_domain,
 )
 from vmlend.errors import HookError, MdevOwnedError
-from vmlend.fabric.model import Holder, MiB
 from vmlend.hook.actionlog import ActionLog, NullLog, log_path_for_state
 from vmlend.hook.main import run
 from vmlend.hook.ops import HookOps
@@ -29,6 +28,7 @@ from vmlend.nvme.lending import SHARE_MDEV_TYPE, acquire_share
 from vmlend.registry import SqliteRegistry
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.topology.model import Holder, MiB
 
 NVME = 0x12
 

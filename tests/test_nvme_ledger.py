@@ -13,9 +13,9 @@ from vmlend.errors import (
     SharesActiveError,
     SharingUnsupportedError,
 )
-from vmlend.fabric.model import Holder
 from vmlend.nvme import ledger
 from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.topology.model import Holder
 
 NVME = 0x12
 BLOCKS = 1 << 20
@@ -113,10 +113,10 @@ def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
     fab, reg, tmp_path
 ):
     from tests.support.nvme_guest import guest_driver
-    from vmlend.fabric.model import GuestRange, MiB
     from vmlend.nvme import spec
     from vmlend.sim.hardware import SimHardware
     from vmlend.sim.nvmeshare import SharedNvmeDrive
+    from vmlend.topology.model import GuestRange, MiB
 
     ledger.lend_shared(reg, NVME, geometry(fab))
     holder = Holder("gamma", "a")
@@ -144,9 +144,9 @@ def _use(fab):
 
 def test_a_share_claims_the_ntb_resources_of_its_dma_path_and_returns_them(fab, reg):
     from vmlend.fabric.admission import guest_ram_of
-    from vmlend.fabric.model import GiB
-    from vmlend.fabric.paths import route
     from vmlend.memory.windows import window_segments
+    from vmlend.topology.model import GiB
+    from vmlend.topology.paths import route
 
     ledger.lend_shared(reg, NVME, geometry(fab))
     before = _use(fab)
@@ -173,7 +173,7 @@ def test_a_share_claims_the_ntb_resources_of_its_dma_path_and_returns_them(fab, 
 
 def test_a_share_whose_windows_do_not_fit_is_refused_claiming_nothing(fab, reg):
     from vmlend.errors import WindowExhaustedError
-    from vmlend.fabric.model import GiB
+    from vmlend.topology.model import GiB
 
     ledger.lend_shared(reg, NVME, geometry(fab))
     before = _use(fab)

@@ -18,8 +18,6 @@ from vmlend.errors import (
     FabricError,
     ResourceExhaustedError,
 )
-from vmlend.fabric.model import GuestRange, MiB
-from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
 from vmlend.nvme.driver import NvmeTimeoutError
@@ -29,6 +27,8 @@ from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import ShareGrant, check_hardware
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
+from vmlend.topology.model import GuestRange, MiB
+from vmlend.topology.parse import load_topology, parse_topology
 
 BLOCKS = 1 << 20  # 512 MiB namespace
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from vmlend.fabric.model import MiB
 from vmlend.nvme import ledger
 from vmlend.registry import SqliteRegistry
+from vmlend.topology.model import MiB
 
 from .support.cli_cluster import GAMMA, SimCluster
 from .support.nvme_guest import share_xml

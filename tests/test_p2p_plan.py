@@ -7,8 +7,6 @@ import json
 import pytest
 
 from vmlend.errors import BarConflictError, NoPathError, P2PError, UnknownNodeError
-from vmlend.fabric.model import BarKind, GiB, GuestRange, MiB
-from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.p2p import (
     BORROWER_LOCAL,
     OTHER_LENDER,
@@ -20,6 +18,8 @@ from vmlend.p2p import (
     peer_device,
     plan_p2p,
 )
+from vmlend.topology.model import BarKind, GiB, GuestRange, MiB
+from vmlend.topology.parse import load_topology, parse_topology
 
 RAM = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 8 * GiB)]
 HI = 0x80_0000_0000  # 512 GiB: where a guest with 4 GiB of high RAM puts 64-bit BARs

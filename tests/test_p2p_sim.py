@@ -16,12 +16,12 @@ from vmlend.errors import (
     ResourceExhaustedError,
     StateError,
 )
-from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
-from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.p2p import BORROWER_LOCAL, OTHER_LENDER, SAME_LENDER
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GiB, GuestRange, Holder, MiB
+from vmlend.topology.parse import load_topology, parse_topology
 
 GPU, GPU2, BETA_GPU, NIC = 0x10, 0x11, 0x20, 0x21
 RAM = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 6 * GiB)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vmlend.fabric.model import BarKind, BarSpec, GiB, MsixSpec
 from vmlend.sim.pci.bar import BarMemory
+from vmlend.topology.model import BarKind, BarSpec, GiB, MsixSpec
 
 MSIX = MsixSpec(vectors=70, table_bar=0, table_offset=0x2000, pba_bar=2, pba_offset=0x100)
 

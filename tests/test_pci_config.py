@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, GiB, MiB, MsiSpec, MsixSpec
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import ConfigSpace, parse_bdf, write_hits
+from vmlend.topology.model import BarKind, BarSpec, DeviceSpec, GiB, MiB, MsiSpec, MsixSpec
 
 
 def spec(**kw) -> DeviceSpec:

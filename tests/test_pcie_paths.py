@@ -12,9 +12,10 @@ import pytest
 
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ConfigError, NoPathError, TopologyError, UnknownDeviceError
-from vmlend.fabric.model import GiB
-from vmlend.fabric.paths import route
-from vmlend.fabric.pcie import (
+from vmlend.topology.model import GiB
+from vmlend.topology.parse import load_topology, parse_topology
+from vmlend.topology.paths import route
+from vmlend.topology.pcie import (
     NTB_ONE_WAY_NS,
     Hop,
     cpu_to_bar,
@@ -23,7 +24,6 @@ from vmlend.fabric.pcie import (
     device_via_ram,
     explain,
 )
-from vmlend.fabric.topology import load_topology, parse_topology
 
 
 def _node(name: str, ident: int, adapters: int = 1, device: int | None = None) -> str:

@@ -8,10 +8,10 @@ import json
 import uuid
 
 from vmlend.domain import DomainDocument, find_device, mdev_uuid, read_domain
-from vmlend.fabric.model import Holder
 from vmlend.lending import UndoJournal, acquire_device, return_device
 from vmlend.ops.attach import plan_attach
 from vmlend.ops.definitions import hostdev_xml
+from vmlend.topology.model import Holder
 
 from .support.cli_cluster import GAMMA, SimCluster, hostdev_uuids, metadata_fdids
 

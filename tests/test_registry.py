@@ -166,8 +166,8 @@ def test_older_schema_is_migrated(made, monkeypatch):
 
 
 def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monkeypatch):
-    from vmlend.fabric.model import Holder
     from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
+    from vmlend.topology.model import Holder
 
     path = tmp_path / "v1.db"
     with older_vmlend(monkeypatch, 1):
@@ -191,9 +191,9 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
 def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(
     tmp_path, monkeypatch
 ):
-    from vmlend.fabric.compiled import decode_compiled
     from vmlend.fabric.open import open_fabric
-    from vmlend.fabric.topology import parse_topology
+    from vmlend.topology.compiled import decode_compiled
+    from vmlend.topology.parse import parse_topology
 
     path = tmp_path / "v2.db"
     text, source = default_topology_text()
@@ -218,8 +218,8 @@ def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(
 def test_a_version_3_state_learns_hold_tokens_and_every_new_hold_gets_a_larger_one(
     tmp_path, monkeypatch
 ):
-    from vmlend.fabric.model import Holder
     from vmlend.registry import HoldRecord, Phase
+    from vmlend.topology.model import Holder
 
     path = tmp_path / "v3.db"
     with older_vmlend(monkeypatch, 3):
@@ -315,7 +315,7 @@ def test_runtime_records_follow_the_hold(location):
     with the hold; a device nobody holds cannot get any."""
     from tests.support.simfabric import make_fabric
     from vmlend.errors import StateError
-    from vmlend.fabric.model import Holder
+    from vmlend.topology.model import Holder
 
     fabric = make_fabric(location)
     holder = Holder("gamma", "vm1", "u1")
@@ -349,15 +349,15 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
     import sys
 
     from tests.support.simfabric import make_fabric
-    from vmlend.fabric.model import Holder
     from vmlend.fabric.open import open_fabric
+    from vmlend.topology.model import Holder
 
     path = tmp_path / "s.db"
     keep = make_fabric(path)  # a connection that stays open in this process
     open_fabric(path)  # a second open (and vet) while `keep` is open
     step = (
         "import sys; from vmlend.fabric.open import open_fabric;"
-        "from vmlend.fabric.model import Holder;"
+        "from vmlend.topology.model import Holder;"
         "f = open_fabric(sys.argv[1]); h = Holder('gamma', 'vm', 'u');"
         "[getattr(f, sys.argv[2])(x, h) for x in (0x10, 0x12, 0x21, 0x22)]"
     )
@@ -374,8 +374,8 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
 
 def test_vector_records_replace_and_clear(location):
     from tests.support.simfabric import make_fabric
-    from vmlend.fabric.model import Holder
     from vmlend.irq.records import RECORD_KIND, registry_vector_recorder
+    from vmlend.topology.model import Holder
 
     make_fabric(location).reserve(0x12, Holder("gamma", "vm1", "u1"))
     reg = open_registry(location)

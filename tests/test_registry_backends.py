@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.support.simfabric import make_fabric
-from vmlend.fabric.model import GiB, Holder
 from vmlend.registry import ClaimKind
+from vmlend.topology.model import GiB, Holder
 
 VM1 = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
 GPU_ALPHA, GPU_BETA, NVME = 0x10, 0x20, 0x12

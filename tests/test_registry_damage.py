@@ -13,8 +13,8 @@ from tests.support.cli_cluster import one_line
 from tests.support.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.errors import StateRecordError
-from vmlend.fabric.model import Holder
 from vmlend.registry import SqliteRegistry
+from vmlend.topology.model import Holder
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")

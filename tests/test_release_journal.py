@@ -8,11 +8,11 @@ import uuid
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain
-from vmlend.fabric.model import Holder, MiB
 from vmlend.hook.main import run
 from vmlend.hostenv import HostEnv
 from vmlend.lending import UndoJournal, acquire_device
 from vmlend.release_journal import PendingRelease, ReleaseJournal
+from vmlend.topology.model import Holder, MiB
 
 VM_UUID = "6f1c5a2e-0000-4000-8000-0000000000aa"
 WEB = Holder("gamma", "web", VM_UUID)

@@ -22,12 +22,12 @@ from vmlend.errors import (
 )
 from vmlend.fabric.admission import vm_share
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceState, GiB, Holder
 from vmlend.fabric.open import open_fabric
-from vmlend.fabric.topology import parse_topology
 from vmlend.hook.main import run as run_hook
 from vmlend.registry import open_registry
 from vmlend.sim.backend import MDEV_TYPE
+from vmlend.topology.model import DeviceState, GiB, Holder
+from vmlend.topology.parse import parse_topology
 
 from .support.simcluster import domain_of
 from .support.simfabric import make_fabric, small_topology
@@ -412,7 +412,7 @@ def test_another_process_replacing_the_topology_is_seen(fab, location):
 
 def test_local_node_choice():
     from vmlend.fabric.open import choose_local_node, default_topology_text
-    from vmlend.fabric.topology import parse_topology
+    from vmlend.topology.parse import parse_topology
 
     topo = parse_topology(default_topology_text()[0])
     assert choose_local_node(topo, "beta.fabric.local") == "beta"

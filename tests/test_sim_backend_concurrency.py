@@ -7,8 +7,8 @@ import multiprocessing as mp
 import pytest
 
 from vmlend.errors import DeviceHeldError
-from vmlend.fabric.model import GiB, Holder
 from vmlend.fabric.open import open_fabric
+from vmlend.topology.model import GiB, Holder
 
 from .support.simfabric import make_fabric
 

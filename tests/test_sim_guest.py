@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from vmlend.errors import ConfigError, PinError
-from vmlend.fabric.model import GiB, GuestRange, MiB
 from vmlend.sim.addrmap import ram_ranges
 from vmlend.sim.guest import SimGuest
 from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M, HostMemory
+from vmlend.topology.model import GiB, GuestRange, MiB
 
 # q35 with 3 GiB: 2 GiB low, 1 GiB high at 4 GiB.
 Q35_3G = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 5 * GiB)]

@@ -14,12 +14,12 @@ from vmlend.errors import (
     UnknownDeviceError,
     UnknownNodeError,
 )
-from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.topology import load_topology, parse_topology
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import check_hardware
 from vmlend.sim.iommu import IommuDomain, Requester
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GiB, GuestRange, MiB
+from vmlend.topology.parse import load_topology, parse_topology
 
 
 @pytest.fixture(scope="module")

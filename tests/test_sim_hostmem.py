@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from vmlend.errors import ResourceExhaustedError
-from vmlend.fabric.model import GiB, MiB
 from vmlend.sim.addrmap import ram_ranges
 from vmlend.sim.hostmem import FRAME, HUGE_1G, HUGE_2M, HostMemory
+from vmlend.topology.model import GiB, MiB
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from vmlend.fabric.model import GiB, GuestRange, Holder, MiB
-from vmlend.fabric.topology import load_topology
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import check_hardware
 from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.topology.model import GiB, GuestRange, Holder, MiB
+from vmlend.topology.parse import load_topology
 
 GPU, GPU2, NVME, BETA_GPU = 0x10, 0x11, 0x12, 0x20
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import DmaFault, IommuMappingError
-from vmlend.fabric.model import GiB, KiB, MiB
 from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
+from vmlend.topology.model import GiB, KiB, MiB
 
 K4, M2, G1 = 4 * KiB, 2 * MiB, 1 * GiB
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import DmaFault, FabricError, NoPathError, ResourceExhaustedError
-from vmlend.fabric.model import AdapterSpec, GiB
 from vmlend.sim.ntb import NtbAdapter
+from vmlend.topology.model import AdapterSpec, GiB
 
 BASE = 0x100_0000_0000
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import pytest
 
 from vmlend.errors import DmaFault
-from vmlend.fabric.model import GiB, GuestRange, MiB
-from vmlend.fabric.topology import load_topology
 from vmlend.sim.guest import SimGuest
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import FRAME
 from vmlend.sim.ntb import NtbAdapter
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GiB, GuestRange, MiB
+from vmlend.topology.parse import load_topology
 
 NVME, GPU, GPU2, BETA_GPU = 0x12, 0x10, 0x11, 0x20
 GUEST_RAM = [GuestRange(0, 8 * MiB), GuestRange(4 * GiB, 4 * GiB + 4 * MiB)]

@@ -60,7 +60,6 @@ from vmlend.domain import (
     read_domain,
 )
 from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
-from vmlend.fabric.model import BarKind, GiB, MiB
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.nvme import ledger
@@ -75,6 +74,7 @@ from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import BarKind, GiB, MiB
 
 MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
 STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))

@@ -10,9 +10,9 @@ import pytest
 
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ConfigError, DmaFault, FabricError, PinError
-from vmlend.fabric.model import DeviceState, GiB, MiB
 from vmlend.sim.pci import regs
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import DeviceState, GiB, MiB
 
 
 @pytest.fixture
@@ -247,8 +247,8 @@ def _layout(machine: str, memory: int):
 
 def test_firmware_places_32_bit_bars_in_the_hole_around_q35_mmconfig():
     from vmlend.errors import ResourceExhaustedError
-    from vmlend.fabric.model import BarKind, BarSpec
     from vmlend.sim.simvm import GuestBarAllocator
+    from vmlend.topology.model import BarKind, BarSpec
 
     alloc = GuestBarAllocator(_layout("q35", 2 * GiB))  # all low: RAM ends at 2 GiB
     half = BarSpec(0, 512 * MiB, BarKind.MEM32)

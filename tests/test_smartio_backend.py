@@ -40,12 +40,12 @@ from vmlend.errors import (
     MdevParentGoneError,
     StaleTokenError,
 )
-from vmlend.fabric.model import DeviceState, DeviceStatus, Holder
 from vmlend.kernel.backend import SmartioFabric, open_smartio_fabric, overlay
 from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDevice
 from vmlend.kernel.udev import Outcome
 from vmlend.lending import return_all
 from vmlend.registry import SqliteRegistry
+from vmlend.topology.model import DeviceState, DeviceStatus, Holder
 
 
 def test_start_and_stop_drive_the_kernel(fabric, fake):

@@ -15,7 +15,6 @@ from vmlend.errors import (
     LenderUnavailableError,
     UnknownDeviceError,
 )
-from vmlend.fabric.model import BarKind, BarSpec
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.driver import (
     MDEV_TYPE,
@@ -26,6 +25,7 @@ from vmlend.kernel.driver import (
     parse_bars,
 )
 from vmlend.kernel.mdev import MdevBus
+from vmlend.topology.model import BarKind, BarSpec
 
 GPU_BARS = "0 0x1000000 mem32\n1 0x800000000 mem64 prefetch\n3 0x2000000 mem64 prefetch\n"
 

@@ -10,12 +10,12 @@ import sqlite3
 import msgspec
 
 from tests.support.simfabric import make_fabric
-from vmlend.fabric.model import Holder
 from vmlend.nvme import ledger
 from vmlend.registry import hostlease
 from vmlend.registry.etcd_keys import dump
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.topology.model import Holder
 
 NVME = 0x12
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vmlend.errors import ConfigError, TopologyError
-from vmlend.fabric.model import BarKind, GiB, parse_fdid
-from vmlend.fabric.topology import load_topology, parse_topology
+from vmlend.topology.model import BarKind, GiB, parse_fdid
+from vmlend.topology.parse import load_topology, parse_topology
 
 MINI = """
 name = "mini"
@@ -129,7 +129,7 @@ def test_the_cli_refuses_an_fdid_in_other_digits(tmp_path):
 
 def test_routes_through_the_switch_and_back_to_back():
     from vmlend.errors import NoPathError, UnknownNodeError
-    from vmlend.fabric.paths import route
+    from vmlend.topology.paths import route
 
     topo = load_topology()
     p = route(topo, "gamma", "alpha")

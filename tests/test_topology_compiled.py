@@ -20,17 +20,17 @@ from hypothesis import strategies as st
 
 from tests.support.simfabric import fabric_topology, small_topology, star_topology
 from vmlend.errors import TopologyError
-from vmlend.fabric.compiled import (
+from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.registry import TopologyRecord, open_registry
+from vmlend.registry import etcd_keys as etcd_keys_mod
+from vmlend.topology.compiled import (
     COMPILED_FORMAT,
     compile_topology,
     decode_compiled,
     stored_topology,
 )
-from vmlend.fabric.model import Topology
-from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
-from vmlend.fabric.topology import parse_topology
-from vmlend.registry import TopologyRecord, open_registry
-from vmlend.registry import etcd_keys as etcd_keys_mod
+from vmlend.topology.model import Topology
+from vmlend.topology.parse import parse_topology
 
 TESTS = Path(__file__).resolve().parent
 BIG_BAR = """
@@ -159,7 +159,7 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
     pinned = {"vmlend-topology/2": "c33a3eb7444cb6b4"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
-        "the Topology model changed: bump COMPILED_FORMAT (vmlend/fabric/compiled.py)"
+        "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
     )
 
@@ -174,7 +174,7 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     digest = hashlib.sha256(body).hexdigest()[:16]
     pinned = {"vmlend-topology/2": "bd307ab2ac1fa13c"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
-        "the parser's output changed: bump COMPILED_FORMAT (vmlend/fabric/compiled.py) and pin"
+        "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
     )
 
@@ -242,10 +242,10 @@ def test_the_compiled_path_imports_no_toml_parser(tmp_path):
     init_fabric(tmp_path / "s.db", *default_topology_text(), node="gamma")
     code = (
         "import sys; from vmlend.registry import open_registry;"
-        " from vmlend.fabric.compiled import stored_topology;"
+        " from vmlend.topology.compiled import stored_topology;"
         f" reg = open_registry({str(tmp_path / 's.db')!r});"
         " tx = reg.read().__enter__(); t = stored_topology(tx.topology());"
-        " print(len(t.devices), 'tomllib' in sys.modules, 'vmlend.fabric.topology' in sys.modules)"
+        " print(len(t.devices), 'tomllib' in sys.modules, 'vmlend.topology.parse' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, text=True)
     assert out.returncode == 0, out.stderr

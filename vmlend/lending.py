@@ -18,7 +18,10 @@ import msgspec
 
 from vmlend.errors import RegistryUnreachableError, StateRecordError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import (
+from vmlend.faults import fault_point
+from vmlend.messages import about
+from vmlend.registry.records import same_holder
+from vmlend.topology.model import (
     DEFAULT_INTERRUPTS,
     GuestRam,
     Holder,
@@ -26,9 +29,6 @@ from vmlend.fabric.model import (
     MdevInfo,
     format_fdid,
 )
-from vmlend.faults import fault_point
-from vmlend.messages import about
-from vmlend.registry.records import same_holder
 
 log = logging.getLogger(__name__)
 

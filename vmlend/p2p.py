@@ -12,7 +12,7 @@ of the VM. Where that IOVA leads depends on where B sits:
                     window, whose segment points at the borrower, whose per-VM IOMMU maps the
                     GPA to B's BAR.
 ``other-lender``    B is lent by a third host: the same, through the NTB between the two
-                    lenders (``vmlend.fabric.paths.route``), which need not be the borrower's;
+                    lenders (``vmlend.topology.paths.route``), which need not be the borrower's;
                     the far lender translates the GPA in a domain of its own for this VM.
 
 Only memory BARs are mapped; the guest's BARs are checked first (naturally aligned, the right
@@ -30,8 +30,8 @@ from typing import Any
 import msgspec
 
 from vmlend.errors import BarConflictError, P2PError
-from vmlend.fabric.model import BarKind, DeviceSpec, GiB, GuestRange, Topology
-from vmlend.fabric.paths import NtbPath, route
+from vmlend.topology.model import BarKind, DeviceSpec, GiB, GuestRange, Topology
+from vmlend.topology.paths import NtbPath, route
 
 SAME_LENDER = "same-lender"
 BORROWER_LOCAL = "borrower-local"

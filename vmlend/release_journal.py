@@ -26,8 +26,8 @@ import msgspec
 from vmlend.domain.info import DomainInfo
 from vmlend.errors import RegistryUnreachableError, ReleasePendingError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hostenv import HostEnv
+from vmlend.topology.model import Holder, format_fdid
 
 log = logging.getLogger(__name__)
 

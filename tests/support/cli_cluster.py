@@ -19,11 +19,11 @@ from vmlend.cli import main
 from vmlend.cli.connect import hook_command
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import DomainDefinitionError
-from vmlend.fabric.model import MiB
 from vmlend.fabric.open import open_fabric
 from vmlend.hypervisor import open_hypervisor
 from vmlend.hypervisor.sim_hv import SimHypervisor
 from vmlend.sim.backend import SimFabric
+from vmlend.topology.model import MiB
 
 TEMPLATES = TemplateSet()
 

@@ -14,10 +14,10 @@ import uuid
 from pathlib import Path
 
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.model import Holder
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.etcd_keys import Keys
+from vmlend.topology.model import Holder
 
 TTL = 2  # etcd's minimum lease
 INTERVAL = 0.2
@@ -106,7 +106,7 @@ class Host:
 def reserve_code(fdid: int, holder: Holder) -> str:
     return (
         "from vmlend.fabric.open import open_fabric\n"
-        "from vmlend.fabric.model import Holder\n"
+        "from vmlend.topology.model import Holder\n"
         "import os\n"
         f"f = open_fabric(os.environ['VMLEND_REGISTRY'], os.environ['VMLEND_NODE'])\n"
         f"h = Holder({holder.node!r}, {holder.vm!r}, {holder.vm_uuid!r})\n"

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vmlend.fabric.model import Topology
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.udev import Uevent
+from vmlend.topology.model import Topology
 
 _KERNEL_UUID = re.compile(r"^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\n?$")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec, MsiSpec, MsixSpec
 from vmlend.irq import vectors as r
 from vmlend.sim.device import SimDevice
 from vmlend.sim.pci import regs
+from vmlend.topology.model import BarKind, BarSpec, DeviceSpec, MsiSpec, MsixSpec
 
 MSI_AT = 0x50
 MSIX_AT = 0x70

@@ -7,10 +7,10 @@ from __future__ import annotations
 import uuid
 
 from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
-from vmlend.fabric.model import MiB
 from vmlend.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.guest import SimGuest
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import MiB
 
 
 class VmBar0:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
-from vmlend.fabric.model import MiB
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.registry import SqliteRegistry
@@ -19,6 +18,7 @@ from vmlend.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import HUGE_2M
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import MiB
 
 TEMPLATES = TemplateSet()
 

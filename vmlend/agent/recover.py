@@ -27,12 +27,12 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import DeviceFencedError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Holder, format_fdid
 from vmlend.hook.domainview import read_hook_domain
 from vmlend.hypervisor.base import DomainState, Hypervisor
 from vmlend.lending import UndoJournal, acquire_device, holder_for
 from vmlend.ops.definitions import plain_metadata
 from vmlend.registry.records import same_holder
+from vmlend.topology.model import Holder, format_fdid
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from vmlend.cli.context import CliContext
 from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import InterruptPath, format_fdid
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.detach_preview import DetachPreview, preview_detach
+from vmlend.topology.model import InterruptPath, format_fdid
 
 log = logging.getLogger(__name__)
 

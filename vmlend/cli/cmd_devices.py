@@ -10,7 +10,7 @@ from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.fabric.admission import format_size_short
-from vmlend.fabric.model import BarKind, DeviceSpec, DeviceState, DeviceStatus, format_fdid
+from vmlend.topology.model import BarKind, DeviceSpec, DeviceState, DeviceStatus, format_fdid
 
 HEADERS = ("FDID", "LENDER", "BDF", "KIND", "BARS", "DMA", "STATE", "HOLDER")
 

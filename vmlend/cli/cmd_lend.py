@@ -10,7 +10,7 @@ from vmlend.cli.cmd_devices import device_json
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import DeviceStatus, format_fdid, parse_fdid
+from vmlend.topology.model import DeviceStatus, format_fdid, parse_fdid
 
 
 class FdidType(click.ParamType):

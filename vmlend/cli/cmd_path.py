@@ -1,5 +1,5 @@
 """``vmlend path SRC DST``: one PCIe path stage by stage, with its hops, root complexes and the
-latency the NTB adds (the pure logic is ``vmlend.fabric.pcie``)."""
+latency the NTB adds (the pure logic is ``vmlend.topology.pcie``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import click
 
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
-from vmlend.fabric.pcie import explain
+from vmlend.topology.pcie import explain
 
 HEADERS = ("#", "HOST", "KIND", "ELEMENT")
 

@@ -10,8 +10,8 @@ import click
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
-from vmlend.fabric.model import format_fdid
 from vmlend.ops.reconcile import Drift, find_drift, fix, look
+from vmlend.topology.model import format_fdid
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from vmlend.cli.common import emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.fabric.admission import format_size_short
-from vmlend.fabric.model import format_fdid
-from vmlend.fabric.pcie import PciePath
 from vmlend.nvme.lending import BLOCK
 from vmlend.ops.reconcile import find_drift, look
 from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
 from vmlend.registry.records import RuntimeRecord
+from vmlend.topology.model import format_fdid
+from vmlend.topology.pcie import PciePath
 
 
 def _runtime_cell(records: list[RuntimeRecord]) -> str:

@@ -29,8 +29,8 @@ from vmlend.domain.info import info_of
 from vmlend.domain.ramcheck import require_computable_layout
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import InterruptPath, format_fdid, parse_fdid
 from vmlend.messages import plural
+from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,6 @@ import msgspec
 from vmlend.cli.connect import hook_command
 from vmlend.demo.guest import DemoGuest
 from vmlend.errors import UnknownDomainError
-from vmlend.fabric.compiled import stored_topology
-from vmlend.fabric.model import GiB
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.hypervisor.sim_hv import HookRun, HookRunner
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
@@ -31,6 +29,8 @@ from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import Violation, check_hardware, registry_grants
 from vmlend.sim.msitarget import MsiTargets
 from vmlend.sim.p2pmap import Recorder, registry_recorder
+from vmlend.topology.compiled import stored_topology
+from vmlend.topology.model import GiB
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import msgspec
 
 from vmlend.demo.cluster import DemoCluster
 from vmlend.errors import DemoError
-from vmlend.fabric.model import GiB
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import GiB
 
 Json = dict[str, Any]
 

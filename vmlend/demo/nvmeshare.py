@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from vmlend.cli.common import render_table
 from vmlend.demo.context import Json, Story, require
-from vmlend.fabric.model import GuestRam, GuestRange, Holder, MiB, format_fdid
 from vmlend.nvme import ledger, spec
 from vmlend.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.topology.model import GuestRam, GuestRange, Holder, MiB, format_fdid
 
 NAMESPACE_BLOCKS = 1 << 21  # 1 GiB of 512-byte blocks
 SHARE_BLOCKS = 1 << 16  # 32 MiB each

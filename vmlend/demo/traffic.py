@@ -7,7 +7,7 @@ from __future__ import annotations
 from vmlend.demo import facts
 from vmlend.demo.context import Json, Story, require
 from vmlend.errors import DemoError, DmaFault
-from vmlend.fabric.model import GiB, format_fdid
+from vmlend.topology.model import GiB, format_fdid
 
 PAYLOAD = b"vmlend: block 0 of the remote NVMe drive, DMA'd straight into guest memory. "
 

@@ -19,7 +19,7 @@ from vmlend.domain.rewrite import add_device, set_vm_interrupts
 from vmlend.domain.templates import MACHINES, TemplateSet
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import InterruptPath
+from vmlend.topology.model import InterruptPath
 
 #: Checks that a fabric device id exists (raises ``UnknownDeviceError`` or similar); the CLI
 #: passes one backed by the fabric when a state exists.

@@ -16,8 +16,8 @@ from vmlend.domain.metadata import VmlendDevice, find_metadata
 from vmlend.domain.model import DomainXML, MdevHostdevXML
 from vmlend.domain.uuids import mdev_uuid
 from vmlend.errors import DomainXMLError
-from vmlend.fabric.model import format_fdid
 from vmlend.messages import plural
+from vmlend.topology.model import format_fdid
 
 
 class Problem(msgspec.Struct, frozen=True):

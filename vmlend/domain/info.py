@@ -11,8 +11,8 @@ from vmlend.domain.document import DomainDocument
 from vmlend.domain.metadata import VmlendDevice, find_metadata
 from vmlend.domain.model import DomainXML
 from vmlend.errors import DomainXMLError, LayoutError, VmlendError
-from vmlend.fabric.model import DEFAULT_INTERRUPTS, GuestRam, InterruptPath
 from vmlend.memory.domain_memory import domain_layout
+from vmlend.topology.model import DEFAULT_INTERRUPTS, GuestRam, InterruptPath
 
 
 class DomainInfo(msgspec.Struct, frozen=True):

@@ -35,7 +35,7 @@ from vmlend.domain.address import PciAddress
 from vmlend.domain.units import format_size, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
-from vmlend.fabric.model import InterruptPath, format_fdid, parse_fdid
+from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
 
 #: Stable namespace URI of vmlend's domain metadata. Bump the version only for incompatible
 #: changes; readers then refuse the unknown version instead of guessing.

@@ -33,7 +33,7 @@ from vmlend.domain.slots import address_problem
 from vmlend.domain.templates import TemplateSet
 from vmlend.domain.uuids import mdev_uuid
 from vmlend.errors import DomainXMLError
-from vmlend.fabric.model import InterruptPath, format_fdid
+from vmlend.topology.model import InterruptPath, format_fdid
 
 log = logging.getLogger(__name__)
 

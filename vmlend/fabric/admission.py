@@ -42,16 +42,6 @@ from vmlend.errors import (
     VmlendError,
     WindowExhaustedError,
 )
-from vmlend.fabric.model import (
-    AdapterSpec,
-    BarKind,
-    Check,
-    DeviceSpec,
-    GuestRam,
-    Holder,
-    Topology,
-)
-from vmlend.fabric.paths import NtbPath, route
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -61,6 +51,16 @@ from vmlend.registry.records import (
     Phase,
     same_holder,
 )
+from vmlend.topology.model import (
+    AdapterSpec,
+    BarKind,
+    Check,
+    DeviceSpec,
+    GuestRam,
+    Holder,
+    Topology,
+)
+from vmlend.topology.paths import NtbPath, route
 
 _UNITS = ((1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K"))
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vmlend.fabric.model import AdapterSpec, DeviceSpec, Holder
 from vmlend.registry.records import Claim, ClaimKind
+from vmlend.topology.model import AdapterSpec, DeviceSpec, Holder
 
 MSI_SHARE_PREFIX = "msi:"
 

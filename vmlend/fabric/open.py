@@ -15,8 +15,6 @@ import msgspec
 
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.compiled import compile_topology, decode_compiled
-from vmlend.fabric.model import Topology
 from vmlend.hostenv import HostEnv
 from vmlend.registry import (
     DeviceRecord,
@@ -27,6 +25,8 @@ from vmlend.registry import (
     hostlease,
     open_registry,
 )
+from vmlend.topology.compiled import compile_topology, decode_compiled
+from vmlend.topology.model import Topology
 
 #: Where the shared state is: an SQLite path, a registry URL, or a parsed location.
 Location = str | Path | RegistryLocation
@@ -72,7 +72,7 @@ def default_topology_text() -> tuple[str, str]:
     """The shipped default cluster: its TOML text and a source name for messages."""
     from importlib import resources  # init only: the hook and most commands never need it
 
-    from vmlend.fabric.topology import DEFAULT_TOPOLOGY
+    from vmlend.topology.parse import DEFAULT_TOPOLOGY
 
     text = resources.files("vmlend.data").joinpath(DEFAULT_TOPOLOGY).read_text()
     return text, f"<builtin {DEFAULT_TOPOLOGY}>"
@@ -124,7 +124,7 @@ def init_fabric(
     import socket
 
     # Only here: opening a fabric decodes the compiled topology and never loads the parser.
-    from vmlend.fabric.topology import parse_topology
+    from vmlend.topology.parse import parse_topology
 
     topo = parse_topology(text, source)
     if node is not None:

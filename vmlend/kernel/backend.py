@@ -31,17 +31,6 @@ from vmlend.errors import (
     UnknownDeviceError,
 )
 from vmlend.fabric.admission import AdapterUsage
-from vmlend.fabric.model import (
-    Check,
-    DeviceState,
-    DeviceStatus,
-    GuestRam,
-    Holder,
-    MdevInfo,
-    NodeSpec,
-    Reservation,
-    Topology,
-)
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.driver import (
     MDEV_TYPE,
@@ -56,6 +45,17 @@ from vmlend.kernel.udev import ParentWatcher, WantedMdev
 from vmlend.registry import Registry, open_registry
 from vmlend.registry.records import Claim
 from vmlend.sim.backend import SimFabric
+from vmlend.topology.model import (
+    Check,
+    DeviceState,
+    DeviceStatus,
+    GuestRam,
+    Holder,
+    MdevInfo,
+    NodeSpec,
+    Reservation,
+    Topology,
+)
 
 log = logging.getLogger(__name__)
 

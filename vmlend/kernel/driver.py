@@ -32,11 +32,11 @@ from vmlend.errors import (
     SysfsAttributeError,
     UnknownDeviceError,
 )
-from vmlend.fabric.model import BarKind, BarSpec, format_fdid
-from vmlend.fabric.topology import BDF_RE, MAX_ADDRESS
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.mdev import KernelWriter, SysfsWriter
 from vmlend.kernel.sysfsattr import is_directory, parse_number, read_number, read_text, read_value
+from vmlend.topology.model import BarKind, BarSpec, format_fdid
+from vmlend.topology.parse import BDF_RE, MAX_ADDRESS
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import msgspec
 
 from vmlend.errors import LayoutError
-from vmlend.fabric.model import GiB, GuestRange, MiB
+from vmlend.topology.model import GiB, GuestRange, MiB
 
 PAGE = 4096
 FOUR_GIB = 4 * GiB

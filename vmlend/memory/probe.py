@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from vmlend.errors import LayoutError
-from vmlend.fabric.model import GuestRange
 from vmlend.memory.layout import (
     ABOVE_4G_START,
     AMD_ABOVE_1TB_START,
@@ -26,6 +25,7 @@ from vmlend.memory.layout import (
     Layout,
     merge_ranges,
 )
+from vmlend.topology.model import GuestRange
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import msgspec
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from vmlend.errors import HostError, LayoutError
-from vmlend.fabric.model import GuestRange
 from vmlend.memory.layout import CpuVendor, MemoryConfig, merge_ranges
+from vmlend.topology.model import GuestRange
 
 log = logging.getLogger(__name__)
 

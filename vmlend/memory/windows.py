@@ -23,8 +23,8 @@ from typing import Protocol
 import msgspec
 
 from vmlend.errors import DmaLimitError, LayoutError, ResourceExhaustedError
-from vmlend.fabric.model import AdapterSpec, Check, GiB, GuestRange, MiB
 from vmlend.memory.layout import FOUR_GIB, PAGE, merge_ranges
+from vmlend.topology.model import AdapterSpec, Check, GiB, GuestRange, MiB
 
 log = logging.getLogger(__name__)
 

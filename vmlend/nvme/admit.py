@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 from vmlend.errors import ResourceExhaustedError, WindowExhaustedError
 from vmlend.fabric.admission import device_share, format_size, usage
-from vmlend.fabric.model import GuestRam, Holder, Topology
-from vmlend.fabric.paths import route
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
+from vmlend.topology.model import GuestRam, Holder, Topology
+from vmlend.topology.paths import route
 
 
 def share_window_key(fdid: int, holder: Holder) -> str:

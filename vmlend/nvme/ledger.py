@@ -29,12 +29,12 @@ from vmlend.errors import (
     UnknownDeviceError,
 )
 from vmlend.fabric.admission import guest_ram_of, vm_share
-from vmlend.fabric.compiled import stored_topology
-from vmlend.fabric.model import MANAGER_VM, GuestRam, Holder
 from vmlend.nvme.admit import check_share_claims, share_claims
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase, RuntimeRecord
+from vmlend.topology.compiled import stored_topology
+from vmlend.topology.model import MANAGER_VM, GuestRam, Holder
 
 GEOMETRY_RECORD = "nvme-geometry"
 SHARE_RECORD = "nvme-share"

@@ -18,8 +18,8 @@ from vmlend.errors import (
     SharingUnsupportedError,
     VmlendError,
 )
-from vmlend.fabric.model import GuestRam, Holder, MdevInfo, format_fdid
 from vmlend.lending import Record, UndoJournal, left_alone
+from vmlend.topology.model import GuestRam, Holder, MdevInfo, format_fdid
 
 if TYPE_CHECKING:  # the fabric imports this module: no lxml, no NVMe geometry for it
     from vmlend.domain import NvmeShareRequest

@@ -31,14 +31,6 @@ from vmlend.domain.layout import remove_child
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import (
-    DEFAULT_INTERRUPTS,
-    Check,
-    GuestRam,
-    Holder,
-    InterruptPath,
-    format_fdid,
-)
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import UndoJournal, acquire_device, holder_for
@@ -50,6 +42,14 @@ from vmlend.ops.definitions import (
     resolve_targets,
 )
 from vmlend.ops.unplug import DetachWait, live_has_hostdev, wait_unplugged
+from vmlend.topology.model import (
+    DEFAULT_INTERRUPTS,
+    Check,
+    GuestRam,
+    Holder,
+    InterruptPath,
+    format_fdid,
+)
 
 
 class AttachPlan(msgspec.Struct):

@@ -19,7 +19,6 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import ConfigError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import format_fdid
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import held_by, holder_for, return_device
@@ -31,6 +30,7 @@ from vmlend.ops.definitions import (
     resolve_targets,
 )
 from vmlend.ops.unplug import DetachWait, wait_unplugged
+from vmlend.topology.model import format_fdid
 
 
 class DetachResult(msgspec.Struct):

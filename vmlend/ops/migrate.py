@@ -41,13 +41,13 @@ from vmlend.errors import (
     VmlendError,
 )
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import Holder, format_fdid
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for, return_all
 from vmlend.messages import about, plural
 from vmlend.registry.conditions import classify_errno, host_error
 from vmlend.safefile import open_nofollow
+from vmlend.topology.model import Holder, format_fdid
 
 Progress = Callable[[str], None]
 

@@ -32,12 +32,12 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceStatus, Holder, MdevInfo, format_fdid
 from vmlend.lending import holder_for, return_device
 from vmlend.ops.attach import apply_attach, plan_attach
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
 from vmlend.registry.records import same_holder
+from vmlend.topology.model import DeviceStatus, Holder, MdevInfo, format_fdid
 
 if TYPE_CHECKING:
     from vmlend.hypervisor import Hypervisor

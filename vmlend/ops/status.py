@@ -23,13 +23,13 @@ from vmlend.domain import VmlendDevice, read_domain
 from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.model import DeviceStatus, Holder, Topology, format_fdid
-from vmlend.fabric.pcie import PciePath, device_to_ram
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending import holder_for
 from vmlend.nvme.ledger import SHARE_RECORD, ShareEntry, share_entry
 from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
+from vmlend.topology.model import DeviceStatus, Holder, Topology, format_fdid
+from vmlend.topology.pcie import PciePath, device_to_ram
 
 #: Runtime record kinds shown, and their column names.
 RUNTIME_KINDS = {"dma-window": "dma_windows", "irq-vector": "irq_vectors", "p2p-map": "p2p_maps"}

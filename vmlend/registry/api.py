@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
-from vmlend.fabric.model import Holder
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -31,6 +30,7 @@ from vmlend.registry.records import (
     RuntimeRecord,
     TopologyRecord,
 )
+from vmlend.topology.model import Holder
 
 T = TypeVar("T")
 

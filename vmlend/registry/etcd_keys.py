@@ -35,7 +35,6 @@ import re
 from typing import Any
 
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import Holder
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -44,6 +43,7 @@ from vmlend.registry.records import (
     Phase,
     TopologyRecord,
 )
+from vmlend.topology.model import Holder
 
 ROOT = "/vmlend/"
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")

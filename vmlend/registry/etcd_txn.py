@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 import msgspec
 
 from vmlend.errors import StateError, StateRecordError
-from vmlend.fabric.model import Holder
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
@@ -38,6 +37,7 @@ from vmlend.registry.records import (
     TopologyRecord,
     same_holder,
 )
+from vmlend.topology.model import Holder
 
 _AGENT_GONE = "its vmlend agent stopped uncleanly, it has no live lease; start the agent there"
 

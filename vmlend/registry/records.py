@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from vmlend.fabric.model import Holder
+from vmlend.topology.model import Holder
 
 
 class Phase(enum.StrEnum):
@@ -29,7 +29,7 @@ class TopologyRecord(msgspec.Struct, frozen=True):
     digest: str
     local_node: str
     created: float
-    #: The parsed topology, compiled (``vmlend.fabric.compiled``): what opening a fabric
+    #: The parsed topology, compiled (``vmlend.topology.compiled``): what opening a fabric
     #: reads instead of parsing ``text``. None: not compiled (written by an older vmlend).
     compiled: bytes | None = None
 

@@ -111,7 +111,7 @@ MIGRATE_V1_V2 = (
     "CREATE INDEX claims_adapter ON claims (adapter)",
 )
 
-#: Version 3: the topology's compiled form next to its text (``vmlend.fabric.compiled``), so
+#: Version 3: the topology's compiled form next to its text (``vmlend.topology.compiled``), so
 #: opening a fabric parses no TOML. NULL: not compiled yet, the text is parsed as before; the
 #: next ``vmlend fabric init`` compiles it.
 MIGRATE_V2_V3 = ("ALTER TABLE topology ADD COLUMN compiled BLOB",)

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 import msgspec
 
 from vmlend.errors import StateError, StateRecordError
-from vmlend.fabric.model import Holder
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -28,6 +27,7 @@ from vmlend.registry.records import (
     TopologyRecord,
     same_holder,
 )
+from vmlend.topology.model import Holder
 
 _T = TypeVar("_T")
 

@@ -13,7 +13,7 @@ import bisect
 import msgspec
 
 from vmlend.errors import ResourceExhaustedError
-from vmlend.fabric.model import AdapterSpec, BarKind, DeviceSpec, GiB, TiB
+from vmlend.topology.model import AdapterSpec, BarKind, DeviceSpec, GiB, TiB
 
 LOW_RAM_MAX = 2 * GiB
 MMIO32_BASE = 2 * GiB

@@ -41,21 +41,6 @@ from vmlend.fabric.admission import (
     p2p_claims,
 )
 from vmlend.fabric.admission import usage as adapter_usage
-from vmlend.fabric.compiled import stored_topology
-from vmlend.fabric.model import (
-    MANAGER_VM,
-    Check,
-    DeviceSpec,
-    DeviceState,
-    DeviceStatus,
-    GuestRam,
-    Holder,
-    MdevInfo,
-    NodeSpec,
-    Reservation,
-    Topology,
-)
-from vmlend.fabric.paths import NtbPath, route
 from vmlend.registry import (
     ClaimKind,
     DeviceRecord,
@@ -71,6 +56,21 @@ from vmlend.registry import (
 )
 from vmlend.registry.records import Claim
 from vmlend.sim.shareops import SimShareOps
+from vmlend.topology.compiled import stored_topology
+from vmlend.topology.model import (
+    MANAGER_VM,
+    Check,
+    DeviceSpec,
+    DeviceState,
+    DeviceStatus,
+    GuestRam,
+    Holder,
+    MdevInfo,
+    NodeSpec,
+    Reservation,
+    Topology,
+)
+from vmlend.topology.paths import NtbPath, route
 
 log = logging.getLogger(__name__)
 

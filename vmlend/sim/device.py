@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from vmlend.fabric.model import BarKind, DeviceSpec
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.bar import BarMemory
 from vmlend.sim.pci.config import EXP_OFFSET, ConfigSpace, parse_bdf, write_hits
+from vmlend.topology.model import BarKind, DeviceSpec
 
 log = logging.getLogger(__name__)
 

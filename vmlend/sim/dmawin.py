@@ -29,7 +29,6 @@ from typing import Any, Protocol
 import msgspec
 
 from vmlend.errors import DmaLimitError, FabricError
-from vmlend.fabric.model import GiB, GuestRange, KiB, MiB
 from vmlend.memory.layout import Layout
 from vmlend.memory.probe import probe_layout
 from vmlend.memory.windows import DmaPlan, FrameRun, apply_plan, plan_dma_windows, unapply_plan
@@ -40,6 +39,7 @@ from vmlend.sim.hardware import Borrow, SimHardware
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.ntb import NtbAdapter
 from vmlend.sim.promises import promised_segments
+from vmlend.topology.model import GiB, GuestRange, KiB, MiB
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import logging
 import msgspec
 
 from vmlend.errors import ConfigError, PinError
-from vmlend.fabric.model import GuestRange
 from vmlend.sim.hostmem import FRAME, HUGE_2M, PAGE_SIZES, HostMemory
+from vmlend.topology.model import GuestRange
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,6 @@ from vmlend.errors import (
     UnknownDeviceError,
     UnknownNodeError,
 )
-from vmlend.fabric.model import GuestRange, NodeSpec, Topology
-from vmlend.fabric.paths import NtbPath, route
 from vmlend.sim.addrmap import AddressMap, plan_mmio, ram_ranges
 from vmlend.sim.device import SimDevice
 from vmlend.sim.guest import SimGuest
@@ -36,6 +34,8 @@ from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
 from vmlend.sim.ntb import NtbAdapter
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaResolver, DmaTarget
+from vmlend.topology.model import GuestRange, NodeSpec, Topology
+from vmlend.topology.paths import NtbPath, route
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import random
 from collections.abc import Iterable
 
 from vmlend.errors import ResourceExhaustedError
-from vmlend.fabric.model import GiB, MiB
+from vmlend.topology.model import GiB, MiB
 
 log = logging.getLogger(__name__)
 

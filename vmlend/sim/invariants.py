@@ -56,7 +56,6 @@ import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.fabric.admission import usage, vm_share
-from vmlend.fabric.model import Holder
 from vmlend.fabric.msiadmit import msi_share
 from vmlend.nvme.admit import share_window_key
 from vmlend.nvme.guard import ADDRESS_BITS
@@ -66,6 +65,7 @@ from vmlend.sim.hardware import SimHardware
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
+from vmlend.topology.model import Holder
 
 Owner = tuple[str, str]  # (node, vm)
 

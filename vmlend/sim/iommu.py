@@ -13,7 +13,7 @@ import bisect
 import msgspec
 
 from vmlend.errors import DmaFault, IommuMappingError
-from vmlend.fabric.model import GiB, KiB, MiB
+from vmlend.topology.model import GiB, KiB, MiB
 
 PAGE_SIZES: tuple[int, ...] = (1 * GiB, 2 * MiB, 4 * KiB)  # largest first
 PAGE_4K = 4 * KiB

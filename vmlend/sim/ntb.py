@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import msgspec
 
 from vmlend.errors import DmaFault, FabricError, NoPathError, ResourceExhaustedError
-from vmlend.fabric.model import LUT_RESERVED_PER_CPU, AdapterSpec
+from vmlend.topology.model import LUT_RESERVED_PER_CPU, AdapterSpec
 
 #: Alignment of a segment's remote (translated) address.
 XLAT_ALIGN = 4096

@@ -14,7 +14,6 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import FabricError, SharingUnsupportedError
-from vmlend.fabric.model import DeviceSpec
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig, NvmeController
 from vmlend.nvme.driver import BumpAllocator
@@ -24,6 +23,7 @@ from vmlend.sim.device import SimDevice
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import FRAME, HostMemory
 from vmlend.sim.iommu import IommuDomain
+from vmlend.topology.model import DeviceSpec
 
 
 class ResolverDma:

@@ -37,7 +37,6 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import FabricError
-from vmlend.fabric.model import GuestRange
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.controller import ControllerConfig
@@ -53,6 +52,7 @@ from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
+from vmlend.topology.model import GuestRange
 
 log = logging.getLogger(__name__)
 

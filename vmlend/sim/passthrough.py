@@ -40,11 +40,11 @@ import logging
 from typing import Protocol
 
 from vmlend.errors import DeviceHeldError, DeviceRevokedError, FabricError, VmlendError
-from vmlend.fabric.model import BarKind, Holder
 from vmlend.sim.device import SimDevice
 from vmlend.sim.dmawin import VmDmaWindows
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import EXP_OFFSET, ConfigSpace, write_hits
+from vmlend.topology.model import BarKind, Holder
 
 log = logging.getLogger(__name__)
 

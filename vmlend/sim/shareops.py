@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from vmlend.errors import ConfigError, MdevError, MdevOwnedError
-from vmlend.fabric.model import GuestRam, Holder, MdevInfo
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import MdevRecord
+from vmlend.topology.model import GuestRam, Holder, MdevInfo
 
 if TYPE_CHECKING:
     from vmlend.nvme.shares import Share

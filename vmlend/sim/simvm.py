@@ -19,7 +19,6 @@ import msgspec
 from vmlend.domain import read_domain
 from vmlend.errors import ConfigError, FabricError, ResourceExhaustedError
 from vmlend.fabric.admission import vm_share
-from vmlend.fabric.model import BarKind, BarSpec, GiB, Holder, MdevInfo
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.layout import CpuVendor, Family, Layout
 from vmlend.nvme.lending import ShareFabric
@@ -30,6 +29,7 @@ from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
 from vmlend.sim.passthrough import BarObserver, BorrowFabric, PassthroughSession
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaTarget
+from vmlend.topology.model import BarKind, BarSpec, GiB, Holder, MdevInfo
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from vmlend.fabric.model import BarKind, BarSpec, MsixSpec
 from vmlend.sim.pci import regs
+from vmlend.topology.model import BarKind, BarSpec, MsixSpec
 
 BarListener = Callable[[int, int, int, int], None]
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import msgspec
 
 from vmlend.errors import ConfigError
-from vmlend.fabric.model import BarKind, BarSpec, DeviceSpec
 from vmlend.sim.pci import regs
+from vmlend.topology.model import BarKind, BarSpec, DeviceSpec
 
 ConfigListener = Callable[[int, int, int], None]
 

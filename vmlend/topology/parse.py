@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from vmlend.errors import TopologyError
-from vmlend.fabric.model import (
+from vmlend.messages import plural
+from vmlend.topology.model import (
     AdapterSpec,
     BarKind,
     BarSpec,
@@ -25,7 +26,6 @@ from vmlend.fabric.model import (
     PcieKind,
     Topology,
 )
-from vmlend.messages import plural
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}

@@ -13,7 +13,7 @@ from collections import deque
 import msgspec
 
 from vmlend.errors import NoPathError
-from vmlend.fabric.model import AdapterSpec, Topology
+from vmlend.topology.model import AdapterSpec, Topology
 
 
 class NtbPath(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from vmlend.errors import TopologyError
-from vmlend.fabric.model import Topology
+from vmlend.topology.model import Topology
 
 if TYPE_CHECKING:
     from vmlend.registry.records import TopologyRecord
@@ -72,7 +72,7 @@ def stored_topology(rec: TopologyRecord) -> Topology:
     """The topology a registry record holds: its compiled form, else its TOML parsed."""
     topology = decode_compiled(rec.compiled, rec.digest)
     if topology is None:
-        from vmlend.fabric.topology import parse_topology  # only without a usable compiled form
+        from vmlend.topology.parse import parse_topology  # only without a usable compiled form
 
         try:
             topology = parse_topology(rec.text, rec.source)

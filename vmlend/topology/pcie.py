@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import msgspec
 
 from vmlend.errors import ConfigError, FabricError
-from vmlend.fabric.model import AdapterSpec, DeviceSpec, PcieKind, Topology, parse_fdid
-from vmlend.fabric.paths import NtbPath, route
+from vmlend.topology.model import AdapterSpec, DeviceSpec, PcieKind, Topology, parse_fdid
+from vmlend.topology.paths import NtbPath, route
 
 #: One way across one NTB crossing (adapter, cable or cluster switches, adapter), docs/design.md.
 NTB_ONE_WAY_NS = 360
