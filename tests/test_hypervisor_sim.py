@@ -127,6 +127,23 @@ def test_failing_started_hook_stops_the_domain_again(sim, hook, monkeypatch):
     assert sim.lookup("vm1").state is DomainState.SHUTOFF
 
 
+def test_a_failed_start_says_one_thing_even_when_its_stop_hooks_fail_too(tmp_path, hook, caplog):
+    """After a failed prepare libvirt runs stopped and release, which may fail as well (the
+    agent serving the hook died). Their failures are libvirtd's log, not a second line next
+    to the start's own error (the CLI prints every warning on stderr)."""
+    failing = tmp_path / "failing-hook.sh"
+    failing.write_text('cat >/dev/null; echo "hook: refusing $2 of $1" >&2; exit 1\n')
+    sim = SimHypervisor(
+        "gamma", tmp_path / "hv" / "gamma", [shutil.which("sh") or "sh", str(failing)]
+    )
+    sim.define(DOMAIN_XML)
+    caplog.set_level("INFO")
+    with pytest.raises(HookFailedError, match="refusing prepare of vm1"):
+        sim.start("vm1")
+    assert [r.levelname for r in caplog.records if "refusing" in r.getMessage()] == ["INFO"] * 2
+    assert "refusing stopped" in caplog.text and "refusing release" in caplog.text
+
+
 @pytest.mark.parametrize("failing", ["stopped", "release"])
 def test_stop_hook_failures_are_ignored(sim, hook, monkeypatch, failing, caplog):
     sim.define(DOMAIN_XML)
