@@ -259,8 +259,8 @@ class SimHypervisor:
                     raise HookFailedError("start", name, run.reason())
                 self.guest.on_started(name, xml)
             except VmlendError:
+                self.store.remove("live", name)  # QEMU is gone before libvirt runs 'stopped'
                 self._stop_hooks(name, xml, "failed", after_failed_start=True)
-                self.store.remove("live", name)
                 raise
         log.info("started %s on %s", name, self.uri)
 
@@ -283,9 +283,11 @@ class SimHypervisor:
         if live is None:
             raise DomainStateError(op, name, "domain is not running")
         self.guest.on_stopped(name)
-        self._stop_hooks(name, sim_xml.serialize(live), reason)
+        # libvirt runs 'stopped' and 'release' once the QEMU process is gone: from here on
+        # the domain uses nothing, however long its hooks take (the live XML is "QEMU runs").
         self.store.remove("live", name)
         self.store.remove("paused", name)
+        self._stop_hooks(name, sim_xml.serialize(live), reason)
         log.info("stopped %s on %s (%s)", name, self.uri, reason)
 
     def shutdown(self, name: str, timeout: float) -> None:
