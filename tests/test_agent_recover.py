@@ -8,6 +8,7 @@ from pathlib import Path
 from tests.support.simcluster import domain_of as _domain
 from tests.support.simfabric import make_fabric
 from vmlend.agent.recover import LostLeaseRecovery
+from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import LibvirtError
 from vmlend.hypervisor.base import DomainState
 from vmlend.hypervisor.sim_hv import SimHypervisor
@@ -64,3 +65,39 @@ def test_an_unknown_vm_is_reported_not_fatal(tmp_path):
     _fabric, _hv, recovery = _setup(tmp_path, SimHypervisor)
     [result] = recovery.recover(["gone"])
     assert result.outcome == "paused" and "gone" in result.why
+
+
+def test_a_vm_won_back_stays_paused_while_the_new_lease_is_in_doubt(tmp_path):
+    """The recovery runs on the agent's loop, which renews nothing meanwhile: by the time the
+    VM's devices are re-reserved, the new lease may have gone unrenewed for half its TTL and be
+    about to end with those holds. Resuming then would undo the watch's pause and run the VM
+    on devices the lenders will take back (seen in tests/test_nemesis.py). The watch decides."""
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    clock = iter(range(1000))
+    watch = LeaseWatch(10, list, clock=lambda: next(clock) * 6.0)  # each look: 6 s later
+    recovery = LostLeaseRecovery(
+        hv,
+        fabric,
+        fence_wait=0,
+        interval=0.01,
+        clock=lambda: 0.0,
+        sleep=lambda s: None,
+        resume_gate=watch.resume_if_fresh,
+    )
+    [result] = recovery.recover(["app"])
+    assert result.regained == [GPU] and list(result.lost) == [NIC]
+    assert result.outcome == "paused", result.describe()
+    assert "resumed after its next renewal" in result.describe()
+    assert hv.lookup("app").state is DomainState.PAUSED
+    assert watch.renewed() == ["app"]  # the agent resumes what this hands back
+
+
+def test_the_watch_resumes_a_vm_only_while_the_lease_is_fresh():
+    now = [0.0]
+    watch = LeaseWatch(10, list, clock=lambda: now[0])
+    resumed: list[str] = []
+    assert watch.resume_if_fresh("a", lambda: resumed.append("a"))
+    now[0] = 5.1  # past half the TTL since the lease was taken
+    assert not watch.resume_if_fresh("b", lambda: resumed.append("b"))
+    assert resumed == ["a"]
+    assert watch.take_paused() == ["b"]  # a lost lease hands it to the recovery again

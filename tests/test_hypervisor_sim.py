@@ -127,6 +127,51 @@ def test_failing_started_hook_stops_the_domain_again(sim, hook, monkeypatch):
     assert sim.lookup("vm1").state is DomainState.SHUTOFF
 
 
+def test_a_failed_start_says_one_thing_even_when_its_stop_hooks_fail_too(tmp_path, hook, caplog):
+    """After a failed prepare libvirt runs stopped and release, which may fail as well (the
+    agent serving the hook died). Their failures are libvirtd's log, not a second line next
+    to the start's own error (the CLI prints every warning on stderr)."""
+    failing = tmp_path / "failing-hook.sh"
+    failing.write_text('cat >/dev/null; echo "hook: refusing $2 of $1" >&2; exit 1\n')
+    sim = SimHypervisor(
+        "gamma", tmp_path / "hv" / "gamma", [shutil.which("sh") or "sh", str(failing)]
+    )
+    sim.define(DOMAIN_XML)
+    caplog.set_level("INFO")
+    with pytest.raises(HookFailedError, match="refusing prepare of vm1"):
+        sim.start("vm1")
+    assert [r.levelname for r in caplog.records if "refusing" in r.getMessage()] == ["INFO"] * 2
+    assert "refusing stopped" in caplog.text and "refusing release" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["destroy", "failed started hook"])
+def test_the_stop_hooks_run_once_qemu_is_gone(tmp_path, hook, monkeypatch, how):
+    """libvirt runs 'stopped' and 'release' after the QEMU process ended: a reader of the
+    node's files (a checker of which VMs run) must not see the domain live while they run."""
+    live = tmp_path / "hv" / "gamma" / "live" / "vm1.xml"
+    seen = tmp_path / "seen"
+    script = tmp_path / "hook.sh"
+    script.write_text(
+        'cat >/dev/null; if [ "$2" = started ] && [ -n "${FAIL_STARTED:-}" ]; then exit 1; fi\n'
+        f'case "$2" in stopped|release) [ -e {live} ] && echo "$2 live" >> {seen};; esac\n'
+        "exit 0\n"
+    )
+    sim = SimHypervisor(
+        "gamma", tmp_path / "hv" / "gamma", [shutil.which("sh") or "sh", str(script)]
+    )
+    sim.define(DOMAIN_XML)
+    if how == "destroy":
+        sim.start("vm1")
+        assert live.exists()
+        sim.destroy("vm1")
+    else:
+        monkeypatch.setenv("FAIL_STARTED", "1")
+        with pytest.raises(HookFailedError):
+            sim.start("vm1")
+    assert not seen.exists(), seen.read_text()
+    assert sim.lookup("vm1").state is DomainState.SHUTOFF
+
+
 @pytest.mark.parametrize("failing", ["stopped", "release"])
 def test_stop_hook_failures_are_ignored(sim, hook, monkeypatch, failing, caplog):
     sim.define(DOMAIN_XML)

@@ -70,8 +70,13 @@ class LostLeaseRecovery:
         interval: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        resume_gate: Callable[[str, Callable[[], None]], bool] | None = None,
     ) -> None:
         self._hv = hv
+        #: Resumes a VM only while the lease is not in doubt (``LeaseWatch.resume_if_fresh``):
+        #: the recovery runs on the agent's loop, which renews nothing meanwhile, so by the time
+        #: a VM is won back the new lease may be about to end with the holds just taken.
+        self._resume_gate = resume_gate
         self._fabric = fabric
         #: How long to wait for a lender to take back a device fenced under the old lease.
         self._fence_wait = fence_wait
@@ -112,9 +117,20 @@ class LostLeaseRecovery:
             except VmlendError as e:
                 result.why = f"could not hot-unplug its lost devices: {e}"
                 return result
-        self._hv.resume(name)
+        if not self._resume(name):
+            result.why = (
+                "the new lease was not renewed for half its TTL meanwhile; resumed after its"
+                " next renewal"
+            )
+            return result
         result.outcome = "unplugged" if result.lost else "resumed"
         return result
+
+    def _resume(self, name: str) -> bool:
+        if self._resume_gate is None:
+            self._hv.resume(name)
+            return True
+        return self._resume_gate(name, lambda: self._hv.resume(name))
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait

@@ -92,8 +92,6 @@ class Agent:
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
             guard = RemoteVmGuard(hv, fabric, cfg.node)
-            # A fenced device is back within the lender's scan interval; allow a TTL for it.
-            recovery = LostLeaseRecovery(hv, fabric, fence_wait=cfg.ttl, interval=cfg.interval)
         # From the moment the lease exists, on its own thread: the start-up below and every
         # registry call after it may block.
         watch = LeaseWatch(
@@ -103,6 +101,16 @@ class Agent:
             tick=min(cfg.interval, lease.ttl / 10),
         )
         watch.start()
+        if hv is not None:
+            # A fenced device is back within the lender's scan interval; allow a TTL for it.
+            # A VM won back resumes only while the lease is not in doubt (the watch's rule).
+            recovery = LostLeaseRecovery(
+                hv,
+                fabric,
+                fence_wait=cfg.ttl,
+                interval=cfg.interval,
+                resume_gate=watch.resume_if_fresh,
+            )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
         finally:

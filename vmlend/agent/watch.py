@@ -66,8 +66,20 @@ class LeaseWatch:
                 self._clock() - self._last_ok,
                 self._ttl,
             )
-            self._paused = self._pause()
+            self._paused.extend(self._pause())  # with any VM ``resume_if_fresh`` held back
             return True
+
+    def resume_if_fresh(self, name: str, resume: Callable[[], None]) -> bool:
+        """``resume()`` the paused VM ``name`` only while the lease is not in doubt, under the
+        lock ``check`` pauses under, so no pause can slip in between and be undone. Otherwise
+        the VM stays paused as one the watch paused: the next good renewal resumes it
+        (``renewed``), a lost lease hands it to the recovery again (``take_paused``)."""
+        with self._lock:
+            if not self.in_doubt and self._clock() - self._last_ok <= self._ttl / 2:
+                resume()
+                return True
+            self._paused.append(name)
+            return False
 
     def take_paused(self) -> list[str]:
         """The VMs paused so far (the lost-lease path takes them over)."""

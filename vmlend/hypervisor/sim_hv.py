@@ -249,7 +249,7 @@ class SimHypervisor:
             for op in ("prepare", "start"):
                 run = self.hooks.run(name, op, "begin", "-", xml)
                 if run.returncode != 0:
-                    self._stop_hooks(name, xml, "failed")
+                    self._stop_hooks(name, xml, "failed", after_failed_start=True)
                     raise HookFailedError("start", name, run.reason())
             # QEMU runs from here on (libvirt runs 'started' once the process is up).
             self.store.write("live", name, xml)
@@ -259,18 +259,23 @@ class SimHypervisor:
                     raise HookFailedError("start", name, run.reason())
                 self.guest.on_started(name, xml)
             except VmlendError:
-                self._stop_hooks(name, xml, "failed")
-                self.store.remove("live", name)
+                self.store.remove("live", name)  # QEMU is gone before libvirt runs 'stopped'
+                self._stop_hooks(name, xml, "failed", after_failed_start=True)
                 raise
         log.info("started %s on %s", name, self.uri)
 
-    def _stop_hooks(self, name: str, xml: bytes, reason: str) -> None:
-        """``stopped end -`` then ``release end <reason>``; libvirt ignores their exit codes."""
+    def _stop_hooks(
+        self, name: str, xml: bytes, reason: str, *, after_failed_start: bool = False
+    ) -> None:
+        """``stopped end -`` then ``release end <reason>``; libvirt ignores their exit codes.
+        After a failed start their failures go to the log only (as libvirtd's would): the
+        start's own error is the one line its caller prints."""
         extra = reason if self.release_reasons else "-"
+        level = logging.INFO if after_failed_start else logging.WARNING
         for op, subop, arg in (("stopped", "end", "-"), ("release", "end", extra)):
             run = self.hooks.run(name, op, subop, arg, xml)
             if run.returncode != 0:
-                log.warning("%s (ignored, as libvirt does)", run.reason())
+                log.log(level, "%s (ignored, as libvirt does)", run.reason())
 
     def _stop(self, name: str, op: str, reason: str) -> None:
         """Power off a running domain (caller holds the lock)."""
@@ -278,9 +283,11 @@ class SimHypervisor:
         if live is None:
             raise DomainStateError(op, name, "domain is not running")
         self.guest.on_stopped(name)
-        self._stop_hooks(name, sim_xml.serialize(live), reason)
+        # libvirt runs 'stopped' and 'release' once the QEMU process is gone: from here on
+        # the domain uses nothing, however long its hooks take (the live XML is "QEMU runs").
         self.store.remove("live", name)
         self.store.remove("paused", name)
+        self._stop_hooks(name, sim_xml.serialize(live), reason)
         log.info("stopped %s on %s (%s)", name, self.uri, reason)
 
     def shutdown(self, name: str, timeout: float) -> None:
