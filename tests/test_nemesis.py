@@ -3,9 +3,10 @@
 hosts want, and faults one at a time: kill -9 of an agent (restarted at once or after its
 lease ended), SIGSTOP of an agent past the TTL, a silent partition of one host from etcd past
 the TTL, loss of quorum past the TTL, kill -9 of one member. A sampler reads every host's
-running, unpaused VMs every 0.1 s: no device may be in two of them (``tests/nemesis.py`` says
-exactly what counts). After the faults heal: nothing held by a VM that does not run, nothing
-fenced, no revision of the registry with two holders, and every failed CLI call said one line.
+running, unpaused VMs every 0.1 s: no device may be in two of them
+(``tests/support/nemesis.py`` says exactly what counts). After the faults heal: nothing held
+by a VM that does not run, nothing fenced, no revision of the registry with two holders, and
+every failed CLI call said one line.
 
 ``VMLEND_NEMESIS_SEED`` picks another seed (the order of faults, their targets and the
 workload); ``VMLEND_NEMESIS_ROUNDS`` more rounds.
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_hosts import check_never_two_holders, history
-from tests.nemesis import (
+from tests.support.cluster_hosts import check_never_two_holders, history
+from tests.support.nemesis import (
     INTERVAL,
     NEMESES,
     TTL,
@@ -36,8 +37,8 @@ from tests.nemesis import (
     start_cluster,
     stop_cluster,
 )
-from vmlend.fabric.model import DeviceStatus
 from vmlend.fabric.open import open_fabric
+from vmlend.topology.model import DeviceStatus
 
 SEED = seed_from_env(20)
 ROUNDS = int(os.environ.get("VMLEND_NEMESIS_ROUNDS") or 10)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.cluster_hosts import VMLEND, Host, domain_xml
-from tests.etcd_daemon import EtcdServer, start_members
-from tests.tcp_proxy import TcpProxy
+from tests.support.cluster_hosts import VMLEND, Host, domain_xml
+from tests.support.etcd_daemon import EtcdServer, start_members
+from tests.support.tcp_proxy import TcpProxy
 from vmlend.domain import read_domain
 from vmlend.errors import VmlendError
 from vmlend.fabric.open import default_topology_text, init_fabric
