@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from vmlend.nvme import spec
-from vmlend.nvme.driver import BumpAllocator, NvmeDriver, QueuePair
 from vmlend.sim.hardware import SimHardware
+from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver, QueuePair
 from vmlend.sim.nvmedrive import attach_nvme
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology

@@ -9,7 +9,7 @@ from tests.support.nvme_guest import VmBar0, guest_driver
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import DmaFault
 from vmlend.nvme import spec
-from vmlend.nvme.driver import NvmeCommandError
+from vmlend.sim.nvme.driver import NvmeCommandError
 from vmlend.sim.nvmedrive import attach_nvme
 from vmlend.topology.model import GiB, MiB
 

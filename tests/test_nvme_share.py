@@ -19,12 +19,12 @@ from vmlend.errors import (
     ResourceExhaustedError,
 )
 from vmlend.nvme import spec
-from vmlend.nvme.controller import ControllerConfig
-from vmlend.nvme.driver import NvmeTimeoutError
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import PAGE_MODE, TRAP_MODE
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import ShareGrant, check_hardware
+from vmlend.sim.nvme.controller import ControllerConfig
+from vmlend.sim.nvme.driver import NvmeTimeoutError
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.topology.model import GuestRange, MiB
@@ -289,7 +289,7 @@ def test_closing_the_drive_leaves_the_fabric_as_it_was(hw, tmp_path):
 
 
 def test_a_manager_that_cannot_start_leaves_nothing_behind(hw, tmp_path, monkeypatch):
-    from vmlend.nvme.manager import NvmeManager
+    from vmlend.sim.nvme.manager import NvmeManager
 
     before = _fabric_snapshot(hw)
 

@@ -63,11 +63,11 @@ from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.nvme import ledger
-from vmlend.nvme.driver import NvmeDriver, QueuePair
 from vmlend.nvme.guard import asid_base
 from vmlend.registry import same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.invariants import check_hardware, registry_grants
+from vmlend.sim.nvme.driver import NvmeDriver, QueuePair
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.p2pmap import P2PMapper, registry_recorder

@@ -1,5 +1,5 @@
 """The guest side of the NVMe tests: the guest's view of its controller's BAR0 and its RAM, for
-``vmlend.nvme.driver.NvmeDriver`` acting as the guest's unmodified driver, and the domain XML
+``vmlend.sim.nvme.driver.NvmeDriver`` acting as the guest's unmodified driver, and the domain XML
 of a VM that asks for a share."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 
 from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
-from vmlend.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.guest import SimGuest
+from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.simvm import SimVm
 from vmlend.topology.model import MiB
 

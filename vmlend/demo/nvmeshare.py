@@ -11,7 +11,7 @@ from __future__ import annotations
 from vmlend.cli.common import render_table
 from vmlend.demo.context import Json, Story, require
 from vmlend.nvme import ledger, spec
-from vmlend.nvme.driver import BumpAllocator, NvmeDriver
+from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRam, GuestRange, Holder, MiB, format_fdid

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from vmlend.nvme import spec
 
 if TYPE_CHECKING:
-    from vmlend.nvme.controller import ControllerConfig
+    from vmlend.sim.nvme.controller import ControllerConfig
 
 #: Maximum data transfer: 2**MDTS pages.
 MDTS = 5

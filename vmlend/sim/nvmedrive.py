@@ -15,14 +15,14 @@ import msgspec
 
 from vmlend.errors import FabricError, SharingUnsupportedError
 from vmlend.nvme import spec
-from vmlend.nvme.controller import ControllerConfig, NvmeController
-from vmlend.nvme.driver import BumpAllocator
-from vmlend.nvme.namespace import Namespace
 from vmlend.nvme.shares import Geometry
 from vmlend.sim.device import SimDevice
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import FRAME, HostMemory
 from vmlend.sim.iommu import IommuDomain
+from vmlend.sim.nvme.controller import ControllerConfig, NvmeController
+from vmlend.sim.nvme.driver import BumpAllocator
+from vmlend.sim.nvme.namespace import Namespace
 from vmlend.topology.model import DeviceSpec
 
 

@@ -39,17 +39,17 @@ import msgspec
 from vmlend.errors import FabricError
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
-from vmlend.nvme.controller import ControllerConfig
-from vmlend.nvme.driver import NvmeDriver
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.ledger import MANAGER_VM, record_usage
-from vmlend.nvme.manager import NvmeManager
 from vmlend.nvme.shares import Share
-from vmlend.nvme.virtual import VirtualNvmeController
 from vmlend.registry import Registry
 from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.nvme.controller import ControllerConfig
+from vmlend.sim.nvme.driver import NvmeDriver
+from vmlend.sim.nvme.manager import NvmeManager
+from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
 from vmlend.topology.model import GuestRange

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 from vmlend.nvme import spec
-from vmlend.nvme.controller import ControllerConfig
 from vmlend.nvme.identify import (
     active_nsids,
     identify_controller,
@@ -25,6 +24,7 @@ from vmlend.nvme.identify import (
 )
 from vmlend.nvme.prp import PrpError, prp_pieces
 from vmlend.nvme.shares import Share
+from vmlend.sim.nvme.controller import ControllerConfig
 
 log = logging.getLogger(__name__)
 

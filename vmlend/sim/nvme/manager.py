@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from vmlend.errors import FabricError
 from vmlend.nvme import spec
-from vmlend.nvme.controller import NvmeController
-from vmlend.nvme.driver import NvmeDriver
 from vmlend.nvme.guard import QueueDomain
 from vmlend.nvme.shares import Geometry, Share, ShareBook
+from vmlend.sim.nvme.controller import NvmeController
+from vmlend.sim.nvme.driver import NvmeDriver
 
 log = logging.getLogger(__name__)
 

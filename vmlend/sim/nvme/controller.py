@@ -28,8 +28,8 @@ from vmlend.errors import DmaFault
 from vmlend.nvme import spec
 from vmlend.nvme.guard import GuardRejection, QueueDomain
 from vmlend.nvme.identify import MDTS, active_nsids, identify_controller, identify_namespace
-from vmlend.nvme.namespace import Namespace
 from vmlend.nvme.prp import PrpError, prp_pieces
+from vmlend.sim.nvme.namespace import Namespace
 
 log = logging.getLogger(__name__)
 
