@@ -11,7 +11,7 @@ from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import LibvirtError
 from vmlend.hypervisor.base import DomainState
-from vmlend.hypervisor.sim_hv import SimHypervisor
+from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.topology.model import Holder
 
 GPU, NIC = 0x10, 0x20

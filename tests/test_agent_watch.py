@@ -17,8 +17,8 @@ from vmlend.agent.watch import LeaseWatch
 from vmlend.fabric.open import open_fabric
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import DomainState
-from vmlend.hypervisor.sim_hv import SimHypervisor
 from vmlend.registry import hostlease
+from vmlend.sim.hypervisor.node import SimHypervisor
 
 TTL = 10  # in fake seconds; etcd's own clock never gets near it during the test
 WAIT = 20.0  # bounded real-time waits for another thread to act

@@ -11,8 +11,8 @@ from lxml import etree
 from tests.support.simfabric import small_topology
 from vmlend.domain import mdev_uuid, read_domain
 from vmlend.errors import FabricError, UnsupportedOperationError
-from vmlend.hypervisor.sim_hv import IdleGuest
 from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.sim.hypervisor.node import IdleGuest
 from vmlend.topology.model import GiB, MiB
 
 from .support.cli_cluster import (

@@ -17,9 +17,9 @@ from vmlend.errors import (
     UnknownDomainError,
 )
 from vmlend.hypervisor import DomainState
-from vmlend.hypervisor.sim_hv import IdleGuest
 from vmlend.ops.migrate import migrate
 from vmlend.registry import SqliteRegistry
+from vmlend.sim.hypervisor.node import IdleGuest
 from vmlend.topology.model import GiB
 
 from .support.cli_cluster import GAMMA, SimCluster, make_cluster, one_line

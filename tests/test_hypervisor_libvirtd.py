@@ -18,7 +18,7 @@ from vmlend.errors import (
     UnsupportedOperationError,
 )
 from vmlend.hypervisor import DomainState, open_hypervisor
-from vmlend.hypervisor.sim_hv import SimHypervisor
+from vmlend.sim.hypervisor.node import SimHypervisor
 
 pytestmark = [pytest.mark.libvirtd, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ from vmlend.errors import (
     UnsupportedOperationError,
 )
 from vmlend.hypervisor import DomainState, open_hypervisor
-from vmlend.hypervisor.sim_hv import IdleGuest, SimHypervisor
+from vmlend.sim.hypervisor.node import IdleGuest, SimHypervisor
 
 DATA = Path(__file__).parent / "data" / "hypervisor"
 DOMAIN_XML = (DATA / "domain.xml").read_bytes()
@@ -421,7 +421,7 @@ def test_racing_starts_from_two_processes_start_the_domain_once(make, hook, tmp_
     code = (
         "import sys; from pathlib import Path\n"
         "from vmlend.errors import DomainStateError\n"
-        "from vmlend.hypervisor.sim_hv import SimHypervisor\n"
+        "from vmlend.sim.hypervisor.node import SimHypervisor\n"
         f"hv = SimHypervisor('gamma', Path({str(tmp_path / 'hv' / 'gamma')!r}), {HOOK!r})\n"
         "try:\n    hv.start('vm1')\nexcept DomainStateError:\n    sys.exit(3)\n"
     )

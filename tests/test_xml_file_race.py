@@ -20,7 +20,7 @@ from tests.support.symlink_racer import NOBODY, symlink_racer
 from vmlend import safefile
 from vmlend.cli import main
 from vmlend.errors import UnsafePathError
-from vmlend.hypervisor.sim_store import atomic_write
+from vmlend.sim.hypervisor.store import atomic_write
 
 ROUNDS = 300
 

@@ -21,8 +21,8 @@ from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import DomainDefinitionError
 from vmlend.fabric.open import open_fabric
 from vmlend.hypervisor import open_hypervisor
-from vmlend.hypervisor.sim_hv import SimHypervisor
 from vmlend.sim.backend import SimFabric
+from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.topology.model import MiB
 
 TEMPLATES = TemplateSet()

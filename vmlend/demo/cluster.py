@@ -20,12 +20,12 @@ from vmlend.cli.connect import hook_command
 from vmlend.demo.guest import DemoGuest
 from vmlend.errors import UnknownDomainError
 from vmlend.hypervisor import SimHypervisor, open_hypervisor
-from vmlend.hypervisor.sim_hv import HookRun, HookRunner
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
 from vmlend.registry import open_registry
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hypervisor.node import HookRun, HookRunner
 from vmlend.sim.invariants import Violation, check_hardware, registry_grants
 from vmlend.sim.msitarget import MsiTargets
 from vmlend.sim.p2pmap import Recorder, registry_recorder

@@ -6,13 +6,16 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import libvirt
 
 from vmlend.errors import ConfigError, LibvirtError
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.hypervisor.libvirt_hv import LibvirtHypervisor, one_line
-from vmlend.hypervisor.sim_hv import GuestDriver, SimHypervisor
+
+if TYPE_CHECKING:  # the simulated node imports this package: no cycle at run time
+    from vmlend.sim.hypervisor.node import GuestDriver
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ def open_hypervisor(
     if simulated is not None:
         if node is not None and node != simulated:
             raise ConfigError(f"node {node!r} does not match the hypervisor URI {uri!r}")
+        from vmlend.sim.hypervisor.node import SimHypervisor
+
         return SimHypervisor(simulated, state_dir / "hv" / simulated, hook_command, guest_driver)
     # libvirt prints every error to stderr unless a handler is set; ours goes to the log and
     # the error itself reaches the user once, as a VmlendError.

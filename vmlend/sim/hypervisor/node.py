@@ -33,9 +33,9 @@ from vmlend.errors import (
     UnknownDomainError,
     VmlendError,
 )
-from vmlend.hypervisor import sim_xml
 from vmlend.hypervisor.base import DomainInfo, DomainState
-from vmlend.hypervisor.sim_store import SimStore
+from vmlend.sim.hypervisor import xml as sim_xml
+from vmlend.sim.hypervisor.store import SimStore
 
 log = logging.getLogger(__name__)
 
