@@ -26,7 +26,6 @@ from vmlend.errors import (
     FabricError,
     LenderUnavailableError,
     MdevError,
-    MdevOwnedError,
     StaleTokenError,
     StateRecordError,
     VmlendError,
@@ -55,7 +54,7 @@ from vmlend.registry import (
     same_holder,
 )
 from vmlend.registry.records import Claim
-from vmlend.sim.shareops import SimShareOps
+from vmlend.sim.shareops import SimShareOps, existing_mdev, mdev_info
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import (
     MANAGER_VM,
@@ -673,15 +672,9 @@ class SimFabric(SimShareOps):
 
         def body(tx: StateTxn) -> MdevInfo:
             self._topology(tx).device(fdid)
-            existing = tx.mdev(uuid)
-            if existing is not None:
-                if existing.vm != holder.vm:  # never hand one VM's mdev to another
-                    raise MdevOwnedError(uuid, f"{existing.node}/{existing.vm}", str(holder))
-                if existing.fdid == fdid and existing.node == self.local_node:
-                    return _info(existing)
-                raise MdevError(
-                    f"mdev {uuid} already exists for device {existing.fdid:#x} on {existing.node}"
-                )
+            found = existing_mdev(tx, uuid, fdid, holder, self.local_node)
+            if found is not None:
+                return found
             parent = tx.parent(self.local_node, fdid)
             if parent is None:
                 raise MdevError(
@@ -699,7 +692,7 @@ class SimFabric(SimShareOps):
                 uuid, fdid, self.local_node, parent.name, MDEV_TYPE, holder.vm, self._clock()
             )
             tx.add_mdev(rec)
-            return _info(rec, created=True)
+            return mdev_info(rec, created=True)
 
         return self._reg.transact(body)
 
@@ -716,16 +709,4 @@ class SimFabric(SimShareOps):
 
     def mdevs(self) -> list[MdevInfo]:
         with self._reg.read() as tx:
-            return [_info(m) for m in tx.mdevs(self.local_node)]
-
-
-def _info(m: MdevRecord, *, created: bool = False) -> MdevInfo:
-    return MdevInfo(
-        uuid=m.uuid,
-        parent=m.parent,
-        type_id=m.type_id,
-        fdid=m.fdid,
-        node=m.node,
-        vm=m.vm,
-        created=created,
-    )
+            return [mdev_info(m) for m in tx.mdevs(self.local_node)]

@@ -81,16 +81,11 @@ class SimShareOps:
             raise MdevError(
                 f"the mdev for {holder} belongs on {holder.node}, not on {self.local_node}"
             )
+
         def body(tx: StateTxn) -> MdevInfo:
-            existing = tx.mdev(uuid)
-            if existing is not None:
-                if existing.vm != holder.vm:  # never hand one VM's mdev to another
-                    raise MdevOwnedError(uuid, f"{existing.node}/{existing.vm}", str(holder))
-                if existing.fdid == fdid and existing.node == self.local_node:
-                    return _info(existing)
-                raise MdevError(
-                    f"mdev {uuid} already exists for device {existing.fdid:#x} on {existing.node}"
-                )
+            found = existing_mdev(tx, uuid, fdid, holder, self.local_node)
+            if found is not None:
+                return found
             parent = tx.parent(self.local_node, fdid)
             if parent is None:
                 raise MdevError(f"no mdev parent for device {fdid:#x} on {self.local_node}")
@@ -108,12 +103,34 @@ class SimShareOps:
                 self._clock(),
             )
             tx.add_mdev(rec)
-            return _info(rec)
+            return mdev_info(rec)
 
         return self._reg.transact(body)
 
 
-def _info(m: MdevRecord) -> MdevInfo:
+def mdev_info(m: MdevRecord, *, created: bool = False) -> MdevInfo:
     return MdevInfo(
-        uuid=m.uuid, parent=m.parent, type_id=m.type_id, fdid=m.fdid, node=m.node, vm=m.vm
+        uuid=m.uuid,
+        parent=m.parent,
+        type_id=m.type_id,
+        fdid=m.fdid,
+        node=m.node,
+        vm=m.vm,
+        created=created,
     )
+
+
+def existing_mdev(
+    tx: StateTxn, uuid: str, fdid: int, holder: Holder, node: str
+) -> MdevInfo | None:
+    """What a create of mdev ``uuid`` for ``holder``'s ``fdid`` on ``node`` finds already: the
+    same mdev (an idempotent re-create: returned), nothing (None), or a refusal: another VM's
+    mdev is never handed over (``MdevOwnedError``), nor one of another device or node."""
+    existing = tx.mdev(uuid)
+    if existing is None:
+        return None
+    if existing.vm != holder.vm:
+        raise MdevOwnedError(uuid, f"{existing.node}/{existing.vm}", str(holder))
+    if existing.fdid == fdid and existing.node == node:
+        return mdev_info(existing)
+    raise MdevError(f"mdev {uuid} already exists for device {existing.fdid:#x} on {existing.node}")
