@@ -318,6 +318,11 @@ class FakeSmartio:
             path = self.base / attr
             path.write_text("")
             fake.handlers[path.resolve()] = self._parsing(attr, fn)
+        take_back = self.base / "take_back"
+        take_back.write_text("")
+        fake.handlers[take_back.resolve()] = self._take_back
+        #: fdids the driver took back (unmapped and reset), in order.
+        self.taken_back: list[int] = []
 
     def _name(self, fdid: int) -> str:
         return f"smartio-{fdid:x}"
@@ -404,6 +409,24 @@ class FakeSmartio:
         dev.wants_parent = True
         if self._name(fdid) not in self.fake._parents:
             self._register(fdid)
+
+    def _take_back(self, text: str) -> None:
+        """'FDID TOKEN': end any borrow of the device, unmap and reset it; ``ESTALE`` for a
+        token older than the device's (a newer holder has it)."""
+        path = self.base / "take_back"
+        try:
+            fdid_text, token_text = text.split()
+            fdid, token = int(fdid_text, 0), int(token_text)
+        except ValueError:
+            raise _oserror(errno.EINVAL, path) from None
+        if fdid not in self.devs:
+            raise _oserror(errno.ENODEV, path)
+        dev = self.devs[fdid]
+        if token < dev.token:
+            raise _oserror(errno.ESTALE, path)
+        dev.borrower = -1
+        self._sync(fdid)
+        self.taken_back.append(fdid)
 
     def _token(self, fdid: int, text: str) -> None:
         """The fencing token of the hold the next step is for: an older one is ``ESTALE``."""

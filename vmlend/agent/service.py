@@ -24,6 +24,7 @@ from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import ConfigError, StateError
+from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.fabric.open import Location, open_fabric
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
@@ -31,9 +32,9 @@ from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64, call_deadline
 from vmlend.release_journal import ReleaseJournal
-from vmlend.sim.backend import SimFabric
 
 log = logging.getLogger(__name__)
+
 
 DEFAULT_TTL = 10
 DEFAULT_INTERVAL = 0.5
@@ -72,7 +73,11 @@ class Agent:
     def _run(self) -> int:
         cfg = self.config
         fabric = open_fabric(cfg.location, cfg.node)
-        if not isinstance(fabric, SimFabric) or not isinstance(fabric.registry, EtcdRegistry):
+        # capabilities, not a backend class: the simulated fabric and the kernel backend both
+        # keep their bookkeeping in the registry and take fenced devices back
+        if not isinstance(fabric, RegistryFabric) or not isinstance(fabric, TakesBack):
+            raise ConfigError(f"the {type(fabric).__name__} backend cannot run 'vmlend agent'")
+        if not isinstance(fabric.registry, EtcdRegistry):
             raise ConfigError(
                 "'vmlend agent' serves a cluster registry: give --registry etcd://HOST:PORT/CLUSTER"
             )
@@ -119,7 +124,7 @@ class Agent:
     def _serve(
         self,
         registry: EtcdRegistry,
-        fabric: SimFabric,
+        fabric: Fabric,
         lease: SessionLease,
         previous: int | None,
         watch: LeaseWatch,
@@ -197,7 +202,7 @@ class Agent:
         """One keepalive (a method, so a test can make it block as a partition does)."""
         lease.refresh()
 
-    def _stopped(self, registry: EtcdRegistry, fabric: SimFabric, lease: SessionLease) -> int:
+    def _stopped(self, registry: EtcdRegistry, fabric: Fabric, lease: SessionLease) -> int:
         """A clean stop: withdraw and revoke the lease, drop the agent marker."""
         cfg = self.config
         if cfg.hook_server is not None:
@@ -316,7 +321,7 @@ class Agent:
         return None
 
     @staticmethod
-    def _land_releases(journal: ReleaseJournal, fabric: SimFabric) -> None:
+    def _land_releases(journal: ReleaseJournal, fabric: Fabric) -> None:
         """Retry the releases this host's hooks could not land (etcd was away)."""
         try:
             for line in journal.settle(fabric):
@@ -324,7 +329,7 @@ class Agent:
         except StateError as e:
             log.warning("pending releases wait: %s", e)
 
-    def _take_back(self, fabric: SimFabric) -> None:
+    def _take_back(self, fabric: TakesBack) -> None:
         try:
             for fence in fabric.fenced():
                 if fabric.take_back(fence):

@@ -27,7 +27,8 @@ from vmlend.topology.model import (
 )
 
 if TYPE_CHECKING:
-    from vmlend.registry.records import Claim
+    from vmlend.registry.api import Registry
+    from vmlend.registry.records import Claim, FenceRecord
 
 
 @runtime_checkable
@@ -156,3 +157,23 @@ class Fabric(Protocol):
     def mdevs(self) -> list[MdevInfo]:
         """mdev children on this node."""
         ...
+
+
+@runtime_checkable
+class RegistryFabric(Protocol):
+    """A backend whose bookkeeping lives in a registry it can hand out (what ``vmlend agent``
+    needs to hold the host's lease on it)."""
+
+    @property
+    def registry(self) -> Registry: ...
+
+
+@runtime_checkable
+class TakesBack(Protocol):
+    """A lender's capability to take back the devices whose holder vanished with its lease
+    (docs/cluster.md, "Fencing"): ``fenced`` lists this node's fenced devices, ``take_back``
+    unmaps and resets one through whatever drives the hardware, then lifts its fence."""
+
+    def fenced(self) -> list[FenceRecord]: ...
+
+    def take_back(self, fence: FenceRecord) -> bool: ...

@@ -42,7 +42,7 @@ from vmlend.kernel.driver import (
 )
 from vmlend.kernel.mdev import MdevBus, SysfsWriter
 from vmlend.kernel.udev import ParentWatcher, WantedMdev
-from vmlend.registry import Registry, open_registry
+from vmlend.registry import FenceRecord, Registry, open_registry
 from vmlend.registry.records import Claim
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import (
@@ -104,6 +104,25 @@ class SmartioFabric:
 
     def close(self) -> None:
         self._state.close()
+
+    @property
+    def registry(self) -> Registry:
+        return self._state.registry
+
+    # --- taking back what a vanished holder had (``TakesBack``) -----------------------------
+    def fenced(self) -> list[FenceRecord]:
+        return self._state.fenced()
+
+    def take_back(self, fence: FenceRecord) -> bool:
+        """The driver unmaps and resets the device (with the fence's token, so a late
+        take-back never touches a newer holder's borrow), then the fence goes. False when the
+        driver refused a stale token or a new hold appeared meanwhile."""
+        try:
+            self.driver.take_back(fence.fdid, fence.token)
+        except StaleTokenError as e:
+            log.warning("%s", e)
+            return False
+        return self._state.take_back(fence)
 
     def __enter__(self) -> SmartioFabric:
         return self

@@ -294,6 +294,20 @@ class SmartioDriver:
             raise self._error(attr, fdid, e.errno or 0) from None
         log.info("smartio %s %s", attr, format_fdid(fdid))
 
+    def take_back(self, fdid: int, token: int) -> None:
+        """Take ``fdid`` back from a holder that vanished (docs/smartio-contract.md, "Taking a
+        device back"): the driver ends any borrow of it, unmaps its NTB and IOMMU mappings and
+        resets it, refusing (``ESTALE``) a token older than the device's."""
+        self.require()
+        path = self.base / "take_back"
+        try:
+            self.writer.write(path, f"{format_fdid(fdid)} {token}")
+        except OSError as e:
+            if e.errno == errno.ESTALE:
+                raise StaleTokenError(fdid, token, -1, "a take-back") from None
+            raise self._error("take_back", fdid, e.errno or 0) from None
+        log.info("smartio take_back %s %d", format_fdid(fdid), token)
+
     def set_token(self, fdid: int, token: int) -> None:
         """Give the device the fencing token of the hold the next step is made for
         (docs/smartio-contract.md, "The fencing token"): the driver keeps the largest and
