@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* h
 from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.simfabric import fabric_topology
 from vmlend.errors import DeviceFencedError, DeviceHeldError
-from vmlend.fabric.admission import StateView, admit
-from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
+from vmlend.ledger.admission import StateView, admit
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 CYCLES = 200
 VMS = 500

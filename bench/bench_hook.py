@@ -36,13 +36,13 @@ from typing import NamedTuple
 
 import vmlend
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.hook.actionlog import log_path_for_state
 from vmlend.hook.install import install_hook
 from vmlend.hook.main import run
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
 from vmlend.topology.model import MiB
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 FDIDS = (0x10, 0x12, 0x21, 0x22)
 PLAIN_XML = b"<domain type='kvm'><name>plain</name><memory unit='KiB'>65536</memory></domain>"

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vmlend.hypervisor import open_hypervisor
+from vmlend.wiring.hypervisor import open_hypervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "hypervisor"

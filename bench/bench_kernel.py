@@ -22,13 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support.fake_sysfs
 
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.kernel.mdev import MdevBus
 from vmlend.kernel.udev import ParentWatcher, Uevent, WantedMdev
 from vmlend.registry import open_registry
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 N = 100
 PARENTS = 64

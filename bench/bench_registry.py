@@ -8,9 +8,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 N = 200
 

@@ -29,10 +29,10 @@ from tests.support.cluster_hosts import (
 from tests.support.etcd_daemon import host_lease
 from tests.support.simfabric import make_fabric
 from vmlend.errors import AgentNotRunningError, DeviceFencedError, DeviceHeldError, StateError
-from vmlend.fabric.open import open_fabric
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.topology.model import DeviceState, Holder
+from vmlend.wiring.fabric import open_fabric
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     from tests.support.simcluster import domain_of as _domain
     from vmlend.domain import read_domain
     from vmlend.hypervisor.base import DomainState
-    from vmlend.hypervisor.open import open_hypervisor
+    from vmlend.wiring.hypervisor import open_hypervisor
 
     alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
     app = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")
@@ -211,7 +211,7 @@ def test_a_borrower_pauses_its_remote_vms_while_etcd_is_away_and_resumes_them(
 ):
     from tests.support.simcluster import domain_of as _domain
     from vmlend.hypervisor.base import DomainState
-    from vmlend.hypervisor.open import open_hypervisor
+    from vmlend.wiring.hypervisor import open_hypervisor
 
     url = private_etcd.url("pause")
     make_fabric(url).close()
@@ -285,7 +285,7 @@ def test_a_restarted_agent_keeps_running_vms_devices_and_returns_the_rest(
     running VM's hold (which would otherwise vanish with the dead agent's lease) and returns
     the holds of a stopped VM (its release hook 'failed') and of a VM gamma no longer has."""
     from tests.support.simcluster import domain_of as _domain
-    from vmlend.hypervisor.open import open_hypervisor
+    from vmlend.wiring.hypervisor import open_hypervisor
 
     alpha, gamma = hosts["alpha"], hosts["gamma"]
     old = Holder("gamma", "old", "44444444-4444-4444-4444-444444444444")

@@ -10,11 +10,11 @@ from tests.support.etcd_daemon import host_lease
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
 from tests.support.simfabric import make_fabric
 from vmlend.fabric.base import RegistryFabric, TakesBack
-from vmlend.fabric.open import open_fabric
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.registry import open_registry, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import open_fabric
 
 GPU = 0x10
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")

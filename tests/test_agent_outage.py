@@ -72,7 +72,7 @@ def _hold_lease(gw: EtcdGateway, keys: Keys, fdid: int) -> int | None:
 
 
 def _hv(host: Host, url: str):
-    from vmlend.hypervisor.open import open_hypervisor
+    from vmlend.wiring.hypervisor import open_hypervisor
 
     hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", host.node]
     return open_hypervisor(f"sim:///{host.node}", state_dir=host.root, hook_command=hook)
@@ -147,8 +147,8 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
 ):
     """The release hook cannot reach etcd: the host keeps the release, the user reads one line
     saying so, and the agent lands it once etcd is back (no 'reconcile --fix')."""
-    from vmlend.fabric.open import open_fabric
     from vmlend.topology.model import DeviceState
+    from vmlend.wiring.fabric import open_fabric
 
     url, hosts = outage
     gamma = hosts["gamma"]
@@ -184,7 +184,7 @@ def test_an_agent_restarted_after_its_lease_ended_pauses_re_reserves_or_unplugs_
     restarted agent must not leave web running with a device beta's VM now uses: it pauses
     both VMs, re-reserves app's NIC, hot-unplugs web's GPU, and resumes them."""
     from vmlend.domain import read_domain
-    from vmlend.fabric.open import open_fabric
+    from vmlend.wiring.fabric import open_fabric
 
     url, hosts = outage
     alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
@@ -237,7 +237,7 @@ def test_a_borrower_cut_off_from_etcd_pauses_its_vm_and_runs_it_again_after_the_
     (the lease lived, or the agent re-reserved under a new one), and no revision ever shows
     two holders."""
     from tests.support.partition import cut_off_borrower, cut_to_pause
-    from vmlend.fabric.open import open_fabric
+    from vmlend.wiring.fabric import open_fabric
 
     with cut_off_borrower(private_etcd, tmp_path, "cut", ttl=4) as c:
         cut_to_pause(c)

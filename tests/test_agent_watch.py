@@ -14,11 +14,11 @@ from tests.support.simfabric import make_fabric
 from vmlend.agent.lease import SessionLease
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.agent.watch import LeaseWatch
-from vmlend.fabric.open import open_fabric
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import hostlease
 from vmlend.sim.hypervisor.node import SimHypervisor
+from vmlend.wiring.fabric import open_fabric
 
 TTL = 10  # in fake seconds; etcd's own clock never gets near it during the test
 WAIT = 20.0  # bounded real-time waits for another thread to act

@@ -7,13 +7,13 @@ import pytest
 
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ResourceExhaustedError
-from vmlend.fabric.admission import usage
-from vmlend.fabric.open import default_topology_text
+from vmlend.ledger.admission import usage
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.invariants import check_hardware
 from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.simvm import SimVm
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import default_topology_text
 
 ALPHA_GPU, ALPHA_GPU2, BETA_GPU = 0x10, 0x11, 0x20
 

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from vmlend.cli import main
-from vmlend.fabric.open import open_fabric
 from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import open_fabric
 
 from .support.simfabric import small_topology
 

@@ -32,8 +32,18 @@ def test_xml_new_warns_when_the_device_id_was_not_checked(tmp_path):
 
     out = tmp_path / "vm.xml"
     r = CliRunner().invoke(
-        main, ["--state", str(tmp_path / "none.db"), "xml", "new", "vm", "--device", "0x10",
-               "-o", str(out)]
+        main,
+        [
+            "--state",
+            str(tmp_path / "none.db"),
+            "xml",
+            "new",
+            "vm",
+            "--device",
+            "0x10",
+            "-o",
+            str(out),
+        ],
     )
     assert r.exit_code == 0, r.output
     assert "warning" in r.stderr and "checked for syntax only" in r.stderr

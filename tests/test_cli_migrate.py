@@ -74,7 +74,7 @@ def test_leftovers_held_by_the_vm_on_the_source_are_returned(cluster):
     xml = cluster.define("gamma", "vm1", [0x10])
     dom = read_domain(xml)
     with cluster.fabric() as f:  # a crashed release left the device held and its mdev
-        from vmlend.lending import UndoJournal, acquire_device, holder_for
+        from vmlend.lending.devices import UndoJournal, acquire_device, holder_for
 
         acquire_device(f, holder_for(f, "vm1", dom.uuid), 0x10, dom.devices[0].mdev, UndoJournal())
     r = cluster.cli("migrate", "vm1", "--to", "beta", *GAMMA)

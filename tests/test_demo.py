@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from vmlend.cli import main
 from vmlend.demo import STEPS, run_demo
-from vmlend.fabric.open import init_fabric, open_fabric
 from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import init_fabric, open_fabric
 
 from .support.simfabric import small_topology
 

@@ -13,8 +13,8 @@ from vmlend.demo import Step, StepResult, render_step, run_demo
 from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.interrupts import VmInterrupts
 from vmlend.errors import DemoError, StateError
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.irq.vectors import IrqIndex
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 
 def msix_device(vectors: int = 4):

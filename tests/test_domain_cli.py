@@ -205,9 +205,9 @@ def test_fabric_check_when_a_state_exists(run, domain_file, state_path, monkeypa
             return object()
 
     opened = []
-    module = types.ModuleType("vmlend.fabric.open")
+    module = types.ModuleType("vmlend.wiring.fabric")
     module.open_fabric = lambda path, node: opened.append((path, node)) or FakeFabric()
-    monkeypatch.setitem(sys.modules, "vmlend.fabric.open", module)
+    monkeypatch.setitem(sys.modules, "vmlend.wiring.fabric", module)
     before = domain_file.read_bytes()
     r = run("--node", "gamma", "xml", "add-device", str(domain_file), "0x13")
     assert r.exit_code == 1 and "unknown device fdid 0x13" in r.stderr

@@ -36,14 +36,31 @@ def test_the_corpus_is_large_and_varied():
     names = " ".join(d.name for d in CORPUS)
     assert len(CORPUS) >= 400
     for feature in (
-        "crlf", "comments", "cdata", "spaced-empty", "double-quotes", "four-spaces",
-        "devices-elsewise", "no-final-newline",
+        "crlf",
+        "comments",
+        "cdata",
+        "spaced-empty",
+        "double-quotes",
+        "four-spaces",
+        "devices-elsewise",
+        "no-final-newline",
     ):
         assert names.count(feature) >= 20, feature
     data = [d.data for d in CORPUS]
-    for needle in (b"xmlns:qemu=", b"&apos;", b"&quot;", b"<metadata/>", b"<![CDATA[",
-                   b"<devices>\n  </devices>", b"' />", b"\r\n", b"id='",
-                   b"type='mdev'", b"type='pci' managed", b"libosinfo"):
+    for needle in (
+        b"xmlns:qemu=",
+        b"&apos;",
+        b"&quot;",
+        b"<metadata/>",
+        b"<![CDATA[",
+        b"<devices>\n  </devices>",
+        b"' />",
+        b"\r\n",
+        b"id='",
+        b"type='mdev'",
+        b"type='pci' managed",
+        b"libosinfo",
+    ):
         assert sum(needle in x for x in data) >= 10, needle
     assert sum(b"<devices/>" in x for x in data) >= 5
     assert sum(b"<devices" not in x for x in data) >= 5
@@ -98,10 +115,16 @@ def test_adding_changes_only_vmlends_lines(doc):
 def test_libvirt_written_documents_are_schema_valid(tmp_path):
     sample = [d for d in CORPUS if d.libvirt_written][:12]
     for doc in sample:
-        for data in (doc.data, add_device(DomainDocument.parse(doc.data), FDID, templates=T,
-                                          address=FREE).to_bytes()):
+        for data in (
+            doc.data,
+            add_device(DomainDocument.parse(doc.data), FDID, templates=T, address=FREE).to_bytes(),
+        ):
             path = tmp_path / f"{doc.name}.xml"
             path.write_bytes(data)
-            r = subprocess.run(["virt-xml-validate", str(path), "domain"],
-                               capture_output=True, text=True, check=False)
+            r = subprocess.run(
+                ["virt-xml-validate", str(path), "domain"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             assert r.returncode == 0, (doc.name, r.stderr)

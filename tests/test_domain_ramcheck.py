@@ -17,17 +17,15 @@ from tests.support.simfabric import make_fabric
 from vmlend.cli import main
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.errors import LayoutError
-from vmlend.fabric.open import open_fabric
 from vmlend.hook.main import run
 from vmlend.topology.model import MiB
+from vmlend.wiring.fabric import open_fabric
 
 GPU = 0x10
 
 
 def _domain(fdids=(GPU,)) -> bytes:
-    spec = DomainSpec(
-        name="odd", memory_bytes=512 * MiB, devices=[DeviceRequest(f) for f in fdids]
-    )
+    spec = DomainSpec(name="odd", memory_bytes=512 * MiB, devices=[DeviceRequest(f) for f in fdids])
     return new_domain(spec, templates=TemplateSet()).to_bytes()
 
 

@@ -14,11 +14,11 @@ from vmlend.errors import (
     VmlendError,
 )
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.registry import open_registry
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import DeviceState, Holder
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 DB = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")

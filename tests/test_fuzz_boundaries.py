@@ -50,7 +50,6 @@ from tests.support.sysfs_damage import (
 from vmlend.cli import main
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import SysfsAttributeError, VmlendError
-from vmlend.fabric.open import default_topology_text, open_fabric
 from vmlend.hook import wire
 from vmlend.hook.main import run
 from vmlend.kernel.backend import open_smartio_fabric
@@ -58,6 +57,7 @@ from vmlend.kernel.driver import SmartioDriver
 from vmlend.kernel.mdev import MdevBus
 from vmlend.topology.model import BarKind, MiB
 from vmlend.topology.parse import MAX_ADDRESS
+from vmlend.wiring.fabric import default_topology_text, open_fabric
 
 VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-000000000001")
 

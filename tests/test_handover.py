@@ -14,7 +14,8 @@ import pytest
 from tests.support.nvme_guest import VmBar0, guest_driver, share_xml
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import FabricError, MdevError, VmlendError
-from vmlend.nvme import ledger, spec
+from vmlend.ledger import nvmeshares as ledger
+from vmlend.nvme import spec
 from vmlend.sim.hardware import Borrow, OpenMdev
 from vmlend.sim.invariants import check_hardware, registry_grants
 from vmlend.sim.nvmedrive import drive_geometry
@@ -95,8 +96,10 @@ def test_reclaim_of_a_shared_drive_ends_every_share_in_the_same_step(shared, mon
     monkeypatch.setattr(
         drive.device.bars,
         "write",
-        lambda index, offset, size, value: (reached.append((index, offset)),
-                                             real_write(index, offset, size, value)),
+        lambda index, offset, size, value: (
+            reached.append((index, offset)),
+            real_write(index, offset, size, value),
+        ),
     )
     for offset in range(spec.DOORBELL_BASE, spec.DOORBELL_BASE + 64, 4):
         b.bar0.write(offset, 4, 1)
@@ -344,9 +347,7 @@ def test_a_failing_revocation_still_resets_the_device_and_cuts_the_others(cluste
         raise RuntimeError("the VM's QEMU did not answer")
 
     hw.open_mdev("11111111-0000-0000-0000-000000000001", GPU, "gamma", "a", boom)
-    hw.open_mdev(
-        "11111111-0000-0000-0000-000000000002", GPU, "gamma", "a", lambda: cut.append("2")
-    )
+    hw.open_mdev("11111111-0000-0000-0000-000000000002", GPU, "gamma", "a", lambda: cut.append("2"))
     hw.device(GPU).config.write(
         regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER, notify=False
     )

@@ -32,7 +32,6 @@ from tests.support.modtrace import run_script
 from tests.support.simfabric import make_fabric
 from vmlend.doctor import Status, check_hook_served
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.open import open_fabric
 from vmlend.hook import wire
 from vmlend.hook.forward import SOCKET_UNDER_ROOT, forward, pinned_environment, socket_path
 from vmlend.hook.install import install_hook
@@ -43,6 +42,7 @@ from vmlend.registry import hostlease, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.etcd_keys import Keys
 from vmlend.topology.model import Holder, MiB
+from vmlend.wiring.fabric import open_fabric
 
 VMLEND = str(Path(sys.executable).parent / "vmlend")
 FDIDS = (0x10, 0x12, 0x21, 0x22)

@@ -97,12 +97,12 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     flags = shebang_flags(installed)
     run = run_script(installed, ["vm1", "prepare", "begin", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])
-    assert {"lxml.etree", "vmlend.domain.info", "vmlend.sim.backend"} <= run.modules
+    assert {"lxml.etree", "vmlend.domain.info", "vmlend.ledger.ledger"} <= run.modules
     unused = ("click", "libvirt", "vmlend.cli", "vmlend.irq", "vmlend.hypervisor")
     unused += ("vmlend.domain.build", "vmlend.domain.templates", "vmlend.domain.rewrite")
     unused += ("etcd3gw", "requests")  # an SQLite host never loads the etcd client
     # A VM without NVMe shares: the share ledger and the NVMe geometry are not needed.
-    unused += ("vmlend.nvme.ledger", "vmlend.nvme.shares", "vmlend.nvme.spec")
+    unused += ("vmlend.ledger.nvmeshares", "vmlend.nvme.shares", "vmlend.nvme.spec")
     # Nor vmlend's own etcd modules, nor the byte-preserving writer (prepare writes no XML).
     unused += ("vmlend.registry.etcd_gateway", "vmlend.registry.etcd_store")
     unused += ("vmlend.domain.preserve", "difflib")
@@ -126,15 +126,21 @@ def test_installed_hook_delivers_its_output_though_it_skips_interpreter_teardown
     expected = io.BytesIO()
     assert run(["vm1", "migrate", "begin", "-"], io.BytesIO(xml), expected, environ=env) == 0
     out = subprocess.run(
-        [str(installed), "vm1", "migrate", "begin", "-"], input=xml, capture_output=True,
-        env=env, timeout=60,
+        [str(installed), "vm1", "migrate", "begin", "-"],
+        input=xml,
+        capture_output=True,
+        env=env,
+        timeout=60,
     )
     assert (out.returncode, out.stderr) == (0, b"")
     assert out.stdout == expected.getvalue() and out.stdout.rstrip().endswith(b"</domain>")
     unknown = vm_xml(fdids=(0x10, 0x7777))
     out = subprocess.run(
-        [str(installed), "vm1", "prepare", "begin", "-"], input=unknown, capture_output=True,
-        env=env, timeout=60,
+        [str(installed), "vm1", "prepare", "begin", "-"],
+        input=unknown,
+        capture_output=True,
+        env=env,
+        timeout=60,
     )
     assert out.returncode == 1
     assert out.stderr.decode().count("\n") == 1 and "0x7777" in out.stderr.decode()
@@ -149,7 +155,7 @@ def test_prepare_and_release_of_a_four_device_vm_never_import_dataclasses(instal
     for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
         run = run_script(installed, ["vm1", *op], xml, env, flags)
         assert (run.code, run.stderr) == (0, []), op
-        assert "vmlend.sim.backend" in run.modules, op  # it did the work
+        assert "vmlend.ledger.ledger" in run.modules, op  # it did the work
         assert "dataclasses" not in run.modules, op
 
 

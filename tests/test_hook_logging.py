@@ -12,10 +12,10 @@ import uuid
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.open import open_fabric
 from vmlend.hook.loghandler import ActionLogHandler
 from vmlend.hook.main import run
 from vmlend.topology.model import MiB
+from vmlend.wiring.fabric import open_fabric
 
 
 def vm_xml() -> bytes:

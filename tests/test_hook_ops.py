@@ -11,10 +11,10 @@ from lxml import etree
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.open import open_fabric
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.main import run
 from vmlend.topology.model import DeviceState, Holder, MiB
+from vmlend.wiring.fabric import open_fabric
 
 TEMPLATES = TemplateSet()
 VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-000000000001")
@@ -238,7 +238,7 @@ def test_release_of_a_copied_xml_leaves_the_running_vms_mdev(fabric, state_path)
 def test_returning_a_device_by_a_copied_xml_leaves_the_running_vms_mdev(fabric, state_path):
     """detach and reconcile return one device with the mdev the XML names: another VM's
     mdev is left alone (and said so), as release does."""
-    from vmlend.lending import return_device
+    from vmlend.lending.devices import return_device
 
     a = domain_xml("vmA", fdids=(0x10,))
     assert hook(state_path, "vmA", "prepare", "begin", "-", xml=a)[0] == 0
@@ -249,6 +249,7 @@ def test_returning_a_device_by_a_copied_xml_leaves_the_running_vms_mdev(fabric, 
     assert not return_device(fabric, clone, 0x10, mdev.upper(), lines.append)
     assert snapshot(state_path) == before
     assert lines == [f"mdev {mdev}: named by this domain but serves gamma/vmA; left alone"]
+
 
 def test_stdin_is_drained_even_for_bad_arguments(state_path):
     stdin = io.BytesIO(b"<domain/>" * 1000)

@@ -14,7 +14,8 @@ from vmlend.errors import (
     LibvirtError,
     UnknownDomainError,
 )
-from vmlend.hypervisor import DomainState, Hypervisor, open_hypervisor
+from vmlend.hypervisor import DomainState, Hypervisor
+from vmlend.wiring.hypervisor import open_hypervisor
 
 DATA = Path(__file__).parent / "data" / "hypervisor"
 DOMAIN_XML = (DATA / "domain.xml").read_bytes()

@@ -16,8 +16,8 @@ from vmlend.errors import (
     UnknownDomainError,
     UnsupportedOperationError,
 )
-from vmlend.hypervisor import open_hypervisor
 from vmlend.hypervisor.libvirt_hv import LibvirtHypervisor, map_error
+from vmlend.wiring.hypervisor import open_hypervisor
 
 DATA = Path(__file__).parent / "data" / "hypervisor"
 NODE_URI = f"test://{DATA / 'node.xml'}"

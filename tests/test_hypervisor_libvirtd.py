@@ -17,8 +17,9 @@ from vmlend.errors import (
     ShutdownTimeoutError,
     UnsupportedOperationError,
 )
-from vmlend.hypervisor import DomainState, open_hypervisor
+from vmlend.hypervisor import DomainState
 from vmlend.sim.hypervisor.node import SimHypervisor
+from vmlend.wiring.hypervisor import open_hypervisor
 
 pytestmark = [pytest.mark.libvirtd, pytest.mark.slow]
 

@@ -18,8 +18,9 @@ from vmlend.errors import (
     ShutdownTimeoutError,
     UnsupportedOperationError,
 )
-from vmlend.hypervisor import DomainState, open_hypervisor
+from vmlend.hypervisor import DomainState
 from vmlend.sim.hypervisor.node import IdleGuest, SimHypervisor
+from vmlend.wiring.hypervisor import open_hypervisor
 
 DATA = Path(__file__).parent / "data" / "hypervisor"
 DOMAIN_XML = (DATA / "domain.xml").read_bytes()

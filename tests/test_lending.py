@@ -6,7 +6,7 @@ import pytest
 
 from tests.support.smartio_host import NVME, U1, WEB, fabric, fake, start_vm, state  # noqa: F401
 from vmlend.errors import DeviceHeldError
-from vmlend.lending import return_all
+from vmlend.lending.devices import return_all
 from vmlend.topology.model import Holder
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import uuid
 
-from vmlend.fabric.open import open_fabric
-from vmlend.lending import UndoJournal, acquire_device
+from vmlend.lending.devices import UndoJournal, acquire_device
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import open_fabric
 
 from .support.simfabric import make_fabric
 

@@ -21,10 +21,10 @@ import pytest
 from tests.support.libvirt_daemon import needs_no_vfio
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-from vmlend.fabric.open import open_fabric
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import install_hook, uninstall_hook
 from vmlend.topology.model import Holder, MiB
+from vmlend.wiring.fabric import open_fabric
 
 pytestmark = pytest.mark.libvirtd
 

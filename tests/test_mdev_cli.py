@@ -87,7 +87,7 @@ def test_watch_refuses_a_fake_root(fake):
 
 def test_watch_on_this_host_returns_when_idle(state_path):
     # The real root, read-only: a live netlink monitor, no parents here, nothing to do.
-    from vmlend.fabric.open import default_topology_text, init_fabric
+    from vmlend.wiring.fabric import default_topology_text, init_fabric
 
     init_fabric(state_path, *default_topology_text(), node="gamma")
     r = CliRunner().invoke(main, ["mdev", "watch", "--timeout", "0.05"], env={"VMLEND_ROOT": ""})

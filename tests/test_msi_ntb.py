@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from tests.support.simfabric import make_fabric
-from vmlend.fabric.msiadmit import is_msi_claim
 from vmlend.irq import vectors as r
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.ntbmsi import NTB, RELAY, NtbMsiRoute, interrupt_path
 from vmlend.irq.vectors import IrqIndex
+from vmlend.ledger.msiadmit import is_msi_claim
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.msitarget import MSI_IOVA, MsiTargets
 from vmlend.sim.pci import regs
@@ -134,9 +134,7 @@ def test_no_interrupt_reaches_the_vm_after_the_device_is_given_back(hw, route, v
     route.close()  # idempotent after the borrow ended
 
 
-def test_after_a_reset_the_device_cannot_signal_until_the_guest_enables_it_again(
-    hw, route, vm_fds
-):
+def test_after_a_reset_the_device_cannot_signal_until_the_guest_enables_it_again(hw, route, vm_fds):
     enable_msix(hw, NVME, 4)
     route.set_triggers(IrqIndex.MSIX, [f.fileno() for f in vm_fds])
     hw.device(NVME).reset()
@@ -229,7 +227,7 @@ def test_no_room_for_the_interrupt_window_falls_back_to_the_relay(state_path):
 
 
 def test_the_admission_check_says_which_path(state_path):
-    from vmlend.fabric.admission import admit
+    from vmlend.ledger.admission import admit
 
     fabric = make_fabric(state_path)
     with fabric._reg.read() as tx:

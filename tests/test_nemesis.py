@@ -37,8 +37,8 @@ from tests.support.nemesis import (
     start_cluster,
     stop_cluster,
 )
-from vmlend.fabric.open import open_fabric
 from vmlend.topology.model import DeviceStatus
+from vmlend.wiring.fabric import open_fabric
 
 SEED = seed_from_env(20)
 ROUNDS = int(os.environ.get("VMLEND_NEMESIS_ROUNDS") or 10)

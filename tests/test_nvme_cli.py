@@ -52,9 +52,10 @@ def test_refusals_are_one_line_errors(state_path):
     assert r.exit_code == 1 and "multiple of 512" in r.output
     r = c.cli("nvme", "reserve", "0x12", "web", "--queues", "40", "--size", "64K")
     assert r.exit_code == 1 and "vectors" in r.output
-    assert "no drive is shared" in make_cluster(state_path.parent / "other.db").cli(
-        "nvme", "status"
-    ).output
+    assert (
+        "no drive is shared"
+        in make_cluster(state_path.parent / "other.db").cli("nvme", "status").output
+    )
 
 
 def test_reserve_by_hand_claims_the_share_windows_of_the_vms_ram(state_path):

@@ -22,9 +22,9 @@ def test_a_driver_without_sharing_is_named_as_the_reason(tmp_path):
 def test_the_driver_reason_and_the_supported_case(tmp_path):
     fake = healthy(tmp_path)
     _attr(fake, "unsupported controller has no per-queue LBA guard\n")
-    assert "refused, controller has no per-queue LBA guard" in checks(fake.env)[
-        "nvme sharing"
-    ].detail
+    assert (
+        "refused, controller has no per-queue LBA guard" in checks(fake.env)["nvme sharing"].detail
+    )
     _attr(fake, "supported 511 32 0\n")
     assert checks(fake.env)["nvme sharing"].detail == "0x12: 511 queue pairs"
     _attr(fake, "supported lots\n")

@@ -22,9 +22,9 @@ from vmlend.errors import HookError, MdevOwnedError
 from vmlend.hook.actionlog import ActionLog, NullLog, log_path_for_state
 from vmlend.hook.main import run
 from vmlend.hook.ops import HookOps
-from vmlend.lending import UndoJournal
-from vmlend.nvme import ledger
-from vmlend.nvme.lending import SHARE_MDEV_TYPE, acquire_share
+from vmlend.ledger import nvmeshares as ledger
+from vmlend.lending.devices import UndoJournal
+from vmlend.lending.shares import SHARE_MDEV_TYPE, acquire_share
 from vmlend.registry import SqliteRegistry
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.nvmedrive import drive_geometry
@@ -116,8 +116,9 @@ def test_a_backend_without_shares_says_so():
     from vmlend.errors import SharingUnsupportedError
 
     with pytest.raises(SharingUnsupportedError, match="doctor"):
-        acquire_share(object(), Holder("g", "v"), NVME, uuid.uuid4(),
-                      NvmeShareRequest(1, 512), UndoJournal())
+        acquire_share(
+            object(), Holder("g", "v"), NVME, uuid.uuid4(), NvmeShareRequest(1, 512), UndoJournal()
+        )
 
 
 # --- a domain naming another VM's mdevs (a copied or forged XML) ---------------------------

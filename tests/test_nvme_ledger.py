@@ -13,7 +13,7 @@ from vmlend.errors import (
     SharesActiveError,
     SharingUnsupportedError,
 )
-from vmlend.nvme import ledger
+from vmlend.ledger import nvmeshares as ledger
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.topology.model import Holder
 
@@ -109,9 +109,7 @@ def test_usage_recorded_by_the_data_path_shows_in_the_entries(fab, reg):
     assert entry.to_json()["guard_rejections"] == 3
 
 
-def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(
-    fab, reg, tmp_path
-):
+def test_the_data_path_uses_the_reserved_share_and_status_sees_its_rejections(fab, reg, tmp_path):
     from tests.support.nvme_guest import guest_driver
     from vmlend.nvme import spec
     from vmlend.sim.hardware import SimHardware
@@ -143,7 +141,7 @@ def _use(fab):
 
 
 def test_a_share_claims_the_ntb_resources_of_its_dma_path_and_returns_them(fab, reg):
-    from vmlend.fabric.admission import guest_ram_of
+    from vmlend.ledger.admission import guest_ram_of
     from vmlend.memory.windows import window_segments
     from vmlend.topology.model import GiB
     from vmlend.topology.paths import route

@@ -124,7 +124,6 @@ def test_guard_address_space_keeps_owners_apart():
         QueueDomain("x", 1, 0, 0)
 
 
-
 def test_guard_address_space_boundary_of_a_non_zero_asid():
     """The owner's last address is the last IOVA of its own space; one more would be the
     first IOVA of the next share's space, and is refused."""
@@ -137,6 +136,7 @@ def test_guard_address_space_boundary_of_a_non_zero_asid():
         with pytest.raises(GuardRejection) as e:
             owner.dma_address(address)
         assert e.value.status == spec.SC_DATA_TRANSFER_ERROR
+
 
 @pytest.mark.parametrize("pairs", [1, 3])
 def test_share_book_adopts_what_it_would_allocate_and_refuses_overlaps(pairs):

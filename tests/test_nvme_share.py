@@ -95,8 +95,10 @@ def test_vms_on_two_borrowers_write_and_read_back_concurrently(hw, drive):
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(da, qa, 0xA)),
-               threading.Thread(target=work, args=(db, qb, 0xB))]
+    threads = [
+        threading.Thread(target=work, args=(da, qa, 0xA)),
+        threading.Thread(target=work, args=(db, qb, 0xB)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -138,10 +140,19 @@ def test_queues_pointed_outside_the_vm_fault_at_the_iommu(hw, drive):
     da.delete_queue_pair(q2)
     bad = 128 * MiB
     flags = spec.QUEUE_PHYS_CONTIG | spec.CQ_IRQ_ENABLED
-    da.admin_command(spec.Command(spec.ADMIN_CREATE_CQ, prp1=bad, cdw10=15 << 16 | 2,
-                                  cdw11=flags | 2 << 16), "create CQ")
-    da.admin_command(spec.Command(spec.ADMIN_CREATE_SQ, prp1=bad + 4096, cdw10=15 << 16 | 2,
-                                  cdw11=spec.QUEUE_PHYS_CONTIG | 2 << 16), "create SQ")
+    da.admin_command(
+        spec.Command(spec.ADMIN_CREATE_CQ, prp1=bad, cdw10=15 << 16 | 2, cdw11=flags | 2 << 16),
+        "create CQ",
+    )
+    da.admin_command(
+        spec.Command(
+            spec.ADMIN_CREATE_SQ,
+            prp1=bad + 4096,
+            cdw10=15 << 16 | 2,
+            cdw11=spec.QUEUE_PHYS_CONTIG | 2 << 16,
+        ),
+        "create SQ",
+    )
     a.bar0.write(spec.doorbell_offset(2, False, 0), 4, 1)  # the drive fetches from there
     fault = drive.controller.stats.faults[-1]
     assert isinstance(fault, DmaFault) and fault.hop == "lender-iommu"
@@ -340,8 +351,9 @@ def test_a_share_justifies_only_its_own_vm(hw, drive):
     boot(hw, drive, "b1", "vm-a", pairs=1)
     boot(hw, drive, "b2", "vm-b", pairs=1)
     # A's address space claimed for another VM: its mappings reach RAM that is not that VM's
-    wrong = [g if g.vm != "vm-a" else ShareGrant(g.fdid, g.node, "vm-x", g.asid)
-             for g in drive.grants()]
+    wrong = [
+        g if g.vm != "vm-a" else ShareGrant(g.fdid, g.node, "vm-x", g.asid) for g in drive.grants()
+    ]
     found = check_hardware(hw, shares=wrong)
     mapped = [v for v in found if v.kind != "share-wire"]
     assert mapped and all("not of vm-x" in v.detail for v in mapped), found

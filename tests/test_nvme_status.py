@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from vmlend.nvme import ledger
+from vmlend.ledger import nvmeshares as ledger
 from vmlend.registry import SqliteRegistry
 from vmlend.topology.model import MiB
 
@@ -42,8 +42,17 @@ def test_status_shows_each_vms_nvme_shares(cluster: SimCluster):
 
     text = cluster.cli("status", *GAMMA).stdout
     line = next(ln.split() for ln in text.splitlines() if ln.startswith("web") and "0x12" in ln)
-    assert line == ["web", "gamma", "0x12", "2", "0+131072", "(64M)", str(web.share.real_qid(1)),
-                    "trap", "3"]
+    assert line == [
+        "web",
+        "gamma",
+        "0x12",
+        "2",
+        "0+131072",
+        "(64M)",
+        str(web.share.real_qid(1)),
+        "trap",
+        "3",
+    ]
     assert "REJECTED" in text and "db" in cluster.cli("status", "db", *GAMMA).stdout
 
 

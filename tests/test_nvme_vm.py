@@ -9,7 +9,8 @@ import pytest
 from tests.support.nvme_guest import guest_driver, share_xml
 from tests.support.simcluster import Cluster
 from vmlend.errors import FabricError
-from vmlend.nvme import ledger, spec
+from vmlend.ledger import nvmeshares as ledger
+from vmlend.nvme import spec
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.simvm import SimVm

@@ -8,7 +8,7 @@ import json
 import uuid
 
 from vmlend.domain import DomainDocument, find_device, mdev_uuid, read_domain
-from vmlend.lending import UndoJournal, acquire_device, return_device
+from vmlend.lending.devices import UndoJournal, acquire_device, return_device
 from vmlend.ops.attach import plan_attach
 from vmlend.ops.definitions import hostdev_xml
 from vmlend.topology.model import Holder

@@ -8,10 +8,10 @@ import pytest
 
 from tests.support.older_state import older_vmlend
 from vmlend.errors import StateError
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 
 def _fill(tx):
@@ -188,12 +188,10 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
             assert tx.claims() == []
 
 
-def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(
-    tmp_path, monkeypatch
-):
-    from vmlend.fabric.open import open_fabric
+def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(tmp_path, monkeypatch):
     from vmlend.topology.compiled import decode_compiled
     from vmlend.topology.parse import parse_topology
+    from vmlend.wiring.fabric import open_fabric
 
     path = tmp_path / "v2.db"
     text, source = default_topology_text()
@@ -349,14 +347,14 @@ def test_reopening_in_one_process_never_breaks_another_connections_locks(tmp_pat
     import sys
 
     from tests.support.simfabric import make_fabric
-    from vmlend.fabric.open import open_fabric
     from vmlend.topology.model import Holder
+    from vmlend.wiring.fabric import open_fabric
 
     path = tmp_path / "s.db"
     keep = make_fabric(path)  # a connection that stays open in this process
     open_fabric(path)  # a second open (and vet) while `keep` is open
     step = (
-        "import sys; from vmlend.fabric.open import open_fabric;"
+        "import sys; from vmlend.wiring.fabric import open_fabric;"
         "from vmlend.topology.model import Holder;"
         "f = open_fabric(sys.argv[1]); h = Holder('gamma', 'vm', 'u');"
         "[getattr(f, sys.argv[2])(x, h) for x in (0x10, 0x12, 0x21, 0x22)]"
@@ -395,12 +393,15 @@ def test_a_lock_wait_longer_than_a_second_says_so_and_then_proceeds(made, caplog
 
     # Another process holds the write lock for 1.5 s.
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sqlite3, sys, time\n"
-         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-         "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
-         "time.sleep(1.5); c.execute('COMMIT')",
-         str(made)],
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
+            "time.sleep(1.5); c.execute('COMMIT')",
+            str(made),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

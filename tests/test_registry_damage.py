@@ -121,10 +121,10 @@ def test_release_frees_every_device_it_can_when_one_record_is_damaged(etcd_url):
     import io
 
     from tests.support.simcluster import domain_of
-    from vmlend.fabric.open import open_fabric
     from vmlend.hook.main import run
     from vmlend.registry import parse_location
     from vmlend.registry.etcd_keys import Keys
+    from vmlend.wiring.fabric import open_fabric
 
     make_fabric(etcd_url).close()
     xml = domain_of("vm1", "6f1c5a2e-0000-4000-8000-000000000001", (0x10, 0x20))

@@ -13,7 +13,6 @@ from tests.support.etcd_daemon import free_port, host_lease
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.cli import main
 from vmlend.errors import ConfigError, DeviceHeldError, StateError
-from vmlend.fabric.open import init_fabric, open_fabric
 from vmlend.hook.install import install_hook
 from vmlend.registry import (
     EtcdRegistry,
@@ -25,6 +24,7 @@ from vmlend.registry import (
 )
 from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
 from vmlend.topology.model import DeviceState, Holder
+from vmlend.wiring.fabric import init_fabric, open_fabric
 
 VM1 = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
 VM2 = Holder("beta", "vm2", "22222222-2222-2222-2222-222222222222")
@@ -280,8 +280,8 @@ def test_cold_migration_moves_the_holds_through_the_etcd_registry(etcd_url, tmp_
 
     from vmlend.cli.connect import hook_command
     from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
-    from vmlend.hypervisor import open_hypervisor
     from vmlend.topology.model import MiB
+    from vmlend.wiring.hypervisor import open_hypervisor
 
     make_fabric(etcd_url).close()
     local = tmp_path / "local"

@@ -6,8 +6,8 @@ first one's reads and its commit."""
 from __future__ import annotations
 
 from tests.support.simfabric import make_fabric
-from vmlend.fabric.open import open_fabric
 from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import open_fabric
 
 #: A borrower "b" with one adapter towards each of two lenders (joined for peer-to-peer):
 #: reserves of a device of each for two VMs share no adapter, so only what they read about

@@ -11,8 +11,8 @@ import pytest
 
 from tests.support.simfabric import star_topology
 from vmlend.errors import DeviceHeldError, ResourceExhaustedError
-from vmlend.fabric.open import init_fabric, open_fabric
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import init_fabric, open_fabric
 
 WORKERS = 8
 JOIN_TIMEOUT = 300.0

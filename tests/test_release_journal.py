@@ -10,7 +10,7 @@ from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain
 from vmlend.hook.main import run
 from vmlend.hostenv import HostEnv
-from vmlend.lending import UndoJournal, acquire_device
+from vmlend.lending.devices import UndoJournal, acquire_device
 from vmlend.release_journal import PendingRelease, ReleaseJournal
 from vmlend.topology.model import Holder, MiB
 
@@ -33,9 +33,7 @@ def _pending(fdids: tuple[int, ...]) -> PendingRelease:
     return PendingRelease("gamma", "web", VM_UUID, mdevs)
 
 
-def test_a_vm_started_again_lands_its_pending_release_before_taking_devices(
-    tmp_path, monkeypatch
-):
+def test_a_vm_started_again_lands_its_pending_release_before_taking_devices(tmp_path, monkeypatch):
     """web stopped while etcd was away (0x10 stayed held, its release pending) and starts
     again with the same device. Its prepare lands the pending release first and reserves
     0x10 anew, so a later retry by the agent finds nothing to do: it must never return the

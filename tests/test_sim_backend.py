@@ -20,14 +20,14 @@ from vmlend.errors import (
     UnknownNodeError,
     WindowExhaustedError,
 )
-from vmlend.fabric.admission import vm_share
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.open import open_fabric
 from vmlend.hook.main import run as run_hook
+from vmlend.ledger.admission import vm_share
+from vmlend.ledger.ledger import MDEV_TYPE
 from vmlend.registry import open_registry
-from vmlend.sim.backend import MDEV_TYPE
 from vmlend.topology.model import DeviceState, GiB, Holder
 from vmlend.topology.parse import parse_topology
+from vmlend.wiring.fabric import open_fabric
 
 from .support.simcluster import domain_of
 from .support.simfabric import make_fabric, small_topology
@@ -376,6 +376,7 @@ def test_an_mdev_left_behind_is_never_handed_to_the_next_holder(fab):
         fab.create_mdev(0x10, U1, VM2)
     assert [(m.uuid, m.vm) for m in fab.mdevs()] == [(U1, "vm1")]
 
+
 def test_mdev_bad_input(fab):
     fab.ensure_mdev_parent(0x10)
     fab.reserve(0x10, VM1)
@@ -403,7 +404,7 @@ def test_mdevs_are_per_node(fab, location):
 
 
 def test_another_process_replacing_the_topology_is_seen(fab, location):
-    from vmlend.fabric.open import init_fabric
+    from vmlend.wiring.fabric import init_fabric
 
     init_fabric(location, small_topology(), "new.toml", node="b", replace=True)
     assert [n.name for n in fab.nodes()] == ["l", "b"]
@@ -411,8 +412,8 @@ def test_another_process_replacing_the_topology_is_seen(fab, location):
 
 
 def test_local_node_choice():
-    from vmlend.fabric.open import choose_local_node, default_topology_text
     from vmlend.topology.parse import parse_topology
+    from vmlend.wiring.fabric import choose_local_node, default_topology_text
 
     topo = parse_topology(default_topology_text()[0])
     assert choose_local_node(topo, "beta.fabric.local") == "beta"
@@ -427,7 +428,7 @@ def test_local_node_choice():
 
 
 def test_init_same_meaning_is_unchanged(tmp_path):
-    from vmlend.fabric.open import init_fabric
+    from vmlend.wiring.fabric import init_fabric
 
     text = small_topology()
     path = tmp_path / "s.db"
@@ -569,8 +570,8 @@ def test_a_borrow_that_cannot_be_recorded_gives_the_hardware_back(tmp_path):
 def test_backend_is_chosen_by_argument_or_environment(tmp_path, monkeypatch):
     from tests.support.simfabric import make_fabric
     from vmlend.errors import ConfigError
-    from vmlend.fabric.open import open_fabric
     from vmlend.kernel.backend import SmartioFabric
+    from vmlend.wiring.fabric import open_fabric
 
     path = tmp_path / "s.db"
     make_fabric(path)

@@ -7,8 +7,8 @@ import multiprocessing as mp
 import pytest
 
 from vmlend.errors import DeviceHeldError
-from vmlend.fabric.open import open_fabric
 from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import open_fabric
 
 from .support.simfabric import make_fabric
 

@@ -274,7 +274,6 @@ def test_two_borrowed_devices_cross_with_distinct_requesters(hw):
     assert gamma.domain_for(b.ingress) is hw.vm_domain("gamma", "db")
 
 
-
 SAME_BDF = """
 name = "same-bdf"
 [[node]]

@@ -102,6 +102,7 @@ def test_two_devices_entering_a_node_as_one_requester_id(hw):
         (f"gamma rid {rid:#06x}", "0x10 and 0x20 enter as it")
     ]
 
+
 def test_a_crossing_attached_where_its_device_is_not_borrowed(hw):
     hw.borrow(GPU, "gamma", "web")
     hw.attach_ingress(GPU, "beta", IommuDomain("beta:p2p:gamma/db", owner=("gamma", "db")))

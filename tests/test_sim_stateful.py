@@ -62,7 +62,7 @@ from vmlend.domain import (
 from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
-from vmlend.nvme import ledger
+from vmlend.ledger import nvmeshares as ledger
 from vmlend.nvme.guard import asid_base
 from vmlend.registry import same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger

@@ -43,7 +43,7 @@ from vmlend.errors import (
 from vmlend.kernel.backend import SmartioFabric, open_smartio_fabric, overlay
 from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDevice
 from vmlend.kernel.udev import Outcome
-from vmlend.lending import return_all
+from vmlend.lending.devices import return_all
 from vmlend.registry import SqliteRegistry
 from vmlend.topology.model import DeviceState, DeviceStatus, Holder
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from vmlend.errors import StateLockedError
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.registry import SqliteRegistry
 from vmlend.registry.conditions import Condition, FsFacts, classify, classify_errno
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 CORRUPT_ADVICE = "move it away"
 CLI = [sys.executable, "-c", "from vmlend.cli import main; main()"]

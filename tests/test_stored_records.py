@@ -10,7 +10,7 @@ import sqlite3
 import msgspec
 
 from tests.support.simfabric import make_fabric
-from vmlend.nvme import ledger
+from vmlend.ledger import nvmeshares as ledger
 from vmlend.registry import hostlease
 from vmlend.registry.etcd_keys import dump
 from vmlend.registry.records import Claim, ClaimKind

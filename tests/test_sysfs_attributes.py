@@ -12,13 +12,13 @@ from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_
 from tests.support.sysfs_damage import plant_bytes, plant_directory, plant_fifo, plant_loop
 from vmlend.cli import main
 from vmlend.errors import SysfsAttributeError, UnknownDeviceError
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.kernel.backend import open_smartio_fabric
 from vmlend.kernel.driver import SmartioDriver, fdid_of
 from vmlend.kernel.mdev import MdevBus
 from vmlend.registry import SqliteRegistry
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import DeviceState, Holder
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
 

@@ -154,8 +154,8 @@ def test_routes_through_the_switch_and_back_to_back():
         ('window = "8GiB"', 'window = "16KiB"', "adapter[0].window", "at least 32KiB"),
         ('window = "8GiB"', f"window = {1 << 70}", "adapter[0].window", "at most 4096TiB"),
         ('size = "16MiB"', f'size = "{1 << 40}TiB"', "bars[0].size", "at most 4096TiB"),
-        ('id = 1', 'id = 1\nram = "1"', ".ram", "at least 1MiB"),
-        ('id = 1', 'id = 1\nram = "8192TiB"', ".ram", "at most 4096TiB"),
+        ("id = 1", 'id = 1\nram = "1"', ".ram", "at least 1MiB"),
+        ("id = 1", 'id = 1\nram = "8192TiB"', ".ram", "at most 4096TiB"),
     ],
 )
 def test_sizes_beyond_what_a_host_holds_are_refused(old, new, where, why):

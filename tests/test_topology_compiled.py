@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from tests.support.simfabric import fabric_topology, small_topology, star_topology
 from vmlend.errors import TopologyError
-from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
 from vmlend.registry import TopologyRecord, open_registry
 from vmlend.registry import etcd_keys as etcd_keys_mod
 from vmlend.topology.compiled import (
@@ -31,6 +30,7 @@ from vmlend.topology.compiled import (
 )
 from vmlend.topology.model import Topology
 from vmlend.topology.parse import parse_topology
+from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 TESTS = Path(__file__).resolve().parent
 BIG_BAR = """

@@ -158,8 +158,8 @@ class ReleaseJournal:
 
 def land(fabric: Fabric, p: PendingRelease, record: Record = _ignore) -> list[str]:
     """Return what ``p`` names, as the release hook would have; the failures."""
-    from vmlend.lending import return_all
-    from vmlend.nvme.lending import return_shares
+    from vmlend.lending.devices import return_all
+    from vmlend.lending.shares import return_shares
 
     try:
         failures = return_shares(fabric, p.holder, p.shares, record)

@@ -105,7 +105,7 @@ class Host:
 
 def reserve_code(fdid: int, holder: Holder) -> str:
     return (
-        "from vmlend.fabric.open import open_fabric\n"
+        "from vmlend.wiring.fabric import open_fabric\n"
         "from vmlend.topology.model import Holder\n"
         "import os\n"
         f"f = open_fabric(os.environ['VMLEND_REGISTRY'], os.environ['VMLEND_NODE'])\n"

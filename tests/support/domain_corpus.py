@@ -42,7 +42,7 @@ class _Slots:
 
 
 def _disk(rng: random.Random, i: int, slots: _Slots) -> list[str]:
-    path = rng.choice(["/var/lib/libvirt/images/vm{i}.qcow2", "/srv/it's & \"quoted\" {i}.img"])
+    path = rng.choice(["/var/lib/libvirt/images/vm{i}.qcow2", '/srv/it\'s & "quoted" {i}.img'])
     fmt = "qcow2" if path.endswith("qcow2") else "raw"
     return [
         "<disk type='file' device='disk'>",
@@ -116,12 +116,18 @@ def _misc(rng: random.Random, i: int, slots: _Slots) -> list[str]:
     return rng.choice(
         [
             ["<input type='mouse' bus='ps2'/>", "<input type='keyboard' bus='ps2'/>"],
-            ["<graphics type='vnc' port='-1' autoport='yes' listen='127.0.0.1'>",
-             "  <listen type='address' address='127.0.0.1'/>", "</graphics>"],
-            ["<rng model='virtio'>", "  <backend model='random'>/dev/urandom</backend>",
-             f"  {slots.take(rng)}", "</rng>"],
-            ["<watchdog model='i6300esb' action='reset'>", f"  {slots.take(rng)}",
-             "</watchdog>"],
+            [
+                "<graphics type='vnc' port='-1' autoport='yes' listen='127.0.0.1'>",
+                "  <listen type='address' address='127.0.0.1'/>",
+                "</graphics>",
+            ],
+            [
+                "<rng model='virtio'>",
+                "  <backend model='random'>/dev/urandom</backend>",
+                f"  {slots.take(rng)}",
+                "</rng>",
+            ],
+            ["<watchdog model='i6300esb' action='reset'>", f"  {slots.take(rng)}", "</watchdog>"],
         ]
     )
 
@@ -149,8 +155,10 @@ def _metadata(rng: random.Random) -> list[str]:
         "  </libosinfo:libosinfo>",
     ]
     if kind == "tricky":
-        body.append('  <t:notes xmlns:t="http://example.org/t"><!-- kept --><![CDATA[a<b&c]]>'
-                    "it&apos;s</t:notes>")
+        body.append(
+            '  <t:notes xmlns:t="http://example.org/t"><!-- kept --><![CDATA[a<b&c]]>'
+            "it&apos;s</t:notes>"
+        )
     return ["<metadata>", *body, "</metadata>"]
 
 
@@ -220,8 +228,13 @@ def _comments(text: str, rng: random.Random) -> str:
 
 
 def _cdata(text: str, rng: random.Random) -> str:
-    return text.replace("<on_crash>", "<description><![CDATA[x < y && \"z\"]]></description>\n"
-                        "  <on_crash>", 1) if "<description>" not in text else text
+    return (
+        text.replace(
+            "<on_crash>", '<description><![CDATA[x < y && "z"]]></description>\n  <on_crash>', 1
+        )
+        if "<description>" not in text
+        else text
+    )
 
 
 def _spaced_empty(text: str, rng: random.Random) -> str:

@@ -56,7 +56,10 @@ def _run(argv: list[str], stdin: bytes, env: dict[str, str] | None) -> Traced:
 
 
 def run_script(
-    script: Path, args: list[str], stdin: bytes = b"", env: dict[str, str] | None = None,
+    script: Path,
+    args: list[str],
+    stdin: bytes = b"",
+    env: dict[str, str] | None = None,
     flags: list[str] | None = None,
 ) -> Traced:
     """``python FLAGS SCRIPT ARGS`` (flags: e.g. the script's own shebang flags)."""

@@ -34,7 +34,7 @@ from tests.support.etcd_daemon import EtcdServer, start_members
 from tests.support.tcp_proxy import TcpProxy
 from vmlend.domain import read_domain
 from vmlend.errors import VmlendError
-from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 TTL = 2
 INTERVAL = 0.2

@@ -15,8 +15,8 @@ from pathlib import Path
 from tests.support.cluster_hosts import GPU, WEB, Host, domain_xml
 from tests.support.etcd_daemon import EtcdServer
 from tests.support.tcp_proxy import TcpProxy
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.hypervisor.base import DomainState, Hypervisor
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 
 @dataclass
@@ -43,7 +43,7 @@ def wait_for(what: str, check, host: Host, timeout: float = 30.0) -> None:
 def cut_off_borrower(server: EtcdServer, root: Path, cluster: str, ttl: int) -> Iterator[CutOff]:
     """alpha lends 0x10 to VM web on gamma, whose agent (``--ttl ttl``) and hook reach etcd
     through a proxy; the caller cuts and heals it. Agents are stopped by PID afterwards."""
-    from vmlend.hypervisor.open import open_hypervisor
+    from vmlend.wiring.hypervisor import open_hypervisor
 
     direct = server.url(cluster)
     text, source = default_topology_text()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vmlend.fabric.open import Location, default_topology_text, init_fabric, open_fabric
 from vmlend.sim.backend import SimFabric
+from vmlend.wiring.fabric import Location, default_topology_text, init_fabric, open_fabric
 
 
 def make_fabric(path: Location, text: str | None = None, node: str | None = "gamma") -> SimFabric:

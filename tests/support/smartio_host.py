@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.registry import SqliteRegistry
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
@@ -56,5 +56,3 @@ def start_vm(fabric) -> None:
     fabric.reserve(NVME, WEB)
     fabric.ensure_mdev_parent(NVME)
     fabric.create_mdev(NVME, U1, WEB)
-
-

@@ -29,7 +29,7 @@ from vmlend.errors import DeviceFencedError, RegistryUnreachableError, VmlendErr
 from vmlend.fabric.base import Fabric
 from vmlend.hook.domainview import read_hook_domain
 from vmlend.hypervisor.base import DomainState, Hypervisor
-from vmlend.lending import UndoJournal, acquire_device, holder_for
+from vmlend.lending.devices import UndoJournal, acquire_device, holder_for
 from vmlend.ops.definitions import plain_metadata
 from vmlend.registry.records import same_holder
 from vmlend.topology.model import Holder, format_fdid

@@ -25,13 +25,13 @@ from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import ConfigError, StateError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
-from vmlend.fabric.open import Location, open_fabric
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64, call_deadline
 from vmlend.release_journal import ReleaseJournal
+from vmlend.wiring.fabric import Location, open_fabric
 
 log = logging.getLogger(__name__)
 

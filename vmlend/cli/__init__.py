@@ -139,7 +139,6 @@ def main(
     ctx.obj.uri = uri
 
 
-
 def run() -> None:
     """The ``vmlend`` executable: ``main`` as a program."""
     try:

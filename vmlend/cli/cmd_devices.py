@@ -9,7 +9,7 @@ import click
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
-from vmlend.fabric.admission import format_size_short
+from vmlend.ledger.admission import format_size_short
 from vmlend.topology.model import BarKind, DeviceSpec, DeviceState, DeviceStatus, format_fdid
 
 HEADERS = ("FDID", "LENDER", "BDF", "KIND", "BARS", "DMA", "STATE", "HOLDER")

@@ -10,8 +10,8 @@ import click
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
 from vmlend.doctor import Status, blocking, run_checks
-from vmlend.fabric.open import BACKEND_ENV
 from vmlend.hostenv import HostEnv
+from vmlend.wiring.fabric import BACKEND_ENV
 
 _MARKS = {Status.OK: "ok", Status.WARN: "warn", Status.FAIL: "FAIL"}
 

@@ -10,12 +10,12 @@ from vmlend.cli.cmd_lend import FDID
 from vmlend.cli.common import emit_json, json_option, read_input, render_table
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
-from vmlend.fabric.admission import AdapterUsage, format_size, format_size_short
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.ledger.admission import AdapterUsage, format_size, format_size_short
 from vmlend.ops.identity import identity_change
 from vmlend.registry.location import parse_location
 from vmlend.sim.backend import SimFabric
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 
 @click.group("fabric")

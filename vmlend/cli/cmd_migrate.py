@@ -12,8 +12,8 @@ from vmlend.cli.common import Seconds, emit_json, json_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.hypervisor import Hypervisor
-from vmlend.hypervisor.open import sim_node
 from vmlend.ops.migrate import migrate, migration_lock
+from vmlend.wiring.hypervisor import sim_node
 
 
 def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:

@@ -9,7 +9,7 @@ from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
-from vmlend.nvme import ledger
+from vmlend.ledger import nvmeshares as ledger
 from vmlend.registry import open_registry
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.topology.model import Holder, format_fdid, parse_fdid

@@ -14,8 +14,8 @@ import click
 from vmlend.cli.common import emit_json, json_option, render_table
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
-from vmlend.fabric.admission import format_size_short
-from vmlend.nvme.lending import BLOCK
+from vmlend.ledger.admission import format_size_short
+from vmlend.lending.shares import BLOCK
 from vmlend.ops.reconcile import find_drift, look
 from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
 from vmlend.registry.records import RuntimeRecord
@@ -99,7 +99,14 @@ def render_status(
     ]
     if s_rows:
         s_headers = (
-            "VM", "NODE", "NVME", "QUEUE PAIRS", "LBA WINDOW", "REAL QIDS", "DOORBELLS", "REJECTED"
+            "VM",
+            "NODE",
+            "NVME",
+            "QUEUE PAIRS",
+            "LBA WINDOW",
+            "REAL QIDS",
+            "DOORBELLS",
+            "REJECTED",
         )
         parts.append(render_table(s_headers, s_rows))
     a_rows = [

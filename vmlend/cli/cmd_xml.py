@@ -91,7 +91,7 @@ def fabric_validator(obj: CliContext) -> FdidValidator | None:
     if obj.registry is None and not obj.state_path.exists():
         return None
     try:
-        from vmlend.fabric.open import open_fabric  # type: ignore[import-not-found]
+        from vmlend.wiring.fabric import open_fabric  # type: ignore[import-not-found]
     except ImportError:
         return None
     fabric = open_fabric(obj.location, obj.node)

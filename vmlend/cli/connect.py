@@ -19,9 +19,9 @@ import click
 from vmlend.cli.context import CliContext
 from vmlend.errors import UnknownNodeError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.open import open_fabric
-from vmlend.hypervisor import Hypervisor, open_hypervisor
-from vmlend.hypervisor.open import sim_node
+from vmlend.hypervisor import Hypervisor
+from vmlend.wiring.fabric import open_fabric
+from vmlend.wiring.hypervisor import open_hypervisor, sim_node
 
 log = logging.getLogger(__name__)
 

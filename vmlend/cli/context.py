@@ -58,6 +58,6 @@ class CliContext(msgspec.Struct):
 
     def fabric(self) -> Fabric:
         """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
-        from vmlend.fabric.open import open_fabric  # commands that need no fabric skip it
+        from vmlend.wiring.fabric import open_fabric  # commands that need no fabric skip it
 
         return open_fabric(self.location, self.node, root=self.root)

@@ -19,18 +19,18 @@ import msgspec
 from vmlend.cli.connect import hook_command
 from vmlend.demo.guest import DemoGuest
 from vmlend.errors import UnknownDomainError
-from vmlend.hypervisor import SimHypervisor, open_hypervisor
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
 from vmlend.registry import open_registry
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.hypervisor.node import HookRun, HookRunner
+from vmlend.sim.hypervisor.node import HookRun, HookRunner, SimHypervisor
 from vmlend.sim.invariants import Violation, check_hardware, registry_grants
 from vmlend.sim.msitarget import MsiTargets
 from vmlend.sim.p2pmap import Recorder, registry_recorder
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import GiB
+from vmlend.wiring.hypervisor import open_hypervisor
 
 log = logging.getLogger(__name__)
 

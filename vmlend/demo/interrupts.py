@@ -121,9 +121,7 @@ class VmInterrupts:
             if device.lender == self.node:
                 wired = self._wire_local(device, index, efds)
             else:
-                wired = self._wire_ntb(device, index, efds) or self._wire_relay(
-                    device, index, efds
-                )
+                wired = self._wire_ntb(device, index, efds) or self._wire_relay(device, index, efds)
         except BaseException:
             for e in efds:
                 e.close()

@@ -10,7 +10,7 @@ from typing import Any
 from lxml import etree
 
 from vmlend.domain import read_domain
-from vmlend.hypervisor import open_hypervisor
+from vmlend.wiring.hypervisor import open_hypervisor
 
 #: The test driver's host (in ``vmlend.data``): 8 CPUs, 64 GiB, no domains.
 TEST_NODE = "demo-test-node.xml"

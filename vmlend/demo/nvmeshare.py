@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from vmlend.cli.common import render_table
 from vmlend.demo.context import Json, Story, require
-from vmlend.nvme import ledger, spec
+from vmlend.ledger import nvmeshares as ledger
+from vmlend.nvme import spec
 from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive

@@ -9,7 +9,7 @@ from typing import Any
 from vmlend.cli.common import render_table
 from vmlend.demo.nvmeshare import render_nvme_share
 from vmlend.demo.story import StepResult
-from vmlend.fabric.admission import format_size_short
+from vmlend.ledger.admission import format_size_short
 
 Json = dict[str, Any]
 

@@ -18,13 +18,13 @@ from vmlend.demo.libvirt_check import libvirt_accepts
 from vmlend.demo.nvmeshare import nvme_share_step
 from vmlend.demo.traffic import dma_into_guest, hole_fault, interrupts, p2p_write
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
-from vmlend.fabric.open import default_topology_text, init_fabric
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.ops.attach import apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.migrate import migrate
 from vmlend.ops.status import collect, read_runtime, usage_rows
 from vmlend.topology.model import DeviceState, GiB, format_fdid
+from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 # --- 1. the fabric -------------------------------------------------------------------------------
 

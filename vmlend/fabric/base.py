@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from vmlend.fabric.admission import AdapterUsage
+from vmlend.ledger.admission import AdapterUsage
 from vmlend.topology.model import (
     Check,
     DeviceStatus,

@@ -32,7 +32,7 @@ FabricFactory = Callable[["Path | str", str | None], "Fabric"]
 
 
 def _open_fabric(state_path: Path | str, node: str | None) -> Fabric:
-    from vmlend.fabric.open import open_fabric
+    from vmlend.wiring.fabric import open_fabric
 
     return open_fabric(state_path, node)
 
@@ -40,11 +40,6 @@ def _open_fabric(state_path: Path | str, node: str | None) -> Fabric:
 def load_handlers() -> None:
     """Import what a call that concerns vmlend uses (``handle`` would import it on first use;
     the hook's entry does it up front, with the garbage collector paused)."""
-    import vmlend.fabric.open
-    import vmlend.hook.domainview
-    import vmlend.hook.loghandler
-    import vmlend.hook.ops
-    import vmlend.settings  # noqa: F401
 
 
 def handle(

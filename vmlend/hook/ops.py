@@ -15,9 +15,9 @@ from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
-from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.lending.shares import acquire_share, return_shares
 from vmlend.messages import plural
-from vmlend.nvme.lending import acquire_share, return_shares
 from vmlend.ops.restore import restore_running
 from vmlend.release_journal import pend_release, settle_own
 from vmlend.topology.model import Holder, format_fdid

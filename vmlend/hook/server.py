@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.fabric.open import BACKEND_ENV, open_fabric
 from vmlend.faults import FAULT_ENV
 from vmlend.hook import wire
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
@@ -47,6 +46,7 @@ from vmlend.hook.sockplace import SocketPlace
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import parse_location
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_env
+from vmlend.wiring.fabric import BACKEND_ENV, open_fabric
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         def settimeout(self, value: float | None, /) -> None: ...
         def recv(self, bufsize: int, /) -> bytes: ...
 
+
 MAGIC = b"VMLHOOK1"
 RAN = b"R"
 NOT_MINE = b"N"

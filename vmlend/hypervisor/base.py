@@ -2,7 +2,7 @@
 
 Two implementations: ``LibvirtHypervisor`` (production, any libvirt URI) and ``SimHypervisor``
 (the demo's fabric nodes: keeps libvirt XML in files and runs the qemu hook as libvirtd does).
-``vmlend.hypervisor.open.open_hypervisor`` picks one from a URI.
+``vmlend.wiring.hypervisor.open_hypervisor`` picks one from a URI.
 
 Flags follow libvirt's ``virDomainModificationImpact``: ``live`` changes the running domain,
 ``config`` its persistent definition; neither means "current" (live if running, else config).

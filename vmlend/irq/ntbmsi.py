@@ -112,9 +112,7 @@ class NtbMsiRoute:
         self._watcher = watcher or ConfigIrqWatcher.for_device(self.device)
         self._owns_watcher = watcher is None
         self._unsubscribe = self._watcher.subscribe(self._apply)
-        self._remove_sink = self.device.on_interrupt(
-            self._on_interrupt, owner=(self.node, self.vm)
-        )
+        self._remove_sink = self.device.on_interrupt(self._on_interrupt, owner=(self.node, self.vm))
         self._apply(self._watcher.current())
 
     # --- the VMM's side (VFIO_DEVICE_SET_IRQS with DATA_EVENTFD|ACTION_TRIGGER) --------------

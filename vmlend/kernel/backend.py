@@ -4,7 +4,7 @@ Two sources of truth, each for what it knows:
 
 - the shared registry (``vmlend.registry``) decides *who holds what*: reservations, adapter
   claims, admission, mdev records. That bookkeeping is the same as the simulated cluster's, so
-  it is delegated to a ``SimFabric`` over the same registry rather than written twice;
+  it is delegated to a ``Ledger`` over the same registry rather than written twice;
 - the SmartIO driver and the mdev ABI (docs/smartio-contract.md, ``vmlend.kernel.mdev``) say
   what the hardware can do right now: whether a device is lent and reachable, whether its
   parent exists, which children exist. Their word wins over the registry's for availability.
@@ -30,7 +30,6 @@ from vmlend.errors import (
     SysfsAttributeError,
     UnknownDeviceError,
 )
-from vmlend.fabric.admission import AdapterUsage
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.driver import (
     MDEV_TYPE,
@@ -42,9 +41,10 @@ from vmlend.kernel.driver import (
 )
 from vmlend.kernel.mdev import MdevBus, SysfsWriter
 from vmlend.kernel.udev import ParentWatcher, WantedMdev
+from vmlend.ledger.admission import AdapterUsage
+from vmlend.ledger.ledger import Ledger
 from vmlend.registry import FenceRecord, Registry, open_registry
 from vmlend.registry.records import Claim
-from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import (
     Check,
     DeviceState,
@@ -94,7 +94,7 @@ class SmartioFabric:
         writer: SysfsWriter | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._state = SimFabric(registry, local_node=local_node, clock=clock)
+        self._state = Ledger(registry, local_node=local_node, clock=clock)
         self.local_node = self._state.local_node
         self.env = env
         self.driver = SmartioDriver(env, writer)
@@ -389,7 +389,7 @@ def open_smartio_fabric(
     writer: SysfsWriter | None = None,
 ) -> SmartioFabric:
     """The kernel backend over the registry at ``state_path`` (a path or registry URL; for
-    ``vmlend.fabric.open``)."""
+    ``vmlend.wiring.fabric``)."""
     registry = open_registry(state_path)
     try:
         return SmartioFabric(registry, env or HostEnv.from_env(), local_node=node, writer=writer)

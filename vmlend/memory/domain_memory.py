@@ -65,6 +65,7 @@ _UNITS = {
 # QEMU size options: a plain number is bytes; binary suffixes as shifts (qemu_strtosz).
 _QEMU_SUFFIX = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
 
+
 def parse_libvirt_size(value: str | None, unit: str | None, what: str) -> int:
     """A libvirt scaled integer in bytes (unit default KiB); DomainXMLError when malformed."""
     if value is None or not value.strip():

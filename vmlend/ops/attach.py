@@ -33,7 +33,7 @@ from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
-from vmlend.lending import UndoJournal, acquire_device, holder_for
+from vmlend.lending.devices import UndoJournal, acquire_device, holder_for
 from vmlend.ops.definitions import (
     LIVE,
     hostdev_xml,

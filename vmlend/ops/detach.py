@@ -21,7 +21,7 @@ from vmlend.errors import ConfigError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
-from vmlend.lending import held_by, holder_for, return_device
+from vmlend.lending.devices import held_by, holder_for, return_device
 from vmlend.ops.definitions import (
     LIVE,
     find_hostdev,

@@ -43,7 +43,7 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
-from vmlend.lending import holder_for, return_all
+from vmlend.lending.devices import holder_for, return_all
 from vmlend.messages import about, plural
 from vmlend.registry.conditions import classify_errno, host_error
 from vmlend.safefile import open_nofollow

@@ -32,7 +32,7 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.lending import holder_for, return_device
+from vmlend.lending.devices import holder_for, return_device
 from vmlend.ops.attach import apply_attach, plan_attach
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 from vmlend.domain.metadata import VmlendDevice
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.lending import UndoJournal, acquire_device
-from vmlend.nvme.lending import acquire_share
+from vmlend.lending.devices import UndoJournal, acquire_device
+from vmlend.lending.shares import acquire_share
 from vmlend.topology.model import DEFAULT_INTERRUPTS, GuestRam, Holder, InterruptPath, format_fdid
 
 

@@ -5,7 +5,7 @@ VMs come from the hypervisor (domains with vmlend metadata) and from the fabric'
 device held by a VM this hypervisor does not know: another node's VM, or a leftover).
 The data-path records (DMA windows, interrupt vectors, P2P maps) are the registry's runtime
 records of each held device; "-" when there are none. A VM's queue-level NVMe shares
-(``vmlend.nvme.ledger``) are runtime records of the drive's manager hold: they are shown per
+(``vmlend.ledger.nvmeshares``) are runtime records of the drive's manager hold: they are shown per
 VM apart from its devices (the drive itself is the manager's, not the VM's). Each device also
 says which path its MSI/MSI-X take: the one its hold was admitted with (NTB through an adapter,
 or the relay), and the one its XML asks for.
@@ -21,11 +21,11 @@ import msgspec
 
 from vmlend.domain import VmlendDevice, read_domain
 from vmlend.errors import UnknownDomainError, VmlendError
-from vmlend.fabric.admission import AdapterUsage
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
-from vmlend.lending import holder_for
-from vmlend.nvme.ledger import SHARE_RECORD, ShareEntry, share_entry
+from vmlend.ledger.admission import AdapterUsage
+from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
+from vmlend.lending.devices import holder_for
 from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
 from vmlend.topology.model import DeviceStatus, Holder, Topology, format_fdid
@@ -164,9 +164,7 @@ def collect(
                 view.state = "at next start"
                 view.interrupts_asked = config.interrupts_of(d).value
                 devices.append(view)
-        views.append(
-            VmView(info.name, node, info.state.value, devices, _shares_of(shares, holder))
-        )
+        views.append(VmView(info.name, node, info.state.value, devices, _shares_of(shares, holder)))
     for holder, held in _other_holders(statuses.values(), seen, shares):
         if vm is not None and holder.vm != vm:
             continue
@@ -204,9 +202,7 @@ def _fabric_only(hv: Hypervisor, fabric: Fabric, vm: str, sharers: set[str]) -> 
 
 
 def _shares_of(shares: Iterable[ShareEntry], holder: Holder) -> list[ShareEntry]:
-    return sorted(
-        (s for s in shares if same_holder(s.holder, holder)), key=lambda s: s.fdid
-    )
+    return sorted((s for s in shares if same_holder(s.holder, holder)), key=lambda s: s.fdid)
 
 
 def _other_holders(

@@ -286,6 +286,7 @@ class Registry:
 
     def _set_busy(self, seconds: float) -> None:
         self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
     def transact(self, body: Callable[[StateTxn], T]) -> T:
         """Run ``body`` in one write transaction (once: the lock is taken before it reads)."""
         with self.write() as tx:

@@ -55,11 +55,11 @@ from collections.abc import Iterator, Mapping, Sequence
 import msgspec
 
 from vmlend.errors import FabricError
-from vmlend.fabric.admission import usage, vm_share
-from vmlend.fabric.msiadmit import msi_share
-from vmlend.nvme.admit import share_window_key
+from vmlend.ledger.admission import usage, vm_share
+from vmlend.ledger.msiadmit import msi_share
+from vmlend.ledger.nvmeadmit import share_window_key
+from vmlend.ledger.nvmeshares import MANAGER_VM, SHARE_RECORD, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
-from vmlend.nvme.ledger import MANAGER_VM, SHARE_RECORD, share_entry
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.iommu import IommuDomain

@@ -37,10 +37,10 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import FabricError
+from vmlend.ledger.nvmeshares import MANAGER_VM, record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.guard import asid_base
-from vmlend.nvme.ledger import MANAGER_VM, record_usage
 from vmlend.nvme.shares import Share
 from vmlend.registry import Registry
 from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
@@ -150,8 +150,13 @@ class VmNvmeShare:
         if self.open:
             self.open = False
             self.drive._end_share(self)
-        log.warning("NVMe share %s of %#x was taken from %s/%s", self.name, self.drive.fdid,
-                    self.node, self.vm)
+        log.warning(
+            "NVMe share %s of %#x was taken from %s/%s",
+            self.name,
+            self.drive.fdid,
+            self.node,
+            self.vm,
+        )
 
 
 class _ShareConfig:
@@ -347,7 +352,7 @@ class SharedNvmeDrive:
         src = self.hw.adapter(path.src.ref)
         seg = src.segment_size
         # the planner's windows (low, high), each rounded out to whole segments: exactly the
-        # segments admission claimed for the share (``vmlend.nvme.admit``)
+        # segments admission claimed for the share (``vmlend.ledger.nvmeadmit``)
         for _name, group in window_groups(ranges, seg):
             start = group[0].start // seg * seg
             count = -(-(group[-1].end - start) // seg)

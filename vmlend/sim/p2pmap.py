@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
-from vmlend.fabric.admission import vm_share
+from vmlend.ledger.admission import vm_share
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
 from vmlend.sim.iommu import IommuDomain
 from vmlend.topology.model import BarKind, Holder

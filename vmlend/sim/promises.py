@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from vmlend.fabric.admission import p2p_share, vm_share
+from vmlend.ledger.admission import p2p_share, vm_share
 from vmlend.registry import Claim, ClaimKind, HoldRecord, RuntimeRecord
 
 

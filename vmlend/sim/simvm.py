@@ -18,10 +18,10 @@ import msgspec
 
 from vmlend.domain import read_domain
 from vmlend.errors import ConfigError, FabricError, ResourceExhaustedError
-from vmlend.fabric.admission import vm_share
+from vmlend.ledger.admission import vm_share
+from vmlend.lending.shares import ShareFabric
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.layout import CpuVendor, Family, Layout
-from vmlend.nvme.lending import ShareFabric
 from vmlend.sim.dmawin import VmDmaWindows, WindowLedger
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import HUGE_2M

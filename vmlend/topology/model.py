@@ -49,6 +49,7 @@ def format_fdid(fdid: int) -> str:
 #: take it (a guest called so would pass for the manager).
 MANAGER_VM = "nvme-manager"
 
+
 class BarKind(enum.StrEnum):
     IO = "io"
     MEM32 = "mem32"

@@ -1,5 +1,5 @@
 """Admission of a VM's NVMe share against the fabric's adapters (pure): what the share's
-DMA path uses, claimed at reserve like a borrowed device's (``vmlend.fabric.admission``).
+DMA path uses, claimed at reserve like a borrowed device's (``vmlend.ledger.admission``).
 
 A share's DMA crosses from the drive's lender to the VM's node (docs/nvme-sharing.md):
 - one requester LUT entry for the drive on the lender's adapter, shared by every share
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vmlend.errors import ResourceExhaustedError, WindowExhaustedError
-from vmlend.fabric.admission import device_share, format_size, usage
+from vmlend.ledger.admission import device_share, format_size, usage
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import GuestRam, Holder, Topology

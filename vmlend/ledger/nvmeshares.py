@@ -6,7 +6,7 @@ is refused in turn: the two modes exclude each other. The controller's geometry 
 (queue pairs, MSI-X vectors, LBA extent, address space) are runtime records of that hold, so
 they go with it; a share is claimed at reserve (all or nothing, inside one write transaction)
 and returned at release, together with the NTB resources its DMA path uses (LUT entries,
-window segments: ``vmlend.nvme.admit``), which are claims of the manager's hold. The data
+window segments: ``vmlend.ledger.nvmeadmit``), which are claims of the manager's hold. The data
 path records what it sees (real queues, guard rejections) in the share's record so
 ``vmlend nvme status`` in any process shows it.
 """
@@ -28,8 +28,8 @@ from vmlend.errors import (
     SharesActiveError,
     UnknownDeviceError,
 )
-from vmlend.fabric.admission import guest_ram_of, vm_share
-from vmlend.nvme.admit import check_share_claims, share_claims
+from vmlend.ledger.admission import guest_ram_of, vm_share
+from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase, RuntimeRecord

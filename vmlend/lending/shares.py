@@ -18,15 +18,14 @@ from vmlend.errors import (
     SharingUnsupportedError,
     VmlendError,
 )
-from vmlend.lending import Record, UndoJournal, left_alone
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE
+from vmlend.lending.devices import Record, UndoJournal, left_alone
 from vmlend.topology.model import GuestRam, Holder, MdevInfo, format_fdid
 
 if TYPE_CHECKING:  # the fabric imports this module: no lxml, no NVMe geometry for it
     from vmlend.domain import NvmeShareRequest
     from vmlend.nvme.shares import Share
 
-#: The mdev type a shared drive's parent offers: one child per VM, its virtual controller.
-SHARE_MDEV_TYPE = "smartio-nvme_share"
 BLOCK = 512
 
 

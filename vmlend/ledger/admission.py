@@ -448,7 +448,7 @@ def _msi_check(
     path: NtbPath,
     holder: Holder | None,
 ) -> None:
-    from vmlend.fabric.msiadmit import msi_claim
+    from vmlend.ledger.msiadmit import msi_claim
 
     # Free segments after this reservation's own claims (shared claims count once).
     left = usage(topology, [*view.claims, *((spec.fdid, c) for c in adm.claims)])[path.src.ref]

@@ -1,8 +1,8 @@
-"""NVMe shares in the simulated backend (``vmlend.nvme.lending.ShareFabric``): a share is the
-registry's (``vmlend.nvme.ledger``), its mdev a child of type ``smartio-nvme_share`` under the
+"""NVMe shares in the ledger (``vmlend.lending.shares.ShareFabric``): a share is the
+registry's (``vmlend.ledger.nvmeshares``), its mdev a child of type ``smartio-nvme_share`` under the
 drive's parent; a parent may have one such child per VM.
 
-The ledger (and the NVMe geometry behind it) is imported on first use: every ``SimFabric``
+The ledger (and the NVMe geometry behind it) is imported on first use: every ``Ledger``
 carries these operations, while the hook's prepare of a VM without shares never calls them.
 """
 
@@ -20,6 +20,9 @@ from vmlend.topology.model import GuestRam, Holder, MdevInfo
 if TYPE_CHECKING:
     from vmlend.nvme.shares import Share
 
+#: The mdev type a shared drive's parent offers: one child per VM, its virtual controller.
+SHARE_MDEV_TYPE = "smartio-nvme_share"
+
 
 class ShareRevoker(Protocol):
     """The hardware's cut of a VM's open mdevs of a device (``SimHardware.revoke``)."""
@@ -27,8 +30,8 @@ class ShareRevoker(Protocol):
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
 
 
-class SimShareOps:
-    """Mixed into ``SimFabric``, whose registry, node, clock and hardware it uses."""
+class ShareOps:
+    """Mixed into ``Ledger``, whose registry, node, clock and hardware it uses."""
 
     _reg: Registry
     _clock: Callable[[], float]
@@ -44,34 +47,33 @@ class SimShareOps:
         *,
         guest_ram: GuestRam | int = 0,
     ) -> Share:
-        from vmlend.nvme import ledger
+        from vmlend.ledger import nvmeshares as ledger
 
         return ledger.reserve_share(
             self._reg, fdid, holder, queue_pairs, blocks, guest_ram=guest_ram
         )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:
-        from vmlend.nvme import ledger
+        from vmlend.ledger import nvmeshares as ledger
 
         if self._hw is not None:  # hardware first: the VM's share ends before its record goes
             self._hw.revoke(fdid, holder.node, holder.vm)
         return ledger.release_share(self._reg, fdid, holder)
 
     def shares_held(self, holder: Holder) -> list[int]:
-        from vmlend.nvme import ledger
+        from vmlend.ledger import nvmeshares as ledger
 
         with self._reg.read() as tx:
             return ledger.shares_held(tx, holder)
 
     def share_of(self, fdid: int, holder: Holder) -> Share | None:
-        from vmlend.nvme import ledger
+        from vmlend.ledger import nvmeshares as ledger
 
         with self._reg.read() as tx:
             return ledger.holder_share(tx, fdid, holder)
 
     def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
-        from vmlend.nvme import ledger
-        from vmlend.nvme.lending import SHARE_MDEV_TYPE
+        from vmlend.ledger import nvmeshares as ledger
 
         try:
             uuid = str(uuidlib.UUID(uuid))
@@ -120,9 +122,7 @@ def mdev_info(m: MdevRecord, *, created: bool = False) -> MdevInfo:
     )
 
 
-def existing_mdev(
-    tx: StateTxn, uuid: str, fdid: int, holder: Holder, node: str
-) -> MdevInfo | None:
+def existing_mdev(tx: StateTxn, uuid: str, fdid: int, holder: Holder, node: str) -> MdevInfo | None:
     """What a create of mdev ``uuid`` for ``holder``'s ``fdid`` on ``node`` finds already: the
     same mdev (an idempotent re-create: returned), nothing (None), or a refusal: another VM's
     mdev is never handed over (``MdevOwnedError``), nor one of another device or node."""
