@@ -1,15 +1,20 @@
-"""The test tree's own rules: helpers live in ``tests/support``, and no test module imports
-another (what two of them share moves to the support package)."""
+"""The test tree's own rules: unit tests mirror vmlend's packages (``tests/unit/<package>``,
+``core`` for vmlend's top-level modules), whole-system scenarios sit in ``tests/scenarios``,
+helpers live in ``tests/support``, and no test module imports another (what two of them share
+moves to the support package)."""
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+from tests.support.paths import REPO, TESTS
+
+#: What may sit at the top of the tree: the package marker, the shared fixtures, and the
+#: tests of the trees' own rules.
+TOP = {"__init__.py", "conftest.py", "test_suite_layout.py", "test_package_layers.py"}
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
@@ -30,7 +35,31 @@ def test_no_test_module_imports_another():
     assert offenders == []
 
 
-def test_only_test_modules_and_the_conftest_sit_at_the_top_of_the_tree():
+def test_the_top_of_the_tree_holds_only_the_rules_and_the_fixtures():
     top = {p.name for p in TESTS.glob("*.py")}
-    helpers = sorted(n for n in top if not n.startswith("test_"))
-    assert helpers == ["__init__.py", "conftest.py"]
+    assert top <= TOP, sorted(top - TOP)
+
+
+def test_unit_tests_sit_under_a_package_of_vmlend():
+    src = REPO / "vmlend"
+    packages = {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
+    packages |= {p.stem for p in src.glob("*.py")}  # a one-module plane (p2p.py) too
+    dirs = {p.name for p in (TESTS / "unit").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert dirs - {"core"} <= packages, sorted(dirs - packages - {"core"})
+    stray = [p.name for p in (TESTS / "unit").glob("*.py") if p.name != "__init__.py"]
+    assert stray == []
+
+
+def test_every_test_directory_is_a_package_and_holds_tests_only():
+    """A package marker in each: two test files of one name in two directories stay apart."""
+    problems = []
+    for tree in ("unit", "scenarios"):
+        for d in [TESTS / tree, *(p for p in (TESTS / tree).rglob("*") if p.is_dir())]:
+            if d.name == "__pycache__":
+                continue
+            if not (d / "__init__.py").exists():
+                problems.append(f"{d.relative_to(TESTS)} has no __init__.py")
+            for f in d.glob("*.py"):
+                if f.name not in ("__init__.py", "conftest.py") and not f.name.startswith("test_"):
+                    problems.append(f"{f.relative_to(TESTS)} is a helper: move it to tests/support")
+    assert problems == []

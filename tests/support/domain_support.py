@@ -12,7 +12,9 @@ import libvirt
 import pytest
 from lxml import etree
 
-DATA = Path(__file__).parent.parent / "data" / "domain"
+from tests.support.paths import DATA
+
+DATA = DATA / "domain"
 NODE_XML = DATA / "test-node.xml"
 #: Set VMLEND_REGEN=1 to rewrite the expected -out.xml files (then review the diff).
 REGEN = os.environ.get("VMLEND_REGEN") == "1"

@@ -1,4 +1,4 @@
-"""Support for tests/test_fuzz_boundaries.py: hypothesis settings, the one property every
+"""Support for tests/scenarios/test_fuzz_boundaries.py: hypothesis settings, the one property every
 boundary shares, state snapshots, and the mutators that turn a valid input (a domain XML, the
 default topology) into a hostile one.
 

@@ -35,9 +35,11 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
+from tests.support.paths import DATA
+
 log = logging.getLogger(__name__)
 
-DATA_DIR = Path(__file__).parent.parent / "data" / "libvirtd"
+DATA_DIR = DATA / "libvirtd"
 TRAMPOLINE = DATA_DIR / "trampoline.sh"
 RECORD_HOOK = DATA_DIR / "record_hook.py"
 REAPER = DATA_DIR / "reaper.py"

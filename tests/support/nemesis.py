@@ -1,7 +1,7 @@
-"""The parts of the nemesis test (``tests/test_nemesis.py``): a 3-member etcd on loopback, three
-hosts that each reach it through proxies of their own (so one host can be cut off), a workload
-of VM starts and stops through the CLI, the faults, and a sampler of what every host's
-simulated hypervisor runs. Every process is started here and stopped by its PID.
+"""The parts of the nemesis test (``tests/scenarios/test_nemesis.py``): a 3-member etcd on
+loopback, three hosts that each reach it through proxies of their own (so one host can be cut
+off), a workload of VM starts and stops through the CLI, the faults, and a sampler of what
+every host's simulated hypervisor runs. Every process is started here and stopped by its PID.
 
 What "in use" means (issue 20): a VM uses the devices its live XML names from the moment it
 runs (its live XML exists, which is after its prepare hook reserved them) until its host has

@@ -13,7 +13,7 @@ from vmlend import __version__
 from vmlend.cli.lazy import LazyGroup
 
 #: command -> (its module, the first sentence of its help). A new command goes here too;
-#: tests/test_cli_lazy.py fails until it does (it would still work, loaded eagerly).
+#: tests/unit/cli/test_cli_lazy.py fails until it does (it would still work, loaded eagerly).
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": (
         "cmd_agent",

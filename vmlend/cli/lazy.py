@@ -3,8 +3,8 @@
 ``vmlend --help`` lists every command from a table of names and one-line summaries, and
 ``vmlend devices`` imports the devices module and nothing of attach, migrate or the relay. A
 ``cmd_*`` module the table does not name (say, added on another branch) is still found and
-loaded eagerly: a missing table entry costs speed, never a command. ``tests/test_cli_lazy.py``
-keeps the table equal to what the modules define.
+loaded eagerly: a missing table entry costs speed, never a command.
+``tests/unit/cli/test_cli_lazy.py`` keeps the table equal to what the modules define.
 """
 
 from __future__ import annotations

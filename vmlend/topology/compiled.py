@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from vmlend.registry.records import TopologyRecord
 
 #: Bump when the same bytes would decode into a different ``Topology``: a change to any Struct
-#: reachable from it (tests/test_topology_compiled.py pins their shape) or to what the parser
-#: derives from the text. A record of another format is simply parsed from its TOML.
+#: reachable from it (tests/unit/topology/test_topology_compiled.py pins their shape) or to
+#: what the parser derives from the text. A record of another format is simply parsed from its TOML.
 COMPILED_FORMAT = "vmlend-topology/2"
 
 #: What a damaged or foreign blob can raise while msgspec decodes it: besides its own errors,

@@ -1,0 +1,192 @@
+"""``kill -9`` at every named step of attach, detach, migrate and the hook's prepare/release,
+then recovery with the tool itself: re-run the command (or ``vmlend reconcile --fix``). The end
+state must be consistent — ``reconcile`` finds no drift — and no device is held by a VM that
+does not use it. The matrix (operation x point -> recovery) is in docs/testing.md.
+
+The CLI runs as a subprocess with ``VMLEND_FAULT`` naming the point (vmlend/faults.py); the
+simulated hypervisor runs the hook as a subprocess too, so hook points die the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_cluster import GAMMA, SimCluster
+from vmlend.domain import read_domain
+from vmlend.errors import HookFailedError
+from vmlend.faults import FAULT_ENV, POINTS
+from vmlend.topology.model import MiB
+
+CLI = [sys.executable, "-c", "from vmlend.cli import main; main()"]
+
+
+def _run(state: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "VMLEND_STATE")}
+    if fault:
+        env[FAULT_ENV] = fault
+    return subprocess.run(
+        [*CLI, "--state", str(state), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def _consistent(cluster: SimCluster) -> None:
+    """No drift on any node, and every hold is of a running VM whose live XML names it."""
+    for node in ("gamma", "alpha"):
+        res = _run(cluster.state_path, "reconcile", "-c", f"sim:///{node}", "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["drift"] == [], (node, res.stdout)
+    with cluster.fabric() as f:
+        holds = [(st.fdid, st.holder) for st in f.devices() if st.holder]
+    for fdid, holder in holds:
+        assert holder is not None
+        hv = cluster.hv(holder.node)
+        info = hv.lookup(holder.vm)
+        assert info.active, f"{fdid:#x} held by {holder}, which is not running"
+        assert fdid in {d.fdid for d in read_domain(hv.xml(holder.vm)).devices}
+
+
+def _killed(res: subprocess.CompletedProcess[str]) -> None:
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize("point", POINTS["attach"])
+def test_attach_killed_then_rerun(cluster, point):
+    cluster.define("gamma", "vm1", [0x11], running=True)
+    _killed(_run(cluster.state_path, "attach", "vm1", "0x10", *GAMMA, fault=f"attach:{point}"))
+    res = _run(cluster.state_path, "attach", "vm1", "0x10", *GAMMA)
+    assert res.returncode == 0, res.stderr
+    _consistent(cluster)
+    assert cluster.holds() == {0x10: "gamma/vm1", 0x11: "gamma/vm1"}
+
+
+@pytest.mark.parametrize("point", POINTS["detach"])
+def test_detach_killed_then_rerun(cluster, point):
+    cluster.define("gamma", "vm1", [0x10, 0x11], running=True)
+    _killed(_run(cluster.state_path, "detach", "vm1", "0x10", *GAMMA, fault=f"detach:{point}"))
+    res = _run(cluster.state_path, "detach", "vm1", "0x10", *GAMMA)
+    assert res.returncode == 0, res.stderr
+    _consistent(cluster)
+    assert cluster.holds() == {0x11: "gamma/vm1"}
+
+
+@pytest.mark.parametrize("point", POINTS["migrate"])
+def test_migrate_killed_then_rerun(cluster, point):
+    cluster.define("gamma", "vm1", [0x10], running=True, memory=256 * MiB)
+    args = ("migrate", "vm1", "--to", "alpha", "--start", *GAMMA)
+    _killed(_run(cluster.state_path, *args, fault=f"migrate:{point}"))
+    res = _run(cluster.state_path, *args)
+    assert res.returncode == 0, res.stderr
+    _consistent(cluster)
+    assert cluster.hv("alpha").lookup("vm1").active
+    assert [d.name for d in cluster.hv("gamma").list_domains()] == []
+    assert cluster.holds() == {0x10: "alpha/vm1"}
+
+
+def test_prepare_killed_is_cleaned_up_by_the_release_hook(cluster, monkeypatch):
+    # libvirt runs the release hook after a failed start (so does the simulated node): the
+    # first device, reserved before the kill, is returned there; nothing is left for reconcile.
+    cluster.define("gamma", "vm1", [0x10, 0x11])
+    monkeypatch.setenv(FAULT_ENV, "prepare:after-device")
+    hv = cluster.hv("gamma")
+    with pytest.raises(HookFailedError):
+        hv.start("vm1")
+    monkeypatch.delenv(FAULT_ENV)
+    assert not hv.lookup("vm1").active
+    _consistent(cluster)
+    assert cluster.holds() == {} and cluster.mdevs() == set()
+    hv.start("vm1")  # and the VM starts normally afterwards
+    assert cluster.holds() == {0x10: "gamma/vm1", 0x11: "gamma/vm1"}
+
+
+def test_release_killed_then_reconcile_fix(cluster, monkeypatch):
+    cluster.define("gamma", "vm1", [0x10, 0x11], running=True)
+    monkeypatch.setenv(FAULT_ENV, "release:after-mdevs")
+    hv = cluster.hv("gamma")
+    hv.destroy("vm1")  # libvirt only logs a failed release hook: the VM stops anyway
+    monkeypatch.delenv(FAULT_ENV)
+    assert not hv.lookup("vm1").active
+    found = json.loads(_run(cluster.state_path, "reconcile", *GAMMA, "--json").stdout)
+    assert {d["kind"] for d in found["drift"]} == {"hold-of-stopped-vm"}
+    res = _run(cluster.state_path, "reconcile", *GAMMA, "--fix")
+    assert res.returncode == 0, res.stderr
+    _consistent(cluster)
+    assert cluster.holds() == {}
+
+
+# --- migrate: roll back instead, and two migrates at once ------------------------------------
+
+
+@pytest.mark.parametrize("point", ["after-define", "after-undefine"])
+def test_interrupted_migrate_rolls_back(cluster, point):
+    cluster.define("gamma", "vm1", [0x10], running=True, memory=256 * MiB)
+    args = ("migrate", "vm1", "--to", "alpha", *GAMMA)
+    _killed(_run(cluster.state_path, *args, fault=f"migrate:{point}"))
+    res = _run(cluster.state_path, *args, "--rollback")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "rolled back the migrate of VM 'vm1': it is defined on gamma only\n"
+    assert [d.name for d in cluster.hv("alpha").list_domains()] == []
+    gamma = cluster.hv("gamma")
+    assert read_domain(gamma.xml("vm1", inactive=True)).host_node in (None, "gamma")
+    gamma.start("vm1")
+    _consistent(cluster)
+    assert cluster.holds() == {0x10: "gamma/vm1"}
+
+
+def test_rollback_without_an_interrupted_migrate_is_refused(cluster):
+    cluster.define("gamma", "vm1", [0x10])
+    before = cluster.snapshot()
+    res = _run(cluster.state_path, "migrate", "vm1", "--to", "alpha", *GAMMA, "--rollback")
+    assert res.returncode == 1
+    assert res.stderr == (
+        "Error: VM 'vm1' is defined on gamma only: there is no interrupted migration to roll back\n"
+    )
+    assert cluster.snapshot() == before
+
+
+def test_a_second_migrate_of_the_same_vm_reports_the_truth(cluster):
+    from vmlend.ops.migrate import migration_lock
+
+    cluster.define("gamma", "vm1", [0x10])
+    before = cluster.snapshot()
+    with migration_lock(cluster.state_path.parent, "vm1"):  # the first migrate, still running
+        res = _run(cluster.state_path, "migrate", "vm1", "--to", "alpha", *GAMMA)
+    assert res.returncode == 1
+    assert res.stderr == (
+        "Error: VM 'vm1' is being migrated by another vmlend process right now; wait for it to"
+        " finish, then see where the VM is with 'vmlend status'\n"
+    )
+    assert cluster.snapshot() == before
+    # The first one finished; a late second one finds the VM moved and says so.
+    assert _run(cluster.state_path, "migrate", "vm1", "--to", "alpha", *GAMMA).returncode == 0
+    late = _run(cluster.state_path, "migrate", "vm1", "--to", "alpha", *GAMMA, "--json")
+    assert late.returncode == 0, late.stderr
+    assert json.loads(late.stdout)["resumed"] is True
+    assert "already defined on alpha only: the move was done" in late.stderr
+
+
+# --- Ctrl-C ----------------------------------------------------------------------------------
+
+
+def test_ctrl_c_names_the_command_to_run_again(cluster):
+    cluster.define("gamma", "vm1", [0x11], running=True)
+    args = ("attach", "vm1", "0x10", *GAMMA)
+    res = _run(cluster.state_path, *args, fault="attach:after-hotplug=INT")
+    assert res.returncode == 130
+    again = f"vmlend --state {cluster.state_path} attach vm1 0x10 -c sim:///gamma"
+    assert res.stderr == (
+        f"vmlend: interrupted; run '{again}' again to finish (it picks up where this one"
+        " stopped), then 'vmlend reconcile' to check\n"
+    )
+    assert _run(cluster.state_path, *args).returncode == 0
+    _consistent(cluster)

@@ -1,0 +1,1 @@
+"""Unit tests, one package per package of vmlend (``core``: the top-level modules)."""

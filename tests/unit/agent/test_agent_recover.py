@@ -1,0 +1,104 @@
+"""The agent's recovery of paused VMs after a lost lease, in-process on an SQLite fabric and a
+simulated hypervisor: the paths the process tests in test_agent.py do not reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.simcluster import domain_of as _domain
+from tests.support.simfabric import make_fabric
+from vmlend.agent.recover import LostLeaseRecovery
+from vmlend.agent.watch import LeaseWatch
+from vmlend.errors import LibvirtError
+from vmlend.hypervisor.base import DomainState
+from vmlend.sim.hypervisor.node import SimHypervisor
+from vmlend.topology.model import Holder
+
+GPU, NIC = 0x10, 0x20
+APP = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")
+DB = Holder("beta", "db", "22222222-2222-2222-2222-222222222222")
+
+
+class NoUnplug(SimHypervisor):
+    """A hypervisor that refuses hot-unplug (e.g. QEMU without a hotplug-capable slot)."""
+
+    def detach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
+        raise LibvirtError("detach device from", name, "no hot-unplug on this slot")
+
+
+def _setup(tmp_path: Path, hv_class: type[SimHypervisor]):
+    fabric = make_fabric(tmp_path / "state.db")  # opened as gamma
+    hv = hv_class("gamma", tmp_path / "hv", None)  # no hook: the test decides the holds
+    hv.define(_domain("app", APP.vm_uuid, (GPU, NIC)))
+    hv.start("app")
+    hv.suspend("app")  # as the guard left it
+    fabric.reserve(NIC, DB)  # another host was faster
+    ticks = iter(range(1000))
+    recovery = LostLeaseRecovery(
+        hv, fabric, fence_wait=0, interval=0.01, clock=lambda: next(ticks), sleep=lambda s: None
+    )
+    return fabric, hv, recovery
+
+
+def test_a_vm_whose_lost_device_cannot_be_unplugged_stays_paused_and_says_why(tmp_path):
+    fabric, hv, recovery = _setup(tmp_path, NoUnplug)
+    [result] = recovery.recover(["app"])
+    assert hv.lookup("app").state is DomainState.PAUSED
+    assert result.outcome == "paused" and result.regained == [GPU] and list(result.lost) == [NIC]
+    text = result.describe()
+    assert "VM app: re-reserved 0x10; lost 0x20 (device 0x20 is held by beta/db)" in text
+    assert "stays paused: could not hot-unplug its lost devices:" in text
+    assert "no hot-unplug on this slot" in text
+    assert fabric.device(NIC).holder == DB  # nobody else's device was touched
+
+
+def test_a_vm_that_lost_a_device_resumes_without_it(tmp_path):
+    fabric, hv, recovery = _setup(tmp_path, SimHypervisor)
+    [result] = recovery.recover(["app"])
+    assert result.outcome == "unplugged"
+    assert hv.lookup("app").state is DomainState.RUNNING
+    assert fabric.device(GPU).holder is not None and fabric.device(GPU).holder.vm == "app"
+    assert fabric.device(NIC).holder == DB
+
+
+def test_an_unknown_vm_is_reported_not_fatal(tmp_path):
+    _fabric, _hv, recovery = _setup(tmp_path, SimHypervisor)
+    [result] = recovery.recover(["gone"])
+    assert result.outcome == "paused" and "gone" in result.why
+
+
+def test_a_vm_won_back_stays_paused_while_the_new_lease_is_in_doubt(tmp_path):
+    """The recovery runs on the agent's loop, which renews nothing meanwhile: by the time the
+    VM's devices are re-reserved, the new lease may have gone unrenewed for half its TTL and be
+    about to end with those holds. Resuming then would undo the watch's pause and run the VM
+    on devices the lenders will take back (seen in tests/scenarios/test_nemesis.py). The watch
+    decides."""
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    clock = iter(range(1000))
+    watch = LeaseWatch(10, list, clock=lambda: next(clock) * 6.0)  # each look: 6 s later
+    recovery = LostLeaseRecovery(
+        hv,
+        fabric,
+        fence_wait=0,
+        interval=0.01,
+        clock=lambda: 0.0,
+        sleep=lambda s: None,
+        resume_gate=watch.resume_if_fresh,
+    )
+    [result] = recovery.recover(["app"])
+    assert result.regained == [GPU] and list(result.lost) == [NIC]
+    assert result.outcome == "paused", result.describe()
+    assert "resumed after its next renewal" in result.describe()
+    assert hv.lookup("app").state is DomainState.PAUSED
+    assert watch.renewed() == ["app"]  # the agent resumes what this hands back
+
+
+def test_the_watch_resumes_a_vm_only_while_the_lease_is_fresh():
+    now = [0.0]
+    watch = LeaseWatch(10, list, clock=lambda: now[0])
+    resumed: list[str] = []
+    assert watch.resume_if_fresh("a", lambda: resumed.append("a"))
+    now[0] = 5.1  # past half the TTL since the lease was taken
+    assert not watch.resume_if_fresh("b", lambda: resumed.append("b"))
+    assert resumed == ["a"]
+    assert watch.take_paused() == ["b"]  # a lost lease hands it to the recovery again

@@ -1,0 +1,1 @@
+"""Tests of the top-level modules of vmlend (hostenv, errors, messages, ...)."""
