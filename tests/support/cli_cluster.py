@@ -16,14 +16,13 @@ from lxml import etree
 
 from tests.support.simfabric import make_fabric
 from vmlend.cli import main
-from vmlend.cli.connect import hook_command
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import DomainDefinitionError
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.topology.model import MiB
 from vmlend.wiring.fabric import open_fabric
-from vmlend.wiring.hypervisor import open_hypervisor
+from vmlend.wiring.hypervisor import hook_command, open_hypervisor
 
 TEMPLATES = TemplateSet()
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import click
 
-from vmlend.cli.cmd_devices import device_json
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.topology.model import DeviceStatus, format_fdid, parse_fdid
+from vmlend.views.devices import device_json
 
 
 class FdidType(click.ParamType):

@@ -7,120 +7,14 @@ guard rejections); per NTB adapter the LUT entries and window room in use. The c
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
-from vmlend.cli.common import emit_json, json_option, render_table
+from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
-from vmlend.ledger.admission import format_size_short
-from vmlend.lending.shares import BLOCK
 from vmlend.ops.reconcile import find_drift, look
-from vmlend.ops.status import RUNTIME_KINDS, VmView, collect, read_runtime, usage_rows
-from vmlend.registry.records import RuntimeRecord
-from vmlend.topology.model import format_fdid
-from vmlend.topology.pcie import PciePath
-
-
-def _runtime_cell(records: list[RuntimeRecord]) -> str:
-    if not records:
-        return "-"
-    if len(records) > 3:
-        return f"{len(records)}"
-    parts = []
-    for r in records:
-        start, end = r.data.get("start"), r.data.get("end")
-        if isinstance(start, int) and isinstance(end, int):
-            parts.append(f"{r.key}:{start:#x}-{end:#x}")
-        else:
-            parts.append(r.key)
-    return ",".join(parts)
-
-
-def path_cell(path: PciePath | None) -> str:
-    """Hops, root complexes and the NTB's added latency, e.g. ``11h/2rc/+360ns``."""
-    if path is None:
-        return "-"
-    return f"{path.hops}h/{path.roots}rc/+{path.added_ns}ns"
-
-
-def render_status(
-    vms: list[VmView], usage: list[dict[str, Any]], empty: str = "no VMs with remote devices"
-) -> str:
-    headers = (
-        "VM",
-        "NODE",
-        "VM STATE",
-        "FDID",
-        "STATE",
-        "MDEV",
-        "INTERRUPTS",
-        "DMA",
-        "VECTORS",
-        "P2P",
-        "PATH",
-    )
-    rows = []
-    for v in vms:
-        if not v.devices:
-            rows.append([v.name, v.node, v.state, "-", "-", "-", "-", "-", "-", "-", "-"])
-        for d in v.devices:
-            mdev = d.mdev or "-"
-            if d.mdev and not d.mdev_present:
-                mdev += " (absent)"
-            rows.append(
-                [
-                    v.name,
-                    v.node,
-                    v.state,
-                    format_fdid(d.fdid),
-                    d.state,
-                    mdev,
-                    d.interrupts,
-                    *(_runtime_cell(d.runtime.get(k, [])) for k in RUNTIME_KINDS),
-                    path_cell(d.path),
-                ]
-            )
-    parts = [render_table(headers, rows) if rows else empty]
-    s_rows = [
-        [
-            v.name,
-            v.node,
-            format_fdid(e.fdid),
-            str(e.share.queue_pairs),
-            f"{e.share.lba_offset}+{e.share.blocks} ({format_size_short(e.share.blocks * BLOCK)})",
-            ",".join(map(str, e.real_queues)) or "-",
-            e.share.mode,
-            str(e.rejections),
-        ]
-        for v in vms
-        for e in v.shares
-    ]
-    if s_rows:
-        s_headers = (
-            "VM",
-            "NODE",
-            "NVME",
-            "QUEUE PAIRS",
-            "LBA WINDOW",
-            "REAL QIDS",
-            "DOORBELLS",
-            "REJECTED",
-        )
-        parts.append(render_table(s_headers, s_rows))
-    a_rows = [
-        [
-            u["adapter"],
-            f"{u['lut_used']}/{u['lut_usable']}",
-            f"{format_size_short(u['window_used']) if u['window_used'] else 0}"
-            f"/{format_size_short(u['window_size'])}",
-            f"{u['segments_used']}/{u['segments']}",
-        ]
-        for u in usage
-    ]
-    parts.append(render_table(("ADAPTER", "LUT USED", "WINDOW USED", "SEGMENTS"), a_rows))
-    return "\n\n".join(parts)
+from vmlend.ops.status import collect, read_runtime, usage_rows
+from vmlend.views.status import render_status
 
 
 @click.command("status")

@@ -13,6 +13,7 @@ import click
 
 from vmlend.errors import ConfigError, VmlendError
 from vmlend.messages import single_line
+from vmlend.views.table import render_table
 
 log = logging.getLogger("vmlend")
 
@@ -70,16 +71,6 @@ def emit_json(data: Any) -> None:
     import json  # only --json output uses it
 
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain aligned text table."""
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    return "\n".join(lines)
 
 
 def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

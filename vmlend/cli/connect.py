@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
@@ -21,7 +19,7 @@ from vmlend.errors import UnknownNodeError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
 from vmlend.wiring.fabric import open_fabric
-from vmlend.wiring.hypervisor import open_hypervisor, sim_node
+from vmlend.wiring.hypervisor import hook_command, open_hypervisor, sim_node
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +33,6 @@ def connect_option(f: Callable[..., Any]) -> Callable[..., Any]:
         help="Hypervisor URI, e.g. qemu:///system or sim:///gamma"
         " [default: $LIBVIRT_DEFAULT_URI, else libvirt's default].",
     )(f)
-
-
-def hook_command(state_path: Path | str, node: str) -> list[str]:
-    """How a simulated node runs vmlend's hook (absolute interpreter, as libvirtd needs)."""
-    option = "--state" if isinstance(state_path, Path) else "--registry"
-    return [sys.executable, "-m", "vmlend.hook", option, str(state_path), "--node", node]
 
 
 def _require_fabric_node(obj: CliContext, node: str) -> None:

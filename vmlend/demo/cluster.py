@@ -16,7 +16,6 @@ from pathlib import Path
 
 import msgspec
 
-from vmlend.cli.connect import hook_command
 from vmlend.demo.guest import DemoGuest
 from vmlend.errors import UnknownDomainError
 from vmlend.irq.records import VectorRecorder, registry_vector_recorder
@@ -30,7 +29,7 @@ from vmlend.sim.msitarget import MsiTargets
 from vmlend.sim.p2pmap import Recorder, registry_recorder
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import GiB
-from vmlend.wiring.hypervisor import open_hypervisor
+from vmlend.wiring.hypervisor import hook_command, open_hypervisor
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ returned at the end, so the story can be told again.
 
 from __future__ import annotations
 
-from vmlend.cli.common import render_table
 from vmlend.demo.context import Json, Story, require
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.nvme import spec
@@ -16,6 +15,7 @@ from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRam, GuestRange, Holder, MiB, format_fdid
+from vmlend.views.table import render_table
 
 NAMESPACE_BLOCKS = 1 << 21  # 1 GiB of 512-byte blocks
 SHARE_BLOCKS = 1 << 16  # 32 MiB each

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vmlend.cli.common import render_table
 from vmlend.demo.nvmeshare import render_nvme_share
 from vmlend.demo.story import StepResult
 from vmlend.ledger.admission import format_size_short
+from vmlend.views.table import render_table
 
 Json = dict[str, Any]
 

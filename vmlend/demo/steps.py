@@ -8,9 +8,6 @@ from collections.abc import Callable
 
 import msgspec
 
-from vmlend.cli.cmd_devices import device_json
-from vmlend.cli.cmd_fabric import fabric_json
-from vmlend.cli.cmd_status import render_status
 from vmlend.demo import facts
 from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.context import Json, Story, require
@@ -24,6 +21,9 @@ from vmlend.ops.detach import detach
 from vmlend.ops.migrate import migrate
 from vmlend.ops.status import collect, read_runtime, usage_rows
 from vmlend.topology.model import DeviceState, GiB, format_fdid
+from vmlend.views.devices import device_json
+from vmlend.views.fabric import fabric_json
+from vmlend.views.status import render_status
 from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 # --- 1. the fabric -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``python -m vmlend.hook [--state PATH] [--registry URL] [--node NODE] DOMAIN OP SUBOP
-EXTRA``: the qemu hook as the simulated hypervisor runs it (``vmlend.cli.connect``).
+EXTRA``: the qemu hook as the simulated hypervisor runs it
+(``vmlend.wiring.hypervisor.hook_command``).
 
 The state path and the node it plays come up front rather than through the environment, so one
 process can drive several simulated nodes; libvirt's own argv follows them unchanged. After

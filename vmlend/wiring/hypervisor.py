@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,12 @@ def sim_node(uri: str) -> str | None:
     if not node or "/" in node or node.startswith("."):
         raise ConfigError(f"bad simulated hypervisor URI {uri!r}; expected sim:///<node>")
     return node
+
+
+def hook_command(state_path: Path | str, node: str) -> list[str]:
+    """How a simulated node runs vmlend's hook (absolute interpreter, as libvirtd needs)."""
+    option = "--state" if isinstance(state_path, Path) else "--registry"
+    return [sys.executable, "-m", "vmlend.hook", option, str(state_path), "--node", node]
 
 
 def open_hypervisor(

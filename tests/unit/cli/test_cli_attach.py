@@ -346,8 +346,8 @@ def test_detach_of_a_device_not_attached_is_one_line(cluster):
 
 
 def test_sim_hook_command_passes_state_and_node_before_libvirts_argv(tmp_path):
-    from vmlend.cli.connect import hook_command
     from vmlend.hook.__main__ import split_options
+    from vmlend.wiring.hypervisor import hook_command
 
     cmd = hook_command(tmp_path / "s.db", "beta")
     assert cmd[1:3] == ["-m", "vmlend.hook"]

@@ -278,10 +278,9 @@ def test_hook_install_pins_the_registry_url(etcd_url, tmp_path):
 def test_cold_migration_moves_the_holds_through_the_etcd_registry(etcd_url, tmp_path, monkeypatch):
     import uuid
 
-    from vmlend.cli.connect import hook_command
     from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
     from vmlend.topology.model import MiB
-    from vmlend.wiring.hypervisor import open_hypervisor
+    from vmlend.wiring.hypervisor import hook_command, open_hypervisor
 
     make_fabric(etcd_url).close()
     local = tmp_path / "local"
