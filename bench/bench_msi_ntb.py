@@ -40,10 +40,10 @@ from vmlend.irq import vectors as r
 from vmlend.irq.client import RelayClient
 from vmlend.irq.control import recv_message
 from vmlend.irq.eventfd import EventFd
-from vmlend.irq.ntbmsi import NtbMsiRoute
 from vmlend.irq.vectors import IrqIndex
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.msitarget import MsiTargets
+from vmlend.sim.ntbmsi import NtbMsiRoute
 from vmlend.sim.pci import regs
 from vmlend.topology.model import GuestRange, MiB
 from vmlend.topology.parse import load_topology

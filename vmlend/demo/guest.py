@@ -19,13 +19,13 @@ from lxml import etree
 
 from vmlend.demo.interrupts import VmInterrupts, WiredDevice, enable_guest_interrupts
 from vmlend.errors import FabricError, VmlendError
-from vmlend.irq.ntbmsi import NtbMsiRoute, open_route
 from vmlend.irq.records import VectorRecorder
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.dmawin import WindowLedger
 from vmlend.sim.hardware import Borrow, SimHardware
 from vmlend.sim.hypervisor.node import IdleGuest
 from vmlend.sim.msitarget import MsiTargets
+from vmlend.sim.ntbmsi import NtbMsiRoute, open_route
 from vmlend.sim.p2pmap import P2PMapper, Recorder
 from vmlend.sim.simvm import SimVm
 

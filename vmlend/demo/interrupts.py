@@ -24,11 +24,11 @@ from vmlend.irq import vectors as r
 from vmlend.irq.borrower import BorrowerRelay
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.lender import LenderRelay
-from vmlend.irq.ntbmsi import MESSAGE_INDEXES, NtbMsiRoute
 from vmlend.irq.relay import Reactor
 from vmlend.irq.vectors import IrqIndex
 from vmlend.irq.vfio import TRIGGER_EVENTFDS, SimIrqHost
 from vmlend.sim.device import SimDevice
+from vmlend.sim.ntbmsi import MESSAGE_INDEXES, NtbMsiRoute
 from vmlend.sim.simvm import SimVm
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ OpenNtbRoute = Callable[[int], NtbMsiRoute | None]
 class VmInterrupts:
     """The eventfds of one VM on ``node`` and what feeds them. ``close`` stops every thread.
 
-    ``open_ntb`` (``vmlend.irq.ntbmsi.open_route`` bound to the cluster) maps a remote device's
+    ``open_ntb`` (``vmlend.sim.ntbmsi.open_route`` bound to the cluster) maps a remote device's
     MSI/MSI-X over the NTB when its hold was admitted with an interrupt window; everything else
     (INTx, no window) goes through the relay."""
 

@@ -10,11 +10,11 @@ import pytest
 from tests.support.simfabric import make_fabric
 from vmlend.irq import vectors as r
 from vmlend.irq.eventfd import EventFd
-from vmlend.irq.ntbmsi import NTB, RELAY, NtbMsiRoute, interrupt_path
 from vmlend.irq.vectors import IrqIndex
 from vmlend.ledger.msiadmit import is_msi_claim
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.msitarget import MSI_IOVA, MsiTargets
+from vmlend.sim.ntbmsi import NTB, RELAY, NtbMsiRoute, interrupt_path
 from vmlend.sim.pci import regs
 from vmlend.topology.model import GiB, GuestRange, Holder, MiB
 from vmlend.topology.parse import load_topology
@@ -259,7 +259,7 @@ def test_the_vectors_are_recorded_for_status_with_their_path(hw, state_path):
 
 
 def test_a_route_opens_only_for_a_hold_admitted_with_an_interrupt_window(hw, state_path):
-    from vmlend.irq.ntbmsi import open_route
+    from vmlend.sim.ntbmsi import open_route
 
     fabric = make_fabric(state_path)
     targets = MsiTargets(hw)
