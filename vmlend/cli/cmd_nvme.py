@@ -7,12 +7,12 @@ import click
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
-from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.registry import open_registry
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.topology.model import Holder, format_fdid, parse_fdid
+from vmlend.units import format_size_exact, parse_size
 
 BLOCK = 512
 
@@ -142,7 +142,7 @@ def status_cmd(obj: CliContext, json_output: bool) -> None:
                     format_fdid(fdid),
                     str(e.holder),
                     s.queue_pairs,
-                    f"{s.lba_offset}+{s.blocks} ({format_size(s.blocks * BLOCK)})",
+                    f"{s.lba_offset}+{s.blocks} ({format_size_exact(s.blocks * BLOCK)})",
                     ",".join(map(str, e.real_queues)) or "-",
                     geo.mode,
                     e.rejections,

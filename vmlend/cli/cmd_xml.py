@@ -27,10 +27,10 @@ from vmlend.domain import (
 )
 from vmlend.domain.info import info_of
 from vmlend.domain.ramcheck import require_computable_layout
-from vmlend.domain.units import format_size, parse_size
 from vmlend.errors import ConfigError
 from vmlend.messages import plural
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
+from vmlend.units import format_size_exact, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def show_cmd(file: Path, json_output: bool) -> None:
     if json_output:
         emit_json(info.to_json())
     else:
-        memory = format_size(info.memory_bytes) if info.memory_bytes is not None else "?"
+        memory = format_size_exact(info.memory_bytes) if info.memory_bytes is not None else "?"
         click.echo(f"{info.name}  uuid {info.uuid}  {info.machine or '?'}  {memory}")
         rows = [
             (

@@ -8,14 +8,14 @@ from typing import Any
 
 from vmlend.demo.nvmeshare import render_nvme_share
 from vmlend.demo.story import StepResult
-from vmlend.ledger.admission import format_size_short
+from vmlend.units import format_size_exact
 from vmlend.views.table import render_table
 
 Json = dict[str, Any]
 
 
 def size(n: int) -> str:
-    return format_size_short(n)
+    return format_size_exact(n)
 
 
 def span(start: int, end: int) -> str:

@@ -32,10 +32,10 @@ import msgspec
 from lxml import etree
 
 from vmlend.domain.address import PciAddress
-from vmlend.domain.units import format_size, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
+from vmlend.units import format_size_exact, parse_size
 
 #: Stable namespace URI of vmlend's domain metadata. Bump the version only for incompatible
 #: changes; readers then refuse the unknown version instead of guessing.
@@ -148,7 +148,7 @@ class DeviceEntryXML(XMLNode):
     mdev = XMLProperty("./@mdev", parse=_parse_mdev)
     address = XMLProperty("./@address", parse=_parse_address)
     nvme_queues = XMLProperty("./@nvme-queues", parse=_parse_queues, format=str)
-    nvme_size = XMLProperty("./@nvme-size", parse=_parse_share_size, format=format_size)
+    nvme_size = XMLProperty("./@nvme-size", parse=_parse_share_size, format=format_size_exact)
     interrupts = XMLProperty("./@interrupts", parse=_parse_interrupts, format=str)
 
     def get(self) -> VmlendDevice:

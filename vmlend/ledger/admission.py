@@ -61,25 +61,7 @@ from vmlend.topology.model import (
     Topology,
 )
 from vmlend.topology.paths import NtbPath, route
-
-_UNITS = ((1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K"))
-
-
-def format_size(n: int) -> str:
-    """Bytes in binary units: ``64 GiB``, ``32.05 GiB``, ``16 MiB``, ``512 bytes``."""
-    for unit, prefix in _UNITS:
-        if n >= unit:
-            value = f"{n / unit:.2f}".rstrip("0").rstrip(".")
-            return f"{value} {prefix}iB"
-    return f"{n} bytes"
-
-
-def format_size_short(n: int) -> str:
-    """Compact form for tables: ``16M``, ``32G``, ``4K``."""
-    for unit, prefix in _UNITS:
-        if n >= unit and n % unit == 0:
-            return f"{n // unit}{prefix}"
-    return str(n)
+from vmlend.units import format_size_human
 
 
 def _segments(size: int, segment: int) -> int:
@@ -508,7 +490,7 @@ def _resource_checks(
     dma_segs = window_segments(ram.ranges, seg_l) if ram.ranges else 0
     extra_dma_segs = max(0, dma_segs - prior)
     dma_need = extra_dma_segs * seg_l
-    purpose = f"DMA windows for {format_size(ram.size)} of RAM of {who} ({dma_segs} segments)"
+    purpose = f"DMA windows for {format_size_human(ram.size)} of RAM of {who} ({dma_segs} segments)"
     if not ram.ranges:
         adm.add("window-dma", "no guest RAM given: no DMA window claimed")
     elif dma_need > lu.window_free:
@@ -522,15 +504,15 @@ def _resource_checks(
     elif prior:
         adm.add(
             "window-dma",
-            f"NTB window {lender_a.ref}: {who} already has {format_size(prior * seg_l)}"
-            f" of DMA windows there; {format_size(dma_need)} more needed",
+            f"NTB window {lender_a.ref}: {who} already has {format_size_human(prior * seg_l)}"
+            f" of DMA windows there; {format_size_human(dma_need)} more needed",
             need=dma_need,
             have=lu.window_free,
         )
     else:
         adm.add(
             "window-dma",
-            f"NTB window {lender_a.ref}: {purpose}, {format_size(lu.window_free)} free",
+            f"NTB window {lender_a.ref}: {purpose}, {format_size_human(lu.window_free)} free",
             need=dma_need,
             have=lu.window_free,
         )
@@ -560,8 +542,8 @@ def _resource_checks(
     else:
         adm.add(
             "window-bars",
-            f"NTB window {borrower_a.ref}: {format_size(bar_need)} of BARs of {fd},"
-            f" {format_size(bu.window_free)} free",
+            f"NTB window {borrower_a.ref}: {format_size_human(bar_need)} of BARs of {fd},"
+            f" {format_size_human(bu.window_free)} free",
             need=bar_need,
             have=bu.window_free,
         )
@@ -582,7 +564,7 @@ def _resource_checks(
     for a, u, need in ((lender_a, lu, extra_dma_segs), (borrower_a, bu, bar_segs)):
         parts.append(
             f"{a.ref} needs {need} of {u.segments_free} free segments"
-            f" ({format_size(a.segment_size)} each)"
+            f" ({format_size_human(a.segment_size)} each)"
         )
         if need > u.segments_free and error is None:
             error = ResourceExhaustedError(

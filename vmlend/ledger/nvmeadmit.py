@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vmlend.errors import ResourceExhaustedError, WindowExhaustedError
-from vmlend.ledger.admission import device_share, format_size, usage
+from vmlend.ledger.admission import device_share, usage
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import GuestRam, Holder, Topology
 from vmlend.topology.paths import route
+from vmlend.units import format_size_human
 
 
 def share_window_key(fdid: int, holder: Holder) -> str:
@@ -74,6 +75,6 @@ def check_share_claims(
             segs = a.segments_used - b.segments_used
             purpose = (
                 f"DMA windows of {holder}'s share of {fdid:#x}, {segs} segments of "
-                f"{format_size(a.adapter.segment_size)}"
+                f"{format_size_human(a.adapter.segment_size)}"
             )
             raise WindowExhaustedError(ref, segs * a.adapter.segment_size, b.window_free, purpose)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vmlend.ledger.admission import format_size_short
 from vmlend.topology.model import BarKind, DeviceSpec, DeviceStatus, format_fdid
+from vmlend.units import format_size_exact
 
 HEADERS = ("FDID", "LENDER", "BDF", "KIND", "BARS", "DMA", "STATE", "HOLDER")
 
@@ -13,7 +13,7 @@ HEADERS = ("FDID", "LENDER", "BDF", "KIND", "BARS", "DMA", "STATE", "HOLDER")
 def bars_summary(spec: DeviceSpec) -> str:
     """BAR sizes in index order, e.g. ``16M,32G,32M``; I/O BARs as ``io:256``."""
     parts = [
-        f"io:{format_size_short(b.size)}" if b.kind is BarKind.IO else format_size_short(b.size)
+        f"io:{format_size_exact(b.size)}" if b.kind is BarKind.IO else format_size_exact(b.size)
         for b in spec.bars
     ]
     return ",".join(parts) or "-"

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from vmlend.fabric.base import Fabric
-from vmlend.ledger.admission import AdapterUsage, format_size, format_size_short
+from vmlend.ledger.admission import AdapterUsage
 from vmlend.ledger.ledger import Ledger
+from vmlend.units import format_size_exact, format_size_human
 from vmlend.views.table import render_table
 
 
@@ -75,7 +76,7 @@ def render_fabric(f: Fabric) -> str:
                 n.name + here,
                 n.node_id,
                 n.hostname,
-                format_size(n.ram),
+                format_size_human(n.ram),
                 lent,
                 "up" if up else f"DOWN{': ' + why if why else ''}",
             ]
@@ -88,9 +89,9 @@ def render_fabric(f: Fabric) -> str:
                 a.ref,
                 a.model,
                 f"{u.lut_used}/{a.lut_usable}",
-                f"{format_size_short(u.window_used) if u.window_used else 0}"
-                f"/{format_size_short(a.window_size)}",
-                f"{u.segments_used}/{a.segments} x {format_size_short(a.segment_size)}",
+                f"{format_size_exact(u.window_used) if u.window_used else 0}"
+                f"/{format_size_exact(a.window_size)}",
+                f"{u.segments_used}/{a.segments} x {format_size_exact(a.segment_size)}",
             ]
         )
     links = [

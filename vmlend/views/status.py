@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vmlend.ledger.admission import format_size_short
 from vmlend.lending.shares import BLOCK
 from vmlend.ops.status import RUNTIME_KINDS, VmView
 from vmlend.registry.records import RuntimeRecord
 from vmlend.topology.model import format_fdid
 from vmlend.topology.pcie import PciePath
+from vmlend.units import format_size_exact
 from vmlend.views.table import render_table
 
 
@@ -80,7 +80,7 @@ def render_status(
             v.node,
             format_fdid(e.fdid),
             str(e.share.queue_pairs),
-            f"{e.share.lba_offset}+{e.share.blocks} ({format_size_short(e.share.blocks * BLOCK)})",
+            f"{e.share.lba_offset}+{e.share.blocks} ({format_size_exact(e.share.blocks * BLOCK)})",
             ",".join(map(str, e.real_queues)) or "-",
             e.share.mode,
             str(e.rejections),
@@ -104,8 +104,8 @@ def render_status(
         [
             u["adapter"],
             f"{u['lut_used']}/{u['lut_usable']}",
-            f"{format_size_short(u['window_used']) if u['window_used'] else 0}"
-            f"/{format_size_short(u['window_size'])}",
+            f"{format_size_exact(u['window_used']) if u['window_used'] else 0}"
+            f"/{format_size_exact(u['window_size'])}",
             f"{u['segments_used']}/{u['segments']}",
         ]
         for u in usage
