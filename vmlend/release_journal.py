@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from vmlend.domain.info import DomainInfo
+from vmlend.domain.info import DomainXMLInfo
 from vmlend.errors import RegistryUnreachableError, ReleasePendingError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hostenv import HostEnv
@@ -198,7 +198,7 @@ def pend_release(
 
 
 def pend_unopened(
-    dom: DomainInfo, node: str | None, why: RegistryUnreachableError, record: Record = _ignore
+    dom: DomainXMLInfo, node: str | None, why: RegistryUnreachableError, record: Record = _ignore
 ) -> ReleasePendingError | None:
     """``pend_release`` for a release hook that could not even open the fabric."""
     node = node or HostEnv.from_env().configured_node() or ""

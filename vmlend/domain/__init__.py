@@ -2,7 +2,7 @@
 
 The API other parts use:
 
-- ``read_domain(xml) -> DomainInfo`` and ``has_vmlend_metadata(xml)`` (hook, CLI)
+- ``read_domain(xml) -> DomainXMLInfo`` and ``has_vmlend_metadata(xml)`` (hook, CLI)
 - ``rewrite_for_destination(xml, dest_node) -> bytes`` (the ``migrate`` hook)
 - ``DomainDocument.parse`` / ``add_device`` / ``remove_device`` / ``new_domain`` (CLI)
 - ``mdev_uuid(domain_uuid, fdid)`` (anything that must name a device's mdev)
@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "check_consistency": "consistency",
     "find_problems": "consistency",
     "DomainDocument": "document",
-    "DomainInfo": "info",
+    "DomainXMLInfo": "info",
     "has_vmlend_metadata": "info",
     "read_domain": "info",
     "METADATA_KEY": "metadata",
@@ -45,8 +45,8 @@ __all__ = [
     "NAMESPACE_URI",
     "DeviceRequest",
     "DomainDocument",
-    "DomainInfo",
     "DomainSpec",
+    "DomainXMLInfo",
     "FdidValidator",
     "NvmeShareRequest",
     "PciAddress",

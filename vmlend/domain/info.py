@@ -15,7 +15,7 @@ from vmlend.memory.domain_memory import domain_layout
 from vmlend.topology.model import DEFAULT_INTERRUPTS, GuestRam, InterruptPath
 
 
-class DomainInfo(msgspec.Struct, frozen=True):
+class DomainXMLInfo(msgspec.Struct, frozen=True):
     name: str
     uuid: uuid.UUID | None
     memory_bytes: int | None
@@ -64,7 +64,7 @@ class DomainInfo(msgspec.Struct, frozen=True):
         }
 
 
-def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
+def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainXMLInfo:
     domain = DomainXML(doc.root)
     name = domain.name
     if not name:
@@ -82,7 +82,7 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
             ram, layout_error = None, "it has no guest RAM (<memory> is missing or 0)"
     except VmlendError as e:  # reported by whoever needs the layout (``guest_ram``)
         layout_error = str(e)
-    return DomainInfo(
+    return DomainXMLInfo(
         name=name,
         uuid=domain.uuid,
         memory_bytes=domain.memory_bytes,
@@ -97,7 +97,9 @@ def info_of(doc: DomainDocument, *, strict: bool = True) -> DomainInfo:
     )
 
 
-def read_domain(xml: bytes | str, *, strict: bool = True, source: str = "domain XML") -> DomainInfo:
+def read_domain(
+    xml: bytes | str, *, strict: bool = True, source: str = "domain XML"
+) -> DomainXMLInfo:
     """Parse domain XML and describe it. Malformed XML, bad metadata and (with ``strict``) any
     metadata/hostdev disagreement raise ``DomainXMLError`` with one line."""
     return info_of(DomainDocument.parse(xml, source=source), strict=strict)

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from vmlend.domain.info import DomainInfo, has_vmlend_metadata, read_domain
+from vmlend.domain.info import DomainXMLInfo, has_vmlend_metadata, read_domain
 
 
-def read_hook_domain(xml: bytes, *, strict: bool = True) -> DomainInfo | None:
+def read_hook_domain(xml: bytes, *, strict: bool = True) -> DomainXMLInfo | None:
     """The domain, or None when it carries no vmlend metadata (the hook then touches nothing).
 
     ``strict=False`` is for returning devices: an inconsistent XML must not keep a device

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from vmlend.domain.info import DomainInfo
+from vmlend.domain.info import DomainXMLInfo
 from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
@@ -30,14 +30,14 @@ class HookOps:
         self.fabric = fabric
         self.actions = actions
 
-    def _recorder(self, dom: DomainInfo, operation: str) -> Callable[[str], None]:
+    def _recorder(self, dom: DomainXMLInfo, operation: str) -> Callable[[str], None]:
         """One action-log line per step of ``operation`` on ``dom``."""
         return lambda msg: self.actions.record(dom.name, operation, msg)
 
-    def holder(self, dom: DomainInfo) -> Holder:
+    def holder(self, dom: DomainXMLInfo) -> Holder:
         return holder_for(self.fabric, dom.name, dom.uuid)
 
-    def prepare(self, dom: DomainInfo) -> None:
+    def prepare(self, dom: DomainXMLInfo) -> None:
         """Reserve every device and create its mdev, or change nothing."""
         holder = self.holder(dom)
 
@@ -77,7 +77,7 @@ class HookOps:
             fault_point("prepare:after-device")
         record(f"{plural(len(dom.devices), 'device')} ready")
 
-    def release(self, dom: DomainInfo) -> None:
+    def release(self, dom: DomainXMLInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
         crashed earlier run or a stale XML left behind (matched by VM UUID on this node)."""
 
@@ -98,7 +98,7 @@ class HookOps:
         if failures:
             raise HookError(f"release of VM {dom.name!r} incomplete: " + "; ".join(failures))
 
-    def reconnect(self, dom: DomainInfo) -> list[str]:
+    def reconnect(self, dom: DomainXMLInfo) -> list[str]:
         """libvirtd restarted while the VM runs: make the state match the running VM, with the
         repair ``vmlend reconcile --fix`` uses for a running VM (``restore_running``).
 

@@ -30,8 +30,7 @@ from typing import Any
 
 import msgspec
 
-from vmlend.domain import DomainInfo as DomainXMLInfo
-from vmlend.domain import read_domain, rewrite_for_destination
+from vmlend.domain import DomainXMLInfo, read_domain, rewrite_for_destination
 from vmlend.errors import (
     FabricError,
     MigrationError,

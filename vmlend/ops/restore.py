@@ -24,7 +24,7 @@ def restore_running(
     """A running VM keeps what it uses: make sure each device is held by it and has its mdev.
     Idempotent; nothing is rolled back (the guest keeps whatever it has). Returns the
     problems, one line per device that could not be restored. ``interrupts_of``: the path
-    each device's MSI/MSI-X ask for (``DomainInfo.interrupts_of``; default: the device's own,
+    each device's MSI/MSI-X ask for (``DomainXMLInfo.interrupts_of``; default: the device's own,
     else the NTB)."""
     problems: list[str] = []
     for dev in devices:
