@@ -10,7 +10,7 @@ from vmlend.registry import txn as txn_mod
 
 
 def _replace_topology_before_v3(self, rec, nodes, devices):
-    """``StateTxn.replace_topology`` as vmlend wrote it before schema version 3: no compiled
+    """``SqliteTxn.replace_topology`` as vmlend wrote it before schema version 3: no compiled
     topology column."""
     for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
         self._c.execute(f"DELETE FROM {table}")
@@ -34,5 +34,5 @@ def older_vmlend(monkeypatch, version):
         older = {v: steps for v, steps in schema_mod.MIGRATIONS.items() if v < version}
         m.setattr(store_mod, "MIGRATIONS", older)
         if version < 3:
-            m.setattr(txn_mod.StateTxn, "replace_topology", _replace_topology_before_v3)
+            m.setattr(txn_mod.SqliteTxn, "replace_topology", _replace_topology_before_v3)
         yield

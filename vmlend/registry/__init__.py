@@ -31,8 +31,7 @@ from vmlend.registry.records import (
     TopologyRecord,
     same_holder,
 )
-from vmlend.registry.store import DEFAULT_BUSY_TIMEOUT
-from vmlend.registry.store import Registry as SqliteRegistry
+from vmlend.registry.store import DEFAULT_BUSY_TIMEOUT, SqliteRegistry
 
 if TYPE_CHECKING:
     from vmlend.registry.etcd_store import EtcdRegistry

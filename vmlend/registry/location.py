@@ -21,7 +21,7 @@ from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
 from vmlend.registry.api import Registry, StateTxn
-from vmlend.registry.store import Registry as SqliteRegistry
+from vmlend.registry.store import SqliteRegistry
 
 if TYPE_CHECKING:  # the etcd modules (json, hashlib, random, ...) load only for etcd URLs
     from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, EtcdTls

@@ -41,7 +41,7 @@ from vmlend.registry.schema import (
     TABLES,
     TOKEN_SINCE,
 )
-from vmlend.registry.txn import StateTxn
+from vmlend.registry.txn import SqliteTxn
 
 log = logging.getLogger(__name__)
 #: How long a lock wait stays quiet before it says so.
@@ -118,7 +118,7 @@ def _connect(
     return conn
 
 
-class Registry:
+class SqliteRegistry:
     """An open state database. Use ``read()`` / ``transact()`` (or ``write()``) for
     transactions. The SQLite backend of ``vmlend.registry.api.Registry``."""
 
@@ -143,7 +143,9 @@ class Registry:
 
     # --- opening -----------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> Registry:
+    def open(
+        cls, path: str | Path, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT
+    ) -> SqliteRegistry:
         """Open an existing state file; ``StateError`` if it is missing, corrupt or foreign,
         ``StateHostError`` if the host will not let it be read. A state that can be read but
         not written opens read-only."""
@@ -181,10 +183,10 @@ class Registry:
     def create(
         cls,
         path: str | Path,
-        init: Callable[[StateTxn], None],
+        init: Callable[[SqliteTxn], None],
         *,
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
-    ) -> Registry:
+    ) -> SqliteRegistry:
         """Create a new state file filled by ``init``; ``FileExistsError`` if one exists.
 
         The file is built under a temporary name and hard-linked into place, so other processes
@@ -240,7 +242,7 @@ class Registry:
     def close(self) -> None:
         self._conn.close()
 
-    def __enter__(self) -> Registry:
+    def __enter__(self) -> SqliteRegistry:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -248,13 +250,13 @@ class Registry:
 
     # --- transactions --------------------------------------------------------------------
     @contextlib.contextmanager
-    def read(self) -> Iterator[StateTxn]:
+    def read(self) -> Iterator[SqliteTxn]:
         """A consistent snapshot for reading."""
         with self._txn("BEGIN", writable=False) as tx:
             yield tx
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[StateTxn]:
+    def write(self) -> Iterator[SqliteTxn]:
         """An exclusive write transaction: taken before the first read, so decisions made on
         what it reads hold until it commits."""
         if self.read_only is not None:
@@ -287,19 +289,19 @@ class Registry:
     def _set_busy(self, seconds: float) -> None:
         self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
-    def transact(self, body: Callable[[StateTxn], T]) -> T:
+    def transact(self, body: Callable[[SqliteTxn], T]) -> T:
         """Run ``body`` in one write transaction (once: the lock is taken before it reads)."""
         with self.write() as tx:
             return body(tx)
 
     @contextlib.contextmanager
-    def _txn(self, begin: str, writable: bool) -> Iterator[StateTxn]:
+    def _txn(self, begin: str, writable: bool) -> Iterator[SqliteTxn]:
         try:
             self._begin(begin)
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
         try:
-            yield StateTxn(self._conn, writable, self._has_compiled, self._has_token)
+            yield SqliteTxn(self._conn, writable, self._has_compiled, self._has_token)
         except sqlite3.Error as e:
             self._conn.rollback()
             raise self._sqlite_error(e) from None
@@ -341,7 +343,7 @@ class Registry:
                 tx.set_meta("schema_version", str(version))
 
 
-def _schema_version(tx: StateTxn, path: Path) -> int:
+def _schema_version(tx: SqliteTxn, path: Path) -> int:
     raw = tx.meta("schema_version")
     try:
         version = int(raw or "")

@@ -1,7 +1,8 @@
 """Typed reads and writes of the state database inside one transaction.
 
-A ``StateTxn`` is only handed out by ``Registry.read()`` / ``Registry.write()``, which own
-BEGIN/COMMIT/ROLLBACK; the methods here never commit.
+A ``SqliteTxn`` (the SQLite ``vmlend.registry.api.StateTxn``) is only handed out by
+``SqliteRegistry.read()`` / ``SqliteRegistry.write()``, which own BEGIN/COMMIT/ROLLBACK; the
+methods here never commit.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _key(value: object) -> str:
     return f"{value:#x}" if type(value) is int else repr(value)
 
 
-class StateTxn:
+class SqliteTxn:
     def __init__(
         self,
         conn: sqlite3.Connection,
