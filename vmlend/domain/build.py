@@ -12,7 +12,7 @@ from lxml import etree
 
 from vmlend.domain.address import PciAddress
 from vmlend.domain.document import DomainDocument
-from vmlend.domain.layout import insert_child
+from vmlend.domain.indent import insert_child
 from vmlend.domain.metadata import NvmeShareRequest
 from vmlend.domain.model import DomainXML
 from vmlend.domain.rewrite import add_device, set_vm_interrupts

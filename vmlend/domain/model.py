@@ -12,7 +12,7 @@ from uuid import UUID
 from lxml import etree
 
 from vmlend.domain.address import PciAddress
-from vmlend.domain.layout import insert_child
+from vmlend.domain.indent import insert_child
 from vmlend.domain.units import libvirt_bytes
 from vmlend.domain.uuids import parse_uuid
 from vmlend.domain.xmlprop import XMLNode, XMLProperty, elements

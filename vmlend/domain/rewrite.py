@@ -20,7 +20,7 @@ from vmlend.domain.consistency import (
     raise_on,
 )
 from vmlend.domain.document import DomainDocument
-from vmlend.domain.layout import insert_child, is_indented, remove_child
+from vmlend.domain.indent import insert_child, is_indented, remove_child
 from vmlend.domain.metadata import (
     HOST_TAG,
     NvmeShareRequest,

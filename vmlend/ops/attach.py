@@ -27,7 +27,7 @@ from vmlend.domain import (
     mdev_uuid,
     read_domain,
 )
-from vmlend.domain.layout import remove_child
+from vmlend.domain.indent import remove_child
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
