@@ -7,6 +7,8 @@ and the hook entry point turn these into text and exit codes.
 
 from __future__ import annotations
 
+from vmlend.units import format_size_human
+
 
 class VmlendError(Exception):
     """Base of all vmlend errors. ``str()`` is the one-line message shown to users."""
@@ -425,14 +427,6 @@ class DmaLimitError(ResourceExhaustedError):
 # --- appended by the shared-state work ----------------------------------------------------
 
 
-def _size_text(n: int) -> str:
-    """Bytes in binary units for messages: 64 GiB, 32.05 GiB, 16 MiB."""
-    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= unit:
-            return f"{n / unit:.2f}".rstrip("0").rstrip(".") + f" {name}"
-    return f"{n} bytes"
-
-
 class WindowExhaustedError(ResourceExhaustedError):
     """An NTB window has too little free room; ``need``/``have`` are bytes."""
 
@@ -441,8 +435,8 @@ class WindowExhaustedError(ResourceExhaustedError):
         self.purpose = purpose
         why = f" ({purpose})" if purpose else ""
         self.args = (
-            f"NTB window {where} short by {_size_text(need - have)}:"
-            f" need {_size_text(need)}, have {_size_text(have)}{why}",
+            f"NTB window {where} short by {format_size_human(need - have)}:"
+            f" need {format_size_human(need)}, have {format_size_human(have)}{why}",
         )
 
 

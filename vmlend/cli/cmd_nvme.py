@@ -7,12 +7,13 @@ import click
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
+from vmlend.domain.units import parse_size
 from vmlend.errors import ConfigError
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.registry import open_registry
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.topology.model import Holder, format_fdid, parse_fdid
-from vmlend.units import format_size_exact, parse_size
+from vmlend.units import format_size_exact
 
 BLOCK = 512
 

@@ -27,10 +27,11 @@ from vmlend.domain import (
 )
 from vmlend.domain.info import info_of
 from vmlend.domain.ramcheck import require_computable_layout
+from vmlend.domain.units import parse_size
 from vmlend.errors import ConfigError
 from vmlend.messages import plural
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
-from vmlend.units import format_size_exact, parse_size
+from vmlend.units import format_size_exact
 
 log = logging.getLogger(__name__)
 

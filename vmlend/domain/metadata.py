@@ -32,10 +32,11 @@ import msgspec
 from lxml import etree
 
 from vmlend.domain.address import PciAddress
+from vmlend.domain.units import parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
-from vmlend.units import format_size_exact, parse_size
+from vmlend.units import format_size_exact
 
 #: Stable namespace URI of vmlend's domain metadata. Bump the version only for incompatible
 #: changes; readers then refuse the unknown version instead of guessing.

@@ -1,9 +1,11 @@
-"""libvirt's scaled memory sizes (a value and its ``unit`` attribute) to bytes; the CLI's ``4G``
-notation and every size formatter are in ``vmlend.units``."""
+"""Sizes: libvirt's ``unit`` attribute and the CLI's ``4G`` notation, both to bytes (sizes are
+formatted by ``vmlend.units``)."""
 
 from __future__ import annotations
 
-from vmlend.errors import DomainXMLError
+import re
+
+from vmlend.errors import ConfigError, DomainXMLError
 
 # libvirt's scaled integers (formatdomain: "Memory Allocation"): k/M/G/T and their *iB spellings
 # are powers of 1024, KB/MB/GB/TB powers of 1000. No unit means KiB for <memory>.
@@ -30,6 +32,9 @@ _LIBVIRT_UNITS = {
     "eb": 10**18,
 }
 
+# The CLI follows QEMU's -m and virsh: a bare suffix is binary (4G = 4 GiB).
+_CLI_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
 
 def libvirt_bytes(value: str, unit: str | None, *, default_unit: str = "KiB") -> int:
     """The byte count of a libvirt memory element's text and ``unit`` attribute."""
@@ -42,4 +47,15 @@ def libvirt_bytes(value: str, unit: str | None, *, default_unit: str = "KiB") ->
         raise DomainXMLError(f"memory value {value!r} is not an integer") from None
     if number < 0:
         raise DomainXMLError(f"memory value {value!r} is negative")
+    return number * scale
+
+
+def parse_size(text: str) -> int:
+    """``4G``, ``512M``, ``1048576k``, ``4GiB`` -> bytes (binary multiples)."""
+    m = _CLI_SIZE.match(text)
+    if not m:
+        raise ConfigError(f"bad size {text!r}: expected a number with a unit such as 512M or 4G")
+    number = int(m.group(1))
+    suffix = (m.group(2) or "b").lower()
+    scale = 1 if suffix == "b" else 1 << (10 * "kmgt".index(suffix[0]) + 10)
     return number * scale

@@ -18,11 +18,11 @@ from vmlend.domain import (
 from vmlend.domain.build import DiskXML
 from vmlend.domain.metadata import DeviceEntryXML, VmlendMetadataXML
 from vmlend.domain.model import DomainXML, MdevHostdevXML, PciAddressXML
-from vmlend.domain.units import libvirt_bytes
+from vmlend.domain.units import libvirt_bytes, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
 from vmlend.topology.model import InterruptPath
-from vmlend.units import format_size_exact, format_size_human, parse_size
+from vmlend.units import format_size_exact, format_size_human
 
 U = uuid.UUID("c7a5fdbd-edaf-9455-926a-d65c16db1809")
 
