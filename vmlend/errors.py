@@ -14,7 +14,7 @@ class VmlendError(Exception):
     """Base of all vmlend errors. ``str()`` is the one-line message shown to users."""
 
 
-# --- configuration and input -------------------------------------------------------------
+# --- configuration and input: what the user gave (files, options, arguments) --------------
 
 
 class ConfigError(VmlendError):
@@ -34,142 +34,7 @@ class DomainXMLError(ConfigError):
     """Domain XML that vmlend cannot read or rewrite."""
 
 
-# --- the fabric ----------------------------------------------------------------------------
-
-
-class FabricError(VmlendError):
-    """Something about the fabric (nodes, devices, paths, resources) prevents the operation."""
-
-
-class UnknownNodeError(FabricError):
-    def __init__(self, node: str) -> None:
-        self.node = node
-        super().__init__(f"unknown node {node!r}; 'vmlend fabric show' lists the nodes")
-
-
-class UnknownDeviceError(FabricError):
-    def __init__(self, fdid: int) -> None:
-        self.fdid = fdid
-        super().__init__(
-            f"unknown device fdid {fdid:#x}; 'vmlend devices' lists the devices of the fabric"
-        )
-
-
-class DeviceNotLentError(FabricError):
-    def __init__(self, fdid: int, lender: str) -> None:
-        self.fdid = fdid
-        self.lender = lender
-        super().__init__(
-            f"device {fdid:#x} is not lent by {lender}; run 'vmlend lend {fdid:#x}' first"
-        )
-
-
-class DeviceHeldError(FabricError):
-    """The device is reserved or borrowed by someone else."""
-
-    def __init__(self, fdid: int, node: str, vm: str) -> None:
-        self.fdid = fdid
-        self.node = node
-        self.vm = vm
-        super().__init__(f"device {fdid:#x} is held by {node}/{vm}")
-
-
-class BorrowTeardownError(FabricError):
-    """Ending a borrow could not remove every mapping of the device: it stays fenced under
-    its old borrow (no bus mastering, no decoding) until a retried give-back succeeds."""
-
-    def __init__(self, fdid: int, node: str, vm: str, why: str) -> None:
-        self.fdid = fdid
-        self.node = node
-        self.vm = vm
-        self.why = why
-        super().__init__(
-            f"device {fdid:#x} stays fenced by {node}/{vm}: its mappings could not be torn "
-            f"down ({why}); fix the cause and give it back again"
-        )
-
-
-class StaleTokenError(FabricError):
-    """A step on a device for a hold older than the one the device last served (the fencing
-    token check): the hold it was made for has ended and a newer holder took the device."""
-
-    def __init__(self, fdid: int, token: int, current: int, what: str) -> None:
-        self.fdid = fdid
-        self.token = token
-        self.current = current
-        super().__init__(
-            f"device {fdid:#x}: {what} for an ended hold (fencing token {token}) refused: the"
-            f" device has since served a newer hold (token {current}); nothing was changed"
-        )
-
-
-class DeviceRevokedError(FabricError):
-    """A VM's device was taken from it (lender reclaim, a release or give-back behind its
-    back): its mdev and config space are dead for that VM, as after a surprise removal."""
-
-    def __init__(self, fdid: int, holder: str) -> None:
-        self.fdid = fdid
-        self.holder = holder
-        super().__init__(
-            f"device {fdid:#x} is no longer {holder}'s (its borrow or hold ended): hot-remove"
-            " it from the VM, then attach it again if it is free"
-        )
-
-
-class LenderUnavailableError(FabricError):
-    def __init__(self, fdid: int, lender: str, why: str = "is unreachable") -> None:
-        self.fdid = fdid
-        self.lender = lender
-        super().__init__(f"lender {lender} of device {fdid:#x} {why}")
-
-
-class NoPathError(FabricError):
-    def __init__(self, src: str, dst: str) -> None:
-        self.src = src
-        self.dst = dst
-        super().__init__(f"no NTB path from {src} to {dst}; check the fabric links")
-
-
-def _unit(count: int, unit: str) -> str:
-    """``unit`` (a plural: segments, entries, bytes) in the singular for a count of one."""
-    if count != 1 or not unit.endswith("s"):
-        return unit
-    return unit[:-3] + "y" if unit.endswith("ies") else unit[:-1]
-
-
-class ResourceExhaustedError(FabricError):
-    """A finite fabric resource (LUT entries, NTB window, segments) is short.
-
-    ``need`` and ``have`` are in the resource's unit (entries, bytes, segments).
-    """
-
-    def __init__(self, what: str, where: str, need: int, have: int, unit: str = "") -> None:
-        self.what = what
-        self.where = where
-        self.need = need
-        self.have = have
-        self.unit = unit
-        short = need - have
-
-        def n(count: int) -> str:
-            return f"{count} {_unit(count, unit)}" if unit else str(count)
-
-        super().__init__(
-            f"{what} on {where} is short by {n(short)} (need {n(need)}, have {n(have)})"
-        )
-
-
-class DmaFault(FabricError):
-    """A simulated DMA could not be resolved. ``hop`` names the translation stage that faulted."""
-
-    def __init__(self, hop: str, address: int, why: str) -> None:
-        self.hop = hop
-        self.address = address
-        self.why = why
-        super().__init__(f"DMA fault at {hop} for address {address:#x}: {why}")
-
-
-# --- state, mdevs, host --------------------------------------------------------------------
+# --- shared state: the SQLite file or the cluster registry, and the agent's lease ---------
 
 
 class StateError(VmlendError):
@@ -238,39 +103,275 @@ class StateLockedError(StateHostError):
         )
 
 
-class MdevError(VmlendError):
-    """The Linux mdev ABI refused an operation."""
+class AgentNotRunningError(StateError):
+    """A cluster registry write needs this host's agent lease, and there is none."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"no vmlend agent runs on this host (no live lease at {where}); start 'vmlend agent'"
+            " (see docs/cluster.md) and retry"
+        )
 
 
-class HostError(VmlendError):
-    """The host lacks something vmlend needs (a module, a path, a daemon)."""
+class RegistryUnreachableError(StateError):
+    """The cluster registry cannot be reached, or answers without a quorum: nothing was read
+    or written. ``where`` names its endpoints."""
+
+    def __init__(self, where: str, message: str) -> None:
+        self.where = where
+        super().__init__(message)
 
 
-class SysfsAttributeError(HostError):
-    """A sysfs attribute is not what the kernel makes it: a directory or a loop where a file
-    belongs, bytes that are not ASCII text, or a value outside what the attribute can hold.
-    ``path`` names it, ``problem`` says what is wrong and ``check`` whom to blame."""
+class ReleasePendingError(VmlendError):
+    """A release could not reach the registry; it is recorded on the host and the agent
+    retries it until it lands."""
 
-    def __init__(self, path: object, problem: str, check: str = "its driver ('dmesg')") -> None:
-        self.path = str(path)
-        self.problem = problem
-        self.check = check
-        super().__init__(f"sysfs attribute {self.path}: {problem}; check {check}")
+    def __init__(self, vm: str, why: str, journal: str) -> None:
+        self.vm = vm
+        self.journal = journal
+        super().__init__(
+            f"release of VM {vm!r} is pending: {why}; recorded in {journal}, and 'vmlend agent'"
+            " retries it until it lands (nothing to run by hand)"
+        )
 
 
-class UnsafePathError(VmlendError):
-    """vmlend, often running as root, will not use ``path`` as it is: a symbolic link where a
-    file is expected, not a regular file, too large, owned or writable by someone other than
-    root, or a name that would leave the tree it belongs to. ``why`` says which."""
+# --- the fabric: nodes, devices, holds and their fencing ----------------------------------
 
-    def __init__(self, path: str, why: str) -> None:
-        self.path = path
+
+class FabricError(VmlendError):
+    """Something about the fabric (nodes, devices, paths, resources) prevents the operation."""
+
+
+class UnknownNodeError(FabricError):
+    def __init__(self, node: str) -> None:
+        self.node = node
+        super().__init__(f"unknown node {node!r}; 'vmlend fabric show' lists the nodes")
+
+
+class UnknownDeviceError(FabricError):
+    def __init__(self, fdid: int) -> None:
+        self.fdid = fdid
+        super().__init__(
+            f"unknown device fdid {fdid:#x}; 'vmlend devices' lists the devices of the fabric"
+        )
+
+
+class DeviceNotLentError(FabricError):
+    def __init__(self, fdid: int, lender: str) -> None:
+        self.fdid = fdid
+        self.lender = lender
+        super().__init__(
+            f"device {fdid:#x} is not lent by {lender}; run 'vmlend lend {fdid:#x}' first"
+        )
+
+
+class DeviceHeldError(FabricError):
+    """The device is reserved or borrowed by someone else."""
+
+    def __init__(self, fdid: int, node: str, vm: str) -> None:
+        self.fdid = fdid
+        self.node = node
+        self.vm = vm
+        super().__init__(f"device {fdid:#x} is held by {node}/{vm}")
+
+
+class DeviceNotReservedError(FabricError):
+    """An operation needs the holder's reservation of the device, and there is none."""
+
+    def __init__(self, fdid: int, holder: str) -> None:
+        self.fdid = fdid
+        self.holder = holder
+        super().__init__(
+            f"device {fdid:#x} is not reserved by {holder}; it must be reserved first"
+            " (starting or hot-adding to the VM does that)"
+        )
+
+
+class DeviceFencedError(FabricError):
+    """The device's last holder lost its lease (its host died or was cut off) and the lender
+    has not yet taken the device back, so nobody may borrow it yet."""
+
+    def __init__(self, fdid: int, lender: str, holder: str) -> None:
+        self.fdid = fdid
+        self.lender = lender
+        self.holder = holder
+        super().__init__(
+            f"device {fdid:#x} is fenced: its holder {holder} lost its lease and the lender"
+            f" {lender} has not taken it back yet; retry once the vmlend agent on {lender}"
+            " has reset it"
+        )
+
+
+class BorrowTeardownError(FabricError):
+    """Ending a borrow could not remove every mapping of the device: it stays fenced under
+    its old borrow (no bus mastering, no decoding) until a retried give-back succeeds."""
+
+    def __init__(self, fdid: int, node: str, vm: str, why: str) -> None:
+        self.fdid = fdid
+        self.node = node
+        self.vm = vm
         self.why = why
-        super().__init__(f"refusing {path}: {why}")
+        super().__init__(
+            f"device {fdid:#x} stays fenced by {node}/{vm}: its mappings could not be torn "
+            f"down ({why}); fix the cause and give it back again"
+        )
 
 
-class LibvirtError(VmlendError):
-    """libvirt refused an operation; the message carries libvirt's own reason."""
+class StaleTokenError(FabricError):
+    """A step on a device for a hold older than the one the device last served (the fencing
+    token check): the hold it was made for has ended and a newer holder took the device."""
+
+    def __init__(self, fdid: int, token: int, current: int, what: str) -> None:
+        self.fdid = fdid
+        self.token = token
+        self.current = current
+        super().__init__(
+            f"device {fdid:#x}: {what} for an ended hold (fencing token {token}) refused: the"
+            f" device has since served a newer hold (token {current}); nothing was changed"
+        )
+
+
+class DeviceRevokedError(FabricError):
+    """A VM's device was taken from it (lender reclaim, a release or give-back behind its
+    back): its mdev and config space are dead for that VM, as after a surprise removal."""
+
+    def __init__(self, fdid: int, holder: str) -> None:
+        self.fdid = fdid
+        self.holder = holder
+        super().__init__(
+            f"device {fdid:#x} is no longer {holder}'s (its borrow or hold ended): hot-remove"
+            " it from the VM, then attach it again if it is free"
+        )
+
+
+class LenderUnavailableError(FabricError):
+    def __init__(self, fdid: int, lender: str, why: str = "is unreachable") -> None:
+        self.fdid = fdid
+        self.lender = lender
+        super().__init__(f"lender {lender} of device {fdid:#x} {why}")
+
+
+class NoPathError(FabricError):
+    def __init__(self, src: str, dst: str) -> None:
+        self.src = src
+        self.dst = dst
+        super().__init__(f"no NTB path from {src} to {dst}; check the fabric links")
+
+
+# --- fabric resources: LUT entries, NTB windows, segments, DMA reach ----------------------
+
+
+def _unit(count: int, unit: str) -> str:
+    """``unit`` (a plural: segments, entries, bytes) in the singular for a count of one."""
+    if count != 1 or not unit.endswith("s"):
+        return unit
+    return unit[:-3] + "y" if unit.endswith("ies") else unit[:-1]
+
+
+class ResourceExhaustedError(FabricError):
+    """A finite fabric resource (LUT entries, NTB window, segments) is short.
+
+    ``need`` and ``have`` are in the resource's unit (entries, bytes, segments).
+    """
+
+    def __init__(self, what: str, where: str, need: int, have: int, unit: str = "") -> None:
+        self.what = what
+        self.where = where
+        self.need = need
+        self.have = have
+        self.unit = unit
+        short = need - have
+
+        def n(count: int) -> str:
+            return f"{count} {_unit(count, unit)}" if unit else str(count)
+
+        super().__init__(
+            f"{what} on {where} is short by {n(short)} (need {n(need)}, have {n(have)})"
+        )
+
+
+class WindowExhaustedError(ResourceExhaustedError):
+    """An NTB window has too little free room; ``need``/``have`` are bytes."""
+
+    def __init__(self, where: str, need: int, have: int, purpose: str = "") -> None:
+        super().__init__("NTB window", where, need, have, "bytes")
+        self.purpose = purpose
+        why = f" ({purpose})" if purpose else ""
+        self.args = (
+            f"NTB window {where} short by {format_size_human(need - have)}:"
+            f" need {format_size_human(need)}, have {format_size_human(have)}{why}",
+        )
+
+
+class DmaLimitError(ResourceExhaustedError):
+    """Guest RAM lies beyond what a device can address (``need``/``have`` are end addresses)."""
+
+    def __init__(self, device: str, dma_bits: int, gpa_end: int) -> None:
+        super().__init__(f"{dma_bits}-bit DMA reach", device, gpa_end, 1 << dma_bits, "bytes")
+        self.dma_bits = dma_bits
+        self.gpa_end = gpa_end
+
+    def __str__(self) -> str:
+        return (
+            f"device {self.where} addresses only {self.dma_bits} bits (below {self.have:#x}) but "
+            f"guest RAM reaches {self.gpa_end:#x}: short by {self.need - self.have} bytes; give "
+            "the guest less memory or keep its RAM below the limit (e.g. no AMD 1 TiB move)"
+        )
+
+
+# --- the data path: DMA, IOMMU, pinning, peer-to-peer, guest memory layout, interrupts ----
+
+
+class DmaFault(FabricError):
+    """A simulated DMA could not be resolved. ``hop`` names the translation stage that faulted."""
+
+    def __init__(self, hop: str, address: int, why: str) -> None:
+        self.hop = hop
+        self.address = address
+        self.why = why
+        super().__init__(f"DMA fault at {hop} for address {address:#x}: {why}")
+
+
+class IommuMappingError(FabricError):
+    """An IOMMU map/unmap request conflicts with the domain's page tables."""
+
+    def __init__(self, domain: str, iova: int, size: int, why: str) -> None:
+        self.domain = domain
+        self.iova = iova
+        self.size = size
+        self.why = why
+        super().__init__(f"IOMMU domain {domain}: cannot map/unmap {iova:#x}+{size:#x}: {why}")
+
+
+class PinError(FabricError):
+    """Guest memory could not be pinned (not RAM, or the guest's memory does not exist yet)."""
+
+    def __init__(self, vm: str, gpa: int, why: str) -> None:
+        self.vm = vm
+        self.gpa = gpa
+        self.why = why
+        super().__init__(f"cannot pin guest {vm} memory at {gpa:#x}: {why}")
+
+
+class P2PError(FabricError):
+    """Peer-to-peer mappings between a VM's devices cannot be planned as asked (a bad BAR
+    index, size or alignment, a device not passed to the VM)."""
+
+
+class BarConflictError(P2PError):
+    """A guest placed a device BAR over the VM's RAM or over another BAR of the VM."""
+
+    def __init__(self, fdid: int, bar: int, gpa: int, size: int, other: str) -> None:
+        self.fdid = fdid
+        self.bar = bar
+        self.gpa = gpa
+        self.size = size
+        self.other = other
+        super().__init__(
+            f"the guest placed BAR {bar} of device {fdid:#x} at {gpa:#x}+{size:#x}, over {other};"
+            " no peer-to-peer mapping was changed (check the guest's PCI resource assignment)"
+        )
 
 
 class LayoutError(VmlendError):
@@ -281,7 +382,11 @@ class RelayError(VmlendError):
     """The interrupt relay could not set up or deliver a vector."""
 
 
-# --- the Linux mdev ABI (vmlend.kernel.mdev): each names the parent and type and what to do -------
+# --- the Linux mdev ABI (vmlend.kernel.mdev): each names the parent and type and what to do
+
+
+class MdevError(VmlendError):
+    """The Linux mdev ABI refused an operation."""
 
 
 class MdevParentNotFoundError(MdevError):
@@ -408,76 +513,74 @@ class MdevKernelError(MdevError):
         )
 
 
-class DmaLimitError(ResourceExhaustedError):
-    """Guest RAM lies beyond what a device can address (``need``/``have`` are end addresses)."""
-
-    def __init__(self, device: str, dma_bits: int, gpa_end: int) -> None:
-        super().__init__(f"{dma_bits}-bit DMA reach", device, gpa_end, 1 << dma_bits, "bytes")
-        self.dma_bits = dma_bits
-        self.gpa_end = gpa_end
-
-    def __str__(self) -> str:
-        return (
-            f"device {self.where} addresses only {self.dma_bits} bits (below {self.have:#x}) but "
-            f"guest RAM reaches {self.gpa_end:#x}: short by {self.need - self.have} bytes; give "
-            "the guest less memory or keep its RAM below the limit (e.g. no AMD 1 TiB move)"
-        )
+# --- NVMe sharing (queue level) -----------------------------------------------------------
 
 
-# --- appended by the shared-state work ----------------------------------------------------
+class NvmeShareError(FabricError):
+    """A shared NVMe drive (queue-level sharing) cannot do what was asked."""
 
 
-class WindowExhaustedError(ResourceExhaustedError):
-    """An NTB window has too little free room; ``need``/``have`` are bytes."""
-
-    def __init__(self, where: str, need: int, have: int, purpose: str = "") -> None:
-        super().__init__("NTB window", where, need, have, "bytes")
-        self.purpose = purpose
-        why = f" ({purpose})" if purpose else ""
-        self.args = (
-            f"NTB window {where} short by {format_size_human(need - have)}:"
-            f" need {format_size_human(need)}, have {format_size_human(have)}{why}",
-        )
-
-
-class DeviceNotReservedError(FabricError):
-    """An operation needs the holder's reservation of the device, and there is none."""
-
-    def __init__(self, fdid: int, holder: str) -> None:
+class NotSharedError(NvmeShareError):
+    def __init__(self, fdid: int) -> None:
         self.fdid = fdid
-        self.holder = holder
         super().__init__(
-            f"device {fdid:#x} is not reserved by {holder}; it must be reserved first"
-            " (starting or hot-adding to the VM does that)"
+            f"device {fdid:#x} is not lent for sharing; run 'vmlend nvme share {fdid:#x}' "
+            "on its lender first"
         )
 
 
-class HookError(VmlendError):
-    """A hook operation failed; the message names the VM, the device and the reason."""
+class SharesActiveError(NvmeShareError):
+    def __init__(self, fdid: int, shares: list[str]) -> None:
+        self.fdid = fdid
+        self.shares = shares
+        super().__init__(
+            f"device {fdid:#x} still has {len(shares)} share(s) ({', '.join(shares)}); "
+            "stop those VMs first"
+        )
 
 
-class IommuMappingError(FabricError):
-    """An IOMMU map/unmap request conflicts with the domain's page tables."""
-
-    def __init__(self, domain: str, iova: int, size: int, why: str) -> None:
-        self.domain = domain
-        self.iova = iova
-        self.size = size
+class SharingUnsupportedError(NvmeShareError):
+    def __init__(self, fdid: int, why: str) -> None:
+        self.fdid = fdid
         self.why = why
-        super().__init__(f"IOMMU domain {domain}: cannot map/unmap {iova:#x}+{size:#x}: {why}")
+        super().__init__(f"device {fdid:#x} cannot be shared at the queue level: {why}")
 
 
-class PinError(FabricError):
-    """Guest memory could not be pinned (not RAM, or the guest's memory does not exist yet)."""
+# --- the host: missing pieces, sysfs, unsafe paths ----------------------------------------
 
-    def __init__(self, vm: str, gpa: int, why: str) -> None:
-        self.vm = vm
-        self.gpa = gpa
+
+class HostError(VmlendError):
+    """The host lacks something vmlend needs (a module, a path, a daemon)."""
+
+
+class SysfsAttributeError(HostError):
+    """A sysfs attribute is not what the kernel makes it: a directory or a loop where a file
+    belongs, bytes that are not ASCII text, or a value outside what the attribute can hold.
+    ``path`` names it, ``problem`` says what is wrong and ``check`` whom to blame."""
+
+    def __init__(self, path: object, problem: str, check: str = "its driver ('dmesg')") -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.check = check
+        super().__init__(f"sysfs attribute {self.path}: {problem}; check {check}")
+
+
+class UnsafePathError(VmlendError):
+    """vmlend, often running as root, will not use ``path`` as it is: a symbolic link where a
+    file is expected, not a regular file, too large, owned or writable by someone other than
+    root, or a name that would leave the tree it belongs to. ``why`` says which."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
         self.why = why
-        super().__init__(f"cannot pin guest {vm} memory at {gpa:#x}: {why}")
+        super().__init__(f"refusing {path}: {why}")
 
 
-# --- hypervisor (libvirt and the simulated one) ---------------------------------------------
+# --- the hypervisor (libvirt and the simulated one) ---------------------------------------
+
+
+class LibvirtError(VmlendError):
+    """libvirt refused an operation; the message carries libvirt's own reason."""
 
 
 class UnknownDomainError(LibvirtError):
@@ -520,43 +623,6 @@ class ShutdownTimeoutError(DomainOperationError):
     """A graceful shutdown did not finish in time; the domain is still running."""
 
 
-# --- appended by the peer-to-peer work ----------------------------------------------------
-
-
-class P2PError(FabricError):
-    """Peer-to-peer mappings between a VM's devices cannot be planned as asked (a bad BAR
-    index, size or alignment, a device not passed to the VM)."""
-
-
-class BarConflictError(P2PError):
-    """A guest placed a device BAR over the VM's RAM or over another BAR of the VM."""
-
-    def __init__(self, fdid: int, bar: int, gpa: int, size: int, other: str) -> None:
-        self.fdid = fdid
-        self.bar = bar
-        self.gpa = gpa
-        self.size = size
-        self.other = other
-        super().__init__(
-            f"the guest placed BAR {bar} of device {fdid:#x} at {gpa:#x}+{size:#x}, over {other};"
-            " no peer-to-peer mapping was changed (check the guest's PCI resource assignment)"
-        )
-
-
-class DemoError(VmlendError):
-    """A step of ``vmlend demo`` did not show what it should: the data path misbehaved."""
-
-
-# --- appended by the CLI work (attach, detach, migrate) -------------------------------------
-
-
-class MigrationError(LibvirtError):
-    """A cold-migration step failed; the message says where the VM is defined now."""
-
-
-# --- appended by the review fixes ---------------------------------------------------------
-
-
 class DetachTimeoutError(DomainOperationError):
     """A live detach was asked for, but the guest has not released the device in time (libvirt's
     live detach is asynchronous). It is still plugged, so vmlend keeps its reservation and mdev."""
@@ -575,85 +641,16 @@ class DetachTimeoutError(DomainOperationError):
         )
 
 
-# --- NVMe sharing ---------------------------------------------------------------------------
+class MigrationError(LibvirtError):
+    """A cold-migration step failed; the message says where the VM is defined now."""
 
 
-class NvmeShareError(FabricError):
-    """A shared NVMe drive (queue-level sharing) cannot do what was asked."""
+# --- the hook and the demo ----------------------------------------------------------------
 
 
-class NotSharedError(NvmeShareError):
-    def __init__(self, fdid: int) -> None:
-        self.fdid = fdid
-        super().__init__(
-            f"device {fdid:#x} is not lent for sharing; run 'vmlend nvme share {fdid:#x}' "
-            "on its lender first"
-        )
+class HookError(VmlendError):
+    """A hook operation failed; the message names the VM, the device and the reason."""
 
 
-class SharesActiveError(NvmeShareError):
-    def __init__(self, fdid: int, shares: list[str]) -> None:
-        self.fdid = fdid
-        self.shares = shares
-        super().__init__(
-            f"device {fdid:#x} still has {len(shares)} share(s) ({', '.join(shares)}); "
-            "stop those VMs first"
-        )
-
-
-class SharingUnsupportedError(NvmeShareError):
-    def __init__(self, fdid: int, why: str) -> None:
-        self.fdid = fdid
-        self.why = why
-        super().__init__(f"device {fdid:#x} cannot be shared at the queue level: {why}")
-
-
-# --- appended by the cluster work (etcd registry, agent, fencing) ----------------------------
-
-
-class DeviceFencedError(FabricError):
-    """The device's last holder lost its lease (its host died or was cut off) and the lender
-    has not yet taken the device back, so nobody may borrow it yet."""
-
-    def __init__(self, fdid: int, lender: str, holder: str) -> None:
-        self.fdid = fdid
-        self.lender = lender
-        self.holder = holder
-        super().__init__(
-            f"device {fdid:#x} is fenced: its holder {holder} lost its lease and the lender"
-            f" {lender} has not taken it back yet; retry once the vmlend agent on {lender}"
-            " has reset it"
-        )
-
-
-class AgentNotRunningError(StateError):
-    """A cluster registry write needs this host's agent lease, and there is none."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        super().__init__(
-            f"no vmlend agent runs on this host (no live lease at {where}); start 'vmlend agent'"
-            " (see docs/cluster.md) and retry"
-        )
-
-
-class RegistryUnreachableError(StateError):
-    """The cluster registry cannot be reached, or answers without a quorum: nothing was read
-    or written. ``where`` names its endpoints."""
-
-    def __init__(self, where: str, message: str) -> None:
-        self.where = where
-        super().__init__(message)
-
-
-class ReleasePendingError(VmlendError):
-    """A release could not reach the registry; it is recorded on the host and the agent
-    retries it until it lands."""
-
-    def __init__(self, vm: str, why: str, journal: str) -> None:
-        self.vm = vm
-        self.journal = journal
-        super().__init__(
-            f"release of VM {vm!r} is pending: {why}; recorded in {journal}, and 'vmlend agent'"
-            " retries it until it lands (nothing to run by hand)"
-        )
+class DemoError(VmlendError):
+    """A step of ``vmlend demo`` did not show what it should: the data path misbehaved."""
