@@ -173,9 +173,6 @@ class P2PPlan(msgspec.Struct, frozen=True):
     def from_source(self, fdid: int) -> list[P2PMap]:
         return [m for m in self.maps if m.source == fdid]
 
-    def to_target(self, fdid: int) -> list[P2PMap]:
-        return [m for m in self.maps if m.target == fdid]
-
 
 # --- checking what the guest programmed ------------------------------------------------------
 

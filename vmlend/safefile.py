@@ -15,7 +15,6 @@ import errno
 import os
 import secrets
 import stat
-from pathlib import Path
 
 from vmlend.errors import UnsafePathError
 
@@ -134,14 +133,6 @@ def _create_temp(dfd: int, name: str) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no free temporary name", name)
-
-
-def is_link(path: Path) -> bool:
-    """True when ``path`` itself is a symbolic link (not followed)."""
-    try:
-        return stat.S_ISLNK(path.lstat().st_mode)
-    except OSError:
-        return False
 
 
 #: sizeof(sun_path) on Linux: the longest path a unix socket can be bound or connected at.

@@ -32,10 +32,3 @@ def registry_from_env(environ: dict[str, str] | None = None) -> str | Path:
     (or the default path)."""
     env = os.environ if environ is None else environ
     return env.get(REGISTRY_ENV) or state_path_from_env(env)
-
-
-def default_libvirt_dir() -> Path:
-    """libvirt's system config dir (the hook goes to <dir>/hooks/qemu.d/vmlend)."""
-    from vmlend.hostenv import HostEnv
-
-    return HostEnv.from_env().libvirt_config

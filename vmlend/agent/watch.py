@@ -50,10 +50,6 @@ class LeaseWatch:
             self.in_doubt = False
         return names
 
-    def since_renewal(self) -> float:
-        with self._lock:
-            return self._clock() - self._last_ok
-
     def check(self) -> bool:
         """One look: pause when in doubt for the first time. Whether it paused now."""
         with self._lock:

@@ -39,11 +39,6 @@ class HookCall(msgspec.Struct, frozen=True):
     def action(self) -> Action:
         return _ACTIONS.get((self.operation, self.sub_operation), Action.IGNORE)
 
-    @property
-    def is_filter(self) -> bool:
-        """migrate/restore: libvirt reads our stdout as the new domain XML."""
-        return self.action in (Action.MIGRATE, Action.RESTORE)
-
     def __str__(self) -> str:
         return f"{self.domain} {self.operation} {self.sub_operation} {self.extra or '-'}"
 

@@ -240,12 +240,6 @@ class ShareBook:
     def release(self, name: str) -> Share | None:
         return self.shares.pop(name, None)
 
-    def by_real_qid(self, qid: int) -> Share | None:
-        for s in self.shares.values():
-            if s.guest_qid(qid) is not None or s.qid_base == qid:
-                return s
-        return None
-
     def by_admin_slot(self, qid: int) -> Share | None:
         """The page-mode share whose guest admin doorbells are real queue id ``qid``'s."""
         for s in self.shares.values():

@@ -43,10 +43,6 @@ class RegistryLocation(msgspec.Struct, frozen=True):
     #: HTTPS settings of an etcd registry; None: plain HTTP.
     tls: EtcdTls | None = None
 
-    @property
-    def is_etcd(self) -> bool:
-        return self.path is None
-
     def __str__(self) -> str:
         if self.path is not None:
             return f"sqlite://{self.path.resolve()}"

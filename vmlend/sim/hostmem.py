@@ -199,10 +199,6 @@ class HostMemory:
                 return entry[1]
         return None
 
-    def allocations(self) -> dict[int, tuple[int, str]]:
-        """Allocated pages: base -> (size, owner)."""
-        return dict(self._allocated)
-
     # --- contents ------------------------------------------------------------------------------
     def _check(self, addr: int, length: int) -> None:
         if length < 0 or not self.contains(addr, max(length, 1)):

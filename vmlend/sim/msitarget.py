@@ -50,7 +50,6 @@ class MsiTarget(msgspec.Struct):
     vm: str
     base: int  # borrower physical address of the page
     delivered: int = 0
-    spurious: int = 0  # writes of a data value no vector owns
     _slots: dict[int, _Slot] = msgspec.field(default_factory=dict)
     _lock: threading.Lock = msgspec.field(default_factory=threading.Lock)
 
@@ -99,11 +98,10 @@ class MsiTarget(msgspec.Struct):
 
     def write(self, offset: int, value: int) -> bool:
         """A posted write of ``value`` at ``offset`` in the page: signal that slot's eventfd.
-        False when no vector owns ``value`` (counted as spurious, as an unrouted MSI is)."""
+        False when no vector owns ``value`` (dropped, as an unrouted MSI is)."""
         with self._lock:
             slot = self._slots.get(value)
             if slot is None or not 0 <= offset < PAGE:
-                self.spurious += 1
                 return False
             if slot.fd is None:
                 slot.held += 1

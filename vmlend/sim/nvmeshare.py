@@ -89,7 +89,6 @@ class VmNvmeShare:
         self.interrupts: dict[int, int] = {}
         self._listeners: list[Callable[[int], object]] = []
         self.traps = 0  # software steps taken for the guest's I/O doorbell writes
-        self.admin_traps = 0
         self.open = True
         #: The share was cut (its drive's borrow or its own share ended): a removed device.
         self.revoked = False
@@ -211,7 +210,6 @@ class _GuestBar0:
         if not self.s.open:
             raise FabricError(f"VM {self.s.vm}'s NVMe share is closed")
         if offset < spec.DOORBELL_BASE:
-            self.s.admin_traps += 1
             self.s.virtual.write(offset, size, value)
             return
         if offset >= spec.DOORBELL_BASE + spec.PAGE:
@@ -227,7 +225,6 @@ class _GuestBar0:
             return
         qid, completion = slot
         if qid == 0:
-            self.s.admin_traps += 1
             self.s.virtual.admin_doorbell(completion, value)
             return
         self.s.traps += 1  # trap mode: one software step per I/O doorbell write

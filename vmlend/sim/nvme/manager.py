@@ -41,7 +41,6 @@ class NvmeManager:
         self._interrupts: dict[str, GuestInterrupt] = {}
         self._queues: dict[str, set[tuple[str, int]]] = {}  # share -> {("sq"|"cq", real qid)}
         self._remove_stray = controller.on_stray_doorbell(self._stray)
-        self.interrupts_routed = 0
 
     def start(self) -> None:
         """Reset and enable the controller, keep its admin queues, take every queue id."""
@@ -222,7 +221,6 @@ class NvmeManager:
             return
         guest_vector = share.guest_vector(vector)
         assert guest_vector is not None
-        self.interrupts_routed += 1
         sink(guest_vector)
 
     def _stray(self, qid: int, completion: bool, value: int) -> None:

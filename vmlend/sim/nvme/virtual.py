@@ -77,7 +77,6 @@ class VirtualNvmeController:
         self._cq_head = 0
         self._phase = 1
         self._granted = share.queue_pairs
-        self.admin_commands = 0
         self._reset_registers()
 
     @property
@@ -188,7 +187,6 @@ class VirtualNvmeController:
                 self.memory.read(sq + self._sq_head * spec.SQE_SIZE, spec.SQE_SIZE)
             )
             self._sq_head = (self._sq_head + 1) % sqs
-            self.admin_commands += 1
             status, result = self._execute(cmd)
             entry = spec.Completion(cmd.cid, status, 0, self._sq_head, self._phase, result)
             self.memory.write(cq + self._cq_tail * spec.CQE_SIZE, entry.encode())

@@ -96,7 +96,6 @@ class ConfigSpace:
         self._bars: dict[int, BarSpec] = {}
         self._msi_offset: int | None = None
         self._msix_offset: int | None = None
-        self._exp_offset: int | None = None
         self._power_on = bytes(self._data)
 
     # --- construction ------------------------------------------------------------------------
@@ -182,7 +181,6 @@ class ConfigSpace:
         self._w1c_bits(at + regs.EXP_DEVSTA, 2, regs.EXP_DEVSTA_RW1C)
         self._put(at + regs.EXP_LNKCAP, 4, 0x3 | 16 << 4)  # 8 GT/s, x16
         self._put(at + regs.EXP_LNKSTA, 2, 0x3 | 16 << 4)
-        self._exp_offset = at
 
     def _add_msi(self, at: int, vectors: int, bits64: bool, maskable: bool) -> None:
         qmask = vectors.bit_length() - 1
@@ -270,10 +268,6 @@ class ConfigSpace:
     def set_status(self, bits: int) -> None:
         """The device sets status bits (errors, INTx asserted); software clears RW1C ones."""
         self._put(regs.STATUS, 2, self.read(regs.STATUS, 2) | bits)
-
-    def clear_status(self, bits: int) -> None:
-        """The device drops status bits it drives itself (INTx deasserted)."""
-        self._put(regs.STATUS, 2, self.read(regs.STATUS, 2) & ~bits)
 
     def set_msi_pending(self, vector: int, pending: bool) -> None:
         """The device records (or drops) a pending MSI message of a masked vector."""
