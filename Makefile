@@ -54,4 +54,4 @@ bench: venv
 	done
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_DIR) *.egg-info .pytest_cache .ruff_cache .mypy_cache
