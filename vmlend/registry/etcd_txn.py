@@ -70,8 +70,8 @@ class Snapshot:
             if key.startswith(prefix):
                 self._keys[key] = kvs.get(key)
                 return self._keys[key]
-        kvs = self._range(key, None)
-        kv = kvs[0] if kvs else None
+        found = self._range(key, None)
+        kv = found[0] if found else None
         self._keys[key] = kv
         return kv
 
@@ -109,7 +109,7 @@ class Snapshot:
         todo_loose = [
             p for p in dict.fromkeys(loose) if p not in self._ranges and p not in self._loose
         ]
-        ranges = [(k, None) for k in todo_keys]
+        ranges: list[tuple[str, str | None]] = [(k, None) for k in todo_keys]
         ranges += [(p, prefix_end(p)) for p in todo_prefixes + todo_loose]
         if not ranges:
             return

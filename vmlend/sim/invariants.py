@@ -58,14 +58,14 @@ from vmlend.errors import FabricError
 from vmlend.ledger.admission import usage, vm_share
 from vmlend.ledger.msiadmit import msi_share
 from vmlend.ledger.nvmeadmit import share_window_key
-from vmlend.ledger.nvmeshares import MANAGER_VM, SHARE_RECORD, share_entry
+from vmlend.ledger.nvmeshares import SHARE_RECORD, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
-from vmlend.topology.model import Holder
+from vmlend.topology.model import MANAGER_VM, Holder
 
 Owner = tuple[str, str]  # (node, vm)
 

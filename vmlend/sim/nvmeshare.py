@@ -37,7 +37,7 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import FabricError
-from vmlend.ledger.nvmeshares import MANAGER_VM, record_usage
+from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.guard import asid_base
@@ -52,7 +52,7 @@ from vmlend.sim.nvme.manager import NvmeManager
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
-from vmlend.topology.model import GuestRange
+from vmlend.topology.model import MANAGER_VM, GuestRange
 
 log = logging.getLogger(__name__)
 
