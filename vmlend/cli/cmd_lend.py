@@ -13,7 +13,7 @@ from vmlend.errors import ConfigError
 from vmlend.topology.model import DeviceStatus, format_fdid, parse_fdid
 
 
-class FdidType(click.ParamType):
+class FdidType(click.ParamType[int]):
     """A fabric device id argument (``0x10`` or ``16``); bad text is a usage error."""
 
     name = "FDID"

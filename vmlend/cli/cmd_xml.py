@@ -35,7 +35,7 @@ from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
 log = logging.getLogger(__name__)
 
 
-class _Converting(click.ParamType):
+class _Converting(click.ParamType[Any]):
     """A click type from one of our parse functions: its ConfigError becomes a usage error."""
 
     def __init__(self, name: str, parse: Any) -> None:
@@ -91,11 +91,11 @@ def fabric_validator(obj: CliContext) -> FdidValidator | None:
     if obj.registry is None and not obj.state_path.exists():
         return None
     try:
-        from vmlend.wiring.fabric import open_fabric  # type: ignore[import-not-found]
+        from vmlend.wiring.fabric import open_fabric
     except ImportError:
         return None
     fabric = open_fabric(obj.location, obj.node)
-    return fabric.device  # type: ignore[no-any-return]
+    return fabric.device
 
 
 def _read(path: Path) -> DomainDocument:
