@@ -490,11 +490,11 @@ class _Checker:
             if not hold.holder.node or not hold.holder.vm:
                 self.bad("hold", f"device {fdid:#x}", f"hold without a holder ({hold.holder!r})")
         for fdid, (node, vm) in sorted(self.owners.items()):
-            hold = holds.get(fdid)
-            if hold is None or (hold.holder.node, hold.holder.vm) != (node, vm):
+            its = holds.get(fdid)
+            if its is None or (its.holder.node, its.holder.vm) != (node, vm):
                 self.bad("hold", f"device {fdid:#x}", f"borrowed by {node}/{vm} without its hold")
-            elif hold.phase is not Phase.BORROWED:
-                self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {hold.phase}")
+            elif its.phase is not Phase.BORROWED:
+                self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {its.phase}")
 
     def claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
         window_claims: dict[tuple[str, str], int] = {}
