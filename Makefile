@@ -31,8 +31,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 venv: sysdeps $(VENV)/.installed
 
+# mypy: strict over vmlend/ ([tool.mypy] in pyproject.toml); ~3 s cold, <1 s with .mypy_cache.
 lint: venv
 	$(VENV)/bin/ruff check vmlend tests bench hooks
+	$(VENV)/bin/mypy
 
 test: venv lint
 	$(PY) -m pytest -q
@@ -54,4 +56,4 @@ bench: venv
 	done
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_DIR) *.egg-info .pytest_cache .ruff_cache .mypy_cache

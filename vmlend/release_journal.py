@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -88,13 +88,12 @@ class ReleaseJournal:
             path = self._path(pending.holder)
             before = self._load(path)
             if before is not None:
-                devices = sorted(set(map(tuple, before.devices)) | set(map(tuple, pending.devices)))
+                had = [(int(f), str(m)) for f, m in before.devices]
+                devices = sorted(set(had) | {(int(f), str(m)) for f, m in pending.devices})
                 shares = sorted(set(before.shares) | set(pending.shares))
-                if devices == sorted(map(tuple, before.devices)) and shares == sorted(
-                    before.shares
-                ):
+                if devices == sorted(had) and shares == sorted(before.shares):
                     return path, False
-                pending.devices = [(int(f), str(m)) for f, m in devices]
+                pending.devices = devices
                 pending.shares = shares
                 pending.since = before.since
             pending.since = pending.since or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -173,8 +172,8 @@ def land(fabric: Fabric, p: PendingRelease, record: Record = _ignore) -> list[st
 
 def pend_release(
     holder: Holder,
-    devices: list[tuple[int, object]],
-    shares: list[object],
+    devices: Sequence[tuple[int, object]],
+    shares: Sequence[object],
     why: RegistryUnreachableError,
     record: Record = _ignore,
 ) -> ReleasePendingError | None:

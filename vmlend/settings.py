@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping  # annotations only: the hook imports this module
 
 STATE_ENV = "VMLEND_STATE"
 NODE_ENV = "VMLEND_NODE"
@@ -21,13 +25,13 @@ def default_state_path() -> Path:
     return Path(base) / "vmlend" / "state.db"
 
 
-def state_path_from_env(environ: dict[str, str] | None = None) -> Path:
+def state_path_from_env(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     value = env.get(STATE_ENV)
     return Path(value) if value else default_state_path()
 
 
-def registry_from_env(environ: dict[str, str] | None = None) -> str | Path:
+def registry_from_env(environ: Mapping[str, str] | None = None) -> str | Path:
     """Where the shared state is: $VMLEND_REGISTRY, else the SQLite file of $VMLEND_STATE
     (or the default path)."""
     env = os.environ if environ is None else environ

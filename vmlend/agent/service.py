@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 
@@ -34,6 +35,10 @@ from vmlend.release_journal import ReleaseJournal
 from vmlend.wiring.fabric import Location, open_fabric
 
 log = logging.getLogger(__name__)
+
+
+class AgentFabric(Fabric, TakesBack, Protocol):
+    """What the agent serves on: a fabric that can take fenced devices back."""
 
 
 DEFAULT_TTL = 10
@@ -124,7 +129,7 @@ class Agent:
     def _serve(
         self,
         registry: EtcdRegistry,
-        fabric: Fabric,
+        fabric: AgentFabric,
         lease: SessionLease,
         previous: int | None,
         watch: LeaseWatch,

@@ -13,7 +13,7 @@ from vmlend.topology.model import DeviceStatus, format_fdid, parse_fdid
 from vmlend.views.devices import device_json
 
 
-class FdidType(click.ParamType):
+class FdidType(click.ParamType[int]):
     """A fabric device id argument (``0x10`` or ``16``); bad text is a usage error."""
 
     name = "FDID"

@@ -36,7 +36,7 @@ from vmlend.units import format_size_exact
 log = logging.getLogger(__name__)
 
 
-class _Converting(click.ParamType):
+class _Converting(click.ParamType[Any]):
     """A click type from one of our parse functions: its ConfigError becomes a usage error."""
 
     def __init__(self, name: str, parse: Any) -> None:
@@ -92,11 +92,11 @@ def fabric_validator(obj: CliContext) -> FdidValidator | None:
     if obj.registry is None and not obj.state_path.exists():
         return None
     try:
-        from vmlend.wiring.fabric import open_fabric  # type: ignore[import-not-found]
+        from vmlend.wiring.fabric import open_fabric
     except ImportError:
         return None
     fabric = open_fabric(obj.location, obj.node)
-    return fabric.device  # type: ignore[no-any-return]
+    return fabric.device
 
 
 def _read(path: Path) -> DomainDocument:

@@ -9,6 +9,7 @@ The API other parts use:
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 # Loaded on first use (PEP 562): the hook reads a domain with ``vmlend.domain.info`` alone and
 # must not pay for templates, builders and rewrites it does not use.
@@ -39,6 +40,27 @@ _EXPORTS: dict[str, str] = {
     "TemplateSet": "templates",
     "mdev_uuid": "uuids",
 }
+
+if TYPE_CHECKING:
+    # What a type checker sees; at run time __getattr__ below loads each name on first use.
+    # tests check that this block and _EXPORTS name the same things.
+    from vmlend.domain.address import PciAddress
+    from vmlend.domain.build import DeviceRequest, DomainSpec, FdidValidator, new_domain
+    from vmlend.domain.consistency import Problem, check_consistency, find_problems
+    from vmlend.domain.document import DomainDocument
+    from vmlend.domain.info import DomainInfo, has_vmlend_metadata, read_domain
+    from vmlend.domain.metadata import METADATA_KEY, NAMESPACE_URI, NvmeShareRequest, VmlendDevice
+    from vmlend.domain.rewrite import (
+        add_device,
+        drop_host_local_state,
+        find_device,
+        record_destination,
+        rederive_mdev_uuids,
+        remove_device,
+        rewrite_for_destination,
+    )
+    from vmlend.domain.templates import TemplateSet
+    from vmlend.domain.uuids import mdev_uuid
 
 __all__ = [
     "METADATA_KEY",

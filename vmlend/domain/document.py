@@ -79,11 +79,10 @@ class DomainDocument(msgspec.Struct):
             raise DomainXMLError(f"{source} is not well-formed XML (line {line}): {msg}") from None
         if root.tag != "domain":
             raise DomainXMLError(
-                f"{source} has root element <{root.tag}>, expected a libvirt <domain>"
+                f"{source} has root element <{root.tag!s}>, expected a libvirt <domain>"
             )
         docinfo = root.getroottree().docinfo
-        # (lxml-stubs lack DocInfo.doctype, which lxml has had since 2.0.)
-        if docinfo.doctype or docinfo.internalDTD is not None:  # type: ignore[union-attr]
+        if docinfo.doctype or docinfo.internalDTD is not None:
             # libvirt never writes one; entities in a DTD could point outside the document.
             raise DomainXMLError(f"{source} has a DOCTYPE; libvirt domain XML has none")
         encoding = docinfo.encoding or "UTF-8"

@@ -96,8 +96,8 @@ class _Writer:
         if isinstance(node, etree._Comment):
             return b"<!--" + self._enc(node.text or "") + b"-->"
         if isinstance(node, etree._ProcessingInstruction):
-            body = f"{node.target} {node.text}" if node.text else str(node.target)
-            return b"<?" + self._enc(body) + b"?>"
+            content = f"{node.target} {node.text}" if node.text else str(node.target)
+            return b"<?" + self._enc(content) + b"?>"
         parent = node.getparent()
         inherited = dict(parent.nsmap) if parent is not None else {}
         name = self._qname(node).encode()

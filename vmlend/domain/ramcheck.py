@@ -28,7 +28,9 @@ def require_computable_layout(doc: DomainDocument) -> None:
     if type_el is None or not type_el.get("machine"):
         # libvirt fills in the machine type when the domain is defined: judge the rest now
         root = copy.deepcopy(root)
-        os_el = root.find("os") if root.find("os") is not None else etree.SubElement(root, "os")
+        os_el = root.find("os")
+        if os_el is None:
+            os_el = etree.SubElement(root, "os")
         type_el = os_el.find("type")
         if type_el is None:
             type_el = etree.SubElement(os_el, "type")

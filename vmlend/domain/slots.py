@@ -104,7 +104,7 @@ def address_problem(domain: DomainXML, address: PciAddress) -> str | None:
     if address.function in same_slot:
         user = same_slot[address.function].getparent()
         tag = user.tag if user is not None else "device"
-        return f"guest PCI address {address} is already used by a <{tag}>"
+        return f"guest PCI address {address} is already used by a <{tag!s}>"
     if address.function != 0:
         first = same_slot.get(0)
         if first is None or first.get("multifunction") != "on":

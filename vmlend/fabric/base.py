@@ -12,7 +12,7 @@ Life of a device for a VM (docs/design.md, mechanisms 1-4):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from vmlend.ledger.admission import AdapterUsage
 from vmlend.topology.model import (
@@ -157,6 +157,13 @@ class Fabric(Protocol):
     def mdevs(self) -> list[MdevInfo]:
         """mdev children on this node."""
         ...
+
+    # --- every backend holds its registry open until closed ------------------------------
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 @runtime_checkable

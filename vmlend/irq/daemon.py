@@ -136,9 +136,11 @@ class RelayDaemon:
             conn.setblocking(False)
             session = Session(conn)
             self._sessions[conn.fileno()] = session
-            self.reactor.register(
-                conn.fileno(), select.EPOLLIN, lambda ev, s=session: self._readable(s, ev)
-            )
+
+            def on_event(ev: int, s: Session = session) -> None:
+                self._readable(s, ev)
+
+            self.reactor.register(conn.fileno(), select.EPOLLIN, on_event)
 
     def _readable(self, session: Session, events: int) -> None:
         while True:

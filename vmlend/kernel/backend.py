@@ -43,7 +43,7 @@ from vmlend.kernel.mdev import MdevBus, SysfsWriter
 from vmlend.kernel.udev import ParentWatcher, WantedMdev
 from vmlend.ledger.admission import AdapterUsage
 from vmlend.ledger.ledger import Ledger
-from vmlend.registry import FenceRecord, Registry, open_registry
+from vmlend.registry import FenceRecord, Registry, RegistryLocation, open_registry
 from vmlend.registry.records import Claim
 from vmlend.topology.model import (
     Check,
@@ -383,7 +383,7 @@ class SmartioFabric:
 
 
 def open_smartio_fabric(
-    state_path: str | Path,
+    state_path: str | Path | RegistryLocation,
     node: str | None = None,
     env: HostEnv | None = None,
     writer: SysfsWriter | None = None,

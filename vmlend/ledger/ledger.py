@@ -19,7 +19,7 @@ import logging
 import time
 import uuid as uuidlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, Self
 
 from vmlend.errors import (
     ConfigError,
@@ -135,6 +135,8 @@ class Ledger(ShareOps):
     state says the device is free.
     """
 
+    _hw: BorrowHardware | None  # more than the ShareRevoker that ShareOps needs
+
     def __init__(
         self,
         registry: Registry,
@@ -166,7 +168,7 @@ class Ledger(ShareOps):
     def close(self) -> None:
         self._reg.close()
 
-    def __enter__(self) -> Ledger:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -520,7 +522,7 @@ class Ledger(ShareOps):
             tx.prefetch([fdid], held_on=[holder.node], release_on=self.local_node)
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
-            if mine:
+            if mine and hold is not None:
                 tx.delete_hold(fdid)
                 self._reclaim_p2p(tx, hold.holder)
             self._drop_unused_parent(tx, fdid)

@@ -139,7 +139,9 @@ def return_all(
     named = list(devices)
     ours = {str(m) for _f, m in named}
     try:
-        holds = {st.fdid: st.holder for st in fabric.devices() if st.holder}
+        holds: dict[int, Holder | None] = {
+            st.fdid: st.holder for st in fabric.devices() if st.holder
+        }
     except StateRecordError as e:
         # one damaged record must not keep the others held: judge device by device
         failures.append(str(e))

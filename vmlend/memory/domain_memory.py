@@ -105,7 +105,7 @@ def _parse(xml: str | bytes | etree._Element) -> etree._Element:
     except etree.XMLSyntaxError as exc:
         raise DomainXMLError(f"domain XML is not well-formed: {exc}") from None
     if root.tag != "domain":
-        raise DomainXMLError(f"expected a <domain> document, got <{root.tag}>")
+        raise DomainXMLError(f"expected a <domain> document, got <{root.tag!s}>")
     return root
 
 

@@ -15,6 +15,9 @@ per doorbell write, which forwards only to the share's own queue ids.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 
 from vmlend.errors import ConfigError, ResourceExhaustedError
@@ -100,18 +103,18 @@ class Share(msgspec.Struct, frozen=True):
         }
 
     @classmethod
-    def from_record(cls, data: dict[str, object]) -> Share:
+    def from_record(cls, data: Mapping[str, Any]) -> Share:
         page = data.get("page")
         return cls(
             str(data["name"]),
-            int(data["queue_pairs"]),  # type: ignore[call-overload]
-            int(data["blocks"]),  # type: ignore[call-overload]
-            int(data["lba_offset"]),  # type: ignore[call-overload]
-            int(data["asid"]),  # type: ignore[call-overload]
-            int(data["qid_base"]),  # type: ignore[call-overload]
-            int(data["vector_base"]),  # type: ignore[call-overload]
+            int(data["queue_pairs"]),
+            int(data["blocks"]),
+            int(data["lba_offset"]),
+            int(data["asid"]),
+            int(data["qid_base"]),
+            int(data["vector_base"]),
             str(data["mode"]),
-            None if page is None else int(page),  # type: ignore[call-overload]
+            None if page is None else int(page),
         )
 
     def as_dict(self) -> dict[str, object]:

@@ -180,33 +180,33 @@ def find_drift(views: Views) -> list[Drift]:
         h = st.holder
         assert h is not None
         fd = format_fdid(st.fdid)
-        vm = next((v for v in views.running if same_holder(h, v.holder)), None)
-        mdev = mdev_of_fdid.get(st.fdid)
-        if vm is None:
+        running = next((v for v in views.running if same_holder(h, v.holder)), None)
+        held_mdev = mdev_of_fdid.get(st.fdid)
+        if running is None:
             where = "is defined but not running" if h.vm in views.defined else "is not running"
             drift.append(
                 Drift(
                     DriftKind.HOLD_OF_STOPPED_VM,
                     h.vm,
                     st.fdid,
-                    mdev,
+                    held_mdev,
                     f"device {fd} is {st.state.value} for VM {h.vm!r}, which {where} here"
                     " (its release hook did not finish, e.g. on a full disk, or it was killed"
                     " without it)",
-                    f"return {fd}" + (f" and remove mdev {mdev}" if mdev else ""),
+                    f"return {fd}" + (f" and remove mdev {held_mdev}" if held_mdev else ""),
                     holder=h,
                 )
             )
-        elif (st.fdid, vm.name) not in used:
+        elif (st.fdid, running.name) not in used:
             drift.append(
                 Drift(
                     DriftKind.HOLD_NOT_IN_XML,
-                    vm.name,
+                    running.name,
                     st.fdid,
-                    mdev,
-                    f"device {fd} is {st.state.value} for running VM {vm.name!r}, whose live"
+                    held_mdev,
+                    f"device {fd} is {st.state.value} for running VM {running.name!r}, whose live"
                     " XML does not name it (an attach killed after the reserve)",
-                    f"return {fd}" + (f" and remove mdev {mdev}" if mdev else ""),
+                    f"return {fd}" + (f" and remove mdev {held_mdev}" if held_mdev else ""),
                     holder=h,
                 )
             )

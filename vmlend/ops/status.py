@@ -174,11 +174,11 @@ def collect(
         views.append(VmView(holder.vm, holder.node, where, devices, _shares_of(shares, holder)))
     topology = fabric.topology()
     for v in views:
-        for d in v.devices:
-            d.path = _dma_path(topology, d.fdid, v.node)
-            if d.holder is not None and d.holder.node == v.node and d.holder.vm == v.name:
-                window = fabric.interrupt_window(d.fdid)
-                d.interrupts_via = None if window is None else window.adapter
+        for dv in v.devices:
+            dv.path = _dma_path(topology, dv.fdid, v.node)
+            if dv.holder is not None and dv.holder.node == v.node and dv.holder.vm == v.name:
+                window = fabric.interrupt_window(dv.fdid)
+                dv.interrupts_via = None if window is None else window.adapter
     return views
 
 

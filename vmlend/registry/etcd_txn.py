@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import msgspec
 
@@ -70,8 +70,8 @@ class Snapshot:
             if key.startswith(prefix):
                 self._keys[key] = kvs.get(key)
                 return self._keys[key]
-        kvs = self._range(key, None)
-        kv = kvs[0] if kvs else None
+        found = self._range(key, None)
+        kv = found[0] if found else None
         self._keys[key] = kv
         return kv
 
@@ -109,7 +109,7 @@ class Snapshot:
         todo_loose = [
             p for p in dict.fromkeys(loose) if p not in self._ranges and p not in self._loose
         ]
-        ranges = [(k, None) for k in todo_keys]
+        ranges: list[tuple[str, str | None]] = [(k, None) for k in todo_keys]
         ranges += [(p, prefix_end(p)) for p in todo_prefixes + todo_loose]
         if not ranges:
             return
@@ -151,17 +151,19 @@ class Snapshot:
 #: value out of its set): turned into one ``StateRecordError`` by ``_decoding``.
 _DAMAGE = (ValueError, KeyError, TypeError, AttributeError, msgspec.MsgspecError)
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Method = Callable[Concatenate["EtcdTxn", _P], _R]
 
 
-def _decoding(table: str) -> Callable[[_F], _F]:
+def _decoding(table: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     """Run a ``StateTxn`` method so that a damaged record it decodes is one
     ``StateRecordError`` naming ``table`` and the record's key (the method's first argument),
     never a traceback: a hostile or corrupt value in etcd is an error of that record only."""
 
-    def wrap(fn: _F) -> _F:
+    def wrap(fn: _Method[_P, _R]) -> _Method[_P, _R]:
         @functools.wraps(fn)
-        def decoding(self: EtcdTxn, *args: Any, **kw: Any) -> Any:
+        def decoding(self: EtcdTxn, /, *args: _P.args, **kw: _P.kwargs) -> _R:
             try:
                 return fn(self, *args, **kw)
             except StateError:
@@ -171,7 +173,7 @@ def _decoding(table: str) -> Callable[[_F], _F]:
                 shown = f"{key:#x}" if type(key) is int else str(key)
                 raise StateRecordError(table, shown, f"{type(e).__name__}: {e}") from None
 
-        return decoding  # type: ignore[return-value]
+        return decoding
 
     return wrap
 

@@ -31,6 +31,7 @@ from vmlend.registry.records import (
 from vmlend.topology.model import Holder
 
 _T = TypeVar("_T")
+Row = tuple[Any, ...]  # what sqlite3 fetches: one value per selected column
 
 
 def decoded(table: str, key: object, cls: type[_T], fields: dict[str, Any]) -> _T:
@@ -153,7 +154,7 @@ class SqliteTxn:
         return None if r is None else self._node(r)
 
     @staticmethod
-    def _node(r: tuple) -> NodeRecord:
+    def _node(r: Row) -> NodeRecord:
         return decoded(
             "node", _key(r[0]), NodeRecord, {"name": r[0], "up": _flag(r[1]), "why": r[2]}
         )
@@ -173,7 +174,7 @@ class SqliteTxn:
         return None if r is None else self._device(r)
 
     @staticmethod
-    def _device(r: tuple) -> DeviceRecord:
+    def _device(r: Row) -> DeviceRecord:
         fields = {"fdid": r[0], "lender": r[1], "lent": _flag(r[2]), "available": _flag(r[3])}
         return decoded("device", _key(r[0]), DeviceRecord, fields)
 
@@ -189,7 +190,7 @@ class SqliteTxn:
     _HOLD_COLS = "fdid, node, vm, vm_uuid, since, phase, guest_ram"
 
     @staticmethod
-    def _hold(r: tuple) -> HoldRecord:
+    def _hold(r: Row) -> HoldRecord:
         fields = {
             "fdid": r[0],
             "holder": {"node": r[1], "vm": r[2], "vm_uuid": r[3]},
@@ -278,7 +279,7 @@ class SqliteTxn:
         return [(r[0], self._claim(r)) for r in rows]
 
     @staticmethod
-    def _claim(r: tuple) -> Claim:
+    def _claim(r: Row) -> Claim:
         fields = dict(
             zip(("adapter", "kind", "share", "entries", "segments", "bytes"), r[1:], strict=True)
         )
@@ -315,7 +316,7 @@ class SqliteTxn:
         return None if r is None else self._parent(r)
 
     @staticmethod
-    def _parent(r: tuple) -> ParentRecord:
+    def _parent(r: Row) -> ParentRecord:
         fields = {"node": r[0], "fdid": r[1], "name": r[2]}
         return decoded("mdev parent", f"{r[0]!r}/{_key(r[1])}", ParentRecord, fields)
 
@@ -351,7 +352,7 @@ class SqliteTxn:
     _MDEV_FIELDS = ("uuid", "fdid", "node", "parent", "type_id", "vm", "created")
 
     @classmethod
-    def _mdev(cls, r: tuple) -> MdevRecord:
+    def _mdev(cls, r: Row) -> MdevRecord:
         return decoded("mdev", _key(r[0]), MdevRecord, dict(zip(cls._MDEV_FIELDS, r, strict=True)))
 
     def add_mdev(self, rec: MdevRecord) -> None:
@@ -410,7 +411,8 @@ class SqliteTxn:
 
     def clear_runtime(self, fdid: int, kind: str | None = None, key: str | None = None) -> int:
         self._write()
-        sql, args = "DELETE FROM runtime WHERE fdid = ?", [fdid]
+        sql = "DELETE FROM runtime WHERE fdid = ?"
+        args: list[int | str] = [fdid]
         if kind is not None:
             sql += " AND kind = ?"
             args.append(kind)

@@ -58,14 +58,14 @@ from vmlend.errors import FabricError
 from vmlend.ledger.admission import usage, vm_share
 from vmlend.ledger.msiadmit import msi_share
 from vmlend.ledger.nvmeadmit import share_window_key
-from vmlend.ledger.nvmeshares import MANAGER_VM, SHARE_RECORD, share_entry
+from vmlend.ledger.nvmeshares import SHARE_RECORD, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
-from vmlend.topology.model import Holder
+from vmlend.topology.model import MANAGER_VM, Holder
 
 Owner = tuple[str, str]  # (node, vm)
 
@@ -490,11 +490,11 @@ class _Checker:
             if not hold.holder.node or not hold.holder.vm:
                 self.bad("hold", f"device {fdid:#x}", f"hold without a holder ({hold.holder!r})")
         for fdid, (node, vm) in sorted(self.owners.items()):
-            hold = holds.get(fdid)
-            if hold is None or (hold.holder.node, hold.holder.vm) != (node, vm):
+            its = holds.get(fdid)
+            if its is None or (its.holder.node, its.holder.vm) != (node, vm):
                 self.bad("hold", f"device {fdid:#x}", f"borrowed by {node}/{vm} without its hold")
-            elif hold.phase is not Phase.BORROWED:
-                self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {hold.phase}")
+            elif its.phase is not Phase.BORROWED:
+                self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {its.phase}")
 
     def claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
         window_claims: dict[tuple[str, str], int] = {}

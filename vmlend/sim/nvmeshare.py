@@ -37,12 +37,13 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import FabricError
-from vmlend.ledger.nvmeshares import MANAGER_VM, record_usage
+from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import Share
 from vmlend.registry import Registry
+from vmlend.sim.guest import Frame
 from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
@@ -52,7 +53,8 @@ from vmlend.sim.nvme.manager import NvmeManager
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
-from vmlend.topology.model import GuestRange
+from vmlend.topology.model import MANAGER_VM, GuestRange
+from vmlend.topology.paths import NtbPath
 
 log = logging.getLogger(__name__)
 
@@ -334,18 +336,30 @@ class SharedNvmeDrive:
         frames = []
         for r in ranges:
             frames += guest.pin(r.start, r.size)
-            undo.append(lambda r=r: guest.unpin(r.start, r.size))
+
+            def unpin(r: GuestRange = r) -> None:
+                guest.unpin(r.start, r.size)
+
+            undo.append(unpin)
         path = self.hw.route(self.device.lender, vms.node)
         if path is None:  # a VM on the lender: no NTB, the lender domain maps its frames
             for f in frames:
                 lender_domain.map(base + f.gpa, f.phys, f.size)
-                undo.append(lambda f=f: lender_domain.unmap(base + f.gpa, f.size))
+
+                def unmap_here(f: Frame = f) -> None:
+                    lender_domain.unmap(base + f.gpa, f.size)
+
+                undo.append(unmap_here)
             return
         ingress = self._enter(vms.node, path)
         undo.append(lambda: self._leave(vms.node))
         for f in frames:
             ingress.domain.map(base + f.gpa, f.phys, f.size)
-            undo.append(lambda f=f: ingress.domain.unmap(base + f.gpa, f.size))
+
+            def unmap_ingress(f: Frame = f) -> None:
+                ingress.domain.unmap(base + f.gpa, f.size)
+
+            undo.append(unmap_ingress)
         src = self.hw.adapter(path.src.ref)
         seg = src.segment_size
         # the planner's windows (low, high), each rounded out to whole segments: exactly the
@@ -356,14 +370,22 @@ class SharedNvmeDrive:
             first = src.free_segments(count)
             for i in range(count):
                 src.map_segment(first + i, vms.node, base + start + i * seg)
-                undo.append(lambda index=first + i: src.unmap_segment(index))
+
+                def unmap_segment(index: int = first + i) -> None:
+                    src.unmap_segment(index)
+
+                undo.append(unmap_segment)
             window = src.segment_base(first)
             for r in group:
                 at = window + r.start - start
                 lender_domain.map(base + r.start, at, r.size)
-                undo.append(lambda r=r: lender_domain.unmap(base + r.start, r.size))
 
-    def _enter(self, node: str, path) -> _Ingress:
+                def unmap_window(r: GuestRange = r) -> None:
+                    lender_domain.unmap(base + r.start, r.size)
+
+                undo.append(unmap_window)
+
+    def _enter(self, node: str, path: NtbPath) -> _Ingress:
         ingress = self._ingress.get(node)
         if ingress is None:
             src, dst = self.hw.adapter(path.src.ref), self.hw.adapter(path.dst.ref)

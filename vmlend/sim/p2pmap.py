@@ -55,7 +55,7 @@ class Promises(Protocol):
 
 #: ``recorder(source fdid, key, data)`` persists a map; ``data`` None removes it.
 Recorder = Callable[[int, str, "dict[str, Any] | None"], None]
-Undo = Callable[[], None]
+Undo = Callable[[], object]  # what an undo returns is ignored
 
 
 def registry_recorder(registry: Registry) -> Recorder:
@@ -243,10 +243,18 @@ class P2PMapper:
             for key in sorted(drop):
                 old = self._applied[key].map
                 self._unapply(key)
-                journal.append(lambda old=old: self._apply(old))
+
+                def reapply(old: P2PMap = old) -> None:
+                    self._apply(old)
+
+                journal.append(reapply)
             for m in add:
                 self._apply(m)
-                journal.append(lambda k=(m.source, m.key): self._unapply(k))
+
+                def unapply(k: tuple[int, str] = (m.source, m.key)) -> None:
+                    self._unapply(k)
+
+                journal.append(unapply)
         except Exception:
             for undo in reversed(journal):
                 undo()

@@ -31,8 +31,10 @@ def promised_segments(
     mapped_bars: set[str] = set()
     for r in p2p_maps:
         target = r.data.get("target")
-        hold = holds.get(target) if isinstance(target, int) else None
-        if r.data.get("adapter") == adapter and hold is not None:
+        if not isinstance(target, int) or r.data.get("adapter") != adapter:
+            continue
+        hold = holds.get(target)
+        if hold is not None:
             mapped_bars.add(p2p_share(hold.holder, target, int(r.data.get("bar", -1))))
     largest: dict[tuple[ClaimKind, str], int] = {}
     users: dict[tuple[ClaimKind, str], set[int]] = {}

@@ -52,7 +52,7 @@ class _Reader:
     def fail(self, path: str, problem: str) -> TopologyError:
         return TopologyError(f"{self.source}: {path}" if path else self.source, problem)
 
-    def table(self, value: Any, path: str, allowed: set[str], required: set[str]) -> dict:
+    def table(self, value: Any, path: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(path, f"expected a table, got {type(value).__name__}")
         unknown = sorted(set(value) - allowed)
@@ -105,7 +105,7 @@ class _Reader:
             raise self.fail(path, f"not a power of two: {value!r}")
         return n
 
-    def list_(self, value: Any, path: str) -> list:
+    def list_(self, value: Any, path: str) -> list[Any]:
         if not isinstance(value, list):
             raise self.fail(path, f"expected a list, got {type(value).__name__}")
         return value
@@ -235,7 +235,9 @@ def _pcie(r: _Reader, raw: Any, path: str) -> tuple[PcieElement, ...]:
     return tuple(out)
 
 
-def _slot(r: _Reader, t: dict, path: str, elements: tuple[PcieElement, ...]) -> str | None:
+def _slot(
+    r: _Reader, t: dict[str, Any], path: str, elements: tuple[PcieElement, ...]
+) -> str | None:
     if "slot" not in t:
         return None
     slot = r.str_(t["slot"], f"{path}.slot")
@@ -421,10 +423,10 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
 
     for i, raw in enumerate(r.list_(top.get("link", []), "link")):
         t = r.table(raw, f"link[{i}]", {"ends"}, {"ends"})
-        e = ends(t["ends"], f"link[{i}].ends", f"link[{i}]", 2)
-        if len(e) != 2:
+        pair = ends(t["ends"], f"link[{i}].ends", f"link[{i}]", 2)
+        if len(pair) != 2:
             raise r.fail(f"link[{i}].ends", "a back-to-back link joins exactly two adapters")
-        links.append(LinkSpec(ends=e))
+        links.append(LinkSpec(ends=pair))
     for i, raw in enumerate(r.list_(top.get("switch", []), "switch")):
         t = r.table(raw, f"switch[{i}]", {"name", "ports"}, {"name", "ports"})
         sw = r.str_(t["name"], f"switch[{i}].name")

@@ -31,7 +31,7 @@ def parse(xml: bytes, op: str, what: str, root_tag: str | None = None) -> Elemen
         raise DomainDefinitionError(op, what, f"XML error: {e}") from None
     if root_tag is not None and root.tag != root_tag:
         raise DomainDefinitionError(
-            op, what, f"XML error: expecting root element of '{root_tag}', not '{root.tag}'"
+            op, what, f"XML error: expecting root element of '{root_tag}', not '{root.tag!s}'"
         )
     return root
 
@@ -74,7 +74,9 @@ def parse_domain(xml: bytes) -> Element:
     uuid_el = root.find("uuid")
     if uuid_el is None:
         uuid_el = etree.Element("uuid")
-        root.find("name").addnext(uuid_el)
+        name_el = root.find("name")
+        assert name_el is not None  # name_of() read its text above
+        name_el.addnext(uuid_el)
         uuid_el.text = str(uuidlib.uuid4())
     else:
         try:
@@ -143,7 +145,7 @@ def get_metadata(root: Element, uri: str) -> bytes | None:
         if isinstance(el.tag, str) and _namespace(el) == uri:
 
             def strip(e: Element) -> str:
-                return _local(e) if _namespace(e) == uri else e.tag
+                return _local(e) if _namespace(e) == uri else str(e.tag)
 
             plain = _rebuild(el, strip, uri, {})
             etree.cleanup_namespaces(plain)
@@ -166,7 +168,7 @@ def set_metadata(root: Element, uri: str, key: str, xml: bytes | None, op: str) 
         given = parse(xml, op, name)
 
         def into(e: Element) -> str:
-            return f"{{{uri}}}{_local(e)}" if _namespace(e) is None else e.tag
+            return f"{{{uri}}}{_local(e)}" if _namespace(e) is None else str(e.tag)
 
         new = _rebuild(given, into, uri, {key: uri})
         etree.cleanup_namespaces(new)
@@ -179,7 +181,10 @@ def set_metadata(root: Element, uri: str, key: str, xml: bytes | None, op: str) 
         if meta is None:
             meta = etree.Element("metadata")
             anchor = root.find("uuid")
-            (anchor if anchor is not None else root.find("name")).addnext(meta)
+            if anchor is None:
+                anchor = root.find("name")
+            assert anchor is not None  # a stored domain has a name (parse_domain)
+            anchor.addnext(meta)
         meta.append(new)
     elif meta is not None and len(meta) == 0:
         root.remove(meta)
@@ -194,7 +199,7 @@ def parse_device(xml: bytes, op: str, domain: str) -> Element:
     dev = parse(xml, op, domain)
     if dev.tag != "hostdev":
         raise UnsupportedOperationError(
-            op, domain, f"the simulated hypervisor hot-plugs only <hostdev>, not <{dev.tag}>"
+            op, domain, f"the simulated hypervisor hot-plugs only <hostdev>, not <{dev.tag!s}>"
         )
     if device_key(dev) is None:
         raise DomainDefinitionError(
@@ -227,7 +232,7 @@ def device_key(dev: Element) -> tuple[str, ...] | None:
 
 def describe(dev: Element) -> str:
     key = device_key(dev)
-    return " ".join(key) if key else f"<{dev.tag}>"
+    return " ".join(key) if key else f"<{dev.tag!s}>"
 
 
 def add_device(root: Element, dev: Element, op: str) -> None:
@@ -248,7 +253,9 @@ def remove_device(root: Element, dev: Element, op: str) -> Element:
     key = device_key(dev)
     for other in root.iterfind("devices/hostdev"):
         if device_key(other) == key:
-            other.getparent().remove(other)
+            parent = other.getparent()
+            assert parent is not None  # found under devices/
+            parent.remove(other)
             return other
     raise DomainStateError(
         op, name_of(root), f"device {describe(dev)} not present in domain configuration"

@@ -286,9 +286,9 @@ class NvmeController:
                 self._report_stray(qid, completion, value)
                 return
             cq.head = value
-            for sq in list(self._sqs.values()):
-                if sq.cqid == qid and sq.head != sq.tail:
-                    self._run(sq)
+            for waiting in list(self._sqs.values()):
+                if waiting.cqid == qid and waiting.head != waiting.tail:
+                    self._run(waiting)
             return
         sq = self._sqs.get(qid)
         if sq is None or value >= sq.size:
@@ -354,7 +354,7 @@ class NvmeController:
 
     # --- admin commands ------------------------------------------------------------------------
     def _admin(self, cmd: spec.Command) -> tuple[int, int]:
-        handler = {
+        handlers: dict[int, Callable[[spec.Command], tuple[int, int]]] = {
             spec.ADMIN_IDENTIFY: self._identify,
             spec.ADMIN_CREATE_CQ: self._create_cq,
             spec.ADMIN_CREATE_SQ: self._create_sq,
@@ -364,7 +364,8 @@ class NvmeController:
             spec.ADMIN_GET_FEATURES: self._get_features,
             spec.ADMIN_GET_LOG_PAGE: self._get_log_page,
             spec.ADMIN_ABORT: lambda c: (spec.SC_SUCCESS, 1),  # nothing is ever outstanding
-        }.get(cmd.opcode)
+        }
+        handler = handlers.get(cmd.opcode)
         if handler is None:
             return spec.SC_INVALID_OPCODE, 0
         return handler(cmd)
