@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from vmlend.domain.build import DeviceRequest, DomainSpec, FdidValidator, new_domain
     from vmlend.domain.consistency import Problem, check_consistency, find_problems
     from vmlend.domain.document import DomainDocument
-    from vmlend.domain.info import DomainInfo, has_vmlend_metadata, read_domain
+    from vmlend.domain.info import DomainXMLInfo, has_vmlend_metadata, read_domain
     from vmlend.domain.metadata import METADATA_KEY, NAMESPACE_URI, NvmeShareRequest, VmlendDevice
     from vmlend.domain.rewrite import (
         add_device,
