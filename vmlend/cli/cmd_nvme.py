@@ -7,7 +7,7 @@ import click
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
-from vmlend.domain.units import parse_size
+from vmlend.domain.units import parse_cli_size
 from vmlend.errors import ConfigError
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.registry import open_registry
@@ -19,7 +19,7 @@ BLOCK = 512
 
 
 def _blocks(size: str) -> int:
-    n = parse_size(size)
+    n = parse_cli_size(size)
     if n < BLOCK or n % BLOCK:
         raise ConfigError(f"size {size!r} must be a positive multiple of {BLOCK} bytes")
     if n // BLOCK >= MAX_NVME_BLOCKS:
@@ -34,7 +34,12 @@ def nvme() -> None:
 
 @nvme.command("share")
 @click.argument("fdid")
-@click.option("--size", default="1T", show_default=True, help="Namespace size to share out.")
+@click.option(
+    "--size",
+    default="1T",
+    show_default=True,
+    help="Namespace size to share out (MiB, or 1T, 64GiB; 64GB is decimal).",
+)
 @click.pass_obj
 def share_cmd(obj: CliContext, fdid: str, size: str) -> None:
     """Lend FDID for sharing: its manager holds it; VMs then get shares, not the drive."""
@@ -71,10 +76,12 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
 @click.argument("fdid")
 @click.argument("vm")
 @click.option("--queues", type=click.IntRange(1, 0xFFFE), default=1, show_default=True)
-@click.option("--size", required=True, help="The VM's namespace size, e.g. 64G.")
+@click.option("--size", required=True, help="The VM's namespace size: MiB, or e.g. 64G.")
 @click.option("--node", help="The VM's node (default: this host's).")
 @click.option(
-    "--ram", default="0", help="The VM's RAM (e.g. 8G): its DMA windows' NTB room is claimed."
+    "--ram",
+    default="0",
+    help="The VM's RAM (MiB, or e.g. 8G): its DMA windows' NTB room is claimed.",
 )
 @click.pass_obj
 def reserve_cmd(
@@ -86,7 +93,7 @@ def reserve_cmd(
     holder = _holder(obj, vm, node)
     with open_registry(obj.location) as reg:
         share = ledger.reserve_share(
-            reg, dev, holder, queues, _blocks(size), guest_ram=parse_size(ram)
+            reg, dev, holder, queues, _blocks(size), guest_ram=parse_cli_size(ram)
         )
     click.echo(
         f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "

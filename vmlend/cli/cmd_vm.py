@@ -12,18 +12,11 @@ from vmlend.cli.connect import connect_option, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
 from vmlend.domain import DomainDocument
-from vmlend.hypervisor import DomainInfo, DomainState, Hypervisor
-
-# virsh's words for the states.
-_STATE_WORDS = {
-    DomainState.RUNNING: "running",
-    DomainState.PAUSED: "paused",
-    DomainState.SHUTOFF: "shut off",
-}
+from vmlend.hypervisor import DomainInfo, Hypervisor
 
 
 def _state(info: DomainInfo) -> str:
-    return _STATE_WORDS.get(info.state, str(info.state))
+    return info.state.words
 
 
 class _Session:

@@ -27,7 +27,7 @@ from vmlend.domain import (
 )
 from vmlend.domain.info import info_of
 from vmlend.domain.ramcheck import require_computable_layout
-from vmlend.domain.units import parse_size
+from vmlend.domain.units import parse_cli_size
 from vmlend.errors import ConfigError
 from vmlend.messages import plural
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
@@ -67,7 +67,7 @@ def _parse_uuid(text: str) -> uuid.UUID:
 FDID = _Converting("FDID", parse_fdid)
 DEVICE = _Converting("FDID[@ADDR]", _parse_device)
 ADDRESS = _Converting("DDDD:BB:SS.F", PciAddress.parse)
-SIZE = _Converting("SIZE", parse_size)
+SIZE = _Converting("SIZE", parse_cli_size)
 UUID = _Converting("UUID", _parse_uuid)
 INTERRUPTS = click.Choice([p.value for p in InterruptPath])
 
@@ -127,7 +127,13 @@ def xml_group() -> None:
 
 @xml_group.command("new")
 @click.argument("name")
-@click.option("--memory", type=SIZE, default="1G", show_default=True, help="Guest RAM (4G, 512M).")
+@click.option(
+    "--memory",
+    type=SIZE,
+    default="1G",
+    show_default=True,
+    help="Guest RAM: MiB, or with a unit (4G, 4GiB; 4GB is decimal).",
+)
 @click.option("--vcpus", type=click.IntRange(1, 4096), default=1, show_default=True)
 @click.option("--machine", type=click.Choice(["q35", "pc"]), default="q35", show_default=True)
 @click.option(

@@ -32,8 +32,13 @@ _LIBVIRT_UNITS = {
     "eb": 10**18,
 }
 
-# The CLI follows QEMU's -m and virsh: a bare suffix is binary (4G = 4 GiB).
-_CLI_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+# vmlend's own compact form (``vmlend.units.format_size_exact``: 16M, 1000B), read back from
+# its metadata: a bare suffix is binary.
+_EXACT_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+# The command line speaks libvirt's units (KiB/MiB/GiB and k/M/G binary, KB/MB/GB decimal)
+# and reads a bare number as MiB, as virt-install's --memory does.
+_CLI_SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def libvirt_bytes(value: str, unit: str | None, *, default_unit: str = "KiB") -> int:
@@ -50,9 +55,28 @@ def libvirt_bytes(value: str, unit: str | None, *, default_unit: str = "KiB") ->
     return number * scale
 
 
-def parse_size(text: str) -> int:
-    """``4G``, ``512M``, ``1048576k``, ``4GiB`` -> bytes (binary multiples)."""
+def parse_cli_size(text: str) -> int:
+    """A size on the command line -> bytes: ``512`` (MiB), ``4G``/``4GiB`` (binary), ``4GB``
+    (decimal, 4*10^9), ``1048576k``, ``4096B``."""
     m = _CLI_SIZE.match(text)
+    if not m:
+        raise ConfigError(
+            f"bad size {text!r}: expected a number, in MiB, or with a unit such as 512M,"
+            " 4GiB or 4GB (decimal)"
+        )
+    unit = m.group(2)
+    scale = _LIBVIRT_UNITS.get(unit.lower()) if unit else 1 << 20
+    if scale is None:
+        raise ConfigError(
+            f"bad size {text!r}: unknown unit {unit!r} (use libvirt's: B, KiB, MiB, GiB, TiB"
+            " or k, M, G, T, binary; KB, MB, GB, TB, decimal)"
+        )
+    return int(m.group(1)) * scale
+
+
+def parse_size(text: str) -> int:
+    """vmlend's compact form back to bytes: ``16M``, ``1000B``, ``4GiB`` (binary multiples)."""
+    m = _EXACT_SIZE.match(text)
     if not m:
         raise ConfigError(f"bad size {text!r}: expected a number with a unit such as 512M or 4G")
     number = int(m.group(1))

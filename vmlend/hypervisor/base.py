@@ -24,6 +24,11 @@ class DomainState(StrEnum):
     PAUSED = "paused"
     SHUTOFF = "shutoff"
 
+    @property
+    def words(self) -> str:
+        """virsh's words for the state (``shut off``), which every command prints."""
+        return "shut off" if self is DomainState.SHUTOFF else self.value
+
 
 class DomainInfo(msgspec.Struct, frozen=True):
     name: str

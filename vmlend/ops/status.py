@@ -86,7 +86,7 @@ class DeviceView(msgspec.Struct):
 class VmView(msgspec.Struct):
     name: str
     node: str
-    state: str  # running / shutoff / "not on this hypervisor"
+    state: str  # virsh's words (running / paused / shut off) or "not on this hypervisor"
     devices: list[DeviceView]
     #: Its queue-level shares of NVMe drives, with what the data path last recorded.
     shares: list[ShareEntry] = msgspec.field(default_factory=list)
@@ -164,7 +164,7 @@ def collect(
                 view.state = "at next start"
                 view.interrupts_asked = config.interrupts_of(d).value
                 devices.append(view)
-        views.append(VmView(info.name, node, info.state.value, devices, _shares_of(shares, holder)))
+        views.append(VmView(info.name, node, info.state.words, devices, _shares_of(shares, holder)))
     for holder, held in _other_holders(statuses.values(), seen, shares):
         if vm is not None and holder.vm != vm:
             continue

@@ -46,7 +46,7 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
     assert ["vm1", "gamma", "running", "0x10", "borrowed", m10, ntb, "-", "-", "-", path] in table
     assert ["vm1", "gamma", "running", "0x12", "reserved", m12, ntb, "-", "-", "-", path] in table
     idle = [row for row in table if row and row[0] == "idle"]
-    assert idle and idle[0][2:5] == ["shutoff", "0x20", "not"]  # "not held"
+    assert idle and idle[0][2:6] == ["shut", "off", "0x20", "not"]  # virsh's words; "not held"
     assert ["ADAPTER", "LUT", "USED", "WINDOW", "USED", "SEGMENTS"] in table
     gamma = next(row for row in table if row and row[0] == "gamma:0")
     assert gamma[1] == "2/30"  # one LUT entry per borrowed device
@@ -90,6 +90,17 @@ def test_json(cluster):
     assert set(by_ref) == {"alpha:0", "beta:0", "gamma:0"}
     assert by_ref["beta:0"]["lut_used"] == 1 and by_ref["beta:0"]["lut_usable"] == 30
     assert by_ref["gamma:0"]["window_used"] > 0
+
+
+def test_a_vms_state_is_said_in_virshs_words_by_every_command(cluster):
+    cluster.define("gamma", "idle", [0x20])
+    cluster.define("gamma", "busy", [0x21], running=True)
+    status = json.loads(cluster.cli("status", "--json", *GAMMA).stdout)
+    listed = json.loads(cluster.cli("vm", "list", "--all", "--json", *GAMMA).stdout)
+    by_status = {vm["name"]: vm["state"] for vm in status["vms"]}
+    by_list = {vm["name"]: vm["state"] for vm in listed}
+    assert by_status == by_list == {"idle": "shut off", "busy": "running"}
+    assert cluster.cli("vm", "domstate", "idle", *GAMMA).stdout.strip() == "shut off"
 
 
 def test_vms_known_only_from_the_fabric(cluster):

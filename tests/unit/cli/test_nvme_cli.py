@@ -48,7 +48,7 @@ def test_refusals_are_one_line_errors(state_path):
     assert c.cli("nvme", "share", "0x12", "--size", "1M").exit_code == 0
     r = c.cli("nvme", "reserve", "0x12", "web", "--size", "2M")
     assert r.exit_code == 1 and "LBA space" in r.output
-    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "1000")
+    r = c.cli("nvme", "reserve", "0x12", "web", "--size", "1000B")
     assert r.exit_code == 1 and "multiple of 512" in r.output
     r = c.cli("nvme", "reserve", "0x12", "web", "--queues", "40", "--size", "64K")
     assert r.exit_code == 1 and "vectors" in r.output

@@ -18,7 +18,7 @@ from vmlend.domain import (
 from vmlend.domain.build import DiskXML
 from vmlend.domain.metadata import DeviceEntryXML, VmlendMetadataXML
 from vmlend.domain.model import DomainXML, MdevHostdevXML, PciAddressXML
-from vmlend.domain.units import libvirt_bytes, parse_size
+from vmlend.domain.units import libvirt_bytes, parse_cli_size, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
 from vmlend.topology.model import InterruptPath
@@ -152,8 +152,36 @@ def test_bad_libvirt_memory(value, unit):
         ("3gb", 3 << 30),
     ],
 )
-def test_cli_sizes_are_binary(text, expected):
+def test_vmlends_own_sizes_are_binary(text, expected):
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512", 512 << 20),  # a bare number is MiB, as virt-install reads --memory
+        ("4G", 4 << 30),
+        ("4GiB", 4 << 30),
+        ("4gib", 4 << 30),
+        ("4GB", 4 * 10**9),  # libvirt's GB is decimal
+        ("4 MB", 4 * 10**6),
+        ("1048576k", 1 << 30),
+        ("1048576KiB", 1 << 30),
+        ("1000KB", 10**6),
+        ("4096B", 4096),
+        ("4096bytes", 4096),
+        ("1T", 1 << 40),
+    ],
+)
+def test_command_line_sizes_speak_libvirts_units(text, expected):
+    assert parse_cli_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "G", "4X", "-4G", "4.5G", "4 G B", "4GiBB", "0x10M"])
+def test_bad_command_line_sizes_name_the_units(text):
+    with pytest.raises(ConfigError, match="bad size") as e:
+        parse_cli_size(text)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("text", ["", "G", "4X", "-4G", "4.5G", "4 G B"])
