@@ -26,7 +26,11 @@ def test_the_driver_reason_and_the_supported_case(tmp_path):
         "refused, controller has no per-queue LBA guard" in checks(fake.env)["nvme sharing"].detail
     )
     _attr(fake, "supported 511 32 0\n")
-    assert checks(fake.env)["nvme sharing"].detail == "0x12: 511 queue pairs"
+    detail = checks(fake.env)["nvme sharing"].detail
+    # The driver's word is reported, and so is vmlend's own limit: the kernel backend
+    # refuses shares (SharingUnsupportedError), so the drive is not called shareable.
+    assert detail.startswith("0x12: the driver offers 511 queue pairs")
+    assert "does not run shares yet; lend it whole" in detail
     _attr(fake, "supported lots\n")
     assert "unreadable nvme_share" in checks(fake.env)["nvme sharing"].detail
 
