@@ -157,7 +157,7 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     # gives. Such a change must bump COMPILED_FORMAT and update this pin.
     described = shape(msgspec.inspect.type_info(Topology), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    pinned = {"vmlend-topology/2": "c33a3eb7444cb6b4"}
+    pinned = {"vmlend-topology/3": "d9589b306601f1f3"}  # /3: NodeSpec.iommu
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
@@ -172,7 +172,7 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     texts.append(fabric_topology(4, 3))
     body = b"".join(msgspec.msgpack.encode(parse_topology(t, "pin.toml")) for t in texts)
     digest = hashlib.sha256(body).hexdigest()[:16]
-    pinned = {"vmlend-topology/2": "bd307ab2ac1fa13c"}
+    pinned = {"vmlend-topology/3": "e67e0d317c5aa0fc"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
