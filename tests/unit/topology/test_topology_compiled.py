@@ -309,3 +309,22 @@ def test_an_etcd_record_with_a_compiled_key_that_is_not_base64_opens_from_the_to
     assert etcd_keys_mod.compiled_of(record) is None
     assert etcd_keys_mod.compiled_of({"compiled": 7}) is None
     assert etcd_keys_mod.compiled_of({}) is None
+
+
+def test_a_topology_compiled_before_the_iommu_setting_is_parsed_from_its_text():
+    # vmlend-topology/2 had no NodeSpec.iommu: its blob is not trusted, the stored text is
+    # parsed again, and a node whose text turns its IOMMU off gets it off
+    import zlib
+
+    text, source = default_topology_text()
+    text = text.replace('name = "beta"\n', 'name = "beta"\niommu = false\n', 1)
+    parsed = parse_topology(text, source)
+    shape_2 = msgspec.to_builtins(parsed)  # what /2 stored: nodes without "iommu"
+    for node in shape_2["nodes"]:
+        del node["iommu"]
+    body = msgspec.msgpack.encode(shape_2)
+    blob = msgspec.msgpack.encode(["vmlend-topology/2", "d", zlib.crc32(body), msgspec.Raw(body)])
+    assert decode_compiled(blob, "d") is None
+    rec = TopologyRecord("n", source, text, "d", "", 0.0, blob)
+    got = stored_topology(rec)
+    assert got == parsed and not got.node("beta").iommu and got.node("alpha").iommu
