@@ -170,7 +170,7 @@ def _within(topology: Topology, node: str, a: str | None, b: str | None) -> list
     return [*_climb(up_a, node), _root_complex(node, up_a, up_b), *_climb(up_b, node)[::-1]]
 
 
-def _across(topology: Topology, path: NtbPath) -> list[Stage]:
+def _across(path: NtbPath) -> list[Stage]:
     """From the source adapter to the destination adapter, both included."""
     cluster = [Stage(Hop.CLUSTER_SWITCH, sw, "") for sw in path.switches]
     return [
@@ -202,7 +202,7 @@ def peer_path(
         ntb = _ntb(topology, src.node, dst.node)
         middle = [
             *_within(topology, src.node, src_slot, ntb.src.slot),
-            *_across(topology, ntb),
+            *_across(ntb),
             *_within(topology, dst.node, ntb.dst.slot, dst_slot),
         ]
     return PciePath(src.name, dst.name, (src, *middle, dst))
@@ -219,7 +219,7 @@ def device_to_ram(topology: Topology, fdid: int, node: str) -> PciePath:
     else:
         ntb = _ntb(topology, spec.lender, node)
         stages += _within(topology, spec.lender, spec.slot, ntb.src.slot)
-        stages += _across(topology, ntb)
+        stages += _across(ntb)
         stages += _up(topology, node, ntb.dst.slot)
     return PciePath(f"device {fdid:#x}", f"RAM of {node}", tuple(stages))
 
