@@ -252,6 +252,20 @@ class LenderUnavailableError(FabricError):
         super().__init__(f"lender {lender} of device {fdid:#x} {why}")
 
 
+class LenderIommuOffError(FabricError):
+    """A device lent from a host whose IOMMU is off: a VM cannot take it (its lender's IOMMU
+    mirrors the guest's memory layout, IOVA = guest-physical)."""
+
+    def __init__(self, fdid: int, lender: str) -> None:
+        self.fdid = fdid
+        self.lender = lender
+        super().__init__(
+            f"device {fdid:#x} cannot go to a VM: its lender {lender} has its IOMMU off, and a"
+            f" VM's device needs it; set iommu = true for {lender} in the topology and run"
+            " 'vmlend fabric init --topology FILE', or borrow a device of another lender"
+        )
+
+
 class NoPathError(FabricError):
     def __init__(self, src: str, dst: str) -> None:
         self.src = src

@@ -7,13 +7,17 @@ IOMMU domain, IOVA = B's guest-physical BAR address for every memory BAR of ever
 of the VM. Where that IOVA leads depends on where B sits:
 
 ``same-lender``     A and B in one host: A's lender IOMMU maps straight to B's BAR (host
-                    physical). The request turns at that host's root complex.
+                    physical). The request turns at that host's root complex (a VM's
+                    lender has its IOMMU on: ACS redirects peer-to-peer up through it).
 ``borrower-local``  B is installed in the borrower itself: A's IOVA leads into A's lender NTB
                     window, whose segment points at the borrower, whose per-VM IOMMU maps the
                     GPA to B's BAR.
 ``other-lender``    B is lent by a third host: the same, through the NTB between the two
                     lenders (``vmlend.topology.paths.route``), which need not be the borrower's;
                     the far lender translates the GPA in a domain of its own for this VM.
+
+Each map carries the PCIe path the request takes (``vmlend.topology.pcie.peer_path``): its
+hops and roots are the ones ``vmlend path`` shows for the same pair.
 
 Only memory BARs are mapped; the guest's BARs are checked first (naturally aligned, the right
 size, 32-bit BARs below 4 GiB, no overlap with the VM's RAM or with each other). A pair the
@@ -32,6 +36,7 @@ import msgspec
 from vmlend.errors import BarConflictError, P2PError
 from vmlend.topology.model import BarKind, DeviceSpec, GiB, GuestRange, Topology
 from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.pcie import Hop, PciePath, Stage, peer_path
 
 SAME_LENDER = "same-lender"
 BORROWER_LOCAL = "borrower-local"
@@ -62,6 +67,7 @@ class PeerDevice(msgspec.Struct, frozen=True):
     lender: str
     bars: tuple[PeerBar, ...]
     dma_bits: int = 64
+    slot: str | None = None  # where it hangs in its lender's PCIe tree (``DeviceSpec.slot``)
 
     def bar(self, index: int) -> PeerBar:
         for b in self.bars:
@@ -74,7 +80,7 @@ class PeerDevice(msgspec.Struct, frozen=True):
 def peer_device(spec: DeviceSpec, host_bars: Mapping[int, int]) -> PeerDevice:
     """A ``PeerDevice`` from a topology spec and the lender's BAR bases (index -> address)."""
     bars = tuple(PeerBar(b.index, b.size, b.kind, host_bars[b.index]) for b in spec.bars)
-    return PeerDevice(spec.fdid, spec.lender, bars, spec.dma_bits)
+    return PeerDevice(spec.fdid, spec.lender, bars, spec.dma_bits, spec.slot)
 
 
 class GuestBar(msgspec.Struct, frozen=True):
@@ -107,7 +113,7 @@ class P2PMap(msgspec.Struct, frozen=True):
     target_node: str  # the target's lender (the borrower for BORROWER_LOCAL)
     target_phys: int  # the BAR on target_node (host physical)
     path: NtbPath | None  # the NTB crossing, None for SAME_LENDER
-    route: tuple[str, ...]  # what the request passes, in order
+    pcie: PciePath  # what the request passes, in order (vmlend.topology.pcie)
 
     @property
     def key(self) -> str:
@@ -115,14 +121,19 @@ class P2PMap(msgspec.Struct, frozen=True):
         return f"{self.target:#x}/bar{self.bar}"
 
     @property
+    def route(self) -> tuple[str, ...]:
+        """The names of what the request passes, both ends included."""
+        return tuple(s.name for s in self.pcie.stages)
+
+    @property
     def hops(self) -> int:
-        """Links the request crosses in this model (one per step of ``route``)."""
-        return len(self.route) - 1
+        """Switching elements the request passes, counted as ``vmlend path`` counts them."""
+        return self.pcie.hops
 
     @property
     def roots(self) -> int:
         """Root complexes (each with its IOMMU) the request passes."""
-        return sum(1 for r in self.route if r.endswith(" root (IOMMU)"))
+        return self.pcie.roots
 
     @property
     def ntb_crossings(self) -> int:
@@ -153,6 +164,7 @@ class P2PMap(msgspec.Struct, frozen=True):
             "route": list(self.route),
             "hops": self.hops,
             "roots": self.roots,
+            "ntb_crossings": self.ntb_crossings,
         }
 
 
@@ -232,20 +244,18 @@ def _check_ram(bars: Sequence[GuestBar], ram: Iterable[GuestRange]) -> None:
 # --- planning --------------------------------------------------------------------------------
 
 
-def _root(node: str) -> str:
-    return f"{node} root (IOMMU)"
+def _peer_path(topology: Topology, src: PeerDevice, dst: PeerDevice) -> PciePath:
+    """The PCIe path from ``src`` to ``dst`` (``NoPathError`` when no NTB joins the lenders)."""
+    a = Stage(Hop.DEVICE, f"device {src.fdid:#x}", src.lender)
+    b = Stage(Hop.DEVICE, f"device {dst.fdid:#x}", dst.lender)
+    return peer_path(topology, a, src.slot, b, dst.slot)
 
 
-def _route(
-    source: int, target: str, src_node: str, dst_node: str, path: NtbPath | None
-) -> tuple[str, ...]:
-    hops = [f"device {source:#x}", _root(src_node)]
-    if path is not None:
-        hops.append(path.src.ref)
-        hops.extend(path.switches)
-        hops += [path.dst.ref, _root(dst_node)]
-    hops.append(target)
-    return tuple(hops)
+def _to_bar(path: PciePath, g: GuestBar) -> PciePath:
+    """``path`` ending at BAR ``g.index`` of its target."""
+    end = path.stages[-1]
+    name = f"{end.name} BAR{g.index}"
+    return PciePath(path.src, name, (*path.stages[:-1], Stage(end.kind, name, end.node)))
 
 
 def plan_p2p(
@@ -265,6 +275,7 @@ def plan_p2p(
         raise P2PError("a device is listed twice for the VM")
     check_guest_bars(by_fdid, bars, ram)
     paths: dict[tuple[str, str], NtbPath | None] = {}
+    peer_paths: dict[tuple[int, int], PciePath] = {}
     maps: list[P2PMap] = []
     skipped: list[Skipped] = []
     for src in sorted(devices, key=lambda d: d.fdid):
@@ -286,7 +297,8 @@ def plan_p2p(
                 case = BORROWER_LOCAL
             else:
                 case = OTHER_LENDER
-            name = f"device {g.fdid:#x} BAR{g.index}"
+            if (src.fdid, dst.fdid) not in peer_paths:
+                peer_paths[src.fdid, dst.fdid] = _peer_path(topology, src, dst)
             maps.append(
                 P2PMap(
                     source=src.fdid,
@@ -299,7 +311,7 @@ def plan_p2p(
                     target_node=dst.lender,
                     target_phys=dst.bar(g.index).host,
                     path=path,
-                    route=_route(src.fdid, name, src.lender, dst.lender, path),
+                    pcie=_to_bar(peer_paths[src.fdid, dst.fdid], g),
                 )
             )
     return P2PPlan(borrower, tuple(maps), tuple(skipped))

@@ -105,6 +105,17 @@ def test_vectors_and_peer_to_peer_maps_are_set_up(story):
     assert cases[("0x10", "0x12")] == "same-lender"
 
 
+def test_peer_to_peer_maps_count_hops_as_vmlend_path_does(story):
+    state, doc = story
+    maps = {(m["source"], m["target"]): m for m in step(doc, "enable")["p2p"]}
+    # same lender: the papers' local VM P2P (Table 2); two lenders: one NTB crossing between
+    want = {("0x10", "0x12"): (7, 1), ("0x10", "0x20"): (17, 2), ("0x20", "0x10"): (17, 2)}
+    for (src, dst), counts in want.items():
+        assert (maps[src, dst]["hops"], maps[src, dst]["roots"]) == counts
+        r = CliRunner().invoke(main, ["--state", str(state), "path", src, dst, "--json"])
+        assert (json.loads(r.output)["hops"], json.loads(r.output)["roots"]) == counts
+
+
 def test_dma_reaches_the_guest_page_through_the_ntb(story):
     (dma,) = step(story[1], "traffic")["dma"]
     assert dma["match"] is True and dma["bytes"] == 8192

@@ -7,7 +7,7 @@ import click
 
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
-from vmlend.topology.pcie import explain
+from vmlend.topology.pcie import Hop, explain
 
 HEADERS = ("#", "HOST", "KIND", "ELEMENT")
 
@@ -23,7 +23,9 @@ def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool
 
     Each end is a device (fdid, e.g. 0x10) or a node (its CPU and RAM): a device and a node is
     the device's DMA into a VM's RAM on that node, a node and a device is that node's CPU
-    reaching the device's BARs, two devices is peer-to-peer between them.
+    reaching the device's BARs, two devices is peer-to-peer between them. Hops are the
+    switching elements passed (numbered; the end devices are not hops, root ports are part of
+    their root complex), where peer-to-peer turns follows each host's IOMMU.
     """
     found = explain(obj.fabric().topology(), src, dst, via)
     if json_output:
@@ -33,10 +35,14 @@ def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool
         f"{found.src} -> {found.dst}: {found.hops} hops, {found.roots} root complex(es),"
         f" {found.ntb_crossings} NTB crossing(s), about +{found.added_ns} ns one way"
     )
-    rows = [
-        [str(i), s.node or "(fabric)", s.kind.value, s.name]
-        for i, s in enumerate(found.stages, start=1)
-    ]
+    rows: list[list[str]] = []
+    hop = 0
+    for s in found.stages:
+        number = "-"  # an end device: not a hop
+        if s.kind is not Hop.DEVICE:
+            hop += 1
+            number = str(hop)
+        rows.append([number, s.node or "(fabric)", s.kind.value, s.name])
     emit_table(HEADERS, rows)
 
 

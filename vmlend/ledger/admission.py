@@ -4,6 +4,9 @@ Pure logic over a ``Topology`` and a snapshot of the shared state (``StateView``
 backend that keeps its claims in the registry uses it, inside the registry's write transaction,
 so the decision and the claims it makes are atomic across processes.
 
+A VM's device must be lent from a host whose IOMMU is on (``NodeSpec.iommu``): the lender's
+IOMMU maps the guest's physical layout for the device, so admission refuses any other lender.
+
 What a remote reservation uses (docs/design.md, limits):
 - one requester LUT entry on each adapter of the crossing (the device's requester id on the
   lender's, its identity on the borrower's): 30 usable entries allow 30 devices lent and 30
@@ -36,6 +39,7 @@ from vmlend.errors import (
     DeviceNotLentError,
     DmaLimitError,
     FabricError,
+    LenderIommuOffError,
     LenderUnavailableError,
     ResourceExhaustedError,
     UnknownDeviceError,
@@ -61,6 +65,7 @@ from vmlend.topology.model import (
     Topology,
 )
 from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.pcie import device_to_ram
 from vmlend.units import format_size_human
 
 
@@ -225,6 +230,12 @@ def admit(
         adm.add("lender", "", LenderUnavailableError(fdid, spec.lender, problem))
     else:
         adm.add("lender", f"{spec.lender} is up")
+    # Every holder is a VM, whose device's DMA lands at guest-physical addresses only through
+    # the lender's IOMMU (IOVA = GPA): a lender with it off can lend to no VM.
+    if topology.node(spec.lender).iommu:
+        adm.add("iommu", f"{spec.lender} has its IOMMU on")
+    else:
+        adm.add("iommu", "", LenderIommuOffError(fdid, spec.lender))
     if rec is None or not rec.lent:
         adm.add("lent", "", DeviceNotLentError(fdid, spec.lender))
     else:
@@ -261,7 +272,8 @@ def admit(
     if path is None:
         adm.add("path", f"{borrower} is the lender itself: no NTB crossing")
     else:
-        adm.add("path", path.describe(), path=path.describe(), hops=path.hops)
+        dma = device_to_ram(topology, fdid, borrower)  # hops as `vmlend path` counts them
+        adm.add("path", path.describe(), path=path.describe(), hops=dma.hops, roots=dma.roots)
     if mine:
         for name in ("lut", "window-dma", "window-bars", "segments", "p2p"):
             adm.add(name, "already claimed by this VM's reservation")

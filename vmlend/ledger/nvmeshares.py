@@ -23,6 +23,7 @@ from vmlend.errors import (
     ConfigError,
     DeviceHeldError,
     DeviceNotLentError,
+    LenderIommuOffError,
     LenderUnavailableError,
     NotSharedError,
     SharesActiveError,
@@ -117,6 +118,9 @@ def lend_shared(
         node = tx.node(dev.lender)
         if node is not None and not node.up:  # its manager runs there: nothing to share now
             raise LenderUnavailableError(fdid, dev.lender, node.why or "is down")
+        if not stored_topology(tx.topology()).node(dev.lender).iommu:
+            # every share is a VM's: the drive reaches its RAM through the lender's IOMMU
+            raise LenderIommuOffError(fdid, dev.lender)
         hold = tx.hold(fdid)
         if hold is not None:
             if is_manager(hold.holder, dev.lender):

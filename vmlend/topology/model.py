@@ -134,7 +134,9 @@ class AdapterSpec(msgspec.Struct, frozen=True):
 class PcieKind(enum.StrEnum):
     ROOT_PORT = "root-port"
     SWITCH = "switch"  # an in-host PCIe switch
-    CHASSIS = "chassis"  # an expansion chassis (its switch, behind a host cable adapter)
+    #: An expansion chassis: its switch, behind a transparent link (a link adapter in the host,
+    #: one in the chassis); three hops on a path (vmlend.topology.pcie).
+    CHASSIS = "chassis"
 
 
 class PcieElement(msgspec.Struct, frozen=True):
@@ -152,6 +154,10 @@ class NodeSpec(msgspec.Struct, frozen=True):
     adapters: tuple[AdapterSpec, ...] = ()
     ram: int = 64 * GiB  # host RAM, backs guests running here
     pcie: tuple[PcieElement, ...] = ()  # root ports, switches, chassis, parents first
+    #: Its IOMMU (with ACS redirect) is on: peer-to-peer below its root complex goes up through
+    #: it, and it can lend to VMs (a VM's device needs it to mirror the guest's layout). Off,
+    #: peer-to-peer turns at the nearest common switch and the host lends to nobody's VM.
+    iommu: bool = True
 
 
 class LinkSpec(msgspec.Struct, frozen=True):

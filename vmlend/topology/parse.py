@@ -361,7 +361,7 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
     seen_fdids: dict[int, str] = {}
     for i, raw in enumerate(r.list_(top["node"], "node")):
         p = f"node[{i}]"
-        node_keys = {"name", "id", "hostname", "ram", "adapter", "device", "pcie"}
+        node_keys = {"name", "id", "hostname", "ram", "adapter", "device", "pcie", "iommu"}
         t = r.table(raw, p, node_keys, {"name", "id"})
         name = r.str_(t["name"], f"{p}.name")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
@@ -401,6 +401,7 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
                 adapters=adapters,
                 ram=r.size(t.get("ram", "64GiB"), f"{p}.ram", lo=1 << 20),
                 pcie=pcie,
+                iommu=r.bool_(t.get("iommu", True), f"{p}.iommu"),
             )
         )
     refs = {a.ref for n in nodes for a in n.adapters}

@@ -26,11 +26,6 @@ class NtbPath(msgspec.Struct, frozen=True):
         """The first switch on the way (None for a back-to-back cable)."""
         return self.switches[0] if self.switches else None
 
-    @property
-    def hops(self) -> int:
-        """Devices a TLP crosses between the two adapters (the switches)."""
-        return len(self.switches)
-
     def describe(self) -> str:
         via = f" via {', '.join(self.switches)}" if self.switches else ""
         return f"{self.src.ref} -> {self.dst.ref}{via}"

@@ -1,17 +1,24 @@
 """PCIe paths stage by stage: hops, root complexes and the latency the NTB adds (pure).
 
-A path lists every element a TLP passes, both ends included: the device, the in-host switches
-and expansion chassis above it, the root port, the root complex, the NTB adapters and the
-cluster switches between hosts. ``hops`` is that count (the links crossed plus one), ``roots``
-the root complexes passed. With the IOMMU on (always, for lending), peer-to-peer below a root
-complex is forced up through it (ACS redirect), so a device reaching a peer under the same
-switch still goes switch -> root port -> root complex -> root port -> switch.
+A path lists the elements a TLP passes from one end to the other: the end device (not a hop),
+then each switching element, then the other end. A **hop** is a switching element, counted the
+way the papers count them: an in-host PCIe switch, a root complex, an NTB adapter, a cluster
+switch, and each of the three elements of a transparent link to an expansion chassis (the
+host-side link adapter, the chassis' link adapter, the chassis switch). Neither end device is a
+hop, and root ports are part of their root complex. ``roots`` counts the root complexes passed.
 
-The counting matches docs/design.md's Table-2 anchors on the default topology: local VM P2P is
-``gpu, switch, root port, root complex, root port, switch, gpu`` = 7 hops, 1 root; a remote VM
-whose two devices on two lenders exchange data through the borrower's RAM is 21 hops, 3 roots
-(see docs/simulator.md). Latency: each NTB crossing adds ``NTB_ONE_WAY_NS`` one way (docs/design.md:
-~350-370 ns); the other hops are not costed, the papers give no per-hop figure for them.
+Where peer-to-peer turns depends on the host's IOMMU (``NodeSpec.iommu``, on by default). On,
+ACS redirects it up through the root complex, so two devices under one switch go switch ->
+root complex -> switch: 3 hops, 1 root. Off, it turns at the nearest switch both hang below:
+1 hop, 0 roots (and a device reaches its host's NTB adapter without visiting the root). A TLP
+into RAM or from a CPU always passes the root complex.
+
+On the default topology (GPUs and the NTB adapter in an expansion chassis behind a transparent
+link, as the papers built it) this gives the papers' Table-2 anchors: local VM P2P 7 hops,
+1 root; a remote VM whose devices on two lenders exchange data through the borrower's RAM
+21 hops, 3 roots (docs/simulator.md). Latency: each NTB crossing adds ``NTB_ONE_WAY_NS`` one
+way (~350-370 ns in the papers); the other hops are not costed, the papers give no per-hop
+figure for them.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Sequence
 import msgspec
 
 from vmlend.errors import ConfigError, FabricError
-from vmlend.topology.model import AdapterSpec, DeviceSpec, PcieKind, Topology, parse_fdid
+from vmlend.topology.model import DeviceSpec, PcieElement, PcieKind, Topology, parse_fdid
 from vmlend.topology.paths import NtbPath, route
 
 #: One way across one NTB crossing (adapter, cable or cluster switches, adapter), docs/design.md.
@@ -30,16 +37,14 @@ NTB_ONE_WAY_NS = 360
 
 
 class Hop(enum.StrEnum):
-    DEVICE = "device"
+    DEVICE = "device"  # an end of the path, not a hop
     SWITCH = "switch"  # in-host PCIe switch
-    CHASSIS = "chassis"  # expansion chassis switch
-    ROOT_PORT = "root-port"
-    ROOT_COMPLEX = "root-complex"
+    HOST_LINK = "host-link-adapter"  # the host's end of the transparent link to a chassis
+    CHASSIS_LINK = "chassis-link-adapter"  # the chassis' end of that link
+    CHASSIS = "chassis-switch"  # the expansion chassis' switch
+    ROOT_COMPLEX = "root-complex"  # with its root ports
     NTB = "ntb-adapter"
     CLUSTER_SWITCH = "cluster-switch"
-
-
-_ELEMENT_HOP = {PcieKind.SWITCH: Hop.SWITCH, PcieKind.CHASSIS: Hop.CHASSIS}
 
 
 class Stage(msgspec.Struct, frozen=True):
@@ -63,7 +68,8 @@ class PciePath(msgspec.Struct, frozen=True):
 
     @property
     def hops(self) -> int:
-        return len(self.stages)
+        """Switching elements passed: every stage but the end devices."""
+        return sum(1 for s in self.stages if s.kind is not Hop.DEVICE)
 
     @property
     def roots(self) -> int:
@@ -104,75 +110,135 @@ class PciePath(msgspec.Struct, frozen=True):
         }
 
 
-def _up(topology: Topology, node: str, slot: str | None, first: Stage) -> list[Stage]:
-    """From an endpoint up to its host's root complex: the endpoint, the elements it hangs
-    below, the root port, the root complex. Without a slot the endpoint sits in a root port
-    of its own."""
-    chain = [first]
+def _ancestors(topology: Topology, node: str, slot: str | None) -> list[PcieElement]:
+    """The elements above an endpoint in ``slot``, nearest first, up to its root port (none
+    for an endpoint without a slot: it sits in a root port of its own)."""
     elements = {e.name: e for e in topology.node(node).pcie}
+    out: list[PcieElement] = []
     name = slot
-    if name is None:
-        chain.append(Stage(Hop.ROOT_PORT, f"root port of {first.name}", node))
     while name is not None:
         e = elements[name]  # the topology parser checked every slot and parent
-        hop = Hop.ROOT_PORT if e.kind is PcieKind.ROOT_PORT else _ELEMENT_HOP[e.kind]
-        chain.append(Stage(hop, e.name, node))
+        out.append(e)
         name = e.parent
-    chain.append(Stage(Hop.ROOT_COMPLEX, f"{node} root complex", node))
-    return chain
+    return out
 
 
-def _device_up(topology: Topology, spec: DeviceSpec) -> list[Stage]:
-    first = Stage(Hop.DEVICE, f"{spec.kind} {spec.fdid:#x}", spec.lender)
-    return _up(topology, spec.lender, spec.slot, first)
+def _element_up(e: PcieElement, node: str) -> list[Stage]:
+    """The hops of one element as a TLP climbs through it; the turning point first."""
+    if e.kind is PcieKind.SWITCH:
+        return [Stage(Hop.SWITCH, e.name, node)]
+    if e.kind is PcieKind.CHASSIS:  # the chassis switch, then the transparent link up
+        return [
+            Stage(Hop.CHASSIS, f"{e.name} switch", node),
+            Stage(Hop.CHASSIS_LINK, f"{e.name} link adapter", node),
+            Stage(Hop.HOST_LINK, f"host link adapter to {e.name}", node),
+        ]
+    return []  # a root port is part of the root complex
 
 
-def _adapter_up(topology: Topology, adapter: AdapterSpec) -> list[Stage]:
-    first = Stage(Hop.NTB, adapter.ref, adapter.node)
-    return _up(topology, adapter.node, adapter.slot, first)
+def _climb(elements: Sequence[PcieElement], node: str) -> list[Stage]:
+    return [s for e in elements for s in _element_up(e, node)]
 
 
-def _across(topology: Topology, path: NtbPath) -> list[Stage]:
-    """Root complex of the source host to the root complex of the destination host."""
-    down = list(reversed(_adapter_up(topology, path.src)))[1:]  # without the source RC
+def _root_complex(node: str, *sides: Sequence[PcieElement]) -> Stage:
+    ports = sorted({e.name for side in sides for e in side if e.kind is PcieKind.ROOT_PORT})
+    via = f" via {', '.join(ports)}" if ports else ""
+    return Stage(Hop.ROOT_COMPLEX, f"{node} root complex{via}", node)
+
+
+def _up(topology: Topology, node: str, slot: str | None) -> list[Stage]:
+    """From an endpoint in ``slot`` up to and including its host's root complex (towards its
+    RAM or CPU: always through the root complex)."""
+    above = _ancestors(topology, node, slot)
+    return [*_climb(above, node), _root_complex(node, above)]
+
+
+def _within(topology: Topology, node: str, a: str | None, b: str | None) -> list[Stage]:
+    """The hops between two endpoints of one host (in slots ``a`` and ``b``): with its IOMMU
+    off, turning at the nearest switch above both; else (or with none in common) through its
+    root complex."""
+    up_a = _ancestors(topology, node, a)
+    up_b = _ancestors(topology, node, b)
+    if not topology.node(node).iommu:
+        names_b = [e.name for e in up_b]
+        for i, e in enumerate(up_a):
+            if e.kind is not PcieKind.ROOT_PORT and e.name in names_b:
+                j = names_b.index(e.name)
+                turn = _element_up(e, node)[0]
+                down = _climb(up_b[:j], node)[::-1]
+                return [*_climb(up_a[:i], node), turn, *down]
+    return [*_climb(up_a, node), _root_complex(node, up_a, up_b), *_climb(up_b, node)[::-1]]
+
+
+def _across(path: NtbPath) -> list[Stage]:
+    """From the source adapter to the destination adapter, both included."""
     cluster = [Stage(Hop.CLUSTER_SWITCH, sw, "") for sw in path.switches]
-    return [*down, *cluster, *_adapter_up(topology, path.dst)]
+    return [
+        Stage(Hop.NTB, path.src.ref, path.src.node),
+        *cluster,
+        Stage(Hop.NTB, path.dst.ref, path.dst.node),
+    ]
 
 
-def _rc_to_rc(topology: Topology, src: str, dst: str) -> list[Stage]:
-    """The stages after ``src``'s root complex up to and including ``dst``'s."""
+def _ntb(topology: Topology, src: str, dst: str) -> NtbPath:
     path = route(topology, src, dst)
-    return [] if path is None else _across(topology, path)
+    assert path is not None  # callers handle the same node
+    return path
+
+
+def _device_stage(spec: DeviceSpec) -> Stage:
+    return Stage(Hop.DEVICE, f"{spec.kind} {spec.fdid:#x}", spec.lender)
+
+
+def peer_path(
+    topology: Topology, src: Stage, src_slot: str | None, dst: Stage, dst_slot: str | None
+) -> PciePath:
+    """Peer-to-peer from the endpoint ``src`` (in ``src_slot`` of host ``src.node``) to
+    ``dst``: inside one host, or through the NTB between the two hosts; each host's IOMMU
+    decides where the TLP turns in it. ``NoPathError`` when no NTB joins the hosts."""
+    if src.node == dst.node:
+        middle = _within(topology, src.node, src_slot, dst_slot)
+    else:
+        ntb = _ntb(topology, src.node, dst.node)
+        middle = [
+            *_within(topology, src.node, src_slot, ntb.src.slot),
+            *_across(ntb),
+            *_within(topology, dst.node, ntb.dst.slot, dst_slot),
+        ]
+    return PciePath(src.name, dst.name, (src, *middle, dst))
 
 
 def device_to_ram(topology: Topology, fdid: int, node: str) -> PciePath:
-    """DMA of device ``fdid`` into the RAM of a VM on ``node`` (through the lender's root
-    complex and IOMMU, then across the NTB to the borrower's)."""
+    """DMA of device ``fdid`` into the RAM of a VM on ``node`` (to the lender's NTB adapter,
+    across the NTB, up to the borrower's root complex)."""
     spec = topology.device(fdid)
     topology.node(node)
-    stages = _device_up(topology, spec) + _rc_to_rc(topology, spec.lender, node)
+    stages = [_device_stage(spec)]
+    if spec.lender == node:
+        stages += _up(topology, node, spec.slot)
+    else:
+        ntb = _ntb(topology, spec.lender, node)
+        stages += _within(topology, spec.lender, spec.slot, ntb.src.slot)
+        stages += _across(ntb)
+        stages += _up(topology, node, ntb.dst.slot)
     return PciePath(f"device {fdid:#x}", f"RAM of {node}", tuple(stages))
 
 
 def cpu_to_bar(topology: Topology, node: str, fdid: int) -> PciePath:
-    """A CPU of ``node`` (a VM's driver) reading or writing a BAR of device ``fdid``."""
-    spec = topology.device(fdid)
-    topology.node(node)
-    to_lender = _rc_to_rc(topology, node, spec.lender)
-    stages = [Stage(Hop.ROOT_COMPLEX, f"{node} root complex", node), *to_lender]
-    stages += list(reversed(_device_up(topology, spec)))[1:]
-    return PciePath(f"CPU of {node}", f"BAR of device {fdid:#x}", tuple(stages))
+    """A CPU of ``node`` (a VM's driver) reading or writing a BAR of device ``fdid``: the way
+    the device's DMA into that node's RAM takes, backwards."""
+    back = device_to_ram(topology, fdid, node)
+    return PciePath(f"CPU of {node}", f"BAR of device {fdid:#x}", back.stages[::-1])
 
 
 def device_to_device(topology: Topology, src: int, dst: int) -> PciePath:
     """Peer-to-peer: device ``src`` writes into a BAR of device ``dst`` directly (same lender:
-    up through its root complex and down; else across the NTB between the two lenders)."""
+    inside it; else across the NTB between the two lenders)."""
     a, b = topology.device(src), topology.device(dst)
     if a.fdid == b.fdid:
         raise FabricError(f"device {src:#x} is both ends of the path; give two devices")
-    stages = _device_up(topology, a) + _rc_to_rc(topology, a.lender, b.lender)
-    stages += list(reversed(_device_up(topology, b)))[1:]
-    return PciePath(f"device {src:#x}", f"device {dst:#x}", tuple(stages))
+    found = peer_path(topology, _device_stage(a), a.slot, _device_stage(b), b.slot)
+    return PciePath(f"device {src:#x}", f"device {dst:#x}", found.stages)
 
 
 def device_via_ram(topology: Topology, src: int, dst: int, node: str) -> PciePath:

@@ -179,6 +179,27 @@ def test_device_held_elsewhere_is_one_line_and_nothing_changes(cluster):
     assert cluster.snapshot() == before
 
 
+def test_a_lender_with_its_iommu_off_lends_to_no_vm_one_line_nothing_changes(
+    state_path, monkeypatch
+):
+    from vmlend.wiring.fabric import default_topology_text
+
+    monkeypatch.delenv("VMLEND_NODE", raising=False)
+    text = default_topology_text()[0].replace('name = "alpha"\n', 'name = "alpha"\niommu = false\n')
+    cluster = make_cluster(state_path, text)
+    cluster.define("gamma", "vm1", running=True)
+    before = cluster.snapshot()
+    line = one_line(cluster.cli("attach", "vm1", "0x10", *GAMMA))
+    assert line == (
+        "Error: cannot attach device 0x10 to VM 'vm1': device 0x10 cannot go to a VM: its lender"
+        " alpha has its IOMMU off, and a VM's device needs it; set iommu = true for alpha in the"
+        " topology and run 'vmlend fabric init --topology FILE', or borrow a device of another"
+        " lender"
+    )
+    assert cluster.snapshot() == before
+    assert cluster.cli("attach", "vm1", "0x20", *GAMMA).exit_code == 0  # beta's IOMMU is on
+
+
 def test_vm_that_does_not_exist(cluster):
     before = cluster.snapshot()
     line = one_line(cluster.cli("attach", "ghost", "0x10", *GAMMA))

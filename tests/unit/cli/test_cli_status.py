@@ -38,8 +38,9 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
         "PATH",
     ]
     m10, m12 = (str(mdev_uuid(uuid, f)) for f in (0x10, 0x12))
-    # alpha's GPU and NVMe: device, switch, root port, root complex, root port, switch, NTB
-    # adapter, cluster switch, gamma's adapter, root port, root complex
+    # alpha's GPU and NVMe, in its expansion chassis: chassis switch, its link adapter, the host
+    # link adapter, alpha's root complex, back down those three, alpha's NTB adapter, the
+    # cluster switch, gamma's adapter, gamma's root complex (the count of `vmlend path`)
     path = "11h/2rc/+360ns"
     # MSI/MSI-X over alpha's NTB: both have MSI-X and the window had room (the default)
     ntb = "ntb(alpha:0)"
@@ -72,6 +73,8 @@ def test_runtime_records_are_shown(cluster):
     assert [v["key"] for v in dev["irq_vectors"]] == ["msix.0", "msix.1"]
     assert dev["p2p_maps"] == [{"key": "0x12", "gpa": 0xC0000000}]
     assert dev["dma_path"] == {"hops": 11, "roots": 2, "ntb_crossings": 1, "added_ns": 360}
+    shown = json.loads(cluster.cli("path", "0x10", "gamma", "--json").stdout)
+    assert {k: shown[k] for k in dev["dma_path"]} == dev["dma_path"]
 
 
 def test_json(cluster):

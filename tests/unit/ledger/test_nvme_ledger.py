@@ -8,6 +8,7 @@ import pytest
 from tests.support.simfabric import make_fabric
 from vmlend.errors import (
     DeviceHeldError,
+    LenderIommuOffError,
     NotSharedError,
     ResourceExhaustedError,
     SharesActiveError,
@@ -44,6 +45,17 @@ def test_geometry_of_the_default_drive_and_refusals_for_other_devices(fab):
     assert (g.queue_pairs, g.vectors, g.mode) == (511, 32, "trap")
     with pytest.raises(SharingUnsupportedError, match="gpu"):
         drive_geometry(fab.topology().device(0x10), BLOCKS)
+
+
+def test_a_drive_of_a_lender_with_its_iommu_off_is_not_shared(state_path):
+    from vmlend.wiring.fabric import default_topology_text
+
+    text = default_topology_text()[0].replace('name = "alpha"\n', 'name = "alpha"\niommu = false\n')
+    with make_fabric(state_path, text) as f:
+        before = (f.devices(), f.usage())
+        with pytest.raises(LenderIommuOffError, match="its lender alpha has its IOMMU off"):
+            ledger.lend_shared(f.registry, NVME, geometry(f))
+        assert (f.devices(), f.usage()) == before
 
 
 def test_shares_are_claimed_at_reserve_and_returned_at_release(fab, reg):

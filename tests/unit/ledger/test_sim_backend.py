@@ -13,6 +13,7 @@ from vmlend.errors import (
     DeviceHeldError,
     DeviceNotLentError,
     DeviceNotReservedError,
+    LenderIommuOffError,
     LenderUnavailableError,
     MdevError,
     MdevOwnedError,
@@ -111,6 +112,22 @@ def test_reserve_refusals(fab):
     with pytest.raises(DeviceNotLentError, match="vmlend lend 0x12"):
         fab.reserve(0x12, VM1)
     assert all(st.holder is None for st in fab.devices())
+
+
+def test_a_lender_with_its_iommu_off_lends_to_no_vm(location):
+    from vmlend.wiring.fabric import default_topology_text
+
+    text = default_topology_text()[0].replace('name = "beta"\n', 'name = "beta"\niommu = false\n')
+    with make_fabric(location, text) as f:
+        before = (f.usage(), f.devices())
+        with pytest.raises(LenderIommuOffError) as e:
+            f.reserve(0x20, VM1, guest_ram=8 * GiB)
+        assert "\n" not in str(e.value) and "its lender beta has its IOMMU off" in str(e.value)
+        assert "set iommu = true for beta" in str(e.value)
+        assert (f.usage(), f.devices()) == before
+        check = {c.name: c for c in f.admission(0x20, "gamma", 8 * GiB, holder=VM1)}["iommu"]
+        assert not check.ok and "IOMMU off" in check.detail
+        assert f.reserve(0x10, VM1).state is DeviceState.RESERVED  # alpha's IOMMU is on
 
 
 def test_borrow_and_give_back_need_the_reservation(fab):
@@ -242,12 +259,14 @@ def test_window_shortage_is_refused_with_exact_numbers(fab):
 def test_admission_reports_every_check_and_changes_nothing(fab):
     checks = fab.admission(0x10, "gamma", 72 * GiB, holder=VM1)
     assert [c.name for c in checks] == [
-        "exists", "lender", "lent", "not-held", "dma-limit", "path", "lut", "window-dma",
-        "window-bars", "segments", "p2p",
+        "exists", "lender", "iommu", "lent", "not-held", "dma-limit", "path", "lut",
+        "window-dma", "window-bars", "segments", "p2p",
     ]  # fmt: skip
     assert all(c.ok for c in checks)
     by = {c.name: c for c in checks}
     assert by["path"].detail == "alpha:0 -> gamma:0 via mxs824"
+    # the count `vmlend path 0x10 gamma` and `vmlend status` give for the same DMA
+    assert (by["path"].data["hops"], by["path"].data["roots"]) == (11, 2)
     assert "30 of 30 usable free" in by["lut"].detail
     assert "72 GiB of RAM" in by["window-dma"].detail and "128 GiB free" in by["window-dma"].detail
     assert "alpha:0 needs 19 of 32 free segments" in by["segments"].detail

@@ -20,12 +20,13 @@ from vmlend.p2p import (
 )
 from vmlend.topology.model import BarKind, GiB, GuestRange, MiB
 from vmlend.topology.parse import load_topology, parse_topology
+from vmlend.topology.pcie import device_to_device
 
 RAM = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 8 * GiB)]
 HI = 0x80_0000_0000  # 512 GiB: where a guest with 4 GiB of high RAM puts 64-bit BARs
 
 
-def gpu(fdid: int, lender: str, host: int = 0x100_0000_0000) -> PeerDevice:
+def gpu(fdid: int, lender: str, host: int = 0x100_0000_0000, slot: str | None = None) -> PeerDevice:
     return PeerDevice(
         fdid,
         lender,
@@ -35,6 +36,7 @@ def gpu(fdid: int, lender: str, host: int = 0x100_0000_0000) -> PeerDevice:
             PeerBar(3, 32 * MiB, BarKind.MEM64, host + 32 * GiB),
         ),
         dma_bits=40,
+        slot=slot,
     )
 
 
@@ -52,8 +54,12 @@ def topo():
     return load_topology()
 
 
+PLACES = ((0x10, "alpha"), (0x11, "alpha"), (0x20, "beta"))
+
+
 def three_gpus():
-    devices = [gpu(0x10, "alpha"), gpu(0x11, "alpha"), gpu(0x20, "beta")]
+    # in the default topology's expansion chassis, as peer_device takes them from it
+    devices = [gpu(f, lender, slot="chassis1") for f, lender in PLACES]
     bars = gpu_bars(0x10, 0) + gpu_bars(0x11, 1) + gpu_bars(0x20, 2)
     return devices, bars
 
@@ -75,8 +81,17 @@ def test_same_lender_turns_at_one_root(topo):
     devices, bars = three_gpus()
     m = next(m for m in plan_p2p(topo, "gamma", devices, bars).maps if m.target == 0x11)
     assert m.source == 0x10 and m.case == SAME_LENDER and m.path is None
-    assert m.route == ("device 0x10", "alpha root (IOMMU)", f"device 0x11 BAR{m.bar}")
-    assert (m.hops, m.roots, m.ntb_crossings, m.added_ns) == (2, 1, 0, 0)
+    chassis = ("chassis1 switch", "chassis1 link adapter", "host link adapter to chassis1")
+    assert m.route == (
+        "device 0x10",
+        *chassis,
+        "alpha root complex via rp1",
+        *chassis[::-1],
+        f"device 0x11 BAR{m.bar}",
+    )
+    # the papers' local VM P2P (Table 2), the count `vmlend path 0x10 0x11` gives
+    assert (m.hops, m.roots, m.ntb_crossings, m.added_ns) == (7, 1, 0, 0)
+    assert m.hops == device_to_device(topo, 0x10, 0x11).hops
 
 
 def test_other_lender_crosses_the_ntb_between_the_lenders(topo):
@@ -85,9 +100,11 @@ def test_other_lender_crosses_the_ntb_between_the_lenders(topo):
     m = next(m for m in plan.maps if (m.source, m.target) == (0x10, 0x20))
     assert m.case == OTHER_LENDER
     assert m.path is not None and m.path.describe() == "alpha:0 -> beta:0 via mxs824"
-    assert m.describe().startswith("device 0x10 -> alpha root (IOMMU) -> alpha:0 -> mxs824")
-    assert m.describe().endswith("beta:0 -> beta root (IOMMU) -> device 0x20 BAR" + str(m.bar))
-    assert (m.hops, m.roots, m.ntb_crossings) == (6, 2, 1)
+    assert "alpha root complex via rp1 -> " in m.describe()
+    assert " -> alpha:0 -> mxs824 -> beta:0 -> " in m.describe()
+    assert m.describe().endswith("chassis1 switch -> device 0x20 BAR" + str(m.bar))
+    assert (m.hops, m.roots, m.ntb_crossings) == (17, 2, 1)
+    assert (m.hops, m.roots) == (lambda p: (p.hops, p.roots))(device_to_device(topo, 0x10, 0x20))
     assert 350 <= m.added_ns <= 370
     back = next(m for m in plan.maps if (m.source, m.target) == (0x20, 0x10))
     assert back.case == OTHER_LENDER and back.path.src.ref == "beta:0"
@@ -210,7 +227,7 @@ def test_records_are_json_and_keyed_by_target_bar(topo):
     rec = json.loads(json.dumps(m.record()))
     assert m.key == f"0x20/bar{m.bar}"
     assert rec["case"] == OTHER_LENDER and rec["ntb"] == "alpha:0 -> beta:0 via mxs824"
-    assert rec["iova"] == m.iova and rec["hops"] == 6 and rec["roots"] == 2
+    assert rec["iova"] == m.iova and rec["hops"] == 17 and rec["roots"] == 2
 
 
 def test_peer_device_from_a_spec(topo):

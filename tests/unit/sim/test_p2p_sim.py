@@ -4,8 +4,12 @@ B is gone or has moved."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+from click.testing import CliRunner
+
+from vmlend.cli import main
 from vmlend.errors import (
     BarConflictError,
     DeviceHeldError,
@@ -22,6 +26,7 @@ from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.pci import regs
 from vmlend.topology.model import GiB, GuestRange, Holder, MiB
 from vmlend.topology.parse import load_topology, parse_topology
+from vmlend.topology.pcie import device_to_device
 
 GPU, GPU2, BETA_GPU, NIC = 0x10, 0x11, 0x20, 0x21
 RAM = [GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 6 * GiB)]
@@ -400,6 +405,19 @@ def test_maps_are_registry_runtime_records_of_the_source(tmp_path, hw):
     assert len(recs) == 3 * 2 * 3
     rec = next(r for r in recs if (r.fdid, r.key) == (GPU, "0x20/bar1"))
     assert rec.data["iova"] == gpa(BETA_GPU, 1) and rec.data["target_node"] == "beta"
+    # one count: each record's hops and roots are what `vmlend path` and status show
+    for r in recs:
+        want = device_to_device(hw.topology, r.fdid, int(r.data["target"]))
+        assert (r.data["hops"], r.data["roots"]) == (want.hops, want.roots)
+    assert (rec.data["hops"], rec.data["roots"]) == (17, 2)
+    state = ["--state", str(tmp_path / "s.db")]
+    path = json.loads(CliRunner().invoke(main, [*state, "path", "0x10", "0x20", "--json"]).output)
+    status = CliRunner().invoke(main, [*state, "status", "--json", "-c", "sim:///gamma"])
+    assert status.exit_code == 0, status.output
+    (web,) = [v for v in json.loads(status.output)["vms"] if v["name"] == "web"]
+    (gpu,) = [d for d in web["devices"] if d["fdid"] == "0x10"]
+    shown = next(m for m in gpu["p2p_maps"] if m["key"] == "0x20/bar1")
+    assert (shown["hops"], shown["roots"]) == (path["hops"], path["roots"]) == (17, 2)
     # a record that cannot be written (the NIC is not held) undoes the whole change
     before = p2p.maps()
     with pytest.raises(StateError, match="not held"):

@@ -1,8 +1,10 @@
-"""PCIe paths with hops and roots, and NTB routes through cascaded switches (issue 10, part 6).
+"""PCIe paths with hops and roots, and NTB routes through cascaded switches (issues 10 and 23).
 
-Hops count every element a TLP passes, both ends included (devices, in-host switches, root
-ports, root complexes, NTB adapters, cluster switches); roots count the root complexes. The
-default topology reproduces the papers' Table-2 anchors (docs/design.md)."""
+Hops count the switching elements a TLP passes, as the papers do: in-host switches, root
+complexes (root ports are part of them), NTB adapters, cluster switches and the three elements
+of a transparent link to an expansion chassis; never the end devices. Roots count the root
+complexes. Where peer-to-peer turns follows each host's IOMMU. The default topology reproduces
+the papers' Table-2 anchors (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,10 @@ ends = ["s3", "s2"]
 )
 
 
+#: The transparent link to the default topology's expansion chassis, climbed from inside it.
+CHASSIS_UP = ["chassis1 switch", "chassis1 link adapter", "host link adapter to chassis1"]
+
+
 def names(path) -> list[str]:
     return [s.name for s in path.stages]
 
@@ -78,7 +84,13 @@ def names(path) -> list[str]:
 def test_local_vm_p2p_is_7_hops_through_1_root():
     p = device_to_device(load_topology(), 0x10, 0x11)  # alpha's two GPUs, VM on alpha
     assert (p.hops, p.roots, p.added_ns) == (7, 1, 0)
-    assert names(p) == ["gpu 0x10", "sw1", "rp1", "alpha root complex", "rp1", "sw1", "gpu 0x11"]
+    assert names(p) == [
+        "gpu 0x10",
+        *CHASSIS_UP,
+        "alpha root complex via rp1",
+        *CHASSIS_UP[::-1],
+        "gpu 0x11",
+    ]
 
 
 def test_remote_vm_via_borrower_ram_is_21_hops_through_3_roots():
@@ -97,19 +109,150 @@ def test_device_to_ram_cpu_to_bar_and_direct_p2p_between_lenders():
     assert (local.hops, local.roots, local.added_ns) == (4, 1, 0)
     remote = device_to_ram(topo, 0x10, "gamma")
     assert (remote.hops, remote.roots, remote.added_ns) == (11, 2, NTB_ONE_WAY_NS)
-    assert names(remote)[-5:] == ["alpha:0", "mxs824", "gamma:0", "rp1", "gamma root complex"]
+    assert names(remote)[-4:] == ["alpha:0", "mxs824", "gamma:0", "gamma root complex via rp1"]
     bar = cpu_to_bar(topo, "gamma", 0x12)
     assert (bar.hops, bar.roots) == (11, 2) and names(bar)[-1] == "nvme 0x12"
     p2p = device_to_device(topo, 0x10, 0x20)  # straight from alpha to beta, not via gamma
-    assert (p2p.hops, p2p.roots, p2p.ntb_crossings) == (15, 2, 1)
+    assert (p2p.hops, p2p.roots, p2p.ntb_crossings) == (17, 2, 1)
     assert "gamma:0" not in names(p2p)
     assert [leg for leg, _stages in p2p.legs()] == ["alpha", "fabric", "beta"]
+
+
+# --- the papers' bare-metal cases: where peer-to-peer turns follows the host's IOMMU ---------
+
+#: One host, two root ports with a switch each: 0x1 and 0x2 under sw0, 0x3 under sw1.
+TWO_SWITCHES = """
+[[node]]
+name = "h"
+id = 1
+IOMMU
+  [[node.pcie]]
+  name = "rp0"
+  kind = "root-port"
+  [[node.pcie]]
+  name = "sw0"
+  kind = "switch"
+  parent = "rp0"
+  [[node.pcie]]
+  name = "rp1"
+  kind = "root-port"
+  [[node.pcie]]
+  name = "sw1"
+  kind = "switch"
+  parent = "rp1"
+""" + "".join(
+    f"""  [[node.device]]
+  fdid = {fdid}
+  bdf = "0000:0{fdid}:00.0"
+  kind = "gpu"
+  vendor = 0x10de
+  device = 0x1db4
+  class = 0x030200
+  slot = "{slot}"
+"""
+    for fdid, slot in ((1, "sw0"), (2, "sw0"), (3, "sw1"))
+)
+
+
+def two_switches(iommu: bool | None):
+    line = "" if iommu is None else f"iommu = {str(iommu).lower()}"
+    return parse_topology(TWO_SWITCHES.replace("IOMMU", line), "h.toml")
+
+
+def test_under_one_switch_iommu_off_is_1_hop_0_roots_and_on_3_hops_1_root():
+    off = device_to_device(two_switches(False), 0x1, 0x2)
+    assert (off.hops, off.roots) == (1, 0)
+    assert names(off) == ["gpu 0x1", "sw0", "gpu 0x2"]
+    on = device_to_device(two_switches(True), 0x1, 0x2)
+    assert (on.hops, on.roots) == (3, 1)
+    assert names(on) == ["gpu 0x1", "sw0", "h root complex via rp0", "sw0", "gpu 0x2"]
+    assert device_to_device(two_switches(None), 0x1, 0x2) == on  # the IOMMU is on by default
+    assert two_switches(None).node("h").iommu and not two_switches(False).node("h").iommu
+
+
+def test_with_no_switch_in_common_iommu_off_still_goes_through_the_root_complex():
+    p = device_to_device(two_switches(False), 0x1, 0x3)
+    assert names(p) == ["gpu 0x1", "sw0", "h root complex via rp0, rp1", "sw1", "gpu 0x3"]
+    assert (p.hops, p.roots) == (3, 1)
+    # into RAM (or from a CPU) always through the root complex, IOMMU or not
+    assert names(device_to_ram(two_switches(False), 0x1, "h")) == [
+        "gpu 0x1",
+        "sw0",
+        "h root complex via rp0",
+    ]
+
+
+def iommu_off(*nodes: str):
+    """The default topology with the IOMMU off on ``nodes``."""
+    text = _default_text()
+    for n in nodes:
+        text = text.replace(f'name = "{n}"\n', f'name = "{n}"\niommu = false\n', 1)
+    return parse_topology(text, "off.toml")
+
+
+def _default_text() -> str:
+    from importlib import resources
+
+    return resources.files("vmlend.data").joinpath("default-topology.toml").read_text()
+
+
+def test_a_lender_with_its_iommu_off_turns_at_the_chassis_switch():
+    topo = iommu_off("alpha", "beta")
+    assert not topo.node("alpha").iommu and topo.node("gamma").iommu
+    local = device_to_device(topo, 0x10, 0x11)
+    assert (local.hops, local.roots) == (1, 0)
+    assert names(local) == ["gpu 0x10", "chassis1 switch", "gpu 0x11"]
+    # to the NTB adapter in the same chassis without visiting alpha's root, into gamma's RAM
+    remote = device_to_ram(topo, 0x10, "gamma")
+    assert names(remote) == [
+        "gpu 0x10",
+        "chassis1 switch",
+        "alpha:0",
+        "mxs824",
+        "gamma:0",
+        "gamma root complex via rp1",
+    ]
+    assert (remote.hops, remote.roots, remote.added_ns) == (5, 1, NTB_ONE_WAY_NS)
+    across = device_to_device(topo, 0x10, 0x20)
+    assert (across.hops, across.roots, across.ntb_crossings) == (5, 0, 1)
+    via = device_via_ram(topo, 0x10, 0x20, "gamma")
+    assert (via.hops, via.roots) == (9, 1)  # the borrower's root holds the bounce buffer
+    # only the host whose IOMMU is off changes: beta still goes up through its root
+    half = device_to_device(iommu_off("alpha"), 0x10, 0x20)
+    assert (half.hops, half.roots) == (11, 1)
+
+
+def test_a_bad_iommu_value_is_refused_with_its_field():
+    for bad in ('"off"', "1", '"false"'):
+        with pytest.raises(TopologyError, match=r"node\[0\] 'h'\.iommu: expected true or false"):
+            parse_topology(TWO_SWITCHES.replace("IOMMU", f"iommu = {bad}"), "h.toml")
+
+
+def test_fabric_init_refuses_a_bad_iommu_value_and_installs_a_good_one(tmp_path):
+    from click.testing import CliRunner
+
+    from vmlend.cli import main
+
+    state = ["--state", str(tmp_path / "s.db")]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TWO_SWITCHES.replace("IOMMU", 'iommu = "off"'))
+    r = CliRunner().invoke(main, [*state, "fabric", "init", "--topology", str(bad)])
+    assert r.exit_code == 1
+    (line,) = [x for x in r.output.splitlines() if x.strip()]
+    assert "iommu: expected true or false, got 'off'" in line
+    good = tmp_path / "good.toml"
+    good.write_text(TWO_SWITCHES.replace("IOMMU", "iommu = false"))
+    r = CliRunner().invoke(main, [*state, "fabric", "init", "--topology", str(good)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(CliRunner().invoke(main, [*state, "path", "0x1", "0x2", "--json"]).output)
+    assert (data["hops"], data["roots"]) == (1, 0)
 
 
 def test_an_endpoint_without_a_slot_sits_in_a_root_port_of_its_own():
     topo = parse_topology(CASCADE, "c.toml")
     p = device_to_ram(topo, 0x100, "a")
-    assert names(p) == ["nvme 0x100", "root port of nvme 0x100", "a root complex"]
+    assert names(p) == ["nvme 0x100", "a root complex"]  # its root port is part of the root
+    assert p.hops == 1
 
 
 def test_bad_path_requests_are_refused():
@@ -133,7 +276,7 @@ def test_routes_cross_cascaded_switches_in_order():
     topo = parse_topology(CASCADE, "c.toml")
     ad = route(topo, "a", "d")
     assert (ad.src.ref, ad.dst.ref, ad.switches) == ("a:0", "d:0", ("s1", "s2", "s3"))
-    assert ad.describe() == "a:0 -> d:0 via s1, s2, s3" and ad.hops == 3
+    assert ad.describe() == "a:0 -> d:0 via s1, s2, s3" and len(ad.switches) == 3
     assert route(topo, "d", "a").switches == ("s3", "s2", "s1")
     assert route(topo, "b", "c").switches == ("s2",)
     p = device_to_ram(topo, 0x100, "d")
@@ -259,11 +402,11 @@ def test_slots_must_name_an_element_of_their_node():
         parse_topology(bad_adapter)
 
 
-def test_default_topology_keeps_its_names_and_places_devices_below_a_switch():
+def test_default_topology_keeps_its_names_and_places_devices_in_a_chassis():
     topo = load_topology()
     assert [n.name for n in topo.nodes] == ["alpha", "beta", "gamma"]
     assert [d.fdid for d in topo.devices] == [0x10, 0x11, 0x12, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25]
-    assert {d.slot for d in topo.devices} == {"sw1"}  # VFs follow their PF
+    assert {d.slot for d in topo.devices} == {"chassis1"}  # VFs follow their PF
     assert topo.node("gamma").adapters[0].slot == "rp1"
 
 
@@ -279,13 +422,15 @@ def test_path_command_explains_stage_by_stage(cluster):
         " 2 NTB crossing(s), about +720 ns one way"
     )
     assert lines[1].split() == ["#", "HOST", "KIND", "ELEMENT"]
-    assert lines[1 + 8].split() == ["8", "(fabric)", "cluster-switch", "mxs824"]
-    assert len(lines) == 2 + 21
+    assert lines[2].split() == ["-", "alpha", "device", "gpu", "0x10"]  # an end, not a hop
+    assert lines[2 + 9].split() == ["9", "(fabric)", "cluster-switch", "mxs824"]
+    assert lines[-1].split() == ["-", "beta", "device", "gpu", "0x20"]
+    assert len(lines) == 2 + 21 + 2  # the hops, numbered, and both end devices
     data = json.loads(cluster.cli("path", "gamma", "0x12", "--json").stdout)
     assert (data["hops"], data["roots"], data["added_ns"]) == (11, 2, 360)
     assert data["stages"][0] == {
         "kind": "root-complex",
-        "name": "gamma root complex",
+        "name": "gamma root complex via rp1",
         "node": "gamma",
     }
     bad = cluster.cli("path", "gamma", "beta")

@@ -157,7 +157,7 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     # gives. Such a change must bump COMPILED_FORMAT and update this pin.
     described = shape(msgspec.inspect.type_info(Topology), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    pinned = {"vmlend-topology/2": "c33a3eb7444cb6b4"}
+    pinned = {"vmlend-topology/3": "d9589b306601f1f3"}  # /3: NodeSpec.iommu
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
@@ -172,7 +172,7 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     texts.append(fabric_topology(4, 3))
     body = b"".join(msgspec.msgpack.encode(parse_topology(t, "pin.toml")) for t in texts)
     digest = hashlib.sha256(body).hexdigest()[:16]
-    pinned = {"vmlend-topology/2": "bd307ab2ac1fa13c"}
+    pinned = {"vmlend-topology/3": "e67e0d317c5aa0fc"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
@@ -309,3 +309,22 @@ def test_an_etcd_record_with_a_compiled_key_that_is_not_base64_opens_from_the_to
     assert etcd_keys_mod.compiled_of(record) is None
     assert etcd_keys_mod.compiled_of({"compiled": 7}) is None
     assert etcd_keys_mod.compiled_of({}) is None
+
+
+def test_a_topology_compiled_before_the_iommu_setting_is_parsed_from_its_text():
+    # vmlend-topology/2 had no NodeSpec.iommu: its blob is not trusted, the stored text is
+    # parsed again, and a node whose text turns its IOMMU off gets it off
+    import zlib
+
+    text, source = default_topology_text()
+    text = text.replace('name = "beta"\n', 'name = "beta"\niommu = false\n', 1)
+    parsed = parse_topology(text, source)
+    shape_2 = msgspec.to_builtins(parsed)  # what /2 stored: nodes without "iommu"
+    for node in shape_2["nodes"]:
+        del node["iommu"]
+    body = msgspec.msgpack.encode(shape_2)
+    blob = msgspec.msgpack.encode(["vmlend-topology/2", "d", zlib.crc32(body), msgspec.Raw(body)])
+    assert decode_compiled(blob, "d") is None
+    rec = TopologyRecord("n", source, text, "d", "", 0.0, blob)
+    got = stored_topology(rec)
+    assert got == parsed and not got.node("beta").iommu and got.node("alpha").iommu
