@@ -5,13 +5,14 @@ PY      := $(VENV)/bin/python
 # System packages: libvirt (daemon, test driver, headers for libvirt-python), QEMU for real
 # guest memory layouts, xmllint for virt-xml-validate, umockdev (+ its GObject introspection
 # data and python3-gi, which the uevent test's testbed API needs) for uevent tests, etcd-server
-# for the cluster registry (tests start a private etcd), openssl to make the TLS test's certificates.
+# for the cluster registry (tests start a private etcd), openssl to make the TLS test's certificates,
+# graphviz to check and draw the fabric's and paths' pictures (tests, make pictures).
 APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev \
             pkg-config qemu-system-x86 libxml2-utils umockdev \
-            python3-gi gir1.2-umockdev-1.0 etcd-server openssl
+            python3-gi gir1.2-umockdev-1.0 etcd-server openssl graphviz
 DEMO_DIR := $(CURDIR)/.demo
 
-.PHONY: all demo test test-fast lint bench sysdeps venv clean
+.PHONY: all demo test test-fast lint bench pictures sysdeps venv clean
 
 all: test
 
@@ -46,6 +47,10 @@ test-fast: venv
 demo: venv
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	VMLEND_STATE=$(DEMO_DIR)/state.db $(VENV)/bin/vmlend demo
+
+# The pictures in docs/pictures, drawn again from a fresh simulated cluster.
+pictures: venv
+	VMLEND=$(CURDIR)/$(VENV)/bin/vmlend sh docs/pictures/draw.sh
 
 # Every benchmark, each printing ratios measured side by side in one run (~3 min on 2 cores).
 bench: venv

@@ -5,13 +5,20 @@ from __future__ import annotations
 import click
 
 from vmlend.cli.cmd_lend import FDID
-from vmlend.cli.common import emit_json, json_option, read_input
+from vmlend.cli.common import (
+    check_one_output,
+    emit_json,
+    format_option,
+    json_option,
+    read_input,
+)
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
 from vmlend.ops.identity import identity_change
 from vmlend.registry.location import parse_location
 from vmlend.sim.backend import SimFabric
-from vmlend.views.fabric import fabric_json, render_fabric
+from vmlend.views.diagram import fabric_dot, fabric_mermaid
+from vmlend.views.fabric import fabric_json, node_states, render_fabric
 from vmlend.wiring.fabric import default_topology_text, init_fabric
 
 
@@ -95,12 +102,19 @@ def init(
 
 @fabric.command("show")
 @json_option
+@format_option
 @click.pass_obj
-def show(obj: CliContext, json_output: bool) -> None:
-    """Show nodes (with node ids), NTB adapters (LUT and window use) and links."""
+def show(obj: CliContext, json_output: bool, picture: str) -> None:
+    """Show nodes (with node ids), NTB adapters (LUT and window use) and links; --format
+    draws them with the devices coloured by state and their holders."""
+    check_one_output(json_output, picture)
     f = obj.fabric()
     if json_output:
         emit_json(fabric_json(f))
+    elif picture != "text":
+        down = {n: why for n, (up, why) in node_states(f).items() if not up}
+        draw = fabric_dot if picture == "dot" else fabric_mermaid
+        click.echo(draw(f.topology(), f.devices(), f.usage(), down), nl=False)
     else:
         click.echo(render_fabric(f))
 

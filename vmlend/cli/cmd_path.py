@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.common import check_one_output, emit_json, emit_table, format_option, json_option
 from vmlend.cli.context import CliContext
 from vmlend.topology.pcie import Hop, explain
+from vmlend.views.diagram import path_dot, path_mermaid
 
 HEADERS = ("#", "HOST", "KIND", "ELEMENT")
 
@@ -17,8 +18,11 @@ HEADERS = ("#", "HOST", "KIND", "ELEMENT")
 @click.argument("dst")
 @click.option("--via", metavar="NODE", help="Device to device through the RAM of a VM on NODE.")
 @json_option
+@format_option
 @click.pass_obj
-def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool) -> None:
+def path(
+    obj: CliContext, src: str, dst: str, via: str | None, json_output: bool, picture: str
+) -> None:
     """Explain the PCIe path from SRC to DST.
 
     Each end is a device (fdid, e.g. 0x10) or a node (its CPU and RAM): a device and a node is
@@ -27,9 +31,13 @@ def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool
     switching elements passed (numbered; the end devices are not hops, root ports are part of
     their root complex), where peer-to-peer turns follows each host's IOMMU.
     """
+    check_one_output(json_output, picture)
     found = explain(obj.fabric().topology(), src, dst, via)
     if json_output:
         emit_json(found.to_json())
+        return
+    if picture != "text":
+        click.echo(path_dot(found) if picture == "dot" else path_mermaid(found), nl=False)
         return
     click.echo(
         f"{found.src} -> {found.dst}: {found.hops} hops, {found.roots} root complex(es),"

@@ -50,6 +50,23 @@ def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "json_output", is_flag=True, help="Print JSON on stdout.")(f)
 
 
+def format_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--format dot|mermaid``: a picture instead of the table (``--json`` stays the data)."""
+    return click.option(
+        "--format",
+        "picture",
+        type=click.Choice(["text", "dot", "mermaid"]),
+        default="text",
+        show_default=True,
+        help="Draw it: Graphviz DOT ('dot -Tsvg') or Mermaid (Markdown viewers).",
+    )(f)
+
+
+def check_one_output(json_output: bool, picture: str) -> None:
+    if json_output and picture != "text":
+        raise click.UsageError("--json and --format are exclusive: choose one output")
+
+
 def hook_socket_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--hook-socket PATH`` (env ``VMLEND_HOOK_SOCKET``, the variable the installed hook
     reads): the agent's socket, made absolute; None when not given (each command's default is

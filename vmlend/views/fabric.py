@@ -12,7 +12,7 @@ from vmlend.units import format_size_exact, format_size_human
 from vmlend.views.table import render_table
 
 
-def _node_states(f: Fabric) -> dict[str, tuple[bool, str]]:
+def node_states(f: Fabric) -> dict[str, tuple[bool, str]]:
     """Up/down per node where the fabric keeps it: the ledger (the simulated fabric) does."""
     if isinstance(f, Ledger):
         return {name: (rec.up, rec.why) for name, rec in f.node_states().items()}
@@ -38,7 +38,7 @@ def _adapter_json(u: AdapterUsage) -> dict[str, Any]:
 def fabric_json(f: Fabric) -> dict[str, Any]:
     topo = f.topology()
     use = f.usage()
-    states = _node_states(f)
+    states = node_states(f)
     return {
         "name": topo.name,
         "source": topo.source,
@@ -65,7 +65,7 @@ def render_fabric(f: Fabric) -> str:
     """The fabric as text: nodes, adapters with their use, links."""
     topo = f.topology()
     use = f.usage()
-    states = _node_states(f)
+    states = node_states(f)
     node_rows = []
     for n in topo.nodes:
         up, why = states.get(n.name, (True, ""))

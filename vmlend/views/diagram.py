@@ -1,0 +1,230 @@
+"""The fabric and a PCIe path as pictures: Graphviz DOT and Mermaid text (no dependency; a
+viewer or ``dot -Tsvg`` draws them).
+
+The fabric: one box per host with its NTB adapters (LUT entries and window segments in use)
+and the devices it lends, filled by state and labelled with their holder; cables between
+adapters, cluster switches and the links between switches. A path: its stages in order, boxed
+by the host they sit in, with the root complexes and NTB adapters drawn apart, since they are
+what a path costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+from vmlend.ledger.admission import AdapterUsage
+from vmlend.topology.model import DeviceState, DeviceStatus, Topology
+from vmlend.topology.pcie import Hop, PciePath, Stage
+
+FORMATS = ("dot", "mermaid")
+
+#: Fill colour per device state, the same in both formats.
+STATE_FILL = {
+    DeviceState.UNLENT: "#d9d9d9",
+    DeviceState.AVAILABLE: "#b7e1a1",
+    DeviceState.RESERVED: "#ffe08a",
+    DeviceState.BORROWED: "#f4a582",
+    DeviceState.UNAVAILABLE: "#d6604d",
+}
+#: Fill colour per host of a path, in order of appearance (the fabric's own stages: none).
+HOST_FILL = ("#deebf7", "#fde0dd", "#e5f5e0", "#fff7bc", "#efedf5", "#fee6ce")
+_SHAPE = {
+    Hop.DEVICE: ("ellipse", "stadium"),
+    Hop.ROOT_COMPLEX: ("doubleoctagon", "hexagon"),
+    Hop.NTB: ("box3d", "subroutine"),
+    Hop.CLUSTER_SWITCH: ("diamond", "rhombus"),
+}
+
+
+def _dot(text: str) -> str:
+    """A DOT double-quoted string (a newline becomes a centred line break)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _mermaid(text: str) -> str:
+    """A Mermaid quoted label: quotes as entities, a newline as a line break."""
+    return '"' + text.replace('"', "#quot;").replace("\n", "<br/>") + '"'
+
+
+def _ident(prefix: str, name: str) -> str:
+    """A Mermaid node id (letters, digits and underscores) that stays unique per name."""
+    return prefix + "_" + "".join(c if c.isalnum() else f"_{ord(c):x}" for c in name)
+
+
+def _adapter_label(ref: str, use: AdapterUsage | None) -> str:
+    if use is None:
+        return ref
+    a = use.adapter
+    return (
+        f"{ref} {a.model}\nLUT {use.lut_used}/{a.lut_usable}"
+        f"\nsegments {use.segments_used}/{a.segments}"
+    )
+
+
+def _device_label(st: DeviceStatus) -> str:
+    who = f"\n{st.holder}" if st.holder is not None else ""
+    return f"{st.fdid:#x} {st.spec.kind}\n{st.state.value}{who}"
+
+
+def _switches(topology: Topology) -> list[str]:
+    names = {link.switch for link in topology.links if link.switch}
+    names |= {s for pair in topology.switch_links for s in pair}
+    return sorted(names)
+
+
+def _cables(topology: Topology) -> Iterable[tuple[str, str, bool]]:
+    """(end, end, to_switch) for every cable: adapter to switch, or adapter to adapter."""
+    for link in topology.links:
+        if link.switch:
+            for end in link.ends:
+                yield end, link.switch, True
+        else:
+            for a, b in itertools.pairwise(link.ends):
+                yield a, b, False
+
+
+def fabric_dot(
+    topology: Topology,
+    statuses: Sequence[DeviceStatus],
+    usage: dict[str, AdapterUsage],
+    down: dict[str, str] | None = None,
+) -> str:
+    """The fabric as a DOT graph. ``down``: node -> reason, for nodes marked down."""
+    down = down or {}
+    by_lender: dict[str, list[DeviceStatus]] = {}
+    for st in sorted(statuses, key=lambda s: s.fdid):
+        by_lender.setdefault(st.spec.lender, []).append(st)
+    out = [
+        f"graph {_dot(topology.name)} {{",
+        '  graph [fontname="Helvetica", compound=true];',
+        '  node [fontname="Helvetica", shape=box, style="rounded,filled", fillcolor=white];',
+    ]
+    for n in topology.nodes:
+        title = f"{n.name} (node {n.node_id})"
+        if n.name in down:
+            title += f"\nDOWN: {down[n.name]}" if down[n.name] else "\nDOWN"
+        out.append(f"  subgraph {_dot('cluster_' + n.name)} {{")
+        style = "dashed" if n.name in down else "solid"
+        out.append(f"    label={_dot(title)}; style={style};")
+        for a in n.adapters:
+            label = _adapter_label(a.ref, usage.get(a.ref))
+            out.append(f"    {_dot(a.ref)} [label={_dot(label)}, shape=box3d, style=filled];")
+        for st in by_lender.get(n.name, []):
+            fill = STATE_FILL[st.state]
+            out.append(
+                f"    {_dot(f'{st.fdid:#x}')} [label={_dot(_device_label(st))},"
+                f' fillcolor="{fill}"];'
+            )
+        out.append("  }")
+    for s in _switches(topology):
+        out.append(f"  {_dot('switch ' + s)} [label={_dot(s)}, shape=diamond, style=filled];")
+    for end, other, to_switch in _cables(topology):
+        out.append(f"  {_dot(end)} -- {_dot('switch ' + other if to_switch else other)};")
+    for s, t in topology.switch_links:
+        out.append(f"  {_dot('switch ' + s)} -- {_dot('switch ' + t)} [penwidth=2];")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def fabric_mermaid(
+    topology: Topology,
+    statuses: Sequence[DeviceStatus],
+    usage: dict[str, AdapterUsage],
+    down: dict[str, str] | None = None,
+) -> str:
+    """The fabric as a Mermaid flowchart (for Markdown viewers)."""
+    down = down or {}
+    out = ["flowchart LR"]
+    for state, fill in STATE_FILL.items():
+        out.append(f"  classDef {state.value} fill:{fill},stroke:#333")
+    for n in topology.nodes:
+        title = f"{n.name} (node {n.node_id})" + (" DOWN" if n.name in down else "")
+        out.append(f"  subgraph {_ident('node', n.name)}[{_mermaid(title)}]")
+        for a in n.adapters:
+            label = _adapter_label(a.ref, usage.get(a.ref))
+            out.append(f"    {_ident('ad', a.ref)}[[{_mermaid(label)}]]")
+        for st in sorted(statuses, key=lambda s: s.fdid):
+            if st.spec.lender == n.name:
+                ident = _ident("dev", f"{st.fdid:x}")
+                out.append(f"    {ident}({_mermaid(_device_label(st))}):::{st.state.value}")
+        out.append("  end")
+    for s in _switches(topology):
+        out.append(f"  {_ident('sw', s)}{{{_mermaid(s)}}}")
+    for end, other, to_switch in _cables(topology):
+        far = _ident("sw", other) if to_switch else _ident("ad", other)
+        out.append(f"  {_ident('ad', end)} --- {far}")
+    for s, t in topology.switch_links:
+        out.append(f"  {_ident('sw', s)} === {_ident('sw', t)}")
+    return "\n".join(out) + "\n"
+
+
+def _hosts(stages: Sequence[Stage]) -> list[str]:
+    seen: list[str] = []
+    for s in stages:
+        if s.node and s.node not in seen:
+            seen.append(s.node)
+    return seen
+
+
+def _path_title(path: PciePath) -> str:
+    return (
+        f"{path.src} -> {path.dst}: {path.hops} hops, {path.roots} root complex(es),"
+        f" {path.ntb_crossings} NTB crossing(s), +{path.added_ns} ns"
+    )
+
+
+def path_dot(path: PciePath) -> str:
+    """A path as a DOT digraph, left to right, each host's stages boxed in its colour."""
+    hosts = _hosts(path.stages)
+    fill = {h: HOST_FILL[i % len(HOST_FILL)] for i, h in enumerate(hosts)}
+    out = [
+        "digraph path {",
+        f'  graph [fontname="Helvetica", rankdir=LR, label={_dot(_path_title(path))}];',
+        '  node [fontname="Helvetica", shape=box, style=filled];',
+    ]
+    ids = [f"s{i}" for i in range(len(path.stages))]
+    for host in hosts:
+        out.append(f"  subgraph {_dot('cluster_' + host)} {{")
+        out.append(f'    label={_dot(host)}; style=filled; fillcolor="{fill[host]}";')
+        for ident, s in zip(ids, path.stages, strict=True):
+            if s.node == host:
+                shape = _SHAPE.get(s.kind, ("box", ""))[0]
+                label = f"{s.name}\n{s.kind.value}"
+                out.append(f"    {ident} [label={_dot(label)}, shape={shape}, fillcolor=white];")
+        out.append("  }")
+    for ident, s in zip(ids, path.stages, strict=True):
+        if not s.node:
+            shape = _SHAPE.get(s.kind, ("box", ""))[0]
+            label = f"{s.name}\n{s.kind.value}"
+            out.append(f"  {ident} [label={_dot(label)}, shape={shape}, fillcolor=white];")
+    out.extend(f"  {a} -> {b};" for a, b in itertools.pairwise(ids))
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def path_mermaid(path: PciePath) -> str:
+    """A path as a Mermaid flowchart, left to right, each host a subgraph."""
+    ids = [f"s{i}" for i in range(len(path.stages))]
+
+    def node(ident: str, s: Stage) -> str:
+        label = _mermaid(f"{s.name}\n{s.kind.value}")
+        shape = _SHAPE.get(s.kind, ("", ""))[1]
+        opening, closing = {
+            "stadium": ("([", "])"),
+            "hexagon": ("{{", "}}"),
+            "subroutine": ("[[", "]]"),
+            "rhombus": ("{", "}"),
+        }.get(shape, ("[", "]"))
+        return f"{ident}{opening}{label}{closing}"
+
+    out = ["flowchart LR", f"  %% {_path_title(path)}"]
+    for host in _hosts(path.stages):
+        out.append(f"  subgraph {_ident('host', host)}[{_mermaid(host)}]")
+        out += [
+            f"    {node(i, s)}" for i, s in zip(ids, path.stages, strict=True) if s.node == host
+        ]
+        out.append("  end")
+    out += [f"  {node(i, s)}" for i, s in zip(ids, path.stages, strict=True) if not s.node]
+    out += [f"  {a} --> {b}" for a, b in itertools.pairwise(ids)]
+    return "\n".join(out) + "\n"
