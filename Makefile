@@ -12,7 +12,7 @@ APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients lib
             python3-gi gir1.2-umockdev-1.0 etcd-server openssl graphviz
 DEMO_DIR := $(CURDIR)/.demo
 
-.PHONY: all demo test test-fast lint bench pictures sysdeps venv clean
+.PHONY: all demo test test-fast lint bench pictures man sysdeps venv clean
 
 all: test
 
@@ -51,6 +51,10 @@ demo: venv
 # The pictures in docs/pictures, drawn again from a fresh simulated cluster.
 pictures: venv
 	VMLEND=$(CURDIR)/$(VENV)/bin/vmlend sh docs/pictures/draw.sh
+
+# One man page per command in docs/man, rendered from the click commands.
+man: venv
+	rm -f docs/man/*.1 && $(PY) docs/man/generate.py docs/man >/dev/null
 
 # Every benchmark, each printing ratios measured side by side in one run (~3 min on 2 cores).
 bench: venv

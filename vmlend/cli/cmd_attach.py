@@ -14,6 +14,7 @@ import click
 
 from vmlend.cli.cmd_lend import FDID
 from vmlend.cli.common import emit_json, json_option, verbose_option
+from vmlend.cli.complete import complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.impact import impact_options, resolve_impact
@@ -52,7 +53,7 @@ def _address(value: str | None) -> PciAddress | None:
 
 
 @click.command("attach")
-@click.argument("vm")
+@click.argument("vm", shell_complete=complete_vms)
 @click.argument("fdid", type=FDID)
 @impact_options("Hot-add to the running domain.", "Add to the persistent definition.")
 @click.option("--address", metavar="BDF", help="Guest PCI address, e.g. 0000:00:05.0.")
@@ -133,7 +134,7 @@ def _show_plan(plan: AttachPlan, json_output: bool) -> None:
 
 
 @click.command("detach")
-@click.argument("vm")
+@click.argument("vm", shell_complete=complete_vms)
 @click.argument("fdid", type=FDID)
 @impact_options("Hot-remove from the running domain.", "Remove from the persistent definition.")
 @click.option("--dry-run", is_flag=True, help="Print the XML diff; change nothing.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from click.shell_completion import CompletionItem
 
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
@@ -23,6 +24,13 @@ class FdidType(click.ParamType[int]):
             return parse_fdid(value)
         except ConfigError as e:
             self.fail(str(e), param, ctx)
+
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        from vmlend.cli.complete import complete_fdids
+
+        return complete_fdids(ctx, param, incomplete)
 
 
 FDID = FdidType()

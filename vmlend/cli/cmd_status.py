@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.complete import complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.ops.reconcile import find_drift, look
@@ -18,7 +19,7 @@ from vmlend.views.status import render_status
 
 
 @click.command("status")
-@click.argument("vm", required=False)
+@click.argument("vm", required=False, shell_complete=complete_vms)
 @connect_option
 @json_option
 @click.pass_obj

@@ -9,9 +9,11 @@ from pathlib import Path, PurePath
 from typing import Any
 
 import click
+from click.shell_completion import CompletionItem
 
 from vmlend import safefile
 from vmlend.cli.common import emit_json, emit_table, json_option, read_input
+from vmlend.cli.complete import complete_fdids
 from vmlend.cli.context import CliContext
 from vmlend.domain import (
     DeviceRequest,
@@ -39,9 +41,10 @@ log = logging.getLogger(__name__)
 class _Converting(click.ParamType[Any]):
     """A click type from one of our parse functions: its ConfigError becomes a usage error."""
 
-    def __init__(self, name: str, parse: Any) -> None:
+    def __init__(self, name: str, parse: Any, complete: Any = None) -> None:
         self.name = name
         self._parse = parse
+        self._complete = complete
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if not isinstance(value, str):
@@ -50,6 +53,11 @@ class _Converting(click.ParamType[Any]):
             return self._parse(value)
         except (ConfigError, ValueError) as e:
             self.fail(str(e), param, ctx)
+
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        return list(self._complete(ctx, param, incomplete)) if self._complete else []
 
 
 def _parse_device(text: str) -> DeviceRequest:
@@ -64,8 +72,8 @@ def _parse_uuid(text: str) -> uuid.UUID:
         raise ConfigError(f"bad UUID {text!r}") from None
 
 
-FDID = _Converting("FDID", parse_fdid)
-DEVICE = _Converting("FDID[@ADDR]", _parse_device)
+FDID = _Converting("FDID", parse_fdid, complete_fdids)
+DEVICE = _Converting("FDID[@ADDR]", _parse_device, complete_fdids)
 ADDRESS = _Converting("DDDD:BB:SS.F", PciAddress.parse)
 SIZE = _Converting("SIZE", parse_cli_size)
 UUID = _Converting("UUID", _parse_uuid)
