@@ -273,6 +273,21 @@ class NoPathError(FabricError):
         super().__init__(f"no NTB path from {src} to {dst}; check the fabric links")
 
 
+class NoDeviceToChooseError(FabricError):
+    """Fewer available devices of a wanted kind than asked for (``--device gpu:2``)."""
+
+    def __init__(self, wish: str, node: str, available: int, busy: list[str]) -> None:
+        self.wish = wish
+        self.node = node
+        self.available = available
+        self.busy = busy
+        others = f" ({', '.join(busy)})" if busy else ""
+        super().__init__(
+            f"cannot choose {wish} for a VM on {node}: {available} available{others};"
+            " ask for fewer, lend more ('vmlend devices' lists them) or name fdids"
+        )
+
+
 # --- fabric resources: LUT entries, NTB windows, segments, DMA reach ----------------------
 
 

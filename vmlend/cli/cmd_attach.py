@@ -12,17 +12,20 @@ import logging
 
 import click
 
-from vmlend.cli.cmd_lend import FDID
+from vmlend.cli.cmd_lend import FDID, FDID_OR_KIND
 from vmlend.cli.common import emit_json, json_option, verbose_option
 from vmlend.cli.complete import complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
-from vmlend.errors import ConfigError
+from vmlend.errors import ConfigError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.hypervisor import Hypervisor
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.detach_preview import DetachPreview, preview_detach
+from vmlend.topology.choose import DeviceWish, choose
 from vmlend.topology.model import InterruptPath, format_fdid
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ def _address(value: str | None) -> PciAddress | None:
 
 @click.command("attach")
 @click.argument("vm", shell_complete=complete_vms)
-@click.argument("fdid", type=FDID)
+@click.argument("fdid", type=FDID_OR_KIND)
 @impact_options("Hot-add to the running domain.", "Add to the persistent definition.")
 @click.option("--address", metavar="BDF", help="Guest PCI address, e.g. 0000:00:05.0.")
 @click.option(
@@ -71,7 +74,7 @@ def _address(value: str | None) -> PciAddress | None:
 def attach_cmd(
     obj: CliContext,
     vm: str,
-    fdid: int,
+    fdid: int | DeviceWish,
     live: bool,
     config: bool,
     persistent: bool,
@@ -82,7 +85,11 @@ def attach_cmd(
     uri: str | None,
     json_output: bool,
 ) -> None:
-    """Attach remote device FDID to VM (default: live if running, else its definition)."""
+    """Attach remote device FDID to VM (default: live if running, else its definition).
+
+    FDID may be a kind (gpu, nvme,lender=alpha): the available device of that kind with the
+    shortest path from the VM's node is chosen, preferring one close to the VM's other
+    devices for peer-to-peer."""
     irq = None if interrupts is None else InterruptPath(interrupts)
     addr = _address(address)
     hv = open_hv(obj, uri)
@@ -91,6 +98,8 @@ def attach_cmd(
             hv, vm, live=live, config=config, persistent=persistent, current=current
         )
         fabric = fabric_for(obj, hv)
+        if isinstance(fdid, DeviceWish):
+            fdid = _choose_one(hv, fabric, vm, fdid)
         plan = plan_attach(
             hv, fabric, vm, fdid, live=live, config=config, address=addr, interrupts=irq
         )
@@ -116,6 +125,22 @@ def attach_cmd(
             click.echo(msg)
     finally:
         hv.close()
+
+
+def _choose_one(hv: Hypervisor, fabric: Fabric, vm: str, wish: DeviceWish) -> int:
+    """The device for ``wish``, near the VM's node and its other remote devices (said on
+    stderr with its path's cost)."""
+    from vmlend.domain import read_domain
+
+    has = set()
+    for inactive in (False, True):
+        try:
+            has |= {d.fdid for d in read_domain(hv.xml(vm, inactive=inactive)).devices}
+        except VmlendError:
+            continue  # not running, or no such definition: plan_attach says which
+    (pick,) = choose(fabric.topology(), fabric.devices(), [wish], fabric.local_node, exclude=has)
+    click.echo(f"chose {pick.describe()}", err=True)
+    return pick.fdid
 
 
 def _show_plan(plan: AttachPlan, json_output: bool) -> None:

@@ -10,6 +10,7 @@ from click.shell_completion import CompletionItem
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
+from vmlend.topology.choose import DeviceWish, parse_wish
 from vmlend.topology.model import DeviceStatus, format_fdid, parse_fdid
 from vmlend.views.devices import device_json
 
@@ -34,6 +35,30 @@ class FdidType(click.ParamType[int]):
 
 
 FDID = FdidType()
+
+
+class FdidOrKindType(FdidType):
+    """A device by fdid (``0x10``) or by kind (``gpu``, ``nvme,lender=alpha``): one device."""
+
+    name = "FDID|KIND"
+
+    def convert(  # type: ignore[override]  # a kind is chosen later, against the fabric
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int | DeviceWish:
+        if isinstance(value, (int, DeviceWish)):
+            return value
+        try:
+            wish = parse_wish(value)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+        if wish is None:
+            return super().convert(value, param, ctx)
+        if wish.count != 1:
+            self.fail(f"one device at a time: {value!r} asks for {wish.count}", param, ctx)
+        return wish
+
+
+FDID_OR_KIND = FdidOrKindType()
 
 
 def _report(st: DeviceStatus, json_output: bool) -> None:

@@ -32,6 +32,7 @@ from vmlend.domain.ramcheck import require_computable_layout
 from vmlend.domain.units import parse_cli_size
 from vmlend.errors import ConfigError
 from vmlend.messages import plural
+from vmlend.topology.choose import DeviceWish, choose, parse_wish
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
 from vmlend.units import format_size_exact
 
@@ -60,7 +61,10 @@ class _Converting(click.ParamType[Any]):
         return list(self._complete(ctx, param, incomplete)) if self._complete else []
 
 
-def _parse_device(text: str) -> DeviceRequest:
+def _parse_device(text: str) -> DeviceRequest | DeviceWish:
+    wish = parse_wish(text)
+    if wish is not None:
+        return wish
     fdid, _, addr = text.partition("@")
     return DeviceRequest(parse_fdid(fdid), PciAddress.parse(addr) if addr else None)
 
@@ -156,8 +160,9 @@ def xml_group() -> None:
     "devices",
     type=DEVICE,
     multiple=True,
-    help="A remote device by fdid, optionally at a guest address: 0x10 or 0x10@0000:00:05.0."
-    " Repeatable.",
+    help="A remote device by fdid, optionally at a guest address (0x10, 0x10@0000:00:05.0), or"
+    " by kind: gpu, gpu:2, nvme,lender=alpha (the available ones with the shortest path from"
+    " this node are chosen). Repeatable.",
 )
 @click.option(
     "--hotplug-slots",
@@ -185,7 +190,7 @@ def new_cmd(
     vcpus: int,
     machine: str,
     virt_type: str,
-    devices: tuple[DeviceRequest, ...],
+    devices: tuple[DeviceRequest | DeviceWish, ...],
     hotplug_slots: int,
     interrupts: str | None,
     disk: str | None,
@@ -197,6 +202,7 @@ def new_cmd(
     """A complete domain XML for NAME, on stdout or in -o FILE."""
     if output and Path(output).exists() and not force:
         raise click.UsageError(f"{output} exists; pass --force to overwrite it")
+    chosen = _choose(obj, devices, no_fabric_check)
     spec = DomainSpec(
         name=name,
         memory_bytes=memory,
@@ -205,22 +211,44 @@ def new_cmd(
         virt_type=virt_type,
         uuid=domain_uuid,
         disk=PurePath(disk) if disk else None,
-        devices=devices,
+        devices=chosen,
         hotplug_slots=hotplug_slots,
         interrupts=None if interrupts is None else InterruptPath(interrupts),
     )
-    validator = None if no_fabric_check or not devices else fabric_validator(obj)
+    validator = None if no_fabric_check or not chosen else fabric_validator(obj)
     doc = new_domain(spec, templates=TemplateSet(), validate_fdid=validator)
-    if devices:
+    if chosen:
         require_computable_layout(doc)
     data = doc.to_bytes()
     if output:
         write_atomically(Path(output), data)
-        click.echo(f"wrote {output} ({plural(len(devices), 'remote device')})", err=True)
+        click.echo(f"wrote {output} ({plural(len(chosen), 'remote device')})", err=True)
     else:
         click.echo(data.decode(doc.encoding), nl=False)
-    if devices and not no_fabric_check and validator is None:
+    if chosen and not no_fabric_check and validator is None:
         warn_unchecked(obj)
+
+
+def _choose(
+    obj: CliContext, devices: tuple[DeviceRequest | DeviceWish, ...], no_fabric_check: bool
+) -> tuple[DeviceRequest, ...]:
+    """The fdids asked for, and devices chosen for each kind asked for (said on stderr)."""
+    named = tuple(d for d in devices if isinstance(d, DeviceRequest))
+    wishes = [d for d in devices if isinstance(d, DeviceWish)]
+    if not wishes:
+        return named
+    if no_fabric_check:
+        raise click.UsageError(
+            f"choosing a device by kind ({wishes[0]}) asks the fabric: drop --no-fabric-check"
+            " or name the fdids"
+        )
+    with obj.fabric() as f:
+        picks = choose(
+            f.topology(), f.devices(), wishes, f.local_node, exclude=[d.fdid for d in named]
+        )
+        for c in picks:
+            click.echo(f"chose {c.describe()}", err=True)
+    return named + tuple(DeviceRequest(c.fdid) for c in picks)
 
 
 @xml_group.command("add-device")

@@ -216,7 +216,8 @@ def test_unknown_device(cluster):
 
 
 @pytest.mark.parametrize(
-    "args", [("vm1", "not-an-fdid"), ("vm1", "0x10", "--address", "nonsense"), ("vm1",)]
+    "args",
+    [("vm1", "0xZZ"), ("vm1", "gpu:2"), ("vm1", "0x10", "--address", "nonsense"), ("vm1",)],
 )
 def test_usage_errors_exit_2(cluster, args):
     cluster.define("gamma", "vm1", running=True)
