@@ -124,6 +124,15 @@ class Snapshot:
         for p, kvs in zip(todo_loose, rest[len(todo_prefixes) :], strict=False):
             self._loose[p] = {kv.key: kv for kv in kvs}
 
+    def peek(self, key: str) -> KeyValue | None:
+        """``get`` without adding a compare when a loose range read the key already (for
+        what is not decided on, e.g. the lease a rewritten key keeps)."""
+        if key not in self._keys and not any(key.startswith(p) for p in self._ranges):
+            for prefix, kvs in self._loose.items():
+                if key.startswith(prefix):
+                    return kvs.get(key)
+        return self.get(key)
+
     def loose_before(self, prefix: str) -> dict[str, KeyValue]:
         """What a ``loose_range`` of ``prefix`` read (a compared range if it became one)."""
         return self._ranges.get(prefix) or self._loose.get(prefix) or {}
@@ -320,9 +329,9 @@ class EtcdTxn:
             self._snap.range(self._k.claims_on(adapter))
         picked = sorted(free[:n])
         for i in picked:
-            # a new key: its absence is compared (``_lease_for`` reads it)
-            value = enc.dump({"node": holder.node, "vm": holder.vm})
-            self._put(self._k.unit(adapter, unit, i), value, leased=True)
+            key = self._k.unit(adapter, unit, i)
+            self._snap.get(key)  # a new key: its absence is compared
+            self._put(key, f"{holder.node}/{holder.vm}".encode(), leased=True)
         return picked
 
     def _change_ledger(
@@ -371,7 +380,7 @@ class EtcdTxn:
         return self._host_lease() if self._host_lease is not None else 0
 
     def _lease_for(self, key: str) -> int:
-        kv = None if self._deleted_by_range(key) else self._snap.get(key)
+        kv = None if self._deleted_by_range(key) else self._snap.peek(key)
         return kv.lease if kv is not None else self.lease()
 
     def _delete(self, key: str) -> None:
