@@ -130,9 +130,13 @@ class Keys:
     def claim(self, adapter: str, fdid: int, n: int) -> str:
         return f"{self.claims_on(adapter)}{fdid:#x}/{n}"
 
+    def units_of(self, adapter: str) -> str:
+        """Every unit key of an adapter (a reserve reads them in one range)."""
+        return f"{self.base}units/{adapter}/"
+
     def units_on(self, adapter: str, unit: str) -> str:
         """The unit keys of one adapter resource: ``unit`` is ``lut`` or ``seg``."""
-        return f"{self.base}units/{adapter}/{unit}/"
+        return f"{self.units_of(adapter)}{unit}/"
 
     def unit(self, adapter: str, unit: str, index: int) -> str:
         return f"{self.units_on(adapter, unit)}{index}"

@@ -317,9 +317,10 @@ class EtcdTxn:
         (numbered in a row per lender) start at distinct units and rarely create one same
         key unless the adapter is nearly full."""
         prefix = self._k.units_on(adapter, unit)
-        taken = {int(k.rsplit("/", 1)[1]) for k in self._loose_range(prefix)}
+        every = self._k.units_of(adapter)  # both resources of the adapter, in one range
+        taken = {int(k.rsplit("/", 1)[1]) for k in self._loose_range(every) if k.startswith(prefix)}
         self._loose_range(self._k.claims_on(adapter))  # read: what the claims used
-        before = len(self._snap.loose_before(prefix))
+        before = sum(1 for k in self._snap.loose_before(every) if k.startswith(prefix))
         cap = self._capacity(adapter, unit)
         start = hint % cap if cap else 0
         free = [i for i in (*range(start, cap), *range(start)) if i not in taken]
@@ -435,11 +436,7 @@ class EtcdTxn:
         keys = [self._k.topology_digest]
         prefixes: list[str] = []
         # claims and units are read without a prefix compare (see ``_take_units``)
-        loose = [
-            p
-            for a in adapters
-            for p in (self._k.claims_on(a), self._k.units_on(a, "lut"), self._k.units_on(a, "seg"))
-        ]
+        loose = [p for a in adapters for p in (self._k.claims_on(a), self._k.units_of(a))]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
