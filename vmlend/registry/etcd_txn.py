@@ -42,6 +42,11 @@ from vmlend.topology.model import Holder
 _AGENT_GONE = "its vmlend agent stopped uncleanly, it has no live lease; start the agent there"
 
 
+#: Per topology digest, each adapter's usable LUT entries and segments (``EtcdTxn._capacity``):
+#: decoded once per process, not once per opened registry.
+_CAPACITIES: dict[str, dict[str, dict[str, int]]] = {}
+
+
 class Snapshot:
     """The reads of one attempt, all at one revision, and the compares they imply."""
 
@@ -208,6 +213,7 @@ class EtcdTxn:
         self._writes: dict[str, bytes | None] = {}
         self._leased: set[str] = set()
         self._range_deletes: list[str] = []
+        self._claimed: dict[str, dict[tuple[str, str], int]] = {}
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
     def _write(self) -> None:
@@ -272,15 +278,15 @@ class EtcdTxn:
     def _capacity(self, adapter: str, unit: str) -> int:
         """The adapter's usable LUT entries or window segments (0: not in the topology)."""
         digest = self.topology_digest() or ""
-        self._topology()  # (re)load the record cache for this digest first
-        key = f"{digest}#capacity"
-        caps = self._topo_cache.get(key)
+        caps = _CAPACITIES.get(digest)
         if caps is None:
             from vmlend.topology.compiled import stored_topology
 
             topo = stored_topology(self.topology())
             caps = {a.ref: {"lut": a.lut_usable, "seg": a.segments} for a in topo.adapters()}
-            self._topo_cache[key] = caps
+            if len(_CAPACITIES) >= 4:  # a process sees one topology, rarely a few
+                _CAPACITIES.clear()
+            _CAPACITIES[digest] = caps
         return int(caps.get(adapter, {}).get(unit, 0))
 
     @staticmethod
@@ -304,12 +310,16 @@ class EtcdTxn:
 
     def _claimed_before(self, adapter: str, unit: str) -> int:
         """What the claims on ``adapter`` used at the snapshot (every VM's, with units or
-        not)."""
-        rows = []
-        for kv in self._snap.loose_before(self._k.claims_on(adapter)).values():
-            d = enc.load(kv.value)
-            rows.append([adapter, d["kind"], d["share"], d.get("entries", 0), d.get("segments", 0)])
-        return self._units_needed(rows).get((adapter, unit), 0)
+        not); computed once per adapter and transaction."""
+        used = self._claimed.get(adapter)
+        if used is None:
+            rows = []
+            for kv in self._snap.loose_before(self._k.claims_on(adapter)).values():
+                d = enc.load(kv.value)
+                row = [adapter, d["kind"], d["share"], d.get("entries", 0), d.get("segments", 0)]
+                rows.append(row)
+            used = self._claimed[adapter] = self._units_needed(rows)
+        return used.get((adapter, unit), 0)
 
     def _take_units(self, adapter: str, unit: str, n: int, holder: Holder, hint: int) -> list[int]:
         """Create ``n`` free unit keys: the first free ones from index ``hint`` on (modulo the
