@@ -78,10 +78,13 @@ def raw_cycle(url: str) -> list[float]:
     return out
 
 
-def concurrent_cycles(url: str, borrowers: int = 10, cycles: int = 20) -> tuple[float, int, float]:
+def concurrent_cycles(
+    url: str, borrowers: int = 10, cycles: int = 20
+) -> tuple[float, int, float, int]:
     """``borrowers`` threads, each its own fabric on gamma and its own device of the star
-    topology, each doing ``cycles`` reserve+release: the run's time, the failed cycles, and the
-    same number of 4-request raw cycles done by as many threads (the floor)."""
+    topology, each doing ``cycles`` reserve+release: the run's time, the failed cycles, the
+    same number of 4-request raw cycles done by as many threads (the floor), and how often a
+    transaction body ran again after a conflict."""
     import threading
 
     from tests.support.simfabric import star_topology
@@ -91,6 +94,7 @@ def concurrent_cycles(url: str, borrowers: int = 10, cycles: int = 20) -> tuple[
 
     init_fabric(url, star_topology(4, borrowers), "star.toml", node="h0")
     failures: list[str] = []
+    conflicts: list[int] = []
 
     def borrower(i: int) -> None:
         f = open_fabric(url, "h0")
@@ -101,6 +105,7 @@ def concurrent_cycles(url: str, borrowers: int = 10, cycles: int = 20) -> tuple[
                 f.release(0x100 + i, h)
             except VmlendError as e:
                 failures.append(str(e))
+        conflicts.append(f.registry.conflicts)
         f.close()
 
     def raw(i: int) -> None:
@@ -122,7 +127,7 @@ def concurrent_cycles(url: str, borrowers: int = 10, cycles: int = 20) -> tuple[
         for th in threads:
             th.join()
         times.append(time.perf_counter() - t)
-    return times[0], len(failures), times[1]
+    return times[0], len(failures), times[1], sum(conflicts)
 
 
 def admit_many(location) -> tuple[float, list[float], SimFabric]:
@@ -241,9 +246,10 @@ def main() -> None:
                 f"reserve+release on etcd vs 4 raw etcd requests, p50: {et50 * ms:6.2f} vs"
                 f" {raw50 * ms:6.2f} ms, {et50 / raw50:5.2f}x (goal <= 1.2x)"
             )
-            took, failed, floor = concurrent_cycles(server.url("many"))
+            took, failed, floor, reruns = concurrent_cycles(server.url("many"))
             print(
-                f"10 concurrent borrowers x 20 cycles on etcd: {failed} failed cycles;"
+                f"10 concurrent borrowers x 20 cycles on etcd: {failed} failed cycles,"
+                f" {reruns} re-runs;"
                 f" {took:5.2f} s vs {floor:5.2f} s for as many raw 4-request cycles,"
                 f" throughput {floor / took:5.0%} of the floor (goal >= 70 %, 0 failed)"
             )

@@ -35,4 +35,6 @@ def reconcile_host(hv: Hypervisor, fabric: Fabric) -> list[str]:
         lines.append(f"{d.kind.value} {d.vm}: {d.fix}")
     for d in result.left:
         lines.append(f"{d.kind.value} {d.vm}: left to the operator: {d.fix}")
+    for d in result.started:
+        lines.append(f"{d.kind.value} {d.vm}: kept, the VM started meanwhile")
     return lines

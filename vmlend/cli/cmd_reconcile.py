@@ -45,6 +45,7 @@ def reconcile_cmd(
             out["fixed"] = [d.to_json() for d in result.fixed]
             out["failed"] = [d.to_json() | {"error": e} for d, e in result.failed]
             out["left"] = [d.to_json() for d in result.left]
+            out["kept"] = [d.to_json() for d in result.started]
         emit_json(out)
     elif not drift:
         click.echo(f"no drift on {fabric.local_node}: hypervisor, state and mdevs agree")
@@ -62,6 +63,8 @@ def reconcile_cmd(
             click.echo(f"FAILED {_line(d)}\n  {e}")
         for d in result.left:
             click.echo(f"left {_line(d)}\n  to do by hand: {d.fix}")
+        for d in result.started:
+            click.echo(f"kept {_line(d)}\n  its VM started meanwhile")
     if result is not None and (result.failed or result.left):
         raise SystemExit(1)
 

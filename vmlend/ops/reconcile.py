@@ -99,8 +99,17 @@ class Views(msgspec.Struct):
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
-    """Gather the three views of this node."""
+    """Gather the three views of this node: the holds and mdevs first, then the domains.
+
+    In this order a VM starting meanwhile cannot look like a stopped VM with holds: a hold
+    its prepare hook makes after the holds are read is not seen at all, and one made before
+    is seen with its VM already active (libvirt counts a domain active from before its
+    prepare hook on). Listed the other way round, a VM not yet started when the domains were
+    listed had its fresh holds read as a stopped VM's and returned (issue 20). ``fix`` checks
+    again that such a VM is still not running right before it returns its holds."""
     node = fabric.local_node
+    held = [st for st in fabric.devices() if st.holder is not None]
+    mdevs = [m for m in fabric.mdevs() if m.node in ("", node)]
     running: list[RunningVm] = []
     defined: set[str] = set()
     for info in hv.list_domains():
@@ -112,10 +121,8 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
         hostdevs = frozenset(str(h.uuid) for h in DomainXML(doc.root).mdev_hostdevs())
         holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
         running.append(RunningVm(info.name, holder, dom.devices, hostdevs, dom.memory_bytes or 0))
-    held = [st for st in fabric.devices() if st.holder is not None]
     holds = [st for st in held if st.holder is not None and st.holder.node == node]
     elsewhere = {st.fdid: st for st in held if st.holder is not None and st.holder.node != node}
-    mdevs = [m for m in fabric.mdevs() if m.node in ("", node)]
     return Views(node, running, holds, mdevs, defined, elsewhere)
 
 
@@ -297,6 +304,8 @@ class FixResult(msgspec.Struct):
     fixed: list[Drift] = msgspec.field(default_factory=list)
     failed: list[tuple[Drift, str]] = msgspec.field(default_factory=list)
     left: list[Drift] = msgspec.field(default_factory=list)  # not fixable by vmlend
+    #: holds of a VM that was not running when looked at but runs now: kept
+    started: list[Drift] = msgspec.field(default_factory=list)
 
 
 def fix(
@@ -309,6 +318,9 @@ def fix(
             result.left.append(d)
             continue
         try:
+            if d.kind is DriftKind.HOLD_OF_STOPPED_VM and _runs_now(hv, d.holder):
+                result.started.append(d)
+                continue
             _fix_one(hv, fabric, d, record)
         except VmlendError as e:
             result.failed.append((d, str(e)))
@@ -316,6 +328,18 @@ def fix(
         else:
             result.fixed.append(d)
     return result
+
+
+def _runs_now(hv: Hypervisor, holder: Holder | None) -> bool:
+    """Whether ``holder``'s VM is active now: checked again right before its holds are
+    returned, since it may have started after the domains were listed."""
+    if holder is None:
+        return False
+    try:
+        info = hv.lookup(holder.vm)
+    except VmlendError:  # gone: certainly not running
+        return False
+    return info.active and (not holder.vm_uuid or info.uuid.lower() == holder.vm_uuid.lower())
 
 
 def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:

@@ -20,7 +20,12 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
   node runs an agent (no lease; removed by a clean stop), so ``agents`` without ``hosts``
   means its agent stopped uncleanly and the node's devices are unavailable;
 - ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
-  reserve reads, and compares as one prefix, exactly the claims of the adapters on its path;
+  reserve reads exactly the claims of the adapters on its path;
+- ``units/<adapter>/<lut|seg>/<i>``: one key per LUT entry or window segment in use, ``i``
+  below the adapter's usable count, so two reserves that together overcommit an adapter must
+  both create one same key and cannot both commit, while reserves that fit do not conflict
+  (a reserve compares the keys it creates, not every claim on the adapter). Which units a VM
+  has, and the claims they stand for, are listed in its ``held-vm`` key (its unit ledger);
 - ``parents/<node>/<fdid>``, ``mdevs/<node>/<uuid>``: mdev parents and children per node;
 - ``runtime/<fdid>/<n>``: what the data path set up for a held device.
 """
@@ -124,6 +129,17 @@ class Keys:
 
     def claim(self, adapter: str, fdid: int, n: int) -> str:
         return f"{self.claims_on(adapter)}{fdid:#x}/{n}"
+
+    def units_of(self, adapter: str) -> str:
+        """Every unit key of an adapter (a reserve reads them in one range)."""
+        return f"{self.base}units/{adapter}/"
+
+    def units_on(self, adapter: str, unit: str) -> str:
+        """The unit keys of one adapter resource: ``unit`` is ``lut`` or ``seg``."""
+        return f"{self.units_of(adapter)}{unit}/"
+
+    def unit(self, adapter: str, unit: str, index: int) -> str:
+        return f"{self.units_on(adapter, unit)}{index}"
 
     @property
     def fences(self) -> str:

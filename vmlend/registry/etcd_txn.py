@@ -42,6 +42,11 @@ from vmlend.topology.model import Holder
 _AGENT_GONE = "its vmlend agent stopped uncleanly, it has no live lease; start the agent there"
 
 
+#: Per topology digest, each adapter's usable LUT entries and segments (``EtcdTxn._capacity``):
+#: decoded once per process, not once per opened registry.
+_CAPACITIES: dict[str, dict[str, dict[str, int]]] = {}
+
+
 class Snapshot:
     """The reads of one attempt, all at one revision, and the compares they imply."""
 
@@ -124,6 +129,19 @@ class Snapshot:
         for p, kvs in zip(todo_loose, rest[len(todo_prefixes) :], strict=False):
             self._loose[p] = {kv.key: kv for kv in kvs}
 
+    def peek(self, key: str) -> KeyValue | None:
+        """``get`` without adding a compare when a loose range read the key already (for
+        what is not decided on, e.g. the lease a rewritten key keeps)."""
+        if key not in self._keys and not any(key.startswith(p) for p in self._ranges):
+            for prefix, kvs in self._loose.items():
+                if key.startswith(prefix):
+                    return kvs.get(key)
+        return self.get(key)
+
+    def loose_before(self, prefix: str) -> dict[str, KeyValue]:
+        """What a ``loose_range`` of ``prefix`` read (a compared range if it became one)."""
+        return self._ranges.get(prefix) or self._loose.get(prefix) or {}
+
     def compares(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
             {
@@ -197,6 +215,7 @@ class EtcdTxn:
         self._writes: dict[str, bytes | None] = {}
         self._leased: set[str] = set()
         self._range_deletes: list[str] = []
+        self._claimed: dict[str, dict[tuple[str, str], int]] = {}
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
     def _write(self) -> None:
@@ -238,8 +257,127 @@ class EtcdTxn:
         (which compares the marker) conflicts; one for another VM does not."""
         key = self._k.vm_holds(holder.node, holder.vm)
         raw = self._get(key)
-        n = int(enc.load(raw).get("n", 0)) + 1 if raw is not None else 1
-        self._put(key, enc.dump({"vm": holder.vm, "n": n}), leased=True)
+        d = enc.load(raw) if raw is not None else {}
+        n = int(d.get("n", 0)) + 1
+        self._put(key, enc.dump({**d, "vm": holder.vm, "n": n}), leased=True)
+
+    # --- adapter units: what makes two reserves that overcommit an adapter conflict ----------
+    #
+    # Admission reads the claims on an adapter without comparing them (a reserve on the same
+    # adapter by another VM would otherwise always conflict). What keeps two reserves from
+    # overcommitting it instead: every LUT entry and window segment in use is one key
+    # ``units/<adapter>/<lut|seg>/<i>`` with ``i`` below the adapter's usable count, and a
+    # transaction that uses more of an adapter creates that many free unit keys, comparing
+    # that they do not exist. Reserves that together need more than is free must pick one same
+    # key, so only one commits (the other runs again and is refused); reserves that fit pick
+    # at random among the free keys and rarely meet. A VM's units, and the claims they stand
+    # for (shared claims count once, as in ``admission.usage``), are its unit ledger in its
+    # marker (``Keys.vm_holds``), which every reserve and release of the VM compares and
+    # rewrites. Claims written without units (by an older vmlend) are seen as an adapter
+    # whose claims use more than its units: a transaction growing there then compares the
+    # adapter's claims as a prefix, as before.
+
+    def _capacity(self, adapter: str, unit: str) -> int:
+        """The adapter's usable LUT entries or window segments (0: not in the topology)."""
+        digest = self.topology_digest() or ""
+        caps = _CAPACITIES.get(digest)
+        if caps is None:
+            from vmlend.topology.compiled import stored_topology
+
+            topo = stored_topology(self.topology())
+            caps = {a.ref: {"lut": a.lut_usable, "seg": a.segments} for a in topo.adapters()}
+            if len(_CAPACITIES) >= 4:  # a process sees one topology, rarely a few
+                _CAPACITIES.clear()
+            _CAPACITIES[digest] = caps
+        return int(caps.get(adapter, {}).get(unit, 0))
+
+    @staticmethod
+    def _units_needed(rows: Iterable[list[Any]]) -> dict[tuple[str, str], int]:
+        """Per (adapter, unit), what claims ``[adapter, kind, share, entries, segments]``
+        use: a shared claim (same adapter, kind and share) counts once, at its largest."""
+        groups: dict[tuple[str, str, str], tuple[int, int]] = {}
+        for adapter, kind, share, entries, segments in rows:
+            e, s = groups.get((adapter, kind, share), (0, 0))
+            groups[(adapter, kind, share)] = (max(e, int(entries)), max(s, int(segments)))
+        out: dict[tuple[str, str], int] = {}
+        for (adapter, _kind, _share), (e, s) in groups.items():
+            for unit, n in (("lut", e), ("seg", s)):
+                if n:
+                    out[(adapter, unit)] = out.get((adapter, unit), 0) + n
+        return out
+
+    @staticmethod
+    def _row(c: Claim) -> list[Any]:
+        return [c.adapter, c.kind.value, c.share, c.entries, c.segments]
+
+    def _claimed_before(self, adapter: str, unit: str) -> int:
+        """What the claims on ``adapter`` used at the snapshot (every VM's, with units or
+        not); computed once per adapter and transaction."""
+        used = self._claimed.get(adapter)
+        if used is None:
+            rows = []
+            for kv in self._snap.loose_before(self._k.claims_on(adapter)).values():
+                d = enc.load(kv.value)
+                row = [adapter, d["kind"], d["share"], d.get("entries", 0), d.get("segments", 0)]
+                rows.append(row)
+            used = self._claimed[adapter] = self._units_needed(rows)
+        return used.get((adapter, unit), 0)
+
+    def _take_units(self, adapter: str, unit: str, n: int, holder: Holder, hint: int) -> list[int]:
+        """Create ``n`` free unit keys: the first free ones from index ``hint`` on (modulo the
+        capacity). The hint is the fdid the change is for, so reserves of distinct devices
+        (numbered in a row per lender) start at distinct units and rarely create one same
+        key unless the adapter is nearly full."""
+        prefix = self._k.units_on(adapter, unit)
+        every = self._k.units_of(adapter)  # both resources of the adapter, in one range
+        taken = {int(k.rsplit("/", 1)[1]) for k in self._loose_range(every) if k.startswith(prefix)}
+        self._loose_range(self._k.claims_on(adapter))  # read: what the claims used
+        before = sum(1 for k in self._snap.loose_before(every) if k.startswith(prefix))
+        cap = self._capacity(adapter, unit)
+        start = hint % cap if cap else 0
+        free = [i for i in (*range(start, cap), *range(start)) if i not in taken]
+        if len(free) < n or self._claimed_before(adapter, unit) > before:
+            # claims without units (an older vmlend), or fewer free units than the claims
+            # say: decide as before, on every claim of the adapter (a compared prefix)
+            self._snap.range(self._k.claims_on(adapter))
+        picked = sorted(free[:n])
+        for i in picked:
+            key = self._k.unit(adapter, unit, i)
+            self._snap.get(key)  # a new key: its absence is compared
+            self._put(key, f"{holder.node}/{holder.vm}".encode(), leased=True)
+        return picked
+
+    def _change_ledger(
+        self, node: str, vm: str, fdid: int, change: Callable[[dict[str, list[list[Any]]]], None]
+    ) -> None:
+        """Apply ``change`` to the unit ledger of VM ``vm`` on ``node`` (fdid -> its claim
+        rows), then create or delete unit keys until the VM has what its claims use (``fdid``:
+        the hold the change is for)."""
+        key = self._k.vm_holds(node, vm)
+        raw = self._get(key)
+        d: dict[str, Any] = enc.load(raw) if raw is not None else {"vm": vm, "n": 0}
+        ledger = {f: [list(r) for r in rows] for f, rows in d.get("ledger", {}).items()}
+        change(ledger)
+        ledger = {f: rows for f, rows in ledger.items() if rows}
+        need = self._units_needed(r for rows in ledger.values() for r in rows)
+        held: dict[str, dict[str, list[int]]] = d.get("units", {})
+        units: dict[str, dict[str, list[int]]] = {}
+        holder = Holder(node, vm)
+        for adapter in sorted({a for a, _u in need} | set(held)):
+            for unit in ("lut", "seg"):
+                have = sorted(int(i) for i in held.get(adapter, {}).get(unit, []))
+                want = need.get((adapter, unit), 0)
+                for i in have[want:]:
+                    self._delete(self._k.unit(adapter, unit, i))
+                have = have[:want]
+                if len(have) < want:
+                    more = self._take_units(adapter, unit, want - len(have), holder, fdid)
+                    have = sorted(have + more)
+                if have:
+                    units.setdefault(adapter, {})[unit] = have
+        new = {**d, "ledger": ledger, "units": units}
+        if new != d:
+            self._put(key, enc.dump(new), leased=True)
 
     def _put(self, key: str, value: bytes, *, leased: bool = False) -> None:
         """Buffer a put. ``leased``: the record goes with its host (holds, claims, mdevs,
@@ -255,7 +393,7 @@ class EtcdTxn:
         return self._host_lease() if self._host_lease is not None else 0
 
     def _lease_for(self, key: str) -> int:
-        kv = None if self._deleted_by_range(key) else self._snap.get(key)
+        kv = None if self._deleted_by_range(key) else self._snap.peek(key)
         return kv.lease if kv is not None else self.lease()
 
     def _delete(self, key: str) -> None:
@@ -308,13 +446,15 @@ class EtcdTxn:
         runtime records and that node's mdevs and mdev parents of them."""
         fdids = list(fdids)
         keys = [self._k.topology_digest]
-        prefixes = [self._k.claims_on(a) for a in adapters]
+        prefixes: list[str] = []
+        # claims and units are read without a prefix compare (see ``_take_units``)
+        loose = [p for a in adapters for p in (self._k.claims_on(a), self._k.units_of(a))]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
         # Compared per VM, not as prefixes (``holds_of``): the index and the VMs' markers.
-        loose = [p for n in held_on for p in (self._k.holds_on(n), self._k.vm_holds_on(n))]
+        loose += [p for n in held_on for p in (self._k.holds_on(n), self._k.vm_holds_on(n))]
         if release_on is not None:
             keys += [self._k.parent(release_on, fdid) for fdid in fdids]
             prefixes += [self._k.runtime_of(fdid) for fdid in fdids]
@@ -552,6 +692,9 @@ class EtcdTxn:
         who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
         self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
         self._touch_vm(hold.holder)
+        rows = [self._row(c) for c in claims]
+        if rows:
+            self._set_ledger_rows(hold.holder.node, hold.holder.vm, hold.fdid, rows)
         # The fence outlives the hold when the lease ends. Written in the hold's Txn, its key's
         # creation revision is the hold's: its fencing token. Its "token" field keeps the lease
         # the hold was under (what the agent moves when the host's lease changes).
@@ -581,6 +724,25 @@ class EtcdTxn:
         self._delete(self._k.hold(fdid))
         self._delete(self._k.held_on(d["node"], fdid))
         self._delete(self._k.fence(fdid))  # a normal release needs no taking back
+        self._forget_units(d["node"], d["vm"], fdid)
+
+    def _set_ledger_rows(self, node: str, vm: str, fdid: int, rows: list[list[Any]]) -> None:
+        """Record that ``fdid``'s hold has exactly the claims ``rows`` in its VM's ledger."""
+
+        def change(ledger: dict[str, list[list[Any]]]) -> None:
+            ledger[f"{fdid:#x}"] = rows
+
+        self._change_ledger(node, vm, fdid, change)
+
+    def _forget_units(self, node: str, vm: str, fdid: int) -> None:
+        """Drop ``fdid`` from its VM's unit ledger (the units no other claim needs go)."""
+        raw = self._get(self._k.vm_holds(node, vm))
+        if raw is None or f"{fdid:#x}" not in enc.load(raw).get("ledger", {}):
+            return  # a hold without units (an older vmlend's): nothing to give back
+        def drop(ledger: dict[str, list[list[Any]]]) -> None:
+            ledger.pop(f"{fdid:#x}", None)
+
+        self._change_ledger(node, vm, fdid, drop)
 
     @_decoding("claim")
     def replace_claims(
@@ -618,6 +780,9 @@ class EtcdTxn:
                 keep.append(key)
             if keep != old:
                 self._put(self._k.hold(fdid), enc.dump({**d, "claims": keep}), leased=True)
+                values = [v for k in keep if (v := self._get(k)) is not None]  # read above
+                rows = [self._row(c) for _f, c in self._claims_of(values)]
+                self._set_ledger_rows(d["node"], d["vm"], fdid, rows)
 
     def _fence_from(self, key: str, raw: bytes) -> FenceRecord:
         d = enc.load(raw)
@@ -660,9 +825,11 @@ class EtcdTxn:
 
     @_decoding("claim")
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
+        """Read without a prefix compare: what keeps a decision on them safe is the units a
+        transaction takes (``_take_units``)."""
         out = []
         for a in dict.fromkeys(adapters):
-            out += self._claims_of(self._range(self._k.claims_on(a)).values())
+            out += self._claims_of(self._loose_range(self._k.claims_on(a)).values())
         return out
 
     # --- mdevs -----------------------------------------------------------------------------
