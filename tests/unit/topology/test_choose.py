@@ -1,0 +1,136 @@
+"""Choosing devices by kind: the shortest path from the VM's node first, then the shortest
+peer-to-peer paths among the chosen and the VM's other devices, never a held device, and the
+same answer for the same state."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vmlend.errors import ConfigError, NoDeviceToChooseError, UnknownNodeError
+from vmlend.topology.choose import DeviceWish, choose, parse_wish
+from vmlend.topology.model import DeviceState, DeviceStatus, Holder, Topology
+from vmlend.topology.parse import parse_topology
+from vmlend.topology.pcie import device_to_ram
+from vmlend.wiring.fabric import default_topology_text
+
+TOPO: Topology = parse_topology(*default_topology_text())
+WEB = Holder("gamma", "web")
+
+
+def statuses(held: dict[int, Holder] | None = None, unlent: set[int] = frozenset()) -> list:
+    held = held or {}
+    out = []
+    for d in TOPO.devices:
+        if d.fdid in held:
+            out.append(DeviceStatus(d, DeviceState.RESERVED, held[d.fdid]))
+        elif d.fdid in unlent:
+            out.append(DeviceStatus(d, DeviceState.UNLENT))
+        else:
+            out.append(DeviceStatus(d, DeviceState.AVAILABLE))
+    return out
+
+
+def fdids(choices) -> list[int]:
+    return [c.fdid for c in choices]
+
+
+@pytest.mark.parametrize(
+    ("text", "wish"),
+    [
+        ("gpu", DeviceWish("gpu")),
+        ("GPU:2", DeviceWish("gpu", 2)),
+        ("nvme,lender=alpha", DeviceWish("nvme", 1, "alpha")),
+        ("vf:3,lender=beta", DeviceWish("vf", 3, "beta")),
+        ("0x10", None),
+        ("16", None),
+    ],
+)
+def test_wishes_parse_and_fdids_are_left_to_the_fdid_parser(text, wish):
+    assert parse_wish(text) == wish
+
+
+@pytest.mark.parametrize("text", ["gpu:0", "gpu:65", "gpu,color=red", "gpu,lender=", "gpu;x", "-"])
+def test_bad_wishes_say_what_a_wish_is(text):
+    with pytest.raises(ConfigError, match="bad device"):
+        parse_wish(text)
+
+
+def test_two_gpus_come_from_one_lender_so_peer_to_peer_stays_below_its_root():
+    # Every remote GPU is 11 hops from gamma's RAM; 0x10+0x11 (alpha) are 7 hops apart,
+    # 0x10+0x20 (two lenders) 17.
+    assert fdids(choose(TOPO, statuses(), [DeviceWish("gpu", 2)], "gamma")) == [0x10, 0x11]
+    other = Holder("beta", "x")
+    assert fdids(choose(TOPO, statuses({0x11: other}), [DeviceWish("gpu", 2)], "gamma")) == [
+        0x10,
+        0x20,
+    ]
+
+
+def test_a_device_local_to_the_vms_node_wins_on_path_length():
+    (pick,) = choose(TOPO, statuses(), [DeviceWish("gpu")], "beta")
+    assert pick.fdid == 0x20
+    assert pick.path == device_to_ram(TOPO, 0x20, "beta")
+    assert pick.path.hops < device_to_ram(TOPO, 0x10, "beta").hops
+
+
+def test_a_device_near_the_vms_other_devices_is_preferred():
+    # The VM has beta's NIC: beta's GPU is its peer-to-peer neighbour, though 0x10 is lower.
+    (pick,) = choose(TOPO, statuses({0x21: WEB}), [DeviceWish("gpu")], "gamma", exclude=[0x21])
+    assert pick.fdid == 0x20
+
+
+def test_wishes_are_chosen_together_and_never_twice():
+    picks = choose(TOPO, statuses(), [DeviceWish("gpu"), DeviceWish("gpu")], "gamma")
+    assert fdids(picks) == [0x10, 0x11]
+    picks = choose(TOPO, statuses(), [DeviceWish("vf", 2, "beta")], "gamma", exclude=[0x22])
+    assert fdids(picks) == [0x23, 0x24]
+
+
+def test_too_few_says_how_many_and_who_holds_the_others():
+    with pytest.raises(NoDeviceToChooseError) as e:
+        choose(TOPO, statuses({0x10: WEB}, unlent={0x20}), [DeviceWish("gpu", 3)], "gamma")
+    msg = str(e.value)
+    assert "cannot choose gpu:3 for a VM on gamma: 1 available" in msg
+    assert "0x10 reserved by gamma/web" in msg and "0x20 unlent" in msg
+    assert "\n" not in msg
+
+
+def test_an_unknown_kind_or_node_is_named():
+    with pytest.raises(ConfigError, match=r"no device of kind 'fpga'.*gpu"):
+        choose(TOPO, statuses(), [DeviceWish("fpga")], "gamma")
+    with pytest.raises(UnknownNodeError):
+        choose(TOPO, statuses(), [DeviceWish("gpu", 1, "delta")], "gamma")
+    with pytest.raises(UnknownNodeError):
+        choose(TOPO, statuses(), [DeviceWish("gpu")], "delta")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    held=st.sets(st.sampled_from([d.fdid for d in TOPO.devices])),
+    kind=st.sampled_from(sorted({d.kind for d in TOPO.devices})),
+    count=st.integers(1, 3),
+    node=st.sampled_from([n.name for n in TOPO.nodes]),
+)
+def test_choices_are_free_distinct_of_the_kind_and_no_free_device_is_closer(
+    held, kind, count, node
+):
+    state = statuses(dict.fromkeys(held, WEB))
+    free = [s for s in state if s.state is DeviceState.AVAILABLE and s.spec.kind == kind]
+    if len(free) < count:
+        with pytest.raises(NoDeviceToChooseError):
+            choose(TOPO, state, [DeviceWish(kind, count)], node)
+        return
+    picks = choose(TOPO, state, [DeviceWish(kind, count)], node)
+    assert picks == choose(TOPO, state, [DeviceWish(kind, count)], node)  # deterministic
+    assert len(set(fdids(picks))) == count
+    assert set(fdids(picks)) <= {s.fdid for s in free}
+
+    def cost(fdid: int) -> tuple[int, int, int]:
+        p = device_to_ram(TOPO, fdid, node)
+        return (p.hops, p.roots, p.added_ns)
+
+    total = [sum(x) for x in zip(*(cost(c.fdid) for c in picks), strict=True)]
+    best = sorted(cost(s.fdid) for s in free)[:count]
+    assert total == [sum(x) for x in zip(*best, strict=True)]  # the shortest paths first
