@@ -19,6 +19,7 @@ from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
 from vmlend.messages import plural
 from vmlend.nvme.lending import acquire_share, return_shares
 from vmlend.ops.restore import restore_running
+from vmlend.registry.records import same_holder
 from vmlend.release_journal import pend_release, settle_own
 from vmlend.topology.model import Holder, format_fdid
 
@@ -75,7 +76,35 @@ class HookOps:
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
             fault_point("prepare:after-device")
+        self._confirm_held(dom, holder, journal, record)
         record(f"{plural(len(dom.devices), 'device')} ready")
+
+    def _confirm_held(
+        self, dom: DomainInfo, holder: Holder, journal: UndoJournal, record: Callable[[str], None]
+    ) -> None:
+        """Read every reserved device once more, last thing before libvirt starts the VM. A
+        prepare that outlived its host's lease (the hook frozen or starved past the TTL, its
+        agent dead) lost the holds it made with that lease: the lenders take the devices back
+        and another VM may have one by now. Starting the VM anyway would run it on a device
+        that is not its own, so that fails the start, undone like any other failure. (A lease
+        that ends after this read is the agent's: it pauses the VMs whose holds are gone.)"""
+        for dev in dom.devices:
+            if dev.share is not None:  # a queue-level share: the lender's manager holds it
+                continue
+            fd = format_fdid(dev.fdid)
+            try:
+                held = self.fabric.device(dev.fdid).holder
+            except VmlendError as e:
+                reason = f"cannot confirm it is still held for the VM: {e}"
+            else:
+                if held is not None and same_holder(held, holder):
+                    continue
+                reason = "its hold ended while the prepare ran (this host's lease ended)"
+                if held is not None:
+                    reason += f"; it is held by {held.node}/{held.vm} now"
+            record(f"device {fd}: FAILED: {reason}")
+            journal.rollback(record)
+            raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {reason}")
 
     def release(self, dom: DomainInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a
