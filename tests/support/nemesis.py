@@ -40,7 +40,7 @@ from tests.support.tcp_proxy import TcpProxy
 from vmlend.domain import DomainDocument, mdev_uuid, read_domain
 from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
-from vmlend.fabric.open import default_topology_text, init_fabric
+from vmlend.fabric.open import default_topology_text, init_fabric, open_fabric
 from vmlend.faults import FAULT_ENV
 
 TTL = 2
@@ -594,9 +594,14 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
         if live_devices(h, vm) is not None:
             work.call(h, "vm", "destroy", vm)
         deadline = time.monotonic() + WAIT
-        while (frozen := _start_frozen(h, vm, work)) is None:
+        while True:
+            # The prepare freezes once it holds the first device: start when that one is free.
+            while not _free(c, VMS[node][vm][0]):
+                assert time.monotonic() < deadline, f"{VMS[node][vm][0]:#x} never came free"
+                time.sleep(0.05)
+            if (frozen := _start_frozen(h, vm, work)) is not None:
+                break
             assert time.monotonic() < deadline, f"the hook of {node}/{vm} never froze"
-            time.sleep(0.3)  # its device was held by another VM: again
         proc, hook, wall, t0 = frozen
         say(f"SIGSTOP the hook of {node}/{vm} mid-prepare (pid {hook}) for {PAST_TTL:g} s")
         restart = None
@@ -626,6 +631,13 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
             restart.join(WAIT)
             assert not restart.is_alive(), f"the agent of {node} did not start"
             h.close_window()
+
+
+def _free(c: Cluster, fdid: int) -> bool:
+    """Whether nobody holds ``fdid`` and it is not fenced (the registry, read directly, as
+    its lender: alpha lends 0x1*, beta 0x2*)."""
+    with open_fabric(c.direct_url, "alpha" if fdid < 0x20 else "beta") as f:
+        return f.device(fdid).holder is None and all(x.fdid != fdid for x in f.fenced())
 
 
 def _start_frozen(
