@@ -15,11 +15,10 @@ from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
-from vmlend.lending import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.lending import UndoJournal, acquire_device, holder_for, lost_holds, return_all
 from vmlend.messages import plural
 from vmlend.nvme.lending import acquire_share, return_shares
 from vmlend.ops.restore import restore_running
-from vmlend.registry.records import same_holder
 from vmlend.release_journal import pend_release, settle_own
 from vmlend.topology.model import Holder, format_fdid
 
@@ -82,26 +81,16 @@ class HookOps:
     def _confirm_held(
         self, dom: DomainInfo, holder: Holder, journal: UndoJournal, record: Callable[[str], None]
     ) -> None:
-        """Read every reserved device once more, last thing before libvirt starts the VM. A
-        prepare that outlived its host's lease (the hook frozen or starved past the TTL, its
-        agent dead) lost the holds it made with that lease: the lenders take the devices back
-        and another VM may have one by now. Starting the VM anyway would run it on a device
-        that is not its own, so that fails the start, undone like any other failure. (A lease
-        that ends after this read is the agent's: it pauses the VMs whose holds are gone.)"""
-        for dev in dom.devices:
-            if dev.share is not None:  # a queue-level share: the lender's manager holds it
-                continue
-            fd = format_fdid(dev.fdid)
-            try:
-                held = self.fabric.device(dev.fdid).holder
-            except VmlendError as e:
-                reason = f"cannot confirm it is still held for the VM: {e}"
-            else:
-                if held is not None and same_holder(held, holder):
-                    continue
-                reason = "its hold ended while the prepare ran (this host's lease ended)"
-                if held is not None:
-                    reason += f"; it is held by {held.node}/{held.vm} now"
+        """Read every reserved device once more, last thing before libvirt starts the VM: a
+        prepare that outlived its host's lease (the hook frozen past the TTL, its agent dead)
+        lost its holds, and starting the VM anyway would run it on a device another VM may
+        have taken (``lending.lost_holds``). That fails the start, undone like any other
+        failure."""
+        own = [dev.fdid for dev in dom.devices if dev.share is None]  # shares: the lender's
+        lost = lost_holds(self.fabric, holder, own)
+        if lost:
+            fdid, reason = lost[0]
+            fd = format_fdid(fdid)
             record(f"device {fd}: FAILED: {reason}")
             journal.rollback(record)
             raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {reason}")
