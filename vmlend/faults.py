@@ -25,7 +25,9 @@ POINTS: dict[str, tuple[str, ...]] = {
 
 def fault_point(name: str) -> None:
     """Die here if ``VMLEND_FAULT`` names this point (``operation:point``); with ``=INT``
-    appended (``attach:after-hotplug=INT``) send SIGINT instead, as Ctrl-C would.
+    appended (``attach:after-hotplug=INT``) send SIGINT instead, as Ctrl-C would; with
+    ``=STOP`` send SIGSTOP, so the process freezes there (as ``kill -STOP`` would) until
+    somebody sends SIGCONT: the nemesis test freezes a hook mid-prepare this way.
 
     SIGINT goes to the process, and Python runs its handler on the main thread: reached on
     another thread (a hook call on the agent's worker), ``=INT`` does not interrupt the call
@@ -39,4 +41,5 @@ def fault_point(name: str) -> None:
         if point == name:
             import signal  # only a test that asked for a fault pays for it
 
-            os.kill(os.getpid(), signal.SIGINT if how == "INT" else signal.SIGKILL)
+            sig = {"INT": signal.SIGINT, "STOP": signal.SIGSTOP}.get(how, signal.SIGKILL)
+            os.kill(os.getpid(), sig)

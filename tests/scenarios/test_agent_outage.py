@@ -5,6 +5,7 @@ simulated hypervisor whose hooks run as processes of the host."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -247,3 +248,127 @@ def test_a_borrower_cut_off_from_etcd_pauses_its_vm_and_runs_it_again_after_the_
         with open_fabric(c.direct_url, "alpha") as f:
             _wait_for("0x10 held by web", lambda: f.device(GPU).holder == WEB, c.gamma)
         check_never_two_holders(history(c.direct_url))
+
+
+@pytest.mark.slow
+def test_a_hook_frozen_mid_prepare_past_its_lease_does_not_start_the_vm_on_a_lost_device(
+    outage,
+):
+    """gamma's prepare hook reserves the GPU for web and freezes (SIGSTOP) before web runs;
+    gamma's agent dies, the lease ends with the hold, alpha takes the GPU back and beta's VM
+    takes it. When the hook goes on, web must not start: it would run with a device that is
+    beta's (issue 20's frozen hook). The start fails with one line naming the holder, and the
+    failed start leaves beta's hold alone."""
+    from vmlend.faults import FAULT_ENV
+    from vmlend.wiring.fabric import open_fabric
+
+    url, hosts = outage
+    alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
+    _start_agent(alpha)
+    _start_agent(beta)
+    _start_agent(gamma, "--connect", "sim:///gamma")
+    _hv(gamma, url).define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    env = {
+        **gamma.env,
+        FAULT_ENV: "prepare:after-device=STOP",
+        # the hook runs its prepare in its own process (no agent socket), so it is what freezes
+        "VMLEND_HOOK_SOCKET": str(gamma.root / "no-agent.sock"),
+    }
+    start = subprocess.Popen(
+        [VMLEND, "-c", "sim:///gamma", "vm", "start", "web"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for("the hook freezing", lambda: bool(_stopped_children(start.pid)), gamma)
+        with open_fabric(url, "alpha") as f:
+            assert f.device(GPU).holder == WEB
+        gamma.stop_agent(signal.SIGKILL)
+        _wait_for("beta taking 0x10", lambda: beta.run(reserve_code(GPU, DB)).returncode == 0)
+        for pid in _stopped_children(start.pid):
+            os.kill(pid, signal.SIGCONT)
+        _out, err = start.communicate(timeout=WAIT)
+    finally:
+        if start.poll() is None:
+            for pid in _stopped_children(start.pid):
+                os.kill(pid, signal.SIGCONT)
+            start.kill()
+            start.wait()
+    assert _hv(gamma, url).lookup("web").state is DomainState.SHUTOFF
+    assert start.returncode != 0
+    assert len(err.splitlines()) == 1, err
+    assert "device 0x10" in err and "beta/db" in err, err
+    with open_fabric(url, "alpha") as f:
+        assert f.device(GPU).holder == DB
+    check_never_two_holders(history(url))
+
+
+def _stopped_children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "T" and int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_an_attach_frozen_past_its_lease_does_not_hot_plug_a_lost_device(outage):
+    """The hot-add's twin of the frozen hook: ``vmlend attach`` reserves the GPU for web and
+    freezes before the hot-plug; gamma's agent dies, the lease ends with the hold, alpha takes
+    the GPU back and beta's VM takes it. When the attach goes on it must not plug the device
+    into web: it fails with one line naming the holder, web runs without it, and beta's hold
+    is left alone."""
+    from vmlend.domain import mdev_uuid, read_domain
+    from vmlend.faults import FAULT_ENV
+    from vmlend.wiring.fabric import open_fabric
+
+    url, hosts = outage
+    alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
+    _start_agent(alpha)
+    _start_agent(beta)
+    _start_agent(gamma, "--connect", "sim:///gamma")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (NIC,)))
+    hv.start("web")
+    env = {**gamma.env, FAULT_ENV: "attach:after-acquire=STOP"}
+    attach = subprocess.Popen(
+        [VMLEND, "-c", "sim:///gamma", "attach", "web", "0x10", "--live"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for("the attach freezing", lambda: _state(attach.pid) == "T", gamma)
+        with open_fabric(url, "alpha") as f:
+            assert f.device(GPU).holder == WEB
+        gamma.stop_agent(signal.SIGKILL)
+        _wait_for("beta taking 0x10", lambda: beta.run(reserve_code(GPU, DB)).returncode == 0)
+        attach.send_signal(signal.SIGCONT)
+        _out, err = attach.communicate(timeout=WAIT)
+    finally:
+        if attach.poll() is None:
+            attach.send_signal(signal.SIGCONT)
+            attach.kill()
+            attach.wait()
+    assert attach.returncode != 0
+    assert len(err.splitlines()) == 1, err
+    assert "device 0x10" in err and "beta/db" in err, err
+    assert GPU not in {d.fdid for d in read_domain(hv.xml("web"), strict=False).devices}
+    assert str(mdev_uuid(WEB.vm_uuid, GPU)).encode() not in hv.xml("web")  # never plugged
+    with open_fabric(url, "alpha") as f:
+        assert f.device(GPU).holder == DB
+    check_never_two_holders(history(url))
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"

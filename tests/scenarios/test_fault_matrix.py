@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,36 @@ def test_ctrl_c_names_the_command_to_run_again(cluster):
     )
     assert _run(cluster.state_path, *args).returncode == 0
     _consistent(cluster)
+
+
+# --- SIGSTOP ---------------------------------------------------------------------------------
+
+
+def test_stop_freezes_the_process_at_the_point_until_sigcont(tmp_path):
+    """``=STOP`` (the nemesis test's frozen hook): the process stops itself at the point and
+    goes on from there, exactly once resumed."""
+    code = "from vmlend.faults import fault_point; print('before', flush=True);"
+    code += " fault_point('prepare:after-device'); print('after', flush=True)"
+    env = {**os.environ, FAULT_ENV: "prepare:after-device=STOP"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "before\n"
+        deadline = time.monotonic() + 30
+        while _state(proc.pid) != "T":
+            assert time.monotonic() < deadline, "never stopped"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+        assert out == "after\n" and proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]

@@ -1,14 +1,17 @@
 """The parts of the nemesis test (``tests/scenarios/test_nemesis.py``): a 3-member etcd on
 loopback, three hosts that each reach it through proxies of their own (so one host can be cut
-off), a workload of VM starts and stops through the CLI, the faults, and a sampler of what
+off), a workload of VM starts, stops, hot-adds and hot-removes through the CLI, the faults, and
+a sampler of what
 every host's simulated hypervisor runs. Every process is started here and stopped by its PID.
 
-What "in use" means (issue 20): a VM uses the devices its live XML names from the moment it
-runs (its live XML exists, which is after its prepare hook reserved them) until its host has
-paused or stopped it, or the lender has taken the device back from it (mappings cut, device
-reset). Two such VMs must never share a device. The take-back can only matter while a host's
-agent is frozen (SIGSTOP) or dead (kill -9): nothing on that host can pause anything then, so
-its VM runs on after its lease ended, and the promise rests on fencing. So an overlap is
+What "in use" means (issue 20): a VM uses the devices its live XML names (its vmlend metadata,
+or a plugged mdev hostdev: ``devices_in``) from the moment it runs (its live XML exists, which
+is after its prepare hook reserved them) or the device was hot-plugged, until its host has
+paused or stopped it, the device was unplugged and dropped from the metadata, or the lender
+has taken the device back from it (mappings cut, device reset). Two such VMs must never share
+a device. The take-back can only matter while a host's agent is frozen (SIGSTOP) or dead
+(kill -9): nothing on that host can pause anything then, so its VM runs on after its lease
+ended, and the promise rests on fencing. So an overlap is
 excused only if one of its VMs is on such a host (from the signal until the agent is back and
 has had ``GRACE`` seconds to pause) *and* the device's lender logged taking the device back from
 that VM before the sample (``confirm_excuses``). Every other overlap fails the test; excused
@@ -17,6 +20,7 @@ ones are printed.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -24,7 +28,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,9 +38,11 @@ from pathlib import Path
 from tests.support.cluster_hosts import VMLEND, Host, domain_xml
 from tests.support.etcd_daemon import EtcdServer, start_members
 from tests.support.tcp_proxy import TcpProxy
-from vmlend.domain import read_domain
+from vmlend.domain import DomainDocument, mdev_uuid, read_domain
+from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
-from vmlend.wiring.fabric import default_topology_text, init_fabric
+from vmlend.faults import FAULT_ENV
+from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 TTL = 2
 INTERVAL = 0.2
@@ -55,9 +63,25 @@ VMS: dict[str, dict[str, tuple[int, ...]]] = {
 }
 
 
+#: What each host's VMs may hot-add: every device of the four another node lends.
+HOT: dict[str, tuple[int, ...]] = {
+    "gamma": (0x10, 0x11, 0x20, 0x21),
+    "beta": (0x10, 0x11),
+    "alpha": (0x20, 0x21),
+}
+
+
 def vm_uuid(node: str, vm: str) -> str:
     n = sorted(VMS).index(node) * 16 + sorted(VMS[node]).index(vm) + 1
     return f"00000000-0000-4000-8000-{n:012x}"
+
+
+#: The mdev UUID each device would have in each VM (the hook and attach derive it alike).
+MDEVS: dict[tuple[str, str], dict[str, int]] = {
+    (node, vm): {str(mdev_uuid(vm_uuid(node, vm), f)): f for f in HOT[node]}
+    for node, vms in VMS.items()
+    for vm in vms
+}
 
 
 @dataclass
@@ -152,6 +176,8 @@ class Cluster:
     members: list[EtcdServer]
     direct_url: str
     hosts: dict[str, NHost]
+    #: Set by the test once the workload exists: the hook nemesis starts VMs of its own.
+    work: Workload | None = None
 
     def host(self, node: str) -> NHost:
         return self.hosts[node]
@@ -202,9 +228,35 @@ Run = tuple[str, str, str]  # (node, vm, domain id): one run of one VM
 _DOMID = re.compile(rb"<domain\b[^>]*?\sid=[\"'](\d+)")
 
 
+def devices_in(node: str, vm: str, xml: bytes) -> frozenset[int] | None:
+    """The devices a live XML gives its VM: the ones its vmlend metadata names and the ones
+    whose mdev hostdev is plugged. A hot-add plugs the hostdev before it writes the metadata,
+    a hot-remove unplugs it before it removes the metadata entry: with both, a device counts
+    from its hot-plug until both are gone, which covers "from the moment the hot-add succeeds
+    until the unplug succeeds". None: not readable (a file being replaced)."""
+    try:
+        info = read_domain(xml, strict=False)
+        doc = DomainDocument.parse(xml, source="live XML")
+    except VmlendError:
+        return None
+    mdevs = MDEVS[(node, vm)]
+    plugged = {mdevs.get(str(h.uuid)) for h in DomainXML(doc.root).mdev_hostdevs()}
+    return frozenset(d.fdid for d in info.devices) | {f for f in plugged if f is not None}
+
+
+def live_devices(h: NHost, vm: str) -> frozenset[int] | None:
+    """The devices ``vm`` uses now (``devices_in``); None when it does not run."""
+    try:
+        xml = (h.hv_dir() / "live" / f"{vm}.xml").read_bytes()
+    except FileNotFoundError:
+        return None
+    return devices_in(h.node, vm, xml)
+
+
 def in_use(h: NHost) -> dict[Run, frozenset[int]]:
-    """The VMs ``h``'s simulated hypervisor runs and has not paused, with their devices (read
-    from the store's files without its lock: a start holds the lock while its hooks run)."""
+    """The VMs ``h``'s simulated hypervisor runs and has not paused, with their devices
+    (``devices_in``; read from the store's files without its lock: a start holds the lock
+    while its hooks run)."""
     live_dir, paused_dir = h.hv_dir() / "live", h.hv_dir() / "paused"
     out: dict[Run, frozenset[int]] = {}
     for path in sorted(live_dir.glob("*.xml")) if live_dir.is_dir() else []:
@@ -215,13 +267,12 @@ def in_use(h: NHost) -> dict[Run, frozenset[int]]:
             continue
         if (paused_dir / f"{name}.xml").exists():
             continue
-        try:
-            info = read_domain(xml, strict=False)
-        except VmlendError:
+        fdids = devices_in(h.node, name, xml)
+        if fdids is None:
             continue
         m = _DOMID.search(xml)
         domid = m.group(1).decode() if m else "?"
-        out[(h.node, name, domid)] = frozenset(d.fdid for d in info.devices)
+        out[(h.node, name, domid)] = fdids
     return out
 
 
@@ -347,14 +398,20 @@ class CliCall:
 
 
 class Workload:
-    """One thread per host: start a stopped VM or destroy a running one, at random (a
-    ``random.Random`` per host, seeded), with short pauses, until stopped."""
+    """One thread per host, each with its own ``random.Random`` (seeded), with short pauses
+    until stopped: start a stopped VM; or, on a running one, destroy it, hot-add a device it
+    does not have (``HOT``: any of the four another node lends, so hot-adds race with starts
+    for the same devices) or hot-remove one it hot-added. A VM ``claim``-ed by a nemesis is
+    left alone until it is given back."""
 
     def __init__(self, c: Cluster, seed: int) -> None:
         self.c = c
         self.calls: list[CliCall] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        #: Held around each action of a host's thread, and by ``claim``.
+        self._busy = {node: threading.Lock() for node in VMS}
+        self._claimed: set[tuple[str, str]] = set()
         self._threads = [
             threading.Thread(target=self._run, args=(node, seed), name=f"work-{node}", daemon=True)
             for node in VMS
@@ -374,20 +431,54 @@ class Workload:
         t0, wall = time.monotonic(), time.time()
         r = h.cli(*argv)
         done = CliCall(h.node, argv, r.returncode, r.stderr, time.monotonic() - t0, wall)
+        self.record(done)
+        return done
+
+    def record(self, done: CliCall) -> None:
         with self._lock:
             self.calls.append(done)
-        return done
+
+    @contextmanager
+    def claim(self, node: str, vm: str) -> Iterator[None]:
+        """Keep the workload off ``vm`` (after its action in progress on ``node`` ends)."""
+        with self._busy[node]:
+            self._claimed.add((node, vm))
+        try:
+            yield
+        finally:
+            with self._busy[node]:
+                self._claimed.discard((node, vm))
 
     def _run(self, node: str, seed: int) -> None:
         rng = random.Random(f"{seed}/{node}")
         h = self.c.host(node)
         while not self._stop.wait(rng.uniform(0.2, 0.8)):
-            vm = rng.choice(sorted(VMS[node]))
-            running = (h.hv_dir() / "live" / f"{vm}.xml").exists()
-            if not running:
-                self.call(h, "vm", "start", vm)
-            elif rng.random() < 0.5:
-                self.call(h, "vm", "destroy", vm)
+            roll = rng.random()
+            with self._busy[node]:
+                vms = [vm for vm in sorted(VMS[node]) if (node, vm) not in self._claimed]
+                running = {vm: d for vm in vms if (d := live_devices(h, vm)) is not None}
+                if roll < 0.5 or not running:
+                    self._start_or_stop(h, rng.choice(vms), running, rng)
+                else:
+                    vm = rng.choice(sorted(running))
+                    self._hot_plug(h, vm, running[vm], rng)
+
+    def _start_or_stop(
+        self, h: NHost, vm: str, running: dict[str, frozenset[int]], rng: random.Random
+    ) -> None:
+        if vm not in running:
+            self.call(h, "vm", "start", vm)
+        elif rng.random() < 0.5:
+            self.call(h, "vm", "destroy", vm)
+
+    def _hot_plug(self, h: NHost, vm: str, used: frozenset[int], rng: random.Random) -> None:
+        """Hot-remove a device ``vm`` hot-added, or hot-add one it does not have."""
+        added = sorted(used - set(VMS[h.node][vm]))
+        free = [f for f in HOT[h.node] if f not in used]
+        if added and (rng.random() < 0.5 or not free):
+            self.call(h, "detach", vm, f"{rng.choice(added):#x}", "--live")
+        elif free:
+            self.call(h, "attach", vm, f"{rng.choice(free):#x}", "--live")
 
     def stop_all_vms(self) -> None:
         for node in VMS:
@@ -398,10 +489,13 @@ class Workload:
 
 
 # --- the nemeses ------------------------------------------------------------------------------
-def kill_agent(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> None:
-    """kill -9 of an agent; restarted at once or after its lease ended."""
+Say = Callable[[str], None]
+Nemesis = Callable[["Cluster", random.Random, Say], None]
+
+
+def kill_agent(c: Cluster, rng: random.Random, say: Say, away: float = 0.2) -> None:
+    """kill -9 of an agent, restarted after ``away`` s (at once, or after its lease ended)."""
     h = c.host(rng.choice(sorted(VMS)))
-    away = rng.choice([0.2, PAST_TTL])
     assert h.host.agent is not None
     say(f"kill -9 the agent of {h.node}, restart it after {away:g} s")
     h.open_window()
@@ -412,7 +506,13 @@ def kill_agent(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> No
     h.close_window()
 
 
-def freeze_agent(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> None:
+def kill_agent_late(c: Cluster, rng: random.Random, say: Say) -> None:
+    """kill -9 of an agent, not restarted until its lease has ended (what a dead host's
+    agent does to the cluster), then restarted."""
+    kill_agent(c, rng, say, PAST_TTL)
+
+
+def freeze_agent(c: Cluster, rng: random.Random, say: Say) -> None:
     """SIGSTOP of an agent past the TTL, then SIGCONT."""
     h = c.host(rng.choice(sorted(VMS)))
     assert h.host.agent is not None
@@ -426,7 +526,7 @@ def freeze_agent(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> 
     h.close_window()
 
 
-def cut_host(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> None:
+def cut_host(c: Cluster, rng: random.Random, say: Say) -> None:
     """A silent partition of one host from every etcd member, past the TTL, then healed."""
     h = c.host(rng.choice(sorted(VMS)))
     say(f"cut {h.node} off from etcd for {PAST_TTL:g} s")
@@ -437,18 +537,152 @@ def cut_host(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> None
         p.heal()
 
 
-def lose_quorum(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> None:
+def lose_quorum(c: Cluster, rng: random.Random, say: Say) -> None:
     """Two of the three members stopped past the TTL (no quorum), then started again."""
     down = rng.sample(c.members, 2)
     say(f"stop etcd members {', '.join(m.name for m in down)} for {PAST_TTL:g} s (no quorum)")
     _bounce(down, PAST_TTL)
 
 
-def stop_member(c: Cluster, rng: random.Random, say: Callable[[str], None]) -> None:
-    """One member killed (-9) past the TTL, then started again: the others keep quorum."""
-    down = [rng.choice(c.members)]
-    say(f"kill -9 etcd member {down[0].name} for {PAST_TTL:g} s")
-    _bounce(down, PAST_TTL, signal.SIGKILL)
+def kill_leader(c: Cluster, rng: random.Random, say: Say) -> None:
+    """kill -9 of the etcd leader (asked of the members), past the TTL, then started again:
+    the other two keep quorum and elect a new leader."""
+    down = leader(c.members)
+    say(f"kill -9 the etcd leader {down.name} for {PAST_TTL:g} s")
+    _bounce([down], PAST_TTL, signal.SIGKILL)
+    say(f"etcd leader now {leader(c.members).name}")
+
+
+def leader(members: list[EtcdServer]) -> EtcdServer:
+    """The member the running members name as their leader (``/v3/maintenance/status`` on
+    loopback), waiting for an election if there is none yet."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        ids: dict[str, EtcdServer] = {}
+        named: set[str] = set()
+        for m in members:
+            try:
+                req = urllib.request.Request(
+                    f"http://{m.endpoint}/v3/maintenance/status", data=b"{}", method="POST"
+                )
+                with urllib.request.urlopen(req, timeout=1) as r:
+                    status = json.loads(r.read())
+            except OSError:
+                continue
+            ids[str(status["header"]["member_id"])] = m
+            if status.get("leader"):
+                named.add(str(status["leader"]))
+        found = [ids[x] for x in named if x in ids]
+        if len(named) == 1 and found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no etcd leader: {named}"
+        time.sleep(0.05)
+
+
+def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False) -> None:
+    """SIGSTOP of a hook mid-prepare, past the TTL, then SIGCONT. A VM of one host, taken from
+    the workload, is started with its hook run in the hook process itself (no agent socket, as
+    when no agent serves the hook) and ``VMLEND_FAULT=prepare:after-device=STOP``: the hook
+    stops itself once it holds a device, before the VM runs. ``kill``: meanwhile that host's
+    agent is killed (-9) and restarted only once its lease, and with it the frozen hook's
+    hold, has ended, so the lender takes the device back and another VM may take it before
+    the hook goes on."""
+    node = rng.choice(sorted(VMS))
+    vm = rng.choice(sorted(VMS[node]))
+    h, work = c.host(node), c.work
+    assert work is not None and h.host.agent is not None
+    with work.claim(node, vm):
+        if live_devices(h, vm) is not None:
+            work.call(h, "vm", "destroy", vm)
+        deadline = time.monotonic() + WAIT
+        while True:
+            # The prepare freezes once it holds the first device: start when that one is free.
+            while not _free(c, VMS[node][vm][0]):
+                assert time.monotonic() < deadline, f"{VMS[node][vm][0]:#x} never came free"
+                time.sleep(0.05)
+            if (frozen := _start_frozen(h, vm, work)) is not None:
+                break
+            assert time.monotonic() < deadline, f"the hook of {node}/{vm} never froze"
+        proc, hook, wall, t0 = frozen
+        say(f"SIGSTOP the hook of {node}/{vm} mid-prepare (pid {hook}) for {PAST_TTL:g} s")
+        restart = None
+        if kill:
+            say(f"kill -9 the agent of {node} too, restart it after {PAST_TTL:g} s")
+            h.open_window()
+            h.host.agent.kill()
+            h.host.agent.wait(20)
+        time.sleep(PAST_TTL)
+        if kill:
+            # Its start-up waits for the hypervisor, which the frozen start holds: restart it,
+            # then let the hook go on.
+            restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
+            restart.start()
+            time.sleep(0.5)
+        os.kill(hook, signal.SIGCONT)
+        while proc.poll() is None:  # a second device stops it again: let that one go at once
+            for pid in _stopped_children(proc.pid):
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+        _out, err = proc.communicate()
+        done = CliCall(node, ("vm", "start", vm), proc.returncode, err, time.monotonic() - t0, wall)
+        work.record(done)
+        said = f": {err.strip()}" if done.returncode else ""
+        say(f"the hook went on: {done.describe()}{said}")
+        if restart is not None:
+            restart.join(WAIT)
+            assert not restart.is_alive(), f"the agent of {node} did not start"
+            h.close_window()
+
+
+def _free(c: Cluster, fdid: int) -> bool:
+    """Whether nobody holds ``fdid`` and it is not fenced (the registry, read directly, as
+    its lender: alpha lends 0x1*, beta 0x2*)."""
+    with open_fabric(c.direct_url, "alpha" if fdid < 0x20 else "beta") as f:
+        return f.device(fdid).holder is None and all(x.fdid != fdid for x in f.fenced())
+
+
+def _start_frozen(
+    h: NHost, vm: str, work: Workload
+) -> tuple[subprocess.Popen, int, float, float] | None:
+    """``vm start`` whose hook freezes mid-prepare: (the CLI, the frozen hook's pid, wall and
+    monotonic time of the start), or None when the start ended first (recorded)."""
+    env = {
+        **h.env(),
+        FAULT_ENV: "prepare:after-device=STOP",
+        "VMLEND_HOOK_SOCKET": str(h.host.root / "no-agent.sock"),
+    }
+    wall, t0 = time.time(), time.monotonic()
+    proc = subprocess.Popen(
+        [VMLEND, "-c", f"sim:///{h.node}", "vm", "start", vm],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while proc.poll() is None:
+        stopped = _stopped_children(proc.pid)
+        if stopped:
+            return proc, stopped[0], wall, t0
+        time.sleep(0.02)
+    _out, err = proc.communicate()
+    work.record(
+        CliCall(h.node, ("vm", "start", vm), proc.returncode, err, time.monotonic() - t0, wall)
+    )
+    return None
+
+
+def _stopped_children(pid: int) -> list[int]:
+    """The stopped (SIGSTOP) child processes of ``pid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "T" and int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
 
 
 def _bounce(members: list[EtcdServer], seconds: float, sig: int = signal.SIGTERM) -> None:
@@ -461,12 +695,53 @@ def _bounce(members: list[EtcdServer], seconds: float, sig: int = signal.SIGTERM
         m.wait_healthy()
 
 
-NEMESES: dict[str, Callable[[Cluster, random.Random, Callable[[str], None]], None]] = {
+def together(*parts: Nemesis) -> Nemesis:
+    """Nemeses at once, each on its own thread with its own ``random.Random`` (drawn from the
+    round's, so a seed still fixes their targets)."""
+
+    def run(c: Cluster, rng: random.Random, say: Say) -> None:
+        errors: list[BaseException] = []
+
+        def one(part: Nemesis, seed: float) -> None:
+            try:
+                part(c, random.Random(seed), say)
+            except BaseException as e:  # re-raised on the test's thread
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=one, args=(p, rng.random()), name=p.__name__) for p in parts
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    run.__doc__ = " and, at the same time, ".join(
+        p.__doc__.split(".")[0] for p in parts if p.__doc__
+    )
+    return run
+
+
+def freeze_hook_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
+    """SIGSTOP of a hook mid-prepare and kill -9 of its host's agent until the lease ended."""
+    freeze_hook(c, rng, say, kill=True)
+
+
+#: Every nemesis, by name. The CI's fixed seed runs each once (a shuffled list of them all).
+NEMESES: dict[str, Nemesis] = {
     "kill": kill_agent,
+    "kill-late": kill_agent_late,
     "freeze": freeze_agent,
+    "hook": freeze_hook,
     "cut": cut_host,
     "quorum": lose_quorum,
-    "member": stop_member,
+    "leader": kill_leader,
+    # combined
+    "hook+kill-late": freeze_hook_and_kill_agent,
+    "cut+leader": together(cut_host, kill_leader),
+    "freeze+quorum": together(freeze_agent, lose_quorum),
 }
 
 

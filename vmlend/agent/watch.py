@@ -34,8 +34,11 @@ class LeaseWatch:
         self._pause = pause
         self._clock = clock
         self._tick = tick
-        # Held while pausing, so a renewal that lands meanwhile resumes what was paused.
+        # Never held across a hypervisor call of ``pause``: a renewal must not wait for one.
         self._lock = threading.Lock()
+        #: Notified when a pause in progress (``_pausing``) is done.
+        self._paused_done = threading.Condition(self._lock)
+        self._pausing = False
         self._last_ok = clock()
         self._paused: list[str] = []
         self.in_doubt = False
@@ -51,23 +54,38 @@ class LeaseWatch:
         return names
 
     def check(self) -> bool:
-        """One look: pause when in doubt for the first time. Whether it paused now."""
+        """One look: pause when in doubt for the first time. Whether it paused now.
+
+        The pause runs outside the lock: a hypervisor slow to answer (a start whose hook hangs
+        holds it) must not hold up ``renewed``, or the agent's loop would renew nothing more and
+        the lease would end while etcd answers. ``in_doubt`` is set first, under the lock, so
+        ``resume_if_fresh`` resumes nothing from then on; what this pause paused after a renewal
+        landed is handed back by the next one (within TTL/3), or taken by ``take_paused``."""
         with self._lock:
             if self.in_doubt or self._clock() - self._last_ok <= self._ttl / 2:
                 return False
             self.in_doubt = True
+            self._pausing = True
             log.warning(
                 "lease not renewed for %.1f s (half the TTL of %g s): pausing VMs with remote"
                 " devices",
                 self._clock() - self._last_ok,
                 self._ttl,
             )
-            self._paused.extend(self._pause())  # with any VM ``resume_if_fresh`` held back
-            return True
+        paused: list[str] = []
+        try:
+            paused = self._pause()
+        finally:
+            with self._lock:
+                self._paused.extend(paused)  # with any VM ``resume_if_fresh`` held back
+                self._pausing = False
+                self._paused_done.notify_all()
+        return True
 
     def resume_if_fresh(self, name: str, resume: Callable[[], None]) -> bool:
         """``resume()`` the paused VM ``name`` only while the lease is not in doubt, under the
-        lock ``check`` pauses under, so no pause can slip in between and be undone. Otherwise
+        lock ``check`` decides under (it sets ``in_doubt`` before it pauses), so no pause can
+        slip in between and be undone. Otherwise
         the VM stays paused as one the watch paused: the next good renewal resumes it
         (``renewed``), a lost lease hands it to the recovery again (``take_paused``)."""
         with self._lock:
@@ -78,8 +96,11 @@ class LeaseWatch:
             return False
 
     def take_paused(self) -> list[str]:
-        """The VMs paused so far (the lost-lease path takes them over)."""
+        """The VMs paused so far (the lost-lease path takes them over), a pause in progress
+        included: it waits for that one, since the recovery needs the hypervisor anyway."""
         with self._lock:
+            while self._pausing:
+                self._paused_done.wait()
             names, self._paused = self._paused, []
             return names
 

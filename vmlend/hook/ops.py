@@ -15,7 +15,13 @@ from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
-from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, return_all
+from vmlend.lending.devices import (
+    UndoJournal,
+    acquire_device,
+    holder_for,
+    lost_holds,
+    return_all,
+)
 from vmlend.lending.shares import acquire_share, return_shares
 from vmlend.messages import plural
 from vmlend.ops.restore import restore_running
@@ -75,7 +81,29 @@ class HookOps:
                 journal.rollback(record)
                 raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
             fault_point("prepare:after-device")
+        self._confirm_held(dom, holder, journal, record)
         record(f"{plural(len(dom.devices), 'device')} ready")
+
+    def _confirm_held(
+        self,
+        dom: DomainXMLInfo,
+        holder: Holder,
+        journal: UndoJournal,
+        record: Callable[[str], None],
+    ) -> None:
+        """Read every reserved device once more, last thing before libvirt starts the VM: a
+        prepare that outlived its host's lease (the hook frozen past the TTL, its agent dead)
+        lost its holds, and starting the VM anyway would run it on a device another VM may
+        have taken (``lending.lost_holds``). That fails the start, undone like any other
+        failure."""
+        own = [dev.fdid for dev in dom.devices if dev.share is None]  # shares: the lender's
+        lost = lost_holds(self.fabric, holder, own)
+        if lost:
+            fdid, reason = lost[0]
+            fd = format_fdid(fdid)
+            record(f"device {fd}: FAILED: {reason}")
+            journal.rollback(record)
+            raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {reason}")
 
     def release(self, dom: DomainXMLInfo) -> None:
         """Remove this VM's mdevs and return its devices. Idempotent; also cleans up what a

@@ -33,7 +33,7 @@ from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
-from vmlend.lending.devices import UndoJournal, acquire_device, holder_for
+from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, lost_holds
 from vmlend.ops.definitions import (
     LIVE,
     hostdev_xml,
@@ -188,6 +188,9 @@ def apply_attach(
                 record=progress,
             )
             fault_point("attach:after-acquire")
+            if lost := lost_holds(fabric, plan.holder, [plan.fdid]):
+                # a hot-add frozen past its host's lease: never plug a device another VM has
+                raise FabricError(f"device {fd}: {lost[0][1]}")
         for t in plan.pending:
             _attach_to(
                 hv, name, t, plan.after[t], plan.device, plugged, progress, wait, t in plan.plugged

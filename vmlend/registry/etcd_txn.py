@@ -739,6 +739,7 @@ class EtcdTxn:
         raw = self._get(self._k.vm_holds(node, vm))
         if raw is None or f"{fdid:#x}" not in enc.load(raw).get("ledger", {}):
             return  # a hold without units (an older vmlend's): nothing to give back
+
         def drop(ledger: dict[str, list[list[Any]]]) -> None:
             ledger.pop(f"{fdid:#x}", None)
 
