@@ -37,17 +37,19 @@ def types(obj: CliContext, json_output: bool) -> None:
     _warn(bus)
     if json_output:
         emit_json(
-            [
-                {
-                    "parent": t.parent,
-                    "type": t.type_id,
-                    "name": t.name,
-                    "device_api": t.device_api,
-                    "available": t.available_instances,
-                    "devices": list(t.devices),
-                }
-                for t in rows
-            ]
+            {
+                "types": [
+                    {
+                        "parent": t.parent,
+                        "type": t.type_id,
+                        "name": t.name,
+                        "device_api": t.device_api,
+                        "available": t.available_instances,
+                        "devices": list(t.devices),
+                    }
+                    for t in rows
+                ]
+            }
         )
         return
     emit_table(
@@ -69,15 +71,17 @@ def list_(obj: CliContext, json_output: bool) -> None:
     _warn(bus)
     if json_output:
         emit_json(
-            [
-                {
-                    "uuid": d.uuid,
-                    "parent": d.parent,
-                    "type": d.type_id,
-                    "iommu_group": d.iommu_group,
-                }
-                for d in devices
-            ]
+            {
+                "mdevs": [
+                    {
+                        "uuid": d.uuid,
+                        "parent": d.parent,
+                        "type": d.type_id,
+                        "iommu_group": d.iommu_group,
+                    }
+                    for d in devices
+                ]
+            }
         )
         return
     emit_table(

@@ -124,18 +124,20 @@ def status_cmd(obj: CliContext, json_output: bool) -> None:
         drives = ledger.shared_drives(reg)
     if json_output:
         emit_json(
-            [
-                {
-                    "fdid": format_fdid(fdid),
-                    "manager": str(manager),
-                    "queue_pairs": geo.queue_pairs,
-                    "vectors": geo.vectors,
-                    "blocks": geo.blocks,
-                    "doorbells": geo.mode,
-                    "shares": [e.to_json() for e in entries],
-                }
-                for fdid, (manager, geo, entries) in drives.items()
-            ]
+            {
+                "drives": [
+                    {
+                        "fdid": format_fdid(fdid),
+                        "manager": str(manager),
+                        "queue_pairs": geo.queue_pairs,
+                        "vectors": geo.vectors,
+                        "blocks": geo.blocks,
+                        "doorbells": geo.mode,
+                        "shares": [e.to_json() for e in entries],
+                    }
+                    for fdid, (manager, geo, entries) in drives.items()
+                ]
+            }
         )
         return
     if not drives:

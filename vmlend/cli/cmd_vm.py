@@ -48,10 +48,17 @@ def vm_list(obj: CliContext, uri: str | None, show_all: bool, json_output: bool)
         domains = [d for d in hv.list_domains() if show_all or d.active]
     if json_output:
         emit_json(
-            [
-                {"name": d.name, "uuid": d.uuid, "state": _state(d), "persistent": d.persistent}
-                for d in domains
-            ]
+            {
+                "vms": [
+                    {
+                        "name": d.name,
+                        "uuid": d.uuid,
+                        "state": _state(d),
+                        "persistent": d.persistent,
+                    }
+                    for d in domains
+                ]
+            }
         )
         return
     emit_table(

@@ -24,4 +24,8 @@ def test_install_goes_under_root_and_reports_restart(tmp_path, state_path):
 def test_hook_log_without_entries_says_where_it_looks(state_path):
     r = CliRunner().invoke(main, ["hook", "log", "--json"])
     assert r.exit_code == 0
-    assert json.loads(r.output) == {"path": str(state_path.parent / "hook.log"), "entries": []}
+    assert json.loads(r.output) == {
+        "format": "vmlend/1",
+        "path": str(state_path.parent / "hook.log"),
+        "entries": [],
+    }

@@ -30,7 +30,7 @@ def run(fake, *args):
 def test_types_json(fake):
     r = run(fake, "types", "--json")
     assert r.exit_code == 0, r.output
-    rows = {(t["parent"], t["type"]): t for t in json.loads(r.output)}
+    rows = {(t["parent"], t["type"]): t for t in json.loads(r.output)["types"]}
     assert rows["mtty", "mtty-1"]["available"] == 2
     assert rows["mtty", "mtty-2"]["devices"] == [U1]
     assert rows["smartio-12", "smartio-lend"]["name"] == "SmartIO lent device"
@@ -47,7 +47,7 @@ def test_types_table(fake):
 def test_list_json_and_env_root(fake):
     r = CliRunner().invoke(main, ["mdev", "list", "--json"], env={"VMLEND_ROOT": str(fake.root)})
     assert r.exit_code == 0
-    (dev,) = json.loads(r.output)
+    (dev,) = json.loads(r.output)["mdevs"]
     assert (dev["uuid"], dev["parent"], dev["type"]) == (U1, "mtty", "mtty-2")
     assert isinstance(dev["iommu_group"], int)
 

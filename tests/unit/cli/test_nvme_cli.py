@@ -23,7 +23,8 @@ def test_share_reserve_status_release_unshare(state_path):
     assert r.exit_code == 0
     assert "gamma/web" in r.output and "0+131072 (64M)" in r.output and "beta/db" in r.output
     data = json.loads(c.cli("nvme", "status", "--json").output)
-    (drive,) = data
+    assert data["format"] == "vmlend/1"
+    (drive,) = data["drives"]
     assert drive["fdid"] == "0x12" and drive["doorbells"] == "trap"
     shares = {s["vm"]: s for s in drive["shares"]}
     assert shares["web"]["queue_pairs"] == 2 and shares["web"]["guard_rejections"] == 0
