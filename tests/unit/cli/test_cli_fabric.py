@@ -245,3 +245,25 @@ def test_demo_on_fresh_state(run, state_path):
     assert "switch mxs824" in r.output and "16M,32G,32M" in r.output
     again = run("demo")
     assert again.exit_code == 0 and "unchanged: state" in again.output
+
+
+def test_node_down_up_and_reclaim_json_say_what_they_did(run, inited):
+    def doc(*args: str) -> dict[str, object]:
+        r = run("fabric", *args, "--json")
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.stdout)
+        assert data.pop("format") == "vmlend/1"
+        return data
+
+    assert doc("node-down", "alpha", "--why", "power lost") == {
+        "action": "marked_down",
+        "node": "alpha",
+        "why": "power lost",
+    }
+    assert doc("node-down", "alpha")["action"] == "unchanged"
+    assert doc("node-up", "alpha") == {"action": "marked_up", "node": "alpha"}
+    assert doc("node-up", "alpha")["action"] == "unchanged"
+    with open_fabric(inited) as f:
+        f.reserve(0x20, Holder("gamma", "vm7"))
+    assert doc("reclaim", "0x20") == {"action": "reclaimed", "fdid": "0x20", "holder": "gamma/vm7"}
+    assert doc("reclaim", "0x20") == {"action": "unchanged", "fdid": "0x20", "holder": None}
