@@ -38,7 +38,7 @@ def devices(
         and (not available or st.state is DeviceState.AVAILABLE)
     ]
     if json_output:
-        emit_json([device_json(st) for st in rows])
+        emit_json({"devices": [device_json(st) for st in rows]})
     else:
         emit_table(HEADERS, [device_row(st) for st in rows])
     # The kernel backend lists a device it cannot read as unavailable; say why, one line each.

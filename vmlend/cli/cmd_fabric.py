@@ -7,6 +7,7 @@ import click
 from vmlend.cli.cmd_lend import FDID
 from vmlend.cli.common import (
     check_one_output,
+    emit_action,
     emit_json,
     format_option,
     json_option,
@@ -129,29 +130,45 @@ def _sim(obj: CliContext) -> SimFabric:
 @fabric.command("node-down")
 @click.argument("node")
 @click.option("--why", default="", help="Reason shown with the node's devices.")
+@json_option
 @click.pass_obj
-def node_down(obj: CliContext, node: str, why: str) -> None:
+def node_down(obj: CliContext, node: str, why: str, json_output: bool) -> None:
     """Simulate NODE vanishing: its devices become unavailable and cannot be reserved."""
-    _sim(obj).set_node_up(node, False, why)
-    click.echo(f"node {node} marked down; its devices are unavailable")
+    f = _sim(obj)
+    was_up = node_states(f).get(node, (True, ""))[0]
+    f.set_node_up(node, False, why)
+    if json_output:
+        emit_action("marked_down" if was_up else "unchanged", node=node, why=why)
+    else:
+        click.echo(f"node {node} marked down; its devices are unavailable")
 
 
 @fabric.command("node-up")
 @click.argument("node")
+@json_option
 @click.pass_obj
-def node_up(obj: CliContext, node: str) -> None:
+def node_up(obj: CliContext, node: str, json_output: bool) -> None:
     """Bring a node marked down back."""
-    _sim(obj).set_node_up(node, True)
-    click.echo(f"node {node} marked up")
+    f = _sim(obj)
+    was_up = node_states(f).get(node, (True, ""))[0]
+    f.set_node_up(node, True)
+    if json_output:
+        emit_action("unchanged" if was_up else "marked_up", node=node)
+    else:
+        click.echo(f"node {node} marked up")
 
 
 @fabric.command("reclaim")
 @click.argument("fdid", type=FDID)
+@json_option
 @click.pass_obj
-def reclaim(obj: CliContext, fdid: int) -> None:
+def reclaim(obj: CliContext, fdid: int, json_output: bool) -> None:
     """Simulate FDID's lender taking it back: its hold, claims and mdev end in one step."""
     holder = _sim(obj).reclaim(fdid)
-    if holder is None:
+    if json_output:
+        action = "unchanged" if holder is None else "reclaimed"
+        emit_action(action, fdid=f"{fdid:#x}", holder=None if holder is None else str(holder))
+    elif holder is None:
         click.echo(f"device {fdid:#x} was not held: nothing to reclaim")
     else:
         click.echo(f"device {fdid:#x} reclaimed from {holder}; it stays lent")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import emit_json, hook_socket_option, json_option
+from vmlend.cli.common import emit_action, emit_json, hook_socket_option, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
@@ -110,11 +110,16 @@ def install(
     help="libvirt's config dir [default: /etc/libvirt under --root].",
 )
 @click.option("--name", default=DEFAULT_NAME, show_default=True)
+@json_option
 @click.pass_obj
-def uninstall(cli: CliContext, libvirt_dir: Path | None, name: str) -> None:
+def uninstall(cli: CliContext, libvirt_dir: Path | None, name: str, json_output: bool) -> None:
     """Remove the hook vmlend installed."""
     libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
     removed = uninstall_hook(libvirt_dir, name)
+    if json_output:
+        path = str(libvirt_dir / "hooks" / name)
+        emit_action("removed" if removed else "unchanged", path=path)
+        return
     click.echo(f"removed {libvirt_dir / 'hooks' / name}" if removed else "no vmlend hook installed")
 
 

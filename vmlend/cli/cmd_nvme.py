@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from vmlend.cli.common import emit_json, emit_table, json_option
+from vmlend.cli.common import emit_action, emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import parse_cli_size
@@ -40,14 +40,25 @@ def nvme() -> None:
     show_default=True,
     help="Namespace size to share out (MiB, or 1T, 64GiB; 64GB is decimal).",
 )
+@json_option
 @click.pass_obj
-def share_cmd(obj: CliContext, fdid: str, size: str) -> None:
+def share_cmd(obj: CliContext, fdid: str, size: str, json_output: bool) -> None:
     """Lend FDID for sharing: its manager holds it; VMs then get shares, not the drive."""
     dev = parse_fdid(fdid)
     with obj.fabric() as fabric:
         geometry = drive_geometry(fabric.topology().device(dev), _blocks(size))
     with open_registry(obj.location) as reg:
         ledger.lend_shared(reg, dev, geometry)
+    if json_output:
+        emit_action(
+            "shared",
+            fdid=format_fdid(dev),
+            queue_pairs=geometry.queue_pairs,
+            vectors=geometry.vectors,
+            blocks=geometry.blocks,
+            doorbells=geometry.mode,
+        )
+        return
     click.echo(
         f"{format_fdid(dev)} shared: {geometry.queue_pairs} queue pairs, "
         f"{geometry.vectors - 1} vectors, {size} ({geometry.mode} doorbells)"
@@ -56,12 +67,16 @@ def share_cmd(obj: CliContext, fdid: str, size: str) -> None:
 
 @nvme.command("unshare")
 @click.argument("fdid")
+@json_option
 @click.pass_obj
-def unshare_cmd(obj: CliContext, fdid: str) -> None:
+def unshare_cmd(obj: CliContext, fdid: str, json_output: bool) -> None:
     """Stop sharing FDID (refused while VMs have shares)."""
     dev = parse_fdid(fdid)
     with open_registry(obj.location) as reg:
         done = ledger.unshare(reg, dev)
+    if json_output:
+        emit_action("unshared" if done else "unchanged", fdid=format_fdid(dev))
+        return
     click.echo(f"{format_fdid(dev)} {'no longer shared' if done else 'was not shared'}")
 
 
@@ -83,9 +98,17 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
     default="0",
     help="The VM's RAM (MiB, or e.g. 8G): its DMA windows' NTB room is claimed.",
 )
+@json_option
 @click.pass_obj
 def reserve_cmd(
-    obj: CliContext, fdid: str, vm: str, queues: int, size: str, node: str | None, ram: str
+    obj: CliContext,
+    fdid: str,
+    vm: str,
+    queues: int,
+    size: str,
+    node: str | None,
+    ram: str,
+    json_output: bool,
 ) -> None:
     """Claim a share of FDID for VM: queue pairs, MSI-X vectors, an LBA window and the NTB
     resources of its DMA path."""
@@ -95,6 +118,17 @@ def reserve_cmd(
         share = ledger.reserve_share(
             reg, dev, holder, queues, _blocks(size), guest_ram=parse_cli_size(ram)
         )
+    if json_output:
+        emit_action(
+            "reserved",
+            fdid=format_fdid(dev),
+            vm=holder.vm,
+            node=holder.node,
+            queue_pairs=share.queue_pairs,
+            lba_offset=share.lba_offset,
+            blocks=share.blocks,
+        )
+        return
     click.echo(
         f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "
         f"LBAs {share.lba_offset}..{share.lba_offset + share.blocks - 1}"
@@ -105,13 +139,18 @@ def reserve_cmd(
 @click.argument("fdid")
 @click.argument("vm")
 @click.option("--node", help="The VM's node (default: this host's).")
+@json_option
 @click.pass_obj
-def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None) -> None:
+def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None, json_output: bool) -> None:
     """Return VM's share of FDID."""
     dev = parse_fdid(fdid)
     holder = _holder(obj, vm, node)
     with open_registry(obj.location) as reg:
         done = ledger.release_share(reg, dev, holder)
+    if json_output:
+        action = "released" if done else "unchanged"
+        emit_action(action, fdid=format_fdid(dev), vm=holder.vm, node=holder.node)
+        return
     click.echo(f"{holder}: {'share returned' if done else 'had no share'} of {format_fdid(dev)}")
 
 
@@ -124,18 +163,20 @@ def status_cmd(obj: CliContext, json_output: bool) -> None:
         drives = ledger.shared_drives(reg)
     if json_output:
         emit_json(
-            [
-                {
-                    "fdid": format_fdid(fdid),
-                    "manager": str(manager),
-                    "queue_pairs": geo.queue_pairs,
-                    "vectors": geo.vectors,
-                    "blocks": geo.blocks,
-                    "doorbells": geo.mode,
-                    "shares": [e.to_json() for e in entries],
-                }
-                for fdid, (manager, geo, entries) in drives.items()
-            ]
+            {
+                "drives": [
+                    {
+                        "fdid": format_fdid(fdid),
+                        "manager": str(manager),
+                        "queue_pairs": geo.queue_pairs,
+                        "vectors": geo.vectors,
+                        "blocks": geo.blocks,
+                        "doorbells": geo.mode,
+                        "shares": [e.to_json() for e in entries],
+                    }
+                    for fdid, (manager, geo, entries) in drives.items()
+                ]
+            }
         )
         return
     if not drives:

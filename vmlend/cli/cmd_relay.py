@@ -65,7 +65,7 @@ def status(ctx: click.Context, json_output: bool) -> None:
         reply = client.status()
     devices = reply["devices"]
     if json_output:
-        emit_json(devices)
+        emit_json({"devices": devices})
         return
     emit_table(
         ["FDID", "VECTORS", "RESAMPLE", "DELIVERED", "HELD", "TRANSPORT"],

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from vmlend.cli.common import Seconds, emit_json, emit_table, json_option, read_input
+from vmlend.cli.common import (
+    Seconds,
+    emit_action,
+    emit_json,
+    emit_table,
+    json_option,
+    read_input,
+)
 from vmlend.cli.connect import connect_option, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
@@ -48,10 +55,17 @@ def vm_list(obj: CliContext, uri: str | None, show_all: bool, json_output: bool)
         domains = [d for d in hv.list_domains() if show_all or d.active]
     if json_output:
         emit_json(
-            [
-                {"name": d.name, "uuid": d.uuid, "state": _state(d), "persistent": d.persistent}
-                for d in domains
-            ]
+            {
+                "vms": [
+                    {
+                        "name": d.name,
+                        "uuid": d.uuid,
+                        "state": _state(d),
+                        "persistent": d.persistent,
+                    }
+                    for d in domains
+                ]
+            }
         )
         return
     emit_table(
@@ -63,35 +77,50 @@ def vm_list(obj: CliContext, uri: str | None, show_all: bool, json_output: bool)
 @vm_group.command("define")
 @connect_option
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@json_option
 @click.pass_obj
-def vm_define(obj: CliContext, uri: str | None, file: Path) -> None:
+def vm_define(obj: CliContext, uri: str | None, file: Path, json_output: bool) -> None:
     """Define (or update) a VM from a domain XML FILE."""
     data = read_input(file)
     DomainDocument.parse(data, source=str(file))  # one clear line for a malformed file
     with _Session(obj, uri) as hv:
         info = hv.define(data)
+        node = hv.node
+    if json_output:
+        emit_action("defined", vm=info.name, uuid=info.uuid, node=node, file=str(file))
+        return
     click.echo(f"Domain '{info.name}' defined from {file}")
 
 
 @vm_group.command("undefine")
 @connect_option
 @click.argument("name")
+@json_option
 @click.pass_obj
-def vm_undefine(obj: CliContext, uri: str | None, name: str) -> None:
+def vm_undefine(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
     """Remove a VM's persistent definition (a running VM goes on, transient)."""
     with _Session(obj, uri) as hv:
         hv.undefine(name)
+        node = hv.node
+    if json_output:
+        emit_action("undefined", vm=name, node=node)
+        return
     click.echo(f"Domain '{name}' has been undefined")
 
 
 @vm_group.command("start")
 @connect_option
 @click.argument("name")
+@json_option
 @click.pass_obj
-def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
+def vm_start(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
     """Start a defined VM (the vmlend hook prepares its remote devices)."""
     with _Session(obj, uri) as hv:
         hv.start(name)
+        node = hv.node
+    if json_output:
+        emit_action("started", vm=name, node=node)
+        return
     click.echo(f"Domain '{name}' started")
 
 
@@ -105,24 +134,36 @@ def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
     show_default=True,
     help="Seconds to wait for the guest to power off.",
 )
+@json_option
 @click.pass_obj
-def vm_shutdown(obj: CliContext, uri: str | None, name: str, timeout: float) -> None:
+def vm_shutdown(
+    obj: CliContext, uri: str | None, name: str, timeout: float, json_output: bool
+) -> None:
     """Ask a VM's guest to power off and wait for it ('vmlend vm destroy' pulls the plug)."""
     with _Session(obj, uri) as hv:
         hv.lookup(name)  # an unknown domain is its one error line, not a wait announced first
         with Wait(f"domain '{name}' to shut down", timeout):
             hv.shutdown(name, timeout)
+        node = hv.node
+    if json_output:
+        emit_action("shut_off", vm=name, node=node)
+        return
     click.echo(f"Domain '{name}' is shut off")
 
 
 @vm_group.command("destroy")
 @connect_option
 @click.argument("name")
+@json_option
 @click.pass_obj
-def vm_destroy(obj: CliContext, uri: str | None, name: str) -> None:
+def vm_destroy(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
     """Stop a VM at once, like pulling its power cord."""
     with _Session(obj, uri) as hv:
         hv.destroy(name)
+        node = hv.node
+    if json_output:
+        emit_action("destroyed", vm=name, node=node)
+        return
     click.echo(f"Domain '{name}' destroyed")
 
 
@@ -141,11 +182,16 @@ def vm_dumpxml(obj: CliContext, uri: str | None, name: str, inactive: bool) -> N
 @vm_group.command("domstate")
 @connect_option
 @click.argument("name")
+@json_option
 @click.pass_obj
-def vm_domstate(obj: CliContext, uri: str | None, name: str) -> None:
+def vm_domstate(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
     """Print a VM's state: running, paused or shut off."""
     with _Session(obj, uri) as hv:
         info = hv.lookup(name)
+        node = hv.node
+    if json_output:
+        emit_json({"vm": info.name, "uuid": info.uuid, "state": _state(info), "node": node})
+        return
     click.echo(_state(info))
 
 

@@ -12,7 +12,7 @@ import click
 from click.shell_completion import CompletionItem
 
 from vmlend import safefile
-from vmlend.cli.common import emit_json, emit_table, json_option, read_input
+from vmlend.cli.common import emit_action, emit_json, emit_table, json_option, read_input
 from vmlend.cli.complete import complete_fdids
 from vmlend.cli.context import CliContext
 from vmlend.domain import (
@@ -262,6 +262,7 @@ def _choose(
     " else the relay; or always the relay [default: the VM's, else ntb].",
 )
 @click.option("--no-fabric-check", is_flag=True, help="Do not ask the fabric about the fdid.")
+@json_option
 @click.pass_obj
 def add_device_cmd(
     obj: CliContext,
@@ -270,12 +271,14 @@ def add_device_cmd(
     address: PciAddress | None,
     interrupts: str | None,
     no_fabric_check: bool,
+    json_output: bool,
 ) -> None:
     """Add remote device FDID to the domain XML in FILE (in place). A device that is already
     there is left alone."""
     doc = _read(file)
     validator = None
-    if find_device(doc, fdid) is None:
+    present = find_device(doc, fdid) is not None
+    if not present:
         require_computable_layout(doc)
         validator = None if no_fabric_check else fabric_validator(obj)
         if validator is not None:
@@ -284,25 +287,34 @@ def add_device_cmd(
         click.echo(
             f"device {format_fdid(fdid)} is already in {file}; nothing was changed", err=True
         )
+        if json_output:
+            emit_action("unchanged", fdid=format_fdid(fdid), file=str(file))
         return
     irq = None if interrupts is None else InterruptPath(interrupts)
     changed = add_device(doc, fdid, templates=TemplateSet(), address=address, interrupts=irq)
     write_atomically(file, changed.to_bytes())
     if not no_fabric_check and validator is None:
         warn_unchecked(obj)
+    if json_output:
+        emit_action("unchanged" if present else "added", fdid=format_fdid(fdid), file=str(file))
 
 
 @xml_group.command("remove-device")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("fdid", type=FDID)
 @click.option("--missing-ok", is_flag=True, help="Succeed when the device is not there.")
-def remove_device_cmd(file: Path, fdid: int, missing_ok: bool) -> None:
+@json_option
+def remove_device_cmd(file: Path, fdid: int, missing_ok: bool, json_output: bool) -> None:
     """Remove remote device FDID from the domain XML in FILE (in place)."""
     doc = _read(file)
     if missing_ok and find_device(doc, fdid) is None:
         click.echo(f"device {format_fdid(fdid)} is not in {file}; nothing was changed", err=True)
+        if json_output:
+            emit_action("unchanged", fdid=format_fdid(fdid), file=str(file))
         return
     write_atomically(file, remove_device(doc, fdid).to_bytes())
+    if json_output:
+        emit_action("removed", fdid=format_fdid(fdid), file=str(file))
 
 
 @xml_group.command("show")

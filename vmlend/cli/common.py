@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ class VmlendGroup(click.Group):
 
 
 def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``--json`` flag every listing command carries."""
+    """The ``--json`` flag every data or action command carries (``emit_json`` prints it)."""
     return click.option("--json", "json_output", is_flag=True, help="Print JSON on stdout.")(f)
 
 
@@ -84,10 +84,28 @@ def hook_socket_option(help_text: str) -> Callable[[Callable[..., Any]], Callabl
     )
 
 
-def emit_json(data: Any) -> None:
+#: The version every ``--json`` document carries under ``"format"``. Bumped when a field
+#: changes meaning or goes away; a new field may appear without a bump (docs/user-guide.md,
+#: "JSON output").
+JSON_FORMAT = "vmlend/1"
+
+
+def emit_json(data: Mapping[str, Any]) -> None:
+    """Print one ``--json`` document: an object whose first key is ``"format"``. Every command's
+    JSON goes through here, so every document carries the version in the same place; a listing
+    puts its list under a named key (``{"format": ..., "devices": [...]}``)."""
     import json  # only --json output uses it
 
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    if "format" in data:
+        raise ValueError(f"a JSON document's own 'format' key would hide {JSON_FORMAT!r}")
+    document = {"format": JSON_FORMAT, **data}
+    click.echo(json.dumps(document, indent=2, sort_keys=False, default=str))
+
+
+def emit_action(action: str, **fields: Any) -> None:
+    """The ``--json`` of an action command: what it did (``"started"``, ``"removed"``, ...;
+    ``"unchanged"`` when there was nothing to do) and what it did it to."""
+    emit_json({"action": action, **fields})
 
 
 def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -102,7 +102,7 @@ def test_hosts_share_one_truth_and_a_killed_borrower_frees_its_devices(hosts, et
     for h in (alpha, beta, gamma):  # every host sees the same holders
         r = h.vmlend("devices", "--json")
         assert r.returncode == 0, r.stderr
-        views.append({d["fdid"]: d.get("holder") for d in json.loads(r.stdout)})
+        views.append({d["fdid"]: d.get("holder") for d in json.loads(r.stdout)["devices"]})
     assert views[0] == views[1] == views[2]
     # gamma dies hard: no release, no revoke.
     gamma.stop_agent(signal.SIGKILL)
@@ -266,7 +266,7 @@ def test_a_lender_whose_agent_died_has_its_devices_unavailable_until_it_returns(
     r = gamma.run(reserve_code(GPU, WEB))
     assert r.returncode != 0 and "alpha" in r.stderr and "agent stopped uncleanly" in r.stderr
     r = gamma.vmlend("devices", "--json")
-    states = {d["fdid"]: d["state"] for d in json.loads(r.stdout)}
+    states = {d["fdid"]: d["state"] for d in json.loads(r.stdout)["devices"]}
     assert states["0x10"] == "unavailable" and states["0x20"] == "available"  # beta's are fine
     alpha.start_agent()  # back: its devices are offered again
     r = gamma.run(reserve_code(GPU, WEB))

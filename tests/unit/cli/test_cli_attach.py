@@ -333,6 +333,7 @@ def test_detach_of_the_last_device_removes_the_metadata(cluster):
     r = cluster.cli("detach", "vm1", "0x10", "--json", *GAMMA)
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == {
+        "format": "vmlend/1",
         "vm": "vm1",
         "fdid": "0x10",
         "targets": ["live"],

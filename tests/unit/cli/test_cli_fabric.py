@@ -81,7 +81,7 @@ def test_init_with_a_topology_file_and_replace(run, inited, tmp_path):
     r = run("fabric", "init", "--topology", str(topo), "--replace", "--node", "b")
     assert r.exit_code == 0 and r.output.startswith("replaced:"), r.output
     r = run("devices", "--json")
-    assert [d["fdid"] for d in json.loads(r.output)] == ["0x100", "0x101", "0x102"]
+    assert [d["fdid"] for d in json.loads(r.output)["devices"]] == ["0x100", "0x101", "0x102"]
 
 
 def test_init_bad_input(run, tmp_path):
@@ -156,8 +156,8 @@ def test_devices_table_and_filters(run, inited):
     ]  # fmt: skip
     assert len(lines) == 10
     beta = run("devices", "--lender", "beta", "--json")
-    assert len(json.loads(beta.output)) == 6
-    gpus = json.loads(run("devices", "--kind", "gpu", "--json").output)
+    assert len(json.loads(beta.output)["devices"]) == 6
+    gpus = json.loads(run("devices", "--kind", "gpu", "--json").output)["devices"]
     assert [d["fdid"] for d in gpus] == ["0x10", "0x11", "0x20"]
     assert "unknown node 'delta'" in _one_line_error(run("devices", "--lender", "delta"))
 
@@ -166,7 +166,7 @@ def test_devices_show_holders_and_availability(run, inited):
     with open_fabric(inited) as f:
         f.reserve(0x11, Holder("gamma", "vm1", "u-1"))
         f.borrow(0x11, Holder("gamma", "vm1", "u-1"))
-    data = {d["fdid"]: d for d in json.loads(run("devices", "--json").output)}
+    data = {d["fdid"]: d for d in json.loads(run("devices", "--json").output)["devices"]}
     assert data["0x11"]["state"] == "borrowed"
     assert data["0x11"]["holder"] == {"node": "gamma", "vm": "vm1", "vm_uuid": "u-1"}
     assert data["0x10"]["bars"][1] == {
@@ -176,7 +176,7 @@ def test_devices_show_holders_and_availability(run, inited):
         "prefetch": True,
     }
     assert data["0x22"]["physfn"] == "0x21"
-    avail = json.loads(run("devices", "--available", "--json").output)
+    avail = json.loads(run("devices", "--available", "--json").output)["devices"]
     assert "0x11" not in [d["fdid"] for d in avail] and len(avail) == 8
     assert "gamma/vm1" in run("devices").output
 
@@ -186,7 +186,7 @@ def test_lend_and_unlend(run, inited):
     assert r.exit_code == 0 and r.output.strip() == (
         "device 0x10 (gpu 0000:41:00.0 on alpha): unlent"
     )
-    assert json.loads(run("devices", "--json").output)[0]["state"] == "unlent"
+    assert json.loads(run("devices", "--json").output)["devices"][0]["state"] == "unlent"
     r = run("lend", "16", "--json")
     assert r.exit_code == 0 and json.loads(r.output)["state"] == "available"
 
@@ -196,7 +196,7 @@ def test_unlend_refused_while_held(run, inited):
         f.reserve(0x20, Holder("gamma", "vm7"))
     line = _one_line_error(run("unlend", "0x20"))
     assert line == "Error: device 0x20 is held by gamma/vm7"
-    assert json.loads(run("devices", "--json").output)[3]["state"] == "reserved"
+    assert json.loads(run("devices", "--json").output)["devices"][3]["state"] == "reserved"
 
 
 def test_lend_bad_input(run, inited):
@@ -212,12 +212,12 @@ def test_lend_bad_input(run, inited):
 def test_node_down_and_up(run, inited):
     r = run("fabric", "node-down", "alpha", "--why", "power lost")
     assert r.exit_code == 0
-    data = {d["fdid"]: d["state"] for d in json.loads(run("devices", "--json").output)}
+    data = {d["fdid"]: d["state"] for d in json.loads(run("devices", "--json").output)["devices"]}
     assert data["0x10"] == data["0x12"] == "unavailable" and data["0x20"] == "available"
     assert "DOWN: power lost" in run("fabric", "show").output
     assert not json.loads(run("fabric", "show", "--json").output)["nodes"][0]["up"]
     assert run("fabric", "node-up", "alpha").exit_code == 0
-    assert json.loads(run("devices", "--json").output)[0]["state"] == "available"
+    assert json.loads(run("devices", "--json").output)["devices"][0]["state"] == "available"
     assert "unknown node 'delta'" in _one_line_error(run("fabric", "node-down", "delta"))
 
 
@@ -226,7 +226,7 @@ def test_reclaim_ends_the_hold_and_keeps_the_device_lent(run, inited):
         f.reserve(0x20, Holder("gamma", "vm7"))
     r = run("fabric", "reclaim", "0x20")
     assert r.exit_code == 0 and "reclaimed from gamma/vm7" in r.output
-    assert json.loads(run("devices", "--json").output)[3]["state"] == "available"
+    assert json.loads(run("devices", "--json").output)["devices"][3]["state"] == "available"
     assert "was not held" in run("fabric", "reclaim", "0x20").output
     assert "unknown" in _one_line_error(run("fabric", "reclaim", "0x99"))
 
@@ -245,3 +245,25 @@ def test_demo_on_fresh_state(run, state_path):
     assert "switch mxs824" in r.output and "16M,32G,32M" in r.output
     again = run("demo")
     assert again.exit_code == 0 and "unchanged: state" in again.output
+
+
+def test_node_down_up_and_reclaim_json_say_what_they_did(run, inited):
+    def doc(*args: str) -> dict[str, object]:
+        r = run("fabric", *args, "--json")
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.stdout)
+        assert data.pop("format") == "vmlend/1"
+        return data
+
+    assert doc("node-down", "alpha", "--why", "power lost") == {
+        "action": "marked_down",
+        "node": "alpha",
+        "why": "power lost",
+    }
+    assert doc("node-down", "alpha")["action"] == "unchanged"
+    assert doc("node-up", "alpha") == {"action": "marked_up", "node": "alpha"}
+    assert doc("node-up", "alpha")["action"] == "unchanged"
+    with open_fabric(inited) as f:
+        f.reserve(0x20, Holder("gamma", "vm7"))
+    assert doc("reclaim", "0x20") == {"action": "reclaimed", "fdid": "0x20", "holder": "gamma/vm7"}
+    assert doc("reclaim", "0x20") == {"action": "unchanged", "fdid": "0x20", "holder": None}

@@ -101,7 +101,7 @@ def test_a_vms_state_is_said_in_virshs_words_by_every_command(cluster):
     status = json.loads(cluster.cli("status", "--json", *GAMMA).stdout)
     listed = json.loads(cluster.cli("vm", "list", "--all", "--json", *GAMMA).stdout)
     by_status = {vm["name"]: vm["state"] for vm in status["vms"]}
-    by_list = {vm["name"]: vm["state"] for vm in listed}
+    by_list = {vm["name"]: vm["state"] for vm in listed["vms"]}
     assert by_status == by_list == {"idle": "shut off", "busy": "running"}
     assert cluster.cli("vm", "domstate", "idle", *GAMMA).stdout.strip() == "shut off"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import stat
 import threading
@@ -184,3 +185,27 @@ def test_a_simulated_node_the_fabric_does_not_have_is_refused_by_every_command(c
         assert r.exit_code == 1, (args, r.output)
         assert "unknown node 'nonexistent'" in r.output
         assert len(r.output.strip().splitlines()) == 1
+
+
+def test_lifecycle_json_says_what_each_command_did(cluster, tmp_path):
+    xml = tmp_path / "web.xml"
+    r = cluster.cli("xml", "new", "web", "--memory", "256M", "--virt-type", "qemu", "-o", str(xml))
+    assert r.exit_code == 0, r.output
+
+    def doc(*args: str) -> dict[str, object]:
+        r = cluster.cli("vm", *args, "--json", "-c", "sim:///gamma")
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.stdout)
+        assert data.pop("format") == "vmlend/1"
+        return data
+
+    defined = doc("define", str(xml))
+    assert (defined["action"], defined["vm"], defined["node"]) == ("defined", "web", "gamma")
+    web = {"vm": "web", "node": "gamma"}
+    assert doc("start", "web") == {"action": "started", **web}
+    assert doc("domstate", "web") == {"uuid": defined["uuid"], "state": "running", **web}
+    assert [vm["name"] for vm in doc("list")["vms"]] == ["web"]
+    assert doc("shutdown", "web", "--timeout", "5") == {"action": "shut_off", **web}
+    assert doc("start", "web")["action"] == "started"
+    assert doc("destroy", "web") == {"action": "destroyed", **web}
+    assert doc("undefine", "web") == {"action": "undefined", **web}

@@ -248,3 +248,20 @@ def test_new_q35_with_free_root_ports_for_hot_plug(run, tmp_path):
 def test_hotplug_slots_are_for_q35(run):
     r = run("xml", "new", "p", "--machine", "pc", "--hotplug-slots", "1", "--no-fabric-check")
     assert r.exit_code == 1 and "for q35" in r.stderr
+
+
+def test_add_and_remove_device_json_say_what_they_did(run, domain_file):
+    file = str(domain_file)
+    r = run("xml", "add-device", file, "0x12", "--no-fabric-check", "--json")
+    assert json.loads(r.stdout) == {
+        "format": "vmlend/1",
+        "action": "added",
+        "fdid": "0x12",
+        "file": file,
+    }
+    r = run("xml", "add-device", file, "0x12", "--json")
+    assert json.loads(r.stdout)["action"] == "unchanged"
+    r = run("xml", "remove-device", file, "0x12", "--json")
+    assert json.loads(r.stdout)["action"] == "removed"
+    r = run("xml", "remove-device", file, "0x12", "--missing-ok", "--json")
+    assert json.loads(r.stdout)["action"] == "unchanged"

@@ -23,7 +23,8 @@ def test_share_reserve_status_release_unshare(state_path):
     assert r.exit_code == 0
     assert "gamma/web" in r.output and "0+131072 (64M)" in r.output and "beta/db" in r.output
     data = json.loads(c.cli("nvme", "status", "--json").output)
-    (drive,) = data
+    assert data["format"] == "vmlend/1"
+    (drive,) = data["drives"]
     assert drive["fdid"] == "0x12" and drive["doorbells"] == "trap"
     shares = {s["vm"]: s for s in drive["shares"]}
     assert shares["web"]["queue_pairs"] == 2 and shares["web"]["guard_rejections"] == 0
@@ -91,3 +92,33 @@ def test_a_namespace_of_2_to_the_64_blocks_or_more_is_refused(state_path):
     with pytest.raises(DomainXMLError, match="2\\^64"):
         NvmeShareRequest(1, (1 << 64) * 512)
     assert NvmeShareRequest(1, ((1 << 64) - 1) * 512).size  # the largest that fits
+
+
+def test_share_reserve_release_unshare_json_say_what_they_did(state_path):
+    c = make_cluster(state_path)
+
+    def doc(*args: str) -> dict[str, object]:
+        r = c.cli("nvme", *args, "--json")
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.stdout)
+        assert data.pop("format") == "vmlend/1"
+        return data
+
+    shared = doc("share", "0x12", "--size", "2G")
+    assert (shared["action"], shared["fdid"], shared["doorbells"]) == ("shared", "0x12", "trap")
+    assert shared["queue_pairs"] == 511 and shared["blocks"] == 2 * 1024**3 // 512
+    reserved = doc("reserve", "0x12", "web", "--queues", "2", "--size", "64M")
+    assert reserved == {
+        "action": "reserved",
+        "fdid": "0x12",
+        "vm": "web",
+        "node": "gamma",
+        "queue_pairs": 2,
+        "lba_offset": 0,
+        "blocks": 131072,
+    }
+    released = {"fdid": "0x12", "vm": "web", "node": "gamma"}
+    assert doc("release", "0x12", "web") == {"action": "released", **released}
+    assert doc("release", "0x12", "web") == {"action": "unchanged", **released}
+    assert doc("unshare", "0x12") == {"action": "unshared", "fdid": "0x12"}
+    assert doc("unshare", "0x12") == {"action": "unchanged", "fdid": "0x12"}
