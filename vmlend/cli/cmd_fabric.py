@@ -13,6 +13,7 @@ from vmlend.cli.common import (
     json_option,
     read_input,
 )
+from vmlend.cli.complete import complete_nodes
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
 from vmlend.ops.identity import identity_change
@@ -35,7 +36,11 @@ def fabric() -> None:
     type=click.Path(dir_okay=False),
     help="Topology file (TOML) [default: the shipped three-node cluster].",
 )
-@click.option("--node", help="The node this host is [default: found by hostname].")
+@click.option(
+    "--node",
+    shell_complete=complete_nodes,
+    help="The node this host is [default: found by hostname].",
+)
 @click.option("--replace", is_flag=True, help="Replace a different topology (nothing held).")
 @click.option(
     "--force", is_flag=True, help="Change this host's node even while its old node holds devices."
@@ -128,7 +133,7 @@ def _sim(obj: CliContext) -> SimFabric:
 
 
 @fabric.command("node-down")
-@click.argument("node")
+@click.argument("node", shell_complete=complete_nodes)
 @click.option("--why", default="", help="Reason shown with the node's devices.")
 @json_option
 @click.pass_obj
@@ -144,7 +149,7 @@ def node_down(obj: CliContext, node: str, why: str, json_output: bool) -> None:
 
 
 @fabric.command("node-up")
-@click.argument("node")
+@click.argument("node", shell_complete=complete_nodes)
 @json_option
 @click.pass_obj
 def node_up(obj: CliContext, node: str, json_output: bool) -> None:

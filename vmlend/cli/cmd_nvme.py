@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from vmlend.cli.common import emit_action, emit_json, emit_table, json_option
+from vmlend.cli.complete import complete_fdids, complete_nodes, complete_vms
 from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import parse_cli_size
@@ -33,7 +34,7 @@ def nvme() -> None:
 
 
 @nvme.command("share")
-@click.argument("fdid")
+@click.argument("fdid", shell_complete=complete_fdids)
 @click.option(
     "--size",
     default="1T",
@@ -66,7 +67,7 @@ def share_cmd(obj: CliContext, fdid: str, size: str, json_output: bool) -> None:
 
 
 @nvme.command("unshare")
-@click.argument("fdid")
+@click.argument("fdid", shell_complete=complete_fdids)
 @json_option
 @click.pass_obj
 def unshare_cmd(obj: CliContext, fdid: str, json_output: bool) -> None:
@@ -88,11 +89,11 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
 
 
 @nvme.command("reserve")
-@click.argument("fdid")
-@click.argument("vm")
+@click.argument("fdid", shell_complete=complete_fdids)
+@click.argument("vm", shell_complete=complete_vms)
 @click.option("--queues", type=click.IntRange(1, 0xFFFE), default=1, show_default=True)
 @click.option("--size", required=True, help="The VM's namespace size: MiB, or e.g. 64G.")
-@click.option("--node", help="The VM's node (default: this host's).")
+@click.option("--node", shell_complete=complete_nodes, help="The VM's node (default: this host's).")
 @click.option(
     "--ram",
     default="0",
@@ -136,9 +137,9 @@ def reserve_cmd(
 
 
 @nvme.command("release")
-@click.argument("fdid")
-@click.argument("vm")
-@click.option("--node", help="The VM's node (default: this host's).")
+@click.argument("fdid", shell_complete=complete_fdids)
+@click.argument("vm", shell_complete=complete_vms)
+@click.option("--node", shell_complete=complete_nodes, help="The VM's node (default: this host's).")
 @json_option
 @click.pass_obj
 def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None, json_output: bool) -> None:

@@ -15,6 +15,7 @@ from vmlend.cli.common import (
     json_option,
     read_input,
 )
+from vmlend.cli.complete import complete_vms
 from vmlend.cli.connect import connect_option, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
@@ -94,7 +95,7 @@ def vm_define(obj: CliContext, uri: str | None, file: Path, json_output: bool) -
 
 @vm_group.command("undefine")
 @connect_option
-@click.argument("name")
+@click.argument("name", shell_complete=complete_vms)
 @json_option
 @click.pass_obj
 def vm_undefine(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
@@ -110,7 +111,7 @@ def vm_undefine(obj: CliContext, uri: str | None, name: str, json_output: bool) 
 
 @vm_group.command("start")
 @connect_option
-@click.argument("name")
+@click.argument("name", shell_complete=complete_vms)
 @json_option
 @click.pass_obj
 def vm_start(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
@@ -126,7 +127,7 @@ def vm_start(obj: CliContext, uri: str | None, name: str, json_output: bool) -> 
 
 @vm_group.command("shutdown")
 @connect_option
-@click.argument("name")
+@click.argument("name", shell_complete=complete_vms)
 @click.option(
     "--timeout",
     type=Seconds(min=0),
@@ -153,7 +154,7 @@ def vm_shutdown(
 
 @vm_group.command("destroy")
 @connect_option
-@click.argument("name")
+@click.argument("name", shell_complete=complete_vms)
 @json_option
 @click.pass_obj
 def vm_destroy(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
@@ -169,7 +170,7 @@ def vm_destroy(obj: CliContext, uri: str | None, name: str, json_output: bool) -
 
 @vm_group.command("dumpxml")
 @connect_option
-@click.argument("name")
+@click.argument("name", shell_complete=complete_vms)
 @click.option("--inactive", is_flag=True, help="The persistent definition, not the live XML.")
 @click.pass_obj
 def vm_dumpxml(obj: CliContext, uri: str | None, name: str, inactive: bool) -> None:
@@ -181,7 +182,7 @@ def vm_dumpxml(obj: CliContext, uri: str | None, name: str, inactive: bool) -> N
 
 @vm_group.command("domstate")
 @connect_option
-@click.argument("name")
+@click.argument("name", shell_complete=complete_vms)
 @json_option
 @click.pass_obj
 def vm_domstate(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:

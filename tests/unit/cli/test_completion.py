@@ -39,3 +39,16 @@ def test_nothing_to_read_completes_nothing_and_says_nothing(tmp_path, capfd):
     assert _complete(["--state", missing, "-c", "sim:///gamma", "attach"], "") == []
     out, err = capfd.readouterr()
     assert out == err == ""
+
+
+def test_node_names_complete_wherever_a_node_is_asked_for(cluster):
+    state = ["--state", str(cluster.state_path)]
+    assert _complete([*state, "fabric", "node-down"], "") == [
+        ("alpha", "alpha.fabric.local"),
+        ("beta", "beta.fabric.local"),
+        ("gamma", "gamma.fabric.local"),
+    ]
+    assert [v for v, _ in _complete([*state, "nvme", "reserve", "0x12", "web", "--node"], "g")] == [
+        "gamma"
+    ]
+    assert [v for v, _ in _complete([*state, "nvme", "share"], "0x1")] == ["0x10", "0x11", "0x12"]
