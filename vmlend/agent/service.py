@@ -29,6 +29,7 @@ from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
+from vmlend.notify import Notifier
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64, call_deadline
 from vmlend.release_journal import ReleaseJournal
@@ -57,6 +58,8 @@ class AgentConfig(msgspec.Struct):
     reconciler: Reconciler = reconcile_host
     #: Serves the libvirt hook (``vmlend.hook.server``) while the host's lease is held.
     hook_server: HookServer | None = None
+    #: Tells systemd when the agent serves, how it is, and that it still runs (sd_notify).
+    notifier: Notifier = msgspec.field(default_factory=Notifier)
 
 
 class Agent:
@@ -165,6 +168,9 @@ class Agent:
             # Last: nothing is served before this host's records are on its current lease and
             # its running VMs are reconciled with them.
             cfg.hook_server.start()
+        # Ready only now: systemd orders libvirtd's guests after this, and a hook call before
+        # it would have found nobody to serve it.
+        cfg.notifier.ready(f"serving node {cfg.node}: lease {lease.id:x} held")
         renewed = self._clock()
         next_renew = renewed
         while not self.stop_event.is_set():
@@ -188,6 +194,7 @@ class Agent:
                             guard.resume(resume)
                         self._land_releases(journal, fabric)
                 except LeaseLost as e:
+                    cfg.notifier.status(f"lease {lease.id:x} lost: pausing and recovering")
                     paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
@@ -196,11 +203,14 @@ class Agent:
                     watch.renewed()  # a new lease: the clock starts again
                     if recovery is not None and guard is not None:
                         recovery.recover(guard.paused_after_loss)
+                    cfg.notifier.status(f"serving node {cfg.node}: lease {lease.id:x} held")
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.
                 next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)
             self._take_back(fabric)
+            cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
             self.stop_event.wait(cfg.interval)
+        cfg.notifier.stopping(f"stopping: giving up lease {lease.id:x}")
         return self._stopped(registry, fabric, lease)
 
     def _renew(self, lease: SessionLease) -> None:

@@ -73,6 +73,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "NVMe shares (queue pairs, LBA window, real queues, guard rejections); per NTB adapter "
         "the LUT entries and window in use.",
     ),
+    "units": (
+        "cmd_units",
+        "The systemd units vmlend ships: the agent, the interrupt relay, the mdev follower.",
+    ),
     "unlend": ("cmd_lend", "Withdraw device FDID from the fabric (refused while a VM holds it)."),
     "vm": (
         "cmd_vm",

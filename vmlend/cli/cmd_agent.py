@@ -21,6 +21,7 @@ from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.hook.server import HookServer, identity_of, read_timeout_from_env
 from vmlend.hostenv import ROOT_ENV, HostEnv
+from vmlend.notify import Notifier
 from vmlend.registry import hostlease
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
 
@@ -93,10 +94,14 @@ def agent_cmd(
             obj.location,
         )
         server.start()
+        notifier = Notifier()
+        notifier.ready(f"serving the hook on {socket_path} (SQLite: no lease)")
+        tick = notifier.watchdog_seconds / 4 if notifier.watchdog_seconds else 3600
         try:
-            while not stop_event.wait(3600):
-                pass
+            while not stop_event.wait(tick):
+                notifier.watchdog()
         finally:
+            notifier.stopping("stopping")
             server.stop()
         return
     uri = uri or obj.uri  # its own -c wins over the global one
