@@ -91,6 +91,28 @@ def test_persistent_and_undefinesource_move_the_definition(cluster):
     assert cluster.holds() == {0x10: "beta/vm1"}
 
 
+def test_history_is_kept_and_status_shows_it(cluster):
+    running_with(cluster, {0x10: "0000:00:0a.0"})
+    assert cluster.cli(*LIVE).exit_code == 0
+    back = cluster.cli("migrate", "vm1", "--to", "gamma", "--live", "-c", "sim:///beta")
+    assert back.exit_code == 0, back.output
+    recs = history(cluster.state_path.parent, "vm1")
+    assert [(r.source, r.destination) for r in recs] == [("gamma", "beta"), ("beta", "gamma")]
+    assert all(r.blackout[0x10] is not None and r.downtime is not None for r in recs)
+    st = cluster.cli("status", "vm1", *GAMMA, "--json")
+    assert st.exit_code == 0, st.output
+    (vm,) = json.loads(st.stdout)["vms"]
+    assert [(m["from"], m["to"]) for m in vm["live_migrations"]] == [
+        ("gamma", "beta"),
+        ("beta", "gamma"),
+    ]
+    assert set(vm["live_migrations"][0]["blackout"]) == {"0x10"}
+    text = cluster.cli("status", "vm1", *GAMMA)
+    assert text.exit_code == 0, text.output
+    assert "live migrations:" in text.stdout
+    assert "gamma -> beta" in text.stdout and "0x10 blackout" in text.stdout
+
+
 def test_a_vm_without_remote_devices_moves_live_too(cluster):
     cluster.define("gamma", "vm1", running=True)
     r = cluster.cli(*LIVE)
