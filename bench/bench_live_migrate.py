@@ -1,6 +1,7 @@
 """Live migration of a VM with remote devices between simulated nodes, against cold migration.
 
-For 0 to 3 remote devices (all lent by alpha), a VM moves gamma -> beta and back ``ROUNDS`` times through
+For 0 to 3 remote devices (all lent by alpha), a VM moves gamma -> beta and back ``ROUNDS``
+times through
 ``vmlend.ops.live_migrate`` (what ``vmlend migrate --live`` runs), with vmlend's real hook run
 as a subprocess per call as libvirtd runs it. Printed per device count:
 
