@@ -20,7 +20,7 @@ from vmlend.wiring.hypervisor import sim_node
 
 #: Options of a cold migration only, and of a live one only.
 _COLD_ONLY = ("start", "force", "rollback")
-_LIVE_ONLY = ("persistent", "undefinesource", "migrate_uri")
+_LIVE_ONLY = ("persistent", "undefinesource", "migrate_uri", "listen_address")
 
 
 def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
@@ -73,6 +73,12 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
     metavar="URI",
     help="--live: where the memory goes, e.g. tcp://10.0.0.2:49152 [default: libvirt's].",
 )
+@click.option(
+    "--listen-address",
+    metavar="ADDR",
+    help="--live: the address the destination's QEMU listens on for the memory"
+    " [default: libvirt's, every address].",
+)
 @connect_option
 @json_option
 @click.pass_obj
@@ -89,6 +95,7 @@ def migrate_cmd(
     persistent: bool,
     undefinesource: bool,
     migrate_uri: str | None,
+    listen_address: str | None,
     uri: str | None,
     json_output: bool,
 ) -> None:
@@ -103,7 +110,10 @@ def migrate_cmd(
             f" {'leave out --live' if live else 'add --live'} or {opt}"
         )
     how = LiveMigration(
-        persistent=persistent, undefine_source=undefinesource, migration_uri=migrate_uri
+        persistent=persistent,
+        undefine_source=undefinesource,
+        migration_uri=migrate_uri,
+        listen_address=listen_address,
     )
     res: MigrateResult | LiveMigrateResult
     src = open_hv(obj, uri)

@@ -47,12 +47,15 @@ class LiveMigration(msgspec.Struct, frozen=True):
     ``undefine_source``: remove the source's definition once it runs there
     (``VIR_MIGRATE_UNDEFINE_SOURCE``); ``migration_uri``: where the memory goes
     (``VIR_MIGRATE_PARAM_URI``, e.g. ``tcp://127.0.0.1:49152`` when both daemons share one host
-    name); ``dest_xml``: the XML the destination starts (``VIR_MIGRATE_PARAM_DEST_XML``; None:
-    the live XML, which the destination's migrate hook rewrites)."""
+    name); ``listen_address``: where the destination's QEMU listens for it
+    (``VIR_MIGRATE_PARAM_LISTEN_ADDRESS``; libvirt's default is every address);
+    ``dest_xml``: the XML the destination starts (``VIR_MIGRATE_PARAM_DEST_XML``; None: the
+    live XML, which the destination's migrate hook rewrites)."""
 
     persistent: bool = False
     undefine_source: bool = False
     migration_uri: str | None = None
+    listen_address: str | None = None
     dest_xml: bytes | None = None
 
 

@@ -124,6 +124,8 @@ def migrate_params(how: LiveMigration, name: str) -> dict[str, str]:
     params: dict[str, str] = {}
     if how.migration_uri:
         params[libvirt.VIR_MIGRATE_PARAM_URI] = how.migration_uri
+    if how.listen_address:
+        params[libvirt.VIR_MIGRATE_PARAM_LISTEN_ADDRESS] = how.listen_address
     if how.dest_xml is not None:
         params[libvirt.VIR_MIGRATE_PARAM_DEST_XML] = _decode(how.dest_xml, "migrate", name)
     return params

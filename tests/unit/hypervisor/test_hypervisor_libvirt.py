@@ -194,9 +194,12 @@ def test_migration_uri_and_destination_xml_go_as_typed_parameters():
     from vmlend.hypervisor.libvirt_hv import migrate_params
 
     assert migrate_params(LiveMigration(), "vm1") == {}
-    how = LiveMigration(migration_uri="tcp://127.0.0.1:49152", dest_xml=b"<domain/>")
+    how = LiveMigration(
+        migration_uri="tcp://127.0.0.1:49152", listen_address="127.0.0.1", dest_xml=b"<domain/>"
+    )
     assert migrate_params(how, "vm1") == {
         libvirt.VIR_MIGRATE_PARAM_URI: "tcp://127.0.0.1:49152",
+        libvirt.VIR_MIGRATE_PARAM_LISTEN_ADDRESS: "127.0.0.1",
         libvirt.VIR_MIGRATE_PARAM_DEST_XML: "<domain/>",
     }
     with pytest.raises(DomainDefinitionError, match="XML is not UTF-8"):
