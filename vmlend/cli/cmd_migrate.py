@@ -102,8 +102,10 @@ def migrate_cmd(
     uri: str | None,
     json_output: bool,
 ) -> None:
-    """Move VM to node NODE keeping its remote devices: stopped (shut down first), or with
-    --live while it runs (the guest loses its remote devices while it moves)."""
+    """Move VM to node NODE keeping its remote devices, stopped or (--live) running.
+
+    A running VM is shut down first, unless --live: then the guest loses its remote devices
+    while it moves and gets them back at the same addresses."""
     given = click.get_current_context().params
     wrong = [o for o in (_COLD_ONLY if live else _LIVE_ONLY) if given.get(o)]
     if wrong:
