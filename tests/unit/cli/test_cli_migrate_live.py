@@ -18,7 +18,7 @@ from vmlend.errors import DomainOperationError, MigrationError
 from vmlend.hypervisor import LiveMigration
 from vmlend.ops.live_migrate import live_migrate
 from vmlend.ops.live_state import history, load_journal
-from vmlend.sim.hypervisor.node import SimHypervisor
+from vmlend.sim.hypervisor.node import IdleGuest, SimHypervisor
 
 LIVE = ("migrate", "vm1", "--to", "beta", "--live", *GAMMA)
 
@@ -236,6 +236,27 @@ def test_failed_migration_plugs_the_devices_back_on_the_source(cluster):
     gamma = cluster.hv("gamma")
     assert where(cluster) == {"gamma": ("running", True)}
     assert guest_addresses(gamma.xml("vm1")) == before
+    assert cluster.holds() == {0x10: "gamma/vm1", 0x12: "gamma/vm1"}
+    assert load_journal(cluster.state_path.parent, "vm1") is None
+
+
+class KeepsSecondDevice(IdleGuest):
+    """A guest whose driver will not let go of the hostdev at guest address 00:0b.0."""
+
+    def on_device_removed(self, name: str, device_xml: bytes) -> None:
+        if b'slot="0x0b"' in device_xml:
+            raise DomainOperationError("detach device from", name, "injected: guest keeps it")
+
+
+def test_a_device_the_guest_will_not_release_puts_the_others_back(cluster):
+    running_with(cluster, ADDRS)
+    before = guest_addresses(cluster.hv("gamma").xml("vm1"))
+    with pytest.raises(MigrationError) as e:
+        run_live(cluster, src=cluster.hv("gamma", guest=KeepsSecondDevice()))
+    assert str(e.value).endswith("it runs on gamma with all its devices, as before")
+    assert "injected: guest keeps it" in str(e.value)
+    assert where(cluster) == {"gamma": ("running", True)}
+    assert guest_addresses(cluster.hv("gamma").xml("vm1")) == before  # 0x10 came back
     assert cluster.holds() == {0x10: "gamma/vm1", 0x12: "gamma/vm1"}
     assert load_journal(cluster.state_path.parent, "vm1") is None
 
