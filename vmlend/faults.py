@@ -18,6 +18,7 @@ POINTS: dict[str, tuple[str, ...]] = {
     "attach": ("after-acquire", "after-hotplug", "after-metadata"),
     "detach": ("after-unplug", "after-metadata"),
     "migrate": ("after-stop", "after-return", "after-define", "after-undefine"),
+    "live-migrate": ("after-unplug", "after-migrate", "after-replug"),
     "prepare": ("after-device",),
     "release": ("after-mdevs",),
 }

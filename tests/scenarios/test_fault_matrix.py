@@ -1,7 +1,7 @@
-"""``kill -9`` at every named step of attach, detach, migrate and the hook's prepare/release,
-then recovery with the tool itself: re-run the command (or ``vmlend reconcile --fix``). The end
-state must be consistent — ``reconcile`` finds no drift — and no device is held by a VM that
-does not use it. The matrix (operation x point -> recovery) is in docs/testing.md.
+"""``kill -9`` at every named step of attach, detach, migrate (cold and live) and the hook's
+prepare/release, then recovery with the tool itself: re-run the command (or ``vmlend reconcile
+--fix``). The end state must be consistent — ``reconcile`` finds no drift — and no device is
+held by a VM that does not use it. The matrix (operation x point -> recovery) is in docs/testing.md.
 
 The CLI runs as a subprocess with ``VMLEND_FAULT`` naming the point (vmlend/faults.py); the
 simulated hypervisor runs the hook as a subprocess too, so hook points die the same way.
@@ -92,6 +92,42 @@ def test_migrate_killed_then_rerun(cluster, point):
     assert cluster.hv("alpha").lookup("vm1").active
     assert [d.name for d in cluster.hv("gamma").list_domains()] == []
     assert cluster.holds() == {0x10: "alpha/vm1"}
+
+
+#: Where a live migration can die: its own step boundaries, and those of the detach it runs on
+#: the source and the attach it runs on the destination.
+LIVE_POINTS = [
+    *(f"live-migrate:{p}" for p in POINTS["live-migrate"]),
+    *(f"detach:{p}" for p in POINTS["detach"]),
+    *(f"attach:{p}" for p in POINTS["attach"]),
+]
+
+
+@pytest.mark.parametrize("fault", LIVE_POINTS)
+def test_live_migrate_killed_then_rerun(cluster, fault):
+    cluster.define("gamma", "vm1", running=True, memory=256 * MiB)
+    for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
+        attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
+        assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
+    args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
+    _killed(_run(cluster.state_path, *args, fault=fault))
+    res = _run(cluster.state_path, *args)
+    assert res.returncode == 0, res.stderr
+    _consistent(cluster)
+    alpha = cluster.hv("alpha")
+    assert alpha.lookup("vm1").active and alpha.lookup("vm1").persistent
+    assert [d.name for d in cluster.hv("gamma").list_domains()] == []
+    assert cluster.holds() == {0x10: "alpha/vm1", 0x11: "alpha/vm1"}
+    live = read_domain(alpha.xml("vm1"))
+    assert {d.fdid: str(d.address) for d in live.devices} == {
+        0x10: "0000:00:0a.0",
+        0x11: "0000:00:0b.0",
+    }
+    status = json.loads(
+        _run(cluster.state_path, "status", "vm1", "-c", "sim:///alpha", "--json").stdout
+    )
+    (record,) = status["vms"][0]["live_migrations"]
+    assert record["resumed"] is True and set(record["blackout"]) == {"0x10", "0x11"}
 
 
 def test_prepare_killed_is_cleaned_up_by_the_release_hook(cluster, monkeypatch):

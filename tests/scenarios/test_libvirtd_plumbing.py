@@ -187,6 +187,19 @@ def test_layout_keeps_every_daemon_path_under_its_root(tmp_path):
     assert dict((t, s) for s, t in layout.binds(shared))["/var/cache/libvirt"] == shared
 
 
+def test_a_daemon_can_have_its_own_host_uuid(tmp_path):
+    # Two daemons on one machine migrate to each other only with different host UUIDs.
+    files = {
+        p.name: c
+        for p, c in DaemonLayout(tmp_path, "0b3c2a9e-1d44-4f5e-8c77-aa01b2c3d4e5")
+        .config_files()
+        .items()
+    }
+    assert 'host_uuid = "0b3c2a9e-1d44-4f5e-8c77-aa01b2c3d4e5"' in files["libvirtd.conf"]
+    default = {p.name: c for p, c in DaemonLayout(tmp_path).config_files().items()}
+    assert "host_uuid" not in default["libvirtd.conf"]
+
+
 def test_render_conf_quotes_values_and_refuses_unquotable_ones():
     text = render_conf({"a": "x y", "n": 3, "l": ["p", "q"], "e": []})
     assert text == 'a = "x y"\nn = 3\nl = ["p", "q"]\ne = []\n'

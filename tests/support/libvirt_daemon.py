@@ -114,9 +114,12 @@ def render_conf(values: Mapping[str, str | int | Sequence[str]]) -> str:
 
 @dataclass(frozen=True)
 class DaemonLayout:
-    """Every path of one private daemon, hanging off ``root`` (pure: touches nothing)."""
+    """Every path of one private daemon, hanging off ``root`` (pure: touches nothing).
+    ``host_uuid``: the host UUID libvirtd reports (two daemons on one machine must differ,
+    or libvirt refuses a migration between them as "to the same host")."""
 
     root: Path
+    host_uuid: str | None = None
 
     def private(self, name: str) -> Path:
         return self.root / name
@@ -173,6 +176,8 @@ class DaemonLayout:
             "log_filters": "1:util.hook",
             "log_outputs": f"3:file:{self.libvirtd_log}",
         }
+        if self.host_uuid is not None:
+            libvirtd["host_uuid"] = self.host_uuid
         virtlogd = {"log_outputs": f"3:file:{self.log_dir / 'virtlogd.log'}"}
         qemu = {
             # Guests run as root so private dirs need no chown to libvirt-qemu, and libvirt
@@ -247,6 +252,7 @@ class LibvirtDaemon:
 
     root: Path
     cache_dir: Path | None = None  # another daemon's QEMU capability cache, to skip the probe
+    host_uuid: str | None = None  # see DaemonLayout
     layout: DaemonLayout = field(init=False)
     timings: dict[str, float] = field(default_factory=dict)
     # Our children: "virtlogd" and "libvirtd", the latter being the reaper that runs it.
@@ -254,7 +260,7 @@ class LibvirtDaemon:
     _libvirtd_pid: int | None = None
 
     def __post_init__(self) -> None:
-        self.layout = DaemonLayout(self.root)
+        self.layout = DaemonLayout(self.root, self.host_uuid)
 
     # -- what tests use -----------------------------------------------------------------
     @property

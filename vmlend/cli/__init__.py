@@ -51,7 +51,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mdev": ("cmd_mdev", "List, create and remove mdev children (sysfs under --root)."),
     "migrate": (
         "cmd_migrate",
-        "Move VM (stopped, or shut down first) to node NODE keeping its remote devices.",
+        "Move VM to node NODE keeping its remote devices, stopped or (--live) running.",
     ),
     "nvme": (
         "cmd_nvme",

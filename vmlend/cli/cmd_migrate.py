@@ -1,19 +1,30 @@
-"""``vmlend migrate VM --to NODE``: cold migration to another node of the fabric.
+"""``vmlend migrate VM --to NODE [--live]``: cold or live migration to another node of the fabric.
 
-The operation, and the order of its steps, is in ``vmlend.ops.migrate``; this module parses
-the options and prints.
+The operations, and the order of their steps, are in ``vmlend.ops.migrate`` (cold) and
+``vmlend.ops.live_migrate`` (live); this module parses the options and prints.
 """
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from vmlend.cli.common import Seconds, emit_json, json_option
+from vmlend.cli.complete import complete_nodes, complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
-from vmlend.hypervisor import Hypervisor
-from vmlend.ops.migrate import migrate, migration_lock
+from vmlend.errors import MigrationError
+from vmlend.hypervisor import Hypervisor, LiveMigration
+from vmlend.ops.live_migrate import LiveMigrateResult, live_migrate
+from vmlend.ops.migrate import MigrateResult, migrate, migration_lock
+from vmlend.topology.model import format_fdid
+from vmlend.wiring.fabric import BACKEND_ENV, open_fabric
 from vmlend.wiring.hypervisor import sim_node
+
+#: Options of a cold migration only, and of a live one only.
+_COLD_ONLY = ("start", "force", "rollback")
+_LIVE_ONLY = ("persistent", "undefinesource", "migrate_uri", "listen_address")
 
 
 def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
@@ -27,8 +38,15 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
 
 
 @click.command("migrate")
-@click.argument("vm")
-@click.option("--to", "to", required=True, metavar="NODE", help="Destination fabric node.")
+@click.argument("vm", shell_complete=complete_vms)
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    metavar="NODE",
+    shell_complete=complete_nodes,
+    help="Destination fabric node.",
+)
 @click.option(
     "--dest-uri",
     metavar="URI",
@@ -49,6 +67,29 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
     is_flag=True,
     help="Undo an interrupted migrate: keep the VM on this (source) host only.",
 )
+@click.option(
+    "--live",
+    is_flag=True,
+    help="Move the running VM without stopping it: its remote devices are unplugged, then"
+    " plugged back in on the destination at the same guest addresses.",
+)
+@click.option("--persistent", is_flag=True, help="--live: define the VM on the destination too.")
+@click.option(
+    "--undefinesource",
+    is_flag=True,
+    help="--live: remove the VM's definition from the source once it runs there.",
+)
+@click.option(
+    "--migrate-uri",
+    metavar="URI",
+    help="--live: where the memory goes, e.g. tcp://10.0.0.2:49152 [default: libvirt's].",
+)
+@click.option(
+    "--listen-address",
+    metavar="ADDR",
+    help="--live: the address the destination's QEMU listens on for the memory"
+    " [default: libvirt's, every address].",
+)
 @connect_option
 @json_option
 @click.pass_obj
@@ -61,10 +102,41 @@ def migrate_cmd(
     shutdown_timeout: float,
     force: bool,
     rollback: bool,
+    live: bool,
+    persistent: bool,
+    undefinesource: bool,
+    migrate_uri: str | None,
+    listen_address: str | None,
     uri: str | None,
     json_output: bool,
 ) -> None:
-    """Move VM (stopped, or shut down first) to node NODE keeping its remote devices."""
+    """Move VM to node NODE keeping its remote devices, stopped or (--live) running.
+
+    A running VM is shut down first, unless --live: then the guest loses its remote devices
+    while it moves and gets them back at the same addresses."""
+    given = click.get_current_context().params
+    wrong = [o for o in (_COLD_ONLY if live else _LIVE_ONLY) if given.get(o)]
+    if wrong:
+        opt = "--" + wrong[0].replace("_", "-")
+        raise click.UsageError(
+            f"{opt} is for a {'cold' if live else 'live'} migration;"
+            f" {'leave out --live' if live else 'add --live'} or {opt}"
+        )
+    how = LiveMigration(
+        persistent=persistent,
+        undefine_source=undefinesource,
+        migration_uri=migrate_uri,
+        listen_address=listen_address,
+    )
+    if live and os.environ.get(BACKEND_ENV, "sim") == "smartio":
+        # The re-plug creates the devices' mdevs on the host that runs it: it must be the
+        # destination's, which this command is not yet able to ask.
+        raise MigrationError(
+            "a live migration on the kernel backend needs the destination host to plug the"
+            " devices back, which vmlend cannot do from here yet; move the VM cold (leave out"
+            " --live)"
+        )
+    res: MigrateResult | LiveMigrateResult
     src = open_hv(obj, uri)
     try:
         target = _dest_uri(src, to, dest_uri)
@@ -76,24 +148,40 @@ def migrate_cmd(
                 click.echo(f"vmlend: {msg}", err=True)
 
             with migration_lock(obj.state_path.parent, vm):
-                res = migrate(
-                    src,
-                    dst,
-                    fabric,
-                    vm,
-                    to,
-                    start=start,
-                    shutdown_timeout=shutdown_timeout,
-                    force=force,
-                    rollback=rollback,
-                    progress=progress,
-                )
+                if live:
+                    dst_fabric = open_fabric(obj.location, to, root=obj.root)
+                    res = live_migrate(
+                        src,
+                        dst,
+                        fabric,
+                        dst_fabric,
+                        vm,
+                        to,
+                        how=how,
+                        state_dir=obj.state_path.parent,
+                        progress=progress,
+                    )
+                else:
+                    res = migrate(
+                        src,
+                        dst,
+                        fabric,
+                        vm,
+                        to,
+                        start=start,
+                        shutdown_timeout=shutdown_timeout,
+                        force=force,
+                        rollback=rollback,
+                        progress=progress,
+                    )
         finally:
             dst.close()
     finally:
         src.close()
     if json_output:
         emit_json(res.to_json())
+    elif isinstance(res, LiveMigrateResult):
+        click.echo(_live_summary(res))
     elif res.rolled_back:
         click.echo(f"rolled back the migrate of VM {res.vm!r}: it is defined on {res.source} only")
     else:
@@ -102,6 +190,20 @@ def migrate_cmd(
             f"migrated VM {res.vm!r} from {res.source} to {res.destination} ({state}),"
             f" devices {', '.join(res.devices) or 'none'}"
         )
+
+
+def _live_summary(res: LiveMigrateResult) -> str:
+    if not res.devices and res.resumed and res.downtime is None:
+        return f"VM {res.vm!r} already runs on {res.destination}: nothing to do"
+    downtime = "not measured" if res.downtime is None else f"{res.downtime * 1000:.1f} ms"
+    out = [
+        f"migrated VM {res.vm!r} live from {res.source} to {res.destination} (running),"
+        f" devices {', '.join(res.devices) or 'none'}; downtime {downtime}"
+    ]
+    for fdid, seconds in sorted(res.blackout.items()):
+        said = "not measured" if seconds is None else f"{seconds * 1000:.1f} ms"
+        out.append(f"  device {format_fdid(fdid)}: blackout {said}")
+    return "\n".join(out)
 
 
 COMMANDS = [migrate_cmd]

@@ -1,8 +1,9 @@
 """``vmlend status [VM]``: per VM its remote devices and what the data path set up for them,
 with each device's PCIe path into the VM's RAM (``vmlend path`` explains it stage by stage);
 each VM's queue-level NVMe shares (queue pairs, LBA window, real queue ids, doorbell mode,
-guard rejections); per NTB adapter the LUT entries and window room in use. The collection is in
-``vmlend.ops.status``; this module renders it.
+guard rejections); per NTB adapter the LUT entries and window room in use; each VM's live
+migrations (downtime, each device's blackout). The collection is in ``vmlend.ops.status``;
+this module renders it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from vmlend.cli.complete import complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.ops.reconcile import find_drift, look
-from vmlend.ops.status import collect, read_runtime, usage_rows
+from vmlend.ops.status import add_history, collect, read_runtime, usage_rows
 from vmlend.views.status import render_status
 
 
@@ -31,6 +32,7 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
     try:
         fabric = fabric_for(obj, hv)
         vms = collect(hv, fabric, read_runtime(obj.location), vm)
+        add_history(vms, obj.state_path.parent)
         usage = usage_rows(fabric.usage())
         drift = find_drift(look(hv, fabric))
     finally:

@@ -4,7 +4,20 @@ The simulated node (``vmlend.sim.hypervisor``) implements the same protocol; whi
 opens is decided in ``vmlend.wiring.hypervisor``.
 """
 
-from vmlend.hypervisor.base import DomainInfo, DomainState, Hypervisor
+from vmlend.hypervisor.base import (
+    DomainInfo,
+    DomainState,
+    Hypervisor,
+    LiveMigration,
+    MigrationStats,
+)
 from vmlend.hypervisor.libvirt_hv import LibvirtHypervisor
 
-__all__ = ["DomainInfo", "DomainState", "Hypervisor", "LibvirtHypervisor"]
+__all__ = [
+    "DomainInfo",
+    "DomainState",
+    "Hypervisor",
+    "LibvirtHypervisor",
+    "LiveMigration",
+    "MigrationStats",
+]

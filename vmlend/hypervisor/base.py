@@ -41,6 +41,31 @@ class DomainInfo(msgspec.Struct, frozen=True):
         return self.state is not DomainState.SHUTOFF
 
 
+class LiveMigration(msgspec.Struct, frozen=True):
+    """How to move a running domain (``migrate_live``). ``persistent``: define it on the
+    destination too (``VIR_MIGRATE_PERSIST_DEST``), from the source's persistent definition;
+    ``undefine_source``: remove the source's definition once it runs there
+    (``VIR_MIGRATE_UNDEFINE_SOURCE``); ``migration_uri``: where the memory goes
+    (``VIR_MIGRATE_PARAM_URI``, e.g. ``tcp://127.0.0.1:49152`` when both daemons share one host
+    name); ``listen_address``: where the destination's QEMU listens for it
+    (``VIR_MIGRATE_PARAM_LISTEN_ADDRESS``; libvirt's default is every address);
+    ``dest_xml``: the XML the destination starts (``VIR_MIGRATE_PARAM_DEST_XML``; None: the
+    live XML, which the destination's migrate hook rewrites)."""
+
+    persistent: bool = False
+    undefine_source: bool = False
+    migration_uri: str | None = None
+    listen_address: str | None = None
+    dest_xml: bytes | None = None
+
+
+class MigrationStats(msgspec.Struct, frozen=True):
+    """What a live migration measured. ``downtime``: seconds the guest's vCPUs were stopped
+    for the switch-over (None: the hypervisor did not say)."""
+
+    downtime: float | None = None
+
+
 @runtime_checkable
 class Hypervisor(Protocol):
     """One hypervisor connection. Every method raises ``LibvirtError`` subclasses
@@ -102,6 +127,13 @@ class Hypervisor(Protocol):
         self, name: str, uri: str, key: str, xml: bytes | None, live: bool, config: bool
     ) -> None:
         """Set the element of namespace ``uri`` (prefix ``key``); ``xml=None`` removes it."""
+        ...
+
+    def migrate_live(self, name: str, dst: Hypervisor, how: LiveMigration) -> MigrationStats:
+        """Move the running domain ``name`` to ``dst`` while it runs (libvirt:
+        ``migrateToURI3`` with ``VIR_MIGRATE_LIVE | VIR_MIGRATE_PEER2PEER``; the destination
+        runs its hook's ``migrate`` filter, then ``prepare``/``start``/``started``). On
+        failure the domain still runs here."""
         ...
 
     def close(self) -> None: ...

@@ -20,7 +20,14 @@ from vmlend.errors import (
     UnsupportedOperationError,
     VmlendError,
 )
-from vmlend.hypervisor.base import METADATA_ELEMENT, DomainInfo, DomainState
+from vmlend.hypervisor.base import (
+    METADATA_ELEMENT,
+    DomainInfo,
+    DomainState,
+    Hypervisor,
+    LiveMigration,
+    MigrationStats,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,6 +107,42 @@ def _is_uuid(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def migrate_flags(how: LiveMigration) -> int:
+    """libvirt's ``virDomainMigrateFlags`` for a live, peer-to-peer migration."""
+    flags: int = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER
+    if how.persistent:
+        flags |= libvirt.VIR_MIGRATE_PERSIST_DEST
+    if how.undefine_source:
+        flags |= libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
+    return flags
+
+
+def migrate_params(how: LiveMigration, name: str) -> dict[str, str]:
+    """``migrateToURI3``'s typed parameters: the migration URI and the destination XML."""
+    params: dict[str, str] = {}
+    if how.migration_uri:
+        params[libvirt.VIR_MIGRATE_PARAM_URI] = how.migration_uri
+    if how.listen_address:
+        params[libvirt.VIR_MIGRATE_PARAM_LISTEN_ADDRESS] = how.listen_address
+    if how.dest_xml is not None:
+        params[libvirt.VIR_MIGRATE_PARAM_DEST_XML] = _decode(how.dest_xml, "migrate", name)
+    return params
+
+
+def _completed_downtime(dst: Hypervisor, name: str) -> float | None:
+    """The downtime libvirt measured for the migration that just completed (the
+    destination keeps the completed job's statistics), in seconds; None when it cannot say."""
+    if not isinstance(dst, LibvirtHypervisor):
+        return None
+    try:
+        stats = dst.conn.lookupByName(name).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
+    except libvirt.libvirtError as e:
+        log.debug("no completed job statistics for %s on %s: %s", name, dst.uri, one_line(e))
+        return None
+    downtime = stats.get("downtime")
+    return None if downtime is None else float(downtime) / 1000.0
 
 
 class LibvirtHypervisor:
@@ -253,6 +296,16 @@ class LibvirtHypervisor:
         prefix = None if text is None else key
         flags = _flags(live, config)
         self._call(op, name, lambda d: d.setMetadata(METADATA_ELEMENT, text, prefix, uri, flags))
+
+    def migrate_live(self, name: str, dst: Hypervisor, how: LiveMigration) -> MigrationStats:
+        """``migrateToURI3(dst.uri, params, LIVE | PEER2PEER [| PERSIST_DEST]
+        [| UNDEFINE_SOURCE])``: the source libvirtd connects to ``dst.uri`` itself; the
+        memory goes to ``how.migration_uri`` (``VIR_MIGRATE_PARAM_URI``) when given."""
+        op = "migrate"
+        flags = migrate_flags(how)
+        params = migrate_params(how, name)
+        self._call(op, name, lambda d: d.migrateToURI3(dst.uri, params, flags))
+        return MigrationStats(downtime=_completed_downtime(dst, name))
 
     def close(self) -> None:
         if self._conn is not None:

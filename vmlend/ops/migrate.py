@@ -46,7 +46,7 @@ from vmlend.lending.devices import holder_for, return_all
 from vmlend.messages import about, plural
 from vmlend.registry.conditions import classify_errno, host_error
 from vmlend.safefile import open_nofollow
-from vmlend.topology.model import Holder, format_fdid
+from vmlend.topology.model import GuestRam, Holder, format_fdid
 
 Progress = Callable[[str], None]
 
@@ -83,9 +83,23 @@ def admission_problems(
     at once, as the destination would see it: its devices summed per adapter (DMA windows,
     BARs, LUT entries, peer-to-peer), with what ``leaving`` (the VM itself on the source, about
     to give its devices back) holds counted as gone."""
+    return vm_admission_problems(
+        fabric, [dev.fdid for dev in dom.devices], dom.guest_ram, dest, holder, leaving
+    )
+
+
+def vm_admission_problems(
+    fabric: Fabric,
+    fdids: list[int],
+    ram: GuestRam | int,
+    dest: str,
+    holder: Holder,
+    leaving: Holder | None,
+) -> list[str]:
+    """``admission_problems`` for devices ``fdids`` of a guest with RAM ``ram`` (a live
+    migration's devices are out of the XML while it moves)."""
     problems = []
-    fdids = [dev.fdid for dev in dom.devices]
-    results = fabric.vm_admission(fdids, dest, dom.guest_ram, holder=holder, leaving=leaving)
+    results = fabric.vm_admission(fdids, dest, ram, holder=holder, leaving=leaving)
     for fdid in fdids:
         bad = next((c for c in results[fdid] if not c.ok), None)
         if bad is not None:

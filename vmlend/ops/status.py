@@ -26,6 +26,7 @@ from vmlend.hypervisor import Hypervisor
 from vmlend.ledger.admission import AdapterUsage
 from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
 from vmlend.lending.devices import holder_for
+from vmlend.ops.live_state import LiveRecord, history
 from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
 from vmlend.topology.model import DeviceStatus, Holder, Topology, format_fdid
@@ -90,6 +91,8 @@ class VmView(msgspec.Struct):
     devices: list[DeviceView]
     #: Its queue-level shares of NVMe drives, with what the data path last recorded.
     shares: list[ShareEntry] = msgspec.field(default_factory=list)
+    #: Its finished live migrations, oldest first (``vmlend.ops.live_state``).
+    live_migrations: list[LiveRecord] = msgspec.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,6 +101,7 @@ class VmView(msgspec.Struct):
             "state": self.state,
             "devices": [d.to_json() for d in self.devices],
             "nvme_shares": [s.to_json() for s in self.shares],
+            "live_migrations": [m.to_json() for m in self.live_migrations],
         }
 
 
@@ -180,6 +184,12 @@ def collect(
                 window = fabric.interrupt_window(dv.fdid)
                 dv.interrupts_via = None if window is None else window.adapter
     return views
+
+
+def add_history(views: list[VmView], state_dir: Path) -> None:
+    """Each VM's live-migration history, as this host's state directory keeps it."""
+    for v in views:
+        v.live_migrations = history(state_dir, v.name)
 
 
 def _dma_path(topology: Topology, fdid: int, node: str) -> PciePath | None:

@@ -166,3 +166,54 @@ def test_libvirt_errors_keep_libvirts_reason_in_one_line(code, message, op, cls)
 def test_no_domain_maps_to_unknown_domain():
     mapped = map_error(_err(libvirt.VIR_ERR_NO_DOMAIN, "Domain not found"), "start", "vm7", "x:///")
     assert isinstance(mapped, UnknownDomainError) and mapped.name == "vm7"
+
+
+# --- live migration --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("persistent", "undefine", "extra"),
+    [
+        (False, False, 0),
+        (True, False, libvirt.VIR_MIGRATE_PERSIST_DEST),
+        (True, True, libvirt.VIR_MIGRATE_PERSIST_DEST | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE),
+    ],
+)
+def test_live_migration_is_live_peer_to_peer_with_the_persistence_asked(
+    persistent, undefine, extra
+):
+    from vmlend.hypervisor import LiveMigration
+    from vmlend.hypervisor.libvirt_hv import migrate_flags
+
+    how = LiveMigration(persistent=persistent, undefine_source=undefine)
+    assert migrate_flags(how) == (libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER | extra)
+
+
+def test_migration_uri_and_destination_xml_go_as_typed_parameters():
+    from vmlend.hypervisor import LiveMigration
+    from vmlend.hypervisor.libvirt_hv import migrate_params
+
+    assert migrate_params(LiveMigration(), "vm1") == {}
+    how = LiveMigration(
+        migration_uri="tcp://127.0.0.1:49152", listen_address="127.0.0.1", dest_xml=b"<domain/>"
+    )
+    assert migrate_params(how, "vm1") == {
+        libvirt.VIR_MIGRATE_PARAM_URI: "tcp://127.0.0.1:49152",
+        libvirt.VIR_MIGRATE_PARAM_LISTEN_ADDRESS: "127.0.0.1",
+        libvirt.VIR_MIGRATE_PARAM_DEST_XML: "<domain/>",
+    }
+    with pytest.raises(DomainDefinitionError, match="XML is not UTF-8"):
+        migrate_params(LiveMigration(dest_xml=b"\xff"), "vm1")
+
+
+def test_a_refused_live_migration_is_one_line_and_the_domain_still_runs(hv, tmp_path):
+    from vmlend.hypervisor import LiveMigration
+
+    hv.define(DOMAIN_XML)
+    hv.start("vm1")
+    other = open_hypervisor(NODE_URI, state_dir=tmp_path, hook_command=None)
+    with pytest.raises(LibvirtError) as exc:
+        hv.migrate_live("vm1", other, LiveMigration())
+    assert "\n" not in str(exc.value) and str(exc.value).startswith("migrate vm1 refused: ")
+    assert hv.lookup("vm1").active
+    other.close()

@@ -430,3 +430,77 @@ def test_racing_starts_from_two_processes_start_the_domain_once(make, hook, tmp_
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
     assert sorted(p.wait(timeout=30) for p in procs) == [0, 3]
     assert hook.calls() == START + STARTED  # the hook ran for one start only
+
+
+# --- live migration -------------------------------------------------------------------------
+
+
+MIGRATE_IN = [["vm1", "migrate", "begin", "-"], *START, *STARTED]
+
+
+@pytest.fixture
+def beta(tmp_path) -> SimHypervisor:
+    return SimHypervisor("beta", tmp_path / "hv" / "beta", HOOK)
+
+
+def test_live_migration_runs_the_destinations_hooks_then_the_sources_stop_hooks(sim, beta, hook):
+    from vmlend.hypervisor import LiveMigration
+
+    sim.define(DOMAIN_XML)
+    sim.start("vm1")
+    before = len(hook.calls())
+    stats = sim.migrate_live("vm1", beta, LiveMigration())
+    assert hook.calls()[before:] == MIGRATE_IN + stop("migrated")
+    assert stats.downtime is not None and stats.downtime >= 0
+    assert beta.lookup("vm1").state is DomainState.RUNNING
+    assert not beta.lookup("vm1").persistent  # without --persistent: transient there
+    assert sim.lookup("vm1").state is DomainState.SHUTOFF  # still defined here
+    assert hostdev_uuids(beta.xml("vm1")) == hostdev_uuids(DOMAIN_XML)
+
+
+def test_persistent_undefine_source_moves_the_definition(sim, beta, hook):
+    from vmlend.hypervisor import LiveMigration
+
+    sim.define(DOMAIN_XML)
+    sim.start("vm1")
+    sim.migrate_live("vm1", beta, LiveMigration(persistent=True, undefine_source=True))
+    assert beta.lookup("vm1").persistent and beta.lookup("vm1").active
+    assert sim.list_domains() == []
+
+
+@pytest.mark.parametrize("failing", ["migrate", "prepare", "start", "started"])
+def test_a_refusing_destination_hook_cancels_the_migration(sim, beta, hook, monkeypatch, failing):
+    from vmlend.hypervisor import LiveMigration
+
+    sim.define(DOMAIN_XML)
+    sim.start("vm1")
+    monkeypatch.setenv("HOOK_FAIL_AT", failing)
+    with pytest.raises(HookFailedError, match=f"refusing {failing} of vm1"):
+        sim.migrate_live("vm1", beta, LiveMigration(persistent=True, undefine_source=True))
+    assert sim.lookup("vm1").state is DomainState.RUNNING and sim.lookup("vm1").persistent
+    assert beta.list_domains() == []
+
+
+def test_migrating_a_stopped_domain_or_to_itself_is_refused(sim, beta, make, hook):
+    from vmlend.hypervisor import LiveMigration
+
+    sim.define(DOMAIN_XML)
+    with pytest.raises(DomainStateError, match="domain is not running"):
+        sim.migrate_live("vm1", beta, LiveMigration())
+    sim.start("vm1")
+    with pytest.raises(DomainStateError, match="the destination is this node"):
+        sim.migrate_live("vm1", make(), LiveMigration())
+    assert beta.list_domains() == [] and sim.lookup("vm1").active
+
+
+def test_another_domain_of_that_name_on_the_destination_is_refused(sim, beta, hook):
+    from vmlend.hypervisor import LiveMigration
+
+    sim.define(DOMAIN_XML)
+    sim.start("vm1")
+    root = etree.fromstring(DOMAIN_XML)
+    root.find("uuid").text = "11111111-2222-4333-8444-555555555555"
+    beta.define(etree.tostring(root))
+    with pytest.raises(DomainDefinitionError, match="another domain named 'vm1'"):
+        sim.migrate_live("vm1", beta, LiveMigration())
+    assert sim.lookup("vm1").active and not beta.lookup("vm1").active

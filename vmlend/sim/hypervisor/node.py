@@ -9,6 +9,10 @@ environment passed through, synchronously.
               (a non-zero exit aborts the start; stopped and release then still run)
     stop:     stopped end -, release end <reason>   (exit codes ignored, stderr logged)
     define, undefine, attach, detach, metadata: no hook (libvirt has none for them)
+    live migration, on the destination: migrate begin - (its stdout is the XML to start),
+              prepare begin -, start begin -, started begin -; then the switch-over (the
+              guest's vCPUs stop on the source and run on the destination); on the source:
+              stopped end -, release end migrated
 
 Hot-plug behaves like a working VFIO host: live attach/detach of an mdev hostdev succeeds.
 A ``GuestDriver`` lets the demo play the guest (it sees starts, hot-plugs and stops).
@@ -16,10 +20,12 @@ A ``GuestDriver`` lets the demo play the guest (it sees starts, hot-plugs and st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
+import time
 import uuid as uuidlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -31,9 +37,16 @@ from vmlend.errors import (
     HookFailedError,
     ShutdownTimeoutError,
     UnknownDomainError,
+    UnsupportedOperationError,
     VmlendError,
 )
-from vmlend.hypervisor.base import DomainInfo, DomainState
+from vmlend.hypervisor.base import (
+    DomainInfo,
+    DomainState,
+    Hypervisor,
+    LiveMigration,
+    MigrationStats,
+)
 from vmlend.sim.hypervisor import xml as sim_xml
 from vmlend.sim.hypervisor.store import SimStore
 
@@ -80,6 +93,7 @@ class HookRun(msgspec.Struct, frozen=True):
     argv: tuple[str, ...]
     returncode: int
     stderr: str
+    stdout: bytes = b""
 
     def reason(self) -> str:
         lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip()]
@@ -105,7 +119,7 @@ class HookRunner:
             )
         except (OSError, subprocess.TimeoutExpired) as e:
             return HookRun(argv, 255, f"cannot run hook {argv[0]}: {e}")
-        return HookRun(argv, done.returncode, done.stderr.decode("utf-8", "replace"))
+        return HookRun(argv, done.returncode, done.stderr.decode("utf-8", "replace"), done.stdout)
 
 
 def _resolve_impact(live: bool, config: bool, running: bool) -> tuple[bool, bool]:
@@ -388,6 +402,72 @@ class SimHypervisor:
             for root in trees.values():
                 sim_xml.set_metadata(root, uri, key, xml, op)
             self._commit(name, trees)
+
+    # --- live migration ------------------------------------------------------------------
+    def migrate_live(self, name: str, dst: Hypervisor, how: LiveMigration) -> MigrationStats:
+        """Move the running ``name`` to the simulated node ``dst``, as a peer-to-peer live
+        migration does. The destination's hooks run first (a failing one cancels the migration:
+        the domain still runs here); the switch-over (live XML there, gone here) is the
+        downtime; then the source's stop hooks run with reason ``migrated``."""
+        op = "migrate"
+        if not isinstance(dst, SimHypervisor):
+            raise UnsupportedOperationError(
+                op, name, f"a simulated node migrates only to another one, not to {dst.uri}"
+            )
+        if dst.store.data_dir == self.store.data_dir:
+            raise DomainStateError(op, name, "the destination is this node")
+        with self._both_locked(dst):
+            name = self._resolve(name)
+            cfg, live = self._load(name, op)
+            if live is None:
+                raise DomainStateError(op, name, "domain is not running")
+            uuid = sim_xml.uuid_of(live)
+            there_cfg = dst.store.read("config", name)
+            if dst.store.read("live", name) is not None:
+                raise DomainStateError(op, name, f"domain '{name}' is already active on {dst.uri}")
+            if (
+                there_cfg is not None
+                and sim_xml.uuid_of(sim_xml.parse(there_cfg, op, name)) != uuid
+            ):
+                raise DomainDefinitionError(
+                    op, name, f"{dst.uri} has another domain named '{name}' (another uuid)"
+                )
+            xml = how.dest_xml if how.dest_xml is not None else sim_xml.serialize(live)
+            run = dst.hooks.run(name, "migrate", "begin", "-", xml)
+            if run.returncode != 0:
+                raise HookFailedError(op, name, run.reason())
+            incoming = run.stdout.strip() or xml  # an empty answer: the XML as it was
+            root = sim_xml.live_copy(sim_xml.parse_domain(incoming), dst.store.next_id())
+            if sim_xml.name_of(root) != name or sim_xml.uuid_of(root) != uuid:
+                raise HookFailedError(op, name, "the migrate hook changed the name or uuid")
+            there = sim_xml.serialize(root)
+            for hook_op in ("prepare", "start", "started"):
+                run = dst.hooks.run(name, hook_op, "begin", "-", there)
+                if run.returncode != 0:
+                    dst._stop_hooks(name, there, "failed", after_failed_start=True)
+                    raise HookFailedError(op, name, run.reason())
+            # Switch-over: the source's vCPUs stop, the rest of the memory goes, the
+            # destination's run. The simulated memory copy is the two file writes.
+            paused = time.monotonic()
+            dst.store.write("live", name, there)
+            if how.persistent and cfg is not None:
+                dst.store.write("config", name, sim_xml.serialize(cfg))
+            self.store.remove("live", name)
+            self.store.remove("paused", name)
+            downtime = time.monotonic() - paused
+            if how.undefine_source:
+                self.store.remove("config", name)
+            self._stop_hooks(name, sim_xml.serialize(live), "migrated")
+        log.info("migrated %s live from %s to %s", name, self.uri, dst.uri)
+        return MigrationStats(downtime=downtime)
+
+    @contextlib.contextmanager
+    def _both_locked(self, other: SimHypervisor) -> Iterator[None]:
+        """This node's lock and ``other``'s, always in the same order (by directory), so
+        that two migrations in opposite directions cannot deadlock."""
+        first, second = sorted((self, other), key=lambda h: str(h.store.data_dir))
+        with first.store.locked(), second.store.locked():
+            yield
 
     def close(self) -> None:
         """Nothing to release: every operation opens and closes its files."""

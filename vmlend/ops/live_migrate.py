@@ -1,0 +1,431 @@
+"""Live migration of a VM with remote devices: unplug them, move the VM while it runs, plug them
+back on the destination at the same guest addresses.
+
+The destination's start hook would refuse a running VM whose devices the source still holds,
+and a VFIO device cannot be migrated with its state on today's hardware; so the guest loses its
+remote devices for a while (their *blackout*) and keeps its memory and CPUs (the VM's own
+*downtime* is the hypervisor's short switch-over). The lender stays the same; the borrower
+changes. Order:
+
+1. checks that change nothing: the destination exists and is not the source, the VM runs here,
+   the whole VM is admissible from the destination with its own current holds counted as
+   movable (as cold migration: ``vm_admission``), the XML rewrites for it. Then the journal
+   (``vmlend.ops.live_state``) records the devices and their guest addresses;
+2. each device is hot-unplugged from the running guest (waiting for the guest to let go, as
+   ``detach`` does) and returned; the VM's persistent definition keeps it;
+3. the whole VM again, now without its holds (another host may have taken room meanwhile);
+4. the live migration (``Hypervisor.migrate_live``; the destination's hook rewrites the XML);
+5. each device is reserved for the VM on the destination and hot-plugged at its old address.
+
+A failure in 2-4 puts the devices back into the guest on the source (the VM never left it).
+A failure in 5 leaves the VM running on the destination without the devices that could not come
+back; the error names them and the command that finishes. A re-run after any interruption
+(``kill -9`` included) reads the journal and finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from lxml import etree
+
+from vmlend.domain import (
+    METADATA_KEY,
+    NAMESPACE_URI,
+    DomainDocument,
+    read_domain,
+    rewrite_for_destination,
+)
+from vmlend.domain.model import DomainXML
+from vmlend.errors import (
+    FabricError,
+    MigrationError,
+    UnknownDomainError,
+    VmlendError,
+)
+from vmlend.fabric.base import Fabric
+from vmlend.faults import fault_point
+from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
+from vmlend.lending.devices import held_by, holder_for
+from vmlend.messages import plural
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.detach import detach
+from vmlend.ops.live_state import (
+    LiveDevice,
+    LiveJournal,
+    LiveRecord,
+    drop_journal,
+    load_journal,
+    record,
+    save_journal,
+)
+from vmlend.ops.migrate import vm_admission_problems
+from vmlend.ops.unplug import DetachWait
+from vmlend.topology.model import Holder, format_fdid
+
+Progress = Callable[[str], None]
+
+
+class LiveMigrateResult(msgspec.Struct):
+    vm: str
+    source: str
+    destination: str
+    devices: list[str]
+    downtime: float | None = None
+    #: Seconds each device was out of the guest (by fdid); None: not known (it came back in
+    #: an earlier, interrupted run that did not get to write the time down).
+    blackout: dict[int, float | None] = msgspec.field(default_factory=dict)
+    resumed: bool = False
+    steps: list[str] = msgspec.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vm": self.vm,
+            "from": self.source,
+            "to": self.destination,
+            "live": True,
+            "devices": self.devices,
+            "downtime": self.downtime,
+            "blackout": {format_fdid(f): s for f, s in sorted(self.blackout.items())},
+            "resumed": self.resumed,
+            "steps": self.steps,
+        }
+
+
+class _Run:
+    """One run of a live migration: the hosts, the journal, and where progress goes."""
+
+    def __init__(
+        self,
+        src: Hypervisor,
+        dst: Hypervisor,
+        fabric: Fabric,
+        dst_fabric: Fabric,
+        how: LiveMigration,
+        state_dir: Path,
+        wait: DetachWait,
+        progress: Progress,
+        clock: Callable[[], float],
+    ) -> None:
+        self.src, self.dst = src, dst
+        self.fabric, self.dst_fabric = fabric, dst_fabric
+        self.how = how
+        self.state_dir = state_dir
+        self.wait = wait
+        self.clock = clock
+        self.progress = progress
+        self.steps: list[str] = []
+
+    def step(self, msg: str) -> None:
+        self.steps.append(msg)
+        self.progress(msg)
+
+
+def live_migrate(
+    src: Hypervisor,
+    dst: Hypervisor,
+    fabric: Fabric,
+    dst_fabric: Fabric,
+    vm: str,
+    dest_node: str,
+    *,
+    how: LiveMigration,
+    state_dir: Path,
+    wait: DetachWait | None = None,
+    progress: Progress = lambda _m: None,
+    clock: Callable[[], float] = time.monotonic,
+    now: Callable[[], float] = time.time,
+) -> LiveMigrateResult:
+    """Move the running ``vm`` from ``src`` (this node; ``fabric`` seen from it) to
+    ``dest_node`` (``dst``; ``dst_fabric`` seen from there) keeping its remote devices.
+    Re-runnable: a journal under ``state_dir`` says what an interrupted run left to do."""
+    source_node = fabric.local_node
+    fabric.topology().node(dest_node)  # UnknownNodeError: nothing changed
+    if dest_node == source_node:
+        raise MigrationError(f"VM {vm!r} is already on {dest_node}; nothing to migrate")
+    run = _Run(src, dst, fabric, dst_fabric, how, state_dir, wait or DetachWait(), progress, clock)
+    journal = load_journal(state_dir, vm)
+    if journal is not None and journal.destination != dest_node:
+        raise MigrationError(
+            f"a live migration of VM {vm!r} to {journal.destination} was interrupted; finish it"
+            f" first: vmlend migrate {vm} --to {journal.destination} --live"
+        )
+    here, there = _lookup(src, vm), _lookup(dst, vm)
+    if journal is None:
+        if here is None or not here.active:
+            if there is not None and there.active and _rewritten_for(dst, there.name, dest_node):
+                run.step(f"{there.name} already runs on {dest_node}: the live migration was done")
+                return LiveMigrateResult(
+                    there.name, source_node, dest_node, [], resumed=True, steps=run.steps
+                )
+            if here is None:
+                raise UnknownDomainError(vm, src.uri)
+            raise MigrationError(
+                f"VM {here.name!r} is not running on {source_node}; a live migration moves a"
+                " running VM (leave out --live to move it cold)"
+            )
+        journal = _begin(run, here, there, dest_node)
+    else:
+        journal.resumed = True
+        run.step(f"resuming the interrupted live migration of {journal.vm} to {dest_node}")
+    name = journal.vm
+    here_runs = here is not None and here.active
+    there_runs = there is not None and there.active
+    if here_runs and there_runs:
+        raise MigrationError(
+            f"VM {name!r} runs on both {source_node} and {dest_node}: the hypervisor is still"
+            " migrating it; wait for that to end, then run this command again"
+        )
+    if not here_runs and not there_runs:
+        drop_journal(state_dir, name)
+        raise MigrationError(
+            f"VM {name!r} stopped during its live migration and runs on neither {source_node}"
+            f" nor {dest_node}; its definition keeps its devices: start it, or move it cold"
+            f" with 'vmlend migrate {name} --to {dest_node}'"
+        )
+    downtime = journal.downtime
+    if here_runs:
+        downtime = _leave_source(run, journal)
+    return _arrive(run, journal, downtime, now)
+
+
+def _lookup(hv: Hypervisor, vm: str) -> DomainInfo | None:
+    try:
+        return hv.lookup(vm)
+    except UnknownDomainError:
+        return None
+
+
+def _rewritten_for(hv: Hypervisor, name: str, node: str) -> bool:
+    return read_domain(hv.xml(name), strict=False).host_node == node
+
+
+def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str) -> LiveJournal:
+    """Step 1: every check, then the journal. Nothing else is changed."""
+    name = here.name
+    if there is not None and there.uuid != here.uuid:
+        raise MigrationError(
+            f"{run.dst.uri} already has a domain named {name!r}; remove or rename it first"
+        )
+    xml = run.src.xml(name)
+    dom = read_domain(xml, source=f"live XML of {name}")
+    shared = [format_fdid(d.fdid) for d in dom.devices if d.share is not None]
+    if shared:
+        raise MigrationError(
+            f"VM {name!r} has queue-level NVMe shares ({', '.join(shared)}), which a live"
+            " migration cannot move yet; detach them first, or move the VM cold"
+        )
+    rewrite_for_destination(xml, dest_node, source=f"live XML of {name}")  # refuses bad XML
+    src_holder = holder_for(run.fabric, name, dom.uuid or here.uuid)
+    dst_holder = Holder(node=dest_node, vm=name, vm_uuid=src_holder.vm_uuid)
+    fdids = [d.fdid for d in dom.devices]
+    problems = vm_admission_problems(
+        run.fabric, fdids, dom.guest_ram, dest_node, dst_holder, src_holder
+    )
+    if problems:
+        raise FabricError(
+            f"cannot migrate VM {name!r} to {dest_node}: {problems[0]}; nothing was changed"
+        )
+    run.step(f"checked {plural(len(fdids), 'device')}: all admissible from {dest_node}")
+    doc = DomainDocument.parse(xml, source=f"live XML of {name}")
+    addresses = {str(h.uuid): h.guest_address for h in DomainXML(doc.root).mdev_hostdevs()}
+    devices = [
+        LiveDevice(d.fdid, d.address or addresses.get(str(d.mdev)), d.interrupts)
+        for d in dom.devices
+    ]
+    journal = LiveJournal(
+        name,
+        src_holder.vm_uuid,
+        run.fabric.local_node,
+        dest_node,
+        devices,
+        shell=_without_devices(run.src.get_metadata(name, NAMESPACE_URI)),
+    )
+    save_journal(run.state_dir, journal)
+    return journal
+
+
+def _without_devices(plain: bytes | None) -> bytes | None:
+    """vmlend's metadata element (libvirt's plain form) without its device entries."""
+    if plain is None:
+        return None
+    root = etree.fromstring(plain, parser=etree.XMLParser(resolve_entities=False, no_network=True))
+    for child in list(root):
+        if isinstance(child.tag, str) and etree.QName(child).localname == "device":
+            root.remove(child)
+    return etree.tostring(root)
+
+
+def _guest_fdids(hv: Hypervisor, name: str) -> set[int]:
+    return {d.fdid for d in read_domain(hv.xml(name), strict=False).devices}
+
+
+def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
+    """Steps 2-4. On failure the devices go back into the guest here, and the error says so."""
+    name, source, dest = journal.vm, journal.source, journal.destination
+    holder = holder_for(run.fabric, name, journal.vm_uuid)
+    try:
+        present = _guest_fdids(run.src, name)
+        held = set(held_by(run.fabric, holder))
+        for dev in journal.devices:
+            if dev.fdid not in present and dev.fdid not in held:
+                continue  # unplugged and returned by an earlier run
+            fd = format_fdid(dev.fdid)
+            journal.unplugged.setdefault(dev.fdid, run.clock())
+            save_journal(run.state_dir, journal)
+            if dev.fdid in present:
+                run.step(
+                    f"unplugging device {fd} from {name}: waiting up to"
+                    f" {run.wait.timeout:g} s for the guest to let go"
+                )
+            detach(
+                run.src,
+                run.fabric,
+                name,
+                dev.fdid,
+                live=True,
+                config=False,
+                progress=run.step,
+                wait=run.wait,
+            )
+            run.step(f"device {fd} unplugged from {name} and returned on {source}")
+            fault_point("live-migrate:after-unplug")
+        ram = read_domain(run.src.xml(name), strict=False).guest_ram
+        dst_holder = Holder(node=dest, vm=name, vm_uuid=journal.vm_uuid)
+        fdids = [d.fdid for d in journal.devices]
+        problems = vm_admission_problems(run.fabric, fdids, ram, dest, dst_holder, None)
+        if problems:
+            raise FabricError(f"{problems[0]} (taken while the devices were unplugged)")
+        if journal.shell is not None and run.src.get_metadata(name, NAMESPACE_URI) is None:
+            # The last unplug took vmlend's metadata with it: a VM without any would pass the
+            # destination's migrate hook unrewritten.
+            run.src.set_metadata(
+                name, NAMESPACE_URI, METADATA_KEY, journal.shell, live=True, config=False
+            )
+        run.step(f"migrating {name} live to {dest} ({run.dst.uri})")
+        stats = run.src.migrate_live(name, run.dst, run.how)
+    except VmlendError as e:
+        raise MigrationError(
+            f"live migration of VM {name!r} to {dest} failed: {e}; {_back_on_source(run, journal)}"
+        ) from e
+    journal.migrated = run.clock()
+    journal.downtime = stats.downtime
+    save_journal(run.state_dir, journal)
+    said = "not measured" if stats.downtime is None else f"{stats.downtime * 1000:.1f} ms"
+    run.step(f"{name} runs on {dest} (downtime {said})")
+    fault_point("live-migrate:after-migrate")
+    return stats.downtime
+
+
+def _back_on_source(run: _Run, journal: LiveJournal) -> str:
+    """Plug every journalled device the guest lacks back in on the source; what to tell."""
+    name, source = journal.vm, journal.source
+    missing = _plug_back(run, run.src, run.fabric, journal, False)
+    drop_journal(run.state_dir, name)
+    if not missing:
+        return f"it runs on {source} with all its devices, as before"
+    return f"it runs on {source} without {_missing(missing, name, run.src.uri)}"
+
+
+def _plug_back(
+    run: _Run,
+    hv: Hypervisor,
+    fabric: Fabric,
+    journal: LiveJournal,
+    timed: bool,
+) -> list[tuple[LiveDevice, str]]:
+    """Hot-plug each journalled device ``hv``'s guest lacks at its old address; the ones
+    that could not come back, each with why. ``timed``: journal when each came back."""
+    name = journal.vm
+    present = _guest_fdids(hv, name)
+    missing: list[tuple[LiveDevice, str]] = []
+    for dev in journal.devices:
+        if dev.fdid in present:
+            continue
+        fd = format_fdid(dev.fdid)
+        try:
+            plan = plan_attach(
+                hv,
+                fabric,
+                name,
+                dev.fdid,
+                live=True,
+                config=False,
+                address=dev.address,
+                interrupts=dev.interrupts,
+            )
+            if not plan.ok:
+                raise plan.refusal()
+            apply_attach(hv, fabric, plan, run.step, wait=run.wait)
+        except VmlendError as e:
+            run.step(f"device {fd}: could not plug it back into {name}: {e}")
+            missing.append((dev, str(e)))
+            continue
+        at = f" at {dev.address}" if dev.address is not None else ""
+        run.step(f"device {fd} plugged back into {name}{at} on {fabric.local_node}")
+        if timed:
+            journal.back[dev.fdid] = run.clock()
+            save_journal(run.state_dir, journal)
+            fault_point("live-migrate:after-replug")
+    return missing
+
+
+def _missing(missing: list[tuple[LiveDevice, str]], name: str, uri: str) -> str:
+    fds = ", ".join(format_fdid(d.fdid) for d, _ in missing)
+    first = missing[0][1]
+    commands = "; ".join(
+        f"vmlend attach {name} {format_fdid(d.fdid)} --live -c {uri}"
+        + (f" --address {d.address}" if d.address is not None else "")
+        for d, _ in missing
+    )
+    return f"device(s) {fds} ({first}); plug them back with: {commands}"
+
+
+def _arrive(
+    run: _Run, journal: LiveJournal, downtime: float | None, now: Callable[[], float]
+) -> LiveMigrateResult:
+    """Step 5: the VM runs on the destination; bring its devices back."""
+    name, dest = journal.vm, journal.destination
+    _fix_definition(run, name, dest)
+    missing = _plug_back(run, run.dst, run.dst_fabric, journal, True)
+    if missing:
+        fds = ", ".join(format_fdid(d.fdid) for d, _ in missing)
+        raise MigrationError(
+            f"VM {name!r} runs on {dest} without device(s) {fds}: {missing[0][1]}; once that is"
+            f" fixed, run 'vmlend migrate {name} --to {dest} --live' again to plug them back"
+        )
+    blackout: dict[int, float | None] = {}
+    for dev in journal.devices:
+        gone, returned = journal.unplugged.get(dev.fdid), journal.back.get(dev.fdid)
+        blackout[dev.fdid] = None if gone is None or returned is None else returned - gone
+    rec = LiveRecord(journal.source, dest, now(), downtime, blackout, journal.resumed)
+    record(run.state_dir, name, rec)
+    drop_journal(run.state_dir, name)
+    run.step(f"{plural(len(journal.devices), 'device')} back in {name} on {dest}")
+    return LiveMigrateResult(
+        name,
+        journal.source,
+        dest,
+        [format_fdid(d.fdid) for d in journal.devices],
+        downtime=downtime,
+        blackout=blackout,
+        resumed=journal.resumed,
+        steps=run.steps,
+    )
+
+
+def _fix_definition(run: _Run, name: str, dest: str) -> None:
+    """The destination's persistent definition (``--persistent``) is the source's as it was:
+    rewrite it for the destination as cold migration does."""
+    info = run.dst.lookup(name)
+    if not info.persistent:
+        return
+    xml = run.dst.xml(name, inactive=True)
+    if read_domain(xml, strict=False).host_node == dest:
+        return
+    run.dst.define(rewrite_for_destination(xml, dest, source=f"definition of {name}"))
+    run.step(f"definition of {name} on {dest} rewritten for {dest}")
