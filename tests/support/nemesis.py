@@ -412,6 +412,8 @@ class Workload:
         #: Held around each action of a host's thread, and by ``claim``.
         self._busy = {node: threading.Lock() for node in VMS}
         self._claimed: set[tuple[str, str]] = set()
+        #: Devices a nemesis needs free: no VM wanting one is started, none is hot-added.
+        self._kept_off: set[int] = set()
         self._threads = [
             threading.Thread(target=self._run, args=(node, seed), name=f"work-{node}", daemon=True)
             for node in VMS
@@ -449,6 +451,18 @@ class Workload:
             with self._busy[node]:
                 self._claimed.discard((node, vm))
 
+    @contextmanager
+    def keep_off(self, fdid: int) -> Iterator[None]:
+        """Start no VM that wants ``fdid`` and hot-add it nowhere (the workload's other VMs
+        would otherwise race a nemesis for it on a loaded machine); what holds it goes on."""
+        with self._lock:
+            self._kept_off.add(fdid)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._kept_off.discard(fdid)
+
     def _run(self, node: str, seed: int) -> None:
         rng = random.Random(f"{seed}/{node}")
         h = self.c.host(node)
@@ -467,14 +481,18 @@ class Workload:
         self, h: NHost, vm: str, running: dict[str, frozenset[int]], rng: random.Random
     ) -> None:
         if vm not in running:
-            self.call(h, "vm", "start", vm)
+            with self._lock:
+                kept_off = bool(self._kept_off & set(VMS[h.node][vm]))
+            if not kept_off:
+                self.call(h, "vm", "start", vm)
         elif rng.random() < 0.5:
             self.call(h, "vm", "destroy", vm)
 
     def _hot_plug(self, h: NHost, vm: str, used: frozenset[int], rng: random.Random) -> None:
         """Hot-remove a device ``vm`` hot-added, or hot-add one it does not have."""
         added = sorted(used - set(VMS[h.node][vm]))
-        free = [f for f in HOT[h.node] if f not in used]
+        with self._lock:
+            free = [f for f in HOT[h.node] if f not in used and f not in self._kept_off]
         if added and (rng.random() < 0.5 or not free):
             self.call(h, "detach", vm, f"{rng.choice(added):#x}", "--live")
         elif free:
@@ -595,14 +613,20 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
         if live_devices(h, vm) is not None:
             work.call(h, "vm", "destroy", vm)
         deadline = time.monotonic() + WAIT
-        while True:
-            # The prepare freezes once it holds the first device: start when that one is free.
-            while not _free(c, VMS[node][vm][0]):
-                assert time.monotonic() < deadline, f"{VMS[node][vm][0]:#x} never came free"
-                time.sleep(0.05)
-            if (frozen := _start_frozen(h, vm, work)) is not None:
-                break
-            assert time.monotonic() < deadline, f"the hook of {node}/{vm} never froze"
+        first = VMS[node][vm][0]
+        # The prepare freezes once it holds the first device: no other VM is given it until
+        # then, and the start waits until whoever holds it now lets go.
+        with work.keep_off(first):
+            while True:
+                while not _free(c, first):
+                    assert time.monotonic() < deadline, f"{first:#x} never came free"
+                    time.sleep(0.05)
+                if (frozen := _start_frozen(h, vm, work)) is not None:
+                    break
+                last = work.calls[-1] if work.calls else None
+                assert time.monotonic() < deadline, (
+                    f"the hook of {node}/{vm} never froze; last start: {last}"
+                )
         proc, hook, wall, t0 = frozen
         say(f"SIGSTOP the hook of {node}/{vm} mid-prepare (pid {hook}) for {PAST_TTL:g} s")
         restart = None
