@@ -120,13 +120,22 @@ def _stop(proc: subprocess.Popen, notify: NotifySocket, log: Path) -> None:
 
 def test_on_sqlite_the_agent_is_ready_once_the_hook_is_served(cluster, tmp_path):
     root = tmp_path / "root"
-    env = {**os.environ, "VMLEND_ROOT": str(root), "VMLEND_STATE": str(cluster.state_path)}
+    journal = NotifySocket(tmp_path / "journal")  # a datagram socket as journald's
+    env = {
+        **os.environ,
+        "VMLEND_ROOT": str(root),
+        "VMLEND_STATE": str(cluster.state_path),
+        "VMLEND_LOG_SOCKET": str(journal.path),
+    }
     proc, notify, log = _run_unit(cluster, tmp_path, env)
     try:
         ready = notify.wait_for("READY", proc, log)
         assert ready["READY"] == "1" and ready["MAINPID"] == str(proc.pid)
         assert _serves(root / "run" / "vmlend" / "hook.sock")
         assert notify.wait_for("WATCHDOG", proc, log)["WATCHDOG"] == "1"
+        # its log lines reach the system log too, as journald entries of vmlend-agent
+        entry = journal.wait_for("MESSAGE", proc, log)
+        assert entry["SYSLOG_IDENTIFIER"] == "vmlend-agent" and "SQLite" in entry["MESSAGE"]
     finally:
         _stop(proc, notify, log)
 

@@ -46,7 +46,7 @@ class RemoteVmGuard:
                     self._hv.suspend(info.name)
                     paused.append(info.name)
             except VmlendError as e:
-                log.error("could not pause %s: %s", info.name, e)
+                log.error("could not pause %s: %s", info.name, e, extra={"vm": info.name})
         if paused:
             log.warning("lease in doubt: paused %s (they use remote devices)", ", ".join(paused))
         return paused
@@ -59,7 +59,7 @@ class RemoteVmGuard:
                 self._hv.suspend(name)
                 paused.append(name)
             except VmlendError as e:
-                log.error("could not pause %s: %s", name, e)
+                log.error("could not pause %s: %s", name, e, extra={"vm": name})
         if paused:
             log.warning("paused %s (their holds are gone)", ", ".join(paused))
         return paused
@@ -69,6 +69,6 @@ class RemoteVmGuard:
             try:
                 self._hv.resume(name)
             except VmlendError as e:
-                log.error("could not resume %s: %s", name, e)
+                log.error("could not resume %s: %s", name, e, extra={"vm": name})
         if names:
             log.warning("lease renewed: resumed %s", ", ".join(names))

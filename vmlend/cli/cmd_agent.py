@@ -63,6 +63,7 @@ def agent_cmd(
     an SQLite registry the agent only serves the hook: no lease, no fencing scan. Runs in the
     foreground until SIGTERM or SIGINT."""
     _timestamped()
+    _to_system_log(obj.root)
     on_etcd = obj.registry is not None and obj.registry.startswith(("etcd://", "etcds://"))
     host = HostEnv.from_env(obj.root)
     node = obj.node or host.configured_node()
@@ -135,6 +136,32 @@ def _hook_env(obj: CliContext, node: str | None) -> dict[str, str]:
 
 
 COMMANDS = [agent_cmd]
+
+
+def _to_system_log(root: Path | None) -> None:
+    """Also log to journald (or syslog) with the VM and device as fields, where the host has
+    one. Under systemd, stderr already goes to the journal (``JOURNAL_STREAM`` names it): the
+    stderr lines stop then, or every line would be there twice."""
+    from vmlend.journal import SystemLogHandler, open_system_log
+
+    sink = open_system_log(HostEnv.from_env(root).root, "vmlend-agent")
+    if sink is None:
+        return
+    top = logging.getLogger()
+    top.addHandler(SystemLogHandler(sink))
+    if _stderr_is_the_journal():
+        for handler in list(top.handlers):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+                top.removeHandler(handler)
+
+
+def _stderr_is_the_journal() -> bool:
+    device, _, inode = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return f"{st.st_dev}:{st.st_ino}" == f"{device}:{inode}"
 
 
 def _timestamped() -> None:

@@ -129,11 +129,14 @@ def _run_for_vmlend(
     open_fabric: FabricFactory,
 ) -> int:
     from vmlend.hook.actionlog import ActionLog, log_path_for_state
+    from vmlend.hostenv import HostEnv
+    from vmlend.journal import open_system_log
     from vmlend.settings import registry_from_env, state_path_from_env
 
     state_path = state_path_from_env(env)  # its directory keeps the host's action log
     registry = registry_from_env(env)
-    actions = ActionLog(log_path_for_state(state_path))
+    system = open_system_log(HostEnv.from_env(environ=env).root, "vmlend-hook", env)
+    actions = ActionLog(log_path_for_state(state_path), system=system)
     handler, root_level = _log_to(actions, call.domain)
     try:
         return _run_logged(call, xml, stdout, stderr, env, open_fabric, registry, actions)

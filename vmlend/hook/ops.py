@@ -11,10 +11,12 @@ import logging
 from collections.abc import Callable
 
 from vmlend.domain.info import DomainXMLInfo
+from vmlend.domain.metadata import VmlendDevice
 from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
+from vmlend.journal import log_fields
 from vmlend.lending.devices import (
     UndoJournal,
     acquire_device,
@@ -53,36 +55,50 @@ class HookOps:
         journal = UndoJournal()
         for dev in dom.devices:
             fd = format_fdid(dev.fdid)
-            try:
-                if dev.share is not None:  # a queue-level share of an NVMe drive
-                    acquire_share(
-                        self.fabric,
-                        holder,
-                        dev.fdid,
-                        dev.mdev,
-                        dev.share,
-                        journal,
-                        record,
-                        guest_ram=dom.guest_ram,
-                    )
-                    continue
-                acquire_device(
+            with log_fields(fdid=fd):
+                self._prepare_device(dom, dev, holder, journal, record)
+            fault_point("prepare:after-device")
+        self._confirm_held(dom, holder, journal, record)
+        record(f"{plural(len(dom.devices), 'device')} ready")
+
+    def _prepare_device(
+        self,
+        dom: DomainXMLInfo,
+        dev: VmlendDevice,
+        holder: Holder,
+        journal: UndoJournal,
+        record: Callable[[str], None],
+    ) -> None:
+        """Reserve one device (or claim one share) and create its mdev, or roll the whole
+        prepare back and fail it."""
+        fd = format_fdid(dev.fdid)
+        try:
+            if dev.share is not None:  # a queue-level share of an NVMe drive
+                acquire_share(
                     self.fabric,
                     holder,
                     dev.fdid,
                     dev.mdev,
+                    dev.share,
                     journal,
+                    record,
                     guest_ram=dom.guest_ram,
-                    interrupts=dom.interrupts_of(dev),
-                    record=record,
                 )
-            except VmlendError as e:
-                record(f"device {fd}: FAILED: {e}")
-                journal.rollback(record)
-                raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
-            fault_point("prepare:after-device")
-        self._confirm_held(dom, holder, journal, record)
-        record(f"{plural(len(dom.devices), 'device')} ready")
+                return
+            acquire_device(
+                self.fabric,
+                holder,
+                dev.fdid,
+                dev.mdev,
+                journal,
+                guest_ram=dom.guest_ram,
+                interrupts=dom.interrupts_of(dev),
+                record=record,
+            )
+        except VmlendError as e:
+            record(f"device {fd}: FAILED: {e}")
+            journal.rollback(record)
+            raise HookError(f"cannot start VM {dom.name!r}: device {fd}: {e}") from e
 
     def _confirm_held(
         self,

@@ -279,6 +279,7 @@ class Ledger(ShareOps):
                 "took back %#x from %s (its lease ended): mappings removed, device reset",
                 fence.fdid,
                 fence.holder,
+                extra={"fdid": f"{fence.fdid:#x}", "vm": fence.holder.vm},
             )
         return cleared
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import logging
+import socket
 import threading
 import time
 import uuid
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.hook.actionlog import ActionLog
 from vmlend.hook.loghandler import ActionLogHandler
 from vmlend.hook.main import run
 from vmlend.topology.model import MiB
@@ -98,3 +100,51 @@ def test_a_newline_in_a_domain_name_cannot_forge_a_log_line(state_path):
     assert len(lines) > 2 and all(line.startswith("20") for line in lines)
     assert all(" vm=vm1\\n2026-01-01T00:00:00Z pid=1 vm=vm2 " in line for line in lines)
     assert not any(line.startswith("2026-01-01T00:00:00Z") for line in lines)
+
+
+def _entries(sock: socket.socket) -> list[dict[str, str]]:
+    out = []
+    while True:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            return out
+        out.append(dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line))
+
+
+def test_each_action_also_reaches_the_system_log_with_its_vm_and_device(state_path, tmp_path):
+    make_fabric(state_path).close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(tmp_path / "journal"))
+        sock.settimeout(0.5)
+        code = run(
+            ["vm1", "prepare", "begin", "-"],
+            stdin=io.BytesIO(vm_xml()),
+            stdout=io.BytesIO(),
+            stderr=io.StringIO(),
+            environ={
+                "VMLEND_STATE": str(state_path),
+                "VMLEND_NODE": "gamma",
+                "VMLEND_LOG_SOCKET": str(tmp_path / "journal"),
+            },
+        )
+        assert code == 0
+        entries = _entries(sock)
+    assert entries and {e["SYSLOG_IDENTIFIER"] for e in entries} == {"vmlend-hook"}
+    assert {e["VMLEND_VM"] for e in entries} == {"vm1"}
+    by_device = {e.get("VMLEND_FDID") for e in entries if "prepare: reserve" in e["MESSAGE"]}
+    assert by_device == {"0x10", "0x12", "0x21", "0x22"}
+    assert any(e["MESSAGE"] == "vm1 prepare: 4 devices ready" for e in entries)
+
+
+def test_the_action_log_rotates_at_its_cap_and_reads_across(tmp_path):
+    log = ActionLog(tmp_path / "hook.log", max_bytes=400)
+    for i in range(30):
+        log.record("vm1", "prepare", f"line {i}")
+    assert (tmp_path / "hook.log.1").exists()
+    assert (tmp_path / "hook.log").stat().st_size <= 400 + 200  # one line past the cap at most
+    assert not (tmp_path / "hook.log.2").exists()  # one old file kept
+    tail = log.tail(5)
+    assert [t.rsplit(" ", 1)[1] for t in tail] == ["25", "26", "27", "28", "29"]
+    total = sum(1 for p in tmp_path.glob("hook.log*") for _ in p.open())
+    assert len(log.tail(1000)) == total < 30  # the oldest went with the rotation
