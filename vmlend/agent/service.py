@@ -21,6 +21,7 @@ import msgspec
 
 from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
+from vmlend.agent.metrics import AgentMetrics
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
@@ -57,6 +58,8 @@ class AgentConfig(msgspec.Struct):
     reconciler: Reconciler = reconcile_host
     #: Serves the libvirt hook (``vmlend.hook.server``) while the host's lease is held.
     hook_server: HookServer | None = None
+    #: What the agent counts; scraped when ``vmlend agent --metrics`` serves it.
+    metrics: AgentMetrics = msgspec.field(default_factory=AgentMetrics)
 
 
 class Agent:
@@ -111,6 +114,12 @@ class Agent:
             tick=min(cfg.interval, lease.ttl / 10),
         )
         watch.start()
+        cfg.metrics.follow(
+            lease=watch,
+            ttl=lease.ttl,
+            registry=registry,
+            open_fabric=lambda: open_fabric(cfg.location, cfg.node),
+        )
         if hv is not None:
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             # A VM won back resumes only while the lease is not in doubt (the watch's rule).
@@ -175,6 +184,7 @@ class Agent:
                         self._renew(lease)
                     except StateError as e:
                         log.warning("cannot renew lease %x: %s", lease.id, e)
+                        cfg.metrics.renew_failed()
                         if self._clock() - renewed > lease.ttl:
                             raise LeaseLost(
                                 f"lease {lease.id:x} not renewed for {lease.ttl} s"
@@ -188,6 +198,7 @@ class Agent:
                             guard.resume(resume)
                         self._land_releases(journal, fabric)
                 except LeaseLost as e:
+                    cfg.metrics.lease_lost()
                     paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
