@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from vmlend.errors import ConfigError, VmlendError
@@ -51,6 +51,13 @@ class LeaseSource(Protocol):
     def age(self) -> float: ...
 
     def paused_count(self) -> int: ...
+
+
+class Outcome(Protocol):
+    """What became of one VM a lost-lease recovery handled (``recover.VmRecovery``)."""
+
+    @property
+    def outcome(self) -> str: ...
 
 
 class Retries(Protocol):
@@ -148,6 +155,7 @@ class AgentMetrics:
         self._cache_seconds = cache_seconds
         self.renew_failures = 0
         self.leases_lost = 0
+        self.recoveries: dict[str, int] = {}  # by outcome: resumed, unplugged, paused
         self.hook_calls: dict[str, _Histogram] = {}
         self._hook_retries = 0
         self._lease: LeaseSource | None = None
@@ -184,6 +192,12 @@ class AgentMetrics:
     def lease_lost(self) -> None:
         with self._lock:
             self.leases_lost += 1
+
+    def recovered(self, results: Iterable[Outcome]) -> None:
+        """The VMs a recovery after a lost lease (or at start-up) handled."""
+        with self._lock:
+            for r in results:
+                self.recoveries[r.outcome] = self.recoveries.get(r.outcome, 0) + 1
 
     def observe_hook(self, op: str, seconds: float, retries: int = 0) -> None:
         """One hook call the agent ran: its operation, how long it took, and how often its
@@ -227,6 +241,7 @@ class AgentMetrics:
         with self._lock:
             lease, ttl = self._lease, self._ttl
             renew_failures, leases_lost = self.renew_failures, self.leases_lost
+            recoveries = sorted(self.recoveries.items())
             calls = {
                 op: (list(h.counts), h.total, h.count) for op, h in sorted(self.hook_calls.items())
             }
@@ -269,6 +284,14 @@ class AgentMetrics:
                 "Leases this agent lost and replaced (its holds were gone).",
             )
             out.append(f"{PREFIX}leases_lost_total {leases_lost}")
+            _family(
+                out,
+                "vm_recoveries_total",
+                "counter",
+                "VMs recovered after a lost lease, by outcome (paused: left paused).",
+            )
+            for outcome, n in recoveries:
+                out.append(f"{PREFIX}vm_recoveries_total{{outcome={_label(outcome)}}} {n}")
         _family(
             out, "hook_calls_total", "counter", "libvirt hook calls the agent ran, by operation."
         )

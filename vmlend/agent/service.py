@@ -163,7 +163,7 @@ class Agent:
                     " ran); pausing them to re-reserve their devices",
                     ", ".join(lost),
                 )
-                recovery.recover(guard.pause_these(lost))
+                cfg.metrics.recovered(recovery.recover(guard.pause_these(lost)))
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
                 return self._stopped(registry, fabric, lease)
@@ -206,7 +206,7 @@ class Agent:
                     lease = new_lease
                     watch.renewed()  # a new lease: the clock starts again
                     if recovery is not None and guard is not None:
-                        recovery.recover(guard.paused_after_loss)
+                        cfg.metrics.recovered(recovery.recover(guard.paused_after_loss))
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.
                 next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)

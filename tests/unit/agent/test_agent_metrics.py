@@ -21,7 +21,7 @@ from vmlend.errors import ConfigError, StateError
 from vmlend.topology.model import Holder
 
 VMLEND = str(Path(sys.executable).parent / "vmlend")
-LABELS = {"adapter", "node", "op"}
+LABELS = {"adapter", "node", "op", "outcome"}
 
 
 class FakeLease:
@@ -74,6 +74,7 @@ def test_the_text_parses_and_every_name_follows_prometheus_conventions(fabric):
     m = full_metrics(fabric)
     m.observe_hook("prepare", 0.02)
     m.renew_failed()
+    m.recovered([])
     families = {f.name: f for f in text_string_to_metric_families(m.render())}
     kinds = {name: f.type for name, f in families.items()}
     assert all(name.startswith("vmlend_") for name in kinds)
@@ -87,6 +88,7 @@ def test_the_text_parses_and_every_name_follows_prometheus_conventions(fabric):
     assert {k for k, t in kinds.items() if t == "counter"} == {
         "vmlend_lease_renew_failures",
         "vmlend_leases_lost",
+        "vmlend_vm_recoveries",
         "vmlend_hook_calls",
         "vmlend_registry_txn_retries",
     }
@@ -125,6 +127,18 @@ def test_lease_gauges_and_counters_say_what_the_agent_told(fabric):
     assert value(text, "vmlend_paused_vms") == 2
     assert value(text, "vmlend_lease_renew_failures_total") == 2
     assert value(text, "vmlend_leases_lost_total") == 1
+
+
+def test_recoveries_count_by_outcome():
+    from vmlend.agent.recover import VmRecovery
+
+    m = AgentMetrics()
+    m.follow(lease=FakeLease(), ttl=10)
+    m.recovered([VmRecovery("web", outcome="resumed"), VmRecovery("app", why="unplug failed")])
+    m.recovered([VmRecovery("db", outcome="resumed")])
+    text = m.render()
+    assert value(text, "vmlend_vm_recoveries_total", outcome="resumed") == 2
+    assert value(text, "vmlend_vm_recoveries_total", outcome="paused") == 1
 
 
 def test_hook_calls_count_by_op_with_a_cumulative_latency_histogram():
