@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.cluster_hosts import GPU, TTL, WEB, Host, domain_xml
+from tests.support.cluster_hosts import GPU, TTL, VMLEND, WEB, Host, domain_xml
 from tests.support.etcd_daemon import free_port
 from tests.support.simfabric import make_fabric
 from vmlend.hook.forward import forward, socket_path
@@ -101,3 +103,85 @@ def test_a_port_in_use_stops_the_agent_before_it_takes_a_lease(gamma):
     [line] = run.stderr.strip().splitlines()
     assert f"127.0.0.1:{port}" in line and "cannot listen" in line
     assert not gamma.lease_file.exists()
+
+
+def scrape_until(port: int, what: str, check, host: Host):
+    """Scrape until ``check(samples)`` holds (bounded); the samples that satisfied it."""
+    deadline = time.monotonic() + WAIT
+    while not check(got := scrape(port)):
+        assert time.monotonic() < deadline, f"{what} never showed\n{host.log()}"
+        time.sleep(0.1)
+    return got
+
+
+@pytest.mark.slow
+def test_an_etcd_outage_shows_as_renew_failures_paused_vms_and_registry_down(
+    private_etcd, tmp_path, monkeypatch
+):
+    """What an operator alerts on when a host's lease flaps: etcd goes away, the agent fails
+    its renewals and pauses its VM with a remote device; etcd returns, the VM runs again and
+    the failures stay counted."""
+    from vmlend.hypervisor.base import DomainState
+    from vmlend.wiring.hypervisor import open_hypervisor
+
+    url = private_etcd.url("metrics")
+    make_fabric(url).close()
+    gamma = Host(url, "gamma", tmp_path / "gamma")
+    monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
+    port = free_port()
+    ttl = 6  # long enough to pause at TTL/2 and come back before the lease ends
+    gamma.agent = subprocess.Popen(
+        [
+            VMLEND,
+            "agent",
+            "--ttl",
+            str(ttl),
+            "--interval",
+            "0.2",
+            "--connect",
+            "sim:///gamma",
+            "--metrics",
+            f"127.0.0.1:{port}",
+        ],
+        env=gamma.env,
+        stdout=(log := (gamma.root / "agent.log").open("ab")),
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    try:
+        wait_for_socket(gamma)  # its start-up is done: it guards the VMs
+        hook = [sys.executable, "-m", "vmlend.hook", "--registry", url, "--node", "gamma"]
+        hv = open_hypervisor("sim:///gamma", state_dir=gamma.root, hook_command=hook)
+        hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+        hv.start("web")
+        before = scrape(port)
+        assert before[("vmlend_paused_vms", frozenset())] == 0
+        assert before[("vmlend_lease_renew_failures_total", frozenset())] == 0
+
+        private_etcd.stop()
+        away = scrape_until(
+            port,
+            "the paused VM",
+            lambda s: s[("vmlend_paused_vms", frozenset())] == 1,
+            gamma,
+        )
+        assert hv.lookup("web").state is DomainState.PAUSED
+        assert away[("vmlend_lease_renew_failures_total", frozenset())] >= 1
+        assert away[("vmlend_lease_age_seconds", frozenset())] > ttl / 2
+        assert away[("vmlend_registry_up", frozenset())] == 0
+        assert not any(name.startswith("vmlend_adapter_") for name, _ in away)
+
+        private_etcd.start()
+        back = scrape_until(
+            port,
+            "the resumed VM",
+            lambda s: s[("vmlend_paused_vms", frozenset())] == 0,
+            gamma,
+        )
+        assert hv.lookup("web").state is DomainState.RUNNING
+        assert back[("vmlend_lease_renew_failures_total", frozenset())] >= 1
+        assert back[("vmlend_leases_lost_total", frozenset())] == 0  # the lease lived
+        assert back[("vmlend_lease_age_seconds", frozenset())] < ttl / 2
+    finally:
+        assert gamma.stop_agent() == 0
