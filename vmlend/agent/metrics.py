@@ -404,16 +404,26 @@ class MetricsServer:
 
     def bind(self) -> None:
         import socket
+        import socketserver
         from http.server import HTTPServer
 
         handler = _handler(self.metrics)
         host, port = self.address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
         # One thread serves every scrape, in turn: the ledger's fabric stays on the thread that
         # opened it, and a scrape storm queues instead of multiplying the reads.
-        server_class = type("_Server", (HTTPServer,), {"address_family": family})
+        class Server(HTTPServer):
+            address_family = family
+
+            def server_bind(self) -> None:
+                # HTTPServer's own asks the resolver for the host's FQDN (a reverse lookup
+                # that may hang on a host without DNS); nothing here needs that name.
+                socketserver.TCPServer.server_bind(self)
+                self.server_name, self.server_port = str(host), int(self.server_address[1])
+
         try:
-            self._httpd = server_class((host, port), handler)
+            self._httpd = Server((host, port), handler)
         except OSError as e:  # in use, not ours, or no such name
             where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
             raise ConfigError(f"--metrics {where}: cannot listen: {e.strerror or e}") from None
