@@ -21,6 +21,7 @@ import msgspec
 
 from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
+from vmlend.agent.metrics import AgentMetrics
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
@@ -60,6 +61,8 @@ class AgentConfig(msgspec.Struct):
     hook_server: HookServer | None = None
     #: Tells systemd when the agent serves, how it is, and that it still runs (sd_notify).
     notifier: Notifier = msgspec.field(default_factory=Notifier)
+    #: What the agent counts; scraped when ``vmlend agent --metrics`` serves it.
+    metrics: AgentMetrics = msgspec.field(default_factory=AgentMetrics)
 
 
 class Agent:
@@ -114,6 +117,12 @@ class Agent:
             tick=min(cfg.interval, lease.ttl / 10),
         )
         watch.start()
+        cfg.metrics.follow(
+            lease=watch,
+            ttl=lease.ttl,
+            registry=registry,
+            open_fabric=lambda: open_fabric(cfg.location, cfg.node),
+        )
         if hv is not None:
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
             # A VM won back resumes only while the lease is not in doubt (the watch's rule).
@@ -157,7 +166,7 @@ class Agent:
                     " ran); pausing them to re-reserve their devices",
                     ", ".join(lost),
                 )
-                recovery.recover(guard.pause_these(lost))
+                cfg.metrics.recovered(recovery.recover(guard.pause_these(lost)))
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
                 return self._stopped(registry, fabric, lease)
@@ -181,6 +190,7 @@ class Agent:
                         self._renew(lease)
                     except StateError as e:
                         log.warning("cannot renew lease %x: %s", lease.id, e)
+                        cfg.metrics.renew_failed()
                         if self._clock() - renewed > lease.ttl:
                             raise LeaseLost(
                                 f"lease {lease.id:x} not renewed for {lease.ttl} s"
@@ -195,6 +205,7 @@ class Agent:
                         self._land_releases(journal, fabric)
                 except LeaseLost as e:
                     cfg.notifier.status(f"lease {lease.id:x} lost: pausing and recovering")
+                    cfg.metrics.lease_lost()
                     paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
@@ -202,7 +213,7 @@ class Agent:
                     lease = new_lease
                     watch.renewed()  # a new lease: the clock starts again
                     if recovery is not None and guard is not None:
-                        recovery.recover(guard.paused_after_loss)
+                        cfg.metrics.recovered(recovery.recover(guard.paused_after_loss))
                     cfg.notifier.status(f"serving node {cfg.node}: lease {lease.id:x} held")
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.

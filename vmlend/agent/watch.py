@@ -53,6 +53,16 @@ class LeaseWatch:
             self.in_doubt = False
         return names
 
+    def age(self) -> float:
+        """Seconds since the last successful renewal (or since the watch began)."""
+        with self._lock:
+            return self._clock() - self._last_ok
+
+    def paused_count(self) -> int:
+        """How many VMs the watch paused and no renewal has resumed yet."""
+        with self._lock:
+            return len(self._paused)
+
     def check(self) -> bool:
         """One look: pause when in doubt for the first time. Whether it paused now.
 

@@ -14,6 +14,7 @@ from types import FrameType
 
 import click
 
+from vmlend.agent.metrics import AgentMetrics, MetricsServer, parse_address
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
 from vmlend.cli.common import Seconds, hook_socket_option
 from vmlend.cli.connect import open_hv
@@ -52,9 +53,21 @@ log = logging.getLogger(__name__)
     " are paused while the lease is in doubt [default: none guarded].",
 )
 @hook_socket_option("Serve the hook on this socket (give 'vmlend hook install' the same one)")
+@click.option(
+    "--metrics",
+    "metrics_at",
+    metavar="HOST:PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (LUT and window use, holds,"
+    " fences, lease age, hook calls) [default: not served].",
+)
 @click.pass_obj
 def agent_cmd(
-    obj: CliContext, ttl: int, interval: float, uri: str | None, hook_socket: Path | None
+    obj: CliContext,
+    ttl: int,
+    interval: float,
+    uri: str | None,
+    hook_socket: Path | None,
+    metrics_at: str | None,
 ) -> None:
     """Serve the libvirt hook and, on a cluster registry, hold this host's lease and take back
     devices whose borrower's lease ended.
@@ -75,12 +88,38 @@ def agent_cmd(
         # The hook calls this agent runs find the host root where a hook process does.
         os.environ[ROOT_ENV] = str(obj.root)
     socket_path = hook_socket or hostlease.hook_socket_path(host)
+    metrics = AgentMetrics()
     server = HookServer(
         socket_path,
         identity_of(_hook_env(obj, node)),
         read_timeout=read_timeout_from_env(os.environ),
+        observe=metrics.observe_hook,
     )
+    # Bound before the lease: a bad address or a port in use changes nothing.
+    scrape = MetricsServer(metrics, parse_address(metrics_at)) if metrics_at else None
+    if scrape is not None:
+        scrape.bind()
     server.check_free()  # before the lease: a second agent on this host changes nothing
+    if scrape is not None:
+        scrape.start()
+    try:
+        _serve(obj, node, on_etcd, uri, ttl, interval, host, server, metrics)
+    finally:
+        if scrape is not None:
+            scrape.stop()
+
+
+def _serve(
+    obj: CliContext,
+    node: str | None,
+    on_etcd: bool,
+    uri: str | None,
+    ttl: int,
+    interval: float,
+    host: HostEnv,
+    server: HookServer,
+    metrics: AgentMetrics,
+) -> None:
     stop_event = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -116,6 +155,7 @@ def agent_cmd(
             interval,
             hypervisor=hv,
             hook_server=server,
+            metrics=metrics,
         )
     )
     agent.stop_event = stop_event

@@ -31,7 +31,8 @@ import queue
 import socket
 import struct
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -116,6 +117,11 @@ def read_timeout_from_env(environ: Mapping[str, str]) -> float:
     return value if 0 < value < float("inf") else READ_TIMEOUT  # no inf, and nan fails both
 
 
+#: Told of each call run: its operation (an ``Action`` value, "invalid" for a bad argv), its
+#: seconds, and how often its registry transactions re-ran (``vmlend.agent.metrics``).
+Observer = Callable[[str, float, int], None]
+
+
 class _Call(NamedTuple):
     conn: socket.socket
     argv: list[str]
@@ -133,6 +139,7 @@ class HookServer:
         allowed_uids: frozenset[int] | None = None,
         read_timeout: float = READ_TIMEOUT,
         queue_limit: int = QUEUE_LIMIT,
+        observe: Observer | None = None,
     ) -> None:
         self.path = path
         self.identity = identity
@@ -145,6 +152,7 @@ class HookServer:
         self._place = SocketPlace(path)
         self._threads: list[threading.Thread] = []
         self.served = 0  # calls run (for logs and tests)
+        self.observe = observe
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -286,6 +294,7 @@ class HookServer:
         )
 
     def _execute(self, call: _Call) -> tuple[int, bytes, str]:
+        started = time.monotonic()
         opened: list[Fabric] = []
 
         def open_for_call(location: Path | str, node: str | None) -> Fabric:
@@ -318,6 +327,8 @@ class HookServer:
                         close()
                 except Exception as e:
                     log.warning("closing the fabric of a hook call: %s", e)
+            if self.observe is not None:
+                self.observe(_op(call.argv), time.monotonic() - started, _reruns(opened))
         return code, stdout.getvalue(), stderr.getvalue()
 
 
@@ -326,6 +337,19 @@ def _harmful_alone(argv: list[str]) -> bool:
         return parse_argv(argv).action in _NOT_ALONE
     except VmlendError:
         return False  # run() reports a bad argv
+
+
+def _op(argv: list[str]) -> str:
+    try:
+        return parse_argv(argv).action.value
+    except VmlendError:
+        return "invalid"
+
+
+def _reruns(fabrics: list[Fabric]) -> int:
+    """How often the registry transactions of ``fabrics`` re-ran (``EtcdRegistry.conflicts``;
+    0 on a registry that does not count them)."""
+    return sum(int(getattr(getattr(f, "registry", None), "conflicts", 0)) for f in fabrics)
 
 
 def _hook_gone(conn: socket.socket) -> bool:
