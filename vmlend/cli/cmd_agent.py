@@ -135,7 +135,7 @@ def _serve(
         )
         server.start()
         notifier = Notifier()
-        notifier.ready(f"serving the hook on {socket_path} (SQLite: no lease)")
+        notifier.ready(f"serving the hook on {server.path} (SQLite: no lease)")
         tick = notifier.watchdog_seconds / 4 if notifier.watchdog_seconds else 3600
         try:
             while not stop_event.wait(tick):
