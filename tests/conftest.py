@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _private_config(tmp_path, monkeypatch):
+    """Every test's configuration file is its own (absent until a test writes it): nothing
+    reads or writes the machine's /etc/vmlend/vmlend.toml. Tests of the file under --root
+    unset VMLEND_CONFIG."""
+    monkeypatch.setenv("VMLEND_CONFIG", str(tmp_path / "vmlend.toml"))
+
+
 @pytest.fixture
 def state_path(tmp_path, monkeypatch):
     """A private state database path; also exported as VMLEND_STATE for the CLI."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from vmlend.errors import HostError, MdevError
+from vmlend.errors import HostError, MdevError, VmlendError
 from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.driver import MODULE as SMARTIO_MODULE
@@ -215,9 +215,15 @@ def check_hook_trust(env: HostEnv) -> Finding | None:
         text = ours[0].read_text(errors="replace")
     except OSError as e:
         return Finding("hook ownership", Status.WARN, f"cannot read {ours[0]}: {e.strerror}")
-    pins = read_pins(text)
+    try:
+        pins = read_pins(text)
+    except VmlendError as e:
+        return Finding("hook ownership", Status.FAIL, str(e))
     state = Path(pins["state"]) if pins.get("state") else ours[0].parent / "(no state pinned)"
-    problems = trust.hook_problems(ours[0], pins.get("interpreter", ""), read_roots(text), state)
+    config = Path(pins["config"]) if pins.get("config") else None
+    problems = trust.hook_problems(
+        ours[0], pins.get("interpreter", ""), read_roots(text), state, config
+    )
     if problems:
         return Finding(
             "hook ownership",
@@ -270,7 +276,7 @@ def check_hook_served(env: HostEnv) -> Finding | None:
     ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
     try:
         pinned = read_pins(ours[0].read_text(errors="replace")) if ours else None
-    except OSError:
+    except (OSError, VmlendError):
         pinned = None
     if pinned is None:
         return None
@@ -282,8 +288,9 @@ def check_hook_served(env: HostEnv) -> Finding | None:
     # What the hook process would send: its pins (and this root, as a hook run here would).
     hook_env = {PINNED_ENV[k]: v for k, v in pinned.items() if k in PINNED_ENV}
     hook_env.pop(PINNED_ENV["hook socket"], None)
-    if env.root != Path("/"):
-        hook_env["VMLEND_ROOT"] = str(env.root)
+    root = pinned.get("root") or str(env.root)
+    if Path(root) != Path("/"):
+        hook_env["VMLEND_ROOT"] = root
     answer = probe_agent(sock, hook_env)
     if answer == "served":
         return Finding("hook served", Status.OK, f"by the vmlend agent on {sock}")
@@ -319,6 +326,8 @@ def check_hook_pins(env: HostEnv, cli: dict[str, str]) -> Finding | None:
         pinned = read_pins(ours[0].read_text(errors="replace"))
     except OSError as e:
         return Finding("hook pins", Status.WARN, f"cannot read {ours[0]}: {e.strerror}")
+    except VmlendError as e:
+        return Finding("hook pins", Status.FAIL, str(e))
     return compare_pins(ours[0], pinned, cli)
 
 

@@ -41,7 +41,7 @@ def _require_fabric_node(obj: CliContext, node: str) -> None:
     cannot be read now (no state yet, the registry unreachable) the commands that need it say
     so themselves; one that does not (a VM stopped while etcd is away) goes on."""
     try:
-        open_fabric(obj.location, node, root=obj.root).close()
+        open_fabric(obj.location, node, backend=obj.backend, root=obj.root).close()
     except UnknownNodeError:
         raise
     except VmlendError as e:
@@ -63,4 +63,4 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
 
 def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
     """The fabric seen from the node ``hv`` runs on."""
-    return open_fabric(obj.location, hv.node or obj.node, root=obj.root)
+    return open_fabric(obj.location, hv.node or obj.node, backend=obj.backend, root=obj.root)

@@ -624,7 +624,9 @@ def test_doctor_says_whether_an_agent_serves_the_installed_hook(hosts):
     served = hosts["served"]
     host = HostEnv(served.root)
     host.libvirt_config.mkdir(parents=True)
-    install_hook(host.libvirt_config, served.state, "gamma", hook_socket=served.socket)
+    install_hook(
+        host.libvirt_config, served.state, "gamma", hook_socket=served.socket, root=served.root
+    )
     finding = check_hook_served(host)
     assert finding is not None and finding.status is Status.WARN
     assert "no vmlend agent serves the hook" in finding.detail and "no socket" in finding.detail
