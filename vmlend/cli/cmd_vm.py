@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from vmlend.cli.common import Seconds, emit_json, emit_table, json_option, read_input
-from vmlend.cli.connect import connect_option, open_hv
+from vmlend.cli.connect import connect_option, open_hv, refuse_simulated_devices
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
 from vmlend.domain import DomainDocument
@@ -91,6 +91,7 @@ def vm_undefine(obj: CliContext, uri: str | None, name: str) -> None:
 def vm_start(obj: CliContext, uri: str | None, name: str) -> None:
     """Start a defined VM (the vmlend hook prepares its remote devices)."""
     with _Session(obj, uri) as hv:
+        refuse_simulated_devices(obj, hv, "start", name)
         hv.start(name)
     click.echo(f"Domain '{name}' started")
 

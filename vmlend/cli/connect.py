@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from vmlend.cli.context import CliContext
-from vmlend.errors import UnknownNodeError, VmlendError
+from vmlend.errors import SimulatedDevicesError, UnknownNodeError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
 from vmlend.wiring.fabric import open_fabric
@@ -64,3 +64,19 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
 def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
     """The fabric seen from the node ``hv`` runs on."""
     return open_fabric(obj.location, hv.node or obj.node, backend=obj.backend, root=obj.root)
+
+
+def refuse_simulated_devices(
+    obj: CliContext, hv: Hypervisor, op: str, domain: str, adding: bool = False
+) -> None:
+    """Refuse to start (or hot-add to) ``domain`` on a real libvirt hypervisor when the fabric
+    is simulated only by default (no SmartIO driver here, no --backend chosen): libvirt would
+    fail later with "Mediated host device assignment requires VFIO support" and no hint. A
+    domain without vmlend metadata (unless ``adding`` a remote device), a ``sim:///`` node
+    and an explicit --backend pass."""
+    if obj.backend is not None or sim_node(hv.uri) or obj.host_backend() != "sim":
+        return
+    from vmlend.hook.prefilter import mentions_vmlend
+
+    if adding or mentions_vmlend(hv.xml(domain, inactive=True)) or mentions_vmlend(hv.xml(domain)):
+        raise SimulatedDevicesError(op, domain, hv.uri)
