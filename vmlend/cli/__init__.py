@@ -40,7 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cmd_devices",
         "List the devices of the fabric: lender, PCI address, BARs, state and holder.",
     ),
-    "doctor": ("cmd_doctor", "Check this host: IOMMU, vfio/mdev, SmartIO, libvirt and the hook."),
+    "doctor": (
+        "cmd_doctor",
+        "Check this host: the backend, KVM, IOMMU, vfio/mdev, SmartIO, libvirt and the hook.",
+    ),
     "fabric": (
         "cmd_fabric",
         "The fabric: its nodes, NTB adapters and links, kept in the shared state.",

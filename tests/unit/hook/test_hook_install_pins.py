@@ -136,7 +136,7 @@ def test_compare_pins(tmp_path):
     assert other.status is Status.FAIL
     assert other.detail == (
         f"{hook} pins registry /b.db vs /a.db; node alpha vs (unset) (hook vs this CLI):"
-        " re-run 'vmlend hook install' with this CLI's --state/--registry/--node"
+        " re-run 'vmlend hook install' with this CLI's --config/--state/--registry/--node"
     )
     venv = compare_pins(hook, {"interpreter": "/old/py", "state": "/a.db"}, cli)
     assert venv.status is Status.WARN
