@@ -61,9 +61,12 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
 
 
-def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
-    """The fabric seen from the node ``hv`` runs on."""
-    return open_fabric(obj.location, hv.node or obj.node, backend=obj.backend, root=obj.root)
+def fabric_for(obj: CliContext, hv: Hypervisor, read_only: bool = False) -> Fabric:
+    """The fabric seen from the node ``hv`` runs on (``read_only``: on a cluster registry,
+    from no node when neither ``hv`` nor --node says which)."""
+    return open_fabric(
+        obj.location, hv.node or obj.node, backend=obj.backend, root=obj.root, observer=read_only
+    )
 
 
 def refuse_simulated_devices(

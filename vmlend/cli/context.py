@@ -64,11 +64,15 @@ class CliContext(msgspec.Struct):
         """Where the shared state is: the registry URL, else the SQLite state path."""
         return self.registry or self.state_path
 
-    def fabric(self) -> Fabric:
-        """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
+    def fabric(self, read_only: bool = False) -> Fabric:
+        """The fabric in the state, seen from ``--node`` (StateError when there is none).
+        ``read_only``: a command that only reads works on a cluster registry without knowing
+        which node this host is."""
         from vmlend.wiring.fabric import open_fabric  # commands that need no fabric skip it
 
-        return open_fabric(self.location, self.node, backend=self.backend, root=self.root)
+        return open_fabric(
+            self.location, self.node, backend=self.backend, root=self.root, observer=read_only
+        )
 
     def host_backend(self) -> str:
         """The backend this invocation uses: the chosen one, else the host's default."""
