@@ -104,4 +104,10 @@ class Hypervisor(Protocol):
         """Set the element of namespace ``uri`` (prefix ``key``); ``xml=None`` removes it."""
         ...
 
+    def host_uuid(self) -> str:
+        """The hypervisor host's UUID (libvirt: ``<host><uuid>`` of its capabilities, else its
+        sysinfo's system UUID; "" when it says neither, as libvirt's test driver): what tells
+        two hypervisors apart whatever URI reaches them."""
+        ...
+
     def close(self) -> None: ...

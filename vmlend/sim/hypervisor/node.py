@@ -17,6 +17,7 @@ A ``GuestDriver`` lets the demo play the guest (it sees starts, hot-plugs and st
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import uuid as uuidlib
 from collections.abc import Sequence
@@ -388,6 +389,12 @@ class SimHypervisor:
             for root in trees.values():
                 sim_xml.set_metadata(root, uri, key, xml, op)
             self._commit(name, trees)
+
+    def host_uuid(self) -> str:
+        """Stable per simulated node: derived from where its domains live (another state's
+        node of the same name is another host)."""
+        where = os.path.abspath(self.store.data_dir)
+        return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"vmlend-sim://{where}"))
 
     def close(self) -> None:
         """Nothing to release: every operation opens and closes its files."""
