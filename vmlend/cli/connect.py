@@ -56,7 +56,7 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     simulated = sim_node(uri) if uri else None
     if simulated:
         _require_fabric_node(obj, simulated)
-    hook = hook_command(obj.location, simulated) if simulated else None
+    hook = hook_command(obj.location, simulated, obj.backend) if simulated else None
     node = node or (None if simulated else obj.node)
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
 
