@@ -68,7 +68,11 @@ def test_installed_into_a_fresh_venv_it_runs(wheel, tmp_path):
     # the wheel; a .pth line adds the directory without running the editable install's hooks).
     (site / "zz-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     vmlend = env_dir / "bin" / "vmlend"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+    }
     where = _run([str(py), "-c", "import vmlend; print(vmlend.__file__)"], cwd=tmp_path, env=clean)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr
     version = _run([str(vmlend), "--version"], cwd=tmp_path, env=clean)

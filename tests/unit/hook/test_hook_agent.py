@@ -90,7 +90,11 @@ class Host:
 
     @property
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+        }
         env |= {"VMLEND_STATE": str(self.state), "VMLEND_NODE": self.node}
         env["VMLEND_ROOT"] = str(self.root)
         if self.registry:
@@ -946,7 +950,11 @@ def test_hook_install_warns_about_a_socket_directory_the_agent_would_refuse(tmp_
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o1777)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+    }
     base = [VMLEND, "--state", str(tmp_path / "state.db"), "hook", "install"]
     args = ["--libvirt-dir", str(libvirt), "--hook-socket"]
     out = subprocess.run(
@@ -1001,6 +1009,7 @@ def test_an_agent_that_may_not_probe_the_socket_leaves_it_alone():
         live.bind(str(sock))
         sock.chmod(0o600)
         live.listen(8)
+        # without the test's configuration file too: 65534 cannot enter the test's directory
         env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
         env["VMLEND_ROOT"] = str(base)
         argv = ["--state", str(run / "state.db"), "agent"]
