@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
+
+MACHINE_CONFIG = Path("/etc/vmlend/vmlend.toml")
+
+
+@pytest.fixture(autouse=True)
+def _private_config(tmp_path, monkeypatch):
+    """Every test's configuration file is its own (absent until a test writes it): nothing
+    reads or writes the machine's /etc/vmlend/vmlend.toml. Tests of the file under --root
+    unset VMLEND_CONFIG; a subprocess given a cleaned environment must keep it. A test that
+    wrote the machine's file anyway fails."""
+    monkeypatch.setenv("VMLEND_CONFIG", str(tmp_path / "vmlend.toml"))
+    existed = MACHINE_CONFIG.exists()
+    yield
+    if not existed and MACHINE_CONFIG.exists():
+        MACHINE_CONFIG.unlink()
+        with contextlib.suppress(OSError):
+            MACHINE_CONFIG.parent.rmdir()
+        pytest.fail(f"the test wrote the machine's {MACHINE_CONFIG} (removed again)")
 
 
 @pytest.fixture

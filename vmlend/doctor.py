@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
-from vmlend.errors import HostError, MdevError
+from vmlend.errors import HostError, MdevError, VmlendError
 from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.driver import MODULE as SMARTIO_MODULE
@@ -51,7 +52,73 @@ def _entries(path: Path) -> list[Path]:
     return sorted(path.iterdir()) if path.is_dir() else []
 
 
+# --- what the host is: its CPU vendor, whether its kernel loads modules ------------------------
+
+#: The kernel option that builds a module in, for a kernel without loadable modules.
+BUILT_IN = {
+    "vfio-pci": "CONFIG_VFIO_PCI",
+    "mdev": "CONFIG_VFIO_MDEV",
+    "kvm_intel": "CONFIG_KVM_INTEL",
+    "kvm_amd": "CONFIG_KVM_AMD",
+}
+
+
+def kernel_release(env: HostEnv) -> str:
+    """``uname -r`` of the host under the root (its ``proc/sys/kernel/osrelease``)."""
+    try:
+        return (env.proc / "sys" / "kernel" / "osrelease").read_text().strip()
+    except OSError:
+        return os.uname().release
+
+
+def loads_modules(env: HostEnv) -> bool:
+    """Whether ``modprobe`` can help: the kernel supports modules (``/proc/modules``) and has
+    its module tree (``/lib/modules/$(uname -r)``)."""
+    modules_dir = env.root / "lib" / "modules" / kernel_release(env)
+    return (env.proc / "modules").exists() and modules_dir.is_dir()
+
+
+def _load_advice(env: HostEnv, module: str) -> str:
+    """How to get ``module``: ``modprobe`` where the kernel loads modules, else a kernel with
+    it built in."""
+    if loads_modules(env):
+        return f"'modprobe {module}'"
+    option = BUILT_IN.get(module)
+    built = f"{option}=y" if option else f"{module} built in"
+    return (
+        f"this kernel loads no modules (no /proc/modules or /lib/modules/"
+        f"{kernel_release(env)}): boot a kernel with {built}"
+    )
+
+
+def cpu_vendor(env: HostEnv) -> str:
+    """"intel", "amd" or "" (unknown), from ``proc/cpuinfo``."""
+    try:
+        text = (env.proc / "cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+    if "GenuineIntel" in text:
+        return "intel"
+    return "amd" if "AuthenticAMD" in text else ""
+
+
 # --- the checks ---------------------------------------------------------------------------------
+
+
+def check_kvm(env: HostEnv) -> Finding:
+    kvm = env.dev / "kvm"
+    if kvm.exists():
+        return Finding("kvm", Status.OK, f"{kvm} present")
+    vendor = cpu_vendor(env)
+    module = {"intel": "kvm_intel", "amd": "kvm_amd"}.get(vendor)
+    firmware = {"intel": "VT-x", "amd": "AMD-V"}.get(vendor, "VT-x/AMD-V")
+    load = _load_advice(env, module) if module else "load kvm_intel or kvm_amd"
+    return Finding(
+        "kvm",
+        Status.FAIL,
+        f"{kvm} missing: enable {firmware} in firmware (in a VM: nested virtualization), then"
+        f" {load}",
+    )
 
 
 def check_iommu(env: HostEnv) -> Finding:
@@ -59,19 +126,26 @@ def check_iommu(env: HostEnv) -> Finding:
     units = _entries(env.iommu_class)
     if groups:
         return Finding("iommu", Status.OK, f"{len(groups)} IOMMU groups, {len(units)} IOMMU units")
-    return Finding(
-        "iommu",
-        Status.FAIL,
-        "no IOMMU groups: enable VT-d/AMD-Vi in firmware and intel_iommu=on or amd_iommu=on"
-        " on the kernel command line",
-    )
+    vendor = cpu_vendor(env)
+    if vendor == "intel":
+        advice = "enable VT-d in firmware and add intel_iommu=on to the kernel command line"
+    elif vendor == "amd":
+        advice = "enable AMD-Vi (IOMMU) in firmware (on by default on AMD kernels, amd_iommu=on)"
+    else:
+        advice = (
+            "enable VT-d/AMD-Vi in firmware and intel_iommu=on or amd_iommu=on on the kernel"
+            " command line"
+        )
+    return Finding("iommu", Status.FAIL, f"no IOMMU groups: {advice}")
 
 
 def check_vfio_module(env: HostEnv) -> Finding:
     if env.module("vfio").is_dir():
         extra = " (vfio_pci loaded)" if env.module("vfio_pci").is_dir() else ""
         return Finding("vfio module", Status.OK, f"vfio loaded{extra}")
-    return Finding("vfio module", Status.FAIL, "vfio is not loaded: 'modprobe vfio-pci'")
+    return Finding(
+        "vfio module", Status.FAIL, f"vfio is not loaded: {_load_advice(env, 'vfio-pci')}"
+    )
 
 
 def check_mdev_module(env: HostEnv) -> Finding:
@@ -79,7 +153,7 @@ def check_mdev_module(env: HostEnv) -> Finding:
     for name in ("mdev", "vfio_mdev"):
         if env.module(name).is_dir():
             return Finding("mdev module", Status.OK, f"{name} loaded")
-    return Finding("mdev module", Status.FAIL, "mdev is not loaded: 'modprobe mdev'")
+    return Finding("mdev module", Status.FAIL, f"mdev is not loaded: {_load_advice(env, 'mdev')}")
 
 
 def check_vfio_device(env: HostEnv) -> Finding:
@@ -89,7 +163,7 @@ def check_vfio_device(env: HostEnv) -> Finding:
     return Finding(
         "vfio device",
         Status.FAIL,
-        f"{path} missing: load vfio ('modprobe vfio-pci'); QEMU needs it for mdevs",
+        f"{path} missing: load vfio ({_load_advice(env, 'vfio-pci')}); QEMU needs it for mdevs",
     )
 
 
@@ -99,7 +173,7 @@ def check_smartio(env: HostEnv, required: bool = False) -> Finding:
         return Finding(
             "smartio driver",
             Status.FAIL if required else Status.WARN,
-            f"not loaded ('modprobe {SMARTIO_MODULE}'); only the simulated fabric works",
+            f"not loaded ({_load_advice(env, SMARTIO_MODULE)}); only the simulated fabric works",
         )
     try:
         node = driver.node_id()
@@ -116,6 +190,34 @@ def check_smartio(env: HostEnv, required: bool = False) -> Finding:
         Status.OK,
         f"node {node}: {len(devices)} devices, {available} available, {parents} mdev parents here",
     )
+
+
+def check_backend(env: HostEnv, backend: str | None) -> Finding:
+    """The fabric backend this CLI uses (``backend``: the chosen one, None: the host's
+    default), and whether it fits the host: the simulated fabric on a host with real
+    virtualization (``/dev/kvm``) cannot give its VMs devices."""
+    loaded = SmartioDriver(env).loaded()
+    in_use = backend or ("smartio" if loaded else "sim")
+    why = "chosen" if backend else "the default: " + (
+        "the SmartIO driver is loaded" if loaded else "no SmartIO driver"
+    )
+    if in_use == "smartio" and not loaded:
+        return Finding(
+            "backend",
+            Status.FAIL,
+            f"smartio ({why}), but the SmartIO driver is not loaded: load it"
+            f" ({_load_advice(env, SMARTIO_MODULE)}) or choose --backend sim",
+        )
+    kvm = env.dev / "kvm"
+    if in_use == "sim" and kvm.exists():
+        return Finding(
+            "backend",
+            Status.WARN,
+            f"sim ({why}) on a host with real virtualization ({kvm}): VMs with remote devices"
+            " run only on simulated nodes (sim:///<node>), never on this host's libvirtd; load"
+            " the SmartIO driver to lend real devices (docs/real-hardware.md)",
+        )
+    return Finding("backend", Status.OK, f"{in_use} ({why})")
 
 
 def check_mdev_parents(env: HostEnv) -> Finding:
@@ -174,6 +276,39 @@ def check_libvirt(version: Callable[[], str]) -> Finding:
         return Finding("libvirt", Status.FAIL, f"libvirt library unusable: {e}")
 
 
+def check_hypervisor(uri: str) -> Finding:
+    """Whether the hypervisor at ``uri`` answers (a ``sim:///`` node is simulated: nothing to
+    connect to)."""
+    if uri.startswith("sim:///"):
+        return Finding("hypervisor", Status.OK, f"{uri} is a simulated node")
+    try:
+        import libvirt
+
+        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+        conn = libvirt.open(uri)
+    except ImportError:
+        return Finding("hypervisor", Status.FAIL, "libvirt-python is missing")
+    except Exception as e:  # libvirt.libvirtError: report, don't crash
+        from vmlend.messages import single_line
+
+        return Finding(
+            "hypervisor",
+            Status.FAIL,
+            f"cannot connect to {uri}: {single_line(str(e))}; is libvirtd running?",
+        )
+    try:
+        v = conn.getVersion()
+        return Finding(
+            "hypervisor",
+            Status.OK,
+            f"{uri}: {conn.getType()} {v // 1_000_000}.{v // 1000 % 1000}.{v % 1000}",
+        )
+    except Exception as e:
+        return Finding("hypervisor", Status.WARN, f"{uri} answers, but not its version: {e}")
+    finally:
+        conn.close()
+
+
 def hook_files(env: HostEnv) -> list[Path]:
     """Files libvirt runs for qemu events: ``hooks/qemu`` then ``hooks/qemu.d/*``."""
     hooks = env.libvirt_hooks
@@ -215,9 +350,15 @@ def check_hook_trust(env: HostEnv) -> Finding | None:
         text = ours[0].read_text(errors="replace")
     except OSError as e:
         return Finding("hook ownership", Status.WARN, f"cannot read {ours[0]}: {e.strerror}")
-    pins = read_pins(text)
+    try:
+        pins = read_pins(text)
+    except VmlendError as e:
+        return Finding("hook ownership", Status.FAIL, str(e))
     state = Path(pins["state"]) if pins.get("state") else ours[0].parent / "(no state pinned)"
-    problems = trust.hook_problems(ours[0], pins.get("interpreter", ""), read_roots(text), state)
+    config = Path(pins["config"]) if pins.get("config") else None
+    problems = trust.hook_problems(
+        ours[0], pins.get("interpreter", ""), read_roots(text), state, config
+    )
     if problems:
         return Finding(
             "hook ownership",
@@ -239,7 +380,13 @@ def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Fin
             f"{hook} pins no registry (libvirtd's environment decides): re-run"
             " 'vmlend hook install' to pin this CLI's",
         )
-    labels = {"state": "registry", "registry": "registry URL", "node": "node", "backend": "backend"}
+    labels = {
+        "config": "configuration file",
+        "state": "registry",
+        "registry": "registry URL",
+        "node": "node",
+        "backend": "backend",
+    }
     differ = [
         f"{label} {pinned.get(key) or '(unset)'} vs {cli.get(key) or '(unset)'}"
         for key, label in labels.items()
@@ -250,7 +397,7 @@ def compare_pins(hook: Path, pinned: dict[str, str], cli: dict[str, str]) -> Fin
             "hook pins",
             Status.FAIL,
             f"{hook} pins {'; '.join(differ)} (hook vs this CLI): re-run 'vmlend hook install'"
-            " with this CLI's --state/--registry/--node",
+            " with this CLI's --config/--state/--registry/--node",
         )
     if pinned.get("interpreter") != cli.get("interpreter"):
         return Finding(
@@ -270,7 +417,7 @@ def check_hook_served(env: HostEnv) -> Finding | None:
     ours = [p for p in hook_files(env) if _is_vmlend_hook(p)]
     try:
         pinned = read_pins(ours[0].read_text(errors="replace")) if ours else None
-    except OSError:
+    except (OSError, VmlendError):
         pinned = None
     if pinned is None:
         return None
@@ -282,8 +429,9 @@ def check_hook_served(env: HostEnv) -> Finding | None:
     # What the hook process would send: its pins (and this root, as a hook run here would).
     hook_env = {PINNED_ENV[k]: v for k, v in pinned.items() if k in PINNED_ENV}
     hook_env.pop(PINNED_ENV["hook socket"], None)
-    if env.root != Path("/"):
-        hook_env["VMLEND_ROOT"] = str(env.root)
+    root = pinned.get("root") or str(env.root)
+    if Path(root) != Path("/"):
+        hook_env["VMLEND_ROOT"] = root
     answer = probe_agent(sock, hook_env)
     if answer == "served":
         return Finding("hook served", Status.OK, f"by the vmlend agent on {sock}")
@@ -319,6 +467,8 @@ def check_hook_pins(env: HostEnv, cli: dict[str, str]) -> Finding | None:
         pinned = read_pins(ours[0].read_text(errors="replace"))
     except OSError as e:
         return Finding("hook pins", Status.WARN, f"cannot read {ours[0]}: {e.strerror}")
+    except VmlendError as e:
+        return Finding("hook pins", Status.FAIL, str(e))
     return compare_pins(ours[0], pinned, cli)
 
 
@@ -359,11 +509,17 @@ def run_checks(
     libvirt_version: Callable[[], str] = libvirt_library_version,
     smartio_required: bool = False,
     cli_pins: dict[str, str] | None = None,
+    backend: str | None = None,
+    uri: str | None = None,
 ) -> list[Finding]:
-    """``cli_pins``: what the CLI uses (``interpreter``, ``state``, ``registry``, ``node``,
-    ``backend``), to compare with what the installed hook pins; None skips that check."""
+    """``cli_pins``: what the CLI uses (``interpreter``, ``config``, ``state``, ``registry``,
+    ``node``, ``backend``), to compare with what the installed hook pins; None skips that
+    check. ``backend``: the one chosen (None: the host's default). ``uri``: a hypervisor to
+    check too."""
 
     findings = [
+        check_backend(env, backend),
+        check_kvm(env),
         check_iommu(env),
         check_vfio_module(env),
         check_mdev_module(env),
@@ -372,6 +528,10 @@ def run_checks(
         check_mdev_parents(env),
         check_nvme_sharing(env),
         check_libvirt(libvirt_version),
+    ]
+    if uri is not None:
+        findings.append(check_hypervisor(uri))
+    findings += [
         check_hook(env),
         check_daemon_saw_hook(env),
     ]

@@ -674,6 +674,24 @@ class MigrationError(LibvirtError):
     """A cold-migration step failed; the message says where the VM is defined now."""
 
 
+class SimulatedDevicesError(LibvirtError):
+    """A domain with remote devices would start (or get one hot-added) on a real libvirt
+    hypervisor while the fabric is the simulated one: only a ``sim:///`` node can run
+    simulated devices (libvirt would refuse "Mediated host device assignment requires VFIO
+    support", or pass through a device nobody lent)."""
+
+    def __init__(self, op: str, domain: str, uri: str) -> None:
+        self.domain = domain
+        self.uri = uri
+        super().__init__(
+            f"cannot {op} VM {domain!r} on {uri}: its remote devices come from the simulated"
+            " fabric (no SmartIO driver is loaded on this host, so the backend defaults to"
+            " sim), and only a simulated node (-c sim:///<node>) can run those; load the"
+            " SmartIO driver to use real devices, or pass --backend sim to try anyway"
+            " (docs/real-hardware.md)"
+        )
+
+
 # --- the hook and the demo ----------------------------------------------------------------
 
 

@@ -23,6 +23,9 @@ class HostEnv(msgspec.Struct, frozen=True):
     """Where the host's ``sys``, ``dev``, ``etc``, ``run`` and ``proc`` trees live."""
 
     root: Path = DEFAULT_ROOT
+    #: libvirt's config dir when it is not ``etc/libvirt`` under the root (a private libvirtd:
+    #: ``vmlend hook install --libvirt-dir``, ``vmlend doctor --libvirt-dir``)
+    libvirt_dir: Path | None = None
 
     @classmethod
     def from_env(
@@ -71,7 +74,7 @@ class HostEnv(msgspec.Struct, frozen=True):
     @property
     def libvirt_config(self) -> Path:
         """libvirt's system config dir (hooks go to its hooks/)."""
-        return self.etc / "libvirt"
+        return self.libvirt_dir if self.libvirt_dir is not None else self.etc / "libvirt"
 
     # --- well-known places inside them ----------------------------------------------------
     @property

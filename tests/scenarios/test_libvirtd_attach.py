@@ -35,7 +35,9 @@ def running(libvirt_guests):
 
 
 def cli(cluster: SimCluster, libvirtd, *args: str):
-    return cluster.cli("--node", "gamma", *args, "-c", libvirtd.uri)
+    # Simulated devices on a real libvirtd: only an explicit --backend sim lets libvirt see
+    # them (the default refuses before libvirt, tests/unit/cli/test_simulated_on_real.py).
+    return cluster.cli("--node", "gamma", "--backend", "sim", *args, "-c", libvirtd.uri)
 
 
 def xmls(dom) -> tuple[bytes, bytes]:

@@ -44,6 +44,13 @@ def test_daemon_sees_private_dirs_where_the_host_keeps_its_own(libvirtd):
     assert Path(libvirtd.uri.split("socket=", 1)[1]).is_relative_to(libvirtd.root)
 
 
+def test_the_private_daemon_is_its_own_host_to_vmlend(libvirtd, libvirt_conn):
+    from vmlend.hypervisor.libvirt_hv import LibvirtHypervisor
+
+    hv = LibvirtHypervisor(libvirt_conn)  # not closed here: the fixture owns the connection
+    assert hv.host_uuid() == libvirtd.layout.host_uuid
+
+
 def test_connection_reaches_the_private_qemu_driver(libvirtd, libvirt_conn):
     assert libvirt_conn.getType() == "QEMU"
     assert libvirt_conn.getURI() == libvirtd.uri

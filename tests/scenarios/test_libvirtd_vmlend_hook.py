@@ -132,7 +132,11 @@ def test_the_agent_serves_libvirtds_hook_calls_without_deadlock(
     sock = tmp_path / "hook.sock"
     libvirt_dir = libvirtd.hooks_dir.parent
     install_hook(libvirt_dir, state_path, "gamma", hook_socket=sock)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+    }
     env |= {"VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"}
     agent = subprocess.Popen(
         [str(Path(sys.executable).parent / "vmlend"), "agent", "--hook-socket", str(sock)],

@@ -21,6 +21,8 @@ def healthy(root) -> FakeSysfs:
         fake.env.module(m).mkdir(parents=True)
     fake.env.vfio_container.parent.mkdir(parents=True)
     fake.env.vfio_container.write_text("")
+    (fake.env.dev / "kvm").write_text("")
+    loads_modules(fake.env)
     smartio = FakeSmartio(fake, node_id=12)
     smartio.add_device(0x12, lender_node_id=4)
     smartio._borrow(0x12)
@@ -35,6 +37,14 @@ def healthy(root) -> FakeSysfs:
     pidfile.write_text(f"{PID}\n")
     fake.env.process(PID).mkdir(parents=True)
     return fake
+
+
+def loads_modules(env, release: str = "6.1.0-test") -> None:
+    """A kernel that loads modules: /proc/modules and /lib/modules/<its release>."""
+    (env.proc / "sys" / "kernel").mkdir(parents=True, exist_ok=True)
+    (env.proc / "sys" / "kernel" / "osrelease").write_text(f"{release}\n")
+    (env.proc / "modules").write_text("")
+    (env.root / "lib" / "modules" / release).mkdir(parents=True, exist_ok=True)
 
 
 def by_name(findings):

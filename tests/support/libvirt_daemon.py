@@ -163,6 +163,11 @@ class DaemonLayout:
             pairs = [(cache_dir if t == SYSTEM_DIRS["cache"] else s, t) for s, t in pairs]
         return pairs
 
+    @property
+    def host_uuid(self) -> str:
+        """Stable for this daemon's root, distinct between daemons."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"vmlend-test-libvirtd:{self.root}"))
+
     def config_files(self) -> dict[Path, str]:
         """The config files the daemons read, with their content."""
         libvirtd = {
@@ -175,6 +180,9 @@ class DaemonLayout:
             # Hook failures are logged as errors; util.hook debug shows every hook run.
             "log_filters": "1:util.hook",
             "log_outputs": f"3:file:{self.libvirtd_log}",
+            # Its own host UUID (not the machine's SMBIOS one): two private daemons on this
+            # machine are two hypervisors to vmlend (vmlend.ops.hvidentity).
+            "host_uuid": self.host_uuid,
         }
         if self.host_uuid is not None:
             libvirtd["host_uuid"] = self.host_uuid

@@ -6,6 +6,8 @@ below names each command's module and the summary ``vmlend --help`` shows."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -38,7 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cmd_devices",
         "List the devices of the fabric: lender, PCI address, BARs, state and holder.",
     ),
-    "doctor": ("cmd_doctor", "Check this host: IOMMU, vfio/mdev, SmartIO, libvirt and the hook."),
+    "doctor": (
+        "cmd_doctor",
+        "Check this host: the backend, KVM, IOMMU, vfio/mdev, SmartIO, libvirt and the hook.",
+    ),
     "fabric": (
         "cmd_fabric",
         "The fabric: its nodes, NTB adapters and links, kept in the shared state.",
@@ -86,8 +91,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class RootGroup(LazyGroup):
+    """The ``vmlend`` group: the configuration file is its ``default_map`` (``cli.config``),
+    read before the arguments are parsed."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        if "default_map" not in extra:
+            extra["default_map"] = _configured(self, args)
+        return super().make_context(info_name, args, parent, **extra)
+
+
+def _configured(group: click.Group, args: Sequence[str]) -> dict[str, Any] | None:
+    if any(a in ("-h", "--help", "--version") for a in args[:1]):
+        return None  # help and version never need the file (nor a broken one)
+    from vmlend.cli.config import load_default_map
+    from vmlend.errors import VmlendError
+    from vmlend.messages import single_line
+
+    try:
+        return load_default_map(group, args)
+    except VmlendError as e:
+        raise click.ClickException(single_line(str(e))) from None
+
+
 @click.group(
-    cls=LazyGroup,
+    cls=RootGroup,
     package=__name__,
     lazy=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -119,6 +153,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     type=click.Path(file_okay=False),
     help="Root of the host's sys/dev/etc/run trees [env VMLEND_ROOT; default /].",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["sim", "smartio"]),
+    envvar="VMLEND_BACKEND",
+    help="Fabric backend: smartio (the SmartIO driver) or sim (a simulated fabric, for"
+    " sim:/// nodes) [env VMLEND_BACKEND; default: smartio where the driver is loaded, else"
+    " sim].",
+)
+@click.option(
+    "--config",
+    "config_path",
+    envvar="VMLEND_CONFIG",
+    type=click.Path(dir_okay=False),
+    help="Configuration file [env VMLEND_CONFIG; default /etc/vmlend/vmlend.toml under"
+    " --root].",
+)
 @click.option("-v", "--verbose", count=True, help="More diagnostics on stderr.")
 @click.option(
     "-c", "--connect", "uri", metavar="URI", help="Hypervisor URI for every command (as virsh -c)."
@@ -133,12 +183,20 @@ def main(
     root: str | None,
     verbose: int,
     uri: str | None,
+    backend: str | None,
+    config_path: str | None,
 ) -> None:
     """Lend remote PCIe devices across an NTB fabric to libvirt/QEMU guests."""
     from vmlend.cli.context import CliContext  # a command runs: --help never gets here
 
     ctx.obj = CliContext.create(
-        state_path=state_path, node=node, verbose=verbose, root=root, registry=registry
+        state_path=state_path,
+        node=node,
+        verbose=verbose,
+        root=root,
+        registry=registry,
+        backend=backend,
+        config_path=config_path,
     )
     ctx.obj.uri = uri
 

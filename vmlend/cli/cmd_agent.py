@@ -25,6 +25,7 @@ from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.notify import Notifier
 from vmlend.registry import hostlease
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
+from vmlend.wiring.fabric import BACKEND_ENV
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ def agent_cmd(
     if obj.root is not None:
         # The hook calls this agent runs find the host root where a hook process does.
         os.environ[ROOT_ENV] = str(obj.root)
+    if obj.backend is not None:
+        os.environ[BACKEND_ENV] = obj.backend  # the fabric it opens and the hook calls it runs
     socket_path = hook_socket or hostlease.hook_socket_path(host)
     metrics = AgentMetrics()
     server = HookServer(

@@ -15,7 +15,7 @@ import click
 from vmlend.cli.cmd_lend import FDID, FDID_OR_KIND
 from vmlend.cli.common import emit_json, json_option, verbose_option
 from vmlend.cli.complete import complete_vms
-from vmlend.cli.connect import connect_option, fabric_for, open_hv
+from vmlend.cli.connect import connect_option, fabric_for, open_hv, refuse_simulated_devices
 from vmlend.cli.context import CliContext
 from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
@@ -97,6 +97,8 @@ def attach_cmd(
         live, config = resolve_impact(
             hv, vm, live=live, config=config, persistent=persistent, current=current
         )
+        if live and not dry_run:
+            refuse_simulated_devices(obj, hv, "hot-add a device to", vm, adding=True)
         fabric = fabric_for(obj, hv)
         if isinstance(fdid, DeviceWish):
             fdid = _choose_one(hv, fabric, vm, fdid)

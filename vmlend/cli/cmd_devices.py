@@ -21,7 +21,7 @@ def devices(
     obj: CliContext, lender: str | None, kind: str | None, available: bool, json_output: bool
 ) -> None:
     """List the devices of the fabric: lender, PCI address, BARs, state and holder."""
-    fabric = obj.fabric()
+    fabric = obj.fabric(read_only=True)
     if lender is not None:
         fabric.topology().node(lender)  # an unknown node is an error, not an empty list
     every = fabric.devices()

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
+import msgspec
 
 from vmlend.cli.common import emit_json, json_option
+from vmlend.cli.connect import connect_option
 from vmlend.cli.context import CliContext
+from vmlend.config import config_path
 from vmlend.doctor import Status, blocking, run_checks
 from vmlend.hostenv import HostEnv
-from vmlend.wiring.fabric import BACKEND_ENV
 
 _MARKS = {Status.OK: "ok", Status.WARN: "warn", Status.FAIL: "FAIL"}
 
@@ -23,19 +26,41 @@ _MARKS = {Status.OK: "ok", Status.WARN: "warn", Status.FAIL: "FAIL"}
     is_flag=True,
     help="Count a missing SmartIO driver as blocking (the kernel fabric backend needs it).",
 )
+@click.option(
+    "--libvirt-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="libvirt's config dir whose hooks to check (as 'vmlend hook install --libvirt-dir')"
+    " [default: /etc/libvirt under --root].",
+)
+@connect_option
 @json_option
 @click.pass_obj
-def doctor(obj: CliContext, smartio_required: bool, json_output: bool) -> None:
-    """Check this host: IOMMU, vfio/mdev, SmartIO, libvirt and the hook."""
+def doctor(
+    obj: CliContext,
+    smartio_required: bool,
+    libvirt_dir: Path | None,
+    uri: str | None,
+    json_output: bool,
+) -> None:
+    """Check this host: the backend, KVM, IOMMU, vfio/mdev, SmartIO, libvirt and the hook."""
     env = HostEnv.from_env(obj.root)
+    if libvirt_dir is not None:
+        env = msgspec.structs.replace(env, libvirt_dir=Path(os.path.abspath(libvirt_dir)))
     cli_pins = {
         "interpreter": os.path.abspath(sys.executable),
+        "config": str(config_path(obj.config_path, root=obj.root)),
         "state": os.path.abspath(obj.state_path),
         "registry": obj.registry or "",
         "node": obj.node or "",
-        "backend": os.environ.get(BACKEND_ENV, ""),
+        "backend": obj.backend or "",
     }
-    findings = run_checks(env, smartio_required=smartio_required, cli_pins=cli_pins)
+    findings = run_checks(
+        env,
+        smartio_required=smartio_required,
+        cli_pins=cli_pins,
+        backend=obj.backend,
+        uri=uri or obj.uri,
+    )
     failed = blocking(findings)
     if json_output:
         emit_json(

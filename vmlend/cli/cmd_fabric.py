@@ -114,7 +114,7 @@ def show(obj: CliContext, json_output: bool, picture: str) -> None:
     """Show nodes (with node ids), NTB adapters (LUT and window use) and links; --format
     draws them with the devices coloured by state and their holders."""
     check_one_output(json_output, picture)
-    f = obj.fabric()
+    f = obj.fabric(read_only=True)
     if json_output:
         emit_json(fabric_json(f))
     elif picture != "text":

@@ -9,6 +9,7 @@ import click
 
 from vmlend.cli.common import emit_action, emit_json, hook_socket_option, json_option
 from vmlend.cli.context import CliContext
+from vmlend.config import config_path
 from vmlend.errors import ConfigError
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.install import DEFAULT_NAME, install_hook, uninstall_hook
@@ -64,6 +65,9 @@ def install(
         force=force,
         registry=cli.registry,
         hook_socket=socket_path,
+        backend=cli.backend,
+        config_file=config_path(cli.config_path, root=cli.root),
+        root=cli.root,
     )
     if result.untrusted:
         from vmlend.hook import trust
@@ -89,17 +93,21 @@ def install(
                 "changed": result.changed,
                 "restart_needed": result.restart_needed,
                 "pins": result.pins,
+                "config": result.config,
             }
         )
     else:
         click.echo(result.advice())
         pins = result.pins
+        click.echo(f"  config       {pins['config']} ({result.config})")
+        click.echo(f"  root         {pins['root']}")
         click.echo(f"  interpreter  {pins['interpreter']}")
         click.echo(f"  registry     {pins['state']}")
         if "registry" in pins:
             click.echo(f"  registry URL {pins['registry']}")
         click.echo(f"  node         {pins.get('node', '(the state local node)')}")
-        click.echo(f"  backend      {pins.get('backend', '(sim, the default)')}")
+        default = "(the host's: smartio where the driver is loaded, else sim)"
+        click.echo(f"  backend      {pins.get('backend', default)}")
         click.echo(f"  hook socket  {pins['hook socket']} (served by 'vmlend agent' when it runs)")
 
 
@@ -155,6 +163,10 @@ def run_hook(cli: CliContext, args: tuple[str, ...]) -> None:
         env["VMLEND_REGISTRY"] = cli.registry
     if cli.node:
         env["VMLEND_NODE"] = cli.node
+    if cli.backend:
+        env["VMLEND_BACKEND"] = cli.backend
+    if cli.root:
+        env["VMLEND_ROOT"] = str(cli.root)
     sys.exit(run(list(args), environ=env))
 
 

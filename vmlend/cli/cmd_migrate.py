@@ -16,6 +16,7 @@ from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.errors import MigrationError
 from vmlend.hypervisor import Hypervisor, LiveMigration
+from vmlend.ops.hvidentity import check_hypervisor_is
 from vmlend.ops.live_migrate import LiveMigrateResult, live_migrate
 from vmlend.ops.migrate import MigrateResult, migrate, migration_lock
 from vmlend.topology.model import format_fdid
@@ -143,6 +144,10 @@ def migrate_cmd(
         dst = open_hv(obj, target, node=to)
         try:
             fabric = fabric_for(obj, src)
+            # Both ends by their host UUIDs: a --dest-uri reaching another node's hypervisor
+            # would move the VM there while the fabric records it on --to.
+            check_hypervisor_is(fabric, src, fabric.local_node, "the source")
+            check_hypervisor_is(fabric, dst, to, "--dest-uri")
 
             def progress(msg: str) -> None:
                 click.echo(f"vmlend: {msg}", err=True)

@@ -34,7 +34,7 @@ def reconcile_cmd(
     running VM uses and re-creates what a running VM needs."""
     hv = open_hv(obj, uri)
     try:
-        fabric = fabric_for(obj, hv)
+        fabric = fabric_for(obj, hv, read_only=not do_fix or dry_run)
         drift = find_drift(look(hv, fabric))
         result = fix(hv, fabric, drift, log.info) if do_fix and not dry_run else None
     finally:
@@ -48,7 +48,8 @@ def reconcile_cmd(
             out["kept"] = [d.to_json() for d in result.started]
         emit_json(out)
     elif not drift:
-        click.echo(f"no drift on {fabric.local_node}: hypervisor, state and mdevs agree")
+        where = fabric.local_node or "this host (no node given)"
+        click.echo(f"no drift on {where}: hypervisor, state and mdevs agree")
     elif result is None:
         verb = "would" if dry_run else "--fix would"
         for d in drift:
@@ -65,7 +66,8 @@ def reconcile_cmd(
             click.echo(f"left {_line(d)}\n  to do by hand: {d.fix}")
         for d in result.started:
             click.echo(f"kept {_line(d)}\n  its VM started meanwhile")
-    if result is not None and (result.failed or result.left):
+    # Like diff: 1 while drift remains (reported, or left after --fix), 0 once all agree.
+    if (result is None and drift) or (result is not None and (result.failed or result.left)):
         raise SystemExit(1)
 
 

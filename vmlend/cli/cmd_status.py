@@ -30,7 +30,7 @@ def status_cmd(obj: CliContext, vm: str | None, uri: str | None, json_output: bo
     LUT entries and window in use."""
     hv = open_hv(obj, uri)
     try:
-        fabric = fabric_for(obj, hv)
+        fabric = fabric_for(obj, hv, read_only=True)
         vms = collect(hv, fabric, read_runtime(obj.location), vm)
         add_history(vms, obj.state_path.parent)
         usage = usage_rows(fabric.usage())

@@ -16,7 +16,7 @@ from vmlend.cli.common import (
     read_input,
 )
 from vmlend.cli.complete import complete_vms
-from vmlend.cli.connect import connect_option, open_hv
+from vmlend.cli.connect import connect_option, open_hv, refuse_simulated_devices
 from vmlend.cli.context import CliContext
 from vmlend.cli.progress import Wait
 from vmlend.domain import DomainDocument
@@ -117,6 +117,7 @@ def vm_undefine(obj: CliContext, uri: str | None, name: str, json_output: bool) 
 def vm_start(obj: CliContext, uri: str | None, name: str, json_output: bool) -> None:
     """Start a defined VM (the vmlend hook prepares its remote devices)."""
     with _Session(obj, uri) as hv:
+        refuse_simulated_devices(obj, hv, "start", name)
         hv.start(name)
         node = hv.node
     if json_output:

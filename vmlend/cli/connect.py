@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from vmlend.cli.context import CliContext
-from vmlend.errors import UnknownNodeError, VmlendError
+from vmlend.errors import SimulatedDevicesError, UnknownNodeError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
 from vmlend.wiring.fabric import open_fabric
@@ -41,7 +41,7 @@ def _require_fabric_node(obj: CliContext, node: str) -> None:
     cannot be read now (no state yet, the registry unreachable) the commands that need it say
     so themselves; one that does not (a VM stopped while etcd is away) goes on."""
     try:
-        open_fabric(obj.location, node, root=obj.root).close()
+        open_fabric(obj.location, node, backend=obj.backend, root=obj.root).close()
     except UnknownNodeError:
         raise
     except VmlendError as e:
@@ -56,11 +56,30 @@ def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hyperv
     simulated = sim_node(uri) if uri else None
     if simulated:
         _require_fabric_node(obj, simulated)
-    hook = hook_command(obj.location, simulated) if simulated else None
+    hook = hook_command(obj.location, simulated, obj.backend) if simulated else None
     node = node or (None if simulated else obj.node)
     return open_hypervisor(uri, state_dir=obj.state_path.parent, hook_command=hook, node=node)
 
 
-def fabric_for(obj: CliContext, hv: Hypervisor) -> Fabric:
-    """The fabric seen from the node ``hv`` runs on."""
-    return open_fabric(obj.location, hv.node or obj.node, root=obj.root)
+def fabric_for(obj: CliContext, hv: Hypervisor, read_only: bool = False) -> Fabric:
+    """The fabric seen from the node ``hv`` runs on (``read_only``: on a cluster registry,
+    from no node when neither ``hv`` nor --node says which)."""
+    return open_fabric(
+        obj.location, hv.node or obj.node, backend=obj.backend, root=obj.root, observer=read_only
+    )
+
+
+def refuse_simulated_devices(
+    obj: CliContext, hv: Hypervisor, op: str, domain: str, adding: bool = False
+) -> None:
+    """Refuse to start (or hot-add to) ``domain`` on a real libvirt hypervisor when the fabric
+    is simulated only by default (no SmartIO driver here, no --backend chosen): libvirt would
+    fail later with "Mediated host device assignment requires VFIO support" and no hint. A
+    domain without vmlend metadata (unless ``adding`` a remote device), a ``sim:///`` node
+    and an explicit --backend pass."""
+    if obj.backend is not None or sim_node(hv.uri) or obj.host_backend() != "sim":
+        return
+    from vmlend.hook.prefilter import mentions_vmlend
+
+    if adding or mentions_vmlend(hv.xml(domain, inactive=True)) or mentions_vmlend(hv.xml(domain)):
+        raise SimulatedDevicesError(op, domain, hv.uri)

@@ -27,6 +27,10 @@ class CliContext(msgspec.Struct):
     root: Path | None = None  # host root (--root / VMLEND_ROOT); None = the real one
     registry: str | None = None  # --registry / VMLEND_REGISTRY: wins over state_path
     uri: str | None = None  # the global -c/--connect; a command's own -c wins
+    #: --backend / VMLEND_BACKEND / the configuration file; None: the host's default
+    #: (``vmlend.wiring.fabric.default_backend``)
+    backend: str | None = None
+    config_path: Path | None = None  # --config / VMLEND_CONFIG; None: the one under the root
 
     @classmethod
     def create(
@@ -36,6 +40,8 @@ class CliContext(msgspec.Struct):
         verbose: int,
         root: str | None = None,
         registry: str | None = None,
+        backend: str | None = None,
+        config_path: str | None = None,
     ) -> CliContext:
         logging.basicConfig(
             level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
@@ -49,6 +55,8 @@ class CliContext(msgspec.Struct):
             verbose=verbose,
             root=Path(root) if root else None,
             registry=registry or None,
+            backend=backend or None,
+            config_path=Path(config_path) if config_path else None,
         )
 
     @property
@@ -56,8 +64,19 @@ class CliContext(msgspec.Struct):
         """Where the shared state is: the registry URL, else the SQLite state path."""
         return self.registry or self.state_path
 
-    def fabric(self) -> Fabric:
-        """The fabric in the state, seen from ``--node`` (StateError when there is none)."""
+    def fabric(self, read_only: bool = False) -> Fabric:
+        """The fabric in the state, seen from ``--node`` (StateError when there is none).
+        ``read_only``: a command that only reads works on a cluster registry without knowing
+        which node this host is."""
         from vmlend.wiring.fabric import open_fabric  # commands that need no fabric skip it
 
-        return open_fabric(self.location, self.node, root=self.root)
+        return open_fabric(
+            self.location, self.node, backend=self.backend, root=self.root, observer=read_only
+        )
+
+    def host_backend(self) -> str:
+        """The backend this invocation uses: the chosen one, else the host's default."""
+        from vmlend.hostenv import HostEnv
+        from vmlend.wiring.fabric import default_backend
+
+        return self.backend or default_backend(HostEnv.from_env(self.root))

@@ -1,5 +1,5 @@
-"""``python -m vmlend.hook [--state PATH] [--registry URL] [--node NODE] DOMAIN OP SUBOP
-EXTRA``: the qemu hook as the simulated hypervisor runs it
+"""``python -m vmlend.hook [--state PATH] [--registry URL] [--node NODE] [--backend B] DOMAIN OP
+SUBOP EXTRA``: the qemu hook as the simulated hypervisor runs it
 (``vmlend.wiring.hypervisor.hook_command``).
 
 The state path and the node it plays come up front rather than through the environment, so one
@@ -17,12 +17,17 @@ from collections.abc import MutableMapping
 
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
 
-_OPTIONS = {"--state": STATE_ENV, "--registry": REGISTRY_ENV, "--node": NODE_ENV}
+_OPTIONS = {
+    "--state": STATE_ENV,
+    "--registry": REGISTRY_ENV,
+    "--node": NODE_ENV,
+    "--backend": "VMLEND_BACKEND",  # vmlend.wiring.fabric.BACKEND_ENV, without its imports
+}
 
 
 def split_options(argv: list[str], environ: MutableMapping[str, str]) -> list[str]:
-    """Move leading ``--state``/``--registry``/``--node`` options into ``environ``; return
-    libvirt's argv."""
+    """Move leading ``--state``/``--registry``/``--node``/``--backend`` options into
+    ``environ``; return libvirt's argv."""
     rest = list(argv)
     while len(rest) >= 2 and rest[0] in _OPTIONS:
         environ[_OPTIONS[rest[0]]] = rest[1]

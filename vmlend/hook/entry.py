@@ -26,6 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     xml = sys.stdin.buffer.read()
     if not concerns_vmlend(argv, xml):
         return 0
+    from vmlend.config import hook_environment  # the configuration file the hook pins
+    from vmlend.errors import VmlendError
+
+    try:
+        hook_environment(os.environ)
+    except VmlendError as e:
+        from vmlend.messages import single_line
+
+        print(f"vmlend: {single_line(str(e))}", file=sys.stderr)  # one line for libvirt's log
+        return 1
     from vmlend.hook.forward import forward  # to this host's agent, if it serves the hook
 
     if (served := forward(argv, xml)) is not None:

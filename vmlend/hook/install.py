@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 import msgspec
 
-from vmlend import safefile
+from vmlend import config, safefile
 from vmlend.errors import ConfigError
 from vmlend.hook import trust
 from vmlend.hostenv import HostEnv
@@ -37,6 +37,8 @@ class InstallResult(msgspec.Struct, frozen=True):
     pins: dict[str, str] = msgspec.field(default_factory=dict)  # what the hook runs with
     #: Paths non-root could change that the hook runs as root (installed anyway: --force).
     untrusted: list[str] = msgspec.field(default_factory=list)
+    #: What became of the configuration file: "written", "updated" or "unchanged".
+    config: str = "unchanged"
 
     def advice(self) -> str:
         if self.restart_needed:
@@ -47,7 +49,8 @@ class InstallResult(msgspec.Struct, frozen=True):
         return f"installed {self.path}" if self.changed else f"{self.path} is already installed"
 
 
-#: The environment the installed hook pins, by the name ``pins`` reports them under.
+#: The settings the hook takes from its configuration file, by the name ``pins`` reports them
+#: under (``vmlend.config.HOOK_KEYS`` spells them as the file does).
 PINNED_ENV = {
     "state": "VMLEND_STATE",
     "registry": "VMLEND_REGISTRY",
@@ -55,19 +58,23 @@ PINNED_ENV = {
     "backend": "VMLEND_BACKEND",
     "hook socket": "VMLEND_HOOK_SOCKET",
 }
+#: What the script itself pins: the configuration file and the host root.
+SCRIPT_ENV = {"config": "VMLEND_CONFIG", "root": "VMLEND_ROOT"}
+#: A configuration key -> the name ``pins`` reports it under.
+_PIN_NAME = {"hook-socket": "hook socket"}
 
 
-def read_pins(text: str) -> dict[str, str]:
-    """What a hook script vmlend installed pins: ``interpreter`` (its ``#!`` line) and the
-    ``os.environ.setdefault`` values (``state``, ``registry``, ``node``, ``backend``,
-    ``hook socket``) it sets."""
+def read_script_pins(text: str) -> dict[str, str]:
+    """What a hook script vmlend installed pins itself: ``interpreter`` (its ``#!`` line) and
+    the ``os.environ.setdefault`` values (``config``, ``root``; a hook installed by an older
+    vmlend: ``state``, ``registry``, ``node``, ``backend``, ``hook socket``)."""
     pins: dict[str, str] = {}
     lines = text.splitlines()
     if lines and lines[0].startswith("#!"):
         # the interpreter alone: the installed hook may add flags (-IS)
         shebang = lines[0][2:].split()
         pins["interpreter"] = shebang[0] if shebang else ""
-    names = {env: key for key, env in PINNED_ENV.items()}
+    names = {env: key for key, env in (PINNED_ENV | SCRIPT_ENV).items()}
     prefix = "os.environ.setdefault("
     for line in lines:
         if not line.startswith(prefix):
@@ -78,6 +85,20 @@ def read_pins(text: str) -> dict[str, str]:
             continue
         if env in names and isinstance(value, str):
             pins[names[env]] = value
+    return pins
+
+
+def read_pins(text: str) -> dict[str, str]:
+    """What an installed hook runs with: its script's pins (``read_script_pins``) and the
+    settings of the configuration file it pins (``state``, ``registry``, ``node``,
+    ``backend``, ``hook socket``). ``ConfigError`` when that file is unusable."""
+    pins = read_script_pins(text)
+    if "config" in pins:
+        path = Path(pins["config"])
+        by_env = config.hook_settings(config.read_config(path), path)
+        for key, env in PINNED_ENV.items():
+            if env in by_env:
+                pins.setdefault(key, by_env[env])
     return pins
 
 
@@ -119,16 +140,14 @@ def import_roots() -> list[str]:
 
 def hook_script(
     interpreter: str,
-    state_path: Path,
-    node: str | None,
+    config_file: Path,
+    root: Path,
     roots: list[str] | None = None,
-    registry: str | None = None,
-    hook_socket: Path | None = None,
 ) -> str:
     """The text of the installed hook (the same body as hooks/vmlend-qemu). With ``roots``
-    the interpreter runs isolated and without ``site``, importing from ``roots`` only.
-    ``registry``: a registry URL to pin (libvirtd's environment does not carry the caller's).
-    ``hook_socket``: where this host's agent serves the hook (``vmlend.hook.forward``)."""
+    the interpreter runs isolated and without ``site``, importing from ``roots`` only. It pins
+    the configuration file (which says the state, registry, node, backend and hook socket) and
+    the host root: libvirtd's environment carries neither."""
     lines = [f"#!{interpreter} -IS" if roots else f"#!{interpreter}", _MARK]
     if roots:
         lines += [
@@ -141,18 +160,73 @@ def hook_script(
         ]
     else:
         lines += ["import os", "import sys"]
-    lines += ["", f"os.environ.setdefault('VMLEND_STATE', {str(state_path)!r})"]
-    if registry:
-        lines.append(f"os.environ.setdefault('VMLEND_REGISTRY', {registry!r})")
-    if node:
-        lines.append(f"os.environ.setdefault('VMLEND_NODE', {node!r})")
-    backend = os.environ.get("VMLEND_BACKEND")
-    if backend:
-        lines.append(f"os.environ.setdefault('VMLEND_BACKEND', {backend!r})")
-    if hook_socket is not None:
-        lines.append(f"os.environ.setdefault('VMLEND_HOOK_SOCKET', {str(hook_socket)!r})")
-    lines += ["", "from vmlend.hook.entry import main_and_exit", "", "main_and_exit()", ""]
+    lines += [
+        "",
+        f"os.environ.setdefault('VMLEND_CONFIG', {str(config_file)!r})",
+        f"os.environ.setdefault('VMLEND_ROOT', {str(root)!r})",
+        "",
+        "from vmlend.hook.entry import main_and_exit",
+        "",
+        "main_and_exit()",
+        "",
+    ]
     return "\n".join(lines)
+
+
+def _settings_text(current: str, settings: dict[str, str]) -> str:
+    """``current`` (a configuration file's text) with its top-level hook settings
+    (``config.HOOK_KEYS``) replaced by ``settings``: other lines, tables and comments stay."""
+    lines = current.splitlines()
+    end = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
+    head, tail = lines[:end], lines[end:]
+
+    def key_of(line: str) -> str:
+        name, eq, _ = line.partition("=")
+        return name.strip().strip('"').replace("_", "-") if eq else ""
+
+    kept = [ln for ln in head if key_of(ln) not in config.HOOK_KEYS]
+    while kept and not kept[-1].strip():
+        kept.pop()
+    if not current:
+        kept = config.render({}).splitlines()
+    added = config.render(settings).splitlines()[2:]  # without the header comment
+    out = [*kept, *added]
+    if tail:
+        out += ["", *tail]
+    return "\n".join(out) + "\n"
+
+
+def write_config(path: Path, settings: dict[str, str]) -> str:
+    """Make the configuration file at ``path`` pin ``settings`` (the hook's top-level keys):
+    "written" (there was none), "updated" or "unchanged"."""
+    wanted = {config.HOOK_KEYS[k]: v for k, v in settings.items()}
+    try:
+        current = path.read_text()
+    except FileNotFoundError:
+        current = ""
+    except OSError as e:
+        raise ConfigError(f"cannot read the configuration file {path}: {e.strerror}") from None
+    if current and config.hook_settings(config.read_config(path), path) == wanted:
+        return "unchanged"
+    text = _settings_text(current, settings)
+    import tomllib
+
+    check = config.hook_settings(tomllib.loads(text), path)
+    if check != wanted:  # a layout our line edit cannot handle (a multi-line value)
+        raise ConfigError(
+            f"cannot update {path}: write its top-level {', '.join(settings)} yourself"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with os.fdopen(safefile.open_nofollow(tmp, flags, 0o600), "w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"cannot write the configuration file {path}: {e.strerror}") from None
+    return "updated" if current else "written"
 
 
 def hooks_enabled(hooks_dir: Path) -> bool:
@@ -169,10 +243,16 @@ def install_hook(
     force: bool = False,
     registry: str | None = None,
     hook_socket: Path | None = None,
+    backend: str | None = None,
+    config_file: Path | None = None,
+    root: Path | None = None,
 ) -> InstallResult:
-    """Install the hook under ``libvirt_dir``/hooks. Paths are pinned absolute: libvirtd runs
-    the hook from ``/``, so a relative state path would name another file for every VM.
-    ``hook_socket``: the agent's hook socket (default: the one under ``$VMLEND_ROOT`` or /)."""
+    """Install the hook under ``libvirt_dir``/hooks, and make the configuration file it pins
+    (``config_file``, default ``vmlend/vmlend.toml`` beside ``libvirt_dir``) say ``state_path``,
+    ``registry``, ``node``, ``backend`` and ``hook_socket``. Paths are pinned absolute: libvirtd
+    runs the hook from ``/``, so a relative state path would name another file for every VM.
+    ``hook_socket``: the agent's hook socket (default: the one under ``root``, default
+    ``$VMLEND_ROOT`` or /)."""
     parts = PurePosixPath(name).parts
     if (
         not (parts == ("qemu",) or (len(parts) == 2 and parts[0] == "qemu.d"))
@@ -184,6 +264,11 @@ def install_hook(
         )
     interpreter = os.path.abspath(interpreter or sys.executable)
     state_path = Path(os.path.abspath(state_path))
+    host = HostEnv.from_env(root)
+    root = Path(os.path.abspath(host.root))
+    config_file = Path(
+        os.path.abspath(config_file or libvirt_dir.parent / "vmlend" / "vmlend.toml")
+    )
     hooks_dir = libvirt_dir / "hooks"
     target = hooks_dir / name
     # The roots are this interpreter's: another one runs with its own site instead.
@@ -191,26 +276,37 @@ def install_hook(
     if hook_socket is None:
         from vmlend.registry import hostlease  # the registry package: only when needed
 
-        hook_socket = hostlease.hook_socket_path(HostEnv.from_env())
+        hook_socket = hostlease.hook_socket_path(host)
     hook_socket = Path(os.path.abspath(hook_socket))
-    text = hook_script(interpreter, state_path, node, roots, registry, hook_socket)
-    pins = read_pins(text)
+    settings = {"state": str(state_path)}
+    for key, value in (("registry", registry), ("node", node), ("backend", backend)):
+        if value:
+            settings[key] = value
+    settings["hook-socket"] = str(hook_socket)
+    text = hook_script(interpreter, config_file, root, roots)
     restart = not hooks_enabled(hooks_dir)
-    # libvirtd runs this as root: everything it runs, imports or writes must be root's alone.
-    problems = trust.hook_problems(target, interpreter, roots or [], state_path)
+    # libvirtd runs this as root: everything it runs, imports, reads or writes must be root's.
+    problems = trust.hook_problems(target, interpreter, roots or [], state_path, config_file)
     if problems and not force:
         raise untrusted_problem(target, problems)
-    if target.exists():
-        current = target.read_text(errors="replace")
-        if current == text and os.access(target, os.X_OK):
-            return InstallResult(
-                target, changed=False, restart_needed=restart, pins=pins, untrusted=problems
-            )
-        if _MARK not in current and not force:
-            raise ConfigError(
-                f"{target} exists and was not installed by vmlend; move it into "
-                f"{hooks_dir / 'qemu.d'} or pass --force to replace it"
-            )
+    pins = read_script_pins(text)
+    pins.update({_PIN_NAME.get(k, k): v for k, v in settings.items()})
+    current = target.read_text(errors="replace") if target.exists() else None
+    if current is not None and _MARK not in current and not force:
+        raise ConfigError(
+            f"{target} exists and was not installed by vmlend; move it into "
+            f"{hooks_dir / 'qemu.d'} or pass --force to replace it"
+        )
+    configured = write_config(config_file, settings)
+    if current is not None and current == text and os.access(target, os.X_OK):
+        return InstallResult(
+            target,
+            changed=configured != "unchanged",
+            restart_needed=restart,
+            pins=pins,
+            untrusted=problems,
+            config=configured,
+        )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # Not inside qemu.d: libvirt runs every executable there, dotfiles included. hooks/ is
@@ -224,7 +320,12 @@ def install_hook(
     except OSError as e:
         raise ConfigError(f"cannot install the hook at {target}: {e.strerror}") from None
     return InstallResult(
-        target, changed=True, restart_needed=restart, pins=pins, untrusted=problems
+        target,
+        changed=True,
+        restart_needed=restart,
+        pins=pins,
+        untrusted=problems,
+        config=configured,
     )
 
 

@@ -136,4 +136,10 @@ class Hypervisor(Protocol):
         failure the domain still runs here."""
         ...
 
+    def host_uuid(self) -> str:
+        """The hypervisor host's UUID (libvirt: ``<host><uuid>`` of its capabilities, else its
+        sysinfo's system UUID; "" when it says neither, as libvirt's test driver): what tells
+        two hypervisors apart whatever URI reaches them."""
+        ...
+
     def close(self) -> None: ...

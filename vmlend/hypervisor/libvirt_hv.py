@@ -307,6 +307,22 @@ class LibvirtHypervisor:
         self._call(op, name, lambda d: d.migrateToURI3(dst.uri, params, flags))
         return MigrationStats(downtime=_completed_downtime(dst, name))
 
+    def host_uuid(self) -> str:
+        try:
+            caps = self.conn.getCapabilities()
+        except libvirt.libvirtError as e:
+            raise DomainOperationError("identify", self.uri, one_line(e)) from None
+        from lxml import etree
+
+        found = etree.fromstring(caps.encode()).findtext("host/uuid")
+        if not found:
+            try:  # the SMBIOS system UUID, where the driver reports sysinfo
+                sysinfo = etree.fromstring(self.conn.getSysinfo(0).encode())
+                found = sysinfo.findtext("system/entry[@name='uuid']")
+            except (libvirt.libvirtError, etree.XMLSyntaxError):
+                found = None
+        return (found or "").strip()
+
     def close(self) -> None:
         if self._conn is not None:
             try:

@@ -126,7 +126,8 @@ class BorrowHardware(Protocol):
 
 class Ledger(ShareOps):
     """Holds, claims, fences and mdev records of the fabric, seen from ``local_node`` (default:
-    the state's local node).
+    the state's local node; with ``observer``, a shared registry without one is seen from no
+    node, ``local_node == ""``, for reading).
 
     With ``hardware``, ``borrow``/``give_back``/``release`` also drive the hardware
     (LUT entries, IOMMU attachment) of this process: borrow checks the hold, borrows the
@@ -143,6 +144,7 @@ class Ledger(ShareOps):
         local_node: str | None = None,
         clock: Callable[[], float] = time.time,
         hardware: BorrowHardware | None = None,
+        observer: bool = False,
     ) -> None:
         self._reg = registry
         self._clock = clock
@@ -152,6 +154,11 @@ class Ledger(ShareOps):
         with registry.read() as tx:
             topo = self._topology(tx)
             node = local_node or tx.topology().local_node
+        if not node and observer:
+            # Reading only (devices, fabric show, status, reconcile without --fix): a host
+            # that has not said which node it is sees the fabric from no node ("").
+            self.local_node = ""
+            return
         if not node:
             raise ConfigError(
                 f"say which fabric node this host is with --node, VMLEND_NODE or the file"

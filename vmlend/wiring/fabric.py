@@ -37,19 +37,28 @@ BACKENDS = ("sim", "smartio")
 BACKEND_ENV = "VMLEND_BACKEND"
 
 
+def default_backend(host: HostEnv) -> str:
+    """The backend when none is chosen: "smartio" where the SmartIO driver is loaded (what
+    ``vmlend.kernel.driver.SmartioDriver.loaded`` checks: its ``node_id``), else "sim"."""
+    return "smartio" if (host.smartio / "node_id").is_file() else "sim"
+
+
 def open_fabric(
     state_path: Location,
     node: str | None = None,
     backend: str | None = None,
     root: Path | None = None,
+    observer: bool = False,
 ) -> Fabric:
     """The fabric described by the registry at ``state_path``, seen from ``node`` (default:
-    the SQLite state's local node; a cluster registry needs it). ``backend``: "sim" (default)
-    or "smartio" (the kernel: Linux mdev sysfs and the SmartIO driver), else $VMLEND_BACKEND.
+    the SQLite state's local node; a cluster registry needs it). ``backend``: "sim" or
+    "smartio" (the kernel: Linux mdev sysfs and the SmartIO driver), else $VMLEND_BACKEND,
+    else the host's ``default_backend``.
     ``StateError`` when there is no usable state. ``root``: the host root (default
     ``$VMLEND_ROOT``) whose ``etc/vmlend/node`` names the node when ``node`` is None, and
-    whose agent lease a cluster registry's writes use."""
-    backend = backend or os.environ.get(BACKEND_ENV) or "sim"
+    whose agent lease a cluster registry's writes use. ``observer``: for reading only, a
+    cluster registry opens without a node (``local_node == ""``) when none is given."""
+    backend = backend or os.environ.get(BACKEND_ENV) or default_backend(HostEnv.from_env(root))
     if backend not in BACKENDS:
         raise ConfigError(f"unknown fabric backend {backend!r} (available: {', '.join(BACKENDS)})")
     if backend == "smartio":
@@ -62,7 +71,7 @@ def open_fabric(
     node = node or host.configured_node()
     registry = open_registry(state_path, hostlease.lease_path(host))
     try:
-        return SimFabric(registry, local_node=node)
+        return SimFabric(registry, local_node=node, observer=observer)
     except BaseException:
         registry.close()
         raise

@@ -37,10 +37,12 @@ def sim_node(uri: str) -> str | None:
     return node
 
 
-def hook_command(state_path: Path | str, node: str) -> list[str]:
-    """How a simulated node runs vmlend's hook (absolute interpreter, as libvirtd needs)."""
+def hook_command(state_path: Path | str, node: str, backend: str | None = None) -> list[str]:
+    """How a simulated node runs vmlend's hook (absolute interpreter, as libvirtd needs);
+    ``backend``: the one the caller chose (None: the hook's environment or default decides)."""
     option = "--state" if isinstance(state_path, Path) else "--registry"
-    return [sys.executable, "-m", "vmlend.hook", option, str(state_path), "--node", node]
+    command = [sys.executable, "-m", "vmlend.hook", option, str(state_path), "--node", node]
+    return [*command, "--backend", backend] if backend else command
 
 
 def open_hypervisor(

@@ -379,6 +379,10 @@ def test_sim_hook_command_passes_state_and_node_before_libvirts_argv(tmp_path):
     assert argv == ["vm1", "prepare", "begin", "-"]
     assert env == {"VMLEND_STATE": str(tmp_path / "s.db"), "VMLEND_NODE": "beta"}
     assert split_options(["vm1", "--state", "x"], {}) == ["vm1", "--state", "x"]
+    # the backend the CLI chose reaches the simulated node's hook too
+    env = {}
+    split_options([*hook_command(tmp_path / "s.db", "beta", "sim")[3:], "vm1"], env)
+    assert env["VMLEND_BACKEND"] == "sim"
 
 
 def test_detach_finishes_returning_a_device_an_interrupted_detach_left_held(cluster):

@@ -206,7 +206,7 @@ def test_fabric_check_when_a_state_exists(run, domain_file, state_path, monkeypa
 
     opened = []
     module = types.ModuleType("vmlend.wiring.fabric")
-    module.open_fabric = lambda path, node: opened.append((path, node)) or FakeFabric()
+    module.open_fabric = lambda path, node, **_: opened.append((path, node)) or FakeFabric()
     monkeypatch.setitem(sys.modules, "vmlend.wiring.fabric", module)
     before = domain_file.read_bytes()
     r = run("--node", "gamma", "xml", "add-device", str(domain_file), "0x13")

@@ -90,7 +90,11 @@ class Host:
 
     @property
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+        }
         env |= {"VMLEND_STATE": str(self.state), "VMLEND_NODE": self.node}
         env["VMLEND_ROOT"] = str(self.root)
         if self.registry:
@@ -624,7 +628,9 @@ def test_doctor_says_whether_an_agent_serves_the_installed_hook(hosts):
     served = hosts["served"]
     host = HostEnv(served.root)
     host.libvirt_config.mkdir(parents=True)
-    install_hook(host.libvirt_config, served.state, "gamma", hook_socket=served.socket)
+    install_hook(
+        host.libvirt_config, served.state, "gamma", hook_socket=served.socket, root=served.root
+    )
     finding = check_hook_served(host)
     assert finding is not None and finding.status is Status.WARN
     assert "no vmlend agent serves the hook" in finding.detail and "no socket" in finding.detail
@@ -944,7 +950,11 @@ def test_hook_install_warns_about_a_socket_directory_the_agent_would_refuse(tmp_
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o1777)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+    }
     base = [VMLEND, "--state", str(tmp_path / "state.db"), "hook", "install"]
     args = ["--libvirt-dir", str(libvirt), "--hook-socket"]
     out = subprocess.run(
@@ -999,6 +1009,7 @@ def test_an_agent_that_may_not_probe_the_socket_leaves_it_alone():
         live.bind(str(sock))
         sock.chmod(0o600)
         live.listen(8)
+        # without the test's configuration file too: 65534 cannot enter the test's directory
         env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
         env["VMLEND_ROOT"] = str(base)
         argv = ["--state", str(run / "state.db"), "agent"]

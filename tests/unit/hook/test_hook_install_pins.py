@@ -34,6 +34,7 @@ def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
     monkeypatch.delenv("VMLEND_NODE", raising=False)
     monkeypatch.delenv("VMLEND_BACKEND", raising=False)
     monkeypatch.delenv("VMLEND_HOOK_SOCKET", raising=False)
+    monkeypatch.delenv("VMLEND_CONFIG")
     monkeypatch.setenv("VMLEND_ROOT", "rel-root")
     monkeypatch.chdir(tmp_path)
     args = ["--state", "rel/state.db", "hook", "install", "--libvirt-dir", str(libvirt_dir)]
@@ -42,16 +43,21 @@ def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
     hook = libvirt_dir / "hooks" / "qemu.d" / "vmlend"
     pins = read_pins(hook.read_text())
     sock = tmp_path / "rel-root" / "run" / "vmlend" / "hook.sock"
+    config = tmp_path / "rel-root" / "etc" / "vmlend" / "vmlend.toml"
     assert pins == {
         "interpreter": os.path.abspath(sys.executable),
+        "config": str(config),
+        "root": str(tmp_path / "rel-root"),
         "state": str(tmp_path / "rel" / "state.db"),
         "hook socket": str(sock),
     }
     assert r.output.splitlines()[1:] == [
+        f"  config       {config} (written)",
+        f"  root         {tmp_path / 'rel-root'}",
         f"  interpreter  {os.path.abspath(sys.executable)}",
         f"  registry     {tmp_path / 'rel' / 'state.db'}",
         "  node         (the state local node)",
-        "  backend      (sim, the default)",
+        "  backend      (the host's: smartio where the driver is loaded, else sim)",
         f"  hook socket  {sock} (served by 'vmlend agent' when it runs)",
     ]
     data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
@@ -97,11 +103,24 @@ def test_a_missing_libvirt_dir_is_refused(tmp_path, state_path):
     assert _tree(tmp_path) == before
 
 
-def test_read_pins_reads_what_hook_script_writes(tmp_path, monkeypatch):
-    monkeypatch.setenv("VMLEND_BACKEND", "smartio")
-    text = hook_script("/usr/bin/python3", tmp_path / "s.db", "gamma", hook_socket=tmp_path / "s")
+def test_the_hook_pins_its_configuration_file_and_root_and_reads_its_settings_there(tmp_path):
+    config = tmp_path / "etc" / "vmlend" / "vmlend.toml"
+    text = hook_script("/usr/bin/python3", config, tmp_path)
+    assert "VMLEND_STATE" not in text  # the settings are the file's, not the script's
     assert read_pins(text) == {
         "interpreter": "/usr/bin/python3",
+        "config": str(config),
+        "root": str(tmp_path),
+    }
+    config.parent.mkdir(parents=True)
+    config.write_text(
+        f'state = "{tmp_path / "s.db"}"\nnode = "gamma"\nbackend = "smartio"\n'
+        f'hook-socket = "{tmp_path / "s"}"\n\n[agent]\nttl = 10\n'
+    )
+    assert read_pins(text) == {
+        "interpreter": "/usr/bin/python3",
+        "config": str(config),
+        "root": str(tmp_path),
         "state": str(tmp_path / "s.db"),
         "node": "gamma",
         "backend": "smartio",
@@ -117,7 +136,7 @@ def test_compare_pins(tmp_path):
     assert other.status is Status.FAIL
     assert other.detail == (
         f"{hook} pins registry /b.db vs /a.db; node alpha vs (unset) (hook vs this CLI):"
-        " re-run 'vmlend hook install' with this CLI's --state/--registry/--node"
+        " re-run 'vmlend hook install' with this CLI's --config/--state/--registry/--node"
     )
     venv = compare_pins(hook, {"interpreter": "/old/py", "state": "/a.db"}, cli)
     assert venv.status is Status.WARN

@@ -28,7 +28,7 @@ def test_healthy_host_passes_every_check(tmp_path):
 def test_empty_root_blocks_use(tmp_path):
     found = checks(HostEnv(tmp_path))
     fails = {n for n, f in found.items() if f.status is Status.FAIL}
-    assert fails == {"iommu", "vfio module", "mdev module", "vfio device", "libvirt hook"}
+    assert fails == {"kvm", "iommu", "vfio module", "mdev module", "vfio device", "libvirt hook"}
     assert found["smartio driver"].status is Status.WARN
     assert found["libvirtd"].status is Status.WARN
     assert blocking(list(found.values()))
@@ -128,10 +128,88 @@ def test_cli_doctor_exit_codes_and_json(tmp_path):
     healthy(tmp_path / "good")
     r = CliRunner().invoke(main, ["--root", str(tmp_path / "good"), "doctor"])
     assert r.exit_code == 0, r.output
-    # 10 host checks, the hook's ownership, its pins vs the CLI's, whether an agent serves it
-    assert len(r.output.splitlines()) == 13
+    # 12 host checks, the hook's ownership, its pins vs the CLI's, whether an agent serves it
+    assert len(r.output.splitlines()) == 15
     r = CliRunner().invoke(main, ["doctor", "--json"], env={"VMLEND_ROOT": str(tmp_path)})
     assert r.exit_code == 1
     data = json.loads(r.output)
     assert data["ok"] is False and data["root"] == str(tmp_path)
     assert {c["check"] for c in data["checks"] if c["status"] == "fail"} >= {"iommu"}
+
+
+def test_kvm_and_iommu_advice_fits_the_cpu(tmp_path):
+    fake = healthy(tmp_path)
+    (fake.env.dev / "kvm").unlink()
+    shutil.rmtree(fake.env.iommu_groups / "0")
+    (fake.env.proc / "cpuinfo").write_text("vendor_id\t: AuthenticAMD\n")
+    found = checks(fake.env)
+    assert found["kvm"].status is Status.FAIL
+    assert "enable AMD-V in firmware" in found["kvm"].detail
+    assert "'modprobe kvm_amd'" in found["kvm"].detail
+    assert "AMD-Vi" in found["iommu"].detail and "intel_iommu" not in found["iommu"].detail
+    (fake.env.proc / "cpuinfo").write_text("vendor_id\t: GenuineIntel\n")
+    found = checks(fake.env)
+    assert "enable VT-x" in found["kvm"].detail and "'modprobe kvm_intel'" in found["kvm"].detail
+    assert "intel_iommu=on" in found["iommu"].detail
+
+
+@pytest.mark.parametrize("gone", ["proc/modules", "lib/modules/6.1.0-test"])
+def test_no_modprobe_advice_on_a_kernel_without_modules(tmp_path, gone):
+    fake = healthy(tmp_path)
+    shutil.rmtree(fake.env.module("vfio"))
+    shutil.rmtree(fake.env.dev / "kvm", ignore_errors=True)
+    (fake.env.dev / "kvm").unlink(missing_ok=True)
+    (fake.env.proc / "cpuinfo").write_text("vendor_id\t: GenuineIntel\n")
+    path = fake.env.root / gone
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    found = checks(fake.env)
+    for name, option in (("vfio module", "CONFIG_VFIO_PCI=y"), ("kvm", "CONFIG_KVM_INTEL=y")):
+        assert "'modprobe" not in found[name].detail
+        assert "this kernel loads no modules" in found[name].detail
+        assert option in found[name].detail
+
+
+def test_backend_in_use_is_reported_and_sim_on_a_kvm_host_flagged(tmp_path):
+    fake = healthy(tmp_path)
+    found = checks(fake.env)
+    assert found["backend"].status is Status.OK
+    assert found["backend"].detail == "smartio (the default: the SmartIO driver is loaded)"
+    sim = checks(fake.env, backend="sim")["backend"]
+    assert sim.status is Status.WARN
+    assert sim.detail.startswith("sim (chosen) on a host with real virtualization")
+    (fake.env.dev / "kvm").unlink()
+    assert checks(fake.env, backend="sim")["backend"].status is Status.OK
+    empty = checks(HostEnv(tmp_path / "empty"), backend="smartio")["backend"]
+    assert empty.status is Status.FAIL and "SmartIO driver is not loaded" in empty.detail
+
+
+def test_doctor_finds_the_hook_under_the_libvirt_dir_it_was_installed_to(tmp_path, state_path):
+    healthy(tmp_path / "host")
+    private = tmp_path / "private-libvirt"
+    private.mkdir()
+    base = ["--root", str(tmp_path / "empty")]
+    r = CliRunner().invoke(main, [*base, "hook", "install", "--libvirt-dir", str(private)])
+    assert r.exit_code == 0, r.output
+
+    def hook_check(*extra: str) -> dict:
+        out = CliRunner().invoke(main, [*base, "doctor", "--json", *extra]).output
+        return next(c for c in json.loads(out)["checks"] if c["check"] == "libvirt hook")
+
+    assert hook_check()["status"] == "fail"
+    found = hook_check("--libvirt-dir", str(private))
+    assert found == {
+        "check": "libvirt hook",
+        "status": "ok",
+        "detail": str(private / "hooks" / "qemu.d" / "vmlend"),
+    }
+
+
+def test_doctor_checks_the_hypervisor_it_is_given(tmp_path):
+    def hv(*args: str) -> dict:
+        out = CliRunner().invoke(main, ["--root", str(tmp_path), "doctor", "--json", *args])
+        return next(c for c in json.loads(out.output)["checks"] if c["check"] == "hypervisor")
+
+    assert hv("-c", "test:///default")["status"] == "ok"
+    bad = hv("-c", "qemu+unix:///system?socket=/nonexistent/sock")
+    assert bad["status"] == "fail" and bad["detail"].startswith("cannot connect to qemu+unix")
+    assert hv("-c", "sim:///gamma")["detail"] == "sim:///gamma is a simulated node"

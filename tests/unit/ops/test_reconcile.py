@@ -60,7 +60,7 @@ def test_hold_of_a_stopped_vm_is_returned(cluster):
 
     before = cluster.snapshot()
     dry = cluster.cli("reconcile", *GAMMA, "--fix", "--dry-run")
-    assert dry.exit_code == 0 and f"would return 0x10 and remove mdev {mdev}" in dry.stdout
+    assert dry.exit_code == 1 and f"would return 0x10 and remove mdev {mdev}" in dry.stdout
     assert cluster.snapshot() == before
 
     fixed = _reconcile(cluster, "--fix")

@@ -261,12 +261,16 @@ def test_cli_commands_work_on_an_etcd_registry(etcd_url, monkeypatch, tmp_path):
     assert r.exit_code == 0 and "each host names its node" in r.output, r.output
     r = run("--node", "gamma", "devices")
     assert r.exit_code == 0 and "0x10" in r.output, r.output
-    r = run("devices")
+    r = run("devices")  # reading needs no node identity
+    assert r.exit_code == 0 and "0x10" in r.output, r.output
+    r = run("unlend", "0x10")  # writing does
     assert r.exit_code == 1 and "--node, VMLEND_NODE or the file etc/vmlend/node" in r.output
     assert not (tmp_path / "unused.db").exists()
 
 
 def test_hook_install_pins_the_registry_url(etcd_url, tmp_path):
+    from vmlend.hook.install import read_pins
+
     result = install_hook(
         tmp_path / "libvirt",
         tmp_path / "s.db",
@@ -274,8 +278,10 @@ def test_hook_install_pins_the_registry_url(etcd_url, tmp_path):
         interpreter=sys.executable,
         registry=etcd_url,
     )
-    text = result.path.read_text()
-    assert f"os.environ.setdefault('VMLEND_REGISTRY', {etcd_url!r})" in text
+    # the hook pins its configuration file, which holds the URL
+    assert read_pins(result.path.read_text())["registry"] == etcd_url
+    config = tmp_path / "vmlend" / "vmlend.toml"
+    assert f'registry = "{etcd_url}"' in config.read_text()
 
 
 def test_cold_migration_moves_the_holds_through_the_etcd_registry(etcd_url, tmp_path, monkeypatch):

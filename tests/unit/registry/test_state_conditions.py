@@ -256,7 +256,9 @@ except StateError as e:
 
 
 def _as_nobody(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "VMLEND_STATE"}
+    # Nor the test's configuration file: it lies in the test's directory, which 65534 cannot
+    # enter (an unreadable configuration file is refused).
+    env = {k: v for k, v in os.environ.items() if k not in ("VMLEND_STATE", "VMLEND_CONFIG")}
     return subprocess.run(
         [sys.executable, "-c", AS_NOBODY, "--state", str(state), *args],
         capture_output=True,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 import time
 import uuid as uuidlib
@@ -468,6 +469,12 @@ class SimHypervisor:
         first, second = sorted((self, other), key=lambda h: str(h.store.data_dir))
         with first.store.locked(), second.store.locked():
             yield
+
+    def host_uuid(self) -> str:
+        """Stable per simulated node: derived from where its domains live (another state's
+        node of the same name is another host)."""
+        where = os.path.abspath(self.store.data_dir)
+        return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"vmlend-sim://{where}"))
 
     def close(self) -> None:
         """Nothing to release: every operation opens and closes its files."""
