@@ -196,8 +196,11 @@ def test_a_daemon_can_have_its_own_host_uuid(tmp_path):
         .items()
     }
     assert 'host_uuid = "0b3c2a9e-1d44-4f5e-8c77-aa01b2c3d4e5"' in files["libvirtd.conf"]
-    default = {p.name: c for p, c in DaemonLayout(tmp_path).config_files().items()}
-    assert "host_uuid" not in default["libvirtd.conf"]
+    # unchosen: derived from the daemon's root, stable, and another daemon's differs
+    one, other = DaemonLayout(tmp_path / "a"), DaemonLayout(tmp_path / "b")
+    assert one.host_uuid == DaemonLayout(tmp_path / "a").host_uuid != other.host_uuid
+    conf = {p.name: c for p, c in one.config_files().items()}["libvirtd.conf"]
+    assert f'host_uuid = "{one.host_uuid}"' in conf
 
 
 def test_render_conf_quotes_values_and_refuses_unquotable_ones():

@@ -56,12 +56,22 @@ def test_installed_into_a_fresh_venv_it_runs(wheel, tmp_path):
     venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
     site = Path(
-        _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-        .stdout.strip()
+        _run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+        ).stdout.strip()
     )
     r = _run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps",
-         "--no-index", str(wheel)]
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ]
     )
     assert r.returncode == 0, r.stdout + r.stderr
     # The dependencies only, from this environment (appended: vmlend itself must come from

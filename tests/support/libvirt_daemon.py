@@ -115,11 +115,12 @@ def render_conf(values: Mapping[str, str | int | Sequence[str]]) -> str:
 @dataclass(frozen=True)
 class DaemonLayout:
     """Every path of one private daemon, hanging off ``root`` (pure: touches nothing).
-    ``host_uuid``: the host UUID libvirtd reports (two daemons on one machine must differ,
-    or libvirt refuses a migration between them as "to the same host")."""
+    ``fixed_uuid``: the host UUID libvirtd reports, when a test chooses it; else one derived
+    from ``root`` (two daemons on one machine must differ, or libvirt refuses a migration
+    between them as "to the same host", and vmlend tells hypervisors apart by it)."""
 
     root: Path
-    host_uuid: str | None = None
+    fixed_uuid: str | None = None
 
     def private(self, name: str) -> Path:
         return self.root / name
@@ -165,7 +166,9 @@ class DaemonLayout:
 
     @property
     def host_uuid(self) -> str:
-        """Stable for this daemon's root, distinct between daemons."""
+        """The test's choice, else stable for this daemon's root and distinct between daemons."""
+        if self.fixed_uuid is not None:
+            return self.fixed_uuid
         return str(uuid.uuid5(uuid.NAMESPACE_URL, f"vmlend-test-libvirtd:{self.root}"))
 
     def config_files(self) -> dict[Path, str]:
@@ -184,8 +187,6 @@ class DaemonLayout:
             # machine are two hypervisors to vmlend (vmlend.ops.hvidentity).
             "host_uuid": self.host_uuid,
         }
-        if self.host_uuid is not None:
-            libvirtd["host_uuid"] = self.host_uuid
         virtlogd = {"log_outputs": f"3:file:{self.log_dir / 'virtlogd.log'}"}
         qemu = {
             # Guests run as root so private dirs need no chown to libvirt-qemu, and libvirt

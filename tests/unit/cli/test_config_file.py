@@ -129,7 +129,7 @@ def test_hook_install_writes_the_file_the_hook_reads_and_keeps_the_rest(root, tm
 
 
 def test_the_hook_reads_any_toml_the_cli_accepts_and_set_variables_win(root):
-    write(root, 'state = "/s\\u00e9.db"  # escaped\nnode = \'beta\'\n[agent]\nttl = 10\n')
+    write(root, "state = \"/s\\u00e9.db\"  # escaped\nnode = 'beta'\n[agent]\nttl = 10\n")
     env = {"VMLEND_ROOT": str(root), "VMLEND_NODE": "gamma"}
     hook_environment(env)
     assert env["VMLEND_STATE"] == "/s\u00e9.db" and env["VMLEND_NODE"] == "gamma"

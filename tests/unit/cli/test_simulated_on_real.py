@@ -37,9 +37,7 @@ def real_uri(cluster, tmp_path) -> str:
     return f"test://{node}"
 
 
-def test_start_with_simulated_devices_on_a_real_uri_is_refused_before_libvirt(
-    cluster, real_uri
-):
+def test_start_with_simulated_devices_on_a_real_uri_is_refused_before_libvirt(cluster, real_uri):
     before = cluster.snapshot()
     line = one_line(cluster.cli("vm", "start", "vm1", "-c", real_uri))
     assert line.startswith(f"Error: cannot start VM 'vm1' on {real_uri}: {WHY}")

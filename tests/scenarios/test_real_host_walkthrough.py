@@ -1,0 +1,170 @@
+"""docs/real-hardware.md's set-up of a host, followed as written on a fake host root: the
+SmartIO driver's attributes in a fake sysfs, IOMMU groups, VFIO and /dev/kvm. ``VMLEND_ROOT``
+points every vmlend command there and the walkthrough's absolute paths are taken under it;
+``systemctl`` (systemd is not PID 1 here) is stood in for by systemd-analyze verify and the
+installed unit's ExecStart under a NOTIFY_SOCKET this test owns."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.doctor_host import loads_modules
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
+from tests.support.paths import REPO
+from vmlend.topology.parse import parse_topology
+from vmlend.wiring.fabric import default_topology_text
+
+DOC = REPO / "docs" / "real-hardware.md"
+MARK = "<!-- real-host walkthrough:"
+VMLEND = str(Path(sys.executable).parent / "vmlend")
+#: A bound on a daemon that hangs, not a timing assertion.
+WAIT = 60.0
+
+
+def walkthrough() -> list[str]:
+    text = DOC.read_text()
+    start = text.index(MARK)
+    block = re.search(r"```\n(.*?)```", text[start:], re.S)
+    assert block, "the walkthrough's code block is missing"
+    return block.group(1).splitlines()
+
+
+def fake_host(root: Path) -> FakeSysfs:
+    """A host with the SmartIO driver offering the shipped fabric's devices, seen as gamma."""
+    fake = FakeSysfs(root)
+    env = fake.env
+    (env.iommu_groups / "0" / "devices").mkdir(parents=True)
+    (env.iommu_class / "dmar0").mkdir(parents=True)
+    for module in ("vfio", "vfio_pci", "mdev"):
+        env.module(module).mkdir(parents=True)
+    env.vfio_container.parent.mkdir(parents=True)
+    env.vfio_container.write_text("")
+    (env.dev / "kvm").write_text("")
+    loads_modules(env)
+    smartio = FakeSmartio(fake, node_id=12)
+    populate_smartio(smartio, parse_topology(*default_topology_text()))
+    return fake
+
+
+class Steps:
+    """Runs the walkthrough's lines: vmlend commands for real, the shell's file steps under
+    the root, systemctl by its stand-ins."""
+
+    def __init__(self, root: Path, tmp: Path) -> None:
+        self.root, self.tmp = root, tmp
+        self.env = {**os.environ, "VMLEND_ROOT": str(root)}
+        for name in ("VMLEND_CONFIG", "VMLEND_STATE", "VMLEND_REGISTRY", "VMLEND_NODE"):
+            self.env.pop(name, None)  # the walkthrough's file says it all
+        self.env["VMLEND_CONFIG"] = str(root / "etc" / "vmlend" / "vmlend.toml")
+        self.agent: subprocess.Popen | None = None
+        self.outputs: dict[str, str] = {}
+
+    def under_root(self, path: str) -> Path:
+        assert path.startswith("/"), path
+        return self.root / path.lstrip("/")
+
+    def run(self, lines: list[str]) -> None:
+        i = 0
+        while i < len(lines):
+            line = lines[i].strip()
+            i += 1
+            if not line or line.startswith("#"):
+                continue
+            words = shlex.split(line)
+            if words[0] == "vmlend":
+                self.vmlend(line, words[1:])
+            elif words[:2] == ["install", "-d"]:
+                for d in (w for w in words[2:] if w.startswith("/")):
+                    self.under_root(d).mkdir(parents=True, exist_ok=True)
+            elif words[0] == "cat" and "<<'EOF'" in line:
+                body = []
+                while lines[i].strip() != "EOF":
+                    body.append(lines[i])
+                    i += 1
+                i += 1
+                text = "\n".join(body) + "\n"
+                # the file's absolute paths, under the root too
+                text = re.sub(r'"(/[^"]*)"', lambda m: f'"{self.under_root(m.group(1))}"', text)
+                self.under_root(words[words.index(">") + 1]).write_text(text)
+            elif words[0] == "systemctl":
+                self.systemctl()
+            else:
+                raise AssertionError(f"a walkthrough step this test does not know: {line}")
+
+    def vmlend(self, line: str, args: list[str]) -> None:
+        run = subprocess.run(
+            [VMLEND, *args], env=self.env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
+        assert run.returncode == 0, (line, run.stdout, run.stderr)
+        self.outputs[line] = run.stdout
+
+    def systemctl(self) -> None:
+        """``daemon-reload && enable --now vmlend-agent``: verify the unit, then start its
+        ExecStart as systemd would and wait until it says it is ready."""
+        unit = self.root / "etc" / "systemd" / "system" / "vmlend-agent.service"
+        tool = shutil.which("systemd-analyze")
+        assert tool, "systemd-analyze is missing (Debian: systemd)"
+        check = subprocess.run([tool, "verify", "--man=no", str(unit)], capture_output=True)
+        assert (check.returncode, check.stdout + check.stderr) == (0, b"")
+        command = next(
+            shlex.split(ln.removeprefix("ExecStart="))
+            for ln in unit.read_text().splitlines()
+            if ln.startswith("ExecStart=")
+        )
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(self.tmp / "notify"))
+        notify.settimeout(0.5)
+        log = (self.tmp / "agent.log").open("ab")
+        self.agent = subprocess.Popen(
+            command,
+            env={**self.env, "NOTIFY_SOCKET": str(self.tmp / "notify")},
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        deadline = time.monotonic() + WAIT
+        with notify:
+            while True:
+                assert self.agent.poll() is None, (self.tmp / "agent.log").read_text()
+                assert time.monotonic() < deadline, "the agent never said READY=1"
+                try:
+                    if b"READY=1" in notify.recv(4096):
+                        return
+                except TimeoutError:
+                    continue
+
+    def stop(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            assert self.agent.wait(WAIT) == 0
+
+
+@pytest.mark.slow
+def test_the_real_host_walkthrough_runs_as_written(tmp_path):
+    root = tmp_path / "root"
+    fake_host(root)
+    steps = Steps(root, tmp_path)
+    try:
+        steps.run(walkthrough())
+        # what the steps left: the hook, the units, the state, and a serving agent
+        assert (root / "etc" / "libvirt" / "hooks" / "qemu.d" / "vmlend").is_file()
+        assert (root / "var" / "lib" / "vmlend" / "state.db").is_file()
+        assert (root / "run" / "vmlend" / "hook.sock").exists()
+        devices = steps.outputs["vmlend devices"]
+        assert "0x10" in devices and "alpha" in devices  # the driver's devices, via smartio
+        assert "smartio" in steps.outputs["vmlend doctor"]
+        assert not Path("/etc/vmlend/vmlend.toml").exists()  # nothing outside the root
+    finally:
+        steps.stop()
