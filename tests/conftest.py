@@ -17,6 +17,9 @@ def _private_config(tmp_path, monkeypatch):
     unset VMLEND_CONFIG; a subprocess given a cleaned environment must keep it. A test that
     wrote the machine's file anyway fails."""
     monkeypatch.setenv("VMLEND_CONFIG", str(tmp_path / "vmlend.toml"))
+    # Nor the machine's state directory: a process given only a registry URL keeps its
+    # action log and simulated nodes beside the default state (/var/lib/vmlend as root).
+    monkeypatch.setenv("VMLEND_STATE", str(tmp_path / "default-state" / "state.db"))
     existed = MACHINE_CONFIG.exists()
     yield
     if not existed and MACHINE_CONFIG.exists():
