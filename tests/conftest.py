@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+#: tests/kernel needs the real VFIO/mdev kernel of the kernel tier's guest (make test-kernel,
+#: kernel-tier/): its init sets VMLEND_KERNEL_GUEST. Anywhere else the tree is not collected.
+collect_ignore = [] if os.environ.get("VMLEND_KERNEL_GUEST") else ["kernel"]
 
 
 @pytest.fixture
