@@ -48,6 +48,12 @@ if [ ! -f "$B/base.cpio" ] || [ "$(cat "$B/base.stamp" 2>/dev/null)" != "$BASE_I
   mkdir -p "$S$VENV"
   tar -C "$VENV" --exclude='mypy*' --exclude='*__mypyc*' --exclude=pip --exclude='pip-*' \
       --exclude='ruff*' -cf - . | tar -C "$S$VENV" -xf -
+  # QEMU, to open an mdev through VFIO inside the guest: the binary, its TCG accelerator
+  # module and its firmware (SeaBIOS).
+  mkdir -p "$S/usr/bin" "$S/usr/share" "$S/usr/lib/x86_64-linux-gnu/qemu"
+  cp /usr/bin/qemu-system-x86_64 "$S/usr/bin/"
+  cp /usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so "$S/usr/lib/x86_64-linux-gnu/qemu/"
+  cp -a /usr/share/qemu /usr/share/seabios "$S/usr/share/"
   # pyudev finds libudev with ctypes.util.find_library, which asks ldconfig's cache.
   mkdir -p "$S/usr/lib/x86_64-linux-gnu"
   cp -L /lib/x86_64-linux-gnu/libudev.so.1 "$S/usr/lib/x86_64-linux-gnu/"
