@@ -5,16 +5,27 @@ kernel's mtty standing for ``smartio-12`` (tests.support.kernel_guest.MttyAsSmar
 from __future__ import annotations
 
 import io
+import subprocess
 import uuid
 
 import pytest
 
-from tests.support.kernel_guest import MTTY, MTTY1, MTTY2, MTTY_DIR, REAL, MttyAsSmartio, available
+from tests.support.kernel_guest import (
+    MTTY,
+    MTTY1,
+    MTTY2,
+    MTTY_DIR,
+    REAL,
+    MttyAsSmartio,
+    MttyEventsAsSmartio,
+    available,
+)
 from tests.support.smartio_host import NVME, PARENT, fake, state  # noqa: F401 (fixtures)
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain
 from vmlend.hook.main import run
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.kernel.mdev import MdevBus
+from vmlend.kernel.udev import Outcome, PyudevSource
 from vmlend.registry import SqliteRegistry
 from vmlend.topology.model import DeviceState, MiB
 
@@ -101,3 +112,38 @@ def test_prepare_that_the_kernel_refuses_changes_nothing(state, fake, open_kerne
     fab = open_kernel_fabric(state, "gamma")
     assert fab.mdevs() == [] and fab.device(NVME).holder is None
     assert len(bus.devices()) == 24
+
+
+def test_the_watcher_brings_back_a_running_vms_mdev_when_its_parent_returns(
+    state, fake, open_kernel_fabric  # noqa: F811 (fixtures)
+):
+    """What 'vmlend mdev watch' runs (SmartioFabric.watcher over the live source): the parent
+    leaves (its driver unloaded, as when a lender reboots), the registry marks the device
+    unavailable; it returns, the running VM's child is created again from the registry."""
+    xml = domain_xml()
+    u = str(mdev_uuid(VM_UUID, NVME))
+    assert hook(state, open_kernel_fabric, "web", "prepare", "begin", "-", xml=xml) == (0, "")
+    fab = open_kernel_fabric(state, "gamma")
+    source = MttyEventsAsSmartio(PyudevSource.for_host(REAL), NVME)
+    watcher = fab.watcher()
+    assert watcher.discover() == [PARENT]
+
+    # The parent's driver goes, taking the child with it (the mdev core removes children of
+    # a parent that unregisters).
+    subprocess.run(["rmmod", "mtty"], check=True)
+    assert MdevBus(REAL).device(u) is None
+    watcher.run(source, timeout=3)
+    assert PARENT in watcher.unavailable, source.events
+    assert fab.device(NVME).state is DeviceState.UNAVAILABLE
+
+    subprocess.run(["insmod", "/lib/modules/vmlend/mtty.ko"], check=True)
+    before = len(watcher.reactions)
+    watcher.run(source, timeout=3)
+    after = [(r.outcome, r.uuid) for r in watcher.reactions[before:]]
+    assert after and after[0] == (Outcome.RECREATED, u), (after, source.events)
+    dev = MdevBus(REAL).device(u)
+    assert dev is not None and (dev.parent, dev.type_id) == (MTTY, MTTY2)
+    assert fab.device(NVME).state is not DeviceState.UNAVAILABLE
+
+    assert hook(state, open_kernel_fabric, "web", "release", "end", "-", xml=xml) == (0, "")
+    assert MdevBus(REAL).devices() == []

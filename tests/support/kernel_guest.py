@@ -8,6 +8,7 @@ import msgspec
 
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.mdev import MdevBus, MdevDevice, MdevParent
+from vmlend.kernel.udev import Uevent, UeventSource
 
 #: The real host root inside the guest.
 REAL = HostEnv(Path("/"))
@@ -84,3 +85,25 @@ class MttyAsSmartio:
 
     def remove(self, uuid: str) -> bool:
         return self.kernel.remove(uuid)
+
+
+class MttyEventsAsSmartio:
+    """Test-only: live uevents with the mtty parent's name given as ``smartio-<fdid>``, for a
+    watcher over ``MttyAsSmartio`` (the companion of that adapter, for events)."""
+
+    def __init__(self, source: UeventSource, fdid: int) -> None:
+        from vmlend.kernel.driver import device_name
+
+        self.source, self.name = source, device_name(fdid)
+        self.events: list[Uevent] = []
+
+    def fileno(self) -> int:
+        return self.source.fileno()
+
+    def receive(self) -> Uevent | None:
+        ev = self.source.receive()
+        if ev is not None and ev.sys_name == MTTY and ev.subsystem != "module":
+            ev = msgspec.structs.replace(ev, sys_name=self.name)
+        if ev is not None:
+            self.events.append(ev)
+        return ev
