@@ -52,10 +52,7 @@ test-kernel: venv
 	  echo "installing system packages:" $$missing; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
-	sh kernel-tier/fetch.sh $(KERNEL_BUILD)
-	sh kernel-tier/build-module.sh $(KERNEL_BUILD)
-	bash kernel-tier/initramfs.sh $(KERNEL_BUILD) -q -m kernel $(KERNEL_TESTS)
-	bash kernel-tier/boot.sh $(KERNEL_BUILD)
+	bash kernel-tier/run.sh $(KERNEL_BUILD) -q -m kernel $(KERNEL_TESTS)
 
 # Unit tests only (no daemons, no QEMU): seconds.
 test-fast: venv
