@@ -7,15 +7,25 @@ B=$(cd "${1:?build dir}" && pwd)
 . "$B/env"
 LOG=$B/console.log
 TIMEOUT=${KERNEL_TIER_TIMEOUT:-900}
-# The guest's serial console goes to the log; progress lines are echoed as they come.
-timeout --foreground "$TIMEOUT" qemu-system-x86_64 \
-  -machine q35,kernel-irqchip=split -accel tcg -cpu max -smp "${KERNEL_TIER_SMP:-1}" \
-  -m "${KERNEL_TIER_MEM:-3072}" \
-  -device intel-iommu,intremap=on \
-  -kernel "$B/root/boot/vmlinuz-$KREL" -initrd "$B/initramfs.cpio" \
-  -append "console=ttyS0 intel_iommu=on panic=-1 quiet loglevel=4 rdinit=/init" \
-  -nodefaults -display none -serial "file:$LOG" -no-reboot -net none \
-  && qrc=0 || qrc=$?
+# no_timer_check: under TCG on a loaded machine the kernel's early check that the timer
+# interrupt arrives through the (remapped) IO-APIC can miss its window and panic ("timer
+# doesn't work through Interrupt-remapped IO-APIC"); the check proves nothing about QEMU.
+boot() {
+  timeout --foreground "$TIMEOUT" qemu-system-x86_64 \
+    -machine q35,kernel-irqchip=split -accel tcg -cpu max -smp "${KERNEL_TIER_SMP:-1}" \
+    -m "${KERNEL_TIER_MEM:-3072}" \
+    -device intel-iommu,intremap=on \
+    -kernel "$B/root/boot/vmlinuz-$KREL" -initrd "$B/initramfs.cpio" \
+    -append "console=ttyS0 intel_iommu=on no_timer_check panic=-1 quiet loglevel=4 rdinit=/init" \
+    -nodefaults -display none -serial "file:$LOG" -no-reboot -net none
+}
+boot && qrc=0 || qrc=$?
+# A guest that died before /init said anything never ran a test: boot it once more.
+if ! grep -aq '^kernel-tier: ' "$LOG" && [ "$qrc" != 124 ]; then
+  echo "boot: the kernel stopped before /init ran; its last lines, then a second boot:" >&2
+  tail -n 5 "$LOG" | tr -d '\r' >&2
+  boot && qrc=0 || qrc=$?
+fi
 grep -a '^kernel-tier: ' "$LOG" | tr -d '\r' || true
 if ! grep -aq '^=== VMLEND-KERNEL-TIER RC=' "$LOG"; then
   echo "boot: the guest ended without a result (qemu exit $qrc); the console's last lines:" >&2

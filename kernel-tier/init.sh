@@ -30,6 +30,11 @@ else
 fi
 echo "=== VMLEND-KERNEL-TIER OUTPUT BEGIN ==="
 cat /tmp/pytest.out
+if [ "$rc" != 0 ]; then  # the private daemons' and QEMU's logs die with the guest: show them
+  find /tmp -name '*.log' -path '*libvirtd*' 2>/dev/null | while read -r f; do
+    echo "--- tail of $f"; tail -n 25 "$f"
+  done
+fi
 echo "=== VMLEND-KERNEL-TIER OUTPUT END ==="
 echo "=== VMLEND-KERNEL-TIER RC=$rc ==="
 sync

@@ -54,6 +54,13 @@ if [ ! -f "$B/base.cpio" ] || [ "$(cat "$B/base.stamp" 2>/dev/null)" != "$BASE_I
   cp /usr/bin/qemu-system-x86_64 "$S/usr/bin/"
   cp /usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so "$S/usr/lib/x86_64-linux-gnu/qemu/"
   cp -a /usr/share/qemu /usr/share/seabios "$S/usr/share/"
+  # libvirt's daemons and drivers, for the private libvirtd of tests/support/libvirt_daemon.py.
+  mkdir -p "$S/usr/sbin" "$S/usr/lib/x86_64-linux-gnu"
+  cp /usr/sbin/libvirtd /usr/sbin/virtlogd "$S/usr/sbin/"
+  cp -a /usr/lib/x86_64-linux-gnu/libvirt "$S/usr/lib/x86_64-linux-gnu/"
+  cp -a /usr/lib/libvirt "$S/usr/lib/"
+  cp -a /usr/share/libvirt "$S/usr/share/"
+  cp /bin/bash "$S/bin/bash"   # the test hook trampoline is a bash script
   # pyudev finds libudev with ctypes.util.find_library, which asks ldconfig's cache.
   mkdir -p "$S/usr/lib/x86_64-linux-gnu"
   cp -L /lib/x86_64-linux-gnu/libudev.so.1 "$S/usr/lib/x86_64-linux-gnu/"
@@ -61,8 +68,9 @@ if [ ! -f "$B/base.cpio" ] || [ "$(cat "$B/base.stamp" 2>/dev/null)" != "$BASE_I
   copy_libs "$S"
   printf '/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n%s/lib\n' "$PYHOME" > "$S/etc/ld.so.conf"
   ldconfig -r "$S"
-  printf 'root:x:0:0:root:/root:/bin/sh\n' > "$S/etc/passwd"
-  printf 'root:x:0:\nkvm:x:36:\n' > "$S/etc/group"
+  # root, and the users libvirt's qemu driver looks up at start (its compiled-in defaults).
+  { echo 'root:x:0:0:root:/root:/bin/sh'; grep -E '^libvirt-qemu:' /etc/passwd || true; } > "$S/etc/passwd"
+  { echo 'root:x:0:'; grep -E '^(kvm|libvirt|libvirt-qemu):' /etc/group || true; } > "$S/etc/group"
   (cd "$S" && find . -mindepth 1 | LC_ALL=C sort | "$BB" cpio -o -H newc 2>/dev/null) > "$B/base.cpio"
   echo "$BASE_INPUTS" > "$B/base.stamp"
   echo "initramfs: base $(du -h "$B/base.cpio" | cut -f1)"
