@@ -12,7 +12,7 @@ APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients lib
             python3-gi gir1.2-umockdev-1.0 etcd-server openssl graphviz
 DEMO_DIR := $(CURDIR)/.demo
 
-.PHONY: all demo test test-fast lint bench pictures man sysdeps venv clean
+.PHONY: all demo test test-fast test-kernel lint bench pictures man sysdeps venv clean
 
 all: test
 
@@ -39,6 +39,20 @@ lint: venv
 
 test: venv lint
 	$(PY) -m pytest -q
+
+# The kernel tier (docs/testing.md): Debian's 6.1 kernel with VFIO, the mdev core and the
+# kernel's mtty sample parent, booted under QEMU (TCG) with an emulated IOMMU; tests/kernel runs
+# inside it against the real sysfs. Downloads and builds are cached under $(KERNEL_BUILD).
+KERNEL_BUILD ?= build/kernel
+KERNEL_TESTS ?= tests/kernel
+KERNEL_APT_PKGS := gcc-12 make libc6-dev file qemu-system-x86
+test-kernel: venv
+	@missing=$$(for p in $(KERNEL_APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	bash kernel-tier/run.sh $(KERNEL_BUILD) -q -m kernel $(KERNEL_TESTS)
 
 # Unit tests only (no daemons, no QEMU): seconds.
 test-fast: venv

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
 
 MACHINE_CONFIG = Path("/etc/vmlend/vmlend.toml")
+#: tests/kernel needs the real VFIO/mdev kernel of the kernel tier's guest (make test-kernel,
+#: kernel-tier/): its init sets VMLEND_KERNEL_GUEST. Anywhere else the tree is not collected.
+collect_ignore = [] if os.environ.get("VMLEND_KERNEL_GUEST") else ["kernel"]
 
 
 @pytest.fixture(autouse=True)

@@ -53,7 +53,7 @@ def test_unit_tests_sit_under_a_package_of_vmlend():
 def test_every_test_directory_is_a_package_and_holds_tests_only():
     """A package marker in each: two test files of one name in two directories stay apart."""
     problems = []
-    for tree in ("unit", "scenarios"):
+    for tree in ("unit", "scenarios", "kernel"):
         for d in [TESTS / tree, *(p for p in (TESTS / tree).rglob("*") if p.is_dir())]:
             if d.name == "__pycache__":
                 continue

@@ -56,11 +56,13 @@ class UeventSource(Protocol):
 class PyudevSource:
     """The live source: a pyudev netlink monitor. Only meaningful on the real root."""
 
-    def __init__(self, monitor: Any = None) -> None:
+    def __init__(self, monitor: Any = None, source: str = "udev") -> None:
+        """``source``: pyudev's netlink group, ``udev`` (what udevd re-sends once it has
+        processed an event) or ``kernel`` (the kernel's own events)."""
         if monitor is None:
             import pyudev  # imported here: the rest of vmlend never needs it
 
-            monitor = pyudev.Monitor.from_netlink(pyudev.Context())
+            monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=source)
         self._monitor = monitor
         self._monitor.start()
 
@@ -71,7 +73,15 @@ class PyudevSource:
                 f"live uevents exist only for the running host, not for root {env.root};"
                 " drop --root / VMLEND_ROOT to watch this host"
             )
-        return cls()
+        return cls(source=cls.netlink_source(env))
+
+    @staticmethod
+    def netlink_source(env: HostEnv) -> str:
+        """Where no udevd runs (an initramfs, a minimal container) nothing re-sends the
+        kernel's events on udev's group, and a ``udev`` monitor would wait forever: listen to
+        the kernel's. vmlend re-reads sysfs at every event, so udevd's processing (rules,
+        symlinks) is never needed."""
+        return "udev" if (env.run / "udev" / "control").exists() else "kernel"
 
     def fileno(self) -> int:
         return int(self._monitor.fileno())

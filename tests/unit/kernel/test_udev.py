@@ -155,6 +155,14 @@ def test_live_source_refuses_a_fake_root(tmp_path):
         PyudevSource.for_host(HostEnv(tmp_path))
 
 
+def test_live_source_listens_to_the_kernel_where_no_udevd_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(HostEnv, "run", property(lambda self: tmp_path))
+    assert PyudevSource.netlink_source(HostEnv()) == "kernel"
+    (tmp_path / "udev").mkdir()
+    (tmp_path / "udev" / "control").touch()  # udevd's control socket
+    assert PyudevSource.netlink_source(HostEnv()) == "udev"
+
+
 def test_pyudev_adapter_converts_devices():
     class FakeDevice:
         action = "change"

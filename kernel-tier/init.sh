@@ -1,0 +1,41 @@
+#!/bin/busybox sh
+# PID 1 of the test guest: mount what the tests need, load the VFIO/mdev stack and the mtty
+# parent, run pytest against the real sysfs, print the result between markers on the serial
+# console (the host's boot.sh reads them), power off.
+/bin/busybox --install -s /bin
+export PATH=/bin:/sbin:/usr/bin HOME=/root
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts /dev/shm && mount -t devpts devpts /dev/pts && mount -t tmpfs shm /dev/shm
+mount -t tmpfs tmpfs /tmp
+mount -t tmpfs tmpfs /run
+. /kernel-tier.env
+say() { echo "kernel-tier: $*"; }
+fail=0
+for m in vfio vfio_iommu_type1 mdev mtty; do
+  insmod /lib/modules/vmlend/$m.ko || { say "insmod $m failed"; fail=1; }
+done
+say "iommu groups: $(ls /sys/kernel/iommu_groups | wc -l); mdev parents: $(ls /sys/class/mdev_bus 2>/dev/null | tr '\n' ' ')"
+if [ $fail = 0 ]; then
+  cd "$REPO"
+  export PATH="$VENV/bin:$PATH" VMLEND_ROOT=/ VMLEND_KERNEL_GUEST=1 PYTHONDONTWRITEBYTECODE=1
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # PYTEST_ARGS is plain words
+  python -m pytest -p no:cacheprovider $PYTEST_ARGS > /tmp/pytest.out 2>&1
+  rc=$?
+  say "pytest took $(( $(date +%s) - start )) s"
+else
+  echo "modules did not load" > /tmp/pytest.out; rc=3
+fi
+echo "=== VMLEND-KERNEL-TIER OUTPUT BEGIN ==="
+cat /tmp/pytest.out
+if [ "$rc" != 0 ]; then  # the private daemons' and QEMU's logs die with the guest: show them
+  find /tmp -name '*.log' -path '*libvirtd*' 2>/dev/null | while read -r f; do
+    echo "--- tail of $f"; tail -n 25 "$f"
+  done
+fi
+echo "=== VMLEND-KERNEL-TIER OUTPUT END ==="
+echo "=== VMLEND-KERNEL-TIER RC=$rc ==="
+sync
+poweroff -f

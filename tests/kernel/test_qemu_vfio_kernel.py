@@ -1,0 +1,78 @@
+"""QEMU opens a real mdev through VFIO (``-device vfio-pci,sysfsdev=...``, as libvirt starts
+a domain with an mdev hostdev) and the device shows in ``query-pci`` over QMP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+from tests.support.kernel_guest import MTTY, MTTY2, REAL
+from vmlend.kernel.mdev import MdevBus
+
+U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa5001"
+#: mtty's PCI identity (a WCH CH352 dual-port serial card).
+MTTY_VENDOR, MTTY_DEVICE = 0x4348, 0x3253
+
+
+class Qmp:
+    def __init__(self, path, deadline):
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX)
+                self.sock.connect(str(path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                self.sock.close()
+                assert time.monotonic() < deadline, "QEMU's QMP socket never appeared"
+                time.sleep(0.2)
+        self.file = self.sock.makefile("rw")
+        assert "QMP" in json.loads(self.file.readline())
+        assert "return" in self.cmd("qmp_capabilities")
+
+    def cmd(self, name, **args):
+        self.file.write(json.dumps({"execute": name, "arguments": args}) + "\n")
+        self.file.flush()
+        while True:
+            reply = json.loads(self.file.readline())
+            if "event" not in reply:
+                return reply
+
+
+def test_qemu_opens_the_mdev_through_vfio_and_lists_it(tmp_path):
+    dev = MdevBus(REAL).create(MTTY, MTTY2, U1)
+    sysfsdev = REAL.mdev_devices / U1
+    qmp_path = tmp_path / "qmp.sock"
+    qemu = subprocess.Popen(
+        [
+            "qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", "64",
+            "-nodefaults", "-display", "none", "-S",
+            "-qmp", f"unix:{qmp_path},server=on,wait=off",
+            "-device", f"vfio-pci,sysfsdev={sysfsdev},id=lent0",
+        ],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        try:
+            qmp = Qmp(qmp_path, time.monotonic() + 120)
+        except AssertionError:
+            qemu.kill()
+            raise AssertionError(f"QEMU did not start: {qemu.communicate()[1]}") from None
+        buses = qmp.cmd("query-pci")["return"]
+        found = [d for b in buses for d in b["devices"] if d.get("qdev_id") == "lent0"]
+        assert len(found) == 1, buses
+        lent = found[0]
+        assert (lent["id"]["vendor"], lent["id"]["device"]) == (MTTY_VENDOR, MTTY_DEVICE)
+        assert any(bar["type"] == "io" for bar in lent["regions"])  # the serial ports' BARs
+        # VFIO has the group open: its character device is in QEMU's file table.
+        group = f"/dev/vfio/{dev.iommu_group}"
+        fds = list((REAL.proc / str(qemu.pid) / "fd").iterdir())
+        assert any(fd.resolve().as_posix() == group for fd in fds)
+        qmp.cmd("quit")
+        assert qemu.wait(timeout=60) == 0
+    finally:
+        if qemu.poll() is None:
+            qemu.kill()
+            qemu.wait()
+    assert MdevBus(REAL).remove(U1)  # closed again: the kernel lets it go
