@@ -115,7 +115,9 @@ def test_prepare_that_the_kernel_refuses_changes_nothing(state, fake, open_kerne
 
 
 def test_the_watcher_brings_back_a_running_vms_mdev_when_its_parent_returns(
-    state, fake, open_kernel_fabric  # noqa: F811 (fixtures)
+    state,
+    fake,
+    open_kernel_fabric,  # noqa: F811 (fixtures)
 ):
     """What 'vmlend mdev watch' runs (SmartioFabric.watcher over the live source): the parent
     leaves (its driver unloaded, as when a lender reboots), the registry marks the device

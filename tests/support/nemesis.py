@@ -618,9 +618,7 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
         # then, and the start waits until whoever holds it now lets go.
         with work.keep_off(first):
             while True:
-                while not _free(c, first):
-                    assert time.monotonic() < deadline, f"{first:#x} never came free"
-                    time.sleep(0.05)
+                _free_up(c, first, deadline, say)
                 if (frozen := _start_frozen(h, vm, work)) is not None:
                     break
                 last = work.calls[-1] if work.calls else None
@@ -656,6 +654,28 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
             restart.join(WAIT)
             assert not restart.is_alive(), f"the agent of {node} did not start"
             h.close_window()
+
+
+def _free_up(c: Cluster, fdid: int, deadline: float, say: Say) -> None:
+    """Wait until nobody holds ``fdid``; a running VM of the workload that keeps it (the
+    workload may not stop it for a while) is destroyed, as an operator would."""
+    asked: set[tuple[str, str]] = set()
+    while not _free(c, fdid):
+        with open_fabric(c.direct_url, "alpha" if fdid < 0x20 else "beta") as f:
+            holder = f.device(fdid).holder
+            fenced = [x for x in f.fenced() if x.fdid == fdid]
+        if holder is not None and holder.node in VMS and (holder.node, holder.vm) not in asked:
+            h = c.host(holder.node)
+            if live_devices(h, holder.vm) is not None and c.work is not None:
+                asked.add((holder.node, holder.vm))
+                say(f"destroy {holder.node}/{holder.vm}, which holds {fdid:#x}")
+                with c.work.claim(holder.node, holder.vm):
+                    c.work.call(h, "vm", "destroy", holder.vm)
+                continue
+        assert time.monotonic() < deadline, (
+            f"{fdid:#x} never came free: held by {holder}, fences {fenced}"
+        )
+        time.sleep(0.05)
 
 
 def _free(c: Cluster, fdid: int) -> bool:
