@@ -7,26 +7,43 @@ import click
 
 from vmlend.cli.common import emit_json, emit_table, json_option
 from vmlend.cli.context import CliContext
-from vmlend.topology.pcie import Hop, explain
+from vmlend.errors import ConfigError
+from vmlend.topology.pcie import Hop, explain, explain_all
 
 HEADERS = ("#", "HOST", "KIND", "ELEMENT")
+ALL_HEADERS = ("ROUTE", "COST", "ROOTS", "ADDED", "ADAPTERS", "LINKS")
 
 
 @click.command("path")
 @click.argument("src")
 @click.argument("dst")
 @click.option("--via", metavar="NODE", help="Device to device through the RAM of a VM on NODE.")
+@click.option(
+    "--all",
+    "all_routes",
+    is_flag=True,
+    help="List every route (other adapters, other cables) with its cost, cheapest first.",
+)
 @json_option
 @click.pass_obj
-def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool) -> None:
+def path(
+    obj: CliContext, src: str, dst: str, via: str | None, all_routes: bool, json_output: bool
+) -> None:
     """Explain the PCIe path from SRC to DST.
 
     Each end is a device (fdid, e.g. 0x10) or a node (its CPU and RAM): a device and a node is
     the device's DMA into a VM's RAM on that node, a node and a device is that node's CPU
     reaching the device's BARs, two devices is peer-to-peer between them. Hops are the
     switching elements passed (numbered; the end devices are not hops, root ports are part of
-    their root complex), where peer-to-peer turns follows each host's IOMMU.
+    their root complex), where peer-to-peer turns follows each host's IOMMU. With --all, every
+    route between the two hosts (through other NTB adapters and cables) with its cost in hops;
+    the first is the one used while all its cables are up.
     """
+    if all_routes:
+        if via is not None:
+            raise ConfigError("--all lists the routes of one crossing; leave out --via")
+        _all(obj, src, dst, json_output)
+        return
     found = explain(obj.fabric().topology(), src, dst, via)
     if json_output:
         emit_json(found.to_json())
@@ -44,6 +61,30 @@ def path(obj: CliContext, src: str, dst: str, via: str | None, json_output: bool
             number = str(hop)
         rows.append([number, s.node or "(fabric)", s.kind.value, s.name])
     emit_table(HEADERS, rows)
+
+
+def _all(obj: CliContext, src: str, dst: str, json_output: bool) -> None:
+    found = explain_all(obj.fabric().topology(), src, dst)
+    if json_output:
+        emit_json(
+            {"src": found[0].src, "dst": found[0].dst, "routes": [p.to_json() for p in found]}
+        )
+        return
+    click.echo(f"{found[0].src} -> {found[0].dst}: {len(found)} route(s), cheapest first")
+    rows = []
+    for i, p in enumerate(found, 1):
+        ntbs = [s.name for s in p.stages if s.kind is Hop.NTB]
+        rows.append(
+            [
+                str(i),
+                f"{p.hops} hops",
+                str(p.roots),
+                f"+{p.added_ns} ns",
+                " -> ".join(ntbs) or "-",
+                ", ".join(p.links) or "-",
+            ]
+        )
+    emit_table(ALL_HEADERS, rows)
 
 
 COMMANDS = [path]
