@@ -108,7 +108,9 @@ def show(obj: CliContext, json_output: bool) -> None:
 def _sim(obj: CliContext) -> SimFabric:
     f = obj.fabric()
     if not isinstance(f, SimFabric):
-        raise ConfigError("only the simulated fabric can mark nodes down or up or reclaim devices")
+        raise ConfigError(
+            "only the simulated fabric can mark nodes or links down or up or reclaim devices"
+        )
     return f
 
 
@@ -129,6 +131,55 @@ def node_up(obj: CliContext, node: str) -> None:
     """Bring a node marked down back."""
     _sim(obj).set_node_up(node, True)
     click.echo(f"node {node} marked up")
+
+
+@fabric.command("link-down")
+@click.argument("link")
+@json_option
+@click.pass_obj
+def link_down(obj: CliContext, link: str, json_output: bool) -> None:
+    """Simulate cable LINK failing (a `[[link]]` as `a:0-b:0`, a switch port as `sw/a:0`, a
+    cable between switches as `sw1-sw2`; `vmlend fabric show` lists them). Reads through a
+    mapping across it return all ones, writes are dropped; new reservations route around it."""
+    changed = _sim(obj).set_link_up(link, False)
+    _link_report(obj, link, "down", changed, json_output)
+
+
+@fabric.command("link-up")
+@click.argument("link")
+@click.option(
+    "--lost",
+    is_flag=True,
+    help="The adapters at its ends were reset while it was down: their mappings are gone.",
+)
+@json_option
+@click.pass_obj
+def link_up(obj: CliContext, link: str, lost: bool, json_output: bool) -> None:
+    """Bring cable LINK back, with its mappings intact (or, with --lost, without them)."""
+    changed = _sim(obj).set_link_up(link, True, keep_mappings=not lost)
+    _link_report(obj, link, "up", changed, json_output, lost=lost)
+
+
+def _link_report(
+    obj: CliContext, link: str, state: str, changed: bool, json_output: bool, *, lost: bool = False
+) -> None:
+    down = _sim(obj).links_down()
+    if json_output:
+        emit_json(
+            {
+                "link": link,
+                "state": state,
+                "changed": changed,
+                "mappings": None if state == "down" else ("lost" if lost else "kept"),
+                "links_down": down,
+            }
+        )
+        return
+    if not changed:
+        click.echo(f"link {link} was {state} already")
+        return
+    kept = "" if state == "down" else (", mappings lost" if lost else ", mappings kept")
+    click.echo(f"link {link} marked {state}{kept}; down now: {', '.join(down) or 'none'}")
 
 
 @fabric.command("reclaim")

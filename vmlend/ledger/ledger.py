@@ -15,11 +15,12 @@ hardware steps of borrow, give_back and release run between transactions, never 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 import uuid as uuidlib
 from collections.abc import Callable
-from typing import Protocol, Self
+from typing import Protocol, Self, runtime_checkable
 
 from vmlend.errors import (
     ConfigError,
@@ -122,6 +123,31 @@ class BorrowHardware(Protocol):
     ) -> bool: ...
 
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
+
+
+@runtime_checkable
+class LinkHardware(Protocol):
+    """Hardware whose cables can fail (the simulator's ``SimHardware``)."""
+
+    def link_down(self, name: str) -> bool: ...
+
+    def link_up(self, name: str, *, keep_mappings: bool = True) -> bool: ...
+
+
+#: The registry meta key of the cables marked down: a JSON list of link names.
+LINKS_DOWN_KEY = "links-down"
+
+
+def links_down_in(tx: StateTxn) -> list[str]:
+    """The cables the state marks down (``Topology.link_names`` spelling), sorted."""
+    raw = tx.meta(LINKS_DOWN_KEY)
+    if not raw:
+        return []
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return []
+    return sorted(str(n) for n in found) if isinstance(found, list) else []
 
 
 class Ledger(ShareOps):
@@ -308,6 +334,41 @@ class Ledger(ShareOps):
         log.info("node %s marked %s", node, "up" if up else "down")
         if failures:
             raise failures[0]
+
+    def links_down(self) -> list[str]:
+        """The cables marked down (``set_link_up``), sorted."""
+        with self._reg.read() as tx:
+            return links_down_in(tx)
+
+    def set_link_up(self, link: str, up: bool, *, keep_mappings: bool = True) -> bool:
+        """Mark cable ``link`` (a name of ``Topology.link_names``) down or up again, and tell
+        this process's hardware: a mapping across a dead cable reads all ones and drops writes;
+        one that comes back keeps its mappings, or (``keep_mappings`` False) the adapters at
+        its ends lost them. New reservations route around dead cables. False when it was in
+        that state already. ``ConfigError`` for an unknown link."""
+
+        def mark(tx: StateTxn) -> bool:
+            names = self._topology(tx).link_names()
+            if link not in names:
+                raise ConfigError(f"unknown link {link!r} (known: {', '.join(names) or 'none'})")
+            down = set(links_down_in(tx))
+            if (link not in down) == up:
+                return False
+            if up:
+                down.discard(link)
+            else:
+                down.add(link)
+            tx.set_meta(LINKS_DOWN_KEY, json.dumps(sorted(down)))
+            return True
+
+        changed = self._reg.transact(mark)
+        if isinstance(self._hw, LinkHardware):
+            if up:
+                self._hw.link_up(link, keep_mappings=keep_mappings)
+            else:
+                self._hw.link_down(link)
+        log.info("link %s marked %s", link, "up" if up else "down")
+        return changed
 
     def reclaim(self, fdid: int) -> Holder | None:
         """The lender takes ``fdid`` back from whoever borrows it: the hardware borrow ends
