@@ -8,6 +8,8 @@ from vmlend.cli.cmd_lend import FDID
 from vmlend.cli.common import emit_json, json_option, read_input
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
+from vmlend.ledger.linkfaults import LinkChange
 from vmlend.ops.identity import identity_change
 from vmlend.registry.location import parse_location
 from vmlend.sim.backend import SimFabric
@@ -141,8 +143,7 @@ def link_down(obj: CliContext, link: str, json_output: bool) -> None:
     """Simulate cable LINK failing (a `[[link]]` as `a:0-b:0`, a switch port as `sw/a:0`, a
     cable between switches as `sw1-sw2`; `vmlend fabric show` lists them). Reads through a
     mapping across it return all ones, writes are dropped; new reservations route around it."""
-    changed = _sim(obj).set_link_up(link, False)
-    _link_report(obj, link, "down", changed, json_output)
+    _link_report(obj, _sim(obj).set_link_up(link, False), json_output)
 
 
 @fabric.command("link-up")
@@ -156,30 +157,43 @@ def link_down(obj: CliContext, link: str, json_output: bool) -> None:
 @click.pass_obj
 def link_up(obj: CliContext, link: str, lost: bool, json_output: bool) -> None:
     """Bring cable LINK back, with its mappings intact (or, with --lost, without them)."""
-    changed = _sim(obj).set_link_up(link, True, keep_mappings=not lost)
-    _link_report(obj, link, "up", changed, json_output, lost=lost)
+    _link_report(obj, _sim(obj).set_link_up(link, True, keep_mappings=not lost), json_output, lost)
 
 
 def _link_report(
-    obj: CliContext, link: str, state: str, changed: bool, json_output: bool, *, lost: bool = False
+    obj: CliContext, change: LinkChange, json_output: bool, lost: bool = False
 ) -> None:
+    """Print what the link event did, and write each affected device's line to the action
+    log beside an SQLite state (where ``vmlend hook log`` shows it)."""
+    link, state = change.link, "up" if change.up else "down"
     down = _sim(obj).links_down()
+    sqlite_path = parse_location(obj.location).path
+    if sqlite_path is not None and change.faults:
+        actions = ActionLog(log_path_for_state(sqlite_path))
+        for f in change.faults:
+            actions.record(f.holder.vm, f"link-{state}", f.line())
     if json_output:
         emit_json(
             {
                 "link": link,
                 "state": state,
-                "changed": changed,
+                "changed": change.changed,
                 "mappings": None if state == "down" else ("lost" if lost else "kept"),
                 "links_down": down,
+                "devices": [
+                    {"fdid": f"{f.fdid:#x}", "holder": str(f.holder)} | f.record()
+                    for f in change.faults
+                ],
             }
         )
         return
-    if not changed:
+    if not change.changed:
         click.echo(f"link {link} was {state} already")
         return
     kept = "" if state == "down" else (", mappings lost" if lost else ", mappings kept")
     click.echo(f"link {link} marked {state}{kept}; down now: {', '.join(down) or 'none'}")
+    for f in change.faults:
+        click.echo(f"  {f.line()}")
 
 
 @fabric.command("reclaim")

@@ -45,6 +45,17 @@ from vmlend.ledger.admission import (
     p2p_claims,
 )
 from vmlend.ledger.admission import usage as adapter_usage
+from vmlend.ledger.linkfaults import (
+    LINKS_DOWN_KEY,
+    LinkChange,
+    LinkFault,
+    follow_crossings,
+    links_down_in,
+    on_link_down,
+    on_link_up,
+    record_faults,
+    recorded_faults,
+)
 from vmlend.ledger.shareops import ShareOps, existing_mdev, mdev_info
 from vmlend.registry import (
     ClaimKind,
@@ -74,7 +85,7 @@ from vmlend.topology.model import (
     Reservation,
     Topology,
 )
-from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.paths import NtbPath, route, without_links
 
 log = logging.getLogger(__name__)
 
@@ -134,22 +145,6 @@ class LinkHardware(Protocol):
     def link_up(self, name: str, *, keep_mappings: bool = True) -> bool: ...
 
 
-#: The registry meta key of the cables marked down: a JSON list of link names.
-LINKS_DOWN_KEY = "links-down"
-
-
-def links_down_in(tx: StateTxn) -> list[str]:
-    """The cables the state marks down (``Topology.link_names`` spelling), sorted."""
-    raw = tx.meta(LINKS_DOWN_KEY)
-    if not raw:
-        return []
-    try:
-        found = json.loads(raw)
-    except ValueError:
-        return []
-    return sorted(str(n) for n in found) if isinstance(found, list) else []
-
-
 class Ledger(ShareOps):
     """Holds, claims, fences and mdev records of the fabric, seen from ``local_node`` (default:
     the state's local node).
@@ -175,6 +170,7 @@ class Ledger(ShareOps):
         self._hw = hardware
         self._topo: Topology | None = None
         self._digest: str | None = None
+        self._live: tuple[tuple[str, ...], Topology] | None = None
         with registry.read() as tx:
             topo = self._topology(tx)
             node = local_node or tx.topology().local_node
@@ -201,14 +197,26 @@ class Ledger(ShareOps):
         self.close()
 
     # --- reading ---------------------------------------------------------------------------
-    def _topology(self, tx: StateTxn) -> Topology:
+    def _full_topology(self, tx: StateTxn) -> Topology:
         """The topology, decoded (or parsed) again only when another process replaced it."""
         digest = tx.topology_digest()
         if self._topo is None or digest != self._digest:
             rec = tx.topology()
             self._topo = stored_topology(rec)
             self._digest = rec.digest
+            self._live = None
         return self._topo
+
+    def _topology(self, tx: StateTxn) -> Topology:
+        """The topology as admission and routing see it: without the cables marked down
+        (``set_link_up``), so a new reservation takes a route that works."""
+        full = self._full_topology(tx)
+        down = tuple(links_down_in(tx))
+        if not down:
+            return full
+        if self._live is None or self._live[0] != down:
+            self._live = (down, without_links(full, down))
+        return self._live[1]
 
     @staticmethod
     def _lender_ok(tx: StateTxn, spec: DeviceSpec) -> None:
@@ -222,8 +230,9 @@ class Ledger(ShareOps):
         return DeviceStatus(spec=spec, state=state, holder=hold.holder if hold else None)
 
     def topology(self) -> Topology:
+        """The whole topology, every cable in it (dead ones too: ``links_down``)."""
         with self._reg.read() as tx:
-            return self._topology(tx)
+            return self._full_topology(tx)
 
     def nodes(self) -> list[NodeSpec]:
         return list(self.topology().nodes)
@@ -340,35 +349,51 @@ class Ledger(ShareOps):
         with self._reg.read() as tx:
             return links_down_in(tx)
 
-    def set_link_up(self, link: str, up: bool, *, keep_mappings: bool = True) -> bool:
+    def set_link_up(self, link: str, up: bool, *, keep_mappings: bool = True) -> LinkChange:
         """Mark cable ``link`` (a name of ``Topology.link_names``) down or up again, and tell
         this process's hardware: a mapping across a dead cable reads all ones and drops writes;
         one that comes back keeps its mappings, or (``keep_mappings`` False) the adapters at
-        its ends lost them. New reservations route around dead cables. False when it was in
-        that state already. ``ConfigError`` for an unknown link."""
+        its ends lost them. New reservations route around dead cables. Every hold whose device
+        crosses the cable is reported and, with hardware that can, re-routed (or re-established
+        when the link comes back without its mappings): ``vmlend.ledger.linkfaults``. Returns
+        what happened to each such hold (``changed`` False, nothing done, when the cable was in
+        that state already). ``ConfigError`` for an unknown link."""
 
-        def mark(tx: StateTxn) -> bool:
-            names = self._topology(tx).link_names()
+        def mark(tx: StateTxn) -> tuple[bool, dict[int, HoldRecord], dict[int, LinkFault]]:
+            names = self._full_topology(tx).link_names()
             if link not in names:
                 raise ConfigError(f"unknown link {link!r} (known: {', '.join(names) or 'none'})")
             down = set(links_down_in(tx))
             if (link not in down) == up:
-                return False
+                return False, {}, {}
             if up:
                 down.discard(link)
             else:
                 down.add(link)
             tx.set_meta(LINKS_DOWN_KEY, json.dumps(sorted(down)))
-            return True
+            return True, tx.holds(), recorded_faults(tx)
 
-        changed = self._reg.transact(mark)
+        changed, holds, before = self._reg.transact(mark)
+        if not changed:
+            return LinkChange(link, up, False)
+        topo = self.topology()
         if isinstance(self._hw, LinkHardware):
             if up:
                 self._hw.link_up(link, keep_mappings=keep_mappings)
             else:
                 self._hw.link_down(link)
+        if up:
+            faults = on_link_up(topo, self._hw, holds, link, before)
+        else:
+            faults = on_link_down(topo, self._hw, holds, link)
+
+        def record(tx: StateTxn) -> None:
+            record_faults(tx, faults, up=up)
+            follow_crossings(tx, topo, self._hw)
+
+        self._reg.transact(record)
         log.info("link %s marked %s", link, "up" if up else "down")
-        return changed
+        return LinkChange(link, up, True, tuple(faults))
 
     def reclaim(self, fdid: int) -> Holder | None:
         """The lender takes ``fdid`` back from whoever borrows it: the hardware borrow ends

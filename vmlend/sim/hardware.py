@@ -335,6 +335,12 @@ class SimHardware:
         self._notify_link(name, True)
         return True
 
+    def reprogram(self, name: str) -> int:
+        """The drivers of the adapters at cable ``name``'s ends program again what a reset
+        lost (``NtbAdapter.restore``); returns how many segments and LUT entries."""
+        self._check_link(name)
+        return sum(self.adapter(ref).restore() for ref in self._link_adapters(name))
+
     def _link_adapters(self, name: str) -> list[str]:
         """The adapters at the ends of cable ``name`` (none for a cable between switches)."""
         for link in self.topology.links:
@@ -482,6 +488,69 @@ class SimHardware:
         log.info("device %#x borrowed by %s/%s", fdid, node, vm)
         return result
 
+    def reroute(self, fdid: int, *, token: int = 0) -> Borrow | None:
+        """Re-establish the borrowed ``fdid``'s crossing over the cheapest live route from the
+        same lender adapter when a cable of its route is down, or program it again where a
+        reset lost it: a LUT entry on the new borrower adapter, its requester attached to the
+        VM's domain, the old crossing removed. The lender's window segments and the VM's
+        domain stay as they are (they name the borrower's addresses, not an adapter), so the
+        guest does not see the move and does not reset the device. Returns the new borrow;
+        None when there was nothing to do (not borrowed, local, all cables up and nothing
+        lost). ``NoPathError`` (nothing changed) when no live route is left from the lender's
+        adapter; ``StaleTokenError`` (nothing changed) as ``borrow``."""
+        self.device(fdid)
+        self._check_token(fdid, token, "a re-route")
+        b = self._borrows.get(fdid)
+        if b is None or b.path is None or b.ingress is None:
+            return None
+        old_dst = self.adapter(b.path.dst.ref)
+        key = self.requester_key(fdid)
+        if not self.dead_links(b.path) and old_dst.lut_lookup(key) is not None:
+            src = self.adapter(b.path.src.ref)
+            if src.lut_lookup(self.device(fdid).requester_id) is not None:
+                return None  # its route works
+        same_src = [
+            p
+            for p in routes(self.topology, b.lender, b.node, down=self._down)
+            if p.src.ref == b.path.src.ref
+        ]
+        if not same_src:
+            raise NoPathError(b.lender, b.node)
+        new = same_src[0]
+        src = self.adapter(new.src.ref)
+        dst = self.adapter(new.dst.ref)
+        host = self.node(b.node)
+        lender_entry = src.lut_add(self.device(fdid).requester_id)  # again, if a reset lost it
+        if new.dst.ref == b.path.dst.ref:
+            entry = dst.lut_add(key)
+            ingress = Requester(dst.assigned_requester_id(entry))
+            if host.iommu.domain_for(ingress) is None:
+                host.iommu.attach(ingress, self.vm_domain(b.node, b.vm))
+        else:
+            entry = dst.lut_add(key)
+            ingress = Requester(dst.assigned_requester_id(entry))
+            try:
+                host.iommu.attach(ingress, self.vm_domain(b.node, b.vm))
+            except Exception:
+                dst.lut_remove(key)
+                raise
+            host.iommu.detach(b.ingress)  # the old crossing goes: nothing enters through it
+            old_dst.lut_remove(key)
+        moved = Borrow(fdid, b.node, b.vm, b.lender, new, lender_entry, entry, ingress)
+        self._borrows[fdid] = moved
+        self._attached[fdid] = [
+            _Ingress(b.node, ingress) if a.node == b.node and a.lut is None else a
+            for a in self._attached.get(fdid, [])
+        ]
+        log.warning(
+            "device %#x: crossing to %s/%s re-established over %s",
+            fdid,
+            b.node,
+            b.vm,
+            new.describe(),
+        )
+        return moved
+
     def requester_key(self, fdid: int) -> int:
         """``fdid``'s cluster-wide requester identity: the key of its LUT entries on the far
         side of a crossing."""
@@ -532,14 +601,24 @@ class SimHardware:
             )
         return Requester(dst.assigned_requester_id(entry))
 
+    def crossing(self, fdid: int, node: str) -> NtbPath | None:
+        """The route ``fdid``'s DMA into ``node`` takes now (see ``_crossing_path``); None
+        when ``node`` is its lender."""
+        return self._crossing_path(fdid, node)
+
     def _crossing_path(self, fdid: int, node: str) -> NtbPath | None:
         """The route ``fdid``'s DMA into ``node`` takes: its borrow's, when ``node`` borrows
-        it (made over the cheapest live route then, perhaps re-made over another since);
-        else the cheapest live route."""
+        it (made over the cheapest live route then, perhaps re-made over another since); else
+        the cheapest whose far adapter has a LUT entry for it (a share's, a peer map's), else
+        the cheapest live route."""
         dev = self.device(fdid)
         borrow = self._borrows.get(fdid)
         if borrow is not None and borrow.node == node and borrow.path is not None:
             return borrow.path
+        key = self.requester_key(fdid)
+        for p in routes(self.topology, dev.lender, node):  # dead cables too: it stays set up
+            if self.adapter(p.dst.ref).lut_lookup(key) is not None:
+                return p
         return self.route(dev.lender, node)
 
     def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:

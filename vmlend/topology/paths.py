@@ -14,7 +14,7 @@ from collections.abc import Collection
 import msgspec
 
 from vmlend.errors import NoPathError
-from vmlend.topology.model import AdapterSpec, Topology
+from vmlend.topology.model import AdapterSpec, LinkSpec, Topology
 
 
 class NtbPath(msgspec.Struct, frozen=True):
@@ -110,6 +110,24 @@ def routes(topology: Topology, src: str, dst: str, *, down: Collection[str] = ()
             found.append(NtbPath(src=a, dst=b, switches=switches, links=links))
     found.sort(key=lambda p: (len(p.switches), p.src.index, p.dst.index, p.switches))
     return found
+
+
+def without_links(topology: Topology, down: Collection[str]) -> Topology:
+    """``topology`` as routing sees it while the cables in ``down`` are dead: those cables
+    (back-to-back links, switch ports, cables between switches) left out, nothing else
+    changed. The topology itself when none is down."""
+    if not down:
+        return topology
+    links: list[LinkSpec] = []
+    for link in topology.links:
+        if link.switch is None:
+            if link.names[0] not in down:
+                links.append(link)
+            continue
+        ends = tuple(e for e, n in zip(link.ends, link.names, strict=True) if n not in down)
+        links.append(msgspec.structs.replace(link, ends=ends))
+    pairs = tuple((a, b) for a, b in topology.switch_links if f"{a}-{b}" not in down)
+    return msgspec.structs.replace(topology, links=tuple(links), switch_links=pairs)
 
 
 def route(topology: Topology, src: str, dst: str, *, down: Collection[str] = ()) -> NtbPath | None:

@@ -120,3 +120,15 @@ def test_path_all_command_lists_routes_with_cost(tmp_path):
     ]
     bad = CliRunner().invoke(main, [*state, "path", "--all", "0x10", "0x20", "--via", "gamma"])
     assert bad.exit_code != 0 and "--via" in bad.output
+
+
+def test_without_links_leaves_out_only_the_dead_cables():
+    from vmlend.topology.paths import without_links
+
+    topo = load_topology()
+    live = without_links(topo, {"mxs824/gamma:0", "mxs824-mxs824b"})
+    assert live.link_names() == ["mxs824/alpha:0", "mxs824/beta:0", "mxs824b/gamma:1"]
+    assert live.nodes == topo.nodes and live.devices == topo.devices
+    with pytest.raises(NoPathError):
+        route(live, "alpha", "gamma")
+    assert without_links(topo, ()) is topo
