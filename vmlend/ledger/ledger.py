@@ -46,7 +46,6 @@ from vmlend.ledger.admission import (
 )
 from vmlend.ledger.admission import usage as adapter_usage
 from vmlend.ledger.linkfaults import (
-    LINKS_DOWN_KEY,
     LinkChange,
     LinkFault,
     follow_crossings,
@@ -70,6 +69,7 @@ from vmlend.registry import (
     StateTxn,
     same_holder,
 )
+from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.records import Claim
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import (

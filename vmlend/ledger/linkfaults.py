@@ -24,6 +24,7 @@ import msgspec
 
 from vmlend.errors import NoPathError, VmlendError
 from vmlend.registry import HoldRecord, Phase, StateTxn, same_holder
+from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.topology.model import Holder, Topology
 from vmlend.topology.paths import NtbPath, route
 
@@ -31,9 +32,6 @@ log = logging.getLogger(__name__)
 
 #: Runtime record kind of a link fault on a hold's path (key: the link's name).
 LINK_FAULT = "link-fault"
-
-#: The registry meta key of the cables marked down: a JSON list of link names.
-LINKS_DOWN_KEY = "links-down"
 
 
 def links_down_in(tx: StateTxn) -> list[str]:

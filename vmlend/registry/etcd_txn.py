@@ -21,6 +21,7 @@ import msgspec
 
 from vmlend.errors import StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
+from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.records import (
@@ -307,7 +308,7 @@ class EtcdTxn:
         digest; fetch them in one request. A release (``release_on``) also reads the devices'
         runtime records and that node's mdevs and mdev parents of them."""
         fdids = list(fdids)
-        keys = [self._k.topology_digest]
+        keys = [self._k.topology_digest, self._k.meta(LINKS_DOWN_KEY)]
         prefixes = [self._k.claims_on(a) for a in adapters]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]

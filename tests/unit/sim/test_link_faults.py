@@ -166,3 +166,31 @@ def test_a_reset_adapter_keeps_its_drivers_tables_until_restored(cluster, vm):
     assert alpha.restore() == len(segments) + len(lut)
     assert not alpha.lost and alpha.mapped_segments() == segments and alpha.lut() == lut
     assert hw.dma_read(0x12, GPA, 10) == b"guest data"
+
+
+def test_a_back_to_back_cable_resets_both_its_ends_and_a_switch_cable_none():
+    from vmlend.sim.hardware import SimHardware
+    from vmlend.topology.parse import parse_topology
+
+    def node(name: str, ident: int) -> str:
+        return f'[[node]]\nname = "{name}"\nid = {ident}\n' + "".join(
+            f"  [[node.adapter]]\n  index = {i}\n" for i in range(2)
+        )
+
+    text = (
+        node("a", 1) + node("d", 4)
+        + '[[switch]]\nname = "s1"\nports = ["a:0"]\n[[switch]]\nname = "s2"\nports = ["d:0"]\n'
+        + '[[switch_link]]\nends = ["s1", "s2"]\n[[link]]\nends = ["a:1", "d:1"]\n'
+    )  # fmt: skip
+    hw = SimHardware.from_topology(parse_topology(text, "t.toml"))
+    assert set(hw.links()) == {"a:1-d:1", "s1/a:0", "s2/d:0", "s1-s2"}
+    for ref in ("a:0", "a:1", "d:0", "d:1"):
+        hw.adapter(ref).lut_add(0x100)
+    hw.link_down("a:1-d:1")
+    assert hw.route("a", "d").links == ("s1/a:0", "s1-s2", "s2/d:0")
+    hw.link_up("a:1-d:1", keep_mappings=False)
+    assert [hw.adapter(r).lost for r in ("a:0", "a:1", "d:0", "d:1")] == [False, True, False, True]
+    assert hw.reprogram("a:1-d:1") == 2
+    hw.link_down("s1-s2")
+    hw.link_up("s1-s2", keep_mappings=False)  # no adapter at its ends: nothing is lost
+    assert not any(a.lost for a in hw.adapters())
