@@ -203,7 +203,16 @@ def _moved(old: NtbPath, new: NtbPath) -> tuple[str, str] | None:
 
 
 def _move_claims(tx: StateTxn, fdid: int, old: str, new: str) -> None:
-    """The hold's claims on borrower adapter ``old`` now hold on ``new``: its crossing moved."""
+    """The hold's claims on borrower adapter ``old`` now hold on ``new``: its crossing moved.
+    A shared drive's manager claims what its share records say (recomputed at every share
+    reserve and release), so those records move too."""
+    from vmlend.ledger.nvmeshares import SHARE_RECORD  # it imports this module
+
+    for r in tx.runtime(fdid, SHARE_RECORD):
+        claims = r.data.get("claims")
+        if isinstance(claims, list) and any(c.get("adapter") == old for c in claims):
+            kept = [dict(c, adapter=new) if c.get("adapter") == old else c for c in claims]
+            tx.put_runtime(fdid, SHARE_RECORD, r.key, {**r.data, "claims": kept})
     mine = [c for f, c in tx.claims() if f == fdid]
     for kind in sorted({c.kind for c in mine if c.adapter == old}):
         moved = [

@@ -96,3 +96,43 @@ def test_without_another_route_the_commands_are_lost(hw, drive, guest):
     assert drive.reroutes == []
     with pytest.raises(NvmeTimeoutError):
         drv.write(queue, 0, b"\x01" * 512)
+
+
+def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(state_path):
+    """After a failover the drive's crossing into gamma is on gamma:1; a later share reserve
+    (which recomputes the manager's claims from the share records) must keep claiming it
+    there, or the claims and the hardware disagree."""
+    from tests.support.simcluster import Cluster
+    from vmlend.ledger import nvmeshares as shares
+    from vmlend.sim.invariants import registry_grants
+    from vmlend.sim.nvmedrive import drive_geometry
+    from vmlend.topology.model import Holder
+
+    c = Cluster.create(state_path)
+    try:
+        geometry = drive_geometry(c.hw.device(DRIVE).spec, 1 << 16)
+        shares.lend_shared(c.registry, DRIVE, geometry)
+        drive = SharedNvmeDrive(c.hw, DRIVE, state_path.parent, blocks=1 << 16)
+        ram = 64 * MiB
+        share = shares.reserve_share(
+            c.registry, DRIVE, Holder("gamma", "web"), 1, 4096, guest_ram=ram
+        )
+        c.hw.create_guest("gamma", "web", [GuestRange(0, ram)])
+        drive.open_share("gamma", "web", share=share).set_master()
+
+        def clean() -> None:
+            with c.registry.read() as tx:
+                found = check_hardware(
+                    c.hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx)
+                )
+            assert found == [], "\n".join(map(str, found))
+
+        clean()
+        c.fabric().set_link_up(PRIMARY, False)
+        assert c.hw.crossing(DRIVE, "gamma").dst.ref == "gamma:1"
+        clean()
+        shares.reserve_share(c.registry, DRIVE, Holder("beta", "other"), 1, 4096, guest_ram=ram)
+        clean()
+        drive.close()
+    finally:
+        c.close()
