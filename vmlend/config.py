@@ -68,8 +68,7 @@ def read_config(
     except FileNotFoundError:
         if required:
             raise ConfigError(
-                f"the configuration file {path} does not exist; create it or pass another"
-                " --config"
+                f"the configuration file {path} does not exist; create it or pass another --config"
             ) from None
         return {}
     except OSError as e:
@@ -154,7 +153,7 @@ def render(settings: dict[str, str]) -> str:
     import json  # a JSON string is a valid TOML basic string for the text we write
 
     lines = [
-        "# vmlend's configuration (docs/user-guide.md, \"Configuration\"): written by",
+        '# vmlend\'s configuration (docs/user-guide.md, "Configuration"): written by',
         "# 'vmlend hook install'; the CLI, the agent and the libvirt hook all read it.",
     ]
     lines += [f"{key} = {json.dumps(value, ensure_ascii=False)}" for key, value in settings.items()]

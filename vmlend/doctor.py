@@ -92,7 +92,7 @@ def _load_advice(env: HostEnv, module: str) -> str:
 
 
 def cpu_vendor(env: HostEnv) -> str:
-    """"intel", "amd" or "" (unknown), from ``proc/cpuinfo``."""
+    """ "intel", "amd" or "" (unknown), from ``proc/cpuinfo``."""
     try:
         text = (env.proc / "cpuinfo").read_text(errors="replace")
     except OSError:
@@ -198,8 +198,10 @@ def check_backend(env: HostEnv, backend: str | None) -> Finding:
     virtualization (``/dev/kvm``) cannot give its VMs devices."""
     loaded = SmartioDriver(env).loaded()
     in_use = backend or ("smartio" if loaded else "sim")
-    why = "chosen" if backend else "the default: " + (
-        "the SmartIO driver is loaded" if loaded else "no SmartIO driver"
+    why = (
+        "chosen"
+        if backend
+        else "the default: " + ("the SmartIO driver is loaded" if loaded else "no SmartIO driver")
     )
     if in_use == "smartio" and not loaded:
         return Finding(

@@ -2,6 +2,7 @@
 driver's class attributes come from a fixture tree (FakeSmartio), the mdev parent is the real
 kernel's mtty standing for ``smartio-12`` (tests.support.kernel_guest.MttyAsSmartio)."""
 
+# ruff: noqa: F811 (the imported fixtures are parameters of the tests)
 from __future__ import annotations
 
 import io
@@ -33,7 +34,7 @@ VM_UUID = uuid.UUID("6f1c5a2e-0000-4000-8000-000000000012")
 
 
 @pytest.fixture
-def open_kernel_fabric(state, fake):  # noqa: F811 (fixtures)
+def open_kernel_fabric(state, fake):
     """The hook's fabric factory: the kernel backend over the fixture's SmartIO attributes,
     its mdev bus the real kernel's (mtty as smartio-12)."""
     opened = []
@@ -69,7 +70,7 @@ def domain_xml() -> bytes:
     return new_domain(spec, templates=TemplateSet()).to_bytes()
 
 
-def test_prepare_creates_a_real_mdev_and_release_removes_it(state, fake, open_kernel_fabric):  # noqa: F811
+def test_prepare_creates_a_real_mdev_and_release_removes_it(state, fake, open_kernel_fabric):
     xml = domain_xml()
     u = str(mdev_uuid(VM_UUID, NVME))
     code, err = hook(state, open_kernel_fabric, "web", "prepare", "begin", "-", xml=xml)
@@ -100,7 +101,7 @@ def test_prepare_creates_a_real_mdev_and_release_removes_it(state, fake, open_ke
     assert hook(state, open_kernel_fabric, "web", "release", "end", "-", xml=xml) == (0, "")
 
 
-def test_prepare_that_the_kernel_refuses_changes_nothing(state, fake, open_kernel_fabric):  # noqa: F811
+def test_prepare_that_the_kernel_refuses_changes_nothing(state, fake, open_kernel_fabric):
     """mtty has no ports left: the kernel's ENOSPC fails the start and the hold is undone.
     (The ports go to mtty-1 children, which do not stand for any SmartIO parent.)"""
     bus = MdevBus(REAL)
@@ -117,7 +118,7 @@ def test_prepare_that_the_kernel_refuses_changes_nothing(state, fake, open_kerne
 def test_the_watcher_brings_back_a_running_vms_mdev_when_its_parent_returns(
     state,
     fake,
-    open_kernel_fabric,  # noqa: F811 (fixtures)
+    open_kernel_fabric,
 ):
     """What 'vmlend mdev watch' runs (SmartioFabric.watcher over the live source): the parent
     leaves (its driver unloaded, as when a lender reboots), the registry marks the device

@@ -124,6 +124,14 @@ def test_dma_reaches_the_guest_page_through_the_ntb(story):
     assert dma["target"]["owner"] == "demo" and dma["target"]["address"] == dma["host_page"]
 
 
+def test_a_link_down_on_the_drives_path_is_survived_over_gammas_other_adapter(story):
+    f = step(story[1], "traffic")["failover"]
+    assert (f["link"], f["device"]) == ("mxs824/gamma:0", "0x12")
+    assert f["was"] == "alpha:0 -> gamma:0 via mxs824"
+    assert f["now"] == "alpha:0 -> gamma:1 via mxs824, mxs824b"
+    assert f["dma"]["match"] is True and f["after_up"] == ["recovered"]
+
+
 def test_peer_writes_land_in_the_right_bar(story):
     writes = step(story[1], "traffic")["p2p"]
     gpu = next(w for w in writes if (w["source"], w["target"]) == ("0x10", "0x20"))

@@ -148,6 +148,7 @@ name = "gamma"
 id = 12
 ram = "64GiB"
 {_ADAPTER}
+{_ADAPTER.replace("index = 0", "index = 1")}
 
 [[node]]
 name = "delta"
@@ -158,6 +159,13 @@ ram = "64GiB"
 [[switch]]
 name = "sw"
 ports = ["alpha:0", "beta:0", "gamma:0", "delta:0"]
+
+[[switch]]
+name = "sw2"
+ports = ["gamma:1"]
+
+[[switch_link]]
+ends = ["sw", "sw2"]
 """
 
 SHARED = 0x12
@@ -166,6 +174,8 @@ SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta"
 DEVICES = (0x10, 0x12, 0x20, 0x21)
 LENDERS = ("alpha", "beta")
 PROBE_GPAS = (0x1000, 512 * MiB)
+#: Cables a link fault can cut: gamma's primary and backup, a lender's, the switches' cable.
+LINKS = ("sw/gamma:0", "sw2/gamma:1", "sw/alpha:0", "sw-sw2")
 
 slots = st.sampled_from(range(len(SLOTS)))
 picks = st.integers(min_value=0, max_value=len(DEVICES) - 1)
@@ -202,6 +212,7 @@ class FabricMachine(RuleBasedStateMachine):
         self.c = Cluster.create(self.tmp / "state.db", TOPOLOGY)
         self.vms: dict[int, Running] = {}
         self.down: set[str] = set()
+        self.links_down: set[str] = set()
         self.drive: SharedNvmeDrive | None = None
         self.drives: list[SharedNvmeDrive] = []
         self._share_drive()
@@ -356,12 +367,24 @@ class FabricMachine(RuleBasedStateMachine):
         share = entry.vm.nvme_share(SHARED)
         data = bytes([lba + 1]) * 512
         try:
+            path = self.c.hw.crossing(SHARED, entry.vm.node)
+            dead = path is not None and bool(self.c.hw.dead_links(path))
+        except VmlendError:  # no crossing set up and no live route to set one up over
+            dead = True
+        try:
             done = entry.driver.write(entry.queue, lba, data)
             back = entry.driver.read(entry.queue, lba, 1)[1]
         except VmlendError:
+            if dead and not share.revoked:
+                # its route is dead and no other is up (the drive moves its crossing when one
+                # is): the commands are lost and the guest gives the queue up
+                entry.queue = None
+                event("share_io: lost on a dead link")
+                return
             assert share.revoked, "I/O failed on a share that is still the VM's"
             return
         assert not share.revoked, "I/O completed on a share taken from the VM"
+        assert not dead, "I/O completed across a dead link"
         event("share_io: done")
         assert done.ok and back == data
 
@@ -482,6 +505,25 @@ class FabricMachine(RuleBasedStateMachine):
     def lender_up(self, node: str) -> None:
         self.c.fabric().set_node_up(node, True)
         self.down.discard(node)
+
+    @rule(link=st.sampled_from(LINKS))
+    def link_down(self, link: str) -> None:
+        """A cable fails: the devices across it are re-routed where another route is up."""
+        change = self.c.fabric().set_link_up(link, False)
+        assert change.changed == (link not in self.links_down)
+        self.links_down.add(link)
+        for f in change.faults:
+            event(f"link down: {f.state}")
+
+    @precondition(lambda self: self.links_down)
+    @rule(link=st.sampled_from(LINKS), keep=st.booleans())
+    def link_up(self, link: str, keep: bool) -> None:
+        """A cable comes back, with its mappings or without (its adapters reset)."""
+        change = self.c.fabric().set_link_up(link, True, keep_mappings=keep)
+        assert change.changed == (link in self.links_down)
+        self.links_down.discard(link)
+        for f in change.faults:
+            event(f"link up ({'kept' if keep else 'lost'}): {f.state}")
 
     @precondition(lambda self: self.drive is None or self.drive.ended is not None)
     @rule()

@@ -166,8 +166,7 @@ def _configured(group: click.Group, args: Sequence[str]) -> dict[str, Any] | Non
     "config_path",
     envvar="VMLEND_CONFIG",
     type=click.Path(dir_okay=False),
-    help="Configuration file [env VMLEND_CONFIG; default /etc/vmlend/vmlend.toml under"
-    " --root].",
+    help="Configuration file [env VMLEND_CONFIG; default /etc/vmlend/vmlend.toml under --root].",
 )
 @click.option("-v", "--verbose", count=True, help="More diagnostics on stderr.")
 @click.option(

@@ -16,6 +16,8 @@ from vmlend.cli.common import (
 from vmlend.cli.complete import complete_nodes
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
+from vmlend.hook.actionlog import ActionLog, log_path_for_state
+from vmlend.ledger.linkfaults import LinkChange
 from vmlend.ops.identity import identity_change
 from vmlend.registry.location import parse_location
 from vmlend.sim.backend import SimFabric
@@ -128,7 +130,9 @@ def show(obj: CliContext, json_output: bool, picture: str) -> None:
 def _sim(obj: CliContext) -> SimFabric:
     f = obj.fabric()
     if not isinstance(f, SimFabric):
-        raise ConfigError("only the simulated fabric can mark nodes down or up or reclaim devices")
+        raise ConfigError(
+            "only the simulated fabric can mark nodes or links down or up or reclaim devices"
+        )
     return f
 
 
@@ -161,6 +165,67 @@ def node_up(obj: CliContext, node: str, json_output: bool) -> None:
         emit_action("unchanged" if was_up else "marked_up", node=node)
     else:
         click.echo(f"node {node} marked up")
+
+
+@fabric.command("link-down")
+@click.argument("link")
+@json_option
+@click.pass_obj
+def link_down(obj: CliContext, link: str, json_output: bool) -> None:
+    """Simulate cable LINK failing (a `[[link]]` as `a:0-b:0`, a switch port as `sw/a:0`, a
+    cable between switches as `sw1-sw2`; `vmlend fabric show` lists them). Reads through a
+    mapping across it return all ones, writes are dropped; new reservations route around it."""
+    _link_report(obj, _sim(obj).set_link_up(link, False), json_output)
+
+
+@fabric.command("link-up")
+@click.argument("link")
+@click.option(
+    "--lost",
+    is_flag=True,
+    help="The adapters at its ends were reset while it was down: their mappings are gone.",
+)
+@json_option
+@click.pass_obj
+def link_up(obj: CliContext, link: str, lost: bool, json_output: bool) -> None:
+    """Bring cable LINK back, with its mappings intact (or, with --lost, without them)."""
+    _link_report(obj, _sim(obj).set_link_up(link, True, keep_mappings=not lost), json_output, lost)
+
+
+def _link_report(
+    obj: CliContext, change: LinkChange, json_output: bool, lost: bool = False
+) -> None:
+    """Print what the link event did, and write each affected device's line to the action
+    log beside an SQLite state (where ``vmlend hook log`` shows it)."""
+    link, state = change.link, "up" if change.up else "down"
+    down = _sim(obj).links_down()
+    sqlite_path = parse_location(obj.location).path
+    if sqlite_path is not None and change.faults:
+        actions = ActionLog(log_path_for_state(sqlite_path))
+        for f in change.faults:
+            actions.record(f.holder.vm, f"link-{state}", f.line())
+    if json_output:
+        emit_json(
+            {
+                "link": link,
+                "state": state,
+                "changed": change.changed,
+                "mappings": None if state == "down" else ("lost" if lost else "kept"),
+                "links_down": down,
+                "devices": [
+                    {"fdid": f"{f.fdid:#x}", "holder": str(f.holder)} | f.record()
+                    for f in change.faults
+                ],
+            }
+        )
+        return
+    if not change.changed:
+        click.echo(f"link {link} was {state} already")
+        return
+    kept = "" if state == "down" else (", mappings lost" if lost else ", mappings kept")
+    click.echo(f"link {link} marked {state}{kept}; down now: {', '.join(down) or 'none'}")
+    for f in change.faults:
+        click.echo(f"  {f.line()}")
 
 
 @fabric.command("reclaim")

@@ -7,21 +7,35 @@ import click
 
 from vmlend.cli.common import check_one_output, emit_json, emit_table, format_option, json_option
 from vmlend.cli.context import CliContext
-from vmlend.topology.pcie import Hop, explain
+from vmlend.errors import ConfigError
+from vmlend.topology.pcie import Hop, explain, explain_all
 from vmlend.views.diagram import path_dot, path_mermaid
 
 HEADERS = ("#", "HOST", "KIND", "ELEMENT")
+ALL_HEADERS = ("ROUTE", "COST", "ROOTS", "ADDED", "ADAPTERS", "LINKS")
 
 
 @click.command("path")
 @click.argument("src")
 @click.argument("dst")
 @click.option("--via", metavar="NODE", help="Device to device through the RAM of a VM on NODE.")
+@click.option(
+    "--all",
+    "all_routes",
+    is_flag=True,
+    help="List every route (other adapters, other cables) with its cost, cheapest first.",
+)
 @json_option
 @format_option
 @click.pass_obj
 def path(
-    obj: CliContext, src: str, dst: str, via: str | None, json_output: bool, picture: str
+    obj: CliContext,
+    src: str,
+    dst: str,
+    via: str | None,
+    all_routes: bool,
+    json_output: bool,
+    picture: str,
 ) -> None:
     """Explain the PCIe path from SRC to DST.
 
@@ -29,9 +43,18 @@ def path(
     the device's DMA into a VM's RAM on that node, a node and a device is that node's CPU
     reaching the device's BARs, two devices is peer-to-peer between them. Hops are the
     switching elements passed (numbered; the end devices are not hops, root ports are part of
-    their root complex), where peer-to-peer turns follows each host's IOMMU.
+    their root complex), where peer-to-peer turns follows each host's IOMMU. With --all, every
+    route between the two hosts (through other NTB adapters and cables) with its cost in hops;
+    the first is the one used while all its cables are up.
     """
     check_one_output(json_output, picture)
+    if all_routes:
+        if via is not None:
+            raise ConfigError("--all lists the routes of one crossing; leave out --via")
+        if picture != "text":
+            raise ConfigError("--all lists routes as a table or JSON; draw one path at a time")
+        _all(obj, src, dst, json_output)
+        return
     found = explain(obj.fabric().topology(), src, dst, via)
     if json_output:
         emit_json(found.to_json())
@@ -52,6 +75,30 @@ def path(
             number = str(hop)
         rows.append([number, s.node or "(fabric)", s.kind.value, s.name])
     emit_table(HEADERS, rows)
+
+
+def _all(obj: CliContext, src: str, dst: str, json_output: bool) -> None:
+    found = explain_all(obj.fabric().topology(), src, dst)
+    if json_output:
+        emit_json(
+            {"src": found[0].src, "dst": found[0].dst, "routes": [p.to_json() for p in found]}
+        )
+        return
+    click.echo(f"{found[0].src} -> {found[0].dst}: {len(found)} route(s), cheapest first")
+    rows = []
+    for i, p in enumerate(found, 1):
+        ntbs = [s.name for s in p.stages if s.kind is Hop.NTB]
+        rows.append(
+            [
+                str(i),
+                f"{p.hops} hops",
+                str(p.roots),
+                f"+{p.added_ns} ns",
+                " -> ".join(ntbs) or "-",
+                ", ".join(p.links) or "-",
+            ]
+        )
+    emit_table(ALL_HEADERS, rows)
 
 
 COMMANDS = [path]

@@ -107,9 +107,7 @@ def fabric_validator(obj: CliContext) -> FdidValidator | None:
         from vmlend.wiring.fabric import open_fabric
     except ImportError:
         return None
-    fabric = open_fabric(
-        obj.location, obj.node, backend=obj.backend, root=obj.root, observer=True
-    )
+    fabric = open_fabric(obj.location, obj.node, backend=obj.backend, root=obj.root, observer=True)
     return fabric.device
 
 

@@ -247,8 +247,18 @@ def _traffic(d: Json) -> str:
             f"device {fault['device']} DMA into the PCI hole at {fault['gpa']:#x}: fault at"
             f" {fault['hop']} ({fault['why']})",
             vectors_table(d["interrupts"], counts=True),
+            *_failover(d.get("failover") or {}),
         ]
     )
+
+
+def _failover(f: Json) -> list[str]:
+    if not f.get("link"):
+        return []
+    return [
+        f"link {f['link']} down: device {f['device']} re-routed from {f['was']} to {f['now']};"
+        f" {dma_line(f['dma'])}; link back up ({', '.join(f['after_up']) or 'nothing to do'})"
+    ]
 
 
 def _hotplug(d: Json) -> str:

@@ -13,7 +13,13 @@ from vmlend.demo.cluster import DemoCluster
 from vmlend.demo.context import Json, Story, require
 from vmlend.demo.libvirt_check import libvirt_accepts
 from vmlend.demo.nvmeshare import nvme_share_step
-from vmlend.demo.traffic import dma_into_guest, hole_fault, interrupts, p2p_write
+from vmlend.demo.traffic import (
+    dma_into_guest,
+    hole_fault,
+    interrupts,
+    link_failover,
+    p2p_write,
+)
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.ops.attach import apply_attach, plan_attach
@@ -183,6 +189,7 @@ def traffic_step(s: Story) -> Json:
         ],
         "fault": hole_fault(s, cfg.nvme),
         "interrupts": interrupts(s, s.devices()),
+        "failover": link_failover(s, cfg.nvme, high),
     }
 
 
@@ -320,7 +327,11 @@ STEPS: list[Step] = [
     Step("xml", "The VM's domain XML, accepted by libvirt", xml_step),
     Step("start", "Define and start the VM on gamma: the hook reserves", start_step),
     Step("enable", "The guest enables its devices: borrow, DMA windows, vectors, P2P", enable_step),
-    Step("traffic", "Traffic: DMA into guest RAM, peer-to-peer, a fault, interrupts", traffic_step),
+    Step(
+        "traffic",
+        "Traffic: DMA into guest RAM, peer-to-peer, a fault, interrupts, a link failover",
+        traffic_step,
+    ),
     Step("hotplug", "Hot-add a VF to the running VM, then remove it", hotplug_step),
     Step("migrate", "Cold-migrate the VM to alpha; its devices work there", migrate_step),
     Step("stop", "Stop the VM: everything is returned", stop_step),

@@ -1,6 +1,7 @@
 """Traffic through a running demo VM, each checked where it lands: a device's DMA into guest
 RAM (read back by the guest), a peer write into another device's BAR, a DMA into the PCI hole
-(which must fault), and interrupts raised on the lender counted on the VM's eventfds."""
+(which must fault), interrupts raised on the lender counted on the VM's eventfds, and a link
+fault on a device's path that the device survives over the borrower's other adapter."""
 
 from __future__ import annotations
 
@@ -95,3 +96,34 @@ def interrupts(s: Story, fdids: list[int]) -> list[Json]:
             f"device {fdid:#x} raised {s.config.interrupts} interrupts, the VM got {sum(got)}",
         )
     return out
+
+
+def link_failover(s: Story, fdid: int, gpa: int) -> Json:
+    """The cable of ``fdid``'s route at the VM's node goes down: the fabric re-routes the
+    device over the node's other adapter (when it has one), its DMA still lands in the guest,
+    and the cable comes back. ``{"link": None}`` without another route to show."""
+    hw = s.c.hw
+    borrow = hw.borrowed(fdid)
+    if borrow is None or borrow.path is None:
+        return {"link": None}
+    link = borrow.path.links[-1]  # the cable into the VM's node
+    others = [p for p in hw.routes(borrow.lender, borrow.node) if link not in p.links]
+    if not others:
+        return {"link": None}
+    fabric = s.c.fabric()
+    down = fabric.set_link_up(link, False)
+    mine = [f for f in down.faults if f.fdid == fdid]
+    require(
+        bool(mine) and mine[0].state == "rerouted",
+        f"device {fdid:#x} was not re-routed when {link} went down",
+    )
+    dma = dma_into_guest(s, fdid, gpa)
+    up = fabric.set_link_up(link, True)
+    return {
+        "link": link,
+        "device": format_fdid(fdid),
+        "was": mine[0].was,
+        "now": mine[0].path,
+        "dma": dma,
+        "after_up": [f.state for f in up.faults if f.fdid == fdid],
+    }

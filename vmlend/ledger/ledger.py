@@ -15,11 +15,12 @@ hardware steps of borrow, give_back and release run between transactions, never 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 import uuid as uuidlib
 from collections.abc import Callable
-from typing import Protocol, Self
+from typing import Protocol, Self, runtime_checkable
 
 from vmlend.errors import (
     ConfigError,
@@ -44,6 +45,16 @@ from vmlend.ledger.admission import (
     p2p_claims,
 )
 from vmlend.ledger.admission import usage as adapter_usage
+from vmlend.ledger.linkfaults import (
+    LinkChange,
+    LinkFault,
+    follow_crossings,
+    links_down_in,
+    on_link_down,
+    on_link_up,
+    record_faults,
+    recorded_faults,
+)
 from vmlend.ledger.shareops import ShareOps, existing_mdev, mdev_info
 from vmlend.registry import (
     ClaimKind,
@@ -58,6 +69,7 @@ from vmlend.registry import (
     StateTxn,
     same_holder,
 )
+from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.records import Claim
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import (
@@ -73,7 +85,7 @@ from vmlend.topology.model import (
     Reservation,
     Topology,
 )
-from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.paths import NtbPath, route, without_links
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +136,15 @@ class BorrowHardware(Protocol):
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
 
 
+@runtime_checkable
+class LinkHardware(Protocol):
+    """Hardware whose cables can fail (the simulator's ``SimHardware``)."""
+
+    def link_down(self, name: str) -> bool: ...
+
+    def link_up(self, name: str, *, keep_mappings: bool = True) -> bool: ...
+
+
 class Ledger(ShareOps):
     """Holds, claims, fences and mdev records of the fabric, seen from ``local_node`` (default:
     the state's local node; with ``observer``, a shared registry without one is seen from no
@@ -151,6 +172,7 @@ class Ledger(ShareOps):
         self._hw = hardware
         self._topo: Topology | None = None
         self._digest: str | None = None
+        self._live: tuple[tuple[str, ...], Topology] | None = None
         with registry.read() as tx:
             topo = self._topology(tx)
             node = local_node or tx.topology().local_node
@@ -182,14 +204,26 @@ class Ledger(ShareOps):
         self.close()
 
     # --- reading ---------------------------------------------------------------------------
-    def _topology(self, tx: StateTxn) -> Topology:
+    def _full_topology(self, tx: StateTxn) -> Topology:
         """The topology, decoded (or parsed) again only when another process replaced it."""
         digest = tx.topology_digest()
         if self._topo is None or digest != self._digest:
             rec = tx.topology()
             self._topo = stored_topology(rec)
             self._digest = rec.digest
+            self._live = None
         return self._topo
+
+    def _topology(self, tx: StateTxn) -> Topology:
+        """The topology as admission and routing see it: without the cables marked down
+        (``set_link_up``), so a new reservation takes a route that works."""
+        full = self._full_topology(tx)
+        down = tuple(links_down_in(tx))
+        if not down:
+            return full
+        if self._live is None or self._live[0] != down:
+            self._live = (down, without_links(full, down))
+        return self._live[1]
 
     @staticmethod
     def _lender_ok(tx: StateTxn, spec: DeviceSpec) -> None:
@@ -203,8 +237,9 @@ class Ledger(ShareOps):
         return DeviceStatus(spec=spec, state=state, holder=hold.holder if hold else None)
 
     def topology(self) -> Topology:
+        """The whole topology, every cable in it (dead ones too: ``links_down``)."""
         with self._reg.read() as tx:
-            return self._topology(tx)
+            return self._full_topology(tx)
 
     def nodes(self) -> list[NodeSpec]:
         return list(self.topology().nodes)
@@ -316,6 +351,57 @@ class Ledger(ShareOps):
         log.info("node %s marked %s", node, "up" if up else "down")
         if failures:
             raise failures[0]
+
+    def links_down(self) -> list[str]:
+        """The cables marked down (``set_link_up``), sorted."""
+        with self._reg.read() as tx:
+            return links_down_in(tx)
+
+    def set_link_up(self, link: str, up: bool, *, keep_mappings: bool = True) -> LinkChange:
+        """Mark cable ``link`` (a name of ``Topology.link_names``) down or up again, and tell
+        this process's hardware: a mapping across a dead cable reads all ones and drops writes;
+        one that comes back keeps its mappings, or (``keep_mappings`` False) the adapters at
+        its ends lost them. New reservations route around dead cables. Every hold whose device
+        crosses the cable is reported and, with hardware that can, re-routed (or re-established
+        when the link comes back without its mappings): ``vmlend.ledger.linkfaults``. Returns
+        what happened to each such hold (``changed`` False, nothing done, when the cable was in
+        that state already). ``ConfigError`` for an unknown link."""
+
+        def mark(tx: StateTxn) -> tuple[bool, dict[int, HoldRecord], dict[int, LinkFault]]:
+            names = self._full_topology(tx).link_names()
+            if link not in names:
+                raise ConfigError(f"unknown link {link!r} (known: {', '.join(names) or 'none'})")
+            down = set(links_down_in(tx))
+            if (link not in down) == up:
+                return False, {}, {}
+            if up:
+                down.discard(link)
+            else:
+                down.add(link)
+            tx.set_meta(LINKS_DOWN_KEY, json.dumps(sorted(down)))
+            return True, tx.holds(), recorded_faults(tx)
+
+        changed, holds, before = self._reg.transact(mark)
+        if not changed:
+            return LinkChange(link, up, False)
+        topo = self.topology()
+        if isinstance(self._hw, LinkHardware):
+            if up:
+                self._hw.link_up(link, keep_mappings=keep_mappings)
+            else:
+                self._hw.link_down(link)
+        if up:
+            faults = on_link_up(topo, self._hw, holds, link, before)
+        else:
+            faults = on_link_down(topo, self._hw, holds, link)
+
+        def record(tx: StateTxn) -> None:
+            record_faults(tx, faults, up=up)
+            follow_crossings(tx, topo, self._hw)
+
+        self._reg.transact(record)
+        log.info("link %s marked %s", link, "up" if up else "down")
+        return LinkChange(link, up, True, tuple(faults))
 
     def reclaim(self, fdid: int) -> Holder | None:
         """The lender takes ``fdid`` back from whoever borrows it: the hardware borrow ends

@@ -30,12 +30,14 @@ from vmlend.errors import (
     UnknownDeviceError,
 )
 from vmlend.ledger.admission import guest_ram_of, vm_share
+from vmlend.ledger.linkfaults import links_down_in
 from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase, RuntimeRecord
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import MANAGER_VM, GuestRam, Holder
+from vmlend.topology.paths import without_links
 
 GEOMETRY_RECORD = "nvme-geometry"
 SHARE_RECORD = "nvme-share"
@@ -200,7 +202,8 @@ def reserve_share(
                 return e.share
         book = ShareBook(_geometry(tx, fdid), [e.share for e in entries])
         share = book.allocate(key, queue_pairs, blocks)
-        topology = stored_topology(tx.topology())
+        # routed as the hardware routes it now: around the cables marked down
+        topology = without_links(stored_topology(tx.topology()), links_down_in(tx))
         claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram))
         check_share_claims(topology, tx.claims(), fdid, holder, claims)
         tx.put_runtime(

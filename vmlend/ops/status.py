@@ -24,6 +24,7 @@ from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
 from vmlend.ledger.admission import AdapterUsage
+from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
 from vmlend.lending.devices import holder_for
 from vmlend.ops.live_state import LiveRecord, history
@@ -72,6 +73,7 @@ class DeviceView(msgspec.Struct):
         }
         for kind, key in RUNTIME_KINDS.items():
             out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
+        out["link_faults"] = [{"key": r.key} | r.data for r in self.runtime.get(LINK_FAULT, [])]
         out["dma_path"] = None
         if self.path is not None:
             p = self.path

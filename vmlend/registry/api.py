@@ -35,6 +35,11 @@ from vmlend.topology.model import Holder
 T = TypeVar("T")
 
 
+#: The meta key of the cables marked down (a JSON list of link names, ``vmlend.ledger.linkfaults``):
+#: read with the topology by every transaction that routes, so a remote backend prefetches it.
+LINKS_DOWN_KEY = "links-down"
+
+
 class StateTxn(Protocol):
     """Typed reads and writes of the shared state inside one transaction."""
 

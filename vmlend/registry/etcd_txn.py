@@ -21,6 +21,7 @@ import msgspec
 
 from vmlend.errors import StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
+from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.records import (
@@ -445,7 +446,7 @@ class EtcdTxn:
         digest; fetch them in one request. A release (``release_on``) also reads the devices'
         runtime records and that node's mdevs and mdev parents of them."""
         fdids = list(fdids)
-        keys = [self._k.topology_digest]
+        keys = [self._k.topology_digest, self._k.meta(LINKS_DOWN_KEY)]
         prefixes: list[str] = []
         # claims and units are read without a prefix compare (see ``_take_units``)
         loose = [p for a in adapters for p in (self._k.claims_on(a), self._k.units_of(a))]

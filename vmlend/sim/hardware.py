@@ -35,7 +35,7 @@ from vmlend.sim.ntb import NtbAdapter
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaResolver, DmaTarget
 from vmlend.topology.model import GuestRange, NodeSpec, Topology
-from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.paths import NtbPath, route, routes
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,10 @@ class ShareWiring(Protocol):
     def wiring(self) -> list[ShareWire]: ...
 
 
+#: ``fn(link, up)``, run after a cable goes down (False) or comes back (True).
+LinkSubscriber = Callable[[str, bool], None]
+
+
 #: How many of the latest guest config writes the hardware keeps for the checker.
 CONFIG_AUDIT = 512
 
@@ -166,6 +170,12 @@ class SimHardware:
         #: up): each is a bug in whoever mapped them, reported by the invariant checker.
         self.teardown_gaps: list[str] = []
         self._routes: dict[tuple[str, str], NtbPath | NoPathError | None] = {}
+        #: Cables that are down, by name (``Topology.link_names``).
+        self._down: set[str] = set()
+        self._link_names = frozenset(topology.link_names())
+        self._link_subscribers: list[LinkSubscriber] = []
+        #: Link events in order: (link, "down" | "up" | "up-lost"), for status and the checker.
+        self.link_log: list[tuple[str, str]] = []
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
@@ -176,17 +186,13 @@ class SimHardware:
         return cls(topology, seed=seed)
 
     def _peers(self, node: str, adapter_ref: str) -> set[str]:
-        peers = set()
-        for other in self.topology.nodes:
-            if other.name == node:
-                continue
-            try:
-                path = route(self.topology, node, other.name)
-            except NoPathError:
-                continue
-            if path is not None and path.src.ref == adapter_ref:
-                peers.add(other.name)
-        return peers
+        """The nodes some route from ``node`` leaves through adapter ``adapter_ref`` to."""
+        return {
+            other.name
+            for other in self.topology.nodes
+            if other.name != node
+            and any(p.src.ref == adapter_ref for p in routes(self.topology, node, other.name))
+        }
 
     def _build_node(self, spec: NodeSpec) -> None:
         amap = AddressMap(spec.name, spec.ram)
@@ -241,17 +247,121 @@ class SimHardware:
         return [self._devices[f] for f in sorted(self._devices)]
 
     def route(self, src: str, dst: str) -> NtbPath | None:
-        # the topology never changes under a SimHardware: each route is computed once
+        """The cheapest route from ``src`` to ``dst`` whose cables are all up (what a new
+        mapping takes); ``NoPathError`` when none is."""
+        # computed once per set of dead links (the cache is dropped when a link changes)
         key = (src, dst)
         if key not in self._routes:
             try:
-                self._routes[key] = route(self.topology, src, dst)
+                self._routes[key] = route(self.topology, src, dst, down=self._down)
             except NoPathError as e:
                 self._routes[key] = e
         found = self._routes[key]
         if isinstance(found, NoPathError):
             raise NoPathError(src, dst)
         return found
+
+    def routes(self, src: str, dst: str) -> list[NtbPath]:
+        """Every route from ``src`` to ``dst``, dead cables or not, cheapest first."""
+        return routes(self.topology, src, dst)
+
+    def path_between(self, src_ref: str, dst_ref: str) -> NtbPath | None:
+        """The route from adapter ``src_ref`` to adapter ``dst_ref`` (dead cables or not), or
+        None when no cable joins them."""
+        src, dst = self.adapter(src_ref), self.adapter(dst_ref)
+        for p in routes(self.topology, src.node, dst.node):
+            if (p.src.ref, p.dst.ref) == (src_ref, dst_ref):
+                return p
+        return None
+
+    # --- links ---------------------------------------------------------------------------------
+    def _check_link(self, name: str) -> None:
+        if name not in self._link_names:
+            known = ", ".join(self.topology.link_names()) or "none"
+            raise FabricError(f"unknown link {name!r} (known: {known})")
+
+    def links(self) -> dict[str, bool]:
+        """Every cable by name: True when it is up."""
+        return {n: n not in self._down for n in self.topology.link_names()}
+
+    def link_up_now(self, name: str) -> bool:
+        self._check_link(name)
+        return name not in self._down
+
+    def dead_links(self, path: NtbPath) -> list[str]:
+        """The cables of ``path`` that are down now."""
+        return [n for n in path.links if n in self._down]
+
+    def on_link_change(self, fn: LinkSubscriber) -> Callable[[], None]:
+        """Run ``fn(link, up)`` after a cable goes down or comes back (a link event, as the
+        adapter's driver raises it); returns a remover."""
+        self._link_subscribers.append(fn)
+
+        def remove() -> None:
+            if fn in self._link_subscribers:
+                self._link_subscribers.remove(fn)
+
+        return remove
+
+    def link_down(self, name: str) -> bool:
+        """Cable ``name`` fails: every mapping across it stops working (reads through it
+        return all ones, writes are dropped), the mappings themselves stay. False when it was
+        down already."""
+        self._check_link(name)
+        if name in self._down:
+            return False
+        self._down.add(name)
+        self._routes.clear()
+        self.link_log.append((name, "down"))
+        log.warning("link %s down", name)
+        self._notify_link(name, False)
+        return True
+
+    def link_up(self, name: str, *, keep_mappings: bool = True) -> bool:
+        """Cable ``name`` comes back. With ``keep_mappings`` the adapters at its ends kept
+        their state and every mapping across it works again; without, those adapters were
+        reset while it was down: their window segments and requester LUT entries are gone
+        (whoever made them must make them again). False when it was up already."""
+        self._check_link(name)
+        if name not in self._down:
+            return False
+        self._down.discard(name)
+        self._routes.clear()
+        if not keep_mappings:
+            for ref in self._link_adapters(name):
+                self.adapter(ref).reset()
+        self.link_log.append((name, "up" if keep_mappings else "up-lost"))
+        log.warning("link %s up (%s)", name, "mappings kept" if keep_mappings else "mappings lost")
+        self._notify_link(name, True)
+        return True
+
+    def reprogram(self, name: str) -> int:
+        """The drivers of the adapters at cable ``name``'s ends program again what a reset
+        lost (``NtbAdapter.restore``); returns how many segments and LUT entries."""
+        self._check_link(name)
+        return sum(self.adapter(ref).restore() for ref in self._link_adapters(name))
+
+    def _link_adapters(self, name: str) -> list[str]:
+        """The adapters at the ends of cable ``name`` (none for a cable between switches)."""
+        for link in self.topology.links:
+            for end_name, ends in zip(
+                link.names,
+                [link.ends] if link.switch is None else [(e,) for e in link.ends],
+                strict=True,
+            ):
+                if end_name == name:
+                    return list(ends)
+        return []
+
+    def _notify_link(self, name: str, up: bool) -> None:
+        failures: list[Exception] = []
+        for fn in list(self._link_subscribers):
+            try:
+                fn(name, up)
+            except Exception as e:  # every subscriber hears of it; then say so
+                failures.append(e)
+        if failures:
+            raise failures[0]
 
     # --- IOMMU domains ------------------------------------------------------------------------
     def lender_domain(self, fdid: int) -> IommuDomain:
@@ -378,6 +488,69 @@ class SimHardware:
         log.info("device %#x borrowed by %s/%s", fdid, node, vm)
         return result
 
+    def reroute(self, fdid: int, *, token: int = 0) -> Borrow | None:
+        """Re-establish the borrowed ``fdid``'s crossing over the cheapest live route from the
+        same lender adapter when a cable of its route is down, or program it again where a
+        reset lost it: a LUT entry on the new borrower adapter, its requester attached to the
+        VM's domain, the old crossing removed. The lender's window segments and the VM's
+        domain stay as they are (they name the borrower's addresses, not an adapter), so the
+        guest does not see the move and does not reset the device. Returns the new borrow;
+        None when there was nothing to do (not borrowed, local, all cables up and nothing
+        lost). ``NoPathError`` (nothing changed) when no live route is left from the lender's
+        adapter; ``StaleTokenError`` (nothing changed) as ``borrow``."""
+        self.device(fdid)
+        self._check_token(fdid, token, "a re-route")
+        b = self._borrows.get(fdid)
+        if b is None or b.path is None or b.ingress is None:
+            return None
+        old_dst = self.adapter(b.path.dst.ref)
+        key = self.requester_key(fdid)
+        if not self.dead_links(b.path) and old_dst.lut_lookup(key) is not None:
+            src = self.adapter(b.path.src.ref)
+            if src.lut_lookup(self.device(fdid).requester_id) is not None:
+                return None  # its route works
+        same_src = [
+            p
+            for p in routes(self.topology, b.lender, b.node, down=self._down)
+            if p.src.ref == b.path.src.ref
+        ]
+        if not same_src:
+            raise NoPathError(b.lender, b.node)
+        new = same_src[0]
+        src = self.adapter(new.src.ref)
+        dst = self.adapter(new.dst.ref)
+        host = self.node(b.node)
+        lender_entry = src.lut_add(self.device(fdid).requester_id)  # again, if a reset lost it
+        if new.dst.ref == b.path.dst.ref:
+            entry = dst.lut_add(key)
+            ingress = Requester(dst.assigned_requester_id(entry))
+            if host.iommu.domain_for(ingress) is None:
+                host.iommu.attach(ingress, self.vm_domain(b.node, b.vm))
+        else:
+            entry = dst.lut_add(key)
+            ingress = Requester(dst.assigned_requester_id(entry))
+            try:
+                host.iommu.attach(ingress, self.vm_domain(b.node, b.vm))
+            except Exception:
+                dst.lut_remove(key)
+                raise
+            host.iommu.detach(b.ingress)  # the old crossing goes: nothing enters through it
+            old_dst.lut_remove(key)
+        moved = Borrow(fdid, b.node, b.vm, b.lender, new, lender_entry, entry, ingress)
+        self._borrows[fdid] = moved
+        self._attached[fdid] = [
+            _Ingress(b.node, ingress) if a.node == b.node and a.lut is None else a
+            for a in self._attached.get(fdid, [])
+        ]
+        log.warning(
+            "device %#x: crossing to %s/%s re-established over %s",
+            fdid,
+            b.node,
+            b.vm,
+            new.describe(),
+        )
+        return moved
+
     def requester_key(self, fdid: int) -> int:
         """``fdid``'s cluster-wide requester identity: the key of its LUT entries on the far
         side of a crossing."""
@@ -410,7 +583,7 @@ class SimHardware:
         all ``node``'s IOMMU sees. ``FabricError`` when the device may not cross, or ``node``'s
         adapter has no entry for it (nothing entering as it would be translated)."""
         dev = self.device(fdid)
-        path = self.route(dev.lender, node)
+        path = self._crossing_path(fdid, node)
         if path is None:
             raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
         src = self.adapter(path.src.ref)
@@ -427,6 +600,26 @@ class SimHardware:
                 "requests"
             )
         return Requester(dst.assigned_requester_id(entry))
+
+    def crossing(self, fdid: int, node: str) -> NtbPath | None:
+        """The route ``fdid``'s DMA into ``node`` takes now (see ``_crossing_path``); None
+        when ``node`` is its lender."""
+        return self._crossing_path(fdid, node)
+
+    def _crossing_path(self, fdid: int, node: str) -> NtbPath | None:
+        """The route ``fdid``'s DMA into ``node`` takes: its borrow's, when ``node`` borrows
+        it (made over the cheapest live route then, perhaps re-made over another since); else
+        the cheapest whose far adapter has a LUT entry for it (a share's, a peer map's), else
+        the cheapest live route."""
+        dev = self.device(fdid)
+        borrow = self._borrows.get(fdid)
+        if borrow is not None and borrow.node == node and borrow.path is not None:
+            return borrow.path
+        key = self.requester_key(fdid)
+        for p in routes(self.topology, dev.lender, node):  # dead cables too: it stays set up
+            if self.adapter(p.dst.ref).lut_lookup(key) is not None:
+                return p
+        return self.route(dev.lender, node)
 
     def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:
         """Let ``fdid``'s DMA entering ``node`` be translated by ``domain`` (peer-to-peer to a

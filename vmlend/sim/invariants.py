@@ -46,6 +46,12 @@ that same step) adds:
 - ``share-wire``: a real queue, interrupt route, admin doorbell route or doorbell page a shared
   drive keeps for a VM that has no current share of it, or while the manager does not borrow it;
 - ``teardown``: a borrow ended and its owners left lender mappings for the hardware's fallback.
+
+Link faults (docs/simulator.md) add:
+
+- ``link``: a borrowed device's crossing passes a dead cable while another route from its
+  lender's adapter is up (it was not re-routed). A mapping across a dead cable still counts as
+  its owner's (it comes back with the cable), but it reaches nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -119,6 +125,7 @@ def check_hardware(
     c.open_mdevs(holds)
     c.share_wires()
     c.teardown_gaps()
+    c.links()
     if holds is not None:
         c.holds(holds)
     if claims is not None:
@@ -339,10 +346,32 @@ class _Checker:
                 if g.node == node:
                     return True
                 continue
-            path = self.hw.route(lender, g.node)
-            if path is not None and path.src.ref == adapter:
+            # any route, a dead one too: a mapping across a dead cable is still the share's
+            if any(p.src.ref == adapter for p in self.hw.routes(lender, g.node)):
                 return True
         return False
+
+    def links(self) -> None:
+        """A borrowed device whose crossing passes a dead cable while another route from its
+        lender's adapter is up was not re-routed: its VM reads all ones for nothing."""
+        for b in self.hw.borrows():
+            if b.path is None:
+                continue
+            dead = self.hw.dead_links(b.path)
+            if not dead:
+                continue
+            live = [
+                p
+                for p in self.hw.routes(b.lender, b.node)
+                if p.src.ref == b.path.src.ref and not self.hw.dead_links(p)
+            ]
+            if live:
+                self.bad(
+                    "link",
+                    f"device {b.fdid:#x}",
+                    f"crosses dead {', '.join(dead)} to {b.node}/{b.vm} while"
+                    f" {live[0].describe()} is up",
+                )
 
     def segments(self) -> None:
         for adapter in self.hw.adapters():

@@ -34,6 +34,9 @@ class SegmentMapping(msgspec.Struct, frozen=True):
     index: int
     remote_node: str
     remote_addr: int
+    #: The far adapter it is mapped through (None: the one the device crossing it has a LUT
+    #: entry on, the cheapest route first). A host with two adapters is reached through either.
+    via: str | None = None
 
 
 class NtbAdapter:
@@ -49,6 +52,9 @@ class NtbAdapter:
         self._segments: dict[int, SegmentMapping] = {}
         self._lut: dict[int, int] = {}  # requester id -> entry index
         self._reserved = LUT_RESERVED_PER_CPU * spec.cpus
+        #: What a reset lost, as its driver's own tables still hold it (``restore``).
+        self._lost_segments: dict[int, SegmentMapping] = {}
+        self._lost_lut: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"NtbAdapter({self.ref}, window {self.window_base:#x}+{self.window_size:#x})"
@@ -91,9 +97,12 @@ class NtbAdapter:
         if not 0 <= index < self.segments:
             raise ValueError(f"{self.ref}: segment {index} out of range 0..{self.segments - 1}")
 
-    def map_segment(self, index: int, remote_node: str, remote_addr: int) -> None:
-        """Translate segment ``index`` to ``remote_addr`` on ``remote_node``. Remapping a busy
-        segment to something else is refused: unmap it first."""
+    def map_segment(
+        self, index: int, remote_node: str, remote_addr: int, *, via: str | None = None
+    ) -> None:
+        """Translate segment ``index`` to ``remote_addr`` on ``remote_node`` (through its
+        adapter ``via`` when given). Remapping a busy segment to something else is refused:
+        unmap it first."""
         self._check_index(index)
         if remote_node == self.node:
             raise FabricError(f"{self.ref}: a segment cannot point back into {self.node} itself")
@@ -103,18 +112,22 @@ class NtbAdapter:
             raise FabricError(
                 f"{self.ref}: remote address {remote_addr:#x} must be {XLAT_ALIGN}-byte aligned"
             )
-        new = SegmentMapping(index, remote_node, remote_addr)
-        old = self._segments.get(index)
+        if via is not None and not via.startswith(f"{remote_node}:"):
+            raise FabricError(f"{self.ref}: adapter {via} is not in {remote_node}")
+        new = SegmentMapping(index, remote_node, remote_addr, via)
+        old = self._segments.get(index) or self._lost_segments.get(index)
         if old is not None and old != new:
             raise FabricError(
                 f"{self.ref}: segment {index} already maps {old.remote_node}:"
                 f"{old.remote_addr:#x}; unmap it first"
             )
+        self._lost_segments.pop(index, None)
         self._segments[index] = new
 
     def unmap_segment(self, index: int) -> bool:
         self._check_index(index)
-        return self._segments.pop(index, None) is not None
+        lost = self._lost_segments.pop(index, None) is not None
+        return self._segments.pop(index, None) is not None or lost
 
     def segment(self, index: int) -> SegmentMapping | None:
         self._check_index(index)
@@ -128,13 +141,47 @@ class NtbAdapter:
         segment stays contiguous in the window); ``ResourceExhaustedError`` when none."""
         run = 0
         for i in range(self.segments):
-            run = 0 if i in self._segments else run + 1
+            busy = i in self._segments or i in self._lost_segments  # lost: still promised
+            run = 0 if busy else run + 1
             if run == count:
                 return i - count + 1
         free = self.segments - len(self._segments)
         raise ResourceExhaustedError(
             "NTB window segments", self.ref, count, min(free, count - 1), "consecutive segments"
         )
+
+    def reset(self) -> None:
+        """The adapter lost its state (a link that came back without its mappings): every
+        segment translation and requester LUT entry is gone from the hardware. Its driver's
+        tables keep them (``lost``) until it programs them again (``restore``) or their owner
+        removes them (``unmap_segment``, ``lut_remove``)."""
+        self._lost_segments.update(self._segments)
+        self._lost_lut.update(self._lut)
+        self._segments.clear()
+        self._lut.clear()
+
+    @property
+    def lost(self) -> bool:
+        """A reset lost mappings its driver has not programmed again yet."""
+        return bool(self._lost_segments or self._lost_lut)
+
+    def restore(self) -> int:
+        """Program again what a reset lost (the driver's tables, minus what their owners
+        removed since); returns how many segments and LUT entries it programmed."""
+        n = 0
+        for index, seg in sorted(self._lost_segments.items()):
+            if index not in self._segments:
+                self._segments[index] = seg
+                n += 1
+        used = set(self._lut.values())
+        for rid, entry in sorted(self._lost_lut.items()):
+            if rid not in self._lut and entry not in used:  # ``lut_add`` keeps lost entries
+                self._lut[rid] = entry
+                used.add(entry)
+                n += 1
+        self._lost_segments.clear()
+        self._lost_lut.clear()
+        return n
 
     def translate(self, addr: int) -> tuple[str, int]:
         """(remote node, remote address) behind local window address ``addr``;
@@ -161,7 +208,11 @@ class NtbAdapter:
         ``ResourceExhaustedError`` when every usable entry is taken."""
         if requester_id in self._lut:
             return self._lut[requester_id]
-        used = set(self._lut.values())
+        if requester_id in self._lost_lut:  # its driver programs the entry it had again
+            entry = self._lost_lut.pop(requester_id)
+            self._lut[requester_id] = entry
+            return entry
+        used = set(self._lut.values()) | set(self._lost_lut.values())  # lost: still promised
         for entry in range(self._reserved, self.spec.lut_entries):
             if entry not in used:
                 self._lut[requester_id] = entry
@@ -175,7 +226,8 @@ class NtbAdapter:
         )
 
     def lut_remove(self, requester_id: int) -> bool:
-        return self._lut.pop(requester_id, None) is not None
+        lost = self._lost_lut.pop(requester_id, None) is not None
+        return self._lut.pop(requester_id, None) is not None or lost
 
     def lut_lookup(self, requester_id: int) -> int | None:
         return self._lut.get(requester_id)

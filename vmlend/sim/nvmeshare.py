@@ -268,6 +268,9 @@ class SharedNvmeDrive:
         self.ended: str | None = None
         self._remove_end = hardware.on_borrow_end(self._borrow_ended)
         self._remove_wiring = hardware.add_share_wiring(self)
+        self._remove_link = hardware.on_link_change(self._link_changed)
+        #: Each move of a crossing: (node, old route, new route).
+        self.reroutes: list[tuple[str, str, str]] = []
         try:
             hardware.borrow(fdid, self.device.lender, MANAGER_VM)
             cmd = self.device.config.read(regs.COMMAND, 2)
@@ -412,6 +415,62 @@ class SharedNvmeDrive:
         ingress.users += 1
         return ingress
 
+    def _link_changed(self, link: str, up: bool) -> None:
+        """A link event: every crossing of the drive into a node whose route now passes a
+        dead cable moves to another route from the same lender adapter, if one is up. The
+        segments and the node's ingress domain stay (they name the node's addresses), so the
+        VMs' queues and commands go on as they are: nothing is resubmitted, nothing lost."""
+        if self.ended is not None:
+            return
+        for node in sorted(self._ingress):
+            path = self.hw.crossing(self.fdid, node)
+            if path is not None and self.hw.dead_links(path):
+                self._reroute(node, path)
+
+    def _reroute(self, node: str, old: NtbPath) -> bool:
+        live = [
+            p
+            for p in self.hw.routes(self.device.lender, node)
+            if p.src.ref == old.src.ref and not self.hw.dead_links(p)
+        ]
+        if not live or live[0].dst.ref == old.dst.ref:
+            log.warning(
+                "NVMe drive %#x: no other route to %s than %s", self.fdid, node, old.describe()
+            )
+            return False
+        new = live[0]
+        ingress = self._ingress[node]
+        key = fabric_requester_key(
+            self.hw.node(self.device.lender).spec.node_id, self.device.requester_id
+        )
+        dst = self.hw.adapter(new.dst.ref)
+        iommu = self.hw.node(node).iommu
+        entry = dst.lut_add(key)
+        requester = Requester(dst.assigned_requester_id(entry))
+        try:
+            iommu.attach(requester, ingress.domain)
+        except Exception:
+            dst.lut_remove(key)
+            raise
+        iommu.detach(ingress.requester)
+        self.hw.adapter(old.dst.ref).lut_remove(key)
+        ingress.requester = requester
+        # _enter's undo: release the lender entry, remove the far entry, detach the context
+        ingress.undo = [
+            ingress.undo[0],
+            lambda: dst.lut_remove(key),
+            lambda: iommu.detach(requester),
+        ]
+        self.reroutes.append((node, old.describe(), new.describe()))
+        log.warning(
+            "NVMe drive %#x: crossing to %s moved from %s to %s",
+            self.fdid,
+            node,
+            old.describe(),
+            new.describe(),
+        )
+        return True
+
     def _lut_release(self, ref: str, rid: int) -> None:
         self._lut_users[ref] -= 1
         if not self._lut_users[ref]:
@@ -507,6 +566,7 @@ class SharedNvmeDrive:
 
     def _teardown(self) -> None:
         self._remove_end()
+        self._remove_link()
         self._remove_irq()
         if self.memory is not None:
             self.memory.close()

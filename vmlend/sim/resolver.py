@@ -8,6 +8,9 @@ Stages, each with the name a ``DmaFault.hop`` carries when it refuses:
                     give-back succeeds (its BARs do not answer either: ``no-target``)
 ``lender-iommu``    the lender's IOMMU, in the device's own domain, has no (writable) mapping
 ``ntb-segment``     the address hit the lender's NTB window in a segment with no translation
+``link-down``       a cable of the route the segment is mapped over is down: the adapter
+                    answers a read with all ones and drops a write (``dma_read`` and
+                    ``dma_write`` do so; ``resolve_dma`` names the fault)
 ``lut``             the device's requester id is not in the crossing adapter's requester LUT,
                     or the far adapter has no entry for it (it assigns the id the far side sees)
 ``borrower-iommu``  the far node's IOMMU has no domain for the crossing, or no mapping in it
@@ -33,6 +36,7 @@ from vmlend.sim.pci import regs
 
 if TYPE_CHECKING:
     from vmlend.sim.hardware import SimHardware, SimNode
+    from vmlend.topology.paths import NtbPath
 
 _PAGE = 4096
 
@@ -155,6 +159,17 @@ class DmaResolver:
             adapter = self.hw.adapter(region.adapter)
             remote_name, remote_addr = adapter.translate(phys)
             hops.append(Hop("ntb-segment", remote_name, remote_addr, adapter.ref))
+            seg = adapter.segment(adapter.segment_of(phys))
+            assert seg is not None  # translate found it
+            path = self._crossing(fdid, adapter.ref, remote_name, seg.via)
+            dead = self.hw.dead_links(path)
+            if dead:
+                raise DmaFault(
+                    "link-down",
+                    phys,
+                    f"link {', '.join(dead)} of {path.describe()} is down: reads return all"
+                    " ones, writes are dropped",
+                )
             entry = adapter.lut_lookup(dev.requester_id)
             if entry is None:
                 raise DmaFault(
@@ -163,8 +178,6 @@ class DmaResolver:
                     f"requester {dev.spec.bdf} (device {fdid:#x}) is not in the requester LUT "
                     f"of {adapter.ref}; borrow the device first",
                 )
-            path = self.hw.route(node.name, remote_name)
-            assert path is not None
             far = self.hw.adapter(path.dst.ref)
             far_entry = far.lut_lookup(self.hw.requester_key(fdid))
             if far_entry is None:
@@ -183,6 +196,26 @@ class DmaResolver:
             phys = self._translate(node, ingress, remote_addr, write, "borrower-iommu", what)
             domain = node.iommu.domain_for(ingress)
             hops.append(Hop("borrower-iommu", node.name, phys, domain.name if domain else ""))
+
+    def _crossing(self, fdid: int, src_ref: str, remote: str, via: str | None) -> NtbPath:
+        """The route a TLP of ``fdid`` takes out of adapter ``src_ref`` to ``remote``: towards
+        adapter ``via`` when the segment names it, else towards the first far adapter (cheapest
+        route first) that has a LUT entry for the device (the one its crossing was set up on),
+        else the cheapest."""
+        src = self.hw.adapter(src_ref)
+        if via is not None:
+            found = self.hw.path_between(src_ref, via)
+            if found is None:
+                raise DmaFault("no-target", 0, f"no cable joins {src_ref} and {via}")
+            return found
+        candidates = [p for p in self.hw.routes(src.node, remote) if p.src.ref == src_ref]
+        if not candidates:
+            raise DmaFault("no-target", 0, f"no cable joins {src_ref} and {remote}")
+        key = self.hw.requester_key(fdid)
+        for p in candidates:
+            if self.hw.adapter(p.dst.ref).lut_lookup(key) is not None:
+                return p
+        return candidates[0]
 
     @staticmethod
     def _domain(node: SimNode, rid: int) -> str:
@@ -206,19 +239,29 @@ class DmaResolver:
     # --- moving bytes ------------------------------------------------------------------------
     def _pieces(
         self, fdid: int, iova: int, length: int, write: bool
-    ) -> Iterator[tuple[int, int, DmaTarget]]:
+    ) -> Iterator[tuple[int, int, DmaTarget | None]]:
+        """Each piece of the request with its target; None for a piece across a dead link."""
         at, end = iova, iova + length
         while at < end:
-            target = self.resolve_dma(fdid, at, write=write)
-            n = min(end - at, _PAGE - at % _PAGE, target.room)
+            target: DmaTarget | None
+            try:
+                target = self.resolve_dma(fdid, at, write=write)
+            except DmaFault as fault:
+                if fault.hop != "link-down":
+                    raise
+                target = None
+            n = min(end - at, _PAGE - at % _PAGE, target.room if target else end - at)
             yield at - iova, n, target
             at += n
 
     def dma_read(self, fdid: int, iova: int, length: int) -> bytes:
-        """Bytes a device read of ``length`` at ``iova`` returns (resolved page by page)."""
+        """Bytes a device read of ``length`` at ``iova`` returns (resolved page by page); all
+        ones where it crosses a dead link."""
         out = bytearray()
         for _, n, t in self._pieces(fdid, iova, length, write=False):
-            if t.kind == "ram":
+            if t is None:
+                out += b"\xff" * n
+            elif t.kind == "ram":
                 out += self.hw.node(t.node).memory.read(t.address, n)
             else:
                 assert isinstance(t.owner, int) and t.bar is not None and t.offset is not None
@@ -226,9 +269,10 @@ class DmaResolver:
         return bytes(out)
 
     def dma_write(self, fdid: int, iova: int, data: bytes) -> list[DmaTarget]:
-        """Write ``data`` at ``iova`` as device ``fdid``; returns the target of every piece.
-        Every piece is resolved before anything is written, so a fault writes nothing."""
-        pieces = list(self._pieces(fdid, iova, len(data), write=True))
+        """Write ``data`` at ``iova`` as device ``fdid``; returns the target of every piece
+        written. Every piece is resolved before anything is written, so a fault writes nothing;
+        a piece across a dead link is dropped, as the adapter drops it."""
+        pieces = [(pos, n, t) for pos, n, t in self._pieces(fdid, iova, len(data), write=True) if t]
         for pos, n, t in pieces:
             chunk = data[pos : pos + n]
             if t.kind == "ram":

@@ -166,6 +166,15 @@ class LinkSpec(msgspec.Struct, frozen=True):
     ends: tuple[str, ...]  # adapter refs "node:index"
     switch: str | None = None
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of its cables, each addressable on its own (``vmlend fabric link-down``):
+        a back-to-back cable is ``a-b`` (its ends as declared, e.g. ``gamma:1-beta:0``), each
+        port of a switch ``switch/adapter`` (``sw1/gamma:1``)."""
+        if self.switch is None:
+            return ("-".join(self.ends),)
+        return tuple(f"{self.switch}/{end}" for end in self.ends)
+
 
 class Topology(msgspec.Struct, frozen=True):
     name: str
@@ -194,6 +203,12 @@ class Topology(msgspec.Struct, frozen=True):
 
     def adapters(self) -> list[AdapterSpec]:
         return [a for n in self.nodes for a in n.adapters]
+
+    def link_names(self) -> list[str]:
+        """Every cable by name: back-to-back links (``a-b``), switch ports (``sw/ref``) and
+        cables between switches (``sw1-sw2``), in declaration order."""
+        out = [name for link in self.links for name in link.names]
+        return out + [f"{a}-{b}" for a, b in self.switch_links]
 
 
 # --- what backends report at run time ------------------------------------------------------

@@ -30,7 +30,7 @@ import msgspec
 
 from vmlend.errors import ConfigError, FabricError
 from vmlend.topology.model import DeviceSpec, PcieElement, PcieKind, Topology, parse_fdid
-from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.paths import NtbPath, route, routes
 
 #: One way across one NTB crossing (adapter, cable or cluster switches, adapter), docs/design.md.
 NTB_ONE_WAY_NS = 360
@@ -65,6 +65,8 @@ class PciePath(msgspec.Struct, frozen=True):
     src: str
     dst: str
     stages: tuple[Stage, ...]
+    #: The NTB cables it passes by name (``LinkSpec.names``); () inside one host.
+    links: tuple[str, ...] = ()
 
     @property
     def hops(self) -> int:
@@ -106,6 +108,7 @@ class PciePath(msgspec.Struct, frozen=True):
             "roots": self.roots,
             "ntb_crossings": self.ntb_crossings,
             "added_ns": self.added_ns,
+            "links": list(self.links),
             "stages": [s.to_json() for s in self.stages],
         }
 
@@ -180,7 +183,10 @@ def _across(path: NtbPath) -> list[Stage]:
     ]
 
 
-def _ntb(topology: Topology, src: str, dst: str) -> NtbPath:
+def _ntb(topology: Topology, src: str, dst: str, ntb: NtbPath | None = None) -> NtbPath:
+    """``ntb`` when given (one of the ``routes``), else the shortest route."""
+    if ntb is not None:
+        return ntb
     path = route(topology, src, dst)
     assert path is not None  # callers handle the same node
     return path
@@ -191,54 +197,66 @@ def _device_stage(spec: DeviceSpec) -> Stage:
 
 
 def peer_path(
-    topology: Topology, src: Stage, src_slot: str | None, dst: Stage, dst_slot: str | None
+    topology: Topology,
+    src: Stage,
+    src_slot: str | None,
+    dst: Stage,
+    dst_slot: str | None,
+    ntb: NtbPath | None = None,
 ) -> PciePath:
     """Peer-to-peer from the endpoint ``src`` (in ``src_slot`` of host ``src.node``) to
     ``dst``: inside one host, or through the NTB between the two hosts; each host's IOMMU
     decides where the TLP turns in it. ``NoPathError`` when no NTB joins the hosts."""
+    links: tuple[str, ...] = ()
     if src.node == dst.node:
         middle = _within(topology, src.node, src_slot, dst_slot)
     else:
-        ntb = _ntb(topology, src.node, dst.node)
+        ntb = _ntb(topology, src.node, dst.node, ntb)
+        links = ntb.links
         middle = [
             *_within(topology, src.node, src_slot, ntb.src.slot),
             *_across(ntb),
             *_within(topology, dst.node, ntb.dst.slot, dst_slot),
         ]
-    return PciePath(src.name, dst.name, (src, *middle, dst))
+    return PciePath(src.name, dst.name, (src, *middle, dst), links)
 
 
-def device_to_ram(topology: Topology, fdid: int, node: str) -> PciePath:
+def device_to_ram(topology: Topology, fdid: int, node: str, ntb: NtbPath | None = None) -> PciePath:
     """DMA of device ``fdid`` into the RAM of a VM on ``node`` (to the lender's NTB adapter,
-    across the NTB, up to the borrower's root complex)."""
+    across the NTB, up to the borrower's root complex), over ``ntb`` when given (one of the
+    ``routes`` from the lender to ``node``), else the shortest route."""
     spec = topology.device(fdid)
     topology.node(node)
     stages = [_device_stage(spec)]
+    links: tuple[str, ...] = ()
     if spec.lender == node:
         stages += _up(topology, node, spec.slot)
     else:
-        ntb = _ntb(topology, spec.lender, node)
+        ntb = _ntb(topology, spec.lender, node, ntb)
+        links = ntb.links
         stages += _within(topology, spec.lender, spec.slot, ntb.src.slot)
         stages += _across(ntb)
         stages += _up(topology, node, ntb.dst.slot)
-    return PciePath(f"device {fdid:#x}", f"RAM of {node}", tuple(stages))
+    return PciePath(f"device {fdid:#x}", f"RAM of {node}", tuple(stages), links)
 
 
-def cpu_to_bar(topology: Topology, node: str, fdid: int) -> PciePath:
+def cpu_to_bar(topology: Topology, node: str, fdid: int, ntb: NtbPath | None = None) -> PciePath:
     """A CPU of ``node`` (a VM's driver) reading or writing a BAR of device ``fdid``: the way
-    the device's DMA into that node's RAM takes, backwards."""
-    back = device_to_ram(topology, fdid, node)
-    return PciePath(f"CPU of {node}", f"BAR of device {fdid:#x}", back.stages[::-1])
+    the device's DMA into that node's RAM takes, backwards (``ntb``: from the lender)."""
+    back = device_to_ram(topology, fdid, node, ntb)
+    return PciePath(f"CPU of {node}", f"BAR of device {fdid:#x}", back.stages[::-1], back.links)
 
 
-def device_to_device(topology: Topology, src: int, dst: int) -> PciePath:
+def device_to_device(
+    topology: Topology, src: int, dst: int, ntb: NtbPath | None = None
+) -> PciePath:
     """Peer-to-peer: device ``src`` writes into a BAR of device ``dst`` directly (same lender:
-    inside it; else across the NTB between the two lenders)."""
+    inside it; else across the NTB between the two lenders, over ``ntb`` when given)."""
     a, b = topology.device(src), topology.device(dst)
     if a.fdid == b.fdid:
         raise FabricError(f"device {src:#x} is both ends of the path; give two devices")
-    found = peer_path(topology, _device_stage(a), a.slot, _device_stage(b), b.slot)
-    return PciePath(f"device {src:#x}", f"device {dst:#x}", found.stages)
+    found = peer_path(topology, _device_stage(a), a.slot, _device_stage(b), b.slot, ntb)
+    return PciePath(f"device {src:#x}", f"device {dst:#x}", found.stages, found.links)
 
 
 def device_via_ram(topology: Topology, src: int, dst: int, node: str) -> PciePath:
@@ -271,3 +289,33 @@ def explain(topology: Topology, src: str, dst: str, via: str | None = None) -> P
     if a_node:
         return cpu_to_bar(topology, src, parse_fdid(dst))
     return device_to_device(topology, parse_fdid(src), parse_fdid(dst))
+
+
+def explain_all(topology: Topology, src: str, dst: str) -> list[PciePath]:
+    """Every path ``vmlend path --all SRC DST`` lists: ``explain``'s path once per NTB route
+    between the two hosts (different adapters, different cables), cheapest first; the one path
+    when both ends are in one host. ``ConfigError`` as ``explain``."""
+    nodes = {n.name for n in topology.nodes}
+    a_node, b_node = src in nodes, dst in nodes
+    if a_node and b_node:
+        raise ConfigError(
+            f"{src} and {dst} are both nodes; give a device (fdid) on at least one side"
+        )
+    if b_node:
+        fdid, node = parse_fdid(src), dst
+        lender = topology.device(fdid).lender
+        alts = routes(topology, lender, node)
+        if not alts:
+            return [device_to_ram(topology, fdid, node)]
+        return [device_to_ram(topology, fdid, node, p) for p in alts]
+    if a_node:
+        fdid, node = parse_fdid(dst), src
+        alts = routes(topology, topology.device(fdid).lender, node)
+        if not alts:
+            return [cpu_to_bar(topology, node, fdid)]
+        return [cpu_to_bar(topology, node, fdid, p) for p in alts]
+    a, b = topology.device(parse_fdid(src)), topology.device(parse_fdid(dst))
+    alts = routes(topology, a.lender, b.lender)
+    if not alts:
+        return [device_to_device(topology, a.fdid, b.fdid)]
+    return [device_to_device(topology, a.fdid, b.fdid, p) for p in alts]

@@ -39,6 +39,7 @@ def fabric_json(f: Fabric) -> dict[str, Any]:
     topo = f.topology()
     use = f.usage()
     states = node_states(f)
+    down = _links_down(f)
     return {
         "name": topo.name,
         "source": topo.source,
@@ -58,7 +59,14 @@ def fabric_json(f: Fabric) -> dict[str, Any]:
         ],
         "links": [{"ends": list(link.ends), "switch": link.switch} for link in topo.links],
         "switch_links": [list(pair) for pair in topo.switch_links],
+        "cables": [{"name": n, "up": n not in down} for n in topo.link_names()],
     }
+
+
+def _links_down(f: Fabric) -> set[str]:
+    """The cables the simulated fabric marks down (none for another backend)."""
+    read = getattr(f, "links_down", None)
+    return set(read()) if callable(read) else set()
 
 
 def render_fabric(f: Fabric) -> str:
@@ -101,6 +109,12 @@ def render_fabric(f: Fabric) -> str:
         for link in topo.links
     ]
     links += [f"switch link: {a} <-> {b}" for a, b in topo.switch_links]
+    down = _links_down(f)
+    links.append(
+        "cables down: " + ", ".join(n for n in topo.link_names() if n in down)
+        if down
+        else f"cables: {', '.join(topo.link_names())} (all up)"
+    )
     return "\n\n".join(
         [
             f"fabric {topo.name!r} from {topo.source}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.lending.shares import BLOCK
 from vmlend.ops.live_state import LiveRecord
 from vmlend.ops.status import RUNTIME_KINDS, VmView
@@ -76,6 +77,17 @@ def render_status(
                 ]
             )
     parts = [render_table(headers, rows) if rows else empty]
+    f_rows = [
+        [v.name, v.node, format_fdid(d.fdid), str(r.data.get("link", r.key)),
+         str(r.data.get("state", "")), str(r.data.get("path", "")) or "-",
+         str(r.data.get("detail", "")) or "-"]
+        for v in vms
+        for d in v.devices
+        for r in d.runtime.get(LINK_FAULT, [])
+    ]  # fmt: skip
+    if f_rows:
+        f_headers = ("VM", "NODE", "FDID", "LINK FAULT", "STATE", "ROUTE NOW", "DETAIL")
+        parts.append(render_table(f_headers, f_rows))
     s_rows = [
         [
             v.name,

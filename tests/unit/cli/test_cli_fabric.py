@@ -143,7 +143,10 @@ def test_show_json(run, inited):
     assert (a["ref"], a["lut_usable"], a["lut_used"], a["window_size"]) == (
         "alpha:0", 30, 0, 128 << 30,
     )  # fmt: skip
-    assert data["links"] == [{"ends": ["alpha:0", "beta:0", "gamma:0"], "switch": "mxs824"}]
+    assert data["links"] == [
+        {"ends": ["alpha:0", "beta:0", "gamma:0"], "switch": "mxs824"},
+        {"ends": ["gamma:1"], "switch": "mxs824b"},  # gamma's second path (issue 23)
+    ]
 
 
 def test_devices_table_and_filters(run, inited):

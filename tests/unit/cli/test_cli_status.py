@@ -90,7 +90,7 @@ def test_json(cluster):
     assert dev["holder"] == "gamma/vm1" and dev["mdev_present"] is True
     assert dev["dma_windows"] == dev["irq_vectors"] == dev["p2p_maps"] == []
     by_ref = {a["adapter"]: a for a in data["adapters"]}
-    assert set(by_ref) == {"alpha:0", "beta:0", "gamma:0"}
+    assert set(by_ref) == {"alpha:0", "beta:0", "gamma:0", "gamma:1"}
     assert by_ref["beta:0"]["lut_used"] == 1 and by_ref["beta:0"]["lut_usable"] == 30
     assert by_ref["gamma:0"]["window_used"] > 0
 

@@ -34,7 +34,7 @@ def hw(topology) -> SimHardware:
 
 def test_every_node_adapter_and_device_exists(hw, topology):
     assert set(hw.nodes) == {"alpha", "beta", "gamma"}
-    assert [a.ref for a in hw.adapters()] == ["alpha:0", "beta:0", "gamma:0"]
+    assert [a.ref for a in hw.adapters()] == ["alpha:0", "beta:0", "gamma:0", "gamma:1"]
     assert [d.fdid for d in hw.devices()] == sorted(d.fdid for d in topology.devices)
     assert hw.adapter("gamma:0").peers == {"alpha", "beta"}
 

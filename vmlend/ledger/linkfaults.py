@@ -1,0 +1,270 @@
+"""What a link fault does to the devices borrowed across it (issue 23 part 3).
+
+When a cable goes down, every hold whose device crosses it is reported (a runtime record of
+kind ``link-fault`` on the hold, shown by ``vmlend status`` and written to the action log by
+the CLI), and, with hardware that can (the simulator's ``SimHardware.reroute``), the device's
+crossing is re-established over another route from its lender's adapter, carrying the hold's
+fencing token like any other step on the device. The guest does not reset the device: its
+DMA windows name the borrower's addresses, which every route reaches alike.
+
+When the cable comes back, its adapters either kept their state or were reset; in the second
+case their driver programs again what they had (``reprogram``), and every device whose
+crossing lost state there is re-established. A device whose route works again is reported
+recovered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from vmlend.errors import NoPathError, VmlendError
+from vmlend.registry import HoldRecord, Phase, StateTxn, same_holder
+from vmlend.registry.api import LINKS_DOWN_KEY
+from vmlend.topology.model import Holder, Topology
+from vmlend.topology.paths import NtbPath, route
+
+log = logging.getLogger(__name__)
+
+#: Runtime record kind of a link fault on a hold's path (key: the link's name).
+LINK_FAULT = "link-fault"
+
+
+def links_down_in(tx: StateTxn) -> list[str]:
+    """The cables the state marks down (``Topology.link_names`` spelling), sorted."""
+    raw = tx.meta(LINKS_DOWN_KEY)
+    if not raw:
+        return []
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return []
+    return sorted(str(n) for n in found) if isinstance(found, list) else []
+
+
+class _Borrowed(Protocol):
+    @property
+    def path(self) -> NtbPath | None: ...
+
+
+@runtime_checkable
+class RerouteHardware(Protocol):
+    """Hardware that can move a borrowed device's crossing to another route."""
+
+    def borrowed(self, fdid: int) -> _Borrowed | None: ...
+
+    def reroute(self, fdid: int, *, token: int = 0) -> _Borrowed | None: ...
+
+    def reprogram(self, name: str) -> int: ...
+
+    def dead_links(self, path: NtbPath) -> list[str]: ...
+
+    def crossing(self, fdid: int, node: str) -> NtbPath | None: ...
+
+
+class LinkFault(msgspec.Struct, frozen=True):
+    """What a link event did to one hold's device."""
+
+    fdid: int
+    holder: Holder
+    link: str
+    #: "down" (no other route: it reads all ones until the link is back), "rerouted" (its
+    #: crossing now takes ``path``), "recovered" (its route works again), "failed" (a step
+    #: was refused: ``detail`` says why)
+    state: str
+    path: str = ""  # the route it takes now ("" when none works)
+    was: str = ""  # the route it took when the link went down
+    detail: str = ""
+    #: When its crossing moved to another borrower adapter: (old, new) adapter refs, for the
+    #: hold's claims to follow it.
+    moved: tuple[str, str] | None = None
+
+    def line(self) -> str:
+        """One line for the action log and the CLI."""
+        where = f" over {self.path}" if self.path else ""
+        was = f" (was {self.was})" if self.was else ""
+        why = f": {self.detail}" if self.detail else ""
+        head = f"device {self.fdid:#x} of {self.holder}: link {self.link} {self.state}"
+        return f"{head}{where}{was}{why}"
+
+    def record(self) -> dict[str, object]:
+        return {"link": self.link, "state": self.state, "path": self.path, "was": self.was,
+                "detail": self.detail}  # fmt: skip
+
+
+class LinkChange(msgspec.Struct, frozen=True):
+    """What ``set_link_up`` did: whether the cable changed state, and to which holds."""
+
+    link: str
+    up: bool
+    changed: bool
+    faults: tuple[LinkFault, ...] = ()
+
+
+def _crosses(topology: Topology, hw: object, hold: HoldRecord, link: str) -> NtbPath | None:
+    """The route of ``hold``'s device when it passes ``link`` (the hardware's borrow when
+    there is hardware, else the cheapest route, as admission claimed it)."""
+    path: NtbPath | None
+    if isinstance(hw, RerouteHardware):
+        b = hw.borrowed(hold.fdid)
+        path = b.path if b is not None else None
+    else:
+        spec = topology.device(hold.fdid)
+        try:
+            path = route(topology, spec.lender, hold.holder.node)
+        except NoPathError:
+            path = None
+    return path if path is not None and link in path.links else None
+
+
+def on_link_down(
+    topology: Topology, hw: object, holds: Mapping[int, HoldRecord], link: str
+) -> list[LinkFault]:
+    """Report every hold whose device crosses ``link`` and re-route the borrowed ones."""
+    out: list[LinkFault] = []
+    for fdid, hold in sorted(holds.items()):
+        path = _crosses(topology, hw, hold, link)
+        if path is None:
+            continue
+        fault = LinkFault(fdid, hold.holder, link, "down", "", path.describe())
+        if isinstance(hw, RerouteHardware) and hold.phase is Phase.BORROWED:
+            try:
+                moved = hw.reroute(fdid, token=hold.token)
+            except NoPathError:
+                fault = LinkFault(fdid, hold.holder, link, "down", "", path.describe(),
+                                  "no other route from its lender's adapter")  # fmt: skip
+            except VmlendError as e:  # a stale token, a full LUT on the other adapter
+                fault = LinkFault(fdid, hold.holder, link, "failed", "", path.describe(), str(e))
+            else:
+                now = moved.path if moved is not None else None
+                if now is not None:
+                    fault = LinkFault(fdid, hold.holder, link, "rerouted", now.describe(),
+                                      path.describe(), moved=_moved(path, now))  # fmt: skip
+        log.warning("%s", fault.line())
+        out.append(fault)
+    return out
+
+
+def on_link_up(
+    topology: Topology,
+    hw: object,
+    holds: Mapping[int, HoldRecord],
+    link: str,
+    faults: Mapping[int, LinkFault],
+) -> list[LinkFault]:
+    """``link`` is back: program again what its adapters lost, re-establish the crossings
+    that lost state, and report the devices whose route works again."""
+    out: list[LinkFault] = []
+    if isinstance(hw, RerouteHardware):
+        hw.reprogram(link)
+    for fdid, hold in sorted(holds.items()):
+        fault = faults.get(fdid)
+        crosses = _crosses(topology, hw, hold, link)
+        if fault is None and crosses is None:
+            continue
+        path = crosses.describe() if crosses is not None else (fault.path if fault else "")
+        state = "recovered"
+        detail = ""
+        shift: tuple[str, str] | None = None
+        if isinstance(hw, RerouteHardware) and hold.phase is Phase.BORROWED:
+            b = hw.borrowed(fdid)
+            before = b.path if b is not None else None
+            try:
+                moved = hw.reroute(fdid, token=hold.token)
+            except NoPathError:
+                state, detail = "down", "no route works yet"
+            except VmlendError as e:
+                state, detail = "failed", str(e)
+            else:
+                if moved is not None and moved.path is not None:
+                    path = moved.path.describe()
+                    if before is not None:
+                        shift = _moved(before, moved.path)
+        was = fault.was if fault is not None else ""
+        if state == "recovered" and isinstance(hw, RerouteHardware) and _still_dead(hw, fdid):
+            state, detail = "down", "its route crosses another dead link"
+        lf = LinkFault(fdid, hold.holder, link, state, path, was, detail, shift)
+        log.warning("%s", lf.line())
+        out.append(lf)
+    return out
+
+
+def _still_dead(hw: RerouteHardware, fdid: int) -> bool:
+    b = hw.borrowed(fdid)
+    return b is not None and b.path is not None and bool(hw.dead_links(b.path))
+
+
+def _moved(old: NtbPath, new: NtbPath) -> tuple[str, str] | None:
+    return (old.dst.ref, new.dst.ref) if old.dst.ref != new.dst.ref else None
+
+
+def _move_claims(tx: StateTxn, fdid: int, old: str, new: str) -> None:
+    """The hold's claims on borrower adapter ``old`` now hold on ``new``: its crossing moved.
+    A shared drive's manager claims what its share records say (recomputed at every share
+    reserve and release), so those records move too."""
+    from vmlend.ledger.nvmeshares import SHARE_RECORD  # it imports this module
+
+    for r in tx.runtime(fdid, SHARE_RECORD):
+        claims = r.data.get("claims")
+        if isinstance(claims, list) and any(c.get("adapter") == old for c in claims):
+            kept = [dict(c, adapter=new) if c.get("adapter") == old else c for c in claims]
+            tx.put_runtime(fdid, SHARE_RECORD, r.key, {**r.data, "claims": kept})
+    mine = [c for f, c in tx.claims() if f == fdid]
+    for kind in sorted({c.kind for c in mine if c.adapter == old}):
+        moved = [
+            (fdid, msgspec.structs.replace(c, adapter=new) if c.adapter == old else c)
+            for c in mine
+            if c.kind is kind
+        ]
+        tx.replace_claims(kind, [fdid], moved)
+
+
+def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
+    """Claims follow the hardware: a hold's claim on an adapter of another node than its
+    device's lender moves to the adapter the device's crossing into that node uses now (an
+    exclusive device re-routed, a shared drive's crossing moved by its manager)."""
+    if not isinstance(hw, RerouteHardware):
+        return
+    for fdid, claim in sorted(tx.claims(), key=lambda fc: (fc[0], fc[1].adapter)):
+        try:
+            spec = topology.device(fdid)
+            node = claim.adapter.rsplit(":", 1)[0]
+            if node == spec.lender:
+                continue
+            now = hw.crossing(fdid, node)
+        except VmlendError:  # gone from the topology, or no route: nothing to follow
+            continue
+        if now is not None and now.dst.node == node and now.dst.ref != claim.adapter:
+            _move_claims(tx, fdid, claim.adapter, now.dst.ref)
+
+
+def record_faults(tx: StateTxn, faults: list[LinkFault], *, up: bool) -> None:
+    """Keep each fault on its hold (``vmlend status``; a recovered one is cleared)."""
+    holds = tx.holds()
+    for f in faults:
+        hold = holds.get(f.fdid)
+        if hold is None or not same_holder(hold.holder, f.holder):
+            continue
+        if up and f.state == "recovered":  # its route works: every fault of it is over
+            tx.clear_runtime(f.fdid, LINK_FAULT)
+        else:
+            tx.put_runtime(f.fdid, LINK_FAULT, f.link, f.record())
+
+
+def recorded_faults(tx: StateTxn) -> dict[int, LinkFault]:
+    """The fault recorded on each hold (of any link; the first by link name), by fdid."""
+    holds = tx.holds()
+    out: dict[int, LinkFault] = {}
+    for r in sorted(tx.runtime(kind=LINK_FAULT), key=lambda r: (r.fdid, r.key)):
+        hold = holds.get(r.fdid)
+        if hold is None or r.fdid in out:
+            continue
+        d = r.data
+        out[r.fdid] = LinkFault(r.fdid, hold.holder, r.key, str(d.get("state", "")),
+                                str(d.get("path", "")), str(d.get("was", "")),
+                                str(d.get("detail", "")))  # fmt: skip
+    return out
