@@ -205,18 +205,17 @@ def _link_report(
         for f in change.faults:
             actions.record(f.holder.vm, f"link-{state}", f.line())
     if json_output:
-        emit_json(
-            {
-                "link": link,
-                "state": state,
-                "changed": change.changed,
-                "mappings": None if state == "down" else ("lost" if lost else "kept"),
-                "links_down": down,
-                "devices": [
-                    {"fdid": f"{f.fdid:#x}", "holder": str(f.holder)} | f.record()
-                    for f in change.faults
-                ],
-            }
+        emit_action(
+            f"marked_{state}" if change.changed else "unchanged",
+            link=link,
+            state=state,
+            changed=change.changed,
+            mappings=None if state == "down" else ("lost" if lost else "kept"),
+            links_down=down,
+            devices=[
+                {"fdid": f"{f.fdid:#x}", "holder": str(f.holder)} | f.record()
+                for f in change.faults
+            ],
         )
         return
     if not change.changed:

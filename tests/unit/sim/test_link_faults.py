@@ -141,6 +141,7 @@ def test_link_down_and_up_commands(tmp_path):
     )
     again = json.loads(run(main, [*state, "fabric", "link-down", PRIMARY, "--json"]).output)
     assert again == {
+        "format": "vmlend/1", "action": "unchanged",
         "link": PRIMARY, "state": "down", "changed": False, "mappings": None,
         "links_down": [PRIMARY], "devices": [],
     }  # fmt: skip
