@@ -29,7 +29,7 @@ from vmlend.errors import DeviceFencedError, RegistryUnreachableError, VmlendErr
 from vmlend.fabric.base import Fabric
 from vmlend.hook.domainview import read_hook_domain
 from vmlend.hypervisor.base import DomainState, Hypervisor
-from vmlend.lending.devices import UndoJournal, acquire_device, holder_for
+from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, return_device
 from vmlend.ops.definitions import plain_metadata
 from vmlend.registry.records import same_holder
 from vmlend.topology.model import Holder, format_fdid
@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 class VmRecovery(msgspec.Struct):
     """What became of one paused VM: ``outcome`` is "resumed", "unplugged" (lost devices
-    removed, then resumed) or "paused" (``why`` says why it stays so)."""
+    removed, then resumed), "stopped" (it stopped while being recovered: nothing kept for it)
+    or "paused" (``why`` says why it stays so)."""
 
     vm: str
     regained: list[int] = msgspec.field(default_factory=list)
@@ -57,6 +58,8 @@ class VmRecovery(msgspec.Struct):
             return text + "; resumed"
         if self.outcome == "unplugged":
             return text + "; hot-unplugged the lost devices and resumed"
+        if self.outcome == "stopped":
+            return f"VM {self.vm}: {self.why}"
         return text + f"; stays paused: {self.why}"
 
 
@@ -111,6 +114,16 @@ class LostLeaseRecovery:
                     return result
                 except VmlendError as e:
                     result.lost[dev.fdid] = str(e)
+            if not self._still_there(name):
+                # Stopped while we re-reserved (an admin's destroy, a crash): its release ran
+                # before our reserves, or will not run again. Give back what we took for it.
+                for dev in dom.devices:
+                    if dev.fdid in result.regained:
+                        return_device(self._fabric, holder, dev.fdid, str(dev.mdev))
+                result.regained.clear()
+                result.outcome = "stopped"
+                result.why = "it stopped meanwhile; the devices re-reserved for it are returned"
+                return result
         if result.lost:
             try:
                 self._unplug(name, list(result.lost))
@@ -125,6 +138,13 @@ class LostLeaseRecovery:
             return result
         result.outcome = "unplugged" if result.lost else "resumed"
         return result
+
+    def _still_there(self, name: str) -> bool:
+        """Whether the VM still runs here (paused by us or not): its holds are wanted."""
+        try:
+            return self._hv.lookup(name).active
+        except VmlendError:
+            return False
 
     def _resume(self, name: str) -> bool:
         if self._resume_gate is None:

@@ -102,3 +102,26 @@ def test_the_watch_resumes_a_vm_only_while_the_lease_is_fresh():
     assert not watch.resume_if_fresh("b", lambda: resumed.append("b"))
     assert resumed == ["a"]
     assert watch.take_paused() == ["b"]  # a lost lease hands it to the recovery again
+
+
+def test_a_vm_stopped_while_its_devices_are_re_reserved_keeps_none_of_them(tmp_path):
+    """Found by the nemesis test: a paused VM destroyed while the agent waits to re-reserve
+    its device (fenced under the old lease) left a hold with no VM behind it, for good, since
+    its release had run before. The recovery now checks the VM is still there and returns
+    what it took."""
+    fabric = make_fabric(tmp_path / "state.db")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    hv.define(_domain("app", APP.vm_uuid, (GPU,)))
+    hv.start("app")
+    hv.suspend("app")
+
+    class DestroyedMeanwhile(LostLeaseRecovery):
+        def _acquire(self, holder, fdid, mdev, guest_ram):  # the wait for the fence, then
+            hv.destroy("app")  # an operator's destroy (its release found nothing held)
+            super()._acquire(holder, fdid, mdev, guest_ram)
+
+    recovery = DestroyedMeanwhile(hv, fabric, fence_wait=0, interval=0.01)
+    [result] = recovery.recover(["app"])
+    assert result.outcome == "stopped" and "stopped meanwhile" in result.describe()
+    assert fabric.device(GPU).holder is None  # nothing kept for a VM that is gone
+    assert [m for m in fabric.mdevs() if m.fdid == GPU] == []
