@@ -21,11 +21,14 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
   means its agent stopped uncleanly and the node's devices are unavailable;
 - ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
   reserve reads exactly the claims of the adapters on its path;
-- ``units/<adapter>/<lut|seg>/<i>``: one key per LUT entry or window segment in use, ``i``
-  below the adapter's usable count, so two reserves that together overcommit an adapter must
-  both create one same key and cannot both commit, while reserves that fit do not conflict
-  (a reserve compares the keys it creates, not every claim on the adapter). Which units a VM
-  has, and the claims they stand for, are listed in its ``held-vm`` key (its unit ledger);
+- ``units/<adapter>/<lut|seg>-blocks/<start>/<size>``: the LUT entries or window segments in
+  use, in aligned blocks (``size`` a power of two, ``start`` a multiple of it, zero-padded,
+  below the adapter's usable count), so two reserves that together overcommit an adapter must
+  take overlapping blocks (one same block, or one inside the other) and cannot both commit,
+  while reserves that fit do not conflict (a reserve compares the blocks it creates, not
+  every claim on the adapter). ``units/<adapter>/<lut|seg>/<i>``: one unit per key, as vmlend
+  wrote them before blocks (read as blocks of one). Which units a VM has, and the claims they
+  stand for, are listed in its ``held-vm`` key (its unit ledger);
 - ``parents/<node>/<fdid>``, ``mdevs/<node>/<uuid>``: mdev parents and children per node;
 - ``runtime/<fdid>/<n>``: what the data path set up for a held device.
 """
@@ -139,7 +142,22 @@ class Keys:
         return f"{self.units_of(adapter)}{unit}/"
 
     def unit(self, adapter: str, unit: str, index: int) -> str:
+        """One unit, as vmlend wrote them before blocks (still read, and deleted on release)."""
         return f"{self.units_on(adapter, unit)}{index}"
+
+    def unit_blocks(self, adapter: str, unit: str) -> str:
+        """The block keys of one adapter resource (``unit_block``)."""
+        return f"{self.units_of(adapter)}{unit}-blocks/"
+
+    def unit_block(self, adapter: str, unit: str, start: int, size: int) -> str:
+        """The units ``[start, start + size)``: ``size`` a power of two, ``start`` a multiple
+        of it. The start is zero-padded so a block's sub-blocks are one key range."""
+        return f"{self.unit_blocks(adapter, unit)}{start:06d}/{size}"
+
+    def unit_block_range(self, adapter: str, unit: str, start: int, end: int) -> tuple[str, str]:
+        """The key range of every block starting in ``[start, end)``."""
+        prefix = self.unit_blocks(adapter, unit)
+        return f"{prefix}{start:06d}", f"{prefix}{end:06d}"
 
     @property
     def fences(self) -> str:

@@ -59,6 +59,9 @@ class Snapshot:
         #: Ranges read without a prefix compare (``loose_range``); a key of one that is read
         #: through ``get`` is compared on its own.
         self._loose: dict[str, dict[str, KeyValue]] = {}
+        #: Key ranges ``[start, end)`` compared as "nothing created or changed in them since
+        #: the snapshot" without being read themselves (``guard``).
+        self._guards: dict[tuple[str, str], None] = {}
 
     def _range(self, key: str, range_end: str | None) -> list[KeyValue]:
         revision, kvs = self._gw.range(key, range_end, self.revision)
@@ -143,6 +146,11 @@ class Snapshot:
         """What a ``loose_range`` of ``prefix`` read (a compared range if it became one)."""
         return self._ranges.get(prefix) or self._loose.get(prefix) or {}
 
+    def guard(self, start: str, end: str) -> None:
+        """Compare at commit that no key in ``[start, end)`` was created or changed after the
+        snapshot (the caller read what it decides on there through a wider loose range)."""
+        self._guards[(start, end)] = None
+
     def compares(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
             {
@@ -162,6 +170,16 @@ class Snapshot:
                 "mod_revision": self.revision + 1,
             }
             for prefix in self._ranges
+        ]
+        out += [
+            {
+                "key": b64(start),
+                "range_end": b64(end),
+                "target": "MOD",
+                "result": "LESS",
+                "mod_revision": self.revision + 1,
+            }
+            for start, end in self._guards
         ]
         return out
 
@@ -266,17 +284,22 @@ class EtcdTxn:
     #
     # Admission reads the claims on an adapter without comparing them (a reserve on the same
     # adapter by another VM would otherwise always conflict). What keeps two reserves from
-    # overcommitting it instead: every LUT entry and window segment in use is one key
-    # ``units/<adapter>/<lut|seg>/<i>`` with ``i`` below the adapter's usable count, and a
-    # transaction that uses more of an adapter creates that many free unit keys, comparing
-    # that they do not exist. Reserves that together need more than is free must pick one same
-    # key, so only one commits (the other runs again and is refused); reserves that fit pick
-    # at random among the free keys and rarely meet. A VM's units, and the claims they stand
-    # for (shared claims count once, as in ``admission.usage``), are its unit ledger in its
-    # marker (``Keys.vm_holds``), which every reserve and release of the VM compares and
-    # rewrites. Claims written without units (by an older vmlend) are seen as an adapter
-    # whose claims use more than its units: a transaction growing there then compares the
-    # adapter's claims as a prefix, as before.
+    # overcommitting it instead: the LUT entries and window segments in use are unit keys
+    # ``units/<adapter>/<lut|seg>-blocks/<start>/<size>``, aligned blocks of a power of two
+    # units below the adapter's usable count, and a transaction that uses more of an adapter
+    # creates blocks of that many free units, comparing that nothing was created inside them
+    # and that no block holding them exists. Reserves that together need more than is free
+    # must take overlapping blocks (one same block, or one inside the other), so only one
+    # commits (the other runs again and is refused); reserves that fit take blocks from their
+    # own fdid on and rarely meet. A GPU reserve with 16 GiB of guest RAM takes 6 keys (10
+    # segments as 8+2 and 5 as 4+1, and a LUT entry on each side) where one key per unit took
+    # 17. A VM's units, and the claims they stand for (shared claims count once, as in
+    # ``admission.usage``), are its unit ledger in its marker (``Keys.vm_holds``), which every
+    # reserve and release of the VM compares and rewrites. Claims written without units (by
+    # an older vmlend) are seen as an adapter whose claims use more than its units: a
+    # transaction growing there then compares the adapter's claims as a prefix, as before.
+    # Single unit keys ``units/<adapter>/<lut|seg>/<i>`` (vmlend before blocks) count as
+    # blocks of one and are deleted when their VM gives them back.
 
     def _capacity(self, adapter: str, unit: str) -> int:
         """The adapter's usable LUT entries or window segments (0: not in the topology)."""
@@ -324,36 +347,85 @@ class EtcdTxn:
             used = self._claimed[adapter] = self._units_needed(rows)
         return used.get((adapter, unit), 0)
 
-    def _take_units(self, adapter: str, unit: str, n: int, holder: Holder, hint: int) -> list[int]:
-        """Create ``n`` free unit keys: the first free ones from index ``hint`` on (modulo the
-        capacity). The hint is the fdid the change is for, so reserves of distinct devices
-        (numbered in a row per lender) start at distinct units and rarely create one same
-        key unless the adapter is nearly full."""
-        prefix = self._k.units_on(adapter, unit)
+    def _spans(self, adapter: str, unit: str, keys: Iterable[str]) -> list[tuple[int, int]]:
+        """The ``(start, size)`` of the unit keys of ``adapter``'s ``unit`` among ``keys``:
+        blocks, and single units as vmlend wrote them before blocks (size 1)."""
+        single = self._k.units_on(adapter, unit)
+        blocks = self._k.unit_blocks(adapter, unit)
+        out = []
+        for k in keys:
+            if k.startswith(blocks):
+                start, size = k[len(blocks) :].split("/")
+                out.append((int(start), int(size)))
+            elif k.startswith(single):
+                out.append((int(k[len(single) :]), 1))
+        return out
+
+    def _take_units(
+        self, adapter: str, unit: str, n: int, holder: Holder, hint: int
+    ) -> list[tuple[int, int]]:
+        """Create blocks of ``n`` free units (``(start, size)`` each: one block per bit of
+        ``n``, split in halves where no aligned free block of that size is left), each the
+        first free one from index ``hint`` on (modulo the capacity). The hint is the fdid the
+        change is for, so reserves of distinct devices (numbered in a row per lender) start at
+        distinct units and rarely meet unless the adapter is nearly full.
+
+        Aligned blocks of powers of two overlap only when one holds the other, so two
+        transactions that take one same unit conflict: each compares the key range of the
+        blocks inside its own (``Snapshot.guard``: nothing created there since the snapshot)
+        and the absence of each aligned block that would hold it."""
         every = self._k.units_of(adapter)  # both resources of the adapter, in one range
-        taken = {int(k.rsplit("/", 1)[1]) for k in self._loose_range(every) if k.startswith(prefix)}
+        spans = self._spans(adapter, unit, self._loose_range(every))
         self._loose_range(self._k.claims_on(adapter))  # read: what the claims used
-        before = sum(1 for k in self._snap.loose_before(every) if k.startswith(prefix))
+        before = sum(
+            size for _s, size in self._spans(adapter, unit, self._snap.loose_before(every))
+        )
         cap = self._capacity(adapter, unit)
-        start = hint % cap if cap else 0
-        free = [i for i in (*range(start, cap), *range(start)) if i not in taken]
-        if len(free) < n or self._claimed_before(adapter, unit) > before:
+        free = [True] * cap
+        for start, size in spans:
+            free[start : start + size] = [False] * len(free[start : start + size])
+        left = sum(free)
+        if left < n or self._claimed_before(adapter, unit) > before:
             # claims without units (an older vmlend), or fewer free units than the claims
             # say: decide as before, on every claim of the adapter (a compared prefix)
             self._snap.range(self._k.claims_on(adapter))
-        picked = sorted(free[:n])
-        for i in picked:
-            key = self._k.unit(adapter, unit, i)
-            self._snap.get(key)  # a new key: its absence is compared
-            self._put(key, f"{holder.node}/{holder.vm}".encode(), leased=True)
-        return picked
+        n = min(n, left)
+        sizes = [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+        begin = hint % cap if cap else 0
+        picked: list[tuple[int, int]] = []
+        while sizes:
+            size = sizes.pop(0)
+            first = -(-begin // size) * size
+            starts = (
+                *range(first, cap - size + 1, size),
+                *range(0, min(first, cap - size + 1), size),
+            )
+            found = next((s for s in starts if all(free[s : s + size])), None)
+            if found is None:  # fragmented: two halves (a single unit is always found)
+                sizes[:0] = [size // 2, size // 2]
+                continue
+            free[found : found + size] = [False] * size
+            picked.append((found, size))
+        value = f"{holder.node}/{holder.vm}".encode()
+        for start, size in sorted(picked):
+            self._snap.guard(*self._k.unit_block_range(adapter, unit, start, start + size))
+            outer = size * 2
+            while outer <= cap:
+                if start % outer:  # an aligned block holding this one, starting before it
+                    holding = start - start % outer
+                    self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
+                outer *= 2
+            self._put(self._k.unit_block(adapter, unit, start, size), value, leased=True)
+        return sorted(picked)
 
     def _change_ledger(
         self, node: str, vm: str, fdid: int, change: Callable[[dict[str, list[list[Any]]]], None]
     ) -> None:
         """Apply ``change`` to the unit ledger of VM ``vm`` on ``node`` (fdid -> its claim
-        rows), then create or delete unit keys until the VM has what its claims use (``fdid``:
-        the hold the change is for)."""
+        rows), then create or delete unit blocks until the VM has what its claims use
+        (``fdid``: the hold the change is for). The ledger's ``blocks`` are ``[start, size]``
+        per adapter and unit; its ``units``, single units as vmlend wrote them before blocks,
+        are kept until given back."""
         key = self._k.vm_holds(node, vm)
         raw = self._get(key)
         d: dict[str, Any] = enc.load(raw) if raw is not None else {"vm": vm, "n": 0}
@@ -362,21 +434,38 @@ class EtcdTxn:
         ledger = {f: rows for f, rows in ledger.items() if rows}
         need = self._units_needed(r for rows in ledger.values() for r in rows)
         held: dict[str, dict[str, list[int]]] = d.get("units", {})
+        held_blocks: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
         units: dict[str, dict[str, list[int]]] = {}
+        blocks: dict[str, dict[str, list[list[int]]]] = {}
         holder = Holder(node, vm)
-        for adapter in sorted({a for a, _u in need} | set(held)):
+        for adapter in sorted({a for a, _u in need} | set(held) | set(held_blocks)):
             for unit in ("lut", "seg"):
-                have = sorted(int(i) for i in held.get(adapter, {}).get(unit, []))
+                # (start, size, a single unit of before blocks); given back from the end
+                have = [(int(i), 1, True) for i in sorted(held.get(adapter, {}).get(unit, []))]
+                have += [
+                    (int(s), int(z), False)
+                    for s, z in sorted(held_blocks.get(adapter, {}).get(unit, []))
+                ]
                 want = need.get((adapter, unit), 0)
-                for i in have[want:]:
-                    self._delete(self._k.unit(adapter, unit, i))
-                have = have[:want]
-                if len(have) < want:
-                    more = self._take_units(adapter, unit, want - len(have), holder, fdid)
-                    have = sorted(have + more)
-                if have:
-                    units.setdefault(adapter, {})[unit] = have
+                total = sum(z for _s, z, _single in have)
+                while total > want:
+                    start, size, single = have.pop()
+                    if single:
+                        self._delete(self._k.unit(adapter, unit, start))
+                    else:
+                        self._delete(self._k.unit_block(adapter, unit, start, size))
+                    total -= size
+                if total < want:
+                    more = self._take_units(adapter, unit, want - total, holder, fdid)
+                    have += [(s, z, False) for s, z in more]
+                if singles := [s for s, _z, single in have if single]:
+                    units.setdefault(adapter, {})[unit] = singles
+                if taken := sorted([s, z] for s, z, single in have if not single):
+                    blocks.setdefault(adapter, {})[unit] = taken
         new = {**d, "ledger": ledger, "units": units}
+        new.pop("blocks", None)
+        if blocks:
+            new["blocks"] = blocks
         if new != d:
             self._put(key, enc.dump(new), leased=True)
 

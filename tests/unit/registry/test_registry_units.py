@@ -40,7 +40,7 @@ def _with_landing_first(fabric, action) -> list[bool]:
 
 
 def _units(url: str) -> dict[tuple[str, str], int]:
-    """Per (adapter, lut|seg), how many unit keys the registry holds."""
+    """Per (adapter, lut|seg), how many units the registry's unit keys hold."""
     loc = parse_location(url)
     keys = Keys(loc.cluster)
     prefix = keys.base + "units/"
@@ -50,9 +50,18 @@ def _units(url: str) -> dict[tuple[str, str], int]:
     finally:
         gw.close()
     out: dict[tuple[str, str], int] = {}
+    covered: set[tuple[str, str, int]] = set()
     for kv in kvs:
-        adapter, unit, _i = kv.key.removeprefix(prefix).split("/")
-        out[(adapter, unit)] = out.get((adapter, unit), 0) + 1
+        # units/<adapter>/<unit>-blocks/<start>/<size>, or one unit: units/<adapter>/<unit>/<i>
+        adapter, unit, *rest = kv.key.removeprefix(prefix).split("/")
+        start, size = (
+            (int(rest[0]), int(rest[1])) if unit.endswith("-blocks") else (int(rest[0]), 1)
+        )
+        unit = unit.removesuffix("-blocks")
+        out[(adapter, unit)] = out.get((adapter, unit), 0) + size
+        for i in range(start, start + size):
+            assert (adapter, unit, i) not in covered, f"unit {i} of {adapter} {unit} taken twice"
+            covered.add((adapter, unit, i))
     return out
 
 
@@ -202,3 +211,101 @@ def test_ten_borrowers_cycling_distinct_devices_through_one_adapter_pair_never_f
     assert conflicts == [0] * borrowers
     assert _units(etcd_url) == {}
     check_never_two_holders(history(etcd_url))
+
+
+def _taking(registry, take: tuple[int, int]) -> EtcdTxn:
+    """A transaction of ``registry`` that has taken ``take[0]`` units of ``l:0``'s segments
+    from index ``take[1]`` on (nothing committed yet)."""
+    tx = registry._txn(writable=True)
+    tx._take_units("l:0", "seg", take[0], Holder("h0", f"vm{take[1]}"), take[1])
+    return tx
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [((2, 2), (1, 3)), ((1, 3), (2, 2)), ((4, 0), (1, 2)), ((1, 1), (4, 0)), ((2, 0), (2, 0))],
+    ids=["outer-first", "inner-first", "quad-then-one", "one-then-quad", "same-block"],
+)
+def test_blocks_that_overlap_cannot_both_commit(etcd_url, monkeypatch, first, second):
+    """Aligned blocks overlap only when one holds the other: two transactions that read one
+    snapshot and take overlapping blocks (the same, or one inside the other, whichever
+    commits first) conflict; taking blocks that do not overlap does not."""
+    init_fabric(etcd_url, star_topology(1, 2), "star.toml")
+    monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: 8)
+    with open_fabric(etcd_url, "h0") as f:
+        gw = f.registry.gateway
+        a, b = _taking(f.registry, first), _taking(f.registry, second)
+        assert gw.txn(a.compares(), a.operations())[0] is True
+        assert gw.txn(b.compares(), b.operations())[0] is False
+        c = _taking(f.registry, (4, 4))  # after a's commit: the other half is free
+        assert gw.txn(c.compares(), c.operations())[0] is True
+    assert sum(_units(etcd_url).values()) == first[0] + 4
+
+
+def test_a_fragmented_adapter_takes_smaller_blocks(etcd_url, monkeypatch):
+    """Free units scattered so no aligned block of the size asked for is left: the request
+    is split in halves down to single units, and takes exactly what is free."""
+    init_fabric(etcd_url, star_topology(1, 2), "star.toml")
+    monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: 8)
+    with open_fabric(etcd_url, "h0") as f:
+        gw = f.registry.gateway
+        for start in (1, 4):  # taken: 1 and [4, 6); free: 0, 2, 3, 6, 7
+            tx = _taking(f.registry, (1 if start == 1 else 2, start))
+            assert gw.txn(tx.compares(), tx.operations())[0] is True
+        tx = f.registry._txn(writable=True)
+        picked = tx._take_units("l:0", "seg", 5, Holder("h0", "big"), 0)
+        assert picked == [(0, 1), (2, 2), (6, 2)]
+        assert gw.txn(tx.compares(), tx.operations())[0] is True
+    assert _units(etcd_url) == {("l:0", "seg"): 8}
+
+
+def _as_single_units(url: str, node: str, vm: str) -> None:
+    """Rewrite ``vm``'s unit blocks as vmlend wrote units before blocks: one key per unit
+    (``units/<adapter>/<unit>/<i>``, same value and lease), listed under ``units`` in the
+    VM's ledger."""
+    import json
+
+    from vmlend.registry.etcd_gateway import b64
+
+    loc = parse_location(url)
+    keys = Keys(loc.cluster)
+    gw = EtcdGateway(loc.endpoints)
+    try:
+        marker = gw.range(keys.vm_holds(node, vm))[1][0]
+        d = json.loads(marker.value)
+        ops = []
+        units: dict[str, dict[str, list[int]]] = {}
+        for adapter, per in d.pop("blocks").items():
+            for unit, blocks in per.items():
+                for start, size in blocks:
+                    old = gw.range(keys.unit_block(adapter, unit, start, size))[1][0]
+                    ops.append({"request_delete_range": {"key": b64(old.key)}})
+                    for i in range(start, start + size):
+                        units.setdefault(adapter, {}).setdefault(unit, []).append(i)
+                        put = {"key": b64(keys.unit(adapter, unit, i)), "value": b64(old.value)}
+                        ops.append({"request_put": {**put, "lease": old.lease}})
+        d["units"] = units
+        value = b64(json.dumps(d).encode())
+        ops.append({"request_put": {"key": b64(marker.key), "value": value, "lease": marker.lease}})
+        assert gw.txn([], ops)[0]
+    finally:
+        gw.close()
+
+
+def test_single_unit_keys_of_before_blocks_count_and_go_with_their_claims(etcd_url):
+    """A VM whose units are one key each (vmlend before blocks): another VM's reserve counts
+    them as taken (its block of two segments from index 0 on skips the older VM's segment 1),
+    and their VM's release deletes them."""
+    init_fabric(etcd_url, star_topology(1, 4), "star.toml")
+    with open_fabric(etcd_url, "h0") as f:
+        older, newer = Holder("h0", "older"), Holder("h0", "newer")
+        f.reserve(0x101, older, guest_ram=2 * GiB)  # segment 1 of each adapter
+        _as_single_units(etcd_url, "h0", "older")
+        assert _units(etcd_url) == _used(f)
+        f.reserve(0x100, newer, guest_ram=4 * GiB)  # _units: no unit is taken twice
+        assert _units(etcd_url) == _used(f)
+        assert f.registry.conflicts == 0
+        assert f.release(0x101, older)
+        assert _units(etcd_url) == _used(f)
+        assert f.release(0x100, newer)
+        assert _units(etcd_url) == {}
