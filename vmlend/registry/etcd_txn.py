@@ -407,8 +407,14 @@ class EtcdTxn:
             free[found : found + size] = [False] * size
             picked.append((found, size))
         value = f"{holder.node}/{holder.vm}".encode()
+        run: list[int] = []  # blocks in a row: one guard for the run (fewer compares)
         for start, size in sorted(picked):
-            self._snap.guard(*self._k.unit_block_range(adapter, unit, start, start + size))
+            if run and run[1] == start:
+                run[1] = start + size
+            else:
+                if run:
+                    self._snap.guard(*self._k.unit_block_range(adapter, unit, *run))
+                run = [start, start + size]
             outer = size * 2
             while outer <= cap:
                 if start % outer:  # an aligned block holding this one, starting before it
@@ -416,6 +422,8 @@ class EtcdTxn:
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
             self._put(self._k.unit_block(adapter, unit, start, size), value, leased=True)
+        if run:
+            self._snap.guard(*self._k.unit_block_range(adapter, unit, *run))
         return sorted(picked)
 
     def _change_ledger(
