@@ -25,12 +25,13 @@ from vmlend.agent.metrics import AgentMetrics
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
-from vmlend.errors import ConfigError, StateError
+from vmlend.errors import ConfigError, StateError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import Hypervisor
 from vmlend.notify import Notifier
+from vmlend.ops.plug_request import PlugRequest, PlugRequests, serve_plug_requests
 from vmlend.registry import EtcdRegistry, hostlease
 from vmlend.registry.etcd_gateway import b64, call_deadline
 from vmlend.release_journal import ReleaseJournal
@@ -63,6 +64,9 @@ class AgentConfig(msgspec.Struct):
     notifier: Notifier = msgspec.field(default_factory=Notifier)
     #: What the agent counts; scraped when ``vmlend agent --metrics`` serves it.
     metrics: AgentMetrics = msgspec.field(default_factory=AgentMetrics)
+    #: Opens this host's fabric (None: ``open_fabric`` on ``location`` for ``node``; tests
+    #: pass a kernel backend over a fake sysfs).
+    fabric: Callable[[], Fabric] | None = None
 
 
 class Agent:
@@ -71,6 +75,8 @@ class Agent:
         self._clock = clock
         self.stop_event = threading.Event()
         self.taken_back: list[int] = []
+        #: The plug requests this agent answered, with their outcome.
+        self.plugged: list[PlugRequest] = []
 
     def run(self) -> int:
         """Serve until ``stop_event``: 0, or 3 when stopped after losing the lease and before
@@ -83,7 +89,7 @@ class Agent:
 
     def _run(self) -> int:
         cfg = self.config
-        fabric = open_fabric(cfg.location, cfg.node)
+        fabric = self._open_fabric()
         # capabilities, not a backend class: the simulated fabric and the kernel backend both
         # keep their bookkeeping in the registry and take fenced devices back
         if not isinstance(fabric, RegistryFabric) or not isinstance(fabric, TakesBack):
@@ -121,7 +127,7 @@ class Agent:
             lease=watch,
             ttl=lease.ttl,
             registry=registry,
-            open_fabric=lambda: open_fabric(cfg.location, cfg.node),
+            open_fabric=self._open_fabric,
         )
         if hv is not None:
             # A fenced device is back within the lender's scan interval; allow a TTL for it.
@@ -219,10 +225,16 @@ class Agent:
                 # In doubt, retry often: every moment counts before the TTL runs out.
                 next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)
             self._take_back(fabric)
+            if hv is not None:
+                self._serve_plugs(PlugRequests(registry), hv, fabric)
             cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
             self.stop_event.wait(cfg.interval)
         cfg.notifier.stopping(f"stopping: giving up lease {lease.id:x}")
         return self._stopped(registry, fabric, lease)
+
+    def _open_fabric(self) -> Fabric:
+        cfg = self.config
+        return cfg.fabric() if cfg.fabric is not None else open_fabric(cfg.location, cfg.node)
 
     def _renew(self, lease: SessionLease) -> None:
         """One keepalive (a method, so a test can make it block as a partition does)."""
@@ -354,6 +366,13 @@ class Agent:
                 log.warning("%s", line)
         except StateError as e:
             log.warning("pending releases wait: %s", e)
+
+    def _serve_plugs(self, requests: PlugRequests, hv: Hypervisor, fabric: Fabric) -> None:
+        """Plug the devices of VMs live-migrated here back in, as their sources ask."""
+        try:
+            self.plugged.extend(serve_plug_requests(requests, hv, fabric))
+        except VmlendError as e:
+            log.warning("cannot serve plug requests: %s", e)
 
     def _take_back(self, fabric: TakesBack) -> None:
         try:

@@ -15,7 +15,10 @@ changes. Order:
    ``detach`` does) and returned; the VM's persistent definition keeps it;
 3. the whole VM again, now without its holds (another host may have taken room meanwhile);
 4. the live migration (``Hypervisor.migrate_live``; the destination's hook rewrites the XML);
-5. each device is reserved for the VM on the destination and hot-plugged at its old address.
+5. each device is reserved for the VM on the destination and hot-plugged at its old address:
+   by this process through the destination's fabric (the simulated nodes), or, on the kernel
+   backend, where the mdev must be created in the destination host's sysfs, by the
+   destination's ``vmlend agent`` answering a plug request (``vmlend.ops.plug_request``).
 
 A failure in 2-4 puts the devices back into the guest on the source (the VM never left it).
 A failure in 5 leaves the VM running on the destination without the devices that could not come
@@ -29,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import msgspec
 from lxml import etree
@@ -37,6 +41,7 @@ from vmlend.domain import (
     METADATA_KEY,
     NAMESPACE_URI,
     DomainDocument,
+    mdev_uuid,
     read_domain,
     rewrite_for_destination,
 )
@@ -64,6 +69,12 @@ from vmlend.ops.live_state import (
     save_journal,
 )
 from vmlend.ops.migrate import vm_admission_problems
+from vmlend.ops.plug_request import (
+    DEFAULT_PLUG_TIMEOUT,
+    PlugRequest,
+    PlugRequests,
+    plug_remotely,
+)
 from vmlend.ops.unplug import DetachWait
 from vmlend.topology.model import Holder, format_fdid
 
@@ -110,7 +121,10 @@ class _Run:
         wait: DetachWait,
         progress: Progress,
         clock: Callable[[], float],
+        plugs: PlugRequests | None = None,
+        plug_timeout: float = DEFAULT_PLUG_TIMEOUT,
     ) -> None:
+        self.plugs, self.plug_timeout = plugs, plug_timeout
         self.src, self.dst = src, dst
         self.fabric, self.dst_fabric = fabric, dst_fabric
         self.how = how
@@ -139,15 +153,31 @@ def live_migrate(
     progress: Progress = lambda _m: None,
     clock: Callable[[], float] = time.monotonic,
     now: Callable[[], float] = time.time,
+    plugs: PlugRequests | None = None,
+    plug_timeout: float = DEFAULT_PLUG_TIMEOUT,
 ) -> LiveMigrateResult:
     """Move the running ``vm`` from ``src`` (this node; ``fabric`` seen from it) to
     ``dest_node`` (``dst``; ``dst_fabric`` seen from there) keeping its remote devices.
-    Re-runnable: a journal under ``state_dir`` says what an interrupted run left to do."""
+    Re-runnable: a journal under ``state_dir`` says what an interrupted run left to do.
+    ``plugs``: the destination's agent plugs the devices back (answering a plug request within
+    ``plug_timeout`` seconds) instead of this process through ``dst_fabric``."""
     source_node = fabric.local_node
     fabric.topology().node(dest_node)  # UnknownNodeError: nothing changed
     if dest_node == source_node:
         raise MigrationError(f"VM {vm!r} is already on {dest_node}; nothing to migrate")
-    run = _Run(src, dst, fabric, dst_fabric, how, state_dir, wait or DetachWait(), progress, clock)
+    run = _Run(
+        src,
+        dst,
+        fabric,
+        dst_fabric,
+        how,
+        state_dir,
+        wait or DetachWait(),
+        progress,
+        clock,
+        plugs,
+        plug_timeout,
+    )
     journal = load_journal(state_dir, vm)
     if journal is not None and journal.destination != dest_node:
         raise MigrationError(
@@ -374,6 +404,46 @@ def _plug_back(
     return missing
 
 
+def _plug_remotely(
+    run: _Run, plugs: PlugRequests, journal: LiveJournal
+) -> list[tuple[LiveDevice, str]]:
+    """Step 5 through the destination's agent: a plug request for every journalled device the
+    guest there lacks; the ones that could not come back, each with why."""
+    name, dest = journal.vm, journal.destination
+    present = _guest_fdids(run.dst, name)
+    wanted = [d for d in journal.devices if d.fdid not in present]
+    if not wanted:
+        return []
+    vm_uuid = UUID(journal.vm_uuid)
+    req = PlugRequest(
+        id=str(vm_uuid),
+        vm=name,
+        vm_uuid=journal.vm_uuid,
+        node=dest,
+        source=journal.source,
+        devices=wanted,
+        mdevs={d.fdid: str(mdev_uuid(vm_uuid, d.fdid)) for d in wanted},
+    )
+    outcome = {
+        o.fdid: o for o in plug_remotely(plugs, req, timeout=run.plug_timeout, progress=run.step)
+    }
+    missing: list[tuple[LiveDevice, str]] = []
+    for dev in wanted:
+        fd = format_fdid(dev.fdid)
+        got = outcome.get(dev.fdid)
+        if got is None or not got.plugged:
+            reason = got.reason if got is not None and got.reason else f"{dest} did not plug it"
+            run.step(f"device {fd}: {dest} could not plug it back into {name}: {reason}")
+            missing.append((dev, reason))
+            continue
+        at = f" at {dev.address}" if dev.address is not None else ""
+        run.step(f"device {fd} plugged back into {name}{at} on {dest} by its agent")
+        journal.back[dev.fdid] = run.clock()
+    save_journal(run.state_dir, journal)
+    fault_point("live-migrate:after-replug")
+    return missing
+
+
 def _missing(missing: list[tuple[LiveDevice, str]], name: str, uri: str) -> str:
     fds = ", ".join(format_fdid(d.fdid) for d, _ in missing)
     first = missing[0][1]
@@ -391,7 +461,10 @@ def _arrive(
     """Step 5: the VM runs on the destination; bring its devices back."""
     name, dest = journal.vm, journal.destination
     _fix_definition(run, name, dest)
-    missing = _plug_back(run, run.dst, run.dst_fabric, journal, True)
+    if run.plugs is not None:
+        missing = _plug_remotely(run, run.plugs, journal)
+    else:
+        missing = _plug_back(run, run.dst, run.dst_fabric, journal, True)
     if missing:
         fds = ", ".join(format_fdid(d.fdid) for d, _ in missing)
         raise MigrationError(

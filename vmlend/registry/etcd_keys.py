@@ -181,6 +181,18 @@ class Keys:
         return f"{self.agents}{node}"
 
     @property
+    def plugs(self) -> str:
+        """Plug requests: a live migration's source asks the destination's agent to plug the
+        VM's devices back (``vmlend.ops.plug_request``)."""
+        return self.base + "plugs/"
+
+    def plugs_on(self, node: str) -> str:
+        return f"{self.plugs}{node}/"
+
+    def plug(self, node: str, request_id: str) -> str:
+        return f"{self.plugs_on(node)}{request_id}"
+
+    @property
     def parents(self) -> str:
         return self.base + "parents/"
 

@@ -1,0 +1,246 @@
+"""Plug requests: the source of a live migration asks the destination's agent to plug the VM's
+remote devices back in.
+
+On the kernel backend a device's mdev exists in the sysfs of the host whose guest uses it, so
+the re-plug of a live migration (``vmlend.ops.live_migrate``, step 5) must run on the
+destination host. The source writes one request per migration into the cluster registry, under
+``plugs/<destination node>/<VM UUID>`` (one per VM: a re-run replaces it). The destination's
+``vmlend agent`` serves the requests of its node in its loop (``serve_plug_requests``): for a VM
+running on its hypervisor it reserves each device, creates its mdev and hot-plugs it at its old
+guest address (``vmlend.ops.attach``: the same checks and the same undo on failure), then writes
+the outcome of every device into the request; a request for a VM that does not run there is
+answered with every device failed. The source waits for the outcome (``plug_remotely``), reads
+it and deletes the request: cleaned at the end, like the journal. An agent restarted in the
+middle serves the request again from the start (a device already in the guest counts as
+plugged); a source that gave up waiting deletes the request, and a re-run of ``migrate --live``
+writes it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from vmlend.errors import StateError, UnknownDomainError, VmlendError
+from vmlend.fabric.base import Fabric
+from vmlend.hypervisor import Hypervisor
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.live_state import LiveDevice
+from vmlend.ops.unplug import DetachWait
+from vmlend.registry.etcd_gateway import b64
+from vmlend.registry.etcd_store import EtcdRegistry
+from vmlend.topology.model import format_fdid
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+#: Seconds the source waits for the destination's agent by default.
+DEFAULT_PLUG_TIMEOUT = 120.0
+
+
+class PlugOutcome(msgspec.Struct, frozen=True):
+    """What became of one device: plugged, or not and why."""
+
+    fdid: int
+    plugged: bool
+    reason: str | None = None
+
+
+class PlugRequest(msgspec.Struct):
+    """Plug ``devices`` back into VM ``vm`` (``vm_uuid``) running on ``node``."""
+
+    id: str
+    vm: str
+    vm_uuid: str
+    node: str
+    source: str
+    devices: list[LiveDevice]
+    #: The mdev UUID of each device (by fdid), as the destination derives it.
+    mdevs: dict[int, str] = msgspec.field(default_factory=dict)
+    #: None until the destination's agent has served the request.
+    outcome: list[PlugOutcome] | None = None
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(PlugRequest)
+
+
+class PlugRequests:
+    """The plug requests of one cluster registry."""
+
+    def __init__(self, registry: EtcdRegistry) -> None:
+        self.gateway = registry.gateway
+        self.keys = registry.keys
+
+    def post(self, req: PlugRequest) -> None:
+        """Write ``req`` (without an outcome), replacing any earlier request for its VM."""
+        req = msgspec.structs.replace(req, outcome=None)
+        key = self.keys.plug(req.node, req.id)
+        self.gateway.call("kv/put", {"key": b64(key), "value": b64(_encoder.encode(req))})
+
+    def pending(self, node: str) -> list[tuple[PlugRequest, int]]:
+        """The requests for ``node`` not served yet, each with its key's mod revision."""
+        prefix = self.keys.plugs_on(node)
+        _rev, kvs = self.gateway.range(prefix, prefix[:-1] + "0")
+        out = []
+        for kv in kvs:
+            try:
+                req = _decoder.decode(kv.value)
+            except msgspec.ValidationError as e:
+                log.warning("ignoring a malformed plug request at %s: %s", kv.key, e)
+                continue
+            if req.outcome is None:
+                out.append((req, kv.mod_revision))
+        return out
+
+    def answer(self, req: PlugRequest, mod_revision: int) -> bool:
+        """Write the outcome into ``req``'s key unless the source replaced or deleted it since
+        it was read (then: False, and the new one is served on the next pass)."""
+        key = b64(self.keys.plug(req.node, req.id))
+        ok, _rev = self.gateway.txn(
+            [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}],
+            [{"request_put": {"key": key, "value": b64(_encoder.encode(req))}}],
+        )
+        return ok
+
+    def read(self, node: str, request_id: str) -> PlugRequest | None:
+        _rev, kvs = self.gateway.range(self.keys.plug(node, request_id))
+        return _decoder.decode(kvs[0].value) if kvs else None
+
+    def drop(self, node: str, request_id: str) -> None:
+        self.gateway.call("kv/deleterange", {"key": b64(self.keys.plug(node, request_id))})
+
+
+def serve_plug_request(
+    hv: Hypervisor,
+    fabric: Fabric,
+    req: PlugRequest,
+    *,
+    wait: DetachWait | None = None,
+    progress: Progress = lambda _m: None,
+) -> list[PlugOutcome]:
+    """Plug ``req``'s devices into its VM on this host (``hv``, ``fabric``): what became of
+    each. A VM that does not run here (or is another VM of the same name) gets nothing."""
+    node = fabric.local_node
+    refused = _refusal(hv, req, node)
+    if refused is not None:
+        return [PlugOutcome(d.fdid, False, refused) for d in req.devices]
+    from vmlend.domain import read_domain
+
+    present = {d.fdid for d in read_domain(hv.xml(req.vm), strict=False).devices}
+    out = []
+    for dev in req.devices:
+        if dev.fdid in present:
+            out.append(PlugOutcome(dev.fdid, True))  # an earlier (interrupted) run plugged it
+            continue
+        try:
+            plan = plan_attach(
+                hv,
+                fabric,
+                req.vm,
+                dev.fdid,
+                live=True,
+                config=False,
+                address=dev.address,
+                interrupts=dev.interrupts,
+            )
+            if not plan.ok:
+                raise plan.refusal()
+            apply_attach(hv, fabric, plan, progress, wait=wait)
+        except VmlendError as e:
+            out.append(PlugOutcome(dev.fdid, False, str(e)))
+            continue
+        out.append(PlugOutcome(dev.fdid, True))
+    return out
+
+
+def _refusal(hv: Hypervisor, req: PlugRequest, node: str) -> str | None:
+    if req.node != node:
+        return f"the request is for node {req.node}, not {node}"
+    try:
+        info = hv.lookup(req.vm)
+    except UnknownDomainError:
+        return f"VM {req.vm!r} is not on {node}"
+    if not info.active:
+        return f"VM {req.vm!r} is not running on {node}"
+    if info.uuid.lower() != req.vm_uuid.lower():
+        return f"VM {req.vm!r} on {node} is another VM (UUID {info.uuid}, not {req.vm_uuid})"
+    return None
+
+
+def serve_plug_requests(
+    requests: PlugRequests,
+    hv: Hypervisor,
+    fabric: Fabric,
+    *,
+    wait: DetachWait | None = None,
+) -> list[PlugRequest]:
+    """One pass of the agent: serve every pending request for this node; the ones answered."""
+    served = []
+    for req, rev in requests.pending(fabric.local_node):
+        log.warning(
+            "plug request %s: plugging %d device(s) into %s", req.id, len(req.devices), req.vm
+        )
+        outcome = serve_plug_request(
+            hv, fabric, req, wait=wait, progress=lambda m: log.warning("plug request: %s", m)
+        )
+        answered = msgspec.structs.replace(req, outcome=outcome)
+        if requests.answer(answered, rev):
+            served.append(answered)
+            for o in outcome:
+                if not o.plugged:
+                    log.warning(
+                        "plug request %s: device %s: %s", req.id, format_fdid(o.fdid), o.reason
+                    )
+        else:
+            log.warning("plug request %s was replaced or withdrawn while served", req.id)
+    return served
+
+
+def plug_remotely(
+    requests: PlugRequests,
+    req: PlugRequest,
+    *,
+    timeout: float,
+    progress: Progress,
+    interval: float = 0.1,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[PlugOutcome]:
+    """Ask ``req.node``'s agent to plug ``req``'s devices and wait up to ``timeout`` seconds for
+    its answer; the outcome per device (the unanswered ones failed, with why). The request is
+    gone afterwards either way."""
+    requests.post(req)
+    progress(
+        f"asked {req.node}'s agent to plug {len(req.devices)} device(s) back into {req.vm}:"
+        f" waiting up to {timeout:g} s for it"
+    )
+    deadline = clock() + timeout
+    try:
+        while True:
+            try:
+                got = requests.read(req.node, req.id)
+            except StateError as e:
+                log.warning("cannot read plug request %s yet: %s", req.id, e)
+            else:
+                if got is None:
+                    reason = f"the plug request for {req.vm} on {req.node} was withdrawn"
+                    return [PlugOutcome(d.fdid, False, reason) for d in req.devices]
+                if got.outcome is not None:
+                    return got.outcome
+            if clock() >= deadline:
+                reason = (
+                    f"{req.node}'s agent did not answer within {timeout:g} s (is 'vmlend agent'"
+                    f" running on {req.node}?)"
+                )
+                return [PlugOutcome(d.fdid, False, reason) for d in req.devices]
+            sleep(interval)
+    finally:
+        try:
+            requests.drop(req.node, req.id)
+        except StateError as e:
+            log.warning("could not delete plug request %s: %s", req.id, e)
