@@ -115,7 +115,7 @@ class _Run:
         src: Hypervisor,
         dst: Hypervisor,
         fabric: Fabric,
-        dst_fabric: Fabric,
+        dst_fabric: Fabric | None,
         how: LiveMigration,
         state_dir: Path,
         wait: DetachWait,
@@ -143,7 +143,7 @@ def live_migrate(
     src: Hypervisor,
     dst: Hypervisor,
     fabric: Fabric,
-    dst_fabric: Fabric,
+    dst_fabric: Fabric | None,
     vm: str,
     dest_node: str,
     *,
@@ -463,8 +463,10 @@ def _arrive(
     _fix_definition(run, name, dest)
     if run.plugs is not None:
         missing = _plug_remotely(run, run.plugs, journal)
-    else:
+    elif run.dst_fabric is not None:
         missing = _plug_back(run, run.dst, run.dst_fabric, journal, True)
+    else:
+        raise MigrationError(f"no way to plug the devices of {name!r} back in on {dest}")
     if missing:
         fds = ", ".join(format_fdid(d.fdid) for d, _ in missing)
         raise MigrationError(

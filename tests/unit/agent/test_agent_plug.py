@@ -1,0 +1,237 @@
+"""Issue 24's gap: a live migration on the kernel backend, where the destination's ``vmlend
+agent`` plugs the VM's devices back (answering the source's plug request) and their mdevs
+appear in the destination host's sysfs, not the source's. Two hosts on one etcd, each with its
+own fake sysfs and SmartIO driver, simulated hypervisors; the destination's agent runs on a
+thread of this process (the fake sysfs lives here) and is stopped through its stop event."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster_hosts import domain_xml
+from tests.support.etcd_daemon import host_lease
+from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
+from tests.support.simfabric import make_fabric
+from vmlend.agent.service import Agent, AgentConfig
+from vmlend.domain import mdev_uuid, read_domain
+from vmlend.domain.address import PciAddress
+from vmlend.errors import MigrationError
+from vmlend.hostenv import HostEnv
+from vmlend.hypervisor import LiveMigration
+from vmlend.kernel.backend import SmartioFabric
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.live_migrate import live_migrate
+from vmlend.ops.live_state import LiveDevice, load_journal
+from vmlend.ops.plug_request import PlugRequest, PlugRequests, plug_remotely, serve_plug_request
+from vmlend.registry import hostlease, open_registry
+from vmlend.registry.etcd_store import EtcdRegistry
+from vmlend.wiring.fabric import open_fabric
+from vmlend.wiring.hypervisor import open_hypervisor
+
+GPU, NVME = 0x10, 0x12
+ADDRS = {GPU: "0000:00:0a.0", NVME: "0000:00:0b.0"}
+VM_UUID = "33333333-3333-3333-3333-333333333333"
+
+
+class KernelHost:
+    """One host: its root, fake sysfs and SmartIO driver, and its simulated hypervisor."""
+
+    def __init__(self, url: str, node: str, root: Path, hv_dir: Path) -> None:
+        self.url, self.node, self.root = url, node, root
+        self.fake = FakeSysfs(root)
+        with open_fabric(url, node, backend="sim") as f:
+            topo = f.topology()
+        self.smartio = FakeSmartio(self.fake, node_id=topo.node(node).node_id)
+        populate_smartio(self.smartio, topo)
+        self.hv_dir = hv_dir
+        self.lease_file = hostlease.lease_path(HostEnv(root))
+
+    def fabric(self) -> SmartioFabric:
+        registry = open_registry(self.url, self.lease_file)
+        return SmartioFabric(registry, self.fake.env, self.node, writer=self.fake)
+
+    def hv(self):  # type: ignore[no-untyped-def]
+        return open_hypervisor(f"sim:///{self.node}", state_dir=self.hv_dir, hook_command=None)
+
+    def mdevs(self) -> set[str]:
+        """The mdevs in this host's (fake) sysfs."""
+        return set(self.fake._children)
+
+
+class AgentThread:
+    def __init__(self, host: KernelHost) -> None:
+        cfg = AgentConfig(
+            location=host.url,
+            node=host.node,
+            lease_file=host.lease_file,
+            ttl=10,
+            interval=0.05,
+            hypervisor=host.hv,
+            fabric=host.fabric,
+        )
+        self.agent = Agent(cfg)
+        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+
+    def __enter__(self) -> Agent:
+        self.thread.start()
+        return self.agent
+
+    def __exit__(self, *exc: object) -> None:
+        self.agent.stop_event.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def hosts(etcd, etcd_url, tmp_path):
+    make_fabric(etcd_url).close()
+    gamma = KernelHost(etcd_url, "gamma", tmp_path / "gamma", tmp_path)
+    beta = KernelHost(etcd_url, "beta", tmp_path / "beta", tmp_path)
+    host_lease(etcd, gamma.root, node="gamma", ttl=600)  # the source's agent, as a stand-in
+    return gamma, beta
+
+
+def running_on_gamma(gamma: KernelHost, fdids: tuple[int, ...]) -> None:
+    hv = gamma.hv()
+    hv.define(domain_xml("vm1", VM_UUID, ()))
+    hv.start("vm1")
+    with gamma.fabric() as fabric:
+        for fdid in fdids:
+            plan = plan_attach(
+                hv,
+                fabric,
+                "vm1",
+                fdid,
+                live=True,
+                config=False,
+                address=PciAddress.parse(ADDRS[fdid]),
+            )
+            assert plan.ok, plan.checks
+            apply_attach(hv, fabric, plan, lambda _m: None)
+    assert gamma.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), f)) for f in fdids}
+
+
+def migrate(gamma: KernelHost, beta: KernelHost, tmp_path: Path, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    steps: list[str] = []
+    with gamma.fabric() as fabric:
+        assert isinstance(fabric.registry, EtcdRegistry)
+        res = live_migrate(
+            gamma.hv(),
+            beta.hv(),
+            fabric,
+            None,
+            "vm1",
+            "beta",
+            how=LiveMigration(),
+            state_dir=tmp_path,
+            plugs=PlugRequests(fabric.registry),
+            plug_timeout=timeout,
+            progress=steps.append,
+        )
+    return res, steps
+
+
+def guest_fdids(host: KernelHost) -> set[int]:
+    return {d.fdid for d in read_domain(host.hv().xml("vm1"), strict=False).devices}
+
+
+def plug_keys(gamma: KernelHost) -> list[object]:
+    with gamma.fabric() as fabric:
+        assert isinstance(fabric.registry, EtcdRegistry)
+        prefix = fabric.registry.keys.plugs
+        return fabric.registry.gateway.range(prefix, prefix[:-1] + "0")[1]
+
+
+def holders(gamma: KernelHost) -> dict[int, str]:
+    with gamma.fabric() as f:
+        return {d.fdid: str(d.holder) for d in f.devices() if d.holder}
+
+
+def test_the_destination_agent_plugs_the_devices_back_in_its_own_sysfs(hosts, tmp_path):
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU, NVME))
+    with AgentThread(beta) as agent:
+        res, steps = migrate(gamma, beta, tmp_path)
+        # on beta's lease: they go with it when its agent stops
+        assert holders(gamma) == {GPU: "beta/vm1", NVME: "beta/vm1"}
+    assert res.devices == ["0x10", "0x12"]
+    assert "asked beta's agent to plug 2 device(s) back into vm1: waiting up to 30 s for it" in (
+        steps
+    )
+    assert beta.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), f)) for f in (GPU, NVME)}
+    assert gamma.mdevs() == set()  # created by the destination, in its own sysfs
+    assert guest_fdids(beta) == {GPU, NVME}
+    assert beta.hv().lookup("vm1").active and not gamma.hv().lookup("vm1").active
+    assert [r.vm for r in agent.plugged] == ["vm1"]
+    assert plug_keys(gamma) == []  # read by the source, then deleted
+    assert load_journal(tmp_path, "vm1") is None
+
+
+def test_a_failed_plug_leaves_the_vm_running_without_the_device_and_a_rerun_finishes(
+    hosts, tmp_path
+):
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU,))
+    beta.smartio.set_availability(GPU, "unreachable")  # beta cannot borrow it just now
+    with AgentThread(beta):
+        with pytest.raises(MigrationError) as e:
+            migrate(gamma, beta, tmp_path)
+        msg = str(e.value)
+        assert msg.startswith("VM 'vm1' runs on beta without device(s) 0x10: ")
+        assert msg.endswith(
+            "once that is fixed, run 'vmlend migrate vm1 --to beta --live' again to plug them back"
+        )
+        assert beta.hv().lookup("vm1").active and guest_fdids(beta) == set()
+        assert beta.mdevs() == set() and gamma.mdevs() == set()
+        assert holders(gamma) == {}  # the agent's failed attach undid its reservation
+        assert plug_keys(gamma) == []
+        beta.smartio.set_availability(GPU, "available")
+        res, _steps = migrate(gamma, beta, tmp_path)
+    assert res.resumed and res.devices == ["0x10"]
+    assert beta.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), GPU))}
+    assert guest_fdids(beta) == {GPU}
+
+
+def test_an_agent_that_died_mid_request_is_finished_by_a_rerun(hosts, etcd, tmp_path):
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU, NVME))
+    # No agent answers on beta: the source gives up, says what is missing, and withdraws.
+    with pytest.raises(MigrationError) as e:
+        migrate(gamma, beta, tmp_path, timeout=0.3)
+    assert "without device(s) 0x10, 0x12: beta's agent did not answer within 0.3 s" in str(e.value)
+    assert plug_keys(gamma) == []
+    # An agent that plugged the first device and was killed before it answered: its lease
+    # (published, never withdrawn) outlives it; the next agent takes its records over.
+    host_lease(etcd, beta.root, node="beta", ttl=600)
+    req = PlugRequest(
+        VM_UUID, "vm1", VM_UUID, "beta", "gamma", [LiveDevice(GPU, PciAddress.parse(ADDRS[GPU]))]
+    )
+    with beta.fabric() as fabric:
+        assert serve_plug_request(beta.hv(), fabric, req)[0].plugged
+    assert guest_fdids(beta) == {GPU}
+    with AgentThread(beta) as agent:
+        res, _steps = migrate(gamma, beta, tmp_path)
+    assert res.resumed and res.devices == ["0x10", "0x12"]
+    (served,) = agent.plugged
+    assert [d.fdid for d in served.devices] == [NVME]  # only what was still missing
+    assert guest_fdids(beta) == {GPU, NVME}
+    assert beta.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), f)) for f in (GPU, NVME)}
+    assert gamma.mdevs() == set()
+
+
+def test_a_request_for_a_vm_not_running_on_the_node_is_refused(hosts, tmp_path):
+    gamma, beta = hosts
+    beta.hv().define(domain_xml("vm1", VM_UUID, ()))  # defined on beta, not running
+    req = PlugRequest(VM_UUID, "vm1", VM_UUID, "beta", "gamma", [LiveDevice(GPU)])
+    with AgentThread(beta), gamma.fabric() as fabric:
+        assert isinstance(fabric.registry, EtcdRegistry)
+        (out,) = plug_remotely(
+            PlugRequests(fabric.registry), req, timeout=30, progress=lambda _m: None
+        )
+    assert (out.fdid, out.plugged, out.reason) == (GPU, False, "VM 'vm1' is not running on beta")
+    assert beta.mdevs() == set() and holders(gamma) == {}
+    assert plug_keys(gamma) == []
