@@ -15,10 +15,13 @@ from vmlend.cli.complete import complete_nodes, complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv
 from vmlend.cli.context import CliContext
 from vmlend.errors import MigrationError
+from vmlend.fabric.base import Fabric, RegistryFabric
 from vmlend.hypervisor import Hypervisor, LiveMigration
 from vmlend.ops.hvidentity import check_hypervisor_is
 from vmlend.ops.live_migrate import LiveMigrateResult, live_migrate
 from vmlend.ops.migrate import MigrateResult, migrate, migration_lock
+from vmlend.ops.plug_request import PlugRequests
+from vmlend.registry import EtcdRegistry
 from vmlend.topology.model import format_fdid
 from vmlend.wiring.fabric import BACKEND_ENV, open_fabric
 from vmlend.wiring.hypervisor import sim_node
@@ -129,14 +132,6 @@ def migrate_cmd(
         migration_uri=migrate_uri,
         listen_address=listen_address,
     )
-    if live and os.environ.get(BACKEND_ENV, "sim") == "smartio":
-        # The re-plug creates the devices' mdevs on the host that runs it: it must be the
-        # destination's, which this command is not yet able to ask.
-        raise MigrationError(
-            "a live migration on the kernel backend needs the destination host to plug the"
-            " devices back, which vmlend cannot do from here yet; move the VM cold (leave out"
-            " --live)"
-        )
     res: MigrateResult | LiveMigrateResult
     src = open_hv(obj, uri)
     try:
@@ -154,7 +149,10 @@ def migrate_cmd(
 
             with migration_lock(obj.state_path.parent, vm):
                 if live:
-                    dst_fabric = open_fabric(obj.location, to, root=obj.root)
+                    plugs = _plug_requests(fabric)
+                    dst_fabric = (
+                        None if plugs is not None else open_fabric(obj.location, to, root=obj.root)
+                    )
                     res = live_migrate(
                         src,
                         dst,
@@ -165,6 +163,7 @@ def migrate_cmd(
                         how=how,
                         state_dir=obj.state_path.parent,
                         progress=progress,
+                        plugs=plugs,
                     )
                 else:
                     res = migrate(
@@ -195,6 +194,23 @@ def migrate_cmd(
             f"migrated VM {res.vm!r} from {res.source} to {res.destination} ({state}),"
             f" devices {', '.join(res.devices) or 'none'}"
         )
+
+
+def _plug_requests(fabric: Fabric) -> PlugRequests | None:
+    """On the kernel backend the destination's agent plugs the devices back (their mdevs are
+    created in its sysfs), asked through the cluster registry; None: this process does."""
+    from vmlend.kernel.backend import SmartioFabric
+
+    if os.environ.get(BACKEND_ENV, "sim") != "smartio" and not isinstance(fabric, SmartioFabric):
+        return None
+    registry = fabric.registry if isinstance(fabric, RegistryFabric) else None
+    if not isinstance(registry, EtcdRegistry):
+        raise MigrationError(
+            "a live migration on the kernel backend needs the destination's agent to plug the"
+            " devices back, asked through a cluster registry: give --registry etcd://HOST:PORT/"
+            "CLUSTER, or move the VM cold (leave out --live)"
+        )
+    return PlugRequests(registry)
 
 
 def _live_summary(res: LiveMigrateResult) -> str:

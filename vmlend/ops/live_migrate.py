@@ -198,6 +198,12 @@ def live_migrate(
                 f"VM {here.name!r} is not running on {source_node}; a live migration moves a"
                 " running VM (leave out --live to move it cold)"
             )
+        if plugs is not None and not plugs.agent_serves(dest_node):
+            raise MigrationError(
+                f"no vmlend agent runs on {dest_node}, which plugs the devices of {here.name!r}"
+                " back in after a live migration on the kernel backend; start 'vmlend agent'"
+                f" there, then retry; nothing was changed"
+            )
         journal = _begin(run, here, there, dest_node)
     else:
         journal.resumed = True

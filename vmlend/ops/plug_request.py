@@ -76,6 +76,11 @@ class PlugRequests:
         self.gateway = registry.gateway
         self.keys = registry.keys
 
+    def agent_serves(self, node: str) -> bool:
+        """Whether ``node``'s agent holds its lease (its ``hosts/<node>`` key lives on it)."""
+        _rev, kvs = self.gateway.range(self.keys.host(node))
+        return bool(kvs)
+
     def post(self, req: PlugRequest) -> None:
         """Write ``req`` (without an outcome), replacing any earlier request for its VM."""
         req = msgspec.structs.replace(req, outcome=None)
@@ -214,6 +219,9 @@ def plug_remotely(
     """Ask ``req.node``'s agent to plug ``req``'s devices and wait up to ``timeout`` seconds for
     its answer; the outcome per device (the unanswered ones failed, with why). The request is
     gone afterwards either way."""
+    if not requests.agent_serves(req.node):
+        reason = f"no vmlend agent runs on {req.node} to plug them back; start it there"
+        return [PlugOutcome(d.fdid, False, reason) for d in req.devices]
     requests.post(req)
     progress(
         f"asked {req.node}'s agent to plug {len(req.devices)} device(s) back into {req.vm}:"

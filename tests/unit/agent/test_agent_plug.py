@@ -23,11 +23,13 @@ from vmlend.errors import MigrationError
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor import LiveMigration
 from vmlend.kernel.backend import SmartioFabric
+from vmlend.notify import Notifier
 from vmlend.ops.attach import apply_attach, plan_attach
 from vmlend.ops.live_migrate import live_migrate
 from vmlend.ops.live_state import LiveDevice, load_journal
 from vmlend.ops.plug_request import PlugRequest, PlugRequests, plug_remotely, serve_plug_request
 from vmlend.registry import hostlease, open_registry
+from vmlend.registry.etcd_gateway import b64
 from vmlend.registry.etcd_store import EtcdRegistry
 from vmlend.wiring.fabric import open_fabric
 from vmlend.wiring.hypervisor import open_hypervisor
@@ -62,8 +64,21 @@ class KernelHost:
         return set(self.fake._children)
 
 
+class ReadyNotifier(Notifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.serving = threading.Event()
+
+    def ready(self, status: str) -> bool:
+        self.serving.set()
+        return super().ready(status)
+
+
 class AgentThread:
+    """The agent of ``host`` on a thread; entered once it serves (systemd's "ready")."""
+
     def __init__(self, host: KernelHost) -> None:
+        self.notifier = ReadyNotifier()
         cfg = AgentConfig(
             location=host.url,
             node=host.node,
@@ -72,12 +87,15 @@ class AgentThread:
             interval=0.05,
             hypervisor=host.hv,
             fabric=host.fabric,
+            notifier=self.notifier,
         )
         self.agent = Agent(cfg)
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
 
     def __enter__(self) -> Agent:
         self.thread.start()
+        while not self.notifier.serving.wait(0.05):
+            assert self.thread.is_alive(), "the agent stopped before it served"
         return self.agent
 
     def __exit__(self, *exc: object) -> None:
@@ -199,14 +217,22 @@ def test_a_failed_plug_leaves_the_vm_running_without_the_device_and_a_rerun_fini
 def test_an_agent_that_died_mid_request_is_finished_by_a_rerun(hosts, etcd, tmp_path):
     gamma, beta = hosts
     running_on_gamma(gamma, (GPU, NVME))
-    # No agent answers on beta: the source gives up, says what is missing, and withdraws.
+    # beta's agent was killed: its lease (published, never withdrawn) and the host key on it
+    # outlive it for the TTL. Nobody answers: the source gives up, says what is missing, and
+    # withdraws its request.
+    lease = host_lease(etcd, beta.root, node="beta", ttl=600)
+    with gamma.fabric() as fabric:
+        assert isinstance(fabric.registry, EtcdRegistry)
+        key = fabric.registry.keys.host("beta")
+        fabric.registry.gateway.call(
+            "kv/put", {"key": b64(key), "value": b64(b"{}"), "lease": lease}
+        )
     with pytest.raises(MigrationError) as e:
         migrate(gamma, beta, tmp_path, timeout=0.3)
     assert "without device(s) 0x10, 0x12: beta's agent did not answer within 0.3 s" in str(e.value)
     assert plug_keys(gamma) == []
-    # An agent that plugged the first device and was killed before it answered: its lease
-    # (published, never withdrawn) outlives it; the next agent takes its records over.
-    host_lease(etcd, beta.root, node="beta", ttl=600)
+    # Had it plugged the first device before it died, under that lease (the next agent takes
+    # the records on it over):
     req = PlugRequest(
         VM_UUID, "vm1", VM_UUID, "beta", "gamma", [LiveDevice(GPU, PciAddress.parse(ADDRS[GPU]))]
     )
@@ -235,3 +261,19 @@ def test_a_request_for_a_vm_not_running_on_the_node_is_refused(hosts, tmp_path):
     assert (out.fdid, out.plugged, out.reason) == (GPU, False, "VM 'vm1' is not running on beta")
     assert beta.mdevs() == set() and holders(gamma) == {}
     assert plug_keys(gamma) == []
+
+
+def test_without_an_agent_on_the_destination_nothing_is_changed(hosts, tmp_path):
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU,))
+    with pytest.raises(MigrationError) as e:
+        migrate(gamma, beta, tmp_path)
+    assert str(e.value) == (
+        "no vmlend agent runs on beta, which plugs the devices of 'vm1' back in after a live"
+        " migration on the kernel backend; start 'vmlend agent' there, then retry; nothing was"
+        " changed"
+    )
+    assert gamma.hv().lookup("vm1").active and guest_fdids(gamma) == {GPU}
+    assert gamma.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), GPU))}
+    assert holders(gamma) == {GPU: "gamma/vm1"}
+    assert load_journal(tmp_path, "vm1") is None and plug_keys(gamma) == []

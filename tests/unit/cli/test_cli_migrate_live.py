@@ -143,14 +143,17 @@ def test_admission_comes_first_a_node_that_cannot_reach_the_lender(state_path, m
     assert cluster.snapshot() == before  # the device never left the guest
 
 
-def test_the_kernel_backend_is_refused_until_the_destination_can_plug_back(cluster, monkeypatch):
+def test_the_kernel_backend_without_a_cluster_registry_is_refused(cluster, monkeypatch):
+    """The destination's agent plugs the devices back, asked through etcd
+    (tests/unit/agent/test_agent_plug.py); an SQLite state has no other host to ask."""
     running_with(cluster, {0x10: "0000:00:0a.0"})
     before = cluster.snapshot()
     monkeypatch.setenv("VMLEND_BACKEND", "smartio")
     line = one_line(cluster.cli(*LIVE))
     assert line == (
-        "Error: a live migration on the kernel backend needs the destination host to plug the"
-        " devices back, which vmlend cannot do from here yet; move the VM cold (leave out --live)"
+        "Error: a live migration on the kernel backend needs the destination's agent to plug"
+        " the devices back, asked through a cluster registry: give --registry"
+        " etcd://HOST:PORT/CLUSTER, or move the VM cold (leave out --live)"
     )
     monkeypatch.delenv("VMLEND_BACKEND")
     assert cluster.snapshot() == before
