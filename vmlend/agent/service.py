@@ -268,7 +268,10 @@ class Agent:
         lease = SessionLease(registry.gateway, cfg.ttl)
         lease.put(
             registry.keys.host(cfg.node),
-            json.dumps({"pid": os.getpid(), "ttl": lease.ttl}).encode(),
+            # "plugs": it serves plug requests (``vmlend.ops.plug_request``): it has a hypervisor
+            json.dumps(
+                {"pid": os.getpid(), "ttl": lease.ttl, "plugs": cfg.hypervisor is not None}
+            ).encode(),
         )
         # Last: the host's processes may use the lease once the file is there.
         hostlease.publish(

@@ -200,9 +200,9 @@ def live_migrate(
             )
         if plugs is not None and not plugs.agent_serves(dest_node):
             raise MigrationError(
-                f"no vmlend agent runs on {dest_node}, which plugs the devices of {here.name!r}"
-                " back in after a live migration on the kernel backend; start 'vmlend agent'"
-                f" there, then retry; nothing was changed"
+                f"no vmlend agent with a hypervisor (-c) runs on {dest_node}, which plugs the"
+                f" devices of {here.name!r} back in after a live migration on the kernel"
+                " backend; start 'vmlend agent -c URI' there, then retry; nothing was changed"
             )
         journal = _begin(run, here, there, dest_node)
     else:

@@ -18,6 +18,7 @@ writes it again.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -77,9 +78,15 @@ class PlugRequests:
         self.keys = registry.keys
 
     def agent_serves(self, node: str) -> bool:
-        """Whether ``node``'s agent holds its lease (its ``hosts/<node>`` key lives on it)."""
+        """Whether ``node``'s agent holds its lease (its ``hosts/<node>`` key lives on it) and
+        serves plug requests (it was given the host's hypervisor, ``vmlend agent -c``)."""
         _rev, kvs = self.gateway.range(self.keys.host(node))
-        return bool(kvs)
+        if not kvs:
+            return False
+        try:
+            return bool(json.loads(kvs[0].value).get("plugs", False))
+        except (ValueError, AttributeError):
+            return False
 
     def post(self, req: PlugRequest) -> None:
         """Write ``req`` (without an outcome), replacing any earlier request for its VM."""
@@ -220,7 +227,10 @@ def plug_remotely(
     its answer; the outcome per device (the unanswered ones failed, with why). The request is
     gone afterwards either way."""
     if not requests.agent_serves(req.node):
-        reason = f"no vmlend agent runs on {req.node} to plug them back; start it there"
+        reason = (
+            f"no vmlend agent with a hypervisor (-c) runs on {req.node} to plug them back;"
+            " start it there"
+        )
         return [PlugOutcome(d.fdid, False, reason) for d in req.devices]
     requests.post(req)
     progress(

@@ -6,6 +6,7 @@ thread of this process (the fake sysfs lives here) and is stopped through its st
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from pathlib import Path
@@ -77,7 +78,7 @@ class ReadyNotifier(Notifier):
 class AgentThread:
     """The agent of ``host`` on a thread; entered once it serves (systemd's "ready")."""
 
-    def __init__(self, host: KernelHost) -> None:
+    def __init__(self, host: KernelHost, hypervisor: bool = True) -> None:
         self.notifier = ReadyNotifier()
         cfg = AgentConfig(
             location=host.url,
@@ -85,7 +86,7 @@ class AgentThread:
             lease_file=host.lease_file,
             ttl=10,
             interval=0.05,
-            hypervisor=host.hv,
+            hypervisor=host.hv if hypervisor else None,
             fabric=host.fabric,
             notifier=self.notifier,
         )
@@ -225,7 +226,7 @@ def test_an_agent_that_died_mid_request_is_finished_by_a_rerun(hosts, etcd, tmp_
         assert isinstance(fabric.registry, EtcdRegistry)
         key = fabric.registry.keys.host("beta")
         fabric.registry.gateway.call(
-            "kv/put", {"key": b64(key), "value": b64(b"{}"), "lease": lease}
+            "kv/put", {"key": b64(key), "value": b64(b'{"plugs": true}'), "lease": lease}
         )
     with pytest.raises(MigrationError) as e:
         migrate(gamma, beta, tmp_path, timeout=0.3)
@@ -263,15 +264,19 @@ def test_a_request_for_a_vm_not_running_on_the_node_is_refused(hosts, tmp_path):
     assert plug_keys(gamma) == []
 
 
-def test_without_an_agent_on_the_destination_nothing_is_changed(hosts, tmp_path):
+@pytest.mark.parametrize("agent", ["none", "without a hypervisor"])
+def test_without_an_agent_that_plugs_on_the_destination_nothing_is_changed(hosts, tmp_path, agent):
     gamma, beta = hosts
     running_on_gamma(gamma, (GPU,))
-    with pytest.raises(MigrationError) as e:
-        migrate(gamma, beta, tmp_path)
+    with contextlib.ExitStack() as stack:
+        if agent != "none":
+            stack.enter_context(AgentThread(beta, hypervisor=False))
+        with pytest.raises(MigrationError) as e:
+            migrate(gamma, beta, tmp_path)
     assert str(e.value) == (
-        "no vmlend agent runs on beta, which plugs the devices of 'vm1' back in after a live"
-        " migration on the kernel backend; start 'vmlend agent' there, then retry; nothing was"
-        " changed"
+        "no vmlend agent with a hypervisor (-c) runs on beta, which plugs the devices of 'vm1'"
+        " back in after a live migration on the kernel backend; start 'vmlend agent -c URI'"
+        " there, then retry; nothing was changed"
     )
     assert gamma.hv().lookup("vm1").active and guest_fdids(gamma) == {GPU}
     assert gamma.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), GPU))}
