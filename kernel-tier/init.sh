@@ -8,7 +8,8 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/pts /dev/shm && mount -t devpts devpts /dev/pts && mount -t tmpfs shm /dev/shm
-mount -t tmpfs tmpfs /tmp
+# /tmp stays the initramfs' own (writable): a tmpfs over it would hide a checkout under /tmp
+mkdir -p /tmp && chmod 1777 /tmp
 mount -t tmpfs tmpfs /run
 . /kernel-tier.env
 say() { echo "kernel-tier: $*"; }
