@@ -15,7 +15,9 @@ A share with a backup path (``paths=2``) claims a second set: the cheapest route
 lender to another adapter of the VM's host (``backup_route``), its LUT entries on both ends
 (the same ``device_share`` key: one entry per adapter serves every share through it) and its
 own DMA windows in its lender adapter's window (key ``share_window_key(...) + "#backup"``).
-Both sets are checked and claimed together, or nothing is.
+Its queue pairs live in memory the VM's virtual controller keeps on the VM's host (the relay
+rings, docs/nvme-sharing.md), reached through one more segment on each path
+(``RING_SEGMENTS``). Both sets are checked and claimed together, or nothing is.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def share_window_key(fdid: int, holder: Holder) -> str:
 
 
 BACKUP_SUFFIX = "#backup"
-#: Segments a backup path takes besides its DMA windows: one for the rings of the backup
-#: queue pairs, which the VM's virtual controller keeps in memory of the VM's host.
-BACKUP_RING_SEGMENTS = 1
+#: Segments each path of a two-path share takes besides its DMA windows: one for the rings of
+#: its queue pairs, which the VM's virtual controller keeps in memory of the VM's host.
+RING_SEGMENTS = 1
 
 
 def backup_route(topology: Topology, lender: str, node: str, primary: NtbPath) -> NtbPath | None:
@@ -81,7 +83,7 @@ def share_claims(
             )
         return []
     key = share_window_key(fdid, holder)
-    claims = _path_claims(fdid, path, key, ram)
+    claims = _path_claims(fdid, path, key, ram, RING_SEGMENTS if paths > 1 else 0)
     if paths > 1:
         backup = backup_route(topology, spec.lender, holder.node, path)
         if backup is None:
@@ -93,7 +95,7 @@ def share_claims(
                 else f"{holder.node} has one NTB adapter ({path.dst.ref}); a backup needs a second"
             )
             raise NoBackupPathError(fdid, holder.node, missing)
-        more = _path_claims(fdid, backup, key + BACKUP_SUFFIX, ram, BACKUP_RING_SEGMENTS)
+        more = _path_claims(fdid, backup, key + BACKUP_SUFFIX, ram, RING_SEGMENTS)
         claims += [c for c in more if c not in claims]  # one LUT entry per adapter
     return claims
 

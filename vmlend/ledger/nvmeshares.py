@@ -163,7 +163,7 @@ def _claims_of(r: RuntimeRecord) -> list[Claim]:
     ]
 
 
-def _store_claims(tx: StateTxn, fdid: int) -> None:
+def store_claims(tx: StateTxn, fdid: int) -> None:
     """The manager's hold claims what its current shares use, and nothing more."""
     records = tx.runtime(fdid, SHARE_RECORD)
     for kind in (ClaimKind.LUT, ClaimKind.DMA):
@@ -219,7 +219,7 @@ def reserve_share(
                 "claims": msgspec.to_builtins(claims),
             },
         )
-        _store_claims(tx, fdid)
+        store_claims(tx, fdid)
         return share
 
     return registry.transact(body)
@@ -232,7 +232,7 @@ def release_share(registry: Registry, fdid: int, holder: Holder) -> bool:
     def body(tx: StateTxn) -> bool:
         if not tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)):
             return False
-        _store_claims(tx, fdid)
+        store_claims(tx, fdid)
         return True
 
     return registry.transact(body)

@@ -199,7 +199,7 @@ def test_a_share_whose_windows_do_not_fit_is_refused_claiming_nothing(fab, reg):
 
 def test_a_share_with_a_backup_path_claims_both_paths_and_returns_them(fab, reg):
     from vmlend.ledger.admission import guest_ram_of
-    from vmlend.ledger.nvmeadmit import BACKUP_RING_SEGMENTS
+    from vmlend.ledger.nvmeadmit import RING_SEGMENTS
     from vmlend.memory.windows import window_segments
     from vmlend.topology.model import GiB
 
@@ -209,9 +209,9 @@ def test_a_share_with_a_backup_path_claims_both_paths_and_returns_them(fab, reg)
     share = ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 1, 10, guest_ram=8 * GiB, paths=2)
     assert share.paths == 2 and len(share.asids) == 2
     after = _use(fab)
-    # both routes leave alpha:0: one LUT entry there, both windows (the backup's with its rings)
-    assert after["alpha:0"] == (before["alpha:0"][0] + 1, before["alpha:0"][1] + 2 * segs + 1)
-    assert BACKUP_RING_SEGMENTS == 1
+    # both routes leave alpha:0: one LUT entry there, both paths' windows, each with its rings
+    assert RING_SEGMENTS == 1
+    assert after["alpha:0"] == (before["alpha:0"][0] + 1, before["alpha:0"][1] + 2 * segs + 2)
     # one LUT entry on each of gamma's adapters: the primary's and the backup's
     assert after["gamma:0"][0] == before["gamma:0"][0] + 1
     assert after["gamma:1"][0] == before["gamma:1"][0] + 1

@@ -106,8 +106,8 @@ def test_a_domain_asking_for_a_backup_path_claims_both_paths(env):
     with reg.read() as tx:
         share_windows = {c.share: c.segments for _f, c in tx.claims() if c.kind == "dma"}
         luts = {c.adapter for _f, c in tx.claims() if c.kind == "lut"}
-    # the backup's windows and its rings' segment, beside the primary's
-    assert share_windows == {"nvme:0x12:gamma/vm-a": 1, "nvme:0x12:gamma/vm-a#backup": 2}
+    # each path's windows and its relay rings' segment
+    assert share_windows == {"nvme:0x12:gamma/vm-a": 2, "nvme:0x12:gamma/vm-a#backup": 2}
     assert {"gamma:0", "gamma:1", "alpha:0"} <= luts
     # a VM on a node with one adapter cannot have one: the start fails, nothing stays
     with pytest.raises(HookError, match="no backup path for beta's share"):

@@ -74,7 +74,8 @@ def test_a_link_down_moves_the_drives_crossing_and_loses_no_command(hw, drive, g
         assert drv.read(queue, lba, 1)[1] == bytes([lba % 251 + 1]) * 512
     assert share.interrupts  # completions still interrupt the VM
     clean(hw, drive)
-    hw.link_up(PRIMARY)  # back with its mappings: the crossing stays where it works
+    hw.link_up(PRIMARY)  # back with its mappings: the crossing goes back to its cheapest route
+    assert hw.crossing(DRIVE, "gamma").dst.ref == "gamma:0"
     assert io(drv, queue, 16, 4) == 8
     clean(hw, drive)
 
