@@ -670,10 +670,17 @@ class SharedNvmeDrive:
             if old is not None:
                 self._reroute(node, old)
         for vms in list(self.shares.values()):
-            if vms.relay is None or vms.relay.active != BACKUP or not vms.open:
+            if vms.relay is None or not vms.open:
                 continue
             path = self.hw.crossing(self.fdid, vms.node)
-            if path is None or self.hw.dead_links(path):
+            primary_dead = path is None or bool(self.hw.dead_links(path))
+            if vms.relay.active == PRIMARY:
+                # both paths were dead when the primary failed: the backup is back first
+                if primary_dead and vms.backup is not None and not self.hw.dead_links(vms.backup):
+                    vms.failed = set(path.links) if path is not None else set()
+                    vms.relay.fail_over(f"link {link} up: its backup path works")
+                continue
+            if primary_dead:
                 continue
             recreate = lost and link in vms.failed
             if recreate:  # its driver programs again what the adapters lost

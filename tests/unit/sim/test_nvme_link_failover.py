@@ -137,3 +137,49 @@ def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(st
         drive.close()
     finally:
         c.close()
+
+
+def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_is(state_path):
+    """Admission claims the cheapest route for a new share; the drive's crossing goes back to
+    it when the link returns, so a share reserved then (and the old one released) leaves the
+    claims and the hardware agreeing. Found by the state machine: the crossing used to stay on
+    gamma:1 while the new share claimed gamma:0."""
+    from tests.support.simcluster import Cluster
+    from vmlend.ledger import nvmeshares as shares
+    from vmlend.sim.invariants import registry_grants
+    from vmlend.sim.nvmedrive import drive_geometry
+    from vmlend.topology.model import Holder
+
+    c = Cluster.create(state_path)
+    try:
+        shares.lend_shared(c.registry, DRIVE, drive_geometry(c.hw.device(DRIVE).spec, 1 << 16))
+        drive = SharedNvmeDrive(c.hw, DRIVE, state_path.parent, blocks=1 << 16)
+        ram = 64 * MiB
+
+        def open_(vm: str):
+            share = shares.reserve_share(
+                c.registry, DRIVE, Holder("gamma", vm), 1, 1024, guest_ram=ram
+            )
+            c.hw.create_guest("gamma", vm, [GuestRange(0, ram)])
+            s = drive.open_share("gamma", vm, share=share)
+            s.set_master()
+            return s
+
+        def clean() -> None:
+            with c.registry.read() as tx:
+                found = check_hardware(
+                    c.hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx)
+                )
+            assert found == [], "\n".join(map(str, found))
+
+        first = open_("one")
+        c.fabric().set_link_up(PRIMARY, False)
+        c.fabric().set_link_up(PRIMARY, True, keep_mappings=False)
+        assert c.hw.crossing(DRIVE, "gamma").dst.ref == "gamma:0"
+        open_("two")
+        shares.release_share(c.registry, DRIVE, Holder("gamma", "one"))
+        first.close()
+        clean()
+        drive.close()
+    finally:
+        c.close()
