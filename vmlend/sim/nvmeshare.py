@@ -15,6 +15,12 @@ admin queues in lender memory, and for each VM (``open_share``):
   software on the I/O path); in trap mode each write is trapped and forwarded to the share's
   own real queue ids only (one software step each).
 
+A share of two paths (``--paths 2``) also gets a backup path through another adapter of the
+VM's node, in an address space of its own, and its virtual controller relays the guest's
+queues onto a primary and a backup queue pair kept in memory of the VM's host
+(``vmlend.sim.nvme.relay``): a link event on the primary path (or a command timeout) switches
+to the backup with nothing lost; the link's return switches back.
+
 A VM's stop (``VmNvmeShare.close``) deletes its real queues, unmaps its windows and unpins its
 RAM; other shares keep running.
 

@@ -2,7 +2,8 @@
 a VM's node goes down, the drive's manager moves that crossing to another route from the
 lender's adapter (the node's other adapter), so the VM's queues and commands go on as they are:
 no command is lost, none resubmitted, no controller reset. Without another route the commands
-are lost (the guest's driver times out): backup queue pairs (``--paths 2``) are still to do."""
+are lost (the guest's driver times out); a two-path share's backup queue pairs are
+``test_nvme_multipath.py``'s."""
 
 from __future__ import annotations
 
