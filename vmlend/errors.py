@@ -568,6 +568,17 @@ class SharesActiveError(NvmeShareError):
         )
 
 
+class NoBackupPathError(NvmeShareError):
+    """A share with a backup path (``--paths 2``) needs a second adapter of the VM's host
+    with a route from the drive's lender; ``missing`` says what is not there."""
+
+    def __init__(self, fdid: int, node: str, missing: str) -> None:
+        self.fdid = fdid
+        self.node = node
+        self.missing = missing
+        super().__init__(f"no backup path for {node}'s share of {fdid:#x}: {missing}")
+
+
 class SharingUnsupportedError(NvmeShareError):
     def __init__(self, fdid: int, why: str) -> None:
         self.fdid = fdid

@@ -68,6 +68,7 @@ from vmlend.registry import same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.invariants import check_hardware, registry_grants
 from vmlend.sim.nvme.driver import NvmeDriver, QueuePair
+from vmlend.sim.nvme.relay import BACKUP
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.p2pmap import P2PMapper, registry_recorder
@@ -182,10 +183,10 @@ picks = st.integers(min_value=0, max_value=len(DEVICES) - 1)
 devices = st.sampled_from(DEVICES)
 
 
-def vm_xml(name: str, fdids: tuple[int, ...], share: bool) -> bytes:
+def vm_xml(name: str, fdids: tuple[int, ...], share: bool, paths: int = 1) -> bytes:
     requests = [DeviceRequest(f) for f in fdids]
     if share:
-        requests.append(DeviceRequest(SHARED, share=NvmeShareRequest(1, 8 * MiB)))
+        requests.append(DeviceRequest(SHARED, share=NvmeShareRequest(1, 8 * MiB, paths)))
     return new_domain(
         DomainSpec(
             name=name,
@@ -311,7 +312,8 @@ class FabricMachine(RuleBasedStateMachine):
         share = share and self.drive is not None and SHARED not in free
         if not free and not share:
             return
-        xml = vm_xml(name, free, share)
+        # gamma's "a" asks for a backup path (gamma has two adapters): a two-path share
+        xml = vm_xml(name, free, share, 2 if (node, name) == ("gamma", "a") else 1)
         try:
             self.c.prepare(xml, node)
         except VmlendError:
@@ -368,6 +370,8 @@ class FabricMachine(RuleBasedStateMachine):
         data = bytes([lba + 1]) * 512
         try:
             path = self.c.hw.crossing(SHARED, entry.vm.node)
+            if share.relay is not None and share.relay.active == BACKUP:
+                path = share.backup  # a two-path share on its backup pair
             dead = path is not None and bool(self.c.hw.dead_links(path))
         except VmlendError:  # no crossing set up and no live route to set one up over
             dead = True
@@ -385,7 +389,7 @@ class FabricMachine(RuleBasedStateMachine):
             return
         assert not share.revoked, "I/O completed on a share taken from the VM"
         assert not dead, "I/O completed across a dead link"
-        event("share_io: done")
+        event("share_io: done" + (" (two paths)" if share.relay is not None else ""))
         assert done.ok and back == data
 
     @precondition(lambda self: self.vms)
@@ -636,7 +640,11 @@ class FabricMachine(RuleBasedStateMachine):
     @invariant()
     def the_shared_drive_reaches_only_each_shares_vm(self) -> None:
         hw = self.c.hw
-        owners = {e.share.asid: (e.holder.node, e.holder.vm) for e in self._registry_shares()}
+        owners = {
+            asid: (e.holder.node, e.holder.vm)
+            for e in self._registry_shares()
+            for asid in e.share.asids
+        }
         dev = hw.device(SHARED)
         command = dev.config.command
         dev.config.write(regs.COMMAND, 2, command | regs.COMMAND_MASTER, notify=False)

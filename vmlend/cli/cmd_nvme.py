@@ -92,6 +92,13 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
 @click.argument("fdid", shell_complete=complete_fdids)
 @click.argument("vm", shell_complete=complete_vms)
 @click.option("--queues", type=click.IntRange(1, 0xFFFE), default=1, show_default=True)
+@click.option(
+    "--paths",
+    type=click.IntRange(1, 2),
+    default=1,
+    show_default=True,
+    help="2: a backup queue pair per queue pair, through another adapter of the VM's host.",
+)
 @click.option("--size", required=True, help="The VM's namespace size: MiB, or e.g. 64G.")
 @click.option("--node", shell_complete=complete_nodes, help="The VM's node (default: this host's).")
 @click.option(
@@ -106,18 +113,19 @@ def reserve_cmd(
     fdid: str,
     vm: str,
     queues: int,
+    paths: int,
     size: str,
     node: str | None,
     ram: str,
     json_output: bool,
 ) -> None:
     """Claim a share of FDID for VM: queue pairs, MSI-X vectors, an LBA window and the NTB
-    resources of its DMA path."""
+    resources of its DMA path (of both paths with --paths 2)."""
     dev = parse_fdid(fdid)
     holder = _holder(obj, vm, node)
     with open_registry(obj.location) as reg:
         share = ledger.reserve_share(
-            reg, dev, holder, queues, _blocks(size), guest_ram=parse_cli_size(ram)
+            reg, dev, holder, queues, _blocks(size), guest_ram=parse_cli_size(ram), paths=paths
         )
     if json_output:
         emit_action(
@@ -128,11 +136,13 @@ def reserve_cmd(
             queue_pairs=share.queue_pairs,
             lba_offset=share.lba_offset,
             blocks=share.blocks,
+            paths=share.paths,
         )
         return
     click.echo(
         f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "
         f"LBAs {share.lba_offset}..{share.lba_offset + share.blocks - 1}"
+        + (f", {share.paths} paths (primary and backup)" if share.paths > 1 else "")
     )
 
 

@@ -5,7 +5,7 @@
     <metadata>
       <vmlend:vmlend xmlns:vmlend="http://vmlend.org/xmlns/domain/1.0">
         <vmlend:device fdid="0x10" mdev="…uuid…" address="0000:00:05.0"/>
-        <vmlend:device fdid="0x12" mdev="…uuid…" nvme-queues="2" nvme-size="64G"/>
+        <vmlend:device fdid="0x12" mdev="…uuid…" nvme-queues="2" nvme-size="64G" nvme-paths="2"/>
         <vmlend:device fdid="0x14" mdev="…uuid…" interrupts="relay"/>
         <vmlend:host node="beta"/>
       </vmlend:vmlend>
@@ -15,7 +15,8 @@ One top-level element per namespace, as libvirt's metadata API expects (key ``vm
 tools' elements under ``<metadata>`` are never touched. ``address`` is optional (libvirt then
 assigns one). ``host`` records the node the XML was last rewritten for (migration).
 ``nvme-queues`` and ``nvme-size`` (together) ask for a queue-level share of an NVMe drive
-instead of the whole drive.
+instead of the whole drive; ``nvme-paths="2"`` (optional, default 1) gives the share a backup
+queue pair per queue pair through another adapter of the VM's host.
 ``interrupts`` (``ntb`` or ``relay``) picks how a device's MSI/MSI-X reach the VM; on
 ``<vmlend:vmlend>`` it is the VM's default for devices that do not say. Absent everywhere: the
 NTB when its window has room, else the relay (docs/interrupts.md).
@@ -65,8 +66,13 @@ class NvmeShareRequest(msgspec.Struct, frozen=True):
 
     queue_pairs: int
     size: int  # bytes
+    paths: int = 1  # 2: a backup queue pair per queue pair, through another adapter
 
     def __post_init__(self) -> None:
+        if self.paths not in (1, 2):
+            raise DomainXMLError(
+                f"an NVMe share has 1 or 2 paths (a primary and a backup), not {self.paths}"
+            )
         if not 1 <= self.queue_pairs <= 0xFFFE:
             raise DomainXMLError(f"an NVMe share has 1..65534 queue pairs, not {self.queue_pairs}")
         if self.size < 512 or self.size % 512:
@@ -95,7 +101,11 @@ class VmlendDevice(msgspec.Struct, frozen=True):
             "address": None if self.address is None else str(self.address),
         }
         if self.share is not None:
-            out["nvme_share"] = {"queue_pairs": self.share.queue_pairs, "size": self.share.size}
+            out["nvme_share"] = {
+                "queue_pairs": self.share.queue_pairs,
+                "size": self.share.size,
+                "paths": self.share.paths,
+            }
         if self.interrupts is not None:
             out["interrupts"] = self.interrupts.value
         return out
@@ -120,6 +130,13 @@ def _parse_queues(text: str) -> int:
         return int(text, 10)
     except ValueError:
         raise DomainXMLError(f"bad nvme-queues {text!r}: expected a number such as 2") from None
+
+
+def _parse_paths(text: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise DomainXMLError(f"bad nvme-paths {text!r}: expected 1 or 2") from None
 
 
 def _parse_share_size(text: str) -> int:
@@ -150,6 +167,7 @@ class DeviceEntryXML(XMLNode):
     address = XMLProperty("./@address", parse=_parse_address)
     nvme_queues = XMLProperty("./@nvme-queues", parse=_parse_queues, format=str)
     nvme_size = XMLProperty("./@nvme-size", parse=_parse_share_size, format=format_size_exact)
+    nvme_paths = XMLProperty("./@nvme-paths", parse=_parse_paths, format=str)
     interrupts = XMLProperty("./@interrupts", parse=_parse_interrupts, format=str)
 
     def get(self) -> VmlendDevice:
@@ -163,7 +181,17 @@ class DeviceEntryXML(XMLNode):
             raise DomainXMLError(
                 f"device {format_fdid(fdid)}: an NVMe share needs both nvme-queues and nvme-size"
             )
-        share = None if queues is None or size is None else NvmeShareRequest(queues, size)
+        paths = self.nvme_paths
+        if paths is not None and queues is None:
+            raise DomainXMLError(
+                f"device {format_fdid(fdid)}: nvme-paths is for an NVMe share (with nvme-queues"
+                " and nvme-size)"
+            )
+        share = (
+            None
+            if queues is None or size is None
+            else NvmeShareRequest(queues, size, 1 if paths is None else paths)
+        )
         return VmlendDevice(
             fdid=fdid, mdev=mdev, address=self.address, share=share, interrupts=self.interrupts
         )
@@ -216,6 +244,8 @@ class VmlendMetadataXML(XMLNode):
         if device.share is not None:
             entry.nvme_queues = device.share.queue_pairs
             entry.nvme_size = device.share.size
+            if device.share.paths != 1:
+                entry.nvme_paths = device.share.paths
         entry.interrupts = device.interrupts
         return el
 

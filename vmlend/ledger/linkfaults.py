@@ -25,6 +25,7 @@ import msgspec
 from vmlend.errors import NoPathError, VmlendError
 from vmlend.registry import HoldRecord, Phase, StateTxn, same_holder
 from vmlend.registry.api import LINKS_DOWN_KEY
+from vmlend.registry.records import ClaimKind
 from vmlend.topology.model import Holder, Topology
 from vmlend.topology.paths import NtbPath, route
 
@@ -229,7 +230,10 @@ def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
     exclusive device re-routed, a shared drive's crossing moved by its manager)."""
     if not isinstance(hw, RerouteHardware):
         return
+    shared = _follow_shares(tx, topology, hw)
     for fdid, claim in sorted(tx.claims(), key=lambda fc: (fc[0], fc[1].adapter)):
+        if fdid in shared:
+            continue
         try:
             spec = topology.device(fdid)
             node = claim.adapter.rsplit(":", 1)[0]
@@ -240,6 +244,52 @@ def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
             continue
         if now is not None and now.dst.node == node and now.dst.ref != claim.adapter:
             _move_claims(tx, fdid, claim.adapter, now.dst.ref)
+
+
+def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set[int]:
+    """A shared drive's share records claim, on each borrower node, the adapter the drive's
+    crossing into it uses now, and a two-path share also the other adapter its backup path
+    enters by (``SimHardware.entry_adapters``); the manager's claims are then recounted from
+    the records. Returns the drives handled."""
+    from vmlend.ledger.nvmeshares import SHARE_RECORD, store_claims  # it imports this module
+
+    entry_adapters = getattr(hw, "entry_adapters", None)
+    done: set[int] = set()
+    for r in tx.runtime(None, SHARE_RECORD):
+        claims = r.data.get("claims")
+        if not isinstance(claims, list):
+            continue
+        done.add(r.fdid)
+        try:
+            lender = topology.device(r.fdid).lender
+        except VmlendError:
+            continue
+        paths = int(r.data.get("share", {}).get("paths", 1))
+        kept = [dict(c) for c in claims]
+        for node in sorted({str(c["adapter"]).rsplit(":", 1)[0] for c in kept} - {lender}):
+            try:
+                now = hw.crossing(r.fdid, node)
+            except VmlendError:
+                continue
+            if now is None or now.dst.node != node:
+                continue
+            want = [now.dst.ref]
+            if paths > 1:
+                used = entry_adapters(r.fdid, node) if entry_adapters is not None else []
+                want.append(next((a for a in used if a != now.dst.ref), now.dst.ref))
+            mine = [
+                c
+                for c in kept
+                if c["kind"] == ClaimKind.LUT.value
+                and str(c["adapter"]).rsplit(":", 1)[0] == node
+            ]
+            for c, adapter in zip(mine, want, strict=False):
+                c["adapter"] = adapter
+        if kept != claims:
+            tx.put_runtime(r.fdid, SHARE_RECORD, r.key, {**r.data, "claims": kept})
+    for fdid in sorted(done):
+        store_claims(tx, fdid)
+    return done
 
 
 def record_faults(tx: StateTxn, faults: list[LinkFault], *, up: bool) -> None:

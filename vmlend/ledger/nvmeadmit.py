@@ -10,18 +10,26 @@ A share's DMA crosses from the drive's lender to the VM's node (docs/nvme-sharin
   share's windows live in its address space, apart from any windows of the VM's borrowed
   devices, so they take segments of their own.
 A VM on the lender crosses no NTB and claims nothing.
+
+A share with a backup path (``paths=2``) claims a second set: the cheapest route from the
+lender to another adapter of the VM's host (``backup_route``), its LUT entries on both ends
+(the same ``device_share`` key: one entry per adapter serves every share through it) and its
+own DMA windows in its lender adapter's window (key ``share_window_key(...) + "#backup"``).
+Its queue pairs live in memory the VM's virtual controller keeps on the VM's host (the relay
+rings, docs/nvme-sharing.md), reached through one more segment on each path
+(``RING_SEGMENTS``). Both sets are checked and claimed together, or nothing is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vmlend.errors import ResourceExhaustedError, WindowExhaustedError
+from vmlend.errors import NoBackupPathError, ResourceExhaustedError, WindowExhaustedError
 from vmlend.ledger.admission import device_share, usage
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import GuestRam, Holder, Topology
-from vmlend.topology.paths import route
+from vmlend.topology.paths import NtbPath, route, routes
 from vmlend.units import format_size_human
 
 
@@ -30,28 +38,65 @@ def share_window_key(fdid: int, holder: Holder) -> str:
     return f"nvme:{fdid:#x}:{holder.node}/{holder.vm}"
 
 
-def share_claims(topology: Topology, fdid: int, holder: Holder, ram: GuestRam) -> list[Claim]:
-    """The adapter resources ``holder``'s share of ``fdid`` uses with RAM ``ram``."""
-    spec = topology.device(fdid)
-    path = route(topology, spec.lender, holder.node)
-    if path is None:
-        return []
+BACKUP_SUFFIX = "#backup"
+#: Segments each path of a two-path share takes besides its DMA windows: one for the rings of
+#: its queue pairs, which the VM's virtual controller keeps in memory of the VM's host.
+RING_SEGMENTS = 1
+
+
+def backup_route(topology: Topology, lender: str, node: str, primary: NtbPath) -> NtbPath | None:
+    """The route a share's backup path takes from ``lender`` into ``node``: the cheapest whose
+    far adapter is not ``primary``'s (None when the node has no other adapter reached)."""
+    return next((p for p in routes(topology, lender, node) if p.dst.ref != primary.dst.ref), None)
+
+
+def _path_claims(
+    fdid: int, path: NtbPath, key: str, ram: GuestRam, extra: int = 0
+) -> list[Claim]:
     lender_a, borrower_a = path.src, path.dst
     claims = [
         Claim(lender_a.ref, ClaimKind.LUT, device_share(fdid), entries=1),
         Claim(borrower_a.ref, ClaimKind.LUT, device_share(fdid), entries=1),
     ]
     segs = window_segments(ram.ranges, lender_a.segment_size) if ram.ranges else 0
+    segs += extra if segs else 0
     if segs:
         claims.append(
             Claim(
-                lender_a.ref,
-                ClaimKind.DMA,
-                share_window_key(fdid, holder),
-                segments=segs,
-                bytes=segs * lender_a.segment_size,
+                lender_a.ref, ClaimKind.DMA, key, segments=segs, bytes=segs * lender_a.segment_size
             )
         )
+    return claims
+
+
+def share_claims(
+    topology: Topology, fdid: int, holder: Holder, ram: GuestRam, paths: int = 1
+) -> list[Claim]:
+    """The adapter resources ``holder``'s share of ``fdid`` uses with RAM ``ram`` on
+    ``paths`` paths; ``NoBackupPathError`` when a second path is asked for and there is none."""
+    spec = topology.device(fdid)
+    path = route(topology, spec.lender, holder.node)
+    if path is None:
+        if paths > 1:
+            raise NoBackupPathError(
+                fdid, holder.node, f"{holder.node} is the drive's lender (no NTB to back up)"
+            )
+        return []
+    key = share_window_key(fdid, holder)
+    claims = _path_claims(fdid, path, key, ram, RING_SEGMENTS if paths > 1 else 0)
+    if paths > 1:
+        backup = backup_route(topology, spec.lender, holder.node, path)
+        if backup is None:
+            others = [a.ref for a in topology.node(holder.node).adapters if a.ref != path.dst.ref]
+            missing = (
+                f"no adapter of {holder.node} but {path.dst.ref} is reached from {spec.lender}"
+                f" (other adapters: {', '.join(others)})"
+                if others
+                else f"{holder.node} has one NTB adapter ({path.dst.ref}); a backup needs a second"
+            )
+            raise NoBackupPathError(fdid, holder.node, missing)
+        more = _path_claims(fdid, backup, key + BACKUP_SUFFIX, ram, RING_SEGMENTS)
+        claims += [c for c in more if c not in claims]  # one LUT entry per adapter
     return claims
 
 

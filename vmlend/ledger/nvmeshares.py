@@ -163,7 +163,7 @@ def _claims_of(r: RuntimeRecord) -> list[Claim]:
     ]
 
 
-def _store_claims(tx: StateTxn, fdid: int) -> None:
+def store_claims(tx: StateTxn, fdid: int) -> None:
     """The manager's hold claims what its current shares use, and nothing more."""
     records = tx.runtime(fdid, SHARE_RECORD)
     for kind in (ClaimKind.LUT, ClaimKind.DMA):
@@ -179,10 +179,13 @@ def reserve_share(
     blocks: int,
     *,
     guest_ram: GuestRam | int = 0,
+    paths: int = 1,
 ) -> Share:
     """Claim a share of ``fdid`` for ``holder`` (the same share again for the same VM) and
-    the NTB resources its DMA path into RAM ``guest_ram`` uses; ``ResourceExhaustedError``
-    when the controller or an adapter has not enough left, nothing claimed."""
+    the NTB resources its DMA path into RAM ``guest_ram`` uses (both paths' with ``paths=2``:
+    a backup queue pair per queue pair through another adapter of the VM's host);
+    ``ResourceExhaustedError`` when the controller or an adapter has not enough left,
+    ``NoBackupPathError`` when the host has no second adapter reached; nothing claimed."""
     key = vm_share(holder)
     if holder.vm == MANAGER_VM:
         raise ConfigError(
@@ -201,10 +204,10 @@ def reserve_share(
             if e.share.name == key:
                 return e.share
         book = ShareBook(_geometry(tx, fdid), [e.share for e in entries])
-        share = book.allocate(key, queue_pairs, blocks)
+        share = book.allocate(key, queue_pairs, blocks, paths)
         # routed as the hardware routes it now: around the cables marked down
         topology = without_links(stored_topology(tx.topology()), links_down_in(tx))
-        claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram))
+        claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram), paths)
         check_share_claims(topology, tx.claims(), fdid, holder, claims)
         tx.put_runtime(
             fdid,
@@ -216,7 +219,7 @@ def reserve_share(
                 "claims": msgspec.to_builtins(claims),
             },
         )
-        _store_claims(tx, fdid)
+        store_claims(tx, fdid)
         return share
 
     return registry.transact(body)
@@ -229,7 +232,7 @@ def release_share(registry: Registry, fdid: int, holder: Holder) -> bool:
     def body(tx: StateTxn) -> bool:
         if not tx.clear_runtime(fdid, SHARE_RECORD, vm_share(holder)):
             return False
-        _store_claims(tx, fdid)
+        store_claims(tx, fdid)
         return True
 
     return registry.transact(body)

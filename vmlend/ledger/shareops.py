@@ -46,11 +46,12 @@ class ShareOps:
         blocks: int,
         *,
         guest_ram: GuestRam | int = 0,
+        paths: int = 1,
     ) -> Share:
         from vmlend.ledger import nvmeshares as ledger
 
         return ledger.reserve_share(
-            self._reg, fdid, holder, queue_pairs, blocks, guest_ram=guest_ram
+            self._reg, fdid, holder, queue_pairs, blocks, guest_ram=guest_ram, paths=paths
         )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:

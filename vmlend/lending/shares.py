@@ -41,6 +41,7 @@ class ShareFabric(Protocol):
         blocks: int,
         *,
         guest_ram: GuestRam | int = 0,
+        paths: int = 1,
     ) -> Share: ...
 
     def release_share(self, fdid: int, holder: Holder) -> bool: ...
@@ -92,13 +93,20 @@ def acquire_share(
     had_mdev = existing is not None
     had_share = fdid in fabric.shares_held(holder)
     share = fabric.reserve_share(
-        fdid, holder, request.queue_pairs, request.size // BLOCK, guest_ram=guest_ram
+        fdid,
+        holder,
+        request.queue_pairs,
+        request.size // BLOCK,
+        guest_ram=guest_ram,
+        paths=request.paths,
     )
     if not had_share:
         journal.push(f"share of {fd}", lambda: fabric.release_share(fdid, holder))
     record(
         f"share of {fd}: {share.queue_pairs} queue pair(s), "
-        f"LBAs {share.lba_offset}+{share.blocks}: ok"
+        f"LBAs {share.lba_offset}+{share.blocks}"
+        + (f", {share.paths} paths" if share.paths > 1 else "")
+        + ": ok"
     )
     parent = fabric.ensure_mdev_parent(fdid)
     fabric.create_share_mdev(fdid, uuid, holder)

@@ -11,6 +11,12 @@ it is never created, and writes to its doorbells are reported by the drive (stra
 handed to the emulated admin queue. When there is a single doorbell page (queue ids of several
 shares would share it), the guest's doorbell page is trapped (mode ``trap``): one software step
 per doorbell write, which forwards only to the share's own queue ids.
+
+Paths. A share of ``paths=2`` (``vmlend nvme reserve --paths 2``) also has a backup queue pair
+for each of its queue pairs, reached through another adapter of the VM's host: real queue ids
+``qid_base + queue_pairs + g``, vectors after its primary ones, and a second address space
+``backup_asid`` (its DMA windows through the other adapter). ``span`` is what it takes of the
+queue ids and vectors.
 """
 
 from __future__ import annotations
@@ -63,6 +69,35 @@ class Share(msgspec.Struct, frozen=True):
     vector_base: int
     mode: str
     page: int | None = None  # doorbell page index (page mode)
+    paths: int = 1  # 2: a backup queue pair per queue pair, through another adapter
+    backup_asid: int = 0  # the backup path's address space (paths == 2)
+
+    @property
+    def span(self) -> int:
+        """Queue ids (and MSI-X vectors) the share takes: its queue pairs on every path."""
+        return self.queue_pairs * self.paths
+
+    @property
+    def asids(self) -> tuple[int, ...]:
+        """Its address spaces: the primary path's, then the backup's."""
+        return (self.asid, self.backup_asid) if self.paths > 1 else (self.asid,)
+
+    def backup_qid(self, guest_qid: int) -> int:
+        """Real queue id of the backup pair of guest queue ``guest_qid``."""
+        if self.paths < 2:
+            raise ValueError(f"{self.name} has no backup path")
+        return self.real_qid(guest_qid) + self.queue_pairs
+
+    def backup_vector(self, guest_vector: int) -> int:
+        if self.paths < 2:
+            raise ValueError(f"{self.name} has no backup path")
+        return self.real_vector(guest_vector) + self.queue_pairs
+
+    def backup_guest_vector(self, real_vector: int) -> int | None:
+        """The guest vector whose backup pair raises ``real_vector``, None when none does."""
+        if self.paths < 2:
+            return None
+        return self.guest_vector(real_vector - self.queue_pairs)
 
     def real_qid(self, guest_qid: int) -> int:
         if not 1 <= guest_qid <= self.queue_pairs:
@@ -100,6 +135,8 @@ class Share(msgspec.Struct, frozen=True):
             "vector_base": self.vector_base,
             "mode": self.mode,
             "page": self.page,
+            "paths": self.paths,
+            "backup_asid": self.backup_asid,
         }
 
     @classmethod
@@ -115,6 +152,8 @@ class Share(msgspec.Struct, frozen=True):
             int(data["vector_base"]),
             str(data["mode"]),
             None if page is None else int(page),
+            int(data.get("paths", 1)),  # records from before backup paths have one
+            int(data.get("backup_asid", 0)),
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -127,6 +166,7 @@ class Share(msgspec.Struct, frozen=True):
             "qids": [self.qid_base + 1, self.qid_base + self.queue_pairs],
             "vectors": [self.vector_base, self.vector_base + self.queue_pairs - 1],
             "doorbells": self.mode,
+            "paths": self.paths,
         }
 
 
@@ -156,11 +196,12 @@ class ShareBook:
         if g.mode == PAGE_MODE:
             pages = g.doorbell_pages - 1 - len(self.shares)
             return max(0, min(pages * (g.per_page - 1), g.queue_pairs - len(self.shares)))
-        return g.queue_pairs - sum(s.queue_pairs for s in self.shares.values())
+        return g.queue_pairs - sum(s.span for s in self.shares.values())
 
-    def allocate(self, name: str, queue_pairs: int, blocks: int) -> Share:
-        """A share of ``queue_pairs`` queue pairs and ``blocks`` blocks; ``ResourceExhaustedError``
-        (nothing allocated) when the controller has not that much left."""
+    def allocate(self, name: str, queue_pairs: int, blocks: int, paths: int = 1) -> Share:
+        """A share of ``queue_pairs`` queue pairs and ``blocks`` blocks on ``paths`` paths (2:
+        a backup queue pair for each); ``ResourceExhaustedError`` (nothing allocated) when the
+        controller has not that much left."""
         g = self.geometry
         if name in self.shares:
             raise ConfigError(f"{g.name} already has a share named {name!r}")
@@ -169,71 +210,75 @@ class ShareBook:
                 f"a share needs at least one queue pair and one block, got "
                 f"{queue_pairs} and {blocks}"
             )
+        if paths not in (1, 2):
+            raise ConfigError(f"a share has 1 or 2 paths (a primary and a backup), not {paths}")
+        span = queue_pairs * paths
         shares = list(self.shares.values())
         page: int | None = None
         if g.mode == PAGE_MODE:
-            if queue_pairs > g.per_page - 1:
+            if span > g.per_page - 1:
                 raise ResourceExhaustedError(
-                    "queue pairs per doorbell page", g.name, queue_pairs, g.per_page - 1
+                    "queue pairs per doorbell page", g.name, span, g.per_page - 1
                 )
             used = {s.page for s in shares}
             page = next(
                 (
                     p
                     for p in range(1, g.doorbell_pages)
-                    if p not in used and p * g.per_page + queue_pairs <= g.queue_pairs
+                    if p not in used and p * g.per_page + span <= g.queue_pairs
                 ),
                 None,
             )
             if page is None:
                 raise ResourceExhaustedError(
-                    "NVMe queue pairs", g.name, queue_pairs, self.free_queue_pairs()
+                    "NVMe queue pairs", g.name, span, self.free_queue_pairs()
                 )
             qid_base = page * g.per_page
         else:
-            taken = [(s.qid_base + 1, s.queue_pairs) for s in shares]
-            start = _first_fit(taken, queue_pairs, 1, g.queue_pairs + 1)
+            taken = [(s.qid_base + 1, s.span) for s in shares]
+            start = _first_fit(taken, span, 1, g.queue_pairs + 1)
             if start is None:
                 raise ResourceExhaustedError(
-                    "NVMe queue pairs", g.name, queue_pairs, self.free_queue_pairs()
+                    "NVMe queue pairs", g.name, span, self.free_queue_pairs()
                 )
             qid_base = start - 1
-        vtaken = [(s.vector_base, s.queue_pairs) for s in shares]
-        vbase = _first_fit(vtaken, queue_pairs, 1, g.vectors)
+        vtaken = [(s.vector_base, s.span) for s in shares]
+        vbase = _first_fit(vtaken, span, 1, g.vectors)
         if vbase is None:
-            free = g.vectors - 1 - sum(s.queue_pairs for s in shares)
-            raise ResourceExhaustedError("NVMe MSI-X vectors", g.name, queue_pairs, free)
+            free = g.vectors - 1 - sum(s.span for s in shares)
+            raise ResourceExhaustedError("NVMe MSI-X vectors", g.name, span, free)
         ltaken = [(s.lba_offset, s.blocks) for s in shares]
         lba = _first_fit(ltaken, blocks, 0, g.blocks)
         if lba is None:
             free = g.blocks - sum(s.blocks for s in shares)
             raise ResourceExhaustedError("NVMe LBA space", g.name, blocks, free, "blocks")
-        asid = next(a for a in range(1, len(shares) + 2) if a not in {s.asid for s in shares})
-        share = Share(name, queue_pairs, blocks, lba, asid, qid_base, vbase, g.mode, page)
+        used_asids = {a for s in shares for a in s.asids}
+        free_asids = (a for a in range(1, 2 * len(shares) + 3) if a not in used_asids)
+        asid = next(free_asids)
+        backup = next(free_asids) if paths > 1 else 0
+        share = Share(
+            name, queue_pairs, blocks, lba, asid, qid_base, vbase, g.mode, page, paths, backup
+        )
         self.shares[name] = share
         return share
 
     def adopt(self, share: Share) -> Share:
         """Take a share decided elsewhere (the registry's reserve), refusing overlaps."""
         g = self.geometry
-        if share.name in self.shares or share.mode != g.mode:
+        if share.name in self.shares or share.mode != g.mode or share.paths not in (1, 2):
             raise ConfigError(f"share {share.name!r} does not fit {g.name}")
         for other in self.shares.values():
             clash = (
-                _overlap(
-                    share.qid_base + 1, share.queue_pairs, other.qid_base + 1, other.queue_pairs
-                )
+                _overlap(share.qid_base + 1, share.span, other.qid_base + 1, other.span)
                 or (share.page is not None and share.page == other.page)
-                or _overlap(
-                    share.vector_base, share.queue_pairs, other.vector_base, other.queue_pairs
-                )
+                or _overlap(share.vector_base, share.span, other.vector_base, other.span)
                 or _overlap(share.lba_offset, share.blocks, other.lba_offset, other.blocks)
-                or share.asid == other.asid
+                or bool(set(share.asids) & set(other.asids))
             )
             if clash:
                 raise ConfigError(f"share {share.name!r} overlaps {other.name!r} on {g.name}")
         if (
-            share.qid_base + share.queue_pairs > g.queue_pairs
+            share.qid_base + share.span > g.queue_pairs
             or share.lba_offset + share.blocks > g.blocks
         ):
             raise ConfigError(f"share {share.name!r} is beyond what {g.name} has")
@@ -252,6 +297,6 @@ class ShareBook:
 
     def by_real_vector(self, vector: int) -> Share | None:
         for s in self.shares.values():
-            if s.guest_vector(vector) is not None:
+            if s.guest_vector(vector) is not None or s.backup_guest_vector(vector) is not None:
                 return s
         return None

@@ -341,6 +341,12 @@ class SimHardware:
         self._check_link(name)
         return sum(self.adapter(ref).restore() for ref in self._link_adapters(name))
 
+    def link_adapters(self, name: str) -> list[str]:
+        """The adapters at the ends of cable ``name`` (none for a cable between switches):
+        the ones a link that comes back without its mappings reset."""
+        self._check_link(name)
+        return self._link_adapters(name)
+
     def _link_adapters(self, name: str) -> list[str]:
         """The adapters at the ends of cable ``name`` (none for a cable between switches)."""
         for link in self.topology.links:
@@ -392,7 +398,39 @@ class SimHardware:
                     return fdid
             except FabricError:
                 continue
+        for fdid in sorted(self._devices):  # a second way in (a two-path share's backup)
+            if requester in self.ingresses(fdid, node):
+                return fdid
         return None
+
+    def entry_adapters(self, fdid: int, node: str) -> list[str]:
+        """The adapters of ``node`` whose LUT has an entry for ``fdid`` now (its crossing's,
+        and a two-path NVMe share's backup's), cheapest route first."""
+        key = self.requester_key(fdid)
+        out: list[str] = []
+        for p in routes(self.topology, self.device(fdid).lender, node):
+            if p.dst.ref not in out and self.adapter(p.dst.ref).lut_lookup(key) is not None:
+                out.append(p.dst.ref)
+        return out
+
+    def ingresses(self, fdid: int, node: str) -> list[Requester]:
+        """Every requester ``fdid``'s DMA may enter ``node`` as: one per adapter of ``node``
+        whose LUT names it on a route from a lender adapter that lets it out (a two-path NVMe
+        share's backup path enters by a second adapter). [] for the lender itself."""
+        dev = self.device(fdid)
+        if dev.lender == node:
+            return []
+        key, out = self.requester_key(fdid), []
+        for p in routes(self.topology, dev.lender, node):
+            if self.adapter(p.src.ref).lut_lookup(dev.requester_id) is None:
+                continue
+            far = self.adapter(p.dst.ref)
+            entry = far.lut_lookup(key)
+            if entry is not None:
+                requester = Requester(far.assigned_requester_id(entry))
+                if requester not in out:
+                    out.append(requester)
+        return out
 
     # --- guests --------------------------------------------------------------------------------
     def create_guest(

@@ -63,7 +63,7 @@ import msgspec
 from vmlend.errors import FabricError
 from vmlend.ledger.admission import usage, vm_share
 from vmlend.ledger.msiadmit import msi_share
-from vmlend.ledger.nvmeadmit import share_window_key
+from vmlend.ledger.nvmeadmit import BACKUP_SUFFIX, share_window_key
 from vmlend.ledger.nvmeshares import SHARE_RECORD, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
@@ -84,16 +84,30 @@ class ShareGrant(msgspec.Struct, frozen=True):
     node: str
     vm: str
     asid: int
+    backup: bool = False  # the address space of a two-path share's backup path
 
     @property
     def owner(self) -> Owner:
         return (self.node, self.vm)
 
+    @property
+    def window_key(self) -> str:
+        """The claim key of the segments this address space's windows take."""
+        key = share_window_key(self.fdid, Holder(self.node, self.vm))
+        return key + BACKUP_SUFFIX if self.backup else key
+
 
 def registry_grants(tx: StateTxn) -> list[ShareGrant]:
     """The NVMe shares the registry records now, as the checker's justifications."""
     entries = [share_entry(r) for r in tx.runtime(None, SHARE_RECORD)]
-    return [ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid) for e in entries]
+    out = []
+    for e in entries:
+        out.append(ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid))
+        if e.share.paths > 1:
+            out.append(
+                ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.backup_asid, backup=True)
+            )
+    return out
 
 
 class Violation(msgspec.Struct, frozen=True):
@@ -534,7 +548,7 @@ class _Checker:
         windows: dict[tuple[str, str], int] = {}
         for (ref, _index), grants in self.share_segments.items():
             for g in grants:
-                key = (ref, share_window_key(g.fdid, Holder(g.node, g.vm)))
+                key = (ref, g.window_key)
                 windows[key] = windows.get(key, 0) + 1
         p2p: dict[str, int] = {}
         for (ref, index), users in self.segment_users.items():

@@ -15,6 +15,12 @@ admin queues in lender memory, and for each VM (``open_share``):
   software on the I/O path); in trap mode each write is trapped and forwarded to the share's
   own real queue ids only (one software step each).
 
+A share of two paths (``--paths 2``) also gets a backup path through another adapter of the
+VM's node, in an address space of its own, and its virtual controller relays the guest's
+queues onto a primary and a backup queue pair kept in memory of the VM's host
+(``vmlend.sim.nvme.relay``): a link event on the primary path (or a command timeout) switches
+to the backup with nothing lost; the link's return switches back.
+
 A VM's stop (``VmNvmeShare.close``) deletes its real queues, unmaps its windows and unpins its
 RAM; other shares keep running.
 
@@ -45,11 +51,13 @@ from vmlend.nvme.shares import Share
 from vmlend.registry import Registry
 from vmlend.sim.guest import Frame
 from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
+from vmlend.sim.hostmem import FRAME, HostMemory
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
 from vmlend.sim.nvme.controller import ControllerConfig
 from vmlend.sim.nvme.driver import NvmeDriver
 from vmlend.sim.nvme.manager import NvmeManager
+from vmlend.sim.nvme.relay import BACKUP, PRIMARY, RING_IOVA, QueueRelay, ring_bytes
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
@@ -63,12 +71,49 @@ _MANAGER_BYTES = 256 * 1024
 
 
 class _Ingress(msgspec.Struct):
-    """The drive's crossing into one borrower node, shared by the VMs of that node."""
+    """The drive's crossing into one borrower node, shared by the VMs of that node: the
+    lender adapter its DMA leaves by and the node's adapter it enters by."""
 
-    requester: Requester
+    src: str
+    far: str
     domain: IommuDomain
     users: int = 0
-    undo: list[Callable[[], object]] = msgspec.field(default_factory=list)
+
+
+class _RingMemory:
+    """Memory of the VM's host that its virtual controller keeps for a two-path share's
+    relay rings (``vmlend.sim.nvme.relay``): frames of the VM (its hypervisor's), read and
+    written by offset."""
+
+    def __init__(self, memory: HostMemory, size: int, owner: str) -> None:
+        self.memory = memory
+        self.frames: list[int] = []
+        try:
+            for _ in range(-(-size // FRAME)):
+                self.frames.append(memory.alloc(FRAME, owner=owner))
+        except Exception:
+            self.close()
+            raise
+
+    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
+        out, at, end = [], address, address + length
+        while at < end:
+            n = min(end - at, FRAME - at % FRAME)
+            out.append((self.frames[at // FRAME] + at % FRAME, at - address, n))
+            at += n
+        return out
+
+    def read(self, address: int, length: int) -> bytes:
+        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
+
+    def write(self, address: int, data: bytes) -> None:
+        for phys, pos, n in self._pieces(address, len(data)):
+            self.memory.write(phys, data[pos : pos + n])
+
+    def close(self) -> None:
+        for frame in self.frames:
+            self.memory.free(frame)
+        self.frames = []
 
 
 class _Windows(msgspec.Struct):
@@ -95,12 +140,23 @@ class VmNvmeShare:
         #: The share was cut (its drive's borrow or its own share ended): a removed device.
         self.revoked = False
         self.mdev: str | None = None  # the mdev the VM opened it through (``SimVm``)
+        guest = drive.hw.guest(node, vm)
+        #: A two-path share's relay onto its primary and backup queue pairs (else None).
+        self.relay: QueueRelay | None = None
+        self.backup: NtbPath | None = None  # its backup path while mapped
+        self.failed: set[str] = set()  # the cables of the primary path it failed over from
+        self.rings: _RingMemory | None = None
+        if share.paths > 1:
+            self.rings = _RingMemory(drive.hw.node(node).memory, ring_bytes(share.queue_pairs), vm)
+            self.relay = QueueRelay(
+                share, guest, self.rings, drive.manager, drive._ring_real, self._interrupt
+            )
         self.virtual = VirtualNvmeController(
             share,
             drive.controller.config,
             drive.namespace.block_size,
-            drive.hw.guest(node, vm),
-            drive.manager,
+            guest,
+            self.relay if self.relay is not None else drive.manager,
             self._interrupt,
         )
         self.bar0 = _GuestBar0(self)
@@ -126,13 +182,26 @@ class VmNvmeShare:
         self.config.write(regs.COMMAND, 2, cmd | mask if on else cmd & ~mask)
 
     def status(self) -> dict[str, object]:
-        return {
+        out = {
             **self.share.as_dict(),
             "node": self.node,
             "vm": self.vm,
             "real_queues": self.drive.manager.real_queues(self.name),
             "rejections": self.drive.manager.rejections(self.name),
         }
+        if self.relay is not None:
+            out["relay"] = self.relay.status()
+        return out
+
+    def timeout(self) -> bool:
+        """The virtual controller's command timer expired (a two-path share): commands still
+        outstanding on its primary pair fail over to the backup pair. True if they did."""
+        return self.relay is not None and self.relay.timeout()
+
+    def _free_rings(self) -> None:
+        if self.rings is not None:
+            self.rings.close()
+            self.rings = None
 
     def close(self) -> None:
         """The VM stops: its queues go, then its windows and pins. Idempotent."""
@@ -216,6 +285,23 @@ class _GuestBar0:
             return
         if offset >= spec.DOORBELL_BASE + spec.PAGE:
             return  # nothing else in the BAR decodes
+        relay = self.s.relay
+        if relay is not None:
+            # two paths: every doorbell is trapped (one software step) and relayed onto the
+            # active queue pair, whichever path that is
+            slot = spec.doorbell_of(offset, self.dstrd)
+            if slot is None or size != 4:
+                return
+            qid, completion = slot
+            if qid == 0:
+                self.s.virtual.admin_doorbell(completion, value)
+                return
+            self.s.traps += 1
+            if completion:
+                relay.cq_doorbell(qid, value)
+            else:
+                relay.sq_doorbell(qid, value)
+            return
         if self.page is not None:
             # page mode: the guest page is mapped onto the share's real doorbell page, so the
             # write lands in the drive with no software in between (guest qid g = real
@@ -246,7 +332,11 @@ class SharedNvmeDrive:
         *,
         blocks: int = 1 << 21,
         config: ControllerConfig | None = None,
+        link_events: bool = True,
     ) -> None:
+        """``link_events=False``: the drive's manager and the VMs' virtual controllers do not
+        hear link events (their hosts missed them): crossings are not moved, and a two-path
+        share fails over only on a command timeout (``VmNvmeShare.timeout``)."""
         self.hw = hardware
         self.fdid = fdid
         held = hardware.borrowed(fdid)
@@ -260,7 +350,11 @@ class SharedNvmeDrive:
         self.controller = self.nvme.controller
         self.namespace = self.nvme.namespace
         self._ingress: dict[str, _Ingress] = {}
-        self._lut_users: dict[str, int] = {}  # lender adapter -> nodes crossed to through it
+        self._lut_users: dict[str, int] = {}  # lender adapter -> crossings through it
+        #: (node, node's adapter) -> (the drive's requester there, crossings using it): the
+        #: node's crossing and two-path shares' backup paths may enter by the same adapter
+        self._far: dict[tuple[str, str], tuple[Requester, int]] = {}
+        self._domains: dict[str, IommuDomain] = {}  # node -> the drive's ingress domain there
         self.shares: dict[str, VmNvmeShare] = {}
         self.memory: HostDmaMemory | None = None
         self._remove_irq: Callable[[], None] = lambda: None
@@ -268,7 +362,9 @@ class SharedNvmeDrive:
         self.ended: str | None = None
         self._remove_end = hardware.on_borrow_end(self._borrow_ended)
         self._remove_wiring = hardware.add_share_wiring(self)
-        self._remove_link = hardware.on_link_change(self._link_changed)
+        self._remove_link = (
+            hardware.on_link_change(self._link_changed) if link_events else (lambda: None)
+        )
         #: Each move of a crossing: (node, old route, new route).
         self.reroutes: list[tuple[str, str, str]] = []
         try:
@@ -300,10 +396,17 @@ class SharedNvmeDrive:
 
     # --- shares -------------------------------------------------------------------------------
     def open_share(
-        self, node: str, vm: str, queue_pairs: int = 1, blocks: int = 0, share: Share | None = None
+        self,
+        node: str,
+        vm: str,
+        queue_pairs: int = 1,
+        blocks: int = 0,
+        share: Share | None = None,
+        paths: int = 1,
     ) -> VmNvmeShare:
         """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
-        ``blocks``, or the ``share`` the registry reserved for it; all or nothing."""
+        ``blocks`` on ``paths`` paths, or the ``share`` the registry reserved for it; all or
+        nothing."""
         self.hw.guest(node, vm)  # a running guest, or FabricError
         borrow = self.hw.borrowed(self.fdid)
         if self.ended is not None or borrow is None or borrow.vm != MANAGER_VM:
@@ -313,10 +416,20 @@ class SharedNvmeDrive:
                 " before VMs use it"
             )
         name = share.name if share is not None else f"vm:{node}/{vm}"
-        share = self.manager.add_share(name, queue_pairs, blocks, decided=share)
-        vms = VmNvmeShare(self, node, vm, share)
+        if (share.paths if share is not None else paths) > 1 and node == self.device.lender:
+            raise FabricError(
+                f"a VM on {node}, the lender of {self.fdid:#x}, crosses no NTB: one path only"
+            )
+        share = self.manager.add_share(name, queue_pairs, blocks, decided=share, paths=paths)
         try:
-            self.manager.connect(name, vms.virtual.admin_doorbell, vms._interrupt)
+            vms = VmNvmeShare(self, node, vm, share)
+            relay = vms.relay
+            self.manager.connect(
+                name,
+                vms.virtual.admin_doorbell,
+                vms._interrupt,
+                None if relay is None else relay.on_interrupt,
+            )
         except Exception:
             self.manager.remove_share(name)
             raise
@@ -356,14 +469,53 @@ class SharedNvmeDrive:
             return
         ingress = self._enter(vms.node, path)
         undo.append(lambda: self._leave(vms.node))
+        self._map_path(vms, ranges, frames, ingress.domain, path.src.ref, base, None)
+        if vms.relay is None:
+            return
+        # two paths: the primary's relay rings, then the backup path through the node's other
+        # adapter (its segments name that adapter), in the backup's own address space
+        self._map_rings(vms, PRIMARY, ingress.domain, path.src.ref, base, None)
+        primary = self.hw.path_between(ingress.src, ingress.far)
+        backup = next(
+            (p for p in self.hw.routes(self.device.lender, vms.node) if p.dst.ref != ingress.far),
+            None,
+        )
+        if primary is None or backup is None:
+            raise FabricError(
+                f"NVMe share {vms.name} of {self.fdid:#x}: {vms.node} has no second adapter"
+                f" reached from {self.device.lender} for its backup path"
+            )
+        self._cross(vms.node, backup)
+        vms.backup = backup
+        undo.append(lambda: self._uncross(vms.node, backup.src.ref, backup.dst.ref))
+        bbase = asid_base(vms.share.backup_asid)
+        via = backup.dst.ref
+        self._map_path(vms, ranges, frames, ingress.domain, backup.src.ref, bbase, via)
+        self._map_rings(vms, BACKUP, ingress.domain, backup.src.ref, bbase, via)
+
+    def _map_path(
+        self,
+        vms: VmNvmeShare,
+        ranges: list[GuestRange],
+        frames: list[Frame],
+        domain: IommuDomain,
+        src_ref: str,
+        base: int,
+        via: str | None,
+    ) -> None:
+        """The guest's RAM in address space ``base`` on one path: the node's ingress domain
+        onto its frames, NTB segments of ``src_ref`` (towards adapter ``via`` when given) and
+        the lender IOMMU onto those segments."""
+        undo = vms.windows.undo
+        lender_domain = self.hw.lender_domain(self.fdid)
         for f in frames:
-            ingress.domain.map(base + f.gpa, f.phys, f.size)
+            domain.map(base + f.gpa, f.phys, f.size)
 
             def unmap_ingress(f: Frame = f) -> None:
-                ingress.domain.unmap(base + f.gpa, f.size)
+                domain.unmap(base + f.gpa, f.size)
 
             undo.append(unmap_ingress)
-        src = self.hw.adapter(path.src.ref)
+        src = self.hw.adapter(src_ref)
         seg = src.segment_size
         # the planner's windows (low, high), each rounded out to whole segments: exactly the
         # segments admission claimed for the share (``vmlend.ledger.nvmeadmit``)
@@ -372,7 +524,7 @@ class SharedNvmeDrive:
             count = -(-(group[-1].end - start) // seg)
             first = src.free_segments(count)
             for i in range(count):
-                src.map_segment(first + i, vms.node, base + start + i * seg)
+                src.map_segment(first + i, vms.node, base + start + i * seg, via=via)
 
                 def unmap_segment(index: int = first + i) -> None:
                     src.unmap_segment(index)
@@ -388,44 +540,160 @@ class SharedNvmeDrive:
 
                 undo.append(unmap_window)
 
+    def _map_rings(
+        self,
+        vms: VmNvmeShare,
+        path: int,
+        domain: IommuDomain,
+        src_ref: str,
+        base: int,
+        via: str | None,
+    ) -> None:
+        """Path ``path``'s half of the relay rings at ``RING_IOVA`` of address space ``base``:
+        one segment (``nvmeadmit.RING_SEGMENTS``)."""
+        assert vms.rings is not None
+        undo = vms.windows.undo
+        lender_domain = self.hw.lender_domain(self.fdid)
+        half = len(vms.rings.frames) // 2
+        offset = path * half * FRAME
+        for i, phys in enumerate(vms.rings.frames[path * half : (path + 1) * half]):
+            iova = base + RING_IOVA + offset + i * FRAME
+            domain.map(iova, phys, FRAME)
+
+            def unmap_ring(iova: int = iova) -> None:
+                domain.unmap(iova, FRAME)
+
+            undo.append(unmap_ring)
+        src = self.hw.adapter(src_ref)
+        index = src.free_segments(1)
+        src.map_segment(index, vms.node, base + RING_IOVA, via=via)
+        undo.append(lambda: src.unmap_segment(index))
+        size = half * FRAME
+        lender_domain.map(base + RING_IOVA + offset, src.segment_base(index) + offset, size)
+        undo.append(lambda: lender_domain.unmap(base + RING_IOVA + offset, size))
+
+    # --- crossings into nodes --------------------------------------------------------------
+    def _domain(self, node: str) -> IommuDomain:
+        domain = self._domains.get(node)
+        if domain is None:
+            domain = self._domains[node] = IommuDomain(f"{node}:nvme{self.fdid:#x}")
+        return domain
+
+    def _key(self) -> int:
+        return fabric_requester_key(
+            self.hw.node(self.device.lender).spec.node_id, self.device.requester_id
+        )
+
+    def _far_add(self, node: str, ref: str) -> Requester:
+        """The drive's LUT entry on ``node``'s adapter ``ref`` and its context in the node's
+        ingress domain (counted: shared by every crossing through that adapter)."""
+        have = self._far.get((node, ref))
+        if have is not None:
+            self._far[(node, ref)] = (have[0], have[1] + 1)
+            return have[0]
+        dst, key = self.hw.adapter(ref), self._key()
+        # the far side sees the id its own entry for the drive assigns, and nothing else
+        entry = dst.lut_add(key)
+        requester = Requester(dst.assigned_requester_id(entry))
+        try:
+            self.hw.node(node).iommu.attach(requester, self._domain(node))
+        except Exception:
+            dst.lut_remove(key)
+            raise
+        self._far[(node, ref)] = (requester, 1)
+        return requester
+
+    def _far_drop(self, node: str, ref: str) -> None:
+        requester, users = self._far[(node, ref)]
+        if users > 1:
+            self._far[(node, ref)] = (requester, users - 1)
+            return
+        del self._far[(node, ref)]
+        self.hw.node(node).iommu.detach(requester)
+        self.hw.adapter(ref).lut_remove(self._key())
+
+    def _cross(self, node: str, path: NtbPath) -> None:
+        """The drive's DMA may cross ``path`` into ``node``: LUT entries at both ends (one
+        per adapter serves every crossing through it), all or nothing."""
+        rid = self.device.requester_id
+        self.hw.adapter(path.src.ref).lut_add(rid)
+        self._lut_users[path.src.ref] = self._lut_users.get(path.src.ref, 0) + 1
+        try:
+            self._far_add(node, path.dst.ref)
+        except Exception:
+            self._lut_release(path.src.ref, rid)
+            raise
+
+    def _uncross(self, node: str, src_ref: str, far_ref: str) -> None:
+        self._far_drop(node, far_ref)
+        self._lut_release(src_ref, self.device.requester_id)
+
     def _enter(self, node: str, path: NtbPath) -> _Ingress:
         ingress = self._ingress.get(node)
         if ingress is None:
-            src, dst = self.hw.adapter(path.src.ref), self.hw.adapter(path.dst.ref)
-            rid = self.device.requester_id
-            key = fabric_requester_key(self.hw.node(self.device.lender).spec.node_id, rid)
-            undo: list[Callable[[], object]] = []
-            try:
-                src.lut_add(rid)
-                # one entry per adapter serves every node the drive's DMA crosses to
-                self._lut_users[src.ref] = self._lut_users.get(src.ref, 0) + 1
-                undo.append(lambda: self._lut_release(src.ref, rid))
-                # the far side sees the id its own entry for the drive assigns, and nothing else
-                entry = dst.lut_add(key)
-                undo.append(lambda: dst.lut_remove(key))
-                requester = Requester(dst.assigned_requester_id(entry))
-                domain = IommuDomain(f"{node}:nvme{self.fdid:#x}")
-                self.hw.node(node).iommu.attach(requester, domain)
-                undo.append(lambda: self.hw.node(node).iommu.detach(requester))
-            except Exception:
-                while undo:
-                    undo.pop()()
-                raise
-            ingress = self._ingress[node] = _Ingress(requester, domain, 0, undo)
+            self._cross(node, path)
+            ingress = self._ingress[node] = _Ingress(path.src.ref, path.dst.ref, self._domain(node))
         ingress.users += 1
         return ingress
 
     def _link_changed(self, link: str, up: bool) -> None:
-        """A link event: every crossing of the drive into a node whose route now passes a
-        dead cable moves to another route from the same lender adapter, if one is up. The
-        segments and the node's ingress domain stay (they name the node's addresses), so the
-        VMs' queues and commands go on as they are: nothing is resubmitted, nothing lost."""
+        """A link event. Down: a two-path share whose primary path (the crossing into its
+        node) is dead switches to its backup queue pair; then every crossing of the drive into
+        a node whose route now passes a dead cable moves to another route from the same lender
+        adapter, if one is up. The segments and the node's ingress domain stay (they name the
+        node's addresses), so one-path shares' queues and commands go on as they are: nothing
+        is resubmitted, nothing lost. Up: a two-path share on its backup whose primary path
+        works again switches back to its primary pair, deleting and creating it again when
+        the link came back without its mappings (which are programmed again first); and every
+        crossing goes back to the cheapest live route from its lender adapter."""
         if self.ended is not None:
             return
+        if up:
+            self._link_back(link)
+            return
+        for vms in list(self.shares.values()):
+            if vms.relay is None or vms.backup is None or not vms.open:
+                continue
+            path = self.hw.crossing(self.fdid, vms.node)
+            if path is not None and self.hw.dead_links(path):
+                if self.hw.dead_links(vms.backup):
+                    continue  # no path left: nothing to switch to
+                vms.failed = set(path.links)
+                vms.relay.fail_over(f"link {link} down")
         for node in sorted(self._ingress):
             path = self.hw.crossing(self.fdid, node)
             if path is not None and self.hw.dead_links(path):
                 self._reroute(node, path)
+
+    def _link_back(self, link: str) -> None:
+        # the event as the adapters' driver raised it: back with or without its mappings
+        lost = bool(self.hw.link_log) and self.hw.link_log[-1] == (link, "up-lost")
+        for node, ingress in sorted(self._ingress.items()):
+            # every crossing goes back to its cheapest live route: the one admission claims
+            # for the node's next share, and a two-path share's primary and backup use
+            # different adapters again
+            old = self.hw.path_between(ingress.src, ingress.far)
+            if old is not None:
+                self._reroute(node, old)
+        for vms in list(self.shares.values()):
+            if vms.relay is None or not vms.open:
+                continue
+            path = self.hw.crossing(self.fdid, vms.node)
+            primary_dead = path is None or bool(self.hw.dead_links(path))
+            if vms.relay.active == PRIMARY:
+                # both paths were dead when the primary failed: the backup is back first
+                if primary_dead and vms.backup is not None and not self.hw.dead_links(vms.backup):
+                    vms.failed = set(path.links) if path is not None else set()
+                    vms.relay.fail_over(f"link {link} up: its backup path works")
+                continue
+            if primary_dead:
+                continue
+            recreate = lost and link in vms.failed
+            if recreate:  # its driver programs again what the adapters lost
+                self.hw.reprogram(link)
+            why = f"link {link} up" + (" without its mappings" if recreate else "")
+            vms.relay.switch_back(recreate, why)
+            vms.failed = set()
 
     def _reroute(self, node: str, old: NtbPath) -> bool:
         live = [
@@ -434,33 +702,16 @@ class SharedNvmeDrive:
             if p.src.ref == old.src.ref and not self.hw.dead_links(p)
         ]
         if not live or live[0].dst.ref == old.dst.ref:
-            log.warning(
-                "NVMe drive %#x: no other route to %s than %s", self.fdid, node, old.describe()
-            )
+            if self.hw.dead_links(old):
+                log.warning(
+                    "NVMe drive %#x: no other route to %s than %s", self.fdid, node, old.describe()
+                )
             return False
         new = live[0]
         ingress = self._ingress[node]
-        key = fabric_requester_key(
-            self.hw.node(self.device.lender).spec.node_id, self.device.requester_id
-        )
-        dst = self.hw.adapter(new.dst.ref)
-        iommu = self.hw.node(node).iommu
-        entry = dst.lut_add(key)
-        requester = Requester(dst.assigned_requester_id(entry))
-        try:
-            iommu.attach(requester, ingress.domain)
-        except Exception:
-            dst.lut_remove(key)
-            raise
-        iommu.detach(ingress.requester)
-        self.hw.adapter(old.dst.ref).lut_remove(key)
-        ingress.requester = requester
-        # _enter's undo: release the lender entry, remove the far entry, detach the context
-        ingress.undo = [
-            ingress.undo[0],
-            lambda: dst.lut_remove(key),
-            lambda: iommu.detach(requester),
-        ]
+        self._far_add(node, new.dst.ref)
+        self._far_drop(node, ingress.far)
+        ingress.far = new.dst.ref
         self.reroutes.append((node, old.describe(), new.describe()))
         log.warning(
             "NVMe drive %#x: crossing to %s moved from %s to %s",
@@ -481,9 +732,8 @@ class SharedNvmeDrive:
         ingress = self._ingress[node]
         ingress.users -= 1
         if ingress.users == 0:
-            while ingress.undo:
-                ingress.undo.pop()()
             del self._ingress[node]
+            self._uncross(node, ingress.src, ingress.far)
 
     def _end_share(self, vms: VmNvmeShare) -> None:
         """End ``vms`` (its VM stops, or it is cut). While the drive goes on its real queues
@@ -498,6 +748,7 @@ class SharedNvmeDrive:
         finally:
             self.manager.forget_share(vms.name)
             vms.windows.close()
+            vms._free_rings()
             self.shares.pop(vms.name, None)
 
     def _borrow_ended(self, borrow: Borrow) -> None:
@@ -550,7 +801,18 @@ class SharedNvmeDrive:
 
     def grants(self) -> list[ShareGrant]:
         """The shares open now, as justifications for the fabric's invariant checker."""
-        return [ShareGrant(self.fdid, v.node, v.vm, v.share.asid) for v in self.shares.values()]
+        out = []
+        for v in self.shares.values():
+            out.append(ShareGrant(self.fdid, v.node, v.vm, v.share.asid))
+            if v.share.paths > 1:
+                out.append(ShareGrant(self.fdid, v.node, v.vm, v.share.backup_asid, backup=True))
+        return out
+
+    def _ring_real(self, qid: int, completion: bool, value: int) -> None:
+        """A relay rings real doorbell ``qid`` (the simulator writes the real doorbell page
+        directly; a doorbell mapping over the NTB is not modelled)."""
+        offset = spec.doorbell_offset(qid, completion, self.controller.config.dstrd)
+        self.device.bars.write(0, offset, 4, value)
 
     # --- life -----------------------------------------------------------------------------------
     def status(self) -> dict[str, object]:

@@ -116,9 +116,31 @@ def test_share_reserve_release_unshare_json_say_what_they_did(state_path):
         "queue_pairs": 2,
         "lba_offset": 0,
         "blocks": 131072,
+        "paths": 1,
     }
     released = {"fdid": "0x12", "vm": "web", "node": "gamma"}
     assert doc("release", "0x12", "web") == {"action": "released", **released}
     assert doc("release", "0x12", "web") == {"action": "unchanged", **released}
     assert doc("unshare", "0x12") == {"action": "unshared", "fdid": "0x12"}
     assert doc("unshare", "0x12") == {"action": "unchanged", "fdid": "0x12"}
+
+
+def test_reserve_with_a_backup_path(state_path):
+    c = make_cluster(state_path)
+    assert c.cli("nvme", "share", "0x12", "--size", "2G").exit_code == 0
+    r = c.cli("nvme", "reserve", "0x12", "web", "--paths", "2", "--size", "64M", "--ram", "1G")
+    assert r.exit_code == 0, r.output
+    assert "gamma/web: 1 queue pair(s)" in r.output and "2 paths (primary and backup)" in r.output
+    data = json.loads(c.cli("nvme", "status", "--json").output)
+    assert data["drives"][0]["shares"][0]["paths"] == 2
+    r = c.cli("nvme", "reserve", "0x12", "db", "--node", "beta", "--paths", "2", "--size", "1G")
+    assert r.exit_code == 1
+    assert "no backup path for beta's share of 0x12: beta has one NTB adapter" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    r = c.cli("nvme", "reserve", "0x12", "db", "--node", "beta", "--paths", "3", "--size", "1G")
+    assert r.exit_code == 2 and "--paths" in r.output
+    r = c.cli(
+        "nvme", "reserve", "0x12", "db", "--node", "beta", "--paths", "2", "--size", "1G", "--json"
+    )
+    assert r.exit_code == 1 and "no backup path" in r.output
+    assert "beta/db" not in c.cli("nvme", "status").output

@@ -53,6 +53,7 @@ SAMPLES: dict[tuple[type, str], object] = {
     (DeviceEntryXML, "address"): PciAddress(0, 0, 5, 0),
     (DeviceEntryXML, "nvme_queues"): 2,
     (DeviceEntryXML, "nvme_size"): 64 << 30,
+    (DeviceEntryXML, "nvme_paths"): 2,
     (DeviceEntryXML, "interrupts"): InterruptPath.RELAY,
     (VmlendMetadataXML, "interrupts"): InterruptPath.NTB,
     (VmlendMetadataXML, "host_node"): "beta",

@@ -195,3 +195,47 @@ def test_a_share_whose_windows_do_not_fit_is_refused_claiming_nothing(fab, reg):
     lender = fab.topology().device(NVME).lender
     ledger.reserve_share(reg, NVME, Holder(lender, "local"), 1, 10, guest_ram=200 * GiB)
     assert _use(fab) == before
+
+
+def test_a_share_with_a_backup_path_claims_both_paths_and_returns_them(fab, reg):
+    from vmlend.ledger.admission import guest_ram_of
+    from vmlend.ledger.nvmeadmit import RING_SEGMENTS
+    from vmlend.memory.windows import window_segments
+    from vmlend.topology.model import GiB
+
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    before = _use(fab)
+    segs = window_segments(guest_ram_of(8 * GiB).ranges, 4 * GiB)
+    share = ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 1, 10, guest_ram=8 * GiB, paths=2)
+    assert share.paths == 2 and len(share.asids) == 2
+    after = _use(fab)
+    # both routes leave alpha:0: one LUT entry there, both paths' windows, each with its rings
+    assert RING_SEGMENTS == 1
+    assert after["alpha:0"] == (before["alpha:0"][0] + 1, before["alpha:0"][1] + 2 * segs + 2)
+    # one LUT entry on each of gamma's adapters: the primary's and the backup's
+    assert after["gamma:0"][0] == before["gamma:0"][0] + 1
+    assert after["gamma:1"][0] == before["gamma:1"][0] + 1
+    assert ledger.shared_drives(reg)[NVME][2][0].to_json()["paths"] == 2
+    assert ledger.release_share(reg, NVME, Holder("gamma", "a"))
+    assert _use(fab) == before
+
+
+def test_a_backup_path_needs_a_second_adapter_and_claims_nothing_without(fab, reg):
+    from vmlend.errors import NoBackupPathError, WindowExhaustedError
+    from vmlend.topology.model import GiB
+
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    before = _use(fab)
+    with pytest.raises(NoBackupPathError) as e:  # beta has one adapter
+        ledger.reserve_share(reg, NVME, Holder("beta", "b"), 1, 10, guest_ram=GiB, paths=2)
+    assert str(e.value) == (
+        "no backup path for beta's share of 0x12: beta has one NTB adapter (beta:0);"
+        " a backup needs a second"
+    )
+    with pytest.raises(NoBackupPathError, match="is the drive's lender"):
+        ledger.reserve_share(reg, NVME, Holder("alpha", "l"), 1, 10, guest_ram=GiB, paths=2)
+    # all or nothing: the primary's windows fit, both paths' do not
+    with pytest.raises(WindowExhaustedError):
+        ledger.reserve_share(reg, NVME, Holder("gamma", "g"), 1, 10, guest_ram=64 * GiB, paths=2)
+    assert _use(fab) == before and ledger.shared_drives(reg)[NVME][2] == []
+    ledger.reserve_share(reg, NVME, Holder("gamma", "g"), 1, 10, guest_ram=64 * GiB)

@@ -33,12 +33,12 @@ from vmlend.topology.model import Holder, MiB
 NVME = 0x12
 
 
-def domain(name: str, queues: int = 2, size: int = 64 * MiB, extra=()):
+def domain(name: str, queues: int = 2, size: int = 64 * MiB, extra=(), paths: int = 1):
     spec = DomainSpec(
         name=name,
         memory_bytes=256 * MiB,
         uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
-        devices=[DeviceRequest(NVME, share=NvmeShareRequest(queues, size)), *extra],
+        devices=[DeviceRequest(NVME, share=NvmeShareRequest(queues, size, paths)), *extra],
     )
     return read_domain(new_domain(spec, templates=TemplateSet()).to_bytes())
 
@@ -95,6 +95,25 @@ def test_prepare_is_all_or_nothing(env):
         HookOps(fabric(), NullLog()).prepare(dom)
     assert ledger.shared_drives(reg)[NVME][2] == []
     assert fabric().mdevs() == []
+
+
+def test_a_domain_asking_for_a_backup_path_claims_both_paths(env):
+    reg, fabric, geometry = env
+    ledger.lend_shared(reg, NVME, geometry)
+    HookOps(fabric("gamma"), NullLog()).prepare(domain("vm-a", queues=1, paths=2))
+    (entry,) = ledger.shared_drives(reg)[NVME][2]
+    assert entry.share.paths == 2
+    with reg.read() as tx:
+        share_windows = {c.share: c.segments for _f, c in tx.claims() if c.kind == "dma"}
+        luts = {c.adapter for _f, c in tx.claims() if c.kind == "lut"}
+    # each path's windows and its relay rings' segment
+    assert share_windows == {"nvme:0x12:gamma/vm-a": 2, "nvme:0x12:gamma/vm-a#backup": 2}
+    assert {"gamma:0", "gamma:1", "alpha:0"} <= luts
+    # a VM on a node with one adapter cannot have one: the start fails, nothing stays
+    with pytest.raises(HookError, match="no backup path for beta's share"):
+        HookOps(fabric("beta"), NullLog()).prepare(domain("vm-b", queues=1, paths=2))
+    assert [str(e.holder) for e in ledger.shared_drives(reg)[NVME][2]] == ["gamma/vm-a"]
+    assert fabric("beta").mdevs() == []
 
 
 def test_a_drive_not_lent_for_sharing_refuses_the_start(env):

@@ -152,3 +152,39 @@ def test_share_book_adopts_what_it_would_allocate_and_refuses_overlaps(pairs):
         with pytest.raises(ConfigError):
             book.adopt(msgspec.structs.replace(made[0], name="again"))
         assert book.allocate("next", 1, 10).lba_offset == 300
+
+
+@pytest.mark.parametrize("geometry_qps", [511, 4000])  # trap mode, page mode
+def test_a_share_with_a_backup_path_takes_twice_the_queue_ids_and_vectors(geometry_qps):
+    from vmlend.errors import ConfigError
+    from vmlend.nvme.shares import Geometry, ShareBook
+
+    book = ShareBook(Geometry(geometry_qps, 0, 32, 10_000))
+    a = book.allocate("a", 2, 100, paths=2)
+    assert (a.paths, a.span, a.asids) == (2, 4, (1, 2))
+    assert [a.real_qid(g) for g in (1, 2)] == [a.qid_base + 1, a.qid_base + 2]
+    assert [a.backup_qid(g) for g in (1, 2)] == [a.qid_base + 3, a.qid_base + 4]
+    assert [a.backup_vector(v) for v in (1, 2)] == [a.vector_base + 2, a.vector_base + 3]
+    assert a.backup_guest_vector(a.backup_vector(2)) == 2
+    assert a.guest_vector(a.backup_vector(1)) is None  # a backup vector is not a primary one
+    b = book.allocate("b", 1, 100)
+    # nothing of b overlaps a's backup queue ids, vectors or address space
+    assert b.vector_base == a.vector_base + 4 and b.asid == 3
+    assert b.qid_base + 1 > a.qid_base + 4
+    assert book.by_real_vector(a.backup_vector(1)) == a
+    again = ShareBook(book.geometry, [b])
+    with pytest.raises(ConfigError, match="overlaps"):  # b's address space is a's backup's
+        again.adopt(msgspec.structs.replace(a, asid=9, backup_asid=b.asid))
+    with pytest.raises(ConfigError, match="1 or 2 paths"):
+        book.allocate("c", 1, 10, paths=3)
+    with pytest.raises(ValueError, match="no backup path"):
+        b.backup_qid(1)
+
+
+def test_a_share_record_from_before_backup_paths_reads_as_one_path():
+    from vmlend.nvme.shares import Geometry, Share, ShareBook
+
+    share = ShareBook(Geometry(511, 0, 32, 10_000)).allocate("a", 1, 10, paths=2)
+    assert Share.from_record(share.record()) == share
+    old = {k: v for k, v in share.record().items() if k not in ("paths", "backup_asid")}
+    assert Share.from_record(old).paths == 1 and Share.from_record(old).asids == (share.asid,)

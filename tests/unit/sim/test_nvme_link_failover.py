@@ -2,7 +2,8 @@
 a VM's node goes down, the drive's manager moves that crossing to another route from the
 lender's adapter (the node's other adapter), so the VM's queues and commands go on as they are:
 no command is lost, none resubmitted, no controller reset. Without another route the commands
-are lost (the guest's driver times out): backup queue pairs (``--paths 2``) are still to do."""
+are lost (the guest's driver times out); a two-path share's backup queue pairs are
+``test_nvme_multipath.py``'s."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def test_a_link_down_moves_the_drives_crossing_and_loses_no_command(hw, drive, g
         assert drv.read(queue, lba, 1)[1] == bytes([lba % 251 + 1]) * 512
     assert share.interrupts  # completions still interrupt the VM
     clean(hw, drive)
-    hw.link_up(PRIMARY)  # back with its mappings: the crossing stays where it works
+    hw.link_up(PRIMARY)  # back with its mappings: the crossing goes back to its cheapest route
+    assert hw.crossing(DRIVE, "gamma").dst.ref == "gamma:0"
     assert io(drv, queue, 16, 4) == 8
     clean(hw, drive)
 
@@ -132,6 +134,52 @@ def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(st
         assert c.hw.crossing(DRIVE, "gamma").dst.ref == "gamma:1"
         clean()
         shares.reserve_share(c.registry, DRIVE, Holder("beta", "other"), 1, 4096, guest_ram=ram)
+        clean()
+        drive.close()
+    finally:
+        c.close()
+
+
+def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_is(state_path):
+    """Admission claims the cheapest route for a new share; the drive's crossing goes back to
+    it when the link returns, so a share reserved then (and the old one released) leaves the
+    claims and the hardware agreeing. Found by the state machine: the crossing used to stay on
+    gamma:1 while the new share claimed gamma:0."""
+    from tests.support.simcluster import Cluster
+    from vmlend.ledger import nvmeshares as shares
+    from vmlend.sim.invariants import registry_grants
+    from vmlend.sim.nvmedrive import drive_geometry
+    from vmlend.topology.model import Holder
+
+    c = Cluster.create(state_path)
+    try:
+        shares.lend_shared(c.registry, DRIVE, drive_geometry(c.hw.device(DRIVE).spec, 1 << 16))
+        drive = SharedNvmeDrive(c.hw, DRIVE, state_path.parent, blocks=1 << 16)
+        ram = 64 * MiB
+
+        def open_(vm: str):
+            share = shares.reserve_share(
+                c.registry, DRIVE, Holder("gamma", vm), 1, 1024, guest_ram=ram
+            )
+            c.hw.create_guest("gamma", vm, [GuestRange(0, ram)])
+            s = drive.open_share("gamma", vm, share=share)
+            s.set_master()
+            return s
+
+        def clean() -> None:
+            with c.registry.read() as tx:
+                found = check_hardware(
+                    c.hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx)
+                )
+            assert found == [], "\n".join(map(str, found))
+
+        first = open_("one")
+        c.fabric().set_link_up(PRIMARY, False)
+        c.fabric().set_link_up(PRIMARY, True, keep_mappings=False)
+        assert c.hw.crossing(DRIVE, "gamma").dst.ref == "gamma:0"
+        open_("two")
+        shares.release_share(c.registry, DRIVE, Holder("gamma", "one"))
+        first.close()
         clean()
         drive.close()
     finally:

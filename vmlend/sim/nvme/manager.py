@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 AdminDoorbell = Callable[[bool, int], None]
 GuestInterrupt = Callable[[int], object]
+PathInterrupt = Callable[[int, int], object]  # (path, guest vector): a two-path share's relay
 
 
 class NvmeManager:
@@ -39,6 +40,7 @@ class NvmeManager:
         self._lock = controller.lock
         self._admin_doorbells: dict[str, AdminDoorbell] = {}
         self._interrupts: dict[str, GuestInterrupt] = {}
+        self._path_interrupts: dict[str, PathInterrupt] = {}
         self._queues: dict[str, set[tuple[str, int]]] = {}  # share -> {("sq"|"cq", real qid)}
         self._remove_stray = controller.on_stray_doorbell(self._stray)
 
@@ -67,6 +69,7 @@ class NvmeManager:
         admin_doorbell: AdminDoorbell | None = None,
         interrupt: GuestInterrupt | None = None,
         decided: Share | None = None,
+        paths: int = 1,
     ) -> Share:
         """Allocate a share (``ResourceExhaustedError`` when the drive has not enough left), or
         take the one the registry ``decided``, and guard its queue ids."""
@@ -74,18 +77,19 @@ class NvmeManager:
             if decided is not None:
                 share = self.book.adopt(decided)
             else:
-                share = self.book.allocate(name, queue_pairs, blocks)
+                share = self.book.allocate(name, queue_pairs, blocks, paths)
             for g in range(1, share.queue_pairs + 1):
-                self.controller.set_domain(
-                    share.real_qid(g),
-                    QueueDomain(
-                        share.name,
-                        nsid=1,
-                        offset=share.lba_offset,
-                        length=share.blocks,
-                        asid=share.asid,
-                    ),
-                )
+                for qid, asid in self._path_qids(share, g):
+                    self.controller.set_domain(
+                        qid,
+                        QueueDomain(
+                            share.name,
+                            nsid=1,
+                            offset=share.lba_offset,
+                            length=share.blocks,
+                            asid=asid,
+                        ),
+                    )
             name = share.name
             self._queues[name] = set()
             if admin_doorbell is not None:
@@ -95,10 +99,26 @@ class NvmeManager:
             log.info("NVMe share %s: %s", name, share.as_dict())
             return share
 
-    def connect(self, name: str, admin_doorbell: AdminDoorbell, interrupt: GuestInterrupt) -> None:
+    @staticmethod
+    def _path_qids(share: Share, g: int) -> list[tuple[int, int]]:
+        """(real queue id, address space) of guest queue ``g`` on each of the share's paths."""
+        out = [(share.real_qid(g), share.asid)]
+        if share.paths > 1:
+            out.append((share.backup_qid(g), share.backup_asid))
+        return out
+
+    def connect(
+        self,
+        name: str,
+        admin_doorbell: AdminDoorbell,
+        interrupt: GuestInterrupt,
+        path_interrupt: PathInterrupt | None = None,
+    ) -> None:
         with self._lock:
             self._admin_doorbells[name] = admin_doorbell
             self._interrupts[name] = interrupt
+            if path_interrupt is not None:
+                self._path_interrupts[name] = path_interrupt
 
     def remove_share(self, name: str) -> None:
         """Delete the share's real queues (others' queues are untouched) and free it."""
@@ -106,10 +126,11 @@ class NvmeManager:
             share = self.book.shares.get(name)
             if share is None:
                 return
-            for g in range(1, share.queue_pairs + 1):
-                self.delete_sq(share, g)
-            for g in range(1, share.queue_pairs + 1):
-                self.delete_cq(share, g)
+            for path in range(share.paths):
+                for g in range(1, share.queue_pairs + 1):
+                    self.delete_sq(share, g, path)
+                for g in range(1, share.queue_pairs + 1):
+                    self.delete_cq(share, g, path)
             self.forget_share(name)
 
     def forget_share(self, name: str) -> None:
@@ -120,11 +141,13 @@ class NvmeManager:
             share = self.book.shares.get(name)
             if share is not None:
                 for g in range(1, share.queue_pairs + 1):
-                    self.controller.clear_domain(share.real_qid(g))
+                    for qid, _asid in self._path_qids(share, g):
+                        self.controller.clear_domain(qid)
                 self.book.release(name)
             self._queues.pop(name, None)
             self._admin_doorbells.pop(name, None)
             self._interrupts.pop(name, None)
+            self._path_interrupts.pop(name, None)
 
     def detach(self) -> None:
         """The manager lost the drive (its borrow ended): forget every share, stop listening
@@ -158,18 +181,25 @@ class NvmeManager:
     def _admin(self, cmd: spec.Command, what: str) -> int:
         return self.driver.admin_command(cmd, what, check=False).status
 
+    @staticmethod
+    def _real(share: Share, qid: int, path: int) -> int:
+        return share.backup_qid(qid) if path else share.real_qid(qid)
+
     def create_cq(
-        self, share: Share, qid: int, gpa: int, entries: int, vector: int, irq: bool
+        self, share: Share, qid: int, gpa: int, entries: int, vector: int, irq: bool, path: int = 0
     ) -> int:
+        """Create real CQ of guest queue ``qid`` on path ``path`` (1: the backup pair) at
+        ``gpa`` in that path's address space."""
         with self._lock:
-            real = share.real_qid(qid)
+            real = self._real(share, qid, path)
             flags = spec.QUEUE_PHYS_CONTIG | (spec.CQ_IRQ_ENABLED if irq else 0)
+            rv = share.backup_vector(vector) if path else share.real_vector(vector)
             status = self._admin(
                 spec.Command(
                     spec.ADMIN_CREATE_CQ,
                     prp1=gpa,
                     cdw10=(entries - 1) << 16 | real,
-                    cdw11=flags | share.real_vector(vector) << 16,
+                    cdw11=flags | rv << 16,
                 ),
                 f"create CQ {real} for {share.name}",
             )
@@ -177,15 +207,17 @@ class NvmeManager:
                 self._queues[share.name].add(("cq", real))
             return status
 
-    def create_sq(self, share: Share, qid: int, gpa: int, entries: int, cqid: int) -> int:
+    def create_sq(
+        self, share: Share, qid: int, gpa: int, entries: int, cqid: int, path: int = 0
+    ) -> int:
         with self._lock:
-            real = share.real_qid(qid)
+            real = self._real(share, qid, path)
             status = self._admin(
                 spec.Command(
                     spec.ADMIN_CREATE_SQ,
                     prp1=gpa,
                     cdw10=(entries - 1) << 16 | real,
-                    cdw11=spec.QUEUE_PHYS_CONTIG | share.real_qid(cqid) << 16,
+                    cdw11=spec.QUEUE_PHYS_CONTIG | self._real(share, cqid, path) << 16,
                 ),
                 f"create SQ {real} for {share.name}",
             )
@@ -193,9 +225,9 @@ class NvmeManager:
                 self._queues[share.name].add(("sq", real))
             return status
 
-    def _delete(self, share: Share, qid: int, kind: str, opcode: int) -> int:
+    def _delete(self, share: Share, qid: int, kind: str, opcode: int, path: int = 0) -> int:
         with self._lock:
-            real = share.real_qid(qid)
+            real = self._real(share, qid, path)
             if (kind, real) not in self._queues.get(share.name, set()):
                 return spec.SC_INVALID_QID
             status = self._admin(spec.Command(opcode, cdw10=real), f"delete {kind} {real}")
@@ -203,11 +235,11 @@ class NvmeManager:
                 self._queues[share.name].discard((kind, real))
             return status
 
-    def delete_sq(self, share: Share, qid: int) -> int:
-        return self._delete(share, qid, "sq", spec.ADMIN_DELETE_SQ)
+    def delete_sq(self, share: Share, qid: int, path: int = 0) -> int:
+        return self._delete(share, qid, "sq", spec.ADMIN_DELETE_SQ, path)
 
-    def delete_cq(self, share: Share, qid: int) -> int:
-        return self._delete(share, qid, "cq", spec.ADMIN_DELETE_CQ)
+    def delete_cq(self, share: Share, qid: int, path: int = 0) -> int:
+        return self._delete(share, qid, "cq", spec.ADMIN_DELETE_CQ, path)
 
     # --- routing ----------------------------------------------------------------------------
     def route_interrupt(self, vector: int) -> None:
@@ -215,12 +247,19 @@ class NvmeManager:
         if vector == 0:
             return
         share = self.book.by_real_vector(vector)
-        sink = self._interrupts.get(share.name) if share else None
-        if share is None or sink is None:
+        if share is None:
             log.debug("NVMe vector %d has no share", vector)
             return
+        relay = self._path_interrupts.get(share.name)
         guest_vector = share.guest_vector(vector)
-        assert guest_vector is not None
+        if relay is not None:  # a two-path share: its relay takes both pairs' completions
+            backup = share.backup_guest_vector(vector)
+            relay(0 if guest_vector is not None else 1, guest_vector or backup or 0)
+            return
+        sink = self._interrupts.get(share.name)
+        if sink is None or guest_vector is None:
+            log.debug("NVMe vector %d has no share", vector)
+            return
         sink(guest_vector)
 
     def _stray(self, qid: int, completion: bool, value: int) -> None:

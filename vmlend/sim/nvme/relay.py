@@ -1,0 +1,415 @@
+"""The queue relay of a share with a backup path (``paths=2``, SmartIO's multipath failover).
+
+A share of one path gives the guest's own rings to the drive: its real queues are created at
+the guest's queue addresses. A share of two paths cannot: its queues must move from one path
+to the other without a controller reset and without the guest noticing, and a real queue's
+head and tail cannot be set, only created at zero. So, as SmartIO's client driver does, the
+VM's virtual controller keeps its own queue pairs, two per guest queue pair, in memory of the
+VM's host (``RingMemory``): the *primary* pair's rings reached by the drive through the
+primary path's address space (``share.asid``), the *backup* pair's through the other adapter
+(``share.backup_asid``), both created in advance when the guest creates its queue. Every
+guest doorbell write is trapped (one software step): the relay copies the guest's new
+commands, unchanged (their PRPs name guest-physical addresses, which both address spaces map
+onto the guest's RAM), into the active pair's ring and rings its doorbell; completions are
+copied back into the guest's completion queue with the guest's phase tag, and the guest's
+vector is raised. The guard checks every command on either pair against the share's LBA
+window, and the PRP rules are the controller's as ever.
+
+Failover (``fail_over``, on a link event of the primary path or a command timeout): the active
+pair becomes the backup; every command sent on the primary and not completed is sent again on
+the backup, in order, so none is lost. Switching back (``switch_back``): with the mappings
+kept, the old pair is used again (its completion queue is advanced past the entries the drive
+wrote into the dead path, one per command it fetched there, and its head doorbell rung); with
+the mappings lost, its queues are deleted and created again. The admin queues stay with the
+manager on the lender throughout.
+
+Limits: a guest submission queue feeds its own completion queue (as Linux's driver pairs
+them); the relay keeps up to ``RELAY_ENTRIES - 1`` commands per queue in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+
+from vmlend.nvme import spec
+from vmlend.nvme.shares import Share
+
+log = logging.getLogger(__name__)
+
+#: Where the relay rings sit in each path's address space (above any guest RAM).
+RING_IOVA = 1 << 46
+#: Entries of each relay ring: one page of submissions, one page of completions.
+RELAY_ENTRIES = spec.PAGE // spec.SQE_SIZE
+PAIR_BYTES = 2 * spec.PAGE
+PRIMARY, BACKUP = 0, 1
+
+
+def ring_bytes(queue_pairs: int) -> int:
+    """Relay memory of a share of ``queue_pairs``: a ring pair per queue pair and path."""
+    return 2 * queue_pairs * PAIR_BYTES
+
+
+def ring_offset(share: Share, path: int, guest_qid: int) -> int:
+    """Offset in the relay memory of path ``path``'s ring pair for guest queue ``guest_qid``
+    (its submission ring; the completion ring is the next page)."""
+    return (path * share.queue_pairs + guest_qid - 1) * PAIR_BYTES
+
+
+class Memory(Protocol):
+    def read(self, address: int, length: int) -> bytes: ...
+
+    def write(self, address: int, data: bytes) -> None: ...
+
+
+class PathQueues(Protocol):
+    """The manager's side: create and delete a path's real queues (statuses returned)."""
+
+    def create_cq(
+        self, share: Share, qid: int, gpa: int, entries: int, vector: int, irq: bool, path: int = 0
+    ) -> int: ...
+
+    def create_sq(
+        self, share: Share, qid: int, gpa: int, entries: int, cqid: int, path: int = 0
+    ) -> int: ...
+
+    def delete_sq(self, share: Share, qid: int, path: int = 0) -> int: ...
+
+    def delete_cq(self, share: Share, qid: int, path: int = 0) -> int: ...
+
+
+RealDoorbell = Callable[[int, bool, int], None]  # (real qid, completion, value)
+
+
+class _PathSq(msgspec.Struct):
+    tail: int = 0
+    #: cid -> (the command, the guest SQ head after it): sent on this pair, not completed
+    outstanding: dict[int, tuple[spec.Command, int]] = msgspec.field(default_factory=dict)
+
+
+class _PathCq(msgspec.Struct):
+    head: int = 0
+    phase: int = 1
+    skip: int = 0  # entries the drive wrote through a dead path (consumed, never seen)
+
+
+class _GuestCq(msgspec.Struct):
+    gpa: int
+    entries: int
+    vector: int
+    irq: bool
+    tail: int = 0
+    head: int = 0
+    phase: int = 1
+    backlog: list[spec.Completion] = msgspec.field(default_factory=list)
+    paths: list[_PathCq] = msgspec.field(default_factory=lambda: [_PathCq(), _PathCq()])
+
+
+class _GuestSq(msgspec.Struct):
+    gpa: int
+    entries: int
+    cqid: int
+    head: int = 0
+    tail: int = 0
+    paths: list[_PathSq] = msgspec.field(default_factory=lambda: [_PathSq(), _PathSq()])
+
+
+class RelayStats(msgspec.Struct):
+    relayed: int = 0  # commands sent on a real pair (resubmissions included)
+    completed: int = 0  # completions handed to the guest
+    resubmitted: int = 0  # commands sent again on the other pair after a failover
+    recreated: int = 0  # queue pairs deleted and created again (mappings lost)
+    #: each switch: ("backup" | "primary", why)
+    switches: list[tuple[str, str]] = msgspec.field(default_factory=list)
+
+
+class QueueRelay:
+    """The guest's I/O queues of ``share`` relayed onto a primary and a backup pair."""
+
+    def __init__(
+        self,
+        share: Share,
+        guest: Memory,
+        rings: Memory,
+        manager: PathQueues,
+        doorbell: RealDoorbell,
+        interrupt: Callable[[int], object],
+    ) -> None:
+        if share.paths < 2:
+            raise ValueError(f"share {share.name} has one path: nothing to relay")
+        self.share = share
+        self.guest = guest
+        self.rings = rings
+        self.manager = manager
+        self.doorbell = doorbell
+        self.interrupt = interrupt
+        self.active = PRIMARY
+        self.stats = RelayStats()
+        self._cqs: dict[int, _GuestCq] = {}
+        self._sqs: dict[int, _GuestSq] = {}
+        self._reaping = False
+
+    # --- queue creation, forwarded by the virtual controller (``QueueForwarder``) ----------
+    def _ring_iova(self, path: int, g: int, completion: bool) -> int:
+        return RING_IOVA + ring_offset(self.share, path, g) + (spec.PAGE if completion else 0)
+
+    def _real(self, path: int, g: int) -> int:
+        return self.share.real_qid(g) if path == PRIMARY else self.share.backup_qid(g)
+
+    def create_cq(
+        self, share: Share, qid: int, gpa: int, entries: int, vector: int, irq: bool
+    ) -> int:
+        if qid in self._cqs:
+            return spec.SC_INVALID_QID
+        if gpa % spec.PAGE:
+            return spec.SC_INVALID_FIELD
+        for path in (PRIMARY, BACKUP):
+            self.rings.write(
+                self._ring_iova(path, qid, True) - RING_IOVA, bytes(RELAY_ENTRIES * spec.CQE_SIZE)
+            )
+            status = self._create_path_cq(path, qid, vector)
+            if status != spec.SC_SUCCESS:
+                if path == BACKUP:
+                    self.manager.delete_cq(share, qid, PRIMARY)
+                return status
+        self._cqs[qid] = _GuestCq(gpa, entries, vector, irq)
+        return spec.SC_SUCCESS
+
+    def _create_path_cq(self, path: int, qid: int, vector: int) -> int:
+        return self.manager.create_cq(
+            self.share, qid, self._ring_iova(path, qid, True), RELAY_ENTRIES, vector, True, path
+        )
+
+    def _create_path_sq(self, path: int, qid: int, cqid: int) -> int:
+        return self.manager.create_sq(
+            self.share, qid, self._ring_iova(path, qid, False), RELAY_ENTRIES, cqid, path
+        )
+
+    def create_sq(self, share: Share, qid: int, gpa: int, entries: int, cqid: int) -> int:
+        if qid in self._sqs:
+            return spec.SC_INVALID_QID
+        if cqid not in self._cqs:
+            return spec.SC_CQ_INVALID
+        if gpa % spec.PAGE:
+            return spec.SC_INVALID_FIELD
+        for path in (PRIMARY, BACKUP):
+            status = self._create_path_sq(path, qid, cqid)
+            if status != spec.SC_SUCCESS:
+                if path == BACKUP:
+                    self.manager.delete_sq(share, qid, PRIMARY)
+                return status
+        self._sqs[qid] = _GuestSq(gpa, entries, cqid)
+        return spec.SC_SUCCESS
+
+    def delete_sq(self, share: Share, qid: int) -> int:
+        if self._sqs.pop(qid, None) is None:
+            return spec.SC_INVALID_QID
+        for path in (PRIMARY, BACKUP):
+            self.manager.delete_sq(share, qid, path)
+        return spec.SC_SUCCESS
+
+    def delete_cq(self, share: Share, qid: int) -> int:
+        if qid not in self._cqs:
+            return spec.SC_INVALID_QID
+        if any(sq.cqid == qid for sq in self._sqs.values()):
+            return spec.SC_INVALID_QUEUE_DELETION
+        del self._cqs[qid]
+        for path in (PRIMARY, BACKUP):
+            self.manager.delete_cq(share, qid, path)
+        return spec.SC_SUCCESS
+
+    # --- the guest's doorbells (trapped) --------------------------------------------------------
+    def sq_doorbell(self, qid: int, tail: int) -> None:
+        sq = self._sqs.get(qid)
+        if sq is None or not 0 <= tail < sq.entries:
+            return
+        sq.tail = tail
+        self._pump(qid, sq)
+
+    def cq_doorbell(self, qid: int, head: int) -> None:
+        cq = self._cqs.get(qid)
+        if cq is None or not 0 <= head < cq.entries:
+            return
+        cq.head = head
+        self._deliver(cq)
+
+    # --- moving commands and completions ------------------------------------------------------
+    def _send(self, path: int, qid: int, sq: _GuestSq, cmd: spec.Command, head: int) -> None:
+        psq = sq.paths[path]
+        at = self._ring_iova(path, qid, False) - RING_IOVA + psq.tail * spec.SQE_SIZE
+        self.rings.write(at, cmd.encode())
+        psq.outstanding[cmd.cid] = (cmd, head)
+        psq.tail = (psq.tail + 1) % RELAY_ENTRIES
+        self.stats.relayed += 1
+
+    def _pump(self, qid: int, sq: _GuestSq) -> None:
+        """Take the guest's new commands into the active pair's ring, as far as it has room."""
+        path = self.active
+        psq = sq.paths[path]
+        sent = False
+        while sq.head != sq.tail and len(psq.outstanding) < RELAY_ENTRIES - 1:
+            cmd = spec.Command.decode(self.guest.read(sq.gpa + sq.head * spec.SQE_SIZE, 64))
+            sq.head = (sq.head + 1) % sq.entries
+            self._send(path, qid, sq, cmd, sq.head)
+            sent = True
+        if sent:
+            self.doorbell(self._real(path, qid), False, psq.tail)
+        self.reap()
+
+    def on_interrupt(self, path: int, vector: int) -> None:
+        """A real vector of one of the pairs fired (routed by the manager)."""
+        self.reap()
+
+    def reap(self) -> None:
+        """Completions of both pairs into the guest's completion queues; then more of the
+        guest's commands where the active pair has room again."""
+        if self._reaping:  # an interrupt while a doorbell write of ours is being served
+            return
+        self._reaping = True
+        try:
+            for qid, cq in list(self._cqs.items()):
+                for path in (PRIMARY, BACKUP):
+                    self._reap(path, qid, cq)
+        finally:
+            self._reaping = False
+        for qid, sq in list(self._sqs.items()):
+            if sq.head != sq.tail and len(sq.paths[self.active].outstanding) < RELAY_ENTRIES - 1:
+                self._pump(qid, sq)
+
+    def _reap(self, path: int, qid: int, cq: _GuestCq) -> None:
+        pcq = cq.paths[path]
+        base = self._ring_iova(path, qid, True) - RING_IOVA
+        got = False
+        while True:
+            raw = self.rings.read(base + pcq.head * spec.CQE_SIZE, spec.CQE_SIZE)
+            entry = spec.Completion.decode(raw)
+            if entry.phase != pcq.phase:
+                break
+            pcq.head = (pcq.head + 1) % RELAY_ENTRIES
+            if pcq.head == 0:
+                pcq.phase ^= 1
+            got = True
+            g = self._guest_sq(path, entry.sq_id)
+            sq = self._sqs.get(g) if g is not None else None
+            sent = sq.paths[path].outstanding.pop(entry.cid, None) if sq is not None else None
+            if sent is None:
+                continue  # not outstanding (sent again elsewhere): dropped
+            cq.backlog.append(
+                spec.Completion(entry.cid, entry.status, g or 0, sent[1], 0, entry.result)
+            )
+        if got:
+            self.doorbell(self._real(path, qid), True, pcq.head)
+            self._deliver(cq)
+
+    def _guest_sq(self, path: int, real: int) -> int | None:
+        g = real - self.share.qid_base - (self.share.queue_pairs if path == BACKUP else 0)
+        return g if 1 <= g <= self.share.queue_pairs else None
+
+    def _deliver(self, cq: _GuestCq) -> None:
+        posted = False
+        while cq.backlog and (cq.tail + 1) % cq.entries != cq.head:
+            c = cq.backlog.pop(0)
+            entry = spec.Completion(c.cid, c.status, c.sq_id, c.sq_head, cq.phase, c.result)
+            self.guest.write(cq.gpa + cq.tail * spec.CQE_SIZE, entry.encode())
+            cq.tail = (cq.tail + 1) % cq.entries
+            if cq.tail == 0:
+                cq.phase ^= 1
+            self.stats.completed += 1
+            posted = True
+        if posted and cq.irq:
+            self.interrupt(cq.vector)
+
+    # --- failover ---------------------------------------------------------------------------------
+    def outstanding(self, path: int | None = None) -> int:
+        """Commands sent on pair ``path`` (default: the active one) and not completed."""
+        p = self.active if path is None else path
+        return sum(len(sq.paths[p].outstanding) for sq in self._sqs.values())
+
+    def fail_over(self, why: str) -> bool:
+        """The primary path failed: the backup pair takes over and every command sent on the
+        primary and not completed is sent again on it. False when already on the backup."""
+        if self.active == BACKUP:
+            return False
+        self.active = BACKUP
+        self.stats.switches.append(("backup", why))
+        for qid, sq in self._sqs.items():
+            old = sq.paths[PRIMARY]
+            lost = list(old.outstanding.values())
+            old.outstanding.clear()
+            # the drive fetched each of them through the dead path and wrote a completion
+            # there that never arrived: its completion queue is that much further on
+            self._cqs[sq.cqid].paths[PRIMARY].skip += len(lost)
+            for cmd, head in lost:
+                self._send(BACKUP, qid, sq, cmd, head)
+                self.stats.resubmitted += 1
+            if lost:
+                self.doorbell(self._real(BACKUP, qid), False, sq.paths[BACKUP].tail)
+        log.warning("NVMe share %s: on its backup queue pairs (%s)", self.share.name, why)
+        self.reap()
+        return True
+
+    def timeout(self) -> bool:
+        """The relay's command timer expired: commands still outstanding on the primary pair
+        (its path reads all ones and drops writes) fail over to the backup. True if it did."""
+        self.reap()
+        if self.active == PRIMARY and self.outstanding(PRIMARY):
+            return self.fail_over("command timeout")
+        return False
+
+    def switch_back(self, recreate: bool, why: str) -> bool:
+        """The primary path works again: use its pair again (``recreate``: its mappings were
+        lost, so delete and create its queues first). False when already on it."""
+        if self.active == PRIMARY:
+            return False
+        for qid, cq in self._cqs.items():
+            pcq = cq.paths[PRIMARY]
+            if recreate:
+                continue
+            base = self._ring_iova(PRIMARY, qid, True) - RING_IOVA
+            for _ in range(pcq.skip):
+                # the entry the drive wrote into the void, as it would have landed: on the
+                # next lap its phase tag must read as old, not as a new completion
+                stale = spec.Completion(0xFFFF, spec.SC_DATA_TRANSFER_ERROR, 0, 0, pcq.phase, 0)
+                self.rings.write(base + pcq.head * spec.CQE_SIZE, stale.encode())
+                pcq.head = (pcq.head + 1) % RELAY_ENTRIES
+                if pcq.head == 0:
+                    pcq.phase ^= 1
+            if pcq.skip:
+                self.doorbell(self._real(PRIMARY, qid), True, pcq.head)
+            pcq.skip = 0
+        if recreate:
+            self._recreate()
+        self.active = PRIMARY
+        self.stats.switches.append(("primary", why))
+        log.warning("NVMe share %s: back on its primary queue pairs (%s)", self.share.name, why)
+        self.reap()
+        return True
+
+    def _recreate(self) -> None:
+        share = self.share
+        for qid in self._sqs:
+            self.manager.delete_sq(share, qid, PRIMARY)
+        for qid in self._cqs:
+            self.manager.delete_cq(share, qid, PRIMARY)
+        for qid, cq in self._cqs.items():
+            self.rings.write(
+                self._ring_iova(PRIMARY, qid, True) - RING_IOVA,
+                bytes(RELAY_ENTRIES * spec.CQE_SIZE),
+            )
+            cq.paths[PRIMARY] = _PathCq()
+            self._create_path_cq(PRIMARY, qid, cq.vector)
+        for qid, sq in self._sqs.items():
+            sq.paths[PRIMARY] = _PathSq()
+            self._create_path_sq(PRIMARY, qid, sq.cqid)
+        self.stats.recreated += len(self._sqs)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "active": "primary" if self.active == PRIMARY else "backup",
+            "switches": [list(s) for s in self.stats.switches],
+            "resubmitted": self.stats.resubmitted,
+            "recreated": self.stats.recreated,
+        }
