@@ -9,12 +9,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,14 +19,13 @@ import pytest
 from tests.support.doctor_host import loads_modules
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
 from tests.support.paths import REPO
+from tests.support.systemd import WAIT, NotifySocket, exec_start, verify_units
 from vmlend.topology.parse import parse_topology
 from vmlend.wiring.fabric import default_topology_text
 
 DOC = REPO / "docs" / "real-hardware.md"
 MARK = "<!-- real-host walkthrough:"
 VMLEND = str(Path(sys.executable).parent / "vmlend")
-#: A bound on a daemon that hangs, not a timing assertion.
-WAIT = 60.0
 
 
 def walkthrough() -> list[str]:
@@ -113,37 +109,21 @@ class Steps:
         """``daemon-reload && enable --now vmlend-agent``: verify the unit, then start its
         ExecStart as systemd would and wait until it says it is ready."""
         unit = self.root / "etc" / "systemd" / "system" / "vmlend-agent.service"
-        tool = shutil.which("systemd-analyze")
-        assert tool, "systemd-analyze is missing (Debian: systemd)"
-        check = subprocess.run([tool, "verify", "--man=no", str(unit)], capture_output=True)
-        assert (check.returncode, check.stdout + check.stderr) == (0, b"")
-        command = next(
-            shlex.split(ln.removeprefix("ExecStart="))
-            for ln in unit.read_text().splitlines()
-            if ln.startswith("ExecStart=")
-        )
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(self.tmp / "notify"))
-        notify.settimeout(0.5)
-        log = (self.tmp / "agent.log").open("ab")
-        self.agent = subprocess.Popen(
-            command,
-            env={**self.env, "NOTIFY_SOCKET": str(self.tmp / "notify")},
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-        )
-        log.close()
-        deadline = time.monotonic() + WAIT
-        with notify:
-            while True:
-                assert self.agent.poll() is None, (self.tmp / "agent.log").read_text()
-                assert time.monotonic() < deadline, "the agent never said READY=1"
-                try:
-                    if b"READY=1" in notify.recv(4096):
-                        return
-                except TimeoutError:
-                    continue
+        verify_units(unit)
+        notify = NotifySocket(self.tmp / "notify")
+        log = self.tmp / "agent.log"
+        with log.open("ab") as out:
+            self.agent = subprocess.Popen(
+                exec_start(unit),
+                env={**self.env, "NOTIFY_SOCKET": str(notify.path)},
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+            )
+        try:
+            assert notify.wait_for("READY", self.agent, log)["READY"] == "1"
+        finally:
+            notify.close()
 
     def stop(self) -> None:
         if self.agent is not None and self.agent.poll() is None:

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.cluster_hosts import Host
 from tests.support.simfabric import make_fabric
+from tests.support.systemd import WAIT, NotifySocket, exec_start, verify_units
 from vmlend import systemd_units
-
-#: A bound on waiting for a daemon that hangs, not a timing assertion.
-WAIT = 60.0
 
 
 def _install(cluster, directory: Path, *extra: str) -> dict:
@@ -39,47 +34,11 @@ def test_the_units_install_verify_and_install_again_unchanged(cluster, tmp_path)
         "vmlend-mdev-watch.service",
     }
     assert {u["action"] for u in first} == {"installed"}
-    tool = shutil.which("systemd-analyze")
-    assert tool, "systemd-analyze is missing (Debian: systemd)"
-    units = sorted(str(p) for p in tmp_path.glob("*.service"))
-    run = subprocess.run([tool, "verify", "--man=no", *units], capture_output=True, text=True)
-    assert (run.returncode, run.stdout + run.stderr) == (0, "")
+    verify_units(*sorted(tmp_path.glob("*.service")))
     assert {u["action"] for u in _install(cluster, tmp_path)["units"]} == {"unchanged"}
     agent = (tmp_path / "vmlend-agent.service").read_text()
     assert "Type=notify" in agent and "WatchdogSec=" in agent
-    assert _exec_start(tmp_path)[0] == systemd_units.vmlend_command()[0]
-
-
-def _exec_start(directory: Path) -> list[str]:
-    for line in (directory / "vmlend-agent.service").read_text().splitlines():
-        if line.startswith("ExecStart="):
-            return shlex.split(line.removeprefix("ExecStart="))
-    raise AssertionError("no ExecStart")
-
-
-class NotifySocket:
-    """The service manager's end of sd_notify: a datagram socket the test binds."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.5)
-        self.seen: list[dict[str, str]] = []
-
-    def wait_for(self, key: str, proc: subprocess.Popen, log: Path) -> dict[str, str]:
-        deadline = time.monotonic() + WAIT
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                data = self.sock.recv(65536).decode()
-            except TimeoutError:
-                continue
-            message = dict(line.split("=", 1) for line in data.splitlines() if "=" in line)
-            self.seen.append(message)
-            if key in message:
-                return message
-        raise AssertionError(f"no {key} from the agent\n{log.read_text()}")
+    assert exec_start(tmp_path / "vmlend-agent.service")[0] == systemd_units.vmlend_command()[0]
 
 
 def _serves(sock_path: Path) -> bool:
@@ -101,7 +60,7 @@ def _run_unit(
     env = {**env, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"}
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            _exec_start(tmp_path / "units"),
+            exec_start(tmp_path / "units" / "vmlend-agent.service"),
             env=env,
             stdout=out,
             stderr=out,
