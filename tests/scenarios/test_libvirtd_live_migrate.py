@@ -13,8 +13,6 @@ must still rewrite it for its host."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ import libvirt
 import pytest
 from lxml import etree
 
-from tests.support.libvirt_daemon import LibvirtDaemon
+from tests.support.libvirt_daemon import LibvirtDaemon, need_private_libvirtd
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.errors import MigrationError
@@ -42,10 +40,7 @@ pytestmark = [pytest.mark.libvirtd, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LibvirtDaemon, ...]]:
     """Two private libvirtds (gamma's and beta's), each with its own host UUID."""
-    if os.geteuid() != 0:
-        pytest.skip("a private system-mode libvirtd needs root (mount namespace, QEMU)")
-    if shutil.which("libvirtd", path="/usr/sbin:/usr/bin") is None:
-        pytest.skip("libvirtd is not installed (make sysdeps)")
+    need_private_libvirtd()
     started: list[LibvirtDaemon] = []
     try:
         for name in ("src", "dst"):

@@ -12,6 +12,7 @@ import libvirt
 import pytest
 from lxml import etree
 
+from tests.support.needs import need
 from tests.support.paths import DATA
 
 DATA = DATA / "domain"
@@ -48,8 +49,8 @@ def assert_matches_file(got: bytes, expected: Path) -> None:
 
 def validate_with_libvirt_schema(xml: bytes, tmp_path: Path) -> None:
     tool = shutil.which("virt-xml-validate")
-    if tool is None:
-        pytest.skip("virt-xml-validate is not installed (Debian: libvirt-clients, libxml2-utils)")
+    need(tool is not None, "virt-xml-validate is not installed (libvirt-clients, libxml2-utils)")
+    assert tool is not None
     path = tmp_path / "validate.xml"
     path.write_bytes(xml)
     r = subprocess.run([tool, str(path), "domain"], capture_output=True, text=True, check=False)

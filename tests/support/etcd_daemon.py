@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.needs import need
+
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 10.0
 
@@ -159,10 +161,10 @@ def start_members(root: Path, n: int) -> list[EtcdServer]:
 
 
 def _need_etcd() -> None:
-    if shutil.which("etcd") is None:
-        if os.environ.get("CI"):
-            pytest.fail("etcd is not installed (make sysdeps installs etcd-server)")
-        pytest.skip("etcd is not installed (make sysdeps installs etcd-server)")
+    need(
+        shutil.which("etcd") is not None,
+        "etcd is not installed (make sysdeps installs etcd-server)",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
+from tests.support.needs import need
 from tests.support.paths import DATA
 
 log = logging.getLogger(__name__)
@@ -582,14 +583,19 @@ class GuestFactory:
         return [pid for pid in self.qemu_seen.values() if pid_alive(pid) and _is_qemu(pid)]
 
 
+def need_private_libvirtd() -> None:
+    """What a private system-mode libvirtd needs here: root (a mount namespace, QEMU) and
+    the daemon itself."""
+    need(os.geteuid() == 0, "a private system-mode libvirtd needs root (mount namespace, QEMU)")
+    found = shutil.which("libvirtd", path="/usr/sbin:/usr/bin") is not None
+    need(found, "libvirtd is not installed (make sysdeps)")
+
+
 # -- fixtures -------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def libvirtd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtDaemon]:
     """One private virtlogd + libvirtd for the whole session; checks nothing outlives it."""
-    if os.geteuid() != 0:
-        pytest.skip("a private system-mode libvirtd needs root (mount namespace, QEMU)")
-    if shutil.which("libvirtd", path="/usr/sbin:/usr/bin") is None:
-        pytest.skip("libvirtd is not installed (make sysdeps)")
+    need_private_libvirtd()
     daemon = LibvirtDaemon(tmp_path_factory.mktemp("libvirtd"))
     try:
         daemon.start()
