@@ -541,7 +541,21 @@ def freeze_agent(c: Cluster, rng: random.Random, say: Say) -> None:
     time.sleep(PAST_TTL)
     h.host.agent.send_signal(signal.SIGCONT)
     h.agent_stopped = False
+    destroy_while_recovering(c, h, rng, say)
     h.close_window()
+
+
+def destroy_while_recovering(c: Cluster, h: NHost, rng: random.Random, say: Say) -> None:
+    """An operator's destroy of one of ``h``'s VMs just as its thawed agent, whose lease
+    ended, re-reserves the devices of the VMs it paused: nothing re-reserved for a VM that is
+    gone may stay held (the leftovers check at the end says so)."""
+    running = sorted(vm for vm in VMS[h.node] if live_devices(h, vm) is not None)
+    if not running or c.work is None:
+        return
+    vm = rng.choice(running)
+    say(f"destroy {h.node}/{vm} while its agent recovers")
+    with c.work.claim(h.node, vm):
+        c.work.call(h, "vm", "destroy", vm)
 
 
 def cut_host(c: Cluster, rng: random.Random, say: Say) -> None:
