@@ -114,6 +114,18 @@ class AgentNotRunningError(StateError):
         )
 
 
+class LeaseExpiredError(StateError):
+    """etcd refused a write because the host's lease it was made under has ended (the agent
+    froze, or etcd was away, past the TTL). Nothing was written; the device is not lost, the
+    lease is: the agent takes a new one."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the host's etcd lease has expired, so etcd refused the write; nothing was written;"
+            " restart 'vmlend agent' on this host"
+        )
+
+
 class RegistryUnreachableError(StateError):
     """The cluster registry cannot be reached, or answers without a quorum: nothing was read
     or written. ``where`` names its endpoints."""

@@ -19,7 +19,6 @@ from tests.support.cluster_hosts import (
     DB,
     GPU,
     NIC,
-    TTL,
     VMLEND,
     WEB,
     Host,
@@ -45,21 +44,6 @@ def _wait_for(what: str, check, host: Host | None = None, timeout: float = WAIT)
         detail = host.log() if host is not None else ""
         assert time.monotonic() < deadline, f"{what} never happened\n{detail}"
         time.sleep(0.1)
-
-
-def _start_agent(host: Host, *extra: str) -> None:
-    log = (host.root / "agent.log").open("ab")
-    host.agent = subprocess.Popen(
-        [VMLEND, "agent", "--ttl", str(TTL), "--interval", "0.2", *extra],
-        env=host.env,
-        stdout=log,
-        stderr=log,
-        stdin=subprocess.DEVNULL,
-    )
-    log.close()
-    _wait_for(f"the agent of {host.node} publishing its lease", host.lease_file.exists, host)
-    if "--connect" in extra:  # and done with its start-up: from now on it guards the VMs
-        _wait_for(f"the start-up of {host.node}", lambda: "reconcile of" in host.log(), host)
 
 
 def _lease_alive(gw: EtcdGateway, lease: int) -> bool:
@@ -100,8 +84,8 @@ def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease
     the VM runs (and another host gets the device)."""
     url, hosts = outage
     alpha, gamma = hosts["alpha"], hosts["gamma"]
-    _start_agent(alpha)
-    _start_agent(gamma, "--connect", f"sim:///{gamma.node}")
+    alpha.start_agent()
+    gamma.start_agent("--connect", f"sim:///{gamma.node}")
     old = json.loads(gamma.lease_file.read_text())["lease"]
     hv = _hv(gamma, url)
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
@@ -154,7 +138,7 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
     url, hosts = outage
     gamma = hosts["gamma"]
     # A TTL well past the outage: the lease lives, so only the journal can free the device.
-    _start_agent(gamma, "--ttl", "30")
+    gamma.start_agent("--ttl", "30")
     hv = _hv(gamma, url)
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
     hv.start("web")
@@ -190,9 +174,9 @@ def test_an_agent_restarted_after_its_lease_ended_pauses_re_reserves_or_unplugs_
     url, hosts = outage
     alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
     app = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")
-    _start_agent(alpha)
-    _start_agent(beta)
-    _start_agent(gamma, "--connect", "sim:///gamma")
+    alpha.start_agent()
+    beta.start_agent()
+    gamma.start_agent("--connect", "sim:///gamma")
     hv = _hv(gamma, url)
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
     hv.define(domain_xml("app", app.vm_uuid, (NIC,)))
@@ -264,9 +248,9 @@ def test_a_hook_frozen_mid_prepare_past_its_lease_does_not_start_the_vm_on_a_los
 
     url, hosts = outage
     alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
-    _start_agent(alpha)
-    _start_agent(beta)
-    _start_agent(gamma, "--connect", "sim:///gamma")
+    alpha.start_agent()
+    beta.start_agent()
+    gamma.start_agent("--connect", "sim:///gamma")
     _hv(gamma, url).define(domain_xml("web", WEB.vm_uuid, (GPU,)))
     env = {
         **gamma.env,
@@ -330,9 +314,9 @@ def test_an_attach_frozen_past_its_lease_does_not_hot_plug_a_lost_device(outage)
 
     url, hosts = outage
     alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
-    _start_agent(alpha)
-    _start_agent(beta)
-    _start_agent(gamma, "--connect", "sim:///gamma")
+    alpha.start_agent()
+    beta.start_agent()
+    gamma.start_agent("--connect", "sim:///gamma")
     hv = _hv(gamma, url)
     hv.define(domain_xml("web", WEB.vm_uuid, (NIC,)))
     hv.start("web")

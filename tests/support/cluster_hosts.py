@@ -54,6 +54,10 @@ class Host:
         return self.root / "run" / "vmlend" / "agent.lease"
 
     def start_agent(self, *extra: str) -> None:
+        """Start the agent and wait until it serves: its lease published and, when it guards
+        a hypervisor (``--connect``), its start-up (recovery, reconcile) done. A test that
+        freezes the agent next freezes it in its loop, not somewhere in its start-up."""
+        offset = len(self.log()) if (self.root / "agent.log").exists() else 0
         log = (self.root / "agent.log").open("ab")
         self.agent = subprocess.Popen(
             [VMLEND, "agent", "--ttl", str(TTL), "--interval", str(INTERVAL), *extra],
@@ -67,6 +71,10 @@ class Host:
         while not self._published_by(self.agent.pid):
             assert self.agent.poll() is None, self.log()
             assert time.monotonic() < deadline, f"agent of {self.node} never published its lease"
+            time.sleep(0.05)
+        while "--connect" in extra and "start-up reconcile of" not in self.log()[offset:]:
+            assert self.agent.poll() is None, self.log()
+            assert time.monotonic() < deadline, f"agent of {self.node} never finished start-up"
             time.sleep(0.05)
 
     def _published_by(self, pid: int) -> bool:

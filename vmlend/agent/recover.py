@@ -25,7 +25,12 @@ from vmlend.domain import (
     remove_device,
 )
 from vmlend.domain.model import DomainXML
-from vmlend.errors import DeviceFencedError, RegistryUnreachableError, VmlendError
+from vmlend.errors import (
+    DeviceFencedError,
+    LeaseExpiredError,
+    RegistryUnreachableError,
+    VmlendError,
+)
 from vmlend.fabric.base import Fabric
 from vmlend.hook.domainview import read_hook_domain
 from vmlend.hypervisor.base import DomainState, Hypervisor
@@ -74,8 +79,12 @@ class LostLeaseRecovery:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         resume_gate: Callable[[str, Callable[[], None]], bool] | None = None,
+        park: Callable[[str], None] | None = None,
     ) -> None:
         self._hv = hv
+        #: Keeps a VM paused for the recovery under the next lease (``LeaseWatch.park``): the
+        #: lease this recovery writes under ended before the VM was won back.
+        self._park = park
         #: Resumes a VM only while the lease is not in doubt (``LeaseWatch.resume_if_fresh``):
         #: the recovery runs on the agent's loop, which renews nothing meanwhile, so by the time
         #: a VM is won back the new lease may be about to end with the holds just taken.
@@ -111,6 +120,18 @@ class LostLeaseRecovery:
                 except RegistryUnreachableError as e:
                     # Not lost, unknown: the device may still be ours. Stay paused.
                     result.why = f"the registry cannot be reached to re-reserve it ({e})"
+                    return result
+                except LeaseExpiredError:
+                    # The lease ended under us (the agent froze again): not this device is
+                    # lost but the lease, and what was re-reserved went with it. Unplugging
+                    # now would take a device from a guest that may win it back.
+                    result.regained.clear()
+                    result.why = (
+                        "this host's lease ended while its devices were re-reserved; the"
+                        " recovery under the next lease tries again"
+                    )
+                    if self._park is not None:
+                        self._park(name)
                     return result
                 except VmlendError as e:
                     result.lost[dev.fdid] = str(e)

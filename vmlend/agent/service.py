@@ -138,6 +138,7 @@ class Agent:
                 fence_wait=cfg.ttl,
                 interval=cfg.interval,
                 resume_gate=watch.resume_if_fresh,
+                park=watch.park,
             )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
@@ -217,9 +218,12 @@ class Agent:
                     if new_lease is None:
                         return 3
                     lease = new_lease
-                    watch.renewed()  # a new lease: the clock starts again
+                    # A new lease: the clock starts again. What the watch paused since
+                    # ``take_paused`` (the new lease took a while) is recovered too.
+                    late = watch.renewed()
                     if recovery is not None and guard is not None:
-                        cfg.metrics.recovered(recovery.recover(guard.paused_after_loss))
+                        names = sorted(set(guard.paused_after_loss) | set(late))
+                        cfg.metrics.recovered(recovery.recover(names))
                     cfg.notifier.status(f"serving node {cfg.node}: lease {lease.id:x} held")
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.

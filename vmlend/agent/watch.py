@@ -41,6 +41,8 @@ class LeaseWatch:
         self._pausing = False
         self._last_ok = clock()
         self._paused: list[str] = []
+        #: Paused VMs whose holds went with a lease: only a recovery may resume them.
+        self._parked: set[str] = set()
         self.in_doubt = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -51,7 +53,13 @@ class LeaseWatch:
             self._last_ok = self._clock()
             names, self._paused = self._paused, []
             self.in_doubt = False
-        return names
+        return [n for n in names if n not in self._parked]
+
+    def park(self, name: str) -> None:
+        """Keep the paused VM ``name`` for the recovery under the next lease: the lease its
+        devices were re-reserved under ended. No renewal resumes it (``renewed``)."""
+        with self._lock:
+            self._parked.add(name)
 
     def age(self) -> float:
         """Seconds since the last successful renewal (or since the watch began)."""
@@ -106,12 +114,15 @@ class LeaseWatch:
             return False
 
     def take_paused(self) -> list[str]:
-        """The VMs paused so far (the lost-lease path takes them over), a pause in progress
-        included: it waits for that one, since the recovery needs the hypervisor anyway."""
+        """The VMs paused so far and those parked (the lost-lease path takes them over), a
+        pause in progress included: it waits for that one, since the recovery needs the
+        hypervisor anyway."""
         with self._lock:
             while self._pausing:
                 self._paused_done.wait()
             names, self._paused = self._paused, []
+            names += sorted(self._parked - set(names))
+            self._parked.clear()
             return names
 
     def start(self) -> None:

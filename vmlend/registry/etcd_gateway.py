@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from vmlend.errors import RegistryUnreachableError, StateError
+from vmlend.errors import LeaseExpiredError, RegistryUnreachableError, StateError
 
 log = logging.getLogger(__name__)
 
@@ -321,10 +321,7 @@ def _server_error(e: gw_errors.Etcd3Exception, where: str) -> Exception:
             " --max-txn-ops, default 128); nothing was written; raise the limit"
         )
     if "requested lease not found" in message:
-        return StateError(
-            "the host's etcd lease has expired, so etcd refused the write; nothing was written;"
-            " restart 'vmlend agent' on this host"
-        )
+        return LeaseExpiredError()
     return StateError(f"etcd at {where} failed: {message or e}")
 
 

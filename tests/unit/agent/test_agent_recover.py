@@ -9,7 +9,8 @@ from tests.support.simcluster import domain_of as _domain
 from tests.support.simfabric import make_fabric
 from vmlend.agent.recover import LostLeaseRecovery
 from vmlend.agent.watch import LeaseWatch
-from vmlend.errors import LibvirtError
+from vmlend.domain import read_domain
+from vmlend.errors import LeaseExpiredError, LibvirtError
 from vmlend.hypervisor.base import DomainState
 from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.topology.model import Holder
@@ -125,3 +126,31 @@ def test_a_vm_stopped_while_its_devices_are_re_reserved_keeps_none_of_them(tmp_p
     assert result.outcome == "stopped" and "stopped meanwhile" in result.describe()
     assert fabric.device(GPU).holder is None  # nothing kept for a VM that is gone
     assert [m for m in fabric.mdevs() if m.fdid == GPU] == []
+
+
+def test_a_lease_that_ends_during_the_recovery_loses_no_device(tmp_path):
+    """Seen in CI: an agent frozen again while it re-reserved (here at start-up, for VMs that
+    ran without their holds) took etcd's "lease not found" for a device held elsewhere,
+    hot-unplugged the device from the guest and never won it back. The lease is what was lost:
+    the VM stays paused with its devices, parked for the recovery under the next lease, and
+    no renewal resumes it meanwhile."""
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    fabric.release(NIC, DB)  # nobody else holds anything: only the lease ends
+
+    class LeaseEnds(LostLeaseRecovery):
+        def _acquire(self, holder, fdid, mdev, guest_ram):
+            if fdid == NIC:  # the GPU was re-reserved, then the lease ended
+                raise LeaseExpiredError()
+            super()._acquire(holder, fdid, mdev, guest_ram)
+
+    watch = LeaseWatch(10, list, clock=lambda: 0.0)
+    recovery = LeaseEnds(hv, fabric, fence_wait=0, interval=0.01, park=watch.park)
+    [result] = recovery.recover(["app"])
+    assert result.outcome == "paused" and result.lost == {} and result.regained == []
+    assert "lease ended while its devices were re-reserved" in result.describe()
+    assert hv.lookup("app").state is DomainState.PAUSED
+    live = read_domain(hv.xml("app"))
+    assert [d.fdid for d in live.devices] == [GPU, NIC]  # nothing unplugged
+    assert watch.renewed() == []  # its holds are gone: a renewal must not resume it
+    assert watch.take_paused() == ["app"]  # the recovery under the next lease takes it
+    assert watch.take_paused() == []
