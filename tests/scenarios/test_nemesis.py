@@ -2,7 +2,8 @@
 2 s) and simulated hypervisors, and a workload of VM starts, stops, hot-adds and hot-removes
 over devices that VMs on two hosts want. Then the nemeses (``tests/support/nemesis.py``,
 ``NEMESES``), one per round: kill -9 of an agent restarted at once, and one restarted only
-after its lease ended; SIGSTOP of an agent past the TTL; SIGSTOP of a hook mid-prepare past
+after its lease ended; SIGSTOP of an agent past the TTL, in its loop and (restarted after its
+lease ended) in its start-up; SIGSTOP of a hook mid-prepare past
 the TTL; a silent partition of one host from etcd past the TTL; loss of quorum past the TTL;
 kill -9 of the etcd leader; and combined: a frozen hook while its host's agent is dead past its
 lease, a partition together with a kill of the leader, a frozen agent together with a loss of

@@ -129,6 +129,10 @@ class NHost:
 
     def start_agent(self) -> None:
         """Start the agent (guarding ``sim:///NODE``) and wait until its start-up is done."""
+        self.wait_for_start_up(self.launch_agent())
+
+    def launch_agent(self) -> int:
+        """Start the agent without waiting; the offset of its log from then on."""
         h = self.host
         offset = self.log_size()
         log = (h.root / "agent.log").open("ab")
@@ -140,6 +144,11 @@ class NHost:
             stdin=subprocess.DEVNULL,
         )
         log.close()
+        return offset
+
+    def wait_for_start_up(self, offset: int) -> None:
+        h = self.host
+        assert h.agent is not None
         deadline = time.monotonic() + WAIT
         while f"reconcile of {self.node} done" not in self.log_since(offset):
             assert h.agent.poll() is None, self.log_since(offset)
@@ -545,6 +554,43 @@ def freeze_agent(c: Cluster, rng: random.Random, say: Say) -> None:
     h.close_window()
 
 
+def freeze_agent_in_start_up(c: Cluster, rng: random.Random, say: Say) -> None:
+    """kill -9 of an agent until its lease ended, then a restart SIGSTOPped past the TTL of its
+    new lease as soon as it is published: in its start-up, while it re-reserves for the VMs
+    that ran without their holds (or just after, on a fast machine). The lease it re-reserves
+    under ends meanwhile; no device may be given up for that."""
+    h = c.host(rng.choice(sorted(VMS)))
+    assert h.host.agent is not None
+    say(f"kill -9 the agent of {h.node}; after {PAST_TTL:g} s restart it, SIGSTOP it at once")
+    h.open_window()
+    h.host.agent.kill()
+    h.host.agent.wait(20)
+    time.sleep(PAST_TTL)
+    offset = h.launch_agent()
+    agent = h.host.agent
+    deadline = time.monotonic() + WAIT
+    while _lease_pid(h.host.lease_file) != agent.pid:
+        assert agent.poll() is None and time.monotonic() < deadline, h.log_since(offset)
+        time.sleep(0.005)
+    agent.send_signal(signal.SIGSTOP)
+    h.agent_stopped = True
+    where = "after" if f"reconcile of {h.node} done" in h.log_since(offset) else "in"
+    say(f"the SIGSTOP came {where} its start-up; SIGCONT after {PAST_TTL:g} s")
+    time.sleep(PAST_TTL)
+    agent.send_signal(signal.SIGCONT)
+    h.agent_stopped = False
+    h.wait_for_start_up(offset)
+    h.close_window()
+
+
+def _lease_pid(path: Path) -> int | None:
+    """The pid of the agent that published the lease file (a killed one leaves its own)."""
+    try:
+        return int(json.loads(path.read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def destroy_while_recovering(c: Cluster, h: NHost, rng: random.Random, say: Say) -> None:
     """An operator's destroy of one of ``h``'s VMs just as its thawed agent, whose lease
     ended, re-reserves the devices of the VMs it paused: nothing re-reserved for a VM that is
@@ -792,6 +838,7 @@ NEMESES: dict[str, Nemesis] = {
     "kill": kill_agent,
     "kill-late": kill_agent_late,
     "freeze": freeze_agent,
+    "freeze-start": freeze_agent_in_start_up,
     "hook": freeze_hook,
     "cut": cut_host,
     "quorum": lose_quorum,
