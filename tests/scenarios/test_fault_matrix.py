@@ -38,6 +38,9 @@ def _run(state: Path, *args: str, fault: str | None = None) -> subprocess.Comple
         text=True,
         timeout=120,
         env=env,
+        # Ctrl-C as a terminal delivers it, also when the suite itself runs as a background
+        # job (the shell then ignores SIGINT for it, and the CLI would inherit that).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
