@@ -6,11 +6,18 @@ about to vanish or belong to somebody else. So the agent pauses those VMs once r
 failed for half the TTL, and resumes them when it renews again. When the lease is gone the
 agent pauses them all (a frozen agent could not in time) and, under a new lease, hands them
 to ``recover.LostLeaseRecovery``.
+
+A pause must not wait for the hypervisor's slowest domain. Listing the domains waits for every
+domain object, and one whose hook hangs (a start whose prepare waits for an etcd without
+quorum) would hold up the pause of all the others while their lease runs out. So a census
+thread remembers which running VMs use remote devices, and a pause suspends those first, each
+by name on a thread of its own, and only then lists the domains for any started since.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
@@ -28,6 +35,10 @@ class RemoteVmGuard:
         self._node = node
         #: The VMs paused when the lease was lost, for the recovery under the next lease.
         self.paused_after_loss: list[str] = []
+        #: The running VMs with remote devices the last census found (replaced whole).
+        self.known: frozenset[str] = frozenset()
+        self._stop = threading.Event()
+        self._census_thread: threading.Thread | None = None
 
     def _uses_remote_devices(self, name: str) -> bool:
         dom = read_hook_domain(self._hv.xml(name), strict=False)
@@ -35,21 +46,70 @@ class RemoteVmGuard:
             return False
         return any(self._lenders.get(d.fdid, "") != self._node for d in dom.devices)
 
-    def pause(self) -> list[str]:
-        """Pause every running VM here with a remote device; the names paused."""
-        paused = []
+    def census(self) -> list[str]:
+        """The running VMs here with a remote device, remembered for the next pause."""
+        found = []
         for info in self._hv.list_domains():
             if info.state is not DomainState.RUNNING:
                 continue
             try:
                 if self._uses_remote_devices(info.name):
-                    self._hv.suspend(info.name)
-                    paused.append(info.name)
-            except VmlendError as e:
-                log.error("could not pause %s: %s", info.name, e, extra={"vm": info.name})
+                    found.append(info.name)
+            except VmlendError:  # stopped meanwhile, or its XML unreadable: not known
+                continue
+        self.known = frozenset(found)
+        return found
+
+    def start_census(self, period: float) -> None:
+        """Take a census every ``period`` seconds on a thread of its own (a census blocked
+        by a domain's hook leaves the last one in place)."""
+
+        def run() -> None:
+            while not self._stop.wait(period):
+                try:
+                    self.census()
+                except Exception as e:  # the next census may do better; pauses go on
+                    log.debug("census of VMs with remote devices failed: %s", e)
+
+        self._census_thread = threading.Thread(target=run, name="vm-census", daemon=True)
+        self._census_thread.start()
+
+    def stop_census(self) -> None:
+        self._stop.set()
+
+    def pause(self) -> list[str]:
+        """Pause every running VM here with a remote device; the names paused. Those the
+        last census found first, each on its own thread; then any the domains list now."""
+        paused = self._pause_each(sorted(self.known))
+        try:
+            rest = [n for n in self.census() if n not in paused]
+        except VmlendError as e:
+            log.error("could not list the VMs to pause: %s", e)
+            rest = []
+        paused += self._pause_each(rest)
         if paused:
             log.warning("lease in doubt: paused %s (they use remote devices)", ", ".join(paused))
         return paused
+
+    def _pause_each(self, names: list[str]) -> list[str]:
+        """Suspend the running ones of ``names`` at once, each on a thread of its own, so one
+        domain the hypervisor is slow to answer for holds up only itself."""
+        done: list[str] = []
+
+        def one(name: str) -> None:
+            try:
+                if self._hv.lookup(name).state is DomainState.RUNNING:
+                    self._hv.suspend(name)
+                    done.append(name)
+            except VmlendError as e:
+                log.error("could not pause %s: %s", name, e, extra={"vm": name})
+
+        threads = [threading.Thread(target=one, args=(n,), name=f"pause-{n}") for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sorted(done)
 
     def pause_these(self, names: list[str]) -> list[str]:
         """Pause ``names`` (whatever devices they use); the names paused."""

@@ -114,6 +114,8 @@ class Agent:
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
             guard = RemoteVmGuard(hv, fabric, cfg.node)
+            # Who to pause first, known before a pause is needed (``guard`` says why).
+            guard.start_census(min(cfg.interval * 5, lease.ttl / 4))
         # From the moment the lease exists, on its own thread: the start-up below and every
         # registry call after it may block.
         watch = LeaseWatch(
@@ -144,6 +146,8 @@ class Agent:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
         finally:
             watch.stop()
+            if guard is not None:
+                guard.stop_census()
 
     def _serve(
         self,

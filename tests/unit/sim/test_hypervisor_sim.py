@@ -504,3 +504,43 @@ def test_another_domain_of_that_name_on_the_destination_is_refused(sim, beta, ho
     with pytest.raises(DomainDefinitionError, match="another domain named 'vm1'"):
         sim.migrate_live("vm1", beta, LiveMigration())
     assert sim.lookup("vm1").active and not beta.lookup("vm1").active
+
+
+def test_a_hook_that_hangs_holds_up_its_own_domain_only(tmp_path):
+    """libvirt runs a hook with its domain object locked, not the whole driver: while one
+    domain's prepare hangs (waiting for an etcd without quorum), another domain is looked up,
+    read and paused. Found by the nemesis test: the simulator's one lock made the agent's pause
+    of a running VM wait for another VM's start, and the VM ran on past its lease."""
+    import threading
+
+    holding, go = tmp_path / "holding", tmp_path / "go"
+    script = tmp_path / "hook.sh"
+    script.write_text(
+        "cat >/dev/null\n"
+        f'if [ "$1 $2" = "vm2 prepare" ]; then touch {holding};'
+        f" while [ ! -e {go} ]; do sleep 0.01; done; fi\n"
+        "exit 0\n"
+    )
+    sim = SimHypervisor(
+        "gamma", tmp_path / "hv" / "gamma", [shutil.which("sh") or "sh", str(script)]
+    )
+    sim.define(DOMAIN_XML)
+    second = etree.fromstring(DOMAIN_XML)
+    second.find("name").text = "vm2"
+    second.find("uuid").text = "0b0b0b0b-0000-4000-8000-000000000002"
+    sim.define(etree.tostring(second))
+    sim.start("vm1")
+    starting = threading.Thread(target=sim.start, args=("vm2",))
+    starting.start()
+    try:
+        while not holding.exists():
+            assert starting.is_alive()
+            threading.Event().wait(0.01)
+        sim.suspend("vm1")  # before the hook of vm2 is let go
+        assert sim.lookup("vm1").state is DomainState.PAUSED
+        assert b"<name>vm1</name>" in sim.xml("vm1")
+        assert not go.exists()
+    finally:
+        go.touch()
+        starting.join()
+    assert sim.lookup("vm2").state is DomainState.RUNNING

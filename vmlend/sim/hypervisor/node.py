@@ -206,21 +206,34 @@ class SimHypervisor:
         except ValueError:
             raise UnknownDomainError(name_or_uuid, self.uri) from None
         for name in names:
-            if self._info(name).uuid == wanted:
-                return name
+            try:
+                if self._info(name).uuid == wanted:
+                    return name
+            except UnknownDomainError:  # a transient domain stopped meanwhile (reads take
+                continue  # no lock: every file is replaced whole)
         raise UnknownDomainError(name_or_uuid, self.uri)
 
     def list_domains(self) -> list[DomainInfo]:
-        with self.store.locked():
-            return [self._info(n) for n in self.store.names()]
+        # Each domain under its lock, as libvirt locks each domain object it lists: a domain
+        # whose hook runs holds the listing up (one reason a hook must not call back).
+        out = []
+        for name in self.store.names():
+            with self.store.locked(name):
+                try:
+                    out.append(self._info(name))
+                except UnknownDomainError:  # undefined meanwhile
+                    continue
+        return out
 
     def lookup(self, name_or_uuid: str) -> DomainInfo:
-        with self.store.locked():
-            return self._info(self._resolve(name_or_uuid))
+        name = self._resolve(name_or_uuid)
+        with self.store.locked(name):
+            return self._info(name)
 
     def xml(self, name: str, inactive: bool = False) -> bytes:
-        with self.store.locked():
-            cfg, live = self._load(self._resolve(name), "read XML of")
+        name = self._resolve(name)
+        with self.store.locked(name):
+            cfg, live = self._load(name, "read XML of")
         return sim_xml.serialize(_pick(cfg, live, inactive))
 
     # --- definitions ---------------------------------------------------------------------
@@ -229,7 +242,10 @@ class SimHypervisor:
         name, uuid = sim_xml.name_of(root), sim_xml.uuid_of(root)
         with self.store.locked():
             for other in self.store.names():
-                info = self._info(other)
+                try:
+                    info = self._info(other)
+                except UnknownDomainError:  # a transient domain stopped meanwhile
+                    continue
                 if other == name and info.uuid != uuid:
                     raise DomainDefinitionError(
                         "define", name, f"domain '{name}' already exists with uuid {info.uuid}"
@@ -247,15 +263,16 @@ class SimHypervisor:
     def undefine(self, name: str) -> None:
         with self.store.locked():
             name = self._resolve(name)
-            cfg, _live = self._load(name, "undefine")
-            if cfg is None:
-                raise DomainStateError("undefine", name, "cannot undefine transient domain")
-            self.store.remove("config", name)
+            with self.store.locked(name):
+                cfg, _live = self._load(name, "undefine")
+                if cfg is None:
+                    raise DomainStateError("undefine", name, "cannot undefine transient domain")
+                self.store.remove("config", name)
 
     # --- life cycle ----------------------------------------------------------------------
     def start(self, name: str) -> None:
-        with self.store.locked():
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self.store.locked(name):
             cfg, live = self._load(name, "start")
             if live is not None:
                 raise DomainStateError("start", name, "domain is already running")
@@ -293,7 +310,7 @@ class SimHypervisor:
                 log.log(level, "%s (ignored, as libvirt does)", run.reason())
 
     def _stop(self, name: str, op: str, reason: str) -> None:
-        """Power off a running domain (caller holds the lock)."""
+        """Power off a running domain (caller holds its lock)."""
         _cfg, live = self._load(name, op)
         if live is None:
             raise DomainStateError(op, name, "domain is not running")
@@ -306,8 +323,8 @@ class SimHypervisor:
         log.info("stopped %s on %s (%s)", name, self.uri, reason)
 
     def shutdown(self, name: str, timeout: float) -> None:
-        with self.store.locked():
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self.store.locked(name):
             _cfg, live = self._load(name, "shut down")
             if live is None:
                 raise DomainStateError("shut down", name, "domain is not running")
@@ -322,12 +339,13 @@ class SimHypervisor:
             self._stop(name, "shut down", "shutdown")
 
     def destroy(self, name: str) -> None:
-        with self.store.locked():
-            self._stop(self._resolve(name), "destroy", "destroyed")
+        name = self._resolve(name)
+        with self.store.locked(name):
+            self._stop(name, "destroy", "destroyed")
 
     def _set_paused(self, name: str, op: str, paused: bool) -> None:
-        with self.store.locked():
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self.store.locked(name):
             _cfg, live = self._load(name, op)
             if live is None:
                 raise DomainStateError(op, name, "domain is not running")
@@ -365,8 +383,8 @@ class SimHypervisor:
 
     def attach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
         op = "attach device to"
-        with self.store.locked():
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self.store.locked(name):
             trees = self._targets(name, op, live, config)
             dev = sim_xml.parse_device(device_xml, op, name)
             for root in trees.values():
@@ -378,8 +396,8 @@ class SimHypervisor:
 
     def detach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
         op = "detach device from"
-        with self.store.locked():
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self.store.locked(name):
             trees = self._targets(name, op, live, config)
             dev = sim_xml.parse_device(device_xml, op, name)
             removed = {kind: sim_xml.remove_device(root, dev, op) for kind, root in trees.items()}
@@ -389,16 +407,17 @@ class SimHypervisor:
         log.info("detached %s from %s (%s)", sim_xml.describe(dev), name, "+".join(trees))
 
     def get_metadata(self, name: str, uri: str, inactive: bool = False) -> bytes | None:
-        with self.store.locked():
-            cfg, live = self._load(self._resolve(name), "read metadata of")
+        name = self._resolve(name)
+        with self.store.locked(name):
+            cfg, live = self._load(name, "read metadata of")
         return sim_xml.get_metadata(_pick(cfg, live, inactive), uri)
 
     def set_metadata(
         self, name: str, uri: str, key: str, xml: bytes | None, live: bool, config: bool
     ) -> None:
         op = "set metadata of"
-        with self.store.locked():
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self.store.locked(name):
             trees = self._targets(name, op, live, config)
             for root in trees.values():
                 sim_xml.set_metadata(root, uri, key, xml, op)
@@ -417,8 +436,8 @@ class SimHypervisor:
             )
         if dst.store.data_dir == self.store.data_dir:
             raise DomainStateError(op, name, "the destination is this node")
-        with self._both_locked(dst):
-            name = self._resolve(name)
+        name = self._resolve(name)
+        with self._both_locked(dst, name):
             cfg, live = self._load(name, op)
             if live is None:
                 raise DomainStateError(op, name, "domain is not running")
@@ -463,11 +482,11 @@ class SimHypervisor:
         return MigrationStats(downtime=downtime)
 
     @contextlib.contextmanager
-    def _both_locked(self, other: SimHypervisor) -> Iterator[None]:
-        """This node's lock and ``other``'s, always in the same order (by directory), so
-        that two migrations in opposite directions cannot deadlock."""
+    def _both_locked(self, other: SimHypervisor, name: str) -> Iterator[None]:
+        """The domain's lock here and on ``other``, always in the same order (by directory),
+        so that two migrations in opposite directions cannot deadlock."""
         first, second = sorted((self, other), key=lambda h: str(h.store.data_dir))
-        with first.store.locked(), second.store.locked():
+        with first.store.locked(name), second.store.locked(name):
             yield
 
     def host_uuid(self) -> str:

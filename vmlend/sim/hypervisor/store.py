@@ -1,8 +1,15 @@
 """Files of the simulated hypervisor: one node's domains, shared by every process on it.
 
 Layout under ``data_dir``: ``config/<name>.xml`` (persistent definitions), ``live/<name>.xml``
-(running domains), ``next-id`` (domain id counter) and ``lock``. Writes are atomic (temp file
-and rename); ``locked()`` serialises whole operations across processes with ``flock``.
+(running domains), ``paused/<name>.xml`` (markers), ``next-id`` (domain id counter), and the
+``flock`` files that serialise operations across processes: ``lock`` (the node: definitions),
+``locks/<name>`` (one domain, for a whole job on it, hooks included) and ``id-lock`` (the id
+counter). Writes are atomic (temp file and rename), so reads need no lock.
+
+Locks are taken in one order, node before domain, and the id lock last and alone, so no two
+operations wait for each other. As in libvirt, where a job holds its domain object's lock
+while a hook runs, a long hook of one domain holds up what needs that domain (listing all of
+them included) and nothing else: another domain is paused, looked up or changed meanwhile.
 """
 
 from __future__ import annotations
@@ -30,14 +37,19 @@ class SimStore:
         self.data_dir = data_dir
         self.lock_timeout = lock_timeout
 
+    def locked(self, domain: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Hold the node's lock, or with ``domain`` that domain's. A hook that calls back into
+        the simulated hypervisor on its own domain would wait here, as it would deadlock
+        libvirtd; after ``lock_timeout`` that is an error."""
+        return self._flocked("lock" if domain is None else f"locks/{domain}")
+
     @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the node's lock. A hook that calls back into the simulated hypervisor would
-        wait here, as it would deadlock libvirtd; after ``lock_timeout`` that is an error."""
+    def _flocked(self, relative: str) -> Iterator[None]:
+        path = self.data_dir / relative
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_RDWR | os.O_CREAT | os.O_APPEND
-            f = os.fdopen(safefile.open_nofollow(self.data_dir / "lock", flags, 0o600), "a+b")
+            f = os.fdopen(safefile.open_nofollow(path, flags, 0o600), "a+b")
         except OSError as e:
             if e.errno != errno.EROFS:
                 raise
@@ -94,13 +106,14 @@ class SimStore:
         return sorted(found)
 
     def next_id(self) -> int:
-        """The next domain id (libvirt numbers running domains from 1). Call while locked."""
+        """The next domain id (libvirt numbers running domains from 1)."""
         path = self.data_dir / "next-id"
-        try:
-            value = int(path.read_text().strip() or "1")
-        except FileNotFoundError:
-            value = 1
-        except ValueError:
-            raise StateError(f"{path} is corrupt; remove it to restart numbering") from None
-        atomic_write(path, f"{value + 1}\n".encode())
+        with self._flocked("id-lock"):
+            try:
+                value = int(path.read_text().strip() or "1")
+            except FileNotFoundError:
+                value = 1
+            except ValueError:
+                raise StateError(f"{path} is corrupt; remove it to restart numbering") from None
+            atomic_write(path, f"{value + 1}\n".encode())
         return value
