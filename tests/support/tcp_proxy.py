@@ -42,6 +42,7 @@ class TcpProxy:
     def close(self) -> None:
         self._stop.set()
         self._open.set()
+        self._threads[0].join(5)  # the acceptor first: it selects on the listener
         self._listener.close()
         with self._lock:
             for s in self._socks:
@@ -51,7 +52,10 @@ class TcpProxy:
 
     def _accept(self) -> None:
         while not self._stop.is_set():
-            ready, _, _ = select.select([self._listener], [], [], 0.1)
+            try:
+                ready, _, _ = select.select([self._listener], [], [], 0.1)
+            except (OSError, ValueError):  # closed under it: the proxy is going away
+                return
             if not ready or self._stop.is_set():
                 continue
             try:
