@@ -1,17 +1,17 @@
-"""Issue 20's proof, bounded for CI: a 3-member etcd, three hosts with their own agents (TTL
-2 s) and simulated hypervisors, and a workload of VM starts, stops, hot-adds and hot-removes
-over devices that VMs on two hosts want. Then the nemeses (``tests/support/nemesis.py``,
-``NEMESES``), one per round: kill -9 of an agent restarted at once, and one restarted only
-after its lease ended; SIGSTOP of an agent past the TTL, in its loop and (restarted after its
-lease ended) in its start-up; SIGSTOP of a hook mid-prepare past
-the TTL; a silent partition of one host from etcd past the TTL; loss of quorum past the TTL;
-kill -9 of the etcd leader; and combined: a frozen hook while its host's agent is dead past its
-lease, a partition together with a kill of the leader, a frozen agent together with a loss of
-quorum. A sampler reads every host's running, unpaused VMs every 0.1 s: no device may be in
-two of them (``tests/support/nemesis.py`` says exactly what counts, hot-added devices
+"""Issue 20's proof, bounded for CI: a 3-member etcd, three hosts with their own agents (TTL 2 s)
+and simulated hypervisors, and a workload of VM starts, stops, hot-adds and hot-removes over
+devices that VMs on two hosts want. Then the nemeses (``tests/support/nemesis.py``,
+``NEMESES``), one per round: kill -9 of an agent restarted at once, and one restarted only after
+its lease ended; SIGSTOP of an agent past the TTL, in its loop and (restarted after its lease
+ended) in its start-up; SIGSTOP of a hook mid-prepare and of one mid-release past the TTL; a
+silent partition of one host from etcd past the TTL; loss of quorum past the TTL; kill -9 of the
+etcd leader; and combined: a hook frozen mid-prepare or mid-release while its host's agent is
+dead past its lease, a partition together with a kill of the leader, a frozen agent together
+with a loss of quorum. A sampler reads every host's running, unpaused VMs every 0.1 s: no device
+may be in two of them (``tests/support/nemesis.py`` says exactly what counts, hot-added devices
 included). After the faults heal: nothing held by a VM that does not run or does not use it,
-nothing fenced, no revision of the registry with two holders, and every failed CLI call said
-one line.
+nothing fenced, no revision of the registry with two holders, and every failed CLI call said one
+line.
 
 The fixed seed runs every nemesis once, in a shuffled order. ``VMLEND_NEMESIS_SEED`` picks
 another seed (the order of faults, their targets and the workload); ``VMLEND_NEMESIS_ROUNDS``

@@ -479,6 +479,8 @@ class Workload:
             roll = rng.random()
             with self._busy[node]:
                 vms = [vm for vm in sorted(VMS[node]) if (node, vm) not in self._claimed]
+                if not vms:  # a nemesis has them all (one it froze, one it destroys)
+                    continue
                 running = {vm: d for vm in vms if (d := live_devices(h, vm)) is not None}
                 if roll < 0.5 or not running:
                     self._start_or_stop(h, rng.choice(vms), running, rng)
@@ -716,6 +718,78 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
             h.close_window()
 
 
+def freeze_release(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False) -> None:
+    """SIGSTOP of a hook mid-release, past the TTL, then SIGCONT. A running VM of one host is
+    destroyed with its release hook run in the hook process itself and
+    ``VMLEND_FAULT=release:after-mdevs=STOP``: the hook stops itself with its mdevs removed and
+    its holds not yet returned. ``kill``: meanwhile that host's agent is killed (-9) and
+    restarted once its lease ended, so the lenders take the devices back and other VMs may
+    take them before the stale release goes on: it must return nothing of theirs."""
+    node = rng.choice(sorted(VMS))
+    h, work = c.host(node), c.work
+    assert work is not None and h.host.agent is not None
+    vm = rng.choice(sorted(VMS[node]))
+    with work.claim(node, vm):
+        deadline = time.monotonic() + WAIT
+        while live_devices(h, vm) is None:
+            for fdid in VMS[node][vm]:
+                _free_up(c, fdid, deadline, say)
+            work.call(h, "vm", "start", vm)
+            assert time.monotonic() < deadline, f"{node}/{vm} never started"
+        env = {
+            **h.env(),
+            FAULT_ENV: "release:after-mdevs=STOP",
+            "VMLEND_HOOK_SOCKET": str(h.host.root / "no-agent.sock"),
+        }
+        wall, t0 = time.time(), time.monotonic()
+        proc = subprocess.Popen(
+            [VMLEND, "-c", f"sim:///{node}", "vm", "destroy", vm],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        hook = None
+        while hook is None and proc.poll() is None:
+            stopped = _stopped_children(proc.pid)
+            hook = stopped[0] if stopped else None
+            time.sleep(0.02)
+        if hook is not None:
+            say(f"SIGSTOP the hook of {node}/{vm} mid-release (pid {hook}) for {PAST_TTL:g} s")
+            if kill:
+                say(f"kill -9 the agent of {node} too, restart it after {PAST_TTL:g} s")
+                h.open_window()
+                h.host.agent.kill()
+                h.host.agent.wait(20)
+            time.sleep(PAST_TTL)
+            restart = None
+            if kill:  # its start-up waits for the hypervisor, which the frozen stop holds
+                restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
+                restart.start()
+                time.sleep(0.5)
+            while proc.poll() is None:  # each release hook stops there: let them go on
+                for pid in _stopped_children(proc.pid):
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(0.05)
+            if restart is not None:
+                restart.join(WAIT)
+                assert not restart.is_alive(), f"the agent of {node} did not start"
+                h.close_window()
+        _out, err = proc.communicate()
+        done = CliCall(
+            node, ("vm", "destroy", vm), proc.returncode, err, time.monotonic() - t0, wall
+        )
+        work.record(done)
+        said = f": {err.strip()}" if done.returncode else ""
+        say(f"the release went on: {done.describe()}{said}")
+
+
+def freeze_release_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
+    """SIGSTOP of a hook mid-release and kill -9 of its host's agent until the lease ended."""
+    freeze_release(c, rng, say, kill=True)
+
+
 def _free_up(c: Cluster, fdid: int, deadline: float, say: Say) -> None:
     """Wait until nobody holds ``fdid``; a running VM of the workload that keeps it (the
     workload may not stop it for a while) is destroyed, as an operator would."""
@@ -840,11 +914,13 @@ NEMESES: dict[str, Nemesis] = {
     "freeze": freeze_agent,
     "freeze-start": freeze_agent_in_start_up,
     "hook": freeze_hook,
+    "release": freeze_release,
     "cut": cut_host,
     "quorum": lose_quorum,
     "leader": kill_leader,
     # combined
     "hook+kill-late": freeze_hook_and_kill_agent,
+    "release+kill-late": freeze_release_and_kill_agent,
     "cut+leader": together(cut_host, kill_leader),
     "freeze+quorum": together(freeze_agent, lose_quorum),
 }
