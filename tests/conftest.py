@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 MACHINE_CONFIG = Path("/etc/vmlend/vmlend.toml")
+#: The machine's hook action log (beside the default state, /var/lib/vmlend as root).
+MACHINE_ACTION_LOG = Path("/var/lib/vmlend/hook.log")
 #: tests/kernel needs the real VFIO/mdev kernel of the kernel tier's guest (make test-kernel,
 #: kernel-tier/): its init sets VMLEND_KERNEL_GUEST. Anywhere else the tree is not collected.
 collect_ignore = [] if os.environ.get("VMLEND_KERNEL_GUEST") else ["kernel"]
@@ -25,12 +27,25 @@ def _private_config(tmp_path, monkeypatch):
     # action log and simulated nodes beside the default state (/var/lib/vmlend as root).
     monkeypatch.setenv("VMLEND_STATE", str(tmp_path / "default-state" / "state.db"))
     existed = MACHINE_CONFIG.exists()
+    logged = _size(MACHINE_ACTION_LOG)
     yield
     if not existed and MACHINE_CONFIG.exists():
         MACHINE_CONFIG.unlink()
         with contextlib.suppress(OSError):
             MACHINE_CONFIG.parent.rmdir()
         pytest.fail(f"the test wrote the machine's {MACHINE_CONFIG} (removed again)")
+    if _size(MACHINE_ACTION_LOG) > logged:
+        pytest.fail(
+            f"the test appended to the machine's {MACHINE_ACTION_LOG}: a hook ran without"
+            " VMLEND_STATE in the environment it was given"
+        )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 @pytest.fixture

@@ -663,7 +663,7 @@ def test_the_parent_stays_while_a_child_or_a_local_hold_remains(fab, location):
     assert _parents(path) == set()
 
 
-def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location):
+def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location, tmp_path):
     path = location
     fab.reserve(0x12, VM2)  # the VM's second device is taken: its prepare must fail
     before = full_snapshot(path)
@@ -673,7 +673,12 @@ def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location)
         stdin=io.BytesIO(domain_of("vm1", VM1.vm_uuid, (0x10, 0x12))),
         stdout=io.BytesIO(),
         stderr=err,
-        environ={"VMLEND_REGISTRY": str(path), "VMLEND_NODE": "gamma"},
+        # VMLEND_STATE places the hook's action log (beside the default state otherwise)
+        environ={
+            "VMLEND_REGISTRY": str(path),
+            "VMLEND_STATE": str(tmp_path / "state.db"),
+            "VMLEND_NODE": "gamma",
+        },
     )
     assert code == 1 and "held by gamma/vm2" in err.getvalue()
     assert full_snapshot(path) == before
