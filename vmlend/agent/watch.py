@@ -53,7 +53,7 @@ class LeaseWatch:
             self._last_ok = self._clock()
             names, self._paused = self._paused, []
             self.in_doubt = False
-        return [n for n in names if n not in self._parked]
+            return [n for n in names if n not in self._parked]
 
     def park(self, name: str) -> None:
         """Keep the paused VM ``name`` for the recovery under the next lease: the lease its
