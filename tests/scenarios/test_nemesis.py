@@ -135,7 +135,8 @@ def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> No
             if not o.excused:  # what the workload did to those VMs around it
                 vms = {(n, v) for n, v, _i in o.runs}
                 for x in work.calls:
-                    if (x.node, x.argv[-1]) in vms and abs(x.wall - o.wall) < 10:
+                    vm = x.argv[1] if x.argv[0] in ("attach", "detach") else x.argv[-1]
+                    if (x.node, vm) in vms and abs(x.wall - o.wall) < 10:
                         _say(f"  {x.describe()}")
         for x in work.calls:
             if x.returncode != 0:

@@ -198,10 +198,18 @@ class LostLeaseRecovery:
                 if str(h.uuid) == str(device.mdev):
                     xml = etree.tostring(h.element, with_tail=False)
                     self._hv.detach_device(name, xml, live=True, config=False)
-            after = remove_device(doc, fdid, unplugged=True)
-            self._hv.set_metadata(
-                name, NAMESPACE_URI, METADATA_KEY, plain_metadata(after), live=True, config=False
-            )
+            # As it is now: a CLI attach or detach on this VM may have written meanwhile.
+            doc = DomainDocument.parse(self._hv.xml(name), source=f"live XML of {name}")
+            if find_device(doc, fdid) is not None:
+                after = remove_device(doc, fdid, unplugged=True)
+                self._hv.set_metadata(
+                    name,
+                    NAMESPACE_URI,
+                    METADATA_KEY,
+                    plain_metadata(after),
+                    live=True,
+                    config=False,
+                )
             try:  # this host's mdev of a device it no longer holds
                 self._fabric.remove_mdev(str(device.mdev))
             except VmlendError as e:

@@ -208,6 +208,28 @@ def apply_attach(
         raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
 
 
+def _with_device_now(
+    hv: Hypervisor, name: str, target: str, device: VmlendDevice
+) -> DomainDocument:
+    """The domain's XML as it is now with ``device`` recorded: not the planned copy, since
+    another writer may have changed the metadata meanwhile (the agent's recovery unplugging a
+    lost device from this VM while the attach waited for etcd), and writing the plan's copy
+    would bring that device back into the metadata."""
+    now = DomainDocument.parse(
+        hv.xml(name, inactive=target != LIVE), source=f"{target} XML of {name}"
+    )
+    if find_device(now, device.fdid) is not None:
+        return now
+    _unrecorded_hostdev(now, device.fdid)  # the hostdev just plugged: add_device builds it again
+    return add_device(
+        now,
+        device.fdid,
+        templates=TemplateSet(),  # only the metadata is written
+        address=device.address,
+        interrupts=device.interrupts,
+    )
+
+
 def _still_plugged(hv: Hypervisor, name: str, mdev: UUID) -> bool:
     try:
         return live_has_hostdev(hv, name, mdev)
@@ -244,8 +266,9 @@ def _attach_to(
         progress(f"attach {target} hostdev mdev {device.mdev}: ok")
     fault_point("attach:after-hotplug")
     old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
+    now = _with_device_now(hv, name, target, device)
     hv.set_metadata(
-        name, NAMESPACE_URI, METADATA_KEY, plain_metadata(doc), live=live, config=not live
+        name, NAMESPACE_URI, METADATA_KEY, plain_metadata(now), live=live, config=not live
     )
     journal.push(
         f"{target} metadata",

@@ -91,15 +91,21 @@ def detach(
                 wait_unplugged(hv, info.name, fdid, device.mdev, wait)
             progress(f"detach {t} hostdev mdev {device.mdev}: ok")
             fault_point("detach:after-unplug")
-        after = remove_device(docs[t], fdid, unplugged=dev is None)
-        hv.set_metadata(
-            info.name,
-            NAMESPACE_URI,
-            METADATA_KEY,
-            plain_metadata(after),
-            live=is_live,
-            config=not is_live,
+        # From the XML as it is now, not as read before the unplug: another writer (the
+        # agent's recovery, an attach) may have changed the metadata meanwhile.
+        now = DomainDocument.parse(
+            hv.xml(info.name, inactive=not is_live), source=f"{t} XML of {info.name}"
         )
+        if find_device(now, fdid) is not None:
+            after = remove_device(now, fdid, unplugged=True)
+            hv.set_metadata(
+                info.name,
+                NAMESPACE_URI,
+                METADATA_KEY,
+                plain_metadata(after),
+                live=is_live,
+                config=not is_live,
+            )
         progress(f"{t} metadata: ok")
         fault_point("detach:after-metadata")
         if is_live:

@@ -1,0 +1,57 @@
+"""Two writers of one VM's vmlend metadata at once: an attach or a detach, and another (the
+agent's lost-lease recovery unplugging a device, or another CLI). Each writes the metadata as
+it is when it writes, with its own change, never the copy it read before a long wait."""
+
+from __future__ import annotations
+
+from tests.support.cli_cluster import SimCluster
+from vmlend.domain import read_domain
+from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.detach import detach
+from vmlend.sim.hypervisor.node import SimHypervisor
+
+
+def _devices(hv: SimHypervisor, vm: str) -> list[int]:
+    return [d.fdid for d in read_domain(hv.xml(vm)).devices]  # strict: consistent too
+
+
+def test_an_attach_does_not_bring_back_a_device_unplugged_while_it_waited(cluster: SimCluster):
+    """Found by the nemesis test: beta's agent hot-unplugged b1's lost device 0x10 while a
+    `vmlend attach b1 0x11 --live`, planned before, waited for etcd; the attach then wrote its
+    planned metadata, 0x10 included. b1's live XML named 0x10 with no hostdev for it, while
+    gamma's g1 held and used 0x10."""
+    cluster.define("gamma", "vm1", [0x10, 0x11], running=True)
+    hv = cluster.hv("gamma")
+    with cluster.fabric() as f:
+        plan = plan_attach(hv, f, "vm1", 0x21, live=True, config=False)
+        # meanwhile another writer takes 0x10 out of the running VM
+        detach(hv, f, "vm1", 0x10, live=True, config=False, progress=lambda _m: None)
+        apply_attach(hv, f, plan, lambda _m: None)
+    assert _devices(hv, "vm1") == [0x11, 0x21]
+
+
+def test_a_detach_does_not_bring_back_a_device_removed_while_it_unplugged(
+    cluster: SimCluster,
+):
+    """The same for a detach: it read the XML, then unplugged and waited for the guest."""
+    cluster.define("gamma", "vm1", [0x10, 0x11], running=True)
+    hv = cluster.hv("gamma")
+
+    class OtherWriterMeanwhile(SimHypervisor):
+        """Between the detach's read of the XML and its unplug of 0x11, another writer takes
+        0x10 out (as the agent's recovery would)."""
+
+        other_done = False
+
+        def detach_device(self, name, device_xml, live, config):
+            if not OtherWriterMeanwhile.other_done:
+                OtherWriterMeanwhile.other_done = True
+                with cluster.fabric() as g:
+                    detach(hv, g, "vm1", 0x10, live=True, config=False, progress=lambda _m: None)
+            super().detach_device(name, device_xml, live, config)
+
+    slow = OtherWriterMeanwhile("gamma", hv.store.data_dir, None)
+    with cluster.fabric() as f:
+        detach(slow, f, "vm1", 0x11, live=True, config=False, progress=lambda _m: None)
+    assert _devices(hv, "vm1") == []
+    assert cluster.holds() == {}
