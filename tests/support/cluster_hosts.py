@@ -84,6 +84,14 @@ class Host:
         except (OSError, ValueError):
             return False
 
+    def published_lease(self) -> int | None:
+        """The lease in the host's lease file; None while there is none (an agent that lost
+        its lease withdraws the file before it publishes the next one)."""
+        try:
+            return int(json.loads(self.lease_file.read_text())["lease"])
+        except (OSError, ValueError, KeyError):
+            return None
+
     def log(self) -> str:
         return (self.root / "agent.log").read_text(errors="replace")
 
