@@ -86,7 +86,7 @@ class RemoteVmGuard:
         except VmlendError as e:
             log.error("could not list the VMs to pause: %s", e)
             rest = []
-        paused += self._pause_each(rest)
+        paused = sorted(paused + self._pause_each(rest))
         if paused:
             log.warning("lease in doubt: paused %s (they use remote devices)", ", ".join(paused))
         return paused

@@ -71,3 +71,16 @@ def test_a_pause_does_not_wait_for_a_listing_the_hypervisor_holds_up(tmp_path):
     finally:
         hv.go.set()
         pausing.join()
+
+
+def test_a_pause_names_the_vms_in_order_whichever_the_census_knew(tmp_path):
+    """The log line operators (and tests) read: 'paused app, web', not in the order found."""
+    fabric = make_fabric(tmp_path / "state.db")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    hv.define(_domain("web", APP, (GPU,)))
+    hv.start("web")
+    guard = RemoteVmGuard(hv, fabric, "gamma")
+    guard.census()  # knows web only
+    hv.define(_domain("app", DB, (0x11,)))
+    hv.start("app")
+    assert guard.pause() == ["app", "web"]
