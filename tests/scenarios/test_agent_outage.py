@@ -26,6 +26,7 @@ from tests.support.cluster_hosts import (
     domain_xml,
     history,
     reserve_code,
+    stopped_children,
 )
 from tests.support.simfabric import make_fabric
 from vmlend.hypervisor.base import DomainState
@@ -266,17 +267,17 @@ def test_a_hook_frozen_mid_prepare_past_its_lease_does_not_start_the_vm_on_a_los
         text=True,
     )
     try:
-        _wait_for("the hook freezing", lambda: bool(_stopped_children(start.pid)), gamma)
+        _wait_for("the hook freezing", lambda: bool(stopped_children(start.pid)), gamma)
         with open_fabric(url, "alpha") as f:
             assert f.device(GPU).holder == WEB
         gamma.stop_agent(signal.SIGKILL)
         _wait_for("beta taking 0x10", lambda: beta.run(reserve_code(GPU, DB)).returncode == 0)
-        for pid in _stopped_children(start.pid):
+        for pid in stopped_children(start.pid):
             os.kill(pid, signal.SIGCONT)
         _out, err = start.communicate(timeout=WAIT)
     finally:
         if start.poll() is None:
-            for pid in _stopped_children(start.pid):
+            for pid in stopped_children(start.pid):
                 os.kill(pid, signal.SIGCONT)
             start.kill()
             start.wait()
@@ -287,18 +288,6 @@ def test_a_hook_frozen_mid_prepare_past_its_lease_does_not_start_the_vm_on_a_los
     with open_fabric(url, "alpha") as f:
         assert f.device(GPU).holder == DB
     check_never_two_holders(history(url))
-
-
-def _stopped_children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] == "T" and int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 @pytest.mark.slow

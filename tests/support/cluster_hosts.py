@@ -172,3 +172,17 @@ def domain_xml(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
         devices=[DeviceRequest(f) for f in fdids],
     )
     return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+def stopped_children(pid: int) -> list[int]:
+    """The stopped (SIGSTOP) child processes of ``pid``: a hook that stopped itself at a
+    ``VMLEND_FAULT=...=STOP`` point, found under the CLI call that runs it."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "T" and int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.support.cluster_hosts import VMLEND, Host, domain_xml
+from tests.support.cluster_hosts import VMLEND, Host, domain_xml, stopped_children
 from tests.support.etcd_daemon import EtcdServer, start_members
 from tests.support.tcp_proxy import TcpProxy
 from vmlend.domain import DomainDocument, mdev_uuid, read_domain
@@ -676,46 +676,19 @@ def freeze_hook(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False)
             work.call(h, "vm", "destroy", vm)
         deadline = time.monotonic() + WAIT
         first = VMS[node][vm][0]
+        start = ("vm", "start", vm)
         # The prepare freezes once it holds the first device: no other VM is given it until
         # then, and the start waits until whoever holds it now lets go.
         with work.keep_off(first):
             while True:
                 _free_up(c, first, deadline, say)
-                if (frozen := _start_frozen(h, vm, work)) is not None:
+                if (frozen := _start_frozen(h, start, "prepare:after-device", work)) is not None:
                     break
                 last = work.calls[-1] if work.calls else None
                 assert time.monotonic() < deadline, (
                     f"the hook of {node}/{vm} never froze; last start: {last}"
                 )
-        proc, hook, wall, t0 = frozen
-        say(f"SIGSTOP the hook of {node}/{vm} mid-prepare (pid {hook}) for {PAST_TTL:g} s")
-        restart = None
-        if kill:
-            say(f"kill -9 the agent of {node} too, restart it after {PAST_TTL:g} s")
-            h.open_window()
-            h.host.agent.kill()
-            h.host.agent.wait(20)
-        time.sleep(PAST_TTL)
-        if kill:
-            # Its start-up waits for the hypervisor, which the frozen start holds: restart it,
-            # then let the hook go on.
-            restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
-            restart.start()
-            time.sleep(0.5)
-        os.kill(hook, signal.SIGCONT)
-        while proc.poll() is None:  # a second device stops it again: let that one go at once
-            for pid in _stopped_children(proc.pid):
-                os.kill(pid, signal.SIGCONT)
-            time.sleep(0.05)
-        _out, err = proc.communicate()
-        done = CliCall(node, ("vm", "start", vm), proc.returncode, err, time.monotonic() - t0, wall)
-        work.record(done)
-        said = f": {err.strip()}" if done.returncode else ""
-        say(f"the hook went on: {done.describe()}{said}")
-        if restart is not None:
-            restart.join(WAIT)
-            assert not restart.is_alive(), f"the agent of {node} did not start"
-            h.close_window()
+        _hold_frozen(h, work, frozen, "mid-prepare", kill, say)
 
 
 def freeze_release(c: Cluster, rng: random.Random, say: Say, *, kill: bool = False) -> None:
@@ -736,58 +709,68 @@ def freeze_release(c: Cluster, rng: random.Random, say: Say, *, kill: bool = Fal
                 _free_up(c, fdid, deadline, say)
             work.call(h, "vm", "start", vm)
             assert time.monotonic() < deadline, f"{node}/{vm} never started"
-        env = {
-            **h.env(),
-            FAULT_ENV: "release:after-mdevs=STOP",
-            "VMLEND_HOOK_SOCKET": str(h.host.root / "no-agent.sock"),
-        }
-        wall, t0 = time.time(), time.monotonic()
-        proc = subprocess.Popen(
-            [VMLEND, "-c", f"sim:///{node}", "vm", "destroy", vm],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        hook = None
-        while hook is None and proc.poll() is None:
-            stopped = _stopped_children(proc.pid)
-            hook = stopped[0] if stopped else None
-            time.sleep(0.02)
-        if hook is not None:
-            say(f"SIGSTOP the hook of {node}/{vm} mid-release (pid {hook}) for {PAST_TTL:g} s")
-            if kill:
-                say(f"kill -9 the agent of {node} too, restart it after {PAST_TTL:g} s")
-                h.open_window()
-                h.host.agent.kill()
-                h.host.agent.wait(20)
-            time.sleep(PAST_TTL)
-            restart = None
-            if kill:  # its start-up waits for the hypervisor, which the frozen stop holds
-                restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
-                restart.start()
-                time.sleep(0.5)
-            while proc.poll() is None:  # each release hook stops there: let them go on
-                for pid in _stopped_children(proc.pid):
-                    os.kill(pid, signal.SIGCONT)
-                time.sleep(0.05)
-            if restart is not None:
-                restart.join(WAIT)
-                assert not restart.is_alive(), f"the agent of {node} did not start"
-                h.close_window()
-        _out, err = proc.communicate()
-        done = CliCall(
-            node, ("vm", "destroy", vm), proc.returncode, err, time.monotonic() - t0, wall
-        )
-        work.record(done)
-        said = f": {err.strip()}" if done.returncode else ""
-        say(f"the release went on: {done.describe()}{said}")
+        frozen = _start_frozen(h, ("vm", "destroy", vm), "release:after-mdevs", work)
+        if frozen is None:
+            say(f"the release of {node}/{vm} did not stop: {work.calls[-1].describe()}")
+            return
+        _hold_frozen(h, work, frozen, "mid-release", kill, say)
 
 
 def freeze_release_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
     """SIGSTOP of a hook mid-release and kill -9 of its host's agent until the lease ended."""
     freeze_release(c, rng, say, kill=True)
+
+
+@dataclass
+class Frozen:
+    """A CLI call whose hook stopped itself (``_start_frozen``)."""
+
+    proc: subprocess.Popen
+    argv: tuple[str, ...]
+    hook: int  # the stopped hook's pid
+    wall: float
+    t0: float
+
+
+def _hold_frozen(
+    h: NHost, work: Workload, frozen: Frozen, where: str, kill: bool, say: Say
+) -> None:
+    """Keep the hook stopped past the TTL (``kill``: with its host's agent dead until its
+    lease ended, then restarted), let it and any later stop of the same call go on, and record
+    the call."""
+    node, proc = h.node, frozen.proc
+    assert h.host.agent is not None
+    say(
+        f"SIGSTOP the hook of {node}/{frozen.argv[-1]} {where} (pid {frozen.hook}) for"
+        f" {PAST_TTL:g} s"
+    )
+    restart = None
+    if kill:
+        say(f"kill -9 the agent of {node} too, restart it after {PAST_TTL:g} s")
+        h.open_window()
+        h.host.agent.kill()
+        h.host.agent.wait(20)
+    time.sleep(PAST_TTL)
+    if kill:
+        # Its start-up waits for the hypervisor, which the frozen call holds: restart it,
+        # then let the hook go on.
+        restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
+        restart.start()
+        time.sleep(0.5)
+    while proc.poll() is None:  # a later device stops it again: let that one go at once
+        for pid in stopped_children(proc.pid):
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+    _out, err = proc.communicate()
+    took = time.monotonic() - frozen.t0
+    done = CliCall(node, frozen.argv, proc.returncode, err, took, frozen.wall)
+    work.record(done)
+    said = f": {err.strip()}" if done.returncode else ""
+    say(f"the hook went on: {done.describe()}{said}")
+    if restart is not None:
+        restart.join(WAIT)
+        assert not restart.is_alive(), f"the agent of {node} did not start"
+        h.close_window()
 
 
 def _free_up(c: Cluster, fdid: int, deadline: float, say: Say) -> None:
@@ -819,19 +802,17 @@ def _free(c: Cluster, fdid: int) -> bool:
         return f.device(fdid).holder is None and all(x.fdid != fdid for x in f.fenced())
 
 
-def _start_frozen(
-    h: NHost, vm: str, work: Workload
-) -> tuple[subprocess.Popen, int, float, float] | None:
-    """``vm start`` whose hook freezes mid-prepare: (the CLI, the frozen hook's pid, wall and
-    monotonic time of the start), or None when the start ended first (recorded)."""
+def _start_frozen(h: NHost, argv: tuple[str, ...], point: str, work: Workload) -> Frozen | None:
+    """``vmlend argv`` on ``h`` whose hook runs in its own process (no agent socket) and stops
+    itself at the fault point ``point``; None when the call ended first (recorded)."""
     env = {
         **h.env(),
-        FAULT_ENV: "prepare:after-device=STOP",
+        FAULT_ENV: f"{point}=STOP",
         "VMLEND_HOOK_SOCKET": str(h.host.root / "no-agent.sock"),
     }
     wall, t0 = time.time(), time.monotonic()
     proc = subprocess.Popen(
-        [VMLEND, "-c", f"sim:///{h.node}", "vm", "start", vm],
+        [VMLEND, "-c", f"sim:///{h.node}", *argv],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -839,28 +820,13 @@ def _start_frozen(
         text=True,
     )
     while proc.poll() is None:
-        stopped = _stopped_children(proc.pid)
+        stopped = stopped_children(proc.pid)
         if stopped:
-            return proc, stopped[0], wall, t0
+            return Frozen(proc, argv, stopped[0], wall, t0)
         time.sleep(0.02)
     _out, err = proc.communicate()
-    work.record(
-        CliCall(h.node, ("vm", "start", vm), proc.returncode, err, time.monotonic() - t0, wall)
-    )
+    work.record(CliCall(h.node, argv, proc.returncode, err, time.monotonic() - t0, wall))
     return None
-
-
-def _stopped_children(pid: int) -> list[int]:
-    """The stopped (SIGSTOP) child processes of ``pid``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] == "T" and int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _bounce(members: list[EtcdServer], seconds: float, sig: int = signal.SIGTERM) -> None:
