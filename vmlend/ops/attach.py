@@ -208,6 +208,28 @@ def apply_attach(
         raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
 
 
+def attach_live(
+    hv: Hypervisor,
+    fabric: Fabric,
+    vm: str,
+    fdid: int,
+    progress: Callable[[str], None],
+    *,
+    address: PciAddress | None = None,
+    interrupts: InterruptPath | None = None,
+    wait: DetachWait | None = None,
+) -> None:
+    """Hot-plug ``fdid`` into the running ``vm`` (plan, admission, apply): a live migration's
+    re-plug, the agent's plug request, reconcile's finish of an interrupted attach. Refused
+    or failed: the attach's one-line ``FabricError``, nothing left behind."""
+    plan = plan_attach(
+        hv, fabric, vm, fdid, live=True, config=False, address=address, interrupts=interrupts
+    )
+    if not plan.ok:
+        raise plan.refusal()
+    apply_attach(hv, fabric, plan, progress, wait=wait)
+
+
 def _with_device_now(
     hv: Hypervisor, name: str, target: str, device: VmlendDevice
 ) -> DomainDocument:

@@ -57,7 +57,7 @@ from vmlend.faults import fault_point
 from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
 from vmlend.lending.devices import held_by, holder_for
 from vmlend.messages import plural
-from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.attach import attach_live
 from vmlend.ops.detach import detach
 from vmlend.ops.live_state import (
     LiveDevice,
@@ -384,19 +384,16 @@ def _plug_back(
             continue
         fd = format_fdid(dev.fdid)
         try:
-            plan = plan_attach(
+            attach_live(
                 hv,
                 fabric,
                 name,
                 dev.fdid,
-                live=True,
-                config=False,
+                run.step,
                 address=dev.address,
                 interrupts=dev.interrupts,
+                wait=run.wait,
             )
-            if not plan.ok:
-                raise plan.refusal()
-            apply_attach(hv, fabric, plan, run.step, wait=run.wait)
         except VmlendError as e:
             run.step(f"device {fd}: could not plug it back into {name}: {e}")
             missing.append((dev, str(e)))

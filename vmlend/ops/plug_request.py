@@ -28,7 +28,7 @@ import msgspec
 from vmlend.errors import StateError, UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
-from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.attach import attach_live
 from vmlend.ops.live_state import LiveDevice
 from vmlend.ops.unplug import DetachWait
 from vmlend.registry.etcd_gateway import b64
@@ -150,19 +150,16 @@ def serve_plug_request(
             out.append(PlugOutcome(dev.fdid, True))  # an earlier (interrupted) run plugged it
             continue
         try:
-            plan = plan_attach(
+            attach_live(
                 hv,
                 fabric,
                 req.vm,
                 dev.fdid,
-                live=True,
-                config=False,
+                progress,
                 address=dev.address,
                 interrupts=dev.interrupts,
+                wait=wait,
             )
-            if not plan.ok:
-                raise plan.refusal()
-            apply_attach(hv, fabric, plan, progress, wait=wait)
         except VmlendError as e:
             out.append(PlugOutcome(dev.fdid, False, str(e)))
             continue

@@ -33,7 +33,7 @@ from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.lending.devices import holder_for, return_device
-from vmlend.ops.attach import apply_attach, plan_attach
+from vmlend.ops.attach import attach_live
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
 from vmlend.registry.records import same_holder
@@ -363,10 +363,7 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
         case DriftKind.HOSTDEV_WITHOUT_METADATA:
             assert d.fdid is not None
             # The attach's own re-run: it sees the plugged hostdev and writes the metadata.
-            plan = plan_attach(hv, fabric, d.vm, d.fdid, live=True, config=False)
-            if not plan.ok:
-                raise plan.refusal()
-            apply_attach(hv, fabric, plan, record)
+            attach_live(hv, fabric, d.vm, d.fdid, record)
         case DriftKind.MISSING_HOLD | DriftKind.MISSING_MDEV:
             assert d.holder is not None and d.fdid is not None and d.mdev is not None
             dom = read_domain(hv.xml(d.vm), strict=False)
