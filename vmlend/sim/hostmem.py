@@ -235,3 +235,34 @@ class HostMemory:
     def pages_stored(self) -> int:
         """Frames holding written contents (for tests and memory accounting)."""
         return len(self._pages)
+
+
+class FramedRange:
+    """A range of addresses from ``base`` backed by 4 KiB frames of ``memory`` that need not
+    be contiguous (``frames[i]`` backs ``base + i * FRAME``), read and written across them.
+    The frames are the owner's to allocate, map and free."""
+
+    def __init__(self, memory: HostMemory, what: str, base: int = 0) -> None:
+        self.memory = memory
+        self.what = what  # for errors: "the manager's memory"
+        self.base = base
+        self.frames: list[int] = []
+
+    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
+        """(physical address, offset in the caller's bytes, length) for each frame touched."""
+        out, at, end = [], address, address + length
+        while at < end:
+            index = (at - self.base) // FRAME
+            if not 0 <= index < len(self.frames):
+                raise ValueError(f"{at:#x} is outside {self.what}")
+            n = min(end - at, FRAME - at % FRAME)
+            out.append((self.frames[index] + at % FRAME, at - address, n))
+            at += n
+        return out
+
+    def read(self, address: int, length: int) -> bytes:
+        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
+
+    def write(self, address: int, data: bytes) -> None:
+        for phys, pos, n in self._pieces(address, len(data)):
+            self.memory.write(phys, data[pos : pos + n])

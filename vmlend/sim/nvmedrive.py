@@ -18,7 +18,7 @@ from vmlend.nvme import spec
 from vmlend.nvme.shares import Geometry
 from vmlend.sim.device import SimDevice
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.hostmem import FRAME, HostMemory
+from vmlend.sim.hostmem import FRAME, FramedRange, HostMemory
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.nvme.controller import ControllerConfig, NvmeController
 from vmlend.sim.nvme.driver import BumpAllocator
@@ -131,17 +131,16 @@ def attach_nvme(
     return SimNvmeDrive(device, controller, ns, device.on_reset(controller.function_reset))
 
 
-class HostDmaMemory:
+class HostDmaMemory(FramedRange):
     """Lender memory of the drive's host driver (the manager), mapped for the drive at ``iova``
     (frames need not be contiguous: each is mapped on its own)."""
 
     def __init__(
         self, memory: HostMemory, domain: IommuDomain, iova: int, size: int, owner: str
     ) -> None:
-        self.memory = memory
+        super().__init__(memory, "the manager's memory", base=iova)
         self.domain = domain
         self.iova = iova
-        self.frames: list[int] = []
         try:
             for i in range(size // FRAME):
                 frame = memory.alloc(FRAME, owner=owner)
@@ -151,24 +150,6 @@ class HostDmaMemory:
             self.close()
             raise
         self.alloc = BumpAllocator(iova, iova + size)
-
-    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
-        out, at, end = [], address, address + length
-        while at < end:
-            index = (at - self.iova) // FRAME
-            if not 0 <= index < len(self.frames):
-                raise ValueError(f"{at:#x} is outside the manager's memory")
-            n = min(end - at, FRAME - at % FRAME)
-            out.append((self.frames[index] + at % FRAME, at - address, n))
-            at += n
-        return out
-
-    def read(self, address: int, length: int) -> bytes:
-        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
-
-    def write(self, address: int, data: bytes) -> None:
-        for phys, pos, n in self._pieces(address, len(data)):
-            self.memory.write(phys, data[pos : pos + n])
 
     def close(self) -> None:
         for i, frame in enumerate(self.frames):

@@ -51,7 +51,7 @@ from vmlend.nvme.shares import Share
 from vmlend.registry import Registry
 from vmlend.sim.guest import Frame
 from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
-from vmlend.sim.hostmem import FRAME, HostMemory
+from vmlend.sim.hostmem import FRAME, FramedRange, HostMemory
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
 from vmlend.sim.nvme.controller import ControllerConfig
@@ -80,35 +80,19 @@ class _Ingress(msgspec.Struct):
     users: int = 0
 
 
-class _RingMemory:
+class _RingMemory(FramedRange):
     """Memory of the VM's host that its virtual controller keeps for a two-path share's
     relay rings (``vmlend.sim.nvme.relay``): frames of the VM (its hypervisor's), read and
     written by offset."""
 
     def __init__(self, memory: HostMemory, size: int, owner: str) -> None:
-        self.memory = memory
-        self.frames: list[int] = []
+        super().__init__(memory, "the relay rings")
         try:
             for _ in range(-(-size // FRAME)):
                 self.frames.append(memory.alloc(FRAME, owner=owner))
         except Exception:
             self.close()
             raise
-
-    def _pieces(self, address: int, length: int) -> list[tuple[int, int, int]]:
-        out, at, end = [], address, address + length
-        while at < end:
-            n = min(end - at, FRAME - at % FRAME)
-            out.append((self.frames[at // FRAME] + at % FRAME, at - address, n))
-            at += n
-        return out
-
-    def read(self, address: int, length: int) -> bytes:
-        return b"".join(self.memory.read(p, n) for p, _, n in self._pieces(address, length))
-
-    def write(self, address: int, data: bytes) -> None:
-        for phys, pos, n in self._pieces(address, len(data)):
-            self.memory.write(phys, data[pos : pos + n])
 
     def close(self) -> None:
         for frame in self.frames:
