@@ -122,12 +122,8 @@ def test_the_watch_counts_from_the_last_good_renewal_on_its_own_clock():
     assert watch.check() is False  # the clock started again at the renewal
 
 
-def test_a_renewal_is_not_held_up_by_a_pause_the_hypervisor_is_slow_to_do():
-    """The watch pauses while the hypervisor hangs (the nemesis test: a hook frozen mid-start
-    holds the simulated hypervisor's lock). A renewal that lands meanwhile must go through at
-    once: were it to wait for the pause, the agent's loop would renew nothing more and the
-    lease, with every hold of the host, would end while etcd answers. What the slow pause
-    paused is handed back by the next renewal."""
+def _pause_the_hypervisor_is_slow_to_do() -> tuple[LeaseWatch, threading.Event, threading.Thread]:
+    """A watch in doubt whose pause (of "web") waits until the event is set, on its thread."""
     clock = FakeClock()
     hypervisor_answers = threading.Event()
     watch = LeaseWatch(4, lambda: hypervisor_answers.wait(WAIT) and ["web"], clock=clock)
@@ -135,6 +131,16 @@ def test_a_renewal_is_not_held_up_by_a_pause_the_hypervisor_is_slow_to_do():
     pausing = threading.Thread(target=watch.check, daemon=True)
     pausing.start()
     _until("the watch in doubt", lambda: watch.in_doubt)
+    return watch, hypervisor_answers, pausing
+
+
+def test_a_renewal_is_not_held_up_by_a_pause_the_hypervisor_is_slow_to_do():
+    """The watch pauses while the hypervisor hangs (the nemesis test: a hook frozen mid-start
+    holds the simulated hypervisor's lock). A renewal that lands meanwhile must go through at
+    once: were it to wait for the pause, the agent's loop would renew nothing more and the
+    lease, with every hold of the host, would end while etcd answers. What the slow pause
+    paused is handed back by the next renewal."""
+    watch, hypervisor_answers, pausing = _pause_the_hypervisor_is_slow_to_do()
     renewal = threading.Thread(target=watch.renewed, daemon=True)
     renewal.start()
     renewal.join(2.0)
@@ -148,13 +154,7 @@ def test_a_renewal_is_not_held_up_by_a_pause_the_hypervisor_is_slow_to_do():
 def test_a_lost_lease_takes_over_what_a_slow_pause_paused():
     """The lost-lease path takes the paused VMs over for the recovery (``take_paused``): a
     pause still in progress is waited for, so none of its VMs stays paused unrecovered."""
-    clock = FakeClock()
-    hypervisor_answers = threading.Event()
-    watch = LeaseWatch(4, lambda: hypervisor_answers.wait(WAIT) and ["web"], clock=clock)
-    clock.advance(2.01)
-    pausing = threading.Thread(target=watch.check, daemon=True)
-    pausing.start()
-    _until("the watch in doubt", lambda: watch.in_doubt)
+    watch, hypervisor_answers, pausing = _pause_the_hypervisor_is_slow_to_do()
     taken: list[list[str]] = []
     taking = threading.Thread(target=lambda: taken.append(watch.take_paused()), daemon=True)
     taking.start()
