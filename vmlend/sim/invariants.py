@@ -67,6 +67,7 @@ from vmlend.ledger.nvmeadmit import BACKUP_SUFFIX, share_window_key
 from vmlend.ledger.nvmeshares import SHARE_RECORD, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
+from vmlend.registry.api import Registry
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
@@ -145,6 +146,13 @@ def check_hardware(
     if claims is not None:
         c.claims(claims)
     return c.found
+
+
+def check_with_registry(hw: SimHardware, registry: Registry) -> list[Violation]:
+    """``check_hardware`` with what ``registry`` records now (holds, claims, NVMe shares) as
+    the justification every mapping must have."""
+    with registry.read() as tx:
+        return check_hardware(hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx))
 
 
 def _fmt(m: IommuMapping) -> str:

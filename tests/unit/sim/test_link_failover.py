@@ -11,7 +11,7 @@ import pytest
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import StaleTokenError
 from vmlend.ledger.linkfaults import LINK_FAULT
-from vmlend.sim.invariants import check_hardware
+from vmlend.sim.invariants import check_hardware, check_with_registry
 from vmlend.topology.model import GiB
 
 GPA = 64 * 4096
@@ -36,8 +36,7 @@ def vm(cluster):
 
 
 def clean(cluster) -> None:
-    with cluster.registry.read() as tx:
-        found = check_hardware(cluster.hw, holds=tx.holds(), claims=tx.claims())
+    found = check_with_registry(cluster.hw, cluster.registry)
     assert found == [], "\n".join(map(str, found))
 
 

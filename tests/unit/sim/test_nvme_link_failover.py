@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.nvme_guest import guest_driver
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.invariants import check_hardware
+from vmlend.sim.invariants import check_hardware, check_with_registry
 from vmlend.sim.nvme.driver import NvmeTimeoutError
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRange, MiB
@@ -106,7 +106,6 @@ def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(st
     there, or the claims and the hardware disagree."""
     from tests.support.simcluster import Cluster
     from vmlend.ledger import nvmeshares as shares
-    from vmlend.sim.invariants import registry_grants
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
 
@@ -123,10 +122,7 @@ def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(st
         drive.open_share("gamma", "web", share=share).set_master()
 
         def clean() -> None:
-            with c.registry.read() as tx:
-                found = check_hardware(
-                    c.hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx)
-                )
+            found = check_with_registry(c.hw, c.registry)
             assert found == [], "\n".join(map(str, found))
 
         clean()
@@ -147,7 +143,6 @@ def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_i
     gamma:1 while the new share claimed gamma:0."""
     from tests.support.simcluster import Cluster
     from vmlend.ledger import nvmeshares as shares
-    from vmlend.sim.invariants import registry_grants
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
 
@@ -167,10 +162,7 @@ def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_i
             return s
 
         def clean() -> None:
-            with c.registry.read() as tx:
-                found = check_hardware(
-                    c.hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx)
-                )
+            found = check_with_registry(c.hw, c.registry)
             assert found == [], "\n".join(map(str, found))
 
         first = open_("one")

@@ -14,7 +14,7 @@ from tests.support.nvme_guest import guest_driver
 from vmlend.errors import FabricError
 from vmlend.nvme import spec
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.invariants import check_hardware
+from vmlend.sim.invariants import check_hardware, check_with_registry
 from vmlend.sim.nvme.driver import NvmeTimeoutError
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRange, MiB
@@ -265,7 +265,6 @@ def test_the_registry_claims_match_what_both_paths_map_across_link_events(state_
     back, with the fabric's link handling (claims following moved crossings)."""
     from tests.support.simcluster import Cluster
     from vmlend.ledger import nvmeshares as shares
-    from vmlend.sim.invariants import registry_grants
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
 
@@ -285,10 +284,7 @@ def test_the_registry_claims_match_what_both_paths_map_across_link_events(state_
         (queue,) = drv.start(queues=1, entries=32)
 
         def clean() -> None:
-            with c.registry.read() as tx:
-                found = check_hardware(
-                    c.hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx)
-                )
+            found = check_with_registry(c.hw, c.registry)
             assert found == [], "\n".join(map(str, found))
 
         clean()
