@@ -69,6 +69,8 @@ class AttachPlan(msgspec.Struct):
     plugged: tuple[str, ...] = ()
     #: The path the device's MSI/MSI-X ask for (its own, else the VM's default).
     interrupts: InterruptPath = DEFAULT_INTERRUPTS
+    #: The templates the plan built its XML with (the metadata write builds the device again).
+    templates: TemplateSet = msgspec.field(default_factory=TemplateSet)
 
     @property
     def ok(self) -> bool:
@@ -143,6 +145,7 @@ def plan_attach(
         checks,
         tuple(plugged),
         irq,
+        templates,
     )
 
 
@@ -192,9 +195,7 @@ def apply_attach(
                 # a hot-add frozen past its host's lease: never plug a device another VM has
                 raise FabricError(f"device {fd}: {lost[0][1]}")
         for t in plan.pending:
-            _attach_to(
-                hv, name, t, plan.after[t], plan.device, plugged, progress, wait, t in plan.plugged
-            )
+            _attach_to(hv, name, t, plan, plugged, progress, wait)
     except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
         failed = plugged.rollback(progress)
         mdev = plan.device.mdev
@@ -231,7 +232,7 @@ def attach_live(
 
 
 def _with_device_now(
-    hv: Hypervisor, name: str, target: str, device: VmlendDevice
+    hv: Hypervisor, name: str, target: str, device: VmlendDevice, templates: TemplateSet
 ) -> DomainDocument:
     """The domain's XML as it is now with ``device`` recorded: not the planned copy, since
     another writer may have changed the metadata meanwhile (the agent's recovery unplugging a
@@ -246,7 +247,7 @@ def _with_device_now(
     return add_device(
         now,
         device.fdid,
-        templates=TemplateSet(),  # only the metadata is written
+        templates=templates,
         address=device.address,
         interrupts=device.interrupts,
     )
@@ -263,15 +264,15 @@ def _attach_to(
     hv: Hypervisor,
     name: str,
     target: str,
-    doc: DomainDocument,
-    device: VmlendDevice,
+    plan: AttachPlan,
     journal: UndoJournal,
     progress: Callable[[str], None],
     wait: DetachWait | None,
-    already_plugged: bool = False,
 ) -> None:
     """Plug the hostdev into one definition (live or config) and update its metadata."""
     live = target == LIVE
+    doc, device = plan.after[target], plan.device
+    already_plugged = target in plan.plugged
     dev = hostdev_xml(doc, device)
     if already_plugged:
         # Plugged by an earlier, interrupted attach: not this run's to undo.
@@ -288,7 +289,7 @@ def _attach_to(
         progress(f"attach {target} hostdev mdev {device.mdev}: ok")
     fault_point("attach:after-hotplug")
     old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
-    now = _with_device_now(hv, name, target, device)
+    now = _with_device_now(hv, name, target, device, plan.templates)
     hv.set_metadata(
         name, NAMESPACE_URI, METADATA_KEY, plain_metadata(now), live=live, config=not live
     )
