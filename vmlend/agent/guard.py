@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
@@ -124,11 +125,32 @@ class RemoteVmGuard:
             log.warning("paused %s (their holds are gone)", ", ".join(paused))
         return paused
 
-    def resume(self, names: list[str]) -> None:
-        for name in names:
+    def suspend_if_running(self, name: str) -> None:
+        """Pause ``name`` if it runs (a failure is logged: the caller has nothing better)."""
+        try:
+            if self._hv.lookup(name).state is DomainState.RUNNING:
+                self._hv.suspend(name)
+        except VmlendError as e:
+            log.error("could not pause %s: %s", name, e, extra={"vm": name})
+
+    def resume_if_paused(self, name: str) -> None:
+        """Resume ``name`` if it is paused (it may have stopped, or been resumed, meanwhile)."""
+        if self._hv.lookup(name).state is DomainState.PAUSED:
+            self._hv.resume(name)
+
+    def resume(self, names: list[str], gate: Callable[[str, Callable[[], None]], bool]) -> None:
+        """Resume ``names`` through ``gate`` (``LeaseWatch.resume_if_fresh``), each on a thread
+        of its own, without waiting: the agent's loop calls this after a renewal, and a domain
+        the hypervisor does not answer for must not hold up the next renewal."""
+
+        def one(name: str) -> None:
             try:
-                self._hv.resume(name)
+                if gate(name, lambda: self.resume_if_paused(name)):
+                    log.warning("lease renewed: resumed %s", name, extra={"vm": name})
             except VmlendError as e:
                 log.error("could not resume %s: %s", name, e, extra={"vm": name})
-        if names:
-            log.warning("lease renewed: resumed %s", ", ".join(names))
+            except Exception:  # a thread of its own: nobody else would see it
+                log.exception("resuming %s failed", name)
+
+        for name in names:
+            threading.Thread(target=one, args=(name,), name=f"resume-{name}", daemon=True).start()

@@ -169,9 +169,14 @@ class LostLeaseRecovery:
 
     def _resume(self, name: str) -> bool:
         if self._resume_gate is None:
-            self._hv.resume(name)
+            self._resume_paused(name)
             return True
-        return self._resume_gate(name, lambda: self._hv.resume(name))
+        return self._resume_gate(name, lambda: self._resume_paused(name))
+
+    def _resume_paused(self, name: str) -> None:
+        # a VM a late resume ran (``LeaseWatch.take_orphans``) may run already
+        if self._hv.lookup(name).state is DomainState.PAUSED:
+            self._hv.resume(name)
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait

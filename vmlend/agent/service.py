@@ -40,6 +40,59 @@ from vmlend.wiring.fabric import Location, open_fabric
 log = logging.getLogger(__name__)
 
 
+class _PlugServer:
+    """Serves plug requests on a thread of its own, every interval: plugging calls the
+    hypervisor, which must not hold up the agent's loop. On a fabric of its own (the loop's is
+    not shared across threads), opened on the thread. Held while the lease is in doubt
+    (``may_serve``) and while a lost lease's recovery runs (``hold``)."""
+
+    def __init__(
+        self,
+        open_fabric: Callable[[], Fabric],
+        serve: Callable[[Fabric], None],
+        may_serve: Callable[[], bool],
+    ) -> None:
+        self._open_fabric = open_fabric
+        self._serve = serve
+        self._may_serve = may_serve
+        self._stop = threading.Event()
+        self._held = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, interval: float) -> None:
+        def run() -> None:
+            fabric: Fabric | None = None
+            try:
+                while not self._stop.wait(interval):
+                    if self._held.is_set() or not self._may_serve():
+                        continue
+                    try:
+                        if fabric is None:
+                            fabric = self._open_fabric()
+                        self._serve(fabric)
+                    except Exception:  # the next pass may do better
+                        log.exception("serving plug requests failed")
+            finally:
+                if fabric is not None:
+                    fabric.close()
+
+        self._thread = threading.Thread(target=run, name="plug-requests", daemon=True)
+        self._thread.start()
+
+    def hold(self) -> None:
+        self._held.set()
+
+    def release(self) -> None:
+        self._held.clear()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("a plug request is still being served as the agent stops")
+
+
 class AgentFabric(Fabric, TakesBack, Protocol):
     """What the agent serves on: a fabric that can take fenced devices back."""
 
@@ -123,6 +176,7 @@ class Agent:
             guard.pause if guard is not None else list,
             clock=self._clock,
             tick=min(cfg.interval, lease.ttl / 10),
+            suspend=guard.suspend_if_running if guard is not None else None,
         )
         watch.start()
         cfg.metrics.follow(
@@ -191,6 +245,39 @@ class Agent:
         # Ready only now: systemd orders libvirtd's guests after this, and a hook call before
         # it would have found nobody to serve it.
         cfg.notifier.ready(f"serving node {cfg.node}: lease {lease.id:x} held")
+        plugs = None
+        if hv is not None:
+            deadline = call_deadline(lease.ttl)
+
+            def serve(fabric: Fabric) -> None:
+                assert hv is not None and isinstance(fabric, RegistryFabric)
+                assert isinstance(fabric.registry, EtcdRegistry)
+                fabric.registry.gateway.set_timeout(deadline)
+                self._serve_plugs(PlugRequests(fabric.registry), hv, fabric)
+
+            plugs = _PlugServer(self._open_fabric, serve, lambda: not watch.in_doubt)
+            plugs.start(cfg.interval)
+        try:
+            return self._loop(registry, fabric, lease, journal, watch, guard, recovery, plugs)
+        finally:
+            if plugs is not None:
+                plugs.stop(call_deadline(lease.ttl))
+
+    def _loop(
+        self,
+        registry: EtcdRegistry,
+        fabric: AgentFabric,
+        lease: SessionLease,
+        journal: ReleaseJournal,
+        watch: LeaseWatch,
+        guard: RemoteVmGuard | None,
+        recovery: LostLeaseRecovery | None,
+        plugs: _PlugServer | None,
+    ) -> int:
+        """Renew, resume, take back, until stopped. No hypervisor call waits on this thread but
+        the recovery after a lost lease: a domain the hypervisor does not answer for must not
+        stop the renewals (the lease, and every hold of this host, would end with them)."""
+        cfg = self.config
         renewed = self._clock()
         next_renew = renewed
         while not self.stop_event.is_set():
@@ -212,11 +299,13 @@ class Agent:
                         # deadline (TTL/4) earlier, so the pause still comes before 3/4 TTL.
                         resume = watch.renewed()
                         if guard is not None:
-                            guard.resume(resume)
+                            guard.resume(resume, watch.resume_if_fresh)
                         self._land_releases(journal, fabric)
                 except LeaseLost as e:
                     cfg.notifier.status(f"lease {lease.id:x} lost: pausing and recovering")
                     cfg.metrics.lease_lost()
+                    if plugs is not None:
+                        plugs.hold()  # none served until the recovery is done
                     paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
@@ -228,16 +317,21 @@ class Agent:
                     if recovery is not None and guard is not None:
                         names = sorted(set(guard.paused_after_loss) | set(late))
                         cfg.metrics.recovered(recovery.recover(names))
+                    if plugs is not None:
+                        plugs.release()
                     cfg.notifier.status(f"serving node {cfg.node}: lease {lease.id:x} held")
                     now = renewed = self._clock()
                 # In doubt, retry often: every moment counts before the TTL runs out.
                 next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)
+            if recovery is not None and (orphans := watch.take_orphans()):
+                # resumed late, after the lease they were resumed under was lost
+                cfg.metrics.recovered(recovery.recover(orphans))
             self._take_back(fabric)
-            if hv is not None:
-                self._serve_plugs(PlugRequests(registry), hv, fabric)
             cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
             self.stop_event.wait(cfg.interval)
         cfg.notifier.stopping(f"stopping: giving up lease {lease.id:x}")
+        if plugs is not None:
+            plugs.stop(call_deadline(lease.ttl))  # before the fabric it serves on is closed
         return self._stopped(registry, fabric, lease)
 
     def _open_fabric(self) -> Fabric:

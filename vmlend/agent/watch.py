@@ -29,9 +29,12 @@ class LeaseWatch:
         *,
         clock: Callable[[], float] = time.monotonic,
         tick: float = 0.1,
+        suspend: Callable[[str], None] | None = None,
     ) -> None:
         self._ttl = ttl
         self._pause = pause
+        #: Pauses one VM again whose resume landed late (a doubt began meanwhile).
+        self._suspend = suspend
         self._clock = clock
         self._tick = tick
         # Never held across a hypervisor call of ``pause``: a renewal must not wait for one.
@@ -43,6 +46,11 @@ class LeaseWatch:
         self._paused: list[str] = []
         #: Paused VMs whose holds went with a lease: only a recovery may resume them.
         self._parked: set[str] = set()
+        #: One per lease: ``take_paused`` (the lease is lost) starts the next.
+        self._generation = 0
+        #: VMs whose resume began under an earlier lease and landed after it was lost: paused
+        #: again, for the recovery (``take_orphans``).
+        self._orphans: list[str] = []
         self.in_doubt = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,7 +61,7 @@ class LeaseWatch:
             self._last_ok = self._clock()
             names, self._paused = self._paused, []
             self.in_doubt = False
-            return [n for n in names if n not in self._parked]
+            return [n for n in dict.fromkeys(names) if n not in self._parked]
 
     def park(self, name: str) -> None:
         """Keep the paused VM ``name`` for the recovery under the next lease: the lease its
@@ -100,18 +108,53 @@ class LeaseWatch:
                 self._paused_done.notify_all()
         return True
 
-    def resume_if_fresh(self, name: str, resume: Callable[[], None]) -> bool:
-        """``resume()`` the paused VM ``name`` only while the lease is not in doubt, under the
-        lock ``check`` decides under (it sets ``in_doubt`` before it pauses), so no pause can
-        slip in between and be undone. Otherwise
-        the VM stays paused as one the watch paused: the next good renewal resumes it
-        (``renewed``), a lost lease hands it to the recovery again (``take_paused``)."""
-        with self._lock:
-            if not self.in_doubt and self._clock() - self._last_ok <= self._ttl / 2:
-                resume()
-                return True
+    def _fresh(self) -> bool:
+        return not self.in_doubt and self._clock() - self._last_ok <= self._ttl / 2
+
+    def _hold_back(self, name: str) -> None:
+        if name not in self._paused:
             self._paused.append(name)
-            return False
+
+    def resume_if_fresh(self, name: str, resume: Callable[[], None]) -> bool:
+        """``resume()`` the paused VM ``name`` only while the lease is not in doubt; whether it
+        runs now. Otherwise it stays paused as one the watch paused: the next good renewal
+        resumes it (``renewed``), a lost lease hands it to the recovery (``take_paused``).
+
+        ``resume()`` runs outside the lock, so a doubt may begin while the hypervisor resumes
+        it, and the pause may pass it by as paused. Once the resume is back the watch looks
+        again: in doubt, the VM is paused again and held back as above; if the lease was lost
+        meanwhile, its holds may be gone with it, so it is paused again for the recovery
+        (``take_orphans``)."""
+        with self._lock:
+            if not self._fresh():
+                self._hold_back(name)
+                return False
+            generation = self._generation
+        resume()
+        with self._lock:
+            lost = self._generation != generation
+            if not lost and self._fresh():
+                return True
+        log.warning(
+            "VM %s resumed as the lease %s: pausing it again",
+            name,
+            "was lost" if lost else "came in doubt",
+        )
+        if self._suspend is not None:
+            self._suspend(name)
+        with self._lock:
+            if lost or self._generation != generation:
+                self._orphans.append(name)
+            else:
+                self._hold_back(name)
+        return False
+
+    def take_orphans(self) -> list[str]:
+        """The VMs a late resume ran after the lease was lost, paused again: for the
+        recovery, like those of ``take_paused``."""
+        with self._lock:
+            names, self._orphans = self._orphans, []
+            return list(dict.fromkeys(names))
 
     def take_paused(self) -> list[str]:
         """The VMs paused so far and those parked (the lost-lease path takes them over), a
@@ -120,9 +163,10 @@ class LeaseWatch:
         with self._lock:
             while self._pausing:
                 self._paused_done.wait()
-            names, self._paused = self._paused, []
+            names, self._paused = list(dict.fromkeys(self._paused)), []
             names += sorted(self._parked - set(names))
             self._parked.clear()
+            self._generation += 1
             return names
 
     def start(self) -> None:

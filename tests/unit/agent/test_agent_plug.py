@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -282,3 +283,68 @@ def test_without_an_agent_that_plugs_on_the_destination_nothing_is_changed(hosts
     assert gamma.mdevs() == {str(mdev_uuid(uuid.UUID(VM_UUID), GPU))}
     assert holders(gamma) == {GPU: "gamma/vm1"}
     assert load_journal(tmp_path, "vm1") is None and plug_keys(gamma) == []
+
+
+class CountingAgent(Agent):
+    def __init__(self, config: AgentConfig) -> None:
+        super().__init__(config)
+        self.renewals = 0
+
+    def _renew(self, lease) -> None:  # type: ignore[no-untyped-def]
+        super()._renew(lease)
+        self.renewals += 1
+
+
+def test_a_plug_the_hypervisor_does_not_answer_holds_up_no_renewal(hosts, tmp_path):
+    """The destination's hypervisor hangs in the hot-plug of a plug request. The agent must
+    renew on meanwhile (it used to serve plug requests on its loop: the lease, and every hold
+    of the host, would have ended while etcd answered); the plug lands once it answers."""
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU,))
+    attaching, answer = threading.Event(), threading.Event()
+
+    def stuck_hv():  # type: ignore[no-untyped-def]
+        hv = beta.hv()
+        attach = hv.attach_device
+
+        def hanging(*args, **kw):  # type: ignore[no-untyped-def]
+            attaching.set()
+            answer.wait(60)
+            return attach(*args, **kw)
+
+        hv.attach_device = hanging
+        return hv
+
+    cfg = AgentConfig(
+        location=beta.url,
+        node=beta.node,
+        lease_file=beta.lease_file,
+        ttl=2,  # renewed every 2/3 s
+        interval=0.05,
+        hypervisor=stuck_hv,
+        fabric=beta.fabric,
+    )
+    agent = CountingAgent(cfg)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    result: list[object] = []
+    migration = threading.Thread(target=lambda: result.append(migrate(gamma, beta, tmp_path)))
+    try:
+        migration.start()
+        assert attaching.wait(30), "the plug request was never served"
+        before = agent.renewals
+        deadline = time.monotonic() + 20
+        while agent.renewals < before + 2:
+            assert time.monotonic() < deadline, "no renewal while the hot-plug hung"
+            time.sleep(0.05)
+        answer.set()
+        migration.join(60)
+        res, _steps = result[0]  # type: ignore[misc]
+        assert res.devices == ["0x10"] and guest_fdids(beta) == {GPU}
+        assert holders(gamma) == {GPU: "beta/vm1"}
+    finally:
+        answer.set()
+        migration.join(60)
+        agent.stop_event.set()
+        thread.join(30)
+    assert not thread.is_alive()

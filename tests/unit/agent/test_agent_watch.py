@@ -164,3 +164,162 @@ def test_a_lost_lease_takes_over_what_a_slow_pause_paused():
     taking.join(WAIT)
     pausing.join(WAIT)
     assert taken == [["web"]]
+
+
+class _SlowResume:
+    """A resume of "web" the hypervisor answers only when ``answers`` is set, on a thread."""
+
+    def __init__(self, watch: LeaseWatch) -> None:
+        self.answers = threading.Event()
+        self.started = threading.Event()
+        self.result: list[bool] = []
+
+        def resume() -> None:
+            self.started.set()
+            self.answers.wait(WAIT)
+
+        self.thread = threading.Thread(
+            target=lambda: self.result.append(watch.resume_if_fresh("web", resume)), daemon=True
+        )
+        self.thread.start()
+        _until("the resume under way", self.started.is_set)
+
+    def finish(self) -> bool:
+        self.answers.set()
+        self.thread.join(WAIT)
+        return self.result[0]
+
+
+def test_a_resume_the_hypervisor_is_slow_to_do_holds_up_no_pause():
+    """A resume after a renewal waits for the hypervisor, which may not answer for that
+    domain. Meanwhile the lease comes in doubt: the watch must still pause the other VMs
+    (it used to wait for the resume, holding its lock across it). When the resume lands
+    late, the VM is paused again and handed back by the next renewal."""
+    clock = FakeClock()
+    paused: list[str] = []
+    suspended: list[str] = []
+    watch = LeaseWatch(
+        4, lambda: paused.append("db") or ["db"], clock=clock, suspend=suspended.append
+    )
+    slow = _SlowResume(watch)
+    clock.advance(2.01)
+    checking = threading.Thread(target=watch.check, daemon=True)
+    checking.start()
+    checking.join(2.0)
+    held_up = checking.is_alive()
+    resumed = slow.finish()
+    checking.join(WAIT)
+    assert not held_up, "the pause waited for a resume of another VM"
+    assert paused == ["db"]
+    assert resumed is False and suspended == ["web"]  # resumed in doubt: paused again
+    assert watch.renewed() == ["db", "web"]
+
+
+def test_a_resume_that_lands_after_the_lease_was_lost_goes_to_the_recovery():
+    """The lease is lost while a resume is under way: the VM's holds may be gone with it, so
+    once the resume lands the VM is paused again, and it is the recovery's (``take_orphans``),
+    never resumed by a renewal of the next lease."""
+    clock = FakeClock()
+    suspended: list[str] = []
+    watch = LeaseWatch(4, list, clock=clock, suspend=suspended.append)
+    slow = _SlowResume(watch)
+    assert watch.take_paused() == []  # the lost-lease path, while the resume hangs
+    assert watch.renewed() == []  # the next lease's first renewal
+    assert slow.finish() is False
+    assert suspended == ["web"]
+    assert watch.renewed() == []
+    assert watch.take_orphans() == ["web"]
+    assert watch.take_orphans() == []
+
+
+def test_a_resume_that_lands_in_time_runs_the_vm():
+    clock = FakeClock()
+    suspended: list[str] = []
+    watch = LeaseWatch(4, list, clock=clock, suspend=suspended.append)
+    slow = _SlowResume(watch)
+    clock.advance(1.0)  # still fresh when it lands
+    assert slow.finish() is True
+    assert suspended == [] and watch.take_orphans() == [] and watch.renewed() == []
+
+
+class _StuckResumes(SimHypervisor):
+    """A hypervisor that does not answer a resume while ``stuck`` is set (a domain whose
+    QEMU monitor hangs, or whose object another caller holds)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.stuck = threading.Event()
+        self.answer = threading.Event()
+        self.resuming = threading.Event()
+
+    def resume(self, name: str) -> None:
+        if self.stuck.is_set():
+            self.resuming.set()
+            self.answer.wait(WAIT)
+        super().resume(name)
+
+
+class _CountingAgent(HangingAgent):
+    def __init__(self, config: AgentConfig, clock: FakeClock) -> None:
+        super().__init__(config, clock)
+        self.renewals = 0
+
+    def _renew(self, lease: SessionLease) -> None:
+        super()._renew(lease)
+        self.renewals += 1
+
+
+def test_the_agent_renews_on_while_the_hypervisor_does_not_answer_a_resume(
+    etcd_url, tmp_path, monkeypatch, caplog
+):
+    """A renewal after a doubt resumes what the watch paused. If the hypervisor does not
+    answer that resume, the agent must renew on: it used to resume on its loop, so the lease,
+    with every hold of the host, would have ended while etcd answered."""
+    caplog.set_level(logging.WARNING)
+    make_fabric(etcd_url).close()
+    root = tmp_path / "gamma"
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    hv = _StuckResumes("gamma", tmp_path / "hv", None)
+    clock = FakeClock()
+    config = AgentConfig(
+        etcd_url,
+        "gamma",
+        hostlease.lease_path(HostEnv(root)),
+        ttl=TTL,
+        interval=0.05,
+        hypervisor=lambda: hv,
+    )
+    agent = _CountingAgent(config, clock)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(agent.run()))
+    thread.start()
+    try:
+        _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
+        with open_fabric(etcd_url, "gamma") as f:
+            f.reserve(GPU, WEB)
+        hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+        hv.start("web")
+
+        agent.hang.set()
+        clock.advance(TTL / 2 + 0.1)  # a keepalive hangs, and the doubt begins
+        _until("web paused", lambda: hv.lookup("web").state is DomainState.PAUSED)
+        hv.stuck.set()
+        agent.hang.clear()
+        agent.answer.set()  # the keepalive answers: resume web, which the hypervisor hangs
+        _until("the resume under way", hv.resuming.is_set)
+        before = agent.renewals
+        for _ in range(3):  # three renewal periods pass while the resume hangs
+            clock.advance(TTL / 3 + 0.1)
+            _until("a renewal", lambda n=agent.renewals: agent.renewals > n)
+        assert agent.renewals >= before + 3
+        assert "lost its lease" not in caplog.text
+        hv.answer.set()
+        _until("web resumed", lambda: hv.lookup("web").state is DomainState.RUNNING)
+        with open_fabric(etcd_url, "gamma") as f:
+            assert f.device(GPU).holder == WEB
+    finally:
+        hv.answer.set()
+        agent.answer.set()
+        agent.stop_event.set()
+        thread.join(WAIT)
+    assert result == [0]
