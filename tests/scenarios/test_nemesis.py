@@ -5,8 +5,9 @@ devices that VMs on two hosts want. Then the nemeses (``tests/support/nemesis.py
 its lease ended; SIGSTOP of an agent past the TTL, in its loop and (restarted after its lease
 ended) in its start-up; SIGSTOP of a hook mid-prepare and of one mid-release past the TTL; a
 silent partition of one host from etcd past the TTL; loss of quorum past the TTL; kill -9 of the
-etcd leader; and combined: a hook frozen mid-prepare or mid-release while its host's agent is
-dead past its lease, a partition together with a kill of the leader, a frozen agent together
+etcd leader; a domain the hypervisor does not answer for while its agent resumes it; and
+combined: a hook frozen mid-prepare or mid-release while its host's agent is dead past its
+lease, a partition together with a kill of the leader, a frozen agent together
 with a loss of quorum. A sampler reads every host's running, unpaused VMs every 0.1 s: no device
 may be in two of them (``tests/support/nemesis.py`` says exactly what counts, hot-added devices
 included). After the faults heal: nothing held by a VM that does not run or does not use it,
