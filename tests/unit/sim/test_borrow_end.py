@@ -22,13 +22,6 @@ from vmlend.topology.model import GiB
 GPU, GPU2 = 0x10, 0x11  # both lent by alpha: only alpha's IOMMU is on a peer write's path
 
 
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
-
-
 def start_with_p2p(cluster: Cluster, name: str, fdids: tuple[int, ...]) -> tuple[SimVm, P2PMapper]:
     p2p = P2PMapper(cluster.hw, "gamma", name)
     vm = cluster.start(domain_xml(name, 1 * GiB, fdids=fdids), p2p=p2p)

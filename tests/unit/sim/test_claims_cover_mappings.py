@@ -18,13 +18,6 @@ from vmlend.wiring.fabric import default_topology_text
 ALPHA_GPU, ALPHA_GPU2, BETA_GPU = 0x10, 0x11, 0x20
 
 
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
-
-
 def _vm(c: Cluster, name: str, xml: bytes, node: str = "gamma") -> SimVm:
     ledger = RegistryWindowLedger(c.registry)
     p2p = P2PMapper(c.hw, node, name, recorder=registry_recorder(c.registry), promises=ledger)

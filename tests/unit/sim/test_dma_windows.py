@@ -31,13 +31,6 @@ PAGE = FRAME
 FOUR_GIB = 4 * GiB
 
 
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
-
-
 def boundary_pages(vm: SimVm, fdid: int) -> set[int]:
     """First and last page of every RAM range and of every IOMMU mapping run on the path."""
     pages: set[int] = set()

@@ -16,13 +16,6 @@ from vmlend.topology.model import GiB, Holder
 GPU = 0x10
 
 
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
-
-
 def _token(c: Cluster, fdid: int) -> int:
     return c.fabric().holds()[fdid].token
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.simcluster import Cluster, domain_xml
+from tests.support.simcluster import domain_xml
 from vmlend.errors import StaleTokenError
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.sim.invariants import check_hardware, check_with_registry
@@ -18,13 +18,6 @@ GPA = 64 * 4096
 PRIMARY = "mxs824/gamma:0"
 BACKUP = "mxs824b/gamma:1"
 LENDER = "mxs824/alpha:0"
-
-
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -11,20 +11,13 @@ import json
 
 import pytest
 
-from tests.support.simcluster import Cluster, domain_xml
+from tests.support.simcluster import domain_xml
 from vmlend.errors import ConfigError, DmaFault, FabricError, NoPathError
 from vmlend.topology.model import GiB
 
 GPA = 64 * 4096  # a page of the guest's low RAM
 PRIMARY = "mxs824/gamma:0"  # gamma's cable on the primary route from alpha
 BACKUP = "mxs824b/gamma:1"
-
-
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
 
 
 @pytest.fixture

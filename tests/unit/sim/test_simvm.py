@@ -8,18 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.simcluster import Cluster, domain_xml
+from tests.support.simcluster import domain_xml
 from vmlend.errors import ConfigError, DmaFault, FabricError, PinError
 from vmlend.sim.pci import regs
 from vmlend.sim.simvm import SimVm
 from vmlend.topology.model import DeviceState, GiB, MiB
-
-
-@pytest.fixture
-def cluster(state_path):
-    c = Cluster.create(state_path)
-    yield c
-    c.close()
 
 
 def test_enable_borrows_maps_and_dma_lands_in_guest_ram(cluster):
