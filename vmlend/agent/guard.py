@@ -113,10 +113,12 @@ class RemoteVmGuard:
         return sorted(done)
 
     def pause_these(self, names: list[str]) -> list[str]:
-        """Pause ``names`` (whatever devices they use); the names paused."""
+        """Pause those of ``names`` that run (whatever devices they use); the names paused."""
         paused = []
         for name in names:
             try:
+                if self._hv.lookup(name).state is not DomainState.RUNNING:
+                    continue
                 self._hv.suspend(name)
                 paused.append(name)
             except VmlendError as e:
@@ -138,14 +140,20 @@ class RemoteVmGuard:
         if self._hv.lookup(name).state is DomainState.PAUSED:
             self._hv.resume(name)
 
-    def resume(self, names: list[str], gate: Callable[[str, Callable[[], None]], bool]) -> None:
-        """Resume ``names`` through ``gate`` (``LeaseWatch.resume_if_fresh``), each on a thread
-        of its own, without waiting: the agent's loop calls this after a renewal, and a domain
-        the hypervisor does not answer for must not hold up the next renewal."""
+    def resume(
+        self,
+        names: list[str],
+        gate: Callable[[str, Callable[[], None], int], bool],
+        generation: int,
+    ) -> None:
+        """Resume ``names`` through ``gate`` (``LeaseWatch.resume_if_fresh``, with the lease
+        ``generation`` they were paused under), each on a thread of its own, without waiting:
+        the agent's loop calls this after a renewal, and a domain the hypervisor does not
+        answer for must not hold up the next renewal."""
 
         def one(name: str) -> None:
             try:
-                if gate(name, lambda: self.resume_if_paused(name)):
+                if gate(name, lambda: self.resume_if_paused(name), generation):
                     log.warning("lease renewed: resumed %s", name, extra={"vm": name})
             except VmlendError as e:
                 log.error("could not resume %s: %s", name, e, extra={"vm": name})

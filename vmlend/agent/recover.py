@@ -80,8 +80,12 @@ class LostLeaseRecovery:
         sleep: Callable[[float], None] = time.sleep,
         resume_gate: Callable[[str, Callable[[], None]], bool] | None = None,
         park: Callable[[str], None] | None = None,
+        keep_alive: Callable[[], None] = lambda: None,
     ) -> None:
         self._hv = hv
+        #: Renews the lease if due: the recovery runs on the agent's loop and may wait for
+        #: lenders for longer than the lease lives.
+        self._keep_alive = keep_alive
         #: Keeps a VM paused for the recovery under the next lease (``LeaseWatch.park``): the
         #: lease this recovery writes under ended before the VM was won back.
         self._park = park
@@ -99,6 +103,7 @@ class LostLeaseRecovery:
     def recover(self, names: list[str]) -> list[VmRecovery]:
         out = []
         for name in names:
+            self._keep_alive()
             try:
                 result = self._recover_one(name)
             except VmlendError as e:  # the hypervisor itself failed: nothing more to try
@@ -191,6 +196,7 @@ class LostLeaseRecovery:
                 if self._clock() >= deadline:
                     raise
                 self._sleep(self._interval)
+                self._keep_alive()
 
     def _unplug(self, name: str, fdids: list[int]) -> None:
         """Remove the hostdevs and metadata entries of ``fdids`` from the running domain."""
@@ -224,12 +230,14 @@ class LostLeaseRecovery:
 
 
 def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
-    """The running VMs here that use a device the registry does not say is theirs: this
-    host's lease ended while its agent was down, so the holds went with it (and another
-    host may hold the device by now). They take the lost-lease path at start-up."""
+    """The running or paused VMs here that use a device the registry does not say is
+    theirs: this host's lease ended while its agent was down, so the holds went with it (and
+    another host may hold the device by now). They take the lost-lease path at start-up.
+    Paused ones too: this agent's watch may have paused one while it started up."""
     # The domains first, then the holds: a VM listed as running had its prepare hook (which
     # reserves) done before, so its holds are in any later read.
-    running = [i for i in hv.list_domains() if i.state is DomainState.RUNNING]
+    active = (DomainState.RUNNING, DomainState.PAUSED)
+    running = [i for i in hv.list_domains() if i.state in active]
     holders = {st.fdid: st.holder for st in fabric.devices()}
     out = []
     for info in running:

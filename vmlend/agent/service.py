@@ -86,11 +86,84 @@ class _PlugServer:
         self._held.clear()
 
     def stop(self, timeout: float) -> None:
+        """Stop, waiting up to ``timeout`` for a pass in progress (once: later calls return)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("a plug request is still being served as the agent stops")
+
+
+class Renewals:
+    """When the lease was last renewed and when it is next due. The loop renews through it,
+    and so does a lost lease's recovery, which runs on the loop, while it waits for lenders
+    (``keep_alive``): a recovery longer than the TTL would otherwise let the new lease end
+    under it, and every VM of the host would be paused again."""
+
+    def __init__(
+        self,
+        lease: SessionLease,
+        *,
+        renew: Callable[[SessionLease], None],
+        clock: Callable[[], float],
+        interval: float,
+        metrics: AgentMetrics,
+        watch: LeaseWatch,
+        guard: RemoteVmGuard | None,
+    ) -> None:
+        self._renew = renew
+        self._clock = clock
+        self._interval = interval
+        self._metrics = metrics
+        self._watch = watch
+        self._guard = guard
+        self.lease = lease
+        self.last = self.next = clock()
+
+    def start(self, lease: SessionLease) -> None:
+        """A new lease, granted moments ago (its TTL runs since): renewed at the first chance,
+        so etcd's clock and this one start again together."""
+        self.lease = lease
+        self.last = self.next = self._clock()
+
+    def renew(self, *, resume: bool = True) -> bool:
+        """One keepalive; whether it was answered (``LeaseLost``: etcd says the lease is gone).
+        Answered, the watch's clock starts again and, with ``resume``, the VMs it paused
+        resume (off this thread: ``RemoteVmGuard.resume``)."""
+        now = self._clock()
+        try:
+            self._renew(self.lease)
+        except StateError as e:
+            log.warning("cannot renew lease %x: %s", self.lease.id, e)
+            self._metrics.renew_failed()
+            return False
+        # Counted from before the call: etcd restarted the TTL at most one call deadline
+        # (TTL/4) later, so the pause still comes before 3/4 TTL.
+        self.last = now
+        names = self._watch.renewed(hand_back=resume)
+        if self._guard is not None and names:
+            # the lease they resume under, read on the one thread that ends it
+            self._guard.resume(names, self._watch.resume_if_fresh, self._watch.generation)
+        return True
+
+    def schedule(self, now: float) -> None:
+        # In doubt, retry often: every moment counts before the TTL runs out.
+        self.next = now + (self._interval if self._watch.in_doubt else self.lease.ttl / 3)
+
+    def keep_alive(self) -> None:
+        """Renew if due, resuming nothing: a VM the watch paused may be one the recovery has
+        yet to win back (at start-up, one that ran without its holds); the loop's next renewal
+        hands them back. A failure, or the lease gone, is the loop's to act on once the
+        recovery is done (its reserves fail meanwhile, and it parks the VMs)."""
+        now = self._clock()
+        if now >= self.next:
+            try:
+                self.renew(resume=False)
+            except LeaseLost as e:
+                log.warning("%s during the recovery", e)
+            self.schedule(now)
 
 
 class AgentFabric(Fabric, TakesBack, Protocol):
@@ -130,6 +203,7 @@ class Agent:
         self.taken_back: list[int] = []
         #: The plug requests this agent answered, with their outcome.
         self.plugged: list[PlugRequest] = []
+        self._renewals: Renewals | None = None
 
     def run(self) -> int:
         """Serve until ``stop_event``: 0, or 3 when stopped after losing the lease and before
@@ -185,9 +259,19 @@ class Agent:
             registry=registry,
             open_fabric=self._open_fabric,
         )
+        renewals = self._renewals = Renewals(
+            lease,
+            renew=self._renew,
+            clock=self._clock,
+            interval=cfg.interval,
+            metrics=cfg.metrics,
+            watch=watch,
+            guard=guard,
+        )
         if hv is not None:
-            # A fenced device is back within the lender's scan interval; allow a TTL for it.
-            # A VM won back resumes only while the lease is not in doubt (the watch's rule).
+            # A fenced device is back within the lender's scan interval; allow a TTL for it,
+            # renewing the lease meanwhile. A VM won back resumes only while the lease is not
+            # in doubt (the watch's rule).
             recovery = LostLeaseRecovery(
                 hv,
                 fabric,
@@ -195,6 +279,7 @@ class Agent:
                 interval=cfg.interval,
                 resume_gate=watch.resume_if_fresh,
                 park=watch.park,
+                keep_alive=renewals.keep_alive,
             )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
@@ -231,7 +316,12 @@ class Agent:
                     " ran); pausing them to re-reserve their devices",
                     ", ".join(lost),
                 )
-                cfg.metrics.recovered(recovery.recover(guard.pause_these(lost)))
+                paused = guard.pause_these(lost)
+                # and those the watch paused first: the recovery's now, or the first renewal
+                # would resume them without their holds. A VM paused before (an operator, the
+                # agent before this one) stays paused; the reconcile below re-acquires for it.
+                paused = sorted(set(paused) | set(watch.withdraw(lost)))
+                cfg.metrics.recovered(recovery.recover(paused))
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
                 return self._stopped(registry, fabric, lease)
@@ -253,12 +343,20 @@ class Agent:
                 assert hv is not None and isinstance(fabric, RegistryFabric)
                 assert isinstance(fabric.registry, EtcdRegistry)
                 fabric.registry.gateway.set_timeout(deadline)
-                self._serve_plugs(PlugRequests(fabric.registry), hv, fabric)
+                # A hot-plug may land after the lease came in doubt or was lost (the pause,
+                # the recovery did not see the device yet): the watch looks again after each.
+                generation = watch.generation
+                self._serve_plugs(
+                    PlugRequests(fabric.registry),
+                    hv,
+                    fabric,
+                    after=lambda vm: watch.recheck(vm, generation),
+                )
 
             plugs = _PlugServer(self._open_fabric, serve, lambda: not watch.in_doubt)
             plugs.start(cfg.interval)
         try:
-            return self._loop(registry, fabric, lease, journal, watch, guard, recovery, plugs)
+            return self._loop(registry, fabric, journal, watch, guard, recovery, plugs)
         finally:
             if plugs is not None:
                 plugs.stop(call_deadline(lease.ttl))
@@ -267,7 +365,6 @@ class Agent:
         self,
         registry: EtcdRegistry,
         fabric: AgentFabric,
-        lease: SessionLease,
         journal: ReleaseJournal,
         watch: LeaseWatch,
         guard: RemoteVmGuard | None,
@@ -278,30 +375,20 @@ class Agent:
         the recovery after a lost lease: a domain the hypervisor does not answer for must not
         stop the renewals (the lease, and every hold of this host, would end with them)."""
         cfg = self.config
-        renewed = self._clock()
-        next_renew = renewed
+        renewals = self._renewals
+        assert renewals is not None
         while not self.stop_event.is_set():
             now = self._clock()
-            if now >= next_renew:
+            if now >= renewals.next:
                 try:
-                    try:
-                        self._renew(lease)
-                    except StateError as e:
-                        log.warning("cannot renew lease %x: %s", lease.id, e)
-                        cfg.metrics.renew_failed()
-                        if self._clock() - renewed > lease.ttl:
-                            raise LeaseLost(
-                                f"lease {lease.id:x} not renewed for {lease.ttl} s"
-                            ) from None
-                    else:
-                        renewed = now
-                        # Counted from the answer: etcd restarted the TTL at most one call
-                        # deadline (TTL/4) earlier, so the pause still comes before 3/4 TTL.
-                        resume = watch.renewed()
-                        if guard is not None:
-                            guard.resume(resume, watch.resume_if_fresh)
+                    if renewals.renew():
                         self._land_releases(journal, fabric)
+                    elif self._clock() - renewals.last > renewals.lease.ttl:
+                        raise LeaseLost(
+                            f"lease {renewals.lease.id:x} not renewed for {renewals.lease.ttl} s"
+                        )
                 except LeaseLost as e:
+                    lease = renewals.lease
                     cfg.notifier.status(f"lease {lease.id:x} lost: pausing and recovering")
                     cfg.metrics.lease_lost()
                     if plugs is not None:
@@ -310,25 +397,34 @@ class Agent:
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
                         return 3
-                    lease = new_lease
-                    # A new lease: the clock starts again. What the watch paused since
-                    # ``take_paused`` (the new lease took a while) is recovered too.
+                    # A new lease: the clock starts again, and the recovery renews it while it
+                    # waits (``Renewals.keep_alive``). What the watch paused since
+                    # ``take_paused`` (the new lease took a while) is recovered too: taken
+                    # before any renewal there would resume it.
                     late = watch.renewed()
+                    renewals.start(new_lease)
                     if recovery is not None and guard is not None:
                         names = sorted(set(guard.paused_after_loss) | set(late))
                         cfg.metrics.recovered(recovery.recover(names))
                     if plugs is not None:
                         plugs.release()
-                    cfg.notifier.status(f"serving node {cfg.node}: lease {lease.id:x} held")
-                    now = renewed = self._clock()
-                # In doubt, retry often: every moment counts before the TTL runs out.
-                next_renew = now + (cfg.interval if watch.in_doubt else lease.ttl / 3)
-            if recovery is not None and (orphans := watch.take_orphans()):
-                # resumed late, after the lease they were resumed under was lost
+                    cfg.notifier.status(f"serving node {cfg.node}: lease {new_lease.id:x} held")
+                    now = self._clock()
+                renewals.schedule(now)
+            if recovery is not None and guard is not None and (orphans := watch.take_orphans()):
+                # resumed or plugged late, after the lease they were for was lost; paused again
+                # (unless that failed: pause them now, since the recovery only resumes)
+                if plugs is not None:
+                    plugs.hold()
+                for name in orphans:
+                    guard.suspend_if_running(name)
                 cfg.metrics.recovered(recovery.recover(orphans))
+                if plugs is not None:
+                    plugs.release()
             self._take_back(fabric)
             cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
             self.stop_event.wait(cfg.interval)
+        lease = renewals.lease
         cfg.notifier.stopping(f"stopping: giving up lease {lease.id:x}")
         if plugs is not None:
             plugs.stop(call_deadline(lease.ttl))  # before the fabric it serves on is closed
@@ -472,10 +568,16 @@ class Agent:
         except StateError as e:
             log.warning("pending releases wait: %s", e)
 
-    def _serve_plugs(self, requests: PlugRequests, hv: Hypervisor, fabric: Fabric) -> None:
+    def _serve_plugs(
+        self,
+        requests: PlugRequests,
+        hv: Hypervisor,
+        fabric: Fabric,
+        after: Callable[[str], object] | None = None,
+    ) -> None:
         """Plug the devices of VMs live-migrated here back in, as their sources ask."""
         try:
-            self.plugged.extend(serve_plug_requests(requests, hv, fabric))
+            self.plugged.extend(serve_plug_requests(requests, hv, fabric, after=after))
         except VmlendError as e:
             log.warning("cannot serve plug requests: %s", e)
 

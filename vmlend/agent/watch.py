@@ -55,12 +55,15 @@ class LeaseWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def renewed(self) -> list[str]:
-        """A renewal succeeded: the clock starts again. The VMs the watch paused."""
+    def renewed(self, *, hand_back: bool = True) -> list[str]:
+        """A renewal succeeded: the clock starts again. The VMs the watch paused (with
+        ``hand_back`` false, none: they stay paused for the next renewal to hand back)."""
         with self._lock:
             self._last_ok = self._clock()
-            names, self._paused = self._paused, []
             self.in_doubt = False
+            if not hand_back:
+                return []
+            names, self._paused = self._paused, []
             return [n for n in dict.fromkeys(names) if n not in self._parked]
 
     def park(self, name: str) -> None:
@@ -115,38 +118,66 @@ class LeaseWatch:
         if name not in self._paused:
             self._paused.append(name)
 
-    def resume_if_fresh(self, name: str, resume: Callable[[], None]) -> bool:
+    @property
+    def generation(self) -> int:
+        """Which lease this is, counted by the watch: ``take_paused`` (the lease was lost)
+        starts the next. Read it with ``renewed`` to know which lease a name was for."""
+        with self._lock:
+            return self._generation
+
+    def resume_if_fresh(
+        self, name: str, resume: Callable[[], None], generation: int | None = None
+    ) -> bool:
         """``resume()`` the paused VM ``name`` only while the lease is not in doubt; whether it
         runs now. Otherwise it stays paused as one the watch paused: the next good renewal
         resumes it (``renewed``), a lost lease hands it to the recovery (``take_paused``).
+        ``generation``: the lease it was paused under (``generation`` read with ``renewed``);
+        if that lease was lost since, it is the recovery's (``take_orphans``), not resumed.
 
         ``resume()`` runs outside the lock, so a doubt may begin while the hypervisor resumes
-        it, and the pause may pass it by as paused. Once the resume is back the watch looks
-        again: in doubt, the VM is paused again and held back as above; if the lease was lost
-        meanwhile, its holds may be gone with it, so it is paused again for the recovery
-        (``take_orphans``)."""
+        it, and the pause may pass it by as paused: once the resume is back, or failed, the
+        watch looks again (``recheck``)."""
         with self._lock:
+            if generation is None:
+                generation = self._generation
+            if self._generation != generation:
+                self._orphans.append(name)
+                return False
             if not self._fresh():
                 self._hold_back(name)
                 return False
-            generation = self._generation
-        resume()
+        try:
+            resume()
+        finally:
+            ok = self.recheck(name, generation)
+        return ok
+
+    def recheck(self, name: str, generation: int) -> bool:
+        """After a hypervisor call that may have let ``name`` run (a resume, a hot-plug that
+        began under lease ``generation``): whether it may run now. If the lease came in doubt
+        meanwhile, it is paused again and held back for the next renewal; if the lease was
+        lost meanwhile, its holds may be gone with it: paused again, for the recovery
+        (``take_orphans``). Recorded even if the pause fails (the recovery pauses first)."""
         with self._lock:
             lost = self._generation != generation
             if not lost and self._fresh():
                 return True
         log.warning(
-            "VM %s resumed as the lease %s: pausing it again",
+            "VM %s may run as the lease %s: pausing it again",
             name,
             "was lost" if lost else "came in doubt",
         )
-        if self._suspend is not None:
-            self._suspend(name)
-        with self._lock:
-            if lost or self._generation != generation:
-                self._orphans.append(name)
-            else:
-                self._hold_back(name)
+        try:
+            if self._suspend is not None:
+                self._suspend(name)
+        except Exception:  # recorded below all the same
+            log.exception("could not pause %s again", name)
+        finally:
+            with self._lock:
+                if lost or self._generation != generation:
+                    self._orphans.append(name)
+                else:
+                    self._hold_back(name)
         return False
 
     def take_orphans(self) -> list[str]:
@@ -155,6 +186,16 @@ class LeaseWatch:
         with self._lock:
             names, self._orphans = self._orphans, []
             return list(dict.fromkeys(names))
+
+    def withdraw(self, names: list[str]) -> list[str]:
+        """Those of ``names`` the watch paused (a pause in progress included), taken out of
+        its hands: no renewal resumes them (the caller recovers them)."""
+        with self._lock:
+            while self._pausing:
+                self._paused_done.wait()
+            taken = [n for n in dict.fromkeys(self._paused) if n in names]
+            self._paused = [n for n in self._paused if n not in names]
+            return taken
 
     def take_paused(self) -> list[str]:
         """The VMs paused so far and those parked (the lost-lease path takes them over), a

@@ -187,16 +187,23 @@ def serve_plug_requests(
     fabric: Fabric,
     *,
     wait: DetachWait | None = None,
+    after: Callable[[str], object] | None = None,
 ) -> list[PlugRequest]:
-    """One pass of the agent: serve every pending request for this node; the ones answered."""
+    """One pass of the agent: serve every pending request for this node; the ones answered.
+    ``after(vm)``: called once each request's plugging is over, however it ended (the agent
+    pauses the VM again if the lease came in doubt while it plugged)."""
     served = []
     for req, rev in requests.pending(fabric.local_node):
         log.warning(
             "plug request %s: plugging %d device(s) into %s", req.id, len(req.devices), req.vm
         )
-        outcome = serve_plug_request(
-            hv, fabric, req, wait=wait, progress=lambda m: log.warning("plug request: %s", m)
-        )
+        try:
+            outcome = serve_plug_request(
+                hv, fabric, req, wait=wait, progress=lambda m: log.warning("plug request: %s", m)
+            )
+        finally:
+            if after is not None:
+                after(req.vm)
         answered = msgspec.structs.replace(req, outcome=outcome)
         if requests.answer(answered, rev):
             served.append(answered)

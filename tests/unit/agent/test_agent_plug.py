@@ -7,8 +7,10 @@ thread of this process (the fake sysfs lives here) and is stopped through its st
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -21,9 +23,10 @@ from tests.support.simfabric import make_fabric
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.domain import mdev_uuid, read_domain
 from vmlend.domain.address import PciAddress
-from vmlend.errors import MigrationError
+from vmlend.errors import MigrationError, StateError
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor import LiveMigration
+from vmlend.hypervisor.base import DomainState
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.notify import Notifier
 from vmlend.ops.attach import apply_attach, plan_attach
@@ -323,10 +326,12 @@ def test_a_plug_the_hypervisor_does_not_answer_holds_up_no_renewal(hosts, tmp_pa
         interval=0.05,
         hypervisor=stuck_hv,
         fabric=beta.fabric,
+        notifier=ReadyNotifier(),
     )
     agent = CountingAgent(cfg)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
+    assert isinstance(cfg.notifier, ReadyNotifier) and cfg.notifier.serving.wait(30)
     result: list[object] = []
     migration = threading.Thread(target=lambda: result.append(migrate(gamma, beta, tmp_path)))
     try:
@@ -348,3 +353,86 @@ def test_a_plug_the_hypervisor_does_not_answer_holds_up_no_renewal(hosts, tmp_pa
         agent.stop_event.set()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_running_on_it(
+    hosts, etcd, tmp_path
+):
+    """The destination's hot-plug hangs with the device reserved under its agent's lease, and
+    that lease ends meanwhile (revoked here, as etcd does when it expires): the hold goes with
+    it, and neither the guard's pause nor the recovery knows the VM has the device (it is not
+    in the XML yet). When the hot-plug lands, the VM must not run on with a device it does
+    not hold: it is paused again and recovered (the device re-reserved, or unplugged)."""
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU,))
+    attaching, answer = threading.Event(), threading.Event()
+
+    def stuck_hv():  # type: ignore[no-untyped-def]
+        hv = beta.hv()
+        attach = hv.attach_device
+
+        def hanging(*args, **kw):  # type: ignore[no-untyped-def]
+            attaching.set()
+            answer.wait(60)
+            return attach(*args, **kw)
+
+        hv.attach_device = hanging
+        return hv
+
+    cfg = AgentConfig(
+        location=beta.url,
+        node=beta.node,
+        lease_file=beta.lease_file,
+        ttl=2,
+        interval=0.05,
+        hypervisor=stuck_hv,
+        fabric=beta.fabric,
+        notifier=ReadyNotifier(),
+    )
+    agent = Agent(cfg)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    assert isinstance(cfg.notifier, ReadyNotifier) and cfg.notifier.serving.wait(30)
+    migration = threading.Thread(target=lambda: migrate(gamma, beta, tmp_path), daemon=True)
+    try:
+        migration.start()
+        assert attaching.wait(30), "the plug request was never served"
+        old = hostlease.read(beta.lease_file).lease
+        body = json.dumps({"ID": old}).encode()
+        req = urllib.request.Request(f"http://{etcd.endpoint}/v3/lease/revoke", data=body)
+        urllib.request.urlopen(req, timeout=5).close()
+        deadline = time.monotonic() + 30
+        while (now := _published(beta)) in (None, old):
+            assert time.monotonic() < deadline, "the agent never took a new lease"
+            time.sleep(0.05)
+        answer.set()  # the hot-plug lands, under a lease that is gone
+        migration.join(60)
+        deadline = time.monotonic() + 30
+        while not _settled(beta):
+            assert time.monotonic() < deadline, (
+                f"vm1 runs with {guest_fdids(beta)} while holders are {holders(gamma)}"
+            )
+            time.sleep(0.05)
+        assert _published(beta) == now  # the recovery kept the new lease
+    finally:
+        answer.set()
+        migration.join(60)
+        agent.stop_event.set()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def _published(host: KernelHost) -> int | None:
+    try:
+        return hostlease.read(host.lease_file).lease
+    except StateError:
+        return None
+
+
+def _settled(beta: KernelHost) -> bool:
+    """vm1 runs on beta, and a device in its guest is one it holds."""
+    info = beta.hv().lookup("vm1")
+    if info.state is not DomainState.RUNNING:
+        return False
+    held = {f for f, who in holders(beta).items() if who == "beta/vm1"}
+    return guest_fdids(beta) <= held

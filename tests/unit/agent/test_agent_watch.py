@@ -9,11 +9,14 @@ import logging
 import threading
 import time
 
-from tests.support.cluster_hosts import GPU, WEB, domain_xml
+from tests.support.cluster_hosts import DB, GPU, WEB, domain_xml
+from tests.support.etcd_daemon import host_lease
 from tests.support.simfabric import make_fabric
 from vmlend.agent.lease import SessionLease
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.agent.watch import LeaseWatch
+from vmlend.domain import read_domain
+from vmlend.errors import VmlendError
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import hostlease
@@ -320,6 +323,127 @@ def test_the_agent_renews_on_while_the_hypervisor_does_not_answer_a_resume(
     finally:
         hv.answer.set()
         agent.answer.set()
+        agent.stop_event.set()
+        thread.join(WAIT)
+    assert result == [0]
+
+
+def test_a_name_handed_out_before_the_lease_was_lost_is_the_recoverys_not_resumed():
+    """``renewed`` hands "web" out for resuming; before the resume thread gets to the gate the
+    lease is lost (``take_paused``: "web" is not among the paused any more) and a new one is
+    renewed. The gate knows the lease "web" was paused under, so it does not resume it under
+    the new one: it goes to the recovery."""
+    clock = FakeClock()
+    watch = LeaseWatch(4, lambda: ["web"], clock=clock)
+    clock.advance(2.01)
+    watch.check()
+    assert watch.renewed() == ["web"]
+    generation = watch.generation
+    assert watch.take_paused() == []  # the lost-lease path
+    watch.renewed()  # the new lease's first renewal: fresh again
+    resumed: list[str] = []
+    assert watch.resume_if_fresh("web", lambda: resumed.append("web"), generation) is False
+    assert resumed == [] and watch.take_orphans() == ["web"]
+
+
+def test_a_resume_that_fails_after_it_took_effect_is_looked_at_again():
+    """The hypervisor resumed "web" but the call failed on its way back; a doubt began
+    meanwhile: "web" is paused again and held back, and the failure still reaches the
+    caller."""
+    clock = FakeClock()
+    suspended: list[str] = []
+    watch = LeaseWatch(4, list, clock=clock, suspend=suspended.append)
+
+    def resume() -> None:
+        clock.advance(2.01)  # the doubt begins while the hypervisor answers
+        raise VmlendError("connection reset")
+
+    try:
+        watch.resume_if_fresh("web", resume)
+    except VmlendError:
+        pass
+    else:
+        raise AssertionError("the resume's failure was swallowed")
+    assert suspended == ["web"]
+    assert watch.renewed() == ["web"]
+
+
+def test_a_vm_whose_second_pause_fails_is_still_handed_to_the_recovery():
+    clock = FakeClock()
+
+    def suspend(name: str) -> None:
+        raise RuntimeError("hypervisor gone")
+
+    watch = LeaseWatch(4, list, clock=clock, suspend=suspend)
+    generation = watch.generation
+    watch.take_paused()  # lost while "web" was hot-plugged under the old lease
+    assert watch.recheck("web", generation) is False
+    assert watch.take_orphans() == ["web"]
+
+
+class _SlowStartUp(SimHypervisor):
+    """A listing of the domains, asked by the agent's own thread, waits until ``go`` is set:
+    its start-up looks for VMs without their holds while the watch acts."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.agent_thread: threading.Thread | None = None
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def list_domains(self):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is self.agent_thread and not self.go.is_set():
+            self.reached.set()
+            self.go.wait(WAIT)
+        return super().list_domains()
+
+
+def test_a_vm_the_watch_paused_during_start_up_is_recovered_not_resumed_without_its_holds(
+    etcd, etcd_url, tmp_path, monkeypatch, caplog
+):
+    """The agent starts after its host's lease ended: web runs without its hold on 0x10, which
+    beta's db holds by now. While the start-up looks for such VMs, the watch (in doubt: the
+    start-up renews nothing) pauses web. The start-up must still take web: hot-unplug the
+    device it lost, and resume it. It used to look at running VMs only, and the first renewal
+    resumed web with a device another VM holds."""
+    caplog.set_level(logging.WARNING)
+    make_fabric(etcd_url).close()
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
+    host_lease(etcd, tmp_path / "beta", node="beta")
+    with open_fabric(etcd_url, "beta") as f:
+        f.reserve(GPU, DB)
+    root = tmp_path / "gamma"
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    hv = _SlowStartUp("gamma", tmp_path / "hv", None)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.start("web")  # no hook here: it runs without a hold, as after a lease ended
+    clock = FakeClock()
+    config = AgentConfig(
+        etcd_url,
+        "gamma",
+        hostlease.lease_path(HostEnv(root)),
+        ttl=TTL,
+        interval=0.05,
+        hypervisor=lambda: hv,
+    )
+    agent = HangingAgent(config, clock)
+    result: list[int] = []
+    thread = hv.agent_thread = threading.Thread(target=lambda: result.append(agent.run()))
+    thread.start()
+    try:
+        assert hv.reached.wait(WAIT), "the start-up never listed the domains"
+        clock.advance(TTL / 2 + 0.1)
+        _until("web paused by the watch", lambda: hv.lookup("web").state is DomainState.PAUSED)
+        hv.go.set()
+        _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
+        clock.advance(TTL / 3 + 0.1)  # the first renewal
+        _until("web running", lambda: hv.lookup("web").state is DomainState.RUNNING)
+        devices = {d.fdid for d in read_domain(hv.xml("web"), strict=False).devices}
+        assert GPU not in devices, "web runs on with 0x10, which beta's db holds"
+        with open_fabric(etcd_url, "gamma") as f:
+            assert f.device(GPU).holder == DB
+    finally:
+        hv.go.set()
         agent.stop_event.set()
         thread.join(WAIT)
     assert result == [0]
