@@ -158,8 +158,9 @@ class LostLeaseRecovery:
                 return result
         if not self._resume(name):
             result.why = (
-                "the new lease was not renewed for half its TTL meanwhile; resumed after its"
-                " next renewal"
+                "the new lease was not renewed for half its TTL meanwhile, or a plug request"
+                " is plugging devices into it; resumed after the next renewal, or recovered"
+                " again once the plug is done"
             )
             return result
         result.outcome = "unplugged" if result.lost else "resumed"

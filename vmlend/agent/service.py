@@ -8,6 +8,7 @@ borrowable again within the lease TTL plus one ``interval`` (plus one transactio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -121,12 +122,15 @@ class Renewals:
         self._guard = guard
         self.lease = lease
         self.last = self.next = clock()
+        #: etcd said the lease is gone during a recovery (``keep_alive``).
+        self.gone = False
 
     def start(self, lease: SessionLease) -> None:
         """A new lease, granted moments ago (its TTL runs since): renewed at the first chance,
         so etcd's clock and this one start again together."""
         self.lease = lease
         self.last = self.next = self._clock()
+        self.gone = False
 
     def renew(self, *, resume: bool = True) -> bool:
         """One keepalive; whether it was answered (``LeaseLost``: etcd says the lease is gone).
@@ -149,6 +153,9 @@ class Renewals:
         return True
 
     def schedule(self, now: float) -> None:
+        if self.gone:  # etcd said the lease is gone: the loop is to see it at once
+            self.next = now
+            return
         # In doubt, retry often: every moment counts before the TTL runs out.
         self.next = now + (self._interval if self._watch.in_doubt else self.lease.ttl / 3)
 
@@ -162,7 +169,11 @@ class Renewals:
             try:
                 self.renew(resume=False)
             except LeaseLost as e:
+                # No gate resumes anything from now on, the watch pauses what runs, and the
+                # loop takes the lost-lease path as soon as the recovery is done.
                 log.warning("%s during the recovery", e)
+                self._watch.expire()
+                self.gone = True
             self.schedule(now)
 
 
@@ -344,14 +355,9 @@ class Agent:
                 assert isinstance(fabric.registry, EtcdRegistry)
                 fabric.registry.gateway.set_timeout(deadline)
                 # A hot-plug may land after the lease came in doubt or was lost (the pause,
-                # the recovery did not see the device yet): the watch looks again after each.
-                generation = watch.generation
-                self._serve_plugs(
-                    PlugRequests(fabric.registry),
-                    hv,
-                    fabric,
-                    after=lambda vm: watch.recheck(vm, generation),
-                )
+                # the recovery did not see the device yet): the watch looks again after each,
+                # and resumes nothing of that VM meanwhile (``LeaseWatch.plugging``).
+                self._serve_plugs(PlugRequests(fabric.registry), hv, fabric, watch.plugging)
 
             plugs = _PlugServer(self._open_fabric, serve, lambda: not watch.in_doubt)
             plugs.start(cfg.interval)
@@ -397,12 +403,13 @@ class Agent:
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
                         return 3
-                    # A new lease: the clock starts again, and the recovery renews it while it
-                    # waits (``Renewals.keep_alive``). What the watch paused since
-                    # ``take_paused`` (the new lease took a while) is recovered too: taken
-                    # before any renewal there would resume it.
-                    late = watch.renewed()
+                    # A new lease: renewed at once, and by the recovery while it waits
+                    # (``Renewals.keep_alive``). What the watch paused since ``take_paused``
+                    # (the new lease took a while) is recovered too: taken before any renewal
+                    # there would resume it.
+                    late = watch.take_late()
                     renewals.start(new_lease)
+                    renewals.keep_alive()  # a real renewal: only an answer restarts the watch
                     if recovery is not None and guard is not None:
                         names = sorted(set(guard.paused_after_loss) | set(late))
                         cfg.metrics.recovered(recovery.recover(names))
@@ -573,11 +580,12 @@ class Agent:
         requests: PlugRequests,
         hv: Hypervisor,
         fabric: Fabric,
-        after: Callable[[str], object] | None = None,
+        around: Callable[[str], contextlib.AbstractContextManager[Callable[[], None]]]
+        | None = None,
     ) -> None:
         """Plug the devices of VMs live-migrated here back in, as their sources ask."""
         try:
-            self.plugged.extend(serve_plug_requests(requests, hv, fabric, after=after))
+            self.plugged.extend(serve_plug_requests(requests, hv, fabric, around=around))
         except VmlendError as e:
             log.warning("cannot serve plug requests: %s", e)
 

@@ -10,10 +10,12 @@ TTL has passed, whatever the loop is doing. A later good renewal resumes what it
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,12 @@ class LeaseWatch:
         self._pausing = False
         self._last_ok = clock()
         self._paused: list[str] = []
+        #: Handed back by ``renewed`` and not yet resumed (or held back) by ``resume_if_fresh``.
+        self._resuming: set[str] = set()
+        #: VMs a plug request is plugging devices into, with the lease it began under: no
+        #: gate resumes them meanwhile (``_deferred``: one asked; the recovery takes them).
+        self._plugging: dict[str, int] = {}
+        self._deferred: set[str] = set()
         #: Paused VMs whose holds went with a lease: only a recovery may resume them.
         self._parked: set[str] = set()
         #: One per lease: ``take_paused`` (the lease is lost) starts the next.
@@ -64,7 +72,11 @@ class LeaseWatch:
             if not hand_back:
                 return []
             names, self._paused = self._paused, []
-            return [n for n in dict.fromkeys(names) if n not in self._parked]
+            out = [
+                n for n in dict.fromkeys(names) if n not in self._parked and n not in self._orphans
+            ]
+            self._resuming.update(out)
+            return out
 
     def park(self, name: str) -> None:
         """Keep the paused VM ``name`` for the recovery under the next lease: the lease its
@@ -78,9 +90,10 @@ class LeaseWatch:
             return self._clock() - self._last_ok
 
     def paused_count(self) -> int:
-        """How many VMs the watch paused and no renewal has resumed yet."""
+        """How many VMs the watch paused and are not resumed yet (a resume under way
+        included)."""
         with self._lock:
-            return len(self._paused)
+            return len(set(self._paused) | self._resuming)
 
     def check(self) -> bool:
         """One look: pause when in doubt for the first time. Whether it paused now.
@@ -95,12 +108,15 @@ class LeaseWatch:
                 return False
             self.in_doubt = True
             self._pausing = True
-            log.warning(
-                "lease not renewed for %.1f s (half the TTL of %g s): pausing VMs with remote"
-                " devices",
-                self._clock() - self._last_ok,
-                self._ttl,
-            )
+            if math.isinf(self._last_ok):
+                log.warning("lease gone: pausing VMs with remote devices")
+            else:
+                log.warning(
+                    "lease not renewed for %.1f s (half the TTL of %g s): pausing VMs with"
+                    " remote devices",
+                    self._clock() - self._last_ok,
+                    self._ttl,
+                )
         paused: list[str] = []
         try:
             paused = self._pause()
@@ -137,20 +153,29 @@ class LeaseWatch:
         ``resume()`` runs outside the lock, so a doubt may begin while the hypervisor resumes
         it, and the pause may pass it by as paused: once the resume is back, or failed, the
         watch looks again (``recheck``)."""
-        with self._lock:
-            if generation is None:
-                generation = self._generation
-            if self._generation != generation:
-                self._orphans.append(name)
-                return False
-            if not self._fresh():
-                self._hold_back(name)
-                return False
         try:
-            resume()
+            with self._lock:
+                if generation is None:
+                    generation = self._generation
+                if name in self._plugging:  # devices on their way in: the recovery's after
+                    self._deferred.add(name)
+                    return False
+                if name in self._orphans:  # the recovery's already
+                    return False
+                if self._generation != generation:
+                    self._orphan(name)
+                    return False
+                if not self._fresh():
+                    self._hold_back(name)
+                    return False
+            try:
+                resume()
+            finally:
+                ok = self.recheck(name, generation)
+            return ok
         finally:
-            ok = self.recheck(name, generation)
-        return ok
+            with self._lock:
+                self._resuming.discard(name)
 
     def recheck(self, name: str, generation: int) -> bool:
         """After a hypervisor call that may have let ``name`` run (a resume, a hot-plug that
@@ -175,10 +200,48 @@ class LeaseWatch:
         finally:
             with self._lock:
                 if lost or self._generation != generation:
-                    self._orphans.append(name)
+                    self._orphan(name)
                 else:
                     self._hold_back(name)
         return False
+
+    def _orphan(self, name: str) -> None:
+        """The recovery's (under the lock): no renewal may hand it back meanwhile."""
+        self._paused = [n for n in self._paused if n != name]
+        self._orphans.append(name)
+
+    @contextlib.contextmanager
+    def plugging(self, name: str) -> Iterator[Callable[[], None]]:
+        """Around a plug request's hot-plugs into ``name``: yields the check to call after
+        each device plugged (``recheck`` under the lease the request began under). Meanwhile
+        no gate resumes ``name``: the recovery would resume it with the devices it knows of,
+        and a hot-plug landing after would run on a device whose hold is gone. One that was
+        asked to goes to the recovery at the end."""
+        with self._lock:
+            generation = self._plugging[name] = self._generation
+        plugged: list[bool] = []
+
+        def checkpoint() -> None:
+            plugged.append(True)
+            self.recheck(name, generation)
+
+        try:
+            yield checkpoint
+        finally:
+            with self._lock:
+                self._plugging.pop(name, None)
+                deferred = name in self._deferred
+                self._deferred.discard(name)
+                if deferred:
+                    self._orphan(name)
+            if plugged and not deferred:
+                self.recheck(name, generation)
+
+    def expire(self) -> None:
+        """The lease is gone (etcd said so outside the loop): in doubt at once, so no gate
+        resumes anything, and the next look pauses what runs."""
+        with self._lock:
+            self._last_ok = -math.inf
 
     def take_orphans(self) -> list[str]:
         """The VMs a late resume ran after the lease was lost, paused again: for the
@@ -186,6 +249,15 @@ class LeaseWatch:
         with self._lock:
             names, self._orphans = self._orphans, []
             return list(dict.fromkeys(names))
+
+    def take_late(self) -> list[str]:
+        """The VMs paused since ``take_paused`` (a pause in progress included: it waits for
+        it), for the recovery under the new lease; the watch's clock is left as it is."""
+        with self._lock:
+            while self._pausing:
+                self._paused_done.wait()
+            names, self._paused = list(dict.fromkeys(self._paused)), []
+            return [n for n in names if n not in self._parked]
 
     def withdraw(self, names: list[str]) -> list[str]:
         """Those of ``names`` the watch paused (a pause in progress included), taken out of

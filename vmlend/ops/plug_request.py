@@ -18,6 +18,7 @@ writes it again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -134,9 +135,11 @@ def serve_plug_request(
     *,
     wait: DetachWait | None = None,
     progress: Progress = lambda _m: None,
+    plugged: Callable[[], None] = lambda: None,
 ) -> list[PlugOutcome]:
     """Plug ``req``'s devices into its VM on this host (``hv``, ``fabric``): what became of
-    each. A VM that does not run here (or is another VM of the same name) gets nothing."""
+    each (``plugged()`` after each device plugged). A VM that does not run here (or is
+    another VM of the same name) gets nothing."""
     node = fabric.local_node
     refused = _refusal(hv, req, node)
     if refused is not None:
@@ -163,8 +166,13 @@ def serve_plug_request(
         except VmlendError as e:
             out.append(PlugOutcome(dev.fdid, False, str(e)))
             continue
+        plugged()
         out.append(PlugOutcome(dev.fdid, True))
     return out
+
+
+def _nothing() -> None:
+    pass
 
 
 def _refusal(hv: Hypervisor, req: PlugRequest, node: str) -> str | None:
@@ -187,23 +195,26 @@ def serve_plug_requests(
     fabric: Fabric,
     *,
     wait: DetachWait | None = None,
-    after: Callable[[str], object] | None = None,
+    around: Callable[[str], contextlib.AbstractContextManager[Callable[[], None]]] | None = None,
 ) -> list[PlugRequest]:
     """One pass of the agent: serve every pending request for this node; the ones answered.
-    ``after(vm)``: called once each request's plugging is over, however it ended (the agent
-    pauses the VM again if the lease came in doubt while it plugged)."""
+    ``around(vm)``: a context around each request's plugging, yielding what to call after
+    each device plugged (the agent's lease watch: it pauses the VM again if the lease came in
+    doubt or was lost while it plugged, and resumes nothing of it meanwhile)."""
     served = []
     for req, rev in requests.pending(fabric.local_node):
         log.warning(
             "plug request %s: plugging %d device(s) into %s", req.id, len(req.devices), req.vm
         )
-        try:
+        with around(req.vm) if around is not None else contextlib.nullcontext(_nothing) as done:
             outcome = serve_plug_request(
-                hv, fabric, req, wait=wait, progress=lambda m: log.warning("plug request: %s", m)
+                hv,
+                fabric,
+                req,
+                wait=wait,
+                progress=lambda m: log.warning("plug request: %s", m),
+                plugged=done,
             )
-        finally:
-            if after is not None:
-                after(req.vm)
         answered = msgspec.structs.replace(req, outcome=outcome)
         if requests.answer(answered, rev):
             served.append(answered)

@@ -374,11 +374,13 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
         def hanging(*args, **kw):  # type: ignore[no-untyped-def]
             attaching.set()
             answer.wait(60)
-            return attach(*args, **kw)
+            attach(*args, **kw)
+            landed.set()
 
         hv.attach_device = hanging
         return hv
 
+    landed = threading.Event()
     cfg = AgentConfig(
         location=beta.url,
         node=beta.node,
@@ -407,6 +409,7 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
             time.sleep(0.05)
         answer.set()  # the hot-plug lands, under a lease that is gone
         migration.join(60)
+        assert not migration.is_alive() and landed.is_set()
         deadline = time.monotonic() + 30
         while not _settled(beta):
             assert time.monotonic() < deadline, (

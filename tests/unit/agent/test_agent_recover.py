@@ -69,9 +69,8 @@ def test_an_unknown_vm_is_reported_not_fatal(tmp_path):
 
 
 def test_a_vm_won_back_stays_paused_while_the_new_lease_is_in_doubt(tmp_path):
-    """The recovery runs on the agent's loop, which renews nothing meanwhile: by the time the
-    VM's devices are re-reserved, the new lease may have gone unrenewed for half its TTL and be
-    about to end with those holds. Resuming then would undo the watch's pause and run the VM
+    """By the time the VM's devices are re-reserved, the new lease may have gone unrenewed for
+    half its TTL (etcd away again) and be about to end with those holds. Resuming then would undo the watch's pause and run the VM
     on devices the lenders will take back (seen in tests/scenarios/test_nemesis.py). The watch
     decides."""
     fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
@@ -89,7 +88,7 @@ def test_a_vm_won_back_stays_paused_while_the_new_lease_is_in_doubt(tmp_path):
     [result] = recovery.recover(["app"])
     assert result.regained == [GPU] and list(result.lost) == [NIC]
     assert result.outcome == "paused", result.describe()
-    assert "resumed after its next renewal" in result.describe()
+    assert "resumed after the next renewal" in result.describe()
     assert hv.lookup("app").state is DomainState.PAUSED
     assert watch.renewed() == ["app"]  # the agent resumes what this hands back
 

@@ -447,3 +447,118 @@ def test_a_vm_the_watch_paused_during_start_up_is_recovered_not_resumed_without_
         agent.stop_event.set()
         thread.join(WAIT)
     assert result == [0]
+
+
+def test_a_vm_handed_back_counts_as_paused_until_its_resume_is_done():
+    """``vmlend_paused_vms`` (``paused_count``): a VM handed back by a renewal is resumed on
+    a thread of its own, and counts as paused until that resume is done."""
+    clock = FakeClock()
+    watch = LeaseWatch(4, lambda: ["web"], clock=clock)
+    clock.advance(2.01)
+    watch.check()
+    assert watch.paused_count() == 1
+    assert watch.renewed() == ["web"]
+    assert watch.paused_count() == 1  # handed back, not resumed yet
+    slow = _SlowResume(watch)
+    assert watch.paused_count() == 1
+    assert slow.finish() is True
+    assert watch.paused_count() == 0
+
+
+def test_no_gate_resumes_a_vm_a_plug_request_is_plugging_into():
+    """The recovery (or a renewal) would resume "web" with the devices it knows of while a
+    plug request's hot-plug into it is still under way; the hot-plug would then land in a
+    running VM on a device whose hold is gone. The gate leaves it paused, and once the plug
+    is done it is the recovery's."""
+    clock = FakeClock()
+    watch = LeaseWatch(4, list, clock=clock)
+    resumed: list[str] = []
+    with watch.plugging("web") as plugged:
+        assert watch.resume_if_fresh("web", lambda: resumed.append("web")) is False
+        plugged()  # a device plugged, the lease fresh: nothing to do
+        assert watch.take_orphans() == []
+    assert resumed == []
+    assert watch.take_orphans() == ["web"]
+
+
+def test_a_hot_plug_that_lands_after_the_lease_was_lost_pauses_the_vm_for_the_recovery():
+    clock = FakeClock()
+    suspended: list[str] = []
+    watch = LeaseWatch(4, list, clock=clock, suspend=suspended.append)
+    with watch.plugging("web") as plugged:
+        watch.take_paused()  # the lease is lost while the hot-plug hangs
+        plugged()  # it lands
+        assert suspended == ["web"]
+    assert watch.take_orphans() == ["web"]
+    assert watch.renewed() == []
+
+
+def test_a_vm_given_to_the_recovery_is_not_handed_back_by_a_renewal():
+    """Paused by the watch (a doubt under the new lease) and, at the same time, found to have
+    been resumed under the lost one: it is the recovery's only. A renewal handing it back
+    would resume it while the recovery still waits to win its devices back."""
+    clock = FakeClock()
+    watch = LeaseWatch(4, lambda: ["web"], clock=clock, suspend=lambda _n: None)
+    generation = watch.generation
+    watch.take_paused()  # lost
+    clock.advance(2.01)
+    watch.check()  # the new lease in doubt: the watch pauses web
+    assert watch.recheck("web", generation) is False  # the old resume landed
+    assert watch.renewed() == []
+    assert watch.take_orphans() == ["web"]
+
+
+def test_what_the_watch_paused_while_the_new_lease_was_taken_is_taken_after_its_pause():
+    """``take_late`` waits for a pause in progress, like ``take_paused``: what it pauses is
+    the recovery's, not left for the next renewal to resume."""
+    watch, hypervisor_answers, pausing = _pause_the_hypervisor_is_slow_to_do()
+    taken: list[list[str]] = []
+    taking = threading.Thread(target=lambda: taken.append(watch.take_late()), daemon=True)
+    taking.start()
+    time.sleep(0.2)
+    assert taken == []
+    hypervisor_answers.set()
+    taking.join(WAIT)
+    pausing.join(WAIT)
+    assert taken == [["web"]] and watch.renewed() == []
+
+
+def test_a_lease_found_gone_outside_the_loop_stops_every_resume_and_pauses():
+    clock = FakeClock()
+    paused: list[str] = []
+    watch = LeaseWatch(4, lambda: paused.append("db") or ["db"], clock=clock)
+    watch.expire()
+    assert watch.resume_if_fresh("web", lambda: None) is False
+    assert watch.check() is True and paused == ["db"]
+
+
+def test_a_lease_gone_during_the_recovery_is_acted_on_at_once():
+    """The recovery renews through ``Renewals.keep_alive``; etcd says the lease is gone. No
+    gate resumes anything from then on, and the loop's next renewal is due at once (not a
+    third of the TTL later), so it takes the lost-lease path right after the recovery."""
+    from vmlend.agent.lease import LeaseLost
+    from vmlend.agent.metrics import AgentMetrics
+    from vmlend.agent.service import Renewals
+
+    clock = FakeClock()
+    watch = LeaseWatch(TTL, list, clock=clock)
+
+    def gone(_lease) -> None:  # type: ignore[no-untyped-def]
+        raise LeaseLost("lease 1 expired")
+
+    class _Lease:
+        id, ttl = 1, TTL
+
+    renewals = Renewals(
+        _Lease(),  # type: ignore[arg-type]
+        renew=gone,
+        clock=clock,
+        interval=0.05,
+        metrics=AgentMetrics(),
+        watch=watch,
+        guard=None,
+    )
+    renewals.keep_alive()
+    assert watch.resume_if_fresh("web", lambda: None) is False
+    renewals.schedule(clock())
+    assert renewals.next <= clock()
