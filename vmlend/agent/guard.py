@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from vmlend.errors import VmlendError
+from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hook.domainview import read_hook_domain
 from vmlend.hypervisor.base import DomainState, Hypervisor
@@ -132,12 +132,19 @@ class RemoteVmGuard:
         try:
             if self._hv.lookup(name).state is DomainState.RUNNING:
                 self._hv.suspend(name)
+        except UnknownDomainError:
+            return  # gone: nothing runs
         except VmlendError as e:
             log.error("could not pause %s: %s", name, e, extra={"vm": name})
 
     def resume_if_paused(self, name: str) -> None:
-        """Resume ``name`` if it is paused (it may have stopped, or been resumed, meanwhile)."""
-        if self._hv.lookup(name).state is DomainState.PAUSED:
+        """Resume ``name`` if it is paused (it may have stopped, been undefined or been
+        resumed meanwhile)."""
+        try:
+            state = self._hv.lookup(name).state
+        except UnknownDomainError:
+            return
+        if state is DomainState.PAUSED:
             self._hv.resume(name)
 
     def resume(

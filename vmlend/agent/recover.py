@@ -81,8 +81,11 @@ class LostLeaseRecovery:
         resume_gate: Callable[[str, Callable[[], None]], bool] | None = None,
         park: Callable[[str], None] | None = None,
         keep_alive: Callable[[], None] = lambda: None,
+        retry: Callable[[str], None] | None = None,
     ) -> None:
         self._hv = hv
+        #: Hands a VM back for another recovery soon (``LeaseWatch.orphan``).
+        self._retry = retry
         #: Renews the lease if due: the recovery runs on the agent's loop and may wait for
         #: lenders for longer than the lease lives.
         self._keep_alive = keep_alive
@@ -123,8 +126,13 @@ class LostLeaseRecovery:
                     self._acquire(holder, dev.fdid, str(dev.mdev), dom.memory_bytes or 0)
                     result.regained.append(dev.fdid)
                 except RegistryUnreachableError as e:
-                    # Not lost, unknown: the device may still be ours. Stay paused.
-                    result.why = f"the registry cannot be reached to re-reserve it ({e})"
+                    # Not lost, unknown: the device may still be ours. Stay paused, and try
+                    # again on the agent's next turn.
+                    result.why = (
+                        f"the registry cannot be reached to re-reserve it ({e}); tried again"
+                    )
+                    if self._retry is not None:
+                        self._retry(name)
                     return result
                 except LeaseExpiredError:
                     # The lease ended under us (the agent froze again): not this device is

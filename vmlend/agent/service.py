@@ -291,6 +291,7 @@ class Agent:
                 resume_gate=watch.resume_if_fresh,
                 park=watch.park,
                 keep_alive=renewals.keep_alive,
+                retry=watch.orphan,
             )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
@@ -362,7 +363,7 @@ class Agent:
             plugs = _PlugServer(self._open_fabric, serve, lambda: not watch.in_doubt)
             plugs.start(cfg.interval)
         try:
-            return self._loop(registry, fabric, journal, watch, guard, recovery, plugs)
+            return self._loop(registry, fabric, hv, journal, watch, guard, recovery, plugs)
         finally:
             if plugs is not None:
                 plugs.stop(call_deadline(lease.ttl))
@@ -371,6 +372,7 @@ class Agent:
         self,
         registry: EtcdRegistry,
         fabric: AgentFabric,
+        hv: Hypervisor | None,
         journal: ReleaseJournal,
         watch: LeaseWatch,
         guard: RemoteVmGuard | None,
@@ -399,6 +401,9 @@ class Agent:
                     cfg.metrics.lease_lost()
                     if plugs is not None:
                         plugs.hold()  # none served until the recovery is done
+                    # First: a plug that begins after ``take_paused`` must not reserve under
+                    # the lost lease while the watch counts the next one.
+                    hostlease.withdraw(cfg.lease_file, lease.id)
                     paused = watch.take_paused()
                     new_lease = self._after_lost_lease(registry, lease, e, guard, paused)
                     if new_lease is None:
@@ -411,8 +416,9 @@ class Agent:
                     renewals.start(new_lease)
                     renewals.keep_alive()  # a real renewal: only an answer restarts the watch
                     if recovery is not None and guard is not None:
-                        names = sorted(set(guard.paused_after_loss) | set(late))
-                        cfg.metrics.recovered(recovery.recover(names))
+                        names = set(guard.paused_after_loss) | set(late)
+                        names |= set(self._without_holds(hv, fabric, guard, watch))
+                        cfg.metrics.recovered(recovery.recover(sorted(names)))
                     if plugs is not None:
                         plugs.release()
                     cfg.notifier.status(f"serving node {cfg.node}: lease {new_lease.id:x} held")
@@ -519,6 +525,22 @@ class Agent:
         # etcd may not have ended the old lease (a returning leader extends it): what is still
         # on it must move now, or it vanishes later while the VMs run.
         return lease if self._follow_until(registry, lease, [lost.id]) else None
+
+    @staticmethod
+    def _without_holds(
+        hv: Hypervisor | None, fabric: Fabric, guard: RemoteVmGuard, watch: LeaseWatch
+    ) -> list[str]:
+        """After a lost lease, the VMs the pause missed (its suspend failed, or the VM began
+        to run after it looked) that use devices they no longer hold: paused now, for the
+        recovery, as at start-up."""
+        if hv is None:
+            return []
+        try:
+            lost = vms_without_their_holds(hv, fabric)
+        except VmlendError as e:
+            log.warning("could not look for VMs without their holds: %s", e)
+            return []
+        return sorted(set(guard.pause_these(lost)) | set(watch.withdraw(lost)))
 
     def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
         """``read()``, retried while etcd cannot be reached; None when stopped first."""

@@ -122,7 +122,8 @@ class LeaseWatch:
             paused = self._pause()
         finally:
             with self._lock:
-                self._paused.extend(paused)  # with any VM ``resume_if_fresh`` held back
+                # with any VM ``resume_if_fresh`` held back; not one given to the recovery
+                self._paused.extend(n for n in paused if n not in self._orphans)
                 self._pausing = False
                 self._paused_done.notify_all()
         return True
@@ -131,7 +132,7 @@ class LeaseWatch:
         return not self.in_doubt and self._clock() - self._last_ok <= self._ttl / 2
 
     def _hold_back(self, name: str) -> None:
-        if name not in self._paused:
+        if name not in self._paused and name not in self._orphans:
             self._paused.append(name)
 
     @property
@@ -170,9 +171,14 @@ class LeaseWatch:
                     return False
             try:
                 resume()
-            finally:
-                ok = self.recheck(name, generation)
-            return ok
+            except BaseException:
+                # It may have run or not: looked at again; still paused, the next renewal
+                # tries again (or the recovery, if the lease was lost meanwhile).
+                if self.recheck(name, generation):
+                    with self._lock:
+                        self._hold_back(name)
+                raise
+            return self.recheck(name, generation)
         finally:
             with self._lock:
                 self._resuming.discard(name)
@@ -210,6 +216,12 @@ class LeaseWatch:
         self._paused = [n for n in self._paused if n != name]
         self._orphans.append(name)
 
+    def orphan(self, name: str) -> None:
+        """Give the paused VM ``name`` to the recovery on the loop's next turn (one the
+        recovery could not finish: the registry was away)."""
+        with self._lock:
+            self._orphan(name)
+
     @contextlib.contextmanager
     def plugging(self, name: str) -> Iterator[Callable[[], None]]:
         """Around a plug request's hot-plugs into ``name``: yields the check to call after
@@ -219,10 +231,8 @@ class LeaseWatch:
         asked to goes to the recovery at the end."""
         with self._lock:
             generation = self._plugging[name] = self._generation
-        plugged: list[bool] = []
 
         def checkpoint() -> None:
-            plugged.append(True)
             self.recheck(name, generation)
 
         try:
@@ -234,7 +244,7 @@ class LeaseWatch:
                 self._deferred.discard(name)
                 if deferred:
                     self._orphan(name)
-            if plugged and not deferred:
+            if not deferred:  # a hot-plug that failed may have landed all the same
                 self.recheck(name, generation)
 
     def expire(self) -> None:
@@ -247,8 +257,9 @@ class LeaseWatch:
         """The VMs a late resume ran after the lease was lost, paused again: for the
         recovery, like those of ``take_paused``."""
         with self._lock:
-            names, self._orphans = self._orphans, []
-            return list(dict.fromkeys(names))
+            names, self._orphans = list(dict.fromkeys(self._orphans)), []
+            self._paused = [n for n in self._paused if n not in names]
+            return names
 
     def take_late(self) -> list[str]:
         """The VMs paused since ``take_paused`` (a pause in progress included: it waits for

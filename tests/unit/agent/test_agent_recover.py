@@ -70,9 +70,9 @@ def test_an_unknown_vm_is_reported_not_fatal(tmp_path):
 
 def test_a_vm_won_back_stays_paused_while_the_new_lease_is_in_doubt(tmp_path):
     """By the time the VM's devices are re-reserved, the new lease may have gone unrenewed for
-    half its TTL (etcd away again) and be about to end with those holds. Resuming then would undo the watch's pause and run the VM
-    on devices the lenders will take back (seen in tests/scenarios/test_nemesis.py). The watch
-    decides."""
+    half its TTL (etcd away again) and be about to end with those holds. Resuming then would
+    undo the watch's pause and run the VM on devices the lenders will take back (seen in
+    tests/scenarios/test_nemesis.py). The watch decides."""
     fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
     clock = iter(range(1000))
     watch = LeaseWatch(10, list, clock=lambda: next(clock) * 6.0)  # each look: 6 s later
@@ -153,3 +153,52 @@ def test_a_lease_that_ends_during_the_recovery_loses_no_device(tmp_path):
     assert watch.renewed() == []  # its holds are gone: a renewal must not resume it
     assert watch.take_paused() == ["app"]  # the recovery under the next lease takes it
     assert watch.take_paused() == []
+
+
+def test_a_vm_whose_devices_cannot_be_re_reserved_for_want_of_etcd_is_tried_again(
+    tmp_path, monkeypatch
+):
+    """etcd away for longer than the recovery waits: the device may still be the VM's, so
+    nothing is unplugged and the VM stays paused, handed back for another try on the agent's
+    next turn (it used to stay paused for good)."""
+    from vmlend.agent import recover as recover_module
+    from vmlend.errors import RegistryUnreachableError
+
+    def unreachable(*_args, **_kw):  # type: ignore[no-untyped-def]
+        raise RegistryUnreachableError("127.0.0.1:2379", "etcd does not answer")
+
+    monkeypatch.setattr(recover_module, "acquire_device", unreachable)
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    again: list[str] = []
+    ticks = iter(range(1000))
+    recovery = LostLeaseRecovery(
+        hv,
+        fabric,
+        fence_wait=0,
+        interval=0.01,
+        clock=lambda: next(ticks),
+        sleep=lambda s: None,
+        retry=again.append,
+    )
+    [result] = recovery.recover(["app"])
+    assert result.outcome == "paused" and "tried again" in result.why
+    assert again == ["app"]
+    assert hv.lookup("app").state is DomainState.PAUSED
+    assert {d.fdid for d in read_domain(hv.xml("app"), strict=False).devices} == {GPU, NIC}
+
+
+def test_after_a_lost_lease_a_vm_the_pause_missed_is_paused_for_the_recovery(tmp_path):
+    """The pause at a lost lease misses a VM (its suspend failed, or it began to run after the
+    pause looked): it runs on devices it no longer holds. The agent looks for such VMs once
+    it has its new lease, as at start-up, and pauses them for the recovery."""
+    from vmlend.agent.guard import RemoteVmGuard
+    from vmlend.agent.service import Agent
+
+    fabric = make_fabric(tmp_path / "state.db")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    hv.define(_domain("app", APP.vm_uuid, (GPU,)))
+    hv.start("app")  # no hold: it went with the lost lease
+    watch = LeaseWatch(10, list)
+    names = Agent._without_holds(hv, fabric, RemoteVmGuard(hv, fabric, "gamma"), watch)
+    assert names == ["app"]
+    assert hv.lookup("app").state is DomainState.PAUSED

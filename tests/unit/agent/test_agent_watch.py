@@ -9,6 +9,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from tests.support.cluster_hosts import DB, GPU, WEB, domain_xml
 from tests.support.etcd_daemon import host_lease
 from tests.support.simfabric import make_fabric
@@ -562,3 +564,42 @@ def test_a_lease_gone_during_the_recovery_is_acted_on_at_once():
     assert watch.resume_if_fresh("web", lambda: None) is False
     renewals.schedule(clock())
     assert renewals.next <= clock()
+
+
+def test_a_pause_that_ends_after_its_vm_went_to_the_recovery_does_not_hand_it_back():
+    """The watch's pause (a doubt under the new lease) finds "web" running because a resume
+    from the lost lease just landed, and is slow to finish; meanwhile that resume's re-check
+    gives "web" to the recovery. When the pause ends it must not put "web" back among those a
+    renewal resumes: the recovery may leave it paused (a device it lost could not be
+    unplugged), and the renewal would run it on a device it does not hold."""
+    clock = FakeClock()
+    answers = threading.Event()
+    watch = LeaseWatch(
+        4, lambda: answers.wait(WAIT) and ["web"], clock=clock, suspend=lambda _n: None
+    )
+    old = watch.generation
+    watch.take_paused()  # the old lease is lost
+    clock.advance(2.01)
+    pausing = threading.Thread(target=watch.check, daemon=True)
+    pausing.start()
+    _until("the watch in doubt", lambda: watch.in_doubt)
+    assert watch.recheck("web", old) is False  # the old resume landed: the recovery's
+    answers.set()
+    pausing.join(WAIT)
+    assert watch.take_orphans() == ["web"]
+    assert watch.renewed() == []
+
+
+def test_a_resume_that_failed_is_tried_again_by_the_next_renewal():
+    """The hypervisor did not resume "web" (a job timeout): it stays among the paused, and
+    the next renewal hands it back again rather than leaving it paused for good."""
+    clock = FakeClock()
+    watch = LeaseWatch(4, list, clock=clock)
+
+    def fails() -> None:
+        raise VmlendError("cannot acquire state change lock")
+
+    with pytest.raises(VmlendError):
+        watch.resume_if_fresh("web", fails)
+    assert watch.paused_count() == 1
+    assert watch.renewed() == ["web"]
