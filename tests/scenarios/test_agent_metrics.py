@@ -160,10 +160,11 @@ def test_an_etcd_outage_shows_as_renew_failures_paused_vms_and_registry_down(
         assert before[("vmlend_lease_renew_failures_total", frozenset())] == 0
 
         private_etcd.stop()
-        away = scrape_until(
+        away = scrape_until(  # the ledger's read is cached for a while: both, eventually
             port,
-            "the paused VM",
-            lambda s: s[("vmlend_paused_vms", frozenset())] == 1,
+            "the paused VM and the registry down",
+            lambda s: s[("vmlend_paused_vms", frozenset())] == 1
+            and s[("vmlend_registry_up", frozenset())] == 0,
             gamma,
         )
         assert hv.lookup("web").state is DomainState.PAUSED
