@@ -137,6 +137,12 @@ class RemoteVmGuard:
         except VmlendError as e:
             log.error("could not pause %s: %s", name, e, extra={"vm": name})
 
+    def running(self, name: str) -> bool:
+        try:
+            return self._hv.lookup(name).state is DomainState.RUNNING
+        except VmlendError:
+            return False
+
     def resume_if_paused(self, name: str) -> None:
         """Resume ``name`` if it is paused (it may have stopped, been undefined or been
         resumed meanwhile)."""
@@ -152,14 +158,32 @@ class RemoteVmGuard:
         names: list[str],
         gate: Callable[[str, Callable[[], None], int], bool],
         generation: int,
+        *,
+        lacks_holds: Callable[[str], bool] | None = None,
+        recover: Callable[[str], None] | None = None,
     ) -> None:
         """Resume ``names`` through ``gate`` (``LeaseWatch.resume_if_fresh``, with the lease
         ``generation`` they were paused under), each on a thread of its own, without waiting:
         the agent's loop calls this after a renewal, and a domain the hypervisor does not
-        answer for must not hold up the next renewal."""
+        answer for must not hold up the next renewal. One that ``lacks_holds`` (or whose
+        holds cannot be read) is not resumed but handed to ``recover``."""
 
         def one(name: str) -> None:
             try:
+                if lacks_holds is not None and recover is not None:
+                    try:
+                        missing = lacks_holds(name)
+                    except VmlendError as e:
+                        log.warning("cannot check the holds of %s before resuming it: %s", name, e)
+                        missing = True
+                    if missing:
+                        log.error(
+                            "VM %s uses devices it does not hold: not resumed, recovered",
+                            name,
+                            extra={"vm": name},
+                        )
+                        recover(name)
+                        return
                 if gate(name, lambda: self.resume_if_paused(name), generation):
                     log.warning("lease renewed: resumed %s", name, extra={"vm": name})
             except VmlendError as e:

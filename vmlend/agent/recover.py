@@ -29,6 +29,7 @@ from vmlend.errors import (
     DeviceFencedError,
     LeaseExpiredError,
     RegistryUnreachableError,
+    UnknownDomainError,
     VmlendError,
 )
 from vmlend.fabric.base import Fabric
@@ -109,8 +110,12 @@ class LostLeaseRecovery:
             self._keep_alive()
             try:
                 result = self._recover_one(name)
-            except VmlendError as e:  # the hypervisor itself failed: nothing more to try
-                result = VmRecovery(name, why=str(e))
+            except UnknownDomainError:
+                result = VmRecovery(name, outcome="stopped", why="it is gone")
+            except VmlendError as e:  # the hypervisor failed (a job timeout): try again
+                result = VmRecovery(name, why=f"{e}; tried again")
+                if self._retry is not None:
+                    self._retry(name)
             log.warning("after a new lease: %s", result.describe())
             out.append(result)
         return out
@@ -262,3 +267,20 @@ def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
                 out.append(info.name)
                 break
     return out
+
+
+def lacks_holds(hv: Hypervisor, fabric: Fabric, name: str) -> bool:
+    """Whether VM ``name`` uses a device the registry does not say is its own (checked right
+    before a renewal resumes it: whatever the bookkeeping says, a VM must not run on a device
+    whose hold went with a lost lease)."""
+    dom = read_hook_domain(hv.xml(name), strict=False)
+    if dom is None:
+        return False
+    holder = holder_for(fabric, name, dom.uuid or hv.lookup(name).uuid)
+    for dev in dom.devices:
+        if dev.share is not None:  # a queue-level share: the lender's manager holds it
+            continue
+        held = fabric.device(dev.fdid).holder
+        if held is None or not same_holder(held, holder):
+            return True
+    return False

@@ -24,7 +24,7 @@ from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.metrics import AgentMetrics
 from vmlend.agent.reconcile import Reconciler, reconcile_host
-from vmlend.agent.recover import LostLeaseRecovery, vms_without_their_holds
+from vmlend.agent.recover import LostLeaseRecovery, lacks_holds, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import ConfigError, StateError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
@@ -113,8 +113,10 @@ class Renewals:
         metrics: AgentMetrics,
         watch: LeaseWatch,
         guard: RemoteVmGuard | None,
+        lacks_holds: Callable[[str], bool] | None = None,
     ) -> None:
         self._renew = renew
+        self._lacks_holds = lacks_holds
         self._clock = clock
         self._interval = interval
         self._metrics = metrics
@@ -149,7 +151,13 @@ class Renewals:
         names = self._watch.renewed(hand_back=resume)
         if self._guard is not None and names:
             # the lease they resume under, read on the one thread that ends it
-            self._guard.resume(names, self._watch.resume_if_fresh, self._watch.generation)
+            self._guard.resume(
+                names,
+                self._watch.resume_if_fresh,
+                self._watch.generation,
+                lacks_holds=self._lacks_holds,
+                recover=self._watch.orphan,
+            )
         return True
 
     def schedule(self, now: float) -> None:
@@ -278,6 +286,7 @@ class Agent:
             metrics=cfg.metrics,
             watch=watch,
             guard=guard,
+            lacks_holds=self._holds_checker(hv),
         )
         if hv is not None:
             # A fenced device is back within the lender's scan interval; allow a TTL for it,
@@ -526,6 +535,21 @@ class Agent:
         # on it must move now, or it vanishes later while the VMs run.
         return lease if self._follow_until(registry, lease, [lost.id]) else None
 
+    def _holds_checker(self, hv: Hypervisor | None) -> Callable[[str], bool] | None:
+        """What a resume thread asks before it resumes a VM: whether it lacks a hold (on a
+        fabric of its own: the loop's is not shared across threads)."""
+        if hv is None:
+            return None
+
+        def lacks(name: str) -> bool:
+            fabric = self._open_fabric()
+            try:
+                return lacks_holds(hv, fabric, name)
+            finally:
+                fabric.close()
+
+        return lacks
+
     @staticmethod
     def _without_holds(
         hv: Hypervisor | None, fabric: Fabric, guard: RemoteVmGuard, watch: LeaseWatch
@@ -540,7 +564,11 @@ class Agent:
         except VmlendError as e:
             log.warning("could not look for VMs without their holds: %s", e)
             return []
-        return sorted(set(guard.pause_these(lost)) | set(watch.withdraw(lost)))
+        paused = set(guard.pause_these(lost)) | set(watch.withdraw(lost))
+        for name in lost:
+            if name not in paused and guard.running(name):
+                watch.orphan(name)  # its pause failed: paused and recovered on the next turn
+        return sorted(paused)
 
     def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
         """``read()``, retried while etcd cannot be reached; None when stopped first."""

@@ -257,6 +257,8 @@ class LeaseWatch:
         """The VMs a late resume ran after the lease was lost, paused again: for the
         recovery, like those of ``take_paused``."""
         with self._lock:
+            while self._pausing:  # what it paused must not land among the paused after this
+                self._paused_done.wait()
             names, self._orphans = list(dict.fromkeys(self._orphans)), []
             self._paused = [n for n in self._paused if n not in names]
             return names
