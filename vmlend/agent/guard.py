@@ -161,21 +161,27 @@ class RemoteVmGuard:
         *,
         lacks_holds: Callable[[str], bool] | None = None,
         recover: Callable[[str], None] | None = None,
+        hold_back: Callable[[str], None] | None = None,
     ) -> None:
         """Resume ``names`` through ``gate`` (``LeaseWatch.resume_if_fresh``, with the lease
         ``generation`` they were paused under), each on a thread of its own, without waiting:
         the agent's loop calls this after a renewal, and a domain the hypervisor does not
-        answer for must not hold up the next renewal. One that ``lacks_holds`` (or whose
-        holds cannot be read) is not resumed but handed to ``recover``."""
+        answer for must not hold up the next renewal. One that ``lacks_holds`` is not
+        resumed but handed to ``recover``; one whose holds cannot be read now stays paused,
+        handed to ``hold_back`` for the next renewal."""
 
         def one(name: str) -> None:
             try:
                 if lacks_holds is not None and recover is not None:
                     try:
                         missing = lacks_holds(name)
-                    except VmlendError as e:
+                    except Exception as e:  # unknown: not resumed now, asked again later
                         log.warning("cannot check the holds of %s before resuming it: %s", name, e)
-                        missing = True
+                        if hold_back is not None:
+                            hold_back(name)
+                        else:
+                            recover(name)
+                        return
                     if missing:
                         log.error(
                             "VM %s uses devices it does not hold: not resumed, recovered",

@@ -28,6 +28,7 @@ from vmlend.domain.model import DomainXML
 from vmlend.errors import (
     DeviceFencedError,
     LeaseExpiredError,
+    LibvirtError,
     RegistryUnreachableError,
     UnknownDomainError,
     VmlendError,
@@ -83,7 +84,11 @@ class LostLeaseRecovery:
         park: Callable[[str], None] | None = None,
         keep_alive: Callable[[], None] = lambda: None,
         retry: Callable[[str], None] | None = None,
+        take_back: Callable[[], None] = lambda: None,
     ) -> None:
+        #: Takes back this host's own fenced devices (lent to its own VMs): nobody else will
+        #: while the recovery holds up the agent's loop.
+        self._take_back = take_back
         self._hv = hv
         #: Hands a VM back for another recovery soon (``LeaseWatch.orphan``).
         self._retry = retry
@@ -112,10 +117,12 @@ class LostLeaseRecovery:
                 result = self._recover_one(name)
             except UnknownDomainError:
                 result = VmRecovery(name, outcome="stopped", why="it is gone")
-            except VmlendError as e:  # the hypervisor failed (a job timeout): try again
+            except LibvirtError as e:  # the hypervisor failed (a job timeout): try again
                 result = VmRecovery(name, why=f"{e}; tried again")
                 if self._retry is not None:
                     self._retry(name)
+            except VmlendError as e:  # its XML unreadable, say: nothing more to try
+                result = VmRecovery(name, why=str(e))
             log.warning("after a new lease: %s", result.describe())
             out.append(result)
         return out
@@ -211,6 +218,7 @@ class LostLeaseRecovery:
                     raise
                 self._sleep(self._interval)
                 self._keep_alive()
+                self._take_back()
 
     def _unplug(self, name: str, fdids: list[int]) -> None:
         """Remove the hostdevs and metadata entries of ``fdids`` from the running domain."""
@@ -255,7 +263,11 @@ def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
     holders = {st.fdid: st.holder for st in fabric.devices()}
     out = []
     for info in running:
-        dom = read_hook_domain(hv.xml(info.name), strict=False)
+        try:
+            dom = read_hook_domain(hv.xml(info.name), strict=False)
+        except VmlendError as e:  # gone meanwhile, or its XML unreadable: not this one's
+            log.warning("could not read VM %s to check its holds: %s", info.name, e)
+            continue
         if dom is None:
             continue
         holder = holder_for(fabric, info.name, dom.uuid or info.uuid)

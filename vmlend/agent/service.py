@@ -114,9 +114,12 @@ class Renewals:
         watch: LeaseWatch,
         guard: RemoteVmGuard | None,
         lacks_holds: Callable[[str], bool] | None = None,
+        watchdog: Callable[[], object] = lambda: None,
     ) -> None:
         self._renew = renew
         self._lacks_holds = lacks_holds
+        #: The loop's liveness to systemd: a long recovery still turns (``keep_alive``).
+        self._watchdog = watchdog
         self._clock = clock
         self._interval = interval
         self._metrics = metrics
@@ -157,6 +160,7 @@ class Renewals:
                 self._watch.generation,
                 lacks_holds=self._lacks_holds,
                 recover=self._watch.orphan,
+                hold_back=self._watch.hold_back,
             )
         return True
 
@@ -172,6 +176,7 @@ class Renewals:
         yet to win back (at start-up, one that ran without its holds); the loop's next renewal
         hands them back. A failure, or the lease gone, is the loop's to act on once the
         recovery is done (its reserves fail meanwhile, and it parks the VMs)."""
+        self._watchdog()
         now = self._clock()
         if now >= self.next:
             try:
@@ -287,6 +292,7 @@ class Agent:
             watch=watch,
             guard=guard,
             lacks_holds=self._holds_checker(hv),
+            watchdog=cfg.notifier.watchdog,
         )
         if hv is not None:
             # A fenced device is back within the lender's scan interval; allow a TTL for it,
@@ -301,6 +307,8 @@ class Agent:
                 park=watch.park,
                 keep_alive=renewals.keep_alive,
                 retry=watch.orphan,
+                # a device this host lends to its own VM is taken back only by this loop
+                take_back=lambda: self._take_back(fabric),
             )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
@@ -337,11 +345,10 @@ class Agent:
                     " ran); pausing them to re-reserve their devices",
                     ", ".join(lost),
                 )
-                paused = guard.pause_these(lost)
-                # and those the watch paused first: the recovery's now, or the first renewal
+                # With those the watch paused first: the recovery's now, or the first renewal
                 # would resume them without their holds. A VM paused before (an operator, the
                 # agent before this one) stays paused; the reconcile below re-acquires for it.
-                paused = sorted(set(paused) | set(watch.withdraw(lost)))
+                paused = self._without_holds(hv, fabric, guard, watch, lost)
                 cfg.metrics.recovered(recovery.recover(paused))
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
@@ -552,18 +559,24 @@ class Agent:
 
     @staticmethod
     def _without_holds(
-        hv: Hypervisor | None, fabric: Fabric, guard: RemoteVmGuard, watch: LeaseWatch
+        hv: Hypervisor | None,
+        fabric: Fabric,
+        guard: RemoteVmGuard,
+        watch: LeaseWatch,
+        lost: list[str] | None = None,
     ) -> list[str]:
-        """After a lost lease, the VMs the pause missed (its suspend failed, or the VM began
-        to run after it looked) that use devices they no longer hold: paused now, for the
-        recovery, as at start-up."""
+        """The VMs that use devices they no longer hold (``lost``, or looked for now: after a
+        lost lease, those the pause missed because its suspend failed or they began to run
+        after it looked): paused now, or taken from the watch that paused them, for the
+        recovery; one whose pause fails goes to the recovery on the loop's next turn."""
         if hv is None:
             return []
-        try:
-            lost = vms_without_their_holds(hv, fabric)
-        except VmlendError as e:
-            log.warning("could not look for VMs without their holds: %s", e)
-            return []
+        if lost is None:
+            try:
+                lost = vms_without_their_holds(hv, fabric)
+            except VmlendError as e:
+                log.warning("could not look for VMs without their holds: %s", e)
+                return []
         paused = set(guard.pause_these(lost)) | set(watch.withdraw(lost))
         for name in lost:
             if name not in paused and guard.running(name):

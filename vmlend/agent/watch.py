@@ -220,7 +220,15 @@ class LeaseWatch:
         """Give the paused VM ``name`` to the recovery on the loop's next turn (one the
         recovery could not finish: the registry was away)."""
         with self._lock:
+            self._resuming.discard(name)
             self._orphan(name)
+
+    def hold_back(self, name: str) -> None:
+        """Keep the paused VM ``name`` for the next renewal to hand back (its resume could
+        not be decided now)."""
+        with self._lock:
+            self._resuming.discard(name)
+            self._hold_back(name)
 
     @contextlib.contextmanager
     def plugging(self, name: str) -> Iterator[Callable[[], None]]:

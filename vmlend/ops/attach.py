@@ -196,6 +196,10 @@ def apply_attach(
                 raise FabricError(f"device {fd}: {lost[0][1]}")
         for t in plan.pending:
             _attach_to(hv, name, t, plan, plugged, progress, wait)
+            if t == LIVE and (lost := lost_holds(fabric, plan.holder, [plan.fdid])):
+                # the hot-plug hung past the lease its hold was on: the agent's recovery did
+                # not know of the device yet, so it is unplugged here
+                raise FabricError(f"device {fd}: {lost[0][1]}")
     except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
         failed = plugged.rollback(progress)
         mdev = plan.device.mdev

@@ -362,7 +362,9 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
     that lease ends meanwhile (revoked here, as etcd does when it expires): the hold goes with
     it, and neither the guard's pause nor the recovery knows the VM has the device (it is not
     in the XML yet). When the hot-plug lands, the VM must not run on with a device it does
-    not hold: it is paused again and recovered (the device re-reserved, or unplugged)."""
+    not hold: the attach finds its hold gone and takes the device out again (and the watch,
+    looking again after the plug, pauses the VM for the recovery); the source is told the VM
+    runs without it."""
     gamma, beta = hosts
     running_on_gamma(gamma, (GPU,))
     attaching, answer = threading.Event(), threading.Event()
@@ -395,7 +397,15 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     assert isinstance(cfg.notifier, ReadyNotifier) and cfg.notifier.serving.wait(30)
-    migration = threading.Thread(target=lambda: migrate(gamma, beta, tmp_path), daemon=True)
+    failed: list[MigrationError] = []
+
+    def migration_run() -> None:
+        try:
+            migrate(gamma, beta, tmp_path)
+        except MigrationError as e:
+            failed.append(e)
+
+    migration = threading.Thread(target=migration_run, daemon=True)
     try:
         migration.start()
         assert attaching.wait(30), "the plug request was never served"
@@ -410,6 +420,7 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
         answer.set()  # the hot-plug lands, under a lease that is gone
         migration.join(60)
         assert not migration.is_alive() and landed.is_set()
+        assert failed and "its hold ended meanwhile" in str(failed[0])
         deadline = time.monotonic() + 30
         while not _settled(beta):
             assert time.monotonic() < deadline, (

@@ -286,3 +286,81 @@ def test_a_vm_the_hypervisor_failed_for_is_tried_again_not_left_paused(tmp_path)
     [second] = recovery.recover(again)
     assert second.outcome == "unplugged"  # 0x20 went to beta's db meanwhile
     assert hv.lookup("app").state is DomainState.RUNNING
+
+
+def test_a_resume_whose_holds_cannot_be_read_waits_for_the_next_renewal(tmp_path):
+    """The holds check itself fails (any error): the VM is neither resumed nor lost, but
+    held back for the next renewal to try again."""
+    import threading
+
+    from vmlend.agent.guard import RemoteVmGuard
+
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    held: list[str] = []
+    done = threading.Event()
+
+    def broken(_name: str) -> bool:
+        raise RuntimeError("connection reset")
+
+    def hold_back(name: str) -> None:
+        held.append(name)
+        done.set()
+
+    RemoteVmGuard(hv, fabric, "gamma").resume(
+        ["app"],
+        LeaseWatch(10, list).resume_if_fresh,
+        0,
+        lacks_holds=broken,
+        recover=lambda n: None,
+        hold_back=hold_back,
+    )
+    assert done.wait(20) and held == ["app"]
+    assert hv.lookup("app").state is DomainState.PAUSED
+
+
+def test_the_recovery_takes_back_this_hosts_own_fenced_device_while_it_waits(
+    tmp_path, monkeypatch
+):
+    """A device this host lends to its own VM is fenced under the lost lease; only this
+    host's agent takes it back, and its loop is busy with the recovery: the recovery does
+    it while it waits, instead of waiting a TTL and unplugging the VM's own device."""
+    from vmlend.agent import recover as recover_module
+    from vmlend.errors import DeviceFencedError
+
+    taken: list[bool] = []
+    real = recover_module.acquire_device
+
+    def fenced_until_taken_back(*args, **kw):  # type: ignore[no-untyped-def]
+        if not taken:
+            raise DeviceFencedError(GPU, "gamma", "gamma/app")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(recover_module, "acquire_device", fenced_until_taken_back)
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    ticks = iter(range(1000))
+    recovery = LostLeaseRecovery(
+        hv,
+        fabric,
+        fence_wait=5,
+        interval=0.01,
+        clock=lambda: next(ticks),
+        sleep=lambda s: None,
+        take_back=lambda: taken.append(True),
+    )
+    [result] = recovery.recover(["app"])
+    assert taken and GPU in result.regained
+
+
+def test_one_unreadable_vm_does_not_hide_the_others_without_their_holds(tmp_path):
+    from vmlend.agent.recover import vms_without_their_holds
+
+    class Unreadable(SimHypervisor):
+        def xml(self, name: str) -> bytes:
+            if name == "broken":
+                raise LibvirtError("get XML of", name, "cannot acquire state change lock")
+            return super().xml(name)
+
+    fabric, hv, _recovery = _setup(tmp_path, Unreadable)
+    hv.define(_domain("broken", "44444444-4444-4444-4444-444444444444", (GPU,)))
+    hv.start("broken")
+    assert vms_without_their_holds(hv, fabric) == ["app"]

@@ -55,3 +55,39 @@ def test_a_detach_does_not_bring_back_a_device_removed_while_it_unplugged(
         detach(slow, f, "vm1", 0x11, live=True, config=False, progress=lambda _m: None)
     assert _devices(hv, "vm1") == []
     assert cluster.holds() == {}
+
+
+def test_a_hot_plug_that_lands_after_its_hold_ended_is_undone(cluster: SimCluster):
+    """The attach read its hold just before the hot-plug, but the hot-plug hung past the lease
+    the hold was on, and the lender gave the device to beta's db meanwhile. The agent's
+    recovery could not know (the metadata is written after the hot-plug): the attach itself
+    looks again once the device is in, and takes it out."""
+    import pytest
+
+    from tests.support.cluster_hosts import DB
+    from vmlend.domain import DomainDocument
+    from vmlend.domain.model import DomainXML
+    from vmlend.errors import FabricError
+
+    cluster.define("gamma", "vm1", [0x10], running=True)
+    hv = cluster.hv("gamma")
+    with cluster.fabric() as f:
+        plan = plan_attach(hv, f, "vm1", 0x21, live=True, config=False)
+
+        class HoldEndsMeanwhile(SimHypervisor):
+            def attach_device(self, name, device_xml, live, config):
+                with cluster.fabric() as g:  # the lease ended; the lender lent it again
+                    g.release(0x21, plan.holder)
+                    g.reserve(0x21, DB)
+                super().attach_device(name, device_xml, live, config)
+
+        slow = HoldEndsMeanwhile("gamma", hv.store.data_dir, None)
+        with pytest.raises(FabricError) as e:
+            apply_attach(slow, f, plan, lambda _m: None)
+    assert "its hold ended meanwhile" in str(e.value) and "held by beta/db" in str(e.value)
+    assert _devices(hv, "vm1") == [0x10]
+    doc = DomainDocument.parse(hv.xml("vm1"), source="live XML")
+    plugged = {str(h.uuid) for h in DomainXML(doc.root).mdev_hostdevs()}
+    assert str(plan.device.mdev) not in plugged  # the hot-plug was undone
+    with cluster.fabric() as f:
+        assert f.device(0x21).holder == DB  # and db's hold left alone
