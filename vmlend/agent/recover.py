@@ -218,7 +218,10 @@ class LostLeaseRecovery:
                     raise
                 self._sleep(self._interval)
                 self._keep_alive()
-                self._take_back()
+                try:
+                    self._take_back()
+                except Exception as e:  # another device's take-back: not this one's failure
+                    log.warning("taking back this host's fenced devices failed: %s", e)
 
     def _unplug(self, name: str, fdids: list[int]) -> None:
         """Remove the hostdevs and metadata entries of ``fdids`` from the running domain."""
@@ -265,8 +268,11 @@ def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
     for info in running:
         try:
             dom = read_hook_domain(hv.xml(info.name), strict=False)
-        except VmlendError as e:  # gone meanwhile, or its XML unreadable: not this one's
+        except UnknownDomainError:  # gone meanwhile
+            continue
+        except VmlendError as e:  # unknown: suspect (paused and recovered, which retries)
             log.warning("could not read VM %s to check its holds: %s", info.name, e)
+            out.append(info.name)
             continue
         if dom is None:
             continue

@@ -654,8 +654,13 @@ class Agent:
 
     def _take_back(self, fabric: TakesBack) -> None:
         try:
-            for fence in fabric.fenced():
-                if fabric.take_back(fence):
-                    self.taken_back.append(fence.fdid)
+            fences = fabric.fenced()
         except StateError as e:
             log.warning("cannot check fenced devices: %s", e)
+            return
+        for fence in fences:  # one that fails does not hold up the others
+            try:
+                if fabric.take_back(fence):
+                    self.taken_back.append(fence.fdid)
+            except VmlendError as e:
+                log.warning("cannot take back device %#x: %s", fence.fdid, e)

@@ -351,7 +351,10 @@ def test_the_recovery_takes_back_this_hosts_own_fenced_device_while_it_waits(
     assert taken and GPU in result.regained
 
 
-def test_one_unreadable_vm_does_not_hide_the_others_without_their_holds(tmp_path):
+def test_an_unreadable_vm_is_suspect_and_does_not_hide_the_others(tmp_path):
+    """One VM whose XML the hypervisor does not give (a job timeout) is counted as one
+    without its holds (paused and recovered, which retries), and the others are still
+    looked at."""
     from vmlend.agent.recover import vms_without_their_holds
 
     class Unreadable(SimHypervisor):
@@ -363,4 +366,36 @@ def test_one_unreadable_vm_does_not_hide_the_others_without_their_holds(tmp_path
     fabric, hv, _recovery = _setup(tmp_path, Unreadable)
     hv.define(_domain("broken", "44444444-4444-4444-4444-444444444444", (GPU,)))
     hv.start("broken")
-    assert vms_without_their_holds(hv, fabric) == ["app"]
+    assert sorted(vms_without_their_holds(hv, fabric)) == ["app", "broken"]
+
+
+def test_a_failed_take_back_of_another_device_does_not_lose_this_one(tmp_path, monkeypatch):
+    from vmlend.agent import recover as recover_module
+    from vmlend.errors import DeviceFencedError, FabricError
+
+    tries: list[int] = []
+    real = recover_module.acquire_device
+
+    def fenced_twice(*args, **kw):  # type: ignore[no-untyped-def]
+        if len(tries) < 2:
+            tries.append(1)
+            raise DeviceFencedError(GPU, "alpha", "gamma/app")
+        return real(*args, **kw)
+
+    def take_back() -> None:
+        raise FabricError("take-back of 0x99 failed: the driver refused")
+
+    monkeypatch.setattr(recover_module, "acquire_device", fenced_twice)
+    fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
+    ticks = iter(range(1000))
+    recovery = LostLeaseRecovery(
+        hv,
+        fabric,
+        fence_wait=50,
+        interval=0.01,
+        clock=lambda: next(ticks),
+        sleep=lambda s: None,
+        take_back=take_back,
+    )
+    [result] = recovery.recover(["app"])
+    assert GPU in result.regained and GPU not in result.lost
