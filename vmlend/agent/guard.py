@@ -16,6 +16,7 @@ by name on a thread of its own, and only then lists the domains for any started 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -98,12 +99,8 @@ class RemoteVmGuard:
         done: list[str] = []
 
         def one(name: str) -> None:
-            try:
-                if self._hv.lookup(name).state is DomainState.RUNNING:
-                    self._hv.suspend(name)
-                    done.append(name)
-            except VmlendError as e:
-                log.error("could not pause %s: %s", name, e, extra={"vm": name})
+            if self.suspend_if_running(name):
+                done.append(name)
 
         threads = [threading.Thread(target=one, args=(n,), name=f"pause-{n}") for n in names]
         for t in threads:
@@ -114,28 +111,23 @@ class RemoteVmGuard:
 
     def pause_these(self, names: list[str]) -> list[str]:
         """Pause those of ``names`` that run (whatever devices they use); the names paused."""
-        paused = []
-        for name in names:
-            try:
-                if self._hv.lookup(name).state is not DomainState.RUNNING:
-                    continue
-                self._hv.suspend(name)
-                paused.append(name)
-            except VmlendError as e:
-                log.error("could not pause %s: %s", name, e, extra={"vm": name})
+        paused = [name for name in names if self.suspend_if_running(name)]
         if paused:
             log.warning("paused %s (their holds are gone)", ", ".join(paused))
         return paused
 
-    def suspend_if_running(self, name: str) -> None:
-        """Pause ``name`` if it runs (a failure is logged: the caller has nothing better)."""
+    def suspend_if_running(self, name: str) -> bool:
+        """Pause ``name`` if it runs; whether this paused it (a failure is logged: the caller
+        has nothing better; a VM that is gone runs nothing)."""
         try:
             if self._hv.lookup(name).state is DomainState.RUNNING:
                 self._hv.suspend(name)
+                return True
         except UnknownDomainError:
-            return  # gone: nothing runs
+            pass
         except VmlendError as e:
             log.error("could not pause %s: %s", name, e, extra={"vm": name})
+        return False
 
     def running(self, name: str) -> bool:
         try:
@@ -146,12 +138,8 @@ class RemoteVmGuard:
     def resume_if_paused(self, name: str) -> None:
         """Resume ``name`` if it is paused (it may have stopped, been undefined or been
         resumed meanwhile)."""
-        try:
-            state = self._hv.lookup(name).state
-        except UnknownDomainError:
-            return
-        if state is DomainState.PAUSED:
-            self._hv.resume(name)
+        with contextlib.suppress(UnknownDomainError):
+            resume_if_paused(self._hv, name)
 
     def resume(
         self,
@@ -199,3 +187,9 @@ class RemoteVmGuard:
 
         for name in names:
             threading.Thread(target=one, args=(name,), name=f"resume-{name}", daemon=True).start()
+
+
+def resume_if_paused(hv: Hypervisor, name: str) -> None:
+    """Resume ``name`` if it is paused (``UnknownDomainError``: it is gone)."""
+    if hv.lookup(name).state is DomainState.PAUSED:
+        hv.resume(name)

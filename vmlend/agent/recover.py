@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from uuid import UUID
 
 import msgspec
 from lxml import etree
 
+from vmlend.agent.guard import resume_if_paused
 from vmlend.domain import (
     METADATA_KEY,
     NAMESPACE_URI,
@@ -24,6 +26,7 @@ from vmlend.domain import (
     read_domain,
     remove_device,
 )
+from vmlend.domain.info import DomainXMLInfo
 from vmlend.domain.model import DomainXML
 from vmlend.errors import (
     DeviceFencedError,
@@ -194,15 +197,11 @@ class LostLeaseRecovery:
             return False
 
     def _resume(self, name: str) -> bool:
-        if self._resume_gate is None:
-            self._resume_paused(name)
-            return True
-        return self._resume_gate(name, lambda: self._resume_paused(name))
-
-    def _resume_paused(self, name: str) -> None:
         # a VM a late resume ran (``LeaseWatch.take_orphans``) may run already
-        if self._hv.lookup(name).state is DomainState.PAUSED:
-            self._hv.resume(name)
+        if self._resume_gate is None:
+            resume_if_paused(self._hv, name)
+            return True
+        return self._resume_gate(name, lambda: resume_if_paused(self._hv, name))
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait
@@ -274,16 +273,8 @@ def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
             log.warning("could not read VM %s to check its holds: %s", info.name, e)
             out.append(info.name)
             continue
-        if dom is None:
-            continue
-        holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
-        for dev in dom.devices:
-            if dev.share is not None:  # a queue-level share: the lender's manager holds it
-                continue
-            held = holders.get(dev.fdid)
-            if held is None or not same_holder(held, holder):
-                out.append(info.name)
-                break
+        if dom is not None and _uses_unheld(fabric, info.name, dom, info.uuid, holders.get):
+            out.append(info.name)
     return out
 
 
@@ -294,11 +285,23 @@ def lacks_holds(hv: Hypervisor, fabric: Fabric, name: str) -> bool:
     dom = read_hook_domain(hv.xml(name), strict=False)
     if dom is None:
         return False
-    holder = holder_for(fabric, name, dom.uuid or hv.lookup(name).uuid)
+    uuid = dom.uuid or hv.lookup(name).uuid
+    return _uses_unheld(fabric, name, dom, uuid, lambda f: fabric.device(f).holder)
+
+
+def _uses_unheld(
+    fabric: Fabric,
+    name: str,
+    dom: DomainXMLInfo,
+    uuid: UUID | str,
+    held_by: Callable[[int], Holder | None],
+) -> bool:
+    """Whether VM ``name`` (``dom``) uses a device that ``held_by`` says is not its own."""
+    holder = holder_for(fabric, name, dom.uuid or uuid)
     for dev in dom.devices:
         if dev.share is not None:  # a queue-level share: the lender's manager holds it
             continue
-        held = fabric.device(dev.fdid).holder
+        held = held_by(dev.fdid)
         if held is None or not same_holder(held, holder):
             return True
     return False

@@ -31,7 +31,7 @@ class LeaseWatch:
         *,
         clock: Callable[[], float] = time.monotonic,
         tick: float = 0.1,
-        suspend: Callable[[str], None] | None = None,
+        suspend: Callable[[str], object] | None = None,
     ) -> None:
         self._ttl = ttl
         self._pause = pause
@@ -265,43 +265,41 @@ class LeaseWatch:
         """The VMs a late resume ran after the lease was lost, paused again: for the
         recovery, like those of ``take_paused``."""
         with self._lock:
-            while self._pausing:  # what it paused must not land among the paused after this
-                self._paused_done.wait()
             names, self._orphans = list(dict.fromkeys(self._orphans)), []
-            self._paused = [n for n in self._paused if n not in names]
+            self._take(names)  # what a pause in progress paused must not land after this
             return names
 
     def take_late(self) -> list[str]:
         """The VMs paused since ``take_paused`` (a pause in progress included: it waits for
         it), for the recovery under the new lease; the watch's clock is left as it is."""
         with self._lock:
-            while self._pausing:
-                self._paused_done.wait()
-            names, self._paused = list(dict.fromkeys(self._paused)), []
-            return [n for n in names if n not in self._parked]
+            return [n for n in self._take() if n not in self._parked]
 
     def withdraw(self, names: list[str]) -> list[str]:
         """Those of ``names`` the watch paused (a pause in progress included), taken out of
         its hands: no renewal resumes them (the caller recovers them)."""
         with self._lock:
-            while self._pausing:
-                self._paused_done.wait()
-            taken = [n for n in dict.fromkeys(self._paused) if n in names]
-            self._paused = [n for n in self._paused if n not in names]
-            return taken
+            return self._take(names)
 
     def take_paused(self) -> list[str]:
         """The VMs paused so far and those parked (the lost-lease path takes them over), a
         pause in progress included: it waits for that one, since the recovery needs the
         hypervisor anyway."""
         with self._lock:
-            while self._pausing:
-                self._paused_done.wait()
-            names, self._paused = list(dict.fromkeys(self._paused)), []
+            names = self._take()
             names += sorted(self._parked - set(names))
             self._parked.clear()
             self._generation += 1
             return names
+
+    def _take(self, names: list[str] | None = None) -> list[str]:
+        """Under the lock, once a pause in progress is done: take ``names`` (None: all) out of
+        the paused; those that were there."""
+        while self._pausing:
+            self._paused_done.wait()
+        taken = [n for n in dict.fromkeys(self._paused) if names is None or n in names]
+        self._paused = [n for n in self._paused if n not in taken]
+        return taken
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lease-watch", daemon=True)

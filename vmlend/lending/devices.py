@@ -102,19 +102,24 @@ def acquire_device(
     return parent
 
 
-def lost_holds(fabric: Fabric, holder: Holder, fdids: Iterable[int]) -> list[tuple[int, str]]:
+def lost_holds(
+    fabric: Fabric, holder: Holder, fdids: Iterable[int], *, unreadable_is_lost: bool = True
+) -> list[tuple[int, str]]:
     """Which of ``fdids`` ``holder`` no longer holds, each with why (read now, device by
     device). A step that took devices and then waited (a hook or CLI frozen or starved past
     the TTL while its host's agent was dead) may have outlived the lease its holds were on:
     they ended with it, the lenders took the devices back and another VM may have one. Read
     last thing before the devices are handed to the guest (the VM starts, the hostdev is
-    plugged); a lease that ends after that read is the agent's to handle."""
+    plugged); a lease that ends after that read is the agent's to handle.
+    ``unreadable_is_lost`` false: a hold the registry cannot be read for counts as kept (a
+    device already plugged stays on a guess: the agent checks before it resumes a VM)."""
     out: list[tuple[int, str]] = []
     for fdid in fdids:
         try:
             held = fabric.device(fdid).holder
         except VmlendError as e:
-            out.append((fdid, f"cannot confirm it is still held for the VM: {e}"))
+            if unreadable_is_lost:
+                out.append((fdid, f"cannot confirm it is still held for the VM: {e}"))
             continue
         if held is not None and same_holder(held, holder):
             continue

@@ -42,7 +42,6 @@ from vmlend.ops.definitions import (
     resolve_targets,
 )
 from vmlend.ops.unplug import DetachWait, live_has_hostdev, wait_unplugged
-from vmlend.registry.records import same_holder
 from vmlend.topology.model import (
     DEFAULT_INTERRUPTS,
     Check,
@@ -197,10 +196,12 @@ def apply_attach(
                 raise FabricError(f"device {fd}: {lost[0][1]}")
         for t in plan.pending:
             _attach_to(hv, name, t, plan, plugged, progress, wait)
-            if t == LIVE and LIVE not in plan.plugged and (gone := _hold_gone(fabric, plan)):
-                # the hot-plug hung past the lease its hold was on: the agent's recovery did
-                # not know of the device yet, so it is unplugged here
-                raise FabricError(f"device {fd}: {gone}")
+            if t == LIVE and LIVE not in plan.plugged:
+                # the hot-plug may have hung past the lease its hold was on: the agent's
+                # recovery did not know of the device yet, so it is unplugged here
+                gone = lost_holds(fabric, plan.holder, [plan.fdid], unreadable_is_lost=False)
+                if gone:
+                    raise FabricError(f"device {fd}: {gone[0][1]}")
     except BaseException as e:  # Ctrl-C too: never leave a reservation or mdev behind
         failed = plugged.rollback(progress)
         mdev = plan.device.mdev
@@ -212,19 +213,6 @@ def apply_attach(
             raise
         tail = f"; could not undo: {'; '.join(failed)}" if failed else "; nothing was changed"
         raise FabricError(f"cannot attach device {fd} to VM {name!r}: {e}{tail}") from e
-
-
-def _hold_gone(fabric: Fabric, plan: AttachPlan) -> str | None:
-    """Why the plan's hold is gone now (None: it is the VM's, or the registry cannot say:
-    a device plugged is kept on a guess, and the agent checks the holds before it resumes)."""
-    try:
-        held = fabric.device(plan.fdid).holder
-    except VmlendError:
-        return None
-    if held is not None and same_holder(held, plan.holder):
-        return None
-    reason = "its hold ended meanwhile (this host's lease ended)"
-    return reason + (f"; it is held by {held.node}/{held.vm} now" if held is not None else "")
 
 
 def attach_live(
