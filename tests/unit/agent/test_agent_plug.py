@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from vmlend.domain import mdev_uuid, read_domain
 from vmlend.domain.address import PciAddress
 from vmlend.errors import MigrationError, StateError
 from vmlend.hostenv import HostEnv
-from vmlend.hypervisor import LiveMigration
+from vmlend.hypervisor import Hypervisor, LiveMigration
 from vmlend.hypervisor.base import DomainState
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.notify import Notifier
@@ -82,19 +83,27 @@ class ReadyNotifier(Notifier):
 class AgentThread:
     """The agent of ``host`` on a thread; entered once it serves (systemd's "ready")."""
 
-    def __init__(self, host: KernelHost, hypervisor: bool = True) -> None:
+    def __init__(
+        self,
+        host: KernelHost,
+        hypervisor: bool = True,
+        *,
+        ttl: int = 10,
+        hv: Callable[[], Hypervisor] | None = None,
+        agent_class: type[Agent] = Agent,
+    ) -> None:
         self.notifier = ReadyNotifier()
         cfg = AgentConfig(
             location=host.url,
             node=host.node,
             lease_file=host.lease_file,
-            ttl=10,
+            ttl=ttl,
             interval=0.05,
-            hypervisor=host.hv if hypervisor else None,
+            hypervisor=(hv or host.hv) if hypervisor else None,
             fabric=host.fabric,
             notifier=self.notifier,
         )
-        self.agent = Agent(cfg)
+        self.agent = agent_class(cfg)
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
 
     def __enter__(self) -> Agent:
@@ -298,61 +307,56 @@ class CountingAgent(Agent):
         self.renewals += 1
 
 
+class StuckHotPlug:
+    """``host``'s hypervisor (``hv``, for its agent) with a hot-plug that hangs until
+    ``answer`` is set: ``attaching`` once it hangs, ``landed`` once the device is in."""
+
+    def __init__(self, host: KernelHost) -> None:
+        self.host = host
+        self.attaching, self.answer, self.landed = (threading.Event() for _ in range(3))
+
+    def hv(self) -> Hypervisor:
+        hv = self.host.hv()
+        attach = hv.attach_device
+
+        def hanging(*args, **kw):  # type: ignore[no-untyped-def]
+            self.attaching.set()
+            self.answer.wait(60)
+            attach(*args, **kw)
+            self.landed.set()
+
+        hv.attach_device = hanging  # type: ignore[method-assign]
+        return hv
+
+
 def test_a_plug_the_hypervisor_does_not_answer_holds_up_no_renewal(hosts, tmp_path):
     """The destination's hypervisor hangs in the hot-plug of a plug request. The agent must
     renew on meanwhile (it used to serve plug requests on its loop: the lease, and every hold
     of the host, would have ended while etcd answered); the plug lands once it answers."""
     gamma, beta = hosts
     running_on_gamma(gamma, (GPU,))
-    attaching, answer = threading.Event(), threading.Event()
-
-    def stuck_hv():  # type: ignore[no-untyped-def]
-        hv = beta.hv()
-        attach = hv.attach_device
-
-        def hanging(*args, **kw):  # type: ignore[no-untyped-def]
-            attaching.set()
-            answer.wait(60)
-            return attach(*args, **kw)
-
-        hv.attach_device = hanging
-        return hv
-
-    cfg = AgentConfig(
-        location=beta.url,
-        node=beta.node,
-        lease_file=beta.lease_file,
-        ttl=2,  # renewed every 2/3 s
-        interval=0.05,
-        hypervisor=stuck_hv,
-        fabric=beta.fabric,
-        notifier=ReadyNotifier(),
-    )
-    agent = CountingAgent(cfg)
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    assert isinstance(cfg.notifier, ReadyNotifier) and cfg.notifier.serving.wait(30)
-    result: list[object] = []
-    migration = threading.Thread(target=lambda: result.append(migrate(gamma, beta, tmp_path)))
-    try:
-        migration.start()
-        assert attaching.wait(30), "the plug request was never served"
-        before = agent.renewals
-        deadline = time.monotonic() + 20
-        while agent.renewals < before + 2:
-            assert time.monotonic() < deadline, "no renewal while the hot-plug hung"
-            time.sleep(0.05)
-        answer.set()
-        migration.join(60)
-        res, _steps = result[0]  # type: ignore[misc]
-        assert res.devices == ["0x10"] and guest_fdids(beta) == {GPU}
-        assert holders(gamma) == {GPU: "beta/vm1"}
-    finally:
-        answer.set()
-        migration.join(60)
-        agent.stop_event.set()
-        thread.join(30)
-    assert not thread.is_alive()
+    stuck = StuckHotPlug(beta)
+    # a TTL of 2 s: renewed every 2/3 s
+    with AgentThread(beta, ttl=2, hv=stuck.hv, agent_class=CountingAgent) as agent:
+        assert isinstance(agent, CountingAgent)
+        result: list[object] = []
+        migration = threading.Thread(target=lambda: result.append(migrate(gamma, beta, tmp_path)))
+        try:
+            migration.start()
+            assert stuck.attaching.wait(30), "the plug request was never served"
+            before = agent.renewals
+            deadline = time.monotonic() + 20
+            while agent.renewals < before + 2:
+                assert time.monotonic() < deadline, "no renewal while the hot-plug hung"
+                time.sleep(0.05)
+            stuck.answer.set()
+            migration.join(60)
+            res, _steps = result[0]  # type: ignore[misc]
+            assert res.devices == ["0x10"] and guest_fdids(beta) == {GPU}
+            assert holders(gamma) == {GPU: "beta/vm1"}
+        finally:
+            stuck.answer.set()
+            migration.join(60)
 
 
 def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_running_on_it(
@@ -367,36 +371,7 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
     runs without it."""
     gamma, beta = hosts
     running_on_gamma(gamma, (GPU,))
-    attaching, answer = threading.Event(), threading.Event()
-
-    def stuck_hv():  # type: ignore[no-untyped-def]
-        hv = beta.hv()
-        attach = hv.attach_device
-
-        def hanging(*args, **kw):  # type: ignore[no-untyped-def]
-            attaching.set()
-            answer.wait(60)
-            attach(*args, **kw)
-            landed.set()
-
-        hv.attach_device = hanging
-        return hv
-
-    landed = threading.Event()
-    cfg = AgentConfig(
-        location=beta.url,
-        node=beta.node,
-        lease_file=beta.lease_file,
-        ttl=2,
-        interval=0.05,
-        hypervisor=stuck_hv,
-        fabric=beta.fabric,
-        notifier=ReadyNotifier(),
-    )
-    agent = Agent(cfg)
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    assert isinstance(cfg.notifier, ReadyNotifier) and cfg.notifier.serving.wait(30)
+    stuck = StuckHotPlug(beta)
     failed: list[MigrationError] = []
 
     def migration_run() -> None:
@@ -405,35 +380,33 @@ def test_a_plug_that_lands_after_the_lease_was_lost_does_not_leave_the_vm_runnin
         except MigrationError as e:
             failed.append(e)
 
-    migration = threading.Thread(target=migration_run, daemon=True)
-    try:
-        migration.start()
-        assert attaching.wait(30), "the plug request was never served"
-        old = hostlease.read(beta.lease_file).lease
-        body = json.dumps({"ID": old}).encode()
-        req = urllib.request.Request(f"http://{etcd.endpoint}/v3/lease/revoke", data=body)
-        urllib.request.urlopen(req, timeout=5).close()
-        deadline = time.monotonic() + 30
-        while (now := _published(beta)) in (None, old):
-            assert time.monotonic() < deadline, "the agent never took a new lease"
-            time.sleep(0.05)
-        answer.set()  # the hot-plug lands, under a lease that is gone
-        migration.join(60)
-        assert not migration.is_alive() and landed.is_set()
-        assert failed and "its hold ended meanwhile" in str(failed[0])
-        deadline = time.monotonic() + 30
-        while not _settled(beta):
-            assert time.monotonic() < deadline, (
-                f"vm1 runs with {guest_fdids(beta)} while holders are {holders(gamma)}"
-            )
-            time.sleep(0.05)
-        assert _published(beta) == now  # the recovery kept the new lease
-    finally:
-        answer.set()
-        migration.join(60)
-        agent.stop_event.set()
-        thread.join(30)
-    assert not thread.is_alive()
+    with AgentThread(beta, ttl=2, hv=stuck.hv):
+        migration = threading.Thread(target=migration_run, daemon=True)
+        try:
+            migration.start()
+            assert stuck.attaching.wait(30), "the plug request was never served"
+            old = hostlease.read(beta.lease_file).lease
+            body = json.dumps({"ID": old}).encode()
+            req = urllib.request.Request(f"http://{etcd.endpoint}/v3/lease/revoke", data=body)
+            urllib.request.urlopen(req, timeout=5).close()
+            deadline = time.monotonic() + 30
+            while (now := _published(beta)) in (None, old):
+                assert time.monotonic() < deadline, "the agent never took a new lease"
+                time.sleep(0.05)
+            stuck.answer.set()  # the hot-plug lands, under a lease that is gone
+            migration.join(60)
+            assert not migration.is_alive() and stuck.landed.is_set()
+            assert failed and "its hold ended meanwhile" in str(failed[0])
+            deadline = time.monotonic() + 30
+            while not _settled(beta):
+                assert time.monotonic() < deadline, (
+                    f"vm1 runs with {guest_fdids(beta)} while holders are {holders(gamma)}"
+                )
+                time.sleep(0.05)
+            assert _published(beta) == now  # the recovery kept the new lease
+        finally:
+            stuck.answer.set()
+            migration.join(60)
 
 
 def _published(host: KernelHost) -> int | None:

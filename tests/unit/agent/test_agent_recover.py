@@ -34,11 +34,21 @@ def _setup(tmp_path: Path, hv_class: type[SimHypervisor]):
     hv.start("app")
     hv.suspend("app")  # as the guard left it
     fabric.reserve(NIC, DB)  # another host was faster
+    return fabric, hv, _recovery_for(hv, fabric)
+
+
+def _recovery_for(hv, fabric, fence_wait: float = 0, **kw) -> LostLeaseRecovery:  # type: ignore[no-untyped-def]
+    """A recovery on a clock that ticks a second per look, sleeping not at all."""
     ticks = iter(range(1000))
-    recovery = LostLeaseRecovery(
-        hv, fabric, fence_wait=0, interval=0.01, clock=lambda: next(ticks), sleep=lambda s: None
+    return LostLeaseRecovery(
+        hv,
+        fabric,
+        fence_wait=fence_wait,
+        interval=0.01,
+        clock=lambda: next(ticks),
+        sleep=lambda s: None,
+        **kw,
     )
-    return fabric, hv, recovery
 
 
 def test_a_vm_whose_lost_device_cannot_be_unplugged_stays_paused_and_says_why(tmp_path):
@@ -170,16 +180,7 @@ def test_a_vm_whose_devices_cannot_be_re_reserved_for_want_of_etcd_is_tried_agai
     monkeypatch.setattr(recover_module, "acquire_device", unreachable)
     fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
     again: list[str] = []
-    ticks = iter(range(1000))
-    recovery = LostLeaseRecovery(
-        hv,
-        fabric,
-        fence_wait=0,
-        interval=0.01,
-        clock=lambda: next(ticks),
-        sleep=lambda s: None,
-        retry=again.append,
-    )
+    recovery = _recovery_for(hv, fabric, retry=again.append)
     [result] = recovery.recover(["app"])
     assert result.outcome == "paused" and "tried again" in result.why
     assert again == ["app"]
@@ -271,16 +272,7 @@ class JobTimeout(SimHypervisor):
 def test_a_vm_the_hypervisor_failed_for_is_tried_again_not_left_paused(tmp_path):
     fabric, hv, _recovery = _setup(tmp_path, JobTimeout)
     again: list[str] = []
-    ticks = iter(range(1000))
-    recovery = LostLeaseRecovery(
-        hv,
-        fabric,
-        fence_wait=0,
-        interval=0.01,
-        clock=lambda: next(ticks),
-        sleep=lambda s: None,
-        retry=again.append,
-    )
+    recovery = _recovery_for(hv, fabric, retry=again.append)
     [first] = recovery.recover(["app"])
     assert first.outcome == "paused" and "tried again" in first.why and again == ["app"]
     [second] = recovery.recover(again)
@@ -318,9 +310,7 @@ def test_a_resume_whose_holds_cannot_be_read_waits_for_the_next_renewal(tmp_path
     assert hv.lookup("app").state is DomainState.PAUSED
 
 
-def test_the_recovery_takes_back_this_hosts_own_fenced_device_while_it_waits(
-    tmp_path, monkeypatch
-):
+def test_the_recovery_takes_back_this_hosts_own_fenced_device_while_it_waits(tmp_path, monkeypatch):
     """A device this host lends to its own VM is fenced under the lost lease; only this
     host's agent takes it back, and its loop is busy with the recovery: the recovery does
     it while it waits, instead of waiting a TTL and unplugging the VM's own device."""
@@ -337,16 +327,7 @@ def test_the_recovery_takes_back_this_hosts_own_fenced_device_while_it_waits(
 
     monkeypatch.setattr(recover_module, "acquire_device", fenced_until_taken_back)
     fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
-    ticks = iter(range(1000))
-    recovery = LostLeaseRecovery(
-        hv,
-        fabric,
-        fence_wait=5,
-        interval=0.01,
-        clock=lambda: next(ticks),
-        sleep=lambda s: None,
-        take_back=lambda: taken.append(True),
-    )
+    recovery = _recovery_for(hv, fabric, fence_wait=5, take_back=lambda: taken.append(True))
     [result] = recovery.recover(["app"])
     assert taken and GPU in result.regained
 
@@ -387,15 +368,6 @@ def test_a_failed_take_back_of_another_device_does_not_lose_this_one(tmp_path, m
 
     monkeypatch.setattr(recover_module, "acquire_device", fenced_twice)
     fabric, hv, _recovery = _setup(tmp_path, SimHypervisor)
-    ticks = iter(range(1000))
-    recovery = LostLeaseRecovery(
-        hv,
-        fabric,
-        fence_wait=50,
-        interval=0.01,
-        clock=lambda: next(ticks),
-        sleep=lambda s: None,
-        take_back=take_back,
-    )
+    recovery = _recovery_for(hv, fabric, fence_wait=50, take_back=take_back)
     [result] = recovery.recover(["app"])
     assert GPU in result.regained and GPU not in result.lost

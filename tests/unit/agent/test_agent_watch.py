@@ -5,9 +5,12 @@ against a real etcd, and its keepalive is made to hang."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +69,44 @@ def _until(what: str, check) -> None:
         time.sleep(0.02)
 
 
+#: The name of the thread ``_agent_running`` runs the agent on.
+AGENT_THREAD = "agent-under-test"
+
+
+@contextlib.contextmanager
+def _agent_running(
+    agent_class: type[HangingAgent],
+    hv: SimHypervisor,
+    etcd_url: str,
+    root: Path,
+    clock: FakeClock,
+    release: tuple[threading.Event, ...] = (),
+) -> Iterator[HangingAgent]:
+    """The agent of gamma (rooted at ``root``, guarding ``hv``) on a thread of its own; on
+    the way out ``release`` and its hanging keepalive are let go, the agent is stopped, and it
+    must have stopped cleanly."""
+    config = AgentConfig(
+        etcd_url,
+        "gamma",
+        hostlease.lease_path(HostEnv(root)),
+        ttl=TTL,
+        interval=0.05,
+        hypervisor=lambda: hv,
+    )
+    agent = agent_class(config, clock)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(agent.run()), name=AGENT_THREAD)
+    thread.start()
+    try:
+        yield agent
+    finally:
+        for event in (*release, agent.answer):
+            event.set()
+        agent.stop_event.set()
+        thread.join(WAIT)
+    assert result == [0]
+
+
 def test_the_guard_pauses_at_half_the_ttl_while_the_renewal_hangs(
     etcd_url, tmp_path, monkeypatch, caplog
 ):
@@ -75,19 +116,7 @@ def test_the_guard_pauses_at_half_the_ttl_while_the_renewal_hangs(
     monkeypatch.setenv("VMLEND_ROOT", str(root))
     hv = SimHypervisor("gamma", tmp_path / "hv", None)
     clock = FakeClock()
-    config = AgentConfig(
-        etcd_url,
-        "gamma",
-        hostlease.lease_path(HostEnv(root)),
-        ttl=TTL,
-        interval=0.05,
-        hypervisor=lambda: hv,
-    )
-    agent = HangingAgent(config, clock)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(agent.run()))
-    thread.start()
-    try:
+    with _agent_running(HangingAgent, hv, etcd_url, root, clock) as agent:
         _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
         with open_fabric(etcd_url, "gamma") as f:
             f.reserve(GPU, WEB)  # under the agent's lease
@@ -106,11 +135,6 @@ def test_the_guard_pauses_at_half_the_ttl_while_the_renewal_hangs(
         _until("web resumed", lambda: hv.lookup("web").state is DomainState.RUNNING)
         with open_fabric(etcd_url, "gamma") as f:
             assert f.device(GPU).holder == WEB
-    finally:
-        agent.answer.set()
-        agent.stop_event.set()
-        thread.join(WAIT)
-    assert result == [0]
 
 
 def test_the_watch_counts_from_the_last_good_renewal_on_its_own_clock():
@@ -286,19 +310,8 @@ def test_the_agent_renews_on_while_the_hypervisor_does_not_answer_a_resume(
     monkeypatch.setenv("VMLEND_ROOT", str(root))
     hv = _StuckResumes("gamma", tmp_path / "hv", None)
     clock = FakeClock()
-    config = AgentConfig(
-        etcd_url,
-        "gamma",
-        hostlease.lease_path(HostEnv(root)),
-        ttl=TTL,
-        interval=0.05,
-        hypervisor=lambda: hv,
-    )
-    agent = _CountingAgent(config, clock)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(agent.run()))
-    thread.start()
-    try:
+    with _agent_running(_CountingAgent, hv, etcd_url, root, clock, (hv.answer,)) as agent:
+        assert isinstance(agent, _CountingAgent)
         _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
         with open_fabric(etcd_url, "gamma") as f:
             f.reserve(GPU, WEB)
@@ -322,12 +335,6 @@ def test_the_agent_renews_on_while_the_hypervisor_does_not_answer_a_resume(
         _until("web resumed", lambda: hv.lookup("web").state is DomainState.RUNNING)
         with open_fabric(etcd_url, "gamma") as f:
             assert f.device(GPU).holder == WEB
-    finally:
-        hv.answer.set()
-        agent.answer.set()
-        agent.stop_event.set()
-        thread.join(WAIT)
-    assert result == [0]
 
 
 def test_a_name_handed_out_before_the_lease_was_lost_is_the_recoverys_not_resumed():
@@ -389,12 +396,11 @@ class _SlowStartUp(SimHypervisor):
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        self.agent_thread: threading.Thread | None = None
         self.reached = threading.Event()
         self.go = threading.Event()
 
     def list_domains(self):  # type: ignore[no-untyped-def]
-        if threading.current_thread() is self.agent_thread and not self.go.is_set():
+        if threading.current_thread().name == AGENT_THREAD and not self.go.is_set():
             self.reached.set()
             self.go.wait(WAIT)
         return super().list_domains()
@@ -420,19 +426,7 @@ def test_a_vm_the_watch_paused_during_start_up_is_recovered_not_resumed_without_
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
     hv.start("web")  # no hook here: it runs without a hold, as after a lease ended
     clock = FakeClock()
-    config = AgentConfig(
-        etcd_url,
-        "gamma",
-        hostlease.lease_path(HostEnv(root)),
-        ttl=TTL,
-        interval=0.05,
-        hypervisor=lambda: hv,
-    )
-    agent = HangingAgent(config, clock)
-    result: list[int] = []
-    thread = hv.agent_thread = threading.Thread(target=lambda: result.append(agent.run()))
-    thread.start()
-    try:
+    with _agent_running(HangingAgent, hv, etcd_url, root, clock, (hv.go,)):
         assert hv.reached.wait(WAIT), "the start-up never listed the domains"
         clock.advance(TTL / 2 + 0.1)
         _until("web paused by the watch", lambda: hv.lookup("web").state is DomainState.PAUSED)
@@ -444,11 +438,6 @@ def test_a_vm_the_watch_paused_during_start_up_is_recovered_not_resumed_without_
         assert GPU not in devices, "web runs on with 0x10, which beta's db holds"
         with open_fabric(etcd_url, "gamma") as f:
             assert f.device(GPU).holder == DB
-    finally:
-        hv.go.set()
-        agent.stop_event.set()
-        thread.join(WAIT)
-    assert result == [0]
 
 
 def test_a_vm_handed_back_counts_as_paused_until_its_resume_is_done():
