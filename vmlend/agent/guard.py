@@ -21,6 +21,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from vmlend.agent.pause_marks import PauseMarks
 from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hook.domainview import read_hook_domain
@@ -30,8 +31,12 @@ log = logging.getLogger(__name__)
 
 
 class RemoteVmGuard:
-    def __init__(self, hv: Hypervisor, fabric: Fabric, node: str) -> None:
+    def __init__(
+        self, hv: Hypervisor, fabric: Fabric, node: str, marks: PauseMarks | None = None
+    ) -> None:
         self._hv = hv
+        #: Each VM this guard pauses is marked there until it is resumed (``pause_marks``).
+        self.marks = marks
         # Read now: when the guard acts, the registry is exactly what cannot be reached.
         self._lenders = {d.fdid: d.lender for d in fabric.topology().devices}
         self._node = node
@@ -121,6 +126,8 @@ class RemoteVmGuard:
         has nothing better; a VM that is gone runs nothing)."""
         try:
             if self._hv.lookup(name).state is DomainState.RUNNING:
+                if self.marks is not None:  # first: an agent killed after the pause knows
+                    self.marks.mark(name)
                 self._hv.suspend(name)
                 return True
         except UnknownDomainError:
@@ -140,6 +147,8 @@ class RemoteVmGuard:
         resumed meanwhile)."""
         with contextlib.suppress(UnknownDomainError):
             resume_if_paused(self._hv, name)
+        if self.marks is not None:
+            self.marks.clear(name)
 
     def resume(
         self,

@@ -88,7 +88,10 @@ class LostLeaseRecovery:
         keep_alive: Callable[[], None] = lambda: None,
         retry: Callable[[str], None] | None = None,
         take_back: Callable[[], None] = lambda: None,
+        unmark: Callable[[str], None] = lambda _name: None,
     ) -> None:
+        #: The VM needs no pause mark any more: resumed, or gone (``PauseMarks.clear``).
+        self._unmark = unmark
         #: Takes back this host's own fenced devices (lent to its own VMs): nobody else will
         #: while the recovery holds up the agent's loop.
         self._take_back = take_back
@@ -120,6 +123,7 @@ class LostLeaseRecovery:
                 result = self._recover_one(name)
             except UnknownDomainError:
                 result = VmRecovery(name, outcome="stopped", why="it is gone")
+                self._unmark(name)
             except LibvirtError as e:  # the hypervisor failed (a job timeout): try again
                 result = VmRecovery(name, why=f"{e}; tried again")
                 if self._retry is not None:
@@ -172,6 +176,7 @@ class LostLeaseRecovery:
                 result.regained.clear()
                 result.outcome = "stopped"
                 result.why = "it stopped meanwhile; the devices re-reserved for it are returned"
+                self._unmark(name)
                 return result
         if result.lost:
             try:
@@ -199,9 +204,13 @@ class LostLeaseRecovery:
     def _resume(self, name: str) -> bool:
         # a VM a late resume ran (``LeaseWatch.take_orphans``) may run already
         if self._resume_gate is None:
-            resume_if_paused(self._hv, name)
+            self._resume_now(name)
             return True
-        return self._resume_gate(name, lambda: resume_if_paused(self._hv, name))
+        return self._resume_gate(name, lambda: self._resume_now(name))
+
+    def _resume_now(self, name: str) -> None:
+        resume_if_paused(self._hv, name)
+        self._unmark(name)
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait

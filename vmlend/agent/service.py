@@ -23,14 +23,15 @@ import msgspec
 from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.metrics import AgentMetrics
+from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, lacks_holds, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
-from vmlend.errors import ConfigError, StateError, VmlendError
+from vmlend.errors import ConfigError, StateError, UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
-from vmlend.hypervisor.base import Hypervisor
+from vmlend.hypervisor.base import DomainState, Hypervisor
 from vmlend.notify import Notifier
 from vmlend.ops.plug_request import PlugRequest, PlugRequests, serve_plug_requests
 from vmlend.registry import EtcdRegistry, hostlease
@@ -218,6 +219,12 @@ class AgentConfig(msgspec.Struct):
     #: pass a kernel backend over a fake sysfs).
     fabric: Callable[[], Fabric] | None = None
 
+    @property
+    def pause_marks_dir(self) -> Path:
+        """Where the agent marks the VMs it paused (``pause_marks``): beside its lease file,
+        in the host's run directory."""
+        return self.lease_file.parent / "paused"
+
 
 class Agent:
     def __init__(self, config: AgentConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -264,7 +271,7 @@ class Agent:
         hv: Hypervisor | None = None
         if cfg.hypervisor is not None:
             hv = cfg.hypervisor()
-            guard = RemoteVmGuard(hv, fabric, cfg.node)
+            guard = RemoteVmGuard(hv, fabric, cfg.node, PauseMarks(cfg.pause_marks_dir))
             # Who to pause first, known before a pause is needed (``guard`` says why).
             guard.start_census(min(cfg.interval * 5, lease.ttl / 4))
         # From the moment the lease exists, on its own thread: the start-up below and every
@@ -309,6 +316,7 @@ class Agent:
                 retry=watch.orphan,
                 # a device this host lends to its own VM is taken back only by this loop
                 take_back=lambda: self._take_back(fabric),
+                unmark=guard.marks.clear if guard is not None and guard.marks else lambda _n: None,
             )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
@@ -339,6 +347,7 @@ class Agent:
             lost = self._until_reachable(lambda: vms_without_their_holds(hv, fabric))
             if lost is None:
                 return self._stopped(registry, fabric, lease)
+            paused: list[str] = []
             if lost:
                 log.error(
                     "VMs %s run without their holds (this host's lease ended while no agent"
@@ -346,10 +355,18 @@ class Agent:
                     ", ".join(lost),
                 )
                 # With those the watch paused first: the recovery's now, or the first renewal
-                # would resume them without their holds. A VM paused before (an operator, the
-                # agent before this one) stays paused; the reconcile below re-acquires for it.
+                # would resume them without their holds. A VM an operator paused stays paused;
+                # the reconcile below re-acquires for it.
                 paused = self._without_holds(hv, fabric, guard, watch, lost)
-                cfg.metrics.recovered(recovery.recover(paused))
+            # The VMs an agent paused and did not resume (it was killed first): recovered too,
+            # whether their holds outlived it or not.
+            if left := self._left_paused(hv, guard, watch, paused):
+                log.warning(
+                    "VMs %s were paused by an earlier agent and not resumed; recovering them",
+                    ", ".join(left),
+                )
+            if paused or left:
+                cfg.metrics.recovered(recovery.recover(sorted({*paused, *left})))
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
                 return self._stopped(registry, fabric, lease)
@@ -582,6 +599,32 @@ class Agent:
             if name not in paused and guard.running(name):
                 watch.orphan(name)  # its pause failed: paused and recovered on the next turn
         return sorted(paused)
+
+    @staticmethod
+    def _left_paused(
+        hv: Hypervisor, guard: RemoteVmGuard, watch: LeaseWatch, taken: list[str]
+    ) -> list[str]:
+        """The paused VMs an agent marked as its own pause (``pause_marks``), besides
+        ``taken``, taken from the watch if it paused them; the marks of VMs that are no longer
+        paused go."""
+        marks = guard.marks
+        if marks is None:
+            return []
+        out = []
+        for name in marks.names():
+            try:
+                paused = hv.lookup(name).state is DomainState.PAUSED
+            except UnknownDomainError:
+                paused = False
+            except VmlendError as e:  # unknown now: the mark stays for the next start-up
+                log.warning("cannot tell whether %s is still paused: %s", name, e)
+                continue
+            if not paused:
+                marks.clear(name)
+            elif name not in taken:
+                out.append(name)
+        watch.withdraw(out)
+        return out
 
     def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
         """``read()``, retried while etcd cannot be reached; None when stopped first."""

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster_hosts import DB, GPU, WEB, domain_xml
+from tests.support.cluster_hosts import DB, GPU, NIC, WEB, domain_xml
 from tests.support.etcd_daemon import host_lease
 from tests.support.simfabric import make_fabric
 from vmlend.agent.lease import SessionLease
+from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.agent.watch import LeaseWatch
 from vmlend.domain import read_domain
@@ -26,6 +27,7 @@ from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import hostlease
 from vmlend.sim.hypervisor.node import SimHypervisor
+from vmlend.topology.model import Holder
 from vmlend.wiring.fabric import open_fabric
 
 TTL = 10  # in fake seconds; etcd's own clock never gets near it during the test
@@ -592,3 +594,51 @@ def test_a_resume_that_failed_is_tried_again_by_the_next_renewal():
         watch.resume_if_fresh("web", fails)
     assert watch.paused_count() == 1
     assert watch.renewed() == ["web"]
+
+
+def test_vms_an_agent_paused_and_did_not_resume_are_recovered_by_the_next_one(
+    etcd, etcd_url, tmp_path, monkeypatch, caplog
+):
+    """gamma's agent paused web and app (its lease was in doubt) and was killed before it
+    resumed them. web's hold outlived it; app's device went to beta's db meanwhile. The next
+    agent resumes web, and unplugs 0x20 from app before it resumes it. ops, which an operator
+    paused, stays paused. Before, all three stayed paused for good: a hypervisor cannot tell
+    the agent's pause from an operator's, so the agent now marks its own (``pause_marks``).
+    A mark of a VM that runs (an operator resumed it) or is gone is dropped."""
+    caplog.set_level(logging.WARNING)
+    make_fabric(etcd_url).close()
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
+    host_lease(etcd, tmp_path / "beta", node="beta")
+    with open_fabric(etcd_url, "beta") as f:
+        f.reserve(NIC, DB)
+    root = tmp_path / "gamma"
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    host_lease(etcd, root, node="gamma")  # the killed agent's lease: the next one takes over
+    ops = Holder("gamma", "ops", "33333333-3333-3333-3333-333333333333")
+    app = Holder("gamma", "app", "44444444-4444-4444-4444-444444444444")
+    with open_fabric(etcd_url, "gamma") as f:
+        f.reserve(GPU, WEB)
+        f.reserve(0x11, ops)
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    for holder, fdid in ((WEB, GPU), (app, NIC), (ops, 0x11)):
+        hv.define(domain_xml(holder.vm, holder.vm_uuid, (fdid,)))
+        hv.start(holder.vm)  # no hook here: the holds are made above, app has none
+        hv.suspend(holder.vm)
+    marks = PauseMarks(hostlease.lease_path(HostEnv(root)).parent / "paused")
+    marks.mark("web")
+    marks.mark("app")
+    marks.mark("ops-resumed-by-hand")
+    marks.mark("gone")
+    hv.define(domain_xml("ops-resumed-by-hand", "55555555-5555-5555-5555-555555555555", ()))
+    hv.start("ops-resumed-by-hand")
+    with _agent_running(HangingAgent, hv, etcd_url, root, FakeClock()):
+        _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
+        assert hv.lookup("web").state is DomainState.RUNNING, "web stays paused"
+        assert hv.lookup("app").state is DomainState.RUNNING, "app stays paused"
+        assert hv.lookup("ops").state is DomainState.PAUSED, "an operator's pause was undone"
+        assert hv.lookup("ops-resumed-by-hand").state is DomainState.RUNNING
+        assert NIC not in {d.fdid for d in read_domain(hv.xml("app"), strict=False).devices}
+        assert marks.names() == []
+        with open_fabric(etcd_url, "gamma") as f:
+            assert f.device(GPU).holder == WEB
+            assert f.device(NIC).holder == DB
