@@ -6,13 +6,14 @@ its lease ended; SIGSTOP of an agent past the TTL, in its loop and (restarted af
 ended) in its start-up; SIGSTOP of a hook mid-prepare and of one mid-release past the TTL; a
 silent partition of one host from etcd past the TTL; loss of quorum past the TTL; kill -9 of the
 etcd leader; a domain the hypervisor does not answer for while its agent resumes it; and
-combined: a hook frozen mid-prepare or mid-release while its host's agent is dead past its
-lease, a partition together with a kill of the leader, a frozen agent together
-with a loss of quorum. A sampler reads every host's running, unpaused VMs every 0.1 s: no device
-may be in two of them (``tests/support/nemesis.py`` says exactly what counts, hot-added devices
-included). After the faults heal: nothing held by a VM that does not run or does not use it,
-nothing fenced, no revision of the registry with two holders, and every failed CLI call said one
-line.
+combined: a hook frozen mid-prepare or mid-release, or a ``vmlend attach --live`` frozen just
+after its hot-plug, while its host's agent is dead past its lease; a partition together with a
+kill of the leader, a frozen agent together with a loss of quorum. A sampler reads every host's
+running, unpaused VMs every 0.1 s: no device may be in two of them (``tests/support/nemesis.py``
+says exactly what counts, hot-added devices included, and when an overlap is excused). After
+the faults heal: nothing held by a VM that does not run or does not use it, no running VM using
+a device it does not hold, nothing fenced, no revision of the registry with two holders, and
+every failed CLI call said one line.
 
 The fixed seed runs every nemesis once, in a shuffled order. ``VMLEND_NEMESIS_SEED`` picks
 another seed (the order of faults, their targets and the workload); ``VMLEND_NEMESIS_ROUNDS``
@@ -40,6 +41,7 @@ from tests.support.nemesis import (
     Workload,
     confirm_excuses,
     define_vms,
+    in_use,
     live_devices,
     seed_from_env,
     start_cluster,
@@ -66,7 +68,8 @@ def _say(line: str) -> None:
 
 def _leftovers(c: Cluster) -> list[str]:
     """Holds of VMs that do not run or do not use the device (a hot-remove that did not
-    return it), and fences: what must be gone once the faults healed."""
+    return it), fences, and devices a running VM uses without holding them (a hot-plug that
+    outlived its hold): what must be gone once the faults healed."""
     out = []
     with open_fabric(c.direct_url, "alpha") as alpha, open_fabric(c.direct_url, "beta") as beta:
         statuses: list[DeviceStatus] = alpha.devices()
@@ -81,6 +84,13 @@ def _leftovers(c: Cluster) -> list[str]:
                 out.append(f"{st.fdid:#x} held by {who}, which runs without it")
         for f in alpha.fenced() + beta.fenced():
             out.append(f"{f.fdid:#x} fenced (left by {f.holder.node}/{f.holder.vm})")
+        holders = {st.fdid: st.holder for st in statuses}
+    for h in c.hosts.values():
+        for (node, vm, _id), fdids in in_use(h).items():
+            for fdid in sorted(fdids):
+                held = holders.get(fdid)
+                if held is None or (held.node, held.vm) != (node, vm):
+                    out.append(f"{node}/{vm} runs with {fdid:#x}, held by {held or 'nobody'}")
     return out
 
 

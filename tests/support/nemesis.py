@@ -345,7 +345,7 @@ class Sampler:
         self.samples = 0
         self.overlaps: list[Overlap] = []
         self.errors: list[str] = []
-        self._seen: set[tuple[int, Run, Run]] = set()
+        self._seen: set[tuple[int, Run, Run, bool]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -373,11 +373,12 @@ class Sampler:
         for fdid, who in users.items():
             for i, x in enumerate(who):
                 for y in who[i + 1 :]:
-                    key = (fdid, x, y)
+                    unguarded = tuple(r for r in (x, y) if self.c.host(r[0]).unguarded_at(mono))
+                    # once more when it outlasts its excuse: a host back on guard must end it
+                    key = (fdid, x, y, bool(unguarded))
                     if key in self._seen:
                         continue
                     self._seen.add(key)
-                    unguarded = tuple(r for r in (x, y) if self.c.host(r[0]).unguarded_at(mono))
                     self.overlaps.append(Overlap(wall, mono, fdid, (x, y), unguarded))
         self.samples += 1
 
@@ -717,6 +718,73 @@ def freeze_release(c: Cluster, rng: random.Random, say: Say, *, kill: bool = Fal
         _hold_frozen(h, work, frozen, "mid-release", kill, say)
 
 
+def freeze_attach_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
+    """SIGSTOP of a ``vmlend attach --live`` just after its hot-plug, and kill -9 of its host's
+    agent until the lease ended. The attach holds the device and has plugged it into the VM,
+    but its metadata does not name it yet (``attach:after-hotplug=STOP``): the agent, when back,
+    cannot know of it from the VM's XML. Meanwhile the lender takes the device back and a VM
+    of another host hot-adds it. The attach, let go after the agent's restart, must find its
+    hold gone and unplug the device again; until then the lender's take-back is all that
+    protects the other VM (the host is unguarded)."""
+    node = rng.choice(sorted(VMS))
+    vm = rng.choice(sorted(VMS[node]))
+    fdid = rng.choice([f for f in HOT[node] if f not in VMS[node][vm]])
+    h, work = c.host(node), c.work
+    assert work is not None and h.host.agent is not None
+    with work.claim(node, vm):
+        deadline = time.monotonic() + WAIT
+        with work.keep_off(fdid):
+            while live_devices(h, vm) is None:
+                for wanted in VMS[node][vm]:
+                    _free_up(c, wanted, deadline, say)
+                work.call(h, "vm", "start", vm)
+                assert time.monotonic() < deadline, f"{node}/{vm} never started"
+            _free_up(c, fdid, deadline, say)
+            attach = ("attach", vm, f"{fdid:#x}", "--live")
+            frozen = _start_frozen(h, attach, "attach:after-hotplug", work)
+        if frozen is None:
+            say(f"the attach to {node}/{vm} did not stop: {work.calls[-1].describe()}")
+            return
+
+        def another_vm_takes_it() -> None:
+            _hot_add_elsewhere(c, node, fdid, say)
+
+        # the attach goes on before the restarted agent looks at the VMs, or after it did
+        late = rng.random() < 0.5
+        where = f"after its hot-plug (to go on {'after' if late else 'during'} the restart)"
+        _hold_frozen(h, work, frozen, where, True, say, another_vm_takes_it, late)
+
+
+def _hot_add_elsewhere(c: Cluster, node: str, fdid: int, say: Say) -> None:
+    """Once the lender took ``fdid`` back (bounded wait), give it to a VM of a host other than
+    ``node``: hot-added to one that runs, or taken by the start of one (hot-added after the
+    start if the VM does not want it at start). The first that succeeds ends it."""
+    work = c.work
+    assert work is not None
+    deadline = time.monotonic() + TTL + WAIT / 3
+    while not _free(c, fdid):
+        if time.monotonic() > deadline:
+            say(f"{fdid:#x} was not taken back in time; no other VM takes it")
+            return
+        time.sleep(0.05)
+    tried = []
+    for other in sorted(n for n in VMS if n != node and fdid in HOT[n]):
+        o = c.host(other)
+        for vm in sorted(VMS[other]):
+            with work.claim(other, vm):
+                if live_devices(o, vm) is None:
+                    tried.append(work.call(o, "vm", "start", vm))
+                    if tried[-1].returncode != 0:
+                        continue
+                used = live_devices(o, vm)
+                if used is not None and fdid not in used:
+                    tried.append(work.call(o, "attach", vm, f"{fdid:#x}", "--live"))
+                if fdid in (live_devices(o, vm) or ()):
+                    say(f"{fdid:#x} taken back; now {other}/{vm} uses it")
+                    return
+    say(f"{fdid:#x} taken back; no VM of another host could take it ({len(tried)} calls)")
+
+
 def freeze_release_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
     """SIGSTOP of a hook mid-release and kill -9 of its host's agent until the lease ended."""
     freeze_release(c, rng, say, kill=True)
@@ -724,26 +792,35 @@ def freeze_release_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> N
 
 @dataclass
 class Frozen:
-    """A CLI call whose hook stopped itself (``_start_frozen``)."""
+    """A CLI call that stopped itself, or whose hook did (``_start_frozen``)."""
 
     proc: subprocess.Popen
     argv: tuple[str, ...]
-    hook: int  # the stopped hook's pid
+    hook: int  # the stopped process's pid: the hook's, or the call's own
     wall: float
     t0: float
 
 
 def _hold_frozen(
-    h: NHost, work: Workload, frozen: Frozen, where: str, kill: bool, say: Say
+    h: NHost,
+    work: Workload,
+    frozen: Frozen,
+    where: str,
+    kill: bool,
+    say: Say,
+    meanwhile: Callable[[], None] | None = None,
+    after_start_up: bool = False,
 ) -> None:
-    """Keep the hook stopped past the TTL (``kill``: with its host's agent dead until its
-    lease ended, then restarted), let it and any later stop of the same call go on, and record
-    the call."""
+    """Keep the call stopped past the TTL (``kill``: with its host's agent dead until its
+    lease ended, then restarted; ``meanwhile`` runs then, before the restart), let it and any
+    later stop of the same call go on (``after_start_up``: only once the restarted agent's
+    start-up is done), and record the call."""
     node, proc = h.node, frozen.proc
     assert h.host.agent is not None
+    who = "the call" if frozen.hook == proc.pid else "the hook"
     say(
-        f"SIGSTOP the hook of {node}/{frozen.argv[-1]} {where} (pid {frozen.hook}) for"
-        f" {PAST_TTL:g} s"
+        f"SIGSTOP {who} of {node}/{frozen.argv[1 if frozen.argv[0] == 'attach' else -1]}"
+        f" {where} (pid {frozen.hook}) for {PAST_TTL:g} s"
     )
     restart = None
     if kill:
@@ -752,14 +829,18 @@ def _hold_frozen(
         h.host.agent.kill()
         h.host.agent.wait(20)
     time.sleep(PAST_TTL)
+    if meanwhile is not None:
+        meanwhile()
     if kill:
         # Its start-up waits for the hypervisor, which the frozen call holds: restart it,
         # then let the hook go on.
         restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
         restart.start()
+        if after_start_up:
+            restart.join(WAIT)
         time.sleep(0.5)
     while proc.poll() is None:  # a later device stops it again: let that one go at once
-        for pid in stopped_children(proc.pid):
+        for pid in _stopped(proc.pid):
             os.kill(pid, signal.SIGCONT)
         time.sleep(0.05)
     _out, err = proc.communicate()
@@ -767,7 +848,7 @@ def _hold_frozen(
     done = CliCall(node, frozen.argv, proc.returncode, err, took, frozen.wall)
     work.record(done)
     said = f": {err.strip()}" if done.returncode else ""
-    say(f"the hook went on: {done.describe()}{said}")
+    say(f"{who} went on: {done.describe()}{said}")
     if restart is not None:
         restart.join(WAIT)
         assert not restart.is_alive(), f"the agent of {node} did not start"
@@ -803,9 +884,19 @@ def _free(c: Cluster, fdid: int) -> bool:
         return f.device(fdid).holder is None and all(x.fdid != fdid for x in f.fenced())
 
 
+def _stopped(pid: int) -> list[int]:
+    """``pid`` if it is stopped (SIGSTOP), and its stopped children (``stopped_children``)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = ""
+    return ([pid] if state == "T" else []) + stopped_children(pid)
+
+
 def _start_frozen(h: NHost, argv: tuple[str, ...], point: str, work: Workload) -> Frozen | None:
-    """``vmlend argv`` on ``h`` whose hook runs in its own process (no agent socket) and stops
-    itself at the fault point ``point``; None when the call ended first (recorded)."""
+    """``vmlend argv`` on ``h`` that stops itself at the fault point ``point``: in its hook,
+    run in a process of its own (no agent socket), or in the call itself (an attach); None
+    when the call ended first (recorded)."""
     env = {
         **h.env(),
         FAULT_ENV: f"{point}=STOP",
@@ -821,7 +912,7 @@ def _start_frozen(h: NHost, argv: tuple[str, ...], point: str, work: Workload) -
         text=True,
     )
     while proc.poll() is None:
-        stopped = stopped_children(proc.pid)
+        stopped = _stopped(proc.pid)
         if stopped:
             return Frozen(proc, argv, stopped[0], wall, t0)
         time.sleep(0.02)
@@ -945,6 +1036,7 @@ NEMESES: dict[str, Nemesis] = {
     # combined
     "hook+kill-late": freeze_hook_and_kill_agent,
     "release+kill-late": freeze_release_and_kill_agent,
+    "attach+kill-late": freeze_attach_and_kill_agent,
     "cut+leader": together(cut_host, kill_leader),
     "freeze+quorum": together(freeze_agent, lose_quorum),
 }
