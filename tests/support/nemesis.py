@@ -30,6 +30,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -422,7 +423,8 @@ class Workload:
         self._stop = threading.Event()
         #: Held around each action of a host's thread, and by ``claim``.
         self._busy = {node: threading.Lock() for node in VMS}
-        self._claimed: set[tuple[str, str]] = set()
+        #: How many ``claim``s hold each VM (a nemesis's ``_free_up`` may claim it again).
+        self._claimed: Counter[tuple[str, str]] = Counter()
         #: Devices a nemesis needs free: no VM wanting one is started, none is hot-added.
         self._kept_off: set[int] = set()
         self._threads = [
@@ -455,12 +457,14 @@ class Workload:
     def claim(self, node: str, vm: str) -> Iterator[None]:
         """Keep the workload off ``vm`` (after its action in progress on ``node`` ends)."""
         with self._busy[node]:
-            self._claimed.add((node, vm))
+            self._claimed[(node, vm)] += 1
         try:
             yield
         finally:
             with self._busy[node]:
-                self._claimed.discard((node, vm))
+                self._claimed[(node, vm)] -= 1
+                if not self._claimed[(node, vm)]:
+                    del self._claimed[(node, vm)]
 
     @contextmanager
     def keep_off(self, fdid: int) -> Iterator[None]:
@@ -728,17 +732,21 @@ def freeze_attach_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> No
     protects the other VM (the host is unguarded)."""
     node = rng.choice(sorted(VMS))
     vm = rng.choice(sorted(VMS[node]))
-    fdid = rng.choice([f for f in HOT[node] if f not in VMS[node][vm]])
     h, work = c.host(node), c.work
     assert work is not None and h.host.agent is not None
     with work.claim(node, vm):
         deadline = time.monotonic() + WAIT
+        while (used := live_devices(h, vm)) is None:
+            for wanted in VMS[node][vm]:
+                _free_up(c, wanted, deadline, say)
+            work.call(h, "vm", "start", vm)
+            assert time.monotonic() < deadline, f"{node}/{vm} never started"
+        free = [f for f in HOT[node] if f not in used]  # not one the workload hot-added
+        if not free:
+            say(f"{node}/{vm} has every device it may hot-add")
+            return
+        fdid = rng.choice(free)
         with work.keep_off(fdid):
-            while live_devices(h, vm) is None:
-                for wanted in VMS[node][vm]:
-                    _free_up(c, wanted, deadline, say)
-                work.call(h, "vm", "start", vm)
-                assert time.monotonic() < deadline, f"{node}/{vm} never started"
             _free_up(c, fdid, deadline, say)
             attach = ("attach", vm, f"{fdid:#x}", "--live")
             frozen = _start_frozen(h, attach, "attach:after-hotplug", work)
@@ -834,7 +842,15 @@ def _hold_frozen(
     if kill:
         # Its start-up waits for the hypervisor, which the frozen call holds: restart it,
         # then let the hook go on.
-        restart = threading.Thread(target=h.start_agent, name=f"agent-{node}", daemon=True)
+        failed: list[BaseException] = []
+
+        def start_agent() -> None:
+            try:
+                h.start_agent()
+            except BaseException as e:  # re-raised on the nemesis's thread below
+                failed.append(e)
+
+        restart = threading.Thread(target=start_agent, name=f"agent-{node}", daemon=True)
         restart.start()
         if after_start_up:
             restart.join(WAIT)
@@ -852,6 +868,8 @@ def _hold_frozen(
     if restart is not None:
         restart.join(WAIT)
         assert not restart.is_alive(), f"the agent of {node} did not start"
+        if failed:
+            raise failed[0]
         h.close_window()
 
 

@@ -37,6 +37,10 @@ class RemoteVmGuard:
         self._hv = hv
         #: Each VM this guard pauses is marked there until it is resumed (``pause_marks``).
         self.marks = marks
+        #: One per VM: its mark and its suspend, or its resume and the clear of its mark, as
+        #: one step (a pause between a resume and its clear would lose its mark).
+        self._vm_locks: dict[str, threading.Lock] = {}
+        self._vm_locks_lock = threading.Lock()
         # Read now: when the guard acts, the registry is exactly what cannot be reached.
         self._lenders = {d.fdid: d.lender for d in fabric.topology().devices}
         self._node = node
@@ -121,20 +125,55 @@ class RemoteVmGuard:
             log.warning("paused %s (their holds are gone)", ", ".join(paused))
         return paused
 
+    def _vm_lock(self, name: str) -> threading.Lock:
+        with self._vm_locks_lock:
+            return self._vm_locks.setdefault(name, threading.Lock())
+
     def suspend_if_running(self, name: str) -> bool:
         """Pause ``name`` if it runs; whether this paused it (a failure is logged: the caller
         has nothing better; a VM that is gone runs nothing)."""
-        try:
-            if self._hv.lookup(name).state is DomainState.RUNNING:
+        with self._vm_lock(name):
+            try:
+                if self._hv.lookup(name).state is not DomainState.RUNNING:
+                    return False
                 if self.marks is not None:  # first: an agent killed after the pause knows
                     self.marks.mark(name)
-                self._hv.suspend(name)
+                try:
+                    self._hv.suspend(name)
+                except BaseException:
+                    self._unmark_unless_paused(name)
+                    raise
                 return True
+            except UnknownDomainError:
+                pass
+            except VmlendError as e:
+                log.error("could not pause %s: %s", name, e, extra={"vm": name})
+            return False
+
+    def _unmark_unless_paused(self, name: str) -> bool:
+        """Under ``name``'s lock: drop its mark unless it is paused (it runs, or is gone);
+        whether it is paused. Kept when the hypervisor cannot say."""
+        try:
+            paused = self._hv.lookup(name).state is DomainState.PAUSED
         except UnknownDomainError:
-            pass
-        except VmlendError as e:
-            log.error("could not pause %s: %s", name, e, extra={"vm": name})
-        return False
+            paused = False
+        except VmlendError:
+            return True  # unknown: the mark stays, the next start-up looks again
+        if not paused and self.marks is not None:
+            self.marks.clear(name)
+        return paused
+
+    def left_paused(self) -> list[str]:
+        """The VMs marked as paused by an agent (this one or one before it) that are still
+        paused; the marks of the others (resumed by an operator, or gone) go."""
+        if self.marks is None:
+            return []
+        out = []
+        for name in self.marks.names():
+            with self._vm_lock(name):
+                if self._unmark_unless_paused(name):
+                    out.append(name)
+        return out
 
     def running(self, name: str) -> bool:
         try:
@@ -146,9 +185,20 @@ class RemoteVmGuard:
         """Resume ``name`` if it is paused (it may have stopped, been undefined or been
         resumed meanwhile)."""
         with contextlib.suppress(UnknownDomainError):
-            resume_if_paused(self._hv, name)
-        if self.marks is not None:
-            self.marks.clear(name)
+            self.resume_and_unmark(name)
+
+    def resume_and_unmark(self, name: str) -> None:
+        """Resume ``name`` if it is paused and drop its mark, as one step against a pause of
+        it (``UnknownDomainError``: it is gone; its mark goes too)."""
+        with self._vm_lock(name):
+            try:
+                resume_if_paused(self._hv, name)
+            except UnknownDomainError:
+                if self.marks is not None:
+                    self.marks.clear(name)
+                raise
+            if self.marks is not None:
+                self.marks.clear(name)
 
     def resume(
         self,

@@ -6,25 +6,32 @@ killer, a crash) left the VM paused, and a hypervisor cannot tell that pause fro
 operator's ``virsh suspend``. So the agent marks the VM here before it pauses it, and clears
 the mark once it resumed it. At start-up the next agent recovers each marked VM that is still
 paused: it re-reserves the devices or unplugs them, then resumes the VM. A VM an operator
-paused has no mark, and stays paused.
+paused has no mark, and stays paused. Marking, pausing, resuming and clearing one VM are
+ordered by the guard (``RemoteVmGuard``), which holds a lock per VM around each pair.
 
 One file per VM under ``<root>/run/vmlend/paused/``: a reboot ends the VMs, and the marks go
 with ``/run``. The file's name is a digest of the VM's name (any name is safe as a file name);
 the file holds the name. A mark outlives a VM that an operator resumed or destroyed; the next
-start-up drops the marks of VMs that are not paused. (Not the census: its listing may predate a
-pause whose mark is already written, and dropping that mark would lose the pause.)
+start-up drops the marks of VMs that are not paused.
+
+The agent runs as root and a mark makes it resume a VM, so the directory must be its own: a
+real directory (not a link), owned by the agent's user, writable by nobody else. Otherwise no
+mark is written or read, and the log says why. Entries are opened without following links.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from vmlend.errors import UnsafePathError
-from vmlend.safefile import read_regular, write_atomically
+from vmlend.safefile import kind_of, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +45,45 @@ class PauseMarks:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
 
-    def _path(self, name: str) -> Path:
-        return self.dir / hashlib.sha256(name.encode()).hexdigest()[:32]
+    @staticmethod
+    def _file(name: str) -> str:
+        return hashlib.sha256(name.encode()).hexdigest()[:32]
+
+    @contextlib.contextmanager
+    def _opened(self, create: bool) -> Iterator[int | None]:
+        """The directory, opened without following a link, if it is safe to use (None: it
+        does not exist and ``create`` is false). ``UnsafePathError`` when it is not ours."""
+        if create:
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.dir, 0o700)
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if create:
+                raise
+            yield None
+            return
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafePathError(str(self.dir), "it is not a directory") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise UnsafePathError(
+                    str(self.dir), "another user owns it or may write to it; remove it"
+                )
+            yield fd
+        finally:
+            os.close(fd)
 
     def mark(self, name: str) -> None:
         """Record that the agent is about to pause ``name``. A failure is logged, not raised:
         the pause matters more than its mark."""
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            write_atomically(self._path(name), name.encode(), mode=0o600)
+            with self._opened(create=True):
+                write_atomically(self.dir / self._file(name), name.encode(), mode=0o600)
         except (OSError, UnsafePathError) as e:
             log.warning(
                 "cannot mark %s as paused by the agent in %s (%s): if this agent dies before it"
@@ -58,30 +95,46 @@ class PauseMarks:
 
     def clear(self, name: str) -> None:
         """The agent resumed ``name`` (or it is gone): no mark any more."""
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                os.unlink(self._path(name))
-            except OSError as e:
-                log.warning("cannot clear the pause mark of %s in %s: %s", name, self.dir, e)
+        try:
+            with self._opened(create=False) as fd:
+                if fd is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._file(name), dir_fd=fd)
+        except (OSError, UnsafePathError) as e:
+            log.warning("cannot clear the pause mark of %s in %s: %s", name, self.dir, e)
 
     def names(self) -> list[str]:
-        """The marked VMs (unreadable marks are skipped)."""
-        return sorted(self._read())
-
-    def _read(self) -> dict[str, Path]:
-        out: dict[str, Path] = {}
+        """The marked VMs (entries that are not marks are skipped)."""
+        out = []
         try:
-            paths = sorted(p for p in self.dir.iterdir() if not p.name.startswith("."))
-        except FileNotFoundError:
-            return out
-        except OSError as e:
+            with self._opened(create=False) as fd:
+                if fd is None:
+                    return []
+                for entry in sorted(os.listdir(fd)):
+                    name = _read_mark(fd, entry)
+                    if name is not None and self._file(name) == entry:
+                        out.append(name)
+        except (OSError, UnsafePathError) as e:
             log.warning("cannot read the pause marks in %s: %s", self.dir, e)
-            return out
-        for path in paths:
-            try:
-                name = read_regular(path, _MAX_MARK_BYTES).decode()
-            except (OSError, UnsafePathError, UnicodeDecodeError):
-                continue  # a temporary file, or not ours
-            if path.name == self._path(name).name:
-                out[name] = path
-        return out
+        return sorted(out)
+
+
+def _read_mark(dfd: int, entry: str) -> str | None:
+    """The VM name in the regular file ``entry`` of the directory ``dfd``; None for anything
+    else (a link, a FIFO, a temporary file, a file too large or not UTF-8)."""
+    if entry.startswith("."):
+        return None
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MARK_BYTES:
+            log.debug("not a pause mark: %s (%s)", entry, kind_of(st.st_mode))
+            return None
+        return os.read(fd, _MAX_MARK_BYTES + 1).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)

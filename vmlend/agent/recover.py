@@ -88,9 +88,13 @@ class LostLeaseRecovery:
         keep_alive: Callable[[], None] = lambda: None,
         retry: Callable[[str], None] | None = None,
         take_back: Callable[[], None] = lambda: None,
+        resume: Callable[[str], None] | None = None,
         unmark: Callable[[str], None] = lambda _name: None,
     ) -> None:
-        #: The VM needs no pause mark any more: resumed, or gone (``PauseMarks.clear``).
+        #: Resumes a paused VM (``UnknownDomainError``: gone); by default straight on the
+        #: hypervisor, in the agent with its pause mark dropped (``RemoteVmGuard``).
+        self._resume_vm = resume or (lambda name: resume_if_paused(hv, name))
+        #: The VM is gone: it needs no pause mark any more (``PauseMarks.clear``).
         self._unmark = unmark
         #: Takes back this host's own fenced devices (lent to its own VMs): nobody else will
         #: while the recovery holds up the agent's loop.
@@ -195,10 +199,12 @@ class LostLeaseRecovery:
         return result
 
     def _still_there(self, name: str) -> bool:
-        """Whether the VM still runs here (paused by us or not): its holds are wanted."""
+        """Whether the VM still runs here (paused by us or not): its holds are wanted. A
+        hypervisor that cannot say raises (the recovery is tried again): returning the holds
+        of a VM that runs would leave it paused without them."""
         try:
             return self._hv.lookup(name).active
-        except VmlendError:
+        except UnknownDomainError:
             return False
 
     def _resume(self, name: str) -> bool:
@@ -209,8 +215,7 @@ class LostLeaseRecovery:
         return self._resume_gate(name, lambda: self._resume_now(name))
 
     def _resume_now(self, name: str) -> None:
-        resume_if_paused(self._hv, name)
-        self._unmark(name)
+        self._resume_vm(name)
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait

@@ -27,11 +27,11 @@ from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, lacks_holds, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
-from vmlend.errors import ConfigError, StateError, UnknownDomainError, VmlendError
+from vmlend.errors import ConfigError, StateError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
-from vmlend.hypervisor.base import DomainState, Hypervisor
+from vmlend.hypervisor.base import Hypervisor
 from vmlend.notify import Notifier
 from vmlend.ops.plug_request import PlugRequest, PlugRequests, serve_plug_requests
 from vmlend.registry import EtcdRegistry, hostlease
@@ -316,6 +316,7 @@ class Agent:
                 retry=watch.orphan,
                 # a device this host lends to its own VM is taken back only by this loop
                 take_back=lambda: self._take_back(fabric),
+                resume=guard.resume_and_unmark if guard is not None else None,
                 unmark=guard.marks.clear if guard is not None and guard.marks else lambda _n: None,
             )
         try:
@@ -360,9 +361,12 @@ class Agent:
                 paused = self._without_holds(hv, fabric, guard, watch, lost)
             # The VMs an agent paused and did not resume (it was killed first): recovered too,
             # whether their holds outlived it or not.
-            if left := self._left_paused(hv, guard, watch, paused):
+            left = [n for n in guard.left_paused() if n not in paused]
+            watch.withdraw(left)
+            if left:
                 log.warning(
-                    "VMs %s were paused by an earlier agent and not resumed; recovering them",
+                    "VMs %s were paused by this host's agent and not resumed (an earlier agent"
+                    " was killed first, or this one's watch paused them); recovering them",
                     ", ".join(left),
                 )
             if paused or left:
@@ -599,32 +603,6 @@ class Agent:
             if name not in paused and guard.running(name):
                 watch.orphan(name)  # its pause failed: paused and recovered on the next turn
         return sorted(paused)
-
-    @staticmethod
-    def _left_paused(
-        hv: Hypervisor, guard: RemoteVmGuard, watch: LeaseWatch, taken: list[str]
-    ) -> list[str]:
-        """The paused VMs an agent marked as its own pause (``pause_marks``), besides
-        ``taken``, taken from the watch if it paused them; the marks of VMs that are no longer
-        paused go."""
-        marks = guard.marks
-        if marks is None:
-            return []
-        out = []
-        for name in marks.names():
-            try:
-                paused = hv.lookup(name).state is DomainState.PAUSED
-            except UnknownDomainError:
-                paused = False
-            except VmlendError as e:  # unknown now: the mark stays for the next start-up
-                log.warning("cannot tell whether %s is still paused: %s", name, e)
-                continue
-            if not paused:
-                marks.clear(name)
-            elif name not in taken:
-                out.append(name)
-        watch.withdraw(out)
-        return out
 
     def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
         """``read()``, retried while etcd cannot be reached; None when stopped first."""

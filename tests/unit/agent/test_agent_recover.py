@@ -371,3 +371,29 @@ def test_a_failed_take_back_of_another_device_does_not_lose_this_one(tmp_path, m
     recovery = _recovery_for(hv, fabric, fence_wait=50, take_back=take_back)
     [result] = recovery.recover(["app"])
     assert GPU in result.regained and GPU not in result.lost
+
+
+class LookupTimeout(SimHypervisor):
+    """A hypervisor that cannot say once how the VM is (a job timeout on its state)."""
+
+    failed = False
+
+    def lookup(self, name: str):  # type: ignore[no-untyped-def]
+        if not LookupTimeout.failed:
+            LookupTimeout.failed = True
+            raise LibvirtError("look up", name, "cannot acquire state change lock")
+        return super().lookup(name)
+
+
+def test_a_vm_the_hypervisor_cannot_say_is_there_keeps_its_holds_and_is_tried_again(tmp_path):
+    """After re-reserving, the recovery asks whether the VM still runs. A hypervisor error
+    there used to count as "it stopped": the devices just re-reserved were returned and the VM,
+    still there, stayed paused without them."""
+    fabric, hv, _recovery = _setup(tmp_path, LookupTimeout)
+    again: list[str] = []
+    [first] = _recovery_for(hv, fabric, retry=again.append).recover(["app"])
+    assert first.outcome == "paused" and "tried again" in first.why and again == ["app"]
+    assert fabric.device(GPU).holder == APP, "the device re-reserved for app was returned"
+    [second] = _recovery_for(hv, fabric).recover(again)
+    assert second.outcome == "unplugged"
+    assert hv.lookup("app").state is DomainState.RUNNING
