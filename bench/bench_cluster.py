@@ -6,6 +6,8 @@
    first 50 VMs vs the last 50 (it should stay flat: a reserve reads only the device, its hold,
    its lender and the claims of the two adapters on its path). For contrast, the admission
    decision alone with the whole-fabric view the registry used to hand it vs the narrow one.
+   Then one VM's reserve+release on a node where 200 other VMs hold devices, against the
+   same on an empty node.
 3. A borrower host's death: ``vmlend agent`` processes for a lender and a borrower; the
    borrower's agent is killed with SIGKILL; time until another host can reserve the device.
 """
@@ -130,6 +132,35 @@ def concurrent_cycles(
     return times[0], len(failures), times[1], sum(conflicts)
 
 
+#: VMs on the borrower's node that hold a device each, for ``crowded_node``.
+NEIGHBOURS = 200
+
+
+def crowded_node(location) -> tuple[float, float]:
+    """reserve+release p50 of one VM's remote device on node n0, first alone, then with
+    ``NEIGHBOURS`` other VMs on n0 holding one of n0's own devices each: a reserve should read
+    its own VM's records, not every VM's of its node."""
+    init_fabric(location, fabric_topology(2, NEIGHBOURS + 1), "crowded.toml", node="n0")
+    f = open_fabric(location, "n0")
+    probe, remote = Holder("n0", "probe"), 0x200
+
+    def p50() -> float:
+        out = []
+        for _ in range(CYCLES // 2):
+            t = time.perf_counter()
+            f.reserve(remote, probe)
+            f.release(remote, probe)
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    alone = p50()
+    for i in range(NEIGHBOURS):
+        f.reserve(0x101 + i, Holder("n0", f"neighbour{i}"))
+    crowded = p50()
+    f.close()
+    return alone, crowded
+
+
 def admit_many(location) -> tuple[float, list[float], SimFabric]:
     init_fabric(location, fabric_topology(NODES, PER_NODE), "generated.toml")
     fabrics: dict[str, SimFabric] = {}
@@ -252,6 +283,12 @@ def main() -> None:
                 f" {reruns} re-runs;"
                 f" {took:5.2f} s vs {floor:5.2f} s for as many raw 4-request cycles,"
                 f" throughput {floor / took:5.0%} of the floor (goal >= 70 %, 0 failed)"
+            )
+            alone, crowded = crowded_node(server.url("crowded"))
+            print(
+                f"reserve+release p50 on etcd, borrower's node alone vs with {NEIGHBOURS} other"
+                f" VMs holding devices: {alone * ms:6.2f} vs {crowded * ms:6.2f} ms,"
+                f" {crowded / alone:5.2f}x (flat: 1.0x)"
             )
             for name, location in (("SQLite", root / "big.db"), ("etcd", server.url("big"))):
                 total, lat, f = admit_many(location)

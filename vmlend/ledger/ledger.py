@@ -528,15 +528,15 @@ class Ledger(ShareOps):
         )
 
     @staticmethod
-    def _prefetch(tx: StateTxn, topo: Topology, fdid: int, borrower: str) -> None:
+    def _prefetch(tx: StateTxn, topo: Topology, fdid: int, holder: Holder) -> None:
         """Tell the registry what a reserve will read (``_view``), so etcd serves it at once."""
         try:
             spec = topo.device(fdid)
-            path = route(topo, spec.lender, borrower)
+            path = route(topo, spec.lender, holder.node)
         except FabricError:
             return
         adapters = (path.src.ref, path.dst.ref) if path else ()
-        tx.prefetch([fdid], [spec.lender], adapters, held_on=[borrower])
+        tx.prefetch([fdid], [spec.lender], adapters, held_by=[holder])
 
     def reserve(
         self,
@@ -559,7 +559,7 @@ class Ledger(ShareOps):
         def body(tx: StateTxn) -> Reservation:
             claimed.clear()
             if self._topo is not None:
-                self._prefetch(tx, self._topo, fdid, holder.node)
+                self._prefetch(tx, self._topo, fdid, holder)
             topo = self._topology(tx)
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
@@ -613,7 +613,7 @@ class Ledger(ShareOps):
         def body(tx: StateTxn) -> bool:
             # one request on etcd, not six: the hold, the release's records, and the holds of
             # the VM's other devices on its node (their peer-to-peer claims are recounted)
-            tx.prefetch([fdid], held_on=[holder.node], release_on=self.local_node)
+            tx.prefetch([fdid], held_by=[holder], release_on=self.local_node)
             hold = tx.hold(fdid)
             mine = hold is not None and same_holder(hold.holder, holder)
             if mine and hold is not None:

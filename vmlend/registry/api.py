@@ -50,12 +50,12 @@ class StateTxn(Protocol):
         fdids: Iterable[int] = (),
         nodes: Iterable[str] = (),
         adapters: Iterable[str] = (),
-        held_on: Iterable[str] = (),
+        held_by: Iterable[Holder] = (),
         *,
         release_on: str | None = None,
     ) -> None:
         """A hint that the body will read these devices, nodes, adapters' claims and the holds
-        of VMs on the ``held_on`` nodes (a remote backend fetches them in one request).
+        of the ``held_by`` VMs (a remote backend fetches them in one request).
         ``release_on``: it releases ``fdids`` on that node, so it also reads their runtime
         records, the node's mdevs and mdev parents."""
         ...

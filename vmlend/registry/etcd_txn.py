@@ -534,14 +534,15 @@ class EtcdTxn:
         fdids: Iterable[int] = (),
         nodes: Iterable[str] = (),
         adapters: Iterable[str] = (),
-        held_on: Iterable[str] = (),
+        held_by: Iterable[Holder] = (),
         *,
         release_on: str | None = None,
     ) -> None:
         """A hint: the body is about to read these devices (record, hold, fence), nodes,
-        adapters' claims, the index of the holds on the ``held_on`` nodes, and the topology
-        digest; fetch them in one request. A release (``release_on``) also reads the devices'
-        runtime records and that node's mdevs and mdev parents of them."""
+        adapters' claims, the holds of the ``held_by`` VMs (their node's index and each VM's
+        marker), and the topology digest; fetch them in one request. A release
+        (``release_on``) also reads the devices' runtime records and that node's mdevs and
+        mdev parents of them."""
         fdids = list(fdids)
         keys = [self._k.topology_digest, self._k.meta(LINKS_DOWN_KEY)]
         prefixes: list[str] = []
@@ -551,8 +552,11 @@ class EtcdTxn:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
-        # Compared per VM, not as prefixes (``holds_of``): the index and the VMs' markers.
-        loose += [p for n in held_on for p in (self._k.holds_on(n), self._k.vm_holds_on(n))]
+        # Compared per VM, not as prefixes (``holds_of``): the node's index, read loose, and
+        # the VM's own marker (not every marker of the node: a read that grew with its VMs).
+        for h in held_by:
+            loose.append(self._k.holds_on(h.node))
+            keys.append(self._k.vm_holds(h.node, h.vm))
         if release_on is not None:
             keys += [self._k.parent(release_on, fdid) for fdid in fdids]
             prefixes += [self._k.runtime_of(fdid) for fdid in fdids]

@@ -79,7 +79,7 @@ class SqliteTxn:
         fdids: Iterable[int] = (),
         nodes: Iterable[str] = (),
         adapters: Iterable[str] = (),
-        held_on: Iterable[str] = (),
+        held_by: Iterable[Holder] = (),
         *,
         release_on: str | None = None,
     ) -> None:
