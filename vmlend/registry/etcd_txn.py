@@ -271,14 +271,49 @@ class EtcdTxn:
                     out[k] = v
         return out
 
-    def _touch_vm(self, holder: Holder) -> None:
-        """Rewrite the VM's marker as it gains a hold: a concurrent reserve for the same VM
-        (which compares the marker) conflicts; one for another VM does not."""
+    # --- the VM's marker (``Keys.vm_holds``): what holds a VM has, read without the index --
+    #
+    # Every hold a VM gains rewrites its marker ("n" counts them), so a concurrent reserve for
+    # the same VM (which compares the marker) conflicts and one for another VM does not. The
+    # marker also lists the VM's holds ("fdids"): ``holds_of`` reads them there instead of
+    # scanning its node's index, which grows with every VM of the node. The list is complete
+    # only if it was written with the count ("fdids_n" == "n"): a marker from an older vmlend,
+    # one rewritten by an older vmlend since, or a missing one (its lease move was cut short)
+    # is rebuilt from the index. A list may name a hold that is gone or another VM's of the
+    # same name (an older vmlend's release does not update it): ``holds_of`` reads each hold.
+
+    def _touch_vm(self, holder: Holder, fdid: int) -> None:
+        """Rewrite the VM's marker as it gains the hold of ``fdid``."""
         key = self._k.vm_holds(holder.node, holder.vm)
         raw = self._get(key)
         d = enc.load(raw) if raw is not None else {}
+        fdids = self._marker_fdids(holder, d) | {fdid}
         n = int(d.get("n", 0)) + 1
-        self._put(key, enc.dump({**d, "vm": holder.vm, "n": n}), leased=True)
+        new = {**d, "vm": holder.vm, "n": n, "fdids": [f"{f:#x}" for f in sorted(fdids)]}
+        self._put(key, enc.dump({**new, "fdids_n": n}), leased=True)
+
+    def _untrack_vm(self, node: str, vm: str, fdid: int) -> None:
+        """Take ``fdid`` off the list of the VM's marker (after ``_forget_units``)."""
+        key = self._k.vm_holds(node, vm)
+        raw = self._get(key)
+        if raw is None:
+            return
+        d = enc.load(raw)
+        listed = d.get("fdids", [])
+        if f"{fdid:#x}" in listed:
+            d["fdids"] = [f for f in listed if f != f"{fdid:#x}"]
+            self._put(key, enc.dump(d), leased=True)
+
+    def _marker_fdids(self, holder: Holder, marker: dict[str, Any]) -> set[int]:
+        """The holds of ``holder``'s VM name on its node: the marker's list if it is complete,
+        else those its node's index names (read without a compare: the marker is compared)."""
+        if "fdids" in marker and marker.get("fdids_n") == marker.get("n"):
+            return {int(f, 16) for f in marker["fdids"]}
+        out = set()
+        for key, raw in self._loose_range(self._k.holds_on(holder.node)).items():
+            if enc.load(raw).get("vm", "") == holder.vm:
+                out.add(int(key.rsplit("/", 1)[1], 16))
+        return out
 
     # --- adapter units: what makes two reserves that overcommit an adapter conflict ----------
     #
@@ -552,11 +587,10 @@ class EtcdTxn:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
-        # Compared per VM, not as prefixes (``holds_of``): the node's index, read loose, and
-        # the VM's own marker (not every marker of the node: a read that grew with its VMs).
-        for h in held_by:
-            loose.append(self._k.holds_on(h.node))
-            keys.append(self._k.vm_holds(h.node, h.vm))
+        # The VM's own marker, which lists its holds (``holds_of``): not the node's index nor
+        # every marker of the node, reads that grew with the node's VMs.
+        for h in held_by:  # and the index entries a reserve of ``fdids`` would write
+            keys += [self._k.vm_holds(h.node, h.vm), *(self._k.held_on(h.node, f) for f in fdids)]
         if release_on is not None:
             keys += [self._k.parent(release_on, fdid) for fdid in fdids]
             prefixes += [self._k.runtime_of(fdid) for fdid in fdids]
@@ -739,24 +773,18 @@ class EtcdTxn:
 
     @_decoding("hold")
     def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
-        """Through the per-node index (``Keys.holds_on``), never every hold of the cluster:
-        the index of ``holder``'s node names the VM of each hold, and only the holds of this
-        VM are fetched (in one request; none when it holds nothing)."""
-        # The node's index without a prefix compare (another VM's hold there changes nothing
-        # decided here). Compared instead: the VM's marker, which every hold it gains
-        # rewrites, and each of its holds (read below), which a release deletes.
-        self._get(self._k.vm_holds(holder.node, holder.vm))
-        fdids = []
-        for key, raw in self._loose_range(self._k.holds_on(holder.node)).items():
-            d = enc.load(raw)
-            other = Holder(holder.node, d.get("vm", ""), d.get("vm_uuid", ""))
-            if same_holder(other, holder):
-                fdids.append(int(key.rsplit("/", 1)[1], 16))
+        """Through the VM's marker, never every hold of the cluster nor of its node: the
+        marker lists the VM's holds (or, when it cannot, the node's index names them), and
+        only those holds are fetched (in one request; none when it holds nothing)."""
+        # Compared: the VM's marker, which every hold it gains rewrites, and each of its holds
+        # (read below), which a release deletes.
+        raw = self._get(self._k.vm_holds(holder.node, holder.vm))
+        fdids = sorted(self._marker_fdids(holder, enc.load(raw) if raw is not None else {}))
         self._snap.prefetch([self._k.hold(f) for f in fdids], [])
         out = {}
         for fdid in fdids:
             hold = self.hold(fdid)
-            if hold is not None:
+            if hold is not None and same_holder(hold.holder, holder):
                 out[fdid] = hold
         return out
 
@@ -793,7 +821,7 @@ class EtcdTxn:
         self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys), leased=True)
         who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
         self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
-        self._touch_vm(hold.holder)
+        self._touch_vm(hold.holder, hold.fdid)
         rows = [self._row(c) for c in claims]
         if rows:
             self._set_ledger_rows(hold.holder.node, hold.holder.vm, hold.fdid, rows)
@@ -827,6 +855,7 @@ class EtcdTxn:
         self._delete(self._k.held_on(d["node"], fdid))
         self._delete(self._k.fence(fdid))  # a normal release needs no taking back
         self._forget_units(d["node"], d["vm"], fdid)
+        self._untrack_vm(d["node"], d["vm"], fdid)
 
     def _set_ledger_rows(self, node: str, vm: str, fdid: int, rows: list[list[Any]]) -> None:
         """Record that ``fdid``'s hold has exactly the claims ``rows`` in its VM's ledger."""
