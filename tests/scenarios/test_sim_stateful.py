@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -49,6 +50,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.nvme_guest import guest_driver
 from tests.support.simcluster import Cluster
 from vmlend.domain import (
@@ -81,6 +83,9 @@ MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
 STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))
 SMOKE_EXAMPLES = 5  # the fast suite's share (unmarked); the full run is marked slow
 SMOKE_STEPS = 20
+#: On etcd (marked slow): every registry call is a request to a real etcd.
+ETCD_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_ETCD_EXAMPLES", "20"))
+ETCD_STEPS = int(os.environ.get("VMLEND_STATEFUL_ETCD_STEPS", "25"))
 
 _GPU = """
   kind = "gpu"
@@ -210,13 +215,17 @@ class FabricMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="vmlend-stateful-"))
-        self.c = Cluster.create(self.tmp / "state.db", TOPOLOGY)
+        self.c = Cluster.create(self._location(), TOPOLOGY)
         self.vms: dict[int, Running] = {}
         self.down: set[str] = set()
         self.links_down: set[str] = set()
         self.drive: SharedNvmeDrive | None = None
         self.drives: list[SharedNvmeDrive] = []
         self._share_drive()
+
+    def _location(self) -> Path | str:
+        """Where the registry lives: an SQLite file (``FabricOnEtcd``: an etcd cluster)."""
+        return self.tmp / "state.db"
 
     def teardown(self) -> None:
         try:
@@ -706,7 +715,41 @@ class FabricSmoke(FabricMachine):
     """A few short sequences, for the fast suite."""
 
 
+#: The etcd server ``FabricOnEtcd`` runs on (``etcd_for_the_machine`` starts it).
+_ETCD: list[EtcdServer] = []
+
+
+class FabricOnEtcd(FabricMachine):
+    """The same machine on the etcd registry (a cluster of its own per sequence): its
+    optimistic transactions, the reads it leaves uncompared, the unit blocks and the VMs'
+    markers, under the same checks after every step."""
+
+    def _location(self) -> str:
+        return _ETCD[0].url(f"stateful-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="module")
+def etcd_for_the_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A private etcd and a host root with a published agent lease, for ``FabricOnEtcd``."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    root = tmp_path_factory.mktemp("host")
+    try:
+        host_lease(server, root, ttl=3600)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VMLEND_ROOT", str(root))
+            _ETCD.append(server)
+            yield
+    finally:
+        _ETCD.clear()
+        server.stop()
+
+
 FabricMachine.TestCase.settings = _settings(MAX_EXAMPLES, STEPS)
 FabricSmoke.TestCase.settings = _settings(SMOKE_EXAMPLES, SMOKE_STEPS)
+FabricOnEtcd.TestCase.settings = _settings(ETCD_EXAMPLES, ETCD_STEPS)
 test_fabric_state_machine = pytest.mark.slow(FabricMachine.TestCase)
 test_fabric_state_machine_smoke = FabricSmoke.TestCase
+test_fabric_state_machine_on_etcd = pytest.mark.slow(
+    pytest.mark.usefixtures("etcd_for_the_machine")(FabricOnEtcd.TestCase)
+)

@@ -1,6 +1,7 @@
 """One simulated cluster for tests (``Cluster``): one SimHardware, a SimFabric per borrower
-node driving it, the state file they share, and the hook's prepare/release; and the domain XML
-of a plain VM with remote devices (``domain_xml``)."""
+node driving it, the registry they share (a state file, or an etcd cluster's URL), and the
+hook's prepare/release; and the domain XML of a plain VM with remote devices
+(``domain_xml``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
-from vmlend.registry import SqliteRegistry
+from vmlend.registry import Registry, open_registry
 from vmlend.sim.backend import SimFabric
 from vmlend.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
 from vmlend.sim.hardware import SimHardware
@@ -36,23 +37,25 @@ def domain_xml(name: str, memory: int, machine: str = "q35", fdids=(0x12,)) -> b
 
 @dataclass
 class Cluster:
-    """The default cluster: one hardware, one SimFabric per borrower node, one state file."""
+    """The default cluster: one hardware, one SimFabric per borrower node, one registry (an
+    etcd registry's writes use the agent lease published under ``$VMLEND_ROOT``)."""
 
-    path: Path
+    path: Path | str
     hw: SimHardware
-    registry: SqliteRegistry
+    registry: Registry
     fabrics: dict[str, SimFabric] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, path: Path, text: str | None = None, node: str = "gamma") -> Cluster:
+    def create(cls, path: Path | str, text: str | None = None, node: str = "gamma") -> Cluster:
         base = make_fabric(path, text, node)
         hw = SimHardware.from_topology(base.topology(), seed=1)
         base.close()
-        return cls(path, hw, SqliteRegistry.open(path))
+        return cls(path, hw, open_registry(path))
 
     def fabric(self, node: str = "gamma") -> SimFabric:
         if node not in self.fabrics:
-            self.fabrics[node] = SimFabric(SqliteRegistry.open(self.path), node, hardware=self.hw)
+            registry = open_registry(self.path)
+            self.fabrics[node] = SimFabric(registry, node, hardware=self.hw)
         return self.fabrics[node]
 
     def prepare(self, xml: bytes, node: str = "gamma") -> None:

@@ -145,6 +145,8 @@ def check_hardware(
         c.holds(holds)
     if claims is not None:
         c.claims(claims)
+    if holds is not None and claims is not None:
+        c.claims_held(holds, claims)
     return c.found
 
 
@@ -546,6 +548,19 @@ class _Checker:
                 self.bad("hold", f"device {fdid:#x}", f"borrowed by {node}/{vm} without its hold")
             elif its.phase is not Phase.BORROWED:
                 self.bad("hold", f"device {fdid:#x}", f"borrowed but its hold is {its.phase}")
+
+    def claims_held(
+        self, holds: Mapping[int, HoldRecord], claims: Sequence[tuple[int, Claim]]
+    ) -> None:
+        """Every claim belongs to a current hold: one a release left behind would count
+        against the adapter for ever (admission refuses what the fabric could carry)."""
+        for fdid, c in claims:
+            if fdid not in holds:
+                self.bad(
+                    "claims",
+                    f"device {fdid:#x}",
+                    f"{c.kind.value} claim on {c.adapter} without a hold",
+                )
 
     def claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
         window_claims: dict[tuple[str, str], int] = {}
