@@ -46,8 +46,14 @@ class LeaseWatch:
         self._pausing = False
         self._last_ok = clock()
         self._paused: list[str] = []
-        #: Handed back by ``renewed`` and not yet resumed (or held back) by ``resume_if_fresh``.
-        self._resuming: set[str] = set()
+        #: Handed back by ``renewed`` and not yet resumed (or held back) by ``resume_if_fresh``:
+        #: with the lease (generation) each was handed back under.
+        self._resuming: dict[str, int] = {}
+        #: Given to the recovery (``take_*``, ``withdraw``) and not given back (its gate,
+        #: ``park``, ``orphan``): one a pause or a re-check pauses meanwhile goes back to it
+        #: (``_hold_back``), never to a renewal. The first renewal that hands back forgets the
+        #: rest: the recovery runs on the loop, so it is done by then.
+        self._recovering: set[str] = set()
         #: VMs a plug request is plugging devices into, with the lease it began under: no
         #: gate resumes them meanwhile (``_deferred``: one asked; the recovery takes them).
         self._plugging: dict[str, int] = {}
@@ -71,17 +77,19 @@ class LeaseWatch:
             self.in_doubt = False
             if not hand_back:
                 return []
+            self._recovering.clear()
             names, self._paused = self._paused, []
             out = [
                 n for n in dict.fromkeys(names) if n not in self._parked and n not in self._orphans
             ]
-            self._resuming.update(out)
+            self._resuming.update(dict.fromkeys(out, self._generation))
             return out
 
     def park(self, name: str) -> None:
         """Keep the paused VM ``name`` for the recovery under the next lease: the lease its
         devices were re-reserved under ended. No renewal resumes it (``renewed``)."""
         with self._lock:
+            self._recovering.discard(name)
             self._parked.add(name)
 
     def age(self) -> float:
@@ -93,7 +101,7 @@ class LeaseWatch:
         """How many VMs the watch paused and are not resumed yet (a resume under way
         included)."""
         with self._lock:
-            return len(set(self._paused) | self._resuming)
+            return len(set(self._paused) | self._resuming.keys())
 
     def check(self) -> bool:
         """One look: pause when in doubt for the first time. Whether it paused now.
@@ -123,7 +131,8 @@ class LeaseWatch:
         finally:
             with self._lock:
                 # with any VM ``resume_if_fresh`` held back; not one given to the recovery
-                self._paused.extend(n for n in paused if n not in self._orphans)
+                for n in paused:
+                    self._hold_back(n)
                 self._pausing = False
                 self._paused_done.notify_all()
         return True
@@ -132,7 +141,11 @@ class LeaseWatch:
         return not self.in_doubt and self._clock() - self._last_ok <= self._ttl / 2
 
     def _hold_back(self, name: str) -> None:
-        if name not in self._paused and name not in self._orphans:
+        """For the next renewal to hand back; not one given to the recovery: one it holds
+        goes back to it (``take_orphans``), and its gate resumes nothing meanwhile."""
+        if name in self._recovering:
+            self._orphan(name)
+        elif name not in self._paused and name not in self._orphans and name not in self._parked:
             self._paused.append(name)
 
     @property
@@ -156,8 +169,11 @@ class LeaseWatch:
         watch looks again (``recheck``)."""
         try:
             with self._lock:
-                if generation is None:
+                if generation is None:  # the recovery's gate: the watch's to decide again
                     generation = self._generation
+                    self._recovering.discard(name)
+                elif name in self._recovering:  # the recovery took it since: it resumes it
+                    return False
                 if name in self._plugging:  # devices on their way in: the recovery's after
                     self._deferred.add(name)
                     return False
@@ -181,7 +197,7 @@ class LeaseWatch:
             return self.recheck(name, generation)
         finally:
             with self._lock:
-                self._resuming.discard(name)
+                self._resuming.pop(name, None)
 
     def recheck(self, name: str, generation: int) -> bool:
         """After a hypervisor call that may have let ``name`` run (a resume, a hot-plug that
@@ -214,21 +230,24 @@ class LeaseWatch:
     def _orphan(self, name: str) -> None:
         """The recovery's (under the lock): no renewal may hand it back meanwhile."""
         self._paused = [n for n in self._paused if n != name]
+        self._recovering.discard(name)
         self._orphans.append(name)
 
     def orphan(self, name: str) -> None:
         """Give the paused VM ``name`` to the recovery on the loop's next turn (one the
         recovery could not finish: the registry was away)."""
         with self._lock:
-            self._resuming.discard(name)
+            self._resuming.pop(name, None)
             self._orphan(name)
 
     def hold_back(self, name: str) -> None:
         """Keep the paused VM ``name`` for the next renewal to hand back (its resume could
         not be decided now)."""
         with self._lock:
-            self._resuming.discard(name)
-            self._hold_back(name)
+            if self._resuming.pop(name, self._generation) != self._generation:
+                self._orphan(name)  # handed back under a lease lost since: the recovery's
+            else:
+                self._hold_back(name)
 
     @contextlib.contextmanager
     def plugging(self, name: str) -> Iterator[Callable[[], None]]:
@@ -267,19 +286,24 @@ class LeaseWatch:
         with self._lock:
             names, self._orphans = list(dict.fromkeys(self._orphans)), []
             self._take(names)  # what a pause in progress paused must not land after this
+            self._recovering.update(names)
             return names
 
     def take_late(self) -> list[str]:
         """The VMs paused since ``take_paused`` (a pause in progress included: it waits for
         it), for the recovery under the new lease; the watch's clock is left as it is."""
         with self._lock:
-            return [n for n in self._take() if n not in self._parked]
+            names = [n for n in self._take() if n not in self._parked]
+            self._recovering.update(names)
+            return names
 
     def withdraw(self, names: list[str]) -> list[str]:
         """Those of ``names`` the watch paused (a pause in progress included), taken out of
         its hands: no renewal resumes them (the caller recovers them)."""
         with self._lock:
-            return self._take(names)
+            taken = self._take(names)
+            self._recovering.update(taken)
+            return taken
 
     def take_paused(self) -> list[str]:
         """The VMs paused so far and those parked (the lost-lease path takes them over), a
@@ -289,6 +313,7 @@ class LeaseWatch:
             names = self._take()
             names += sorted(self._parked - set(names))
             self._parked.clear()
+            self._recovering.update(names)
             self._generation += 1
             return names
 
