@@ -210,12 +210,9 @@ class LostLeaseRecovery:
     def _resume(self, name: str) -> bool:
         # a VM a late resume ran (``LeaseWatch.take_orphans``) may run already
         if self._resume_gate is None:
-            self._resume_now(name)
+            self._resume_vm(name)
             return True
-        return self._resume_gate(name, lambda: self._resume_now(name))
-
-    def _resume_now(self, name: str) -> None:
-        self._resume_vm(name)
+        return self._resume_gate(name, lambda: self._resume_vm(name))
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait
