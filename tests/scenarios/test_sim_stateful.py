@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -53,6 +53,7 @@ from hypothesis.stateful import (
 from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.nvme_guest import guest_driver
 from tests.support.simcluster import Cluster
+from tests.support.stateful import derandomized
 from vmlend.domain import (
     DeviceRequest,
     DomainSpec,
@@ -701,18 +702,6 @@ class FabricMachine(RuleBasedStateMachine):
                     event("probe: a revoked share poked")
 
 
-def _settings(examples: int, steps: int) -> settings:
-    # derandomized: CI runs the same sequences every time; no example database on disk
-    return settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-
-
 class FabricSmoke(FabricMachine):
     """A few short sequences, for the fast suite."""
 
@@ -747,9 +736,9 @@ def etcd_for_the_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
         server.stop()
 
 
-FabricMachine.TestCase.settings = _settings(MAX_EXAMPLES, STEPS)
-FabricSmoke.TestCase.settings = _settings(SMOKE_EXAMPLES, SMOKE_STEPS)
-FabricOnEtcd.TestCase.settings = _settings(ETCD_EXAMPLES, ETCD_STEPS)
+FabricMachine.TestCase.settings = derandomized(MAX_EXAMPLES, STEPS)
+FabricSmoke.TestCase.settings = derandomized(SMOKE_EXAMPLES, SMOKE_STEPS)
+FabricOnEtcd.TestCase.settings = derandomized(ETCD_EXAMPLES, ETCD_STEPS)
 test_fabric_state_machine = pytest.mark.slow(FabricMachine.TestCase)
 test_fabric_state_machine_smoke = FabricSmoke.TestCase
 test_fabric_state_machine_on_etcd = pytest.mark.slow(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clocks import FakeClock
 from tests.support.cluster_hosts import DB, GPU, NIC, WEB, domain_xml
 from tests.support.etcd_daemon import host_lease
 from tests.support.simfabric import make_fabric
@@ -32,20 +33,6 @@ from vmlend.wiring.fabric import open_fabric
 
 TTL = 10  # in fake seconds; etcd's own clock never gets near it during the test
 WAIT = 20.0  # bounded real-time waits for another thread to act
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
 
 
 class HangingAgent(Agent):
@@ -392,6 +379,19 @@ def test_a_vm_whose_second_pause_fails_is_still_handed_to_the_recovery():
     assert watch.take_orphans() == ["web"]
 
 
+def _beta_holds(fdid: int, etcd, etcd_url: str, tmp_path: Path, monkeypatch) -> Path:
+    """The default fabric with ``fdid`` held by beta's db; gamma's root (returned) is
+    ``$VMLEND_ROOT`` from now on."""
+    make_fabric(etcd_url).close()
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
+    host_lease(etcd, tmp_path / "beta", node="beta")
+    with open_fabric(etcd_url, "beta") as f:
+        f.reserve(fdid, DB)
+    root = tmp_path / "gamma"
+    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    return root
+
+
 class _SlowStartUp(SimHypervisor):
     """A listing of the domains, asked by the agent's own thread, waits until ``go`` is set:
     its start-up looks for VMs without their holds while the watch acts."""
@@ -417,13 +417,7 @@ def test_a_vm_the_watch_paused_during_start_up_is_recovered_not_resumed_without_
     device it lost, and resume it. It used to look at running VMs only, and the first renewal
     resumed web with a device another VM holds."""
     caplog.set_level(logging.WARNING)
-    make_fabric(etcd_url).close()
-    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
-    host_lease(etcd, tmp_path / "beta", node="beta")
-    with open_fabric(etcd_url, "beta") as f:
-        f.reserve(GPU, DB)
-    root = tmp_path / "gamma"
-    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    root = _beta_holds(GPU, etcd, etcd_url, tmp_path, monkeypatch)
     hv = _SlowStartUp("gamma", tmp_path / "hv", None)
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
     hv.start("web")  # no hook here: it runs without a hold, as after a lease ended
@@ -606,13 +600,7 @@ def test_vms_an_agent_paused_and_did_not_resume_are_recovered_by_the_next_one(
     the agent's pause from an operator's, so the agent now marks its own (``pause_marks``).
     A mark of a VM that runs (an operator resumed it) or is gone is dropped."""
     caplog.set_level(logging.WARNING)
-    make_fabric(etcd_url).close()
-    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "beta"))
-    host_lease(etcd, tmp_path / "beta", node="beta")
-    with open_fabric(etcd_url, "beta") as f:
-        f.reserve(NIC, DB)
-    root = tmp_path / "gamma"
-    monkeypatch.setenv("VMLEND_ROOT", str(root))
+    root = _beta_holds(NIC, etcd, etcd_url, tmp_path, monkeypatch)
     host_lease(etcd, root, node="gamma")  # the killed agent's lease: the next one takes over
     ops = Holder("gamma", "ops", "33333333-3333-3333-3333-333333333333")
     app = Holder("gamma", "app", "44444444-4444-4444-4444-444444444444")

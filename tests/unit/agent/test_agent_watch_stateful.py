@@ -53,10 +53,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from hypothesis import HealthCheck, currently_in_test_context, event, settings
+from hypothesis import currently_in_test_context, event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.support.clocks import FakeClock
+from tests.support.stateful import derandomized
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import VmlendError
 
@@ -73,20 +75,6 @@ WAIT = 10.0
 RUNNING, PAUSED, STOPPED = "running", "paused", "stopped"
 
 _here = threading.local()
-
-
-class _FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
 
 
 class _Actor:
@@ -204,7 +192,7 @@ class _WaitsSeen(threading.Condition):
 class WatchMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = _FakeClock()
+        self.clock = FakeClock()
         self.changed = threading.Condition()
         self.mlock = threading.Lock()  # the model's, never held across a stop
         self.state = dict.fromkeys(VMS, RUNNING)
@@ -707,19 +695,7 @@ class WatchMachine(RuleBasedStateMachine):
         )
 
 
-def _settings(examples: int, steps: int) -> settings:
-    # derandomized: CI runs the same sequences every time; no example database on disk
-    return settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-
-
-WatchMachine.TestCase.settings = _settings(EXAMPLES, STEPS)
+WatchMachine.TestCase.settings = derandomized(EXAMPLES, STEPS)
 test_lease_watch_state_machine = WatchMachine.TestCase
 
 
