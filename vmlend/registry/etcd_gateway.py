@@ -32,6 +32,7 @@ TRANSIENT_ATTEMPTS = 6
 
 # Substrings of etcd's error messages (etcdserver/api/v3rpc/rpctypes) that pass by themselves.
 if TYPE_CHECKING:
+    import requests
     from etcd3gw import exceptions as gw_errors
     from etcd3gw.client import Etcd3Client
 
@@ -263,7 +264,9 @@ def _client(endpoint: Endpoint, timeout: float, tls: EtcdTls | None) -> Etcd3Cli
     from etcd3gw.client import Etcd3Client
 
     if tls is None:
-        return Etcd3Client(endpoint.host, endpoint.port, timeout=timeout, api_path="/v3/")
+        client = Etcd3Client(endpoint.host, endpoint.port, timeout=timeout, api_path="/v3/")
+        _settle_environment(client.session, client.get_url(""))
+        return client
     session = requests.Session()
     if tls.cacert is not None:
         session.verify = str(tls.cacert)
@@ -272,7 +275,7 @@ def _client(endpoint: Endpoint, timeout: float, tls: EtcdTls | None) -> Etcd3Cli
         session.trust_env = False
     if tls.cert is not None and tls.key is not None:
         session.cert = (str(tls.cert), str(tls.key))
-    return Etcd3Client(
+    client = Etcd3Client(
         endpoint.host,
         endpoint.port,
         protocol="https",
@@ -280,6 +283,26 @@ def _client(endpoint: Endpoint, timeout: float, tls: EtcdTls | None) -> Etcd3Cli
         api_path="/v3/",
         session=session,
     )
+    _settle_environment(session, client.get_url(""))
+    return client
+
+
+def _settle_environment(session: requests.Session, url: str) -> None:
+    """Read what the environment says about ``url`` (proxies, ``no_proxy``, a CA bundle,
+    ~/.netrc) once, and stop ``session`` from reading it again on every request: requests
+    re-reads the whole environment and stats ~/.netrc per request, about 0.7 ms each, the
+    largest single cost of a registry call. The endpoint's URL never changes, and neither
+    does the environment of a process, so the answer is the same."""
+    from requests.utils import get_netrc_auth
+
+    if not session.trust_env:
+        return
+    settings = session.merge_environment_settings(url, {}, None, session.verify, None)
+    session.proxies.update(settings["proxies"])
+    session.verify = settings["verify"]
+    if session.auth is None:
+        session.auth = get_netrc_auth(url)
+    session.trust_env = False
 
 
 class RevisionCompactedError(StateError):

@@ -52,3 +52,29 @@ def test_a_gateway_that_fails_over_keeps_the_endpoint_that_answered(etcd, hung, 
         assert hung.connections == 1  # one client, one timeout: then it stays on etcd
     finally:
         gw.close()
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_a_gateway_goes_through_the_proxy_the_environment_names_unless_no_proxy_exempts_etcd(
+    etcd, bypass, monkeypatch
+):
+    from tests.support.etcd_daemon import free_port
+    from vmlend.errors import RegistryUnreachableError
+    from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
+
+    for name in ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")  # nobody listens
+    if bypass:
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+    host, port = etcd.endpoint.split(":")
+    gw = EtcdGateway([Endpoint(host, int(port))], timeout=1.0)
+    try:
+        for _ in range(2):  # the first request and the ones after it alike
+            if bypass:
+                gw.range("/nothing")
+            else:
+                with pytest.raises(RegistryUnreachableError):
+                    gw.range("/nothing")
+    finally:
+        gw.close()
