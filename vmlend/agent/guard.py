@@ -175,6 +175,20 @@ class RemoteVmGuard:
                     out.append(name)
         return out
 
+    def paused_by_operator(self, name: str) -> bool:
+        """Whether ``name`` is paused without an agent's pause mark: an operator's pause (or
+        libvirt's own, e.g. an I/O error). False where that cannot be told: no marks, or the
+        hypervisor cannot say."""
+        if self.marks is None:
+            return False
+        with self._vm_lock(name):  # a pause of ours marks first, under this lock
+            try:
+                if self._hv.lookup(name).state is not DomainState.PAUSED:
+                    return False
+            except VmlendError:
+                return False
+            return name not in self.marks.names()
+
     def running(self, name: str) -> bool:
         try:
             return self._hv.lookup(name).state is DomainState.RUNNING

@@ -73,6 +73,13 @@ class VmRecovery(msgspec.Struct):
         return text + f"; stays paused: {self.why}"
 
 
+#: Why a VM an operator paused is not tried again, and what the operator should do.
+_OPERATORS = (
+    "an operator paused it, so the agent does not try again (that would resume it): run"
+    " 'vmlend reconcile' before resuming it"
+)
+
+
 class LostLeaseRecovery:
     def __init__(
         self,
@@ -119,18 +126,25 @@ class LostLeaseRecovery:
         self._clock = clock
         self._sleep = sleep
 
-    def recover(self, names: list[str]) -> list[VmRecovery]:
+    def recover(self, names: list[str], *, leave_paused: bool = False) -> list[VmRecovery]:
+        """Win back each of ``names``. ``leave_paused``: VMs an operator paused (no agent's
+        pause mark): their devices are re-reserved or unplugged all the same, so that the
+        operator's resume, which no hook or agent sees, cannot run a guest on a device another
+        host holds; they stay paused, and one that cannot be done now is not tried again
+        (the agent's tries would end in a resume): the log says so."""
         out = []
         for name in names:
             self._keep_alive()
             try:
-                result = self._recover_one(name)
+                result = self._recover_one(name, leave_paused)
             except UnknownDomainError:
                 result = VmRecovery(name, outcome="stopped", why="it is gone")
                 self._unmark(name)
             except LibvirtError as e:  # the hypervisor failed (a job timeout): try again
                 result = VmRecovery(name, why=f"{e}; tried again")
-                if self._retry is not None:
+                if leave_paused:
+                    result.why = f"{e}; {_OPERATORS}"
+                elif self._retry is not None:
                     self._retry(name)
             except VmlendError as e:  # its XML unreadable, say: nothing more to try
                 result = VmRecovery(name, why=str(e))
@@ -138,7 +152,7 @@ class LostLeaseRecovery:
             out.append(result)
         return out
 
-    def _recover_one(self, name: str) -> VmRecovery:
+    def _recover_one(self, name: str, leave_paused: bool = False) -> VmRecovery:
         result = VmRecovery(name)
         live = self._hv.xml(name)
         dom = read_hook_domain(live, strict=False)
@@ -154,7 +168,9 @@ class LostLeaseRecovery:
                     result.why = (
                         f"the registry cannot be reached to re-reserve it ({e}); tried again"
                     )
-                    if self._retry is not None:
+                    if leave_paused:
+                        result.why = f"the registry cannot be reached ({e}); {_OPERATORS}"
+                    elif self._retry is not None:
                         self._retry(name)
                     return result
                 except LeaseExpiredError:
@@ -166,7 +182,9 @@ class LostLeaseRecovery:
                         "this host's lease ended while its devices were re-reserved; the"
                         " recovery under the next lease tries again"
                     )
-                    if self._park is not None:
+                    if leave_paused:
+                        result.why = f"this host's lease ended meanwhile; {_OPERATORS}"
+                    elif self._park is not None:
                         self._park(name)
                     return result
                 except VmlendError as e:
@@ -188,6 +206,10 @@ class LostLeaseRecovery:
             except VmlendError as e:
                 result.why = f"could not hot-unplug its lost devices: {e}"
                 return result
+        if leave_paused:
+            done = " (its lost devices hot-unplugged)" if result.lost else ""
+            result.why = f"an operator paused it{done}"
+            return result
         if not self._resume(name):
             result.why = (
                 "the new lease was not renewed for half its TTL meanwhile, or a plug request"

@@ -349,6 +349,7 @@ class Agent:
             if lost is None:
                 return self._stopped(registry, fabric, lease)
             paused: list[str] = []
+            operators: list[str] = []
             if lost:
                 log.error(
                     "VMs %s run without their holds (this host's lease ended while no agent"
@@ -356,9 +357,9 @@ class Agent:
                     ", ".join(lost),
                 )
                 # With those the watch paused first: the recovery's now, or the first renewal
-                # would resume them without their holds. A VM an operator paused stays paused;
-                # the reconcile below re-acquires for it.
-                paused = self._without_holds(hv, fabric, guard, watch, lost)
+                # would resume them without their holds. A VM an operator paused stays paused,
+                # its devices re-reserved or unplugged.
+                paused, operators = self._without_holds(hv, fabric, guard, watch, lost)
             # The VMs an agent paused and did not resume (it was killed first): recovered too,
             # whether their holds outlived it or not.
             left = [n for n in guard.left_paused() if n not in paused]
@@ -371,6 +372,8 @@ class Agent:
                 )
             if paused or left:
                 cfg.metrics.recovered(recovery.recover(sorted({*paused, *left})))
+            if operators := [n for n in operators if n not in left]:
+                cfg.metrics.recovered(recovery.recover(operators, leave_paused=True))
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
                 return self._stopped(registry, fabric, lease)
@@ -454,8 +457,11 @@ class Agent:
                     renewals.keep_alive()  # a real renewal: only an answer restarts the watch
                     if recovery is not None and guard is not None:
                         names = set(guard.paused_after_loss) | set(late)
-                        names |= set(self._without_holds(hv, fabric, guard, watch))
+                        found, operators = self._without_holds(hv, fabric, guard, watch)
+                        names |= set(found)
                         cfg.metrics.recovered(recovery.recover(sorted(names)))
+                        if operators := [n for n in operators if n not in names]:
+                            cfg.metrics.recovered(recovery.recover(operators, leave_paused=True))
                     if plugs is not None:
                         plugs.release()
                     cfg.notifier.status(f"serving node {cfg.node}: lease {new_lease.id:x} held")
@@ -585,24 +591,31 @@ class Agent:
         guard: RemoteVmGuard,
         watch: LeaseWatch,
         lost: list[str] | None = None,
-    ) -> list[str]:
+    ) -> tuple[list[str], list[str]]:
         """The VMs that use devices they no longer hold (``lost``, or looked for now: after a
         lost lease, those the pause missed because its suspend failed or they began to run
         after it looked): paused now, or taken from the watch that paused them, for the
-        recovery; one whose pause fails goes to the recovery on the loop's next turn."""
+        recovery; one whose pause fails goes to the recovery on the loop's next turn. And
+        apart, those an operator paused: their devices must be re-reserved or unplugged too
+        (the operator's resume would run them), but they are not the agent's to resume."""
         if hv is None:
-            return []
+            return [], []
         if lost is None:
             try:
                 lost = vms_without_their_holds(hv, fabric)
             except VmlendError as e:
                 log.warning("could not look for VMs without their holds: %s", e)
-                return []
+                return [], []
         paused = set(guard.pause_these(lost)) | set(watch.withdraw(lost))
+        operators = []
         for name in lost:
-            if name not in paused and guard.running(name):
+            if name in paused:
+                continue
+            if guard.running(name):
                 watch.orphan(name)  # its pause failed: paused and recovered on the next turn
-        return sorted(paused)
+            elif guard.paused_by_operator(name):
+                operators.append(name)
+        return sorted(paused), operators
 
     def _until_reachable(self, read: Callable[[], list[str]]) -> list[str] | None:
         """``read()``, retried while etcd cannot be reached; None when stopped first."""

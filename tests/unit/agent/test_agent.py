@@ -159,9 +159,11 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     hosts, etcd_url, monkeypatch
 ):
     """gamma's agent freezes past its TTL with two VMs running: web (GPU, lent by alpha) and
-    app (NIC, lent by beta). Meanwhile beta's own VM takes the NIC. Thawed, the agent pauses
-    both, takes a new lease, wins the GPU back for web and resumes it, and hot-unplugs the
-    NIC from app before resuming it."""
+    app (NIC, lent by beta), and ops (0x11, lent by alpha), which an operator paused.
+    Meanwhile beta's own VM takes the NIC. Thawed, the agent pauses web and app, takes a new
+    lease, wins the GPU back for web and resumes it, and hot-unplugs the NIC from app before
+    resuming it. It re-reserves 0x11 for ops too (before, ops kept the device without a hold,
+    for the operator's resume) and leaves ops paused."""
     from tests.support.simcluster import domain_of as _domain
     from vmlend.domain import read_domain
     from vmlend.hypervisor.base import DomainState
@@ -169,6 +171,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
 
     alpha, beta, gamma = hosts["alpha"], hosts["beta"], hosts["gamma"]
     app = Holder("gamma", "app", "33333333-3333-3333-3333-333333333333")
+    ops = Holder("gamma", "ops", "44444444-4444-4444-4444-444444444444")
     monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
     alpha.start_agent()
     beta.start_agent()
@@ -177,8 +180,11 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     hv = open_hypervisor("sim:///gamma", state_dir=gamma.root, hook_command=hook)
     hv.define(_domain("web", WEB.vm_uuid, (GPU,)))
     hv.define(_domain("app", app.vm_uuid, (NIC,)))
+    hv.define(_domain("ops", ops.vm_uuid, (0x11,)))
     hv.start("web")  # the prepare hooks reserve under gamma's lease
     hv.start("app")
+    hv.start("ops")
+    hv.suspend("ops")  # an operator's pause
 
     gamma.stop_agent(signal.SIGSTOP)
     deadline = time.monotonic() + TTL + REUSE_BOUND + 10
@@ -192,7 +198,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     thawed_at = len(gamma.log())
     gamma.agent.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 30
-    while gamma.log()[thawed_at:].count("after a new lease: VM") < 2:
+    while gamma.log()[thawed_at:].count("after a new lease: VM") < 3:
         assert gamma.agent.poll() is None and time.monotonic() < deadline, gamma.log()
         time.sleep(0.1)
 
@@ -201,6 +207,8 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     assert "VM web: re-reserved 0x10; resumed" in log
     assert "VM app: re-reserved none; lost 0x20 (" in log
     assert "hot-unplugged the lost devices and resumed" in log
+    assert "VM ops: re-reserved 0x11; stays paused: an operator paused it" in log
+    assert hv.lookup("ops").state is DomainState.PAUSED
     assert hv.lookup("web").state is DomainState.RUNNING
     assert hv.lookup("app").state is DomainState.RUNNING
     assert read_domain(hv.xml("app"), strict=False).devices == ()  # live: NIC gone...
@@ -210,6 +218,7 @@ def test_after_a_lost_lease_the_borrower_re_reserves_its_vms_devices_or_unplugs_
     with open_fabric(etcd_url, "alpha") as f:
         assert f.device(GPU).holder == WEB  # under gamma's new lease
         assert f.device(NIC).holder == DB
+        assert f.device(0x11).holder == ops
     check_never_two_holders(history(etcd_url))
     assert gamma.stop_agent() == 0 and alpha.stop_agent() == 0 and beta.stop_agent() == 0
 

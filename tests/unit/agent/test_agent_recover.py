@@ -200,8 +200,8 @@ def test_after_a_lost_lease_a_vm_the_pause_missed_is_paused_for_the_recovery(tmp
     hv.define(_domain("app", APP.vm_uuid, (GPU,)))
     hv.start("app")  # no hold: it went with the lost lease
     watch = LeaseWatch(10, list)
-    names = Agent._without_holds(hv, fabric, RemoteVmGuard(hv, fabric, "gamma"), watch)
-    assert names == ["app"]
+    names, operators = Agent._without_holds(hv, fabric, RemoteVmGuard(hv, fabric, "gamma"), watch)
+    assert (names, operators) == (["app"], [])
     assert hv.lookup("app").state is DomainState.PAUSED
 
 

@@ -630,3 +630,30 @@ def test_vms_an_agent_paused_and_did_not_resume_are_recovered_by_the_next_one(
         with open_fabric(etcd_url, "gamma") as f:
             assert f.device(GPU).holder == WEB
             assert f.device(NIC).holder == DB
+
+
+def test_a_vm_an_operator_paused_is_left_paused_without_the_devices_it_lost(
+    etcd, etcd_url, tmp_path, monkeypatch, caplog
+):
+    """An operator paused ops; then gamma's lease ended while no agent ran, and beta's db took
+    0x20. ops is not the agent's to resume, but the operator's resume (which no hook or agent
+    sees) must not run it on beta's device: the next agent unplugs 0x20 from it, re-reserves
+    0x10, which is free, and leaves it paused. Before, the start-up reconcile re-reserved
+    0x10 and left 0x20 in the VM "to the operator"."""
+    caplog.set_level(logging.WARNING)
+    root = _beta_holds(NIC, etcd, etcd_url, tmp_path, monkeypatch)
+    host_lease(etcd, root, node="gamma")
+    ops = Holder("gamma", "ops", "33333333-3333-3333-3333-333333333333")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    hv.define(domain_xml(ops.vm, ops.vm_uuid, (GPU, NIC)))
+    hv.start(ops.vm)  # no hook here: no holds, as after the lease ended
+    hv.suspend(ops.vm)  # an operator's: no pause mark
+    with _agent_running(HangingAgent, hv, etcd_url, root, FakeClock()):
+        _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
+        assert hv.lookup("ops").state is DomainState.PAUSED, "an operator's pause was undone"
+        assert {d.fdid for d in read_domain(hv.xml("ops"), strict=False).devices} == {GPU}
+        with open_fabric(etcd_url, "gamma") as f:
+            assert f.device(GPU).holder == ops
+            assert f.device(NIC).holder == DB
+    assert "VM ops: re-reserved 0x10; lost 0x20" in caplog.text
+    assert "stays paused: an operator paused it (its lost devices hot-unplugged)" in caplog.text
