@@ -7,13 +7,14 @@ ended) in its start-up; SIGSTOP of a hook mid-prepare and of one mid-release pas
 silent partition of one host from etcd past the TTL; loss of quorum past the TTL; kill -9 of the
 etcd leader; a domain the hypervisor does not answer for while its agent resumes it; and
 combined: a hook frozen mid-prepare or mid-release, or a ``vmlend attach --live`` frozen just
-after its hot-plug, while its host's agent is dead past its lease; a partition together with a
-kill of the leader, a frozen agent together with a loss of quorum. A sampler reads every host's
-running, unpaused VMs every 0.1 s: no device may be in two of them (``tests/support/nemesis.py``
-says exactly what counts, hot-added devices included, and when an overlap is excused). After
-the faults heal: nothing held by a VM that does not run or does not use it, no running VM using
-a device it does not hold, nothing fenced, no revision of the registry with two holders, and
-every failed CLI call said one line.
+after its hot-plug, while its host's agent is dead past its lease; an agent killed while its
+guard has a VM paused (another paused by an operator), restarted past its lease; a partition
+together with a kill of the leader, a frozen agent together with a loss of quorum. A sampler
+reads every host's running, unpaused VMs every 0.1 s: no device may be in two of them
+(``tests/support/nemesis.py`` says exactly what counts, hot-added devices included, and when an
+overlap is excused). After the faults heal: nothing held by a VM that does not run or does not
+use it, no running VM using a device it does not hold, nothing fenced, no revision of the
+registry with two holders, and every failed CLI call said one line.
 
 The fixed seed runs every nemesis once, in a shuffled order. ``VMLEND_NEMESIS_SEED`` picks
 another seed (the order of faults, their targets and the workload); ``VMLEND_NEMESIS_ROUNDS``

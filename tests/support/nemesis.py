@@ -32,7 +32,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,6 +44,7 @@ from vmlend.domain import DomainDocument, mdev_uuid, read_domain
 from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
 from vmlend.faults import FAULT_ENV
+from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 TTL = 2
@@ -1034,6 +1035,109 @@ def stall_domain(c: Cluster, rng: random.Random, say: Say) -> None:
         say(f"{node} {'kept' if kept else 'lost'} its lease")
 
 
+def _start_with_devices(
+    c: Cluster, h: NHost, vms: tuple[str, ...], deadline: float, say: Say
+) -> None:
+    """Make each of ``vms`` run, unpaused, with devices: started (a VM of another host that
+    holds one of its devices destroyed first), or restarted if it runs without any."""
+    work = c.work
+    assert work is not None
+    paused_dir = h.hv_dir() / "paused"
+    for x in vms:
+        while not live_devices(h, x) or (paused_dir / f"{x}.xml").exists():
+            if live_devices(h, x) is not None:  # without devices (hot-removed) or paused
+                work.call(h, "vm", "destroy", x)
+            for wanted in VMS[h.node][x]:
+                _free_up(c, wanted, deadline, say)
+            work.call(h, "vm", "start", x)
+            assert time.monotonic() < deadline, f"{h.node}/{x} never ran with its devices"
+
+
+def _not_held(c: Cluster, h: NHost, vm: str) -> list[str]:
+    """The devices ``vm`` uses that the registry does not say it holds, with their holders."""
+    with open_fabric(c.direct_url, "alpha") as f:
+        holders = {st.fdid: st.holder for st in f.devices()}
+    out = []
+    for fdid in sorted(live_devices(h, vm) or ()):
+        held = holders.get(fdid)
+        if held is None or (held.node, held.vm) != (h.node, vm):
+            out.append(f"{fdid:#x} (held by {held or 'nobody'})")
+    return out
+
+
+def cut_and_kill_paused(c: Cluster, rng: random.Random, say: Say) -> None:
+    """kill -9 of an agent whose guard has paused its VMs, not restarted until its lease
+    ended. Two VMs of one host run with their devices, and an operator pauses one. The host
+    is cut off from etcd until the guard has paused a running VM with devices; then its agent
+    is killed and the cut heals. While no agent runs there, the lenders take the devices back
+    and a VM of another host takes one of the two paused VMs' devices. The restarted agent
+    must know which paused VMs were its predecessor's (their pause marks): those it recovers
+    (re-reserve or unplug, then resume) and the operator's stays paused, without a device
+    another host holds by then, so the operator's resume is safe (resumed here once the
+    agent's start-up is done)."""
+    work = c.work
+    assert work is not None
+    node = rng.choice(sorted(VMS))
+    h = c.host(node)
+    assert h.host.agent is not None
+    paused_dir = h.hv_dir() / "paused"
+    with ExitStack() as claims:
+        for name in sorted(VMS[node]):
+            claims.enter_context(work.claim(node, name))
+        deadline = time.monotonic() + WAIT
+        vm, operators = rng.sample(sorted(VMS[node]), 2)
+        wanted_here = {f for x in (vm, operators) for f in VMS[node][x]}
+        with ExitStack() as kept:
+            for fdid in sorted(wanted_here):  # the workload elsewhere would race for them
+                kept.enter_context(work.keep_off(fdid))
+            _start_with_devices(c, h, (vm, operators), deadline, say)
+        hv = SimHypervisor(node, h.hv_dir(), None)
+        hv.suspend(operators)  # an operator's pause: no hook, no pause mark
+        say(
+            f"cut {node} off from etcd until its guard pauses {vm} ({operators} paused by an"
+            " operator)"
+        )
+        for p in h.proxies:
+            p.cut()
+        deadline = time.monotonic() + TTL
+        while not (paused_dir / f"{vm}.xml").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not (paused_dir / f"{vm}.xml").exists():
+            for p in h.proxies:
+                p.heal()
+            hv.resume(operators)
+            say(f"{node}/{vm} was not paused within {TTL:g} s; healed, nothing killed")
+            return
+        h.open_window()
+        h.host.agent.kill()
+        h.host.agent.wait(20)
+        for p in h.proxies:
+            p.heal()
+        say(f"{node}/{vm} paused; kill -9 the agent of {node}, restart it after {PAST_TTL:g} s")
+        time.sleep(PAST_TTL)
+        # one of the two VMs' devices: the agent's or the operator's pause is explored
+        taken = sorted(live_devices(h, rng.choice((vm, operators))) or ())
+        if taken:
+            _hot_add_elsewhere(c, node, rng.choice(taken), say)
+        h.start_agent()
+        h.close_window()
+        deadline = time.monotonic() + WAIT
+        while (paused_dir / f"{vm}.xml").exists() and live_devices(h, vm) is not None:
+            assert time.monotonic() < deadline, f"{node}/{vm} stayed paused after the restart"
+            time.sleep(0.05)
+        say(f"{node}/{vm} runs again" if live_devices(h, vm) is not None else f"{vm} stopped")
+        if live_devices(h, operators) is not None:
+            assert (paused_dir / f"{operators}.xml").exists(), (
+                f"the agent of {node} resumed {operators}, which an operator paused"
+            )
+            # its resume is the operator's, whom no hook or agent stops: it must be safe
+            foreign = _not_held(c, h, operators)
+            assert not foreign, f"{node}/{operators}, paused by an operator, keeps {foreign}"
+            hv.resume(operators)
+            kept = ", ".join(f"{f:#x}" for f in sorted(live_devices(h, operators) or ()))
+            say(f"the operator resumes {node}/{operators}, with {kept or 'no device'}")
+
+
 def freeze_hook_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
     """SIGSTOP of a hook mid-prepare and kill -9 of its host's agent until the lease ended."""
     freeze_hook(c, rng, say, kill=True)
@@ -1055,6 +1159,7 @@ NEMESES: dict[str, Nemesis] = {
     "hook+kill-late": freeze_hook_and_kill_agent,
     "release+kill-late": freeze_release_and_kill_agent,
     "attach+kill-late": freeze_attach_and_kill_agent,
+    "cut+kill-paused": cut_and_kill_paused,
     "cut+leader": together(cut_host, kill_leader),
     "freeze+quorum": together(freeze_agent, lose_quorum),
 }
