@@ -131,7 +131,9 @@ class RemoteVmGuard:
 
     def suspend_if_running(self, name: str) -> bool:
         """Pause ``name`` if it runs; whether this paused it (a failure is logged: the caller
-        has nothing better; a VM that is gone runs nothing)."""
+        has nothing better; a VM that is gone runs nothing). A suspend that failed but left
+        it paused (its answer was lost), or the hypervisor cannot say, counts as this one's:
+        it stays marked, so this agent must resume it too, not only the next one."""
         with self._vm_lock(name):
             try:
                 if self._hv.lookup(name).state is not DomainState.RUNNING:
@@ -140,6 +142,17 @@ class RemoteVmGuard:
                     self.marks.mark(name)
                 try:
                     self._hv.suspend(name)
+                except VmlendError as e:
+                    if not self._unmark_unless_paused(name):
+                        raise
+                    log.warning(
+                        "suspending %s failed (%s), but it is paused or cannot be told: kept"
+                        " as paused by the agent",
+                        name,
+                        e,
+                        extra={"vm": name},
+                    )
+                    return True
                 except BaseException:
                     self._unmark_unless_paused(name)
                     raise
@@ -162,6 +175,13 @@ class RemoteVmGuard:
         if not paused and self.marks is not None:
             self.marks.clear(name)
         return paused
+
+    def unmark_unless_paused(self, name: str) -> None:
+        """``name`` was found stopped or gone (the recovery's ``unmark``): drop its mark unless
+        it is paused by now. Under its lock: started again meanwhile, it may have been paused
+        and marked by this agent's watch, and that mark must stay."""
+        with self._vm_lock(name):
+            self._unmark_unless_paused(name)
 
     def left_paused(self) -> list[str]:
         """The VMs marked as paused by an agent (this one or one before it) that are still

@@ -101,7 +101,8 @@ class LostLeaseRecovery:
         #: Resumes a paused VM (``UnknownDomainError``: gone); by default straight on the
         #: hypervisor, in the agent with its pause mark dropped (``RemoteVmGuard``).
         self._resume_vm = resume or (lambda name: resume_if_paused(hv, name))
-        #: The VM is gone: it needs no pause mark any more (``PauseMarks.clear``).
+        #: The VM is gone: it needs no pause mark any more (in the agent, its mark is dropped
+        #: unless it is paused again by then: ``RemoteVmGuard.unmark_unless_paused``).
         self._unmark = unmark
         #: Takes back this host's own fenced devices (lent to its own VMs): nobody else will
         #: while the recovery holds up the agent's loop.

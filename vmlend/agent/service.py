@@ -317,7 +317,7 @@ class Agent:
                 # a device this host lends to its own VM is taken back only by this loop
                 take_back=lambda: self._take_back(fabric),
                 resume=guard.resume_and_unmark if guard is not None else None,
-                unmark=guard.marks.clear if guard is not None and guard.marks else lambda _n: None,
+                unmark=guard.unmark_unless_paused if guard is not None else lambda _n: None,
             )
         try:
             return self._serve(registry, fabric, lease, previous, watch, guard, recovery, hv)
