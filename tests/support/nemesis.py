@@ -614,9 +614,43 @@ def destroy_while_recovering(c: Cluster, h: NHost, rng: random.Random, say: Say)
 
 
 def cut_host(c: Cluster, rng: random.Random, say: Say) -> None:
-    """A silent partition of one host from every etcd member, past the TTL, then healed."""
+    """A silent partition of one host from every etcd member, past the TTL, then healed. Half
+    the time an operator has paused one of its running VMs first: after the heal, the agent's
+    lost-lease path must leave it paused and holding every device it still has (re-reserved
+    or unplugged), so the operator's resume, done here then, is safe."""
     h = c.host(rng.choice(sorted(VMS)))
+    running = [
+        vm
+        for vm in sorted(VMS[h.node])
+        if live_devices(h, vm) and not (h.hv_dir() / "paused" / f"{vm}.xml").exists()
+    ]
+    if running and c.work is not None and rng.random() < 0.5:
+        vm = rng.choice(running)
+        with c.work.claim(h.node, vm):
+            if live_devices(h, vm) is None:
+                say(f"cut: {h.node}/{vm} stopped meanwhile")
+                return
+            hv = SimHypervisor(h.node, h.hv_dir(), None)
+            hv.suspend(vm)
+            say(f"cut {h.node} off from etcd for {PAST_TTL:g} s ({vm} paused by an operator)")
+            _cut_and_heal(h)
+            deadline = time.monotonic() + WAIT
+            while foreign := _not_held(c, h, vm):
+                assert time.monotonic() < deadline, f"{h.node}/{vm} keeps {foreign}"
+                time.sleep(0.1)
+            if live_devices(h, vm) is not None:
+                assert (h.hv_dir() / "paused" / f"{vm}.xml").exists(), (
+                    f"the agent of {h.node} resumed {vm}, which an operator paused"
+                )
+                hv.resume(vm)
+                kept = ", ".join(f"{f:#x}" for f in sorted(live_devices(h, vm) or ()))
+                say(f"the operator resumes {h.node}/{vm}, with {kept or 'no device'}")
+        return
     say(f"cut {h.node} off from etcd for {PAST_TTL:g} s")
+    _cut_and_heal(h)
+
+
+def _cut_and_heal(h: NHost) -> None:
     for p in h.proxies:
         p.cut()
     time.sleep(PAST_TTL)
