@@ -30,6 +30,7 @@ from vmlend.domain.info import DomainXMLInfo
 from vmlend.domain.model import DomainXML
 from vmlend.errors import (
     DeviceFencedError,
+    DomainOperationError,
     LeaseExpiredError,
     LibvirtError,
     RegistryUnreachableError,
@@ -41,6 +42,7 @@ from vmlend.hook.domainview import read_hook_domain
 from vmlend.hypervisor.base import DomainState, Hypervisor
 from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, return_device
 from vmlend.ops.definitions import plain_metadata
+from vmlend.ops.unplug import live_has_hostdev
 from vmlend.registry.records import same_holder
 from vmlend.topology.model import Holder, format_fdid
 
@@ -49,8 +51,9 @@ log = logging.getLogger(__name__)
 
 class VmRecovery(msgspec.Struct):
     """What became of one paused VM: ``outcome`` is "resumed", "unplugged" (lost devices
-    removed, then resumed), "stopped" (it stopped while being recovered: nothing kept for it)
-    or "paused" (``why`` says why it stays so)."""
+    removed, then resumed), "kept-paused" (an operator's pause: its devices re-reserved or
+    unplugged, the VM left paused), "stopped" (it stopped while being recovered: nothing kept
+    for it) or "paused" (not done: ``why`` says why it stays so)."""
 
     vm: str
     regained: list[int] = msgspec.field(default_factory=list)
@@ -70,13 +73,16 @@ class VmRecovery(msgspec.Struct):
             return text + "; hot-unplugged the lost devices and resumed"
         if self.outcome == "stopped":
             return f"VM {self.vm}: {self.why}"
+        if self.outcome == "kept-paused":
+            done = " (its lost devices hot-unplugged)" if self.lost else ""
+            return text + f"; stays paused: an operator paused it{done}"
         return text + f"; stays paused: {self.why}"
 
 
-#: Why a VM an operator paused is not tried again, and what the operator should do.
+#: What the operator of a VM left paused with a device it lost should know.
 _OPERATORS = (
-    "an operator paused it, so the agent does not try again (that would resume it): run"
-    " 'vmlend reconcile' before resuming it"
+    "an operator paused it: it stays paused and the agent tries again later; do not resume it"
+    " before 'vmlend reconcile' shows it clean (or stop it)"
 )
 
 
@@ -131,8 +137,9 @@ class LostLeaseRecovery:
         """Win back each of ``names``. ``leave_paused``: VMs an operator paused (no agent's
         pause mark): their devices are re-reserved or unplugged all the same, so that the
         operator's resume, which no hook or agent sees, cannot run a guest on a device another
-        host holds; they stay paused, and one that cannot be done now is not tried again
-        (the agent's tries would end in a resume): the log says so."""
+        host holds; they stay paused ("kept-paused"). One that cannot be done now stays
+        "paused", not handed to ``retry`` or ``park`` (those end in a resume): the agent
+        tries it again as an operator's (``Agent._recover_operators``)."""
         out = []
         for name in names:
             self._keep_alive()
@@ -148,7 +155,7 @@ class LostLeaseRecovery:
                 elif self._retry is not None:
                     self._retry(name)
             except VmlendError as e:  # its XML unreadable, say: nothing more to try
-                result = VmRecovery(name, why=str(e))
+                result = VmRecovery(name, why=f"{e}; {_OPERATORS}" if leave_paused else str(e))
             log.warning("after a new lease: %s", result.describe())
             out.append(result)
         return out
@@ -203,13 +210,16 @@ class LostLeaseRecovery:
                 return result
         if result.lost:
             try:
-                self._unplug(name, list(result.lost))
+                # a paused guest cannot let go of a hostdev: for one left paused, the unplug
+                # counts only once the hostdev is gone (the agent's own resume at once)
+                self._unplug(name, list(result.lost), require_gone=leave_paused)
             except VmlendError as e:
                 result.why = f"could not hot-unplug its lost devices: {e}"
+                if leave_paused:
+                    result.why += f"; {_OPERATORS}"
                 return result
         if leave_paused:
-            done = " (its lost devices hot-unplugged)" if result.lost else ""
-            result.why = f"an operator paused it{done}"
+            result.outcome = "kept-paused"
             return result
         if not self._resume(name):
             result.why = (
@@ -256,8 +266,11 @@ class LostLeaseRecovery:
                 except Exception as e:  # another device's take-back: not this one's failure
                     log.warning("taking back this host's fenced devices failed: %s", e)
 
-    def _unplug(self, name: str, fdids: list[int]) -> None:
-        """Remove the hostdevs and metadata entries of ``fdids`` from the running domain."""
+    def _unplug(self, name: str, fdids: list[int], *, require_gone: bool = False) -> None:
+        """Remove the hostdevs and metadata entries of ``fdids`` from the running domain.
+        ``require_gone``: a hostdev still there after its detach (libvirt's live detach only
+        asks the guest, and a paused one cannot answer) is an error, with its metadata entry
+        and mdev kept, so the VM still counts as using the device."""
         for fdid in fdids:
             doc = DomainDocument.parse(self._hv.xml(name), source=f"live XML of {name}")
             device = find_device(doc, fdid)
@@ -267,6 +280,12 @@ class LostLeaseRecovery:
                 if str(h.uuid) == str(device.mdev):
                     xml = etree.tostring(h.element, with_tail=False)
                     self._hv.detach_device(name, xml, live=True, config=False)
+            if require_gone and live_has_hostdev(self._hv, name, str(device.mdev)):
+                raise DomainOperationError(
+                    "detach device from",
+                    name,
+                    f"device {fdid:#x} is still plugged: a paused guest cannot release it",
+                )
             # As it is now: a CLI attach or detach on this VM may have written meanwhile.
             doc = DomainDocument.parse(self._hv.xml(name), source=f"live XML of {name}")
             if find_device(doc, fdid) is not None:

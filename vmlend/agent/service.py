@@ -27,11 +27,11 @@ from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, lacks_holds, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
-from vmlend.errors import ConfigError, StateError, VmlendError
+from vmlend.errors import ConfigError, StateError, UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
-from vmlend.hypervisor.base import Hypervisor
+from vmlend.hypervisor.base import DomainState, Hypervisor
 from vmlend.notify import Notifier
 from vmlend.ops.plug_request import PlugRequest, PlugRequests, serve_plug_requests
 from vmlend.registry import EtcdRegistry, hostlease
@@ -235,6 +235,10 @@ class Agent:
         #: The plug requests this agent answered, with their outcome.
         self.plugged: list[PlugRequest] = []
         self._renewals: Renewals | None = None
+        #: VMs an operator paused whose lost devices could not be re-reserved or unplugged
+        #: yet (etcd away, the hypervisor failing), and when to try them again.
+        self._operators_pending: set[str] = set()
+        self._operators_next = 0.0
 
     def run(self) -> int:
         """Serve until ``stop_event``: 0, or 3 when stopped after losing the lease and before
@@ -372,8 +376,7 @@ class Agent:
                 )
             if paused or left:
                 cfg.metrics.recovered(recovery.recover(sorted({*paused, *left})))
-            if operators := [n for n in operators if n not in left]:
-                cfg.metrics.recovered(recovery.recover(operators, leave_paused=True))
+            self._recover_operators(recovery, [n for n in operators if n not in left])
             lines = self._until_reachable(lambda: cfg.reconciler(hv, fabric))
             if lines is None:
                 return self._stopped(registry, fabric, lease)
@@ -460,8 +463,7 @@ class Agent:
                         found, operators = self._without_holds(hv, fabric, guard, watch)
                         names |= set(found)
                         cfg.metrics.recovered(recovery.recover(sorted(names)))
-                        if operators := [n for n in operators if n not in names]:
-                            cfg.metrics.recovered(recovery.recover(operators, leave_paused=True))
+                        self._recover_operators(recovery, [n for n in operators if n not in names])
                     if plugs is not None:
                         plugs.release()
                     cfg.notifier.status(f"serving node {cfg.node}: lease {new_lease.id:x} held")
@@ -472,11 +474,19 @@ class Agent:
                 # (unless that failed: pause them now, since the recovery only resumes)
                 if plugs is not None:
                     plugs.hold()
+                ours = []
                 for name in orphans:
-                    guard.suspend_if_running(name)
-                cfg.metrics.recovered(recovery.recover(orphans))
+                    # paused since without a mark (an operator's pause after the late resume):
+                    # not the agent's to resume
+                    if guard.suspend_if_running(name) or not guard.paused_by_operator(name):
+                        ours.append(name)
+                    else:
+                        self._operators_pending.add(name)
+                cfg.metrics.recovered(recovery.recover(ours))
                 if plugs is not None:
                     plugs.release()
+            if hv is not None and recovery is not None and guard is not None:
+                self._retry_operators(hv, recovery, guard, watch)
             self._take_back(fabric)
             cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
             self.stop_event.wait(cfg.interval)
@@ -583,6 +593,47 @@ class Agent:
                 fabric.close()
 
         return lacks
+
+    def _recover_operators(self, recovery: LostLeaseRecovery, names: list[str]) -> None:
+        """Re-reserve or unplug the lost devices of VMs an operator paused, leaving them
+        paused; one that cannot be done now is tried again (``_retry_operators``)."""
+        if not names:
+            return
+        results = recovery.recover(names, leave_paused=True)
+        self.config.metrics.recovered(results)
+        for r in results:
+            if r.outcome == "paused":
+                self._operators_pending.add(r.vm)
+            else:
+                self._operators_pending.discard(r.vm)
+        self._operators_next = self._clock() + self.config.ttl
+
+    def _retry_operators(
+        self, hv: Hypervisor, recovery: LostLeaseRecovery, guard: RemoteVmGuard, watch: LeaseWatch
+    ) -> None:
+        """Once a TTL after the last try: those still paused by an operator, again. One an
+        operator resumed meanwhile runs without its holds: the agent's to pause and recover
+        (``LeaseWatch.orphan``, on the next turn). One that is gone, or paused by the agent
+        since (its own recovery has it), is forgotten; one the hypervisor cannot say, kept."""
+        if not self._operators_pending or self._clock() < self._operators_next:
+            return
+        names, self._operators_pending = sorted(self._operators_pending), set()
+        again = []
+        for name in names:
+            try:
+                state = hv.lookup(name).state
+            except UnknownDomainError:
+                continue
+            except VmlendError as e:
+                log.warning("cannot look at VM %s, paused by an operator: %s", name, e)
+                self._operators_pending.add(name)
+                continue
+            if state is DomainState.RUNNING:
+                watch.orphan(name)
+            elif guard.paused_by_operator(name):
+                again.append(name)
+        self._recover_operators(recovery, again)
+        self._operators_next = self._clock() + self.config.ttl
 
     @staticmethod
     def _without_holds(

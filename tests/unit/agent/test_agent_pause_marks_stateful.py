@@ -875,9 +875,11 @@ class PauseMarksMachine(RuleBasedStateMachine):
         self.handed_on = False
 
         def recover() -> None:
-            if orphan:
-                guard.suspend_if_running(name)
-            [result] = recovery.recover([name])
+            # ``take_orphans``'s pause first; one paused since without a mark is an operator's
+            # (``Agent._retry_operators`` recovers it, left paused)
+            operators = orphan and not guard.suspend_if_running(name)
+            operators = operators and guard.paused_by_operator(name)
+            [result] = recovery.recover([name], leave_paused=operators)
             _event(f"the recovery: {result.outcome}")
             with self.mlock:
                 self.hands[RECOVERING].discard(name)
@@ -1070,4 +1072,36 @@ def test_a_vm_started_again_during_its_recovery_keeps_the_mark_of_its_next_pause
         ("an_operator_acts_on_a_vm", {"name": "a", "act": "power"}),  # defined, started
         ("the_watch_pauses", _QUICK),  # pauses and marks "a"
         ("land", {"i": 0}),
+    )
+
+
+def test_an_operators_vm_whose_recovery_failed_is_not_handed_to_the_agents_retry() -> None:
+    """The loop finds "b", which an operator paused, without its holds; its recovery (left
+    paused) finds the registry away. Handed to the recovery's ``retry`` like an agent's VM,
+    "b" would be recovered again on the next turn, and that recovery resumes it: the
+    operator's pause undone (the agent tries an operator's VM again as such instead)."""
+    won = {"outcome": "won", "orphan": False, "fresh": True, **_QUICK}
+    _replay(
+        ("the_loop_pauses_vms_without_their_holds", {"names": ["a"], **_QUICK}),
+        ("the_recovery_takes_one", {"i": 0, **won, "outcome": "away"}),  # sets the fabric's
+        ("an_operator_acts_on_a_vm", {"name": "b", "act": "pause"}),
+        ("the_loop_pauses_vms_without_their_holds", {"names": ["b"], **_QUICK}),
+        ("the_recovery_takes_one", {"i": 1, **won}),
+        ("the_recovery_takes_one", {"i": 0, **won}),
+    )
+
+
+def test_an_orphan_an_operator_paused_since_is_not_resumed() -> None:
+    """The loop's pause of "a", which runs without its holds, fails: "a" is orphaned, to be
+    paused again and recovered on the next turn (``take_orphans``). Meanwhile an operator
+    pauses it. The orphans' pause finds nothing to pause, and the recovery used to resume
+    "a" all the same; an unmarked pause is an operator's, recovered and left paused."""
+    _replay(
+        ("a_hypervisor_call_will_fail", {"call": "suspend", "name": "a", "lost": False}),
+        ("the_loop_pauses_vms_without_their_holds", {"names": ["a"], **_QUICK}),
+        ("an_operator_acts_on_a_vm", {"name": "a", "act": "pause"}),
+        (
+            "the_recovery_takes_one",
+            {"i": 0, "outcome": "won", "orphan": True, "fresh": True, **_QUICK},
+        ),
     )

@@ -397,3 +397,95 @@ def test_a_vm_the_hypervisor_cannot_say_is_there_keeps_its_holds_and_is_tried_ag
     [second] = _recovery_for(hv, fabric).recover(again)
     assert second.outcome == "unplugged"
     assert hv.lookup("app").state is DomainState.RUNNING
+
+
+class PausedGuestKeepsIt(SimHypervisor):
+    """libvirt's live detach only asks the guest to let go (QEMU's ``device_del``), and a
+    paused guest cannot answer: the hostdev stays."""
+
+    def detach_device(self, name: str, device_xml: bytes, live: bool, config: bool) -> None:
+        if self.lookup(name).state is not DomainState.PAUSED:
+            super().detach_device(name, device_xml, live, config)
+
+
+def test_a_vm_an_operator_paused_is_left_paused_with_its_lost_devices_unplugged(tmp_path):
+    fabric, hv, recovery = _setup(tmp_path, SimHypervisor)
+    [result] = recovery.recover(["app"], leave_paused=True)
+    assert result.outcome == "kept-paused"
+    assert hv.lookup("app").state is DomainState.PAUSED
+    assert {d.fdid for d in read_domain(hv.xml("app"), strict=False).devices} == {GPU}
+    assert fabric.device(GPU).holder is not None and fabric.device(GPU).holder.vm == "app"
+    assert result.describe().endswith(
+        "stays paused: an operator paused it (its lost devices hot-unplugged)"
+    )
+
+
+def test_a_paused_guest_that_keeps_a_lost_hostdev_is_not_called_unplugged(tmp_path):
+    """Left paused, the VM cannot finish the unplug: the recovery must not say it did, nor
+    drop the device from the metadata (the agent, and reconcile, would no longer see that the
+    VM uses a device beta holds); the operator is told not to resume it yet."""
+    fabric, hv, recovery = _setup(tmp_path, PausedGuestKeepsIt)
+    [result] = recovery.recover(["app"], leave_paused=True)
+    assert result.outcome == "paused"
+    assert hv.lookup("app").state is DomainState.PAUSED
+    assert {d.fdid for d in read_domain(hv.xml("app"), strict=False).devices} == {GPU, NIC}
+    assert "device 0x20 is still plugged: a paused guest cannot release it" in result.why
+    assert "do not resume it before 'vmlend reconcile' shows it clean" in result.why
+    assert fabric.device(NIC).holder == DB
+
+
+def test_an_operators_pause_is_told_from_the_agents_by_its_mark(tmp_path):
+    from vmlend.agent.guard import RemoteVmGuard
+    from vmlend.agent.pause_marks import PauseMarks
+
+    fabric = make_fabric(tmp_path / "state.db")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    for n, vm in enumerate(("ours", "theirs", "running"), 1):
+        hv.define(_domain(vm, f"00000000-0000-4000-8000-{n:012x}", ()))
+        hv.start(vm)
+    marks_dir = tmp_path / "marks"
+    marks_dir.mkdir(mode=0o700)
+    guard = RemoteVmGuard(hv, fabric, "gamma", PauseMarks(marks_dir))
+    assert guard.suspend_if_running("ours")  # the agent's pause: marked
+    hv.suspend("theirs")  # an operator's
+    assert not guard.paused_by_operator("ours")
+    assert guard.paused_by_operator("theirs")
+    assert not guard.paused_by_operator("running")
+    assert not guard.paused_by_operator("nothing-of-that-name")
+    assert not RemoteVmGuard(hv, fabric, "gamma").paused_by_operator("theirs")  # no marks
+
+
+def test_an_operators_vm_not_recovered_yet_is_tried_again_once_a_ttl(tmp_path):
+    """Three VMs whose recovery as an operator's failed earlier (etcd away, say): ops is still
+    paused (its devices are recovered now, left paused), app was resumed by its operator
+    meanwhile (it runs without its holds: the agent's now, handed to the loop's recovery),
+    and gone is gone (forgotten). Not before a TTL since the last try."""
+    from tests.support.clocks import FakeClock
+    from vmlend.agent.guard import RemoteVmGuard
+    from vmlend.agent.pause_marks import PauseMarks
+    from vmlend.agent.service import Agent, AgentConfig
+
+    fabric, hv, recovery = _setup(tmp_path, SimHypervisor)  # app, paused, lost NIC to db
+    hv.define(_domain("ops", "00000000-0000-4000-8000-000000000001", (GPU, NIC)))
+    hv.start("ops")
+    hv.suspend("ops")  # an operator's pause
+    hv.resume("app")  # the operator's resume of app
+    marks_dir = tmp_path / "marks"
+    marks_dir.mkdir(mode=0o700)
+    guard = RemoteVmGuard(hv, fabric, "gamma", PauseMarks(marks_dir))
+    watch = LeaseWatch(10, list)
+    clock = FakeClock()
+    agent = Agent(AgentConfig("etcd://127.0.0.1:1/x", "gamma", tmp_path / "lease", ttl=2), clock)
+    agent._operators_pending = {"ops", "app", "gone"}
+    agent._operators_next = clock() + 1  # the last try was under a TTL ago
+    agent._retry_operators(hv, recovery, guard, watch)
+    assert hv.lookup("ops").state is DomainState.PAUSED
+    assert {d.fdid for d in read_domain(hv.xml("ops"), strict=False).devices} == {GPU, NIC}
+
+    clock.advance(1)
+    agent._retry_operators(hv, recovery, guard, watch)
+    assert hv.lookup("ops").state is DomainState.PAUSED
+    assert {d.fdid for d in read_domain(hv.xml("ops"), strict=False).devices} == {GPU}
+    assert fabric.device(GPU).holder is not None and fabric.device(GPU).holder.vm == "ops"
+    assert watch.take_orphans() == ["app"]
+    assert agent._operators_pending == set()
