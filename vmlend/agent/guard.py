@@ -29,6 +29,16 @@ from vmlend.hypervisor.base import DomainState, Hypervisor
 
 log = logging.getLogger(__name__)
 
+#: ``RemoteVmGuard.whose_pause``'s answers.
+RUNNING_VM, GONE, AGENT, OPERATOR, OTHER, UNKNOWN = (
+    "running",
+    "gone",
+    "agent",
+    "operator",
+    "other",
+    "unknown",
+)
+
 
 class RemoteVmGuard:
     def __init__(
@@ -46,6 +56,9 @@ class RemoteVmGuard:
         self._node = node
         #: The VMs paused when the lease was lost, for the recovery under the next lease.
         self.paused_after_loss: list[str] = []
+        #: The VMs this guard paused and has not resumed: its own whatever the marks say (a
+        #: mark may have failed to be written, or the marks cannot be read).
+        self._suspended: set[str] = set()
         #: The running VMs with remote devices the last census found (replaced whole).
         self.known: frozenset[str] = frozenset()
         self._stop = threading.Event()
@@ -142,9 +155,11 @@ class RemoteVmGuard:
                     self.marks.mark(name)
                 try:
                     self._hv.suspend(name)
+                    self._suspended.add(name)
                 except VmlendError as e:
                     if not self._unmark_unless_paused(name):
                         raise
+                    self._suspended.add(name)
                     log.warning(
                         "suspending %s failed (%s), but it is paused or cannot be told: kept"
                         " as paused by the agent",
@@ -172,8 +187,10 @@ class RemoteVmGuard:
             paused = False
         except VmlendError:
             return True  # unknown: the mark stays, the next start-up looks again
-        if not paused and self.marks is not None:
-            self.marks.clear(name)
+        if not paused:
+            self._suspended.discard(name)
+            if self.marks is not None:
+                self.marks.clear(name)
         return paused
 
     def unmark_unless_paused(self, name: str) -> None:
@@ -196,18 +213,33 @@ class RemoteVmGuard:
         return out
 
     def paused_by_operator(self, name: str) -> bool:
-        """Whether ``name`` is paused without an agent's pause mark: an operator's pause (or
-        libvirt's own, e.g. an I/O error). False where that cannot be told: no marks, or the
-        hypervisor cannot say."""
-        if self.marks is None:
-            return False
+        """Whether ``name`` is paused by somebody else than an agent: an operator (or libvirt
+        itself, e.g. on an I/O error). False where that cannot be told: no marks, marks that
+        cannot be read, or a hypervisor that cannot say."""
+        return self.whose_pause(name) == OPERATOR
+
+    def whose_pause(self, name: str) -> str:
+        """``name``'s state for the agent, from one look at it: ``RUNNING_VM``, ``GONE``,
+        ``AGENT`` (paused by this guard, or marked by an agent), ``OPERATOR`` (paused,
+        unmarked), ``OTHER`` (shut off, starting) or ``UNKNOWN`` (the hypervisor or the
+        marks cannot say)."""
         with self._vm_lock(name):  # a pause of ours marks first, under this lock
             try:
-                if self._hv.lookup(name).state is not DomainState.PAUSED:
-                    return False
+                state = self._hv.lookup(name).state
+            except UnknownDomainError:
+                return GONE
             except VmlendError:
-                return False
-            return name not in self.marks.names()
+                return UNKNOWN
+            if state is DomainState.RUNNING:
+                return RUNNING_VM
+            if state is not DomainState.PAUSED:
+                return OTHER
+            if name in self._suspended:
+                return AGENT
+            marked = self.marks.read() if self.marks is not None else None
+            if marked is None:
+                return UNKNOWN
+            return AGENT if name in marked else OPERATOR
 
     def running(self, name: str) -> bool:
         try:
@@ -228,9 +260,11 @@ class RemoteVmGuard:
             try:
                 resume_if_paused(self._hv, name)
             except UnknownDomainError:
+                self._suspended.discard(name)
                 if self.marks is not None:
                     self.marks.clear(name)
                 raise
+            self._suspended.discard(name)
             if self.marks is not None:
                 self.marks.clear(name)
 

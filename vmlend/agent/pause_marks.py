@@ -104,7 +104,13 @@ class PauseMarks:
             log.warning("cannot clear the pause mark of %s in %s: %s", name, self.dir, e)
 
     def names(self) -> list[str]:
-        """The marked VMs (entries that are not marks are skipped)."""
+        """The marked VMs (entries that are not marks are skipped; none when the marks
+        cannot be read, which is logged)."""
+        return self.read() or []
+
+    def read(self) -> list[str] | None:
+        """The marked VMs; None when the marks cannot be read (logged): then nobody can
+        tell which paused VM is whose."""
         out = []
         try:
             with self._opened(create=False) as fd:
@@ -116,6 +122,7 @@ class PauseMarks:
                         out.append(name)
         except (OSError, UnsafePathError) as e:
             log.warning("cannot read the pause marks in %s: %s", self.dir, e)
+            return None
         return sorted(out)
 
 

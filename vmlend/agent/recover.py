@@ -213,6 +213,8 @@ class LostLeaseRecovery:
                 # a paused guest cannot let go of a hostdev: for one left paused, the unplug
                 # counts only once the hostdev is gone (the agent's own resume at once)
                 self._unplug(name, list(result.lost), require_gone=leave_paused)
+            except UnknownDomainError:
+                raise  # gone meanwhile: "stopped", as ``recover`` says
             except VmlendError as e:
                 result.why = f"could not hot-unplug its lost devices: {e}"
                 if leave_paused:
@@ -284,7 +286,8 @@ class LostLeaseRecovery:
                 raise DomainOperationError(
                     "detach device from",
                     name,
-                    f"device {fdid:#x} is still plugged: a paused guest cannot release it",
+                    f"device {fdid:#x} is still plugged: a paused guest cannot release it,"
+                    " and the unplug completes only once the guest runs again",
                 )
             # As it is now: a CLI attach or detach on this VM may have written meanwhile.
             doc = DomainDocument.parse(self._hv.xml(name), source=f"live XML of {name}")

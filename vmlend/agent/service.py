@@ -20,18 +20,18 @@ from typing import Protocol
 
 import msgspec
 
-from vmlend.agent.guard import RemoteVmGuard
+from vmlend.agent.guard import OPERATOR, RUNNING_VM, UNKNOWN, RemoteVmGuard
 from vmlend.agent.lease import LeaseLost, SessionLease, follow_lease
 from vmlend.agent.metrics import AgentMetrics
 from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.recover import LostLeaseRecovery, lacks_holds, vms_without_their_holds
 from vmlend.agent.watch import LeaseWatch
-from vmlend.errors import ConfigError, StateError, UnknownDomainError, VmlendError
+from vmlend.errors import ConfigError, StateError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
-from vmlend.hypervisor.base import DomainState, Hypervisor
+from vmlend.hypervisor.base import Hypervisor
 from vmlend.notify import Notifier
 from vmlend.ops.plug_request import PlugRequest, PlugRequests, serve_plug_requests
 from vmlend.registry import EtcdRegistry, hostlease
@@ -463,6 +463,7 @@ class Agent:
                         found, operators = self._without_holds(hv, fabric, guard, watch)
                         names |= set(found)
                         cfg.metrics.recovered(recovery.recover(sorted(names)))
+                        self._operators_pending -= names  # the agent's own now
                         self._recover_operators(recovery, [n for n in operators if n not in names])
                     if plugs is not None:
                         plugs.release()
@@ -474,18 +475,21 @@ class Agent:
                 # (unless that failed: pause them now, since the recovery only resumes)
                 if plugs is not None:
                     plugs.hold()
-                ours = []
+                ours, operators = [], []
                 for name in orphans:
                     # paused since without a mark (an operator's pause after the late resume):
                     # not the agent's to resume
                     if guard.suspend_if_running(name) or not guard.paused_by_operator(name):
                         ours.append(name)
                     else:
-                        self._operators_pending.add(name)
+                        operators.append(name)
                 cfg.metrics.recovered(recovery.recover(ours))
+                self._operators_pending -= set(ours)
+                self._recover_operators(recovery, operators)
                 if plugs is not None:
                     plugs.release()
-            if hv is not None and recovery is not None and guard is not None:
+            # not while in doubt: a recovery would wait for etcd on this loop
+            if hv is not None and recovery is not None and guard is not None and not watch.in_doubt:
                 self._retry_operators(hv, recovery, guard, watch)
             self._take_back(fabric)
             cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
@@ -612,26 +616,28 @@ class Agent:
         self, hv: Hypervisor, recovery: LostLeaseRecovery, guard: RemoteVmGuard, watch: LeaseWatch
     ) -> None:
         """Once a TTL after the last try: those still paused by an operator, again. One an
-        operator resumed meanwhile runs without its holds: the agent's to pause and recover
-        (``LeaseWatch.orphan``, on the next turn). One that is gone, or paused by the agent
-        since (its own recovery has it), is forgotten; one the hypervisor cannot say, kept."""
+        operator resumed meanwhile that runs without its holds is the agent's to pause,
+        recover and resume (``LeaseWatch.orphan``, on the next turn). One that is gone, shut
+        off, or the agent's since (its own recovery has it) is forgotten; one whose state or
+        holds cannot be told now is kept for the next try."""
         if not self._operators_pending or self._clock() < self._operators_next:
             return
         names, self._operators_pending = sorted(self._operators_pending), set()
+        lacks = self._holds_checker(hv)
         again = []
         for name in names:
-            try:
-                state = hv.lookup(name).state
-            except UnknownDomainError:
-                continue
-            except VmlendError as e:
-                log.warning("cannot look at VM %s, paused by an operator: %s", name, e)
-                self._operators_pending.add(name)
-                continue
-            if state is DomainState.RUNNING:
-                watch.orphan(name)
-            elif guard.paused_by_operator(name):
+            whose = guard.whose_pause(name)
+            if whose == OPERATOR:
                 again.append(name)
+            elif whose == UNKNOWN:
+                self._operators_pending.add(name)
+            elif whose == RUNNING_VM and lacks is not None:
+                try:
+                    if lacks(name):
+                        watch.orphan(name)
+                except VmlendError as e:
+                    log.warning("cannot check the holds of %s: %s", name, e)
+                    self._operators_pending.add(name)
         self._recover_operators(recovery, again)
         self._operators_next = self._clock() + self.config.ttl
 

@@ -456,13 +456,15 @@ def test_an_operators_pause_is_told_from_the_agents_by_its_mark(tmp_path):
 
 
 def test_an_operators_vm_not_recovered_yet_is_tried_again_once_a_ttl(tmp_path):
-    """Three VMs whose recovery as an operator's failed earlier (etcd away, say): ops is still
-    paused (its devices are recovered now, left paused), app was resumed by its operator
-    meanwhile (it runs without its holds: the agent's now, handed to the loop's recovery),
-    and gone is gone (forgotten). Not before a TTL since the last try."""
+    """VMs whose recovery as an operator's failed earlier (etcd away, say): ops is still
+    paused (its devices are recovered now, left paused); app was resumed by its operator
+    meanwhile and runs without its holds (the agent's now, handed to the loop's recovery);
+    fine was resumed too and holds its device (left alone); gone is gone (forgotten). Not
+    before a TTL since the last try."""
     from tests.support.clocks import FakeClock
     from vmlend.agent.guard import RemoteVmGuard
     from vmlend.agent.pause_marks import PauseMarks
+    from vmlend.agent.recover import lacks_holds
     from vmlend.agent.service import Agent, AgentConfig
 
     fabric, hv, recovery = _setup(tmp_path, SimHypervisor)  # app, paused, lost NIC to db
@@ -476,7 +478,11 @@ def test_an_operators_vm_not_recovered_yet_is_tried_again_once_a_ttl(tmp_path):
     watch = LeaseWatch(10, list)
     clock = FakeClock()
     agent = Agent(AgentConfig("etcd://127.0.0.1:1/x", "gamma", tmp_path / "lease", ttl=2), clock)
-    agent._operators_pending = {"ops", "app", "gone"}
+    agent._holds_checker = lambda hv: lambda name: lacks_holds(hv, fabric, name)  # type: ignore[method-assign]
+    hv.define(_domain("fine", "00000000-0000-4000-8000-000000000002", (0x11,)))
+    hv.start("fine")  # its operator resumed it, and its hold is there: left alone
+    fabric.reserve(0x11, Holder("gamma", "fine", "00000000-0000-4000-8000-000000000002"))
+    agent._operators_pending = {"ops", "app", "gone", "fine"}
     agent._operators_next = clock() + 1  # the last try was under a TTL ago
     agent._retry_operators(hv, recovery, guard, watch)
     assert hv.lookup("ops").state is DomainState.PAUSED
@@ -489,3 +495,29 @@ def test_an_operators_vm_not_recovered_yet_is_tried_again_once_a_ttl(tmp_path):
     assert fabric.device(GPU).holder is not None and fabric.device(GPU).holder.vm == "ops"
     assert watch.take_orphans() == ["app"]
     assert agent._operators_pending == set()
+    assert hv.lookup("fine").state is DomainState.RUNNING
+
+
+def test_a_pause_is_not_taken_for_an_operators_when_the_marks_cannot_be_read(tmp_path):
+    """The marks directory is writable by others (unsafe: no mark is written or read). The
+    guard's own pause of "ours" is still its own; for a VM it did not pause, nobody can tell
+    whose the pause is, so it is not taken for an operator's either (which would leave an
+    agent's VM paused for good)."""
+    from vmlend.agent.guard import RemoteVmGuard
+    from vmlend.agent.pause_marks import PauseMarks
+
+    fabric = make_fabric(tmp_path / "state.db")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    for n, vm in enumerate(("ours", "theirs"), 1):
+        hv.define(_domain(vm, f"00000000-0000-4000-8000-{n:012x}", ()))
+        hv.start(vm)
+    marks_dir = tmp_path / "marks"
+    marks_dir.mkdir()
+    marks_dir.chmod(0o777)
+    guard = RemoteVmGuard(hv, fabric, "gamma", PauseMarks(marks_dir))
+    assert guard.suspend_if_running("ours")  # its mark cannot be written: logged
+    hv.suspend("theirs")
+    assert not guard.paused_by_operator("ours")
+    assert not guard.paused_by_operator("theirs")
+    successor = RemoteVmGuard(hv, fabric, "gamma", PauseMarks(marks_dir))
+    assert not successor.paused_by_operator("ours")
