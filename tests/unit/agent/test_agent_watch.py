@@ -23,7 +23,7 @@ from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.agent.watch import LeaseWatch
 from vmlend.domain import read_domain
-from vmlend.errors import VmlendError
+from vmlend.errors import LibvirtError, VmlendError
 from vmlend.hostenv import HostEnv
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import hostlease
@@ -657,3 +657,42 @@ def test_a_vm_an_operator_paused_is_left_paused_without_the_devices_it_lost(
             assert f.device(NIC).holder == DB
     assert "VM ops: re-reserved 0x10; lost 0x20" in caplog.text
     assert "stays paused: an operator paused it (its lost devices hot-unplugged)" in caplog.text
+
+
+class _FailsToShow(SimHypervisor):
+    """The live XML of ``vm`` cannot be had the first ``times`` times (a job holds it)."""
+
+    def __init__(self, *args, vm: str, times: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.failing, self.left = vm, times
+
+    def xml(self, name: str, inactive: bool = False) -> bytes:
+        if name == self.failing and not inactive and self.left > 0:
+            self.left -= 1
+            raise LibvirtError("get XML of", name, "cannot acquire state change lock")
+        return super().xml(name, inactive)
+
+
+def test_an_operators_vm_whose_recovery_failed_is_recovered_by_the_loop_later(
+    etcd, etcd_url, tmp_path, monkeypatch, caplog
+):
+    """As above, but the hypervisor cannot show ops's XML to the start-up (twice: its look
+    for VMs without their holds, then the recovery): ops stays paused with beta's device. The
+    agent's loop tries it again (a TTL later: brought forward here) and unplugs 0x20, ops
+    still paused."""
+    caplog.set_level(logging.WARNING)
+    root = _beta_holds(NIC, etcd, etcd_url, tmp_path, monkeypatch)
+    host_lease(etcd, root, node="gamma")
+    ops = Holder("gamma", "ops", "33333333-3333-3333-3333-333333333333")
+    hv = _FailsToShow("gamma", tmp_path / "hv", None, vm="ops", times=2)
+    hv.define(domain_xml(ops.vm, ops.vm_uuid, (GPU, NIC)))
+    hv.start(ops.vm)
+    hv.suspend(ops.vm)  # an operator's
+    with _agent_running(HangingAgent, hv, etcd_url, root, FakeClock()) as agent:
+        _until("the agent's start-up", lambda: "reconcile of gamma done" in caplog.text)
+        assert "cannot acquire state change lock" in caplog.text
+        assert NIC in {d.fdid for d in read_domain(hv.xml("ops"), strict=False).devices}
+        agent._operators_next = 0.0  # a TTL has passed
+        _until("the loop's try again", lambda: "stays paused: an operator paused it" in caplog.text)
+        assert hv.lookup("ops").state is DomainState.PAUSED
+        assert NIC not in {d.fdid for d in read_domain(hv.xml("ops"), strict=False).devices}
