@@ -288,7 +288,8 @@ class AgentMetrics:
                 out,
                 "vm_recoveries_total",
                 "counter",
-                "VMs recovered after a lost lease, by outcome (paused: left paused).",
+                "VMs recovered after a lost lease, by outcome (kept-paused: an operator's"
+                " pause kept, devices done; paused: not done, left paused).",
             )
             for outcome, n in recoveries:
                 out.append(f"{PREFIX}vm_recoveries_total{{outcome={_label(outcome)}}} {n}")
