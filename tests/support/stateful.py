@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
 from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine
 
 
 def derandomized(examples: int, steps: int) -> settings:
@@ -17,3 +21,21 @@ def derandomized(examples: int, steps: int) -> settings:
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
+
+
+def replay(
+    machine: RuleBasedStateMachine,
+    invariants: Iterable[Callable[[Any], None]],
+    steps: Iterable[tuple[str, Mapping[str, object]]],
+) -> None:
+    """``steps`` (rule, arguments: a sequence the machine ran, so each rule's precondition
+    holds) on ``machine``, every one of ``invariants`` looked at after each, as hypothesis
+    does; the machine is torn down at the end."""
+    checks = list(invariants)
+    try:
+        for name, arguments in steps:
+            getattr(machine, name)(**arguments)
+            for check in checks:
+                check(machine)
+    finally:
+        machine.teardown()

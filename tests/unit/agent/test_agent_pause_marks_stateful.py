@@ -88,7 +88,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import vmlend.agent.guard as guard_module
 from tests.support.clocks import FakeClock
 from tests.support.simcluster import domain_of
-from tests.support.stateful import derandomized
+from tests.support.stateful import derandomized, replay
 from vmlend.agent.guard import RemoteVmGuard
 from vmlend.agent.pause_marks import PauseMarks
 from vmlend.agent.recover import LostLeaseRecovery
@@ -1027,23 +1027,17 @@ test_pause_marks_state_machine = PauseMarksMachine.TestCase
 _QUICK: dict[str, object] = {"slow": False, "early": False}
 
 
+_INVARIANTS = (
+    PauseMarksMachine.no_vm_an_agent_paused_is_left_paused_for_good,
+    PauseMarksMachine.no_agent_resumes_an_operators_pause,
+    PauseMarksMachine.a_vm_the_agent_paused_has_its_mark,
+    PauseMarksMachine.a_mark_is_of_a_paused_vm_or_excused,
+)
+
+
 def _replay(*steps: tuple[str, Mapping[str, object]]) -> None:
-    """``steps`` (rule, arguments: a sequence the machine ran, so each rule's precondition
-    holds) on a new machine, every invariant looked at after each, as hypothesis does."""
-    machine = PauseMarksMachine()
-    invariants = (
-        PauseMarksMachine.no_vm_an_agent_paused_is_left_paused_for_good,
-        PauseMarksMachine.no_agent_resumes_an_operators_pause,
-        PauseMarksMachine.a_vm_the_agent_paused_has_its_mark,
-        PauseMarksMachine.a_mark_is_of_a_paused_vm_or_excused,
-    )
-    try:
-        for name, arguments in steps:
-            getattr(machine, name)(**arguments)
-            for check in invariants:
-                check(machine)
-    finally:
-        machine.teardown()
+    """A sequence the machine ran, replayed on a new one (``stateful.replay``)."""
+    replay(PauseMarksMachine(), _INVARIANTS, steps)
 
 
 def test_a_vm_whose_suspend_answer_was_lost_is_resumed_by_the_agent_that_paused_it() -> None:

@@ -58,7 +58,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.support.clocks import FakeClock
-from tests.support.stateful import derandomized
+from tests.support.stateful import derandomized, replay
 from vmlend.agent.watch import LeaseWatch
 from vmlend.errors import VmlendError
 
@@ -704,23 +704,17 @@ test_lease_watch_state_machine = WatchMachine.TestCase
 _QUICK: dict[str, object] = {"slow": False, "early": False}
 
 
+_INVARIANTS = (
+    WatchMachine.no_vm_runs_on_holds_of_a_lost_lease,
+    WatchMachine.every_paused_vm_is_in_one_hand,
+    WatchMachine.a_renewal_hands_back_only_vms_that_hold_their_devices,
+    WatchMachine.the_paused_count_counts_what_a_renewal_resumes,
+)
+
+
 def _replay(*steps: tuple[str, Mapping[str, object]]) -> None:
-    """``steps`` (rule, arguments: a sequence the machine ran, so each rule's precondition
-    holds) on a new machine, every invariant looked at after each, as hypothesis does."""
-    machine = WatchMachine()
-    invariants = (
-        WatchMachine.no_vm_runs_on_holds_of_a_lost_lease,
-        WatchMachine.every_paused_vm_is_in_one_hand,
-        WatchMachine.a_renewal_hands_back_only_vms_that_hold_their_devices,
-        WatchMachine.the_paused_count_counts_what_a_renewal_resumes,
-    )
-    try:
-        for name, arguments in steps:
-            getattr(machine, name)(**arguments)
-            for check in invariants:
-                check(machine)
-    finally:
-        machine.teardown()
+    """A sequence the machine ran, replayed on a new one (``stateful.replay``)."""
+    replay(WatchMachine(), _INVARIANTS, steps)
 
 
 def test_a_name_whose_holds_check_fails_after_the_lease_was_lost_is_the_recoverys() -> None:
