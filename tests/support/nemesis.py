@@ -639,15 +639,7 @@ def cut_host(c: Cluster, rng: random.Random, say: Say) -> None:
             while foreign := _not_held(c, h, vm):
                 assert time.monotonic() < deadline, f"{h.node}/{vm} keeps {foreign}"
                 time.sleep(0.1)
-            if _raced(h, offset, vm):
-                say(f"{h.node}'s guard paused {vm} as the operator did: the agent's pause")
-            elif live_devices(h, vm) is not None:
-                assert (h.hv_dir() / "paused" / f"{vm}.xml").exists(), (
-                    f"the agent of {h.node} resumed {vm}, which an operator paused"
-                )
-                hv.resume(vm)
-                kept = ", ".join(f"{f:#x}" for f in sorted(live_devices(h, vm) or ()))
-                say(f"the operator resumes {h.node}/{vm}, with {kept or 'no device'}")
+            _operator_resumes(c, h, hv, vm, offset, say)
         return
     say(f"cut {h.node} off from etcd for {PAST_TTL:g} s")
     _cut_and_heal(h)
@@ -661,6 +653,28 @@ def _raced(h: NHost, offset: int, vm: str) -> bool:
     running, so the operator's pause landed while the guard's own was under way, and the two
     look the same to the agent (docs/cluster.md: not excluded). The VM is then the agent's."""
     return any(vm in m.group(1).split(", ") for m in _GUARD_PAUSED.finditer(h.log_since(offset)))
+
+
+def _operator_resumes(
+    c: Cluster, h: NHost, hv: SimHypervisor, vm: str, offset: int, say: Say
+) -> None:
+    """The operator who paused ``vm`` (``h``'s agent log at ``offset`` then) resumes it, once
+    the agent is done with it: it must still be paused and hold every device it uses, since
+    no hook or agent sees that resume. Unless the guard's own pause raced the operator's
+    (``_raced``): then the pause is the agent's."""
+    if _raced(h, offset, vm):
+        say(f"{h.node}'s guard paused {vm} as the operator did: the agent's pause")
+        return
+    if live_devices(h, vm) is None:
+        return
+    assert (h.hv_dir() / "paused" / f"{vm}.xml").exists(), (
+        f"the agent of {h.node} resumed {vm}, which an operator paused"
+    )
+    foreign = _not_held(c, h, vm)
+    assert not foreign, f"{h.node}/{vm}, paused by an operator, keeps {foreign}"
+    hv.resume(vm)
+    kept = ", ".join(f"{f:#x}" for f in sorted(live_devices(h, vm) or ()))
+    say(f"the operator resumes {h.node}/{vm}, with {kept or 'no device'}")
 
 
 def _cut_and_heal(h: NHost) -> None:
@@ -1174,18 +1188,7 @@ def cut_and_kill_paused(c: Cluster, rng: random.Random, say: Say) -> None:
             assert time.monotonic() < deadline, f"{node}/{vm} stayed paused after the restart"
             time.sleep(0.05)
         say(f"{node}/{vm} runs again" if live_devices(h, vm) is not None else f"{vm} stopped")
-        if _raced(h, offset, operators):
-            say(f"{node}'s guard paused {operators} as the operator did: the agent's pause")
-        elif live_devices(h, operators) is not None:
-            assert (paused_dir / f"{operators}.xml").exists(), (
-                f"the agent of {node} resumed {operators}, which an operator paused"
-            )
-            # its resume is the operator's, whom no hook or agent stops: it must be safe
-            foreign = _not_held(c, h, operators)
-            assert not foreign, f"{node}/{operators}, paused by an operator, keeps {foreign}"
-            hv.resume(operators)
-            kept = ", ".join(f"{f:#x}" for f in sorted(live_devices(h, operators) or ()))
-            say(f"the operator resumes {node}/{operators}, with {kept or 'no device'}")
+        _operator_resumes(c, h, hv, operators, offset, say)
 
 
 def freeze_hook_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None:
