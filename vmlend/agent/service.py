@@ -668,9 +668,10 @@ class Agent:
         for name in lost:
             if name in paused:
                 continue
-            if guard.running(name):
+            whose = guard.whose_pause(name)  # one look: a resume between two would mislead
+            if whose == RUNNING_VM:
                 watch.orphan(name)  # its pause failed: paused and recovered on the next turn
-            elif guard.paused_by_operator(name):
+            elif whose == OPERATOR:
                 operators.append(name)
         return sorted(paused), operators
 
