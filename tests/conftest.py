@@ -60,6 +60,7 @@ def state_path(tmp_path, monkeypatch):
 # a private etcd (fixtures etcd, etcd_url, private_etcd),
 # and the simulated CLI cluster (fixture cluster; modules with their own cluster override it).
 pytest_plugins = [
+    "tests.support.daemon_marks",
     "tests.support.libvirt_daemon",
     "tests.support.etcd_daemon",
     "tests.support.cli_cluster",

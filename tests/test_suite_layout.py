@@ -6,6 +6,11 @@ moves to the support package)."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
+
+import pytest
 
 from tests.support.paths import REPO, TESTS
 
@@ -63,3 +68,54 @@ def test_every_test_directory_is_a_package_and_holds_tests_only():
                 if f.name not in ("__init__.py", "conftest.py") and not f.name.startswith("test_"):
                     problems.append(f"{f.relative_to(TESTS)} is a helper: move it to tests/support")
     assert problems == []
+
+
+_UNMARKED = '''
+import os, signal, subprocess, sys
+import pytest
+
+{mark}
+def test_it():
+    {body}
+'''
+
+#: What a test may not do unmarked: start a daemon (a stand-in named etcd), signal a process,
+#: run a process that kills itself at a fault point.
+_DAEMON_BODIES = {
+    "starts etcd": "subprocess.run([sys.argv[0].rsplit('/', 1)[0] + '/etcd'])",
+    "signals": "p = subprocess.Popen(['sleep', '30']); p.terminate(); p.wait()",
+    "fault point": (
+        "subprocess.run(['true'], env={**os.environ, 'VMLEND_FAULT': 'attach:after-hotplug'})"
+    ),
+}
+
+
+@pytest.mark.parametrize("body", list(_DAEMON_BODIES.values()), ids=list(_DAEMON_BODIES))
+@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])
+def test_a_test_that_starts_a_daemon_fails_unless_marked_daemon(tmp_path, body, marked):
+    """``make test-fast`` runs the tests not marked ``daemon``: one that starts a daemon or
+    signals a process unmarked fails (tests/support/daemon_marks.py), wherever it runs."""
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    test = tmp_path / "test_inner.py"
+    test.write_text(
+        _UNMARKED.format(mark="@pytest.mark.daemon" if marked else "", body=body).replace(
+            "sys.argv[0].rsplit('/', 1)[0]", repr(str(tmp_path))
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "tests.support.daemon_marks", str(test)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if marked:
+        assert run.returncode == 0, run.stdout
+    else:
+        assert run.returncode == 1, run.stdout
+        assert "not marked 'daemon'" in run.stdout
+

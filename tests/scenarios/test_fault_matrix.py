@@ -25,6 +25,9 @@ from vmlend.errors import HookFailedError
 from vmlend.faults import FAULT_ENV, POINTS
 from vmlend.topology.model import MiB
 
+#: Every case kills or freezes a process at a named point.
+pytestmark = pytest.mark.daemon
+
 CLI = [sys.executable, "-c", "from vmlend.cli import main; main()"]
 
 

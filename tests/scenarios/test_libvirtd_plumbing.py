@@ -217,6 +217,7 @@ def test_wait_for_returns_elapsed_time_or_times_out():
         wait_for(lambda: False, 0.05, "never")
 
 
+@pytest.mark.daemon
 def test_stop_pid_terminates_and_kills_a_process_ignoring_sigterm():
     polite = subprocess.Popen(["sleep", "30"])
     assert stop_pid(polite.pid, proc=polite) is False
@@ -249,6 +250,7 @@ def test_reaper_passes_the_exit_status_through():
     assert subprocess.run([sys.executable, str(REAPER)], capture_output=True).returncode == 2
 
 
+@pytest.mark.daemon
 def test_reaper_reaps_orphans_at_once_and_forwards_sigterm(tmp_path):
     # The command leaves an orphan (like libvirtd's double-forked QEMU) that exits soon.
     orphan_pid = tmp_path / "orphan.pid"

@@ -96,6 +96,7 @@ def _leftovers(c: Cluster) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.daemon
 def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     _say(f"seed {SEED}, {ROUNDS} rounds")

@@ -24,6 +24,7 @@ def two_members(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.daemon
 def test_a_cluster_that_lost_its_quorum_is_reported_as_such(two_members):
     alive, dead = two_members
     gw = EtcdGateway([_ep(alive)])

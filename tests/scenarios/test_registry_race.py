@@ -99,7 +99,7 @@ def test_eight_hosts_reserving_one_device_on_etcd_exactly_one_wins_each_round(et
     assert len({w[0] for w in winners.values()}) > 1  # a real race: not always the same host
 
 
-@pytest.mark.parametrize("registry", ["sqlite", "etcd"])
+@pytest.mark.parametrize("registry", ["sqlite", pytest.param("etcd", marks=pytest.mark.daemon)])
 @pytest.mark.parametrize(
     ("limit", "topology", "guest_ram"),
     [

@@ -77,6 +77,7 @@ def _stop(proc: subprocess.Popen, notify: NotifySocket, log: Path) -> None:
     assert proc.wait(WAIT) == 0, log.read_text()
 
 
+@pytest.mark.daemon
 def test_on_sqlite_the_agent_is_ready_once_the_hook_is_served(cluster, tmp_path):
     root = tmp_path / "root"
     journal = NotifySocket(tmp_path / "journal")  # a datagram socket as journald's

@@ -57,6 +57,7 @@ def _user_file(path: Path, data: bytes) -> None:
     path.chmod(0o644)
 
 
+@pytest.mark.daemon
 def test_a_racing_user_cannot_change_another_files_owner_or_mode(tmp_path, victim_and_userdir):
     victim, userdir = victim_and_userdir
     before = _ownership(victim)

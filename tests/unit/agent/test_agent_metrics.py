@@ -288,6 +288,7 @@ def test_a_port_in_use_is_refused_in_one_line_and_a_stopped_server_frees_its_por
         pass
 
 
+@pytest.mark.daemon
 def test_vmlend_agent_refuses_a_bad_metrics_address_before_serving(tmp_path):
     make_fabric(tmp_path / "state.db").close()
     env = {"VMLEND_STATE": str(tmp_path / "state.db"), "VMLEND_ROOT": str(tmp_path), "PATH": ""}

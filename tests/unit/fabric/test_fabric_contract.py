@@ -29,9 +29,14 @@ GPU = 0x10
 
 BACKENDS = ["sim", "smartio"]
 REGISTRIES = ["sqlite", "etcd"]
+ON = [
+    pytest.param((b, r), marks=[pytest.mark.daemon] if r == "etcd" else [], id=f"{b}-{r}")
+    for b in BACKENDS
+    for r in REGISTRIES
+]
 
 
-@pytest.fixture(params=[(b, r) for b in BACKENDS for r in REGISTRIES], ids="-".join)
+@pytest.fixture(params=ON)
 def make(request, tmp_path):
     """``make(node)``: a fabric seen from ``node``, all over one shared state."""
     backend, registry = request.param

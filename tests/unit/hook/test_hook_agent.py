@@ -44,6 +44,9 @@ from vmlend.registry.etcd_keys import Keys
 from vmlend.topology.model import Holder, MiB
 from vmlend.wiring.fabric import open_fabric
 
+#: Nearly every case starts a real agent process and stops, freezes or kills it.
+pytestmark = pytest.mark.daemon
+
 VMLEND = str(Path(sys.executable).parent / "vmlend")
 FDIDS = (0x10, 0x12, 0x21, 0x22)
 NOBODY = 65534

@@ -202,6 +202,7 @@ def test_second_daemon_refuses_a_live_socket(daemon):
 
 
 @pytest.mark.slow
+@pytest.mark.daemon
 def test_daemon_subprocess_relays_and_stops_on_sigterm(tmp_path):
     sock = tmp_path / "relay.sock"
     log = (tmp_path / "relay.log").open("w")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.daemon_marks import REGISTRIES
 from tests.support.simfabric import make_fabric
 from vmlend.errors import (
     DeviceHeldError,
@@ -22,7 +23,7 @@ NVME = 0x12
 BLOCKS = 1 << 20
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=REGISTRIES)
 def fab(request, state_path):
     """The ledger on both registry backends (etcd: a private server, this host's lease)."""
     where = state_path if request.param == "sqlite" else request.getfixturevalue("etcd_url")

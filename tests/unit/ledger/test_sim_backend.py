@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from tests.support.daemon_marks import REGISTRIES
 from tests.support.simcluster import domain_of
 from tests.support.simfabric import make_fabric, small_topology
 from vmlend.errors import (
@@ -38,7 +39,7 @@ U1 = "aaaaaaaa-0000-0000-0000-000000000001"
 U2 = "aaaaaaaa-0000-0000-0000-000000000002"
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=REGISTRIES)
 def location(request, tmp_path):
     """The shared state of one test: an SQLite file, or a cluster prefix on a real etcd."""
     if request.param == "etcd":

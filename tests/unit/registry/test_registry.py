@@ -6,6 +6,7 @@ import sqlite3
 
 import pytest
 
+from tests.support.daemon_marks import REGISTRIES
 from tests.support.older_state import older_vmlend
 from vmlend.errors import StateError
 from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
@@ -18,7 +19,7 @@ def _fill(tx):
     tx.replace_topology(TopologyRecord("t", "src", "text", "d", "gamma", 0.0), ["gamma"], [])
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=REGISTRIES)
 def location(request, tmp_path):
     """A new shared state of either backend: an SQLite path or an etcd cluster URL."""
     if request.param == "etcd":

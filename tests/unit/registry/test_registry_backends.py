@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.daemon_marks import REGISTRIES
 from tests.support.simfabric import make_fabric
 from vmlend.registry import ClaimKind
 from vmlend.topology.model import GiB, Holder
@@ -14,7 +15,7 @@ VM1 = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
 GPU_ALPHA, GPU_BETA, NVME = 0x10, 0x20, 0x12
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=REGISTRIES)
 def fabric(request, state_path):
     where = state_path if request.param == "sqlite" else request.getfixturevalue("etcd_url")
     f = make_fabric(where)

@@ -126,6 +126,7 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             proc.wait(10)
 
 
+@pytest.mark.daemon
 def test_a_registry_over_tls_with_a_client_certificate(tls_etcd):
     from tests.support.simfabric import make_fabric
 

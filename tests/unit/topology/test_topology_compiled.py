@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.daemon_marks import REGISTRIES
 from tests.support.paths import TESTS
 from tests.support.simfabric import fabric_topology, small_topology, star_topology
 from vmlend.errors import TopologyError
@@ -256,7 +257,7 @@ def test_the_compiled_path_imports_no_toml_parser(tmp_path):
 
 
 # --- in the registry, either backend ---------------------------------------------------------
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=REGISTRIES)
 def location(request, tmp_path):
     if request.param == "etcd":
         return request.getfixturevalue("etcd_url")
