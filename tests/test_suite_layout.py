@@ -119,3 +119,40 @@ def test_a_test_that_starts_a_daemon_fails_unless_marked_daemon(tmp_path, body, 
         assert run.returncode == 1, run.stdout
         assert "not marked 'daemon'" in run.stdout
 
+
+_MACHINE_FILES = '''
+import subprocess, sys
+from pathlib import Path
+
+def test_reads_the_machines_file():
+    Path({etc!r}, "vmlend.toml").read_text()
+
+def test_a_process_it_started_writes_there():
+    subprocess.run([sys.executable, "-c", "open({new!r}, 'w').write('x')"], check=True)
+'''
+
+
+def test_the_machines_files_are_never_touched_and_never_removed(tmp_path):
+    """A test that opens the machine's /etc/vmlend fails; a file that appears there while a
+    test runs (its subprocess, or an operator) is reported and left where it is."""
+    etc = tmp_path / "etc-vmlend"
+    etc.mkdir()
+    (etc / "vmlend.toml").write_text("# the operator's\n")
+    test = tmp_path / "test_inner.py"
+    test.write_text(_MACHINE_FILES.format(etc=str(etc), new=str(etc / "new.toml")))
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "tests.support.machine_files", str(test)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "VMLEND_TEST_MACHINE_DIRS": str(etc)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "1 failed, 1 passed" in run.stdout, run.stdout
+    assert "touched the machine's own files (open " in run.stdout
+    assert f"{etc / 'new.toml'} (while test_inner.py::test_a_process_it_started_writes_there" in (
+        run.stdout
+    )
+    assert (etc / "new.toml").read_text() == "x"  # never removed
+    assert (etc / "vmlend.toml").read_text() == "# the operator's\n"

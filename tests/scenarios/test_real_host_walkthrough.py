@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import machine_files
 from tests.support.doctor_host import loads_modules
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
 from tests.support.paths import REPO
@@ -132,9 +133,11 @@ class Steps:
 
 
 @pytest.mark.slow
+@pytest.mark.daemon
 def test_the_real_host_walkthrough_runs_as_written(tmp_path):
     root = tmp_path / "root"
     fake_host(root)
+    machine = machine_files.snapshot()
     steps = Steps(root, tmp_path)
     try:
         steps.run(walkthrough())
@@ -145,6 +148,6 @@ def test_the_real_host_walkthrough_runs_as_written(tmp_path):
         devices = steps.outputs["vmlend devices"]
         assert "0x10" in devices and "alpha" in devices  # the driver's devices, via smartio
         assert "smartio" in steps.outputs["vmlend doctor"]
-        assert not Path("/etc/vmlend/vmlend.toml").exists()  # nothing outside the root
+        assert machine_files.snapshot() == machine  # nothing outside the root
     finally:
         steps.stop()
