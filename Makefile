@@ -32,9 +32,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 venv: sysdeps $(VENV)/.installed
 
-# mypy: strict over vmlend/ ([tool.mypy] in pyproject.toml); ~3 s cold, <1 s with .mypy_cache.
+# mypy: strict over vmlend/ and kernel-tier/resolve.py ([tool.mypy] in pyproject.toml); ~3 s
+# cold, <1 s with .mypy_cache.
 lint: venv
-	$(VENV)/bin/ruff check vmlend tests bench hooks
+	$(VENV)/bin/ruff check vmlend tests bench hooks kernel-tier
 	$(VENV)/bin/mypy
 
 test: venv lint
