@@ -1,5 +1,6 @@
 """The test tree's own rules: unit tests mirror vmlend's packages (``tests/unit/<package>``,
-``core`` for vmlend's top-level modules), whole-system scenarios sit in ``tests/scenarios``,
+``core`` for vmlend's top-level modules) or a tool directory (``kernel-tier`` as
+``tests/unit/kernel_tier``), whole-system scenarios sit in ``tests/scenarios``,
 helpers live in ``tests/support``, and no test module imports another (what two of them share
 moves to the support package)."""
 
@@ -45,12 +46,25 @@ def test_the_top_of_the_tree_holds_only_the_rules_and_the_fixtures():
     assert top <= TOP, sorted(top - TOP)
 
 
-def test_unit_tests_sit_under_a_package_of_vmlend():
+def _mirrored() -> set[str]:
+    """What a directory of tests/unit may be named after: a package of vmlend, a one-module
+    plane (p2p.py), ``core`` for vmlend's top-level modules, or a top-level tool directory of
+    the repository that holds Python modules of its own (kernel-tier/resolve.py), its hyphens
+    read as underscores (a package's name cannot have them)."""
     src = REPO / "vmlend"
-    packages = {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
-    packages |= {p.stem for p in src.glob("*.py")}  # a one-module plane (p2p.py) too
+    names = {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
+    names |= {p.stem for p in src.glob("*.py")}
+    tools = {
+        p.name.replace("-", "_")
+        for p in REPO.iterdir()
+        if p.is_dir() and p not in (src, TESTS) and any(p.glob("*.py"))
+    }
+    return names | tools | {"core"}
+
+
+def test_unit_tests_sit_under_a_package_of_vmlend():
     dirs = {p.name for p in (TESTS / "unit").iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert dirs - {"core"} <= packages, sorted(dirs - packages - {"core"})
+    assert dirs <= _mirrored(), sorted(dirs - _mirrored())
     stray = [p.name for p in (TESTS / "unit").glob("*.py") if p.name != "__init__.py"]
     assert stray == []
 

@@ -1,0 +1,1 @@
+"""Tests of the kernel tier's tools (`kernel-tier/`)."""
