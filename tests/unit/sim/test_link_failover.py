@@ -63,23 +63,48 @@ def test_a_link_down_moves_the_crossing_without_resetting_the_device(cluster, vm
     clean(cluster)
 
 
-def test_the_reroute_carries_the_holds_fencing_token(cluster, vm):
-    hw = cluster.hw
+def hold_token(cluster, fdid: int) -> int:
     with cluster.registry.read() as tx:
-        token = tx.hold(0x12).token
-    assert token > 0 and hw.token(0x12) == token
-    cluster.fabric().set_link_up(PRIMARY, False)
-    assert hw.token(0x12) == token  # the step went with the hold's token
-    hw.link_up(PRIMARY)
-    hw.link_down(BACKUP)
-    # a step made for an older hold than one the device has served is refused, nothing moved
-    hw.reroute(0x12, token=token + 1)  # a newer hold's step: back over gamma:0
+        return tx.hold(fdid).token
+
+
+def test_the_reroute_carries_the_holds_fencing_token(cluster, vm):
+    """``set_link_up`` re-routes with the hold's token, so a device that has since served a
+    newer hold refuses the step: the fault is reported failed and nothing moves. (Carried
+    without a token, the step would be taken and the device moved for an ended hold.)"""
+    hw = cluster.hw
+    token = hold_token(cluster, 0x12)
+    hw.reroute(0x12, token=token + 1)  # a newer hold's step: its route works, nothing moved
     assert hw.borrowed(0x12).path.dst.ref == "gamma:0"
-    hw.link_up(BACKUP)
+    (fault,) = cluster.fabric().set_link_up(PRIMARY, False).faults
+    assert fault.state == "failed", fault.line()
+    assert f"(fencing token {token}) refused" in fault.detail
+    assert hw.borrowed(0x12).path.dst.ref == "gamma:0"  # left on its dead route
+    assert faults(cluster)[PRIMARY]["state"] == "failed"
+
+
+def test_the_link_back_carries_the_holds_fencing_token_too(cluster, vm):
+    hw = cluster.hw
+    token = hold_token(cluster, 0x12)
+    cluster.fabric().set_link_up(PRIMARY, False)  # re-routed with the hold's own token
+    assert hw.borrowed(0x12).path.dst.ref == "gamma:1" and hw.token(0x12) == token
+    hw.reroute(0x12, token=token + 1)  # a newer hold's step
+    (back,) = cluster.fabric().set_link_up(PRIMARY, True).faults
+    assert back.state == "failed", back.line()
+    assert f"(fencing token {token}) refused" in back.detail
+    assert faults(cluster)[PRIMARY]["state"] == "failed"
+
+
+def test_the_hardware_refuses_a_reroute_of_an_older_hold(cluster, vm):
+    hw = cluster.hw
+    token = hold_token(cluster, 0x12)
+    hw.reroute(0x12, token=token + 1)  # a newer hold's step: its route works, nothing moved
     hw.link_down(PRIMARY)
     with pytest.raises(StaleTokenError):
         hw.reroute(0x12, token=token)
-    assert hw.borrowed(0x12).path.dst.ref == "gamma:0"
+    assert hw.borrowed(0x12).path.dst.ref == "gamma:0"  # nothing moved
+    hw.reroute(0x12, token=token + 1)  # the newer hold's step is taken
+    assert hw.borrowed(0x12).path.dst.ref == "gamma:1"
 
 
 def test_without_another_route_the_fault_is_reported_until_the_link_is_back(cluster, vm):
