@@ -4,10 +4,15 @@ same answer for the same state."""
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
+from tests.support.paths import REPO
+from tests.support.topology_strategies import lender_fabrics
 from vmlend.errors import ConfigError, NoDeviceToChooseError, UnknownNodeError
 from vmlend.topology.choose import DeviceWish, choose, parse_wish
 from vmlend.topology.model import DeviceState, DeviceStatus, Holder, Topology
@@ -106,31 +111,90 @@ def test_an_unknown_kind_or_node_is_named():
         choose(TOPO, statuses(), [DeviceWish("gpu")], "delta")
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    held=st.sets(st.sampled_from([d.fdid for d in TOPO.devices])),
-    kind=st.sampled_from(sorted({d.kind for d in TOPO.devices})),
-    count=st.integers(1, 3),
-    node=st.sampled_from([n.name for n in TOPO.nodes]),
-)
-def test_choices_are_free_distinct_of_the_kind_and_no_free_device_is_closer(
-    held, kind, count, node
-):
-    state = statuses(dict.fromkeys(held, WEB))
-    free = [s for s in state if s.state is DeviceState.AVAILABLE and s.spec.kind == kind]
-    if len(free) < count:
-        with pytest.raises(NoDeviceToChooseError):
-            choose(TOPO, state, [DeviceWish(kind, count)], node)
-        return
-    picks = choose(TOPO, state, [DeviceWish(kind, count)], node)
-    assert picks == choose(TOPO, state, [DeviceWish(kind, count)], node)  # deterministic
-    assert len(set(fdids(picks))) == count
-    assert set(fdids(picks)) <= {s.fdid for s in free}
+#: What docs/user-guide.md calls each part of a device's path cost, and its PciePath attribute.
+COSTS = {"hops": "hops", "root complexes": "roots", "NTB latency": "added_ns"}
 
-    def cost(fdid: int) -> tuple[int, int, int]:
-        p = device_to_ram(TOPO, fdid, node)
-        return (p.hops, p.roots, p.added_ns)
 
-    total = [sum(x) for x in zip(*(cost(c.fdid) for c in picks), strict=True)]
-    best = sorted(cost(s.fdid) for s in free)[:count]
-    assert total == [sum(x) for x in zip(*best, strict=True)]  # the shortest paths first
+def documented_order() -> tuple[str, ...]:
+    """The PciePath attributes in the order docs/user-guide.md says devices are chosen by
+    ("the shortest PCIe path into the VM's RAM on this node (hops, then root complexes, then
+    NTB latency)"): the test follows the documentation, whatever order it gives."""
+    text = " ".join((REPO / "docs" / "user-guide.md").read_text().split())
+    found = re.search(r"shortest PCIe path into the VM's RAM on this node \(([^)]*)\)", text)
+    assert found, "docs/user-guide.md no longer says in which order devices are chosen"
+    words = found.group(1).split(", then ")
+    assert sorted(words) == sorted(COSTS), f"the user guide orders by {words}, not {list(COSTS)}"
+    return tuple(COSTS[w] for w in words)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(data=st.data(), topology=lender_fabrics())
+def test_choices_are_free_distinct_of_the_kind_and_no_free_device_is_closer(data, topology):
+    """Over generated fabrics, where hops, root complexes and NTB latency disagree from device
+    to device (tests/support/topology_strategies.py), the devices chosen for a VM on any node
+    are the cheapest in the order the user guide documents."""
+    order = documented_order()
+    held = data.draw(st.sets(st.sampled_from([d.fdid for d in topology.devices])), label="held")
+    state = [
+        DeviceStatus(d, DeviceState.RESERVED, WEB) if d.fdid in held else
+        DeviceStatus(d, DeviceState.AVAILABLE)
+        for d in topology.devices
+    ]  # fmt: skip
+    for node, kind, count in itertools.product(
+        [n.name for n in topology.nodes], sorted({d.kind for d in topology.devices}), (1, 2, 3)
+    ):
+        free = [s for s in state if s.state is DeviceState.AVAILABLE and s.spec.kind == kind]
+        wish = [DeviceWish(kind, count)]
+        if len(free) < count:
+            with pytest.raises(NoDeviceToChooseError):
+                choose(topology, state, wish, node)
+            continue
+        picks = choose(topology, state, wish, node)
+        assert picks == choose(topology, state, wish, node)  # deterministic
+        assert len(set(fdids(picks))) == count
+        assert set(fdids(picks)) <= {s.fdid for s in free}
+
+        def cost(fdid: int, node: str = node) -> tuple[int, ...]:
+            p = device_to_ram(topology, fdid, node)
+            return tuple(getattr(p, name) for name in order)
+
+        # the shortest paths first: no other set of the free devices costs less, compared
+        # part by part in the documented order (the cheapest ``count`` one by one are one)
+        total = [sum(x) for x in zip(*(cost(c.fdid) for c in picks), strict=True)]
+        best = sorted(cost(s.fdid) for s in free)[:count]
+        assert total == [sum(x) for x in zip(*best, strict=True)], (order, node, picks)
+
+
+def _ranks_differ(topology: Topology, first: str, second: str) -> bool:
+    """Whether, for a VM on some node, the cheapest device of some kind by ``first`` then
+    ``second`` costs otherwise than the cheapest by ``second`` then ``first``."""
+    for node in topology.nodes:
+        for kind in {d.kind for d in topology.devices}:
+            paths = [
+                device_to_ram(topology, d.fdid, node.name)
+                for d in topology.devices
+                if d.kind == kind
+            ]
+            by_first = min(paths, key=lambda p: (getattr(p, first), getattr(p, second)))
+            by_second = min(paths, key=lambda p: (getattr(p, second), getattr(p, first)))
+            if getattr(by_first, first) != getattr(by_second, first):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("second", ["roots", "added_ns"])
+def test_the_generated_fabrics_tell_a_ranking_by_hops_first_from_another(second):
+    """The property above fails on a swapped ranking only because the generated fabrics hold
+    devices the two rankings order differently: a local device deep in chassis (many hops,
+    one root complex, no NTB) against a remote one on a root port (fewer hops, two root
+    complexes, an NTB crossing). Root complexes and NTB latency never disagree on a device's
+    way into RAM (a remote one crosses one NTB and at least as many roots as a local one), so
+    swapping those two changes no choice and no fabric can show it."""
+    found = find(
+        lender_fabrics(),
+        lambda t: _ranks_differ(t, "hops", second),
+        settings=settings(
+            max_examples=300, derandomize=True, database=None, phases=[Phase.generate]
+        ),
+    )
+    assert _ranks_differ(found, "hops", second)

@@ -8,6 +8,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.topology_strategies import slots, trees
 from vmlend.demo.facts import p2p_maps
 from vmlend.p2p import GuestBar, peer_device, plan_p2p
 from vmlend.topology.model import (
@@ -37,23 +38,6 @@ PLACES = ((0x1, "a"), (0x2, "a"), (0x3, "b"))
 
 
 @st.composite
-def trees(draw: st.DrawFn) -> tuple[PcieElement, ...]:
-    """A host's PCIe tree: root ports, switches and chassis, each below one declared before."""
-    out = [PcieElement("e0", PcieKind.ROOT_PORT)]
-    for i in range(1, draw(st.integers(1, 7))):
-        kind = draw(st.sampled_from(list(PcieKind)))
-        parent = None
-        if kind is not PcieKind.ROOT_PORT:
-            parent = draw(st.sampled_from([e.name for e in out]))
-        out.append(PcieElement(f"e{i}", kind, parent))
-    return tuple(out)
-
-
-def _slot(draw: st.DrawFn, tree: tuple[PcieElement, ...]) -> str | None:
-    return draw(st.sampled_from([None, *(e.name for e in tree)]))
-
-
-@st.composite
 def topologies(draw: st.DrawFn) -> Topology:
     tree = {"a": draw(trees()), "b": draw(trees())}
     nodes = tuple(
@@ -61,7 +45,7 @@ def topologies(draw: st.DrawFn) -> Topology:
             name,
             i + 1,
             name,
-            adapters=(AdapterSpec(name, 0, slot=_slot(draw, tree[name])),),
+            adapters=(AdapterSpec(name, 0, slot=draw(slots(tree[name]))),),
             pcie=tree[name],
             iommu=draw(st.booleans()),
         )
@@ -77,7 +61,7 @@ def topologies(draw: st.DrawFn) -> Topology:
             0x1DB4,
             0x030200,
             bars=(BarSpec(0, 16 * MiB, BarKind.MEM32),),
-            slot=_slot(draw, tree[lender]),
+            slot=draw(slots(tree[lender])),
         )
         for fdid, lender in PLACES
     )
