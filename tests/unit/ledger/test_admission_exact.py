@@ -159,6 +159,20 @@ def test_dma_reach_is_checked_at_reserve(tmp_path):
     f.close()
 
 
+def test_guest_ram_ending_exactly_at_the_dma_limit_is_admitted(tmp_path):
+    # q35 with 1022 GiB on an Intel vCPU: 2 GiB low, high RAM from 4 GiB up to exactly 1 TiB,
+    # the first address a 40-bit device cannot reach: its last byte is reachable
+    f = make_fabric(tmp_path / "s.db", node="alpha")
+    vm = Holder("alpha", "vm1")
+    to_1tib = GuestRam((GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 1024 * GiB)))
+    assert f.reserve(0x10, vm, guest_ram=to_1tib).state is DeviceState.RESERVED
+    f.release(0x10, vm)
+    one_page_more = GuestRam((GuestRange(0, 2 * GiB), GuestRange(4 * GiB, 1024 * GiB + 4096)))
+    with pytest.raises(DmaLimitError, match="short by 4096 bytes"):
+        f.reserve(0x10, vm, guest_ram=one_page_more)
+    f.close()
+
+
 def test_the_hook_admits_the_domain_layout_not_its_size(cluster):
     xml = domain_xml("big", 1100 * GiB, fdids=(0x10,))
     root = etree.fromstring(xml)

@@ -204,6 +204,16 @@ def test_40_bit_device_and_ram_above_1tib() -> None:
     assert plan.windows[-1].ranges[-1].end <= TiB
 
 
+def test_ram_ending_exactly_at_the_dma_limit_fits() -> None:
+    # q35 with 1022 GiB on an Intel vCPU: high RAM ends at exactly 1 TiB, the first address a
+    # 40-bit device cannot reach; its last byte is the device's last reachable one
+    ram = compute_layout(MemoryConfig("q35", 1022 * GiB, cpu_vendor=CpuVendor.INTEL)).ranges()
+    assert ram[-1].end == TiB
+    big = AdapterSpec(node="alpha", index=0, window_size=2 * TiB, segments=64)
+    plan = plan_dma_windows(ram, identity_backing(ram, 0), big, range(64), dma_bits=40)
+    assert plan.windows[-1].ranges[-1].end == TiB
+
+
 def test_32_bit_device() -> None:
     ram = compute_layout(MemoryConfig("q35", 2 * GiB)).ranges()
     plan = plan_dma_windows(ram, identity_backing(ram, 0), SMALL, range(8), dma_bits=32)
