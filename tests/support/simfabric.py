@@ -155,3 +155,40 @@ def fabric_topology(nodes: int, devices_per_node: int) -> str:
     ports = ", ".join(f'"n{n}:0"' for n in range(nodes))
     parts.append(f'[[switch]]\nname = "sw"\nports = [{ports}]\n')
     return "\n".join(parts)
+
+
+def two_cable_topology() -> str:
+    """Lender ``l`` with an NVMe drive (fdid 0x12, as in the default cluster) and two adapters,
+    each cabled back to back to one of borrower ``b``'s two: ``l:0-b:0`` and ``l:1-b:1`` are
+    two paths that share no adapter, so a dead cable leaves its path no detour."""
+    return """
+name = "two-cables"
+[[node]]
+name = "l"
+id = 1
+  [[node.adapter]]
+  index = 0
+  [[node.adapter]]
+  index = 1
+  [[node.device]]
+  fdid = 0x12
+  bdf = "0000:43:00.0"
+  kind = "nvme"
+  vendor = 0x8086
+  device = 0x0a54
+  class = 0x010802
+  bars = [ { index = 0, size = "16KiB", kind = "mem64" } ]
+  msi = { vectors = 32, bits64 = true, maskable = true }
+  msix = { vectors = 32, table_bar = 0, table_offset = 0x2000, pba_bar = 0, pba_offset = 0x3000 }
+[[node]]
+name = "b"
+id = 2
+  [[node.adapter]]
+  index = 0
+  [[node.adapter]]
+  index = 1
+[[link]]
+ends = ["l:0", "b:0"]
+[[link]]
+ends = ["l:1", "b:1"]
+"""

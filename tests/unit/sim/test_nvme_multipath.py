@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.nvme_guest import guest_driver
+from tests.support.simfabric import two_cable_topology
 from vmlend.errors import FabricError
 from vmlend.nvme import spec
 from vmlend.sim.hardware import SimHardware
@@ -18,7 +19,7 @@ from vmlend.sim.invariants import check_hardware, check_with_registry
 from vmlend.sim.nvme.driver import NvmeTimeoutError
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRange, MiB
-from vmlend.topology.parse import load_topology
+from vmlend.topology.parse import load_topology, parse_topology
 
 DRIVE = 0x12
 PRIMARY = "mxs824/gamma:0"
@@ -222,6 +223,36 @@ def test_the_guard_and_the_prp_rules_hold_on_the_backup_pair(hw, setup):
     assert cqe.status == spec.SC_DATA_TRANSFER_ERROR
     assert io(drv, queue, 0, 2) == 4
     clean(hw, drive)
+
+
+def test_a_link_back_never_switches_onto_a_primary_path_still_down(tmp_path):
+    """A lender with two adapters: the primary path (l:0-b:0) has no detour, so while its
+    cable is down only the backup works. The backup's own cable going down and coming back
+    must leave the share on its backup pair."""
+    hw = SimHardware.from_topology(parse_topology(two_cable_topology()), seed=5)
+    drive = SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16)
+    try:
+        hw.create_guest("b", "web", [GuestRange(0, 64 * MiB)])
+        share = drive.open_share("b", "web", 1, 4096, paths=2)
+        share.set_master()
+        drv = guest_driver(share.bar0, hw.guest("b", "web"))
+        (queue,) = drv.start(queues=1, entries=32)
+        assert hw.crossing(DRIVE, "b").dst.ref == "b:0" and share.backup.dst.ref == "b:1"
+        hw.link_down("l:0-b:0")
+        assert share.relay.status()["active"] == "backup"
+        assert io(drv, queue, 0, 4) == 8
+        hw.link_down("l:1-b:1")  # no path left
+        hw.link_up("l:1-b:1")
+        assert io(drv, queue, 4, 4) == 8  # on the backup: nothing lost
+        assert share.relay.status()["active"] == "backup"
+        assert share.relay.stats.switches == [("backup", "link l:0-b:0 down")]
+        clean(hw, drive)
+        hw.link_up("l:0-b:0")  # the primary is back: now it switches
+        assert share.relay.status()["active"] == "primary"
+        assert io(drv, queue, 8, 4) == 8
+        clean(hw, drive)
+    finally:
+        drive.close()
 
 
 def test_the_relay_refuses_bad_queue_commands(hw, setup):
