@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from vmlend.cli import main
+from vmlend.cli.config import load_default_map
 from vmlend.config import hook_environment
 from vmlend.errors import ConfigError
 from vmlend.hostenv import HostEnv
@@ -144,6 +145,19 @@ def test_the_hook_refuses_a_setting_that_is_no_string(root):
 def test_shared_hook_socket_is_the_agents_and_installs_default(root, state_path, tmp_path):
     write(root, f'hook-socket = "{tmp_path / "h.sock"}"\n')
     assert json.loads(install(root).output)["pins"]["hook socket"] == str(tmp_path / "h.sock")
+
+
+def test_a_commands_own_hook_socket_beats_the_shared_one(root, state_path, tmp_path):
+    shared, own = tmp_path / "shared.sock", tmp_path / "own.sock"
+    text = f'hook-socket = "{shared}"\n\n[hook.install]\nhook-socket = "{own}"\n'
+    write(root, text)
+    r = install(root)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["pins"]["hook socket"] == str(own)
+    write(root, text)  # as it was before install wrote what it pinned at the top
+    defaults = load_default_map(main, ["--root", str(root), "agent"])
+    assert defaults is not None
+    assert defaults["agent"]["hook_socket"] == str(shared)  # no table of its own
 
 
 def test_default_backend_is_smartio_where_the_driver_is_loaded(tmp_path):
