@@ -22,7 +22,6 @@ from vmlend.domain.units import libvirt_bytes, parse_cli_size, parse_size
 from vmlend.domain.xmlprop import XMLNode, XMLProperty
 from vmlend.errors import ConfigError, DomainXMLError
 from vmlend.topology.model import InterruptPath
-from vmlend.units import format_size_exact, format_size_human
 
 U = uuid.UUID("c7a5fdbd-edaf-9455-926a-d65c16db1809")
 
@@ -189,25 +188,6 @@ def test_bad_command_line_sizes_name_the_units(text):
 def test_bad_cli_sizes(text):
     with pytest.raises(ConfigError, match="bad size"):
         parse_size(text)
-
-
-def test_format_size():
-    assert [format_size_exact(n) for n in (4 << 30, 512 << 20, 3 << 10, 1000)] == [
-        "4G",
-        "512M",
-        "3K",
-        "1000B",
-    ]
-
-
-def test_format_size_human():
-    # Messages about amounts that need not be round: two decimals at most.
-    assert [format_size_human(n) for n in (64 << 30, (32 << 30) + (50 << 20), 16 << 20, 512)] == [
-        "64 GiB",
-        "32.05 GiB",
-        "16 MiB",
-        "512 bytes",
-    ]
 
 
 def test_pci_address_parse_and_format():
