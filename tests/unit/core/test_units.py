@@ -3,6 +3,8 @@ divides them, human ones in the largest unit not above them."""
 
 from __future__ import annotations
 
+import pytest
+
 from vmlend.units import format_size_exact, format_size_human
 
 
@@ -23,3 +25,17 @@ def test_format_size_human():
         "16 MiB",
         "512 bytes",
     ]
+
+
+@pytest.mark.parametrize(
+    ("size", "human", "exact"),
+    [
+        (1 << 10, "1 KiB", "1K"),
+        (1 << 20, "1 MiB", "1M"),
+        (1 << 30, "1 GiB", "1G"),
+        (1 << 40, "1 TiB", "1T"),
+    ],
+)
+def test_exact_powers_of_1024_print_in_the_larger_unit(size, human, exact):
+    assert format_size_human(size) == human  # not "1024 MiB"
+    assert format_size_exact(size) == exact
