@@ -243,6 +243,17 @@ def test_dma_windows_count_once_for_one_vm_with_and_without_its_uuid(tmp_path):
     assert vm_share(Holder("a", "vm", by_uuid.vm_uuid)) != vm_share(by_uuid)  # another node
 
 
+def test_a_vm_of_the_same_name_and_uuid_on_another_node_is_another_holder(tmp_path):
+    # what a live migration's destination is until the source has given the device back
+    f = make_fabric(tmp_path / "s.db", node="gamma")
+    uuid = "11111111-1111-1111-1111-111111111111"
+    f.reserve(0x10, Holder("gamma", "vm1", uuid), guest_ram=1 * GiB)
+    with pytest.raises(DeviceHeldError):
+        f.reserve(0x10, Holder("beta", "vm1", uuid), guest_ram=1 * GiB)
+    assert str(f.device(0x10).holder) == "gamma/vm1"
+    f.close()
+
+
 def test_window_shortage_is_refused_with_exact_numbers(fab):
     fab.reserve(0x10, VM1, guest_ram=64 * GiB)
     before = fab.usage()
