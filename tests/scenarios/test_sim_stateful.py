@@ -742,5 +742,5 @@ FabricOnEtcd.TestCase.settings = derandomized(ETCD_EXAMPLES, ETCD_STEPS)
 test_fabric_state_machine = pytest.mark.slow(FabricMachine.TestCase)
 test_fabric_state_machine_smoke = FabricSmoke.TestCase
 test_fabric_state_machine_on_etcd = pytest.mark.slow(
-    pytest.mark.usefixtures("etcd_for_the_machine")(FabricOnEtcd.TestCase)
+    pytest.mark.daemon(pytest.mark.usefixtures("etcd_for_the_machine")(FabricOnEtcd.TestCase))
 )
