@@ -323,6 +323,11 @@ class FakeSmartio:
         fake.handlers[take_back.resolve()] = self._take_back
         #: fdids the driver took back (unmapped and reset), in order.
         self.taken_back: list[int] = []
+        #: What each parent this driver registers offers besides one ``smartio-lend`` child
+        #: (docs/smartio-contract.md): tests set more, for children vmlend did not make
+        #: (another share's, or made by hand as ``mdevctl`` would) beside its own.
+        self.lend_instances = 1
+        self.extra_types: list[FakeType] = []
 
     def _name(self, fdid: int) -> str:
         return f"smartio-{fdid:x}"
@@ -450,10 +455,11 @@ class FakeSmartio:
             self.fake.remove_parent(name)
 
     def _register(self, fdid: int) -> None:
+        lend = FakeType(
+            "smartio-lend", "SmartIO lent device", f"fdid {fdid:#x}", available=self.lend_instances
+        )
         self.fake.add_parent(
-            self._name(fdid),
-            [FakeType("smartio-lend", "SmartIO lent device", f"fdid {fdid:#x}", available=1)],
-            device_dir="devices/virtual/smartio",
+            self._name(fdid), [lend, *self.extra_types], device_dir="devices/virtual/smartio"
         )
 
     # --- what happens elsewhere in the fabric -------------------------------------------------

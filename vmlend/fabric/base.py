@@ -155,7 +155,14 @@ class Fabric(Protocol):
         ...
 
     def mdevs(self) -> list[MdevInfo]:
-        """mdev children on this node."""
+        """mdev children on this node: what the host has, whoever made them (on the kernel
+        backend, children of any type under the SmartIO parents)."""
+        ...
+
+    def mdev_records(self) -> list[MdevInfo]:
+        """The mdevs vmlend recorded on this node, each with the VM it was made for, whether
+        or not the host has the child (yet, or still): ``create_mdev`` records one before it
+        creates the child. Releases and repairs remove only these (``lending.devices``)."""
         ...
 
     # --- every backend holds its registry open until closed ------------------------------

@@ -341,7 +341,8 @@ class SmartioFabric:
         return removed or recorded
 
     def mdevs(self) -> list[MdevInfo]:
-        """The SmartIO children the kernel has, with the VM the registry knows for each."""
+        """The children the kernel has under SmartIO parents (of any type, vmlend's or not),
+        with the VM the registry knows for each ("" for a child vmlend did not record)."""
         records = {m.uuid: m for m in self._state.mdevs()}
         out = []
         for d in self.bus.devices():
@@ -360,6 +361,11 @@ class SmartioFabric:
                 )
             )
         return out
+
+    def mdev_records(self) -> list[MdevInfo]:
+        """The children the registry records on this node (made, or about to be: the record
+        comes first), whether or not the kernel has them."""
+        return self._state.mdevs()
 
     # --- reacting to the kernel ----------------------------------------------------------------
     def wanted_mdevs(self) -> list[WantedMdev]:

@@ -811,3 +811,7 @@ class Ledger(ShareOps):
     def mdevs(self) -> list[MdevInfo]:
         with self._reg.read() as tx:
             return [mdev_info(m) for m in tx.mdevs(self.local_node)]
+
+    def mdev_records(self) -> list[MdevInfo]:
+        """The records are the ledger's mdevs: what it has is what it recorded."""
+        return self.mdevs()

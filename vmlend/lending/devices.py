@@ -133,16 +133,18 @@ def lost_holds(
 def return_device(
     fabric: Fabric, holder: Holder, fdid: int, mdev: UUID | str | None, record: Record = _ignore
 ) -> bool:
-    """Remove the device's mdev (if any) and end ``holder``'s reservation. Idempotent; returns
-    whether anything was still there. Never touches another holder's device or mdev."""
+    """Remove mdev ``mdev`` if the registry records it as ``holder``'s (``recorded_for``) and
+    end ``holder``'s reservation of ``fdid``. Idempotent; returns whether anything was still
+    there. Never touches another holder's device, nor an mdev vmlend recorded for another VM or
+    did not record at all (the action log says so)."""
     fd = format_fdid(fdid)
     changed = False
     if mdev is not None:
         uuid = _canonical(mdev)
-        m = next((m for m in fabric.mdevs() if m.uuid == uuid), None)
-        holds = {st.fdid: st.holder for st in fabric.devices()} if m is not None else {}
-        hold = holds.get(m.fdid) if m is not None and m.fdid is not None else None
-        if m is not None and not owns_mdev(m, holder, hold, named=True):
+        m = next((m for m in fabric.mdev_records() if m.uuid == uuid), None)
+        if m is None:
+            _note_unrecorded(fabric, {uuid}, record)
+        elif not recorded_for(m, holder):
             record(left_alone(m))
         elif fabric.remove_mdev(uuid):
             record(f"mdev {mdev}: removed")
@@ -161,25 +163,22 @@ def return_all(
 ) -> list[str]:
     """Return every device of a stopped VM: the ones its XML names (``(fdid, mdev)`` pairs) and
     whatever a crashed earlier run or a stale XML left held by it on this node (matched by VM
-    UUID, else by name). Idempotent. Returns the failures (empty when all is clean); keeps going
-    past them so one bad device does not keep the others."""
+    UUID, else by name). The mdevs removed are exactly those the registry records for this VM
+    (``recorded_for``), whether or not the host still has them: a record made before a crash
+    cut off the creation is dropped. Nothing else under the parents of its devices is touched
+    (children another driver, ``mdevctl`` or another share made), nor an mdev the XML names
+    that vmlend recorded for another VM or not at all. Idempotent. Returns the failures
+    (empty when all is clean); keeps going past them so one bad device does not keep the
+    others."""
     failures: list[str] = []
     named = list(devices)
-    ours = {str(m) for _f, m in named}
-    try:
-        holds: dict[int, Holder | None] = {
-            st.fdid: st.holder for st in fabric.devices() if st.holder
-        }
-    except StateRecordError as e:
-        # one damaged record must not keep the others held: judge device by device
-        failures.append(str(e))
-        holds = _holders_one_by_one(fabric, {f for f, _m in named} | _mdev_fdids(fabric))
+    wanted = {_canonical(m) for _f, m in named}
+    records = fabric.mdev_records()
 
     stuck: set[int] = set()  # devices whose mdev could not be removed keep their hold
-    for m in fabric.mdevs():
-        hold = holds.get(m.fdid) if m.fdid is not None else None
-        if not owns_mdev(m, holder, hold, named=m.uuid in ours):
-            if m.uuid in ours:
+    for m in records:
+        if not recorded_for(m, holder):
+            if m.uuid in wanted:
                 record(left_alone(m))
             continue
         try:
@@ -191,11 +190,16 @@ def return_all(
             failures.append(f"mdev {m.uuid}: {e}")
             if m.fdid is not None:
                 stuck.add(m.fdid)
+    _note_unrecorded(fabric, wanted - {m.uuid for m in records}, record)
     fault_point("release:after-mdevs")
     fdids = {f for f, _m in named}
     try:
         fdids.update(held_by(fabric, holder))
-    except StateRecordError:
+    except StateRecordError as e:
+        # one damaged record must not keep the others held: judge device by device
+        failures.append(str(e))
+        recorded = {m.fdid for m in records if m.fdid is not None}
+        holds = _holders_one_by_one(fabric, fdids | recorded)
         fdids.update(f for f, h in holds.items() if h is not None and same_holder(h, holder))
     for fdid in sorted(fdids - stuck):
         try:
@@ -213,8 +217,14 @@ def return_all(
     return failures
 
 
-def _mdev_fdids(fabric: Fabric) -> set[int]:
-    return {m.fdid for m in fabric.mdevs() if m.fdid is not None}
+def _note_unrecorded(fabric: Fabric, uuids: set[str], record: Record) -> None:
+    """Say which of ``uuids`` (mdevs a domain names that vmlend has no record of) the host
+    has all the same: they are left alone (``not_recorded``). Lists the host's mdevs only
+    when there is something to look for (a re-run of a release finds no records left)."""
+    if uuids:
+        for m in fabric.mdevs():
+            if m.uuid in uuids:
+                record(not_recorded(m))
 
 
 def _holders_one_by_one(fabric: Fabric, fdids: Iterable[int]) -> dict[int, Holder | None]:
@@ -237,15 +247,13 @@ def _canonical(mdev: UUID | str) -> str:
         return str(mdev)
 
 
-def owns_mdev(m: MdevInfo, holder: Holder, hold: Holder | None, *, named: bool) -> bool:
-    """Whether mdev ``m`` (on this node) is ``holder``'s as the registry says: the hold of its
-    device decides (a copied XML must not touch a running VM); without a hold, the VM name its
-    record carries, or, for an mdev whose VM is unknown, that the domain names it (``named``)."""
-    if m.node not in ("", holder.node):
-        return False
-    if hold is not None:
-        return same_holder(hold, holder)
-    return m.vm == holder.vm or (named and m.vm == "")
+def recorded_for(m: MdevInfo, holder: Holder) -> bool:
+    """Whether the registry records mdev ``m`` (one of ``Fabric.mdev_records``) as
+    ``holder``'s: made on its node for its VM (``create_mdev`` records the VM before the
+    child exists). The record alone decides: not the hold of its device (children of other
+    types, or that vmlend never made, sit under the same parent), nor that a domain names it
+    (a copied or forged XML must not take another VM's mdev away)."""
+    return m.node == holder.node and bool(m.vm) and m.vm == holder.vm
 
 
 def left_alone(m: MdevInfo) -> str:
@@ -253,6 +261,15 @@ def left_alone(m: MdevInfo) -> str:
     XML, whose release must not take the other VM's device away."""
     owner = f"{m.node}/{m.vm}" if m.vm else "another VM"
     return f"mdev {m.uuid}: named by this domain but serves {owner}; left alone"
+
+
+def not_recorded(m: MdevInfo) -> str:
+    """The action-log line for an mdev a domain names that this host has but vmlend has no
+    record of: vmlend removes only what it recorded, so it stays."""
+    return (
+        f"mdev {m.uuid}: named by this domain but vmlend has no record of it; left alone"
+        f" ('vmlend mdev remove {m.uuid}' removes it)"
+    )
 
 
 def held_by(fabric: Fabric, holder: Holder) -> list[int]:

@@ -21,7 +21,7 @@ from vmlend.errors import ConfigError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
-from vmlend.lending.devices import held_by, holder_for, return_device
+from vmlend.lending.devices import held_by, holder_for, recorded_for, return_device
 from vmlend.ops.definitions import (
     LIVE,
     find_hostdev,
@@ -66,7 +66,14 @@ def detach(
         dom = read_domain(before[LIVE], strict=False)
         holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
         if fdid in held_by(fabric, holder):
-            leftover = next((m.uuid for m in fabric.mdevs() if m.fdid == fdid), None)
+            leftover = next(
+                (
+                    m.uuid
+                    for m in fabric.mdev_records()
+                    if m.fdid == fdid and recorded_for(m, holder)
+                ),
+                None,
+            )
             if leftover is not None:
                 _unplug_orphan(hv, info.name, docs[LIVE], fdid, leftover, wait, progress)
             return_device(fabric, holder, fdid, leftover, progress)

@@ -6,7 +6,9 @@ failed on a full disk, an attach killed after the reserve, a detach killed after
 leaves them apart. ``look`` gathers the views (I/O), ``find_drift`` compares them (pure), and
 ``fix`` repairs each drift: whatever no running VM uses is returned, whatever a running VM
 uses is re-created. Only this node's holds and mdevs are judged: another node's VMs are
-another hypervisor's.
+another hypervisor's. The mdevs judged are those vmlend recorded (``Fabric.mdev_records``):
+a child vmlend did not record (another driver's type, one ``mdevctl`` or another share made
+under the same parent) is never drift and never removed.
 
 The hook's ``reconnect`` (libvirtd restarted while a VM runs) uses ``restore_running``
 (``restore.py``), the same repair ``fix`` applies to a running VM's missing hold or mdev.
@@ -32,7 +34,7 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
-from vmlend.lending.devices import holder_for, return_device
+from vmlend.lending.devices import holder_for, recorded_for, return_device
 from vmlend.ops.attach import attach_live
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
@@ -92,10 +94,12 @@ class Views(msgspec.Struct):
     node: str
     running: list[RunningVm]
     holds: list[DeviceStatus]  # devices held by a VM of this node
-    mdevs: list[MdevInfo]  # mdevs on this node
+    mdevs: list[MdevInfo]  # the mdevs vmlend recorded on this node (``Fabric.mdev_records``)
     defined: set[str] = msgspec.field(default_factory=set)  # names of domains that are not running
     #: devices held by VMs of other nodes (a running VM here may still name one)
     elsewhere: dict[int, DeviceStatus] = msgspec.field(default_factory=dict)
+    #: UUIDs of the mdevs this host has, recorded or not (``Fabric.mdevs``)
+    present: set[str] = msgspec.field(default_factory=set)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -109,7 +113,8 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
     again that such a VM is still not running right before it returns its holds."""
     node = fabric.local_node
     held = [st for st in fabric.devices() if st.holder is not None]
-    mdevs = [m for m in fabric.mdevs() if m.node in ("", node)]
+    mdevs = [m for m in fabric.mdev_records() if m.node in ("", node)]
+    present = {m.uuid for m in fabric.mdevs()}
     running: list[RunningVm] = []
     defined: set[str] = set()
     for info in hv.list_domains():
@@ -123,15 +128,14 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
         running.append(RunningVm(info.name, holder, dom.devices, hostdevs, dom.memory_bytes or 0))
     holds = [st for st in held if st.holder is not None and st.holder.node == node]
     elsewhere = {st.fdid: st for st in held if st.holder is not None and st.holder.node != node}
-    return Views(node, running, holds, mdevs, defined, elsewhere)
+    return Views(node, running, holds, mdevs, defined, elsewhere, present)
 
 
 def find_drift(views: Views) -> list[Drift]:
     """Every disagreement between the views, each with its cause and its repair."""
     drift: list[Drift] = []
     held = {st.fdid: st for st in views.holds}
-    present = {m.uuid for m in views.mdevs}
-    mdev_of_fdid = {m.fdid: m.uuid for m in views.mdevs if m.fdid is not None}
+    recorded = {m.uuid for m in views.mdevs}
     fdid_of_mdev = {m.uuid: m.fdid for m in views.mdevs}
     in_use: set[str] = set()  # mdevs a running VM has a hostdev for
     used: set[tuple[int, str]] = set()  # (fdid, vm) pairs a running VM uses or names
@@ -157,7 +161,7 @@ def find_drift(views: Views) -> list[Drift]:
                 )
                 continue
             st = held.get(dev.fdid) or views.elsewhere.get(dev.fdid)
-            drift.extend(_running_device_drift(vm, dev, st, present))
+            drift.extend(_running_device_drift(vm, dev, st, recorded, views.present))
         named = {str(d.mdev) for d in vm.devices}
         for mdev in sorted(vm.hostdevs - named):
             fdid = fdid_of_mdev.get(mdev)
@@ -188,7 +192,10 @@ def find_drift(views: Views) -> list[Drift]:
         assert h is not None
         fd = format_fdid(st.fdid)
         running = next((v for v in views.running if same_holder(h, v.holder)), None)
-        held_mdev = mdev_of_fdid.get(st.fdid)
+        # the mdev recorded for this hold's VM: never another child under the same parent
+        held_mdev = next(
+            (m.uuid for m in views.mdevs if m.fdid == st.fdid and recorded_for(m, h)), None
+        )
         if running is None:
             where = "is defined but not running" if h.vm in views.defined else "is not running"
             drift.append(
@@ -223,22 +230,29 @@ def find_drift(views: Views) -> list[Drift]:
         if m.uuid in in_use or (m.fdid is not None and m.fdid in held_fdids):
             continue
         what = f"device {format_fdid(m.fdid)}" if m.fdid is not None else "no known device"
-        drift.append(
-            Drift(
-                DriftKind.MDEV_WITHOUT_HOLD,
-                m.vm,
-                m.fdid,
-                m.uuid,
+        if m.uuid in views.present:
+            cause = (
                 f"mdev {m.uuid} ({what}) exists but nothing holds its device and no running VM"
-                " uses it (a release or attach rollback interrupted before removing it)",
-                f"remove mdev {m.uuid}",
+                " uses it (a release or attach rollback interrupted before removing it)"
             )
-        )
+            repair = f"remove mdev {m.uuid}"
+        else:
+            cause = (
+                f"vmlend records mdev {m.uuid} ({what}), which this host does not have, and"
+                " nothing holds its device (a crash between recording and creating it, or a"
+                " release interrupted after removing it)"
+            )
+            repair = f"drop the record of mdev {m.uuid}"
+        drift.append(Drift(DriftKind.MDEV_WITHOUT_HOLD, m.vm, m.fdid, m.uuid, cause, repair))
     return drift
 
 
 def _running_device_drift(
-    vm: RunningVm, dev: VmlendDevice, st: DeviceStatus | None, present: set[str]
+    vm: RunningVm,
+    dev: VmlendDevice,
+    st: DeviceStatus | None,
+    recorded: set[str],
+    present: set[str],
 ) -> list[Drift]:
     fd, mdev = format_fdid(dev.fdid), str(dev.mdev)
     if st is None or st.holder is None:
@@ -284,16 +298,24 @@ def _running_device_drift(
                 holder=vm.holder,
             )
         ]
-    if mdev not in present:
+    if mdev not in present or mdev not in recorded:
+        if mdev not in present:
+            cause = f"its mdev {mdev} is gone from this host"
+            repair = f"re-create mdev {mdev}"
+        else:  # its release would leave the child: vmlend removes only what it recorded
+            cause = (
+                f"vmlend has no record of its mdev {mdev} (the state was restored or edited,"
+                " or the record ended with this host's lease)"
+            )
+            repair = f"record mdev {mdev} for VM {vm.name!r}"
         return [
             Drift(
                 DriftKind.MISSING_MDEV,
                 vm.name,
                 dev.fdid,
                 mdev,
-                f"running VM {vm.name!r} holds device {fd} but its mdev {mdev} is gone from"
-                " this host",
-                f"re-create mdev {mdev}",
+                f"running VM {vm.name!r} holds device {fd} but {cause}",
+                repair,
                 holder=vm.holder,
             )
         ]

@@ -611,6 +611,9 @@ class _ModelFabric:
     def mdevs(self) -> list[object]:
         return []
 
+    def mdev_records(self) -> list[object]:
+        return []
+
 
 class PauseMarksMachine(RuleBasedStateMachine):
     def __init__(self) -> None:

@@ -251,6 +251,34 @@ def test_returning_a_device_by_a_copied_xml_leaves_the_running_vms_mdev(fabric, 
     assert lines == [f"mdev {mdev}: named by this domain but serves gamma/vmA; left alone"]
 
 
+def test_release_removes_only_the_mdevs_recorded_for_the_vm(fabric, state_path):
+    """Issue 36: 'vm destroy' removed every mdev under the parent of a device the VM held.
+    Beside vm1's own mdev of 0x10, the simulated host has 22 of another type (other VMs'
+    shares) and one of vmlend's type made for no VM; vm1's release removes its own only."""
+    from vmlend.ledger.shareops import SHARE_MDEV_TYPE
+    from vmlend.registry import MdevRecord, SqliteRegistry
+
+    xml = domain_xml(fdids=(0x10,))
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    (own,) = open_fabric(state_path).mdevs()
+    others = [
+        MdevRecord(str(uuid.uuid4()), 0x10, "gamma", own.parent, SHARE_MDEV_TYPE, f"vm{i}", 0.0)
+        for i in range(2, 24)
+    ]
+    others.append(MdevRecord(str(uuid.uuid4()), 0x10, "gamma", own.parent, own.type_id, "", 0.0))
+    with SqliteRegistry.open(state_path) as reg, reg.write() as tx:
+        for rec in others:
+            tx.add_mdev(rec)
+    for _ in range(2):  # and a re-run changes nothing more
+        assert hook(state_path, "vm1", "release", "end", "destroyed", xml=xml) == (0, b"", "")
+        f = open_fabric(state_path)
+        assert {m.uuid for m in f.mdevs()} == {r.uuid for r in others}
+        assert f.device(0x10).holder is None
+    log = [line for line in ActionLog(log_path_for_state(state_path)).tail(50) if "vm=vm1" in line]
+    removed = [line.split("release: ")[1] for line in log if line.endswith(": removed")]
+    assert removed == [f"mdev {own.uuid}: removed"]
+
+
 def test_stdin_is_drained_even_for_bad_arguments(state_path):
     stdin = io.BytesIO(b"<domain/>" * 1000)
     code = run(["vm1"], stdin=stdin, stdout=io.BytesIO(), stderr=io.StringIO(), environ={})

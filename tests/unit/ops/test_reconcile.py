@@ -8,10 +8,27 @@ import json
 import uuid
 
 from tests.support.cli_cluster import GAMMA, SimCluster, hostdev_uuids, metadata_fdids
-from vmlend.domain import DomainDocument, find_device, mdev_uuid, read_domain
-from vmlend.lending.devices import UndoJournal, acquire_device, return_device
+from tests.support.fake_sysfs import FakeType
+from tests.support.smartio_host import NVME, PARENT, U1, U2, WEB, fake, start_vm, state  # noqa: F401
+from vmlend.domain import (
+    DeviceRequest,
+    DomainDocument,
+    DomainSpec,
+    TemplateSet,
+    find_device,
+    mdev_uuid,
+    new_domain,
+    read_domain,
+)
+from vmlend.kernel.backend import SmartioFabric
+from vmlend.kernel.driver import MDEV_TYPE
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE
+from vmlend.lending.devices import UndoJournal, acquire_device, return_all, return_device
 from vmlend.ops.attach import plan_attach
 from vmlend.ops.definitions import hostdev_xml
+from vmlend.ops.reconcile import DriftKind, find_drift, fix, look
+from vmlend.registry import SqliteRegistry
+from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.topology.model import Holder
 
 
@@ -187,3 +204,58 @@ def test_hostdev_without_metadata_is_finished(cluster):
     assert [x.fdid for x in read_domain(hv.xml("vm1")).devices] == [0x11, 0x10]
     assert cluster.holds() == {0x10: "gamma/vm1", 0x11: "gamma/vm1"}
     assert _reconcile(cluster)["drift"] == []
+
+
+# --- the kernel backend: children vmlend did not make are never drift ------------------------
+
+
+def test_on_the_kernel_backend_only_what_vmlend_recorded_is_removed(tmp_path, state, fake):  # noqa: F811
+    """web stopped without its release (a stale hold and its recorded mdev U1); beside U1,
+    under the same SmartIO parent, 22 children of another type and one of vmlend's type that
+    vmlend did not make. --fix returns web's device and removes U1 only, and the children
+    vmlend did not record are no drift, then or later."""
+    fake.smartio.lend_instances = 2
+    fake.smartio.extra_types = [FakeType(SHARE_MDEV_TYPE, available=22)]
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)  # web is not running (nor defined)
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
+        start_vm(fabric)
+        others = {str(uuid.uuid4()) for _ in range(22)}
+        for u in others:
+            fabric.bus.create(PARENT, SHARE_MDEV_TYPE, u)
+        fabric.bus.create(PARENT, MDEV_TYPE, U2)
+        others.add(U2)
+
+        drift = find_drift(look(hv, fabric))
+        assert [(d.kind, d.vm, d.fdid, d.mdev) for d in drift] == [
+            (DriftKind.HOLD_OF_STOPPED_VM, "web", NVME, U1)
+        ]
+        result = fix(hv, fabric, drift)
+        assert (len(result.fixed), result.failed) == (1, [])
+        assert {d.uuid for d in fabric.bus.devices()} == others
+        assert fabric.device(NVME).holder is None
+        assert find_drift(look(hv, fabric)) == []  # and the others stay no drift
+
+
+def test_on_the_kernel_backend_a_running_vms_unrecorded_mdev_is_recorded(tmp_path, state, fake):  # noqa: F811
+    """web runs with its mdev, but the registry has no record of it (restored, or gone with
+    the host's lease): its release would leave the child, so it is drift, and --fix records
+    it as web's, after which web's release removes it."""
+    vid = uuid.UUID(WEB.vm_uuid)
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    spec = DomainSpec(name="web", memory_bytes=512 << 20, uuid=vid, devices=[DeviceRequest(NVME)])
+    hv.define(new_domain(spec, templates=TemplateSet()).to_bytes())
+    hv.start("web")
+    mdev = str(mdev_uuid(vid, NVME))
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
+        fabric.reserve(NVME, WEB)
+        fabric.ensure_mdev_parent(NVME)
+        fabric.bus.create(PARENT, MDEV_TYPE, mdev)  # the child, without its record
+        (d,) = find_drift(look(hv, fabric))
+        assert (d.kind, d.vm, d.mdev) == (DriftKind.MISSING_MDEV, "web", mdev)
+        assert "no record of its mdev" in d.cause and d.fix == f"record mdev {mdev} for VM 'web'"
+        assert fix(hv, fabric, [d]).failed == []
+        assert [m.uuid for m in fabric.mdev_records()] == [mdev]
+        assert find_drift(look(hv, fabric)) == []
+        hv.destroy("web")
+        assert return_all(fabric, WEB, [(NVME, mdev)]) == []
+        assert fabric.bus.devices() == [] and fabric.device(NVME).holder is None
