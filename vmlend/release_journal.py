@@ -83,7 +83,7 @@ class ReleaseJournal:
 
     def record(self, pending: PendingRelease) -> tuple[Path, bool]:
         """Keep ``pending`` (merged with what the VM already had pending) durably. The path,
-        and whether that added anything (libvirt runs the release twice: stopped, release)."""
+        and whether that added anything (a release may run again: a re-run of the hook)."""
         with self._locked():
             path = self._path(pending.holder)
             before = self._load(path)

@@ -95,6 +95,40 @@ def test_vmlend_guest_passes_prepare_then_release_returns_every_device(
     assert not dom.isActive()
 
 
+@needs_no_vfio
+def test_vmlend_does_nothing_at_stopped_and_releases_at_release_end(
+    vmlend_hook, libvirt_conn, guests, state_path, hook_recorder
+):
+    """Issue 36: removing the mdevs at 'stopped end' made libvirt, whose own teardown comes
+    after that call, log an error at every stop. libvirtd runs its main hook (the recorder)
+    before vmlend's in qemu.d, so the action log as each call finds it shows what vmlend did
+    up to the call before: nothing at 'stopped end', everything at 'release end'."""
+    actions = log_path_for_state(state_path)
+    hook_recorder.install(snapshot=actions)
+    before = state_of(state_path)
+    dom = vmlend_guest(libvirt_conn, [0x10, 0x12], guests)
+    name = dom.name()
+    with pytest.raises(libvirt.libvirtError) as exc:
+        dom.create()  # refused after prepare (no VFIO here): libvirt runs stopped and release
+    assert exc.value.get_error_code() == libvirt.VIR_ERR_CONFIG_UNSUPPORTED
+
+    def lines(text: str | None) -> list[str]:
+        mine = [ln for ln in (text or "").splitlines() if f" vm={name} " in ln]
+        return [ln.split(f" vm={name} ", 1)[1] for ln in mine]
+
+    calls = hook_recorder.calls(name)
+    ops = [c.op[:2] for c in calls]
+    assert ops == [("prepare", "begin"), ("stopped", "end"), ("release", "end")]
+    prepared, stopped = lines(calls[1].snapshot), lines(calls[2].snapshot)
+    assert prepared[-1] == "prepare: 2 devices ready"
+    assert stopped == prepared  # vmlend's 'stopped end' did nothing
+    released = lines(actions.read_text())[len(stopped) :]
+    assert released and all(ln.startswith("release: ") for ln in released)
+    assert "release: device 0x10: returned" in released
+    assert "release: device 0x12: returned" in released
+    assert state_of(state_path) == before
+
+
 def test_start_refused_when_a_device_is_held_elsewhere_leaves_nothing(
     vmlend_hook, libvirt_conn, guests, state_path
 ):

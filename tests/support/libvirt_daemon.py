@@ -507,6 +507,7 @@ class HookCall:
     name: str | None
     uuid: str | None
     mdevs: tuple[str, ...] | None  # mdev UUIDs in the XML the hook got; None if unreadable
+    snapshot: str | None = None  # the recorder's snapshot file as the call found it
 
     @property
     def op(self) -> tuple[str, ...]:
@@ -521,11 +522,15 @@ class HookRecorder:
     daemon: LibvirtDaemon
     log_path: Path
 
-    def install(self, fail: str = "", message: str = "") -> None:
-        """(Re)install; ``fail`` = "operation" or "operation/sub-operation" to exit 1 on."""
+    def install(self, fail: str = "", message: str = "", snapshot: Path | None = None) -> None:
+        """(Re)install; ``fail`` = "operation" or "operation/sub-operation" to exit 1 on;
+        ``snapshot``: a file each record keeps the text of as the call found it (the main
+        hook runs before hooks/qemu.d, so it shows what those did up to the call before)."""
         env = {"RECORD_HOOK_LOG": str(self.log_path), "RECORD_HOOK_FAIL": fail}
         if message:
             env["RECORD_HOOK_MESSAGE"] = message
+        if snapshot is not None:
+            env["RECORD_HOOK_SNAPSHOT"] = str(snapshot)
         self.daemon.install_hook([sys.executable, str(RECORD_HOOK)], env)
 
     def calls(self, name: str | None = None) -> list[HookCall]:
@@ -538,6 +543,7 @@ class HookRecorder:
                 r["name"],
                 r["uuid"],
                 None if r["mdevs"] is None else tuple(r["mdevs"]),
+                r.get("snapshot"),
             )
             for r in records
         ]

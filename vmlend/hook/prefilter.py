@@ -15,10 +15,11 @@ from __future__ import annotations
 #: ``vmlend.hook.contract.Action`` is built from these values.
 OPERATIONS: dict[tuple[str, str], str] = {
     ("prepare", "begin"): "prepare",
+    # The VM's mdevs go and its devices are returned at release, libvirt's last call, never at
+    # "stopped end": after that call libvirt still restores the VM's security labels (for an
+    # mdev through its iommu_group) and lets go of its hostdevs, and an mdev removed under it
+    # made it log an error at every stop. libvirt runs release after a failed start too.
     ("release", "end"): "release",
-    # stopped runs before release; returning the devices there frees them as early as
-    # possible, and release then finds nothing left to do.
-    ("stopped", "end"): "release",
     ("reconnect", "begin"): "reconnect",
     ("migrate", "begin"): "migrate",
     ("restore", "begin"): "restore",

@@ -4,9 +4,12 @@ Environment (set through the trampoline's qemu.env):
   RECORD_HOOK_LOG      JSON-lines file to append one record per call to (required)
   RECORD_HOOK_FAIL     "OPERATION" or "OPERATION/SUB-OPERATION" to fail with exit 1
   RECORD_HOOK_MESSAGE  the stderr line printed when failing
+  RECORD_HOOK_SNAPSHOT a file whose text each record keeps as it is when the call comes
 Each record: {"argv": [object, operation, sub-operation, extra], "name": ..., "uuid": ...,
-"mdevs": [...]} with the name, UUID and mdev hostdev UUIDs read from the domain XML libvirt
-writes to stdin (null if the XML is unreadable).
+"mdevs": [...], "snapshot": ...} with the name, UUID and mdev hostdev UUIDs read from the
+domain XML libvirt writes to stdin (null if the XML is unreadable), and the snapshot file's
+text (null without one, or when it does not exist). libvirtd runs this main hook before the
+scripts in qemu.d, so a snapshot shows what those did up to the call before.
 """
 
 from __future__ import annotations
@@ -34,9 +37,19 @@ def _should_fail(argv: list[str], spec: str) -> bool:
     return argv[1] == operation and (not sub_operation or argv[2] == sub_operation)
 
 
+def _snapshot(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def main() -> int:
     argv = sys.argv[1:]
     record = {"argv": argv, **_describe(sys.stdin.buffer.read())}
+    snapshot = os.environ.get("RECORD_HOOK_SNAPSHOT")
+    record["snapshot"] = _snapshot(snapshot) if snapshot else None
     # One write of one line in append mode: concurrent hook runs cannot interleave records.
     with open(os.environ["RECORD_HOOK_LOG"], "a", encoding="utf-8") as log:
         log.write(json.dumps(record) + "\n")

@@ -20,7 +20,7 @@ from vmlend.hook.install import install_hook, uninstall_hook
         (["vm1", "prepare", "begin", "-"], Action.PREPARE),
         (["vm1", "start", "begin", "-"], Action.IGNORE),
         (["vm1", "started", "begin", "-"], Action.IGNORE),
-        (["vm1", "stopped", "end", "-"], Action.RELEASE),
+        (["vm1", "stopped", "end", "-"], Action.IGNORE),
         (["vm1", "release", "end", "-"], Action.RELEASE),
         (["vm1", "release", "end", "destroyed"], Action.RELEASE),
         (["vm1", "reconnect", "begin", "-"], Action.RECONNECT),

@@ -10,9 +10,10 @@ import pytest
 from lxml import etree
 
 from tests.support.simfabric import make_fabric
-from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.main import run
+from vmlend.lending.devices import UndoJournal, acquire_device
 from vmlend.topology.model import DeviceState, Holder, MiB
 from vmlend.wiring.fabric import open_fabric
 
@@ -66,11 +67,50 @@ def test_prepare_reserves_and_creates_mdevs_release_returns_them(fabric, state_p
     assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
     assert snapshot(state_path) == before
 
-    for op, sub, extra in (("stopped", "end", "-"), ("release", "end", "destroyed")):
-        code, _, err = hook(state_path, "vm1", op, sub, extra, xml=xml)
-        assert (code, err) == (0, "")
+    assert hook(state_path, "vm1", "release", "end", "destroyed", xml=xml) == (0, b"", "")
     f = open_fabric(state_path)
     assert not [d for d in f.devices() if d.holder] and f.mdevs() == []
+
+
+def action_lines(state_path, vm: str = "vm1") -> list[str]:
+    """The action log's lines about ``vm``, without their time and pid."""
+    lines = ActionLog(log_path_for_state(state_path)).tail(200)
+    return [line.split(f" vm={vm} ", 1)[1] for line in lines if f" vm={vm} " in line]
+
+
+def test_stopped_end_does_nothing_and_release_end_releases(fabric, state_path):
+    """Issue 36: libvirt logged 'iommu_group: No such file' at every stop, because the hook
+    removed the mdevs at 'stopped end', before libvirt's own teardown (which still reads them)
+    was done. 'stopped end' now touches nothing; 'release end' removes each mdev, then returns
+    the devices."""
+    xml = domain_xml()
+    assert hook(state_path, "vm1", "prepare", "begin", "-", xml=xml)[0] == 0
+    before, logged = snapshot(state_path), action_lines(state_path)
+    assert hook(state_path, "vm1", "stopped", "end", "-", xml=xml) == (0, b"", "")
+    assert snapshot(state_path) == before and action_lines(state_path) == logged
+
+    assert hook(state_path, "vm1", "release", "end", "shutdown", xml=xml) == (0, b"", "")
+    f = open_fabric(state_path)
+    assert not [d for d in f.devices() if d.holder] and f.mdevs() == []
+    done = action_lines(state_path)[len(logged) :]
+    removed = [i for i, line in enumerate(done) if line.startswith("release: mdev ")]
+    returned = [i for i, line in enumerate(done) if line.startswith("release: device ")]
+    assert len(removed) == len(returned) == 2 and max(removed) < min(returned)
+
+
+def test_a_failed_start_is_cleaned_up_by_release_end_not_stopped_end(fabric, state_path):
+    """After a failed prepare libvirt runs 'stopped end' and 'release end': a prepare killed
+    after its first device (nothing rolled back) is cleaned up by the release."""
+    clean = snapshot(state_path)
+    xml = domain_xml()
+    holder = Holder("gamma", "vm1", str(VM_UUID))
+    first = read_domain(xml).devices[0]
+    acquire_device(fabric, holder, first.fdid, first.mdev, UndoJournal())  # then it died
+    half = snapshot(state_path)
+    assert hook(state_path, "vm1", "stopped", "end", "-", xml=xml) == (0, b"", "")
+    assert snapshot(state_path) == half
+    assert hook(state_path, "vm1", "release", "end", "failed", xml=xml) == (0, b"", "")
+    assert snapshot(state_path) == clean
 
 
 def test_failure_on_second_device_returns_the_first(fabric, state_path):
@@ -178,8 +218,6 @@ def test_migrate_prints_the_xml_for_this_host(fabric, state_path):
     code, out, err = hook(state_path, "vm1", "migrate", "begin", "-", xml=xml)
     assert (code, err) == (0, "")
     assert b"gamma" in out and b"vmlend" in out
-    from vmlend.domain import read_domain
-
     info = read_domain(out)
     assert info.host_node == "gamma"
     assert [d.fdid for d in info.devices] == [0x10, 0x12]
