@@ -252,6 +252,22 @@ class RacingWriter:
         self.inner.write(path, text)
 
 
+class Crash(BaseException):
+    """The process dies here, as with kill -9: no handler of vmlend's runs after it."""
+
+
+class CrashOnCreate:
+    """A writer whose process dies (``Crash``) just before it writes an mdev's ``create``."""
+
+    def __init__(self, inner: FakeSysfs) -> None:
+        self.inner = inner
+
+    def write(self, path: Path, text: str) -> None:
+        if path.name == "create":
+            raise Crash(path)
+        self.inner.write(path, text)
+
+
 class PipeUeventSource:
     """A uevent source on a real pipe: ``send`` writes one JSON line, ``receive`` reads without
     blocking, so the watcher's ``select`` loop runs for real."""

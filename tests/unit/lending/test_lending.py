@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from tests.support.fake_sysfs import FakeType
+from tests.support.fake_sysfs import Crash, CrashOnCreate, FakeType
 from tests.support.smartio_host import (  # noqa: F401
     NVME,
     PARENT,
@@ -89,22 +89,6 @@ def test_an_mdev_the_domain_names_that_vmlend_did_not_record_stays(fabric, fake)
     ]
     assert return_all(fabric, WEB, [(NVME, U2)], lines.append) == []  # U2 named: stays
     assert children(fabric) == others  # web's own U1 goes by its record
-
-
-class Crash(BaseException):
-    """The process dies here, as with kill -9: no handler of vmlend's runs after it."""
-
-
-class CrashOnCreate:
-    """A sysfs writer whose process dies just before it writes an mdev's ``create``."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def write(self, path, text: str) -> None:
-        if path.name == "create":
-            raise Crash(path)
-        self.inner.write(path, text)
 
 
 def test_a_crash_between_the_record_and_the_create_converges(state, fake):  # noqa: F811

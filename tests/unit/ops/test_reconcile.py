@@ -2,13 +2,17 @@
 the host's mdevs is reported with its cause, and ``--fix`` returns what no running VM uses and
 re-creates what a running VM needs. ``vmlend status`` flags drift."""
 
+# ruff: noqa: F811 (the kernel tests take the imported fixtures as parameters)
+
 from __future__ import annotations
 
 import json
 import uuid
 
+import pytest
+
 from tests.support.cli_cluster import GAMMA, SimCluster, hostdev_uuids, metadata_fdids
-from tests.support.fake_sysfs import FakeType
+from tests.support.fake_sysfs import Crash, CrashOnCreate, FakeType
 from tests.support.smartio_host import NVME, PARENT, U1, U2, WEB, fake, start_vm, state  # noqa: F401
 from vmlend.domain import (
     DeviceRequest,
@@ -209,7 +213,7 @@ def test_hostdev_without_metadata_is_finished(cluster):
 # --- the kernel backend: children vmlend did not make are never drift ------------------------
 
 
-def test_on_the_kernel_backend_only_what_vmlend_recorded_is_removed(tmp_path, state, fake):  # noqa: F811
+def test_on_the_kernel_backend_only_what_vmlend_recorded_is_removed(tmp_path, state, fake):
     """web stopped without its release (a stale hold and its recorded mdev U1); beside U1,
     under the same SmartIO parent, 22 children of another type and one of vmlend's type that
     vmlend did not make. --fix returns web's device and removes U1 only, and the children
@@ -236,7 +240,7 @@ def test_on_the_kernel_backend_only_what_vmlend_recorded_is_removed(tmp_path, st
         assert find_drift(look(hv, fabric)) == []  # and the others stay no drift
 
 
-def test_on_the_kernel_backend_a_running_vms_unrecorded_mdev_is_recorded(tmp_path, state, fake):  # noqa: F811
+def test_on_the_kernel_backend_a_running_vms_unrecorded_mdev_is_recorded(tmp_path, state, fake):
     """web runs with its mdev, but the registry has no record of it (restored, or gone with
     the host's lease): its release would leave the child, so it is drift, and --fix records
     it as web's, after which web's release removes it."""
@@ -259,3 +263,27 @@ def test_on_the_kernel_backend_a_running_vms_unrecorded_mdev_is_recorded(tmp_pat
         hv.destroy("web")
         assert return_all(fabric, WEB, [(NVME, mdev)]) == []
         assert fabric.bus.devices() == [] and fabric.device(NVME).holder is None
+
+
+def test_on_the_kernel_backend_a_record_never_made_is_dropped(tmp_path, state, fake):
+    """web's prepare was killed between the record of U1 and its creation, and its hold was
+    returned without the record (a foreign child kept the parent): the record is drift, and
+    --fix drops it without touching the foreign child."""
+    fake.smartio.extra_types = [FakeType(SHARE_MDEV_TYPE, available=1)]
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=CrashOnCreate(fake)) as fab:
+        fab.reserve(NVME, WEB)
+        fab.ensure_mdev_parent(NVME)
+        with pytest.raises(Crash):
+            fab.create_mdev(NVME, U1, WEB)
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
+        other = str(uuid.uuid4())
+        fabric.bus.create(PARENT, SHARE_MDEV_TYPE, other)
+        fabric.release(NVME, WEB)
+        (d,) = find_drift(look(hv, fabric))
+        assert (d.kind, d.vm, d.mdev) == (DriftKind.MDEV_WITHOUT_HOLD, "web", U1)
+        assert "which this host does not have" in d.cause
+        assert d.fix == f"drop the record of mdev {U1}"
+        assert fix(hv, fabric, [d]).failed == []
+        assert fabric.mdev_records() == [] and find_drift(look(hv, fabric)) == []
+        assert [m.uuid for m in fabric.bus.devices()] == [other]
