@@ -11,6 +11,18 @@ import pytest
 collect_ignore = [] if os.environ.get("VMLEND_KERNEL_GUEST") else ["kernel"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_session_config(tmp_path_factory):
+    """The same for what runs before any test's own fixture: module- and session-scoped
+    fixtures (a demo run once per module, a daemon once per session)."""
+    base = tmp_path_factory.mktemp("session-config")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VMLEND_CONFIG", str(base / "vmlend.toml"))
+        mp.setenv("VMLEND_STATE", str(base / "default-state" / "state.db"))
+        mp.setenv("VMLEND_ROOT", str(base / "root"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _private_config(tmp_path, monkeypatch):
     """Every test's configuration file is its own (absent until a test writes it): nothing
@@ -21,6 +33,8 @@ def _private_config(tmp_path, monkeypatch):
     # Nor the machine's state directory: a process given only a registry URL keeps its
     # action log and simulated nodes beside the default state (/var/lib/vmlend as root).
     monkeypatch.setenv("VMLEND_STATE", str(tmp_path / "default-state" / "state.db"))
+    # Nor the machine's host files (etc/vmlend/node, run/vmlend): a host root of its own.
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "host-root"))
 
 
 @pytest.fixture
