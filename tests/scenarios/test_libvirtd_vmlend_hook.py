@@ -169,7 +169,8 @@ def test_the_agent_serves_libvirtds_hook_calls_without_deadlock(
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("VMLEND_") or k == "VMLEND_CONFIG"  # never the machine's
+        # never the machine's config nor host root: the test's own, as the hook has them pinned
+        if not k.startswith("VMLEND_") or k in ("VMLEND_CONFIG", "VMLEND_ROOT")
     }
     env |= {"VMLEND_STATE": str(state_path), "VMLEND_NODE": "gamma"}
     agent = subprocess.Popen(

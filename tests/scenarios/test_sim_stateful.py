@@ -719,18 +719,18 @@ class FabricOnEtcd(FabricMachine):
         return _ETCD[0].url(f"stateful-{uuid.uuid4().hex[:12]}")
 
 
-@pytest.fixture(scope="module")
-def etcd_for_the_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A private etcd and a host root with a published agent lease, for ``FabricOnEtcd``."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+@pytest.fixture
+def etcd_for_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A private etcd and a host root with a published agent lease, for ``FabricOnEtcd`` (one
+    test: after the autouse fixture that gives every test a host root of its own)."""
+    server = EtcdServer(tmp_path / "etcd")
     server.start()
-    root = tmp_path_factory.mktemp("host")
+    root = tmp_path / "host"
     try:
         host_lease(server, root, ttl=3600)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("VMLEND_ROOT", str(root))
-            _ETCD.append(server)
-            yield
+        monkeypatch.setenv("VMLEND_ROOT", str(root))
+        _ETCD.append(server)
+        yield
     finally:
         _ETCD.clear()
         server.stop()

@@ -86,7 +86,17 @@ sys.addaudithook(_audit)
 
 
 def snapshot() -> dict[str, tuple[int, int, int]]:
-    """Every file under the protected directories: (inode, size, mtime)."""
+    """Every file under the protected directories: (inode, size, mtime). Looked at without
+    counting as the running test's touch: this is the guard's own look."""
+    global _touched
+    touched, _touched = _touched, None
+    try:
+        return _walk()
+    finally:
+        _touched = touched
+
+
+def _walk() -> dict[str, tuple[int, int, int]]:
     out = {}
     for top in PROTECTED:
         for dirpath, _dirs, files in os.walk(top):

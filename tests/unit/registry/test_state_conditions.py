@@ -259,6 +259,8 @@ def _as_nobody(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
     # Nor the test's configuration file: it lies in the test's directory, which 65534 cannot
     # enter (an unreadable configuration file is refused).
     env = {k: v for k, v in os.environ.items() if k not in ("VMLEND_STATE", "VMLEND_CONFIG")}
+    # Nor the machine's host root: one of its own beside the state, which 65534 may read.
+    env["VMLEND_ROOT"] = str(state.parent / "root")
     return subprocess.run(
         [sys.executable, "-c", AS_NOBODY, "--state", str(state), *args],
         capture_output=True,
