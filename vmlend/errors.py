@@ -724,3 +724,24 @@ class HookError(VmlendError):
 
 class DemoError(VmlendError):
     """A step of ``vmlend demo`` did not show what it should: the data path misbehaved."""
+
+
+# --- the host agent: which host a node is, one agent per host ------------------------------
+
+
+class AgentIdentityError(ConfigError):
+    """The agent cannot say which host it runs on, or the node name it was given belongs to
+    another host. Nothing was changed."""
+
+
+class AgentRunningError(ConfigError):
+    """Another vmlend agent runs on this host (it holds the host's agent lock)."""
+
+    def __init__(self, lock: str, pid: int | None) -> None:
+        self.lock = lock
+        self.pid = pid
+        who = f" (pid {pid})" if pid else ""
+        super().__init__(
+            f"another vmlend agent runs on this host{who}: it holds {lock}; one agent serves a"
+            " host (stop it first, e.g. 'systemctl stop vmlend-agent')"
+        )

@@ -67,6 +67,11 @@ class HostEnv(msgspec.Struct, frozen=True):
         return self.root / "var"
 
     @property
+    def machine_id_file(self) -> Path:
+        """The host's identity (systemd's machine-id): a node name is bound to it."""
+        return self.etc / "machine-id"
+
+    @property
     def system_state(self) -> Path:
         """Where root keeps vmlend's shared state by default."""
         return self.var / "lib" / "vmlend" / "state.db"

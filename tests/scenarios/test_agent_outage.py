@@ -76,55 +76,48 @@ def outage(private_etcd, tmp_path: Path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_after_an_etcd_outage_longer_than_the_ttl_the_holds_follow_the_new_lease(
+def test_after_an_etcd_outage_longer_than_the_ttl_the_vm_runs_on_holds_of_a_live_lease(
     private_etcd, outage
 ):
-    """etcd is away for longer than the TTL. gamma's agent gives its lease up and takes a new
-    one when etcd returns, but the returning etcd extended the old lease, so the VM's hold is
-    still on it. The hold must move to the new lease, or it vanishes with the old one while
-    the VM runs (and another host gets the device)."""
+    """etcd is away for longer than the TTL: gamma's guard pauses web (its lease is in doubt
+    and then past its end). The returning etcd extended every lease by its TTL, so gamma's is
+    alive: the agent renews it and resumes web once its devices read as its own. Every record
+    of web's hold must be on the lease the agent renews (DESIGN, rule 1: holds follow the
+    lease), or it would vanish later while web runs."""
     url, hosts = outage
     alpha, gamma = hosts["alpha"], hosts["gamma"]
     alpha.start_agent()
     gamma.start_agent("--connect", f"sim:///{gamma.node}")
-    old = json.loads(gamma.lease_file.read_text())["lease"]
     hv = _hv(gamma, url)
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
-    hv.start("web")  # the prepare hook reserves 0x10 under the old lease
+    hv.start("web")  # the prepare hook reserves 0x10 under gamma's lease
+    paused_at = len(gamma.log())
 
     private_etcd.stop()
-    _wait_for("gamma giving its lease up", lambda: "lost its lease" in gamma.log(), gamma)
+    _wait_for("web paused", lambda: "VM web: running -> paused" in gamma.log(), gamma)
+    time.sleep(3.0)  # past the lease's end (TTL 2 s) with etcd away
     private_etcd.start()
-    _wait_for(
-        "the recovery of web",
-        lambda: "after a new lease: VM web" in gamma.log(),
-        gamma,
-    )
-    new = json.loads(gamma.lease_file.read_text())["lease"]
-    assert new != old
+    _wait_for("web resumed", lambda: "VM web: paused -> running" in gamma.log(), gamma)
+    lease = json.loads(gamma.lease_file.read_text())["lease"]
     loc = parse_location(url)
     gw, keys = EtcdGateway(loc.endpoints), Keys(loc.cluster)
     try:
-        # However it ends (revoked at once, or by its TTL), the old lease goes...
-        _wait_for("the old lease ending", lambda: not _lease_alive(gw, old), gamma)
-        # ...and the running VM's hold, and its fence's token, are on the new one.
-        assert _hold_lease(gw, keys, GPU) == new, gamma.log()
-        _rev, [fence] = gw.range(keys.fence(GPU))
-        assert json.loads(fence.value)["token"] == new
-        # ...and so are the hold's claims, its index entry and the VM's mdev record.
+        assert _lease_alive(gw, lease)
+        time.sleep(3.0)  # longer than a TTL: a lease nobody renews would have ended by now
+        assert _lease_alive(gw, lease)
+        assert _hold_lease(gw, keys, GPU) == lease, gamma.log()
         _rev, kvs = gw.range(keys.base, keys.base[:-1] + "0")
         claims = [kv for kv in kvs if kv.key.startswith(keys.claims) and f"/{GPU:#x}/" in kv.key]
         mdevs = [kv for kv in kvs if kv.key.startswith(keys.mdevs_on("gamma"))]
         index = [kv for kv in kvs if kv.key == keys.held_on("gamma", GPU)]
         assert claims and mdevs and index
-        assert {kv.lease for kv in claims + mdevs + index} == {new}
+        assert {kv.lease for kv in claims + mdevs + index} == {lease}
     finally:
         gw.close()
     assert hv.lookup("web").state is DomainState.RUNNING
-    assert "VM web: re-reserved 0x10; resumed" in gamma.log()
-    # The agent's lines say when: the order of events around a lease loss is read from them.
-    [lost] = [line for line in gamma.log().splitlines() if "lost its lease" in line]
-    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z vmlend: agent for gamma", lost), lost
+    # The agent's lines say when: the order of events around an outage is read from them.
+    [doubt] = [ln for ln in gamma.log()[paused_at:].splitlines() if " in doubt: not renewed" in ln]
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z vmlend: lease ", doubt), doubt
 
 
 @pytest.mark.slow
@@ -197,12 +190,12 @@ def test_an_agent_restarted_after_its_lease_ended_pauses_re_reserves_or_unplugs_
     gamma.start_agent("--connect", "sim:///gamma")
     _wait_for(
         "the start-up reconcile",
-        lambda: "start-up reconcile of gamma done" in gamma.log().rsplit("up: lease", 1)[-1],
+        lambda: "start-up reconcile of gamma done" in gamma.log().rsplit("agent for gamma:", 1)[-1],
         gamma,
     )
-    log = gamma.log().rsplit("up: lease", 1)[-1]
-    assert "VM app: re-reserved 0x20; resumed" in log
-    assert "VM web: re-reserved none; lost 0x10 (" in log
+    log = gamma.log().rsplit("agent for gamma:", 1)[-1]
+    assert "VM app: paused -> running: re-reserved 0x20; resumed" in log
+    assert "VM web: paused -> running: re-reserved none; lost 0x10 (" in log
     assert "hot-unplugged the lost devices and resumed" in log
     assert hv.lookup("web").state is DomainState.RUNNING
     assert hv.lookup("app").state is DomainState.RUNNING
@@ -227,7 +220,7 @@ def test_a_borrower_cut_off_from_etcd_pauses_its_vm_and_runs_it_again_after_the_
 
     with cut_off_borrower(private_etcd, tmp_path, "cut", ttl=4) as c:
         cut_to_pause(c)
-        assert "pausing VMs with remote devices" in c.gamma.log()
+        assert "VM web: running -> paused: the lease is in doubt" in c.gamma.log()
         c.proxy.heal()
         _wait_for("web running again", lambda: c.state() is DomainState.RUNNING, c.gamma)
         with open_fabric(c.direct_url, "alpha") as f:
@@ -345,3 +338,41 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
+
+
+def _pauses(host: Host, since: int) -> int:
+    return host.log()[since:].count("-> paused")
+
+
+@pytest.mark.slow
+def test_latency_and_a_busy_cpu_pause_nothing_and_a_real_cut_still_pauses_in_time(
+    private_etcd, tmp_path
+):
+    """Issue 35, point 2: at the documented TTL (10 s), 300 ms added each way between gamma and
+    etcd pauses no VM, nor does a CPU kept busy by three loops beside it; a real cut still
+    pauses the VM within TTL/2 + 1 s. Renewals run on their own thread, and the pause counts
+    from the lease's real end (a keepalive's send time plus the TTL granted)."""
+    from tests.support.partition import cut_off_borrower, cut_to_pause
+
+    ttl = 10
+    with cut_off_borrower(private_etcd, tmp_path, "latency", ttl=ttl) as c:
+        since = len(c.gamma.log())
+        c.proxy.latency = 0.3
+        time.sleep(3 * ttl)
+        assert _pauses(c.gamma, since) == 0, c.gamma.log()[since:]
+        busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(3)]
+        try:
+            time.sleep(3 * ttl)
+            assert _pauses(c.gamma, since) == 0, c.gamma.log()[since:]
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait(10)
+        c.proxy.latency = 0.0
+        took = cut_to_pause(c)
+        # Paused while the lease still lived (its own clock says how much was left), which
+        # the cut-to-pause time (printed; bench/bench_cluster.py measures it) only estimates.
+        paused = r"VM web: running -> paused: .*\((\d+\.\d) s of 10 s left\)"
+        [left] = re.findall(paused, c.gamma.log())
+        print(f"cut to paused: {took:.2f} s; {left} s of the lease left")
+        assert float(left) > 0, c.gamma.log()[since:]

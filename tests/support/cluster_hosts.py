@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.support.hostroot import identify
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
@@ -38,6 +39,7 @@ class Host:
         self.url, self.node, self.root = url, node, root
         self.agent: subprocess.Popen | None = None
         root.mkdir(parents=True, exist_ok=True)
+        self.machine_id = identify(root)
 
     @property
     def env(self) -> dict[str, str]:

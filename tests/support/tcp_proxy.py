@@ -3,7 +3,8 @@
 ``cut()`` makes it a blackhole, as a silent partition is: connections stay open, nothing is
 relayed in either direction and new connections are accepted but never forwarded, so the
 client waits for its own timeout (no refusal, no reset). ``heal()`` relays again; connections
-accepted while cut are forwarded from then on.
+accepted while cut are forwarded from then on. ``latency``: seconds each chunk waits before it
+is relayed, in either direction (a request and its answer: twice that on top).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
 
 
 class TcpProxy:
@@ -21,6 +23,7 @@ class TcpProxy:
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(128)
         self.port = self._listener.getsockname()[1]
+        self.latency = 0.0
         self._open = threading.Event()
         self._open.set()
         self._stop = threading.Event()
@@ -90,6 +93,8 @@ class TcpProxy:
                     data = s.recv(65536)
                     if not data:
                         return
+                    if self.latency:
+                        time.sleep(self.latency)
                     pair[s].sendall(data)
         except OSError:
             return

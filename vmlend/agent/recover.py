@@ -1,10 +1,13 @@
-"""Borrower side, after the host's lease was lost and a new one taken: win back the paused VMs.
+"""Win a paused VM's devices back under the host's current lease.
 
-Every hold of the old lease is gone. For each VM the guard paused, the agent re-reserves its
-devices under the new lease (waiting a bounded time for a lender to take a fenced device back
-first). A device that another host took meanwhile, or that cannot be had, is lost: its hostdev
-is hot-unplugged from the running VM (live only: the persistent definition is the operator's)
-and the VM resumes without it. When even that fails the VM stays paused, and the log says why.
+Used by a VM's worker (``vmlend.agent.guest``) before it resumes a VM it paused, and for a VM
+somebody else paused after the lease changed. Each device the VM uses that the registry does
+not say is its own (its hold went with a lost lease, or never was: a late hot-plug) is
+re-reserved, waiting a bounded time for its lender to take it back first if it is fenced. A
+device another host took meanwhile, or that cannot be had, is lost: its hostdev is hot-unplugged
+from the running domain (live only: the persistent definition is the operator's). The worker
+resumes the VM afterwards; when anything is left undone the VM stays paused and the result says
+why.
 """
 
 from __future__ import annotations
@@ -12,12 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from uuid import UUID
 
 import msgspec
 from lxml import etree
 
-from vmlend.agent.guard import resume_if_paused
 from vmlend.domain import (
     METADATA_KEY,
     NAMESPACE_URI,
@@ -26,20 +27,18 @@ from vmlend.domain import (
     read_domain,
     remove_device,
 )
-from vmlend.domain.info import DomainXMLInfo
 from vmlend.domain.model import DomainXML
 from vmlend.errors import (
     DeviceFencedError,
     DomainOperationError,
     LeaseExpiredError,
-    LibvirtError,
     RegistryUnreachableError,
     UnknownDomainError,
     VmlendError,
 )
 from vmlend.fabric.base import Fabric
 from vmlend.hook.domainview import read_hook_domain
-from vmlend.hypervisor.base import DomainState, Hypervisor
+from vmlend.hypervisor.base import Hypervisor
 from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, return_device
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.unplug import live_has_hostdev
@@ -50,10 +49,10 @@ log = logging.getLogger(__name__)
 
 
 class VmRecovery(msgspec.Struct):
-    """What became of one paused VM: ``outcome`` is "resumed", "unplugged" (lost devices
-    removed, then resumed), "kept-paused" (an operator's pause: its devices re-reserved or
-    unplugged, the VM left paused), "stopped" (it stopped while being recovered: nothing kept
-    for it) or "paused" (not done: ``why`` says why it stays so)."""
+    """What became of one VM's devices: ``outcome`` is "resumed" (all its own again),
+    "unplugged" (lost devices removed), "kept-paused" (paused by somebody else: its devices
+    re-reserved or unplugged, left paused), "stopped" (it stopped meanwhile: nothing kept for
+    it) or "paused" (not done: ``why`` says why it stays so)."""
 
     vm: str
     regained: list[int] = msgspec.field(default_factory=list)
@@ -75,18 +74,33 @@ class VmRecovery(msgspec.Struct):
             return f"VM {self.vm}: {self.why}"
         if self.outcome == "kept-paused":
             done = " (its lost devices hot-unplugged)" if self.lost else ""
-            return text + f"; stays paused: an operator paused it{done}"
+            return text + f"; stays paused: somebody else paused it{done}"
         return text + f"; stays paused: {self.why}"
 
 
-#: What the operator of a VM left paused with a device it lost should know.
-_OPERATORS = (
-    "an operator paused it: it stays paused and the agent tries again later; do not resume it"
-    " before 'vmlend reconcile' shows it clean (or stop it)"
-)
+def unheld(hv: Hypervisor, fabric: Fabric, name: str) -> list[int]:
+    """The devices VM ``name`` uses that the registry does not say are its own (read now).
+    A queue-level NVMe share is held by its lender's manager, not by the VM: not counted."""
+    dom = read_hook_domain(hv.xml(name), strict=False)
+    if dom is None:
+        return []
+    holder = holder_for(fabric, name, dom.uuid or hv.lookup(name).uuid)
+    out = []
+    for dev in dom.devices:
+        if dev.share is not None:
+            continue
+        held = fabric.device(dev.fdid).holder
+        if held is None or not same_holder(held, holder):
+            out.append(dev.fdid)
+    return out
 
 
-class LostLeaseRecovery:
+class WinBack:
+    """Re-reserves or unplugs a paused VM's devices (``run``). ``in_time`` says whether the
+    lease this runs under is still the one to write under (checked between devices: a lease
+    lost meanwhile takes what was re-reserved with it, and unplugging then would take a device
+    from a guest that may win it back under the next)."""
+
     def __init__(
         self,
         hv: Hypervisor,
@@ -94,181 +108,101 @@ class LostLeaseRecovery:
         *,
         fence_wait: float,
         interval: float,
+        in_time: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        resume_gate: Callable[[str, Callable[[], None]], bool] | None = None,
-        park: Callable[[str], None] | None = None,
-        keep_alive: Callable[[], None] = lambda: None,
-        retry: Callable[[str], None] | None = None,
-        take_back: Callable[[], None] = lambda: None,
-        resume: Callable[[str], None] | None = None,
-        unmark: Callable[[str], None] = lambda _name: None,
     ) -> None:
-        #: Resumes a paused VM (``UnknownDomainError``: gone); by default straight on the
-        #: hypervisor, in the agent with its pause mark dropped (``RemoteVmGuard``).
-        self._resume_vm = resume or (lambda name: resume_if_paused(hv, name))
-        #: The VM is gone: it needs no pause mark any more (in the agent, its mark is dropped
-        #: unless it is paused again by then: ``RemoteVmGuard.unmark_unless_paused``).
-        self._unmark = unmark
-        #: Takes back this host's own fenced devices (lent to its own VMs): nobody else will
-        #: while the recovery holds up the agent's loop.
-        self._take_back = take_back
         self._hv = hv
-        #: Hands a VM back for another recovery soon (``LeaseWatch.orphan``).
-        self._retry = retry
-        #: Renews the lease if due: the recovery runs on the agent's loop and may wait for
-        #: lenders for longer than the lease lives.
-        self._keep_alive = keep_alive
-        #: Keeps a VM paused for the recovery under the next lease (``LeaseWatch.park``): the
-        #: lease this recovery writes under ended before the VM was won back.
-        self._park = park
-        #: Resumes a VM only while the lease is not in doubt (``LeaseWatch.resume_if_fresh``):
-        #: the recovery runs on the agent's loop, which renews nothing meanwhile, so by the time
-        #: a VM is won back the new lease may be about to end with the holds just taken.
-        self._resume_gate = resume_gate
         self._fabric = fabric
-        #: How long to wait for a lender to take back a device fenced under the old lease.
         self._fence_wait = fence_wait
         self._interval = interval
+        self._in_time = in_time
         self._clock = clock
         self._sleep = sleep
 
-    def recover(self, names: list[str], *, leave_paused: bool = False) -> list[VmRecovery]:
-        """Win back each of ``names``. ``leave_paused``: VMs an operator paused (no agent's
-        pause mark): their devices are re-reserved or unplugged all the same, so that the
-        operator's resume, which no hook or agent sees, cannot run a guest on a device another
-        host holds; they stay paused ("kept-paused"). One that cannot be done now stays
-        "paused", not handed to ``retry`` or ``park`` (those end in a resume): the agent
-        tries it again as an operator's (``Agent._recover_operators``)."""
-        out = []
-        for name in names:
-            self._keep_alive()
-            try:
-                result = self._recover_one(name, leave_paused)
-            except UnknownDomainError:
-                result = VmRecovery(name, outcome="stopped", why="it is gone")
-                self._unmark(name)
-            except LibvirtError as e:  # the hypervisor failed (a job timeout): try again
-                result = VmRecovery(name, why=f"{e}; tried again")
-                if leave_paused:
-                    result.why = f"{e}; {_OPERATORS}"
-                elif self._retry is not None:
-                    self._retry(name)
-            except VmlendError as e:  # its XML unreadable, say: nothing more to try
-                result = VmRecovery(name, why=f"{e}; {_OPERATORS}" if leave_paused else str(e))
-            log.warning("after a new lease: %s", result.describe())
-            out.append(result)
-        return out
-
-    def _recover_one(self, name: str, leave_paused: bool = False) -> VmRecovery:
+    def run(self, name: str, *, leave_paused: bool) -> VmRecovery:
+        """Win back ``name``'s devices; ``leave_paused``: it is somebody else's pause (its
+        hostdevs must be gone for a lost device to count as unplugged: a paused guest cannot
+        finish a live detach). ``UnknownDomainError`` is "stopped"."""
         result = VmRecovery(name)
-        live = self._hv.xml(name)
-        dom = read_hook_domain(live, strict=False)
-        if dom is not None:
-            holder = holder_for(self._fabric, name, dom.uuid or self._hv.lookup(name).uuid)
-            for dev in dom.devices:
-                try:
-                    self._acquire(holder, dev.fdid, str(dev.mdev), dom.memory_bytes or 0)
-                    result.regained.append(dev.fdid)
-                except RegistryUnreachableError as e:
-                    # Not lost, unknown: the device may still be ours. Stay paused, and try
-                    # again on the agent's next turn.
-                    result.why = (
-                        f"the registry cannot be reached to re-reserve it ({e}); tried again"
-                    )
-                    if leave_paused:
-                        result.why = f"the registry cannot be reached ({e}); {_OPERATORS}"
-                    elif self._retry is not None:
-                        self._retry(name)
-                    return result
-                except LeaseExpiredError:
-                    # The lease ended under us (the agent froze again): not this device is
-                    # lost but the lease, and what was re-reserved went with it. Unplugging
-                    # now would take a device from a guest that may win it back.
-                    result.regained.clear()
-                    result.why = (
-                        "this host's lease ended while its devices were re-reserved; the"
-                        " recovery under the next lease tries again"
-                    )
-                    if leave_paused:
-                        result.why = f"this host's lease ended meanwhile; {_OPERATORS}"
-                    elif self._park is not None:
-                        self._park(name)
-                    return result
-                except VmlendError as e:
-                    result.lost[dev.fdid] = str(e)
-            if not self._still_there(name):
-                # Stopped while we re-reserved (an admin's destroy, a crash): its release ran
-                # before our reserves, or will not run again. Give back what we took for it.
-                for dev in dom.devices:
-                    if dev.fdid in result.regained:
-                        return_device(self._fabric, holder, dev.fdid, str(dev.mdev))
-                result.regained.clear()
-                result.outcome = "stopped"
-                result.why = "it stopped meanwhile; the devices re-reserved for it are returned"
-                self._unmark(name)
+        try:
+            return self._run(name, result, leave_paused)
+        except UnknownDomainError:
+            result.outcome, result.why = "stopped", "it is gone"
+        except VmlendError as e:  # the hypervisor or the registry failed: tried again
+            result.outcome, result.why = "paused", f"{e}; tried again"
+        return result
+
+    def _run(self, name: str, result: VmRecovery, leave_paused: bool) -> VmRecovery:
+        dom = read_hook_domain(self._hv.xml(name), strict=False)
+        if dom is None:
+            result.outcome = "kept-paused" if leave_paused else "resumed"
+            return result
+        holder = holder_for(self._fabric, name, dom.uuid or self._hv.lookup(name).uuid)
+        missing = set(unheld(self._hv, self._fabric, name))
+        for dev in dom.devices:
+            if dev.fdid not in missing:
+                continue
+            if not self._in_time():
+                result.why = "the lease changed meanwhile; tried again under the next"
                 return result
-        if result.lost:
             try:
-                # a paused guest cannot let go of a hostdev: for one left paused, the unplug
-                # counts only once the hostdev is gone (the agent's own resume at once)
-                self._unplug(name, list(result.lost), require_gone=leave_paused)
+                self._acquire(holder, dev.fdid, str(dev.mdev), dom.memory_bytes or 0)
+                result.regained.append(dev.fdid)
+            except RegistryUnreachableError as e:
+                # Not lost, unknown: the device may still be ours. Stay paused, try again.
+                result.why = f"the registry cannot be reached to re-reserve it ({e}); tried again"
+                return result
+            except LeaseExpiredError:
+                result.regained.clear()
+                result.why = "this host's lease ended meanwhile; tried again under the next"
+                return result
+            except VmlendError as e:
+                result.lost[dev.fdid] = str(e)
+        if not self._hv.lookup(name).active:
+            # Stopped meanwhile (an admin's destroy, a crash): its release ran before our
+            # reserves, or will not run again. Give back what was taken for it.
+            for dev in dom.devices:
+                if dev.fdid in result.regained:
+                    return_device(self._fabric, holder, dev.fdid, str(dev.mdev))
+            result.regained.clear()
+            result.outcome = "stopped"
+            result.why = "it stopped meanwhile; the devices re-reserved for it are returned"
+            return result
+        if result.lost:
+            if not self._in_time():
+                result.why = "the lease changed meanwhile; tried again under the next"
+                return result
+            try:
+                self.unplug(name, list(result.lost), require_gone=leave_paused)
             except UnknownDomainError:
-                raise  # gone meanwhile: "stopped", as ``recover`` says
+                raise
             except VmlendError as e:
                 result.why = f"could not hot-unplug its lost devices: {e}"
-                if leave_paused:
-                    result.why += f"; {_OPERATORS}"
                 return result
         if leave_paused:
             result.outcome = "kept-paused"
-            return result
-        if not self._resume(name):
-            result.why = (
-                "the new lease was not renewed for half its TTL meanwhile, or a plug request"
-                " is plugging devices into it; resumed after the next renewal, or recovered"
-                " again once the plug is done"
-            )
-            return result
-        result.outcome = "unplugged" if result.lost else "resumed"
+        else:
+            result.outcome = "unplugged" if result.lost else "resumed"
         return result
-
-    def _still_there(self, name: str) -> bool:
-        """Whether the VM still runs here (paused by us or not): its holds are wanted. A
-        hypervisor that cannot say raises (the recovery is tried again): returning the holds
-        of a VM that runs would leave it paused without them."""
-        try:
-            return self._hv.lookup(name).active
-        except UnknownDomainError:
-            return False
-
-    def _resume(self, name: str) -> bool:
-        # a VM a late resume ran (``LeaseWatch.take_orphans``) may run already
-        if self._resume_gate is None:
-            self._resume_vm(name)
-            return True
-        return self._resume_gate(name, lambda: self._resume_vm(name))
 
     def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
         deadline = self._clock() + self._fence_wait
         while True:
             try:
-                acquire_device(self._fabric, holder, fdid, mdev, UndoJournal(), guest_ram=guest_ram)
+                acquire_device(
+                    self._fabric, holder, fdid, mdev, UndoJournal(), guest_ram=guest_ram
+                )
                 return
             except (DeviceFencedError, RegistryUnreachableError):
-                # Fenced under our old lease: the lender's agent takes it back within its
-                # scan interval; after that it is ours again unless someone else is faster.
-                # etcd away again: wait for it as long.
-                if self._clock() >= deadline:
+                # Fenced under our old lease: its lender's agent takes it back within its scan
+                # interval, and then it is ours again unless someone else is faster. etcd away
+                # again: wait for it as long.
+                if self._clock() >= deadline or not self._in_time():
                     raise
                 self._sleep(self._interval)
-                self._keep_alive()
-                try:
-                    self._take_back()
-                except Exception as e:  # another device's take-back: not this one's failure
-                    log.warning("taking back this host's fenced devices failed: %s", e)
 
-    def _unplug(self, name: str, fdids: list[int], *, require_gone: bool = False) -> None:
+    def unplug(self, name: str, fdids: list[int], *, require_gone: bool = False) -> None:
         """Remove the hostdevs and metadata entries of ``fdids`` from the running domain.
         ``require_gone``: a hostdev still there after its detach (libvirt's live detach only
         asks the guest, and a paused one cannot answer) is an error, with its metadata entry
@@ -305,59 +239,5 @@ class LostLeaseRecovery:
                 self._fabric.remove_mdev(str(device.mdev))
             except VmlendError as e:
                 log.warning("could not remove mdev %s of %s: %s", device.mdev, name, e)
-            log.warning("VM %s: hot-unplugged lost device %s", name, format_fdid(fdid))
+            log.info("VM %s: hot-unplugged lost device %s", name, format_fdid(fdid))
         read_domain(self._hv.xml(name), strict=False)  # what is left still parses
-
-
-def vms_without_their_holds(hv: Hypervisor, fabric: Fabric) -> list[str]:
-    """The running or paused VMs here that use a device the registry does not say is
-    theirs: this host's lease ended while its agent was down, so the holds went with it (and
-    another host may hold the device by now). They take the lost-lease path at start-up.
-    Paused ones too: this agent's watch may have paused one while it started up."""
-    # The domains first, then the holds: a VM listed as running had its prepare hook (which
-    # reserves) done before, so its holds are in any later read.
-    active = (DomainState.RUNNING, DomainState.PAUSED)
-    running = [i for i in hv.list_domains() if i.state in active]
-    holders = {st.fdid: st.holder for st in fabric.devices()}
-    out = []
-    for info in running:
-        try:
-            dom = read_hook_domain(hv.xml(info.name), strict=False)
-        except UnknownDomainError:  # gone meanwhile
-            continue
-        except VmlendError as e:  # unknown: suspect (paused and recovered, which retries)
-            log.warning("could not read VM %s to check its holds: %s", info.name, e)
-            out.append(info.name)
-            continue
-        if dom is not None and _uses_unheld(fabric, info.name, dom, info.uuid, holders.get):
-            out.append(info.name)
-    return out
-
-
-def lacks_holds(hv: Hypervisor, fabric: Fabric, name: str) -> bool:
-    """Whether VM ``name`` uses a device the registry does not say is its own (checked right
-    before a renewal resumes it: whatever the bookkeeping says, a VM must not run on a device
-    whose hold went with a lost lease)."""
-    dom = read_hook_domain(hv.xml(name), strict=False)
-    if dom is None:
-        return False
-    uuid = dom.uuid or hv.lookup(name).uuid
-    return _uses_unheld(fabric, name, dom, uuid, lambda f: fabric.device(f).holder)
-
-
-def _uses_unheld(
-    fabric: Fabric,
-    name: str,
-    dom: DomainXMLInfo,
-    uuid: UUID | str,
-    held_by: Callable[[int], Holder | None],
-) -> bool:
-    """Whether VM ``name`` (``dom``) uses a device that ``held_by`` says is not its own."""
-    holder = holder_for(fabric, name, dom.uuid or uuid)
-    for dev in dom.devices:
-        if dev.share is not None:  # a queue-level share: the lender's manager holds it
-            continue
-        held = held_by(dev.fdid)
-        if held is None or not same_holder(held, holder):
-            return True
-    return False

@@ -22,6 +22,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Serve the libvirt hook and, on a cluster registry, hold this host's lease and take "
         "back devices whose borrower's lease ended.",
     ),
+    "drain": (
+        "cmd_agent",
+        "Decommission this host's agent: give up its lease (every record of the host goes with"
+        " it) and its node name.",
+    ),
     "attach": (
         "cmd_attach",
         "Attach remote device FDID to VM (default: live if running, else its definition).",

@@ -13,10 +13,11 @@ from pathlib import Path
 from types import FrameType
 
 import click
+import msgspec
 
 from vmlend.agent.metrics import AgentMetrics, MetricsServer, parse_address
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
-from vmlend.cli.common import Seconds, hook_socket_option
+from vmlend.cli.common import Seconds, emit_action, hook_socket_option, json_option
 from vmlend.cli.connect import open_hv
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
@@ -61,6 +62,12 @@ log = logging.getLogger(__name__)
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (LUT and window use, holds,"
     " fences, lease age, hook calls) [default: not served].",
 )
+@click.option(
+    "--take-over",
+    is_flag=True,
+    help="Bind the node name to this host although another host's machine-id holds it (a"
+    " reinstalled or replaced host), once that host's lease has expired.",
+)
 @click.pass_obj
 def agent_cmd(
     obj: CliContext,
@@ -69,14 +76,19 @@ def agent_cmd(
     uri: str | None,
     hook_socket: Path | None,
     metrics_at: str | None,
+    take_over: bool,
 ) -> None:
     """Serve the libvirt hook and, on a cluster registry, hold this host's lease and take back
     devices whose borrower's lease ended.
 
     The hook is served on <root>/run/vmlend/hook.sock (the installed hook forwards to it). On
     an SQLite registry the agent only serves the hook: no lease, no fencing scan. Runs in the
-    foreground until SIGTERM or SIGINT."""
+    foreground until SIGTERM or SIGINT, which keep the lease for the next agent (a restart
+    disturbs no VM; 'vmlend drain' gives the lease up); SIGHUP re-reads the registry's
+    endpoints from the configuration file."""
     _timestamped()
+    # A service says what it decides, one sentence each (WARNING is for trouble).
+    logging.getLogger("vmlend").setLevel(min(logging.getLogger("vmlend").level or 20, 20))
     _to_system_log(obj.root)
     on_etcd = obj.registry is not None and obj.registry.startswith(("etcd://", "etcds://"))
     host = HostEnv.from_env(obj.root)
@@ -106,7 +118,7 @@ def agent_cmd(
     if scrape is not None:
         scrape.start()
     try:
-        _serve(obj, node, on_etcd, uri, ttl, interval, host, server, metrics)
+        _serve(obj, node, on_etcd, uri, ttl, interval, host, server, metrics, take_over)
     finally:
         if scrape is not None:
             scrape.stop()
@@ -122,14 +134,20 @@ def _serve(
     host: HostEnv,
     server: HookServer,
     metrics: AgentMetrics,
+    take_over: bool = False,
 ) -> None:
     stop_event = threading.Event()
+    reload_event = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
         stop_event.set()
 
+    def reload(signum: int, frame: FrameType | None) -> None:
+        reload_event.set()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)
     if not on_etcd:
         log.warning(
             "agent on the SQLite registry %s: serving the hook only (no lease, no fencing scan;"
@@ -159,10 +177,23 @@ def _serve(
             hypervisor=hv,
             hook_server=server,
             metrics=metrics,
+            host=host,
+            take_over=take_over,
+            reload=lambda: _registry_in_file(obj),
         )
     )
     agent.stop_event = stop_event
+    agent.reload_event = reload_event
     sys.exit(agent.run())
+
+
+def _registry_in_file(obj: CliContext) -> str | None:
+    """The registry URL the configuration file names now (SIGHUP), if any."""
+    from vmlend.config import config_path, read_config
+
+    path = config_path(str(obj.config_path) if obj.config_path else None, root=obj.root)
+    value = read_config(path).get("registry")
+    return value if isinstance(value, str) else None
 
 
 def _hook_env(obj: CliContext, node: str | None) -> dict[str, str]:
@@ -178,7 +209,60 @@ def _hook_env(obj: CliContext, node: str | None) -> dict[str, str]:
     return env
 
 
-COMMANDS = [agent_cmd]
+@click.command("drain")
+@click.option(
+    "-c",
+    "--connect",
+    "uri",
+    metavar="URI",
+    help="This host's hypervisor: drain refuses while a VM here uses a remote device.",
+)
+@json_option
+@click.pass_obj
+def drain_cmd(obj: CliContext, uri: str | None, json_output: bool) -> None:
+    """Decommission this host's agent: give up its lease (every record of the host goes with
+    it) and its node name. Run with the agent stopped, once no VM here uses a remote device;
+    a stop or restart of the agent keeps the lease, so only this gives it up."""
+    from vmlend.agent.drain import drain, vms_with_remote_devices
+    from vmlend.agent.identity import HostLock, machine_id
+    from vmlend.registry.session import EtcdSession
+
+    host = HostEnv.from_env(obj.root)
+    node = obj.node or host.configured_node()
+    if not node:
+        raise ConfigError("'vmlend drain' needs --node, VMLEND_NODE or etc/vmlend/node")
+    uri = uri or obj.uri
+    with obj.fabric() as fabric:
+        registry = getattr(fabric, "registry", None)
+        if registry is None or not hasattr(registry, "gateway"):
+            raise ConfigError("'vmlend drain' drains a host of a cluster registry (etcd)")
+        running = None
+        if uri:
+            lenders = {d.fdid: d.lender for d in fabric.topology().devices}
+            running = vms_with_remote_devices(open_hv(obj, uri), node, lenders)
+        else:
+            click.echo(
+                "vmlend: no hypervisor given (-c URI): not checked whether VMs here use remote"
+                " devices",
+                err=True,
+            )
+        session = EtcdSession(registry.gateway, registry.keys, node)
+        done = drain(
+            session,
+            HostLock.of(host),
+            hostlease.lease_path(host),
+            machine_id(host),
+            running,
+        )
+    if json_output:
+        action = "drained" if done.revoked or done.unbound else "unchanged"
+        emit_action(action, **msgspec.to_builtins(done))
+        return
+    for line in done.lines:
+        click.echo(line)
+
+
+COMMANDS = [agent_cmd, drain_cmd]
 
 
 def _to_system_log(root: Path | None) -> None:

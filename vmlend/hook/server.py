@@ -153,6 +153,10 @@ class HookServer:
         self._threads: list[threading.Thread] = []
         self.served = 0  # calls run (for logs and tests)
         self.observe = observe
+        #: Asked before each call is run, with its operation and domain name (the agent: a
+        #: prepare announces its VM to the guard): a refusal to answer the hook with, or None.
+        #: It must never wait on libvirt (the deadlock rule above).
+        self.before: Callable[[str, str], str | None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,7 +169,7 @@ class HookServer:
         ]
         for t in self._threads:
             t.start()
-        log.warning("serving the libvirt hook on %s", self.path)
+        log.info("serving the libvirt hook on %s", self.path)
 
     def stop(self) -> None:
         """Remove the socket (no new connections: those hooks run in-process), take what the
@@ -181,7 +185,7 @@ class HookServer:
         self._calls.put(None)
         self._threads[1].join()
         self._place.release()
-        log.warning("stopped serving the hook (%d call(s) served)", self.served)
+        log.info("stopped serving the hook (%d call(s) served)", self.served)
 
     def check_free(self) -> None:
         """ConfigError when the socket's directory is unsafe or another agent serves the hook
@@ -272,11 +276,24 @@ class HookServer:
             if _harmful_alone(call.argv) and _hook_gone(call.conn):
                 self._skip(call)
             else:
-                code, out, err = self._execute(call)
+                refusal = self._ask_before(call)
+                if refusal is not None:
+                    code, out, err = 1, b"", f"vmlend: {refusal}\n"
+                else:
+                    code, out, err = self._execute(call)
                 self.served += 1
                 call.conn.settimeout(WRITE_TIMEOUT)
                 _send(call.conn, wire.encode_answer(code, out, err))  # the hook may be gone
             call.conn.close()
+
+    def _ask_before(self, call: _Call) -> str | None:
+        if self.before is None or not call.argv:
+            return None
+        try:
+            return self.before(_op(call.argv), call.argv[0])
+        except Exception:  # never the reason a call goes unanswered
+            log.exception("hook call %s: the agent's check before it failed", call.argv)
+            return None
 
     def _skip(self, call: _Call) -> None:
         """The hook of this prepare, migrate or restore exited 1 already (it timed out), so

@@ -18,8 +18,6 @@ writes it again.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,17 +30,13 @@ from vmlend.hypervisor import Hypervisor
 from vmlend.ops.attach import attach_live
 from vmlend.ops.live_state import LiveDevice
 from vmlend.ops.unplug import DetachWait
-from vmlend.registry.etcd_gateway import b64
 from vmlend.registry.etcd_store import EtcdRegistry
+from vmlend.registry.plugs import PlugStore
 from vmlend.topology.model import format_fdid
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-
-#: Seconds the source waits for the destination's agent by default.
-DEFAULT_PLUG_TIMEOUT = 120.0
-
 
 class PlugOutcome(msgspec.Struct, frozen=True):
     """What became of one device: plugged, or not and why."""
@@ -72,60 +66,47 @@ _decoder = msgspec.json.Decoder(PlugRequest)
 
 
 class PlugRequests:
-    """The plug requests of one cluster registry."""
+    """The plug requests of one cluster registry, as ``PlugRequest`` values."""
 
     def __init__(self, registry: EtcdRegistry) -> None:
-        self.gateway = registry.gateway
-        self.keys = registry.keys
+        self.store = PlugStore(registry)
 
     def agent_serves(self, node: str) -> bool:
-        """Whether ``node``'s agent holds its lease (its ``hosts/<node>`` key lives on it) and
-        serves plug requests (it was given the host's hypervisor, ``vmlend agent -c``)."""
-        _rev, kvs = self.gateway.range(self.keys.host(node))
-        if not kvs:
-            return False
-        try:
-            return bool(json.loads(kvs[0].value).get("plugs", False))
-        except (ValueError, AttributeError):
-            return False
+        return self.store.agent_serves(node)
 
     def post(self, req: PlugRequest) -> None:
         """Write ``req`` (without an outcome), replacing any earlier request for its VM."""
         req = msgspec.structs.replace(req, outcome=None)
-        key = self.keys.plug(req.node, req.id)
-        self.gateway.call("kv/put", {"key": b64(key), "value": b64(_encoder.encode(req))})
+        self.store.put(req.node, req.id, _encoder.encode(req))
 
     def pending(self, node: str) -> list[tuple[PlugRequest, int]]:
         """The requests for ``node`` not served yet, each with its key's mod revision."""
-        prefix = self.keys.plugs_on(node)
-        _rev, kvs = self.gateway.range(prefix, prefix[:-1] + "0")
         out = []
-        for kv in kvs:
+        for key, value, rev in self.store.on(node):
             try:
-                req = _decoder.decode(kv.value)
-            except msgspec.ValidationError as e:
-                log.warning("ignoring a malformed plug request at %s: %s", kv.key, e)
+                req = _decoder.decode(value)
+            except msgspec.DecodeError as e:  # not JSON, or not a request
+                log.warning("ignoring a malformed plug request at %s: %s", key, e)
                 continue
             if req.outcome is None:
-                out.append((req, kv.mod_revision))
+                out.append((req, rev))
         return out
 
     def answer(self, req: PlugRequest, mod_revision: int) -> bool:
         """Write the outcome into ``req``'s key unless the source replaced or deleted it since
         it was read (then: False, and the new one is served on the next pass)."""
-        key = b64(self.keys.plug(req.node, req.id))
-        ok, _rev = self.gateway.txn(
-            [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}],
-            [{"request_put": {"key": key, "value": b64(_encoder.encode(req))}}],
-        )
-        return ok
+        return self.store.replace(req.node, req.id, _encoder.encode(req), mod_revision)
 
     def read(self, node: str, request_id: str) -> PlugRequest | None:
-        _rev, kvs = self.gateway.range(self.keys.plug(node, request_id))
-        return _decoder.decode(kvs[0].value) if kvs else None
+        value = self.store.get(node, request_id)
+        return _decoder.decode(value) if value is not None else None
 
     def drop(self, node: str, request_id: str) -> None:
-        self.gateway.call("kv/deleterange", {"key": b64(self.keys.plug(node, request_id))})
+        self.store.drop(node, request_id)
+
+
+#: Seconds the source waits for the destination's agent by default.
+DEFAULT_PLUG_TIMEOUT = 120.0
 
 
 def serve_plug_request(
@@ -171,10 +152,6 @@ def serve_plug_request(
     return out
 
 
-def _nothing() -> None:
-    pass
-
-
 def _refusal(hv: Hypervisor, req: PlugRequest, node: str) -> str | None:
     if req.node != node:
         return f"the request is for node {req.node}, not {node}"
@@ -189,32 +166,32 @@ def _refusal(hv: Hypervisor, req: PlugRequest, node: str) -> str | None:
     return None
 
 
-def serve_plug_requests(
-    requests: PlugRequests,
-    hv: Hypervisor,
-    fabric: Fabric,
-    *,
-    wait: DetachWait | None = None,
-    around: Callable[[str], contextlib.AbstractContextManager[Callable[[], None]]] | None = None,
-) -> list[PlugRequest]:
-    """One pass of the agent: serve every pending request for this node; the ones answered.
-    ``around(vm)``: a context around each request's plugging, yielding what to call after
-    each device plugged (the agent's lease watch: it pauses the VM again if the lease came in
-    doubt or was lost while it plugged, and resumes nothing of it meanwhile)."""
-    served = []
-    for req, rev in requests.pending(fabric.local_node):
-        log.warning(
-            "plug request %s: plugging %d device(s) into %s", req.id, len(req.devices), req.vm
+#: Plugs one request's devices and says what became of each (in the agent: on the VM's own
+#: worker, ``vmlend.agent.guest.Guest.submit``).
+Plugger = Callable[[PlugRequest], list[PlugOutcome]]
+
+
+def plug_here(hv: Hypervisor, fabric: Fabric, wait: DetachWait | None = None) -> Plugger:
+    """Plug a request's devices on this host's ``hv`` and ``fabric`` (``serve_plug_request``)."""
+
+    def plug(req: PlugRequest) -> list[PlugOutcome]:
+        return serve_plug_request(
+            hv, fabric, req, wait=wait, progress=lambda m: log.info("plug request: %s", m)
         )
-        with around(req.vm) if around is not None else contextlib.nullcontext(_nothing) as done:
-            outcome = serve_plug_request(
-                hv,
-                fabric,
-                req,
-                wait=wait,
-                progress=lambda m: log.warning("plug request: %s", m),
-                plugged=done,
-            )
+
+    return plug
+
+
+def serve_plug_requests(requests: PlugRequests, node: str, plug: Plugger) -> list[PlugRequest]:
+    """One pass of the agent: serve every pending request for ``node`` through ``plug``; the
+    ones answered."""
+    served = []
+    for req, rev in requests.pending(node):
+        log.info("plug request %s: plugging %d device(s) into %s", req.id, len(req.devices), req.vm)
+        try:
+            outcome = plug(req)
+        except Exception as e:  # the VM's worker ended, or the plug failed as a whole
+            outcome = [PlugOutcome(d.fdid, False, str(e)) for d in req.devices]
         answered = msgspec.structs.replace(req, outcome=outcome)
         if requests.answer(answered, rev):
             served.append(answered)

@@ -17,8 +17,9 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
   written with every hold, without a lease, removed with it by a normal release (so a hold
   that vanished by lease expiry leaves a fence that only the lender's agent removes);
 - ``hosts/<node>``: the host's agent is alive (attached to its lease); ``agents/<node>``: the
-  node runs an agent (no lease; removed by a clean stop), so ``agents`` without ``hosts``
-  means its agent stopped uncleanly and the node's devices are unavailable;
+  node runs an agent, bound to its host's machine-id (no lease; removed by ``vmlend drain``),
+  so ``agents`` without ``hosts`` means its agent is not running (stopped or dead, not
+  drained) and the node's devices are unavailable;
 - ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
   reserve reads exactly the claims of the adapters on its path;
 - ``units/<adapter>/<lut|seg>-blocks/<start>/<size>``: the LUT entries or window segments in

@@ -40,7 +40,10 @@ from vmlend.registry.records import (
 )
 from vmlend.topology.model import Holder
 
-_AGENT_GONE = "its vmlend agent stopped uncleanly, it has no live lease; start the agent there"
+_AGENT_GONE = (
+    "its vmlend agent is not running (stopped or dead: it has no live lease); start the agent"
+    " there, or decommission the node with 'vmlend drain'"
+)
 
 
 #: Per topology digest, each adapter's usable LUT entries and segments (``EtcdTxn._capacity``):

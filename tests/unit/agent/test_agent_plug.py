@@ -20,6 +20,7 @@ import pytest
 from tests.support.cluster_hosts import domain_xml
 from tests.support.etcd_daemon import host_lease
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
+from tests.support.hostroot import identify
 from tests.support.simfabric import make_fabric
 from vmlend.agent.service import Agent, AgentConfig
 from vmlend.domain import mdev_uuid, read_domain
@@ -57,6 +58,7 @@ class KernelHost:
         populate_smartio(self.smartio, topo)
         self.hv_dir = hv_dir
         self.lease_file = hostlease.lease_path(HostEnv(root))
+        identify(root)
 
     def fabric(self) -> SmartioFabric:
         registry = open_registry(self.url, self.lease_file)
@@ -90,7 +92,6 @@ class AgentThread:
         *,
         ttl: int = 10,
         hv: Callable[[], Hypervisor] | None = None,
-        agent_class: type[Agent] = Agent,
     ) -> None:
         self.notifier = ReadyNotifier()
         cfg = AgentConfig(
@@ -102,8 +103,9 @@ class AgentThread:
             hypervisor=(hv or host.hv) if hypervisor else None,
             fabric=host.fabric,
             notifier=self.notifier,
+            host=HostEnv(host.root),
         )
-        self.agent = agent_class(cfg)
+        self.agent = Agent(cfg)
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
 
     def __enter__(self) -> Agent:
@@ -297,16 +299,6 @@ def test_without_an_agent_that_plugs_on_the_destination_nothing_is_changed(hosts
     assert load_journal(tmp_path, "vm1") is None and plug_keys(gamma) == []
 
 
-class CountingAgent(Agent):
-    def __init__(self, config: AgentConfig) -> None:
-        super().__init__(config)
-        self.renewals = 0
-
-    def _renew(self, lease) -> None:  # type: ignore[no-untyped-def]
-        super()._renew(lease)
-        self.renewals += 1
-
-
 class StuckHotPlug:
     """``host``'s hypervisor (``hv``, for its agent) with a hot-plug that hangs until
     ``answer`` is set: ``attaching`` once it hangs, ``landed`` once the device is in."""
@@ -337,8 +329,7 @@ def test_a_plug_the_hypervisor_does_not_answer_holds_up_no_renewal(hosts, tmp_pa
     running_on_gamma(gamma, (GPU,))
     stuck = StuckHotPlug(beta)
     # a TTL of 2 s: renewed every 2/3 s
-    with AgentThread(beta, ttl=2, hv=stuck.hv, agent_class=CountingAgent) as agent:
-        assert isinstance(agent, CountingAgent)
+    with AgentThread(beta, ttl=2, hv=stuck.hv) as agent:
         result: list[object] = []
         migration = threading.Thread(target=lambda: result.append(migrate(gamma, beta, tmp_path)))
         try:

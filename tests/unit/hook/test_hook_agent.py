@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.hostroot import identify
 from tests.support.modtrace import run_script
 from tests.support.simfabric import make_fabric
 from vmlend.doctor import Status, check_hook_served
@@ -85,6 +86,7 @@ class Host:
         self.root = base / "root"
         self.state = base / "state.db"
         self.root.mkdir(parents=True, exist_ok=True)
+        identify(self.root)
         self.socket = hostlease.hook_socket_path(HostEnv(self.root))
         self.hook = install_hook(
             base / "libvirt", self.state, node, registry=registry, hook_socket=self.socket
