@@ -28,7 +28,7 @@ from vmlend.topology.model import (
 
 if TYPE_CHECKING:
     from vmlend.registry.api import Registry
-    from vmlend.registry.records import Claim, FenceRecord
+    from vmlend.registry.records import Claim, ExpectedHold, FenceRecord, HoldRecord
 
 
 @runtime_checkable
@@ -125,9 +125,16 @@ class Fabric(Protocol):
         None: its interrupts use the relay."""
         ...
 
-    def release(self, fdid: int, holder: Holder) -> bool:
+    def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
         """End ``holder``'s reservation (and hardware borrow, if any). Idempotent: returns
-        False when ``holder`` held nothing. Never releases another holder's device."""
+        False when ``holder`` held nothing. Never releases another holder's device. With
+        ``expected`` (a release recorded earlier, landed late), only a hold it admits, judged
+        in the same transaction that ends it: False for a newer hold."""
+        ...
+
+    def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
+        """The holds of ``holder``'s VM (same VM: ``same_holder``), each with its start and
+        fencing token."""
         ...
 
     def borrow(self, fdid: int, holder: Holder) -> DeviceStatus:

@@ -44,7 +44,7 @@ from vmlend.kernel.udev import ParentWatcher, WantedMdev
 from vmlend.ledger.admission import AdapterUsage
 from vmlend.ledger.ledger import Ledger
 from vmlend.registry import FenceRecord, Registry, RegistryLocation, open_registry
-from vmlend.registry.records import Claim
+from vmlend.registry.records import Claim, ExpectedHold, HoldRecord
 from vmlend.topology.model import (
     Check,
     DeviceState,
@@ -252,8 +252,11 @@ class SmartioFabric:
     def interrupt_window(self, fdid: int) -> Claim | None:
         return self._state.interrupt_window(fdid)
 
-    def release(self, fdid: int, holder: Holder) -> bool:
-        released = self._state.release(fdid, holder)
+    def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
+        return self._state.holds_of(holder)
+
+    def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
+        released = self._state.release(fdid, holder, expected=expected)
         # Also on a re-run that found no hold: an earlier run may have left the parent.
         self._drop_parent_if_unused(fdid)
         return released

@@ -70,7 +70,7 @@ from vmlend.registry import (
     same_holder,
 )
 from vmlend.registry.api import LINKS_DOWN_KEY
-from vmlend.registry.records import Claim
+from vmlend.registry.records import Claim, ExpectedHold
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import (
     MANAGER_VM,
@@ -263,6 +263,11 @@ class Ledger(ShareOps):
         """Every hold with its phase and start time (sim and CLI extra)."""
         with self._reg.read() as tx:
             return tx.holds()
+
+    def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
+        """The holds of ``holder``'s VM, each with its start and fencing token."""
+        with self._reg.read() as tx:
+            return tx.holds_of(holder)
 
     def node_states(self) -> dict[str, NodeRecord]:
         with self._reg.read() as tx:
@@ -591,17 +596,24 @@ class Ledger(ShareOps):
         with self._reg.read() as tx:
             return next((c for f, c in tx.claims() if f == fdid and is_msi_claim(c)), None)
 
-    def release(self, fdid: int, holder: Holder) -> bool:
+    def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold
-        is never touched). Either way an mdev parent nothing uses any more goes too.
+        is never touched), or, with ``expected``, none that it admits (a newer hold). Either
+        way an mdev parent nothing uses any more goes too.
 
         The hardware is given back first, then the hold is dropped: the state never says a
         device is free while this process still has it mapped."""
+
+        def ours(hold: HoldRecord | None) -> bool:
+            if hold is None or not same_holder(hold.holder, holder):
+                return False
+            return expected is None or expected.admits(hold)
+
         hold = None
         if self._hw is not None:  # no hardware here (the hook, the CLI): nothing to read first
             with self._reg.read() as tx:
                 hold = tx.hold(fdid)
-        mine = hold is not None and same_holder(hold.holder, holder)
+        mine = ours(hold)
         if mine and hold is not None and self._hw is not None:
             # whatever the recorded phase: this process's hardware may still have it borrowed;
             # no phase to record, the hold goes below. The VM's open mdev is cut with the hold
@@ -615,7 +627,7 @@ class Ledger(ShareOps):
             # the VM's other devices on its node (their peer-to-peer claims are recounted)
             tx.prefetch([fdid], held_by=[holder], release_on=self.local_node)
             hold = tx.hold(fdid)
-            mine = hold is not None and same_holder(hold.holder, holder)
+            mine = ours(hold)
             if mine and hold is not None:
                 tx.delete_hold(fdid)
                 self._reclaim_p2p(tx, hold.holder)

@@ -60,6 +60,22 @@ class HoldRecord(msgspec.Struct, frozen=True):
     token: int = 0
 
 
+class ExpectedHold(msgspec.Struct, frozen=True):
+    """The hold a late release may end: one the host recorded while the registry was away
+    (``vmlend.release_journal``), landed later. The hold with fencing token ``token`` when
+    the release knew it; else (0) a hold made before ``before`` (seconds since the epoch, on
+    the clock of the host that made the hold and recorded the release: the same host). A
+    newer hold, of the same VM or of another, is neither."""
+
+    token: int = 0
+    before: float = 0.0
+
+    def admits(self, hold: HoldRecord) -> bool:
+        if self.token:
+            return hold.token == self.token
+        return hold.since < self.before
+
+
 class FenceRecord(msgspec.Struct, frozen=True):
     """Left by every hold on a cluster registry and removed with it by a normal release. A
     fence whose hold vanished (its host's lease ended) keeps the device from being borrowed
