@@ -137,14 +137,31 @@ class RegistryUnreachableError(StateError):
 
 class ReleasePendingError(VmlendError):
     """A release could not reach the registry; it is recorded on the host and the agent
-    retries it until it lands."""
+    retries it until it lands. ``what`` names the devices and shares it returns."""
 
-    def __init__(self, vm: str, why: str, journal: str) -> None:
+    def __init__(self, vm: str, why: str, journal: str, what: str = "") -> None:
         self.vm = vm
         self.journal = journal
+        pending = f" ({what})" if what else ""
         super().__init__(
-            f"release of VM {vm!r} is pending: {why}; recorded in {journal}, and 'vmlend agent'"
-            " retries it until it lands (nothing to run by hand)"
+            f"release of VM {vm!r} is pending{pending}: {why}; recorded in {journal}, and"
+            " 'vmlend agent' retries it until it lands (nothing to run by hand)"
+        )
+
+
+class ReleaseJournalError(VmlendError):
+    """A release could not reach the registry, and the host could not record it either (its
+    journal directory is not usable): nothing returns the VM's devices by itself. They stay
+    held, so no other VM can take them while this one's state is unsure."""
+
+    def __init__(self, vm: str, what: str, directory: str, why: str) -> None:
+        self.vm = vm
+        self.directory = directory
+        super().__init__(
+            f"release of VM {vm!r} ({what}) could not reach the registry, nor be recorded in"
+            f" {directory} ({why}); its devices stay held: make {directory} a directory of"
+            " root's that only root can write, then run 'vmlend reconcile --fix' once the"
+            " registry answers"
         )
 
 

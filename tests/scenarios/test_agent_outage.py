@@ -4,6 +4,7 @@ simulated hypervisor whose hooks run as processes of the host."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -132,7 +133,8 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
     url, hosts = outage
     gamma = hosts["gamma"]
     # A TTL well past the outage: the lease lives, so only the journal can free the device.
-    gamma.start_agent("--ttl", "30")
+    # With its hypervisor: only a VM it sees stopped gets a pending release landed.
+    gamma.start_agent("--ttl", "30", "--connect", "sim:///gamma")
     hv = _hv(gamma, url)
     hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
     hv.start("web")
@@ -143,7 +145,7 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
     assert r.returncode == 0, r.stderr
     assert len(r.stderr.splitlines()) == 1, r.stderr
     [line] = r.stderr.splitlines()
-    assert "release of VM 'web' is pending" in line and "retries it" in line, line
+    assert "release of VM 'web' is pending (0x10)" in line and "retries it" in line, line
     assert [p.name for p in pending.glob("*.json")] == [f"{WEB.vm_uuid}.json"]
 
     private_etcd.start()
@@ -152,6 +154,116 @@ def test_a_vm_stopped_while_etcd_is_away_gets_its_devices_returned_when_etcd_ret
         assert f.fenced() == []  # returned, not lost with a lease
     assert list(pending.glob("*.json")) == []
     assert "pending release of VM 'web'" in gamma.log() and "landed: 0x10" in gamma.log()
+
+
+def _plant_entry(host: Host, name: str, entry: dict[str, object]) -> Path:
+    """An entry in ``host``'s pending-release journal, in the format every vmlend reads (an
+    older vmlend's: devices as ``[fdid, mdev]`` pairs)."""
+    journal = host.root / "var" / "lib" / "vmlend" / "pending-releases"
+    journal.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = journal / name
+    path.write_text(json.dumps(entry))
+    return path
+
+
+@pytest.mark.slow
+def test_a_pending_release_naming_a_running_vm_returns_none_of_its_devices(outage):
+    """Issue 35: an entry naming a running VM and a device it does not hold (0x99) made the
+    agent release every device that VM held; another VM then started on one of them. The
+    agent must leave a running VM's holds alone, and land nothing of it while it runs."""
+    from vmlend.domain import mdev_uuid
+    from vmlend.wiring.fabric import open_fabric
+
+    url, hosts = outage
+    beta, gamma = hosts["beta"], hosts["gamma"]
+    beta.start_agent()
+    gamma.start_agent("--connect", "sim:///gamma")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU, NIC)))
+    hv.start("web")
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+    entry = _plant_entry(
+        gamma,
+        f"{WEB.vm_uuid}.json",
+        {
+            "node": "gamma",
+            "vm": "web",
+            "vm_uuid": WEB.vm_uuid,
+            "devices": [[0x99, str(mdev_uuid(WEB.vm_uuid, 0x99))]],
+            "shares": [],
+            "since": since,
+            "why": "planted",
+        },
+    )
+
+    def handled() -> bool:  # landed (the entry gone) or judged (the agent says it waits)
+        return not entry.exists() or "pending release of VM 'web' (0x99) waits" in gamma.log()
+
+    _wait_for("the agent judging the entry", handled, gamma)
+    with open_fabric(url, "alpha") as f:
+        assert f.device(GPU).holder == WEB, gamma.log()
+        assert f.device(NIC).holder == WEB, gamma.log()
+    assert beta.run(reserve_code(NIC, DB)).returncode != 0  # db cannot take web's NIC
+    assert entry.exists()  # kept until web stops
+    assert hv.lookup("web").state is DomainState.RUNNING
+    check_never_two_holders(history(url))
+
+
+@pytest.mark.slow
+def test_a_fifo_in_the_pending_release_journal_does_not_stop_the_agent(outage):
+    """Issue 35: a FIFO in the journal froze the agent's loop on its open (its VMs paused, its
+    lease lost). The agent must start, keep renewing its lease and keep the VM running."""
+    url, hosts = outage
+    gamma = hosts["gamma"]
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    journal = gamma.root / "var" / "lib" / "vmlend" / "pending-releases"
+    journal.mkdir(parents=True, mode=0o700)
+    fifo = journal / "planted.json"
+    os.mkfifo(fifo)
+    try:
+        gamma.start_agent("--ttl", "2", "--connect", "sim:///gamma")
+        hv.start("web")
+        time.sleep(3 * 2)  # three TTLs: a frozen loop would have lost the lease by now
+        assert gamma.agent is not None and gamma.agent.poll() is None, gamma.log()
+        assert "lost its lease" not in gamma.log(), gamma.log()
+        assert hv.lookup("web").state is DomainState.RUNNING, gamma.log()
+        assert "not a pending release, left alone" in gamma.log()
+    finally:
+        with contextlib.suppress(OSError):  # a reader blocked on it (today's code) goes on
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.slow
+def test_a_release_that_cannot_be_recorded_is_one_line_and_the_vm_keeps_its_hold(
+    private_etcd, outage
+):
+    """Issue 35: with the journal unusable (here its directory is a file) a release during an
+    outage printed 'internal error: FileExistsError' and recorded nothing. Now: one line that
+    says what happened and what to do, and the VM keeps its hold (safe: nobody else takes the
+    device while it is unsure); the destroy itself still succeeds."""
+    from vmlend.wiring.fabric import open_fabric
+
+    url, hosts = outage
+    gamma = hosts["gamma"]
+    gamma.start_agent("--ttl", "30", "--connect", "sim:///gamma")
+    hv = _hv(gamma, url)
+    hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+    hv.start("web")
+    lib = gamma.root / "var" / "lib" / "vmlend"
+    lib.mkdir(parents=True, exist_ok=True)
+    (lib / "pending-releases").write_text("not a directory\n")
+
+    private_etcd.stop()
+    r = gamma.vmlend("vm", "destroy", "web", "--connect", "sim:///gamma")
+    assert r.returncode == 0, r.stderr
+    [line] = r.stderr.splitlines()
+    assert "internal error" not in line, line
+    assert "release of VM 'web' (0x10) could not reach the registry, nor be recorded" in line
+    assert "its devices stay held" in line and "reconcile --fix" in line, line
+    private_etcd.start()
+    with open_fabric(url, "alpha") as f:
+        assert f.device(GPU).holder == WEB
 
 
 @pytest.mark.slow

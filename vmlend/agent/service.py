@@ -52,7 +52,7 @@ from vmlend.ops.plug_request import PlugRequest
 from vmlend.registry import EtcdRegistry
 from vmlend.registry.etcd_gateway import call_deadline
 from vmlend.registry.session import EtcdSession, HostKey
-from vmlend.release_journal import ReleaseJournal
+from vmlend.release_journal import ReleaseJournal, running_here
 from vmlend.wiring.fabric import Location, open_fabric
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class Agent:
         )
         journal = ReleaseJournal.for_host(self._host)
         self.borrower.start()
-        self._land_releases(journal, fabric)
+        self._land_releases(journal, fabric, hv)
         if hv is not None:
             self.borrower.settle(float(cfg.ttl))
             lines = self.lease.until_reachable(lambda: cfg.reconciler(hv, fabric))
@@ -233,7 +233,7 @@ class Agent:
         if plugs is not None:
             plugs.start(cfg.interval)
         try:
-            self._loop(fabric, journal)
+            self._loop(fabric, journal, hv)
         finally:
             if plugs is not None:
                 plugs.stop(call_deadline(cfg.ttl))
@@ -258,7 +258,7 @@ class Agent:
         return 0
 
     # --- the loop -----------------------------------------------------------------------------
-    def _loop(self, fabric: AgentFabric, journal: ReleaseJournal) -> None:
+    def _loop(self, fabric: AgentFabric, journal: ReleaseJournal, hv: Hypervisor | None) -> None:
         cfg = self.config
         while not self.stop_event.is_set():
             self._say()
@@ -276,7 +276,7 @@ class Agent:
             self.taken_back += take_back_fenced(fabric, self._scan_trouble)
             if self._renewed.is_set():
                 self._renewed.clear()
-                self._land_releases(journal, fabric)
+                self._land_releases(journal, fabric, hv)
             self.borrower.report(stuck_after=call_deadline(cfg.ttl) * 2)
             cfg.notifier.watchdog()  # the loop turns: a hang here gets the agent restarted
             self.stop_event.wait(cfg.interval)
@@ -328,10 +328,14 @@ class Agent:
         self.borrower.announce(vm)
         return None
 
-    def _land_releases(self, journal: ReleaseJournal, fabric: Fabric) -> None:
-        """Retry the releases this host's hooks could not land (etcd was away)."""
+    def _land_releases(
+        self, journal: ReleaseJournal, fabric: Fabric, hv: Hypervisor | None
+    ) -> None:
+        """Retry the releases this host's hooks could not land (etcd was away): only of VMs
+        the hypervisor says do not run here (bounded: a hung one is asked once)."""
         try:
-            for line in journal.settle(fabric):
+            timeout = call_deadline(self.config.ttl)
+            for line in journal.settle(fabric, runs=running_here(hv, timeout)):
                 log.info("%s", line)
         except StateError as e:
             log.info("pending releases wait: %s", e)

@@ -27,7 +27,7 @@ from vmlend.lending.devices import (
 from vmlend.lending.shares import acquire_share, return_shares
 from vmlend.messages import plural
 from vmlend.ops.restore import restore_running
-from vmlend.release_journal import pend_release, settle_own
+from vmlend.release_journal import hold_tokens, pend_release, settle_own
 from vmlend.topology.model import Holder, format_fdid
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,9 @@ class HookOps:
         holder = self.holder(dom)
 
         record = self._recorder(dom, "prepare")
-        settle_own(self.fabric, holder, record)  # a pending release of its last run goes first
+        # A pending release of its last run goes first; what of it cannot land yet and this
+        # run takes again is this run's now (its release returns it).
+        settle_own(self.fabric, holder, record, [(d.fdid, str(d.mdev)) for d in dom.devices])
 
         journal = UndoJournal()
         for dev in dom.devices:
@@ -128,12 +130,17 @@ class HookOps:
         record = self._recorder(dom, "release")
 
         devices = [(d.fdid, d.mdev) for d in dom.devices if d.share is None]
-        shared = [d.mdev for d in dom.devices if d.share is not None]
+        shared = [(d.fdid, d.mdev) for d in dom.devices if d.share is not None]
+        holder = self.holder(dom)
+        tokens: dict[int, int] = {}
         try:
-            failures = return_shares(self.fabric, self.holder(dom), shared, record)
-            failures += return_all(self.fabric, self.holder(dom), devices, record)
+            # First: a release that cannot land is kept with its holds' fencing tokens, so the
+            # agent never ends a newer hold with it (``release_journal``).
+            tokens = hold_tokens(self.fabric, holder)
+            failures = return_shares(self.fabric, holder, [m for _f, m in shared], record)
+            failures += return_all(self.fabric, holder, devices, record)
         except RegistryUnreachableError as e:  # kept on the host; the agent lands it later
-            pending = pend_release(self.holder(dom), devices, shared, e, record)
+            pending = pend_release(holder, devices, shared, e, record, tokens)
             if pending is not None:
                 raise pending from e
             return

@@ -11,7 +11,7 @@ Returning is idempotent: it converges on "nothing held" however often it runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -20,7 +20,7 @@ from vmlend.errors import RegistryUnreachableError, StateRecordError, VmlendErro
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.messages import about
-from vmlend.registry.records import same_holder
+from vmlend.registry.records import ExpectedHold, HoldRecord, same_holder
 from vmlend.topology.model import (
     DEFAULT_INTERRUPTS,
     GuestRam,
@@ -215,6 +215,56 @@ def return_all(
             "remove the mdev and run the release again"
         )
     return failures
+
+
+def return_pending(
+    fabric: Fabric,
+    holder: Holder,
+    fdid: int,
+    mdev: str,
+    expected: ExpectedHold,
+    held: Mapping[int, HoldRecord],
+    records: Sequence[MdevInfo],
+    record: Record = _ignore,
+) -> str | None:
+    """Land one device of a release recorded while the registry was away (``release_journal``;
+    the caller knows the VM does not run here): this device only, never the VM's others.
+    ``held``: the VM's holds now (``Fabric.holds_of``); ``records``: the node's mdev records.
+
+    A hold of the VM that ``expected`` does not admit is newer than the release (the VM took
+    the device again): neither it nor the VM's mdev on the device is touched. Else the VM's
+    mdevs on the device go, then the hold, judged again in the transaction that ends it. None
+    when the device needs nothing more (returned, or not this release's to return any more);
+    else why it must wait (its mdev could not be removed, the release failed)."""
+    fd = format_fdid(fdid)
+    hold = held.get(fdid)
+    if hold is not None and not expected.admits(hold):
+        record(
+            f"device {fd}: left alone: the VM holds it under a newer hold (token {hold.token})"
+            " than this pending release"
+        )
+        return None
+    wanted = _canonical(mdev)
+    for m in records:
+        if not recorded_for(m, holder) or (m.fdid != fdid and m.uuid != wanted):
+            continue
+        try:
+            if fabric.remove_mdev(m.uuid):
+                record(f"mdev {m.uuid}: removed")
+        except RegistryUnreachableError:
+            raise
+        except VmlendError as e:
+            return f"mdev {m.uuid}: {e}; device {fd} stays reserved while its mdev exists"
+    try:
+        if fabric.release(fdid, holder, expected=expected):
+            record(f"device {fd}: returned")
+        else:
+            record(f"device {fd}: nothing of this release held it any more")
+    except RegistryUnreachableError:
+        raise
+    except VmlendError as e:
+        return about(f"device {fd}", str(e))
+    return None
 
 
 def _note_unrecorded(fabric: Fabric, uuids: set[str], record: Record) -> None:

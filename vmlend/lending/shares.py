@@ -8,7 +8,7 @@ backend a domain asking for a share fails to start with ``SharingUnsupportedErro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from uuid import UUID
 
@@ -158,3 +158,39 @@ def return_shares(
         except VmlendError as e:
             failures.append(f"share of {format_fdid(fdid)}: {e}")
     return failures
+
+
+def return_pending_shares(
+    fabric: object,
+    holder: Holder,
+    shares: Sequence[tuple[int | None, str]],
+    record: Record = _ignore,
+) -> tuple[list[tuple[int | None, str]], list[str]]:
+    """Land the shares of a release recorded while the registry was away (``release_journal``;
+    the caller knows the VM does not run here): ``(fdid, mdev)`` each, the fdid None when the
+    record did not keep it (an older vmlend's). Only those: the VM's share mdev among them and
+    its share of that drive, never its other shares. The shares still pending, and why."""
+    if not isinstance(fabric, ShareFabric):
+        return [], []  # no backend that shares: nothing was ever claimed
+    mine = [m for m in fabric.mdevs() if m.type_id == SHARE_MDEV_TYPE and _serves(m, holder)]
+    held = set(fabric.shares_held(holder))
+    pending: list[tuple[int | None, str]] = []
+    failures: list[str] = []
+    for fdid, uuid in shares:
+        named = [m for m in mine if m.uuid == uuid or (fdid is not None and m.fdid == fdid)]
+        if fdid is None:
+            fdid = next((m.fdid for m in named if m.fdid is not None), None)
+        try:
+            for m in named:
+                if fabric.remove_mdev(m.uuid):
+                    record(f"mdev {m.uuid}: removed")
+            if fdid is None:
+                record(f"share mdev {uuid}: its drive is not known any more; nothing to return")
+            elif fdid in held and fabric.release_share(fdid, holder):
+                record(f"share of {format_fdid(fdid)}: returned")
+        except RegistryUnreachableError:
+            raise
+        except VmlendError as e:
+            pending.append((fdid, uuid))
+            failures.append(f"share mdev {uuid}: {e}")
+    return pending, failures
