@@ -48,13 +48,30 @@ def _require_fabric_node(obj: CliContext, node: str) -> None:
         log.debug("could not check node %s against the fabric: %s", node, e)
 
 
-def open_hv(obj: CliContext, uri: str | None, node: str | None = None) -> Hypervisor:
-    """The hypervisor at ``uri`` (None: ``LIBVIRT_DEFAULT_URI`` or libvirt's default). A libvirt
-    host is the fabric node ``node`` (default ``--node``, else the state's local node); a
-    simulated one is the node its URI names."""
-    uri = uri or obj.uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
+def _uri(obj: CliContext, uri: str | None) -> str | None:
+    return uri or obj.uri or os.environ.get("LIBVIRT_DEFAULT_URI") or None
+
+
+def check_simulated_node(obj: CliContext, uri: str | None) -> None:
+    """``UnknownNodeError`` when ``uri`` is a simulated node the fabric does not have (what
+    ``open_hv`` checks first, unless told not to)."""
+    uri = _uri(obj, uri)
     simulated = sim_node(uri) if uri else None
     if simulated:
+        _require_fabric_node(obj, simulated)
+
+
+def open_hv(
+    obj: CliContext, uri: str | None, node: str | None = None, *, check_node: bool = True
+) -> Hypervisor:
+    """The hypervisor at ``uri`` (None: ``LIBVIRT_DEFAULT_URI`` or libvirt's default). A libvirt
+    host is the fabric node ``node`` (default ``--node``, else the state's local node); a
+    simulated one is the node its URI names. ``check_node`` false: a simulated node is not
+    checked against the fabric now (that reads the registry, which a command stopping a VM
+    must not wait for: ``check_simulated_node`` then, if the domain is not found)."""
+    uri = _uri(obj, uri)
+    simulated = sim_node(uri) if uri else None
+    if simulated and check_node:
         _require_fabric_node(obj, simulated)
     hook = hook_command(obj.location, simulated, obj.backend) if simulated else None
     node = node or (None if simulated else obj.node)

@@ -23,6 +23,7 @@ from vmlend.hook.prefilter import concerns_vmlend
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from vmlend.domain.info import DomainXMLInfo
     from vmlend.fabric.base import Fabric
     from vmlend.hook.actionlog import ActionLog
     from vmlend.hook.loghandler import ActionLogHandler
@@ -64,22 +65,13 @@ def handle(
     dom = read_hook_domain(xml, strict=action not in (Action.RELEASE, Action.RECONNECT))
     if dom is None:  # not a vmlend domain: touch nothing, change nothing
         return 0
-    try:
-        fabric = open_fabric(state_path, node)
-    except RegistryUnreachableError as e:
-        if action is not Action.RELEASE:
-            raise
-        from vmlend.release_journal import pend_unopened
-
-        pending = pend_unopened(dom, node, e, lambda m: actions.record(dom.name, "release", m))
-        if pending is not None:
-            raise pending from e
+    if action is Action.RELEASE:
+        _release(dom, state_path, node, open_fabric, actions)
         return 0
+    fabric = open_fabric(state_path, node)
     ops = HookOps(fabric, actions)
     if action is Action.PREPARE:
         ops.prepare(dom)
-    elif action is Action.RELEASE:
-        ops.release(dom)
     elif action is Action.RECONNECT:
         ops.reconnect(dom)
     elif action in (Action.MIGRATE, Action.RESTORE):
@@ -90,6 +82,36 @@ def handle(
         stdout.flush()
         actions.record(dom.name, call.operation, f"rewrote XML for {fabric.local_node}")
     return 0
+
+
+def _release(
+    dom: DomainXMLInfo,
+    state_path: Path | str,
+    node: str | None,
+    open_fabric: FabricFactory,
+    actions: ActionLog,
+) -> None:
+    """Return the devices of a VM that stopped. Each registry call gets
+    ``RELEASE_CALL_DEADLINE``, endpoints and retries included, not the gateway's usual
+    timeouts: what cannot land by then is kept on the host (``release_journal``) and landed
+    by the agent, so stopping a VM during an outage takes about one deadline."""
+    from vmlend.hook.ops import HookOps
+    from vmlend.registry.deadline import RELEASE_CALL_DEADLINE, each_call_within
+
+    with each_call_within(RELEASE_CALL_DEADLINE):
+        try:
+            fabric = open_fabric(state_path, node)
+        except RegistryUnreachableError as e:
+            from vmlend.release_journal import pend_unopened
+
+            def record(msg: str) -> None:
+                actions.record(dom.name, "release", msg)
+
+            pending = pend_unopened(dom, node, e, record)
+            if pending is not None:
+                raise pending from e
+            return
+        HookOps(fabric, actions).release(dom)
 
 
 def run(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from vmlend.errors import LeaseExpiredError, RegistryUnreachableError, StateError
+from vmlend.registry.deadline import call_bound
 
 log = logging.getLogger(__name__)
 
@@ -167,25 +168,39 @@ class EtcdGateway:
         """POST ``body`` to ``/v3/<path>`` on a reachable endpoint; the JSON answer."""
         delay = 0.02
         start = time.monotonic()
+        bound = call_bound()  # the path's own deadline per call (``registry.deadline``)
+        deadline = None if bound is None else start + bound
         for attempt in range(TRANSIENT_ATTEMPTS):
             try:
-                return self._call_any(path, body)
+                return self._call_any(path, body, deadline)
             except _Transient as e:
                 # A leader change passes in milliseconds; a member that timed out inside raft
                 # (no quorum) would cost a whole timeout per attempt: one is the deadline.
-                if attempt == TRANSIENT_ATTEMPTS - 1 or time.monotonic() - start >= self._timeout:
+                now = time.monotonic()
+                if (
+                    attempt == TRANSIENT_ATTEMPTS - 1
+                    or now - start >= self._timeout
+                    or (deadline is not None and now >= deadline)
+                ):
                     raise RegistryUnreachableError(
                         self.where,
                         f"etcd at {self.where} fails ({e.reason}; {attempt + 1} attempt(s) in"
-                        f" {time.monotonic() - start:.1f} s): no quorum (fewer than a majority"
+                        f" {now - start:.1f} s): no quorum (fewer than a majority"
                         f" of its members run or see each other); {_HEALTH}, then retry",
                     ) from None
                 log.debug("etcd: %s; retrying", e.reason)
-                self._sleep(delay * (0.5 + random.random()))
+                pause = delay * (0.5 + random.random())
+                if deadline is not None:
+                    pause = min(pause, max(0.0, deadline - now))
+                self._sleep(pause)
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _call_any(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call_any(
+        self, path: str, body: dict[str, Any], deadline: float | None = None
+    ) -> dict[str, Any]:
+        """One attempt over the endpoints, the current one first. With ``deadline`` (a
+        ``time.monotonic()`` value) no request outlasts it, and none starts after it."""
         from etcd3gw import exceptions as gw_errors
 
         failures = []
@@ -193,6 +208,13 @@ class EtcdGateway:
         for i in range(len(self._clients)):
             index = (self._current + i) % len(self._clients)
             client = self._clients[index]
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    failures.append(f"{self.endpoints[index]}: not tried (out of time)")
+                    timed_out = True
+                    break
+                client.timeout = min(self._timeout, left)
             try:
                 answer = client.post(client.get_url(path), data=json.dumps(body))
             except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError) as e:
@@ -201,6 +223,8 @@ class EtcdGateway:
                 continue
             except gw_errors.Etcd3Exception as e:
                 raise _server_error(e, self.where) from None
+            finally:
+                client.timeout = self._timeout
             if index != self._current:
                 self._current = index
                 self._remember(index)
