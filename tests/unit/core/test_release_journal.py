@@ -432,3 +432,58 @@ def test_whether_a_vm_runs_here_comes_from_the_hypervisor_and_a_hung_one_is_unsu
     assert hung(Holder("gamma", "other", "")) is None  # not asked again this time
     assert time.monotonic() - start < 5
     release.set()
+
+
+def test_a_pending_share_returns_that_share_only(state_path, journal):
+    """A pending release of a VM's NVMe share (here written by the previous version: the
+    share's mdev UUID only) removes that mdev and returns that share; another VM's share of
+    the same drive on this node stays."""
+    from vmlend.domain import NvmeShareRequest, read_domain
+    from vmlend.hook.actionlog import NullLog
+    from vmlend.hook.ops import HookOps
+    from vmlend.ledger import nvmeshares
+    from vmlend.registry import SqliteRegistry
+    from vmlend.sim.backend import SimFabric
+    from vmlend.sim.nvmedrive import drive_geometry
+
+    nvme = 0x12
+    make_fabric(state_path).close()
+    reg = SqliteRegistry.open(state_path)
+    gamma = SimFabric(SqliteRegistry.open(state_path), "gamma")
+    nvmeshares.lend_shared(reg, nvme, drive_geometry(gamma.topology().device(nvme), 1 << 20))
+
+    def domain(name: str):
+        spec = DomainSpec(
+            name=name,
+            memory_bytes=256 * MiB,
+            uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
+            devices=[DeviceRequest(nvme, share=NvmeShareRequest(1, 64 * MiB, 1))],
+        )
+        return read_domain(new_domain(spec, templates=TemplateSet()).to_bytes())
+
+    a, c = domain("vm-a"), domain("vm-c")
+    for dom in (a, c):
+        HookOps(gamma, NullLog()).prepare(dom)
+    holder_a = Holder("gamma", "vm-a", str(a.uuid))
+    holder_c = Holder("gamma", "vm-c", str(c.uuid))
+    journal.dir.mkdir(parents=True)
+    old = {
+        "node": "gamma",
+        "vm": "vm-a",
+        "vm_uuid": str(a.uuid),
+        "devices": [],
+        "shares": [str(a.devices[0].mdev)],
+        "since": "2026-01-01T00:00:00Z",
+        "why": "etcd away",
+    }
+    (journal.dir / f"{a.uuid}.json").write_text(json.dumps(old))
+    try:
+        [line] = journal.settle(gamma, runs=stopped)
+        assert f"landed: share mdev {a.devices[0].mdev}" in line, line  # as the entry names it
+        assert gamma.shares_held(holder_a) == []
+        assert gamma.shares_held(holder_c) == [nvme]
+        assert {m.vm for m in gamma.mdevs()} == {"vm-c"}
+        assert journal.pending() == []
+    finally:
+        gamma.close()
+        reg.close()
