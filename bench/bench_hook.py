@@ -154,12 +154,15 @@ def main() -> None:
     compileall.compile_dir(Path(vmlend.__file__).parent, quiet=1)
     cli = str(Path(sys.executable).with_name("vmlend"))
     with tempfile.TemporaryDirectory() as tmp:
-        state = Path(tmp) / "state.db"
+        # The hook's configuration file pins paths under its host root: the state lives there.
+        root = Path(tmp) / "root"
+        state = HostEnv(root).system_state
+        state.parent.mkdir(parents=True)
         text, source = default_topology_text()
         init_fabric(state, text, source, node="gamma", hostname="bench")
-        root = Path(tmp) / "root"
         sock = hostlease.hook_socket_path(HostEnv(root))
-        hook = str(install_hook(Path(tmp) / "libvirt", state, "gamma", hook_socket=sock).path)
+        installed = install_hook(Path(tmp) / "libvirt", state, "gamma", hook_socket=sock, root=root)
+        hook = str(installed.path)
         base = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
         base |= {"VMLEND_STATE": str(state), "VMLEND_NODE": "gamma", "VMLEND_ROOT": str(root)}
         # The in-process rows: the pinned socket overridden by one no agent serves.

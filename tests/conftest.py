@@ -16,25 +16,31 @@ def _private_session_config(tmp_path_factory):
     """The same for what runs before any test's own fixture: module- and session-scoped
     fixtures (a demo run once per module, a daemon once per session)."""
     base = tmp_path_factory.mktemp("session-config")
+    (base / "vmlend.toml").touch()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VMLEND_CONFIG", str(base / "vmlend.toml"))
         mp.setenv("VMLEND_STATE", str(base / "default-state" / "state.db"))
-        mp.setenv("VMLEND_ROOT", str(base / "root"))
+        mp.setenv("VMLEND_ROOT", str(base))
         yield
 
 
 @pytest.fixture(autouse=True)
 def _private_config(tmp_path, monkeypatch):
-    """Every test's configuration file is its own (absent until a test writes it): nothing
-    reads or writes the machine's /etc/vmlend/vmlend.toml. Tests of the file under --root
-    unset VMLEND_CONFIG; a subprocess given a cleaned environment must keep it. The
-    machine's files are watched, never touched (``tests/support/machine_files.py``)."""
-    monkeypatch.setenv("VMLEND_CONFIG", str(tmp_path / "vmlend.toml"))
+    """Every test's configuration file is its own (empty: a file $VMLEND_CONFIG names must
+    exist): nothing reads or writes the machine's /etc/vmlend/vmlend.toml. Tests of the file
+    under --root unset VMLEND_CONFIG; a subprocess given a cleaned environment must keep it.
+    The machine's files are watched, never touched (``tests/support/machine_files.py``)."""
+    # Beside the test's directory, not in it: tests list what they wrote there.
+    config = tmp_path.with_name(f"{tmp_path.name}-vmlend.toml")
+    config.touch()
+    monkeypatch.setenv("VMLEND_CONFIG", str(config))
     # Nor the machine's state directory: a process given only a registry URL keeps its
     # action log and simulated nodes beside the default state (/var/lib/vmlend as root).
     monkeypatch.setenv("VMLEND_STATE", str(tmp_path / "default-state" / "state.db"))
-    # Nor the machine's host files (etc/vmlend/node, run/vmlend): a host root of its own.
-    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path / "host-root"))
+    # Nor the machine's host files (etc/vmlend/node, run/vmlend): a host root of its own, the
+    # test's own directory, so that the paths a test makes there (its state) lie under the
+    # root, where 'hook install' can pin them (vmlend.config.over_root).
+    monkeypatch.setenv("VMLEND_ROOT", str(tmp_path))
 
 
 @pytest.fixture

@@ -15,12 +15,13 @@ NODE_ENV = "VMLEND_NODE"
 REGISTRY_ENV = "VMLEND_REGISTRY"
 
 
-def default_state_path() -> Path:
-    """Root keeps the state with the system; others under the XDG state dir."""
+def default_state_path(root: str | os.PathLike[str] | None = None) -> Path:
+    """Root keeps the state with the system (under the host ``root``, default ``$VMLEND_ROOT``
+    or /); others under the XDG state dir."""
     if os.geteuid() == 0:
         from vmlend.hostenv import HostEnv  # loaded when used: the hook reads only the names above
 
-        return HostEnv.from_env().system_state
+        return HostEnv.from_env(root).system_state
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "vmlend" / "state.db"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -55,7 +56,20 @@ def install(
             f"--libvirt-dir {libvirt_dir} does not exist; give libvirt's config dir (the one"
             " that holds libvirtd.conf, usually /etc/libvirt)"
         )
-    libvirt_dir = libvirt_dir or HostEnv.from_env(cli.root).libvirt_config
+    host_libvirt = HostEnv.from_env(cli.root).libvirt_config
+    if (
+        libvirt_dir is not None
+        and cli.config_path is None
+        and os.path.abspath(libvirt_dir) != os.path.abspath(host_libvirt)
+    ):
+        # The host's file is the host libvirtd's hook's: pinning another daemon's settings
+        # there would change what the first hook does.
+        raise ConfigError(
+            f"--libvirt-dir {libvirt_dir} is not this host's libvirt ({host_libvirt}): name the"
+            " configuration file its hook reads with --config FILE (created if missing), so"
+            f" {config_path(None, root=cli.root)} keeps the host hook's settings"
+        )
+    libvirt_dir = libvirt_dir or host_libvirt
     socket_path = hook_socket or hostlease.hook_socket_path(HostEnv.from_env(cli.root))
     result = install_hook(
         libvirt_dir,

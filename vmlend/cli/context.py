@@ -48,7 +48,7 @@ class CliContext(msgspec.Struct):
             format="vmlend: %(message)s",
             stream=sys.stderr,
         )
-        path = Path(state_path) if state_path else default_state_path()
+        path = Path(state_path) if state_path else default_state_path(root)
         return cls(
             state_path=path,
             node=node,

@@ -18,6 +18,7 @@ import ast
 import os
 import sys
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -25,6 +26,9 @@ from vmlend import config, safefile
 from vmlend.errors import ConfigError
 from vmlend.hook import trust
 from vmlend.hostenv import HostEnv
+
+if TYPE_CHECKING:
+    from tomlkit import TOMLDocument
 
 DEFAULT_NAME = "qemu.d/vmlend"
 _MARK = "# installed by 'vmlend hook install'"
@@ -94,8 +98,9 @@ def read_pins(text: str) -> dict[str, str]:
     ``backend``, ``hook socket``). ``ConfigError`` when that file is unusable."""
     pins = read_script_pins(text)
     if "config" in pins:
-        path = Path(pins["config"])
-        by_env = config.hook_settings(config.read_config(path), path)
+        path = pins["config"]
+        root = config.host_root(pins.get("root"), environ={})
+        by_env = config.hook_settings(config.read_config(path, required=True), path, root)
         for key, env in PINNED_ENV.items():
             if env in by_env:
                 pins.setdefault(key, by_env[env])
@@ -173,60 +178,83 @@ def hook_script(
     return "\n".join(lines)
 
 
-def _settings_text(current: str, settings: dict[str, str]) -> str:
-    """``current`` (a configuration file's text) with its top-level hook settings
-    (``config.HOOK_KEYS``) replaced by ``settings``: other lines, tables and comments stay."""
-    lines = current.splitlines()
-    end = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
-    head, tail = lines[:end], lines[end:]
-
-    def key_of(line: str) -> str:
-        name, eq, _ = line.partition("=")
-        return name.strip().strip('"').replace("_", "-") if eq else ""
-
-    kept = [ln for ln in head if key_of(ln) not in config.HOOK_KEYS]
-    while kept and not kept[-1].strip():
-        kept.pop()
-    if not current:
-        kept = config.render({}).splitlines()
-    added = config.render(settings).splitlines()[2:]  # without the header comment
-    out = [*kept, *added]
-    if tail:
-        out += ["", *tail]
-    return "\n".join(out) + "\n"
+#: The first lines of a configuration file ``hook install`` creates.
+NEW_CONFIG_HEADER = (
+    '# vmlend\'s configuration (docs/user-guide.md, "Configuration"): created by\n'
+    "# 'vmlend hook install'; the CLI, the agent and the libvirt hook all read it.\n"
+)
 
 
-def write_config(path: Path, settings: dict[str, str]) -> str:
-    """Make the configuration file at ``path`` pin ``settings`` (the hook's top-level keys):
-    "written" (there was none), "updated" or "unchanged"."""
+def config_text(current: str | None, settings: dict[str, str]) -> str:
+    """``current`` (a configuration file's text; None: there is none) with its top-level hook
+    settings (``config.HOOK_KEYS``, as spelled there: ``hook_socket`` stays ``hook_socket``)
+    set to ``settings``. tomlkit edits the document in place: the operator's comments (a
+    comment after a replaced value too), order, blank lines and tables stay as they were; a new
+    key goes after the last top-level one."""
+    import tomlkit  # only 'hook install' writes the file
+
+    doc = tomlkit.parse(current if current is not None else NEW_CONFIG_HEADER)
+    for key, value in settings.items():
+        spelling = next((k for k in config.spellings_of(key) if k in doc), None)
+        if spelling is not None:
+            doc[spelling] = value  # in place: its comment stays
+            continue
+        last = _last_top_level_key(doc)
+        if last is None:
+            doc[key] = value
+        else:
+            # Right after it, not after the comments that open the first table. tomlkit has no
+            # public call for a position; _insert_after is the one its own setters use.
+            doc._insert_after(last, key, value)
+    return tomlkit.dumps(doc)
+
+
+def _last_top_level_key(doc: TOMLDocument) -> str | None:
+    from tomlkit.items import AoT, Table
+
+    keys = [k.key for k, item in doc.body if k is not None and not isinstance(item, Table | AoT)]
+    return keys[-1] if keys else None
+
+
+def write_config(path: Path, settings: dict[str, str], root: Path) -> str:
+    """Make the configuration file at ``path`` pin ``settings`` (the hook's top-level keys,
+    absolute paths under ``root``, written as the file spells them: ``config.over_root``):
+    "written" (there was none: created, its directory too), "updated" or "unchanged". The file
+    is read as every reader reads it (``config.read_config_bytes``), so a file the hook would
+    refuse is refused here, and replaced atomically keeping its owner and mode."""
+    top = os.path.abspath(root)
     wanted = {config.HOOK_KEYS[k]: v for k, v in settings.items()}
-    try:
-        current = path.read_text()
-    except FileNotFoundError:
-        current = ""
-    except OSError as e:
-        raise ConfigError(f"cannot read the configuration file {path}: {e.strerror}") from None
-    if current and config.hook_settings(config.read_config(path), path) == wanted:
-        return "unchanged"
-    text = _settings_text(current, settings)
-    import tomllib
-
-    check = config.hook_settings(tomllib.loads(text), path)
-    if check != wanted:  # a layout our line edit cannot handle (a multi-line value)
+    spelled = {k: _spelled(k, v, top) for k, v in settings.items()}
+    data = config.read_config_bytes(path)
+    current = None
+    if data is not None:
+        table = config.parse_config(data, str(path))
+        if config.hook_settings(table, path, top) == wanted:
+            return "unchanged"
+        current = data.decode()
+    text = config_text(current, spelled)
+    check = config.hook_settings(config.parse_config(text.encode(), str(path)), path, top)
+    if check != wanted:  # a layout the edit cannot handle (a key in a dotted table)
         raise ConfigError(
             f"cannot update {path}: write its top-level {', '.join(settings)} yourself"
         )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        with os.fdopen(safefile.open_nofollow(tmp, flags, 0o600), "w") as f:
-            f.write(text)
-            os.fchmod(f.fileno(), 0o644)
-        os.replace(tmp, path)
+        safefile.write_atomically(path, text.encode(), keep_owner=True, mode=0o644)
     except OSError as e:
         raise ConfigError(f"cannot write the configuration file {path}: {e.strerror}") from None
-    return "updated" if current else "written"
+    return "updated" if data is not None else "written"
+
+
+def _spelled(key: str, value: str, root: str) -> str:
+    """How the configuration file spells ``value`` of hook key ``key``: paths as seen from
+    inside the host root."""
+    what = f"the {key.replace('-', ' ')}"
+    if key in config.PATH_KEYS:
+        return config.over_root(value, root, what)
+    if key == "registry" and root != "/":
+        return config.registry_paths(value, lambda p: config.over_root(p, root, what))
+    return value
 
 
 def hooks_enabled(hooks_dir: Path) -> bool:
@@ -279,6 +307,8 @@ def install_hook(
         hook_socket = hostlease.hook_socket_path(host)
     hook_socket = Path(os.path.abspath(hook_socket))
     settings = {"state": str(state_path)}
+    if registry:  # a relative SQLite path as the CLI's own, from here
+        registry = config.registry_paths(registry, os.path.abspath)
     for key, value in (("registry", registry), ("node", node), ("backend", backend)):
         if value:
             settings[key] = value
@@ -297,7 +327,7 @@ def install_hook(
             f"{target} exists and was not installed by vmlend; move it into "
             f"{hooks_dir / 'qemu.d'} or pass --force to replace it"
         )
-    configured = write_config(config_file, settings)
+    configured = write_config(config_file, settings, root)
     if current is not None and current == text and os.access(target, os.X_OK):
         return InstallResult(
             target,

@@ -31,15 +31,23 @@ def root(tmp_path, monkeypatch):
     return r
 
 
+@pytest.fixture
+def state_path(root, monkeypatch):
+    """The state inside the host root: what 'hook install' pins must lie under it."""
+    path = root / "var" / "lib" / "vmlend" / "state.db"
+    monkeypatch.setenv("VMLEND_STATE", str(path))
+    return path
+
+
 def write(root, text: str):
     path = root / "etc" / "vmlend" / "vmlend.toml"
     path.write_text(text)
     return path
 
 
-def install(root, *args: str, env: dict[str, str] | None = None):
+def install(root, *args: str, env: dict[str, str] | None = None, after: tuple[str, ...] = ()):
     return CliRunner().invoke(
-        main, ["--root", str(root), *args, "hook", "install", "--json"], env=env
+        main, ["--root", str(root), *args, "hook", "install", "--json", *after], env=env
     )
 
 
@@ -97,8 +105,8 @@ def test_a_missing_file_named_by_config_is_refused(tmp_path, state_path):
     r = CliRunner().invoke(main, ["--config", str(missing), "hook", "log"])
     assert r.exit_code == 1
     assert r.output == (
-        f"Error: the configuration file {missing} does not exist; create it or pass another"
-        " --config\n"
+        f"Error: the configuration file {missing} does not exist; create it, or name another"
+        " with --config or $VMLEND_CONFIG\n"
     )
 
 
@@ -110,7 +118,7 @@ def test_help_and_version_work_with_a_broken_file(root):
 
 def test_hook_install_writes_the_file_the_hook_reads_and_keeps_the_rest(root, tmp_path):
     path = write(root, '# mine\nnode = "alpha"\n\n[agent]\nttl = 10\n')
-    state = tmp_path / "s.db"
+    state = root / "s.db"
     r = install(root, "--state", str(state), "--backend", "sim")
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["config"] == "updated"
@@ -133,7 +141,7 @@ def test_the_hook_reads_any_toml_the_cli_accepts_and_set_variables_win(root):
     write(root, "state = \"/s\\u00e9.db\"  # escaped\nnode = 'beta'\n[agent]\nttl = 10\n")
     env = {"VMLEND_ROOT": str(root), "VMLEND_NODE": "gamma"}
     hook_environment(env)
-    assert env["VMLEND_STATE"] == "/s\u00e9.db" and env["VMLEND_NODE"] == "gamma"
+    assert env["VMLEND_STATE"] == f"{root}/s\u00e9.db" and env["VMLEND_NODE"] == "gamma"
 
 
 def test_the_hook_refuses_a_setting_that_is_no_string(root):
@@ -142,22 +150,21 @@ def test_the_hook_refuses_a_setting_that_is_no_string(root):
         hook_environment({"VMLEND_ROOT": str(root)})
 
 
-def test_shared_hook_socket_is_the_agents_and_installs_default(root, state_path, tmp_path):
-    write(root, f'hook-socket = "{tmp_path / "h.sock"}"\n')
-    assert json.loads(install(root).output)["pins"]["hook socket"] == str(tmp_path / "h.sock")
+def test_shared_hook_socket_is_the_agents_and_installs_default(root, state_path):
+    write(root, 'hook-socket = "/h.sock"\n')
+    assert json.loads(install(root).output)["pins"]["hook socket"] == str(root / "h.sock")
 
 
-def test_a_commands_own_hook_socket_beats_the_shared_one(root, state_path, tmp_path):
-    shared, own = tmp_path / "shared.sock", tmp_path / "own.sock"
-    text = f'hook-socket = "{shared}"\n\n[hook.install]\nhook-socket = "{own}"\n'
+def test_a_commands_own_hook_socket_beats_the_shared_one(root, state_path):
+    text = 'hook-socket = "/shared.sock"\n\n[hook.install]\nhook-socket = "/own.sock"\n'
     write(root, text)
     r = install(root)
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["pins"]["hook socket"] == str(own)
+    assert json.loads(r.output)["pins"]["hook socket"] == str(root / "own.sock")
     write(root, text)  # as it was before install wrote what it pinned at the top
     defaults = load_default_map(main, ["--root", str(root), "agent"])
     assert defaults is not None
-    assert defaults["agent"]["hook_socket"] == str(shared)  # no table of its own
+    assert defaults["agent"]["hook_socket"] == str(root / "shared.sock")  # no table of its own
 
 
 def test_default_backend_is_smartio_where_the_driver_is_loaded(tmp_path):
@@ -167,3 +174,117 @@ def test_default_backend_is_smartio_where_the_driver_is_loaded(tmp_path):
     (host.smartio / "node_id").write_text("4\n")
     assert default_backend(host) == "smartio"
     assert SmartioDriver(host).loaded()  # the same test the kernel backend makes
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("state = 5\n", "state must be a non-empty string, not 5"),
+        ('registry = ["a"]\n', "registry must be a non-empty string, not ['a']"),
+        ("verbose = true\n", "verbose = True must be an integer"),
+        ('verbose = "2"\n', "verbose = '2' must be an integer"),
+        ('connect = ["qemu:///system"]\n', "connect = ['qemu:///system'] must be a string"),
+        ('[agent]\nttl = "10"\n', "agent.ttl = '10' must be an integer"),
+        ("[agent]\ninterval = true\n", "agent.interval = True must be a number"),
+        ("[doctor]\nsmartio = 1\n", "doctor.smartio = 1 must be true or false"),
+        ('[hook.install]\nlibvirt-dir = 7\n', "hook.install.libvirt-dir = 7 must be a string"),
+        ('[xml.new]\ndevice = "0x10"\n', "xml.new.device = '0x10' must be a list of values"),
+    ],
+)
+def test_a_value_of_another_toml_type_is_refused(root, state_path, text, message):
+    path = write(root, text)
+    r = CliRunner().invoke(main, ["--root", str(root), "hook", "log"])
+    assert r.exit_code == 1, r.output
+    assert r.output.count("\n") == 1, r.output
+    assert f"{path}: {message}" in r.output, r.output
+
+
+def test_values_of_the_right_type_are_taken(root, state_path):
+    write(root, '[agent]\ninterval = 1\n\n[xml.new]\ndevice = ["0x10", "gpu"]\n')
+    defaults = load_default_map(main, ["--root", str(root), "agent"])
+    assert defaults is not None
+    assert defaults["agent"]["interval"] == 1
+    assert defaults["xml"]["new"]["devices"] == ["0x10", "gpu"]
+
+
+OPERATORS_FILE = """\
+# The operator's own words, kept by 'hook install'.
+state = "/var/lib/vmlend/old.db"     # --state: where the fabric lives
+node = "alpha"                        # this host
+
+# the agent
+[agent]
+ttl = 10  # seconds
+"""
+
+
+def test_hook_install_keeps_the_operators_comments_and_layout(root, state_path):
+    path = write(root, OPERATORS_FILE)
+    r = install(root, "--backend", "sim")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["config"] == "updated"
+    assert path.read_text() == OPERATORS_FILE.replace(
+        '"/var/lib/vmlend/old.db"     #', '"/var/lib/vmlend/state.db"     #'
+    ).replace(
+        "# this host\n",
+        '# this host\nbackend = "sim"\nhook-socket = "/run/vmlend/hook.sock"\n',
+    )
+
+
+def test_hook_install_replaces_a_key_as_the_file_spells_it(root, state_path):
+    path = write(root, 'hook_socket = "/old.sock"  # mine\n')
+    args = ["--root", str(root), "hook", "install", "--hook-socket", str(root / "new.sock")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert path.read_text() == (
+        'hook_socket = "/new.sock"  # mine\nstate = "/var/lib/vmlend/state.db"\n'
+    )
+
+
+def test_hook_install_creates_the_file_named_by_config(root, state_path, tmp_path):
+    new = tmp_path / "conf" / "private.toml"
+    r = install(root, "--config", str(new))
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["config"] == "written"
+    assert json.loads(r.output)["pins"]["config"] == str(new)
+    env = {"VMLEND_CONFIG": str(new), "VMLEND_ROOT": str(root)}
+    hook_environment(env)
+    assert env["VMLEND_STATE"] == str(state_path)
+    # another command still refuses a named file that is missing
+    r = CliRunner().invoke(main, ["--config", str(tmp_path / "nope.toml"), "hook", "log"])
+    assert r.exit_code == 1 and "does not exist" in r.output
+
+
+def test_a_second_libvirt_dir_never_rewrites_the_hosts_file(root, monkeypatch):
+    path = write(root, OPERATORS_FILE)
+    monkeypatch.setenv("VMLEND_STATE", str(root / "host.db"))
+    assert install(root).exit_code == 0
+    host_file = path.read_text()
+    private = root / "private-libvirt"
+    private.mkdir()
+    monkeypatch.setenv("VMLEND_STATE", str(root / "private.db"))
+    r = install(root, after=("--libvirt-dir", str(private)))
+    assert r.exit_code == 1
+    assert r.output == (
+        f"Error: --libvirt-dir {private} is not this host's libvirt ({root / 'etc' / 'libvirt'}):"
+        " name the configuration file its hook reads with --config FILE (created if missing),"
+        f" so {path} keeps the host hook's settings\n"
+    )
+    own = root / "etc" / "vmlend" / "private.toml"
+    r = install(root, "--config", str(own), after=("--libvirt-dir", str(private)))
+    assert r.exit_code == 0, r.output
+    assert path.read_text() == host_file
+    pins = json.loads(r.output)["pins"]
+    assert (pins["config"], pins["state"]) == (str(own), str(root / "private.db"))
+
+
+def test_hook_install_refuses_a_state_outside_the_root(root, tmp_path, monkeypatch):
+    path = write(root, OPERATORS_FILE)
+    monkeypatch.setenv("VMLEND_STATE", str(tmp_path / "outside.db"))
+    r = install(root)
+    assert r.exit_code == 1
+    assert r.output == (
+        f"Error: the state {tmp_path / 'outside.db'} is outside the host root {root}: the"
+        " configuration file's paths are taken under the root; choose one under it\n"
+    )
+    assert path.read_text() == OPERATORS_FILE

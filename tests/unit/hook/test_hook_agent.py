@@ -84,12 +84,17 @@ class Host:
     def __init__(self, base: Path, registry: str | None = None, node: str = "gamma") -> None:
         self.base, self.node, self.registry = base, node, registry
         self.root = base / "root"
-        self.state = base / "state.db"
+        self.state = self.root / "state.db"  # what the hook's file pins lies under its root
         self.root.mkdir(parents=True, exist_ok=True)
         identify(self.root)
         self.socket = hostlease.hook_socket_path(HostEnv(self.root))
         self.hook = install_hook(
-            base / "libvirt", self.state, node, registry=registry, hook_socket=self.socket
+            base / "libvirt",
+            self.state,
+            node,
+            registry=registry,
+            hook_socket=self.socket,
+            root=self.root,
         ).path
         self.agent: subprocess.Popen[bytes] | None = None
 
@@ -161,11 +166,12 @@ class Host:
 
     def log_pids(self) -> list[int]:
         """The pid of every action-log line, in order."""
-        text = (self.base / "hook.log").read_text() if (self.base / "hook.log").exists() else ""
+        log = self.state.parent / "hook.log"
+        text = log.read_text() if log.exists() else ""
         return [int(m) for m in re.findall(r" pid=(\d+) ", text)]
 
     def actions(self) -> list[str]:
-        path = self.base / "hook.log"
+        path = self.state.parent / "hook.log"
         lines = path.read_text().splitlines() if path.exists() else []
         return [line.split(" ", 3)[3] for line in lines]
 
@@ -674,7 +680,7 @@ def test_a_relative_state_in_a_request_is_never_the_agents(hosts, tmp_path):
     elsewhere.mkdir()
     served.start_agent(env=served.env | {"VMLEND_STATE": "state.db"}, cwd=elsewhere)
     rel = {"VMLEND_STATE": "state.db", "VMLEND_HOOK_SOCKET": str(served.socket)}
-    out = run_entry(served.env | rel, cwd=served.base)
+    out = run_entry(served.env | rel, cwd=served.state.parent)
     assert (out.returncode, out.stderr) == (0, b"")
     assert served.agent is not None and served.agent.pid not in served.log_pids()
     assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # done, in-process

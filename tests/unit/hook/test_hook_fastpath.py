@@ -107,8 +107,9 @@ def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt
     # Nor vmlend's own etcd modules, nor the byte-preserving writer (prepare writes no XML).
     unused += ("vmlend.registry.etcd_gateway", "vmlend.registry.etcd_store")
     unused += ("vmlend.domain.preserve", "difflib")
-    # The registry holds the compiled topology: no TOML parser, no topology validation.
-    unused += ("tomllib", "vmlend.topology.parse")
+    # The registry holds the compiled topology: no topology validation (tomllib reads the
+    # configuration file, vmlend.config).
+    unused += ("vmlend.topology.parse",)
     assert run.within(*unused) == set()
     run = run_script(installed, ["vm1", "release", "end", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])

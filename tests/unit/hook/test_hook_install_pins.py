@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from vmlend.cli import main
 from vmlend.doctor import Status, compare_pins
-from vmlend.hook.install import hook_script, read_pins
+from vmlend.errors import ConfigError
+from vmlend.hook.install import hook_script, read_pins, read_script_pins
 
 
 def _tree(path) -> list[str]:
@@ -37,31 +38,38 @@ def test_a_relative_state_is_pinned_absolute_and_the_pins_are_printed(
     monkeypatch.delenv("VMLEND_CONFIG")
     monkeypatch.setenv("VMLEND_ROOT", "rel-root")
     monkeypatch.chdir(tmp_path)
-    args = ["--state", "rel/state.db", "hook", "install", "--libvirt-dir", str(libvirt_dir)]
+    args = ["--state", "rel-root/rel/state.db", "--config", "cfg/vmlend.toml", "hook", "install"]
+    args += ["--libvirt-dir", str(libvirt_dir)]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     hook = libvirt_dir / "hooks" / "qemu.d" / "vmlend"
     pins = read_pins(hook.read_text())
     sock = tmp_path / "rel-root" / "run" / "vmlend" / "hook.sock"
-    config = tmp_path / "rel-root" / "etc" / "vmlend" / "vmlend.toml"
+    config = tmp_path / "cfg" / "vmlend.toml"  # named, so created
+    state = tmp_path / "rel-root" / "rel" / "state.db"
     assert pins == {
         "interpreter": os.path.abspath(sys.executable),
         "config": str(config),
         "root": str(tmp_path / "rel-root"),
-        "state": str(tmp_path / "rel" / "state.db"),
+        "state": str(state),
         "hook socket": str(sock),
     }
     assert r.output.splitlines()[1:] == [
         f"  config       {config} (written)",
         f"  root         {tmp_path / 'rel-root'}",
         f"  interpreter  {os.path.abspath(sys.executable)}",
-        f"  registry     {tmp_path / 'rel' / 'state.db'}",
+        f"  registry     {state}",
         "  node         (the state local node)",
         "  backend      (the host's: smartio where the driver is loaded, else sim)",
         f"  hook socket  {sock} (served by 'vmlend agent' when it runs)",
     ]
     data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
-    assert data["pins"]["state"] == str(tmp_path / "rel" / "state.db")
+    assert data["pins"]["state"] == str(state)
+    # the file, as the hook's root sees it
+    assert config.read_text().splitlines()[2:] == [
+        'state = "/rel/state.db"',
+        'hook-socket = "/run/vmlend/hook.sock"',
+    ]
 
 
 def test_hook_socket_option_is_pinned_absolute(tmp_path, libvirt_dir, monkeypatch):
@@ -107,15 +115,17 @@ def test_the_hook_pins_its_configuration_file_and_root_and_reads_its_settings_th
     config = tmp_path / "etc" / "vmlend" / "vmlend.toml"
     text = hook_script("/usr/bin/python3", config, tmp_path)
     assert "VMLEND_STATE" not in text  # the settings are the file's, not the script's
-    assert read_pins(text) == {
+    assert read_script_pins(text) == {
         "interpreter": "/usr/bin/python3",
         "config": str(config),
         "root": str(tmp_path),
     }
+    with pytest.raises(ConfigError, match=f"the configuration file {config} does not exist"):
+        read_pins(text)  # as the hook would refuse to run without it
     config.parent.mkdir(parents=True)
-    config.write_text(
-        f'state = "{tmp_path / "s.db"}"\nnode = "gamma"\nbackend = "smartio"\n'
-        f'hook-socket = "{tmp_path / "s"}"\n\n[agent]\nttl = 10\n'
+    config.write_text(  # paths as seen inside the hook's root
+        'state = "/s.db"\nnode = "gamma"\nbackend = "smartio"\n'
+        'hook-socket = "/s"\n\n[agent]\nttl = 10\n'
     )
     assert read_pins(text) == {
         "interpreter": "/usr/bin/python3",
@@ -147,7 +157,7 @@ def test_doctor_flags_a_hook_pinned_to_another_state(tmp_path, monkeypatch):
     monkeypatch.delenv("VMLEND_BACKEND", raising=False)
     root = tmp_path / "root"
     (root / "etc" / "libvirt").mkdir(parents=True)
-    one, two = str(tmp_path / "one.db"), str(tmp_path / "two.db")
+    one, two = str(root / "one.db"), str(root / "two.db")
     r = CliRunner().invoke(main, ["--root", str(root), "--state", one, "hook", "install"])
     assert r.exit_code == 0, r.output
 

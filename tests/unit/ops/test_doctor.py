@@ -187,7 +187,7 @@ def test_doctor_finds_the_hook_under_the_libvirt_dir_it_was_installed_to(tmp_pat
     healthy(tmp_path / "host")
     private = tmp_path / "private-libvirt"
     private.mkdir()
-    base = ["--root", str(tmp_path / "empty")]
+    base = ["--root", str(tmp_path)]  # whose etc/libvirt has no hook
     r = CliRunner().invoke(main, [*base, "hook", "install", "--libvirt-dir", str(private)])
     assert r.exit_code == 0, r.output
 
