@@ -3,7 +3,11 @@ device as structured fields (``VMLEND_VM``, ``VMLEND_FDID``; ``journalctl VMLEND
 
 No libsystemd: journald takes one datagram of ``KEY=value`` lines per entry on
 ``/run/systemd/journal/socket`` (a value holding a newline is sent length-prefixed, as its
-protocol says), and syslog a ``<PRI>tag[pid]: message`` datagram on ``/dev/log``. Both paths are
+protocol says), and syslog a ``<PRI>tag[pid]: message key=value...`` datagram on ``/dev/log``.
+Nothing a VM's name or a message holds can forge a line or a field: control characters are
+escaped in both (``\\n``, ``\\x1b``: a terminal escape never reaches ``journalctl``), and a
+syslog field's value with a space, ``=``, a quote or a backslash is quoted (``field_value``),
+so ``vm="web vm=db"`` is one field. Both paths are
 under the host root, and ``$VMLEND_LOG_SOCKET`` names another journald-protocol socket (the
 tests own one; this machine has no journald). Sending never raises: logging must not be why a
 VM fails to start.
@@ -20,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
+
+from vmlend.messages import single_line
 
 #: A journald-protocol socket to log to instead of the host's (tests).
 LOG_SOCKET_ENV = "VMLEND_LOG_SOCKET"
@@ -49,6 +55,19 @@ def log_fields(**fields: str) -> Iterator[None]:
         yield
     finally:
         _fields.reset(token)
+
+
+def field_value(value: str) -> str:
+    """``value`` as one ``key=value`` word of a log line: as it is when it is a plain word,
+    else in double quotes with ``"`` and ``\\`` escaped by a backslash and control characters
+    as ``single_line`` writes them (``"web vm=db"``, ``"a\\nb"``)."""
+    if value and value.isprintable() and not any(c in value for c in _SPECIAL):
+        return value
+    quoted = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{single_line(quoted)}"'
+
+
+_SPECIAL = frozenset(' "\\=')
 
 
 def current_fields() -> dict[str, str]:
@@ -91,13 +110,13 @@ class JournalSink(_Datagrams):
 
     def send(self, message: str, level: int, fields: Mapping[str, str]) -> bool:
         entry = {
-            "MESSAGE": message[:MAX_VALUE],
+            "MESSAGE": single_line(message)[:MAX_VALUE],
             "PRIORITY": str(priority(level)),
             "SYSLOG_IDENTIFIER": self.identifier,
             "SYSLOG_PID": str(os.getpid()),
         }
         for key, value in fields.items():
-            entry[f"VMLEND_{key.upper()}"] = str(value)[:MAX_VALUE]
+            entry[f"VMLEND_{key.upper()}"] = single_line(str(value))[:MAX_VALUE]
         return self._send(encode_entry(entry))
 
 
@@ -105,9 +124,9 @@ class SyslogSink(_Datagrams):
     """syslog on /dev/log: the fields follow the message as ``key=value`` words."""
 
     def send(self, message: str, level: int, fields: Mapping[str, str]) -> bool:
-        words = "".join(f" {k}={v}" for k, v in fields.items())
+        words = "".join(f" {k}={field_value(str(v))}" for k, v in fields.items())
         pri = _DAEMON * 8 + priority(level)
-        line = f"<{pri}>{self.identifier}[{os.getpid()}]: {message}{words}"
+        line = f"<{pri}>{self.identifier}[{os.getpid()}]: {single_line(message)}{words}"
         return self._send(line.encode()[: MAX_VALUE + 512])
 
 

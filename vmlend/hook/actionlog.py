@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 
 from vmlend.errors import UnsafePathError
-from vmlend.journal import Sink, current_fields
+from vmlend.journal import Sink, current_fields, field_value
 from vmlend.messages import single_line
 from vmlend.safefile import open_nofollow
 
@@ -51,13 +51,13 @@ class ActionLog:
     def record(self, domain: str, operation: str, message: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         line = (
-            f"{stamp}Z pid={os.getpid()} vm={one_line(domain)} {one_line(operation)}:"
+            f"{stamp}Z pid={os.getpid()} vm={field_value(domain)} {one_line(operation)}:"
             f" {one_line(message)}\n"
         )
         if self.system is not None:
             failed = "FAILED" in message or operation in ("internal-error", "error")
             self.system.send(
-                f"{domain} {operation}: {message}",
+                f"{field_value(domain)} {operation}: {message}",
                 40 if failed else 20,  # logging.ERROR / logging.INFO, without importing it
                 {**current_fields(), "vm": domain, "operation": operation},
             )

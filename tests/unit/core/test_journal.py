@@ -13,6 +13,7 @@ from vmlend.journal import (
     SyslogSink,
     SystemLogHandler,
     encode_entry,
+    field_value,
     log_fields,
     open_system_log,
 )
@@ -90,3 +91,27 @@ def test_the_hosts_journal_wins_over_syslog_and_the_variable_over_both(tmp_path)
 def test_a_logger_gone_costs_nothing_and_raises_nothing(tmp_path):
     sink = JournalSink(str(tmp_path / "nobody"), "x")
     assert not sink.send("a", 20, {}) and not sink.send("b", 20, {})
+
+
+def test_a_value_cannot_forge_a_syslog_line_or_a_field(tmp_path):
+    name = 'web vm=db "x\\" fdid=0x10\n<27>vmlend-hook[1]: forged'
+    with _listen(tmp_path / "log") as s:
+        SyslogSink(str(tmp_path / "log"), "vmlend-hook").send(f"{name} started", 20, {"vm": name})
+        line = s.recv(4096).decode()
+    assert "\n" not in line
+    assert line.endswith(
+        ' forged started vm="web vm=db \\"x\\\\\\" fdid=0x10\\n<27>vmlend-hook[1]: forged"'
+    ), line
+    assert field_value("web") == "web" and field_value("") == '""'
+    assert field_value("a\u2028b") == '"a\\u2028b"' and field_value("a=b") == '"a=b"'
+
+
+def test_escape_sequences_never_reach_journald(tmp_path):
+    with _listen(tmp_path / "journal") as s:
+        sink = JournalSink(str(tmp_path / "journal"), "vmlend-hook")
+        sink.send("vm \x1b[2J\x1b]0;owned\x07 paused\nforged", 40, {"vm": "\x1b[31mweb"})
+        data = s.recv(65536)
+    assert b"\x1b" not in data and b"\x07" not in data
+    entry = decode_entry(data)
+    assert entry["MESSAGE"] == "vm \\x1b[2J\\x1b]0;owned\\x07 paused\\nforged"
+    assert entry["VMLEND_VM"] == "\\x1b[31mweb"

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import uuid
+from xml.sax.saxutils import escape
 
 from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
@@ -98,7 +99,8 @@ def test_a_newline_in_a_domain_name_cannot_forge_a_log_line(state_path):
         )
     lines = (state_path.parent / "hook.log").read_text().splitlines()
     assert len(lines) > 2 and all(line.startswith("20") for line in lines)
-    assert all(" vm=vm1\\n2026-01-01T00:00:00Z pid=1 vm=vm2 " in line for line in lines)
+    quoted = ' vm="vm1\\n2026-01-01T00:00:00Z pid=1 vm=vm2 release: released 0x10" '
+    assert all(quoted in line for line in lines)
     assert not any(line.startswith("2026-01-01T00:00:00Z") for line in lines)
 
 
@@ -135,6 +137,52 @@ def test_each_action_also_reaches_the_system_log_with_its_vm_and_device(state_pa
     by_device = {e.get("VMLEND_FDID") for e in entries if "prepare: reserve" in e["MESSAGE"]}
     assert by_device == {"0x10", "0x12", "0x21", "0x22"}
     assert any(e["MESSAGE"] == "vm1 prepare: 4 devices ready" for e in entries)
+
+
+def syslog_words(line: str) -> list[tuple[str, str]]:
+    """The ``key=value`` words after a syslog line's message, a quoted value read back."""
+    import shlex
+
+    return [tuple(w.split("=", 1)) for w in shlex.split(line) if "=" in w]  # type: ignore[misc]
+
+
+def test_a_vm_name_cannot_forge_a_syslog_line_or_field(state_path, tmp_path, monkeypatch):
+    """On a host without journald the hook logs to syslog's /dev/log: a name with a newline, a
+    space and 'vm=' stays inside its one quoted field of one line (a terminal escape, which no
+    XML name can hold, is escaped by the sinks: tests/unit/core/test_journal.py)."""
+    make_fabric(state_path).close()
+    root = tmp_path / "root"
+    (root / "dev").mkdir(parents=True)
+    name = "vm1 vm=vm2 fdid=0x99\n<27>vmlend-hook[1]: vm2 release: FAILED"
+    xml = vm_xml().replace(b"<name>vm1</name>", f"<name>{escape(name)}</name>".encode())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(root / "dev" / "log"))
+        sock.settimeout(0.5)
+        code = run(
+            [name, "prepare", "begin", "-"],
+            stdin=io.BytesIO(xml),
+            stdout=io.BytesIO(),
+            stderr=io.StringIO(),
+            environ={
+                "VMLEND_STATE": str(state_path),
+                "VMLEND_NODE": "gamma",
+                "VMLEND_ROOT": str(root),
+            },
+        )
+        assert code == 0
+        lines = []
+        while True:
+            try:
+                lines.append(sock.recv(65536).decode())
+            except TimeoutError:
+                break
+    assert lines
+    for line in lines:
+        assert "\n" not in line and "\x1b" not in line, line
+        assert line.startswith("<30>vmlend-hook[") or line.startswith("<27>vmlend-hook[")
+        words = syslog_words(line.split("]: ", 1)[1])
+        vms = [v for k, v in words if k == "vm"]
+        assert vms == [name.replace("\n", "\\n")], line
 
 
 def test_the_action_log_rotates_at_its_cap_and_reads_across(tmp_path):
