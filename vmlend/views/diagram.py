@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from vmlend.ledger.admission import AdapterUsage
+from vmlend.messages import single_line
 from vmlend.topology.model import DeviceState, DeviceStatus, Topology
 from vmlend.topology.pcie import Hop, PciePath, Stage
 
@@ -42,9 +43,22 @@ def _dot(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+#: What a Mermaid label would read as markup or an entity, as entity codes (``#`` first).
+_MERMAID_ENTITIES = (("#", "#35;"), ('"', "#quot;"), ("<", "#lt;"), (">", "#gt;"))
+
+
 def _mermaid(text: str) -> str:
-    """A Mermaid quoted label: quotes as entities, a newline as a line break."""
-    return '"' + text.replace('"', "#quot;").replace("\n", "<br/>") + '"'
+    """A Mermaid quoted label: ``#``, quotes and angle brackets as entity codes (a name cannot
+    close the label, spell an entity or bring HTML), a newline as a line break."""
+    for char, code in _MERMAID_ENTITIES:
+        text = text.replace(char, code)
+    return '"' + text.replace("\n", "<br/>") + '"'
+
+
+def _text(value: str) -> str:
+    """A value from the registry or the topology inside a label: its newlines and other control
+    characters escaped, so only the label's own line breaks break lines."""
+    return single_line(value)
 
 
 def _ident(prefix: str, name: str) -> str:
@@ -57,13 +71,13 @@ def _adapter_label(ref: str, use: AdapterUsage | None) -> str:
         return ref
     a = use.adapter
     return (
-        f"{ref} {a.model}\nLUT {use.lut_used}/{a.lut_usable}"
+        f"{_text(ref)} {_text(a.model)}\nLUT {use.lut_used}/{a.lut_usable}"
         f"\nsegments {use.segments_used}/{a.segments}"
     )
 
 
 def _device_label(st: DeviceStatus) -> str:
-    who = f"\n{st.holder}" if st.holder is not None else ""
+    who = f"\n{_text(str(st.holder))}" if st.holder is not None else ""
     return f"{st.fdid:#x} {st.spec.kind}\n{st.state.value}{who}"
 
 
@@ -101,9 +115,9 @@ def fabric_dot(
         '  node [fontname="Helvetica", shape=box, style="rounded,filled", fillcolor=white];',
     ]
     for n in topology.nodes:
-        title = f"{n.name} (node {n.node_id})"
+        title = f"{_text(n.name)} (node {n.node_id})"
         if n.name in down:
-            title += f"\nDOWN: {down[n.name]}" if down[n.name] else "\nDOWN"
+            title += f"\nDOWN: {_text(down[n.name])}" if down[n.name] else "\nDOWN"
         out.append(f"  subgraph {_dot('cluster_' + n.name)} {{")
         style = "dashed" if n.name in down else "solid"
         out.append(f"    label={_dot(title)}; style={style};")
@@ -118,7 +132,8 @@ def fabric_dot(
             )
         out.append("  }")
     for s in _switches(topology):
-        out.append(f"  {_dot('switch ' + s)} [label={_dot(s)}, shape=diamond, style=filled];")
+        label = _dot(_text(s))
+        out.append(f"  {_dot('switch ' + s)} [label={label}, shape=diamond, style=filled];")
     for end, other, to_switch in _cables(topology):
         out.append(f"  {_dot(end)} -- {_dot('switch ' + other if to_switch else other)};")
     for s, t in topology.switch_links:
@@ -139,7 +154,7 @@ def fabric_mermaid(
     for state, fill in STATE_FILL.items():
         out.append(f"  classDef {state.value} fill:{fill},stroke:#333")
     for n in topology.nodes:
-        title = f"{n.name} (node {n.node_id})" + (" DOWN" if n.name in down else "")
+        title = f"{_text(n.name)} (node {n.node_id})" + (" DOWN" if n.name in down else "")
         out.append(f"  subgraph {_ident('node', n.name)}[{_mermaid(title)}]")
         for a in n.adapters:
             label = _adapter_label(a.ref, usage.get(a.ref))
@@ -150,7 +165,7 @@ def fabric_mermaid(
                 out.append(f"    {ident}({_mermaid(_device_label(st))}):::{st.state.value}")
         out.append("  end")
     for s in _switches(topology):
-        out.append(f"  {_ident('sw', s)}{{{_mermaid(s)}}}")
+        out.append(f"  {_ident('sw', s)}{{{_mermaid(_text(s))}}}")
     for end, other, to_switch in _cables(topology):
         far = _ident("sw", other) if to_switch else _ident("ad", other)
         out.append(f"  {_ident('ad', end)} --- {far}")
@@ -186,17 +201,17 @@ def path_dot(path: PciePath) -> str:
     ids = [f"s{i}" for i in range(len(path.stages))]
     for host in hosts:
         out.append(f"  subgraph {_dot('cluster_' + host)} {{")
-        out.append(f'    label={_dot(host)}; style=filled; fillcolor="{fill[host]}";')
+        out.append(f'    label={_dot(_text(host))}; style=filled; fillcolor="{fill[host]}";')
         for ident, s in zip(ids, path.stages, strict=True):
             if s.node == host:
                 shape = _SHAPE.get(s.kind, ("box", ""))[0]
-                label = f"{s.name}\n{s.kind.value}"
+                label = f"{_text(s.name)}\n{s.kind.value}"
                 out.append(f"    {ident} [label={_dot(label)}, shape={shape}, fillcolor=white];")
         out.append("  }")
     for ident, s in zip(ids, path.stages, strict=True):
         if not s.node:
             shape = _SHAPE.get(s.kind, ("box", ""))[0]
-            label = f"{s.name}\n{s.kind.value}"
+            label = f"{_text(s.name)}\n{s.kind.value}"
             out.append(f"  {ident} [label={_dot(label)}, shape={shape}, fillcolor=white];")
     out.extend(f"  {a} -> {b};" for a, b in itertools.pairwise(ids))
     out.append("}")
@@ -208,7 +223,7 @@ def path_mermaid(path: PciePath) -> str:
     ids = [f"s{i}" for i in range(len(path.stages))]
 
     def node(ident: str, s: Stage) -> str:
-        label = _mermaid(f"{s.name}\n{s.kind.value}")
+        label = _mermaid(f"{_text(s.name)}\n{s.kind.value}")
         shape = _SHAPE.get(s.kind, ("", ""))[1]
         opening, closing = {
             "stadium": ("([", "])"),
@@ -218,9 +233,9 @@ def path_mermaid(path: PciePath) -> str:
         }.get(shape, ("[", "]"))
         return f"{ident}{opening}{label}{closing}"
 
-    out = ["flowchart LR", f"  %% {_path_title(path)}"]
+    out = ["flowchart LR", f"  %% {_text(_path_title(path))}"]
     for host in _hosts(path.stages):
-        out.append(f"  subgraph {_ident('host', host)}[{_mermaid(host)}]")
+        out.append(f"  subgraph {_ident('host', host)}[{_mermaid(_text(host))}]")
         out += [
             f"    {node(i, s)}" for i, s in zip(ids, path.stages, strict=True) if s.node == host
         ]

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from tests.support.cli_cluster import GAMMA
-from vmlend.topology.model import DeviceState
+from vmlend.topology.model import DeviceState, Holder
 from vmlend.topology.pcie import Hop, explain
 from vmlend.views.diagram import STATE_FILL, fabric_dot, fabric_mermaid, path_dot, path_mermaid
 
@@ -99,3 +99,17 @@ def test_the_cli_draws_and_refuses_two_outputs_at_once(cluster):
     r = cluster.cli("path", "0x10", "0x20", "--format", "dot", "--json")
     assert r.exit_code == 2 and "exclusive" in r.output
     assert cluster.cli("fabric", "show", "--format", "svg", *GAMMA).exit_code == 2
+
+
+def test_a_holders_name_cannot_break_out_of_its_label(cluster):
+    topo, statuses, usage = _fabric(cluster)
+    evil = 'web"]\n  x[<img src=x onerror=alert(1)>] #quot; %%'
+    held = [msgspec.structs.replace(st, holder=Holder("gamma", evil)) for st in statuses]
+    mermaid = fabric_mermaid(topo, held, usage)
+    assert "<img" not in mermaid and 'web"' not in mermaid and "#quot; %%" not in mermaid
+    assert not any(line.startswith("  x[") for line in mermaid.splitlines())
+    label = 'gamma/web#quot;]\\n  x[#lt;img src=x onerror=alert(1)#gt;] #35;quot; %%"'
+    assert mermaid.count(label) == len(held)
+    dot = fabric_dot(topo, held, usage)
+    assert "gamma/web\\\"]\\\\n  x[<img" in dot  # the name's newline: a backslash and an n
+    _draws(dot)
