@@ -140,6 +140,18 @@ def test_bad_domain_xml_is_refused_in_one_line(hv, xml, reason):
     assert hv.list_domains() == []
 
 
+def test_a_name_with_a_newline_is_refused_as_libvirt_does(hv):
+    # libvirt refuses it (the test driver runs libvirt's parser); the simulated hypervisor,
+    # whose names reach the hook, vmlend's tables and logs, must not take what libvirt never
+    # would.
+    xml = _with(DOMAIN_XML, name="vm1\nvm2")
+    with pytest.raises(DomainDefinitionError, match="invalid char in name"):
+        hv.define(xml)
+    assert hv.list_domains() == []
+    hv.define(_with(DOMAIN_XML, name="vm1\tvm2"))  # a tab, libvirt takes
+    assert [d.name for d in hv.list_domains()] == ["vm1\tvm2"]
+
+
 @pytest.mark.parametrize(
     "call",
     [

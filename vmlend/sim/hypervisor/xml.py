@@ -67,6 +67,10 @@ def parse_domain(xml: bytes) -> Element:
     if "/" in name or name.startswith("."):
         # libvirt forbids '/'; a leading dot would hide the sim's state file.
         raise refuse(f"name {name!r} cannot contain '/' or start with '.'")
+    if "\n" in name:
+        # libvirt's own check (virXMLCheckIllegalChars): a name is one line in every listing
+        # and log. Its message prints the character itself; here it is escaped.
+        raise refuse("invalid char in name: \\n")
     if root.find("memory") is None:
         raise refuse("XML error: Memory size must be specified via <memory>")
     if root.find("os/type") is None:
