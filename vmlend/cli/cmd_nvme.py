@@ -20,7 +20,7 @@ BLOCK = 512
 
 
 def _blocks(size: str) -> int:
-    n = parse_cli_size(size)
+    n = parse_cli_size(size, limit=None)  # storage: bounded by its block count below
     if n < BLOCK or n % BLOCK:
         raise ConfigError(f"size {size!r} must be a positive multiple of {BLOCK} bytes")
     if n // BLOCK >= MAX_NVME_BLOCKS:

@@ -141,7 +141,7 @@ def _parse_paths(text: str) -> int:
 
 def _parse_share_size(text: str) -> int:
     try:
-        return parse_size(text)
+        return parse_size(text, limit=None)  # storage: NvmeShareRequest bounds its blocks
     except ConfigError as e:
         raise DomainXMLError(f"bad nvme-size: {e}") from None
 

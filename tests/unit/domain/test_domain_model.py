@@ -5,9 +5,11 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from click.testing import CliRunner
 from lxml import etree
 
 from tests.support.domain_support import DATA
+from vmlend.cli import main
 from vmlend.domain import (
     NAMESPACE_URI,
     PciAddress,
@@ -188,6 +190,38 @@ def test_bad_command_line_sizes_name_the_units(text):
 def test_bad_cli_sizes(text):
     with pytest.raises(ConfigError, match="bad size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["\u0664G", "\u096c\u096a", "4\u0660M", "\uff14G", "\u0664"])
+def test_sizes_in_other_scripts_digits_are_refused(text):
+    for parse in (parse_cli_size, parse_size):
+        with pytest.raises(ConfigError, match="bad size"):
+            parse(text)
+    with pytest.raises(DomainXMLError, match="not an integer in ASCII digits"):
+        libvirt_bytes(text.rstrip("GM"), "KiB")
+    with pytest.raises(DomainXMLError, match="not an integer"):
+        libvirt_bytes("1_024", "KiB")  # int() takes it, libvirt does not
+
+
+@pytest.mark.parametrize("text", ["99999999999999999999T", "4097T", str(1 << 33) + "M"])
+def test_sizes_beyond_what_a_host_addresses_are_refused(text):
+    for parse in (parse_cli_size, parse_size):
+        with pytest.raises(ConfigError, match="is more than 4096 TiB, the most a host can address"):
+            parse(text)
+    assert parse_cli_size("4096T") == 1 << 52  # the limit itself is a size
+
+
+def test_a_domain_memory_beyond_what_a_host_addresses_is_refused():
+    with pytest.raises(DomainXMLError, match="is more than 4096 TiB"):
+        libvirt_bytes("99999999999999999999", "KiB")
+
+
+def test_the_cli_refuses_such_sizes_in_one_line(tmp_path):
+    for memory in ("99999999999999999999T", "\u0664G"):
+        r = CliRunner().invoke(main, ["xml", "new", "vm1", "--memory", memory])
+        assert r.exit_code == 2, r.output
+        (error,) = [line for line in r.output.splitlines() if line.startswith("Error:")]
+        assert "--memory" in error and ("4096 TiB" in error or "bad size" in error), r.output
 
 
 def test_pci_address_parse_and_format():
