@@ -189,7 +189,8 @@ class Snapshot:
 
 #: What decoding a damaged value raises (not JSON, bad UTF-8, a missing field, a wrong type, a
 #: value out of its set): turned into one ``StateRecordError`` by ``_decoding``.
-_DAMAGE = (ValueError, KeyError, TypeError, AttributeError, msgspec.MsgspecError)
+#: RecursionError: a value nested deeper than the decoder follows (msgspec and json raise it).
+_DAMAGE = (ValueError, KeyError, TypeError, AttributeError, RecursionError, msgspec.MsgspecError)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

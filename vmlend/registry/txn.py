@@ -43,6 +43,13 @@ def decoded(table: str, key: object, cls: type[_T], fields: dict[str, Any]) -> _
         return msgspec.convert(fields, cls, strict=True)
     except msgspec.ValidationError as e:
         raise StateRecordError(table, key, str(e)) from None
+    except RecursionError:
+        raise StateRecordError(table, key, _TOO_DEEP) from None
+
+
+#: A record nested deeper than Python's recursion limit (no record vmlend writes nests more than
+#: a few levels): JSON's decoder and msgspec raise RecursionError on it.
+_TOO_DEEP = "its data nests deeper than any record vmlend writes"
 
 
 def _flag(value: object) -> object:
@@ -405,6 +412,8 @@ class SqliteTxn:
                 data = json.loads(d) if isinstance(d, str | bytes) else d
             except ValueError:  # JSONDecodeError, UnicodeDecodeError
                 raise StateRecordError("runtime", where, "its data is not JSON") from None
+            except RecursionError:
+                raise StateRecordError("runtime", where, _TOO_DEEP) from None
             fields = {"fdid": f, "kind": k, "key": key, "data": data}
             records.append(decoded("runtime", where, RuntimeRecord, fields))
         return records

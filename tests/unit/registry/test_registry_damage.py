@@ -77,6 +77,16 @@ def test_runtime_data_that_is_not_json_names_the_record(held):
         _read(held, lambda tx: tx.runtime(0x10))
 
 
+def test_runtime_data_nested_thousands_deep_is_one_record_error(held):
+    deep = '{"start": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    _damage(held, "UPDATE runtime SET data = ? WHERE fdid = 16", deep)
+    with pytest.raises(StateRecordError, match="runtime record 0x10/dma-window/0 is damaged"):
+        _read(held, lambda tx: tx.runtime(0x10))
+    args = ["--state", str(held), "--node", "gamma", "status", "-c", "sim:///gamma"]
+    line = one_line(CliRunner().invoke(main, args))
+    assert "runtime record 0x10/dma-window/0 is damaged" in line and "nests deeper" in line
+
+
 def test_the_cli_prints_a_damaged_record_as_one_line(held):
     _damage(held, "UPDATE holds SET guest_ram = 'lots' WHERE fdid = 16")
     line = one_line(CliRunner().invoke(main, ["--state", str(held), "devices"]))
@@ -86,6 +96,7 @@ def test_the_cli_prints_a_damaged_record_as_one_line(held):
 # --- the etcd backend: one typed error per damaged value, and release frees what it can -------
 
 DAMAGE = [b"not json", b"\xff\xfe", b"[]", b'{"fdid": "x"}', b'{"fdid": 16, "node": 5}', b"{}"]
+DAMAGE += [b'{"fdid": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"]  # deeper than msgspec follows
 
 
 def _put_raw(url: str, key: str, value: bytes) -> None:
