@@ -5,7 +5,7 @@ or refused with exit 1 or 2 and the error on one line (one ``VmlendError`` for a
 boundary, a ``WireError`` for the hook socket's frames): no traceback, no "internal error",
 and nothing changed. The boundaries: sysfs attributes under a fake root, domain XML into the
 hook and into the CLI, topology TOML into ``fabric init``, CLI arguments, and the frames of
-the agent's hook socket.
+the agent's hook socket, and the configuration file the CLI and the hook share.
 
 Derandomized and without an example database, so CI runs the same examples every time;
 ``VMLEND_FUZZ_EXAMPLES`` (default 100 per boundary) explores more.
@@ -14,6 +14,7 @@ Derandomized and without an example database, so CI runs the same examples every
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import tempfile
 import uuid
@@ -27,12 +28,15 @@ from hypothesis import strategies as st
 
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, FakeType, populate_smartio
 from tests.support.fuzz_support import (
+    CONFIG_KINDS,
     assert_clean_failure,
     assert_cli_result,
     byte_op,
+    config_plan,
     copy_state,
     dump_state,
     fuzz_settings,
+    mutate_config,
     mutate_toml,
     mutate_xml,
     nasty_text,
@@ -48,6 +52,8 @@ from tests.support.sysfs_damage import (
     plant_loop,
 )
 from vmlend.cli import main
+from vmlend.cli.config import load_default_map
+from vmlend.config import MAX_CONFIG_BYTES, hook_environment
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.errors import SysfsAttributeError, VmlendError
 from vmlend.hook import wire
@@ -450,3 +456,88 @@ def test_hook_socket_frames_decode_or_are_one_wire_error(frame, answer):
 def test_every_request_the_hook_sends_decodes_to_itself(r):
     argv, env, xml = r
     assert decode(wire.encode_request(argv, env, xml)) == (argv, env, xml)
+
+
+# --- 7. the configuration file ------------------------------------------------------------------
+
+#: What the hook takes from the file, and the CLI's name for the same setting.
+_HOOK_TO_CLI = {
+    "VMLEND_STATE": ("state_path",),
+    "VMLEND_REGISTRY": ("registry",),
+    "VMLEND_NODE": ("node",),
+    "VMLEND_BACKEND": ("backend",),
+    "VMLEND_HOOK_SOCKET": ("agent", "hook_socket"),
+}
+
+
+def _place_config(path: Path, kind: str, data: bytes) -> None:
+    if kind == "file":
+        path.write_bytes(data)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "loop":
+        path.symlink_to(path.name)
+    elif kind == "huge":
+        path.write_bytes(b"# " + b"x" * MAX_CONFIG_BYTES + b"\n" + data)
+
+
+@fuzz_settings(scale=1.5)
+@given(plan=config_plan, kind=st.sampled_from(CONFIG_KINDS))
+def test_hostile_configuration_file_into_the_cli_and_the_hook(tmp_path_factory, plan, kind):
+    """The file the CLI, the agent and the hook all read, mutated (values of other types,
+    relative and climbing paths, deep nesting, comments ending in U+2028 or U+0085) and
+    replaced by a FIFO, a directory, a link loop or a file over the size bound: taken by both
+    alike, or refused by the hook in one ``ConfigError`` and by the CLI in one line; what is
+    taken names no path outside the host root."""
+    d = tmp_path_factory.mktemp("config")
+    root, path = d / "root", d / "vmlend.toml"
+    root.mkdir()
+    _place_config(path, kind, mutate_config(plan))
+    env = {"VMLEND_CONFIG": str(path), "VMLEND_ROOT": str(root)}
+    try:
+        hook_environment(env)
+        hook_error = None
+    except VmlendError as e:  # ConfigError: the hook's one line (tests/unit/core/test_config.py)
+        hook_error = e
+    try:
+        defaults = load_default_map(main, ["--config", str(path), "--root", str(root), "agent"])
+        cli_error = None
+    except VmlendError as e:
+        defaults, cli_error = None, e
+    took = {False: "took", True: "refused"}
+    event(f"{kind}: hook {took[hook_error is not None]}, cli {took[cli_error is not None]}")
+    r = CliRunner().invoke(
+        main,
+        ["--config", str(path), "--root", str(root), "hook", "log"],
+        env=dict.fromkeys(_HOOK_TO_CLI),  # the file alone says them
+    )
+    assert_cli_result(r)
+    assert (r.exit_code == 1) == (cli_error is not None), r.output
+    if hook_error is not None:
+        assert cli_error is not None  # the CLI checks all the hook checks, and more
+        assert "\n" not in str(hook_error)
+        return
+    if cli_error is not None:
+        return  # a key or table only the CLI reads
+    assert defaults is not None or path.read_bytes() == b""
+    agent = (defaults or {}).get("agent", {})
+    for name, steps in _HOOK_TO_CLI.items():
+        where: object = defaults
+        for step in steps:
+            where = where.get(step) if isinstance(where, dict) else None
+        if name == "VMLEND_HOOK_SOCKET" and _own_agent_socket(path):
+            continue  # [agent] hook-socket wins over the top-level one for the agent
+        assert env.get(name) == where, (name, env.get(name), where, agent)
+        value = env.get(name, "")
+        for p in (value, value.removeprefix("sqlite://")):
+            if p.startswith("/"):
+                assert Path(p) == root or root in Path(p).parents, (name, value)
+
+
+def _own_agent_socket(path: Path) -> bool:
+    import tomllib
+
+    agent = tomllib.loads(path.read_text()).get("agent", {})
+    return any(k in agent for k in ("hook-socket", "hook_socket"))

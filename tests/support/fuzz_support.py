@@ -274,3 +274,73 @@ def mutate_toml(text: str, plan: list[tuple[str, int, str]]) -> bytes:
         if not lines:
             lines = [""]
     return "\n".join(lines).encode("utf-8", "surrogatepass") + raw
+
+
+# --- the configuration file -----------------------------------------------------------------
+
+#: An operator's file as docs/user-guide.md shows it, paths as seen inside the host root.
+BASE_CONFIG = """\
+# the operator's own words
+state = "/var/lib/vmlend/state.db"     # --state
+node = "gamma"                          # this host
+backend = "sim"
+hook-socket = "/run/vmlend/hook.sock"
+verbose = 1
+
+[agent]
+ttl = 10
+interval = 0.5
+
+[hook.install]
+libvirt-dir = "/etc/libvirt"
+"""
+#: What a careless or hostile writer puts right of ``=`` in it, beyond TOML_VALUES.
+CONFIG_VALUES = (
+    '"/../../../etc/shadow"',
+    '"rel/state.db"',
+    '"sqlite:///var/lib/vmlend/other.db"',
+    '"sqlite://rel.db"',
+    '"etcd://127.0.0.1:1/c?cacert=/ca.pem"',
+    '["/a"]',
+    '"/a\\nb"',
+    '"/a\\u2028b"',
+    "5",
+    "true",
+    "0.5",
+    "[" * 3000 + "]" * 3000,
+    "{ a = " * 300 + "1" + " }" * 300,
+)
+#: Characters that end a line for ``str.splitlines`` but not for TOML.
+LINE_ENDS = ("\u2028", "\u2029", "\u0085", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\r")
+#: What stands at the file's path: the file, or something that is none.
+CONFIG_KINDS = ("file",) * 6 + ("fifo", "directory", "missing", "loop", "huge")
+
+config_plan = st.lists(
+    st.tuples(
+        st.sampled_from((*TOML_OPS, "comment", "comment")),
+        st.integers(0, 10_000),
+        st.one_of(
+            st.sampled_from(CONFIG_VALUES + TOML_VALUES), nasty_text.map(repr)
+        ),
+    ),
+    min_size=0,
+    max_size=4,
+)
+
+
+def mutate_config(plan: list[tuple[str, int, str]]) -> bytes:
+    """``BASE_CONFIG`` changed by ``plan``: ``mutate_toml``'s steps, and "comment", a comment
+    ending in a character only ``str.splitlines`` takes for a line end, a key after it."""
+    out, raw = BASE_CONFIG, b""
+    for op, pos, value in plan:
+        if op == "bytes":
+            raw = b"\xff\xfe" if pos % 2 else b"\x00"
+        elif op == "comment":
+            lines = out.split("\n")  # TOML's line ends, not str.splitlines
+            end = LINE_ENDS[pos % len(LINE_ENDS)]
+            key = ("state", "node", "registry", "backend", "hook-socket")[pos % 5]
+            lines.insert(pos % len(lines), f"# a comment{end}{key} = {value}")
+            out = "\n".join(lines)
+        else:
+            out = mutate_toml(out, [(op, pos, value)]).decode("utf-8", "surrogatepass")
+    return out.encode("utf-8", "surrogatepass") + raw
