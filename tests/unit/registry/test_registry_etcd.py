@@ -14,6 +14,7 @@ from tests.support.simfabric import make_fabric, star_topology
 from vmlend.cli import main
 from vmlend.errors import ConfigError, DeviceHeldError, StateError
 from vmlend.hook.install import install_hook
+from vmlend.hostenv import HostEnv
 from vmlend.registry import (
     EtcdRegistry,
     RegistryLocation,
@@ -273,7 +274,7 @@ def test_hook_install_pins_the_registry_url(etcd_url, tmp_path):
 
     result = install_hook(
         tmp_path / "libvirt",
-        tmp_path / "s.db",
+        HostEnv.from_env().root / "s.db",  # what the file pins lies under the host root
         "gamma",
         interpreter=sys.executable,
         registry=etcd_url,
