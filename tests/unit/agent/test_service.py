@@ -5,14 +5,16 @@ points 4 and 5)."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from tests.support.cluster_hosts import GPU, TTL, VMLEND, WEB, Host, domain_xml
+from tests.support.cluster_hosts import GPU, NIC, TTL, VMLEND, WEB, Host, domain_xml
 from tests.support.hostroot import identify
 from tests.support.simfabric import make_fabric
 from vmlend.registry import parse_location
@@ -184,3 +186,145 @@ def test_a_restart_after_the_lease_ended_wins_the_vms_back(started, url, monkeyp
     assert "VM web: paused -> running: re-reserved 0x10; resumed" in log
     with open_fabric(url, "alpha") as f:
         assert f.device(GPU).holder == WEB
+
+
+class Configured(Host):
+    """A host whose registry is named by its configuration file (``root/vmlend.toml``)."""
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in super().env.items() if k != "VMLEND_REGISTRY"}
+        env["VMLEND_CONFIG"] = str(self.root / "vmlend.toml")
+        return env
+
+
+def test_sighup_takes_new_endpoints_from_the_configuration_without_a_pause(
+    started, url, etcd, monkeypatch
+):
+    """Issue 35, point 5: an operator changes the endpoint list in the configuration file and
+    reloads the agent (SIGHUP). The agent renews the same lease through the new endpoint: the
+    old one can go away without the lease coming in doubt, and no VM is paused."""
+    from tests.support.tcp_proxy import TcpProxy
+
+    cluster = url.rsplit("/", 1)[1]
+    old, new = TcpProxy(etcd.client_port), TcpProxy(etcd.client_port)
+    alpha, gamma = started("alpha"), started("gamma")
+    config = gamma.root / "vmlend.toml"
+    config.write_text(f'registry = "etcd://{old.endpoint}/{cluster}"\n')
+    gamma.__class__ = Configured  # its registry from the file, not from VMLEND_REGISTRY
+    monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
+    try:
+        alpha.start_agent()
+        gamma.start_agent("--ttl", "4", "--connect", "sim:///gamma")
+        hv = _hv(gamma, url)
+        hv.define(domain_xml("web", WEB.vm_uuid, (GPU,)))
+        hv.start("web")
+        lease = json.loads(gamma.lease_file.read_text())["lease"]
+        config.write_text(f'registry = "etcd://{new.endpoint}/{cluster}"\n')
+        assert gamma.agent is not None
+        gamma.agent.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while f"reload: serving on {new.endpoint}" not in gamma.log():
+            assert time.monotonic() < deadline, gamma.log()
+            time.sleep(0.05)
+        old.cut()  # the old endpoint goes away: a silent one, the worst kind
+        time.sleep(3 * 4)  # three TTLs
+        log = gamma.log()
+        assert "-> paused" not in log and " in doubt" not in log, log
+        assert json.loads(gamma.lease_file.read_text())["lease"] == lease
+        assert hv.lookup("web").state.value == "running"
+    finally:
+        old.close()
+        new.close()
+
+
+class HungDomain:
+    """The sim hypervisor of a host, whose calls for one domain (``stuck``) hang until
+    ``go`` is set."""
+
+    def __init__(self, hv) -> None:  # type: ignore[no-untyped-def]
+        self.hv = hv
+        self.stuck = ""
+        self.go = threading.Event()
+        real = hv.lookup
+
+        def lookup(name: str):  # type: ignore[no-untyped-def]
+            if name == self.stuck:
+                self.go.wait(60)
+            return real(name)
+
+        hv.lookup = lookup
+
+
+def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_other_vms(
+    started, url, monkeypatch, caplog
+):
+    """Issue 35, point 3: after a lost lease one domain's hypervisor calls hang. The host takes
+    a new lease at once and the other VM wins its device back and runs; the hung one is
+    reported, and recovered once its hypervisor answers."""
+    from vmlend.agent.service import Agent, AgentConfig
+    from vmlend.hostenv import HostEnv
+    from vmlend.registry import hostlease
+
+    app_uuid = "33333333-3333-3333-3333-333333333333"
+    alpha, beta, gamma = started("alpha"), started("beta"), started("gamma")
+    monkeypatch.setenv("VMLEND_ROOT", str(gamma.root))
+    monkeypatch.setenv("VMLEND_NODE", "gamma")
+    caplog.set_level(logging.INFO, logger="vmlend")
+    alpha.start_agent()
+    beta.start_agent()
+    hung = HungDomain(_hv(gamma, url))
+    agent = Agent(
+        AgentConfig(
+            location=url,
+            node="gamma",
+            lease_file=hostlease.lease_path(HostEnv(gamma.root)),
+            ttl=TTL,
+            interval=0.1,
+            hypervisor=lambda: hung.hv,
+            host=HostEnv(gamma.root),
+        )
+    )
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not agent.clock.view().settled:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        for name, vm_uuid, fdid in (("web", WEB.vm_uuid, GPU), ("app", app_uuid, NIC)):
+            hung.hv.define(domain_xml(name, vm_uuid, (fdid,)))
+            hung.hv.start(name)
+        while {g.name for g in agent.borrower.guests()} != {"web", "app"}:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        lost = agent.clock.view().lease
+        hung.stuck = "web"
+        gw, _k = _keys(url)
+        gw.call("kv/lease/revoke", {"ID": lost})  # the lease ends, as etcd ends it
+        gw.close()
+        deadline = time.monotonic() + 30
+        while True:
+            view = agent.clock.view()
+            app = agent.borrower.guest("app")  # type: ignore[attr-defined]
+            with open_fabric(url, "alpha") as f:
+                held = f.device(NIC).holder
+            running = hung.hv.lookup("app").state.value == "running"
+            mine = held is not None and held.vm == "app" and app.verified == view.generation
+            if view.settled and view.lease != lost and running and mine:
+                break
+            assert time.monotonic() < deadline, (view, held)
+            time.sleep(0.1)
+        web = agent.borrower.guest("web")  # type: ignore[attr-defined]
+        assert web.busy is not None  # still inside its hung call
+        while "VM web: the hypervisor has not answered" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        hung.go.set()
+        while not (web.state.value == "running" and web.verified == agent.clock.view().generation):
+            assert time.monotonic() < deadline, web.trouble
+            time.sleep(0.1)
+    finally:
+        hung.go.set()
+        agent.stop_event.set()
+        thread.join(30)
