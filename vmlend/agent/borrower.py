@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 class Borrower(Protocol):
     def start(self) -> None: ...
 
+    def guards(self, xml: bytes) -> bool: ...
+
     def announce(self, name: str) -> None: ...
 
     def submit(self, name: str, job: Callable[[Hypervisor, Fabric], Any]) -> Future[Any]: ...
@@ -55,6 +57,9 @@ class NoBorrower:
 
     def start(self) -> None:
         pass
+
+    def guards(self, xml: bytes) -> bool:
+        return False
 
     def announce(self, name: str) -> None:
         pass
@@ -184,7 +189,15 @@ class GuestTable:
         return found
 
     def _uses_remote_devices(self, name: str) -> bool:
-        dom = read_hook_domain(self._hv.xml(name), strict=False)
+        return self.guards(self._hv.xml(name))
+
+    def guards(self, xml: bytes) -> bool:
+        """Whether a VM with this domain XML is one to guard: it uses a device another node
+        lends (a VM using only this node's own devices keeps running whatever the lease)."""
+        try:
+            dom = read_hook_domain(xml, strict=False)
+        except VmlendError:
+            return False
         if dom is None:
             return False
         return any(self._lenders.get(d.fdid, "") != self._node for d in dom.devices)

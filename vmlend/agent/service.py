@@ -312,16 +312,18 @@ class Agent:
         self._renewed.set()
 
     # --- what the loop and the hook server call -----------------------------------------------
-    def _before_hook_call(self, action: str, vm: str) -> str | None:
-        """Run by the hook server before a call (never waits on libvirt): a prepare announces
-        its VM to the guard, and is refused while the lease is not settled (its VM would be
-        paused at once, and its reserve may be under a lease about to end)."""
-        if action != "prepare":
+    def _before_hook_call(self, action: str, vm: str, xml: bytes) -> str | None:
+        """Run by the hook server before a call (never waits on libvirt): the prepare of a VM
+        with remote devices announces it to the guard, and is refused while the lease is not
+        settled (its VM would be paused at once, and its reserve may be under a lease about
+        to end)."""
+        if action != "prepare" or not self.borrower.guards(xml):
             return None
         view = self.clock.view()
         if not view.settled:
+            words = {"held": "new", "doubt": "in doubt", "lost": "lost"}[view.state.value]
             return (
-                f"cannot start VM {vm!r} now: this host's lease is {view.state.value}"
+                f"cannot start VM {vm!r} now: this host's lease is {words}"
                 f" ({max(0.0, view.left):.1f} s of {view.ttl:g} s left); 'vmlend agent' pauses"
                 " VMs with remote devices until it renews; start it again then"
             )

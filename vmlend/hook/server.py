@@ -153,10 +153,10 @@ class HookServer:
         self._threads: list[threading.Thread] = []
         self.served = 0  # calls run (for logs and tests)
         self.observe = observe
-        #: Asked before each call is run, with its operation and domain name (the agent: a
-        #: prepare announces its VM to the guard): a refusal to answer the hook with, or None.
-        #: It must never wait on libvirt (the deadlock rule above).
-        self.before: Callable[[str, str], str | None] | None = None
+        #: Asked before each call is run, with its operation, domain name and XML (the agent:
+        #: a prepare announces its VM to the guard): a refusal to answer the hook with, or
+        #: None. It must never wait on libvirt (the deadlock rule above).
+        self.before: Callable[[str, str, bytes], str | None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -290,7 +290,7 @@ class HookServer:
         if self.before is None or not call.argv:
             return None
         try:
-            return self.before(_op(call.argv), call.argv[0])
+            return self.before(_op(call.argv), call.argv[0], call.xml)
         except Exception:  # never the reason a call goes unanswered
             log.exception("hook call %s: the agent's check before it failed", call.argv)
             return None

@@ -222,3 +222,43 @@ def test_a_hung_resume_is_reported_as_busy_and_holds_up_only_its_own_vm(tmp_path
     hv.go.set()
     t.join(20)
     assert app.busy is None
+
+
+def test_a_prepare_is_announced_to_the_guard_and_refused_while_the_lease_is_unsettled(tmp_path):
+    """The agent's hook gate (``Agent._before_hook_call``): a prepare of a VM with remote
+    devices brings it into the table; while the lease is not settled it is refused in one
+    line (its VM would be paused at once); a VM using only this node's devices is neither."""
+    from tests.support.simcluster import domain_of
+    from vmlend.agent.borrower import GuestTable
+    from vmlend.agent.guest import GuestSettings
+    from vmlend.agent.service import Agent, AgentConfig
+
+    b = Bench(tmp_path, node="alpha")
+    agent = Agent(
+        AgentConfig(b.state, "alpha", tmp_path / "run" / "agent.lease", hypervisor=lambda: b.hv),
+        clock=b.now,
+    )
+    agent.clock = b.clock
+    table = GuestTable(
+        b.hv,
+        b.clock,
+        b.open_fabric,
+        node="alpha",
+        lenders={d.fdid: d.lender for d in b.fabric.topology().devices},
+        marks=b.marks,
+        settings=GuestSettings(period=1.0, fence_wait=0.0, interval=0.01),
+        now=b.now,
+    )
+    agent.borrower = table
+    remote, local = domain_of("web", APP, (NIC,)), domain_of("own", APP, (GPU,))
+    try:
+        assert agent._before_hook_call("prepare", "own", local) is None
+        assert agent._before_hook_call("prepare", "web", remote) is None
+        assert table.guest("web") is not None and table.guest("own") is None
+        b.doubt()
+        refusal = agent._before_hook_call("prepare", "web", remote)
+        assert refusal is not None and "this host's lease is in doubt" in refusal
+        assert agent._before_hook_call("prepare", "own", local) is None
+        assert agent._before_hook_call("release", "web", remote) is None
+    finally:
+        table.stop()

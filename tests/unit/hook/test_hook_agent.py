@@ -1041,3 +1041,36 @@ def test_an_agent_that_may_not_probe_the_socket_leaves_it_alone():
     finally:
         live.close()
         shutil.rmtree(base)
+
+
+def test_a_call_the_agent_refuses_before_it_runs_is_one_line_and_changes_nothing(
+    tmp_path, capsys
+):
+    """The agent is asked before each call (``HookServer.before``): a prepare refused there
+    (its lease is in doubt) answers exit 1 with the agent's one line, and nothing is done."""
+    host = Host(tmp_path / "h")
+    make_fabric(host.state).close()
+    env = {
+        "VMLEND_STATE": str(host.state),
+        "VMLEND_ROOT": str(host.root),
+        "VMLEND_NODE": "gamma",
+        "VMLEND_HOOK_SOCKET": str(host.socket),
+        "VMLEND_HOOK_TIMEOUT": "30",
+    }
+    asked: list[tuple[str, str]] = []
+    refusal = "cannot start VM 'vm1' now: this host's lease is in doubt"
+
+    def before(action: str, vm: str, xml: bytes) -> str | None:
+        asked.append((action, vm))
+        return refusal if action == "prepare" else None
+
+    server = HookServer(host.socket, identity_of(env))
+    server.before = before
+    server.start()
+    try:
+        code = forward(["vm1", "prepare", "begin", "-"], vm_xml(), env)
+    finally:
+        server.stop()
+    assert code == 1 and asked == [("prepare", "vm1")]
+    assert capsys.readouterr().err == f"vmlend: {refusal}\n"
+    assert host.snapshot()[0] == {}  # nothing reserved
