@@ -73,6 +73,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Compare running VMs, the state's holds and the host's mdevs; --fix returns what no "
         "running VM uses and re-creates what a running VM needs.",
     ),
+    "registry": (
+        "cmd_registry",
+        "The cluster registry in etcd: who may write which of its keys.",
+    ),
     "relay": (
         "cmd_relay",
         "Run the interrupt relay daemon in the foreground (until SIGTERM or SIGINT).",
