@@ -210,8 +210,8 @@ def over_root(path: str, root: str, what: str) -> str:
 
 def registry_paths(value: str, move: Callable[[str], str]) -> str:
     """A registry location with ``move`` applied to each path in it: the file of
-    ``sqlite:///PATH`` or a plain path, the ``cacert=``/``cert=``/``key=`` files of an etcd
-    URL."""
+    ``sqlite:///PATH`` or a plain path, the ``cacert=``/``cert=``/``key=``/``password-file=``
+    files of an etcd URL."""
     if value.startswith("sqlite://"):
         return "sqlite://" + move(value.removeprefix("sqlite://"))
     if value.startswith(("etcd://", "etcds://")):
@@ -221,12 +221,12 @@ def registry_paths(value: str, move: Callable[[str], str]) -> str:
         from urllib.parse import parse_qsl, quote
 
         pairs = parse_qsl(query, keep_blank_values=True)
-        moved = [(k, move(v) if k in _TLS_FILES and v.startswith("/") else v) for k, v in pairs]
-        return base + "?" + "&".join(f"{quote(k)}={quote(v, safe='/')}" for k, v in moved)
+        moved = [(k, move(v) if k in _URL_FILES and v.startswith("/") else v) for k, v in pairs]
+        return base + "?" + "&".join(f"{quote(k)}={quote(v, safe='/@')}" for k, v in moved)
     return move(value) if "://" not in value else value
 
 
-_TLS_FILES = ("cacert", "cert", "key")
+_URL_FILES = ("cacert", "cert", "key", "password-file")
 
 
 def spellings_of(key: str) -> tuple[str, ...]:

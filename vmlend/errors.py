@@ -135,6 +135,32 @@ class RegistryUnreachableError(StateError):
         super().__init__(message)
 
 
+class RegistryAuthError(StateError):
+    """etcd's authentication refused this host: it needs a user and none was given, or the
+    user's password is wrong. Nothing was read or written. ``where`` names the endpoints,
+    ``user`` the etcd user ("" when none was given)."""
+
+    def __init__(self, where: str, user: str, message: str) -> None:
+        self.where = where
+        self.user = user
+        super().__init__(message)
+
+
+class RegistryPermissionError(RegistryAuthError):
+    """etcd refused a request of this host's user: its role may not write (or read) a key the
+    request touches. Nothing was written."""
+
+    def __init__(self, where: str, user: str) -> None:
+        who = f"user {user!r}" if user else "this host (no user given)"
+        super().__init__(
+            where,
+            user,
+            f"etcd at {where} refused {who} permission for a request: its role may not write"
+            " a key the request touches; nothing was written. Give the host its own role as"
+            " 'vmlend registry roles' prints it (docs/cluster.md, 'Users and roles')",
+        )
+
+
 class ReleasePendingError(VmlendError):
     """A release could not reach the registry; it is recorded on the host and the agent
     retries it until it lands. ``what`` names the devices and shares it returns."""

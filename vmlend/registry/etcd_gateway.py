@@ -4,6 +4,19 @@ Turns etcd's failures into one-line ``StateError``s: unreachable endpoints (each
 turn), a leader change or an election in progress (retried a few times first), a request too
 large and a transaction with too many operations. Keys and values are bytes on the wire
 (base64 in JSON); here keys are ``str`` and values ``bytes``.
+
+With a user (``EtcdAuth``: etcd's authentication is on), the gateway authenticates before its
+first request (``/v3/auth/authenticate``) and sends the token it got in the ``Authorization``
+header of every later one. The token is shared by every gateway of the process to the same
+endpoints as the same user (``_TOKENS``): the agent opens a gateway per hook call, and an
+authentication costs etcd a bcrypt check (~0.1 s at its default cost).
+
+etcd forgets a token after a while (a simple token after ``--auth-token-ttl`` seconds of
+disuse, 300 by default; a JWT when it expires, and on a member that restarted): a request
+refused with "invalid auth token" authenticates again and is sent once more (it was refused
+before etcd applied anything). etcd's JSON gateway cannot authenticate
+by a TLS client certificate's name (CVE-2018-16886), so a host's identity is a user and a
+password; the certificates stay what keeps others off etcd's port.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from vmlend.errors import LeaseExpiredError, RegistryUnreachableError, StateError
+from vmlend.errors import (
+    LeaseExpiredError,
+    RegistryAuthError,
+    RegistryPermissionError,
+    RegistryUnreachableError,
+    StateError,
+)
 from vmlend.registry.deadline import call_bound
 
 log = logging.getLogger(__name__)
@@ -36,6 +56,8 @@ if TYPE_CHECKING:
     import requests
     from etcd3gw import exceptions as gw_errors
     from etcd3gw.client import Etcd3Client
+
+    from vmlend.registry.credentials import EtcdAuth
 
 # etcd3gw (and requests under it) is imported only where a gateway is made or used: a host on
 # an SQLite registry - its hook above all, run for every domain operation - never loads it.
@@ -53,6 +75,12 @@ _TRANSIENT = (
     "too many requests",
     "context deadline exceeded",  # the gateway's own call timed out (a write without quorum)
 )
+
+
+#: The process's tokens, by (endpoints, user, password): a new gateway starts with the token
+#: another one got, and a renewed token replaces it for all of them.
+_TOKENS: dict[tuple[str, str, str], str] = {}
+_TOKENS_LOCK = threading.Lock()
 
 
 def call_deadline(ttl: float) -> float:
@@ -113,12 +141,21 @@ class EtcdGateway:
         sleep: Callable[[float], None] = time.sleep,
         tls: EtcdTls | None = None,
         endpoint_file: Path | None = None,
+        auth: EtcdAuth | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
         self._clients = [_client(e, timeout, tls) for e in self.endpoints]
         self._timeout = timeout
+        #: This host's etcd user (None: send no token), and the token etcd gave it.
+        self._auth = auth
+        self._token: str | None = self._shared_token()
+        #: etcd said its authentication is off: send no token until it asks for one.
+        self._auth_off = False
+        self._auth_lock = threading.Lock()
+        #: Tokens asked for (``/v3/auth/authenticate``), for tests and benchmarks.
+        self.authentications = 0
         #: Where short-lived processes of the host share the endpoint that last answered, so
         #: a hung member listed first costs one timeout per host, not one per process.
         self._endpoint_file = endpoint_file
@@ -164,15 +201,119 @@ class EtcdGateway:
             c.session.close()
 
     # --- one request, with failover and retries -------------------------------------------
+    def _token_key(self) -> tuple[str, str, str] | None:
+        return None if self._auth is None else (self.where, self._auth.user, self._auth.password)
+
+    def _shared_token(self) -> str | None:
+        key = self._token_key()
+        with _TOKENS_LOCK:
+            return None if key is None else _TOKENS.get(key)
+
+    def _share_token(self, token: str) -> None:
+        key = self._token_key()
+        if key is not None:
+            with _TOKENS_LOCK:
+                _TOKENS[key] = token
+
+    @property
+    def user(self) -> str:
+        """The etcd user this gateway authenticates as ("" when none)."""
+        return "" if self._auth is None else self._auth.user
+
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` on a reachable endpoint; the JSON answer."""
-        delay = 0.02
         start = time.monotonic()
         bound = call_bound()  # the path's own deadline per call (``registry.deadline``)
         deadline = None if bound is None else start + bound
+        if self._auth is None:
+            try:
+                return self._call(path, body, None, start, deadline)
+            except _AuthNeeded:
+                raise RegistryAuthError(
+                    self.where,
+                    "",
+                    f"etcd at {self.where} requires a user (its authentication is on); name"
+                    " this host's in the registry URL: ?user=NAME&password-file=PATH"
+                    " (docs/cluster.md, 'Users and roles')",
+                ) from None
+        token = self._token
+        if token is None and not self._auth_off:
+            token = self._authenticate(None, start, deadline)
+        try:
+            return self._call(path, body, token, start, deadline)
+        except _AuthNeeded as e:  # refused before etcd applied anything: send it once more
+            token = self._authenticate(token, start, deadline, asked=True)
+            log.info("etcd at %s: %s; authenticated again as %s", self.where, e.reason, self.user)
+        try:
+            return self._call(path, body, token, start, deadline)
+        except _AuthNeeded as e:
+            raise RegistryAuthError(
+                self.where,
+                self._auth.user,
+                f"etcd at {self.where} refused the token it had just given user"
+                f" {self._auth.user!r} ({e.reason}); retry, and if it persists check that"
+                " every member runs with the same --auth-token",
+            ) from None
+
+    def _authenticate(
+        self, stale: str | None, start: float, deadline: float | None, *, asked: bool = False
+    ) -> str | None:
+        """A token for this gateway's user, replacing ``stale`` (the one a request was refused
+        with; None: none yet). Threads share one token: one that finds another thread renewed
+        it meanwhile takes that. None when etcd's authentication is off (and ``asked`` False:
+        etcd did not just ask for a user)."""
+        assert self._auth is not None
+        with self._auth_lock:
+            shared = self._shared_token()
+            if shared is not None and shared != stale:  # another gateway renewed it
+                self._token = shared
+            if self._token is not None and self._token != stale:
+                return self._token
+            self.authentications += 1
+            body = {"name": self._auth.user, "password": self._auth.password}
+            try:
+                answer = self._call("auth/authenticate", body, None, start, deadline)
+            except _AuthOff:
+                if asked:  # etcd asked for a user, then says its authentication is off
+                    raise RegistryAuthError(
+                        self.where,
+                        self._auth.user,
+                        f"etcd at {self.where} asked for a user, then said its authentication"
+                        " is off; retry",
+                    ) from None
+                log.debug("etcd at %s has authentication off: no token sent", self.where)
+                self._auth_off = True
+                return None
+            except _BadPassword:
+                source = f" in {self._auth.source}" if self._auth.source else ""
+                raise RegistryAuthError(
+                    self.where,
+                    self._auth.user,
+                    f"etcd at {self.where} refused user {self._auth.user!r}: wrong password or no"
+                    f" such user; check the password{source} against the one set with 'etcdctl"
+                    " user add' (or 'etcdctl user passwd')",
+                ) from None
+            token = str(answer.get("token", ""))
+            if not token:
+                raise StateError(f"etcd at {self.where} answered an authentication with no token")
+            self._token = token
+            self._share_token(token)
+            self._auth_off = False
+            return token
+
+    def _call(
+        self,
+        path: str,
+        body: dict[str, Any],
+        token: str | None,
+        start: float,
+        deadline: float | None,
+    ) -> dict[str, Any]:
+        """``call``'s request with ``token``, retried over transient failures."""
+        delay = 0.02
         for attempt in range(TRANSIENT_ATTEMPTS):
             try:
-                return self._call_any(path, body, deadline)
+                return self._call_any(path, body, deadline, token)
             except _Transient as e:
                 # A leader change passes in milliseconds; a member that timed out inside raft
                 # (no quorum) would cost a whole timeout per attempt: one is the deadline.
@@ -197,7 +338,11 @@ class EtcdGateway:
         raise AssertionError("unreachable")
 
     def _call_any(
-        self, path: str, body: dict[str, Any], deadline: float | None = None
+        self,
+        path: str,
+        body: dict[str, Any],
+        deadline: float | None = None,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """One attempt over the endpoints, the current one first. With ``deadline`` (a
         ``time.monotonic()`` value) no request outlasts it, and none starts after it."""
@@ -216,13 +361,14 @@ class EtcdGateway:
                     break
                 client.timeout = min(self._timeout, left)
             try:
-                answer = client.post(client.get_url(path), data=json.dumps(body))
+                headers = {} if token is None else {"Authorization": token}
+                answer = client.post(client.get_url(path), data=json.dumps(body), headers=headers)
             except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError) as e:
                 failures.append(f"{self.endpoints[index]}: {_short(e)}")
                 timed_out |= isinstance(e, gw_errors.ConnectionTimeoutError)
                 continue
             except gw_errors.Etcd3Exception as e:
-                raise _server_error(e, self.where) from None
+                raise _server_error(e, self.where, self.user) from None
             finally:
                 client.timeout = self._timeout
             if index != self._current:
@@ -339,13 +485,33 @@ class _Transient(Exception):
         self.reason = reason
 
 
+class _AuthNeeded(Exception):
+    """etcd wants a (new) token: none was sent, or it forgot the one sent."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _AuthOff(Exception):
+    """An authentication, answered "authentication is not enabled"."""
+
+
+class _BadPassword(Exception):
+    """An authentication, refused: no such user or a wrong password."""
+
+
 def _short(e: Exception) -> str:
     text = str(e) or type(e).__name__
     # requests' messages carry the whole urllib3 chain; the last clause says what happened.
     return text.rsplit(": ", 1)[-1].rstrip(")'\"") or text
 
 
-def _server_error(e: gw_errors.Etcd3Exception, where: str) -> Exception:
+#: etcd's messages (auth/store.go) meaning "authenticate (again) and resend".
+_AUTH_AGAIN = ("invalid auth token", "user name is empty")
+
+
+def _server_error(e: gw_errors.Etcd3Exception, where: str, user: str = "") -> Exception:
     from etcd3gw import exceptions as gw_errors
 
     try:
@@ -369,6 +535,21 @@ def _server_error(e: gw_errors.Etcd3Exception, where: str) -> Exception:
         )
     if "requested lease not found" in message:
         return LeaseExpiredError()
+    if any(t in message for t in _AUTH_AGAIN):
+        return _AuthNeeded(message)
+    if "authentication failed" in message:  # "..., invalid user ID or password"
+        return _BadPassword(message)
+    if "authentication is not enabled" in message:
+        return _AuthOff(message)
+    if "permission denied" in message:
+        return RegistryPermissionError(where, user)
+    if "user name not found" in message:  # the token's user was deleted meanwhile
+        return RegistryAuthError(
+            where,
+            user,
+            f"etcd at {where} no longer knows user {user!r}; add it again ('vmlend registry"
+            " roles' prints how)",
+        )
     return StateError(f"etcd at {where} failed: {message or e}")
 
 

@@ -4,6 +4,8 @@
 - ``etcd://HOST[:PORT][,HOST[:PORT]...]/CLUSTER``: a cluster's state in etcd (port 2379 by
   default), under the key prefix ``/vmlend/CLUSTER/``; ``etcds://`` for HTTPS, with
   ``?cacert=PATH&cert=PATH&key=PATH`` (absolute paths; a ``cacert`` alone also means HTTPS);
+  ``user=NAME&password-file=PATH``: this host's etcd user, its password the one line of a
+  root-only file (``vmlend.registry.credentials``; docs/cluster.md, "Users and roles");
 - ``sqlite:///PATH`` or a plain path: one host's state in an SQLite file.
 """
 
@@ -42,25 +44,33 @@ class RegistryLocation(msgspec.Struct, frozen=True):
     cluster: str = ""
     #: HTTPS settings of an etcd registry; None: plain HTTP.
     tls: EtcdTls | None = None
+    #: This host's etcd user ("" : none) and the root-only file holding its password.
+    user: str = ""
+    password_file: Path | None = None
 
     def __str__(self) -> str:
+        from urllib.parse import quote
+
         if self.path is not None:
             return f"sqlite://{self.path.resolve()}"
         hosts = ",".join(
             f"[{e.host}]:{e.port}" if ":" in e.host else str(e) for e in self.endpoints
         )
-        if self.tls is None:
-            return f"etcd://{hosts}/{self.cluster}"
-        query = "&".join(
-            f"{name}={value}"
-            for name, value in (
+        settings: list[tuple[str, str | Path | None]] = []
+        if self.tls is not None:
+            settings += [
                 ("cacert", self.tls.cacert),
                 ("cert", self.tls.cert),
                 ("key", self.tls.key),
-            )
+            ]
+        settings += [("user", self.user or None), ("password-file", self.password_file)]
+        query = "&".join(
+            f"{name}={quote(str(value), safe='/@')}"
+            for name, value in settings
             if value is not None
         )
-        return f"etcds://{hosts}/{self.cluster}" + (f"?{query}" if query else "")
+        scheme = "etcd" if self.tls is None else "etcds"
+        return f"{scheme}://{hosts}/{self.cluster}" + (f"?{query}" if query else "")
 
 
 def parse_location(text: str | Path) -> RegistryLocation:
@@ -82,10 +92,18 @@ def parse_location(text: str | Path) -> RegistryLocation:
 
 
 _TLS_PARAMS = ("cacert", "cert", "key")
+_AUTH_PARAMS = ("user", "password-file")
 
 
-def _parse_tls(text: str, query: str, https: bool) -> EtcdTls | None:
-    """The TLS settings of ``?cacert=&cert=&key=``; None for plain HTTP."""
+class _Query(msgspec.Struct, frozen=True):
+    tls: EtcdTls | None
+    user: str = ""
+    password_file: Path | None = None
+
+
+def _parse_query(text: str, query: str, https: bool) -> _Query:
+    """The settings of ``?cacert=&cert=&key=&user=&password-file=``: TLS (None: plain HTTP)
+    and this host's etcd user."""
     from urllib.parse import parse_qs
 
     from vmlend.registry.etcd_gateway import EtcdTls
@@ -94,29 +112,54 @@ def _parse_tls(text: str, query: str, https: bool) -> EtcdTls | None:
         params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise ConfigError(f"bad query {query!r} in registry URL {text!r}") from None
-    unknown = sorted(set(params) - set(_TLS_PARAMS))
+    if "password" in params:
+        # not quoted back: the message would show the password
+        raise ConfigError(
+            f"registry URL {text.partition('?')[0]!r} gives a password: the URL is pinned into"
+            " the hook and shows in logs; put the password on the one line of a root-only file"
+            " and name it with password-file=PATH"
+        )
+    unknown = sorted(set(params) - set(_TLS_PARAMS) - set(_AUTH_PARAMS))
     if unknown:
         raise ConfigError(
             f"unknown setting {unknown[0]!r} in registry URL {text!r}; it takes"
-            " cacert=, cert= and key= (absolute paths)"
+            " cacert=, cert=, key=, password-file= (absolute paths) and user="
         )
+    values: dict[str, str] = {}
+    for name, given in params.items():
+        if len(given) != 1 or not given[0]:
+            what = "NAME" if name == "user" else "PATH"
+            raise ConfigError(f"registry URL {text!r} needs exactly one {name}={what}")
+        values[name] = given[0]
     paths: dict[str, Path] = {}
-    for name, values in params.items():
-        if len(values) != 1 or not values[0]:
-            raise ConfigError(f"registry URL {text!r} needs exactly one {name}=PATH")
-        path = Path(values[0])
+    for name in (*_TLS_PARAMS, "password-file"):
+        if name not in values:
+            continue
+        path = Path(values[name])
         if not path.is_absolute():
             # libvirtd runs the hook from /, so a relative path would name another file.
-            raise ConfigError(f"{name}={values[0]} in registry URL {text!r} must be absolute")
+            raise ConfigError(f"{name}={values[name]} in registry URL {text!r} must be absolute")
         paths[name] = path
     if ("cert" in paths) != ("key" in paths):
         raise ConfigError(
             f"registry URL {text!r} gives a client {'cert' if 'cert' in paths else 'key'}"
             " without its pair; give both cert= and key="
         )
-    if not https and not paths:
-        return None
-    return EtcdTls(paths.get("cacert"), paths.get("cert"), paths.get("key"))
+    if ("user" in values) != ("password-file" in values):
+        given_one, other = (
+            ("user", "password-file") if "user" in values else ("password-file", "user")
+        )
+        raise ConfigError(
+            f"registry URL {text!r} gives {given_one}= without {other}=; give both (the"
+            " password is the one line of the root-only file password-file= names)"
+        )
+    tls_paths = {k: v for k, v in paths.items() if k in _TLS_PARAMS}
+    tls = (
+        EtcdTls(tls_paths.get("cacert"), tls_paths.get("cert"), tls_paths.get("key"))
+        if https or tls_paths
+        else None
+    )
+    return _Query(tls, values.get("user", ""), paths.get("password-file"))
 
 
 def _parse_etcd(text: str) -> RegistryLocation:
@@ -125,7 +168,7 @@ def _parse_etcd(text: str) -> RegistryLocation:
 
     https = text.startswith("etcds://")
     rest, _q, query = text.removeprefix("etcds://" if https else "etcd://").partition("?")
-    tls = _parse_tls(text, query, https)
+    settings = _parse_query(text, query, https)
     hosts, slash, cluster = rest.partition("/")
     if not slash or not cluster or "/" in cluster:
         raise ConfigError(
@@ -141,13 +184,19 @@ def _parse_etcd(text: str) -> RegistryLocation:
             raise ConfigError(f"bad etcd port {port} in {text!r}")
         endpoints.append(Endpoint(m["v6"] or m["host"], port))
     return RegistryLocation(
-        endpoints=tuple(endpoints), cluster=check_cluster_name(cluster), tls=tls
+        endpoints=tuple(endpoints),
+        cluster=check_cluster_name(cluster),
+        tls=settings.tls,
+        user=settings.user,
+        password_file=settings.password_file,
     )
 
 
 def _gateway(loc: RegistryLocation, run_dir: Path | None = None) -> EtcdGateway:
-    """A gateway to ``loc``'s etcd, after checking its TLS files can be read. It remembers
-    the endpoint that last answered in ``run_dir`` (default: the host's ``run/vmlend``)."""
+    """A gateway to ``loc``'s etcd, after checking its TLS files can be read and reading its
+    user's password (``credentials.read_password_file``): a bad file is one line before any
+    request. It remembers the endpoint that last answered in ``run_dir`` (default: the host's
+    ``run/vmlend``)."""
     from vmlend.registry.etcd_gateway import EtcdGateway
 
     if loc.tls is not None:
@@ -158,8 +207,13 @@ def _gateway(loc: RegistryLocation, run_dir: Path | None = None) -> EtcdGateway:
                     f"cannot read the etcd TLS file {name}={path}; fix the path in --registry"
                     " / VMLEND_REGISTRY or the file's permissions"
                 )
+    auth = None
+    if loc.password_file is not None:
+        from vmlend.registry.credentials import read_password_file
+
+        auth = read_password_file(loc.password_file, loc.user)
     remember = (run_dir or HostEnv.from_env().run / "vmlend") / "etcd-endpoint"
-    return EtcdGateway(loc.endpoints, tls=loc.tls, endpoint_file=remember)
+    return EtcdGateway(loc.endpoints, tls=loc.tls, endpoint_file=remember, auth=auth)
 
 
 def open_registry(

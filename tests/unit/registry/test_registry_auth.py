@@ -1,20 +1,158 @@
-"""The role table (who may write which key prefix) and the etcdctl script ``vmlend registry
-roles`` prints from it."""
+"""etcd users and roles: ``?user=NAME&password-file=PATH`` in the registry URL, the password
+file's checks (one line before any request), the role table and the etcdctl script
+``vmlend registry roles`` prints."""
 
 from __future__ import annotations
 
 import inspect
+import os
 import shlex
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from tests.support.cluster_hosts import GPU
+from tests.support.needs import need
 from vmlend.cli import main
+from vmlend.config import registry_paths, under_root
+from vmlend.errors import ConfigError
+from vmlend.registry import open_registry, parse_location
+from vmlend.registry.credentials import EtcdAuth
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.roles import Writers, prefix_of
 
+PW = Path("/etc/vmlend/etcd-password")
 NODES = ("alpha", "beta", "gamma")
+
+
+# --- the URL ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "https"),
+    [
+        (f"etcd://a:1/lab?user=gamma@lab&password-file={PW}", False),
+        (f"etcds://a:1/lab?cacert=/ca.pem&user=gamma@lab&password-file={PW}", True),
+        (f"etcd://a:1/lab?password-file={PW}&user=gamma%40lab", False),
+    ],
+)
+def test_a_user_and_its_password_file_parse_from_the_registry_url(text, https):
+    loc = parse_location(text)
+    assert (loc.user, loc.password_file, loc.tls is not None) == ("gamma@lab", PW, https)
+    assert parse_location(str(loc)) == loc  # what 'hook install' pins reads back the same
+    assert "user=gamma@lab" in str(loc)
+
+
+def test_the_password_file_moves_under_the_host_root_like_the_tls_files():
+    url = f"etcd://a/lab?cacert=/etc/vmlend/ca.pem&user=gamma@lab&password-file={PW}"
+    moved = parse_location(registry_paths(url, lambda p: under_root(p, "/srv/host")))
+    assert moved.password_file == Path("/srv/host/etc/vmlend/etcd-password")
+    assert moved.user == "gamma@lab"
+
+
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        ("etcd://a/lab?user=gamma", "gives user= without password-file="),
+        (f"etcd://a/lab?password-file={PW}", "gives password-file= without user="),
+        ("etcd://a/lab?user=g&password-file=pw", "password-file=pw .* must be absolute"),
+        (f"etcd://a/lab?user=&password-file={PW}", "needs exactly one user=NAME"),
+        (f"etcd://a/lab?user=a&user=b&password-file={PW}", "needs exactly one user=NAME"),
+        ("etcd://a/lab?user=g&password=s3cret", "gives a password: .* password-file=PATH"),
+        (f"etcd://a/lab?user=g&passwordfile={PW}", "unknown setting 'passwordfile'"),
+    ],
+)
+def test_bad_user_settings_are_refused_in_one_line(text, what):
+    with pytest.raises(ConfigError, match=what) as e:
+        parse_location(text)
+    assert "\n" not in str(e.value) and "s3cret" not in str(e.value)
+
+
+def test_the_password_never_shows_in_a_repr():
+    auth = EtcdAuth("gamma@lab", "s3cret", "/etc/vmlend/etcd-password")
+    assert "s3cret" not in repr(auth) and "gamma@lab" in repr(auth)
+
+
+# --- the password file, checked before any request ----------------------------------------------
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A port that accepts connections and never answers: ``connected`` says whether anybody
+    came (a request was attempted)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        s.setblocking(False)
+        yield s
+
+
+def _connected(s: socket.socket) -> bool:
+    try:
+        conn, _ = s.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
+
+
+def _secret(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def _damage(kind: str, d: Path) -> Path:
+    path = d / "etcd-password"
+    if kind == "missing":
+        return path
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "world-readable":
+        _secret(path, "pw\n", 0o644)
+    elif kind == "group-readable":
+        _secret(path, "pw\n", 0o640)
+    elif kind == "in a group-writable directory":
+        (d / "open").mkdir(mode=0o770)
+        (d / "open").chmod(0o770)
+        path = _secret(d / "open" / "etcd-password", "pw\n")
+    elif kind == "empty":
+        _secret(path, "")
+    elif kind == "two lines":
+        _secret(path, "pw\nmore\n")
+    elif kind == "a blank":
+        _secret(path, "two words\n")
+    return path
+
+
+DAMAGE = {
+    "missing": "does not exist",
+    "directory": "is a directory, not a regular file",
+    "fifo": "not a regular file",
+    "world-readable": r"is readable by others than root \(mode 0644\).*chmod 600",
+    "group-readable": r"is readable by others than root \(mode 0640\)",
+    "in a group-writable directory": "non-root can change it: .* writable by its group",
+    "empty": "is empty",
+    "two lines": "holds more than one line",
+    "a blank": "holds a blank; etcdctl reads a password",
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_a_bad_password_file_is_one_line_before_any_request(kind, tmp_path, listener):
+    if "readable" in kind or "writable" in kind:
+        need(os.geteuid() == 0, "the root-only rules apply when root reads the file")
+    path = _damage(kind, tmp_path)
+    port = listener.getsockname()[1]
+    url = f"etcd://127.0.0.1:{port}/lab?user=gamma@lab&password-file={path}"
+    with pytest.raises(ConfigError, match=DAMAGE[kind]) as e:
+        open_registry(url)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    assert not _connected(listener)  # refused before any request reached the endpoint
+    r = CliRunner().invoke(main, ["--registry", url, "devices"])
+    assert r.exit_code == 1 and len(r.output.splitlines()) == 1, r.output
+    assert str(path) in r.output and not _connected(listener)
 
 
 # --- the role table ---------------------------------------------------------------------------
