@@ -5,11 +5,13 @@ PY      := $(VENV)/bin/python
 # System packages: libvirt (daemon, test driver, headers for libvirt-python), QEMU for real
 # guest memory layouts, xmllint for virt-xml-validate, umockdev (+ its GObject introspection
 # data and python3-gi, which the uevent test's testbed API needs) for uevent tests, etcd-server
-# for the cluster registry (tests start a private etcd), openssl to make the TLS test's certificates,
-# graphviz to check and draw the fabric's and paths' pictures (tests, make pictures).
+# for the cluster registry (tests start a private etcd), etcd-client for the etcdctl that runs
+# the users-and-roles script 'vmlend registry roles' prints (the auth test runs it), openssl to
+# make the TLS test's certificates, graphviz to check and draw the fabric's and paths' pictures
+# (tests, make pictures).
 APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev \
             pkg-config qemu-system-x86 libxml2-utils umockdev \
-            python3-gi gir1.2-umockdev-1.0 etcd-server openssl graphviz
+            python3-gi gir1.2-umockdev-1.0 etcd-server etcd-client openssl graphviz
 DEMO_DIR := $(CURDIR)/.demo
 
 .PHONY: all demo test test-fast test-kernel lint bench pictures man sysdeps venv clean

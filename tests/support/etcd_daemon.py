@@ -62,6 +62,8 @@ class EtcdServer:
     name: str = "default"
     #: ``--initial-cluster`` of a multi-member cluster (None: this member alone).
     initial_cluster: str | None = None
+    #: More flags, e.g. ``("--auth-token-ttl=1",)``.
+    extra_args: tuple[str, ...] = ()
 
     @property
     def peer_url(self) -> str:
@@ -99,6 +101,7 @@ class EtcdServer:
             f"--initial-cluster={self.initial_cluster or f'{self.name}={peer}'}",
             "--heartbeat-interval=10",
             "--election-timeout=100",
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
