@@ -63,7 +63,7 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.hostenv import HostEnv
 from vmlend.registry.records import ExpectedHold, HoldRecord
-from vmlend.safefile import kind_of
+from vmlend.safefile import kind_of, own_directory
 from vmlend.topology.model import Holder, format_fdid
 
 if TYPE_CHECKING:
@@ -230,27 +230,10 @@ class ReleaseJournal:
         """The directory, locked, opened without following a link, if it is safe to use (None:
         it does not exist and ``create`` is false). ``UnsafePathError`` when it is not root's
         alone (the process's own user's); ``OSError`` when it cannot be made or locked."""
-        if create:
-            self.dir.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.dir, 0o700)
-        try:
-            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if create:
-                raise
-            yield None
-            return
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafePathError(str(self.dir), "it is not a directory") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                raise UnsafePathError(
-                    str(self.dir), "another user owns it or may write to it; remove it"
-                )
+        with own_directory(self.dir, create=create) as fd:
+            if fd is None:
+                yield None
+                return
             lock = os.open(
                 ".lock",
                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
@@ -264,8 +247,6 @@ class ReleaseJournal:
                 yield fd
             finally:
                 os.close(lock)  # closing drops the lock
-        finally:
-            os.close(fd)
 
     def _entries(self, dfd: int, only: str | None = None) -> list[tuple[str, PendingRelease]]:
         """The entries in the directory (``only``: that file alone), by file name; anything

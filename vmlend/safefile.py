@@ -15,6 +15,8 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Iterator
+from pathlib import Path
 
 from vmlend.errors import UnsafePathError
 
@@ -30,6 +32,36 @@ _KINDS = {
     stat.S_IFSOCK: "a socket",
     stat.S_IFLNK: "a symbolic link",
 }
+
+
+@contextlib.contextmanager
+def own_directory(path: Path, *, create: bool) -> Iterator[int | None]:
+    """``path``, opened without following a link, if it is a directory of this process's user
+    that nobody else may write to (a root process trusts what it finds there: the agent's
+    pause marks, the pending releases). None when it does not exist and ``create`` is false;
+    made 0700 otherwise. ``UnsafePathError`` when it is not such a directory."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if create:
+            raise
+        yield None
+        return
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(str(path), "it is not a directory") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise UnsafePathError(str(path), "another user owns it or may write to it; remove it")
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def kind_of(mode: int) -> str:

@@ -22,16 +22,14 @@ mark is written or read, and the log says why. Entries are opened without follow
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 from vmlend.errors import UnsafePathError
-from vmlend.safefile import kind_of, write_atomically
+from vmlend.safefile import kind_of, own_directory, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -49,34 +47,9 @@ class PauseMarks:
     def _file(name: str) -> str:
         return hashlib.sha256(name.encode()).hexdigest()[:32]
 
-    @contextlib.contextmanager
-    def _opened(self, create: bool) -> Iterator[int | None]:
-        """The directory, opened without following a link, if it is safe to use (None: it
-        does not exist and ``create`` is false). ``UnsafePathError`` when it is not ours."""
-        if create:
-            self.dir.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.dir, 0o700)
-        try:
-            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if create:
-                raise
-            yield None
-            return
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafePathError(str(self.dir), "it is not a directory") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                raise UnsafePathError(
-                    str(self.dir), "another user owns it or may write to it; remove it"
-                )
-            yield fd
-        finally:
-            os.close(fd)
+    def _opened(self, create: bool) -> contextlib.AbstractContextManager[int | None]:
+        """The directory, if it is safe to use (``safefile.own_directory``)."""
+        return own_directory(self.dir, create=create)
 
     def mark(self, name: str) -> None:
         """Record that the agent is about to pause ``name``. A failure is logged, not raised:
