@@ -1,7 +1,9 @@
 """Plug requests served by the agent (the destination of a live migration on the kernel
 backend plugs the VM's devices back in, ``vmlend.ops.plug_request``): on a thread of its own,
 every interval, while the lease is settled; each request's hot-plugs run on its VM's own worker
-(``vmlend.agent.guest``), so nothing else acts on the VM meanwhile."""
+(``vmlend.agent.guest``), so nothing else acts on the VM meanwhile. Only a request that matches
+a live migration the registry shows in progress is plugged; the others are refused and what is
+no request is removed, one log line each (``serve_plug_requests``)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ class PlugServer:
                     trouble.cleared()
                 except VmlendError as e:  # the next pass may do better
                     trouble.failed(e)
+                except Exception as e:  # a bug must not end the service: said once, retried
+                    trouble.failed(f"internal error: {type(e).__name__}: {e}")
         finally:
             if fabric is not None:
                 fabric.close()

@@ -10,7 +10,9 @@ changes. Order:
 1. checks that change nothing: the destination exists and is not the source, the VM runs here,
    the whole VM is admissible from the destination with its own current holds counted as
    movable (as cold migration: ``vm_admission``), the XML rewrites for it. Then the journal
-   (``vmlend.ops.live_state``) records the devices and their guest addresses;
+   (``vmlend.ops.live_state``) records the devices, their guest addresses and the tokens of
+   the VM's holds; when the destination's agent plugs the devices back, the registry records
+   the migration as in progress (``vmlend.ops.migration_record``) until it ends;
 2. each device is hot-unplugged from the running guest (waiting for the guest to let go, as
    ``detach`` does) and returned; the VM's persistent definition keeps it;
 3. the whole VM again, now without its holds (another host may have taken room meanwhile);
@@ -49,6 +51,7 @@ from vmlend.domain.model import DomainXML
 from vmlend.errors import (
     FabricError,
     MigrationError,
+    StateError,
     UnknownDomainError,
     VmlendError,
 )
@@ -69,6 +72,7 @@ from vmlend.ops.live_state import (
     save_journal,
 )
 from vmlend.ops.migrate import vm_admission_problems
+from vmlend.ops.migration_record import MigrationRecord
 from vmlend.ops.plug_request import (
     DEFAULT_PLUG_TIMEOUT,
     PlugRequest,
@@ -205,9 +209,18 @@ def live_migrate(
                 " backend; start 'vmlend agent -c URI' there, then retry; nothing was changed"
             )
         journal = _begin(run, here, there, dest_node)
+        try:
+            _record_begins(run, journal)
+        except VmlendError as e:
+            drop_journal(state_dir, journal.vm)
+            raise MigrationError(
+                f"cannot record the live migration of VM {journal.vm!r} in the registry: {e};"
+                " nothing was changed"
+            ) from e
     else:
         journal.resumed = True
         run.step(f"resuming the interrupted live migration of {journal.vm} to {dest_node}")
+        _record_begins(run, journal)  # again: the source's lease it was on may have ended
     name = journal.vm
     here_runs = here is not None and here.active
     there_runs = there is not None and there.active
@@ -218,6 +231,7 @@ def live_migrate(
         )
     if not here_runs and not there_runs:
         drop_journal(state_dir, name)
+        _record_ends(run, journal)
         raise MigrationError(
             f"VM {name!r} stopped during its live migration and runs on neither {source_node}"
             f" nor {dest_node}; its definition keeps its devices: start it, or move it cold"
@@ -227,6 +241,37 @@ def live_migrate(
     if here_runs:
         downtime = _leave_source(run, journal)
     return _arrive(run, journal, downtime, now)
+
+
+def _record(journal: LiveJournal) -> MigrationRecord:
+    return MigrationRecord(
+        journal.vm,
+        journal.vm_uuid,
+        journal.source,
+        journal.destination,
+        {d.fdid: journal.tokens.get(d.fdid, 0) for d in journal.devices},
+    )
+
+
+def _record_begins(run: _Run, journal: LiveJournal) -> None:
+    """The registry shows the migration in progress (the destination's agent plugs only for
+    one it shows); only when that agent is asked to plug (``run.plugs``)."""
+    if run.plugs is not None:
+        run.plugs.migrations.begin(_record(journal))
+
+
+def _record_ends(run: _Run, journal: LiveJournal) -> None:
+    """The migration ended (done, or rolled back): its record goes. A record that cannot be
+    deleted now ends with this host's lease; the migration's outcome stands."""
+    if run.plugs is None:
+        return
+    try:
+        run.plugs.migrations.end(_record(journal))
+    except StateError as e:
+        run.step(
+            f"could not delete the registry's record of this migration ({e}); it ends"
+            " with this host's lease"
+        )
 
 
 def _lookup(hv: Hypervisor, vm: str) -> DomainInfo | None:
@@ -262,6 +307,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     problems = vm_admission_problems(
         run.fabric, fdids, dom.guest_ram, dest_node, dst_holder, src_holder
     )
+    holds = run.fabric.holds_of(src_holder)
     if problems:
         raise FabricError(
             f"cannot migrate VM {name!r} to {dest_node}: {problems[0]}; nothing was changed"
@@ -279,6 +325,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
         run.fabric.local_node,
         dest_node,
         devices,
+        tokens={f: holds[f].token for f in fdids if f in holds},
         shell=_without_devices(run.src.get_metadata(name, NAMESPACE_URI)),
     )
     save_journal(run.state_dir, journal)
@@ -362,6 +409,7 @@ def _back_on_source(run: _Run, journal: LiveJournal) -> str:
     name, source = journal.vm, journal.source
     missing = _plug_back(run, run.src, run.fabric, journal, False)
     drop_journal(run.state_dir, name)
+    _record_ends(run, journal)
     if not missing:
         return f"it runs on {source} with all its devices, as before"
     return f"it runs on {source} without {_missing(missing, name, run.src.uri)}"
@@ -426,6 +474,7 @@ def _plug_remotely(
         source=journal.source,
         devices=wanted,
         mdevs={d.fdid: str(mdev_uuid(vm_uuid, d.fdid)) for d in wanted},
+        tokens={d.fdid: journal.tokens.get(d.fdid, 0) for d in wanted},
     )
     outcome = {
         o.fdid: o for o in plug_remotely(plugs, req, timeout=run.plug_timeout, progress=run.step)
@@ -483,6 +532,7 @@ def _arrive(
     rec = LiveRecord(journal.source, dest, now(), downtime, blackout, journal.resumed)
     record(run.state_dir, name, rec)
     drop_journal(run.state_dir, name)
+    _record_ends(run, journal)
     run.step(f"{plural(len(journal.devices), 'device')} back in {name} on {dest}")
     return LiveMigrateResult(
         name,

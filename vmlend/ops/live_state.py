@@ -48,6 +48,10 @@ class LiveJournal(msgspec.Struct):
     source: str
     destination: str
     devices: list[LiveDevice]
+    #: The fencing token of the VM's hold on each device when the migration began (by fdid;
+    #: none in a journal an older vmlend wrote): the registry's record of the migration
+    #: (``vmlend.ops.migration_record``) carries them, and so does each plug request.
+    tokens: dict[int, int] = msgspec.field(default_factory=dict)
     #: The VM's vmlend metadata without its devices (libvirt's plain form): put back on the
     #: live XML before the move when unplugging emptied it, so that the destination's hook
     #: still sees a vmlend VM and rewrites it for its host. None: the VM had none.

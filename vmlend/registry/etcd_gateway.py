@@ -91,7 +91,9 @@ def call_deadline(ttl: float) -> float:
 
 
 def b64(data: str | bytes) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+    # surrogateescape: a key read back from etcd (``_kv``) that is not UTF-8 names itself again
+    raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
 
 
 def unb64(text: str) -> bytes:
@@ -559,7 +561,9 @@ def _revision(answer: dict[str, Any]) -> int:
 
 def _kv(kv: dict[str, Any]) -> KeyValue:
     return KeyValue(
-        key=unb64(kv["key"]).decode(),
+        # Keys are vmlend's own UTF-8, but whoever may write the registry may write any bytes:
+        # such a key must be one odd record to its reader, not a UnicodeDecodeError in a loop.
+        key=unb64(kv["key"]).decode("utf-8", "surrogateescape"),
         value=unb64(kv.get("value", "")),
         mod_revision=int(kv.get("mod_revision", 0)),
         create_revision=int(kv.get("create_revision", 0)),

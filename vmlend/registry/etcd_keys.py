@@ -194,6 +194,15 @@ class Keys:
         return f"{self.plugs_on(node)}{request_id}"
 
     @property
+    def migrations(self) -> str:
+        """Live migrations in progress, one per VM UUID, on the source host's lease: what a
+        destination's agent checks a plug request against (``vmlend.ops.migration_record``)."""
+        return self.base + "migrations/"
+
+    def migration(self, vm_uuid: str) -> str:
+        return f"{self.migrations}{vm_uuid}"
+
+    @property
     def parents(self) -> str:
         return self.base + "parents/"
 

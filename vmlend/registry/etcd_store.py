@@ -111,6 +111,13 @@ class EtcdRegistry:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def host_lease(self) -> int:
+        """This host's agent lease (the one the records it creates go on);
+        ``AgentNotRunningError`` when none was given."""
+        if self._host_lease is None:
+            raise AgentNotRunningError(f"{self.where} (no agent lease given)")
+        return self._host_lease()
+
     # --- transactions --------------------------------------------------------------------
     def _txn(self, writable: bool) -> EtcdTxn:
         memo: list[int] = []

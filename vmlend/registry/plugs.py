@@ -35,10 +35,15 @@ class PlugStore:
         self.gateway.call("kv/put", {"key": b64(key), "value": b64(value)})
 
     def on(self, node: str) -> list[tuple[str, bytes, int]]:
-        """Every request for ``node``: (key, value, mod revision)."""
+        """Every request for ``node``: (request id, the key's last part; value; mod
+        revision)."""
         prefix = self.keys.plugs_on(node)
         _rev, kvs = self.gateway.range(prefix, prefix[:-1] + "0")
-        return [(kv.key, kv.value, kv.mod_revision) for kv in kvs]
+        return [(kv.key[len(prefix) :], kv.value, kv.mod_revision) for kv in kvs]
+
+    def where(self, node: str, request_id: str) -> str:
+        """The request's key, as the logs name it (without the cluster's prefix)."""
+        return self.keys.plug(node, request_id).removeprefix(self.keys.base)
 
     def replace(self, node: str, request_id: str, value: bytes, mod_revision: int) -> bool:
         """Write ``value`` unless the request changed or went since ``mod_revision``."""
@@ -55,3 +60,12 @@ class PlugStore:
 
     def drop(self, node: str, request_id: str) -> None:
         self.gateway.call("kv/deleterange", {"key": b64(self.keys.plug(node, request_id))})
+
+    def drop_unchanged(self, node: str, request_id: str, mod_revision: int) -> bool:
+        """Delete the request unless it changed or went since ``mod_revision``."""
+        key = b64(self.keys.plug(node, request_id))
+        ok, _rev = self.gateway.txn(
+            [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}],
+            [{"request_delete_range": {"key": key}}],
+        )
+        return ok

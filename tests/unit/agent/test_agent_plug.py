@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 import urllib.request
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.support.cluster_hosts import domain_xml
@@ -266,14 +268,17 @@ def test_an_agent_that_died_mid_request_is_finished_by_a_rerun(hosts, etcd, tmp_
 
 
 def test_a_request_for_a_vm_not_running_on_the_node_is_refused(hosts, tmp_path):
+    from vmlend.ops.migration_record import MigrationRecord
+
     gamma, beta = hosts
     beta.hv().define(domain_xml("vm1", VM_UUID, ()))  # defined on beta, not running
-    req = PlugRequest(VM_UUID, "vm1", VM_UUID, "beta", "gamma", [LiveDevice(GPU)])
+    req = PlugRequest(VM_UUID, "vm1", VM_UUID, "beta", "gamma", [LiveDevice(GPU)], tokens={GPU: 7})
     with AgentThread(beta), gamma.fabric() as fabric:
         assert isinstance(fabric.registry, EtcdRegistry)
-        (out,) = plug_remotely(
-            PlugRequests(fabric.registry), req, timeout=30, progress=lambda _m: None
-        )
+        requests = PlugRequests(fabric.registry)
+        # the registry shows the migration (else the request is refused before any look)
+        requests.migrations.begin(MigrationRecord("vm1", VM_UUID, "gamma", "beta", {GPU: 7}))
+        (out,) = plug_remotely(requests, req, timeout=30, progress=lambda _m: None)
     assert (out.fdid, out.plugged, out.reason) == (GPU, False, "VM 'vm1' is not running on beta")
     assert beta.mdevs() == set() and holders(gamma) == {}
     assert plug_keys(gamma) == []
@@ -414,3 +419,175 @@ def _settled(beta: KernelHost) -> bool:
         return False
     held = {f for f, who in holders(beta).items() if who == "beta/vm1"}
     return guest_fdids(beta) <= held
+
+
+# --- trust: a plug request is acted on only for a live migration in progress (issue 37.1) ---
+def registry_of(host: KernelHost) -> EtcdRegistry:
+    registry = open_registry(host.url, host.lease_file)
+    assert isinstance(registry, EtcdRegistry)
+    return registry
+
+
+def migration_keys(gamma: KernelHost) -> list[object]:
+    with registry_of(gamma) as registry:
+        prefix = registry.keys.base + "migrations/"
+        return registry.gateway.range(prefix, prefix[:-1] + "0")[1]
+
+
+def put_raw(host: KernelHost, key: str | bytes, value: bytes, leased: bool = False) -> None:
+    """Write ``value`` at ``key`` under the cluster's prefix as any host may (raw: neither
+    request nor record need be one vmlend would write)."""
+    with registry_of(host) as registry:
+        raw = registry.keys.base.encode() + (key.encode() if isinstance(key, str) else key)
+        body: dict[str, object] = {"key": b64(raw), "value": b64(value)}
+        if leased:
+            body["lease"] = hostlease.read(host.lease_file).lease
+        registry.gateway.call("kv/put", body)
+
+
+def raw_request(host: KernelHost, request_id: str) -> dict[str, object] | None:
+    with registry_of(host) as registry:
+        value = PlugRequests(registry).store.get("beta", request_id)
+    return None if value is None else json.loads(value)
+
+
+def wait_answered(host: KernelHost, request_id: str) -> dict[str, object]:
+    deadline = time.monotonic() + 20
+    while True:
+        got = raw_request(host, request_id)
+        assert got is not None, "the request went away unanswered"
+        if got.get("outcome") is not None or got.get("refused") is not None:
+            return got
+        assert time.monotonic() < deadline, "the agent never answered the request"
+        time.sleep(0.05)
+
+
+def running_on_beta(beta: KernelHost) -> None:
+    """vm1 runs on beta with no remote device, and is not migrating."""
+    hv = beta.hv()
+    hv.define(domain_xml("vm1", VM_UUID, ()))
+    hv.start("vm1")
+
+
+def _record(**change: object) -> bytes:
+    """The registry's record of vm1's live migration from gamma to beta (docs/migration.md)."""
+    record: dict[str, object] = {
+        "version": 1,
+        "vm": "vm1",
+        "vm_uuid": VM_UUID,
+        "source": "gamma",
+        "destination": "beta",
+        "devices": {str(GPU): 7},
+    }
+    return json.dumps(record | change).encode()
+
+
+def _lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,  # nothing migrates
+        _record(source="alpha"),  # another source
+        _record(vm_uuid="44444444-4444-4444-4444-444444444444"),  # another VM's, at this key
+        _record(devices={str(NVME): 7}),  # not this device
+        _record(devices={str(GPU): 8}),  # another hold's token
+    ],
+    ids=["no-record", "other-source", "other-vm", "other-device", "other-token"],
+)
+def test_a_forged_plug_request_is_refused_and_nothing_is_reserved_or_plugged(
+    hosts, tmp_path, caplog, record
+):
+    """Any host that can write the registry could make beta's agent reserve an available
+    device and hot-plug it into beta's running vm1, which is not migrating. Now the request is
+    answered with one refusal and nothing is reserved, created or plugged."""
+    caplog.set_level(logging.INFO, logger="vmlend")
+    gamma, beta = hosts
+    running_on_beta(beta)
+    if record is not None:
+        put_raw(gamma, f"migrations/{VM_UUID}", record, leased=True)
+    forged = PlugRequest(
+        VM_UUID,
+        "vm1",
+        VM_UUID,
+        "beta",
+        "gamma",
+        [LiveDevice(GPU, PciAddress.parse(ADDRS[GPU]))],
+    )
+    forged_json = json.loads(msgspec.json.encode(forged))
+    forged_json["tokens"] = {str(GPU): 7}
+    put_raw(gamma, f"plugs/beta/{VM_UUID}", json.dumps(forged_json).encode())
+    with AgentThread(beta):
+        answer = wait_answered(gamma, VM_UUID)
+    assert holders(gamma) == {}  # nothing reserved
+    assert guest_fdids(beta) == set() and beta.mdevs() == set()  # nothing created or plugged
+    assert answer["outcome"] == []
+    refused = answer["refused"]
+    assert isinstance(refused, str) and "\n" not in refused
+    assert refused.endswith("nothing was plugged")
+    assert len(_lines(caplog, f"refused plugs/beta/{VM_UUID}")) == 1
+
+
+def test_garbage_under_a_nodes_plugs_is_removed_with_one_line_and_a_request_after_it_served(
+    hosts, tmp_path, caplog
+):
+    """Values that are no plug request stopped beta's plug service (a traceback every pass, or
+    a pass that failed as a whole every time) and a valid request then got no answer. Each is
+    now removed with one log line, and the live migration after them is served."""
+    caplog.set_level(logging.INFO, logger="vmlend")
+    gamma, beta = hosts
+    running_on_gamma(gamma, (GPU,))
+    bad_address = {
+        "id": "bad-address",
+        "vm": "vm1",
+        "vm_uuid": VM_UUID,
+        "node": "beta",
+        "source": "gamma",
+        "devices": [{"fdid": GPU, "address": {"domain": 0, "bus": 999, "slot": 0, "function": 0}}],
+    }
+    garbage: dict[bytes, bytes] = {
+        b"not-json": b"\xff\xfe not JSON",
+        b"not-a-request": b'{"id": 5}',
+        b"bad-address": json.dumps(bad_address).encode(),
+        b"key-\xff-not-utf8": b"{}",
+    }
+    for key, value in garbage.items():
+        put_raw(gamma, b"plugs/beta/" + key, value)
+    with AgentThread(beta):
+        res, _steps = migrate(gamma, beta, tmp_path, timeout=20)
+        deadline = time.monotonic() + 10
+        while plug_keys(gamma):
+            assert time.monotonic() < deadline, f"left under plugs/: {plug_keys(gamma)}"
+            time.sleep(0.05)
+    assert res.devices == ["0x10"] and guest_fdids(beta) == {GPU}
+    for key in garbage:
+        name = key.decode(errors="surrogateescape")
+        assert len(_lines(caplog, f"removed plugs/beta/{name}:")) == 1, name
+    assert migration_keys(gamma) == []  # the migration ended: its record went with it
+
+
+def test_a_value_over_64_kib_is_removed_and_a_request_over_64_devices_refused(hosts, caplog):
+    caplog.set_level(logging.INFO, logger="vmlend")
+    gamma, beta = hosts
+    running_on_beta(beta)
+    big = PlugRequest("big", "vm1", VM_UUID, "beta", "gamma", [LiveDevice(GPU)])
+    value = msgspec.json.encode(big)
+    value = value[:-1] + b', "pad": "' + b"x" * (64 * 1024) + b'"}'  # valid JSON, 64 KiB+
+    put_raw(gamma, "plugs/beta/big", value)
+    many = PlugRequest(
+        "many", "vm1", VM_UUID, "beta", "gamma", [LiveDevice(0x1000 + i) for i in range(65)]
+    )
+    put_raw(gamma, "plugs/beta/many", msgspec.json.encode(many))
+    with AgentThread(beta):
+        answer = wait_answered(gamma, "many")
+        deadline = time.monotonic() + 10
+        while raw_request(gamma, "big") is not None:
+            assert time.monotonic() < deadline, "the value over 64 KiB was never removed"
+            time.sleep(0.05)
+    assert answer["outcome"] == [] and "over the limit of 64" in str(answer["refused"])
+    assert holders(gamma) == {} and guest_fdids(beta) == set()
+    [line] = _lines(caplog, "removed plugs/beta/big:")
+    assert f"over the limit of {64 * 1024}" in line
+    assert len(_lines(caplog, "refused plugs/beta/many")) == 1
