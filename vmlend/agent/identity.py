@@ -21,12 +21,18 @@ import contextlib
 import enum
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from vmlend.errors import AgentIdentityError, AgentRunningError
+from vmlend.hook import agentlock
 from vmlend.hostenv import HostEnv
 from vmlend.registry.session import EtcdSession, HostKey, NodeBinding
 
+#: How often, and how far apart, the agent tries its lock before it says another agent holds
+#: it (a shared probe holds it for microseconds).
+_ATTEMPTS = 20
+_PAUSE = 0.01
 #: A machine-id is 32 lower-case hex digits (machine-id(5)).
 _HEX = frozenset("0123456789abcdef")
 
@@ -122,12 +128,19 @@ class HostLock:
         """Take the lock or raise ``AgentRunningError`` naming the agent that holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _pid_in(fd)
-            os.close(fd)
-            raise AgentRunningError(str(self.path), pid) from None
+        # A hook or 'vmlend drain' asking whether an agent lives holds the lock shared for an
+        # instant (``held_elsewhere``): tried again for a while, only an agent keeps it.
+        for attempt in range(_ATTEMPTS):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt + 1 < _ATTEMPTS:
+                    time.sleep(_PAUSE)
+                    continue
+                pid = _pid_in(fd)
+                os.close(fd)
+                raise AgentRunningError(str(self.path), pid) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -138,18 +151,9 @@ class HostLock:
             self._fd = None
 
     def held_elsewhere(self) -> bool:
-        """Whether another process holds the lock (an agent lives on this host)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        """Whether another process holds the lock (an agent lives on this host); the hook
+        asks the same with ``os`` and ``fcntl`` alone (``vmlend.hook.agentlock``)."""
+        return agentlock.held_elsewhere(str(self.path))
 
 
 def _pid_in(fd: int) -> int | None:

@@ -14,7 +14,13 @@ The rules, which keep a hook call done exactly once:
   the request could not be written whole: the agent cannot have run it, so ``forward`` returns
   None and the caller runs the call in-process, as without an agent;
 - the agent answers "not mine" (it serves another registry, state, node, root, backend) or
-  "denied" (our uid may not use it): nothing was done, None as well;
+  "denied" (our uid may not use it) or "busy" (its queue is full): nothing was done, None as
+  well;
+- **but never beside a live agent**: when this host's agent lives (it holds its lock,
+  ``vmlend.hook.agentlock``) and did nothing but "not mine", the hook tries again within the
+  answer timeout (no socket yet, a request not written whole, "busy"), then fails the call
+  with one line, nothing done ("denied", an untrusted listener, a call over the wire limits:
+  at once). Running it in-process would be a second writer for the host beside the agent;
 - once the whole request was written, never fall back: wait for the answer. A connection that
   ends early (the agent died) or no answer within the timeout exits 1 with one line, since the
   agent may have done part of the work or may still do it.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import _socket  # the C module: see above
 import os
 import sys
+import time
 
 from vmlend.hook import wire
 
@@ -66,30 +73,80 @@ def answer_timeout(environ: Mapping[str, str]) -> float:
     return value if 0 < value < float("inf") else DEFAULT_TIMEOUT
 
 
+#: How long one connect may wait (a full listen backlog holds it): tried again within the
+#: answer timeout while this host's agent lives.
+CONNECT_TIMEOUT = 2.0
+#: How long the hook pauses between two tries while the agent lives but did not take the call.
+RETRY_PAUSE = 0.1
+
+# Why the agent did nothing (``_attempt``), and so what the hook may do instead.
+_NOT_ITS = "the agent serves another registry, state, node or root"  # in-process, always
+_NO_SOCKET = "nobody listens on its socket"  # these three: wait while the agent lives
+_UNSENT = "the request could not be written whole"
+_BUSY = "too many calls were waiting in it"
+_DENIED = "it serves only root and its own uid"  # these two: refused while it lives
+_UNTRUSTED = "the listener on its socket is neither root's nor this uid's"
+_WAIT_FOR = (_NO_SOCKET, _UNSENT, _BUSY)
+
+
 def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = None) -> int | None:
     """The exit code of the call as the agent ran it (its stdout and stderr written to ours),
-    or None when the agent did nothing and the caller must run the call itself."""
+    or None when the caller must run the call itself: the agent did nothing and this host's
+    agent does not live (``agentlock``), or it said the call is not its own. While the agent
+    lives the call is never run beside it: the hook tries again (a starting agent, a full
+    queue) within the answer timeout, then fails with one line, nothing done."""
     env = os.environ if environ is None else environ
     path = socket_path(env)
     pinned = pinned_environment(env)
-    if not wire.within_limits(argv, pinned, xml):
-        return None  # the agent would drop it unanswered: do it here
-    request = wire.encode_request(argv, pinned, xml)
     timeout = answer_timeout(env)
+    if not wire.within_limits(argv, pinned, xml):
+        # the agent would drop it unanswered: do it here, unless the agent lives
+        if not _agent_lives(env):
+            return None
+        return _refused(
+            path,
+            env,
+            f"the call is over what the agent takes ({len(xml)} bytes of XML, at most"
+            f" {wire.MAX_BLOB}; {len(argv)} arguments and {len(pinned)} settings, at most"
+            f" {wire.MAX_STRINGS} each of at most {wire.MAX_STRING} bytes)",
+        )
+    request = wire.encode_request(argv, pinned, xml)
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _attempt(path, request, timeout)
+        if isinstance(got, int):
+            return got
+        if got == _NOT_ITS or not _agent_lives(env):
+            return None
+        now = time.monotonic()
+        if got not in _WAIT_FOR or now >= deadline:
+            why = f"{got} (tried for {timeout:g} s)" if got in _WAIT_FOR else got
+            return _refused(path, env, why)
+        time.sleep(min(RETRY_PAUSE, deadline - now))
+
+
+def _attempt(path: str, request: bytes, timeout: float) -> int | str:
+    """Send ``request`` to the agent at ``path``: the exit code of the call it ran, or why it
+    did nothing (nothing was sent, or it answered that it did nothing)."""
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        sock.settimeout(timeout)
         try:
+            sock.settimeout(min(timeout, CONNECT_TIMEOUT))
             sock.connect(path)
+        except OSError as e:
+            # no file, refused (a stale file), a full backlog, permission denied: nothing sent
+            return _DENIED if isinstance(e, PermissionError) else _NO_SOCKET
+        try:
             if not _trusted_peer(sock):
-                return None  # nothing sent yet
+                return _UNTRUSTED  # nothing sent yet
+            sock.settimeout(timeout)
             # Never half-close after this (shutdown(SHUT_WR)): the agent reads an end of stream
             # as "this hook has gone" and skips a prepare/migrate/restore it has queued.
             sock.sendall(request)
         except OSError:
             # The agent runs a request only once it has read all of it, up to the end mark: a
             # send that failed was not read whole, so nothing ran (docs/hooks.md).
-            return None
+            return _UNSENT
         try:
             recv = wire.deadline_recv(sock, timeout, "answer")
             kind, code, out, err = wire.decode_answer(wire.Reader(recv))
@@ -99,8 +156,12 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
             return _lost(path, "ended the connection before answering (it died?)")
     finally:
         sock.close()
+    if kind == wire.BUSY:
+        return _BUSY
+    if kind == wire.DENIED:
+        return _DENIED
     if kind != wire.RAN:
-        return None
+        return _NOT_ITS
     if out:
         sys.stdout.buffer.write(out)
         sys.stdout.buffer.flush()
@@ -108,6 +169,26 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
         sys.stderr.write(err)
         sys.stderr.flush()
     return code
+
+
+def _agent_lives(env: Mapping[str, str]) -> bool:
+    from vmlend.hook.agentlock import held_elsewhere, lock_path
+
+    return held_elsewhere(lock_path(env.get("VMLEND_ROOT")))
+
+
+def _refused(path: str, env: Mapping[str, str], why: str) -> int:
+    """This host's agent lives but did not take the call: fail it, nothing done (running it
+    here would make two writers for one host)."""
+    from vmlend.hook.agentlock import lock_path
+
+    print(
+        f"vmlend: this host's vmlend agent runs (it holds {lock_path(env.get('VMLEND_ROOT'))})"
+        f" but did not take the call on {path}: {why}; nothing was done (the hook does not run"
+        " it beside the agent); see the agent's log, then try again",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _trusted_peer(sock: _socket.socket) -> bool:

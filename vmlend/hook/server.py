@@ -5,12 +5,16 @@ work needs (lxml, sqlite3, the models) are paid once, by the agent (``docs/hooks
 call runs through the very same ``vmlend.hook.main.run`` as in the hook process, so the two
 cannot drift apart.
 
-One acceptor thread takes connections in arrival order: it checks the peer (``SO_PEERCRED``:
-uid 0 or the agent's own uid), reads the whole request within one deadline and decides whether
-it is this agent's (same registry, state, node, host root, backend and fault setting). One
-worker thread runs the accepted calls strictly in that order (a release queued behind its
-prepare runs after it). A call whose hook process went away meanwhile (it timed out and exited
-1, so libvirt aborted and will run release) is skipped when running it alone would do harm
+One acceptor thread takes connections as they come and hands each to a reader thread of its
+own (at most ``MAX_READERS`` at once): it checks the peer (``SO_PEERCRED``: uid 0 or the
+agent's own uid), reads the whole request within one deadline of its own and decides whether
+it is this agent's (same registry, state, node, host root, backend and fault setting). So an
+idle or trickling peer costs the hooks beside it nothing: only the reading is concurrent. One
+worker thread runs the accepted calls strictly in the order their requests were read whole (a
+release queued behind its prepare runs after it; libvirt never has two hooks of one domain in
+flight, so calls read at the same time are of different domains). A call whose hook process
+went away meanwhile (it timed out and exited 1, so libvirt aborted and will run release) is
+skipped when running it alone would do harm
 (prepare, migrate, restore); release and reconnect still run, they are idempotent. Where
 the socket may live and how it takes its place is ``vmlend.hook.sockplace``.
 
@@ -51,15 +55,18 @@ from vmlend.wiring.fabric import BACKEND_ENV, open_fabric
 
 log = logging.getLogger(__name__)
 
-#: How long the acceptor waits for a peer's whole request (the hook writes it right after
-#: connecting): one deadline per request, so a trickling peer cannot hold the acceptor. Far
-#: below the hook's answer timeout (60 s): the acceptor reads one peer at a time, so idle
-#: connections opened ahead of a hook each delay it by this much.
+#: How long a reader waits for a peer's whole request (the hook writes it right after
+#: connecting): one deadline per request, so a trickling peer cannot hold its reader longer;
+#: peers are read concurrently, so an idle one delays no other.
 READ_TIMEOUT = 1.0
 #: Overrides READ_TIMEOUT in the agent's environment (tests set it short).
 READ_TIMEOUT_ENV = "VMLEND_AGENT_READ_TIMEOUT"
-#: Accepted calls waiting for the worker; over it the hook runs the call itself ("not mine").
+#: Accepted calls waiting for the worker; over it the hook is told "busy" (it tries again
+#: while the agent lives, else runs the call itself).
 QUEUE_LIMIT = 64
+#: Connections read at once (a thread each, each for at most the read deadline); over it a
+#: peer is told "busy" at once.
+MAX_READERS = 128
 _BACKLOG = 64
 #: Calls that must not run once their hook is gone: libvirt already aborted the operation.
 _NOT_ALONE = (Action.PREPARE, Action.MIGRATE, Action.RESTORE)
@@ -151,6 +158,10 @@ class HookServer:
         self._listener: socket.socket | None = None
         self._place = SocketPlace(path)
         self._threads: list[threading.Thread] = []
+        self._readers = threading.BoundedSemaphore(MAX_READERS)
+        self._reading: set[threading.Thread] = set()
+        self._reading_lock = threading.Lock()
+        self._full_said = False
         self.served = 0  # calls run (for logs and tests)
         self.observe = observe
         #: Asked before each call is run, with its operation, domain name and XML (the agent:
@@ -182,6 +193,13 @@ class HookServer:
         self._threads[0].join()
         self._drain_backlog(self._listener)
         self._listener.close()
+        while True:  # every reader ends within its deadline; what it read is queued first
+            with self._reading_lock:
+                reading = list(self._reading)
+            if not reading:
+                break
+            for t in reading:
+                t.join()
         self._calls.put(None)
         self._threads[1].join()
         self._place.release()
@@ -193,7 +211,7 @@ class HookServer:
         host changes nothing. Holds the socket's lock from here until ``stop``."""
         self._place.claim()
 
-    # --- the acceptor: arrival order, peer check, whole request, mine or not ---------------
+    # --- the acceptor and its readers: peer check, whole request, mine or not ---------------
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stopping.is_set():
@@ -205,7 +223,40 @@ class HookServer:
                 log.warning("hook socket %s: accept failed: %s", self.path, e)
                 self._stopping.wait(_ACCEPT_POLL)
                 continue
+            self._read_aside(conn)
+
+    def _read_aside(self, conn: socket.socket) -> None:
+        """Read ``conn``'s request on a thread of its own (``_take``): a peer that sends
+        nothing holds up only its reader, for at most the read deadline."""
+        if not self._readers.acquire(blocking=False):
+            log.warning(
+                "hook socket %s: %d connections are being read already; told a peer to retry",
+                self.path,
+                MAX_READERS,
+            )
+            conn.settimeout(0)
+            _send(conn, wire.BUSY)
+            conn.close()
+            return
+        t = threading.Thread(target=self._reader, args=(conn,), name="hook-read", daemon=True)
+        with self._reading_lock:
+            self._reading.add(t)
+        try:
+            t.start()
+        except RuntimeError as e:  # no thread to be had: the peer is told to retry
+            with self._reading_lock:
+                self._reading.discard(t)
+            self._readers.release()
+            log.warning("hook socket %s: cannot read a connection: %s", self.path, e)
+            conn.close()
+
+    def _reader(self, conn: socket.socket) -> None:
+        try:
             self._take(conn)
+        finally:
+            with self._reading_lock:
+                self._reading.discard(threading.current_thread())
+            self._readers.release()
 
     def _drain_backlog(self, listener: socket.socket) -> None:
         """Take the connections the kernel queued before the socket was removed: their hooks
@@ -216,7 +267,8 @@ class HookServer:
                 conn, _addr = listener.accept()
             except OSError:  # BlockingIOError: the backlog is empty
                 return
-            self._take(conn)
+            conn.setblocking(True)
+            self._read_aside(conn)
 
     def _take(self, conn: socket.socket) -> None:
         """Read the request on ``conn``, then queue the call, or answer and close."""
@@ -230,13 +282,16 @@ class HookServer:
             return
         try:
             self._calls.put_nowait(call)
+            self._full_said = False
         except queue.Full:
-            log.warning(
-                "hook socket %s: %d calls queued already; the hook runs this one itself",
-                self.path,
-                self.queue_limit,
-            )
-            _send(conn, wire.NOT_MINE)
+            if not self._full_said:  # once while it stays full: the hooks retry every 0.1 s
+                self._full_said = True
+                log.warning(
+                    "hook socket %s: %d calls queued already; telling hooks to retry",
+                    self.path,
+                    self.queue_limit,
+                )
+            _send(conn, wire.BUSY)
             conn.close()
 
     def _receive(self, conn: socket.socket) -> _Call | None:

@@ -17,6 +17,7 @@ Answer (agent -> hook), then the agent closes the connection::
     b"R", i32 exit code, u32 n + n bytes stdout, u32 n + n bytes stderr (UTF-8)    it ran
     b"N"                                  not mine (another registry, state, node...): nothing done
     b"D"                                  this peer's uid may not use the agent: nothing done
+    b"B"                                  mine, but too many calls are waiting: nothing done yet
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ MAGIC = b"VMLHOOK1"
 RAN = b"R"
 NOT_MINE = b"N"
 DENIED = b"D"
+BUSY = b"B"
 
 #: Bounds on what the agent reads from a peer: libvirt's argv is 4 items, the VMLEND_*
 #: environment a handful of paths and names, the XML of a domain a few KiB. The hook checks
@@ -160,7 +162,7 @@ def decode_request(reader: Reader) -> tuple[list[str], dict[str, str], bytes]:
 def decode_answer(reader: Reader) -> tuple[bytes, int, bytes, str]:
     """(kind, exit code, stdout, stderr); only RAN carries the last three."""
     kind = reader.exact(1)
-    if kind in (NOT_MINE, DENIED):
+    if kind in (NOT_MINE, DENIED, BUSY):
         return kind, 0, b"", ""
     if kind != RAN:
         raise WireError(f"unknown answer {kind!r}")

@@ -9,6 +9,7 @@ line names the pid of the process that wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -23,7 +24,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ import pytest
 from tests.support.hostroot import identify
 from tests.support.modtrace import run_script
 from tests.support.simfabric import make_fabric
+from vmlend.agent.identity import HostLock
 from vmlend.doctor import Status, check_hook_served
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.hook import wire
@@ -454,32 +457,102 @@ def test_a_trickling_peer_does_not_hold_the_hooks_behind_it(hosts):
         res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="4")
         assert (res.returncode, res.stderr) == (0, b"")
         assert set(served.log_pids()) == {agent}
+        deadline = time.monotonic() + 10  # its own reader drops it at its deadline
+        while "dropped an incomplete request: no whole request within 1 s" not in (
+            served.agent_log()
+        ):
+            assert time.monotonic() < deadline, served.agent_log()
+            time.sleep(0.1)
     finally:
         peer.close()
-    assert "dropped an incomplete request: no whole request within 1 s" in served.agent_log()
 
 
-def test_idle_connections_cannot_make_a_vm_start_time_out(hosts):
-    """A privileged local process opens idle connections ahead of a hook. With the default
-    read deadline each holds the acceptor ~1 s, so the hook is still served by the agent well
-    within its timeout (10 s of 10 s deadlines would have taken 60 s)."""
+def test_idle_connections_cost_the_hook_behind_them_nothing(hosts):
+    """A privileged local process opens 30 idle connections ahead of a hook. The acceptor read
+    one peer at a time, so each cost the hook its 1 s deadline (30 s); now each peer is read
+    on a reader of its own, and the hook is served at once."""
     served = hosts["served"]
     agent = served.start_agent()  # the default deadline, as on a real host
     idle = []
     try:
-        for _ in range(6):
+        for _ in range(30):
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             peer.connect(str(served.socket))
             idle.append(peer)
-        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="20")
+        started = time.monotonic()
+        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="60")
+        took = time.monotonic() - started
         assert (res.returncode, res.stderr) == (0, b"")
         assert set(served.log_pids()) == {agent}  # the agent ran it, not the hook itself
+        assert took < 3.0, f"the hook took {took:.1f} s behind 30 idle connections"
+        deadline = time.monotonic() + 10
+        while served.agent_log().count("no whole request within 1 s") < 30:
+            assert time.monotonic() < deadline, served.agent_log()
+            time.sleep(0.1)
     finally:
         for peer in idle:
             peer.close()
-    assert (
-        served.agent_log().count("dropped an incomplete request: no whole request within 1 s") >= 6
-    )
+
+
+def _idle_peers(path: Path, n: int) -> list[socket.socket]:
+    """Up to ``n`` connections that send nothing (a connect the full backlog refuses is
+    left out: non-blocking, so the test itself never waits on it)."""
+    peers = []
+    for _ in range(n):
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.setblocking(False)
+        try:
+            peer.connect(str(path))
+        except BlockingIOError:
+            peer.close()
+            continue
+        peers.append(peer)
+    return peers
+
+
+def test_seventy_idle_peers_never_make_the_hook_run_beside_a_live_agent(etcd_url, tmp_path):
+    """70 idle connections filled the agent's listen backlog (64), the hook's connect failed
+    and the hook ran the prepare in-process beside the live agent: two writers for one host.
+    Now the acceptor takes them all at once and the agent serves the hook."""
+    make_fabric(etcd_url).close()
+    host = Host(tmp_path / "gamma", registry=etcd_url)
+    idle: list[socket.socket] = []
+    try:
+        agent = host.start_agent("--ttl", "10", "--interval", "0.2")
+        idle = _idle_peers(host.socket, 70)
+        res = host.hook_run("prepare", vm_xml(fdids=(0x10,)), VMLEND_HOOK_TIMEOUT="20")
+        assert (res.returncode, res.stderr) == (0, b"")
+        assert set(host.log_pids()) == {agent}  # never in-process
+    finally:
+        for peer in idle:
+            peer.close()
+        host.stop_agent()
+
+
+def test_a_live_agent_whose_socket_is_gone_fails_the_hook_in_one_line(etcd_url, tmp_path):
+    """The agent lives (it holds the host's agent lock) but its socket is gone: the hook used
+    to run the call in-process beside it. Now it waits (bounded by its timeout) for the socket,
+    then fails the operation with one line, nothing done."""
+    make_fabric(etcd_url).close()
+    host = Host(tmp_path / "gamma", registry=etcd_url)
+    try:
+        host.start_agent("--ttl", "10", "--interval", "0.2")
+        host.socket.unlink()  # the agent lives on; nobody can reach it
+        started = time.monotonic()
+        res = host.hook_run("prepare", vm_xml(fdids=(0x10,)), VMLEND_HOOK_TIMEOUT="2")
+        took = time.monotonic() - started
+        assert res.returncode == 1
+        line = _one_line(res.stderr)
+        assert line.startswith("vmlend: this host's vmlend agent runs (it holds ")
+        assert "nobody listens on its socket (tried for 2 s); nothing was done" in line
+        assert 2.0 <= took < 10.0
+        assert host.snapshot() == ({}, set()) and host.log_pids() == []  # nothing done
+    finally:
+        host.stop_agent()
+    # the agent gone (its lock with it), the hook runs in-process, as without an agent
+    res = host.hook_run("prepare", vm_xml(fdids=(0x10,)), VMLEND_HOOK_TIMEOUT="2")
+    assert (res.returncode, res.stderr) == (0, b"")
+    assert host.snapshot()[0] == {0x10: "gamma/vm1"}
 
 
 def _start_hook(host: Host, name: str, op: str, xml: bytes) -> subprocess.Popen[bytes]:
@@ -496,26 +569,33 @@ def _start_hook(host: Host, name: str, op: str, xml: bytes) -> subprocess.Popen[
     return proc
 
 
-def test_a_clean_stop_serves_the_connections_the_kernel_had_queued(hosts):
+def test_a_clean_stop_runs_every_call_it_had_taken(hosts):
+    """SIGTERM while three release hooks wait on the agent (its worker is held up by another
+    process's lock on the state): the stop removes the socket, then runs every call it had
+    taken (their hooks may not fall back) before it exits."""
     served = hosts["served"]
     agent = served.start_agent(env=served.env | {"VMLEND_AGENT_READ_TIMEOUT": "3"})
     assert served.agent is not None
     res = served.hook_run("prepare", vm_xml())
     assert (res.returncode, res.stderr) == (0, b"")
-    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.connect(str(served.socket))  # the acceptor waits for its request (3 s)
+    lock = sqlite3.connect(served.state, isolation_level=None)
     hooks: list[subprocess.Popen[bytes]] = []
     try:
-        _wait_queued(served.socket, 0)  # the acceptor took the silent peer
+        lock.execute("BEGIN EXCLUSIVE")
         hooks.append(_start_hook(served, "vm1", "release", vm_xml()))
         for n in (2, 3):
             xml = vm_xml(f"vm{n}", vm_uuid=uuid.UUID(int=n))
             hooks.append(_start_hook(served, f"vm{n}", "release", xml))
-        _wait_queued(served.socket, 3)  # in the listen backlog, behind the silent peer
+        time.sleep(2.0)  # started, connected and read: one runs (blocked), two are queued
         served.agent.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while served.socket.exists():  # the stop began: nobody new can connect
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        lock.execute("ROLLBACK")
         results = [(h.wait(60), h.stderr.read() if h.stderr else b"") for h in hooks]
     finally:
-        silent.close()
+        lock.close()
         for h in hooks:
             if h.poll() is None:
                 h.kill()
@@ -911,9 +991,11 @@ def test_a_request_over_the_wire_limits_runs_in_process(hosts):
         wire.decode_request(wire.Reader(io.BytesIO(frame).read))
 
 
-def test_a_full_queue_answers_not_mine_so_the_hook_runs_in_process(tmp_path):
-    # The worker is held up (the state is locked by another process's transaction); one call
-    # waits in the queue; the next hook is told "not mine" at once, with nothing done.
+def _full_queue(
+    tmp_path: Path,
+) -> Iterator[tuple[Host, dict[str, str], HookServer, Callable[[], None]]]:
+    """A hook server with room for one queued call, its worker held up (the state is locked
+    by another process's transaction) on vm1's prepare and vm2's release queued behind it."""
     host = Host(tmp_path / "h")
     make_fabric(host.state).close()
     env = {
@@ -937,22 +1019,61 @@ def test_a_full_queue_answers_not_mine_so_the_hook_runs_in_process(tmp_path):
             target=hook, args=("vm2", "release", vm_xml("vm2", vm_uuid=uuid.UUID(int=2)))
         ),
     ]
+
+    def unblock() -> None:
+        with contextlib.suppress(sqlite3.Error):
+            lock.execute("ROLLBACK")
+
     try:
         lock.execute("BEGIN EXCLUSIVE")
         for t in waiting:
             t.start()
             time.sleep(0.5)  # the first is running (blocked), the second queued
-        third = vm_xml("vm3", vm_uuid=uuid.UUID(int=3))
-        assert forward(["vm3", "release", "end", "-"], third, env) is None  # run it yourself
-        assert server.served == 0
+        yield host, env, server, unblock
     finally:
-        lock.execute("ROLLBACK")
+        unblock()
         lock.close()
         for t in waiting:
             t.join(60)
         server.stop()
-    assert codes == {"vm1": 0, "vm2": 0} and server.served == 2
+    assert codes == {"vm1": 0, "vm2": 0}
+
+
+def test_a_full_queue_tells_the_hook_busy_and_without_an_agent_it_runs_in_process(tmp_path):
+    with contextmanager(_full_queue)(tmp_path) as (host, env, server, _unblock):
+        third = vm_xml("vm3", vm_uuid=uuid.UUID(int=3))
+        assert forward(["vm3", "release", "end", "-"], third, env) is None  # run it yourself
+        assert server.served == 0
+    assert server.served == 2
     assert host.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")
+
+
+def test_a_full_queue_makes_the_hook_wait_while_the_agent_lives(tmp_path, capsys):
+    """The agent lives (it holds the host's agent lock) and its queue is full: the hook used
+    to run the call in-process beside it. Now it tries again until the queue has room (served
+    by the agent), or fails with one line once its timeout has passed, nothing done."""
+    with contextmanager(_full_queue)(tmp_path) as (host, env, server, unblock):
+        lock = HostLock.of(HostEnv(host.root))
+        lock.acquire()  # this process stands for the agent
+        try:
+            third = vm_xml("vm3", vm_uuid=uuid.UUID(int=3))
+            argv = ["vm3", "release", "end", "-"]
+            started = time.monotonic()
+            assert forward(argv, third, env | {"VMLEND_HOOK_TIMEOUT": "1"}) == 1
+            assert time.monotonic() - started >= 1.0
+            line = _one_line(capsys.readouterr().err.encode())
+            assert "too many calls were waiting in it (tried for 1 s); nothing was done" in line
+            assert server.served == 0
+            got: list[int | None] = []
+            waiting = threading.Thread(target=lambda: got.append(forward(argv, third, env)))
+            waiting.start()
+            time.sleep(0.5)
+            assert waiting.is_alive() and server.served == 0  # it waits, and did not run it
+            unblock()  # the worker goes on: the queue has room again
+            waiting.join(60)
+        finally:
+            lock.release()
+    assert got == [0] and server.served == 3  # the agent ran it once the queue had room
 
 
 def test_hook_install_warns_about_a_socket_directory_the_agent_would_refuse(tmp_path):
