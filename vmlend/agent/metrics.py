@@ -7,10 +7,14 @@ holds (per adapter LUT entries, window bytes and segments; holds by node; fences
 NVMe shares by node). The ledger is read on the scraping thread with a fabric of its own, at
 most once per ``cache_seconds`` however many scrapes come (a storm does not hammer etcd).
 
+Also the process's own ``process_*`` metrics under their standard names (CPU seconds, resident
+memory, open descriptors, start time: read from ``/proc`` at scrape time, as prometheus_client
+does) and the agent's health (``health``: what ``/health`` answers).
+
 The text is written by hand: ``bench/bench_metrics.py`` measures it against prometheus_client
 side by side (import and scrape cost; docs/cluster.md, "Metrics", has the numbers). The hook
-process never imports this module; the HTTP server (``http.server``) is imported only when
-``serve`` is called, so an agent without ``--metrics`` pays for neither.
+process never imports this module; the HTTP endpoint (``vmlend.agent.metrics_http``: http.server,
+ssl) is imported only when the agent serves metrics.
 
 Nothing here calls libvirt or waits for a lock held across a libvirt call (the deadlock rule
 of ``vmlend.hook.server``): the watch's lock is never held across one.
@@ -20,16 +24,18 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import msgspec
+
 from vmlend.errors import ConfigError, VmlendError
 
 if TYPE_CHECKING:
-    from http.server import HTTPServer
-
     from vmlend.fabric.base import Fabric
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,10 @@ class Retries(Protocol):
     """A registry that counts its transaction re-runs (``EtcdRegistry.conflicts``)."""
 
     conflicts: int
+
+
+#: What ``/health`` says: whether the agent is well, and one line saying how it is.
+Health = Callable[[], tuple[bool, str]]
 
 
 class AdapterRow(NamedTuple):
@@ -166,6 +176,8 @@ class AgentMetrics:
         self._sample: FabricSample | None = None
         self._sampled_at = -math.inf
         self._read_ok = True
+        self._health: Health = lambda: (True, "serving")
+        self._started = _process_start()
 
     # --- what the agent tells --------------------------------------------------------------
     def follow(
@@ -175,15 +187,27 @@ class AgentMetrics:
         ttl: float | None = None,
         registry: Retries | None = None,
         open_fabric: Callable[[], Fabric] | None = None,
+        health: Health | None = None,
     ) -> None:
         """Where the scrape-time values come from (the agent says so once it has them)."""
         with self._lock:
+            if health is not None:
+                self._health = health
             if lease is not None:
                 self._lease, self._ttl = lease, ttl
             if registry is not None:
                 self._registries.append(registry)
             if open_fabric is not None:
                 self._open_fabric = open_fabric
+
+    def health(self) -> tuple[bool, str]:
+        """Whether the agent is well (``/health``: 200, else 503) and one line saying how."""
+        with self._lock:
+            health = self._health
+        try:
+            return health()
+        except Exception as e:  # a bug in the source must not kill the endpoint
+            return False, f"cannot tell: {type(e).__name__}: {e}"
 
     def renew_failed(self) -> None:
         with self._lock:
@@ -323,8 +347,65 @@ class AgentMetrics:
             "Registry transactions re-run because another host changed what they read.",
         )
         out.append(f"{PREFIX}registry_txn_retries_total {retries}")
+        _process_families(out, self._started)
         out.append("")
         return "\n".join(out)
+
+
+def _process_start() -> float | None:
+    """When this process started (seconds since the epoch), from ``/proc``: its start in
+    clock ticks after boot, and the boot time. None where there is no ``/proc``."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            after_name = f.read().rpartition(b")")[2].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith(b"btime "))
+        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _process_families(out: list[str], started: float | None) -> None:
+    """The standard ``process_*`` metrics of this process (Prometheus's client libraries use
+    the same names, without the ``vmlend_`` prefix)."""
+    times = os.times()
+    rows: list[tuple[str, str, str, float]] = [
+        (
+            "process_cpu_seconds_total",
+            "counter",
+            "Total user and system CPU time spent in seconds.",
+            times.user + times.system,
+        )
+    ]
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rows.append(
+            ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", resident)
+        )
+        rows.append(
+            (
+                "process_open_fds",
+                "gauge",
+                "Number of open file descriptors.",
+                len(os.listdir("/proc/self/fd")),
+            )
+        )
+    except (OSError, ValueError, IndexError):
+        pass  # no /proc: only what os.times tells
+    if started is not None:
+        rows.append(
+            (
+                "process_start_time_seconds",
+                "gauge",
+                "Start time of the process since unix epoch in seconds.",
+                started,
+            )
+        )
+    for name, kind, help_text, value in rows:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+        out.append(f"{name} {_num(value)}")
 
 
 def _fabric_families(out: list[str], s: FabricSample) -> None:
@@ -375,111 +456,47 @@ def _num(value: float) -> str:
 
 # --- the HTTP endpoint ----------------------------------------------------------------------
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-#: Seconds a scraper may take to send its request (one thread serves them all).
-HANDLER_TIMEOUT = 5.0
+#: Where ``--metrics :PORT`` listens: this host only, unless a host is named.
+DEFAULT_HOST = "127.0.0.1"
+#: A bcrypt hash as Prometheus's exporter web configuration takes it ($2a$, $2b$ or $2y$).
+_BCRYPT = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a bind address; ConfigError in one line."""
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; ``:PORT`` is 127.0.0.1) as a bind address;
+    ConfigError in one line."""
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"--metrics {text!r}: give HOST:PORT, e.g. 127.0.0.1:9850")
-    return host, int(port)
-
-
-class MetricsServer:
-    """Serves ``metrics.render()`` at ``/metrics`` on its own thread (``bind``, ``start``,
-    ``stop``); bound before the agent takes its lease, so a bad address changes nothing."""
-
-    def __init__(self, metrics: AgentMetrics, address: tuple[str, int]) -> None:
-        self.metrics = metrics
-        self.address = address
-        self._httpd: HTTPServer | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        assert self._httpd is not None
-        return int(self._httpd.server_address[1])
-
-    def bind(self) -> None:
-        import socket
-        import socketserver
-        from http.server import HTTPServer
-
-        handler = _handler(self.metrics)
-        host, port = self.address
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        # One thread serves every scrape, in turn: the ledger's fabric stays on the thread that
-        # opened it, and a scrape storm queues instead of multiplying the reads.
-        class Server(HTTPServer):
-            address_family = family
-
-            def server_bind(self) -> None:
-                # HTTPServer's own asks the resolver for the host's FQDN (a reverse lookup
-                # that may hang on a host without DNS); nothing here needs that name.
-                socketserver.TCPServer.server_bind(self)
-                self.server_name, self.server_port = str(host), int(self.server_address[1])
-
-        try:
-            self._httpd = Server((host, port), handler)
-        except OSError as e:  # in use, not ours, or no such name
-            where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
-            raise ConfigError(f"--metrics {where}: cannot listen: {e.strerror or e}") from None
-
-    def start(self) -> None:
-        if self._httpd is None:
-            self.bind()
-        assert self._httpd is not None
-        self._thread = threading.Thread(
-            target=self._serve, args=(self._httpd,), name="metrics", daemon=True
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(
+            f"--metrics {text!r}: give HOST:PORT, e.g. 10.1.0.7:9850, or :PORT for"
+            f" {DEFAULT_HOST}:PORT"
         )
-        self._thread.start()
-        host, _port = self.address
-        log.warning("serving metrics on http://%s:%d/metrics", host, self.port)
-
-    def stop(self) -> None:
-        if self._httpd is None:
-            return
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
-        self._httpd = None
-
-    def _serve(self, httpd: HTTPServer) -> None:
-        try:
-            httpd.serve_forever(0.2)
-        finally:
-            self.metrics.close()  # on the thread that opened its fabric
+    return host or DEFAULT_HOST, int(port)
 
 
-def _handler(metrics: AgentMetrics) -> type:
-    from http.server import BaseHTTPRequestHandler
+def parse_user(text: str) -> tuple[str, str]:
+    """``USER:BCRYPT-HASH`` (a basic-auth user of the metrics endpoint); ConfigError naming
+    what is wrong, in one line, without echoing the hash."""
+    user, sep, hashed = text.partition(":")
+    if not sep or not user or any(c.isspace() or not c.isprintable() for c in user):
+        raise ConfigError(
+            "a metrics user is USER:BCRYPT-HASH with a printable user name without spaces"
+            " (e.g. prometheus:$2b$12$...; make the hash with 'htpasswd -nBC 12 USER')"
+        )
+    if not _BCRYPT.match(hashed):
+        raise ConfigError(
+            f"the metrics user {user!r} has no bcrypt hash ($2a$, $2b$ or $2y$, cost 04 to 31,"
+            " 53 characters after it); make one with 'htpasswd -nBC 12 USER'"
+        )
+    return user, hashed
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = HANDLER_TIMEOUT  # a peer that sends nothing does not hold the scrapes
 
-        def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                self.send_error(404, "only /metrics here")
-                return
-            try:
-                body = metrics.render().encode()
-            except Exception:  # a bug in a collector must not kill the agent's endpoint
-                log.exception("metrics: rendering failed")
-                self.send_error(500)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+class MetricsAccess(msgspec.Struct, frozen=True):
+    """Who may scrape: TLS (a certificate and its key, both or neither) and basic-auth users
+    (name: bcrypt hash), as in Prometheus's exporter web configuration. Empty: plain HTTP,
+    anyone who reaches the port."""
 
-        def log_message(self, format: str, *args: object) -> None:
-            log.debug("metrics: " + format, *args)
-
-    return Handler
+    cert: str | None = None
+    key: str | None = None
+    users: dict[str, str] = msgspec.field(default_factory=dict)

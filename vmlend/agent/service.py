@@ -211,6 +211,7 @@ class Agent:
             ttl=cfg.ttl,
             registry=_cluster_registry(fabric),
             open_fabric=self.open_fabric,
+            health=self._health,
         )
         journal = ReleaseJournal.for_host(self._host)
         self.borrower.start()
@@ -306,6 +307,16 @@ class Agent:
             )
         else:
             log.error("lease %x lost: this host's holds are gone", view.lease)
+
+    def _health(self) -> tuple[bool, str]:
+        """What ``/health`` says: well while the lease is settled (held, and this host's
+        records on it), one line either way."""
+        view = self.clock.view()
+        line = (
+            f"node {self.config.node}: lease {view.lease:x} {view.state.value}"
+            f" ({max(0.0, view.left):.1f} s of {view.ttl:g} s left)"
+        )
+        return view.settled, line
 
     def _on_renewal(self) -> None:
         self.renewals += 1

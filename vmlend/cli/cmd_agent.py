@@ -15,7 +15,7 @@ from types import FrameType
 import click
 import msgspec
 
-from vmlend.agent.metrics import AgentMetrics, MetricsServer, parse_address
+from vmlend.agent.metrics import AgentMetrics, MetricsAccess, parse_address, parse_user
 from vmlend.agent.service import DEFAULT_INTERVAL, DEFAULT_TTL, Agent, AgentConfig
 from vmlend.cli.common import Seconds, emit_action, hook_socket_option, json_option
 from vmlend.cli.connect import open_hv
@@ -29,6 +29,22 @@ from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV
 from vmlend.wiring.fabric import BACKEND_ENV
 
 log = logging.getLogger(__name__)
+
+
+class MetricsUser(click.ParamType[tuple[str, str]]):
+    """``USER:BCRYPT-HASH`` (``vmlend.agent.metrics.parse_user``)."""
+
+    name = "user:bcrypt"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_user(str(value))
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
 
 
 @click.command("agent")
@@ -60,7 +76,30 @@ log = logging.getLogger(__name__)
     "metrics_at",
     metavar="HOST:PORT",
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (LUT and window use, holds,"
-    " fences, lease age, hook calls) [default: not served].",
+    " fences, lease age, hook calls, the process) and the agent's health at /health; :PORT"
+    " listens on 127.0.0.1 only [default: not served].",
+)
+@click.option(
+    "--metrics-tls-cert",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Serve the metrics over HTTPS with this PEM certificate (with --metrics-tls-key).",
+)
+@click.option(
+    "--metrics-tls-key",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="The metrics certificate's unencrypted PEM key.",
+)
+@click.option(
+    "--metrics-user",
+    "metrics_users",
+    multiple=True,
+    type=MetricsUser(),
+    metavar="USER:BCRYPT",
+    help="A user who may scrape, with a bcrypt hash of their password ('htpasswd -nBC 12"
+    " USER'), as Prometheus's exporter web configuration; repeatable. Given, every request"
+    " needs basic auth. Best kept in the configuration file ([agent] metrics-user = [...]).",
 )
 @click.option(
     "--take-over",
@@ -77,6 +116,9 @@ def agent_cmd(
     hook_socket: Path | None,
     metrics_at: str | None,
     take_over: bool,
+    metrics_tls_cert: str | None = None,
+    metrics_tls_key: str | None = None,
+    metrics_users: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Serve the libvirt hook and, on a cluster registry, hold this host's lease and take back
     devices whose borrower's lease ended.
@@ -110,9 +152,19 @@ def agent_cmd(
         read_timeout=read_timeout_from_env(os.environ),
         observe=metrics.observe_hook,
     )
-    # Bound before the lease: a bad address or a port in use changes nothing.
-    scrape = MetricsServer(metrics, parse_address(metrics_at)) if metrics_at else None
-    if scrape is not None:
+    # Bound before the lease: a bad address, a port in use or an unusable certificate changes
+    # nothing.
+    access = MetricsAccess(metrics_tls_cert, metrics_tls_key, dict(metrics_users))
+    if not metrics_at and access != MetricsAccess():
+        raise ConfigError(
+            "metrics-tls-cert, metrics-tls-key and metrics-user configure the metrics endpoint:"
+            " give --metrics HOST:PORT too"
+        )
+    scrape = None
+    if metrics_at:
+        from vmlend.agent.metrics_http import MetricsServer
+
+        scrape = MetricsServer(metrics, parse_address(metrics_at), access)
         scrape.bind()
     server.check_free()  # before the lease: a second agent on this host changes nothing
     if scrape is not None:
@@ -153,6 +205,10 @@ def _serve(
             "agent on the SQLite registry %s: serving the hook only (no lease, no fencing scan;"
             " those need a cluster registry, --registry etcd://HOST:PORT/CLUSTER)",
             obj.location,
+        )
+        metrics.follow(
+            open_fabric=lambda: obj.fabric(read_only=True),
+            health=lambda: (True, f"serving the hook on {server.path} (SQLite: no lease)"),
         )
         server.start()
         notifier = Notifier()
