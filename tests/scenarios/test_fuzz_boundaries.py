@@ -5,7 +5,8 @@ or refused with exit 1 or 2 and the error on one line (one ``VmlendError`` for a
 boundary, a ``WireError`` for the hook socket's frames): no traceback, no "internal error",
 and nothing changed. The boundaries: sysfs attributes under a fake root, domain XML into the
 hook and into the CLI, topology TOML into ``fabric init``, CLI arguments, and the frames of
-the agent's hook socket, and the configuration file the CLI and the hook share.
+the agent's hook socket, the configuration file the CLI and the hook share, the plug requests
+any writer of the registry can leave for an agent, and the agent's metrics endpoint.
 
 Derandomized and without an example database, so CI runs the same examples every time;
 ``VMLEND_FUZZ_EXAMPLES`` (default 100 per boundary) explores more.
@@ -13,6 +14,7 @@ Derandomized and without an example database, so CI runs the same examples every
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import shutil
@@ -541,3 +543,240 @@ def _own_agent_socket(path: Path) -> bool:
 
     agent = tomllib.loads(path.read_text()).get("agent", {})
     return any(k in agent for k in ("hook-socket", "hook_socket"))
+
+
+# --- 8. plug requests: what any writer of the registry puts under plugs/<node>/ --------------
+
+_PLUG_UUID = "33333333-3333-3333-3333-333333333333"
+_GOOD_PLUG = {
+    "id": _PLUG_UUID,
+    "vm": "vm1",
+    "vm_uuid": _PLUG_UUID,
+    "node": "beta",
+    "source": "gamma",
+    "devices": [{"fdid": 16, "address": {"domain": 0, "bus": 0, "slot": 10, "function": 0}}],
+    "mdevs": {"16": "284d71f4-085a-5589-b07e-befe6b537e60"},
+    "tokens": {"16": 7},
+}
+_RECORD = {
+    "version": 1,
+    "vm": "vm1",
+    "vm_uuid": _PLUG_UUID,
+    "source": "gamma",
+    "destination": "beta",
+    "devices": {"16": 7},
+}
+_json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
+)
+_json = st.recursive(
+    _json_leaf,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _mutated_plug(field: str, value: object, drop: bool) -> bytes:
+    import json
+
+    req = json.loads(json.dumps(_GOOD_PLUG))
+    if drop:
+        req.pop(field, None)
+    else:
+        req[field] = value
+    return json.dumps(req).encode()
+
+
+plug_value = st.one_of(
+    st.binary(max_size=200),
+    _json.map(lambda v: __import__("json").dumps(v).encode()),
+    st.builds(_mutated_plug, st.sampled_from(sorted(_GOOD_PLUG)), _json, st.booleans()),
+    st.builds(  # a guest address out of its ranges, an interrupt path nobody knows
+        lambda bus, path: _mutated_plug(
+            "devices",
+            [
+                {
+                    "fdid": 16,
+                    "address": {"domain": 0, "bus": bus, "slot": 0, "function": 0},
+                    "interrupts": path,
+                }
+            ],
+            False,
+        ),
+        st.integers(-5, 5000),
+        st.sampled_from(["ntb", "relay", "x", ""]),
+    ),
+    st.integers(0, 200).map(  # many devices
+        lambda n: _mutated_plug("devices", [{"fdid": i} for i in range(n)], False)
+    ),
+    st.just(b"{" + b'"pad": "' + b"x" * (64 * 1024) + b'"}'),
+)
+plug_key = st.one_of(
+    st.just(_PLUG_UUID.encode()), st.binary(min_size=1, max_size=12).filter(lambda k: b"/" not in k)
+)
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # a 64 KiB value
+@fuzz_settings()
+@given(
+    values=st.lists(st.tuples(plug_key, plug_value), min_size=1, max_size=4),
+    with_record=st.booleans(),
+)
+def test_plug_requests_are_served_refused_or_removed_in_one_line(values, with_record, caplog):
+    """Whatever any host writes under ``plugs/beta/``: one pass of beta's agent plugs only a
+    request that matches the registry's record of a live migration, answers every other
+    request with a one-line refusal, removes what is no request, says each in at most one
+    line, and never raises; a second pass does nothing; a valid request after them is
+    served."""
+    import json
+    import logging
+
+    from tests.support.memory_registry import MemoryRegistry
+    from vmlend.ops.plug_request import PlugOutcome, PlugRequests, serve_plug_requests
+
+    registry = MemoryRegistry()
+    requests = PlugRequests(registry)  # type: ignore[arg-type]
+    if with_record:
+        registry.put_raw(f"migrations/{_PLUG_UUID}".encode(), json.dumps(_RECORD).encode())
+    for key, value in values:
+        registry.put_raw(b"plugs/beta/" + key, value)
+    plugged: list[str] = []
+
+    def plug(req):  # type: ignore[no-untyped-def]
+        plugged.append(req.id)
+        return [PlugOutcome(d.fdid, True) for d in req.devices]
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vmlend"):
+        serve_plug_requests(requests, "beta", plug)
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        serve_plug_requests(requests, "beta", plug)  # everything was answered or removed
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert all("\n" not in line for line in first)
+    written = dict(values)
+    assert len([m for m in first if m.startswith(("removed ", "refused "))]) <= len(written)
+    for req_id in plugged:  # only the one request the record allows
+        assert with_record and req_id == _PLUG_UUID
+        sent = json.loads(written[_PLUG_UUID.encode()])
+        assert (sent["vm_uuid"], sent["source"], sent["node"]) == (_PLUG_UUID, "gamma", "beta")
+        assert {int(k): v for k, v in sent["tokens"].items()} == {16: 7}
+    for _key, value, _rev in requests.store.on("beta"):  # what stays is answered
+        got = json.loads(value)
+        assert got.get("outcome") is not None or got.get("refused") is not None
+        if got.get("refused") is not None:
+            assert got["outcome"] == [] and "\n" not in got["refused"]
+    registry.put_raw(f"migrations/{_PLUG_UUID}".encode(), json.dumps(_RECORD).encode())
+    registry.put_raw(b"plugs/beta/" + _PLUG_UUID.encode(), json.dumps(_GOOD_PLUG).encode())
+    plugged.clear()
+    serve_plug_requests(requests, "beta", plug)
+    assert plugged == [_PLUG_UUID]
+
+
+# --- 9. the metrics endpoint: what any client that reaches the port sends --------------------
+
+_GOOD_GET = b"GET /metrics HTTP/1.0\r\nHost: x\r\nAuthorization: Basic %s\r\n\r\n"
+_CREDENTIALS = base64.b64encode(b"prometheus:s3cret")
+
+
+@pytest.fixture(scope="module")
+def metrics_server() -> Iterator[tuple[object, int]]:
+    import bcrypt
+
+    from vmlend.agent.metrics import AgentMetrics, MetricsAccess
+    from vmlend.agent.metrics_http import MetricsServer
+
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
+    server = MetricsServer(
+        AgentMetrics(), ("127.0.0.1", 0), MetricsAccess(users={"prometheus": hashed}), deadline=2.0
+    )
+    server.start()
+    yield server, server.port
+    server.stop()
+
+
+http_request = st.one_of(
+    st.binary(max_size=300),
+    st.builds(
+        lambda method, path, version, headers: (
+            method
+            + b" "
+            + path
+            + b" "
+            + version
+            + b"\r\n"
+            + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
+            + b"\r\n"
+        ),
+        st.sampled_from([b"GET", b"POST", b"HEAD", b"get", b"", b"GET GET"]),
+        st.sampled_from([b"/metrics", b"/health", b"/", b"/x", b"metrics", b"/%00", b"/" * 300]),
+        st.sampled_from([b"HTTP/1.0", b"HTTP/1.1", b"HTTP/9", b"", b"HTTP/1.0 x"]),
+        st.lists(
+            st.tuples(
+                st.sampled_from([b"Authorization", b"Host", b"Content-Length", b"X" * 70]),
+                st.one_of(
+                    st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b),
+                    st.sampled_from(
+                        [
+                            b"Basic " + _CREDENTIALS,
+                            b"Basic !!!",
+                            b"Basic ",
+                            b"Bearer x",
+                            b"Basic " + base64.b64encode(b"prometheus:wrong"),
+                            b"Basic " + base64.b64encode(b"\xff:\xff"),
+                            b"-1",
+                            b"99999999",
+                        ]
+                    ),
+                ),
+            ),
+            max_size=4,
+        ),
+    ),
+    st.builds(  # a good request cut short or with bytes put in
+        lambda at, junk: (lambda b: b[: at % (len(b) + 1)] + junk)(_GOOD_GET % _CREDENTIALS),
+        st.integers(0, 200),
+        st.binary(max_size=8),
+    ),
+)
+
+
+@fuzz_settings()
+@given(data=http_request)
+def test_the_metrics_endpoint_answers_or_closes_in_one_line(metrics_server, data, capfd, caplog):
+    """Whatever a client sends (then ends its side): an HTTP answer, or the connection closed,
+    within the request's deadline; at most one log line for it, no traceback; only the right
+    credentials get the text; a good scrape after it is served."""
+    import logging
+    import socket
+    import time
+
+    _server, port = metrics_server
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vmlend"):
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as peer:
+            me = f"127.0.0.1:{peer.getsockname()[1]}:"
+            peer.sendall(data)
+            peer.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := peer.recv(65536):
+                answer += chunk
+        assert time.monotonic() - started < 5.0
+        time.sleep(0.02)  # its line, if any, is written
+    lines = [r.getMessage() for r in caplog.records if me in r.getMessage()]
+    assert len(lines) <= 1 and all("\n" not in m and "s3cret" not in m for m in lines), lines
+    assert "Traceback" not in capfd.readouterr().err
+    if answer:
+        assert answer.startswith(b"HTTP/1.")
+        if answer.split(b" ", 2)[1] == b"200":
+            assert b"Basic " + _CREDENTIALS in data  # nobody else gets in
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as peer:
+        peer.sendall(_GOOD_GET % _CREDENTIALS)
+        assert peer.recv(12) == b"HTTP/1.0 200"

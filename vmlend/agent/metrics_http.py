@@ -312,6 +312,8 @@ def _handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         timeout = None  # the deadline decides, not a timeout per read
+        # Nobody speaks HTTP/0.9: every answer, an error too, starts with a status line.
+        default_request_version = "HTTP/1.0"
         #: The request's deadline (monotonic), from its connection on.
         deadline = 0.0
 

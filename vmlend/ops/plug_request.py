@@ -254,7 +254,7 @@ def serve_plug_requests(requests: PlugRequests, node: str, plug: Plugger) -> lis
         where = requests.where(node, entry.request_id)
         if entry.request is None:
             if requests.remove(node, entry.request_id, entry.mod_revision):
-                log.warning("removed %s: %s", where, single_line(entry.malformed or "?"))
+                log.warning("%s", single_line(f"removed {where}: {entry.malformed}"))
             continue
         req = entry.request
         refused = check(requests, req, node, entry.request_id)
@@ -262,9 +262,14 @@ def serve_plug_requests(requests: PlugRequests, node: str, plug: Plugger) -> lis
             answered = msgspec.structs.replace(req, outcome=[], refused=refused)
             if requests.answer(node, entry.request_id, answered, entry.mod_revision):
                 served.append(answered)
-                log.warning("refused %s (from %s): %s", where, single_line(req.source), refused)
+                log.warning("%s", single_line(f"refused {where} (from {req.source}): {refused}"))
             continue
-        log.info("plug request %s: plugging %d device(s) into %s", req.id, len(req.devices), req.vm)
+        log.info(
+            "%s",
+            single_line(
+                f"plug request {req.id}: plugging {len(req.devices)} device(s) into {req.vm}"
+            ),
+        )
         try:
             outcome = plug(req)
         except Exception as e:  # the VM's worker ended, or the plug failed as a whole
