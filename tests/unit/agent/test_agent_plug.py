@@ -32,6 +32,7 @@ from vmlend.hostenv import HostEnv
 from vmlend.hypervisor import Hypervisor, LiveMigration
 from vmlend.hypervisor.base import DomainState
 from vmlend.kernel.backend import SmartioFabric
+from vmlend.messages import single_line
 from vmlend.notify import Notifier
 from vmlend.ops.attach import apply_attach, plan_attach
 from vmlend.ops.live_migrate import live_migrate
@@ -563,7 +564,7 @@ def test_garbage_under_a_nodes_plugs_is_removed_with_one_line_and_a_request_afte
             time.sleep(0.05)
     assert res.devices == ["0x10"] and guest_fdids(beta) == {GPU}
     for key in garbage:
-        name = key.decode(errors="surrogateescape")
+        name = single_line(key.decode(errors="surrogateescape"))  # as the log escapes it
         assert len(_lines(caplog, f"removed plugs/beta/{name}:")) == 1, name
     assert migration_keys(gamma) == []  # the migration ended: its record went with it
 
