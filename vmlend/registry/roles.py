@@ -129,6 +129,12 @@ PREFIXES: tuple[Prefix, ...] = (
         " agent answers, the source deletes it",
     ),
     Prefix(
+        "migrations/",
+        Writers.HOSTS,
+        "a live migration's source records it, on its own lease, while it runs (the"
+        " destination's agent plugs only what such a record names); keyed by VM UUID",
+    ),
+    Prefix(
         "meta/hypervisor-host-uuid/",
         Writers.HOSTS,
         "'vmlend migrate' records both ends' hypervisors the first time it meets them",

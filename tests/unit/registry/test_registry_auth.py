@@ -188,6 +188,7 @@ SAMPLES: dict[str, object] = {
     "end": 2,
     "uuid": "3b0b0c4e-0000-4000-8000-000000000001",
     "request_id": "r1",
+    "vm_uuid": "3b0b0c4e-0000-4000-8000-000000000002",
     "key": "schema_version",
     "kind": "dma-window",
     "vm": "web",
