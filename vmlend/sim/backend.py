@@ -5,14 +5,107 @@ simulator is the ``hardware`` it is given (``vmlend.sim.hardware.SimHardware``: 
 IOMMU domains, NTB segments), which the ledger's borrow, give-back and take-back drive. Without
 hardware (the hook on the ``sim`` backend) it is the ledger alone: the simulated hardware of
 a node lives in that node's hypervisor process.
+
+With a lender register (``vmlend.sim.register``, ``$VMLEND_SIM_LENDERS``: a directory every
+process of the simulated cluster shares) the steps on a device for a hold also tell the
+device's lender, with the hold's fencing token, as the kernel backend tells the SmartIO driver
+(``vmlend.kernel.backend``): an mdev creation writes (token, borrower) first and is refused
+for a token older than the device's; the holder's mdev removal or release clears the borrower;
+a take-back clears it with the fence's token and is refused for an older one. Without one,
+nothing here differs from the ledger.
 """
 
 from __future__ import annotations
 
-from vmlend.ledger.ledger import MDEV_TYPE, Ledger, parent_name
+import logging
+import time
+from collections.abc import Callable
+
+from vmlend.errors import DeviceNotReservedError, StaleTokenError
+from vmlend.ledger.ledger import MDEV_TYPE, BorrowHardware, Ledger, parent_name
+from vmlend.registry import FenceRecord, Registry, same_holder
+from vmlend.registry.records import ExpectedHold, HoldRecord
+from vmlend.sim.register import LenderRegister, borrower_of
+from vmlend.topology.model import Holder, MdevInfo
 
 __all__ = ["MDEV_TYPE", "SimFabric", "parent_name"]
+
+log = logging.getLogger(__name__)
 
 
 class SimFabric(Ledger):
     """The fabric of the simulated cluster (see the module's docstring)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        local_node: str | None = None,
+        clock: Callable[[], float] = time.time,
+        hardware: BorrowHardware | None = None,
+        observer: bool = False,
+        *,
+        lenders: LenderRegister | None = None,
+    ) -> None:
+        super().__init__(registry, local_node, clock, hardware, observer)
+        #: The simulated lenders' register (None: none, the ledger alone).
+        self.lenders = lenders
+
+    def _hold(self, fdid: int) -> HoldRecord | None:
+        with self.registry.read() as tx:
+            return tx.hold(fdid)
+
+    def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        info = super().create_mdev(fdid, uuid, holder)  # checks the hold, records the child
+        if self.lenders is None:
+            return info
+        try:
+            # the hold's fencing token first, as the kernel backend writes the driver's
+            hold = self._hold(fdid)
+            if hold is None or not same_holder(hold.holder, holder):
+                raise DeviceNotReservedError(fdid, str(holder))  # ended since the record
+            self.lenders.serve(fdid, hold.token, borrower_of(holder.node, holder.vm))
+        except (DeviceNotReservedError, StaleTokenError):
+            if info.created:  # undo only the record this call made, never another process's
+                super().remove_mdev(info.uuid)
+            raise
+        return info
+
+    def remove_mdev(self, uuid: str) -> bool:
+        if self.lenders is not None:
+            with self.registry.read() as tx:
+                rec = tx.mdev(uuid)
+                hold = tx.hold(rec.fdid) if rec is not None else None
+            if rec is not None and rec.node == self.local_node and rec.vm:
+                # the device first: nothing reaches it through the child once it is gone
+                ours = hold is not None and (hold.holder.node, hold.holder.vm) == (
+                    rec.node,
+                    rec.vm,
+                )
+                token = hold.token if ours and hold is not None else None
+                self.lenders.end(rec.fdid, borrower_of(rec.node, rec.vm), token)
+        return super().remove_mdev(uuid)
+
+    def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
+        if self.lenders is not None:
+            hold = self._hold(fdid)
+            ours = hold is not None and same_holder(hold.holder, holder)
+            if ours and hold is not None and (expected is None or expected.admits(hold)):
+                # the device before the registry: it never serves a borrow the state ended
+                self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token)
+        return super().release(fdid, holder, expected=expected)
+
+    def take_back(self, fence: FenceRecord) -> bool:
+        if self.lenders is not None:
+            try:  # the fence's token: a late take-back never touches a newer holder's borrow
+                self.lenders.take_back(fence.fdid, fence.token)
+            except StaleTokenError as e:
+                log.warning("%s", e)
+                return False
+        return super().take_back(fence)
+
+    def reclaim(self, fdid: int) -> Holder | None:
+        if self.lenders is not None:
+            hold = self._hold(fdid)
+            if hold is not None:
+                self.lenders.take_back(fdid, hold.token)
+        return super().reclaim(fdid)

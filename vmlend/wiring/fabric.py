@@ -66,12 +66,15 @@ def open_fabric(
 
         return open_smartio_fabric(state_path, node, env=HostEnv.from_env(root))
     from vmlend.sim.backend import SimFabric
+    from vmlend.sim.register import LenderRegister
 
     host = HostEnv.from_env(root)
     node = node or host.configured_node()
     registry = open_registry(state_path, hostlease.lease_path(host))
     try:
-        return SimFabric(registry, local_node=node, observer=observer)
+        # $VMLEND_SIM_LENDERS: the simulated lenders' register (tests); unset, none
+        lenders = LenderRegister.from_env()
+        return SimFabric(registry, local_node=node, observer=observer, lenders=lenders)
     except BaseException:
         registry.close()
         raise
