@@ -645,14 +645,17 @@ def cut_host(c: Cluster, rng: random.Random, say: Say) -> None:
     _cut_and_heal(h)
 
 
-_GUARD_PAUSED = re.compile(r"vmlend: (?:lease in doubt: )?paused ([\w, .-]+) \(")
+#: The guard's pause of a VM it found running (``vmlend.agent.borrower``, one line per change
+#: of a VM's state: "VM g1: running -> paused: the lease is in doubt (1.0 s of 2 s left)").
+#: Somebody else's pause it finds is "VM g1: running -> kept: somebody else paused it".
+_GUARD_PAUSED = re.compile(r"vmlend: VM (\S+): running -> paused: ")
 
 
 def _raced(h: NHost, offset: int, vm: str) -> bool:
     """Whether ``h``'s guard paused ``vm`` (its log since ``offset``): it found the VM
     running, so the operator's pause landed while the guard's own was under way, and the two
     look the same to the agent (docs/cluster.md: not excluded). The VM is then the agent's."""
-    return any(vm in m.group(1).split(", ") for m in _GUARD_PAUSED.finditer(h.log_since(offset)))
+    return any(m.group(1) == vm for m in _GUARD_PAUSED.finditer(h.log_since(offset)))
 
 
 def _operator_resumes(
