@@ -38,6 +38,8 @@ class Host:
     def __init__(self, url: str, node: str, root: Path) -> None:
         self.url, self.node, self.root = url, node, root
         self.agent: subprocess.Popen | None = None
+        #: More environment for every process of this host (its agent, hooks, CLI calls).
+        self.extra_env: dict[str, str] = {}
         root.mkdir(parents=True, exist_ok=True)
         self.machine_id = identify(root)
 
@@ -49,6 +51,7 @@ class Host:
             "VMLEND_NODE": self.node,
             "VMLEND_ROOT": str(self.root),
             "VMLEND_STATE": str(self.root / "state.db"),
+            **self.extra_env,
         }
 
     @property

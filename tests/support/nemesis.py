@@ -1,21 +1,28 @@
 """The parts of the nemesis test (``tests/scenarios/test_nemesis.py``): a 3-member etcd on
 loopback, three hosts that each reach it through proxies of their own (so one host can be cut
 off), a workload of VM starts, stops, hot-adds and hot-removes through the CLI, the faults, and
-a sampler of what
-every host's simulated hypervisor runs. Every process is started here and stopped by its PID.
+a sampler of what every host's simulated hypervisor runs and of what every device serves.
+Every process is started here and stopped by its PID.
 
-What "in use" means (issue 20): a VM uses the devices its live XML names (its vmlend metadata,
-or a plugged mdev hostdev: ``devices_in``) from the moment it runs (its live XML exists, which
-is after its prepare hook reserved them) or the device was hot-plugged, until its host has
-paused or stopped it, the device was unplugged and dropped from the metadata, or the lender
-has taken the device back from it (mappings cut, device reset). Two such VMs must never share
-a device. The take-back can only matter while a host's agent is frozen (SIGSTOP) or dead
-(kill -9): nothing on that host can pause anything then, so its VM runs on after its lease
-ended, and the promise rests on fencing. So an overlap is
-excused only if one of its VMs is on such a host (from the signal until the agent is back and
-has had ``GRACE`` seconds to pause) *and* the device's lender logged taking the device back from
-that VM before the sample (``confirm_excuses``). Every other overlap fails the test; excused
-ones are printed.
+Two promises (DESIGN, "Two promises, kept apart"), each checked at every sample:
+
+(a) *Hardware exclusivity*: a device serves only the borrow of its newest fencing token. The
+hosts share a lender register (``vmlend.sim.register``, ``$VMLEND_SIM_LENDERS``): each mdev
+creation, release, mdev removal and take-back tells the device's lender, with the fencing
+token, under the SmartIO driver's rules. ``LenderCheck`` reads it against the holds and fences
+in etcd: a device that serves a borrower under a token older than its newest, or a borrower
+its token was not issued to, fails the test, whatever the agents do.
+
+(b) *The guard*: a VM uses the devices its live XML names (its vmlend metadata, or a plugged
+mdev hostdev: ``devices_in``) from the moment it runs (its live XML exists, which is after its
+prepare hook reserved them) or the device was hot-plugged, until its host has paused or
+stopped it or the device was unplugged and dropped from the metadata. Two such VMs must never
+share a device, unless only fencing can help: while a host's agent is frozen (SIGSTOP) or dead
+(kill -9), nothing on that host can pause anything, so its VM runs on after its lease ended
+(the guard's budget exceeded). An overlap is excused only if each of its VMs that the device
+does not serve (the register, read around the sample) is on such a host (from the signal until
+the agent is back and has had ``GRACE`` seconds to pause), and the device serves at most one of
+the two. Every other overlap fails the test; excused ones are printed.
 """
 
 from __future__ import annotations
@@ -44,7 +51,11 @@ from vmlend.domain import DomainDocument, mdev_uuid, read_domain
 from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
 from vmlend.faults import FAULT_ENV
+from vmlend.registry import parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end, unb64
+from vmlend.registry.etcd_keys import Keys
 from vmlend.sim.hypervisor.node import SimHypervisor
+from vmlend.sim.register import LENDERS_ENV, LenderRegister, Serving, borrower_of
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 TTL = 2
@@ -166,7 +177,14 @@ class NHost:
         self.unguarded[-1][1] = time.monotonic() + GRACE
 
     def unguarded_at(self, t: float) -> bool:
-        return any(a is not None and a <= t and (b is None or t <= b) for a, b in self.unguarded)
+        return self.window_at(t) is not None
+
+    def window_at(self, t: float) -> int | None:
+        """Which of ``unguarded`` holds ``t`` (None: the agent could guard then)."""
+        for i, (a, b) in enumerate(self.unguarded):
+            if a is not None and a <= t and (b is None or t <= b):
+                return i
+        return None
 
     def stop_agent(self) -> None:
         agent = self.host.agent
@@ -188,6 +206,8 @@ class Cluster:
     members: list[EtcdServer]
     direct_url: str
     hosts: dict[str, NHost]
+    #: What each device serves, as its lender knows it: every host's processes write it.
+    lenders: LenderRegister
     #: Set by the test once the workload exists: the hook nemesis starts VMs of its own.
     work: Workload | None = None
 
@@ -204,12 +224,15 @@ def start_cluster(root: Path, cluster: str) -> Cluster:
     direct = f"etcd://{endpoints}/{cluster}"
     text, source = default_topology_text()
     init_fabric(direct, text, source)
+    lenders = LenderRegister(root / "lenders")
     hosts = {}
     for node in VMS:
         proxies = [TcpProxy(m.client_port) for m in members]
         url = f"etcd://{','.join(p.endpoint for p in proxies)}/{cluster}"
-        hosts[node] = NHost(Host(url, node, root / node), proxies)
-    return Cluster(members, direct, hosts)
+        host = Host(url, node, root / node)
+        host.extra_env[LENDERS_ENV] = str(lenders.directory)
+        hosts[node] = NHost(host, proxies)
+    return Cluster(members, direct, hosts, lenders)
 
 
 def define_vms(c: Cluster) -> None:
@@ -296,18 +319,31 @@ class Overlap:
     runs: tuple[Run, Run]
     #: The runs on a host whose agent was frozen or dead (or just back) at the sample.
     unguarded: tuple[Run, ...]
-    #: Set by ``confirm_excuses``: an unguarded run's device had been taken back from it.
-    excused: bool = False
+    #: The runs the device served (the lender register names them, read before or after).
+    served: tuple[Run, ...]
+    #: The device served at most one of the two, and each run it did not serve was unguarded:
+    #: only fencing could help, and it did (promise (a), not (b)).
+    excused: bool
+    #: Set by ``log_evidence`` for an excused overlap: whether the lender's log also says it
+    #: took the device back from each unserved run before the sample (a cross-check).
+    logged: bool | None = None
 
     def describe(self) -> str:
         ms = int(self.wall % 1 * 1000)
         stamp = time.strftime("%H:%M:%S", time.gmtime(self.wall)) + f".{ms:03d}Z"
         a, b = (f"{n}/{v} (id {i})" for n, v, i in self.runs)
-        kind = (
-            "excused (its agent was frozen or dead, and the lender had taken the device back)"
-            if self.excused
-            else "OVERLAP"
-        )
+        if self.excused:
+            served = ", ".join(f"{n}/{v}" for n, v, _i in self.served) or "neither"
+            kind = (
+                f"excused (a guard out of its budget, and the device served {served}"
+                + {
+                    True: "; the lender's log took it back from the other first)",
+                    False: "; the lender's log has no take-back from the other before it)",
+                    None: ")",
+                }[self.logged]
+            )
+        else:
+            kind = "OVERLAP"
         return f"{stamp} {kind}: device {self.fdid:#x} in use by {a} and by {b}"
 
 
@@ -324,22 +360,138 @@ def taken_back(c: Cluster) -> dict[tuple[int, str], list[float]]:
     return out
 
 
-def confirm_excuses(c: Cluster, overlaps: list[Overlap]) -> None:
-    """An overlap with a run on an unguarded host is excused only if the lender had taken the
-    device back from that run before the sample: then its mappings were cut (issue 20: a VM
-    uses a device "until ... the lender has taken the device back")."""
+def log_evidence(c: Cluster, overlaps: list[Overlap]) -> None:
+    """For each excused overlap, whether the lenders' logs agree with the register: a
+    take-back of the device from each run it did not serve, logged before the sample. Said,
+    not judged: a run whose mdev was removed (a frozen release) is not served without any
+    take-back."""
     back = taken_back(c)
     for o in overlaps:
-        o.excused = any(
-            t <= o.wall for n, v, _i in o.unguarded for t in back.get((o.fdid, f"{n}/{v}"), [])
-        )
+        if o.excused:
+            o.logged = all(
+                any(t <= o.wall for t in back.get((o.fdid, f"{n}/{v}"), []))
+                for n, v, i in o.runs
+                if (n, v, i) not in o.served
+            )
+
+
+class LenderCheck:
+    """Promise (a), hardware exclusivity, at every sample: every device serves only the borrow
+    of its newest fencing token. The lender register (``vmlend.sim.register``: what each device
+    serves, written by the hosts' processes under the SmartIO driver's rules) is read against
+    the holds and fences in etcd, read directly: a hold's token is its key's creation revision,
+    and its fence, made in the same transaction, has the same (and outlives it until the lender
+    took the device back). The reads are serializable (a member without quorum answers with
+    what it has): an older view only lowers ``newest``, so it never accuses wrongly.
+
+    ``newest[fdid]``: the newest token the device is known to have been issued (the largest
+    hold or fence token seen so far; tokens only grow). A register naming a borrower under an
+    older token serves an ended hold after a newer one was issued; one naming a borrower the
+    token was not issued to serves somebody else's hold. Either is a violation."""
+
+    def __init__(self, c: Cluster) -> None:
+        loc = parse_location(c.direct_url)
+        self.register = c.lenders
+        self._gw = EtcdGateway(loc.endpoints, timeout=0.5)
+        self._keys = Keys(loc.cluster)
+        self.newest: dict[int, int] = {}
+        #: (fdid, token) -> the borrower ("node/vm") the token was issued to
+        self._owners: dict[tuple[int, int], str] = {}
+        #: (wall, fdid, token, borrower) whose token was never seen in a read (a hold that
+        #: lived between two samples): its owner is looked up at the end
+        self._pending: list[tuple[float, int, int, str]] = []
+        self.violations: list[str] = []
+        #: when each violation was seen (wall clock)
+        self.violated_at: list[float] = []
+        self._said: set[tuple[int, int, str]] = set()
+        self.checked = 0
+        #: samples whose etcd read failed (the bound of the sample before stood)
+        self.unread = 0
+
+    def close(self) -> None:
+        self._gw.close()
+
+    def read_etcd(self) -> None:
+        ops = [
+            {
+                "request_range": {
+                    "key": b64(prefix),
+                    "range_end": b64(prefix_end(prefix)),
+                    "serializable": True,
+                }
+            }
+            for prefix in (self._keys.holds, self._keys.fences)
+        ]
+        try:
+            answer = self._gw.call("kv/txn", {"compare": [], "success": ops, "failure": []})
+        except VmlendError:
+            self.unread += 1
+            return
+        for resp in answer.get("responses", []):
+            for kv in resp.get("response_range", {}).get("kvs", []):
+                d = json.loads(unb64(kv["value"]))
+                fdid, token = int(d["fdid"]), int(kv["create_revision"])
+                self._owners[(fdid, token)] = borrower_of(d["node"], d["vm"])
+                self.newest[fdid] = max(self.newest.get(fdid, 0), token)
+
+    def check(self, serving: dict[int, Serving], wall: float) -> None:
+        """One read of the register (``serving``), made after the last ``read_etcd``."""
+        self.checked += 1
+        for fdid, s in serving.items():
+            if not s.borrower:
+                continue
+            newest = self.newest.get(fdid, 0)
+            if s.token < newest:
+                who = self._owners.get((fdid, newest), "?")
+                self._violate(
+                    wall,
+                    fdid,
+                    s,
+                    f"serves {s.borrower} under token {s.token}, older than its newest,"
+                    f" {newest} ({who}'s)",
+                )
+            owner = self._owners.get((fdid, s.token))
+            if owner is None:
+                self._pending.append((wall, fdid, s.token, s.borrower))
+            elif owner != s.borrower:
+                self._violate(
+                    wall, fdid, s, f"serves {s.borrower} under token {s.token}, issued to {owner}"
+                )
+
+    def finish(self) -> None:
+        """Look up the owners of the tokens no read saw (etcd at the token's revision)."""
+        for wall, fdid, token, borrower in self._pending:
+            if (fdid, token) not in self._owners:
+                _rev, kvs = self._gw.range(self._keys.fence(fdid), revision=token)
+                for kv in kvs:
+                    if kv.create_revision == token:
+                        d = json.loads(kv.value)
+                        self._owners[(fdid, token)] = borrower_of(d["node"], d["vm"])
+            owner = self._owners.get((fdid, token))
+            if owner != borrower:
+                s = Serving(fdid, token, borrower)
+                self._violate(
+                    wall, fdid, s, f"serves {borrower} under token {token}, issued to {owner}"
+                )
+        self._pending.clear()
+
+    def _violate(self, wall: float, fdid: int, s: Serving, what: str) -> None:
+        if (fdid, s.token, s.borrower) in self._said:
+            return
+        self._said.add((fdid, s.token, s.borrower))
+        ms = int(wall % 1 * 1000)
+        stamp = time.strftime("%H:%M:%S", time.gmtime(wall)) + f".{ms:03d}Z"
+        self.violations.append(f"{stamp} promise (a): device {fdid:#x} {what}")
+        self.violated_at.append(wall)
 
 
 class Sampler:
-    """Every ``period`` s: which running, unpaused VMs use which device, on every host. A pair
-    counts only if both VMs are seen in use in two passes over all hosts (the files are read
-    one after the other, so one pass is not a snapshot; a run seen in use in both passes, with a
-    read of the other host in between, was in use at that read)."""
+    """Every ``period`` s: which running, unpaused VMs use which device, on every host, and
+    what each device serves. A pair counts only if both VMs are seen in use in two passes over
+    all hosts (the files are read one after the other, so one pass is not a snapshot; a run
+    seen in use in both passes, with a read of the other host in between, was in use at that
+    read). The lender register is read before the first pass and after the second: a run
+    counts as served if either read names it (``LenderCheck`` checks both reads)."""
 
     def __init__(self, c: Cluster, period: float = 0.1) -> None:
         self.c = c
@@ -347,6 +499,11 @@ class Sampler:
         self.samples = 0
         self.overlaps: list[Overlap] = []
         self.errors: list[str] = []
+        self.lender = LenderCheck(c)
+        #: Samples taken while some host's guard was out of its budget (its agent frozen,
+        #: dead or just back), and how many in each of those windows: (node, index).
+        self.unguarded_samples = 0
+        self.in_window: Counter[tuple[str, int]] = Counter()
         self._seen: set[tuple[int, Run, Run, bool]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
@@ -358,11 +515,24 @@ class Sampler:
         self._stop.set()
         self._thread.join(30)
 
+    def close(self) -> None:
+        self.lender.close()
+
     def sample(self) -> None:
         hosts = list(self.c.hosts.values())
+        self.lender.read_etcd()
+        before = self.c.lenders.all()
         first = [in_use(h) for h in hosts]
         mono, wall = time.monotonic(), time.time()
         second = [in_use(h) for h in hosts]
+        after = self.c.lenders.all()
+        self.lender.check(before, wall)
+        self.lender.check(after, wall)
+        windows = [(h.node, h.window_at(mono)) for h in hosts]
+        out = [(node, i) for node, i in windows if i is not None]
+        if out:
+            self.unguarded_samples += 1
+            self.in_window.update(out)
         runs: dict[Run, frozenset[int]] = {}
         for a, b in zip(first, second, strict=True):
             for run, fdids in a.items():
@@ -373,15 +543,21 @@ class Sampler:
             for fdid in fdids:
                 users.setdefault(fdid, []).append(run)
         for fdid, who in users.items():
+            named = {s.borrower for s in (before.get(fdid), after.get(fdid)) if s is not None}
             for i, x in enumerate(who):
                 for y in who[i + 1 :]:
                     unguarded = tuple(r for r in (x, y) if self.c.host(r[0]).unguarded_at(mono))
+                    served = tuple(r for r in (x, y) if borrower_of(r[0], r[1]) in named)
+                    excused = len(served) <= 1 and all(
+                        r in unguarded for r in (x, y) if r not in served
+                    )
                     # once more when it outlasts its excuse: a host back on guard must end it
-                    key = (fdid, x, y, bool(unguarded))
+                    key = (fdid, x, y, excused)
                     if key in self._seen:
                         continue
                     self._seen.add(key)
-                    self.overlaps.append(Overlap(wall, mono, fdid, (x, y), unguarded))
+                    o = Overlap(wall, mono, fdid, (x, y), unguarded, served, excused)
+                    self.overlaps.append(o)
         self.samples += 1
 
     def _run(self) -> None:
