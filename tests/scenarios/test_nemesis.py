@@ -45,6 +45,7 @@ from tests.support.nemesis import (
     Workload,
     define_vms,
     in_use,
+    keep_logs,
     live_devices,
     log_evidence,
     seed_from_env,
@@ -62,6 +63,8 @@ assert set(ONLY) <= set(NEMESES), f"VMLEND_NEMESIS_ONLY: not in {sorted(NEMESES)
 ROUNDS = int(os.environ.get("VMLEND_NEMESIS_ROUNDS") or len(ONLY or NEMESES))
 #: Between two faults: time for the workload to run on a healthy cluster.
 CALM = 2.0
+#: ``VMLEND_NEMESIS_KEEP=1``: keep the logs (``keep_logs``) of a run that passes too.
+KEEP = bool(os.environ.get("VMLEND_NEMESIS_KEEP"))
 
 
 def _say(line: str) -> None:
@@ -169,6 +172,15 @@ def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> No
         bad = [x for x in work.calls if x.returncode != 0 and len(x.stderr.splitlines()) != 1]
         assert not bad, "\n".join(f"{x.node}: {' '.join(x.argv)}: {x.stderr!r}" for x in bad)
         check_never_two_holders(history(c.direct_url))
+        if KEEP:
+            _say(f"logs kept in {keep_logs(c, f'seed-{SEED}')}")
+    except BaseException as e:
+        # The agents' logs are the only record of what they did: kept out of pytest's
+        # temporary directory, which later runs remove.
+        kept = keep_logs(c, f"seed-{SEED}")
+        _say(f"FAILED: every host's agent.log and the etcd members' logs are in {kept}")
+        e.add_note(f"nemesis seed {SEED}: every host's agent.log and the etcd logs: {kept}")
+        raise
     finally:
         sampler.stop()
         sampler.close()

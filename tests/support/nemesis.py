@@ -46,6 +46,7 @@ from pathlib import Path
 
 from tests.support.cluster_hosts import VMLEND, Host, domain_xml, stopped_children
 from tests.support.etcd_daemon import EtcdServer, start_members
+from tests.support.paths import REPO
 from tests.support.tcp_proxy import TcpProxy
 from vmlend.domain import DomainDocument, mdev_uuid, read_domain
 from vmlend.domain.model import DomainXML
@@ -256,6 +257,31 @@ def stop_cluster(c: Cluster) -> None:
             p.close()
     for m in c.members:
         m.stop()
+
+
+def keep_logs(c: Cluster, name: str, etcd_lines: int = 400) -> Path:
+    """Copy what a failed run needs read to ``build/nemesis/NAME-TIME/`` in the repository
+    (gitignored), out of pytest's temporary directory, which later runs remove: every host's
+    agent.log and hook.log, the last ``etcd_lines`` lines of each etcd member's log, and what
+    the lender register says now and its history. The directory."""
+    out = REPO / "build" / "nemesis" / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    out.mkdir(parents=True, exist_ok=True)
+    for h in c.hosts.values():
+        for log in ("agent.log", "hook.log"):
+            src = h.host.root / log
+            if src.exists():
+                (out / f"{h.node}-{log}").write_bytes(src.read_bytes())
+    for m in c.members:
+        src = m.root / "etcd.log"
+        if src.exists():
+            tail = src.read_text(errors="replace").splitlines()[-etcd_lines:]
+            (out / f"etcd-{m.name}.log").write_text("\n".join(tail) + "\n")
+    serving = {f"{f:#x}": [s.token, s.borrower] for f, s in c.lenders.all().items()}
+    (out / "lenders.json").write_text(json.dumps(serving, indent=1) + "\n")
+    history = c.lenders.directory / "history.log"
+    if history.exists():
+        (out / "lenders-history.log").write_bytes(history.read_bytes())
+    return out
 
 
 # --- what runs --------------------------------------------------------------------------------
