@@ -1122,15 +1122,8 @@ def _hold_frozen(
         if after_start_up:
             restart.join(WAIT)
         time.sleep(0.5)
-    while proc.poll() is None:  # a later device stops it again: let that one go at once
-        for pid in _stopped(proc.pid):
-            os.kill(pid, signal.SIGCONT)
-        time.sleep(0.05)
-    _out, err = proc.communicate()
-    took = time.monotonic() - frozen.t0
-    done = CliCall(node, frozen.argv, proc.returncode, err, took, frozen.wall)
-    work.record(done)
-    said = f": {err.strip()}" if done.returncode else ""
+    done = _let_go(h, work, frozen)
+    said = f": {done.stderr.strip()}" if done.returncode else ""
     say(f"{who} went on: {done.describe()}{said}")
     if restart is not None:
         restart.join(WAIT)
@@ -1138,6 +1131,21 @@ def _hold_frozen(
         if failed:
             raise failed[0]
         h.close_window()
+
+
+def _let_go(h: NHost, work: Workload, frozen: Frozen) -> CliCall:
+    """SIGCONT the frozen call, and any later stop of it (a later device stops the hook
+    again), until it ends; the call, recorded."""
+    proc = frozen.proc
+    while proc.poll() is None:
+        for pid in _stopped(proc.pid):
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+    _out, err = proc.communicate()
+    took = time.monotonic() - frozen.t0
+    done = CliCall(h.node, frozen.argv, proc.returncode, err, took, frozen.wall)
+    work.record(done)
+    return done
 
 
 def _free_up(c: Cluster, fdid: int, deadline: float, say: Say) -> None:
@@ -1401,6 +1409,84 @@ def freeze_hook_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> None
     freeze_hook(c, rng, say, kill=True)
 
 
+#: A lease blip: a cut longer than TTL/2 (the lease comes in doubt, and the guard pauses) and
+#: shorter than the TTL. The keepalive sends every TTL/5, so the last renewal answered before
+#: the cut was sent at most TTL/5 before it: the lease is in doubt at most TTL/2 after the cut,
+#: and etcd ends it no earlier than TTL - TTL/5 after it (a renewal in flight is relayed at the
+#: heal: the lease is usually kept, and a loss is handled like any other).
+BLIP = 0.65 * TTL
+
+
+def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
+    """A hook hung mid-prepare and a lease blip on the same host (issue 35, defect B). One VM
+    is started with its prepare hook run in its own process and
+    ``VMLEND_FAULT=prepare:after-device=STOP`` (as ``freeze_hook``): the hook stops once it
+    holds a device, holding its domain, so every listing of the host's domains waits for it.
+    Meanwhile another VM of the host is started, its prepare served by the agent, which
+    announces it to the guard (the census's listing cannot see it). Then the host is cut off
+    from etcd for ``BLIP`` s and healed, and the hook let go. The second VM must have been
+    paused during the blip (its log: ``VM <name>: running -> paused``) and run again after it;
+    the sampler checks that no device was in two VMs meanwhile."""
+    work = c.work
+    assert work is not None
+    node = rng.choice(sorted(VMS))
+    h = c.host(node)
+    hung, other = rng.sample(sorted(VMS[node]), 2)
+    paused = h.hv_dir() / "paused" / f"{other}.xml"
+    with ExitStack() as held:
+        for vm in (hung, other):
+            held.enter_context(work.claim(node, vm))
+        for fdid in sorted({*VMS[node][hung], *VMS[node][other]}):
+            held.enter_context(work.keep_off(fdid))  # no other VM of the workload takes them
+        deadline = time.monotonic() + WAIT
+        for vm in (hung, other):
+            if live_devices(h, vm) is not None:
+                work.call(h, "vm", "destroy", vm)
+        start = ("vm", "start", hung)
+        while True:
+            _free_up(c, VMS[node][hung][0], deadline, say)
+            if (frozen := _start_frozen(h, start, "prepare:after-device", work)) is not None:
+                break
+            last = work.calls[-1] if work.calls else None
+            assert time.monotonic() < deadline, f"the hook of {node}/{hung} never froze: {last}"
+        try:
+            say(
+                f"SIGSTOP the hook of {node}/{hung} mid-prepare (pid {frozen.hook});"
+                f" start {other} meanwhile"
+            )
+            offset = h.log_size()
+            while live_devices(h, other) is None:
+                for fdid in VMS[node][other]:
+                    _free_up(c, fdid, deadline, say)
+                work.call(h, "vm", "start", other)
+                assert time.monotonic() < deadline, f"{node}/{other} never started"
+            # its worker has seen it run (announced by its prepare hook, then looked at)
+            seen = re.compile(rf"vmlend: VM {other}: (?:starting -> running|guarded \(running\))")
+            while not seen.search(h.log_since(offset)):
+                late = time.monotonic() > deadline
+                assert not late, f"{node}'s guard never saw {other} run:\n{h.log_since(offset)}"
+                time.sleep(0.05)
+            lease = h.host.published_lease()
+            say(f"{node}/{other} runs; cut {node} off from etcd for {BLIP:g} s (a lease blip)")
+            for p in h.proxies:
+                p.cut()
+            time.sleep(BLIP)
+            for p in h.proxies:
+                p.heal()
+            while paused.exists() and live_devices(h, other) is not None:
+                assert time.monotonic() < deadline, f"{node}/{other} stayed paused after the blip"
+                time.sleep(0.05)
+        finally:
+            done = _let_go(h, work, frozen)
+        said = f": {done.stderr.strip()}" if done.returncode else ""
+        kept = "kept" if h.host.published_lease() == lease else "lost"
+        say(f"healed ({node} {kept} its lease); the hook went on: {done.describe()}{said}")
+        log = h.log_since(offset)
+        pauses = re.findall(rf"vmlend: VM {other}: running -> paused: [^\n]*", log)
+        assert pauses, f"{node}'s guard did not pause {other} during the lease blip:\n{log}"
+        say(f"{node}'s guard paused {other}: {pauses[0].removeprefix('vmlend: ')}")
+
+
 #: Every nemesis, by name. The CI's fixed seed runs each once (a shuffled list of them all).
 NEMESES: dict[str, Nemesis] = {
     "kill": kill_agent,
@@ -1415,6 +1501,7 @@ NEMESES: dict[str, Nemesis] = {
     "stall": stall_domain,
     # combined
     "hook+kill-late": freeze_hook_and_kill_agent,
+    "hook+blip": freeze_hook_and_blip,
     "release+kill-late": freeze_release_and_kill_agent,
     "attach+kill-late": freeze_attach_and_kill_agent,
     "cut+kill-paused": cut_and_kill_paused,
