@@ -1038,6 +1038,11 @@ def _hot_add_elsewhere(c: Cluster, node: str, fdid: int, say: Say) -> None:
     assert work is not None
     deadline = time.monotonic() + TTL + WAIT / 3
     while not _free(c, fdid):
+        with open_fabric(c.direct_url, "alpha" if fdid < 0x20 else "beta") as f:
+            holder = f.device(fdid).holder
+        if holder is not None and holder.node != node:  # the workload was first: done
+            say(f"{fdid:#x} taken back; {holder.node}/{holder.vm} holds it now (the workload)")
+            return
         if time.monotonic() > deadline:
             say(f"{fdid:#x} was not taken back in time; no other VM takes it")
             return
