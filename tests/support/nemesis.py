@@ -1317,19 +1317,25 @@ def stall_domain(c: Cluster, rng: random.Random, say: Say) -> None:
 def _start_with_devices(
     c: Cluster, h: NHost, vms: tuple[str, ...], deadline: float, say: Say
 ) -> None:
-    """Make each of ``vms`` run, unpaused, with devices: started (a VM of another host that
-    holds one of its devices destroyed first), or restarted if it runs without any."""
+    """Make each of ``vms`` run, unpaused, with devices: started (a VM that holds one of its
+    devices destroyed first), or restarted if it runs without any. Until all of them do: the
+    VM holding a device the next one wants may be one of them (it hot-added it)."""
     work = c.work
     assert work is not None
     paused_dir = h.hv_dir() / "paused"
-    for x in vms:
-        while not live_devices(h, x) or (paused_dir / f"{x}.xml").exists():
-            if live_devices(h, x) is not None:  # without devices (hot-removed) or paused
-                work.call(h, "vm", "destroy", x)
-            for wanted in VMS[h.node][x]:
-                _free_up(c, wanted, deadline, say)
-            work.call(h, "vm", "start", x)
-            assert time.monotonic() < deadline, f"{h.node}/{x} never ran with its devices"
+
+    def ready(x: str) -> bool:
+        return bool(live_devices(h, x)) and not (paused_dir / f"{x}.xml").exists()
+
+    while not all(ready(x) for x in vms):
+        for x in vms:
+            while not ready(x):
+                if live_devices(h, x) is not None:  # without devices (hot-removed) or paused
+                    work.call(h, "vm", "destroy", x)
+                for wanted in VMS[h.node][x]:
+                    _free_up(c, wanted, deadline, say)
+                work.call(h, "vm", "start", x)
+                assert time.monotonic() < deadline, f"{h.node}/{x} never ran with its devices"
 
 
 def _not_held(c: Cluster, h: NHost, vm: str) -> list[str]:
