@@ -1481,7 +1481,12 @@ def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
             say(f"{node}/{other} runs; cut {node} off from etcd for {BLIP:g} s (a lease blip)")
             for p in h.proxies:
                 p.cut()
-            time.sleep(BLIP)
+            cut = time.monotonic()
+            paused_after = None  # seen paused, seconds after the cut
+            while (since := time.monotonic() - cut) < BLIP:
+                if paused_after is None and paused.exists():
+                    paused_after = since
+                time.sleep(0.02)
             for p in h.proxies:
                 p.heal()
             while paused.exists() and live_devices(h, other) is not None:
@@ -1494,8 +1499,15 @@ def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
         say(f"healed ({node} {kept} its lease); the hook went on: {done.describe()}{said}")
         log = h.log_since(offset)
         pauses = re.findall(rf"vmlend: VM {other}: running -> paused: [^\n]*", log)
-        assert pauses, f"{node}'s guard did not pause {other} during the lease blip:\n{log}"
-        say(f"{node}'s guard paused {other}: {pauses[0].removeprefix('vmlend: ')}")
+        assert paused_after is not None and pauses, (
+            f"{node}'s guard did not pause {other} during the lease blip (paused"
+            f" {'never' if paused_after is None else f'{paused_after:.2f} s after the cut'}):"
+            f"\n{log}"
+        )
+        say(
+            f"{node}'s guard paused {other} {paused_after:.2f} s after the cut:"
+            f" {pauses[0].removeprefix('vmlend: ')}"
+        )
 
 
 #: Every nemesis, by name. The CI's fixed seed runs each once (a shuffled list of them all).
