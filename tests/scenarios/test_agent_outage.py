@@ -364,8 +364,8 @@ def test_a_hook_frozen_mid_prepare_past_its_lease_does_not_start_the_vm_on_a_los
     env = {
         **gamma.env,
         FAULT_ENV: "prepare:after-device=STOP",
-        # the hook runs its prepare in its own process (no agent socket), so it is what freezes
-        "VMLEND_HOOK_SOCKET": str(gamma.root / "no-agent.sock"),
+        # the fault is part of the hook's identity, so the agent answers "not mine" and the
+        # hook runs its prepare in its own process: it is what freezes
     }
     start = subprocess.Popen(
         [VMLEND, "-c", "sim:///gamma", "vm", "start", "web"],

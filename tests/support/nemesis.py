@@ -1193,13 +1193,10 @@ def _stopped(pid: int) -> list[int]:
 
 def _start_frozen(h: NHost, argv: tuple[str, ...], point: str, work: Workload) -> Frozen | None:
     """``vmlend argv`` on ``h`` that stops itself at the fault point ``point``: in its hook,
-    run in a process of its own (no agent socket), or in the call itself (an attach); None
-    when the call ended first (recorded)."""
-    env = {
-        **h.env(),
-        FAULT_ENV: f"{point}=STOP",
-        "VMLEND_HOOK_SOCKET": str(h.host.root / "no-agent.sock"),
-    }
+    run in a process of its own (the fault makes its identity differ from the agent's, which so
+    answers "not mine"), or in the call itself (an attach); None when the call ended first
+    (recorded)."""
+    env = {**h.env(), FAULT_ENV: f"{point}=STOP"}
     wall, t0 = time.time(), time.monotonic()
     proc = subprocess.Popen(
         [VMLEND, "-c", f"sim:///{h.node}", *argv],

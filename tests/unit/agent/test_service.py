@@ -262,7 +262,10 @@ def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_o
     """Issue 35, point 3: after a lost lease one domain's hypervisor calls hang. The host takes
     a new lease at once and the other VM wins its device back and runs; the hung one is
     reported, and recovered once its hypervisor answers."""
+    import os
+
     from vmlend.agent.service import Agent, AgentConfig
+    from vmlend.hook.server import HookServer, identity_of
     from vmlend.hostenv import HostEnv
     from vmlend.registry import hostlease
 
@@ -283,6 +286,10 @@ def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_o
             interval=0.1,
             hypervisor=lambda: hung.hv,
             host=HostEnv(gamma.root),
+            # the hook of every start finds this agent alive, so it must be served here
+            hook_server=HookServer(
+                hostlease.hook_socket_path(HostEnv(gamma.root)), identity_of(os.environ)
+            ),
         )
     )
     thread = threading.Thread(target=agent.run, daemon=True)
