@@ -206,6 +206,12 @@ def _serve(
             " those need a cluster registry, --registry etcd://HOST:PORT/CLUSTER)",
             obj.location,
         )
+        from vmlend.agent.identity import HostLock
+
+        # The hook asks this lock whether the agent lives: while it does, no hook runs a call
+        # beside it (two writers of one host), on SQLite as on etcd.
+        lock = HostLock.of(host)
+        lock.acquire()
         metrics.follow(
             open_fabric=lambda: obj.fabric(read_only=True),
             health=lambda: (True, f"serving the hook on {server.path} (SQLite: no lease)"),
@@ -220,6 +226,7 @@ def _serve(
         finally:
             notifier.stopping("stopping")
             server.stop()
+            lock.release()
         return
     uri = uri or obj.uri  # its own -c wins over the global one
     hv = (lambda: open_hv(obj, uri)) if uri else None

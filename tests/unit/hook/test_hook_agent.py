@@ -529,14 +529,17 @@ def test_seventy_idle_peers_never_make_the_hook_run_beside_a_live_agent(etcd_url
         host.stop_agent()
 
 
-def test_a_live_agent_whose_socket_is_gone_fails_the_hook_in_one_line(etcd_url, tmp_path):
+@pytest.mark.parametrize("on", ["etcd", "sqlite"])
+def test_a_live_agent_whose_socket_is_gone_fails_the_hook_in_one_line(on, request, tmp_path):
     """The agent lives (it holds the host's agent lock) but its socket is gone: the hook used
     to run the call in-process beside it. Now it waits (bounded by its timeout) for the socket,
-    then fails the operation with one line, nothing done."""
-    make_fabric(etcd_url).close()
-    host = Host(tmp_path / "gamma", registry=etcd_url)
+    then fails the operation with one line, nothing done. On SQLite too: the agent that only
+    serves the hook holds the lock as well."""
+    registry = request.getfixturevalue("etcd_url") if on == "etcd" else None
+    host = Host(tmp_path / "gamma", registry=registry)
+    make_fabric(registry or host.state).close()
     try:
-        host.start_agent("--ttl", "10", "--interval", "0.2")
+        host.start_agent(*(("--ttl", "10", "--interval", "0.2") if registry else ()))
         host.socket.unlink()  # the agent lives on; nobody can reach it
         started = time.monotonic()
         res = host.hook_run("prepare", vm_xml(fdids=(0x10,)), VMLEND_HOOK_TIMEOUT="2")
