@@ -43,19 +43,20 @@ lint: venv
 test: venv lint
 	$(PY) -m pytest -q --durations=25
 
-# The kernel tier (docs/testing.md): Debian's 6.1 kernel with VFIO, the mdev core and the
-# kernel's mtty sample parent, booted under QEMU (TCG) with an emulated IOMMU; tests/kernel runs
-# inside it against the real sysfs. Downloads and builds are cached under $(KERNEL_BUILD).
+# The kernel tier (docs/testing.md): Debian's 6.1 kernel with VFIO, the mdev core and a stand-in
+# for the SmartIO driver (kernel-tier/smartio_stub.c, the kernel's mtty sample as its mdev
+# parent), booted under QEMU (TCG) with an emulated IOMMU; tests/kernel runs inside it against
+# the real sysfs. Downloads and builds are cached under $(KERNEL_BUILD).
 KERNEL_BUILD ?= build/kernel
 KERNEL_TESTS ?= tests/kernel
-KERNEL_APT_PKGS := gcc-12 make libc6-dev file qemu-system-x86
+KERNEL_APT_PKGS := gcc-12 make libc6-dev file patch qemu-system-x86
 test-kernel: venv
 	@missing=$$(for p in $(KERNEL_APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:" $$missing; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
-	bash kernel-tier/run.sh $(KERNEL_BUILD) -q -m kernel $(KERNEL_TESTS)
+	bash kernel-tier/run.sh $(KERNEL_BUILD) -q -m kernel --durations=8 $(KERNEL_TESTS)
 
 # The tests that start no daemon (etcd, libvirtd, QEMU, the agent) and signal no process
 # (tests/support/daemon_marks.py keeps the 'daemon' mark honest), and are not 'slow'.

@@ -1,21 +1,38 @@
 #!/bin/sh
-# Build the kernel's mtty sample mdev parent (samples/vfio-mdev/mtty.c from linux-source-6.1)
-# out of tree against the linux-headers of the SAME Debian version as the image.
-# Usage: build-module.sh BUILD_DIR      (after fetch.sh; writes BUILD_DIR/module/mtty.ko)
+# Build the two modules that stand in for the SmartIO driver, out of tree against the
+# linux-headers of the SAME Debian version as the image:
+#   smartio.ko       kernel-tier/smartio_stub.c: class/smartio, the contract's attributes
+#   smartio_mdev.ko  the kernel's mtty sample (samples/vfio-mdev/mtty.c from linux-source-6.1)
+#                    with kernel-tier/smartio_mdev.patch: the mdev parent of the stub's devices
+# Usage: build-module.sh BUILD_DIR      (after fetch.sh; writes BUILD_DIR/module/*.ko)
 set -eu
 B=$(cd "${1:?build dir}" && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
 . "$B/env"
 H="$B/root/usr/src/linux-headers-$KREL"
 M="$B/module"
-if [ -f "$M/mtty.ko" ] && [ "$M/mtty.ko" -nt "$B/.fetched" ]; then
-  echo "module: cached ($M/mtty.ko)"; exit 0
+SOURCES="$HERE/smartio_stub.c $HERE/smartio_stub.h $HERE/smartio_mdev.patch"
+# Rebuilt when the sources or the fetched tree change (the stamp names the sources' hash).
+STAMP=$(cat $SOURCES | sha256sum | cut -c1-16)
+if [ -f "$M/smartio.ko" ] && [ -f "$M/smartio_mdev.ko" ] && [ "$M/smartio.ko" -nt "$B/.fetched" ] &&
+   [ "$(cat "$M/stamp" 2>/dev/null)" = "$STAMP" ]; then
+  echo "module: cached ($M/smartio.ko, $M/smartio_mdev.ko)"; exit 0
 fi
 # The headers' Makefile includes the -common tree by its installed absolute path: point it at
 # the unpacked copy (everything else in the tree is linked relatively).
 sed -i "s|^include /usr/src/|include $B/root/usr/src/|" "$H/Makefile"
 rm -rf "$M" && mkdir -p "$M"
-cp "$B"/linux-source-6.1/samples/vfio-mdev/mtty.c "$M/"
-echo 'obj-m := mtty.o' > "$M/Kbuild"
-make -s -C "$H" M="$M" -j2 modules 2>&1 | grep -v "Skipping BTF" || true
-tr "\\0" "\\n" < "$M/mtty.ko" | grep -q "^vermagic=$KREL " || { rm -f "$M/mtty.ko"; echo "module: wrong vermagic" >&2; exit 1; }
-echo "module: built $M/mtty.ko for $KREL"
+cp "$HERE/smartio_stub.c" "$HERE/smartio_stub.h" "$M/"
+cp "$B"/linux-source-6.1/samples/vfio-mdev/mtty.c "$M/smartio_mdev.c"
+# A patch, not a sed: it fails loudly where the sample changed instead of matching nothing.
+patch -s --no-backup-if-mismatch "$M/smartio_mdev.c" "$HERE/smartio_mdev.patch"
+printf 'obj-m := smartio.o smartio_mdev.o\nsmartio-y := smartio_stub.o\n' > "$M/Kbuild"
+# Warnings are errors: the stub and the patch must build clean against these headers.
+make -s -C "$H" M="$M" KCFLAGS=-Werror -j2 modules 2>&1 | grep -v "Skipping BTF" || true
+for ko in smartio smartio_mdev; do
+  [ -f "$M/$ko.ko" ] || { echo "module: $ko.ko was not built" >&2; exit 1; }
+  tr "\\0" "\\n" < "$M/$ko.ko" | grep -q "^vermagic=$KREL " ||
+    { rm -f "$M/$ko.ko"; echo "module: $ko.ko has the wrong vermagic" >&2; exit 1; }
+done
+echo "$STAMP" > "$M/stamp"
+echo "module: built $M/smartio.ko and $M/smartio_mdev.ko for $KREL"

@@ -1,6 +1,7 @@
 #!/bin/busybox sh
-# PID 1 of the test guest: mount what the tests need, load the VFIO/mdev stack and the mtty
-# parent, run pytest against the real sysfs, print the result between markers on the serial
+# PID 1 of the test guest: mount what the tests need, load the VFIO/mdev stack and the SmartIO
+# stand-in (smartio: the contract's sysfs; smartio_mdev: mtty renamed, the mdev parent of its
+# devices), run pytest against the real sysfs, print the result between markers on the serial
 # console (the host's boot.sh reads them), power off.
 /bin/busybox --install -s /bin
 export PATH=/bin:/sbin:/usr/bin HOME=/root
@@ -11,13 +12,18 @@ mkdir -p /dev/pts /dev/shm && mount -t devpts devpts /dev/pts && mount -t tmpfs 
 # /tmp stays the initramfs' own (writable): a tmpfs over it would hide a checkout under /tmp
 mkdir -p /tmp && chmod 1777 /tmp
 mount -t tmpfs tmpfs /run
+# the SmartIO stand-in's control (smartio/ctl: what the rest of the fabric does)
+mount -t debugfs debugfs /sys/kernel/debug
 . /kernel-tier.env
 say() { echo "kernel-tier: $*"; }
 fail=0
-for m in vfio vfio_iommu_type1 mdev mtty; do
-  insmod /lib/modules/vmlend/$m.ko || { say "insmod $m failed"; fail=1; }
+for m in vfio vfio_iommu_type1 mdev smartio smartio_mdev; do
+  args=
+  [ $m = smartio ] && args=node_id=12   # gamma, where the default topology's VMs borrow
+  # shellcheck disable=SC2086  # no arguments, or one word
+  insmod /lib/modules/vmlend/$m.ko $args || { say "insmod $m failed"; fail=1; }
 done
-say "iommu groups: $(ls /sys/kernel/iommu_groups | wc -l); mdev parents: $(ls /sys/class/mdev_bus 2>/dev/null | tr '\n' ' ')"
+say "iommu groups: $(ls /sys/kernel/iommu_groups | wc -l); smartio node $(cat /sys/class/smartio/node_id 2>/dev/null)"
 if [ $fail = 0 ]; then
   cd "$REPO"
   export PATH="$VENV/bin:$PATH" VMLEND_ROOT=/ VMLEND_KERNEL_GUEST=1 PYTHONDONTWRITEBYTECODE=1

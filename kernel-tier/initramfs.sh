@@ -1,6 +1,6 @@
 #!/bin/bash
 # Build the guest's initramfs in two archives the kernel unpacks one after the other:
-#   base.cpio  busybox, the four modules, Python 3.11 with the project's venv (pre-compiled),
+#   base.cpio  busybox, the five modules, Python 3.11 with the project's venv (pre-compiled),
 #              the shared libraries they load, an ld.so.cache: rebuilt only when an input changes;
 #   src.cpio   the worktree's vmlend/ tests/ ... (bytecode compiled on the host) and /init:
 #              rebuilt every run (a second or two).
@@ -15,7 +15,7 @@ PYHOME=$(cd "$(dirname "$(readlink -f "$VENV/bin/python3")")/.." && pwd)   # the
 PYVER=$(readlink -f "$VENV/bin/python3" | sed 's|.*/python||')
 BB=$B/root/bin/busybox
 MODDIR=$B/root/lib/modules/$KREL/kernel/drivers/vfio
-MODULES="$MODDIR/vfio.ko $MODDIR/vfio_iommu_type1.ko $MODDIR/mdev/mdev.ko $B/module/mtty.ko"
+MODULES="$MODDIR/vfio.ko $MODDIR/vfio_iommu_type1.ko $MODDIR/mdev/mdev.ko $B/module/smartio.ko $B/module/smartio_mdev.ko"
 
 # --- shared libraries: every ELF under the staging tree, with what ldd says it needs ----------
 copy_libs() {  # STAGE: copy the libraries of every ELF object found under STAGE
@@ -31,7 +31,7 @@ copy_libs() {  # STAGE: copy the libraries of every ELF object found under STAGE
 }
 
 # --- base ----------------------------------------------------------------------------------
-BASE_INPUTS=$(cat "$0" "$VENV/pyvenv.cfg" "$B/module/mtty.ko" <(ls -l --time-style=+%s "$VENV/lib/python$PYVER/site-packages") | sha256sum | cut -c1-16)
+BASE_INPUTS=$(cat "$0" "$VENV/pyvenv.cfg" "$B/module/smartio.ko" "$B/module/smartio_mdev.ko" <(ls -l --time-style=+%s "$VENV/lib/python$PYVER/site-packages") | sha256sum | cut -c1-16)
 if [ ! -f "$B/base.cpio" ] || [ "$(cat "$B/base.stamp" 2>/dev/null)" != "$BASE_INPUTS" ]; then
   S=$B/stage-base
   rm -rf "$S" && mkdir -p "$S"/{bin,sbin,proc,sys,dev,tmp,run,etc,root,var/lib,lib/modules/vmlend}

@@ -1,13 +1,14 @@
 """The kernel tier: these tests run inside the guest that ``make test-kernel`` boots (Debian's
-6.1 kernel under QEMU with an emulated Intel IOMMU, VFIO, the mdev core and the kernel's mtty
-sample parent loaded; kernel-tier/). Every test here is marked ``kernel`` and starts and ends
-with no mdev on the real sysfs."""
+6.1 kernel under QEMU with an emulated Intel IOMMU, VFIO, the mdev core and the tier's SmartIO
+stand-in loaded; kernel-tier/, docs/testing.md). Every test here is marked ``kernel`` and starts
+and ends with no mdev, no registered SmartIO parent and no device in the stand-in's fabric."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.kernel_guest import remove_all_mdevs
+from tests.support.kernel_guest import STUB, clean_fabric
+from vmlend.topology.parse import load_topology
 
 
 def pytest_collection_modifyitems(items):
@@ -16,7 +17,25 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
-def no_mdevs_left():
-    remove_all_mdevs()
+def clean():
+    clean_fabric()
     yield
-    remove_all_mdevs()
+    clean_fabric()
+
+
+@pytest.fixture(autouse=True)
+def host_root(tmp_path):
+    """The host root tests/conftest.py gives every test ($VMLEND_ROOT, the test's directory),
+    with the guest's real sys, dev and proc in it: vmlend sees the real kernel, while its own
+    files (configuration, state, pending releases, run/) stay the test's."""
+    for tree in ("sys", "dev", "proc"):
+        (tmp_path / tree).symlink_to(f"/{tree}")
+    return tmp_path
+
+
+@pytest.fixture
+def fabric_devices():
+    """The stand-in lists every device of the default topology (this host is gamma, node 12)."""
+    topology = load_topology()
+    STUB.populate(topology)
+    return topology

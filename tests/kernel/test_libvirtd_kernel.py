@@ -8,16 +8,17 @@ import time
 
 import libvirt_qemu
 
-from tests.support.kernel_guest import MTTY, MTTY2, REAL
+from tests.support.kernel_guest import LEND, REAL, STUB
 from tests.support.libvirt_daemon import host_supports_vfio
 from vmlend.kernel.mdev import MdevBus
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa6001"
 
 
-def test_libvirtd_starts_a_domain_with_the_mdev_hostdev(libvirtd, libvirt_guests):
+def test_libvirtd_starts_a_domain_with_the_mdev_hostdev(libvirtd, libvirt_guests, fabric_devices):
     assert host_supports_vfio()  # libvirt's own test for VFIO passthrough
-    MdevBus(REAL).create(MTTY, MTTY2, U1)
+    STUB.command("borrow", "0x12")
+    MdevBus(REAL).create("smartio-12", LEND, U1)
     dom = libvirt_guests.define([U1])
     t0 = time.monotonic()
     dom.create()

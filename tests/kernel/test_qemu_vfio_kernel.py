@@ -8,11 +8,13 @@ import socket
 import subprocess
 import time
 
-from tests.support.kernel_guest import MTTY, MTTY2, REAL
+import pytest
+
+from tests.support.kernel_guest import LEND, REAL, STUB
 from vmlend.kernel.mdev import MdevBus
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa5001"
-#: mtty's PCI identity (a WCH CH352 dual-port serial card).
+#: The stand-in's child is mtty's serial card: its PCI identity (a WCH CH352 dual-port card).
 MTTY_VENDOR, MTTY_DEVICE = 0x4348, 0x3253
 
 
@@ -40,8 +42,10 @@ class Qmp:
                 return reply
 
 
-def test_qemu_opens_the_mdev_through_vfio_and_lists_it(tmp_path):
-    dev = MdevBus(REAL).create(MTTY, MTTY2, U1)
+@pytest.mark.daemon
+def test_qemu_opens_the_mdev_through_vfio_and_lists_it(tmp_path, fabric_devices):
+    STUB.command("borrow", "0x12")
+    dev = MdevBus(REAL).create("smartio-12", LEND, U1)
     sysfsdev = REAL.mdev_devices / U1
     qmp_path = tmp_path / "qmp.sock"
     qemu = subprocess.Popen(

@@ -1,23 +1,135 @@
-"""Helpers for tests/kernel, which run in the kernel tier's guest against the real sysfs."""
+"""Helpers for tests/kernel, which run in the kernel tier's guest against the real sysfs.
+
+The guest has no SmartIO driver; it has the tier's stand-in for it (kernel-tier/, docs/testing.md):
+the module ``smartio`` serves the driver's sysfs contract (docs/smartio-contract.md, sections 1
+to 4) and ``smartio_mdev``, the kernel's mtty sample renamed, is the mdev parent the driver
+registers on a device's own directory when vmlend borrows it. vmlend's kernel backend finds
+both under their contract names, with no test adapter. What the rest of the fabric does (a
+device joining it, a lender going away) is played through the stand-in's debugfs control."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import msgspec
-
 from vmlend.hostenv import HostEnv
-from vmlend.kernel.mdev import MdevBus, MdevDevice, MdevParent
-from vmlend.kernel.udev import Uevent, UeventSource
+from vmlend.kernel.driver import MDEV_TYPE, device_name
+from vmlend.kernel.mdev import MdevBus
+from vmlend.topology.model import Topology
 
 #: The real host root inside the guest.
 REAL = HostEnv(Path("/"))
-#: The kernel's sample parent and its two types (one and two serial ports per child; the
-#: driver has 24 ports in all).
-MTTY = "mtty"
-MTTY1 = "mtty-1"
-MTTY2 = "mtty-2"
-MTTY_DIR = Path("/sys/devices/virtual/mtty/mtty")
+#: The node id init.sh loads the stand-in with: gamma's in the default topology.
+NODE_ID = 12
+#: vmlend's type (the contract's one type) and the parent's other one, kept to make children
+#: vmlend did not create (as mdevctl or another share would); the types of every parent.
+LEND = MDEV_TYPE
+FOREIGN = "smartio-1"
+#: Each parent's pool of serial ports: a smartio-lend child takes two, a smartio-1 child one.
+PORTS = 3
+#: The stand-in's control file (debugfs, outside the contract).
+CTL = Path("/sys/kernel/debug/smartio/ctl")
+#: The modules (init.sh loads them; tests unload and load them again).
+MODULES = Path("/lib/modules/vmlend")
+
+
+def write(path: Path, text: str) -> None:
+    """One write(2), as a sysfs store handler wants it; the errno comes back as OSError."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def parent_dir(fdid: int) -> Path:
+    """The device's own directory: the stand-in's device, and its mdev parent once borrowed."""
+    return Path("/sys/devices/virtual/smartio") / device_name(fdid)
+
+
+def available(fdid: int, type_id: str = LEND) -> int:
+    return MdevBus(REAL).parent(device_name(fdid)).type(type_id).available_instances
+
+
+class SmartioStub:
+    """The stand-in for the SmartIO driver (kernel-tier/smartio_stub.c): the contract's own
+    files through ``REAL.smartio``, the rest of the fabric through ``CTL``."""
+
+    base = REAL.smartio
+
+    def ctl(self, line: str) -> None:
+        write(CTL, line)
+
+    def add(
+        self,
+        fdid: int,
+        lender_node_id: int,
+        *,
+        adapter: int = 0,
+        bdf: str = "0000:41:00.0",
+        vendor: int = 0x8086,
+        device: int = 0x0A54,
+        class_code: int = 0x010802,
+        dma_bits: int = 64,
+        physfn: int | None = None,
+        availability: str = "available",
+        bars: str = "0:0x4000:mem64",
+    ) -> None:
+        pf = "-" if physfn is None else f"{physfn:#x}"
+        self.ctl(
+            f"add {fdid:#x} {lender_node_id} {adapter} {bdf} {vendor:#x} {device:#x}"
+            f" {class_code:#x} {dma_bits} {pf} {availability} {bars or '-'}"
+        )
+
+    def populate(self, topology: Topology) -> None:
+        """Every device of ``topology`` as the driver lists it (lent ones available)."""
+        ids = {n.name: n.node_id for n in topology.nodes}
+        for d in topology.devices:
+            bars = ",".join(
+                f"{b.index}:{b.size:#x}:{b.kind.value}{':prefetch' if b.prefetch else ''}"
+                for b in d.bars
+            )
+            self.add(
+                d.fdid,
+                ids[d.lender],
+                bdf=d.bdf,
+                vendor=d.vendor_id,
+                device=d.device_id,
+                class_code=d.class_code,
+                dma_bits=d.dma_bits,
+                physfn=d.physfn,
+                availability="available" if d.lent else "unlent",
+                bars=bars,
+            )
+
+    def set_availability(self, fdid: int, value: str) -> None:
+        """The lender lends, withdraws, goes away or comes back."""
+        self.ctl(f"availability {fdid:#x} {value}")
+
+    def set_borrower(self, fdid: int, node_id: int) -> None:
+        """The hardware borrow (-1: none), as when a guest enables the device."""
+        self.ctl(f"borrower {fdid:#x} {node_id}")
+
+    def remove(self, fdid: int) -> None:
+        self.ctl(f"remove {fdid:#x}")
+
+    def reset(self) -> None:
+        """Every device leaves the fabric (their parents, and children, with them)."""
+        self.ctl("reset")
+
+    def command(self, name: str, text: str) -> None:
+        """Write ``text`` to ``class/smartio/<name>`` (lend, borrow, take_back...)."""
+        write(self.base / name, text)
+
+    def read(self, fdid: int, attr: str) -> str:
+        return (self.base / device_name(fdid) / attr).read_text()
+
+    def registered(self) -> list[str]:
+        """The SmartIO parents registered now (``class/mdev_bus/smartio-*``)."""
+        return [n for n in MdevBus(REAL).parent_names() if n.startswith("smartio-")]
+
+
+STUB = SmartioStub()
 
 
 def remove_all_mdevs() -> None:
@@ -28,82 +140,8 @@ def remove_all_mdevs() -> None:
     assert bus.devices() == []
 
 
-def available(type_id: str) -> int:
-    return MdevBus(REAL).parent(MTTY).type(type_id).available_instances
-
-
-class MttyAsSmartio:
-    """Test-only: the real kernel's mtty parent under the SmartIO driver's names.
-
-    The SmartIO driver is not in this kernel; the kernel backend finds its parents as
-    ``smartio-<fdid>`` with the one type ``smartio-lend`` (docs/smartio-contract.md section 4).
-    This stands in for ``SmartioFabric.bus``: every read and write goes to the real mdev core
-    through a plain ``MdevBus`` on ``/`` (its checks unchanged); only the parent's and the
-    type's names are translated, ``mtty`` <-> ``smartio-<fdid>`` and ``mtty-2`` <->
-    ``smartio-lend``. The SmartIO class attributes come from a fixture tree (FakeSmartio)."""
-
-    def __init__(self, fdid: int) -> None:
-        from vmlend.kernel.driver import MDEV_TYPE, device_name
-
-        self.kernel = MdevBus(REAL)
-        self.name, self.type_id = device_name(fdid), MDEV_TYPE
-        self.unreadable = self.kernel.unreadable
-
-    def _ours(self, parent: str, type_id: str) -> tuple[str, str]:
-        if parent == self.name:
-            return MTTY, MTTY2 if type_id == self.type_id else type_id
-        return parent, type_id
-
-    def _theirs(self, dev: MdevDevice | None) -> MdevDevice | None:
-        if dev is not None and (dev.parent, dev.type_id) == (MTTY, MTTY2):
-            return msgspec.structs.replace(dev, parent=self.name, type_id=self.type_id)
-        return dev
-
-    def parent_names(self) -> list[str]:
-        return sorted(self.name if n == MTTY else n for n in self.kernel.parent_names())
-
-    def parent(self, name: str) -> MdevParent:
-        parent = self.kernel.parent(self._ours(name, "")[0])
-        if name != self.name:
-            return parent
-        t = parent.type(MTTY2)
-        return MdevParent(
-            name=self.name,
-            types=(msgspec.structs.replace(t, parent=self.name, type_id=self.type_id),),
-        )
-
-    def device(self, uuid: str) -> MdevDevice | None:
-        return self._theirs(self.kernel.device(uuid))
-
-    def devices(self) -> list[MdevDevice]:
-        return [d for d in map(self._theirs, self.kernel.devices()) if d is not None]
-
-    def create(self, parent: str, type_id: str, uuid: str) -> MdevDevice:
-        made = self._theirs(self.kernel.create(*self._ours(parent, type_id), uuid))
-        assert made is not None
-        return made
-
-    def remove(self, uuid: str) -> bool:
-        return self.kernel.remove(uuid)
-
-
-class MttyEventsAsSmartio:
-    """Test-only: live uevents with the mtty parent's name given as ``smartio-<fdid>``, for a
-    watcher over ``MttyAsSmartio`` (the companion of that adapter, for events)."""
-
-    def __init__(self, source: UeventSource, fdid: int) -> None:
-        from vmlend.kernel.driver import device_name
-
-        self.source, self.name = source, device_name(fdid)
-        self.events: list[Uevent] = []
-
-    def fileno(self) -> int:
-        return self.source.fileno()
-
-    def receive(self) -> Uevent | None:
-        ev = self.source.receive()
-        if ev is not None and ev.sys_name == MTTY and ev.subsystem != "module":
-            ev = msgspec.structs.replace(ev, sys_name=self.name)
-        if ev is not None:
-            self.events.append(ev)
-        return ev
+def clean_fabric() -> None:
+    """No child, no parent, no device: what every test starts and ends with."""
+    remove_all_mdevs()
+    STUB.reset()
+    assert not STUB.registered() and not [p for p in STUB.base.iterdir() if p.is_symlink()]
