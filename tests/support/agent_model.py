@@ -12,31 +12,42 @@ The two promises, as invariants:
 (a) ``exclusive``: the device serves only its newest token. Every mdev open on it (the paths a
     VM reaches it by) and the borrow carry the device's current token, and that token's hold
     has not ended, or ended with its lease and the lender has not taken the device back yet
-    (then it is fenced and nobody else can hold it). Checked in every run.
+    (then it is fenced and nobody else can hold it). Checked over every schedule.
 (b) ``guarded``: no two VMs that run (not paused) have one device plugged. Checked only in runs
     where every host's agent kept its budget and no operator resumed a VM blind (below).
 
 The rules are methods of ``Model``, each a guarded action: it returns the next state or raises
 ``Refused`` saying why the step cannot happen, and its docstring names the DESIGN.md rule it
-is. They are fine-grained (one per step a real component logs) so that
-``tests/support/agent_history.py`` can replay a recorded history through the same rules; the
-explorer (``Explorer``) composes them into the atomic steps of each actor.
+is. They are fine-grained (one per step a real component logs), so that a recorded history
+could be replayed through the same rules (no such replay exists yet); the explorer
+(``Explorer``) composes them into the atomic steps of each actor.
 
-Budgets (what (b) assumes, and what a real agent must measure): in the model a look of the
-guard pauses at once; a real guard looks at least once every TTL/4 and its pause lands within
-another TTL/4 (a bounded hypervisor call), so a VM is paused at most TTL/2 after the lease came
-in doubt. Discretely: of any two consecutive tick intervals, the guard of a host with a running
-VM looks in at least one. A dead agent looks in none. A tick that would break that is a
-*starved* host; an operator's resume of a VM whose host is not *settled* (agent up, lease
-current, followed and not past its TTL, the VM not awaiting recovery: what ``vmlend status``
-shows) is *blind*. The explorer runs twice: every run, checking (a); then the runs with no
-starved host and no blind resume, checking (a) and (b). What only the first reaches is what
-only fencing protects.
+Budgets (what (b) assumes, and what a real agent must measure): a real guard looks at least
+once every TTL/4 and its pause lands within another TTL/4 (a bounded hypervisor call), so a VM
+is paused at most TTL/2 after the lease came in doubt, before etcd may end the lease.
+Discretely, a tick being TTL/4: at each tick a live guard has paused what runs with remote
+devices on no lease or on one in doubt since the tick before (the lease's age TTL/2 + 1 tick),
+so it is paused by the time the age reaches TTL; and no tick passes while an agent is down and
+a VM of its host runs with remote devices. That is stricter than the budget (which lets an
+agent be down for one tick interval) and, we argue, loses no state: its restart adopts the
+lease and renews it at once, so such a run reaches what one does whose agent stays up through
+the interval and crashes and restarts at its end. A tick that breaks this is a *starved* host;
+an operator's resume of a VM whose host is not *settled* (agent up, lease current, followed
+and not in doubt, the VM not awaiting recovery: what ``vmlend status`` shows) is *blind*. The
+explorer runs twice: over every schedule, with no clock, checking (a) (``every_schedule``);
+then over the runs with no starved host and no blind resume, checking (b) (``budgeted``, with
+the lender left out: (b) does not depend on it). What only the first reaches is what only
+fencing protects.
+
+What is explored (``small_cluster``): two borrowing hosts with one VM each, both wanting one
+device that a third host lends, its lender always up. Hot-add (``plug``) and hot-remove are
+rules, not steps the explorer takes.
 
 Simplifications, each because the real code's extra states do not change who can reach the
 device: a renewal's send, etcd's receipt and the reply are one step (the guard measures from
 the send, so a later receipt only makes etcd's expiry later, which the leader change covers);
-etcd ends a lease exactly at its earliest expiry (a later one is a leader change); the
+etcd keeps no clock of its own: it may end a lease at any step from TTL after the send of
+its last keepalive on (a later end stands for a leader change, which extends leases); the
 recovery's reserve and mdev are one step (nobody can act on the device between them: the hold
 and its fence are there); a hot-unplug always completes; the operator pauses only running VMs
 and resumes only the VMs an operator paused (the pause marks tell them apart, with a limit
@@ -58,7 +69,8 @@ PAUSED_AGENT, PAUSED_OPERATOR = "paused-agent", "paused-operator"
 PAUSED = (PAUSED_AGENT, PAUSED_OPERATOR)
 LIVE = (RUNNING, *PAUSED)
 
-#: Mutations of the protocol, each a bug the explorer must find (tests/scenarios/test_agent_model.py).
+#: Mutations of the protocol, each a bug an explorer must find
+#: (tests/scenarios/test_agent_model.py says which).
 MUTATIONS = {
     "guard-at-3/4": "the guard doubts the lease at 3/4 of the TTL instead of 1/2",
     "lender-takes-old-tokens": "the lender accepts a token older than the device's",
@@ -190,8 +202,8 @@ def _need(cond: bool, why: str) -> None:
 
 @dataclass(frozen=True)
 class Model:
-    """The protocol's rules, for a lease of ``ttl`` (ticks in the explorer, seconds in a
-    replay), with the named ``mutations`` (``MUTATIONS``) applied."""
+    """The protocol's rules, for a lease of ``ttl`` ticks, with the named ``mutations``
+    (``MUTATIONS``) applied."""
 
     ttl: float = 4
     mutations: frozenset[str] = frozenset()
@@ -409,7 +421,8 @@ class Model:
     def reserve(self, s: State, vm: str, fdid: int, token: int) -> State:
         """Reserve (a prepare, a hot-add, or the recovery's re-reserve): refused while the
         device is held or fenced; the hold is on the host's lease, with a new, larger token
-        (the fencing token); a start first lands its own pending release of the device."""
+        (the fencing token); refused while the VM's own release of the device is pending (a
+        start lands that first)."""
         v = self.vm(s, vm)
         h = self.host(s, v.host)
         recovering = vm in h.pending and dict(v.devices).get(fdid) is not None
@@ -610,7 +623,8 @@ class Exploration:
     starved: int = 0
     #: operator resumes left out of a within-budget run as blind
     blind: int = 0
-    #: the first violation found, and the shortest trace to it (the steps' labels)
+    #: the first violation found, and the shortest trace to it (the steps' labels); tokens
+    #: are as ``Explorer.normal`` renumbered them in the violating state
     violation: list[str] = field(default_factory=list)
     trace: list[str] = field(default_factory=list)
 
@@ -684,9 +698,9 @@ class Explorer:
         for lease, x in s.leases:
             if m.untimed or x.expires <= s.now:
                 old = "" if m.host(s, x.host).lease == lease else " (an old one)"
-                yield from _try(f"etcd ends {x.host}'s lease{old}", lambda: m.expire(s, lease))
+                yield from _try(f"etcd ends {x.host}'s lease{old}", m.expire, s, lease)
         for fdid, _ in s.devices:
-            yield from _try(f"lender takes back {fdid:#x}", lambda: m.take_back(s, fdid))
+            yield from _try(f"lender takes back {fdid:#x}", m.take_back, s, fdid)
         for host, h in s.hosts:
             yield from self.agent(s, host, h)
         for name, v in s.vms:
@@ -695,43 +709,43 @@ class Explorer:
     def agent(self, s: State, host: str, h: Host) -> Iterator[Step]:
         m = self.model
         if not h.alive:
-            yield from _try(f"{host} agent restarts", lambda: self.restarted(s, host))
+            yield from _try(f"{host} agent restarts", self.restarted, s, host)
             return
-        yield from _try(f"{host} agent crashes", lambda: m.crash(s, host))
+        yield from _try(f"{host} agent crashes", m.crash, s, host)
         if m.untimed:
-            yield from _try(f"{host} gives its lease up", lambda: m.lose(s, host))
+            yield from _try(f"{host} gives its lease up", m.lose, s, host)
         else:
             # the guard's look at its latest is part of ``tick``; an earlier one (at TTL/2)
             # reaches no state the explorer does not reach otherwise (measured), so it is
             # left out
-            yield from _try(f"{host} renews", lambda: self.renewal(s, host, h))
+            yield from _try(f"{host} renews", self.renewal, s, host, h)
             yield from _try(f"{host} gives its lease up",
                             lambda: m.lose(self.pause_all(s, host), host))
         yield from _try(f"{host} takes a new lease",
                         lambda: m.follow(m.grant(s, host, s.granted + 1), host))
         for name in sorted(h.pending):
-            yield from _try(f"{host} recovers {name}", lambda: self.recover(s, name))
+            yield from _try(f"{host} recovers {name}", self.recover, s, name)
         for name, v in s.vms:
             if v.host == host and v.phase == PAUSED_AGENT:
-                yield from _try(f"{host} resumes {name}", lambda: m.resume(s, name, "agent"))
+                yield from _try(f"{host} resumes {name}", m.resume, s, name, "agent")
 
     def workload(self, s: State, name: str, v: Vm, count: Exploration) -> Iterator[Step]:
         m = self.model
         for fdid, _ in s.devices:
             if v.phase == STOPPED and not v.journal:
                 yield from _try(f"{name} reserves {fdid:#x}",
-                                lambda: m.reserve(s, name, fdid, s.issued + 1))
+                                m.reserve, s, name, fdid, s.issued + 1)
         for fdid, token in v.devices if m.lender else ():
             if v.phase == PREPARING and (name, token) not in m.device(s, fdid).sessions:
                 yield from _try(f"{name} opens its mdev of {fdid:#x}",
-                                lambda: m.open_mdev(s, name, fdid, token))
+                                m.open_mdev, s, name, fdid, token)
             if v.phase == RUNNING:
                 yield from _try(f"{name} borrows {fdid:#x}",
-                                lambda: m.borrow(s, name, fdid, token))
+                                m.borrow, s, name, fdid, token)
         for fdid, token in v.journal:
             yield from _try(f"{name}'s release of {fdid:#x} lands",
-                            lambda: m.land(s, name, fdid, token))
-        yield from _try(f"{name} starts", lambda: m.start(s, name))
+                            m.land, s, name, fdid, token)
+        yield from _try(f"{name} starts", m.start, s, name)
         if v.phase != STOPPED:
             yield f"{name} stops", self.stopped(s, name, v)
         if m.untimed:
@@ -756,7 +770,7 @@ class Explorer:
                               for _, v in s.vms)
                 _need(not running, f"{name}'s guard misses its budget")
             else:
-                s = _quietly(lambda: self.guard(s, name, self.model.doubt + 1), s)
+                s = _quietly(self.guard, s, name, self.model.doubt + 1)
         # now stays 0 and every time moves one tick into the past: an expiry that passed is
         # "due" (0), an age past the TTL is the TTL (lost whatever its age)
         ttl = self.model.ttl
@@ -823,7 +837,7 @@ class Explorer:
             else:
                 s = m.unplug(s, name, fdid)
                 if m.lender:
-                    s = _quietly(lambda: m.give_back(s, name, fdid, token), s)
+                    s = _quietly(m.give_back, s, name, fdid, token)
         if skip:
             return m._set_host(s, v.host, pending=h.pending - {name})
         return m.recovered(s, name)
@@ -833,7 +847,7 @@ class Explorer:
         releases are owed."""
         m = self.model
         for fdid, token in v.devices if m.lender else ():
-            s = _quietly(lambda: m.give_back(s, name, fdid, token), s)
+            s = _quietly(m.give_back, s, name, fdid, token)
         return m.stop(s, name)
 
     # --- states visited once up to what no rule can tell -------------------------------------
@@ -976,18 +990,20 @@ def _renamed(s: State, names: Mapping[str, str]) -> State:
     )
 
 
-def _try(label: str, step: Callable[[], State]) -> Iterator[Step]:
+def _try(label: str, step: Callable[..., State], *args: Any) -> Iterator[Step]:
+    """``step(*args)`` under ``label``, or nothing when refused."""
     try:
-        yield label, step()
+        nxt = step(*args)
     except Refused:
-        pass
+        return
+    yield label, nxt
 
 
-def _quietly(step: Callable[[], State], s: State) -> State:
-    """``step``, or ``s`` unchanged when refused (a give-back the device refuses changes
-    nothing: the path was cut already)."""
+def _quietly(step: Callable[..., State], s: State, *args: Any) -> State:
+    """``step(s, *args)``, or ``s`` unchanged when refused (a give-back the device refuses
+    changes nothing: the path was cut already)."""
     try:
-        return step()
+        return step(s, *args)
     except Refused:
         return s
 
