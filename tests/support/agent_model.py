@@ -1,6 +1,6 @@
 """A model of vmlend's cluster protocol, explored exhaustively (issue 35, point 10).
 
-What is modelled (DESIGN.md, "The cluster: shared state across hosts"): etcd's leases, holds,
+What is modelled (docs/design.md, "The cluster"; docs/cluster.md): etcd's leases, holds,
 fences and fencing tokens; each host's agent (its lease, the guard, the lost-lease recovery, a
 crash and a restart that adopts its predecessor's lease); the release journal; the lender's
 device (its current token, the borrow it serves, the mdevs open on it); the workload's starts
@@ -17,10 +17,13 @@ The two promises, as invariants:
     where every host's agent kept its budget and no operator resumed a VM blind (below).
 
 The rules are methods of ``Model``, each a guarded action: it returns the next state or raises
-``Refused`` saying why the step cannot happen, and its docstring names the DESIGN.md rule it
-is. They are fine-grained (one per step a real component logs), so that a recorded history
-could be replayed through the same rules (no such replay exists yet); the explorer
-(``Explorer``) composes them into the atomic steps of each actor.
+``Refused`` saying why the step cannot happen, and its docstring names the design's rule it
+is: rule 1, holds follow the lease (moved onto the current one after any change of it); rule 2,
+the guard has its own clock (VMs with remote devices paused once TTL/2 passed since the last
+good renewal); rule 3, the token is checked where the device is; rule 4, releases that cannot
+land are not lost (the journal). They are fine-grained (one per step a real component logs),
+so that a recorded history could be replayed through the same rules (no such replay exists
+yet); the explorer (``Explorer``) composes them into the atomic steps of each actor.
 
 Budgets (what (b) assumes, and what a real agent must measure): a real guard looks at least
 once every TTL/4 and its pause lands within another TTL/4 (a bounded hypervisor call), so a VM
