@@ -44,6 +44,7 @@ def test_every_mutation_has_the_explorer_that_finds_it():
     assert sorted(FINDS) == sorted(MUTATIONS)
 
 
+@pytest.mark.slow  # 7-37 s each: make test, not test-fast
 def test_the_device_serves_only_its_newest_token_over_every_schedule():
     run = every_schedule().run()
     assert run.violation == [], _shown(run)
@@ -52,6 +53,7 @@ def test_the_device_serves_only_its_newest_token_over_every_schedule():
     assert run.transitions >= 150_000, run
 
 
+@pytest.mark.slow  # 7-37 s each: make test, not test-fast
 def test_no_two_running_vms_have_one_device_while_every_guard_keeps_its_budget():
     run = budgeted().run()
     assert run.violation == [], _shown(run)
