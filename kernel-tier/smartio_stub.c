@@ -8,7 +8,8 @@
  *   class/smartio/node_id                 r   this host's node id (module parameter node_id)
  *   class/smartio/{lend,unlend}           w   an fdid: EINVAL, ENODEV, EREMOTE, EBUSY
  *   class/smartio/{borrow,unborrow}       w   an fdid: register / unregister its mdev parent
- *   class/smartio/take_back               w   "FDID TOKEN": ESTALE for an older token
+ *   class/smartio/take_back               w   "FDID TOKEN": ESTALE for an older token; the
+ *                                                token is spent (a later write of it: ESTALE)
  *   class/smartio/smartio-<fdid>/         one device per fabric device, with fdid,
  *       lender_node_id, lender_adapter, lender_bdf, vendor, device, class, dma_bits, physfn,
  *       bars, availability, borrower_node_id (r) and token (rw; ESTALE for an older one)
@@ -80,7 +81,8 @@ struct smartio_dev {
 	enum smartio_availability availability;
 	int borrower;
 	u64 token;
-	/* under smartio_lock */
+	/* under smartio_lock: the token the device was last taken back for */
+	u64 retired;
 	bool wants_parent;	/* borrowed on this host, until unborrow */
 	void *parent;		/* the provider's handle while the mdev parent is registered */
 	bool gone;		/* left the fabric; its device is about to be unregistered */
@@ -244,7 +246,10 @@ static ssize_t smartio_token_show(struct device *dev, struct device_attribute *a
 	return sysfs_emit(buf, "%llu\n", READ_ONCE(to_smartio(dev)->token));
 }
 
-/* The fencing token of the hold the next step is made for: the largest is kept. */
+/*
+ * The fencing token of the hold the next step is made for: the largest is kept. A token the
+ * device was taken back for is spent: its hold has ended, although no newer one came yet.
+ */
 static ssize_t smartio_token_store(struct device *dev, struct device_attribute *attr,
 				   const char *buf, size_t count)
 {
@@ -258,7 +263,7 @@ static ssize_t smartio_token_store(struct device *dev, struct device_attribute *
 	mutex_lock(&smartio_lock);
 	if (sdev->gone)
 		ret = -ENODEV;
-	else if (token < sdev->token)
+	else if (token < sdev->token || token <= sdev->retired)
 		ret = -ESTALE;
 	else
 		WRITE_ONCE(sdev->token, token);
@@ -392,12 +397,15 @@ static ssize_t take_back_store(struct class *class, struct class_attribute *attr
 		return ret;
 	mutex_lock(&smartio_lock);
 	sdev = smartio_find(fdid);
-	if (!sdev)
+	if (!sdev) {
 		ret = -ENODEV;
-	else if (token < sdev->token)
+	} else if (token < sdev->token) {
 		ret = -ESTALE;
-	else
+	} else {
+		sdev->retired = token;
+		WRITE_ONCE(sdev->token, token);
 		smartio_set(sdev, sdev->availability, -1);
+	}
 	mutex_unlock(&smartio_lock);
 	return ret ? ret : count;
 }

@@ -118,6 +118,9 @@ def test_lend_borrow_token_and_take_back_refuse_as_the_contract_says(fabric_devi
     assert STUB.read(LOCAL, "borrower_node_id") == "8\n"  # a stale take-back touched nothing
     write(take_back, f"{LOCAL:#x} 5")
     assert STUB.read(LOCAL, "borrower_node_id") == "-1\n"
+    # The taken-back token is spent: its ended hold cannot step again before a newer one comes.
+    assert refused(token, "5") == errno.ESTALE
+    write(token, "6")
     write(base / "unlend", f"{LOCAL:#x}")
     assert STUB.read(LOCAL, "availability") == "unlent\n"
 

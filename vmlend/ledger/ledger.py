@@ -135,6 +135,8 @@ class BorrowHardware(Protocol):
 
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int: ...
 
+    def retire(self, fdid: int, token: int) -> None: ...
+
 
 @runtime_checkable
 class LinkHardware(Protocol):
@@ -320,6 +322,9 @@ class Ledger(ShareOps):
                 return False
             # the vanished holder's open mdev goes too, even when nothing was borrowed
             self._hw.revoke(fence.fdid)
+            # and its token is spent: a late borrow of the ended hold, before any newer hold
+            # has the device, is refused by the device itself
+            self._hw.retire(fence.fdid, fence.token)
         cleared = self._reg.transact(lambda tx: tx.clear_fence(fence.fdid))
         if cleared:
             log.warning(

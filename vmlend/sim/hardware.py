@@ -164,6 +164,8 @@ class SimHardware:
         self._open: dict[str, OpenMdev] = {}  # mdev UUID -> the VM that has it open
         #: fdid -> the newest hold's fencing token a step on the device carried (0: none yet)
         self._tokens: dict[int, int] = {}
+        # per device, the token of the newest hold it was taken back from (``retire``)
+        self._retired: dict[int, int] = {}
         self._config_audit: deque[ConfigWrite] = deque(maxlen=CONFIG_AUDIT)
         self._share_wiring: list[ShareWiring] = []
         #: Borrow ends whose owners left lender mappings behind (the fallback had to clean
@@ -488,12 +490,21 @@ class SimHardware:
     def _check_token(self, fdid: int, token: int, what: str) -> None:
         """The lender side of fencing: a step made for a hold older than one the device has
         already served is refused; a newer token becomes the device's. 0: no hold behind the
-        step (the hardware used directly), nothing to check."""
+        step (the hardware used directly), nothing to check. A token the device was taken
+        back for is refused too, although it is still the newest: its hold has ended."""
         current = self._tokens.get(fdid, 0)
-        if token and token < current:
+        if token and (token < current or token <= self._retired.get(fdid, 0)):
             raise StaleTokenError(fdid, token, current, what)
         if token > current:
             self._tokens[fdid] = token
+
+    def retire(self, fdid: int, token: int) -> None:
+        """The lender took ``fdid`` back for the ended hold of ``token``: no step made for
+        that hold, or an older one, is served from now on (its holder may still be alive, cut
+        off, and try its borrow again before any newer hold has the device)."""
+        self.device(fdid)
+        self._retired[fdid] = max(self._retired.get(fdid, 0), token)
+        self._tokens[fdid] = max(self._tokens.get(fdid, 0), token)
 
     def borrow(self, fdid: int, node: str, vm: str, *, token: int = 0) -> Borrow:
         """Take exclusive control of ``fdid`` for ``vm`` on ``node``: a LUT entry for the

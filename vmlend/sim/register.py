@@ -13,11 +13,13 @@ Its rules are the SmartIO driver's ``token`` attribute and ``take_back`` (docs/s
 §4; ``vmlend.kernel.backend.SmartioFabric.create_mdev`` and ``take_back``):
 
 - ``serve``: an mdev creation for a hold writes the hold's (token, borrower) first, and is
-  refused (``StaleTokenError``, nothing changed) when the device already serves a newer token;
+  refused (``StaleTokenError``, nothing changed) when the device already serves a newer token
+  or was taken back for this one;
 - ``end``: a normal release, or the removal of the holder's mdev, clears the borrower and
   keeps the token (a borrower other than the one named, or a newer token, is left alone);
-- ``take_back``: the lender's take-back clears the borrower with the fence's token, and is
-  refused (``StaleTokenError``, nothing changed) for a token older than the device's.
+- ``take_back``: the lender's take-back clears the borrower with the fence's token and retires
+  it (a later ``serve`` of that token is refused: its hold has ended), and is refused
+  (``StaleTokenError``, nothing changed) for a token older than the device's.
 
 Each change is a read-modify-write under a lock file of the device's (``flock``), written
 whole (a temporary file renamed over the old one), so a reader without the lock (the nemesis's
@@ -50,6 +52,8 @@ class Serving(msgspec.Struct, frozen=True):
     fdid: int
     token: int = 0
     borrower: str = ""
+    #: the token the device was last taken back for: no mdev is made for it again
+    retired: int = 0
 
 
 def borrower_of(node: str, vm: str) -> str:
@@ -102,10 +106,10 @@ class LenderRegister:
         already serves a newer token."""
         with self._locked(fdid):
             now = self.read(fdid)
-            if token < now.token:
+            if token < now.token or token <= now.retired:
                 self._note("serve", now, None, f"{token} {borrower}")
                 raise StaleTokenError(fdid, token, now.token, "an mdev creation")
-            after = Serving(fdid, token, borrower)
+            after = Serving(fdid, token, borrower, now.retired)
             if after != now:
                 self._write(after)
             self._note("serve", now, after, f"{token} {borrower}")
@@ -121,7 +125,7 @@ class LenderRegister:
             if now.borrower != borrower or (token is not None and token != now.token):
                 self._note("end", now, now, asked)
                 return False
-            after = Serving(fdid, now.token, "")
+            after = Serving(fdid, now.token, "", now.retired)
             self._write(after)
             self._note("end", now, after, asked)
             return True
@@ -135,7 +139,7 @@ class LenderRegister:
             if token < now.token:
                 self._note("take-back", now, None, str(token))
                 raise StaleTokenError(fdid, token, now.token, "a take-back")
-            after = Serving(fdid, token, "")
+            after = Serving(fdid, token, "", max(token, now.retired))
             if after != now:
                 self._write(after)
             self._note("take-back", now, after, str(token))

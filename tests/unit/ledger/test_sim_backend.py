@@ -489,6 +489,9 @@ class FakeHardware:
         self.revoked.append((fdid, node, vm))
         return 0
 
+    def retire(self, fdid, token):
+        pass
+
 
 def test_borrow_drives_the_hardware(tmp_path):
     from vmlend.registry import SqliteRegistry

@@ -50,6 +50,25 @@ def test_a_stale_holders_late_borrow_is_refused_by_the_device(cluster):
     a.stop()
 
 
+def test_a_taken_back_holders_borrow_is_refused_before_any_newer_hold_comes(cluster):
+    """Found by the protocol model (take-back-forgets-token): the lender took the device back
+    for a's ended hold, and nobody holds it yet. a's host, cut off, still believes in its hold
+    and borrows again with its token, still the device's newest: the device refuses it."""
+    a = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
+    a.enable_device(GPU)
+    stale = _token(cluster, GPU)
+    fence = FenceRecord(GPU, a.holder, stale)
+    _release_behind(cluster, GPU, a.holder)
+    # the lender's take-back (SQLite keeps no fence record to clear, so it answers False; the
+    # device is reset and the token spent all the same)
+    cluster.fabric("alpha").take_back(fence)
+    assert cluster.hw.token(GPU) == stale  # no newer hold yet
+    with pytest.raises(StaleTokenError, match="fencing token"):
+        cluster.hw.borrow(GPU, "gamma", "a", token=stale)
+    assert cluster.hw.borrowed(GPU) is None
+    a.stop()
+
+
 def test_a_late_take_back_never_ends_a_newer_holders_borrow(cluster):
     a = cluster.start(domain_xml("a", 1 * GiB, fdids=(GPU,)))
     a.enable_device(GPU)

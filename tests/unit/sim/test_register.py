@@ -69,8 +69,8 @@ def test_a_take_back_with_an_old_fence_token_is_refused(reg):
         reg.take_back(GPU, 5)
     assert reg.read(GPU) == Serving(GPU, 7, B1)
     # the take-back for b1's own fence resets the device: it serves nobody, token kept
-    assert reg.take_back(GPU, 7) == Serving(GPU, 7, "")
-    assert reg.read(GPU) == Serving(GPU, 7, "")
+    assert reg.take_back(GPU, 7) == Serving(GPU, 7, "", retired=7)
+    assert reg.read(GPU) == Serving(GPU, 7, "", retired=7)
     # and an older hold's mdev creation is refused after it as well
     with pytest.raises(StaleTokenError):
         reg.serve(GPU, 5, G1)
@@ -80,10 +80,24 @@ def test_a_take_back_makes_the_fences_token_the_devices_newest(reg):
     reg.serve(GPU, 5, G1)
     # b1's hold (token 9) ended before it made its mdev; its fence's take-back still resets
     # the device up to token 9, so a hold older than b1's (token 7) is refused after it
-    assert reg.take_back(GPU, 9) == Serving(GPU, 9, "")
+    assert reg.take_back(GPU, 9) == Serving(GPU, 9, "", retired=9)
     with pytest.raises(StaleTokenError):
         reg.serve(GPU, 7, "alpha/a1")
-    assert reg.read(GPU) == Serving(GPU, 9, "")
+    assert reg.read(GPU) == Serving(GPU, 9, "", retired=9)
+
+
+def test_the_token_a_device_was_taken_back_for_is_spent(reg):
+    """Found by the protocol model (take-back-forgets-token): b1's hold ended, the lender took
+    the device back for it, and no newer hold came yet; b1's host, cut off, still believes in
+    its hold and makes its mdev again with the same token. The device must refuse it, although
+    the token is still its newest."""
+    reg.serve(GPU, 7, B1)
+    reg.take_back(GPU, 7)
+    with pytest.raises(StaleTokenError):
+        reg.serve(GPU, 7, B1)
+    assert reg.read(GPU) == Serving(GPU, 7, "", retired=7)
+    # the next hold (a newer token) is served as before
+    assert reg.serve(GPU, 8, G1) == Serving(GPU, 8, G1, retired=7)
 
 
 def test_a_release_clears_the_borrower_and_keeps_the_token(reg):
@@ -165,7 +179,7 @@ def test_the_sim_backend_refuses_a_take_back_with_an_old_fence_token(fab, reg):
     assert not fab.take_back(FenceRecord(GPU, VM1, 5))
     assert reg.read(GPU) == Serving(GPU, 7, "beta/b1")
     fab.take_back(FenceRecord(GPU, Holder("beta", "b1", ""), 7))
-    assert reg.read(GPU) == Serving(GPU, 7, "")
+    assert reg.read(GPU) == Serving(GPU, 7, "", retired=7)
 
 
 def test_no_register_unless_the_environment_names_one(tmp_path, monkeypatch):
