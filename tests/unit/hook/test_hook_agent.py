@@ -624,10 +624,11 @@ def open_host() -> Iterator[Host]:
         shutil.rmtree(base)
 
 
-#: ``forward`` as uid 65534: imports first (the venv may live where that user cannot enter),
-#: then drops to 65534 and forwards a prepare; prints what forward returned.
+#: ``forward`` as uid 65534: imports first (the venv and Python's own C modules, fcntl for
+#: the agent lock, may live where that user cannot enter), then drops to 65534 and forwards a
+#: prepare; prints what forward returned.
 AS_NOBODY = f"""
-import os, sys
+import fcntl, os, sys
 from vmlend.hook.forward import forward
 os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
 env = dict(os.environ)
@@ -635,7 +636,8 @@ print(repr(forward(["vm1", "prepare", "begin", "-"], sys.stdin.buffer.read(), en
 """
 
 
-def _as_nobody(host: Host) -> str:
+def _as_nobody(host: Host) -> tuple[str, str]:
+    """What forward returned as uid 65534, and what it wrote to stderr."""
     out = subprocess.run(
         [sys.executable, "-c", AS_NOBODY],
         input=vm_xml(),
@@ -645,16 +647,21 @@ def _as_nobody(host: Host) -> str:
         cwd="/",
     )
     assert out.returncode == 0, out.stderr
-    return out.stdout.decode().strip()
+    return out.stdout.decode().strip(), out.stderr.decode()
 
 
-def test_another_uid_is_never_served_and_runs_in_process(open_host):
+def test_another_uid_is_never_served_nor_run_beside_the_agent(open_host):
+    """A hook of another uid is not served, and while the agent lives (it holds the host's
+    agent lock, on SQLite too) it is not run in-process either: one line, nothing done."""
     open_host.start_agent()
     assert (open_host.socket.stat().st_mode & 0o777) == 0o600
-    assert _as_nobody(open_host) == "None"  # permission denied on connect: in-process
+    # permission denied on connect
+    code, err = _as_nobody(open_host)
+    assert code == "1" and "it serves only root and its own uid; nothing was done" in err, err
     # Even through a socket someone made world-writable, the peer's uid is checked.
     open_host.socket.chmod(0o666)
-    assert _as_nobody(open_host) == "None"  # "denied": nothing done, in-process
+    code, err = _as_nobody(open_host)
+    assert code == "1" and "it serves only root and its own uid; nothing was done" in err, err
     assert "refused a call from uid 65534" in open_host.agent_log()
     assert open_host.snapshot() == ({}, set()) and open_host.log_pids() == []
 
@@ -976,15 +983,21 @@ def test_a_request_without_state_or_registry_is_never_the_agents(tmp_path):
         assert {d.fdid for d in f.devices() if d.holder} == set(FDIDS)
 
 
-def test_a_request_over_the_wire_limits_runs_in_process(hosts):
+def test_a_request_over_the_wire_limits_is_refused_while_the_agent_lives(hosts):
+    """Over what the agent takes: refused in one line while the agent lives (never run beside
+    it), run in-process once no agent lives."""
     served = hosts["served"]
-    agent = served.start_agent()
+    served.start_agent()
     padding = b"<!--" + b"x" * (9 * 1024 * 1024) + b"-->"  # over the 8 MiB the agent takes
     big = vm_xml().replace(b"</domain>", padding + b"</domain>")
     res = served.hook_run("prepare", big)
+    assert res.returncode == 1
+    assert b"the call is over what the agent takes" in res.stderr, res.stderr
+    assert served.snapshot() == ({}, set()) and served.log_pids() == []
+    served.stop_agent()
+    res = served.hook_run("prepare", big)
     assert (res.returncode, res.stderr) == (0, b"")
     assert served.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")
-    assert agent not in served.log_pids()
     assert wire.within_limits(["vm1"], {}, b"x" * wire.MAX_BLOB)
     assert not wire.within_limits(["vm1"], {}, b"x" * (wire.MAX_BLOB + 1))
     assert not wire.within_limits(["vm1"], {"VMLEND_X": "y" * (wire.MAX_STRING + 1)}, b"")
