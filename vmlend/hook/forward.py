@@ -18,7 +18,8 @@ The rules, which keep a hook call done exactly once:
   well;
 - **but never beside a live agent**: when this host's agent lives (it holds its lock,
   ``vmlend.hook.agentlock``) and did nothing but "not mine", the hook tries again within the
-  answer timeout (no socket yet, a request not written whole, "busy"), then fails the call
+  answer timeout (a request not written whole, "busy"; no socket yet: for ``START_GRACE``
+  at most, as an agent starting up may wait for this VM), then fails the call
   with one line, nothing done ("denied", an untrusted listener, a call over the wire limits:
   at once). Running it in-process would be a second writer for the host beside the agent;
 - once the whole request was written, never fall back: wait for the answer. A connection that
@@ -78,6 +79,11 @@ def answer_timeout(environ: Mapping[str, str]) -> float:
 CONNECT_TIMEOUT = 2.0
 #: How long the hook pauses between two tries while the agent lives but did not take the call.
 RETRY_PAUSE = 0.1
+#: How long the hook waits for a live agent's socket to appear (within the answer timeout).
+#: Short on purpose: an agent starting up lists the host's domains, and libvirt holds this
+#: VM's object while its hook runs, so a listing waits for this hook as long as it waits for
+#: the agent: a longer wait only makes the start fail later, and the agent start later.
+START_GRACE = 5.0
 
 # Why the agent did nothing (``_attempt``), and so what the hook may do instead.
 _NOT_ITS = "the agent serves another registry, state, node or root"  # in-process, always
@@ -111,7 +117,8 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
             f" {wire.MAX_STRINGS} each of at most {wire.MAX_STRING} bytes)",
         )
     request = wire.encode_request(argv, pinned, xml)
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     while True:
         got = _attempt(path, request, timeout)
         if isinstance(got, int):
@@ -119,10 +126,18 @@ def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = Non
         if got == _NOT_ITS or not _agent_lives(env):
             return None
         now = time.monotonic()
-        if got not in _WAIT_FOR or now >= deadline:
-            why = f"{got} (tried for {timeout:g} s)" if got in _WAIT_FOR else got
+        # no socket yet: an agent in its start-up, which may wait for this very hook
+        until = min(deadline, began + START_GRACE) if got == _NO_SOCKET else deadline
+        if got not in _WAIT_FOR or now >= until:
+            if got == _NO_SOCKET:
+                why = (
+                    f"{got} (tried for {until - began:g} s; an agent starting up waits for"
+                    " the VMs a hook holds up)"
+                )
+            else:
+                why = f"{got} (tried for {timeout:g} s)" if got in _WAIT_FOR else got
             return _refused(path, env, why)
-        time.sleep(min(RETRY_PAUSE, deadline - now))
+        time.sleep(min(RETRY_PAUSE, until - now))
 
 
 def _attempt(path: str, request: bytes, timeout: float) -> int | str:

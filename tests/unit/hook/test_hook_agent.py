@@ -37,7 +37,13 @@ from vmlend.agent.identity import HostLock
 from vmlend.doctor import Status, check_hook_served
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.hook import wire
-from vmlend.hook.forward import SOCKET_UNDER_ROOT, forward, pinned_environment, socket_path
+from vmlend.hook.forward import (
+    SOCKET_UNDER_ROOT,
+    START_GRACE,
+    forward,
+    pinned_environment,
+    socket_path,
+)
 from vmlend.hook.install import install_hook
 from vmlend.hook.probe import probe_agent
 from vmlend.hook.server import HookServer, identity_of
@@ -541,14 +547,19 @@ def test_a_live_agent_whose_socket_is_gone_fails_the_hook_in_one_line(on, reques
     try:
         host.start_agent(*(("--ttl", "10", "--interval", "0.2") if registry else ()))
         host.socket.unlink()  # the agent lives on; nobody can reach it
-        started = time.monotonic()
         res = host.hook_run("prepare", vm_xml(fdids=(0x10,)), VMLEND_HOOK_TIMEOUT="2")
-        took = time.monotonic() - started
         assert res.returncode == 1
         line = _one_line(res.stderr)
         assert line.startswith("vmlend: this host's vmlend agent runs (it holds ")
-        assert "nobody listens on its socket (tried for 2 s); nothing was done" in line
-        assert 2.0 <= took < 10.0
+        assert "nobody listens on its socket (tried for 2 s; " in line
+        assert line.endswith("nothing was done (the hook does not run it beside the agent);"
+                             " see the agent's log, then try again")  # fmt: skip
+        # With the default answer timeout (60 s) the hook waits for a socket only for its
+        # start-up grace: an agent starting up lists the domains, and libvirt holds this VM
+        # while its hook runs, so a longer wait would hold up both (the nemesis found it).
+        res = host.hook_run("prepare", vm_xml(fdids=(0x10,)))
+        assert res.returncode == 1
+        assert f"(tried for {START_GRACE:g} s; an agent starting up" in _one_line(res.stderr)
         assert host.snapshot() == ({}, set()) and host.log_pids() == []  # nothing done
     finally:
         host.stop_agent()
