@@ -1,7 +1,8 @@
 #!/bin/bash
 # Build the guest's initramfs in two archives the kernel unpacks one after the other:
 #   base.cpio  busybox, the five modules, Python 3.11 with the project's venv (pre-compiled),
-#              the shared libraries they load, an ld.so.cache: rebuilt only when an input changes;
+#              QEMU, libvirtd and virsh, the shared libraries they load, an ld.so.cache:
+#              rebuilt only when an input changes;
 #   src.cpio   the worktree's vmlend/ tests/ ... (bytecode compiled on the host) and /init:
 #              rebuilt every run (a second or two).
 # Usage: initramfs.sh BUILD_DIR PYTEST_ARGS...     (writes BUILD_DIR/initramfs.cpio)
@@ -57,6 +58,8 @@ if [ ! -f "$B/base.cpio" ] || [ "$(cat "$B/base.stamp" 2>/dev/null)" != "$BASE_I
   # libvirt's daemons and drivers, for the private libvirtd of tests/support/libvirt_daemon.py.
   mkdir -p "$S/usr/sbin" "$S/usr/lib/x86_64-linux-gnu"
   cp /usr/sbin/libvirtd /usr/sbin/virtlogd "$S/usr/sbin/"
+  # virsh, which tests run as an operator would (the library itself never shells out to it).
+  cp /usr/bin/virsh "$S/usr/bin/"
   cp -a /usr/lib/x86_64-linux-gnu/libvirt "$S/usr/lib/x86_64-linux-gnu/"
   cp -a /usr/lib/libvirt "$S/usr/lib/"
   cp -a /usr/share/libvirt "$S/usr/share/"
