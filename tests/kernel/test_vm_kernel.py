@@ -17,16 +17,20 @@ import json
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import libvirt
 import libvirt_qemu
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from tests.support.kernel_guest import FOREIGN, LEND, PORTS, REAL, STUB, available
+from tests.support.libvirt_daemon import LibvirtDaemon
 from vmlend.cli import main
+from vmlend.hook.actionlog import log_path_for_state
 from vmlend.kernel.mdev import MdevBus
 from vmlend.wiring.fabric import open_fabric
 
@@ -47,15 +51,19 @@ class Host:
     uri: str
     work: Path
 
+    def run(self, *args: str) -> Result:
+        """One ``vmlend`` command, whatever its exit code."""
+        base = ["--state", str(self.state), "--config", str(self.config), "-c", self.uri]
+        return CliRunner().invoke(main, [*base, *args], catch_exceptions=False)
+
     def vmlend(self, *args: str) -> str:
         """One ``vmlend`` command; its output (it must succeed)."""
-        base = ["--state", str(self.state), "--config", str(self.config), "-c", self.uri]
-        r = CliRunner().invoke(main, [*base, *args], catch_exceptions=False)
+        r = self.run(*args)
         assert r.exit_code == 0, (args, r.output)
         return r.output
 
-    def new_vm(self, name: str, *devices: str) -> str:
-        """``xml new`` + ``vm define``: the domain's mdev UUID of its first device. A pc
+    def xml_new(self, name: str, *devices: str) -> tuple[Path, str]:
+        """``xml new``: the domain's file and the mdev UUID of its first device. A pc
         machine: it hot-plugs into its own PCI bus (ACPI), where q35 needs a free root port,
         and ``xml new --hotplug-slots 1`` leaves none on q35 (libvirt puts its USB controller
         on the port before any device without an address, docs/testing.md)."""
@@ -65,8 +73,21 @@ class Host:
             "xml", "new", name, "--memory", "64M", "--virt-type", "qemu", "--machine", "pc",
             *options, "-o", str(xml),
         )  # fmt: skip
+        return xml, re.findall(r'mdev="([0-9a-f-]+)"', xml.read_text())[0]
+
+    def new_vm(self, name: str, *devices: str) -> str:
+        """``xml new`` + ``vm define``: the domain's mdev UUID of its first device."""
+        xml, mdev = self.xml_new(name, *devices)
         self.vmlend("vm", "define", str(xml))
-        return re.findall(r'mdev="([0-9a-f-]+)"', xml.read_text())[0]
+        return mdev
+
+    def hook_log(self, vm: str, operation: str) -> list[str]:
+        """What the hook recorded for ``vm``'s ``operation`` (its action log, beside the
+        state): the messages, in order."""
+        path = log_path_for_state(self.state)
+        lines = path.read_text().splitlines() if path.exists() else []
+        mark = f" vm={vm} {operation}: "
+        return [ln.partition(mark)[2] for ln in lines if mark in ln]
 
     def registry(self) -> tuple[list[tuple[int, str]], list[tuple[str, str]]]:
         """(fdid, holding VM) of every held device and (uuid, VM) of every mdev record."""
@@ -76,24 +97,36 @@ class Host:
         return held, records
 
 
-@pytest.fixture
-def host(libvirtd, libvirt_conn, tmp_path, fabric_devices):
-    h = Host(tmp_path / "state.db", tmp_path / "vmlend.toml", libvirtd.uri, tmp_path)
+@contextmanager
+def operator_host(daemon: LibvirtDaemon, work: Path) -> Iterator[Host]:
+    """This host set up with vmlend's hook installed in ``daemon``; what a test left running
+    there is destroyed and undefined afterwards."""
+    h = Host(work / "state.db", work / "vmlend.toml", daemon.uri, work)
     h.config.touch()  # the operator's file: 'hook install' writes what the hook needs into it
     h.vmlend("fabric", "init", "--node", "gamma")
-    libvirt_dir = libvirtd.hooks_dir.parent
+    libvirt_dir = daemon.hooks_dir.parent
     out = json.loads(h.vmlend("hook", "install", "--libvirt-dir", str(libvirt_dir), "--json"))
     assert out["restart_needed"] is False  # the daemon's hooks are enabled: qemu.d is read
-    assert (libvirtd.hooks_dir / "qemu.d" / "vmlend").is_file()
+    assert (daemon.hooks_dir / "qemu.d" / "vmlend").is_file()
     yield h
     # Stop what a failed test left running before the kernel's children are removed (a child
     # QEMU holds cannot be removed); libvirtd runs the hook, which releases.
-    for dom in libvirt_conn.listAllDomains():
-        if dom.isActive():
-            dom.destroy()
-        dom.undefine()
-    libvirtd.remove_hook()
+    conn = daemon.connect()
+    try:
+        for dom in conn.listAllDomains():
+            if dom.isActive():
+                dom.destroy()
+            dom.undefine()
+    finally:
+        conn.close()
+    daemon.remove_hook()
     h.vmlend("hook", "uninstall", "--libvirt-dir", str(libvirt_dir))
+
+
+@pytest.fixture
+def host(libvirtd, tmp_path, fabric_devices):
+    with operator_host(libvirtd, tmp_path) as h:
+        yield h
 
 
 class Witness:
@@ -260,3 +293,4 @@ def test_two_vms_asking_for_the_last_instance_get_one_clear_refusal_and_leak_not
     assert available(0x12) == 1
     with capsys.disabled():
         print(f"\n  two starts at once {both:.1f} s, vm destroy {destroyed:.1f} s")
+
