@@ -2,7 +2,9 @@
 libvirtd (tests/support/libvirt_daemon.py), a domain made by ``vmlend xml new``, started with
 ``vmlend vm start`` (libvirtd runs the installed hook, which borrows through the SmartIO
 stand-in and creates the mdev in the kernel; QEMU opens it through VFIO), a device hot-added
-with ``vmlend attach --live``, and ``vmlend vm destroy``.
+with ``vmlend attach --live``, and ``vmlend vm destroy``. The same domain started and
+destroyed with ``virsh`` alone (the test shells out to it as an operator would; vmlend never
+does).
 
 The CLI commands run in this process (click's runner: the commands' code, not a fresh
 interpreter, which costs seconds under TCG); the hook runs as libvirtd runs it, the installed
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -293,4 +296,47 @@ def test_two_vms_asking_for_the_last_instance_get_one_clear_refusal_and_leak_not
     assert available(0x12) == 1
     with capsys.disabled():
         print(f"\n  two starts at once {both:.1f} s, vm destroy {destroyed:.1f} s")
+
+
+def virsh(uri: str, *args: str) -> str:
+    """The operator's ``virsh -c URI ARGS...``; its output (it must succeed). vmlend itself
+    never runs virsh: this is the user's side of the production path."""
+    r = subprocess.run(["virsh", "-c", uri, *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (args, r.stdout, r.stderr)
+    return r.stdout
+
+
+def test_a_vm_made_by_xml_new_runs_and_stops_through_virsh(host, libvirtd, libvirt_conn, capsys):
+    """No vmlend command between the XML and the stop: ``virsh define``, ``virsh start`` and
+    ``virsh destroy``, with vmlend's hook in libvirtd doing the borrowing and the release."""
+    bus = MdevBus(REAL)
+    xml, u1 = host.xml_new("web", "0x12")
+    virsh(host.uri, "define", str(xml))
+
+    t0 = time.monotonic()
+    out = virsh(host.uri, "start", "web")
+    started = time.monotonic() - t0
+    assert "Domain 'web' started" in out, out
+    dom = libvirt_conn.lookupByName("web")
+    assert dom.isActive()
+    dev = bus.device(u1)
+    assert dev is not None and (dev.parent, dev.type_id) == ("smartio-12", LEND)
+    pid = qemu_pid(libvirtd, "web")
+    assert holds_group(pid, u1)
+    assert host.registry() == ([(0x12, "web")], [(u1, "web")])
+    bus.create("smartio-12", FOREIGN, FOREIGN_1)  # a child vmlend did not make, beside it
+
+    t0 = time.monotonic()
+    out = virsh(host.uri, "destroy", "web")
+    destroyed = time.monotonic() - t0
+    assert "Domain 'web' destroyed" in out, out
+    assert not dom.isActive()
+    assert errors_about(libvirtd.read_log(), u1) == []
+    left = sorted(d.uuid for d in bus.devices())
+    assert left == [FOREIGN_1], f"after the release the kernel has {left}, not only {FOREIGN_1}"
+    assert host.registry() == ([], [])
+    assert STUB.registered() == ["smartio-12"]  # the parent keeps the child vmlend did not make
+    assert host.hook_log("web", "prepare") and host.hook_log("web", "release")
+    with capsys.disabled():
+        print(f"\n  virsh start {started:.1f} s, virsh destroy {destroyed:.1f} s")
 
