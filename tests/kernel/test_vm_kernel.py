@@ -4,7 +4,7 @@ libvirtd (tests/support/libvirt_daemon.py), a domain made by ``vmlend xml new``,
 stand-in and creates the mdev in the kernel; QEMU opens it through VFIO), a device hot-added
 with ``vmlend attach --live``, and ``vmlend vm destroy``. The same domain started and
 destroyed with ``virsh`` alone (the test shells out to it as an operator would; vmlend never
-does).
+does). A live detach that no guest OS acknowledges, ending in vmlend's timeout.
 
 The CLI commands run in this process (click's runner: the commands' code, not a fresh
 interpreter, which costs seconds under TCG); the hook runs as libvirtd runs it, the installed
@@ -33,8 +33,10 @@ from click.testing import CliRunner, Result
 from tests.support.kernel_guest import FOREIGN, LEND, PORTS, REAL, STUB, available
 from tests.support.libvirt_daemon import LibvirtDaemon
 from vmlend.cli import main
+from vmlend.domain import read_domain
 from vmlend.hook.actionlog import log_path_for_state
 from vmlend.kernel.mdev import MdevBus
+from vmlend.ops.unplug import DetachWait
 from vmlend.wiring.fabric import open_fabric
 
 pytestmark = pytest.mark.libvirtd
@@ -339,4 +341,46 @@ def test_a_vm_made_by_xml_new_runs_and_stops_through_virsh(host, libvirtd, libvi
     assert host.hook_log("web", "prepare") and host.hook_log("web", "release")
     with capsys.disabled():
         print(f"\n  virsh start {started:.1f} s, virsh destroy {destroyed:.1f} s")
+
+
+def test_a_live_detach_the_guest_never_acknowledges_times_out_keeping_the_device(
+    host, libvirtd, libvirt_conn, capsys
+):
+    """The tier's guests run no OS (SeaBIOS finds nothing to boot), so nothing answers the
+    ACPI unplug request: libvirt's live detach returns with the device still plugged, and
+    vmlend waits for it to leave the live XML for ``DetachWait.timeout`` (10 s; there is no
+    option to change it). Then, as docs/user-guide.md and ``DetachTimeoutError`` say: one
+    error line, exit 1, and the device stays the VM's: plugged, reserved, its mdev held by
+    QEMU, nothing for ``reconcile`` to repair. The stop returns it as usual."""
+    bus = MdevBus(REAL)
+    u1 = host.new_vm("web", "0x12")
+    host.vmlend("vm", "start", "web")
+    dom = libvirt_conn.lookupByName("web")
+    pid = qemu_pid(libvirtd, "web")
+
+    t0 = time.monotonic()
+    r = host.run("detach", "web", "0x12", "--live")
+    waited = time.monotonic() - t0
+    assert r.exit_code == 1, r.output
+    assert r.output.splitlines() == [
+        f"Error: detach device from web refused: device 0x12 (mdev {u1}) is still attached"
+        f" after {DetachWait().timeout:g} s; the guest did not release it; re-run 'vmlend"
+        " detach web 0x12' once it has (the device stays reserved until then)"
+    ], r.output
+    # Still the VM's everywhere: libvirt's live XML (hostdev and vmlend's metadata), the
+    # registry, the kernel, QEMU.
+    assert dom.isActive()
+    live = dom.XMLDesc(0)
+    assert f'uuid="{u1}"' in live or f"uuid='{u1}'" in live, live
+    assert [d.fdid for d in read_domain(live.encode()).devices] == [0x12]
+    assert host.registry() == ([(0x12, "web")], [(u1, "web")])
+    dev = bus.device(u1)
+    assert dev is not None and dev.parent == "smartio-12" and holds_group(pid, u1)
+    drift = json.loads(host.vmlend("reconcile", "--json"))["drift"]
+    assert drift == [], drift
+
+    host.vmlend("vm", "destroy", "web")
+    assert bus.devices() == [] and host.registry() == ([], []) and STUB.registered() == []
+    with capsys.disabled():
+        print(f"\n  detach --live until its timeout {waited:.1f} s")
 
