@@ -385,6 +385,30 @@ class LibvirtDaemon:
         self.timings["start_total"] = time.monotonic() - t0
         log.info("private libvirtd at %s ready: %s", self.uri, self.timings)
 
+    def restart_libvirtd(self) -> float:
+        """Stop libvirtd by its PID and start it again with the same config, as an operator's
+        ``systemctl restart libvirtd`` does: running guests keep running (libvirtd leaves QEMU
+        when it exits) and the new daemon reconnects to them, running the qemu hook's
+        ``reconnect begin``. virtlogd stays. Returns the seconds until the new socket accepted.
+        The QEMUs lose their subreaper with the old reaper and reparent to PID 1."""
+        old = self._procs.get("libvirtd")
+        if old is None or self._libvirtd_pid is None:
+            raise RuntimeError("libvirtd is not running: start() it first")
+        t0 = time.monotonic()
+        stop_pid(self._libvirtd_pid)  # SIGTERM: a clean exit, guests left running
+        stop_pid(old.pid, proc=old)  # its reaper exits with it; reap the reaper
+        old.wait(timeout=STOP_TIMEOUT)
+        pidfile = self.layout.run_dir / "libvirtd.pid"
+        pidfile.unlink(missing_ok=True)  # never read the old daemon's pid for the new one
+        self._libvirtd_pid = None
+        self._spawn(
+            "libvirtd", self.layout.config_dir / "libvirtd.conf", [sys.executable, str(REAPER)]
+        )
+        self._wait_socket("libvirtd", self.layout.socket)
+        self._libvirtd_pid = int(pidfile.read_text().strip())
+        self.timings["restart"] = time.monotonic() - t0
+        return self.timings["restart"]
+
     def stop(self) -> list[int]:
         """Destroy running guests, stop libvirtd then virtlogd; return pids still alive."""
         qemu = self.qemu_pids()
