@@ -5,6 +5,7 @@ stand-in and creates the mdev in the kernel; QEMU opens it through VFIO), a devi
 with ``vmlend attach --live``, and ``vmlend vm destroy``. The same domain started and
 destroyed with ``virsh`` alone (the test shells out to it as an operator would; vmlend never
 does). A live detach that no guest OS acknowledges, ending in vmlend's timeout.
+libvirtd restarted under a running VM (the hook's ``reconnect``), on a daemon of the test's own.
 
 The CLI commands run in this process (click's runner: the commands' code, not a fresh
 interpreter, which costs seconds under TCG); the hook runs as libvirtd runs it, the installed
@@ -31,7 +32,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from tests.support.kernel_guest import FOREIGN, LEND, PORTS, REAL, STUB, available
-from tests.support.libvirt_daemon import LibvirtDaemon
+from tests.support.libvirt_daemon import LibvirtDaemon, pid_alive, wait_for
 from vmlend.cli import main
 from vmlend.domain import read_domain
 from vmlend.hook.actionlog import log_path_for_state
@@ -384,3 +385,75 @@ def test_a_live_detach_the_guest_never_acknowledges_times_out_keeping_the_device
     with capsys.disabled():
         print(f"\n  detach --live until its timeout {waited:.1f} s")
 
+
+@pytest.fixture
+def own_libvirtd(libvirtd, tmp_path_factory):
+    """A private libvirtd of this test's own (the test restarts it), with the session daemon's
+    QEMU capability cache so that it skips the probe."""
+    daemon = LibvirtDaemon(
+        tmp_path_factory.mktemp("lvr"), cache_dir=libvirtd.layout.private("cache")
+    )
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        survivors = daemon.stop()
+        assert not survivors, f"processes left running after libvirtd teardown: {survivors}"
+
+
+def test_libvirtd_restarted_under_a_running_vm_reconnects_and_releases_later(
+    own_libvirtd, tmp_path, fabric_devices, capsys
+):
+    """libvirtd restarts while a VM runs with a remote device: the new daemon runs the hook's
+    ``reconnect begin``, which finds the VM's hold and mdev as they were (docs/hooks.md); the
+    VM keeps running on the same QEMU, which still holds the mdev; ``vmlend reconcile``
+    finds nothing to repair; and the stop through the new daemon releases as usual."""
+    daemon = own_libvirtd
+    bus = MdevBus(REAL)
+    with operator_host(daemon, tmp_path) as host:
+        u1 = host.new_vm("web", "0x12")
+        host.vmlend("vm", "start", "web")
+        pid = qemu_pid(daemon, "web")
+        assert holds_group(pid, u1)
+        assert host.hook_log("web", "reconnect") == []
+        before = daemon.pids["libvirtd"]
+
+        restarted = daemon.restart_libvirtd()
+        assert daemon.pids["libvirtd"] != before
+        # The new daemon reconnects to its guests in threads of its own, maybe after its
+        # socket is up: wait for the hook's last record of it (ops.reconnect ends with
+        # "consistent" or the problem; a hook that failed records "PROBLEM ...").
+        def reconnect_done() -> bool:
+            done = ("consistent", "PROBLEM")
+            return any(w in m for m in host.hook_log("web", "reconnect") for w in done)
+
+        t0 = time.monotonic()
+        wait_for(reconnect_done, 120, "the reconnect hook", 0.1)
+        reconnected = time.monotonic() - t0
+        # It found the hold and the mdev as they were (acquire_device is idempotent, and says
+        # so step by step), and changed nothing.
+        assert host.hook_log("web", "reconnect") == [
+            "reserve 0x12: ok", f"mdev {u1} for 0x12 under smartio-12: ok", "1 device consistent",
+        ]  # fmt: skip
+        conn = daemon.connect()
+        try:
+            assert conn.lookupByName("web").isActive()
+        finally:
+            conn.close()
+        assert qemu_pid(daemon, "web") == pid and pid_alive(pid)
+        dev = bus.device(u1)
+        assert dev is not None and (dev.parent, dev.type_id) == ("smartio-12", LEND)
+        assert holds_group(pid, u1)
+        assert host.registry() == ([(0x12, "web")], [(u1, "web")])
+        report = json.loads(host.vmlend("reconcile", "--json"))  # exit 0: nothing to repair
+        assert (report["node"], report["drift"]) == ("gamma", []), report
+
+        t0 = time.monotonic()
+        host.vmlend("vm", "destroy", "web")
+        destroyed = time.monotonic() - t0
+        assert not pid_alive(pid)
+        assert bus.devices() == [] and host.registry() == ([], []) and STUB.registered() == []
+        assert errors_about(daemon.read_log(), u1) == []
+    with capsys.disabled():
+        print(f"\n  libvirtd restart {restarted:.1f} s, reconnect hook {reconnected:.1f} s"
+              f" later, vm destroy {destroyed:.1f} s")  # fmt: skip
