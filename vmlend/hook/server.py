@@ -51,7 +51,7 @@ from vmlend.hook.sockplace import SocketPlace
 from vmlend.hostenv import ROOT_ENV, HostEnv
 from vmlend.registry import parse_location
 from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_env
-from vmlend.wiring.fabric import BACKEND_ENV, open_fabric
+from vmlend.wiring.fabric import BACKEND_ENV, default_backend, open_fabric
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,11 @@ def identity_of(environ: Mapping[str, str]) -> HookIdentity:
         state=state,
         node=node,
         root=root,
-        backend=environ.get(BACKEND_ENV) or "sim",
+        # Unset, the backend is the host's, as open_fabric chooses it for a hook process:
+        # "smartio" where the driver is loaded under the root. Not "sim": an agent serving an
+        # unpinned hook then ran the call on the simulator, and the VM's mdev never reached
+        # the kernel (found by the kernel tier, tests/kernel/test_vm_kernel.py).
+        backend=environ.get(BACKEND_ENV) or default_backend(HostEnv(Path(root))),
         fault=environ.get(FAULT_ENV) or "",
     )
 
