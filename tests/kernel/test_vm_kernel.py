@@ -6,6 +6,7 @@ with ``vmlend attach --live``, and ``vmlend vm destroy``. The same domain starte
 destroyed with ``virsh`` alone (the test shells out to it as an operator would; vmlend never
 does). A live detach that no guest OS acknowledges, ending in vmlend's timeout.
 libvirtd restarted under a running VM (the hook's ``reconnect``), on a daemon of the test's own.
+``vmlend agent`` (SQLite: the hook server only) serving the installed hook on the kernel backend.
 
 The CLI commands run in this process (click's runner: the commands' code, not a fresh
 interpreter, which costs seconds under TCG); the hook runs as libvirtd runs it, the installed
@@ -17,10 +18,14 @@ before libvirt's own teardown, which then found the mdev gone."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -457,3 +462,70 @@ def test_libvirtd_restarted_under_a_running_vm_reconnects_and_releases_later(
     with capsys.disabled():
         print(f"\n  libvirtd restart {restarted:.1f} s, reconnect hook {reconnected:.1f} s"
               f" later, vm destroy {destroyed:.1f} s")  # fmt: skip
+
+
+def test_the_agent_on_the_kernel_backend_serves_libvirtds_hook(
+    host, libvirtd, libvirt_conn, capsys
+):
+    """``vmlend agent`` on this host's SQLite state (the hook server only, docs/hooks.md "The
+    agent serves the hook"), on the kernel backend: libvirtd runs the installed hook, which
+    forwards prepare and release to the agent over the socket ``hook install`` pinned, and the
+    agent borrows through the SmartIO stand-in and creates and removes the mdev in the kernel.
+    Every hook record of the VM is the agent's (its pid); what the kernel, QEMU and the
+    registry hold is what the in-process hook leaves; SIGTERM stops the agent cleanly."""
+    bus = MdevBus(REAL)
+    u1 = host.new_vm("web", "0x12")
+    pinned = tomllib.loads(host.config.read_text())["hook-socket"]
+    sock = host.work / pinned.lstrip("/")  # as seen inside the host root (the test's dir)
+    env = {k: v for k, v in os.environ.items() if k != "VMLEND_STATE"}  # the file's, pinned
+    agent_log = host.work / "agent.log"
+    log = agent_log.open("wb")
+    t0 = time.monotonic()
+    agent = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "vmlend"),
+            "--state", str(host.state), "--config", str(host.config), "agent",
+        ],
+        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log.close()
+    try:
+
+        def serving() -> bool:
+            assert agent.poll() is None, agent_log.read_text()
+            return sock.is_socket()
+
+        wait_for(serving, 300, f"the agent's socket {sock}", 0.1)
+        ready = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        r = host.run("vm", "start", "web")
+        started = time.monotonic() - t0
+        assert r.exit_code == 0, "\n".join(
+            [r.output, log_path_for_state(host.state).read_text(), agent_log.read_text()]
+        )
+        dom = libvirt_conn.lookupByName("web")
+        assert dom.isActive()
+        dev = bus.device(u1)
+        assert dev is not None and (dev.parent, dev.type_id) == ("smartio-12", LEND)
+        assert holds_group(qemu_pid(libvirtd, "web"), u1)
+        assert host.registry() == ([(0x12, "web")], [(u1, "web")])
+        assert host.hook_log("web", "prepare")[-1] == "1 device ready"
+
+        t0 = time.monotonic()
+        host.vmlend("vm", "destroy", "web")
+        destroyed = time.monotonic() - t0
+        assert bus.devices() == [] and host.registry() == ([], []) and STUB.registered() == []
+        assert errors_about(libvirtd.read_log(), u1) == []
+        lines = log_path_for_state(host.state).read_text().splitlines()
+        pids = {int(p) for ln in lines if " vm=web " in ln for p in re.findall(r" pid=(\d+) ", ln)}
+        assert pids == {agent.pid}, lines
+        assert any(" vm=web release: " in ln for ln in lines), lines
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+        code = agent.wait(60)
+    assert code == 0, agent_log.read_text()
+    with capsys.disabled():
+        print(f"\n  agent serving after {ready:.1f} s, vm start {started:.1f} s,"
+              f" vm destroy {destroyed:.1f} s (hook served by the agent)")  # fmt: skip
