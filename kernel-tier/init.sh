@@ -12,6 +12,8 @@ mkdir -p /dev/pts /dev/shm && mount -t devpts devpts /dev/pts && mount -t tmpfs 
 # /tmp stays the initramfs' own (writable): a tmpfs over it would hide a checkout under /tmp
 mkdir -p /tmp && chmod 1777 /tmp
 mount -t tmpfs tmpfs /run
+# loopback, for the daemons tests start on 127.0.0.1 (etcd); the guest has no other network
+ip link set lo up
 # the SmartIO stand-in's control (smartio/ctl: what the rest of the fabric does)
 mount -t debugfs debugfs /sys/kernel/debug
 . /kernel-tier.env

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Build the guest's initramfs in two archives the kernel unpacks one after the other:
 #   base.cpio  busybox, the five modules, Python 3.11 with the project's venv (pre-compiled),
-#              QEMU, libvirtd and virsh, the shared libraries they load, an ld.so.cache:
+#              QEMU, libvirtd, virsh and etcd, the shared libraries they load, an ld.so.cache:
 #              rebuilt only when an input changes;
 #   src.cpio   the worktree's vmlend/ tests/ ... (bytecode compiled on the host) and /init:
 #              rebuilt every run (a second or two).
@@ -60,6 +60,9 @@ if [ ! -f "$B/base.cpio" ] || [ "$(cat "$B/base.stamp" 2>/dev/null)" != "$BASE_I
   cp /usr/sbin/libvirtd /usr/sbin/virtlogd "$S/usr/sbin/"
   # virsh, which tests run as an operator would (the library itself never shells out to it).
   cp /usr/bin/virsh "$S/usr/bin/"
+  # etcd (Debian's etcd-server, make sysdeps), for tests/support/etcd_daemon.py's private
+  # cluster registry on loopback.
+  cp /usr/bin/etcd "$S/usr/bin/"
   cp -a /usr/lib/x86_64-linux-gnu/libvirt "$S/usr/lib/x86_64-linux-gnu/"
   cp -a /usr/lib/libvirt "$S/usr/lib/"
   cp -a /usr/share/libvirt "$S/usr/share/"
