@@ -36,13 +36,19 @@ import libvirt_qemu
 import pytest
 from click.testing import CliRunner, Result
 
+from tests.support.etcd_daemon import cluster_name
+from tests.support.hostroot import identify
 from tests.support.kernel_guest import FOREIGN, LEND, PORTS, REAL, STUB, available
 from tests.support.libvirt_daemon import LibvirtDaemon, pid_alive, wait_for
 from vmlend.cli import main
 from vmlend.domain import read_domain
 from vmlend.hook.actionlog import log_path_for_state
+from vmlend.hostenv import HostEnv
 from vmlend.kernel.mdev import MdevBus
 from vmlend.ops.unplug import DetachWait
+from vmlend.registry import hostlease, parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.etcd_keys import Keys
 from vmlend.wiring.fabric import open_fabric
 
 pytestmark = pytest.mark.libvirtd
@@ -61,10 +67,21 @@ class Host:
     config: Path
     uri: str
     work: Path
+    #: A cluster registry (etcd://...) instead of the SQLite state; the action log stays
+    #: beside ``state``.
+    registry_url: str | None = None
+
+    @property
+    def options(self) -> list[str]:
+        """vmlend's global options for this host (the agent's command line takes them too)."""
+        base = ["--state", str(self.state), "--config", str(self.config)]
+        if self.registry_url is not None:
+            base += ["--registry", self.registry_url, "--node", "gamma"]
+        return base
 
     def run(self, *args: str) -> Result:
         """One ``vmlend`` command, whatever its exit code."""
-        base = ["--state", str(self.state), "--config", str(self.config), "-c", self.uri]
+        base = [*self.options, "-c", self.uri]
         return CliRunner().invoke(main, [*base, *args], catch_exceptions=False)
 
     def vmlend(self, *args: str) -> str:
@@ -102,17 +119,19 @@ class Host:
 
     def registry(self) -> tuple[list[tuple[int, str]], list[tuple[str, str]]]:
         """(fdid, holding VM) of every held device and (uuid, VM) of every mdev record."""
-        with open_fabric(self.state, "gamma") as fab:
+        with open_fabric(self.registry_url or self.state, "gamma") as fab:
             held = [(d.fdid, d.holder.vm) for d in fab.devices() if d.holder is not None]
             records = [(m.uuid, m.vm) for m in fab.mdev_records()]
         return held, records
 
 
 @contextmanager
-def operator_host(daemon: LibvirtDaemon, work: Path) -> Iterator[Host]:
+def operator_host(
+    daemon: LibvirtDaemon, work: Path, registry_url: str | None = None
+) -> Iterator[Host]:
     """This host set up with vmlend's hook installed in ``daemon``; what a test left running
-    there is destroyed and undefined afterwards."""
-    h = Host(work / "state.db", work / "vmlend.toml", daemon.uri, work)
+    there is destroyed and undefined afterwards. ``registry_url``: a cluster registry."""
+    h = Host(work / "state.db", work / "vmlend.toml", daemon.uri, work, registry_url)
     h.config.touch()  # the operator's file: 'hook install' writes what the hook needs into it
     h.vmlend("fabric", "init", "--node", "gamma")
     libvirt_dir = daemon.hooks_dir.parent
@@ -464,68 +483,91 @@ def test_libvirtd_restarted_under_a_running_vm_reconnects_and_releases_later(
               f" later, vm destroy {destroyed:.1f} s")  # fmt: skip
 
 
+@pytest.mark.parametrize("registry", ["sqlite", "etcd"])
 def test_the_agent_on_the_kernel_backend_serves_libvirtds_hook(
-    host, libvirtd, libvirt_conn, capsys
+    registry, libvirtd, libvirt_conn, tmp_path, fabric_devices, request, capsys
 ):
-    """``vmlend agent`` on this host's SQLite state (the hook server only, docs/hooks.md "The
-    agent serves the hook"), on the kernel backend: libvirtd runs the installed hook, which
-    forwards prepare and release to the agent over the socket ``hook install`` pinned, and the
-    agent borrows through the SmartIO stand-in and creates and removes the mdev in the kernel.
-    Every hook record of the VM is the agent's (its pid); what the kernel, QEMU and the
-    registry hold is what the in-process hook leaves; SIGTERM stops the agent cleanly."""
+    """``vmlend agent`` serving libvirtd's hook on the kernel backend (docs/hooks.md, "The
+    agent serves the hook"): on SQLite the hook server only; on a private etcd also this
+    host's lease, which the holds it takes for the hook carry. libvirtd runs the installed
+    hook, which forwards prepare and release to the agent over the socket ``hook install``
+    pinned, and the agent borrows through the SmartIO stand-in and creates and removes the
+    mdev in the kernel. Every hook record of the VM is the agent's (its pid); what the kernel,
+    QEMU and the registry hold is what the in-process hook leaves; SIGTERM stops the agent
+    with exit 0."""
+    url = None
+    if registry == "etcd":
+        # A cluster of this test's own on the session's etcd; not the etcd_url fixture, which
+        # publishes a stand-in lease under a root of its own: here the agent publishes its
+        # lease under this host's root, and the hook's calls take it.
+        url = request.getfixturevalue("etcd").url(cluster_name(request))
+        identify(tmp_path)  # the machine-id the etcd agent binds its node name to
     bus = MdevBus(REAL)
-    u1 = host.new_vm("web", "0x12")
-    pinned = tomllib.loads(host.config.read_text())["hook-socket"]
-    sock = host.work / pinned.lstrip("/")  # as seen inside the host root (the test's dir)
-    env = {k: v for k, v in os.environ.items() if k != "VMLEND_STATE"}  # the file's, pinned
-    agent_log = host.work / "agent.log"
-    log = agent_log.open("wb")
-    t0 = time.monotonic()
-    agent = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "vmlend"),
-            "--state", str(host.state), "--config", str(host.config), "agent",
-        ],
-        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    log.close()
-    try:
-
-        def serving() -> bool:
-            assert agent.poll() is None, agent_log.read_text()
-            return sock.is_socket()
-
-        wait_for(serving, 300, f"the agent's socket {sock}", 0.1)
-        ready = time.monotonic() - t0
-
+    with operator_host(libvirtd, tmp_path, url) as host:
+        u1 = host.new_vm("web", "0x12")
+        pinned = tomllib.loads(host.config.read_text())["hook-socket"]
+        sock = host.work / pinned.lstrip("/")  # as seen inside the host root (the test's dir)
+        env = {k: v for k, v in os.environ.items() if k != "VMLEND_STATE"}  # ours: --state
+        agent_log = host.work / "agent.log"
+        log = agent_log.open("wb")
         t0 = time.monotonic()
-        r = host.run("vm", "start", "web")
-        started = time.monotonic() - t0
-        assert r.exit_code == 0, "\n".join(
-            [r.output, log_path_for_state(host.state).read_text(), agent_log.read_text()]
-        )
-        dom = libvirt_conn.lookupByName("web")
-        assert dom.isActive()
-        dev = bus.device(u1)
-        assert dev is not None and (dev.parent, dev.type_id) == ("smartio-12", LEND)
-        assert holds_group(qemu_pid(libvirtd, "web"), u1)
-        assert host.registry() == ([(0x12, "web")], [(u1, "web")])
-        assert host.hook_log("web", "prepare")[-1] == "1 device ready"
+        agent = subprocess.Popen(
+            [str(Path(sys.executable).parent / "vmlend"), *host.options, "agent"],
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+        try:
 
-        t0 = time.monotonic()
-        host.vmlend("vm", "destroy", "web")
-        destroyed = time.monotonic() - t0
-        assert bus.devices() == [] and host.registry() == ([], []) and STUB.registered() == []
-        assert errors_about(libvirtd.read_log(), u1) == []
-        lines = log_path_for_state(host.state).read_text().splitlines()
-        pids = {int(p) for ln in lines if " vm=web " in ln for p in re.findall(r" pid=(\d+) ", ln)}
-        assert pids == {agent.pid}, lines
-        assert any(" vm=web release: " in ln for ln in lines), lines
-    finally:
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-        code = agent.wait(60)
-    assert code == 0, agent_log.read_text()
+            def serving() -> bool:
+                assert agent.poll() is None, agent_log.read_text()
+                return sock.is_socket()
+
+            wait_for(serving, 300, f"the agent's socket {sock}", 0.1)
+            ready = time.monotonic() - t0
+
+            t0 = time.monotonic()
+            r = host.run("vm", "start", "web")
+            started = time.monotonic() - t0
+            assert r.exit_code == 0, "\n".join(
+                [r.output, log_path_for_state(host.state).read_text(), agent_log.read_text()]
+            )
+            dom = libvirt_conn.lookupByName("web")
+            assert dom.isActive()
+            dev = bus.device(u1)
+            assert dev is not None and (dev.parent, dev.type_id) == ("smartio-12", LEND)
+            assert holds_group(qemu_pid(libvirtd, "web"), u1)
+            assert host.registry() == ([(0x12, "web")], [(u1, "web")])
+            assert host.hook_log("web", "prepare")[-1] == "1 device ready"
+            if url is not None:
+                lease = hostlease.read(hostlease.lease_path(HostEnv(host.work))).lease
+                assert hold_leases(url, 0x12) == [lease]
+
+            t0 = time.monotonic()
+            host.vmlend("vm", "destroy", "web")
+            destroyed = time.monotonic() - t0
+            assert bus.devices() == [] and host.registry() == ([], [])
+            assert STUB.registered() == []
+            assert errors_about(libvirtd.read_log(), u1) == []
+            lines = log_path_for_state(host.state).read_text().splitlines()
+            mine = [ln for ln in lines if " vm=web " in ln]
+            assert {int(p) for ln in mine for p in re.findall(r" pid=(\d+) ", ln)} == {agent.pid}
+            assert any(" vm=web release: " in ln for ln in mine), lines
+        finally:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
+            code = agent.wait(60)
+        assert code == 0, agent_log.read_text()
     with capsys.disabled():
-        print(f"\n  agent serving after {ready:.1f} s, vm start {started:.1f} s,"
+        print(f"\n  {registry}: agent serving after {ready:.1f} s, vm start {started:.1f} s,"
               f" vm destroy {destroyed:.1f} s (hook served by the agent)")  # fmt: skip
+
+
+def hold_leases(url: str, fdid: int) -> list[int]:
+    """The etcd leases the hold key of ``fdid`` is attached to."""
+    loc = parse_location(url)
+    gw = EtcdGateway(loc.endpoints)
+    try:
+        _rev, kvs = gw.range(Keys(loc.cluster).hold(fdid))
+    finally:
+        gw.close()
+    return [kv.lease for kv in kvs]
