@@ -138,19 +138,23 @@ def operator_host(
     out = json.loads(h.vmlend("hook", "install", "--libvirt-dir", str(libvirt_dir), "--json"))
     assert out["restart_needed"] is False  # the daemon's hooks are enabled: qemu.d is read
     assert (daemon.hooks_dir / "qemu.d" / "vmlend").is_file()
-    yield h
-    # Stop what a failed test left running before the kernel's children are removed (a child
-    # QEMU holds cannot be removed); libvirtd runs the hook, which releases.
-    conn = daemon.connect()
     try:
-        for dom in conn.listAllDomains():
-            if dom.isActive():
-                dom.destroy()
-            dom.undefine()
+        yield h
     finally:
-        conn.close()
-    daemon.remove_hook()
-    h.vmlend("hook", "uninstall", "--libvirt-dir", str(libvirt_dir))
+        # Also after a failed test (the exception comes out of the yield): stop what it left
+        # running before the kernel's children are removed (a child QEMU holds cannot be
+        # removed; libvirtd runs the hook, which releases), and undefine its domains, which
+        # the next test on the session's daemon would otherwise find.
+        conn = daemon.connect()
+        try:
+            for dom in conn.listAllDomains():
+                if dom.isActive():
+                    dom.destroy()
+                dom.undefine()
+        finally:
+            conn.close()
+        daemon.remove_hook()
+        h.vmlend("hook", "uninstall", "--libvirt-dir", str(libvirt_dir))
 
 
 @pytest.fixture
