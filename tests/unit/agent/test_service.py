@@ -256,6 +256,19 @@ class HungDomain:
         hv.lookup = lookup
 
 
+def _serving(path) -> bool:
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_other_vms(
     started, url, monkeypatch, caplog
 ):
@@ -296,7 +309,8 @@ def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_o
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while not agent.clock.view().settled:
+        # start-up done: the hook is served (a start before it would be refused, after 5 s)
+        while not (agent.clock.view().settled and _serving(agent.config.hook_server.path)):
             assert thread.is_alive() and time.monotonic() < deadline
             time.sleep(0.05)
         for name, vm_uuid, fdid in (("web", WEB.vm_uuid, GPU), ("app", app_uuid, NIC)):
