@@ -629,7 +629,8 @@ class Workload:
         #: How many ``claim``s hold each VM (a nemesis's ``_free_up`` may claim it again).
         self._claimed: Counter[tuple[str, str]] = Counter()
         #: Devices a nemesis needs free: no VM wanting one is started, none is hot-added.
-        self._kept_off: set[int] = set()
+        #: devices no VM of the workload may take now, with how many nemeses keep each off
+        self._kept_off: Counter[int] = Counter()
         self._threads = [
             threading.Thread(target=self._run, args=(node, seed), name=f"work-{node}", daemon=True)
             for node in VMS
@@ -674,12 +675,12 @@ class Workload:
         """Start no VM that wants ``fdid`` and hot-add it nowhere (the workload's other VMs
         would otherwise race a nemesis for it on a loaded machine); what holds it goes on."""
         with self._lock:
-            self._kept_off.add(fdid)
+            self._kept_off[fdid] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._kept_off.discard(fdid)
+                self._kept_off -= Counter({fdid: 1})  # drops it at zero: nesting is fine
 
     def _run(self, node: str, seed: int) -> None:
         rng = random.Random(f"{seed}/{node}")
@@ -702,7 +703,7 @@ class Workload:
     ) -> None:
         if vm not in running:
             with self._lock:
-                kept_off = bool(self._kept_off & set(VMS[h.node][vm]))
+                kept_off = bool(self._kept_off.keys() & set(VMS[h.node][vm]))
             if not kept_off:
                 self.call(h, "vm", "start", vm)
         elif rng.random() < 0.5:
@@ -977,11 +978,7 @@ def freeze_release(c: Cluster, rng: random.Random, say: Say, *, kill: bool = Fal
     vm = rng.choice(sorted(VMS[node]))
     with work.claim(node, vm):
         deadline = time.monotonic() + WAIT
-        while live_devices(h, vm) is None:
-            for fdid in VMS[node][vm]:
-                _free_up(c, fdid, deadline, say)
-            work.call(h, "vm", "start", vm)
-            assert time.monotonic() < deadline, f"{node}/{vm} never started"
+        _start_kept(c, h, vm, deadline, say)
         frozen = _start_frozen(h, ("vm", "destroy", vm), "release:after-mdevs", work)
         if frozen is None:
             say(f"the release of {node}/{vm} did not stop: {work.calls[-1].describe()}")
@@ -1003,11 +1000,7 @@ def freeze_attach_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> No
     assert work is not None and h.host.agent is not None
     with work.claim(node, vm):
         deadline = time.monotonic() + WAIT
-        while (used := live_devices(h, vm)) is None:
-            for wanted in VMS[node][vm]:
-                _free_up(c, wanted, deadline, say)
-            work.call(h, "vm", "start", vm)
-            assert time.monotonic() < deadline, f"{node}/{vm} never started"
+        used = _start_kept(c, h, vm, deadline, say)
         free = [f for f in HOT[node] if f not in used]  # not one the workload hot-added
         if not free:
             say(f"{node}/{vm} has every device it may hot-add")
@@ -1151,6 +1144,24 @@ def _let_go(h: NHost, work: Workload, frozen: Frozen) -> CliCall:
     done = CliCall(h.node, frozen.argv, proc.returncode, err, took, frozen.wall)
     work.record(done)
     return done
+
+
+def _start_kept(c: Cluster, h: NHost, vm: str, deadline: float, say: Say) -> frozenset[int]:
+    """Start ``vm`` of ``h`` (claimed by the caller) unless it runs: its devices freed and kept
+    off the workload until it runs, or the workload's other VMs take them back between the
+    frees and the start, round after round, on a loaded machine (seed 1 saw it for 60 s).
+    The devices it runs with."""
+    work = c.work
+    assert work is not None
+    with ExitStack() as kept:
+        for fdid in VMS[h.node][vm]:
+            kept.enter_context(work.keep_off(fdid))
+        while (used := live_devices(h, vm)) is None:
+            for fdid in VMS[h.node][vm]:
+                _free_up(c, fdid, deadline, say)
+            work.call(h, "vm", "start", vm)
+            assert time.monotonic() < deadline, f"{h.node}/{vm} never started"
+    return used
 
 
 def _free_up(c: Cluster, fdid: int, deadline: float, say: Say) -> None:
@@ -1463,11 +1474,7 @@ def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
                 f" start {other} meanwhile"
             )
             offset = h.log_size()
-            while live_devices(h, other) is None:
-                for fdid in VMS[node][other]:
-                    _free_up(c, fdid, deadline, say)
-                work.call(h, "vm", "start", other)
-                assert time.monotonic() < deadline, f"{node}/{other} never started"
+            _start_kept(c, h, other, deadline, say)
             # its worker has seen it run (announced by its prepare hook, then looked at)
             seen = re.compile(rf"vmlend: VM {other}: (?:starting -> running|guarded \(running\))")
             while not seen.search(h.log_since(offset)):
