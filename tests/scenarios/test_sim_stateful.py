@@ -62,12 +62,12 @@ from vmlend.domain import (
     new_domain,
     read_domain,
 )
-from vmlend.errors import BorrowTeardownError, DmaFault, VmlendError
+from vmlend.errors import BorrowTeardownError, DmaFault, StaleTokenError, VmlendError
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.nvme.guard import asid_base
-from vmlend.registry import same_holder
+from vmlend.registry import FenceRecord, same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.invariants import check_hardware, registry_grants
 from vmlend.sim.nvme.driver import NvmeDriver, QueuePair
@@ -478,6 +478,27 @@ class FabricMachine(RuleBasedStateMachine):
     @rule(fdid=devices)
     def release_after_crash(self, fdid: int) -> None:
         self._release(fdid)
+
+    @precondition(lambda self: self.vms)
+    @rule(fdid=devices)
+    def late_borrow_after_a_take_back(self, fdid: int) -> None:
+        """The holder's hold ends behind its VM (its lease ran out), the lender takes the
+        device back for it, and the holder, cut off, borrows again with its old token before
+        anyone else holds the device: the device refuses it (the token is spent)."""
+        with self.c.registry.read() as tx:
+            hold = tx.hold(fdid)
+        if hold is None or hold.holder.vm == ledger.MANAGER_VM:
+            return
+        holder, token = hold.holder, hold.token
+        self._release_own(fdid, holder)
+        self.c.fabric(self.c.hw.device(fdid).lender).take_back(FenceRecord(fdid, holder, token))
+        try:
+            self.c.hw.borrow(fdid, holder.node, holder.vm, token=token)
+        except StaleTokenError:
+            event("hand-over: a late borrow after a take-back refused")
+        else:
+            raise AssertionError(f"{fdid:#x} served {holder} again under its spent token {token}")
+        assert self.c.hw.borrowed(fdid) is None
 
     @precondition(lambda self: self.vms)
     @rule(slot=slots)
