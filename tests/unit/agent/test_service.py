@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.cluster_hosts import GPU, NIC, TTL, VMLEND, WEB, Host, domain_xml
 from tests.support.hostroot import identify
+from tests.support.libvirt_daemon import socket_accepts
 from tests.support.simfabric import make_fabric
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
@@ -256,19 +257,6 @@ class HungDomain:
         hv.lookup = lookup
 
 
-def _serving(path) -> bool:
-    import socket
-
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_other_vms(
     started, url, monkeypatch, caplog
 ):
@@ -310,7 +298,7 @@ def test_a_domain_that_hangs_after_a_lost_lease_holds_up_neither_the_lease_nor_o
     try:
         deadline = time.monotonic() + 30
         # start-up done: the hook is served (a start before it would be refused, after 5 s)
-        while not (agent.clock.view().settled and _serving(agent.config.hook_server.path)):
+        while not (agent.clock.view().settled and socket_accepts(agent.config.hook_server.path)):
             assert thread.is_alive() and time.monotonic() < deadline
             time.sleep(0.05)
         for name, vm_uuid, fdid in (("web", WEB.vm_uuid, GPU), ("app", app_uuid, NIC)):

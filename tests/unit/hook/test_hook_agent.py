@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.hostroot import identify
+from tests.support.libvirt_daemon import socket_accepts
 from tests.support.modtrace import run_script
 from tests.support.simfabric import make_fabric
 from vmlend.agent.identity import HostLock
@@ -141,14 +142,7 @@ class Host:
         return self.agent.pid
 
     def serving(self) -> bool:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(self.socket))
-            return True
-        except OSError:
-            return False
-        finally:
-            probe.close()
+        return socket_accepts(self.socket)
 
     def stop_agent(self, sig: int = signal.SIGTERM) -> int | None:
         if self.agent is None:
