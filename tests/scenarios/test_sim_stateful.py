@@ -501,6 +501,26 @@ class FabricMachine(RuleBasedStateMachine):
         assert self.c.hw.borrowed(fdid) is None
 
     @precondition(lambda self: self.vms)
+    @rule(fdid=devices)
+    def late_borrow_after_a_release(self, fdid: int) -> None:
+        """The holder's hold is released in the ordinary way (a CLI call, the release hook)
+        while a step made for it is still in flight elsewhere (the nemesis's seed 4: a
+        win-back's mdev creation): that step, coming after, is refused (the token is spent)."""
+        with self.c.registry.read() as tx:
+            hold = tx.hold(fdid)
+        if hold is None or hold.holder.vm == ledger.MANAGER_VM:
+            return
+        holder, token = hold.holder, hold.token
+        self._release_own(fdid, holder)
+        try:
+            self.c.hw.borrow(fdid, holder.node, holder.vm, token=token)
+        except StaleTokenError:
+            event("hand-over: a late borrow after a release refused")
+        else:
+            raise AssertionError(f"{fdid:#x} served {holder} again under its ended token {token}")
+        assert self.c.hw.borrowed(fdid) is None
+
+    @precondition(lambda self: self.vms)
     @rule(slot=slots)
     def release_share_behind_the_vm(self, slot: int) -> None:
         """A crash cleanup returns the VM's share while the VM still runs."""

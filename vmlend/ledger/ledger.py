@@ -626,6 +626,9 @@ class Ledger(ShareOps):
             self._hw.give_back(fdid, hold.holder.node, hold.holder.vm, token=hold.token)
             # every open mdev of the device (a manager's hold: its shares' too)
             self._hw.revoke(fdid)
+            # the hold ends here: a step made for it later (a borrow or mdev in flight in
+            # another process) is refused, as after a take-back (docs/cluster.md)
+            self._hw.retire(fdid, hold.token)
 
         def body(tx: StateTxn) -> bool:
             # one request on etcd, not six: the hold, the release's records, and the holds of

@@ -91,7 +91,9 @@ class SimFabric(Ledger):
             ours = hold is not None and same_holder(hold.holder, holder)
             if ours and hold is not None and (expected is None or expected.admits(hold)):
                 # the device before the registry: it never serves a borrow the state ended
-                self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token)
+                # and spends its token: an mdev creation that read the hold before this
+                # release (another process's) is refused when it serves it after
+                self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
         return super().release(fdid, holder, expected=expected)
 
     def take_back(self, fence: FenceRecord) -> bool:

@@ -16,7 +16,9 @@ Its rules are the SmartIO driver's ``token`` attribute and ``take_back`` (docs/s
   refused (``StaleTokenError``, nothing changed) when the device already serves a newer token
   or was taken back for this one;
 - ``end``: a normal release, or the removal of the holder's mdev, clears the borrower and
-  keeps the token (a borrower other than the one named, or a newer token, is left alone);
+  keeps the token (a borrower other than the one named, or a newer token, is left alone); a
+  release also spends the hold's token (``spend``), served or not, so an mdev creation that
+  read the hold before the release and serves it after is refused;
 - ``take_back``: the lender's take-back clears the borrower with the fence's token and retires
   it (a later ``serve`` of that token is refused: its hold has ended), and is refused
   (``StaleTokenError``, nothing changed) for a token older than the device's.
@@ -115,20 +117,22 @@ class LenderRegister:
             self._note("serve", now, after, f"{token} {borrower}")
             return after
 
-    def end(self, fdid: int, borrower: str, token: int | None = None) -> bool:
+    def end(self, fdid: int, borrower: str, token: int | None = None, *, spend: bool = False) -> bool:
         """``borrower``'s borrow ends (a normal release, or its mdev removed): the device
         serves nobody, its token stays. Only if it serves ``borrower`` (under ``token``, when
-        given): whether it did."""
+        given): whether it did. ``spend`` (a hold's release; needs ``token``): the token is
+        spent whether or not the device serves it yet, so an mdev creation for that hold still
+        in flight elsewhere is refused when it comes."""
         with self._locked(fdid):
             now = self.read(fdid)
-            asked = f"{token} {borrower}"
-            if now.borrower != borrower or (token is not None and token != now.token):
-                self._note("end", now, now, asked)
-                return False
-            after = Serving(fdid, now.token, "", now.retired)
-            self._write(after)
+            asked = f"{token} {borrower}" + (" spend" if spend else "")
+            retired = max(now.retired, token) if spend and token is not None else now.retired
+            serves = now.borrower == borrower and (token is None or token == now.token)
+            after = Serving(fdid, now.token, "" if serves else now.borrower, retired)
+            if after != now:
+                self._write(after)
             self._note("end", now, after, asked)
-            return True
+            return serves
 
     def take_back(self, fdid: int, token: int) -> Serving:
         """The lender takes the device back for the fence with token ``token``: it serves

@@ -114,6 +114,22 @@ def test_a_release_clears_the_borrower_and_keeps_the_token(reg):
     assert reg.read(GPU) == Serving(GPU, 9, "")
 
 
+def test_a_release_spends_the_holds_token_served_yet_or_not(reg):
+    """Found by the nemesis (seed 4): a win-back read b2's hold (token 7) and, before it made
+    the mdev, a CLI call released that hold. The release must spend 7 even though the device
+    did not serve it yet, so the late mdev creation is refused."""
+    reg.serve(GPU, 5, G1)
+    reg.end(GPU, G1, 5, spend=True)
+    assert not reg.end(GPU, B1, 7, spend=True)  # not served yet: nothing to clear
+    assert reg.read(GPU) == Serving(GPU, 5, "", retired=7)
+    with pytest.raises(StaleTokenError):
+        reg.serve(GPU, 7, B1)
+    assert reg.serve(GPU, 8, G1) == Serving(GPU, 8, G1, retired=7)
+    # spending an older hold's token leaves the newer borrow alone
+    assert not reg.end(GPU, B1, 7, spend=True)
+    assert reg.read(GPU) == Serving(GPU, 8, G1, retired=7)
+
+
 def test_a_file_is_replaced_whole(reg):
     reg.serve(GPU, 5, G1)
     reg.serve(GPU, 7, B1)
@@ -153,14 +169,43 @@ def test_the_sim_backend_tells_the_register_of_each_step(fab, reg):
     fab.create_mdev(GPU, U1, VM1)
     assert reg.read(GPU) == Serving(GPU, t1, "gamma/vm1")
     fab.remove_mdev(U1)
-    assert fab.release(GPU, VM1)
+    assert fab.release(GPU, VM1)  # the hold ends: its token is spent
+    assert reg.read(GPU) == Serving(GPU, t1, "", retired=t1)
     t2 = _take(fab, VM2, U2)
-    assert t2 > t1 and reg.read(GPU) == Serving(GPU, t2, "gamma/vm2")
+    assert t2 > t1 and reg.read(GPU) == Serving(GPU, t2, "gamma/vm2", retired=t1)
     # vm1's release now is not vm2's: the device goes on serving vm2
     assert not fab.release(GPU, VM1)
-    assert reg.read(GPU) == Serving(GPU, t2, "gamma/vm2")
+    assert reg.read(GPU) == Serving(GPU, t2, "gamma/vm2", retired=t1)
     assert fab.release(GPU, VM2)  # a release without the mdev removed first clears it too
-    assert reg.read(GPU) == Serving(GPU, t2, "")
+    assert reg.read(GPU) == Serving(GPU, t2, "", retired=t2)
+
+
+def test_an_mdev_made_for_a_hold_another_process_released_meanwhile_is_refused(
+    fab, reg, location
+):
+    """The nemesis's seed 4: this process checked the hold and recorded the child; another
+    process (a CLI call) released the hold before this one told the device. The device must
+    not serve the ended hold, and no child record is left."""
+    other = make_fabric(location)
+    other.lenders = reg
+    try:
+        fab.reserve(GPU, VM1)
+        fab.ensure_mdev_parent(GPU)
+        token = fab.holds()[GPU].token
+        read_hold = fab._hold
+
+        def hold_then_release(fdid: int):
+            hold = read_hold(fdid)
+            assert other.release(GPU, VM1)  # between the read and the device's write
+            return hold
+
+        fab._hold = hold_then_release  # type: ignore[method-assign]
+        with pytest.raises(StaleTokenError):
+            fab.create_mdev(GPU, U1, VM1)
+    finally:
+        other.close()
+    assert fab.mdevs() == [] and fab.holds() == {}
+    assert reg.read(GPU) == Serving(GPU, 0, "", retired=token)
 
 
 def test_the_sim_backend_refuses_an_mdev_for_a_token_older_than_the_devices(fab, reg):
