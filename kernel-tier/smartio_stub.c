@@ -274,6 +274,44 @@ static ssize_t smartio_token_store(struct device *dev, struct device_attribute *
 static struct device_attribute dev_attr_token =
 	__ATTR(token, 0644, smartio_token_show, smartio_token_store);
 
+static ssize_t smartio_spent_show(struct device *dev, struct device_attribute *attr, char *buf)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+	u64 retired;
+
+	mutex_lock(&smartio_lock);
+	retired = sdev->retired;
+	mutex_unlock(&smartio_lock);
+	return sysfs_emit(buf, "%llu\n", retired);
+}
+
+/*
+ * A hold ended normally (vmlend's release): its token is spent, served yet or not, so a step
+ * made for it that is still in flight elsewhere is refused when it comes. Spending an older
+ * token than one already spent changes nothing; it is never an error.
+ */
+static ssize_t smartio_spent_store(struct device *dev, struct device_attribute *attr,
+				   const char *buf, size_t count)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+	u64 token;
+	int ret;
+
+	ret = kstrtou64(buf, 10, &token);
+	if (ret)
+		return -EINVAL;
+	mutex_lock(&smartio_lock);
+	if (sdev->gone)
+		ret = -ENODEV;
+	else if (token > sdev->retired)
+		sdev->retired = token;
+	mutex_unlock(&smartio_lock);
+	return ret ? ret : count;
+}
+
+static struct device_attribute dev_attr_spent =
+	__ATTR(spent, 0644, smartio_spent_show, smartio_spent_store);
+
 static struct attribute *smartio_dev_attrs[] = {
 	&dev_attr_fdid.attr,
 	&dev_attr_lender_node_id.attr,
@@ -288,6 +326,7 @@ static struct attribute *smartio_dev_attrs[] = {
 	&dev_attr_availability.attr,
 	&dev_attr_borrower_node_id.attr,
 	&dev_attr_token.attr,
+	&dev_attr_spent.attr,
 	NULL,
 };
 ATTRIBUTE_GROUPS(smartio_dev);
@@ -402,7 +441,8 @@ static ssize_t take_back_store(struct class *class, struct class_attribute *attr
 	} else if (token < sdev->token) {
 		ret = -ESTALE;
 	} else {
-		sdev->retired = token;
+		if (token > sdev->retired)
+			sdev->retired = token;
 		WRITE_ONCE(sdev->token, token);
 		smartio_set(sdev, sdev->availability, -1);
 	}

@@ -79,7 +79,7 @@ def test_the_files_have_the_contracts_permissions(fabric_devices):
     d = STUB.base / PARENT
     for attr in READ_ONLY:
         assert mode(d / attr) == 0o444, attr
-    assert mode(d / "token") == 0o644
+    assert mode(d / "token") == 0o644 and mode(d / "spent") == 0o644
     # Even root cannot write a read-only attribute, nor read a command.
     assert refused(STUB.base / "node_id", "4") == errno.EACCES
     assert refused(d / "availability", "unlent") == errno.EACCES
@@ -121,6 +121,15 @@ def test_lend_borrow_token_and_take_back_refuse_as_the_contract_says(fabric_devi
     # The taken-back token is spent: its ended hold cannot step again before a newer one comes.
     assert refused(token, "5") == errno.ESTALE
     write(token, "6")
+    # A hold's release spends its token, served yet or not (a step made for it in flight
+    # elsewhere is refused); spending an older one changes nothing, garbage is EINVAL.
+    spent = base / f"smartio-{LOCAL:x}" / "spent"
+    assert spent.read_text() == "5\n"
+    write(spent, "7")
+    write(spent, "3")
+    assert spent.read_text() == "7\n" and refused(spent, "x") == errno.EINVAL
+    assert refused(token, "7") == errno.ESTALE and token.read_text() == "6\n"
+    write(token, "8")
     write(base / "unlend", f"{LOCAL:#x}")
     assert STUB.read(LOCAL, "availability") == "unlent\n"
 
@@ -128,6 +137,9 @@ def test_lend_borrow_token_and_take_back_refuse_as_the_contract_says(fabric_devi
     driver = SmartioDriver(REAL)
     with pytest.raises(StaleTokenError):
         driver.set_token(LOCAL, 4)
+    driver.spend(LOCAL, 9)
+    with pytest.raises(StaleTokenError):
+        driver.set_token(LOCAL, 9)
     STUB.set_availability(0x12, "unlent")
     with pytest.raises(DeviceNotLentError):
         driver.register_parent(0x12)

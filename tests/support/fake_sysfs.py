@@ -313,6 +313,7 @@ class _FakeDev:
     wants_parent: bool = False  # registered by 'borrow', kept across an unreachable lender
     token: int = 0  # the largest fencing token written to 'token'
     tokens: list[int] = field(default_factory=list)  # every token accepted, in order
+    spent: int = 0  # the newest token spent (taken back for, or its hold released)
 
 
 class FakeSmartio:
@@ -383,6 +384,8 @@ class FakeSmartio:
         (d / "bars").write_text(bars)
         (d / "token").write_text("0\n")
         self.fake.handlers[(d / "token").resolve()] = lambda text, f=fdid: self._token(f, text)
+        (d / "spent").write_text("0\n")
+        self.fake.handlers[(d / "spent").resolve()] = lambda text, f=fdid: self._spend(f, text)
         self.devs[fdid] = _FakeDev(fdid, lender_node_id, attrs, availability)
         self._sync(fdid)
         _link(self.base / self._name(fdid), d)
@@ -446,6 +449,8 @@ class FakeSmartio:
         if token < dev.token:
             raise _oserror(errno.ESTALE, path)
         dev.borrower = -1
+        dev.token = token
+        self._spent(fdid, token)
         self._sync(fdid)
         self.taken_back.append(fdid)
 
@@ -456,11 +461,24 @@ class FakeSmartio:
             token = int(text.strip())
         except ValueError:
             raise _oserror(errno.EINVAL, path) from None
-        if token < dev.token:
+        if token < dev.token or token <= dev.spent:
             raise _oserror(errno.ESTALE, path)
         dev.token = token
         dev.tokens.append(token)
         path.write_text(f"{token}\n")
+
+    def _spend(self, fdid: int, text: str) -> None:
+        """A hold's release: its token is spent, served yet or not; never ``ESTALE``."""
+        try:
+            token = int(text.strip())
+        except ValueError:
+            raise _oserror(errno.EINVAL, self._dir(fdid) / "spent") from None
+        self._spent(fdid, token)
+
+    def _spent(self, fdid: int, token: int) -> None:
+        dev = self.devs[fdid]
+        dev.spent = max(dev.spent, token)
+        (self._dir(fdid) / "spent").write_text(f"{dev.spent}\n")
 
     def _unborrow(self, fdid: int) -> None:
         dev, name = self.devs[fdid], self._name(fdid)

@@ -14,6 +14,7 @@ Every step that changes the kernel records enough to undo itself when a later st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from vmlend.kernel.mdev import MdevBus, SysfsWriter
 from vmlend.kernel.udev import ParentWatcher, WantedMdev
 from vmlend.ledger.admission import AdapterUsage
 from vmlend.ledger.ledger import Ledger
-from vmlend.registry import FenceRecord, Registry, RegistryLocation, open_registry
+from vmlend.registry import FenceRecord, Registry, RegistryLocation, open_registry, same_holder
 from vmlend.registry.records import Claim, ExpectedHold, HoldRecord
 from vmlend.topology.model import (
     Check,
@@ -256,6 +257,18 @@ class SmartioFabric:
         return self._state.holds_of(holder)
 
     def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
+        with self._state.registry.read() as tx:
+            hold = tx.hold(fdid)
+        if (
+            hold is not None
+            and hold.token
+            and same_holder(hold.holder, holder)
+            and (expected is None or expected.admits(hold))
+        ):
+            # the device before the registry: the hold's token is spent, so a step made for
+            # it that another process has in flight (an mdev creation) is refused after this
+            with contextlib.suppress(UnknownDeviceError):  # left the fabric: serves nobody
+                self.driver.spend(fdid, hold.token)
         released = self._state.release(fdid, holder, expected=expected)
         # Also on a re-run that found no hold: an earlier run may have left the parent.
         self._drop_parent_if_unused(fdid)

@@ -323,6 +323,17 @@ class SmartioDriver:
             raise self._error("token", fdid, e.errno or 0) from None
         log.info("smartio token %s %d", format_fdid(fdid), token)
 
+    def spend(self, fdid: int, token: int) -> None:
+        """The hold of ``token`` ended (a release): the driver spends the token, served yet or
+        not, so a step made for that hold that is still in flight in another process is
+        refused when it comes (docs/smartio-contract.md, "The fencing token")."""
+        self.require()
+        try:
+            self.writer.write(self.base / device_name(fdid) / "spent", str(token))
+        except OSError as e:
+            raise self._error("spent", fdid, e.errno or 0) from None
+        log.info("smartio spent %s %d", format_fdid(fdid), token)
+
     def _error(self, attr: str, fdid: int, code: int) -> Exception:
         f = format_fdid(fdid)
         if code == errno.ENODEV:

@@ -117,7 +117,9 @@ class LenderRegister:
             self._note("serve", now, after, f"{token} {borrower}")
             return after
 
-    def end(self, fdid: int, borrower: str, token: int | None = None, *, spend: bool = False) -> bool:
+    def end(
+        self, fdid: int, borrower: str, token: int | None = None, *, spend: bool = False
+    ) -> bool:
         """``borrower``'s borrow ends (a normal release, or its mdev removed): the device
         serves nobody, its token stays. Only if it serves ``borrower`` (under ``token``, when
         given): whether it did. ``spend`` (a hold's release; needs ``token``): the token is

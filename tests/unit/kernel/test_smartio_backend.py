@@ -307,3 +307,27 @@ def test_the_mdev_carries_the_holds_fencing_token_and_the_driver_refuses_an_olde
     with pytest.raises(StaleTokenError, match="fencing token"):
         fabric.driver.set_token(NVME, first)
     assert fake.smartio.devs[NVME].token == newer
+
+
+def test_a_release_spends_the_token_so_an_mdev_in_flight_for_that_hold_is_refused(
+    fabric, fake, state
+):
+    """The nemesis's seed 4, on the kernel backend: this process checked the hold and recorded
+    the child; another process released the hold before this one wrote the token. The driver,
+    not the parent's bookkeeping, refuses the late step: the release spent the token."""
+    fabric.reserve(NVME, WEB)
+    fabric.ensure_mdev_parent(NVME)
+    token = fabric._state.holds()[NVME].token
+    read_holds = fabric._state.holds
+
+    def holds_then_release():
+        holds = read_holds()
+        with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as other:
+            assert other.release(NVME, WEB)
+        return holds
+
+    fabric._state.holds = holds_then_release  # type: ignore[method-assign]
+    with pytest.raises(StaleTokenError):
+        fabric.create_mdev(NVME, U1, WEB)
+    assert fake.smartio.devs[NVME].spent == token
+    assert fabric.bus.device(U1) is None and fabric.mdevs() == []
