@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
@@ -11,7 +12,7 @@ from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
 from vmlend.topology.choose import DeviceWish, parse_wish
-from vmlend.topology.model import DeviceStatus, format_fdid, parse_fdid
+from vmlend.topology.model import DeviceState, DeviceStatus, format_fdid, parse_fdid
 from vmlend.views.devices import device_json
 
 
@@ -71,12 +72,49 @@ def _report(st: DeviceStatus, json_output: bool) -> None:
 
 
 @click.command("lend")
-@click.argument("fdid", type=FDID)
+@click.argument("fdid", type=FDID, required=False)
+@click.option("--all", "lend_all", is_flag=True, help="Every device of one lender (this host's).")
+@click.option("--lender", metavar="NODE", help="With --all: the lender (default: this host).")
 @json_option
 @click.pass_obj
-def lend(obj: CliContext, fdid: int, json_output: bool) -> None:
-    """Offer device FDID to the fabric so VMs on other nodes can borrow it."""
-    _report(obj.fabric().lend(fdid), json_output)
+def lend(
+    obj: CliContext, fdid: int | None, lend_all: bool, lender: str | None, json_output: bool
+) -> None:
+    """Offer device FDID to the fabric so VMs on other nodes can borrow it. With --all, every
+    device of one lender, in few transactions. Idempotent."""
+    if lend_all == (fdid is not None):
+        raise click.UsageError("name one device (FDID) or --all, not both")
+    if lender is not None and not lend_all:
+        raise click.UsageError("--lender goes with --all")
+    fabric = obj.fabric()
+    if fdid is not None:
+        _report(fabric.lend(fdid), json_output)
+        return
+    node = lender or obj.node or fabric.local_node
+    if not node:
+        raise ConfigError("which lender's devices? name it: 'vmlend lend --all --lender NODE'")
+    topo = fabric.topology()
+    if node not in {n.name for n in topo.nodes}:
+        raise ConfigError(f"no node {node!r} in the fabric; 'vmlend fabric show' lists them")
+    fdids = [d.fdid for d in topo.devices if d.lender == node]
+    before = {st.spec.fdid: st.state for st in fabric.devices() if st.spec.lender == node}
+    from vmlend.ledger.ledger import LEND_BATCH  # not at start-up: most commands never lend
+
+    loud = len(fdids) > LEND_BATCH and not json_output and sys.stderr.isatty()
+
+    def progress(done: int) -> None:
+        if loud:
+            click.echo(f"\rlent {done}/{len(fdids)}", nl=done == len(fdids), err=True)
+
+    done = fabric.lend_many(fdids, progress)
+    if json_output:
+        emit_json({"lender": node, "devices": [device_json(st) for st in done]})
+        return
+    already = sum(1 for f in fdids if before.get(f) != DeviceState.UNLENT)
+    click.echo(
+        f"lent {len(done)} devices of {node}"
+        + (f" ({already} were lent already)" if already else "")
+    )
 
 
 @click.command("unlend")

@@ -12,6 +12,7 @@ Life of a device for a VM (docs/design.md, mechanisms 1-4):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 from vmlend.ledger.admission import AdapterUsage
@@ -59,6 +60,13 @@ class Fabric(Protocol):
     # --- lender side ---------------------------------------------------------------------
     def lend(self, fdid: int) -> DeviceStatus:
         """Offer a device to the fabric. Idempotent."""
+        ...
+
+    def lend_many(
+        self, fdids: Sequence[int], progress: Callable[[int], None] | None = None
+    ) -> list[DeviceStatus]:
+        """``lend`` for many devices in few transactions (``vmlend lend --all``); ``progress``
+        is told how many are done as batches land."""
         ...
 
     def unlend(self, fdid: int) -> DeviceStatus:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vmlend.errors import (
@@ -190,6 +190,15 @@ class SmartioFabric:
         self.driver.lend(fdid)
         self._state.lend(fdid)
         return self.device(fdid)
+
+    def lend_many(
+        self, fdids: Sequence[int], progress: Callable[[int], None] | None = None
+    ) -> list[DeviceStatus]:
+        for fdid in fdids:  # every one this host's before any is offered
+            self._require_local(fdid, "lend")
+        for fdid in fdids:
+            self.driver.lend(fdid)
+        return self._state.lend_many(fdids, progress)
 
     def unlend(self, fdid: int) -> DeviceStatus:
         self._require_local(fdid, "unlend")

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid as uuidlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, Self, runtime_checkable
 
 from vmlend.errors import (
@@ -91,6 +91,10 @@ log = logging.getLogger(__name__)
 
 #: The mdev type the SmartIO driver offers under each parent.
 MDEV_TYPE = "smartio-lend"
+
+#: Devices lent per transaction by ``lend_many``: each reads its record (one compare) and
+#: writes it (one put), within etcd's default of 128 operations per request.
+LEND_BATCH = 50
 
 
 def parent_name(fdid: int) -> str:
@@ -289,6 +293,31 @@ class Ledger(ShareOps):
             return self._status(tx, spec)
 
         return self._reg.transact(body)
+
+    def lend_many(
+        self, fdids: Sequence[int], progress: Callable[[int], None] | None = None
+    ) -> list[DeviceStatus]:
+        """``lend`` for many devices, ``LEND_BATCH`` to a transaction (a cluster's 16,384
+        devices took 583 s one transaction each): each batch is all-or-nothing, and a batch
+        refused (a lender down) leaves the batches before it lent. ``progress`` is told how
+        many are done after each batch."""
+        out: list[DeviceStatus] = []
+        for start in range(0, len(fdids), LEND_BATCH):
+            batch = list(fdids[start : start + LEND_BATCH])
+
+            def body(tx: StateTxn, batch: list[int] = batch) -> list[DeviceStatus]:
+                topo = self._topology(tx)
+                specs = [topo.device(f) for f in batch]
+                tx.prefetch(batch, nodes={s.lender for s in specs})
+                for spec in specs:
+                    self._lender_ok(tx, spec)
+                    tx.set_lent(spec.fdid, True)
+                return [self._status(tx, spec) for spec in specs]
+
+            out += self._reg.transact(body)
+            if progress is not None:
+                progress(len(out))
+        return out
 
     def unlend(self, fdid: int) -> DeviceStatus:
         def body(tx: StateTxn) -> DeviceStatus:

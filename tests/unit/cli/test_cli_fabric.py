@@ -209,7 +209,32 @@ def test_lend_bad_input(run, inited):
     assert "Error: Invalid value for 'FDID': bad fabric device id 'zz'" in r.output
     assert "Traceback" not in r.output
     r = run("lend")
-    assert r.exit_code == 2 and "Missing argument 'FDID'" in r.output
+    assert r.exit_code == 2 and "name one device (FDID) or --all" in r.output
+    r = run("lend", "0x10", "--all")
+    assert r.exit_code == 2 and "not both" in r.output
+    r = run("lend", "0x10", "--lender", "alpha")
+    assert r.exit_code == 2 and "--lender goes with --all" in r.output
+    line = _one_line_error(run("lend", "--all", "--lender", "omega"))
+    assert "no node 'omega' in the fabric" in line
+
+
+def test_lend_all_lends_every_device_of_one_lender(run, inited):
+    devices = json.loads(run("devices", "--json").output)["devices"]
+    alphas = sorted(d["fdid"] for d in devices if d["lender"] == "alpha")
+    assert run("unlend", "0x10").exit_code == 0
+    r = run("lend", "--all", "--lender", "alpha")
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == (
+        f"lent {len(alphas)} devices of alpha ({len(alphas) - 1} were lent already)"
+    )
+    after = json.loads(run("devices", "--json").output)["devices"]
+    assert all(d["state"] == "available" for d in after if d["lender"] == "alpha")
+    data = json.loads(run("lend", "--all", "--lender", "alpha", "--json").output)
+    assert data["lender"] == "alpha" and sorted(d["fdid"] for d in data["devices"]) == alphas
+    # without --lender: this host's own devices (gamma's)
+    gammas = [d for d in devices if d["lender"] == "gamma"]
+    r = run("lend", "--all")
+    assert r.exit_code == 0 and r.output.startswith(f"lent {len(gammas)} devices of gamma")
 
 
 def test_node_down_and_up(run, inited):

@@ -177,6 +177,31 @@ def test_unlend_on_the_lender(make):
     assert alpha.lend(NVME).state is DeviceState.AVAILABLE  # idempotent
 
 
+def test_lend_many_lends_a_lenders_devices_in_batches(make, monkeypatch):
+    """``vmlend lend --all``: every device of one lender, ``LEND_BATCH`` to a transaction
+    (here 2); lent ones stay lent, a held one stays held, and a lender may lend only its own."""
+    from vmlend.ledger import ledger
+
+    monkeypatch.setattr(ledger, "LEND_BATCH", 2)
+    alpha = make("alpha")
+    mine = sorted(d.spec.fdid for d in alpha.devices() if d.spec.lender == "alpha")
+    assert len(mine) >= 3
+    alpha.unlend(mine[0])
+    alpha.unlend(mine[-1])
+    alpha.reserve(mine[1], WEB)
+    seen: list[int] = []
+    done = alpha.lend_many(mine, seen.append)
+    assert [st.spec.fdid for st in done] == mine
+    assert seen == [min(n, len(mine)) for n in range(2, len(mine) + 2, 2)]  # one per batch
+    states = {d.spec.fdid: d.state for d in alpha.devices()}
+    assert states[mine[1]] is DeviceState.RESERVED
+    assert all(states[f] is DeviceState.AVAILABLE for f in mine if f != mine[1])
+    assert alpha.lend_many(mine) == done  # idempotent
+    assert alpha.lend_many([]) == []
+    with pytest.raises(UnknownDeviceError):
+        alpha.lend_many([0x99])
+
+
 def test_admission_reports_checks_without_changing_anything(fabric):
     checks = fabric.admission(NVME, "gamma", guest_ram=4 << 30)
     assert checks and all(c.ok for c in checks)
