@@ -1,7 +1,10 @@
 """The systemd units vmlend ships (``vmlend/data/systemd``): the agent (Type=notify, with a
 watchdog), the interrupt relay and the mdev-parent follower. Installing one renders its
 ``ExecStart`` with the absolute command of this installation and writes it only when it
-differs, so installing again changes nothing."""
+differs, so installing again changes nothing. systemd runs them as root, so what their
+``ExecStart`` runs is held to the installed hook's rule (``vmlend.ownership``): installing
+around a script non-root can change is refused unless forced. Uninstalling removes only the
+units that say vmlend installed them."""
 
 from __future__ import annotations
 
@@ -12,17 +15,21 @@ from pathlib import Path
 
 import msgspec
 
+from vmlend.errors import ConfigError
+from vmlend.ownership import path_problems, summary
 from vmlend.safefile import write_atomically
 
 #: Where ``ExecStart`` names vmlend in a shipped unit.
 PLACEHOLDER = "@VMLEND@"
 DEFAULT_DIR = Path("/etc/systemd/system")
+#: Every shipped unit's header names the command that installs it: what ``uninstall`` trusts.
+MARK = "'vmlend units install'"
 
 
 class InstalledUnit(msgspec.Struct, frozen=True):
     name: str
     path: str
-    action: str  # "installed", "updated" or "unchanged"
+    action: str  # "installed", "updated", "unchanged"; uninstall: "removed", "absent", "kept"
 
 
 def unit_names() -> list[str]:
@@ -47,8 +54,34 @@ def render(name: str, command: list[str] | None = None) -> str:
     return text.replace(PLACEHOLDER, shlex.join(command or vmlend_command()))
 
 
-def install(directory: Path, command: list[str] | None = None) -> list[InstalledUnit]:
-    """Every shipped unit rendered into ``directory`` (created if needed)."""
+def command_problems(command: list[str]) -> list[str]:
+    """What non-root could change of what ``command`` runs as root: the program (the
+    ``vmlend`` script or the interpreter) and, for this installation's own command, the
+    interpreter and the code it imports (as the installed hook's check)."""
+    problems = path_problems(command[0])
+    if command == vmlend_command():
+        from vmlend.hook import trust
+        from vmlend.hook.install import import_roots
+
+        for found in (path_problems(sys.executable), *map(trust.tree_problems, import_roots())):
+            problems += [p for p in found if p not in problems]
+    return problems
+
+
+def install(
+    directory: Path, command: list[str] | None = None, *, force: bool = False
+) -> tuple[list[InstalledUnit], list[str]]:
+    """Every shipped unit rendered into ``directory`` (created if needed), and what non-root
+    could change of what they run (``ConfigError`` for any, nothing written, unless
+    ``force``)."""
+    command = command or vmlend_command()
+    problems = command_problems(command)
+    if problems and not force:
+        raise ConfigError(
+            f"the units would run {command[0]} as root from {len(problems)} path(s) non-root"
+            f" can change: {summary(problems)}; make them owned by root and not group- or"
+            " other-writable (docs/security.md), or pass --force to install anyway"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     done = []
     for name in unit_names():
@@ -61,4 +94,23 @@ def install(directory: Path, command: list[str] | None = None) -> list[Installed
             write_atomically(path, text.encode(), mode=0o644)
             action = "installed" if old is None else "updated"
         done.append(InstalledUnit(name, str(path), action))
+    return done, problems
+
+
+def uninstall(directory: Path, *, force: bool = False) -> list[InstalledUnit]:
+    """Remove the shipped units from ``directory``: "removed", "absent", or "kept" for a file
+    of that name vmlend did not install (no ``MARK``; removed too with ``force``)."""
+    done = []
+    for name in unit_names():
+        path = directory / name
+        try:
+            text = path.read_text(errors="replace")
+        except FileNotFoundError:
+            done.append(InstalledUnit(name, str(path), "absent"))
+            continue
+        if MARK not in text and not force:
+            done.append(InstalledUnit(name, str(path), "kept"))
+            continue
+        path.unlink(missing_ok=True)
+        done.append(InstalledUnit(name, str(path), "removed"))
     return done
