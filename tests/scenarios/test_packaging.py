@@ -27,17 +27,35 @@ def _run(argv: list[str], **kw) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """The wheel, and what its build printed (-v: the backend's warnings too)."""
     out = tmp_path_factory.mktemp("wheel")
     build = tmp_path_factory.mktemp("build")
     r = _run(
         # in build isolation: pip brings the build backend (setuptools, from the local index)
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", "-v", str(REPO), "--no-deps", "-w", str(out)],
         cwd=build,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     (found,) = out.glob("vmlend-*.whl")
-    return found
+    return found, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built) -> Path:
+    return built[0]
+
+
+def test_the_build_warns_of_nothing(built):
+    """setuptools once warned that vmlend.data.systemd "would be ignored" (an importable
+    directory missing from ``packages``): a warning an operator building the package reads as
+    a broken build."""
+    warnings = [
+        line.strip()
+        for line in built[1].splitlines()
+        if "Warning:" in line or "would be ignored" in line
+    ]
+    assert warnings == []
 
 
 def test_the_wheel_holds_every_data_file(wheel):

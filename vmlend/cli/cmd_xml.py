@@ -179,7 +179,12 @@ def xml_group() -> None:
 )
 @click.option("--disk", type=click.Path(dir_okay=False), help="Boot disk image (qcow2 or raw).")
 @click.option("--uuid", "domain_uuid", type=UUID, help="Domain UUID [default: random].")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here, not stdout.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Write here, not stdout ('-': stdout, as other tools read it).",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
 @click.option("--no-fabric-check", is_flag=True, help="Do not ask the fabric about the fdids.")
 @click.pass_obj
@@ -200,6 +205,8 @@ def new_cmd(
     no_fabric_check: bool,
 ) -> None:
     """A complete domain XML for NAME, on stdout or in -o FILE."""
+    if output == "-":
+        output = None
     if output and Path(output).exists() and not force:
         raise click.UsageError(f"{output} exists; pass --force to overwrite it")
     chosen = _choose(obj, devices, no_fabric_check)

@@ -94,6 +94,13 @@ def test_new_tcg_with_disk_to_a_file(run, tmp_path):
     assert read_domain(out.read_bytes()).name == "vm3"
 
 
+def test_output_dash_is_stdout_not_a_file_named_dash(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = run("xml", "new", "vm4", "--memory", "64M", "--virt-type", "qemu", "-o", "-")
+    assert r.exit_code == 0, r.stderr
+    assert read_domain(r.stdout.encode()).name == "vm4" and not (tmp_path / "-").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
