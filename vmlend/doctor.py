@@ -486,10 +486,21 @@ def _daemon_start(env: HostEnv) -> tuple[Path, float] | None:
     return None
 
 
-def check_daemon_saw_hook(env: HostEnv) -> Finding:
+def check_daemon_saw_hook(env: HostEnv, answering: str | None = None) -> Finding:
     """libvirtd enables hooks only if one existed when it started (docs/hooks.md), so some hook file
-    must predate the daemon; later files in qemu.d are then picked up."""
+    must predate the daemon; later files in qemu.d are then picked up. ``answering``: a URI
+    whose hypervisor answered (``-c``), for a daemon whose pid file is not where this host's
+    would be (a session daemon, another root's)."""
     started = _daemon_start(env)
+    if started is None and answering is not None:
+        if not hook_files(env):
+            return Finding("libvirtd", Status.OK, f"answers at {answering}")
+        return Finding(
+            "libvirtd",
+            Status.WARN,
+            f"answers at {answering}, with no pid file under {env.run}: whether it started"
+            " after the hooks (and so runs them) cannot be told; restart it if unsure",
+        )
     if started is None:
         return Finding("libvirtd", Status.WARN, "not running (no live pid file); start it")
     pidfile, when = started
@@ -531,11 +542,14 @@ def run_checks(
         check_nvme_sharing(env),
         check_libvirt(libvirt_version),
     ]
+    answering = None
     if uri is not None:
         findings.append(check_hypervisor(uri))
+        if findings[-1].status is Status.OK and not uri.startswith("sim:///"):
+            answering = uri
     findings += [
         check_hook(env),
-        check_daemon_saw_hook(env),
+        check_daemon_saw_hook(env, answering),
     ]
     trust = check_hook_trust(env)
     if trust is not None:

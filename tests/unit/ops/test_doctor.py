@@ -213,3 +213,26 @@ def test_doctor_checks_the_hypervisor_it_is_given(tmp_path):
     bad = hv("-c", "qemu+unix:///system?socket=/nonexistent/sock")
     assert bad["status"] == "fail" and bad["detail"].startswith("cannot connect to qemu+unix")
     assert hv("-c", "sim:///gamma")["detail"] == "sim:///gamma is a simulated node"
+
+
+def test_a_hypervisor_that_answers_is_not_reported_as_libvirtd_not_running(tmp_path):
+    """``doctor -c URI`` with no pid file under the root (a session daemon, a test's own):
+    libvirtd answers at URI; with hooks installed, whether it runs them cannot be told."""
+
+    def daemon(*args: str) -> dict:
+        out = CliRunner().invoke(main, ["--root", str(tmp_path), "doctor", "--json", *args])
+        return next(c for c in json.loads(out.output)["checks"] if c["check"] == "libvirtd")
+
+    assert daemon()["detail"] == "not running (no live pid file); start it"
+    assert daemon("-c", "test:///default") == {
+        "check": "libvirtd",
+        "status": "ok",
+        "detail": "answers at test:///default",
+    }
+    hooks = tmp_path / "etc" / "libvirt" / "hooks"
+    hooks.mkdir(parents=True)
+    (hooks / "qemu").write_text("#!/bin/sh\n")
+    found = daemon("-c", "test:///default")
+    assert found["status"] == "warn" and "cannot be told" in found["detail"]
+    bad = daemon("-c", "qemu+unix:///system?socket=/nonexistent/sock")
+    assert bad["detail"] == "not running (no live pid file); start it"
