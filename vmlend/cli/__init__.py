@@ -6,6 +6,7 @@ below names each command's module and the summary ``vmlend --help`` shows."""
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -211,6 +212,10 @@ def main(
 
 def run() -> None:
     """The ``vmlend`` executable: ``main`` as a program."""
+    if "_VMLEND_COMPLETE" in os.environ:  # a shell asks for completions (or their script)
+        from vmlend.cli import bashcomplete
+
+        bashcomplete.install()
     try:
         main()
     finally:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 from click.shell_completion import CompletionItem
 
+from vmlend.cli.bashcomplete import printable
 from vmlend.cli.context import CliContext
 from vmlend.topology.model import format_fdid
 
@@ -52,7 +53,8 @@ def _guarded(
     def complete(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[Any]:
         with _quietly():
             try:
-                return find(ctx, incomplete)
+                # a value with a newline would be read as two items by the shell
+                return [i for i in find(ctx, incomplete) if printable(str(i.value))]
             except Exception as e:  # no state, no daemon, a broken file: complete nothing
                 log.debug("completion: %s", e)
                 return []

@@ -3,6 +3,11 @@ and nothing (never an error, never a line on the terminal) when they cannot be r
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 from click.shell_completion import ShellComplete
 
 from vmlend.cli import main
@@ -52,3 +57,53 @@ def test_node_names_complete_wherever_a_node_is_asked_for(cluster):
         "gamma"
     ]
     assert [v for v, _ in _complete([*state, "nvme", "share"], "0x1")] == ["0x10", "0x11", "0x12"]
+
+
+def _bash(words: list[str], line: str) -> list[str]:
+    """What bash offers: the script ``bash_source`` prints, its function run on ``words`` as
+    bash splits them (at ':' too, COMP_WORDBREAKS' default) for the command ``line``."""
+    vmlend = Path(sys.executable).parent / "vmlend"
+    script = "\n".join(
+        [
+            f'eval "$(_VMLEND_COMPLETE=bash_source {shlex.quote(str(vmlend))})"',
+            f"COMP_LINE={shlex.quote(line)}",
+            "COMP_POINT=${#COMP_LINE}",
+            "COMP_WORDS=(" + " ".join(shlex.quote(w) for w in words) + ")",
+            f"COMP_CWORD={len(words) - 1}",
+            f"_vmlend_completion {shlex.quote(str(vmlend))}",
+            'printf "%s\\n" "${COMPREPLY[@]}"',
+        ]
+    )
+    r = subprocess.run(
+        ["bash", "--norc", "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    return sorted(r.stdout.split())
+
+
+def test_bash_completes_vm_names_after_a_uri_with_colons(cluster):
+    """``vmlend -c sim:///gamma attach <Tab>``: bash hands the words split at ':'; click alone
+    read '-c sim' and a stray ':' and offered subcommands."""
+    cluster.define("gamma", "web", [0x20], running=True)
+    cluster.define("gamma", "idle", [0x21])
+    state = str(cluster.state_path)
+    line = f"vmlend --state {state} -c sim:///gamma attach "
+    words = ["vmlend", "--state", state, "-c", "sim", ":", "///gamma", "attach", ""]
+    assert _bash(words, line) == ["idle", "web"]
+    assert _bash([*words[:-1], "w"], line + "w") == ["web"]
+    # a word with a ':' being typed: bash replaces what follows the ':' only
+    assert _bash(["vmlend", "-c", "sim", ":"], "vmlend -c sim:") == []
+
+
+def test_a_name_with_a_control_character_is_never_offered():
+    """Each item is a line of the shell function's input: a VM named 'x\\nplain,forged' would
+    offer a 'forged' item of its own making."""
+    from click.shell_completion import CompletionItem
+
+    from vmlend.cli import complete
+
+    def found(ctx, incomplete):
+        return [CompletionItem("web"), CompletionItem("x\nplain,forged"), CompletionItem("a\tb")]
+
+    guarded = complete._guarded(found)
+    assert [i.value for i in guarded(None, None, "")] == ["web"]
