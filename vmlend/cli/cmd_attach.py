@@ -19,14 +19,14 @@ from vmlend.cli.connect import connect_option, fabric_for, open_hv, refuse_simul
 from vmlend.cli.context import CliContext
 from vmlend.cli.impact import impact_options, resolve_impact
 from vmlend.domain import PciAddress
-from vmlend.errors import ConfigError, VmlendError
+from vmlend.errors import ConfigError, SimulatedDevicesError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.hypervisor import Hypervisor
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.detach_preview import DetachPreview, preview_detach
 from vmlend.topology.choose import DeviceWish, choose
-from vmlend.topology.model import InterruptPath, format_fdid
+from vmlend.topology.model import Check, InterruptPath, format_fdid
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,16 @@ def attach_cmd(
         live, config = resolve_impact(
             hv, vm, live=live, config=config, persistent=persistent, current=current
         )
-        if live and not dry_run:
-            refuse_simulated_devices(obj, hv, "hot-add a device to", vm, adding=True)
+        if live:
+            try:
+                refuse_simulated_devices(obj, hv, "hot-add a device to", vm, adding=True)
+            except SimulatedDevicesError as e:
+                if not dry_run:
+                    raise
+                # the live attach's first refusal, predicted: nothing after it is planned
+                shown = format_fdid(fdid) if isinstance(fdid, int) else str(fdid)
+                _show_refusal(vm, shown, Check("hypervisor", False, str(e)), json_output)
+                raise SystemExit(1) from None
         fabric = fabric_for(obj, hv)
         if isinstance(fdid, DeviceWish):
             fdid = _choose_one(hv, fabric, vm, fdid)
@@ -143,6 +151,16 @@ def _choose_one(hv: Hypervisor, fabric: Fabric, vm: str, wish: DeviceWish) -> in
     (pick,) = choose(fabric.topology(), fabric.devices(), [wish], fabric.local_node, exclude=has)
     click.echo(f"chose {pick.describe()}", err=True)
     return pick.fdid
+
+
+def _show_refusal(vm: str, device: str, check: Check, json_output: bool) -> None:
+    """A dry run refused before any plan: the one check that failed (as a plan's JSON)."""
+    if json_output:
+        checks = [{"name": check.name, "ok": check.ok, "detail": check.detail}]
+        emit_json({"vm": vm, "fdid": device, "checks": checks, "ok": False})
+        return
+    click.echo(f"FAIL  {check.name:<12} {check.detail}")
+    click.echo(f"dry run: device {device} would be refused; nothing was changed")
 
 
 def _show_plan(plan: AttachPlan, json_output: bool) -> None:

@@ -6,6 +6,7 @@ to libvirt, and a simulated node is never refused."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -49,6 +50,20 @@ def test_hot_add_on_a_real_uri_is_refused_before_libvirt(cluster, real_uri):
     before = cluster.snapshot()
     line = one_line(cluster.cli("attach", "vm0", "0x12", "--live", "-c", real_uri))
     assert line.startswith(f"Error: cannot hot-add a device to VM 'vm0' on {real_uri}: {WHY}")
+    assert cluster.snapshot() == before
+
+
+def test_a_dry_run_predicts_that_refusal(cluster, real_uri):
+    """'attach --dry-run --live' said the hot-add would go through where the live attach is
+    refused: the prediction must match."""
+    before = cluster.snapshot()
+    r = cluster.cli("attach", "vm0", "0x12", "--live", "--dry-run", "-c", real_uri)
+    assert r.exit_code == 1, (r.stdout, r.stderr)
+    assert r.stdout.splitlines()[0].startswith("FAIL  hypervisor   cannot hot-add a device")
+    assert "would be refused; nothing was changed" in r.stdout
+    r = cluster.cli("attach", "vm0", "0x12", "--live", "--dry-run", "--json", "-c", real_uri)
+    data = json.loads(r.stdout)
+    assert data["ok"] is False and WHY in data["checks"][0]["detail"]
     assert cluster.snapshot() == before
 
 
