@@ -85,3 +85,27 @@ def test_the_cli_installs_and_uninstalls_with_one_line_each(tmp_path):
     assert {u["action"] for u in json.loads(r.stdout)["units"]} == {"removed"}
     r = run(main, ["--root", str(tmp_path), "units", "uninstall", "--dir", str(units)])
     assert r.exit_code == 0 and r.stdout.count("absent: ") == 3
+
+
+def _ordering(text: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {"After": set(), "Before": set()}
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key in out:
+            out[key] |= set(value.split())
+    return out
+
+
+def test_the_agent_comes_after_libvirtd_and_before_the_guests_it_serves_as_documented():
+    """The agent reads the host's domains as it starts (after libvirtd); the guests started
+    at boot must find the hook served (before libvirt-guests). docs/user-guide.md says both,
+    and that libvirtd's own autostart comes before the agent."""
+    from tests.support.paths import REPO
+
+    order = _ordering(systemd_units.render("vmlend-agent.service", ["/bin/true"]))
+    assert "libvirtd.service" in order["After"] and "virtqemud.service" in order["After"]
+    assert order["Before"] == {"libvirt-guests.service"}
+    guide = " ".join((REPO / "docs" / "user-guide.md").read_text().split())
+    assert "It starts after libvirtd" in guide and "before `libvirt-guests.service`" in guide
+    autostart = "libvirtd's own autostart (`virsh autostart`) runs as libvirtd starts, before"
+    assert f"{autostart} the agent" in guide
