@@ -202,6 +202,31 @@ def test_lend_many_lends_a_lenders_devices_in_batches(make, monkeypatch):
         alpha.lend_many([0x99])
 
 
+@pytest.mark.parametrize(
+    "registry",
+    [pytest.param(r, marks=[pytest.mark.daemon] if r == "etcd" else [], id=r) for r in REGISTRIES],
+)
+def test_lend_many_batches_fit_a_default_etcd_request(registry, tmp_path, request):
+    """Full batches of one lender (and two lenders' devices interleaved) within etcd's
+    default 128 operations per request; the statuses in the order asked."""
+    from tests.support.simfabric import fabric_topology
+    from vmlend.ledger.ledger import LEND_BATCH
+
+    state = request.getfixturevalue("etcd_url") if registry == "etcd" else tmp_path / "s.db"
+    init_fabric(state, fabric_topology(2, LEND_BATCH + 8), "generated", node="n0")
+    with SimFabric(open_registry(state), local_node="n0") as fab:
+        mine = [d.spec.fdid for d in fab.devices()]
+        for fdid in mine:
+            fab.unlend(fdid)
+        half = len(mine) // 2
+        order = [f for pair in zip(mine[:half], mine[half:], strict=True) for f in pair]
+        seen: list[int] = []
+        done = fab.lend_many(order, seen.append)
+        assert [st.spec.fdid for st in done] == order
+        assert {st.state for st in fab.devices()} == {DeviceState.AVAILABLE}
+        assert len(seen) == 4 and seen[-1] == len(order)  # 2 lenders x (one full batch + 8)
+
+
 def test_admission_reports_checks_without_changing_anything(fabric):
     checks = fabric.admission(NVME, "gamma", guest_ram=4 << 30)
     assert checks and all(c.ok for c in checks)
