@@ -55,6 +55,7 @@ from vmlend.faults import FAULT_ENV
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end, unb64
 from vmlend.registry.etcd_keys import Keys
+from vmlend.sim.events import EVENTS_ENV, EVENTS_FILE, EventLog
 from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.sim.register import LENDERS_ENV, LenderRegister, Serving, borrower_of
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
@@ -149,6 +150,7 @@ class NHost:
     def launch_agent(self) -> int:
         """Start the agent without waiting; the offset of its log from then on."""
         h = self.host
+        self.events().note("restart")
         offset = self.log_size()
         log = (h.root / "agent.log").open("ab")
         h.agent = subprocess.Popen(
@@ -170,6 +172,18 @@ class NHost:
             late = time.monotonic() >= deadline
             assert not late, f"{self.node}: no start-up\n{self.log_since(offset)}"
             time.sleep(0.1)
+
+    def kill_agent(self) -> None:
+        """kill -9 of the agent (the event log's ``crash`` once it is dead)."""
+        agent = self.host.agent
+        assert agent is not None
+        agent.kill()
+        agent.wait(20)
+        self.events().note("crash")
+
+    def events(self) -> EventLog:
+        """The test's side of the event log (``vmlend.sim.events``): kills and restarts."""
+        return EventLog(Path(self.host.extra_env[EVENTS_ENV]), self.node)
 
     def open_window(self) -> None:
         self.unguarded.append([time.monotonic(), None])
@@ -225,6 +239,7 @@ def start_cluster(root: Path, cluster: str) -> Cluster:
     direct = f"etcd://{endpoints}/{cluster}"
     text, source = default_topology_text()
     init_fabric(direct, text, source)
+    (root / "events").mkdir()
     lenders = LenderRegister(root / "lenders")
     hosts = {}
     for node in VMS:
@@ -232,6 +247,7 @@ def start_cluster(root: Path, cluster: str) -> Cluster:
         url = f"etcd://{','.join(p.endpoint for p in proxies)}/{cluster}"
         host = Host(url, node, root / node)
         host.extra_env[LENDERS_ENV] = str(lenders.directory)
+        host.extra_env[EVENTS_ENV] = str(root / "events")
         hosts[node] = NHost(host, proxies)
     return Cluster(members, direct, hosts, lenders)
 
@@ -281,6 +297,9 @@ def keep_logs(c: Cluster, name: str, etcd_lines: int = 400) -> Path:
     history = c.lenders.directory / "history.log"
     if history.exists():
         (out / "lenders-history.log").write_bytes(history.read_bytes())
+    events = c.lenders.directory.parent / "events" / EVENTS_FILE
+    if events.exists():
+        (out / "events.jsonl").write_bytes(events.read_bytes())
     return out
 
 
@@ -738,7 +757,7 @@ def kill_agent(c: Cluster, rng: random.Random, say: Say, away: float = 0.2) -> N
     assert h.host.agent is not None
     say(f"kill -9 the agent of {h.node}, restart it after {away:g} s")
     h.open_window()
-    h.host.agent.kill()
+    h.kill_agent()
     h.host.agent.wait(20)
     time.sleep(away)
     h.start_agent()
@@ -775,7 +794,7 @@ def freeze_agent_in_start_up(c: Cluster, rng: random.Random, say: Say) -> None:
     assert h.host.agent is not None
     say(f"kill -9 the agent of {h.node}; after {PAST_TTL:g} s restart it, SIGSTOP it at once")
     h.open_window()
-    h.host.agent.kill()
+    h.kill_agent()
     h.host.agent.wait(20)
     time.sleep(PAST_TTL)
     offset = h.launch_agent()
@@ -1099,7 +1118,7 @@ def _hold_frozen(
     if kill:
         say(f"kill -9 the agent of {node} too, restart it after {PAST_TTL:g} s")
         h.open_window()
-        h.host.agent.kill()
+        h.kill_agent()
         h.host.agent.wait(20)
     time.sleep(PAST_TTL)
     if meanwhile is not None:
@@ -1403,7 +1422,7 @@ def cut_and_kill_paused(c: Cluster, rng: random.Random, say: Say) -> None:
             say(f"{node}/{vm} was not paused within {TTL:g} s; healed, nothing killed")
             return
         h.open_window()
-        h.host.agent.kill()
+        h.kill_agent()
         h.host.agent.wait(20)
         for p in h.proxies:
             p.heal()

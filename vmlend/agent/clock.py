@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from vmlend.sim.events import EventLog, wall
+
 
 class LeaseState(enum.StrEnum):
     HELD = "held"
@@ -61,8 +63,12 @@ class LeaseView(NamedTuple):
 
 
 class LeaseClock:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, events: EventLog | None = None
+    ) -> None:
         self._clock = clock
+        #: The protocol's event log (``vmlend.sim.events``; None: none, as in production).
+        self.events = events
         self._cond = threading.Condition()
         #: Set on every write: each VM's worker waits on one of its own.
         self._listeners: set[threading.Event] = set()
@@ -102,6 +108,9 @@ class LeaseClock:
             self._gone = False
             self._followed = followed
             self.last_renewed = max(self.last_renewed, sent)
+            if self.events is not None:  # in the lock: a reader's later event comes after
+                kind = "lease-adopted" if followed else "lease-granted"
+                self.events.note(kind, lease=lease, ttl=float(ttl), sent=wall(sent))
             self._notify()
 
     def followed(self, lease: int) -> None:
@@ -109,6 +118,8 @@ class LeaseClock:
         with self._cond:
             if lease == self._lease:
                 self._followed = True
+                if self.events is not None:
+                    self.events.note("lease-followed", lease=lease)
                 self._notify()
 
     def renewed(self, lease: int, sent: float, ttl: float) -> None:
@@ -119,12 +130,16 @@ class LeaseClock:
             self._ttl = float(ttl)
             self._end = max(self._end, sent + ttl)
             self.last_renewed = max(self.last_renewed, sent)
+            if self.events is not None:
+                self.events.note("lease-renewed", lease=lease, ttl=float(ttl), sent=wall(sent))
             self._notify()
 
     def gone(self, lease: int) -> None:
         """etcd said ``lease`` is gone."""
         with self._cond:
             if lease == self._lease:
+                if self.events is not None and not self._gone:
+                    self.events.note("lease-lost", lease=lease)
                 self._gone = True
                 self._notify()
 

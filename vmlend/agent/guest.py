@@ -290,6 +290,8 @@ class Guest:
                 self._say_trouble(f"could not pause it: {e}")
                 return
         self.trouble = ""
+        if self._clock.events is not None:
+            self._clock.events.note("pause", vm=self.name)
         self._set(VmState.PAUSED, why)
 
     def _verify(self, view: LeaseView) -> None:
@@ -347,6 +349,7 @@ class Guest:
             self._recovered(result)
             log.info("after a lease change: %s", result.describe())
             return
+        decided = time.time()  # at the latest when the lease's freshness was read
         if not in_time():
             return  # the next turn, under the next lease
         self.verified = view.generation
@@ -360,6 +363,8 @@ class Guest:
             return
         if self._marks is not None:
             self._marks.clear(self.name)
+        if self._clock.events is not None:
+            self._clock.events.note("resume", vm=self.name, decided=decided)
         self.trouble = ""
         self._recovered(result)
         self._set(VmState.RUNNING, result.describe().removeprefix(f"VM {self.name}: "))

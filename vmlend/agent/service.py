@@ -53,6 +53,7 @@ from vmlend.registry import EtcdRegistry
 from vmlend.registry.etcd_gateway import call_deadline
 from vmlend.registry.session import EtcdSession, HostKey
 from vmlend.release_journal import ReleaseJournal, running_here
+from vmlend.sim.events import EventLog
 from vmlend.wiring.fabric import Location, open_fabric
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class Agent:
         self.stop_event = threading.Event()
         #: Set by SIGHUP: the loop reopens its registry connections (new endpoints).
         self.reload_event = threading.Event()
-        self.clock = LeaseClock(clock)
+        self.clock = LeaseClock(clock, EventLog.from_env(config.node))
         self.taken_back: list[int] = []
         #: Keepalives answered (the metrics, and tests that a renewal waits for nothing).
         self.renewals = 0

@@ -25,8 +25,9 @@ from vmlend.errors import DeviceNotReservedError, StaleTokenError
 from vmlend.ledger.ledger import MDEV_TYPE, BorrowHardware, Ledger, parent_name
 from vmlend.registry import FenceRecord, Registry, same_holder
 from vmlend.registry.records import ExpectedHold, HoldRecord
+from vmlend.sim.events import EventLog
 from vmlend.sim.register import LenderRegister, borrower_of
-from vmlend.topology.model import Holder, MdevInfo
+from vmlend.topology.model import GuestRam, Holder, MdevInfo, Reservation
 
 __all__ = ["MDEV_TYPE", "SimFabric", "parent_name"]
 
@@ -49,10 +50,28 @@ class SimFabric(Ledger):
         super().__init__(registry, local_node, clock, hardware, observer)
         #: The simulated lenders' register (None: none, the ledger alone).
         self.lenders = lenders
+        #: The protocol's event log (``vmlend.sim.events``; None: none): reserves, releases.
+        self.events = EventLog.from_env(local_node or "")
 
     def _hold(self, fdid: int) -> HoldRecord | None:
         with self.registry.read() as tx:
             return tx.hold(fdid)
+
+    def reserve(
+        self,
+        fdid: int,
+        holder: Holder,
+        *,
+        guest_ram: GuestRam | int = 0,
+        msi_over_ntb: bool = False,
+    ) -> Reservation:
+        made = super().reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
+        if self.events is not None and made.created:
+            # the token is etcd's, known once committed: read back (0 if it ended already)
+            hold = self._hold(fdid)
+            token = hold.token if hold is not None and same_holder(hold.holder, holder) else 0
+            self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token)
+        return made
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         info = super().create_mdev(fdid, uuid, holder)  # checks the hold, records the child
@@ -86,15 +105,19 @@ class SimFabric(Ledger):
         return super().remove_mdev(uuid)
 
     def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
+        hold = self._hold(fdid) if self.lenders is not None or self.events is not None else None
         if self.lenders is not None:
-            hold = self._hold(fdid)
             ours = hold is not None and same_holder(hold.holder, holder)
             if ours and hold is not None and (expected is None or expected.admits(hold)):
                 # the device before the registry: it never serves a borrow the state ended
                 # and spends its token: an mdev creation that read the hold before this
                 # release (another process's) is refused when it serves it after
                 self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
-        return super().release(fdid, holder, expected=expected)
+        released = super().release(fdid, holder, expected=expected)
+        if self.events is not None and released:
+            token = hold.token if hold is not None and same_holder(hold.holder, holder) else 0
+            self.events.note("release", fdid=fdid, node=holder.node, vm=holder.vm, token=token)
+        return released
 
     def take_back(self, fence: FenceRecord) -> bool:
         if self.lenders is not None:

@@ -42,6 +42,7 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import StaleTokenError, StateError
+from vmlend.sim.events import EventLog
 
 #: The directory of the simulated cluster's lender register; unset: none.
 LENDERS_ENV = "VMLEND_SIM_LENDERS"
@@ -69,6 +70,9 @@ class LenderRegister:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
+        #: The protocol's event log (``vmlend.sim.events``; None: none): each write, each
+        #: refusal, under the device's lock (so in the device's order).
+        self.events = EventLog.from_env()
 
     @classmethod
     def from_env(cls) -> LenderRegister | None:
@@ -174,6 +178,16 @@ class LenderRegister:
         )
         with (self.directory / "history.log").open("a") as f:
             f.write(line)
+        if self.events is not None:
+            self.events.note(
+                op,
+                fdid=before.fdid,
+                asked=asked.strip(),
+                refused=after is None,
+                token=(after or before).token,
+                borrower=(after or before).borrower,
+                retired=(after or before).retired,
+            )
 
     def _write(self, serving: Serving) -> None:
         path = self._path(serving.fdid)
