@@ -1,0 +1,442 @@
+"""A recorded history replayed through the protocol's model (issue 35, point 10).
+
+The nemesis's processes write their events (``vmlend.sim.events``) to one JSON-lines file;
+``replay`` orders them and feeds each to the rule of ``tests/support/agent_model.Model`` it
+is, on a ``State`` sized from the history (every node, VM and device it names; the agents
+down until their first start). The first event the model refuses ends the replay
+(``Refusal``: the event, why, and the events before it of the same device or node).
+
+What each event is, in the model:
+
+- ``restart``, ``crash`` (the test): ``Model.restart``, ``Model.crash``.
+- ``lease-granted`` / ``lease-adopted`` (the agent, with the keepalive's send time):
+  ``grant`` (from the send: etcd counts the TTL from later) / ``adopt``; a grant after a
+  restart whose lease file names a lease the replay still has means etcd said that one was
+  gone, so it ``expire``s first; ``lease-followed``: ``follow`` (rule 1);
+  ``lease-renewed``: ``renew``; ``lease-lost``: ``expire`` (if not already) then ``lose``.
+- ``reserve`` (the sim backend, once committed, with the hold's token): ``take_hold`` on the
+  host's published lease (the lease file's), refused while the device is held or fenced or
+  for a token not newer than every earlier one; ``release`` (a release that ended its hold):
+  the hold must be there with that token, then ``end_hold``.
+- ``serve`` / ``end`` / ``take-back`` (the lender register, in the device's order):
+  ``open_mdev`` / ``give_back`` (``spend`` for a release) / ``take_back`` with the fence's
+  token. After each, what the device says (its token, its retired token, whom it serves)
+  must be what the model's device is, and (a) (``Model.exclusive``) must hold. A refusal of
+  the device's must be one the model makes too.
+- ``pause`` (counted), ``resume`` (the agent's): rule 2's gate, ``Model.stale`` at the moment
+  the worker read the lease: followed, renewed less than TTL/2 before.
+
+etcd ends a lease when it likes, from TTL after its last keepalive's send on (the model's
+``expire``); nobody records it. So the replay ends a lease when an event needs its holds gone
+(a reserve of a device it holds, a take-back of one it held, the agent told it is lost), and
+refuses the event if the lease cannot have ended yet: a take-back or a reserve before the
+holder's lease could end is the bug fencing exists to stop.
+
+Order: by time, except the registry's writes: a process logs a reserve or a release after it
+committed, so one may be logged after a write that depends on it. Tokens are etcd revisions,
+and per device a hold's reserve precedes its release, its serves and the next hold's reserve;
+so each reserve and release is moved back to at most the time of the first event that depends
+on it (``ordered``). Register events are written under the device's lock, in its order.
+
+Not replayed (the model's state has them but the events do not say): VMs' phases and the
+devices in their domains (starts, stops, plugs), the journal, the recovery's steps; so
+``start``, ``plug``, ``resume``'s "every device its own", the guard's budget and promise (b)
+are not checked here (the nemesis's sampler checks (b) on the hypervisors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support.agent_model import Device, Host, Model, Refused, State, Vm, get
+
+#: The register's ``serve``, ``end``, ``take-back``: events of the device.
+DEVICE_KINDS = ("serve", "end", "take-back")
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float
+    pid: int
+    seq: int
+    actor: str
+    kind: str
+    fields: dict[str, Any]
+    #: the line of the file (from 1)
+    line: int = 0
+
+    @property
+    def fdid(self) -> int | None:
+        f = self.fields.get("fdid")
+        return int(f) if f is not None else None
+
+    @property
+    def node(self) -> str:
+        return str(self.fields.get("node") or self.actor)
+
+    def describe(self) -> str:
+        rest = " ".join(f"{k}={_show(k, v)}" for k, v in self.fields.items())
+        who = f" {self.actor}" if self.actor else ""
+        return f"line {self.line} t={self.t:.3f} pid={self.pid}{who} {self.kind} {rest}"
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "fdid" and isinstance(value, int):
+        return f"{value:#x}"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def event(kind: str, t: float, actor: str = "", pid: int = 1, seq: int = 0,
+          **fields: Any) -> Event:
+    """An event as a test writes one by hand."""
+    return Event(t, pid, seq, actor, kind, fields)
+
+
+def read_events(path: Path) -> list[Event]:
+    out = []
+    lines = path.read_text().split("\n")
+    for i, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        if i == len(lines):
+            break  # no newline yet: a line still being written (the agents run on)
+        raw = json.loads(text)
+        head = {k: raw.pop(k) for k in ("t", "pid", "seq", "actor", "kind")}
+        out.append(Event(float(head["t"]), int(head["pid"]), int(head["seq"]),
+                         str(head["actor"]), str(head["kind"]), raw, i))
+    return out
+
+
+def ordered(events: Iterable[Event]) -> list[Event]:
+    """The events in the order the replay takes them (see the module's docstring): by time,
+    each process's in its own order, each reserve and release moved back to the first event
+    that depends on it."""
+    evs = sorted(events, key=lambda e: (e.t, e.pid, e.seq))
+    reserves = sorted((e for e in evs if e.kind == "reserve" and e.fields.get("token")),
+                      key=lambda e: int(e.fields["token"]))
+    releases = {(e.fdid, int(e.fields.get("token") or 0)): e for e in evs if e.kind == "release"}
+    served: dict[tuple[int | None, int], float] = {}
+    for e in evs:
+        if e.kind == "serve" and not e.fields.get("refused"):
+            key = (e.fdid, int(e.fields["token"]))
+            served[key] = min(served.get(key, math.inf), e.t)
+    when: dict[int, float] = {id(e): e.t for e in evs}
+    later_any = math.inf  # the next reserve by token, anywhere: tokens are etcd's revisions
+    later_on: dict[int | None, float] = {}  # the next reserve of the device
+    for e in reversed(reserves):
+        token = int(e.fields["token"])
+        nxt = later_on.get(e.fdid, math.inf)
+        t = min(e.t, later_any, nxt, served.get((e.fdid, token), math.inf))
+        rel = releases.get((e.fdid, token))
+        if rel is not None:
+            when[id(rel)] = min(rel.t, nxt)
+            t = min(t, when[id(rel)])
+        when[id(e)] = t
+        later_any = later_on[e.fdid] = t
+
+    def key(e: Event) -> tuple[float, int, int, int, int]:
+        if e.kind in ("reserve", "release"):  # by token: a hold's reserve, its release, the next
+            return (when[id(e)], 0, int(e.fields.get("token") or 0), e.kind == "release", 0)
+        return (when[id(e)], 1, 0, 0, 0)
+
+    return sorted(evs, key=key)
+
+
+@dataclass
+class Refusal:
+    """The first event the model refuses: why, and what came before it."""
+
+    event: Event
+    why: str
+    context: list[Event]
+    state: State
+
+    def describe(self) -> str:
+        lines = [f"the model refuses {self.event.describe()}", f"  because: {self.why}",
+                 "  after (the same device or node):"]
+        lines += [f"    {e.describe()}" for e in self.context]
+        return "\n".join(lines)
+
+
+@dataclass
+class Replay:
+    events: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    refusal: Refusal | None = None
+    #: register refusals the model also makes (a device refusing a stale step)
+    device_refusals: int = 0
+    #: leases the replay ended because an event needed their holds gone
+    ended: int = 0
+    #: reserves and releases whose transaction committed in a run whose reply was lost (a
+    #: re-run found it done: the call says "created" False, or "released" False)
+    lost_replies: int = 0
+    #: renewals that came more than a TTL after the one before (etcd kept the lease: a
+    #: leader change extends leases)
+    late_renewals: int = 0
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
+        verdict = "every one allowed" if self.refusal is None else "REFUSED"
+        return (f"{self.events} events ({kinds}): {verdict}; {self.ended} lease end(s)"
+                f" inferred, {self.device_refusals} stale step(s) the device refused as the"
+                f" model does, {self.lost_replies} commit(s) whose reply was lost,"
+                f" {self.late_renewals} renewal(s) more than a TTL after the last")
+
+
+def _vm(node: str, vm: str) -> str:
+    return f"{node}/{vm}"
+
+
+class Replayer:
+    """The replay's state and one handler per kind of event."""
+
+    def __init__(self, events: list[Event], ttl: float | None = None) -> None:
+        ttls = [float(e.fields["ttl"]) for e in events if "ttl" in e.fields]
+        self.model = Model(ttl=ttl if ttl is not None else min(ttls, default=2.0))
+        nodes: set[str] = set()
+        vms: dict[str, str] = {}
+        fdids: set[int] = set()
+        for e in events:
+            if e.actor:
+                nodes.add(e.actor)
+            if e.fdid is not None:
+                fdids.add(e.fdid)
+            if e.kind in ("reserve", "release"):
+                nodes.add(e.node)
+                vms[_vm(e.node, str(e.fields["vm"]))] = e.node
+            if e.kind in ("serve", "end"):
+                node, vm = self._borrower(e)
+                nodes.add(node)
+                vms[_vm(node, vm)] = node
+            if e.kind in ("pause", "resume"):
+                vms[_vm(e.actor, str(e.fields["vm"]))] = e.actor
+        self.state = State(
+            now=0.0,
+            leases=(),
+            holds=(),
+            fences=(),
+            devices=tuple((f, Device("lender")) for f in sorted(fdids)),
+            hosts=tuple((n, Host(alive=False)) for n in sorted(nodes)),
+            vms=tuple(sorted((v, Vm(h)) for v, h in vms.items())),
+        )
+        #: etcd's lease ids as the model's (granted in order)
+        self.leases: dict[int, int] = {}
+        self.result = Replay()
+
+    @staticmethod
+    def _asked(e: Event) -> list[str]:
+        return str(e.fields.get("asked", "")).split()
+
+    def _borrower(self, e: Event) -> tuple[str, str]:
+        who = self._asked(e)[1]
+        node, _, vm = who.partition("/")
+        return node, vm
+
+    # --- the replay ------------------------------------------------------------------------
+    def run(self, events: list[Event]) -> Replay:
+        done: list[Event] = []
+        for e in events:
+            self.state = self.state._replace(now=e.t)
+            try:
+                self.state = getattr(self, "on_" + e.kind.replace("-", "_"))(self.state, e)
+            except Refused as r:
+                near = [x for x in done if (e.fdid is not None and x.fdid == e.fdid)
+                        or (x.node == e.node and x.kind.startswith(("lease", "crash", "restart")))]
+                self.result.refusal = Refusal(e, str(r), near[-12:], self.state)
+                break
+            done.append(e)
+            self.result.events += 1
+            self.result.counts[e.kind] = self.result.counts.get(e.kind, 0) + 1
+        return self.result
+
+    def _lease(self, etcd_id: int) -> int:
+        if etcd_id not in self.leases:
+            self.leases[etcd_id] = len(self.leases) + 1
+        return self.leases[etcd_id]
+
+    def _end(self, s: State, lease: int, why: str) -> State:
+        """etcd ended ``lease`` by now, or the event that needs it is refused."""
+        found = get(s.leases, lease)
+        if found is None:
+            return s
+        if s.now < found.expires:
+            raise Refused(f"{why}, but lease {lease} of {found.host} cannot have ended before"
+                          f" {found.expires:.3f} (TTL {self.model.ttl:g} after its last"
+                          f" keepalive's send), {found.expires - s.now:.3f} s later")
+        self.result.ended += 1
+        return self.model.expire(s, lease)
+
+    # --- the test's kills and restarts -----------------------------------------------------
+    def on_restart(self, s: State, e: Event) -> State:
+        return self.model.restart(s, e.actor)
+
+    def on_crash(self, s: State, e: Event) -> State:
+        return self.model.crash(s, e.actor)
+
+    # --- the agent's lease -----------------------------------------------------------------
+    def on_lease_granted(self, s: State, e: Event) -> State:
+        h = self.model.host(s, e.actor)
+        sent = float(e.fields["sent"])
+        if h.lease is None and h.lease_file is not None and get(s.leases, h.lease_file):
+            # a restart that could not adopt: etcd said the lease file's lease is gone
+            s = self._end(s._replace(now=sent), h.lease_file,
+                          f"{e.actor}'s agent found its lease file's lease gone")
+        lease = self._lease(int(e.fields["lease"]))
+        s = self.model.grant(s._replace(now=sent), e.actor, lease)
+        return s._replace(now=e.t)
+
+    def on_lease_adopted(self, s: State, e: Event) -> State:
+        h = self.model.host(s, e.actor)
+        lease = self._lease(int(e.fields["lease"]))
+        if h.lease_file != lease:
+            raise Refused(f"{e.actor} adopts lease {lease}, its lease file names {h.lease_file}")
+        return self.model.adopt(s, e.actor, float(e.fields["sent"]))
+
+    def on_lease_followed(self, s: State, e: Event) -> State:
+        h = self.model.host(s, e.actor)
+        if h.lease != self._lease(int(e.fields["lease"])):
+            raise Refused(f"{e.actor} follows lease {e.fields['lease']:x}, not its own")
+        return self.model.follow(s, e.actor)
+
+    def on_lease_renewed(self, s: State, e: Event) -> State:
+        h = self.model.host(s, e.actor)
+        lease = self._lease(int(e.fields["lease"]))
+        if h.lease != lease:
+            raise Refused(f"{e.actor} renews lease {lease}, its agent's is {h.lease}")
+        sent = float(e.fields["sent"])
+        if sent - h.sent >= self.model.ttl:
+            self.result.late_renewals += 1  # etcd kept the lease past its TTL (``renew``)
+        return self.model.renew(s, e.actor, sent)
+
+    def on_lease_lost(self, s: State, e: Event) -> State:
+        lease = self._lease(int(e.fields["lease"]))
+        s = self._end(s, lease, f"etcd told {e.actor} its lease {lease} is gone")
+        return self.model.lose(s, e.actor)
+
+    # --- the agent's guard -----------------------------------------------------------------
+    def on_pause(self, s: State, e: Event) -> State:
+        return s
+
+    def on_resume(self, s: State, e: Event) -> State:
+        decided = float(e.fields["decided"])
+        why = self.model.stale(s._replace(now=decided), e.actor)
+        if why is not None:
+            raise Refused(f"the agent resumed {e.fields['vm']}: {why}")
+        return s
+
+    # --- the registry ----------------------------------------------------------------------
+    def on_reserve(self, s: State, e: Event) -> State:
+        fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
+        vm = _vm(e.node, str(e.fields["vm"]))
+        if not token:
+            raise Refused("a reserve whose token is unknown (its hold ended before it was read)")
+        held = get(s.holds, fdid)
+        if not e.fields.get("created", True):
+            if held is not None and (held.vm, held.token) == (vm, token):
+                return s  # the VM had it
+            self.result.lost_replies += 1  # this call made it; its reply was lost
+        if held is not None:
+            s = self._end(s, held.lease, f"{fdid:#x} is held by {held.vm} (token {held.token})")
+        h = self.model.host(s, e.node)
+        return self.model.take_hold(s, vm, fdid, token, h.lease_file)
+
+    def on_release(self, s: State, e: Event) -> State:
+        fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
+        held = get(s.holds, fdid)
+        vm = _vm(e.node, str(e.fields["vm"]))
+        if e.fields.get("lost_reply"):
+            # it found its hold and fence gone: its own earlier run ended them (or the lease
+            # took the hold and the lender its fence, which the replay has seen then)
+            if held is None or held.token != token:
+                return s
+            self.result.lost_replies += 1
+        if held is None or held.vm != vm or held.token != token:
+            raise Refused(f"{vm} released its hold of {fdid:#x} (token {token}), but the hold"
+                          f" is {held}")
+        return self.model.end_hold(s, fdid)
+
+    # --- the device ------------------------------------------------------------------------
+    def on_serve(self, s: State, e: Event) -> State:
+        fdid = int(e.fields["fdid"])
+        token = int(self._asked(e)[0])
+        node, vm = self._borrower(e)
+        if e.fields.get("refused"):
+            return self._refused(s, e, lambda: self.model.open_mdev(s, _vm(node, vm), fdid, token))
+        s = self.model.open_mdev(s, _vm(node, vm), fdid, token)
+        return self._agree(s, e)
+
+    def on_end(self, s: State, e: Event) -> State:
+        fdid = int(e.fields["fdid"])
+        asked = self._asked(e)
+        node, vm = self._borrower(e)
+        name = _vm(node, vm)
+        d = self.model.device(s, fdid)
+        token = None if asked[0] == "None" else int(asked[0])
+        if "spend" in asked[2:] and token is not None:
+            s = self.model.spend(s, fdid, token)
+        else:
+            for who, t in sorted(d.sessions):
+                if who == name and (token is None or t == token):
+                    s = self.model.give_back(s, name, fdid, t)
+        return self._agree(s, e)
+
+    def on_take_back(self, s: State, e: Event) -> State:
+        fdid = int(e.fields["fdid"])
+        token = int(self._asked(e)[0])
+        if e.fields.get("refused"):
+            return self._refused(s, e, lambda: self.model.take_back(s, fdid))
+        d = self.model.device(s, fdid)
+        fence = get(s.fences, fdid)
+        if fence is None and d.retired == token:
+            return self._agree(s, e)  # the same take-back again (its fence's removal failed)
+        if fence != token:
+            raise Refused(f"a take-back of {fdid:#x} with token {token}; the fence's is {fence}")
+        held = get(s.holds, fdid)
+        if held is not None:
+            s = self._end(s, held.lease, f"the lender takes back {fdid:#x} from {held.vm}")
+        s = self.model.take_back(s, fdid)
+        return self._agree(s, e)
+
+    def _refused(self, s: State, e: Event, step: Any) -> State:
+        try:
+            step()
+        except Refused:
+            self.result.device_refusals += 1
+            return s
+        raise Refused("the device refused a step the model allows")
+
+    def _agree(self, s: State, e: Event) -> State:
+        """The device says what the model's device is, and (a) holds."""
+        fdid = int(e.fields["fdid"])
+        d = self.model.device(s, fdid)
+        token, retired = int(e.fields["token"]), int(e.fields["retired"])
+        borrower = str(e.fields.get("borrower") or "")
+        mine = {v for v, t in d.sessions}
+        want = {borrower} if borrower else set()
+        # a take-back makes the fence's token the device's (the model keeps it as retired)
+        same_token = token == d.token or (token == d.retired and token > d.token)
+        if not same_token or retired != d.retired or mine != want:
+            raise Refused(f"the device says token {token}, retired {retired}, serving"
+                          f" {borrower or 'nobody'}; the model's: token {d.token}, retired"
+                          f" {d.retired}, serving {sorted(mine) or 'nobody'}")
+        bad = [x for x in self.model.exclusive(s) if f"{fdid:#x}" in x]
+        if bad:
+            raise Refused("; ".join(bad))
+        return s
+
+
+def replay(events: Iterable[Event], ttl: float | None = None) -> Replay:
+    """``events`` in order (``ordered``) through the model; the first refusal ends it."""
+    evs = ordered(events)
+    return Replayer(evs, ttl).run(evs)
+
+
+def replay_file(path: Path) -> Replay:
+    return replay(read_events(path))

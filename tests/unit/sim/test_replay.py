@@ -1,0 +1,188 @@
+"""The replay of a recorded history through the protocol's model (``tests/support/replay.py``),
+on small hand-written histories: one the model allows, and the ones it must refuse. Each
+refusal test asserts the reason, so a checker that accepted everything fails it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.replay import Event, event, ordered, read_events, replay
+from vmlend.sim.events import EventLog
+
+TTL = 2.0
+
+
+class History:
+    """Events in the order written, each process with its own pid; time by hand."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.t = 0.0
+
+    def at(self, t: float) -> History:
+        self.t = t
+        return self
+
+    def add(self, kind: str, actor: str = "", pid: int = 1, **fields: object) -> History:
+        seq = sum(e.pid == pid for e in self.events)
+        self.events.append(event(kind, self.t, actor, pid, seq, **fields))
+        return self
+
+    # the agent's lease (pid per node), the test's kills
+    def up(self, node: str, lease: int) -> History:
+        pid = _pid(node)
+        self.add("restart", node, pid=99)
+        self.t += 0.001  # the agent runs after the test started it
+        self.add("lease-granted", node, pid, lease=lease, ttl=TTL, sent=self.t)
+        return self.add("lease-followed", node, pid, lease=lease)
+
+    def renew(self, node: str, lease: int) -> History:
+        return self.add("lease-renewed", node, _pid(node), lease=lease, ttl=TTL, sent=self.t)
+
+    def crash(self, node: str) -> History:
+        return self.add("crash", node, pid=99)
+
+    # the registry, as a hook's process (pid 10+)
+    def reserve(self, who: str, fdid: int, token: int, pid: int = 10) -> History:
+        node, vm = who.split("/")
+        return self.add("reserve", node, pid, fdid=fdid, node=node, vm=vm, token=token)
+
+    def release(self, who: str, fdid: int, token: int, pid: int = 10) -> History:
+        node, vm = who.split("/")
+        return self.add("release", node, pid, fdid=fdid, node=node, vm=vm, token=token)
+
+    # the device: what the register wrote (after) and whether it refused
+    def device(self, op: str, fdid: int, asked: str, after: tuple[int, str, int],
+               refused: bool = False, pid: int = 10) -> History:
+        token, borrower, retired = after
+        return self.add(op, "", pid, fdid=fdid, asked=asked, refused=refused, token=token,
+                        borrower=borrower, retired=retired)
+
+    def serve(self, who: str, fdid: int, token: int, retired: int = 0) -> History:
+        return self.device("serve", fdid, f"{token} {who}", (token, who, retired))
+
+    def spend(self, who: str, fdid: int, token: int) -> History:
+        return self.device("end", fdid, f"{token} {who} spend", (token, "", token))
+
+    def take_back(self, fdid: int, token: int) -> History:
+        return self.device("take-back", fdid, str(token), (token, "", token), pid=20)
+
+
+def _pid(node: str) -> int:
+    return {"alpha": 1, "beta": 2, "gamma": 3}[node]
+
+
+def _two_hosts() -> History:
+    return History().up("alpha", 0xA1).up("beta", 0xB1)
+
+
+def _why(h: History) -> str:
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is not None, f"the model allowed: {run.summary()}"
+    return run.refusal.why
+
+
+def test_a_history_of_holds_released_and_taken_back_is_allowed():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).serve("alpha/a1", 0x10, 5)
+    h.at(0.9).renew("alpha", 0xA1).renew("beta", 0xB1)
+    h.at(1.0).spend("alpha/a1", 0x10, 5).release("alpha/a1", 0x10, 5)
+    h.at(1.2).reserve("beta/b1", 0x10, 6, pid=11).device("serve", 0x10, "6 beta/b1",
+                                                          (6, "beta/b1", 5), pid=11)
+    h.at(1.3).crash("beta")
+    # beta's lease ends no sooner than 0.9 + TTL: its hold goes, its fence stays
+    h.at(3.5).take_back(0x10, 6)
+    h.at(3.6).renew("alpha", 0xA1).reserve("alpha/a1", 0x10, 7).serve("alpha/a1", 0x10, 7, 6)
+    h.at(3.7).add("pause", "alpha", 1, vm="a1").add("resume", "alpha", 1, vm="a1", decided=3.7)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.counts["take-back"] == 1 and run.counts["serve"] == 3
+    assert run.ended == 1  # beta's lease, which the take-back needed ended
+
+
+def test_a_serve_of_an_older_token_than_one_served_is_refused():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).reserve("beta/b1", 0x11, 6, pid=11)
+    h.at(0.6).device("serve", 0x11, "6 beta/b1", (6, "beta/b1", 0), pid=11)
+    # a device that let an older token in after a newer one
+    h.at(0.7).device("serve", 0x11, "5 alpha/a1", (5, "alpha/a1", 0))
+    assert "older than the device's" in _why(h)
+
+
+def test_a_serve_of_a_taken_back_token_is_refused():
+    h = _two_hosts()
+    h.at(0.5).reserve("beta/b1", 0x10, 6, pid=11).crash("beta")
+    h.at(3.0).take_back(0x10, 6)
+    h.at(3.1).device("serve", 0x10, "6 beta/b1", (6, "beta/b1", 6), pid=11)
+    assert "token 6 was taken back" in _why(h)
+
+
+def test_a_serve_of_a_released_token_is_refused():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5)
+    h.at(0.6).spend("alpha/a1", 0x10, 5).release("alpha/a1", 0x10, 5)
+    # the seed-4 interleaving: a win-back that read the hold before the release serves it
+    h.at(0.7).device("serve", 0x10, "5 alpha/a1", (5, "alpha/a1", 5), pid=1)
+    assert "token 5 was taken back" in _why(h)
+
+
+def test_a_release_that_does_not_spend_its_token_disagrees_with_the_model():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).serve("alpha/a1", 0x10, 5)
+    h.at(0.6).device("end", 0x10, "5 alpha/a1 spend", (5, "", 0))  # retired left at 0
+    assert "the device says token 5, retired 0" in _why(h)
+
+
+def test_two_holds_on_one_device_without_a_release_or_take_back_are_refused():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5)
+    h.at(1.0).reserve("beta/b1", 0x10, 6, pid=11)
+    assert "cannot have ended before" in _why(h)
+
+
+def test_a_new_hold_on_a_fenced_device_is_refused_even_after_the_lease_ended():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).crash("alpha")
+    h.at(3.0).reserve("beta/b1", 0x10, 6, pid=11)  # the lease ended, nobody took it back
+    assert "0x10 is fenced" in _why(h)
+
+
+def test_a_take_back_before_the_lease_could_end_is_refused():
+    h = _two_hosts()
+    h.at(0.5).reserve("beta/b1", 0x10, 6, pid=11)
+    h.at(1.5).renew("beta", 0xB1).crash("beta")
+    h.at(3.0).take_back(0x10, 6)  # beta's lease lives until 3.5 at least
+    assert "lease 2 of beta cannot have ended before 3.500" in _why(h)
+
+
+def test_a_take_back_with_another_token_than_the_fences_is_refused():
+    h = _two_hosts()
+    h.at(0.5).reserve("beta/b1", 0x10, 6, pid=11).crash("beta")
+    h.at(3.0).take_back(0x10, 4)
+    assert "the fence's is 6" in _why(h)
+
+
+def test_a_resume_with_the_lease_in_doubt_is_refused():
+    h = _two_hosts()
+    h.at(1.5).add("resume", "alpha", 1, vm="a1", decided=1.5)  # granted at 0: TTL/2 passed
+    assert "in doubt" in _why(h)
+
+
+def test_a_release_logged_after_the_next_reserve_is_put_back_in_etcds_order():
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5)
+    h.at(0.8).reserve("beta/b1", 0x10, 6, pid=11)
+    h.at(0.9).release("alpha/a1", 0x10, 5)  # committed before 6, logged after it
+    assert [e.kind for e in ordered(h.events)][-2:] == ["release", "reserve"]
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+
+
+def test_the_event_log_writes_lines_the_replay_reads(tmp_path: Path):
+    log = EventLog(tmp_path, "alpha")
+    log.note("restart")
+    log.note("lease-granted", lease=0xA1, ttl=TTL, sent=1.0)
+    events = read_events(tmp_path / "events.jsonl")
+    assert [(e.kind, e.actor, e.seq) for e in events] == [
+        ("restart", "alpha", 0), ("lease-granted", "alpha", 1)]
+    assert events[1].fields == {"lease": 0xA1, "ttl": TTL, "sent": 1.0}
