@@ -17,7 +17,9 @@ and no device may be in two running, unpaused VMs unless only fencing could help
 (promise (b); ``tests/support/nemesis.py`` says exactly what counts, hot-added devices
 included, and when an overlap is excused). After the faults heal: nothing held by a VM that
 does not run or does not use it, no running VM using a device it does not hold, nothing
-fenced, no revision of the registry with two holders, and every failed CLI call said one line.
+fenced, no revision of the registry with two holders, every failed CLI call said one line, and
+the events every process recorded (``vmlend.sim.events``) replay through the protocol's model
+(``tests/support/replay.py``) with no step it refuses.
 
 The fixed seed runs every nemesis once, in a shuffled order. ``VMLEND_NEMESIS_SEED`` picks
 another seed (the order of faults, their targets and the workload); ``VMLEND_NEMESIS_ROUNDS``
@@ -52,6 +54,8 @@ from tests.support.nemesis import (
     start_cluster,
     stop_cluster,
 )
+from tests.support.replay import replay_file
+from vmlend.sim.events import EVENTS_FILE
 from vmlend.topology.model import DeviceStatus
 from vmlend.wiring.fabric import open_fabric
 
@@ -150,6 +154,11 @@ def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> No
             f" ({ok('start')}, {ok('attach')}, {ok('detach')} succeeded), {ran:.0f} s"
         )
         _say_promise_a(c, sampler)
+        # every recorded history must be one the protocol's model allows (issue 35, point 10)
+        replayed = replay_file(tmp_path / "events" / EVENTS_FILE)
+        _say(f"replayed through the model: {replayed.summary()}")
+        if replayed.refusal is not None:
+            _say(replayed.refusal.describe())
         log_evidence(c, sampler.overlaps)
         for o in sampler.overlaps:
             _say(o.describe())
@@ -172,6 +181,7 @@ def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> No
         bad = [x for x in work.calls if x.returncode != 0 and len(x.stderr.splitlines()) != 1]
         assert not bad, "\n".join(f"{x.node}: {' '.join(x.argv)}: {x.stderr!r}" for x in bad)
         check_never_two_holders(history(c.direct_url))
+        assert replayed.refusal is None, replayed.refusal.describe()
         if KEEP:
             _say(f"logs kept in {keep_logs(c, f'seed-{SEED}')}")
     except BaseException as e:

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from vmlend.errors import DeviceNotReservedError, StaleTokenError
+from vmlend.errors import DeviceNotReservedError, StaleTokenError, VmlendError
 from vmlend.ledger.ledger import MDEV_TYPE, BorrowHardware, Ledger, parent_name
 from vmlend.registry import FenceRecord, Registry, same_holder
 from vmlend.registry.records import ExpectedHold, HoldRecord
@@ -66,11 +66,14 @@ class SimFabric(Ledger):
         msi_over_ntb: bool = False,
     ) -> Reservation:
         made = super().reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
-        if self.events is not None and made.created:
-            # the token is etcd's, known once committed: read back (0 if it ended already)
+        if self.events is not None:
+            # the token is etcd's, known once committed: read back (0 if it ended already).
+            # Not created: the VM had the hold, or this call made it and lost the reply (a
+            # re-run then finds it); the replay tells them apart by the token
             hold = self._hold(fdid)
             token = hold.token if hold is not None and same_holder(hold.holder, holder) else 0
-            self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token)
+            self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
+                             created=made.created)
         return made
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
@@ -114,10 +117,27 @@ class SimFabric(Ledger):
                 # release (another process's) is refused when it serves it after
                 self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
         released = super().release(fdid, holder, expected=expected)
-        if self.events is not None and released:
-            token = hold.token if hold is not None and same_holder(hold.holder, holder) else 0
-            self.events.note("release", fdid=fdid, node=holder.node, vm=holder.vm, token=token)
+        if self.events is not None and hold is not None and same_holder(hold.holder, holder):
+            self._note_release(hold, released)
         return released
+
+    def _note_release(self, hold: HoldRecord, released: bool) -> None:
+        """The event of a release of ``hold``: it ended it; or it found it gone, and its
+        fence with it (this call's earlier run committed and lost its reply), or not (the
+        lease took the hold; nothing to note)."""
+        assert self.events is not None
+        if not released:
+            try:
+                with self.registry.read() as tx:
+                    now, fence = tx.hold(hold.fdid), tx.fence(hold.fdid)
+            except VmlendError:
+                return
+            if (now is not None and now.token == hold.token) or (
+                fence is not None and fence.token == hold.token
+            ):
+                return
+        self.events.note("release", fdid=hold.fdid, node=hold.holder.node, vm=hold.holder.vm,
+                         token=hold.token, lost_reply=not released)
 
     def take_back(self, fence: FenceRecord) -> bool:
         if self.lenders is not None:

@@ -186,3 +186,19 @@ def test_the_event_log_writes_lines_the_replay_reads(tmp_path: Path):
     assert [(e.kind, e.actor, e.seq) for e in events] == [
         ("restart", "alpha", 0), ("lease-granted", "alpha", 1)]
     assert events[1].fields == {"lease": 0xA1, "ttl": TTL, "sent": 1.0}
+
+
+def test_commits_whose_reply_was_lost_are_taken_as_made():
+    h = _two_hosts()
+    # a reserve whose Txn committed on one member and, re-sent to the next, found its hold
+    h.at(0.5).add("reserve", "alpha", 10, fdid=0x10, node="alpha", vm="a1", token=5,
+                  created=False)
+    h.at(0.6).add("reserve", "alpha", 10, fdid=0x10, node="alpha", vm="a1", token=5,
+                  created=False)  # the VM had it: nothing new
+    h.at(0.7).spend("alpha/a1", 0x10, 5)
+    h.at(0.8).add("release", "alpha", 10, fdid=0x10, node="alpha", vm="a1", token=5,
+                  lost_reply=True)
+    h.at(0.9).reserve("beta/b1", 0x10, 6, pid=11)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.lost_replies == 2 and run.ended == 0
