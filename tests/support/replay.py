@@ -119,8 +119,14 @@ def ordered(events: Iterable[Event]) -> list[Event]:
     each process's in its own order, each reserve and release moved back to the first event
     that depends on it."""
     evs = sorted(events, key=lambda e: (e.t, e.pid, e.seq))
-    reserves = sorted((e for e in evs if e.kind == "reserve" and e.fields.get("token")),
-                      key=lambda e: int(e.fields["token"]))
+    # one reserve per token, the first logged: a later one of the same token is a call that
+    # found the hold its VM had (``created`` False), in its own place
+    first: dict[int, Event] = {}
+    for e in evs:
+        if e.kind == "reserve" and e.fields.get("token"):
+            first.setdefault(int(e.fields["token"]), e)
+    reserves = [first[t] for t in sorted(first)]
+    chained = {id(e) for e in reserves}
     releases = {(e.fdid, int(e.fields.get("token") or 0)): e for e in evs if e.kind == "release"}
     served: dict[tuple[int | None, int], float] = {}
     for e in evs:
@@ -142,7 +148,7 @@ def ordered(events: Iterable[Event]) -> list[Event]:
         later_any = later_on[e.fdid] = t
 
     def key(e: Event) -> tuple[float, int, int, int, int]:
-        if e.kind in ("reserve", "release"):  # by token: a hold's reserve, its release, the next
+        if id(e) in chained or e.kind == "release":  # a hold's reserve, its release, the next
             return (when[id(e)], 0, int(e.fields.get("token") or 0), e.kind == "release", 0)
         return (when[id(e)], 1, 0, 0, 0)
 

@@ -202,3 +202,18 @@ def test_commits_whose_reply_was_lost_are_taken_as_made():
     run = replay(h.events, ttl=TTL)
     assert run.refusal is None, run.refusal.describe()
     assert run.lost_replies == 2 and run.ended == 0
+
+
+def test_a_second_reserve_of_a_hold_does_not_move_its_release_before_its_serve():
+    """Seed 4: a call found the hold its VM had (created False, same token) after the hold's
+    serve; the release, logged later, must stay after the serve."""
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).at(0.6).serve("alpha/a1", 0x10, 5)
+    h.at(0.7).add("reserve", "alpha", 12, fdid=0x10, node="alpha", vm="a1", token=5,
+                  created=False)
+    h.at(0.8).renew("alpha", 0xA1).spend("alpha/a1", 0x10, 5)
+    h.at(0.9).release("alpha/a1", 0x10, 5)
+    assert [e.kind for e in ordered(h.events) if e.fdid == 0x10] == [
+        "reserve", "serve", "reserve", "end", "release"]
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
