@@ -180,6 +180,9 @@ class Replay:
     device_refusals: int = 0
     #: leases the replay ended because an event needed their holds gone
     ended: int = 0
+    #: the least time between the earliest a lease could end and the event that needed it
+    #: ended (inf: none did)
+    margin: float = math.inf
     #: reserves and releases whose transaction committed in a run whose reply was lost (a
     #: re-run found it done: the call says "created" False, or "released" False)
     lost_replies: int = 0
@@ -191,7 +194,8 @@ class Replay:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
         verdict = "every one allowed" if self.refusal is None else "REFUSED"
         return (f"{self.events} events ({kinds}): {verdict}; {self.ended} lease end(s)"
-                f" inferred, {self.device_refusals} stale step(s) the device refused as the"
+                f" inferred (the closest {self.margin:.2f} s after the earliest it could),"
+                f" {self.device_refusals} stale step(s) the device refused as the"
                 f" model does, {self.lost_replies} commit(s) whose reply was lost,"
                 f" {self.late_renewals} renewal(s) more than a TTL after the last")
 
@@ -277,6 +281,7 @@ class Replayer:
                           f" {found.expires:.3f} (TTL {self.model.ttl:g} after its last"
                           f" keepalive's send), {found.expires - s.now:.3f} s later")
         self.result.ended += 1
+        self.result.margin = min(self.result.margin, s.now - found.expires)
         return self.model.expire(s, lease)
 
     # --- the test's kills and restarts -----------------------------------------------------
