@@ -7,7 +7,10 @@ shown as hex (``0x10``).
 from __future__ import annotations
 
 import enum
+import functools
 import re
+from collections.abc import Callable, Iterable
+from typing import TypeVar, cast
 
 import msgspec
 
@@ -176,7 +179,25 @@ class LinkSpec(msgspec.Struct, frozen=True):
         return tuple(f"{self.switch}/{end}" for end in self.ends)
 
 
-class Topology(msgspec.Struct, frozen=True):
+_T = TypeVar("_T")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _first_by(items: Iterable[_V], key: Callable[[_V], _K]) -> dict[_K, _V]:
+    """``items`` by ``key``, the first of each key winning (as a scan from the start would)."""
+    out: dict[_K, _V] = {}
+    for item in items:
+        out.setdefault(key(item), item)
+    return out
+
+
+class Topology(msgspec.Struct, frozen=True, dict=True):
+    """A fabric as declared. Immutable, so what is derived from it (the lookup tables below,
+    the routes of ``vmlend.topology.paths``) is computed once per instance and kept in its
+    ``__dict__`` (``dict=True``), which msgspec leaves out of equality, hashing and encoding;
+    a changed topology is another instance, which starts with nothing derived."""
+
     name: str
     nodes: tuple[NodeSpec, ...]
     links: tuple[LinkSpec, ...]
@@ -185,21 +206,52 @@ class Topology(msgspec.Struct, frozen=True):
     #: Cables between two cluster switches (cascaded switches), by switch name.
     switch_links: tuple[tuple[str, str], ...] = ()
 
+    @functools.cached_property
+    def _node_index(self) -> dict[str, NodeSpec]:
+        return _first_by(self.nodes, lambda n: n.name)
+
+    @functools.cached_property
+    def _device_index(self) -> dict[int, DeviceSpec]:
+        return _first_by(self.devices, lambda d: d.fdid)
+
+    @functools.cached_property
+    def _adapter_index(self) -> dict[str, AdapterSpec]:
+        return _first_by(self.adapters(), lambda a: a.ref)
+
+    @functools.cached_property
+    def _derived(self) -> dict[Callable[[Topology], object], object]:
+        return {}
+
+    def derived(self, build: Callable[[Topology], _T]) -> _T:
+        """``build(self)``, computed on the first call with this ``build`` and kept for the
+        next ones (a pure function of the topology, such as its route table)."""
+        memo = self._derived
+        if build not in memo:
+            memo[build] = build(self)
+        return cast(_T, memo[build])
+
     def node(self, name: str) -> NodeSpec:
         from vmlend.errors import UnknownNodeError
 
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise UnknownNodeError(name)
+        found = self._node_index.get(name)
+        if found is None:
+            raise UnknownNodeError(name)
+        return found
 
     def device(self, fdid: int) -> DeviceSpec:
         from vmlend.errors import UnknownDeviceError
 
-        for d in self.devices:
-            if d.fdid == fdid:
-                return d
-        raise UnknownDeviceError(fdid)
+        found = self._device_index.get(fdid)
+        if found is None:
+            raise UnknownDeviceError(fdid)
+        return found
+
+    def has_device(self, fdid: int) -> bool:
+        return fdid in self._device_index
+
+    def adapter(self, ref: str) -> AdapterSpec | None:
+        """The adapter ``ref`` (``node:index``) names, None when there is none."""
+        return self._adapter_index.get(ref)
 
     def adapters(self) -> list[AdapterSpec]:
         return [a for n in self.nodes for a in n.adapters]

@@ -66,50 +66,116 @@ def _graph(topology: Topology, down: Collection[str] = ()) -> _Graph:
     return {v: sorted(n) for v, n in edges.items()}
 
 
-def _shortest(graph: _Graph, start: _Vertex, target: _Vertex) -> list[tuple[_Vertex, str]] | None:
-    """Breadth first from ``start`` through switches only (adapters end a path): the shortest
-    way to ``target`` as (vertex, cable into it) steps, the first in sorted order among
-    equally short ones."""
-    parent: dict[_Vertex, tuple[_Vertex, str] | None] = {start: None}
-    queue = deque([start])
-    while queue:
-        v = queue.popleft()
-        if v == target:
-            steps: list[tuple[_Vertex, str]] = []
-            while (p := parent[v]) is not None:
-                steps.append((v, p[1]))
-                v = p[0]
-            return steps[::-1]
-        if v != start and v[0] == "adapter":
-            continue  # a host does not forward for others
-        for n, name in graph.get(v, []):
-            if n not in parent:
-                parent[n] = (v, name)
-                queue.append(n)
-    return None
+class _Search(msgspec.Struct, frozen=True):
+    """One source adapter's breadth-first search through the switches: the order in which
+    the search expands each vertex it reaches (the adapter itself first, then switches) and
+    how it reached each switch (the vertex before it, the cable between)."""
+
+    rank: dict[_Vertex, int]
+    parent: dict[_Vertex, tuple[_Vertex, str]]
+
+
+class RouteTable:
+    """The routes of one topology (less the cables in ``down``), computed once: the graph
+    when the table is made, each source adapter's search on its first use, each pair of
+    nodes' routes on their first use. Pure: it reads nothing but the topology.
+
+    A path is the breadth-first one from the source adapter, neighbours in sorted order,
+    through switches only (a host does not forward for others). Adapters are leaves, so that
+    search is the search through the switches alone, and a target adapter is reached from the
+    first vertex the search expands among those cabled to it (by its first cable in sorted
+    order): one search per source adapter serves every destination, and never walks the
+    adapters on a switch's ports."""
+
+    def __init__(self, topology: Topology, down: Collection[str] = ()) -> None:
+        self._topology = topology
+        self._graph = _graph(topology, down)
+        self._switches = {
+            v: [(n, name) for n, name in near if n[0] == "switch"]
+            for v, near in self._graph.items()
+            if v[0] == "switch"
+        }
+        self._searches: dict[_Vertex, _Search] = {}
+        self._pairs: dict[tuple[str, str], tuple[NtbPath, ...]] = {}
+
+    def routes(self, src: str, dst: str) -> list[NtbPath]:
+        """As ``routes`` (the module's function): every way from node ``src`` to ``dst``."""
+        found = self._pairs.get((src, dst))
+        if found is None:
+            found = self._pairs[(src, dst)] = tuple(self._compute(src, dst))
+        return list(found)
+
+    def _compute(self, src: str, dst: str) -> list[NtbPath]:
+        src_node = self._topology.node(src)
+        dst_node = self._topology.node(dst)
+        if src_node.name == dst_node.name:
+            return []
+        found: list[NtbPath] = []
+        for a in src_node.adapters:
+            for b in dst_node.adapters:
+                steps = self._steps(("adapter", a.ref), ("adapter", b.ref))
+                if steps is None:
+                    continue
+                switches = tuple(v[1] for v, _ in steps[:-1])
+                links = tuple(name for _, name in steps)
+                found.append(NtbPath(src=a, dst=b, switches=switches, links=links))
+        found.sort(key=lambda p: (len(p.switches), p.src.index, p.dst.index, p.switches))
+        return found
+
+    def _search(self, start: _Vertex) -> _Search:
+        done = self._searches.get(start)
+        if done is not None:
+            return done
+        rank = {start: 0}
+        parent: dict[_Vertex, tuple[_Vertex, str]] = {}
+        queue = deque([start])
+        while queue:
+            v = queue.popleft()
+            near = self._graph.get(start, []) if v == start else self._switches[v]
+            for n, name in near:
+                if n[0] == "switch" and n not in rank:
+                    rank[n] = len(rank)
+                    parent[n] = (v, name)
+                    queue.append(n)
+        done = self._searches[start] = _Search(rank, parent)
+        return done
+
+    def _steps(self, start: _Vertex, target: _Vertex) -> list[tuple[_Vertex, str]] | None:
+        """The shortest way from adapter ``start`` to adapter ``target`` as (vertex, cable
+        into it) steps, the first in sorted order among equally short ones; None: none."""
+        search = self._search(start)
+        best: tuple[int, str, _Vertex] | None = None
+        for v, name in self._graph.get(target, []):
+            r = search.rank.get(v)
+            if r is not None and (best is None or (r, name) < best[:2]):
+                best = (r, name, v)
+        if best is None:
+            return None
+        _, name, v = best
+        steps = [(target, name)]
+        while v != start:
+            before, cable = search.parent[v]
+            steps.append((v, cable))
+            v = before
+        return steps[::-1]
+
+
+def route_table(topology: Topology) -> RouteTable:
+    """``topology``'s route table, made on the first call and kept with the topology (which
+    is immutable: a changed topology is another object, with a table of its own)."""
+    return topology.derived(RouteTable)
 
 
 def routes(topology: Topology, src: str, dst: str, *, down: Collection[str] = ()) -> list[NtbPath]:
     """Every way from node ``src`` to node ``dst``: for each pair of a source and a destination
     adapter the cables join, the shortest path between them, avoiding the cables in ``down``.
     Cheapest first (fewest switches), then by source and destination adapter index and switch
-    names; [] for the same node or when nothing joins them. Raises ``UnknownNodeError``."""
-    src_node = topology.node(src)
-    dst_node = topology.node(dst)
-    if src_node.name == dst_node.name:
-        return []
-    graph = _graph(topology, down)
-    found: list[NtbPath] = []
-    for a in src_node.adapters:
-        for b in dst_node.adapters:
-            steps = _shortest(graph, ("adapter", a.ref), ("adapter", b.ref))
-            if steps is None:
-                continue
-            switches = tuple(v[1] for v, _ in steps[:-1])
-            links = tuple(name for _, name in steps)
-            found.append(NtbPath(src=a, dst=b, switches=switches, links=links))
-    found.sort(key=lambda p: (len(p.switches), p.src.index, p.dst.index, p.switches))
-    return found
+    names; [] for the same node or when nothing joins them. Raises ``UnknownNodeError``.
+
+    Without ``down``, answered from the topology's ``route_table``; with it, from a table
+    made for this call."""
+    table = RouteTable(topology, down) if down else route_table(topology)
+    return table.routes(src, dst)
 
 
 def without_links(topology: Topology, down: Collection[str]) -> Topology:
