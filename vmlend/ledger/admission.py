@@ -29,7 +29,7 @@ peer-to-peer with remote devices may.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
@@ -156,8 +156,14 @@ class AdapterUsage(msgspec.Struct, frozen=True):
         return self.adapter.window_size - self.window_used
 
 
-def usage(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> dict[str, AdapterUsage]:
-    """Per adapter ref, what the claims use. A shared claim counts once, at its largest."""
+def usage(
+    topology: Topology,
+    claims: Sequence[tuple[int, Claim]],
+    refs: Collection[str] | None = None,
+) -> dict[str, AdapterUsage]:
+    """Per adapter ref, what the claims use. A shared claim counts once, at its largest.
+    Every adapter of the topology, or only those of ``refs`` (those it has): admission asks
+    about the few adapters of one path, and a fabric may have thousands."""
     shared: dict[tuple[str, ClaimKind, str], tuple[int, int]] = {}
     for _fdid, c in claims:
         key = (c.adapter, c.kind, c.share)
@@ -168,9 +174,11 @@ def usage(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> dict[str, 
     for (ref, _kind, _share), (entries, segments) in shared.items():
         lut[ref] = lut.get(ref, 0) + entries
         segs[ref] = segs.get(ref, 0) + segments
-    return {
-        a.ref: AdapterUsage(a, lut.get(a.ref, 0), segs.get(a.ref, 0)) for a in topology.adapters()
-    }
+    if refs is None:
+        adapters = topology.adapters()
+    else:
+        adapters = [a for ref in refs if (a := topology.adapter(ref)) is not None]
+    return {a.ref: AdapterUsage(a, lut.get(a.ref, 0), segs.get(a.ref, 0)) for a in adapters}
 
 
 class Admission(msgspec.Struct):
@@ -414,10 +422,11 @@ def _p2p_checks(
     owners = set(adm.vm_devices)
     base = [(f, c) for f, c in view.claims if not (c.kind is ClaimKind.P2P and f in owners)]
     base += [(spec.fdid, c) for c in adm.claims]
-    before, after = usage(topology, base), usage(topology, [*base, *p2p])
+    refs = sorted({c.adapter for _f, c in p2p})
+    before, after = usage(topology, base, refs), usage(topology, [*base, *p2p], refs)
     parts: list[str] = []
     error: VmlendError | None = None
-    for ref in sorted({c.adapter for _f, c in p2p}):
+    for ref in refs:
         b, a = before[ref], after[ref]
         segs, luts = a.segments_used - b.segments_used, a.lut_used - b.lut_used
         parts.append(f"{ref} needs {segs} of {b.segments_free} free segments")
@@ -445,7 +454,8 @@ def _msi_check(
     from vmlend.ledger.msiadmit import msi_claim
 
     # Free segments after this reservation's own claims (shared claims count once).
-    left = usage(topology, [*view.claims, *((spec.fdid, c) for c in adm.claims)])[path.src.ref]
+    mine = [*view.claims, *((spec.fdid, c) for c in adm.claims)]
+    left = usage(topology, mine, [path.src.ref])[path.src.ref]
     claim, why = msi_claim(spec, path.src, left.segments_free, holder, view.claims)
     adm.add("msi-ntb", why, path="ntb" if claim else "relay")
     if claim is not None:
@@ -461,8 +471,8 @@ def _resource_checks(
     ram: GuestRam,
     holder: Holder | None,
 ) -> None:
-    use = usage(topology, view.claims)
     lender_a, borrower_a = path.src, path.dst
+    use = usage(topology, view.claims, [lender_a.ref, borrower_a.ref])
     lu, bu = use[lender_a.ref], use[borrower_a.ref]
     fd = f"{spec.fdid:#x}"
 

@@ -566,8 +566,9 @@ class Ledger(ShareOps):
         if holder is not None:
             mine = tx.holds_of(holder)
             holds.update(mine)
-            known = {d.fdid for d in topo.devices}
-            specs = [spec] + [topo.device(f) for f in sorted(mine) if f in known and f != fdid]
+            specs = [spec] + [
+                topo.device(f) for f in sorted(mine) if topo.has_device(f) and f != fdid
+            ]
             # two lenders no NTB joins: admit refuses, and reads no claims for it
             with contextlib.suppress(FabricError):
                 adapters += [c.adapter for _f, c in p2p_claims(topo, holder, specs)]
@@ -697,8 +698,7 @@ class Ledger(ShareOps):
         except StateRecordError as e:  # one damaged hold: the others' release goes on
             log.warning("peer-to-peer claims of %s kept as they were: %s", holder, e)
             return
-        known = {d.fdid for d in topo.devices}
-        specs = [topo.device(f) for f in left if f in known]
+        specs = [topo.device(f) for f in left if topo.has_device(f)]
         try:
             claims = p2p_claims(topo, holder, specs)
         except VmlendError as e:  # the remaining devices were admitted; keep their claims

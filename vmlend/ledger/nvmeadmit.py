@@ -109,9 +109,10 @@ def check_share_claims(
 ) -> None:
     """Raise the first shortfall of ``claims`` on top of ``existing`` (a
     ``ResourceExhaustedError`` naming the adapter and how much is short)."""
-    before = usage(topology, existing)
-    after = usage(topology, [*existing, *((fdid, c) for c in claims)])
-    for ref in sorted({c.adapter for c in claims}):
+    refs = sorted({c.adapter for c in claims})
+    before = usage(topology, existing, refs)
+    after = usage(topology, [*existing, *((fdid, c) for c in claims)], refs)
+    for ref in refs:
         b, a = before[ref], after[ref]
         if a.lut_free < 0:
             need = a.lut_used - b.lut_used
