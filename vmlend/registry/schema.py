@@ -10,7 +10,7 @@ from __future__ import annotations
 APPLICATION_ID = 0x766D4C64
 
 #: The schema version this code writes (stored in ``meta``).
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: The version of the etcd layout (``etcd_keys``), in its ``meta/schema_version`` key. It was
 #: SQLite's until version 2; SQLite's version 3 adds a column, while etcd's topology record only
@@ -129,9 +129,20 @@ MIGRATE_V3_V4 = (
 #: The first version with that column (a read-only older state is read without it).
 TOKEN_SINCE = 4
 
+#: Version 5: an index of the topology's digest, which every transaction reads to learn
+#: whether the topology changed. The digest sits after the TOML text in the row, so reading
+#: it from the table walks the text's overflow pages: 0.7 ms a transaction for a 1,024-node
+#: fabric's 3 MB. The index covers ``SELECT digest FROM topology`` (one row): 0.005 ms.
+MIGRATE_V4_V5 = ("CREATE INDEX topology_digest ON topology (digest)",)
+
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
 #: created as version 1 and brought forward by the same steps, so both paths give one schema.
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: MIGRATE_V1_V2, 2: MIGRATE_V2_V3, 3: MIGRATE_V3_V4}
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: MIGRATE_V1_V2,
+    2: MIGRATE_V2_V3,
+    3: MIGRATE_V3_V4,
+    4: MIGRATE_V4_V5,
+}
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.
 TABLES = frozenset(

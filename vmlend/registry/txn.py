@@ -120,7 +120,8 @@ class SqliteTxn:
         return self._c.execute("SELECT 1 FROM topology WHERE id = 1").fetchone() is not None
 
     def topology_digest(self) -> str | None:
-        row = self._c.execute("SELECT digest FROM topology WHERE id = 1").fetchone()
+        # no WHERE: the one row, read from the digest's index (schema 5) alone
+        row = self._c.execute("SELECT digest FROM topology").fetchone()
         return None if row is None else row[0]
 
     def replace_topology(
