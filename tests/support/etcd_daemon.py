@@ -33,7 +33,9 @@ import pytest
 
 from tests.support.needs import need
 
-START_TIMEOUT = 15.0
+#: The kernel tier's guest runs under TCG on a shared machine: there etcd once took more than
+#: 15 s to answer its first health check while the machine's load was 22 on 2 cores.
+START_TIMEOUT = 120.0 if os.environ.get("VMLEND_KERNEL_GUEST") else 15.0
 STOP_TIMEOUT = 10.0
 
 
