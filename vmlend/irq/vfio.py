@@ -1,14 +1,17 @@
 """VFIO_DEVICE_SET_IRQS vocabulary (uapi vfio.h) and the lender's view of the host kernel.
 
 ``IrqHost`` is what the lender side calls where a real lender calls the ioctl on the physical
-device's VFIO fd; ``SimIrqHost`` plays the kernel's vfio-pci for a simulated device.
+device's VFIO fd; ``VfioIrqHost`` is that ioctl on a real VFIO device file (the kernel tier runs
+it on an mdev), ``SimIrqHost`` plays the kernel's vfio-pci for a simulated device.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import select
+import struct
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -68,6 +71,33 @@ class IrqHost(Protocol):
     """The physical device's interrupts on the lender (``VFIO_DEVICE_SET_IRQS``)."""
 
     def set_irqs(self, index: int, flags: int, start: int, fds: Sequence[int]) -> None: ...
+
+
+#: ``_IO(VFIO_TYPE, VFIO_BASE + 10)``: VFIO_TYPE is ';', VFIO_BASE 100 (uapi vfio.h).
+VFIO_DEVICE_SET_IRQS = (ord(";") << 8) | 110
+#: ``struct vfio_irq_set`` without its data: argsz, flags, index, start, count.
+_IRQ_SET = struct.Struct("=5I")
+
+
+class VfioIrqHost:
+    """``VFIO_DEVICE_SET_IRQS`` on an open VFIO device file (``device_fd``, not owned): what a
+    lender's relay asks of the physical device's interrupts. The kernel takes its own reference
+    to each eventfd, so the caller may close its descriptors once the call returned."""
+
+    def __init__(self, device_fd: int) -> None:
+        self._fd = device_fd
+
+    def set_irqs(self, index: int, flags: int, start: int, fds: Sequence[int]) -> None:
+        check_flags(index, flags, len(fds), len(fds), start)
+        data = struct.pack(f"={len(fds)}i", *fds) if flags & DATA_EVENTFD else b""
+        request = _IRQ_SET.pack(_IRQ_SET.size + len(data), flags, index, start, len(fds))
+        try:
+            fcntl.ioctl(self._fd, VFIO_DEVICE_SET_IRQS, request + data)
+        except OSError as e:
+            raise RelayError(
+                f"VFIO_DEVICE_SET_IRQS {IrqIndex(index).name} flags {flags:#x} start {start}"
+                f" count {len(fds)}: {e.strerror or e}"
+            ) from None
 
 
 class InterruptSource(Protocol):
