@@ -64,8 +64,11 @@ test-kernel: venv
 # do): without it every run, and every Python subprocess a test starts, compiles vmlend and
 # rewrites the ~300 test modules from source again: ~11 s CPU of pytest's collection alone
 # (13.5 s -> 2.5 s user, issue 34). The .pyc files are caches that .gitignore already keeps out.
+# Two workers (pytest-xdist), one per core of our machines; worksteal because a few
+# hypothesis tests take seconds while most take milliseconds. Only this tier: whether the
+# full one ('make test', CI) is xdist-clean takes consecutive CI runs to tell.
 test-fast: venv
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m 'not daemon and not slow'
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist worksteal -m 'not daemon and not slow'
 
 demo: venv
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
