@@ -40,8 +40,10 @@ lint: venv
 	$(VENV)/bin/ruff check vmlend tests bench hooks kernel-tier
 	$(VENV)/bin/mypy
 
+# Bytecode written here too (see test-fast): the suite starts thousands of Python processes
+# (the simulated nodes' hooks, CLI calls, agents), each compiling what it imports without it.
 test: venv lint
-	$(PY) -m pytest -q --durations=25
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25
 
 # The kernel tier (docs/testing.md): Debian's 6.1 kernel with VFIO, the mdev core and a stand-in
 # for the SmartIO driver (kernel-tier/smartio_stub.c, the kernel's mtty sample as its mdev
