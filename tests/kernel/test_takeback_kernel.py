@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel.test_vm_kernel import hold_leases, operator_host
 from tests.support.etcd_daemon import cluster_name
 from tests.support.hostroot import identify
 from tests.support.kernel_guest import NODE_ID, REAL, STUB, write
+from tests.support.kernel_host import hold_leases, operator_host
 from tests.support.libvirt_daemon import wait_for
 from vmlend.hook.actionlog import log_path_for_state
 from vmlend.kernel.driver import device_name

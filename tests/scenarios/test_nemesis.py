@@ -18,7 +18,7 @@ and no device may be in two running, unpaused VMs unless only fencing could help
 included, and when an overlap is excused). After the faults heal: nothing held by a VM that
 does not run or does not use it, no running VM using a device it does not hold, nothing
 fenced, no revision of the registry with two holders, every failed CLI call said one line, and
-the events every process recorded (``vmlend.sim.events``) replay through the protocol's model
+the events every process recorded (``vmlend.events``) replay through the protocol's model
 (``tests/support/replay.py``) with no step it refuses.
 
 The fixed seed runs every nemesis once, in a shuffled order. ``VMLEND_NEMESIS_SEED`` picks
@@ -55,7 +55,7 @@ from tests.support.nemesis import (
     stop_cluster,
 )
 from tests.support.replay import replay_file
-from vmlend.sim.events import EVENTS_FILE
+from vmlend.events import EVENTS_FILE
 from vmlend.topology.model import DeviceStatus
 from vmlend.wiring.fabric import open_fabric
 

@@ -51,11 +51,11 @@ from tests.support.tcp_proxy import TcpProxy
 from vmlend.domain import DomainDocument, mdev_uuid, read_domain
 from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
+from vmlend.events import EVENTS_ENV, EVENTS_FILE, EventLog
 from vmlend.faults import FAULT_ENV
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end, unb64
 from vmlend.registry.etcd_keys import Keys
-from vmlend.sim.events import EVENTS_ENV, EVENTS_FILE, EventLog
 from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.sim.register import LENDERS_ENV, LenderRegister, Serving, borrower_of
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
@@ -182,7 +182,7 @@ class NHost:
         self.events().note("crash")
 
     def events(self) -> EventLog:
-        """The test's side of the event log (``vmlend.sim.events``): kills and restarts."""
+        """The test's side of the event log (``vmlend.events``): kills and restarts."""
         return EventLog(Path(self.host.extra_env[EVENTS_ENV]), self.node)
 
     def open_window(self) -> None:

@@ -1,6 +1,6 @@
 """A recorded history replayed through the protocol's model (issue 35, point 10).
 
-The nemesis's processes write their events (``vmlend.sim.events``) to one JSON-lines file;
+The nemesis's processes write their events (``vmlend.events``) to one JSON-lines file;
 ``replay`` orders them and feeds each to the rule of ``tests/support/agent_model.Model`` it
 is, on a ``State`` sized from the history (every node, VM and device it names; the agents
 down until their first start). The first event the model refuses ends the replay

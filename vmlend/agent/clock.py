@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from vmlend.sim.events import EventLog, wall
+from vmlend.events import EventLog, wall
 
 
 class LeaseState(enum.StrEnum):
@@ -67,7 +67,7 @@ class LeaseClock:
         self, clock: Callable[[], float] = time.monotonic, events: EventLog | None = None
     ) -> None:
         self._clock = clock
-        #: The protocol's event log (``vmlend.sim.events``; None: none, as in production).
+        #: The protocol's event log (``vmlend.events``; None: none, as in production).
         self.events = events
         self._cond = threading.Condition()
         #: Set on every write: each VM's worker waits on one of its own.

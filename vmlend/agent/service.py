@@ -43,6 +43,7 @@ from vmlend.agent.plugs import PlugServer
 from vmlend.agent.reconcile import Reconciler, reconcile_host
 from vmlend.agent.trouble import Trouble
 from vmlend.errors import ConfigError, StateError, VmlendError
+from vmlend.events import EventLog
 from vmlend.fabric.base import Fabric, RegistryFabric, TakesBack
 from vmlend.hook.server import HookServer
 from vmlend.hostenv import HostEnv
@@ -53,7 +54,6 @@ from vmlend.registry import EtcdRegistry
 from vmlend.registry.etcd_gateway import call_deadline
 from vmlend.registry.session import EtcdSession, HostKey
 from vmlend.release_journal import ReleaseJournal, running_here
-from vmlend.sim.events import EventLog
 from vmlend.wiring.fabric import Location, open_fabric
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 
 from vmlend.errors import DeviceNotReservedError, StaleTokenError, VmlendError
+from vmlend.events import EventLog
 from vmlend.ledger.ledger import MDEV_TYPE, BorrowHardware, Ledger, parent_name
 from vmlend.registry import FenceRecord, Registry, same_holder
 from vmlend.registry.records import ExpectedHold, HoldRecord
-from vmlend.sim.events import EventLog
 from vmlend.sim.register import LenderRegister, borrower_of
 from vmlend.topology.model import GuestRam, Holder, MdevInfo, Reservation
 
@@ -50,7 +50,7 @@ class SimFabric(Ledger):
         super().__init__(registry, local_node, clock, hardware, observer)
         #: The simulated lenders' register (None: none, the ledger alone).
         self.lenders = lenders
-        #: The protocol's event log (``vmlend.sim.events``; None: none): reserves, releases.
+        #: The protocol's event log (``vmlend.events``; None: none): reserves, releases.
         self.events = EventLog.from_env(local_node or "")
 
     def _hold(self, fdid: int) -> HoldRecord | None:

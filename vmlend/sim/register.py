@@ -42,7 +42,7 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import StaleTokenError, StateError
-from vmlend.sim.events import EventLog
+from vmlend.events import EventLog
 
 #: The directory of the simulated cluster's lender register; unset: none.
 LENDERS_ENV = "VMLEND_SIM_LENDERS"
@@ -70,7 +70,7 @@ class LenderRegister:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        #: The protocol's event log (``vmlend.sim.events``; None: none): each write, each
+        #: The protocol's event log (``vmlend.events``; None: none): each write, each
         #: refusal, under the device's lock (so in the device's order).
         self.events = EventLog.from_env()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.support.replay import Event, event, ordered, read_events, replay
-from vmlend.sim.events import EventLog
+from vmlend.events import EventLog
 
 TTL = 2.0
 
