@@ -281,9 +281,15 @@ class StaleTokenError(FabricError):
         self.fdid = fdid
         self.token = token
         self.current = current
+        if current > token:
+            why = f"the device has since served a newer hold (token {current})"
+        elif current < 0:  # the driver's refusal does not say which token it has
+            why = "the device has since served a newer hold"
+        else:
+            why = "its hold was released or taken back (the device spent its token)"
         super().__init__(
-            f"device {fdid:#x}: {what} for an ended hold (fencing token {token}) refused: the"
-            f" device has since served a newer hold (token {current}); nothing was changed"
+            f"device {fdid:#x}: {what} for an ended hold (fencing token {token}) refused: {why};"
+            " nothing was changed; reserve the device again (a new hold) to use it"
         )
 
 

@@ -257,7 +257,25 @@ class SmartioFabric:
         # would take a segment, and status would say ntb, for interrupts the relay carries.
         msi_over_ntb = msi_over_ntb and self.driver.msi_capable(fdid)
         made = self._state.reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
+        if not made.created and self._hold_is_spent(fdid, holder):
+            # A release of this hold spent its token at the driver and then failed in the
+            # registry: the driver refuses every step of it. End it and take a new one.
+            log.info(
+                "the hold of %#x for %s was spent by a release that did not land; taking a"
+                " new one", fdid, holder,
+            )  # fmt: skip
+            self.release(fdid, holder)
+            made = self._state.reserve(
+                fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
+            )
         return Reservation.of(self.device(fdid), created=made.created)
+
+    def _hold_is_spent(self, fdid: int, holder: Holder) -> bool:
+        with self._state.registry.read() as tx:
+            hold = tx.hold(fdid)
+        if hold is None or not hold.token or not same_holder(hold.holder, holder):
+            return False
+        return hold.token <= self.driver.spent(fdid)
 
     def interrupt_window(self, fdid: int) -> Claim | None:
         return self._state.interrupt_window(fdid)

@@ -323,16 +323,36 @@ class SmartioDriver:
             raise self._error("token", fdid, e.errno or 0) from None
         log.info("smartio token %s %d", format_fdid(fdid), token)
 
-    def spend(self, fdid: int, token: int) -> None:
+    def spend(self, fdid: int, token: int) -> bool:
         """The hold of ``token`` ended (a release): the driver spends the token, served yet or
         not, so a step made for that hold that is still in flight in another process is
-        refused when it comes (docs/smartio-contract.md, "The fencing token")."""
+        refused when it comes (docs/smartio-contract.md, "The fencing token"). False when
+        the driver has no ``spent`` attribute (one older than the contract's §4): the release
+        goes on without that protection, with a warning."""
         self.require()
+        path = self.base / device_name(fdid) / "spent"
         try:
-            self.writer.write(self.base / device_name(fdid) / "spent", str(token))
+            self.writer.write(path, str(token))
+        except FileNotFoundError:
+            if (self.base / device_name(fdid)).is_dir():
+                log.warning(
+                    "the SmartIO driver has no %s: a step in flight for the released hold of"
+                    " %s (token %d) is not refused; update the driver", path, format_fdid(fdid),
+                    token,
+                )  # fmt: skip
+                return False
+            raise UnknownDeviceError(fdid) from None
         except OSError as e:
-            raise self._error("spent", fdid, e.errno or 0) from None
+            raise self._error("spend the token of", fdid, e.errno or 0) from None
         log.info("smartio spent %s %d", format_fdid(fdid), token)
+        return True
+
+    def spent(self, fdid: int) -> int:
+        """The newest token the device spent (0: none, or a driver without ``spent``)."""
+        path = self.base / device_name(fdid) / "spent"
+        if not path.exists():
+            return 0
+        return read_number(path, 0, 1 << 63, "spent fencing token")
 
     def _error(self, attr: str, fdid: int, code: int) -> Exception:
         f = format_fdid(fdid)

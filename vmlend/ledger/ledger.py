@@ -142,6 +142,8 @@ class BorrowHardware(Protocol):
 
     def retire(self, fdid: int, token: int) -> None: ...
 
+    def spent(self, fdid: int) -> int: ...
+
 
 @runtime_checkable
 class LinkHardware(Protocol):

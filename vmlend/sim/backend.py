@@ -66,6 +66,16 @@ class SimFabric(Ledger):
         msi_over_ntb: bool = False,
     ) -> Reservation:
         made = super().reserve(fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb)
+        if not made.created and self._hold_is_spent(fdid, holder):
+            # A release of this hold spent its token at the device and then failed in the
+            # registry (etcd away): the device refuses every step of it, so the VM's own
+            # hold is dead. End it and take a new one (a new token), as after that release.
+            log.info("the hold of %#x for %s was spent by a release that did not land;"
+                     " taking a new one", fdid, holder)
+            self.release(fdid, holder)
+            made = super().reserve(
+                fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
+            )
         if self.events is not None:
             # the token is etcd's, known once committed: read back (0 if it ended already).
             # Not created: the VM had the hold, or this call made it and lost the reply (a
@@ -75,6 +85,16 @@ class SimFabric(Ledger):
             self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
                              created=made.created)
         return made
+
+    def _hold_is_spent(self, fdid: int, holder: Holder) -> bool:
+        """Whether ``holder``'s hold of ``fdid`` has a token the device spent."""
+        hold = self._hold(fdid)
+        if hold is None or not hold.token or not same_holder(hold.holder, holder):
+            return False
+        spent = self._hw.spent(fdid) if self._hw is not None else 0
+        if self.lenders is not None:
+            spent = max(spent, self.lenders.read(fdid).retired)
+        return hold.token <= spent
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         info = super().create_mdev(fdid, uuid, holder)  # checks the hold, records the child

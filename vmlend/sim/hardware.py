@@ -498,6 +498,11 @@ class SimHardware:
         if token > current:
             self._tokens[fdid] = token
 
+    def spent(self, fdid: int) -> int:
+        """The newest token ``fdid`` no longer serves a step for (taken back for, or its hold
+        released); 0: none."""
+        return self._retired.get(fdid, 0)
+
     def retire(self, fdid: int, token: int) -> None:
         """The lender took ``fdid`` back for the ended hold of ``token``: no step made for
         that hold, or an older one, is served from now on (its holder may still be alive, cut

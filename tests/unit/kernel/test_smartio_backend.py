@@ -331,3 +331,41 @@ def test_a_release_spends_the_token_so_an_mdev_in_flight_for_that_hold_is_refuse
         fabric.create_mdev(NVME, U1, WEB)
     assert fake.smartio.devs[NVME].spent == token
     assert fabric.bus.device(U1) is None and fabric.mdevs() == []
+
+
+def test_a_release_that_spent_the_token_but_did_not_land_gives_the_vm_a_new_hold(
+    fabric, fake
+):
+    """The driver spent the token; the registry then failed and the hold stayed. The VM's
+    next reserve ends that dead hold and takes a new token, and its mdev is made."""
+    from vmlend.errors import RegistryUnreachableError
+
+    start_vm(fabric)
+    first = fabric._state.holds()[NVME].token
+    fabric.remove_mdev(U1)
+    transact = fabric._state.registry.transact
+
+    def unreachable(body):
+        raise RegistryUnreachableError("127.0.0.1:1", "etcd at 127.0.0.1:1 does not answer")
+
+    fabric._state.registry.transact = unreachable  # type: ignore[method-assign]
+    with pytest.raises(RegistryUnreachableError):
+        fabric.release(NVME, WEB)
+    fabric._state.registry.transact = transact  # type: ignore[method-assign]
+    assert fake.smartio.devs[NVME].spent == first
+    assert fabric.reserve(NVME, WEB).created
+    assert fabric._state.holds()[NVME].token > first
+    fabric.ensure_mdev_parent(NVME)
+    fabric.create_mdev(NVME, U1, WEB)
+    assert fabric.bus.device(U1) is not None
+
+
+def test_a_driver_without_spent_still_releases_with_a_warning(fabric, fake, caplog):
+    """A SmartIO driver older than the contract's 'spent': the release goes on (it is not
+    refused for want of an attribute), and says what protection is missing."""
+    start_vm(fabric)
+    fabric.remove_mdev(U1)
+    (fake.smartio._dir(NVME) / "spent").unlink()
+    assert fabric.release(NVME, WEB)
+    assert fabric._state.holds() == {}
+    assert "has no" in caplog.text and "update the driver" in caplog.text

@@ -492,6 +492,9 @@ class FakeHardware:
     def retire(self, fdid, token):
         pass
 
+    def spent(self, fdid):
+        return 0
+
 
 def test_borrow_drives_the_hardware(tmp_path):
     from vmlend.registry import SqliteRegistry

@@ -238,3 +238,29 @@ def test_no_register_unless_the_environment_names_one(tmp_path, monkeypatch):
         assert isinstance(f, SimFabric) and f.lenders is not None
         assert f.lenders.directory == tmp_path / "lenders"
     assert not (tmp_path / "lenders" / "0x10.json").exists()  # the first fabric wrote none
+
+
+def test_a_release_that_spent_the_token_but_did_not_land_gives_the_vm_a_new_hold(fab, reg):
+    """The release spends the token at the device first; then the registry fails (etcd
+    away) and the hold stays. The VM's next reserve of the device (a live migration rolling
+    back, an attach after a failed detach) must not reuse the dead hold, whose every step the
+    device refuses: it ends it and takes a new token."""
+    from vmlend.errors import RegistryUnreachableError
+
+    t1 = _take(fab, VM1, U1)
+    fab.remove_mdev(U1)
+    transact = fab._reg.transact
+
+    def unreachable(body):
+        raise RegistryUnreachableError("127.0.0.1:1", "etcd at 127.0.0.1:1 does not answer")
+
+    fab._reg.transact = unreachable  # type: ignore[method-assign]
+    with pytest.raises(RegistryUnreachableError):
+        fab.release(GPU, VM1)
+    fab._reg.transact = transact  # type: ignore[method-assign]
+    assert fab.holds()[GPU].token == t1 and reg.read(GPU).retired == t1  # the dead hold
+    made = fab.reserve(GPU, VM1)
+    assert made.created and fab.holds()[GPU].token > t1
+    fab.ensure_mdev_parent(GPU)
+    fab.create_mdev(GPU, U1, VM1)  # served under the new token
+    assert reg.read(GPU) == Serving(GPU, fab.holds()[GPU].token, "gamma/vm1", retired=t1)
