@@ -517,6 +517,15 @@ def check_daemon_saw_hook(env: HostEnv, answering: str | None = None) -> Finding
     )
 
 
+def _local_daemon(uri: str) -> bool:
+    """Whether ``uri`` names a daemon on this host (its hooks are the ones doctor checks): not
+    a simulated node, not libvirt's in-process test driver, no remote host part."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    return parts.scheme.split("+")[0] not in ("sim", "test") and not parts.hostname
+
+
 def run_checks(
     env: HostEnv,
     libvirt_version: Callable[[], str] = libvirt_library_version,
@@ -545,7 +554,7 @@ def run_checks(
     answering = None
     if uri is not None:
         findings.append(check_hypervisor(uri))
-        if findings[-1].status is Status.OK and not uri.startswith("sim:///"):
+        if findings[-1].status is Status.OK and _local_daemon(uri):
             answering = uri
     findings += [
         check_hook(env),

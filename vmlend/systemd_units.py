@@ -104,13 +104,19 @@ def uninstall(directory: Path, *, force: bool = False) -> list[InstalledUnit]:
     for name in unit_names():
         path = directory / name
         try:
-            text = path.read_text(errors="replace")
+            text = path.read_text(errors="replace") if not path.is_symlink() else ""
         except FileNotFoundError:
             done.append(InstalledUnit(name, str(path), "absent"))
             continue
+        except OSError as e:  # a directory, no permission: say so, remove nothing more
+            why = e.strerror or e
+            raise ConfigError(f"cannot read {path}: {why}; nothing more removed") from None
         if MARK not in text and not force:
-            done.append(InstalledUnit(name, str(path), "kept"))
+            done.append(InstalledUnit(name, str(path), "kept"))  # a masked unit too (a link)
             continue
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot remove {path}: {e.strerror or e}") from None
         done.append(InstalledUnit(name, str(path), "removed"))
     return done

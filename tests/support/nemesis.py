@@ -1515,7 +1515,8 @@ def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
                 p.heal()
             # The doubt begins TTL/2 after the last renewal sent before the cut, so on a loaded
             # machine the pause may land just after the heal (seed 3 saw it after the heal, the
-            # machine loaded): it still counts while etcd could not have ended the lease (TTL).
+            # machine loaded): it still counts until TTL after the cut (a bound looser than the
+            # lease's real end, last renewal + TTL, by up to one renewal interval).
             while paused_after is None and (since := time.monotonic() - cut) < TTL:
                 if paused.exists():
                     paused_after = since

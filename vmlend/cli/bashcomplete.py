@@ -3,7 +3,8 @@
 Bash splits the words it hands a completion function at every character of
 ``COMP_WORDBREAKS``, ':' among them, so after ``vmlend -c qemu:///system attach`` click's own
 bash support saw ``-c qemu`` and a stray ':' and offered subcommands instead of VM names. The
-shell function here also passes ``COMP_LINE`` and ``COMP_POINT``, and the words are split
+shell function here also passes ``COMP_LINE``, ``COMP_POINT`` and ``COMP_WORDBREAKS`` (a shell
+variable, never exported), and the words are split
 again from the line up to the cursor, the way a shell would parse them. Every completion
 item is one line of the function's input, so a value with a control character (a VM named
 with a newline) could forge items: such values are left out, for every shell.
@@ -29,7 +30,7 @@ class LineBashComplete(BashComplete):
     source_template = BashComplete.source_template.replace(
         'env COMP_WORDS="${COMP_WORDS[*]}" COMP_CWORD=$COMP_CWORD',
         'env COMP_WORDS="${COMP_WORDS[*]}" COMP_CWORD=$COMP_CWORD'
-        ' COMP_LINE="$COMP_LINE" COMP_POINT=$COMP_POINT',
+        ' COMP_LINE="$COMP_LINE" COMP_POINT=$COMP_POINT COMP_WORDBREAKS="$COMP_WORDBREAKS"',
     )
 
     def get_completion_args(self) -> tuple[list[str], str]:

@@ -91,8 +91,11 @@ class VfioIrqHost:
         check_flags(index, flags, len(fds), len(fds), start)
         data = struct.pack(f"={len(fds)}i", *fds) if flags & DATA_EVENTFD else b""
         request = _IRQ_SET.pack(_IRQ_SET.size + len(data), flags, index, start, len(fds))
+        # a mutable buffer: fcntl copies an immutable one through a 1,024-byte stack buffer,
+        # too small past 251 vectors (MSI-X has up to 2,048)
+        buf = bytearray(request + data)
         try:
-            fcntl.ioctl(self._fd, VFIO_DEVICE_SET_IRQS, request + data)
+            fcntl.ioctl(self._fd, VFIO_DEVICE_SET_IRQS, buf, True)
         except OSError as e:
             raise RelayError(
                 f"VFIO_DEVICE_SET_IRQS {IrqIndex(index).name} flags {flags:#x} start {start}"

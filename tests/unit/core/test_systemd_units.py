@@ -73,12 +73,16 @@ def test_uninstall_removes_only_what_install_wrote_and_is_idempotent(tmp_path):
     assert again["vmlend-agent.service"] == "absent" and again["vmlend-relay.service"] == "kept"
     assert {u.action for u in systemd_units.uninstall(units, force=True)} == {"absent", "removed"}
     assert list(units.iterdir()) == []
+    (units / "vmlend-agent.service").mkdir()  # not a file: one line, not a traceback
+    with pytest.raises(ConfigError, match="cannot read"):
+        systemd_units.uninstall(units)
 
 
 def test_the_cli_installs_and_uninstalls_with_one_line_each(tmp_path):
     units = tmp_path / "units"
     run = CliRunner().invoke
-    r = run(main, ["--root", str(tmp_path), "units", "install", "--dir", str(units)])
+    # --force: a developer's own venv is not root's, and this test is not about ownership
+    r = run(main, ["--root", str(tmp_path), "units", "install", "--dir", str(units), "--force"])
     assert r.exit_code == 0, r.output
     r = run(main, ["--root", str(tmp_path), "units", "uninstall", "--dir", str(units), "--json"])
     assert r.exit_code == 0, r.output

@@ -19,9 +19,9 @@ from vmlend.irq.vfio import DISABLE, TRIGGER_EVENTFDS, VFIO_DEVICE_SET_IRQS, Vfi
 def calls(monkeypatch):
     made: list[tuple[int, int, bytes]] = []
 
-    def ioctl(fd: int, request: int, arg: bytes) -> bytes:
-        made.append((fd, request, arg))
-        return arg
+    def ioctl(fd: int, request: int, arg: bytearray, mutate: bool = False) -> int:
+        made.append((fd, request, bytes(arg)))
+        return 0
 
     monkeypatch.setattr(vfio.fcntl, "ioctl", ioctl)
     return made
@@ -47,7 +47,7 @@ def test_what_vfio_would_refuse_never_reaches_the_kernel(calls):
 
 
 def test_the_kernels_refusal_names_the_request(monkeypatch):
-    def refuse(fd: int, request: int, arg: bytes) -> bytes:
+    def refuse(fd: int, request: int, arg: bytearray, mutate: bool = False) -> int:
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(vfio.fcntl, "ioctl", refuse)
@@ -56,3 +56,17 @@ def test_the_kernels_refusal_names_the_request(monkeypatch):
     assert str(e.value) == (
         "VFIO_DEVICE_SET_IRQS INTX flags 0x24 start 0 count 1: Invalid argument"
     )
+
+
+def test_every_msix_vector_fits_one_request():
+    """2,048 descriptors (MSI-X's most) make an 8,212-byte request: past fcntl's 1,024-byte
+    limit for an immutable argument, which raised a bare ValueError at 252. Sent to a file
+    that is no VFIO device, the kernel's ENOTTY comes back as the relay's error."""
+    import os
+
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        with pytest.raises(RelayError, match="count 2048"):
+            VfioIrqHost(fd).set_irqs(IrqIndex.MSIX, TRIGGER_EVENTFDS, 0, [-1] * 2048)
+    finally:
+        os.close(fd)

@@ -215,24 +215,40 @@ def test_doctor_checks_the_hypervisor_it_is_given(tmp_path):
     assert hv("-c", "sim:///gamma")["detail"] == "sim:///gamma is a simulated node"
 
 
-def test_a_hypervisor_that_answers_is_not_reported_as_libvirtd_not_running(tmp_path):
+def test_a_hypervisor_that_answers_is_not_reported_as_libvirtd_not_running(
+    tmp_path, monkeypatch
+):
     """``doctor -c URI`` with no pid file under the root (a session daemon, a test's own):
-    libvirtd answers at URI; with hooks installed, whether it runs them cannot be told."""
+    a local daemon that answers at URI is not "not running"; with hooks installed, whether it
+    runs them cannot be told. libvirt's in-process test driver and a remote host's daemon say
+    nothing of this host's."""
+    from vmlend import doctor
+
+    def answers(uri: str) -> doctor.Finding:
+        return doctor.Finding("hypervisor", doctor.Status.OK, f"{uri}: QEMU 8.2.2")
+
+    monkeypatch.setattr(doctor, "check_hypervisor", answers)
 
     def daemon(*args: str) -> dict:
         out = CliRunner().invoke(main, ["--root", str(tmp_path), "doctor", "--json", *args])
         return next(c for c in json.loads(out.output)["checks"] if c["check"] == "libvirtd")
 
-    assert daemon()["detail"] == "not running (no live pid file); start it"
-    assert daemon("-c", "test:///default") == {
+    local = "qemu+unix:///session?socket=/run/user/1000/libvirt/libvirt-sock"
+    not_running = "not running (no live pid file); start it"
+    assert daemon()["detail"] == not_running
+    assert daemon("-c", local) == {
         "check": "libvirtd",
         "status": "ok",
-        "detail": "answers at test:///default",
+        "detail": f"answers at {local}",
     }
+    for elsewhere in ("test:///default", "qemu+ssh://root@other/system", "sim:///gamma"):
+        assert daemon("-c", elsewhere)["detail"] == not_running, elsewhere
     hooks = tmp_path / "etc" / "libvirt" / "hooks"
     hooks.mkdir(parents=True)
     (hooks / "qemu").write_text("#!/bin/sh\n")
-    found = daemon("-c", "test:///default")
+    found = daemon("-c", local)
     assert found["status"] == "warn" and "cannot be told" in found["detail"]
-    bad = daemon("-c", "qemu+unix:///system?socket=/nonexistent/sock")
-    assert bad["detail"] == "not running (no live pid file); start it"
+    monkeypatch.setattr(
+        doctor, "check_hypervisor", lambda uri: doctor.Finding("hypervisor", doctor.Status.FAIL, "")
+    )
+    assert daemon("-c", local)["detail"] == not_running
