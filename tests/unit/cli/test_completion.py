@@ -107,3 +107,28 @@ def test_a_name_with_a_control_character_is_never_offered():
 
     guarded = complete._guarded(found)
     assert [i.value for i in guarded(None, None, "")] == ["web"]
+
+
+def test_a_word_with_a_colon_is_answered_with_what_bash_replaces(monkeypatch):
+    """Bash replaces only what follows the word's last ':' when ':' breaks words; with ':'
+    taken out of COMP_WORDBREAKS it replaces the whole word."""
+    import click
+
+    from vmlend.cli.bashcomplete import LineBashComplete
+
+    @click.command()
+    @click.option("-c", shell_complete=lambda c, p, i: ["qemu:///system", "qemu:///session"])
+    def cmd(c: str | None) -> None: ...
+
+    line = "prog -c qemu:///s"
+    monkeypatch.setenv("COMP_LINE", line)
+    monkeypatch.setenv("COMP_POINT", str(len(line)))
+    comp = LineBashComplete(cmd, {}, "prog", "_PROG_COMPLETE")
+    monkeypatch.setenv("COMP_WORDBREAKS", " \t\n\"'><=;|&(:")
+    args, incomplete = comp.get_completion_args()
+    assert (args, incomplete) == (["-c"], "qemu:///s")
+    values = [i.value for i in comp.get_completions(args, incomplete)]
+    assert values == ["///system", "///session"]
+    monkeypatch.setenv("COMP_WORDBREAKS", " \t\n\"'><=;|&(")
+    values = [i.value for i in comp.get_completions(args, incomplete)]
+    assert values == ["qemu:///system", "qemu:///session"]
