@@ -240,6 +240,42 @@ def test_a_version_3_state_learns_hold_tokens_and_every_new_hold_gets_a_larger_o
         assert tokens == sorted(tokens) and len(set(tokens)) == 3 and tokens[0] > 0
 
 
+def test_a_version_4_state_gains_the_indexes_and_reads_read_only_as_it_is(tmp_path, monkeypatch):
+    """Schema 5 only adds indexes (the topology digest every transaction reads, holds by node,
+    claims by fdid): a version-4 file migrates to them keeping its holds and tokens; one this
+    process may not write is read as it is."""
+    import os
+
+    from vmlend.registry import HoldRecord, Phase
+    from vmlend.topology.model import Holder
+
+    path = tmp_path / "v4.db"
+    with older_vmlend(monkeypatch, 4):
+        init_fabric(path, *default_topology_text(), node="gamma")
+        with SqliteRegistry.open(path) as reg, reg.write() as tx:
+            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+        with SqliteRegistry.open(path) as reg, reg.read() as tx:
+            token = tx.hold(0x10).token
+    if os.geteuid() != 0:  # root writes whatever the mode says: no read-only open as root
+        path.chmod(0o444)
+        tmp_path.chmod(0o555)
+        try:
+            with SqliteRegistry.open(path) as reg, reg.read() as tx:
+                assert tx.meta("schema_version") == "4" and tx.hold(0x10).token == token
+        finally:
+            tmp_path.chmod(0o755)
+            path.chmod(0o644)
+    with SqliteRegistry.open(path) as reg, reg.read() as tx:
+        assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
+        assert tx.hold(0x10).token == token > 0 and tx.topology_digest()
+    conn = sqlite3.connect(path)
+    try:
+        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    finally:
+        conn.close()
+    assert {"topology_digest", "holds_node", "claims_fdid"} <= indexes, indexes
+
+
 def test_a_write_waits_then_fails_clearly_when_locked(made):
     with SqliteRegistry.open(made) as a, a.write() as tx:
         tx.set_meta("x", "1")
