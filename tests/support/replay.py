@@ -184,7 +184,8 @@ class Replay:
     #: ended (inf: none did)
     margin: float = math.inf
     #: reserves and releases whose transaction committed in a run whose reply was lost (a
-    #: re-run found it done: the call says "created" False, or "released" False)
+    #: re-run found it done: a release says "released" False; a reserve says "created" False
+    #: only from a vmlend before the hold's stamp let its re-run know its own hold)
     lost_replies: int = 0
     #: renewals that came more than a TTL after the one before (etcd kept the lease: a
     #: leader change extends leases)

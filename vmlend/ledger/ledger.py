@@ -609,6 +609,10 @@ class Ledger(ShareOps):
             )
         ram = guest_ram_of(guest_ram)
         claimed: list[int] = []
+        # This call's hold carries this stamp: a re-run that finds it found this call's own
+        # commit whose reply was lost (the gateway sent the request again to another etcd
+        # member), so the hold is still reported as made here and a failed prepare returns it.
+        stamp = self._clock()
 
         def body(tx: StateTxn) -> Reservation:
             claimed.clear()
@@ -618,14 +622,14 @@ class Ledger(ShareOps):
             spec = topo.device(fdid)
             hold = tx.hold(fdid)
             if hold is not None and same_holder(hold.holder, holder):
-                return Reservation.of(self._status(tx, spec), created=False)
+                return Reservation.of(self._status(tx, spec), created=hold.since == stamp)
             fence = tx.fence(fdid) if hold is None else None
             if fence is not None:  # the last holder's lease ended; the lender must reset it
                 raise DeviceFencedError(fdid, spec.lender, str(fence.holder))
             view = self._view(tx, topo, fdid, holder.node, holder)
             adm = admit(topo, view, fdid, holder.node, ram, holder, msi_over_ntb)
             adm.raise_if_refused()
-            record = HoldRecord(fdid, holder, self._clock(), Phase.RESERVED, ram.size)
+            record = HoldRecord(fdid, holder, stamp, Phase.RESERVED, ram.size)
             tx.add_hold(record, adm.claims)
             if adm.p2p is not None:
                 tx.replace_claims(ClaimKind.P2P, adm.vm_devices, adm.p2p)

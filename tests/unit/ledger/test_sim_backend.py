@@ -78,6 +78,26 @@ def test_reserve_is_exclusive_and_idempotent(fab):
     assert fab.device(0x10).holder == VM1
 
 
+def test_a_reserve_whose_commit_reply_was_lost_still_says_it_made_the_hold(fab):
+    """The gateway sends a request again to another etcd member when the first times out,
+    and the first may have committed: the re-run finds the hold. It is this call's (the
+    nemesis's event log saw it), so it must say created, or a failed prepare's undo would not
+    return it. A second call for a hold the VM already had still says not created."""
+    transact = fab._reg.transact
+
+    def reply_lost(body):
+        transact(body)  # committed; its reply never came back
+        return transact(body)  # the re-run, as after the gateway's retry
+
+    fab._reg.transact = reply_lost  # type: ignore[method-assign]
+    try:
+        assert fab.reserve(0x10, VM1).created
+    finally:
+        fab._reg.transact = transact  # type: ignore[method-assign]
+    again = fab.reserve(0x10, VM1)
+    assert not again.created and again.holder == VM1
+
+
 def test_the_vm_uuid_identifies_the_holder(fab):
     fab.reserve(0x10, VM1)
     renamed = Holder("gamma", "vm1-renamed", VM1.vm_uuid)
