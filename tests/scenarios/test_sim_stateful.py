@@ -78,7 +78,7 @@ from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.sim.simvm import SimVm
-from vmlend.topology.model import BarKind, GiB, MiB
+from vmlend.topology.model import BarKind, GiB, Holder, MiB
 
 MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
 STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))
@@ -479,26 +479,37 @@ class FabricMachine(RuleBasedStateMachine):
     def release_after_crash(self, fdid: int) -> None:
         self._release(fdid)
 
+    def _end_hold(self, fdid: int) -> tuple[Holder, int] | None:
+        """End the hold of ``fdid`` in the ordinary way (not a manager's): its holder and
+        token, for a late step of it; None when there is none."""
+        with self.c.registry.read() as tx:
+            hold = tx.hold(fdid)
+        if hold is None or hold.holder.vm == ledger.MANAGER_VM:
+            return None
+        self._release_own(fdid, hold.holder)
+        return hold.holder, hold.token
+
+    def _late_borrow_is_refused(self, fdid: int, holder: Holder, token: int, after: str) -> None:
+        """The ended hold's holder borrows again with its old token: the device refuses it."""
+        try:
+            self.c.hw.borrow(fdid, holder.node, holder.vm, token=token)
+        except StaleTokenError:
+            event(f"hand-over: a late borrow after {after} refused")
+        else:
+            raise AssertionError(f"{fdid:#x} served {holder} again under its spent token {token}")
+        assert self.c.hw.borrowed(fdid) is None
+
     @precondition(lambda self: self.vms)
     @rule(fdid=devices)
     def late_borrow_after_a_take_back(self, fdid: int) -> None:
         """The holder's hold ends behind its VM (its lease ran out), the lender takes the
         device back for it, and the holder, cut off, borrows again with its old token before
         anyone else holds the device: the device refuses it (the token is spent)."""
-        with self.c.registry.read() as tx:
-            hold = tx.hold(fdid)
-        if hold is None or hold.holder.vm == ledger.MANAGER_VM:
+        if (ended := self._end_hold(fdid)) is None:
             return
-        holder, token = hold.holder, hold.token
-        self._release_own(fdid, holder)
+        holder, token = ended
         self.c.fabric(self.c.hw.device(fdid).lender).take_back(FenceRecord(fdid, holder, token))
-        try:
-            self.c.hw.borrow(fdid, holder.node, holder.vm, token=token)
-        except StaleTokenError:
-            event("hand-over: a late borrow after a take-back refused")
-        else:
-            raise AssertionError(f"{fdid:#x} served {holder} again under its spent token {token}")
-        assert self.c.hw.borrowed(fdid) is None
+        self._late_borrow_is_refused(fdid, holder, token, "a take-back")
 
     @precondition(lambda self: self.vms)
     @rule(fdid=devices)
@@ -506,19 +517,8 @@ class FabricMachine(RuleBasedStateMachine):
         """The holder's hold is released in the ordinary way (a CLI call, the release hook)
         while a step made for it is still in flight elsewhere (the nemesis's seed 4: a
         win-back's mdev creation): that step, coming after, is refused (the token is spent)."""
-        with self.c.registry.read() as tx:
-            hold = tx.hold(fdid)
-        if hold is None or hold.holder.vm == ledger.MANAGER_VM:
-            return
-        holder, token = hold.holder, hold.token
-        self._release_own(fdid, holder)
-        try:
-            self.c.hw.borrow(fdid, holder.node, holder.vm, token=token)
-        except StaleTokenError:
-            event("hand-over: a late borrow after a release refused")
-        else:
-            raise AssertionError(f"{fdid:#x} served {holder} again under its ended token {token}")
-        assert self.c.hw.borrowed(fdid) is None
+        if (ended := self._end_hold(fdid)) is not None:
+            self._late_borrow_is_refused(fdid, *ended, "a release")
 
     @precondition(lambda self: self.vms)
     @rule(slot=slots)
