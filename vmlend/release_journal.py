@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import calendar
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -63,7 +62,7 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.hostenv import HostEnv
 from vmlend.registry.records import ExpectedHold, HoldRecord
-from vmlend.safefile import kind_of, own_directory
+from vmlend.safefile import NotAnEntry, own_directory, read_entry_at, replace_entry_at
 from vmlend.topology.model import Holder, format_fdid
 
 if TYPE_CHECKING:
@@ -257,8 +256,8 @@ class ReleaseJournal:
             if name.startswith(".") or not name.endswith(".json"):
                 continue
             try:
-                data = _read_entry(dfd, name)
-            except _NotAnEntry as e:
+                data = read_entry_at(dfd, name, MAX_ENTRY_BYTES)
+            except NotAnEntry as e:
                 self._once(f"not a pending release, left alone: {self.dir / name} ({e})", log.error)
                 continue
             if data is None:
@@ -293,7 +292,7 @@ class ReleaseJournal:
                         return self.dir / name, False
                     pending = merged(before, pending)
                 pending.since = pending.since or time.strftime(_SINCE_FORMAT, time.gmtime())
-                _write_entry(dfd, name, msgspec.json.encode(pending))
+                replace_entry_at(dfd, name, msgspec.json.encode(pending))
         except (OSError, UnsafePathError) as e:
             why = e.why if isinstance(e, UnsafePathError) else (e.strerror or str(e))
             raise ReleaseJournalError(pending.vm, pending.names(), str(self.dir), why) from e
@@ -371,7 +370,7 @@ class ReleaseJournal:
             return [f"pending release of VM {p.vm!r} (since {p.since}) landed: {', '.join(landed)}"]
         if left != p:
             left.version = ENTRY_VERSION  # what is written is this version's format
-            _write_entry(dfd, name, msgspec.json.encode(left))
+            replace_entry_at(dfd, name, msgspec.json.encode(left))
         if not failures:
             return []
         done = f" (landed: {', '.join(landed)})" if landed else ""
@@ -453,61 +452,6 @@ def land(
                 failures.append(failure)
                 devices.append(d)
     return msgspec.structs.replace(p, devices=devices, shares=shares), failures, landed
-
-
-class _NotAnEntry(Exception):
-    pass
-
-
-def _read_entry(dfd: int, name: str) -> bytes | None:
-    """The bytes of the regular file ``name`` in the directory ``dfd`` (None: it is gone);
-    ``_NotAnEntry`` for anything else (a link, a FIFO, a device, a file too large)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _NotAnEntry("a symbolic link") from None
-        raise _NotAnEntry(e.strerror or str(e)) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _NotAnEntry(kind_of(st.st_mode))
-        if st.st_size > MAX_ENTRY_BYTES:
-            raise _NotAnEntry(f"{st.st_size} bytes, over {MAX_ENTRY_BYTES}")
-        data = os.read(fd, MAX_ENTRY_BYTES + 1)
-        if len(data) > MAX_ENTRY_BYTES:
-            raise _NotAnEntry(f"over {MAX_ENTRY_BYTES} bytes")
-        return data
-    finally:
-        os.close(fd)
-
-
-def _write_entry(dfd: int, name: str, data: bytes) -> None:
-    """Replace ``name`` in the directory ``dfd`` with ``data``: a new file (exclusive, no
-    link followed) written, fsynced and renamed over it, and the directory fsynced, so a crash
-    leaves the old entry or the new one."""
-    tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp, dir_fd=dfd)
-    fd = os.open(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
-    )
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # the name, never a link's target
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
-    os.fsync(dfd)  # the rename itself survives a crash
 
 
 def hold_tokens(fabric: Fabric, holder: Holder) -> dict[int, int]:

@@ -15,6 +15,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,3 +182,60 @@ def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
         f"the socket path {os.fspath(path)!r} is {size} bytes, and a unix socket path holds at"
         f" most {SUN_PATH_MAX}: choose a shorter path"
     )
+
+
+class NotAnEntry(Exception):
+    """A name in a directory of entries that is not a regular file of bounded size (what it
+    is, in words: "a symbolic link", "a FIFO", "300000 bytes, over 262144")."""
+
+
+def read_entry_at(dfd: int, name: str, limit: int) -> bytes | None:
+    """The bytes of the regular file ``name`` in the directory ``dfd`` (None: it is gone);
+    ``NotAnEntry`` for anything else (a link, a FIFO, a device, more than ``limit`` bytes).
+    Opened without following a link and without blocking (a FIFO cannot hang the reader)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotAnEntry("a symbolic link") from None
+        raise NotAnEntry(e.strerror or str(e)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAnEntry(kind_of(st.st_mode))
+        if st.st_size > limit:
+            raise NotAnEntry(f"{st.st_size} bytes, over {limit}")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise NotAnEntry(f"over {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+def replace_entry_at(dfd: int, name: str, data: bytes) -> None:
+    """Replace ``name`` in the directory ``dfd`` with ``data``: a new file (exclusive, no
+    link followed) written, fsynced and renamed over it, and the directory fsynced, so a crash
+    leaves the old entry or the new one."""
+    tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dfd)
+    fd = os.open(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+    )
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # the name, never a link's target
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    os.fsync(dfd)  # the rename itself survives a crash
