@@ -30,6 +30,7 @@ from vmlend.errors import (
     StaleTokenError,
     SysfsAttributeError,
     UnknownDeviceError,
+    UnsafePathError,
 )
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.driver import (
@@ -40,6 +41,7 @@ from vmlend.kernel.driver import (
     device_name,
     fdid_of,
 )
+from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
 from vmlend.kernel.mdev import MdevBus, SysfsWriter
 from vmlend.kernel.udev import ParentWatcher, WantedMdev
 from vmlend.ledger.admission import AdapterUsage
@@ -100,6 +102,8 @@ class SmartioFabric:
         self.env = env
         self.driver = SmartioDriver(env, writer)
         self.bus = MdevBus(env, writer)
+        #: The children this host made, noted outside the registry (they outlive a lease).
+        self.made = MadeMdevs(notes_dir(env))
         #: The damaged devices the last ``devices()`` left out (not part of ``Fabric``).
         self.unreadable: list[SysfsAttributeError] = []
 
@@ -318,6 +322,9 @@ class SmartioFabric:
                 # A child the driver took away with an unreachable lender: with no hold left
                 # here no VM runs with it, so the watcher must not re-create it.
                 self._state.remove_mdev(m.uuid)
+        for made in self.made.all():
+            if made.fdid == fdid:
+                self._forget(made.uuid)  # the kernel has no child of it any more
         self._state.forget_unused_parent(fdid)
         self._unborrow(fdid)
 
@@ -366,6 +373,7 @@ class SmartioFabric:
 
     def create_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         info = self._state.create_mdev(fdid, uuid, holder)  # checks the hold, records it
+        self._note(info)
         try:
             # the hold's fencing token first: the driver refuses a step of an older hold
             hold = self._state.holds().get(fdid)
@@ -375,12 +383,31 @@ class SmartioFabric:
         except (MdevError, StaleTokenError):
             if info.created:  # undo only the record this call made, never another process's
                 self._state.remove_mdev(info.uuid)
+                self._forget(info.uuid)
             raise
         return info
+
+    def _note(self, info: MdevInfo) -> None:
+        """Note the child on this host before the kernel makes it. Without the note the child
+        is still made and released as usual; only a release after a lease loss would leave
+        it (and say how to remove it)."""
+        made = MadeMdev(info.uuid, info.fdid or 0, info.parent, info.type_id, self.local_node,
+                        info.vm)  # fmt: skip
+        try:
+            self.made.note(made)
+        except (UnsafePathError, OSError) as e:
+            log.warning("could not note mdev %s on this host: %s", info.uuid, e)
+
+    def _forget(self, uuid: str) -> None:
+        try:
+            self.made.forget(uuid)
+        except (UnsafePathError, OSError) as e:
+            log.warning("could not drop the note of mdev %s: %s", uuid, e)
 
     def remove_mdev(self, uuid: str) -> bool:
         removed = self.bus.remove(uuid)  # MdevBusyError keeps the record: it still exists
         recorded = self._state.remove_mdev(uuid)
+        self._forget(uuid)
         return removed or recorded
 
     def mdevs(self) -> list[MdevInfo]:
@@ -407,8 +434,12 @@ class SmartioFabric:
 
     def mdev_records(self) -> list[MdevInfo]:
         """The children the registry records on this node (made, or about to be: the record
-        comes first), whether or not the kernel has them."""
-        return self._state.mdevs()
+        comes first), whether or not the kernel has them; and those this host noted that the
+        registry no longer records (their records went with a lost lease, ``made_mdevs``)."""
+        records = self._state.mdevs()
+        known = {m.uuid for m in records}
+        noted = [m.info() for m in self.made.all() if m.node == self.local_node]
+        return records + [m for m in noted if m.uuid not in known]
 
     # --- reacting to the kernel ----------------------------------------------------------------
     def wanted_mdevs(self) -> list[WantedMdev]:

@@ -369,3 +369,63 @@ def test_a_driver_without_spent_still_releases_with_a_warning(fabric, fake, capl
     assert fabric.release(NVME, WEB)
     assert fabric._state.holds() == {}
     assert "has no" in caplog.text and "update the driver" in caplog.text
+
+
+def lose_the_lease(state) -> None:
+    """What etcd does when gamma's lease ends: every record on it goes (the hold, the mdev's
+    and the parent's), while the kernel keeps the child and the parent."""
+
+    def body(tx) -> None:
+        tx.delete_hold(NVME)
+        tx.delete_mdev(U1)
+        tx.delete_parent("gamma", NVME)
+
+    with SqliteRegistry.open(state) as reg:
+        reg.transact(body)
+
+
+def test_a_release_after_the_lease_went_removes_the_child_this_host_made(fabric, fake, state):
+    start_vm(fabric)
+    lose_the_lease(state)
+    assert fabric.wanted_mdevs() == []  # the agent re-creates nothing from a note
+    # The VM stops: its release finds no record in the registry, but this host noted the child
+    # it made, so the child and then the parent go, and the note with them.
+    lines: list[str] = []
+    assert return_all(fabric, WEB, [(NVME, U1)], lines.append) == []
+    assert f"mdev {U1}: removed" in lines
+    assert fabric.bus.device(U1) is None
+    assert PARENT not in fabric.bus.parent_names()
+    assert fabric.driver.device(NVME).parent_registered is False
+    assert fabric.made.all() == []
+
+
+def test_a_note_never_takes_another_vms_child(fabric, fake, state):
+    start_vm(fabric)
+    # The registry records U1 as web's; a note claiming it for db changes nothing.
+    db = Holder("gamma", "db", "22222222-2222-2222-2222-222222222222")
+    (note,) = fabric.made.all()
+    fabric.made.note(type(note)(note.uuid, note.fdid, note.parent, note.type_id, "gamma", "db"))
+    return_all(fabric, db, [(NVME, U1)])
+    assert fabric.bus.device(U1) is not None and fabric.device(NVME).holder == WEB
+
+
+def test_a_note_in_a_directory_others_may_write_is_not_believed(fabric, fake, state, caplog):
+    start_vm(fabric)
+    lose_the_lease(state)
+    os.chmod(fabric.made.dir, 0o777)
+    lines: list[str] = []
+    assert return_all(fabric, WEB, [(NVME, U1)], lines.append) == []
+    assert fabric.bus.device(U1) is not None  # left, and said how to remove it
+    assert any("vmlend mdev remove" in line for line in lines)
+    assert "ignoring the notes of made mdevs" in caplog.text
+
+
+def test_a_failed_kernel_create_leaves_no_note(fabric, fake):
+    fabric.reserve(NVME, WEB)
+    fabric.ensure_mdev_parent(NVME)
+    fabric.bus.writer = RacingWriter(
+        fake, lambda: fake.smartio.set_availability(NVME, "unreachable")
+    )
+    with pytest.raises(MdevParentGoneError):
+        fabric.create_mdev(NVME, U1, WEB)
+    assert fabric.made.all() == []
