@@ -794,3 +794,13 @@ class AgentRunningError(ConfigError):
             f"another vmlend agent runs on this host{who}: it holds {lock}; one agent serves a"
             " host (stop it first, e.g. 'systemctl stop vmlend-agent')"
         )
+
+
+class QuiesceError(VmlendError):
+    """A device's driver cannot stop it for a hot migration's switch-over (it cannot complete
+    what it has outstanding, or does not implement the migration states): the migration
+    keeps the VM on its source, or falls back to unplugging the device."""
+
+    def __init__(self, fdid: int, kind: str, why: str) -> None:
+        self.fdid, self.kind, self.why = fdid, kind, why
+        super().__init__(f"device {fdid:#x} ({kind}) cannot be quiesced: {why}")

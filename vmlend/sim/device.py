@@ -39,6 +39,9 @@ class SimDevice:
         self._reset_listeners: list[Callable[[], None]] = []
         self.resets = 0
         self.blocked_messages = 0  # MSI/MSI-X not sent because Bus Master was off
+        #: Vectors raised while the device was stopped for a switch-over (None: it is not),
+        #: in order: sent once it runs again, as MSI-X's function mask latches pending bits
+        self._latched: list[int] | None = None
         self._program_bars()
         self.config.add_listener(self._on_config_write)
 
@@ -156,6 +159,9 @@ class SimDevice:
             raise ValueError(
                 f"device {self.fdid:#x} has {self.vectors} interrupt vector(s); got {vector}"
             )
+        if self._latched is not None:
+            self._latched.append(vector)  # pending, sent after the switch-over (``unlatch``)
+            return 0
         if self._message_blocked():
             # MSI and MSI-X are memory writes: without Bus Master the device cannot send them
             self.blocked_messages += 1
@@ -167,3 +173,20 @@ class SimDevice:
         if not sinks:
             log.debug("device %#x raised vector %d with no sink", self.fdid, vector)
         return len(sinks)
+
+    # --- stopped for a switch-over -------------------------------------------------------------
+    def latch(self) -> None:
+        """Stop sending interrupts: each one raised from now on is kept pending (a function
+        mask's pending bits) until ``unlatch``, so none crosses a switch-over in flight."""
+        if self._latched is None:
+            self._latched = []
+
+    def unlatch(self) -> int:
+        """Send the interrupts kept since ``latch``, each once, to whoever listens now; returns
+        how many sinks were called."""
+        pending, self._latched = self._latched or [], None
+        return sum(self.raise_interrupt(v) for v in pending)
+
+    @property
+    def latched(self) -> list[int]:
+        return list(self._latched or [])

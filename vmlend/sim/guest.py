@@ -72,6 +72,9 @@ class SimGuest:
             off += r.size
         self._pages: dict[int, int] = {}  # backing page index -> host physical base
         self._pins: dict[int, int] = {}  # backing page index -> pin count
+        #: 4 KiB guest page numbers the vCPUs wrote since the log was last taken (None: not
+        #: logging): KVM's dirty log, what a live migration copies again
+        self._dirty: set[int] | None = None
 
     def __repr__(self) -> str:
         return f"SimGuest({self.node}/{self.vm}, {self.size:#x} bytes)"
@@ -205,7 +208,53 @@ class SimGuest:
         return bytes(out)
 
     def write(self, gpa: int, data: bytes) -> None:
+        """The guest's vCPUs write ``data`` at ``gpa`` (logged when the dirty log is on)."""
         self._require_running(gpa)
+        if self._dirty is not None and data:
+            self._dirty.update(range(gpa // FRAME, (gpa + len(data) - 1) // FRAME + 1))
+        self._store(gpa, data)
+
+    def load(self, gpa: int, data: bytes) -> None:
+        """Put ``data`` at ``gpa`` from outside the guest (an incoming migration's copy): not
+        a vCPU write, so not logged."""
+        self._require_running(gpa)
+        self._store(gpa, data)
+
+    # --- dirty log (KVM_GET_DIRTY_LOG) ---------------------------------------------------------
+    def start_dirty_log(self) -> None:
+        if self._dirty is None:
+            self._dirty = set()
+
+    def take_dirty(self) -> set[int]:
+        """4 KiB guest page numbers the vCPUs wrote since the last take (the log goes on)."""
+        if self._dirty is None:
+            return set()
+        taken, self._dirty = self._dirty, set()
+        return taken
+
+    def stop_dirty_log(self) -> set[int]:
+        taken = self.take_dirty()
+        self._dirty = None
+        return taken
+
+    def stored_pages(self) -> list[int]:
+        """4 KiB guest page numbers holding anything but zeros (what a first migration pass
+        sends; QEMU skips zero pages the same way), ascending."""
+        by_base = {base: index for index, base in self._pages.items()}
+        out: list[int] = []
+        for base, index in sorted(by_base.items()):
+            for frame in self.memory.stored_frames(base, self.backing):
+                out.append(self._gpa_of(index * self.backing + frame - base) // FRAME)
+        return sorted(p for p in out if p >= 0)
+
+    def _gpa_of(self, block_offset: int) -> int:
+        """The guest-physical address of RAM block offset ``block_offset`` (-1: past the end)."""
+        i = bisect.bisect_right(self._block_base, block_offset) - 1
+        if i < 0 or block_offset - self._block_base[i] >= self.ranges[i].size:
+            return -1
+        return self.ranges[i].start + block_offset - self._block_base[i]
+
+    def _store(self, gpa: int, data: bytes) -> None:
         pos = 0
         for at, _, n in self._pieces(gpa, len(data)):
             self.memory.write(self.host_address(at), data[pos : pos + n])

@@ -546,12 +546,13 @@ class SimHardware:
         """Re-establish the borrowed ``fdid``'s crossing over the cheapest live route from the
         same lender adapter when a cable of its route is down, or program it again where a
         reset lost it: a LUT entry on the new borrower adapter, its requester attached to the
-        VM's domain, the old crossing removed. The lender's window segments and the VM's
-        domain stay as they are (they name the borrower's addresses, not an adapter), so the
-        guest does not see the move and does not reset the device. Returns the new borrow;
-        None when there was nothing to do (not borrowed, local, all cables up and nothing
-        lost). ``NoPathError`` (nothing changed) when no live route is left from the lender's
-        adapter; ``StaleTokenError`` (nothing changed) as ``borrow``."""
+        VM's domain, the old crossing removed (``_recross``, which a hot migration's
+        switch-over shares). The lender's window segments and the VM's domain stay as they
+        are (they name the borrower's addresses, not an adapter), so the guest does not see
+        the move and does not reset the device. Returns the new borrow; None when there was
+        nothing to do (not borrowed, local, all cables up and nothing lost). ``NoPathError``
+        (nothing changed) when no live route is left from the lender's adapter;
+        ``StaleTokenError`` (nothing changed) as ``borrow``."""
         self.device(fdid)
         self._check_token(fdid, token, "a re-route")
         b = self._borrows.get(fdid)
@@ -570,39 +571,75 @@ class SimHardware:
         ]
         if not same_src:
             raise NoPathError(b.lender, b.node)
-        new = same_src[0]
-        src = self.adapter(new.src.ref)
-        dst = self.adapter(new.dst.ref)
-        host = self.node(b.node)
-        lender_entry = src.lut_add(self.device(fdid).requester_id)  # again, if a reset lost it
-        if new.dst.ref == b.path.dst.ref:
-            entry = dst.lut_add(key)
-            ingress = Requester(dst.assigned_requester_id(entry))
-            if host.iommu.domain_for(ingress) is None:
-                host.iommu.attach(ingress, self.vm_domain(b.node, b.vm))
-        else:
-            entry = dst.lut_add(key)
-            ingress = Requester(dst.assigned_requester_id(entry))
-            try:
-                host.iommu.attach(ingress, self.vm_domain(b.node, b.vm))
-            except Exception:
-                dst.lut_remove(key)
-                raise
-            host.iommu.detach(b.ingress)  # the old crossing goes: nothing enters through it
-            old_dst.lut_remove(key)
-        moved = Borrow(fdid, b.node, b.vm, b.lender, new, lender_entry, entry, ingress)
-        self._borrows[fdid] = moved
-        self._attached[fdid] = [
-            _Ingress(b.node, ingress) if a.node == b.node and a.lut is None else a
-            for a in self._attached.get(fdid, [])
-        ]
+        moved = self._recross(b, same_src[0], b.node, b.vm)
         log.warning(
             "device %#x: crossing to %s/%s re-established over %s",
             fdid,
             b.node,
             b.vm,
-            new.describe(),
+            same_src[0].describe(),
         )
+        return moved
+
+    def move_borrow(self, fdid: int, node: str, vm: str, *, token: int = 0) -> Borrow:
+        """A hot migration's switch-over: the borrow of ``fdid`` follows its VM to ``vm`` on
+        ``node`` without ending. The crossing is made again towards ``node`` over the cheapest
+        live route (LUT entries, the requester attached to the VM's domain there) and the old
+        one removed, as ``reroute`` does towards another adapter of the same node. Nothing is
+        reset and no borrow-end subscriber runs: the caller re-points what it mapped for the
+        device (DMA windows, interrupt routes, peer maps) and the device keeps its state.
+        ``token``: the fencing token of the hold the destination now has (newer than the
+        source's, which the device refuses from then on); ``StaleTokenError`` (nothing
+        changed) for an older one. ``FabricError`` when the device is not borrowed."""
+        self.device(fdid)
+        self.node(node)
+        b = self._borrows.get(fdid)
+        if b is None:
+            raise FabricError(f"device {fdid:#x} is not borrowed: nothing to move to {node}")
+        self._check_token(fdid, token, "a hot migration's switch-over")
+        if (b.node, b.vm) == (node, vm):
+            return b
+        moved = self._recross(b, self.route(b.lender, node), node, vm)
+        log.info("device %#x: borrow moved from %s/%s to %s/%s", fdid, b.node, b.vm, node, vm)
+        return moved
+
+    def _recross(self, b: Borrow, new: NtbPath | None, node: str, vm: str) -> Borrow:
+        """Point ``b``'s crossing at ``vm`` on ``node`` over ``new`` (None: ``node`` is the
+        lender): the new LUT entries and context first, then the old ones go (an entry the
+        new crossing reuses stays). All or nothing: a failure removes what this call made."""
+        fdid = b.fdid
+        rid = self.device(fdid).requester_id
+        key = self.requester_key(fdid)
+        lender_entry = entry = None
+        ingress: Requester | None = None
+        if new is not None:
+            src, dst = self.adapter(new.src.ref), self.adapter(new.dst.ref)
+            had_src, had_dst = src.lut_lookup(rid) is not None, dst.lut_lookup(key) is not None
+            lender_entry = src.lut_add(rid)  # again, if a reset lost it
+            try:
+                entry = dst.lut_add(key)
+                ingress = Requester(dst.assigned_requester_id(entry))
+                host = self.node(node)
+                if host.iommu.domain_for(ingress) is None:
+                    host.iommu.attach(ingress, self.vm_domain(node, vm))
+            except Exception:
+                if not had_dst:
+                    dst.lut_remove(key)
+                if not had_src:
+                    src.lut_remove(rid)
+                raise
+        if b.path is not None and b.ingress is not None:
+            if new is None or (new.dst.ref, node) != (b.path.dst.ref, b.node):
+                self.node(b.node).iommu.detach(b.ingress)  # nothing enters through it now
+                self.adapter(b.path.dst.ref).lut_remove(key)
+            if new is None or new.src.ref != b.path.src.ref:
+                self.adapter(b.path.src.ref).lut_remove(rid)
+        moved = Borrow(fdid, node, vm, b.lender, new, lender_entry, entry, ingress)
+        self._borrows[fdid] = moved
+        own = [] if ingress is None else [_Ingress(node, ingress)]
+        self._attached[fdid] = own + [
+            a for a in self._attached.get(fdid, []) if not (a.node == b.node and a.lut is None)
+        ]
         return moved
 
     def requester_key(self, fdid: int) -> int:

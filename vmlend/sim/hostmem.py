@@ -231,6 +231,14 @@ class HostMemory:
             page[at % FRAME : at % FRAME + n] = chunk
             at, pos = at + n, pos + n
 
+    def stored_frames(self, base: int, size: int) -> list[int]:
+        """Addresses of the 4 KiB frames in [base, base+size) that hold written contents
+        (every other frame there reads as zero), ascending."""
+        first, end = base // FRAME, (base + size) // FRAME
+        if len(self._pages) < end - first:
+            return sorted(f * FRAME for f in self._pages if first <= f < end)
+        return [f * FRAME for f in range(first, end) if f in self._pages]
+
     @property
     def pages_stored(self) -> int:
         """Frames holding written contents (for tests and memory accounting)."""

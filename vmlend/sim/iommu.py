@@ -79,6 +79,11 @@ class IommuDomain:
         self.owner = owner
         self._starts: list[int] = []  # sorted iovas of the runs, parallel to _runs
         self._runs: list[Mapping] = []
+        #: 4 KiB IOVA page numbers written through this domain since the log was last taken
+        #: (None: not logging). A VM's domain maps IOVA = GPA, so these are guest pages a
+        #: device dirtied: the dirty tracking a live migration copies them by (Intel VT-d's
+        #: second-stage dirty bit, AMD's host-dirty bit; ``start_dirty_log``).
+        self._dirty: set[int] | None = None
 
     def __repr__(self) -> str:
         return f"IommuDomain({self.name!r}, {len(self._runs)} runs)"
@@ -174,6 +179,29 @@ class IommuDomain:
         self._starts.clear()
         self._runs.clear()
 
+    # --- dirty tracking --------------------------------------------------------------------------
+    def start_dirty_log(self) -> None:
+        """Log every page a write through this domain touches from now on (idempotent)."""
+        if self._dirty is None:
+            self._dirty = set()
+
+    def take_dirty(self) -> set[int]:
+        """The 4 KiB IOVA page numbers written since the last take (the log goes on)."""
+        if self._dirty is None:
+            return set()
+        taken, self._dirty = self._dirty, set()
+        return taken
+
+    def stop_dirty_log(self) -> set[int]:
+        """Stop logging; what was written since the last take."""
+        taken = self.take_dirty()
+        self._dirty = None
+        return taken
+
+    @property
+    def dirty_logging(self) -> bool:
+        return self._dirty is not None
+
     # --- lookups -------------------------------------------------------------------------------
     def _overlapping(self, lo: int, hi: int) -> list[Mapping]:
         i = max(0, bisect.bisect_right(self._starts, lo) - 1)
@@ -199,6 +227,8 @@ class IommuDomain:
             raise DmaFault(self.name, iova, f"IOVA {iova:#x} is not mapped in domain {self.name}")
         if write and not m.writable:
             raise DmaFault(self.name, iova, f"write to read-only mapping in domain {self.name}")
+        if write and self._dirty is not None:
+            self._dirty.add(iova // PAGE_4K)
         return m.phys + (iova - m.iova)
 
     def entries(self) -> dict[int, int]:

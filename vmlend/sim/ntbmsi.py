@@ -214,6 +214,45 @@ class NtbMsiRoute:
                 )
         self._recorder(self.fdid, vectors)
 
+    def repoint(self) -> None:
+        """A hot migration moved the device's borrow to its VM on another node: the route
+        follows it. The device's map to the old node's interrupt target goes with its segment,
+        a segment towards the VM's target on the new node is mapped instead, the enabled
+        vectors are allocated there with the same eventfds, and the sink names the new owner.
+        Interrupts the gate holds pending stay pending. The device must be stopped meanwhile
+        (``SimDevice.latch``): none is posted half way."""
+        borrow = self.hw.borrowed(self.fdid)
+        if borrow is None or borrow.path is None:
+            raise FabricError(
+                f"device {self.fdid:#x} is not borrowed across the NTB: no route to re-point"
+            )
+        with self._lock:
+            self._unmap()
+            counted = self._setup.index in MESSAGE_INDEXES and self._setup.count
+            if counted:
+                self.target.free(self._first, self._setup.count)
+            self.node, self.vm = borrow.node, borrow.vm
+            self.adapter = borrow.path.src.ref
+            self.target = self.targets.for_vm(self.node, self.vm)
+            window = self.targets.acquire_segment(self.adapter, self.node, self.fdid)
+            try:
+                self.hw.lender_domain(self.fdid).map(MSI_IOVA, window, PAGE)
+            except Exception:
+                self.targets.release_segment(self.adapter, self.node, self.fdid)
+                raise
+            self._mapped = True
+            if counted:
+                self._first = self.target.allocate(self._setup.count)
+                for vector in range(self._setup.count):
+                    fd = self._triggers.get(vector)
+                    if fd is not None:
+                        self.target.assign(self._first + vector, fd)
+            self._remove_sink()
+            self._remove_sink = self.device.on_interrupt(
+                self._on_interrupt, owner=(self.node, self.vm)
+            )
+            self._record()
+
     def _borrow_ended(self, borrow: Borrow) -> None:
         if borrow.fdid == self.fdid:
             self._unmap()

@@ -301,6 +301,44 @@ class PassthroughSession:
         self._memory_on = False
         self._sync_bars()
 
+    # --- a hot migration ------------------------------------------------------------------------
+    def leave(self) -> bool:
+        """A hot migration's switch-over, on the source: the device (quiesced) stays this
+        VM's, but its DMA windows into this node's RAM and the peer maps made here go; the
+        borrow itself is moved by the caller (``SimHardware.move_borrow``). Returns whether
+        the device was mastering (its windows must be mapped again on arrival)."""
+        self._check_open()
+        mastering = self.dma_active
+        if self.observer is not None:
+            self.observer.remove_device(self.fdid)
+        self._reported.clear()
+        self.windows.disable(self.fdid)
+        return mastering
+
+    def arrive(
+        self,
+        holder: Holder,
+        fabric: BorrowFabric,
+        windows: VmDmaWindows,
+        observer: BarObserver | None,
+        *,
+        mastering: bool,
+    ) -> None:
+        """The same switch-over, on the destination: the session is ``holder``'s now (the
+        VM on its new node), its mdev is open there, the new guest's RAM is mapped for the
+        device when it was mastering, and the new node's peer mapper learns its BARs. The
+        device's own state (config space, BAR registers, queues) is untouched: the guest's
+        driver goes on where it was. Raises (the caller undoes the migration) when a mapping
+        is refused."""
+        self._check_open()
+        if self.mdev is not None:
+            self.hw.close_mdev(self.mdev)
+            self.hw.open_mdev(self.mdev, self.fdid, holder.node, holder.vm, self._revoke)
+        self.holder, self.fabric, self.windows, self.observer = holder, fabric, windows, observer
+        if mastering:
+            self.windows.enable(self.fdid)
+        self._sync_bars()
+
     def close(self) -> None:
         """The device leaves the VM (hot-remove, VM stop): unmap its windows (the last device
         unpins the guest), tell the observer, give the hardware back. Idempotent."""

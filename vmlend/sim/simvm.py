@@ -23,13 +23,14 @@ from vmlend.lending.shares import ShareFabric
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.layout import CpuVendor, Family, Layout
 from vmlend.sim.dmawin import VmDmaWindows, WindowLedger
+from vmlend.sim.guest import SimGuest
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import HUGE_2M
 from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
 from vmlend.sim.passthrough import BarObserver, BorrowFabric, PassthroughSession
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaTarget
-from vmlend.topology.model import BarKind, BarSpec, GiB, Holder, MdevInfo
+from vmlend.topology.model import BarKind, BarSpec, GiB, GuestRam, Holder, MdevInfo
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class SimVm:
         self.node = fabric.local_node
         self.holder = Holder(self.node, info.name, str(info.uuid or ""))
         self.layout = domain_layout(xml, host_vendor)
+        self.guest_ram: GuestRam = info.guest_ram  # what admission counts (a migration's)
         self._mdevs = {d.fdid: str(d.mdev) for d in info.devices if d.share is None}
         # queue-level NVMe shares: the drive's manager (``nvme``) serves them, not a borrow
         shared = {d.fdid: str(d.mdev) for d in info.devices if d.share is not None}
@@ -267,6 +269,29 @@ class SimVm:
         session.close()
         del self._sessions[fdid]
         del self._placed[fdid]
+
+    def sessions(self) -> dict[int, PassthroughSession]:
+        """The VM's pass-through sessions by fdid (a hot migration moves each)."""
+        self._require_running()
+        return dict(self._sessions)
+
+    def moved(
+        self,
+        fabric: VmFabric,
+        guest: SimGuest,
+        windows: VmDmaWindows,
+        p2p: BarObserver | None,
+    ) -> None:
+        """A hot migration finished: the VM runs on ``fabric.local_node`` with ``guest`` (its
+        RAM copied there) and ``windows``; its sessions moved already (``arrive``)."""
+        self.fabric, self.node, self.guest, self.windows, self.p2p = (
+            fabric,
+            fabric.local_node,
+            guest,
+            windows,
+            p2p,
+        )
+        self.holder = Holder(self.node, self.name, self.holder.vm_uuid)
 
     # --- guest driver helpers -------------------------------------------------------------------
     def config_read(self, fdid: int, offset: int, size: int) -> int:

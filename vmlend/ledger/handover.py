@@ -1,0 +1,198 @@
+"""A hot migration's registry side: the VM's holds move to the destination without ending.
+
+Three transactions, each all or nothing (docs/migration.md, "Hot"):
+
+1. ``claim_destination``: the whole VM is admitted on the destination with its own holds
+   counted as movable (``admit_vm``), and each hold gains the destination's claims beside the
+   source's (LUT entries, DMA and BAR window segments, peer-to-peer, the interrupt window):
+   room that nobody else can take while the memory is copied. Refused: nothing changed.
+2. ``hand_over``: at the switch-over, each hold of the source's VM is replaced by the same
+   VM's hold on the destination (phase BORROWED: the device never stops being borrowed),
+   keeping both sets of claims, and each mdev record moves to the destination. The new hold
+   has a newer fencing token: the device's side, told it by the switch-over, refuses every
+   later step made for the source's hold.
+3. ``release_source``: once the hardware follows, the source's claims go.
+
+``abandon`` undoes 1 (a migration that stopped before the switch-over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import msgspec
+
+from vmlend.errors import DeviceHeldError, DeviceNotReservedError, FabricError
+from vmlend.ledger.admission import StateView, admit_vm
+from vmlend.ledger.ledger import MDEV_TYPE, parent_name
+from vmlend.ledger.linkfaults import links_down_in
+from vmlend.ledger.msiadmit import is_msi_claim, msi_share
+from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, Registry, StateTxn, same_holder
+from vmlend.registry.records import MdevRecord, ParentRecord
+from vmlend.topology.compiled import stored_topology
+from vmlend.topology.model import GuestRam, Holder, Topology
+from vmlend.topology.paths import route, without_links
+
+
+class Claimed(msgspec.Struct, frozen=True):
+    """What ``claim_destination`` added: per device, the destination's claims."""
+
+    source: Holder
+    destination: Holder
+    claims: dict[int, list[Claim]]
+
+
+def _topology(tx: StateTxn) -> Topology:
+    """The topology as admission sees it: without the cables that are down."""
+    down = tuple(links_down_in(tx))
+    full = stored_topology(tx.topology())
+    return without_links(full, down) if down else full
+
+
+def _own(tx: StateTxn, fdid: int, holder: Holder) -> HoldRecord:
+    hold = tx.hold(fdid)
+    if hold is None:
+        raise DeviceNotReservedError(fdid, str(holder))
+    if not same_holder(hold.holder, holder):
+        raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+    return hold
+
+
+def _msi_claims(
+    topo: Topology, tx: StateTxn, fdid: int, source: Holder, destination: Holder
+) -> list[Claim]:
+    """The interrupt window (MSI over the NTB) on the destination's route, where the source's
+    hold has one: one segment per lender adapter and VM, as at reserve."""
+    out = []
+    for f, c in tx.claims():
+        if f != fdid or not is_msi_claim(c) or c.share != msi_share(source):
+            continue
+        path = route(topo, topo.device(fdid).lender, destination.node)
+        if path is None:
+            continue  # the VM arrives on the lender: no NTB to post across
+        out.append(
+            Claim(path.src.ref, c.kind, msi_share(destination), c.entries, c.segments, c.bytes)
+        )
+    return out
+
+
+def _add_claims(tx: StateTxn, add: Mapping[int, Iterable[Claim]]) -> None:
+    """Each hold keeps its claims and gains ``add[fdid]`` (kind by kind)."""
+    current = tx.claims()
+    for fdid, extra in add.items():
+        extra = list(extra)
+        for kind in ClaimKind:
+            new = [c for c in extra if c.kind is kind]
+            if not new:
+                continue
+            old = [c for f, c in current if f == fdid and c.kind is kind]
+            tx.replace_claims(kind, [fdid], [(fdid, c) for c in old + new])
+
+
+def _drop_claims(tx: StateTxn, fdids: Iterable[int], keep: Mapping[int, Iterable[Claim]]) -> None:
+    """Each hold of ``fdids`` keeps exactly ``keep[fdid]`` of its claims."""
+    current = tx.claims()
+    for fdid in fdids:
+        wanted = list(keep.get(fdid, []))
+        for kind in ClaimKind:
+            old = [c for f, c in current if f == fdid and c.kind is kind]
+            new = [c for c in wanted if c.kind is kind]
+            if old != new:
+                tx.replace_claims(kind, [fdid], [(fdid, c) for c in new])
+
+
+def claim_destination(
+    registry: Registry,
+    fdids: list[int],
+    source: Holder,
+    destination: Holder,
+    guest_ram: GuestRam | int,
+) -> Claimed:
+    """Step 1: admit the whole VM on ``destination.node`` and claim its room there beside
+    the source's. ``FabricError`` naming the first device refused (nothing changed)."""
+
+    def body(tx: StateTxn) -> Claimed:
+        topo = _topology(tx)
+        for fdid in fdids:
+            _own(tx, fdid, source)
+        view = StateView(
+            nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
+        )
+        result = admit_vm(topo, view, fdids, destination.node, guest_ram, destination, source)
+        for fdid, adm in result.items():
+            if (e := adm.first_error()) is not None:
+                raise FabricError(
+                    f"cannot hot-migrate to {destination.node}: device {fdid:#x}: {e};"
+                    " nothing was changed"
+                )
+        add: dict[int, list[Claim]] = {f: list(result[f].claims) for f in fdids}
+        p2p = next((a.p2p for a in reversed(list(result.values())) if a.p2p is not None), None)
+        for owner, c in p2p or []:
+            add.setdefault(owner, []).append(c)
+        for fdid in fdids:
+            add[fdid] += _msi_claims(topo, tx, fdid, source, destination)
+        _add_claims(tx, add)
+        return Claimed(source, destination, add)
+
+    return registry.transact(body)
+
+
+def _source_claims(tx: StateTxn, claimed: Claimed, fdid: int) -> list[Claim]:
+    theirs = claimed.claims.get(fdid, [])
+    return [c for f, c in tx.claims() if f == fdid and c not in theirs]
+
+
+def abandon(registry: Registry, claimed: Claimed) -> None:
+    """Undo ``claim_destination``: the holds keep only the source's claims again."""
+
+    def body(tx: StateTxn) -> None:
+        keep = {f: _source_claims(tx, claimed, f) for f in claimed.claims}
+        _drop_claims(tx, claimed.claims, keep)
+
+    registry.transact(body)
+
+
+def hand_over(
+    registry: Registry, claimed: Claimed, mdevs: Mapping[int, str], clock: float
+) -> dict[int, int]:
+    """Step 2: the holds and mdev records of the source's VM become the destination's, in
+    one transaction; returns each new hold's fencing token. ``DeviceHeldError`` or
+    ``DeviceNotReservedError`` (nothing changed) when a hold is no longer the source's."""
+    src, dst = claimed.source, claimed.destination
+    fdids = sorted(claimed.claims)
+
+    def body(tx: StateTxn) -> list[tuple[int, list[Claim]]]:
+        moved = []
+        for fdid in fdids:
+            hold = _own(tx, fdid, src)
+            claims = [c for f, c in tx.claims() if f == fdid]
+            uuid = mdevs.get(fdid)
+            if uuid is not None:
+                tx.delete_mdev(uuid)
+            tx.delete_hold(fdid)
+            tx.add_hold(
+                HoldRecord(fdid, dst, clock, Phase.BORROWED, hold.guest_ram), claims
+            )
+            if uuid is not None:
+                if tx.parent(dst.node, fdid) is None:
+                    tx.add_parent(ParentRecord(dst.node, fdid, parent_name(fdid)))
+                tx.add_mdev(
+                    MdevRecord(uuid, fdid, dst.node, parent_name(fdid), MDEV_TYPE, dst.vm, clock)
+                )
+            if tx.parent(src.node, fdid) is not None:
+                tx.delete_parent(src.node, fdid)
+            moved.append((fdid, claims))
+        return moved
+
+    registry.transact(body)
+    with registry.read() as tx:  # the tokens are the store's, known once committed
+        return {f: h.token for f in fdids if (h := tx.hold(f)) is not None}
+
+
+def release_source(registry: Registry, claimed: Claimed) -> None:
+    """Step 3: the destination's holds keep only the destination's claims."""
+
+    def body(tx: StateTxn) -> None:
+        _drop_claims(tx, claimed.claims, claimed.claims)
+
+    registry.transact(body)
