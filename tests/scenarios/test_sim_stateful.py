@@ -14,6 +14,9 @@ operator and an attacker do, in any order:
 - hand-overs: the fabric's give-back behind the VM's back, a release after a crash, a share
   released behind its VM, the lender reclaiming a device or the shared drive, lender down and
   up, VM stop, the drive shared again once it is free;
+- hot migration: a running VM moves to another node with its devices plugged (a NIC, whose
+  driver cannot quiesce, and a destination without room are refused with nothing changed),
+  the checker run after each of its phases;
 - attacks: a VM hot-adding another VM's mdev, a failed start of a domain whose metadata names
   another VM's mdevs followed by its release (with a consistent and an inconsistent copy).
 
@@ -69,6 +72,7 @@ from vmlend.ledger import nvmeshares as ledger
 from vmlend.nvme.guard import asid_base
 from vmlend.registry import FenceRecord, same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
+from vmlend.sim.hotmig import hot_migrate
 from vmlend.sim.invariants import check_hardware, registry_grants
 from vmlend.sim.nvme.driver import NvmeDriver, QueuePair
 from vmlend.sim.nvme.relay import BACKUP
@@ -180,6 +184,7 @@ ends = ["sw", "sw2"]
 SHARED = 0x12
 BLOCKS = 1 << 16
 SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta", "d"))
+NODES = ("gamma", "delta", "alpha", "beta")
 DEVICES = (0x10, 0x12, 0x20, 0x21)
 LENDERS = ("alpha", "beta")
 PROBE_GPAS = (0x1000, 512 * MiB)
@@ -256,7 +261,7 @@ class FabricMachine(RuleBasedStateMachine):
 
     def _stop(self, slot: int) -> None:
         entry = self.vms.pop(slot)
-        node = SLOTS[slot][0]
+        node = entry.vm.node  # a hot migration may have moved it from its slot's node
         entry.vm.stop()
         entry.p2p.close()
         self.c.release(entry.xml, node)  # idempotent for devices released behind the VM's back
@@ -318,6 +323,9 @@ class FabricMachine(RuleBasedStateMachine):
             s % len(SLOTS) for s in range(slot, slot + len(SLOTS)) if s % len(SLOTS) not in self.vms
         )
         node, name = SLOTS[slot]
+        if any((e.vm.node, e.vm.name) == (node, name) for e in self.vms.values()):
+            return  # a VM of that name moved there hot
+
         free = tuple(sorted(f for f in chosen if self._holder_of(f) is None))
         # a share even of a drive whose manager lost it (it must be refused), never of a drive
         # the VM takes whole
@@ -599,6 +607,54 @@ class FabricMachine(RuleBasedStateMachine):
         self._share_drive()
         event("hand-over: the drive shared again")
 
+    @precondition(lambda self: self.vms)
+    @rule(slot=slots, pick=st.integers(min_value=0, max_value=len(NODES) - 1))
+    def hot_migrate(self, slot: int, pick: int) -> None:
+        """The VM moves to another node while it runs, its devices plugged; the checker runs
+        after every phase. Refused (a NIC, a device not enabled, no room there): nothing
+        changed."""
+        entry = self.vms.get(slot)
+        if entry is None:
+            return
+        vm = entry.vm
+        taken = {(e.vm.node, e.vm.name) for e in self.vms.values()}
+        choices = [n for n in NODES if n != vm.node and (n, vm.name) not in taken]
+        if not choices:
+            return
+        to = choices[pick % len(choices)]
+        if vm.shares():
+            event("hot migration: skipped, the VM has a share (cannot move hot yet)")
+            return
+        source = vm.node
+        steps: list[str] = []
+
+        def check(step: str) -> None:
+            self._check_justified(f"after hot-migration phase {step!r}")
+            steps.append(step)
+
+        p2p = P2PMapper(
+            self.c.hw,
+            to,
+            vm.name,
+            recorder=registry_recorder(self.c.registry),
+            promises=RegistryWindowLedger(self.c.registry),
+        )
+        before = self._records_of(vm.holder)
+        try:
+            hot_migrate(vm, self.c.fabric(to), self.c.registry, p2p=p2p, check=check)
+        except VmlendError as e:
+            p2p.close()
+            assert vm.node == source and steps in ([], ["claimed", "abandoned"]), steps
+            assert self._records_of(vm.holder) == before
+            event(f"hot migration refused: {type(e).__name__}")
+            return
+        entry.p2p = p2p
+        assert vm.node == to and steps[-1] == "resumed"
+        for fdid in vm.devices():
+            b = self.c.hw.borrowed(fdid)
+            assert b is not None and (b.node, b.vm) == (to, vm.name)
+        event(f"hot migration: {len(vm.devices())} device(s) moved with the VM")
+
     # --- rules: attacks ------------------------------------------------------------------------
     @precondition(lambda self: len(self.vms) >= 2)
     @rule(slot=slots, victim=slots)
@@ -630,7 +686,7 @@ class FabricMachine(RuleBasedStateMachine):
         target = self.vms.get(victim)
         if target is None:
             return
-        node, name = SLOTS[victim]
+        node, name = target.vm.node, target.vm.name
         forged = target.xml
         if elsewhere:
             node = "delta" if node == "gamma" else "gamma"
@@ -638,7 +694,7 @@ class FabricMachine(RuleBasedStateMachine):
             own = str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.vmlend.test")).encode()
             forged = forged.replace(f"<name>{name}</name>".encode(), b"<name>forged</name>")
             forged = forged.replace(own, str(uuid.uuid5(uuid.NAMESPACE_DNS, "forged")).encode())
-        if any(SLOTS[s] == (node, "a") for s in self.vms) and elsewhere:
+        if any((e.vm.node, e.vm.name) == (node, "a") for e in self.vms.values()) and elsewhere:
             return  # that node runs its own "a": the copy is that VM's business
         victim_holder = target.vm.holder
         before = self._records_of(victim_holder)
@@ -653,12 +709,15 @@ class FabricMachine(RuleBasedStateMachine):
         assert self._records_of(victim_holder) == before
 
     # --- after every step ----------------------------------------------------------------------
-    @invariant()
-    def every_mapping_is_justified(self) -> None:
+    def _check_justified(self, when: str = "") -> None:
         with self.c.registry.read() as tx:
             holds, claims, grants = tx.holds(), tx.claims(), registry_grants(tx)
         found = check_hardware(self.c.hw, holds=holds, claims=claims, shares=grants)
-        assert found == [], "\n".join(map(str, found))
+        assert found == [], when + "\n" + "\n".join(map(str, found))
+
+    @invariant()
+    def every_mapping_is_justified(self) -> None:
+        self._check_justified()
 
     @invariant()
     def every_device_reaches_only_its_vm(self) -> None:

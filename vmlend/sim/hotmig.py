@@ -193,6 +193,13 @@ def hot_migrate(
     for fdid, kind in kinds.items():
         if how_to_quiesce(kind) is None:
             raise QuiesceError(fdid, kind, "its driver does not implement the migration states")
+    for fdid in sessions:
+        b = hw.borrowed(fdid)
+        if b is None or (b.node, b.vm) != (source, name):
+            raise FabricError(
+                f"device {fdid:#x} is not borrowed by {source}/{name} (its guest has not enabled"
+                " it, or it was taken): hot-remove it, or move the VM cold"
+            )
     # 1. admit and claim
     src_holder = vm.holder
     dst_holder = Holder(dest, name, src_holder.vm_uuid)
