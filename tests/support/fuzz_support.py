@@ -293,6 +293,9 @@ interval = 0.5
 
 [hook.install]
 libvirt-dir = "/etc/libvirt"
+
+[alias]
+a100 = { vendor = "10de", product = "20b0" }
 """
 #: What a careless or hostile writer puts right of ``=`` in it, beyond TOML_VALUES.
 CONFIG_VALUES = (

@@ -112,20 +112,29 @@ class RootGroup(LazyGroup):
         parent: click.Context | None = None,
         **extra: Any,
     ) -> click.Context:
+        aliases: dict[str, Any] = {}
         if "default_map" not in extra:
-            extra["default_map"] = _configured(self, args)
-        return super().make_context(info_name, args, parent, **extra)
+            extra["default_map"], aliases = _configured(self, args)
+        ctx = super().make_context(info_name, args, parent, **extra)
+        ctx.meta[ALIASES_META] = aliases
+        return ctx
 
 
-def _configured(group: click.Group, args: Sequence[str]) -> dict[str, Any] | None:
+#: Where the configuration file's ``[alias]`` table waits for ``main`` (``ctx.meta``).
+ALIASES_META = "vmlend.aliases"
+
+
+def _configured(
+    group: click.Group, args: Sequence[str]
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     if any(a in ("-h", "--help", "--version") for a in args[:1]):
-        return None  # help and version never need the file (nor a broken one)
-    from vmlend.cli.config import load_default_map
+        return None, {}  # help and version never need the file (nor a broken one)
+    from vmlend.cli.config import load_config
     from vmlend.errors import VmlendError
     from vmlend.messages import single_line
 
     try:
-        return load_default_map(group, args)
+        return load_config(group, args)
     except VmlendError as e:
         raise click.ClickException(single_line(str(e))) from None
 
@@ -206,6 +215,7 @@ def main(
         registry=registry,
         backend=backend,
         config_path=config_path,
+        aliases=ctx.meta.get(ALIASES_META),
     )
     ctx.obj.uri = uri
 

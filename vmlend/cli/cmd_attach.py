@@ -25,8 +25,9 @@ from vmlend.hypervisor import Hypervisor
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.detach_preview import DetachPreview, preview_detach
-from vmlend.topology.choose import DeviceWish, choose
+from vmlend.topology.choose import choose
 from vmlend.topology.model import Check, InterruptPath, format_fdid
+from vmlend.topology.selectors import DeviceWish
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,10 @@ def attach_cmd(
 ) -> None:
     """Attach remote device FDID to VM (default: live if running, else its definition).
 
-    FDID may be a kind (gpu, nvme,lender=alpha): the available device of that kind with the
-    shortest path from the VM's node is chosen, preferring one close to the VM's other
-    devices for peer-to-peer."""
+    FDID may be a kind (gpu, nvme,lender=alpha), vendor and product ids
+    (vendor=10de,product=1db4) or an alias of the configuration file's [alias] table (a100):
+    the available device that matches with the shortest path from the VM's node is chosen,
+    preferring one close to the VM's other devices for peer-to-peer."""
     irq = None if interrupts is None else InterruptPath(interrupts)
     addr = _address(address)
     hv = open_hv(obj, uri)
@@ -109,7 +111,7 @@ def attach_cmd(
                 raise SystemExit(1) from None
         fabric = fabric_for(obj, hv)
         if isinstance(fdid, DeviceWish):
-            fdid = _choose_one(hv, fabric, vm, fdid)
+            fdid = _choose_one(obj, hv, fabric, vm, fdid)
         plan = plan_attach(
             hv, fabric, vm, fdid, live=live, config=config, address=addr, interrupts=irq
         )
@@ -137,7 +139,7 @@ def attach_cmd(
         hv.close()
 
 
-def _choose_one(hv: Hypervisor, fabric: Fabric, vm: str, wish: DeviceWish) -> int:
+def _choose_one(obj: CliContext, hv: Hypervisor, fabric: Fabric, vm: str, wish: DeviceWish) -> int:
     """The device for ``wish``, near the VM's node and its other remote devices (said on
     stderr with its path's cost)."""
     from vmlend.domain import read_domain
@@ -148,7 +150,14 @@ def _choose_one(hv: Hypervisor, fabric: Fabric, vm: str, wish: DeviceWish) -> in
             has |= {d.fdid for d in read_domain(hv.xml(vm, inactive=inactive)).devices}
         except VmlendError:
             continue  # not running, or no such definition: plan_attach says which
-    (pick,) = choose(fabric.topology(), fabric.devices(), [wish], fabric.local_node, exclude=has)
+    (pick,) = choose(
+        fabric.topology(),
+        fabric.devices(),
+        [wish],
+        fabric.local_node,
+        exclude=has,
+        aliases=obj.aliases,
+    )
     click.echo(f"chose {pick.describe()}", err=True)
     return pick.fdid
 

@@ -11,8 +11,8 @@ from click.shell_completion import CompletionItem
 from vmlend.cli.common import emit_json, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
-from vmlend.topology.choose import DeviceWish, parse_wish
 from vmlend.topology.model import DeviceState, DeviceStatus, format_fdid, parse_fdid
+from vmlend.topology.selectors import DeviceWish, parse_wish
 from vmlend.views.devices import device_json
 
 
@@ -39,7 +39,8 @@ FDID = FdidType()
 
 
 class FdidOrKindType(FdidType):
-    """A device by fdid (``0x10``) or by kind (``gpu``, ``nvme,lender=alpha``): one device."""
+    """A device by fdid (``0x10``) or chosen (``gpu``, ``nvme,lender=alpha``, an alias,
+    ``vendor=10de,product=1db4``): one device."""
 
     name = "FDID|KIND"
 

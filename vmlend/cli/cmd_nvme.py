@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import click
 
+from vmlend.cli.cmd_lend import FDID_OR_KIND
 from vmlend.cli.common import emit_action, emit_json, emit_table, json_option
 from vmlend.cli.complete import complete_fdids, complete_nodes, complete_vms
 from vmlend.cli.context import CliContext
 from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import parse_cli_size
-from vmlend.errors import ConfigError
+from vmlend.errors import ConfigError, ResourceExhaustedError
 from vmlend.ledger import nvmeshares as ledger
-from vmlend.registry import open_registry
+from vmlend.nvme.shares import Share
+from vmlend.registry import Registry, open_registry
 from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.topology.choose import Choice, rank_shared
 from vmlend.topology.model import Holder, format_fdid, parse_fdid
+from vmlend.topology.selectors import DeviceWish
 from vmlend.units import format_size_exact
 
 BLOCK = 512
@@ -89,7 +93,7 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
 
 
 @nvme.command("reserve")
-@click.argument("fdid", shell_complete=complete_fdids)
+@click.argument("fdid", type=FDID_OR_KIND)
 @click.argument("vm", shell_complete=complete_vms)
 @click.option("--queues", type=click.IntRange(1, 0xFFFE), default=1, show_default=True)
 @click.option(
@@ -110,7 +114,7 @@ def _holder(obj: CliContext, vm: str, node: str | None) -> Holder:
 @click.pass_obj
 def reserve_cmd(
     obj: CliContext,
-    fdid: str,
+    fdid: int | DeviceWish,
     vm: str,
     queues: int,
     paths: int,
@@ -120,13 +124,17 @@ def reserve_cmd(
     json_output: bool,
 ) -> None:
     """Claim a share of FDID for VM: queue pairs, MSI-X vectors, an LBA window and the NTB
-    resources of its DMA path (of both paths with --paths 2)."""
-    dev = parse_fdid(fdid)
+    resources of its DMA path (of both paths with --paths 2).
+
+    FDID may be chosen among the drives lent for sharing: by kind (nvme), vendor and product
+    ids (vendor=8086,product=0a54) or an alias of the configuration file's [alias] table; the
+    one with the shortest path to the VM's node that has room is taken, or the one the VM
+    already has a share of."""
     holder = _holder(obj, vm, node)
+    blocks, guest_ram = _blocks(size), parse_cli_size(ram)
     with open_registry(obj.location) as reg:
-        share = ledger.reserve_share(
-            reg, dev, holder, queues, _blocks(size), guest_ram=parse_cli_size(ram), paths=paths
-        )
+        candidates = [fdid] if isinstance(fdid, int) else _ranked(obj, reg, fdid, holder)
+        dev, share = _reserve_first(reg, candidates, holder, queues, blocks, guest_ram, paths)
     if json_output:
         emit_action(
             "reserved",
@@ -144,6 +152,44 @@ def reserve_cmd(
         f"LBAs {share.lba_offset}..{share.lba_offset + share.blocks - 1}"
         + (f", {share.paths} paths (primary and backup)" if share.paths > 1 else "")
     )
+
+
+def _ranked(obj: CliContext, reg: Registry, wish: DeviceWish, holder: Holder) -> list[Choice]:
+    """The shared drives ``wish`` matches, best first for ``holder`` (``rank_shared``)."""
+    drives = ledger.shared_drives(reg)
+    mine = [f for f, (_, _, entries) in drives.items() if any(e.holder == holder for e in entries)]
+    with obj.fabric(read_only=True) as fabric:
+        topology = fabric.topology()
+    return rank_shared(topology, drives, wish, holder.node, aliases=obj.aliases, mine=mine)
+
+
+def _reserve_first(
+    reg: Registry,
+    candidates: list[int] | list[Choice],
+    holder: Holder,
+    queues: int,
+    blocks: int,
+    guest_ram: int,
+    paths: int,
+) -> tuple[int, Share]:
+    """A share of the first of ``candidates`` that has room (a chosen one said on stderr, as
+    ``xml new`` says its choices); the first one's refusal when none has."""
+    refusals: list[ResourceExhaustedError] = []
+    for candidate in candidates:
+        dev = candidate if isinstance(candidate, int) else candidate.fdid
+        try:
+            share = ledger.reserve_share(
+                reg, dev, holder, queues, blocks, guest_ram=guest_ram, paths=paths
+            )
+        except ResourceExhaustedError as e:
+            refusals.append(e)
+            if len(candidates) > 1:
+                click.echo(f"vmlend: not {format_fdid(dev)}: {e}", err=True)
+            continue
+        if isinstance(candidate, Choice):
+            click.echo(f"chose {candidate.describe()}", err=True)
+        return dev, share
+    raise refusals[0]
 
 
 @nvme.command("release")

@@ -32,8 +32,9 @@ from vmlend.domain.ramcheck import require_computable_layout
 from vmlend.domain.units import parse_cli_size
 from vmlend.errors import ConfigError
 from vmlend.messages import plural
-from vmlend.topology.choose import DeviceWish, choose, parse_wish
+from vmlend.topology.choose import choose
 from vmlend.topology.model import InterruptPath, format_fdid, parse_fdid
+from vmlend.topology.selectors import DeviceWish, parse_wish
 from vmlend.units import format_size_exact
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,10 @@ def xml_group() -> None:
     type=DEVICE,
     multiple=True,
     help="A remote device by fdid, optionally at a guest address (0x10, 0x10@0000:00:05.0), or"
-    " by kind: gpu, gpu:2, nvme,lender=alpha (the available ones with the shortest path from"
-    " this node are chosen). Repeatable.",
+    " chosen: by kind (gpu, gpu:2, nvme,lender=alpha), by vendor and product id"
+    " (vendor=10de,product=1db4[,count=2]) or by an alias of the configuration file's [alias]"
+    " table (a100:2); the available ones with the shortest path from this node are chosen."
+    " Repeatable.",
 )
 @click.option(
     "--hotplug-slots",
@@ -239,19 +242,24 @@ def new_cmd(
 def _choose(
     obj: CliContext, devices: tuple[DeviceRequest | DeviceWish, ...], no_fabric_check: bool
 ) -> tuple[DeviceRequest, ...]:
-    """The fdids asked for, and devices chosen for each kind asked for (said on stderr)."""
+    """The fdids asked for, and devices chosen for each selector (said on stderr)."""
     named = tuple(d for d in devices if isinstance(d, DeviceRequest))
     wishes = [d for d in devices if isinstance(d, DeviceWish)]
     if not wishes:
         return named
     if no_fabric_check:
         raise click.UsageError(
-            f"choosing a device by kind ({wishes[0]}) asks the fabric: drop --no-fabric-check"
-            " or name the fdids"
+            f"choosing a device ({wishes[0]}) asks the fabric: drop --no-fabric-check or name"
+            " the fdids"
         )
     with obj.fabric() as f:
         picks = choose(
-            f.topology(), f.devices(), wishes, f.local_node, exclude=[d.fdid for d in named]
+            f.topology(),
+            f.devices(),
+            wishes,
+            f.local_node,
+            exclude=[d.fdid for d in named],
+            aliases=obj.aliases,
         )
         for c in picks:
             click.echo(f"chose {c.describe()}", err=True)

@@ -8,13 +8,17 @@ the key and the file. Keys are long option names without their dashes (``hook-so
 options are paths on the host under ``--root`` (``vmlend.config.under_root``); the top-level
 settings the hook reads too go through the hook's own check (``vmlend.config.hook_settings``),
 so the CLI and the hook take the same values from one file.
+
+One table is no command: ``[alias]`` names vendor/product pairs that ``--device`` and the
+device arguments of ``attach`` and ``nvme reserve`` take (``vmlend.topology.selectors``); it
+is checked here too and handed to the command beside the default_map.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,12 +33,17 @@ from vmlend.config import (
 )
 from vmlend.errors import ConfigError
 
+if TYPE_CHECKING:
+    from vmlend.topology.selectors import Alias
+
 #: Options that say where the configuration is or what vmlend is: never in the file.
 NOT_CONFIGURABLE = frozenset({"root", "config", "help", "version"})
 #: Top-level keys that are no global option but options of several commands (each command's
 #: table may still set its own): the agent serves the hook on ``hook-socket``, ``hook
 #: install`` pins it and the hook reads it.
 SHARED = {"hook-socket": (("agent",), ("hook", "install"))}
+#: The table of device aliases (Nova's ``[pci] alias``): names, not a command's options.
+ALIAS_TABLE = "alias"
 #: Global options that take a value (what ``scan_globals`` must step over).
 _VALUED = ("--state", "--registry", "--node", "--root", "-c", "--connect", "--backend", "--config")
 
@@ -165,12 +174,20 @@ def to_default_map(
 def load_default_map(command: click.Command, args: Sequence[str]) -> dict[str, Any] | None:
     """The default_map of the root command for ``args``: the configuration file's values
     (None when there is no file). A file named by ``--config`` must exist."""
+    return load_config(command, args)[0]
+
+
+def load_config(
+    command: click.Command, args: Sequence[str]
+) -> tuple[dict[str, Any] | None, dict[str, Alias]]:
+    """``load_default_map``'s default_map, and the file's ``[alias]`` table parsed (empty
+    when there is none): both checked before any command runs."""
     given = scan_globals(args)
     name, named = config_file(given.get("config"), root=given.get("root"))
     path = Path(name)
     table = read_config(path, required=named and given.get("command") != CREATES_CONFIG)
     if not table:
-        return None
+        return None, {}
     root = host_root(given.get("root"))
     # The settings the hook reads as well: its own check, so both see the same values.
     resolved = hook_settings(table, path, root)
@@ -178,6 +195,7 @@ def load_default_map(command: click.Command, args: Sequence[str]) -> dict[str, A
         for spelling in spellings_of(key):
             if spelling in table:
                 table[spelling] = resolved[env]
+    aliases = _aliases(table.pop(ALIAS_TABLE, None), path)
     shared = {key: table.pop(key) for key in list(table) if key.replace("_", "-") in SHARED}
     out = to_default_map(command, table, path, root=root)
     for key, value in shared.items():
@@ -194,4 +212,12 @@ def load_default_map(command: click.Command, args: Sequence[str]) -> dict[str, A
                 checked = to_default_map(sub, {key: value}, path, root=root)
                 for name, v in checked.items():
                     level.setdefault(name, v)
-    return out
+    return out, aliases
+
+
+def _aliases(table: object, path: Path) -> dict[str, Alias]:
+    if table is None:
+        return {}
+    from vmlend.topology.selectors import parse_aliases  # only a file with aliases pays it
+
+    return parse_aliases(table, str(path))

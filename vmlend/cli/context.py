@@ -16,6 +16,7 @@ from vmlend.settings import default_state_path
 
 if TYPE_CHECKING:
     from vmlend.fabric.base import Fabric
+    from vmlend.topology.selectors import Alias
 
 
 class CliContext(msgspec.Struct):
@@ -31,6 +32,8 @@ class CliContext(msgspec.Struct):
     #: (``vmlend.wiring.fabric.default_backend``)
     backend: str | None = None
     config_path: Path | None = None  # --config / VMLEND_CONFIG; None: the one under the root
+    #: the configuration file's ``[alias]`` table: names ``--device`` may use for vendor/product
+    aliases: dict[str, Alias] = {}
 
     @classmethod
     def create(
@@ -42,6 +45,7 @@ class CliContext(msgspec.Struct):
         registry: str | None = None,
         backend: str | None = None,
         config_path: str | None = None,
+        aliases: dict[str, Alias] | None = None,
     ) -> CliContext:
         logging.basicConfig(
             level=logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING,
@@ -57,6 +61,7 @@ class CliContext(msgspec.Struct):
             registry=registry or None,
             backend=backend or None,
             config_path=Path(config_path) if config_path else None,
+            aliases=aliases or {},
         )
 
     @property

@@ -1,42 +1,30 @@
 """Choosing devices by what they are, as Nova and KubeVirt users ask for them: ``gpu``,
-``gpu:2``, ``nvme,lender=alpha``. Pure: over the topology and the devices' states.
+``gpu:2``, ``nvme,lender=alpha``, ``vendor=10de,product=1db4``, an alias of the configuration
+file (the selectors: ``vmlend.topology.selectors``). Pure: over the topology and the devices'
+states.
 
-Among the available devices of the wanted kind (and lender), the choice prefers the shortest
-PCIe path from the VM's node (the device's DMA into the VM's RAM: hops, then root complexes,
-then NTB latency); for several devices in one request it also prefers the set whose
-peer-to-peer paths between them are shortest (devices under one lender turn below its root
-complex instead of crossing the NTB twice). Ties go to the lowest fdids, so the same state
-always gives the same choice.
+Among the available devices that match (kind or vendor/product, and lender), the choice
+prefers the shortest PCIe path from the VM's node (the device's DMA into the VM's RAM: hops,
+then root complexes, then NTB latency); for several devices in one request it also prefers
+the set whose peer-to-peer paths between them are shortest (devices under one lender turn
+below its root complex instead of crossing the NTB twice). Ties go to the lowest fdids, so
+the same state always gives the same choice.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
 from vmlend.errors import ConfigError, NoDeviceToChooseError
 from vmlend.topology.model import DeviceState, DeviceStatus, Topology, format_fdid
 from vmlend.topology.pcie import PciePath, device_to_device, device_to_ram
+from vmlend.topology.selectors import Alias, Criteria, DeviceWish, resolve
 
 #: Larger requests are chosen greedily instead of by comparing every set.
 MAX_SETS = 20_000
-
-_WISH = re.compile(r"^(?P<kind>[a-z][a-z0-9_-]*)(?::(?P<count>\d+))?(?P<attrs>(?:,[^,]+)*)$")
-
-
-class DeviceWish(msgspec.Struct, frozen=True):
-    """``count`` available devices of ``kind`` (from ``lender`` when given)."""
-
-    kind: str
-    count: int = 1
-    lender: str | None = None
-
-    def __str__(self) -> str:
-        lender = f",lender={self.lender}" if self.lender else ""
-        return f"{self.kind}:{self.count}{lender}"
 
 
 class Choice(msgspec.Struct, frozen=True):
@@ -63,32 +51,6 @@ class Choice(msgspec.Struct, frozen=True):
             "roots": self.path.roots,
             "added_ns": self.path.added_ns,
         }
-
-
-def parse_wish(text: str) -> DeviceWish | None:
-    """``gpu``, ``gpu:2``, ``nvme,lender=alpha`` -> a wish; None for anything that starts like
-    a device id (a digit), which the caller parses as one. ``ConfigError`` for a bad wish."""
-    text = text.strip()
-    if not text or text[0].isdigit():
-        return None
-    m = _WISH.match(text.lower())
-    if not m:
-        raise ConfigError(
-            f"bad device {text!r}: give an fdid (0x10) or a kind with an optional count and"
-            " lender (gpu, gpu:2, nvme,lender=alpha)"
-        )
-    count = int(m["count"] or 1)
-    if not 1 <= count <= 64:
-        raise ConfigError(f"bad device {text!r}: ask for 1 to 64 devices of a kind")
-    lender = None
-    for attr in filter(None, m["attrs"].split(",")):
-        key, eq, value = attr.partition("=")
-        if key != "lender" or not eq or not value:
-            raise ConfigError(
-                f"bad device {text!r}: {attr!r} is not an attribute vmlend chooses by (lender=NODE)"
-            )
-        lender = value
-    return DeviceWish(m["kind"], count, lender)
 
 
 def _choice(topology: Topology, st: DeviceStatus, node: str) -> Choice:
@@ -146,33 +108,29 @@ def choose(
     node: str,
     *,
     exclude: Iterable[int] = (),
+    aliases: Mapping[str, Alias] | None = None,
 ) -> list[Choice]:
-    """Devices for every wish, for a VM on ``node``, none of ``exclude`` and none twice.
-    ``NoDeviceToChooseError`` names what is missing and why (held, lent by nobody)."""
+    """Devices for every wish, for a VM on ``node``, none of ``exclude`` and none twice; a
+    wish's name is one of the fabric's kinds or one of ``aliases``. ``NoDeviceToChooseError``
+    names what is missing and why (held, lent by nobody); ``ConfigError`` a wish that no
+    device of the fabric could ever meet."""
     topology.node(node)
     statuses = list(statuses)
     taken = list(exclude)
     out: list[Choice] = []
-    kinds = sorted({st.spec.kind for st in statuses})
+    kinds = {st.spec.kind for st in statuses}
     for wish in wishes:
-        if wish.kind not in kinds:
-            raise ConfigError(
-                f"no device of kind {wish.kind!r} in the fabric (its kinds: {', '.join(kinds)})"
-            )
-        if wish.lender is not None:
-            topology.node(wish.lender)
-        same_kind = [
-            st
-            for st in statuses
-            if st.spec.kind == wish.kind and wish.lender in (None, st.spec.lender)
-        ]
-        free = [
-            st for st in same_kind if st.state is DeviceState.AVAILABLE and st.fdid not in taken
-        ]
+        criteria = resolve(wish, aliases or {}, kinds)
+        if criteria.lender is not None:
+            topology.node(criteria.lender)
+        matching = [st for st in statuses if criteria.matches(st.spec)]
+        if not matching and criteria.vendor is not None:
+            raise ConfigError(_no_such_ids(wish, criteria))
+        free = [st for st in matching if st.state is DeviceState.AVAILABLE and st.fdid not in taken]
         if len(free) < wish.count:
             busy = [
                 f"{format_fdid(st.fdid)} {st.state}" + (f" by {st.holder}" if st.holder else "")
-                for st in same_kind
+                for st in matching
                 if st not in free
             ]
             raise NoDeviceToChooseError(str(wish), node, len(free), busy)
@@ -184,3 +142,46 @@ def choose(
         out += picked
         taken += [c.fdid for c in picked]
     return out
+
+
+def _no_such_ids(wish: DeviceWish, criteria: Criteria) -> str:
+    assert criteria.vendor is not None and criteria.product is not None
+    ids = f"{criteria.vendor:04x}:{criteria.product:04x}"
+    where = f" lent by {criteria.lender}" if criteria.lender else ""
+    return (
+        f"no device{where} in the fabric is {ids} (vendor:product), as {str(wish)!r} asks;"
+        " 'vmlend devices --json' shows each device's vendor and device ids"
+    )
+
+
+def rank_shared(
+    topology: Topology,
+    shared: Iterable[int],
+    wish: DeviceWish,
+    node: str,
+    *,
+    aliases: Mapping[str, Alias] | None = None,
+    mine: Iterable[int] = (),
+) -> list[Choice]:
+    """The NVMe drives lent for sharing (``shared``, their fdids) that ``wish`` matches, best
+    first for a VM on ``node``: those where the VM has a share already (a re-run finds its
+    share again), then by the DMA path into the VM's RAM, then by fdid. A shared drive is held
+    by its manager, so ``choose``'s "available" does not apply. ``ConfigError`` when no shared
+    drive matches, naming those that are shared."""
+    topology.node(node)
+    criteria = resolve(wish, aliases or {}, {d.kind for d in topology.devices})
+    if criteria.lender is not None:
+        topology.node(criteria.lender)
+    fdids = sorted(set(shared))
+    matching = [s for s in map(topology.device, fdids) if criteria.matches(s)]
+    if not matching:
+        listed = ", ".join(map(format_fdid, fdids)) or "none"
+        raise ConfigError(
+            f"no drive lent for sharing is {str(wish)!r} (shared: {listed}); share one with"
+            " 'vmlend nvme share FDID', or name the fdid"
+        )
+    have = set(mine)
+    choices = [
+        Choice(s.fdid, s.kind, s.lender, device_to_ram(topology, s.fdid, node)) for s in matching
+    ]
+    return sorted(choices, key=lambda c: (c.fdid not in have, _ram_cost(c.path), c.fdid))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import msgspec
 import pytest
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
@@ -14,10 +15,11 @@ from hypothesis import strategies as st
 from tests.support.paths import REPO
 from tests.support.topology_strategies import lender_fabrics
 from vmlend.errors import ConfigError, NoDeviceToChooseError, UnknownNodeError
-from vmlend.topology.choose import DeviceWish, choose, parse_wish
+from vmlend.topology.choose import choose, rank_shared
 from vmlend.topology.model import DeviceState, DeviceStatus, Holder, Topology
 from vmlend.topology.parse import parse_topology
 from vmlend.topology.pcie import device_to_ram
+from vmlend.topology.selectors import Alias, DeviceWish
 from vmlend.wiring.fabric import default_topology_text
 
 TOPO: Topology = parse_topology(*default_topology_text())
@@ -39,27 +41,6 @@ def statuses(held: dict[int, Holder] | None = None, unlent: set[int] = frozenset
 
 def fdids(choices) -> list[int]:
     return [c.fdid for c in choices]
-
-
-@pytest.mark.parametrize(
-    ("text", "wish"),
-    [
-        ("gpu", DeviceWish("gpu")),
-        ("GPU:2", DeviceWish("gpu", 2)),
-        ("nvme,lender=alpha", DeviceWish("nvme", 1, "alpha")),
-        ("vf:3,lender=beta", DeviceWish("vf", 3, "beta")),
-        ("0x10", None),
-        ("16", None),
-    ],
-)
-def test_wishes_parse_and_fdids_are_left_to_the_fdid_parser(text, wish):
-    assert parse_wish(text) == wish
-
-
-@pytest.mark.parametrize("text", ["gpu:0", "gpu:65", "gpu,color=red", "gpu,lender=", "gpu;x", "-"])
-def test_bad_wishes_say_what_a_wish_is(text):
-    with pytest.raises(ConfigError, match="bad device"):
-        parse_wish(text)
 
 
 def test_two_gpus_come_from_one_lender_so_peer_to_peer_stays_below_its_root():
@@ -103,12 +84,66 @@ def test_too_few_says_how_many_and_who_holds_the_others():
 
 
 def test_an_unknown_kind_or_node_is_named():
-    with pytest.raises(ConfigError, match=r"no device of kind 'fpga'.*gpu"):
+    with pytest.raises(ConfigError, match=r"no device kind or alias 'fpga'.*gpu"):
         choose(TOPO, statuses(), [DeviceWish("fpga")], "gamma")
     with pytest.raises(UnknownNodeError):
         choose(TOPO, statuses(), [DeviceWish("gpu", 1, "delta")], "gamma")
     with pytest.raises(UnknownNodeError):
         choose(TOPO, statuses(), [DeviceWish("gpu")], "delta")
+
+
+V100 = DeviceWish(None, 1, None, 0x10DE, 0x1DB4)
+
+
+def test_vendor_and_product_choose_as_the_kind_would():
+    # every GPU of the default fabric is 10de:1db4: the ids choose what 'gpu' chooses
+    assert fdids(choose(TOPO, statuses(), [msgspec.structs.replace(V100, count=2)], "gamma")) == [
+        0x10,
+        0x11,
+    ]
+    nic = DeviceWish(None, 1, None, 0x8086, 0x1521)
+    assert fdids(choose(TOPO, statuses(), [nic], "gamma")) == [0x21]
+    # the VFs share the vendor but not the product: 8086:1520 is the four of them
+    vfs = DeviceWish(None, 4, None, 0x8086, 0x1520)
+    assert sorted(fdids(choose(TOPO, statuses(), [vfs], "gamma"))) == list(range(0x22, 0x26))
+    held = statuses({0x10: WEB, 0x11: WEB}, unlent={0x20})
+    with pytest.raises(NoDeviceToChooseError) as e:
+        choose(TOPO, held, [V100], "gamma")
+    assert "cannot choose vendor=10de,product=1db4,count=1 for a VM on gamma: 0 available" in str(
+        e.value
+    )
+    assert "0x10 reserved by gamma/web" in str(e.value)
+    with pytest.raises(ConfigError, match="no device lent by gamma in the fabric is 10de:1db4"):
+        choose(TOPO, statuses(), [msgspec.structs.replace(V100, lender="gamma")], "gamma")
+
+
+def test_an_alias_chooses_its_vendor_and_product():
+    aliases = {"v100": Alias(0x10DE, 0x1DB4), "a100": Alias(0x10DE, 0x20B0)}
+    wish = DeviceWish("v100", 1, "beta")
+    assert fdids(choose(TOPO, statuses(), [wish], "gamma", aliases=aliases)) == [0x20]
+    # an alias no device of the fabric is: said as ids, with where to look them up
+    with pytest.raises(ConfigError) as e:
+        choose(TOPO, statuses(), [DeviceWish("a100")], "gamma", aliases=aliases)
+    assert "no device in the fabric is 10de:20b0 (vendor:product), as 'a100:1' asks" in str(e.value)
+    assert "'vmlend devices --json'" in str(e.value)
+    # the kinds keep their meaning, and an alias that would change one is refused
+    with pytest.raises(ConfigError, match="alias 'gpu'"):
+        choose(TOPO, statuses(), [DeviceWish("gpu")], "gamma", aliases={"gpu": aliases["a100"]})
+
+
+def test_shared_drives_rank_the_vms_own_share_first_then_by_path():
+    drives = [0x12, 0x10, 0x20]  # 'shared' here: rank_shared only filters and orders them
+    gpus = DeviceWish("gpu")
+    assert fdids(rank_shared(TOPO, drives, gpus, "beta")) == [0x20, 0x10]
+    assert fdids(rank_shared(TOPO, drives, gpus, "beta", mine=[0x10])) == [0x10, 0x20]
+    nvme = DeviceWish(None, 1, None, 0x8086, 0x0A54)
+    assert fdids(rank_shared(TOPO, drives, nvme, "gamma")) == [0x12]
+    with pytest.raises(
+        ConfigError, match=r"no drive lent for sharing is 'nvme:1' \(shared: none\)"
+    ):
+        rank_shared(TOPO, [], DeviceWish("nvme"), "gamma")
+    with pytest.raises(UnknownNodeError):
+        rank_shared(TOPO, drives, DeviceWish("nvme", 1, "delta"), "gamma")
 
 
 #: What docs/user-guide.md calls each part of a device's path cost, and its PciePath attribute.
