@@ -14,7 +14,7 @@ APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients lib
             python3-gi gir1.2-umockdev-1.0 etcd-server etcd-client openssl graphviz
 DEMO_DIR := $(CURDIR)/.demo
 
-.PHONY: all demo test test-fast test-kernel lint bench pictures man sysdeps venv clean
+.PHONY: all demo test test-fast test-kernel lint bench pictures man sysdeps venv clean promtool
 
 all: test
 
@@ -42,7 +42,7 @@ lint: venv
 
 # Bytecode written here too (see test-fast): the suite starts thousands of Python processes
 # (the simulated nodes' hooks, CLI calls, agents), each compiling what it imports without it.
-test: venv lint
+test: venv lint promtool
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25
 
 # The kernel tier (docs/testing.md): Debian's 6.1 kernel with VFIO, the mdev core and a stand-in
@@ -79,6 +79,25 @@ demo: venv
 # The pictures in docs/pictures, drawn again from a fresh simulated cluster.
 pictures: venv
 	VMLEND=$(CURDIR)/$(VENV)/bin/vmlend sh docs/pictures/draw.sh
+
+# promtool, Prometheus's rule checker, for the tests of the shipped alert rules and dashboard
+# (tests/unit/data/test_monitoring.py runs this target when it finds no promtool): Debian's
+# prometheus package carries it, so the binary is taken out of the .deb (apt-get download +
+# dpkg-deb, as the kernel tier's fetch does); no server is installed or started. Cached under
+# $(PROMTOOL_DIR); a fresh machine fetches 19 MB once. Fetched in a directory of its own and
+# moved into place, so an interrupted or concurrent run never leaves half a binary.
+PROMTOOL_DIR ?= build/promtool
+PROMTOOL := $(PROMTOOL_DIR)/usr/bin/promtool
+promtool: $(PROMTOOL)
+
+$(PROMTOOL):
+	@mkdir -p $(PROMTOOL_DIR) && tmp=$$(mktemp -d $(PROMTOOL_DIR)/fetch.XXXXXX) && \
+	trap 'rm -rf "$$tmp"' EXIT && \
+	{ (cd "$$tmp" && apt-get download -q -o APT::Sandbox::User=root prometheus >/dev/null) || \
+	  { echo "promtool: apt-get download prometheus failed (run apt-get update?)" >&2; exit 1; }; } && \
+	dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -C "$$tmp" ./usr/bin/promtool && \
+	mkdir -p $(@D) && mv "$$tmp/usr/bin/promtool" $@ && \
+	echo "promtool: $$($@ --version 2>&1 | head -1)"
 
 # One man page per command in docs/man, rendered from the click commands.
 man: venv
