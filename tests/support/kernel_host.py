@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 from tests.support.libvirt_daemon import LibvirtDaemon
 from vmlend.cli import main
 from vmlend.hook.actionlog import log_path_for_state
-from vmlend.registry import parse_location
+from vmlend.registry import open_registry, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.etcd_keys import Keys
 from vmlend.wiring.fabric import open_fabric
@@ -81,10 +81,13 @@ class Host:
         return [ln.partition(mark)[2] for ln in lines if mark in ln]
 
     def registry(self) -> tuple[list[tuple[int, str]], list[tuple[str, str]]]:
-        """(fdid, holding VM) of every held device and (uuid, VM) of every mdev record."""
-        with open_fabric(self.registry_url or self.state, "gamma") as fab:
+        """(fdid, holding VM) of every held device and (uuid, VM) of every mdev record in the
+        registry (not the host's own notes of the children it made)."""
+        where = self.registry_url or self.state
+        with open_fabric(where, "gamma") as fab:
             held = [(d.fdid, d.holder.vm) for d in fab.devices() if d.holder is not None]
-            records = [(m.uuid, m.vm) for m in fab.mdev_records()]
+        with open_registry(where) as reg, reg.read() as tx:
+            records = [(m.uuid, m.vm) for m in tx.mdevs("gamma")]
         return held, records
 
 
