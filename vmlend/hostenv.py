@@ -77,6 +77,12 @@ class HostEnv(msgspec.Struct, frozen=True):
         return self.var / "lib" / "vmlend" / "state.db"
 
     @property
+    def topology_cache(self) -> Path:
+        """Where this host keeps its copy of a cluster registry's topology
+        (``vmlend.registry.topocache``)."""
+        return self.var / "lib" / "vmlend" / "topology"
+
+    @property
     def libvirt_config(self) -> Path:
         """libvirt's system config dir (hooks go to its hooks/)."""
         return self.libvirt_dir if self.libvirt_dir is not None else self.etc / "libvirt"

@@ -36,3 +36,45 @@ def older_vmlend(monkeypatch, version):
         if version < 3:
             m.setattr(txn_mod.SqliteTxn, "replace_topology", _replace_topology_before_v3)
         yield
+
+
+def etcd_before_generations(url, text, source, *, compiled=True):
+    """Install ``text`` in the etcd registry at ``url`` as vmlend wrote it before topology
+    generations (etcd schema 2): the whole topology one JSON value ``topology/record`` (with
+    its compiled form in base64 unless ``compiled`` is False, as before that existed)."""
+    import base64
+    import hashlib
+
+    from vmlend.registry import etcd_keys
+    from vmlend.registry.etcd_gateway import b64
+    from vmlend.registry.location import _gateway, parse_location
+    from vmlend.topology.compiled import compile_topology
+    from vmlend.topology.parse import parse_topology
+
+    topo = parse_topology(text, source)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    record = {
+        "name": topo.name,
+        "source": source,
+        "text": text,
+        "digest": digest,
+        "created": 1.0,
+        "nodes": [n.name for n in topo.nodes],
+        "devices": {f"{d.fdid:#x}": [d.lender, d.lent] for d in topo.devices},
+    }
+    blob = compile_topology(topo, digest) if compiled else None
+    if blob is not None:
+        record["compiled"] = base64.b64encode(blob).decode()
+    loc = parse_location(url)
+    keys = etcd_keys.Keys(loc.cluster)
+    puts = {
+        keys.meta("schema_version"): b"2",
+        keys.topology_digest: digest.encode(),
+        keys.topology_record: etcd_keys.dump(record),
+    }
+    gw = _gateway(loc)
+    try:
+        gw.txn([], [{"request_put": {"key": b64(k), "value": b64(v)}} for k, v in puts.items()])
+    finally:
+        gw.close()
+    return topo

@@ -470,9 +470,10 @@ def open_smartio_fabric(
 ) -> SmartioFabric:
     """The kernel backend over the registry at ``state_path`` (a path or registry URL; for
     ``vmlend.wiring.fabric``)."""
-    registry = open_registry(state_path)
+    env = env or HostEnv.from_env()
+    registry = open_registry(state_path, topology_cache=env.topology_cache)
     try:
-        return SmartioFabric(registry, env or HostEnv.from_env(), local_node=node, writer=writer)
+        return SmartioFabric(registry, env, local_node=node, writer=writer)
     except BaseException:
         registry.close()
         raise

@@ -3,10 +3,13 @@
 Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 
 - ``meta/<key>``: metadata, e.g. ``meta/schema_version``;
-- ``topology/digest`` and ``topology/record``: the topology (one record; the digest is a
-  small key every transaction reads, the record is fetched only when the digest changes). The
-  record is JSON: the TOML text, the initial node and device states, and under ``compiled``
-  the compiled topology in base64 (absent when an older vmlend wrote it: the text is parsed);
+- ``topology/digest`` and ``topology/generation``: the digest of the topology's TOML (a small
+  key every transaction reads) and the head naming the current generation of the topology
+  (``topopieces``); the generation's content (the TOML text, the initial node and device
+  states, the compiled topology) is in pieces ``topology/gen/<generation>/<n>``, fetched only
+  when the digest changes and kept on each host (``topocache``). Before generations (schema
+  version 2) the content was one JSON value ``topology/record``, still read when there is no
+  head: too large for etcd's default request limit from ~200 nodes of 16 devices on;
 - ``nodes/<name>``, ``devices/<fdid>``: only once a node or device differs from what the
   topology says (down, unlent, vanished), so initialising a 1,000-device fabric writes two
   keys instead of exceeding etcd's 128 operations per transaction;
@@ -50,7 +53,6 @@ from vmlend.registry.records import (
     HoldRecord,
     MdevRecord,
     Phase,
-    TopologyRecord,
 )
 from vmlend.topology.model import Holder
 
@@ -83,7 +85,28 @@ class Keys:
 
     @property
     def topology_record(self) -> str:
+        """The whole topology in one JSON value, as vmlend wrote it before generations (still
+        read when there is no head; deleted when a generation is installed)."""
         return self.base + "topology/record"
+
+    @property
+    def topology_head(self) -> str:
+        """The head naming the current generation (``topopieces.TopologyHead``, JSON)."""
+        return self.base + "topology/generation"
+
+    @property
+    def topology_generations(self) -> str:
+        return self.base + "topology/gen/"
+
+    def topology_generation_prefix(self, generation: str) -> str:
+        return f"{self.topology_generations}{generation}/"
+
+    def topology_piece(self, generation: str, n: int) -> str:
+        return f"{self.topology_generation_prefix(generation)}{n:06d}"
+
+    def topology_seal(self, generation: str) -> str:
+        """Written with a generation's last piece: the installing transaction compares it."""
+        return f"{self.topology_generation_prefix(generation)}seal"
 
     @property
     def nodes(self) -> str:
@@ -241,34 +264,10 @@ def load(raw: bytes) -> Any:
     return json.loads(raw)
 
 
-def topology_to_json(
-    rec: TopologyRecord, nodes: list[str], devices: dict[int, tuple[str, bool]]
-) -> bytes:
-    """The topology record with each node and device's initial state: nodes up, devices
-    with their lender and whether they are lent."""
-    return dump(
-        {
-            "name": rec.name,
-            "source": rec.source,
-            "text": rec.text,
-            "digest": rec.digest,
-            "created": rec.created,
-            "nodes": nodes,
-            "devices": {f"{fdid:#x}": [lender, lent] for fdid, (lender, lent) in devices.items()},
-            **with_compiled(rec.compiled),
-        }
-    )
-
-
-def with_compiled(compiled: bytes | None) -> dict[str, str]:
-    """The topology record's ``compiled`` key (base64 of ``TopologyRecord.compiled``); none
-    when not compiled. Older readers ignore the key."""
-    return {} if compiled is None else {"compiled": base64.b64encode(compiled).decode()}
-
-
 def compiled_of(record: dict[str, Any]) -> bytes | None:
-    """The compiled topology of a topology record; None when it has none (an older vmlend
-    wrote it) or the key is not base64 (the TOML is then parsed, as without it)."""
+    """The compiled topology (base64 under ``compiled``) of a ``topology/record`` as vmlend
+    wrote it before generations; None when it has none (a vmlend before the compiled
+    topology wrote it) or the key is not base64 (the TOML is then parsed, as without it)."""
     raw = record.get("compiled")
     if not isinstance(raw, str):
         return None

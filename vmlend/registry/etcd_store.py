@@ -14,14 +14,17 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.registry.api import StateTxn
 from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
 from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
+from vmlend.registry.topocache import TopologyCache
+from vmlend.registry.topopieces import StoredTopology
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class EtcdRegistry:
         attempts: int = ATTEMPTS,
         sleep: Callable[[float], None] = time.sleep,
         host_lease: Callable[[], int] | None = None,
+        cache: TopologyCache | None = None,
     ) -> None:
         self._gw = gateway
         #: This host's agent lease for the records it creates (None: refuse such writes).
@@ -54,7 +58,9 @@ class EtcdRegistry:
         self.cluster = cluster
         self._attempts = attempts
         self._sleep = sleep
-        self._topology_cache: dict[str, dict[str, Any]] = {}
+        self._topology_cache: dict[str, StoredTopology] = {}
+        #: The topology's generations, and this host's copy of the current one (``cache``).
+        self.generations = EtcdTopology(gateway, self.keys, cache)
         #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.
         self.conflicts = 0
 
@@ -69,11 +75,15 @@ class EtcdRegistry:
 
     @classmethod
     def open(
-        cls, gateway: EtcdGateway, cluster: str, host_lease: Callable[[], int] | None = None
+        cls,
+        gateway: EtcdGateway,
+        cluster: str,
+        host_lease: Callable[[], int] | None = None,
+        cache: TopologyCache | None = None,
     ) -> EtcdRegistry:
         """The cluster's state; ``StateError`` when there is none or it is from a newer
-        vmlend."""
-        reg = cls(gateway, cluster, host_lease=host_lease)
+        vmlend. ``cache``: this host's copy of the topology (none: read from etcd)."""
+        reg = cls(gateway, cluster, host_lease=host_lease, cache=cache)
         with reg.read() as tx:
             raw = tx.meta("schema_version")
         if raw is None:
@@ -86,11 +96,16 @@ class EtcdRegistry:
 
     @classmethod
     def create(
-        cls, gateway: EtcdGateway, cluster: str, init: Callable[[StateTxn], None]
+        cls,
+        gateway: EtcdGateway,
+        cluster: str,
+        init: Callable[[StateTxn], None],
+        cache: TopologyCache | None = None,
     ) -> EtcdRegistry:
-        """Create the cluster's state filled by ``init``, in one transaction;
-        ``FileExistsError`` when it exists (like the SQLite backend's file)."""
-        reg = cls(gateway, cluster)
+        """Create the cluster's state filled by ``init``, in one transaction (and the
+        topology's pieces before it); ``FileExistsError`` when it exists (like the SQLite
+        backend's file)."""
+        reg = cls(gateway, cluster, cache=cache)
 
         def body(tx: StateTxn) -> None:
             if tx.meta("schema_version") is not None:
@@ -129,7 +144,29 @@ class EtcdRegistry:
                 memo.append(self._host_lease())
             return memo[0]
 
-        return EtcdTxn(Snapshot(self._gw), self.keys, writable, self._topology_cache, lease)
+        return EtcdTxn(
+            Snapshot(self._gw),
+            self.keys,
+            writable,
+            self._topology_cache,
+            lease,
+            self.generations,
+        )
+
+    def _settle(self, tx: EtcdTxn, committed: bool) -> None:
+        """After an attempt that wrote topology generations: delete them when it did not
+        commit; when it did, delete every older one (and a loser's staged one: see
+        ``etcd_topology``)."""
+        if not tx.staged:
+            return
+        if committed:
+            self.generations.collect()
+            return
+        for generation in tx.staged:
+            try:
+                self.generations.drop(generation)
+            except StateError as e:  # left for the next install's collect
+                log.warning("could not delete topology generation %s: %s", generation, e)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[StateTxn]:
@@ -143,6 +180,7 @@ class EtcdRegistry:
         pause = _FIRST_PAUSE
         for attempt in range(1, self._attempts + 1):
             tx = self._txn(writable=True)
+            ok = False
             try:
                 result = body(tx)
                 ops = tx.operations()
@@ -151,6 +189,8 @@ class EtcdRegistry:
                 ok, revision = self._gw.txn(tx.compares(), ops)
             except RevisionCompactedError:
                 ok = False
+            finally:
+                self._settle(tx, ok)
             if ok:
                 log.debug("committed %d operations at revision %d", len(ops), revision)
                 return result
@@ -169,15 +209,19 @@ class EtcdRegistry:
         """A write that runs its body once and fails on a conflict (for callers that cannot
         re-run; prefer ``transact``)."""
         tx = self._txn(writable=True)
-        yield tx
-        ops = tx.operations()
-        if ops:
-            ok, _rev = self._gw.txn(tx.compares(), ops)
-            if not ok:
-                raise StateError(
-                    f"the registry {self.where} changed under this transaction; nothing was"
-                    " written; retry"
-                )
+        ok = False
+        try:
+            yield tx
+            ops = tx.operations()
+            if ops:
+                ok, _rev = self._gw.txn(tx.compares(), ops)
+        finally:
+            self._settle(tx, ok)
+        if ops and not ok:
+            raise StateError(
+                f"the registry {self.where} changed under this transaction; nothing was"
+                " written; retry"
+            )
 
 
 def check_schema(raw: str, where: str) -> int:

@@ -21,9 +21,11 @@ import msgspec
 
 from vmlend.errors import StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
+from vmlend.registry import topopieces
 from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -38,6 +40,8 @@ from vmlend.registry.records import (
     TopologyRecord,
     same_holder,
 )
+from vmlend.registry.schema import ETCD_SCHEMA_VERSION
+from vmlend.registry.topopieces import StoredTopology
 from vmlend.topology.model import Holder
 
 _AGENT_GONE = (
@@ -65,6 +69,7 @@ class Snapshot:
         #: Key ranges ``[start, end)`` compared as "nothing created or changed in them since
         #: the snapshot" without being read themselves (``guard``).
         self._guards: dict[tuple[str, str], None] = {}
+        self._expected: dict[str, int] = {}
 
     def _range(self, key: str, range_end: str | None) -> list[KeyValue]:
         revision, kvs = self._gw.range(key, range_end, self.revision)
@@ -149,6 +154,11 @@ class Snapshot:
         """What a ``loose_range`` of ``prefix`` read (a compared range if it became one)."""
         return self._ranges.get(prefix) or self._loose.get(prefix) or {}
 
+    def expect(self, key: str, mod_revision: int) -> None:
+        """Compare at commit that ``key`` still has ``mod_revision`` (a key written outside
+        this transaction, e.g. a staged topology generation's seal)."""
+        self._expected[key] = mod_revision
+
     def guard(self, start: str, end: str) -> None:
         """Compare at commit that no key in ``[start, end)`` was created or changed after the
         snapshot (the caller read what it decides on there through a wider loose range)."""
@@ -183,6 +193,10 @@ class Snapshot:
                 "mod_revision": self.revision + 1,
             }
             for start, end in self._guards
+        ]
+        out += [
+            {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision}
+            for key, revision in self._expected.items()
         ]
         return out
 
@@ -227,13 +241,18 @@ class EtcdTxn:
         snapshot: Snapshot,
         keys: Keys,
         writable: bool,
-        topology_cache: dict[str, dict[str, Any]],
+        topology_cache: dict[str, StoredTopology],
         host_lease: Callable[[], int] | None = None,
+        generations: EtcdTopology | None = None,
     ) -> None:
         self._snap = snapshot
         self._k = keys
         self.writable = writable
         self._topo_cache = topology_cache
+        self._generations = generations
+        #: Generations this transaction wrote (``replace_topology``): the registry deletes
+        #: them when it does not commit, and collects the older ones when it does.
+        self.staged: list[str] = []
         self._host_lease = host_lease
         self._writes: dict[str, bytes | None] = {}
         self._leased: set[str] = set()
@@ -583,7 +602,8 @@ class EtcdTxn:
         (``release_on``) also reads the devices' runtime records and that node's mdevs and
         mdev parents of them."""
         fdids = list(fdids)
-        keys = [self._k.topology_digest, self._k.meta(LINKS_DOWN_KEY)]
+        # The head too: a process's first transaction reads it (its topology not decoded yet).
+        keys = [self._k.topology_digest, self._k.topology_head, self._k.meta(LINKS_DOWN_KEY)]
         prefixes: list[str] = []
         # claims and units are read without a prefix compare (see ``_take_units``)
         loose = [p for a in adapters for p in (self._k.claims_on(a), self._k.units_of(a))]
@@ -615,21 +635,39 @@ class EtcdTxn:
         raw = self._get(self._k.topology_digest)
         return None if raw is None else raw.decode()
 
-    def _topology(self) -> dict[str, Any] | None:
+    def _topology(self) -> StoredTopology | None:
         digest = self.topology_digest()
         if digest is None:
             return None
         cached = self._topo_cache.get(digest)
         if cached is None:
-            raw = self._get(self._k.topology_record)
-            if raw is None:
-                raise StateError(f"etcd holds a topology digest but no topology record ({digest})")
-            cached = enc.load(raw)
+            cached = self._read_topology(digest)
             self._topo_cache.clear()  # one topology at a time is all a process needs
             self._topo_cache[digest] = cached
         return cached
 
-    def _need_topology(self) -> dict[str, Any]:
+    def _read_topology(self, digest: str) -> StoredTopology:
+        """The content of the generation the head names (this host's copy, else the pieces
+        at this snapshot's revision), or the record vmlend wrote before generations."""
+        raw = self._get(self._k.topology_head)
+        if raw is not None:
+            head = topopieces.decode_head(raw, self._k.topology_head)
+            if head.digest != digest:
+                raise StateRecordError(
+                    "topology",
+                    self._k.topology_head,
+                    f"names topology {head.digest[:12]} while the digest key says"
+                    f" {digest[:12]}; run 'vmlend fabric init --replace --topology FILE'",
+                )
+            if self._generations is None:
+                raise RuntimeError("a transaction without the topology's generations")
+            return self._generations.load(head, self._snap.revision)
+        raw = self._get(self._k.topology_record)
+        if raw is None:
+            raise StateError(f"etcd holds a topology digest but no topology record ({digest})")
+        return topopieces.legacy(enc.load(raw))
+
+    def _need_topology(self) -> StoredTopology:
         topo = self._topology()
         if topo is None:
             raise StateError("the registry holds no topology; run 'vmlend fabric init'")
@@ -639,9 +677,7 @@ class EtcdTxn:
     def topology(self) -> TopologyRecord:
         t = self._need_topology()
         # local_node stays empty: on a cluster, which node a host is is host configuration.
-        return TopologyRecord(
-            t["name"], t["source"], t["text"], t["digest"], "", t["created"], enc.compiled_of(t)
-        )
+        return TopologyRecord(t.name, t.source, t.text, t.digest, "", t.created, t.compiled)
 
     def has_topology(self) -> bool:
         return self.topology_digest() is not None
@@ -662,21 +698,39 @@ class EtcdTxn:
         ):
             self._delete_range(prefix)
         defaults = {d.fdid: (d.lender, d.lent) for d in devices}
-        self._put(self._k.topology_record, enc.topology_to_json(rec, list(nodes), defaults))
-        self._put(self._k.topology_digest, rec.digest.encode())
+        stored = topopieces.of_record(
+            rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
+            list(nodes), defaults,
+        )  # fmt: skip
+        self._install(stored)
 
+    def _install(self, stored: StoredTopology) -> None:
+        """Write ``stored`` as a new generation now (pieces, several requests) and name it
+        in this transaction (the head, compared against the generation's seal)."""
+        if self._generations is None:
+            raise RuntimeError("a transaction without the topology's generations")
+        staged = self._generations.stage(stored)
+        self.staged.append(staged.head.generation)
+        self._snap.expect(staged.seal, staged.seal_revision)
+        self._put(self._k.topology_head, topopieces.encode_head(staged.head))
+        self._put(self._k.topology_digest, stored.digest.encode())
+        self._delete(self._k.topology_record)  # the record of before generations, if any
+        # Older vmlends read ``topology/record``: the version tells them to upgrade.
+        self._put(self._k.meta("schema_version"), str(ETCD_SCHEMA_VERSION).encode())
+
+    @_decoding("topology")
     def set_topology_compiled(self, compiled: bytes) -> None:
         """Store the compiled form of the topology already installed (one an older vmlend
-        wrote without it). The digest stays: another process's cached record without it still
-        describes the same topology."""
+        wrote without it): a new generation of the same content with it. The digest stays:
+        another process's cached copy without it still describes the same topology."""
         self._write()
-        # The record itself, read in this transaction (so its revision is compared at commit),
-        # not the process's cache of it: another host may have re-installed the same text.
-        raw = self._get(self._k.topology_record)
-        if raw is None:
+        # Read in this transaction (so the head is compared at commit), not the process's
+        # cache of it: another host may have re-installed the same text.
+        digest = self.topology_digest()
+        if digest is None:
             raise StateError("the registry holds no topology; run 'vmlend fabric init'")
-        record = {**enc.load(raw), **enc.with_compiled(compiled)}
-        self._put(self._k.topology_record, enc.dump(record))
+        current = self._read_topology(digest)
+        self._install(msgspec.structs.replace(current, compiled=compiled))
 
     def set_local_node(self, node: str) -> None:
         """Nothing to do: the shared state never says which node a host is."""
@@ -686,7 +740,7 @@ class EtcdTxn:
     @_decoding("node")
     def nodes(self) -> dict[str, NodeRecord]:
         topo = self._topology()
-        out = {n: NodeRecord(n, True) for n in (topo["nodes"] if topo else [])}
+        out = {n: NodeRecord(n, True) for n in (topo.nodes if topo else [])}
         for raw in self._range(self._k.nodes).values():
             d = enc.load(raw)
             out[d["name"]] = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
@@ -705,7 +759,7 @@ class EtcdTxn:
             rec: NodeRecord | None = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
         else:
             topo = self._topology()
-            rec = NodeRecord(name, True) if topo and name in topo["nodes"] else None
+            rec = NodeRecord(name, True) if topo and name in topo.nodes else None
         if rec is not None and rec.up and self._agent_gone(name):
             return NodeRecord(name, False, _AGENT_GONE)
         return rec
@@ -724,8 +778,8 @@ class EtcdTxn:
             self._put(self._k.node(node), enc.dump({"name": node, "up": False, "why": why}))
 
     @staticmethod
-    def _device_default(topo: dict[str, Any] | None, fdid: int) -> DeviceRecord | None:
-        entry = topo["devices"].get(f"{fdid:#x}") if topo else None
+    def _device_default(topo: StoredTopology | None, fdid: int) -> DeviceRecord | None:
+        entry = topo.devices.get(f"{fdid:#x}") if topo else None
         return None if entry is None else DeviceRecord(fdid, entry[0], bool(entry[1]))
 
     @staticmethod
@@ -737,7 +791,7 @@ class EtcdTxn:
     def devices(self) -> dict[int, DeviceRecord]:
         topo = self._topology()
         out: dict[int, DeviceRecord] = {}
-        for hex_fdid, (lender, lent) in (topo["devices"] if topo else {}).items():
+        for hex_fdid, (lender, lent) in (topo.devices if topo else {}).items():
             out[int(hex_fdid, 16)] = DeviceRecord(int(hex_fdid, 16), lender, bool(lent))
         for raw in self._range(self._k.devices).values():
             rec = self._device_from(raw)

@@ -27,6 +27,7 @@ from vmlend.registry.store import SqliteRegistry
 
 if TYPE_CHECKING:  # the etcd modules (json, hashlib, random, ...) load only for etcd URLs
     from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway, EtcdTls
+    from vmlend.registry.topocache import TopologyCache
 
 REGISTRY_ENV = "VMLEND_REGISTRY"
 ETCD_DEFAULT_PORT = 2379
@@ -217,11 +218,15 @@ def _gateway(loc: RegistryLocation, run_dir: Path | None = None) -> EtcdGateway:
 
 
 def open_registry(
-    location: str | Path | RegistryLocation, lease_file: Path | None = None
+    location: str | Path | RegistryLocation,
+    lease_file: Path | None = None,
+    topology_cache: Path | None = None,
 ) -> Registry:
     """The existing state at ``location``; ``StateError`` when it is missing or unusable.
     ``lease_file``: where this host's agent publishes its lease (default: under the host
-    root of ``$VMLEND_ROOT``); only a cluster registry uses it."""
+    root of ``$VMLEND_ROOT``); only a cluster registry uses it, and ``topology_cache``, the
+    directory of this host's copy of its topology (``topocache``; None: none kept). An SQLite
+    state needs no copy: its pieces are on this host already."""
     loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     if loc.path is not None:
         return SqliteRegistry.open(loc.path)
@@ -230,16 +235,29 @@ def open_registry(
     path = lease_file or hostlease.lease_path(HostEnv.from_env())
     gateway = _gateway(loc, path.parent)
     try:
-        return EtcdRegistry.open(gateway, loc.cluster, lambda: hostlease.read(path).lease)
+        return EtcdRegistry.open(
+            gateway, loc.cluster, lambda: hostlease.read(path).lease, _cache(topology_cache)
+        )
     except BaseException:
         gateway.close()
         raise
 
 
+def _cache(directory: Path | None) -> TopologyCache | None:
+    if directory is None:
+        return None
+    from vmlend.registry.topocache import TopologyCache
+
+    return TopologyCache(directory)
+
+
 def create_registry(
-    location: str | Path | RegistryLocation, init: Callable[[StateTxn], None]
+    location: str | Path | RegistryLocation,
+    init: Callable[[StateTxn], None],
+    topology_cache: Path | None = None,
 ) -> Registry:
-    """A new state at ``location`` filled by ``init``; ``FileExistsError`` when one exists."""
+    """A new state at ``location`` filled by ``init``; ``FileExistsError`` when one exists.
+    ``topology_cache``: as for ``open_registry``."""
     loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     if loc.path is not None:
         return SqliteRegistry.create(loc.path, init)
@@ -247,7 +265,7 @@ def create_registry(
 
     gateway = _gateway(loc)
     try:
-        return EtcdRegistry.create(gateway, loc.cluster, init)
+        return EtcdRegistry.create(gateway, loc.cluster, init, _cache(topology_cache))
     except BaseException:
         gateway.close()
         raise

@@ -10,12 +10,14 @@ from __future__ import annotations
 APPLICATION_ID = 0x766D4C64
 
 #: The schema version this code writes (stored in ``meta``).
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: The version of the etcd layout (``etcd_keys``), in its ``meta/schema_version`` key. It was
 #: SQLite's until version 2; SQLite's version 3 adds a column, while etcd's topology record only
-#: gains an optional key that older readers ignore, so an older vmlend keeps working on it.
-ETCD_SCHEMA_VERSION = 2
+#: gained an optional key that older readers ignore. Version 3: the topology in generations of
+#: pieces (``topopieces``) instead of one record an older vmlend would look for; a version-2
+#: layout is still read (its record), and installing a topology writes version 3.
+ETCD_SCHEMA_VERSION = 3
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """
@@ -143,6 +145,24 @@ MIGRATE_V4_V5 = (
     "CREATE INDEX claims_fdid ON claims (fdid)",
 )
 
+#: Version 6: the topology in generations of pieces (``vmlend.registry.topopieces``), as in
+#: etcd: the row's ``head`` names the generation whose pieces hold the text, the compiled form
+#: and the initial node and device states, verified by their sha256 when read. NULL: the row's
+#: own ``text`` and ``compiled`` hold the topology (written before version 6; the next
+#: ``vmlend fabric init --replace`` writes a generation). A version-5 state this process may
+#: not write is read as it is.
+MIGRATE_V5_V6 = (
+    """CREATE TABLE topology_pieces (
+    generation TEXT NOT NULL,
+    n          INTEGER NOT NULL,
+    data       BLOB NOT NULL,
+    PRIMARY KEY (generation, n)
+)""",
+    "ALTER TABLE topology ADD COLUMN head TEXT",
+)
+#: The first version with the head (a read-only older state is read without it).
+HEAD_SINCE = 6
+
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
 #: created as version 1 and brought forward by the same steps, so both paths give one schema.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -150,6 +170,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: MIGRATE_V2_V3,
     3: MIGRATE_V3_V4,
     4: MIGRATE_V4_V5,
+    5: MIGRATE_V5_V6,
 }
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.
@@ -157,6 +178,7 @@ TABLES = frozenset(
     {
         "meta",
         "topology",
+        "topology_pieces",
         "nodes",
         "devices",
         "holds",

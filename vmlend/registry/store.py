@@ -35,6 +35,7 @@ from vmlend.registry.conditions import (
 from vmlend.registry.schema import (
     APPLICATION_ID,
     COMPILED_SINCE,
+    HEAD_SINCE,
     MIGRATIONS,
     SCHEMA_V1,
     SCHEMA_VERSION,
@@ -140,6 +141,8 @@ class SqliteRegistry:
         #: Whether the topology table has the compiled column (``_migrate``).
         self._has_compiled = True
         self._has_token = True
+        #: Whether the topology table has the head (and the pieces table): schema 6.
+        self._has_head = True
 
     # --- opening -----------------------------------------------------------------------
     @classmethod
@@ -173,7 +176,7 @@ class SqliteRegistry:
         try:
             reg = cls(conn, path, busy_timeout, read_only)
             reg._migrate()
-            _vet_tables(conn, path)
+            _vet_tables(conn, path, reg._has_head)
         except BaseException:
             conn.close()
             raise
@@ -207,6 +210,7 @@ class SqliteRegistry:
                     for statement in MIGRATIONS[version]:
                         conn.execute(statement)
                 reg = cls(conn, tmp, busy_timeout)
+                reg._has_head = SCHEMA_VERSION >= HEAD_SINCE  # (tests create older states)
                 with reg.write() as tx:
                     tx.set_meta("schema_version", str(SCHEMA_VERSION))
                     init(tx)
@@ -301,7 +305,9 @@ class SqliteRegistry:
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
         try:
-            yield SqliteTxn(self._conn, writable, self._has_compiled, self._has_token)
+            yield SqliteTxn(
+                self._conn, writable, self._has_compiled, self._has_token, self._has_head
+            )
         except sqlite3.Error as e:
             self._conn.rollback()
             raise self._sqlite_error(e) from None
@@ -325,13 +331,16 @@ class SqliteRegistry:
             version = _schema_version(tx, self.path)
         if version == SCHEMA_VERSION:
             self._has_token = version >= TOKEN_SINCE  # False only as an older vmlend
+            self._has_head = version >= HEAD_SINCE
             return
         if version >= COMPILED_SINCE - 1 and self.read_only is not None:
-            # Versions 3 and 4 only add the compiled topology (a cache of the text) and hold
-            # tokens (0 when not known): a state this process may not write is read as it is
-            # (its topology parsed, its tokens 0), not refused.
+            # Versions 3 to 6 only add the compiled topology (a cache of the text), hold
+            # tokens (0 when not known) and the topology's generations (none in an older
+            # state): a state this process may not write is read as it is (its topology
+            # parsed, its tokens 0), not refused.
             self._has_compiled = version >= COMPILED_SINCE
             self._has_token = version >= TOKEN_SINCE
+            self._has_head = version >= HEAD_SINCE
             return
         with self.write() as tx:
             version = _schema_version(tx, self.path)  # another process may have migrated
@@ -428,9 +437,11 @@ def _vet_database(conn: sqlite3.Connection, path: Path, busy_timeout: float) -> 
     log.debug("state %s vetted (tables %s)", path, ", ".join(sorted(tables)))
 
 
-def _vet_tables(conn: sqlite3.Connection, path: Path) -> None:
-    """After migration every table of the current schema must be there."""
+def _vet_tables(conn: sqlite3.Connection, path: Path, has_head: bool = True) -> None:
+    """After migration every table of the current schema must be there (a read-only state
+    of before version 6 has no pieces)."""
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    missing = sorted(TABLES - tables)
+    wanted = TABLES if has_head else TABLES - {"topology_pieces"}
+    missing = sorted(wanted - tables)
     if missing:
         raise _refuse(path, f"lacks vmlend tables ({', '.join(missing)}): it is damaged")

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from vmlend.errors import StateError, StateRecordError
+from vmlend.registry import topopieces
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -68,6 +69,7 @@ class SqliteTxn:
         writable: bool,
         has_compiled: bool = True,
         has_token: bool = True,
+        has_head: bool = True,
     ) -> None:
         self._c = conn
         self.writable = writable
@@ -75,6 +77,9 @@ class SqliteTxn:
         #: migration that adds it needs a write), so its topology is parsed from the text.
         self._has_compiled = has_compiled
         self._has_token = has_token
+        #: False for a state of before schema 6 (read-only, or written as an older vmlend
+        #: in tests): no generations, the row holds the topology.
+        self._has_head = has_head
         self._hold_cols = self._HOLD_COLS + (", token" if has_token else ", 0")
 
     def _write(self) -> None:
@@ -106,15 +111,46 @@ class SqliteTxn:
         )
 
     # --- topology ----------------------------------------------------------------------
+    #
+    # From schema 6 the row's ``head`` names a generation of pieces (``topopieces``), as in
+    # etcd; its ``text`` is then empty and ``compiled`` NULL. One SQLite transaction writes
+    # the pieces, switches the head and deletes the older generation's pieces, so readers
+    # see one whole generation; each read verifies the pieces against the head's sha256.
     def topology(self) -> TopologyRecord:
         compiled = "compiled" if self._has_compiled else "NULL"
+        head = "head" if self._has_head else "NULL"
         row = self._c.execute(
-            f"SELECT name, source, text, digest, local_node, created, {compiled}"
+            f"SELECT name, source, text, digest, local_node, created, {compiled}, {head}"
             " FROM topology WHERE id = 1"
         ).fetchone()
         if row is None:
             raise StateError("the state database holds no topology; run 'vmlend fabric init'")
-        return TopologyRecord(*row)
+        if row[7] is None:
+            return TopologyRecord(*row[:7])
+        stored = self._generation(row[7])
+        return TopologyRecord(
+            stored.name,
+            stored.source,
+            stored.text,
+            stored.digest,
+            row[4],
+            stored.created,
+            stored.compiled,
+        )
+
+    def _generation(self, raw: object) -> topopieces.StoredTopology:
+        """The content of the generation the head ``raw`` names, verified."""
+        if not isinstance(raw, str):
+            raise StateRecordError("topology", "head", f"not text but {type(raw).__name__}")
+        head = topopieces.decode_head(raw.encode(), "head")
+        rows = self._c.execute(
+            "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ? ORDER BY n",
+            (head.generation,),
+        ).fetchall()
+        pieces = [bytes(data) for n, data in rows if isinstance(data, bytes)]
+        if [n for n, _data in rows] != list(range(len(rows))):
+            pieces = []  # numbered wrongly: not a whole generation
+        return topopieces.unpack(head, topopieces.join(head, pieces))
 
     def has_topology(self) -> bool:
         return self._c.execute("SELECT 1 FROM topology WHERE id = 1").fetchone() is not None
@@ -129,23 +165,65 @@ class SqliteTxn:
     ) -> None:
         """Install a topology, dropping everything that described the previous one."""
         self._write()
+        devices = list(devices)
+        nodes = list(nodes)
         for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
             self._c.execute(f"DELETE FROM {table}")  # constant names, not input
-        self._c.execute(
-            "INSERT INTO topology (id, name, source, text, digest, local_node, created, compiled)"
-            " VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
-            (rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created, rec.compiled),
-        )
+        if self._has_head:
+            defaults = {d.fdid: (d.lender, d.lent) for d in devices}
+            stored = topopieces.of_record(
+                rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
+                nodes, defaults,
+            )  # fmt: skip
+            self._c.execute(
+                "INSERT INTO topology (id, name, source, text, digest, local_node, created)"
+                " VALUES (1, ?, ?, '', ?, ?, ?)",
+                (rec.name, rec.source, rec.digest, rec.local_node, rec.created),
+            )
+            self._install(stored)
+        else:
+            self._c.execute(
+                "INSERT INTO topology (id, name, source, text, digest, local_node, created,"
+                " compiled) VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created,
+                    rec.compiled,
+                ),
+            )  # fmt: skip
         self._c.executemany("INSERT INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
         self._c.executemany(
             "INSERT INTO devices (fdid, lender, lent, available) VALUES (?, ?, ?, ?)",
             [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
         )
 
+    def _install(self, stored: topopieces.StoredTopology) -> None:
+        """Write ``stored`` as a new generation, name it in the row (whose text it then
+        holds: the row's own is emptied) and delete every other generation's pieces."""
+        blob = topopieces.pack(stored)
+        pieces = topopieces.split(blob)
+        generation = topopieces.new_generation()
+        head = topopieces.head_of(generation, stored, blob, len(pieces))
+        self._c.executemany(
+            "INSERT INTO topology_pieces (generation, n, data) VALUES (?, ?, ?)",
+            [(generation, n, piece) for n, piece in enumerate(pieces)],
+        )
+        self._c.execute(
+            "UPDATE topology SET head = ?, text = '', compiled = NULL WHERE id = 1",
+            (topopieces.encode_head(head).decode(),),
+        )
+        self._c.execute("DELETE FROM topology_pieces WHERE generation != ?", (generation,))
+
     def set_topology_compiled(self, compiled: bytes) -> None:
         """Store the compiled form of the topology already installed (one an older vmlend
-        wrote without it)."""
+        wrote without it): in a new generation when it has generations."""
         self._write()
+        row = self._c.execute(
+            "SELECT head FROM topology WHERE id = 1" if self._has_head else "SELECT NULL"
+        ).fetchone()
+        if row is not None and row[0] is not None:
+            stored = self._generation(row[0])
+            self._install(msgspec.structs.replace(stored, compiled=compiled))
+            return
         self._c.execute("UPDATE topology SET compiled = ? WHERE id = 1", (compiled,))
 
     def set_local_node(self, node: str) -> None:

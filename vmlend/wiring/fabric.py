@@ -70,7 +70,7 @@ def open_fabric(
 
     host = HostEnv.from_env(root)
     node = node or host.configured_node()
-    registry = open_registry(state_path, hostlease.lease_path(host))
+    registry = open_registry(state_path, hostlease.lease_path(host), host.topology_cache)
     try:
         # $VMLEND_SIM_LENDERS: the simulated lenders' register (tests); unset, none
         lenders = LenderRegister.from_env()
@@ -160,8 +160,10 @@ def init_fabric(
             [DeviceRecord(d.fdid, d.lender, d.lent) for d in topo.devices],
         )
 
+    # this host installs the topology: it keeps its copy (``vmlend.registry.topocache``)
+    cache = HostEnv.from_env().topology_cache
     try:
-        reg = create_registry(state_path, fill)
+        reg = create_registry(state_path, fill, cache)
         shared = not reg.shares_host_identity
         reg.close()
         # A cluster registry records no host's identity: report only what was asked for.
@@ -169,7 +171,7 @@ def init_fabric(
     except FileExistsError:
         pass  # an existing state: same topology is a no-op, another needs --replace
 
-    with open_registry(state_path) as reg:
+    with open_registry(state_path, topology_cache=cache) as reg:
         shared = not reg.shares_host_identity
         if shared:
             local = node or ""

@@ -276,6 +276,48 @@ def test_a_version_4_state_gains_the_indexes_and_reads_read_only_as_it_is(tmp_pa
     assert {"topology_digest", "holds_node", "claims_fdid"} <= indexes, indexes
 
 
+def test_a_version_5_state_migrates_and_its_next_topology_is_a_generation(tmp_path, monkeypatch):
+    """Schema 6 adds the topology's generations: a version-5 file keeps its topology in its
+    row (read as it is, holds kept) until a topology is installed, which is then written as a
+    generation of pieces, and installing another leaves that one's pieces alone."""
+    from tests.support.simfabric import small_topology
+    from vmlend.registry import HoldRecord, Phase
+    from vmlend.topology.compiled import decode_compiled
+    from vmlend.topology.model import Holder
+
+    text, source = default_topology_text()
+    path = tmp_path / "v5.db"
+    with older_vmlend(monkeypatch, 5):
+        init_fabric(path, text, source, node="gamma")
+        with SqliteRegistry.open(path) as reg, reg.write() as tx:
+            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+    with SqliteRegistry.open(path) as reg, reg.read() as tx:
+        assert tx.meta("schema_version") == "6" == str(schema_mod.SCHEMA_VERSION)
+        rec = tx.topology()
+        assert rec.text == text and rec.local_node == "gamma" and tx.hold(0x10) is not None
+        assert decode_compiled(rec.compiled, rec.digest) is not None
+
+    def rows(sql):
+        conn = sqlite3.connect(path)
+        try:
+            return conn.execute(sql).fetchall()
+        finally:
+            conn.close()
+
+    assert rows("SELECT head FROM topology") == [(None,)] and not rows(
+        "SELECT * FROM topology_pieces"
+    )
+    with SqliteRegistry.open(path) as reg, reg.write() as tx:
+        tx.delete_hold(0x10)
+    other = small_topology()
+    for topology in (other, text):
+        assert init_fabric(path, topology, "t.toml", replace=True).action == "replaced"
+        with SqliteRegistry.open(path) as reg, reg.read() as tx:
+            assert tx.topology().text == topology
+        assert rows("SELECT text, compiled FROM topology") == [("", None)]
+        assert len(rows("SELECT DISTINCT generation FROM topology_pieces")) == 1
+
+
 def test_a_write_waits_then_fails_clearly_when_locked(made):
     with SqliteRegistry.open(made) as a, a.write() as tx:
         tx.set_meta("x", "1")

@@ -191,6 +191,7 @@ SAMPLES: dict[str, object] = {
     "vm_uuid": "3b0b0c4e-0000-4000-8000-000000000002",
     "key": "schema_version",
     "kind": "dma-window",
+    "generation": "0123456789abcdef",
     "vm": "web",
 }
 
@@ -231,6 +232,8 @@ def test_every_key_vmlend_writes_is_in_the_role_table():
         "host", "agent", "held_on", "vm_holds", "mdev", "parent",
     }  # fmt: skip
     assert prefix_of(keys, keys.topology_digest, NODES)[0].writers is Writers.ADMIN
+    for key in (keys.topology_head, keys.topology_piece("0123456789abcdef", 0)):
+        assert prefix_of(keys, key, NODES)[0].writers is Writers.ADMIN
     assert prefix_of(keys, keys.hold(GPU), NODES)[0].writers is Writers.HOSTS
 
 

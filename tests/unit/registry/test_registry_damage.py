@@ -157,8 +157,25 @@ def test_release_frees_every_device_it_can_when_one_record_is_damaged(etcd_url):
 
 
 def test_a_damaged_topology_in_the_state_is_blamed_on_the_state_not_on_the_default_file(held):
-    _damage(held, "UPDATE topology SET text = ?, compiled = NULL", "garbage = [")
+    # a topology row as written before generations (schema 5), its text damaged
+    _damage(held, "UPDATE topology SET head = NULL, text = ?, compiled = NULL", "garbage = [")
     r = CliRunner().invoke(main, ["--state", str(held), "devices"])
     line = one_line(r)
     assert r.exit_code == 1 and "the state's copy of" in line and "fabric init" in line
     assert not line.startswith("Error: <builtin")
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE topology_pieces SET data = x'00' || data",  # a byte more
+        "DELETE FROM topology_pieces",  # no piece at all
+        "UPDATE topology_pieces SET generation = 'f00d'",  # another generation's
+        "UPDATE topology SET head = 'not json'",
+    ],
+)
+def test_a_damaged_topology_generation_is_one_line_naming_the_topology(held, sql):
+    _damage(held, sql)
+    r = CliRunner().invoke(main, ["--state", str(held), "devices"])
+    line = one_line(r)
+    assert "topology" in line and "vmlend fabric init --replace" in line, line

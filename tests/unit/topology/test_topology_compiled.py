@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import random
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.daemon_marks import REGISTRIES
+from tests.support.older_state import etcd_before_generations
 from tests.support.paths import TESTS
 from tests.support.simfabric import fabric_topology, small_topology, star_topology
 from vmlend.errors import TopologyError
@@ -291,20 +291,21 @@ def test_a_damaged_compiled_topology_opens_from_the_toml_and_init_compiles_it_ag
     assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
 
 
-def test_an_etcd_record_without_the_compiled_key_opens_and_init_adds_it(etcd_url, monkeypatch):
+def test_an_etcd_record_without_the_compiled_key_opens_and_init_adds_it(etcd_url):
     text, source = default_topology_text()
-    with monkeypatch.context() as m:  # as a vmlend before the compiled topology wrote it
-        m.setattr(etcd_keys_mod, "with_compiled", lambda compiled: {})
-        init_fabric(etcd_url, text, source)
-    with open_registry(etcd_url) as reg:
-        _rev, kvs = reg.gateway.range(reg.keys.topology_record, None, 0)
-        assert "compiled" not in json.loads(kvs[0].value) and "text" in json.loads(kvs[0].value)
+    # as a vmlend before the compiled topology (and before generations) wrote it
+    etcd_before_generations(etcd_url, text, source, compiled=False)
     assert stored(etcd_url).compiled is None
     with open_fabric(etcd_url, "gamma") as fabric:
         assert fabric.topology() == parse_topology(text, source)
     assert init_fabric(etcd_url, text, source).action == "unchanged"
     rec = stored(etcd_url)
     assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+    with open_registry(etcd_url) as reg:  # now a generation, the old record gone
+        _rev, kvs = reg.gateway.range(reg.keys.topology_record, None, 0)
+        assert kvs == []
+        _rev, kvs = reg.gateway.range(reg.keys.topology_head, None, 0)
+        assert kvs and b"vmlend-topology-pieces" in kvs[0].value
 
 
 def test_an_etcd_record_with_a_compiled_key_that_is_not_base64_opens_from_the_toml():

@@ -1,0 +1,150 @@
+"""The host's copy of a cluster registry's topology: used only when it is the current
+generation's and its bytes hash to what the registry's head says; anything else is read past
+and rewritten, never trusted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.simfabric import small_topology, star_topology
+from vmlend.hostenv import HostEnv
+from vmlend.registry import topopieces
+from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.topocache import CACHE_FORMAT, TopologyCache
+from vmlend.wiring.fabric import init_fabric, open_fabric
+
+
+def _generation(text: str):
+    stored = topopieces.of_record("t", "t.toml", text, "d-" + text, 1.0, None, ["a"], {})
+    blob = topopieces.pack(stored)
+    head = topopieces.head_of(topopieces.new_generation(), stored, blob, 1)
+    return head, blob
+
+
+def test_a_copy_comes_back_only_for_its_own_head(tmp_path):
+    cache = TopologyCache(tmp_path / "topology")
+    head, blob = _generation("x")
+    other, _ = _generation("x")  # same content, another generation
+    assert cache.get("etcd://a/lab", head) is None  # nothing kept yet
+    cache.put("etcd://a/lab", head, blob)
+    assert cache.get("etcd://a/lab", head) == blob
+    assert cache.get("etcd://a/lab", other) is None
+    assert cache.get("etcd://b/lab", head) is None  # another registry's file
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:-1] + bytes([data[-1] ^ 1]),  # one bit of the content
+        lambda data: data.replace(CACHE_FORMAT, b"vmlend-topology-cache/0"),
+        lambda data: data[: len(data) // 2],
+        lambda data: b"",
+        lambda data: b"\x80\x04\x95 a pickle, say",
+    ],
+)
+def test_a_damaged_or_foreign_copy_is_not_used(tmp_path, damage):
+    cache = TopologyCache(tmp_path)
+    head, blob = _generation("x")
+    cache.put("r", head, blob)
+    path = cache.path("r")
+    path.write_bytes(damage(path.read_bytes()))
+    assert cache.get("r", head) is None
+
+
+def test_a_forged_copy_under_the_right_head_is_not_used(tmp_path):
+    # whoever writes the file can copy the head; not content that hashes to its sha256
+    cache = TopologyCache(tmp_path)
+    head, _blob = _generation("x")
+    _other_head, forged = _generation("y")
+    cache.put("r", head, forged)
+    assert cache.get("r", head) is None
+
+
+def test_a_link_or_fifo_where_the_copy_goes_is_neither_followed_nor_waited_on(tmp_path):
+    cache = TopologyCache(tmp_path)
+    head, blob = _generation("x")
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    cache.path("r").symlink_to(target)
+    cache.put("r", head, blob)  # refused: not written through the link
+    assert target.read_bytes() == b"keep" and cache.get("r", head) is None
+    cache.path("r").unlink()
+    os.mkfifo(cache.path("r"))
+    assert cache.get("r", head) is None  # not opened for reading: no wait
+
+
+def test_an_unwritable_directory_only_means_no_copy(tmp_path):
+    (tmp_path / "file").write_text("")
+    cache = TopologyCache(tmp_path / "file" / "topology")  # its parent is not a directory
+    head, blob = _generation("x")
+    cache.put("r", head, blob)
+    assert cache.get("r", head) is None
+
+
+# --- on a real etcd: what a command reads ------------------------------------------------------
+@pytest.fixture
+def reads(monkeypatch) -> list[str]:
+    """Every key (or range start) the process asks etcd for."""
+    seen: list[str] = []
+    real_range, real_many = EtcdGateway.range, EtcdGateway.read_many
+
+    def range_(self, key, range_end=None, revision=0):
+        seen.append(key)
+        return real_range(self, key, range_end, revision)
+
+    def read_many(self, ranges, revision=0):
+        seen.extend(k for k, _end in ranges)
+        return real_many(self, ranges, revision)
+
+    monkeypatch.setattr(EtcdGateway, "range", range_)
+    monkeypatch.setattr(EtcdGateway, "read_many", read_many)
+    return seen
+
+
+def _pieces_read(seen: list[str]) -> list[str]:
+    return [k for k in seen if "/topology/gen/" in k or k.endswith("/topology/record")]
+
+
+def test_a_command_reads_only_the_head_while_the_hosts_copy_is_current(etcd_url, reads):
+    init_fabric(etcd_url, star_topology(3, 4), "t.toml")
+    cache_dir = HostEnv.from_env().topology_cache
+    assert str(cache_dir).startswith(os.environ["VMLEND_ROOT"])  # never the machine's /var
+    reads.clear()
+    with open_fabric(etcd_url, "h0") as fabric:  # init kept the copy: no piece read
+        assert len(fabric.devices()) == 4
+    assert _pieces_read(reads) == []
+    for path in cache_dir.iterdir():
+        path.unlink()
+    reads.clear()
+    with open_fabric(etcd_url, "h0") as fabric:  # no copy: the pieces, then kept
+        assert len(fabric.devices()) == 4
+    assert _pieces_read(reads) != []
+    reads.clear()
+    with open_fabric(etcd_url, "h0") as fabric:
+        assert len(fabric.devices()) == 4
+    assert _pieces_read(reads) == []
+
+
+def test_a_damaged_copy_is_read_past_and_rewritten(etcd_url, reads):
+    init_fabric(etcd_url, star_topology(3, 4), "t.toml")
+    (path,) = HostEnv.from_env().topology_cache.iterdir()
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    reads.clear()
+    with open_fabric(etcd_url, "h0") as fabric:
+        assert len(fabric.devices()) == 4
+    assert _pieces_read(reads) != [] and path.read_bytes() == good
+
+
+def test_a_new_topology_is_read_once_whatever_the_copy_says(etcd_url, reads):
+    init_fabric(etcd_url, star_topology(3, 4), "t.toml")
+    (path,) = HostEnv.from_env().topology_cache.iterdir()
+    old = path.read_bytes()
+    init_fabric(etcd_url, small_topology(), "s.toml", replace=True)
+    path.write_bytes(old)  # another host's view: the copy of the generation before
+    reads.clear()
+    with open_fabric(etcd_url, "b") as fabric:
+        assert len(fabric.devices()) == 3 and fabric.topology().name == "small"
+    assert _pieces_read(reads) != [] and path.read_bytes() != old

@@ -1,0 +1,79 @@
+"""The topology's generations, pure: pieces join into the content their head names, and
+nothing else does (a piece missing, damaged, or of another generation)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vmlend.errors import StateRecordError
+from vmlend.registry import topopieces
+from vmlend.registry.topopieces import StoredTopology
+
+
+def _stored(text: str) -> StoredTopology:
+    return topopieces.of_record(
+        "t", "t.toml", text, f"digest of {text[:8]}", 1.0, b"\x01\x02", ["a", "b"],
+        {0x10: ("a", True), 0x20: ("b", False)},
+    )  # fmt: skip
+
+
+def _generation(text: str, size: int) -> tuple[topopieces.TopologyHead, list[bytes]]:
+    stored = _stored(text)
+    blob = topopieces.pack(stored)
+    pieces = topopieces.split(blob, size)
+    return topopieces.head_of(topopieces.new_generation(), stored, blob, len(pieces)), pieces
+
+
+def test_pieces_join_into_the_content_their_head_names():
+    head, pieces = _generation("x" * 5000, 1024)
+    assert len(pieces) == head.pieces > 4 and all(len(p) <= 1024 for p in pieces)
+    stored = topopieces.unpack(head, topopieces.join(head, pieces))
+    assert stored == _stored("x" * 5000)
+    assert stored.devices == {"0x10": ("a", True), "0x20": ("b", False)}
+    raw = topopieces.encode_head(head)
+    assert topopieces.decode_head(raw, "k") == head
+
+
+def test_a_mix_of_two_generations_a_missing_or_damaged_piece_is_refused():
+    head, pieces = _generation("x" * 5000, 1024)
+    _other_head, other = _generation("y" * 5000, 1024)
+    damaged = [*pieces[:-1], pieces[-1][:-1] + b"\xff"]
+    for bad in ([*pieces[:2], *other[2:]], pieces[:-1], damaged, [*pieces, b""]):
+        with pytest.raises(StateRecordError, match=r"fabric init --replace"):
+            topopieces.join(head, bad)
+
+
+def test_content_of_another_topology_than_the_head_names_is_refused():
+    head, pieces = _generation("x" * 100, 1024)
+    blob = topopieces.join(head, pieces)
+    other = topopieces.TopologyHead(
+        head.format, head.generation, "another digest", head.sha256, head.size, head.pieces
+    )
+    with pytest.raises(StateRecordError, match="another topology"):
+        topopieces.unpack(other, blob)
+    with pytest.raises(StateRecordError, match="does not decode"):
+        topopieces.unpack(head, b"\x93garbage")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[]",
+        b'{"format":"vmlend-topology-pieces/0","generation":"00ff00ff","digest":"d",'
+        b'"sha256":"s","size":1,"pieces":1}',
+        b'{"format":"vmlend-topology-pieces/1","generation":"../../x","digest":"d",'
+        b'"sha256":"s","size":1,"pieces":1}',
+        b'{"format":"vmlend-topology-pieces/1","generation":"00ff00ff","digest":"d",'
+        b'"sha256":"s","size":1,"pieces":0}',
+        b"[" * 100_000,
+    ],
+)
+def test_a_head_that_is_not_one_is_a_record_error(raw):
+    with pytest.raises(StateRecordError, match="topology"):
+        topopieces.decode_head(raw, "topology/generation")
+
+
+def test_an_empty_content_is_one_piece():
+    assert topopieces.split(b"", 8) == [b""]
+    assert topopieces.split(b"123456789", 4) == [b"1234", b"5678", b"9"]

@@ -1,0 +1,176 @@
+"""The topology as the registry stores it: one generation's content, split into pieces, and
+the head that names the generation (pure: no I/O).
+
+A topology of 4,096 nodes x 16 devices is ~30 MB (its TOML text and compiled form), far over
+what etcd takes in one request (1.5 MiB and 128 operations by default). So a new topology is
+written as a *generation*: its content (``StoredTopology``, msgpack) cut into pieces of
+``PIECE_BYTES``, written under a prefix of their own in as many requests as they need, and
+then one small *head* (``TopologyHead``) names the generation, with the sha256 of the content
+and the digest of the TOML text. A reader reads the head, then the pieces it names, and uses
+them only when their bytes hash to the head's sha256: a mix of two generations, a piece lost
+or damaged, cannot pass. SQLite stores the same pieces and head (``topology_pieces``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+import msgspec
+
+from vmlend.errors import StateRecordError
+
+#: The format of the head and of the content it names. Another format is not read.
+PIECES_FORMAT = "vmlend-topology-pieces/1"
+
+#: The size of one piece: two of them and their keys stay well under etcd's default request
+#: limit of 1.5 MiB (``--max-request-bytes``).
+PIECE_BYTES = 512 * 1024
+
+#: A generation name: what ``new_generation`` makes (hex), so it is one key level in etcd.
+_GENERATION = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+class StoredTopology(msgspec.Struct, frozen=True, array_like=True):
+    """One generation's content: the topology record and each node's and device's initial
+    state (nodes up; devices with their lender and whether they are lent, by hex fdid)."""
+
+    name: str
+    source: str
+    digest: str  # sha256 of ``text``
+    created: float
+    nodes: list[str]
+    devices: dict[str, tuple[str, bool]]
+    compiled: bytes | None  # ``vmlend.topology.compiled``; None: parse the text
+    text: str  # the TOML: the source of truth
+
+
+class TopologyHead(msgspec.Struct, frozen=True):
+    """What names the current generation: its pieces' count and total size, the sha256 of
+    their bytes, and the digest of the TOML text (what every transaction compares)."""
+
+    format: str
+    generation: str
+    digest: str
+    sha256: str
+    size: int
+    pieces: int
+
+
+def pack(stored: StoredTopology) -> bytes:
+    return msgspec.msgpack.encode(stored)
+
+
+def split(blob: bytes, size: int = PIECE_BYTES) -> list[bytes]:
+    """``blob`` in pieces of ``size`` bytes (the last one shorter; one piece when empty)."""
+    return [blob[i : i + size] for i in range(0, len(blob), size)] or [b""]
+
+
+def head_of(generation: str, stored: StoredTopology, blob: bytes, pieces: int) -> TopologyHead:
+    return TopologyHead(
+        PIECES_FORMAT,
+        generation,
+        stored.digest,
+        hashlib.sha256(blob).hexdigest(),
+        len(blob),
+        pieces,
+    )
+
+
+def encode_head(head: TopologyHead) -> bytes:
+    return msgspec.json.encode(head)
+
+
+def _damaged(where: str, problem: str) -> StateRecordError:
+    return StateRecordError(
+        "topology",
+        where,
+        f"{problem}; run 'vmlend fabric init --replace --topology FILE' to store it again",
+    )
+
+
+def decode_head(raw: bytes, where: str) -> TopologyHead:
+    """The head stored at ``where``; ``StateRecordError`` when it is not one of this format."""
+    try:
+        head = msgspec.json.decode(raw, type=TopologyHead)
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        raise _damaged(where, f"not a topology head ({e})") from None
+    if head.format != PIECES_FORMAT:
+        raise _damaged(where, f"of format {head.format!r}, not {PIECES_FORMAT!r}")
+    if not _GENERATION.match(head.generation) or head.pieces < 1 or head.size < 0:
+        raise _damaged(where, "a head naming no valid generation")
+    return head
+
+
+def join(head: TopologyHead, pieces: list[bytes]) -> bytes:
+    """The generation's content from its pieces, in order; ``StateRecordError`` unless there
+    are as many as the head says and their bytes hash to its sha256."""
+    where = f"generation {head.generation}"
+    if len(pieces) != head.pieces:
+        raise _damaged(where, f"{len(pieces)} of its {head.pieces} pieces found")
+    blob = b"".join(pieces)
+    if len(blob) != head.size or hashlib.sha256(blob).hexdigest() != head.sha256:
+        raise _damaged(where, "its pieces do not hash to what its head says")
+    return blob
+
+
+def unpack(head: TopologyHead, blob: bytes) -> StoredTopology:
+    """The content of a verified ``blob`` (``join``); it must describe the head's digest."""
+    where = f"generation {head.generation}"
+    try:
+        stored = msgspec.msgpack.decode(blob, type=StoredTopology)
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as e:
+        raise _damaged(where, f"its content does not decode ({e})") from None
+    if stored.digest != head.digest:
+        raise _damaged(where, "its content is of another topology than its head names")
+    return stored
+
+
+def new_generation() -> str:
+    """A fresh generation name: two writers never write the same one."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
+def of_record(
+    name: str,
+    source: str,
+    text: str,
+    digest: str,
+    created: float,
+    compiled: bytes | None,
+    nodes: list[str],
+    devices: dict[int, tuple[str, bool]],
+) -> StoredTopology:
+    return StoredTopology(
+        name,
+        source,
+        digest,
+        created,
+        nodes,
+        {f"{fdid:#x}": (lender, bool(lent)) for fdid, (lender, lent) in devices.items()},
+        compiled,
+        text,
+    )
+
+
+def legacy(record: dict[str, Any]) -> StoredTopology:
+    """The content of an etcd ``topology/record`` as vmlend wrote it before pieces (JSON).
+    A damaged record raises what ``msgspec.convert`` or a missing key raises."""
+    from vmlend.registry.etcd_keys import compiled_of
+
+    def field(key: str, kind: Any) -> Any:
+        return msgspec.convert(record[key], kind)
+
+    return StoredTopology(
+        field("name", str),
+        field("source", str),
+        field("digest", str),
+        field("created", float),
+        msgspec.convert(record.get("nodes", []), list[str]),
+        msgspec.convert(record.get("devices", {}), dict[str, tuple[str, bool]]),
+        compiled_of(record),
+        field("text", str),
+    )
