@@ -62,9 +62,11 @@ def init(
     if topology_file is None:
         text, source = default_topology_text()
     else:
+        from vmlend.topology.parse import MAX_TOPOLOGY_BYTES
+
         try:
             # read_input: one line for a FIFO, a device or a huge file
-            text, source = read_input(topology_file).decode(), topology_file
+            text, source = read_input(topology_file, MAX_TOPOLOGY_BYTES).decode(), topology_file
         except UnicodeDecodeError:
             raise TopologyError(topology_file, "not a text file") from None
     node = node or obj.node

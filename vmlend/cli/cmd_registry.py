@@ -94,10 +94,10 @@ def roles_cmd(
 def _nodes(obj: CliContext, topology_file: str | None) -> list[str]:
     """The topology's node names: from ``topology_file``, else from the registry."""
     if topology_file is not None:
-        from vmlend.topology.parse import parse_topology
+        from vmlend.topology.parse import MAX_TOPOLOGY_BYTES, parse_topology
 
         try:
-            text = read_input(topology_file).decode()
+            text = read_input(topology_file, MAX_TOPOLOGY_BYTES).decode()
         except UnicodeDecodeError:
             raise TopologyError(topology_file, "not a text file") from None
         return [n.name for n in parse_topology(text, topology_file).nodes]

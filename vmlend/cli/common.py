@@ -137,14 +137,15 @@ def verbose_option(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
-def read_input(path: str | Path) -> bytes:
+def read_input(path: str | Path, limit: int | None = None) -> bytes:
     """The bytes of a user's input file (domain XML, topology TOML): a regular file of bounded
-    size, so a FIFO or ``/dev/zero`` is refused with one line instead of blocking or growing
-    memory. ``ConfigError`` when it cannot be read."""
+    size (``limit``, default ``safefile.MAX_INPUT_BYTES``), so a FIFO or ``/dev/zero`` is
+    refused with one line instead of blocking or growing memory. ``ConfigError`` when it
+    cannot be read."""
     from vmlend import safefile
 
     try:
-        return safefile.read_regular(path)
+        return safefile.read_regular(path, limit or safefile.MAX_INPUT_BYTES)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
 

@@ -158,6 +158,13 @@ def test_inputs_that_would_block_or_grow_are_refused_with_one_line(cluster, tmp_
         f.truncate(safefile.MAX_INPUT_BYTES + 1)
     assert "larger than" in one_line(cluster.cli("vm", "define", str(huge), "-c", "sim:///gamma"))
     assert "larger than" in one_line(cluster.cli("xml", "show", str(huge)))
+    # a topology file may be larger (a 4,096-node fabric is ~17 MB), up to 64 MiB
+    toml = tmp_path / "huge.toml"
+    with toml.open("wb") as f:
+        f.truncate((64 << 20) + 1)
+    assert "larger than 67108864 bytes" in one_line(
+        cluster.cli("fabric", "init", "--topology", str(toml))
+    )
 
 
 def _open_and_close_writer(path) -> None:

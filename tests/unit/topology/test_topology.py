@@ -172,8 +172,27 @@ def test_a_value_nested_thousands_deep_is_one_line_not_a_recursion_error(nest):
 
 
 def test_a_huge_text_is_not_parsed():
-    with pytest.raises(TopologyError, match="is not a topology"):
-        parse_topology(MINI + "#" * (5 << 20), "huge.toml")
+    with pytest.raises(TopologyError, match=r"is not a topology \(at most 67108864\)"):
+        parse_topology(MINI + "#" * (64 << 20), "huge.toml")
+
+
+def test_a_text_of_a_4096_node_fabric_is_not_too_large():
+    # ~17 MB in the indented style: the 4 MiB cap refused 1,024 nodes (here: a long comment)
+    assert parse_topology(MINI + "#" * (17 << 20), "big.toml").nodes
+
+
+def test_fabric_init_reads_a_topology_file_over_the_other_inputs_cap(tmp_path):
+    from click.testing import CliRunner
+
+    from vmlend import safefile
+    from vmlend.cli import main
+
+    path = tmp_path / "big.toml"
+    path.write_text(MINI + "#" * (safefile.MAX_INPUT_BYTES + 1))
+    r = CliRunner().invoke(
+        main, ["--state", str(tmp_path / "s.db"), "fabric", "init", "--topology", str(path)]
+    )
+    assert r.exit_code == 0, r.output
 
 
 def test_fabric_init_refuses_them_in_one_line(tmp_path):
