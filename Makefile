@@ -104,8 +104,10 @@ man: venv
 	rm -f docs/man/*.1 && $(PY) docs/man/generate.py docs/man >/dev/null
 
 # Every benchmark, each printing ratios measured side by side in one run (~3 min on 2 cores).
+# Not bench/bench_scale.py (fabrics of up to 1,024 nodes: minutes; run it by hand).
 bench: venv
 	@for b in bench/bench_*.py; do \
+	  [ "$$b" = bench/bench_scale.py ] && continue; \
 	  echo "== $$b"; start=$$(date +%s); \
 	  $(PY) $$b || exit 1; \
 	  echo "== $$b took $$(( $$(date +%s) - start )) s"; \

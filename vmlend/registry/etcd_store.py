@@ -159,14 +159,16 @@ class EtcdRegistry:
         ``etcd_topology``)."""
         if not tx.staged:
             return
-        if committed:
-            self.generations.collect()
-            return
-        for generation in tx.staged:
-            try:
+        # Failing here changes nothing that was decided: what is left, the next install's
+        # collect deletes. So it is logged, never raised over the transaction's outcome.
+        try:
+            if committed:
+                self.generations.collect()
+                return
+            for generation in tx.staged:
                 self.generations.drop(generation)
-            except StateError as e:  # left for the next install's collect
-                log.warning("could not delete topology generation %s: %s", generation, e)
+        except StateError as e:
+            log.warning("old topology generations left in %s: %s", self.where, e)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[StateTxn]:

@@ -1,0 +1,165 @@
+"""The fabric's size against what a host pays, side by side in one run (issue 38; prints times
+and ratios to the smallest size; asserts nothing). Not part of ``make bench``: at 1,024 nodes
+it takes minutes; it prints its own run time.
+
+For each size (``--sizes``, default 64, 256 and 1,024 nodes of 16 devices, one switch:
+``fabric_topology``) and each registry (``--registries``: SQLite, and a private etcd with
+etcd's *default* request limits, 1.5 MiB and 128 operations):
+
+- init: ``init_fabric`` of the topology (parse, compile, store its generation);
+- lend-all: ``vmlend lend --all`` on node n0 in its own process (n0's 16 devices are not
+  lent by the topology), a CLI command as a host runs it;
+- devices --json: ``vmlend devices --json`` in its own process, median of ``--rounds`` (the
+  host's copy of the topology current: the first run after init is not counted), and the
+  same with ``--lender n0`` (one lender's 16 devices: the output no longer grows).
+  CLI commands are measured in CPU time (user + system) of the child: the machine these
+  figures come from is shared, and wall time there says more about the others' load;
+- reserve CPU p50: ``--vms`` one-device VMs reserved one after the other through one open
+  fabric (this process's CPU, ``time.process_time``), the median of the first 100 and of the
+  last 100 reserves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* helpers
+
+from tests.support.etcd_daemon import EtcdServer, host_lease
+from tests.support.simfabric import fabric_topology
+from vmlend.sim.backend import SimFabric
+from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import init_fabric, open_fabric
+
+PER_NODE = 16
+WINDOW = 100
+ms = 1e3
+
+
+def topology(nodes: int) -> str:
+    """``fabric_topology`` with node n0's devices not lent (what lend-all then lends)."""
+    text = fabric_topology(nodes, PER_NODE)
+    head, sep, rest = text.partition('[[node]]\nname = "n1"')
+    return head.replace('  kind = "nic"\n', '  kind = "nic"\n  lent = false\n') + sep + rest
+
+
+def _fdid(node: int, i: int) -> int:
+    return (node + 1) * 0x100 + i
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cli_time(argv: list[str], env: dict[str, str]) -> float:
+    """The command's CPU time (user + system): on a machine others share, the steadier
+    figure; its wall time grows with everybody else's load."""
+    c = _children_cpu()
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
+    return _children_cpu() - c
+
+
+def reserve_p50(location: object, nodes: int, vms: int) -> tuple[float, float]:
+    """``vms`` one-device VMs (at most one per lent device), each on the node half the fabric
+    away from its device's lender; the median CPU of the first and of the last 100 reserves."""
+    vms = min(vms, (nodes - 1) * PER_NODE)
+    f = open_fabric(location, "n1")  # type: ignore[arg-type]
+    assert isinstance(f, SimFabric)
+    cpu: list[float] = []
+    try:
+        for vm in range(vms):
+            lender = 1 + (vm // PER_NODE) % (nodes - 1)  # n0's devices are not lent
+            holder = Holder(f"n{(lender + nodes // 2) % nodes}", f"vm{vm}")
+            c = time.process_time()
+            f.reserve(_fdid(lender, vm % PER_NODE), holder, guest_ram=GiB)
+            cpu.append(time.process_time() - c)
+    finally:
+        f.close()
+    return statistics.median(cpu[:WINDOW]), statistics.median(cpu[-WINDOW:])
+
+
+def measure(location: str, nodes: int, env: dict[str, str], args: argparse.Namespace) -> dict:
+    cli = [str(Path(sys.executable).with_name("vmlend"))]
+    where = ["--registry", location]
+    text = topology(nodes)
+    t = time.perf_counter()
+    init_fabric(location, text, "generated.toml")
+    out: dict[str, float] = {"init s": time.perf_counter() - t}
+    out["lend-all CPU s"] = cli_time([*cli, *where, "--node", "n0", "lend", "--all"], env)
+    for label, extra in (
+        ("devices --json CPU ms", []),
+        ("devices --json --lender CPU ms", ["--lender", "n0"]),
+    ):
+        cmd = [*cli, *where, "devices", "--json", *extra]
+        cli_time(cmd, env)  # the host's copy written (etcd), the page cache warm
+        out[label] = statistics.median(cli_time(cmd, env) for _ in range(args.rounds)) * ms
+    first, last = reserve_p50(location, nodes, args.vms)
+    out["reserve CPU p50 first 100 ms"] = first * ms
+    out["reserve CPU p50 last 100 ms"] = last * ms
+    out["topology text MB"] = len(text) / 1e6
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64,256,1024", help="node counts (16 devices each)")
+    ap.add_argument("--registries", default="sqlite,etcd")
+    ap.add_argument("--vms", type=int, default=400, help="VMs reserved per size (>= 200)")
+    ap.add_argument("--rounds", type=int, default=5, help="runs of each CLI command")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+        env |= {"VMLEND_ROOT": str(root / "host"), "VMLEND_BACKEND": "sim"}
+        os.environ.update({k: env[k] for k in ("VMLEND_ROOT", "VMLEND_BACKEND")})
+        server: EtcdServer | None = None
+        try:
+            for registry in args.registries.split(","):
+                if registry == "etcd":
+                    server = EtcdServer(root / "etcd")  # etcd's default limits
+                    server.start()
+                    host_lease(server, root / "host", ttl=3600)
+                rows: dict[int, dict[str, float]] = {}
+                for nodes in sizes:
+                    location = (
+                        server.url(f"size{nodes}")
+                        if registry == "etcd" and server is not None
+                        else f"sqlite://{root / f'size{nodes}.db'}"
+                    )
+                    rows[nodes] = measure(location, nodes, env, args)
+                    print(f"  ({registry} {nodes} nodes measured)", file=sys.stderr)
+                report(registry, sizes, rows)
+                if server is not None:
+                    server.stop()
+                    server = None
+        finally:
+            if server is not None:
+                server.stop()
+    print(f"run time {time.perf_counter() - start:.0f} s")
+
+
+def report(registry: str, sizes: list[int], rows: dict[int, dict[str, float]]) -> None:
+    base = sizes[0]
+    print(f"\n{registry}: {PER_NODE} devices per node; ratio to {base} nodes in brackets")
+    print(f"  {'':32}" + "".join(f"{n:>20}" for n in sizes))
+    for metric in rows[base]:
+        cells = []
+        for n in sizes:
+            v, v0 = rows[n][metric], rows[base][metric]
+            cells.append(f"{v:10.2f} ({v / v0:5.2f}x)" if v0 else f"{v:10.2f}")
+        print(f"  {metric:32}" + "".join(f"{c:>20}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
