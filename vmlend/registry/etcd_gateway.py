@@ -528,7 +528,8 @@ def _server_error(e: gw_errors.Etcd3Exception, where: str, user: str = "") -> Ex
     if "request is too large" in message or "larger than max" in message:
         return StateError(
             f"etcd at {where} refused a request as too large (over its --max-request-bytes);"
-            " nothing was written; raise the limit or make the topology smaller"
+            " nothing was written; raise the limit (a topology is written in pieces of 512 KiB,"
+            " so etcd must take at least 1.5 MiB, its default)"
         )
     if "too many operations in txn" in message:
         return StateError(
