@@ -17,7 +17,13 @@ from tests.support.paths import REPO, TESTS
 
 #: What may sit at the top of the tree: the package marker, the shared fixtures, and the
 #: tests of the trees' own rules.
-TOP = {"__init__.py", "conftest.py", "test_suite_layout.py", "test_package_layers.py"}
+TOP = {
+    "__init__.py",
+    "conftest.py",
+    "test_suite_layout.py",
+    "test_package_layers.py",
+    "test_docs_paths.py",
+}
 
 
 def _imports(path) -> list[str]:
