@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from vmlend.errors import BarConflictError, P2PError
+from vmlend.topology.chips import NTB_CROSSING_NS
 from vmlend.topology.model import BarKind, DeviceSpec, GiB, GuestRange, Topology
 from vmlend.topology.paths import NtbPath, route
 from vmlend.topology.pcie import Hop, PciePath, Stage, peer_path
@@ -44,8 +45,6 @@ OTHER_LENDER = "other-lender"
 
 #: Smallest IOMMU page: a BAR below this cannot be mapped on its own.
 PAGE = 4096
-#: Latency one NTB crossing adds one way (docs/design.md: ~350-370 ns); an estimate for status.
-NTB_ONE_WAY_NS = 360
 #: Kind of runtime record a P2P map is persisted as (registry ``put_runtime``).
 RECORD_KIND = "p2p-map"
 
@@ -142,7 +141,7 @@ class P2PMap(msgspec.Struct, frozen=True):
     @property
     def added_ns(self) -> int:
         """Estimated one-way latency the NTB adds over a same-host peer (papers' numbers)."""
-        return NTB_ONE_WAY_NS * self.ntb_crossings
+        return NTB_CROSSING_NS * self.ntb_crossings
 
     def describe(self) -> str:
         return " -> ".join(self.route)

@@ -1,5 +1,5 @@
-"""``vmlend path SRC DST``: one PCIe path stage by stage, with its hops, root complexes and the
-latency the NTB adds (the pure logic is ``vmlend.topology.pcie``)."""
+"""``vmlend path SRC DST``: one PCIe path stage by stage, with its hops, root complexes and
+each element's latency (the pure logic is ``vmlend.topology.pcie``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import click
 from vmlend.cli.common import check_one_output, emit_json, emit_table, format_option, json_option
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError
-from vmlend.topology.pcie import Hop, explain, explain_all
+from vmlend.topology.pcie import Hop, Stage, explain, explain_all
 from vmlend.views.diagram import path_dot, path_mermaid
 
-HEADERS = ("#", "HOST", "KIND", "ELEMENT")
-ALL_HEADERS = ("ROUTE", "COST", "ROOTS", "ADDED", "ADAPTERS", "LINKS")
+HEADERS = ("#", "HOST", "KIND", "ELEMENT", "CHIP", "NS")
+ALL_HEADERS = ("ROUTE", "LATENCY", "HOPS", "ROOTS", "ADAPTERS", "LINKS")
 
 
 @click.command("path")
@@ -23,7 +23,7 @@ ALL_HEADERS = ("ROUTE", "COST", "ROOTS", "ADDED", "ADAPTERS", "LINKS")
     "--all",
     "all_routes",
     is_flag=True,
-    help="List every route (other adapters, other cables) with its cost, cheapest first.",
+    help="List every route (other adapters, other cables) with its latency, in the order used.",
 )
 @json_option
 @format_option
@@ -43,9 +43,11 @@ def path(
     the device's DMA into a VM's RAM on that node, a node and a device is that node's CPU
     reaching the device's BARs, two devices is peer-to-peer between them. Hops are the
     switching elements passed (numbered; the end devices are not hops, root ports are part of
-    their root complex), where peer-to-peer turns follows each host's IOMMU. With --all, every
-    route between the two hosts (through other NTB adapters and cables) with its cost in hops;
-    the first is the one used while all its cables are up.
+    their root complex), where peer-to-peer turns follows each host's IOMMU. Each element shows
+    its chip and what it adds one way (the SmartIO paper's figures; an NTB crossing about
+    350 ns), the path its sum. With --all, every route between the two hosts (through other
+    NTB adapters and cables) with its latency and hops; the first is the one used while all
+    its cables are up (routes rank by the crossing's latency, then hops).
     """
     check_one_output(json_output, picture)
     if all_routes:
@@ -64,7 +66,8 @@ def path(
         return
     click.echo(
         f"{found.src} -> {found.dst}: {found.hops} hops, {found.roots} root complex(es),"
-        f" {found.ntb_crossings} NTB crossing(s), about +{found.added_ns} ns one way"
+        f" {found.ntb_crossings} NTB crossing(s), about {found.latency_ns} ns one way"
+        f" ({found.added_ns} ns of it the NTB)"
     )
     rows: list[list[str]] = []
     hop = 0
@@ -73,8 +76,16 @@ def path(
         if s.kind is not Hop.DEVICE:
             hop += 1
             number = str(hop)
-        rows.append([number, s.node or "(fabric)", s.kind.value, s.name])
+        rows.append([number, s.node or "(fabric)", s.kind.value, s.name, *_cost(s)])
     emit_table(HEADERS, rows)
+
+
+def _cost(s: Stage) -> list[str]:
+    """A stage's CHIP and NS cells: an NTB adapter's are the crossing's (on the adapter the
+    TLP enters by; "-" on the far one), a root complex and an end have none."""
+    if s.kind is Hop.NTB:
+        return ["(crossing)", str(s.ns)] if s.ns else ["(crossing)", "-"]
+    return [s.chip.value, str(s.ns)] if s.chip else ["-", "-"]
 
 
 def _all(obj: CliContext, src: str, dst: str, json_output: bool) -> None:
@@ -84,16 +95,16 @@ def _all(obj: CliContext, src: str, dst: str, json_output: bool) -> None:
             {"src": found[0].src, "dst": found[0].dst, "routes": [p.to_json() for p in found]}
         )
         return
-    click.echo(f"{found[0].src} -> {found[0].dst}: {len(found)} route(s), cheapest first")
+    click.echo(f"{found[0].src} -> {found[0].dst}: {len(found)} route(s), in the order used")
     rows = []
     for i, p in enumerate(found, 1):
         ntbs = [s.name for s in p.stages if s.kind is Hop.NTB]
         rows.append(
             [
                 str(i),
-                f"{p.hops} hops",
+                f"{p.latency_ns} ns",
+                str(p.hops),
                 str(p.roots),
-                f"+{p.added_ns} ns",
                 " -> ".join(ntbs) or "-",
                 ", ".join(p.links) or "-",
             ]

@@ -81,6 +81,7 @@ class DeviceView(msgspec.Struct):
                 "hops": p.hops,
                 "roots": p.roots,
                 "ntb_crossings": p.ntb_crossings,
+                "latency_ns": p.latency_ns,
                 "added_ns": p.added_ns,
             }
         return out

@@ -4,9 +4,10 @@ file (the selectors: ``vmlend.topology.selectors``). Pure: over the topology and
 states.
 
 Among the available devices that match (kind or vendor/product, and lender), the choice
-prefers the shortest PCIe path from the VM's node (the device's DMA into the VM's RAM: hops,
-then root complexes, then NTB latency); for several devices in one request it also prefers
-the set whose peer-to-peer paths between them are shortest (devices under one lender turn
+prefers the cheapest PCIe path from the VM's node (the device's DMA into the VM's RAM: its
+latency over every element, the papers' figures in ``vmlend.topology.chips``, then hops, then
+root complexes); for several devices in one request it also prefers the set whose
+peer-to-peer paths between them cost least, in the same order (devices under one lender turn
 below its root complex instead of crossing the NTB twice). Ties go to the lowest fdids, so
 the same state always gives the same choice.
 """
@@ -38,8 +39,8 @@ class Choice(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         p = self.path
         return (
-            f"{format_fdid(self.fdid)} ({self.kind} on {self.lender}): {p.hops} hops,"
-            f" {p.roots} root complex(es), +{p.added_ns} ns"
+            f"{format_fdid(self.fdid)} ({self.kind} on {self.lender}): {p.latency_ns} ns,"
+            f" {p.hops} hops, {p.roots} root complex(es)"
         )
 
     def to_json(self) -> dict[str, object]:
@@ -47,6 +48,7 @@ class Choice(msgspec.Struct, frozen=True):
             "fdid": format_fdid(self.fdid),
             "kind": self.kind,
             "lender": self.lender,
+            "latency_ns": self.path.latency_ns,
             "hops": self.path.hops,
             "roots": self.path.roots,
             "added_ns": self.path.added_ns,
@@ -57,17 +59,14 @@ def _choice(topology: Topology, st: DeviceStatus, node: str) -> Choice:
     return Choice(st.fdid, st.spec.kind, st.spec.lender, device_to_ram(topology, st.fdid, node))
 
 
-def _ram_cost(path: PciePath) -> tuple[int, int, int]:
-    return (path.hops, path.roots, path.added_ns)
+def _cost(path: PciePath) -> tuple[int, int, int]:
+    """What a path costs, compared in this order: latency, hops, root complexes."""
+    return (path.latency_ns, path.hops, path.roots)
 
 
-def _p2p_cost(topology: Topology, fdids: Sequence[int]) -> tuple[int, int]:
-    hops = roots = 0
-    for a, b in itertools.combinations(fdids, 2):
-        p = device_to_device(topology, a, b)
-        hops += p.hops
-        roots += p.roots
-    return (hops, roots)
+def _p2p_cost(topology: Topology, fdids: Sequence[int]) -> tuple[int, ...]:
+    paths = [device_to_device(topology, a, b) for a, b in itertools.combinations(fdids, 2)]
+    return tuple(map(sum, zip(*(_cost(p) for p in paths), strict=True))) if paths else (0, 0, 0)
 
 
 def _pick(
@@ -82,7 +81,7 @@ def _pick(
         best = min(
             itertools.combinations(candidates, n),
             key=lambda c: (
-                tuple(map(sum, zip(*(_ram_cost(x.path) for x in c), strict=True))),
+                tuple(map(sum, zip(*(_cost(x.path) for x in c), strict=True))),
                 _p2p_cost(topology, [x.fdid for x in (*c,)] + list(taken)),
                 [x.fdid for x in c],
             ),
@@ -94,7 +93,7 @@ def _pick(
         have = [c.fdid for c in chosen] + list(taken)
         nxt = min(
             pool,
-            key=lambda c: (_ram_cost(c.path), _p2p_cost(topology, [c.fdid, *have]), c.fdid),
+            key=lambda c: (_cost(c.path), _p2p_cost(topology, [c.fdid, *have]), c.fdid),
         )
         chosen.append(nxt)
         pool.remove(nxt)
@@ -136,7 +135,7 @@ def choose(
             raise NoDeviceToChooseError(str(wish), node, len(free), busy)
         candidates = sorted(
             (_choice(topology, st, node) for st in free),
-            key=lambda c: (_ram_cost(c.path), c.fdid),
+            key=lambda c: (_cost(c.path), c.fdid),
         )
         picked = _pick(topology, wish, candidates, taken)
         out += picked

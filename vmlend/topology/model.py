@@ -15,6 +15,7 @@ from typing import TypeVar, cast
 import msgspec
 
 from vmlend.errors import ConfigError
+from vmlend.topology.chips import CLUSTER_SWITCH_CHIP, HOST_SWITCH_CHIP, Chip
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -148,6 +149,14 @@ class PcieElement(msgspec.Struct, frozen=True):
     name: str
     kind: PcieKind
     parent: str | None = None  # None for a root port (it sits on the root complex)
+    #: The switch chip of a switch or a chassis (its switch); None: ``HOST_SWITCH_CHIP``. A
+    #: root port has none (it is part of the root complex).
+    chip: Chip | None = None
+
+    @property
+    def switch_chip(self) -> Chip:
+        """The chip a TLP passes in it (a switch's, a chassis' switch's)."""
+        return self.chip or HOST_SWITCH_CHIP
 
 
 class NodeSpec(msgspec.Struct, frozen=True):
@@ -168,6 +177,8 @@ class LinkSpec(msgspec.Struct, frozen=True):
 
     ends: tuple[str, ...]  # adapter refs "node:index"
     switch: str | None = None
+    #: The switch's chip; None: ``CLUSTER_SWITCH_CHIP`` (a back-to-back cable has none).
+    chip: Chip | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -219,6 +230,11 @@ class Topology(msgspec.Struct, frozen=True, dict=True):
         return _first_by(self.adapters(), lambda a: a.ref)
 
     @functools.cached_property
+    def _switch_chips(self) -> dict[str, Chip]:
+        found = _first_by((link for link in self.links if link.switch), lambda s: s.switch)
+        return {name: link.chip or CLUSTER_SWITCH_CHIP for name, link in found.items() if name}
+
+    @functools.cached_property
     def _derived(self) -> dict[Callable[[Topology], object], object]:
         return {}
 
@@ -252,6 +268,10 @@ class Topology(msgspec.Struct, frozen=True, dict=True):
     def adapter(self, ref: str) -> AdapterSpec | None:
         """The adapter ``ref`` (``node:index``) names, None when there is none."""
         return self._adapter_index.get(ref)
+
+    def switch_chip(self, switch: str) -> Chip:
+        """The chip of cluster switch ``switch`` (``CLUSTER_SWITCH_CHIP`` unless declared)."""
+        return self._switch_chips.get(switch, CLUSTER_SWITCH_CHIP)
 
     def adapters(self) -> list[AdapterSpec]:
         return [a for n in self.nodes for a in n.adapters]

@@ -13,6 +13,7 @@ from typing import Any
 
 from vmlend.errors import TopologyError
 from vmlend.messages import plural
+from vmlend.topology.chips import Chip, known_chips
 from vmlend.topology.model import (
     AdapterSpec,
     BarKind,
@@ -112,6 +113,19 @@ class _Reader:
             raise self.fail(path, f"expected a list, got {type(value).__name__}")
         return value
 
+    def chip(self, t: dict[str, Any], path: str) -> Chip | None:
+        """``t``'s optional ``chip``, one of the chips whose latency vmlend knows."""
+        if "chip" not in t:
+            return None
+        try:
+            return Chip(t["chip"])
+        except ValueError:
+            raise self.fail(
+                f"{path}.chip",
+                f"unknown chip {t['chip']!r}: name one of {known_chips()} (the papers' figures)"
+                " or leave chip out for the default",
+            ) from None
+
 
 def _human(n: int) -> str:
     for unit in ("TiB", "GiB", "MiB", "KiB"):
@@ -209,7 +223,7 @@ def _pcie(r: _Reader, raw: Any, path: str) -> tuple[PcieElement, ...]:
     out: list[PcieElement] = []
     for i, item in enumerate(r.list_(raw, path)):
         p = f"{path}[{i}]"
-        t = r.table(item, p, {"name", "kind", "parent"}, {"name", "kind"})
+        t = r.table(item, p, {"name", "kind", "parent", "chip"}, {"name", "kind"})
         name = r.str_(t["name"], f"{p}.name")
         if any(e.name == name for e in out):
             raise r.fail(f"{p}.name", f"duplicate PCIe element name {name!r}")
@@ -221,9 +235,14 @@ def _pcie(r: _Reader, raw: Any, path: str) -> tuple[PcieElement, ...]:
                 f"{p}.kind", f"expected root-port, switch or chassis, got {kind_s!r}"
             ) from None
         parent = None
+        chip = r.chip(t, p)
         if kind is PcieKind.ROOT_PORT:
             if "parent" in t:
                 raise r.fail(f"{p}.parent", "a root port sits on the root complex: no parent")
+            if chip is not None:
+                raise r.fail(
+                    f"{p}.chip", "a root port is part of the root complex, which has no chip"
+                )
         else:
             if "parent" not in t:
                 raise r.fail(f"{p}.parent", f"a {kind.value} needs a parent declared before it")
@@ -233,7 +252,7 @@ def _pcie(r: _Reader, raw: Any, path: str) -> tuple[PcieElement, ...]:
                 raise r.fail(
                     f"{p}.parent", f"no PCIe element {parent!r} declared before it (known: {known})"
                 )
-        out.append(PcieElement(name, kind, parent))
+        out.append(PcieElement(name, kind, parent, chip))
     return tuple(out)
 
 
@@ -431,13 +450,12 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
             raise r.fail(f"link[{i}].ends", "a back-to-back link joins exactly two adapters")
         links.append(LinkSpec(ends=pair))
     for i, raw in enumerate(r.list_(top.get("switch", []), "switch")):
-        t = r.table(raw, f"switch[{i}]", {"name", "ports"}, {"name", "ports"})
+        t = r.table(raw, f"switch[{i}]", {"name", "ports", "chip"}, {"name", "ports"})
         sw = r.str_(t["name"], f"switch[{i}].name")
         if any(link.switch == sw for link in links):
             raise r.fail(f"switch[{i}].name", f"duplicate switch name {sw!r}")
-        links.append(
-            LinkSpec(ends=ends(t["ports"], f"switch[{i}].ports", f"switch {sw}", 1), switch=sw)
-        )
+        ports = ends(t["ports"], f"switch[{i}].ports", f"switch {sw}", 1)
+        links.append(LinkSpec(ends=ports, switch=sw, chip=r.chip(t, f"switch[{i}]")))
     switch_links = _switch_links(r, top.get("switch_link", []), links)
     for d in devices:
         if d.physfn is None and d.kind == "vf":

@@ -1,4 +1,4 @@
-"""PCIe paths stage by stage: hops, root complexes and the latency the NTB adds (pure).
+"""PCIe paths stage by stage: hops, root complexes and the latency of each element (pure).
 
 A path lists the elements a TLP passes from one end to the other: the end device (not a hop),
 then each switching element, then the other end. A **hop** is a switching element, counted the
@@ -16,9 +16,13 @@ into RAM or from a CPU always passes the root complex.
 On the default topology (GPUs and the NTB adapter in an expansion chassis behind a transparent
 link, as the papers built it) this gives the papers' Table-2 anchors: local VM P2P 7 hops,
 1 root; a remote VM whose devices on two lenders exchange data through the borrower's RAM
-21 hops, 3 roots (docs/simulator.md). Latency: each NTB crossing adds ``NTB_ONE_WAY_NS`` one
-way (~350-370 ns in the papers); the other hops are not costed, the papers give no per-hop
-figure for them.
+21 hops, 3 roots (docs/simulator.md).
+
+Latency, one way, as the SmartIO paper gives it per element (``vmlend.topology.chips``): each
+switch, chassis element and cluster switch its chip's figure, each NTB crossing
+``NTB_CROSSING_NS`` (both adapters and the cable; the stage of the adapter a TLP enters by
+carries it), a root complex nothing (the papers give no figure for it). A path's latency is the
+sum: the papers' estimate, not a measurement.
 """
 
 from __future__ import annotations
@@ -29,11 +33,9 @@ from collections.abc import Sequence
 import msgspec
 
 from vmlend.errors import ConfigError, FabricError
+from vmlend.topology.chips import LINK_ADAPTER_CHIP, NTB_CROSSING_NS, Chip
 from vmlend.topology.model import DeviceSpec, PcieElement, PcieKind, Topology, parse_fdid
 from vmlend.topology.paths import NtbPath, route, routes
-
-#: One way across one NTB crossing (adapter, cable or cluster switches, adapter), docs/design.md.
-NTB_ONE_WAY_NS = 360
 
 
 class Hop(enum.StrEnum):
@@ -48,15 +50,28 @@ class Hop(enum.StrEnum):
 
 
 class Stage(msgspec.Struct, frozen=True):
-    """One element of a path: what it is, its name, and the host it sits in ("" for the
-    cluster switches between hosts)."""
+    """One element of a path: what it is, its name, the host it sits in ("" for the cluster
+    switches between hosts), its chip (None: an end, a root complex, an NTB adapter) and what
+    it adds one way (an NTB adapter: the whole crossing, or 0 for its far end)."""
 
     kind: Hop
     name: str
     node: str
+    chip: Chip | None = None
+    ns: int = 0
 
-    def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind.value, "name": self.name, "node": self.node}
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value,
+            "name": self.name,
+            "node": self.node,
+            "chip": self.chip.value if self.chip else None,
+            "ns": self.ns,
+        }
+
+
+def _chip_stage(kind: Hop, name: str, node: str, chip: Chip) -> Stage:
+    return Stage(kind, name, node, chip, chip.ns)
 
 
 class PciePath(msgspec.Struct, frozen=True):
@@ -83,8 +98,13 @@ class PciePath(msgspec.Struct, frozen=True):
 
     @property
     def added_ns(self) -> int:
-        """Estimated one-way latency the NTB crossings add over a path inside one host."""
-        return self.ntb_crossings * NTB_ONE_WAY_NS
+        """The NTB crossings' share of ``latency_ns``."""
+        return self.ntb_crossings * NTB_CROSSING_NS
+
+    @property
+    def latency_ns(self) -> int:
+        """Its one-way latency: the sum of its elements' (the papers' figures)."""
+        return sum(s.ns for s in self.stages)
 
     def legs(self) -> list[tuple[str, list[Stage]]]:
         """The stages grouped by where they are: one group per host, "fabric" in between."""
@@ -98,7 +118,7 @@ class PciePath(msgspec.Struct, frozen=True):
         return out
 
     def summary(self) -> str:
-        return f"{self.hops} hops, {self.roots} root(s), +{self.added_ns} ns"
+        return f"{self.hops} hops, {self.roots} root(s), {self.latency_ns} ns"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -107,6 +127,7 @@ class PciePath(msgspec.Struct, frozen=True):
             "hops": self.hops,
             "roots": self.roots,
             "ntb_crossings": self.ntb_crossings,
+            "latency_ns": self.latency_ns,
             "added_ns": self.added_ns,
             "links": list(self.links),
             "stages": [s.to_json() for s in self.stages],
@@ -129,12 +150,12 @@ def _ancestors(topology: Topology, node: str, slot: str | None) -> list[PcieElem
 def _element_up(e: PcieElement, node: str) -> list[Stage]:
     """The hops of one element as a TLP climbs through it; the turning point first."""
     if e.kind is PcieKind.SWITCH:
-        return [Stage(Hop.SWITCH, e.name, node)]
+        return [_chip_stage(Hop.SWITCH, e.name, node, e.switch_chip)]
     if e.kind is PcieKind.CHASSIS:  # the chassis switch, then the transparent link up
         return [
-            Stage(Hop.CHASSIS, f"{e.name} switch", node),
-            Stage(Hop.CHASSIS_LINK, f"{e.name} link adapter", node),
-            Stage(Hop.HOST_LINK, f"host link adapter to {e.name}", node),
+            _chip_stage(Hop.CHASSIS, f"{e.name} switch", node, e.switch_chip),
+            _chip_stage(Hop.CHASSIS_LINK, f"{e.name} link adapter", node, LINK_ADAPTER_CHIP),
+            _chip_stage(Hop.HOST_LINK, f"host link adapter to {e.name}", node, LINK_ADAPTER_CHIP),
         ]
     return []  # a root port is part of the root complex
 
@@ -174,13 +195,30 @@ def _within(topology: Topology, node: str, a: str | None, b: str | None) -> list
 
 
 def _across(path: NtbPath) -> list[Stage]:
-    """From the source adapter to the destination adapter, both included."""
-    cluster = [Stage(Hop.CLUSTER_SWITCH, sw, "") for sw in path.switches]
+    """From the source adapter to the destination adapter, both included: the first carries
+    the crossing's latency, each cluster switch its chip's."""
+    cluster = [
+        _chip_stage(Hop.CLUSTER_SWITCH, sw, "", chip)
+        for sw, chip in zip(path.switches, path.chips, strict=True)
+    ]
     return [
-        Stage(Hop.NTB, path.src.ref, path.src.node),
+        Stage(Hop.NTB, path.src.ref, path.src.node, ns=NTB_CROSSING_NS),
         *cluster,
         Stage(Hop.NTB, path.dst.ref, path.dst.node),
     ]
+
+
+def _backwards(stages: Sequence[Stage]) -> tuple[Stage, ...]:
+    """``stages`` walked the other way: each crossing's latency moves to the adapter a TLP now
+    enters the NTB by (the first of each pair of NTB adapters)."""
+    out: list[Stage] = []
+    entering = True
+    for s in reversed(stages):
+        if s.kind is Hop.NTB:
+            s = msgspec.structs.replace(s, ns=NTB_CROSSING_NS if entering else 0)
+            entering = not entering
+        out.append(s)
+    return tuple(out)
 
 
 def _ntb(topology: Topology, src: str, dst: str, ntb: NtbPath | None = None) -> NtbPath:
@@ -244,7 +282,8 @@ def cpu_to_bar(topology: Topology, node: str, fdid: int, ntb: NtbPath | None = N
     """A CPU of ``node`` (a VM's driver) reading or writing a BAR of device ``fdid``: the way
     the device's DMA into that node's RAM takes, backwards (``ntb``: from the lender)."""
     back = device_to_ram(topology, fdid, node, ntb)
-    return PciePath(f"CPU of {node}", f"BAR of device {fdid:#x}", back.stages[::-1], back.links)
+    stages = _backwards(back.stages)
+    return PciePath(f"CPU of {node}", f"BAR of device {fdid:#x}", stages, back.links)
 
 
 def device_to_device(
@@ -264,8 +303,8 @@ def device_via_ram(topology: Topology, src: int, dst: int, node: str) -> PciePat
     ``src`` writes it, ``dst`` reads it)."""
     into = device_to_ram(topology, src, node).stages
     out_of = device_to_ram(topology, dst, node).stages
-    stages: Sequence[Stage] = [*into, *reversed(out_of[:-1])]
-    return PciePath(f"device {src:#x}", f"device {dst:#x} via RAM of {node}", tuple(stages))
+    stages = (*into, *_backwards(out_of)[1:])
+    return PciePath(f"device {src:#x}", f"device {dst:#x} via RAM of {node}", stages)
 
 
 def explain(topology: Topology, src: str, dst: str, via: str | None = None) -> PciePath:
@@ -293,8 +332,10 @@ def explain(topology: Topology, src: str, dst: str, via: str | None = None) -> P
 
 def explain_all(topology: Topology, src: str, dst: str) -> list[PciePath]:
     """Every path ``vmlend path --all SRC DST`` lists: ``explain``'s path once per NTB route
-    between the two hosts (different adapters, different cables), cheapest first; the one path
-    when both ends are in one host. ``ConfigError`` as ``explain``."""
+    between the two hosts (different adapters, different cables), in the order ``routes`` ranks
+    them (the crossing's latency, then hops: the first is the one used, though the elements
+    inside the hosts may make a later one cheaper end to end); the one path when both ends are
+    in one host. ``ConfigError`` as ``explain``."""
     nodes = {n.name for n in topology.nodes}
     a_node, b_node = src in nodes, dst in nodes
     if a_node and b_node:

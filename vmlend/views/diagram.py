@@ -185,7 +185,7 @@ def _hosts(stages: Sequence[Stage]) -> list[str]:
 def _path_title(path: PciePath) -> str:
     return (
         f"{path.src} -> {path.dst}: {path.hops} hops, {path.roots} root complex(es),"
-        f" {path.ntb_crossings} NTB crossing(s), +{path.added_ns} ns"
+        f" {path.ntb_crossings} NTB crossing(s), about {path.latency_ns} ns"
     )
 
 

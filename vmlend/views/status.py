@@ -33,10 +33,10 @@ def _runtime_cell(records: list[RuntimeRecord]) -> str:
 
 
 def path_cell(path: PciePath | None) -> str:
-    """Hops, root complexes and the NTB's added latency, e.g. ``11h/2rc/+360ns``."""
+    """Hops, root complexes and the path's one-way latency, e.g. ``11h/2rc/934ns``."""
     if path is None:
         return "-"
-    return f"{path.hops}h/{path.roots}rc/+{path.added_ns}ns"
+    return f"{path.hops}h/{path.roots}rc/{path.latency_ns}ns"
 
 
 def render_status(

@@ -20,8 +20,8 @@ def test_xml_new_chooses_a_pair_under_one_lender_and_says_so(cluster, tmp_path):
     assert [d.fdid for d in read_domain(out.read_bytes()).devices] == [0x21, 0x10, 0x11]
     said = [ln for ln in r.stderr.splitlines() if ln.startswith("chose ")]
     assert said == [
-        "chose 0x10 (gpu on alpha): 11 hops, 2 root complex(es), +360 ns",
-        "chose 0x11 (gpu on alpha): 11 hops, 2 root complex(es), +360 ns",
+        "chose 0x10 (gpu on alpha): 1348 ns, 11 hops, 2 root complex(es)",
+        "chose 0x11 (gpu on alpha): 1348 ns, 11 hops, 2 root complex(es)",
     ]
 
 

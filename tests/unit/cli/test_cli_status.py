@@ -40,8 +40,9 @@ def test_text_lists_devices_state_mdev_and_adapters(cluster):
     m10, m12 = (str(mdev_uuid(uuid, f)) for f in (0x10, 0x12))
     # alpha's GPU and NVMe, in its expansion chassis: chassis switch, its link adapter, the host
     # link adapter, alpha's root complex, back down those three, alpha's NTB adapter, the
-    # cluster switch, gamma's adapter, gamma's root complex (the count of `vmlend path`)
-    path = "11h/2rc/+360ns"
+    # cluster switch, gamma's adapter, gamma's root complex (the count of `vmlend path`); the
+    # latency its elements add one way: 2 x (150 + 132 + 132) + 350 (NTB) + 170 (PM8536)
+    path = "11h/2rc/1348ns"
     # MSI/MSI-X over alpha's NTB: both have MSI-X and the window had room (the default)
     ntb = "ntb(alpha:0)"
     assert ["vm1", "gamma", "running", "0x10", "borrowed", m10, ntb, "-", "-", "-", path] in table
@@ -66,13 +67,19 @@ def test_runtime_records_are_shown(cluster):
     r = cluster.cli("status", "vm1", *GAMMA)
     assert r.exit_code == 0, r.output
     row = next(row for row in rows(r.stdout) if row and row[0] == "vm1")
-    assert row[-4:] == ["low:0x0-0x20000000", "msix.0,msix.1", "0x12", "11h/2rc/+360ns"]
+    assert row[-4:] == ["low:0x0-0x20000000", "msix.0,msix.1", "0x12", "11h/2rc/1348ns"]
     data = json.loads(cluster.cli("status", "vm1", "--json", *GAMMA).stdout)
     dev = data["vms"][0]["devices"][0]
     assert dev["dma_windows"] == [{"key": "low", "start": 0, "end": 0x20000000}]
     assert [v["key"] for v in dev["irq_vectors"]] == ["msix.0", "msix.1"]
     assert dev["p2p_maps"] == [{"key": "0x12", "gpa": 0xC0000000}]
-    assert dev["dma_path"] == {"hops": 11, "roots": 2, "ntb_crossings": 1, "added_ns": 360}
+    assert dev["dma_path"] == {
+        "hops": 11,
+        "roots": 2,
+        "ntb_crossings": 1,
+        "latency_ns": 1348,
+        "added_ns": 350,
+    }
     shown = json.loads(cluster.cli("path", "0x10", "gamma", "--json").stdout)
     assert {k: shown[k] for k in dev["dma_path"]} == dev["dma_path"]
 

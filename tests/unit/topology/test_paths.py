@@ -1,11 +1,13 @@
 """The route table (``vmlend.topology.paths.RouteTable``): routes computed once per topology
-give exactly what the plain breadth-first search over the whole graph gave, on every call,
-for generated fabrics (several adapters per node, cascaded switches with cycles, back-to-back
-cables, dead cables); and a topology that changed never answers from the old one's table."""
+give exactly what a plain search over the whole graph gives, on every call, for generated
+fabrics (several adapters per node, cascaded switches with cycles and chips of differing
+latency, back-to-back cables, dead cables); no way through the switches costs less than the
+route taken (every way enumerated); and a topology that changed never answers from the old
+one's table."""
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Collection
 
 import msgspec
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from tests.support.simfabric import fabric_topology
 from vmlend.errors import UnknownNodeError
+from vmlend.topology.chips import NTB_CROSSING_NS, Chip
 from vmlend.topology.model import AdapterSpec, GiB, Holder, LinkSpec, NodeSpec, Topology
 from vmlend.topology.parse import parse_topology
 from vmlend.topology.paths import NtbPath, RouteTable, route_table, routes, without_links
@@ -48,12 +51,20 @@ def _plain_graph(topology: Topology, down: Collection[str]) -> _Graph:
 
 
 def _plain_shortest(
-    graph: _Graph, start: _Vertex, target: _Vertex
+    topology: Topology, graph: _Graph, start: _Vertex, target: _Vertex
 ) -> list[tuple[_Vertex, str]] | None:
+    """Dijkstra's search over the whole graph, adapters included (not passed through): a
+    switch costs its chip's latency and a hop; among equal costs the first found wins."""
     parent: dict[_Vertex, tuple[_Vertex, str] | None] = {start: None}
-    queue = deque([start])
-    while queue:
-        v = queue.popleft()
+    cost = {start: (0, 0)}
+    heap = [(0, 0, 0, start)]
+    done: set[_Vertex] = set()
+    order = 1
+    while heap:
+        ns, hops, _, v = heapq.heappop(heap)
+        if v in done:
+            continue
+        done.add(v)
         if v == target:
             steps: list[tuple[_Vertex, str]] = []
             while (p := parent[v]) is not None:
@@ -63,10 +74,29 @@ def _plain_shortest(
         if v != start and v[0] == "adapter":
             continue
         for n, name in graph.get(v, []):
-            if n not in parent:
-                parent[n] = (v, name)
-                queue.append(n)
+            step = topology.switch_chip(n[1]).ns if n[0] == "switch" else 0
+            new = (ns + step, hops + 1)
+            if n not in cost or new < cost[n]:
+                cost[n], parent[n] = new, (v, name)
+                heapq.heappush(heap, (*new, order, n))
+                order += 1
     return None
+
+
+def _every_way(graph: _Graph, start: _Vertex, target: _Vertex) -> list[list[_Vertex]]:
+    """Every simple way from adapter ``start`` to adapter ``target`` through switches: the
+    switches passed, in order."""
+    out: list[list[_Vertex]] = []
+
+    def walk(v: _Vertex, passed: list[_Vertex]) -> None:
+        for n, _name in graph.get(v, []):
+            if n == target:
+                out.append(passed)
+            elif n[0] == "switch" and n not in passed:
+                walk(n, [*passed, n])
+
+    walk(start, [])
+    return out
 
 
 def plain_routes(
@@ -80,13 +110,14 @@ def plain_routes(
     found = []
     for a in src_node.adapters:
         for b in dst_node.adapters:
-            steps = _plain_shortest(graph, ("adapter", a.ref), ("adapter", b.ref))
+            steps = _plain_shortest(topology, graph, ("adapter", a.ref), ("adapter", b.ref))
             if steps is None:
                 continue
             switches = tuple(v[1] for v, _ in steps[:-1])
             links = tuple(name for _, name in steps)
-            found.append(NtbPath(src=a, dst=b, switches=switches, links=links))
-    found.sort(key=lambda p: (len(p.switches), p.src.index, p.dst.index, p.switches))
+            chips = tuple(topology.switch_chip(sw) for sw in switches)
+            found.append(NtbPath(src=a, dst=b, switches=switches, links=links, chips=chips))
+    found.sort(key=lambda p: (p.latency_ns, p.hops, p.src.index, p.dst.index, p.switches))
     return found
 
 
@@ -109,8 +140,9 @@ def cabled_fabrics(draw: st.DrawFn) -> Topology:
     links = []
     for sw in switches:
         ports = draw(st.lists(st.sampled_from(refs), unique=True, max_size=len(refs)))
+        chip = draw(st.sampled_from([None, *Chip]))
         if ports:
-            links.append(LinkSpec(tuple(ports), sw))
+            links.append(LinkSpec(tuple(ports), sw, chip))
     pairs = st.tuples(st.sampled_from(refs), st.sampled_from(refs)).filter(
         lambda p: p[0].split(":")[0] != p[1].split(":")[0]
     )
@@ -150,6 +182,22 @@ def test_the_route_table_gives_what_the_plain_search_gives(case):
         assert routes(topo, src, dst, down=down) == cut
         assert RouteTable(topo, down).routes(src, dst) == cut
         assert routes(without_links(topo, down), src, dst) == cut
+
+
+@settings(max_examples=200, deadline=None)
+@given(cabled_fabrics())
+def test_no_way_through_the_switches_costs_less_than_the_route(topo):
+    """Every way between each pair of adapters enumerated: the route's latency and hops are
+    the least of them, latency first."""
+    graph = _plain_graph(topo, ())
+    for src, dst in _pairs(topo):
+        for p in routes(topo, src, dst):
+            ways = _every_way(graph, ("adapter", p.src.ref), ("adapter", p.dst.ref))
+            costs = [
+                (NTB_CROSSING_NS + sum(topo.switch_chip(v[1]).ns for v in w), 2 + len(w))
+                for w in ways
+            ]
+            assert (p.latency_ns, p.hops) == min(costs)
 
 
 def test_the_table_is_made_once_per_topology_and_answers_copies():

@@ -14,11 +14,11 @@ import pytest
 
 from tests.support.simcluster import Cluster, domain_xml
 from vmlend.errors import ConfigError, NoPathError, TopologyError, UnknownDeviceError
+from vmlend.topology.chips import NTB_CROSSING_NS
 from vmlend.topology.model import GiB
 from vmlend.topology.parse import load_topology, parse_topology
 from vmlend.topology.paths import route
 from vmlend.topology.pcie import (
-    NTB_ONE_WAY_NS,
     Hop,
     cpu_to_bar,
     device_to_device,
@@ -84,6 +84,8 @@ def names(path) -> list[str]:
 def test_local_vm_p2p_is_7_hops_through_1_root():
     p = device_to_device(load_topology(), 0x10, 0x11)  # alpha's two GPUs, VM on alpha
     assert (p.hops, p.roots, p.added_ns) == (7, 1, 0)
+    # each chassis side: its PEX8796 switch and the link's two PEX8733 adapters
+    assert p.latency_ns == 2 * (150 + 132 + 132)
     assert names(p) == [
         "gpu 0x10",
         *CHASSIS_UP,
@@ -97,7 +99,9 @@ def test_remote_vm_via_borrower_ram_is_21_hops_through_3_roots():
     # a VM on gamma whose GPUs on alpha and beta exchange data through its RAM
     p = device_via_ram(load_topology(), 0x10, 0x20, "gamma")
     assert (p.hops, p.roots, p.ntb_crossings) == (21, 3, 2)
-    assert p.added_ns == 2 * NTB_ONE_WAY_NS
+    assert p.added_ns == 2 * NTB_CROSSING_NS
+    # four chassis sides, two crossings, two PM8536 cluster switch passes; roots cost nothing
+    assert p.latency_ns == 4 * (150 + 132 + 132) + 2 * 350 + 2 * 170 == 2696
     kinds = [s.kind for s in p.stages]
     assert kinds.count(Hop.NTB) == 4 and kinds.count(Hop.CLUSTER_SWITCH) == 2
     assert [s.node for s in p.stages if s.kind is Hop.ROOT_COMPLEX] == ["alpha", "gamma", "beta"]
@@ -108,7 +112,7 @@ def test_device_to_ram_cpu_to_bar_and_direct_p2p_between_lenders():
     local = device_to_ram(topo, 0x10, "alpha")
     assert (local.hops, local.roots, local.added_ns) == (4, 1, 0)
     remote = device_to_ram(topo, 0x10, "gamma")
-    assert (remote.hops, remote.roots, remote.added_ns) == (11, 2, NTB_ONE_WAY_NS)
+    assert (remote.hops, remote.roots, remote.added_ns) == (11, 2, NTB_CROSSING_NS)
     assert names(remote)[-4:] == ["alpha:0", "mxs824", "gamma:0", "gamma root complex via rp1"]
     bar = cpu_to_bar(topo, "gamma", 0x12)
     assert (bar.hops, bar.roots) == (11, 2) and names(bar)[-1] == "nvme 0x12"
@@ -212,7 +216,7 @@ def test_a_lender_with_its_iommu_off_turns_at_the_chassis_switch():
         "gamma:0",
         "gamma root complex via rp1",
     ]
-    assert (remote.hops, remote.roots, remote.added_ns) == (5, 1, NTB_ONE_WAY_NS)
+    assert (remote.hops, remote.roots, remote.added_ns) == (5, 1, NTB_CROSSING_NS)
     across = device_to_device(topo, 0x10, 0x20)
     assert (across.hops, across.roots, across.ntb_crossings) == (5, 0, 1)
     via = device_via_ram(topo, 0x10, 0x20, "gamma")
@@ -389,6 +393,55 @@ def test_pcie_tree_mistakes_are_named(edit, message):
         parse_topology(text, "c.toml")
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (('kind = "switch"', 'kind = "switch"\n  chip = "PEX9999"'),
+         "pcie[1].chip: unknown chip 'PEX9999': name one of PEX8733 (132 ns), PEX8796 (150 ns),"
+         " PM8536 (170 ns)"),
+        (('kind = "switch"', 'kind = "switch"\n  chip = "pex8733"'), "unknown chip 'pex8733'"),
+        (('kind = "switch"', 'kind = "switch"\n  chip = 8733'), "pcie[1].chip: unknown chip 8733"),
+        (('kind = "switch"', 'kind = "switch"\n  chip = ["PM8536"]'), "unknown chip ['PM8536']"),
+        (('kind = "root-port"', 'kind = "root-port"\n  chip = "PEX8733"'),
+         "pcie[0].chip: a root port is part of the root complex, which has no chip"),
+    ],
+)  # fmt: skip
+def test_a_chip_vmlend_has_no_figure_for_is_named_with_the_ones_it_has(edit, message):
+    text = CASCADE.replace("id = 1\n", "id = 1\n" + PCIE.replace(*edit), 1)
+    with pytest.raises(TopologyError) as e:
+        parse_topology(text, "c.toml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TopologyError, match=r"switch\[1\]\.chip: unknown chip 'MXS824'"):
+        parse_topology(CASCADE.replace('name = "s2"', 'name = "s2"\nchip = "MXS824"'), "c.toml")
+
+
+def test_the_chips_a_topology_names_are_what_its_paths_cost():
+    # sw0 a PM8536 (170 ns) instead of the default PEX8796 (150 ns), the cluster switches s1
+    # and s3 PEX8733 (132 ns) instead of PM8536, s2 left to its default
+    one_host = two_switches(True)
+    assert device_to_device(one_host, 0x1, 0x2).latency_ns == 2 * 150
+    fast = TWO_SWITCHES.replace("IOMMU", "").replace(
+        'name = "sw0"\n  kind = "switch"', 'name = "sw0"\n  kind = "switch"\n  chip = "PM8536"'
+    )
+    p = device_to_device(parse_topology(fast, "h.toml"), 0x1, 0x2)
+    assert [(s.name, s.chip, s.ns) for s in p.stages if s.kind is Hop.SWITCH] == [
+        ("sw0", "PM8536", 170),
+        ("sw0", "PM8536", 170),
+    ]
+    assert p.latency_ns == 2 * 170 and p.summary() == "3 hops, 1 root(s), 340 ns"
+    cheap = CASCADE.replace('name = "s1"', 'name = "s1"\nchip = "PEX8733"').replace(
+        'name = "s3"', 'name = "s3"\nchip = "PEX8733"'
+    )
+    topo = parse_topology(cheap, "c.toml")
+    assert [topo.switch_chip(s) for s in ("s1", "s2", "s3")] == ["PEX8733", "PM8536", "PEX8733"]
+    ram = device_to_ram(topo, 0x100, "d")  # a:0, s1, s2, s3, d:0: 350 + 132 + 170 + 132
+    assert [s.ns for s in ram.stages if s.kind in (Hop.NTB, Hop.CLUSTER_SWITCH)] == [
+        350, 132, 170, 132, 0
+    ]  # fmt: skip
+    assert ram.latency_ns == 350 + 132 + 170 + 132 == route(topo, "a", "d").latency_ns
+    assert device_to_ram(parse_topology(CASCADE, "c.toml"), 0x100, "d").latency_ns == 350 + 3 * 170
+
+
 def test_slots_must_name_an_element_of_their_node():
     text = CASCADE.replace("id = 1\n", "id = 1\n" + PCIE, 1)
     ok = parse_topology(
@@ -419,20 +472,33 @@ def test_path_command_explains_stage_by_stage(cluster):
     lines = r.stdout.splitlines()
     assert lines[0] == (
         "device 0x10 -> device 0x20 via RAM of gamma: 21 hops, 3 root complex(es),"
-        " 2 NTB crossing(s), about +720 ns one way"
+        " 2 NTB crossing(s), about 2696 ns one way (700 ns of it the NTB)"
     )
-    assert lines[1].split() == ["#", "HOST", "KIND", "ELEMENT"]
-    assert lines[2].split() == ["-", "alpha", "device", "gpu", "0x10"]  # an end, not a hop
-    assert lines[2 + 9].split() == ["9", "(fabric)", "cluster-switch", "mxs824"]
-    assert lines[-1].split() == ["-", "beta", "device", "gpu", "0x20"]
+    assert lines[1].split() == ["#", "HOST", "KIND", "ELEMENT", "CHIP", "NS"]
+    assert lines[2].split() == ["-", "alpha", "device", "gpu", "0x10", "-", "-"]  # not a hop
+    assert lines[2 + 1].split()[-2:] == ["PEX8796", "150"]  # the chassis switch
+    assert lines[2 + 4].split()[-2:] == ["-", "-"]  # the root complex: no figure
+    assert lines[2 + 8].split()[-3:] == ["alpha:0", "(crossing)", "350"]
+    assert lines[2 + 9].split() == ["9", "(fabric)", "cluster-switch", "mxs824", "PM8536", "170"]
+    assert lines[2 + 10].split()[-3:] == ["gamma:0", "(crossing)", "-"]
+    assert lines[-1].split() == ["-", "beta", "device", "gpu", "0x20", "-", "-"]
     assert len(lines) == 2 + 21 + 2  # the hops, numbered, and both end devices
     data = json.loads(cluster.cli("path", "gamma", "0x12", "--json").stdout)
-    assert (data["hops"], data["roots"], data["added_ns"]) == (11, 2, 360)
+    assert (data["hops"], data["roots"], data["added_ns"]) == (11, 2, 350)
+    assert data["latency_ns"] == sum(s["ns"] for s in data["stages"]) == 1348
     assert data["stages"][0] == {
         "kind": "root-complex",
         "name": "gamma root complex via rp1",
         "node": "gamma",
+        "chip": None,
+        "ns": 0,
     }
+    # the CPU's write enters the NTB at gamma's adapter: the crossing's cost is there
+    assert [(s["name"], s["ns"]) for s in data["stages"][1:4]] == [
+        ("gamma:0", 350),
+        ("mxs824", 170),
+        ("alpha:0", 0),
+    ]
     bad = cluster.cli("path", "gamma", "beta")
     assert bad.exit_code == 1
     assert bad.output.strip().splitlines()[-1].startswith("Error: gamma and beta are both nodes")

@@ -24,6 +24,7 @@ from tests.support.simfabric import fabric_topology, small_topology, star_topolo
 from vmlend.errors import TopologyError
 from vmlend.registry import TopologyRecord, open_registry
 from vmlend.registry import etcd_keys as etcd_keys_mod
+from vmlend.topology.chips import Chip
 from vmlend.topology.compiled import (
     COMPILED_FORMAT,
     compile_topology,
@@ -158,7 +159,8 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     # gives. Such a change must bump COMPILED_FORMAT and update this pin.
     described = shape(msgspec.inspect.type_info(Topology), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    pinned = {"vmlend-topology/3": "d9589b306601f1f3"}  # /3: NodeSpec.iommu
+    # /3: NodeSpec.iommu; /4: PcieElement.chip, LinkSpec.chip
+    pinned = {"vmlend-topology/4": "5f8cd17e8db57d0b"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
@@ -175,7 +177,7 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     digest = hashlib.sha256(body).hexdigest()[:16]
     # repinned without a bump when an input changes and the parser does not (issue 23 part 3:
     # the default topology gained gamma's second adapter; parse.py and the model are unchanged)
-    pinned = {"vmlend-topology/3": "d6717db848edd171"}
+    pinned = {"vmlend-topology/4": "9298e7a8b7f2ab58"}  # /4: each element's chip
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
@@ -313,6 +315,34 @@ def test_an_etcd_record_with_a_compiled_key_that_is_not_base64_opens_from_the_to
     assert etcd_keys_mod.compiled_of(record) is None
     assert etcd_keys_mod.compiled_of({"compiled": 7}) is None
     assert etcd_keys_mod.compiled_of({}) is None
+
+
+def test_a_topology_compiled_before_the_chips_is_parsed_from_its_text():
+    # vmlend-topology/3 had no chips: its blob is not trusted, the stored text is parsed
+    # again; a text without chips (every topology stored before) gets the default chips, and
+    # a text that names one has it
+    import zlib
+
+    text, source = default_topology_text()
+    for stored_text, chip in [
+        (text, Chip.PM8536),
+        (text.replace('name = "mxs824"\n', 'name = "mxs824"\nchip = "PEX8733"\n', 1), Chip.PEX8733),
+    ]:
+        parsed = parse_topology(stored_text, source)
+        shape_3 = msgspec.to_builtins(parsed)  # what /3 stored: no "chip" anywhere
+        for link in shape_3["links"]:
+            del link["chip"]
+        for node in shape_3["nodes"]:
+            for element in node["pcie"]:
+                del element["chip"]
+        body = msgspec.msgpack.encode(shape_3)
+        blob = msgspec.msgpack.encode(
+            ["vmlend-topology/3", "d", zlib.crc32(body), msgspec.Raw(body)]
+        )
+        assert decode_compiled(blob, "d") is None
+        got = stored_topology(TopologyRecord("n", source, stored_text, "d", "", 0.0, blob))
+        assert got == parsed and got.switch_chip("mxs824") is chip
+        assert got.switch_chip("mxs824b") is Chip.PM8536
 
 
 def test_a_topology_compiled_before_the_iommu_setting_is_parsed_from_its_text():
