@@ -183,4 +183,4 @@ def rank_shared(
     choices = [
         Choice(s.fdid, s.kind, s.lender, device_to_ram(topology, s.fdid, node)) for s in matching
     ]
-    return sorted(choices, key=lambda c: (c.fdid not in have, _ram_cost(c.path), c.fdid))
+    return sorted(choices, key=lambda c: (c.fdid not in have, _cost(c.path), c.fdid))
