@@ -5,15 +5,20 @@ Three transactions, each all or nothing (docs/migration.md, "Hot"):
 1. ``claim_destination``: the whole VM is admitted on the destination with its own holds
    counted as movable (``admit_vm``), and each hold gains the destination's claims beside the
    source's (LUT entries, DMA and BAR window segments, peer-to-peer, the interrupt window):
-   room that nobody else can take while the memory is copied. Refused: nothing changed.
+   room that nobody else can take while the memory is copied. The same transaction writes
+   the hand-over record (``vmlend.ledger.handover_record``) the destination's prepare hook
+   accepts the arriving devices by. Refused: nothing changed.
 2. ``hand_over``: at the switch-over, each hold of the source's VM is replaced by the same
-   VM's hold on the destination (phase BORROWED: the device never stops being borrowed),
+   VM's hold on the destination (in the same phase: a borrowed device never stops being
+   borrowed),
    keeping both sets of claims, and each mdev record moves to the destination. The new hold
    has a newer fencing token: the device's side, told it by the switch-over, refuses every
    later step made for the source's hold.
 3. ``release_source``: once the hardware follows, the source's claims go.
 
-``abandon`` undoes 1 (a migration that stopped before the switch-over).
+``abandon`` undoes 1 (a migration that stopped before the switch-over). A claim the source's
+hold already has (the lender's LUT entry of the device serves either borrower) is not added
+twice, and so stays with the source when the destination's go.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from vmlend.errors import DeviceHeldError, DeviceNotReservedError, FabricError
+from vmlend.ledger import handover_record
 from vmlend.ledger.admission import StateView, admit_vm
+from vmlend.ledger.handover_record import HandOverRecord
 from vmlend.ledger.ledger import MDEV_TYPE, parent_name
 from vmlend.ledger.linkfaults import links_down_in
 from vmlend.ledger.msiadmit import is_msi_claim, msi_share
-from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, Registry, StateTxn, same_holder
+from vmlend.registry import Claim, ClaimKind, HoldRecord, Registry, StateTxn, same_holder
 from vmlend.registry.records import MdevRecord, ParentRecord
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import GuestRam, Holder, Topology
@@ -35,11 +42,14 @@ from vmlend.topology.paths import route, without_links
 
 
 class Claimed(msgspec.Struct, frozen=True):
-    """What ``claim_destination`` added: per device, the destination's claims."""
+    """What ``claim_destination`` admitted: per device, the destination's claims (``claims``)
+    and, of those, the ones it added beside the source's (``added``: the others the source's
+    hold had already)."""
 
     source: Holder
     destination: Holder
     claims: dict[int, list[Claim]]
+    added: dict[int, list[Claim]] = msgspec.field(default_factory=dict)
 
 
 def _topology(tx: StateTxn) -> Topology:
@@ -89,6 +99,32 @@ def _add_claims(tx: StateTxn, add: Mapping[int, Iterable[Claim]]) -> None:
             tx.replace_claims(kind, [fdid], [(fdid, c) for c in old + new])
 
 
+def _held_by(tx: StateTxn, fdids: Iterable[int], holder: Holder) -> list[int]:
+    """Those of ``fdids`` that ``holder``'s VM holds now."""
+    out = []
+    for fdid in sorted(fdids):
+        hold = tx.hold(fdid)
+        if hold is not None and same_holder(hold.holder, holder):
+            out.append(fdid)
+    return out
+
+
+def _minus(have: list[Claim], remove: Iterable[Claim]) -> list[Claim]:
+    """``have`` without one instance of each of ``remove``."""
+    out = list(have)
+    for c in remove:
+        if c in out:
+            out.remove(c)
+    return out
+
+
+def _drop_added(tx: StateTxn, added: Mapping[int, Iterable[Claim]]) -> None:
+    """Each hold loses what ``added`` says was added to it, and keeps the rest."""
+    current = tx.claims()
+    keep = {f: _minus([c for g, c in current if g == f], a) for f, a in added.items()}
+    _drop_claims(tx, [f for f in added if tx.hold(f) is not None], keep)
+
+
 def _drop_claims(tx: StateTxn, fdids: Iterable[int], keep: Mapping[int, Iterable[Claim]]) -> None:
     """Each hold of ``fdids`` keeps exactly ``keep[fdid]`` of its claims."""
     current = tx.claims()
@@ -108,13 +144,18 @@ def claim_destination(
     destination: Holder,
     guest_ram: GuestRam | int,
 ) -> Claimed:
-    """Step 1: admit the whole VM on ``destination.node`` and claim its room there beside
-    the source's. ``FabricError`` naming the first device refused (nothing changed)."""
+    """Step 1: admit the whole VM on ``destination.node``, claim its room there beside the
+    source's and write the hand-over record. ``FabricError`` naming the first device refused
+    (nothing changed). A record of an earlier run of the same move (killed before its end)
+    goes first, with what it claimed."""
 
     def body(tx: StateTxn) -> Claimed:
+        holds = {fdid: _own(tx, fdid, source) for fdid in fdids}
+        for recs in handover_record.read(tx, fdids, source.vm_uuid).values():
+            for old in recs:
+                _drop_added(tx, old.claims)
+                handover_record.clear(tx, sorted(old.devices), source.vm_uuid)
         topo = _topology(tx)
-        for fdid in fdids:
-            _own(tx, fdid, source)
         view = StateView(
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )
@@ -131,23 +172,35 @@ def claim_destination(
             add.setdefault(owner, []).append(c)
         for fdid in fdids:
             add[fdid] += _msi_claims(topo, tx, fdid, source, destination)
-        _add_claims(tx, add)
-        return Claimed(source, destination, add)
+        have = tx.claims()
+        added = {f: _minus(cs, [c for g, c in have if g == f]) for f, cs in add.items()}
+        _add_claims(tx, added)
+        if fdids:
+            handover_record.put(
+                tx,
+                HandOverRecord(
+                    source.vm,
+                    source.vm_uuid,
+                    source.node,
+                    destination.node,
+                    {f: holds[f].token for f in fdids},
+                    added,
+                ),
+            )
+        return Claimed(source, destination, add, added)
 
     return registry.transact(body)
 
 
-def _source_claims(tx: StateTxn, claimed: Claimed, fdid: int) -> list[Claim]:
-    theirs = claimed.claims.get(fdid, [])
-    return [c for f, c in tx.claims() if f == fdid and c not in theirs]
-
-
 def abandon(registry: Registry, claimed: Claimed) -> None:
-    """Undo ``claim_destination``: the holds keep only the source's claims again."""
+    """Undo ``claim_destination``: the holds keep only the source's claims again, and the
+    hand-over record goes. Idempotent (also for holds that moved or ended meanwhile: a
+    hold no longer the source's is left alone)."""
 
     def body(tx: StateTxn) -> None:
-        keep = {f: _source_claims(tx, claimed, f) for f in claimed.claims}
-        _drop_claims(tx, claimed.claims, keep)
+        ours = _held_by(tx, claimed.claims, claimed.source)
+        handover_record.clear(tx, ours, claimed.source.vm_uuid)
+        _drop_added(tx, {f: claimed.added.get(f, []) for f in ours})
 
     registry.transact(body)
 
@@ -166,12 +219,13 @@ def hand_over(
         for fdid in fdids:
             hold = _own(tx, fdid, src)
             claims = [c for f, c in tx.claims() if f == fdid]
+            handover_record.clear(tx, [fdid], src.vm_uuid)  # it ends with the source's hold
             uuid = mdevs.get(fdid)
             if uuid is not None:
                 tx.delete_mdev(uuid)
             tx.delete_hold(fdid)
             tx.add_hold(
-                HoldRecord(fdid, dst, clock, Phase.BORROWED, hold.guest_ram), claims
+                HoldRecord(fdid, dst, clock, hold.phase, hold.guest_ram), claims
             )
             if uuid is not None:
                 if tx.parent(dst.node, fdid) is None:
@@ -190,9 +244,9 @@ def hand_over(
 
 
 def release_source(registry: Registry, claimed: Claimed) -> None:
-    """Step 3: the destination's holds keep only the destination's claims."""
+    """Step 3: the destination's holds keep only the destination's claims. Idempotent."""
 
     def body(tx: StateTxn) -> None:
-        _drop_claims(tx, claimed.claims, claimed.claims)
+        _drop_claims(tx, _held_by(tx, claimed.claims, claimed.destination), claimed.claims)
 
     registry.transact(body)
