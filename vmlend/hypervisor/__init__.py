@@ -10,6 +10,7 @@ from vmlend.hypervisor.base import (
     Hypervisor,
     LiveMigration,
     MigrationStats,
+    SwitchOver,
 )
 from vmlend.hypervisor.libvirt_hv import LibvirtHypervisor
 
@@ -20,4 +21,5 @@ __all__ = [
     "LibvirtHypervisor",
     "LiveMigration",
     "MigrationStats",
+    "SwitchOver",
 ]

@@ -59,6 +59,22 @@ class LiveMigration(msgspec.Struct, frozen=True):
     dest_xml: bytes | None = None
 
 
+class SwitchOver(Protocol):
+    """What a hot migration does at the switch-over of ``Hypervisor.migrate_live``: the
+    moment the guest's vCPUs are stopped on the source and not yet running on the
+    destination (docs/migration.md, "Hot")."""
+
+    def switch(self) -> None:
+        """Called with the guest paused, after the destination's hooks, before the
+        destination runs it. Raising a ``VmlendError`` cancels the migration: the guest runs
+        on here again and the destination's stop hooks run."""
+        ...
+
+    def resumed(self) -> None:
+        """Called once the guest runs on the destination (before the source's stop hooks)."""
+        ...
+
+
 class MigrationStats(msgspec.Struct, frozen=True):
     """What a live migration measured. ``downtime``: seconds the guest's vCPUs were stopped
     for the switch-over (None: the hypervisor did not say)."""
@@ -75,6 +91,9 @@ class Hypervisor(Protocol):
     uri: str
     #: The fabric node this hypervisor runs on; None when unknown (plain libvirt).
     node: str | None
+    #: Whether ``migrate_live`` calls a ``switch_over`` at the switch-over (a hot migration
+    #: needs it); libvirt offers no such call.
+    hot_migration: bool
 
     def list_domains(self) -> list[DomainInfo]:
         """Every domain, persistent or running, sorted by name."""
@@ -129,11 +148,18 @@ class Hypervisor(Protocol):
         """Set the element of namespace ``uri`` (prefix ``key``); ``xml=None`` removes it."""
         ...
 
-    def migrate_live(self, name: str, dst: Hypervisor, how: LiveMigration) -> MigrationStats:
+    def migrate_live(
+        self,
+        name: str,
+        dst: Hypervisor,
+        how: LiveMigration,
+        switch_over: SwitchOver | None = None,
+    ) -> MigrationStats:
         """Move the running domain ``name`` to ``dst`` while it runs (libvirt:
         ``migrateToURI3`` with ``VIR_MIGRATE_LIVE | VIR_MIGRATE_PEER2PEER``; the destination
         runs its hook's ``migrate`` filter, then ``prepare``/``start``/``started``). On
-        failure the domain still runs here."""
+        failure the domain still runs here. ``switch_over``: called at the switch-over (only
+        where ``hot_migration``; else ``UnsupportedOperationError``, nothing done)."""
         ...
 
     def host_uuid(self) -> str:

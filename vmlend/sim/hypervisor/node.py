@@ -11,8 +11,9 @@ environment passed through, synchronously.
     define, undefine, attach, detach, metadata: no hook (libvirt has none for them)
     live migration, on the destination: migrate begin - (its stdout is the XML to start),
               prepare begin -, start begin -, started begin -; then the switch-over (the
-              guest's vCPUs stop on the source and run on the destination); on the source:
-              stopped end -, release end migrated
+              guest's vCPUs stop on the source, the caller's ``SwitchOver`` runs, the
+              vCPUs run on the destination); on the source: stopped end -, release end
+              migrated
 
 Hot-plug behaves like a working VFIO host: live attach/detach of an mdev hostdev succeeds.
 A ``GuestDriver`` lets the demo play the guest (it sees starts, hot-plugs and stops).
@@ -47,6 +48,7 @@ from vmlend.hypervisor.base import (
     Hypervisor,
     LiveMigration,
     MigrationStats,
+    SwitchOver,
 )
 from vmlend.sim.hypervisor import xml as sim_xml
 from vmlend.sim.hypervisor.store import SimStore
@@ -149,6 +151,9 @@ class SimHypervisor:
     ``release_reasons``: pass the shut-off reason to ``release`` (libvirt >= 10.5: shutdown,
     destroyed, failed); False passes "-" like libvirt 9.0 on this machine kind.
     """
+
+    #: ``migrate_live`` calls a ``SwitchOver`` with the guest paused (hot migration).
+    hot_migration = True
 
     def __init__(
         self,
@@ -424,11 +429,19 @@ class SimHypervisor:
             self._commit(name, trees)
 
     # --- live migration ------------------------------------------------------------------
-    def migrate_live(self, name: str, dst: Hypervisor, how: LiveMigration) -> MigrationStats:
+    def migrate_live(
+        self,
+        name: str,
+        dst: Hypervisor,
+        how: LiveMigration,
+        switch_over: SwitchOver | None = None,
+    ) -> MigrationStats:
         """Move the running ``name`` to the simulated node ``dst``, as a peer-to-peer live
         migration does. The destination's hooks run first (a failing one cancels the migration:
-        the domain still runs here); the switch-over (live XML there, gone here) is the
-        downtime; then the source's stop hooks run with reason ``migrated``."""
+        the domain still runs here); the switch-over (``switch_over``'s ``switch``, then the
+        live XML there and gone here) is the downtime; a ``switch`` that raises cancels it
+        (the destination's stop hooks run, the domain still runs here). Then
+        ``switch_over``'s ``resumed``, and the source's stop hooks with reason ``migrated``."""
         op = "migrate"
         if not isinstance(dst, SimHypervisor):
             raise UnsupportedOperationError(
@@ -469,12 +482,21 @@ class SimHypervisor:
             # Switch-over: the source's vCPUs stop, the rest of the memory goes, the
             # destination's run. The simulated memory copy is the two file writes.
             paused = time.monotonic()
+            if switch_over is not None:
+                try:
+                    switch_over.switch()
+                except VmlendError:
+                    # QEMU's incoming side is torn down; the source's vCPUs run on
+                    dst._stop_hooks(name, there, "failed", after_failed_start=True)
+                    raise
             dst.store.write("live", name, there)
             if how.persistent and cfg is not None:
                 dst.store.write("config", name, sim_xml.serialize(cfg))
             self.store.remove("live", name)
             self.store.remove("paused", name)
             downtime = time.monotonic() - paused
+            if switch_over is not None:
+                switch_over.resumed()
             if how.undefine_source:
                 self.store.remove("config", name)
             self._stop_hooks(name, sim_xml.serialize(live), "migrated")
