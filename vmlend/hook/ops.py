@@ -13,10 +13,12 @@ from collections.abc import Callable
 from vmlend.domain.info import DomainXMLInfo
 from vmlend.domain.metadata import VmlendDevice
 from vmlend.errors import HookError, RegistryUnreachableError, VmlendError
-from vmlend.fabric.base import Fabric
+from vmlend.fabric.base import Fabric, RegistryFabric
 from vmlend.faults import fault_point
 from vmlend.hook.actionlog import ActionLog
 from vmlend.journal import log_fields
+from vmlend.ledger import handover_record
+from vmlend.ledger.handover_record import HandOverRecord, HandOverRefusedError
 from vmlend.lending.devices import (
     UndoJournal,
     acquire_device,
@@ -54,14 +56,51 @@ class HookOps:
         # run takes again is this run's now (its release returns it).
         settle_own(self.fabric, holder, record, [(d.fdid, str(d.mdev)) for d in dom.devices])
 
+        arriving = self._arrival(dom, holder, record)
         journal = UndoJournal()
         for dev in dom.devices:
             fd = format_fdid(dev.fdid)
+            if arriving is not None and dev.fdid in arriving.devices:
+                record(
+                    f"device {fd}: arrives plugged with the hot migration from"
+                    f" {arriving.source} (hold token {arriving.devices[dev.fdid]}); its hold"
+                    " moves here at the switch-over"
+                )
+                continue
             with log_fields(fdid=fd):
                 self._prepare_device(dom, dev, holder, journal, record)
             fault_point("prepare:after-device")
-        self._confirm_held(dom, holder, journal, record)
+        if arriving is None:
+            self._confirm_held(dom, holder, journal, record)
         record(f"{plural(len(dom.devices), 'device')} ready")
+
+    def _arrival(
+        self, dom: DomainXMLInfo, holder: Holder, record: Callable[[str], None]
+    ) -> HandOverRecord | None:
+        """The hot migration bringing this VM here with its devices, as the registry's
+        hand-over record shows it (``vmlend.ledger.handover_record``); None for a plain
+        start. Looked for only when this VM (by UUID) holds a device of its XML on another
+        node: a start that borrows never reads more than it did. A record that does not
+        match fails the start, nothing changed."""
+        if not isinstance(self.fabric, RegistryFabric) or not holder.vm_uuid:
+            return None
+        own = [d.fdid for d in dom.devices if d.share is None]
+        shares = [d.fdid for d in dom.devices if d.share is not None]
+        with self.fabric.registry.read() as tx:
+            holds = {f: tx.hold(f) for f in own}
+            if not any(
+                h is not None
+                and h.holder.node != holder.node
+                and h.holder.vm_uuid.lower() == holder.vm_uuid.lower()
+                for h in holds.values()
+            ):
+                return None
+            found = handover_record.read(tx, own, holder.vm_uuid)
+        try:
+            return handover_record.arrival(found, holds, holder, own, shares)
+        except HandOverRefusedError as e:
+            record(f"FAILED: {e}")
+            raise HookError(f"cannot start VM {dom.name!r}: {e}") from e
 
     def _prepare_device(
         self,
