@@ -19,6 +19,7 @@ POINTS: dict[str, tuple[str, ...]] = {
     "detach": ("after-unplug", "after-metadata"),
     "migrate": ("after-stop", "after-return", "after-define", "after-undefine"),
     "live-migrate": ("after-unplug", "after-migrate", "after-replug"),
+    "hot-migrate": ("after-claim", "after-hand-over", "after-migrate"),
     "prepare": ("after-device",),
     "release": ("after-mdevs",),
 }

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli_cluster import GAMMA, SimCluster
+from tests.support.handover_checks import registry_violations
 from vmlend.domain import read_domain
 from vmlend.errors import HookFailedError
 from vmlend.faults import FAULT_ENV, POINTS
@@ -115,7 +116,10 @@ def test_live_migrate_killed_then_rerun(cluster, fault):
     for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
         attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
         assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
-    args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
+    args = (
+        *("migrate", "vm1", "--to", "alpha", "--live", "--unplug"),
+        *("--persistent", "--undefinesource", *GAMMA),
+    )
     _killed(_run(cluster.state_path, *args, fault=fault))
     res = _run(cluster.state_path, *args)
     assert res.returncode == 0, res.stderr
@@ -134,6 +138,33 @@ def test_live_migrate_killed_then_rerun(cluster, fault):
     )
     (record,) = status["vms"][0]["live_migrations"]
     assert record["resumed"] is True and set(record["blackout"]) == {"0x10", "0x11"}
+
+
+@pytest.mark.parametrize("point", POINTS["hot-migrate"])
+def test_hot_migrate_killed_then_rerun(cluster, point):
+    """Killed after the destination's room is claimed, inside the switch-over after the holds
+    moved, or after the move: the same command finishes, the devices never left the guest."""
+    cluster.define("gamma", "vm1", running=True, memory=256 * MiB)
+    for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
+        attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
+        assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
+    args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
+    _killed(_run(cluster.state_path, *args, fault=f"hot-migrate:{point}"))
+    res = _run(cluster.state_path, *args)
+    assert res.returncode == 0, res.stderr
+    assert "unplugging" not in res.stderr
+    _consistent(cluster)
+    alpha = cluster.hv("alpha")
+    assert alpha.lookup("vm1").active and alpha.lookup("vm1").persistent
+    assert [d.name for d in cluster.hv("gamma").list_domains()] == []
+    assert cluster.holds() == {0x10: "alpha/vm1", 0x11: "alpha/vm1"}
+    with cluster.fabric() as f:
+        assert registry_violations(f.registry) == []  # no room left claimed on gamma
+    status = json.loads(
+        _run(cluster.state_path, "status", "vm1", "-c", "sim:///alpha", "--json").stdout
+    )
+    (record,) = status["vms"][0]["live_migrations"]
+    assert record["mode"] == "hot" and record["resumed"] is True
 
 
 def test_prepare_killed_is_cleaned_up_by_the_release_hook(cluster, monkeypatch):

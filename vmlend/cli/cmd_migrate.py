@@ -28,7 +28,7 @@ from vmlend.wiring.hypervisor import sim_node
 
 #: Options of a cold migration only, and of a live one only.
 _COLD_ONLY = ("start", "force", "rollback")
-_LIVE_ONLY = ("persistent", "undefinesource", "migrate_uri", "listen_address")
+_LIVE_ONLY = ("persistent", "undefinesource", "migrate_uri", "listen_address", "unplug")
 
 
 def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
@@ -74,8 +74,15 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
 @click.option(
     "--live",
     is_flag=True,
-    help="Move the running VM without stopping it: its remote devices are unplugged, then"
-    " plugged back in on the destination at the same guest addresses.",
+    help="Move the running VM without stopping it: its remote devices stay plugged where"
+    " every one can (hot), else they are unplugged, then plugged back in on the destination"
+    " at the same guest addresses.",
+)
+@click.option(
+    "--unplug",
+    is_flag=True,
+    help="--live: unplug the remote devices while the VM moves, even where they could stay"
+    " plugged.",
 )
 @click.option("--persistent", is_flag=True, help="--live: define the VM on the destination too.")
 @click.option(
@@ -107,6 +114,7 @@ def migrate_cmd(
     force: bool,
     rollback: bool,
     live: bool,
+    unplug: bool,
     persistent: bool,
     undefinesource: bool,
     migrate_uri: str | None,
@@ -116,8 +124,9 @@ def migrate_cmd(
 ) -> None:
     """Move VM to node NODE keeping its remote devices, stopped or (--live) running.
 
-    A running VM is shut down first, unless --live: then the guest loses its remote devices
-    while it moves and gets them back at the same addresses."""
+    A running VM is shut down first, unless --live: then its remote devices stay plugged
+    while it moves (hot) where the nodes and every device's driver allow it; else, said in
+    one line, the guest loses them while it moves and gets them back at the same addresses."""
     given = click.get_current_context().params
     wrong = [o for o in (_COLD_ONLY if live else _LIVE_ONLY) if given.get(o)]
     if wrong:
@@ -164,6 +173,7 @@ def migrate_cmd(
                         state_dir=obj.state_path.parent,
                         progress=progress,
                         plugs=plugs,
+                        unplug=unplug,
                     )
                 else:
                     res = migrate(
@@ -217,9 +227,11 @@ def _live_summary(res: LiveMigrateResult) -> str:
     if not res.devices and res.resumed and res.downtime is None:
         return f"VM {res.vm!r} already runs on {res.destination}: nothing to do"
     downtime = "not measured" if res.downtime is None else f"{res.downtime * 1000:.1f} ms"
+    how = "hot" if res.mode == "hot" and res.devices else "live"
+    kept = " (kept plugged)" if res.mode == "hot" and res.devices else ""
     out = [
-        f"migrated VM {res.vm!r} live from {res.source} to {res.destination} (running),"
-        f" devices {', '.join(res.devices) or 'none'}; downtime {downtime}"
+        f"migrated VM {res.vm!r} {how} from {res.source} to {res.destination} (running),"
+        f" devices {', '.join(res.devices) or 'none'}{kept}; downtime {downtime}"
     ]
     for fdid, seconds in sorted(res.blackout.items()):
         said = "not measured" if seconds is None else f"{seconds * 1000:.1f} ms"

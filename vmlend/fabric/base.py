@@ -206,3 +206,17 @@ class TakesBack(Protocol):
     def fenced(self) -> list[FenceRecord]: ...
 
     def take_back(self, fence: FenceRecord) -> bool: ...
+
+
+@runtime_checkable
+class Repoints(Protocol):
+    """A backend whose borrowed device can be re-pointed at its VM's new node without its
+    borrow ending: a hot migration's switch-over (docs/migration.md, "Hot"). The kernel
+    backend cannot (the SmartIO driver implements no mdev migration states): its VMs move
+    with their devices unplugged."""
+
+    def repoint(self, fdid: int, holder: Holder, token: int) -> None:
+        """Device ``fdid`` serves ``holder``'s hold, of fencing token ``token``, from now on
+        (the registry moved the hold there). ``StaleTokenError`` (nothing changed) when the
+        device already serves a newer token."""
+        ...

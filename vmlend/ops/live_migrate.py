@@ -1,5 +1,8 @@
-"""Live migration of a VM with remote devices: unplug them, move the VM while it runs, plug them
-back on the destination at the same guest addresses.
+"""Live migration of a VM with remote devices: hot (they stay plugged while the VM moves:
+``vmlend.ops.hot_move``) where the hypervisor, the backend and every device's driver allow it
+(``vmlend.ops.live_mode``), else unplugged: unplug them, move the VM while it runs, plug them
+back on the destination at the same guest addresses. The rest of this docstring is the
+unplugged way.
 
 The destination's start hook would refuse a running VM whose devices the source still holds,
 and a VFIO device cannot be migrated with its state on today's hardware; so the guest loses its
@@ -62,6 +65,8 @@ from vmlend.lending.devices import held_by, holder_for
 from vmlend.messages import plural
 from vmlend.ops.attach import attach_live
 from vmlend.ops.detach import detach
+from vmlend.ops.hot_move import abandon_hot, cannot_repoint, finish_hot, leave_hot
+from vmlend.ops.live_mode import HOT, UNPLUG, choose_mode
 from vmlend.ops.live_state import (
     LiveDevice,
     LiveJournal,
@@ -96,6 +101,8 @@ class LiveMigrateResult(msgspec.Struct):
     blackout: dict[int, float | None] = msgspec.field(default_factory=dict)
     resumed: bool = False
     steps: list[str] = msgspec.field(default_factory=list)
+    #: "hot" (the devices stayed plugged) or "unplug" (unplugged and plugged back).
+    mode: str = UNPLUG
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +110,7 @@ class LiveMigrateResult(msgspec.Struct):
             "from": self.source,
             "to": self.destination,
             "live": True,
+            "mode": self.mode,
             "devices": self.devices,
             "downtime": self.downtime,
             "blackout": {format_fdid(f): s for f, s in sorted(self.blackout.items())},
@@ -127,8 +135,9 @@ class _Run:
         clock: Callable[[], float],
         plugs: PlugRequests | None = None,
         plug_timeout: float = DEFAULT_PLUG_TIMEOUT,
+        unplug: bool = False,
     ) -> None:
-        self.plugs, self.plug_timeout = plugs, plug_timeout
+        self.plugs, self.plug_timeout, self.unplug = plugs, plug_timeout, unplug
         self.src, self.dst = src, dst
         self.fabric, self.dst_fabric = fabric, dst_fabric
         self.how = how
@@ -159,9 +168,11 @@ def live_migrate(
     now: Callable[[], float] = time.time,
     plugs: PlugRequests | None = None,
     plug_timeout: float = DEFAULT_PLUG_TIMEOUT,
+    unplug: bool = False,
 ) -> LiveMigrateResult:
     """Move the running ``vm`` from ``src`` (this node; ``fabric`` seen from it) to
-    ``dest_node`` (``dst``; ``dst_fabric`` seen from there) keeping its remote devices.
+    ``dest_node`` (``dst``; ``dst_fabric`` seen from there) keeping its remote devices: hot
+    where it can, else unplugged (``unplug``: unplugged in any case).
     Re-runnable: a journal under ``state_dir`` says what an interrupted run left to do.
     ``plugs``: the destination's agent plugs the devices back (answering a plug request within
     ``plug_timeout`` seconds) instead of this process through ``dst_fabric``."""
@@ -181,6 +192,7 @@ def live_migrate(
         clock,
         plugs,
         plug_timeout,
+        unplug,
     )
     journal = load_journal(state_dir, vm)
     if journal is not None and journal.destination != dest_node:
@@ -230,6 +242,8 @@ def live_migrate(
             " migrating it; wait for that to end, then run this command again"
         )
     if not here_runs and not there_runs:
+        if journal.mode == HOT:
+            abandon_hot(fabric, journal)
         drop_journal(state_dir, name)
         _record_ends(run, journal)
         raise MigrationError(
@@ -238,7 +252,12 @@ def live_migrate(
             f" with 'vmlend migrate {name} --to {dest_node}'"
         )
     downtime = journal.downtime
-    if here_runs:
+    if here_runs and journal.mode == HOT:
+        assert dst_fabric is not None  # the mode says so
+        downtime = leave_hot(
+            src, dst, fabric, dst_fabric, journal, how, state_dir, run.step, clock
+        )
+    elif here_runs:
         downtime = _leave_source(run, journal)
     return _arrive(run, journal, downtime, now)
 
@@ -301,6 +320,19 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
             " migration cannot move yet; detach them first, or move the VM cold"
         )
     rewrite_for_destination(xml, dest_node, source=f"live XML of {name}")  # refuses bad XML
+    mode = choose_mode(
+        name,
+        {d.fdid: run.fabric.device(d.fdid).spec.kind for d in dom.devices},
+        hypervisor=None
+        if run.src.hot_migration and run.dst.hot_migration
+        else f"{run.src.uri} calls nothing at the switch-over, which a device needs to stay"
+        " plugged",
+        backend=cannot_repoint(run.fabric, run.dst_fabric) if run.plugs is None else (
+            "this fabric backend cannot re-point a borrowed device (the SmartIO driver has no"
+            " mdev migration states)"
+        ),
+        unplug=run.unplug,
+    )
     src_holder = holder_for(run.fabric, name, dom.uuid or here.uuid)
     dst_holder = Holder(node=dest_node, vm=name, vm_uuid=src_holder.vm_uuid)
     fdids = [d.fdid for d in dom.devices]
@@ -313,6 +345,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
             f"cannot migrate VM {name!r} to {dest_node}: {problems[0]}; nothing was changed"
         )
     run.step(f"checked {plural(len(fdids), 'device')}: all admissible from {dest_node}")
+    run.step(mode.line)
     doc = DomainDocument.parse(xml, source=f"live XML of {name}")
     addresses = {str(h.uuid): h.guest_address for h in DomainXML(doc.root).mdev_hostdevs()}
     devices = [
@@ -327,6 +360,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
         devices,
         tokens={f: holds[f].token for f in fdids if f in holds},
         shell=_without_devices(run.src.get_metadata(name, NAMESPACE_URI)),
+        mode=mode.mode,
     )
     save_journal(run.state_dir, journal)
     return journal
@@ -513,6 +547,8 @@ def _arrive(
     """Step 5: the VM runs on the destination; bring its devices back."""
     name, dest = journal.vm, journal.destination
     _fix_definition(run, name, dest)
+    if journal.mode == HOT:
+        finish_hot(run.dst_fabric, journal, run.step)
     if run.plugs is not None:
         missing = _plug_remotely(run, run.plugs, journal)
     elif run.dst_fabric is not None:
@@ -529,11 +565,16 @@ def _arrive(
     for dev in journal.devices:
         gone, returned = journal.unplugged.get(dev.fdid), journal.back.get(dev.fdid)
         blackout[dev.fdid] = None if gone is None or returned is None else returned - gone
-    rec = LiveRecord(journal.source, dest, now(), downtime, blackout, journal.resumed)
+    rec = LiveRecord(
+        journal.source, dest, now(), downtime, blackout, journal.resumed, journal.mode
+    )
     record(run.state_dir, name, rec)
     drop_journal(run.state_dir, name)
     _record_ends(run, journal)
-    run.step(f"{plural(len(journal.devices), 'device')} back in {name} on {dest}")
+    if journal.mode == HOT:
+        run.step(f"{plural(len(journal.devices), 'device')} stayed plugged in {name} on {dest}")
+    else:
+        run.step(f"{plural(len(journal.devices), 'device')} back in {name} on {dest}")
     return LiveMigrateResult(
         name,
         journal.source,
@@ -543,6 +584,7 @@ def _arrive(
         blackout=blackout,
         resumed=journal.resumed,
         steps=run.steps,
+        mode=journal.mode,
     )
 
 

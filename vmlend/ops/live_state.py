@@ -1,14 +1,18 @@
 """What a live migration keeps on disk: the journal of one in progress, and each VM's history.
 
-A live migration takes the VM's remote devices out of the running guest before it moves and
-puts them back at the same guest addresses on the destination. Between the two, the devices
-are in no domain XML at all, so what must come back (and when each went) is written down
-first, in ``<state dir>/live-migrations/<vm digest>.pending.json``: a re-run after ``kill -9``
-reads it and finishes. The file goes once every device is back.
+Unplugged (``mode`` "unplug"), a live migration takes the VM's remote devices out of the
+running guest before it moves and puts them back at the same guest addresses on the
+destination. Between the two, the devices are in no domain XML at all, so what must come back
+(and when each went) is written down first, in
+``<state dir>/live-migrations/<vm digest>.pending.json``: a re-run after ``kill -9`` reads it
+and finishes. The file goes once every device is back. Hot (``mode`` "hot"), the devices stay
+in the guest and the journal keeps the room claimed for them on the destination
+(``claimed``), which the re-run releases or finishes.
 
 Each finished live migration appends one record to ``<vm digest>.history.json`` (the last
-``HISTORY_KEPT``): per device its blackout (from the start of its unplug on the source to the
-end of its hot-plug on the destination) and the VM's downtime (its vCPUs stopped for the
+``HISTORY_KEPT``): per device its blackout (unplugged: from the start of its unplug on the
+source to the end of its hot-plug on the destination; hot: from its quiesce at the switch-over
+to the guest running on the destination) and the VM's downtime (its vCPUs stopped for the
 switch-over, as the hypervisor measured it). ``vmlend status`` shows them.
 """
 
@@ -24,6 +28,7 @@ import msgspec
 from vmlend import safefile
 from vmlend.domain import PciAddress
 from vmlend.errors import StateError
+from vmlend.ledger.handover import Claimed
 from vmlend.topology.model import InterruptPath, format_fdid
 
 T = TypeVar("T")
@@ -56,15 +61,20 @@ class LiveJournal(msgspec.Struct):
     #: live XML before the move when unplugging emptied it, so that the destination's hook
     #: still sees a vmlend VM and rewrites it for its host. None: the VM had none.
     shell: bytes | None = None
-    #: ``time.monotonic()`` when each device's unplug began (by fdid; same machine, so one
-    #: clock across the processes of an interrupted and a resumed run).
+    #: ``time.monotonic()`` when each device's unplug (hot: its quiesce) began (by fdid; same
+    #: machine, so one clock across the processes of an interrupted and a resumed run).
     unplugged: dict[int, float] = msgspec.field(default_factory=dict)
-    #: When each came back into the guest on the destination (monotonic), by fdid.
+    #: When each came back into the guest on the destination (hot: the guest ran there with
+    #: it), monotonic, by fdid.
     back: dict[int, float] = msgspec.field(default_factory=dict)
     #: When the VM ran on the destination (monotonic), and the downtime the hypervisor measured.
     migrated: float | None = None
     downtime: float | None = None
     resumed: bool = False
+    #: "unplug" (unplug, migrate, plug back) or "hot" (the devices stay plugged).
+    mode: str = "unplug"
+    #: Hot: the room claimed on the destination beside the source's (None: not yet).
+    claimed: Claimed | None = None
 
 
 class LiveRecord(msgspec.Struct, frozen=True):
@@ -77,11 +87,13 @@ class LiveRecord(msgspec.Struct, frozen=True):
     #: Seconds each device was out of the guest (by fdid); None: it did not come back.
     blackout: dict[int, float | None]
     resumed: bool = False
+    mode: str = "unplug"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "from": self.source,
             "to": self.destination,
+            "mode": self.mode,
             "finished": self.finished,
             "downtime": self.downtime,
             "blackout": {format_fdid(f): s for f, s in sorted(self.blackout.items())},

@@ -112,6 +112,14 @@ class SimFabric(Ledger):
             raise
         return info
 
+    def repoint(self, fdid: int, holder: Holder, token: int) -> None:
+        """A hot migration's switch-over moved ``fdid``'s hold to ``holder`` with ``token``:
+        the lender serves that borrow now (``Repoints``). The simulated hardware's mappings
+        live in the process that runs it, which re-points them itself
+        (``vmlend.sim.hotmig``); here, the lender register is all there is."""
+        if self.lenders is not None:
+            self.lenders.serve(fdid, token, borrower_of(holder.node, holder.vm))
+
     def remove_mdev(self, uuid: str) -> bool:
         if self.lenders is not None:
             with self.registry.read() as tx:

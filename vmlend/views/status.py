@@ -140,6 +140,7 @@ def _migration_line(vm: str, m: LiveRecord) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.finished))
     each = [f"{format_fdid(f)} blackout {_ms(s)}" for f, s in sorted(m.blackout.items())]
     resumed = " (resumed)" if m.resumed else ""
-    return f"  {vm}  {m.source} -> {m.destination}  {when}{resumed}  " + ", ".join(
+    hot = " hot" if m.mode == "hot" else ""
+    return f"  {vm}  {m.source} -> {m.destination}{hot}  {when}{resumed}  " + ", ".join(
         [f"downtime {_ms(m.downtime)}", *each]
     )

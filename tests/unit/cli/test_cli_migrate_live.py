@@ -21,6 +21,9 @@ from vmlend.ops.live_state import history, load_journal
 from vmlend.sim.hypervisor.node import IdleGuest, SimHypervisor
 
 LIVE = ("migrate", "vm1", "--to", "beta", "--live", *GAMMA)
+#: The unplugged way, for devices that could stay plugged (tests/unit/ops/test_hot_move.py
+#: covers the hot way, the default for them).
+UNPLUG = (*LIVE, "--unplug")
 
 
 def guest_addresses(xml: bytes) -> dict[int, str]:
@@ -54,8 +57,9 @@ ADDRS = {0x10: "0000:00:0a.0", 0x12: "0000:00:0b.0"}
 
 def test_running_vm_moves_live_and_gets_its_devices_back_at_the_same_addresses(cluster):
     running_with(cluster, ADDRS)
-    r = cluster.cli(*LIVE)
+    r = cluster.cli(*UNPLUG)
     assert r.exit_code == 0, r.output
+    assert "--unplug: VM 'vm1' moves with its devices unplugged" in r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith(
         "migrated VM 'vm1' live from gamma to beta (running), devices 0x10, 0x12; downtime "
@@ -203,7 +207,7 @@ def test_options_of_the_other_kind_are_usage_errors(cluster, extra, wrong):
 class MigrateFails(SimHypervisor):
     """A source whose live migration is refused by the hypervisor."""
 
-    def migrate_live(self, name, dst, how):
+    def migrate_live(self, name, dst, how, switch_over=None):
         raise DomainOperationError("migrate", name, "injected: connection to the peer lost")
 
 
@@ -213,7 +217,7 @@ def _source(cluster: SimCluster, cls: type[SimHypervisor] = SimHypervisor) -> Si
     return hv
 
 
-def run_live(cluster, src=None, dst=None, **kw):
+def run_live(cluster, src=None, dst=None, unplug=True, **kw):
     with cluster.fabric("gamma") as f, cluster.fabric("beta") as g:
         return live_migrate(
             src or cluster.hv("gamma"),
@@ -224,6 +228,7 @@ def run_live(cluster, src=None, dst=None, **kw):
             "beta",
             how=LiveMigration(**kw),
             state_dir=cluster.state_path.parent,
+            unplug=unplug,
         )
 
 

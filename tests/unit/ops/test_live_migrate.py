@@ -38,6 +38,7 @@ def test_admission_is_checked_again_after_the_unplugs(cluster):
             how=LiveMigration(),
             state_dir=cluster.state_path.parent,
             progress=meanwhile,
+            unplug=True,  # the hot way never returns a device meanwhile
         )
     assert str(e.value).startswith(
         "live migration of VM 'vm1' to beta failed: device 0x10 is held by beta/other (taken"

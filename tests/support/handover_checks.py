@@ -1,0 +1,73 @@
+"""The registry's invariants around a hot migration on the CLI's simulated nodes, whose hardware
+runs in no test process (``vmlend.sim.invariants`` checks the hardware where it does): run
+after every step of a move. No tests here."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from vmlend.ledger.handover_record import KIND
+from vmlend.registry import Registry
+from vmlend.sim.register import LenderRegister, borrower_of
+
+
+def registry_violations(
+    registry: Registry,
+    lenders: LenderRegister | None = None,
+    moving: Collection[str] = (),
+) -> list[str]:
+    """What is wrong now, one line each (empty: nothing):
+
+    - a VM's mdev record sits on a node other than its device's holder's, or its device is not
+      held by that VM;
+    - a hold carries claims made for the same VM on another node (a destination's room, or a
+      source's not yet released) while no hot migration of that VM is under way (``moving``:
+      the names of the VMs whose move is), or a hand-over record names a VM or source that
+      does not hold;
+    - with ``lenders``: a held device whose lender serves a borrow other than its hold's
+      (its token, its node and VM) once an mdev was made for it.
+    """
+    out: list[str] = []
+    with registry.read() as tx:
+        holds = tx.holds()
+        claims = tx.claims()
+        records = {r.fdid: r for r in tx.runtime(kind=KIND)}
+        mdevs = tx.mdevs()
+    for m in mdevs:
+        if not m.vm:
+            continue
+        hold = holds.get(m.fdid)
+        if hold is None or (hold.holder.node, hold.holder.vm) != (m.node, m.vm):
+            out.append(f"mdev {m.uuid} of {m.node}/{m.vm} on {m.fdid:#x}, held by {hold}")
+    for fdid, c in claims:
+        hold = holds[fdid]
+        mine = f"{hold.holder.node}/{hold.holder.vm}"
+        owner = c.share.split(":", 1)[1] if c.share.startswith(("vm:", "msi:")) else None
+        if owner is not None and owner != mine and hold.holder.vm not in moving:
+            out.append(f"{fdid:#x} held by {hold.holder} carries {c}, and no move is under way")
+    for fdid, r in records.items():
+        hold = holds.get(fdid)
+        src = r.data.get("source")
+        if hold is None or hold.holder.node != src or hold.holder.vm_uuid != r.key:
+            out.append(f"hand-over record {r.key} on {fdid:#x} does not match its hold {hold}")
+    if lenders is not None:
+        made = {m.fdid for m in mdevs if m.vm}
+        for fdid, hold in holds.items():
+            if fdid not in made:
+                continue
+            serving = lenders.read(fdid)
+            want = (hold.token, borrower_of(hold.holder.node, hold.holder.vm))
+            if (serving.token, serving.borrower) != want:
+                out.append(f"{fdid:#x}: lender serves {serving}, the hold is {want}")
+    return out
+
+
+def assert_consistent(
+    registry: Registry,
+    step: str,
+    lenders: LenderRegister | None = None,
+    moving: Collection[str] = (),
+) -> None:
+    found = registry_violations(registry, lenders, moving)
+    assert found == [], f"after {step!r}:\n" + "\n".join(found)
+
