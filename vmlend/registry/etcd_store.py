@@ -24,7 +24,7 @@ from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.registry.topocache import TopologyCache
-from vmlend.registry.topopieces import StoredTopology
+from vmlend.registry.topopieces import StoredView
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EtcdRegistry:
         self.cluster = cluster
         self._attempts = attempts
         self._sleep = sleep
-        self._topology_cache: dict[str, StoredTopology] = {}
+        self._topology_cache: dict[str, StoredView] = {}
         #: The topology's generations, and this host's copy of the current one (``cache``).
         self.generations = EtcdTopology(gateway, self.keys, cache)
         #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.

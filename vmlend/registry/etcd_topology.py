@@ -21,7 +21,7 @@ from vmlend.registry import topopieces
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.topocache import TopologyCache
-from vmlend.registry.topopieces import StoredTopology, TopologyHead
+from vmlend.registry.topopieces import StoredTopology, StoredView, TopologyHead
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class EtcdTopology:
         return done
 
     # --- reading ---------------------------------------------------------------------------
-    def load(self, head: TopologyHead, revision: int) -> StoredTopology:
+    def load(self, head: TopologyHead, revision: int) -> StoredView:
         """The content ``head`` names: this host's copy when it is that generation's, else
         its pieces as of ``revision`` (then kept on the host)."""
         if self._cache is not None:

@@ -41,8 +41,8 @@ from vmlend.registry.records import (
     same_holder,
 )
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
-from vmlend.registry.topopieces import StoredTopology
-from vmlend.topology.model import Holder
+from vmlend.registry.topopieces import StoredTopology, StoredView
+from vmlend.topology.model import Holder, Topology
 
 _AGENT_GONE = (
     "its vmlend agent is not running (stopped or dead: it has no live lease); start the agent"
@@ -50,9 +50,9 @@ _AGENT_GONE = (
 )
 
 
-#: Per topology digest, each adapter's usable LUT entries and segments (``EtcdTxn._capacity``):
-#: decoded once per process, not once per opened registry.
-_CAPACITIES: dict[str, dict[str, dict[str, int]]] = {}
+#: Per topology digest, the topology ``EtcdTxn._capacity`` reads adapters from: decoded once
+#: per process, not once per opened registry, and then only the adapters' nodes it asks for.
+_CAPACITIES: dict[str, Topology] = {}
 
 
 class Snapshot:
@@ -241,7 +241,7 @@ class EtcdTxn:
         snapshot: Snapshot,
         keys: Keys,
         writable: bool,
-        topology_cache: dict[str, StoredTopology],
+        topology_cache: dict[str, StoredView],
         host_lease: Callable[[], int] | None = None,
         generations: EtcdTopology | None = None,
     ) -> None:
@@ -362,16 +362,18 @@ class EtcdTxn:
     def _capacity(self, adapter: str, unit: str) -> int:
         """The adapter's usable LUT entries or window segments (0: not in the topology)."""
         digest = self.topology_digest() or ""
-        caps = _CAPACITIES.get(digest)
-        if caps is None:
+        topo = _CAPACITIES.get(digest)
+        if topo is None:
             from vmlend.topology.compiled import stored_topology
 
             topo = stored_topology(self.topology())
-            caps = {a.ref: {"lut": a.lut_usable, "seg": a.segments} for a in topo.adapters()}
             if len(_CAPACITIES) >= 4:  # a process sees one topology, rarely a few
                 _CAPACITIES.clear()
-            _CAPACITIES[digest] = caps
-        return int(caps.get(adapter, {}).get(unit, 0))
+            _CAPACITIES[digest] = topo
+        spec = topo.adapter(adapter)
+        if spec is None:
+            return 0
+        return spec.lut_usable if unit == "lut" else spec.segments if unit == "seg" else 0
 
     @staticmethod
     def _units_needed(rows: Iterable[list[Any]]) -> dict[tuple[str, str], int]:
@@ -635,7 +637,7 @@ class EtcdTxn:
         raw = self._get(self._k.topology_digest)
         return None if raw is None else raw.decode()
 
-    def _topology(self) -> StoredTopology | None:
+    def _topology(self) -> StoredView | None:
         digest = self.topology_digest()
         if digest is None:
             return None
@@ -646,7 +648,7 @@ class EtcdTxn:
             self._topo_cache[digest] = cached
         return cached
 
-    def _read_topology(self, digest: str) -> StoredTopology:
+    def _read_topology(self, digest: str) -> StoredView:
         """The content of the generation the head names (this host's copy, else the pieces
         at this snapshot's revision), or the record vmlend wrote before generations."""
         raw = self._get(self._k.topology_head)
@@ -665,9 +667,9 @@ class EtcdTxn:
         raw = self._get(self._k.topology_record)
         if raw is None:
             raise StateError(f"etcd holds a topology digest but no topology record ({digest})")
-        return topopieces.legacy(enc.load(raw))
+        return StoredView(self._k.topology_record, topopieces.legacy(enc.load(raw)))
 
-    def _need_topology(self) -> StoredTopology:
+    def _need_topology(self) -> StoredView:
         topo = self._topology()
         if topo is None:
             raise StateError("the registry holds no topology; run 'vmlend fabric init'")
@@ -730,7 +732,7 @@ class EtcdTxn:
         if digest is None:
             raise StateError("the registry holds no topology; run 'vmlend fabric init'")
         current = self._read_topology(digest)
-        self._install(msgspec.structs.replace(current, compiled=compiled))
+        self._install(msgspec.structs.replace(current.whole(), compiled=compiled))
 
     def set_local_node(self, node: str) -> None:
         """Nothing to do: the shared state never says which node a host is."""
@@ -759,7 +761,7 @@ class EtcdTxn:
             rec: NodeRecord | None = NodeRecord(d["name"], bool(d["up"]), d.get("why", ""))
         else:
             topo = self._topology()
-            rec = NodeRecord(name, True) if topo and name in topo.nodes else None
+            rec = NodeRecord(name, True) if topo and name in topo.node_set else None
         if rec is not None and rec.up and self._agent_gone(name):
             return NodeRecord(name, False, _AGENT_GONE)
         return rec
@@ -778,7 +780,7 @@ class EtcdTxn:
             self._put(self._k.node(node), enc.dump({"name": node, "up": False, "why": why}))
 
     @staticmethod
-    def _device_default(topo: StoredTopology | None, fdid: int) -> DeviceRecord | None:
+    def _device_default(topo: StoredView | None, fdid: int) -> DeviceRecord | None:
         entry = topo.devices.get(f"{fdid:#x}") if topo else None
         return None if entry is None else DeviceRecord(fdid, entry[0], bool(entry[1]))
 

@@ -138,7 +138,7 @@ class SqliteTxn:
             stored.compiled,
         )
 
-    def _generation(self, raw: object) -> topopieces.StoredTopology:
+    def _generation(self, raw: object) -> topopieces.StoredView:
         """The content of the generation the head ``raw`` names, verified."""
         if not isinstance(raw, str):
             raise StateRecordError("topology", "head", f"not text but {type(raw).__name__}")
@@ -222,7 +222,7 @@ class SqliteTxn:
         ).fetchone()
         if row is not None and row[0] is not None:
             stored = self._generation(row[0])
-            self._install(msgspec.structs.replace(stored, compiled=compiled))
+            self._install(msgspec.structs.replace(stored.whole(), compiled=compiled))
             return
         self._c.execute("UPDATE topology SET compiled = ? WHERE id = 1", (compiled,))
 

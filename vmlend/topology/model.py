@@ -6,11 +6,12 @@ shown as hex (``0x10``).
 
 from __future__ import annotations
 
+import abc
 import enum
 import functools
 import re
-from collections.abc import Callable, Iterable
-from typing import TypeVar, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -193,6 +194,21 @@ class LinkSpec(msgspec.Struct, frozen=True):
 _T = TypeVar("_T")
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+_K_contra = TypeVar("_K_contra", contravariant=True)
+_V_co = TypeVar("_V_co", covariant=True)
+
+
+class _Lookup(Protocol[_K_contra, _V_co]):
+    def get(self, key: _K_contra, /) -> _V_co | None: ...
+
+
+class SpecTable(Sequence[_V], Generic[_K, _V], abc.ABC):
+    """What a ``Topology`` decoded on demand holds instead of its ``nodes`` or ``devices``
+    tuple (``vmlend.topology.sliced``): equal to that tuple, and able to find one record by
+    its key without decoding the others."""
+
+    @abc.abstractmethod
+    def get(self, key: _K, /) -> _V | None: ...
 
 
 def _first_by(items: Iterable[_V], key: Callable[[_V], _K]) -> dict[_K, _V]:
@@ -217,13 +233,21 @@ class Topology(msgspec.Struct, frozen=True, dict=True):
     #: Cables between two cluster switches (cascaded switches), by switch name.
     switch_links: tuple[tuple[str, str], ...] = ()
 
+    # A topology decoded on demand holds ``SpecTable``s, which find a record by key
+    # themselves: building a dict of every node or device would decode them all.
     @functools.cached_property
-    def _node_index(self) -> dict[str, NodeSpec]:
-        return _first_by(self.nodes, lambda n: n.name)
+    def _node_index(self) -> _Lookup[str, NodeSpec]:
+        nodes: Sequence[NodeSpec] = self.nodes
+        if isinstance(nodes, SpecTable):
+            return nodes
+        return _first_by(nodes, lambda n: n.name)
 
     @functools.cached_property
-    def _device_index(self) -> dict[int, DeviceSpec]:
-        return _first_by(self.devices, lambda d: d.fdid)
+    def _device_index(self) -> _Lookup[int, DeviceSpec]:
+        devices: Sequence[DeviceSpec] = self.devices
+        if isinstance(devices, SpecTable):
+            return devices
+        return _first_by(devices, lambda d: d.fdid)
 
     @functools.cached_property
     def _adapter_index(self) -> dict[str, AdapterSpec]:
@@ -263,10 +287,27 @@ class Topology(msgspec.Struct, frozen=True, dict=True):
         return found
 
     def has_device(self, fdid: int) -> bool:
-        return fdid in self._device_index
+        return self._device_index.get(fdid) is not None
+
+    def has_node(self, name: str) -> bool:
+        return self._node_index.get(name) is not None
+
+    def devices_of(self, lender: str) -> list[DeviceSpec]:
+        """The devices node ``lender`` lends, in declaration order (decoding only those)."""
+        devices: Sequence[DeviceSpec] = self.devices
+        of_lender = getattr(devices, "of_lender", None)
+        if of_lender is not None:
+            return cast(list[DeviceSpec], of_lender(lender))
+        return [d for d in devices if d.lender == lender]
 
     def adapter(self, ref: str) -> AdapterSpec | None:
         """The adapter ``ref`` (``node:index``) names, None when there is none."""
+        nodes: Sequence[NodeSpec] = self.nodes
+        if isinstance(nodes, SpecTable):
+            # its node alone (an index is digits, so the node's name is all before the last
+            # colon); the first of that ref, as the dict over every adapter would give
+            node = nodes.get(ref.rpartition(":")[0])
+            return next((a for a in node.adapters if a.ref == ref), None) if node else None
         return self._adapter_index.get(ref)
 
     def switch_chip(self, switch: str) -> Chip:

@@ -3,6 +3,7 @@ nothing else does (a piece missing, damaged, or of another generation)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from vmlend.errors import StateRecordError
@@ -28,7 +29,7 @@ def test_pieces_join_into_the_content_their_head_names():
     head, pieces = _generation("x" * 5000, 1024)
     assert len(pieces) == head.pieces > 4 and all(len(p) <= 1024 for p in pieces)
     stored = topopieces.unpack(head, topopieces.join(head, pieces))
-    assert stored == _stored("x" * 5000)
+    assert stored.whole() == _stored("x" * 5000)
     assert stored.devices == {"0x10": ("a", True), "0x20": ("b", False)}
     raw = topopieces.encode_head(head)
     assert topopieces.decode_head(raw, "k") == head
@@ -53,6 +54,13 @@ def test_content_of_another_topology_than_the_head_names_is_refused():
         topopieces.unpack(other, blob)
     with pytest.raises(StateRecordError, match="does not decode"):
         topopieces.unpack(head, b"\x93garbage")
+    # a large field is decoded on first use: damage there is the same error, then
+    skeleton = msgspec.msgpack.decode(blob, type=list)
+    skeleton[5] = "not a map of devices"
+    lazy = topopieces.unpack(head, msgspec.msgpack.encode(skeleton))
+    assert lazy.name == "t" and lazy.nodes == ["a", "b"]
+    with pytest.raises(StateRecordError, match="does not decode"):
+        _ = lazy.devices
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from vmlend.errors import TopologyError
 from vmlend.registry import TopologyRecord, open_registry
 from vmlend.registry import etcd_keys as etcd_keys_mod
 from vmlend.topology.chips import Chip
+from vmlend.topology import compiled as compiled_mod
 from vmlend.topology.compiled import (
     COMPILED_FORMAT,
     compile_topology,
@@ -148,19 +149,22 @@ def shape(t: msgspec.inspect.Type, seen: set[type]) -> str:
         return " | ".join(shape(i, seen) for i in t.types)
     if isinstance(t, mi.EnumType):
         return f"{t.cls.__qualname__}{sorted(m.value for m in t.cls)}"
-    if isinstance(t, mi.IntType | mi.StrType | mi.BoolType | mi.NoneType | mi.FloatType):
+    if isinstance(
+        t, mi.IntType | mi.StrType | mi.BoolType | mi.NoneType | mi.FloatType | mi.BytesType
+    ):
         return type(t).__name__
     raise AssertionError(f"describe {t!r} here, then re-pin the shape")
 
 
 def test_the_model_shape_is_pinned_to_the_compiled_format():
-    # The compiled bytes are a Topology as msgpack: a changed Struct (a field added, renamed,
-    # retyped, a new default) could decode old bytes into a topology the TOML no longer
-    # gives. Such a change must bump COMPILED_FORMAT and update this pin.
+    # The compiled bytes are a Topology's parts as msgpack: a changed Struct (a field added,
+    # renamed, retyped, a new default) could decode old bytes into a topology the TOML no
+    # longer gives. Such a change must bump COMPILED_FORMAT and update this pin.
     described = shape(msgspec.inspect.type_info(Topology), set())
+    described += shape(msgspec.inspect.type_info(compiled_mod._Sliced), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    # /3: NodeSpec.iommu; /4: PcieElement.chip, LinkSpec.chip
-    pinned = {"vmlend-topology/4": "5f8cd17e8db57d0b"}
+    # /3: NodeSpec.iommu; /4: PcieElement.chip, LinkSpec.chip; /5: sliced
+    pinned = {"vmlend-topology/5": "995d45fb64486da8"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
@@ -177,7 +181,7 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     digest = hashlib.sha256(body).hexdigest()[:16]
     # repinned without a bump when an input changes and the parser does not (issue 23 part 3:
     # the default topology gained gamma's second adapter; parse.py and the model are unchanged)
-    pinned = {"vmlend-topology/4": "9298e7a8b7f2ab58"}  # /4: each element's chip
+    pinned = {"vmlend-topology/5": "9298e7a8b7f2ab58"}  # /4: each element's chip; /5: sliced
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
