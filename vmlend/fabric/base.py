@@ -45,8 +45,9 @@ class Fabric(Protocol):
 
     def nodes(self) -> list[NodeSpec]: ...
 
-    def devices(self) -> list[DeviceStatus]:
-        """Every device of the fabric with its state and holder."""
+    def devices(self, lender: str | None = None) -> list[DeviceStatus]:
+        """Every device of the fabric with its state and holder (only node ``lender``'s
+        devices when given: read without reading the others)."""
         ...
 
     def device(self, fdid: int) -> DeviceStatus:

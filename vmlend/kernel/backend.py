@@ -148,7 +148,7 @@ class SmartioFabric:
     def _local_node_id(self) -> int:
         return self.topology().node(self.local_node).node_id
 
-    def devices(self) -> list[DeviceStatus]:
+    def devices(self, lender: str | None = None) -> list[DeviceStatus]:
         """Every device of the registry as the driver sees it now. A device whose attributes
         are damaged shows as unavailable (nobody can borrow what cannot be read); the errors
         stay in ``unreadable`` for the caller to report."""
@@ -156,7 +156,7 @@ class SmartioFabric:
         found, self.unreadable = self.driver.scan()
         seen = {d.fdid: d for d in found}
         me = self._local_node_id()
-        return [overlay(s, seen.get(s.fdid), me) for s in self._state.devices()]
+        return [overlay(s, seen.get(s.fdid), me) for s in self._state.devices(lender)]
 
     def device(self, fdid: int) -> DeviceStatus:
         status = self._state.device(fdid)

@@ -253,9 +253,25 @@ class Ledger(ShareOps):
     def nodes(self) -> list[NodeSpec]:
         return list(self.topology().nodes)
 
-    def devices(self) -> list[DeviceStatus]:
+    def devices(self, lender: str | None = None) -> list[DeviceStatus]:
+        """Every device with its state and holder; with ``lender``, that node's alone, read
+        alone: its device records and holds, its node (``UnknownNodeError`` for a node the
+        topology lacks), not every record of the fabric."""
         with self._reg.read() as tx:
             topo = self._topology(tx)
+            if lender is not None:
+                topo.node(lender)
+                specs = topo.devices_of(lender)
+                fdids = [d.fdid for d in specs]
+                tx.prefetch(fdids=fdids, nodes=[lender])
+                recs = tx.devices(fdids)
+                node = tx.node(lender)
+                return [
+                    DeviceStatus(spec, device_state(recs.get(spec.fdid), node, hold), holder)
+                    for spec in specs
+                    for hold in [tx.hold(spec.fdid)]
+                    for holder in [hold.holder if hold else None]
+                ]
             recs, nodes, holds = tx.devices(), tx.nodes(), tx.holds()
         out = []
         for spec in topo.devices:

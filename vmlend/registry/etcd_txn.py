@@ -14,7 +14,7 @@ When the compares fail the caller (``EtcdRegistry.transact``) re-runs the whole 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import msgspec
@@ -781,7 +781,7 @@ class EtcdTxn:
 
     @staticmethod
     def _device_default(topo: StoredView | None, fdid: int) -> DeviceRecord | None:
-        entry = topo.devices.get(f"{fdid:#x}") if topo else None
+        entry = topo.device_default(fdid) if topo else None
         return None if entry is None else DeviceRecord(fdid, entry[0], bool(entry[1]))
 
     @staticmethod
@@ -790,7 +790,11 @@ class EtcdTxn:
         return DeviceRecord(int(d["fdid"]), d["lender"], bool(d["lent"]), bool(d["available"]))
 
     @_decoding("device")
-    def devices(self) -> dict[int, DeviceRecord]:
+    def devices(self, fdids: Collection[int] | None = None) -> dict[int, DeviceRecord]:
+        if fdids is not None:
+            # Keys are by fdid, not by lender: the given ones, read in one request
+            self._snap.prefetch([self._k.device(f) for f in fdids], [])
+            return {f: rec for f in fdids if (rec := self.device(f)) is not None}
         topo = self._topology()
         out: dict[int, DeviceRecord] = {}
         for hex_fdid, (lender, lent) in (topo.devices if topo else {}).items():

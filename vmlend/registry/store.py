@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from vmlend.errors import StateError, StateHostError, StateLockedError, StatePermissionError
+from vmlend.registry import topopieces
 from vmlend.registry.conditions import (
     Condition,
     FsFacts,
@@ -143,6 +144,9 @@ class SqliteRegistry:
         self._has_token = True
         #: Whether the topology table has the head (and the pieces table): schema 6.
         self._has_head = True
+        #: The generations read, by their head (which names their sha256): a process reads
+        #: and verifies one generation once, not in every transaction (``SqliteTxn``).
+        self._generations: dict[str, topopieces.StoredView] = {}
 
     # --- opening -----------------------------------------------------------------------
     @classmethod
@@ -306,7 +310,12 @@ class SqliteRegistry:
             raise self._sqlite_error(e) from None
         try:
             yield SqliteTxn(
-                self._conn, writable, self._has_compiled, self._has_token, self._has_head
+                self._conn,
+                writable,
+                self._has_compiled,
+                self._has_token,
+                self._has_head,
+                self._generations,
             )
         except sqlite3.Error as e:
             self._conn.rollback()

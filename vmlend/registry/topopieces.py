@@ -16,11 +16,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from vmlend.errors import StateRecordError
+
+if TYPE_CHECKING:
+    from vmlend.topology.model import Topology
 
 #: The format of the head and of the content it names. Another format is not read.
 PIECES_FORMAT = "vmlend-topology-pieces/1"
@@ -105,6 +108,25 @@ class StoredView:
     @functools.cached_property
     def text(self) -> str:
         return self._field(self._content.text, str)
+
+    @functools.cached_property
+    def _topology(self) -> Topology | None:
+        from vmlend.topology.compiled import decode_compiled
+
+        return decode_compiled(self.compiled, self.digest)
+
+    def device_default(self, fdid: int) -> tuple[str, bool] | None:
+        """Device ``fdid``'s initial lender and whether it was lent. ``fabric init`` stores
+        them as its topology's own (each ``DeviceSpec``'s ``lender`` and ``lent``), so the
+        compiled topology answers for one device without decoding every device's state;
+        without a usable compiled form, the states themselves do."""
+        topology = self._topology
+        if topology is None:
+            return self.devices.get(f"{fdid:#x}")
+        if not topology.has_device(fdid):
+            return None
+        spec = topology.device(fdid)
+        return spec.lender, spec.lent
 
     def whole(self) -> StoredTopology:
         return StoredTopology(

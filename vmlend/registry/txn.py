@@ -8,7 +8,7 @@ methods here never commit.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -70,8 +70,10 @@ class SqliteTxn:
         has_compiled: bool = True,
         has_token: bool = True,
         has_head: bool = True,
+        generations: dict[str, topopieces.StoredView] | None = None,
     ) -> None:
         self._c = conn
+        self._generations = {} if generations is None else generations
         self.writable = writable
         #: False for a schema-2 file opened read-only: it has no compiled column (the
         #: migration that adds it needs a write), so its topology is parsed from the text.
@@ -142,6 +144,9 @@ class SqliteTxn:
         """The content of the generation the head ``raw`` names, verified."""
         if not isinstance(raw, str):
             raise StateRecordError("topology", "head", f"not text but {type(raw).__name__}")
+        known = self._generations.get(raw)
+        if known is not None:
+            return known  # read and verified under this very head before
         head = topopieces.decode_head(raw.encode(), "head")
         rows = self._c.execute(
             "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ? ORDER BY n",
@@ -150,7 +155,11 @@ class SqliteTxn:
         pieces = [bytes(data) for n, data in rows if isinstance(data, bytes)]
         if [n for n, _data in rows] != list(range(len(rows))):
             pieces = []  # numbered wrongly: not a whole generation
-        return topopieces.unpack(head, topopieces.join(head, pieces))
+        stored = topopieces.unpack(head, topopieces.join(head, pieces))
+        if len(self._generations) >= 2:  # a process sees one topology, rarely a few
+            self._generations.clear()
+        self._generations[raw] = stored
+        return stored
 
     def has_topology(self) -> bool:
         return self._c.execute("SELECT 1 FROM topology WHERE id = 1").fetchone() is not None
@@ -249,8 +258,17 @@ class SqliteTxn:
         self._write()
         self._c.execute("UPDATE nodes SET up = ?, why = ? WHERE name = ?", (int(up), why, node))
 
-    def devices(self) -> dict[int, DeviceRecord]:
-        rows = self._c.execute("SELECT fdid, lender, lent, available FROM devices").fetchall()
+    def devices(self, fdids: Collection[int] | None = None) -> dict[int, DeviceRecord]:
+        sql = "SELECT fdid, lender, lent, available FROM devices"
+        if fdids is None:
+            rows = self._c.execute(sql).fetchall()
+        else:
+            # by primary key, in batches under SQLite's limit of bound parameters
+            wanted, rows = list(fdids), []
+            for i in range(0, len(wanted), 500):
+                batch = wanted[i : i + 500]
+                marks = ", ".join("?" * len(batch))
+                rows += self._c.execute(f"{sql} WHERE fdid IN ({marks})", batch).fetchall()
         return {r[0]: self._device(r) for r in rows}
 
     def device(self, fdid: int) -> DeviceRecord | None:

@@ -16,6 +16,11 @@ def test_an_unknown_kind_is_an_error_like_an_unknown_lender(cluster):
     line = one_line(cluster.cli("devices", "--kind", "bogus"))
     assert "no device of kind 'bogus'" in line and "gpu" in line
     assert cluster.cli("devices", "--kind", "gpu").exit_code == 0
+    # a kind the fabric has and the lender lends none of: an empty list, not an error
+    line = one_line(cluster.cli("devices", "--lender", "beta", "--kind", "bogus"))
+    assert "no device of kind 'bogus'" in line
+    r = cluster.cli("devices", "--json", "--lender", "alpha", "--kind", "nic")
+    assert r.exit_code == 0 and '"devices": []' in r.stdout, r.output
 
 
 def test_status_of_a_vm_without_remote_devices_says_so(cluster):
