@@ -4,8 +4,12 @@ Printed side by side in one run, as ratios to a bare interpreter start (`python 
 floor any Python hook pays) measured in the same rounds: the installed hook as libvirtd runs
 it (a new process, argv + XML on stdin) for a plain domain, for an operation vmlend ignores,
 and for prepare/release of a VM with 4 remote devices; the same prepare/release in-process
-(what vmlend's own work costs); the same hook calls served by a `vmlend agent` (SQLite, hook
-server only) that the bench starts and stops by its PID; `vmlend --help` and `vmlend devices`.
+(what vmlend's own work costs); `vmlend --help` and `vmlend devices`; then, in a second phase
+(a hook never runs a call beside a live agent), the same hook calls served by a `vmlend agent`
+(SQLite, hook server only) that the bench starts and stops by its PID, as libvirtd runs them
+(no VMLEND_* settings: the script pins its configuration file), and the served prepare split
+by step: the interpreter start, the hook's imports up to the forward, the forward's round trip
+(socket and the agent's work) measured from this process.
 Then an import-time breakdown (`-X importtime`) of the hook's prepare: what the remaining time
 goes to.
 
@@ -37,7 +41,8 @@ from typing import NamedTuple
 import vmlend
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
 from vmlend.hook.actionlog import log_path_for_state
-from vmlend.hook.install import install_hook
+from vmlend.hook.forward import forward_unconfigured
+from vmlend.hook.install import install_hook, read_script_pins
 from vmlend.hook.main import run
 from vmlend.hostenv import HostEnv
 from vmlend.registry import hostlease
@@ -51,7 +56,7 @@ GOALS = {
     "ignored": 1.3,
     "prep": 2.0,
     "rel": 2.0,
-    "prep_agent": 2.0,
+    "prep_agent": 1.0,
     "rel_agent": 2.0,
     "help": 3.0,
     "devices": 3.0,
@@ -92,6 +97,38 @@ def process_cpu(pid: int) -> float:
 
 def log_lines(state: Path) -> list[str]:
     return log_path_for_state(state).read_text().splitlines()
+
+
+def table(
+    title: str,
+    columns: dict[str, tuple[str, Callable[[], Sample]]],
+    rows: dict[str, list[Sample]],
+    rounds: int,
+) -> None:
+    wall_floor = median_ms([s.wall for s in rows["bare"]])
+    cpu_floor = median_ms([s.cpu for s in rows["bare"]])
+    print(f"\n{title}: median of {rounds} interleaved rounds; ratios to the bare start")
+    print(f"{'what':40} {'wall ms':>8} {'x bare':>7} {'cpu ms':>8} {'x bare':>7} {'goal':>6}")
+    for key, (label, _m) in columns.items():
+        wall = median_ms([s.wall for s in rows[key]])
+        cpu = median_ms([s.cpu for s in rows[key]])
+        goal = f"<={GOALS[key]}" if key in GOALS else ""
+        print(
+            f"{label:40} {wall:8.1f} {wall / wall_floor:7.2f} {cpu:8.1f} "
+            f"{cpu / cpu_floor:7.2f} {goal:>6}"
+        )
+
+
+def installed_roots(hook: str) -> list[str]:
+    from vmlend.hook.install import read_roots
+
+    return read_roots(Path(hook).read_text())
+
+
+def script_pins(hook: str) -> dict[str, str]:
+    """The environment the installed script gives itself (its file and root)."""
+    pins = read_script_pins(Path(hook).read_text())
+    return {"VMLEND_CONFIG": pins["config"], "VMLEND_ROOT": pins["root"]}
 
 
 def import_breakdown(argv: list[str], stdin: bytes, env: dict[str, str], top: int) -> None:
@@ -167,7 +204,6 @@ def main() -> None:
         base |= {"VMLEND_STATE": str(state), "VMLEND_NODE": "gamma", "VMLEND_ROOT": str(root)}
         # The in-process rows: the pinned socket overridden by one no agent serves.
         env = base | {"VMLEND_HOOK_SOCKET": str(Path(tmp) / "no-agent.sock")}
-        agent_env = base  # the pinned socket, where the bench's agent serves
         spec = DomainSpec(
             name="bench-vm",
             memory_bytes=4096 * MiB,
@@ -187,12 +223,16 @@ def main() -> None:
             assert code == 0
             return Sample(time.perf_counter() - t, time.process_time() - c)
 
-        columns: dict[str, tuple[str, Callable[[], Sample]]] = {
-            "bare": ("bare 'python -c pass'", lambda: timed([sys.executable, "-c", "pass"])),
-            "bare_is": (
-                "bare 'python -I -S -c pass'",
-                lambda: timed([sys.executable, "-I", "-S", "-c", "pass"]),
-            ),
+        bare = ("bare 'python -c pass'", lambda: timed([sys.executable, "-c", "pass"]))
+        bare_is = (
+            "bare 'python -I -S -c pass'",
+            lambda: timed([sys.executable, "-I", "-S", "-c", "pass"]),
+        )
+        # Phase 1, no agent: a hook never runs a call beside a live agent (it waits for it,
+        # then fails), so the in-process rows are measured while none runs.
+        alone: dict[str, tuple[str, Callable[[], Sample]]] = {
+            "bare": bare,
+            "bare_is": bare_is,
             "plain": (
                 "hook: plain domain, prepare",
                 lambda: timed([hook, "plain", "prepare", "begin", "-"], PLAIN_XML, env),
@@ -214,46 +254,72 @@ def main() -> None:
                 lambda: in_process("prepare", "begin"),
             ),
             "rel_in": ("in-process: release", lambda: in_process("release", "end")),
-            "prep_agent": (
-                f"hook via agent: {len(FDIDS)}-device VM, prepare",
-                lambda: timed([hook, "bench-vm", "prepare", "begin", "-"], xml, agent_env),
-            ),
-            "rel_agent": (
-                f"hook via agent: {len(FDIDS)}-device VM, release",
-                lambda: timed([hook, "bench-vm", "release", "end", "-"], xml, agent_env),
-            ),
             "help": ("vmlend --help", lambda: timed([cli, "--help"], env=env)),
             "devices": ("vmlend devices", lambda: timed([cli, "devices"], env=env)),
         }
-        rows: dict[str, list[Sample]] = {k: [] for k in columns}
-        with hook_agent(cli, agent_env, sock, Path(tmp) / "agent.log") as agent_pid:
-            for _ in range(args.rounds):  # interleaved so machine noise hits every column alike
-                for key, (_label, measure) in columns.items():
+        # The hook as libvirtd runs it: no VMLEND_* of its own, the script pins its file.
+        libvirtd_env = {k: v for k, v in base.items() if not k.startswith("VMLEND_")}
+        # what the installed script imports before it sends the call (entry, prefilter, forward)
+        steps = ["import sys", f"sys.path[:0] = {installed_roots(hook)!r}", "import os"]
+        steps += ["import vmlend.hook.entry", "import vmlend.hook.forward"]
+
+        def round_trip(op: str, sub: str) -> Sample:
+            """The hook's forward alone, from this process: the socket and the agent's work."""
+            t = time.perf_counter()
+            code = forward_unconfigured(
+                ["bench-vm", op, sub, "-"], xml, libvirtd_env | script_pins(hook)
+            )
+            assert code == 0
+            return Sample(time.perf_counter() - t, 0.0)
+
+        # Phase 2, the agent serving the hook; and the served prepare split by step.
+        served: dict[str, tuple[str, Callable[[], Sample]]] = {
+            "bare": bare,
+            "prep_agent": (
+                f"hook via agent: {len(FDIDS)}-device VM, prepare",
+                lambda: timed([hook, "bench-vm", "prepare", "begin", "-"], xml, libvirtd_env),
+            ),
+            "rel_agent": (
+                f"hook via agent: {len(FDIDS)}-device VM, release",
+                lambda: timed([hook, "bench-vm", "release", "end", "-"], xml, libvirtd_env),
+            ),
+            "step_start": ("  step 1: interpreter start (-I -S)", bare_is[1]),
+            "step_imports": (
+                "  step 2: + the hook's imports to forward",
+                lambda: timed([sys.executable, "-I", "-S", "-c", "; ".join(steps)]),
+            ),
+            "step_trip": (
+                "  step 3: the forward (socket + agent)",
+                lambda: round_trip("prepare", "begin"),
+            ),
+            "step_trip_rel": (
+                "  (its release, to undo step 3)",
+                lambda: round_trip("release", "end"),
+            ),
+        }
+        rows: dict[str, list[Sample]] = {k: [] for k in alone}
+        for _ in range(args.rounds):  # interleaved so machine noise hits every column alike
+            for key, (_label, measure) in alone.items():
+                rows[key].append(measure())
+        table("without an agent", alone, rows, args.rounds)
+        rows = {k: [] for k in served}
+        with hook_agent(cli, base, sock, Path(tmp) / "agent.log") as agent_pid:
+            for _ in range(args.rounds):
+                for key, (_label, measure) in served.items():
                     before = process_cpu(agent_pid)
                     sample = measure()
-                    if key.endswith("_agent"):  # what the host pays: the agent's CPU too
+                    if key.endswith(("_agent", "_trip", "_rel")):  # the host pays the agent's CPU
                         sample = sample._replace(cpu=sample.cpu + process_cpu(agent_pid) - before)
                     rows[key].append(sample)
-        served = sum(f"pid={agent_pid} " in line for line in log_lines(state))
-        if not served:
-            raise SystemExit("the agent served no hook call: the 'via agent' rows are wrong")
-
-        wall_floor = median_ms([s.wall for s in rows["bare"]])
-        cpu_floor = median_ms([s.cpu for s in rows["bare"]])
-        print(f"median of {args.rounds} interleaved rounds; ratios to the bare start")
-        print(f"{'what':40} {'wall ms':>8} {'x bare':>7} {'cpu ms':>8} {'x bare':>7} {'goal':>6}")
-        for key, (label, _m) in columns.items():
-            wall = median_ms([s.wall for s in rows[key]])
-            cpu = median_ms([s.cpu for s in rows[key]])
-            goal = f"<={GOALS[key]}" if key in GOALS else ""
-            print(
-                f"{label:40} {wall:8.1f} {wall / wall_floor:7.2f} {cpu:8.1f} "
-                f"{cpu / cpu_floor:7.2f} {goal:>6}"
-            )
-
+        served_calls = sum(f"pid={agent_pid} " in line for line in log_lines(state))
+        if served_calls < 4 * args.rounds:
+            raise SystemExit("the agent did not serve every call: the 'via agent' rows are wrong")
+        table("with the agent serving the hook", served, rows, args.rounds)
         print(
             "'hook via agent': the hook process forwards to the bench's agent, which runs the"
-            " call; its cpu column is the hook process's CPU plus the agent's for that call"
+            " call; its cpu column is the hook process's CPU plus the agent's for that call."
+            " Steps 1-3 add up to the served prepare (step 3's wall is the socket round trip"
+            " and the agent's work, its cpu the agent's)"
         )
 
         # The installed script's shebang runs the interpreter with -IS: so does the breakdown.

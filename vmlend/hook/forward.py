@@ -25,6 +25,17 @@ The rules, which keep a hook call done exactly once:
 - once the whole request was written, never fall back: wait for the answer. A connection that
   ends early (the agent died) or no answer within the timeout exits 1 with one line, since the
   agent may have done part of the work or may still do it.
+
+**The configuration file, read by the agent** (``forward_unconfigured``). Parsing the file
+the hook pins takes ``tomllib``, whose imports (``re``, ``string``, ``typing``, ``enum``,
+``datetime``) cost a hook process more than its interpreter start. So the hook first offers
+the call as it is, before reading the file: to the socket its environment names (else the
+default under its root), marked ``UNCONFIGURED_ENV``. The agent applies the same file with the
+same code (``vmlend.config.hook_environment``) and runs the call only if the result is its
+own: the same settings and this very socket. Anything else (the file names another socket or
+state, the file is unusable, the caller is of another uid, an agent before this marker: it
+sees no state and says "not mine") is "not mine", nothing done, and the hook goes the way
+above: reads the file itself, then forwards by the rules above or runs the call in-process.
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ SOCKET_UNDER_ROOT = ("run", "vmlend", "hook.sock")
 #: What the agent needs to decide "mine or not" and to run the call as this process would.
 FORWARDED_PREFIX = "VMLEND_"
 _CLIENT_ONLY = (SOCKET_ENV, TIMEOUT_ENV)
+#: Set in a request whose hook has not read its configuration file yet: the agent applies it
+#: (``forward_unconfigured``). Never set in a process's own environment.
+UNCONFIGURED_ENV = "VMLEND_HOOK_UNCONFIGURED"
 
 
 def socket_path(environ: Mapping[str, str]) -> str:
@@ -93,6 +107,22 @@ _BUSY = "too many calls were waiting in it"
 _DENIED = "it serves only root and its own uid"  # these two: refused while it lives
 _UNTRUSTED = "the listener on its socket is neither root's nor this uid's"
 _WAIT_FOR = (_NO_SOCKET, _UNSENT, _BUSY)
+
+
+def forward_unconfigured(
+    argv: list[str], xml: bytes, environ: Mapping[str, str] | None = None
+) -> int | None:
+    """The exit code of the call as the agent ran it after applying the hook's configuration
+    file itself, or None when it did nothing (any reason): the caller then reads the file and
+    calls ``forward``. One attempt, no waiting: the rules of ``forward`` apply from there.
+    Once the whole request is written the answer is final, as in ``forward``."""
+    env = os.environ if environ is None else environ
+    pinned = pinned_environment(env)
+    pinned[UNCONFIGURED_ENV] = "1"
+    if not wire.within_limits(argv, pinned, xml):
+        return None
+    got = _attempt(socket_path(env), wire.encode_request(argv, pinned, xml), answer_timeout(env))
+    return got if isinstance(got, int) else None
 
 
 def forward(argv: list[str], xml: bytes, environ: Mapping[str, str] | None = None) -> int | None:

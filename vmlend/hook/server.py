@@ -40,10 +40,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from vmlend.config import hook_environment
 from vmlend.errors import VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import FAULT_ENV
-from vmlend.hook import wire
+from vmlend.hook import forward, wire
 from vmlend.hook.actionlog import ActionLog, log_path_for_state
 from vmlend.hook.contract import Action, parse_argv
 from vmlend.hook.main import load_handlers, run
@@ -315,6 +316,12 @@ class HookServer:
             log.warning("hook socket %s: dropped an incomplete request: %s", self.path, e)
             return None
         try:
+            if forward.UNCONFIGURED_ENV in env:
+                configured = self._configure(env, uid)
+                if configured is None:
+                    _send(conn, wire.NOT_MINE)  # the hook reads the file itself and decides
+                    return None
+                env = configured
             # Without a state or registry the hook's default state path depends on its own
             # uid, HOME and XDG variables, which the agent does not know: never guess.
             unpinned = not env.get(STATE_ENV) and not env.get(REGISTRY_ENV)
@@ -328,6 +335,23 @@ class HookServer:
             _send(conn, wire.NOT_MINE)
             return None
         return _Call(conn, argv, env, xml)
+
+    def _configure(self, env: dict[str, str], uid: int) -> dict[str, str] | None:
+        """The environment the hook would forward after reading its configuration file
+        (``forward.forward_unconfigured``): the file applied by the hook's own code, or None
+        when the hook must read it itself. That is when its uid is not this agent's (the file's
+        ownership checks and permissions depend on who reads it), the file is unusable (the
+        hook reports it, as without an agent), or it names another socket than this one."""
+        if uid != os.geteuid():
+            return None
+        settled = {k: v for k, v in env.items() if k != forward.UNCONFIGURED_ENV}
+        try:
+            hook_environment(settled)
+        except VmlendError:
+            return None
+        if os.path.abspath(forward.socket_path(settled)) != os.path.abspath(self.path):
+            return None
+        return forward.pinned_environment(settled)
 
     # --- the worker: one call at a time, in order ------------------------------------------
     def _work_loop(self) -> None:

@@ -235,6 +235,8 @@ def test_prepare_and_release_served_by_the_agent_match_in_process(hosts):
         assert traced.within(*HEAVY) == set(), op
         assert {"vmlend.hook.forward", "vmlend.hook.wire"} <= traced.modules
         assert "socket" not in traced.modules  # the C module only: no enum, no selectors
+        # nor the configuration file's parser: the agent applied the file (issue 38, point 6)
+        assert traced.within("tomllib", "vmlend.config") == set(), op
         assert served.snapshot() == local.snapshot()
         if op == "prepare":
             holds, mdevs = served.snapshot()
