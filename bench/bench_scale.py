@@ -14,6 +14,12 @@ etcd's *default* request limits, 1.5 MiB and 128 operations):
   same with ``--lender n0`` (one lender's 16 devices: the output no longer grows).
   CLI commands are measured in CPU time (user + system) of the child: the machine these
   figures come from is shared, and wall time there says more about the others' load;
+- the same whole listing split in one child process: the fixed part (interpreter, imports,
+  opening the fabric), reading every device's state, building and printing the JSON: what
+  must not grow with the fabric, and what is the listing's size;
+- hook prepare: the installed libvirt hook (a new process, as libvirtd runs it, no agent:
+  the hook does the work itself) preparing a VM on n1 with 4 devices of the lender half the
+  fabric away, then releasing it; the prepare's CPU time, median of ``--rounds``;
 - reserve CPU p50: ``--vms`` one-device VMs reserved one after the other through one open
   fabric (this process's CPU, ``time.process_time``), the median of the first 100 and of the
   last 100 reserves.
@@ -29,14 +35,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* helpers
 
 from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.simfabric import fabric_topology
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.hook.install import install_hook
 from vmlend.sim.backend import SimFabric
-from vmlend.topology.model import GiB, Holder
+from vmlend.topology.model import GiB, Holder, MiB
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 PER_NODE = 16
@@ -60,12 +69,78 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def cli_time(argv: list[str], env: dict[str, str]) -> float:
+def cli_time(argv: list[str], env: dict[str, str], stdin: bytes = b"") -> float:
     """The command's CPU time (user + system): on a machine others share, the steadier
     figure; its wall time grows with everybody else's load."""
     c = _children_cpu()
-    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL, input=stdin)
     return _children_cpu() - c
+
+
+#: ``vmlend devices --json``'s steps in one child process, each step's CPU printed: the
+#: fixed part (interpreter, imports, opening the fabric and its topology), reading every
+#: device's state, and building and printing the JSON (to /dev/null).
+_LISTING = """
+import io, json, sys, time
+from vmlend.wiring.fabric import open_fabric
+from vmlend.views.devices import device_json
+f = open_fabric(sys.argv[1], None, observer=True)
+f.topology().node("n0")
+a = time.process_time()
+every = f.devices()
+b = time.process_time()
+out = io.StringIO()
+json.dump({"format": "vmlend/1", "devices": [device_json(st) for st in every]}, out, indent=2)
+sys.stdout.write(out.getvalue())
+c = time.process_time()
+sys.stderr.write(f"{b - a} {c - b}\\n")
+"""
+
+
+def listing_split(location: str, env: dict[str, str]) -> tuple[float, float, float]:
+    """The whole listing's CPU as (fixed part, reading every device's state, the JSON)."""
+    c = _children_cpu()
+    done = subprocess.run(
+        [sys.executable, "-c", _LISTING, location],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    total = _children_cpu() - c
+    read, output = (float(x) for x in done.stderr.split())
+    return total - read - output, read, output
+
+
+def hook_prepare_cpu(location: str, nodes: int, env: dict[str, str], rounds: int) -> float:
+    """The installed hook's prepare of a 4-device VM on n1 (devices of the node half the
+    fabric away), in its own process without an agent: the median CPU of ``rounds``."""
+    root = Path(env["VMLEND_ROOT"])
+    lender = nodes // 2
+    devices = [DeviceRequest(_fdid(lender, i)) for i in range(4)]
+    spec = DomainSpec(
+        name=f"hook-vm-{nodes}", memory_bytes=4096 * MiB, uuid=uuid.uuid4(), devices=devices
+    )
+    xml = new_domain(spec, templates=TemplateSet()).to_bytes()
+    sqlite = location.removeprefix("sqlite://") if location.startswith("sqlite://") else None
+    base = root.parent / f"hook-{'sqlite' if sqlite else 'etcd'}-{nodes}"
+    hook = install_hook(
+        base / "libvirt",
+        Path(sqlite) if sqlite else root / "unused.db",  # under the root; etcd: unused
+        "n1",
+        registry=None if sqlite else location,
+        config_file=base / "vmlend.toml",
+        root=root,
+    ).path
+    hook_env = {k: v for k, v in env.items() if not k.startswith("VMLEND_")}
+    hook_env["VMLEND_BACKEND"] = env["VMLEND_BACKEND"]
+    argv = [str(hook), spec.name]
+    cpu = []
+    for _ in range(rounds + 1):  # the first: page cache and the host's copy (etcd) warm
+        cpu.append(cli_time([*argv, "prepare", "begin", "-"], hook_env, xml))
+        cli_time([*argv, "release", "end", "-"], hook_env, xml)
+    return statistics.median(cpu[1:])
 
 
 def reserve_p50(location: object, nodes: int, vms: int) -> tuple[float, float]:
@@ -102,6 +177,10 @@ def measure(location: str, nodes: int, env: dict[str, str], args: argparse.Names
         cmd = [*cli, *where, "devices", "--json", *extra]
         cli_time(cmd, env)  # the host's copy written (etcd), the page cache warm
         out[label] = statistics.median(cli_time(cmd, env) for _ in range(args.rounds)) * ms
+    splits = [listing_split(location, env) for _ in range(args.rounds)]
+    for i, what in enumerate(("fixed part", "reading states", "JSON output")):
+        out[f"  devices --json: {what} ms"] = statistics.median(x[i] for x in splits) * ms
+    out["hook prepare CPU ms"] = hook_prepare_cpu(location, nodes, env, args.rounds) * ms
     first, last = reserve_p50(location, nodes, args.vms)
     out["reserve CPU p50 first 100 ms"] = first * ms
     out["reserve CPU p50 last 100 ms"] = last * ms
@@ -122,6 +201,7 @@ def main() -> None:
         root = Path(d)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
         env |= {"VMLEND_ROOT": str(root / "host"), "VMLEND_BACKEND": "sim"}
+        (root / "host").mkdir()
         os.environ.update({k: env[k] for k in ("VMLEND_ROOT", "VMLEND_BACKEND")})
         server: EtcdServer | None = None
         try:
@@ -135,7 +215,7 @@ def main() -> None:
                     location = (
                         server.url(f"size{nodes}")
                         if registry == "etcd" and server is not None
-                        else f"sqlite://{root / f'size{nodes}.db'}"
+                        else f"sqlite://{root / 'host' / f'size{nodes}.db'}"  # the hook's root
                     )
                     rows[nodes] = measure(location, nodes, env, args)
                     print(f"  ({registry} {nodes} nodes measured)", file=sys.stderr)
@@ -146,7 +226,7 @@ def main() -> None:
         finally:
             if server is not None:
                 server.stop()
-    print(f"run time {time.perf_counter() - start:.0f} s")
+    print(f"run time {time.perf_counter() - start:.0f} s; load average {os.getloadavg()}")
 
 
 def report(registry: str, sizes: list[int], rows: dict[int, dict[str, float]]) -> None:
