@@ -51,10 +51,12 @@ class TopologyCache:
             data = safefile.read_regular(path, MAX_CACHE_BYTES)
         except (OSError, UnsafePathError):
             return None  # missing, unreadable, a link or a FIFO planted there: not used
-        magic, _, rest = data.partition(b"\n")
-        header, _, blob = rest.partition(b"\n")
-        if magic != CACHE_FORMAT:
+        # find, not partition: each partition would copy the megabytes after the line
+        first = data.find(b"\n")
+        second = data.find(b"\n", first + 1) if first >= 0 else -1
+        if second < 0 or data[:first] != CACHE_FORMAT:
             return None
+        header, blob = data[first + 1 : second], data[second + 1 :]
         try:
             if msgspec.json.decode(header, type=TopologyHead) != head:
                 return None
