@@ -6,6 +6,8 @@ the file itself (docs/hooks.md, "The agent serves the hook"). In-process agents
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,8 +60,19 @@ class Served:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    host = Served(tmp_path)
+def short_tmp() -> Iterator[Path]:
+    """A directory with a short path: pytest's (under xdist, with the test's name) can make
+    the socket's path longer than the 108 bytes a unix socket takes."""
+    base = Path(tempfile.mkdtemp(prefix="vhu"))
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def served(short_tmp: Path) -> Iterator[Served]:
+    host = Served(short_tmp)
     host.server.start()
     try:
         yield host
@@ -97,6 +110,6 @@ def test_a_file_of_another_state_is_not_the_agents(served):
     assert served.holds() == {} and served.server.served == 0
 
 
-def test_without_an_agent_nothing_is_sent_and_the_hook_goes_on(tmp_path):
-    host = Served(tmp_path)  # not started
+def test_without_an_agent_nothing_is_sent_and_the_hook_goes_on(short_tmp):
+    host = Served(short_tmp)  # not started
     assert forward_unconfigured(PREPARE, vm_xml(), host.env) is None
