@@ -24,8 +24,8 @@ from tests.support.simfabric import fabric_topology, small_topology, star_topolo
 from vmlend.errors import TopologyError
 from vmlend.registry import TopologyRecord, open_registry
 from vmlend.registry import etcd_keys as etcd_keys_mod
-from vmlend.topology.chips import Chip
 from vmlend.topology import compiled as compiled_mod
+from vmlend.topology.chips import Chip
 from vmlend.topology.compiled import (
     COMPILED_FORMAT,
     compile_topology,
