@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from lxml import etree
 
 from tests.support.paths import REPO, TESTS
 
@@ -90,54 +91,80 @@ def test_every_test_directory_is_a_package_and_holds_tests_only():
     assert problems == []
 
 
-_UNMARKED = '''
+_INNER_HEADER = """
 import os, signal, subprocess, sys
 import pytest
+"""
 
+_INNER_TEST = """
 {mark}
-def test_it():
+def {name}():
     {body}
-'''
+"""
 
 #: What a test may not do unmarked: start a daemon (a stand-in named etcd), signal a process,
 #: run a process that kills itself at a fault point.
 _DAEMON_BODIES = {
-    "starts etcd": "subprocess.run([sys.argv[0].rsplit('/', 1)[0] + '/etcd'])",
+    "starts etcd": "subprocess.run([{etcd!r}])",
     "signals": "p = subprocess.Popen(['sleep', '30']); p.terminate(); p.wait()",
     "fault point": (
-        "subprocess.run(['true'], env={**os.environ, 'VMLEND_FAULT': 'attach:after-hotplug'})"
+        "subprocess.run(['true'], env={{**os.environ, 'VMLEND_FAULT': 'attach:after-hotplug'}})"
     ),
 }
 
 
-@pytest.mark.parametrize("body", list(_DAEMON_BODIES.values()), ids=list(_DAEMON_BODIES))
-@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])
-def test_a_test_that_starts_a_daemon_fails_unless_marked_daemon(tmp_path, body, marked):
-    """``make test-fast`` runs the tests not marked ``daemon``: one that starts a daemon or
-    signals a process unmarked fails (tests/support/daemon_marks.py), wherever it runs."""
-    fake = tmp_path / "etcd"
+def _inner_name(body: str, marked: bool) -> str:
+    return f"test_{'marked' if marked else 'unmarked'}_{list(_DAEMON_BODIES).index(body)}"
+
+
+@pytest.fixture(scope="module")
+def daemon_rule_run(tmp_path_factory) -> dict[str, str | None]:
+    """Every body, marked and unmarked, as the tests of one inner pytest run (one interpreter
+    and collection for all six, not six): inner test name -> why it did not pass (failed,
+    errored or skipped), or None when it passed."""
+    tmp = tmp_path_factory.mktemp("daemon-rule")
+    fake = tmp / "etcd"
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
-    test = tmp_path / "test_inner.py"
-    test.write_text(
-        _UNMARKED.format(mark="@pytest.mark.daemon" if marked else "", body=body).replace(
-            "sys.argv[0].rsplit('/', 1)[0]", repr(str(tmp_path))
+    tests = [
+        _INNER_TEST.format(
+            mark="@pytest.mark.daemon" if marked else "",
+            name=_inner_name(body, marked),
+            body=_DAEMON_BODIES[body].format(etcd=str(fake)),
         )
-    )
-    run = subprocess.run(
+        for body in _DAEMON_BODIES
+        for marked in (False, True)
+    ]
+    (tmp / "test_inner.py").write_text(_INNER_HEADER + "".join(tests))
+    report = tmp / "report.xml"
+    subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-p", "tests.support.daemon_marks", str(test)],
-        cwd=tmp_path,
+         "-p", "tests.support.daemon_marks", f"--junitxml={report}", "test_inner.py"],
+        cwd=tmp,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=120,
-    )
+    )  # fmt: skip
+    outcomes: dict[str, str | None] = {}
+    for case in etree.parse(str(report)).iter("testcase"):
+        bad = [e for e in case if e.tag in ("failure", "error", "skipped")]
+        outcomes[case.get("name")] = f"{bad[0].tag}: {bad[0].get('message')}" if bad else None
+    return outcomes
+
+
+@pytest.mark.parametrize("body", list(_DAEMON_BODIES), ids=list(_DAEMON_BODIES))
+@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])
+def test_a_test_that_starts_a_daemon_fails_unless_marked_daemon(daemon_rule_run, body, marked):
+    """``make test-fast`` runs the tests not marked ``daemon``: one that starts a daemon or
+    signals a process unmarked fails (tests/support/daemon_marks.py), wherever it runs."""
+    name = _inner_name(body, marked)
+    assert name in daemon_rule_run, daemon_rule_run  # it ran
+    failure = daemon_rule_run[name]
     if marked:
-        assert run.returncode == 0, run.stdout
+        assert failure is None
     else:
-        assert run.returncode == 1, run.stdout
-        assert "not marked 'daemon'" in run.stdout
+        assert failure is not None and "not marked 'daemon'" in failure, failure
 
 
 _MACHINE_FILES = '''
@@ -176,3 +203,4 @@ def test_the_machines_files_are_never_touched_and_never_removed(tmp_path):
     )
     assert (etc / "new.toml").read_text() == "x"  # never removed
     assert (etc / "vmlend.toml").read_text() == "# the operator's\n"
+
