@@ -69,8 +69,11 @@ test-kernel: venv
 # Two workers (pytest-xdist), one per core of our machines; worksteal because a few
 # hypothesis tests take seconds while most take milliseconds. Only this tier: whether the
 # full one ('make test', CI) is xdist-clean takes consecutive CI runs to tell.
+# Hypothesis's 'fast' profile (tests/support/hypothesis_tiers.py): a fifth of every
+# property's and state machine's examples, as deep; 'make test' runs them all.
 test-fast: venv
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist worksteal -m 'not daemon and not slow'
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist worksteal -m 'not daemon and not slow' \
+	  --hypothesis-profile=fast
 
 demo: venv
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)

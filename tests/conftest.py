@@ -6,9 +6,14 @@ import os
 
 import pytest
 
+from tests.support.hypothesis_tiers import register_profiles
+
 #: tests/kernel needs the real VFIO/mdev kernel of the kernel tier's guest (make test-kernel,
 #: kernel-tier/): its init sets VMLEND_KERNEL_GUEST. Anywhere else the tree is not collected.
 collect_ignore = [] if os.environ.get("VMLEND_KERNEL_GUEST") else ["kernel"]
+
+# Before hypothesis's plugin reads --hypothesis-profile (make test-fast passes ``fast``).
+register_profiles()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -12,8 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import settings
 from lxml import etree
 
+from tests.support.hypothesis_tiers import DEFAULT_EXAMPLES, FAST, examples
 from tests.support.paths import REPO, TESTS
 
 #: What may sit at the top of the tree: the package marker, the shared fixtures, and the
@@ -204,3 +206,31 @@ def test_the_machines_files_are_never_touched_and_never_removed(tmp_path):
     assert (etc / "new.toml").read_text() == "x"  # never removed
     assert (etc / "vmlend.toml").read_text() == "# the operator's\n"
 
+
+def _recipe(makefile: str, target: str) -> str:
+    """The command lines of ``target`` in the Makefile."""
+    lines = makefile.splitlines()
+    start = lines.index(next(x for x in lines if x.startswith(f"{target}:")))
+    body = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("\t"):
+            break
+        body.append(line)
+    return "\n".join(body)
+
+
+def test_the_fast_tier_explores_a_share_of_each_property_and_make_test_all_of_it():
+    """``make test-fast`` loads the fast hypothesis profile: fewer examples, no deadline, and
+    every count a test writes scaled alike; ``make test`` loads none, and runs the counts as
+    written (tests/support/hypothesis_tiers.py)."""
+    fast = settings.get_profile(FAST)
+    assert fast.deadline is None
+    assert fast.max_examples < DEFAULT_EXAMPLES
+    full = settings.get_profile("default")
+    assert [examples(n, profile=full) for n in (3, 60, 300)] == [3, 60, 300]
+    share = fast.max_examples / DEFAULT_EXAMPLES
+    assert examples(300, profile=fast) == round(300 * share) < 300
+    assert examples(10, profile=fast) == 5 and examples(3, profile=fast) == 3  # a floor
+    makefile = (REPO / "Makefile").read_text()
+    assert f"--hypothesis-profile={FAST}" in _recipe(makefile, "test-fast")
+    assert "--hypothesis-profile" not in _recipe(makefile, "test")

@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from lxml import etree
 
-#: Examples per boundary in the fast suite; ``VMLEND_FUZZ_EXAMPLES`` explores more (the long
-#: profile, e.g. 2000).
+from tests.support.hypothesis_tiers import examples
+
+#: Examples per boundary in ``make test``; ``VMLEND_FUZZ_EXAMPLES`` explores more (the long
+#: profile, e.g. 2000). ``make test-fast`` runs its share (tests/support/hypothesis_tiers.py).
 EXAMPLES = int(os.environ.get("VMLEND_FUZZ_EXAMPLES", "100"))
 
 
@@ -27,7 +29,7 @@ def fuzz_settings(scale: float = 1.0) -> settings:
     """Deterministic in CI (the same examples every run, no example database), no deadline
     (timing would make it flaky on a shared machine)."""
     return settings(
-        max_examples=max(1, int(EXAMPLES * scale)),
+        max_examples=examples(max(1, int(EXAMPLES * scale))),
         derandomize=True,
         database=None,
         deadline=None,

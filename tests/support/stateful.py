@@ -8,13 +8,16 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine
 
+from tests.support.hypothesis_tiers import examples as tier_examples
+
 
 def derandomized(examples: int, steps: int) -> settings:
     """``examples`` sequences of up to ``steps`` steps, derandomized: CI runs the same sequences
     every time; no example database on disk, no deadline (the steps wait for threads or
-    daemons)."""
+    daemons). ``make test-fast`` runs its share of the sequences, each as deep
+    (tests/support/hypothesis_tiers.py)."""
     return settings(
-        max_examples=examples,
+        max_examples=tier_examples(examples),
         stateful_step_count=steps,
         derandomize=True,
         database=None,

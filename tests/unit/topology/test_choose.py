@@ -13,6 +13,7 @@ import pytest
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_tiers import examples
 from tests.support.paths import REPO
 from tests.support.topology_strategies import lender_fabrics
 from vmlend.errors import ConfigError, NoDeviceToChooseError, UnknownNodeError
@@ -163,7 +164,7 @@ def documented_order() -> tuple[str, ...]:
     return tuple(COSTS[w] for w in words)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(300), deadline=None, derandomize=True, database=None)
 @given(data=st.data(), topology=lender_fabrics())
 def test_choices_are_free_distinct_of_the_kind_and_no_free_device_is_closer(data, topology):
     """Over generated fabrics, where latency, hops and root complexes disagree from device to

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_tiers import examples
 from tests.support.simfabric import fabric_topology
 from vmlend.errors import UnknownNodeError
 from vmlend.topology.chips import NTB_CROSSING_NS, Chip
@@ -168,7 +169,7 @@ def _pairs(topo: Topology) -> list[tuple[str, str]]:
     return [(a.name, b.name) for a in topo.nodes for b in topo.nodes]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(fabrics_with_dead_cables())
 def test_the_route_table_gives_what_the_plain_search_gives(case):
     topo, down = case

@@ -8,6 +8,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.hypothesis_tiers import examples
 from tests.support.topology_strategies import slots, trees
 from vmlend.demo.facts import p2p_maps
 from vmlend.p2p import GuestBar, peer_device, plan_p2p
@@ -88,7 +89,7 @@ def every_path(t: Topology) -> list[PciePath]:
     ]
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(150), deadline=None, derandomize=True, database=None)
 @given(topologies())
 def test_an_iommu_off_never_makes_a_path_longer(topology):
     on, off = with_iommu(topology, True), with_iommu(topology, False)
@@ -124,7 +125,7 @@ def _common_switch(elements: dict[str, PcieElement], a: str | None, b: str | Non
     return bool(chain(a) & chain(b))
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(100), deadline=None, derandomize=True, database=None)
 @given(topologies())
 def test_a_path_has_one_count_wherever_it_is_shown(topology):
     devices = [

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.daemon_marks import REGISTRIES
+from tests.support.hypothesis_tiers import examples
 from tests.support.older_state import etcd_before_generations
 from tests.support.paths import TESTS
 from tests.support.simfabric import fabric_topology, small_topology, star_topology
@@ -97,7 +98,7 @@ def test_the_suites_topologies_decode_equal_to_what_their_toml_parses_into():
     assert checked >= 10  # the scan found the suite's topologies
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.from_type(Topology))
 def test_any_topology_either_compiles_into_itself_or_is_not_compiled(topology):
     blob = compile_topology(topology, "d")
