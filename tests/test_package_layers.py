@@ -13,6 +13,8 @@ import itertools
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import vmlend
 
 ROOT = Path(vmlend.__file__).parent
@@ -148,29 +150,31 @@ def _describe(edges: dict[tuple[str, str], set[str]], pairs: list[tuple[str, str
     return "\n".join(f"  {a} -> {b}  (in {', '.join(sorted(edges[(a, b)]))})" for a, b in pairs)
 
 
-def test_the_graph_is_read() -> None:
-    edges = package_graph()
+@pytest.fixture(scope="module")
+def edges() -> dict[tuple[str, str], set[str]]:
+    """The graph, read once for the module's tests (which only read it)."""
+    return package_graph()
+
+
+def test_the_graph_is_read(edges) -> None:
     # A few imports that must be seen, so an empty graph does not pass for an acyclic one.
     assert ("vmlend.cli", "vmlend.errors") in edges
     assert ("vmlend.wiring", "vmlend.sim") in edges  # function-level in wiring.fabric
 
 
-def test_no_import_cycle_between_first_level_packages() -> None:
-    edges = package_graph()
+def test_no_import_cycle_between_first_level_packages(edges) -> None:
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle between vmlend's packages:\n" + _describe(
         edges, list(itertools.pairwise(cycle))
     )
 
 
-def test_production_planes_do_not_import_the_simulator() -> None:
-    edges = package_graph()
+def test_production_planes_do_not_import_the_simulator(edges) -> None:
     bad = sorted((a, b) for a, b in edges if b == "vmlend.sim" and a not in MAY_IMPORT_SIM)
     assert not bad, "imports of vmlend.sim outside the composition root:\n" + _describe(edges, bad)
     assert not any(a.startswith(PRODUCTION_PLANES) for a, _ in bad)
 
 
-def test_views_know_neither_cli_nor_demo() -> None:
-    edges = package_graph()
+def test_views_know_neither_cli_nor_demo(edges) -> None:
     bad = sorted((a, b) for a, b in edges if a == "vmlend.views" and b in VIEWS_MAY_NOT_IMPORT)
     assert not bad, "vmlend.views imports a front end:\n" + _describe(edges, bad)
