@@ -6,7 +6,8 @@ the ``fast`` profile (``--hypothesis-profile=fast``, registered by tests/conftes
 examples and no deadline. A test that names its own count writes the full tier's number
 through ``examples``, which scales it as the loaded profile scales hypothesis's default, so
 one knob (the profile's ``max_examples``) sets every property's share; a profile with more
-examples than the default explores more everywhere.
+examples than the default explores more everywhere. A generated corpus that plays the part of
+examples (tests/support/domain_corpus.py's documents) takes its share the same way.
 """
 
 from __future__ import annotations
