@@ -56,7 +56,19 @@ def test_the_docs_have_walkthroughs_to_run_and_say_why_others_do_not():
     assert len(not_run) <= len(RUN) // 2, not_run  # the exception, each with its reason
 
 
-@pytest.mark.parametrize("commands", [c for _, c in RUN], ids=[w for w, _ in RUN])
+def _runs_the_demo(commands: list[str]) -> bool:
+    return any("demo" in shlex.split(line) for line in commands)
+
+
+#: A block that runs ``vmlend demo`` is slow, as tests/scenarios/test_demo.py is: each run
+#: starts the real hook as a subprocess 15 times (about 2 s a run).
+WALKS = [
+    pytest.param(c, id=w, marks=pytest.mark.slow) if _runs_the_demo(c) else pytest.param(c, id=w)
+    for w, c in RUN
+]
+
+
+@pytest.mark.parametrize("commands", WALKS)
 def test_a_walkthrough_runs_as_written(cluster, tmp_path, monkeypatch, commands):
     monkeypatch.chdir(tmp_path)
     for line in commands:

@@ -265,6 +265,7 @@ def test_global_node_option_selects_the_view(run, inited):
     assert "unknown node 'zeta'" in _one_line_error(run("--node", "zeta", "devices"))
 
 
+@pytest.mark.slow  # two demo runs, 15 hook subprocesses each, as tests/scenarios/test_demo.py
 def test_demo_on_fresh_state(run, state_path):
     r = run("demo")
     assert r.exit_code == 0, r.output
