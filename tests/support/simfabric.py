@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import functools
+import tempfile
+from pathlib import Path
+
 from vmlend.sim.backend import SimFabric
 from vmlend.wiring.fabric import Location, default_topology_text, init_fabric, open_fabric
 
 
+@functools.lru_cache(maxsize=32)
+def _fresh_state(text: str, source: str, node: str | None) -> bytes:
+    """The bytes of a new SQLite state holding ``text``, made by ``init_fabric`` once per
+    process: parsing and compiling the topology and creating the schema took ~15 ms a state,
+    and a few hundred tests start from the same one. (A closed state is one self-contained
+    file; each test writes its own copy.)"""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "state.db"
+        init_fabric(path, text, source, node=node, hostname="test-host")
+        return path.read_bytes()
+
+
 def make_fabric(path: Location, text: str | None = None, node: str | None = "gamma") -> SimFabric:
     """Initialise the registry at ``path`` (a path or registry URL) with ``text`` (default
-    cluster when None) and open it as ``node``."""
+    cluster when None) and open it as ``node``. A new state file is a copy of one
+    ``init_fabric`` made for the same topology and node; an existing state or a registry URL
+    goes through ``init_fabric`` itself."""
     if text is None:
         text, source = default_topology_text()
     else:
         source = "test.toml"
-    init_fabric(path, text, source, node=node, hostname="test-host")
+    if isinstance(path, Path) and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_fresh_state(text, source, node))
+    else:
+        init_fabric(path, text, source, node=node, hostname="test-host")
     fabric = open_fabric(path, node)
     assert isinstance(fabric, SimFabric)
     return fabric
