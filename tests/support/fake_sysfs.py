@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import fake_dmawin
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.udev import Uevent
 from vmlend.topology.model import Topology
@@ -76,6 +77,8 @@ class FakeSysfs:
     listeners: list[Callable[[Uevent], None]] = field(default_factory=list)
     busy: set[str] = field(default_factory=set)  # children whose remove returns EBUSY
     handlers: dict[Path, Callable[[str], None]] = field(default_factory=dict)
+    #: Called with each new child (a vendor driver's probe adding the child's own attributes).
+    child_hooks: list[Callable[[_Child], None]] = field(default_factory=list)
     _parents: dict[str, _Parent] = field(default_factory=dict)
     _children: dict[str, _Child] = field(default_factory=dict)
     _next_group: int = 100
@@ -207,7 +210,9 @@ class FakeSysfs:
         (dev / "remove").write_text("")
         _link(self.env.mdev_devices / uuid, dev)
         _link(type_dir / "devices" / uuid, dev)
-        self._children[uuid] = _Child(uuid, parent_name, type_id, dev)
+        child = self._children[uuid] = _Child(uuid, parent_name, type_id, dev)
+        for hook in self.child_hooks:
+            hook(child)
         self.emit(Uevent("add", uuid, "mdev", {"MDEV_TYPE": type_id}))
 
     def _store_remove(self, uuid: str, text: str, path: Path) -> None:
@@ -231,6 +236,9 @@ class FakeSysfs:
         shutil.rmtree(group)
         (self.env.mdev_devices / child.uuid).unlink()
         (parent.path / "mdev_supported_types" / child.type_id / "devices" / child.uuid).unlink()
+        for f in list(self.handlers):
+            if f.is_relative_to(child.path):  # the child's attributes go with it
+                del self.handlers[f]
         shutil.rmtree(child.path)
         del self._children[child.uuid]
         self._write_available(parent)
@@ -345,6 +353,15 @@ class FakeSmartio:
         #: (another share's, or made by hand as ``mdevctl`` would) beside its own.
         self.lend_instances = 1
         self.extra_types: list[FakeType] = []
+        #: Whether ``smartio-lend`` children get section 8's ``smartio/`` group (False: a
+        #: driver from before it); the segment size its ``dma_windows`` checks against (None:
+        #: not checked) and numbers ``dma_state``'s segments by.
+        self.data_path = True
+        self.segment_size: int | None = None
+        #: Per child: the windows it accepted (None: none written), and every write's text.
+        self.windows: dict[str, fake_dmawin.Accepted | None] = {}
+        self.window_writes: dict[str, list[str]] = {}
+        fake.child_hooks.append(self._child_added)
 
     def _name(self, fdid: int) -> str:
         return f"smartio-{fdid:x}"
@@ -495,6 +512,54 @@ class FakeSmartio:
         self.fake.add_parent(
             self._name(fdid), [lend, *self.extra_types], device_dir="devices/virtual/smartio"
         )
+
+    # --- the child's data path (section 8) ---------------------------------------------------
+    def _child_added(self, child: _Child) -> None:
+        fdid = next((f for f in self.devs if self._name(f) == child.parent), None)
+        if fdid is None or child.type_id != "smartio-lend" or not self.data_path:
+            return
+        group = child.path / "smartio"
+        group.mkdir()
+        (group / "dma_windows").write_text("")
+        (group / "dma_state").write_text("none\n")
+        self.windows[child.uuid] = None
+        self.window_writes[child.uuid] = []
+        self.fake.handlers[(group / "dma_windows").resolve()] = (
+            lambda text, f=fdid, u=child.uuid: self._dma_windows(f, u, text)
+        )
+
+    def _group(self, uuid: str) -> Path:
+        return self.fake.env.mdev_devices / uuid / "smartio"
+
+    def _dma_windows(self, fdid: int, uuid: str, text: str) -> None:
+        dev, path = self.devs[fdid], self._group(uuid) / "dma_windows"
+        self.window_writes[uuid].append(text)
+        try:
+            accepted = fake_dmawin.check(
+                text, dev.token, dev.spent, int(dev.attrs["dma_bits"]), self.segment_size
+            )
+        except fake_dmawin.Refused as e:
+            raise _oserror(e.code, path) from None
+        mapped = not self.dma_state(uuid).startswith(("none", "refused"))
+        if mapped and accepted != self.windows[uuid]:
+            raise _oserror(errno.EBUSY, path)
+        self.windows[uuid] = accepted
+        path.write_text(accepted.text())
+
+    def dma_state(self, uuid: str) -> str:
+        return (self._group(uuid) / "dma_state").read_text()
+
+    def set_dma_state(self, uuid: str, text: str) -> None:
+        """What the driver reports, as a test wants it (a refusal, a partial unmap)."""
+        (self._group(uuid) / "dma_state").write_text(text)
+
+    def bus_master(self, uuid: str, on: bool = True) -> None:
+        """The guest sets (or clears) Bus Master through the child: the fake maps every
+        written range (it pins nothing), or refuses with ``ENODATA`` when none are written."""
+        fdid = next(f for f in self.devs if self._name(f) == self.fake._children[uuid].parent)
+        adapter = int(self.devs[fdid].attrs["lender_adapter"])
+        text = fake_dmawin.state_text(self.windows[uuid], adapter, self.segment_size or 4 << 30)
+        self.set_dma_state(uuid, text if on else "none\n")
 
     # --- what happens elsewhere in the fabric -------------------------------------------------
     def set_availability(self, fdid: int, availability: str) -> None:
