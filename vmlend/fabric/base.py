@@ -28,6 +28,7 @@ from vmlend.topology.model import (
 )
 
 if TYPE_CHECKING:
+    from vmlend.kernel.dmafiles import DmaReport, Window
     from vmlend.registry.api import Registry
     from vmlend.registry.records import Claim, ExpectedHold, FenceRecord, HoldRecord
 
@@ -220,4 +221,24 @@ class Repoints(Protocol):
         """Device ``fdid`` serves ``holder``'s hold, of fencing token ``token``, from now on
         (the registry moved the hold there). ``StaleTokenError`` (nothing changed) when the
         device already serves a newer token."""
+        ...
+
+
+@runtime_checkable
+class WritesDmaWindows(Protocol):
+    """A backend whose driver maps each borrowed device's DMA windows itself, from windows
+    vmlend writes to the device's mdev child (docs/smartio-contract.md section 8): the kernel
+    backend. The simulated fabric plans and maps them itself and has no such files."""
+
+    def expected_windows(self, fdid: int, ram: GuestRam) -> tuple[Window, ...]:
+        """The windows vmlend computes for ``fdid`` and a guest with RAM ``ram``."""
+        ...
+
+    def write_dma_windows(self, fdid: int, uuid: str, ram: GuestRam) -> tuple[Window, ...] | None:
+        """Write them to child ``uuid`` with the hold's token; None: the driver has no place
+        for them (it predates section 8)."""
+        ...
+
+    def dma_report(self, uuid: str) -> DmaReport | None:
+        """What the driver reports for child ``uuid``; None: nothing to report."""
         ...

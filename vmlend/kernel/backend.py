@@ -33,6 +33,7 @@ from vmlend.errors import (
     UnsafePathError,
 )
 from vmlend.hostenv import HostEnv
+from vmlend.kernel.dmafiles import DmaReport, Window, format_windows, windows_for
 from vmlend.kernel.driver import (
     MDEV_TYPE,
     Availability,
@@ -409,6 +410,40 @@ class SmartioFabric:
         recorded = self._state.remove_mdev(uuid)
         self._forget(uuid)
         return removed or recorded
+
+    # --- the data path of this node's children (docs/smartio-contract.md section 8) ---------
+    def expected_windows(self, fdid: int, ram: GuestRam) -> tuple[Window, ...]:
+        """The DMA windows of a guest with RAM ``ram`` for ``fdid``: the planner's
+        ``window_groups`` with the segment size of the lender adapter the driver reports
+        (``lender_adapter``), as the topology declares that adapter."""
+        return windows_for(ram.ranges, self._segment_size(fdid))
+
+    def _segment_size(self, fdid: int) -> int:
+        dev = self.driver.device(fdid)
+        topology = self.topology()
+        ref = f"{topology.device(fdid).lender}:{dev.lender_adapter}"
+        adapter = topology.adapter(ref)
+        if adapter is None:
+            raise FabricError(
+                f"device {fdid:#x} is reached through adapter {ref} (the SmartIO driver's"
+                " lender_adapter), which the topology does not declare; add it to the topology"
+            )
+        return adapter.segment_size
+
+    def write_dma_windows(self, fdid: int, uuid: str, ram: GuestRam) -> tuple[Window, ...] | None:
+        """Write child ``uuid``'s ``dma_windows``: the hold's fencing token and the guest's
+        RAM as windows. A re-write of the same windows changes nothing at the driver. None
+        when the driver has no ``smartio/`` group (it warned)."""
+        windows = self.expected_windows(fdid, ram)
+        hold = self._state.holds().get(fdid)
+        token = hold.token if hold is not None else 0
+        if not self.driver.write_dma_windows(fdid, uuid, token, format_windows(token, windows)):
+            return None
+        return windows
+
+    def dma_report(self, uuid: str) -> DmaReport | None:
+        """What the driver says of child ``uuid``'s DMA windows (None: no ``smartio/``)."""
+        return self.driver.dma_report(uuid)
 
     def mdevs(self) -> list[MdevInfo]:
         """The children the kernel has under SmartIO parents (of any type, vmlend's or not),

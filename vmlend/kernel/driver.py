@@ -11,6 +11,8 @@ driver's errnos into vmlend errors; deciding who may hold what is the backend's 
         bars availability borrower_node_id
     class/mdev_bus/smartio-<fdid hex>        appears once registered; its only type is
                                              ``smartio-lend``
+    bus/mdev/devices/<uuid>/smartio/         per child (section 8): dma_windows (rw),
+                                             dma_state (r)
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from vmlend.errors import (
     DeviceNotLentError,
     FabricError,
     HostError,
+    LayoutError,
     LenderUnavailableError,
     StaleTokenError,
     SysfsAttributeError,
     UnknownDeviceError,
 )
 from vmlend.hostenv import HostEnv
+from vmlend.kernel import dmafiles
+from vmlend.kernel.dmafiles import DmaReport
 from vmlend.kernel.mdev import KernelWriter, SysfsWriter
 from vmlend.kernel.sysfsattr import is_directory, parse_number, read_number, read_text, read_value
 from vmlend.topology.model import BarKind, BarSpec, format_fdid
@@ -353,6 +358,90 @@ class SmartioDriver:
         if not path.exists():
             return 0
         return read_number(path, 0, 1 << 63, "spent fencing token")
+
+    # --- the data path of one mdev child (section 8) --------------------------------------------
+    def child_group(self, uuid: str) -> Path:
+        """The child's ``smartio/`` attribute group (``uuid`` as ``MdevBus`` checked it)."""
+        return self.env.mdev_devices / uuid / dmafiles.GROUP
+
+    def write_dma_windows(self, fdid: int, uuid: str, token: int, text: str) -> bool:
+        """Write ``dma_windows`` of child ``uuid`` (``text`` from ``dmafiles.format_windows``).
+        False, with one warning, for a driver without the child's ``smartio/`` group (one
+        older than section 8): the device then maps no window, as before. The driver's
+        refusals become the errors section 8 names."""
+        group = self.child_group(uuid)
+        path = group / dmafiles.WINDOWS_FILE
+        try:
+            self.writer.write(path, text)
+        except FileNotFoundError:
+            if not (self.env.mdev_devices / uuid).is_dir():
+                raise FabricError(
+                    f"mdev {uuid} of device {format_fdid(fdid)} went away before its DMA windows"
+                    " were written (its lender may be unreachable); start the VM again"
+                ) from None
+            log.warning(
+                "the SmartIO driver has no %s: device %s maps no DMA window for mdev %s;"
+                " update the driver (docs/smartio-contract.md section 8)",
+                path, format_fdid(fdid), uuid,
+            )  # fmt: skip
+            return False
+        except OSError as e:
+            raise self._windows_error(fdid, uuid, token, path, e.errno or 0) from None
+        log.info("smartio dma_windows %s %s token %d", format_fdid(fdid), uuid, token)
+        return True
+
+    def _windows_error(self, fdid: int, uuid: str, token: int, path: Path, code: int) -> Exception:
+        f = format_fdid(fdid)
+        if code == errno.ESTALE:
+            tok = self.base / device_name(fdid) / "token"
+            current = read_number(tok, 0, 1 << 63, "fencing token") if tok.exists() else -1
+            return StaleTokenError(fdid, token, current, "the DMA windows")
+        if code == errno.E2BIG:
+            return LayoutError(
+                f"device {f} refused the DMA windows of mdev {uuid}: more than"
+                f" {dmafiles.MAX_RANGES} ranges; give the guest fewer memory devices"
+            )
+        if code == errno.ERANGE:
+            return FabricError(
+                f"device {f} refused the DMA windows of mdev {uuid} (ERANGE): the guest's RAM"
+                " ends past the device's DMA reach or needs more segments than its lender"
+                " adapter's window has; give the guest less RAM or lend another device"
+            )
+        if code == errno.EBUSY:
+            return FabricError(
+                f"device {f} refused new DMA windows for mdev {uuid} (EBUSY): the guest has Bus"
+                " Master on and other windows mapped; stop the VM and start it again"
+            )
+        if code == errno.EINVAL:
+            return FabricError(
+                f"device {f} refused the DMA windows written to {path} (EINVAL): vmlend wrote"
+                " what the driver does not take, or the topology's segment size is not the"
+                " lender adapter's; check both ('dmesg')"
+            )
+        return self._error("write the DMA windows of", fdid, code)
+
+    def dma_report(self, uuid: str) -> DmaReport | None:
+        """What the driver says of child ``uuid``'s data path; None when it has no
+        ``smartio/`` group (a driver older than section 8, or the child is gone). A damaged
+        file is a report with ``damaged`` set, so one child cannot hide the others."""
+        group = self.child_group(uuid)
+        if not group.is_dir():
+            return None
+        try:
+            written = dmafiles.parse_windows(
+                read_text(group / dmafiles.WINDOWS_FILE, dmafiles.CHECK),
+                group / dmafiles.WINDOWS_FILE,
+            )
+            state = dmafiles.parse_state(
+                read_text(group / dmafiles.STATE_FILE, dmafiles.CHECK), group / dmafiles.STATE_FILE
+            )
+        except FileNotFoundError as e:
+            if not group.is_dir():
+                return None
+            return DmaReport(damaged=f"{e.filename}: missing ({dmafiles.CHECK})")
+        except SysfsAttributeError as e:
+            return DmaReport(damaged=str(e))
+        return DmaReport(written, state)
 
     def _error(self, attr: str, fdid: int, code: int) -> Exception:
         f = format_fdid(fdid)

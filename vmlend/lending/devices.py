@@ -17,7 +17,7 @@ from uuid import UUID
 import msgspec
 
 from vmlend.errors import RegistryUnreachableError, StateRecordError, VmlendError
-from vmlend.fabric.base import Fabric
+from vmlend.fabric.base import Fabric, WritesDmaWindows
 from vmlend.faults import fault_point
 from vmlend.messages import about
 from vmlend.registry.records import ExpectedHold, HoldRecord, same_holder
@@ -99,7 +99,29 @@ def acquire_device(
     if fabric.create_mdev(fdid, uuid, holder).created:
         journal.push(f"mdev {uuid}", lambda: fabric.remove_mdev(uuid))
     record(f"mdev {uuid} for {fd} under {parent}: ok")
+    if isinstance(fabric, WritesDmaWindows):
+        # a refusal fails the step: the journal removes the child as for a refused create
+        write_windows(fabric, fdid, uuid, guest_ram, record)
     return parent
+
+
+def write_windows(
+    fabric: WritesDmaWindows, fdid: int, uuid: str, guest_ram: GuestRam | int, record: Record
+) -> None:
+    """Write the child's DMA windows (docs/smartio-contract.md section 8) where the guest's
+    layout is known. A bare byte count (the agent re-taking a hold it recorded) says nothing
+    of the ranges, and a guessed layout would map the wrong RAM: those windows are left to
+    ``vmlend reconcile --fix``, which reads the domain's XML."""
+    fd = format_fdid(fdid)
+    if not isinstance(guest_ram, GuestRam) or not guest_ram.ranges:
+        record(f"mdev {uuid}: DMA windows not written: the guest's layout is not known here")
+        return
+    windows = fabric.write_dma_windows(fdid, uuid, guest_ram)
+    if windows is None:
+        record(f"mdev {uuid}: DMA windows not written: the SmartIO driver has no smartio/ group")
+    else:
+        names = ", ".join(w.name for w in windows) or "none"
+        record(f"DMA windows of {fd} ({names}) written to mdev {uuid}: ok")
 
 
 def lost_holds(
