@@ -18,8 +18,9 @@ import msgspec
 from vmlend.errors import HostError, MdevError, VmlendError
 from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
+from vmlend.kernel.dmafiles import DmaWord, compare_windows
+from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDriver, fdid_of
 from vmlend.kernel.driver import MODULE as SMARTIO_MODULE
-from vmlend.kernel.driver import Availability, SmartioDriver
 from vmlend.kernel.mdev import MdevBus
 from vmlend.kernel.nvmeshare import share_support
 
@@ -220,6 +221,61 @@ def check_backend(env: HostEnv, backend: str | None) -> Finding:
             " the SmartIO driver to lend real devices (docs/real-hardware.md)",
         )
     return Finding("backend", Status.OK, f"{in_use} ({why})")
+
+
+def check_data_path(env: HostEnv) -> Finding | None:
+    """Each ``smartio-lend`` child's DMA windows (docs/smartio-contract.md section 8): the
+    group is there (a driver without it predates section 8: its devices reach no guest RAM),
+    windows are written, a Bus Master enable was not refused, and what is mapped is what was
+    written. Whether the windows are the VM's is ``vmlend reconcile``'s check (it reads the
+    domain). None where the driver is not loaded or no child exists."""
+    driver = SmartioDriver(env)
+    if not driver.loaded():
+        return None
+    try:
+        children = [
+            d
+            for d in MdevBus(env).devices()
+            if d.type_id == MDEV_TYPE and fdid_of(d.parent) is not None
+        ]
+    except MdevError as e:
+        return Finding("data path", Status.FAIL, str(e))
+    if not children:
+        return None
+    problems: list[str] = []
+    mapped = 0
+    for child in children:
+        report = driver.dma_report(child.uuid)
+        where = f"mdev {child.uuid} ({child.parent})"
+        if report is None:
+            problems.append(
+                f"{where} has no smartio/ group: the SmartIO driver predates the data path"
+                " (docs/smartio-contract.md section 8), so no DMA window is mapped; update it"
+            )
+            continue
+        if report.damaged:
+            problems.append(f"{where}: {report.damaged}")
+            continue
+        if report.state is not None and report.state.word is DmaWord.MAPPED:
+            mapped += 1
+        # with nothing expected, compare_windows only flags a missing write if told: say it
+        if report.written is None:
+            problems.append(
+                f"{where} has no DMA windows written: a Bus Master enable is refused; run"
+                " 'vmlend reconcile --fix'"
+            )
+        problems += [
+            f"{where}: {m.line}"
+            for m in compare_windows(None, None, report.written, report.state)
+        ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return Finding("data path", Status.WARN, problems[0] + more)
+    return Finding(
+        "data path",
+        Status.OK,
+        f"{len(children)} children: DMA windows written, {mapped} mapped by the guest",
+    )
 
 
 def check_mdev_parents(env: HostEnv) -> Finding:
@@ -548,6 +604,7 @@ def run_checks(
         check_vfio_device(env),
         check_smartio(env, required=smartio_required),
         check_mdev_parents(env),
+        *([data] if (data := check_data_path(env)) is not None else []),
         check_nvme_sharing(env),
         check_libvirt(libvirt_version),
     ]

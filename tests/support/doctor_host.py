@@ -26,6 +26,7 @@ def healthy(root) -> FakeSysfs:
     smartio = FakeSmartio(fake, node_id=12)
     smartio.add_device(0x12, lender_node_id=4)
     smartio._borrow(0x12)
+    fake.smartio = smartio  # type: ignore[attr-defined]
     hook = fake.env.libvirt_hooks / "qemu.d" / "vmlend"
     hook.parent.mkdir(parents=True)
     hook.write_text("#!/usr/bin/python3\n# installed by 'vmlend hook install'\n")

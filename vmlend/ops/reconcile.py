@@ -33,13 +33,14 @@ from vmlend.domain import (
 )
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
-from vmlend.fabric.base import Fabric
+from vmlend.fabric.base import Fabric, WritesDmaWindows
+from vmlend.kernel.dmafiles import DmaReport, Window, compare_windows
 from vmlend.lending.devices import holder_for, recorded_for, return_device
 from vmlend.ops.attach import attach_live
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
 from vmlend.registry.records import same_holder
-from vmlend.topology.model import DeviceStatus, Holder, MdevInfo, format_fdid
+from vmlend.topology.model import DeviceStatus, GuestRam, Holder, MdevInfo, format_fdid
 
 if TYPE_CHECKING:
     from vmlend.hypervisor import Hypervisor
@@ -56,6 +57,9 @@ class DriftKind(enum.StrEnum):
     MISSING_HOLD = "missing-hold"
     MISSING_MDEV = "missing-mdev"
     HELD_BY_ANOTHER = "held-by-another"
+    #: The driver's DMA windows of a running VM's child differ from what vmlend computes
+    #: (docs/smartio-contract.md section 8; kernel backend only).
+    DMA_WINDOWS = "dma-windows"
 
 
 class Drift(msgspec.Struct, frozen=True):
@@ -88,6 +92,20 @@ class RunningVm(msgspec.Struct, frozen=True):
     devices: tuple[VmlendDevice, ...]  # what the vmlend metadata names
     hostdevs: frozenset[str]  # mdev UUIDs of its mdev hostdevs
     guest_ram: int
+    #: Its RAM ranges by QEMU's layout rules (None: the XML does not decide them).
+    ram: GuestRam | None = None
+
+
+class DmaCheck(msgspec.Struct, frozen=True):
+    """One running VM's child on a backend whose driver maps DMA windows: what vmlend
+    computes for it and what the driver reports."""
+
+    vm: RunningVm
+    fdid: int
+    mdev: str
+    expected: tuple[Window, ...]
+    token: int | None  # the hold's fencing token (None: no hold to compare with)
+    report: DmaReport
 
 
 class Views(msgspec.Struct):
@@ -100,6 +118,8 @@ class Views(msgspec.Struct):
     elsewhere: dict[int, DeviceStatus] = msgspec.field(default_factory=dict)
     #: UUIDs of the mdevs this host has, recorded or not (``Fabric.mdevs``)
     present: set[str] = msgspec.field(default_factory=set)
+    #: The data path of running VMs' children, where the driver reports it
+    dma: list[DmaCheck] = msgspec.field(default_factory=list)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -125,10 +145,41 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
         dom = read_domain(doc.to_bytes(), strict=False)
         hostdevs = frozenset(str(h.uuid) for h in DomainXML(doc.root).mdev_hostdevs())
         holder = holder_for(fabric, info.name, dom.uuid or info.uuid)
-        running.append(RunningVm(info.name, holder, dom.devices, hostdevs, dom.memory_bytes or 0))
+        running.append(
+            RunningVm(info.name, holder, dom.devices, hostdevs, dom.memory_bytes or 0, dom.ram)
+        )
     holds = [st for st in held if st.holder is not None and st.holder.node == node]
     elsewhere = {st.fdid: st for st in held if st.holder is not None and st.holder.node != node}
-    return Views(node, running, holds, mdevs, defined, elsewhere, present)
+    dma = _look_dma(fabric, running, present)
+    return Views(node, running, holds, mdevs, defined, elsewhere, present, dma)
+
+
+def _look_dma(fabric: Fabric, running: list[RunningVm], present: set[str]) -> list[DmaCheck]:
+    """What the driver reports for each present child of a running VM whose layout is known,
+    beside what vmlend computes for it. A child the driver has no ``smartio/`` group for
+    (a driver from before section 8) is ``vmlend doctor``'s to report, not drift."""
+    out: list[DmaCheck] = []
+    if not isinstance(fabric, WritesDmaWindows):
+        return out
+    for vm in running:
+        if vm.ram is None:
+            continue
+        holds = fabric.holds_of(vm.holder)
+        for dev in vm.devices:
+            mdev = str(dev.mdev)
+            if dev.share is not None or mdev not in present:
+                continue
+            report = fabric.dma_report(mdev)
+            if report is None:
+                continue
+            try:
+                expected = fabric.expected_windows(dev.fdid, vm.ram)
+            except VmlendError:  # the device left the fabric: other drift says so
+                continue
+            hold = holds.get(dev.fdid)
+            token = hold.token if hold is not None and hold.token else None
+            out.append(DmaCheck(vm, dev.fdid, mdev, expected, token, report))
+    return out
 
 
 def find_drift(views: Views) -> list[Drift]:
@@ -244,7 +295,32 @@ def find_drift(views: Views) -> list[Drift]:
             )
             repair = f"drop the record of mdev {m.uuid}"
         drift.append(Drift(DriftKind.MDEV_WITHOUT_HOLD, m.vm, m.fdid, m.uuid, cause, repair))
+    for c in views.dma:
+        drift.extend(_dma_drift(c))
     return drift
+
+
+def _dma_drift(c: DmaCheck) -> list[Drift]:
+    """One drift per difference between the driver's DMA windows and vmlend's, each one line."""
+    where = f"mdev {c.mdev} of device {format_fdid(c.fdid)} (running VM {c.vm.name!r})"
+    if c.report.damaged:
+        lines = [(f"its SmartIO driver's data-path files are damaged: {c.report.damaged}", False)]
+    else:
+        found = compare_windows(c.expected, c.token, c.report.written, c.report.state)
+        lines = [(m.line, m.rewrite) for m in found]
+    return [
+        Drift(
+            DriftKind.DMA_WINDOWS,
+            c.vm.name,
+            c.fdid,
+            c.mdev,
+            f"{where}: {line}",
+            "write the DMA windows again" if rewrite else "left to the operator (see the cause)",
+            fixable=rewrite,
+            holder=c.vm.holder,
+        )
+        for line, rewrite in lines
+    ]
 
 
 def _running_device_drift(
@@ -386,6 +462,13 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
             assert d.fdid is not None
             # The attach's own re-run: it sees the plugged hostdev and writes the metadata.
             attach_live(hv, fabric, d.vm, d.fdid, record)
+        case DriftKind.DMA_WINDOWS:
+            assert d.fdid is not None and d.mdev is not None
+            if not isinstance(fabric, WritesDmaWindows):
+                raise FabricError("this fabric backend has no DMA windows to write")
+            ram = read_domain(hv.xml(d.vm), strict=False).guest_ram
+            if fabric.write_dma_windows(d.fdid, d.mdev, ram) is not None:
+                record(f"mdev {d.mdev}: DMA windows of {format_fdid(d.fdid)} written again")
         case DriftKind.MISSING_HOLD | DriftKind.MISSING_MDEV:
             assert d.holder is not None and d.fdid is not None and d.mdev is not None
             dom = read_domain(hv.xml(d.vm), strict=False)

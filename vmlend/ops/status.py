@@ -21,8 +21,9 @@ import msgspec
 
 from vmlend.domain import VmlendDevice, read_domain
 from vmlend.errors import UnknownDomainError, VmlendError
-from vmlend.fabric.base import Fabric
+from vmlend.fabric.base import Fabric, WritesDmaWindows
 from vmlend.hypervisor import Hypervisor
+from vmlend.kernel.dmafiles import DmaReport, MappedWindow, Window
 from vmlend.ledger.admission import AdapterUsage
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
@@ -50,6 +51,9 @@ class DeviceView(msgspec.Struct):
     interrupts_asked: str | None = None
     #: The adapter its MSI/MSI-X are mapped over (the hold's interrupt window); None: relay.
     interrupts_via: str | None = None
+    #: What the SmartIO driver reports of the child's DMA windows (kernel backend, docs/
+    #: smartio-contract.md section 8); None: no such report (another backend, no child).
+    driver_dma: DmaReport | None = None
 
     @property
     def interrupts(self) -> str:
@@ -74,6 +78,7 @@ class DeviceView(msgspec.Struct):
         for kind, key in RUNTIME_KINDS.items():
             out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
         out["link_faults"] = [{"key": r.key} | r.data for r in self.runtime.get(LINK_FAULT, [])]
+        out["driver_dma"] = None if self.driver_dma is None else _dma_json(self.driver_dma)
         out["dma_path"] = None
         if self.path is not None:
             p = self.path
@@ -85,6 +90,35 @@ class DeviceView(msgspec.Struct):
                 "added_ns": p.added_ns,
             }
         return out
+
+
+def _window_json(w: Window | MappedWindow) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": w.name,
+        "ranges": [{"start": r.start, "end": r.end} for r in w.ranges],
+    }
+    if isinstance(w, MappedWindow):
+        out["adapter"] = w.adapter
+        out["segments"] = None if w.segments is None else list(w.segments)
+    return out
+
+
+def _dma_json(report: DmaReport) -> dict[str, Any]:
+    """The driver's report as ``status --json`` shows it (addresses as integers)."""
+    written, state = report.written, report.state
+    return {
+        "token": None if written is None else written.token,
+        "windows": [] if written is None else [_window_json(w) for w in written.windows],
+        "state": None
+        if state is None
+        else {
+            "word": state.word.value,
+            "error": state.error or None,
+            "reason": state.reason or None,
+            "windows": [_window_json(w) for w in state.windows],
+        },
+        "damaged": report.damaged or None,
+    }
 
 
 class VmView(msgspec.Struct):
@@ -183,6 +217,8 @@ def collect(
     for v in views:
         for dv in v.devices:
             dv.path = _dma_path(topology, dv.fdid, v.node)
+            if isinstance(fabric, WritesDmaWindows) and dv.mdev_present and dv.mdev:
+                dv.driver_dma = fabric.dma_report(dv.mdev)
             if dv.holder is not None and dv.holder.node == v.node and dv.holder.vm == v.name:
                 window = fabric.interrupt_window(dv.fdid)
                 dv.interrupts_via = None if window is None else window.adapter

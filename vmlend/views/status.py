@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vmlend.kernel.dmafiles import DmaReport, window_lines
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.lending.shares import BLOCK
 from vmlend.ops.live_state import LiveRecord
@@ -30,6 +31,19 @@ def _runtime_cell(records: list[RuntimeRecord]) -> str:
         else:
             parts.append(r.key)
     return ",".join(parts)
+
+
+def _driver_dma_cells(report: DmaReport) -> list[str]:
+    """The windows the driver has for a child (``token N: low 0x0-0x80000000; high ...``)
+    and its state's one line."""
+    if report.damaged:
+        return [f"damaged: {report.damaged}", "-"]
+    written = report.written
+    if written is None:
+        cell = "none written"
+    else:
+        cell = f"token {written.token}: " + ("; ".join(window_lines(written.windows)) or "none")
+    return [cell, "-" if report.state is None else report.state.summary()]
 
 
 def path_cell(path: PciePath | None) -> str:
@@ -88,6 +102,15 @@ def render_status(
     if f_rows:
         f_headers = ("VM", "NODE", "FDID", "LINK FAULT", "STATE", "ROUTE NOW", "DETAIL")
         parts.append(render_table(f_headers, f_rows))
+    w_rows = [
+        [v.name, format_fdid(d.fdid), d.mdev or "-", *_driver_dma_cells(d.driver_dma)]
+        for v in vms
+        for d in v.devices
+        if d.driver_dma is not None
+    ]
+    if w_rows:
+        w_headers = ("VM", "FDID", "MDEV", "DRIVER'S DMA WINDOWS", "DMA STATE")
+        parts.append(render_table(w_headers, w_rows))
     s_rows = [
         [
             v.name,

@@ -254,9 +254,11 @@ def test_on_the_kernel_backend_a_running_vms_unrecorded_mdev_is_recorded(tmp_pat
         fabric.reserve(NVME, WEB)
         fabric.ensure_mdev_parent(NVME)
         fabric.bus.create(PARENT, MDEV_TYPE, mdev)  # the child, without its record
-        (d,) = find_drift(look(hv, fabric))
+        # nor its DMA windows (section 8): made by hand, not by vmlend's prepare
+        d, windows = find_drift(look(hv, fabric))
         assert (d.kind, d.vm, d.mdev) == (DriftKind.MISSING_MDEV, "web", mdev)
         assert "no record of its mdev" in d.cause and d.fix == f"record mdev {mdev} for VM 'web'"
+        assert (windows.kind, windows.mdev) == (DriftKind.DMA_WINDOWS, mdev)
         assert fix(hv, fabric, [d]).failed == []
         assert [m.uuid for m in fabric.mdev_records()] == [mdev]
         assert find_drift(look(hv, fabric)) == []
