@@ -15,7 +15,9 @@
  *       bars, availability, borrower_node_id (r) and token (rw; ESTALE for an older one)
  *
  * A device's mdev parent comes from a provider module (smartio_stub.h: the kernel's mtty
- * sample, renamed), registered on the device's own directory on borrow. "change" uevents with
+ * sample, renamed), registered on the device's own directory on borrow. The provider serves
+ * section 8's per-child files (smartio/dma_windows, smartio/dma_state) and checks their
+ * token with smartio_check_token(). "change" uevents with
  * SMARTIO_AVAILABILITY=<value> go out when availability or borrower_node_id changes; the
  * device's own add/remove uevents when it joins or leaves the fabric.
  *
@@ -491,6 +493,25 @@ out:
 	return ret;
 }
 EXPORT_SYMBOL_GPL(smartio_register_mdev_provider);
+
+/*
+ * Without smartio_lock: the provider calls it from a child's store handler, and a detach
+ * holding the lock waits for that handler to finish while it removes the child. The token
+ * is written with WRITE_ONCE; a take-back racing the check is the driver's to order, not the
+ * stand-in's.
+ */
+int smartio_check_token(struct device *dev, u64 token, u32 *dma_bits)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+
+	*dma_bits = sdev->dma_bits;
+	if (READ_ONCE(sdev->gone))
+		return -ENODEV;
+	if (token < READ_ONCE(sdev->token) || token <= READ_ONCE(sdev->retired))
+		return -ESTALE;
+	return 0;
+}
+EXPORT_SYMBOL_GPL(smartio_check_token);
 
 void smartio_unregister_mdev_provider(const struct smartio_mdev_provider *provider)
 {

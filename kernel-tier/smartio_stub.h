@@ -23,6 +23,12 @@ struct smartio_mdev_provider {
 };
 
 int smartio_register_mdev_provider(const struct smartio_mdev_provider *provider);
+/*
+ * For a write to a child's data-path files (vmlend's contract, section 8) under the mdev
+ * parent on @dev: 0, -ESTALE for a token older than the device's (or spent), -ENODEV for a
+ * device leaving the fabric; *dma_bits is the device's DMA address width.
+ */
+int smartio_check_token(struct device *dev, u64 token, u32 *dma_bits);
 void smartio_unregister_mdev_provider(const struct smartio_mdev_provider *provider);
 
 #endif /* SMARTIO_STUB_H */
