@@ -109,6 +109,12 @@ class VfioDevice:
         assert offset + len(data) <= size
         assert os.pwrite(self.fd, data, base + offset) == len(data)
 
+    def read(self, region: int, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of region ``region`` (7: the config space)."""
+        length, base = self.region(region)
+        assert offset + size <= length
+        return os.pread(self.fd, size, base + offset)
+
     def close(self) -> None:
         """The device, then the group (which leaves its container), then the container."""
         for name in ("fd", "group", "container"):
