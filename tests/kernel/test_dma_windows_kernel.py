@@ -16,7 +16,7 @@ import libvirt
 import libvirt_qemu
 import pytest
 
-from tests.support.kernel_guest import REAL, write
+from tests.support.kernel_guest import REAL, private_root, write
 from tests.support.kernel_host import operator_host
 from tests.support.vfio_user import VfioDevice
 from vmlend.kernel.backend import SmartioFabric
@@ -78,8 +78,10 @@ def test_a_started_vms_child_has_the_guests_ram_as_windows_until_it_is_destroyed
     windows_file = group(u1) / "dma_windows"
     written = parse_windows(windows_file.read_text(), windows_file)
     assert written is not None
-    with SmartioFabric(SqliteRegistry.open(host.state), REAL) as fabric:
-        token = fabric._state.holds()[0x12].token
+    with SqliteRegistry.open(host.state) as reg, reg.read() as tx:
+        hold = tx.hold(0x12)
+    assert hold is not None
+    token = hold.token
     assert written.token == token > 0
     ranges = [r for w in written.windows for r in w.ranges]
     assert ranges == qemu_ram(dom)  # the 64 MiB pc guest: one range from 0
@@ -106,7 +108,8 @@ def fabric(tmp_path, fabric_devices):
     state = tmp_path / "state.db"
     text, source = default_topology_text()
     init_fabric(state, text, source, node="gamma")
-    with SmartioFabric(SqliteRegistry.open(state), REAL, local_node="gamma") as fab:
+    env = private_root(tmp_path / "root")
+    with SmartioFabric(SqliteRegistry.open(state), env, local_node="gamma") as fab:
         yield fab
 
 

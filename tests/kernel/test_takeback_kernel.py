@@ -26,7 +26,7 @@ import pytest
 
 from tests.support.etcd_daemon import cluster_name
 from tests.support.hostroot import identify
-from tests.support.kernel_guest import NODE_ID, REAL, STUB, write
+from tests.support.kernel_guest import NODE_ID, REAL, STUB, private_root, write
 from tests.support.kernel_host import hold_leases, operator_host
 from tests.support.libvirt_daemon import wait_for
 from vmlend.hook.actionlog import log_path_for_state
@@ -64,9 +64,7 @@ def start_agent(options: list[str], root: Path, ttl: int, log: Path) -> subproce
 
 def lender_root(base: Path) -> Path:
     """alpha's host root: its own machine-id, the guest's real sys, dev and proc."""
-    base.mkdir()
-    for tree in ("sys", "dev", "proc"):
-        (base / tree).symlink_to(f"/{tree}")
+    private_root(base)
     identify(base)
     (base / "vmlend.toml").touch()
     return base

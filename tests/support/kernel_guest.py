@@ -19,6 +19,17 @@ from vmlend.topology.model import Topology
 
 #: The real host root inside the guest.
 REAL = HostEnv(Path("/"))
+
+
+def private_root(base: Path) -> HostEnv:
+    """A host root of the test's own over the guest's real kernel: ``sys``, ``dev`` and
+    ``proc`` are the guest's, everything vmlend keeps (``var/lib/vmlend``: the notes of the
+    children it made, ``etc/vmlend``) is the test's, so the guest's own files stay untouched."""
+    base.mkdir(parents=True, exist_ok=True)
+    for tree in ("sys", "dev", "proc"):
+        if not (base / tree).is_symlink():
+            (base / tree).symlink_to(f"/{tree}")
+    return HostEnv(base)
 #: The node id init.sh loads the stand-in with: gamma's in the default topology.
 NODE_ID = 12
 #: vmlend's type (the contract's one type) and the parent's other one, kept to make children
