@@ -19,6 +19,7 @@ import logging
 import msgspec
 
 from vmlend.errors import ConfigError, PinError
+from vmlend.sim.dirtylog import DirtyLog
 from vmlend.sim.hostmem import FRAME, HUGE_2M, PAGE_SIZES, HostMemory
 from vmlend.topology.model import GuestRange
 
@@ -74,7 +75,7 @@ class SimGuest:
         self._pins: dict[int, int] = {}  # backing page index -> pin count
         #: 4 KiB guest page numbers the vCPUs wrote since the log was last taken (None: not
         #: logging): KVM's dirty log, what a live migration copies again
-        self._dirty: set[int] | None = None
+        self._dirty = DirtyLog()
 
     def __repr__(self) -> str:
         return f"SimGuest({self.node}/{self.vm}, {self.size:#x} bytes)"
@@ -210,8 +211,8 @@ class SimGuest:
     def write(self, gpa: int, data: bytes) -> None:
         """The guest's vCPUs write ``data`` at ``gpa`` (logged when the dirty log is on)."""
         self._require_running(gpa)
-        if self._dirty is not None and data:
-            self._dirty.update(range(gpa // FRAME, (gpa + len(data) - 1) // FRAME + 1))
+        if data:
+            self._dirty.mark(range(gpa // FRAME, (gpa + len(data) - 1) // FRAME + 1))
         self._store(gpa, data)
 
     def load(self, gpa: int, data: bytes) -> None:
@@ -222,20 +223,14 @@ class SimGuest:
 
     # --- dirty log (KVM_GET_DIRTY_LOG) ---------------------------------------------------------
     def start_dirty_log(self) -> None:
-        if self._dirty is None:
-            self._dirty = set()
+        self._dirty.start()
 
     def take_dirty(self) -> set[int]:
         """4 KiB guest page numbers the vCPUs wrote since the last take (the log goes on)."""
-        if self._dirty is None:
-            return set()
-        taken, self._dirty = self._dirty, set()
-        return taken
+        return self._dirty.take()
 
     def stop_dirty_log(self) -> set[int]:
-        taken = self.take_dirty()
-        self._dirty = None
-        return taken
+        return self._dirty.stop()
 
     def stored_pages(self) -> list[int]:
         """4 KiB guest page numbers holding anything but zeros (what a first migration pass

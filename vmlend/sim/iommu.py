@@ -13,6 +13,7 @@ import bisect
 import msgspec
 
 from vmlend.errors import DmaFault, IommuMappingError
+from vmlend.sim.dirtylog import DirtyLog
 from vmlend.topology.model import GiB, KiB, MiB
 
 PAGE_SIZES: tuple[int, ...] = (1 * GiB, 2 * MiB, 4 * KiB)  # largest first
@@ -83,7 +84,7 @@ class IommuDomain:
         #: (None: not logging). A VM's domain maps IOVA = GPA, so these are guest pages a
         #: device dirtied: the dirty tracking a live migration copies them by (Intel VT-d's
         #: second-stage dirty bit, AMD's host-dirty bit; ``start_dirty_log``).
-        self._dirty: set[int] | None = None
+        self._dirty = DirtyLog()
 
     def __repr__(self) -> str:
         return f"IommuDomain({self.name!r}, {len(self._runs)} runs)"
@@ -182,25 +183,19 @@ class IommuDomain:
     # --- dirty tracking --------------------------------------------------------------------------
     def start_dirty_log(self) -> None:
         """Log every page a write through this domain touches from now on (idempotent)."""
-        if self._dirty is None:
-            self._dirty = set()
+        self._dirty.start()
 
     def take_dirty(self) -> set[int]:
         """The 4 KiB IOVA page numbers written since the last take (the log goes on)."""
-        if self._dirty is None:
-            return set()
-        taken, self._dirty = self._dirty, set()
-        return taken
+        return self._dirty.take()
 
     def stop_dirty_log(self) -> set[int]:
         """Stop logging; what was written since the last take."""
-        taken = self.take_dirty()
-        self._dirty = None
-        return taken
+        return self._dirty.stop()
 
     @property
     def dirty_logging(self) -> bool:
-        return self._dirty is not None
+        return self._dirty.active
 
     # --- lookups -------------------------------------------------------------------------------
     def _overlapping(self, lo: int, hi: int) -> list[Mapping]:
@@ -227,8 +222,8 @@ class IommuDomain:
             raise DmaFault(self.name, iova, f"IOVA {iova:#x} is not mapped in domain {self.name}")
         if write and not m.writable:
             raise DmaFault(self.name, iova, f"write to read-only mapping in domain {self.name}")
-        if write and self._dirty is not None:
-            self._dirty.add(iova // PAGE_4K)
+        if write:
+            self._dirty.mark((iova // PAGE_4K,))
         return m.phys + (iova - m.iova)
 
     def entries(self) -> dict[int, int]:
