@@ -86,7 +86,7 @@ def test_guest_enable_shows_as_borrowed(fabric, fake):
     assert {d.fdid: d.state for d in fabric.devices()}[NVME] is DeviceState.BORROWED
 
 
-def test_failed_kernel_create_leaves_no_record(fabric, fake):
+def test_failed_kernel_create_leaves_no_record_and_no_note(fabric, fake):
     fabric.reserve(NVME, WEB)
     fabric.ensure_mdev_parent(NVME)
     fabric.bus.writer = RacingWriter(
@@ -95,6 +95,7 @@ def test_failed_kernel_create_leaves_no_record(fabric, fake):
     with pytest.raises(MdevParentGoneError):
         fabric.create_mdev(NVME, U1, WEB)
     assert fabric.mdevs() == [] and fabric.wanted_mdevs() == []
+    assert fabric.made.all() == []  # nor a note of the child on the host
 
 
 def test_busy_child_keeps_its_record(fabric, fake):
@@ -418,14 +419,3 @@ def test_a_note_in_a_directory_others_may_write_is_not_believed(fabric, fake, st
     assert fabric.bus.device(U1) is not None  # left, and said how to remove it
     assert any("vmlend mdev remove" in line for line in lines)
     assert "ignoring the notes of made mdevs" in caplog.text
-
-
-def test_a_failed_kernel_create_leaves_no_note(fabric, fake):
-    fabric.reserve(NVME, WEB)
-    fabric.ensure_mdev_parent(NVME)
-    fabric.bus.writer = RacingWriter(
-        fake, lambda: fake.smartio.set_availability(NVME, "unreachable")
-    )
-    with pytest.raises(MdevParentGoneError):
-        fabric.create_mdev(NVME, U1, WEB)
-    assert fabric.made.all() == []
