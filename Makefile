@@ -68,7 +68,7 @@ test-kernel: venv
 # (13.5 s -> 2.5 s user, issue 34). The .pyc files are caches that .gitignore already keeps out.
 # Two workers (pytest-xdist), one per core of our machines; worksteal because a few
 # hypothesis tests take seconds while most take milliseconds. Only this tier: whether the
-# full one ('make test', CI) is xdist-clean takes consecutive CI runs to tell.
+# full one ('make test', CI) is not xdist-clean yet: 59 failures on two workers (docs/testing.md).
 # Hypothesis's 'fast' profile (tests/support/hypothesis_tiers.py): a fifth of every
 # property's and state machine's examples, as deep; 'make test' runs them all.
 test-fast: venv
