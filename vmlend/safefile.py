@@ -168,20 +168,33 @@ def _create_temp(dfd: int, name: str) -> tuple[int, str]:
     raise FileExistsError(errno.EEXIST, "no free temporary name", name)
 
 
-#: sizeof(sun_path) on Linux: the longest path a unix socket can be bound or connected at.
+#: sizeof(sun_path) on Linux. Python keeps room for the terminating NUL, so the longest path
+#: a unix socket can be bound or connected at from Python is one byte shorter.
 SUN_PATH_MAX = 108
+SOCKET_PATH_BYTES = SUN_PATH_MAX - 1
 
 
 def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` cannot name a unix socket (too long for ``sun_path``), or None. The kernel's
     own error carries no errno, so without this users read "...: None"."""
     size = len(os.fsencode(path))
-    if size <= SUN_PATH_MAX:
+    if size <= SOCKET_PATH_BYTES:
         return None
     return (
         f"the socket path {os.fspath(path)!r} is {size} bytes, and a unix socket path holds at"
-        f" most {SUN_PATH_MAX}: choose a shorter path"
+        f" most {SOCKET_PATH_BYTES}: choose a shorter path"
     )
+
+
+def socket_bind_path(path: Path) -> Path:
+    """Where a listener binds before it is renamed onto ``path``: beside it (a rename stays in
+    one directory), named for it and this process; or, when that name is too long for
+    ``sun_path`` and ``path`` itself is not, a short one (``.<pid>.s``), so that a path a
+    socket fits is not refused for its temporary name (the long one is 14 bytes longer)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if socket_path_problem(tmp) is None or socket_path_problem(path) is not None:
+        return tmp
+    return path.with_name(f".{os.getpid()}.s")
 
 
 class NotAnEntry(Exception):

@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 
 from vmlend.errors import ConfigError
-from vmlend.safefile import socket_path_problem
+from vmlend.safefile import socket_bind_path, socket_path_problem
 
 #: How long a starting agent waits for an existing socket to accept its probe.
 PROBE_TIMEOUT = 1.0
@@ -108,7 +108,7 @@ class SocketPlace:
         path = self.path
         # Bound under a temporary name, made 0600, listening, then renamed into place: the
         # socket never exists at its real path with a wider mode or before it accepts.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = socket_bind_path(path)
         problem = socket_path_problem(path) or socket_path_problem(tmp)
         if problem is not None:
             raise ConfigError(f"cannot serve the hook on {path}: {problem}")

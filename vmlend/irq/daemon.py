@@ -25,7 +25,7 @@ from vmlend.irq.borrower import BorrowerRelay
 from vmlend.irq.control import close_fds, recv_message, send_message
 from vmlend.irq.eventfd import EventFd
 from vmlend.irq.relay import Reactor
-from vmlend.safefile import kind_of, socket_path_problem
+from vmlend.safefile import kind_of, socket_bind_path, socket_path_problem
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RelayDaemon:
         path = self.socket_path
         # Bind under a private name and rename when listening: a client that sees the socket
         # can connect at once.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = socket_bind_path(path)
         problem = socket_path_problem(path) or socket_path_problem(tmp)
         if problem is not None:
             raise RelayError(f"cannot listen on {path}: {problem}")

@@ -288,17 +288,52 @@ def test_a_stale_relay_socket_is_replaced(tmp_path):
 def test_a_socket_path_too_long_for_unix_sockets_says_so(tmp_path):
     long_path = tmp_path / ("d" * 60) / ("s" * 60)
     line = one_line(CliRunner().invoke(main, ["relay", "--socket", str(long_path)]))
-    assert "a unix socket path holds at most 108: choose a shorter path" in line
+    assert "a unix socket path holds at most 107: choose a shorter path" in line
     assert "None" not in line
     line = one_line(CliRunner().invoke(main, ["relay", "--socket", str(long_path), "status"]))
-    assert "at most 108" in line and "None" not in line
+    assert "at most 107" in line and "None" not in line
 
 
 def test_the_agents_hook_socket_too_long_says_so(tmp_path):
     long_path = tmp_path / ("d" * 60) / ("s" * 60)
-    with pytest.raises(ConfigError, match="holds at most 108: choose a shorter path"):
+    with pytest.raises(ConfigError, match="holds at most 107: choose a shorter path"):
         SocketPlace(long_path).bind(1)
     assert not long_path.parent.exists()  # refused before anything was made
+
+
+def _path_of_length(directory, size):
+    """A socket path of exactly ``size`` bytes under ``directory`` (its parent created)."""
+    parent = directory / "p"
+    name_len = size - len(os.fsencode(parent)) - 1
+    assert name_len > 8, "the temporary directory is too long for this test"
+    parent.mkdir()
+    path = parent / ("s" * name_len)
+    assert len(os.fsencode(path)) == size
+    return path
+
+
+@pytest.mark.parametrize("size", [100, 107])
+def test_a_socket_path_that_fits_is_not_refused_for_its_temporary_name(tmp_path, size):
+    # The listener is bound under a temporary name beside its path first; a path within
+    # 14 bytes of the limit must not be refused for that name's length.
+    path = _path_of_length(tmp_path, size)
+    d = RelayDaemon(path)
+    d.start()
+    try:
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        live.connect(str(path))  # listening at its path: the backlog takes it
+        live.close()
+    finally:
+        d.close()
+    path.unlink(missing_ok=True)
+    place = SocketPlace(path)
+    listener = place.bind(1)
+    try:
+        assert stat.S_ISSOCK(path.lstat().st_mode)
+        assert sorted(p.name for p in path.parent.iterdir() if p.is_socket()) == [path.name]
+    finally:
+        listener.close()
+        place.release()
 
 
 def test_the_relay_socket_is_born_owner_only(tmp_path):
