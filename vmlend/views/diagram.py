@@ -182,47 +182,86 @@ def _hosts(stages: Sequence[Stage]) -> list[str]:
     return seen
 
 
-def _path_title(path: PciePath) -> str:
+def _path_title(path: PciePath, sep: str = ": ") -> str:
     return (
-        f"{path.src} -> {path.dst}: {path.hops} hops, {path.roots} root complex(es),"
+        f"{path.src} -> {path.dst}{sep}{path.hops} hops, {path.roots} root complex(es),"
         f" {path.ntb_crossings} NTB crossing(s), about {path.latency_ns} ns"
     )
 
 
+#: Stages per row of a drawn path. One row per path was 4,900 pt wide for the 21 hops of
+#: ``0x10 0x20 --via gamma``; rows of three keep every path of the shipped topology under
+#: 900 pt (830 for that one).
+ROW_STAGES = 3
+
+#: A stretch of a path in one place (a host, or ``""``: the cluster switches between hosts)
+#: and its stages' indexes, row by row.
+Run = tuple[str, list[list[int]]]
+
+
+def fold(stages: Sequence[Stage], per_row: int = ROW_STAGES) -> list[Run]:
+    """How a path is drawn: its runs of consecutive stages in one place, each in rows of at most
+    ``per_row`` as even as can be (8 stages: 3, 3, 2). A host the path passes twice has two
+    runs; no row holds two runs' stages, so the hosts' boxes stack without overlapping."""
+    runs: list[Run] = []
+    for host, group in itertools.groupby(range(len(stages)), key=lambda i: stages[i].node):
+        run = list(group)
+        count = -(-len(run) // per_row)
+        size, extra = divmod(len(run), count)
+        rows: list[list[int]] = []
+        for k in range(count):
+            start = k * size + min(k, extra)
+            rows.append(run[start : start + size + (1 if k < extra else 0)])
+        runs.append((host, rows))
+    return runs
+
+
 def path_dot(path: PciePath) -> str:
-    """A path as a DOT digraph, left to right, each host's stages boxed in its colour."""
+    """A path as a DOT digraph folded to about a page wide: rows of at most ``ROW_STAGES``
+    stages, read left to right and top to bottom like text, each host's rows boxed in its
+    colour (a host passed twice: two boxes, one colour)."""
     hosts = _hosts(path.stages)
     fill = {h: HOST_FILL[i % len(HOST_FILL)] for i, h in enumerate(hosts)}
+    title = _dot(_path_title(path, "\n"))  # two lines: one would be the widest row
     out = [
         "digraph path {",
-        f'  graph [fontname="Helvetica", rankdir=LR, label={_dot(_path_title(path))}];',
+        f'  graph [fontname="Helvetica", labelloc=t, label={title}];',
         '  node [fontname="Helvetica", shape=box, style=filled];',
     ]
-    ids = [f"s{i}" for i in range(len(path.stages))]
-    for host in hosts:
-        out.append(f"  subgraph {_dot('cluster_' + host)} {{")
-        out.append(f'    label={_dot(_text(host))}; style=filled; fillcolor="{fill[host]}";')
-        for ident, s in zip(ids, path.stages, strict=True):
-            if s.node == host:
-                shape = _SHAPE.get(s.kind, ("box", ""))[0]
-                label = f"{_text(s.name)}\n{s.kind.value}"
-                out.append(f"    {ident} [label={_dot(label)}, shape={shape}, fillcolor=white];")
-        out.append("  }")
-    for ident, s in zip(ids, path.stages, strict=True):
-        if not s.node:
-            shape = _SHAPE.get(s.kind, ("box", ""))[0]
-            label = f"{_text(s.name)}\n{s.kind.value}"
-            out.append(f"  {ident} [label={_dot(label)}, shape={shape}, fillcolor=white];")
-    out.extend(f"  {a} -> {b};" for a, b in itertools.pairwise(ids))
+
+    def node(i: int) -> str:
+        s = path.stages[i]
+        shape = _SHAPE.get(s.kind, ("box", ""))[0]
+        label = f"{_text(s.name)}\n{s.kind.value}"
+        return f"s{i} [label={_dot(label)}, shape={shape}, fillcolor=white];"
+
+    runs = fold(path.stages)
+    for n, (host, rows) in enumerate(runs):
+        indent = "    " if host else "  "
+        if host:
+            out.append(f"  subgraph {_dot(f'cluster_{n}_{host}')} {{")
+            out.append(f'    label={_dot(_text(host))}; style=filled; fillcolor="{fill[host]}";')
+        for row in rows:
+            out += [f"{indent}{node(i)}" for i in row]
+            out.append(f"{indent}{{ rank=same; {' '.join(f's{i};' for i in row)} }}")
+        if host:
+            out.append("  }")
+    # Heavy invisible edges between the rows' first stages keep them in one column, so every
+    # row starts at the left; without them each row starts under the end of the one before
+    # and the drawing drifts sideways (1,984 pt instead of 830 for 0x10 0x20 --via gamma).
+    starts = [row[0] for _, rows in runs for row in rows]
+    out += [f"  s{a} -> s{b} [style=invis, weight=10];" for a, b in itertools.pairwise(starts)]
+    out += [f"  s{a} -> s{a + 1};" for a in range(len(path.stages) - 1)]
     out.append("}")
     return "\n".join(out) + "\n"
 
 
 def path_mermaid(path: PciePath) -> str:
-    """A path as a Mermaid flowchart, left to right, each host a subgraph."""
-    ids = [f"s{i}" for i in range(len(path.stages))]
+    """A path as a Mermaid flowchart, top to bottom (a column about a page wide: Mermaid has no
+    rows to fold it into), each host a subgraph (a host passed twice: two)."""
 
-    def node(ident: str, s: Stage) -> str:
+    def node(i: int) -> str:
+        s = path.stages[i]
         label = _mermaid(f"{_text(s.name)}\n{s.kind.value}")
         shape = _SHAPE.get(s.kind, ("", ""))[1]
         opening, closing = {
@@ -231,15 +270,16 @@ def path_mermaid(path: PciePath) -> str:
             "subroutine": ("[[", "]]"),
             "rhombus": ("{", "}"),
         }.get(shape, ("[", "]"))
-        return f"{ident}{opening}{label}{closing}"
+        return f"s{i}{opening}{label}{closing}"
 
-    out = ["flowchart LR", f"  %% {_text(_path_title(path))}"]
-    for host in _hosts(path.stages):
-        out.append(f"  subgraph {_ident('host', host)}[{_mermaid(_text(host))}]")
-        out += [
-            f"    {node(i, s)}" for i, s in zip(ids, path.stages, strict=True) if s.node == host
-        ]
+    out = ["flowchart TB", f"  %% {_text(_path_title(path))}"]
+    for n, (host, rows) in enumerate(fold(path.stages)):
+        stages = [i for row in rows for i in row]
+        if not host:
+            out += [f"  {node(i)}" for i in stages]
+            continue
+        out.append(f"  subgraph {_ident(f'run{n}', host)}[{_mermaid(_text(host))}]")
+        out += [f"    {node(i)}" for i in stages]
         out.append("  end")
-    out += [f"  {node(i, s)}" for i, s in zip(ids, path.stages, strict=True) if not s.node]
-    out += [f"  {a} --> {b}" for a, b in itertools.pairwise(ids)]
+    out += [f"  s{a} --> s{a + 1}" for a in range(len(path.stages) - 1)]
     return "\n".join(out) + "\n"
