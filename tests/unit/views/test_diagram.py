@@ -15,6 +15,7 @@ from hypothesis import given, strategies
 from lxml import etree
 
 from tests.support.cli_cluster import GAMMA
+from tests.support.paths import REPO
 from vmlend.topology.model import DeviceState, Holder
 from vmlend.topology.pcie import Hop, PciePath, Stage, explain
 from vmlend.views.diagram import (
@@ -180,6 +181,14 @@ def test_a_path_is_folded_into_rows_about_a_page_wide(cluster, src, dst, via, ho
         path = explain(f.topology(), src, dst, via)
     assert hops is None or path.hops == hops
     _assert_folded(path)
+
+
+def test_the_shipped_path_pictures_are_about_a_page_wide():
+    pictures = sorted((REPO / "docs" / "pictures").glob("path-*.svg"))
+    assert len(pictures) == 2  # draw.sh's path-local-p2p.svg and path-via-ram.svg
+    for picture in pictures:
+        width, nodes = _nodes(picture.read_text())
+        assert nodes and width <= PAGE_PT, f"{picture.name}: {width} pt wide"
 
 
 def _generated_path(depth: int, switches: int) -> PciePath:
