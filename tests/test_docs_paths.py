@@ -1,5 +1,6 @@
 """Every repository path the documents name exists: README.md and docs/*.md, in their inline
-code (`...`) and their link targets, and the rooted paths of their fenced blocks.
+code (`...`) and their link targets, and the rooted paths of their fenced blocks; and every
+picture they embed (``![...](pictures/x.svg)``) is an SVG that draws.
 
 How a name is read, so that each form points at one place:
 
@@ -38,6 +39,7 @@ import re
 from pathlib import Path
 
 import pytest
+from lxml import etree
 
 from tests.support.paths import REPO
 
@@ -56,6 +58,9 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```[^\n]*\n.*?^```", re.S | re.M)
 #: A word inside code: what a path can be made of, placeholders and globs included.
 _WORD = re.compile(r"[\w.<>*/{}:\-…]+")
+#: A picture a document embeds: ``![what it shows](target)``.
+_PICTURE = re.compile(r"!\[[^\]\n]*\]\(([^)\s]+)\)")
+_SVG = "{http://www.w3.org/2000/svg}"
 _BARE_FILE = re.compile(r"^[\w-]+\.(py|sh|c|patch)$")
 _DOTTED = re.compile(r"^vmlend(\.\w+)+$")
 
@@ -248,3 +253,64 @@ def test_each_form_of_a_missing_path_is_reported_and_the_rest_is_not() -> None:
         "pictures/none.svg",
     ], found
     assert found[0].startswith("line 12: ")  # the line of the document, counted from 1
+
+
+def picture_problem(path: Path) -> str | None:
+    """Why the picture at ``path`` would not draw in a reader's browser, or None: the docs
+    embed Graphviz's SVGs ('make pictures'), so an SVG that parses, with a size and at least
+    one drawn node (a failed drawing leaves a file cut short, or empty)."""
+    if path.suffix != ".svg":
+        return "not an SVG ('make pictures' draws the docs' pictures as SVG)"
+    try:
+        root = etree.parse(str(path)).getroot()
+    except (OSError, etree.XMLSyntaxError) as e:
+        return f"does not parse: {e}"
+    if root.tag != f"{_SVG}svg":
+        return f"its root is {root.tag}, not an SVG"
+    try:
+        size = [float(root.get(a, "").removesuffix("pt")) for a in ("width", "height")]
+    except ValueError:
+        return "has no width and height in points"
+    if min(size) <= 0:
+        return f"is {size[0]} by {size[1]} pt"
+    if root.find(f".//{_SVG}g[@class='node']") is None:
+        return "draws nothing"
+    return None
+
+
+def _pictures() -> list[tuple[Path, str]]:
+    return [(doc, target) for doc in DOCS for target in _PICTURE.findall(doc.read_text())]
+
+
+def test_the_documents_embed_their_pictures() -> None:
+    targets = {target for _, target in _pictures()}
+    assert {"pictures/fabric.svg", "pictures/path-via-ram.svg"} <= targets
+
+
+@pytest.mark.parametrize(
+    ("doc", "target"), _pictures(), ids=[f"{d.relative_to(REPO)}:{t}" for d, t in _pictures()]
+)
+def test_every_picture_a_document_embeds_draws(doc: Path, target: str) -> None:
+    assert picture_problem(doc.parent / target) is None
+
+
+_XMLNS = 'xmlns="http://www.w3.org/2000/svg"'
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("cut.svg", f'<svg {_XMLNS} width="8pt" height="8pt">', "parse"),
+        ("empty.svg", "", "parse"),
+        ("page.svg", "<html/>", "not an SVG"),
+        ("sizeless.svg", f"<svg {_XMLNS}/>", "no width"),
+        ("flat.svg", f'<svg {_XMLNS} width="0pt" height="8pt"/>', "0.0 by"),
+        ("blank.svg", f'<svg {_XMLNS} width="8pt" height="8pt"/>', "nothing"),
+        ("picture.png", "", "not an SVG"),
+    ],
+)
+def test_a_picture_that_would_not_draw_is_reported(tmp_path, name, text, problem) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    assert problem in (picture_problem(path) or "")
+    assert picture_problem(tmp_path / "missing.svg") is not None
