@@ -13,6 +13,8 @@
  *   class/smartio/smartio-<fdid>/         one device per fabric device, with fdid,
  *       lender_node_id, lender_adapter, lender_bdf, vendor, device, class, dma_bits, physfn,
  *       bars, availability, borrower_node_id (r) and token (rw; ESTALE for an older one)
+ *   class/smartio/adapter<index>/         one per NTB adapter of this host (section 1): index,
+ *       model, window_size, segments, lut_entries, link, peer, switch_port (r)
  *
  * A device's mdev parent comes from a provider module (smartio_stub.h: the kernel's mtty
  * sample, renamed), registered on the device's own directory on borrow. The provider serves
@@ -31,7 +33,11 @@
  *   availability FDID VALUE     available, unlent or unreachable (an unreachable device loses
  *                               its parent; it comes back with the device if vmlend wanted it)
  *   borrower FDID NODE          the hardware borrow (a guest enabled the device), -1 for none
- *   reset                       every device leaves
+ *   adapter INDEX MODEL WINDOW SEGMENTS LUT_ENTRIES LINK PEER|- PORT|-
+ *                               an NTB adapter of this host; LINK is up or down, PEER the
+ *                               adapter at a back-to-back cable's other end as NODE:INDEX,
+ *                               PORT a cluster switch's port
+ *   reset                       every device and adapter leaves
  */
 #include <linux/debugfs.h>
 #include <linux/device.h>
@@ -90,8 +96,28 @@ struct smartio_dev {
 	bool gone;		/* left the fabric; its device is about to be unregistered */
 };
 
+#define SMARTIO_MODEL_LEN 33
+
+/* One NTB adapter of this host: fixed when added, removed by reset. */
+struct smartio_adapter {
+	struct list_head node;
+	struct device *dev;
+	u32 index;
+	char model[SMARTIO_MODEL_LEN];
+	u64 window_size;
+	u32 segments;
+	u32 lut_entries;
+	bool link_up;
+	bool has_peer;
+	u32 peer_node;
+	u32 peer_index;
+	bool has_port;
+	u32 port;
+};
+
 static DEFINE_MUTEX(smartio_lock);
 static LIST_HEAD(smartio_devs);
+static LIST_HEAD(smartio_adapters);
 static const struct smartio_mdev_provider *smartio_provider;
 static struct dentry *smartio_debugfs;
 
@@ -332,6 +358,64 @@ static struct attribute *smartio_dev_attrs[] = {
 	NULL,
 };
 ATTRIBUTE_GROUPS(smartio_dev);
+
+/* --- class/smartio/adapter<index>/ ------------------------------------------------------ */
+
+#define ADAPTER_SHOW(_name, _fmt, _value)						\
+static ssize_t adapter_##_name##_show(struct device *dev,				\
+				      struct device_attribute *attr, char *buf)	\
+{											\
+	struct smartio_adapter *ad = dev_get_drvdata(dev);				\
+											\
+	return sysfs_emit(buf, _fmt "\n", _value);					\
+}											\
+static struct device_attribute dev_attr_adapter_##_name =				\
+	__ATTR(_name, 0444, adapter_##_name##_show, NULL)
+
+ADAPTER_SHOW(index, "%u", ad->index);
+ADAPTER_SHOW(model, "%s", ad->model);
+ADAPTER_SHOW(window_size, "%#llx", ad->window_size);
+ADAPTER_SHOW(segments, "%u", ad->segments);
+ADAPTER_SHOW(lut_entries, "%u", ad->lut_entries);
+ADAPTER_SHOW(link, "%s", ad->link_up ? "up" : "down");
+
+/* "<node id> <adapter index>" at a back-to-back cable's other end; an empty line otherwise. */
+static ssize_t adapter_peer_show(struct device *dev, struct device_attribute *attr, char *buf)
+{
+	struct smartio_adapter *ad = dev_get_drvdata(dev);
+
+	if (!ad->has_peer)
+		return sysfs_emit(buf, "\n");
+	return sysfs_emit(buf, "%u %u\n", ad->peer_node, ad->peer_index);
+}
+
+static struct device_attribute dev_attr_adapter_peer = __ATTR(peer, 0444, adapter_peer_show, NULL);
+
+static ssize_t adapter_switch_port_show(struct device *dev, struct device_attribute *attr,
+					char *buf)
+{
+	struct smartio_adapter *ad = dev_get_drvdata(dev);
+
+	if (!ad->has_port)
+		return sysfs_emit(buf, "\n");
+	return sysfs_emit(buf, "%u\n", ad->port);
+}
+
+static struct device_attribute dev_attr_adapter_switch_port =
+	__ATTR(switch_port, 0444, adapter_switch_port_show, NULL);
+
+static struct attribute *smartio_adapter_attrs[] = {
+	&dev_attr_adapter_index.attr,
+	&dev_attr_adapter_model.attr,
+	&dev_attr_adapter_window_size.attr,
+	&dev_attr_adapter_segments.attr,
+	&dev_attr_adapter_lut_entries.attr,
+	&dev_attr_adapter_link.attr,
+	&dev_attr_adapter_peer.attr,
+	&dev_attr_adapter_switch_port.attr,
+	NULL,
+};
+ATTRIBUTE_GROUPS(smartio_adapter);
 
 /* --- class/smartio/ --------------------------------------------------------------------- */
 
@@ -614,6 +698,75 @@ err:
 	return ret;
 }
 
+/* "INDEX MODEL WINDOW SEGMENTS LUT_ENTRIES LINK PEER|- PORT|-": one of this host's adapters. */
+static int smartio_ctl_adapter(char **w)
+{
+	struct smartio_adapter *ad, *other;
+	struct device *dev;
+	char *peer_index;
+	int ret;
+
+	ad = kzalloc(sizeof(*ad), GFP_KERNEL);
+	if (!ad)
+		return -ENOMEM;
+	ret = -EINVAL;
+	if (kstrtou32(w[0], 0, &ad->index) || ad->index > 15 ||
+	    strscpy(ad->model, w[1], sizeof(ad->model)) < 0 ||
+	    kstrtou64(w[2], 0, &ad->window_size) || kstrtou32(w[3], 0, &ad->segments) ||
+	    kstrtou32(w[4], 0, &ad->lut_entries))
+		goto err;
+	if (!strcmp(w[5], "up"))
+		ad->link_up = true;
+	else if (strcmp(w[5], "down"))
+		goto err;
+	if (strcmp(w[6], "-")) {
+		peer_index = strchr(w[6], ':');
+		if (!peer_index)
+			goto err;
+		*peer_index++ = '\0';
+		if (kstrtou32(w[6], 0, &ad->peer_node) || kstrtou32(peer_index, 0, &ad->peer_index))
+			goto err;
+		ad->has_peer = true;
+	}
+	if (strcmp(w[7], "-")) {
+		if (kstrtou32(w[7], 0, &ad->port))
+			goto err;
+		ad->has_port = true;
+	}
+	mutex_lock(&smartio_lock);
+	ret = 0;
+	list_for_each_entry(other, &smartio_adapters, node)
+		if (other->index == ad->index)
+			ret = -EEXIST;
+	if (!ret) {
+		dev = device_create_with_groups(&smartio_class, NULL, MKDEV(0, 0), ad,
+						smartio_adapter_groups, "adapter%u", ad->index);
+		ret = PTR_ERR_OR_ZERO(dev);
+		if (!ret) {
+			ad->dev = dev;
+			list_add_tail(&ad->node, &smartio_adapters);
+		}
+	}
+	mutex_unlock(&smartio_lock);
+	if (!ret)
+		return 0;
+err:
+	kfree(ad);
+	return ret;
+}
+
+/* Every adapter leaves: their attributes take no lock, so they go under it. */
+static void smartio_remove_adapters(void)
+{
+	struct smartio_adapter *ad, *next;
+
+	list_for_each_entry_safe(ad, next, &smartio_adapters, node) {
+		list_del(&ad->node);
+		device_unregister(ad->dev);
+		kfree(ad);
+	}
+}
+
 /* Unregister the devices of @gone (taken off the list under the lock) without the lock: a
  * store on one of their attributes that waits for the lock would never let go of it.
  */
@@ -649,12 +802,15 @@ static int smartio_ctl(char *line)
 		return -EINVAL;
 	if (!strcmp(w[0], "add"))
 		return n == 12 ? smartio_ctl_add(w + 1) : -EINVAL;
+	if (!strcmp(w[0], "adapter"))
+		return n == 9 ? smartio_ctl_adapter(w + 1) : -EINVAL;
 	if (!strcmp(w[0], "reset")) {
 		if (n != 1)
 			return -EINVAL;
 		mutex_lock(&smartio_lock);
 		list_for_each_entry_safe(sdev, next, &smartio_devs, node)
 			smartio_leave(sdev, &gone);
+		smartio_remove_adapters();
 		mutex_unlock(&smartio_lock);
 		smartio_free(&gone);
 		return 0;
@@ -728,6 +884,7 @@ static void __exit smartio_exit(void)
 	mutex_lock(&smartio_lock);
 	list_for_each_entry_safe(sdev, next, &smartio_devs, node)
 		smartio_leave(sdev, &gone);
+	smartio_remove_adapters();
 	mutex_unlock(&smartio_lock);
 	smartio_free(&gone);
 	class_unregister(&smartio_class);

@@ -408,6 +408,37 @@ class FakeSmartio:
         _link(self.base / self._name(fdid), d)
         self.fake.emit(Uevent("add", self._name(fdid), "smartio"))
 
+    def add_adapter(
+        self,
+        index: int,
+        model: str = "PXH830",
+        window_size: int = 128 << 30,
+        segments: int = 32,
+        lut_entries: int = 32,
+        link: str = "up",
+        peer: tuple[int, int] | None = None,
+        switch_port: int | None = None,
+    ) -> Path:
+        """One of this host's NTB adapters (docs/smartio-contract.md, section 1), with what its
+        cable leads to: a peer adapter ``(node id, index)``, a switch port, or neither. Returns
+        its directory, whose files a test may damage."""
+        d = self.fake.root / "sys" / "devices" / "virtual" / "smartio" / f"adapter{index}"
+        d.mkdir(parents=True)
+        attrs = {
+            "index": str(index),
+            "model": model,
+            "window_size": f"{window_size:#x}",
+            "segments": str(segments),
+            "lut_entries": str(lut_entries),
+            "link": link,
+            "peer": "" if peer is None else f"{peer[0]} {peer[1]}",
+            "switch_port": "" if switch_port is None else str(switch_port),
+        }
+        for k, v in attrs.items():
+            (d / k).write_text(v + "\n")
+        _link(self.base / f"adapter{index}", d)
+        return d
+
     def _sync(self, fdid: int) -> None:
         dev, d = self.devs[fdid], self._dir(fdid)
         (d / "availability").write_text(dev.availability + "\n")

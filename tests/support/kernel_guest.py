@@ -92,6 +92,25 @@ class SmartioStub:
             f" {class_code:#x} {dma_bits} {pf} {availability} {bars or '-'}"
         )
 
+    def add_adapter(
+        self,
+        index: int,
+        *,
+        model: str = "PXH830",
+        window_size: int = 128 << 30,
+        segments: int = 32,
+        lut_entries: int = 32,
+        link: str = "up",
+        peer: tuple[int, int] | None = None,
+        switch_port: int | None = None,
+    ) -> None:
+        """One of this host's NTB adapters (the contract's section 1), until ``reset``."""
+        to = "-" if peer is None else f"{peer[0]}:{peer[1]}"
+        port = "-" if switch_port is None else str(switch_port)
+        self.ctl(
+            f"adapter {index} {model} {window_size:#x} {segments} {lut_entries} {link} {to} {port}"
+        )
+
     def populate(self, topology: Topology) -> None:
         """Every device of ``topology`` as the driver lists it (lent ones available)."""
         ids = {n.name: n.node_id for n in topology.nodes}
@@ -125,7 +144,8 @@ class SmartioStub:
         self.ctl(f"remove {fdid:#x}")
 
     def reset(self) -> None:
-        """Every device leaves the fabric (their parents, and children, with them)."""
+        """Every device leaves the fabric (their parents, and children, with them), and every
+        adapter this host has."""
         self.ctl("reset")
 
     def command(self, name: str, text: str) -> None:
