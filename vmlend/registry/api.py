@@ -69,6 +69,14 @@ class StateTxn(Protocol):
     def replace_topology(
         self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
     ) -> None: ...
+    def amend_topology(
+        self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
+    ) -> None:
+        """Install a topology that keeps every node and device of the one in place (more
+        of them, or the same described better: ``vmlend fabric discover``). Nothing recorded
+        about the fabric goes: holds, claims, mdevs, fences, the records of nodes and
+        devices stay; new nodes and devices start as ``nodes`` and ``devices`` say."""
+        ...
     def set_topology_compiled(self, compiled: bytes) -> None: ...
     def set_local_node(self, node: str) -> None: ...
 

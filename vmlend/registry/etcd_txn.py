@@ -706,6 +706,20 @@ class EtcdTxn:
         )  # fmt: skip
         self._install(stored)
 
+    def amend_topology(
+        self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
+    ) -> None:
+        """Install a topology that keeps every node and device of the one in place: a new
+        generation, and nothing deleted (``StateTxn.amend_topology``). A node's or device's
+        record overrides the generation's default, as before."""
+        self._write()
+        defaults = {d.fdid: (d.lender, d.lent) for d in devices}
+        stored = topopieces.of_record(
+            rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
+            list(nodes), defaults,
+        )  # fmt: skip
+        self._install(stored)
+
     def _install(self, stored: StoredTopology) -> None:
         """Write ``stored`` as a new generation now (pieces, several requests) and name it
         in this transaction (the head, compared against the generation's seal)."""

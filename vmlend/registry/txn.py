@@ -205,6 +205,38 @@ class SqliteTxn:
             [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
         )
 
+    def amend_topology(
+        self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
+    ) -> None:
+        """Install a topology that keeps every node and device of the one in place; every
+        record stays, new nodes and devices get theirs (``StateTxn.amend_topology``)."""
+        self._write()
+        devices = list(devices)
+        nodes = list(nodes)
+        if self._has_head:
+            defaults = {d.fdid: (d.lender, d.lent) for d in devices}
+            stored = topopieces.of_record(
+                rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
+                nodes, defaults,
+            )  # fmt: skip
+            self._c.execute(
+                "UPDATE topology SET name = ?, source = ?, digest = ?, created = ? WHERE id = 1",
+                (rec.name, rec.source, rec.digest, rec.created),
+            )
+            self._install(stored)
+        else:
+            self._c.execute(
+                "UPDATE topology SET name = ?, source = ?, text = ?, digest = ?, created = ?,"
+                " compiled = ? WHERE id = 1",
+                (rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled),
+            )
+        # the rows of known nodes and devices are their records: they stay as they are
+        self._c.executemany("INSERT OR IGNORE INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
+        self._c.executemany(
+            "INSERT OR IGNORE INTO devices (fdid, lender, lent, available) VALUES (?, ?, ?, ?)",
+            [(d.fdid, d.lender, int(d.lent), int(d.available)) for d in devices],
+        )
+
     def _install(self, stored: topopieces.StoredTopology) -> None:
         """Write ``stored`` as a new generation, name it in the row (whose text it then
         holds: the row's own is emptied) and delete every other generation's pieces."""
