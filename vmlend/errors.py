@@ -198,6 +198,19 @@ class FabricError(VmlendError):
     """Something about the fabric (nodes, devices, paths, resources) prevents the operation."""
 
 
+class DiscoveryConflictError(FabricError):
+    """What a host's SmartIO driver says contradicts the topology (``vmlend fabric discover``):
+    nothing is merged."""
+
+    def __init__(self, conflicts: list[str] | tuple[str, ...]) -> None:
+        self.conflicts = tuple(conflicts)
+        n = len(self.conflicts)
+        super().__init__(
+            f"{n} conflict{'s' if n != 1 else ''} between the SmartIO driver and the topology,"
+            f" nothing merged: {'; '.join(self.conflicts)}"
+        )
+
+
 class UnknownNodeError(FabricError):
     def __init__(self, node: str) -> None:
         self.node = node

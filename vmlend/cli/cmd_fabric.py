@@ -22,6 +22,7 @@ from vmlend.ops.identity import identity_change
 from vmlend.registry.location import parse_location
 from vmlend.sim.backend import SimFabric
 from vmlend.views.diagram import fabric_dot, fabric_mermaid
+from vmlend.views.discovered import changes_json, discover_json, found_lines
 from vmlend.views.fabric import fabric_json, node_states, render_fabric
 from vmlend.wiring.fabric import default_topology_text, init_fabric
 
@@ -108,6 +109,60 @@ def init(
             " now can return them",
             err=True,
         )
+
+
+@fabric.command("discover")
+@click.option("--dry-run", is_flag=True, help="Say what would be merged; change nothing.")
+@json_option
+@click.pass_obj
+def discover(obj: CliContext, dry_run: bool, json_output: bool) -> None:
+    """Merge this host's NTB adapters, cables and devices, as its SmartIO driver describes
+    them, into the topology in the shared state.
+
+    The node is found by the driver's node id; a new one is named by --node (or VMLEND_NODE,
+    the configuration's node, etc/vmlend/node) or the short hostname. Running it again merges
+    nothing. What the driver cannot see (the cluster switches' wiring, each device's
+    interrupts) stays the topology file's ('vmlend fabric init --topology FILE'). A device or
+    adapter in use is not described anew; what is added merges beside the holds."""
+    import socket
+
+    from vmlend.hostenv import HostEnv
+    from vmlend.kernel.discover import read_host
+    from vmlend.wiring.discover import discover_fabric
+
+    env = HostEnv.from_env(obj.root)
+    host = read_host(env, socket.gethostname())
+    for damaged in host.damaged:
+        click.echo(f"vmlend: left out a device the driver describes unsoundly: {damaged}", err=True)
+    node = obj.node or env.configured_node()  # as the fabric's other commands name this host
+    result = discover_fabric(obj.location, host, node=node, dry_run=dry_run)
+    m = result.merge
+    if json_output:
+        emit_action(
+            result.action,
+            state=str(obj.location),
+            node=m.node,
+            new_node=m.new_node,
+            local_node=result.local_node or None,
+            found=discover_json(host),
+            changes=changes_json(m.changes),
+            notes=[*m.notes, *result.notes],
+            topology=m.topology.name if m.topology is not None else None,
+        )
+        return
+    for line in found_lines(host, m.node):
+        click.echo(line)
+    for change in m.changes:
+        click.echo(("would be " if dry_run else "") + change.line())
+    for note in (*m.notes, *result.notes):
+        click.echo(f"note: {note}")
+    n = len(m.changes)
+    changes = f"{n} change{'s' if n != 1 else ''}"
+    where = f"{obj.location}" + (f" (this host is node {m.node})" if result.local_node else "")
+    if result.action == "unchanged":
+        click.echo(f"unchanged: {where} already holds what the driver describes")
+    else:
+        click.echo(f"{result.action}: {changes} in {where}")
 
 
 @fabric.command("show")

@@ -110,7 +110,7 @@ class InitResult(msgspec.Struct, frozen=True):
     local_node: str
 
 
-def _same(a: Topology, b: Topology) -> bool:
+def same_topology(a: Topology, b: Topology) -> bool:
     """Equal in meaning: where the text came from and how it was written do not matter."""
     replace = msgspec.structs.replace
     return replace(a, source="", name="") == replace(b, source="", name="")
@@ -183,7 +183,7 @@ def init_fabric(
             old = tx.topology()
             # From its text, not its compiled form: that form is what may need repair here.
             old_topo = parse_topology(old.text, old.source)
-            if _same(old_topo, topo):
+            if same_topology(old_topo, topo):
                 compiled = compile_topology(old_topo, old.digest)
                 if compiled is not None and decode_compiled(old.compiled, old.digest) != old_topo:
                     # Installed by an older vmlend, in another compiled format, damaged, or
