@@ -15,7 +15,7 @@ import re
 
 import msgspec
 
-from vmlend.topology.discovered import FoundAdapter, FoundDevice, FoundHost
+from vmlend.topology.discovered import FoundDevice, FoundHost
 from vmlend.topology.model import (
     AdapterSpec,
     DeviceSpec,

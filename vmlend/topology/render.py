@@ -158,20 +158,21 @@ def _node(n: NodeSpec, devices: list[DeviceSpec], where: str) -> list[str]:
         ]
         if a.slot is not None:
             lines.append(f"  slot = {_s(a.slot)}")
+    pfs = {d.fdid for d in devices if d.physfn is None}
     vfs: dict[int, list[DeviceSpec]] = {}
     for d in devices:
-        if d.physfn is not None:
-            vfs.setdefault(d.physfn, []).append(d)
+        if d.physfn is None:
+            continue
+        if d.physfn not in pfs:
+            raise TopologyError(
+                where,
+                f"device {format_fdid(d.fdid)} is a VF of {format_fdid(d.physfn)}, which is no"
+                f" physical function of {n.name}: a topology file cannot declare it",
+            )
+        vfs.setdefault(d.physfn, []).append(d)
     for d in devices:
         if d.physfn is None:
             lines += _device(d, sorted(vfs.pop(d.fdid, []), key=lambda v: v.fdid), where)
-    if vfs:  # VFs whose PF is not a function of this node
-        pf, orphans = next(iter(vfs.items()))
-        raise TopologyError(
-            where,
-            f"device {format_fdid(orphans[0].fdid)} is a VF of {format_fdid(pf)}, which is no"
-            f" physical function of {n.name}: a topology file cannot declare it",
-        )
     return lines
 
 
