@@ -18,7 +18,7 @@ import msgspec
 from vmlend.errors import DiscoveryConflictError, FabricError, StateError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import DeviceRecord, StateTxn, TopologyRecord, create_registry, open_registry
-from vmlend.registry.location import parse_location
+from vmlend.registry.location import RegistryLocation, parse_location
 from vmlend.topology.compiled import compile_topology
 from vmlend.topology.discovered import FoundHost
 from vmlend.topology.merge import Merge, merge_host
@@ -153,7 +153,7 @@ def discover_fabric(
     known node, the name of a new one; default: the short hostname). ``DiscoveryConflictError``
     when the driver and the topology disagree; ``StateError`` when it would describe anew a
     device or adapter in use (what is added merges beside the holds, which stay)."""
-    loc = parse_location(location)
+    loc = location if isinstance(location, RegistryLocation) else parse_location(location)
     cache = HostEnv.from_env().topology_cache
     if loc.path is not None and not loc.path.exists():
         m = _merge(None, host, node)
