@@ -53,6 +53,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tests.support.discovery import device as found_device
 from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.nvme_guest import guest_driver
 from tests.support.simcluster import Cluster
@@ -82,7 +83,9 @@ from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.sim.simvm import SimVm
+from vmlend.topology.discovered import FoundHost
 from vmlend.topology.model import BarKind, GiB, Holder, MiB
+from vmlend.wiring.discover import discover_fabric
 
 MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
 STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))
@@ -229,6 +232,7 @@ class FabricMachine(RuleBasedStateMachine):
         self.links_down: set[str] = set()
         self.drive: SharedNvmeDrive | None = None
         self.drives: list[SharedNvmeDrive] = []
+        self.discovered = 0  # devices ``discover_a_new_device`` merged
         self._share_drive()
 
     def _location(self) -> Path | str:
@@ -570,6 +574,38 @@ class FabricMachine(RuleBasedStateMachine):
     def lender_up(self, node: str) -> None:
         self.c.fabric().set_node_up(node, True)
         self.down.discard(node)
+
+    def _fabric_records(self) -> tuple:
+        with self.c.registry.read() as tx:
+            return (
+                tx.holds(),
+                sorted(tx.claims(), key=repr),
+                sorted(tx.fences(), key=repr),
+                sorted(tx.mdevs(), key=repr),
+            )
+
+    @precondition(lambda self: self.discovered < 8)
+    @rule(node=st.sampled_from(LENDERS))
+    def discover_a_new_device(self, node: str) -> None:
+        """The lender's driver lists one device more: ``fabric discover`` amends the topology
+        (a new generation) beside every hold, claim, fence and mdev, which stay as they were,
+        whatever the VMs, links and lenders are doing."""
+        spec = self.c.fabric().topology().node(node)
+        fdid = 0x700 + self.discovered
+        found = found_device(
+            fdid, f"0000:{0x90 + self.discovered:02x}:00.0", kind="nic", class_code=0x020000
+        )
+        before = self._fabric_records()
+        result = discover_fabric(
+            self.c.path, FoundHost(spec.node_id, spec.hostname, devices=(found,)), node=node
+        )
+        assert result.action == "merged", result
+        self.discovered += 1
+        assert self._fabric_records() == before
+        new = self.c.fabric().topology().device(fdid)
+        assert new.lender == node and new.lent
+        assert self._holder_of(fdid) is None
+        event("discover: a device merged beside the holds")
 
     @rule(link=st.sampled_from(LINKS))
     def link_down(self, link: str) -> None:
