@@ -784,6 +784,25 @@ class HookError(VmlendError):
     """A hook operation failed; the message names the VM, the device and the reason."""
 
 
+class SimulatedDevicesHookError(HookError):
+    """libvirtd's prepare hook for a VM whose remote devices exist only in vmlend's simulator
+    (the backend is "sim" because no SmartIO driver is loaded, not because anyone chose it):
+    libvirt would go on to fail with "Mediated host device assignment requires VFIO support"
+    or "mediated device ... not found", which says nothing of why. The hook refuses first, and
+    libvirt ends its error (what ``virsh start`` prints) with this line."""
+
+    def __init__(self, domain: str) -> None:
+        self.domain = domain
+        super().__init__(
+            f"cannot start VM {domain!r} on this host's libvirtd: its remote devices exist only"
+            " in vmlend's simulator (no SmartIO driver is loaded on this host, so the backend"
+            " defaults to sim), and only a simulated node can run them"
+            " ('vmlend -c sim:///<node> vm start'); load the SmartIO driver to use"
+            ' real devices, or set backend = "sim" in vmlend\'s configuration file to let'
+            " libvirt try anyway (docs/real-hardware.md)"
+        )
+
+
 class DemoError(VmlendError):
     """A step of ``vmlend demo`` did not show what it should: the data path misbehaved."""
 

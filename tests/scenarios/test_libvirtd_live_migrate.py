@@ -83,7 +83,8 @@ def hosts(daemons, state_path) -> Iterator[tuple[LibvirtHypervisor, LibvirtHyper
     make_fabric(state_path).close()
     src_d, dst_d = daemons
     for d, node in ((src_d, "gamma"), (dst_d, "beta")):
-        assert not install_hook(d.hooks_dir.parent, state_path, node).restart_needed
+        # backend = "sim" chosen, as the other real-libvirtd tests (vmlend.hook.simulated)
+        assert not install_hook(d.hooks_dir.parent, state_path, node, backend="sim").restart_needed
     src = open_hypervisor(src_d.uri, state_dir=state_path.parent, hook_command=None, node="gamma")
     dst = open_hypervisor(dst_d.uri, state_dir=state_path.parent, hook_command=None, node="beta")
     assert isinstance(src, LibvirtHypervisor) and isinstance(dst, LibvirtHypervisor)

@@ -34,7 +34,9 @@ def vmlend_hook(libvirtd, state_path):
     """The fabric's state, and vmlend's hook installed into the daemon's config dir."""
     fabric = make_fabric(state_path)
     libvirt_dir = libvirtd.hooks_dir.parent
-    result = install_hook(libvirt_dir, state_path, "gamma")
+    # backend = "sim" chosen: else the hook itself refuses a VM on simulated devices
+    # (vmlend.hook.simulated), and these tests watch libvirt's own refusal after prepare
+    result = install_hook(libvirt_dir, state_path, "gamma", backend="sim")
     assert not result.restart_needed  # the daemon's hooks are already enabled
     yield fabric
     uninstall_hook(libvirt_dir)
@@ -144,6 +146,30 @@ def test_start_refused_when_a_device_is_held_elsewhere_leaves_nothing(
     assert not dom.isActive()
 
 
+def test_start_of_simulated_devices_nobody_chose_ends_with_vmlends_line(
+    libvirtd, libvirt_conn, guests, state_path, tmp_path
+):
+    """What ``virsh start`` shows on a host without the SmartIO driver when nobody chose the
+    simulator: libvirt's hook failure, ending with vmlend's one line, and nothing reserved."""
+    make_fabric(state_path).close()
+    libvirt_dir = libvirtd.hooks_dir.parent
+    # no backend: sim only by default (a file of its own: the daemon's says backend = "sim")
+    install_hook(libvirt_dir, state_path, "gamma", config_file=tmp_path / "vmlend.toml")
+    try:
+        before = state_of(state_path)
+        dom = vmlend_guest(libvirt_conn, [0x10, 0x12], guests)
+        with pytest.raises(libvirt.libvirtError) as exc:
+            dom.create()
+        assert exc.value.get_error_code() == libvirt.VIR_ERR_HOOK_SCRIPT_FAILED
+        message = str(exc.value).rstrip()
+        line = f"vmlend: cannot start VM '{dom.name()}' on this host's libvirtd: its remote"
+        assert line in message and message.endswith("(docs/real-hardware.md)"), message
+        assert state_of(state_path) == before
+        assert not dom.isActive()
+    finally:
+        uninstall_hook(libvirt_dir)
+
+
 def test_domain_without_vmlend_devices_boots_untouched(vmlend_hook, libvirt_guests, state_path):
     before = state_of(state_path)
     log = ActionLog(log_path_for_state(state_path))
@@ -165,7 +191,7 @@ def test_the_agent_serves_libvirtds_hook_calls_without_deadlock(
     make_fabric(state_path).close()
     sock = tmp_path / "hook.sock"
     libvirt_dir = libvirtd.hooks_dir.parent
-    install_hook(libvirt_dir, state_path, "gamma", hook_socket=sock)
+    install_hook(libvirt_dir, state_path, "gamma", hook_socket=sock, backend="sim")
     env = {
         k: v
         for k, v in os.environ.items()

@@ -170,9 +170,11 @@ def show_log(cli: CliContext, lines: int, json_output: bool) -> None:
 def run_hook(cli: CliContext, args: tuple[str, ...]) -> None:
     """Run the hook by hand exactly as libvirt does: ARGS = DOMAIN OPERATION SUB-OP [EXTRA],
     domain XML on stdin."""
+    from vmlend.hook.entry import CALLER_ENV, LIBVIRTD
     from vmlend.hook.main import run
 
-    env = {"VMLEND_STATE": str(cli.state_path)}
+    # as libvirtd's: a VM on devices only the simulator has is refused the same way
+    env = {"VMLEND_STATE": str(cli.state_path), CALLER_ENV: LIBVIRTD}
     if cli.registry:
         env["VMLEND_REGISTRY"] = cli.registry
     if cli.node:

@@ -39,7 +39,7 @@ def main() -> None:
     argv = split_options(sys.argv[1:], os.environ)  # this process's own environment
     from vmlend.hook.entry import main_and_exit
 
-    main_and_exit(argv)
+    main_and_exit(argv, caller=None)  # a simulated node, not libvirtd
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ import sys
 
 from vmlend.hook.prefilter import concerns_vmlend
 
+#: Who runs this hook process: ``LIBVIRTD`` when libvirtd does (the installed script and
+#: ``hooks/vmlend-qemu``, through ``main_and_exit``); unset when a simulated node does
+#: (``python -m vmlend.hook``). In the environment, so a call the agent serves carries it too
+#: (``forward.pinned_environment``). Only a libvirtd can be asked to start a VM whose devices
+#: exist only in the simulator (``vmlend.hook.simulated``).
+CALLER_ENV = "VMLEND_HOOK_CALLER"
+LIBVIRTD = "libvirtd"
+
 TYPE_CHECKING = False  # typing itself is not imported: the plain-domain path must stay bare
 if TYPE_CHECKING:
     from typing import NoReturn
@@ -57,12 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv, stdin=io.BytesIO(xml))
 
 
-def main_and_exit(argv: list[str] | None = None) -> NoReturn:
-    """The installed script's body (and ``python -m vmlend.hook``'s): ``main()``, then end the
+def main_and_exit(argv: list[str] | None = None, *, caller: str | None = LIBVIRTD) -> NoReturn:
+    """The installed script's body (and ``python -m vmlend.hook``'s, with ``caller`` None: a
+    simulated node): ``main()``, then end the
     process without tearing the interpreter down. Freeing every module and object the fabric
     imported is work nobody needs (~10-30 ms, measured): the hook's files are written with
     unbuffered ``os.write``, its state commits are durable when they return, and stdout/stderr
     are flushed here."""
+    if caller:
+        os.environ[CALLER_ENV] = caller
+    else:  # never inherited: a simulated node's hook is not libvirtd's
+        os.environ.pop(CALLER_ENV, None)
     code = main(argv)
     for stream in (sys.stdout, sys.stderr):
         try:

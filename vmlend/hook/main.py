@@ -52,9 +52,12 @@ def handle(
     open_fabric: FabricFactory = _open_fabric,
     *,
     actions: ActionLog,
+    simulated_only: bool = False,
 ) -> int:
     """Do what ``call`` asks, recording it in ``actions`` (the log beside the state of the
-    call's environment). Returns the exit code; raises VmlendError on failure."""
+    call's environment). Returns the exit code; raises VmlendError on failure.
+    ``simulated_only``: libvirtd asks, and the fabric is the simulator only by default
+    (``vmlend.hook.simulated``): a prepare with remote devices is refused."""
     from vmlend.hook.domainview import read_hook_domain, rewrite_for_this_host
     from vmlend.hook.ops import HookOps
 
@@ -68,6 +71,10 @@ def handle(
     if action is Action.RELEASE:
         _release(dom, state_path, node, open_fabric, actions)
         return 0
+    if action is Action.PREPARE and simulated_only and dom.devices:
+        from vmlend.errors import SimulatedDevicesHookError
+
+        raise SimulatedDevicesHookError(dom.name)  # before anything is reserved
     fabric = open_fabric(state_path, node)
     ops = HookOps(fabric, actions)
     if action is Action.PREPARE:
@@ -189,8 +196,22 @@ def _run_logged(
             detail = str(e) if isinstance(e, VmlendError) else traceback.format_exc()
             actions.record(name, "reconnect", f"PROBLEM (guest kept running): {detail}")
         return 0
+    simulated_only = False
+    if call.action is Action.PREPARE:
+        from vmlend.hook.simulated import simulated_only_by_default
+
+        simulated_only = simulated_only_by_default(env)
     try:
-        code = handle(call, xml, registry, env.get(NODE_ENV), stdout, open_fabric, actions=actions)
+        code = handle(
+            call,
+            xml,
+            registry,
+            env.get(NODE_ENV),
+            stdout,
+            open_fabric,
+            actions=actions,
+            simulated_only=simulated_only,
+        )
     except VmlendError as e:
         from vmlend.messages import single_line
 

@@ -117,6 +117,9 @@ class Host:
         }
         env |= {"VMLEND_STATE": str(self.state), "VMLEND_NODE": self.node}
         env["VMLEND_ROOT"] = str(self.root)
+        # The simulator chosen: libvirtd's hook refuses a VM on simulated devices when no
+        # SmartIO driver makes them real and nobody chose it (vmlend.hook.simulated).
+        env["VMLEND_BACKEND"] = "sim"
         if self.registry:
             env["VMLEND_REGISTRY"] = self.registry
         return env

@@ -49,7 +49,8 @@ def vm_xml(fdids=(0x10, 0x12)) -> bytes:
 @pytest.fixture
 def installed(tmp_path, state_path):
     make_fabric(state_path)
-    return install_hook(tmp_path / "libvirt", state_path, "gamma").path
+    # backend chosen: libvirtd's hook refuses simulated devices nobody chose (hook.simulated)
+    return install_hook(tmp_path / "libvirt", state_path, "gamma", backend="sim").path
 
 
 def shebang_flags(script: Path) -> list[str]:
@@ -94,7 +95,9 @@ def test_a_plain_domain_costs_the_prefilter_and_nothing_else(installed, state_pa
 def test_prepare_imports_the_domain_reader_and_the_fabric_but_not_cli_or_libvirt(
     installed, state_path
 ):
-    env = {"VMLEND_STATE": str(state_path)}
+    # the caller's configuration file wins over the installed one (run_script keeps ours):
+    # the simulator chosen here, as the installed file says
+    env = {"VMLEND_STATE": str(state_path), "VMLEND_BACKEND": "sim"}
     flags = shebang_flags(installed)
     run = run_script(installed, ["vm1", "prepare", "begin", "-"], vm_xml(), env, flags)
     assert (run.code, run.stderr) == (0, [])
@@ -151,7 +154,9 @@ def test_installed_hook_delivers_its_output_though_it_skips_interpreter_teardown
 def test_prepare_and_release_of_a_four_device_vm_never_import_dataclasses(installed, state_path):
     # vmlend's records are msgspec Structs: ``dataclasses`` (inspect, ast, dis, tokenize) and
     # the per-class code generation of @dataclass cost the hook more than its own work.
-    env = {"VMLEND_STATE": str(state_path)}
+    # the caller's configuration file wins over the installed one (run_script keeps ours):
+    # the simulator chosen here, as the installed file says
+    env = {"VMLEND_STATE": str(state_path), "VMLEND_BACKEND": "sim"}
     flags = shebang_flags(installed)
     xml = vm_xml((0x10, 0x12, 0x21, 0x22))
     for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
