@@ -118,3 +118,25 @@ def address_problem(domain: DomainXML, address: PciAddress) -> str | None:
             " used; that needs a multifunction device"
         )
     return None
+
+
+def free_hotplug_ports(domain: DomainXML) -> int:
+    """How many hot-pluggable PCIe ports (``pcie-root-port``, a switch's downstream port) have
+    nothing in their one slot. On q35 libvirt hot-plugs a PCIe device (an mdev's vfio-pci)
+    only into such a port, and cannot add a port to a running guest: with none free, a live
+    hot-add fails with "No more available PCI slots"."""
+    used = {addr.bus for addr, _el in _pci_addresses(domain) if addr.domain == 0}
+    free = 0
+    for el in elements(domain.element, "./devices/controller[@type='pci']"):
+        if el.get("model") not in _SINGLE_SLOT_PORTS:
+            continue
+        target = el.find("target")
+        if target is not None and target.get("hotplug") == "off":
+            continue
+        try:
+            index = int(el.get("index", "-1"))
+        except ValueError:
+            continue
+        if index > 0 and index not in used:
+            free += 1
+    return free

@@ -94,6 +94,9 @@ class Hypervisor(Protocol):
     #: Whether ``migrate_live`` calls a ``switch_over`` at the switch-over (a hot migration
     #: needs it); libvirt offers no such call.
     hot_migration: bool
+    #: Whether hot-plugging a PCIe device needs a free hot-pluggable port in the guest, as
+    #: libvirt's does on q35 (``vmlend.domain.slots.free_hotplug_ports``).
+    hotplug_ports: bool
 
     def list_domains(self) -> list[DomainInfo]:
         """Every domain, persistent or running, sorted by name."""

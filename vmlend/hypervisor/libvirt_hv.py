@@ -152,6 +152,9 @@ class LibvirtHypervisor:
     #: libvirt runs no caller's code at a migration's switch-over: a device stays plugged
     #: across it only through its driver's VFIO migration states, which vmlend's mdev lacks.
     hot_migration = False
+    #: On q35 libvirt plugs a hot-added mdev only into a free pcie-root-port (or a switch's
+    #: downstream port) and adds none to a running guest.
+    hotplug_ports = True
 
     def __init__(
         self,

@@ -29,11 +29,13 @@ from vmlend.domain import (
 )
 from vmlend.domain.indent import remove_child
 from vmlend.domain.model import DomainXML
+from vmlend.domain.slots import free_hotplug_ports, machine_family
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor
 from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, lost_holds
+from vmlend.messages import plural
 from vmlend.ops.definitions import (
     LIVE,
     hostdev_xml,
@@ -133,6 +135,10 @@ def plan_attach(
     checks = fabric.admission(
         fdid, fabric.local_node, guest_ram, holder=holder, msi_over_ntb=irq is InterruptPath.NTB
     )
+    if LIVE in before and address is None and hv.hotplug_ports:
+        port = hotplug_port_check(DomainDocument.parse(before[LIVE]), fdid)
+        if port is not None:
+            checks = [*checks, port]
     return AttachPlan(
         info.name,
         fdid,
@@ -146,6 +152,31 @@ def plan_attach(
         tuple(plugged),
         irq,
         templates,
+    )
+
+
+def hotplug_port_check(live: DomainDocument, fdid: int) -> Check | None:
+    """Whether the running q35 guest ``live`` has a free port to hot-plug ``fdid``'s hostdev
+    into (libvirt refuses "No more available PCI slots" otherwise, after vmlend borrowed the
+    device): None where no port is needed (another machine type, the device already there)."""
+    domain = DomainXML(live.root)
+    if machine_family(domain.machine) != "q35" or find_device(live, fdid) is not None:
+        return None
+    vm_uuid = domain.uuid
+    if vm_uuid is not None and any(
+        h.uuid == mdev_uuid(vm_uuid, fdid) for h in domain.mdev_hostdevs()
+    ):
+        return None  # plugged by an interrupted attach: the re-run plugs nothing
+    free = free_hotplug_ports(domain)
+    if free:
+        return Check("hotplug", True, plural(free, "free hot-pluggable PCIe port"))
+    return Check(
+        "hotplug",
+        False,
+        "the running q35 guest has no free hot-pluggable PCIe port and libvirt cannot add one"
+        " while it runs; give its definition empty pcie-root-ports ('vmlend xml new"
+        " --hotplug-slots N', or <controller type='pci' model='pcie-root-port'/>) and restart"
+        " it, or attach with --config",
     )
 
 

@@ -154,6 +154,8 @@ class SimHypervisor:
 
     #: ``migrate_live`` calls a ``SwitchOver`` with the guest paused (hot migration).
     hot_migration = True
+    #: Hot-plug behaves like a working VFIO host's, with no PCIe topology to run out of.
+    hotplug_ports = False
 
     def __init__(
         self,
