@@ -214,3 +214,80 @@ ends = ["l:0", "b:0"]
 [[link]]
 ends = ["l:1", "b:1"]
 """
+
+
+def ports_topology(*, requester_entries: int | None = None, borrower_lut_entries: int = 32) -> str:
+    """Two lenders and two borrowers on cluster switch ``sw`` (with ``requester_entries`` per
+    port when given), the borrower ``b`` also on ``sw2``, cascaded to ``sw``: a second route.
+
+    ``l1`` lends NIC 0x100 at 0000:41:00.0 with 9 VFs 0x101..0x109 (functions 1..9 of it,
+    ARI-style: 0x101..0x107 are 41:00.1..41:00.7, 0x108 and 0x109 are 41:01.0 and 41:01.1)
+    and GPU 0x110 at 0000:42:00.0; ``l2`` lends GPU 0x200 at 0000:41:00.0 (alpha's BDF on
+    another host: another requester). ``b`` has adapters b:0 (on ``sw``, with
+    ``borrower_lut_entries``) and b:1 (on ``sw2``); ``c`` has c:0 on ``sw``."""
+    entries = "" if requester_entries is None else f"requester_entries = {requester_entries}\n"
+    gpu = """
+  kind = "gpu"
+  vendor = 0x10de
+  device = 0x1db4
+  class = 0x030200
+  bars = [ { index = 0, size = "16MiB" } ]
+"""
+    return f"""
+name = "ports"
+[[node]]
+name = "l1"
+id = 1
+  [[node.adapter]]
+  index = 0
+  [[node.device]]
+  fdid = 0x100
+  bdf = "0000:41:00.0"
+  kind = "nic"
+  vendor = 0x8086
+  device = 0x1521
+  class = 0x020000
+  bars = [ {{ index = 0, size = "1MiB" }} ]
+    [node.device.sriov]
+    vfs = 9
+    first_fdid = 0x101
+    device = 0x1520
+    bars = [ {{ index = 0, size = "16KiB", kind = "mem64" }} ]
+  [[node.device]]
+  fdid = 0x110
+  bdf = "0000:42:00.0"
+{gpu}
+[[node]]
+name = "l2"
+id = 2
+  [[node.adapter]]
+  index = 0
+  [[node.device]]
+  fdid = 0x200
+  bdf = "0000:41:00.0"
+{gpu}
+[[node]]
+name = "b"
+id = 3
+  [[node.adapter]]
+  index = 0
+  lut_entries = {borrower_lut_entries}
+  [[node.adapter]]
+  index = 1
+[[node]]
+name = "c"
+id = 4
+  [[node.adapter]]
+  index = 0
+
+[[switch]]
+name = "sw"
+{entries}ports = ["l1:0", "l2:0", "b:0", "c:0"]
+
+[[switch]]
+name = "sw2"
+ports = ["b:1"]
+
+[[switch_link]]
+ends = ["sw", "sw2"]
+"""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: Bump when the same bytes would decode into a different ``Topology``: a change to any Struct
 #: reachable from it (tests/unit/topology/test_topology_compiled.py pins their shape) or to
 #: what the parser derives from the text. A record of another format is simply parsed from its TOML.
-COMPILED_FORMAT = "vmlend-topology/5"
+COMPILED_FORMAT = "vmlend-topology/6"
 
 #: What a damaged or foreign blob can raise while msgspec decodes it: besides its own errors,
 #: a bad byte inside a string (UnicodeDecodeError, a ValueError) and deep nesting.

@@ -26,6 +26,12 @@ TiB = 1 << 40
 #: Requester LUT entries reserved per CPU on a PXH830-class adapter (docs/design.md, limits).
 LUT_RESERVED_PER_CPU = 2
 
+#: Requester table entries of each port of a cluster switch whose ``[[switch]]`` gives no
+#: ``requester_entries``. The papers give no figure; this one is above what any port of the
+#: shipped and tested topologies can need (a port to an adapter carries at most the adapter's
+#: usable LUT entries, 30 on a PXH830), so a topology that says nothing is refused nothing.
+DEFAULT_REQUESTER_ENTRIES = 256
+
 
 #: The documented spellings of an fdid: hexadecimal with 0x (``0x10``) or decimal (``16``), in
 #: ASCII digits only. ``int(text, 0)`` alone would also take ``१६``, `` 16 ``, ``0b10000``,
@@ -180,6 +186,9 @@ class LinkSpec(msgspec.Struct, frozen=True):
     switch: str | None = None
     #: The switch's chip; None: ``CLUSTER_SWITCH_CHIP`` (a back-to-back cable has none).
     chip: Chip | None = None
+    #: Entries of each of the switch's port requester tables (one per requester bus:device
+    #: crossing the port); None: ``DEFAULT_REQUESTER_ENTRIES`` (a back-to-back cable has none).
+    requester_entries: int | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -259,6 +268,15 @@ class Topology(msgspec.Struct, frozen=True, dict=True):
         return {name: link.chip or CLUSTER_SWITCH_CHIP for name, link in found.items() if name}
 
     @functools.cached_property
+    def _switch_requesters(self) -> dict[str, int]:
+        found = _first_by((link for link in self.links if link.switch), lambda s: s.switch)
+        return {
+            name: link.requester_entries or DEFAULT_REQUESTER_ENTRIES
+            for name, link in found.items()
+            if name
+        }
+
+    @functools.cached_property
     def _derived(self) -> dict[Callable[[Topology], object], object]:
         return {}
 
@@ -313,6 +331,11 @@ class Topology(msgspec.Struct, frozen=True, dict=True):
     def switch_chip(self, switch: str) -> Chip:
         """The chip of cluster switch ``switch`` (``CLUSTER_SWITCH_CHIP`` unless declared)."""
         return self._switch_chips.get(switch, CLUSTER_SWITCH_CHIP)
+
+    def switch_requester_entries(self, switch: str) -> int:
+        """Entries of each port requester table of cluster switch ``switch``
+        (``DEFAULT_REQUESTER_ENTRIES`` unless declared)."""
+        return self._switch_requesters.get(switch, DEFAULT_REQUESTER_ENTRIES)
 
     def adapters(self) -> list[AdapterSpec]:
         return [a for n in self.nodes for a in n.adapters]

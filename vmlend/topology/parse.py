@@ -450,12 +450,23 @@ def parse_topology(text: str, source: str = "<string>") -> Topology:
             raise r.fail(f"link[{i}].ends", "a back-to-back link joins exactly two adapters")
         links.append(LinkSpec(ends=pair))
     for i, raw in enumerate(r.list_(top.get("switch", []), "switch")):
-        t = r.table(raw, f"switch[{i}]", {"name", "ports", "chip"}, {"name", "ports"})
+        keys = {"name", "ports", "chip", "requester_entries"}
+        t = r.table(raw, f"switch[{i}]", keys, {"name", "ports"})
         sw = r.str_(t["name"], f"switch[{i}].name")
+        # a port is named switch/toward (vmlend.topology.requesters) and its requester entries
+        # are claimed under that name: a "/" or ":" would make it pass for another's, or for
+        # an adapter's
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", sw):
+            raise r.fail(f"switch[{i}].name", f"use letters, digits, '.', '_' or '-', got {sw!r}")
         if any(link.switch == sw for link in links):
             raise r.fail(f"switch[{i}].name", f"duplicate switch name {sw!r}")
         ports = ends(t["ports"], f"switch[{i}].ports", f"switch {sw}", 1)
-        links.append(LinkSpec(ends=ports, switch=sw, chip=r.chip(t, f"switch[{i}]")))
+        requesters = None
+        if "requester_entries" in t:
+            path = f"switch[{i}].requester_entries"
+            requesters = r.int_(t["requester_entries"], path, 1, 65536)
+        chip = r.chip(t, f"switch[{i}]")
+        links.append(LinkSpec(ends=ports, switch=sw, chip=chip, requester_entries=requesters))
     switch_links = _switch_links(r, top.get("switch_link", []), links)
     for d in devices:
         if d.physfn is None and d.kind == "vf":

@@ -164,8 +164,9 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     described = shape(msgspec.inspect.type_info(Topology), set())
     described += shape(msgspec.inspect.type_info(compiled_mod._Sliced), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    # /3: NodeSpec.iommu; /4: PcieElement.chip, LinkSpec.chip; /5: sliced
-    pinned = {"vmlend-topology/5": "995d45fb64486da8"}
+    # /3: NodeSpec.iommu; /4: PcieElement.chip, LinkSpec.chip; /5: sliced;
+    # /6: LinkSpec.requester_entries
+    pinned = {"vmlend-topology/6": "078a176dbaa5e2f0"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
@@ -182,7 +183,8 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     digest = hashlib.sha256(body).hexdigest()[:16]
     # repinned without a bump when an input changes and the parser does not (issue 23 part 3:
     # the default topology gained gamma's second adapter; parse.py and the model are unchanged)
-    pinned = {"vmlend-topology/5": "9298e7a8b7f2ab58"}  # /4: each element's chip; /5: sliced
+    # /4: each element's chip; /5: sliced; /6: each switch's requester_entries
+    pinned = {"vmlend-topology/6": "f9daa7ac94089527"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
