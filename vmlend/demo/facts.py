@@ -53,7 +53,7 @@ def adapter_use(fabric: SimFabric, hw: SimHardware) -> list[Json]:
                 "segments_claimed": u.segments_used,
                 "segments": u.adapter.segments,
                 "segment_size": u.adapter.segment_size,
-                "lut_entries": len(adapter.lut()),
+                "lut_entries": adapter.lut_used,
                 "segments_mapped": len(adapter.mapped_segments()),
             }
         )
@@ -122,7 +122,7 @@ def leftovers(fabric: SimFabric, registry: Registry, hw: SimHardware, vm: str) -
         "segments_claimed": sum(u.segments_used for u in fabric.usage().values()),
         "claims": len(claims),
         "runtime_records": len(records),
-        "lut_entries": sum(len(a.lut()) for a in hw.adapters()),
+        "lut_entries": sum(a.lut_used for a in hw.adapters()),
         "segments_mapped": sum(len(a.mapped_segments()) for a in hw.adapters()),
         "borrows": len(hw.borrows()),
         "guests": len(hw.guests()),

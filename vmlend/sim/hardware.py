@@ -429,7 +429,7 @@ class SimHardware:
             far = self.adapter(p.dst.ref)
             entry = far.lut_lookup(key)
             if entry is not None:
-                requester = Requester(far.assigned_requester_id(entry))
+                requester = Requester(far.assigned_requester_id(entry, key))
                 if requester not in out:
                     out.append(requester)
         return out
@@ -618,7 +618,7 @@ class SimHardware:
             lender_entry = src.lut_add(rid)  # again, if a reset lost it
             try:
                 entry = dst.lut_add(key)
-                ingress = Requester(dst.assigned_requester_id(entry))
+                ingress = Requester(dst.assigned_requester_id(entry, key))
                 host = self.node(node)
                 if host.iommu.domain_for(ingress) is None:
                     host.iommu.attach(ingress, self.vm_domain(node, vm))
@@ -658,7 +658,7 @@ class SimHardware:
         except Exception:
             src.lut_remove(dev.requester_id)
             raise
-        ingress = Requester(dst.assigned_requester_id(borrower_entry))
+        ingress = Requester(dst.assigned_requester_id(borrower_entry, key))
         try:
             self.node(node).iommu.attach(ingress, self.vm_domain(node, vm))
         except Exception:
@@ -684,13 +684,14 @@ class SimHardware:
                 "its DMA to another node"
             )
         dst = self.adapter(path.dst.ref)
-        entry = dst.lut_lookup(self.requester_key(fdid))
+        key = self.requester_key(fdid)
+        entry = dst.lut_lookup(key)
         if entry is None:
             raise FabricError(
                 f"device {fdid:#x} has no LUT entry on {dst.ref}: {node} would not know its "
                 "requests"
             )
-        return Requester(dst.assigned_requester_id(entry))
+        return Requester(dst.assigned_requester_id(entry, key))
 
     def crossing(self, fdid: int, node: str) -> NtbPath | None:
         """The route ``fdid``'s DMA into ``node`` takes now (see ``_crossing_path``); None

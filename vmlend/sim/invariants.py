@@ -611,7 +611,7 @@ class _Checker:
                 )
         claimed = usage(self.hw.topology, claims)
         for adapter in self.hw.adapters():
-            used = len(adapter.lut())
+            used = adapter.lut_used
             want = claimed[adapter.ref].lut_used if adapter.ref in claimed else 0
             if used > want:
                 self.bad("claims", adapter.ref, f"{used} LUT entries in use, {want} claimed")

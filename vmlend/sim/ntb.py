@@ -5,14 +5,22 @@ The window is a 64-bit BAR of the adapter in its node's physical address space, 
 the adapter is cabled to (outbound translation, ``ntb_peer_mw_set_trans`` in Linux terms); the
 remote address must be aligned to ``XLAT_ALIGN``.
 
-The requester LUT has the entries of both directions. Outbound, it lists the local requester
-ids allowed to cross from this node: a TLP whose requester is not in the LUT is dropped.
-Inbound, an entry keyed by a remote function's cluster-wide identity (lender node id << 16 |
-requester id) is how this adapter knows that function: a TLP from it enters this node with
-requester id ``bus << 8 | entry`` (``assigned_requester_id``), and a TLP from a function with
-no entry here is dropped. So two functions of two lenders never share an id on this node, and
-the node's IOMMU tells them apart by that id alone. The first ``2 * cpus`` entries are reserved
-for the CPUs (their MMIO to remote BARs).
+The requester LUT has the entries of both directions, one per requester *device* (bus:device,
+the requester id without its 3 function bits): the functions of one device share an entry
+(SmartIO §8.6), and under ARI a function above 7 has a device number, and so an entry, of its
+own. Outbound, it lists the local requesters allowed to cross from this node: a TLP whose
+requester is not in the LUT is dropped. Inbound, an entry keyed by a remote device's
+cluster-wide identity (lender node id << 16 | requester id, less the function bits) is how this
+adapter knows that device: a TLP from function ``f`` of it enters this node with requester id
+``bus << 8 | entry << 3 | f`` (``assigned_requester_id``; the entry is the device number on the
+NTB's bus, the function passes through), and a TLP from a device with no entry here is dropped.
+So two functions never share an id on this node, and the node's IOMMU tells them apart by that
+id alone. The first ``2 * cpus`` entries are reserved for the CPUs (their MMIO to remote BARs).
+
+The driver programs an entry for the functions it is asked to let across and keeps which they
+are: the simulator drops a TLP of a function of the device nobody asked for (the hardware
+would pass it, and the lender's IOMMU, where that function maps nothing, would stop it), and
+the entry goes when its last function does.
 """
 
 from __future__ import annotations
@@ -28,6 +36,14 @@ from vmlend.topology.model import LUT_RESERVED_PER_CPU, AdapterSpec
 XLAT_ALIGN = 4096
 #: Bus number of adapter 0's NTB endpoint on its node (adapter i sits on bus BASE_BUS + i).
 BASE_BUS = 0xF0
+#: The function bits of a requester id: what one LUT entry covers beyond its bus:device.
+FUNCTION_BITS = 3
+
+
+def requester_device(requester_id: int) -> int:
+    """The requester device (bus:device, or a cluster-wide key less its function bits) one LUT
+    entry stands for."""
+    return requester_id >> FUNCTION_BITS
 
 
 class SegmentMapping(msgspec.Struct, frozen=True):
@@ -50,11 +66,13 @@ class NtbAdapter:
         self.peers = frozenset(peers)
         self.bus = BASE_BUS + spec.index
         self._segments: dict[int, SegmentMapping] = {}
-        self._lut: dict[int, int] = {}  # requester id -> entry index
+        self._lut: dict[int, int] = {}  # requester device -> entry index
+        self._functions: dict[int, set[int]] = {}  # requester device -> its ids let across
         self._reserved = LUT_RESERVED_PER_CPU * spec.cpus
         #: What a reset lost, as its driver's own tables still hold it (``restore``).
         self._lost_segments: dict[int, SegmentMapping] = {}
         self._lost_lut: dict[int, int] = {}
+        self._lost_functions: dict[int, set[int]] = {}
 
     def __repr__(self) -> str:
         return f"NtbAdapter({self.ref}, window {self.window_base:#x}+{self.window_size:#x})"
@@ -157,8 +175,11 @@ class NtbAdapter:
         removes them (``unmap_segment``, ``lut_remove``)."""
         self._lost_segments.update(self._segments)
         self._lost_lut.update(self._lut)
+        for dev, ids in self._functions.items():
+            self._lost_functions.setdefault(dev, set()).update(ids)
         self._segments.clear()
         self._lut.clear()
+        self._functions.clear()
 
     @property
     def lost(self) -> bool:
@@ -174,13 +195,15 @@ class NtbAdapter:
                 self._segments[index] = seg
                 n += 1
         used = set(self._lut.values())
-        for rid, entry in sorted(self._lost_lut.items()):
-            if rid not in self._lut and entry not in used:  # ``lut_add`` keeps lost entries
-                self._lut[rid] = entry
+        for dev, entry in sorted(self._lost_lut.items()):
+            if dev not in self._lut and entry not in used:  # ``lut_add`` keeps lost entries
+                self._lut[dev] = entry
+                self._functions[dev] = set(self._lost_functions.get(dev, ()))
                 used.add(entry)
                 n += 1
         self._lost_segments.clear()
         self._lost_lut.clear()
+        self._lost_functions.clear()
         return n
 
     def translate(self, addr: int) -> tuple[str, int]:
@@ -203,19 +226,29 @@ class NtbAdapter:
     def lut_free(self) -> int:
         return self.lut_usable - len(self._lut)
 
+    @property
+    def lut_used(self) -> int:
+        """Entries in use: one per requester device, however many of its functions cross."""
+        return len(self._lut)
+
     def lut_add(self, requester_id: int) -> int:
-        """Let ``requester_id`` cross; returns its entry index. Idempotent. Raises
-        ``ResourceExhaustedError`` when every usable entry is taken."""
-        if requester_id in self._lut:
-            return self._lut[requester_id]
-        if requester_id in self._lost_lut:  # its driver programs the entry it had again
-            entry = self._lost_lut.pop(requester_id)
-            self._lut[requester_id] = entry
+        """Let ``requester_id`` cross; returns its device's entry index (shared with the other
+        functions of the device let across). Idempotent. Raises ``ResourceExhaustedError``
+        when the device has no entry and every usable one is taken."""
+        dev = requester_device(requester_id)
+        if dev in self._lut:
+            self._functions[dev].add(requester_id)
+            return self._lut[dev]
+        if dev in self._lost_lut:  # its driver programs the entry it had again
+            entry = self._lost_lut.pop(dev)
+            self._lut[dev] = entry
+            self._functions[dev] = self._lost_functions.pop(dev, set()) | {requester_id}
             return entry
         used = set(self._lut.values()) | set(self._lost_lut.values())  # lost: still promised
         for entry in range(self._reserved, self.spec.lut_entries):
             if entry not in used:
-                self._lut[requester_id] = entry
+                self._lut[dev] = entry
+                self._functions[dev] = {requester_id}
                 return entry
         raise ResourceExhaustedError(
             "requester LUT entries",
@@ -226,17 +259,42 @@ class NtbAdapter:
         )
 
     def lut_remove(self, requester_id: int) -> bool:
-        lost = self._lost_lut.pop(requester_id, None) is not None
-        return self._lut.pop(requester_id, None) is not None or lost
+        """Stop letting ``requester_id`` across; its device's entry goes with its last
+        function. False when it was not let across (nor lost by a reset)."""
+        dev = requester_device(requester_id)
+        removed = False
+        for table, functions in (
+            (self._lut, self._functions),
+            (self._lost_lut, self._lost_functions),
+        ):
+            ids = functions.get(dev)
+            if ids is None or requester_id not in ids:
+                continue
+            removed = True
+            ids.discard(requester_id)
+            if not ids:
+                del functions[dev]
+                table.pop(dev, None)
+        return removed
 
     def lut_lookup(self, requester_id: int) -> int | None:
-        return self._lut.get(requester_id)
+        """The entry ``requester_id`` crosses by, None when it is not let across."""
+        dev = requester_device(requester_id)
+        return self._lut[dev] if requester_id in self._functions.get(dev, ()) else None
 
     def lut(self) -> dict[int, int]:
-        """requester id -> entry."""
-        return dict(self._lut)
+        """requester id -> entry, for every function let across (functions of one device
+        share their entry)."""
+        return {
+            rid: entry
+            for dev, entry in sorted(self._lut.items())
+            for rid in sorted(self._functions[dev])
+        }
 
-    def assigned_requester_id(self, entry: int) -> int:
-        """The requester id a TLP entering through this adapter carries on this node when this
-        adapter's LUT ``entry`` names its source: what this node's IOMMU sees."""
-        return self.bus << 8 | entry
+    def assigned_requester_id(self, entry: int, key: int) -> int:
+        """The requester id a TLP from the function keyed ``key`` entering through this adapter
+        carries on this node when this adapter's LUT ``entry`` names its device: the entry as
+        device number on the adapter's bus, the function passed through. What this node's
+        IOMMU sees."""
+        function = key & ((1 << FUNCTION_BITS) - 1)
+        return (self.bus << 8) + (entry << FUNCTION_BITS | function)

@@ -578,7 +578,7 @@ class SharedNvmeDrive:
         dst, key = self.hw.adapter(ref), self._key()
         # the far side sees the id its own entry for the drive assigns, and nothing else
         entry = dst.lut_add(key)
-        requester = Requester(dst.assigned_requester_id(entry))
+        requester = Requester(dst.assigned_requester_id(entry, key))
         try:
             self.hw.node(node).iommu.attach(requester, self._domain(node))
         except Exception:

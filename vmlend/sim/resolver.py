@@ -179,7 +179,8 @@ class DmaResolver:
                     f"of {adapter.ref}; borrow the device first",
                 )
             far = self.hw.adapter(path.dst.ref)
-            far_entry = far.lut_lookup(self.hw.requester_key(fdid))
+            key = self.hw.requester_key(fdid)
+            far_entry = far.lut_lookup(key)
             if far_entry is None:
                 raise DmaFault(
                     "lut",
@@ -187,7 +188,7 @@ class DmaResolver:
                     f"device {fdid:#x} has no entry in the requester LUT of {far.ref}: "
                     f"{remote_name} drops its requests",
                 )
-            ingress = Requester(far.assigned_requester_id(far_entry))
+            ingress = Requester(far.assigned_requester_id(far_entry, key))
             hops.append(
                 Hop("lut", remote_name, remote_addr, f"{far.ref} entry {far_entry} -> {ingress}")
             )

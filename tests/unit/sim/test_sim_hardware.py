@@ -260,8 +260,8 @@ def test_two_lenders_devices_enter_with_distinct_requester_ids(hw):
     assert a.ingress is not None and b.ingress is not None
     assert a.ingress.rid != b.ingress.rid
     gamma0 = hw.adapter("gamma:0")
-    assert a.ingress.rid == gamma0.assigned_requester_id(a.borrower_entry)
-    assert b.ingress.rid == gamma0.assigned_requester_id(b.borrower_entry)
+    assert a.ingress.rid == gamma0.assigned_requester_id(a.borrower_entry, hw.requester_key(0x10))
+    assert b.ingress.rid == gamma0.assigned_requester_id(b.borrower_entry, hw.requester_key(0x20))
     assert check_hardware(hw) == []
 
 

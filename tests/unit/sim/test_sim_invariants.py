@@ -8,6 +8,7 @@ from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import check_hardware
 from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.ntb import requester_device
 from vmlend.topology.model import GiB, GuestRange, Holder, MiB
 from vmlend.topology.parse import load_topology
 
@@ -94,10 +95,11 @@ def test_two_devices_entering_a_node_as_one_requester_id(hw):
     hw.borrow(BETA_GPU, "gamma", "db")
     assert check_hardware(hw) == []
     gamma0 = hw.adapter("gamma:0")
-    gamma0._lut[hw.requester_key(BETA_GPU)] = web.borrower_entry  # the LUT programmed wrong
+    # the LUT programmed wrong: the entry of beta's GPU's device is that of alpha's
+    gamma0._lut[requester_device(hw.requester_key(BETA_GPU))] = web.borrower_entry
     assert hw.ingress(BETA_GPU, "gamma") == web.ingress
     found = [v for v in check_hardware(hw) if v.kind == "requester-id"]
-    rid = gamma0.assigned_requester_id(web.borrower_entry)
+    rid = gamma0.assigned_requester_id(web.borrower_entry, hw.requester_key(GPU))
     assert [(v.where, v.detail) for v in found] == [
         (f"gamma rid {rid:#06x}", "0x10 and 0x20 enter as it")
     ]

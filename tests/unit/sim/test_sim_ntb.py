@@ -71,15 +71,44 @@ def test_lut_reserves_entries_for_cpus(ntb):
 
 
 def test_lut_exhaustion(ntb):
-    for rid in range(30):
-        ntb.lut_add(0x1000 + rid)
+    for dev in range(30):  # 30 devices (bus 0x10, device numbers 0..29)
+        ntb.lut_add(0x1000 + (dev << 3))
     assert ntb.lut_free == 0
     with pytest.raises(ResourceExhaustedError) as e:
         ntb.lut_add(0x2000)
     assert e.value.have == 30 and e.value.need == 31
     assert "alpha:0" in str(e.value)
-    ntb.lut_remove(0x1005)
+    ntb.lut_add(0x1001)  # function 1 of a device that has its entry: no entry more
+    ntb.lut_remove(0x1000 + (5 << 3))
     assert ntb.lut_add(0x2000) == 7  # the freed entry is reused
+
+
+def test_functions_of_one_device_share_an_entry_until_the_last_goes(ntb):
+    pf = ntb.lut_add(0x4100)  # 41:00.0
+    assert ntb.lut_add(0x4107) == pf  # 41:00.7: the same device
+    assert ntb.lut_add(0x4108) != pf  # 41:01.0 (ARI function 8): device 1, an entry of its own
+    assert ntb.lut_used == 2
+    assert ntb.lut() == {0x4100: pf, 0x4107: pf, 0x4108: pf + 1}
+    assert ntb.lut_lookup(0x4101) is None  # a function nobody let across is still dropped
+    assert ntb.lut_remove(0x4100) and ntb.lut_lookup(0x4107) == pf and ntb.lut_used == 2
+    assert ntb.lut_remove(0x4107) and ntb.lut_used == 1
+    assert not ntb.lut_remove(0x4107)
+
+
+def test_an_entering_function_keeps_its_function_number(ntb):
+    # entry 2 on bus 0xf0 is device 2 there; functions 0 and 5 of the remote device stay apart
+    assert ntb.assigned_requester_id(2, 0x4100) == 0xF010
+    assert ntb.assigned_requester_id(2, 0x4105) == 0xF015
+
+
+def test_a_reset_keeps_the_functions_of_an_entry_for_its_restore(ntb):
+    entry = ntb.lut_add(0x4100)
+    ntb.lut_add(0x4101)
+    ntb.reset()
+    assert ntb.lut() == {} and ntb.lut_used == 0
+    ntb.lut_remove(0x4101)
+    assert ntb.restore() == 1
+    assert ntb.lut() == {0x4100: entry}
 
 
 def test_lut_with_more_cpus_has_fewer_entries():
