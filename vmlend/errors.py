@@ -394,6 +394,24 @@ class ResourceExhaustedError(FabricError):
         )
 
 
+class SwitchPortFullError(ResourceExhaustedError):
+    """A cluster switch port's requester table has no entry left for a crossing's requester
+    (one line naming the switch and the port)."""
+
+    def __init__(self, switch: str, port: str, requester: str, entries: int) -> None:
+        super().__init__("switch port requester table", port, 1, 0, "entries")
+        self.switch = switch
+        self.port = port
+        self.requester = requester
+        self.entries = entries
+        self.args = (
+            f"switch {switch} port {port}: its requester table is full ({entries} of"
+            f" {entries} entries used), no room for requester {requester}; release a device"
+            f" that crosses it, or give [[switch]] {switch!r} more requester_entries if the"
+            " hardware has them",
+        )
+
+
 class WindowExhaustedError(ResourceExhaustedError):
     """An NTB window has too little free room; ``need``/``have`` are bytes."""
 

@@ -10,7 +10,11 @@ IOMMU maps the guest's physical layout for the device, so admission refuses any 
 What a remote reservation uses (docs/design.md, limits):
 - one requester LUT entry on each adapter of the crossing (the device's requester id on the
   lender's, its identity on the borrower's): 30 usable entries allow 30 devices lent and 30
-  borrowed per node;
+  borrowed per node. An entry is per requester bus:device, not per function
+  (``vmlend.topology.requesters``): the functions of one device share it;
+- one requester entry on each cluster switch port the crossing passes (the port it enters
+  each switch by and the one it leaves by), per requester bus:device too, out of the
+  switch's ``requester_entries`` per port;
 - room in the lender's NTB window for the VM's DMA windows (its guest RAM, whole segments),
   counted once per (lender adapter, VM) however many devices the VM borrows from that lender
   (a VM here is node + domain name: ``vm_share`` says why);
@@ -42,6 +46,7 @@ from vmlend.errors import (
     LenderIommuOffError,
     LenderUnavailableError,
     ResourceExhaustedError,
+    SwitchPortFullError,
     UnknownDeviceError,
     VmlendError,
     WindowExhaustedError,
@@ -66,6 +71,7 @@ from vmlend.topology.model import (
 )
 from vmlend.topology.paths import NtbPath, route
 from vmlend.topology.pcie import device_to_ram
+from vmlend.topology.requesters import requester_device, requester_share, route_ports
 from vmlend.units import format_size_human
 
 
@@ -181,6 +187,23 @@ def usage(
     return {a.ref: AdapterUsage(a, lut.get(a.ref, 0), segs.get(a.ref, 0)) for a in adapters}
 
 
+def port_usage(claims: Sequence[tuple[int, Claim]], ports: Collection[str]) -> dict[str, int]:
+    """Per switch port of ``ports``, the requester entries the claims use: one per requester
+    however many holds claim it (``usage`` counts a shared claim once the same way)."""
+    held: dict[str, set[str]] = {p: set() for p in ports}
+    for _fdid, c in claims:
+        if c.kind is ClaimKind.LUT and c.adapter in held:
+            held[c.adapter].add(c.share)
+    return {p: len(s) for p, s in held.items()}
+
+
+def _claimed(claims: Sequence[tuple[int, Claim]], where: str, share: str) -> bool:
+    """Some hold claims the requester entry ``share`` on ``where`` (an adapter or a port)."""
+    return any(
+        c.kind is ClaimKind.LUT and c.adapter == where and c.share == share for _f, c in claims
+    )
+
+
 class Admission(msgspec.Struct):
     """The outcome of admission: every check, and the claims a reservation would make."""
 
@@ -283,11 +306,11 @@ def admit(
         dma = device_to_ram(topology, fdid, borrower)  # hops as `vmlend path` counts them
         adm.add("path", path.describe(), path=path.describe(), hops=dma.hops, roots=dma.roots)
     if mine:
-        for name in ("lut", "window-dma", "window-bars", "segments", "p2p"):
+        for name in ("lut", "ports", "window-dma", "window-bars", "segments", "p2p"):
             adm.add(name, "already claimed by this VM's reservation")
         return adm
     if path is None:
-        for name in ("lut", "window-dma", "window-bars", "segments"):
+        for name in ("lut", "ports", "window-dma", "window-bars", "segments"):
             adm.add(name, "not needed: the device is local")
     else:
         _resource_checks(adm, topology, view, spec, path, ram, holder)
@@ -477,20 +500,28 @@ def _resource_checks(
     fd = f"{spec.fdid:#x}"
 
     # Requester LUT: one entry on each adapter of the crossing, for the device's requester id
-    # on the lender's side and its identity on the borrower's side.
+    # on the lender's side and its identity on the borrower's side; per requester bus:device,
+    # so a function whose device already has the entry there needs none more.
     lut_error: VmlendError | None = None
+    share = requester_share(spec)
+    shared: list[str] = []
     for a, u in ((lender_a, lu), (borrower_a, bu)):
-        if u.lut_free < 1 and lut_error is None:
+        if _claimed(view.claims, a.ref, share):
+            shared.append(a.ref)
+        elif u.lut_free < 1 and lut_error is None:
             lut_error = ResourceExhaustedError("requester LUT", a.ref, 1, u.lut_free, "entries")
-        adm.claims.append(Claim(a.ref, ClaimKind.LUT, device_share(spec.fdid), entries=1))
+        adm.claims.append(Claim(a.ref, ClaimKind.LUT, share, entries=1))
+    also = f"; its device's entry there already on {', '.join(shared)}" if shared else ""
     adm.add(
         "lut",
-        f"1 entry for {fd} on each of {lender_a.ref} ({lu.lut_free} of {lender_a.lut_usable}"
-        f" usable free) and {borrower_a.ref} ({bu.lut_free} of {borrower_a.lut_usable} free)",
+        f"1 entry for {fd} (requester {requester_device(spec)}) on each of {lender_a.ref}"
+        f" ({lu.lut_free} of {lender_a.lut_usable} usable free) and {borrower_a.ref}"
+        f" ({bu.lut_free} of {borrower_a.lut_usable} free){also}",
         lut_error,
         lender_free=lu.lut_free,
         borrower_free=bu.lut_free,
     )
+    _port_checks(adm, topology, view, spec, path)
 
     # DMA windows: the VM's RAM in the lender's window, once per (lender adapter, VM).
     seg_l = lender_a.segment_size
@@ -598,4 +629,35 @@ def _resource_checks(
         error,
         lender_segments=extra_dma_segs,
         borrower_segments=bar_segs,
+    )
+
+
+def _port_checks(
+    adm: Admission, topology: Topology, view: StateView, spec: DeviceSpec, path: NtbPath
+) -> None:
+    """A requester entry on every cluster switch port the crossing passes: the port's table
+    must have room for the device's requester unless another function of it is there."""
+    ports = route_ports(path)
+    if not ports:
+        adm.add("ports", "a back-to-back cable: no switch port to pass")
+        return
+    share = requester_share(spec)
+    used = port_usage(view.claims, [p.name for p in ports])
+    parts: list[str] = []
+    error: VmlendError | None = None
+    for p in ports:
+        size = topology.switch_requester_entries(p.switch)
+        free = size - used[p.name]
+        if _claimed(view.claims, p.name, share):
+            parts.append(f"{p.name} has it")
+        else:
+            parts.append(f"{p.name} {free} of {size} free")
+            if free < 1 and error is None:
+                error = SwitchPortFullError(p.switch, p.name, requester_device(spec), size)
+        adm.claims.append(Claim(p.name, ClaimKind.LUT, share, entries=1))
+    adm.add(
+        "ports",
+        f"1 requester entry on each switch port on the way: {', '.join(parts)}",
+        error,
+        ports=[p.name for p in ports],
     )

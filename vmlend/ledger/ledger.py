@@ -49,6 +49,7 @@ from vmlend.ledger.linkfaults import (
     LinkChange,
     LinkFault,
     follow_crossings,
+    follow_ports,
     links_down_in,
     on_link_down,
     on_link_up,
@@ -86,8 +87,15 @@ from vmlend.topology.model import (
     Topology,
 )
 from vmlend.topology.paths import NtbPath, route, without_links
+from vmlend.topology.requesters import route_ports
 
 log = logging.getLogger(__name__)
+
+
+def _port_names(path: NtbPath) -> list[str]:
+    """The names of the switch ports ``path`` passes (claims of requester entries use them)."""
+    return [p.name for p in route_ports(path)]
+
 
 #: The mdev type the SmartIO driver offers under each parent.
 MDEV_TYPE = "smartio-lend"
@@ -580,7 +588,8 @@ class Ledger(ShareOps):
             path = None  # admit reports the missing path
         node, rec, hold = tx.node(spec.lender), tx.device(fdid), tx.hold(fdid)
         holds = {} if hold is None else {fdid: hold}
-        adapters = [path.src.ref, path.dst.ref] if path else []
+        # the switch ports of the path too: their requester entries are claimed under them
+        adapters = [path.src.ref, path.dst.ref, *_port_names(path)] if path else []
         if holder is not None:
             mine = tx.holds_of(holder)
             holds.update(mine)
@@ -605,7 +614,7 @@ class Ledger(ShareOps):
             path = route(topo, spec.lender, holder.node)
         except FabricError:
             return
-        adapters = (path.src.ref, path.dst.ref) if path else ()
+        adapters = (path.src.ref, path.dst.ref, *_port_names(path)) if path else ()
         tx.prefetch([fdid], [spec.lender], adapters, held_by=[holder])
 
     def reserve(
@@ -776,6 +785,8 @@ class Ledger(ShareOps):
         def record(tx: StateTxn) -> DeviceStatus:
             spec, _hold = self._may_borrow(tx, fdid, holder)
             tx.set_phase(fdid, Phase.BORROWED)
+            # the crossing's switch ports, should a cable have changed since the reserve
+            follow_ports(tx, self._full_topology(tx), self._hw, fdid)
             return self._status(tx, spec)
 
         try:

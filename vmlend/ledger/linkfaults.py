@@ -25,9 +25,10 @@ import msgspec
 from vmlend.errors import NoPathError, VmlendError
 from vmlend.registry import HoldRecord, Phase, StateTxn, same_holder
 from vmlend.registry.api import LINKS_DOWN_KEY
-from vmlend.registry.records import ClaimKind
+from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import Holder, Topology
 from vmlend.topology.paths import NtbPath, route
+from vmlend.topology.requesters import is_port, ports_between, requester_share, route_ports
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +232,10 @@ def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
     if not isinstance(hw, RerouteHardware):
         return
     shared = _follow_shares(tx, topology, hw)
+    for fdid in sorted({f for f, _c in tx.claims()} - shared):
+        follow_ports(tx, topology, hw, fdid)
     for fdid, claim in sorted(tx.claims(), key=lambda fc: (fc[0], fc[1].adapter)):
-        if fdid in shared:
+        if fdid in shared or is_port(claim.adapter):
             continue
         try:
             spec = topology.device(fdid)
@@ -244,6 +247,36 @@ def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
             continue
         if now is not None and now.dst.node == node and now.dst.ref != claim.adapter:
             _move_claims(tx, fdid, claim.adapter, now.dst.ref)
+
+
+def follow_ports(tx: StateTxn, topology: Topology, hw: object, fdid: int) -> None:
+    """The hold of ``fdid`` claims requester entries on the switch ports its crossing passes
+    now: a re-route (or a borrow made after a cable changed since the reserve) moved it to
+    other ports between its lender and its VM's node. Claims on ports of routes to another
+    node (a hot migration's other end) stay. Nothing written when they agree."""
+    if not isinstance(hw, RerouteHardware):
+        return
+    hold = tx.hold(fdid)
+    if hold is None or not topology.has_device(fdid):
+        return
+    b = hw.borrowed(fdid)
+    if b is None or b.path is None:
+        return
+    spec = topology.device(fdid)
+    node = hold.holder.node
+    if node != b.path.dst.node:
+        return  # the hardware serves another holder: nothing to follow
+    want = {p.name for p in route_ports(b.path)}
+    between = ports_between(topology, spec.lender, node)
+    share = requester_share(spec)
+    mine = {c.adapter for f, c in tx.claims_on(sorted(between | want)) if f == fdid}
+    stale, missing = (mine & between) - want, want - mine
+    if not stale and not missing:
+        return
+    lut = [c for f, c in tx.claims() if f == fdid and c.kind is ClaimKind.LUT]
+    kept = [c for c in lut if c.adapter not in stale]
+    kept += [Claim(p, ClaimKind.LUT, share, entries=1) for p in sorted(missing)]
+    tx.replace_claims(ClaimKind.LUT, [fdid], [(fdid, c) for c in kept])
 
 
 def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set[int]:

@@ -4,7 +4,8 @@ DMA path uses, claimed at reserve like a borrowed device's (``vmlend.ledger.admi
 A share's DMA crosses from the drive's lender to the VM's node (docs/nvme-sharing.md):
 - one requester LUT entry for the drive on the lender's adapter, shared by every share
   through it, and one on the borrower's adapter, shared by the shares of that node (both
-  under the drive's ``device_share`` key, so ``usage`` counts each once);
+  under the drive's ``requester_share`` key, so ``usage`` counts each once, as it counts the
+  entry once with a borrow of another function of the drive's device through the adapter);
 - the share's DMA windows in the lender's NTB window: the planner's own segment count for the
   VM's RAM layout (``window_segments``), under a key of its own (``share_window_key``): the
   share's windows live in its address space, apart from any windows of the VM's borrowed
@@ -13,7 +14,7 @@ A VM on the lender crosses no NTB and claims nothing.
 
 A share with a backup path (``paths=2``) claims a second set: the cheapest route from the
 lender to another adapter of the VM's host (``backup_route``), its LUT entries on both ends
-(the same ``device_share`` key: one entry per adapter serves every share through it) and its
+(the same ``requester_share`` key: one entry per adapter serves every share through it) and its
 own DMA windows in its lender adapter's window (key ``share_window_key(...) + "#backup"``).
 Its queue pairs live in memory the VM's virtual controller keeps on the VM's host (the relay
 rings, docs/nvme-sharing.md), reached through one more segment on each path
@@ -25,11 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vmlend.errors import NoBackupPathError, ResourceExhaustedError, WindowExhaustedError
-from vmlend.ledger.admission import device_share, usage
+from vmlend.ledger.admission import usage
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
-from vmlend.topology.model import GuestRam, Holder, Topology
+from vmlend.topology.model import DeviceSpec, GuestRam, Holder, Topology
 from vmlend.topology.paths import NtbPath, route, routes
+from vmlend.topology.requesters import requester_share
 from vmlend.units import format_size_human
 
 
@@ -51,12 +53,12 @@ def backup_route(topology: Topology, lender: str, node: str, primary: NtbPath) -
 
 
 def _path_claims(
-    fdid: int, path: NtbPath, key: str, ram: GuestRam, extra: int = 0
+    spec: DeviceSpec, path: NtbPath, key: str, ram: GuestRam, extra: int = 0
 ) -> list[Claim]:
     lender_a, borrower_a = path.src, path.dst
     claims = [
-        Claim(lender_a.ref, ClaimKind.LUT, device_share(fdid), entries=1),
-        Claim(borrower_a.ref, ClaimKind.LUT, device_share(fdid), entries=1),
+        Claim(lender_a.ref, ClaimKind.LUT, requester_share(spec), entries=1),
+        Claim(borrower_a.ref, ClaimKind.LUT, requester_share(spec), entries=1),
     ]
     segs = window_segments(ram.ranges, lender_a.segment_size) if ram.ranges else 0
     segs += extra if segs else 0
@@ -83,7 +85,7 @@ def share_claims(
             )
         return []
     key = share_window_key(fdid, holder)
-    claims = _path_claims(fdid, path, key, ram, RING_SEGMENTS if paths > 1 else 0)
+    claims = _path_claims(spec, path, key, ram, RING_SEGMENTS if paths > 1 else 0)
     if paths > 1:
         backup = backup_route(topology, spec.lender, holder.node, path)
         if backup is None:
@@ -95,7 +97,7 @@ def share_claims(
                 else f"{holder.node} has one NTB adapter ({path.dst.ref}); a backup needs a second"
             )
             raise NoBackupPathError(fdid, holder.node, missing)
-        more = _path_claims(fdid, backup, key + BACKUP_SUFFIX, ram, RING_SEGMENTS)
+        more = _path_claims(spec, backup, key + BACKUP_SUFFIX, ram, RING_SEGMENTS)
         claims += [c for c in more if c not in claims]  # one LUT entry per adapter
     return claims
 

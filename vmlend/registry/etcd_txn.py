@@ -43,6 +43,7 @@ from vmlend.registry.records import (
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.registry.topopieces import StoredTopology, StoredView
 from vmlend.topology.model import Holder, Topology
+from vmlend.topology.requesters import is_port, port_switch
 
 _AGENT_GONE = (
     "its vmlend agent is not running (stopped or dead: it has no live lease); start the agent"
@@ -370,6 +371,8 @@ class EtcdTxn:
             if len(_CAPACITIES) >= 4:  # a process sees one topology, rarely a few
                 _CAPACITIES.clear()
             _CAPACITIES[digest] = topo
+        if is_port(adapter):  # a switch port's requester table: entries only
+            return topo.switch_requester_entries(port_switch(adapter)) if unit == "lut" else 0
         spec = topo.adapter(adapter)
         if spec is None:
             return 0

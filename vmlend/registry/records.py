@@ -16,7 +16,9 @@ class Phase(enum.StrEnum):
 
 
 class ClaimKind(enum.StrEnum):
-    LUT = "lut"  # one requester LUT entry on the lender's adapter for the device
+    #: one requester entry for the device's requester bus:device: in the LUT of an adapter of
+    #: its crossing, or in the requester table of a cluster switch port it passes
+    LUT = "lut"
     DMA = "dma"  # window segments on the lender's adapter for a VM's DMA windows
     BAR = "bar"  # window segments on the borrower's adapter for the device's BARs
     P2P = "p2p"  # segments (and LUT entries) peer-to-peer among a VM's devices can use
@@ -94,9 +96,13 @@ class Claim(msgspec.Struct, frozen=True):
     it counts once, at the largest amount any of them claims.
     """
 
-    adapter: str  # adapter ref "node:index"
+    #: adapter ref "node:index"; for a switch port's requester entry, the port
+    #: ("switch/toward", ``vmlend.topology.requesters``: adapter refs have no "/")
+    adapter: str
     kind: ClaimKind
-    share: str  # "dev:<fdid>" for per-device resources, "vm:<node>/<vm>" for a VM's windows
+    #: "dev:<fdid>" for per-device resources, "req:<lender>/<bus:device>" for requester
+    #: entries (one for the functions of a device), "vm:<node>/<vm>" for a VM's windows
+    share: str
     entries: int = 0  # LUT entries
     segments: int = 0  # NTB window segments
     bytes: int = 0  # window bytes (segments * segment size)

@@ -34,8 +34,10 @@ from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
 from vmlend.sim.ntb import NtbAdapter
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaResolver, DmaTarget
+from vmlend.sim.switchports import SwitchPorts
 from vmlend.topology.model import GuestRange, NodeSpec, Topology
 from vmlend.topology.paths import NtbPath, route, routes
+from vmlend.topology.requesters import SwitchPort, requester_device, route_ports
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,9 @@ class SimHardware:
         self._link_subscribers: list[LinkSubscriber] = []
         #: Link events in order: (link, "down" | "up" | "up-lost"), for status and the checker.
         self.link_log: list[tuple[str, str]] = []
+        #: The cluster switch ports' requester tables (a borrow's crossing holds an entry on
+        #: each port of its route).
+        self.switch_ports = SwitchPorts(topology)
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
@@ -514,9 +519,12 @@ class SimHardware:
     def borrow(self, fdid: int, node: str, vm: str, *, token: int = 0) -> Borrow:
         """Take exclusive control of ``fdid`` for ``vm`` on ``node``: a LUT entry for the
         device's requester id on the lender's adapter, one on the borrower's adapter for the
-        device's borrower-side identity, and the crossing's requester attached to the VM's
-        domain on ``node``. Idempotent for the same VM; ``DeviceHeldError`` for another;
-        ``ResourceExhaustedError`` (nothing changed) when a LUT is full; ``StaleTokenError``
+        device's borrower-side identity, one in the requester table of each cluster switch
+        port of the route (``switch_ports``; each entry per requester device, shared by its
+        functions), and the crossing's requester attached to the VM's domain on ``node``.
+        Idempotent for the same VM; ``DeviceHeldError`` for another;
+        ``ResourceExhaustedError`` (nothing changed) when a LUT or a port's table is full
+        (``SwitchPortFullError`` naming the switch and port); ``StaleTokenError``
         (nothing changed) when ``token``, the fencing token of the hold it is made for, is
         older than one the device has served."""
         dev = self.device(fdid)
@@ -612,11 +620,16 @@ class SimHardware:
         key = self.requester_key(fdid)
         lender_entry = entry = None
         ingress: Requester | None = None
+        requester = requester_device(self.device(fdid).spec)
+        old_ports = route_ports(b.path) if b.path is not None else ()
+        new_ports = route_ports(new) if new is not None else ()
+        added = [p for p in new_ports if p not in old_ports]
         if new is not None:
             src, dst = self.adapter(new.src.ref), self.adapter(new.dst.ref)
             had_src, had_dst = src.lut_lookup(rid) is not None, dst.lut_lookup(key) is not None
-            lender_entry = src.lut_add(rid)  # again, if a reset lost it
+            self.switch_ports.add(added, requester, fdid)  # all or nothing
             try:
+                lender_entry = src.lut_add(rid)  # again, if a reset lost it
                 entry = dst.lut_add(key)
                 ingress = Requester(dst.assigned_requester_id(entry, key))
                 host = self.node(node)
@@ -627,6 +640,7 @@ class SimHardware:
                     dst.lut_remove(key)
                 if not had_src:
                     src.lut_remove(rid)
+                self.switch_ports.remove(added, requester, fdid)
                 raise
         if b.path is not None and b.ingress is not None:
             if new is None or (new.dst.ref, node) != (b.path.dst.ref, b.node):
@@ -634,6 +648,7 @@ class SimHardware:
                 self.adapter(b.path.dst.ref).lut_remove(key)
             if new is None or new.src.ref != b.path.src.ref:
                 self.adapter(b.path.src.ref).lut_remove(rid)
+        self.switch_ports.remove([p for p in old_ports if p not in new_ports], requester, fdid)
         moved = Borrow(fdid, node, vm, b.lender, new, lender_entry, entry, ingress)
         self._borrows[fdid] = moved
         own = [] if ingress is None else [_Ingress(node, ingress)]
@@ -641,6 +656,12 @@ class SimHardware:
             a for a in self._attached.get(fdid, []) if not (a.node == b.node and a.lut is None)
         ]
         return moved
+
+    def crossing_ports(self, fdid: int) -> tuple[SwitchPort, ...]:
+        """The switch ports the borrowed ``fdid``'s crossing holds requester entries on (its
+        route's); () when it is not borrowed or is local to its VM."""
+        b = self._borrows.get(fdid)
+        return route_ports(b.path) if b is not None and b.path is not None else ()
 
     def requester_key(self, fdid: int) -> int:
         """``fdid``'s cluster-wide requester identity: the key of its LUT entries on the far
@@ -652,11 +673,19 @@ class SimHardware:
         src = self.adapter(path.src.ref)
         dst = self.adapter(path.dst.ref)
         key = self.requester_key(dev.fdid)
-        lender_entry = src.lut_add(dev.requester_id)
+        ports = route_ports(path)
+        requester = requester_device(dev.spec)
+        self.switch_ports.add(ports, requester, dev.fdid)  # all or nothing
+        try:
+            lender_entry = src.lut_add(dev.requester_id)
+        except Exception:
+            self.switch_ports.remove(ports, requester, dev.fdid)
+            raise
         try:
             borrower_entry = dst.lut_add(key)
         except Exception:
             src.lut_remove(dev.requester_id)
+            self.switch_ports.remove(ports, requester, dev.fdid)
             raise
         ingress = Requester(dst.assigned_requester_id(borrower_entry, key))
         try:
@@ -664,6 +693,7 @@ class SimHardware:
         except Exception:
             src.lut_remove(dev.requester_id)
             dst.lut_remove(key)
+            self.switch_ports.remove(ports, requester, dev.fdid)
             raise
         self._attached[dev.fdid] = [_Ingress(node, ingress)]
         return Borrow(dev.fdid, node, vm, dev.lender, path, lender_entry, borrower_entry, ingress)
@@ -817,6 +847,7 @@ class SimHardware:
             dst = self.adapter(current.path.dst.ref)
             src.lut_remove(dev.requester_id)
             dst.lut_remove(self.requester_key(fdid))
+            self.switch_ports.remove(route_ports(current.path), requester_device(dev.spec), fdid)
         left = self._lender_domains[fdid].mappings()
         if left:
             # the device's own domain is the borrow's: what no subscriber claimed goes with it,

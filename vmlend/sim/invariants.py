@@ -10,6 +10,9 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   or a BAR that is not that VM's;
 - ``ntb-segment``: a translated segment no borrowed device's mapping uses;
 - ``lut``: a requester LUT entry for a device that is not borrowed (or not through this adapter);
+- ``port``: a cluster switch port's requester table holds an entry for a device whose
+  crossing does not pass the port, lacks one a borrowed device's crossing passing it needs, or
+  holds more entries than the switch's ``requester_entries``;
 - ``context``: an IOMMU attachment of a requester no borrowed device produces, or into a domain
   of another VM; ``requester-id``: two devices entering one node as one requester id (the
   IOMMU would translate both in one context);
@@ -21,6 +24,11 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   adapter than its P2P claims allow, or more LUT entries in use than its claims allow (P2P
   claims are an upper bound: where the guest puts a BAR is not known at reserve). A share's
   windows and a VM's interrupt window (MSI over the NTB) must match their claims exactly too.
+  On the switch ports, claimed == in use per port and requester: every entry a borrowed
+  device's crossing holds is claimed by its hold, and the hold of a borrowed device claims no
+  port of a route between its lender and its VM's node that its crossing does not pass (a
+  claim left behind by a re-route; a hot migration's other end, claimed until it is released,
+  lies on routes to another node).
 
 Shared NVMe drives (docs/nvme-sharing.md) are borrowed by their manager (``nvme-manager`` on
 the lender), which justifies only the drive's untagged address space. Everything a share maps
@@ -50,8 +58,9 @@ that same step) adds:
 Link faults (docs/simulator.md) add:
 
 - ``link``: a borrowed device's crossing passes a dead cable while another route from its
-  lender's adapter is up (it was not re-routed). A mapping across a dead cable still counts as
-  its owner's (it comes back with the cable), but it reaches nothing meanwhile.
+  lender's adapter is up and has room in its switch ports' requester tables (it was not
+  re-routed). A mapping across a dead cable still counts as its owner's (it comes back with
+  the cable), but it reaches nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -73,6 +82,16 @@ from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
 from vmlend.topology.model import MANAGER_VM, Holder
+from vmlend.topology.requesters import (
+    SwitchPort,
+    is_port,
+    port_switch,
+    ports_between,
+    requester_device,
+    requester_share,
+    route_ports,
+    share_of,
+)
 
 Owner = tuple[str, str]  # (node, vm)
 
@@ -134,6 +153,7 @@ def check_hardware(
     c.share_domains()
     c.segments()
     c.luts()
+    c.ports()
     c.contexts()
     c.interrupts()
     c.config_writes()
@@ -147,6 +167,7 @@ def check_hardware(
         c.claims(claims)
     if holds is not None and claims is not None:
         c.claims_held(holds, claims)
+        c.port_claims(holds, claims)
     return c.found
 
 
@@ -155,6 +176,10 @@ def check_with_registry(hw: SimHardware, registry: Registry) -> list[Violation]:
     the justification every mapping must have."""
     with registry.read() as tx:
         return check_hardware(hw, holds=tx.holds(), claims=tx.claims(), shares=registry_grants(tx))
+
+
+def _fdids(fdids: frozenset[int] | set[int]) -> str:
+    return ", ".join(f"{f:#x}" for f in sorted(fdids))
 
 
 def _fmt(m: IommuMapping) -> str:
@@ -384,10 +409,13 @@ class _Checker:
             dead = self.hw.dead_links(b.path)
             if not dead:
                 continue
+            requester = requester_device(self.hw.device(b.fdid).spec)
             live = [
                 p
                 for p in self.hw.routes(b.lender, b.node)
-                if p.src.ref == b.path.src.ref and not self.hw.dead_links(p)
+                if p.src.ref == b.path.src.ref
+                and not self.hw.dead_links(p)
+                and self._port_room(route_ports(p), requester)
             ]
             if live:
                 self.bad(
@@ -396,6 +424,15 @@ class _Checker:
                     f"crosses dead {', '.join(dead)} to {b.node}/{b.vm} while"
                     f" {live[0].describe()} is up",
                 )
+
+    def _port_room(self, ports: Sequence[SwitchPort], requester: str) -> bool:
+        """Each of ``ports`` has ``requester``'s entry or room for it: a route a re-route
+        could take (one whose port tables are full refuses it)."""
+        tables = self.hw.switch_ports
+        return all(
+            requester in (have := tables.entries(p.name)) or len(have) < tables.size(p)
+            for p in ports
+        )
 
     def segments(self) -> None:
         for adapter in self.hw.adapters():
@@ -435,6 +472,78 @@ class _Checker:
                 iommu = self.hw.node(adapter.node).iommu
                 if requester is None or iommu.domain_for(requester) is None:
                     self.bad("lut", where, f"names {fdid:#x}, which enters no domain here")
+
+    def ports(self) -> None:
+        """Each switch port's requester table holds exactly the entries the crossings of the
+        borrowed devices through it need, within the switch's size."""
+        need: dict[str, dict[str, set[int]]] = {}
+        for b in self.hw.borrows():
+            requester = requester_device(self.hw.device(b.fdid).spec)
+            for p in self.hw.crossing_ports(b.fdid):
+                need.setdefault(p.name, {}).setdefault(requester, set()).add(b.fdid)
+        tables = self.hw.switch_ports
+        for name in sorted(set(tables.ports()) | set(need)):
+            have = tables.entries(name)
+            wanted = need.get(name, {})
+            for requester, users in have.items():
+                if extra := users - wanted.get(requester, set()):
+                    self.bad(
+                        "port",
+                        f"{name} entry {requester}",
+                        f"held for {_fdids(extra)}, whose crossing does not pass it",
+                    )
+            for requester, crossing in sorted(wanted.items()):
+                if missing := crossing - have.get(requester, frozenset()):
+                    self.bad(
+                        "port",
+                        name,
+                        f"no entry for requester {requester} of {_fdids(missing)}, whose"
+                        " crossing passes it",
+                    )
+            size = self.hw.topology.switch_requester_entries(port_switch(name))
+            if len(have) > size:
+                self.bad("port", name, f"{len(have)} requester entries, the switch has {size}")
+
+    def port_claims(
+        self, holds: Mapping[int, HoldRecord], claims: Sequence[tuple[int, Claim]]
+    ) -> None:
+        """Claimed == in use on the switch ports, per port and requester (see the module's
+        ``claims``)."""
+        claimed: dict[int, set[tuple[str, str]]] = {}
+        for fdid, c in claims:
+            if c.kind is ClaimKind.LUT and is_port(c.adapter):
+                claimed.setdefault(fdid, set()).add((c.adapter, c.share))
+        used: dict[int, set[tuple[str, str]]] = {}
+        tables = self.hw.switch_ports
+        for name in tables.ports():
+            for requester, fdids in tables.entries(name).items():
+                for fdid in fdids:
+                    used.setdefault(fdid, set()).add((name, share_of(requester)))
+        borrows = {b.fdid: b for b in self.hw.borrows()}
+        for fdid in sorted(set(used) | set(claimed)):
+            have, mine = used.get(fdid, set()), claimed.get(fdid, set())
+            for port, share in sorted(have - mine):
+                self.bad(
+                    "claims",
+                    port,
+                    f"requester entry {share} of {fdid:#x} in use, not claimed by its hold",
+                )
+            b = borrows.get(fdid)
+            hold = holds.get(fdid)
+            if b is None or hold is None or hold.phase is not Phase.BORROWED:
+                continue  # reserved: the claims are made before the hardware follows
+            if (hold.holder.node, hold.holder.vm) != (b.node, b.vm):
+                continue  # ``holds`` reports it
+            between = ports_between(self.hw.topology, b.lender, b.node)
+            share = requester_share(self.hw.device(fdid).spec)
+            for port, claimed_share in sorted(mine - have):
+                if port in between or claimed_share != share:
+                    self.bad(
+                        "claims",
+                        port,
+                        f"requester entry {claimed_share} claimed for {fdid:#x}, whose"
+                        " crossing does not hold it",
+                    )
 
     def contexts(self) -> None:
         for name, node in self.hw.nodes.items():

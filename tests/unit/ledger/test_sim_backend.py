@@ -291,7 +291,7 @@ def test_window_shortage_is_refused_with_exact_numbers(fab):
 def test_admission_reports_every_check_and_changes_nothing(fab):
     checks = fab.admission(0x10, "gamma", 72 * GiB, holder=VM1)
     assert [c.name for c in checks] == [
-        "exists", "lender", "iommu", "lent", "not-held", "dma-limit", "path", "lut",
+        "exists", "lender", "iommu", "lent", "not-held", "dma-limit", "path", "lut", "ports",
         "window-dma", "window-bars", "segments", "p2p",
     ]  # fmt: skip
     assert all(c.ok for c in checks)

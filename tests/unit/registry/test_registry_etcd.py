@@ -156,6 +156,9 @@ def test_records_live_one_per_key_under_the_cluster_prefix(etcd, etcd_url):
     assert "holds/0x10" in keys and "topology/digest" in keys
     assert any(k.startswith("claims/alpha:0/0x10/") for k in keys)
     assert any(k.startswith("claims/gamma:0/0x10/") for k in keys)
+    # a switch port's requester entry, under the port's name
+    assert any(k.startswith("claims/mxs824/gamma:0/0x10/") for k in keys)
+    assert any(k.startswith("units/mxs824/gamma:0/lut-blocks/") for k in keys)
     assert not any(k.startswith("devices/") for k in keys)  # all as the topology says
     fabric.release(0x10, VM1)
     _rev, kvs = gw.range(f"/vmlend/{cluster}/claims/", f"/vmlend/{cluster}/claims0")

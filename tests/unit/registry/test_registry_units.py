@@ -14,11 +14,13 @@ import pytest
 from tests.support.cluster_hosts import check_never_two_holders, history
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
+from vmlend.ledger.admission import port_usage
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
+from vmlend.topology.requesters import is_port
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 
@@ -53,10 +55,15 @@ def _units(url: str) -> dict[tuple[str, str], int]:
     covered: set[tuple[str, str, int]] = set()
     for kv in kvs:
         # units/<adapter>/<unit>-blocks/<start>/<size>, or one unit: units/<adapter>/<unit>/<i>
-        adapter, unit, *rest = kv.key.removeprefix(prefix).split("/")
-        start, size = (
-            (int(rest[0]), int(rest[1])) if unit.endswith("-blocks") else (int(rest[0]), 1)
-        )
+        # (a switch port's name, "switch/toward", has a "/" of its own: read from the end)
+        body = kv.key.removeprefix(prefix)
+        if "-blocks/" in body:
+            head, first, count = body.rsplit("/", 2)
+            start, size = int(first), int(count)
+        else:
+            head, first = body.rsplit("/", 1)
+            start, size = int(first), 1
+        adapter, unit = head.rsplit("/", 1)
         unit = unit.removesuffix("-blocks")
         out[(adapter, unit)] = out.get((adapter, unit), 0) + size
         for i in range(start, start + size):
@@ -66,12 +73,19 @@ def _units(url: str) -> dict[tuple[str, str], int]:
 
 
 def _used(fabric) -> dict[tuple[str, str], int]:
-    """Per (adapter, lut|seg), what the claims use (``admission.usage``)."""
+    """Per (adapter, lut|seg), what the claims use (``admission.usage``), and per switch
+    port the requester entries (``admission.port_usage``)."""
     out = {}
     for ref, u in fabric.usage().items():
         for unit, n in (("lut", u.lut_used), ("seg", u.segments_used)):
             if n:
                 out[(ref, unit)] = n
+    with fabric.registry.read() as tx:
+        claims = tx.claims()
+    ports = {c.adapter for _f, c in claims if is_port(c.adapter)}
+    for port, n in port_usage(claims, ports).items():
+        if n:
+            out[(port, "lut")] = n
     return out
 
 
@@ -90,6 +104,8 @@ def test_another_vms_reserve_through_the_same_adapters_does_not_conflict(etcd_ur
                 ("l:0", "lut"): 2,
                 ("h0:0", "lut"): 2,
                 ("h0:0", "seg"): 2,
+                ("sw/l:0", "lut"): 2,  # a requester entry for each device on each switch port
+                ("sw/h0:0", "lut"): 2,
             }
         )
     finally:
