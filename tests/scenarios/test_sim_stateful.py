@@ -96,6 +96,8 @@ SMOKE_STEPS = 20
 #: peer-to-peer claims need all its holds (a holds_of that lost one went unseen).
 ETCD_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_ETCD_EXAMPLES", "100"))
 ETCD_STEPS = int(os.environ.get("VMLEND_STATEFUL_ETCD_STEPS", "40"))
+#: On ``TIGHT_TOPOLOGY`` (marked slow), of up to ``STEPS`` steps.
+TIGHT_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_TIGHT_EXAMPLES", "100"))
 
 _GPU = """
   kind = "gpu"
@@ -184,6 +186,15 @@ ports = ["gamma:1"]
 ends = ["sw", "sw2"]
 """
 
+#: The same cluster on switches whose ports hold two requesters each: gamma's and delta's
+#: ports (and the cable to ``sw2``) fill up before the VMs have every device, so starts, hot
+#: migrations and re-routes meet full requester tables and are refused, and the checker proves
+#: after every step that the claims on each port equal the entries in use.
+TIGHT_TOPOLOGY = TOPOLOGY.replace(
+    'name = "sw"\nports', 'name = "sw"\nrequester_entries = 2\nports'
+).replace('name = "sw2"\nports', 'name = "sw2"\nrequester_entries = 2\nports')
+assert TIGHT_TOPOLOGY.count("requester_entries = 2") == 2
+
 SHARED = 0x12
 BLOCKS = 1 << 16
 SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta", "d"))
@@ -223,10 +234,13 @@ class Running(msgspec.Struct):
 
 
 class FabricMachine(RuleBasedStateMachine):
+    #: The cluster the sequences run on.
+    topology = TOPOLOGY
+
     def __init__(self) -> None:
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="vmlend-stateful-"))
-        self.c = Cluster.create(self._location(), TOPOLOGY)
+        self.c = Cluster.create(self._location(), self.topology)
         self.vms: dict[int, Running] = {}
         self.down: set[str] = set()
         self.links_down: set[str] = set()
@@ -340,8 +354,10 @@ class FabricMachine(RuleBasedStateMachine):
         xml = vm_xml(name, free, share, 2 if (node, name) == ("gamma", "a") else 1)
         try:
             self.c.prepare(xml, node)
-        except VmlendError:
+        except VmlendError as e:
             self.c.release(xml, node)  # what libvirt runs after a failed prepare
+            full = "requester table is full" in str(e)
+            event("start: refused, a switch port full" if full else "start: refused")
             return
         ledger_ = RegistryWindowLedger(self.c.registry)
         p2p = P2PMapper(
@@ -842,6 +858,17 @@ class FabricSmoke(FabricMachine):
     """A few short sequences, for the fast suite."""
 
 
+class FabricTightPorts(FabricMachine):
+    """The machine on ``TIGHT_TOPOLOGY``: full switch port requester tables refuse starts,
+    hot migrations and re-routes (in one line naming the switch and the port)."""
+
+    topology = TIGHT_TOPOLOGY
+
+
+class FabricTightPortsSmoke(FabricTightPorts):
+    """A few short sequences of it, for the fast suite."""
+
+
 #: The etcd server ``FabricOnEtcd`` runs on (``etcd_for_the_machine`` starts it).
 _ETCD: list[EtcdServer] = []
 
@@ -875,8 +902,12 @@ def etcd_for_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
 FabricMachine.TestCase.settings = derandomized(MAX_EXAMPLES, STEPS)
 FabricSmoke.TestCase.settings = derandomized(SMOKE_EXAMPLES, SMOKE_STEPS)
 FabricOnEtcd.TestCase.settings = derandomized(ETCD_EXAMPLES, ETCD_STEPS)
+FabricTightPorts.TestCase.settings = derandomized(TIGHT_EXAMPLES, STEPS)
+FabricTightPortsSmoke.TestCase.settings = derandomized(SMOKE_EXAMPLES, SMOKE_STEPS)
 test_fabric_state_machine = pytest.mark.slow(FabricMachine.TestCase)
 test_fabric_state_machine_smoke = FabricSmoke.TestCase
+test_fabric_state_machine_tight_ports = pytest.mark.slow(FabricTightPorts.TestCase)
+test_fabric_state_machine_tight_ports_smoke = FabricTightPortsSmoke.TestCase
 test_fabric_state_machine_on_etcd = pytest.mark.slow(
     pytest.mark.daemon(pytest.mark.usefixtures("etcd_for_the_machine")(FabricOnEtcd.TestCase))
 )
