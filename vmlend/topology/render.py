@@ -183,6 +183,8 @@ def _link(link: LinkSpec) -> list[str]:
     lines = ["", "[[switch]]", f"name = {_s(link.switch)}", f"ports = [{ends}]"]
     if link.chip is not None:
         lines.append(f"chip = {_s(link.chip.value)}")
+    if link.requester_entries is not None:
+        lines.append(f"requester_entries = {link.requester_entries}")
     return lines
 
 

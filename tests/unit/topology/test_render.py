@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 
 from tests.support.discovery import TWO_HOSTS
-from tests.support.simfabric import small_topology, star_topology
+from tests.support.simfabric import ports_topology, small_topology, star_topology
 from tests.support.topology_strategies import lender_fabrics
 from vmlend.errors import TopologyError
 from vmlend.topology.model import Topology
@@ -28,6 +28,7 @@ def read_back(topo: Topology) -> Topology:
         small_topology(isolated=True),
         star_topology(3, 4),
         TWO_HOSTS,
+        ports_topology(requester_entries=3),  # a switch's requester table
     ],
 )
 def test_the_shipped_and_test_topologies_read_back_equal(text):
