@@ -702,12 +702,7 @@ class EtcdTxn:
             self._k.runtime,
         ):
             self._delete_range(prefix)
-        defaults = {d.fdid: (d.lender, d.lent) for d in devices}
-        stored = topopieces.of_record(
-            rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
-            list(nodes), defaults,
-        )  # fmt: skip
-        self._install(stored)
+        self._install(topopieces.of_record(rec, nodes, devices))
 
     def amend_topology(
         self, rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
@@ -716,12 +711,7 @@ class EtcdTxn:
         generation, and nothing deleted (``StateTxn.amend_topology``). A node's or device's
         record overrides the generation's default, as before."""
         self._write()
-        defaults = {d.fdid: (d.lender, d.lent) for d in devices}
-        stored = topopieces.of_record(
-            rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
-            list(nodes), defaults,
-        )  # fmt: skip
-        self._install(stored)
+        self._install(topopieces.of_record(rec, nodes, devices))
 
     def _install(self, stored: StoredTopology) -> None:
         """Write ``stored`` as a new generation now (pieces, several requests) and name it

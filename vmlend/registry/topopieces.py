@@ -23,6 +23,9 @@ import msgspec
 from vmlend.errors import StateRecordError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from vmlend.registry.records import DeviceRecord, TopologyRecord
     from vmlend.topology.model import Topology
 
 #: The format of the head and of the content it names. Another format is not read.
@@ -231,24 +234,19 @@ def new_generation() -> str:
 
 
 def of_record(
-    name: str,
-    source: str,
-    text: str,
-    digest: str,
-    created: float,
-    compiled: bytes | None,
-    nodes: list[str],
-    devices: dict[int, tuple[str, bool]],
+    rec: TopologyRecord, nodes: Iterable[str], devices: Iterable[DeviceRecord]
 ) -> StoredTopology:
+    """The generation's content for installing ``rec`` with these nodes and devices (each
+    device's initial lender and whether it is lent: the defaults a record overrides)."""
     return StoredTopology(
-        name,
-        source,
-        digest,
-        created,
-        nodes,
-        {f"{fdid:#x}": (lender, bool(lent)) for fdid, (lender, lent) in devices.items()},
-        compiled,
-        text,
+        rec.name,
+        rec.source,
+        rec.digest,
+        rec.created,
+        list(nodes),
+        {f"{d.fdid:#x}": (d.lender, bool(d.lent)) for d in devices},
+        rec.compiled,
+        rec.text,
     )
 
 

@@ -179,11 +179,7 @@ class SqliteTxn:
         for table in ("mdevs", "mdev_parents", "claims", "holds", "devices", "nodes", "topology"):
             self._c.execute(f"DELETE FROM {table}")  # constant names, not input
         if self._has_head:
-            defaults = {d.fdid: (d.lender, d.lent) for d in devices}
-            stored = topopieces.of_record(
-                rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
-                nodes, defaults,
-            )  # fmt: skip
+            stored = topopieces.of_record(rec, nodes, devices)
             self._c.execute(
                 "INSERT INTO topology (id, name, source, text, digest, local_node, created)"
                 " VALUES (1, ?, ?, '', ?, ?, ?)",
@@ -214,11 +210,7 @@ class SqliteTxn:
         devices = list(devices)
         nodes = list(nodes)
         if self._has_head:
-            defaults = {d.fdid: (d.lender, d.lent) for d in devices}
-            stored = topopieces.of_record(
-                rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled,
-                nodes, defaults,
-            )  # fmt: skip
+            stored = topopieces.of_record(rec, nodes, devices)
             self._c.execute(
                 "UPDATE topology SET name = ?, source = ?, digest = ?, created = ? WHERE id = 1",
                 (rec.name, rec.source, rec.digest, rec.created),

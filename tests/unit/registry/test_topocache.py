@@ -12,12 +12,14 @@ from tests.support.simfabric import small_topology, star_topology
 from vmlend.hostenv import HostEnv
 from vmlend.registry import topopieces
 from vmlend.registry.etcd_gateway import EtcdGateway
+from vmlend.registry.records import TopologyRecord
 from vmlend.registry.topocache import CACHE_FORMAT, TopologyCache
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 
 def _generation(text: str):
-    stored = topopieces.of_record("t", "t.toml", text, "d-" + text, 1.0, None, ["a"], {})
+    rec = TopologyRecord("t", "t.toml", text, "d-" + text, "", 1.0, None)
+    stored = topopieces.of_record(rec, ["a"], [])
     blob = topopieces.pack(stored)
     head = topopieces.head_of(topopieces.new_generation(), stored, blob, 1)
     return head, blob

@@ -8,14 +8,15 @@ import pytest
 
 from vmlend.errors import StateRecordError
 from vmlend.registry import topopieces
+from vmlend.registry.records import DeviceRecord, TopologyRecord
 from vmlend.registry.topopieces import StoredTopology
 
 
 def _stored(text: str) -> StoredTopology:
+    rec = TopologyRecord("t", "t.toml", text, f"digest of {text[:8]}", "", 1.0, b"\x01\x02")
     return topopieces.of_record(
-        "t", "t.toml", text, f"digest of {text[:8]}", 1.0, b"\x01\x02", ["a", "b"],
-        {0x10: ("a", True), 0x20: ("b", False)},
-    )  # fmt: skip
+        rec, ["a", "b"], [DeviceRecord(0x10, "a", True), DeviceRecord(0x20, "b", False)]
+    )
 
 
 def _generation(text: str, size: int) -> tuple[topopieces.TopologyHead, list[bytes]]:
