@@ -23,11 +23,11 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from vmlend.errors import HostError, LayoutError
 from vmlend.memory.layout import CpuVendor, MemoryConfig, merge_ranges
+from vmlend.safefile import socket_path_problem
 from vmlend.topology.model import GuestRange
 
 log = logging.getLogger(__name__)
 
-_SUN_PATH_MAX = 108  # sockaddr_un.sun_path on Linux, terminating NUL included
 _LINE = re.compile(
     r"^\s*(?P<start>[0-9a-f]+)-(?P<end>[0-9a-f]+)\s+\(prio\s+(?P<prio>-?\d+),\s*"
     r"(?P<kind>[^)]+)\):\s*(?P<name>.*?)\s*$"
@@ -157,7 +157,7 @@ class QemuProcess:
 
     def start(self) -> None:
         sock = self.run_dir / f"qmp-{id(self):x}.sock"
-        if len(str(sock)) >= _SUN_PATH_MAX:
+        if socket_path_problem(sock) is not None:
             raise HostError(
                 f"QMP socket path {sock} is too long for a unix socket; use a shorter run_dir"
             )
