@@ -8,15 +8,20 @@ cannot drift apart.
 One acceptor thread takes connections as they come and hands each to a reader thread of its
 own (at most ``MAX_READERS`` at once): it checks the peer (``SO_PEERCRED``: uid 0 or the
 agent's own uid), reads the whole request within one deadline of its own and decides whether
-it is this agent's (same registry, state, node, host root, backend and fault setting). So an
-idle or trickling peer costs the hooks beside it nothing: only the reading is concurrent. One
-worker thread runs the accepted calls strictly in the order their requests were read whole (a
-release queued behind its prepare runs after it; libvirt never has two hooks of one domain in
-flight, so calls read at the same time are of different domains). A call whose hook process
-went away meanwhile (it timed out and exited 1, so libvirt aborted and will run release) is
-skipped when running it alone would do harm
-(prepare, migrate, restore); release and reconnect still run, they are idempotent. Where
-the socket may live and how it takes its place is ``vmlend.hook.sockplace``.
+it is this agent's (same registry, state, node, host root, backend and fault setting). Only
+the reading is concurrent. One worker thread runs the accepted calls strictly in the order
+their connections were accepted (``_InOrder``), not the order their readers happened to
+finish. The kernel's listen queue is first in, first out, so for one domain that is libvirt's
+order: libvirt runs a domain's hooks one after another, and two calls of one domain wait
+together only when the first one's hook timed out. Its call must still run first: a release
+run after the next start's prepare would take the running VM's devices away (the
+``test_hook_agent`` test of the stopped agent met that order on a busy machine). So a reader
+done early waits for the readers of earlier connections; an idle or trickling peer delays the
+calls behind it by at most its read deadline, once (the deadlines run side by side). A call
+whose hook process went away meanwhile (it timed out and exited 1, so libvirt aborted and
+will run release) is skipped when running it alone would do harm (prepare, migrate,
+restore); release and reconnect still run, they are idempotent. Where the socket may live and
+how it takes its place is ``vmlend.hook.sockplace``.
 
 **Deadlock rule.** libvirt holds the domain's job while the hook runs. So nothing on this path
 may call libvirt, nor wait for anything (lock, event, queue) that the agent's lease, guard or
@@ -141,6 +146,34 @@ class _Call(NamedTuple):
     xml: bytes
 
 
+class _InOrder:
+    """Hands the readers' results on in the order their connections were accepted: each
+    connection takes a ticket when its reader starts, and a result waits until every earlier
+    ticket has one (a call, or None for a connection answered or dropped by its reader)."""
+
+    def __init__(self, hand_on: Callable[[_Call], None]) -> None:
+        self._hand_on = hand_on
+        self._lock = threading.Lock()
+        self._issued = 0  # tickets handed out
+        self._head = 0  # the oldest ticket not handed on yet
+        self._finished: dict[int, _Call | None] = {}
+
+    def ticket(self) -> int:
+        with self._lock:
+            self._issued += 1
+            return self._issued - 1
+
+    def finish(self, ticket: int, call: _Call | None) -> None:
+        # Handed on under the lock, so two readers cannot interleave their hand-overs.
+        with self._lock:
+            self._finished[ticket] = call
+            while self._head in self._finished:
+                ready = self._finished.pop(self._head)
+                self._head += 1
+                if ready is not None:
+                    self._hand_on(ready)
+
+
 class HookServer:
     """Serves hook calls for ``identity`` on the unix socket ``path`` (``start``/``stop``)."""
 
@@ -166,6 +199,7 @@ class HookServer:
         self._readers = threading.BoundedSemaphore(MAX_READERS)
         self._reading: set[threading.Thread] = set()
         self._reading_lock = threading.Lock()
+        self._in_order = _InOrder(self._queue_call)
         self._full_said = False
         self.served = 0  # calls run (for logs and tests)
         self.observe = observe
@@ -243,7 +277,10 @@ class HookServer:
             _send(conn, wire.BUSY)
             conn.close()
             return
-        t = threading.Thread(target=self._reader, args=(conn,), name="hook-read", daemon=True)
+        ticket = self._in_order.ticket()
+        t = threading.Thread(
+            target=self._reader, args=(conn, ticket), name="hook-read", daemon=True
+        )
         with self._reading_lock:
             self._reading.add(t)
         try:
@@ -254,11 +291,14 @@ class HookServer:
             self._readers.release()
             log.warning("hook socket %s: cannot read a connection: %s", self.path, e)
             conn.close()
+            self._in_order.finish(ticket, None)
 
-    def _reader(self, conn: socket.socket) -> None:
+    def _reader(self, conn: socket.socket, ticket: int) -> None:
+        call = None
         try:
-            self._take(conn)
+            call = self._take(conn)
         finally:
+            self._in_order.finish(ticket, call)  # always: the calls behind wait for it
             with self._reading_lock:
                 self._reading.discard(threading.current_thread())
             self._readers.release()
@@ -275,8 +315,8 @@ class HookServer:
             conn.setblocking(True)
             self._read_aside(conn)
 
-    def _take(self, conn: socket.socket) -> None:
-        """Read the request on ``conn``, then queue the call, or answer and close."""
+    def _take(self, conn: socket.socket) -> _Call | None:
+        """Read the request on ``conn``: the call, or None once it is answered and closed."""
         try:
             call = self._receive(conn)
         except Exception as e:  # one bad peer must not stop the serving
@@ -284,7 +324,11 @@ class HookServer:
             call = None
         if call is None:
             conn.close()
-            return
+        return call
+
+    def _queue_call(self, call: _Call) -> None:
+        """Queue ``call`` for the worker, or tell its hook to retry when the queue is full."""
+        conn = call.conn
         try:
             self._calls.put_nowait(call)
             self._full_said = False

@@ -400,6 +400,50 @@ def test_a_stopped_agent_times_the_hook_out_then_skips_only_what_libvirt_aborted
     assert "skipped hook call migrate begin of vm1" in log
 
 
+def test_a_timed_out_release_runs_before_the_next_prepare_read_whole_first(tmp_path):
+    """vm1 runs; its release hook timed out (its request was still arriving) and libvirt's
+    next start sent the prepare whole. The worker ran calls in the order their readers
+    finished, so the prepare ran first and the release then took the started VM's devices
+    (met as the stopped agent's test failing on a busy machine). Calls now run in the order
+    their connections were accepted."""
+    host = Host(tmp_path / "h")
+    make_fabric(host.state).close()
+    env = {
+        "VMLEND_STATE": str(host.state),
+        "VMLEND_ROOT": str(host.root),
+        "VMLEND_NODE": "gamma",
+        "VMLEND_HOOK_SOCKET": str(host.socket),
+        "VMLEND_HOOK_TIMEOUT": "30",
+    }
+    server = HookServer(host.socket, identity_of(env), read_timeout=30)
+    server.start()
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    got: list[int | None] = []
+    second = threading.Thread(
+        target=lambda: got.append(forward(["vm1", "prepare", "begin", "-"], vm_xml(), env))
+    )
+    try:
+        assert forward(["vm1", "prepare", "begin", "-"], vm_xml(), env) == 0
+        release = wire.encode_request(["vm1", "release", "end", "-"], env, vm_xml())
+        peer.connect(str(host.socket))
+        peer.sendall(release[:10])  # the release's reader is waiting for the rest
+        _wait_queued(host.socket, 0)
+        second.start()
+        _wait_queued(host.socket, 0)
+        time.sleep(0.5)  # the prepare's reader has read it whole meanwhile
+        peer.sendall(release[10:])
+        peer.close()  # and its hook is gone (it timed out): a release still runs
+        second.join(60)
+    finally:
+        peer.close()
+        server.stop()
+    assert got == [0] and server.served == 3
+    assert host.snapshot()[0] == dict.fromkeys(FDIDS, "gamma/vm1")  # the VM keeps its devices
+    ops = [a.split(":")[0] for a in host.actions()]
+    runs = [op for i, op in enumerate(ops) if i == 0 or ops[i - 1] != op]
+    assert runs == ["prepare", "release", "prepare"], host.actions()
+
+
 def _wait_queued(path: Path, count: int) -> None:
     """Wait until exactly ``count`` connections to the socket ``path`` wait in its listen
     backlog. ``/proc/net/unix`` lists them with the listener's bound address (the agent binds
@@ -472,10 +516,10 @@ def test_a_trickling_peer_does_not_hold_the_hooks_behind_it(hosts):
         peer.close()
 
 
-def test_idle_connections_cost_the_hook_behind_them_nothing(hosts):
+def test_idle_connections_cost_the_hook_behind_them_one_deadline(hosts):
     """A privileged local process opens 30 idle connections ahead of a hook. The acceptor read
     one peer at a time, so each cost the hook its 1 s deadline (30 s); now each peer is read
-    on a reader of its own, and the hook is served at once."""
+    on a reader of its own, the deadlines run side by side, and the hook waits for one."""
     served = hosts["served"]
     agent = served.start_agent()  # the default deadline, as on a real host
     idle = []
