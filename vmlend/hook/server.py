@@ -10,7 +10,7 @@ own (at most ``MAX_READERS`` at once): it checks the peer (``SO_PEERCRED``: uid 
 agent's own uid), reads the whole request within one deadline of its own and decides whether
 it is this agent's (same registry, state, node, host root, backend and fault setting). Only
 the reading is concurrent. One worker thread runs the accepted calls strictly in the order
-their connections were accepted (``_InOrder``), not the order their readers happened to
+their connections were accepted (``AcceptOrder``), not the order their readers happened to
 finish. The kernel's listen queue is first in, first out, so for one domain that is libvirt's
 order: libvirt runs a domain's hooks one after another, and two calls of one domain wait
 together only when the first one's hook timed out. Its call must still run first: a release
@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from vmlend.config import hook_environment
 from vmlend.errors import VmlendError
@@ -60,6 +60,7 @@ from vmlend.settings import NODE_ENV, REGISTRY_ENV, STATE_ENV, state_path_from_e
 from vmlend.wiring.fabric import BACKEND_ENV, default_backend, open_fabric
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long a reader waits for a peer's whole request (the hook writes it right after
 #: connecting): one deadline per request, so a trickling peer cannot hold its reader longer;
@@ -146,24 +147,24 @@ class _Call(NamedTuple):
     xml: bytes
 
 
-class _InOrder:
+class AcceptOrder(Generic[T]):
     """Hands the readers' results on in the order their connections were accepted: each
     connection takes a ticket when its reader starts, and a result waits until every earlier
     ticket has one (a call, or None for a connection answered or dropped by its reader)."""
 
-    def __init__(self, hand_on: Callable[[_Call], None]) -> None:
+    def __init__(self, hand_on: Callable[[T], None]) -> None:
         self._hand_on = hand_on
         self._lock = threading.Lock()
         self._issued = 0  # tickets handed out
         self._head = 0  # the oldest ticket not handed on yet
-        self._finished: dict[int, _Call | None] = {}
+        self._finished: dict[int, T | None] = {}
 
     def ticket(self) -> int:
         with self._lock:
             self._issued += 1
             return self._issued - 1
 
-    def finish(self, ticket: int, call: _Call | None) -> None:
+    def finish(self, ticket: int, call: T | None) -> None:
         # Handed on under the lock, so two readers cannot interleave their hand-overs.
         with self._lock:
             self._finished[ticket] = call
@@ -199,7 +200,7 @@ class HookServer:
         self._readers = threading.BoundedSemaphore(MAX_READERS)
         self._reading: set[threading.Thread] = set()
         self._reading_lock = threading.Lock()
-        self._in_order = _InOrder(self._queue_call)
+        self._in_order: AcceptOrder[_Call] = AcceptOrder(self._queue_call)
         self._full_said = False
         self.served = 0  # calls run (for logs and tests)
         self.observe = observe
