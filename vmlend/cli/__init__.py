@@ -86,7 +86,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "cmd_status",
         "Per VM its remote devices (state, holder, mdev, DMA windows, vectors, P2P maps) and "
         "NVMe shares (queue pairs, LBA window, real queues, guard rejections); per NTB adapter "
-        "the LUT entries and window in use.",
+        "the LUT entries and window in use; per switch port in use its requester entries.",
     ),
     "units": (
         "cmd_units",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
-from vmlend.ledger.admission import AdapterUsage
+from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.topology.model import (
     Check,
     DeviceStatus,
@@ -57,6 +57,10 @@ class Fabric(Protocol):
 
     def usage(self) -> dict[str, AdapterUsage]:
         """Per adapter ref ("node:index"): LUT entries and NTB window segments in use."""
+        ...
+
+    def port_usage(self) -> list[PortUsage]:
+        """The cluster switch ports with requester entries in use, by name."""
         ...
 
     # --- lender side ---------------------------------------------------------------------

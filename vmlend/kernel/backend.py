@@ -45,7 +45,7 @@ from vmlend.kernel.driver import (
 from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
 from vmlend.kernel.mdev import MdevBus, SysfsWriter
 from vmlend.kernel.udev import ParentWatcher, WantedMdev
-from vmlend.ledger.admission import AdapterUsage
+from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.ledger import Ledger
 from vmlend.registry import FenceRecord, Registry, RegistryLocation, open_registry, same_holder
 from vmlend.registry.records import Claim, ExpectedHold, HoldRecord
@@ -145,6 +145,9 @@ class SmartioFabric:
 
     def usage(self) -> dict[str, AdapterUsage]:
         return self._state.usage()
+
+    def port_usage(self) -> list[PortUsage]:
+        return self._state.port_usage()
 
     def _local_node_id(self) -> int:
         return self.topology().node(self.local_node).node_id

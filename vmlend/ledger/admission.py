@@ -71,7 +71,13 @@ from vmlend.topology.model import (
 )
 from vmlend.topology.paths import NtbPath, route
 from vmlend.topology.pcie import device_to_ram
-from vmlend.topology.requesters import requester_device, requester_share, route_ports
+from vmlend.topology.requesters import (
+    is_port,
+    port_switch,
+    requester_device,
+    requester_share,
+    route_ports,
+)
 from vmlend.units import format_size_human
 
 
@@ -195,6 +201,33 @@ def port_usage(claims: Sequence[tuple[int, Claim]], ports: Collection[str]) -> d
         if c.kind is ClaimKind.LUT and c.adapter in held:
             held[c.adapter].add(c.share)
     return {p: len(s) for p, s in held.items()}
+
+
+class PortUsage(msgspec.Struct, frozen=True):
+    """How many of a cluster switch port's requester entries the current claims use."""
+
+    switch: str
+    port: str
+    used: int
+    capacity: int
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+def ports_in_use(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> list[PortUsage]:
+    """Every switch port some claim holds an entry on, by name (a port nobody crosses is not
+    listed: a large fabric has thousands), each with its switch's ``requester_entries``."""
+    held: dict[str, set[str]] = {}
+    for _fdid, c in claims:
+        if c.kind is ClaimKind.LUT and is_port(c.adapter):
+            held.setdefault(c.adapter, set()).add(c.share)
+    return [
+        PortUsage(sw, name, len(s), topology.switch_requester_entries(sw))
+        for name, s in sorted(held.items())
+        for sw in [port_switch(name)]
+    ]
 
 
 def _claimed(claims: Sequence[tuple[int, Claim]], where: str, share: str) -> bool:

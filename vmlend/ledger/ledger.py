@@ -37,12 +37,14 @@ from vmlend.errors import (
 )
 from vmlend.ledger.admission import (
     AdapterUsage,
+    PortUsage,
     StateView,
     admit,
     admit_vm,
     guest_ram_of,
     lender_problem,
     p2p_claims,
+    ports_in_use,
 )
 from vmlend.ledger.admission import usage as adapter_usage
 from vmlend.ledger.linkfaults import (
@@ -310,6 +312,11 @@ class Ledger(ShareOps):
         """Per adapter ref, the LUT entries and window segments the holds use."""
         with self._reg.read() as tx:
             return adapter_usage(self._topology(tx), tx.claims())
+
+    def port_usage(self) -> list[PortUsage]:
+        """The cluster switch ports whose requester tables the holds use, by name."""
+        with self._reg.read() as tx:
+            return ports_in_use(self._topology(tx), tx.claims())
 
     # --- lender side -----------------------------------------------------------------------
     def lend(self, fdid: int) -> DeviceStatus:

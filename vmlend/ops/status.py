@@ -1,5 +1,6 @@
 """Status collection: per VM its remote devices and what the data path set up for them;
-per NTB adapter the LUT entries and window room in use.
+per NTB adapter the LUT entries and window room in use; per cluster switch port in use its
+requester entries.
 
 VMs come from the hypervisor (domains with vmlend metadata) and from the fabric's holds (a
 device held by a VM this hypervisor does not know: another node's VM, or a leftover).
@@ -24,7 +25,7 @@ from vmlend.errors import UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric, WritesDmaWindows
 from vmlend.hypervisor import Hypervisor
 from vmlend.kernel.dmafiles import DmaReport, MappedWindow, Window
-from vmlend.ledger.admission import AdapterUsage
+from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
 from vmlend.lending.devices import holder_for
@@ -289,6 +290,14 @@ def usage_rows(usage: dict[str, AdapterUsage]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def port_rows(ports: Iterable[PortUsage]) -> list[dict[str, Any]]:
+    """Each switch port in use: its switch, name, requester entries used and its table's size."""
+    return [
+        {"switch": p.switch, "port": p.port, "used": p.used, "capacity": p.capacity}
+        for p in ports
+    ]
 
 
 def read_runtime(registry: str | Path) -> list[RuntimeRecord]:

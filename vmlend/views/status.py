@@ -1,5 +1,5 @@
-"""Per VM its remote devices and NVMe shares, per NTB adapter its use, as text (``vmlend
-status``, the demo)."""
+"""Per VM its remote devices and NVMe shares, per NTB adapter and per switch port in use
+its use, as text (``vmlend status``, the demo)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,30 @@ def path_cell(path: PciePath | None) -> str:
     return f"{path.hops}h/{path.roots}rc/{path.latency_ns}ns"
 
 
+#: Switch ports shown in the text, fullest first: a 1,024-node fabric has thousands in use,
+#: and the fullest are the ones that refuse next (``--json`` lists them all).
+PORT_ROWS = 8
+
+
+def render_ports(ports: list[dict[str, Any]], limit: int = PORT_ROWS) -> str:
+    """The fullest ``limit`` switch ports in use (requester entries used / table size), and
+    how many more are in use; "" when none is (a fabric of back-to-back cables)."""
+    if not ports:
+        return ""
+    fullest = sorted(ports, key=lambda p: (p["capacity"] - p["used"], -p["used"], p["port"]))
+    rows = [[p["port"], f"{p['used']}/{p['capacity']}"] for p in fullest[:limit]]
+    text = render_table(("SWITCH PORT", "REQUESTERS USED"), rows)
+    more = len(ports) - len(rows)
+    if more > 0:
+        text += f"\n({more} more switch port(s) in use, less full; --json lists every one)"
+    return text
+
+
 def render_status(
-    vms: list[VmView], usage: list[dict[str, Any]], empty: str = "no VMs with remote devices"
+    vms: list[VmView],
+    usage: list[dict[str, Any]],
+    empty: str = "no VMs with remote devices",
+    ports: list[dict[str, Any]] | None = None,
 ) -> str:
     headers = (
         "VM",
@@ -148,6 +170,8 @@ def render_status(
         for u in usage
     ]
     parts.append(render_table(("ADAPTER", "LUT USED", "WINDOW USED", "SEGMENTS"), a_rows))
+    if port_text := render_ports(ports or []):
+        parts.append(port_text)
     migrations = [_migration_line(v.name, m) for v in vms for m in v.live_migrations]
     if migrations:
         parts.append("\n".join(["live migrations:", *migrations]))

@@ -148,3 +148,34 @@ def test_devices_of_the_definition_show_as_at_next_start(cluster):
     data = json.loads(cluster.cli("status", "vm1", "--json", *GAMMA).stdout)
     states = [(d["fdid"], d["state"]) for d in data["vms"][0]["devices"]]
     assert states == [("0x10", "reserved"), ("0x12", "at next start")]
+
+
+def test_switch_ports_in_use_are_shown_with_their_tables_size(cluster):
+    # two VMs of gamma borrow across the cluster switch: alpha's and beta's devices each hold
+    # an entry on their lender's port, and both on gamma's
+    cluster.define("gamma", "vm1", [0x10], running=True)
+    cluster.define("gamma", "vm2", [0x21], running=True)
+    r = cluster.cli("status", *GAMMA)
+    assert r.exit_code == 0, r.output
+    table = rows(r.stdout)
+    assert ["SWITCH", "PORT", "REQUESTERS", "USED"] in table
+    ports = [row for row in table if row and row[0].startswith("mxs824/")]
+    # fullest first; a port nobody crosses (mxs824/mxs824b) is not shown
+    assert ports == [
+        ["mxs824/gamma:0", "2/256"],
+        ["mxs824/alpha:0", "1/256"],
+        ["mxs824/beta:0", "1/256"],
+    ]
+    data = json.loads(cluster.cli("status", "--json", *GAMMA).stdout)
+    assert data["ports"] == [
+        {"switch": "mxs824", "port": "mxs824/alpha:0", "used": 1, "capacity": 256},
+        {"switch": "mxs824", "port": "mxs824/beta:0", "used": 1, "capacity": 256},
+        {"switch": "mxs824", "port": "mxs824/gamma:0", "used": 2, "capacity": 256},
+    ]
+
+
+def test_no_switch_port_in_use_shows_no_port_table(cluster):
+    r = cluster.cli("status", *GAMMA)
+    assert r.exit_code == 0, r.output
+    assert "SWITCH PORT" not in r.stdout
+    assert json.loads(cluster.cli("status", "--json", *GAMMA).stdout)["ports"] == []

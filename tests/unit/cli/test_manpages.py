@@ -99,7 +99,7 @@ def test_no_name_is_cut_and_each_is_the_commands_first_sentence():
             assert summary + "." == COMMANDS[path[0]][1], name
     # the longest summaries are whole, where click-man cut them at 45 characters
     (status,) = _sections(pages["vmlend-status.1"])["NAME"]
-    assert _plain(status).endswith("per NTB adapter the LUT entries and window in use")
+    assert _plain(status).endswith("per switch port in use its requester entries")
 
 
 def test_every_page_has_the_sections_a_reader_looks_for():
