@@ -187,15 +187,18 @@ ends = ["sw", "sw2"]
 """
 
 #: The same cluster on switches whose ports hold two requesters each: gamma's and delta's
-#: ports (and the cable to ``sw2``) fill up before the VMs have every device, so starts, hot
-#: migrations and re-routes meet full requester tables and are refused, and the checker proves
-#: after every step that the claims on each port equal the entries in use.
+#: ports (and the cable to ``sw2``) fill up before the VMs have every device, so starts (a
+#: share of the drive too: its crossing needs the drive's requester on each port), hot
+#: migrations and re-routes (the drive's crossings' too) meet full requester tables and are
+#: refused, and the checker proves after every step that the claims on each port equal the
+#: entries in use, the shares' crossings' included.
 TIGHT_TOPOLOGY = TOPOLOGY.replace(
     'name = "sw"\nports', 'name = "sw"\nrequester_entries = 2\nports'
 ).replace('name = "sw2"\nports', 'name = "sw2"\nrequester_entries = 2\nports')
 assert TIGHT_TOPOLOGY.count("requester_entries = 2") == 2
 
 SHARED = 0x12
+SHARED_REQUESTER = "alpha/0000:43:00"  # its requester device, as the switch ports count it
 BLOCKS = 1 << 16
 SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta", "d"))
 NODES = ("gamma", "delta", "alpha", "beta")
@@ -358,6 +361,8 @@ class FabricMachine(RuleBasedStateMachine):
             self.c.release(xml, node)  # what libvirt runs after a failed prepare
             full = "requester table is full" in str(e)
             event("start: refused, a switch port full" if full else "start: refused")
+            if full and share and f"no room for requester {SHARED_REQUESTER};" in str(e):
+                event("start: a share refused, a switch port full")
             return
         ledger_ = RegistryWindowLedger(self.c.registry)
         p2p = P2PMapper(

@@ -53,6 +53,19 @@ class _Borrowed(Protocol):
     def path(self) -> NtbPath | None: ...
 
 
+class _ShareCrossing(Protocol):
+    """A shared drive's crossing into a node (``SimHardware.share_crossings``)."""
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def backup_of(self) -> str: ...
+
+    @property
+    def path(self) -> NtbPath: ...
+
+
 @runtime_checkable
 class RerouteHardware(Protocol):
     """Hardware that can move a borrowed device's crossing to another route."""
@@ -282,11 +295,13 @@ def follow_ports(tx: StateTxn, topology: Topology, hw: object, fdid: int) -> Non
 def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set[int]:
     """A shared drive's share records claim, on each borrower node, the adapter the drive's
     crossing into it uses now, and a two-path share also the other adapter its backup path
-    enters by (``SimHardware.entry_adapters``); the manager's claims are then recounted from
-    the records. Returns the drives handled."""
+    enters by (``SimHardware.entry_adapters``), and the requester entries on the switch ports
+    those crossings pass now (``SimHardware.share_crossings``); the manager's claims are then
+    recounted from the records. Returns the drives handled."""
     from vmlend.ledger.nvmeshares import SHARE_RECORD, store_claims  # it imports this module
 
     entry_adapters = getattr(hw, "entry_adapters", None)
+    share_crossings = getattr(hw, "share_crossings", None)
     done: set[int] = set()
     for r in tx.runtime(None, SHARE_RECORD):
         claims = r.data.get("claims")
@@ -299,7 +314,8 @@ def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set
             continue
         paths = int(r.data.get("share", {}).get("paths", 1))
         kept = [dict(c) for c in claims]
-        for node in sorted({str(c["adapter"]).rsplit(":", 1)[0] for c in kept} - {lender}):
+        adapters = {str(c["adapter"]) for c in kept if not is_port(str(c["adapter"]))}
+        for node in sorted({a.rsplit(":", 1)[0] for a in adapters} - {lender}):
             try:
                 now = hw.crossing(r.fdid, node)
             except VmlendError:
@@ -318,11 +334,44 @@ def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set
             ]
             for c, adapter in zip(mine, want, strict=False):
                 c["adapter"] = adapter
+        holder = r.data.get("holder")
+        if share_crossings is not None and isinstance(holder, dict):
+            crossings = share_crossings(r.fdid)
+            node = str(holder.get("node", ""))
+            kept = _follow_share_ports(kept, topology, r.fdid, node, r.key, paths, crossings)
         if kept != claims:
             tx.put_runtime(r.fdid, SHARE_RECORD, r.key, {**r.data, "claims": kept})
     for fdid in sorted(done):
         store_claims(tx, fdid)
     return done
+
+
+def _follow_share_ports(
+    claims: list[dict[str, object]],
+    topology: Topology,
+    fdid: int,
+    node: str,
+    name: str,
+    paths: int,
+    crossings: list[_ShareCrossing],
+) -> list[dict[str, object]]:
+    """Share ``name``'s record claims (builtins) with its switch port claims on the routes
+    between the drive's lender and ``node`` those of the crossings it uses now: the node's
+    shares' crossing and, for two paths, its own backup. Unchanged while they are not made
+    (the share is not mapped yet: the claims stay as admitted)."""
+    primary = next((c for c in crossings if c.node == node and not c.backup_of), None)
+    backup = next((c for c in crossings if c.node == node and c.backup_of == name), None)
+    if primary is None or (paths > 1 and backup is None):
+        return claims
+    spec = topology.device(fdid)
+    want = {p.name for c in (primary, backup) if c is not None for p in route_ports(c.path)}
+    between = ports_between(topology, spec.lender, node)
+    out = [c for c in claims if str(c["adapter"]) not in between - want]
+    have = {str(c["adapter"]) for c in out}
+    share = requester_share(spec)
+    for port in sorted(want - have):
+        out.append(msgspec.to_builtins(Claim(port, ClaimKind.LUT, share, entries=1)))
+    return out
 
 
 def record_faults(tx: StateTxn, faults: list[LinkFault], *, up: bool) -> None:

@@ -6,6 +6,10 @@ A share's DMA crosses from the drive's lender to the VM's node (docs/nvme-sharin
   through it, and one on the borrower's adapter, shared by the shares of that node (both
   under the drive's ``requester_share`` key, so ``usage`` counts each once, as it counts the
   entry once with a borrow of another function of the drive's device through the adapter);
+- one requester entry for the drive on every cluster switch port the crossing passes, under
+  the same key (the share's DMA carries the drive's requester id through the switches as a
+  borrow's does: one entry per port serves every share, and a borrow of another function of
+  the drive's device, through it);
 - the share's DMA windows in the lender's NTB window: the planner's own segment count for the
   VM's RAM layout (``window_segments``), under a key of its own (``share_window_key``): the
   share's windows live in its address space, apart from any windows of the VM's borrowed
@@ -14,7 +18,8 @@ A VM on the lender crosses no NTB and claims nothing.
 
 A share with a backup path (``paths=2``) claims a second set: the cheapest route from the
 lender to another adapter of the VM's host (``backup_route``), its LUT entries on both ends
-(the same ``requester_share`` key: one entry per adapter serves every share through it) and its
+and on the switch ports it passes (the same ``requester_share`` key: one entry per adapter or
+port serves every share through it) and its
 own DMA windows in its lender adapter's window (key ``share_window_key(...) + "#backup"``).
 Its queue pairs live in memory the VM's virtual controller keeps on the VM's host (the relay
 rings, docs/nvme-sharing.md), reached through one more segment on each path
@@ -25,13 +30,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vmlend.errors import NoBackupPathError, ResourceExhaustedError, WindowExhaustedError
-from vmlend.ledger.admission import usage
+from vmlend.errors import (
+    NoBackupPathError,
+    ResourceExhaustedError,
+    SwitchPortFullError,
+    WindowExhaustedError,
+)
+from vmlend.ledger.admission import port_usage, usage
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import DeviceSpec, GuestRam, Holder, Topology
 from vmlend.topology.paths import NtbPath, route, routes
-from vmlend.topology.requesters import requester_share
+from vmlend.topology.requesters import (
+    is_port,
+    port_switch,
+    requester_device,
+    requester_share,
+    route_ports,
+)
 from vmlend.units import format_size_human
 
 
@@ -59,6 +75,9 @@ def _path_claims(
     claims = [
         Claim(lender_a.ref, ClaimKind.LUT, requester_share(spec), entries=1),
         Claim(borrower_a.ref, ClaimKind.LUT, requester_share(spec), entries=1),
+    ]
+    claims += [
+        Claim(p.name, ClaimKind.LUT, requester_share(spec), entries=1) for p in route_ports(path)
     ]
     segs = window_segments(ram.ranges, lender_a.segment_size) if ram.ranges else 0
     segs += extra if segs else 0
@@ -110,8 +129,17 @@ def check_share_claims(
     claims: Sequence[Claim],
 ) -> None:
     """Raise the first shortfall of ``claims`` on top of ``existing`` (a
-    ``ResourceExhaustedError`` naming the adapter and how much is short)."""
-    refs = sorted({c.adapter for c in claims})
+    ``ResourceExhaustedError`` naming the adapter and how much is short; a
+    ``SwitchPortFullError`` naming the switch and the port)."""
+    ports = sorted({c.adapter for c in claims if is_port(c.adapter)})
+    have = port_usage(existing, ports)
+    after_ports = port_usage([*existing, *((fdid, c) for c in claims)], ports)
+    for name in ports:
+        size = topology.switch_requester_entries(port_switch(name))
+        if after_ports[name] > size and after_ports[name] > have[name]:
+            requester = requester_device(topology.device(fdid))
+            raise SwitchPortFullError(port_switch(name), name, requester, size)
+    refs = sorted({c.adapter for c in claims if not is_port(c.adapter)})
     before = usage(topology, existing, refs)
     after = usage(topology, [*existing, *((fdid, c) for c in claims)], refs)
     for ref in refs:

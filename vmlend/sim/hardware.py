@@ -122,12 +122,34 @@ class ShareWire(msgspec.Struct, frozen=True):
     detail: str
 
 
+def share_user(fdid: int, node: str, backup_of: str = "") -> tuple[int, str]:
+    """Who a shared drive's crossing into ``node`` is in the switch ports' tables
+    (``SwitchPorts``): the node's shares' crossing, or share ``backup_of``'s backup."""
+    return (fdid, f"nvme>{node}" + (f" backup of {backup_of}" if backup_of else ""))
+
+
+class ShareCrossing(msgspec.Struct, frozen=True):
+    """A shared drive's crossing into ``node`` over ``path``: the one the node's shares use
+    (``backup_of`` "") or share ``backup_of``'s backup path."""
+
+    fdid: int
+    node: str
+    backup_of: str
+    path: NtbPath
+
+    @property
+    def user(self) -> tuple[int, str]:
+        return share_user(self.fdid, self.node, self.backup_of)
+
+
 class ShareWiring(Protocol):
     """A shared drive as the hardware knows it: what it has wired for its shares now."""
 
     fdid: int
 
     def wiring(self) -> list[ShareWire]: ...
+
+    def crossings(self) -> list[ShareCrossing]: ...
 
 
 #: ``fn(link, up)``, run after a cable goes down (False) or comes back (True).
@@ -966,6 +988,12 @@ class SimHardware:
 
     def share_wiring(self) -> list[ShareWire]:
         return [w for d in self._share_wiring for w in d.wiring()]
+
+    def share_crossings(self, fdid: int | None = None) -> list[ShareCrossing]:
+        """The shared drives' crossings into nodes (``fdid``'s only, when given)."""
+        return [
+            c for d in self._share_wiring if fdid in (None, d.fdid) for c in d.crossings()
+        ]
 
     # --- DMA -------------------------------------------------------------------------------------
     def resolve_dma(self, fdid: int, iova: int, *, write: bool = False) -> DmaTarget:

@@ -10,9 +10,10 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   or a BAR that is not that VM's;
 - ``ntb-segment``: a translated segment no borrowed device's mapping uses;
 - ``lut``: a requester LUT entry for a device that is not borrowed (or not through this adapter);
-- ``port``: a cluster switch port's requester table holds an entry for a device whose
-  crossing does not pass the port, lacks one a borrowed device's crossing passing it needs, or
-  holds more entries than the switch's ``requester_entries``;
+- ``port``: a cluster switch port's requester table holds an entry for a crossing that does
+  not pass the port, lacks one a crossing passing it needs (a borrowed device's, or a shared
+  drive's into a node of its shares), or holds more entries than the switch's
+  ``requester_entries``; a shared drive's crossing into a node where no current share is;
 - ``context``: an IOMMU attachment of a requester no borrowed device produces, or into a domain
   of another VM; ``requester-id``: two devices entering one node as one requester id (the
   IOMMU would translate both in one context);
@@ -25,7 +26,8 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   claims are an upper bound: where the guest puts a BAR is not known at reserve). A share's
   windows and a VM's interrupt window (MSI over the NTB) must match their claims exactly too.
   On the switch ports, claimed == in use per port and requester: every entry a borrowed
-  device's crossing holds is claimed by its hold, and the hold of a borrowed device claims no
+  device's crossing holds is claimed by its hold (a shared drive's crossings': by its
+  manager's hold), and the hold of a borrowed device claims no
   port of a route between its lender and its VM's node that its crossing does not pass (a
   claim left behind by a re-route; a hot migration's other end, claimed until it is released,
   lies on routes to another node).
@@ -81,6 +83,7 @@ from vmlend.sim.hardware import SimHardware
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
+from vmlend.sim.switchports import PortUser, user_fdid
 from vmlend.topology.model import MANAGER_VM, Holder
 from vmlend.topology.requesters import (
     SwitchPort,
@@ -180,6 +183,14 @@ def check_with_registry(hw: SimHardware, registry: Registry) -> list[Violation]:
 
 def _fdids(fdids: frozenset[int] | set[int]) -> str:
     return ", ".join(f"{f:#x}" for f in sorted(fdids))
+
+
+def _users(users: frozenset[PortUser] | set[PortUser]) -> str:
+    """``0x10`` for a borrow's crossing, ``0x12 (nvme>gamma)`` for a share's."""
+    return ", ".join(
+        f"{u:#x}" if isinstance(u, int) else f"{u[0]:#x} ({u[1]})"
+        for u in sorted(users, key=lambda u: (u, "") if isinstance(u, int) else u)
+    )
 
 
 def _fmt(m: IommuMapping) -> str:
@@ -474,13 +485,26 @@ class _Checker:
                     self.bad("lut", where, f"names {fdid:#x}, which enters no domain here")
 
     def ports(self) -> None:
-        """Each switch port's requester table holds exactly the entries the crossings of the
-        borrowed devices through it need, within the switch's size."""
-        need: dict[str, dict[str, set[int]]] = {}
+        """Each switch port's requester table holds exactly the entries the crossings through
+        it need (the borrowed devices', and the shared drives' into their shares' nodes),
+        within the switch's size; a shared drive crosses only into a node some current share
+        is on."""
+        need: dict[str, dict[str, set[PortUser]]] = {}
         for b in self.hw.borrows():
             requester = requester_device(self.hw.device(b.fdid).spec)
             for p in self.hw.crossing_ports(b.fdid):
                 need.setdefault(p.name, {}).setdefault(requester, set()).add(b.fdid)
+        for c in self.hw.share_crossings():
+            if not self._share_crosses(c.fdid, c.node):
+                self.bad(
+                    "port",
+                    f"NVMe drive {c.fdid:#x} into {c.node}",
+                    f"its crossing over {c.path.describe()} holds requester entries for no"
+                    f" current share on {c.node}",
+                )
+            requester = requester_device(self.hw.device(c.fdid).spec)
+            for p in route_ports(c.path):
+                need.setdefault(p.name, {}).setdefault(requester, set()).add(c.user)
         tables = self.hw.switch_ports
         for name in sorted(set(tables.ports()) | set(need)):
             have = tables.entries(name)
@@ -490,14 +514,14 @@ class _Checker:
                     self.bad(
                         "port",
                         f"{name} entry {requester}",
-                        f"held for {_fdids(extra)}, whose crossing does not pass it",
+                        f"held for {_users(extra)}, whose crossing does not pass it",
                     )
             for requester, crossing in sorted(wanted.items()):
                 if missing := crossing - have.get(requester, frozenset()):
                     self.bad(
                         "port",
                         name,
-                        f"no entry for requester {requester} of {_fdids(missing)}, whose"
+                        f"no entry for requester {requester} of {_users(missing)}, whose"
                         " crossing passes it",
                     )
             size = self.hw.topology.switch_requester_entries(port_switch(name))
@@ -516,9 +540,9 @@ class _Checker:
         used: dict[int, set[tuple[str, str]]] = {}
         tables = self.hw.switch_ports
         for name in tables.ports():
-            for requester, fdids in tables.entries(name).items():
-                for fdid in fdids:
-                    used.setdefault(fdid, set()).add((name, share_of(requester)))
+            for requester, users in tables.entries(name).items():
+                for user in users:
+                    used.setdefault(user_fdid(user), set()).add((name, share_of(requester)))
         borrows = {b.fdid: b for b in self.hw.borrows()}
         for fdid in sorted(set(used) | set(claimed)):
             have, mine = used.get(fdid, set()), claimed.get(fdid, set())

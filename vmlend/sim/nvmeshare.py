@@ -32,6 +32,12 @@ hardware then resets the drive, so the next owner finds a reset controller. The 
 virtual controllers read all ones and drop writes from then on, as after a surprise removal.
 A share revoked alone (its registry share released behind its VM's back) ends the same way.
 What a drive keeps wired for its shares (``wiring``) is visible to the invariant checker.
+
+Each crossing of the drive into a node (the one the node's shares use, and each two-path
+share's backup) holds the drive's requester entry on every cluster switch port of its route,
+as a borrow's crossing does (``SwitchPorts``): made with the crossing's LUT entries, all or
+nothing (a full port refuses it), moved with it on a re-route, removed with it; what the
+crossings pass (``crossings``) is visible to the invariant checker.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from pathlib import Path
 
 import msgspec
 
-from vmlend.errors import FabricError
+from vmlend.errors import FabricError, SwitchPortFullError
 from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
@@ -50,7 +56,14 @@ from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import Share
 from vmlend.registry import Registry
 from vmlend.sim.guest import Frame
-from vmlend.sim.hardware import Borrow, ShareWire, SimHardware, fabric_requester_key
+from vmlend.sim.hardware import (
+    Borrow,
+    ShareCrossing,
+    ShareWire,
+    SimHardware,
+    fabric_requester_key,
+    share_user,
+)
 from vmlend.sim.hostmem import FRAME, FramedRange, HostMemory
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
@@ -63,6 +76,7 @@ from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
 from vmlend.topology.model import MANAGER_VM, GuestRange
 from vmlend.topology.paths import NtbPath
+from vmlend.topology.requesters import requester_device, route_ports
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +92,8 @@ class _Ingress(msgspec.Struct):
     far: str
     domain: IommuDomain
     users: int = 0
+    #: The route it takes now (its switch ports hold the drive's requester entries).
+    path: NtbPath | None = None
 
 
 class _RingMemory(FramedRange):
@@ -339,6 +355,7 @@ class SharedNvmeDrive:
         #: node's crossing and two-path shares' backup paths may enter by the same adapter
         self._far: dict[tuple[str, str], tuple[Requester, int]] = {}
         self._domains: dict[str, IommuDomain] = {}  # node -> the drive's ingress domain there
+        self._backups: dict[str, ShareCrossing] = {}  # share -> its backup crossing, if mapped
         self.shares: dict[str, VmNvmeShare] = {}
         self.memory: HostDmaMemory | None = None
         self._remove_irq: Callable[[], None] = lambda: None
@@ -469,9 +486,16 @@ class SharedNvmeDrive:
                 f"NVMe share {vms.name} of {self.fdid:#x}: {vms.node} has no second adapter"
                 f" reached from {self.device.lender} for its backup path"
             )
-        self._cross(vms.node, backup)
+        user = self._user(vms.node, vms.name)
+        self._cross(vms.node, backup, user)
         vms.backup = backup
-        undo.append(lambda: self._uncross(vms.node, backup.src.ref, backup.dst.ref))
+        self._backups[vms.name] = ShareCrossing(self.fdid, vms.node, vms.name, backup)
+
+        def uncross_backup() -> None:
+            self._backups.pop(vms.name, None)
+            self._uncross(vms.node, backup, user)
+
+        undo.append(uncross_backup)
         bbase = asid_base(vms.share.backup_asid)
         via = backup.dst.ref
         self._map_path(vms, ranges, frames, ingress.domain, backup.src.ref, bbase, via)
@@ -596,27 +620,42 @@ class SharedNvmeDrive:
         self.hw.node(node).iommu.detach(requester)
         self.hw.adapter(ref).lut_remove(self._key())
 
-    def _cross(self, node: str, path: NtbPath) -> None:
-        """The drive's DMA may cross ``path`` into ``node``: LUT entries at both ends (one
-        per adapter serves every crossing through it), all or nothing."""
+    def _user(self, node: str, backup_of: str = "") -> tuple[int, str]:
+        return share_user(self.fdid, node, backup_of)
+
+    def _cross(self, node: str, path: NtbPath, user: tuple[int, str]) -> None:
+        """The drive's DMA may cross ``path`` into ``node``: its requester entry on every
+        switch port of the route (``user``'s), LUT entries at both ends (one per adapter
+        serves every crossing through it), all or nothing."""
+        requester = requester_device(self.device.spec)
+        ports = route_ports(path)
+        self.hw.switch_ports.add(ports, requester, user)  # all or nothing
         rid = self.device.requester_id
-        self.hw.adapter(path.src.ref).lut_add(rid)
+        try:
+            self.hw.adapter(path.src.ref).lut_add(rid)
+        except Exception:
+            self.hw.switch_ports.remove(ports, requester, user)
+            raise
         self._lut_users[path.src.ref] = self._lut_users.get(path.src.ref, 0) + 1
         try:
             self._far_add(node, path.dst.ref)
         except Exception:
             self._lut_release(path.src.ref, rid)
+            self.hw.switch_ports.remove(ports, requester, user)
             raise
 
-    def _uncross(self, node: str, src_ref: str, far_ref: str) -> None:
-        self._far_drop(node, far_ref)
-        self._lut_release(src_ref, self.device.requester_id)
+    def _uncross(self, node: str, path: NtbPath, user: tuple[int, str]) -> None:
+        self._far_drop(node, path.dst.ref)
+        self._lut_release(path.src.ref, self.device.requester_id)
+        self.hw.switch_ports.remove(route_ports(path), requester_device(self.device.spec), user)
 
     def _enter(self, node: str, path: NtbPath) -> _Ingress:
         ingress = self._ingress.get(node)
         if ingress is None:
-            self._cross(node, path)
-            ingress = self._ingress[node] = _Ingress(path.src.ref, path.dst.ref, self._domain(node))
+            self._cross(node, path, self._user(node))
+            ingress = self._ingress[node] = _Ingress(
+                path.src.ref, path.dst.ref, self._domain(node), path=path
+            )
         ingress.users += 1
         return ingress
 
@@ -693,9 +732,23 @@ class SharedNvmeDrive:
             return False
         new = live[0]
         ingress = self._ingress[node]
-        self._far_add(node, new.dst.ref)
+        requester, user = requester_device(self.device.spec), self._user(node)
+        old_ports = route_ports(old)
+        added = [p for p in route_ports(new) if p not in old_ports]
+        try:
+            self.hw.switch_ports.add(added, requester, user)  # all or nothing
+        except SwitchPortFullError as e:  # the route it has is the one it keeps
+            log.warning("NVMe drive %#x: crossing to %s not moved: %s", self.fdid, node, e)
+            return False
+        try:
+            self._far_add(node, new.dst.ref)
+        except Exception:
+            self.hw.switch_ports.remove(added, requester, user)
+            raise
         self._far_drop(node, ingress.far)
-        ingress.far = new.dst.ref
+        new_ports = route_ports(new)
+        self.hw.switch_ports.remove([p for p in old_ports if p not in new_ports], requester, user)
+        ingress.far, ingress.path = new.dst.ref, new
         self.reroutes.append((node, old.describe(), new.describe()))
         log.warning(
             "NVMe drive %#x: crossing to %s moved from %s to %s",
@@ -717,7 +770,9 @@ class SharedNvmeDrive:
         ingress.users -= 1
         if ingress.users == 0:
             del self._ingress[node]
-            self._uncross(node, ingress.src, ingress.far)
+            path = ingress.path
+            assert path is not None  # every ingress is made over a route
+            self._uncross(node, path, self._user(node))
 
     def _end_share(self, vms: VmNvmeShare) -> None:
         """End ``vms`` (its VM stops, or it is cut). While the drive goes on its real queues
@@ -770,6 +825,16 @@ class SharedNvmeDrive:
             if v.open and v.bar0.page is not None:
                 out.append(ShareWire(self.fdid, v.node, v.vm, "doorbell-page", f"{v.bar0.page:#x}"))
         return out
+
+    def crossings(self) -> list[ShareCrossing]:
+        """The drive's crossings into nodes now: each node's shares', each two-path share's
+        backup (their switch ports hold the drive's requester entries)."""
+        out = [
+            ShareCrossing(self.fdid, node, "", i.path)
+            for node, i in sorted(self._ingress.items())
+            if i.path is not None
+        ]
+        return out + [c for _name, c in sorted(self._backups.items())]
 
     def record(self, registry: Registry) -> None:
         """Put what the data path sees of each share (real queues, guard rejections) into

@@ -4,8 +4,10 @@ Each port of a cluster switch lets across only the requesters in its table: one 
 requester device (``vmlend.topology.requesters``: bus:device on its lender, shared by the
 device's functions), out of the switch's ``requester_entries``. A borrowed device's crossing
 holds an entry on every port of its route (the port it enters each switch by and the one it
-leaves by). The table records which devices (fdids) use each entry, so an entry goes with
-the last function using it, and the invariant checker can tell whose it is.
+leaves by). An NVMe share's crossing of a shared drive into a VM's node (and a two-path
+share's backup crossing) holds one the same way. The table records who uses each entry (a
+borrowed device's fdid, or a ``(fdid, crossing)`` pair for another crossing of its requester),
+so an entry goes with its last user, and the invariant checker can tell whose it is.
 """
 
 from __future__ import annotations
@@ -16,21 +18,31 @@ from vmlend.errors import SwitchPortFullError
 from vmlend.topology.model import Topology
 from vmlend.topology.requesters import SwitchPort
 
+#: Who uses a requester entry: the fdid of a borrowed device (its borrow's crossing), or
+#: ``(fdid, what)`` for another crossing of the device's requester (``"nvme>gamma"``: a shared
+#: drive's crossing into gamma); an entry stays while any user passes the port.
+PortUser = int | tuple[int, str]
+
+
+def user_fdid(user: PortUser) -> int:
+    """The device whose requester ``user``'s crossing carries."""
+    return user if isinstance(user, int) else user[0]
+
 
 class SwitchPorts:
     """Every cluster switch port's requester table (empty until a crossing passes it)."""
 
     def __init__(self, topology: Topology) -> None:
         self._topology = topology
-        self._tables: dict[str, dict[str, set[int]]] = {}  # port -> requester -> fdids
+        self._tables: dict[str, dict[str, set[PortUser]]] = {}  # port -> requester -> users
 
     def size(self, port: SwitchPort) -> int:
         """Entries of ``port``'s table."""
         return self._topology.switch_requester_entries(port.switch)
 
-    def add(self, ports: Iterable[SwitchPort], requester: str, fdid: int) -> None:
-        """``fdid``'s crossing as ``requester`` passes ``ports``: an entry on each (its
-        device's, when another function has one there). All or nothing:
+    def add(self, ports: Iterable[SwitchPort], requester: str, user: PortUser) -> None:
+        """``user``'s crossing as ``requester`` passes ``ports``: an entry on each (its
+        device's, when another function or crossing has one there). All or nothing:
         ``SwitchPortFullError`` naming the first full port, nothing changed."""
         ports = list(ports)
         for p in ports:
@@ -38,23 +50,23 @@ class SwitchPorts:
             if requester not in table and len(table) >= self.size(p):
                 raise SwitchPortFullError(p.switch, p.name, requester, self.size(p))
         for p in ports:
-            self._tables.setdefault(p.name, {}).setdefault(requester, set()).add(fdid)
+            self._tables.setdefault(p.name, {}).setdefault(requester, set()).add(user)
 
-    def remove(self, ports: Iterable[SwitchPort], requester: str, fdid: int) -> None:
-        """``fdid``'s crossing no longer passes ``ports``: an entry goes with its last user."""
+    def remove(self, ports: Iterable[SwitchPort], requester: str, user: PortUser) -> None:
+        """``user``'s crossing no longer passes ``ports``: an entry goes with its last user."""
         for p in ports:
             table = self._tables.get(p.name)
             users = table.get(requester) if table is not None else None
             if table is None or users is None:
                 continue
-            users.discard(fdid)
+            users.discard(user)
             if not users:
                 del table[requester]
             if not table:
                 del self._tables[p.name]
 
-    def entries(self, port: str) -> dict[str, frozenset[int]]:
-        """Port ``port``'s table: requester -> the devices whose crossings use the entry."""
+    def entries(self, port: str) -> dict[str, frozenset[PortUser]]:
+        """Port ``port``'s table: requester -> the crossings that use the entry."""
         return {r: frozenset(f) for r, f in sorted(self._tables.get(port, {}).items())}
 
     def ports(self) -> list[str]:
