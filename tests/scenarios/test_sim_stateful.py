@@ -35,6 +35,7 @@ and ``VMLEND_STATEFUL_STEPS`` explore more (docs/simulator.md states the numbers
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -85,6 +86,7 @@ from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.sim.simvm import SimVm
 from vmlend.topology.discovered import FoundHost
 from vmlend.topology.model import BarKind, GiB, Holder, MiB
+from vmlend.topology.requesters import ports_between
 from vmlend.wiring.discover import discover_fabric
 
 MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
@@ -199,6 +201,8 @@ assert TIGHT_TOPOLOGY.count("requester_entries = 2") == 2
 
 SHARED = 0x12
 SHARED_REQUESTER = "alpha/0000:43:00"  # its requester device, as the switch ports count it
+#: A full switch port's refusal (``SwitchPortFullError``, wrapped by the hook): port, lender.
+FULL_PORT = re.compile(r"port (\S+): its requester table is full .*? requester ([^/\s]+)/")
 BLOCKS = 1 << 16
 SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta", "d"))
 NODES = ("gamma", "delta", "alpha", "beta")
@@ -363,6 +367,8 @@ class FabricMachine(RuleBasedStateMachine):
             event("start: refused, a switch port full" if full else "start: refused")
             if full and share and f"no room for requester {SHARED_REQUESTER};" in str(e):
                 event("start: a share refused, a switch port full")
+            if full and self._p2p_port(str(e), node):
+                event("start: peer-to-peer refused, a switch port full")
             return
         ledger_ = RegistryWindowLedger(self.c.registry)
         p2p = P2PMapper(
@@ -389,11 +395,22 @@ class FabricMachine(RuleBasedStateMachine):
         event(f"start: a VM with {len(vm.devices())} device(s)" + (" and a share" if share else ""))
         for fdid in vm.devices():
             self._enable(vm, fdid)
+        if p2p.crossings():
+            event("start: peer-to-peer between lenders holds switch port entries")
         if vm.shares():
             s = vm.nvme_share(SHARED)
             s.set_master()
             entry.driver = guest_driver(s.bar0, vm.guest)
             (entry.queue,) = entry.driver.start(queues=1, entries=8)
+
+    def _p2p_port(self, message: str, node: str) -> bool:
+        """The full port the refusal names is on no route from the requester's lender to
+        ``node``: only the VM's peer-to-peer between two lenders crosses it."""
+        found = FULL_PORT.search(message)
+        if found is None:
+            return False
+        port, lender = found.group(1), found.group(2)
+        return port not in ports_between(self.c.hw.topology, lender, node)
 
     def _enable(self, vm: SimVm, fdid: int) -> None:
         try:

@@ -23,7 +23,9 @@ What a remote reservation uses (docs/design.md, limits):
   that another device of the VM reaches across an NTB, the segments of the source lender's
   adapter that BAR can occupy, a LUT entry for a source installed in the borrower itself
   (a borrowed source already has one), and a LUT entry on the target lender's adapter that
-  names the source there when the target is not in the borrower.
+  names the source there when the target is not in the borrower, and the source's requester
+  entry on every cluster switch port of that crossing (a P2P claim under the port's name and
+  the source's requester key: the same entry as a borrow's of the source's device there).
 The DMA window segments are the planner's own count (``vmlend.memory.windows.window_segments``)
 over the guest's RAM ranges, so what is claimed is what bus-master enable maps; the device's
 DMA address width is checked against the top of that RAM. A device lent and used on the same
@@ -193,12 +195,18 @@ def usage(
     return {a.ref: AdapterUsage(a, lut.get(a.ref, 0), segs.get(a.ref, 0)) for a in adapters}
 
 
+#: The claim kinds that take a switch port's requester entries: a crossing's (LUT), and
+#: peer-to-peer's between two lenders (P2P).
+PORT_KINDS = (ClaimKind.LUT, ClaimKind.P2P)
+
+
 def port_usage(claims: Sequence[tuple[int, Claim]], ports: Collection[str]) -> dict[str, int]:
     """Per switch port of ``ports``, the requester entries the claims use: one per requester
-    however many holds claim it (``usage`` counts a shared claim once the same way)."""
+    however many holds claim it, for a crossing or peer-to-peer (``usage`` counts a shared
+    claim once the same way)."""
     held: dict[str, set[str]] = {p: set() for p in ports}
     for _fdid, c in claims:
-        if c.kind is ClaimKind.LUT and c.adapter in held:
+        if c.kind in PORT_KINDS and c.adapter in held:
             held[c.adapter].add(c.share)
     return {p: len(s) for p, s in held.items()}
 
@@ -221,7 +229,7 @@ def ports_in_use(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> lis
     listed: a large fabric has thousands), each with its switch's ``requester_entries``."""
     held: dict[str, set[str]] = {}
     for _fdid, c in claims:
-        if c.kind is ClaimKind.LUT and is_port(c.adapter):
+        if c.kind in PORT_KINDS and is_port(c.adapter):
             held.setdefault(c.adapter, set()).add(c.share)
     return [
         PortUsage(sw, name, len(s), topology.switch_requester_entries(sw))
@@ -231,10 +239,10 @@ def ports_in_use(topology: Topology, claims: Sequence[tuple[int, Claim]]) -> lis
 
 
 def _claimed(claims: Sequence[tuple[int, Claim]], where: str, share: str) -> bool:
-    """Some hold claims the requester entry ``share`` on ``where`` (an adapter or a port)."""
-    return any(
-        c.kind is ClaimKind.LUT and c.adapter == where and c.share == share for _f, c in claims
-    )
+    """Some hold claims the requester entry ``share`` on ``where`` (an adapter, or a port,
+    where peer-to-peer's claim of it counts too)."""
+    kinds = PORT_KINDS if is_port(where) else (ClaimKind.LUT,)
+    return any(c.kind in kinds and c.adapter == where and c.share == share for _f, c in claims)
 
 
 class Admission(msgspec.Struct):
@@ -433,6 +441,7 @@ def p2p_claims(
                 continue  # same lender: the lender IOMMU alone, no NTB resource
             adapter = path.src
             seg = adapter.segment_size
+            reached = False
             for bar in target.bars:
                 if bar.kind is BarKind.IO or bar.size < PAGE:
                     continue
@@ -440,6 +449,11 @@ def p2p_claims(
                 share = p2p_share(holder, target.fdid, bar.index)
                 claim = Claim(adapter.ref, ClaimKind.P2P, share, segments=n, bytes=n * seg)
                 out.append((target.fdid, claim))
+                reached = True
+            if reached:  # the source's requester crosses the switch ports on the way
+                req = requester_share(source)
+                for port in route_ports(path):
+                    out.append((target.fdid, Claim(port.name, ClaimKind.P2P, req, entries=1)))
             if source.lender == holder.node:
                 rid = Claim(adapter.ref, ClaimKind.P2P, f"p2p-rid:{source.fdid:#x}", entries=1)
                 out.append((target.fdid, rid))
@@ -478,7 +492,8 @@ def _p2p_checks(
     owners = set(adm.vm_devices)
     base = [(f, c) for f, c in view.claims if not (c.kind is ClaimKind.P2P and f in owners)]
     base += [(spec.fdid, c) for c in adm.claims]
-    refs = sorted({c.adapter for _f, c in p2p})
+    port_error = _p2p_port_error(topology, base, p2p)
+    refs = sorted({c.adapter for _f, c in p2p if not is_port(c.adapter)})
     before, after = usage(topology, base, refs), usage(topology, [*base, *p2p], refs)
     parts: list[str] = []
     error: VmlendError | None = None
@@ -496,7 +511,25 @@ def _p2p_checks(
             error = ResourceExhaustedError(
                 "requester LUT for peer-to-peer", ref, luts, b.lut_free, "entries"
             )
-    adm.add("p2p", "peer-to-peer: " + "; ".join(parts), error)
+    if ports := sorted({c.adapter for _f, c in p2p if is_port(c.adapter)}):
+        parts.append(f"the requesters' entries on {len(ports)} switch port(s)")
+    adm.add("p2p", "peer-to-peer: " + "; ".join(parts), error or port_error)
+
+
+def _p2p_port_error(
+    topology: Topology, base: Sequence[tuple[int, Claim]], p2p: Sequence[tuple[int, Claim]]
+) -> SwitchPortFullError | None:
+    """The first switch port peer-to-peer needs a requester entry on that is full."""
+    ports = sorted({c.adapter for _f, c in p2p if is_port(c.adapter)})
+    before, after = port_usage(base, ports), port_usage([*base, *p2p], ports)
+    for name in ports:
+        size = topology.switch_requester_entries(port_switch(name))
+        if after[name] > size and after[name] > before[name]:
+            have = {c.share for _f, c in base if c.adapter == name and c.kind in PORT_KINDS}
+            new = sorted(c.share for _f, c in p2p if c.adapter == name and c.share not in have)
+            requester = new[0].removeprefix("req:") if new else "?"
+            return SwitchPortFullError(port_switch(name), name, requester, size)
+    return None
 
 
 def _msi_check(

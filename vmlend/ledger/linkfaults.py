@@ -282,7 +282,10 @@ def follow_ports(tx: StateTxn, topology: Topology, hw: object, fdid: int) -> Non
     want = {p.name for p in route_ports(b.path)}
     between = ports_between(topology, spec.lender, node)
     share = requester_share(spec)
-    mine = {c.adapter for f, c in tx.claims_on(sorted(between | want)) if f == fdid}
+    # its crossing's claims only: the hold's peer-to-peer claims on ports (another device's
+    # requester, as the target) are not the crossing's
+    on = tx.claims_on(sorted(between | want))
+    mine = {c.adapter for f, c in on if f == fdid and c.kind is ClaimKind.LUT}
     stale, missing = (mine & between) - want, want - mine
     if not stale and not missing:
         return

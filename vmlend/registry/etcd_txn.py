@@ -381,11 +381,14 @@ class EtcdTxn:
     @staticmethod
     def _units_needed(rows: Iterable[list[Any]]) -> dict[tuple[str, str], int]:
         """Per (adapter, unit), what claims ``[adapter, kind, share, entries, segments]``
-        use: a shared claim (same adapter, kind and share) counts once, at its largest."""
+        use: a shared claim (same adapter, kind and share) counts once, at its largest. On a
+        switch port a requester's entry is one whatever claims it (a crossing's LUT claim, a
+        peer-to-peer one), as ``admission.port_usage`` counts it."""
         groups: dict[tuple[str, str, str], tuple[int, int]] = {}
         for adapter, kind, share, entries, segments in rows:
-            e, s = groups.get((adapter, kind, share), (0, 0))
-            groups[(adapter, kind, share)] = (max(e, int(entries)), max(s, int(segments)))
+            key = (adapter, "" if is_port(adapter) else kind, share)
+            e, s = groups.get(key, (0, 0))
+            groups[key] = (max(e, int(entries)), max(s, int(segments)))
         out: dict[tuple[str, str], int] = {}
         for (adapter, _kind, _share), (e, s) in groups.items():
             for unit, n in (("lut", e), ("seg", s)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -142,6 +142,28 @@ class ShareCrossing(msgspec.Struct, frozen=True):
         return share_user(self.fdid, self.node, self.backup_of)
 
 
+class P2PCrossingLike(Protocol):
+    """A peer-to-peer crossing as the hardware knows it (``vmlend.sim.p2pmap.P2PCrossing``)."""
+
+    @property
+    def source(self) -> int: ...
+
+    @property
+    def target(self) -> int: ...
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def vm(self) -> str: ...
+
+    @property
+    def path(self) -> NtbPath: ...
+
+    @property
+    def user(self) -> tuple[int, str]: ...
+
+
 class ShareWiring(Protocol):
     """A shared drive as the hardware knows it: what it has wired for its shares now."""
 
@@ -205,6 +227,8 @@ class SimHardware:
         #: The cluster switch ports' requester tables (a borrow's crossing holds an entry on
         #: each port of its route).
         self.switch_ports = SwitchPorts(topology)
+        #: The peer-to-peer mappers' crossings (``add_p2p_crossings``), for the checker.
+        self._p2p_sources: list[Callable[[], Sequence[P2PCrossingLike]]] = []
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
@@ -988,6 +1012,23 @@ class SimHardware:
 
     def share_wiring(self) -> list[ShareWire]:
         return [w for d in self._share_wiring for w in d.wiring()]
+
+    def add_p2p_crossings(
+        self, crossings: Callable[[], Sequence[P2PCrossingLike]]
+    ) -> Callable[[], None]:
+        """Make a peer-to-peer mapper's crossings visible to the invariant checker; returns a
+        remover."""
+        self._p2p_sources.append(crossings)
+
+        def remove() -> None:
+            if crossings in self._p2p_sources:
+                self._p2p_sources.remove(crossings)
+
+        return remove
+
+    def p2p_crossings(self) -> list[P2PCrossingLike]:
+        """Every peer-to-peer crossing holding switch port entries now."""
+        return [c for source in self._p2p_sources for c in source()]
 
     def share_crossings(self, fdid: int | None = None) -> list[ShareCrossing]:
         """The shared drives' crossings into nodes (``fdid``'s only, when given)."""

@@ -11,9 +11,10 @@ registry's holds and claims): every mapping is justified by a current borrow of 
 - ``ntb-segment``: a translated segment no borrowed device's mapping uses;
 - ``lut``: a requester LUT entry for a device that is not borrowed (or not through this adapter);
 - ``port``: a cluster switch port's requester table holds an entry for a crossing that does
-  not pass the port, lacks one a crossing passing it needs (a borrowed device's, or a shared
-  drive's into a node of its shares), or holds more entries than the switch's
-  ``requester_entries``; a shared drive's crossing into a node where no current share is;
+  not pass the port, lacks one a crossing passing it needs (a borrowed device's, a shared
+  drive's into a node of its shares, peer-to-peer's between two lenders), or holds more entries
+  than the switch's ``requester_entries``; a shared drive's crossing into a node where no
+  current share is; a peer-to-peer crossing between devices its VM does not both borrow;
 - ``context``: an IOMMU attachment of a requester no borrowed device produces, or into a domain
   of another VM; ``requester-id``: two devices entering one node as one requester id (the
   IOMMU would translate both in one context);
@@ -27,7 +28,8 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   windows and a VM's interrupt window (MSI over the NTB) must match their claims exactly too.
   On the switch ports, claimed == in use per port and requester: every entry a borrowed
   device's crossing holds is claimed by its hold (a shared drive's crossings': by its
-  manager's hold), and the hold of a borrowed device claims no
+  manager's hold; peer-to-peer's: by the target's hold, whose P2P claims on ports are an upper
+  bound), and the hold of a borrowed device claims no
   port of a route between its lender and its VM's node that its crossing does not pass (a
   claim left behind by a re-route; a hot migration's other end, claimed until it is released,
   lies on routes to another node).
@@ -505,6 +507,18 @@ class _Checker:
             requester = requester_device(self.hw.device(c.fdid).spec)
             for p in route_ports(c.path):
                 need.setdefault(p.name, {}).setdefault(requester, set()).add(c.user)
+        for x in self.hw.p2p_crossings():
+            owner = (x.node, x.vm)
+            if self.owners.get(x.source) != owner or self.owners.get(x.target) != owner:
+                self.bad(
+                    "port",
+                    f"peer-to-peer {x.source:#x} -> {x.target:#x}",
+                    f"its crossing over {x.path.describe()} holds requester entries while"
+                    f" {x.node}/{x.vm} does not borrow both",
+                )
+            requester = requester_device(self.hw.device(x.source).spec)
+            for p in route_ports(x.path):
+                need.setdefault(p.name, {}).setdefault(requester, set()).add(x.user)
         tables = self.hw.switch_ports
         for name in sorted(set(tables.ports()) | set(need)):
             have = tables.entries(name)
@@ -534,9 +548,12 @@ class _Checker:
         """Claimed == in use on the switch ports, per port and requester (see the module's
         ``claims``)."""
         claimed: dict[int, set[tuple[str, str]]] = {}
+        p2p: dict[int, set[tuple[str, str]]] = {}  # an upper bound: BARs not placed yet
         for fdid, c in claims:
             if c.kind is ClaimKind.LUT and is_port(c.adapter):
                 claimed.setdefault(fdid, set()).add((c.adapter, c.share))
+            elif c.kind is ClaimKind.P2P and is_port(c.adapter):
+                p2p.setdefault(fdid, set()).add((c.adapter, c.share))
         used: dict[int, set[tuple[str, str]]] = {}
         tables = self.hw.switch_ports
         for name in tables.ports():
@@ -546,7 +563,7 @@ class _Checker:
         borrows = {b.fdid: b for b in self.hw.borrows()}
         for fdid in sorted(set(used) | set(claimed)):
             have, mine = used.get(fdid, set()), claimed.get(fdid, set())
-            for port, share in sorted(have - mine):
+            for port, share in sorted(have - mine - p2p.get(fdid, set())):
                 self.bad(
                     "claims",
                     port,

@@ -11,7 +11,10 @@ with ``vmlend.p2p.plan_p2p`` on every change and applies only the difference, al
   adapter's LUT (a borrowed device already is), the target's adapter gets an entry naming it
   (the id it enters with) and its crossing is attached to the target domain; the source's
   lender domain maps the GPA onto the segments last, so the device never reaches a half-built
-  path. Removal runs the other way.
+  path. Removal runs the other way. The crossing, from the source's lender to the target's
+  node, holds the source's requester entry on every cluster switch port of its route (one
+  crossing per source and target, shared by the target's BARs; ``SwitchPorts``, all or
+  nothing: a full port refuses the map, nothing changed).
 
 Segments, LUT entries, target mappings and attachments are shared between maps and counted, so
 they go when the last map using them goes. Only what this mapper set up is undone: a borrow's
@@ -37,6 +40,8 @@ from vmlend.ledger.admission import vm_share
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
 from vmlend.sim.iommu import IommuDomain
 from vmlend.topology.model import BarKind, Holder
+from vmlend.topology.paths import NtbPath
+from vmlend.topology.requesters import requester_device, route_ports
 
 if TYPE_CHECKING:
     from vmlend.registry import Registry, StateTxn
@@ -100,6 +105,23 @@ class _Shared:
             item[2]()
 
 
+class P2PCrossing(msgspec.Struct, frozen=True):
+    """Peer-to-peer of VM ``vm`` on ``node`` from device ``source`` to device ``target``
+    crossing ``path`` (the source's lender to the target's node)."""
+
+    source: int
+    target: int
+    node: str
+    vm: str
+    path: NtbPath
+
+    @property
+    def user(self) -> tuple[int, str]:
+        """Who it is in the switch ports' tables (``SwitchPorts``): the target's hold claims
+        its entries (``admission.p2p_claims``)."""
+        return (self.target, f"p2p {self.node}/{self.vm} from {self.source:#x}")
+
+
 class _Applied(msgspec.Struct):
     map: P2PMap
     undo: list[Undo] = msgspec.field(default_factory=list)  # in the order things were set up
@@ -132,6 +154,9 @@ class P2PMapper:
         self._defer_records = False  # inside a borrow end: keep record changes for settle
         self._unrecorded: list[tuple[int, str, dict[str, Any] | None]] = []  # still to record
         self._unsubscribe = hardware.on_borrow_end(self._borrow_ended)
+        #: Each (source, target) crossing holding switch port entries now.
+        self._crossings: dict[tuple[int, int], P2PCrossing] = {}
+        self._unregister = hardware.add_p2p_crossings(self.crossings)
 
     # --- the interface the pass-through session calls -------------------------------------------
     def program_bar(self, fdid: int, bar_index: int, gpa: int, size: int) -> None:
@@ -169,7 +194,12 @@ class P2PMapper:
         for fdid in sorted(self._members):
             self.remove_device(fdid)
         self._unsubscribe()
+        self._unregister()
         self.settle()
+
+    def crossings(self) -> list[P2PCrossing]:
+        """The crossings between the VM's devices' lenders that hold switch port entries."""
+        return [c for _k, c in sorted(self._crossings.items())]
 
     def settle(self) -> None:
         """Write the record changes of maps changed when a borrow ended."""
@@ -325,6 +355,7 @@ class P2PMapper:
             return None, lambda: target.unmap(m.iova, m.size)
 
         self._share(applied, ("target", target.name, m.iova, m.size, m.target_phys), map_target)
+        self._hold_ports(applied, P2PCrossing(m.source, m.target, self.node, self.vm, m.path))
 
         adapter = self.hw.adapter(m.path.src.ref)
         rid = self.hw.device(m.source).requester_id
@@ -365,6 +396,27 @@ class P2PMapper:
             chunk += seg
         for iova, window, size in pieces:  # the device side last
             self._map_lender(applied, iova, window, size)
+
+    def _hold_ports(self, applied: _Applied, crossing: P2PCrossing) -> None:
+        """The source's requester entry on each switch port of the crossing (shared by the
+        target's BARs): a full port raises ``SwitchPortFullError``, nothing changed."""
+        ports = route_ports(crossing.path)
+        if not ports:
+            return
+        requester = requester_device(self.hw.device(crossing.source).spec)
+        pair = (crossing.source, crossing.target)
+
+        def hold() -> tuple[None, Undo]:
+            self.hw.switch_ports.add(ports, requester, crossing.user)
+            self._crossings[pair] = crossing
+
+            def release() -> None:
+                self._crossings.pop(pair, None)
+                self.hw.switch_ports.remove(ports, requester, crossing.user)
+
+            return None, release
+
+        self._share(applied, ("ports", *pair), hold)
 
     def _promised(self, ref: str) -> int:
         """Segments of ``ref`` promised to other VMs and not mapped yet (kept free for them)."""
