@@ -325,3 +325,16 @@ def test_single_unit_keys_of_before_blocks_count_and_go_with_their_claims(etcd_u
         assert _units(etcd_url) == _used(f)
         assert f.release(0x100, newer)
         assert _units(etcd_url) == {}
+
+
+def test_a_requester_on_a_switch_port_is_one_unit_whichever_kind_claims_it():
+    # a borrow's LUT claim and peer-to-peer's P2P claim of the same requester's entry on a
+    # port: one entry in the port's table (admission.port_usage), so one unit
+    rows = [
+        ["sw/b:0", "lut", "req:l1/0000:41:00", 1, 0],
+        ["sw/b:0", "p2p", "req:l1/0000:41:00", 1, 0],
+        ["sw/b:0", "p2p", "req:l2/0000:41:00", 1, 0],
+        ["b:0", "lut", "req:l1/0000:41:00", 1, 0],
+        ["b:0", "p2p", "req:l1/0000:41:00", 1, 0],  # on an adapter the kinds stay apart
+    ]
+    assert EtcdTxn._units_needed(rows) == {("sw/b:0", "lut"): 2, ("b:0", "lut"): 2}
