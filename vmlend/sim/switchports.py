@@ -4,10 +4,11 @@ Each port of a cluster switch lets across only the requesters in its table: one 
 requester device (``vmlend.topology.requesters``: bus:device on its lender, shared by the
 device's functions), out of the switch's ``requester_entries``. A borrowed device's crossing
 holds an entry on every port of its route (the port it enters each switch by and the one it
-leaves by). An NVMe share's crossing of a shared drive into a VM's node (and a two-path
-share's backup crossing) holds one the same way. The table records who uses each entry (a
-borrowed device's fdid, or a ``(fdid, crossing)`` pair for another crossing of its requester),
-so an entry goes with its last user, and the invariant checker can tell whose it is.
+leaves by). A shared drive's crossing into a VM's node (and a two-path share's backup
+crossing), and peer-to-peer's between two lenders, hold one the same way. The table records
+who uses each entry (a borrowed device's fdid, or a ``(fdid, crossing)`` pair for another
+crossing), so an entry goes with its last user, and the invariant checker can tell whose it
+is.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from vmlend.topology.model import Topology
 from vmlend.topology.requesters import SwitchPort
 
 #: Who uses a requester entry: the fdid of a borrowed device (its borrow's crossing), or
-#: ``(fdid, what)`` for another crossing of the device's requester (``"nvme>gamma"``: a shared
-#: drive's crossing into gamma); an entry stays while any user passes the port.
+#: ``(fdid, what)`` for another crossing whose entries ``fdid``'s hold claims (``"nvme>gamma"``:
+#: shared drive ``fdid``'s crossing into gamma; ``"p2p gamma/web from 0x10"``: peer-to-peer
+#: from 0x10 to target ``fdid``); an entry stays while any user passes the port.
 PortUser = int | tuple[int, str]
 
 
 def user_fdid(user: PortUser) -> int:
-    """The device whose requester ``user``'s crossing carries."""
+    """The device whose hold claims ``user``'s entries."""
     return user if isinstance(user, int) else user[0]
 
 
