@@ -35,9 +35,16 @@ def test_p2p_claims_come_with_a_second_lender_and_go_with_it(fabric):
     assert claims_of(fabric, ClaimKind.P2P) == []  # one device: nothing to reach
     fabric.reserve(GPU_BETA, VM1, guest_ram=GiB)
     p2p = claims_of(fabric, ClaimKind.P2P)
-    # each GPU reaches the other's BARs through its own lender's adapter
-    assert {a for _f, a, *_ in p2p} == {"alpha:0", "beta:0"}
+    # each GPU reaches the other's BARs through its own lender's adapter, with its requester
+    # entry on the switch ports between the lenders (claimed by the target's hold)
+    assert {a for _f, a, *_ in p2p} == {"alpha:0", "beta:0", "mxs824/alpha:0", "mxs824/beta:0"}
     assert {f for f, *_ in p2p} == {GPU_ALPHA, GPU_BETA}
+    ports = {(f, a, share) for f, a, share, *_ in p2p if a.startswith("mxs824/")}
+    assert ports == {
+        (target, port, f"req:{source}")
+        for target, source in ((GPU_BETA, "alpha/0000:41:00"), (GPU_ALPHA, "beta/0000:81:00"))
+        for port in ("mxs824/alpha:0", "mxs824/beta:0")
+    }
     fabric.reserve(GPU_BETA, VM1, guest_ram=GiB)  # again: the same claims, none doubled
     assert claims_of(fabric, ClaimKind.P2P) == p2p
     assert fabric.release(GPU_ALPHA, VM1)
