@@ -733,7 +733,8 @@ class SharedNvmeDrive:
         new = live[0]
         ingress = self._ingress[node]
         requester, user = requester_device(self.device.spec), self._user(node)
-        old_ports = route_ports(old)
+        # the ports it holds entries on: the route it was made or last moved over
+        old_ports = route_ports(ingress.path if ingress.path is not None else old)
         added = [p for p in route_ports(new) if p not in old_ports]
         try:
             self.hw.switch_ports.add(added, requester, user)  # all or nothing
