@@ -31,6 +31,7 @@ from vmlend.sim.device import SimDevice
 from vmlend.sim.guest import SimGuest
 from vmlend.sim.hostmem import HUGE_2M, HostMemory
 from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
+from vmlend.sim.mmio import MmioResolver, MmioTarget
 from vmlend.sim.ntb import NtbAdapter
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaResolver, DmaTarget
@@ -232,6 +233,8 @@ class SimHardware:
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
+        #: CPU accesses to device BARs, through the adapters (``vmlend.sim.mmio``).
+        self.mmio = MmioResolver(self)
 
     @classmethod
     def from_topology(cls, topology: Topology, *, seed: int = 0) -> SimHardware:
@@ -1046,3 +1049,25 @@ class SimHardware:
 
     def dma_write(self, fdid: int, iova: int, data: bytes) -> list[DmaTarget]:
         return self.resolver.dma_write(fdid, iova, data)
+
+    # --- MMIO ------------------------------------------------------------------------------------
+    def mmio_write(
+        self,
+        node: str,
+        fdid: int,
+        bar: int,
+        offset: int,
+        size: int,
+        value: int,
+        *,
+        path: NtbPath | None = None,
+    ) -> MmioTarget | None:
+        """``node``'s CPU writes a register of ``fdid`` through its adapter (see
+        ``MmioResolver``); None when a dead cable dropped the write."""
+        return self.mmio.write(node, fdid, bar, offset, size, value, path=path)
+
+    def mmio_read(
+        self, node: str, fdid: int, bar: int, offset: int, size: int, *, path: NtbPath | None = None
+    ) -> int:
+        """``node``'s CPU reads a register of ``fdid``: all ones across a dead cable."""
+        return self.mmio.read(node, fdid, bar, offset, size, path=path)

@@ -349,14 +349,20 @@ class SimVm:
 
     def mmio_read(self, gpa: int, size: int) -> int:
         """The guest CPU reads a device register at guest-physical ``gpa`` (the BAR as the
-        guest programmed it; the access reaches the device's BAR memory)."""
+        guest programmed it): through this node's adapter and the lender's, over the route
+        of the device's crossing (``SimHardware.mmio_read``); all ones across a dead cable,
+        and from a device taken from the VM."""
         s, index, offset = self._mmio_target(gpa, size)
-        return s.device.bars.read(index, offset, size)
+        if s.cut_off:
+            return (1 << 8 * size) - 1  # a removed device
+        return self.hw.mmio_read(self.node, s.fdid, index, offset, size)
 
     def mmio_write(self, gpa: int, size: int, value: int) -> None:
-        """The guest CPU writes a device register (e.g. an MSI-X table entry)."""
+        """The guest CPU writes a device register (an MSI-X table entry, a doorbell), by the
+        same way as ``mmio_read``: a dead cable drops it, as a device taken from the VM does."""
         s, index, offset = self._mmio_target(gpa, size)
-        s.device.bars.write(index, offset, size, value)
+        if not s.cut_off:
+            self.hw.mmio_write(self.node, s.fdid, index, offset, size, value)
 
     def _live(self, fdid: int) -> PassthroughSession:
         """``fdid``'s session while the device is still this VM's: the guest's driver can make
