@@ -27,9 +27,12 @@ class VmBar0:
         self.vm.mmio_write(self.base + offset, size, value)
 
 
-def guest_driver(mmio, guest: SimGuest, start: int = 16 * MiB, size: int = 16 * MiB) -> NvmeDriver:
-    """A driver whose queues and buffers live in guest RAM [start, start + size)."""
-    return NvmeDriver(mmio, guest, BumpAllocator(start, start + size))
+def guest_driver(
+    mmio, guest: SimGuest, start: int = 16 * MiB, size: int = 16 * MiB, **timer
+) -> NvmeDriver:
+    """A driver whose queues and buffers live in guest RAM [start, start + size); ``timer``:
+    its ``clock`` and command ``timeout``."""
+    return NvmeDriver(mmio, guest, BumpAllocator(start, start + size), **timer)
 
 
 def share_xml(

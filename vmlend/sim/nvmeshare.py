@@ -13,13 +13,16 @@ admin queues in lender memory, and for each VM (``open_share``):
   borrowed device: set, the windows are mapped; cleared, they go).
 - the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
   software on the I/O path); in trap mode each write is trapped and forwarded to the share's
-  own real queue ids only (one software step each).
+  own real queue ids only (one software step each). Either way the write reaches the drive as
+  MMIO from the VM's node (``vmlend.sim.mmio``): through the node's adapter of the drive's
+  crossing and the lender's, so a dead cable drops it.
 
 A share of two paths (``--paths 2``) also gets a backup path through another adapter of the
 VM's node, in an address space of its own, and its virtual controller relays the guest's
 queues onto a primary and a backup queue pair kept in memory of the VM's host
-(``vmlend.sim.nvme.relay``): a link event on the primary path (or a command timeout) switches
-to the backup with nothing lost; the link's return switches back.
+(``vmlend.sim.nvme.relay``): a link event on the primary path (or a command timeout, a
+deadline on the drive's injected clock) switches to the backup with nothing lost; the link's
+return switches back. The relay rings each pair's real doorbells through that pair's path.
 
 A VM's stop (``VmNvmeShare.close``) deletes its real queues, unmaps its windows and unpins its
 RAM; other shares keep running.
@@ -43,6 +46,7 @@ crossings pass (``crossings``) is visible to the invariant checker.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +75,7 @@ from vmlend.sim.nvme.controller import ControllerConfig
 from vmlend.sim.nvme.driver import NvmeDriver
 from vmlend.sim.nvme.manager import NvmeManager
 from vmlend.sim.nvme.relay import BACKUP, PRIMARY, RING_IOVA, QueueRelay, ring_bytes
+from vmlend.sim.nvme.timer import COMMAND_TIMEOUT, Clock, CommandTimer
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
@@ -149,7 +154,13 @@ class VmNvmeShare:
         if share.paths > 1:
             self.rings = _RingMemory(drive.hw.node(node).memory, ring_bytes(share.queue_pairs), vm)
             self.relay = QueueRelay(
-                share, guest, self.rings, drive.manager, drive._ring_real, self._interrupt
+                share,
+                guest,
+                self.rings,
+                drive.manager,
+                self._ring_real,
+                self._interrupt,
+                CommandTimer(drive.command_timeout, drive.clock),
             )
         self.virtual = VirtualNvmeController(
             share,
@@ -194,9 +205,24 @@ class VmNvmeShare:
         return out
 
     def timeout(self) -> bool:
-        """The virtual controller's command timer expired (a two-path share): commands still
-        outstanding on its primary pair fail over to the backup pair. True if they did."""
+        """Check the virtual controller's command timer (a two-path share), on the drive's
+        clock: when a command on its primary pair is past its deadline, the backup pair takes
+        over. True if it did."""
         return self.relay is not None and self.relay.timeout()
+
+    def _ring_real(self, qid: int, completion: bool, value: int) -> None:
+        """The relay rings real doorbell ``qid``: MMIO from the VM's node through the path of
+        the pair ``qid`` belongs to (a backup queue id: the backup path; else the drive's
+        crossing into the node)."""
+        share = self.share
+        backup = qid > share.qid_base + share.queue_pairs
+        path = self.backup if backup else None
+        offset = spec.doorbell_offset(qid, completion, self.drive.controller.config.dstrd)
+        self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, 4, value, path=path)
+
+    def mmio(self, offset: int, size: int, value: int) -> None:
+        """A write of the guest's (or of its trap) into the drive's BAR0, from the VM's node."""
+        self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, size, value)
 
     def _free_rings(self) -> None:
         if self.rings is not None:
@@ -264,7 +290,6 @@ class _GuestBar0:
 
     def __init__(self, share: VmNvmeShare) -> None:
         self.s = share
-        self.real = share.drive.device.bars
         self.dstrd = share.drive.controller.config.dstrd
         self.page = share.share.doorbell_page_offset(self.dstrd)
 
@@ -306,7 +331,7 @@ class _GuestBar0:
             # page mode: the guest page is mapped onto the share's real doorbell page, so the
             # write lands in the drive with no software in between (guest qid g = real
             # qid_base + g by construction); admin doorbells come back as stray doorbells
-            self.real.write(0, self.page + offset - spec.DOORBELL_BASE, size, value)
+            self.s.mmio(self.page + offset - spec.DOORBELL_BASE, size, value)
             return
         slot = spec.doorbell_of(offset, self.dstrd)
         if slot is None or size != 4:
@@ -318,7 +343,7 @@ class _GuestBar0:
         self.s.traps += 1  # trap mode: one software step per I/O doorbell write
         if qid <= self.s.share.queue_pairs:
             real = spec.doorbell_offset(self.s.share.real_qid(qid), completion, self.dstrd)
-            self.real.write(0, real, 4, value)
+            self.s.mmio(real, 4, value)
 
 
 class SharedNvmeDrive:
@@ -333,12 +358,17 @@ class SharedNvmeDrive:
         blocks: int = 1 << 21,
         config: ControllerConfig | None = None,
         link_events: bool = True,
+        clock: Clock = time.monotonic,
+        command_timeout: float = COMMAND_TIMEOUT,
     ) -> None:
         """``link_events=False``: the drive's manager and the VMs' virtual controllers do not
         hear link events (their hosts missed them): crossings are not moved, and a two-path
-        share fails over only on a command timeout (``VmNvmeShare.timeout``)."""
+        share fails over only on a command timeout (``VmNvmeShare.timeout``): a command past
+        ``command_timeout`` seconds on ``clock`` (which tests inject)."""
         self.hw = hardware
         self.fdid = fdid
+        self.clock = clock
+        self.command_timeout = command_timeout
         held = hardware.borrowed(fdid)
         if held is not None:
             raise FabricError(
@@ -715,7 +745,7 @@ class SharedNvmeDrive:
             if recreate:  # its driver programs again what the adapters lost
                 self.hw.reprogram(link)
             why = f"link {link} up" + (" without its mappings" if recreate else "")
-            vms.relay.switch_back(recreate, why)
+            vms.relay.switch_back(why)
             vms.failed = set()
 
     def _reroute(self, node: str, old: NtbPath) -> bool:
@@ -857,12 +887,6 @@ class SharedNvmeDrive:
             if v.share.paths > 1:
                 out.append(ShareGrant(self.fdid, v.node, v.vm, v.share.backup_asid, backup=True))
         return out
-
-    def _ring_real(self, qid: int, completion: bool, value: int) -> None:
-        """A relay rings real doorbell ``qid`` (the simulator writes the real doorbell page
-        directly; a doorbell mapping over the NTB is not modelled)."""
-        offset = spec.doorbell_offset(qid, completion, self.controller.config.dstrd)
-        self.device.bars.write(0, offset, 4, value)
 
     # --- life -----------------------------------------------------------------------------------
     def status(self) -> dict[str, object]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.clocks import FakeClock
 from tests.support.nvme_guest import guest_driver
 from tests.support.simfabric import two_cable_topology
 from vmlend.errors import FabricError
@@ -142,7 +143,10 @@ def test_commands_in_flight_on_the_dead_pair_are_sent_again_on_the_backup(hw, tm
 
 
 def test_a_command_timeout_switches_when_the_link_event_is_missed(hw, tmp_path):
-    drive = SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16, link_events=False)
+    clock = FakeClock()
+    drive = SharedNvmeDrive(
+        hw, DRIVE, tmp_path, blocks=1 << 16, link_events=False, clock=clock, command_timeout=5
+    )
     try:
         share, drv, queue = open_guest(hw, drive)
         assert share.timeout() is False  # nothing outstanding: nothing to do
@@ -150,8 +154,11 @@ def test_a_command_timeout_switches_when_the_link_event_is_missed(hw, tmp_path):
         assert share.relay.status()["active"] == "primary"  # nobody told it
         batch(drv, queue, 0)
         drv.ring(queue)
-        assert drv.reap(queue) == []  # all ones through the dead path; completions dropped
+        assert drv.reap(queue) == []  # the relay's doorbell died at the cable
         assert share.relay.outstanding() == DEPTH
+        clock.advance(4.9)
+        assert share.timeout() is False  # not yet, on the injected clock
+        clock.advance(0.1)
         assert share.timeout() is True
         assert share.relay.stats.switches == [("backup", "command timeout")]
         done = reap_all(drv, queue)

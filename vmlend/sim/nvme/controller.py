@@ -264,6 +264,12 @@ class NvmeController:
         """Existing I/O submission queue ids."""
         return sorted(q for q in self._sqs if q)
 
+    def sq_tail(self, qid: int) -> int | None:
+        """The tail the last doorbell write of submission queue ``qid`` that arrived set
+        (None: no such queue)."""
+        sq = self._sqs.get(qid)
+        return sq.tail if sq else None
+
     def sq_stopped(self, qid: int) -> str:
         sq = self._sqs.get(qid)
         return sq.stopped if sq else ""

@@ -5,12 +5,18 @@ Number of Queues, Create I/O CQ/SQ, Read/Write/Flush with PRP1/PRP2 and PRP list
 reaped by phase tag (an MSI-X vector is also raised; callers may count it). Used as the guest's
 driver in the tests and bench, and by the manager on the lender for the real controller.
 
+Each submitted command has a deadline on the injected ``clock`` (``CommandTimer``, Linux's
+30 s by default): ``overdue`` names the commands of a queue past it, as the driver's timeout
+handler would find them. The synchronous waits (``write``, ``read``, admin commands) still
+give up after a bounded number of polls: nothing in the simulator completes a command later.
+
 Registers are reached through ``mmio`` (the BAR as the CPU sees it), queues and buffers through
 ``memory`` at addresses from ``alloc`` (guest-physical for a guest, IOVA for the manager).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -25,6 +31,7 @@ from vmlend.nvme.identify import (
     parse_identify_namespace,
 )
 from vmlend.nvme.prp import build_prp_list, list_pages_needed
+from vmlend.sim.nvme.timer import COMMAND_TIMEOUT, Clock, CommandTimer
 
 
 class Mmio(Protocol):
@@ -100,7 +107,15 @@ _POLLS = 1000  # bounded waits: the simulated controller answers synchronously
 
 
 class NvmeDriver:
-    def __init__(self, mmio: Mmio, memory: Memory, alloc: Alloc) -> None:
+    def __init__(
+        self,
+        mmio: Mmio,
+        memory: Memory,
+        alloc: Alloc,
+        *,
+        clock: Clock = time.monotonic,
+        timeout: float = COMMAND_TIMEOUT,
+    ) -> None:
         self.mmio = mmio
         self.memory = memory
         self.alloc = alloc
@@ -111,6 +126,8 @@ class NvmeDriver:
         self.block_size = 512
         self.blocks = 0
         self.slot_bytes = spec.PAGE * 4
+        #: Deadlines of the submitted commands not completed, keyed (queue id, command id).
+        self.timer = CommandTimer(timeout, clock)
 
     # --- bring-up ----------------------------------------------------------------------------
     def _wait_ready(self, ready: bool, what: str) -> None:
@@ -128,6 +145,7 @@ class NvmeDriver:
         self._wait_ready(False, "become not ready after reset")
         self.queues.clear()
         self.admin = None
+        self.timer.clear()  # the reset aborted every command
 
     def enable(self, admin_entries: int = 32) -> None:
         cap = self.mmio.read(spec.REG_CAP, 8)
@@ -170,6 +188,7 @@ class NvmeDriver:
             raise NvmeCommandError(f"submit on queue {qp.qid} (queue full)", spec.SC_INVALID_FIELD)
         self.memory.write(qp.sq + qp.sq_tail * spec.SQE_SIZE, cmd.encode())
         qp.sq_tail = (qp.sq_tail + 1) % qp.entries
+        self.timer.start((qp.qid, cmd.cid))
 
     def ring(self, qp: QueuePair) -> None:
         self._doorbell(qp.qid, False, qp.sq_tail)
@@ -183,6 +202,7 @@ class NvmeDriver:
             if entry.phase != qp.phase:
                 break
             out.append(entry)
+            self.timer.stop((qp.qid, entry.cid))
             qp.sq_head = entry.sq_head
             qp.cq_head = (qp.cq_head + 1) % qp.entries
             if qp.cq_head == 0:
@@ -190,6 +210,11 @@ class NvmeDriver:
         if out:
             self._doorbell(qp.qid, True, qp.cq_head)
         return out
+
+    def overdue(self, qp: QueuePair) -> list[int]:
+        """Command ids submitted on ``qp``, not completed, past their deadline on the clock
+        (earliest first): what the driver's timeout handler would abort."""
+        return [k[1] for k in self.timer.expired() if k[0] == qp.qid]  # type: ignore[index]
 
     def _call(self, qp: QueuePair, cmd: spec.Command, what: str) -> spec.Completion:
         self.submit(qp, cmd)

@@ -17,11 +17,15 @@ window, and the PRP rules are the controller's as ever.
 
 Failover (``fail_over``, on a link event of the primary path or a command timeout): the active
 pair becomes the backup; every command sent on the primary and not completed is sent again on
-the backup, in order, so none is lost. Switching back (``switch_back``): with the mappings
-kept, the old pair is used again (its completion queue is advanced past the entries the drive
-wrote into the dead path, one per command it fetched there, and its head doorbell rung); with
-the mappings lost, its queues are deleted and created again. The admin queues stay with the
-manager on the lender throughout.
+the backup, in order, so none is lost. The relay's real doorbell writes cross the NTB like
+any MMIO (``vmlend.sim.mmio``): through the primary path's adapter for the primary pair, the
+backup's for the backup pair, so a dead cable drops them. A command timeout is a deadline on
+the injected clock (``CommandTimer``), started when a command is sent on a pair and stopped by
+its completion; ``timeout`` fails over when one on the primary pair has passed. Switching back
+(``switch_back``): the primary pair's queues are deleted and created again, since nobody
+knows how far the drive got on them (a doorbell dropped at the dead cable, or a fetch whose
+completion went into the void); with the mappings lost, they are programmed again first.
+The admin queues stay with the manager on the lender throughout.
 
 Limits: a guest submission queue feeds its own completion queue (as Linux's driver pairs
 them); the relay keeps up to ``RELAY_ENTRIES - 1`` commands per queue in flight.
@@ -37,6 +41,7 @@ import msgspec
 
 from vmlend.nvme import spec
 from vmlend.nvme.shares import Share
+from vmlend.sim.nvme.timer import CommandTimer
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,6 @@ class _PathSq(msgspec.Struct):
 class _PathCq(msgspec.Struct):
     head: int = 0
     phase: int = 1
-    skip: int = 0  # entries the drive wrote through a dead path (consumed, never seen)
 
 
 class _GuestCq(msgspec.Struct):
@@ -137,7 +141,10 @@ class QueueRelay:
         manager: PathQueues,
         doorbell: RealDoorbell,
         interrupt: Callable[[int], object],
+        timer: CommandTimer | None = None,
     ) -> None:
+        """``timer``: the command deadlines (default: ``COMMAND_TIMEOUT`` on the monotonic
+        clock), keyed (pair, guest queue id, command id)."""
         if share.paths < 2:
             raise ValueError(f"share {share.name} has one path: nothing to relay")
         self.share = share
@@ -146,6 +153,7 @@ class QueueRelay:
         self.manager = manager
         self.doorbell = doorbell
         self.interrupt = interrupt
+        self.timer = timer if timer is not None else CommandTimer()
         self.active = PRIMARY
         self.stats = RelayStats()
         self._cqs: dict[int, _GuestCq] = {}
@@ -205,8 +213,12 @@ class QueueRelay:
         return spec.SC_SUCCESS
 
     def delete_sq(self, share: Share, qid: int) -> int:
-        if self._sqs.pop(qid, None) is None:
+        sq = self._sqs.pop(qid, None)
+        if sq is None:
             return spec.SC_INVALID_QID
+        for path, psq in enumerate(sq.paths):
+            for cid in psq.outstanding:
+                self.timer.stop((path, qid, cid))
         for path in (PRIMARY, BACKUP):
             self.manager.delete_sq(share, qid, path)
         return spec.SC_SUCCESS
@@ -242,6 +254,7 @@ class QueueRelay:
         at = self._ring_iova(path, qid, False) - RING_IOVA + psq.tail * spec.SQE_SIZE
         self.rings.write(at, cmd.encode())
         psq.outstanding[cmd.cid] = (cmd, head)
+        self.timer.start((path, qid, cmd.cid))
         psq.tail = (psq.tail + 1) % RELAY_ENTRIES
         self.stats.relayed += 1
 
@@ -297,6 +310,7 @@ class QueueRelay:
             sent = sq.paths[path].outstanding.pop(entry.cid, None) if sq is not None else None
             if sent is None:
                 continue  # not outstanding (sent again elsewhere): dropped
+            self.timer.stop((path, g, entry.cid))
             cq.backlog.append(
                 spec.Completion(entry.cid, entry.status, g or 0, sent[1], 0, entry.result)
             )
@@ -339,9 +353,8 @@ class QueueRelay:
             old = sq.paths[PRIMARY]
             lost = list(old.outstanding.values())
             old.outstanding.clear()
-            # the drive fetched each of them through the dead path and wrote a completion
-            # there that never arrived: its completion queue is that much further on
-            self._cqs[sq.cqid].paths[PRIMARY].skip += len(lost)
+            for cmd, _ in lost:
+                self.timer.stop((PRIMARY, qid, cmd.cid))
             for cmd, head in lost:
                 self._send(BACKUP, qid, sq, cmd, head)
                 self.stats.resubmitted += 1
@@ -352,36 +365,23 @@ class QueueRelay:
         return True
 
     def timeout(self) -> bool:
-        """The relay's command timer expired: commands still outstanding on the primary pair
-        (its path reads all ones and drops writes) fail over to the backup. True if it did."""
+        """Check the command timer (where a driver's timer interrupt runs): when a command
+        sent on the primary pair has passed its deadline on the clock (its doorbell or its
+        completion died with the path), the backup takes over. True if it did."""
         self.reap()
-        if self.active == PRIMARY and self.outstanding(PRIMARY):
+        if self.active != PRIMARY:
+            return False
+        if any(key[0] == PRIMARY for key in self.timer.expired()):  # type: ignore[index]
             return self.fail_over("command timeout")
         return False
 
-    def switch_back(self, recreate: bool, why: str) -> bool:
-        """The primary path works again: use its pair again (``recreate``: its mappings were
-        lost, so delete and create its queues first). False when already on it."""
+    def switch_back(self, why: str) -> bool:
+        """The primary path works again: its pair is deleted and created again (the drive's
+        position on it is unknown: a doorbell may have been dropped, a completion lost), then
+        used again. False when already on it."""
         if self.active == PRIMARY:
             return False
-        for qid, cq in self._cqs.items():
-            pcq = cq.paths[PRIMARY]
-            if recreate:
-                continue
-            base = self._ring_iova(PRIMARY, qid, True) - RING_IOVA
-            for _ in range(pcq.skip):
-                # the entry the drive wrote into the void, as it would have landed: on the
-                # next lap its phase tag must read as old, not as a new completion
-                stale = spec.Completion(0xFFFF, spec.SC_DATA_TRANSFER_ERROR, 0, 0, pcq.phase, 0)
-                self.rings.write(base + pcq.head * spec.CQE_SIZE, stale.encode())
-                pcq.head = (pcq.head + 1) % RELAY_ENTRIES
-                if pcq.head == 0:
-                    pcq.phase ^= 1
-            if pcq.skip:
-                self.doorbell(self._real(PRIMARY, qid), True, pcq.head)
-            pcq.skip = 0
-        if recreate:
-            self._recreate()
+        self._recreate()
         self.active = PRIMARY
         self.stats.switches.append(("primary", why))
         log.warning("NVMe share %s: back on its primary queue pairs (%s)", self.share.name, why)
@@ -402,6 +402,8 @@ class QueueRelay:
             cq.paths[PRIMARY] = _PathCq()
             self._create_path_cq(PRIMARY, qid, cq.vector)
         for qid, sq in self._sqs.items():
+            for cid in sq.paths[PRIMARY].outstanding:
+                self.timer.stop((PRIMARY, qid, cid))
             sq.paths[PRIMARY] = _PathSq()
             self._create_path_sq(PRIMARY, qid, sq.cqid)
         self.stats.recreated += len(self._sqs)
