@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vmlend.errors import DmaFault, FabricError
+from vmlend.errors import DmaFault, FabricError, NoPathError
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import Hop
 
@@ -94,8 +94,7 @@ class MmioResolver:
         hops = [Hop("cpu", node, phys, f"BAR {bar} of {fdid:#x} +{offset:#x}")]
         adapter = None
         if node != dev.lender:
-            route = path if path is not None else self.hw.crossing(fdid, node)
-            assert route is not None  # node is not the lender
+            route = path if path is not None else self._crossing(fdid, node, phys)
             if route.dst.node != node or route.src.node != dev.lender:
                 raise FabricError(
                     f"route {route.describe()} does not join {node} and {dev.lender}, the "
@@ -124,11 +123,28 @@ class MmioResolver:
         hops.append(Hop("bar", dev.lender, phys, f"{fdid:#x}"))
         return MmioTarget(fdid, bar, offset, adapter, tuple(hops))
 
+    def _crossing(self, fdid: int, node: str, phys: int) -> NtbPath:
+        """The route of ``fdid``'s crossing into ``node``; ``link-down`` when there is none
+        and every route is dead (nothing could carry the access)."""
+        try:
+            route = self.hw.crossing(fdid, node)
+        except NoPathError:
+            raise DmaFault(
+                "link-down", phys, f"no live route joins {node} and {self.hw.device(fdid).lender}"
+            ) from None
+        assert route is not None  # node is not the lender
+        return route
+
     def _through(self, node: str, path: NtbPath | None, fdid: int) -> str:
         """The borrower adapter an access would leave by (for the counters)."""
         if node == self.hw.device(fdid).lender:
             return ""
-        route = path if path is not None else self.hw.crossing(fdid, node)
+        if path is not None:
+            return path.dst.ref
+        try:
+            route = self.hw.crossing(fdid, node)
+        except NoPathError:
+            return ""
         return route.dst.ref if route is not None else ""
 
     def write(

@@ -126,3 +126,14 @@ def test_a_guests_register_write_is_lost_at_a_dead_cable(cluster):
     cluster.hw.link_up(LENDER)
     vm.mmio_write(bar0 + REG, 4, 0xCD)
     assert vm.mmio_read(bar0 + REG, 4) == 0xCD
+
+
+def test_with_no_crossing_and_no_live_route_the_write_is_dropped(hw):
+    hw.link_down(LENDER)  # beta has no crossing of the device and no live route to alpha
+    with pytest.raises(DmaFault) as fault:
+        hw.mmio.resolve("beta", DEV, 0, REG, 4)
+    assert fault.value.hop == "link-down"
+    assert "no live route joins beta and alpha" in fault.value.why
+    assert hw.mmio_write("beta", DEV, 0, REG, 4, 1) is None
+    assert hw.mmio_read("beta", DEV, 0, REG, 4) == 0xFFFF_FFFF
+    assert hw.device(DEV).bars.read(0, REG, 4) == 0
