@@ -8,7 +8,8 @@ and alpha's NVMe drive lent for queue-level sharing. Five VM slots run on four n
 operator and an attacker do, in any order:
 
 - start a VM with free devices and, sometimes, a share of the drive (the hook's prepare; the
-  guest enables everything and its NVMe driver starts), share I/O;
+  guest enables everything and its NVMe driver starts), share I/O, a guest's register write
+  to one of its devices (MMIO through the adapters);
 - enable, Bus Master and memory decoding on and off, BAR moves (peer-to-peer re-plans),
   function level resets, hot-remove (the VM's own hold released);
 - hand-overs: the fabric's give-back behind the VM's back, a release after a crash, a share
@@ -25,7 +26,8 @@ nothing; every device (Bus Master forced on, as a misbehaving device would) reac
 and BARs of the VM that borrowed it; the shared drive reaches, in each address space, only the
 RAM of the VM whose registry share it is; every session whose device moved on reads all ones,
 and its config writes (Command, MSI, a function level reset) change nothing on the device; a
-share taken from its VM reads all ones.
+share taken from its VM reads all ones; a guest's MMIO to a device it holds resolves through
+the borrower adapter of the device's crossing, and is cut exactly when a cable of it is down.
 
 CI runs ``MAX_EXAMPLES`` sequences of up to ``STEPS`` steps (marked slow) plus a short smoke
 run in the fast suite, derandomized (the same sequences every run). ``VMLEND_STATEFUL_EXAMPLES``
@@ -209,6 +211,9 @@ NODES = ("gamma", "delta", "alpha", "beta")
 DEVICES = (0x10, 0x12, 0x20, 0x21)
 LENDERS = ("alpha", "beta")
 PROBE_GPAS = (0x1000, 512 * MiB)
+#: A BAR0 offset no device here decodes as anything but plain memory (NVMe's registers end
+#: below it, no MSI-X table sits in BAR0 at 0).
+MMIO_REG = 0x100
 #: Cables a link fault can cut: gamma's primary and backup, a lender's, the switches' cable.
 LINKS = ("sw/gamma:0", "sw2/gamma:1", "sw/alpha:0", "sw-sw2")
 
@@ -453,6 +458,54 @@ class FabricMachine(RuleBasedStateMachine):
         assert not dead, "I/O completed across a dead link"
         event("share_io: done" + (" (two paths)" if share.relay is not None else ""))
         assert done.ok and back == data
+
+    def _ours(self, vm: SimVm, fdid: int) -> bool:
+        """The device is under ``vm``'s borrow and its session is live."""
+        borrow = self.c.hw.borrowed(fdid)
+        owned = borrow is not None and (borrow.node, borrow.vm) == (vm.node, vm.name)
+        return owned and not vm.session(fdid).cut_off
+
+    @precondition(lambda self: self.vms)
+    @rule(
+        slot=slots,
+        pick=picks,
+        value=st.integers(min_value=1, max_value=0xFFFF_FFFF),
+        pull=st.booleans(),
+    )
+    def guest_mmio(self, slot: int, pick: int, value: int, pull: bool) -> None:
+        """The guest writes a register of one of its devices (``pull``: just after a cable of
+        the device's crossing went down, the fabric re-routing it if it can): it reaches the
+        device exactly when the device is the VM's, decodes memory and the route of its
+        crossing has no dead cable (a dead cable drops it, as it drops the device's DMA)."""
+        got = self._vm(slot, pick)
+        if got is None:
+            return
+        vm, fdid = got
+        base = vm.session(fdid).decoded_bars().get(0)
+        if base is None:
+            return  # the guest does not decode BAR0: its driver cannot write it
+        hw = self.c.hw
+        dev = hw.device(fdid)
+        borrow = hw.borrowed(fdid)
+        if pull and borrow is not None and borrow.path is not None:
+            cut = [c for c in borrow.path.links if c in LINKS and c not in self.links_down]
+            if cut:
+                self.link_down(cut[-1])  # the borrower's end first: gamma's own adapter
+                borrow = hw.borrowed(fdid)
+        ours = self._ours(vm, fdid)
+        path = borrow.path if borrow is not None else None
+        dead = ours and path is not None and bool(hw.dead_links(path))
+        decodes = hw.fenced(fdid) is None and bool(dev.config.command & regs.COMMAND_MEMORY)
+        before = dev.bars.read(0, MMIO_REG, 4)
+        value = value if value != before else value ^ 1
+        vm.mmio_write(base + MMIO_REG, 4, value)
+        after = dev.bars.read(0, MMIO_REG, 4)
+        if ours and decodes and not dead:
+            assert after == value, f"{vm.name}'s write to {fdid:#x} did not arrive"
+            event("guest_mmio: delivered")
+            return
+        assert after == before, f"{vm.name}'s write reached {fdid:#x} (ours={ours}, dead={dead})"
+        event("guest_mmio: " + ("dropped at a dead cable" if dead else "not delivered"))
 
     @precondition(lambda self: self.vms)
     @rule(slot=slots, pick=picks)
@@ -822,6 +875,29 @@ class FabricMachine(RuleBasedStateMachine):
                         assert b is not None and (b.node, b.vm) == owner, f"{dev.fdid:#x}: {t}"
             finally:
                 dev.config.write(regs.COMMAND, 2, command, notify=False)
+
+    @invariant()
+    def a_guests_mmio_takes_its_devices_crossing(self) -> None:
+        hw = self.c.hw
+        for entry in self.vms.values():
+            vm = entry.vm
+            for fdid in vm.devices():
+                borrow = hw.borrowed(fdid)
+                if borrow is None or not self._ours(vm, fdid):
+                    continue
+                if hw.fenced(fdid) is not None:
+                    continue
+                if not hw.device(fdid).config.command & regs.COMMAND_MEMORY:
+                    continue
+                dead = borrow.path is not None and bool(hw.dead_links(borrow.path))
+                try:
+                    target = hw.mmio.resolve(vm.node, fdid, 0, MMIO_REG, 4)
+                except DmaFault as fault:
+                    assert dead and fault.hop == "link-down", f"{vm.name} -> {fdid:#x}: {fault}"
+                    continue
+                assert not dead, f"{vm.name}'s MMIO to {fdid:#x} crossed a dead cable"
+                want = None if borrow.path is None else borrow.path.dst.ref
+                assert target.adapter == want, f"{vm.name} -> {fdid:#x}: {target.describe()}"
 
     @invariant()
     def the_shared_drive_reaches_only_each_shares_vm(self) -> None:
