@@ -127,7 +127,7 @@ class NvmeDriver:
         self.blocks = 0
         self.slot_bytes = spec.PAGE * 4
         #: Deadlines of the submitted commands not completed, keyed (queue id, command id).
-        self.timer = CommandTimer(timeout, clock)
+        self.timer: CommandTimer[tuple[int, int]] = CommandTimer(timeout, clock)
 
     # --- bring-up ----------------------------------------------------------------------------
     def _wait_ready(self, ready: bool, what: str) -> None:
@@ -214,7 +214,7 @@ class NvmeDriver:
     def overdue(self, qp: QueuePair) -> list[int]:
         """Command ids submitted on ``qp``, not completed, past their deadline on the clock
         (earliest first): what the driver's timeout handler would abort."""
-        return [k[1] for k in self.timer.expired() if k[0] == qp.qid]  # type: ignore[index]
+        return [cid for qid, cid in self.timer.expired() if qid == qp.qid]
 
     def _call(self, qp: QueuePair, cmd: spec.Command, what: str) -> spec.Completion:
         self.submit(qp, cmd)

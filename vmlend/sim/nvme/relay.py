@@ -141,7 +141,7 @@ class QueueRelay:
         manager: PathQueues,
         doorbell: RealDoorbell,
         interrupt: Callable[[int], object],
-        timer: CommandTimer | None = None,
+        timer: CommandTimer[tuple[int, int, int]] | None = None,
     ) -> None:
         """``timer``: the command deadlines (default: ``COMMAND_TIMEOUT`` on the monotonic
         clock), keyed (pair, guest queue id, command id)."""
@@ -153,7 +153,9 @@ class QueueRelay:
         self.manager = manager
         self.doorbell = doorbell
         self.interrupt = interrupt
-        self.timer = timer if timer is not None else CommandTimer()
+        self.timer: CommandTimer[tuple[int, int, int]] = (
+            timer if timer is not None else CommandTimer()
+        )
         self.active = PRIMARY
         self.stats = RelayStats()
         self._cqs: dict[int, _GuestCq] = {}
@@ -308,7 +310,7 @@ class QueueRelay:
             g = self._guest_sq(path, entry.sq_id)
             sq = self._sqs.get(g) if g is not None else None
             sent = sq.paths[path].outstanding.pop(entry.cid, None) if sq is not None else None
-            if sent is None:
+            if sent is None or g is None:
                 continue  # not outstanding (sent again elsewhere): dropped
             self.timer.stop((path, g, entry.cid))
             cq.backlog.append(
@@ -371,7 +373,7 @@ class QueueRelay:
         self.reap()
         if self.active != PRIMARY:
             return False
-        if any(key[0] == PRIMARY for key in self.timer.expired()):  # type: ignore[index]
+        if any(key[0] == PRIMARY for key in self.timer.expired()):
             return self.fail_over("command timeout")
         return False
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 from vmlend.errors import ConfigError
 
@@ -18,9 +19,10 @@ from vmlend.errors import ConfigError
 COMMAND_TIMEOUT = 30.0
 
 Clock = Callable[[], float]
+K = TypeVar("K", bound=Hashable)
 
 
-class CommandTimer:
+class CommandTimer(Generic[K]):
     """The deadline of each outstanding command, by key."""
 
     def __init__(self, timeout: float = COMMAND_TIMEOUT, clock: Clock = time.monotonic) -> None:
@@ -28,17 +30,17 @@ class CommandTimer:
             raise ConfigError(f"a command timeout must be positive seconds, not {timeout!r}")
         self.timeout = timeout
         self.clock = clock
-        self._deadlines: dict[Hashable, float] = {}
+        self._deadlines: dict[K, float] = {}
 
     def __len__(self) -> int:
         return len(self._deadlines)
 
-    def start(self, key: Hashable) -> None:
+    def start(self, key: K) -> None:
         """``key`` was sent now: it times out ``timeout`` seconds from now (a command sent
         again starts over)."""
         self._deadlines[key] = self.clock() + self.timeout
 
-    def stop(self, key: Hashable) -> bool:
+    def stop(self, key: K) -> bool:
         """``key`` completed (or was given up): no deadline. False when it had none."""
         return self._deadlines.pop(key, None) is not None
 
@@ -46,7 +48,7 @@ class CommandTimer:
         """Every command was aborted (a controller reset): no deadline left."""
         self._deadlines.clear()
 
-    def expired(self) -> list[Hashable]:
+    def expired(self) -> list[K]:
         """The keys whose deadline has passed on the clock, earliest first."""
         now = self.clock()
         late = [(d, k) for k, d in self._deadlines.items() if d <= now]
