@@ -528,12 +528,12 @@ def test_idle_connections_cost_the_hook_behind_them_one_deadline(hosts):
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             peer.connect(str(served.socket))
             idle.append(peer)
-        started = time.monotonic()
-        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="60")
-        took = time.monotonic() - started
+        # Served within the hook's own timeout: read one at a time, the 30 deadlines (30 s)
+        # would pass it; side by side they cost about one. A bound, not a measured time, so
+        # a loaded machine's slow scheduling does not fail it.
+        res = served.hook_run("prepare", vm_xml(), VMLEND_HOOK_TIMEOUT="15")
         assert (res.returncode, res.stderr) == (0, b"")
         assert set(served.log_pids()) == {agent}  # the agent ran it, not the hook itself
-        assert took < 3.0, f"the hook took {took:.1f} s behind 30 idle connections"
         deadline = time.monotonic() + 10
         while served.agent_log().count("no whole request within 1 s") < 30:
             assert time.monotonic() < deadline, served.agent_log()
