@@ -359,7 +359,9 @@ def test_a_slow_client_holds_up_no_other_scrape(served):
         started = time.monotonic()
         with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics", timeout=5) as got:
             assert got.status == 200
-        assert time.monotonic() - started < 2.0
+        # A bound well under the 6 s the trickling clients would hold it, and loose enough
+        # for a loaded machine's scheduling.
+        assert time.monotonic() - started < 4.0
     finally:
         for peer in slow:
             peer.close()
@@ -377,7 +379,7 @@ def test_a_silent_client_is_cut_off_at_its_deadline_with_one_line(fabric, tmp_pa
         peer.settimeout(5)
         while peer.recv(1024):  # the server ends it at its deadline, not at the peer's will
             pass
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 4.0  # the 0.5 s deadline, not the peer's 10 s
         peer.close()
     finally:
         server.stop()
