@@ -780,12 +780,16 @@ class SimHardware:
     def _crossing_path(self, fdid: int, node: str) -> NtbPath | None:
         """The route ``fdid``'s DMA into ``node`` takes: its borrow's, when ``node`` borrows
         it (made over the cheapest live route then, perhaps re-made over another since); else
-        the cheapest whose far adapter has a LUT entry for it (a share's, a peer map's), else
-        the cheapest live route."""
+        a shared drive's crossing into the node (not a two-path share's backup); else the
+        cheapest whose far adapter has a LUT entry for it (a peer map's), else the cheapest
+        live route."""
         dev = self.device(fdid)
         borrow = self._borrows.get(fdid)
         if borrow is not None and borrow.node == node and borrow.path is not None:
             return borrow.path
+        for c in self.share_crossings(fdid):
+            if c.node == node and not c.backup_of:
+                return c.path
         key = self.requester_key(fdid)
         for p in routes(self.topology, dev.lender, node):  # dead cables too: it stays set up
             if self.adapter(p.dst.ref).lut_lookup(key) is not None:

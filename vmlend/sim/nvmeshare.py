@@ -216,13 +216,16 @@ class VmNvmeShare:
         crossing into the node)."""
         share = self.share
         backup = qid > share.qid_base + share.queue_pairs
-        path = self.backup if backup else None
+        path = self.backup if backup else self.drive.crossing(self.node)
         offset = spec.doorbell_offset(qid, completion, self.drive.controller.config.dstrd)
         self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, 4, value, path=path)
 
     def mmio(self, offset: int, size: int, value: int) -> None:
-        """A write of the guest's (or of its trap) into the drive's BAR0, from the VM's node."""
-        self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, size, value)
+        """A write of the guest's (or of its trap) into the drive's BAR0, from the VM's node,
+        over the drive's crossing into the node (never a guess from LUT entries: a two-path
+        share's backup puts one on another adapter of the node)."""
+        path = self.drive.crossing(self.node)
+        self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, size, value, path=path)
 
     def _free_rings(self) -> None:
         if self.rings is not None:
@@ -507,8 +510,13 @@ class SharedNvmeDrive:
         # adapter (its segments name that adapter), in the backup's own address space
         self._map_rings(vms, PRIMARY, ingress.domain, path.src.ref, base, None)
         primary = self.hw.path_between(ingress.src, ingress.far)
+        # a live route only: one over a dead cable would carry nothing until the link is back
         backup = next(
-            (p for p in self.hw.routes(self.device.lender, vms.node) if p.dst.ref != ingress.far),
+            (
+                p
+                for p in self.hw.routes(self.device.lender, vms.node)
+                if p.dst.ref != ingress.far and not self.hw.dead_links(p)
+            ),
             None,
         )
         if primary is None or backup is None:
@@ -678,6 +686,12 @@ class SharedNvmeDrive:
         self._far_drop(node, path.dst.ref)
         self._lut_release(path.src.ref, self.device.requester_id)
         self.hw.switch_ports.remove(route_ports(path), requester_device(self.device.spec), user)
+
+    def crossing(self, node: str) -> NtbPath | None:
+        """The route the drive's crossing into ``node`` takes now (the one the node's shares
+        ring their primary doorbells over); None while no share of the node is mapped."""
+        ingress = self._ingress.get(node)
+        return ingress.path if ingress is not None else None
 
     def _enter(self, node: str, path: NtbPath) -> _Ingress:
         ingress = self._ingress.get(node)

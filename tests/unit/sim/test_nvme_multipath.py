@@ -339,3 +339,52 @@ def test_the_registry_claims_match_what_both_paths_map_across_link_events(state_
         clean()
     finally:
         c.close()
+
+
+def test_a_two_path_share_started_while_the_cheapest_route_is_down_leaves_the_crossing(
+    hw, tmp_path
+):
+    """gamma:0's cable is down when a two-path share maps: the node's crossing takes the live
+    route through gamma:1 and there is no other live adapter for a backup. The share is
+    refused (its Bus Master stays clear) rather than given a backup over the dead cable,
+    whose LUT entry would make the node's doorbells guess that dead route; a one-path share
+    on the node keeps working throughout."""
+    drive = SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16)
+    try:
+        hw.link_down(PRIMARY)
+        _one, drv1, q1 = open_guest(hw, drive, paths=1)
+        assert hw.crossing(DRIVE, "gamma").dst.ref == "gamma:1"
+        hw.create_guest("gamma", "db", [GuestRange(0, 64 * MiB)])
+        two = drive.open_share("gamma", "db", 1, 4096, paths=2)
+        with pytest.raises(FabricError, match="no second adapter"):
+            two.set_master()
+        assert two.backup is None and "gamma:0" not in hw.entry_adapters(DRIVE, "gamma")
+        assert hw.crossing(DRIVE, "gamma").dst.ref == "gamma:1"
+        assert io(drv1, q1, 0, 4) == 8
+        clean(hw, drive)
+    finally:
+        drive.close()
+
+
+def test_a_lender_with_two_adapters_gives_no_backup_over_a_dead_cable(tmp_path):
+    """A lender with two adapters, l:0-b:0 down when the share maps: the crossing takes
+    l:1-b:1, and the backup (cheapest live route into another adapter of b) is none, so the
+    share is refused; with the cable back the share maps with its primary on l:0-b:0."""
+    hw = SimHardware.from_topology(parse_topology(two_cable_topology()), seed=5)
+    drive = SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16)
+    try:
+        hw.link_down("l:0-b:0")
+        hw.create_guest("b", "web", [GuestRange(0, 64 * MiB)])
+        share = drive.open_share("b", "web", 1, 4096, paths=2)
+        with pytest.raises(FabricError, match="no second adapter"):
+            share.set_master()
+        assert share.backup is None and hw.share_crossings(DRIVE) == []
+        hw.link_up("l:0-b:0")
+        share.set_master()
+        assert hw.crossing(DRIVE, "b").dst.ref == "b:0" and share.backup.dst.ref == "b:1"
+        drv = guest_driver(share.bar0, hw.guest("b", "web"))
+        (queue,) = drv.start(queues=1, entries=32)
+        assert io(drv, queue, 0, 4) == 8
+        clean(hw, drive)
+    finally:
+        drive.close()
