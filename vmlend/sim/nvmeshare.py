@@ -530,6 +530,8 @@ class SharedNvmeDrive:
         self._backups[vms.name] = ShareCrossing(self.fdid, vms.node, vms.name, backup)
 
         def uncross_backup() -> None:
+            # forgotten with its crossing: the relay must not ring or switch onto freed ports
+            vms.backup = None
             self._backups.pop(vms.name, None)
             self._uncross(vms.node, backup, user)
 

@@ -388,3 +388,24 @@ def test_a_lender_with_two_adapters_gives_no_backup_over_a_dead_cable(tmp_path):
         clean(hw, drive)
     finally:
         drive.close()
+
+
+def test_a_backup_path_unmapped_with_bus_master_is_not_switched_to(hw, setup):
+    """Bus Master cleared: the backup crossing's ports, LUT entries and segments go, and so
+    does the share's record of it; a link-down of the primary then finds no backup to switch
+    onto (a one-path share keeps the node's crossing on the dead cable)."""
+    drive, share, _drv, _queue = setup
+    hw.create_guest("gamma", "db", [GuestRange(0, 64 * MiB)])
+    other = drive.open_share("gamma", "db", 1, 4096)
+    other.set_master()
+    share.set_master(False)
+    hw.link_down(PRIMARY)
+    assert share.relay.status()["active"] == "primary" and share.relay.stats.switches == []
+    assert share.backup is None and all(not c.backup_of for c in hw.share_crossings(DRIVE))
+    clean(hw, drive)
+    hw.link_up(PRIMARY)
+    share.set_master()  # mapped again: a backup again, and it fails over
+    assert share.backup is not None and share.backup.dst.ref == "gamma:1"
+    hw.link_down(PRIMARY)
+    assert share.relay.status()["active"] == "backup"
+    clean(hw, drive)
