@@ -9,8 +9,10 @@ name a ``DmaFault.hop`` carries when it refuses:
 ``bar``          the device has no such BAR, or the access leaves it
 ``link-down``    a cable of the route is down: the adapter answers a read with all ones and
                  drops a write, as for DMA (``read`` and ``write`` do so; ``resolve`` names it)
-``no-target``    the device is fenced, or its memory decoding is off (command bit 1): the
-                 access ends in a master abort, a read of all ones and a dropped write
+``no-target``    the node does not hold the device (no current borrow, no shared drive's
+                 crossing into it, and the caller named no route), the device is fenced, or
+                 its memory decoding is off (command bit 1): the access ends in a master
+                 abort, a read of all ones and a dropped write
 
 The route is the one the device's crossing into the node takes now (``SimHardware.crossing``:
 an exclusive borrow's path, a shared drive's crossing, each moved by a re-route), unless the
@@ -94,6 +96,14 @@ class MmioResolver:
         hops = [Hop("cpu", node, phys, f"BAR {bar} of {fdid:#x} +{offset:#x}")]
         adapter = None
         if node != dev.lender:
+            if path is None and not self._holds(fdid, node):
+                # no window of the node's adapter maps the BAR: nothing would carry it
+                raise DmaFault(
+                    "no-target",
+                    phys,
+                    f"{node} does not hold device {fdid:#x} (no borrow, no share crossing into"
+                    f" it): its CPU's access reaches no BAR; borrow the device on {node} first",
+                )
             route = path if path is not None else self._crossing(fdid, node, phys)
             if route.dst.node != node or route.src.node != dev.lender:
                 raise FabricError(
@@ -122,6 +132,14 @@ class MmioResolver:
             )
         hops.append(Hop("bar", dev.lender, phys, f"{fdid:#x}"))
         return MmioTarget(fdid, bar, offset, adapter, tuple(hops))
+
+    def _holds(self, fdid: int, node: str) -> bool:
+        """``node`` may reach ``fdid``'s BARs: it borrows the device now, or a shared drive
+        has a crossing into it (its shares' doorbells)."""
+        borrow = self.hw.borrowed(fdid)
+        if borrow is not None and borrow.node == node:
+            return True
+        return any(c.node == node for c in self.hw.share_crossings(fdid))
 
     def _crossing(self, fdid: int, node: str, phys: int) -> NtbPath:
         """The route of ``fdid``'s crossing into ``node``; ``link-down`` when there is none

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import msgspec
 
-from vmlend.errors import FabricError, SwitchPortFullError
+from vmlend.errors import FabricError, NoPathError, SwitchPortFullError
 from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
@@ -216,7 +216,7 @@ class VmNvmeShare:
         crossing into the node)."""
         share = self.share
         backup = qid > share.qid_base + share.queue_pairs
-        path = self.backup if backup else self.drive.crossing(self.node)
+        path = self.backup if backup else self._route()
         offset = spec.doorbell_offset(qid, completion, self.drive.controller.config.dstrd)
         self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, 4, value, path=path)
 
@@ -224,8 +224,23 @@ class VmNvmeShare:
         """A write of the guest's (or of its trap) into the drive's BAR0, from the VM's node,
         over the drive's crossing into the node (never a guess from LUT entries: a two-path
         share's backup puts one on another adapter of the node)."""
-        path = self.drive.crossing(self.node)
+        path = self._route()
         self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, size, value, path=path)
+
+    def _route(self) -> NtbPath | None:
+        """The route of the VM's MMIO to the drive: the drive's crossing into the node; before
+        any share of the node is mapped (no crossing yet), the cheapest live route, else the
+        cheapest (its dead cable drops the write). The share's doorbells are the node's to
+        ring from its opening on, so the route is named, not left to ``hw.crossing``, which
+        refuses a node holding nothing. None on the lender."""
+        path = self.drive.crossing(self.node)
+        if path is not None:
+            return path
+        hw, lender = self.drive.hw, self.drive.device.lender
+        try:
+            return hw.route(lender, self.node)
+        except NoPathError:
+            return next(iter(hw.routes(lender, self.node)), None)
 
     def _free_rings(self) -> None:
         if self.rings is not None:

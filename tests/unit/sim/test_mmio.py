@@ -128,12 +128,33 @@ def test_a_guests_register_write_is_lost_at_a_dead_cable(cluster):
     assert vm.mmio_read(bar0 + REG, 4) == 0xCD
 
 
-def test_with_no_crossing_and_no_live_route_the_write_is_dropped(hw):
-    hw.link_down(LENDER)  # beta has no crossing of the device and no live route to alpha
+def test_a_node_that_does_not_hold_the_device_reaches_no_bar(hw):
+    """beta neither borrows the device (gamma does) nor has a share crossing into it: its
+    CPU's write is a master abort over live cables too, and reads all ones."""
+    hw.mmio_write("gamma", DEV, 0, REG, 4, 7)
     with pytest.raises(DmaFault) as fault:
         hw.mmio.resolve("beta", DEV, 0, REG, 4)
-    assert fault.value.hop == "link-down"
-    assert "no live route joins beta and alpha" in fault.value.why
+    assert fault.value.hop == "no-target" and "beta does not hold device 0x12" in fault.value.why
     assert hw.mmio_write("beta", DEV, 0, REG, 4, 1) is None
     assert hw.mmio_read("beta", DEV, 0, REG, 4) == 0xFFFF_FFFF
+    assert hw.device(DEV).bars.read(0, REG, 4) == 7  # never arrived
+    assert hw.mmio.stats.aborted and not hw.mmio.stats.dropped
+    # the borrow moves to beta: now beta's writes arrive, and gamma's do not
+    hw.give_back(DEV, "gamma", "web")
+    hw.create_guest("beta", "db", [])
+    hw.borrow(DEV, "beta", "db")
+    dev = hw.device(DEV)
+    dev.config.write(regs.COMMAND, 2, dev.config.read(regs.COMMAND, 2) | regs.COMMAND_MEMORY)
+    assert hw.mmio_write("beta", DEV, 0, REG, 4, 2) is not None
+    assert hw.mmio_write("gamma", DEV, 0, REG, 4, 3) is None
+    assert hw.device(DEV).bars.read(0, REG, 4) == 2
+
+
+def test_with_no_live_route_the_holders_write_is_dropped(hw):
+    hw.link_down(LENDER)  # the lender's only cable: no route carries gamma's access
+    with pytest.raises(DmaFault) as fault:
+        hw.mmio.resolve("gamma", DEV, 0, REG, 4)
+    assert fault.value.hop == "link-down"
+    assert hw.mmio_write("gamma", DEV, 0, REG, 4, 1) is None
+    assert hw.mmio_read("gamma", DEV, 0, REG, 4) == 0xFFFF_FFFF
     assert hw.device(DEV).bars.read(0, REG, 4) == 0
