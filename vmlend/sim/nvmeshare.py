@@ -46,13 +46,14 @@ crossings pass (``crossings``) is visible to the invariant checker.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
-from vmlend.errors import FabricError, NoPathError, SwitchPortFullError
+from vmlend.errors import ConfigError, FabricError, NoPathError, SwitchPortFullError
 from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
@@ -383,6 +384,12 @@ class SharedNvmeDrive:
         hear link events (their hosts missed them): crossings are not moved, and a two-path
         share fails over only on a command timeout (``VmNvmeShare.timeout``): a command past
         ``command_timeout`` seconds on ``clock`` (which tests inject)."""
+        if not (command_timeout > 0 and math.isfinite(command_timeout)):
+            # checked before anything is taken: a two-path share's timer would refuse it later
+            raise ConfigError(
+                f"a command timeout must be a positive, finite number of seconds, not "
+                f"{command_timeout!r} (Linux's default is {COMMAND_TIMEOUT:g})"
+            )
         self.hw = hardware
         self.fdid = fdid
         self.clock = clock

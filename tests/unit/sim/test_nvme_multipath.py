@@ -2,9 +2,9 @@
 relays the guest's queues onto a primary and a backup queue pair created in advance, each
 reached through a different adapter of gamma. A link-down of the primary path (the link event,
 or a command timeout) switches to the backup with no controller reset and no command lost
-(commands in flight on the dead pair are sent again); a link that comes back with its mappings
-is used again, one that lost them has its queues deleted and created again; with no path left
-the commands are lost as for a one-path share."""
+(commands in flight on the dead pair are sent again); when the link comes back the primary
+pair is deleted and created again (after programming the adapters again if the link lost its
+mappings), then used; with no path left the commands are lost as for a one-path share."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from tests.support.clocks import FakeClock
 from tests.support.nvme_guest import guest_driver
 from tests.support.simfabric import two_cable_topology
-from vmlend.errors import FabricError
+from vmlend.errors import ConfigError, FabricError
 from vmlend.nvme import spec
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import check_hardware, check_with_registry
@@ -116,8 +116,9 @@ def test_a_link_down_switches_to_the_backup_pair_with_nothing_lost(hw, setup):
 
 def test_commands_in_flight_on_the_dead_pair_are_sent_again_on_the_backup(hw, tmp_path):
     """The guest rings while the cable is already dead and before the link event arrives:
-    the drive fetches all ones from the primary ring and its completions are dropped. The
-    event then switches, and the relay sends those commands again on the backup pair."""
+    the relay's doorbell for the primary pair is dropped at the dead cable, so the drive
+    fetches nothing. The event then switches, and the relay sends those commands again on
+    the backup pair."""
     pending = {}
     hw.on_link_change(lambda link, up: None if up else pending.pop("ring", lambda: None)())
     drive = SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16)
@@ -133,7 +134,8 @@ def test_commands_in_flight_on_the_dead_pair_are_sent_again_on_the_backup(hw, tm
         for lba in range(DEPTH):
             assert drv.read(queue, lba, 1)[1] == data(lba)
         clean(hw, drive)
-        # back with its mappings: the old pair again, past what the drive wrote into the void
+        # back with its mappings: the primary pair is created again (the drive's position on
+        # it is unknown), then used
         hw.link_up(PRIMARY)
         assert share.relay.status()["active"] == "primary"
         assert io(drv, queue, 50, 40) == 80  # wraps the relay rings: positions agree
@@ -409,3 +411,11 @@ def test_a_backup_path_unmapped_with_bus_master_is_not_switched_to(hw, setup):
     hw.link_down(PRIMARY)
     assert share.relay.status()["active"] == "backup"
     clean(hw, drive)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
+def test_a_bad_command_timeout_is_refused_before_the_drive_is_taken(hw, tmp_path, timeout):
+    with pytest.raises(ConfigError, match="command timeout must be a positive, finite"):
+        SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16, command_timeout=timeout)
+    assert hw.borrowed(DRIVE) is None  # nothing taken: the drive can be shared again
+    SharedNvmeDrive(hw, DRIVE, tmp_path, blocks=1 << 16).close()

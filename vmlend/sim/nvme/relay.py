@@ -125,7 +125,7 @@ class RelayStats(msgspec.Struct):
     relayed: int = 0  # commands sent on a real pair (resubmissions included)
     completed: int = 0  # completions handed to the guest
     resubmitted: int = 0  # commands sent again on the other pair after a failover
-    recreated: int = 0  # queue pairs deleted and created again (mappings lost)
+    recreated: int = 0  # primary pairs deleted and created again (at each switch back)
     #: each switch: ("backup" | "primary", why)
     switches: list[tuple[str, str]] = msgspec.field(default_factory=list)
 
