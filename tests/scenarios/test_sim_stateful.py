@@ -26,8 +26,9 @@ nothing; every device (Bus Master forced on, as a misbehaving device would) reac
 and BARs of the VM that borrowed it; the shared drive reaches, in each address space, only the
 RAM of the VM whose registry share it is; every session whose device moved on reads all ones,
 and its config writes (Command, MSI, a function level reset) change nothing on the device; a
-share taken from its VM reads all ones; a guest's MMIO to a device it holds resolves through
-the borrower adapter of the device's crossing, and is cut exactly when a cable of it is down.
+share taken from its VM reads all ones; a guest's MMIO to a device it holds, and each doorbell
+its share of the drive rings (primary and backup pair), is cut at a dead cable exactly when the
+device's DMA into that VM's RAM (in the share's address space) is, as the DMA resolver judges.
 
 CI runs ``MAX_EXAMPLES`` sequences of up to ``STEPS`` steps (marked slow) plus a short smoke
 run in the fast suite, derandomized (the same sequences every run). ``VMLEND_STATEFUL_EXAMPLES``
@@ -73,6 +74,7 @@ from vmlend.errors import BorrowTeardownError, DmaFault, StaleTokenError, Vmlend
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.ledger import nvmeshares as ledger
+from vmlend.nvme import spec as nvme_spec
 from vmlend.nvme.guard import asid_base
 from vmlend.registry import FenceRecord, same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
@@ -88,6 +90,7 @@ from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.sim.simvm import SimVm
 from vmlend.topology.discovered import FoundHost
 from vmlend.topology.model import BarKind, GiB, Holder, MiB
+from vmlend.topology.paths import NtbPath
 from vmlend.topology.requesters import ports_between
 from vmlend.wiring.discover import discover_fabric
 
@@ -876,28 +879,67 @@ class FabricMachine(RuleBasedStateMachine):
             finally:
                 dev.config.write(regs.COMMAND, 2, command, notify=False)
 
+    def _dma_dies(self, fdid: int, iova: int, owner: tuple[str, str]) -> bool | None:
+        """Whether ``fdid``'s DMA write to ``iova`` dies at a dead cable (True) or reaches
+        ``owner``'s RAM (False); None when it is refused for another reason (nothing mapped
+        there) or lands elsewhere (another invariant's business)."""
+        hw = self.c.hw
+        dev = hw.device(fdid)
+        command = dev.config.command
+        dev.config.write(regs.COMMAND, 2, command | regs.COMMAND_MASTER, notify=False)
+        try:
+            t = hw.resolve_dma(fdid, iova, write=True)
+        except DmaFault as fault:
+            return True if fault.hop == "link-down" else None
+        finally:
+            dev.config.write(regs.COMMAND, 2, command, notify=False)
+        return False if t.kind == "ram" and (t.node, t.owner) == owner else None
+
+    def _mmio_dies(self, node: str, fdid: int, offset: int, path: NtbPath | None) -> bool:
+        try:
+            self.c.hw.mmio.resolve(node, fdid, 0, offset, 4, path=path)
+        except DmaFault as fault:
+            assert fault.hop == "link-down", f"{node} -> {fdid:#x}+{offset:#x}: {fault}"
+            return True
+        return False
+
     @invariant()
-    def a_guests_mmio_takes_its_devices_crossing(self) -> None:
+    def a_guests_mmio_dies_exactly_when_its_devices_dma_into_it_does(self) -> None:
+        """Judged by the DMA resolver, not by the route ``hw.crossing`` names: a register
+        write of a VM to its borrowed device, and each doorbell its share of the drive rings
+        (the primary pair's and a backup pair's), crosses a dead cable exactly when the
+        device's DMA into that VM's RAM (in the share's address space) does."""
         hw = self.c.hw
         for entry in self.vms.values():
             vm = entry.vm
             for fdid in vm.devices():
-                borrow = hw.borrowed(fdid)
-                if borrow is None or not self._ours(vm, fdid):
-                    continue
-                if hw.fenced(fdid) is not None:
+                if not self._ours(vm, fdid) or hw.fenced(fdid) is not None:
                     continue
                 if not hw.device(fdid).config.command & regs.COMMAND_MEMORY:
                     continue
-                dead = borrow.path is not None and bool(hw.dead_links(borrow.path))
-                try:
-                    target = hw.mmio.resolve(vm.node, fdid, 0, MMIO_REG, 4)
-                except DmaFault as fault:
-                    assert dead and fault.hop == "link-down", f"{vm.name} -> {fdid:#x}: {fault}"
+                dead = self._dma_dies(fdid, PROBE_GPAS[0], (vm.node, vm.name))
+                if dead is not None:
+                    mmio = self._mmio_dies(vm.node, fdid, MMIO_REG, None)
+                    assert mmio == dead, f"{vm.name} -> {fdid:#x}: MMIO dead {mmio}, DMA {dead}"
+        drive = self.drive
+        if drive is None or drive.ended is not None or hw.fenced(SHARED) is not None:
+            return
+        dstrd = drive.controller.config.dstrd
+        for vms in list(drive.shares.values()):
+            if not vms.open or vms.revoked:
+                continue
+            s = vms.share
+            pairs = [(s.asid, s.real_qid(1), vms.doorbell_route())]
+            if vms.relay is not None and vms.backup is not None:
+                pairs.append((s.backup_asid, s.backup_qid(1), vms.doorbell_route(backup=True)))
+            for asid, qid, path in pairs:
+                dead = self._dma_dies(SHARED, asid_base(asid) + PROBE_GPAS[0], (vms.node, vms.vm))
+                if dead is None:
                     continue
-                assert not dead, f"{vm.name}'s MMIO to {fdid:#x} crossed a dead cable"
-                want = None if borrow.path is None else borrow.path.dst.ref
-                assert target.adapter == want, f"{vm.name} -> {fdid:#x}: {target.describe()}"
+                offset = nvme_spec.doorbell_offset(qid, False, dstrd)
+                mmio = self._mmio_dies(vms.node, SHARED, offset, path)
+                event("mmio: share doorbell" + (" (dead)" if dead else ""))
+                assert mmio == dead, f"{vms.name} doorbell {qid}: MMIO dead {mmio}, DMA {dead}"
 
     @invariant()
     def the_shared_drive_reaches_only_each_shares_vm(self) -> None:

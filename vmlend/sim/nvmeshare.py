@@ -217,7 +217,7 @@ class VmNvmeShare:
         crossing into the node)."""
         share = self.share
         backup = qid > share.qid_base + share.queue_pairs
-        path = self.backup if backup else self._route()
+        path = self.doorbell_route(backup)
         offset = spec.doorbell_offset(qid, completion, self.drive.controller.config.dstrd)
         self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, 4, value, path=path)
 
@@ -225,15 +225,18 @@ class VmNvmeShare:
         """A write of the guest's (or of its trap) into the drive's BAR0, from the VM's node,
         over the drive's crossing into the node (never a guess from LUT entries: a two-path
         share's backup puts one on another adapter of the node)."""
-        path = self._route()
+        path = self.doorbell_route()
         self.drive.hw.mmio_write(self.node, self.drive.fdid, 0, offset, size, value, path=path)
 
-    def _route(self) -> NtbPath | None:
-        """The route of the VM's MMIO to the drive: the drive's crossing into the node; before
-        any share of the node is mapped (no crossing yet), the cheapest live route, else the
-        cheapest (its dead cable drops the write). The share's doorbells are the node's to
-        ring from its opening on, so the route is named, not left to ``hw.crossing``, which
-        refuses a node holding nothing. None on the lender."""
+    def doorbell_route(self, backup: bool = False) -> NtbPath | None:
+        """The route of the VM's MMIO to the drive: the backup path for the backup pair's
+        doorbells; else the drive's crossing into the node, or before any share of the node
+        is mapped (no crossing yet), the cheapest live route, else the cheapest (its dead
+        cable drops the write). The share's doorbells are the node's to ring from its
+        opening on, so the route is named, not left to ``hw.crossing``, which refuses a node
+        holding nothing. None on the lender."""
+        if backup:
+            return self.backup
         path = self.drive.crossing(self.node)
         if path is not None:
             return path
