@@ -146,26 +146,31 @@ class SimFabric(Ledger):
                 self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
         released = super().release(fdid, holder, expected=expected)
         if self.events is not None and hold is not None and same_holder(hold.holder, holder):
-            self._note_release(hold, released)
+            self._note_release(fdid, holder, hold.token, released)
+        elif self.events is not None and hold is None and expected is not None and expected.token:
+            # A pending release landing after its first run committed and lost its reply (the
+            # registry went away mid-call): that run could note nothing, and here the hold is
+            # gone already. Its token is the journal's, so the history still shows the end.
+            self._note_release(fdid, holder, expected.token, released)
         return released
 
-    def _note_release(self, hold: HoldRecord, released: bool) -> None:
-        """The event of a release of ``hold``: it ended it; or it found it gone, and its
-        fence with it (this call's earlier run committed and lost its reply), or not (the
-        lease took the hold; nothing to note)."""
+    def _note_release(self, fdid: int, holder: Holder, token: int, released: bool) -> None:
+        """The event of ``holder``'s release of ``fdid`` (hold ``token``): it ended it; or it
+        found it gone, and its fence with it (this call's earlier run committed and lost its
+        reply), or not (the lease took the hold; nothing to note)."""
         assert self.events is not None
         if not released:
             try:
                 with self.registry.read() as tx:
-                    now, fence = tx.hold(hold.fdid), tx.fence(hold.fdid)
+                    now, fence = tx.hold(fdid), tx.fence(fdid)
             except VmlendError:
                 return
-            if (now is not None and now.token == hold.token) or (
-                fence is not None and fence.token == hold.token
+            if (now is not None and now.token == token) or (
+                fence is not None and fence.token == token
             ):
                 return
-        self.events.note("release", fdid=hold.fdid, node=hold.holder.node, vm=hold.holder.vm,
-                         token=hold.token, lost_reply=not released)
+        self.events.note("release", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
+                         lost_reply=not released)
 
     def take_back(self, fence: FenceRecord) -> bool:
         if self.lenders is not None:

@@ -1,0 +1,46 @@
+"""The simulated backend's event log (``$VMLEND_EVENTS``), read by the nemesis's replay
+through the protocol model: a release whose end no process noted leaves the model holding a
+hold etcd no longer has, and the next reserve of the device is refused as two holders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.replay import read_events
+from tests.support.simfabric import make_fabric
+from vmlend.events import EVENTS_ENV, EVENTS_FILE
+from vmlend.registry.records import ExpectedHold
+from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import open_fabric
+
+VM = Holder("gamma", "vm1")
+
+
+@pytest.mark.parametrize("journal_token", [True, False])
+def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal_token: bool
+):
+    """Seen in CI's nemesis (seed 20): a VM's release met etcd without quorum, was recorded
+    pending, and its first run had committed and lost the reply. The agent landed it later,
+    found the hold gone and noted nothing, so the replay refused the VM's next reserve."""
+    events = tmp_path / "events"
+    events.mkdir()
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    state = tmp_path / "state.db"
+    fabric = make_fabric(state)
+    fabric.reserve(0x10, VM)
+    token = fabric.holds_of(VM)[0x10].token
+    monkeypatch.delenv(EVENTS_ENV)
+    with open_fabric(state, "gamma") as first_run:  # committed; its reply (and note) lost
+        assert first_run.release(0x10, VM)
+    expected = ExpectedHold(token=token if journal_token else 0, before=1e12)
+    assert not fabric.release(0x10, VM, expected=expected)  # the journal lands it
+    noted = [(e.kind, e.fields.get("token"), e.fields.get("lost_reply"))
+             for e in read_events(events / EVENTS_FILE)]
+    if journal_token:
+        assert noted == [("reserve", token, None), ("release", token, True)]
+    else:  # no token recorded: nothing to name, and nothing invented
+        assert noted == [("reserve", token, None)]
+    fabric.close()
