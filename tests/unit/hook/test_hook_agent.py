@@ -400,12 +400,9 @@ def test_a_stopped_agent_times_the_hook_out_then_skips_only_what_libvirt_aborted
     assert "skipped hook call migrate begin of vm1" in log
 
 
-def test_a_timed_out_release_runs_before_the_next_prepare_read_whole_first(tmp_path):
-    """vm1 runs; its release hook timed out (its request was still arriving) and libvirt's
-    next start sent the prepare whole. The worker ran calls in the order their readers
-    finished, so the prepare ran first and the release then took the started VM's devices
-    (met as the stopped agent's test failing on a busy machine). Calls now run in the order
-    their connections were accepted."""
+def _host_and_hook_env(tmp_path: Path) -> tuple[Host, dict[str, str]]:
+    """A host with a fresh SQLite state, and the environment its installed hook forwards
+    (pinned to its state, root, node and socket), for a HookServer run in this process."""
     host = Host(tmp_path / "h")
     make_fabric(host.state).close()
     env = {
@@ -415,6 +412,16 @@ def test_a_timed_out_release_runs_before_the_next_prepare_read_whole_first(tmp_p
         "VMLEND_HOOK_SOCKET": str(host.socket),
         "VMLEND_HOOK_TIMEOUT": "30",
     }
+    return host, env
+
+
+def test_a_timed_out_release_runs_before_the_next_prepare_read_whole_first(tmp_path):
+    """vm1 runs; its release hook timed out (its request was still arriving) and libvirt's
+    next start sent the prepare whole. The worker ran calls in the order their readers
+    finished, so the prepare ran first and the release then took the started VM's devices
+    (met as the stopped agent's test failing on a busy machine). Calls now run in the order
+    their connections were accepted."""
+    host, env = _host_and_hook_env(tmp_path)
     server = HookServer(host.socket, identity_of(env), read_timeout=30)
     server.start()
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -1066,15 +1073,7 @@ def _full_queue(
 ) -> Iterator[tuple[Host, dict[str, str], HookServer, Callable[[], None]]]:
     """A hook server with room for one queued call, its worker held up (the state is locked
     by another process's transaction) on vm1's prepare and vm2's release queued behind it."""
-    host = Host(tmp_path / "h")
-    make_fabric(host.state).close()
-    env = {
-        "VMLEND_STATE": str(host.state),
-        "VMLEND_ROOT": str(host.root),
-        "VMLEND_NODE": "gamma",
-        "VMLEND_HOOK_SOCKET": str(host.socket),
-        "VMLEND_HOOK_TIMEOUT": "30",
-    }
+    host, env = _host_and_hook_env(tmp_path)
     server = HookServer(host.socket, identity_of(env), queue_limit=1)
     server.start()
     lock = sqlite3.connect(host.state, isolation_level=None)
@@ -1239,15 +1238,7 @@ def test_a_call_the_agent_refuses_before_it_runs_is_one_line_and_changes_nothing
 ):
     """The agent is asked before each call (``HookServer.before``): a prepare refused there
     (its lease is in doubt) answers exit 1 with the agent's one line, and nothing is done."""
-    host = Host(tmp_path / "h")
-    make_fabric(host.state).close()
-    env = {
-        "VMLEND_STATE": str(host.state),
-        "VMLEND_ROOT": str(host.root),
-        "VMLEND_NODE": "gamma",
-        "VMLEND_HOOK_SOCKET": str(host.socket),
-        "VMLEND_HOOK_TIMEOUT": "30",
-    }
+    host, env = _host_and_hook_env(tmp_path)
     asked: list[tuple[str, str]] = []
     refusal = "cannot start VM 'vm1' now: this host's lease is in doubt"
 
