@@ -29,6 +29,11 @@ say "iommu groups: $(ls /sys/kernel/iommu_groups | wc -l); smartio node $(cat /s
 if [ $fail = 0 ]; then
   cd "$REPO"
   export PATH="$VENV/bin:$PATH" VMLEND_ROOT=/ VMLEND_KERNEL_GUEST=1 PYTHONDONTWRITEBYTECODE=1
+  # One of several guests side by side (boot.sh): run only this guest's share of the tests.
+  for word in $(cat /proc/cmdline); do
+    case $word in vmlend.shard=*) export VMLEND_TIER_SHARD="${word#vmlend.shard=}" ;; esac
+  done
+  [ -n "${VMLEND_TIER_SHARD:-}" ] && say "shard $VMLEND_TIER_SHARD"
   start=$(date +%s)
   # shellcheck disable=SC2086  # PYTEST_ARGS is plain words
   python -m pytest -p no:cacheprovider $PYTEST_ARGS > /tmp/pytest.out 2>&1

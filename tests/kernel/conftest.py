@@ -5,15 +5,23 @@ and ends with no mdev, no registered SmartIO parent and no device in the stand-i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.support.kernel_guest import STUB, clean_fabric
+from tests.support.tier_shards import parse_shard, shard_of
 from vmlend.topology.parse import load_topology
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.kernel)
+    # Several guests side by side: each keeps its shard (tests/support/tier_shards.py).
+    if shard := os.environ.get("VMLEND_TIER_SHARD"):
+        keep = set(shard_of([i.nodeid for i in items], *parse_shard(shard)))
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in keep])
+        items[:] = [i for i in items if i.nodeid in keep]
 
 
 @pytest.fixture(autouse=True)
