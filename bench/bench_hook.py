@@ -198,7 +198,10 @@ def main() -> None:
         text, source = default_topology_text()
         init_fabric(state, text, source, node="gamma", hostname="bench")
         sock = hostlease.hook_socket_path(HostEnv(root))
-        installed = install_hook(Path(tmp) / "libvirt", state, "gamma", hook_socket=sock, root=root)
+        # backend = "sim": libvirtd (the hook script's caller) may run simulated devices here.
+        installed = install_hook(
+            Path(tmp) / "libvirt", state, "gamma", hook_socket=sock, backend="sim", root=root
+        )
         hook = str(installed.path)
         base = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
         base |= {"VMLEND_STATE": str(state), "VMLEND_NODE": "gamma", "VMLEND_ROOT": str(root)}
