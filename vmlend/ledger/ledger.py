@@ -742,6 +742,18 @@ class Ledger(ShareOps):
         except VmlendError as e:  # the remaining devices were admitted; keep their claims
             log.warning("peer-to-peer claims of %s kept as they were: %s", holder, e)
             return
+        if moved := _off_admitted_routes(tx, left, claims):
+            # The fabric's routes changed since admission (a discover added a cheaper cable):
+            # counted anew, the pairs left would claim adapters and ports admission never
+            # checked for room, while their maps stay where they were made. P2P claims are an
+            # upper bound, so keeping them as they are stays true; they go with the VM's holds.
+            log.warning(
+                "peer-to-peer claims of %s kept as they were: counted anew they would move to"
+                " %s, a route they were not admitted on",
+                holder,
+                ", ".join(moved),
+            )
+            return
         tx.replace_claims(ClaimKind.P2P, left, claims)
 
     def forget_unused_parent(self, fdid: int) -> bool:
@@ -916,3 +928,24 @@ class Ledger(ShareOps):
     def mdev_records(self) -> list[MdevInfo]:
         """The records are the ledger's mdevs: what it has is what it recorded."""
         return self.mdevs()
+
+
+def _off_admitted_routes(
+    tx: StateTxn, owners: Sequence[int], claims: Sequence[tuple[int, Claim]]
+) -> list[str]:
+    """The adapters and ports where ``claims`` (the P2P claims of ``owners`` counted anew)
+    claim something ``owners`` do not claim already: empty when they are a part of the claims
+    in place, as when a device of the VM goes and the routes are those admission counted on.
+    Reads the claims on the new claims' adapters only."""
+    mine = set(owners)
+    have: dict[tuple[int, Claim], int] = {}
+    for f, c in tx.claims_on({c.adapter for _f, c in claims}):
+        if f in mine and c.kind is ClaimKind.P2P:
+            have[(f, c)] = have.get((f, c), 0) + 1
+    moved = set()
+    for f, c in claims:
+        if have.get((f, c), 0) > 0:
+            have[(f, c)] -= 1
+        else:
+            moved.add(c.adapter)
+    return sorted(moved)
