@@ -590,7 +590,17 @@ class FakeSmartio:
         fdid = next(f for f in self.devs if self._name(f) == self.fake._children[uuid].parent)
         adapter = int(self.devs[fdid].attrs["lender_adapter"])
         text = fake_dmawin.state_text(self.windows[uuid], adapter, self.segment_size or 4 << 30)
+        was = self.dma_state(uuid).split(maxsplit=1)[0]
         self.set_dma_state(uuid, text if on else "none\n")
+        self.dma_event(uuid, fdid, was)
+
+    def dma_event(self, uuid: str, fdid: int, was: str) -> None:
+        """The driver's ``SMARTIO_DMA`` change uevent on the child, sent when ``dma_state``'s
+        first word is no longer ``was`` (section 8, "The guest event")."""
+        word = self.dma_state(uuid).split(maxsplit=1)[0]
+        if word != was:
+            props = {"SMARTIO_FDID": f"{fdid:#x}", "SMARTIO_DMA": word}
+            self.fake.emit(Uevent("change", uuid, "mdev", props))
 
     # --- what happens elsewhere in the fabric -------------------------------------------------
     def set_availability(self, fdid: int, availability: str) -> None:

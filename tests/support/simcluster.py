@@ -13,9 +13,10 @@ from tests.support.simfabric import make_fabric
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain, read_domain
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
+from vmlend.memory.dmarecords import DMA_WINDOW
 from vmlend.registry import Registry, open_registry
 from vmlend.sim.backend import SimFabric
-from vmlend.sim.dmawin import DMA_WINDOW, RegistryWindowLedger
+from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import HUGE_2M
 from vmlend.sim.simvm import SimVm

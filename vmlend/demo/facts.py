@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vmlend.memory.dmarecords import DMA_WINDOW
 from vmlend.p2p import P2PMap
 from vmlend.registry import Registry
 from vmlend.sim.backend import SimFabric
-from vmlend.sim.dmawin import DMA_WINDOW
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.resolver import DmaTarget, Hop
 from vmlend.topology.model import format_fdid

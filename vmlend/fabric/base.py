@@ -30,7 +30,13 @@ from vmlend.topology.model import (
 if TYPE_CHECKING:
     from vmlend.kernel.dmafiles import DmaReport, Window
     from vmlend.registry.api import Registry
-    from vmlend.registry.records import Claim, ExpectedHold, FenceRecord, HoldRecord
+    from vmlend.registry.records import (
+        Claim,
+        ExpectedHold,
+        FenceRecord,
+        HoldRecord,
+        RuntimeRecord,
+    )
 
 
 @runtime_checkable
@@ -245,4 +251,13 @@ class WritesDmaWindows(Protocol):
 
     def dma_report(self, uuid: str) -> DmaReport | None:
         """What the driver reports for child ``uuid``; None: nothing to report."""
+        ...
+
+    def record_dma(self, uuid: str) -> str | None:
+        """Keep child ``uuid``'s ``dma_state`` as its device's runtime records; the state's one
+        line, or None when the child is none of this host's holding VMs' (nothing kept)."""
+        ...
+
+    def dma_records(self, fdid: int) -> list[RuntimeRecord]:
+        """``fdid``'s ``dma-window`` runtime records."""
         ...

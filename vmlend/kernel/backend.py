@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import msgspec
+
 from vmlend.errors import (
     DeviceNotLentError,
     FabricError,
@@ -33,7 +35,13 @@ from vmlend.errors import (
     UnsafePathError,
 )
 from vmlend.hostenv import HostEnv
-from vmlend.kernel.dmafiles import DmaReport, Window, format_windows, windows_for
+from vmlend.kernel.dmafiles import (
+    DmaReport,
+    Window,
+    format_windows,
+    state_records,
+    windows_for,
+)
 from vmlend.kernel.driver import (
     MDEV_TYPE,
     Availability,
@@ -43,12 +51,20 @@ from vmlend.kernel.driver import (
     fdid_of,
 )
 from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
-from vmlend.kernel.mdev import MdevBus, SysfsWriter
-from vmlend.kernel.udev import ParentWatcher, WantedMdev
+from vmlend.kernel.mdev import MdevBus, SysfsWriter, normalize_uuid
+from vmlend.kernel.udev import DmaChange, Outcome, ParentWatcher, Reaction, WantedMdev
 from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.ledger import Ledger
-from vmlend.registry import FenceRecord, Registry, RegistryLocation, open_registry, same_holder
-from vmlend.registry.records import Claim, ExpectedHold, HoldRecord
+from vmlend.memory.dmarecords import DMA_REFUSAL, DMA_WINDOW, REFUSAL_KEY
+from vmlend.registry import (
+    FenceRecord,
+    Registry,
+    RegistryLocation,
+    StateTxn,
+    open_registry,
+    same_holder,
+)
+from vmlend.registry.records import Claim, ExpectedHold, HoldRecord, RuntimeRecord
 from vmlend.topology.model import (
     Check,
     DeviceState,
@@ -440,13 +456,110 @@ class SmartioFabric:
         windows = self.expected_windows(fdid, ram)
         hold = self._state.holds().get(fdid)
         token = hold.token if hold is not None else 0
-        if not self.driver.write_dma_windows(fdid, uuid, token, format_windows(token, windows)):
+        text = format_windows(token, windows)
+        self._note_ram(uuid, ram)
+        if not self.driver.write_dma_windows(fdid, uuid, token, text):
             return None
         return windows
+
+    def _note_ram(self, uuid: str, ram: GuestRam) -> None:
+        """Keep the VM's RAM in the child's note, before its windows are written: the watcher
+        re-creating the child writes them from there. Without a note (it could not be made)
+        only that re-creation lacks the windows, and it says so."""
+        try:
+            made = self.made.get(uuid)
+            if made is not None and made.ram != ram:
+                self.made.note(msgspec.structs.replace(made, ram=ram))
+        except (UnsafePathError, OSError) as e:
+            log.warning("could not note the RAM of mdev %s on this host: %s", uuid, e)
+
+    def rewrite_windows(self, wanted: WantedMdev) -> None:
+        """After the watcher re-created ``wanted``: write its DMA windows from the RAM this
+        host noted when the VM started, with the hold's current token, as ``acquire_device``
+        does. Without a note of this VM's with RAM the child is left without windows (a Bus
+        Master enable is then refused ``ENODATA``), with one warning. The driver's refusal is
+        raised (the watcher undoes the child)."""
+        uuid = normalize_uuid(wanted.uuid)
+        try:
+            made = self.made.get(uuid)
+        except (UnsafePathError, OSError) as e:
+            log.warning("could not read the note of mdev %s: %s", uuid, e)
+            made = None
+        problem = ""
+        if made is None:
+            problem = "this host has no note of it"
+        elif (made.vm, made.node, made.parent) != (wanted.vm, self.local_node, wanted.parent):
+            # the registry's record wins: a note naming another VM (or node, or parent) is
+            # not this child's, and its RAM would map the wrong guest
+            problem = f"its note names VM {made.vm!r} on {made.node}, not {wanted.vm!r}"
+        elif made.ram is None or not made.ram.ranges:
+            problem = "its note has no RAM layout (noted before vmlend kept one)"
+        if problem or made is None or made.ram is None:
+            log.warning(
+                "re-created mdev %s of %s without DMA windows: %s; 'vmlend reconcile --fix'"
+                " writes them", uuid, wanted.vm, problem,
+            )  # fmt: skip
+            return
+        windows = self.write_dma_windows(made.fdid, uuid, made.ram)
+        if windows is not None:
+            names = ", ".join(w.name for w in windows) or "none"
+            log.info("DMA windows (%s) written to re-created mdev %s of %s", names, uuid, wanted.vm)
 
     def dma_report(self, uuid: str) -> DmaReport | None:
         """What the driver says of child ``uuid``'s DMA windows (None: no ``smartio/``)."""
         return self.driver.dma_report(uuid)
+
+    def record_dma(self, uuid: str) -> str | None:
+        """Keep what the driver reports in child ``uuid``'s ``dma_state`` as its device's
+        runtime records (after a ``SMARTIO_DMA`` event, or ``reconcile --fix``): one
+        ``dma-window`` record per mapped window, none on ``none``, a ``dma-refusal`` for a
+        refusal (``vmlend.memory.dmarecords``). Only a child this host made for the VM that
+        holds its device now writes records, checked in the same transaction: a child vmlend
+        did not record, another node's, or one whose VM's hold ended is ignored (None, logged).
+        Returns the state's one line."""
+        uuid = normalize_uuid(uuid)
+        report = self.dma_report(uuid)  # the file before the registry: read no sysfs in a txn
+        if report is None:
+            log.info("mdev %s has no smartio/ group (gone, or not a SmartIO child); ignored", uuid)
+            return None
+        if report.damaged or report.state is None:
+            log.warning("mdev %s: its dma_state cannot be read: %s", uuid, report.damaged)
+            return None
+        state = report.state
+        topology = self.topology()
+
+        def segment_size(ref: str) -> int | None:
+            adapter = topology.adapter(ref)
+            return None if adapter is None else adapter.segment_size
+
+        def body(tx: StateTxn) -> str:
+            rec = tx.mdev(uuid)
+            if rec is None or rec.node != self.local_node:
+                return "vmlend made no such child on this host"
+            hold = tx.hold(rec.fdid)
+            if hold is None or hold.holder.node != rec.node or hold.holder.vm != rec.vm:
+                return f"its VM {rec.vm!r} does not hold device {rec.fdid:#x} now"
+            lender = topology.device(rec.fdid).lender
+            kept = state_records(state, uuid, lender, segment_size)
+            tx.clear_runtime(rec.fdid, DMA_WINDOW)
+            tx.clear_runtime(rec.fdid, DMA_REFUSAL)
+            for name, data in kept.windows.items():
+                tx.put_runtime(rec.fdid, DMA_WINDOW, name, data)
+            if kept.refusal is not None:
+                tx.put_runtime(rec.fdid, DMA_REFUSAL, REFUSAL_KEY, kept.refusal)
+            return ""
+
+        ignored = self._state.registry.transact(body)
+        if ignored:
+            log.info("SMARTIO_DMA of mdev %s ignored: %s", uuid, ignored)
+            return None
+        log.info("mdev %s: DMA %s", uuid, state.summary())
+        return state.summary()
+
+    def dma_records(self, fdid: int) -> list[RuntimeRecord]:
+        """The ``dma-window`` records of ``fdid`` (for ``vmlend reconcile``)."""
+        with self._state.registry.read() as tx:
+            return tx.runtime(fdid, DMA_WINDOW)
 
     def mdevs(self) -> list[MdevInfo]:
         """The children the kernel has under SmartIO parents (of any type, vmlend's or not),
@@ -497,7 +610,22 @@ class SmartioFabric:
 
             return set_
 
-        return ParentWatcher(self.bus, self.wanted_mdevs, mark(False), mark(True))
+        def dma(change: DmaChange) -> Reaction | None:
+            said = self.record_dma(change.uuid)
+            if said is None:
+                return None
+            rec = next((m for m in self._state.mdevs() if m.uuid == change.uuid), None)
+            parent, vm = (rec.parent, rec.vm) if rec is not None else ("", "")
+            return Reaction(parent, Outcome.DMA_RECORDED, change.uuid, vm, said)
+
+        return ParentWatcher(
+            self.bus,
+            self.wanted_mdevs,
+            mark(False),
+            mark(True),
+            on_recreated=self.rewrite_windows,
+            on_dma=dma,
+        )
 
 
 def open_smartio_fabric(

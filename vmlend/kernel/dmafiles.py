@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from vmlend.errors import LayoutError, SysfsAttributeError
+from vmlend.memory.dmarecords import refusal_record, window_record
 from vmlend.memory.layout import merge_ranges
 from vmlend.memory.windows import window_groups
 from vmlend.topology.model import GuestRange
@@ -352,3 +354,35 @@ def compare_windows(
 def window_lines(windows: Sequence[Window]) -> list[str]:
     """For display: one ``name ranges`` string per window."""
     return [f"{w.name} {format_ranges(w.ranges)}" for w in windows]
+
+
+# --- what vmlend keeps of it --------------------------------------------------------------------
+class DmaRecords(msgspec.Struct, frozen=True):
+    """What the registry keeps of one ``dma_state``: the ``dma-window`` records by window
+    name (none unless mapped or partial) and the ``dma-refusal`` record's data (None unless
+    refused)."""
+
+    windows: dict[str, dict[str, Any]]
+    refusal: dict[str, Any] | None = None
+
+
+def state_records(
+    state: DmaState, mdev: str, lender: str, segment_size: Callable[[str], int | None]
+) -> DmaRecords:
+    """``state`` of child ``mdev`` as runtime records (pure). ``lender`` names the device's
+    lender node, so the driver's adapter index becomes the topology's ref (``lender:index``),
+    as the simulator's records name it; ``segment_size`` gives that adapter's (None: the
+    topology does not declare it)."""
+    if state.word is DmaWord.REFUSED:
+        return DmaRecords({}, refusal_record(state.error, state.reason, mdev))
+    windows: dict[str, dict[str, Any]] = {}
+    for w in state.windows:
+        ref = None if w.adapter is None else f"{lender}:{w.adapter}"
+        windows[w.name] = window_record(
+            w.ranges,
+            ref,
+            w.segments or (),
+            None if ref is None else segment_size(ref),
+            state.word.value,
+        )
+    return DmaRecords(windows)

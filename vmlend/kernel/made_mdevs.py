@@ -17,6 +17,11 @@ makes the agent re-create a child (``wanted_mdevs`` reads the registry alone).
 The notes make a root process remove a child, so the directory must be the process's own
 user's, a real directory nobody else may write to (``safefile.own_directory``); a file in it
 that is not a note is skipped with a warning, never followed.
+
+A note also carries the VM's guest RAM once vmlend writes the child's DMA windows
+(``SmartioFabric.write_dma_windows``): ``vmlend mdev watch`` re-creating the child after its
+lender returns writes the same windows from it, since the watcher knows the VM's name but not
+its layout. Notes written before that field existed read as notes without RAM.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ import msgspec
 from vmlend.errors import UnsafePathError
 from vmlend.hostenv import HostEnv
 from vmlend.safefile import NotAnEntry, own_directory, read_entry_at, replace_entry_at
-from vmlend.topology.model import MdevInfo
+from vmlend.topology.model import GuestRam, MdevInfo
 
 log = logging.getLogger(__name__)
 
-#: A note is a few hundred bytes; anything larger is not one.
-MAX_NOTE_BYTES = 4096
+#: A note is a few hundred bytes, up to about 3 KiB with the most RAM ranges a driver takes (64,
+#: docs/smartio-contract.md section 8); anything larger is not one.
+MAX_NOTE_BYTES = 16384
 
 
 class MadeMdev(msgspec.Struct, frozen=True):
@@ -49,6 +55,9 @@ class MadeMdev(msgspec.Struct, frozen=True):
     type_id: str
     node: str
     vm: str
+    #: The VM's guest RAM, from the first write of the child's DMA windows; None: not known
+    #: here (a note from before the field, or a caller that knew only the RAM's size).
+    ram: GuestRam | None = None
 
     def info(self) -> MdevInfo:
         return MdevInfo(self.uuid, self.parent, self.type_id, self.fdid, self.node, self.vm)
@@ -75,6 +84,11 @@ class MadeMdevs:
         with self._opened(create=True) as fd:
             assert fd is not None  # create=True makes it or raises
             replace_entry_at(fd, _name(made.uuid), msgspec.json.encode(made))
+
+    def get(self, uuid: str) -> MadeMdev | None:
+        """The note of ``uuid`` (None: none, or not a note of vmlend's)."""
+        with self._opened(create=False) as fd:
+            return None if fd is None else _read(fd, _name(uuid))
 
     def forget(self, uuid: str) -> None:
         """Drop the note of ``uuid`` (none: nothing to do)."""

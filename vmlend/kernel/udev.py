@@ -25,8 +25,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from vmlend.errors import HostError, MdevError
+from vmlend.errors import HostError, MdevError, VmlendError
 from vmlend.hostenv import HostEnv
+from vmlend.kernel.dmafiles import DmaWord
 from vmlend.kernel.mdev import MdevBus, normalize_uuid
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,39 @@ def classify(ev: Uevent, is_parent_now: bool, was_parent: bool) -> ParentChange 
     return None
 
 
+#: The SmartIO driver's event on a child (docs/smartio-contract.md section 8, "The guest event").
+SMARTIO_DMA = "SMARTIO_DMA"
+
+
+class DmaChange(msgspec.Struct, frozen=True):
+    """A child's ``dma_state`` changed its first word: read it again. ``word`` is what the
+    event said; the file, read after, is what vmlend keeps (an event may be stale)."""
+
+    uuid: str
+    word: DmaWord
+
+
+def dma_change(ev: Uevent) -> DmaChange | None:
+    """Whether ``ev`` is the driver's ``SMARTIO_DMA`` change of an mdev child (pure). None for
+    every other event; ``ValueError`` for one that carries ``SMARTIO_DMA`` but breaks the
+    contract (a value other than its four words, a name that is not a child's UUID)."""
+    value = ev.properties.get(SMARTIO_DMA)
+    if ev.subsystem != "mdev" or ev.action != "change" or value is None:
+        return None
+    try:
+        word = DmaWord(value)
+    except ValueError:
+        raise ValueError(
+            f"SMARTIO_DMA={value[:40]!r} on mdev {ev.sys_name[:40]!r} is none of"
+            f" {', '.join(w.value for w in DmaWord)}"
+        ) from None
+    try:
+        uuid = normalize_uuid(ev.sys_name)
+    except MdevError:
+        raise ValueError(f"SMARTIO_DMA on {ev.sys_name[:40]!r}, which is no mdev's UUID") from None
+    return DmaChange(uuid, word)
+
+
 # --- acting on it -----------------------------------------------------------------------------
 
 
@@ -145,6 +179,7 @@ class Outcome(enum.StrEnum):
     PRESENT = "present"  # it was still there
     FAILED = "failed"
     UNAVAILABLE = "unavailable"  # its parent vanished
+    DMA_RECORDED = "dma-recorded"  # the driver's dma_state, kept as runtime records
 
 
 class Reaction(msgspec.Struct, frozen=True):
@@ -169,11 +204,20 @@ class ParentWatcher:
         wanted: Callable[[], Iterable[WantedMdev]],
         on_vanished: Callable[[str], None] | None = None,
         on_appeared: Callable[[str], None] | None = None,
+        *,
+        on_recreated: Callable[[WantedMdev], None] | None = None,
+        on_dma: Callable[[DmaChange], Reaction | None] | None = None,
     ) -> None:
         self.bus = bus
         self.wanted = wanted
         self.on_vanished = on_vanished
         self.on_appeared = on_appeared
+        #: Called for each child this watcher re-created (the backend writes its DMA windows);
+        #: a ``VmlendError`` from it undoes the child.
+        self.on_recreated = on_recreated
+        #: Called for each ``SMARTIO_DMA`` event (the backend records ``dma_state``); None
+        #: from it: the child is none of this host's VMs' (ignored).
+        self.on_dma = on_dma
         self.known: set[str] = set()
         self.unavailable: set[str] = set()
         self.reactions: list[Reaction] = []
@@ -193,8 +237,7 @@ class ParentWatcher:
     def handle(self, ev: Uevent) -> list[Reaction]:
         name = ev.sys_name
         if ev.subsystem == "mdev":
-            log.debug("mdev child %s: %s", name, ev.action)
-            return []
+            return self._child_event(ev)
         is_parent_now = name in self.bus.parent_names()
         was_parent = name in self.known
         change = classify(ev, is_parent_now, was_parent)
@@ -220,6 +263,22 @@ class ParentWatcher:
         self.reactions.extend(reactions)
         return reactions
 
+    def _child_event(self, ev: Uevent) -> list[Reaction]:
+        try:
+            change = dma_change(ev)
+        except ValueError as e:
+            log.warning("ignoring a SmartIO driver event: %s (docs/smartio-contract.md"
+                        " section 8; update the driver)", e)  # fmt: skip
+            return []
+        if change is None or self.on_dma is None:
+            log.debug("mdev child %s: %s", ev.sys_name, ev.action)
+            return []
+        reaction = self.on_dma(change)
+        if reaction is None:
+            return []
+        self.reactions.append(reaction)
+        return [reaction]
+
     def _appeared(self, parent: str) -> list[Reaction]:
         log.info("mdev parent %s appeared", parent)
         self.unavailable.discard(parent)
@@ -237,10 +296,35 @@ class ParentWatcher:
                 out.append(Reaction(parent, Outcome.FAILED, w.uuid, w.vm, str(e)))
                 continue
             outcome = Outcome.PRESENT if existed else Outcome.RECREATED
+            detail = ""
             if outcome is Outcome.RECREATED:
                 log.info("re-created mdev %s of %s on %s", w.uuid, w.vm, parent)
-            out.append(Reaction(parent, outcome, normalize_uuid(w.uuid), w.vm))
+                detail = self._after_create(w)
+                if detail:
+                    outcome = Outcome.FAILED
+            out.append(Reaction(parent, outcome, normalize_uuid(w.uuid), w.vm, detail))
         return out
+
+    def _after_create(self, w: WantedMdev) -> str:
+        """Run ``on_recreated`` for a child just made; "" when it went well, else why the
+        child was removed again. As ``acquire_device`` undoes a child whose DMA windows the
+        driver refused, so does the watcher: such a child is one the VM could not have
+        started with (a newer hold's token, windows that can never fit), its device would
+        reach no guest RAM, and the registry's record stays, so ``vmlend reconcile`` reports
+        the child missing and its ``--fix`` tries again with the domain's own layout, saying
+        why it fails."""
+        if self.on_recreated is None:
+            return ""
+        try:
+            self.on_recreated(w)
+        except VmlendError as e:
+            log.warning("re-created mdev %s of %s: %s; removed again", w.uuid, w.vm, e)
+            try:
+                self.bus.remove(w.uuid)
+            except MdevError as gone:
+                log.warning("could not remove mdev %s again: %s", w.uuid, gone)
+            return str(e)
+        return ""
 
     def _vanished(self, parent: str) -> list[Reaction]:
         log.warning("mdev parent %s vanished; its devices are unavailable", parent)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import msgspec
 
 from vmlend.errors import DmaLimitError, FabricError
+from vmlend.memory.dmarecords import DMA_WINDOW
 from vmlend.memory.layout import Layout
 from vmlend.memory.probe import probe_layout
 from vmlend.memory.windows import DmaPlan, FrameRun, apply_plan, plan_dma_windows, unapply_plan
@@ -43,8 +44,6 @@ from vmlend.topology.model import GiB, GuestRange, KiB, MiB
 
 log = logging.getLogger(__name__)
 
-#: Runtime record kind of a DMA window (keys "low", "high", or "low+high").
-DMA_WINDOW = "dma-window"
 
 _PAGE_NAMES = {4 * KiB: "4K", 2 * MiB: "2M", GiB: "1G"}
 

@@ -18,6 +18,7 @@ from vmlend.kernel.dmafiles import (
     format_windows,
     parse_state,
     parse_windows,
+    state_records,
     windows_for,
 )
 from vmlend.memory.layout import MemoryConfig, compute_layout
@@ -184,3 +185,44 @@ def test_a_refusal_is_reported_and_only_enodata_is_repaired_by_writing():
     assert "EFAULT page 0x1000 does not pin" in m.line and not m.rewrite
     (m,) = compare_windows(None, None, None, parse_state("refused ENODATA none written\n", P))
     assert m.rewrite
+
+
+def _sizes(ref: str) -> int | None:
+    return {"beta:0": SEG}.get(ref)
+
+
+def test_a_mapped_state_becomes_one_record_per_window():
+    text = "partial\nlow 0 0 0x0 0xa0000 0xc0000 0x7ff40000\nhigh 0 1,2 0x100000000 0x180000000\n"
+    kept = state_records(parse_state(text, P), "u1", "beta", _sizes)
+    assert kept.refusal is None
+    assert kept.windows["low"] == {
+        "gpa_start": 0,
+        "gpa_end": 2 * GiB,
+        "ranges": [[0, 0xA0000], [0xC0000, 2 * GiB]],
+        "adapter": "beta:0",
+        "segments": [0],
+        "segment_size": SEG,
+        "state": "partial",
+    }
+    assert kept.windows["high"]["segments"] == [1, 2]
+
+
+def test_a_local_device_has_no_adapter_and_an_unknown_adapter_no_size():
+    local = state_records(parse_state("mapped\nlow - - 0x0 0x1000\n", P), "u1", "beta", _sizes)
+    assert (local.windows["low"]["adapter"], local.windows["low"]["segments"]) == (None, [])
+    assert local.windows["low"]["segment_size"] is None
+    other = state_records(parse_state("mapped\nlow 3 0 0x0 0x1000\n", P), "u1", "beta", _sizes)
+    assert other.windows["low"]["adapter"] == "beta:3"
+    assert other.windows["low"]["segment_size"] is None
+
+
+def test_none_keeps_nothing_and_a_refusal_only_the_refusal():
+    assert state_records(DmaState(DmaWord.NONE), "u1", "beta", _sizes).windows == {}
+    refused = parse_state("refused ENOSPC too few free segments on beta:0\n", P)
+    kept = state_records(refused, "u1", "beta", _sizes)
+    assert kept.windows == {}
+    assert kept.refusal == {
+        "error": "ENOSPC",
+        "reason": "too few free segments on beta:0",
+        "mdev": "u1",
+    }

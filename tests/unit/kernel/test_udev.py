@@ -8,17 +8,20 @@ import os
 import pytest
 
 from tests.support.fake_sysfs import FakeSysfs, FakeType, PipeUeventSource
-from vmlend.errors import HostError
+from vmlend.errors import FabricError, HostError
 from vmlend.hostenv import HostEnv
+from vmlend.kernel.dmafiles import DmaWord
 from vmlend.kernel.mdev import MdevBus
 from vmlend.kernel.udev import (
     Outcome,
     ParentChange,
     ParentWatcher,
     PyudevSource,
+    Reaction,
     Uevent,
     WantedMdev,
     classify,
+    dma_change,
 )
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
@@ -228,3 +231,70 @@ def test_discover_at_start_creates_missing_wanted_children(fake):
     assert bus.device(U2) is not None
     assert w.discover() == [P]  # nothing new: nothing done
     assert len(w.reactions) == 2
+
+
+@pytest.mark.parametrize(
+    ("ev", "want"),
+    [
+        (Uevent("change", U1.upper(), "mdev", {"SMARTIO_DMA": "mapped"}), (U1, DmaWord.MAPPED)),
+        (Uevent("change", U1, "mdev", {"SMARTIO_DMA": "none", "SMARTIO_BARS": "0"}),
+         (U1, DmaWord.NONE)),
+        (Uevent("change", U1, "mdev", {"SMARTIO_DMA": "refused"}), (U1, DmaWord.REFUSED)),
+        (Uevent("change", U1, "mdev", {"SMARTIO_BARS": "2"}), None),  # not a DMA change
+        (Uevent("change", U1, "mdev", {}), None),
+        (Uevent("add", U1, "mdev", {"SMARTIO_DMA": "mapped"}), None),
+        (Uevent("change", P, "smartio", {"SMARTIO_DMA": "mapped"}), None),  # not a child
+    ],
+)  # fmt: skip
+def test_dma_change(ev, want):
+    got = dma_change(ev)
+    assert (None if got is None else (got.uuid, got.word)) == want
+
+
+@pytest.mark.parametrize(
+    ("props", "name", "said"),
+    [
+        ({"SMARTIO_DMA": "mapping"}, U1, "'mapping'"),
+        ({"SMARTIO_DMA": ""}, U1, "none of none, mapped, partial, refused"),
+        ({"SMARTIO_DMA": "refused ENODATA"}, U1, "'refused ENODATA'"),
+        ({"SMARTIO_DMA": "mapped"}, "../../../etc", "no mdev's UUID"),
+    ],
+)
+def test_a_dma_change_against_the_contract_is_refused(props, name, said):
+    with pytest.raises(ValueError, match=said):
+        dma_change(Uevent("change", name, "mdev", props))
+
+
+def test_dma_changes_reach_the_callback_through_the_pipe(fake, source):
+    seen = []
+
+    def on_dma(change):
+        seen.append((change.uuid, change.word))
+        return Reaction(P, Outcome.DMA_RECORDED, change.uuid, "web", change.word.value)
+
+    w = make_watcher(fake, [], on_dma=on_dma)
+    source.send(Uevent("change", U1, "mdev", {"SMARTIO_FDID": "0x10", "SMARTIO_DMA": "mapped"}))
+    source.send(Uevent("change", U2, "mdev", {"SMARTIO_DMA": "garbage"}))
+    source.send(Uevent("change", U1, "mdev", {"SMARTIO_DMA": "none"}))
+    assert w.run(source, timeout=0.05) == 3
+    assert seen == [(U1, DmaWord.MAPPED), (U1, DmaWord.NONE)]
+    assert [(r.outcome, r.detail) for r in w.reactions] == [
+        (Outcome.DMA_RECORDED, "mapped"),
+        (Outcome.DMA_RECORDED, "none"),
+    ]
+
+
+def test_a_refused_step_after_recreating_removes_the_child(fake):
+    def refuse(w):
+        if w.vm == "web":
+            raise FabricError("the SmartIO driver refused the DMA windows (ERANGE)")
+
+    wanted = [WantedMdev(U1, P, "smartio-lend", vm="web"), WantedMdev(U2, P, "smartio-lend", "db")]
+    w = ParentWatcher(MdevBus(fake.env, fake), lambda: wanted, on_recreated=refuse)
+    w.discover()
+    assert [(r.outcome, r.uuid, r.detail) for r in w.reactions] == [
+        (Outcome.FAILED, U1, "the SmartIO driver refused the DMA windows (ERANGE)"),
+        (Outcome.RECREATED, U2, ""),
+    ]
+    bus = MdevBus(fake.env, fake)
+    assert bus.device(U1) is None and bus.device(U2) is not None
