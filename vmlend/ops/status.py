@@ -29,6 +29,7 @@ from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
 from vmlend.lending.devices import holder_for
+from vmlend.memory.dmarecords import DMA_REFUSAL
 from vmlend.ops.live_state import LiveRecord, history
 from vmlend.registry import open_registry
 from vmlend.registry.records import RuntimeRecord, same_holder
@@ -57,6 +58,12 @@ class DeviceView(msgspec.Struct):
     driver_dma: DmaReport | None = None
 
     @property
+    def dma_refusal(self) -> RuntimeRecord | None:
+        """The driver's refusal of the guest's last Bus Master enable, as the registry keeps
+        it (``dma-refusal``, kernel backend); None: no refusal recorded."""
+        return next(iter(self.runtime.get(DMA_REFUSAL, [])), None)
+
+    @property
     def interrupts(self) -> str:
         """The path the device's MSI/MSI-X take while this VM holds it, else the one asked."""
         if not self.state.startswith(("reserved", "borrowed")):
@@ -80,6 +87,8 @@ class DeviceView(msgspec.Struct):
             out[key] = [{"key": r.key} | r.data for r in self.runtime.get(kind, [])]
         out["link_faults"] = [{"key": r.key} | r.data for r in self.runtime.get(LINK_FAULT, [])]
         out["driver_dma"] = None if self.driver_dma is None else _dma_json(self.driver_dma)
+        refusal = self.dma_refusal
+        out["dma_refusal"] = None if refusal is None else dict(refusal.data)
         out["dma_path"] = None
         if self.path is not None:
             p = self.path

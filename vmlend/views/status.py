@@ -9,8 +9,9 @@ from typing import Any
 from vmlend.kernel.dmafiles import DmaReport, window_lines
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.lending.shares import BLOCK
+from vmlend.memory.dmarecords import DMA_WINDOW
 from vmlend.ops.live_state import LiveRecord
-from vmlend.ops.status import RUNTIME_KINDS, VmView
+from vmlend.ops.status import RUNTIME_KINDS, DeviceView, VmView
 from vmlend.registry.records import RuntimeRecord
 from vmlend.topology.model import format_fdid
 from vmlend.topology.pcie import PciePath
@@ -31,6 +32,19 @@ def _runtime_cell(records: list[RuntimeRecord]) -> str:
         else:
             parts.append(r.key)
     return ",".join(parts)
+
+
+#: The runtime kinds after the DMA column, which ``_dma_cell`` fills.
+OTHER_KINDS = [k for k in RUNTIME_KINDS if k != DMA_WINDOW]
+
+
+def _dma_cell(d: DeviceView) -> str:
+    """The device's mapped windows, or the driver's refusal when none is mapped."""
+    cell = _runtime_cell(d.runtime.get(DMA_WINDOW, []))
+    refusal = d.dma_refusal
+    if cell == "-" and refusal is not None:
+        return f"refused {refusal.data.get('error', '?')}"
+    return cell
 
 
 def _driver_dma_cells(report: DmaReport) -> list[str]:
@@ -108,7 +122,8 @@ def render_status(
                     d.state,
                     mdev,
                     d.interrupts,
-                    *(_runtime_cell(d.runtime.get(k, [])) for k in RUNTIME_KINDS),
+                    _dma_cell(d),
+                    *(_runtime_cell(d.runtime.get(k, [])) for k in OTHER_KINDS),
                     path_cell(d.path),
                 ]
             )
