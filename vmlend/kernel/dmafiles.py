@@ -351,6 +351,26 @@ def compare_windows(
     return out
 
 
+def compare_records(recorded: Sequence[Window], state: DmaState | None) -> str | None:
+    """What differs between the ``dma-window`` records vmlend keeps for a child (as windows:
+    name and ranges) and what its ``dma_state`` says is mapped now, as one line; None when
+    they agree (nothing recorded while nothing is mapped included). A difference means a
+    ``SMARTIO_DMA`` event was lost or not acted on (``vmlend mdev watch`` not running)."""
+    if state is None:
+        return None
+    mapped = state.windows if state.word in (DmaWord.MAPPED, DmaWord.PARTIAL) else ()
+    have = {w.name: tuple(w.ranges) for w in recorded}
+    want = {w.name: tuple(w.ranges) for w in mapped}
+    if have == want:
+        return None
+    return (
+        f"vmlend records DMA windows {_describe(sorted(recorded, key=lambda w: w.name))},"
+        f" the driver's dma_state says {state.word.value}"
+        + (f" {_describe(mapped)}" if mapped else "")
+        + " (a SMARTIO_DMA event was missed: is 'vmlend mdev watch' running?)"
+    )
+
+
 def window_lines(windows: Sequence[Window]) -> list[str]:
     """For display: one ``name ranges`` string per window."""
     return [f"{w.name} {format_ranges(w.ranges)}" for w in windows]

@@ -34,18 +34,30 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric, WritesDmaWindows
-from vmlend.kernel.dmafiles import DmaReport, Window, compare_windows
+from vmlend.kernel.dmafiles import DmaReport, Window, compare_records, compare_windows
 from vmlend.lending.devices import holder_for, recorded_for, return_device
 from vmlend.ops.attach import attach_live
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
-from vmlend.registry.records import same_holder
-from vmlend.topology.model import DeviceStatus, GuestRam, Holder, MdevInfo, format_fdid
+from vmlend.registry.records import RuntimeRecord, same_holder
+from vmlend.topology.model import (
+    DeviceStatus,
+    GuestRam,
+    GuestRange,
+    Holder,
+    MdevInfo,
+    format_fdid,
+)
 
 if TYPE_CHECKING:
     from vmlend.hypervisor import Hypervisor
 
 Record = Callable[[str], None]
+
+#: What ``fix`` does for a ``dma-windows`` drift: write the windows again, or keep what the
+#: driver maps as the device's records again (a lost ``SMARTIO_DMA`` event).
+REWRITE = "write the DMA windows again"
+RECORD_AGAIN = "record the driver's DMA state again"
 
 
 class DriftKind(enum.StrEnum):
@@ -57,8 +69,9 @@ class DriftKind(enum.StrEnum):
     MISSING_HOLD = "missing-hold"
     MISSING_MDEV = "missing-mdev"
     HELD_BY_ANOTHER = "held-by-another"
-    #: The driver's DMA windows of a running VM's child differ from what vmlend computes
-    #: (docs/smartio-contract.md section 8; kernel backend only).
+    #: The driver's DMA windows of a running VM's child differ from what vmlend computes, or
+    #: what it maps from the device's ``dma-window`` records (docs/smartio-contract.md
+    #: section 8; kernel backend only).
     DMA_WINDOWS = "dma-windows"
 
 
@@ -106,6 +119,8 @@ class DmaCheck(msgspec.Struct, frozen=True):
     expected: tuple[Window, ...]
     token: int | None  # the hold's fencing token (None: no hold to compare with)
     report: DmaReport
+    #: The device's ``dma-window`` runtime records, as windows (what ``SMARTIO_DMA`` kept).
+    recorded: tuple[Window, ...] = ()
 
 
 class Views(msgspec.Struct):
@@ -178,8 +193,19 @@ def _look_dma(fabric: Fabric, running: list[RunningVm], present: set[str]) -> li
                 continue
             hold = holds.get(dev.fdid)
             token = hold.token if hold is not None and hold.token else None
-            out.append(DmaCheck(vm, dev.fdid, mdev, expected, token, report))
+            recorded = tuple(_as_window(r) for r in fabric.dma_records(dev.fdid))
+            out.append(DmaCheck(vm, dev.fdid, mdev, expected, token, report, recorded))
     return out
+
+
+def _as_window(r: RuntimeRecord) -> Window:
+    """A ``dma-window`` record as the window it says is mapped (an unreadable ``ranges``
+    field: none, which then differs from any mapping)."""
+    ranges = r.data.get("ranges")
+    try:
+        return Window(r.key, tuple(GuestRange(int(a), int(b)) for a, b in ranges or ()))
+    except (TypeError, ValueError):
+        return Window(r.key, ())
 
 
 def find_drift(views: Views) -> list[Drift]:
@@ -304,10 +330,12 @@ def _dma_drift(c: DmaCheck) -> list[Drift]:
     """One drift per difference between the driver's DMA windows and vmlend's, each one line."""
     where = f"mdev {c.mdev} of device {format_fdid(c.fdid)} (running VM {c.vm.name!r})"
     if c.report.damaged:
-        lines = [(f"its SmartIO driver's data-path files are damaged: {c.report.damaged}", False)]
+        lines = [(f"its SmartIO driver's data-path files are damaged: {c.report.damaged}", "")]
     else:
         found = compare_windows(c.expected, c.token, c.report.written, c.report.state)
-        lines = [(m.line, m.rewrite) for m in found]
+        lines = [(m.line, REWRITE if m.rewrite else "") for m in found]
+        if (records := compare_records(c.recorded, c.report.state)) is not None:
+            lines.append((records, RECORD_AGAIN))
     return [
         Drift(
             DriftKind.DMA_WINDOWS,
@@ -315,11 +343,11 @@ def _dma_drift(c: DmaCheck) -> list[Drift]:
             c.fdid,
             c.mdev,
             f"{where}: {line}",
-            "write the DMA windows again" if rewrite else "left to the operator (see the cause)",
-            fixable=rewrite,
+            repair or "left to the operator (see the cause)",
+            fixable=bool(repair),
             holder=c.vm.holder,
         )
-        for line, rewrite in lines
+        for line, repair in lines
     ]
 
 
@@ -466,6 +494,14 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
             assert d.fdid is not None and d.mdev is not None
             if not isinstance(fabric, WritesDmaWindows):
                 raise FabricError("this fabric backend has no DMA windows to write")
+            if d.fix == RECORD_AGAIN:
+                if fabric.record_dma(d.mdev) is None:
+                    raise FabricError(
+                        f"mdev {d.mdev}'s DMA state could not be recorded (see the log):"
+                        " its VM may no longer hold the device; run 'vmlend reconcile' again"
+                    )
+                record(f"mdev {d.mdev}: DMA state of {format_fdid(d.fdid)} recorded again")
+                return
             ram = read_domain(hv.xml(d.vm), strict=False).guest_ram
             if fabric.write_dma_windows(d.fdid, d.mdev, ram) is not None:
                 record(f"mdev {d.mdev}: DMA windows of {format_fdid(d.fdid)} written again")

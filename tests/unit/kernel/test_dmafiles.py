@@ -14,6 +14,7 @@ from vmlend.kernel.dmafiles import (
     MappedWindow,
     Window,
     WrittenWindows,
+    compare_records,
     compare_windows,
     format_windows,
     parse_state,
@@ -226,3 +227,17 @@ def test_none_keeps_nothing_and_a_refusal_only_the_refusal():
         "reason": "too few free segments on beta:0",
         "mdev": "u1",
     }
+
+
+def test_records_agree_with_what_is_mapped_or_say_what_differs():
+    mapped = parse_state("mapped\nlow 0 0 0x0 0x80000000\n", P)
+    assert compare_records([LOW], mapped) is None
+    assert compare_records([], DmaState(DmaWord.NONE)) is None
+    assert compare_records([LOW], None) is None  # no report: nothing to compare
+    refused = parse_state("refused ENODATA no windows\n", P)
+    assert compare_records([], refused) is None  # a refusal maps nothing
+    line = compare_records([LOW], refused)
+    assert line is not None and "records DMA windows low 0x0-0x80000000" in line
+    assert "says refused (" in line
+    line = compare_records([], mapped)
+    assert line is not None and "records DMA windows none" in line and "says mapped low" in line

@@ -47,7 +47,44 @@ def test_windows_the_prepare_wrote_are_no_drift(running, fake):
     hv, fabric = running
     assert find_drift(look(hv, fabric)) == []
     fake.smartio.bus_master(MDEV)  # mapped as written (the legacy window aside)
+    fabric.record_dma(MDEV)  # what 'vmlend mdev watch' does at the driver's SMARTIO_DMA
     assert find_drift(look(hv, fabric)) == []
+
+
+def test_a_mapping_vmlend_did_not_record_is_recorded_again(running, fake):
+    """The SMARTIO_DMA event was lost (no watcher ran): the driver maps windows the
+    registry has no record of; ``--fix`` reads dma_state and keeps it."""
+    hv, fabric = running
+    fake.smartio.bus_master(MDEV)
+    (d,) = _dma(hv, fabric)
+    assert d.fixable and d.fix == "record the driver's DMA state again"
+    assert "vmlend records DMA windows none, the driver's dma_state says mapped low" in d.cause
+    assert "is 'vmlend mdev watch' running?" in d.cause and "\n" not in d.cause
+    lines: list[str] = []
+    assert fix(hv, fabric, [d], lines.append).failed == []
+    assert lines == [f"mdev {MDEV}: DMA state of 0x12 recorded again"]
+    assert sorted(r.key for r in fabric.dma_records(NVME)) == ["high", "low"]
+    assert find_drift(look(hv, fabric)) == []
+
+
+def test_records_of_windows_no_longer_mapped_are_drift(running, fake):
+    """The other way: the guest cleared Bus Master (or reset) and the event was lost."""
+    hv, fabric = running
+    fake.smartio.bus_master(MDEV)
+    fabric.record_dma(MDEV)
+    fake.smartio.set_dma_state(MDEV, "none\n")
+    (d,) = _dma(hv, fabric)
+    assert "records DMA windows high " in d.cause and "dma_state says none (" in d.cause
+    fix(hv, fabric, [d])
+    assert fabric.dma_records(NVME) == [] and _dma(hv, fabric) == []
+    # a partial unmap the watcher did not hear of: the ranges differ, not the names
+    fake.smartio.bus_master(MDEV)
+    fabric.record_dma(MDEV)
+    fake.smartio.set_dma_state(
+        MDEV, "partial\nlow 0 0 0x0 0x40000000\nhigh 0 1 0x100000000 0x80000000\n"
+    )
+    drift = [x for x in _dma(hv, fabric) if x.fix == "record the driver's DMA state again"]
+    assert len(drift) == 1 and "says partial low 0x0-0x40000000" in drift[0].cause
 
 
 def test_windows_never_written_are_written_again(running, fake):
@@ -83,6 +120,7 @@ def test_other_windows_or_an_older_token_are_written_again(running, fake):
 def test_a_mapping_that_differs_is_left_to_the_operator(running, fake):
     hv, fabric = running
     fake.smartio.set_dma_state(MDEV, "mapped\nlow 0 0 0x0 0x40000000\n")
+    fabric.record_dma(MDEV)  # recorded as mapped: only the mapping itself differs
     (d,) = _dma(hv, fabric)
     assert not d.fixable and "stop the VM and start it again" in d.cause
     assert fix(hv, fabric, [d]).left == [d]
