@@ -16,12 +16,14 @@ import libvirt
 import libvirt_qemu
 import pytest
 
-from tests.support.kernel_guest import REAL, private_root, write
+from tests.support.kernel_guest import REAL, STUB, private_root, write
 from tests.support.kernel_host import operator_host
 from tests.support.vfio_user import VfioDevice
 from vmlend.kernel.backend import SmartioFabric
-from vmlend.kernel.dmafiles import DmaWord, parse_state, parse_windows
+from vmlend.kernel.dmafiles import DmaWord, format_windows, parse_state, parse_windows
+from vmlend.kernel.udev import Outcome, PyudevSource
 from vmlend.lending.devices import UndoJournal, acquire_device, return_device
+from vmlend.memory.dmarecords import DMA_WINDOW
 from vmlend.memory.layout import MemoryConfig, compute_layout
 from vmlend.registry import SqliteRegistry
 from vmlend.topology.model import GiB, GuestRam, GuestRange, Holder
@@ -175,3 +177,57 @@ def test_the_stand_in_refuses_what_section_8_refuses(fabric, body, code):
         assert (group(U) / "dma_windows").read_text() == f"token {token}\nlow 0x0 0x40000000\n"
     finally:
         return_device(fabric, WEB, 0x12, U)
+
+
+W = "83b8f4f2-509f-382f-3c1e-e6bfe0fa9002"
+
+
+def test_the_watcher_writes_a_recreated_childs_windows_and_records_bus_master(fabric):
+    """``vmlend mdev watch``'s watcher over the real kernel's uevents: the lender goes and
+    comes back, the watcher re-creates the VM's child and writes its windows from the RAM this
+    host noted; a Bus Master enable through the child sends SMARTIO_DMA, and the watcher keeps
+    dma_state as the device's dma-window records, removed again when it is cleared."""
+    ram = GuestRam(tuple(compute_layout(MemoryConfig("q35", 6 * GiB)).ranges()))
+    acquire_device(fabric, WEB, 0x12, W, UndoJournal(), guest_ram=ram)
+    source = PyudevSource(source=PyudevSource.netlink_source(REAL))
+    watcher = fabric.watcher()
+    try:
+        assert watcher.discover() == ["smartio-12"]
+        token = fabric._state.holds()[0x12].token
+        want = format_windows(token, fabric.expected_windows(0x12, ram))
+        assert (group(W) / "dma_windows").read_text() == want
+
+        STUB.set_availability(0x12, "unreachable")  # the parent goes, and the child with it
+        watcher.run(source, timeout=2)
+        assert not (REAL.mdev_devices / W).exists()
+        STUB.set_availability(0x12, "available")  # the stand-in registers the parent again
+        watcher.run(source, timeout=2)
+        outcomes = [(r.outcome, r.uuid) for r in watcher.reactions]
+        assert (Outcome.RECREATED, W) in outcomes, outcomes
+        assert (group(W) / "dma_windows").read_text() == want  # a new child: the watcher's write
+
+        def records():
+            with fabric.registry.read() as tx:
+                return {r.key: r.data for r in tx.runtime(0x12, DMA_WINDOW)}
+
+        assert records() == {}
+        before = len(watcher.reactions)
+        with VfioDevice(W) as dev:
+            dev.write(CONFIG, COMMAND, struct.pack("<H", 0x0007))  # Bus Master on: mapped
+            watcher.run(source, timeout=2)
+            kept = records()
+            assert sorted(kept) == ["high", "low"], watcher.reactions[before:]
+            assert {name: data["ranges"] for name, data in kept.items()} == {
+                w.name: [[r.start, r.end] for r in w.ranges]
+                for w in fabric.expected_windows(0x12, ram)
+            }
+            assert kept["low"]["adapter"] is None and kept["low"]["state"] == "mapped"
+            assert (Outcome.DMA_RECORDED, W) in [
+                (r.outcome, r.uuid) for r in watcher.reactions[before:]
+            ]
+            dev.write(CONFIG, COMMAND, struct.pack("<H", 0x0003))  # off: none
+            watcher.run(source, timeout=2)
+            assert records() == {}
+    finally:
+        return_device(fabric, WEB, 0x12, W)
+    assert not (REAL.mdev_devices / W).exists()
