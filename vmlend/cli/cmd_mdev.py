@@ -193,8 +193,9 @@ def remove(obj: CliContext, uuid_arg: str | None, uuid: str | None, json_output:
 @click.pass_obj
 def watch(obj: CliContext, timeout: float | None) -> None:
     """Follow SmartIO mdev parents on this host: when one returns (a lender rebooted), re-create
-    the mdevs of the VMs that were running; while one is gone, mark its device unavailable in
-    the shared state. Reactions are logged on stderr (-v shows them all)."""
+    the mdevs of the VMs that were running, with their DMA windows; while one is gone, mark its
+    device unavailable in the shared state. The driver's SMARTIO_DMA events are kept as the
+    devices' dma-window records. Reactions are logged on stderr (-v shows them all)."""
     from vmlend.kernel.backend import open_smartio_fabric  # needs the registry
     from vmlend.kernel.udev import PyudevSource
 
