@@ -273,7 +273,13 @@ class ParentWatcher:
         if change is None or self.on_dma is None:
             log.debug("mdev child %s: %s", ev.sys_name, ev.action)
             return []
-        reaction = self.on_dma(change)
+        try:
+            reaction = self.on_dma(change)
+        except VmlendError as e:
+            # one child's record (the registry unreachable a moment) must not end the watch:
+            # 'vmlend reconcile' finds the records apart from dma_state and --fix records again
+            log.warning("could not record the DMA state of mdev %s: %s", change.uuid, e)
+            return []
         if reaction is None:
             return []
         self.reactions.append(reaction)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.support.fake_sysfs import FakeSysfs, FakeType, PipeUeventSource
-from vmlend.errors import FabricError, HostError
+from vmlend.errors import FabricError, HostError, RegistryUnreachableError
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.dmafiles import DmaWord
 from vmlend.kernel.mdev import MdevBus
@@ -298,3 +298,15 @@ def test_a_refused_step_after_recreating_removes_the_child(fake):
     ]
     bus = MdevBus(fake.env, fake)
     assert bus.device(U1) is None and bus.device(U2) is not None
+
+
+def test_a_failing_record_is_a_warning_and_the_watch_goes_on(fake, source, caplog):
+    def on_dma(change):
+        raise RegistryUnreachableError("127.0.0.1:1", "etcd at 127.0.0.1:1 did not answer")
+
+    w = make_watcher(fake, [], on_dma=on_dma)
+    source.send(Uevent("change", U1, "mdev", {"SMARTIO_DMA": "mapped"}))
+    source.send(Uevent("change", U2, "mdev", {"SMARTIO_DMA": "mapped"}))
+    assert w.run(source, timeout=0.05) == 2
+    assert w.reactions == []
+    assert caplog.text.count("could not record the DMA state of mdev") == 2
