@@ -52,6 +52,7 @@ from vmlend.kernel.driver import (
 )
 from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
 from vmlend.kernel.mdev import MdevBus, SysfsWriter, normalize_uuid
+from vmlend.kernel.p2psync import P2PSync
 from vmlend.kernel.udev import DmaChange, Outcome, ParentWatcher, Reaction, WantedMdev
 from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.ledger import Ledger
@@ -625,6 +626,7 @@ class SmartioFabric:
             mark(True),
             on_recreated=self.rewrite_windows,
             on_dma=dma,
+            on_child=P2PSync(self).handle,  # the children's SMARTIO_BARS / SMARTIO_P2P
         )
 
 

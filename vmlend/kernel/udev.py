@@ -207,8 +207,12 @@ class ParentWatcher:
         *,
         on_recreated: Callable[[WantedMdev], None] | None = None,
         on_dma: Callable[[DmaChange], Reaction | None] | None = None,
+        on_child: Callable[[Uevent], object] | None = None,
     ) -> None:
         self.bus = bus
+        #: Called with each mdev child's event (the data path's, docs/smartio-contract.md
+        #: section 8); what it returns is not a parent's reaction.
+        self.on_child = on_child
         self.wanted = wanted
         self.on_vanished = on_vanished
         self.on_appeared = on_appeared
@@ -237,7 +241,10 @@ class ParentWatcher:
     def handle(self, ev: Uevent) -> list[Reaction]:
         name = ev.sys_name
         if ev.subsystem == "mdev":
-            return self._child_event(ev)
+            # one event may carry several words (an FLR: SMARTIO_DMA and SMARTIO_BARS)
+            if self.on_child is not None:
+                self.on_child(ev)  # peer-to-peer: SMARTIO_BARS, SMARTIO_P2P
+            return self._child_event(ev)  # SMARTIO_DMA
         is_parent_now = name in self.bus.parent_names()
         was_parent = name in self.known
         change = classify(ev, is_parent_now, was_parent)
