@@ -29,6 +29,7 @@ from vmlend.topology.model import (
 
 if TYPE_CHECKING:
     from vmlend.kernel.dmafiles import DmaReport, Window
+    from vmlend.kernel.p2pfiles import P2PDifference, P2PReport
     from vmlend.registry.api import Registry
     from vmlend.registry.records import (
         Claim,
@@ -260,4 +261,21 @@ class WritesDmaWindows(Protocol):
 
     def dma_records(self, fdid: int) -> list[RuntimeRecord]:
         """``fdid``'s ``dma-window`` runtime records."""
+        ...
+
+@runtime_checkable
+class MapsP2P(Protocol):
+    """A backend whose driver maps peer-to-peer between a VM's devices from ``p2p`` files
+    vmlend writes to each child (docs/smartio-contract.md section 8): the kernel backend."""
+
+    def p2p_report(self, uuid: str, fdid: int) -> P2PReport | None:
+        """What the driver reports for child ``uuid`` of device ``fdid``; None: nothing."""
+        ...
+
+    def p2p_drift(self, holder: Holder) -> list[P2PDifference]:
+        """Where the driver's maps of ``holder``'s VM differ from what vmlend plans."""
+        ...
+
+    def sync_p2p(self, holder: Holder) -> object:
+        """Plan and write the VM's maps again."""
         ...

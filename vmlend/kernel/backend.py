@@ -52,7 +52,9 @@ from vmlend.kernel.driver import (
 )
 from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
 from vmlend.kernel.mdev import MdevBus, SysfsWriter, normalize_uuid
-from vmlend.kernel.p2psync import P2PSync
+from vmlend.kernel.p2pfiles import P2PDifference, P2PReport
+from vmlend.kernel.p2pio import P2PFiles
+from vmlend.kernel.p2psync import P2POutcome, P2PSync
 from vmlend.kernel.udev import DmaChange, Outcome, ParentWatcher, Reaction, WantedMdev
 from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.ledger import Ledger
@@ -561,6 +563,18 @@ class SmartioFabric:
         """The ``dma-window`` records of ``fdid`` (for ``vmlend reconcile``)."""
         with self._state.registry.read() as tx:
             return tx.runtime(fdid, DMA_WINDOW)
+
+    def p2p_report(self, uuid: str, fdid: int) -> P2PReport | None:
+        """What the driver says of child ``uuid``'s peer-to-peer (None: no such files)."""
+        return P2PFiles(self.env, self.bus.writer).report(uuid, fdid)
+
+    def p2p_drift(self, holder: Holder) -> list[P2PDifference]:
+        """Where ``holder``'s VM's maps differ from what vmlend plans (``P2PSync.compare``)."""
+        return P2PSync(self).compare(holder)
+
+    def sync_p2p(self, holder: Holder) -> P2POutcome:
+        """Plan and write ``holder``'s VM's maps again."""
+        return P2PSync(self).sync(holder)
 
     def mdevs(self) -> list[MdevInfo]:
         """The children the kernel has under SmartIO parents (of any type, vmlend's or not),

@@ -226,6 +226,16 @@ class P2PReport(msgspec.Struct, frozen=True):
 
 
 # --- comparing ----------------------------------------------------------------------------------
+class P2PDifference(msgspec.Struct, frozen=True):
+    """One difference of one child of a running VM, as one line. ``rewrite``: planning and
+    writing ``p2p`` again repairs it."""
+
+    fdid: int
+    mdev: str
+    line: str
+    rewrite: bool = False
+
+
 def compare_maps(planned: Sequence[P2PMap], state: Sequence[MapState]) -> list[str]:
     """What differs between one source's planned maps and its ``p2p_state``, one line each
     (empty: they agree). Adapter and segments are the driver's to choose; the case is not."""
@@ -234,18 +244,24 @@ def compare_maps(planned: Sequence[P2PMap], state: Sequence[MapState]) -> list[s
     out: list[str] = []
     for key in sorted(want.keys() - have.keys()):
         m = want[key]
-        out.append(f"no map to {key} (the guest decodes it at {m.iova:#x}+{m.size:#x}, {m.case})")
+        out.append(
+            f"no peer-to-peer map to {key} (the guest decodes it at {m.iova:#x}+{m.size:#x},"
+            f" {m.case})"
+        )
     for key in sorted(have.keys() - want.keys()):
-        out.append(f"a map to {have[key].line.describe()} that the guest's BARs do not call for")
+        out.append(
+            f"a peer-to-peer map to {have[key].line.describe()} that the guest's BARs do not"
+            " call for"
+        )
     for key in sorted(want.keys() & have.keys()):
         m, s = want[key], have[key]
         if (m.iova, m.size) != (s.line.gpa, s.line.size):
             out.append(
-                f"the map to {key} is at {s.line.gpa:#x}+{s.line.size:#x}, the guest decodes it"
-                f" at {m.iova:#x}+{m.size:#x}"
+                f"the peer-to-peer map to {key} is at {s.line.gpa:#x}+{s.line.size:#x}, the"
+                f" guest decodes it at {m.iova:#x}+{m.size:#x}"
             )
         if m.case != s.case:
-            out.append(f"the map to {key} is {s.case}, vmlend plans {m.case}")
+            out.append(f"the peer-to-peer map to {key} is {s.case}, vmlend plans {m.case}")
     return out
 
 
@@ -256,3 +272,14 @@ def segments_by_adapter(state: Sequence[MapState]) -> dict[int, set[int]]:
         if s.adapter is not None and s.segments is not None:
             out.setdefault(s.adapter, set()).update(s.segments)
     return out
+
+
+def over_segments(used: dict[str, set[int]], claimed: dict[str, int]) -> list[str]:
+    """Each adapter (ref) whose maps use more distinct segments than the VM's P2P claims
+    there, one line each."""
+    return [
+        f"the peer-to-peer maps use {len(segs)} segment(s) of {ref}, the VM's P2P claims"
+        f" {claimed.get(ref, 0)}"
+        for ref, segs in sorted(used.items())
+        if len(segs) > claimed.get(ref, 0)
+    ]

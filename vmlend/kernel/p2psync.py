@@ -25,10 +25,17 @@ from vmlend.kernel.p2pevents import (
     plan_writes,
     state_records,
 )
+from vmlend.kernel.p2pfiles import (
+    P2PDifference,
+    P2PReport,
+    compare_maps,
+    over_segments,
+    segments_by_adapter,
+)
 from vmlend.kernel.p2pio import P2PFiles, Written
 from vmlend.kernel.udev import Uevent
 from vmlend.p2p import RECORD_KIND, GuestBar
-from vmlend.registry.records import same_holder
+from vmlend.registry.records import ClaimKind, same_holder
 from vmlend.topology.model import GuestRange, Holder
 
 if TYPE_CHECKING:
@@ -88,25 +95,39 @@ class P2PSync:
         """The holder whose VM child ``uuid`` serves and every borrowed child of that VM on
         this node (each with its hold's token); None for a child vmlend did not record."""
         node = self.fabric.local_node
-        records = [
-            m
-            for m in self.fabric.mdev_records()
-            if m.node == node and m.type_id == MDEV_TYPE and m.fdid is not None
-        ]
-        me = next((m for m in records if m.uuid == uuid), None)
+        me = next(
+            (
+                m
+                for m in self.fabric.mdev_records()
+                if m.uuid == uuid and m.node == node and m.type_id == MDEV_TYPE
+            ),
+            None,
+        )
         if me is None:
             return None
         with self.fabric.registry.read() as tx:
-            holds = tx.holds()
-        hold = holds.get(me.fdid or 0)
+            hold = tx.hold(me.fdid or 0)
         if hold is None or hold.holder.node != node or hold.holder.vm != me.vm:
             return None
+        return hold.holder, self.children_of(hold.holder)
+
+    def children_of(self, holder: Holder) -> list[Child]:
+        """Every child this node recorded for ``holder``'s VM whose device it holds."""
+        node = self.fabric.local_node
+        with self.fabric.registry.read() as tx:
+            holds = tx.holds()
         children = []
-        for m in records:
+        for m in self.fabric.mdev_records():
             h = holds.get(m.fdid or 0)
-            if m.vm == me.vm and h is not None and same_holder(h.holder, hold.holder):
+            if (
+                m.node == node
+                and m.type_id == MDEV_TYPE
+                and m.vm == holder.vm
+                and h is not None
+                and same_holder(h.holder, holder)
+            ):
                 children.append(Child(m.uuid, m.fdid or 0, h.token))
-        return hold.holder, sorted(children, key=lambda c: c.fdid)
+        return sorted(children, key=lambda c: c.fdid)
 
     # --- SMARTIO_BARS ---------------------------------------------------------------------------
     def sync_vm(self, holder: Holder, children: Sequence[Child], uuid: str = "") -> P2POutcome:
@@ -156,6 +177,76 @@ class P2PSync:
             if report is not None and report.written is not None:
                 return [r for w in report.written.windows for r in w.ranges]
         return []
+
+    # --- reconcile: what the driver has against what vmlend plans -----------------------------
+    def compare(self, holder: Holder) -> list[P2PDifference]:
+        """Each child's ``p2p_state`` against ``plan_p2p`` over the guest's BARs now, its
+        token against the hold's, and the distinct segments per adapter against the VM's P2P
+        claims; one line each. Children without the files are ``vmlend doctor``'s."""
+        children = self.children_of(holder)
+        reports = {c.uuid: self.files.report(c.uuid, c.fdid) for c in children}
+        out: list[P2PDifference] = []
+        present: list[Child] = []
+        for c in children:
+            report = reports[c.uuid]
+            if report is None:
+                continue
+            if report.damaged:
+                damaged = f"its peer-to-peer files are damaged: {report.damaged}"
+                out.append(P2PDifference(c.fdid, c.uuid, damaged))
+                continue
+            present.append(c)
+        if not present:
+            return out
+        bars = [b for c in present for b in (reports[c.uuid] or P2PReport()).bars]
+        topology = self.fabric.topology()
+        try:
+            ram = self._ram(present)
+            plan, _ = plan_writes(topology, self.fabric.local_node, present, bars, ram)
+        except VmlendError as e:
+            first = present[0]
+            why = f"the guest's BARs cannot be mapped peer-to-peer: {e}"
+            return [*out, P2PDifference(first.fdid, first.uuid, why)]
+        used: dict[str, set[int]] = {}
+        for c in present:
+            report = reports[c.uuid] or P2PReport()
+            rewrite = "; 'vmlend reconcile --fix' writes the maps again"
+            for line in compare_maps(plan.from_source(c.fdid), report.state):
+                out.append(P2PDifference(c.fdid, c.uuid, line + rewrite, rewrite=True))
+            if report.written is not None and report.written.token != c.token:
+                out.append(
+                    P2PDifference(
+                        c.fdid,
+                        c.uuid,
+                        f"the peer-to-peer maps were written under fencing token"
+                        f" {report.written.token}, the hold's is {c.token}{rewrite}",
+                        rewrite=True,
+                    )
+                )
+            lender = topology.device(c.fdid).lender
+            for index, segs in segments_by_adapter(report.state).items():
+                used.setdefault(f"{lender}:{index}", set()).update(segs)
+        over = over_segments(used, self._claimed(holder, [c.fdid for c in children]))
+        first = present[0]
+        out += [P2PDifference(first.fdid, first.uuid, line) for line in over]
+        return out
+
+    def _claimed(self, holder: Holder, fdids: Sequence[int]) -> dict[str, int]:
+        """Segments the VM's P2P claims hold per adapter (a shared claim counted once)."""
+        largest: dict[tuple[str, str], int] = {}
+        with self.fabric.registry.read() as tx:
+            for fdid, c in tx.claims():
+                if fdid in fdids and c.kind is ClaimKind.P2P and c.segments:
+                    key = (c.adapter, c.share)
+                    largest[key] = max(largest.get(key, 0), c.segments)
+        out: dict[str, int] = {}
+        for (adapter, _share), n in largest.items():
+            out[adapter] = out.get(adapter, 0) + n
+        return out
+
+    def sync(self, holder: Holder) -> P2POutcome:
+        """Plan and write ``holder``'s VM's maps now (``vmlend reconcile --fix``)."""
+        return self.sync_vm(holder, self.children_of(holder))
 
     # --- p2p_state -> records -------------------------------------------------------------------
     def _record_state(self, child: Child, planned: dict[str, Any] | None = None) -> None:

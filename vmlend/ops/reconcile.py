@@ -33,8 +33,9 @@ from vmlend.domain import (
 )
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
-from vmlend.fabric.base import Fabric, WritesDmaWindows
+from vmlend.fabric.base import Fabric, MapsP2P, WritesDmaWindows
 from vmlend.kernel.dmafiles import DmaReport, Window, compare_records, compare_windows
+from vmlend.kernel.p2pfiles import P2PDifference
 from vmlend.lending.devices import holder_for, recorded_for, return_device
 from vmlend.ops.attach import attach_live
 from vmlend.ops.definitions import plain_metadata
@@ -73,6 +74,9 @@ class DriftKind(enum.StrEnum):
     #: what it maps from the device's ``dma-window`` records (docs/smartio-contract.md
     #: section 8; kernel backend only).
     DMA_WINDOWS = "dma-windows"
+    #: The driver's peer-to-peer maps of a running VM differ from what ``plan_p2p`` computes
+    #: over the guest's BARs now, or use more segments than the VM's P2P claims (section 8).
+    P2P_MAPS = "p2p-maps"
 
 
 class Drift(msgspec.Struct, frozen=True):
@@ -123,6 +127,13 @@ class DmaCheck(msgspec.Struct, frozen=True):
     recorded: tuple[Window, ...] = ()
 
 
+class P2PCheck(msgspec.Struct, frozen=True):
+    """One difference between a running VM's peer-to-peer maps and vmlend's plan."""
+
+    vm: RunningVm
+    difference: P2PDifference
+
+
 class Views(msgspec.Struct):
     node: str
     running: list[RunningVm]
@@ -135,6 +146,8 @@ class Views(msgspec.Struct):
     present: set[str] = msgspec.field(default_factory=set)
     #: The data path of running VMs' children, where the driver reports it
     dma: list[DmaCheck] = msgspec.field(default_factory=list)
+    #: Peer-to-peer differences of running VMs, where the driver maps it
+    p2p: list[P2PCheck] = msgspec.field(default_factory=list)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -166,7 +179,15 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
     holds = [st for st in held if st.holder is not None and st.holder.node == node]
     elsewhere = {st.fdid: st for st in held if st.holder is not None and st.holder.node != node}
     dma = _look_dma(fabric, running, present)
-    return Views(node, running, holds, mdevs, defined, elsewhere, present, dma)
+    p2p = _look_p2p(fabric, running)
+    return Views(node, running, holds, mdevs, defined, elsewhere, present, dma, p2p)
+
+
+def _look_p2p(fabric: Fabric, running: list[RunningVm]) -> list[P2PCheck]:
+    """Each running VM's peer-to-peer differences, where the driver maps peer-to-peer."""
+    if not isinstance(fabric, MapsP2P):
+        return []
+    return [P2PCheck(vm, d) for vm in running for d in fabric.p2p_drift(vm.holder)]
 
 
 def _look_dma(fabric: Fabric, running: list[RunningVm], present: set[str]) -> list[DmaCheck]:
@@ -323,7 +344,25 @@ def find_drift(views: Views) -> list[Drift]:
         drift.append(Drift(DriftKind.MDEV_WITHOUT_HOLD, m.vm, m.fdid, m.uuid, cause, repair))
     for c in views.dma:
         drift.extend(_dma_drift(c))
+    drift.extend(_p2p_drift(c) for c in views.p2p)
     return drift
+
+
+def _p2p_drift(c: P2PCheck) -> Drift:
+    d = c.difference
+    where = f"mdev {d.mdev} of device {format_fdid(d.fdid)} (running VM {c.vm.name!r})"
+    return Drift(
+        DriftKind.P2P_MAPS,
+        c.vm.name,
+        d.fdid,
+        d.mdev,
+        f"{where}: {d.line}",
+        "plan and write the VM's peer-to-peer maps again"
+        if d.rewrite
+        else "left to the operator (see the cause)",
+        fixable=d.rewrite,
+        holder=c.vm.holder,
+    )
 
 
 def _dma_drift(c: DmaCheck) -> list[Drift]:
@@ -505,6 +544,12 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
             ram = read_domain(hv.xml(d.vm), strict=False).guest_ram
             if fabric.write_dma_windows(d.fdid, d.mdev, ram) is not None:
                 record(f"mdev {d.mdev}: DMA windows of {format_fdid(d.fdid)} written again")
+        case DriftKind.P2P_MAPS:
+            assert d.holder is not None
+            if not isinstance(fabric, MapsP2P):
+                raise FabricError("this fabric backend has no peer-to-peer maps to write")
+            fabric.sync_p2p(d.holder)
+            record(f"mdev {d.mdev}: peer-to-peer maps of {d.vm} planned and written again")
         case DriftKind.MISSING_HOLD | DriftKind.MISSING_MDEV:
             assert d.holder is not None and d.fdid is not None and d.mdev is not None
             dom = read_domain(hv.xml(d.vm), strict=False)

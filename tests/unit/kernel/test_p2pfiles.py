@@ -163,7 +163,8 @@ def test_a_state_equal_to_the_plan_has_no_difference():
 def test_each_difference_is_one_line():
     planned = _plan().from_source(0x10)
     assert compare_maps(planned, ()) == [
-        "no map to 0x11/bar0 (the guest decodes it at 0xfd000000+0x1000000, same-lender)"
+        "no peer-to-peer map to 0x11/bar0 (the guest decodes it at 0xfd000000+0x1000000,"
+        " same-lender)"
     ]
     moved = parse_p2p_state("0x11 0 0xfe000000 0x1000000 same-lender - -\n", P)
     [line] = compare_maps(planned, moved)
@@ -172,9 +173,9 @@ def test_each_difference_is_one_line():
         "0x11 0 0xfd000000 0x1000000 same-lender - -\n0x12 0 0x1000 0x1000 same-lender - -\n", P
     )
     assert compare_maps(planned, extra) == [
-        "a map to 0x12/bar0 at 0x1000+0x1000 that the guest's BARs do not call for"
+        "a peer-to-peer map to 0x12/bar0 at 0x1000+0x1000 that the guest's BARs do not call for"
     ]
     wrong_case = parse_p2p_state("0x11 0 0xfd000000 0x1000000 other-lender 0 31\n", P)
     assert compare_maps(planned, wrong_case) == [
-        "the map to 0x11/bar0 is other-lender, vmlend plans same-lender"
+        "the peer-to-peer map to 0x11/bar0 is other-lender, vmlend plans same-lender"
     ]
