@@ -22,9 +22,10 @@ import msgspec
 
 from vmlend.domain import VmlendDevice, read_domain
 from vmlend.errors import UnknownDomainError, VmlendError
-from vmlend.fabric.base import Fabric, WritesDmaWindows
+from vmlend.fabric.base import Fabric, MapsP2P, WritesDmaWindows
 from vmlend.hypervisor import Hypervisor
 from vmlend.kernel.dmafiles import DmaReport, MappedWindow, Window
+from vmlend.kernel.p2pfiles import P2PLine, P2PReport
 from vmlend.ledger.admission import AdapterUsage, PortUsage
 from vmlend.ledger.linkfaults import LINK_FAULT
 from vmlend.ledger.nvmeshares import SHARE_RECORD, ShareEntry, share_entry
@@ -56,6 +57,9 @@ class DeviceView(msgspec.Struct):
     #: What the SmartIO driver reports of the child's DMA windows (kernel backend, docs/
     #: smartio-contract.md section 8); None: no such report (another backend, no child).
     driver_dma: DmaReport | None = None
+    #: What the driver reports of the child's peer-to-peer (``guest_bars``, ``p2p``,
+    #: ``p2p_state``); None: no such report.
+    driver_p2p: P2PReport | None = None
 
     @property
     def dma_refusal(self) -> RuntimeRecord | None:
@@ -89,6 +93,7 @@ class DeviceView(msgspec.Struct):
         out["driver_dma"] = None if self.driver_dma is None else _dma_json(self.driver_dma)
         refusal = self.dma_refusal
         out["dma_refusal"] = None if refusal is None else dict(refusal.data)
+        out["driver_p2p"] = None if self.driver_p2p is None else _p2p_json(self.driver_p2p)
         out["dma_path"] = None
         if self.path is not None:
             p = self.path
@@ -127,6 +132,28 @@ def _dma_json(report: DmaReport) -> dict[str, Any]:
             "reason": state.reason or None,
             "windows": [_window_json(w) for w in state.windows],
         },
+        "damaged": report.damaged or None,
+    }
+
+
+def _p2p_json(report: P2PReport) -> dict[str, Any]:
+    """The driver's peer-to-peer report as ``status --json`` shows it."""
+
+    def line(ln: P2PLine) -> dict[str, Any]:
+        return {"target": format_fdid(ln.target), "bar": ln.bar, "gpa": ln.gpa, "size": ln.size}
+
+    return {
+        "guest_bars": [{"bar": b.index, "gpa": b.gpa, "size": b.size} for b in report.bars],
+        "token": None if report.written is None else report.written.token,
+        "maps": [
+            line(s.line)
+            | {
+                "case": s.case,
+                "adapter": s.adapter,
+                "segments": None if s.segments is None else list(s.segments),
+            }
+            for s in report.state
+        ],
         "damaged": report.damaged or None,
     }
 
@@ -229,6 +256,8 @@ def collect(
             dv.path = _dma_path(topology, dv.fdid, v.node)
             if isinstance(fabric, WritesDmaWindows) and dv.mdev_present and dv.mdev:
                 dv.driver_dma = fabric.dma_report(dv.mdev)
+            if isinstance(fabric, MapsP2P) and dv.mdev_present and dv.mdev:
+                dv.driver_p2p = fabric.p2p_report(dv.mdev, dv.fdid)
             if dv.holder is not None and dv.holder.node == v.node and dv.holder.vm == v.name:
                 window = fabric.interrupt_window(dv.fdid)
                 dv.interrupts_via = None if window is None else window.adapter
