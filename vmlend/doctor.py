@@ -18,6 +18,7 @@ import msgspec
 from vmlend.errors import HostError, MdevError, VmlendError
 from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
+from vmlend.kernel import p2pcheck
 from vmlend.kernel.dmafiles import DmaWord, compare_windows
 from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDriver, fdid_of
 from vmlend.kernel.driver import MODULE as SMARTIO_MODULE
@@ -276,6 +277,22 @@ def check_data_path(env: HostEnv) -> Finding | None:
         Status.OK,
         f"{len(children)} children: DMA windows written, {mapped} mapped by the guest",
     )
+
+
+def check_p2p(env: HostEnv) -> Finding | None:
+    """Each child's peer-to-peer files for themselves (``vmlend.kernel.p2pcheck``); None
+    where no child has them."""
+    if not SmartioDriver(env).loaded():
+        return None
+    try:
+        found = p2pcheck.look(env)
+    except MdevError as e:
+        return Finding("peer-to-peer", Status.FAIL, str(e))
+    if found is None:
+        return None
+    if found.problems:
+        return Finding("peer-to-peer", Status.WARN, p2pcheck.first(found.problems))
+    return Finding("peer-to-peer", Status.OK, p2pcheck.summary(found))
 
 
 def check_mdev_parents(env: HostEnv) -> Finding:
@@ -605,6 +622,7 @@ def run_checks(
         check_smartio(env, required=smartio_required),
         check_mdev_parents(env),
         *([data] if (data := check_data_path(env)) is not None else []),
+        *([p2p] if (p2p := check_p2p(env)) is not None else []),
         check_nvme_sharing(env),
         check_libvirt(libvirt_version),
     ]
