@@ -611,6 +611,72 @@ void smartio_unregister_mdev_provider(const struct smartio_mdev_provider *provid
 }
 EXPORT_SYMBOL_GPL(smartio_unregister_mdev_provider);
 
+/*
+ * --- peer-to-peer targets (section 8), for the provider's p2p files ----------------------
+ * The provider also serves each child's guest_bars, p2p and p2p_state; a p2p line's target
+ * BAR, the map's case and whether both devices are borrowed here come from these devices.
+ */
+
+u32 smartio_fdid(struct device *dev)
+{
+	return to_smartio(dev)->fdid;	/* fixed while the device is in the fabric */
+}
+EXPORT_SYMBOL_GPL(smartio_fdid);
+
+/* BAR @bar in a device's 'bars' text: 0 with its size and kind, -EINVAL without it. */
+static int smartio_find_bar(const char *bars, u32 bar, struct smartio_p2p_target *out)
+{
+	char kind[16];
+	u64 size;
+	u32 index;
+
+	while (*bars) {
+		if (sscanf(bars, "%u %llx %15s", &index, &size, kind) == 3 && index == bar) {
+			out->size = size;
+			out->io = !strcmp(kind, "io");
+			out->mem32 = !strcmp(kind, "mem32");
+			return 0;
+		}
+		bars = strchrnul(bars, '\n');
+		if (*bars)
+			bars++;
+	}
+	return -EINVAL;
+}
+
+/*
+ * Never waits for smartio_lock: a parent being detached holds it while the mdev core removes
+ * the children, which waits for this child's store to return.
+ */
+int smartio_p2p_target(struct device *dev, u32 fdid, u32 bar, struct smartio_p2p_target *out)
+{
+	struct smartio_dev *src = to_smartio(dev), *dst;
+	int ret;
+
+	if (!mutex_trylock(&smartio_lock))
+		return -EAGAIN;
+	dst = smartio_find(fdid);
+	if (!dst || dst->gone) {
+		ret = -ENODEV;
+		goto out;
+	}
+	ret = smartio_find_bar(dst->bars, bar, out);
+	if (ret)
+		goto out;
+	if (dst->lender_node_id == src->lender_node_id)
+		out->p2p_case = SMARTIO_P2P_SAME_LENDER;
+	else if (dst->lender_node_id == node_id)
+		out->p2p_case = SMARTIO_P2P_BORROWER_LOCAL;
+	else
+		out->p2p_case = SMARTIO_P2P_OTHER_LENDER;
+	out->adapter = src->lender_adapter;
+	out->borrowed = src->borrower == (int)node_id && dst->borrower == (int)node_id;
+out:
+	mutex_unlock(&smartio_lock);
+	return ret;
+}
+EXPORT_SYMBOL_GPL(smartio_p2p_target);
+
 /* --- debugfs smartio/ctl: the rest of the fabric ---------------------------------------- */
 
 static int smartio_parse_availability(const char *word, enum smartio_availability *out)

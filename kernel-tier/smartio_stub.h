@@ -31,4 +31,31 @@ int smartio_register_mdev_provider(const struct smartio_mdev_provider *provider)
 int smartio_check_token(struct device *dev, u64 token, u32 *dma_bits);
 void smartio_unregister_mdev_provider(const struct smartio_mdev_provider *provider);
 
+/*
+ * Peer-to-peer (vmlend's contract, section 8): what a child's p2p write needs to know of a
+ * target BAR, from the stub's devices.
+ */
+enum smartio_p2p_case {
+	SMARTIO_P2P_SAME_LENDER,	/* source and target lent by one host */
+	SMARTIO_P2P_BORROWER_LOCAL,	/* the target is installed in this host */
+	SMARTIO_P2P_OTHER_LENDER,	/* the target is lent by a third host */
+};
+
+struct smartio_p2p_target {
+	u64 size;		/* the BAR's size in the target's 'bars' */
+	bool io;		/* an I/O BAR */
+	bool mem32;		/* a 32-bit memory BAR */
+	enum smartio_p2p_case p2p_case;
+	u32 adapter;		/* the source's lender adapter */
+	bool borrowed;		/* source and target borrowed by this host now */
+};
+
+/* The fdid of the device whose mdev parent is on @dev. */
+u32 smartio_fdid(struct device *dev);
+/*
+ * BAR @bar of device @fdid, seen from the device whose mdev parent is on @dev: 0; -ENODEV
+ * without that device, -EINVAL without that BAR, -EAGAIN while the fabric is changing.
+ */
+int smartio_p2p_target(struct device *dev, u32 fdid, u32 bar, struct smartio_p2p_target *out);
+
 #endif /* SMARTIO_STUB_H */
