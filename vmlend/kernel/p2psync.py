@@ -196,7 +196,8 @@ class P2PSync:
                 out.append(P2PDifference(c.fdid, c.uuid, damaged))
                 continue
             present.append(c)
-        if not present:
+        if out or not present:
+            # a plan without a damaged child's BARs would call its peers' maps to it drift
             return out
         bars = [b for c in present for b in (reports[c.uuid] or P2PReport()).bars]
         topology = self.fabric.topology()

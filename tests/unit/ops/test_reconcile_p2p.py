@@ -105,3 +105,25 @@ def test_more_segments_than_the_vm_claimed_is_drift_for_the_operator(running):
     assert d.cause.endswith(
         "the peer-to-peer maps use 10 segment(s) of alpha:0, the VM's P2P claims 2"
     )
+
+
+def test_maps_written_under_another_token_are_written_again(running, p2p):
+    hv, fabric = running
+    c = p2p.children[UA]
+    hold = fabric._state.holds()[0x10].token
+    c.token = hold - 1  # e.g. a write of an earlier hold of this VM's that the driver kept
+    p2p._sync(c)
+    (d,) = _p2p(hv, fabric)
+    assert d.fixable
+    assert f"written under fencing token {hold - 1}, the hold's is {hold}" in d.cause
+    fix(hv, fabric, [d], lambda _line: None)
+    assert p2p.children[UA].token == hold
+    assert _p2p(hv, fabric) == []
+
+
+def test_damaged_files_are_left_to_the_operator(running, p2p):
+    hv, fabric = running
+    (p2p.children[UB].group / "p2p_state").write_text("0x10 0 0xc0000000 0x1000000 sideways - -\n")
+    (d,) = _p2p(hv, fabric)
+    assert not d.fixable and d.mdev == UB
+    assert "its peer-to-peer files are damaged" in d.cause and "unknown case" in d.cause
