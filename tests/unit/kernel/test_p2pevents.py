@@ -5,7 +5,11 @@ the writes of a plan, a plan against the VM's P2P claims, and the records kept f
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
+from tests.support.hypothesis_tiers import examples
+from vmlend.errors import P2PError
 from vmlend.kernel.p2pevents import (
     Child,
     ChildEvent,
@@ -105,3 +109,27 @@ def test_records_follow_the_state_keeping_what_vmlend_knew():
     assert state_records(0x10, [], kept) == {}
     moved = [MapState(P2PLine(0x20, 1, 0xA0_0000_0000, 32 * GiB), "other-lender", 0, (1,))]
     assert "route" not in state_records(0x10, moved, kept)["0x20/bar1"]  # not what was planned
+
+
+VM = (0x10, 0x20, 0x21)  # two GPUs on alpha and beta, a NIC on beta
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.data())
+def test_wherever_an_honest_guest_puts_its_bars_the_plan_fits_admissions_claims(topo, data):
+    """Admission claims the most a BAR can touch (``p2p_claims``): any naturally aligned
+    placement the planner accepts needs no more, so the watcher never refuses an honest
+    guest."""
+    bars = []
+    for fdid in VM:
+        for b in topo.device(fdid).bars:
+            top = (4 * GiB if b.kind.value == "mem32" else 1 << 40) // b.size
+            bars.append(GuestBar(fdid, b.index, data.draw(st.integers(1, top - 1)) * b.size,
+                                 b.size))  # fmt: skip
+    children = [Child(f"c{f:x}", f, 1) for f in VM]
+    try:
+        plan, _ = plan_writes(topo, "gamma", children, bars)
+    except P2PError:
+        assume(False)  # overlapping BARs: the planner refuses them before any claim matters
+    claims = [c for _f, c in p2p_claims(topo, WEB, [topo.device(f) for f in VM])]
+    assert over_claims(topo, WEB, plan.maps, claims) == []
