@@ -195,7 +195,9 @@ def watch(obj: CliContext, timeout: float | None) -> None:
     """Follow SmartIO mdev parents on this host: when one returns (a lender rebooted), re-create
     the mdevs of the VMs that were running, with their DMA windows; while one is gone, mark its
     device unavailable in the shared state. The driver's SMARTIO_DMA events are kept as the
-    devices' dma-window records. Reactions are logged on stderr (-v shows them all)."""
+    devices' dma-window records; when a guest decodes, moves or drops a BAR of a VM's device
+    (SMARTIO_BARS), plan and write the VM's peer-to-peer maps. Reactions are logged on stderr
+    (-v shows them all)."""
     from vmlend.kernel.backend import open_smartio_fabric  # needs the registry
     from vmlend.kernel.udev import PyudevSource
 
