@@ -132,7 +132,8 @@ def format_windows(token: int, windows: Sequence[Window]) -> str:
 
 
 # --- what the driver says -----------------------------------------------------------------------
-def _number(path: Path, text: str, what: str) -> int:
+def word_number(path: Path, text: str, what: str) -> int:
+    """One number word of a section-8 file, decimal or 0x-hex (the driver's own format)."""
     if not _NUMBER.fullmatch(text):
         raise SysfsAttributeError(path, f"expected {what}, got {text[:40]!r}", CHECK)
     return int(text, 0) if text[:2].lower() == "0x" else int(text, 10)
@@ -143,8 +144,8 @@ def _ranges(path: Path, words: Sequence[str], n: int) -> tuple[GuestRange, ...]:
         raise SysfsAttributeError(path, f"line {n}: expected '<gpa> <size>' pairs", CHECK)
     out: list[GuestRange] = []
     for i in range(0, len(words), 2):
-        start = _number(path, words[i], "an address")
-        size = _number(path, words[i + 1], "a size")
+        start = word_number(path, words[i], "an address")
+        size = word_number(path, words[i + 1], "a size")
         if size <= 0 or start + size > MAX_ADDRESS:
             raise SysfsAttributeError(
                 path, f"line {n}: range {words[i]}+{words[i + 1]} is empty or past 2^52", CHECK
@@ -191,7 +192,7 @@ def _segments(path: Path, text: str, n: int) -> tuple[int, ...] | None:
     if text == "-":
         return None
     try:
-        return tuple(_number(path, s, "a segment index") for s in text.split(","))
+        return tuple(word_number(path, s, "a segment index") for s in text.split(","))
     except SysfsAttributeError:
         raise SysfsAttributeError(
             path, f"line {n}: expected comma-separated segment indices or '-'", CHECK
@@ -234,7 +235,7 @@ def parse_state(text: str, path: Path) -> DmaState:
                 path, f"line {n}: expected '<window> <adapter> <segments> <gpa> <size> ...'", CHECK
             )
         name = _window_name(path, w[0], n, seen)
-        adapter = None if w[1] == "-" else _number(path, w[1], "an adapter index")
+        adapter = None if w[1] == "-" else word_number(path, w[1], "an adapter index")
         segments = _segments(path, w[2], n)
         if (adapter is None) != (segments is None):
             raise SysfsAttributeError(

@@ -16,14 +16,13 @@ between ``p2p_state`` and what ``plan_p2p`` computes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
 from vmlend.errors import P2PError, SysfsAttributeError
-from vmlend.kernel.dmafiles import CHECK, MAX_WRITE
+from vmlend.kernel.dmafiles import CHECK, MAX_WRITE, word_number
 from vmlend.p2p import BORROWER_LOCAL, OTHER_LENDER, SAME_LENDER, GuestBar, P2PMap
 from vmlend.topology.parse import MAX_ADDRESS
 
@@ -36,7 +35,6 @@ CASES = (SAME_LENDER, BORROWER_LOCAL, OTHER_LENDER)
 #: BAR indexes a type-0 config header has.
 BAR_INDEXES = range(6)
 
-_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|[0-9]+")
 
 
 class P2PLine(msgspec.Struct, frozen=True, order=True):
@@ -101,12 +99,6 @@ def format_p2p(token: int, lines: Sequence[P2PLine]) -> str:
 
 
 # --- what the driver says -----------------------------------------------------------------------
-def _number(path: Path, text: str, what: str) -> int:
-    if not _NUMBER.fullmatch(text):
-        raise SysfsAttributeError(path, f"expected {what}, got {text[:40]!r}", CHECK)
-    return int(text, 0) if text[:2].lower() == "0x" else int(text, 10)
-
-
 def _bar_index(path: Path, word: str, n: int) -> int:
     if not word.isdigit() or int(word) not in BAR_INDEXES:
         raise SysfsAttributeError(path, f"line {n}: expected a BAR index 0-5, got {word!r}", CHECK)
@@ -114,8 +106,8 @@ def _bar_index(path: Path, word: str, n: int) -> int:
 
 
 def _range(path: Path, gpa_word: str, size_word: str, n: int) -> tuple[int, int]:
-    gpa = _number(path, gpa_word, "an address")
-    size = _number(path, size_word, "a size")
+    gpa = word_number(path, gpa_word, "an address")
+    size = word_number(path, size_word, "a size")
     if size <= 0 or gpa + size > MAX_ADDRESS:
         raise SysfsAttributeError(
             path, f"line {n}: BAR {gpa_word}+{size_word} is empty or past 2^52", CHECK
@@ -143,7 +135,7 @@ def parse_guest_bars(text: str, fdid: int, path: Path) -> tuple[GuestBar, ...]:
 
 
 def _line(path: Path, w: Sequence[str], n: int) -> P2PLine:
-    target = _number(path, w[0], "a target fdid")
+    target = word_number(path, w[0], "a target fdid")
     gpa, size = _range(path, w[2], w[3], n)
     return P2PLine(target, _bar_index(path, w[1], n), gpa, size)
 
@@ -203,7 +195,7 @@ def parse_p2p_state(text: str, path: Path) -> tuple[MapState, ...]:
             )
         adapter = segments = None
         if w[5] != "-":
-            adapter = _number(path, w[5], "an adapter index")
+            adapter = word_number(path, w[5], "an adapter index")
             words = w[6].split(",")
             if not all(s.isdigit() for s in words):
                 raise SysfsAttributeError(
