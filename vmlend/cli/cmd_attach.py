@@ -13,7 +13,7 @@ import logging
 import click
 
 from vmlend.cli.cmd_lend import FDID, FDID_OR_KIND
-from vmlend.cli.common import emit_json, json_option, verbose_option
+from vmlend.cli.common import Seconds, emit_json, json_option, verbose_option
 from vmlend.cli.complete import complete_vms
 from vmlend.cli.connect import connect_option, fabric_for, open_hv, refuse_simulated_devices
 from vmlend.cli.context import CliContext
@@ -25,6 +25,7 @@ from vmlend.hypervisor import Hypervisor
 from vmlend.ops.attach import AttachPlan, apply_attach, plan_attach
 from vmlend.ops.detach import detach
 from vmlend.ops.detach_preview import DetachPreview, preview_detach
+from vmlend.ops.unplug import DetachWait
 from vmlend.topology.choose import choose
 from vmlend.topology.model import Check, InterruptPath, format_fdid
 from vmlend.topology.selectors import DeviceWish
@@ -192,6 +193,14 @@ def _show_plan(plan: AttachPlan, json_output: bool) -> None:
 @click.argument("fdid", type=FDID)
 @impact_options("Hot-remove from the running domain.", "Remove from the persistent definition.")
 @click.option("--dry-run", is_flag=True, help="Print the XML diff; change nothing.")
+@click.option(
+    "--timeout",
+    type=Seconds(min=0),
+    default=DetachWait().timeout,
+    show_default=True,
+    help="Seconds a live detach waits for the guest to release the device (a slow guest OS"
+    " may need more); on timeout the device stays the VM's.",
+)
 @connect_option
 @json_option
 @verbose_option
@@ -205,6 +214,7 @@ def detach_cmd(
     persistent: bool,
     current: bool,
     dry_run: bool,
+    timeout: float,
     uri: str | None,
     json_output: bool,
 ) -> None:
@@ -220,7 +230,16 @@ def detach_cmd(
             )
             return
         fabric = fabric_for(obj, hv)
-        res = detach(hv, fabric, vm, fdid, live=live, config=config, progress=progress)
+        res = detach(
+            hv,
+            fabric,
+            vm,
+            fdid,
+            live=live,
+            config=config,
+            progress=progress,
+            wait=DetachWait(timeout=timeout),
+        )
     finally:
         hv.close()
     fd = format_fdid(fdid)

@@ -220,3 +220,26 @@ def test_ctrl_c_during_attach_undoes_reserve_and_mdev(cluster):
             apply_attach(hv, f, plan, steps.append)
     assert cluster.snapshot() == before
     assert any(s.startswith("undo reserve 0x10") for s in steps)
+
+
+def test_detach_waits_as_long_as_its_timeout_says_then_keeps_the_device(cluster, monkeypatch):
+    """``--timeout``: a guest whose OS is slow to let go gets more time, a test less; the
+    refusal names the time given, and nothing the guest may still use is taken away."""
+    import vmlend.cli.cmd_attach as cmd_attach
+
+    mdev = attached(cluster)
+    hv = AsyncDetachHv(cluster.hv("gamma"))
+    monkeypatch.setattr(cmd_attach, "open_hv", lambda _obj, _uri: hv)
+    r = cluster.cli("detach", "vm1", "0x10", "--live", "--timeout", "0.3", *GAMMA)
+    assert r.exit_code == 1, r.output
+    assert "still attached after 0.3 s" in r.output and r.output.count("\n") == 1, r.output
+    assert hv.reads >= 1
+    assert cluster.holds() == {0x10: "gamma/vm1"} and cluster.mdevs() == {(mdev, 0x10)}
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "1e400", "soon"])
+def test_a_detach_timeout_that_is_not_seconds_is_refused_before_anything(cluster, bad):
+    mdev = attached(cluster)
+    r = cluster.cli("detach", "vm1", "0x10", "--live", "--timeout", bad, *GAMMA)
+    assert r.exit_code == 2 and "--timeout" in r.output, r.output
+    assert cluster.holds() == {0x10: "gamma/vm1"} and cluster.mdevs() == {(mdev, 0x10)}
