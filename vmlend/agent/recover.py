@@ -43,7 +43,7 @@ from vmlend.lending.devices import UndoJournal, acquire_device, holder_for, retu
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.unplug import live_has_hostdev
 from vmlend.registry.records import same_holder
-from vmlend.topology.model import Holder, format_fdid
+from vmlend.topology.model import GuestRam, Holder, format_fdid
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,12 @@ class WinBack:
                 result.why = "the lease changed meanwhile; tried again under the next"
                 return result
             try:
-                self._acquire(holder, dev.fdid, str(dev.mdev), dom.memory_bytes or 0)
+                # The running VM's exact layout, as its prepare admitted it: the claims then
+                # equal the windows its guest maps, and on the kernel backend the child's
+                # dma_windows are written. The size alone is a guess (a 3 GiB i440fx guest
+                # has no high window; the guess claims one).
+                ram = dom.ram if dom.ram is not None else dom.memory_bytes or 0
+                self._acquire(holder, dev.fdid, str(dev.mdev), ram)
                 result.regained.append(dev.fdid)
             except RegistryUnreachableError as e:
                 # Not lost, unknown: the device may still be ours. Stay paused, try again.
@@ -186,7 +191,9 @@ class WinBack:
             result.outcome = "unplugged" if result.lost else "resumed"
         return result
 
-    def _acquire(self, holder: Holder, fdid: int, mdev: str, guest_ram: int) -> None:
+    def _acquire(
+        self, holder: Holder, fdid: int, mdev: str, guest_ram: GuestRam | int
+    ) -> None:
         deadline = self._clock() + self._fence_wait
         while True:
             try:

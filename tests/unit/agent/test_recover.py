@@ -176,3 +176,45 @@ def test_somebody_elses_pause_is_left_paused_with_its_lost_devices_unplugged(tmp
     )
     assert [d.fdid for d in read_domain(hv.xml("app")).devices] == [GPU]
     assert hv.lookup("app").state is DomainState.PAUSED
+
+
+def test_a_device_won_back_is_claimed_by_the_vms_exact_layout_not_by_its_size(tmp_path):
+    """A 3 GiB i440fx guest has all its RAM below 4 GiB: one DMA window, one segment. Its
+    prepare claimed that; re-reserved after a lease loss the claim must be the same (the
+    windows its guest maps), not what a guess from the size alone would claim (two)."""
+    import uuid
+
+    from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+    from vmlend.registry import ClaimKind
+    from vmlend.topology.model import GiB
+
+    fabric = make_fabric(tmp_path / "state.db")
+    hv = SimHypervisor("gamma", tmp_path / "hv", None)
+    spec = DomainSpec(
+        name="app",
+        memory_bytes=3 * GiB,
+        machine="pc",
+        uuid=uuid.UUID(APP.vm_uuid),
+        devices=[DeviceRequest(GPU)],
+    )
+    xml = new_domain(spec, templates=TemplateSet()).to_bytes()
+    hv.define(xml)
+    hv.start("app")
+    hv.suspend("app")
+
+    def dma_claims():  # the RAM windows' (the interrupt window, MSI over the NTB, aside)
+        with fabric.registry.read() as tx:
+            return sorted(
+                (c.adapter, c.share, c.segments)
+                for _f, c in tx.claims()
+                if c.kind is ClaimKind.DMA and c.share.startswith("vm:")
+            )
+
+    fabric.reserve(GPU, APP, guest_ram=read_domain(xml).ram)  # what its prepare claimed
+    admitted = dma_claims()
+    assert [(a, n) for a, _share, n in admitted] == [("alpha:0", 1)]
+    fabric.release(GPU, APP)  # the hold went with the lease
+
+    result = _win(hv, fabric).run("app", leave_paused=False)
+    assert result.outcome == "resumed" and result.regained == [GPU]
+    assert dma_claims() == admitted
