@@ -259,6 +259,10 @@ class WritesDmaWindows(Protocol):
         line, or None when the child is none of this host's holding VMs' (nothing kept)."""
         ...
 
+    def dma_claimed(self, holder: Holder) -> dict[str, int]:
+        """The segments ``holder``'s VM's DMA-window claims hold, per lender adapter."""
+        ...
+
     def dma_records(self, fdid: int) -> list[RuntimeRecord]:
         """``fdid``'s ``dma-window`` runtime records."""
         ...

@@ -56,10 +56,11 @@ from vmlend.kernel.p2pfiles import P2PDifference, P2PReport
 from vmlend.kernel.p2pio import P2PFiles
 from vmlend.kernel.p2psync import P2POutcome, P2PSync
 from vmlend.kernel.udev import DmaChange, Outcome, ParentWatcher, Reaction, WantedMdev
-from vmlend.ledger.admission import AdapterUsage, PortUsage
+from vmlend.ledger.admission import AdapterUsage, PortUsage, vm_share
 from vmlend.ledger.ledger import Ledger
 from vmlend.memory.dmarecords import DMA_REFUSAL, DMA_WINDOW, REFUSAL_KEY
 from vmlend.registry import (
+    ClaimKind,
     FenceRecord,
     Registry,
     RegistryLocation,
@@ -558,6 +559,17 @@ class SmartioFabric:
             return None
         log.info("mdev %s: DMA %s", uuid, state.summary())
         return state.summary()
+
+    def dma_claimed(self, holder: Holder) -> dict[str, int]:
+        """The segments ``holder``'s VM's DMA-window claims hold per lender adapter (one claim
+        per adapter, shared by the VM's devices: counted once, at its largest)."""
+        share = vm_share(holder)
+        out: dict[str, int] = {}
+        with self._state.registry.read() as tx:
+            for _fdid, c in tx.claims():
+                if c.kind is ClaimKind.DMA and c.share == share:
+                    out[c.adapter] = max(out.get(c.adapter, 0), c.segments)
+        return out
 
     def dma_records(self, fdid: int) -> list[RuntimeRecord]:
         """The ``dma-window`` records of ``fdid`` (for ``vmlend reconcile``)."""

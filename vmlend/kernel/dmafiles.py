@@ -407,3 +407,29 @@ def state_records(
             state.word.value,
         )
     return DmaRecords(windows)
+
+
+def mapped_segments(state: DmaState | None, lender: str) -> dict[str, set[int]]:
+    """The segments ``state``'s windows use, per lender adapter (``<lender>:<index>``); a
+    window without adapter or segments (no NTB crossed, or a driver that does not say) adds
+    nothing."""
+    out: dict[str, set[int]] = {}
+    if state is None or state.word is DmaWord.REFUSED:
+        return out
+    for w in state.windows:
+        if w.adapter is not None and w.segments is not None:
+            out.setdefault(f"{lender}:{w.adapter}", set()).update(w.segments)
+    return out
+
+
+def segment_drift(used: dict[str, set[int]], claimed: dict[str, int]) -> list[str]:
+    """One line per lender adapter where a VM's mapped DMA windows use another number of
+    segments than admission claimed for them (pure). They must be equal: admission counts
+    with the planner that lays the windows out. Adapters the driver reports nothing for (no
+    child enabled yet) are not compared."""
+    return [
+        f"the driver maps the VM's DMA windows on {ref} with {len(segs)} segment(s),"
+        f" admission claimed {claimed.get(ref, 0)}"
+        for ref, segs in sorted(used.items())
+        if len(segs) != claimed.get(ref, 0)
+    ]

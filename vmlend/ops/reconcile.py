@@ -34,7 +34,14 @@ from vmlend.domain import (
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric, MapsP2P, WritesDmaWindows
-from vmlend.kernel.dmafiles import DmaReport, Window, compare_records, compare_windows
+from vmlend.kernel.dmafiles import (
+    DmaReport,
+    Window,
+    compare_records,
+    compare_windows,
+    mapped_segments,
+    segment_drift,
+)
 from vmlend.kernel.p2pfiles import P2PDifference
 from vmlend.lending.devices import holder_for, recorded_for, return_device
 from vmlend.ops.attach import attach_live
@@ -127,6 +134,16 @@ class DmaCheck(msgspec.Struct, frozen=True):
     recorded: tuple[Window, ...] = ()
 
 
+class DmaSegmentCheck(msgspec.Struct, frozen=True):
+    """A running VM's mapped DMA windows on one lender adapter using another number of
+    segments than admission claimed for them (one line, from ``segment_drift``)."""
+
+    vm: RunningVm
+    fdid: int  # a device of the VM's whose child reports the mapping
+    mdev: str
+    line: str
+
+
 class P2PCheck(msgspec.Struct, frozen=True):
     """One difference between a running VM's peer-to-peer maps and vmlend's plan."""
 
@@ -148,6 +165,8 @@ class Views(msgspec.Struct):
     dma: list[DmaCheck] = msgspec.field(default_factory=list)
     #: Peer-to-peer differences of running VMs, where the driver maps it
     p2p: list[P2PCheck] = msgspec.field(default_factory=list)
+    #: Running VMs' DMA-window segments the driver maps against admission's claims
+    dma_segments: list[DmaSegmentCheck] = msgspec.field(default_factory=list)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -180,7 +199,37 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
     elsewhere = {st.fdid: st for st in held if st.holder is not None and st.holder.node != node}
     dma = _look_dma(fabric, running, present)
     p2p = _look_p2p(fabric, running)
-    return Views(node, running, holds, mdevs, defined, elsewhere, present, dma, p2p)
+    segments = _look_dma_segments(fabric, dma)
+    return Views(node, running, holds, mdevs, defined, elsewhere, present, dma, p2p, segments)
+
+
+def _look_dma_segments(fabric: Fabric, checks: list[DmaCheck]) -> list[DmaSegmentCheck]:
+    """Per running VM, the distinct segments its children's ``dma_state`` maps on each lender
+    adapter against the VM's ``dma`` claims there (docs/smartio-contract.md section 8: equal)."""
+    if not isinstance(fabric, WritesDmaWindows) or not checks:
+        return []
+    topology = fabric.topology()
+    by_vm: dict[str, list[DmaCheck]] = {}
+    for c in checks:
+        by_vm.setdefault(c.vm.name, []).append(c)
+    out = []
+    for mine in by_vm.values():
+        used: dict[str, set[int]] = {}
+        for c in mine:
+            if c.report.damaged or not topology.has_device(c.fdid):
+                continue
+            if compare_windows(c.expected, c.token, c.report.written, c.report.state):
+                used.clear()  # its mapping differs already: that is the VM's one drift
+                break
+            lender = topology.device(c.fdid).lender
+            for ref, segs in mapped_segments(c.report.state, lender).items():
+                used.setdefault(ref, set()).update(segs)
+        if not used:
+            continue  # no child mapped yet: the claims come before the guest's enable
+        first = mine[0]
+        lines = segment_drift(used, fabric.dma_claimed(first.vm.holder))
+        out += [DmaSegmentCheck(first.vm, first.fdid, first.mdev, line) for line in lines]
+    return out
 
 
 def _look_p2p(fabric: Fabric, running: list[RunningVm]) -> list[P2PCheck]:
@@ -344,6 +393,19 @@ def find_drift(views: Views) -> list[Drift]:
         drift.append(Drift(DriftKind.MDEV_WITHOUT_HOLD, m.vm, m.fdid, m.uuid, cause, repair))
     for c in views.dma:
         drift.extend(_dma_drift(c))
+    for sc in views.dma_segments:
+        drift.append(
+            Drift(
+                DriftKind.DMA_WINDOWS,
+                sc.vm.name,
+                sc.fdid,
+                sc.mdev,
+                f"running VM {sc.vm.name!r}: {sc.line}",
+                "left to the operator: stop the VM and start it again (admission counts anew)",
+                fixable=False,
+                holder=sc.vm.holder,
+            )
+        )
     drift.extend(_p2p_drift(c) for c in views.p2p)
     return drift
 

@@ -241,3 +241,21 @@ def test_records_agree_with_what_is_mapped_or_say_what_differs():
     assert "says refused (" in line
     line = compare_records([], mapped)
     assert line is not None and "records DMA windows none" in line and "says mapped low" in line
+
+
+def test_the_segments_a_state_maps_are_counted_per_lender_adapter_once():
+    from vmlend.kernel.dmafiles import mapped_segments, segment_drift
+
+    text = "mapped\nlow 0 0 0x0 0x80000000\nhigh 1 3,4 0x100000000 0x100000000\n"
+    state = parse_state(text, Path("dma_state"))
+    used = mapped_segments(state, "alpha")
+    assert used == {"alpha:0": {0}, "alpha:1": {3, 4}}
+    assert segment_drift(used, {"alpha:0": 1, "alpha:1": 2}) == []
+    assert segment_drift(used, {"alpha:0": 1}) == [
+        "the driver maps the VM's DMA windows on alpha:1 with 2 segment(s), admission claimed 0"
+    ]
+    # a window crossing no NTB, or a driver that does not say, adds nothing; nor a refusal
+    local = parse_state("mapped\nlow - - 0x0 0x80000000\n", Path("dma_state"))
+    assert mapped_segments(local, "alpha") == {}
+    refused = parse_state("refused ENODATA no windows\n", Path("dma_state"))
+    assert mapped_segments(refused, "alpha") == {} and mapped_segments(None, "alpha") == {}

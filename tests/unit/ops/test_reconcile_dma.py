@@ -150,3 +150,27 @@ def test_a_driver_without_the_group_is_no_drift(tmp_path, state, fake):
     with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
         acquire_device(fabric, WEB, NVME, MDEV, UndoJournal(), guest_ram=ram)
         assert find_drift(look(hv, fabric)) == []
+
+
+def test_windows_mapped_with_more_segments_than_admission_claimed_are_drift(running, fake):
+    """The ranges are the written ones, but the driver spent four segments of alpha:0 on
+    them where admission claimed (and counted room for) two: the claims no longer equal what
+    is mapped. Not fixable by a write: the VM's admission must be made again."""
+    hv, fabric = running
+    assert fabric.dma_claimed(WEB) == {"alpha:0": 2}
+    fake.smartio.set_dma_state(
+        MDEV, "mapped\nlow 0 0 0x0 0x80000000\nhigh 0 1,2,3 0x100000000 0x100000000\n"
+    )
+    fabric.record_dma(MDEV)
+    (d,) = _dma(hv, fabric)
+    assert d.cause == (
+        "running VM 'web': the driver maps the VM's DMA windows on alpha:0 with 4 segment(s),"
+        " admission claimed 2"
+    )
+    assert not d.fixable and fix(hv, fabric, [d]).left == [d]
+
+
+def test_a_vm_whose_children_map_nothing_yet_is_not_compared_with_its_claims(running, fake):
+    hv, fabric = running
+    assert fabric.dma_claimed(WEB)  # claimed at the prepare, before the guest's enable
+    assert _dma(hv, fabric) == []
