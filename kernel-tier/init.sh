@@ -39,6 +39,11 @@ if [ $fail = 0 ]; then
   python -m pytest -p no:cacheprovider $PYTEST_ARGS > /tmp/pytest.out 2>&1
   rc=$?
   say "pytest took $(( $(date +%s) - start )) s"
+  # A narrow selection (make test-kernel KERNEL_TESTS=one_file.py) can leave a guest's shard
+  # empty: pytest's 5 is then no failure of this guest; run.sh fails if every shard was empty.
+  if [ "$rc" = 5 ] && [ -n "${VMLEND_TIER_SHARD:-}" ]; then
+    say "shard $VMLEND_TIER_SHARD ran no test"; rc=0
+  fi
 else
   echo "modules did not load" > /tmp/pytest.out; rc=3
 fi
