@@ -37,7 +37,7 @@ def web(fabric, fake, p2p):
     for fdid, uuid in CHILDREN.items():
         fabric.ensure_mdev_parent(fdid)
         fabric.create_mdev(fdid, uuid, WEB)
-        fabric.write_dma_windows(fdid, uuid, RAM)
+        fabric.write_dma_windows(fdid, uuid, RAM, holder=WEB)
         fake.smartio.guest_enable(fdid)
     return p2p
 

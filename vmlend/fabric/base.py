@@ -245,9 +245,12 @@ class WritesDmaWindows(Protocol):
         """The windows vmlend computes for ``fdid`` and a guest with RAM ``ram``."""
         ...
 
-    def write_dma_windows(self, fdid: int, uuid: str, ram: GuestRam) -> tuple[Window, ...] | None:
-        """Write them to child ``uuid`` with the hold's token; None: the driver has no place
-        for them (it predates section 8)."""
+    def write_dma_windows(
+        self, fdid: int, uuid: str, ram: GuestRam, *, holder: Holder
+    ) -> tuple[Window, ...] | None:
+        """Write them to child ``uuid`` with the hold's token, only while ``holder``'s VM
+        holds ``fdid`` on this node (else ``DeviceHeldError`` / ``DeviceNotReservedError``);
+        None: the driver has no place for them (it predates section 8)."""
         ...
 
     def dma_report(self, uuid: str) -> DmaReport | None:

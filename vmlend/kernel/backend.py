@@ -23,7 +23,9 @@ from pathlib import Path
 import msgspec
 
 from vmlend.errors import (
+    DeviceHeldError,
     DeviceNotLentError,
+    DeviceNotReservedError,
     FabricError,
     HostError,
     LenderUnavailableError,
@@ -418,6 +420,11 @@ class SmartioFabric:
         made = MadeMdev(info.uuid, info.fdid or 0, info.parent, info.type_id, self.local_node,
                         info.vm)  # fmt: skip
         try:
+            # the same child of the same VM again (a re-acquire): its noted RAM stays, or the
+            # watcher could no longer write the windows of a child it re-creates
+            old = self.made.get(info.uuid)
+            if old is not None and old.ram is not None:
+                made = old if msgspec.structs.replace(old, ram=None) == made else made
             self.made.note(made)
         except (UnsafePathError, OSError) as e:
             log.warning("could not note mdev %s on this host: %s", info.uuid, e)
@@ -453,13 +460,21 @@ class SmartioFabric:
             )
         return adapter.segment_size
 
-    def write_dma_windows(self, fdid: int, uuid: str, ram: GuestRam) -> tuple[Window, ...] | None:
+    def write_dma_windows(
+        self, fdid: int, uuid: str, ram: GuestRam, *, holder: Holder
+    ) -> tuple[Window, ...] | None:
         """Write child ``uuid``'s ``dma_windows``: the hold's fencing token and the guest's
         RAM as windows. A re-write of the same windows changes nothing at the driver. None
-        when the driver has no ``smartio/`` group (it warned)."""
+        when the driver has no ``smartio/`` group (it warned). Only for ``holder``'s VM
+        while it holds ``fdid`` on this node: another VM's token would let this child's
+        windows (``holder``'s RAM) pass the driver's fencing check for that VM's borrow."""
         windows = self.expected_windows(fdid, ram)
         hold = self._state.holds().get(fdid)
-        token = hold.token if hold is not None else 0
+        if hold is None:
+            raise DeviceNotReservedError(fdid, str(holder))
+        if not same_holder(hold.holder, holder) or hold.holder.node != self.local_node:
+            raise DeviceHeldError(fdid, hold.holder.node, hold.holder.vm)
+        token = hold.token
         text = format_windows(token, windows)
         self._note_ram(uuid, ram)
         if not self.driver.write_dma_windows(fdid, uuid, token, text):
@@ -484,6 +499,16 @@ class SmartioFabric:
         Master enable is then refused ``ENODATA``), with one warning. The driver's refusal is
         raised (the watcher undoes the child)."""
         uuid = normalize_uuid(wanted.uuid)
+        # First whose the device is now: a VM whose hold ended while its lender was away (its
+        # lease too, and another VM's hold since) gets no child back (raised: the watcher
+        # removes it again), with windows or without.
+        rec = next((m for m in self._state.mdevs() if m.uuid == uuid), None)
+        if rec is not None and rec.fdid is not None:
+            hold = self._state.holds().get(rec.fdid)
+            if hold is None:
+                raise DeviceNotReservedError(rec.fdid, f"{self.local_node}/{wanted.vm}")
+            if hold.holder.node != self.local_node or hold.holder.vm != wanted.vm:
+                raise DeviceHeldError(rec.fdid, hold.holder.node, hold.holder.vm)
         try:
             made = self.made.get(uuid)
         except (UnsafePathError, OSError) as e:
@@ -504,7 +529,9 @@ class SmartioFabric:
                 " writes them", uuid, wanted.vm, problem,
             )  # fmt: skip
             return
-        windows = self.write_dma_windows(made.fdid, uuid, made.ram)
+        windows = self.write_dma_windows(
+            made.fdid, uuid, made.ram, holder=Holder(self.local_node, wanted.vm)
+        )
         if windows is not None:
             names = ", ".join(w.name for w in windows) or "none"
             log.info("DMA windows (%s) written to re-created mdev %s of %s", names, uuid, wanted.vm)

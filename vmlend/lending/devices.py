@@ -101,12 +101,17 @@ def acquire_device(
     record(f"mdev {uuid} for {fd} under {parent}: ok")
     if isinstance(fabric, WritesDmaWindows):
         # a refusal fails the step: the journal removes the child as for a refused create
-        write_windows(fabric, fdid, uuid, guest_ram, record)
+        write_windows(fabric, fdid, uuid, guest_ram, record, holder)
     return parent
 
 
 def write_windows(
-    fabric: WritesDmaWindows, fdid: int, uuid: str, guest_ram: GuestRam | int, record: Record
+    fabric: WritesDmaWindows,
+    fdid: int,
+    uuid: str,
+    guest_ram: GuestRam | int,
+    record: Record,
+    holder: Holder,
 ) -> None:
     """Write the child's DMA windows (docs/smartio-contract.md section 8) where the guest's
     layout is known. A bare byte count (the agent re-taking a hold it recorded) says nothing
@@ -116,7 +121,7 @@ def write_windows(
     if not isinstance(guest_ram, GuestRam) or not guest_ram.ranges:
         record(f"mdev {uuid}: DMA windows not written: the guest's layout is not known here")
         return
-    windows = fabric.write_dma_windows(fdid, uuid, guest_ram)
+    windows = fabric.write_dma_windows(fdid, uuid, guest_ram, holder=holder)
     if windows is None:
         record(f"mdev {uuid}: DMA windows not written: the SmartIO driver has no smartio/ group")
     else:

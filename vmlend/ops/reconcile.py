@@ -604,7 +604,8 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
                 record(f"mdev {d.mdev}: DMA state of {format_fdid(d.fdid)} recorded again")
                 return
             ram = read_domain(hv.xml(d.vm), strict=False).guest_ram
-            if fabric.write_dma_windows(d.fdid, d.mdev, ram) is not None:
+            assert d.holder is not None  # every dma-windows drift names its running VM
+            if fabric.write_dma_windows(d.fdid, d.mdev, ram, holder=d.holder) is not None:
                 record(f"mdev {d.mdev}: DMA windows of {format_fdid(d.fdid)} written again")
         case DriftKind.P2P_MAPS:
             assert d.holder is not None

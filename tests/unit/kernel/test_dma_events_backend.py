@@ -184,7 +184,7 @@ def test_a_refusal_is_kept_apart_from_the_windows(fabric, fake, source):
         ("bus-master", "ENODATA", U1)
     ]
     # the next enable maps: the refusal goes
-    fabric.write_dma_windows(NVME, U1, RAM)
+    fabric.write_dma_windows(NVME, U1, RAM, holder=WEB)
     fake.smartio.bus_master(U1, on=False)
     fake.smartio.bus_master(U1)
     watcher.run(source, timeout=0.05)
@@ -238,3 +238,30 @@ def test_a_garbage_word_is_a_warning_and_records_nothing(fabric, fake, source, c
         watcher.run(source, timeout=0.05)
     assert watcher.reactions == [] and records(fabric) == []
     assert "ignoring a SmartIO driver event" in caplog.text and "update the driver" in caplog.text
+
+
+def test_a_child_whose_vm_lost_its_device_is_not_recreated_under_the_new_holders_token(
+    fabric, fake, source
+):
+    """web's hold ended while the lender was away (its lease, say) and db holds the device
+    now; web's record of its child is still there. Re-created with db's token, the child's
+    windows (web's RAM) would pass the driver's fencing check for db's borrow: the watcher
+    removes it again instead, and writes nothing."""
+    from vmlend.topology.model import Holder
+
+    watcher = started(fabric, fake, source)
+    fabric.registry.transact(lambda tx: tx.delete_hold(NVME))
+    db = Holder("gamma", "db")
+    fabric.reserve(NVME, db, guest_ram=RAM)
+    lender_reboots(fabric, fake, watcher, source)
+    failed = [r for r in watcher.reactions if r.outcome is Outcome.FAILED]
+    assert failed and failed[0].uuid == U1 and "held by gamma/db" in failed[0].detail
+    assert fabric.bus.device(U1) is None
+    assert fake.smartio.window_writes.get(U1, []) == []  # the re-created child got none
+
+
+def test_acquiring_a_child_again_keeps_the_noted_ram(fabric):
+    acquire_device(fabric, WEB, NVME, U1, UndoJournal(), guest_ram=RAM)
+    acquire_device(fabric, WEB, NVME, U1, UndoJournal(), guest_ram=8 * GiB)  # size only
+    made = MadeMdevs(notes_dir(fabric.env)).get(U1)
+    assert made is not None and made.ram == RAM
