@@ -83,12 +83,14 @@ class P2PSync:
         if found is None:
             return None  # not a child vmlend made for a VM here
         holder, children = found
+        out = P2POutcome(what.uuid, holder.vm)
         if what.bars:
-            return self.sync_vm(holder, children, what.uuid)
-        for c in children:
-            if c.uuid == what.uuid:
-                self._record_state(c)
-        return P2POutcome(what.uuid, holder.vm)
+            out = self.sync_vm(holder, children, what.uuid)
+        if what.p2p:  # with SMARTIO_BARS too (a reset): the driver's own removals, kept
+            for c in children:
+                if c.uuid == what.uuid:
+                    self._record_state(c)
+        return out
 
     # --- who ----------------------------------------------------------------------------------
     def vm_of(self, uuid: str) -> tuple[Holder, list[Child]] | None:
@@ -254,18 +256,24 @@ class P2PSync:
         state = self.files.state(child.uuid)
         if state is None:
             return
-        with self.fabric.registry.read() as tx:
+        def body(tx: StateTxn) -> bool:
+            # The hold the child was found under, still: the event often comes while a
+            # borrow ends, and a record put now under another hold (a new borrower's, with
+            # its own token) would claim maps of a VM that no longer has the device.
+            hold = tx.hold(child.fdid)
+            if hold is None or hold.token != child.token:
+                return False
             old = {r.key: r.data for r in tx.runtime(child.fdid, RECORD_KIND)}
-        # after a write the plan's maps are the records; after the driver's own change the
-        # ones already kept
-        kept = old if planned is None else {k: map_record(m, None) for k, m in planned.items()}
-        new = state_records(child.fdid, state, kept)
-
-        def body(tx: StateTxn) -> None:
+            # after a write the plan's maps are the records; after the driver's own change
+            # the ones already kept
+            kept = old if planned is None else {k: map_record(m, None) for k, m in planned.items()}
+            new = state_records(child.fdid, state, kept)
             for key in old.keys() - new.keys():
                 tx.clear_runtime(child.fdid, RECORD_KIND, key)
             for key, data in new.items():
                 if old.get(key) != data:
                     tx.put_runtime(child.fdid, RECORD_KIND, key, data)
+            return True
 
-        self.fabric.registry.transact(body)
+        if not self.fabric.registry.transact(body):
+            log.info("p2p_state of mdev %s not kept: its hold ended meanwhile", child.uuid)

@@ -171,3 +171,21 @@ def test_the_watcher_still_reacts_to_parents(fabric, fake, web):
     watcher.discover()
     fake.smartio.set_availability(GPU_A, "unreachable")
     assert WEB.vm in {r.vm for r in watcher.reactions}
+
+
+def test_records_read_under_a_hold_that_ended_meanwhile_are_not_kept(fabric, fake, web):
+    """SMARTIO_P2P often comes while a borrow ends: the watcher found the child under one
+    hold, and by the time it writes, that hold is gone and another took the device. The maps
+    it read are the old VM's: nothing is kept under the new hold."""
+    from vmlend.kernel.p2pevents import Child
+
+    _watch(fabric, fake)
+    web.decode(UA, BARS_A)
+    web.decode(UB, BARS_B)
+    assert _records(fabric, GPU_A)
+    fabric.registry.transact(lambda tx: tx.clear_runtime(GPU_A, RECORD_KIND))
+    stale = Child(UA, GPU_A, token(fabric, GPU_A) - 1)  # found under an older hold
+    P2PSync(fabric)._record_state(stale)
+    assert _records(fabric, GPU_A) == {}
+    P2PSync(fabric)._record_state(Child(UA, GPU_A, token(fabric, GPU_A)))  # the hold of now
+    assert len(_records(fabric, GPU_A)) == 3
