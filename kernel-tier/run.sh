@@ -20,6 +20,9 @@ step initramfs bash "$HERE/initramfs.sh" "$B" "$@"
 # (tests/support/tier_shards.py). KERNEL_TIER_GUESTS=1 boots one guest running all of them.
 guests() {
   local n=${KERNEL_TIER_GUESTS:-$(( $(nproc) < 2 ? 1 : 2 ))} k pids=() r=0 status
+  case $n in
+    '' | *[!0-9]* | 0) echo "kernel-tier: KERNEL_TIER_GUESTS must be 1 or more, not '$n'" >&2; return 2 ;;
+  esac
   if [ "$n" = 1 ]; then bash "$HERE/boot.sh" "$B"; return; fi
   for k in $(seq 1 "$n"); do
     bash "$HERE/boot.sh" "$B" "$k/$n" > "$B/boot-$k.log" 2>&1 & pids+=($!)
