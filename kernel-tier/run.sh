@@ -33,8 +33,11 @@ guests() {
     cat "$B/boot-$k.log"
     [ "$r" != 0 ] || r=$status
   done
-  # every shard empty: the selection matched no test, as one guest's pytest would say (5)
-  if [ "$r" = 0 ] && ! grep -L "ran no test" $(seq -f "$B/boot-%g.log" 1 "$n") | grep -q .; then
+  # every shard empty: the selection matched no test, as one guest's pytest would say (5).
+  # (No pipe into grep -q here: under pipefail its early exit fails the pipe.)
+  local ran=0
+  for k in $(seq 1 "$n"); do grep -q "ran no test" "$B/boot-$k.log" || ran=1; done
+  if [ "$r" = 0 ] && [ "$ran" = 0 ]; then
     echo "kernel-tier: no guest ran a test (the selection matched none)"; r=5
   fi
   return $r
