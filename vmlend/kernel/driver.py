@@ -64,6 +64,17 @@ def device_name(fdid: int) -> str:
     return f"smartio-{fdid:x}"
 
 
+def stale_token(
+    smartio: Path, fdid: int, token: int, refused: str, unknown: int = -1
+) -> StaleTokenError:
+    """The driver refused ``token`` for ``fdid`` (``ESTALE``) in ``refused``: the error,
+    naming the device's token now, read from its directory under ``smartio`` (``unknown``
+    when the file is gone)."""
+    path = smartio / device_name(fdid) / "token"
+    current = read_number(path, 0, 1 << 63, "fencing token") if path.exists() else unknown
+    return StaleTokenError(fdid, token, current, refused)
+
+
 def fdid_of(name: str) -> int | None:
     """The fdid a SmartIO device / mdev parent name stands for; None for any other name."""
     m = _NAME_RE.match(name)
@@ -323,8 +334,7 @@ class SmartioDriver:
             self.writer.write(path, str(token))
         except OSError as e:
             if e.errno == errno.ESTALE:
-                current = read_number(path, 0, 1 << 63, "fencing token") if path.exists() else 0
-                raise StaleTokenError(fdid, token, current, "a step") from None
+                raise stale_token(self.base, fdid, token, "a step", unknown=0) from None
             raise self._error("token", fdid, e.errno or 0) from None
         log.info("smartio token %s %d", format_fdid(fdid), token)
 
@@ -393,9 +403,7 @@ class SmartioDriver:
     def _windows_error(self, fdid: int, uuid: str, token: int, path: Path, code: int) -> Exception:
         f = format_fdid(fdid)
         if code == errno.ESTALE:
-            tok = self.base / device_name(fdid) / "token"
-            current = read_number(tok, 0, 1 << 63, "fencing token") if tok.exists() else -1
-            return StaleTokenError(fdid, token, current, "the DMA windows")
+            return stale_token(self.base, fdid, token, "the DMA windows")
         if code == errno.E2BIG:
             return LayoutError(
                 f"device {f} refused the DMA windows of mdev {uuid}: more than"

@@ -19,16 +19,15 @@ from vmlend.errors import (
     FabricError,
     P2PError,
     ResourceExhaustedError,
-    StaleTokenError,
     SysfsAttributeError,
     UnknownDeviceError,
 )
 from vmlend.hostenv import HostEnv
 from vmlend.kernel import dmafiles, p2pfiles
-from vmlend.kernel.driver import device_name
+from vmlend.kernel.driver import device_name, stale_token
 from vmlend.kernel.mdev import KernelWriter, SysfsWriter
 from vmlend.kernel.p2pfiles import MapState, P2PLine, P2PReport
-from vmlend.kernel.sysfsattr import read_number, read_text
+from vmlend.kernel.sysfsattr import read_text
 from vmlend.p2p import GuestBar
 from vmlend.topology.model import GuestRange, format_fdid
 
@@ -166,9 +165,7 @@ class P2PFiles:
     ) -> Exception:
         f = format_fdid(fdid)
         if code == errno.ESTALE:
-            tok = self.env.smartio / device_name(fdid) / "token"
-            current = read_number(tok, 0, 1 << 63, "fencing token") if tok.exists() else -1
-            return StaleTokenError(fdid, token, current, "the peer-to-peer maps")
+            return stale_token(self.env.smartio, fdid, token, "the peer-to-peer maps")
         if code == errno.E2BIG:
             return P2PError(
                 f"device {f} refused the peer-to-peer maps of mdev {uuid}: more than"
