@@ -36,7 +36,8 @@ class Accepted:
         return "\n".join(lines) + "\n"
 
 
-def _num(word: str) -> int:
+def number(word: str) -> int:
+    """A written number (decimal or 0x-hex), ``EINVAL`` for anything else or below zero."""
     try:
         value = int(word, 0)
     except ValueError:
@@ -64,7 +65,7 @@ def check(
             raise Refused(errno.EINVAL, f"window {name}: no '<gpa> <size>' pairs")
         ranges: list[tuple[int, int]] = []
         for i in range(0, len(pairs), 2):
-            start, size = _num(pairs[i]), _num(pairs[i + 1])
+            start, size = number(pairs[i]), number(pairs[i + 1])
             end = start + size
             if start % PAGE or size % PAGE or size == 0 or end > TOP:
                 raise Refused(errno.EINVAL, f"range {start:#x}+{size:#x} unaligned or empty")

@@ -17,21 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.support.fake_dmawin import FOUR_GIB, PAGE, Refused, number
 from vmlend.kernel.udev import Uevent
 
 if TYPE_CHECKING:
     from tests.support.fake_sysfs import FakeSmartio, _Child
 
-PAGE = 4096
-FOUR_GIB = 4 << 30
 MAX_MAPS = 64
 DEFAULT_SEGMENT = 4 << 30
-
-
-class Refused(Exception):
-    def __init__(self, code: int, why: str) -> None:
-        super().__init__(why)
-        self.code = code
 
 
 @dataclass(frozen=True, order=True)
@@ -46,16 +39,6 @@ class Line:
         return self.gpa + self.size
 
 
-def _num(word: str) -> int:
-    try:
-        value = int(word, 0)
-    except ValueError:
-        raise Refused(errno.EINVAL, f"not a number: {word!r}") from None
-    if value < 0:
-        raise Refused(errno.EINVAL, f"negative: {word!r}")
-    return value
-
-
 def parse_write(text: str) -> tuple[int, list[Line]]:
     """The token and lines of a ``p2p`` write; ``EINVAL`` for what is not in the format."""
     words = [ln.split() for ln in text.splitlines() if ln.strip()]
@@ -65,7 +48,7 @@ def parse_write(text: str) -> tuple[int, list[Line]]:
     for w in words[1:]:
         if len(w) != 4:
             raise Refused(errno.EINVAL, f"not '<target> <bar> <gpa> <size>': {w}")
-        lines.append(Line(_num(w[0]), _num(w[1]), _num(w[2]), _num(w[3])))
+        lines.append(Line(number(w[0]), number(w[1]), number(w[2]), number(w[3])))
     return int(words[0][1]), lines
 
 

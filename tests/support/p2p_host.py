@@ -5,11 +5,22 @@ the fixtures they use, with ``smartio_host``'s ``state``, ``fake`` and ``fabric`
 
 from __future__ import annotations
 
+import contextlib
+import uuid as uuidlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from tests.support.fake_p2p import FakeP2P
 from tests.support.smartio_host import WEB
+from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain, read_domain
+from vmlend.kernel.backend import SmartioFabric
+from vmlend.kernel.p2psync import P2PSync
+from vmlend.lending.devices import UndoJournal, acquire_device
 from vmlend.memory.layout import MemoryConfig, compute_layout
+from vmlend.registry import SqliteRegistry
+from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.topology.model import GiB, GuestRam
 
 RAM = GuestRam(tuple(compute_layout(MemoryConfig("q35", 8 * GiB)).ranges()))
@@ -44,3 +55,36 @@ def web(fabric, fake, p2p):
 
 def token(fabric, fdid: int) -> int:
     return fabric._state.holds()[fdid].token
+
+
+#: The children the prepare hook makes for ``web``'s GPUs (UUIDs from the domain's).
+HOOK_CHILDREN = {f: str(mdev_uuid(uuidlib.UUID(WEB.vm_uuid), f)) for f in (GPU_A, GPU_B)}
+
+
+@contextlib.contextmanager
+def web_with_maps(
+    root: Path, state: Path, fake, p2p: FakeP2P
+) -> Iterator[tuple[SimHypervisor, SmartioFabric]]:
+    """``web`` (q35, 8 GiB) defined and running on a simulated hypervisor under ``root``,
+    both GPUs prepared as the hook does and enabled by the guest, their BARs decoded (``BARS_A``,
+    ``BARS_B``) and the maps written as the watcher writes them."""
+    hv = SimHypervisor("gamma", root / "hv", None)
+    spec = DomainSpec(
+        name="web",
+        memory_bytes=8 << 30,
+        uuid=uuidlib.UUID(WEB.vm_uuid),
+        devices=[DeviceRequest(f) for f in HOOK_CHILDREN],
+    )
+    hv.define(new_domain(spec, templates=TemplateSet()).to_bytes())
+    hv.start("web")
+    ram = read_domain(hv.xml("web"), strict=False).guest_ram
+    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
+        for f, u in HOOK_CHILDREN.items():
+            acquire_device(fabric, WEB, f, u, UndoJournal(), guest_ram=ram)
+            fake.smartio.guest_enable(f)
+        sync = P2PSync(fabric)
+        fake.listeners.append(sync.handle)
+        p2p.decode(HOOK_CHILDREN[GPU_A], BARS_A)
+        p2p.decode(HOOK_CHILDREN[GPU_B], BARS_B)
+        fake.listeners.remove(sync.handle)
+        yield hv, fabric

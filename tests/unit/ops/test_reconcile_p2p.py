@@ -7,46 +7,27 @@ that repairs it."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from tests.support.p2p_host import BARS_A, BARS_B, p2p  # noqa: F401
-from tests.support.smartio_host import WEB, fake, state  # noqa: F401
-from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain, read_domain
-from vmlend.kernel.backend import SmartioFabric
-from vmlend.kernel.p2psync import P2PSync
-from vmlend.lending.devices import UndoJournal, acquire_device
+from tests.support.p2p_host import (  # noqa: F401
+    BARS_A,
+    BARS_B,
+    HOOK_CHILDREN,
+    p2p,
+    web_with_maps,
+)
+from tests.support.smartio_host import fake, state  # noqa: F401
 from vmlend.ops.reconcile import DriftKind, find_drift, fix, look
-from vmlend.registry import SqliteRegistry
 from vmlend.registry.records import ClaimKind
-from vmlend.sim.hypervisor.node import SimHypervisor
 
-VID = uuid.UUID(WEB.vm_uuid)
 GPUS = (0x10, 0x20)
-UA, UB = (str(mdev_uuid(VID, f)) for f in GPUS)
+UA, UB = (HOOK_CHILDREN[f] for f in GPUS)
 
 
 @pytest.fixture
 def running(tmp_path, state, fake, p2p):
-    """web (q35, 8 GiB) runs here with GPUs 0x10 and 0x20, prepared as the hook does, their
-    BARs decoded by the guest and the maps written as the watcher writes them."""
-    hv = SimHypervisor("gamma", tmp_path / "hv", None)
-    spec = DomainSpec(
-        name="web", memory_bytes=8 << 30, uuid=VID, devices=[DeviceRequest(f) for f in GPUS]
-    )
-    hv.define(new_domain(spec, templates=TemplateSet()).to_bytes())
-    hv.start("web")
-    ram = read_domain(hv.xml("web"), strict=False).guest_ram
-    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
-        for f, u in zip(GPUS, (UA, UB), strict=True):
-            acquire_device(fabric, WEB, f, u, UndoJournal(), guest_ram=ram)
-            fake.smartio.guest_enable(f)
-        sync = P2PSync(fabric)
-        fake.listeners.append(sync.handle)
-        p2p.decode(UA, BARS_A)
-        p2p.decode(UB, BARS_B)
-        fake.listeners.remove(sync.handle)
+    """web runs here with GPUs 0x10 and 0x20, their maps written as the watcher writes them."""
+    with web_with_maps(tmp_path, state, fake, p2p) as (hv, fabric):
         assert len(p2p.written(UA)) == len(p2p.written(UB)) == 3
         yield hv, fabric
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import uuid
 
-from tests.support.p2p_host import BARS_A, BARS_B, p2p  # noqa: F401
+from tests.support.p2p_host import BARS_B, p2p, web_with_maps  # noqa: F401
 from tests.support.smartio_host import WEB, fake, state  # noqa: F401
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, mdev_uuid, new_domain, read_domain
 from vmlend.kernel.backend import SmartioFabric
-from vmlend.kernel.p2psync import P2PSync
 from vmlend.lending.devices import UndoJournal, acquire_device
 from vmlend.ops.status import collect, usage_rows
 from vmlend.registry import SqliteRegistry
@@ -25,20 +24,7 @@ UA, UB = (str(mdev_uuid(VID, f)) for f in GPUS)
 
 
 def test_status_shows_the_maps_the_driver_reports(tmp_path, state, fake, p2p):
-    hv = SimHypervisor("gamma", tmp_path / "hv", None)
-    spec = DomainSpec(
-        name="web", memory_bytes=8 << 30, uuid=VID, devices=[DeviceRequest(f) for f in GPUS]
-    )
-    hv.define(new_domain(spec, templates=TemplateSet()).to_bytes())
-    hv.start("web")
-    ram = read_domain(hv.xml("web"), strict=False).guest_ram
-    with SmartioFabric(SqliteRegistry.open(state), fake.env, writer=fake) as fabric:
-        for f, u in zip(GPUS, (UA, UB), strict=True):
-            acquire_device(fabric, WEB, f, u, UndoJournal(), guest_ram=ram)
-            fake.smartio.guest_enable(f)
-        fake.listeners.append(P2PSync(fabric).handle)
-        p2p.decode(UA, BARS_A)
-        p2p.decode(UB, BARS_B)
+    with web_with_maps(tmp_path, state, fake, p2p) as (hv, fabric):
         with fabric.registry.read() as tx:
             runtime = tx.runtime()
         (vm,) = collect(hv, fabric, runtime)
