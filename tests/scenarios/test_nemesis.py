@@ -154,6 +154,13 @@ def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> No
             f" ({ok('start')}, {ok('attach')}, {ok('detach')} succeeded), {ran:.0f} s"
         )
         _say_promise_a(c, sampler)
+        cc = sampler.claims
+        _say(
+            f"DMA claims against each VM's RAM layout: {len(cc.drift)} difference(s) in"
+            f" {cc.reads} reads ({cc.unread} failed)"
+        )
+        for line in cc.drift:
+            _say(f"  {line}")
         # every recorded history must be one the protocol's model allows (issue 35, point 10)
         replayed = replay_file(tmp_path / "events" / EVENTS_FILE)
         _say(f"replayed through the model: {replayed.summary()}")
@@ -177,6 +184,7 @@ def test_no_device_is_ever_in_two_running_vms_under_faults(tmp_path: Path) -> No
         )
         assert not sampler.errors, sampler.errors
         assert not left, left
+        assert not sampler.claims.drift, sampler.claims.drift
         assert not after_stop, after_stop
         bad = [x for x in work.calls if x.returncode != 0 and len(x.stderr.splitlines()) != 1]
         assert not bad, "\n".join(f"{x.node}: {' '.join(x.argv)}: {x.stderr!r}" for x in bad)

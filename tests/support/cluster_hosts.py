@@ -168,11 +168,18 @@ def check_never_two_holders(history) -> None:
             last_fence[fdid] = fence
 
 
-def domain_xml(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
-    """A vmlend domain of 512 MiB using ``fdids``."""
+def domain_xml(
+    name: str,
+    vm_uuid: str,
+    fdids: tuple[int, ...],
+    memory: int = 512 * 2**20,
+    machine: str = "q35",
+) -> bytes:
+    """A vmlend domain (512 MiB q35 unless told) using ``fdids``."""
     spec = DomainSpec(
         name=name,
-        memory_bytes=512 * 2**20,
+        memory_bytes=memory,
+        machine=machine,
         uuid=uuid.UUID(vm_uuid),
         devices=[DeviceRequest(f) for f in fdids],
     )

@@ -53,9 +53,10 @@ from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
 from vmlend.events import EVENTS_ENV, EVENTS_FILE, EventLog
 from vmlend.faults import FAULT_ENV
-from vmlend.registry import parse_location
+from vmlend.memory.windows import window_segments
+from vmlend.registry import ClaimKind, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end, unb64
-from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_keys import Keys, claim_from_dict
 from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.sim.register import LENDERS_ENV, LenderRegister, Serving, borrower_of
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
@@ -78,6 +79,17 @@ VMS: dict[str, dict[str, tuple[int, ...]]] = {
     "alpha": {"a1": (0x20,), "a2": (0x21,)},
 }
 
+
+#: VMs not of the default shape (512 MiB, q35): (machine, RAM). A 3 GiB i440fx guest has
+#: all its RAM below 4 GiB, one DMA window where a q35 guest of that size has two, so a
+#: claim made from the size alone (a win-back after a lease loss) would differ from its
+#: prepare's (``dma_claim_drift``).
+SHAPES: dict[tuple[str, str], tuple[str, int]] = {
+    ("gamma", "g1"): ("pc", 3 * 2**30),
+    ("gamma", "g2"): ("pc", 3 * 2**30),
+    ("alpha", "a1"): ("pc", 3 * 2**30),
+    ("beta", "b2"): ("pc", 3 * 2**30),
+}
 
 #: What each host's VMs may hot-add: every device of the four another node lends.
 HOT: dict[str, tuple[int, ...]] = {
@@ -257,7 +269,8 @@ def define_vms(c: Cluster) -> None:
         h = c.host(node)
         for vm, fdids in vms.items():
             xml = h.host.root / f"{vm}.xml"
-            xml.write_bytes(domain_xml(vm, vm_uuid(node, vm), fdids))
+            machine, memory = SHAPES.get((node, vm), ("q35", 512 * 2**20))
+            xml.write_bytes(domain_xml(vm, vm_uuid(node, vm), fdids, memory, machine))
             r = h.cli("vm", "define", str(xml))
             assert r.returncode == 0, r.stderr
 
@@ -530,6 +543,58 @@ class LenderCheck:
         self.violated_at.append(wall)
 
 
+class ClaimCheck:
+    """Admission claims what the windows map: each running VM's DMA-window claims against the
+    segments its exact RAM layout needs (its domain XML's machine and memory), on every lender
+    adapter, whoever reserved them (a prepare, a hot-plug, a win-back after a lease loss).
+    Read serializably, like ``LenderCheck``; a failed read is counted."""
+
+    def __init__(self, c: Cluster) -> None:
+        self.c = c
+        loc = parse_location(c.direct_url)
+        self._gw = EtcdGateway(loc.endpoints, timeout=0.5)
+        self._keys = Keys(loc.cluster)
+        with open_fabric(c.direct_url, "alpha") as f:
+            topology = f.topology()
+        self._segment = {a.ref: a.segment_size for a in topology.adapters()}
+        self._need: dict[tuple[str, int], int] = {}  # (share, segment size) -> segments
+        self.drift: list[str] = []
+        self.reads = 0
+        self.unread = 0
+
+    def close(self) -> None:
+        self._gw.close()
+
+    def needs(self, share: str, segment_size: int) -> int:
+        if (share, segment_size) not in self._need:
+            node, vm = share.removeprefix("vm:").split("/", 1)
+            ram = read_domain((self.c.host(node).host.root / f"{vm}.xml").read_bytes()).ram
+            assert ram is not None, share
+            self._need[(share, segment_size)] = window_segments(ram.ranges, segment_size)
+        return self._need[(share, segment_size)]
+
+    def read(self) -> None:
+        prefix = self._keys.claims
+        body = {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "serializable": True}
+        try:
+            answer = self._gw.call("kv/range", body)
+        except VmlendError:
+            self.unread += 1
+            return
+        self.reads += 1
+        for kv in answer.get("kvs", []):
+            claim = claim_from_dict(json.loads(unb64(kv["value"])))
+            if claim.kind is not ClaimKind.DMA or not claim.share.startswith("vm:"):
+                continue  # the interrupt window (MSI over the NTB) is not the VM's RAM
+            want = self.needs(claim.share, self._segment[claim.adapter])
+            line = (
+                f"{claim.share.removeprefix('vm:')} claims {claim.segments} DMA segment(s) on"
+                f" {claim.adapter}; its RAM layout needs {want}"
+            )
+            if claim.segments != want and line not in self.drift:
+                self.drift.append(line)
+
+
 class Sampler:
     """Every ``period`` s: which running, unpaused VMs use which device, on every host, and
     what each device serves. A pair counts only if both VMs are seen in use in two passes over
@@ -545,6 +610,7 @@ class Sampler:
         self.overlaps: list[Overlap] = []
         self.errors: list[str] = []
         self.lender = LenderCheck(c)
+        self.claims = ClaimCheck(c)
         #: Samples taken while some host's guard was out of its budget (its agent frozen,
         #: dead or just back), and how many in each of those windows: (node, index).
         self.unguarded_samples = 0
@@ -562,10 +628,13 @@ class Sampler:
 
     def close(self) -> None:
         self.lender.close()
+        self.claims.close()
 
     def sample(self) -> None:
         hosts = list(self.c.hosts.values())
         self.lender.read_etcd()
+        if self.samples % 10 == 0:  # claims change only with holds: once a second is plenty
+            self.claims.read()
         before = self.c.lenders.all()
         first = [in_use(h) for h in hosts]
         mono, wall = time.monotonic(), time.time()
