@@ -36,6 +36,7 @@ from vmlend.errors import FabricError, VmlendError
 from vmlend.fabric.base import Fabric, MapsP2P, WritesDmaWindows
 from vmlend.kernel.dmafiles import (
     DmaReport,
+    Mismatch,
     Window,
     compare_records,
     compare_windows,
@@ -130,6 +131,9 @@ class DmaCheck(msgspec.Struct, frozen=True):
     expected: tuple[Window, ...]
     token: int | None  # the hold's fencing token (None: no hold to compare with)
     report: DmaReport
+    #: ``compare_windows`` of the above, once (none when the report is damaged): the
+    #: child's drift and the segment check's "its mapping differs already" both read it.
+    mismatches: tuple[Mismatch, ...]
     #: The device's ``dma-window`` runtime records, as windows (what ``SMARTIO_DMA`` kept).
     recorded: tuple[Window, ...] = ()
 
@@ -218,7 +222,7 @@ def _look_dma_segments(fabric: Fabric, checks: list[DmaCheck]) -> list[DmaSegmen
         for c in mine:
             if c.report.damaged or not topology.has_device(c.fdid):
                 continue
-            if compare_windows(c.expected, c.token, c.report.written, c.report.state):
+            if c.mismatches:
                 used.clear()  # its mapping differs already: that is the VM's one drift
                 break
             lender = topology.device(c.fdid).lender
@@ -264,7 +268,12 @@ def _look_dma(fabric: Fabric, running: list[RunningVm], present: set[str]) -> li
             hold = holds.get(dev.fdid)
             token = hold.token if hold is not None and hold.token else None
             recorded = tuple(_as_window(r) for r in fabric.dma_records(dev.fdid))
-            out.append(DmaCheck(vm, dev.fdid, mdev, expected, token, report, recorded))
+            found = (
+                ()
+                if report.damaged
+                else tuple(compare_windows(expected, token, report.written, report.state))
+            )
+            out.append(DmaCheck(vm, dev.fdid, mdev, expected, token, report, found, recorded))
     return out
 
 
@@ -433,8 +442,7 @@ def _dma_drift(c: DmaCheck) -> list[Drift]:
     if c.report.damaged:
         lines = [(f"its SmartIO driver's data-path files are damaged: {c.report.damaged}", "")]
     else:
-        found = compare_windows(c.expected, c.token, c.report.written, c.report.state)
-        lines = [(m.line, REWRITE if m.rewrite else "") for m in found]
+        lines = [(m.line, REWRITE if m.rewrite else "") for m in c.mismatches]
         if (records := compare_records(c.recorded, c.report.state)) is not None:
             lines.append((records, RECORD_AGAIN))
     return [
