@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -234,3 +235,18 @@ def test_the_fast_tier_explores_a_share_of_each_property_and_make_test_all_of_it
     makefile = (REPO / "Makefile").read_text()
     assert f"--hypothesis-profile={FAST}" in _recipe(makefile, "test-fast")
     assert "--hypothesis-profile" not in _recipe(makefile, "test")
+
+
+def test_make_test_runs_every_test_once_in_its_two_passes():
+    """``make test`` runs the tests that start no daemon on two workers and the rest in one
+    process: its two marker expressions are each other's complement, so no test is left out
+    and none runs twice, and only the first pass is spread over workers."""
+    recipe = _recipe((REPO / "Makefile").read_text(), "test")
+    passes = [line for line in recipe.splitlines() if " -m pytest " in line]
+    assert len(passes) == 2, recipe
+    marks = [re.search(r"-m '([^']+)'", line) for line in passes]
+    assert [m.group(1) if m else None for m in marks] == [
+        "not daemon and not slow",
+        "daemon or slow",
+    ]
+    assert " -n 2 " in passes[0] and " -n " not in passes[1]
