@@ -412,6 +412,21 @@ class SwitchPortFullError(ResourceExhaustedError):
         )
 
 
+class CmbFullError(ResourceExhaustedError):
+    """A shared drive's controller memory buffer has no extent left for a share's submission
+    queues; ``need``/``have`` are bytes (one line, saying what to do)."""
+
+    def __init__(self, drive: str, need: int, have: int, size: int) -> None:
+        super().__init__("controller memory buffer", drive, need, have, "bytes")
+        self.args = (
+            f"{drive}: its controller memory buffer has no room for the share's submission"
+            f" queues (need {format_size_human(need)}, largest free extent"
+            f" {format_size_human(have)} of {format_size_human(size)}); release a share of"
+            " it, ask for fewer queue pairs (--queues), or share the drive again with a larger"
+            " --cmb",
+        )
+
+
 class WindowExhaustedError(ResourceExhaustedError):
     """An NTB window has too little free room; ``need``/``have`` are bytes."""
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import msgspec
 
-from vmlend.errors import ConfigError, ResourceExhaustedError
-from vmlend.nvme import spec
+from vmlend.errors import CmbFullError, ConfigError, ResourceExhaustedError
+from vmlend.nvme import cmb, spec
 
 PAGE_MODE = "page"
 TRAP_MODE = "trap"
@@ -41,6 +41,10 @@ class Geometry(msgspec.Struct, frozen=True):
     vectors: int  # MSI-X vectors; 0 is the manager's admin queue
     blocks: int  # namespace 1
     name: str = "nvme"
+    #: Bytes of lender memory the manager keeps as the drive's controller memory buffer for
+    #: its shares' submission queues (``vmlend.nvme.cmb``); 0: queues in guest RAM only.
+    cmb_bytes: int = 0
+    entries: int = 1024  # the largest queue (CAP.MQES + 1): what a CMB extent is sized for
 
     @property
     def per_page(self) -> int:
@@ -71,6 +75,14 @@ class Share(msgspec.Struct, frozen=True):
     page: int | None = None  # doorbell page index (page mode)
     paths: int = 1  # 2: a backup queue pair per queue pair, through another adapter
     backup_asid: int = 0  # the backup path's address space (paths == 2)
+    #: Its extent of the drive's controller memory buffer (offset, bytes), if it has one.
+    cmb_offset: int | None = None
+    cmb_bytes: int = 0
+
+    @property
+    def cmb_extent(self) -> tuple[int, int] | None:
+        """(offset, bytes) of its extent of the drive's CMB; None: its queues are in RAM."""
+        return None if self.cmb_offset is None else (self.cmb_offset, self.cmb_bytes)
 
     @property
     def span(self) -> int:
@@ -137,11 +149,14 @@ class Share(msgspec.Struct, frozen=True):
             "page": self.page,
             "paths": self.paths,
             "backup_asid": self.backup_asid,
+            "cmb_offset": self.cmb_offset,
+            "cmb_bytes": self.cmb_bytes,
         }
 
     @classmethod
     def from_record(cls, data: Mapping[str, Any]) -> Share:
         page = data.get("page")
+        cmb_offset = data.get("cmb_offset")  # records from before CMB extents have none
         return cls(
             str(data["name"]),
             int(data["queue_pairs"]),
@@ -154,6 +169,8 @@ class Share(msgspec.Struct, frozen=True):
             None if page is None else int(page),
             int(data.get("paths", 1)),  # records from before backup paths have one
             int(data.get("backup_asid", 0)),
+            None if cmb_offset is None else int(cmb_offset),
+            int(data.get("cmb_bytes", 0)),
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -167,6 +184,9 @@ class Share(msgspec.Struct, frozen=True):
             "vectors": [self.vector_base, self.vector_base + self.queue_pairs - 1],
             "doorbells": self.mode,
             "paths": self.paths,
+            "cmb": None
+            if self.cmb_offset is None
+            else {"offset": self.cmb_offset, "bytes": self.cmb_bytes},
         }
 
 
@@ -182,6 +202,10 @@ def _first_fit(taken: list[tuple[int, int]], need: int, lo: int, hi: int) -> int
 
 def _overlap(a: int, alen: int, b: int, blen: int) -> bool:
     return a < b + blen and b < a + alen
+
+
+def _extents_overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is not None and b is not None and _overlap(a[0], a[1], b[0], b[1])
 
 
 class ShareBook:
@@ -256,11 +280,38 @@ class ShareBook:
         free_asids = (a for a in range(1, 2 * len(shares) + 3) if a not in used_asids)
         asid = next(free_asids)
         backup = next(free_asids) if paths > 1 else 0
+        extent = self._cmb_extent(queue_pairs, paths)
         share = Share(
-            name, queue_pairs, blocks, lba, asid, qid_base, vbase, g.mode, page, paths, backup
+            name,
+            queue_pairs,
+            blocks,
+            lba,
+            asid,
+            qid_base,
+            vbase,
+            g.mode,
+            page,
+            paths,
+            backup,
+            None if extent is None else extent[0],
+            0 if extent is None else extent[1],
         )
         self.shares[name] = share
         return share
+
+    def _cmb_extent(self, queue_pairs: int, paths: int) -> tuple[int, int] | None:
+        """The share's extent of the CMB (None: the drive has none, or the share has two
+        paths, whose relay keeps its queues on the VM's host); ``CmbFullError`` when no gap
+        is large enough."""
+        g = self.geometry
+        if not g.cmb_bytes or paths > 1:
+            return None
+        need = cmb.extent_bytes(queue_pairs, g.entries)
+        taken = [e for s in self.shares.values() if (e := s.cmb_extent) is not None]
+        at = cmb.place_extent(taken, need, g.cmb_bytes)
+        if at is None:
+            raise CmbFullError(g.name, need, cmb.largest_free(taken, g.cmb_bytes), g.cmb_bytes)
+        return at, need
 
     def adopt(self, share: Share) -> Share:
         """Take a share decided elsewhere (the registry's reserve), refusing overlaps."""
@@ -274,12 +325,14 @@ class ShareBook:
                 or _overlap(share.vector_base, share.span, other.vector_base, other.span)
                 or _overlap(share.lba_offset, share.blocks, other.lba_offset, other.blocks)
                 or bool(set(share.asids) & set(other.asids))
+                or _extents_overlap(share.cmb_extent, other.cmb_extent)
             )
             if clash:
                 raise ConfigError(f"share {share.name!r} overlaps {other.name!r} on {g.name}")
         if (
             share.qid_base + share.span > g.queue_pairs
             or share.lba_offset + share.blocks > g.blocks
+            or (share.cmb_offset is not None and share.cmb_offset + share.cmb_bytes > g.cmb_bytes)
         ):
             raise ConfigError(f"share {share.name!r} is beyond what {g.name} has")
         self.shares[share.name] = share

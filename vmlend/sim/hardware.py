@@ -174,6 +174,11 @@ class ShareWiring(Protocol):
 
     def crossings(self) -> list[ShareCrossing]: ...
 
+    def cmb_frames(self) -> list[int]:
+        """The frames of the drive's controller memory buffer in its lender's memory, in
+        order (frame ``i`` is CMB offset ``i * FRAME``); [] when it has none."""
+        ...
+
 
 #: ``fn(link, up)``, run after a cable goes down (False) or comes back (True).
 LinkSubscriber = Callable[[str, bool], None]
@@ -1036,6 +1041,10 @@ class SimHardware:
     def p2p_crossings(self) -> list[P2PCrossingLike]:
         """Every peer-to-peer crossing holding switch port entries now."""
         return [c for source in self._p2p_sources for c in source()]
+
+    def share_cmbs(self) -> dict[int, list[int]]:
+        """Each shared drive's controller memory buffer frames (``ShareWiring.cmb_frames``)."""
+        return {d.fdid: d.cmb_frames() for d in self._share_wiring}
 
     def share_crossings(self, fdid: int | None = None) -> list[ShareCrossing]:
         """The shared drives' crossings into nodes (``fdid``'s only, when given)."""

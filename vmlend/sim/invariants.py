@@ -82,6 +82,7 @@ from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.registry.api import Registry
 from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hostmem import FRAME
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
@@ -110,6 +111,8 @@ class ShareGrant(msgspec.Struct, frozen=True):
     vm: str
     asid: int
     backup: bool = False  # the address space of a two-path share's backup path
+    #: The share's extent of the drive's controller memory buffer (offset, bytes), if any.
+    cmb: tuple[int, int] | None = None
 
     @property
     def owner(self) -> Owner:
@@ -127,7 +130,9 @@ def registry_grants(tx: StateTxn) -> list[ShareGrant]:
     entries = [share_entry(r) for r in tx.runtime(None, SHARE_RECORD)]
     out = []
     for e in entries:
-        out.append(ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid))
+        out.append(
+            ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid, cmb=e.share.cmb_extent)
+        )
         if e.share.paths > 1:
             out.append(
                 ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.backup_asid, backup=True)
@@ -154,6 +159,7 @@ def check_hardware(
     """Every violation of the fabric's invariants in ``hw`` now (empty: all hold)."""
     c = _Checker(hw, shares)
     c.lender_domains()
+    c.cmb_claims()
     c.vm_domains()
     c.share_domains()
     c.segments()
@@ -215,6 +221,13 @@ class _Checker:
         self.share_segments: dict[tuple[str, int], set[ShareGrant]] = {}
         # (adapter ref, segment) -> what those mappings reach through it ("ram", "bar", ...)
         self.segment_reaches: dict[tuple[str, int], set[str]] = {}
+        # shared drive -> its controller memory buffer's frames (physical -> CMB offset)
+        self.cmb_frames: dict[int, dict[int, int]] = {
+            fdid: {phys: i * FRAME for i, phys in enumerate(frames)}
+            for fdid, frames in hw.share_cmbs().items()
+        }
+        # (drive, address space) -> bytes of the CMB its share's address space maps
+        self.cmb_mapped: dict[tuple[int, int], int] = {}
 
     def bad(self, kind: str, where: str, detail: str) -> None:
         self.found.append(Violation(kind, where, detail))
@@ -274,6 +287,8 @@ class _Checker:
                 "lender-iommu", where, f"address space {asid} of {fdid:#x} is no current share's"
             )
             return
+        if self._cmb_mapping(fdid, m, grant, where):
+            return
         for adapter, index, seg in self._crossed_segments(fdid, lender, m, grant.owner, where):
             self.share_segments.setdefault((adapter.ref, index), set()).add(grant)
             if seg.remote_node != grant.node:
@@ -289,6 +304,60 @@ class _Checker:
                     where,
                     f"segment {index} of {adapter.ref} leaves address space {asid}",
                 )
+
+    def _cmb_mapping(self, fdid: int, m: IommuMapping, grant: ShareGrant, where: str) -> bool:
+        """A mapping of a share's address space into the drive's CMB: inside the share's own
+        extent only (counted for ``cmb_claims``). False when ``m`` is not into the CMB."""
+        frames = self.cmb_frames.get(fdid, {})
+        first = m.phys - m.phys % FRAME
+        if first not in frames:
+            return False
+        for phys in range(first, m.phys + m.size, FRAME):
+            offset = frames.get(phys)
+            extent = grant.cmb
+            if offset is None or extent is None or not extent[0] <= offset < sum(extent):
+                mine = f"{extent[0]:#x}+{extent[1]:#x}" if extent else "none"
+                self.bad(
+                    "cmb",
+                    where,
+                    f"address space {grant.asid} of {grant.node}/{grant.vm} reaches CMB offset"
+                    f" {offset if offset is None else hex(offset)}, outside its extent ({mine})",
+                )
+                return True
+            key = (fdid, grant.asid)
+            self.cmb_mapped[key] = self.cmb_mapped.get(key, 0) + FRAME
+        return True
+
+    def cmb_claims(self) -> None:
+        """Each share's CMB extent as mapped equals its extent as claimed (a mapped extent of
+        another size is the wrong one), and the claimed extents of a drive are disjoint and
+        inside its CMB."""
+        for (fdid, asid), mapped in sorted(self.cmb_mapped.items()):
+            grant = self._grant(fdid, asid)
+            want = grant.cmb[1] if grant is not None and grant.cmb is not None else 0
+            if mapped != want:
+                self.bad(
+                    "cmb",
+                    f"{fdid:#x} address space {asid}",
+                    f"{mapped:#x} bytes of the CMB mapped, {want:#x} claimed",
+                )
+        for fdid, grants in sorted(self.grants.items()):
+            size = len(self.cmb_frames.get(fdid, {})) * FRAME
+            extents = sorted(
+                (g for g in grants.values() if g.cmb is not None), key=lambda g: g.cmb or (0, 0)
+            )
+            end = 0
+            for g in extents:
+                assert g.cmb is not None
+                offset, length = g.cmb
+                if offset < end or offset + length > size:
+                    self.bad(
+                        "cmb",
+                        f"{fdid:#x} {g.node}/{g.vm}",
+                        f"CMB extent {offset:#x}+{length:#x} overlaps another or leaves the"
+                        f" {size:#x}-byte CMB",
+                    )
+                end = max(end, offset + length)
 
     def _crossed_segments(
         self, fdid: int, lender: str, m: IommuMapping, owner: Owner, where: str

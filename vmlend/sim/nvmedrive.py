@@ -15,6 +15,7 @@ import msgspec
 
 from vmlend.errors import FabricError, SharingUnsupportedError
 from vmlend.nvme import spec
+from vmlend.nvme.cmb import cmbsz
 from vmlend.nvme.shares import Geometry
 from vmlend.sim.device import SimDevice
 from vmlend.sim.hardware import SimHardware
@@ -86,15 +87,26 @@ class SimNvmeDrive(msgspec.Struct):
         self.namespace.close()
 
 
-def drive_geometry(device: DeviceSpec, blocks: int) -> Geometry:
+def drive_geometry(device: DeviceSpec, blocks: int, cmb_bytes: int = 0) -> Geometry:
     """What the manager of ``device`` can share (``SharingUnsupportedError`` when nothing):
-    the queue pairs its doorbells allow, its MSI-X vectors (one per queue pair), ``blocks``."""
+    the queue pairs its doorbells allow, its MSI-X vectors (one per queue pair), ``blocks``,
+    and ``cmb_bytes`` of controller memory buffer for its shares' submission queues."""
     if device.kind != "nvme" or device.class_code >> 8 != 0x0108:
         raise SharingUnsupportedError(device.fdid, f"it is a {device.kind}, not an NVMe controller")
     if device.msix is None or device.msix.vectors < 2:
         raise SharingUnsupportedError(device.fdid, "it has no MSI-X vectors to give each VM")
     cfg = drive_config(device)
-    return Geometry(cfg.queue_pairs, cfg.dstrd, cfg.vectors, blocks, f"nvme {device.fdid:#x}")
+    if cmb_bytes:
+        cmbsz(cmb_bytes)  # a size the registers can describe, or ConfigError
+    return Geometry(
+        cfg.queue_pairs,
+        cfg.dstrd,
+        cfg.vectors,
+        blocks,
+        f"nvme {device.fdid:#x}",
+        cmb_bytes,
+        cfg.entries,
+    )
 
 
 def attach_nvme(

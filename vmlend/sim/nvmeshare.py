@@ -57,6 +57,7 @@ from vmlend.errors import ConfigError, FabricError, NoPathError, SwitchPortFullE
 from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
+from vmlend.nvme.cmb import GUEST_CMB_BASE, cmbsz
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import Share
 from vmlend.registry import Registry
@@ -72,6 +73,7 @@ from vmlend.sim.hardware import (
 from vmlend.sim.hostmem import FRAME, FramedRange, HostMemory
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.nvme.cmb import CmbMemory, CmbWindow
 from vmlend.sim.nvme.controller import ControllerConfig
 from vmlend.sim.nvme.driver import NvmeDriver
 from vmlend.sim.nvme.manager import NvmeManager
@@ -163,6 +165,24 @@ class VmNvmeShare:
                 self._interrupt,
                 CommandTimer(drive.command_timeout, drive.clock),
             )
+        #: Its extent of the drive's controller memory buffer as its CPU reaches it (BAR 2 of
+        #: its virtual controller), None when its queues are in RAM only.
+        self.cmb: CmbWindow | None = None
+        self.cmb_mapped = False  # the drive's address space of the share maps the extent
+        extent = share.cmb_extent
+        if extent is not None and drive.cmb is not None:
+            self.cmb = CmbWindow(
+                drive.cmb.memory,
+                drive.device.lender,
+                node,
+                drive.cmb.extent_frames(*extent),
+                self.doorbell_route,
+                drive.hw.dead_links,
+                lambda: self.open and not self.revoked,
+                share.name,
+            )
+            for frame in self.cmb.frames:  # nothing of the extent's last owner is left
+                drive.cmb.memory.write(frame, bytes(FRAME))
         self.virtual = VirtualNvmeController(
             share,
             drive.controller.config,
@@ -198,6 +218,7 @@ class VmNvmeShare:
             **self.share.as_dict(),
             "node": self.node,
             "vm": self.vm,
+            "cmb_mapped": self.cmb_mapped,
             "real_queues": self.drive.manager.real_queues(self.name),
             "rejections": self.drive.manager.rejections(self.name),
         }
@@ -382,8 +403,11 @@ class SharedNvmeDrive:
         link_events: bool = True,
         clock: Clock = time.monotonic,
         command_timeout: float = COMMAND_TIMEOUT,
+        cmb_bytes: int = 0,
     ) -> None:
-        """``link_events=False``: the drive's manager and the VMs' virtual controllers do not
+        """``cmb_bytes``: lender memory the manager keeps as the drive's controller memory
+        buffer, an extent of it for each one-path share's submission queues (0: none).
+        ``link_events=False``: the drive's manager and the VMs' virtual controllers do not
         hear link events (their hosts missed them): crossings are not moved, and a two-path
         share fails over only on a command timeout (``VmNvmeShare.timeout``): a command past
         ``command_timeout`` seconds on ``clock`` (which tests inject)."""
@@ -393,6 +417,8 @@ class SharedNvmeDrive:
                 f"a command timeout must be a positive, finite number of seconds, not "
                 f"{command_timeout!r} (Linux's default is {COMMAND_TIMEOUT:g})"
             )
+        if cmb_bytes:
+            cmbsz(cmb_bytes)  # a size CMBSZ can describe, or ConfigError, before anything
         self.hw = hardware
         self.fdid = fdid
         self.clock = clock
@@ -416,6 +442,7 @@ class SharedNvmeDrive:
         self._backups: dict[str, ShareCrossing] = {}  # share -> its backup crossing, if mapped
         self.shares: dict[str, VmNvmeShare] = {}
         self.memory: HostDmaMemory | None = None
+        self.cmb: CmbMemory | None = None
         self._remove_irq: Callable[[], None] = lambda: None
         #: Why the manager's borrow ended under it (every share ended with it), else None.
         self.ended: str | None = None
@@ -439,8 +466,12 @@ class SharedNvmeDrive:
                 _MANAGER_BYTES,
                 MANAGER_VM,
             )
+            if cmb_bytes:
+                self.cmb = CmbMemory(
+                    hardware.node(self.device.lender).memory, cmb_bytes, MANAGER_VM
+                )
             driver = NvmeDriver(DeviceBar0(self.device), self.memory, self.memory.alloc)
-            self.manager = NvmeManager(self.controller, driver, f"nvme {fdid:#x}")
+            self.manager = NvmeManager(self.controller, driver, f"nvme {fdid:#x}", cmb_bytes)
             self._remove_irq = self.device.on_interrupt(
                 self.manager.route_interrupt, owner=(self.device.lender, MANAGER_VM)
             )
@@ -516,6 +547,8 @@ class SharedNvmeDrive:
                 guest.unpin(r.start, r.size)
 
             undo.append(unpin)
+        if vms.cmb is not None:
+            self._map_cmb(vms, base)
         path = self.hw.route(self.device.lender, vms.node)
         if path is None:  # a VM on the lender: no NTB, the lender domain maps its frames
             for f in frames:
@@ -565,6 +598,27 @@ class SharedNvmeDrive:
         via = backup.dst.ref
         self._map_path(vms, ranges, frames, ingress.domain, backup.src.ref, bbase, via)
         self._map_rings(vms, BACKUP, ingress.domain, backup.src.ref, bbase, via)
+
+    def _map_cmb(self, vms: VmNvmeShare, base: int) -> None:
+        """The share's address space maps ``GUEST_CMB_BASE`` onto its CMB extent, and no
+        other part of the CMB: its queues there are fetched in the lender, no NTB crossed."""
+        assert vms.cmb is not None
+        lender_domain = self.hw.lender_domain(self.fdid)
+        undo = vms.windows.undo
+        for i, phys in enumerate(vms.cmb.frames):
+            iova = base + GUEST_CMB_BASE + i * FRAME
+            lender_domain.map(iova, phys, FRAME)
+
+            def unmap_cmb(iova: int = iova) -> None:
+                lender_domain.unmap(iova, FRAME)
+
+            undo.append(unmap_cmb)
+
+        def unmapped() -> None:
+            vms.cmb_mapped = False
+
+        vms.cmb_mapped = True
+        undo.append(unmapped)
 
     def _map_path(
         self,
@@ -881,6 +935,7 @@ class SharedNvmeDrive:
         if self.memory is not None:
             self.memory.close()
             self.memory = None
+        self._free_cmb()
         log.warning("NVMe drive %#x: %s; every share ended", self.fdid, self.ended)
         if failures:
             raise failures[0]
@@ -924,7 +979,9 @@ class SharedNvmeDrive:
         """The shares open now, as justifications for the fabric's invariant checker."""
         out = []
         for v in self.shares.values():
-            out.append(ShareGrant(self.fdid, v.node, v.vm, v.share.asid))
+            out.append(
+                ShareGrant(self.fdid, v.node, v.vm, v.share.asid, cmb=v.share.cmb_extent)
+            )
             if v.share.paths > 1:
                 out.append(ShareGrant(self.fdid, v.node, v.vm, v.share.backup_asid, backup=True))
         return out
@@ -937,9 +994,19 @@ class SharedNvmeDrive:
             "doorbells": self.mode,
             "queue_pairs": self.controller.config.queue_pairs,
             "free_queue_pairs": self.manager.book.free_queue_pairs(),
+            "cmb_bytes": self.cmb.size if self.cmb is not None else 0,
             "blocks": self.namespace.blocks,
             "shares": [s.status() for s in self.shares.values()],
         }
+
+    def _free_cmb(self) -> None:
+        if self.cmb is not None:
+            self.cmb.close()
+            self.cmb = None
+
+    def cmb_frames(self) -> list[int]:
+        """The frames of its controller memory buffer in lender memory ([] when none)."""
+        return list(self.cmb.frames) if self.cmb is not None else []
 
     def _teardown(self) -> None:
         self._remove_end()
@@ -948,6 +1015,7 @@ class SharedNvmeDrive:
         if self.memory is not None:
             self.memory.close()
             self.memory = None
+        self._free_cmb()
         borrow = self.hw.borrowed(self.fdid)
         if borrow is not None and borrow.vm == MANAGER_VM:  # never another owner's borrow
             self.hw.give_back(self.fdid, borrow.node, MANAGER_VM)

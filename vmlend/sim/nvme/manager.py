@@ -31,12 +31,24 @@ PathInterrupt = Callable[[int, int], object]  # (path, guest vector): a two-path
 class NvmeManager:
     """Manager of ``controller`` through ``driver`` (the lender's own NVMe driver)."""
 
-    def __init__(self, controller: NvmeController, driver: NvmeDriver, name: str = "nvme") -> None:
+    def __init__(
+        self,
+        controller: NvmeController,
+        driver: NvmeDriver,
+        name: str = "nvme",
+        cmb_bytes: int = 0,
+    ) -> None:
+        """``cmb_bytes``: the controller memory buffer the manager keeps for its shares'
+        submission queues (each share gets an extent of it)."""
         self.controller = controller
         self.driver = driver
         ns = controller.namespaces[1]
         cfg = controller.config
-        self.book = ShareBook(Geometry(cfg.queue_pairs, cfg.dstrd, cfg.vectors, ns.blocks, name))
+        self.book = ShareBook(
+            Geometry(
+                cfg.queue_pairs, cfg.dstrd, cfg.vectors, ns.blocks, name, cmb_bytes, cfg.entries
+            )
+        )
         self._lock = controller.lock
         self._admin_doorbells: dict[str, AdminDoorbell] = {}
         self._interrupts: dict[str, GuestInterrupt] = {}

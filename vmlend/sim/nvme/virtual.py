@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from vmlend.nvme import spec
+from vmlend.nvme import cmb, spec
 from vmlend.nvme.identify import (
     active_nsids,
     identify_controller,
@@ -106,7 +106,13 @@ class VirtualNvmeController:
             self._get(spec.REG_ACQ, 8),
         )
         self._regs[:] = bytes(REGISTER_BYTES)
-        self._put(spec.REG_CAP, 8, spec.make_cap(mqes=self.real.entries - 1, dstrd=self.real.dstrd))
+        cap = spec.make_cap(mqes=self.real.entries - 1, dstrd=self.real.dstrd)
+        if self.share.cmb_bytes:
+            # its extent of the drive's CMB, as a CMB of its own: submission queues only
+            cap |= cmb.CAP_CMBS
+            self._put(cmb.REG_CMBLOC, 4, cmb.cmbloc(cmb.CMB_BAR, 0))
+            self._put(cmb.REG_CMBSZ, 4, cmb.cmbsz(self.share.cmb_bytes))
+        self._put(spec.REG_CAP, 8, cap)
         self._put(spec.REG_VS, 4, spec.VERSION_1_4)
         for off, size, value in (
             (spec.REG_CC, 4, cc & ~spec.CC_EN),
@@ -252,7 +258,10 @@ class VirtualNvmeController:
         if not 1 <= gqid <= self._granted:
             return spec.SC_INVALID_QID
         entries = (cmd.cdw10 >> 16) + 1
+        in_cmb = cmb.GUEST_CMB_BASE <= cmd.prp1 < cmb.GUEST_CMB_BASE + (1 << 40)
         if cmd.opcode == spec.ADMIN_CREATE_CQ:
+            if in_cmb:
+                return spec.SC_INVALID_FIELD  # CMBSZ.CQS is clear: completions go to RAM
             vector = cmd.cdw11 >> 16
             if not 1 <= vector <= self.share.queue_pairs:
                 return spec.SC_INVALID_VECTOR  # vector 0 is the emulated admin queue's
@@ -267,6 +276,9 @@ class VirtualNvmeController:
                 return spec.SC_CQ_INVALID
             if not cmd.cdw11 & spec.QUEUE_PHYS_CONTIG:
                 return spec.SC_INVALID_FIELD
+            end = cmd.prp1 + entries * spec.SQE_SIZE
+            if in_cmb and end > cmb.GUEST_CMB_BASE + self.share.cmb_bytes:
+                return spec.SC_INVALID_FIELD  # it would leave the share's CMB extent
             return self.manager.create_sq(self.share, gqid, cmd.prp1, entries, gcq)
         if cmd.opcode == spec.ADMIN_DELETE_SQ:
             return self.manager.delete_sq(self.share, gqid)
