@@ -12,6 +12,7 @@ from vmlend.domain.metadata import MAX_NVME_BLOCKS
 from vmlend.domain.units import parse_cli_size
 from vmlend.errors import ConfigError, ResourceExhaustedError
 from vmlend.ledger import nvmeshares as ledger
+from vmlend.nvme.fetchroute import fetch_route
 from vmlend.nvme.shares import Share
 from vmlend.registry import Registry, open_registry
 from vmlend.sim.nvmedrive import drive_geometry
@@ -45,13 +46,22 @@ def nvme() -> None:
     show_default=True,
     help="Namespace size to share out (MiB, or 1T, 64GiB; 64GB is decimal).",
 )
+@click.option(
+    "--cmb",
+    default="0",
+    show_default=True,
+    help="Lender memory kept as the drive's controller memory buffer (MiB, or e.g. 4M, 512K):"
+    " each share's submission queues get an extent of it, fetched without crossing the NTB."
+    " 0: queues in guest RAM.",
+)
 @json_option
 @click.pass_obj
-def share_cmd(obj: CliContext, fdid: str, size: str, json_output: bool) -> None:
+def share_cmd(obj: CliContext, fdid: str, size: str, cmb: str, json_output: bool) -> None:
     """Lend FDID for sharing: its manager holds it; VMs then get shares, not the drive."""
     dev = parse_fdid(fdid)
+    cmb_bytes = parse_cli_size(cmb)
     with obj.fabric() as fabric:
-        geometry = drive_geometry(fabric.topology().device(dev), _blocks(size))
+        geometry = drive_geometry(fabric.topology().device(dev), _blocks(size), cmb_bytes)
     with open_registry(obj.location) as reg:
         ledger.lend_shared(reg, dev, geometry)
     if json_output:
@@ -62,11 +72,13 @@ def share_cmd(obj: CliContext, fdid: str, size: str, json_output: bool) -> None:
             vectors=geometry.vectors,
             blocks=geometry.blocks,
             doorbells=geometry.mode,
+            cmb_bytes=geometry.cmb_bytes,
         )
         return
+    near = f", {format_size_exact(cmb_bytes)} CMB for queues" if cmb_bytes else ""
     click.echo(
         f"{format_fdid(dev)} shared: {geometry.queue_pairs} queue pairs, "
-        f"{geometry.vectors - 1} vectors, {size} ({geometry.mode} doorbells)"
+        f"{geometry.vectors - 1} vectors, {size} ({geometry.mode} doorbells){near}"
     )
 
 
@@ -145,12 +157,14 @@ def reserve_cmd(
             lba_offset=share.lba_offset,
             blocks=share.blocks,
             paths=share.paths,
+            cmb=share.as_dict()["cmb"],
         )
         return
     click.echo(
         f"{holder}: {share.queue_pairs} queue pair(s) of {format_fdid(dev)}, "
         f"LBAs {share.lba_offset}..{share.lba_offset + share.blocks - 1}"
         + (f", {share.paths} paths (primary and backup)" if share.paths > 1 else "")
+        + (f", {format_size_exact(share.cmb_bytes)} of its CMB" if share.cmb_bytes else "")
     )
 
 
@@ -209,6 +223,66 @@ def release_cmd(obj: CliContext, fdid: str, vm: str, node: str | None, json_outp
         emit_action(action, fdid=format_fdid(dev), vm=holder.vm, node=holder.node)
         return
     click.echo(f"{holder}: {'share returned' if done else 'had no share'} of {format_fdid(dev)}")
+
+
+@nvme.command("path")
+@click.argument("vm", shell_complete=complete_vms)
+@click.option("--node", shell_complete=complete_nodes, help="The VM's node (default: this host's).")
+@json_option
+@click.pass_obj
+def path_cmd(obj: CliContext, vm: str, node: str | None, json_output: bool) -> None:
+    """Show where VM's shares keep their submission queues and the route of each command fetch.
+
+    A fetch is the drive reading a queue entry: from guest RAM across the NTB and back, or,
+    with the share's queues in the drive's controller memory buffer (``vmlend nvme share
+    --cmb``), from the lender's own memory. Hops and nanoseconds are counted as ``vmlend
+    path`` counts them; the completion is a posted write into guest RAM either way."""
+    holder = _holder(obj, vm, node)
+    with open_registry(obj.location) as reg:
+        drives = ledger.shared_drives(reg)
+    mine = [
+        (fdid, e.share)
+        for fdid, (_, _, entries) in drives.items()
+        for e in entries
+        if e.holder == holder
+    ]
+    if not mine:
+        raise ConfigError(
+            f"{holder} has no share of an NVMe drive; reserve one first"
+            " ('vmlend nvme reserve FDID VM --size SIZE')"
+        )
+    with obj.fabric(read_only=True) as fabric:
+        topology = fabric.topology()
+    routes = [
+        (share, fetch_route(topology, fdid, holder.node, share.cmb_extent is not None))
+        for fdid, share in mine
+    ]
+    if json_output:
+        emit_json(
+            {
+                "vm": holder.vm,
+                "node": holder.node,
+                "shares": [{**r.to_json(), "cmb": share.as_dict()["cmb"]} for share, r in routes],
+            }
+        )
+        return
+    for share, r in routes:
+        f, c = r.fetch, r.completion
+        where = (
+            f"in the drive's CMB on {topology.device(r.fdid).lender}"
+            f" (extent {share.cmb_offset:#x}+{format_size_exact(share.cmb_bytes)})"
+            if share.cmb_extent is not None
+            else f"in guest RAM on {holder.node}"
+        )
+        click.echo(f"{format_fdid(r.fdid)} -> {holder}: submission queues {where}")
+        click.echo(
+            f"  fetch:      {f.hops} hops, {f.ntb_crossings} NTB crossing(s), {f.latency_ns} ns"
+            f" one way, {r.fetch_ns} ns per fetch (there and back)"
+        )
+        click.echo(
+            f"  completion: {c.hops} hops, {c.ntb_crossings} NTB crossing(s), {c.latency_ns} ns"
+            " one way (a posted write into guest RAM)"
+        )
 
 
 @nvme.command("status")

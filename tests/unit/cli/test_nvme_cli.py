@@ -117,6 +117,7 @@ def test_share_reserve_release_unshare_json_say_what_they_did(state_path):
         "lba_offset": 0,
         "blocks": 131072,
         "paths": 1,
+        "cmb": None,  # the drive was shared without --cmb: its queues stay in guest RAM
     }
     released = {"fdid": "0x12", "vm": "web", "node": "gamma"}
     assert doc("release", "0x12", "web") == {"action": "released", **released}
