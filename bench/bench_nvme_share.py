@@ -16,8 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from vmlend.nvme import spec
+from vmlend.nvme import cmb, spec
+from vmlend.nvme.fetchroute import fetch_route
+from vmlend.nvme.guard import asid_base
 from vmlend.sim.hardware import SimHardware
+from vmlend.sim.nvme.cmb import GuestWithCmb
 from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver, QueuePair
 from vmlend.sim.nvmedrive import attach_nvme
 from vmlend.sim.nvmeshare import SharedNvmeDrive
@@ -113,6 +116,78 @@ def latency(drv: NvmeDriver, qp: QueuePair) -> tuple[float, float]:
     return statistics.mean(samples) * 1e6, samples[int(0.99 * len(samples))] * 1e6
 
 
+class _CountingDma:
+    """The drive's DMA port, counting its queue-entry fetches (64-byte reads) and how many of
+    them the resolver took across the NTB."""
+
+    def __init__(self, hw: SimHardware, fdid: int, inner) -> None:  # type: ignore[no-untyped-def]
+        self.hw, self.fdid, self.inner = hw, fdid, inner
+        self.fetches = self.crossed = 0
+
+    def read(self, iova: int, length: int) -> bytes:
+        if length == spec.SQE_SIZE:
+            self.fetches += 1
+            self.crossed += self.hw.resolve_dma(self.fdid, iova).crossed_ntb
+        return self.inner.read(iova, length)
+
+    def write(self, iova: int, data: bytes) -> None:
+        self.inner.write(iova, data)
+
+
+def fetch_routes() -> None:
+    """Drive 0x12 of the default fabric with a 1 MiB CMB; two VMs on gamma, one with its SQ in
+    its RAM, one with its SQ in its CMB extent: routes, costs and fetches counted."""
+    topo = load_topology()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hw = SimHardware.from_topology(topo, seed=1)
+        drive = SharedNvmeDrive(hw, 0x12, Path(tmp), blocks=BLOCKS, cmb_bytes=1 * MiB)
+        counter = _CountingDma(hw, 0x12, drive.controller.dma)
+        drive.controller.dma = counter
+        for name, in_cmb in (("guest RAM", False), ("CMB", True)):
+            vm = "ram" if not in_cmb else "near"
+            guest = hw.create_guest("gamma", vm, [GuestRange(0, RAM)])
+            share = drive.open_share("gamma", vm, 1, BLOCKS // 16)
+            share.set_master()
+            drv = _driver(share.bar0, guest)
+            if in_cmb:
+                assert share.cmb is not None
+                drv.memory = GuestWithCmb(guest, share.cmb)
+                drv.reset()
+                drv.enable()
+                drv.identify_namespace(1)
+                drv.set_queue_count(1)
+                cq = drv.alloc(64 * spec.CQE_SIZE)
+                qp = drv.create_queue_pair_at(1, cmb.GUEST_CMB_BASE, cq, 64, vector=1)
+            else:
+                (qp,) = drv.start(queues=1, entries=64)
+            target = hw.resolve_dma(0x12, asid_base(share.share.asid) + qp.sq)
+            before = (counter.fetches, counter.crossed)
+            iops = best(throughput, [(drv, qp)])
+            fetches, crossed = counter.fetches - before[0], counter.crossed - before[1]
+            route = fetch_route(topo, 0x12, "gamma", in_cmb)
+            rows.append((name, route, target.node, iops, fetches, crossed))
+        drive.close()
+    print("fetch route, drive 0x12 (lender alpha) to a VM on gamma, submission queue in:")
+    print(
+        f"{'sq in':10} {'lands on':>8} {'hops':>5} {'NTB':>4} {'one way ns':>11} "
+        f"{'fetch ns':>9} {'compl hops':>11} {'cmds/s':>9} {'fetches over NTB':>17}"
+    )
+    for name, r, node, iops, fetches, crossed in rows:
+        f = r.fetch
+        print(
+            f"{name:10} {node:>8} {f.hops:5d} {f.ntb_crossings:4d} {f.latency_ns:11d} "
+            f"{r.fetch_ns:9d} {r.completion.hops:11d} {iops:9.0f} {crossed:>8d} of {fetches:<6d}"
+        )
+    ram, near = rows[0][1], rows[1][1]
+    print(
+        f"per fetch the CMB saves {ram.fetch_ns - near.fetch_ns} ns of fabric time "
+        f"({ram.fetch.hops} -> {near.fetch.hops} hops, {ram.fetch.ntb_crossings} -> "
+        f"{near.fetch.ntb_crossings} NTB crossings); the completion is {ram.completion.hops} "
+        "hops either way"
+    )
+
+
 def main() -> None:
     topo = parse_topology(sharing_topology(8))
     borrowers = [f"b{i}" for i in range(1, 9)]
@@ -156,6 +231,7 @@ def main() -> None:
             f"{steps:.2f} software steps per doorbell write"
         )
         drive.close()
+    fetch_routes()
 
 
 if __name__ == "__main__":
