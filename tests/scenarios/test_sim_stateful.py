@@ -8,8 +8,10 @@ and alpha's NVMe drive lent for queue-level sharing. Five VM slots run on four n
 operator and an attacker do, in any order:
 
 - start a VM with free devices and, sometimes, a share of the drive (the hook's prepare; the
-  guest enables everything and its NVMe driver starts), share I/O, a guest's register write
-  to one of its devices (MMIO through the adapters);
+  guest enables everything and its NVMe driver starts, its submission queue in the share's
+  extent of the drive's controller memory buffer when it has one; the CMB holds two, so a
+  third one-path share is refused until a release returns one), share I/O, a guest's register
+  write to one of its devices (MMIO through the adapters);
 - enable, Bus Master and memory decoding on and off, BAR moves (peer-to-peer re-plans),
   function level resets, hot-remove (the VM's own hold released);
 - hand-overs: the fabric's give-back behind the VM's back, a release after a crash, a share
@@ -24,11 +26,13 @@ operator and an attacker do, in any order:
 After each step: ``check_hardware`` (with the registry's holds, claims and shares) finds
 nothing; every device (Bus Master forced on, as a misbehaving device would) reaches only RAM
 and BARs of the VM that borrowed it; the shared drive reaches, in each address space, only the
-RAM of the VM whose registry share it is; every session whose device moved on reads all ones,
-and its config writes (Command, MSI, a function level reset) change nothing on the device; a
-share taken from its VM reads all ones; a guest's MMIO to a device it holds, and each doorbell
-its share of the drive rings (primary and backup pair), is cut at a dead cable exactly when the
-device's DMA into that VM's RAM (in the share's address space) is, as the DMA resolver judges.
+RAM of the VM whose registry share it is, and at its CMB address only the extent of the CMB
+that share claimed (the checker: every mapped extent equals the claimed one); every session
+whose device moved on reads all ones, and its config writes (Command, MSI, a function level
+reset) change nothing on the device; a share taken from its VM reads all ones; a guest's MMIO
+to a device it holds, and each doorbell its share of the drive rings (primary and backup pair),
+is cut at a dead cable exactly when the device's DMA into that VM's RAM (in the share's address
+space) is, as the DMA resolver judges.
 
 CI runs ``MAX_EXAMPLES`` sequences of up to ``STEPS`` steps (marked slow) plus a short smoke
 run in the fast suite, derandomized (the same sequences every run). ``VMLEND_STATEFUL_EXAMPLES``
@@ -75,11 +79,14 @@ from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.nvme import spec as nvme_spec
+from vmlend.nvme.cmb import GUEST_CMB_BASE
 from vmlend.nvme.guard import asid_base
 from vmlend.registry import FenceRecord, same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
+from vmlend.sim.hostmem import FRAME
 from vmlend.sim.hotmig import hot_migrate
 from vmlend.sim.invariants import check_hardware, registry_grants
+from vmlend.sim.nvme.cmb import GuestWithCmb
 from vmlend.sim.nvme.driver import NvmeDriver, QueuePair
 from vmlend.sim.nvme.relay import BACKUP
 from vmlend.sim.nvmedrive import drive_geometry
@@ -209,6 +216,9 @@ SHARED_REQUESTER = "alpha/0000:43:00"  # its requester device, as the switch por
 #: A full switch port's refusal (``SwitchPortFullError``, wrapped by the hook): port, lender.
 FULL_PORT = re.compile(r"port (\S+): its requester table is full .*? requester ([^/\s]+)/")
 BLOCKS = 1 << 16
+#: The drive's controller memory buffer: room for two one-path shares' extents (64 KiB per
+#: queue pair), so a third is refused and a release makes room again.
+CMB_BYTES = 128 * 1024
 SLOTS = (("gamma", "a"), ("gamma", "b"), ("delta", "a"), ("alpha", "c"), ("beta", "d"))
 NODES = ("gamma", "delta", "alpha", "beta")
 DEVICES = (0x10, 0x12, 0x20, 0x21)
@@ -280,9 +290,11 @@ class FabricMachine(RuleBasedStateMachine):
 
     # --- helpers ---------------------------------------------------------------------------------
     def _share_drive(self) -> None:
-        geometry = drive_geometry(self.c.hw.device(SHARED).spec, BLOCKS)
+        geometry = drive_geometry(self.c.hw.device(SHARED).spec, BLOCKS, CMB_BYTES)
         ledger.lend_shared(self.c.registry, SHARED, geometry)
-        self.drive = SharedNvmeDrive(self.c.hw, SHARED, self.tmp, blocks=BLOCKS)
+        self.drive = SharedNvmeDrive(
+            self.c.hw, SHARED, self.tmp, blocks=BLOCKS, cmb_bytes=CMB_BYTES
+        )
         self.drives.append(self.drive)
 
     def _vm(self, slot: int, pick: int) -> tuple[SimVm, int] | None:
@@ -377,6 +389,8 @@ class FabricMachine(RuleBasedStateMachine):
                 event("start: a share refused, a switch port full")
             if full and self._p2p_port(str(e), node):
                 event("start: peer-to-peer refused, a switch port full")
+            if "controller memory buffer has no room" in str(e):
+                event("start: a share refused, the drive's CMB full")
             return
         ledger_ = RegistryWindowLedger(self.c.registry)
         p2p = P2PMapper(
@@ -409,7 +423,20 @@ class FabricMachine(RuleBasedStateMachine):
             s = vm.nvme_share(SHARED)
             s.set_master()
             entry.driver = guest_driver(s.bar0, vm.guest)
-            (entry.queue,) = entry.driver.start(queues=1, entries=8)
+            if s.cmb is None:
+                (entry.queue,) = entry.driver.start(queues=1, entries=8)
+                return
+            # its submission queue in its extent of the drive's CMB, as Linux's driver puts it
+            # when the controller offers one; the completion queue in its RAM
+            drv = entry.driver
+            drv.memory = GuestWithCmb(vm.guest, s.cmb)
+            drv.reset()
+            drv.enable()
+            drv.identify_namespace(1)
+            drv.set_queue_count(1)
+            cq = drv.alloc(8 * nvme_spec.CQE_SIZE)
+            entry.queue = drv.create_queue_pair_at(1, GUEST_CMB_BASE, cq, 8, vector=1)
+            event("start: a share with its submission queue in the CMB")
 
     def _p2p_port(self, message: str, node: str) -> bool:
         """The full port the refusal names is on no route from the requester's lender to
@@ -944,11 +971,10 @@ class FabricMachine(RuleBasedStateMachine):
     @invariant()
     def the_shared_drive_reaches_only_each_shares_vm(self) -> None:
         hw = self.c.hw
-        owners = {
-            asid: (e.holder.node, e.holder.vm)
-            for e in self._registry_shares()
-            for asid in e.share.asids
-        }
+        shares = self._registry_shares()
+        owners = {asid: (e.holder.node, e.holder.vm) for e in shares for asid in e.share.asids}
+        extents = {e.share.asid: e.share.cmb_extent for e in shares}
+        frames = self.drive.cmb_frames() if self.drive is not None else []
         dev = hw.device(SHARED)
         command = dev.config.command
         dev.config.write(regs.COMMAND, 2, command | regs.COMMAND_MASTER, notify=False)
@@ -962,6 +988,21 @@ class FabricMachine(RuleBasedStateMachine):
                     assert t.kind == "ram" and (t.node, t.owner) == owners.get(asid), (
                         f"address space {asid} of the drive reached {t}"
                     )
+                # its CMB address: its own extent of the CMB (claimed in the registry), the
+                # start of the next one past its end, or nothing
+                for offset in (0, CMB_BYTES // 2):
+                    iova = asid_base(asid) + GUEST_CMB_BASE + offset
+                    try:
+                        t = hw.resolve_dma(SHARED, iova, write=True)
+                    except DmaFault:
+                        continue
+                    extent = extents.get(asid)
+                    page = t.address - t.address % FRAME
+                    assert extent is not None and offset < extent[1], f"{asid}: CMB {t}"
+                    assert page in frames and frames.index(page) * FRAME == extent[0] + offset, (
+                        f"address space {asid} reached CMB {t}, not its extent {extent}"
+                    )
+                    event("probe: a share's CMB extent reached")
         finally:
             dev.config.write(regs.COMMAND, 2, command, notify=False)
 

@@ -342,7 +342,8 @@ class _Checker:
                     f"{mapped:#x} bytes of the CMB mapped, {want:#x} claimed",
                 )
         for fdid, grants in sorted(self.grants.items()):
-            size = len(self.cmb_frames.get(fdid, {})) * FRAME
+            # a drive whose manager lost it keeps no CMB: its shares' records map nothing
+            size = len(self.cmb_frames.get(fdid, {})) * FRAME or None
             extents = sorted(
                 (g for g in grants.values() if g.cmb is not None), key=lambda g: g.cmb or (0, 0)
             )
@@ -350,7 +351,7 @@ class _Checker:
             for g in extents:
                 assert g.cmb is not None
                 offset, length = g.cmb
-                if offset < end or offset + length > size:
+                if offset < end or (size is not None and offset + length > size):
                     self.bad(
                         "cmb",
                         f"{fdid:#x} {g.node}/{g.vm}",
