@@ -234,7 +234,8 @@ def test_no_room_in_the_cmb_refuses_the_share_and_leaves_nothing(hw, tmp_path):
 def test_a_share_s_end_returns_its_extent_wiped(hw, tmp_path):
     drive = make_drive(hw, tmp_path, EXTENT)
     a, da, qa = boot_cmb(hw, drive, "b1", "vm-a")
-    assert da.write(qa, 0, b"\x5a" * 512).ok
+    for lba in range(3):  # three commands in a's queue, where b will write one
+        assert da.write(qa, lba, b"\x5a" * 512).ok
     extent = a.share.cmb_extent
     a_space = a.share.asid
     a.close()
