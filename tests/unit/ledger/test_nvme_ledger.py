@@ -8,6 +8,7 @@ import pytest
 from tests.support.daemon_marks import REGISTRIES
 from tests.support.simfabric import make_fabric
 from vmlend.errors import (
+    CmbFullError,
     DeviceHeldError,
     LenderIommuOffError,
     NotSharedError,
@@ -240,3 +241,20 @@ def test_a_backup_path_needs_a_second_adapter_and_claims_nothing_without(fab, re
         ledger.reserve_share(reg, NVME, Holder("gamma", "g"), 1, 10, guest_ram=64 * GiB, paths=2)
     assert _use(fab) == before and ledger.shared_drives(reg)[NVME][2] == []
     ledger.reserve_share(reg, NVME, Holder("gamma", "g"), 1, 10, guest_ram=64 * GiB)
+
+
+def test_cmb_extents_are_claimed_with_the_share_refused_when_full_and_returned(fab, reg):
+    ledger.lend_shared(reg, NVME, drive_geometry(fab.topology().device(NVME), BLOCKS, 128 * 1024))
+    a = ledger.reserve_share(reg, NVME, Holder("gamma", "a"), 1, 10, guest_ram=1 << 30)
+    b = ledger.reserve_share(reg, NVME, Holder("beta", "b"), 1, 10, guest_ram=1 << 30)
+    assert (a.cmb_extent, b.cmb_extent) == ((0, 65536), (65536, 65536))
+    with reg.read() as tx:
+        claims = sorted(map(str, tx.claims()))
+    with pytest.raises(CmbFullError, match="release a share of it"):
+        ledger.reserve_share(reg, NVME, Holder("gamma", "c"), 1, 10, guest_ram=1 << 30)
+    with reg.read() as tx:
+        assert sorted(map(str, tx.claims())) == claims  # the refusal claimed nothing
+    assert len(ledger.shared_drives(reg)[NVME][2]) == 2
+    assert ledger.release_share(reg, NVME, Holder("gamma", "a"))
+    c = ledger.reserve_share(reg, NVME, Holder("gamma", "c"), 1, 10, guest_ram=1 << 30)
+    assert c.cmb_extent == (0, 65536)  # a's extent, returned at its release
