@@ -303,6 +303,7 @@ def status_cmd(obj: CliContext, json_output: bool) -> None:
                         "vectors": geo.vectors,
                         "blocks": geo.blocks,
                         "doorbells": geo.mode,
+                        "cmb_bytes": geo.cmb_bytes,
                         "shares": [e.to_json() for e in entries],
                     }
                     for fdid, (manager, geo, entries) in drives.items()
@@ -325,13 +326,17 @@ def status_cmd(obj: CliContext, json_output: bool) -> None:
                     f"{s.lba_offset}+{s.blocks} ({format_size_exact(s.blocks * BLOCK)})",
                     ",".join(map(str, e.real_queues)) or "-",
                     geo.mode,
+                    f"{s.cmb_offset:#x}+{format_size_exact(s.cmb_bytes)}"
+                    if s.cmb_offset is not None
+                    else "-",
                     e.rejections,
                 )
             )
         if not entries:
-            rows.append((format_fdid(fdid), "-", 0, "-", "-", geo.mode, 0))
+            rows.append((format_fdid(fdid), "-", 0, "-", "-", geo.mode, "-", 0))
     emit_table(
-        ("FDID", "VM", "QUEUE PAIRS", "LBA WINDOW", "REAL QIDS", "DOORBELLS", "REJECTED"), rows
+        ("FDID", "VM", "QUEUE PAIRS", "LBA WINDOW", "REAL QIDS", "DOORBELLS", "CMB", "REJECTED"),
+        rows,
     )
 
 

@@ -20,7 +20,10 @@ def test_extents_are_claimed_refused_when_full_and_returned(state_path):
     assert r.exit_code == 1, r.output
     (line,) = r.output.strip().splitlines()
     assert "controller memory buffer has no room" in line and "release a share" in line
+    table = c.cli("nvme", "status").output
+    assert "CMB" in table and "0x0+64K" in table and "0x10000+64K" in table
     data = json.loads(c.cli("nvme", "status", "--json").output)
+    assert data["drives"][0]["cmb_bytes"] == 131072
     shares = {s["vm"]: s for s in data["drives"][0]["shares"]}
     assert sorted(shares) == ["db", "web"]  # the refused share left nothing
     assert shares["web"]["cmb"] == {"offset": 0, "bytes": 65536}
