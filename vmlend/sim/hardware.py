@@ -123,6 +123,17 @@ class ShareWire(msgspec.Struct, frozen=True):
     detail: str
 
 
+class CmbWindowMap(msgspec.Struct, frozen=True):
+    """The frames of a shared drive's CMB a share's VM reaches through its window (its
+    CPU's view of its extent), for the invariant checker to compare with its claim."""
+
+    fdid: int
+    node: str
+    vm: str
+    asid: int
+    frames: tuple[int, ...]
+
+
 def share_user(fdid: int, node: str, backup_of: str = "") -> tuple[int, str]:
     """Who a shared drive's crossing into ``node`` is in the switch ports' tables
     (``SwitchPorts``): the node's shares' crossing, or share ``backup_of``'s backup."""
@@ -177,6 +188,10 @@ class ShareWiring(Protocol):
     def cmb_frames(self) -> list[int]:
         """The frames of the drive's controller memory buffer in its lender's memory, in
         order (frame ``i`` is CMB offset ``i * FRAME``); [] when it has none."""
+        ...
+
+    def cmb_windows(self) -> list[CmbWindowMap]:
+        """What each open share's VM reaches of the CMB through its window."""
         ...
 
 
@@ -1041,6 +1056,10 @@ class SimHardware:
     def p2p_crossings(self) -> list[P2PCrossingLike]:
         """Every peer-to-peer crossing holding switch port entries now."""
         return [c for source in self._p2p_sources for c in source()]
+
+    def share_cmb_windows(self) -> list[CmbWindowMap]:
+        """Every open share's window onto its CMB extent (``ShareWiring.cmb_windows``)."""
+        return [w for d in self._share_wiring for w in d.cmb_windows()]
 
     def share_cmbs(self) -> dict[int, list[int]]:
         """Each shared drive's controller memory buffer frames (``ShareWiring.cmb_frames``)."""

@@ -46,6 +46,10 @@ drive, VM, address-space id):
   current share on that node, or RAM that is not that share's VM's;
 - ``context``/``lut``: a shared drive's crossing into a node (LUT entries on both adapters, the
   ingress context) where no current share needs it.
+- ``cmb``: a share's address space maps frames of the drive's controller memory buffer outside
+  the extent its share claimed, or a mapped extent is not the whole claimed one; a share's VM
+  reaches through its CMB window other frames than its claimed extent's, or has a window with
+  no current share claiming an extent; two claimed extents overlap or one leaves the CMB.
 Without ``shares`` a shared drive's share mappings are all violations.
 
 The hand-over rule (docs/simulator.md: when a borrow ends, every path of the old owner is cut in
@@ -160,6 +164,7 @@ def check_hardware(
     c = _Checker(hw, shares)
     c.lender_domains()
     c.cmb_claims()
+    c.cmb_windows()
     c.vm_domains()
     c.share_domains()
     c.segments()
@@ -359,6 +364,26 @@ class _Checker:
                         f" {size:#x}-byte CMB",
                     )
                 end = max(end, offset + length)
+
+    def cmb_windows(self) -> None:
+        """Each share's VM reaches through its CMB window exactly the frames of the extent
+        its share claimed, and only while it has a current share."""
+        for w in self.hw.share_cmb_windows():
+            where = f"{w.fdid:#x} CMB window of {w.node}/{w.vm}"
+            grant = self._grant(w.fdid, w.asid)
+            if grant is None or grant.owner != (w.node, w.vm) or grant.cmb is None:
+                self.bad("cmb", where, "open, but no current share of that VM claims an extent")
+                continue
+            frames = sorted(self.cmb_frames.get(w.fdid, {}).items(), key=lambda f: f[1])
+            offset, size = grant.cmb
+            want = tuple(p for p, at in frames if offset <= at < offset + size)
+            if w.frames != want:
+                self.bad(
+                    "cmb",
+                    where,
+                    f"reaches {len(w.frames)} frame(s) other than its claimed extent"
+                    f" {offset:#x}+{size:#x}",
+                )
 
     def _crossed_segments(
         self, fdid: int, lender: str, m: IommuMapping, owner: Owner, where: str

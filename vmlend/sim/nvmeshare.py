@@ -64,6 +64,7 @@ from vmlend.registry import Registry
 from vmlend.sim.guest import Frame
 from vmlend.sim.hardware import (
     Borrow,
+    CmbWindowMap,
     ShareCrossing,
     ShareWire,
     SimHardware,
@@ -1003,6 +1004,14 @@ class SharedNvmeDrive:
         if self.cmb is not None:
             self.cmb.close()
             self.cmb = None
+
+    def cmb_windows(self) -> list[CmbWindowMap]:
+        """What each open share's VM reaches of the CMB through its window."""
+        return [
+            CmbWindowMap(self.fdid, v.node, v.vm, v.share.asid, tuple(v.cmb.frames))
+            for v in self.shares.values()
+            if v.cmb is not None and v.open and not v.revoked
+        ]
 
     def cmb_frames(self) -> list[int]:
         """The frames of its controller memory buffer in lender memory ([] when none)."""

@@ -303,3 +303,20 @@ def test_the_checker_finds_a_mapped_extent_other_than_the_claimed_one(hw, tmp_pa
     found = check_hardware(hw, shares=overlapping)
     assert any(v.kind == "cmb" and "overlaps" in v.detail for v in found), found
     drive.close()
+
+
+def test_the_checker_finds_a_window_onto_another_share_s_extent(hw, tmp_path):
+    drive = make_drive(hw, tmp_path, 4 * EXTENT)
+    a, _da, _qa = boot_cmb(hw, drive, "b1", "vm-a")
+    b, _db, _qb = boot_cmb(hw, drive, "b2", "vm-b")
+    assert a.cmb is not None and b.cmb is not None
+    mine = a.cmb.frames
+    a.cmb.frames = b.cmb.frames  # a's CPU would now write into b's queue
+    found = check_hardware(hw, shares=drive.grants())
+    assert any(v.kind == "cmb" and "CMB window of b1/vm-a" in v.where for v in found), found
+    a.cmb.frames = mine
+    holds(hw, drive)
+    without_a = [g for g in drive.grants() if g.vm != "vm-a"]
+    found = check_hardware(hw, shares=without_a)
+    assert any(v.kind == "cmb" and "no current share" in v.detail for v in found), found
+    drive.close()
