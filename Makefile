@@ -8,13 +8,16 @@ PY      := $(VENV)/bin/python
 # for the cluster registry (tests start a private etcd), etcd-client for the etcdctl that runs
 # the users-and-roles script 'vmlend registry roles' prints (the auth test runs it), openssl to
 # make the TLS test's certificates, graphviz to check and draw the fabric's and paths' pictures
-# (tests, make pictures).
+# (tests, make pictures); Debian's packaging tools and python3-venv/-dev for 'make deb' (its
+# own virtualenv, libvirt-python compiled into it), debootstrap for the test that installs the
+# package into a clean bookworm root (tests/scenarios/test_debian_package.py).
 APT_PKGS := libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev \
             pkg-config qemu-system-x86 libxml2-utils umockdev \
-            python3-gi gir1.2-umockdev-1.0 etcd-server etcd-client openssl graphviz
+            python3-gi gir1.2-umockdev-1.0 etcd-server etcd-client openssl graphviz \
+            debhelper dh-virtualenv dpkg-dev python3-venv python3-dev debootstrap
 DEMO_DIR := $(CURDIR)/.demo
 
-.PHONY: all demo test test-fast test-kernel lint bench pictures man sysdeps venv clean promtool
+.PHONY: all demo test test-fast test-kernel lint bench pictures man sysdeps venv clean promtool deb
 
 all: test
 
@@ -108,6 +111,27 @@ $(PROMTOOL):
 	dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -C "$$tmp" ./usr/bin/promtool && \
 	mkdir -p $(@D) && mv "$$tmp/usr/bin/promtool" $@ && \
 	echo "promtool: $$($@ --version 2>&1 | head -1)"
+
+# The Debian package (debian/, docs/packaging.md): $(DEB_BUILD)/vmlend_<version>_<arch>.deb,
+# built by dpkg-buildpackage from a copy of the checkout's files (git's, uncommitted changes
+# included; not .venv or build/), so the tree stays clean and the outputs land in $(DEB_BUILD).
+# Built again only when a file the package is made of (the code, debian/, the man pages, the
+# project's metadata) is newer than the last build ($(DEB_STAMP)).
+# Needs the network: dh-virtualenv pip-installs vmlend's dependencies into the package.
+DEB_BUILD ?= build/deb
+DEB_STAMP := $(DEB_BUILD)/.built
+DEB_SOURCES := $(filter vmlend/% debian/% docs/man/% setup.cfg pyproject.toml README.md, \
+                 $(wildcard $(shell git ls-files --cached --others --exclude-standard 2>/dev/null)))
+deb: $(DEB_STAMP)
+
+$(DEB_STAMP): $(DEB_SOURCES) | sysdeps
+	rm -rf $(DEB_BUILD)/vmlend $(DEB_BUILD)/vmlend*_* $@ && mkdir -p $(DEB_BUILD)/vmlend
+	git ls-files -z --cached --others --exclude-standard | \
+	  tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -x -C $(DEB_BUILD)/vmlend
+	cd $(DEB_BUILD)/vmlend && dpkg-buildpackage -us -uc -b
+	rm -rf $(DEB_BUILD)/vmlend
+	@ls $(DEB_BUILD)/vmlend_*.deb
+	touch $@
 
 # One man page per command in docs/man, rendered from the click commands.
 man: venv
