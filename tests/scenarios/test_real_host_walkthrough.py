@@ -82,6 +82,8 @@ class Steps:
             words = shlex.split(line)
             if words[0] == "vmlend":
                 self.vmlend(line, words[1:])
+            elif words[:2] == ["apt", "install"]:
+                self.package()
             elif words[:2] == ["install", "-d"]:
                 for d in (w for w in words[2:] if w.startswith("/")):
                     self.under_root(d).mkdir(parents=True, exist_ok=True)
@@ -106,10 +108,21 @@ class Steps:
         assert run.returncode == 0, (line, run.stdout, run.stderr)
         self.outputs[line] = run.stdout
 
+    def package(self) -> None:
+        """``apt install ./vmlend_*.deb``, stood in for by what the package ships that the
+        later steps use: its configuration file, and the units in the systemd unit directory
+        around this venv's vmlend
+        (tests/scenarios/test_debian_package.py installs the package itself)."""
+        config = self.under_root("/etc/vmlend/vmlend.toml")
+        config.parent.mkdir(parents=True)
+        config.write_text((REPO / "debian" / "vmlend.toml").read_text())  # the conffile
+        units = self.under_root("/lib/systemd/system")
+        self.vmlend("units install", ["units", "install", "--dir", str(units)])
+
     def systemctl(self) -> None:
         """``daemon-reload && enable --now vmlend-agent``: verify the unit, then start its
         ExecStart as systemd would and wait until it says it is ready."""
-        unit = self.root / "etc" / "systemd" / "system" / "vmlend-agent.service"
+        unit = self.under_root("/lib/systemd/system/vmlend-agent.service")
         verify_units(unit)
         notify = NotifySocket(self.tmp / "notify")
         log = self.tmp / "agent.log"
