@@ -51,14 +51,6 @@ NOT_THE_PACKAGE = (
 )
 
 
-def test_the_changelog_version_is_the_package_version():
-    """``make deb`` names the package by debian/changelog's version: it must be vmlend's."""
-    first = (REPO / "debian" / "changelog").read_text().splitlines()[0]
-    match = re.match(r"vmlend \(([^)]+)\) bookworm;", first)
-    assert match, first
-    assert match.group(1) == __version__
-
-
 def walkthrough() -> list[str]:
     """The walkthrough's commands, a here-document joined to its command."""
     text = DOC.read_text()
