@@ -34,13 +34,12 @@ import pytest
 from tests.support.debroot import DebRoot
 from tests.support.needs import need
 from tests.support.paths import REPO
+from tests.support.walkthrough_doc import walkthrough_commands
 from vmlend import __version__
 
 pytestmark = [pytest.mark.slow, pytest.mark.package]
 
 BUILD = REPO / "build"
-DOC = REPO / "docs" / "real-hardware.md"
-MARK = "<!-- real-host walkthrough:"
 #: doctor's checks that fail on a host without the hardware: this machine lacks all of them.
 HARDWARE_CHECKS = {"backend", "kvm", "iommu", "vfio module", "mdev module", "vfio device"}
 #: What a root holds that is not the package's: apt's and dpkg's records and caches, logs,
@@ -49,27 +48,6 @@ HARDWARE_CHECKS = {"backend", "kvm", "iommu", "vfio module", "mdev module", "vfi
 NOT_THE_PACKAGE = (
     "/var/lib/dpkg", "/var/lib/apt", "/var/cache", "/var/log", "/run/systemd", "/tmp", "/root",
 )
-
-
-def walkthrough() -> list[str]:
-    """The walkthrough's commands, a here-document joined to its command."""
-    text = DOC.read_text()
-    block = re.search(r"```\n(.*?)```", text[text.index(MARK) :], re.S)
-    assert block, "the walkthrough's code block is missing"
-    commands: list[str] = []
-    lines = block.group(1).splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        i += 1
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        if "<<'EOF'" in line:
-            end = lines.index("EOF", i)
-            line = "\n".join([line, *lines[i : end + 1]])
-            i = end + 1
-        commands.append(line)
-    return commands
 
 
 def build_deb() -> Path:
@@ -144,7 +122,7 @@ def test_the_package_installs_runs_the_walkthrough_and_purges_clean(package, deb
 
     # the walkthrough, as written, in the root
     outcome: dict[str, subprocess.CompletedProcess[str]] = {}
-    for command in walkthrough():
+    for command in walkthrough_commands():
         if command.startswith("systemctl"):
             # 'daemon-reload' and '--now' need systemd as PID 1 (not in a chroot, nor on our
             # test machines): enable alone is what systemctl does offline

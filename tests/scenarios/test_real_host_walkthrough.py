@@ -8,7 +8,6 @@ installed unit's ExecStart under a NOTIFY_SOCKET this test owns."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -22,20 +21,11 @@ from tests.support.doctor_host import loads_modules
 from tests.support.fake_sysfs import FakeSmartio, FakeSysfs, populate_smartio
 from tests.support.paths import REPO
 from tests.support.systemd import WAIT, NotifySocket, exec_start, verify_units
+from tests.support.walkthrough_doc import walkthrough_lines
 from vmlend.topology.parse import parse_topology
 from vmlend.wiring.fabric import default_topology_text
 
-DOC = REPO / "docs" / "real-hardware.md"
-MARK = "<!-- real-host walkthrough:"
 VMLEND = str(Path(sys.executable).parent / "vmlend")
-
-
-def walkthrough() -> list[str]:
-    text = DOC.read_text()
-    start = text.index(MARK)
-    block = re.search(r"```\n(.*?)```", text[start:], re.S)
-    assert block, "the walkthrough's code block is missing"
-    return block.group(1).splitlines()
 
 
 def fake_host(root: Path) -> FakeSysfs:
@@ -153,7 +143,7 @@ def test_the_real_host_walkthrough_runs_as_written(tmp_path):
     machine = machine_files.snapshot()
     steps = Steps(root, tmp_path)
     try:
-        steps.run(walkthrough())
+        steps.run(walkthrough_lines())
         # what the steps left: the hook, the units, the state, and a serving agent
         assert (root / "etc" / "libvirt" / "hooks" / "qemu.d" / "vmlend").is_file()
         assert (root / "var" / "lib" / "vmlend" / "state.db").is_file()
