@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from vmlend.ledger.handover_record import KIND
+from vmlend.ledger.nvmeshares import SHARE_RECORD
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.registry import Registry
 from vmlend.sim.register import LenderRegister, borrower_of
 
@@ -19,7 +21,9 @@ def registry_violations(
     """What is wrong now, one line each (empty: nothing):
 
     - a VM's mdev record sits on a node other than its device's holder's, or its device is not
-      held by that VM;
+      held by that VM (a share mdev: that VM on that node has no share of the drive);
+    - a VM's NVMe share keeps the claims of another node (``incoming``, ``leaving``) while no
+      hot migration of that VM is under way;
     - a hold carries claims made for the same VM on another node (a destination's room, or a
       source's not yet released) while no hot migration of that VM is under way (``moving``:
       the names of the VMs whose move is), or a hand-over record names a VM or source that
@@ -33,8 +37,17 @@ def registry_violations(
         claims = tx.claims()
         records = {r.fdid: r for r in tx.runtime(kind=KIND)}
         mdevs = tx.mdevs()
+        shares = {(r.fdid, r.key): r.data for r in tx.runtime(kind=SHARE_RECORD)}
+    for (fdid, key), data in shares.items():
+        vm = data["holder"]["vm"]
+        if ("incoming" in data or "leaving" in data) and vm not in moving:
+            out.append(f"share {key} of {fdid:#x} keeps another node's claims, no move under way")
     for m in mdevs:
         if not m.vm:
+            continue
+        if m.type_id == SHARE_MDEV_TYPE:
+            if (m.fdid, f"vm:{m.node}/{m.vm}") not in shares:
+                out.append(f"share mdev {m.uuid} of {m.node}/{m.vm} on {m.fdid:#x}: no share")
             continue
         hold = holds.get(m.fdid)
         if hold is None or (hold.holder.node, hold.holder.vm) != (m.node, m.vm):
@@ -48,10 +61,14 @@ def registry_violations(
     for fdid, r in records.items():
         hold = holds.get(fdid)
         src = r.data.get("source")
+        if fdid in {int(f) for f in r.data.get("shares", {})}:
+            if (fdid, f"vm:{src}/{r.data.get('vm')}") not in shares:
+                out.append(f"hand-over record {r.key} on {fdid:#x}: its VM has no share on {src}")
+            continue
         if hold is None or hold.holder.node != src or hold.holder.vm_uuid != r.key:
             out.append(f"hand-over record {r.key} on {fdid:#x} does not match its hold {hold}")
     if lenders is not None:
-        made = {m.fdid for m in mdevs if m.vm}
+        made = {m.fdid for m in mdevs if m.vm and m.type_id != SHARE_MDEV_TYPE}
         for fdid, hold in holds.items():
             if fdid not in made:
                 continue

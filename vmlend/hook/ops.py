@@ -60,6 +60,12 @@ class HookOps:
         journal = UndoJournal()
         for dev in dom.devices:
             fd = format_fdid(dev.fdid)
+            if arriving is not None and dev.fdid in arriving.shares:
+                record(
+                    f"NVMe share of {fd}: arrives with the hot migration from {arriving.source}"
+                    f" (epoch {arriving.shares[dev.fdid]}); it moves here at the switch-over"
+                )
+                continue
             if arriving is not None and dev.fdid in arriving.devices:
                 record(
                     f"device {fd}: arrives plugged with the hot migration from"
@@ -85,17 +91,24 @@ class HookOps:
         if not isinstance(self.fabric, RegistryFabric) or not holder.vm_uuid:
             return None
         own = [d.fdid for d in dom.devices if d.share is None]
-        shares = [d.fdid for d in dom.devices if d.share is not None]
+        drives = [d.fdid for d in dom.devices if d.share is not None]
         with self.fabric.registry.read() as tx:
             holds = {f: tx.hold(f) for f in own}
+            shares: dict[int, tuple[Holder, int] | None] = {}
+            if drives:  # the NVMe share ledger only for a VM with shares: a fast start
+                from vmlend.ledger import sharemove
+            for d in drives:
+                has = sharemove.share_holder(tx, d, holder.vm_uuid, holder.vm)
+                got = None if has is None else sharemove.epoch(tx, d, has)
+                shares[d] = None if has is None or got is None else (has, got)
             if not any(
                 h is not None
                 and h.holder.node != holder.node
                 and h.holder.vm_uuid.lower() == holder.vm_uuid.lower()
                 for h in holds.values()
-            ):
+            ) and not any(s is not None and s[0].node != holder.node for s in shares.values()):
                 return None
-            found = handover_record.read(tx, own, holder.vm_uuid)
+            found = handover_record.read(tx, [*own, *drives], holder.vm_uuid)
         try:
             return handover_record.arrival(found, holds, holder, own, shares)
         except HandOverRefusedError as e:

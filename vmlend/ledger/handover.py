@@ -16,6 +16,10 @@ Three transactions, each all or nothing (docs/migration.md, "Hot"):
    later step made for the source's hold.
 3. ``release_source``: once the hardware follows, the source's claims go.
 
+The VM's queue-level NVMe shares follow it in the same transactions
+(``vmlend.ledger.sharemove``): admitted with its devices, moved under a newer epoch (a share's
+fencing token), their source claims released in step 3.
+
 ``abandon`` undoes 1 (a migration that stopped before the switch-over). A claim the source's
 hold already has (the lender's LUT entry of the device serves either borrower) is not added
 twice, and so stays with the source when the destination's go.
@@ -28,7 +32,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from vmlend.errors import DeviceHeldError, DeviceNotReservedError, FabricError
-from vmlend.ledger import handover_record
+from vmlend.ledger import handover_record, sharemove
 from vmlend.ledger.admission import StateView, admit_vm
 from vmlend.ledger.handover_record import HandOverRecord
 from vmlend.ledger.ledger import MDEV_TYPE, parent_name
@@ -50,6 +54,8 @@ class Claimed(msgspec.Struct, frozen=True):
     destination: Holder
     claims: dict[int, list[Claim]]
     added: dict[int, list[Claim]] = msgspec.field(default_factory=dict)
+    #: The VM's NVMe shares (by drive) and the destination's claims of each.
+    shares: dict[int, list[Claim]] = msgspec.field(default_factory=dict)
 
 
 def _topology(tx: StateTxn) -> Topology:
@@ -143,18 +149,23 @@ def claim_destination(
     source: Holder,
     destination: Holder,
     guest_ram: GuestRam | int,
+    shares: list[int] | None = None,
 ) -> Claimed:
-    """Step 1: admit the whole VM on ``destination.node``, claim its room there beside the
-    source's and write the hand-over record. ``FabricError`` naming the first device refused
-    (nothing changed). A record of an earlier run of the same move (killed before its end)
-    goes first, with what it claimed."""
+    """Step 1: admit the whole VM (its devices ``fdids``, its NVMe shares of drives
+    ``shares``) on ``destination.node``, claim its room there beside the source's and write
+    the hand-over record. ``FabricError`` naming the first device refused (nothing changed).
+    A record of an earlier run of the same move (killed before its end) goes first, with what
+    it claimed."""
+    drives = sorted(shares or [])
 
     def body(tx: StateTxn) -> Claimed:
         holds = {fdid: _own(tx, fdid, source) for fdid in fdids}
-        for recs in handover_record.read(tx, fdids, source.vm_uuid).values():
+        for recs in handover_record.read(tx, [*fdids, *drives], source.vm_uuid).values():
             for old in recs:
                 _drop_added(tx, old.claims)
-                handover_record.clear(tx, sorted(old.devices), source.vm_uuid)
+                for d in old.shares:
+                    sharemove.drop_incoming(tx, d, source)
+                handover_record.clear(tx, sorted({*old.devices, *old.shares}), source.vm_uuid)
         topo = _topology(tx)
         view = StateView(
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
@@ -175,7 +186,10 @@ def claim_destination(
         have = tx.claims()
         added = {f: _minus(cs, [c for g, c in have if g == f]) for f, cs in add.items()}
         _add_claims(tx, added)
-        if fdids:
+        # the shares on top of the devices' destination claims: one admission
+        moving = {d: sharemove.claim(tx, topo, d, source, destination, guest_ram) for d in drives}
+        epochs = {d: sharemove.epoch(tx, d, source) or 0 for d in drives}
+        if fdids or drives:
             handover_record.put(
                 tx,
                 HandOverRecord(
@@ -185,9 +199,10 @@ def claim_destination(
                     destination.node,
                     {f: holds[f].token for f in fdids},
                     added,
+                    shares=epochs,
                 ),
             )
-        return Claimed(source, destination, add, added)
+        return Claimed(source, destination, add, added, moving)
 
     return registry.transact(body)
 
@@ -201,6 +216,10 @@ def abandon(registry: Registry, claimed: Claimed) -> None:
         ours = _held_by(tx, claimed.claims, claimed.source)
         handover_record.clear(tx, ours, claimed.source.vm_uuid)
         _drop_added(tx, {f: claimed.added.get(f, []) for f in ours})
+        for d in sorted(claimed.shares):
+            if sharemove.epoch(tx, d, claimed.source) is not None:
+                handover_record.clear(tx, [d], claimed.source.vm_uuid)
+                sharemove.drop_incoming(tx, d, claimed.source)
 
     registry.transact(body)
 
@@ -208,11 +227,14 @@ def abandon(registry: Registry, claimed: Claimed) -> None:
 def hand_over(
     registry: Registry, claimed: Claimed, mdevs: Mapping[int, str], clock: float
 ) -> dict[int, int]:
-    """Step 2: the holds and mdev records of the source's VM become the destination's, in
-    one transaction; returns each new hold's fencing token. ``DeviceHeldError`` or
-    ``DeviceNotReservedError`` (nothing changed) when a hold is no longer the source's."""
+    """Step 2: the holds, NVMe shares and mdev records of the source's VM become the
+    destination's, in one transaction; returns each new hold's fencing token and each
+    share's new epoch (by fdid). ``DeviceHeldError``, ``DeviceNotReservedError`` or
+    ``NotSharedError`` (nothing changed) when a hold or share is no longer the source's."""
     src, dst = claimed.source, claimed.destination
     fdids = sorted(claimed.claims)
+    drives = sorted(claimed.shares)
+    epochs: dict[int, int] = {}
 
     def body(tx: StateTxn) -> list[tuple[int, list[Claim]]]:
         moved = []
@@ -236,11 +258,14 @@ def hand_over(
             if tx.parent(src.node, fdid) is not None:
                 tx.delete_parent(src.node, fdid)
             moved.append((fdid, claims))
+        for d in drives:
+            handover_record.clear(tx, [d], src.vm_uuid)
+            epochs[d] = sharemove.hand_over(tx, d, src, dst, mdevs.get(d), clock)
         return moved
 
     registry.transact(body)
     with registry.read() as tx:  # the tokens are the store's, known once committed
-        return {f: h.token for f in fdids if (h := tx.hold(f)) is not None}
+        return {f: h.token for f in fdids if (h := tx.hold(f)) is not None} | epochs
 
 
 def release_source(registry: Registry, claimed: Claimed) -> None:
@@ -248,5 +273,7 @@ def release_source(registry: Registry, claimed: Claimed) -> None:
 
     def body(tx: StateTxn) -> None:
         _drop_claims(tx, _held_by(tx, claimed.claims, claimed.destination), claimed.claims)
+        for d in sorted(claimed.shares):
+            sharemove.release_source(tx, d, claimed.destination)
 
     registry.transact(body)

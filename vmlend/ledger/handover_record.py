@@ -13,9 +13,10 @@ the source's hold on it, and the destination's claims.
 ``arrival`` is the prepare hook's judgement, pure: a record names this VM's UUID and this node
 as destination, or nothing arrives (a plain prepare, which refuses held devices as always).
 When one does, it must be the same record on every device it names, those devices must be
-exactly the VM's (no NVMe shares), and each must be held by the same VM (by UUID) on the
-record's source under the record's token. Anything else is refused: a record written for
-another VM's UUID cannot make a prepare accept a device that VM does not hold.
+exactly the VM's, and each must be held by the same VM (by UUID) on the record's source under
+the record's token; likewise its NVMe shares: exactly the VM's, each the same VM's share on the
+source at the record's epoch (``vmlend.ledger.sharemove``). Anything else is refused: a record
+written for another VM's UUID cannot make a prepare accept a device that VM does not hold.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class HandOverRecord(msgspec.Struct, frozen=True):
     devices: dict[int, int]
     #: Each device's claims on the destination's side (admitted beside the source's).
     claims: dict[int, list[Claim]] = msgspec.field(default_factory=dict)
+    #: Each NVMe drive the VM has a queue-level share of, with the share's epoch (its
+    #: fencing token) on the source.
+    shares: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class HandOverRefusedError(FabricError):
@@ -60,7 +64,7 @@ def _canonical(text: str) -> str | None:
 def put(tx: StateTxn, record: HandOverRecord) -> None:
     """Write ``record`` on each device it names (each must be held)."""
     data = msgspec.to_builtins(record, str_keys=True)
-    for fdid in sorted(record.devices):
+    for fdid in sorted({*record.devices, *record.shares}):
         tx.put_runtime(fdid, KIND, record.vm_uuid, data)
 
 
@@ -98,11 +102,12 @@ def arrival(
     holds: Mapping[int, HoldRecord | None],
     holder: Holder,
     fdids: Sequence[int],
-    shares: Sequence[int] = (),
+    shares: Mapping[int, tuple[Holder, int] | None] | None = None,
 ) -> HandOverRecord | None:
     """The hot migration that brings ``holder``'s VM (its devices ``fdids``, its NVMe shares
-    ``shares``) to ``holder.node``, as ``found`` (``read``) and ``holds`` (each device's
-    hold now) show it; None when none does (a plain start). ``HandOverRefusedError`` when a
+    ``shares``: by drive, who has the VM's share now and its epoch) to ``holder.node``, as
+    ``found`` (``read``) and ``holds`` (each device's hold now) show it; None when none does
+    (a plain start). ``HandOverRefusedError`` when a
     record names this VM arriving here but does not match (the module docstring's rules)."""
     me = _canonical(holder.vm_uuid)
     if me is None:
@@ -126,8 +131,23 @@ def arrival(
 
     if any(r != rec for r in mine):
         raise refuse("its devices carry different hand-over records")
-    if shares:
-        raise refuse(f"the VM has NVMe shares ({_fdids(shares)}), which no hot migration moves")
+    shares = dict(shares or {})
+    if set(rec.shares) != set(shares):
+        raise refuse(
+            f"the record names NVMe shares of {_fdids(rec.shares)}, the VM's XML of"
+            f" {_fdids(shares)}"
+        )
+    for fdid in sorted(rec.shares):
+        fd = format_fdid(fdid)
+        if rec not in found.get(fdid, ()):
+            raise refuse(f"drive {fd} carries no record of it")
+        has = shares[fdid]
+        if has is None or has[0].node != rec.source or _canonical(has[0].vm_uuid) != me:
+            raise refuse(f"this VM has no share of drive {fd} on {rec.source}")
+        if has[1] != rec.shares[fdid]:
+            raise refuse(
+                f"its share of drive {fd} is at epoch {has[1]}, the record's {rec.shares[fdid]}"
+            )
     if set(rec.devices) != set(fdids):
         raise refuse(
             f"the record names devices {_fdids(rec.devices)}, the VM's XML {_fdids(fdids)}"

@@ -154,13 +154,26 @@ def unshare(registry: Registry, fdid: int) -> bool:
     return registry.transact(body)
 
 
-def _claims_of(r: RuntimeRecord) -> list[Claim]:
+def claims_from(data: Any) -> list[Claim]:
+    """Claims as a share record keeps them (plain data)."""
     return [
         Claim(
             c["adapter"], ClaimKind(c["kind"]), c["share"], c["entries"], c["segments"], c["bytes"]
         )
-        for c in r.data.get("claims", ())
+        for c in data or ()
     ]
+
+
+def _claims_of(r: RuntimeRecord) -> list[Claim]:
+    """What a share uses: its own path's claims and, while its VM moves hot
+    (``vmlend.ledger.sharemove``), the destination's claimed beside them (``incoming``) or the
+    source's kept until the hardware left them (``leaving``)."""
+    incoming = r.data.get("incoming") or {}
+    return (
+        claims_from(r.data.get("claims"))
+        + claims_from(incoming.get("claims"))
+        + claims_from(r.data.get("leaving"))
+    )
 
 
 def store_claims(tx: StateTxn, fdid: int) -> None:

@@ -33,7 +33,7 @@ from vmlend.errors import MigrationError, VmlendError
 from vmlend.fabric.base import Fabric, RegistryFabric, Repoints
 from vmlend.faults import fault_point
 from vmlend.hypervisor import Hypervisor, LiveMigration
-from vmlend.ledger import handover
+from vmlend.ledger import handover, sharemove
 from vmlend.ledger.handover import Claimed
 from vmlend.lending.devices import holder_for, recorded_for
 from vmlend.messages import plural
@@ -93,12 +93,16 @@ class HotSwitch:
         self.step(f"switch-over: {j.vm} paused; devices {fds} quiesced")
         registry = registry_of(self.dst_fabric)
         assert registry is not None and isinstance(self.dst_fabric, Repoints)
-        tokens = _moved(registry, self.claimed)
+        tokens = _moved(registry, self.claimed, j.vm_uuid)
         if tokens is None:
             tokens = handover.hand_over(registry, self.claimed, self.mdevs, time.time())
         self.switched = True
         fault_point("hot-migrate:after-hand-over")
         for fdid, token in sorted(tokens.items()):
+            if fdid in self.claimed.shares:
+                # the drive's manager keeps serving it: its hardware side moves the share's
+                # windows in the process that runs it (vmlend.sim.hotmig), under this epoch
+                continue
             try:
                 self.dst_fabric.repoint(fdid, self.claimed.destination, token)
             except VmlendError as e:  # the holds moved: the migration goes on, said
@@ -106,7 +110,10 @@ class HotSwitch:
                     f"device {format_fdid(fdid)}: its lender was not told of the move ({e});"
                     f" 'vmlend reconcile -c sim:///{j.destination}' shows it"
                 )
-        said = ", ".join(f"{format_fdid(f)} token {t}" for f, t in sorted(tokens.items()))
+        said = ", ".join(
+            f"{format_fdid(f)} {'share epoch' if f in self.claimed.shares else 'token'} {t}"
+            for f, t in sorted(tokens.items())
+        )
         self.step(f"holds and mdevs of {j.vm} handed over to {j.destination} ({said})")
 
     def resumed(self) -> None:
@@ -117,15 +124,20 @@ class HotSwitch:
         save_journal(self.state_dir, j)
 
 
-def _moved(registry: Registry, claimed: Claimed) -> dict[int, int] | None:
-    """The destination's tokens when every hold moved already (a killed run's hand-over);
-    None when they are still the source's."""
+def _moved(registry: Registry, claimed: Claimed, vm_uuid: str) -> dict[int, int] | None:
+    """The destination's tokens (and share epochs) when every hold and share moved already
+    (a killed run's hand-over); None when they are still the source's."""
+    dst = claimed.destination
     with registry.read() as tx:
         holds = {f: tx.hold(f) for f in claimed.claims}
-    if holds and all(
-        h is not None and same_holder(h.holder, claimed.destination) for h in holds.values()
+        epochs = {d: sharemove.epoch(tx, d, dst) for d in claimed.shares}
+    if not holds and not epochs:
+        return None
+    if all(h is not None and same_holder(h.holder, dst) for h in holds.values()) and all(
+        e is not None for e in epochs.values()
     ):
-        return {f: h.token for f, h in holds.items() if h is not None}
+        tokens = {f: h.token for f, h in holds.items() if h is not None}
+        return tokens | {d: e for d, e in epochs.items() if e is not None}
     return None
 
 
@@ -148,14 +160,17 @@ def leave_hot(
     assert src_registry is not None and dst_registry is not None
     src_holder = holder_for(fabric, name, journal.vm_uuid)
     dst_holder = Holder(dest, name, src_holder.vm_uuid)
-    fdids = [d.fdid for d in journal.devices]
+    shares = sorted(journal.shares)
+    fdids = [d.fdid for d in journal.devices if d.fdid not in shares]
     claimed = journal.claimed
-    done = claimed is not None and _moved(dst_registry, claimed) is not None
+    done = claimed is not None and _moved(dst_registry, claimed, journal.vm_uuid) is not None
     if not done:
         ram = read_domain(src.xml(name), strict=False).guest_ram
         try:
             # a killed run's record and claims go in the same transaction
-            claimed = handover.claim_destination(src_registry, fdids, src_holder, dst_holder, ram)
+            claimed = handover.claim_destination(
+                src_registry, fdids, src_holder, dst_holder, ram, shares=shares
+            )
         except VmlendError as e:
             if journal.claimed is not None:
                 handover.abandon(src_registry, journal.claimed)
@@ -163,13 +178,13 @@ def leave_hot(
             raise MigrationError(f"cannot migrate VM {name!r} to {dest}: {e}") from e
         journal.claimed = claimed
         save_journal(state_dir, journal)
-        step(f"claimed room for {plural(len(fdids), 'device')} of {name} on {dest}")
+        step(f"claimed room for {plural(len(journal.devices), 'device')} of {name} on {dest}")
         fault_point("hot-migrate:after-claim")
     assert claimed is not None
     mdevs = {
         m.fdid: m.uuid
         for m in fabric.mdev_records()
-        if m.fdid in fdids and recorded_for(m, src_holder)
+        if (m.fdid in fdids or m.fdid in shares) and recorded_for(m, src_holder)
     }
     switch = HotSwitch(journal, claimed, dst_fabric, mdevs, state_dir, step, clock)
     step(f"migrating {name} live to {dest} ({dst.uri}), its devices plugged")

@@ -61,11 +61,18 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
+from vmlend.ledger import sharemove
 from vmlend.lending.devices import held_by, holder_for
 from vmlend.messages import plural
 from vmlend.ops.attach import attach_live
 from vmlend.ops.detach import detach
-from vmlend.ops.hot_move import abandon_hot, cannot_repoint, finish_hot, leave_hot
+from vmlend.ops.hot_move import (
+    abandon_hot,
+    cannot_repoint,
+    finish_hot,
+    leave_hot,
+    registry_of,
+)
 from vmlend.ops.live_mode import HOT, UNPLUG, choose_mode
 from vmlend.ops.live_state import (
     LiveDevice,
@@ -85,6 +92,7 @@ from vmlend.ops.plug_request import (
     plug_remotely,
 )
 from vmlend.ops.unplug import DetachWait
+from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import Holder, format_fdid
 
 Progress = Callable[[str], None]
@@ -313,12 +321,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
         )
     xml = run.src.xml(name)
     dom = read_domain(xml, source=f"live XML of {name}")
-    shared = [format_fdid(d.fdid) for d in dom.devices if d.share is not None]
-    if shared:
-        raise MigrationError(
-            f"VM {name!r} has queue-level NVMe shares ({', '.join(shared)}), which a live"
-            " migration cannot move yet; detach them first, or move the VM cold"
-        )
+    shares = sorted(d.fdid for d in dom.devices if d.share is not None)
     rewrite_for_destination(xml, dest_node, source=f"live XML of {name}")  # refuses bad XML
     mode = choose_mode(
         name,
@@ -335,16 +338,30 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     )
     src_holder = holder_for(run.fabric, name, dom.uuid or here.uuid)
     dst_holder = Holder(node=dest_node, vm=name, vm_uuid=src_holder.vm_uuid)
-    fdids = [d.fdid for d in dom.devices]
+    fdids = [d.fdid for d in dom.devices if d.share is None]
+    if shares and not mode.hot:
+        raise MigrationError(
+            f"VM {name!r} has queue-level NVMe shares ({_fds(shares)}), which move only hot"
+            f" ({mode.line}); move the VM cold, or without --unplug"
+        )
     problems = vm_admission_problems(
         run.fabric, fdids, dom.guest_ram, dest_node, dst_holder, src_holder
     )
+    registry = registry_of(run.fabric)
+    if shares and registry is not None:
+        with registry.read() as tx:
+            problems += sharemove.move_problems(
+                tx, stored_topology(tx.topology()), shares, src_holder, dst_holder, dom.guest_ram
+            )
     holds = run.fabric.holds_of(src_holder)
     if problems:
         raise FabricError(
             f"cannot migrate VM {name!r} to {dest_node}: {problems[0]}; nothing was changed"
         )
-    run.step(f"checked {plural(len(fdids), 'device')}: all admissible from {dest_node}")
+    said = plural(len(fdids), "device") + (
+        f" and {plural(len(shares), 'NVMe share')}" if shares else ""
+    )
+    run.step(f"checked {said}: all admissible from {dest_node}")
     run.step(mode.line)
     doc = DomainDocument.parse(xml, source=f"live XML of {name}")
     addresses = {str(h.uuid): h.guest_address for h in DomainXML(doc.root).mdev_hostdevs()}
@@ -361,9 +378,14 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
         tokens={f: holds[f].token for f in fdids if f in holds},
         shell=_without_devices(run.src.get_metadata(name, NAMESPACE_URI)),
         mode=mode.mode,
+        shares=shares,
     )
     save_journal(run.state_dir, journal)
     return journal
+
+
+def _fds(fdids: list[int]) -> str:
+    return ", ".join(format_fdid(f) for f in fdids)
 
 
 def _without_devices(plain: bytes | None) -> bytes | None:

@@ -75,6 +75,8 @@ class LiveJournal(msgspec.Struct):
     mode: str = "unplug"
     #: Hot: the room claimed on the destination beside the source's (None: not yet).
     claimed: Claimed | None = None
+    #: The drives of ``devices`` the VM has a queue-level NVMe share of (not a hold).
+    shares: list[int] = msgspec.field(default_factory=list)
 
 
 class LiveRecord(msgspec.Struct, frozen=True):

@@ -26,6 +26,13 @@ Phases, each followed by the invariant checker (``check``):
 A device's *blackout* runs from its quiesce request to the first command it accepts on the
 destination (or its readiness, when none waits); the VM's *downtime* from the pause to the
 resume. Times are the ``clock``'s: measured work plus the modelled copy (bytes / bandwidth).
+The VM's queue-level NVMe shares follow it too (``SharedNvmeDrive.move_share``): admitted and
+claimed with its devices, their DMA logged in the drive's ingress domain during the copy,
+handed over in the same transaction under a newer epoch, their windows re-pointed into the
+destination's RAM through the drive's crossing into the destination; the other VMs sharing
+the drive keep their queues and windows untouched. A share of two paths (its relay rings in
+the source host's memory) cannot move hot.
+
 A failure before the holds moved (a device that cannot quiesce, a refused mapping) resumes
 the VM on the source with everything as before and raises.
 """
@@ -42,6 +49,7 @@ from vmlend.errors import FabricError, QuiesceError
 from vmlend.ledger import handover
 from vmlend.ledger.admission import vm_share
 from vmlend.lending.quiesce import how_to_quiesce
+from vmlend.nvme.guard import asid_base
 from vmlend.registry import Registry
 from vmlend.sim.devqueue import DeviceQueue
 from vmlend.sim.dmawin import VmDmaWindows
@@ -114,26 +122,40 @@ def _nocheck(_step: str) -> None:
 
 
 class _Dirty:
-    """The dirty logs of a running VM: its vCPUs' and its devices' (IOMMU) writes."""
+    """The dirty logs of a running VM: its vCPUs' and its devices' (IOMMU) writes, and its
+    NVMe shares' (each share's address space of a drive's domain, which other VMs' shares
+    also use: only its own pages count, as guest pages)."""
 
-    def __init__(self, guest: SimGuest, domains: list[IommuDomain]) -> None:
-        self.guest, self.domains = guest, domains
+    def __init__(
+        self,
+        guest: SimGuest,
+        domains: list[IommuDomain],
+        spaces: list[tuple[IommuDomain, int]] = [],  # noqa: B006 - never mutated
+    ) -> None:
+        self.guest, self.domains, self.spaces = guest, domains, spaces
+        self._started: list[IommuDomain] = []
 
     def start(self) -> None:
         self.guest.start_dirty_log()
-        for d in self.domains:
-            d.start_dirty_log()
+        for d in [*self.domains, *(d for d, _b in self.spaces)]:
+            if not d.dirty_logging:  # a domain of two spaces is started once
+                d.start_dirty_log()
+                self._started.append(d)
 
     def take(self) -> tuple[set[int], set[int]]:
         """(every dirty page, the ones a device wrote)."""
         dma: set[int] = set()
         for d in self.domains:
             dma |= d.take_dirty()
+        taken = {id(d): d.take_dirty() for d, _b in self.spaces}
+        for d, base in self.spaces:
+            first, end = base // FRAME, (base + asid_base(1)) // FRAME
+            dma |= {p - first for p in taken[id(d)] if first <= p < end}
         return self.guest.take_dirty() | dma, dma
 
     def stop(self) -> None:
         self.guest.stop_dirty_log()
-        for d in self.domains:
+        for d in self._started:
             d.stop_dirty_log()
 
 
@@ -186,8 +208,13 @@ def hot_migrate(
     dest = dst.local_node
     if dest == source:
         raise FabricError(f"VM {name} already runs on {dest}")
-    if vm.shares():
-        raise FabricError(f"VM {name} has queue-level NVMe shares: they cannot move hot yet")
+    shares = {f: vm.nvme_share(f) for f in vm.shares()}
+    for fdid, vms in shares.items():
+        if vms.relay is not None:
+            raise FabricError(
+                f"VM {name}'s NVMe share of {fdid:#x} has a backup path (its relay rings live"
+                f" in {source}'s memory): it moves unplugged"
+            )
     sessions = vm.sessions()
     kinds = {f: s.device.spec.kind for f, s in sessions.items()}
     for fdid, kind in kinds.items():
@@ -204,7 +231,7 @@ def hot_migrate(
     src_holder = vm.holder
     dst_holder = Holder(dest, name, src_holder.vm_uuid)
     claimed = handover.claim_destination(
-        registry, sorted(sessions), src_holder, dst_holder, vm.guest_ram
+        registry, sorted(sessions), src_holder, dst_holder, vm.guest_ram, shares=sorted(shares)
     )
     check("claimed")
     # 2. the incoming guest
@@ -218,7 +245,7 @@ def hot_migrate(
     domains = [hw.vm_domain(source, name)] + [
         hw.lender_domain(f) for f in sessions if hw.device(f).lender == source
     ]
-    dirty = _Dirty(vm.guest, domains)
+    dirty = _Dirty(vm.guest, domains, [s.dirty_source() for s in shares.values()])
     dirty.start()
     rounds = [Round(run.copy(vm.guest, guest, vm.guest.stored_pages()), 0)]
     check("pre-copy 1")
@@ -240,12 +267,14 @@ def hot_migrate(
                 q.quiesce()
             else:
                 hw.device(fdid).latch()
+        for fdid in sorted(shares):
+            asked[fdid] = clk.now()  # nothing in flight: the drive ran what was rung
     except QuiesceError:
         for fdid in asked:
             q = queues.get(fdid)
             if q is not None and q.stopped:
                 q.resume()
-            elif q is None:
+            elif q is None and fdid in sessions:
                 hw.device(fdid).unlatch()
         dirty.stop()
         hw.destroy_guest(dest, name)
@@ -255,9 +284,9 @@ def hot_migrate(
     pages, dma = dirty.take()
     final = Round(run.copy(vm.guest, guest, pages), len(dma))
     dirty.stop()
-    tokens = handover.hand_over(
-        registry, claimed, {f: s.mdev for f, s in sessions.items() if s.mdev}, time.time()
-    )
+    mdevs = {f: s.mdev for f, s in sessions.items() if s.mdev}
+    mdevs |= {f: s.mdev for f, s in shares.items() if s.mdev}
+    tokens = handover.hand_over(registry, claimed, mdevs, time.time())
     windows = VmDmaWindows(hw, guest, vm.layout, vm.windows.ledger, vm_share(dst_holder))
     old_p2p, old_windows = vm.p2p, vm.windows
     for fdid, s in sorted(sessions.items()):
@@ -267,6 +296,8 @@ def hot_migrate(
         route = msi.get(fdid)
         if route is not None:
             route.repoint()
+    for fdid, vms in sorted(shares.items()):
+        vms.drive.move_share(vms, dest, tokens[fdid])
     old_windows.close()
     close = getattr(old_p2p, "close", None)
     if close is not None:
@@ -287,6 +318,8 @@ def hot_migrate(
             hw.device(fdid).unlatch()
             first = clk.now()
         blackout[fdid] = first - asked[fdid]
+    for fdid in sorted(shares):
+        blackout[fdid] = clk.now() - asked[fdid]  # its doorbells are rung on dest from now
     downtime = clk.now() - paused
     check("resumed")
     log.info(

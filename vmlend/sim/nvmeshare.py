@@ -53,7 +53,14 @@ from pathlib import Path
 
 import msgspec
 
-from vmlend.errors import ConfigError, FabricError, NoPathError, SwitchPortFullError
+from vmlend.errors import (
+    ConfigError,
+    FabricError,
+    NoPathError,
+    StaleTokenError,
+    SwitchPortFullError,
+)
+from vmlend.ledger.admission import vm_share
 from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
@@ -83,7 +90,7 @@ from vmlend.sim.nvme.timer import COMMAND_TIMEOUT, Clock, CommandTimer
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
-from vmlend.topology.model import MANAGER_VM, GuestRange
+from vmlend.topology.model import MANAGER_VM, GuestRange, Holder
 from vmlend.topology.paths import NtbPath
 from vmlend.topology.requesters import requester_device, route_ports
 
@@ -149,6 +156,8 @@ class VmNvmeShare:
         #: The share was cut (its drive's borrow or its own share ended): a removed device.
         self.revoked = False
         self.mdev: str | None = None  # the mdev the VM opened it through (``SimVm``)
+        #: The epoch (fencing token) of the last hot move the share made (``move_share``).
+        self.epoch = 0
         guest = drive.hw.guest(node, vm)
         #: A two-path share's relay onto its primary and backup queue pairs (else None).
         self.relay: QueueRelay | None = None
@@ -206,6 +215,20 @@ class VmNvmeShare:
 
     def on_interrupt(self, fn: Callable[[int], object]) -> None:
         self._listeners.append(fn)
+
+    def mastering(self) -> bool:
+        """Bus Master is on: the share's DMA windows are mapped."""
+        return bool(self.config.command & regs.COMMAND_MASTER)
+
+    def dirty_source(self) -> tuple[IommuDomain, int]:
+        """Where the drive's DMA into this VM's RAM is translated on the VM's node (the
+        drive's ingress domain there, or the lender's domain for a VM on the lender), and the
+        first IOVA of the share's address space in it: a hot migration logs the pages it
+        dirties there."""
+        base = asid_base(self.share.asid)
+        if self.drive.crossing(self.node) is None:
+            return self.drive.hw.lender_domain(self.drive.fdid), base
+        return self.drive._domain(self.node), base
 
     def set_master(self, on: bool = True) -> None:
         """What the guest's ``pci_set_master``/``pci_clear_master`` does to its controller's
@@ -699,6 +722,50 @@ class SharedNvmeDrive:
         size = half * FRAME
         lender_domain.map(base + RING_IOVA + offset, src.segment_base(index) + offset, size)
         undo.append(lambda: lender_domain.unmap(base + RING_IOVA + offset, size))
+
+    def move_share(self, vms: VmNvmeShare, node: str, token: int) -> None:
+        """A hot migration's switch-over (the VM paused, its guest's RAM existing on ``node``
+        too): ``vms`` follows its VM to ``node``. Its real queues, vectors, blocks and address
+        space stay, so commands the guest queued are fetched on ``node``; its DMA windows are
+        re-pointed (the source's unmapped and unpinned, the destination's pinned and mapped
+        through the drive's crossing into ``node``), its doorbells rung from ``node``, its
+        emulated admin queue served from the destination's RAM, its name follows the node.
+        The controller runs a command when its doorbell is rung, so at the pause nothing of
+        the share is in flight: that is its quiesce. ``token``: the share's new epoch (the
+        registry's hand-over); ``StaleTokenError`` for one not newer than the last move's.
+        All or nothing: a refused mapping puts the share back on its node."""
+        old_node, old_name = vms.node, vms.name
+        if vms.relay is not None:
+            raise FabricError(
+                f"NVMe share {old_name} of {self.fdid:#x} relays onto two paths from memory of"
+                f" {old_node}: it moves unplugged"
+            )
+        if not vms.open or vms.revoked:
+            raise FabricError(f"NVMe share {old_name} of {self.fdid:#x} is closed")
+        if token <= vms.epoch:
+            raise StaleTokenError(self.fdid, token, vms.epoch, "an NVMe share's hot move")
+        guest = self.hw.guest(node, vms.vm)
+        before = vms.virtual.memory
+        mastering = vms.mastering()
+        vms.windows.close()  # the source's windows, pins and crossing use go
+        try:
+            vms.node = node
+            vms.virtual.memory = guest
+            if mastering:
+                self._map_share(vms)
+        except Exception:
+            vms.node, vms.virtual.memory = old_node, before
+            if mastering:
+                self._map_share(vms)
+            raise
+        new_name = vm_share(Holder(node, vms.vm))
+        moved = self.manager.rename_share(old_name, new_name)
+        vms.share = vms.virtual.share = moved
+        self.shares[new_name] = self.shares.pop(old_name)
+        vms.epoch = token
+        if vms.mdev is not None and self.hw.close_mdev(vms.mdev):
+            self.hw.open_mdev(vms.mdev, self.fdid, node, vms.vm, vms.revoke, share=True)
+        log.info("NVMe share %s of %#x moved to %s (epoch %d)", old_name, self.fdid, node, token)
 
     # --- crossings into nodes --------------------------------------------------------------
     def _domain(self, node: str) -> IommuDomain:

@@ -35,8 +35,18 @@ HOLDS = {0x10: hold(0x10), 0x12: hold(0x12)}
 FOUND = {0x10: [REC], 0x12: [REC]}
 
 
+SRC = Holder("gamma", "vm1", U)
+#: The same VM with an NVMe share of drive 0x40 at epoch 3.
+SREC = HandOverRecord("vm1", U, "gamma", "beta", {0x10: 7, 0x12: 8}, shares={0x40: 3})
+SFOUND = {0x10: [SREC], 0x12: [SREC], 0x40: [SREC]}
+
+
 def test_the_recorded_devices_of_the_recorded_vm_arrive():
     assert arrival(FOUND, HOLDS, HERE, [0x10, 0x12]) == REC
+
+
+def test_the_recorded_share_of_the_recorded_vm_arrives_with_its_devices():
+    assert arrival(SFOUND, HOLDS, HERE, [0x10, 0x12], {0x40: (SRC, 3)}) == SREC
 
 
 @pytest.mark.parametrize(
@@ -87,7 +97,19 @@ def test_nothing_arrives_without_a_record_naming_this_vm_here(found, holder):
             (),
             "its devices carry different hand-over records",
         ),
-        (FOUND, HOLDS, [0x10, 0x12], [0x40], "NVMe shares (0x40)"),
+        (FOUND, HOLDS, [0x10, 0x12], {0x40: None}, "NVMe shares of none, the VM's XML of 0x40"),
+        (SFOUND, HOLDS, [0x10, 0x12], {}, "NVMe shares of 0x40, the VM's XML of none"),
+        (SFOUND, HOLDS, [0x10, 0x12], {0x40: None}, "no share of drive 0x40 on gamma"),
+        (SFOUND, HOLDS, [0x10, 0x12], {0x40: (Holder("alpha", "vm1", U), 3)}, "no share of"),
+        (SFOUND, HOLDS, [0x10, 0x12], {0x40: (Holder("gamma", "vm1", OTHER), 3)}, "no share of"),
+        (SFOUND, HOLDS, [0x10, 0x12], {0x40: (SRC, 2)}, "at epoch 2, the record's 3"),
+        (
+            {0x10: [SREC], 0x12: [SREC]},
+            HOLDS,
+            [0x10, 0x12],
+            {0x40: (SRC, 3)},
+            "drive 0x40 carries no record of it",
+        ),
     ],
 )
 def test_a_record_that_does_not_match_is_refused(found, holds, fdids, shares, why):

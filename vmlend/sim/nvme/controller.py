@@ -253,6 +253,19 @@ class NvmeController:
                 raise ValueError(f"LBA window of {domain.owner} is beyond namespace {domain.nsid}")
             self._domains[qid] = domain
 
+    def rename_owner(self, old: str, new: str) -> None:
+        """The queues of owner ``old`` (and its guard rejections) are ``new``'s from now on: a
+        share following its VM to another node keeps its queues, address space and blocks."""
+        with self._lock:
+            for qid, d in list(self._domains.items()):
+                if d.owner == old:
+                    self._domains[qid] = msgspec.structs.replace(d, owner=new)
+            for q in [*self._sqs.values(), *self._cqs.values()]:
+                if q.domain is not None and q.domain.owner == old:
+                    q.domain = msgspec.structs.replace(q.domain, owner=new)
+            if old in self.stats.rejections:
+                self.stats.rejections[new] = self.stats.rejections.pop(old)
+
     def clear_domain(self, qid: int) -> None:
         with self._lock:
             self._domains.pop(qid, None)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
 
 from vmlend.errors import FabricError
 from vmlend.nvme import spec
@@ -25,7 +28,13 @@ log = logging.getLogger(__name__)
 
 AdminDoorbell = Callable[[bool, int], None]
 GuestInterrupt = Callable[[int], object]
-PathInterrupt = Callable[[int, int], object]  # (path, guest vector): a two-path share's relay
+PathInterrupt = Callable[[int, int], object]
+T = TypeVar("T")  # (path, guest vector): a two-path share's relay
+
+
+def _rekey(book: dict[str, T], old: str, new: str) -> None:
+    if old in book:
+        book[new] = book.pop(old)
 
 
 class NvmeManager:
@@ -144,6 +153,25 @@ class NvmeManager:
                 for g in range(1, share.queue_pairs + 1):
                     self.delete_cq(share, g, path)
             self.forget_share(name)
+
+    def rename_share(self, old: str, new: str) -> Share:
+        """Share ``old`` is called ``new`` from now on (its VM moved hot to another node: the
+        share's name follows its node); its queues, vectors, blocks and routes stay."""
+        with self._lock:
+            share = self.book.shares.pop(old, None)
+            if share is None:
+                raise FabricError(f"NVMe share {old} does not exist on this drive")
+            if new in self.book.shares:
+                self.book.shares[old] = share
+                raise FabricError(f"NVMe share {new} exists already on this drive")
+            moved = msgspec.structs.replace(share, name=new)
+            self.book.shares[new] = moved
+            self.controller.rename_owner(old, new)
+            _rekey(self._queues, old, new)
+            _rekey(self._admin_doorbells, old, new)
+            _rekey(self._interrupts, old, new)
+            _rekey(self._path_interrupts, old, new)
+            return moved
 
     def forget_share(self, name: str) -> None:
         """Drop the share without asking the controller (it is being reset, or cannot answer):
