@@ -779,9 +779,6 @@ class FabricMachine(RuleBasedStateMachine):
         if not choices:
             return
         to = choices[pick % len(choices)]
-        if vm.shares():
-            event("hot migration: skipped, the VM has a share (cannot move hot yet)")
-            return
         source = vm.node
         steps: list[str] = []
 
@@ -810,6 +807,15 @@ class FabricMachine(RuleBasedStateMachine):
         for fdid in vm.devices():
             b = self.c.hw.borrowed(fdid)
             assert b is not None and (b.node, b.vm) == (to, vm.name)
+        for fdid in vm.shares():
+            # the share followed: the registry's and the drive's, under the destination's name
+            share = vm.nvme_share(fdid)
+            assert share.node == to and share.name == f"vm:{to}/{vm.name}"
+            _m, _h, recorded = self._records_of(vm.holder)
+            assert [e.share.name for e in recorded] == [share.name]
+            if entry.driver is not None:
+                entry.driver.memory = vm.guest  # the guest's driver runs on its copied RAM
+            event("hot migration: a share moved with the VM")
         event(f"hot migration: {len(vm.devices())} device(s) moved with the VM")
 
     # --- rules: attacks ------------------------------------------------------------------------

@@ -210,6 +210,11 @@ def hot_migrate(
         raise FabricError(f"VM {name} already runs on {dest}")
     shares = {f: vm.nvme_share(f) for f in vm.shares()}
     for fdid, vms in shares.items():
+        if vms.revoked or not vms.open or vms.drive.ended is not None:
+            raise FabricError(
+                f"VM {name}'s NVMe share of {fdid:#x} was taken from it: stop the VM, or"
+                " hot-remove its controller, before moving it"
+            )
         if vms.relay is not None:
             raise FabricError(
                 f"VM {name}'s NVMe share of {fdid:#x} has a backup path (its relay rings live"
