@@ -169,10 +169,13 @@ def move_problems(
     source: Holder,
     destination: Holder,
     guest_ram: GuestRam | int,
+    *,
+    hot: bool = True,
 ) -> list[str]:
-    """Why ``source``'s shares of drives ``fdids`` could not move hot to ``destination.node``
-    now (each against what is claimed now; ``claim`` checks them again, together with the
-    VM's devices). Reads only."""
+    """Why ``source``'s shares of drives ``fdids`` could not move to ``destination.node`` now
+    (each against what is claimed now; ``claim`` checks them again, together with the VM's
+    devices). ``hot``: kept as they are (else returned on the source and made again there,
+    which a share of two paths may). Reads only."""
     problems = []
     for fdid in sorted(fdids):
         fd = format_fdid(fdid)
@@ -181,7 +184,7 @@ def move_problems(
             problems.append(f"the NVMe share of {fd}: {source} has none")
             continue
         paths = share_entry(r).share.paths
-        if paths > 1:
+        if paths > 1 and hot:
             problems.append(f"the NVMe share of {fd} has a backup path: it moves unplugged")
             continue
         try:

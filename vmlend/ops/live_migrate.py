@@ -62,6 +62,7 @@ from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
 from vmlend.ledger import sharemove
+from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
 from vmlend.lending.devices import held_by, holder_for
 from vmlend.messages import plural
 from vmlend.ops.attach import attach_live
@@ -73,7 +74,7 @@ from vmlend.ops.hot_move import (
     leave_hot,
     registry_of,
 )
-from vmlend.ops.live_mode import HOT, UNPLUG, choose_mode
+from vmlend.ops.live_mode import HOT, UNPLUG, LiveMode, choose_mode
 from vmlend.ops.live_state import (
     LiveDevice,
     LiveJournal,
@@ -91,9 +92,10 @@ from vmlend.ops.plug_request import (
     PlugRequests,
     plug_remotely,
 )
+from vmlend.ops.share_plug import plug_share, unplug_share
 from vmlend.ops.unplug import DetachWait
 from vmlend.topology.compiled import stored_topology
-from vmlend.topology.model import Holder, format_fdid
+from vmlend.topology.model import GuestRam, Holder, format_fdid
 
 Progress = Callable[[str], None]
 
@@ -339,10 +341,17 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     src_holder = holder_for(run.fabric, name, dom.uuid or here.uuid)
     dst_holder = Holder(node=dest_node, vm=name, vm_uuid=src_holder.vm_uuid)
     fdids = [d.fdid for d in dom.devices if d.share is None]
-    if shares and not mode.hot:
+    backed = [d.fdid for d in dom.devices if d.share is not None and d.share.paths > 1]
+    if mode.hot and backed:
+        mode = LiveMode(
+            UNPLUG,
+            f"the NVMe share of {_fds(backed)} has a backup path (its relay rings live in"
+            f" {run.fabric.local_node}'s memory): VM {name!r} moves with its devices unplugged",
+        )
+    if shares and run.plugs is not None:
         raise MigrationError(
-            f"VM {name!r} has queue-level NVMe shares ({_fds(shares)}), which move only hot"
-            f" ({mode.line}); move the VM cold, or without --unplug"
+            f"VM {name!r} has queue-level NVMe shares ({_fds(shares)}), which the destination's"
+            " agent cannot make again; move the VM cold"
         )
     problems = vm_admission_problems(
         run.fabric, fdids, dom.guest_ram, dest_node, dst_holder, src_holder
@@ -351,7 +360,13 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     if shares and registry is not None:
         with registry.read() as tx:
             problems += sharemove.move_problems(
-                tx, stored_topology(tx.topology()), shares, src_holder, dst_holder, dom.guest_ram
+                tx,
+                stored_topology(tx.topology()),
+                shares,
+                src_holder,
+                dst_holder,
+                dom.guest_ram,
+                hot=mode.hot,
             )
     holds = run.fabric.holds_of(src_holder)
     if problems:
@@ -366,7 +381,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     doc = DomainDocument.parse(xml, source=f"live XML of {name}")
     addresses = {str(h.uuid): h.guest_address for h in DomainXML(doc.root).mdev_hostdevs()}
     devices = [
-        LiveDevice(d.fdid, d.address or addresses.get(str(d.mdev)), d.interrupts)
+        LiveDevice(d.fdid, d.address or addresses.get(str(d.mdev)), d.interrupts, d.share)
         for d in dom.devices
     ]
     journal = LiveJournal(
@@ -411,6 +426,9 @@ def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
         present = _guest_fdids(run.src, name)
         held = set(held_by(run.fabric, holder))
         for dev in journal.devices:
+            if dev.share is not None:
+                _unplug_share(run, journal, dev, dev.fdid in present)
+                continue
             if dev.fdid not in present and dev.fdid not in held:
                 continue  # unplugged and returned by an earlier run
             fd = format_fdid(dev.fdid)
@@ -435,8 +453,9 @@ def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
             fault_point("live-migrate:after-unplug")
         ram = read_domain(run.src.xml(name), strict=False).guest_ram
         dst_holder = Holder(node=dest, vm=name, vm_uuid=journal.vm_uuid)
-        fdids = [d.fdid for d in journal.devices]
+        fdids = [d.fdid for d in journal.devices if d.share is None]
         problems = vm_admission_problems(run.fabric, fdids, ram, dest, dst_holder, None)
+        problems += _share_problems(run, journal, ram)
         if problems:
             raise FabricError(f"{problems[0]} (taken while the devices were unplugged)")
         if journal.shell is not None and run.src.get_metadata(name, NAMESPACE_URI) is None:
@@ -458,6 +477,42 @@ def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
     run.step(f"{name} runs on {dest} (downtime {said})")
     fault_point("live-migrate:after-migrate")
     return stats.downtime
+
+
+def _unplug_share(run: _Run, journal: LiveJournal, dev: LiveDevice, present: bool) -> None:
+    """Unplug and return one NVMe share on the source (idempotent): it is made again on the
+    destination."""
+    fd = format_fdid(dev.fdid)
+    journal.unplugged.setdefault(dev.fdid, run.clock())
+    save_journal(run.state_dir, journal)
+    if present:
+        run.step(
+            f"unplugging the NVMe share of {fd} from {journal.vm}: waiting up to"
+            f" {run.wait.timeout:g} s for the guest to let go"
+        )
+    unplug_share(run.src, run.fabric, journal.vm, dev.fdid, run.step, run.wait)
+    run.step(f"NVMe share of {fd} unplugged from {journal.vm} and returned on {journal.source}")
+    fault_point("live-migrate:after-unplug")
+
+
+def _share_problems(run: _Run, journal: LiveJournal, ram: GuestRam) -> list[str]:
+    """Why the VM's shares (returned on the source) could not be made on the destination."""
+    registry = registry_of(run.fabric)
+    wanted = [d for d in journal.devices if d.share is not None]
+    if not wanted or registry is None:
+        return []
+    dst = Holder(journal.destination, journal.vm, journal.vm_uuid)
+    out = []
+    with registry.read() as tx:
+        topo = stored_topology(tx.topology())
+        for d in wanted:
+            assert d.share is not None
+            try:
+                claims = share_claims(topo, d.fdid, dst, ram, d.share.paths)
+                check_share_claims(topo, tx.claims(), d.fdid, dst, claims)
+            except FabricError as e:
+                out.append(f"the NVMe share of {format_fdid(d.fdid)}: {e}")
+    return out
 
 
 def _back_on_source(run: _Run, journal: LiveJournal) -> str:
@@ -488,16 +543,19 @@ def _plug_back(
             continue
         fd = format_fdid(dev.fdid)
         try:
-            attach_live(
-                hv,
-                fabric,
-                name,
-                dev.fdid,
-                run.step,
-                address=dev.address,
-                interrupts=dev.interrupts,
-                wait=run.wait,
-            )
+            if dev.share is not None:
+                plug_share(hv, fabric, name, dev.fdid, dev.share, run.step, address=dev.address)
+            else:
+                attach_live(
+                    hv,
+                    fabric,
+                    name,
+                    dev.fdid,
+                    run.step,
+                    address=dev.address,
+                    interrupts=dev.interrupts,
+                    wait=run.wait,
+                )
         except VmlendError as e:
             run.step(f"device {fd}: could not plug it back into {name}: {e}")
             missing.append((dev, str(e)))

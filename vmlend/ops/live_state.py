@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from vmlend import safefile
-from vmlend.domain import PciAddress
+from vmlend.domain import NvmeShareRequest, PciAddress
 from vmlend.errors import StateError
 from vmlend.ledger.handover import Claimed
 from vmlend.topology.model import InterruptPath, format_fdid
@@ -43,6 +43,9 @@ class LiveDevice(msgspec.Struct, frozen=True):
     fdid: int
     address: PciAddress | None = None
     interrupts: InterruptPath | None = None
+    #: A queue-level NVMe share of drive ``fdid`` (not the whole drive): what to ask for when
+    #: it is made again on the destination (unplugged moves).
+    share: NvmeShareRequest | None = None
 
 
 class LiveJournal(msgspec.Struct):

@@ -14,7 +14,14 @@ import pytest
 
 from tests.support.cli_cluster import GAMMA, TEMPLATES, SimCluster
 from tests.support.handover_checks import assert_consistent, registry_violations
-from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, new_domain
+from vmlend.domain import (
+    DeviceRequest,
+    DomainSpec,
+    NvmeShareRequest,
+    PciAddress,
+    new_domain,
+    read_domain,
+)
 from vmlend.errors import FabricError
 from vmlend.hypervisor import LiveMigration
 from vmlend.ledger.nvmeshares import SHARE_RECORD
@@ -24,6 +31,7 @@ from vmlend.ops.live_state import load_journal
 from vmlend.topology.model import MiB
 
 GPU, NVME = 0x10, 0x12
+SHARE_AT = "0000:00:0b.0"  # the guest address of each VM's share controller
 LIVE = ("migrate", "vm1", "--to", "beta", "--live", *GAMMA)
 
 
@@ -35,7 +43,9 @@ def start_sharing(cluster: SimCluster, node: str, name: str, *, gpu: bool = Fals
         virt_type="qemu",
         uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
         devices=[
-            DeviceRequest(NVME, share=NvmeShareRequest(1, 32 * MiB)),
+            DeviceRequest(
+                NVME, PciAddress.parse(SHARE_AT), share=NvmeShareRequest(1, 32 * MiB)
+            ),
             *([DeviceRequest(GPU)] if gpu else []),
         ],
     )
@@ -136,10 +146,30 @@ def test_no_room_for_the_share_on_the_destination_changes_nothing(shared, monkey
     assert cluster.hv("gamma").lookup("vm1").active
 
 
-def test_unplugged_moves_of_shares_are_refused_with_what_to_do(shared):
+def share_address(cluster: SimCluster, node: str) -> str | None:
+    dom = read_domain(cluster.hv(node).xml("vm1"))
+    return next(str(d.address) for d in dom.devices if d.share is not None and d.address)
+
+
+def test_unplugged_the_share_is_returned_on_the_source_and_made_again_there(shared):
     cluster = shared
-    snap = cluster.snapshot()
-    r = cluster.cli(*LIVE, "--unplug")
-    assert r.exit_code != 0
-    assert "has queue-level NVMe shares (0x12), which move only hot" in r.output
-    assert cluster.snapshot() == snap
+    before = shares(cluster)
+    address = share_address(cluster, "gamma")
+    r = cluster.cli(*LIVE, "--unplug", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["mode"] == "unplug" and set(data["blackout"]) == {"0x10", "0x12"}
+    assert "NVMe share of 0x12 unplugged from vm1 and returned on gamma" in r.stderr
+    assert "share of 0x12: 1 queue pair(s)" in r.stderr  # claimed on beta
+    assert f"device 0x12 plugged back into vm1 at {SHARE_AT} on beta" in r.stderr
+    after = shares(cluster)
+    assert set(after) == {"vm:beta/vm1", "vm:gamma/sb", "vm:beta/sc"}
+    made = after["vm:beta/vm1"]
+    assert made["share"]["queue_pairs"] == before["vm:gamma/vm1"]["share"]["queue_pairs"]
+    assert made["share"]["blocks"] == before["vm:gamma/vm1"]["share"]["blocks"]
+    assert "epoch" not in made  # a new share, not a moved one
+    assert after["vm:gamma/sb"] == before["vm:gamma/sb"]
+    assert after["vm:beta/sc"] == before["vm:beta/sc"]
+    assert share_mdevs(cluster) == {("beta", "vm1"), ("gamma", "sb"), ("beta", "sc")}
+    assert address == share_address(cluster, "beta") == SHARE_AT  # at its old address
+    assert registry_violations(cluster.fabric().registry) == []
