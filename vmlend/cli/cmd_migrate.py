@@ -227,15 +227,18 @@ def _live_summary(res: LiveMigrateResult) -> str:
     if not res.devices and res.resumed and res.downtime is None:
         return f"VM {res.vm!r} already runs on {res.destination}: nothing to do"
     downtime = "not measured" if res.downtime is None else f"{res.downtime * 1000:.1f} ms"
-    how = "hot" if res.mode == "hot" and res.devices else "live"
+    how = res.mode if res.mode in ("hot", "mixed") and res.devices else "live"
     kept = " (kept plugged)" if res.mode == "hot" and res.devices else ""
+    if res.mode == "mixed":
+        kept = f" ({sum(m == 'hot' for m in res.modes.values())} kept plugged)"
     out = [
         f"migrated VM {res.vm!r} {how} from {res.source} to {res.destination} (running),"
         f" devices {', '.join(res.devices) or 'none'}{kept}; downtime {downtime}"
     ]
     for fdid, seconds in sorted(res.blackout.items()):
         said = "not measured" if seconds is None else f"{seconds * 1000:.1f} ms"
-        out.append(f"  device {format_fdid(fdid)}: blackout {said}")
+        way = f" ({res.modes.get(fdid, res.mode)})" if res.mode == "mixed" else ""
+        out.append(f"  device {format_fdid(fdid)}: blackout {said}{way}")
     return "\n".join(out)
 
 

@@ -79,15 +79,19 @@ class HotSwitch:
         #: Whether the holds moved (then the VM must finish on the destination).
         self.switched = False
 
+    def _hot(self) -> list[int]:
+        return [d.fdid for d in self.journal.devices if d.fdid not in self.journal.unplug]
+
     def switch(self) -> None:
         j = self.journal
         now = self.clock()
-        for d in j.devices:
-            j.unplugged.setdefault(d.fdid, now)
+        hot = self._hot()
+        for fdid in hot:
+            j.unplugged.setdefault(fdid, now)
         save_journal(self.state_dir, j)
-        if not j.devices:
+        if not hot:
             return
-        fds = ", ".join(format_fdid(d.fdid) for d in j.devices)
+        fds = ", ".join(format_fdid(f) for f in hot)
         # The simulated nodes run no device in this process: the quiesce is the promise of
         # each kind's driver (lending.quiesce), acted out with the hardware by vmlend.sim.hotmig.
         self.step(f"switch-over: {j.vm} paused; devices {fds} quiesced")
@@ -119,8 +123,8 @@ class HotSwitch:
     def resumed(self) -> None:
         j = self.journal
         now = self.clock()
-        for d in j.devices:
-            j.back[d.fdid] = now
+        for fdid in self._hot():
+            j.back[fdid] = now
         save_journal(self.state_dir, j)
 
 
@@ -160,8 +164,9 @@ def leave_hot(
     assert src_registry is not None and dst_registry is not None
     src_holder = holder_for(fabric, name, journal.vm_uuid)
     dst_holder = Holder(dest, name, src_holder.vm_uuid)
-    shares = sorted(journal.shares)
-    fdids = [d.fdid for d in journal.devices if d.fdid not in shares]
+    shares = sorted(s for s in journal.shares if s not in journal.unplug)
+    # mixed: the devices that cannot quiesce went unplugged already
+    fdids = [d.fdid for d in journal.devices if d.fdid not in journal.shares + journal.unplug]
     claimed = journal.claimed
     done = claimed is not None and _moved(dst_registry, claimed, journal.vm_uuid) is not None
     if not done:
@@ -178,7 +183,7 @@ def leave_hot(
             raise MigrationError(f"cannot migrate VM {name!r} to {dest}: {e}") from e
         journal.claimed = claimed
         save_journal(state_dir, journal)
-        step(f"claimed room for {plural(len(journal.devices), 'device')} of {name} on {dest}")
+        step(f"claimed room for {plural(len(fdids) + len(shares), 'device')} of {name} on {dest}")
         fault_point("hot-migrate:after-claim")
     assert claimed is not None
     mdevs = {

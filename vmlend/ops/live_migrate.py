@@ -74,7 +74,7 @@ from vmlend.ops.hot_move import (
     leave_hot,
     registry_of,
 )
-from vmlend.ops.live_mode import HOT, UNPLUG, LiveMode, choose_mode
+from vmlend.ops.live_mode import HOT, MIXED, UNPLUG, LiveMode, choose_mode
 from vmlend.ops.live_state import (
     LiveDevice,
     LiveJournal,
@@ -111,8 +111,10 @@ class LiveMigrateResult(msgspec.Struct):
     blackout: dict[int, float | None] = msgspec.field(default_factory=dict)
     resumed: bool = False
     steps: list[str] = msgspec.field(default_factory=list)
-    #: "hot" (the devices stayed plugged) or "unplug" (unplugged and plugged back).
+    #: "hot" (the devices stayed plugged), "unplug" (unplugged and plugged back) or "mixed".
     mode: str = UNPLUG
+    #: How each device moved (by fdid): "hot" or "unplug".
+    modes: dict[int, str] = msgspec.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +123,7 @@ class LiveMigrateResult(msgspec.Struct):
             "to": self.destination,
             "live": True,
             "mode": self.mode,
+            "modes": {format_fdid(f): m for f, m in sorted(self.modes.items())},
             "devices": self.devices,
             "downtime": self.downtime,
             "blackout": {format_fdid(f): s for f, s in sorted(self.blackout.items())},
@@ -252,7 +255,7 @@ def live_migrate(
             " migrating it; wait for that to end, then run this command again"
         )
     if not here_runs and not there_runs:
-        if journal.mode == HOT:
+        if journal.mode in (HOT, MIXED):
             abandon_hot(fabric, journal)
         drop_journal(state_dir, name)
         _record_ends(run, journal)
@@ -267,6 +270,8 @@ def live_migrate(
         downtime = leave_hot(
             src, dst, fabric, dst_fabric, journal, how, state_dir, run.step, clock
         )
+    elif here_runs and journal.mode == MIXED:
+        downtime = _leave_mixed(run, journal)
     elif here_runs:
         downtime = _leave_source(run, journal)
     return _arrive(run, journal, downtime, now)
@@ -378,6 +383,8 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     )
     run.step(f"checked {said}: all admissible from {dest_node}")
     run.step(mode.line)
+    for line in mode.lines:
+        run.step(line)
     doc = DomainDocument.parse(xml, source=f"live XML of {name}")
     addresses = {str(h.uuid): h.guest_address for h in DomainXML(doc.root).mdev_hostdevs()}
     devices = [
@@ -394,6 +401,7 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
         shell=_without_devices(run.src.get_metadata(name, NAMESPACE_URI)),
         mode=mode.mode,
         shares=shares,
+        unplug=list(mode.unplugged),
     )
     save_journal(run.state_dir, journal)
     return journal
@@ -420,44 +428,11 @@ def _guest_fdids(hv: Hypervisor, name: str) -> set[int]:
 
 def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
     """Steps 2-4. On failure the devices go back into the guest here, and the error says so."""
-    name, source, dest = journal.vm, journal.source, journal.destination
-    holder = holder_for(run.fabric, name, journal.vm_uuid)
+    name, dest = journal.vm, journal.destination
     try:
-        present = _guest_fdids(run.src, name)
-        held = set(held_by(run.fabric, holder))
-        for dev in journal.devices:
-            if dev.share is not None:
-                _unplug_share(run, journal, dev, dev.fdid in present)
-                continue
-            if dev.fdid not in present and dev.fdid not in held:
-                continue  # unplugged and returned by an earlier run
-            fd = format_fdid(dev.fdid)
-            journal.unplugged.setdefault(dev.fdid, run.clock())
-            save_journal(run.state_dir, journal)
-            if dev.fdid in present:
-                run.step(
-                    f"unplugging device {fd} from {name}: waiting up to"
-                    f" {run.wait.timeout:g} s for the guest to let go"
-                )
-            detach(
-                run.src,
-                run.fabric,
-                name,
-                dev.fdid,
-                live=True,
-                config=False,
-                progress=run.step,
-                wait=run.wait,
-            )
-            run.step(f"device {fd} unplugged from {name} and returned on {source}")
-            fault_point("live-migrate:after-unplug")
+        _unplug(run, journal, journal.devices)
         ram = read_domain(run.src.xml(name), strict=False).guest_ram
-        dst_holder = Holder(node=dest, vm=name, vm_uuid=journal.vm_uuid)
-        fdids = [d.fdid for d in journal.devices if d.share is None]
-        problems = vm_admission_problems(run.fabric, fdids, ram, dest, dst_holder, None)
-        problems += _share_problems(run, journal, ram)
-        if problems:
-            raise FabricError(f"{problems[0]} (taken while the devices were unplugged)")
+        _unplugged_admissible(run, journal, journal.devices, ram)
         if journal.shell is not None and run.src.get_metadata(name, NAMESPACE_URI) is None:
             # The last unplug took vmlend's metadata with it: a VM without any would pass the
             # destination's migrate hook unrewritten.
@@ -477,6 +452,92 @@ def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
     run.step(f"{name} runs on {dest} (downtime {said})")
     fault_point("live-migrate:after-migrate")
     return stats.downtime
+
+
+def _unplugged_admissible(
+    run: _Run, journal: LiveJournal, devices: list[LiveDevice], ram: GuestRam
+) -> None:
+    """``devices``, unplugged and returned, are admissible from the destination still
+    (another host may have taken room meanwhile); ``FabricError`` when not."""
+    dest = journal.destination
+    dst_holder = Holder(node=dest, vm=journal.vm, vm_uuid=journal.vm_uuid)
+    fdids = [d.fdid for d in devices if d.share is None]
+    problems = vm_admission_problems(run.fabric, fdids, ram, dest, dst_holder, None)
+    problems += _share_problems(run, journal, ram)
+    if problems:
+        raise FabricError(f"{problems[0]} (taken while the devices were unplugged)")
+
+
+def _leave_mixed(run: _Run, journal: LiveJournal) -> float | None:
+    """A mixed move: the devices that cannot quiesce are unplugged and returned (and the
+    destination's room for them checked again), then the others move hot. A failure before
+    the hot hand-over puts the unplugged ones back into the guest here."""
+    name, dest = journal.vm, journal.destination
+    out = [d for d in journal.devices if d.fdid in journal.unplug]
+    try:
+        _unplug(run, journal, out)
+        ram = read_domain(run.src.xml(name), strict=False).guest_ram
+        _unplugged_admissible(run, journal, out, ram)
+    except VmlendError as e:
+        raise MigrationError(
+            f"live migration of VM {name!r} to {dest} failed: {e}; {_back_on_source(run, journal)}"
+        ) from e
+    assert run.dst_fabric is not None  # the mode says so
+    try:
+        return leave_hot(
+            run.src,
+            run.dst,
+            run.fabric,
+            run.dst_fabric,
+            journal,
+            run.how,
+            run.state_dir,
+            run.step,
+            run.clock,
+        )
+    except MigrationError as e:
+        if load_journal(run.state_dir, name) is not None:
+            raise  # handed over: the re-run finishes on the destination
+        missing = _plug_back(run, run.src, run.fabric, journal, False)
+        if not missing:
+            raise MigrationError(f"{e} (the unplugged devices are back in it)") from e
+        raise MigrationError(
+            f"{e}; but without {_missing(missing, name, run.src.uri)}"
+        ) from e
+
+
+def _unplug(run: _Run, journal: LiveJournal, devices: list[LiveDevice]) -> None:
+    """Unplug ``devices`` from the guest on the source and return them (idempotent)."""
+    name, source = journal.vm, journal.source
+    holder = holder_for(run.fabric, name, journal.vm_uuid)
+    present = _guest_fdids(run.src, name)
+    held = set(held_by(run.fabric, holder))
+    for dev in devices:
+        if dev.share is not None:
+            _unplug_share(run, journal, dev, dev.fdid in present)
+            continue
+        if dev.fdid not in present and dev.fdid not in held:
+            continue  # unplugged and returned by an earlier run
+        fd = format_fdid(dev.fdid)
+        journal.unplugged.setdefault(dev.fdid, run.clock())
+        save_journal(run.state_dir, journal)
+        if dev.fdid in present:
+            run.step(
+                f"unplugging device {fd} from {name}: waiting up to"
+                f" {run.wait.timeout:g} s for the guest to let go"
+            )
+        detach(
+            run.src,
+            run.fabric,
+            name,
+            dev.fdid,
+            live=True,
+            config=False,
+            progress=run.step,
+            wait=run.wait,
+        )
+        run.step(f"device {fd} unplugged from {name} and returned on {source}")
+        fault_point("live-migrate:after-unplug")
 
 
 def _unplug_share(run: _Run, journal: LiveJournal, dev: LiveDevice, present: bool) -> None:
@@ -627,7 +688,7 @@ def _arrive(
     """Step 5: the VM runs on the destination; bring its devices back."""
     name, dest = journal.vm, journal.destination
     _fix_definition(run, name, dest)
-    if journal.mode == HOT:
+    if journal.mode in (HOT, MIXED):
         finish_hot(run.dst_fabric, journal, run.step)
     if run.plugs is not None:
         missing = _plug_remotely(run, run.plugs, journal)
@@ -645,14 +706,21 @@ def _arrive(
     for dev in journal.devices:
         gone, returned = journal.unplugged.get(dev.fdid), journal.back.get(dev.fdid)
         blackout[dev.fdid] = None if gone is None or returned is None else returned - gone
+    modes = {d.fdid: journal.device_mode(d.fdid) for d in journal.devices}
     rec = LiveRecord(
-        journal.source, dest, now(), downtime, blackout, journal.resumed, journal.mode
+        journal.source, dest, now(), downtime, blackout, journal.resumed, journal.mode, modes
     )
     record(run.state_dir, name, rec)
     drop_journal(run.state_dir, name)
     _record_ends(run, journal)
     if journal.mode == HOT:
         run.step(f"{plural(len(journal.devices), 'device')} stayed plugged in {name} on {dest}")
+    elif journal.mode == MIXED:
+        kept = len(journal.devices) - len(journal.unplug)
+        run.step(
+            f"{plural(kept, 'device')} stayed plugged in {name} on {dest},"
+            f" {plural(len(journal.unplug), 'device')} plugged back"
+        )
     else:
         run.step(f"{plural(len(journal.devices), 'device')} back in {name} on {dest}")
     return LiveMigrateResult(
@@ -665,6 +733,7 @@ def _arrive(
         resumed=journal.resumed,
         steps=run.steps,
         mode=journal.mode,
+        modes=modes,
     )
 
 

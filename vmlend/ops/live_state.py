@@ -80,6 +80,14 @@ class LiveJournal(msgspec.Struct):
     claimed: Claimed | None = None
     #: The drives of ``devices`` the VM has a queue-level NVMe share of (not a hold).
     shares: list[int] = msgspec.field(default_factory=list)
+    #: Mixed ("mixed"): the devices that go unplugged (they cannot quiesce); the rest move hot.
+    unplug: list[int] = msgspec.field(default_factory=list)
+
+    def device_mode(self, fdid: int) -> str:
+        """How device ``fdid`` moves: "hot" or "unplug"."""
+        if self.mode == "mixed":
+            return "unplug" if fdid in self.unplug else "hot"
+        return self.mode
 
 
 class LiveRecord(msgspec.Struct, frozen=True):
@@ -93,12 +101,18 @@ class LiveRecord(msgspec.Struct, frozen=True):
     blackout: dict[int, float | None]
     resumed: bool = False
     mode: str = "unplug"
+    #: How each device moved (by fdid): "hot" or "unplug" (empty in older records: ``mode``).
+    modes: dict[int, str] = msgspec.field(default_factory=dict)
+
+    def device_mode(self, fdid: int) -> str:
+        return self.modes.get(fdid, self.mode)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "from": self.source,
             "to": self.destination,
             "mode": self.mode,
+            "modes": {format_fdid(f): self.device_mode(f) for f in sorted(self.blackout)},
             "finished": self.finished,
             "downtime": self.downtime,
             "blackout": {format_fdid(f): s for f, s in sorted(self.blackout.items())},

@@ -200,9 +200,10 @@ def _ms(seconds: float | None) -> str:
 def _migration_line(vm: str, m: LiveRecord) -> str:
     """``vm1  gamma -> beta  2026-11-25 16:14:28  downtime 2.9 ms, 0x10 blackout 41.0 ms``."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.finished))
-    each = [f"{format_fdid(f)} blackout {_ms(s)}" for f, s in sorted(m.blackout.items())]
+    how = {f: f" ({m.device_mode(f)})" if m.mode == "mixed" else "" for f in m.blackout}
+    each = [f"{format_fdid(f)}{how[f]} blackout {_ms(s)}" for f, s in sorted(m.blackout.items())]
     resumed = " (resumed)" if m.resumed else ""
-    hot = " hot" if m.mode == "hot" else ""
+    hot = f" {m.mode}" if m.mode in ("hot", "mixed") else ""
     return f"  {vm}  {m.source} -> {m.destination}{hot}  {when}{resumed}  " + ", ".join(
         [f"downtime {_ms(m.downtime)}", *each]
     )
