@@ -71,6 +71,7 @@ from vmlend.domain import (
     DomainSpec,
     NvmeShareRequest,
     TemplateSet,
+    mdev_uuid,
     new_domain,
     read_domain,
 )
@@ -78,6 +79,8 @@ from vmlend.errors import BorrowTeardownError, DmaFault, StaleTokenError, Vmlend
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.ledger import nvmeshares as ledger
+from vmlend.lending.devices import UndoJournal, acquire_device
+from vmlend.lending.quiesce import how_to_quiesce
 from vmlend.nvme import spec as nvme_spec
 from vmlend.nvme.cmb import GUEST_CMB_BASE
 from vmlend.nvme.guard import asid_base
@@ -764,12 +767,35 @@ class FabricMachine(RuleBasedStateMachine):
         self._share_drive()
         event("hand-over: the drive shared again")
 
+    def _replug(self, vm: SimVm, fdids: list[int]) -> list[int]:
+        """Reserve ``fdids`` for ``vm`` where it runs now, make their mdevs and hot-add them
+        (a mixed move's re-plug); the ones refused (no room, lender down, taken)."""
+        refused = []
+        for fdid in fdids:
+            fabric = self.c.fabric(vm.node)
+            mdev = mdev_uuid(uuid.UUID(vm.holder.vm_uuid), fdid)
+            try:
+                acquire_device(fabric, vm.holder, fdid, mdev, UndoJournal(),
+                               guest_ram=vm.guest_ram)
+                vm.add_device(fdid)
+            except VmlendError:
+                refused.append(fdid)
+                continue
+            self._enable(vm, fdid)
+        return refused
+
     @precondition(lambda self: self.vms)
-    @rule(slot=slots, pick=st.integers(min_value=0, max_value=len(NODES) - 1))
-    def hot_migrate(self, slot: int, pick: int) -> None:
+    @rule(
+        slot=slots,
+        pick=st.integers(min_value=0, max_value=len(NODES) - 1),
+        mixed=st.booleans(),
+    )
+    def hot_migrate(self, slot: int, pick: int, mixed: bool) -> None:
         """The VM moves to another node while it runs, its devices plugged; the checker runs
         after every phase. Refused (a NIC, a device not enabled, no room there): nothing
-        changed."""
+        changed. ``mixed``: its devices that cannot quiesce (a NIC) are hot-removed and
+        returned first and re-plugged where the VM runs after (refused: the VM runs without
+        them, as the CLI's mixed move says)."""
         entry = self.vms.get(slot)
         if entry is None:
             return
@@ -780,6 +806,20 @@ class FabricMachine(RuleBasedStateMachine):
             return
         to = choices[pick % len(choices)]
         source = vm.node
+        stuck = [
+            f for f in vm.devices() if how_to_quiesce(self.c.hw.device(f).spec.kind) is None
+        ]
+        relayed = any(vm.nvme_share(f).relay is not None for f in vm.shares())
+        if not mixed or relayed or len(stuck) == len(vm.devices()) + len(vm.shares()):
+            # all or nothing hot: a VM of NICs only, or with a two-path share, moves unplugged
+            stuck = []
+        for fdid in stuck:
+            vm.remove_device(fdid)
+            self._release_own(fdid, vm.holder)
+        if stuck:
+            self._check_justified("after a mixed move's unplug")
+            for fdid in vm.devices():  # the guest has enabled what stays (hot needs it)
+                self._enable(vm, fdid)
         steps: list[str] = []
 
         def check(step: str) -> None:
@@ -801,6 +841,10 @@ class FabricMachine(RuleBasedStateMachine):
             assert vm.node == source and steps in ([], ["claimed", "abandoned"]), steps
             assert self._records_of(vm.holder) == before
             event(f"hot migration refused: {type(e).__name__}")
+            if stuck:
+                back = self._replug(vm, stuck)
+                event("mixed move refused: unplugged devices back on the source"
+                      + (" (some refused)" if back else ""))
             return
         entry.p2p = p2p
         assert vm.node == to and steps[-1] == "resumed"
@@ -816,6 +860,14 @@ class FabricMachine(RuleBasedStateMachine):
             if entry.driver is not None:
                 entry.driver.memory = vm.guest  # the guest's driver runs on its copied RAM
             event("hot migration: a share moved with the VM")
+        if stuck:
+            refused = self._replug(vm, stuck)
+            for fdid in stuck:
+                if fdid not in refused:
+                    b = self.c.hw.borrowed(fdid)
+                    assert b is None or (b.node, b.vm) == (to, vm.name)
+            event("mixed move: unplugged devices plugged back on the destination"
+                  + (" (some refused)" if refused else ""))
         event(f"hot migration: {len(vm.devices())} device(s) moved with the VM")
 
     # --- rules: attacks ------------------------------------------------------------------------
