@@ -167,6 +167,80 @@ def test_hot_migrate_killed_then_rerun(cluster, point):
     assert record["mode"] == "hot" and record["resumed"] is True
 
 
+def _tokens(cluster: SimCluster) -> dict[int, tuple[str, int]]:
+    with cluster.fabric() as f, f.registry.read() as tx:
+        return {d: (f"{h.holder.node}/{h.holder.vm}", h.token) for d, h in tx.holds().items()}
+
+
+def _nothing_on_alpha(cluster: SimCluster) -> None:
+    """No claim, mdev or hand-over record of vm1 is left for alpha."""
+    with cluster.fabric() as f, f.registry.read() as tx:
+        claims = [c for _f, c in tx.claims() if "alpha/vm1" in c.share]
+        mdevs = [m for m in tx.mdevs() if m.node == "alpha" and m.vm == "vm1"]
+        records = tx.runtime(kind="hand-over")
+    assert (claims, mdevs, records) == ([], [], [])
+    with cluster.fabric() as f:
+        assert registry_violations(f.registry) == []
+    alpha = [d.name for d in cluster.hv("alpha").list_domains() if d.active]
+    assert alpha == []
+
+
+def _rolled_back(cluster: SimCluster, args: tuple[str, ...], before: dict) -> dict:
+    """Roll the killed move back; the VM runs on gamma with its devices at their addresses,
+    each hold gamma's again, its token never older; nothing is left for alpha."""
+    res = _run(cluster.state_path, *args, "--rollback")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("rolled back the live migrate of VM 'vm1': it runs on gamma")
+    _consistent(cluster)
+    gamma = cluster.hv("gamma")
+    assert gamma.lookup("vm1").active and gamma.lookup("vm1").persistent
+    after = _tokens(cluster)
+    assert {f: h for f, (h, _t) in after.items()} == {0x10: "gamma/vm1", 0x11: "gamma/vm1"}
+    assert all(after[f][1] >= before[f][1] for f in after)
+    live = read_domain(gamma.xml("vm1"))
+    assert {d.fdid: str(d.address) for d in live.devices} == {
+        0x10: "0000:00:0a.0",
+        0x11: "0000:00:0b.0",
+    }
+    _nothing_on_alpha(cluster)
+    return after
+
+
+@pytest.mark.parametrize("fault", LIVE_POINTS)
+def test_live_migrate_killed_then_rolled_back(cluster, fault):
+    cluster.define("gamma", "vm1", running=True, memory=256 * MiB)
+    for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
+        attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
+        assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
+    before = _tokens(cluster)
+    args = (
+        *("migrate", "vm1", "--to", "alpha", "--live", "--unplug"),
+        *("--persistent", "--undefinesource", *GAMMA),
+    )
+    _killed(_run(cluster.state_path, *args, fault=fault))
+    after = _rolled_back(cluster, args, before)
+    # the first device was unplugged before any kill point: its hold is a new one
+    assert after[0x10][1] > before[0x10][1]
+
+
+@pytest.mark.parametrize("point", POINTS["hot-migrate"])
+def test_hot_migrate_killed_then_rolled_back(cluster, point):
+    """After the claim the holds never moved (same tokens); after the hand-over they come
+    back under newer ones."""
+    cluster.define("gamma", "vm1", running=True, memory=256 * MiB)
+    for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
+        attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
+        assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
+    before = _tokens(cluster)
+    args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
+    _killed(_run(cluster.state_path, *args, fault=f"hot-migrate:{point}"))
+    after = _rolled_back(cluster, args, before)
+    if point == "after-claim":
+        assert after == before
+    else:
+        assert all(after[f][1] > before[f][1] for f in after)
+
+
 def test_prepare_killed_is_cleaned_up_by_the_release_hook(cluster, monkeypatch):
     # libvirt runs the release hook after a failed start (so does the simulated node): the
     # first device, reserved before the kill, is returned there; nothing is left for reconcile.

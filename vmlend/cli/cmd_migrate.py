@@ -19,6 +19,7 @@ from vmlend.fabric.base import Fabric, RegistryFabric
 from vmlend.hypervisor import Hypervisor, LiveMigration
 from vmlend.ops.hvidentity import check_hypervisor_is
 from vmlend.ops.live_migrate import LiveMigrateResult, live_migrate
+from vmlend.ops.live_rollback import roll_back_live
 from vmlend.ops.migrate import MigrateResult, migrate, migration_lock
 from vmlend.ops.plug_request import PlugRequests
 from vmlend.registry import EtcdRegistry
@@ -27,7 +28,7 @@ from vmlend.wiring.fabric import BACKEND_ENV, open_fabric
 from vmlend.wiring.hypervisor import sim_node
 
 #: Options of a cold migration only, and of a live one only.
-_COLD_ONLY = ("start", "force", "rollback")
+_COLD_ONLY = ("start", "force")
 _LIVE_ONLY = ("persistent", "undefinesource", "migrate_uri", "listen_address", "unplug")
 
 
@@ -69,7 +70,8 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
 @click.option(
     "--rollback",
     is_flag=True,
-    help="Undo an interrupted migrate: keep the VM on this (source) host only.",
+    help="Undo an interrupted migrate: keep the VM on this (source) host only; with --live,"
+    " the VM runs here again with its devices, nothing left claimed on NODE.",
 )
 @click.option(
     "--live",
@@ -162,19 +164,31 @@ def migrate_cmd(
                     dst_fabric = (
                         None if plugs is not None else open_fabric(obj.location, to, root=obj.root)
                     )
-                    res = live_migrate(
-                        src,
-                        dst,
-                        fabric,
-                        dst_fabric,
-                        vm,
-                        to,
-                        how=how,
-                        state_dir=obj.state_path.parent,
-                        progress=progress,
-                        plugs=plugs,
-                        unplug=unplug,
-                    )
+                    if rollback:
+                        res = roll_back_live(
+                            src,
+                            dst,
+                            fabric,
+                            dst_fabric,
+                            vm,
+                            to,
+                            state_dir=obj.state_path.parent,
+                            progress=progress,
+                        )
+                    else:
+                        res = live_migrate(
+                            src,
+                            dst,
+                            fabric,
+                            dst_fabric,
+                            vm,
+                            to,
+                            how=how,
+                            state_dir=obj.state_path.parent,
+                            progress=progress,
+                            plugs=plugs,
+                            unplug=unplug,
+                        )
                 else:
                     res = migrate(
                         src,
@@ -224,6 +238,11 @@ def _plug_requests(fabric: Fabric) -> PlugRequests | None:
 
 
 def _live_summary(res: LiveMigrateResult) -> str:
+    if res.rolled_back:
+        return (
+            f"rolled back the live migrate of VM {res.vm!r}: it runs on {res.destination} with"
+            f" devices {', '.join(res.devices) or 'none'}"
+        )
     if not res.devices and res.resumed and res.downtime is None:
         return f"VM {res.vm!r} already runs on {res.destination}: nothing to do"
     downtime = "not measured" if res.downtime is None else f"{res.downtime * 1000:.1f} ms"

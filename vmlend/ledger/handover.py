@@ -277,3 +277,43 @@ def release_source(registry: Registry, claimed: Claimed) -> None:
             sharemove.release_source(tx, d, claimed.destination)
 
     registry.transact(body)
+
+
+def hand_back(
+    registry: Registry, claimed: Claimed, mdevs: Mapping[int, str], clock: float
+) -> dict[int, int]:
+    """Undo ``hand_over`` (``vmlend migrate --live --rollback`` of a move interrupted after it,
+    the VM still running on the source): the holds, shares and mdev records become the
+    source's again under newer fencing tokens (epochs for shares), each hold with the claims
+    it had before ``claim_destination`` only. Returns the new tokens by fdid.
+    ``DeviceHeldError``/``DeviceNotReservedError`` (nothing changed) when a hold is no longer
+    the destination's."""
+    src, dst = claimed.source, claimed.destination
+    fdids = sorted(claimed.claims)
+    epochs: dict[int, int] = {}
+
+    def body(tx: StateTxn) -> None:
+        for fdid in fdids:
+            hold = _own(tx, fdid, dst)
+            keep = _minus([c for f, c in tx.claims() if f == fdid], claimed.added.get(fdid, []))
+            uuid = mdevs.get(fdid)
+            if uuid is not None and tx.mdev(uuid) is not None:
+                tx.delete_mdev(uuid)
+            tx.delete_hold(fdid)
+            tx.add_hold(HoldRecord(fdid, src, clock, hold.phase, hold.guest_ram), keep)
+            if uuid is not None:
+                if tx.parent(src.node, fdid) is None:
+                    tx.add_parent(ParentRecord(src.node, fdid, parent_name(fdid)))
+                tx.add_mdev(
+                    MdevRecord(uuid, fdid, src.node, parent_name(fdid), MDEV_TYPE, src.vm, clock)
+                )
+            if tx.parent(dst.node, fdid) is not None:
+                tx.delete_parent(dst.node, fdid)
+        for d in sorted(claimed.shares):
+            got = sharemove.hand_back(tx, d, dst, src, mdevs.get(d), clock)
+            if got is not None:
+                epochs[d] = got
+
+    registry.transact(body)
+    with registry.read() as tx:
+        return {f: h.token for f in fdids if (h := tx.hold(f)) is not None} | epochs

@@ -193,3 +193,36 @@ def move_problems(
         except FabricError as e:
             problems.append(f"the NVMe share of {fd}: {e}")
     return problems
+
+
+def hand_back(
+    tx: StateTxn,
+    fdid: int,
+    destination: Holder,
+    source: Holder,
+    mdev: str | None,
+    clock: float,
+) -> int | None:
+    """Undo ``hand_over`` for one share (a rollback, its VM still on the source): the share is
+    the source's again, with the source's claims only, under a newer epoch; its mdev record
+    goes back. None when the destination has no such share (nothing changed)."""
+    r = _record(tx, fdid, destination)
+    if r is None:
+        return epoch(tx, fdid, source)
+    old = share_entry(r).share
+    now = int(r.data.get("epoch", 0)) + 1
+    tx.clear_runtime(fdid, SHARE_RECORD, r.key)
+    data = {
+        "holder": msgspec.to_builtins(source),
+        "share": msgspec.structs.replace(old, name=vm_share(source)).record(),
+        "claims": r.data.get("leaving", []),
+        "epoch": now,
+    }
+    _put(tx, fdid, vm_share(source), data)
+    if mdev is not None and tx.mdev(mdev) is not None:
+        tx.delete_mdev(mdev)
+        if tx.parent(source.node, fdid) is None:
+            tx.add_parent(ParentRecord(source.node, fdid, parent_name(fdid)))
+        parent = parent_name(fdid)
+        tx.add_mdev(MdevRecord(mdev, fdid, source.node, parent, SHARE_MDEV_TYPE, source.vm, clock))
+    return now

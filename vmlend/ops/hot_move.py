@@ -128,6 +128,11 @@ class HotSwitch:
         save_journal(self.state_dir, j)
 
 
+def moved_tokens(registry: Registry, claimed: Claimed) -> dict[int, int] | None:
+    """The destination's tokens and share epochs when the hand-over is done, else None."""
+    return _moved(registry, claimed, claimed.source.vm_uuid)
+
+
 def _moved(registry: Registry, claimed: Claimed, vm_uuid: str) -> dict[int, int] | None:
     """The destination's tokens (and share epochs) when every hold and share moved already
     (a killed run's hand-over); None when they are still the source's."""

@@ -115,6 +115,9 @@ class LiveMigrateResult(msgspec.Struct):
     mode: str = UNPLUG
     #: How each device moved (by fdid): "hot" or "unplug".
     modes: dict[int, str] = msgspec.field(default_factory=dict)
+    #: ``--rollback``: an interrupted move was undone; the VM runs on ``destination`` (the
+    #: source of the move it undid) again.
+    rolled_back: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,6 +131,7 @@ class LiveMigrateResult(msgspec.Struct):
             "downtime": self.downtime,
             "blackout": {format_fdid(f): s for f, s in sorted(self.blackout.items())},
             "resumed": self.resumed,
+            "rolled_back": self.rolled_back,
             "steps": self.steps,
         }
 
@@ -275,6 +279,32 @@ def live_migrate(
     elif here_runs:
         downtime = _leave_source(run, journal)
     return _arrive(run, journal, downtime, now)
+
+
+def put_back_on_source(
+    src: Hypervisor,
+    fabric: Fabric,
+    journal: LiveJournal,
+    state_dir: Path,
+    *,
+    wait: DetachWait | None = None,
+    progress: Progress = lambda _m: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> str | None:
+    """Plug every journalled device the guest on the source lacks back in at its old address
+    (a rollback); what could not come back and how to plug it, None when all did. An unplug
+    the interruption cut short is finished first (its hostdev may be gone, its hold not)."""
+    run = _Run(
+        src, src, fabric, None, LiveMigration(), state_dir, wait or DetachWait(), progress, clock
+    )
+    begun = [
+        d
+        for d in journal.devices
+        if d.fdid in journal.unplugged and journal.device_mode(d.fdid) == UNPLUG
+    ]
+    _unplug(run, journal, begun)
+    missing = _plug_back(run, src, fabric, journal, False)
+    return _missing(missing, journal.vm, src.uri) if missing else None
 
 
 def _record(journal: LiveJournal) -> MigrationRecord:

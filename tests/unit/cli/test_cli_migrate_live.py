@@ -187,7 +187,7 @@ def test_same_name_on_the_destination_is_refused(cluster):
     ("extra", "wrong"),
     [
         (("--live", "--start"), "--start is for a cold migration; leave out --live or --start"),
-        (("--live", "--rollback"), "--rollback is for a cold migration"),
+        (("--live", "--force"), "--force is for a cold migration"),
         (("--persistent",), "--persistent is for a live migration; add --live or --persistent"),
         (("--migrate-uri", "tcp://127.0.0.1:1"), "--migrate-uri is for a live migration"),
     ],
@@ -198,6 +198,18 @@ def test_options_of_the_other_kind_are_usage_errors(cluster, extra, wrong):
     r = cluster.cli("migrate", "vm1", "--to", "beta", *extra, *GAMMA)
     assert r.exit_code == 2, r.output
     assert wrong in r.output
+    assert cluster.snapshot() == before
+
+
+def test_a_live_rollback_without_an_interrupted_move_changes_nothing(cluster):
+    cluster.define("gamma", "vm1", [0x10], running=True)
+    before = cluster.snapshot()
+    r = cluster.cli("migrate", "vm1", "--to", "beta", "--live", "--rollback", *GAMMA)
+    assert r.exit_code == 1, r.output
+    assert one_line(r) == (
+        "Error: VM 'vm1' has no interrupted live migration from gamma to roll back; nothing"
+        " was changed"
+    )
     assert cluster.snapshot() == before
 
 
