@@ -78,6 +78,7 @@ from vmlend.domain import (
 from vmlend.errors import BorrowTeardownError, DmaFault, StaleTokenError, VmlendError
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
+from vmlend.ledger import handover
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.lending.devices import UndoJournal, acquire_device
 from vmlend.lending.quiesce import how_to_quiesce
@@ -869,6 +870,69 @@ class FabricMachine(RuleBasedStateMachine):
             event("mixed move: unplugged devices plugged back on the destination"
                   + (" (some refused)" if refused else ""))
         event(f"hot migration: {len(vm.devices())} device(s) moved with the VM")
+
+    @precondition(lambda self: self.vms)
+    @rule(
+        slot=slots,
+        pick=st.integers(min_value=0, max_value=len(NODES) - 1),
+        handed=st.booleans(),
+    )
+    def hot_migrate_rolled_back(self, slot: int, pick: int, handed: bool) -> None:
+        """A hot migration killed after its claim (``handed``: after its hand-over, the VM
+        still on the source, the hardware never re-pointed), then rolled back as
+        ``vmlend migrate --live --rollback`` does: the claims go, or the hand-over is undone
+        and the devices serve the source's newer tokens. After it the VM's holds, shares and
+        mdevs are the source's, nothing is claimed for the destination, and the checker finds
+        everything justified."""
+        entry = self.vms.get(slot)
+        if entry is None:
+            return
+        vm = entry.vm
+        taken = {(e.vm.node, e.vm.name) for e in self.vms.values()}
+        choices = [n for n in NODES if n != vm.node and (n, vm.name) not in taken]
+        sessions = vm.sessions()
+        shares = [
+            f
+            for f in vm.shares()
+            if not vm.nvme_share(f).revoked and vm.nvme_share(f).relay is None
+        ]
+        if not choices or not (sessions or shares):
+            return
+        if any(self.c.hw.borrowed(f) is None for f in sessions):
+            return  # a device not enabled: the hot move itself refuses it
+        to = choices[pick % len(choices)]
+        src, dst = vm.holder, Holder(to, vm.name, vm.holder.vm_uuid)
+        with self.c.registry.read() as tx:
+            before = {f: h.token for f, h in tx.holds().items() if f in sessions}
+        try:
+            claimed = handover.claim_destination(
+                self.c.registry, sorted(sessions), src, dst, vm.guest_ram, shares=shares
+            )
+        except VmlendError as e:
+            event(f"rollback: the claim refused ({type(e).__name__})")
+            return
+        self._check_justified("after an interrupted hot move's claim")
+        if not handed:
+            handover.abandon(self.c.registry, claimed)
+            event("rollback: after the claim")
+        else:
+            mdevs = {f: s.mdev for f, s in sessions.items() if s.mdev}
+            mdevs |= {f: vm.nvme_share(f).mdev or "" for f in shares if vm.nvme_share(f).mdev}
+            handover.hand_over(self.c.registry, claimed, mdevs, 0.0)
+            back = handover.hand_back(self.c.registry, claimed, mdevs, 0.0)
+            for fdid in sessions:  # the devices serve the source's newer holds
+                self.c.hw.move_borrow(fdid, vm.node, vm.name, token=back[fdid])
+            assert all(back[f] > before[f] for f in sessions)
+            event("rollback: after the hand-over")
+        self._check_justified("after the rollback")
+        with self.c.registry.read() as tx:
+            holds = tx.holds()
+            assert all(same_holder(holds[f].holder, src) for f in sessions)
+            assert not [c for _f, c in tx.claims() if f"{to}/{vm.name}" in c.share]
+            assert not tx.runtime(kind="hand-over")
+            assert not [m for m in tx.mdevs() if (m.node, m.vm) == (to, vm.name)]
+        _m, _h, recorded = self._records_of(src)
+        assert sorted(e.fdid for e in recorded) == sorted(vm.shares()) or not shares
 
     # --- rules: attacks ------------------------------------------------------------------------
     @precondition(lambda self: len(self.vms) >= 2)
