@@ -76,9 +76,9 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
 @click.option(
     "--live",
     is_flag=True,
-    help="Move the running VM without stopping it: its remote devices stay plugged where"
-    " every one can (hot), else they are unplugged, then plugged back in on the destination"
-    " at the same guest addresses.",
+    help="Move the running VM without stopping it: its remote devices (NVMe shares too) stay"
+    " plugged where they can quiesce (hot), the others are unplugged, then plugged back in on"
+    " the destination at the same guest addresses.",
 )
 @click.option(
     "--unplug",
@@ -126,9 +126,11 @@ def migrate_cmd(
 ) -> None:
     """Move VM to node NODE keeping its remote devices, stopped or (--live) running.
 
-    A running VM is shut down first, unless --live: then its remote devices stay plugged
-    while it moves (hot) where the nodes and every device's driver allow it; else, said in
-    one line, the guest loses them while it moves and gets them back at the same addresses."""
+    A running VM is shut down first, unless --live: then its remote devices (and its NVMe
+    shares) stay plugged while it moves (hot) where the nodes and each device's driver allow
+    it; the others, said in one line each (mixed), or all when the nodes cannot, leave the
+    guest while it moves and come back at the same addresses. --live --rollback undoes an
+    interrupted live move: the VM runs here again with its devices."""
     given = click.get_current_context().params
     wrong = [o for o in (_COLD_ONLY if live else _LIVE_ONLY) if given.get(o)]
     if wrong:
