@@ -29,6 +29,8 @@ say "iommu groups: $(ls /sys/kernel/iommu_groups | wc -l); smartio node $(cat /s
 if [ $fail = 0 ]; then
   cd "$REPO"
   export PATH="$VENV/bin:$PATH" VMLEND_ROOT=/ VMLEND_KERNEL_GUEST=1 PYTHONDONTWRITEBYTECODE=1
+  # which tier's tests tests/kernel/conftest.py keeps (main, or backports)
+  export VMLEND_KERNEL_TIER="${KERNEL_TIER:-main}"
   # One of several guests side by side (boot.sh): run only this guest's share of the tests.
   for word in $(cat /proc/cmdline); do
     case $word in vmlend.shard=*) export VMLEND_TIER_SHARD="${word#vmlend.shard=}" ;; esac

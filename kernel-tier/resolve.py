@@ -13,7 +13,11 @@ The decisions are pure functions of apt-cache's outputs (``apt-cache depends``, 
 the real one and prints the choice as sh assignments for fetch.sh, or one line naming what does
 not fit (exit 1).
 
-Usage: python resolve.py      (prints KREL=, KVER=, DEBS= for fetch.sh to source)
+The backports tier (kernel-tier/backports/) asks the same questions of another series through
+its private apt configuration (``APT_CONFIG``): ``--series 6.12``. Debian names that series'
+releases ``6.12.N+debV-amd64`` where 6.1's are ``6.1.0-N-amd64``; both forms are read.
+
+Usage: python resolve.py [--series S]   (prints SERIES=, KREL=, KVER=, DEBS= for fetch.sh)
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ from debian.debian_support import Version
 SERIES = "6.1"
 #: The metapackage whose candidate names the kernel's ABI (linux-image-6.1.0-N-amd64).
 META = "linux-image-amd64"
-SOURCE = f"linux-source-{SERIES}"
+
+
+def source_of(series: str) -> str:
+    """The package that ships the series' tree as a tarball."""
+    return f"linux-source-{series}"
+
+
+SOURCE = source_of(SERIES)
 
 #: A relation's version constraint as python-debian parses it: (operator, version), or None.
 Constraint = tuple[str, str] | None
@@ -62,26 +73,31 @@ class Pick:
 
 @dataclass(frozen=True)
 class Plan:
-    krel: str  # the kernel release, 6.1.0-N-amd64
+    krel: str  # the kernel release, 6.1.0-N-amd64 (6.12.N+debV-amd64 for 6.12)
     kver: str  # the image's Debian version, V
     picks: tuple[Pick, ...]
+    series: str = SERIES
 
     def shell(self) -> str:
         debs = " ".join(f"{p.package}={p.version}" for p in self.picks)
-        pairs = (("KREL", self.krel), ("KVER", self.kver), ("DEBS", debs))
+        pairs = (("SERIES", self.series), ("KREL", self.krel), ("KVER", self.kver), ("DEBS", debs))
         return "".join(f"{k}={shlex.quote(v)}\n" for k, v in pairs)
 
 
 # --- parsing apt-cache's outputs (run with LC_ALL=C) ----------------------------------------
 
-_RELEASE = re.compile(rf"^\s*Depends: linux-image-({re.escape(SERIES)}\.[0-9.]+-\d+-amd64)$", re.M)
+def _release_pattern(series: str) -> re.Pattern[str]:
+    # 6.1.0-N-amd64 (bookworm's ABI names) or 6.12.N+debV-amd64 (since 6.10's packaging)
+    return re.compile(
+        rf"^\s*Depends: linux-image-({re.escape(series)}\.[0-9.]+(?:-\d+|\+deb\d+)-amd64)$", re.M
+    )
 
 
-def kernel_release(depends_out: str) -> str:
+def kernel_release(depends_out: str, series: str = SERIES) -> str:
     """The kernel release ``6.1.0-N-amd64`` that ``apt-cache depends linux-image-amd64`` names."""
-    m = _RELEASE.search(depends_out)
+    m = _release_pattern(series).search(depends_out)
     if m is None:
-        raise NoFit(f"{META} depends on no linux-image-{SERIES}.*-amd64 (apt-cache depends {META})")
+        raise NoFit(f"{META} depends on no linux-image-{series}.*-amd64 (apt-cache depends {META})")
     return m.group(1)
 
 
@@ -172,7 +188,7 @@ def choose(package: str, constraint: Constraint, available: Available | None, wh
     return max(fits, key=Version)
 
 
-def choose_source(kver: str, available: Available | None) -> str:
+def choose_source(kver: str, available: Available | None, series: str = SERIES) -> str:
     """linux-source at the image's version, else the newest revision of the same upstream
     version: only a sample driver is read from it, and a revision changes Debian's patches,
     not the sample."""
@@ -186,14 +202,17 @@ def choose_source(kver: str, available: Available | None) -> str:
         if Version(v).upstream_version == want.upstream_version and Version(v).epoch == want.epoch
     ]
     if not same:
+        source = source_of(series)
         raise NoFit(
-            f"{SOURCE}: nothing fits {kver} or another revision of {want.upstream_version} "
+            f"{source}: nothing fits {kver} or another revision of {want.upstream_version} "
             f"(the image's version); the archive has {_listed(available)}"
         )
     return max(same, key=Version)
 
 
-def plan(krel: str, kver: str, depends: Relations, policy: dict[str, Available]) -> Plan:
+def plan(
+    krel: str, kver: str, depends: Relations, policy: dict[str, Available], series: str = SERIES
+) -> Plan:
     """Every package to fetch, at its version: the image and its headers at ``kver``, each of
     the headers' ``Depends`` under its own constraint (the first alternative that fits), and
     linux-source."""
@@ -214,20 +233,21 @@ def plan(krel: str, kver: str, depends: Relations, policy: dict[str, Available])
                 errors.append(str(e))
         else:
             raise NoFit(" | ".join(errors))
-    picks.append(Pick(SOURCE, choose_source(kver, policy.get(SOURCE))))
-    return Plan(krel, kver, tuple(picks))
+    source = source_of(series)
+    picks.append(Pick(source, choose_source(kver, policy.get(source), series)))
+    return Plan(krel, kver, tuple(picks), series)
 
 
-def resolve(apt_cache: Callable[[Sequence[str]], str]) -> Plan:
+def resolve(apt_cache: Callable[[Sequence[str]], str], series: str = SERIES) -> Plan:
     """Ask apt-cache (``apt_cache(args)`` returns its standard output) and choose."""
-    krel = kernel_release(apt_cache(["depends", META]))
+    krel = kernel_release(apt_cache(["depends", META]), series)
     image, headers = f"linux-image-{krel}", f"linux-headers-{krel}"
     kver = parse_policy(apt_cache(["policy", image])).get(image, Available(None, ())).candidate
     if kver is None:
         raise NoFit(f"{image}: apt-cache policy has no candidate version")
     depends = depends_of(apt_cache(["show", f"{headers}={kver}"]), headers, kver)
-    names = [image, headers, *(r["name"] for alt in depends for r in alt), SOURCE]
-    return plan(krel, kver, depends, parse_policy(apt_cache(["policy", *names])))
+    names = [image, headers, *(r["name"] for alt in depends for r in alt), source_of(series)]
+    return plan(krel, kver, depends, parse_policy(apt_cache(["policy", *names])), series)
 
 
 # --- I/O --------------------------------------------------------------------------------------
@@ -243,9 +263,16 @@ def run_apt_cache(args: Sequence[str]) -> str:
     return r.stdout
 
 
-def main() -> int:
+def main(argv: Sequence[str] = ()) -> int:
+    args = list(argv)
+    series = SERIES
+    if args[:1] == ["--series"] and len(args) == 2:
+        series = args[1]
+    elif args:
+        print("usage: resolve.py [--series S]", file=sys.stderr)
+        return 2
     try:
-        result = resolve(run_apt_cache)
+        result = resolve(run_apt_cache, series)
     except NoFit as e:
         print(f"fetch: {e}", file=sys.stderr)
         return 1
@@ -254,4 +281,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

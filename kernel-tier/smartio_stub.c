@@ -48,9 +48,20 @@
 #include <linux/module.h>
 #include <linux/mutex.h>
 #include <linux/slab.h>
+#include <linux/version.h>
 #include <linux/string.h>
 #include <linux/sysfs.h>
 #include <linux/uaccess.h>
+/*
+ * The backports tier builds this file against 6.12 too (kernel-tier/backports/): class
+ * callbacks take const pointers since 6.4, struct class lost .owner in 6.4, no_llseek went in
+ * 6.12 (an fops without llseek is unseekable there).
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 4, 0)
+#define SMARTIO_CLASS_CONST const
+#else
+#define SMARTIO_CLASS_CONST
+#endif
 
 #include "smartio_stub.h"
 
@@ -419,7 +430,8 @@ ATTRIBUTE_GROUPS(smartio_adapter);
 
 /* --- class/smartio/ --------------------------------------------------------------------- */
 
-static ssize_t node_id_show(struct class *class, struct class_attribute *attr, char *buf)
+static ssize_t node_id_show(SMARTIO_CLASS_CONST struct class *class,
+			    SMARTIO_CLASS_CONST struct class_attribute *attr, char *buf)
 {
 	return sysfs_emit(buf, "%u\n", node_id);
 }
@@ -487,7 +499,8 @@ static int smartio_unborrow(struct smartio_dev *sdev)
 }
 
 #define SMARTIO_COMMAND(_name)								\
-static ssize_t _name##_store(struct class *class, struct class_attribute *attr,	\
+static ssize_t _name##_store(SMARTIO_CLASS_CONST struct class *class,		\
+			     SMARTIO_CLASS_CONST struct class_attribute *attr,	\
 			     const char *buf, size_t count)				\
 {											\
 	return smartio_command(buf, count, smartio_##_name);				\
@@ -500,7 +513,8 @@ SMARTIO_COMMAND(borrow);
 SMARTIO_COMMAND(unborrow);
 
 /* "FDID TOKEN": end the device's hardware borrow, unless a newer hold has it. */
-static ssize_t take_back_store(struct class *class, struct class_attribute *attr,
+static ssize_t take_back_store(SMARTIO_CLASS_CONST struct class *class,
+			       SMARTIO_CLASS_CONST struct class_attribute *attr,
 			       const char *buf, size_t count)
 {
 	struct smartio_dev *sdev;
@@ -550,7 +564,9 @@ ATTRIBUTE_GROUPS(smartio_class);
 
 static struct class smartio_class = {
 	.name = "smartio",
+#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 4, 0)
 	.owner = THIS_MODULE,
+#endif
 	.class_groups = smartio_class_groups,
 };
 
@@ -922,7 +938,9 @@ static const struct file_operations smartio_ctl_fops = {
 	.owner = THIS_MODULE,
 	.open = simple_open,
 	.write = smartio_ctl_write,
+#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 12, 0)
 	.llseek = no_llseek,
+#endif
 };
 
 /* --- module --------------------------------------------------------------------------- */

@@ -17,6 +17,15 @@ from vmlend.topology.parse import load_topology
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.kernel)
+    # Two configurations boot this directory: the main tier (Debian 12's kernel, QEMU and
+    # libvirt) and the backports tier (6.12, QEMU 10, libvirt 11.3: `make
+    # test-kernel-backports`). Each keeps its own tests: the backports ones carry its mark.
+    tier = os.environ.get("VMLEND_KERNEL_TIER", "main")
+    mine = tier == "backports"
+    other = [i for i in items if (i.get_closest_marker("backports") is not None) != mine]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [i for i in items if i not in other]
     # Several guests side by side: each keeps its shard (tests/support/tier_shards.py).
     if shard := os.environ.get("VMLEND_TIER_SHARD"):
         keep = set(shard_of([i.nodeid for i in items], *parse_shard(shard)))

@@ -3,43 +3,18 @@ a domain with an mdev hostdev) and the device shows in ``query-pci`` over QMP.""
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import time
 
 import pytest
 
 from tests.support.kernel_guest import LEND, REAL, STUB
+from tests.support.qmp_client import Qmp
 from vmlend.kernel.mdev import MdevBus
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa5001"
 #: The stand-in's child is mtty's serial card: its PCI identity (a WCH CH352 dual-port card).
 MTTY_VENDOR, MTTY_DEVICE = 0x4348, 0x3253
-
-
-class Qmp:
-    def __init__(self, path, deadline):
-        while True:
-            try:
-                self.sock = socket.socket(socket.AF_UNIX)
-                self.sock.connect(str(path))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                self.sock.close()
-                assert time.monotonic() < deadline, "QEMU's QMP socket never appeared"
-                time.sleep(0.2)
-        self.file = self.sock.makefile("rw")
-        assert "QMP" in json.loads(self.file.readline())
-        assert "return" in self.cmd("qmp_capabilities")
-
-    def cmd(self, name, **args):
-        self.file.write(json.dumps({"execute": name, "arguments": args}) + "\n")
-        self.file.flush()
-        while True:
-            reply = json.loads(self.file.readline())
-            if "event" not in reply:
-                return reply
 
 
 @pytest.mark.daemon

@@ -135,6 +135,7 @@ def test_main_prints_what_fetch_sh_sources(monkeypatch, capsys):
     monkeypatch.setattr(resolve, "run_apt_cache", Archive(NEWER))
     assert resolve.main() == 0
     assert capsys.readouterr().out == (
+        "SERIES=6.1\n"
         "KREL=6.1.0-56-amd64\n"
         "KVER=6.1.192-2\n"
         "DEBS='linux-image-6.1.0-56-amd64=6.1.192-2 linux-headers-6.1.0-56-amd64=6.1.192-2"
@@ -265,3 +266,16 @@ def test_a_failing_apt_cache_is_its_last_error_line(tmp_path, monkeypatch):
     with pytest.raises(resolve.NoFit) as e:
         resolve.run_apt_cache(["policy", "linux-kbuild-6.1"])
     assert str(e.value) == "apt-cache policy linux-kbuild-6.1: E: the lists are locked"
+
+
+def test_the_backports_series_release_is_read_in_its_newer_form():
+    """6.12's packages name the release 6.12.N+debV-amd64, not 6.1's 6.1.0-N-amd64."""
+    out = "linux-image-amd64\n  Depends: linux-image-6.12.95+deb12-amd64\n"
+    assert resolve.kernel_release(out, "6.12") == "6.12.95+deb12-amd64"
+    with pytest.raises(resolve.NoFit):
+        resolve.kernel_release(out)  # not the 6.1 series
+
+
+def test_main_refuses_an_argument_it_does_not_know(capsys):
+    assert resolve.main(["--serie", "6.12"]) == 2
+    assert "usage" in capsys.readouterr().err
