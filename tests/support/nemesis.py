@@ -488,7 +488,8 @@ class LenderCheck:
         for resp in answer.get("responses", []):
             for kv in resp.get("response_range", {}).get("kvs", []):
                 d = json.loads(unb64(kv["value"]))
-                fdid, token = int(d["fdid"]), int(kv["create_revision"])
+                # a record re-made under its key (a hand-over) names its token (etcd_txn)
+                fdid, token = int(d["fdid"]), int(d.get("reissued") or kv["create_revision"])
                 self._owners[(fdid, token)] = borrower_of(d["node"], d["vm"])
                 self.newest[fdid] = max(self.newest.get(fdid, 0), token)
 
@@ -522,8 +523,8 @@ class LenderCheck:
             if (fdid, token) not in self._owners:
                 _rev, kvs = self._gw.range(self._keys.fence(fdid), revision=token)
                 for kv in kvs:
-                    if kv.create_revision == token:
-                        d = json.loads(kv.value)
+                    d = json.loads(kv.value)
+                    if int(d.get("reissued") or kv.create_revision) == token:
                         self._owners[(fdid, token)] = borrower_of(d["node"], d["vm"])
             owner = self._owners.get((fdid, token))
             if owner != borrower:

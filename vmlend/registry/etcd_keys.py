@@ -277,20 +277,23 @@ def compiled_of(record: dict[str, Any]) -> bytes | None:
         return None
 
 
-def hold_to_json(hold: HoldRecord, claim_keys: list[str]) -> bytes:
+def hold_to_json(hold: HoldRecord, claim_keys: list[str], reissued: int = 0) -> bytes:
+    """``reissued``: the fencing token of a hold re-made under a key that exists (0: none, the
+    key's creation revision is the token; ``EtcdTxn.add_hold``)."""
     h = hold.holder
-    return dump(
-        {
-            "fdid": hold.fdid,
-            "node": h.node,
-            "vm": h.vm,
-            "vm_uuid": h.vm_uuid,
-            "since": hold.since,
-            "phase": hold.phase.value,
-            "guest_ram": hold.guest_ram,
-            "claims": claim_keys,
-        }
-    )
+    d: dict[str, Any] = {
+        "fdid": hold.fdid,
+        "node": h.node,
+        "vm": h.vm,
+        "vm_uuid": h.vm_uuid,
+        "since": hold.since,
+        "phase": hold.phase.value,
+        "guest_ram": hold.guest_ram,
+        "claims": claim_keys,
+    }
+    if reissued:
+        d["reissued"] = reissued
+    return dump(d)
 
 
 def hold_from_dict(d: dict[str, Any]) -> HoldRecord:

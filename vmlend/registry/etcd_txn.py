@@ -841,8 +841,9 @@ class EtcdTxn:
     def holds(self) -> dict[int, HoldRecord]:
         out = {}
         for key, raw in self._range(self._k.holds).items():
-            hold = enc.hold_from_dict(enc.load(raw))
-            out[hold.fdid] = msgspec.structs.replace(hold, token=self._created(key))
+            d = enc.load(raw)
+            hold = enc.hold_from_dict(d)
+            out[hold.fdid] = msgspec.structs.replace(hold, token=self._token(key, d))
         return out
 
     @_decoding("hold")
@@ -872,16 +873,35 @@ class EtcdTxn:
         if d is None:
             return None
         return msgspec.structs.replace(
-            enc.hold_from_dict(d), token=self._created(self._k.hold(fdid))
+            enc.hold_from_dict(d), token=self._token(self._k.hold(fdid), d)
         )
 
-    def _created(self, key: str) -> int:
-        """``key``'s creation revision as this transaction read it (0: written by it): the
-        fencing token of a hold and of the fence it leaves (both made in one Txn)."""
+    def _token(self, key: str, d: dict[str, Any]) -> int:
+        """The fencing token of the hold or fence record ``d`` read at ``key`` (0: written by
+        this transaction, known once committed): its ``reissued`` token when it was re-made
+        under a key that existed (``add_hold``), else the key's creation revision (a hold and
+        the fence it leaves are made in one Txn, so theirs agree)."""
         if key in self._writes:
             return 0
+        if d.get("reissued"):
+            return int(d["reissued"])
         kv = self._snap.get(key)
         return 0 if kv is None else kv.create_revision
+
+    def _reissue(self, fdid: int) -> int:
+        """The token a hold of ``fdid`` made now carries in its records, or 0 when its hold
+        and fence keys do not exist in the store (the put creates them: their creation
+        revision, the commit's, is the token). A hand-over deletes the source's hold and adds
+        the destination's in one Txn, which etcd commits as a put of an existing key: its
+        creation revision would stay the old holder's, and the device's side, told "the same
+        token", would not refuse the old holder. So the re-made records carry the revision
+        after this attempt's reads: newer than every token issued for the device so far
+        (each was a revision at or before them), older than any issued after the commit, and
+        nobody else's, since a commit in between touching this device fails the compares."""
+        hold, fence = self._k.hold(fdid), self._k.fence(fdid)
+        if self._snap.peek(hold) is None and self._snap.peek(fence) is None:
+            return 0
+        return self._snap.revision + 1
 
     def add_hold(self, hold: HoldRecord, claims: Iterable[Claim]) -> None:
         self._write()
@@ -892,7 +912,8 @@ class EtcdTxn:
             key = self._k.claim(c.adapter, hold.fdid, n)
             self._put(key, enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)}), leased=True)
             keys.append(key)
-        self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys), leased=True)
+        reissued = self._reissue(hold.fdid)
+        self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys, reissued), leased=True)
         who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
         self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
         self._touch_vm(hold.holder, hold.fdid)
@@ -903,8 +924,11 @@ class EtcdTxn:
         # creation revision is the hold's: its fencing token. Its "token" field keeps the lease
         # the hold was under (what the agent moves when the host's lease changes).
         h = hold.holder
-        fence = {"fdid": hold.fdid, "node": h.node, "vm": h.vm, "vm_uuid": h.vm_uuid}
-        self._put(self._k.fence(hold.fdid), enc.dump({**fence, "token": self.lease()}))
+        fence: dict[str, Any] = {"fdid": hold.fdid, "node": h.node, "vm": h.vm}
+        fence |= {"vm_uuid": h.vm_uuid, "token": self.lease()}
+        if reissued:
+            fence["reissued"] = reissued
+        self._put(self._k.fence(hold.fdid), enc.dump(fence))
 
     @_decoding("hold")
     def set_phase(self, fdid: int, phase: Phase) -> None:
@@ -993,7 +1017,7 @@ class EtcdTxn:
     def _fence_from(self, key: str, raw: bytes) -> FenceRecord:
         d = enc.load(raw)
         holder = Holder(node=d["node"], vm=d["vm"], vm_uuid=d.get("vm_uuid", ""))
-        return FenceRecord(int(d["fdid"]), holder, self._created(key))
+        return FenceRecord(int(d["fdid"]), holder, self._token(key, d))
 
     @_decoding("fence")
     def fence(self, fdid: int) -> FenceRecord | None:

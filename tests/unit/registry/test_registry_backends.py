@@ -74,3 +74,34 @@ def test_every_new_hold_gets_a_larger_fencing_token_on_both_backends(fabric):
         if fdid == 0x10:
             assert fabric.release(fdid, holder)
     assert tokens[0] > 0 and tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+def test_a_hand_over_and_back_issue_newer_tokens_on_both_backends(fabric):
+    """A hot migration's hand-over replaces the source's hold by the destination's in one
+    transaction, and a rollback's hand-back the other way: each new hold, and the fence it
+    leaves, has a token newer than the one before, so the device's side refuses the old
+    holder. On etcd the re-made hold keeps its key, whose creation revision would stay the
+    old holder's: the records carry their token instead (``reissued``)."""
+    from vmlend.ledger import handover
+    from vmlend.registry.etcd_store import EtcdRegistry
+    from vmlend.registry.records import Phase
+
+    src, dst = Holder("gamma", "vm1", VM1.vm_uuid), Holder("beta", "vm1", VM1.vm_uuid)
+    fabric.reserve(GPU_ALPHA, src, guest_ram=GiB)
+    first = fabric.holds()[GPU_ALPHA].token
+    claimed = handover.claim_destination(fabric.registry, [GPU_ALPHA], src, dst, GiB)
+    moved = handover.hand_over(fabric.registry, claimed, {}, 0.0)
+    with fabric.registry.read() as tx:
+        hold, fence = tx.hold(GPU_ALPHA), tx.fence(GPU_ALPHA)
+    assert hold is not None and hold.holder == dst
+    assert moved[GPU_ALPHA] == hold.token > first
+    if isinstance(fabric.registry, EtcdRegistry):  # a cluster's fence: what a lender takes
+        assert fence is not None and fence.token == hold.token  # back by, after a lost lease
+    # a rewrite of the record keeps its token
+    fabric.registry.transact(lambda tx: tx.set_phase(GPU_ALPHA, Phase.BORROWED))
+    assert fabric.holds()[GPU_ALPHA].token == moved[GPU_ALPHA]
+    back = handover.hand_back(fabric.registry, claimed, {}, 0.0)
+    assert back[GPU_ALPHA] == fabric.holds()[GPU_ALPHA].token > moved[GPU_ALPHA]
+    assert fabric.release(GPU_ALPHA, src)
+    fabric.reserve(GPU_ALPHA, Holder("gamma", "vm2"))  # a new hold as ever: newer again
+    assert fabric.holds()[GPU_ALPHA].token > back[GPU_ALPHA]
