@@ -383,6 +383,17 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
             f"the NVMe share of {_fds(backed)} has a backup path (its relay rings live in"
             f" {run.fabric.local_node}'s memory): VM {name!r} moves with its devices unplugged",
         )
+    # An unplugged share is returned on the source and made again on the destination, on
+    # whatever blocks the drive gives there: the guest's disk would not follow it, and its
+    # old blocks could go to another VM (unwiped) while it is away. Only a hot move keeps a
+    # share's blocks; until an unplugged move can too, it is refused.
+    unplugged = [f for f in shares if mode.device_mode(f) == UNPLUG]
+    if unplugged:
+        raise MigrationError(
+            f"VM {name!r} would move its queue-level NVMe shares ({_fds(unplugged)}) unplugged"
+            f" ({mode.line.rstrip('.')}), which does not keep a share's blocks; move it cold,"
+            " or detach the shares first"
+        )
     if shares and run.plugs is not None:
         raise MigrationError(
             f"VM {name!r} has queue-level NVMe shares ({_fds(shares)}), which the destination's"
