@@ -858,8 +858,12 @@ class FabricMachine(RuleBasedStateMachine):
             assert share.node == to and share.name == f"vm:{to}/{vm.name}"
             _m, _h, recorded = self._records_of(vm.holder)
             assert [e.share.name for e in recorded] == [share.name]
-            if entry.driver is not None:
-                entry.driver.memory = vm.guest  # the guest's driver runs on its copied RAM
+            if entry.driver is not None:  # the guest's driver runs on its copied RAM, and
+                # reaches its CMB extent (if it has one) from the destination now
+                cmb = share.cmb
+                entry.driver.memory = vm.guest if cmb is None else GuestWithCmb(vm.guest, cmb)
+                if cmb is not None:
+                    assert cmb.node == to
             event("hot migration: a share moved with the VM")
         if stuck:
             refused = self._replug(vm, stuck)

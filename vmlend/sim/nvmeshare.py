@@ -763,6 +763,8 @@ class SharedNvmeDrive:
         vms.share = vms.virtual.share = moved
         self.shares[new_name] = self.shares.pop(old_name)
         vms.epoch = token
+        if vms.cmb is not None:  # the guest's CPU now reaches its extent from ``node``
+            vms.cmb.node = node
         if vms.mdev is not None and self.hw.close_mdev(vms.mdev):
             self.hw.open_mdev(vms.mdev, self.fdid, node, vms.vm, vms.revoke, share=True)
         log.info("NVMe share %s of %#x moved to %s (epoch %d)", old_name, self.fdid, node, token)

@@ -320,3 +320,35 @@ def test_the_checker_finds_a_window_onto_another_share_s_extent(hw, tmp_path):
     found = check_hardware(hw, shares=without_a)
     assert any(v.kind == "cmb" and "no current share" in v.detail for v in found), found
     drive.close()
+
+
+def test_a_share_moved_hot_reaches_its_extent_from_its_new_node(hw, tmp_path):
+    """After a hot move the guest's CPU reaches its CMB extent through the destination's
+    adapter: its commands still complete, and a dead cable of the new route (not the old
+    one) cuts its CMB writes."""
+    drive = make_drive(hw, tmp_path, 4 * EXTENT)
+    share, drv, qp = boot_cmb(hw, drive, "b1", "vm-a")
+    data = b"before the move".ljust(4096, b"\x00")
+    assert drv.write(qp, 8, data).ok
+    before = share.doorbell_route()
+    there = hw.create_guest("b2", "vm-a", [GuestRange(0, 64 * MiB)])
+    there.write(0, hw.guest("b1", "vm-a").read(0, 64 * MiB))  # the migration's copy
+    drive.move_share(share, "b2", 1)
+    holds(hw, drive)
+    assert share.cmb is not None and share.cmb.node == "b2"
+    access = share.cmb.resolve(0, spec.SQE_SIZE)
+    assert [h.node for h in access.hops][:2] == ["b2", "b2"]  # cpu, borrower adapter
+    drv.memory = GuestWithCmb(there, share.cmb)
+    done, got = drv.read(qp, 8, 8)
+    assert done.ok and got == data
+    route = share.doorbell_route()
+    assert before is not None and route is not None
+    (b1_only,) = set(before.links) - set(route.links)
+    (b2_only,) = set(route.links) - set(before.links)
+    hw.link_down(b1_only)  # the old route's own cable: nothing of the share's goes there now
+    assert share.cmb.resolve(0, spec.SQE_SIZE).node == drive.device.lender
+    hw.link_down(b2_only)
+    with pytest.raises(DmaFault) as e:
+        share.cmb.resolve(0, spec.SQE_SIZE)
+    assert e.value.hop == "link-down"
+    drive.close()
