@@ -20,6 +20,7 @@ POINTS: dict[str, tuple[str, ...]] = {
     "migrate": ("after-stop", "after-return", "after-define", "after-undefine"),
     "live-migrate": ("after-unplug", "after-migrate", "after-replug"),
     "hot-migrate": ("after-claim", "after-hand-over", "after-migrate"),
+    "live-rollback": ("after-hand-back",),
     "prepare": ("after-device",),
     "release": ("after-mdevs",),
 }

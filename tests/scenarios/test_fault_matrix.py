@@ -186,9 +186,15 @@ def _nothing_on_alpha(cluster: SimCluster) -> None:
 
 
 def _rolled_back(cluster: SimCluster, args: tuple[str, ...], before: dict) -> dict:
-    """Roll the killed move back; the VM runs on gamma with its devices at their addresses,
-    each hold gamma's again, its token never older; nothing is left for alpha."""
-    res = _run(cluster.state_path, *args, "--rollback")
+    """Roll the killed move back (``_check_rolled_back``)."""
+    return _check_rolled_back(cluster, _run(cluster.state_path, *args, "--rollback"), before)
+
+
+def _check_rolled_back(
+    cluster: SimCluster, res: subprocess.CompletedProcess[str], before: dict
+) -> dict:
+    """The rollback ``res`` succeeded: the VM runs on gamma with its devices at their
+    addresses, each hold gamma's again, its token never older; nothing is left for alpha."""
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("rolled back the live migrate of VM 'vm1': it runs on gamma")
     _consistent(cluster)
@@ -239,6 +245,27 @@ def test_hot_migrate_killed_then_rolled_back(cluster, point):
         assert after == before
     else:
         assert all(after[f][1] > before[f][1] for f in after)
+
+
+def test_a_rollback_killed_after_its_hand_back_re_points_when_run_again(cluster):
+    """The hand-back commits before the lenders are re-pointed: a rollback killed between
+    the two leaves the registry the source's and the lenders serving the destination. Run
+    again, it re-points them with the source's newer tokens (before, it took the holds being
+    the source's for a move never handed over, released the room and re-pointed nothing)."""
+    cluster.define("gamma", "vm1", running=True, memory=256 * MiB)
+    for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
+        attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
+        assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
+    before = _tokens(cluster)
+    args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
+    _killed(_run(cluster.state_path, *args, fault="hot-migrate:after-hand-over"))
+    _killed(_run(cluster.state_path, *args, "--rollback", fault="live-rollback:after-hand-back"))
+    handed_back = _tokens(cluster)
+    assert all(handed_back[f][1] > before[f][1] for f in handed_back)
+    res = _run(cluster.state_path, *args, "--rollback")
+    assert "handed back to gamma (0x10 token" in res.stderr, res.stderr
+    assert "room claimed" not in res.stderr
+    assert _check_rolled_back(cluster, res, before) == handed_back
 
 
 def test_prepare_killed_is_cleaned_up_by_the_release_hook(cluster, monkeypatch):

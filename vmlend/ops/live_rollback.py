@@ -23,14 +23,16 @@ from pathlib import Path
 
 from vmlend.errors import MigrationError, UnknownDomainError
 from vmlend.fabric.base import Fabric, Repoints
+from vmlend.faults import fault_point
 from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
 from vmlend.ledger import handover
 from vmlend.lending.devices import holder_for
 from vmlend.ops.hot_move import moved_tokens, registry_of
 from vmlend.ops.live_migrate import LiveMigrateResult, live_migrate, put_back_on_source
 from vmlend.ops.live_mode import HOT, MIXED, UNPLUG
-from vmlend.ops.live_state import LiveJournal, drop_journal, load_journal
+from vmlend.ops.live_state import LiveJournal, drop_journal, load_journal, save_journal
 from vmlend.ops.unplug import DetachWait
+from vmlend.registry import same_holder
 from vmlend.topology.model import format_fdid
 
 Progress = Callable[[str], None]
@@ -94,15 +96,16 @@ def roll_back_live(
             src, dst, fabric, dst_fabric, journal, state_dir, wait, step, clock, steps
         )
     step(f"rolling back the live migration of {journal.vm} to {dest_node}: it runs on {source}")
-    _undo_hand_over(fabric, journal, step)
+    _undo_hand_over(fabric, journal, state_dir, step)
     missing = put_back_on_source(
         src, fabric, journal, state_dir, wait=wait, progress=step, clock=clock
     )
     drop_journal(state_dir, journal.vm)
     if missing is not None:
         raise MigrationError(f"VM {journal.vm!r} runs on {source} without {missing}")
-    step(f"{journal.vm} runs on {source} with all its devices; nothing of it is left on"
-         f" {dest_node}")
+    step(
+        f"{journal.vm} runs on {source} with all its devices; nothing of it is left on {dest_node}"
+    )
     return LiveMigrateResult(
         journal.vm,
         dest_node,
@@ -114,26 +117,42 @@ def roll_back_live(
     )
 
 
-def _undo_hand_over(fabric: Fabric, journal: LiveJournal, step: Progress) -> None:
+def _undo_hand_over(fabric: Fabric, journal: LiveJournal, state_dir: Path, step: Progress) -> None:
     """A hot or mixed move's registry side, undone: the destination's claims go, or the
-    hand-over is reversed under newer tokens and the lenders serve the source again."""
+    hand-over is reversed under newer tokens and the lenders serve the source again.
+
+    The hand-back commits before the lenders are re-pointed, so a run killed (or refused by a
+    lender) in between leaves the registry the source's and a lender serving the destination's
+    borrow. The journal says the hand-back began; a re-run that finds the holds the source's
+    again re-points with their current tokens (the device takes a token equal to its newest)."""
     registry = registry_of(fabric)
     claimed = journal.claimed
     if journal.mode not in (HOT, MIXED) or claimed is None or registry is None:
         return
+    src_holder = holder_for(fabric, journal.vm, journal.vm_uuid)
     if moved_tokens(registry, claimed) is None:
         handover.abandon(registry, claimed)
-        step(f"room claimed for {journal.vm} on {journal.destination} released")
-        return
-    wanted = {d.fdid for d in journal.devices}
-    with registry.read() as tx:
-        mdevs = {
-            m.fdid: m.uuid
-            for m in tx.mdevs()
-            if m.node == journal.destination and m.vm == journal.vm and m.fdid in wanted
-        }
-    tokens = handover.hand_back(registry, claimed, mdevs, time.time())
-    src_holder = holder_for(fabric, journal.vm, journal.vm_uuid)
+        if not journal.handing_back:
+            step(f"room claimed for {journal.vm} on {journal.destination} released")
+            return
+        with registry.read() as tx:  # an earlier run's hand-back committed
+            tokens = {
+                f: h.token
+                for f in claimed.claims
+                if (h := tx.hold(f)) is not None and same_holder(h.holder, src_holder)
+            }
+    else:
+        journal.handing_back = True
+        save_journal(state_dir, journal)
+        wanted = {d.fdid for d in journal.devices}
+        with registry.read() as tx:
+            mdevs = {
+                m.fdid: m.uuid
+                for m in tx.mdevs()
+                if m.node == journal.destination and m.vm == journal.vm and m.fdid in wanted
+            }
+        tokens = handover.hand_back(registry, claimed, mdevs, time.time())
+        fault_point("live-rollback:after-hand-back")
     for fdid, token in sorted(tokens.items()):
         if fdid not in claimed.shares and isinstance(fabric, Repoints):
             fabric.repoint(fdid, src_holder, token)
@@ -158,8 +177,18 @@ def _back_from_destination(
     unplug = journal.mode == UNPLUG
     step(f"{name} runs on {dest} already: finishing the move there, then moving it back")
     live_migrate(
-        src, dst, fabric, dst_fabric, name, dest, how=LiveMigration(), state_dir=state_dir,
-        wait=wait, progress=step, clock=clock, unplug=unplug,
+        src,
+        dst,
+        fabric,
+        dst_fabric,
+        name,
+        dest,
+        how=LiveMigration(),
+        state_dir=state_dir,
+        wait=wait,
+        progress=step,
+        clock=clock,
+        unplug=unplug,
     )
     persistent = dst.lookup(name).persistent
     back = live_migrate(

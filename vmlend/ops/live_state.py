@@ -82,6 +82,10 @@ class LiveJournal(msgspec.Struct):
     shares: list[int] = msgspec.field(default_factory=list)
     #: Mixed ("mixed"): the devices that go unplugged (they cannot quiesce); the rest move hot.
     unplug: list[int] = msgspec.field(default_factory=list)
+    #: ``--rollback`` began handing the holds back (written before the hand-back commits):
+    #: a re-run that finds them the source's again re-points the lenders, which the killed
+    #: run may not have done.
+    handing_back: bool = False
 
     def device_mode(self, fdid: int) -> str:
         """How device ``fdid`` moves: "hot" or "unplug"."""
