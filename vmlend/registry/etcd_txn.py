@@ -257,6 +257,9 @@ class EtcdTxn:
         self._host_lease = host_lease
         self._writes: dict[str, bytes | None] = {}
         self._leased: set[str] = set()
+        #: Leased keys this transaction writes for a new hold: they take this host's lease
+        #: even where the key exists (a hand-over re-makes the hold under its key).
+        self._fresh: set[str] = set()
         self._range_deletes: list[str] = []
         self._claimed: dict[str, dict[tuple[str, str], int]] = {}
 
@@ -543,13 +546,18 @@ class EtcdTxn:
         if new != d:
             self._put(key, enc.dump(new), leased=True)
 
-    def _put(self, key: str, value: bytes, *, leased: bool = False) -> None:
+    def _put(self, key: str, value: bytes, *, leased: bool = False, fresh: bool = False) -> None:
         """Buffer a put. ``leased``: the record goes with its host (holds, claims, mdevs,
-        runtime): a new key gets this host's agent lease, a rewritten one keeps its lease."""
+        runtime): a new key gets this host's agent lease, a rewritten one keeps its lease.
+        ``fresh``: a record of a new hold, which gets this host's lease even where its key
+        exists (a hand-over's destination hold would otherwise stay on the source host's
+        lease, and end with it while the destination's VM runs)."""
         self._write()
         self._writes[key] = value
         if leased:
             self._leased.add(key)
+            if fresh:
+                self._fresh.add(key)
             self._lease_for(key)  # no agent: refuse now, before anything else is decided
 
     def lease(self) -> int:
@@ -557,6 +565,8 @@ class EtcdTxn:
         return self._host_lease() if self._host_lease is not None else 0
 
     def _lease_for(self, key: str) -> int:
+        if key in self._fresh:
+            return self.lease()
         kv = None if self._deleted_by_range(key) else self._snap.peek(key)
         return kv.lease if kv is not None else self.lease()
 
@@ -910,12 +920,14 @@ class EtcdTxn:
         keys = []
         for n, c in enumerate(claims):
             key = self._k.claim(c.adapter, hold.fdid, n)
-            self._put(key, enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)}), leased=True)
+            claim = enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)})
+            self._put(key, claim, leased=True, fresh=True)
             keys.append(key)
         reissued = self._reissue(hold.fdid)
-        self._put(self._k.hold(hold.fdid), enc.hold_to_json(hold, keys, reissued), leased=True)
+        record = enc.hold_to_json(hold, keys, reissued)
+        self._put(self._k.hold(hold.fdid), record, leased=True, fresh=True)
         who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
-        self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True)
+        self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True, fresh=True)
         self._touch_vm(hold.holder, hold.fdid)
         rows = [self._row(c) for c in claims]
         if rows:

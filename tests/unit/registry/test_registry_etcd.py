@@ -444,3 +444,38 @@ def test_a_reserve_and_release_cycle_with_guest_ram_costs_four_requests(etcd_url
         reserved = len(etcd_requests)
         assert f.release(0x10, holder)
     assert (reserved, len(etcd_requests)) == (2, 4)
+
+
+def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, tmp_path):
+    """A hot migration's hand-over re-makes the hold under its key: the destination's hold,
+    its claims and its index entry go on the destination host's lease. Before, the hold and
+    the claims kept the source's lease (a rewritten key keeps its lease), so stopping the
+    source's agent after moving its VMs away ended the destination's hold with it."""
+    from vmlend.ledger import handover
+    from vmlend.registry.etcd_gateway import prefix_end
+    from vmlend.registry.etcd_keys import Keys
+
+    fabric = make_fabric(etcd_url)  # gamma's, on the test host's lease
+    dst = Holder("beta", VM1.vm, VM1.vm_uuid)
+    fabric.reserve(0x10, VM1, guest_ram=GiB)
+    loc = parse_location(etcd_url)
+    assert isinstance(loc, RegistryLocation)
+    gw, keys = EtcdGateway(loc.endpoints), Keys(loc.cluster)
+
+    def leases(prefix: str) -> set[int]:
+        _rev, kvs = gw.range(prefix, prefix_end(prefix))
+        assert kvs, prefix
+        return {kv.lease for kv in kvs}
+
+    claims = [keys.claims_on(a) for a in ("alpha:0", "gamma:0")]
+    source = leases(keys.hold(0x10))
+    beta = host_lease(etcd, tmp_path / "beta-host", "beta")
+    assert beta not in source
+    there = EtcdRegistry.open(EtcdGateway(loc.endpoints), loc.cluster, host_lease=lambda: beta)
+    claimed = handover.claim_destination(fabric.registry, [0x10], VM1, dst, GiB)
+    handover.hand_over(there, claimed, {}, 0.0)
+    assert leases(keys.hold(0x10)) == {beta}
+    assert leases(keys.held_on("beta", 0x10)) == {beta}
+    for prefix in claims:
+        assert leases(prefix + "0x10/") == {beta}, prefix
+    gw.close()
