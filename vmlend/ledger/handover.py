@@ -246,9 +246,7 @@ def hand_over(
             if uuid is not None:
                 tx.delete_mdev(uuid)
             tx.delete_hold(fdid)
-            tx.add_hold(
-                HoldRecord(fdid, dst, clock, hold.phase, hold.guest_ram), claims
-            )
+            tx.add_hold(HoldRecord(fdid, dst, clock, hold.phase, hold.guest_ram), claims)
             if uuid is not None:
                 if tx.parent(dst.node, fdid) is None:
                     tx.add_parent(ParentRecord(dst.node, fdid, parent_name(fdid)))
@@ -264,8 +262,7 @@ def hand_over(
         return moved
 
     registry.transact(body)
-    with registry.read() as tx:  # the tokens are the store's, known once committed
-        return {f: h.token for f in fdids if (h := tx.hold(f)) is not None} | epochs
+    return _tokens_of(registry, fdids, dst) | epochs
 
 
 def release_source(registry: Registry, claimed: Claimed) -> None:
@@ -315,5 +312,13 @@ def hand_back(
                 epochs[d] = got
 
     registry.transact(body)
+    return _tokens_of(registry, fdids, src) | epochs
+
+
+def _tokens_of(registry: Registry, fdids: list[int], holder: Holder) -> dict[int, int]:
+    """The fencing tokens of ``holder``'s holds of ``fdids``, read once committed (the store
+    issues them). A hold that changed hands since (a release and another VM's reserve in
+    between) is left out: the caller re-points only what ``holder`` still holds."""
     with registry.read() as tx:
-        return {f: h.token for f in fdids if (h := tx.hold(f)) is not None} | epochs
+        holds = {f: tx.hold(f) for f in fdids}
+    return {f: h.token for f, h in holds.items() if h is not None and same_holder(h.holder, holder)}

@@ -105,3 +105,27 @@ def test_a_hand_over_and_back_issue_newer_tokens_on_both_backends(fabric):
     assert fabric.release(GPU_ALPHA, src)
     fabric.reserve(GPU_ALPHA, Holder("gamma", "vm2"))  # a new hold as ever: newer again
     assert fabric.holds()[GPU_ALPHA].token > back[GPU_ALPHA]
+
+
+def test_a_hand_over_gives_no_token_for_a_hold_that_changed_hands_since(fabric, monkeypatch):
+    """The tokens are read once the hand-over committed; a hold released and taken by
+    another VM in between is not reported as the destination's (the caller would re-point
+    the lender to the destination under the other VM's token)."""
+    from vmlend.ledger import handover
+
+    src, dst = Holder("gamma", "vm1", VM1.vm_uuid), Holder("beta", "vm1", VM1.vm_uuid)
+    fabric.reserve(GPU_ALPHA, src, guest_ram=GiB)
+    claimed = handover.claim_destination(fabric.registry, [GPU_ALPHA], src, dst, GiB)
+    registry = fabric.registry
+    commit = registry.transact
+
+    def then_taken(body):
+        out = commit(body)
+        monkeypatch.setattr(registry, "transact", commit)  # once
+        assert fabric.release(GPU_ALPHA, dst)
+        fabric.reserve(GPU_ALPHA, Holder("gamma", "vm2"))
+        return out
+
+    monkeypatch.setattr(registry, "transact", then_taken)
+    assert handover.hand_over(registry, claimed, {}, 0.0) == {}
+    assert fabric.holds()[GPU_ALPHA].holder == Holder("gamma", "vm2")
