@@ -78,7 +78,8 @@ def _dest_uri(src: Hypervisor, to: str, dest_uri: str | None) -> str:
     is_flag=True,
     help="Move the running VM without stopping it: its remote devices (NVMe shares too) stay"
     " plugged where they can quiesce (hot), the others are unplugged, then plugged back in on"
-    " the destination at the same guest addresses.",
+    " the destination at the same guest addresses. A move that would unplug an NVMe share is"
+    " refused (its blocks would not follow it).",
 )
 @click.option(
     "--unplug",
@@ -129,8 +130,9 @@ def migrate_cmd(
     A running VM is shut down first, unless --live: then its remote devices (and its NVMe
     shares) stay plugged while it moves (hot) where the nodes and each device's driver allow
     it; the others, said in one line each (mixed), or all when the nodes cannot, leave the
-    guest while it moves and come back at the same addresses. --live --rollback undoes an
-    interrupted live move: the VM runs here again with its devices."""
+    guest while it moves and come back at the same addresses (never an NVMe share: such a
+    move is refused). --live --rollback undoes an interrupted live move: the VM runs here
+    again with its devices."""
     given = click.get_current_context().params
     wrong = [o for o in (_COLD_ONLY if live else _LIVE_ONLY) if given.get(o)]
     if wrong:
