@@ -245,16 +245,7 @@ def hand_over(
             uuid = mdevs.get(fdid)
             if uuid is not None:
                 tx.delete_mdev(uuid)
-            tx.delete_hold(fdid)
-            tx.add_hold(HoldRecord(fdid, dst, clock, hold.phase, hold.guest_ram), claims)
-            if uuid is not None:
-                if tx.parent(dst.node, fdid) is None:
-                    tx.add_parent(ParentRecord(dst.node, fdid, parent_name(fdid)))
-                tx.add_mdev(
-                    MdevRecord(uuid, fdid, dst.node, parent_name(fdid), MDEV_TYPE, dst.vm, clock)
-                )
-            if tx.parent(src.node, fdid) is not None:
-                tx.delete_parent(src.node, fdid)
+            _remake_hold(tx, hold, dst, src.node, claims, uuid, clock)
             moved.append((fdid, claims))
         for d in drives:
             handover_record.clear(tx, [d], src.vm_uuid)
@@ -263,6 +254,31 @@ def hand_over(
 
     registry.transact(body)
     return _tokens_of(registry, fdids, dst) | epochs
+
+
+def _remake_hold(
+    tx: StateTxn,
+    hold: HoldRecord,
+    holder: Holder,
+    left: str,
+    claims: list[Claim],
+    mdev: str | None,
+    clock: float,
+) -> None:
+    """``hold`` made again as ``holder``'s with ``claims`` (a new fencing token), its mdev
+    record (``mdev``, removed by the caller) made on ``holder``'s node under its parent, and
+    the parent record on ``left``, the node it leaves, dropped."""
+    fdid = hold.fdid
+    tx.delete_hold(fdid)
+    tx.add_hold(HoldRecord(fdid, holder, clock, hold.phase, hold.guest_ram), claims)
+    if mdev is not None:
+        if tx.parent(holder.node, fdid) is None:
+            tx.add_parent(ParentRecord(holder.node, fdid, parent_name(fdid)))
+        tx.add_mdev(
+            MdevRecord(mdev, fdid, holder.node, parent_name(fdid), MDEV_TYPE, holder.vm, clock)
+        )
+    if tx.parent(left, fdid) is not None:
+        tx.delete_parent(left, fdid)
 
 
 def release_source(registry: Registry, claimed: Claimed) -> None:
@@ -296,16 +312,7 @@ def hand_back(
             uuid = mdevs.get(fdid)
             if uuid is not None and tx.mdev(uuid) is not None:
                 tx.delete_mdev(uuid)
-            tx.delete_hold(fdid)
-            tx.add_hold(HoldRecord(fdid, src, clock, hold.phase, hold.guest_ram), keep)
-            if uuid is not None:
-                if tx.parent(src.node, fdid) is None:
-                    tx.add_parent(ParentRecord(src.node, fdid, parent_name(fdid)))
-                tx.add_mdev(
-                    MdevRecord(uuid, fdid, src.node, parent_name(fdid), MDEV_TYPE, src.vm, clock)
-                )
-            if tx.parent(dst.node, fdid) is not None:
-                tx.delete_parent(dst.node, fdid)
+            _remake_hold(tx, hold, src, dst.node, keep, uuid, clock)
         for d in sorted(claimed.shares):
             got = sharemove.hand_back(tx, d, dst, src, mdevs.get(d), clock)
             if got is not None:
