@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.cli_cluster import GAMMA, SimCluster
 from tests.support.handover_checks import registry_violations
+from tests.support.live_moves import holds
 from vmlend.domain import read_domain
 from vmlend.errors import HookFailedError
 from vmlend.faults import FAULT_ENV, POINTS
@@ -167,11 +168,6 @@ def test_hot_migrate_killed_then_rerun(cluster, point):
     assert record["mode"] == "hot" and record["resumed"] is True
 
 
-def _tokens(cluster: SimCluster) -> dict[int, tuple[str, int]]:
-    with cluster.fabric() as f, f.registry.read() as tx:
-        return {d: (f"{h.holder.node}/{h.holder.vm}", h.token) for d, h in tx.holds().items()}
-
-
 def _nothing_on_alpha(cluster: SimCluster) -> None:
     """No claim, mdev or hand-over record of vm1 is left for alpha."""
     with cluster.fabric() as f, f.registry.read() as tx:
@@ -200,7 +196,7 @@ def _check_rolled_back(
     _consistent(cluster)
     gamma = cluster.hv("gamma")
     assert gamma.lookup("vm1").active and gamma.lookup("vm1").persistent
-    after = _tokens(cluster)
+    after = holds(cluster)
     assert {f: h for f, (h, _t) in after.items()} == {0x10: "gamma/vm1", 0x11: "gamma/vm1"}
     assert all(after[f][1] >= before[f][1] for f in after)
     live = read_domain(gamma.xml("vm1"))
@@ -218,7 +214,7 @@ def test_live_migrate_killed_then_rolled_back(cluster, fault):
     for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
         attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
         assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
-    before = _tokens(cluster)
+    before = holds(cluster)
     args = (
         *("migrate", "vm1", "--to", "alpha", "--live", "--unplug"),
         *("--persistent", "--undefinesource", *GAMMA),
@@ -237,7 +233,7 @@ def test_hot_migrate_killed_then_rolled_back(cluster, point):
     for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
         attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
         assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
-    before = _tokens(cluster)
+    before = holds(cluster)
     args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
     _killed(_run(cluster.state_path, *args, fault=f"hot-migrate:{point}"))
     after = _rolled_back(cluster, args, before)
@@ -256,11 +252,11 @@ def test_a_rollback_killed_after_its_hand_back_re_points_when_run_again(cluster)
     for fdid, address in ((0x10, "0000:00:0a.0"), (0x11, "0000:00:0b.0")):
         attach = ("attach", "vm1", hex(fdid), "--address", address, "--live", "--config")
         assert _run(cluster.state_path, *attach, *GAMMA).returncode == 0
-    before = _tokens(cluster)
+    before = holds(cluster)
     args = ("migrate", "vm1", "--to", "alpha", "--live", "--persistent", "--undefinesource", *GAMMA)
     _killed(_run(cluster.state_path, *args, fault="hot-migrate:after-hand-over"))
     _killed(_run(cluster.state_path, *args, "--rollback", fault="live-rollback:after-hand-back"))
-    handed_back = _tokens(cluster)
+    handed_back = holds(cluster)
     assert all(handed_back[f][1] > before[f][1] for f in handed_back)
     res = _run(cluster.state_path, *args, "--rollback")
     assert "handed back to gamma (0x10 token" in res.stderr, res.stderr

@@ -16,13 +16,14 @@ import pytest
 
 from tests.support.cli_cluster import GAMMA, SimCluster, hostdev_uuids
 from tests.support.handover_checks import assert_consistent, registry_violations
+from tests.support.live_moves import Watching, holds, running_with
 from vmlend.domain import read_domain
 from vmlend.errors import HookFailedError, MigrationError, QuiesceError
 from vmlend.hypervisor import LiveMigration
 from vmlend.ledger.handover_record import KIND, HandOverRecord
 from vmlend.ops.live_migrate import live_migrate
 from vmlend.ops.live_state import history, load_journal
-from vmlend.sim.hypervisor.node import IdleGuest, SimHypervisor
+from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.sim.register import LENDERS_ENV, LenderRegister
 
 GPU, NVME, NIC = 0x10, 0x12, 0x21
@@ -38,34 +39,9 @@ def lenders(tmp_path, monkeypatch) -> LenderRegister:
     return LenderRegister(where)
 
 
-def running_with(cluster: SimCluster, fdids: dict[int, str]) -> None:
-    cluster.define("gamma", "vm1", running=True)
-    for fdid, address in fdids.items():
-        r = cluster.cli("attach", "vm1", hex(fdid), "--address", address, "--live", *GAMMA)
-        assert r.exit_code == 0, r.output
-
-
-def holds(cluster: SimCluster) -> dict[int, tuple[str, int]]:
-    with cluster.fabric() as f, f.registry.read() as tx:
-        return {d: (f"{h.holder.node}/{h.holder.vm}", h.token) for d, h in tx.holds().items()}
-
-
 def handover_records(cluster: SimCluster) -> list[object]:
     with cluster.fabric() as f, f.registry.read() as tx:
         return tx.runtime(kind=KIND)
-
-
-class Watching(IdleGuest):
-    """A guest that notes every hot-plug and hot-unplug it sees."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def on_device_added(self, name: str, device_xml: bytes) -> None:
-        self.events.append("added")
-
-    def on_device_removed(self, name: str, device_xml: bytes) -> None:
-        self.events.append("removed")
 
 
 def test_live_keeps_the_devices_plugged_through_the_cli(cluster, lenders):
@@ -138,8 +114,9 @@ def test_a_nic_makes_the_vm_move_unplugged_said_in_one_line(cluster):
     r = cluster.cli("migrate", "vm1", "--to", "alpha", "--live", "--json", *GAMMA)
     assert r.exit_code == 0, r.output
     said = [ln for ln in r.stderr.splitlines() if "cannot quiesce" in ln]
-    assert said == ["vmlend: device 0x21 (nic) cannot quiesce: VM 'vm1' moves with its devices"
-                    " unplugged"]
+    assert said == [
+        "vmlend: device 0x21 (nic) cannot quiesce: VM 'vm1' moves with its devices unplugged"
+    ]
     assert "unplugging device 0x21 from vm1" in r.stderr
     data = json.loads(r.stdout)
     assert data["mode"] == "unplug" and set(data["blackout"]) == {"0x21"}
@@ -168,12 +145,20 @@ def test_a_failure_before_the_switch_leaves_everything_on_the_source(cluster, le
     served = {f: lenders.read(f) for f in (GPU, NVME)}
     src = cluster.hv("gamma")
     src.__class__ = RefusesQuiesce
-    with cluster.fabric("gamma") as f, cluster.fabric("beta") as g, pytest.raises(
-        MigrationError
-    ) as e:
+    with (
+        cluster.fabric("gamma") as f,
+        cluster.fabric("beta") as g,
+        pytest.raises(MigrationError) as e,
+    ):
         live_migrate(
-            src, cluster.hv("beta"), f, g, "vm1", "beta",
-            how=LiveMigration(), state_dir=cluster.state_path.parent,
+            src,
+            cluster.hv("beta"),
+            f,
+            g,
+            "vm1",
+            "beta",
+            how=LiveMigration(),
+            state_dir=cluster.state_path.parent,
         )
     assert str(e.value) == (
         "live migration of VM 'vm1' to beta failed: device 0x12 (nvme) cannot be quiesced:"
