@@ -274,3 +274,23 @@ class FramedRange:
     def write(self, address: int, data: bytes) -> None:
         for phys, pos, n in self._pieces(address, len(data)):
             self.memory.write(phys, data[pos : pos + n])
+
+
+class OwnedFrames(FramedRange):
+    """A ``FramedRange`` of ``size`` bytes (whole frames) that allocates its own frames of
+    ``memory`` for ``owner`` and frees them at ``close``; a failed allocation frees what it
+    took."""
+
+    def __init__(self, memory: HostMemory, size: int, owner: str, what: str) -> None:
+        super().__init__(memory, what)
+        try:
+            for _ in range(-(-size // FRAME)):
+                self.frames.append(memory.alloc(FRAME, owner=owner))
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for frame in self.frames:
+            self.memory.free(frame)
+        self.frames = []

@@ -78,7 +78,7 @@ from vmlend.sim.hardware import (
     fabric_requester_key,
     share_user,
 )
-from vmlend.sim.hostmem import FRAME, FramedRange, HostMemory
+from vmlend.sim.hostmem import FRAME, HostMemory, OwnedFrames
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
 from vmlend.sim.nvme.cmb import CmbMemory, CmbWindow
@@ -112,24 +112,13 @@ class _Ingress(msgspec.Struct):
     path: NtbPath | None = None
 
 
-class _RingMemory(FramedRange):
+class _RingMemory(OwnedFrames):
     """Memory of the VM's host that its virtual controller keeps for a two-path share's
     relay rings (``vmlend.sim.nvme.relay``): frames of the VM (its hypervisor's), read and
     written by offset."""
 
     def __init__(self, memory: HostMemory, size: int, owner: str) -> None:
-        super().__init__(memory, "the relay rings")
-        try:
-            for _ in range(-(-size // FRAME)):
-                self.frames.append(memory.alloc(FRAME, owner=owner))
-        except Exception:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for frame in self.frames:
-            self.memory.free(frame)
-        self.frames = []
+        super().__init__(memory, size, owner, "the relay rings")
 
 
 class _Windows(msgspec.Struct):

@@ -25,22 +25,16 @@ import msgspec
 
 from vmlend.errors import DmaFault
 from vmlend.nvme.cmb import GUEST_CMB_BASE
-from vmlend.sim.hostmem import FRAME, FramedRange, HostMemory
+from vmlend.sim.hostmem import FRAME, HostMemory, OwnedFrames
 from vmlend.sim.resolver import Hop
 from vmlend.topology.paths import NtbPath
 
 
-class CmbMemory(FramedRange):
+class CmbMemory(OwnedFrames):
     """``size`` bytes of lender memory the manager keeps as the drive's CMB."""
 
     def __init__(self, memory: HostMemory, size: int, owner: str) -> None:
-        super().__init__(memory, "the controller memory buffer")
-        try:
-            for _ in range(-(-size // FRAME)):
-                self.frames.append(memory.alloc(FRAME, owner=owner))
-        except Exception:
-            self.close()
-            raise
+        super().__init__(memory, size, owner, "the controller memory buffer")
 
     @property
     def size(self) -> int:
@@ -52,12 +46,6 @@ class CmbMemory(FramedRange):
         if offset % FRAME or first + count > len(self.frames):
             raise ValueError(f"extent {offset:#x}+{size:#x} is not in the CMB")
         return self.frames[first : first + count]
-
-    def close(self) -> None:
-        for frame in self.frames:
-            self.memory.free(frame)
-        self.frames = []
-
 
 class CmbAccess(msgspec.Struct, frozen=True):
     """Where a guest CPU access to its CMB lands: RAM of ``node`` at ``phys``."""
