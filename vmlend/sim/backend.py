@@ -77,14 +77,24 @@ class SimFabric(Ledger):
                 fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
             )
         if self.events is not None:
-            # the token is etcd's, known once committed: read back (0 if it ended already).
             # Not created: the VM had the hold, or this call made it and lost the reply (a
             # re-run then finds it); the replay tells them apart by the token
-            hold = self._hold(fdid)
-            token = hold.token if hold is not None and same_holder(hold.holder, holder) else 0
-            self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
-                             created=made.created)
+            self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
+                             token=self._token_read_back(fdid, holder), created=made.created)
         return made
+
+    def _token_read_back(self, fdid: int, holder: Holder) -> int:
+        """The token of ``holder``'s hold of ``fdid``, read back after its commit (etcd's,
+        known only then), or 0 when nothing of it is left. A reserve committed under a lease
+        that expired just after (its agent dead) has lost its hold by now, but the fence it
+        wrote in the same transaction has no lease and carries the same token until the
+        lender takes the device back: the replay needs that token to follow the take-back."""
+        with self.registry.read() as tx:
+            hold = tx.hold(fdid)
+            if hold is not None:
+                return hold.token if same_holder(hold.holder, holder) else 0
+            fence = tx.fence(fdid)
+        return fence.token if fence is not None and same_holder(fence.holder, holder) else 0
 
     def _hold_is_spent(self, fdid: int, holder: Holder) -> bool:
         """Whether ``holder``'s hold of ``fdid`` has a token the device spent."""

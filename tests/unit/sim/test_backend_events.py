@@ -44,3 +44,45 @@ def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
     else:  # no token recorded: nothing to name, and nothing invented
         assert noted == [("reserve", token, None)]
     fabric.close()
+
+
+@pytest.mark.daemon
+def test_a_reserve_whose_lease_ends_before_the_read_back_notes_its_fences_token(
+    etcd_url: str, etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Seen in the nemesis (seed 34, beside busy loops): a hook's reserve committed under its
+    host's lease while the agent was dead, etcd expired the lease before the token was read
+    back, and the reserve was noted with token 0, which the replay refuses as unknown. The
+    fence, written in the same transaction without a lease, still names the token."""
+    import json
+    import os
+    import urllib.request
+
+    from vmlend.hostenv import HostEnv
+    from vmlend.ledger.ledger import Ledger
+    from vmlend.registry import hostlease
+
+    events = tmp_path / "events"
+    events.mkdir()
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    fabric = make_fabric(etcd_url)
+    lease = hostlease.read(hostlease.lease_path(HostEnv(Path(os.environ["VMLEND_ROOT"])))).lease
+    commit = Ledger.reserve
+
+    def commit_then_lease_ends(self, *args, **kwargs):
+        made = commit(self, *args, **kwargs)
+        body = json.dumps({"ID": lease}).encode()
+        url = f"http://{etcd.endpoint}/v3/lease/revoke"
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=5):
+            pass
+        return made
+
+    monkeypatch.setattr(Ledger, "reserve", commit_then_lease_ends)
+    fabric.reserve(0x10, VM)
+    with fabric.registry.read() as tx:
+        assert tx.hold(0x10) is None  # the lease took it
+        fence = tx.fence(0x10)
+    assert fence is not None and fence.token > 0
+    noted = [(e.kind, e.fields.get("token")) for e in read_events(events / EVENTS_FILE)]
+    assert noted == [("reserve", fence.token)]
+    fabric.close()
