@@ -9,26 +9,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: Seconds the tier's tests took under TCG (``--durations=0``, setup and teardown included, on
-#: 2026-11-29), for the tests that take more than a few: dealt out first, each to the shard
-#: with the least so far. A key is a part of a test's id; anything else counts ``LIGHT``. A
-#: missing or stale entry costs only balance, never a test.
+#: Seconds the tier's tests took under TCG on an idle machine (``--durations``, on 2026-11-29),
+#: without the session's libvirtd and etcd start-up, which every guest pays once whatever it
+#: runs, for the tests that take more than a few: dealt out first, each to the shard with the
+#: least so far. A key is a part of a test's id; anything else counts ``LIGHT``. A missing or
+#: stale entry costs only balance, never a test. (Weights from a loaded run put the two
+#: guests' pytest at 198 and 178 s idle: a slow test is not slower by the same factor.)
 HEAVY = {
-    "test_a_fenced_device_is_taken_back_by_the_lenders_agent": 112,
-    "serves_libvirtds_hook[etcd]": 55,
-    "test_a_live_detach_the_guest_never_acknowledges": 41,
-    "test_libvirtd_restarted_under_a_running_vm": 36,
-    "serves_libvirtds_hook[sqlite]": 34,
-    "test_two_vms_asking_for_the_last_instance": 34,
-    "test_a_started_vms_child_has_the_guests_ram_as_windows": 30,
-    "test_a_vm_starts_gets_a_device_hot_added": 24,
-    "test_a_vm_made_by_xml_new_runs_and_stops": 22,
-    "test_libvirtd_starts_a_domain_with_the_mdev_hostdev": 16,
-    "test_the_watcher_writes_a_recreated_childs_windows": 10,
-    "test_the_watcher_writes_each_sources_p2p": 9,
-    "test_the_watcher_brings_back_a_running_vms_mdev": 8,
+    "test_a_fenced_device_is_taken_back_by_the_lenders_agent": 45,
+    "test_two_vms_asking_for_the_last_instance": 26,
+    "serves_libvirtds_hook[etcd]": 25,
+    "test_a_started_vms_child_has_the_guests_ram_as_windows": 24,
+    "test_a_live_detach_the_guest_never_acknowledges": 18,
+    "test_a_vm_made_by_xml_new_runs_and_stops": 18,
+    "test_libvirtd_restarted_under_a_running_vm": 17,
+    "test_a_vm_starts_gets_a_device_hot_added": 12,
+    "serves_libvirtds_hook[sqlite]": 10,
+    "test_the_watcher_writes_a_recreated_childs_windows": 9,
+    "test_libvirtd_starts_a_domain_with_the_mdev_hostdev": 8,
     "test_the_installed_command_works_too": 7,
+    "test_the_watcher_brings_back_a_running_vms_mdev": 7,
     "test_a_returning_lender_gets_the_running_vms_mdev_back": 6,
+    "test_the_watcher_writes_each_sources_p2p": 6,
+    "the_interrupts_a_vfio_device_raises_to_the_vmms_eventfds[intx]": 5,
+    "the_interrupts_a_vfio_device_raises_to_the_vmms_eventfds[msi]": 5,
+    "test_fabric_discover_merges_this_host_from_the_stand_in": 5,
+    "test_doctor_notices_the_parent_driver_unloaded": 4,
 }
 LIGHT = 2
 
