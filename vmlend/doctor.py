@@ -20,10 +20,11 @@ from vmlend.hook.install import read_pins
 from vmlend.hostenv import HostEnv
 from vmlend.kernel import p2pcheck
 from vmlend.kernel.dmafiles import DmaWord, compare_windows
-from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDriver, fdid_of
+from vmlend.kernel.driver import MDEV_TYPE, Availability, SmartioDriver, device_name, fdid_of
 from vmlend.kernel.driver import MODULE as SMARTIO_MODULE
 from vmlend.kernel.mdev import MdevBus
-from vmlend.kernel.nvmeshare import share_support
+from vmlend.kernel.nvmeshare import lacking_share_files, share_support
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -323,13 +324,29 @@ def check_nvme_sharing(env: HostEnv) -> Finding:
     for d in drives:
         support = share_support(driver, d.fdid)
         if support.supported:
+            lacking = _share_children_lacking(env, driver, d.fdid)
             parts.append(
-                f"{d.fdid:#x}: the driver offers {support.queue_pairs} queue pairs, but vmlend's"
-                " kernel backend does not run shares yet; lend it whole"
+                f"{d.fdid:#x}: the driver offers {support.queue_pairs} queue pairs"
+                + (f"; refused, share mdev {lacking}; lend it whole" if lacking else "")
             )
         else:
             parts.append(f"{d.fdid:#x}: refused, {support.why}; lend it whole")
     return Finding("nvme sharing", Status.OK, "; ".join(parts))
+
+
+def _share_children_lacking(env: HostEnv, driver: SmartioDriver, fdid: int) -> str:
+    """What the share children of ``fdid`` here lack of section 7's files ("" nothing, or no
+    such child): a driver that offers shares but predates their files refuses every one."""
+    try:
+        children = MdevBus(env).devices()
+    except MdevError:
+        return ""
+    for c in children:
+        if c.type_id == SHARE_MDEV_TYPE and c.parent == device_name(fdid):
+            lacking = lacking_share_files(driver, c.uuid)
+            if lacking:
+                return f"{c.uuid} has no {lacking}"
+    return ""
 
 
 def libvirt_library_version() -> str:

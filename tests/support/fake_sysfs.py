@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support import fake_dmawin
+from tests.support import fake_dmawin, fake_nvmeshare
 from vmlend.hostenv import HostEnv
 from vmlend.kernel.udev import Uevent
 from vmlend.topology.model import Topology
@@ -79,6 +79,8 @@ class FakeSysfs:
     handlers: dict[Path, Callable[[str], None]] = field(default_factory=dict)
     #: Called with each new child (a vendor driver's probe adding the child's own attributes).
     child_hooks: list[Callable[[_Child], None]] = field(default_factory=list)
+    #: Called with each child about to go (the vendor driver's remove callback).
+    child_gone_hooks: list[Callable[[_Child], None]] = field(default_factory=list)
     _parents: dict[str, _Parent] = field(default_factory=dict)
     _children: dict[str, _Child] = field(default_factory=dict)
     _next_group: int = 100
@@ -227,6 +229,8 @@ class FakeSysfs:
         self._destroy(self._children[uuid])
 
     def _destroy(self, child: _Child) -> None:
+        for hook in self.child_gone_hooks:
+            hook(child)
         parent = self._parents[child.parent]
         if parent.pool is None:
             parent.types[child.type_id].available += 1
@@ -361,7 +365,16 @@ class FakeSmartio:
         #: Per child: the windows it accepted (None: none written), and every write's text.
         self.windows: dict[str, fake_dmawin.Accepted | None] = {}
         self.window_writes: dict[str, list[str]] = {}
+        #: Section 7's shares: per shareable fdid the controller's (queue pairs, vectors)
+        #: (``share_drive``); whether share children get their ``smartio/`` files (False: a
+        #: driver that offers shares but predates them); per drive the shares its manager
+        #: runs, by child UUID; every write to a child's ``nvme_share``, by child.
+        self.shareable: dict[int, tuple[int, int]] = {}
+        self.share_files = True
+        self.runs: dict[int, dict[str, fake_nvmeshare.Run]] = {}
+        self.share_writes: dict[str, list[str]] = {}
         fake.child_hooks.append(self._child_added)
+        fake.child_gone_hooks.append(self._child_gone)
 
     def _name(self, fdid: int) -> str:
         return f"smartio-{fdid:x}"
@@ -540,12 +553,91 @@ class FakeSmartio:
         lend = FakeType(
             "smartio-lend", "SmartIO lent device", f"fdid {fdid:#x}", available=self.lend_instances
         )
+        share = []
+        if fdid in self.shareable and not any(
+            t.type_id == "smartio-nvme_share" for t in self.extra_types
+        ):
+            share = [FakeType("smartio-nvme_share", "SmartIO NVMe share", available=64)]
         self.fake.add_parent(
-            self._name(fdid), [lend, *self.extra_types], device_dir="devices/virtual/smartio"
+            self._name(fdid),
+            [lend, *share, *self.extra_types],
+            device_dir="devices/virtual/smartio",
         )
+
+    # --- queue-level NVMe shares (section 7) -------------------------------------------------
+    def share_drive(self, fdid: int, queue_pairs: int = 511, vectors: int = 32) -> None:
+        """The driver can run the manager for ``fdid`` (its ``nvme_share`` says so); parents
+        registered from now on offer ``smartio-nvme_share``."""
+        d = self._dir(fdid)
+        self.shareable[fdid] = (queue_pairs, vectors)
+        (d / "nvme_share").write_text(f"supported {queue_pairs} {vectors} 0\n")
+        self.runs.setdefault(fdid, {})
+        self._list_runs(fdid)
+
+    def _list_runs(self, fdid: int) -> None:
+        lines = [r.listed(u) + "\n" for u, r in sorted(self.runs[fdid].items())]
+        (self._dir(fdid) / "nvme_shares").write_text("".join(lines))
+
+    def _share_child(self, child: _Child) -> int | None:
+        fdid = next((f for f in self.devs if self._name(f) == child.parent), None)
+        if fdid is None or child.type_id != "smartio-nvme_share":
+            return None
+        return fdid
+
+    def _nvme_share(self, fdid: int, uuid: str, text: str) -> None:
+        path = self._group(uuid) / "nvme_share"
+        self.share_writes[uuid].append(text)
+        runs = self.runs[fdid]
+        try:
+            epoch, run = fake_nvmeshare.parse(text)
+            mine = runs.get(uuid)
+            if mine is not None and epoch < mine.epoch:
+                raise fake_dmawin.Refused(errno.ESTALE, "an older epoch")
+            if run is not None:
+                qp, vectors = self.shareable[fdid]
+                fake_nvmeshare.check(run, uuid, runs, qp, vectors)
+        except fake_dmawin.Refused as e:
+            raise _oserror(e.code, path) from None
+        if run is None:
+            runs.pop(uuid, None)  # its queues deleted, guard and MSI unprogrammed
+            path.write_text(f"epoch {epoch}\n")
+            (self._group(uuid) / "nvme_share_state").write_text("none\n")
+        else:
+            runs[uuid] = run
+            path.write_text("\n".join([f"epoch {epoch}", *run.lines()]) + "\n")
+            state = ["active", f"epoch {epoch}", *run.lines(), "msi 0 -"]
+            (self._group(uuid) / "nvme_share_state").write_text("\n".join(state) + "\n")
+        self._list_runs(fdid)
+
+    def _child_gone(self, child: _Child) -> None:
+        fdid = self._share_child(child)
+        if fdid is not None and self.runs[fdid].pop(child.uuid, None) is not None:
+            self._list_runs(fdid)  # the driver ends a removed child's share itself
+
+    def unload(self) -> None:
+        """The driver goes (``rmmod``): its parents and their children, then its class."""
+        for fdid in self.devs:
+            if self._name(fdid) in self.fake._parents:
+                self.fake.remove_parent(self._name(fdid))
+        for f in list(self.fake.handlers):
+            if f.is_relative_to(self.base.resolve()) or "smartio" in f.parts:
+                del self.fake.handlers[f]
+        shutil.rmtree(self.fake.root / "sys" / "devices" / "virtual" / "smartio")
+        shutil.rmtree(self.base)
 
     # --- the child's data path (section 8) ---------------------------------------------------
     def _child_added(self, child: _Child) -> None:
+        share = self._share_child(child)
+        if share is not None and self.share_files:
+            group = child.path / "smartio"
+            group.mkdir()
+            (group / "nvme_share").write_text("")
+            (group / "nvme_share_state").write_text("none\n")
+            self.share_writes[child.uuid] = []
+            self.fake.handlers[(group / "nvme_share").resolve()] = (
+                lambda text, f=share, u=child.uuid: self._nvme_share(f, u, text)
+            )
+            return
         fdid = next((f for f in self.devs if self._name(f) == child.parent), None)
         if fdid is None or child.type_id != "smartio-lend" or not self.data_path:
             return

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -31,12 +32,17 @@ from vmlend.errors import (
     LenderUnavailableError,
     MdevError,
     MdevParentNotFoundError,
+    MdevTypeNotFoundError,
+    NvmeShareError,
+    SharingUnsupportedError,
     StaleTokenError,
     SysfsAttributeError,
     UnknownDeviceError,
     UnsafePathError,
+    VmlendError,
 )
 from vmlend.hostenv import HostEnv
+from vmlend.kernel import sharefiles
 from vmlend.kernel.dmafiles import (
     DmaReport,
     Window,
@@ -54,12 +60,15 @@ from vmlend.kernel.driver import (
 )
 from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
 from vmlend.kernel.mdev import MdevBus, SysfsWriter, normalize_uuid
+from vmlend.kernel.nvmeshare import clear_share, share_state, share_support, write_share
 from vmlend.kernel.p2pfiles import P2PDifference, P2PReport
 from vmlend.kernel.p2pio import P2PFiles
 from vmlend.kernel.p2psync import P2POutcome, P2PSync
+from vmlend.kernel.sharefiles import ShareState, ShareValues
 from vmlend.kernel.udev import DmaChange, Outcome, ParentWatcher, Reaction, WantedMdev
 from vmlend.ledger.admission import AdapterUsage, PortUsage, vm_share
 from vmlend.ledger.ledger import Ledger
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.memory.dmarecords import DMA_REFUSAL, DMA_WINDOW, REFUSAL_KEY
 from vmlend.registry import (
     ClaimKind,
@@ -82,6 +91,9 @@ from vmlend.topology.model import (
     Reservation,
     Topology,
 )
+
+if TYPE_CHECKING:  # the NVMe geometry is imported on a share's first use only
+    from vmlend.nvme.shares import Share
 
 log = logging.getLogger(__name__)
 
@@ -436,10 +448,104 @@ class SmartioFabric:
             log.warning("could not drop the note of mdev %s: %s", uuid, e)
 
     def remove_mdev(self, uuid: str) -> bool:
+        dev = self.bus.device(uuid)
+        if dev is not None and dev.type_id == SHARE_MDEV_TYPE:
+            fdid = fdid_of(dev.parent)
+            if fdid is not None:
+                # the share's queues, guard and MSI end at the driver under the epoch this
+                # child wrote, before the child goes (a newer epoch's run is left alone)
+                clear_share(self.driver, fdid, dev.uuid)
         removed = self.bus.remove(uuid)  # MdevBusyError keeps the record: it still exists
         recorded = self._state.remove_mdev(uuid)
         self._forget(uuid)
         return removed or recorded
+
+    # --- NVMe shares (docs/smartio-contract.md section 7; ``lending.shares.ShareFabric``) -----
+    def _require_shareable(self, fdid: int, paths: int) -> None:
+        """The driver's word on whether ``fdid`` can be shared: its ``nvme_share``."""
+        self.driver.require()
+        support = share_support(self.driver, fdid)
+        if not support.supported:
+            raise SharingUnsupportedError(fdid, support.why)
+        if paths > 1:
+            raise SharingUnsupportedError(
+                fdid,
+                "a share with a backup path runs on the simulated fabric only (its relay rings"
+                " are software); reserve it with one path",
+            )
+
+    def reserve_share(
+        self,
+        fdid: int,
+        holder: Holder,
+        queue_pairs: int,
+        blocks: int,
+        *,
+        guest_ram: GuestRam | int = 0,
+        paths: int = 1,
+    ) -> Share:
+        self._require_shareable(fdid, paths)
+        return self._state.reserve_share(
+            fdid, holder, queue_pairs, blocks, guest_ram=guest_ram, paths=paths
+        )
+
+    def release_share(self, fdid: int, holder: Holder) -> bool:
+        return self._state.release_share(fdid, holder)
+
+    def shares_held(self, holder: Holder) -> list[int]:
+        return self._state.shares_held(holder)
+
+    def share_of(self, fdid: int, holder: Holder) -> Share | None:
+        return self._state.share_of(fdid, holder)
+
+    def share_values(self, fdid: int, holder: Holder) -> ShareValues:
+        """What ``holder``'s share child of ``fdid`` is written: the registry's share under
+        its epoch (``NvmeShareError`` when it has none)."""
+        from vmlend.ledger import nvmeshares, sharemove
+
+        with self._state.registry.read() as tx:
+            share = nvmeshares.holder_share(tx, fdid, holder)
+            epoch = sharemove.epoch(tx, fdid, holder)
+        if share is None or epoch is None:
+            raise NvmeShareError(
+                f"{holder} has no share of device {fdid:#x}; reserve one before its mdev"
+            )
+        if share.paths != 1:
+            self._require_shareable(fdid, share.paths)
+        return sharefiles.share_values(share, epoch)
+
+    def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
+        """Record ``holder``'s share child, create it (type ``smartio-nvme_share``) and write
+        its ``nvme_share``. A refusal removes the child and the record this call made."""
+        info = self._state.create_share_mdev(fdid, uuid, holder)  # checks the share, records
+        self._note(info)
+        made = False
+        try:
+            values = self.share_values(fdid, holder)
+            try:
+                self.bus.parent(info.parent).type(SHARE_MDEV_TYPE)
+            except MdevTypeNotFoundError:
+                raise SharingUnsupportedError(
+                    fdid,
+                    f"its mdev parent {info.parent} offers no {SHARE_MDEV_TYPE} type (a SmartIO"
+                    " driver without section 7's share children); lend it whole",
+                ) from None
+            made = self.bus.device(info.uuid) is None
+            self.bus.create(info.parent, SHARE_MDEV_TYPE, info.uuid)
+            write_share(self.driver, fdid, info.uuid, sharefiles.format_share(values), values.epoch)
+        except (VmlendError, OSError):
+            if made:  # only the child this call made: a re-acquire's running share stays
+                with contextlib.suppress(MdevError):
+                    self.bus.remove(info.uuid)
+            if info.created:
+                self._state.remove_mdev(info.uuid)
+                self._forget(info.uuid)
+            raise
+        return info
+
+    def share_state(self, uuid: str) -> ShareState | None:
+        """What the driver runs for share child ``uuid`` (None: no ``nvme_share_state``)."""
+        return share_state(self.driver, uuid)
 
     # --- the data path of this node's children (docs/smartio-contract.md section 8) ---------
     def expected_windows(self, fdid: int, ram: GuestRam) -> tuple[Window, ...]:

@@ -106,7 +106,7 @@ class ShareOps:
                 self._clock(),
             )
             tx.add_mdev(rec)
-            return mdev_info(rec)
+            return mdev_info(rec, created=True)  # the kernel backend undoes only its own
 
         return self._reg.transact(body)
 

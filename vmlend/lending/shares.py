@@ -1,9 +1,11 @@
 """The hook's side of NVMe shares: prepare claims the VM's share and creates its mdev of the
 share type; release removes the mdev and returns the share (docs/nvme-sharing.md).
 
-Backends that can share implement ``ShareFabric`` (the simulated one does); with any other
-backend a domain asking for a share fails to start with ``SharingUnsupportedError``, and
-``vmlend doctor`` says what the SmartIO driver offers.
+Backends that can share implement ``ShareFabric``: the simulated one, and the kernel backend
+(``SmartioFabric``: it writes the share child's ``nvme_share``, docs/smartio-contract.md
+section 7, and refuses with ``SharingUnsupportedError`` naming what the SmartIO driver lacks).
+With any other backend a domain asking for a share fails to start with
+``SharingUnsupportedError``; ``vmlend doctor`` says what the SmartIO driver offers.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def acquire_share(
     if not isinstance(fabric, ShareFabric):
         raise SharingUnsupportedError(
             fdid,
-            "this backend does not share NVMe drives at the queue level; 'vmlend doctor' says"
-            " what the SmartIO driver offers",
+            f"this backend ({type(fabric).__name__}) does not share NVMe drives at the queue"
+            " level; 'vmlend doctor' says what the SmartIO driver offers",
         )
     uuid = str(mdev)
     existing = next((m for m in fabric.mdevs() if m.uuid == uuid), None)

@@ -1,0 +1,211 @@
+"""A share child's files (docs/smartio-contract.md section 7, "Per share"), as text: pure.
+
+``smartio/nvme_share`` (rw) of a ``smartio-nvme_share`` child is what vmlend writes after it
+creates the child: the share's epoch (its fencing token), then what the registry allocated
+it (``vmlend.nvme.shares.Share``)::
+
+    epoch 0
+    queues 2 4
+    vectors 1 4
+    lba 0x0 0x200000
+    asid 1
+
+``queues <first> <count>``: the real I/O queue ids ``first`` .. ``first + count - 1``
+(``Share.real_qid(1)`` onwards); ``vectors <first> <count>``: the real MSI-X vectors;
+``lba <start> <blocks>``: the share's LBA window on namespace 1; ``asid <tag>``: the address
+space its DMA is tagged with; ``cmb <offset> <bytes>`` (only for a share with one): its extent
+of the drive's controller memory buffer. The ``epoch`` line alone clears the share.
+
+``smartio/nvme_share_state`` (r) is what the driver runs for the child: ``none``, or
+``active`` followed by the same lines as the driver holds them and ``msi <mapped> <target>``.
+The device's ``nvme_shares`` (r) lists every share the drive's manager runs, one line each.
+
+Nothing here reads or writes a file: ``vmlend.kernel.nvmeshare`` does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from vmlend.errors import SysfsAttributeError
+
+if TYPE_CHECKING:
+    from vmlend.nvme.shares import Share
+
+#: The share child's files, in its ``smartio/`` group (section 8's group).
+SHARE_FILE = "nvme_share"
+SHARE_STATE_FILE = "nvme_share_state"
+#: The device's list of the shares its manager runs (in ``smartio-<fdid>/``).
+SHARES_FILE = "nvme_shares"
+#: Whom a malformed file blames.
+CHECK = "the SmartIO driver against docs/smartio-contract.md section 7 ('dmesg')"
+
+_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|[0-9]+")
+#: Line names of a share, in the order they are written.
+_FIELDS = ("queues", "vectors", "lba", "asid", "cmb")
+
+
+class ShareValues(msgspec.Struct, frozen=True):
+    """What one share child's ``nvme_share`` says: the share's epoch and its allocation."""
+
+    epoch: int
+    first_qid: int
+    queue_pairs: int
+    vector_base: int
+    vectors: int
+    lba_start: int
+    blocks: int
+    asid: int
+    cmb: tuple[int, int] | None = None  # (offset, bytes)
+
+
+class ShareState(msgspec.Struct, frozen=True):
+    """``nvme_share_state``: None values for ``none``; else what runs and how many of its
+    vectors reach the VM as MSI across the NTB (``msi_target`` None while none does)."""
+
+    values: ShareValues | None
+    msi_mapped: int = 0
+    msi_target: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.values is not None
+
+
+def share_values(share: Share, epoch: int) -> ShareValues:
+    """What vmlend writes for ``share`` under ``epoch``. A share of one path only: a backup
+    path's relay rings live in its VM's host memory (refused before, by the backend)."""
+    if share.paths != 1:
+        raise ValueError(f"share {share.name!r} has {share.paths} paths; the driver runs one")
+    return ShareValues(
+        epoch,
+        share.real_qid(1),
+        share.queue_pairs,
+        share.vector_base,
+        share.queue_pairs,
+        share.lba_offset,
+        share.blocks,
+        share.asid,
+        share.cmb_extent,
+    )
+
+
+def format_share(v: ShareValues) -> str:
+    lines = [
+        f"epoch {v.epoch}",
+        f"queues {v.first_qid} {v.queue_pairs}",
+        f"vectors {v.vector_base} {v.vectors}",
+        f"lba {v.lba_start:#x} {v.blocks:#x}",
+        f"asid {v.asid}",
+    ]
+    if v.cmb is not None:
+        lines.append(f"cmb {v.cmb[0]:#x} {v.cmb[1]:#x}")
+    return "\n".join(lines) + "\n"
+
+
+def format_clear(epoch: int) -> str:
+    """The write that ends a share's run at the driver (its queues deleted, its guard and
+    MSI unprogrammed): the epoch alone."""
+    return f"epoch {epoch}\n"
+
+
+def _bad(where: Path | str, problem: str) -> SysfsAttributeError:
+    return SysfsAttributeError(where, problem, CHECK)
+
+
+def _number(word: str, where: Path | str) -> int:
+    if not _NUMBER.fullmatch(word):
+        raise _bad(where, f"{word!r} is not a number")
+    return int(word, 0)
+
+
+def _parse_lines(lines: list[str], where: Path | str) -> ShareValues | None:
+    """``epoch`` then the share's lines (None: the epoch alone, a cleared share)."""
+    if not lines or lines[0].split()[:1] != ["epoch"] or len(lines[0].split()) != 2:
+        raise _bad(where, "the first line is not 'epoch <number>'")
+    epoch = _number(lines[0].split()[1], where)
+    if len(lines) == 1:
+        return None
+    got: dict[str, tuple[int, ...]] = {}
+    for line in lines[1:]:
+        words = line.split()
+        name = words[0] if words else ""
+        want = 1 if name == "asid" else 2
+        if name not in _FIELDS or len(words) != want + 1:
+            raise _bad(where, f"line {line!r} is not a share line")
+        if name in got or any(f in got for f in _FIELDS[_FIELDS.index(name) + 1 :]):
+            raise _bad(where, f"line {line!r} is repeated or out of order")
+        got[name] = tuple(_number(w, where) for w in words[1:])
+    missing = [f for f in _FIELDS[:4] if f not in got]
+    if missing:
+        raise _bad(where, f"no {', '.join(missing)} line")
+    cmb = got.get("cmb")
+    (first, pairs), (vbase, vectors), (lba, blocks) = got["queues"], got["vectors"], got["lba"]
+    return ShareValues(
+        epoch,
+        first,
+        pairs,
+        vbase,
+        vectors,
+        lba,
+        blocks,
+        got["asid"][0],
+        None if cmb is None else (cmb[0], cmb[1]),
+    )
+
+
+def parse_share(text: str, where: Path | str) -> tuple[int, ShareValues | None]:
+    """``nvme_share`` as read back: its epoch and the share (None: cleared). A file never
+    written reads empty: epoch 0, no share."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return 0, None
+    values = _parse_lines(lines, where)
+    return (values.epoch if values is not None else _number(lines[0].split()[1], where)), values
+
+
+def parse_share_state(text: str, where: Path | str) -> ShareState:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if lines == ["none"]:
+        return ShareState(None)
+    if not lines or lines[0] != "active":
+        raise _bad(where, "the first line is neither 'none' nor 'active'")
+    msi = lines[-1].split()
+    if len(msi) != 3 or msi[0] != "msi":
+        raise _bad(where, "the last line is not 'msi <mapped> <target>'")
+    values = _parse_lines(lines[1:-1], where)
+    if values is None:
+        raise _bad(where, "'active' without the share's lines")
+    mapped = _number(msi[1], where)
+    target = None if msi[2] == "-" else _number(msi[2], where)
+    return ShareState(values, mapped, target)
+
+
+def compare_state(written: ShareValues, state: ShareState) -> str:
+    """One line saying how what the driver runs differs from what vmlend wrote ("" equal)."""
+    if state.values is None:
+        return "the driver runs no share for it"
+    if state.values != written:
+        runs, wrote = format_share(state.values), format_share(written)
+        return f"the driver runs {runs!r}, vmlend wrote {wrote!r}"
+    return ""
+
+
+def parse_shares(text: str, where: Path | str) -> dict[str, ShareValues]:
+    """The device's ``nvme_shares``: per share child's UUID, what the drive's manager runs.
+    One line each: ``<uuid> <epoch> <first qid> <queue pairs> <first vector> <vectors>
+    <lba start> <blocks> <asid>``."""
+    out: dict[str, ShareValues] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if len(words) != 9:
+            raise _bad(where, f"line {line!r} is not '<uuid>' and 8 numbers")
+        e, q, p, vb, v, lba, blocks, asid = (_number(w, where) for w in words[1:])
+        out[words[0].lower()] = ShareValues(e, q, p, vb, v, lba, blocks, asid)
+    return out
