@@ -605,6 +605,9 @@ class SmartioFabric:
         Master enable is then refused ``ENODATA``), with one warning. The driver's refusal is
         raised (the watcher undoes the child)."""
         uuid = normalize_uuid(wanted.uuid)
+        if wanted.type_id == SHARE_MDEV_TYPE:
+            self._rewrite_share(uuid, wanted)
+            return
         # First whose the device is now: a VM whose hold ended while its lender was away (its
         # lease too, and another VM's hold since) gets no child back (raised: the watcher
         # removes it again), with windows or without.
@@ -641,6 +644,18 @@ class SmartioFabric:
         if windows is not None:
             names = ", ".join(w.name for w in windows) or "none"
             log.info("DMA windows (%s) written to re-created mdev %s of %s", names, uuid, wanted.vm)
+
+    def _rewrite_share(self, uuid: str, wanted: WantedMdev) -> None:
+        """A share child the watcher re-created (its lender came back): write its share again,
+        as the VM's share is in the registry now (its epoch included). A VM whose share ended
+        meanwhile gets no child back (raised: the watcher removes it again)."""
+        rec = next((m for m in self._state.mdevs() if m.uuid == uuid), None)
+        fdid = rec.fdid if rec is not None else fdid_of(wanted.parent)
+        if fdid is None:
+            raise NvmeShareError(f"share mdev {uuid} has no SmartIO parent ({wanted.parent})")
+        values = self.share_values(fdid, Holder(self.local_node, wanted.vm))
+        write_share(self.driver, fdid, uuid, sharefiles.format_share(values), values.epoch)
+        log.info("NVMe share written to re-created mdev %s of %s", uuid, wanted.vm)
 
     def dma_report(self, uuid: str) -> DmaReport | None:
         """What the driver says of child ``uuid``'s DMA windows (None: no ``smartio/``)."""

@@ -227,3 +227,28 @@ def test_a_child_gone_before_its_share_is_written(fabric, fake, shared):
     fabric.driver.writer = LenderGoesBeforeTheShare()
     with pytest.raises(FabricError, match="went away before its share was written"):
         acquire(fabric)
+
+
+def test_the_watcher_writes_a_re_created_share_childs_share_again(fabric, shared):
+    """The lender goes away (the parent and the share child with it) and comes back: the
+    watcher re-creates the child and writes the registry's share to it again; a VM whose
+    share ended meanwhile gets no child back."""
+    acquire(fabric)
+    web = fabric.share_of(NVME, WEB)
+    watcher = fabric.watcher()
+    watcher.discover()
+    shared.set_availability(NVME, "unreachable")
+    watcher.discover()
+    assert shared.runs[NVME] == {}  # the driver ended the share with its child
+    shared.set_availability(NVME, "available")
+    watcher.discover()
+    assert [m.uuid for m in fabric.mdevs()] == [U1]
+    assert shared.share_writes[U1] == [written(web)]  # the new child's only write
+    assert shared.runs[NVME][U1].first_qid == web.qid_base + 1
+
+    shared.set_availability(NVME, "unreachable")
+    watcher.discover()
+    fabric.release_share(NVME, WEB)  # its share returned while the lender was away
+    shared.set_availability(NVME, "available")
+    watcher.discover()
+    assert fabric.mdevs() == [] and shared.runs[NVME] == {}
