@@ -490,7 +490,21 @@ class SmartioFabric:
         )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:
-        return self._state.release_share(fdid, holder)
+        released = self._state.release_share(fdid, holder)
+        self._drop_share_parent(fdid)
+        return released
+
+    def _drop_share_parent(self, fdid: int) -> None:
+        """After a share's release: with no child left under ``fdid``'s parent here and no
+        record needing it (another VM's share child, a hold on this node), forget the parent
+        and write ``unborrow``, as a borrowed device's release does. Also on a re-run."""
+        if any(d.parent == device_name(fdid) for d in self.bus.devices()):
+            return
+        self._state.forget_unused_parent(fdid)
+        with self._state.registry.read() as tx:
+            if tx.parent(self.local_node, fdid) is not None:
+                return
+        self._unborrow(fdid)
 
     def shares_held(self, holder: Holder) -> list[int]:
         return self._state.shares_held(holder)

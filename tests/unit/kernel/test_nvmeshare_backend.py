@@ -7,6 +7,7 @@ and removes it; the driver's refusals and a missing driver refuse the start in o
 
 from __future__ import annotations
 
+import errno
 import uuid as uuidlib
 
 import pytest
@@ -88,6 +89,11 @@ def test_acquire_writes_the_registrys_share_release_clears_exactly_it(fabric, sh
     assert fabric.shares_held(WEB) == [] and fabric.shares_held(DB) == [NVME]
     listed = (shared._dir(NVME) / "nvme_shares").read_text()
     assert listed.split()[0] == U2 and U1 not in listed
+    assert fabric.bus.parent_names() == [PARENT]  # the other VM's child is under it
+    assert return_shares(fabric, DB, [U2]) == []
+    assert fabric.bus.parent_names() == [] and shared.runs[NVME] == {}  # unborrow written
+    with fabric.registry.read() as tx:
+        assert tx.parent("gamma", NVME) is None
 
 
 def test_a_foreign_share_child_is_left_alone(fabric, fake, shared):
@@ -124,8 +130,6 @@ def test_an_older_epoch_is_refused_and_the_newer_share_runs_on(fabric, fake, sha
     ],
 )
 def test_bad_values_are_refused_by_the_driver(fabric, fake, shared, text, code):
-    import errno
-
     acquire(fabric)
     other = str(uuidlib.uuid4())
     child = other if code != "EBUSY" else U1
