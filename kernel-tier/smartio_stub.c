@@ -52,6 +52,7 @@
 #include <linux/string.h>
 #include <linux/sysfs.h>
 #include <linux/uaccess.h>
+#include <linux/uuid.h>
 /*
  * The backports tier builds this file against 6.12 too (kernel-tier/backports/): class
  * callbacks take const pointers since 6.4, struct class lost .owner in 6.4, no_llseek went in
@@ -105,6 +106,18 @@ struct smartio_dev {
 	bool wants_parent;	/* borrowed on this host, until unborrow */
 	void *parent;		/* the provider's handle while the mdev parent is registered */
 	bool gone;		/* left the fabric; its device is about to be unregistered */
+	/* section 7: set by the ctl's "share" before the borrow (the parent's types follow) */
+	bool shareable;
+	u32 share_queue_pairs;
+	u32 share_vectors;
+	struct list_head shares;	/* struct smartio_share, under smartio_share_lock */
+};
+
+/* One share the drive's manager runs: what a share child's nvme_share set (section 7). */
+struct smartio_share {
+	struct list_head node;
+	char uuid[UUID_STRING_LEN + 1];
+	struct smartio_share_values v;
 };
 
 #define SMARTIO_MODEL_LEN 33
@@ -127,6 +140,11 @@ struct smartio_adapter {
 };
 
 static DEFINE_MUTEX(smartio_lock);
+/*
+ * The shares of every device (section 7). Not smartio_lock: a share child's store and its
+ * removal run while a detach holding smartio_lock waits for the children to go.
+ */
+static DEFINE_MUTEX(smartio_share_lock);
 static LIST_HEAD(smartio_devs);
 static LIST_HEAD(smartio_adapters);
 static const struct smartio_mdev_provider *smartio_provider;
@@ -351,6 +369,45 @@ static ssize_t smartio_spent_store(struct device *dev, struct device_attribute *
 static struct device_attribute dev_attr_spent =
 	__ATTR(spent, 0644, smartio_spent_show, smartio_spent_store);
 
+/*
+ * Section 7: whether the manager can run this drive, and the shares it runs. The stand-in
+ * runs no controller: it checks a share against the queue pairs and vectors the ctl gave it
+ * and against the drive's other shares, and lists what it accepted.
+ */
+static ssize_t smartio_nvme_share_show(struct device *dev, struct device_attribute *attr,
+				       char *buf)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+
+	if (!READ_ONCE(sdev->shareable))
+		return sysfs_emit(buf, "unsupported the stand-in was not asked to share it\n");
+	return sysfs_emit(buf, "supported %u %u 0\n", sdev->share_queue_pairs,
+			  sdev->share_vectors);
+}
+
+static struct device_attribute dev_attr_nvme_share =
+	__ATTR(nvme_share, 0444, smartio_nvme_share_show, NULL);
+
+static ssize_t smartio_nvme_shares_show(struct device *dev, struct device_attribute *attr,
+					char *buf)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+	struct smartio_share *sh;
+	int n = 0;
+
+	mutex_lock(&smartio_share_lock);
+	list_for_each_entry(sh, &sdev->shares, node)
+		n += sysfs_emit_at(buf, n, "%s %llu %u %u %u %u 0x%llx 0x%llx %u\n", sh->uuid,
+				   sh->v.epoch, sh->v.first_qid, sh->v.queue_pairs,
+				   sh->v.vector_base, sh->v.vectors, sh->v.lba, sh->v.blocks,
+				   sh->v.asid);
+	mutex_unlock(&smartio_share_lock);
+	return n;
+}
+
+static struct device_attribute dev_attr_nvme_shares =
+	__ATTR(nvme_shares, 0444, smartio_nvme_shares_show, NULL);
+
 static struct attribute *smartio_dev_attrs[] = {
 	&dev_attr_fdid.attr,
 	&dev_attr_lender_node_id.attr,
@@ -366,6 +423,8 @@ static struct attribute *smartio_dev_attrs[] = {
 	&dev_attr_borrower_node_id.attr,
 	&dev_attr_token.attr,
 	&dev_attr_spent.attr,
+	&dev_attr_nvme_share.attr,
+	&dev_attr_nvme_shares.attr,
 	NULL,
 };
 ATTRIBUTE_GROUPS(smartio_dev);
@@ -613,6 +672,126 @@ int smartio_check_token(struct device *dev, u64 token, u32 *dma_bits)
 }
 EXPORT_SYMBOL_GPL(smartio_check_token);
 
+/* --- queue-level NVMe shares (section 7), for the provider's share children ------------- */
+
+bool smartio_shareable(struct device *dev)
+{
+	return READ_ONCE(to_smartio(dev)->shareable);
+}
+EXPORT_SYMBOL_GPL(smartio_shareable);
+
+static bool smartio_overlap(u64 a, u64 alen, u64 b, u64 blen)
+{
+	return a < b + blen && b < a + alen;
+}
+
+static struct smartio_share *smartio_share_find(struct smartio_dev *sdev, const char *uuid)
+{
+	struct smartio_share *sh;
+
+	list_for_each_entry(sh, &sdev->shares, node)
+		if (!strcmp(sh->uuid, uuid))
+			return sh;
+	return NULL;
+}
+
+/* The allocation of two shares is the same (a newer epoch of it is a hot move). */
+static bool smartio_same_share(const struct smartio_share_values *a,
+			       const struct smartio_share_values *b)
+{
+	return a->first_qid == b->first_qid && a->queue_pairs == b->queue_pairs &&
+	       a->vector_base == b->vector_base && a->vectors == b->vectors &&
+	       a->lba == b->lba && a->blocks == b->blocks && a->asid == b->asid &&
+	       a->has_cmb == b->has_cmb && a->cmb_offset == b->cmb_offset &&
+	       a->cmb_bytes == b->cmb_bytes;
+}
+
+/*
+ * Child @uuid's share of the device whose parent is on @dev: 0 (set, or the same again),
+ * -ENODEV (left the fabric), -EOPNOTSUPP (not shareable), -ESTALE (an older epoch than the
+ * one it is set under), -ERANGE (beyond the controller), -EBUSY (another allocation while
+ * set), -EEXIST (overlaps another child's share), -ENOMEM.
+ */
+int smartio_share_set(struct device *dev, const char *uuid, const struct smartio_share_values *v)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+	struct smartio_share *sh, *mine;
+	int ret = 0;
+
+	if (READ_ONCE(sdev->gone))
+		return -ENODEV;
+	if (!READ_ONCE(sdev->shareable))
+		return -EOPNOTSUPP;
+	mutex_lock(&smartio_share_lock);
+	mine = smartio_share_find(sdev, uuid);
+	if (mine && v->epoch < mine->v.epoch) {
+		ret = -ESTALE;
+		goto out;
+	}
+	if ((u64)v->first_qid + v->queue_pairs - 1 > sdev->share_queue_pairs ||
+	    (u64)v->vector_base + v->vectors > sdev->share_vectors) {
+		ret = -ERANGE;
+		goto out;
+	}
+	if (mine && !smartio_same_share(&mine->v, v)) {
+		ret = -EBUSY;
+		goto out;
+	}
+	list_for_each_entry(sh, &sdev->shares, node) {
+		if (sh == mine)
+			continue;
+		if (smartio_overlap(v->first_qid, v->queue_pairs, sh->v.first_qid,
+				    sh->v.queue_pairs) ||
+		    smartio_overlap(v->vector_base, v->vectors, sh->v.vector_base,
+				    sh->v.vectors) ||
+		    smartio_overlap(v->lba, v->blocks, sh->v.lba, sh->v.blocks) ||
+		    v->asid == sh->v.asid ||
+		    (v->has_cmb && sh->v.has_cmb &&
+		     smartio_overlap(v->cmb_offset, v->cmb_bytes, sh->v.cmb_offset,
+				     sh->v.cmb_bytes))) {
+			ret = -EEXIST;
+			goto out;
+		}
+	}
+	if (!mine) {
+		mine = kzalloc(sizeof(*mine), GFP_KERNEL);
+		if (!mine) {
+			ret = -ENOMEM;
+			goto out;
+		}
+		strscpy(mine->uuid, uuid, sizeof(mine->uuid));
+		list_add_tail(&mine->node, &sdev->shares);
+	}
+	mine->v = *v;
+out:
+	mutex_unlock(&smartio_share_lock);
+	return ret;
+}
+EXPORT_SYMBOL_GPL(smartio_share_set);
+
+/*
+ * End child @uuid's share: 0 (ended, or none set), -ESTALE for an epoch older than the one
+ * it is set under, unless @force (the child is going: the driver ends its share itself).
+ */
+int smartio_share_clear(struct device *dev, const char *uuid, u64 epoch, bool force)
+{
+	struct smartio_dev *sdev = to_smartio(dev);
+	struct smartio_share *sh;
+	int ret = 0;
+
+	mutex_lock(&smartio_share_lock);
+	sh = smartio_share_find(sdev, uuid);
+	if (sh && !force && epoch < sh->v.epoch) {
+		ret = -ESTALE;
+	} else if (sh) {
+		list_del(&sh->node);
+		kfree(sh);
+	}
+	mutex_unlock(&smartio_share_lock);
+	return ret;
+}
+EXPORT_SYMBOL_GPL(smartio_share_clear);
+
 void smartio_unregister_mdev_provider(const struct smartio_mdev_provider *provider)
 {
 	struct smartio_dev *sdev;
@@ -744,6 +923,7 @@ static int smartio_ctl_add(char **w)
 	if (!sdev)
 		return -ENOMEM;
 	sdev->borrower = -1;
+	INIT_LIST_HEAD(&sdev->shares);
 	ret = -EINVAL;
 	if (kstrtou32(w[0], 0, &sdev->fdid) || kstrtou32(w[1], 0, &sdev->lender_node_id) ||
 	    kstrtou32(w[2], 0, &sdev->lender_adapter) ||
@@ -856,9 +1036,14 @@ static void smartio_free(struct list_head *gone)
 {
 	struct smartio_dev *sdev, *next;
 
+	struct smartio_share *sh, *shn;
+
 	list_for_each_entry_safe(sdev, next, gone, node) {
 		list_del(&sdev->node);
 		device_unregister(sdev->dev);
+		/* its children went with its parent: nothing adds a share any more */
+		list_for_each_entry_safe(sh, shn, &sdev->shares, node)
+			kfree(sh);
 		kfree(sdev);
 	}
 }
@@ -911,6 +1096,13 @@ static int smartio_ctl(char *line)
 	else if (!strcmp(w[0], "borrower") && n == 3 && !kstrtoint(w[2], 0, &borrower) &&
 		 borrower >= -1 && borrower != 0)
 		smartio_set(sdev, sdev->availability, borrower);
+	else if (!strcmp(w[0], "share") && n == 4 && !sdev->parent &&
+		 !kstrtou32(w[2], 0, &sdev->share_queue_pairs) &&
+		 !kstrtou32(w[3], 0, &sdev->share_vectors) && sdev->share_queue_pairs &&
+		 sdev->share_vectors > 1)
+		/* section 7: the manager can run it; parents registered from now on offer
+		 * smartio-nvme_share beside the contract's type */
+		WRITE_ONCE(sdev->shareable, true);
 	else
 		ret = -EINVAL;
 	mutex_unlock(&smartio_lock);

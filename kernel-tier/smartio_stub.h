@@ -32,6 +32,30 @@ int smartio_check_token(struct device *dev, u64 token, u32 *dma_bits);
 void smartio_unregister_mdev_provider(const struct smartio_mdev_provider *provider);
 
 /*
+ * Queue-level NVMe shares (vmlend's contract, section 7): whether the device whose mdev parent
+ * is on @dev is shared (its parent then offers smartio-nvme_share), and the shares its manager
+ * runs, one per share child, set and cleared by the child's nvme_share (smartio_stub.c says
+ * the errnos).
+ */
+struct smartio_share_values {
+	u64 epoch;
+	u32 first_qid;
+	u32 queue_pairs;
+	u32 vector_base;
+	u32 vectors;
+	u64 lba;
+	u64 blocks;
+	u32 asid;
+	bool has_cmb;
+	u64 cmb_offset;
+	u64 cmb_bytes;
+};
+
+bool smartio_shareable(struct device *dev);
+int smartio_share_set(struct device *dev, const char *uuid, const struct smartio_share_values *v);
+int smartio_share_clear(struct device *dev, const char *uuid, u64 epoch, bool force);
+
+/*
  * Peer-to-peer (vmlend's contract, section 8): what a child's p2p write needs to know of a
  * target BAR, from the stub's devices.
  */

@@ -140,6 +140,12 @@ class SmartioStub:
         """The hardware borrow (-1: none), as when a guest enables the device."""
         self.ctl(f"borrower {fdid:#x} {node_id}")
 
+    def share(self, fdid: int, queue_pairs: int = 511, vectors: int = 32) -> None:
+        """The driver can run the manager for ``fdid`` (contract section 7): its
+        ``nvme_share`` says so and its parent, registered after this, offers
+        ``smartio-nvme_share``."""
+        self.ctl(f"share {fdid:#x} {queue_pairs} {vectors}")
+
     def remove(self, fdid: int) -> None:
         self.ctl(f"remove {fdid:#x}")
 
