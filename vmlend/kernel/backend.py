@@ -453,8 +453,12 @@ class SmartioFabric:
             fdid = fdid_of(dev.parent)
             if fdid is not None:
                 # the share's queues, guard and MSI end at the driver under the epoch this
-                # child wrote, before the child goes (a newer epoch's run is left alone)
-                clear_share(self.driver, fdid, dev.uuid)
+                # child wrote, before the child goes (a newer epoch's run is left alone); a
+                # refused clear still removes the child, whose removal ends its share too
+                try:
+                    clear_share(self.driver, fdid, dev.uuid)
+                except VmlendError as e:
+                    log.warning("share of mdev %s not cleared before its removal: %s", uuid, e)
         removed = self.bus.remove(uuid)  # MdevBusyError keeps the record: it still exists
         recorded = self._state.remove_mdev(uuid)
         self._forget(uuid)

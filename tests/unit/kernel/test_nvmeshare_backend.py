@@ -256,3 +256,13 @@ def test_the_watcher_writes_a_re_created_share_childs_share_again(fabric, shared
     shared.set_availability(NVME, "available")
     watcher.discover()
     assert fabric.mdevs() == [] and shared.runs[NVME] == {}
+
+
+def test_a_refused_clear_still_removes_the_child(fabric, fake, shared):
+    """A driver refusing the clear (here EIO) does not keep the VM's child: its removal ends
+    the share at the driver too."""
+    acquire(fabric)
+    path = (fake.env.mdev_devices / U1 / "smartio" / "nvme_share").resolve()
+    fake.handlers[path] = lambda text: (_ for _ in ()).throw(OSError(errno.EIO, "I/O", path))
+    assert return_shares(fabric, WEB, [U1]) == []
+    assert fabric.mdevs() == [] and shared.runs[NVME] == {} and fabric.shares_held(WEB) == []
