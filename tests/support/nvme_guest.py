@@ -31,7 +31,8 @@ def guest_driver(
     mmio, guest: SimGuest, start: int = 16 * MiB, size: int = 16 * MiB, **timer
 ) -> NvmeDriver:
     """A driver whose queues and buffers live in guest RAM [start, start + size); ``timer``:
-    its ``clock`` and command ``timeout``."""
+    its ``clock`` and command ``timeout``, and ``shadow_doorbells`` (False: a guest that
+    never configures them)."""
     return NvmeDriver(mmio, guest, BumpAllocator(start, start + size), **timer)
 
 

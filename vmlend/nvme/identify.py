@@ -18,7 +18,10 @@ def _ascii(text: str, size: int) -> bytes:
     return text.encode("ascii", "replace")[:size].ljust(size, b" ")
 
 
-def identify_controller(config: ControllerConfig, namespaces: int, cntlid: int = 0) -> bytes:
+def identify_controller(
+    config: ControllerConfig, namespaces: int, cntlid: int = 0, oacs: int = 0
+) -> bytes:
+    """``oacs``: the optional admin commands supported (``spec.OACS_DBBUF``)."""
     data = bytearray(spec.IDENTIFY_SIZE)
     data[0:2] = config.vendor_id.to_bytes(2, "little")
     data[2:4] = config.vendor_id.to_bytes(2, "little")
@@ -28,6 +31,7 @@ def identify_controller(config: ControllerConfig, namespaces: int, cntlid: int =
     data[77] = MDTS
     data[78:80] = cntlid.to_bytes(2, "little")
     data[80:84] = spec.VERSION_1_4.to_bytes(4, "little")
+    data[256:258] = oacs.to_bytes(2, "little")
     data[512] = spec.SQES_LOG2 | spec.SQES_LOG2 << 4
     data[513] = spec.CQES_LOG2 | spec.CQES_LOG2 << 4
     data[516:520] = namespaces.to_bytes(4, "little")
@@ -57,6 +61,7 @@ def parse_identify_controller(data: bytes) -> dict[str, object]:
         "serial": data[4:24].decode("ascii").strip(),
         "model": data[24:64].decode("ascii").strip(),
         "mdts": data[77],
+        "oacs": int.from_bytes(data[256:258], "little"),
         "namespaces": int.from_bytes(data[516:520], "little"),
     }
 

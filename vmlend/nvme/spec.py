@@ -55,6 +55,10 @@ ADMIN_IDENTIFY = 0x06
 ADMIN_ABORT = 0x08
 ADMIN_SET_FEATURES = 0x09
 ADMIN_GET_FEATURES = 0x0A
+#: Doorbell Buffer Config (NVMe 1.3): PRP1 the host's shadow doorbell page, PRP2 its EventIdx page
+ADMIN_DBBUF_CONFIG = 0x7C
+#: Identify controller's OACS bit: Doorbell Buffer Config is supported
+OACS_DBBUF = 1 << 8
 
 IO_FLUSH = 0x00
 IO_WRITE = 0x01
@@ -76,6 +80,7 @@ SC_INVALID_OPCODE = 0x01
 SC_INVALID_FIELD = 0x02
 SC_DATA_TRANSFER_ERROR = 0x04
 SC_INVALID_NAMESPACE = 0x0B
+SC_COMMAND_SEQUENCE_ERROR = 0x0C
 SC_PRP_OFFSET_INVALID = 0x13
 SC_LBA_OUT_OF_RANGE = 0x80
 _SCT_COMMAND_SPECIFIC = 0x1 << 8
@@ -91,6 +96,7 @@ STATUS_NAMES = {
     SC_INVALID_FIELD: "invalid field",
     SC_DATA_TRANSFER_ERROR: "data transfer error",
     SC_INVALID_NAMESPACE: "invalid namespace",
+    SC_COMMAND_SEQUENCE_ERROR: "command sequence error",
     SC_PRP_OFFSET_INVALID: "PRP offset invalid",
     SC_LBA_OUT_OF_RANGE: "LBA out of range",
     SC_CQ_INVALID: "completion queue invalid",

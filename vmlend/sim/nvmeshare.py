@@ -18,11 +18,17 @@ admin queues in lender memory, and for each VM (``open_share``):
   crossing and the lender's, so a dead cable drops it.
 
 A share of two paths (``--paths 2``) also gets a backup path through another adapter of the
-VM's node, in an address space of its own, and its virtual controller relays the guest's
-queues onto a primary and a backup queue pair kept in memory of the VM's host
-(``vmlend.sim.nvme.relay``): a link event on the primary path (or a command timeout, a
+VM's node, in an address space of its own, and a backup queue pair per queue pair, its rings
+in memory of the VM's host (``vmlend.sim.nvme.relay``). A guest that uses shadow doorbells
+(Doorbell Buffer Config, which its virtual controller advertises when the drive gives the
+share a doorbell page) runs in page mode, as a one-path share does: its own rings are the
+primary pair's, its doorbell page is mapped onto the share's real page through the primary
+path (0 software steps per doorbell). Otherwise, and after a failover, its queues are relayed
+(one software step per doorbell). A link event on the primary path (or a command timeout, a
 deadline on the drive's injected clock) switches to the backup with nothing lost; the link's
 return switches back. The relay rings each pair's real doorbells through that pair's path.
+The simulator counts the guest's I/O doorbell writes and the software steps taken for them,
+before and after the share's first failover (``VmNvmeShare.steps``).
 
 A VM's stop (``VmNvmeShare.close``) deletes its real queues, unmaps its windows and unpins its
 RAM; other shares keep running.
@@ -121,6 +127,16 @@ class _RingMemory(OwnedFrames):
         super().__init__(memory, size, owner, "the relay rings")
 
 
+class DoorbellSteps(msgspec.Struct):
+    """The guest's I/O doorbell writes and the software steps taken for them (traps)."""
+
+    doorbells: int = 0
+    traps: int = 0
+
+    def per_doorbell(self) -> float:
+        return self.traps / self.doorbells if self.doorbells else 0.0
+
+
 class _Windows(msgspec.Struct):
     undo: list[Callable[[], object]] = msgspec.field(default_factory=list)
 
@@ -141,6 +157,8 @@ class VmNvmeShare:
         self.interrupts: dict[int, int] = {}
         self._listeners: list[Callable[[int], object]] = []
         self.traps = 0  # software steps taken for the guest's I/O doorbell writes
+        #: Doorbells and traps before the first failover of a two-path share, and after it.
+        self.steps = {"before_fault": DoorbellSteps(), "after_fault": DoorbellSteps()}
         self.open = True
         #: The share was cut (its drive's borrow or its own share ended): a removed device.
         self.revoked = False
@@ -163,6 +181,8 @@ class VmNvmeShare:
                 self._ring_real,
                 self._interrupt,
                 CommandTimer(drive.command_timeout, drive.clock),
+                page=share.page is not None,
+                dstrd=drive.controller.config.dstrd,
             )
         #: Its extent of the drive's controller memory buffer as its CPU reaches it (BAR 2 of
         #: its virtual controller), None when its queues are in RAM only.
@@ -189,6 +209,7 @@ class VmNvmeShare:
             guest,
             self.relay if self.relay is not None else drive.manager,
             self._interrupt,
+            self.relay if self.relay is not None and self.relay.shadow is not None else None,
         )
         self.bar0 = _GuestBar0(self)
         self.config = _ShareConfig(self)
@@ -237,7 +258,18 @@ class VmNvmeShare:
         }
         if self.relay is not None:
             out["relay"] = self.relay.status()
+        out["steps"] = {k: msgspec.structs.asdict(v) for k, v in self.steps.items()}
         return out
+
+    def count_doorbell(self, trapped: bool) -> None:
+        """One I/O doorbell write of the guest's (``trapped``: a software step took it)."""
+        relay = self.relay
+        fault = relay is not None and bool(relay.stats.switches)
+        steps = self.steps["after_fault" if fault else "before_fault"]
+        steps.doorbells += 1
+        if trapped:
+            steps.traps += 1
+            self.traps += 1
 
     def timeout(self) -> bool:
         """Check the virtual controller's command timer (a two-path share), on the drive's
@@ -366,37 +398,40 @@ class _GuestBar0:
             return
         if offset >= spec.DOORBELL_BASE + spec.PAGE:
             return  # nothing else in the BAR decodes
+        slot = spec.doorbell_of(offset, self.dstrd)
         relay = self.s.relay
-        if relay is not None:
-            # two paths: every doorbell is trapped (one software step) and relayed onto the
-            # active queue pair, whichever path that is
-            slot = spec.doorbell_of(offset, self.dstrd)
+        if relay is not None and not relay.page_mode:
+            # two paths, relayed: every doorbell is trapped (one software step) and relayed
+            # onto the active queue pair, whichever path that is
             if slot is None or size != 4:
                 return
             qid, completion = slot
             if qid == 0:
                 self.s.virtual.admin_doorbell(completion, value)
                 return
-            self.s.traps += 1
+            self.s.count_doorbell(trapped=True)
             if completion:
                 relay.cq_doorbell(qid, value)
             else:
                 relay.sq_doorbell(qid, value)
             return
         if self.page is not None:
-            # page mode: the guest page is mapped onto the share's real doorbell page, so the
+            # page mode (one path, or two on the primary's own rings): the guest page is
+            # mapped onto the share's real doorbell page through the primary path, so the
             # write lands in the drive with no software in between (guest qid g = real
-            # qid_base + g by construction); admin doorbells come back as stray doorbells
+            # qid_base + g by construction); admin doorbells come back as stray doorbells.
+            # (The count is the simulator's: a real mapping has none.)
+            if slot is not None and slot[0] != 0:
+                self.s.count_doorbell(trapped=False)
             self.s.mmio(self.page + offset - spec.DOORBELL_BASE, size, value)
             return
-        slot = spec.doorbell_of(offset, self.dstrd)
         if slot is None or size != 4:
             return
         qid, completion = slot
         if qid == 0:
             self.s.virtual.admin_doorbell(completion, value)
             return
-        self.s.traps += 1  # trap mode: one software step per I/O doorbell write
+        self.s.count_doorbell(trapped=True)  # trap mode: one software step per I/O doorbell
         if qid <= self.s.share.queue_pairs:
             real = spec.doorbell_offset(self.s.share.real_qid(qid), completion, self.dstrd)
             self.s.mmio(real, 4, value)

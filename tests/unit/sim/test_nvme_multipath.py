@@ -1,10 +1,12 @@
-"""A two-path NVMe share (``--paths 2``, issue 23's multipath failover): its virtual controller
-relays the guest's queues onto a primary and a backup queue pair created in advance, each
-reached through a different adapter of gamma. A link-down of the primary path (the link event,
-or a command timeout) switches to the backup with no controller reset and no command lost
-(commands in flight on the dead pair are sent again); when the link comes back the primary
-pair is deleted and created again (after programming the adapters again if the link lost its
-mappings), then used; with no path left the commands are lost as for a one-path share."""
+"""A two-path NVMe share (``--paths 2``, issue 23's multipath failover) in relay mode (the
+default cluster's drive has one doorbell page; page mode is in test_nvme_two_path_page.py):
+its virtual controller relays the guest's queues onto a primary and a backup queue pair
+created in advance, each reached through a different adapter of gamma. A link-down of the
+primary path (the link event, or a command timeout) switches to the backup with no controller
+reset and no command lost (commands in flight on the dead pair are sent again); when the link
+comes back the primary pair is deleted and created again (after programming the adapters
+again if the link lost its mappings), then used; with no path left the commands are lost as
+for a one-path share."""
 
 from __future__ import annotations
 
@@ -179,11 +181,13 @@ def test_a_link_back_without_its_mappings_recreates_the_old_pair(hw, setup):
     hw.link_up(PRIMARY, keep_mappings=False)
     assert share.relay.status() == {
         "active": "primary",
+        "mode": "relay",
         "switches": [
             ["backup", f"link {PRIMARY} down"],
             ["primary", f"link {PRIMARY} up without its mappings"],
         ],
         "resubmitted": 0,
+        "taken_over": 0,
         "recreated": 1,
     }
     assert drive.controller.queue_ids() == [s.real_qid(1), s.backup_qid(1)]

@@ -5,6 +5,12 @@ Number of Queues, Create I/O CQ/SQ, Read/Write/Flush with PRP1/PRP2 and PRP list
 reaped by phase tag (an MSI-X vector is also raised; callers may count it). Used as the guest's
 driver in the tests and bench, and by the manager on the lender for the real controller.
 
+When the controller advertises Doorbell Buffer Config (OACS bit 8), the driver gives it a
+shadow doorbell page and an EventIdx page right after creating its I/O queues, as Linux's
+does, and writes each new I/O SQ tail and CQ head into the shadow page before the doorbell
+(unlike Linux it always writes the doorbell too: it does not read EventIdx, which no software
+keeps in a share's page mode). ``shadow_doorbells=False``: a driver that never uses them.
+
 Each submitted command has a deadline on the injected ``clock`` (``CommandTimer``, Linux's
 30 s by default): ``overdue`` names the commands of a queue past it, as the driver's timeout
 handler would find them. The synchronous waits (``write``, ``read``, admin commands) still
@@ -115,6 +121,7 @@ class NvmeDriver:
         *,
         clock: Clock = time.monotonic,
         timeout: float = COMMAND_TIMEOUT,
+        shadow_doorbells: bool = True,
     ) -> None:
         self.mmio = mmio
         self.memory = memory
@@ -128,6 +135,10 @@ class NvmeDriver:
         self.slot_bytes = spec.PAGE * 4
         #: Deadlines of the submitted commands not completed, keyed (queue id, command id).
         self.timer: CommandTimer[tuple[int, int]] = CommandTimer(timeout, clock)
+        self.shadow_doorbells = shadow_doorbells
+        #: The shadow doorbell page the controller took (Doorbell Buffer Config), if any.
+        self.shadow: int | None = None
+        self.oacs = 0
 
     # --- bring-up ----------------------------------------------------------------------------
     def _wait_ready(self, ready: bool, what: str) -> None:
@@ -145,6 +156,7 @@ class NvmeDriver:
         self._wait_ready(False, "become not ready after reset")
         self.queues.clear()
         self.admin = None
+        self.shadow = None  # the controller forgot it
         self.timer.clear()  # the reset aborted every command
 
     def enable(self, admin_entries: int = 32) -> None:
@@ -174,13 +186,34 @@ class NvmeDriver:
         self.identify_controller()
         self.blocks, self.block_size = self.identify_namespace(nsid)
         granted = self.set_queue_count(queues)
-        return [
+        pairs = [
             self.create_queue_pair(q, entries, vector=q) for q in range(1, min(queues, granted) + 1)
         ]
+        if self.shadow_doorbells and self.oacs & spec.OACS_DBBUF:
+            self.configure_doorbell_buffer()
+        return pairs
+
+    def configure_doorbell_buffer(self) -> bool:
+        """Doorbell Buffer Config: a zeroed shadow doorbell page and EventIdx page; True if
+        the controller took them (else the driver goes on without, as Linux's does)."""
+        buffer, eventidx = self.alloc(spec.PAGE), self.alloc(spec.PAGE)
+        for page in (buffer, eventidx):
+            self.memory.write(page, bytes(spec.PAGE))
+        done = self.admin_command(
+            spec.Command(spec.ADMIN_DBBUF_CONFIG, prp1=buffer, prp2=eventidx),
+            "set the doorbell buffer",
+            check=False,
+        )
+        self.shadow = buffer if done.ok else None
+        return done.ok
 
     # --- submission and completion -------------------------------------------------------------
     def _doorbell(self, qid: int, completion: bool, value: int) -> None:
-        self.mmio.write(spec.doorbell_offset(qid, completion, self.dstrd), 4, value)
+        offset = spec.doorbell_offset(qid, completion, self.dstrd)
+        if self.shadow is not None and qid:  # I/O queues only, as Linux's driver
+            at = self.shadow + offset - spec.DOORBELL_BASE
+            self.memory.write(at, value.to_bytes(4, "little"))
+        self.mmio.write(offset, 4, value)
 
     def submit(self, qp: QueuePair, cmd: spec.Command) -> None:
         """Write ``cmd`` into the SQ (the doorbell is rung by ``ring``)."""
@@ -252,7 +285,9 @@ class NvmeDriver:
         return self.memory.read(buf, spec.IDENTIFY_SIZE)
 
     def identify_controller(self) -> dict[str, object]:
-        return parse_identify_controller(self.identify(spec.CNS_CONTROLLER))
+        data = self.identify(spec.CNS_CONTROLLER)
+        self.oacs = int.from_bytes(data[256:258], "little")  # what it offers, for ``start``
+        return parse_identify_controller(data)
 
     def identify_namespace(self, nsid: int = 1) -> tuple[int, int]:
         return parse_identify_namespace(self.identify(spec.CNS_NAMESPACE, nsid))

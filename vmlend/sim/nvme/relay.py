@@ -1,34 +1,56 @@
-"""The queue relay of a share with a backup path (``paths=2``, SmartIO's multipath failover).
+"""The queues of a share with a backup path (``paths=2``, SmartIO's multipath failover).
 
-A share of one path gives the guest's own rings to the drive: its real queues are created at
-the guest's queue addresses. A share of two paths cannot: its queues must move from one path
-to the other without a controller reset and without the guest noticing, and a real queue's
-head and tail cannot be set, only created at zero. So, as SmartIO's client driver does, the
-VM's virtual controller keeps its own queue pairs, two per guest queue pair, in memory of the
-VM's host (``RingMemory``): the *primary* pair's rings reached by the drive through the
-primary path's address space (``share.asid``), the *backup* pair's through the other adapter
-(``share.backup_asid``), both created in advance when the guest creates its queue. Every
-guest doorbell write is trapped (one software step): the relay copies the guest's new
-commands, unchanged (their PRPs name guest-physical addresses, which both address spaces map
-onto the guest's RAM), into the active pair's ring and rings its doorbell; completions are
-copied back into the guest's completion queue with the guest's phase tag, and the guest's
-vector is raised. The guard checks every command on either pair against the share's LBA
-window, and the PRP rules are the controller's as ever.
+Two modes. **Page mode** (the steady state when the guest uses shadow doorbells and the drive
+gives the share a doorbell page of its own): as for a one-path share, the primary pair of
+real queues is created at the guest's own ring addresses in the primary path's address space
+(``share.asid``), and the guest's doorbell page maps straight onto the share's real doorbell
+page through the primary path: no software step per doorbell, no command copied. The guest
+also writes each new SQ tail and CQ head into its shadow doorbell page (NVMe 1.3's Doorbell
+Buffer Config, advertised by the virtual controller; ``vmlend.sim.nvme.takeover``), which is
+all software needs to take the queues over when the primary path dies.
 
-Failover (``fail_over``, on a link event of the primary path or a command timeout): the active
-pair becomes the backup; every command sent on the primary and not completed is sent again on
-the backup, in order, so none is lost. The relay's real doorbell writes cross the NTB like
-any MMIO (``vmlend.sim.mmio``): through the primary path's adapter for the primary pair, the
-backup's for the backup pair, so a dead cable drops them. A command timeout is a deadline on
-the injected clock (``CommandTimer``), started when a command is sent on a pair and stopped by
-its completion; ``timeout`` fails over when one on the primary pair has passed. Switching back
-(``switch_back``): the primary pair's queues are deleted and created again, since nobody
-knows how far the drive got on them (a doorbell dropped at the dead cable, or a fetch whose
-completion went into the void); with the mappings lost, they are programmed again first.
+**Relay mode** (after a failover, and from the start for a guest without shadow doorbells or
+a drive without doorbell pages to spare): as SmartIO's client driver does, the VM's virtual
+controller keeps its own queue pairs in memory of the VM's host (``RingMemory``), the
+*primary* pair's rings reached by the drive through the primary path's address space, the
+*backup* pair's through the other adapter (``share.backup_asid``). Every guest doorbell write
+is trapped (one software step): the relay copies the guest's new commands, unchanged (their
+PRPs name guest-physical addresses, which both address spaces map onto the guest's RAM), into
+the active pair's ring and rings its doorbell; completions are copied back into the guest's
+completion queue with the guest's phase tag, and the guest's vector is raised. The backup
+pair of each guest queue pair is created in advance, in either mode, so failover creates
+nothing. The guard checks every command on either pair against the share's LBA window, and
+the PRP rules are the controller's as ever.
+
+Failover (``fail_over``, on a link event of the primary path or a command timeout), software
+once, not per doorbell: the active pair becomes the backup. Queues in page mode are taken
+over first: the guest's SQ tails and CQ heads come from its shadow doorbells, the drive's
+position from the guest's completion queue (its tail and phase, and the SQ head its newest
+entry reports), and every command between that head and the shadow tail is sent on the
+backup pair, in order: none lost, none the guest saw complete run again. Commands the relay
+had sent on the primary pair and not seen complete are sent again on the backup. From then on
+every doorbell is trapped. The relay's real doorbell writes cross the NTB like any MMIO
+(``vmlend.sim.mmio``): through the primary path's adapter for the primary pair, the backup's
+for the backup pair, so a dead cable drops them. A command timeout is a deadline on the
+injected clock (``CommandTimer``): started when the relay sends a command on a pair and
+stopped by its completion, or, in page mode, started when the timer check (``timeout``, where
+a driver's timer interrupt runs) finds the guest's shadow tail ahead of what its completion
+queue shows done, and restarted when that moves; ``timeout`` fails over when one on the
+primary pair has passed. Switching back (``switch_back``): the primary pair's queues are
+deleted and created again in the relay rings, since nobody knows how far the drive got on
+them (a doorbell dropped at the dead cable, or a fetch whose completion went into the void);
+with the mappings lost, they are programmed again first. The share stays in relay mode until
+the guest creates its queues again (after a controller reset): a real queue starts at head
+and tail 0, so queues created at the guest's rings would not line up with its positions.
 The admin queues stay with the manager on the lender throughout.
 
 Limits: a guest submission queue feeds its own completion queue (as Linux's driver pairs
-them); the relay keeps up to ``RELAY_ENTRIES - 1`` commands per queue in flight.
+them); the relay keeps up to ``RELAY_ENTRIES - 1`` commands per queue in flight. In page mode
+a guest may ring any doorbell of its page, its backup pair's too: only its own share suffers
+(as for a one-path share in page mode). Linux's driver skips the doorbell write when the
+EventIdx page says the controller needs none; nothing updates EventIdx in page mode, so the
+simulated guest always writes the doorbell, as a Linux guest would need to (see
+docs/nvme-sharing.md).
 """
 
 from __future__ import annotations
@@ -41,6 +63,7 @@ import msgspec
 
 from vmlend.nvme import spec
 from vmlend.nvme.shares import Share
+from vmlend.sim.nvme.takeover import CqPosition, ShadowDoorbells, scan_cq
 from vmlend.sim.nvme.timer import CommandTimer
 
 log = logging.getLogger(__name__)
@@ -51,6 +74,9 @@ RING_IOVA = 1 << 46
 RELAY_ENTRIES = spec.PAGE // spec.SQE_SIZE
 PAIR_BYTES = 2 * spec.PAGE
 PRIMARY, BACKUP = 0, 1
+PAGE, RELAY = "page", "relay"
+#: The command id of a page-mode queue's deadline (the relay sent none of its commands).
+_WATCH = -1
 
 
 def ring_bytes(queue_pairs: int) -> int:
@@ -110,6 +136,8 @@ class _GuestCq(msgspec.Struct):
     phase: int = 1
     backlog: list[spec.Completion] = msgspec.field(default_factory=list)
     paths: list[_PathCq] = msgspec.field(default_factory=lambda: [_PathCq(), _PathCq()])
+    #: page mode: its primary real CQ is the guest's ring, written by the drive directly
+    direct: bool = False
 
 
 class _GuestSq(msgspec.Struct):
@@ -119,6 +147,8 @@ class _GuestSq(msgspec.Struct):
     head: int = 0
     tail: int = 0
     paths: list[_PathSq] = msgspec.field(default_factory=lambda: [_PathSq(), _PathSq()])
+    #: page mode: its primary real SQ is the guest's ring, rung by the guest directly
+    direct: bool = False
 
 
 class RelayStats(msgspec.Struct):
@@ -126,6 +156,9 @@ class RelayStats(msgspec.Struct):
     completed: int = 0  # completions handed to the guest
     resubmitted: int = 0  # commands sent again on the other pair after a failover
     recreated: int = 0  # primary pairs deleted and created again (at each switch back)
+    #: commands of page-mode queues the guest had rung (or not) and the drive had not
+    #: completed, sent on the backup pair when the relay took the queues over
+    taken_over: int = 0
     #: each switch: ("backup" | "primary", why)
     switches: list[tuple[str, str]] = msgspec.field(default_factory=list)
 
@@ -142,9 +175,14 @@ class QueueRelay:
         doorbell: RealDoorbell,
         interrupt: Callable[[int], object],
         timer: CommandTimer[tuple[int, int, int]] | None = None,
+        *,
+        page: bool = False,
+        dstrd: int = 0,
     ) -> None:
         """``timer``: the command deadlines (default: ``COMMAND_TIMEOUT`` on the monotonic
-        clock), keyed (pair, guest queue id, command id)."""
+        clock), keyed (pair, guest queue id, command id). ``page``: the share has a doorbell
+        page of its own, so queues may run in page mode (the guest must use shadow
+        doorbells); ``dstrd``: the drive's doorbell stride, which the shadow page follows."""
         if share.paths < 2:
             raise ValueError(f"share {share.name} has one path: nothing to relay")
         self.share = share
@@ -161,6 +199,47 @@ class QueueRelay:
         self._cqs: dict[int, _GuestCq] = {}
         self._sqs: dict[int, _GuestSq] = {}
         self._reaping = False
+        self.page_capable = page
+        #: The guest's shadow doorbells (only when page mode is possible: else not advertised).
+        self.shadow: ShadowDoorbells | None = ShadowDoorbells(guest, dstrd) if page else None
+        self._watch: dict[int, int] = {}  # page-mode SQ -> the done head its deadline is for
+
+    # --- the mode --------------------------------------------------------------------------------
+    @property
+    def page_mode(self) -> bool:
+        """The guest's doorbells go straight to the drive (no software step): the share may
+        run so, the guest uses shadow doorbells, the primary path is active and none of the
+        guest's queues is relayed (the doorbell page is one mapping for all of them)."""
+        return (
+            self.shadow is not None
+            and self.shadow.configured
+            and self.active == PRIMARY
+            and all(q.direct for q in self._cqs.values())
+            and all(q.direct for q in self._sqs.values())
+        )
+
+    @property
+    def mode(self) -> str:
+        return PAGE if self.page_mode else RELAY
+
+    def configure_shadow(self, buffer: int, eventidx: int) -> int:
+        """The guest's Doorbell Buffer Config. Queues it creates afterwards run in page mode;
+        queues it has already (Linux configures the buffer right after creating them) move
+        to page mode when nothing has run on them yet (``_aligned``). Command Sequence Error
+        while page-mode queues use the buffer it has (a failover reads that one)."""
+        if self.shadow is None:
+            return spec.SC_INVALID_OPCODE
+        if any(q.direct for q in self._cqs.values()):
+            return spec.SC_COMMAND_SEQUENCE_ERROR
+        status = self.shadow.configure(buffer, eventidx)
+        if status == spec.SC_SUCCESS and self._cqs and self._aligned():
+            self._renew_primary()
+        return status
+
+    def clear_shadow(self) -> None:
+        """The guest reset its controller: the buffer is forgotten with its queues."""
+        if self.shadow is not None:
+            self.shadow.clear()
 
     # --- queue creation, forwarded by the virtual controller (``QueueForwarder``) ----------
     def _ring_iova(self, path: int, g: int, completion: bool) -> int:
@@ -176,16 +255,21 @@ class QueueRelay:
             return spec.SC_INVALID_QID
         if gpa % spec.PAGE:
             return spec.SC_INVALID_FIELD
+        direct = self.page_mode
         for path in (PRIMARY, BACKUP):
-            self.rings.write(
-                self._ring_iova(path, qid, True) - RING_IOVA, bytes(RELAY_ENTRIES * spec.CQE_SIZE)
-            )
-            status = self._create_path_cq(path, qid, vector)
+            if path == PRIMARY and direct:  # the guest's own ring, as for one path
+                status = self.manager.create_cq(share, qid, gpa, entries, vector, irq, PRIMARY)
+            else:
+                self.rings.write(
+                    self._ring_iova(path, qid, True) - RING_IOVA,
+                    bytes(RELAY_ENTRIES * spec.CQE_SIZE),
+                )
+                status = self._create_path_cq(path, qid, vector)
             if status != spec.SC_SUCCESS:
                 if path == BACKUP:
                     self.manager.delete_cq(share, qid, PRIMARY)
                 return status
-        self._cqs[qid] = _GuestCq(gpa, entries, vector, irq)
+        self._cqs[qid] = _GuestCq(gpa, entries, vector, irq, direct=direct)
         return spec.SC_SUCCESS
 
     def _create_path_cq(self, path: int, qid: int, vector: int) -> int:
@@ -205,13 +289,18 @@ class QueueRelay:
             return spec.SC_CQ_INVALID
         if gpa % spec.PAGE:
             return spec.SC_INVALID_FIELD
+        # its completion queue decides: both direct (page mode) or both relayed
+        direct = self._cqs[cqid].direct and self.active == PRIMARY
         for path in (PRIMARY, BACKUP):
-            status = self._create_path_sq(path, qid, cqid)
+            if path == PRIMARY and direct:
+                status = self.manager.create_sq(share, qid, gpa, entries, cqid, PRIMARY)
+            else:
+                status = self._create_path_sq(path, qid, cqid)
             if status != spec.SC_SUCCESS:
                 if path == BACKUP:
                     self.manager.delete_sq(share, qid, PRIMARY)
                 return status
-        self._sqs[qid] = _GuestSq(gpa, entries, cqid)
+        self._sqs[qid] = _GuestSq(gpa, entries, cqid, direct=direct)
         return spec.SC_SUCCESS
 
     def delete_sq(self, share: Share, qid: int) -> int:
@@ -221,6 +310,7 @@ class QueueRelay:
         for path, psq in enumerate(sq.paths):
             for cid in psq.outstanding:
                 self.timer.stop((path, qid, cid))
+        self._unwatch(qid)
         for path in (PRIMARY, BACKUP):
             self.manager.delete_sq(share, qid, path)
         return spec.SC_SUCCESS
@@ -238,14 +328,14 @@ class QueueRelay:
     # --- the guest's doorbells (trapped) --------------------------------------------------------
     def sq_doorbell(self, qid: int, tail: int) -> None:
         sq = self._sqs.get(qid)
-        if sq is None or not 0 <= tail < sq.entries:
+        if sq is None or sq.direct or not 0 <= tail < sq.entries:
             return
         sq.tail = tail
         self._pump(qid, sq)
 
     def cq_doorbell(self, qid: int, head: int) -> None:
         cq = self._cqs.get(qid)
-        if cq is None or not 0 <= head < cq.entries:
+        if cq is None or cq.direct or not 0 <= head < cq.entries:
             return
         cq.head = head
         self._deliver(cq)
@@ -275,7 +365,11 @@ class QueueRelay:
         self.reap()
 
     def on_interrupt(self, path: int, vector: int) -> None:
-        """A real vector of one of the pairs fired (routed by the manager)."""
+        """A real vector of one of the pairs fired (routed by the manager). A page-mode
+        queue's completion is in the guest's ring already: its vector is the guest's."""
+        if path == PRIMARY and any(c.direct and c.vector == vector for c in self._cqs.values()):
+            self.interrupt(vector)
+            return
         self.reap()
 
     def reap(self) -> None:
@@ -287,10 +381,13 @@ class QueueRelay:
         try:
             for qid, cq in list(self._cqs.items()):
                 for path in (PRIMARY, BACKUP):
-                    self._reap(path, qid, cq)
+                    if not (cq.direct and path == PRIMARY):  # the drive writes the guest's
+                        self._reap(path, qid, cq)
         finally:
             self._reaping = False
         for qid, sq in list(self._sqs.items()):
+            if sq.direct:
+                continue
             if sq.head != sq.tail and len(sq.paths[self.active].outstanding) < RELAY_ENTRIES - 1:
                 self._pump(qid, sq)
 
@@ -351,6 +448,7 @@ class QueueRelay:
             return False
         self.active = BACKUP
         self.stats.switches.append(("backup", why))
+        self._take_over()
         for qid, sq in self._sqs.items():
             old = sq.paths[PRIMARY]
             lost = list(old.outstanding.values())
@@ -366,13 +464,75 @@ class QueueRelay:
         self.reap()
         return True
 
+    def _take_over(self) -> None:
+        """The page-mode queues become relayed ones, at the positions guest memory shows:
+        the guest's from its shadow doorbells, the drive's from the guest's completion
+        queues. Their commands not seen complete are then sent by ``_pump``."""
+        seen: dict[int, CqPosition] = {}
+        for qid, cq in self._cqs.items():
+            if not cq.direct:
+                continue
+            pos = seen[qid] = self._position(cq)
+            cq.tail, cq.phase = pos.tail, pos.phase
+            cq.head = self._shadow(qid, True, cq.entries, pos.tail)
+            cq.direct = False
+        for qid, sq in self._sqs.items():
+            if not sq.direct:
+                continue
+            self._unwatch(qid)
+            done = seen[sq.cqid].sq_head if sq.cqid in seen else None
+            sq.head = done or 0
+            sq.tail = self._shadow(qid, False, sq.entries, sq.head)
+            sq.direct = False
+            self.stats.taken_over += (sq.tail - sq.head) % sq.entries
+        if seen:
+            log.warning(
+                "NVMe share %s: %d command(s) of its page-mode queues taken over",
+                self.share.name,
+                self.stats.taken_over,
+            )
+
+    def _position(self, cq: _GuestCq) -> CqPosition:
+        """The drive's position on page-mode queue ``cq``: the entries it writes name the
+        real SQ that feeds it (one SQ per CQ)."""
+        sq = next((g for g, q in self._sqs.items() if self._cqs.get(q.cqid) is cq), None)
+        real = self.share.real_qid(sq) if sq is not None else -1
+        return scan_cq(self.guest, cq.gpa, cq.entries, real)
+
+    def _shadow(self, qid: int, completion: bool, entries: int, default: int) -> int:
+        """The guest's shadow doorbell value of ``qid``; ``default`` when it holds none a
+        queue of ``entries`` could have (a guest that wrote nonsense loses its commands
+        there, never another share's)."""
+        value = self.shadow.value(qid, completion) if self.shadow is not None else None
+        return value if value is not None and 0 <= value < entries else default
+
+    def _unwatch(self, qid: int) -> None:
+        if self._watch.pop(qid, None) is not None:
+            self.timer.stop((PRIMARY, qid, _WATCH))
+
+    def _watch_page_mode(self) -> None:
+        """Deadlines of page-mode queues: while the guest's shadow tail is ahead of what
+        its completion queue shows done, the oldest such command has one, started when this
+        check first sees it (or sees the drive move on)."""
+        for qid, sq in self._sqs.items():
+            if not sq.direct:
+                continue
+            done = self._position(self._cqs[sq.cqid]).sq_head or 0
+            tail = self._shadow(qid, False, sq.entries, done)
+            if tail == done:
+                self._unwatch(qid)
+            elif self._watch.get(qid) != done:
+                self._watch[qid] = done
+                self.timer.start((PRIMARY, qid, _WATCH))
+
     def timeout(self) -> bool:
         """Check the command timer (where a driver's timer interrupt runs): when a command
-        sent on the primary pair has passed its deadline on the clock (its doorbell or its
+        on the primary pair has passed its deadline on the clock (its doorbell or its
         completion died with the path), the backup takes over. True if it did."""
         self.reap()
         if self.active != PRIMARY:
             return False
+        self._watch_page_mode()
         if any(key[0] == PRIMARY for key in self.timer.expired()):
             return self.fail_over("command timeout")
         return False
@@ -383,37 +543,66 @@ class QueueRelay:
         used again. False when already on it."""
         if self.active == PRIMARY:
             return False
-        self._recreate()
         self.active = PRIMARY
+        self._renew_primary()
+        self.stats.recreated += len(self._sqs)
         self.stats.switches.append(("primary", why))
         log.warning("NVMe share %s: back on its primary queue pairs (%s)", self.share.name, why)
         self.reap()
         return True
 
-    def _recreate(self) -> None:
+    def _aligned(self) -> bool:
+        """Every queue of the guest's could be given to the drive as it is: the guest uses
+        shadow doorbells, the primary path is active, and each queue sits idle where a new
+        real queue starts (SQ head and tail 0, CQ tail and head 0 with phase tag 1, nothing
+        in flight on either pair): right after the guest created it, or by chance later."""
+        if self.shadow is None or not self.shadow.configured or self.active != PRIMARY:
+            return False
+        return all(
+            c.tail == 0 and c.head == 0 and c.phase == 1 and not c.backlog
+            for c in self._cqs.values()
+        ) and all(
+            q.head == q.tail == 0 and not any(p.outstanding for p in q.paths)
+            for q in self._sqs.values()
+        )
+
+    def _renew_primary(self) -> None:
+        """Delete every queue's primary pair and create it again (the drive's position on it
+        may be unknown): at the guest's own rings when they line up (page mode), else in the
+        relay rings."""
         share = self.share
         for qid in self._sqs:
             self.manager.delete_sq(share, qid, PRIMARY)
         for qid in self._cqs:
             self.manager.delete_cq(share, qid, PRIMARY)
+        direct = self._aligned()
         for qid, cq in self._cqs.items():
+            cq.paths[PRIMARY] = _PathCq()
+            cq.direct = direct
+            if direct:
+                self.manager.create_cq(share, qid, cq.gpa, cq.entries, cq.vector, cq.irq)
+                continue
             self.rings.write(
                 self._ring_iova(PRIMARY, qid, True) - RING_IOVA,
                 bytes(RELAY_ENTRIES * spec.CQE_SIZE),
             )
-            cq.paths[PRIMARY] = _PathCq()
             self._create_path_cq(PRIMARY, qid, cq.vector)
         for qid, sq in self._sqs.items():
             for cid in sq.paths[PRIMARY].outstanding:
                 self.timer.stop((PRIMARY, qid, cid))
             sq.paths[PRIMARY] = _PathSq()
-            self._create_path_sq(PRIMARY, qid, sq.cqid)
-        self.stats.recreated += len(self._sqs)
+            sq.direct = direct
+            if direct:
+                self.manager.create_sq(share, qid, sq.gpa, sq.entries, sq.cqid)
+            else:
+                self._create_path_sq(PRIMARY, qid, sq.cqid)
 
     def status(self) -> dict[str, object]:
         return {
             "active": "primary" if self.active == PRIMARY else "backup",
+            "mode": self.mode,
             "switches": [list(s) for s in self.stats.switches],
             "resubmitted": self.stats.resubmitted,
+            "taken_over": self.stats.taken_over,
             "recreated": self.stats.recreated,
         }

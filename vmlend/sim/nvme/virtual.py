@@ -6,8 +6,10 @@ and CSTS (enable just checks the admin queue the guest set up), AQA/ASQ/ACQ. The
 commands are read from and answered in guest memory (the hypervisor reaches guest RAM as any
 device model does): Identify answers for the share (one namespace of its size, its number of
 queues); Create/Delete I/O CQ/SQ are forwarded to the manager, which creates the real queues at
-the guest's queue addresses. I/O queues and their doorbells are not here: see
-``vmlend.nvme.shares`` for how doorbell writes reach the drive.
+the guest's queue addresses. A two-path share's controller also advertises Doorbell Buffer
+Config (OACS bit 8, NVMe 1.3's shadow doorbells) when the share can run in page mode, and hands
+the guest's buffer to its queue relay (``vmlend.sim.nvme.relay``). I/O queues and their
+doorbells are not here: see ``vmlend.nvme.shares`` for how doorbell writes reach the drive.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class QueueForwarder(Protocol):
     def delete_cq(self, share: Share, qid: int) -> int: ...
 
 
+class DoorbellBuffer(Protocol):
+    """Who keeps the guest's shadow doorbell buffer (a two-path share's relay)."""
+
+    def configure_shadow(self, buffer: int, eventidx: int) -> int: ...
+
+    def clear_shadow(self) -> None: ...
+
+
 REGISTER_BYTES = spec.DOORBELL_BASE
 
 
@@ -63,13 +73,16 @@ class VirtualNvmeController:
         memory: GuestMemory,
         manager: QueueForwarder,
         interrupt: Callable[[int], object],
+        doorbell_buffer: DoorbellBuffer | None = None,
     ) -> None:
+        """``doorbell_buffer``: Doorbell Buffer Config is advertised and handed to it."""
         self.share = share
         self.real = real
         self.block_size = block_size
         self.memory = memory
         self.manager = manager
         self.interrupt = interrupt
+        self.doorbell_buffer = doorbell_buffer
         self._regs = bytearray(REGISTER_BYTES)
         self._admin: tuple[int, int, int, int] | None = None  # sq, sq size, cq, cq size
         self._sq_head = 0
@@ -172,6 +185,8 @@ class VirtualNvmeController:
         for gqid in range(1, self.share.queue_pairs + 1):
             self.manager.delete_sq(self.share, gqid)
             self.manager.delete_cq(self.share, gqid)
+        if self.doorbell_buffer is not None:
+            self.doorbell_buffer.clear_shadow()
         self._admin = None
         self._granted = self.share.queue_pairs
 
@@ -224,6 +239,8 @@ class VirtualNvmeController:
             return self._queue_command(cmd), 0
         if op == spec.ADMIN_ABORT:
             return spec.SC_SUCCESS, 1
+        if op == spec.ADMIN_DBBUF_CONFIG and self.doorbell_buffer is not None:
+            return self.doorbell_buffer.configure_shadow(cmd.prp1, cmd.prp2), 0
         if op == spec.ADMIN_GET_LOG_PAGE:
             return self._to_guest(cmd, bytes(4 * (((cmd.cdw10 >> 16) & 0xFFF) + 1))), 0
         return spec.SC_INVALID_OPCODE, 0
@@ -242,7 +259,8 @@ class VirtualNvmeController:
     def _identify(self, cmd: spec.Command) -> int:
         cns = cmd.cdw10 & 0xFF
         if cns == spec.CNS_CONTROLLER:
-            data = identify_controller(self.config, 1, cntlid=self.share.asid)
+            oacs = spec.OACS_DBBUF if self.doorbell_buffer is not None else 0
+            data = identify_controller(self.config, 1, cntlid=self.share.asid, oacs=oacs)
         elif cns == spec.CNS_NAMESPACE:
             if cmd.nsid != 1:
                 return spec.SC_INVALID_NAMESPACE
