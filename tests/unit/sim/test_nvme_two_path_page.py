@@ -174,6 +174,7 @@ def test_a_missed_link_event_is_a_timeout_on_the_injected_clock(hw, tmp_path, cl
         share, drv, queue = start(hw, drive, clock)
         for lba in range(before):
             assert drv.write(queue, lba, data(lba)).ok
+        assert share.relay.mode == "page" and share.traps == 0
         assert share.timeout() is False  # nothing outstanding
         hw.link_down(PRIMARY)
         cids = submit(drv, queue, 200, 3)
@@ -196,9 +197,7 @@ def test_a_missed_link_event_is_a_timeout_on_the_injected_clock(hw, tmp_path, cl
 
 
 @pytest.mark.parametrize("rung", [True, False])
-def test_completions_the_guest_has_not_reaped_are_kept_and_not_run_again(
-    hw, tmp_path, clock, rung
-):
+def test_completions_the_guest_has_not_reaped_are_kept_and_not_run_again(hw, tmp_path, clock, rung):
     """At the fault the guest's completion queue holds completions it has not consumed, and
     its submission queue commands the drive has not fetched (``rung``: their doorbell died
     at the cable; else the guest rings them after the fault): the first stay where they are

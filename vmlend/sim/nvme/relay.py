@@ -528,14 +528,30 @@ class QueueRelay:
     def timeout(self) -> bool:
         """Check the command timer (where a driver's timer interrupt runs): when a command
         on the primary pair has passed its deadline on the clock (its doorbell or its
-        completion died with the path), the backup takes over. True if it did."""
+        completion died with the path), the backup takes over. True if it did. On the
+        backup pair, whose doorbell may have died with a cable that is back (a missed link
+        event), a command past its deadline gets its queue's doorbell written again: the
+        drive fetches what it has not, and nothing twice."""
         self.reap()
         if self.active != PRIMARY:
+            self._ring_again(BACKUP)
             return False
         self._watch_page_mode()
         if any(key[0] == PRIMARY for key in self.timer.expired()):
             return self.fail_over("command timeout")
         return False
+
+    def _ring_again(self, path: int) -> None:
+        late = {qid for p, qid, _cid in self.timer.expired() if p == path}
+        for qid in sorted(late):
+            sq = self._sqs.get(qid)
+            if sq is None:
+                continue
+            for cid in sq.paths[path].outstanding:
+                self.timer.start((path, qid, cid))  # a new deadline for the new write
+            self.doorbell(self._real(path, qid), False, sq.paths[path].tail)
+        if late:
+            self.reap()
 
     def switch_back(self, why: str) -> bool:
         """The primary path works again: its pair is deleted and created again (the drive's
