@@ -13,19 +13,28 @@ side in one run on the default topology (gamma has two NTB adapters):
   controller's command timer (on the drive's clock, moved here past ``COMMAND_TIMEOUT``)
   finds the batch overdue and switches.
 
+The default cluster's drive has one doorbell page, so its two-path shares are relayed (every
+doorbell trapped). The same cases run again on drive 0x40 of ``sharing_topology(1,
+paths=2)`` (doorbell pages to spare; b1 has an adapter on each of two switches): a one-path
+share in page mode (b1:0's cable going leaves it no route), and a two-path share in page mode
+(the guest uses shadow doorbells), which the virtual controller takes over at the fault.
+
 Prints I/O commands per second (4 KiB writes, DEPTH per doorbell) before and after the link
 went down and their ratio, the commands lost (submitted but never completed: the goal is 0),
 the time the switch took (one path: the link event, ``hw.link_down``, including the
 re-route; two paths: the link event's handling after the guest's ring, or the timeout's,
-including the resubmission), and the software steps per guest doorbell write (traps: 0 in
-page mode on one path; a two-path share traps every I/O doorbell). Times are this process's
-CPU time (the simulated path is all CPU, and the machine is shared). Asserts nothing.
+including the resubmission), and the software steps per guest doorbell write before and
+after the fault (traps: 0 in page mode; a relayed share traps every I/O doorbell), then the
+commands/s of each two-path share before the fault over a one-path share's on the same drive.
+Times are this process's CPU time (the simulated path is all CPU, and the machine is shared).
+Asserts nothing.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from vmlend.nvme import spec
@@ -33,8 +42,9 @@ from vmlend.sim.hardware import SimHardware
 from vmlend.sim.nvme.driver import BumpAllocator, NvmeDriver, QueuePair
 from vmlend.sim.nvme.timer import COMMAND_TIMEOUT
 from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
+from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
 from vmlend.topology.model import GuestRange, MiB
-from vmlend.topology.parse import load_topology
+from vmlend.topology.parse import load_topology, parse_topology
 
 RAM = 64 * MiB
 BLOCKS = 1 << 16
@@ -53,44 +63,57 @@ class ManualClock:
         return self.now
 
 
-class CountingBar:
-    """The guest's BAR0, counting its doorbell writes."""
-
-    def __init__(self, share: VmNvmeShare) -> None:
-        self.bar = share.bar0
-        self.doorbells = 0
-
-    def read(self, offset: int, size: int) -> int:
-        return self.bar.read(offset, size)
-
-    def write(self, offset: int, size: int, value: int) -> None:
-        self.doorbells += offset >= spec.DOORBELL_BASE
-        self.bar.write(offset, size, value)
-
-
 CLOCK = ManualClock()
-BARS: dict[int, CountingBar] = {}  # id(share) -> its counting BAR
 
 
-def steps(share: VmNvmeShare) -> float:
-    """Software steps per guest doorbell write."""
-    bar = BARS[id(share)]
-    return share.traps / bar.doorbells if bar.doorbells else 0.0
+class Fabric:
+    """Where a case runs: a topology, its drive, the borrower and its primary adapter's
+    cable."""
+
+    def __init__(self, name: str, topology: str | None, fdid: int, node: str, link: str):
+        self.name, self.topology, self.fdid, self.node, self.link = (
+            name,
+            topology,
+            fdid,
+            node,
+            link,
+        )
+
+    def hardware(self) -> SimHardware:
+        topo = load_topology() if self.topology is None else parse_topology(self.topology)
+        return SimHardware.from_topology(topo, seed=7)
+
+
+DEFAULT = Fabric("default", None, 0x12, "gamma", "mxs824/gamma:0")
+PAGED = Fabric("paged", sharing_topology(1, paths=2), SHARED_NVME, "b1", "sw/b1:0")
+
+
+def steps(share: VmNvmeShare, when: str) -> float:
+    """Software steps per guest I/O doorbell write, ``before_fault`` or ``after_fault``."""
+    return share.steps[when].per_doorbell()
 
 
 def setup(
-    tmp: Path, paths: int = 1, link_events: bool = True
-) -> tuple[SimHardware, SharedNvmeDrive, VmNvmeShare, NvmeDriver, QueuePair, list[object]]:
+    tmp: Path, paths: int = 1, link_events: bool = True, fabric: Fabric = DEFAULT
+) -> tuple[
+    SimHardware, SharedNvmeDrive, VmNvmeShare, NvmeDriver, QueuePair, list[Callable[[], object]]
+]:
     tmp.mkdir(parents=True, exist_ok=True)
-    hw = SimHardware.from_topology(load_topology(), seed=7)
-    racing: list[object] = []  # the guest's ring that races the link event (two-path cases)
-    hw.on_link_change(lambda link, up: None if up or not racing else racing.pop()())
-    drive = SharedNvmeDrive(hw, 0x12, tmp, blocks=BLOCKS, link_events=link_events, clock=CLOCK)
-    guest = hw.create_guest("gamma", "web", [GuestRange(0, RAM)])
-    share = drive.open_share("gamma", "web", 1, BLOCKS // 2, paths=paths)
+    hw = fabric.hardware()
+    racing: list[Callable[[], object]] = []  # the ring racing the link event (two paths)
+
+    def race(link: str, up: bool) -> None:
+        if not up and racing:
+            racing.pop()()
+
+    hw.on_link_change(race)
+    drive = SharedNvmeDrive(
+        hw, fabric.fdid, tmp, blocks=BLOCKS, link_events=link_events, clock=CLOCK
+    )
+    guest = hw.create_guest(fabric.node, "web", [GuestRange(0, RAM)])
+    share = drive.open_share(fabric.node, "web", 1, BLOCKS // 2, paths=paths)
     share.set_master()
-    bar = BARS[id(share)] = CountingBar(share)
-    drv = NvmeDriver(bar, guest, BumpAllocator(16 * MiB, 48 * MiB))
+    drv = NvmeDriver(share.bar0, guest, BumpAllocator(16 * MiB, 48 * MiB))
     (qp,) = drv.start(queues=1, entries=64)
     return hw, drive, share, drv, qp, racing
 
@@ -111,8 +134,8 @@ def rate(drv: NvmeDriver, qp: QueuePair, first: int) -> tuple[float, int, int]:
     return done / (time.process_time() - t0), ROUNDS * DEPTH, done
 
 
-def across(link: str, tmp: Path) -> dict[str, float]:
-    hw, drive, share, drv, qp, _ = setup(tmp)
+def across(link: str, tmp: Path, fabric: Fabric = DEFAULT) -> dict[str, float]:
+    hw, drive, share, drv, qp, _ = setup(tmp, fabric=fabric)
     before, sent_b, done_b = rate(drv, qp, 0)
     batch(drv, qp, ROUNDS)  # in the VM's submission queue when the link goes down
     t0 = time.process_time()
@@ -133,15 +156,17 @@ def across(link: str, tmp: Path) -> dict[str, float]:
         }
     else:  # nothing completes any more: the batch in flight is lost, and so is all after it
         out |= {"after": 0.0, "lost": float(sent_b + DEPTH - done_b - in_flight)}
-    out["steps"] = steps(share)
+    out["steps"] = steps(share, "before_fault")
+    out["steps_after"] = steps(share, "after_fault")
     drive.close()
     return out
 
 
-def two_paths(tmp: Path, link_events: bool) -> dict[str, float]:
-    """A two-path share across ``mxs824/gamma:0`` going down with a batch rung on the dead
-    primary pair: switched by the link event, or (``link_events`` False) by the timeout."""
-    hw, drive, share, drv, qp, racing = setup(tmp, paths=2, link_events=link_events)
+def two_paths(tmp: Path, link_events: bool, fabric: Fabric = DEFAULT) -> dict[str, float]:
+    """A two-path share across its primary adapter's cable going down with a batch rung on
+    the dead primary path: switched by the link event, or (``link_events`` False) by the
+    timeout."""
+    hw, drive, share, drv, qp, racing = setup(tmp, paths=2, link_events=link_events, fabric=fabric)
     assert share.relay is not None
     before, sent_b, done_b = rate(drv, qp, 0)
     batch(drv, qp, ROUNDS)
@@ -152,10 +177,11 @@ def two_paths(tmp: Path, link_events: bool) -> dict[str, float]:
         rung.append(time.process_time())
 
     racing.append(ring)
-    hw.link_down("mxs824/gamma:0")
+    hw.link_down(fabric.link)
     if link_events:
         switch = time.process_time() - rung[0]
     else:
+        share.timeout()  # the timer check: a page-mode queue's deadline starts here
         CLOCK.now += COMMAND_TIMEOUT  # the deadline passes on the drive's clock
         t0 = time.process_time()
         share.timeout()
@@ -167,8 +193,9 @@ def two_paths(tmp: Path, link_events: bool) -> dict[str, float]:
         "after": after,
         "switch_us": switch * 1e6,
         "lost": float(sent_b + DEPTH + sent_a - done_b - in_flight - done_a),
-        "resubmitted": float(share.relay.stats.resubmitted),
-        "steps": steps(share),
+        "resubmitted": float(share.relay.stats.resubmitted + share.relay.stats.taken_over),
+        "steps": steps(share, "before_fault"),
+        "steps_after": steps(share, "after_fault"),
     }
     drive.close()
     return out
@@ -176,24 +203,38 @@ def two_paths(tmp: Path, link_events: bool) -> dict[str, float]:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        fail = across("mxs824/gamma:0", Path(tmp) / "a")
+        fail = across(DEFAULT.link, Path(tmp) / "a")
         none = across("mxs824/alpha:0", Path(tmp) / "b")
         event = two_paths(Path(tmp) / "c", True)
         timeout = two_paths(Path(tmp) / "d", False)
+        one_paged = across(PAGED.link, Path(tmp) / "e", PAGED)
+        event_paged = two_paths(Path(tmp) / "f", True, PAGED)
+        timeout_paged = two_paths(Path(tmp) / "g", False, PAGED)
     print(f"I/O across a link-down, {DEPTH} x 4 KiB writes per doorbell, {ROUNDS} rounds each side")
-    print(f"{'case':<34}{'before cmd/s':>14}{'after cmd/s':>14}{'after/before':>14}"
-          f"{'lost':>7}{'switch':>12}{'sw steps/doorbell':>19}")  # fmt: skip
-    for name, r in (
-        ("failover (gamma:0 down)", fail),
-        ("no other route (alpha:0)", none),
-        ("2 paths, link event (in flight)", event),
-        ("2 paths, command timeout", timeout),
-    ):
+    print(f"{'case':<44}{'before cmd/s':>13}{'after cmd/s':>13}{'after/before':>13}"
+          f"{'lost':>6}{'switch':>10}{'sw steps/doorbell before, after':>33}")  # fmt: skip
+    rows = (
+        ("default drive, 1 path: failover (gamma:0)", fail),
+        ("default drive, 1 path: no other route", none),
+        ("default drive, 2 paths relayed: link event", event),
+        ("default drive, 2 paths relayed: timeout", timeout),
+        ("paged drive, 1 path: no other route (b1:0)", one_paged),
+        ("paged drive, 2 paths page mode: link event", event_paged),
+        ("paged drive, 2 paths page mode: timeout", timeout_paged),
+    )
+    for name, r in rows:
         ratio = r["after"] / r["before"] if r["before"] else 0.0
         print(
-            f"{name:<34}{r['before']:>14,.0f}{r['after']:>14,.0f}{ratio:>13.2f}x"
-            f"{int(r['lost']):>7}{r['switch_us']:>10.0f}us{r['steps']:>19.2f}"
+            f"{name:<44}{r['before']:>13,.0f}{r['after']:>13,.0f}{ratio:>12.2f}x"
+            f"{int(r['lost']):>6}{r['switch_us']:>8.0f}us{r['steps']:>20.2f}, "
+            f"{r['steps_after']:.2f}"
         )
+    print("two paths over one, commands/s before any fault (same drive, same guest):")
+    for name, two, one in (
+        ("default drive (relayed)", event, fail),
+        ("paged drive (page mode)", event_paged, one_paged),
+    ):
+        print(f"  {name:<26}{two['before'] / one['before']:.2f}x")
 
 
 if __name__ == "__main__":

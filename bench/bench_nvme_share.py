@@ -5,8 +5,12 @@ Prints I/O commands per second (4 KiB writes, 16 per doorbell, every VM in turn)
 of one 4 KiB read at queue depth 1, and the software steps between a guest's SQ tail doorbell
 write and the drive fetching its command (vmlend code run on that path: zero when the guest's
 doorbell page maps onto the drive's, one per write when it is trapped). Ratios are shared over
-exclusive. Times are this process's CPU time (the simulated path is all CPU, and the machine
-is shared: wall time would measure the neighbours). Asserts nothing about time.
+exclusive. Then one VM's share on a drive with doorbell pages to spare, its node with two
+adapters (``sharing_topology(1, paths=2)``): one path against two paths in page mode (the
+guest uses shadow doorbells) and two paths relayed (it does not), commands/s side by side and
+software steps per doorbell before and after its primary adapter's cable goes. Times are this
+process's CPU time (the simulated path is all CPU, and the machine is shared: wall time would
+measure the neighbours). Asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -188,6 +192,47 @@ def fetch_routes() -> None:
     )
 
 
+def two_paths() -> None:
+    """One VM on b1 of the two-switch sharing cluster: a one-path share, a two-path share in
+    page mode and one relayed, each measured before and after b1:0's cable goes."""
+    rows = []
+    for name, paths, shadow in (
+        ("1 path", 1, True),
+        ("2 paths, page mode", 2, True),
+        ("2 paths, relayed", 2, False),
+    ):
+        with tempfile.TemporaryDirectory() as tmp:
+            hw = SimHardware.from_topology(parse_topology(sharing_topology(1, paths=2)), seed=1)
+            drive = SharedNvmeDrive(hw, SHARED_NVME, Path(tmp), blocks=BLOCKS)
+            guest = hw.create_guest("b1", "vm", [GuestRange(0, RAM)])
+            share = drive.open_share("b1", "vm", 1, BLOCKS // 16, paths=paths)
+            share.set_master()
+            drv = NvmeDriver(
+                share.bar0, guest, BumpAllocator(16 * MiB, 48 * MiB), shadow_doorbells=shadow
+            )
+            (qp,) = drv.start(queues=1, entries=64)
+            before = best(throughput, [(drv, qp)])
+            after = 0.0
+            if paths == 2:  # a one-path share has no route left: nothing to measure after
+                hw.link_down("sw/b1:0")
+                after = best(throughput, [(drv, qp)])
+            steps = share.steps
+            rows.append((name, before, after, steps["before_fault"], steps["after_fault"]))
+            drive.close()
+    one = rows[0][1]
+    print("one VM's share, paged drive 0x40, b1 with two adapters; b1:0's cable then goes:")
+    print(
+        f"{'share':20} {'cmds/s':>9} {'vs 1 path':>10} {'after fault':>12} "
+        f"{'sw steps/doorbell before':>25} {'after':>6}"
+    )
+    for name, before, after, b, a in rows:
+        shown = f"{after:12.0f}" if after else f"{'-':>12}"
+        print(
+            f"{name:20} {before:9.0f} {before / one:9.2f}x {shown} "
+            f"{b.per_doorbell():25.2f} {a.per_doorbell():6.2f}"
+        )
+
+
 def main() -> None:
     topo = parse_topology(sharing_topology(8))
     borrowers = [f"b{i}" for i in range(1, 9)]
@@ -231,6 +276,7 @@ def main() -> None:
             f"{steps:.2f} software steps per doorbell write"
         )
         drive.close()
+    two_paths()
     fetch_routes()
 
 
