@@ -490,7 +490,10 @@ class FabricMachine(RuleBasedStateMachine):
             return
         assert not share.revoked, "I/O completed on a share taken from the VM"
         assert not dead, "I/O completed across a dead link"
-        event("share_io: done" + (" (two paths)" if share.relay is not None else ""))
+        # the default drive has one doorbell page: a two-path share here is relayed (page
+        # mode is explored by tests/unit/sim/test_nvme_two_path_stateful.py)
+        mode = f" (two paths, {share.relay.mode} mode)" if share.relay is not None else ""
+        event("share_io: done" + mode)
         assert done.ok and back == data
 
     def _ours(self, vm: SimVm, fdid: int) -> bool:

@@ -91,7 +91,8 @@ from vmlend.sim.nvme.cmb import CmbMemory, CmbWindow
 from vmlend.sim.nvme.controller import ControllerConfig
 from vmlend.sim.nvme.driver import NvmeDriver
 from vmlend.sim.nvme.manager import NvmeManager
-from vmlend.sim.nvme.relay import BACKUP, PRIMARY, RING_IOVA, QueueRelay, ring_bytes
+from vmlend.sim.nvme.relay import QueueRelay
+from vmlend.sim.nvme.relayrings import BACKUP, PRIMARY, RING_IOVA, ring_bytes
 from vmlend.sim.nvme.timer import COMMAND_TIMEOUT, Clock, CommandTimer
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme

@@ -57,110 +57,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
-
-import msgspec
 
 from vmlend.nvme import spec
 from vmlend.nvme.shares import Share
+from vmlend.sim.nvme.relayrings import (
+    BACKUP,
+    PAGE,
+    PRIMARY,
+    RELAY,
+    RELAY_ENTRIES,
+    RING_IOVA,
+    GuestCq,
+    GuestSq,
+    Memory,
+    PathCq,
+    PathQueues,
+    PathSq,
+    RealDoorbell,
+    RelayStats,
+    ring_offset,
+)
 from vmlend.sim.nvme.takeover import CqPosition, ShadowDoorbells, scan_cq
 from vmlend.sim.nvme.timer import CommandTimer
 
 log = logging.getLogger(__name__)
 
-#: Where the relay rings sit in each path's address space (above any guest RAM).
-RING_IOVA = 1 << 46
-#: Entries of each relay ring: one page of submissions, one page of completions.
-RELAY_ENTRIES = spec.PAGE // spec.SQE_SIZE
-PAIR_BYTES = 2 * spec.PAGE
-PRIMARY, BACKUP = 0, 1
-PAGE, RELAY = "page", "relay"
 #: The command id of a page-mode queue's deadline (the relay sent none of its commands).
 _WATCH = -1
-
-
-def ring_bytes(queue_pairs: int) -> int:
-    """Relay memory of a share of ``queue_pairs``: a ring pair per queue pair and path."""
-    return 2 * queue_pairs * PAIR_BYTES
-
-
-def ring_offset(share: Share, path: int, guest_qid: int) -> int:
-    """Offset in the relay memory of path ``path``'s ring pair for guest queue ``guest_qid``
-    (its submission ring; the completion ring is the next page)."""
-    return (path * share.queue_pairs + guest_qid - 1) * PAIR_BYTES
-
-
-class Memory(Protocol):
-    def read(self, address: int, length: int) -> bytes: ...
-
-    def write(self, address: int, data: bytes) -> None: ...
-
-
-class PathQueues(Protocol):
-    """The manager's side: create and delete a path's real queues (statuses returned)."""
-
-    def create_cq(
-        self, share: Share, qid: int, gpa: int, entries: int, vector: int, irq: bool, path: int = 0
-    ) -> int: ...
-
-    def create_sq(
-        self, share: Share, qid: int, gpa: int, entries: int, cqid: int, path: int = 0
-    ) -> int: ...
-
-    def delete_sq(self, share: Share, qid: int, path: int = 0) -> int: ...
-
-    def delete_cq(self, share: Share, qid: int, path: int = 0) -> int: ...
-
-
-RealDoorbell = Callable[[int, bool, int], None]  # (real qid, completion, value)
-
-
-class _PathSq(msgspec.Struct):
-    tail: int = 0
-    #: cid -> (the command, the guest SQ head after it): sent on this pair, not completed
-    outstanding: dict[int, tuple[spec.Command, int]] = msgspec.field(default_factory=dict)
-
-
-class _PathCq(msgspec.Struct):
-    head: int = 0
-    phase: int = 1
-
-
-class _GuestCq(msgspec.Struct):
-    gpa: int
-    entries: int
-    vector: int
-    irq: bool
-    tail: int = 0
-    head: int = 0
-    phase: int = 1
-    backlog: list[spec.Completion] = msgspec.field(default_factory=list)
-    paths: list[_PathCq] = msgspec.field(default_factory=lambda: [_PathCq(), _PathCq()])
-    #: page mode: its primary real CQ is the guest's ring, written by the drive directly
-    direct: bool = False
-
-
-class _GuestSq(msgspec.Struct):
-    gpa: int
-    entries: int
-    cqid: int
-    head: int = 0
-    tail: int = 0
-    paths: list[_PathSq] = msgspec.field(default_factory=lambda: [_PathSq(), _PathSq()])
-    #: page mode: its primary real SQ is the guest's ring, rung by the guest directly
-    direct: bool = False
-
-
-class RelayStats(msgspec.Struct):
-    relayed: int = 0  # commands sent on a real pair (resubmissions included)
-    completed: int = 0  # completions handed to the guest
-    resubmitted: int = 0  # commands sent again on the other pair after a failover
-    recreated: int = 0  # primary pairs deleted and created again (at each switch back)
-    #: commands of page-mode queues the guest had rung (or not) and the drive had not
-    #: completed, sent on the backup pair when the relay took the queues over
-    taken_over: int = 0
-    #: each switch: ("backup" | "primary", why)
-    switches: list[tuple[str, str]] = msgspec.field(default_factory=list)
 
 
 class QueueRelay:
@@ -196,8 +119,8 @@ class QueueRelay:
         )
         self.active = PRIMARY
         self.stats = RelayStats()
-        self._cqs: dict[int, _GuestCq] = {}
-        self._sqs: dict[int, _GuestSq] = {}
+        self._cqs: dict[int, GuestCq] = {}
+        self._sqs: dict[int, GuestSq] = {}
         self._reaping = False
         self.page_capable = page
         #: The guest's shadow doorbells (only when page mode is possible: else not advertised).
@@ -269,7 +192,7 @@ class QueueRelay:
                 if path == BACKUP:
                     self.manager.delete_cq(share, qid, PRIMARY)
                 return status
-        self._cqs[qid] = _GuestCq(gpa, entries, vector, irq, direct=direct)
+        self._cqs[qid] = GuestCq(gpa, entries, vector, irq, direct=direct)
         return spec.SC_SUCCESS
 
     def _create_path_cq(self, path: int, qid: int, vector: int) -> int:
@@ -300,7 +223,7 @@ class QueueRelay:
                 if path == BACKUP:
                     self.manager.delete_sq(share, qid, PRIMARY)
                 return status
-        self._sqs[qid] = _GuestSq(gpa, entries, cqid, direct=direct)
+        self._sqs[qid] = GuestSq(gpa, entries, cqid, direct=direct)
         return spec.SC_SUCCESS
 
     def delete_sq(self, share: Share, qid: int) -> int:
@@ -341,7 +264,7 @@ class QueueRelay:
         self._deliver(cq)
 
     # --- moving commands and completions ------------------------------------------------------
-    def _send(self, path: int, qid: int, sq: _GuestSq, cmd: spec.Command, head: int) -> None:
+    def _send(self, path: int, qid: int, sq: GuestSq, cmd: spec.Command, head: int) -> None:
         psq = sq.paths[path]
         at = self._ring_iova(path, qid, False) - RING_IOVA + psq.tail * spec.SQE_SIZE
         self.rings.write(at, cmd.encode())
@@ -350,7 +273,7 @@ class QueueRelay:
         psq.tail = (psq.tail + 1) % RELAY_ENTRIES
         self.stats.relayed += 1
 
-    def _pump(self, qid: int, sq: _GuestSq) -> None:
+    def _pump(self, qid: int, sq: GuestSq) -> None:
         """Take the guest's new commands into the active pair's ring, as far as it has room."""
         path = self.active
         psq = sq.paths[path]
@@ -391,7 +314,7 @@ class QueueRelay:
             if sq.head != sq.tail and len(sq.paths[self.active].outstanding) < RELAY_ENTRIES - 1:
                 self._pump(qid, sq)
 
-    def _reap(self, path: int, qid: int, cq: _GuestCq) -> None:
+    def _reap(self, path: int, qid: int, cq: GuestCq) -> None:
         pcq = cq.paths[path]
         base = self._ring_iova(path, qid, True) - RING_IOVA
         got = False
@@ -421,7 +344,7 @@ class QueueRelay:
         g = real - self.share.qid_base - (self.share.queue_pairs if path == BACKUP else 0)
         return g if 1 <= g <= self.share.queue_pairs else None
 
-    def _deliver(self, cq: _GuestCq) -> None:
+    def _deliver(self, cq: GuestCq) -> None:
         posted = False
         while cq.backlog and (cq.tail + 1) % cq.entries != cq.head:
             c = cq.backlog.pop(0)
@@ -492,7 +415,7 @@ class QueueRelay:
                 self.stats.taken_over,
             )
 
-    def _position(self, cq: _GuestCq) -> CqPosition:
+    def _position(self, cq: GuestCq) -> CqPosition:
         """The drive's position on page-mode queue ``cq``: the entries it writes name the
         real SQ that feeds it (one SQ per CQ)."""
         sq = next((g for g, q in self._sqs.items() if self._cqs.get(q.cqid) is cq), None)
@@ -593,7 +516,7 @@ class QueueRelay:
             self.manager.delete_cq(share, qid, PRIMARY)
         direct = self._aligned()
         for qid, cq in self._cqs.items():
-            cq.paths[PRIMARY] = _PathCq()
+            cq.paths[PRIMARY] = PathCq()
             cq.direct = direct
             if direct:
                 self.manager.create_cq(share, qid, cq.gpa, cq.entries, cq.vector, cq.irq)
@@ -606,7 +529,7 @@ class QueueRelay:
         for qid, sq in self._sqs.items():
             for cid in sq.paths[PRIMARY].outstanding:
                 self.timer.stop((PRIMARY, qid, cid))
-            sq.paths[PRIMARY] = _PathSq()
+            sq.paths[PRIMARY] = PathSq()
             sq.direct = direct
             if direct:
                 self.manager.create_sq(share, qid, sq.gpa, sq.entries, sq.cqid)
