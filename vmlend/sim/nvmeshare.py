@@ -382,6 +382,15 @@ class _GuestBar0:
         self.dstrd = share.drive.controller.config.dstrd
         self.page = share.share.doorbell_page_offset(self.dstrd)
 
+    @property
+    def mapped(self) -> bool:
+        """The guest's doorbell page is mapped onto the share's real one (page mode): the
+        share has a page of its own and, with two paths, its queues are not relayed (at a
+        failover the mapping goes before the relay reads the guest's shadow doorbells, so
+        every later write is trapped)."""
+        relay = self.s.relay
+        return self.page is not None and (relay is None or relay.page_mode)
+
     def read(self, offset: int, size: int) -> int:
         if self.s.revoked:
             return (1 << 8 * size) - 1  # a removed device
@@ -401,7 +410,8 @@ class _GuestBar0:
             return  # nothing else in the BAR decodes
         slot = spec.doorbell_of(offset, self.dstrd)
         relay = self.s.relay
-        if relay is not None and not relay.page_mode:
+        mapped = self.mapped
+        if relay is not None and not mapped:
             # two paths, relayed: every doorbell is trapped (one software step) and relayed
             # onto the active queue pair, whichever path that is
             if slot is None or size != 4:
@@ -416,7 +426,8 @@ class _GuestBar0:
             else:
                 relay.sq_doorbell(qid, value)
             return
-        if self.page is not None:
+        if mapped:
+            assert self.page is not None
             # page mode (one path, or two on the primary's own rings): the guest page is
             # mapped onto the share's real doorbell page through the primary path, so the
             # write lands in the drive with no software in between (guest qid g = real
@@ -1044,7 +1055,7 @@ class SharedNvmeDrive:
             for name, kind, detail in self.manager.wiring()
         ]
         for v in self.shares.values():
-            if v.open and v.bar0.page is not None:
+            if v.open and v.bar0.mapped:
                 out.append(ShareWire(self.fdid, v.node, v.vm, "doorbell-page", f"{v.bar0.page:#x}"))
         return out
 

@@ -110,6 +110,7 @@ def test_page_mode_takes_no_software_step_per_doorbell_and_copies_no_command(hw,
         before = share.steps["before_fault"]
         assert before.doorbells == 160 and before.traps == 0 and share.traps == 0
         assert share.relay.stats.relayed == 0  # no command copied
+        assert "doorbell-page" in {w.kind for w in drive.wiring()}  # the page is mapped
         # the backup pair exists already: a failover creates nothing
         s = share.share
         assert drive.controller.queue_ids() == [s.real_qid(1), s.backup_qid(1)]
@@ -158,6 +159,7 @@ def test_the_borrowers_adapter_pulled_between_the_sq_tail_and_the_fetch(hw, tmp_
             assert drv.read(queue, lba, 1)[1] == data(lba)
         after = share.steps["after_fault"]
         assert after.doorbells > 0 and after.traps == after.doorbells  # relayed now
+        assert "doorbell-page" not in {w.kind for w in drive.wiring()}  # unmapped, trapped
         clean(hw, drive)
     finally:
         drive.close()

@@ -27,7 +27,9 @@ once, not per doorbell: the active pair becomes the backup. Queues in page mode 
 over first: the guest's SQ tails and CQ heads come from its shadow doorbells, the drive's
 position from the guest's completion queue (its tail and phase, and the SQ head its newest
 entry reports), and every command between that head and the shadow tail is sent on the
-backup pair, in order: none lost, none the guest saw complete run again. Commands the relay
+backup pair, in order: none lost, none the guest saw complete run again. (The guest's
+doorbell page mapping goes first: ``page_mode`` is false once the backup is active, so a
+doorbell written meanwhile is trapped.) Commands the relay
 had sent on the primary pair and not seen complete are sent again on the backup. From then on
 every doorbell is trapped. The relay's real doorbell writes cross the NTB like any MMIO
 (``vmlend.sim.mmio``): through the primary path's adapter for the primary pair, the backup's
