@@ -124,7 +124,6 @@ class QueueRelay:
         self._cqs: dict[int, GuestCq] = {}
         self._sqs: dict[int, GuestSq] = {}
         self._reaping = False
-        self.page_capable = page
         #: The guest's shadow doorbells (only when page mode is possible: else not advertised).
         self.shadow: ShadowDoorbells | None = ShadowDoorbells(guest, dstrd) if page else None
         self._watch: dict[int, int] = {}  # page-mode SQ -> the done head its deadline is for
