@@ -76,7 +76,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "registry": (
         "cmd_registry",
-        "The cluster registry in etcd: who may write which of its keys.",
+        "The cluster registry in etcd: who may write which of its keys, and its stored layout.",
     ),
     "relay": (
         "cmd_relay",

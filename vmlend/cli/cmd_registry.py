@@ -1,17 +1,20 @@
-"""``vmlend registry roles``: the etcdctl commands that give each host its etcd user and role."""
+"""``vmlend registry roles``: the etcdctl commands that give each host its etcd user and role;
+``vmlend registry upgrade``: bring a cluster's stored layout to the one this vmlend writes."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import click
 
-from vmlend.cli.common import emit_json, json_option, read_input
+from vmlend.cli.common import emit_action, emit_json, json_option, read_input
 from vmlend.cli.context import CliContext
 from vmlend.errors import ConfigError, TopologyError
 
 
 @click.group("registry")
 def registry() -> None:
-    """The cluster registry in etcd: who may write which of its keys."""
+    """The cluster registry in etcd: who may write which of its keys, and its stored layout."""
 
 
 @registry.command("roles")
@@ -89,6 +92,43 @@ def roles_cmd(
         *((loc.tls.cacert, loc.tls.cert, loc.tls.key) if loc.tls is not None else ()),
     )
     click.echo(etcdctl_script(loc.cluster, chosen, target, only=bool(only)), nl=False)
+
+
+@registry.command("upgrade")
+@json_option
+@click.pass_obj
+def upgrade_cmd(obj: CliContext, json_output: bool) -> None:
+    """Bring the stored layout of the cluster registry (--registry) to the one this vmlend
+    writes. Run it once, from any host, with every host's agent stopped and its lease ended
+    (refused while one lives); then upgrade vmlend on every host and start the agents
+    (docs/cluster.md, "Upgrading the stored layout"). Running it again changes nothing."""
+    from vmlend.registry import open_registry, parse_location
+    from vmlend.registry.etcd_store import EtcdRegistry
+    from vmlend.registry.upgrade import upgrade
+
+    loc = parse_location(obj.location)
+    if not loc.endpoints:
+        raise ConfigError(
+            "'vmlend registry upgrade' is for a cluster registry (--registry"
+            " etcd://HOST:PORT/CLUSTER): an SQLite state file is upgraded when it is opened"
+        )
+    with open_registry(loc) as reg:
+        result = upgrade(cast(EtcdRegistry, reg))  # an etcd location opens the etcd backend
+    if json_output:
+        emit_action(
+            "upgraded" if result.steps else "unchanged",
+            registry=result.registry,
+            before=result.before,
+            after=result.after,
+            steps=result.steps,
+        )
+        return
+    if not result.steps:
+        click.echo(f"{result.registry}: layout {result.after} already; nothing to upgrade")
+        return
+    click.echo(f"{result.registry}: layout {result.before} -> {result.after}")
+    for step in result.steps:
+        click.echo(f"  {step}")
 
 
 def _nodes(obj: CliContext, topology_file: str | None) -> list[str]:

@@ -754,6 +754,23 @@ class EtcdTxn:
         current = self._read_topology(digest)
         self._install(msgspec.structs.replace(current.whole(), compiled=compiled))
 
+    def store_topology_in_generations(self) -> bool:
+        """Store a topology kept in one record (layout 2, ``topology/record``) as a generation
+        of pieces, its content unchanged (``vmlend registry upgrade``); False when there is no
+        such record (a topology in generations already, or none)."""
+        self._write()
+        digest = self.topology_digest()
+        if digest is None or self._get(self._k.topology_head) is not None:
+            return False
+        current = self._read_topology(digest)
+        self._install(current.whole())
+        return True
+
+    def live_hosts(self) -> list[str]:
+        """The nodes whose agent's lease lives (``hosts/<node>``), read as a compared prefix:
+        one that appears before the commit makes the transaction run again."""
+        return sorted(k.removeprefix(self._k.hosts) for k in self._range(self._k.hosts))
+
     def set_local_node(self, node: str) -> None:
         """Nothing to do: the shared state never says which node a host is."""
         self._write()

@@ -1,0 +1,152 @@
+"""``vmlend registry upgrade``: a stored cluster of an older etcd layout brought to this
+vmlend's, with every agent's lease ended; refused in one line while one lives (also when an
+agent starts during the upgrade), for a newer layout and for SQLite; running it again changes
+nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner, Result
+
+from tests.support.older_state import etcd_before_generations
+from vmlend.cli import main
+from vmlend.registry import open_registry, parse_location
+from vmlend.registry import upgrade as upgrade_mod
+from vmlend.registry.etcd_gateway import b64, prefix_end
+from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.location import _gateway
+from vmlend.wiring.fabric import default_topology_text, open_fabric
+
+
+def _run(url: str, *args: str) -> Result:
+    return CliRunner().invoke(main, ["--registry", url, "registry", "upgrade", *args])
+
+
+def _stored(url: str) -> dict[str, tuple[bytes, int]]:
+    """Every key of the cluster: its value and mod revision."""
+    keys = Keys(parse_location(url).cluster)
+    gw = _gateway(parse_location(url))
+    try:
+        _rev, kvs = gw.range(keys.base, prefix_end(keys.base))
+    finally:
+        gw.close()
+    return {kv.key: (kv.value, kv.mod_revision) for kv in kvs}
+
+
+def _put(url: str, key: str, value: bytes, lease: int = 0) -> None:
+    gw = _gateway(parse_location(url))
+    try:
+        body = {"key": b64(key), "value": b64(value)}
+        if lease:
+            body["lease"] = lease
+        gw.call("kv/put", body)
+    finally:
+        gw.close()
+
+
+def _layout2(url: str) -> Keys:
+    """A cluster as a vmlend of layout 2 left it, its agents stopped: the topology in one
+    record, a device unlent, and the fence a lapsed hold left (records without a lease)."""
+    text, source = default_topology_text()
+    etcd_before_generations(url, text, source)
+    keys = Keys(parse_location(url).cluster)
+    fence = {"fdid": 0x10, "node": "gamma", "vm": "web", "vm_uuid": "", "token": 7}
+    _put(url, keys.fence(0x10), json.dumps(fence).encode())
+    device = {"fdid": 0x11, "lender": "alpha", "lent": False, "available": True}
+    _put(url, keys.device(0x11), json.dumps(device).encode())
+    return keys
+
+
+def test_a_layout_2_cluster_is_upgraded_once_and_keeps_its_records(etcd_url):
+    keys = _layout2(etcd_url)
+    before = _stored(etcd_url)
+    r = _run(etcd_url, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["action"], out["before"], out["after"]) == ("upgraded", 2, 3)
+    after = _stored(etcd_url)
+    assert keys.topology_record not in after
+    assert keys.topology_head in after
+    assert after[keys.meta("schema_version")][0] == b"3"
+    for kept in (keys.fence(0x10), keys.device(0x11)):
+        assert after[kept] == before[kept]  # not even rewritten
+    assert after[keys.topology_digest][0] == before[keys.topology_digest][0]
+    with open_fabric(etcd_url, "gamma") as fabric:
+        assert len(fabric.devices()) == 9
+    with open_registry(etcd_url) as reg, reg.read() as tx:
+        assert tx.fence(0x10) is not None and tx.hold(0x10) is None
+        device = tx.device(0x11)
+        assert device is not None and not device.lent
+
+    again = _run(etcd_url, "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["action"] == "unchanged"
+    assert _stored(etcd_url) == after  # nothing written
+    text = _run(etcd_url)
+    assert text.exit_code == 0 and "nothing to upgrade" in text.stdout, text.output
+
+
+def test_a_live_agent_refuses_the_upgrade_in_one_line_and_nothing_changes(etcd, etcd_url):
+    keys = _layout2(etcd_url)
+    lease = _grant(etcd_url)
+    _put(etcd_url, keys.host("alpha"), b"1", lease)
+    before = _stored(etcd_url)
+    r = _run(etcd_url, "--json")
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "agents of alpha have a live lease" in lines[0], r.output
+    assert "vmlend registry upgrade" in lines[0] and "Traceback" not in r.output
+    assert _stored(etcd_url) == before
+
+
+def test_an_agent_that_starts_during_the_upgrade_makes_it_refuse(etcd_url, monkeypatch):
+    """The step's transaction compares the agents' prefix it read: an agent whose lease
+    appears between that read and the commit makes it run again and be refused."""
+    keys = _layout2(etcd_url)
+    step = upgrade_mod.STEPS[2]
+    started: list[int] = []
+
+    def step_while_an_agent_starts(tx):
+        out = step(tx)
+        if not started:
+            started.append(_grant(etcd_url))
+            _put(etcd_url, keys.host("beta"), b"1", started[0])
+        return out
+
+    monkeypatch.setitem(upgrade_mod.STEPS, 2, step_while_an_agent_starts)
+    r = _run(etcd_url)
+    assert r.exit_code != 0 and "agents of beta have a live lease" in r.stderr, r.output
+    after = _stored(etcd_url)
+    assert after[keys.meta("schema_version")][0] == b"2"
+    assert keys.topology_record in after and keys.topology_head not in after
+
+
+def test_a_newer_layout_and_an_sqlite_state_are_refused_in_one_line(etcd_url, tmp_path):
+    keys = _layout2(etcd_url)
+    _put(etcd_url, keys.meta("schema_version"), b"99")
+    r = _run(etcd_url)
+    assert r.exit_code != 0 and "newer than this vmlend" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+    sqlite = _run(str(tmp_path / "state.db"))
+    assert sqlite.exit_code != 0 and "is for a cluster registry" in sqlite.stderr, sqlite.output
+    assert len(sqlite.stderr.strip().splitlines()) == 1
+
+
+def test_an_empty_cluster_is_refused_in_one_line(etcd_url):
+    r = _run(etcd_url)
+    assert r.exit_code != 0 and "no vmlend state" in r.stderr, r.output
+
+
+def _grant(url: str, ttl: int = 600) -> int:
+    gw = _gateway(parse_location(url))
+    try:
+        return int(gw.call("lease/grant", {"TTL": ttl, "ID": 0})["ID"])
+    finally:
+        gw.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_prompt(monkeypatch):
+    monkeypatch.delenv("VMLEND_REGISTRY", raising=False)

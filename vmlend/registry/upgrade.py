@@ -1,0 +1,122 @@
+"""``vmlend registry upgrade``: bring a cluster's stored etcd layout to the one this vmlend
+writes, one layout version at a time (``STEPS``).
+
+An upgrade runs with every host's agent stopped and its lease ended: a live agent (its
+``hosts/<node>`` key) refuses it in one line, and each step's transaction compares that no
+``hosts/`` key appeared since its reads, so an agent started meanwhile makes the step run again
+and be refused. With every lease ended, no hold, claim, unit block, VM marker, mdev or runtime
+record is left (they are all on their host's lease); what a step converts is what has no
+lease: the topology, node and device records, fences, agents' bindings, the version.
+
+Each step is idempotent and its own transaction(s), within etcd's defaults (128 operations and
+1.5 MiB a request: the topology's pieces are written by ``EtcdTopology.stage`` in requests of
+their own before the step names them), and writes its target version last, in its final
+transaction: a step cut short leaves the version it found, and running the command again
+redoes it. Running it on a layout that is current changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import msgspec
+
+from vmlend.errors import StateError
+from vmlend.registry.api import StateTxn
+from vmlend.registry.etcd_store import EtcdRegistry, check_schema
+from vmlend.registry.etcd_txn import EtcdTxn
+from vmlend.registry.schema import ETCD_SCHEMA_VERSION
+
+
+class UpgradeResult(msgspec.Struct, frozen=True):
+    registry: str
+    before: int
+    after: int
+    #: What each step did, in order (empty: the layout was current).
+    steps: list[str]
+
+
+def _refuse_live_agents(tx: EtcdTxn, where: str) -> None:
+    """One line when any agent's lease lives. Read as a compared prefix: an agent that starts
+    before the step commits makes it run again, and be refused here."""
+    alive = tx.live_hosts()
+    if alive:
+        raise StateError(
+            f"cannot upgrade {where} while the vmlend agents of {', '.join(alive)} have a live"
+            " lease: stop 'vmlend agent' on every host and wait until its lease ended (--ttl),"
+            " or decommission the host with 'vmlend drain', then run 'vmlend registry upgrade'"
+            " again"
+        )
+
+
+def _topology_in_generations(tx: EtcdTxn) -> str:
+    """2 -> 3: the topology, one JSON value ``topology/record`` before, stored as a
+    generation of pieces (what installing a topology writes since version 3)."""
+    moved = tx.store_topology_in_generations()
+    return (
+        "the topology moved from one record into a generation of pieces"
+        if moved
+        else "the topology was in generations already"
+    )
+
+
+def _same_records(_tx: EtcdTxn) -> str:
+    """1 -> 2: the version was SQLite's schema's then; its version 2 changed SQLite alone."""
+    return "no record changes (layout 2 differs from 1 in SQLite only)"
+
+
+#: Per stored version, the step that brings it to the next one.
+STEPS: dict[int, Callable[[EtcdTxn], str]] = {1: _same_records, 2: _topology_in_generations}
+
+
+def _step_body(found: int, step: Callable[[EtcdTxn], str], where: str) -> Callable[[StateTxn], str]:
+    """The transaction of one step from layout ``found``: refused while an agent's lease
+    lives, nothing done when another upgrade moved the version on (""), the step's target
+    version written last."""
+
+    def body(state: StateTxn) -> str:
+        tx = cast(EtcdTxn, state)
+        now = tx.meta("schema_version")
+        if now is None or now != str(found):  # another upgrade got there first
+            return ""
+        _refuse_live_agents(tx, where)
+        what = step(tx)
+        tx.set_meta("schema_version", str(found + 1))
+        return what
+
+    return body
+
+
+def upgrade(registry: EtcdRegistry) -> UpgradeResult:
+    """Upgrade the layout of ``registry`` step by step to ``ETCD_SCHEMA_VERSION``;
+    ``StateError`` (nothing written by the refused step) while an agent's lease lives, for a
+    layout newer than this vmlend's, or for a version no step starts from."""
+    where = registry.where
+    with registry.read() as tx:
+        raw = tx.meta("schema_version")
+    if raw is None:
+        raise StateError(
+            f"no vmlend state in {where}; run 'vmlend fabric init' with this --registry first"
+        )
+    before = version = check_schema(raw, where)
+    done: list[str] = []
+    if version == ETCD_SCHEMA_VERSION:
+        return UpgradeResult(where, before, version, done)
+    with registry.read() as tx:
+        _refuse_live_agents(cast(EtcdTxn, tx), where)
+    while version < ETCD_SCHEMA_VERSION:
+        step = STEPS.get(version)
+        if step is None:
+            raise StateError(
+                f"the vmlend state in {where} has layout version {version}, which this vmlend"
+                f" cannot upgrade (it upgrades from {min(STEPS)} on)"
+            )
+        target = version + 1
+        what = registry.transact(_step_body(version, step, where))
+        if what:
+            done.append(f"{version} -> {target}: {what}")
+        with registry.read() as tx:
+            raw = tx.meta("schema_version")
+        version = check_schema(raw or str(target), where)
+    return UpgradeResult(where, before, version, done)
