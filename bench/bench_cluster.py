@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import statistics
@@ -21,11 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* helpers
 
 from tests.support.etcd_daemon import EtcdServer, host_lease
+from tests.support.hostroot import identify
 from tests.support.simfabric import fabric_topology
 from vmlend.errors import DeviceFencedError, DeviceHeldError
 from vmlend.ledger.admission import StateView, admit
@@ -80,10 +85,43 @@ def raw_cycle(url: str) -> list[float]:
     return out
 
 
-def replayed_cycle(location) -> list[float]:
+class Shape(NamedTuple):
+    """What one request of a cycle carries: keys or ranges read, compares, puts, deletes, and
+    the bytes of its body."""
+
+    reads: int = 0
+    compares: int = 0
+    puts: int = 0
+    deletes: int = 0
+    size: int = 0
+
+    def __str__(self) -> str:
+        if self.reads:
+            return f"{self.reads} reads"
+        parts = [f"{self.compares} compares", f"{self.puts} puts", f"{self.deletes} deletes"]
+        return " + ".join(parts) + f" ({self.size / 1024:.1f} KiB)"
+
+
+def shape_of(path: str, body: dict) -> Shape:
+    if path != "kv/txn":  # a bare range
+        return Shape(reads=1, size=len(json.dumps(body)))
+    ops = body.get("success", [])
+    return Shape(
+        reads=sum("request_range" in op for op in ops),
+        compares=len(body.get("compare", [])),
+        puts=sum("request_put" in op for op in ops),
+        deletes=sum("request_delete_range" in op for op in ops),
+        size=len(json.dumps(body)),
+    )
+
+
+def replayed_cycle(location) -> tuple[list[float], list[Shape], list[Shape], int]:
     """The same requests a reserve+release sends, sent again bare (compares dropped, so each
     write applies as it did): what etcd and the HTTP client cost for these records, without
-    vmlend's own work in between. ``reserve_release`` less this is vmlend's own share."""
+    vmlend's own work in between. ``reserve_release`` less this is vmlend's own share. Also
+    the shape of each request of the reserve and of the release (``Shape``), taken after a
+    first cycle so that the VM's marker exists, as in every later cycle, and the mean size of
+    the values it puts."""
     text, source = default_topology_text()
     init_fabric(location, text, source, node="gamma")
     f = open_fabric(location, "gamma")
@@ -96,10 +134,21 @@ def replayed_cycle(location) -> list[float]:
         sent.append((path, body))
         return plain(path, body)
 
+    f.reserve(0x10, h, guest_ram=16 * GiB)  # the first: it creates the VM's marker
+    f.release(0x10, h)
     gw.call = recording  # type: ignore[method-assign]
     f.reserve(0x10, h, guest_ram=16 * GiB)
+    reserving = len(sent)
     f.release(0x10, h)
     gw.call = plain  # type: ignore[method-assign]
+    shapes = [shape_of(path, body) for path, body in sent]
+    values = [
+        len(base64.b64decode(op["request_put"]["value"]))
+        for _path, body in sent
+        for op in body.get("success", [])
+        if "request_put" in op
+    ]
+    value = sum(values) // max(1, len(values))
     bare = [(path, {**body, "compare": []}) for path, body in sent]
     out = []
     for _ in range(CYCLES):
@@ -108,7 +157,99 @@ def replayed_cycle(location) -> list[float]:
             gw.call(path, body)
         out.append(time.perf_counter() - t)
     f.close()
-    return out
+    return out, shapes[:reserving], shapes[reserving:], value
+
+
+#: Request shapes of a reserve+release (``Shape``; a reserve's read, its commit, a release's
+#: read, its commit) for ``shaped_cycles``: today's (measured by ``replayed_cycle`` on the same
+#: GPU reserve), and a hold of at most 4 keys as issue 38 asks (docs/cluster.md, "A hold of at
+#: most 4 keys": the claims and the node's index gone, one conflict key, fewer reads and
+#: compares): what such requests alone cost, whatever layout writes them.
+FOUR_KEYS: tuple[Shape, ...] = (
+    Shape(reads=14),
+    Shape(compares=13, puts=4),
+    Shape(reads=10),
+    Shape(compares=10, deletes=4),
+)
+
+
+#: The raw floor's four requests as shapes (a read, a one-put Txn, a read, a one-delete Txn).
+RAW = (Shape(reads=1), Shape(puts=1), Shape(reads=1), Shape(deletes=1))
+
+
+class _Shaped:
+    """Cycles of bare requests of given shapes on keys of their own (``tag``): distinct keys,
+    values of ``value`` bytes, compares that hold, writes that apply. What etcd and the HTTP
+    client cost for requests of that size, whatever vmlend writes in them."""
+
+    def __init__(self, url: str, value: int, tag: str) -> None:
+        from vmlend.registry import parse_location
+        from vmlend.registry.etcd_gateway import EtcdGateway, b64
+
+        self.gw = EtcdGateway(parse_location(url).endpoints)
+        self.keys = [b64(f"/shape/{tag}/{i:03d}") for i in range(128)]
+        self.filler = b64("v" * value)
+
+    def cycle(self, shapes: Sequence[Shape]) -> float:
+        keys = self.keys
+        t = time.perf_counter()
+        for shape in shapes:
+            if shape.reads:
+                ops = [{"request_range": {"key": k}} for k in keys[: shape.reads]]
+                self.gw.call("kv/txn", {"compare": [], "success": ops, "failure": []})
+                continue
+            compare = [
+                {"key": k, "target": "VERSION", "result": "LESS", "version": 1 << 40}
+                for k in keys[64 : 64 + shape.compares]
+            ]
+            # etcd refuses a Txn that writes a key twice: a request's deletes follow its puts
+            ops = [{"request_put": {"key": k, "value": self.filler}} for k in keys[: shape.puts]]
+            gone = keys[shape.puts : shape.puts + shape.deletes]
+            ops += [{"request_delete_range": {"key": k}} for k in gone]
+            self.gw.call("kv/txn", {"compare": compare, "success": ops, "failure": []})
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.gw.close()
+
+
+def shaped_cycles(
+    url: str, shapes: dict[str, Sequence[Shape]], value: int, cycles: int = CYCLES
+) -> dict[str, float]:
+    """p50 of each shape's cycle, the shapes taken in turn cycle by cycle (so a machine whose
+    load changes meanwhile slows them alike)."""
+    client = _Shaped(url, value, "one")
+    samples: dict[str, list[float]] = {name: [] for name in shapes}
+    try:
+        for _ in range(cycles):
+            for name, shape in shapes.items():
+                samples[name].append(client.cycle(shape))
+    finally:
+        client.close()
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def concurrent_shaped(
+    url: str, shapes: Sequence[Shape], value: int, threads: int = 10, cycles: int = 20
+) -> float:
+    """``threads`` threads doing ``cycles`` cycles of ``shapes`` each: the run's time."""
+    import threading
+
+    def work(i: int) -> None:
+        client = _Shaped(url, value, f"t{i}")
+        try:
+            for _ in range(cycles):
+                client.cycle(shapes)
+        finally:
+            client.close()
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    t = time.perf_counter()
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join()
+    return time.perf_counter() - t
 
 
 def concurrent_cycles(
@@ -244,15 +385,24 @@ def death_to_reuse(server: EtcdServer, root: Path) -> float:
     vmlend = str(Path(sys.executable).parent / "vmlend")
     agents = {}
     for node in ("alpha", "gamma"):
+        identify(root / node)  # the agent refuses a host without a machine-id
         env = {**os.environ, "VMLEND_REGISTRY": url, "VMLEND_NODE": node}
         env["VMLEND_ROOT"] = str(root / node)
-        agents[node] = subprocess.Popen(
-            [vmlend, "agent", "--ttl", str(TTL), "--interval", "0.2"],
-            env=env,
-            stderr=subprocess.DEVNULL,
-        )
+        with open(root / f"{node}-agent.log", "wb") as log:  # a file: a pipe could fill
+            agents[node] = subprocess.Popen(
+                [vmlend, "agent", "--ttl", str(TTL), "--interval", "0.2"],
+                env=env,
+                stderr=log,
+            )
     lease_file = root / "gamma" / "run" / "vmlend" / "agent.lease"
     while not lease_file.exists():
+        for node, agent in agents.items():
+            if agent.poll() is not None:  # it would never publish its lease: say why
+                why = (root / f"{node}-agent.log").read_text().strip().splitlines()
+                for other in agents.values():
+                    other.kill()  # by its PID: this bench started it
+                    other.wait()
+                raise SystemExit(f"{node}'s agent exited {agent.returncode}: {why[-1:]}")
         time.sleep(0.05)
     os.environ["VMLEND_ROOT"] = str(root / "gamma")
     open_fabric(url, "gamma").reserve(0x10, Holder("gamma", "web"))
@@ -299,7 +449,8 @@ def main() -> None:
             raw = raw_cycle(server.url("raw"))
             (sq50, sq99), (et50, et99) = _percentiles(sq), _percentiles(et)
             raw50, _ = _percentiles(raw)
-            replay50, _ = _percentiles(replayed_cycle(server.url("replay")))
+            replayed, reserving, releasing, value = replayed_cycle(server.url("replay"))
+            replay50, _ = _percentiles(replayed)
             print(
                 f"reserve+release p50/p99   SQLite {sq50 * ms:6.2f}/{sq99 * ms:6.2f} ms"
                 f"   etcd {et50 * ms:6.2f}/{et99 * ms:6.2f} ms"
@@ -314,12 +465,39 @@ def main() -> None:
                 f" ({replay50 / raw50:4.2f}x the raw ones: etcd's and the client's cost of"
                 f" the records); vmlend's work between them {(et50 - replay50) * ms:5.2f} ms"
             )
+            print(
+                f"  what it sends: a reserve {', then '.join(map(str, reserving))};"
+                f" a release {', then '.join(map(str, releasing))}"
+            )
+            shaped = shaped_cycles(
+                server.url("shapes"),
+                {"raw": RAW, "today": [*reserving, *releasing], "four": FOUR_KEYS},
+                value,
+            )
+            print(
+                f"  bare requests, taken in turn: of the cycle's shape {shaped['today'] * ms:6.2f}"
+                f" ms, of a hold of at most 4 keys ({', '.join(map(str, FOUR_KEYS))})"
+                f" {shaped['four'] * ms:6.2f} ms, raw {shaped['raw'] * ms:6.2f} ms:"
+                f" {shaped['today'] / shaped['raw']:4.2f}x and"
+                f" {shaped['four'] / shaped['raw']:4.2f}x"
+                " (a floor for such a layout, before vmlend's own work)"
+            )
             took, failed, floor, reruns = concurrent_cycles(server.url("many"))
             print(
                 f"10 concurrent borrowers x 20 cycles on etcd: {failed} failed cycles,"
                 f" {reruns} re-runs;"
                 f" {took:5.2f} s vs {floor:5.2f} s for as many raw 4-request cycles,"
                 f" throughput {floor / took:5.0%} of the floor (goal >= 70 %, 0 failed)"
+            )
+            rounds = [
+                (concurrent_shaped(server.url("shapes"), RAW, value),
+                 concurrent_shaped(server.url("shapes"), FOUR_KEYS, value))
+                for _ in range(3)
+            ]  # fmt: skip
+            print(
+                "  10 threads x 20 bare cycles of a hold of at most 4 keys vs raw, 3 rounds:"
+                f" {', '.join(f'{raw_s / four_s:.0%}' for raw_s, four_s in rounds)} of the"
+                " floor's throughput (a ceiling for such a layout)"
             )
             alone, crowded = crowded_node(server.url("crowded"))
             print(
