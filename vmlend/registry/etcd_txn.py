@@ -620,8 +620,12 @@ class EtcdTxn:
         (``release_on``) also reads the devices' runtime records and that node's mdevs and
         mdev parents of them."""
         fdids = list(fdids)
-        # The head too: a process's first transaction reads it (its topology not decoded yet).
-        keys = [self._k.topology_digest, self._k.topology_head, self._k.meta(LINKS_DOWN_KEY)]
+        keys = [self._k.topology_digest, self._k.meta(LINKS_DOWN_KEY)]
+        if not self._topo_cache:
+            # The head too, while this process has not decoded a topology: its first
+            # transaction needs it. Later ones decide on the digest (compared), which names the
+            # content; the head is read again only when the digest changes.
+            keys.append(self._k.topology_head)
         prefixes: list[str] = []
         # claims and units are read without a prefix compare (see ``_take_units``)
         loose = [p for a in adapters for p in (self._k.claims_on(a), self._k.units_of(a))]
@@ -630,9 +634,11 @@ class EtcdTxn:
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
         # The VM's own marker, which lists its holds (``holds_of``): not the node's index nor
-        # every marker of the node, reads that grew with the node's VMs.
-        for h in held_by:  # and the index entries a reserve of ``fdids`` would write
-            keys += [self._k.vm_holds(h.node, h.vm), *(self._k.held_on(h.node, f) for f in fdids)]
+        # every marker of the node, reads that grew with the node's VMs. Not the index entries
+        # a reserve writes or a release deletes: nothing decides on them (a new hold's entry
+        # takes this host's lease whatever was there), and reading them added a compare each.
+        for h in held_by:
+            keys.append(self._k.vm_holds(h.node, h.vm))
         if release_on is not None:
             keys += [self._k.parent(release_on, fdid) for fdid in fdids]
             prefixes += [self._k.runtime_of(fdid) for fdid in fdids]

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tests.support.etcd_daemon import free_port, host_lease
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.cli import main
-from vmlend.errors import ConfigError, DeviceHeldError, StateError
+from vmlend.errors import ConfigError, DeviceHeldError, StateError, VmlendError
 from vmlend.hook.install import install_hook
 from vmlend.hostenv import HostEnv
 from vmlend.registry import (
@@ -444,6 +444,57 @@ def test_a_reserve_and_release_cycle_with_guest_ram_costs_four_requests(etcd_url
         reserved = len(etcd_requests)
         assert f.release(0x10, holder)
     assert (reserved, len(etcd_requests)) == (2, 4)
+
+
+def test_a_warm_cycle_compares_neither_the_index_entry_it_writes_nor_the_topology_head(
+    etcd_url, monkeypatch
+):
+    """What a reserve and a release compare is what they decide on: once the process knows the
+    topology, its digest (compared) names it, and the node's index entry of the device is
+    written or deleted, never decided on. Each compare is an operation etcd evaluates at
+    every commit (``bench/bench_cluster.py``, "what it sends"); these two cost a read and a
+    compare in each of the cycle's four requests."""
+    from vmlend.registry.etcd_gateway import b64
+    from vmlend.registry.etcd_keys import Keys
+
+    sent: list[dict] = []
+    real_call = EtcdGateway.call
+
+    def recording(self, path, body):
+        sent.append(body)
+        return real_call(self, path, body)
+
+    keys = Keys(etcd_url.rsplit("/", 1)[1])
+    unwanted = {b64(keys.topology_head), b64(keys.held_on("gamma", 0x10))}
+    with make_fabric(etcd_url) as f:
+        holder = Holder("gamma", "probe")
+        f.reserve(0x10, holder)  # warm: the topology is read once
+        f.release(0x10, holder)
+        monkeypatch.setattr(EtcdGateway, "call", recording)
+        f.reserve(0x10, holder)
+        assert f.release(0x10, holder)
+    read = {op["request_range"]["key"] for b in sent for op in b.get("success", [])
+            if "request_range" in op}  # fmt: skip
+    compared = {c["key"] for b in sent for c in b.get("compare", [])}
+    assert not (read | compared) & unwanted
+    assert b64(keys.topology_digest) in compared
+
+
+def test_a_topology_installed_by_another_process_is_read_by_a_warm_one(etcd_url):
+    """The head is not read once a process knows the topology, so a new topology must reach
+    it through the digest: installed by another process, it is what the next reserve
+    decides on (here one without device 0x10)."""
+    with make_fabric(etcd_url) as f:
+        holder = Holder("gamma", "probe")
+        f.reserve(0x10, holder)
+        assert f.release(0x10, holder)
+        text = star_topology(2, 2)  # no device 0x10
+        assert init_fabric(etcd_url, text, "star.toml", replace=True).action == "replaced"
+        with pytest.raises(VmlendError):
+            f.reserve(0x10, holder)
+        with f.registry.read() as tx:
+            assert tx.device(0x10) is None
+            assert tx.topology().text == text
 
 
 def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, tmp_path):
