@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* h
 from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.hostroot import identify
 from tests.support.simfabric import fabric_topology
-from vmlend.errors import DeviceFencedError, DeviceHeldError
+from vmlend.errors import DeviceFencedError, DeviceHeldError, LenderUnavailableError
 from vmlend.ledger.admission import StateView, admit
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import GiB, Holder
@@ -99,7 +99,7 @@ class Shape(NamedTuple):
         if self.reads:
             return f"{self.reads} reads"
         parts = [f"{self.compares} compares", f"{self.puts} puts", f"{self.deletes} deletes"]
-        return " + ".join(parts) + f" ({self.size / 1024:.1f} KiB)"
+        return " + ".join(parts) + (f" ({self.size / 1024:.1f} KiB)" if self.size else "")
 
 
 def shape_of(path: str, body: dict) -> Shape:
@@ -394,16 +394,22 @@ def death_to_reuse(server: EtcdServer, root: Path) -> float:
                 env=env,
                 stderr=log,
             )
-    lease_file = root / "gamma" / "run" / "vmlend" / "agent.lease"
-    while not lease_file.exists():
-        for node, agent in agents.items():
+
+    def check_alive(*nodes: str) -> None:
+        for node in nodes:
+            agent = agents[node]
             if agent.poll() is not None:  # it would never publish its lease: say why
                 why = (root / f"{node}-agent.log").read_text().strip().splitlines()
                 for other in agents.values():
                     other.kill()  # by its PID: this bench started it
                     other.wait()
                 raise SystemExit(f"{node}'s agent exited {agent.returncode}: {why[-1:]}")
-        time.sleep(0.05)
+
+    # Both: beta's reserve needs the lender's agent alive, gamma's needs its own lease.
+    for node in agents:
+        while not (root / node / "run" / "vmlend" / "agent.lease").exists():
+            check_alive(*agents)
+            time.sleep(0.05)
     os.environ["VMLEND_ROOT"] = str(root / "gamma")
     open_fabric(url, "gamma").reserve(0x10, Holder("gamma", "web"))
     host_lease(server, root / "beta")
@@ -416,7 +422,10 @@ def death_to_reuse(server: EtcdServer, root: Path) -> float:
         try:
             beta.reserve(0x10, Holder("beta", "db"))
             break
-        except (DeviceHeldError, DeviceFencedError):
+        except (DeviceHeldError, DeviceFencedError, LenderUnavailableError):
+            # the last: alpha's agent not seen alive yet (its hosts/ key follows its lease
+            # file), or its lease lapsed on a loaded machine and it takes a new one
+            check_alive("alpha")
             time.sleep(0.02)
     reused = time.perf_counter() - died
     agents["alpha"].send_signal(signal.SIGTERM)
