@@ -59,13 +59,19 @@ def _layout2(url: str) -> Keys:
     return keys
 
 
-def test_a_layout_2_cluster_is_upgraded_once_and_keeps_its_records(etcd_url):
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, version):
+    """Layouts 1 and 2 (the version was SQLite's then: the same etcd records) keep the topology
+    in one record; after the upgrade it is a generation, and the records without a lease are
+    as they were."""
     keys = _layout2(etcd_url)
+    _put(etcd_url, keys.meta("schema_version"), str(version).encode())
     before = _stored(etcd_url)
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["action"], out["before"], out["after"]) == ("upgraded", 2, 3)
+    assert (out["action"], out["before"], out["after"]) == ("upgraded", version, 3)
+    assert len(out["steps"]) == 3 - version
     after = _stored(etcd_url)
     assert keys.topology_record not in after
     assert keys.topology_head in after
