@@ -405,31 +405,37 @@ def death_to_reuse(server: EtcdServer, root: Path) -> float:
                     other.wait()
                 raise SystemExit(f"{node}'s agent exited {agent.returncode}: {why[-1:]}")
 
-    # Both: beta's reserve needs the lender's agent alive, gamma's needs its own lease.
-    for node in agents:
-        while not (root / node / "run" / "vmlend" / "agent.lease").exists():
-            check_alive(*agents)
-            time.sleep(0.05)
-    os.environ["VMLEND_ROOT"] = str(root / "gamma")
-    open_fabric(url, "gamma").reserve(0x10, Holder("gamma", "web"))
-    host_lease(server, root / "beta")
-    os.environ["VMLEND_ROOT"] = str(root / "beta")
-    beta = open_fabric(url, "beta")
-    agents["gamma"].send_signal(signal.SIGKILL)
-    agents["gamma"].wait()
-    died = time.perf_counter()
-    while True:
-        try:
-            beta.reserve(0x10, Holder("beta", "db"))
-            break
-        except (DeviceHeldError, DeviceFencedError, LenderUnavailableError):
-            # the last: alpha's agent not seen alive yet (its hosts/ key follows its lease
-            # file), or its lease lapsed on a loaded machine and it takes a new one
-            check_alive("alpha")
-            time.sleep(0.02)
-    reused = time.perf_counter() - died
-    agents["alpha"].send_signal(signal.SIGTERM)
-    agents["alpha"].wait(20)
+    try:
+        # Both: beta's reserve needs the lender's agent alive, gamma's needs its own lease.
+        for node in agents:
+            while not (root / node / "run" / "vmlend" / "agent.lease").exists():
+                check_alive(*agents)
+                time.sleep(0.05)
+        os.environ["VMLEND_ROOT"] = str(root / "gamma")
+        open_fabric(url, "gamma").reserve(0x10, Holder("gamma", "web"))
+        host_lease(server, root / "beta")
+        os.environ["VMLEND_ROOT"] = str(root / "beta")
+        beta = open_fabric(url, "beta")
+        agents["gamma"].send_signal(signal.SIGKILL)
+        agents["gamma"].wait()
+        died = time.perf_counter()
+        while True:
+            try:
+                beta.reserve(0x10, Holder("beta", "db"))
+                break
+            except (DeviceHeldError, DeviceFencedError, LenderUnavailableError):
+                # the last: alpha's agent not seen alive yet (its hosts/ key follows its lease
+                # file), or its lease lapsed on a loaded machine and it takes a new one
+                check_alive("alpha")
+                time.sleep(0.02)
+        reused = time.perf_counter() - died
+        agents["alpha"].send_signal(signal.SIGTERM)
+        agents["alpha"].wait(20)
+    finally:  # an exception (the reserve refused otherwise) leaves no agent behind
+        for agent in agents.values():
+            if agent.poll() is None:
+                agent.kill()  # by its PID: this bench started it
+                agent.wait()
     return reused
 
 
