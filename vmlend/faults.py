@@ -20,7 +20,9 @@ POINTS: dict[str, tuple[str, ...]] = {
     "migrate": ("after-stop", "after-return", "after-define", "after-undefine"),
     "live-migrate": ("after-unplug", "after-migrate", "after-replug"),
     "hot-migrate": ("after-claim", "after-hand-over", "after-migrate"),
-    "live-rollback": ("after-hand-back",),
+    # an unplugged live migration's NVMe shares (vmlend.ledger.shareunplug)
+    "share-move": ("after-claim", "after-hand-over"),
+    "live-rollback": ("after-hand-back", "after-share-hand-back"),
     "prepare": ("after-device",),
     "release": ("after-mdevs",),
 }

@@ -58,7 +58,7 @@ class Claimed(msgspec.Struct, frozen=True):
     shares: dict[int, list[Claim]] = msgspec.field(default_factory=dict)
 
 
-def _topology(tx: StateTxn) -> Topology:
+def admission_topology(tx: StateTxn) -> Topology:
     """The topology as admission sees it: without the cables that are down."""
     down = tuple(links_down_in(tx))
     full = stored_topology(tx.topology())
@@ -166,7 +166,7 @@ def claim_destination(
                 for d in old.shares:
                     sharemove.drop_incoming(tx, d, source)
                 handover_record.clear(tx, sorted({*old.devices, *old.shares}), source.vm_uuid)
-        topo = _topology(tx)
+        topo = admission_topology(tx)
         view = StateView(
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )

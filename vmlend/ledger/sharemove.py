@@ -69,16 +69,20 @@ def claim(
     source: Holder,
     destination: Holder,
     guest_ram: GuestRam | int,
+    *,
+    hot: bool = True,
 ) -> list[Claim]:
     """Step 1 for one share: admit its path into ``destination.node`` on top of every claim
     the transaction has now, and keep it beside the source's. ``FabricError`` (the caller's
-    transaction then changes nothing) when it does not fit or the share cannot move hot."""
+    transaction then changes nothing) when it does not fit or (``hot``) the share cannot move
+    hot; unplugged (``vmlend.ledger.shareunplug``) a share of two paths may: its relay rings
+    are made again on the destination."""
     r = _record(tx, fdid, source)
     if r is None:
         raise NotSharedError(fdid)
     share = share_entry(r).share
     fd = format_fdid(fdid)
-    if share.paths > 1:
+    if share.paths > 1 and hot:
         raise FabricError(
             f"the NVMe share of {fd} has a backup path, whose relay rings live in the source"
             " host's memory: it moves unplugged (--unplug)"
@@ -174,8 +178,8 @@ def move_problems(
 ) -> list[str]:
     """Why ``source``'s shares of drives ``fdids`` could not move to ``destination.node`` now
     (each against what is claimed now; ``claim`` checks them again, together with the VM's
-    devices). ``hot``: kept as they are (else returned on the source and made again there,
-    which a share of two paths may). Reads only."""
+    devices). ``hot``: moved plugged, which a share of two paths may not (unplugged, its
+    relay rings are made again on the destination). Reads only."""
     problems = []
     for fdid in sorted(fdids):
         fd = format_fdid(fdid)

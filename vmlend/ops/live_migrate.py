@@ -61,8 +61,7 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
-from vmlend.ledger import sharemove
-from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
+from vmlend.ledger import sharemove, shareunplug
 from vmlend.lending.devices import held_by, holder_for
 from vmlend.messages import plural
 from vmlend.ops.attach import attach_live
@@ -74,7 +73,7 @@ from vmlend.ops.hot_move import (
     leave_hot,
     registry_of,
 )
-from vmlend.ops.live_mode import HOT, MIXED, UNPLUG, LiveMode, choose_mode
+from vmlend.ops.live_mode import HOT, MIXED, UNPLUG, choose_mode
 from vmlend.ops.live_state import (
     LiveDevice,
     LiveJournal,
@@ -92,8 +91,9 @@ from vmlend.ops.plug_request import (
     PlugRequests,
     plug_remotely,
 )
-from vmlend.ops.share_plug import plug_share, unplug_share
+from vmlend.ops.share_plug import plug_share, unplug_controller
 from vmlend.ops.unplug import DetachWait
+from vmlend.registry import Registry
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import GuestRam, Holder, format_fdid
 
@@ -303,6 +303,8 @@ def put_back_on_source(
         if d.fdid in journal.unplugged and journal.device_mode(d.fdid) == UNPLUG
     ]
     _unplug(run, journal, begun)
+    _give_shares_back(run, journal)
+    fault_point("live-rollback:after-share-hand-back")
     missing = _plug_back(run, src, fabric, journal, False)
     return _missing(missing, journal.vm, src.uri) if missing else None
 
@@ -360,6 +362,12 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     dom = read_domain(xml, source=f"live XML of {name}")
     shares = sorted(d.fdid for d in dom.devices if d.share is not None)
     rewrite_for_destination(xml, dest_node, source=f"live XML of {name}")  # refuses bad XML
+    backed = {
+        d.fdid: f"is an NVMe share of two paths (its relay rings live in {run.fabric.local_node}'s"
+        " memory)"
+        for d in dom.devices
+        if d.share is not None and d.share.paths > 1
+    }
     mode = choose_mode(
         name,
         {d.fdid: run.fabric.device(d.fdid).spec.kind for d in dom.devices},
@@ -372,48 +380,33 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
             " mdev migration states)"
         ),
         unplug=run.unplug,
+        unplugged=backed,
     )
     src_holder = holder_for(run.fabric, name, dom.uuid or here.uuid)
     dst_holder = Holder(node=dest_node, vm=name, vm_uuid=src_holder.vm_uuid)
     fdids = [d.fdid for d in dom.devices if d.share is None]
-    backed = [d.fdid for d in dom.devices if d.share is not None and d.share.paths > 1]
-    if mode.hot and backed:
-        mode = LiveMode(
-            UNPLUG,
-            f"the NVMe share of {_fds(backed)} has a backup path (its relay rings live in"
-            f" {run.fabric.local_node}'s memory): VM {name!r} moves with its devices unplugged",
-        )
-    # An unplugged share is returned on the source and made again on the destination, on
-    # whatever blocks the drive gives there: the guest's disk would not follow it, and its
-    # old blocks could go to another VM (unwiped) while it is away. Only a hot move keeps a
-    # share's blocks; until an unplugged move can too, it is refused.
-    unplugged = [f for f in shares if mode.device_mode(f) == UNPLUG]
-    if unplugged:
-        raise MigrationError(
-            f"VM {name!r} would move its queue-level NVMe shares ({_fds(unplugged)}) unplugged"
-            f" ({mode.line.rstrip('.')}), which does not keep a share's blocks; move it cold,"
-            " or detach the shares first"
-        )
-    if shares and run.plugs is not None:
+    registry = registry_of(run.fabric)
+    if shares and (run.plugs is not None or registry is None):
         raise MigrationError(
             f"VM {name!r} has queue-level NVMe shares ({_fds(shares)}), which the destination's"
-            " agent cannot make again; move the VM cold"
+            " agent cannot plug back (only the simulated backend shares a drive); move it cold"
         )
     problems = vm_admission_problems(
         run.fabric, fdids, dom.guest_ram, dest_node, dst_holder, src_holder
     )
-    registry = registry_of(run.fabric)
     if shares and registry is not None:
         with registry.read() as tx:
-            problems += sharemove.move_problems(
-                tx,
-                stored_topology(tx.topology()),
-                shares,
-                src_holder,
-                dst_holder,
-                dom.guest_ram,
-                hot=mode.hot,
-            )
+            topology = stored_topology(tx.topology())
+            for hot in (True, False):
+                problems += sharemove.move_problems(
+                    tx,
+                    topology,
+                    [f for f in shares if (mode.device_mode(f) == UNPLUG) != hot],
+                    src_holder,
+                    dst_holder,
+                    dom.guest_ram,
+                    hot=hot,
+                )
     holds = run.fabric.holds_of(src_holder)
     if problems:
         raise FabricError(
@@ -471,7 +464,9 @@ def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
     """Steps 2-4. On failure the devices go back into the guest here, and the error says so."""
     name, dest = journal.vm, journal.destination
     try:
+        _claim_shares(run, journal)
         _unplug(run, journal, journal.devices)
+        _hand_over_shares(run, journal)
         ram = read_domain(run.src.xml(name), strict=False).guest_ram
         _unplugged_admissible(run, journal, journal.devices, ram)
         if journal.shell is not None and run.src.get_metadata(name, NAMESPACE_URI) is None:
@@ -503,8 +498,8 @@ def _unplugged_admissible(
     dest = journal.destination
     dst_holder = Holder(node=dest, vm=journal.vm, vm_uuid=journal.vm_uuid)
     fdids = [d.fdid for d in devices if d.share is None]
+    # the shares' room there is claimed already (``_claim_shares``)
     problems = vm_admission_problems(run.fabric, fdids, ram, dest, dst_holder, None)
-    problems += _share_problems(run, journal, ram)
     if problems:
         raise FabricError(f"{problems[0]} (taken while the devices were unplugged)")
 
@@ -516,7 +511,9 @@ def _leave_mixed(run: _Run, journal: LiveJournal) -> float | None:
     name, dest = journal.vm, journal.destination
     out = [d for d in journal.devices if d.fdid in journal.unplug]
     try:
+        _claim_shares(run, journal)
         _unplug(run, journal, out)
+        _hand_over_shares(run, journal)
         ram = read_domain(run.src.xml(name), strict=False).guest_ram
         _unplugged_admissible(run, journal, out, ram)
     except VmlendError as e:
@@ -539,6 +536,7 @@ def _leave_mixed(run: _Run, journal: LiveJournal) -> float | None:
     except MigrationError as e:
         if load_journal(run.state_dir, name) is not None:
             raise  # handed over: the re-run finishes on the destination
+        _give_shares_back(run, journal)
         missing = _plug_back(run, run.src, run.fabric, journal, False)
         if not missing:
             raise MigrationError(f"{e} (the unplugged devices are back in it)") from e
@@ -582,8 +580,8 @@ def _unplug(run: _Run, journal: LiveJournal, devices: list[LiveDevice]) -> None:
 
 
 def _unplug_share(run: _Run, journal: LiveJournal, dev: LiveDevice, present: bool) -> None:
-    """Unplug and return one NVMe share on the source (idempotent): it is made again on the
-    destination."""
+    """Unplug one NVMe share's controller on the source (idempotent); the share stays the
+    VM's, and moves with ``_hand_over_shares``."""
     fd = format_fdid(dev.fdid)
     journal.unplugged.setdefault(dev.fdid, run.clock())
     save_journal(run.state_dir, journal)
@@ -592,34 +590,82 @@ def _unplug_share(run: _Run, journal: LiveJournal, dev: LiveDevice, present: boo
             f"unplugging the NVMe share of {fd} from {journal.vm}: waiting up to"
             f" {run.wait.timeout:g} s for the guest to let go"
         )
-    unplug_share(run.src, run.fabric, journal.vm, dev.fdid, run.step, run.wait)
-    run.step(f"NVMe share of {fd} unplugged from {journal.vm} and returned on {journal.source}")
+    unplug_controller(run.src, run.fabric, journal.vm, dev.fdid, run.step, run.wait)
+    run.step(f"controller of the NVMe share of {fd} unplugged from {journal.vm}; the share stays")
     fault_point("live-migrate:after-unplug")
 
 
-def _share_problems(run: _Run, journal: LiveJournal, ram: GuestRam) -> list[str]:
-    """Why the VM's shares (returned on the source) could not be made on the destination."""
+def _moving_shares(journal: LiveJournal) -> list[int]:
+    """The drives of the VM's shares that move unplugged."""
+    return sorted(d for d in journal.shares if journal.device_mode(d) == UNPLUG)
+
+
+def _share_holders(run: _Run, journal: LiveJournal) -> tuple[Registry, Holder, Holder] | None:
+    """The registry, source and destination of the shares moving unplugged (None: none)."""
     registry = registry_of(run.fabric)
-    wanted = [d for d in journal.devices if d.share is not None]
-    if not wanted or registry is None:
-        return []
-    dst = Holder(journal.destination, journal.vm, journal.vm_uuid)
-    out = []
-    with registry.read() as tx:
-        topo = stored_topology(tx.topology())
-        for d in wanted:
-            assert d.share is not None
-            try:
-                claims = share_claims(topo, d.fdid, dst, ram, d.share.paths)
-                check_share_claims(topo, tx.claims(), d.fdid, dst, claims)
-            except FabricError as e:
-                out.append(f"the NVMe share of {format_fdid(d.fdid)}: {e}")
-    return out
+    if not _moving_shares(journal) or registry is None:
+        return None
+    src = Holder(journal.source, journal.vm, journal.vm_uuid)
+    return registry, src, Holder(journal.destination, journal.vm, journal.vm_uuid)
+
+
+def _claim_shares(run: _Run, journal: LiveJournal) -> None:
+    """Before anything is unplugged: the moving shares' room on the destination, all or
+    nothing (``FabricError``)."""
+    found = _share_holders(run, journal)
+    if found is None:
+        return
+    registry, src, dst = found
+    drives = _moving_shares(journal)
+    ram = read_domain(run.src.xml(journal.vm), strict=False).guest_ram
+    shareunplug.claim(registry, drives, src, dst, ram)
+    run.step(
+        f"claimed room on {journal.destination} for the NVMe share(s) of {_fds(drives)},"
+        " which keep their blocks"
+    )
+    fault_point("share-move:after-claim")
+
+
+def _hand_over_shares(run: _Run, journal: LiveJournal) -> None:
+    """Their controllers unplugged: the moving shares become the destination's."""
+    found = _share_holders(run, journal)
+    if found is None:
+        return
+    registry, src, dst = found
+    epochs = shareunplug.hand_over(registry, _moving_shares(journal), src, dst, time.time())
+    said = ", ".join(f"{format_fdid(d)} epoch {e}" for d, e in sorted(epochs.items()))
+    run.step(
+        f"NVMe share(s) of {journal.vm} handed over to {journal.destination} ({said}): the"
+        " same blocks, queues and address space"
+    )
+    fault_point("share-move:after-hand-over")
+
+
+def _give_shares_back(run: _Run, journal: LiveJournal) -> None:
+    """The VM stays on the source: the moving shares are its there again, with the source's
+    claims only (handed back under a newer epoch if they had moved)."""
+    found = _share_holders(run, journal)
+    if found is None:
+        return
+    registry, src, dst = found
+    epochs = shareunplug.give_back(registry, _moving_shares(journal), src, dst, time.time())
+    if epochs:
+        said = ", ".join(f"{format_fdid(d)} epoch {e}" for d, e in sorted(epochs.items()))
+        run.step(f"NVMe share(s) of {journal.vm} handed back to {journal.source} ({said})")
+
+
+def _finish_shares(run: _Run, journal: LiveJournal) -> None:
+    """The VM runs on the destination: the moving shares' source claims go."""
+    found = _share_holders(run, journal)
+    if found is not None:
+        registry, src, dst = found
+        shareunplug.finish(registry, _moving_shares(journal), src, dst, time.time())
 
 
 def _back_on_source(run: _Run, journal: LiveJournal) -> str:
     """Plug every journalled device the guest lacks back in on the source; what to tell."""
     name, source = journal.vm, journal.source
+    _give_shares_back(run, journal)
     missing = _plug_back(run, run.src, run.fabric, journal, False)
     drop_journal(run.state_dir, name)
     _record_ends(run, journal)
@@ -731,6 +777,7 @@ def _arrive(
     _fix_definition(run, name, dest)
     if journal.mode in (HOT, MIXED):
         finish_hot(run.dst_fabric, journal, run.step)
+    _finish_shares(run, journal)
     if run.plugs is not None:
         missing = _plug_remotely(run, run.plugs, journal)
     elif run.dst_fabric is not None:

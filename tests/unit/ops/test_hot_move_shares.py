@@ -8,70 +8,27 @@ path is proved in the simulator (tests/unit/sim/test_hot_migrate_shares.py)."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
-from tests.support.cli_cluster import GAMMA, TEMPLATES, SimCluster
+from tests.support.cli_cluster import GAMMA, SimCluster
 from tests.support.handover_checks import assert_consistent, registry_violations
-from vmlend.domain import (
-    DeviceRequest,
-    DomainSpec,
-    NvmeShareRequest,
-    PciAddress,
-    new_domain,
-    read_domain,
-)
+from tests.support.share_moves import share_drive, share_mdevs, shares, start_sharing
 from vmlend.errors import FabricError
 from vmlend.hypervisor import LiveMigration
-from vmlend.ledger.nvmeshares import SHARE_RECORD
-from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.ops.live_migrate import live_migrate
 from vmlend.ops.live_state import load_journal
-from vmlend.topology.model import MiB
 
-GPU, NVME = 0x10, 0x12
-SHARE_AT = "0000:00:0b.0"  # the guest address of each VM's share controller
 LIVE = ("migrate", "vm1", "--to", "beta", "--live", *GAMMA)
-
-
-def start_sharing(cluster: SimCluster, node: str, name: str, *, gpu: bool = False) -> None:
-    """Define and start ``name`` on ``node`` with a share of the NVMe drive (and the GPU)."""
-    spec = DomainSpec(
-        name=name,
-        memory_bytes=512 * MiB,
-        virt_type="qemu",
-        uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
-        devices=[
-            DeviceRequest(
-                NVME, PciAddress.parse(SHARE_AT), share=NvmeShareRequest(1, 32 * MiB)
-            ),
-            *([DeviceRequest(GPU)] if gpu else []),
-        ],
-    )
-    hv = cluster.hv(node)
-    hv.define(new_domain(spec, templates=TEMPLATES).to_bytes())
-    hv.start(name)
 
 
 @pytest.fixture
 def shared(cluster: SimCluster) -> SimCluster:
-    r = cluster.cli("nvme", "share", hex(NVME), "--size", "2G")
-    assert r.exit_code == 0, r.output
+    share_drive(cluster)
     start_sharing(cluster, "gamma", "vm1", gpu=True)
     start_sharing(cluster, "gamma", "sb")
     start_sharing(cluster, "beta", "sc")
     return cluster
-
-
-def shares(cluster: SimCluster) -> dict[str, dict]:
-    with cluster.fabric() as f, f.registry.read() as tx:
-        return {r.key: r.data for r in tx.runtime(NVME, SHARE_RECORD)}
-
-
-def share_mdevs(cluster: SimCluster) -> set[tuple[str, str]]:
-    with cluster.fabric() as f, f.registry.read() as tx:
-        return {(m.node, m.vm) for m in tx.mdevs() if m.type_id == SHARE_MDEV_TYPE}
 
 
 def test_a_share_follows_its_vm_hot_and_the_neighbours_shares_stay(shared):
@@ -144,26 +101,3 @@ def test_no_room_for_the_share_on_the_destination_changes_nothing(shared, monkey
     assert "the NVMe share of 0x12: no window left on beta; nothing was changed" in r.output
     assert cluster.snapshot() == snap and shares(cluster) == before
     assert cluster.hv("gamma").lookup("vm1").active
-
-
-def share_address(cluster: SimCluster, node: str) -> str | None:
-    dom = read_domain(cluster.hv(node).xml("vm1"))
-    return next(str(d.address) for d in dom.devices if d.share is not None and d.address)
-
-
-def test_an_unplugged_move_of_a_share_is_refused_and_changes_nothing(shared):
-    """Unplugged, a share would be returned on the source and made again on the destination
-    on whatever blocks the drive gives there: the guest's disk would not follow it, and its
-    blocks could go to another VM meanwhile. Refused in one line; nothing changed."""
-    cluster = shared
-    before = shares(cluster)
-    mdevs = share_mdevs(cluster)
-    address = share_address(cluster, "gamma")
-    r = cluster.cli(*LIVE, "--unplug")
-    assert r.exit_code == 1, r.output
-    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert "would move its queue-level NVMe shares (0x12) unplugged" in r.stderr
-    assert "does not keep a share's blocks; move it cold" in r.stderr
-    assert shares(cluster) == before and share_mdevs(cluster) == mdevs
-    assert share_address(cluster, "gamma") == address
-    assert registry_violations(cluster.fabric().registry) == []

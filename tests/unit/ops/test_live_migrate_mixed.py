@@ -41,6 +41,25 @@ def test_the_mode_names_each_device_and_mixes_only_when_some_can_quiesce():
     assert asked.mode == "unplug"
 
 
+def test_a_device_unplugged_for_a_reason_of_its_own_is_named_with_it():
+    two = "is an NVMe share of two paths"
+    mode = choose_mode(
+        "vm1", {GPU: "gpu", NVME: "nvme"}, hypervisor=None, backend=None, unplugged={NVME: two}
+    )
+    assert mode.mode == MIXED and mode.unplugged == (NVME,)
+    assert mode.lines[1] == f"device 0x12 (nvme) {two}: unplugged, plugged back on arrival"
+    only = choose_mode("vm1", {NVME: "nvme"}, hypervisor=None, backend=None, unplugged={NVME: two})
+    assert only.mode == "unplug"
+    assert only.line == f"device 0x12 (nvme) {two}: VM 'vm1' moves with its devices unplugged"
+    both = choose_mode(
+        "vm1", {NVME: "nvme", NIC: "nic"}, hypervisor=None, backend=None, unplugged={NVME: two}
+    )
+    assert both.line == (
+        f"devices 0x12 (nvme) {two}; 0x21 (nic) cannot quiesce: VM 'vm1' moves with its"
+        " devices unplugged"
+    )
+
+
 def test_the_devices_that_can_quiesce_stay_plugged_and_only_the_nic_is_replugged(cluster):
     running_with(cluster, ADDRS)
     before = holds(cluster)
