@@ -5,8 +5,10 @@ destination. Where the kill left it decides how (docs/migration.md, "Rolling bac
 
 - the VM still runs on the source: the destination's claims go (before the hand-over), or
   the hand-over is undone (``vmlend.ledger.handover.hand_back``: the holds come back under
-  newer tokens with only the source's claims, the lenders serve the source again); every
-  device that was unplugged is plugged back at its old address;
+  newer tokens with only the source's claims, the lenders serve the source again); an NVMe
+  share moving unplugged is the source's again (``vmlend.ledger.shareunplug.give_back``: its
+  destination claims dropped, or, handed over already, handed back under a newer epoch, the
+  same blocks); every device that was unplugged is plugged back at its old address;
 - the VM runs on the destination already: the interrupted move is finished there (the same
   code as its re-run), then the VM is moved back live the same way, which releases everything
   on the destination as any finished move does.

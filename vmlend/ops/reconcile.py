@@ -45,6 +45,7 @@ from vmlend.kernel.dmafiles import (
 )
 from vmlend.kernel.p2pfiles import P2PDifference
 from vmlend.lending.devices import holder_for, recorded_for, return_device
+from vmlend.lending.shares import ShareFabric
 from vmlend.ops.attach import attach_live
 from vmlend.ops.definitions import plain_metadata
 from vmlend.ops.restore import restore_running
@@ -171,6 +172,8 @@ class Views(msgspec.Struct):
     p2p: list[P2PCheck] = msgspec.field(default_factory=list)
     #: Running VMs' DMA-window segments the driver maps against admission's claims
     dma_segments: list[DmaSegmentCheck] = msgspec.field(default_factory=list)
+    #: The queue-level NVMe shares running VMs have on this node: (drive, VM name)
+    shares: set[tuple[int, str]] = msgspec.field(default_factory=set)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -204,7 +207,10 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
     dma = _look_dma(fabric, running, present)
     p2p = _look_p2p(fabric, running)
     segments = _look_dma_segments(fabric, dma)
-    return Views(node, running, holds, mdevs, defined, elsewhere, present, dma, p2p, segments)
+    views = Views(node, running, holds, mdevs, defined, elsewhere, present, dma, p2p, segments)
+    if isinstance(fabric, ShareFabric) and any(d.share for vm in running for d in vm.devices):
+        views.shares = {(f, vm.name) for vm in running for f in fabric.shares_held(vm.holder)}
+    return views
 
 
 def _look_dma_segments(fabric: Fabric, checks: list[DmaCheck]) -> list[DmaSegmentCheck]:
@@ -315,6 +321,9 @@ def find_drift(views: Views) -> list[Drift]:
                         holder=vm.holder,
                     )
                 )
+                continue
+            if dev.share is not None:  # the drive is its manager's; the VM has a share
+                drift.extend(_running_share_drift(vm, dev, views.shares))
                 continue
             st = held.get(dev.fdid) or views.elsewhere.get(dev.fdid)
             drift.extend(_running_device_drift(vm, dev, st, recorded, views.present))
@@ -457,6 +466,29 @@ def _dma_drift(c: DmaCheck) -> list[Drift]:
             holder=c.vm.holder,
         )
         for line, repair in lines
+    ]
+
+
+def _running_share_drift(
+    vm: RunningVm, dev: VmlendDevice, shares: set[tuple[int, str]]
+) -> list[Drift]:
+    """A running VM's share controller without a share of the drive on this node."""
+    if (dev.fdid, vm.name) in shares:
+        return []
+    fd = format_fdid(dev.fdid)
+    return [
+        Drift(
+            DriftKind.MISSING_HOLD,
+            vm.name,
+            dev.fdid,
+            str(dev.mdev),
+            f"running VM {vm.name!r} uses a share of NVMe drive {fd} but the state shows none"
+            f" for it on {vm.holder.node} (an interrupted live migration moved it?)",
+            "finish or roll back the interrupted live migration (not fixed here: a new share"
+            " would not hold the VM's blocks)",
+            fixable=False,
+            holder=vm.holder,
+        )
     ]
 
 
