@@ -235,6 +235,14 @@ class SimVm:
     def shares(self) -> list[int]:
         return sorted(self._shares)
 
+    def share_unplugged(self, fdid: int) -> VmNvmeShare:
+        """Its share controller of ``fdid`` left the guest (``vmlend.sim.shareunplug``)."""
+        return self._shares.pop(fdid)
+
+    def share_plugged(self, fdid: int, share: VmNvmeShare) -> None:
+        """A share controller of ``fdid`` was plugged into the guest (``sim.shareunplug``)."""
+        self._shares[fdid] = share
+
     def session(self, fdid: int) -> PassthroughSession:
         self._require_running()
         try:

@@ -144,6 +144,13 @@ class NvmeManager:
     def remove_share(self, name: str) -> None:
         """Delete the share's real queues (others' queues are untouched) and free it."""
         with self._lock:
+            self.delete_queues(name)
+            self.forget_share(name)
+
+    def delete_queues(self, name: str) -> None:
+        """Delete the share's real queues; the share (its queue ids, blocks, address space)
+        stays allocated and guarded."""
+        with self._lock:
             share = self.book.shares.get(name)
             if share is None:
                 return
@@ -152,7 +159,14 @@ class NvmeManager:
                     self.delete_sq(share, g, path)
                 for g in range(1, share.queue_pairs + 1):
                     self.delete_cq(share, g, path)
-            self.forget_share(name)
+
+    def disconnect(self, name: str) -> None:
+        """Its virtual controller went (hot-unplugged): no admin doorbell or interrupt of the
+        share is routed until ``connect`` again."""
+        with self._lock:
+            self._admin_doorbells.pop(name, None)
+            self._interrupts.pop(name, None)
+            self._path_interrupts.pop(name, None)
 
     def rename_share(self, old: str, new: str) -> Share:
         """Share ``old`` is called ``new`` from now on (its VM moved hot to another node: the

@@ -1,0 +1,83 @@
+"""The simulated drive's side of an unplugged live migration of a queue-level NVMe share
+(``vmlend.sim.unplugmig``; the registry's side is ``vmlend.ledger.shareunplug``).
+
+``unplug_share``: the share's controller leaves its guest (a hot-unplug: the guest's driver
+let go). Its real queues are deleted, its DMA windows, pins and (two paths) relay rings go,
+its mdev closes; but the share stays allocated on the drive (its queue ids, LBA extent,
+vectors, address space and CMB extent, still guarded), so no other VM can be given its blocks.
+``replug_share``: the same share opens again for its VM on another node under a newer epoch,
+named after that node: a new virtual controller in the destination's RAM (a two-path share's
+relay rings made again in the destination host's memory); the guest's driver starts it as a
+new controller and finds its namespace, its blocks, as it left them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from vmlend.errors import FabricError, StaleTokenError
+from vmlend.ledger.admission import vm_share
+from vmlend.nvme.shares import Share
+from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
+from vmlend.topology.model import Holder
+
+log = logging.getLogger(__name__)
+
+
+class UnpluggedShare(msgspec.Struct, frozen=True):
+    """A share whose controller left its guest: what ``replug_share`` needs."""
+
+    fdid: int
+    vm: str
+    share: Share
+    epoch: int
+    mdev: str | None
+
+
+def unplug_share(drive: SharedNvmeDrive, vms: VmNvmeShare) -> UnpluggedShare:
+    """``vms``'s controller leaves its guest; the share stays the VM's on the drive."""
+    if not vms.open or vms.revoked or vms.name not in drive.shares:
+        raise FabricError(f"NVMe share {vms.name} of {drive.fdid:#x} is closed")
+    if vms.mdev is not None:
+        drive.hw.close_mdev(vms.mdev)
+    drive.manager.delete_queues(vms.name)
+    drive.manager.disconnect(vms.name)
+    vms.open = False
+    vms.windows.close()  # its windows, pins and crossing use
+    vms._free_rings()
+    del drive.shares[vms.name]
+    log.info("NVMe share %s of %#x: controller unplugged, share kept", vms.name, drive.fdid)
+    return UnpluggedShare(drive.fdid, vms.vm, vms.share, vms.epoch, vms.mdev)
+
+
+def replug_share(
+    drive: SharedNvmeDrive, gone: UnpluggedShare, node: str, token: int
+) -> VmNvmeShare:
+    """``gone``'s share opens again for its VM on ``node`` (its guest running there) under
+    epoch ``token``: ``StaleTokenError`` for one not newer than its last; all or nothing."""
+    if token <= gone.epoch:
+        raise StaleTokenError(drive.fdid, token, gone.epoch, "an NVMe share's unplugged move")
+    old, new = gone.share.name, vm_share(Holder(node, gone.vm))
+    share = drive.manager.rename_share(old, new) if new != old else gone.share
+    try:
+        vms = VmNvmeShare(drive, node, gone.vm, share)
+        relay = vms.relay
+        drive.manager.connect(
+            new,
+            vms.virtual.admin_doorbell,
+            vms._interrupt,
+            None if relay is None else relay.on_interrupt,
+        )
+        if gone.mdev is not None:
+            drive.hw.open_mdev(gone.mdev, drive.fdid, node, gone.vm, vms.revoke, share=True)
+    except Exception:
+        drive.manager.disconnect(new)
+        if new != old:
+            drive.manager.rename_share(new, old)
+        raise
+    vms.mdev, vms.epoch = gone.mdev, token
+    drive.shares[new] = vms
+    log.info("NVMe share %s of %#x plugged back on %s (epoch %d)", new, drive.fdid, node, token)
+    return vms
