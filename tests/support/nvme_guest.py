@@ -44,15 +44,17 @@ def share_xml(
     fdid: int = 0x12,
     also: tuple[int, ...] = (),
     virt_type: str = "kvm",
+    paths: int = 1,
 ) -> bytes:
-    """A 256 MiB domain asking for a share (``queues`` pairs, ``size`` bytes) of drive ``fdid``
-    and, whole, the devices ``also``; its UUID derived from ``name``."""
+    """A 256 MiB domain asking for a share (``queues`` pairs, ``size`` bytes, on ``paths``
+    paths) of drive ``fdid`` and, whole, the devices ``also``; its UUID derived from
+    ``name``."""
     spec = DomainSpec(
         name=name,
         memory_bytes=256 * MiB,
         uuid=uuid.uuid5(uuid.NAMESPACE_DNS, name),
         devices=[
-            DeviceRequest(fdid, share=NvmeShareRequest(queues, size)),
+            DeviceRequest(fdid, share=NvmeShareRequest(queues, size, paths)),
             *(DeviceRequest(f) for f in also),
         ],
         virt_type=virt_type,

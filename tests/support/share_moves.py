@@ -68,6 +68,11 @@ def share_address(cluster: SimCluster, node: str, vm: str = "vm1") -> str | None
 
 
 def two_adapter_cluster(state_path) -> SimCluster:  # type: ignore[no-untyped-def]
+    """The CLI's simulated nodes on ``two_adapter_topology``."""
+    return make_cluster(state_path, two_adapter_topology())
+
+
+def two_adapter_topology() -> str:
     """The default cluster with a second NTB adapter in beta, on gamma's second switch: a
     share of two paths fits on beta as on gamma."""
     text, _source = default_topology_text()
@@ -78,5 +83,4 @@ def two_adapter_cluster(state_path) -> SimCluster:  # type: ignore[no-untyped-de
     beta = text.index('name = "beta"')
     at = text.index("  [[node.device]]", beta)
     text = text[:at] + adapter + text[at:]
-    text = text.replace('ports = ["gamma:1"]', 'ports = ["gamma:1", "beta:1"]')
-    return make_cluster(state_path, text)
+    return text.replace('ports = ["gamma:1"]', 'ports = ["gamma:1", "beta:1"]')

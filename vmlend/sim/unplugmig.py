@@ -105,6 +105,7 @@ def unplug_migrate(
     for fdid in drives:
         mdev = gone[fdid].mdev
         if mdev is not None and isinstance(dst, ShareFabric):
+            dst.ensure_mdev_parent(fdid)  # the first of the drive's mdevs on this node
             dst.create_share_mdev(fdid, mdev, dst_holder)
         vm.share_plugged(fdid, replug_share(by_drive[fdid], gone[fdid], dest, epochs[fdid]))
     check("plugged back")

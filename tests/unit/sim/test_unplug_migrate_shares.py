@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.nvme_guest import guest_driver, share_xml
+from tests.support.share_moves import two_adapter_topology
 from tests.support.simcluster import Cluster
 from vmlend.errors import FabricError, StaleTokenError
 from vmlend.ledger import nvmeshares as ledger
@@ -151,3 +152,68 @@ def test_no_room_on_the_destination_changes_nothing(setup, monkeypatch):
     assert "incoming" not in record_of(c, sa.holder)
     assert da.write(qa, 0, b"k" * 512).ok and da.read(qa, 0, 1)[1] == b"k" * 512
     assert check_with_registry(c.hw, c.registry) == []
+
+
+def test_a_move_to_the_lender_where_no_vm_shares_the_drive_yet(setup):
+    """The destination has no mdev parent of the drive yet (it is made first), and a VM on
+    the lender reaches its share without crossing an NTB."""
+    c, drive = setup
+    sa, da, qa = start(c, drive, "sa", "gamma")
+    assert da.write(qa, 3, DISK).ok
+    done = unplug_migrate(sa, c.fabric("alpha"), c.registry, check=lambda _s: None)
+    assert done.epochs == {NVME: 1} and check_with_registry(c.hw, c.registry) == []
+    assert [m.node for m in c.fabric("alpha").mdevs() if m.vm == "sa"] == ["alpha"]
+    vms = sa.nvme_share(NVME)
+    vms.set_master()
+    again = guest_driver(vms.bar0, c.hw.guest("alpha", "sa"))
+    (q,) = again.start(queues=1)
+    assert again.read(q, 3, 8)[1] == DISK
+
+
+def test_a_share_of_two_paths_moves_unplugged_its_relay_made_again_there(state_path, tmp_path):
+    """Its relay rings lived in gamma's memory: they are freed there and made again in
+    beta's (beta has two adapters here); the guest's disk follows, both paths work."""
+    c = Cluster.create(state_path, two_adapter_topology())
+    ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
+    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS)
+    try:
+        xml = share_xml("sa", paths=2)
+        c.prepare(xml, "gamma")
+        sa = SimVm(xml, hardware=c.hw, fabric=c.fabric("gamma"), nvme={NVME: drive})
+        vms = sa.nvme_share(NVME)
+        vms.set_master()
+        da = guest_driver(vms.bar0, sa.guest)
+        (qa,) = da.start(queues=1)
+        assert da.write(qa, 0, DISK).ok
+        was = vms.share
+        assert vms.rings is not None
+        rings = list(vms.rings.frames)
+        gamma = c.hw.node("gamma").memory
+        assert {gamma.owner_of(f) for f in rings} == {"sa"}
+        unplug_migrate(sa, c.fabric("beta"), c.registry, check=checker_of(c))
+        assert vms.rings is None and {gamma.owner_of(f) for f in rings} == {None}
+        moved = sa.nvme_share(NVME)
+        assert moved.relay is not None and moved.share.paths == 2
+        assert (moved.share.lba_offset, moved.share.backup_asid) == (
+            was.lba_offset,
+            was.backup_asid,
+        )
+        assert moved.rings is not None and len(moved.rings.frames) == len(rings)
+        beta = c.hw.node("beta").memory
+        assert {beta.owner_of(f) for f in moved.rings.frames} == {"sa"}
+        moved.set_master()
+        again = guest_driver(moved.bar0, c.hw.guest("beta", "sa"))
+        (q,) = again.start(queues=1)
+        assert again.read(q, 0, 8)[1] == DISK
+        assert check_with_registry(c.hw, c.registry) == []
+    finally:
+        drive.close()
+        c.close()
+
+
+def checker_of(c):
+    def check(step: str) -> None:
+        found = check_with_registry(c.hw, c.registry)
+        assert found == [], f"after {step}:\n" + "\n".join(map(str, found))
+
+    return check
