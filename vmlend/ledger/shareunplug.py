@@ -12,14 +12,18 @@ free: the share record is the source's or the destination's at every commit.
 3. ``finish``, the VM running on the destination: the source's claims go.
 
 ``give_back`` undoes 1 or 2 (the VM still runs on the source): the share is the source's again
-with the source's claims only (a newer epoch if it had moved). Every function is one
+with the source's claims only (a newer epoch if it had moved). ``release``: the VM stopped
+mid-move, so its shares go wherever they are, as at any stop of it (its release hook found
+none it could return once they were handed over). Every function is one
 transaction and idempotent, so a re-run after ``kill -9`` anywhere converges.
 """
 
 from __future__ import annotations
 
 from vmlend.ledger import sharemove
+from vmlend.ledger.admission import vm_share
 from vmlend.ledger.handover import admission_topology
+from vmlend.ledger.nvmeshares import SHARE_RECORD, store_claims
 from vmlend.registry import Registry, StateTxn
 from vmlend.topology.model import GuestRam, Holder
 
@@ -94,3 +98,16 @@ def give_back(
         return back
 
     return registry.transact(body)
+
+
+def release(registry: Registry, drives: list[int], source: Holder, destination: Holder) -> None:
+    """The VM stopped mid-move: its shares of ``drives`` go, the source's or the
+    destination's (idempotent)."""
+
+    def body(tx: StateTxn) -> None:
+        for d in sorted(drives):
+            gone = [tx.clear_runtime(d, SHARE_RECORD, vm_share(h)) for h in (source, destination)]
+            if any(gone):
+                store_claims(tx, d)
+
+    registry.transact(body)

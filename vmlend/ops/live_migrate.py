@@ -261,6 +261,7 @@ def live_migrate(
     if not here_runs and not there_runs:
         if journal.mode in (HOT, MIXED):
             abandon_hot(fabric, journal)
+        _release_shares(run, journal)
         drop_journal(state_dir, name)
         _record_ends(run, journal)
         raise MigrationError(
@@ -653,6 +654,14 @@ def _give_shares_back(run: _Run, journal: LiveJournal) -> None:
     if epochs:
         said = ", ".join(f"{format_fdid(d)} epoch {e}" for d, e in sorted(epochs.items()))
         run.step(f"NVMe share(s) of {journal.vm} handed back to {journal.source} ({said})")
+
+
+def _release_shares(run: _Run, journal: LiveJournal) -> None:
+    """The VM stopped mid-move: the moving shares go, as at any stop of it."""
+    found = _share_holders(run, journal)
+    if found is not None:
+        registry, src, dst = found
+        shareunplug.release(registry, _moving_shares(journal), src, dst)
 
 
 def _finish_shares(run: _Run, journal: LiveJournal) -> None:

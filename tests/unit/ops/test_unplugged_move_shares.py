@@ -200,3 +200,31 @@ def test_a_share_of_two_paths_with_no_backup_adapter_there_is_refused(shared):
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
     assert "the NVMe share of 0x12" in r.stderr and "nothing was changed" in r.stderr
     assert cluster.snapshot() == snap
+
+
+class Killed(BaseException):
+    """A kill at a fault point: nothing of the running command's cleanup runs."""
+
+
+def test_a_vm_stopped_after_its_share_was_handed_over_leaves_no_share_behind(
+    shared, monkeypatch
+):
+    """Killed after the hand-over, then the VM stops on the source (its release hook finds
+    no share of it there): the re-run reports it, and the share goes as at any stop, not
+    left on beta's key for a VM that does not run."""
+    cluster = shared
+    import vmlend.ops.live_migrate as lm
+
+    def die(name: str) -> None:
+        if name == "share-move:after-hand-over":
+            raise Killed
+
+    monkeypatch.setattr(lm, "fault_point", die)
+    with pytest.raises(Killed):
+        move(cluster, lambda _l: None)
+    assert "vm:beta/vm1" in shares(cluster)
+    cluster.hv("gamma").destroy("vm1")
+    with pytest.raises(MigrationError, match="stopped during its live migration"):
+        move(cluster, lambda _l: None)
+    assert not [k for k in shares(cluster) if k.endswith("/vm1")]
+    assert registry_violations(cluster.fabric().registry) == []
