@@ -17,7 +17,10 @@ changes. Order:
    the VM's holds; when the destination's agent plugs the devices back, the registry records
    the migration as in progress (``vmlend.ops.migration_record``) until it ends;
 2. each device is hot-unplugged from the running guest (waiting for the guest to let go, as
-   ``detach`` does) and returned; the VM's persistent definition keeps it;
+   ``detach`` does) and returned; the VM's persistent definition keeps it. A queue-level NVMe
+   share is never returned: its room on the destination is claimed before anything is
+   unplugged, and once its controller is out it is handed over under a newer epoch, keeping
+   its blocks (``vmlend.ops.share_move``);
 3. the whole VM again, now without its holds (another host may have taken room meanwhile);
 4. the live migration (``Hypervisor.migrate_live``; the destination's hook rewrites the XML);
 5. each device is reserved for the VM on the destination and hot-plugged at its old address:
@@ -61,9 +64,10 @@ from vmlend.errors import (
 from vmlend.fabric.base import Fabric
 from vmlend.faults import fault_point
 from vmlend.hypervisor import DomainInfo, Hypervisor, LiveMigration
-from vmlend.ledger import sharemove, shareunplug
+from vmlend.ledger import sharemove
 from vmlend.lending.devices import held_by, holder_for
 from vmlend.messages import plural
+from vmlend.ops import share_move
 from vmlend.ops.attach import attach_live
 from vmlend.ops.detach import detach
 from vmlend.ops.hot_move import (
@@ -93,7 +97,6 @@ from vmlend.ops.plug_request import (
 )
 from vmlend.ops.share_plug import plug_share, unplug_controller
 from vmlend.ops.unplug import DetachWait
-from vmlend.registry import Registry
 from vmlend.topology.compiled import stored_topology
 from vmlend.topology.model import GuestRam, Holder, format_fdid
 
@@ -261,7 +264,7 @@ def live_migrate(
     if not here_runs and not there_runs:
         if journal.mode in (HOT, MIXED):
             abandon_hot(fabric, journal)
-        _release_shares(run, journal)
+        share_move.release(fabric, journal)
         drop_journal(state_dir, name)
         _record_ends(run, journal)
         raise MigrationError(
@@ -304,7 +307,7 @@ def put_back_on_source(
         if d.fdid in journal.unplugged and journal.device_mode(d.fdid) == UNPLUG
     ]
     _unplug(run, journal, begun)
-    _give_shares_back(run, journal)
+    share_move.give_back(run.fabric, journal, run.step)
     fault_point("live-rollback:after-share-hand-back")
     missing = _plug_back(run, src, fabric, journal, False)
     return _missing(missing, journal.vm, src.uri) if missing else None
@@ -458,6 +461,10 @@ def _without_devices(plain: bytes | None) -> bytes | None:
     return etree.tostring(root)
 
 
+def _guest_ram(run: _Run, journal: LiveJournal) -> GuestRam:
+    return read_domain(run.src.xml(journal.vm), strict=False).guest_ram
+
+
 def _guest_fdids(hv: Hypervisor, name: str) -> set[int]:
     return {d.fdid for d in read_domain(hv.xml(name), strict=False).devices}
 
@@ -466,9 +473,9 @@ def _leave_source(run: _Run, journal: LiveJournal) -> float | None:
     """Steps 2-4. On failure the devices go back into the guest here, and the error says so."""
     name, dest = journal.vm, journal.destination
     try:
-        _claim_shares(run, journal)
+        share_move.claim(run.fabric, journal, _guest_ram(run, journal), run.step)
         _unplug(run, journal, journal.devices)
-        _hand_over_shares(run, journal)
+        share_move.hand_over(run.fabric, journal, run.step)
         ram = read_domain(run.src.xml(name), strict=False).guest_ram
         _unplugged_admissible(run, journal, journal.devices, ram)
         if journal.shell is not None and run.src.get_metadata(name, NAMESPACE_URI) is None:
@@ -500,7 +507,7 @@ def _unplugged_admissible(
     dest = journal.destination
     dst_holder = Holder(node=dest, vm=journal.vm, vm_uuid=journal.vm_uuid)
     fdids = [d.fdid for d in devices if d.share is None]
-    # the shares' room there is claimed already (``_claim_shares``)
+    # the shares' room there is claimed already (``share_move.claim``)
     problems = vm_admission_problems(run.fabric, fdids, ram, dest, dst_holder, None)
     if problems:
         raise FabricError(f"{problems[0]} (taken while the devices were unplugged)")
@@ -513,9 +520,9 @@ def _leave_mixed(run: _Run, journal: LiveJournal) -> float | None:
     name, dest = journal.vm, journal.destination
     out = [d for d in journal.devices if d.fdid in journal.unplug]
     try:
-        _claim_shares(run, journal)
+        share_move.claim(run.fabric, journal, _guest_ram(run, journal), run.step)
         _unplug(run, journal, out)
-        _hand_over_shares(run, journal)
+        share_move.hand_over(run.fabric, journal, run.step)
         ram = read_domain(run.src.xml(name), strict=False).guest_ram
         _unplugged_admissible(run, journal, out, ram)
     except VmlendError as e:
@@ -538,7 +545,7 @@ def _leave_mixed(run: _Run, journal: LiveJournal) -> float | None:
     except MigrationError as e:
         if load_journal(run.state_dir, name) is not None:
             raise  # handed over: the re-run finishes on the destination
-        _give_shares_back(run, journal)
+        share_move.give_back(run.fabric, journal, run.step)
         missing = _plug_back(run, run.src, run.fabric, journal, False)
         if not missing:
             raise MigrationError(f"{e} (the unplugged devices are back in it)") from e
@@ -583,7 +590,7 @@ def _unplug(run: _Run, journal: LiveJournal, devices: list[LiveDevice]) -> None:
 
 def _unplug_share(run: _Run, journal: LiveJournal, dev: LiveDevice, present: bool) -> None:
     """Unplug one NVMe share's controller on the source (idempotent); the share stays the
-    VM's, and moves with ``_hand_over_shares``."""
+    VM's, and moves with ``share_move.hand_over``."""
     fd = format_fdid(dev.fdid)
     journal.unplugged.setdefault(dev.fdid, run.clock())
     save_journal(run.state_dir, journal)
@@ -597,85 +604,10 @@ def _unplug_share(run: _Run, journal: LiveJournal, dev: LiveDevice, present: boo
     fault_point("live-migrate:after-unplug")
 
 
-def _moving_shares(journal: LiveJournal) -> list[int]:
-    """The drives of the VM's shares that move unplugged."""
-    return sorted(d for d in journal.shares if journal.device_mode(d) == UNPLUG)
-
-
-def _share_holders(run: _Run, journal: LiveJournal) -> tuple[Registry, Holder, Holder] | None:
-    """The registry, source and destination of the shares moving unplugged (None: none)."""
-    registry = registry_of(run.fabric)
-    if not _moving_shares(journal) or registry is None:
-        return None
-    src = Holder(journal.source, journal.vm, journal.vm_uuid)
-    return registry, src, Holder(journal.destination, journal.vm, journal.vm_uuid)
-
-
-def _claim_shares(run: _Run, journal: LiveJournal) -> None:
-    """Before anything is unplugged: the moving shares' room on the destination, all or
-    nothing (``FabricError``)."""
-    found = _share_holders(run, journal)
-    if found is None:
-        return
-    registry, src, dst = found
-    drives = _moving_shares(journal)
-    ram = read_domain(run.src.xml(journal.vm), strict=False).guest_ram
-    shareunplug.claim(registry, drives, src, dst, ram)
-    run.step(
-        f"claimed room on {journal.destination} for the NVMe share(s) of {_fds(drives)},"
-        " which keep their blocks"
-    )
-    fault_point("share-move:after-claim")
-
-
-def _hand_over_shares(run: _Run, journal: LiveJournal) -> None:
-    """Their controllers unplugged: the moving shares become the destination's."""
-    found = _share_holders(run, journal)
-    if found is None:
-        return
-    registry, src, dst = found
-    epochs = shareunplug.hand_over(registry, _moving_shares(journal), src, dst, time.time())
-    said = ", ".join(f"{format_fdid(d)} epoch {e}" for d, e in sorted(epochs.items()))
-    run.step(
-        f"NVMe share(s) of {journal.vm} handed over to {journal.destination} ({said}): the"
-        " same blocks, queues and address space"
-    )
-    fault_point("share-move:after-hand-over")
-
-
-def _give_shares_back(run: _Run, journal: LiveJournal) -> None:
-    """The VM stays on the source: the moving shares are its there again, with the source's
-    claims only (handed back under a newer epoch if they had moved)."""
-    found = _share_holders(run, journal)
-    if found is None:
-        return
-    registry, src, dst = found
-    epochs = shareunplug.give_back(registry, _moving_shares(journal), src, dst, time.time())
-    if epochs:
-        said = ", ".join(f"{format_fdid(d)} epoch {e}" for d, e in sorted(epochs.items()))
-        run.step(f"NVMe share(s) of {journal.vm} handed back to {journal.source} ({said})")
-
-
-def _release_shares(run: _Run, journal: LiveJournal) -> None:
-    """The VM stopped mid-move: the moving shares go, as at any stop of it."""
-    found = _share_holders(run, journal)
-    if found is not None:
-        registry, src, dst = found
-        shareunplug.release(registry, _moving_shares(journal), src, dst)
-
-
-def _finish_shares(run: _Run, journal: LiveJournal) -> None:
-    """The VM runs on the destination: the moving shares' source claims go."""
-    found = _share_holders(run, journal)
-    if found is not None:
-        registry, src, dst = found
-        shareunplug.finish(registry, _moving_shares(journal), src, dst, time.time())
-
-
 def _back_on_source(run: _Run, journal: LiveJournal) -> str:
     """Plug every journalled device the guest lacks back in on the source; what to tell."""
     name, source = journal.vm, journal.source
-    _give_shares_back(run, journal)
+    share_move.give_back(run.fabric, journal, run.step)
     missing = _plug_back(run, run.src, run.fabric, journal, False)
     drop_journal(run.state_dir, name)
     _record_ends(run, journal)
@@ -787,7 +719,7 @@ def _arrive(
     _fix_definition(run, name, dest)
     if journal.mode in (HOT, MIXED):
         finish_hot(run.dst_fabric, journal, run.step)
-    _finish_shares(run, journal)
+    share_move.finish(run.fabric, journal)
     if run.plugs is not None:
         missing = _plug_remotely(run, run.plugs, journal)
     elif run.dst_fabric is not None:

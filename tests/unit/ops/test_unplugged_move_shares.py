@@ -213,13 +213,13 @@ def test_a_vm_stopped_after_its_share_was_handed_over_leaves_no_share_behind(
     no share of it there): the re-run reports it, and the share goes as at any stop, not
     left on beta's key for a VM that does not run."""
     cluster = shared
-    import vmlend.ops.live_migrate as lm
+    import vmlend.ops.share_move as steps
 
     def die(name: str) -> None:
         if name == "share-move:after-hand-over":
             raise Killed
 
-    monkeypatch.setattr(lm, "fault_point", die)
+    monkeypatch.setattr(steps, "fault_point", die)
     with pytest.raises(Killed):
         move(cluster, lambda _l: None)
     assert "vm:beta/vm1" in shares(cluster)
