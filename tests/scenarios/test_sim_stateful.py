@@ -19,7 +19,10 @@ operator and an attacker do, in any order:
   up, VM stop, the drive shared again once it is free;
 - hot migration: a running VM moves to another node with its devices plugged (a NIC, whose
   driver cannot quiesce, and a destination without room are refused with nothing changed),
-  the checker run after each of its phases;
+  the checker run after each of its phases; or, a VM with a share (always for a share of two
+  paths), unplugged: its devices hot-removed and re-plugged there, its share controller
+  unplugged and plugged back, the share kept (its blocks the VM's at every step, another VM
+  asking meanwhile is given other blocks, the guest reads its disk back there);
 - attacks: a VM hot-adding another VM's mdev, a failed start of a domain whose metadata names
   another VM's mdevs followed by its release (with a consistent and an inconsistent copy).
 
@@ -85,6 +88,7 @@ from vmlend.lending.quiesce import how_to_quiesce
 from vmlend.nvme import spec as nvme_spec
 from vmlend.nvme.cmb import GUEST_CMB_BASE
 from vmlend.nvme.guard import asid_base
+from vmlend.nvme.shares import Share
 from vmlend.registry import FenceRecord, same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.hostmem import FRAME
@@ -99,6 +103,7 @@ from vmlend.sim.p2pmap import P2PMapper, registry_recorder
 from vmlend.sim.pci import regs
 from vmlend.sim.pci.config import EXP_OFFSET, MSI_OFFSET
 from vmlend.sim.simvm import SimVm
+from vmlend.sim.unplugmig import unplug_migrate
 from vmlend.topology.discovered import FoundHost
 from vmlend.topology.model import BarKind, GiB, Holder, MiB
 from vmlend.topology.paths import NtbPath
@@ -107,6 +112,8 @@ from vmlend.wiring.discover import discover_fabric
 
 MAX_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_EXAMPLES", "300"))
 STEPS = int(os.environ.get("VMLEND_STATEFUL_STEPS", "40"))
+#: What a guest writes to its share's disk before an unplugged move (read back after it).
+MARK = b"\x5a" * 512
 SMOKE_EXAMPLES = 5  # the fast suite's share (unmarked); the full run is marked slow
 SMOKE_STEPS = 20
 #: On etcd (marked slow): every registry call is a request to a real etcd.
@@ -424,23 +431,28 @@ class FabricMachine(RuleBasedStateMachine):
         if p2p.crossings():
             event("start: peer-to-peer between lenders holds switch port entries")
         if vm.shares():
-            s = vm.nvme_share(SHARED)
-            s.set_master()
-            entry.driver = guest_driver(s.bar0, vm.guest)
-            if s.cmb is None:
-                (entry.queue,) = entry.driver.start(queues=1, entries=8)
-                return
-            # its submission queue in its extent of the drive's CMB, as Linux's driver puts it
-            # when the controller offers one; the completion queue in its RAM
-            drv = entry.driver
-            drv.memory = GuestWithCmb(vm.guest, s.cmb)
-            drv.reset()
-            drv.enable()
-            drv.identify_namespace(1)
-            drv.set_queue_count(1)
-            cq = drv.alloc(8 * nvme_spec.CQE_SIZE)
-            entry.queue = drv.create_queue_pair_at(1, GUEST_CMB_BASE, cq, 8, vector=1)
-            event("start: a share with its submission queue in the CMB")
+            self._start_share_driver(entry)
+
+    def _start_share_driver(self, entry: Running) -> None:
+        """The guest enables its share controller and its NVMe driver starts it."""
+        vm = entry.vm
+        s = vm.nvme_share(SHARED)
+        s.set_master()
+        entry.driver = guest_driver(s.bar0, vm.guest)
+        if s.cmb is None:
+            (entry.queue,) = entry.driver.start(queues=1, entries=8)
+            return
+        # its submission queue in its extent of the drive's CMB, as Linux's driver puts it
+        # when the controller offers one; the completion queue in its RAM
+        drv = entry.driver
+        drv.memory = GuestWithCmb(vm.guest, s.cmb)
+        drv.reset()
+        drv.enable()
+        drv.identify_namespace(1)
+        drv.set_queue_count(1)
+        cq = drv.alloc(8 * nvme_spec.CQE_SIZE)
+        entry.queue = drv.create_queue_pair_at(1, GUEST_CMB_BASE, cq, 8, vector=1)
+        event("start: a share with its submission queue in the CMB")
 
     def _p2p_port(self, message: str, node: str) -> bool:
         """The full port the refusal names is on no route from the requester's lender to
@@ -793,13 +805,15 @@ class FabricMachine(RuleBasedStateMachine):
         slot=slots,
         pick=st.integers(min_value=0, max_value=len(NODES) - 1),
         mixed=st.booleans(),
+        unplug=st.booleans(),
     )
-    def hot_migrate(self, slot: int, pick: int, mixed: bool) -> None:
+    def hot_migrate(self, slot: int, pick: int, mixed: bool, unplug: bool) -> None:
         """The VM moves to another node while it runs, its devices plugged; the checker runs
         after every phase. Refused (a NIC, a device not enabled, no room there): nothing
         changed. ``mixed``: its devices that cannot quiesce (a NIC) are hot-removed and
         returned first and re-plugged where the VM runs after (refused: the VM runs without
-        them, as the CLI's mixed move says)."""
+        them, as the CLI's mixed move says). ``unplug`` (a VM with a share), or a share of two
+        paths: the VM moves unplugged (``_unplugged_move``)."""
         entry = self.vms.get(slot)
         if entry is None:
             return
@@ -810,12 +824,15 @@ class FabricMachine(RuleBasedStateMachine):
             return
         to = choices[pick % len(choices)]
         source = vm.node
+        relayed = any(vm.nvme_share(f).relay is not None for f in vm.shares())
+        if vm.shares() and (unplug or relayed):
+            self._unplugged_move(entry, to)
+            return
         stuck = [
             f for f in vm.devices() if how_to_quiesce(self.c.hw.device(f).spec.kind) is None
         ]
-        relayed = any(vm.nvme_share(f).relay is not None for f in vm.shares())
-        if not mixed or relayed or len(stuck) == len(vm.devices()) + len(vm.shares()):
-            # all or nothing hot: a VM of NICs only, or with a two-path share, moves unplugged
+        if not mixed or len(stuck) == len(vm.devices()) + len(vm.shares()):
+            # all or nothing hot: a VM of NICs only moves unplugged
             stuck = []
         for fdid in stuck:
             vm.remove_device(fdid)
@@ -877,6 +894,88 @@ class FabricMachine(RuleBasedStateMachine):
             event("mixed move: unplugged devices plugged back on the destination"
                   + (" (some refused)" if refused else ""))
         event(f"hot migration: {len(vm.devices())} device(s) moved with the VM")
+
+    def _unplugged_move(self, entry: Running, to: str) -> None:
+        """The VM moves unplugged (``vmlend.sim.unplugmig``): its borrowed devices hot-removed
+        and returned, its share controllers unplugged with the shares kept (their blocks are
+        the VM's at every step, and a share another VM asks for meanwhile gets other blocks);
+        then the devices are re-plugged where it runs (refused: it runs without them) and the
+        guest restarts its share's controller and reads its disk as it left it. Refused (no
+        room there, no backup path for a share of two paths): nothing of the share changed,
+        the devices are plugged back on the source."""
+        vm = entry.vm
+        source, shares = vm.node, vm.shares()
+        if any(vm.nvme_share(f).revoked or not vm.nvme_share(f).open for f in shares):
+            return  # taken from it: the move refuses it before anything
+        mark = None
+        if entry.driver is not None and entry.queue is not None:
+            try:
+                if entry.driver.write(entry.queue, 15, MARK).ok:
+                    mark = MARK
+            except VmlendError:  # a dead link: share_io covers it
+                entry.queue = None
+        out = vm.devices()
+        for fdid in out:
+            vm.remove_device(fdid)
+            self._release_own(fdid, vm.holder)
+        if out:
+            self._check_justified("after an unplugged move's device unplugs")
+        before = {f: vm.nvme_share(f).share for f in shares}
+        steps: list[str] = []
+
+        def extent(share: Share) -> set[int]:
+            return set(range(share.lba_offset, share.lba_offset + share.blocks))
+
+        def check(step: str) -> None:
+            self._check_justified(f"after unplugged-migration step {step!r}")
+            steps.append(step)
+            mine = [e.share for e in self._registry_shares() if e.holder.vm == vm.name
+                    and e.holder.vm_uuid == vm.holder.vm_uuid]
+            assert sorted(s.lba_offset for s in mine) == sorted(
+                s.lba_offset for s in before.values()), step
+            if step == "handed over":  # another VM asks for a share of the drive meanwhile
+                other = Holder("beta", "intruder", str(uuid.uuid4()))
+                try:
+                    got = ledger.reserve_share(self.c.registry, SHARED, other, 1, 1024)
+                except VmlendError:
+                    return  # the drive is full: nothing to give anyway
+                assert not any(extent(got) & extent(b) for b in before.values())
+                ledger.release_share(self.c.registry, SHARED, other)
+                event("unplugged move: a share asked for meanwhile got other blocks")
+
+        try:
+            unplug_migrate(vm, self.c.fabric(to), self.c.registry, check=check)
+        except VmlendError as e:
+            assert vm.node == source and steps == [], steps
+            assert {f: vm.nvme_share(f).share for f in shares} == before
+            event(f"unplugged move refused: {type(e).__name__}")
+            self._replug(vm, out)
+            return
+        assert vm.node == to and steps[-1] == "plugged back"
+        for fdid in shares:
+            s, was = vm.nvme_share(fdid), before[fdid]
+            assert s.name == f"vm:{to}/{vm.name}"
+            assert (s.share.qid_base, s.share.lba_offset, s.share.asid, s.share.paths) == (
+                was.qid_base, was.lba_offset, was.asid, was.paths
+            )
+            assert s.share.cmb_extent == was.cmb_extent
+        refused = self._replug(vm, out)
+        entry.queue = None
+        try:
+            self._start_share_driver(entry)
+        except VmlendError:  # its route is dead: share_io covers it
+            event("unplugged move: the share's controller did not start (a dead link)")
+            return
+        if mark is not None and entry.queue is not None:
+            try:
+                assert entry.driver is not None
+                assert entry.driver.read(entry.queue, 15, 1)[1] == mark
+                event("unplugged move: the guest read its disk back on the destination")
+            except VmlendError:
+                entry.queue = None
+        two = any(vm.nvme_share(f).relay is not None for f in shares)
+        event("unplugged move: a share moved with the VM" + (" (two paths)" if two else "")
+              + (", devices re-plugged" if out and not refused else ""))
 
     @precondition(lambda self: self.vms)
     @rule(
