@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.cli_cluster import GAMMA, SimCluster
 from tests.support.handover_checks import registry_violations
+from tests.support.killed_cli import assert_killed, run_cli
 from tests.support.live_moves import holds
 from vmlend.domain import read_domain
 from vmlend.errors import HookFailedError
@@ -30,23 +31,8 @@ from vmlend.topology.model import MiB
 #: Every case kills or freezes a process at a named point.
 pytestmark = pytest.mark.daemon
 
-CLI = [sys.executable, "-c", "from vmlend.cli import main; main()"]
-
-
-def _run(state: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "VMLEND_STATE")}
-    if fault:
-        env[FAULT_ENV] = fault
-    return subprocess.run(
-        [*CLI, "--state", str(state), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        # Ctrl-C as a terminal delivers it, also when the suite itself runs as a background
-        # job (the shell then ignores SIGINT for it, and the CLI would inherit that).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+_run = run_cli
+_killed = assert_killed
 
 
 def _consistent(cluster: SimCluster) -> None:
@@ -63,10 +49,6 @@ def _consistent(cluster: SimCluster) -> None:
         info = hv.lookup(holder.vm)
         assert info.active, f"{fdid:#x} held by {holder}, which is not running"
         assert fdid in {d.fdid for d in read_domain(hv.xml(holder.vm)).devices}
-
-
-def _killed(res: subprocess.CompletedProcess[str]) -> None:
-    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stdout, res.stderr)
 
 
 @pytest.mark.parametrize("point", POINTS["attach"])

@@ -10,9 +10,10 @@ import json
 
 import pytest
 
-from tests.scenarios.test_fault_matrix import _killed, _run
 from tests.support.cli_cluster import GAMMA, SimCluster
 from tests.support.handover_checks import registry_violations
+from tests.support.killed_cli import assert_killed as _killed
+from tests.support.killed_cli import run_cli as _run
 from tests.support.share_moves import (
     SHARE_AT,
     share_address,
