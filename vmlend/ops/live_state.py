@@ -43,8 +43,8 @@ class LiveDevice(msgspec.Struct, frozen=True):
     fdid: int
     address: PciAddress | None = None
     interrupts: InterruptPath | None = None
-    #: A queue-level NVMe share of drive ``fdid`` (not the whole drive): what to ask for when
-    #: it is made again on the destination (unplugged moves).
+    #: A queue-level NVMe share of drive ``fdid`` (not the whole drive): its request, for its
+    #: controller's plug back (unplugged moves: the share itself moves, keeping its blocks).
     share: NvmeShareRequest | None = None
 
 
