@@ -1062,7 +1062,7 @@ static int smartio_ctl(char *line)
 	LIST_HEAD(gone);
 	char *w[12];
 	int n, ret = 0, borrower;
-	u32 fdid;
+	u32 fdid, qp, vectors;
 
 	n = smartio_split(line, w, ARRAY_SIZE(w));
 	if (n < 1)
@@ -1097,13 +1097,14 @@ static int smartio_ctl(char *line)
 		 borrower >= -1 && borrower != 0)
 		smartio_set(sdev, sdev->availability, borrower);
 	else if (!strcmp(w[0], "share") && n == 4 && !sdev->parent &&
-		 !kstrtou32(w[2], 0, &sdev->share_queue_pairs) &&
-		 !kstrtou32(w[3], 0, &sdev->share_vectors) && sdev->share_queue_pairs &&
-		 sdev->share_vectors > 1)
+		 !kstrtou32(w[2], 0, &qp) && !kstrtou32(w[3], 0, &vectors) && qp &&
+		 vectors > 1) {
 		/* section 7: the manager can run it; parents registered from now on offer
-		 * smartio-nvme_share beside the contract's type */
+		 * smartio-nvme_share beside the contract's type (a refused line changes nothing) */
+		sdev->share_queue_pairs = qp;
+		sdev->share_vectors = vectors;
 		WRITE_ONCE(sdev->shareable, true);
-	else
+	} else
 		ret = -EINVAL;
 	mutex_unlock(&smartio_lock);
 	smartio_free(&gone);

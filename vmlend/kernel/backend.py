@@ -454,7 +454,8 @@ class SmartioFabric:
             if fdid is not None:
                 # the share's queues, guard and MSI end at the driver under the epoch this
                 # child wrote, before the child goes (a newer epoch's run is left alone); a
-                # refused clear still removes the child, whose removal ends its share too
+                # refused clear still removes the child, whose removal ends its share only
+                # under the epoch it wrote (docs/smartio-contract.md, section 7)
                 try:
                     clear_share(self.driver, fdid, dev.uuid)
                 except VmlendError as e:
