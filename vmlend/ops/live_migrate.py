@@ -393,8 +393,8 @@ def _begin(run: _Run, here: DomainInfo, there: DomainInfo | None, dest_node: str
     if shares and (run.plugs is not None or registry is None):
         raise MigrationError(
             f"VM {name!r} has queue-level NVMe shares ({_fds(shares)}), which the destination's"
-            " agent cannot plug back (only the simulated backend shares a drive); detach them"
-            " first"
+            " agent cannot plug back (it plugs devices back through an mdev it makes, not a"
+            " share's controller); detach them first"
         )
     problems = vm_admission_problems(
         run.fabric, fdids, dom.guest_ram, dest_node, dst_holder, src_holder

@@ -61,6 +61,7 @@ def replug_share(
         raise StaleTokenError(drive.fdid, token, gone.epoch, "an NVMe share's unplugged move")
     old, new = gone.share.name, vm_share(Holder(node, gone.vm))
     share = drive.manager.rename_share(old, new) if new != old else gone.share
+    vms: VmNvmeShare | None = None
     try:
         vms = VmNvmeShare(drive, node, gone.vm, share)
         relay = vms.relay
@@ -73,6 +74,8 @@ def replug_share(
         if gone.mdev is not None:
             drive.hw.open_mdev(gone.mdev, drive.fdid, node, gone.vm, vms.revoke, share=True)
     except Exception:
+        if vms is not None:
+            vms._free_rings()  # a two-path share's relay rings, made in the node's memory
         drive.manager.disconnect(new)
         if new != old:
             drive.manager.rename_share(new, old)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tests.support.etcd_daemon import free_port, host_lease
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.cli import main
-from vmlend.errors import ConfigError, DeviceHeldError, StateError, VmlendError
+from vmlend.errors import ConfigError, DeviceHeldError, StateError, UnknownDeviceError
 from vmlend.hook.install import install_hook
 from vmlend.hostenv import HostEnv
 from vmlend.registry import (
@@ -490,7 +490,7 @@ def test_a_topology_installed_by_another_process_is_read_by_a_warm_one(etcd_url)
         assert f.release(0x10, holder)
         text = star_topology(2, 2)  # no device 0x10
         assert init_fabric(etcd_url, text, "star.toml", replace=True).action == "replaced"
-        with pytest.raises(VmlendError):
+        with pytest.raises(UnknownDeviceError):  # the new topology's answer, not the old one's
             f.reserve(0x10, holder)
         with f.registry.read() as tx:
             assert tx.device(0x10) is None
