@@ -5,6 +5,8 @@ of a VM that asks for a share."""
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
+from pathlib import Path
 
 from vmlend.domain import DeviceRequest, DomainSpec, NvmeShareRequest, TemplateSet, new_domain
 from vmlend.sim.guest import SimGuest
@@ -60,3 +62,33 @@ def share_xml(
         virt_type=virt_type,
     )
     return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+@contextmanager
+def shared_drive(state_path: Path, directory: Path, *, fdid: int = 0x12, blocks: int = 1 << 20):
+    """The default simulated cluster with drive ``fdid`` lent for queue-level sharing
+    (``blocks`` blocks) and its manager running: ``(cluster, drive)``, both closed after."""
+    from tests.support.simcluster import Cluster
+    from vmlend.ledger import nvmeshares
+    from vmlend.sim.nvmedrive import drive_geometry
+    from vmlend.sim.nvmeshare import SharedNvmeDrive
+
+    c = Cluster.create(state_path)
+    nvmeshares.lend_shared(c.registry, fdid, drive_geometry(c.hw.device(fdid).spec, blocks))
+    drive = SharedNvmeDrive(c.hw, fdid, directory, blocks=blocks)
+    try:
+        yield c, drive
+    finally:
+        drive.close()
+        c.close()
+
+
+def start_sharing_vm(c, drive, name: str, node: str):  # type: ignore[no-untyped-def]
+    """VM ``name`` started by the hook on ``node`` with a one-pair share of ``drive``, its
+    guest's driver up: ``(vm, driver, its first I/O queue pair)``."""
+    xml = share_xml(name, fdid=drive.fdid)
+    c.prepare(xml, node)
+    vm = SimVm(xml, hardware=c.hw, fabric=c.fabric(node), nvme={drive.fdid: drive})
+    vm.nvme_share(drive.fdid).set_master()
+    driver = guest_driver(vm.nvme_share(drive.fdid).bar0, vm.guest)
+    return vm, driver, driver.start(queues=1)[0]

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.nvme_guest import guest_driver, share_xml
-from tests.support.simcluster import Cluster
+from tests.support.nvme_guest import shared_drive, start_sharing_vm
 from vmlend.errors import FabricError, StaleTokenError
-from vmlend.ledger import nvmeshares as ledger
 from vmlend.ledger.admission import vm_share
 from vmlend.ledger.nvmeadmit import share_window_key
 from vmlend.ledger.nvmeshares import SHARE_RECORD
 from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.sim.hotmig import hot_migrate
 from vmlend.sim.invariants import check_with_registry
-from vmlend.sim.nvmedrive import drive_geometry
-from vmlend.sim.nvmeshare import SharedNvmeDrive
-from vmlend.sim.simvm import SimVm
 from vmlend.topology.model import Holder, MiB
 
 NVME = 0x12
@@ -31,21 +26,11 @@ BLOCKS = 1 << 20
 
 @pytest.fixture
 def setup(state_path, tmp_path):
-    c = Cluster.create(state_path)
-    ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
-    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS)
-    yield c, drive
-    drive.close()
-    c.close()
+    with shared_drive(state_path, tmp_path, fdid=NVME, blocks=BLOCKS) as both:
+        yield both
 
 
-def start(c, drive, name, node):
-    xml = share_xml(name)
-    c.prepare(xml, node)
-    vm = SimVm(xml, hardware=c.hw, fabric=c.fabric(node), nvme={NVME: drive})
-    vm.nvme_share(NVME).set_master()
-    driver = guest_driver(vm.nvme_share(NVME).bar0, vm.guest)
-    return vm, driver, driver.start(queues=1)[0]
+start = start_sharing_vm
 
 
 def checker(c, steps):

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.nvme_guest import guest_driver, share_xml
-from tests.support.simcluster import Cluster
+from tests.support.nvme_guest import guest_driver, share_xml, shared_drive
 from vmlend.errors import FabricError
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.nvme import spec
-from vmlend.sim.nvmedrive import drive_geometry
-from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.sim.simvm import SimVm
 
 NVME = 0x12
@@ -21,12 +18,8 @@ BLOCKS = 1 << 20
 
 @pytest.fixture
 def setup(state_path, tmp_path):
-    c = Cluster.create(state_path)
-    ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
-    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS)
-    yield c, drive
-    drive.close()
-    c.close()
+    with shared_drive(state_path, tmp_path, fdid=NVME, blocks=BLOCKS) as both:
+        yield both
 
 
 def start(c, drive, xml, node):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.nvme_guest import guest_driver, share_xml
+from tests.support.nvme_guest import guest_driver, share_xml, shared_drive, start_sharing_vm
 from tests.support.share_moves import two_adapter_topology
 from tests.support.simcluster import Cluster
 from vmlend.errors import FabricError, StaleTokenError
@@ -32,21 +32,11 @@ DISK = b"D" * 4096  # what sa's guest wrote to its disk before the move
 
 @pytest.fixture
 def setup(state_path, tmp_path):
-    c = Cluster.create(state_path)
-    ledger.lend_shared(c.registry, NVME, drive_geometry(c.hw.device(NVME).spec, BLOCKS))
-    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS)
-    yield c, drive
-    drive.close()
-    c.close()
+    with shared_drive(state_path, tmp_path, fdid=NVME, blocks=BLOCKS) as both:
+        yield both
 
 
-def start(c, drive, name, node):
-    xml = share_xml(name)
-    c.prepare(xml, node)
-    vm = SimVm(xml, hardware=c.hw, fabric=c.fabric(node), nvme={NVME: drive})
-    vm.nvme_share(NVME).set_master()
-    driver = guest_driver(vm.nvme_share(NVME).bar0, vm.guest)
-    return vm, driver, driver.start(queues=1)[0]
+start = start_sharing_vm
 
 
 def record_of(c, holder):
