@@ -484,9 +484,18 @@ def main() -> None:
                 f"  what it sends: a reserve {', then '.join(map(str, reserving))};"
                 f" a release {', then '.join(map(str, releasing))}"
             )
+            # The cycle's own commits without its reads: what a process that committed from
+            # what it already knows (no read round trip) would send (docs/cluster.md,
+            # "Round trips, not keys").
+            commits = [s for s in (*reserving, *releasing) if not s.reads]
             shaped = shaped_cycles(
                 server.url("shapes"),
-                {"raw": RAW, "today": [*reserving, *releasing], "four": FOUR_KEYS},
+                {
+                    "raw": RAW,
+                    "today": [*reserving, *releasing],
+                    "four": FOUR_KEYS,
+                    "commits": commits,
+                },
                 value,
             )
             print(
@@ -496,6 +505,12 @@ def main() -> None:
                 f" {shaped['today'] / shaped['raw']:4.2f}x and"
                 f" {shaped['four'] / shaped['raw']:4.2f}x"
                 " (a floor for such a layout, before vmlend's own work)"
+            )
+            print(
+                f"  the cycle's {len(commits)} commits alone, no reads:"
+                f" {shaped['commits'] * ms:6.2f} ms,"
+                f" {shaped['commits'] / shaped['raw']:4.2f}x the raw floor"
+                " (today's keys, one round trip each: a floor for read-free commits)"
             )
             took, failed, floor, reruns = concurrent_cycles(server.url("many"))
             print(
@@ -513,6 +528,16 @@ def main() -> None:
                 "  10 threads x 20 bare cycles of a hold of at most 4 keys vs raw, 3 rounds:"
                 f" {', '.join(f'{raw_s / four_s:.0%}' for raw_s, four_s in rounds)} of the"
                 " floor's throughput (a ceiling for such a layout)"
+            )
+            alone_commits = [
+                (concurrent_shaped(server.url("shapes"), RAW, value),
+                 concurrent_shaped(server.url("shapes"), commits, value))
+                for _ in range(3)
+            ]  # fmt: skip
+            print(
+                "  10 threads x 20 bare cycles of the cycle's commits alone vs raw, 3 rounds:"
+                f" {', '.join(f'{raw_s / c_s:.0%}' for raw_s, c_s in alone_commits)} of the"
+                " floor's throughput"
             )
             alone, crowded = crowded_node(server.url("crowded"))
             print(
