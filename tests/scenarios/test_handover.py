@@ -216,7 +216,7 @@ def test_an_mdev_is_open_in_one_vm_at_a_time(cluster):
         cluster.hw.open_mdev(m.uuid, GPU, "gamma", "other")
     a.stop()
     cluster.hw.open_mdev(m.uuid, GPU, "gamma", "a")  # free again once a stopped
-    cluster.hw.close_mdev(m.uuid)
+    cluster.hw.close_mdev(m.uuid, "gamma")
 
 
 # --- the checker sees each hand-over gap ------------------------------------------------------
@@ -240,17 +240,42 @@ def test_checker_reports_an_mdev_open_in_a_vm_its_hold_does_not_name(cluster):
         holds = tx.holds()
     assert check_hardware(cluster.hw, holds=holds) == []
     # the release forgot to cut the open mdev: the VM still has it, nobody holds the device
-    cluster.hw.close_mdev(m.uuid)
+    cluster.hw.close_mdev(m.uuid, "gamma")
     assert cluster.fabric().release(GPU, a.holder)
     cluster.hw.open_mdev(m.uuid, GPU, "gamma", "a")
     (v,) = check_hardware(cluster.hw, holds={})
     assert v.kind == "mdev" and "open in gamma/a, held by nobody" in v.detail
     # two VMs with mdevs of one device open (a state ``open_mdev`` refuses, forged here)
     other = "66666666-2222-3333-4444-555555555555"
-    cluster.hw._open[other] = OpenMdev(other, GPU, "gamma", "b")
+    cluster.hw._open[("gamma", other)] = OpenMdev(other, GPU, "gamma", "b")
     assert any("open in two VMs" in v.detail for v in check_hardware(cluster.hw))
-    cluster.hw.close_mdev(other)
+    cluster.hw.close_mdev(other, "gamma")
     a.stop()
+
+
+def test_vms_of_one_name_on_two_nodes_keep_their_own_share_mdevs(shared):
+    """One domain (one name, one UUID) on two nodes derives one share mdev UUID, and an mdev
+    UUID names an mdev on its own node only. The state machine found: gamma's VM lost its
+    share behind its back (crash clean-up), the same domain started on beta with a share (the
+    same UUID), then gamma's VM stopped and its share's close closed beta's open mdev, so a
+    later release could no longer cut beta's share."""
+    c, drive = shared
+    vg, sg, _dg, _qg = _share_vm(c, drive, "sa", "gamma")
+    gamma = c.fabric("gamma")
+    assert gamma.release_share(NVME, vg.holder) and sg.revoked
+    for m in gamma.mdevs():
+        if m.fdid == NVME and m.vm == "sa":
+            gamma.remove_mdev(m.uuid)
+    vb, sb, db, qb = _share_vm(c, drive, "sa", "beta")
+    assert sg.mdev == sb.mdev  # same domain, same derived UUID
+    vg.stop()
+    assert [(o.node, o.vm) for o in c.hw.open_mdevs() if o.fdid == NVME] == [("beta", "sa")]
+    assert db.write(qb, 0, b"still beta's" * 512).ok
+    no_violations(c)
+    # a release behind beta's VM cuts its open share, as for any VM
+    assert c.fabric("beta").release_share(NVME, vb.holder)
+    assert sb.revoked and not any(o.fdid == NVME for o in c.hw.open_mdevs())
+    vb.stop()
 
 
 def test_checker_reports_shares_left_wired_after_the_drives_borrow_ended(shared):
@@ -258,7 +283,7 @@ def test_checker_reports_shares_left_wired_after_the_drives_borrow_ended(shared)
     _vm, share, _d, _q = _share_vm(c, drive, "sb", "beta")
     # what the drive did before: it never heard of the borrow's end, and nothing cut its VM
     drive._remove_end()
-    assert share.mdev is not None and c.hw.close_mdev(share.mdev)
+    assert share.mdev is not None and c.hw.close_mdev(share.mdev, "beta")
     c.fabric("alpha").reclaim(NVME)
     with c.registry.read() as tx:
         holds, claims = tx.holds(), tx.claims()

@@ -228,7 +228,9 @@ class SimHardware:
         self._attached: dict[int, list[_Ingress]] = {}  # fdid -> ingress attachments
         self._borrow_end: list[BorrowEndSubscriber] = []
         self._fenced: dict[int, str] = {}  # fdid -> why its last teardown failed
-        self._open: dict[str, OpenMdev] = {}  # mdev UUID -> the VM that has it open
+        #: (node, mdev UUID) -> the VM that has it open. By node: an mdev's UUID names it on
+        #: its host only (sysfs), and VMs of one name on two hosts derive the same UUID.
+        self._open: dict[tuple[str, str], OpenMdev] = {}
         #: fdid -> the newest hold's fencing token a step on the device carried (0: none yet)
         self._tokens: dict[int, int] = {}
         # per device, the token of the newest hold it was taken back from (``retire``)
@@ -965,7 +967,7 @@ class SimHardware:
         share's mdev, one per VM) another VM has an mdev of the same device open.
         ``on_revoke`` runs when the device's borrow or hold ends."""
         self.device(fdid)
-        current = self._open.get(uuid)
+        current = self._open.get((node, uuid))
         if current is not None and current.owner != (node, vm):
             raise MdevError(
                 f"mdev {uuid} is open in VM {current.vm} on {current.node}; it can be opened by"
@@ -978,15 +980,17 @@ class SimHardware:
                     f" {other.uuid}); stop that VM or hot-remove the device first"
                 )
         opened = OpenMdev(uuid, fdid, node, vm, on_revoke, share)
-        self._open[uuid] = opened
+        self._open[(node, uuid)] = opened
         return opened
 
-    def close_mdev(self, uuid: str) -> bool:
-        """The VM closed mdev ``uuid`` (hot-remove, VM stop). False when it was not open."""
-        return self._open.pop(uuid, None) is not None
+    def close_mdev(self, uuid: str, node: str) -> bool:
+        """The VM closed mdev ``uuid`` on ``node`` (hot-remove, VM stop). False when it was not
+        open there (e.g. revoked since: another VM of the same name on another node may have
+        its own mdev of that UUID open, which this must not touch)."""
+        return self._open.pop((node, uuid), None) is not None
 
     def open_mdevs(self) -> list[OpenMdev]:
-        return [self._open[u] for u in sorted(self._open)]
+        return [self._open[k] for k in sorted(self._open, key=lambda k: (k[1], k[0]))]
 
     def revoke(self, fdid: int, node: str | None = None, vm: str | None = None) -> int:
         """Cut the paths of the VMs that have an mdev of ``fdid`` open (only ``node``/``vm``'s
@@ -999,7 +1003,7 @@ class SimHardware:
         ]
         failures: list[Exception] = []
         for o in cut:
-            del self._open[o.uuid]
+            del self._open[(o.node, o.uuid)]
             if o.on_revoke is not None:
                 try:
                     o.on_revoke()

@@ -321,7 +321,7 @@ class VmNvmeShare:
     def close(self) -> None:
         """The VM stops: its queues go, then its windows and pins. Idempotent."""
         if self.mdev is not None:
-            self.drive.hw.close_mdev(self.mdev)
+            self.drive.hw.close_mdev(self.mdev, self.node)
         if self.open:
             self.open = False
             self.drive._end_share(self)
@@ -801,7 +801,7 @@ class SharedNvmeDrive:
         vms.epoch = token
         if vms.cmb is not None:  # the guest's CPU now reaches its extent from ``node``
             vms.cmb.node = node
-        if vms.mdev is not None and self.hw.close_mdev(vms.mdev):
+        if vms.mdev is not None and self.hw.close_mdev(vms.mdev, old_node):
             self.hw.open_mdev(vms.mdev, self.fdid, node, vms.vm, vms.revoke, share=True)
         log.info("NVMe share %s of %#x moved to %s (epoch %d)", old_name, self.fdid, node, token)
 

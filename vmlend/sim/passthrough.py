@@ -332,7 +332,7 @@ class PassthroughSession:
         is refused."""
         self._check_open()
         if self.mdev is not None:
-            self.hw.close_mdev(self.mdev)
+            self.hw.close_mdev(self.mdev, self.holder.node)
             self.hw.open_mdev(self.mdev, self.fdid, holder.node, holder.vm, self._revoke)
         self.holder, self.fabric, self.windows, self.observer = holder, fabric, windows, observer
         if mastering:
@@ -346,7 +346,7 @@ class PassthroughSession:
             return
         self._remove_reset()
         if self.mdev is not None:
-            self.hw.close_mdev(self.mdev)
+            self.hw.close_mdev(self.mdev, self.holder.node)
         self.windows.disable(self.fdid)
         self._memory_on = False
         self._reported.clear()

@@ -41,7 +41,7 @@ def unplug_share(drive: SharedNvmeDrive, vms: VmNvmeShare) -> UnpluggedShare:
     if not vms.open or vms.revoked or vms.name not in drive.shares:
         raise FabricError(f"NVMe share {vms.name} of {drive.fdid:#x} is closed")
     if vms.mdev is not None:
-        drive.hw.close_mdev(vms.mdev)
+        drive.hw.close_mdev(vms.mdev, vms.node)
     drive.manager.delete_queues(vms.name)
     drive.manager.disconnect(vms.name)
     vms.open = False
