@@ -344,16 +344,21 @@ class SmartioFabric:
         return released
 
     def _drop_parent_if_unused(self, fdid: int) -> None:
-        """When no hold on this node and no child in the kernel remain for ``fdid``, forget
-        its stale child and parent records and write ``unborrow``: it unregisters the parent
-        and ends the driver's remembering, so a returning lender does not bring the parent
-        back for a VM that is gone. The contract makes it succeed with no parent registered,
-        so it is always sent."""
+        """When no hold on this node, no share of a VM here and no child in the kernel remain
+        for ``fdid``, forget its stale child and parent records and write ``unborrow``: it
+        unregisters the parent and ends the driver's remembering, so a returning lender does
+        not bring the parent back for a VM that is gone. The contract makes it succeed with no
+        parent registered, so it is always sent."""
         name = device_name(fdid)
         if any(d.parent == name for d in self.bus.devices()):
             return
         hold = self._state.holds().get(fdid)
         if hold is not None and hold.holder.node == self.local_node:
+            return
+        if self._state.shares_here(fdid):
+            # a VM here has a share of the drive whose child is not in the kernel (its prepare
+            # makes it next, or the watcher once the lender is back): its records and the
+            # parent stay for it
             return
         for m in self._state.mdevs():
             if m.fdid == fdid:
@@ -501,8 +506,9 @@ class SmartioFabric:
 
     def _drop_share_parent(self, fdid: int) -> None:
         """After a share's release: with no child left under ``fdid``'s parent here and no
-        record needing it (another VM's share child, a hold on this node), forget the parent
-        and write ``unborrow``, as a borrowed device's release does. Also on a re-run."""
+        record needing it (another VM's share child, a hold on this node, another VM's share
+        here whose child its prepare has yet to make), forget the parent and write
+        ``unborrow``, as a borrowed device's release does. Also on a re-run."""
         if any(d.parent == device_name(fdid) for d in self.bus.devices()):
             return
         self._state.forget_unused_parent(fdid)

@@ -58,7 +58,7 @@ from vmlend.ledger.linkfaults import (
     record_faults,
     recorded_faults,
 )
-from vmlend.ledger.shareops import ShareOps, existing_mdev, mdev_info
+from vmlend.ledger.shareops import ShareOps, existing_mdev, mdev_info, shares_on
 from vmlend.registry import (
     ClaimKind,
     DeviceRecord,
@@ -761,13 +761,17 @@ class Ledger(ShareOps):
         return self._reg.transact(lambda tx: self._drop_unused_parent(tx, fdid))
 
     def _drop_unused_parent(self, tx: StateTxn, fdid: int) -> bool:
-        """Forget this node's parent of ``fdid`` when no hold here and no child remain, so a
-        failed or finished borrow leaves the state as it was before (the driver, too, drops
-        the parent when it is given back)."""
+        """Forget this node's parent of ``fdid`` when no hold here, no child and no share of a
+        VM here remain, so a failed or finished borrow leaves the state as it was before (the
+        driver, too, drops the parent when it is given back)."""
         hold = tx.hold(fdid)
         if hold is not None and hold.holder.node == self.local_node:
             return False
         if any(m.fdid == fdid for m in tx.mdevs(self.local_node)):
+            return False
+        if shares_on(tx, fdid, self.local_node):
+            # a VM here has a share of the drive whose child is not made yet (its prepare
+            # reserved the share, then needs this parent): a release must not take it away
             return False
         if not tx.delete_parent(self.local_node, fdid):
             return False

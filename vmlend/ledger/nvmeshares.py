@@ -32,6 +32,7 @@ from vmlend.errors import (
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.linkfaults import links_down_in
 from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
+from vmlend.ledger.shareops import SHARE_RECORD as SHARE_RECORD  # its home: no geometry
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
 from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase, RuntimeRecord
@@ -40,7 +41,6 @@ from vmlend.topology.model import MANAGER_VM, GuestRam, Holder
 from vmlend.topology.paths import without_links
 
 GEOMETRY_RECORD = "nvme-geometry"
-SHARE_RECORD = "nvme-share"
 
 
 class ShareEntry(msgspec.Struct, frozen=True):

@@ -22,6 +22,20 @@ if TYPE_CHECKING:
 
 #: The mdev type a shared drive's parent offers: one child per VM, its virtual controller.
 SHARE_MDEV_TYPE = "smartio-nvme_share"
+#: The runtime record kind of a VM's share of a drive (``vmlend.ledger.nvmeshares``): here, so
+#: the ledger's parent bookkeeping reads it without importing the NVMe geometry.
+SHARE_RECORD = "nvme-share"
+
+
+def shares_on(tx: StateTxn, fdid: int, node: str) -> list[str]:
+    """The VMs on ``node`` the registry has a share of ``fdid`` for (their share records'
+    holders), whether or not their child exists yet: a prepare makes the share first."""
+    out = []
+    for r in tx.runtime(fdid, SHARE_RECORD):
+        holder = r.data.get("holder") if isinstance(r.data, dict) else None
+        if isinstance(holder, dict) and holder.get("node") == node:
+            out.append(str(holder.get("vm", "")))
+    return out
 
 
 class ShareRevoker(Protocol):
@@ -66,6 +80,11 @@ class ShareOps:
 
         with self._reg.read() as tx:
             return ledger.shares_held(tx, holder)
+
+    def shares_here(self, fdid: int) -> list[str]:
+        """The VMs of this node the registry has a share of ``fdid`` for (``shares_on``)."""
+        with self._reg.read() as tx:
+            return shares_on(tx, fdid, self.local_node)
 
     def share_of(self, fdid: int, holder: Holder) -> Share | None:
         from vmlend.ledger import nvmeshares as ledger

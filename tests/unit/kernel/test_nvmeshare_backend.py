@@ -266,3 +266,23 @@ def test_a_refused_clear_still_removes_the_child(fabric, fake, shared):
     fake.handlers[path] = lambda text: (_ for _ in ()).throw(OSError(errno.EIO, "I/O", path))
     assert return_shares(fabric, WEB, [U1]) == []
     assert fabric.mdevs() == [] and shared.runs[NVME] == {} and fabric.shares_held(WEB) == []
+
+
+def test_a_share_release_keeps_the_parent_another_vms_start_is_using(fabric, shared):
+    """db's start reserved its share and registered the parent; web's release runs before
+    db's child is made. The parent stays (no unborrow), db's child is made under it and its
+    share written; db's own release then unborrows."""
+    acquire(fabric)
+    fabric.reserve_share(NVME, DB, 1, 64 * MiB // 512)
+    fabric.ensure_mdev_parent(NVME)
+    assert return_shares(fabric, WEB, [U1]) == []
+    assert fabric.bus.parent_names() == [PARENT]
+    with fabric.registry.read() as tx:
+        assert tx.parent("gamma", NVME) is not None
+    # a whole-device release of the drive here (another VM's failed start) keeps it too
+    assert not fabric.release(NVME, Holder("gamma", "mail"))
+    assert fabric.bus.parent_names() == [PARENT]
+    fabric.create_share_mdev(NVME, U2, DB)
+    assert shared.share_writes[U2] == [written(fabric.share_of(NVME, DB))]
+    assert return_shares(fabric, DB, [U2]) == []
+    assert fabric.bus.parent_names() == [] and shared.runs[NVME] == {}

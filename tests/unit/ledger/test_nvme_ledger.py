@@ -258,3 +258,21 @@ def test_cmb_extents_are_claimed_with_the_share_refused_when_full_and_returned(f
     assert ledger.release_share(reg, NVME, Holder("gamma", "a"))
     c = ledger.reserve_share(reg, NVME, Holder("gamma", "c"), 1, 10, guest_ram=1 << 30)
     assert c.cmb_extent == (0, 65536)  # a's extent, returned at its release
+
+
+def test_a_release_here_keeps_the_parent_a_share_here_still_needs(fab, reg):
+    """db's start reserved its share and has the drive's parent, its child not made yet; a
+    release of the drive on the same node meanwhile (another VM's failed start: the manager
+    holds the drive) keeps the parent, so db's child can be made under it. The parent goes
+    once no share of this node names it."""
+    ledger.lend_shared(reg, NVME, geometry(fab))
+    db = Holder("gamma", "db")
+    fab.reserve_share(NVME, db, 1, 1000)
+    parent = fab.ensure_mdev_parent(NVME)
+    assert not fab.release(NVME, Holder("gamma", "web"))  # not web's: the manager's hold
+    with reg.read() as tx:
+        assert tx.parent("gamma", NVME) is not None
+    child = fab.create_share_mdev(NVME, "83b8f4f2-509f-382f-3c1e-e6bfe0fa1002", db)
+    assert child.parent == parent
+    assert fab.remove_mdev(child.uuid) and fab.release_share(NVME, db)
+    assert fab.forget_unused_parent(NVME)
