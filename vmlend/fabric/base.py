@@ -30,6 +30,7 @@ from vmlend.topology.model import (
 if TYPE_CHECKING:
     from vmlend.kernel.dmafiles import DmaReport, Window
     from vmlend.kernel.p2pfiles import P2PDifference, P2PReport
+    from vmlend.kernel.sharefiles import ShareReport, ShareValues
     from vmlend.registry.api import Registry
     from vmlend.registry.records import (
         Claim,
@@ -269,6 +270,30 @@ class WritesDmaWindows(Protocol):
     def dma_records(self, fdid: int) -> list[RuntimeRecord]:
         """``fdid``'s ``dma-window`` runtime records."""
         ...
+
+@runtime_checkable
+class ChecksShares(Protocol):
+    """A backend whose driver runs each queue-level NVMe share from a file vmlend writes to
+    the share's child (docs/smartio-contract.md section 7, "Per share"): the kernel backend.
+    The simulated fabric runs the registry's shares itself and has no such files."""
+
+    def share_report(self, uuid: str) -> ShareReport | None:
+        """Share child ``uuid``'s ``nvme_share`` and ``nvme_share_state`` as read; None: the
+        child has no ``nvme_share``."""
+        ...
+
+    def registry_share(self, fdid: int, holder: Holder) -> ShareValues | None:
+        """What ``holder``'s share child of ``fdid`` is to be written; None: no share."""
+        ...
+
+    def local_shares(self) -> list[tuple[int, Holder]]:
+        """Every share the registry has for a VM of this node: (drive, its VM)."""
+        ...
+
+    def rewrite_share(self, fdid: int, uuid: str, holder: Holder) -> None:
+        """Write the registry's share to child ``uuid`` again under the same epoch."""
+        ...
+
 
 @runtime_checkable
 class MapsP2P(Protocol):

@@ -60,15 +60,21 @@ from vmlend.kernel.driver import (
 )
 from vmlend.kernel.made_mdevs import MadeMdev, MadeMdevs, notes_dir
 from vmlend.kernel.mdev import MdevBus, SysfsWriter, normalize_uuid
-from vmlend.kernel.nvmeshare import clear_share, share_state, share_support, write_share
+from vmlend.kernel.nvmeshare import (
+    clear_share,
+    share_report,
+    share_state,
+    share_support,
+    write_share,
+)
 from vmlend.kernel.p2pfiles import P2PDifference, P2PReport
 from vmlend.kernel.p2pio import P2PFiles
 from vmlend.kernel.p2psync import P2POutcome, P2PSync
-from vmlend.kernel.sharefiles import ShareState, ShareValues
+from vmlend.kernel.sharefiles import ShareReport, ShareState, ShareValues
 from vmlend.kernel.udev import DmaChange, Outcome, ParentWatcher, Reaction, WantedMdev
 from vmlend.ledger.admission import AdapterUsage, PortUsage, vm_share
 from vmlend.ledger.ledger import Ledger
-from vmlend.ledger.shareops import SHARE_MDEV_TYPE
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE, SHARE_RECORD
 from vmlend.memory.dmarecords import DMA_REFUSAL, DMA_WINDOW, REFUSAL_KEY
 from vmlend.registry import (
     ClaimKind,
@@ -571,6 +577,51 @@ class SmartioFabric:
     def share_state(self, uuid: str) -> ShareState | None:
         """What the driver runs for share child ``uuid`` (None: no ``nvme_share_state``)."""
         return share_state(self.driver, uuid)
+
+    # --- reconcile of the share children (``fabric.base.ChecksShares``) ---------------------
+    def share_report(self, uuid: str) -> ShareReport | None:
+        """Share child ``uuid``'s files as read (None: it has no ``nvme_share``)."""
+        return share_report(self.driver, uuid)
+
+    def registry_share(self, fdid: int, holder: Holder) -> ShareValues | None:
+        """What ``holder``'s share child of ``fdid`` is to be written (None: the registry has
+        no share of it for the VM)."""
+        try:
+            return self.share_values(fdid, holder)
+        except NvmeShareError:
+            return None
+
+    def local_shares(self) -> list[tuple[int, Holder]]:
+        """Every share the registry has for a VM of this node: (drive, its VM)."""
+        from vmlend.ledger import nvmeshares
+
+        with self._state.registry.read() as tx:
+            entries = [nvmeshares.share_entry(r) for r in tx.runtime(None, SHARE_RECORD)]
+        return [(e.fdid, e.holder) for e in entries if e.holder.node == self.local_node]
+
+    def rewrite_share(self, fdid: int, uuid: str, holder: Holder) -> None:
+        """Write the registry's share of ``holder`` to its child ``uuid`` again, under the
+        share's epoch (``vmlend reconcile --fix``): a child that has another epoch is refused
+        (``NvmeShareError``); one whose driver runs other values is cleared first (the driver
+        refuses other values over a running share, EBUSY)."""
+        values = self.share_values(fdid, holder)
+        report = share_report(self.driver, uuid)
+        if report is None or report.damaged:
+            raise FabricError(
+                f"share mdev {uuid} has no readable nvme_share"
+                + (f" ({report.damaged})" if report is not None else "")
+                + "; 'vmlend doctor' says what the SmartIO driver lacks"
+            )
+        if report.written is not None and report.epoch != values.epoch:
+            raise NvmeShareError(
+                f"share mdev {uuid} has epoch {report.epoch}, the registry's share"
+                f" {values.epoch}: not written again; stop the VM and start it again"
+            )
+        running = report.state.values if report.state is not None else None
+        if running is not None and running != values:
+            clear = sharefiles.format_clear(values.epoch)
+            write_share(self.driver, fdid, uuid, clear, values.epoch)
+        write_share(self.driver, fdid, uuid, sharefiles.format_share(values), values.epoch)
 
     # --- the data path of this node's children (docs/smartio-contract.md section 8) ---------
     def expected_windows(self, fdid: int, ram: GuestRam) -> tuple[Window, ...]:

@@ -177,3 +177,18 @@ def drive_shares(driver: SmartioDriver, fdid: int) -> dict[str, sharefiles.Share
         return sharefiles.parse_shares(read_text(path, sharefiles.CHECK), path)
     except FileNotFoundError:
         return None
+
+
+def share_report(driver: SmartioDriver, uuid: str) -> sharefiles.ShareReport | None:
+    """Share child ``uuid``'s ``nvme_share`` and ``nvme_share_state`` as read (None: it has no
+    ``nvme_share``: gone, or a driver from before section 7's share files, which
+    ``vmlend doctor`` names). A malformed file is reported, not raised."""
+    path = share_file(driver, uuid)
+    try:
+        epoch, written = sharefiles.parse_share(read_text(path, sharefiles.CHECK), path)
+        state = share_state(driver, uuid)
+    except FileNotFoundError:
+        return None
+    except SysfsAttributeError as e:
+        return sharefiles.ShareReport(damaged=f"{e.path}: {e.problem}")
+    return sharefiles.ShareReport(epoch, written, state)

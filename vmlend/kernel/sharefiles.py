@@ -190,8 +190,7 @@ def compare_state(written: ShareValues, state: ShareState) -> str:
     if state.values is None:
         return "the driver runs no share for it"
     if state.values != written:
-        runs, wrote = format_share(state.values), format_share(written)
-        return f"the driver runs {runs!r}, vmlend wrote {wrote!r}"
+        return f"the driver runs {summary(state.values)}, vmlend wrote {summary(written)}"
     return ""
 
 
@@ -209,3 +208,67 @@ def parse_shares(text: str, where: Path | str) -> dict[str, ShareValues]:
         e, q, p, vb, v, lba, blocks, asid = (_number(w, where) for w in words[1:])
         out[words[0].lower()] = ShareValues(e, q, p, vb, v, lba, blocks, asid)
     return out
+
+
+# --- reconcile: a share child's files against the registry's share --------------------------
+class ShareReport(msgspec.Struct, frozen=True):
+    """A share child's files as read: the epoch of its ``nvme_share`` and the share written
+    there (None: cleared, or never written: epoch 0), what the driver runs (None: no
+    ``nvme_share_state``), and, when a file is malformed, why (the rest is then unknown)."""
+
+    epoch: int = 0
+    written: ShareValues | None = None
+    state: ShareState | None = None
+    damaged: str = ""
+
+
+class ShareDifference(msgspec.Struct, frozen=True):
+    """How a share child differs from the registry's share, in one line; ``rewrite``: a write
+    of the registry's share under the same epoch repairs it."""
+
+    line: str
+    rewrite: bool
+
+
+def summary(v: ShareValues) -> str:
+    """A share's values in one line, as ``nvme_share`` names them."""
+    return "; ".join(format_share(v).strip().splitlines())
+
+
+def runs(report: ShareReport) -> str:
+    """What a child's files say it runs, in a few words (for a child the registry has no
+    share for)."""
+    if report.damaged:
+        return f"has damaged share files ({report.damaged})"
+    if report.state is not None and report.state.values is not None:
+        return f"runs a share ({summary(report.state.values)})"
+    if report.written is not None:
+        return f"has a share written ({summary(report.written)}) that the driver does not run"
+    return "runs no share"
+
+
+def compare_share(expected: ShareValues, report: ShareReport) -> ShareDifference | None:
+    """A running VM's share child against the registry's share (``share_values`` of it under
+    its epoch): None when the child has it written and the driver runs it. Another epoch is
+    not rewritten: a newer one at the child is refused by the driver, an older one means the
+    registry's share moved on (a hot move's hand-over) and is the move's to finish."""
+    if report.damaged:
+        return ShareDifference(f"its share files are damaged: {report.damaged}", False)
+    if report.epoch != expected.epoch and (report.written is not None or report.epoch):
+        return ShareDifference(
+            f"its nvme_share has epoch {report.epoch}, the registry's share epoch {expected.epoch}",
+            False,
+        )
+    if report.written is None:
+        return ShareDifference(
+            f"its nvme_share has no share written, the registry's is {summary(expected)}", True
+        )
+    if report.written != expected:
+        return ShareDifference(
+            f"its nvme_share says {summary(report.written)}, the registry's share is"
+            f" {summary(expected)}",
+            True,
+        )
+    if report.state is not None and (line := compare_state(expected, report.state)):
+        return ShareDifference(line, True)
+    return None

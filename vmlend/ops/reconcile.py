@@ -33,7 +33,7 @@ from vmlend.domain import (
 )
 from vmlend.domain.model import DomainXML
 from vmlend.errors import FabricError, VmlendError
-from vmlend.fabric.base import Fabric, MapsP2P, WritesDmaWindows
+from vmlend.fabric.base import ChecksShares, Fabric, MapsP2P, WritesDmaWindows
 from vmlend.kernel.dmafiles import (
     DmaReport,
     Mismatch,
@@ -44,6 +44,8 @@ from vmlend.kernel.dmafiles import (
     segment_drift,
 )
 from vmlend.kernel.p2pfiles import P2PDifference
+from vmlend.kernel.sharefiles import ShareReport, ShareValues, compare_share, runs
+from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.lending.devices import holder_for, recorded_for, return_device
 from vmlend.lending.shares import ShareFabric
 from vmlend.ops.attach import attach_live
@@ -68,6 +70,9 @@ Record = Callable[[str], None]
 #: driver maps as the device's records again (a lost ``SMARTIO_DMA`` event).
 REWRITE = "write the DMA windows again"
 RECORD_AGAIN = "record the driver's DMA state again"
+#: What ``fix`` does for an ``nvme-share`` drift of a running VM's share child whose files
+#: differ from the registry's share under the same epoch.
+REWRITE_SHARE = "write the registry's share to its child again"
 
 
 class DriftKind(enum.StrEnum):
@@ -86,6 +91,9 @@ class DriftKind(enum.StrEnum):
     #: The driver's peer-to-peer maps of a running VM differ from what ``plan_p2p`` computes
     #: over the guest's BARs now, or use more segments than the VM's P2P claims (section 8).
     P2P_MAPS = "p2p-maps"
+    #: A share child's ``nvme_share`` / ``nvme_share_state`` against the registry's shares of
+    #: this node (docs/smartio-contract.md section 7, "Per share"; kernel backend only).
+    NVME_SHARE = "nvme-share"
 
 
 class Drift(msgspec.Struct, frozen=True):
@@ -149,6 +157,16 @@ class DmaSegmentCheck(msgspec.Struct, frozen=True):
     line: str
 
 
+class ShareChildCheck(msgspec.Struct, frozen=True):
+    """One share child vmlend recorded on this node, present on the host, on a backend whose
+    driver runs shares from the child's files: what they say and the registry's share."""
+
+    mdev: MdevInfo
+    holder: Holder  # its VM as the record names it (node and name: what a share is keyed by)
+    expected: ShareValues | None  # what the registry's share is written as (None: no share)
+    report: ShareReport
+
+
 class P2PCheck(msgspec.Struct, frozen=True):
     """One difference between a running VM's peer-to-peer maps and vmlend's plan."""
 
@@ -174,6 +192,10 @@ class Views(msgspec.Struct):
     dma_segments: list[DmaSegmentCheck] = msgspec.field(default_factory=list)
     #: The queue-level NVMe shares running VMs have on this node: (drive, VM name)
     shares: set[tuple[int, str]] = msgspec.field(default_factory=set)
+    #: Share children and what their files say, where the driver runs shares from them
+    share_children: list[ShareChildCheck] = msgspec.field(default_factory=list)
+    #: Every share the registry has for a VM of this node (same backends): (drive, holder)
+    local_shares: list[tuple[int, Holder]] = msgspec.field(default_factory=list)
 
 
 def look(hv: Hypervisor, fabric: Fabric) -> Views:
@@ -186,6 +208,9 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
     listed had its fresh holds read as a stopped VM's and returned (issue 20). ``fix`` checks
     again that such a VM is still not running right before it returns its holds."""
     node = fabric.local_node
+    # before the children: a share made meanwhile then has its child seen too, or is not
+    # seen at all (a start reserves the share before it makes the child)
+    local_shares = fabric.local_shares() if isinstance(fabric, ChecksShares) else []
     held = [st for st in fabric.devices() if st.holder is not None]
     mdevs = [m for m in fabric.mdev_records() if m.node in ("", node)]
     present = {m.uuid for m in fabric.mdevs()}
@@ -210,7 +235,32 @@ def look(hv: Hypervisor, fabric: Fabric) -> Views:
     views = Views(node, running, holds, mdevs, defined, elsewhere, present, dma, p2p, segments)
     if isinstance(fabric, ShareFabric) and any(d.share for vm in running for d in vm.devices):
         views.shares = {(f, vm.name) for vm in running for f in fabric.shares_held(vm.holder)}
+    views.share_children = _look_share_children(fabric, mdevs, present)
+    views.local_shares = local_shares
     return views
+
+
+def _look_share_children(
+    fabric: Fabric, mdevs: list[MdevInfo], present: set[str]
+) -> list[ShareChildCheck]:
+    """Each recorded share child the host has, its files beside the registry's share. A child
+    without ``nvme_share`` (a driver from before section 7's files) is ``vmlend doctor``'s."""
+    if not isinstance(fabric, ChecksShares):
+        return []
+    out = []
+    for m in mdevs:
+        if m.type_id != SHARE_MDEV_TYPE or m.fdid is None or m.uuid not in present:
+            continue
+        report = fabric.share_report(m.uuid)
+        if report is None:
+            continue
+        holder = Holder(m.node or fabric.local_node, m.vm)
+        try:
+            expected = fabric.registry_share(m.fdid, holder)
+        except VmlendError:  # a share the driver cannot run (two paths): not this check's
+            continue
+        out.append(ShareChildCheck(m, holder, expected, report))
+    return out
 
 
 def _look_dma_segments(fabric: Fabric, checks: list[DmaCheck]) -> list[DmaSegmentCheck]:
@@ -391,8 +441,10 @@ def find_drift(views: Views) -> list[Drift]:
             )
 
     held_fdids = set(held)
+    # share children the registry has no share for: judged with their files below
+    unshared = {c.mdev.uuid for c in views.share_children if c.expected is None}
     for m in views.mdevs:
-        if m.uuid in in_use or (m.fdid is not None and m.fdid in held_fdids):
+        if m.uuid in in_use or m.uuid in unshared or (m.fdid is not None and m.fdid in held_fdids):
             continue
         what = f"device {format_fdid(m.fdid)}" if m.fdid is not None else "no known device"
         if m.uuid in views.present:
@@ -425,7 +477,108 @@ def find_drift(views: Views) -> list[Drift]:
             )
         )
     drift.extend(_p2p_drift(c) for c in views.p2p)
+    drift.extend(_share_child_drift(views, in_use))
+    drift.extend(_missing_share_child_drift(views))
     return drift
+
+
+def _share_child_drift(views: Views, in_use: set[str]) -> list[Drift]:
+    """Share children against the registry's shares: a running VM's child whose files differ
+    from its share, and a child whose share the registry no longer has. A child of a VM not
+    running whose share the registry still has is ``mdev-without-hold``'s, as before."""
+    users = {u: vm for vm in views.running for u in vm.hostdevs}
+    out = []
+    for c in views.share_children:
+        m, fdid = c.mdev, c.mdev.fdid
+        assert fdid is not None
+        fd = format_fdid(fdid)
+        vm = users.get(m.uuid)
+        if c.expected is None:
+            if m.uuid in in_use:
+                continue  # its running VM's share is missing: 'missing-hold' says so
+            out.append(
+                Drift(
+                    DriftKind.NVME_SHARE,
+                    m.vm,
+                    fdid,
+                    m.uuid,
+                    f"share mdev {m.uuid} of NVMe drive {fd} (VM {m.vm!r})"
+                    f" {runs(c.report)}, but the registry has no share of {fd} for"
+                    f" {c.holder.node}/{m.vm} (a release interrupted after returning the share,"
+                    " or the share returned by hand)",
+                    f"clear its share and remove mdev {m.uuid}",
+                    holder=c.holder,
+                )
+            )
+            continue
+        if vm is None:
+            continue
+        diff = compare_share(c.expected, c.report)
+        if diff is None:
+            continue
+        if diff.rewrite:
+            repair = REWRITE_SHARE
+        elif c.report.damaged:
+            repair = "check the SmartIO driver ('dmesg', 'vmlend doctor')"
+        else:
+            repair = (
+                f"stop VM {vm.name!r} and start it again (not fixed here: the share runs under"
+                " another epoch than the registry's, which a hot move's hand-over sets)"
+            )
+        out.append(
+            Drift(
+                DriftKind.NVME_SHARE,
+                vm.name,
+                fdid,
+                m.uuid,
+                f"share mdev {m.uuid} of NVMe drive {fd} (running VM {vm.name!r}): {diff.line}",
+                repair,
+                fixable=diff.rewrite,
+                holder=vm.holder,
+            )
+        )
+    return out
+
+
+def _missing_share_child_drift(views: Views) -> list[Drift]:
+    """A share the registry has for a VM of this node without the share child on this host:
+    reported, never made (as a running VM's missing share is)."""
+    have = {
+        (m.fdid, m.vm)
+        for m in views.mdevs
+        if m.type_id == SHARE_MDEV_TYPE and m.uuid in views.present
+    }
+    out = []
+    for fdid, holder in views.local_shares:
+        if (fdid, holder.vm) in have:
+            continue
+        fd = format_fdid(fdid)
+        vm = next((v for v in views.running if v.name == holder.vm), None)
+        if vm is not None:
+            named = next((d for d in vm.devices if d.fdid == fdid and d.share), None)
+            cause = (
+                f"running VM {holder.vm!r} has a share of NVMe drive {fd} but this host has no"
+                " share child for it (removed by hand, or taken with its lender and not made"
+                " again)"
+            )
+            repair = (
+                f"stop VM {holder.vm!r} and start it again (not fixed here: a share child is"
+                " made by its VM's start)"
+            )
+            mdev = str(named.mdev) if named is not None else None
+        else:
+            cause = (
+                f"the state has a share of NVMe drive {fd} for VM {holder.vm!r} on"
+                f" {holder.node}, which does not run here, and this host has no share child for"
+                " it (a start in progress, or a release interrupted before returning the share)"
+            )
+            repair = (
+                f"once VM {holder.vm!r} is stopped, 'vmlend nvme release {fd} {holder.vm}'"
+                " returns it (not fixed here: a start may be making its child now)"
+            )
+            mdev = None
+        out.append(Drift(DriftKind.NVME_SHARE, holder.vm, fdid, mdev, cause, repair, False, holder))
+    return out
 
 
 def _p2p_drift(c: P2PCheck) -> Drift:
@@ -585,7 +738,10 @@ def fix(
             result.left.append(d)
             continue
         try:
-            if d.kind is DriftKind.HOLD_OF_STOPPED_VM and _runs_now(hv, d.holder):
+            stopped = d.kind is DriftKind.HOLD_OF_STOPPED_VM or (
+                d.kind is DriftKind.NVME_SHARE and d.fix != REWRITE_SHARE
+            )
+            if stopped and _runs_now(hv, d.holder):
                 result.started.append(d)
                 continue
             _fix_one(hv, fabric, d, record)
@@ -647,6 +803,22 @@ def _fix_one(hv: Hypervisor, fabric: Fabric, d: Drift, record: Record) -> None:
             assert d.holder is not None  # every dma-windows drift names its running VM
             if fabric.write_dma_windows(d.fdid, d.mdev, ram, holder=d.holder) is not None:
                 record(f"mdev {d.mdev}: DMA windows of {format_fdid(d.fdid)} written again")
+        case DriftKind.NVME_SHARE:
+            assert d.holder is not None and d.fdid is not None and d.mdev is not None
+            if not isinstance(fabric, ChecksShares):
+                raise FabricError("this fabric backend has no share files to write")
+            fd = format_fdid(d.fdid)
+            if d.fix == REWRITE_SHARE:
+                fabric.rewrite_share(d.fdid, d.mdev, d.holder)
+                record(f"mdev {d.mdev}: the registry's share of {fd} written again")
+                return
+            if fabric.registry_share(d.fdid, d.holder) is not None:
+                raise FabricError(
+                    f"the state has a share of {fd} for {d.holder} again (its VM started"
+                    f" meanwhile?): mdev {d.mdev} kept; run 'vmlend reconcile' again"
+                )
+            if fabric.remove_mdev(d.mdev):  # its share cleared first, as a release does
+                record(f"mdev {d.mdev}: share cleared, removed")
         case DriftKind.P2P_MAPS:
             assert d.holder is not None
             if not isinstance(fabric, MapsP2P):

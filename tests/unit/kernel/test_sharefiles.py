@@ -7,7 +7,10 @@ import pytest
 
 from vmlend.errors import SysfsAttributeError
 from vmlend.kernel.sharefiles import (
+    ShareReport,
+    ShareState,
     ShareValues,
+    compare_share,
     compare_state,
     format_clear,
     format_share,
@@ -100,3 +103,30 @@ def test_the_devices_list_of_shares():
     assert parse_shares("", "l") == {}
     with pytest.raises(SysfsAttributeError):
         parse_shares(f"{uuid} 1 2 3\n", "l")
+
+
+def test_a_child_against_the_registrys_share():
+    """``compare_share``: equal is None; other values or a lost run under the same epoch are
+    rewritten; another epoch (either way) and damaged files are not."""
+    mine = ShareValues(0, 5, 2, 3, 2, 0x100, 0x80, 4)
+    running = ShareState(mine, 2, 0xFEE00000)
+    assert compare_share(mine, ShareReport(0, mine, running)) is None
+    assert compare_share(mine, ShareReport(0, mine, None)) is None  # no state file: doctor's
+    other = ShareValues(0, 5, 2, 3, 2, 0x900, 0x80, 7)
+    d = compare_share(mine, ShareReport(0, other, ShareState(other)))
+    assert d is not None and d.rewrite and "lba 0x900 0x80; asid 7" in d.line
+    assert "\n" not in d.line
+    d = compare_share(mine, ShareReport(0, mine, ShareState(None)))
+    assert d is not None and d.rewrite and d.line == "the driver runs no share for it"
+    never = compare_share(mine, ShareReport(0, None, ShareState(None)))
+    assert never is not None and never.rewrite and "no share written" in never.line
+    newer = ShareValues(1, 5, 2, 3, 2, 0x100, 0x80, 4)
+    d = compare_share(mine, ShareReport(1, newer, ShareState(newer)))  # a newer run at the child
+    assert d is not None and not d.rewrite
+    assert d.line == "its nvme_share has epoch 1, the registry's share epoch 0"
+    d = compare_share(newer, ShareReport(0, None, ShareState(None)))  # never written: epoch 0
+    assert d is not None and d.rewrite
+    d = compare_share(ShareValues(2, 5, 2, 3, 2, 0x100, 0x80, 4), ShareReport(1, None, None))
+    assert d is not None and not d.rewrite  # cleared under an older epoch than the registry's
+    d = compare_share(mine, ShareReport(damaged="x: not a number"))
+    assert d is not None and not d.rewrite and "damaged" in d.line
