@@ -612,7 +612,8 @@ class SmartioFabric:
                 + (f" ({report.damaged})" if report is not None else "")
                 + "; 'vmlend doctor' says what the SmartIO driver lacks"
             )
-        if report.written is not None and report.epoch != values.epoch:
+        if report.epoch != values.epoch and (report.written is not None or report.epoch):
+            # (an empty file reads epoch 0: never written, any epoch may be its first)
             raise NvmeShareError(
                 f"share mdev {uuid} has epoch {report.epoch}, the registry's share"
                 f" {values.epoch}: not written again; stop the VM and start it again"

@@ -23,6 +23,7 @@ from vmlend.domain import (
     mdev_uuid,
     new_domain,
 )
+from vmlend.errors import NvmeShareError
 from vmlend.kernel.backend import SmartioFabric
 from vmlend.ledger import nvmeshares as ledger
 from vmlend.lending.devices import UndoJournal
@@ -113,6 +114,8 @@ def test_another_epoch_is_left_to_the_operator(running, fake):
     assert d.fix.startswith("stop VM 'web' and start it again")
     before = list(fake.smartio.share_writes[MDEV])
     assert fix(hv, fabric, [d]).left == [d]
+    with pytest.raises(NvmeShareError, match="has epoch 1, the registry's share 0"):
+        fabric.rewrite_share(NVME, MDEV, WEB)  # nor when asked directly
     assert fake.smartio.share_writes[MDEV] == before
 
 
