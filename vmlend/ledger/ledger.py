@@ -676,10 +676,18 @@ class Ledger(ShareOps):
     def interrupt_window(self, fdid: int) -> Claim | None:
         """The interrupt window (MSI over the NTB) ``fdid``'s hold was admitted with; None:
         its interrupts use the relay."""
-        from vmlend.ledger.msiadmit import is_msi_claim
+        from vmlend.ledger.msiadmit import is_msi_claim, msi_share
 
         with self._reg.read() as tx:
-            return next((c for f, c in tx.claims() if f == fdid and is_msi_claim(c)), None)
+            hold = tx.hold(fdid)
+            if hold is None:
+                return None
+            # the holder's own: a shared drive's hold (its manager's) claims its shares' windows
+            key = msi_share(hold.holder)
+            return next(
+                (c for f, c in tx.claims() if f == fdid and is_msi_claim(c) and c.share == key),
+                None,
+            )
 
     def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
         """End ``holder``'s hold on ``fdid``; False when it had none (another holder's hold

@@ -24,6 +24,14 @@ own DMA windows in its lender adapter's window (key ``share_window_key(...) + "#
 Its queue pairs live in memory the VM's virtual controller keeps on the VM's host (the relay
 rings, docs/nvme-sharing.md), reached through one more segment on each path
 (``RING_SEGMENTS``). Both sets are checked and claimed together, or nothing is.
+
+A share's completion interrupts cross the NTB as MSI, as a borrowed device's do (docs/design.md
+mechanism 12, ``vmlend.ledger.msiadmit``): ``share_msi_claims`` asks for the same interrupt
+window, one segment of the lender adapter's window per (adapter, VM) under ``msi:<node>/<vm>``,
+so it counts once with the VM's borrowed devices through that adapter. Like theirs it never
+refuses: with no segment left the share's interrupts are relayed. A two-path share's backup path
+asks for one more (key ``msi:<node>/<vm>#backup`` on the backup's lender adapter): its
+interrupts cross that path, so they arrive after a failover.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from vmlend.errors import (
     WindowExhaustedError,
 )
 from vmlend.ledger.admission import port_usage, usage
+from vmlend.ledger.msiadmit import MSI_SHARE_PREFIX, msi_claim, msi_share
 from vmlend.memory.windows import window_segments
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import DeviceSpec, GuestRam, Holder, Topology
@@ -154,3 +163,42 @@ def check_share_claims(
                 f"{format_size_human(a.adapter.segment_size)}"
             )
             raise WindowExhaustedError(ref, segs * a.adapter.segment_size, b.window_free, purpose)
+
+
+def is_share_msi_claim(claim: Claim) -> bool:
+    """A share's interrupt window (either path's)."""
+    return claim.kind is ClaimKind.DMA and claim.share.startswith(MSI_SHARE_PREFIX)
+
+
+def share_msi_claims(
+    topology: Topology,
+    existing: Sequence[tuple[int, Claim]],
+    fdid: int,
+    holder: Holder,
+    claims: Sequence[Claim],
+    paths: int = 1,
+) -> list[Claim]:
+    """The interrupt windows ``holder``'s share of ``fdid`` gets on top of ``existing`` and its
+    own ``claims`` (``share_claims``): the primary path's (shared with the VM's borrowed
+    devices through that adapter) and, with ``paths=2``, the backup's. A path with no segment
+    left gets none (its interrupts are relayed); a VM on the lender crosses no NTB: none."""
+    spec = topology.device(fdid)
+    path = route(topology, spec.lender, holder.node)
+    if path is None:
+        return []
+    mine = [*existing, *((fdid, c) for c in claims)]
+    out: list[Claim] = []
+    left = usage(topology, mine, [path.src.ref])[path.src.ref].segments_free
+    primary, _why = msi_claim(spec, path.src, left, holder, existing)
+    if primary is not None:
+        out.append(primary)
+    if paths > 1:
+        backup = backup_route(topology, spec.lender, holder.node, path)
+        if backup is not None:
+            a = backup.src
+            key = msi_share(holder) + BACKUP_SUFFIX
+            left = usage(topology, [*mine, *((fdid, c) for c in out)], [a.ref])[a.ref]
+            shared = any((c.adapter, c.share) == (a.ref, key) for _f, c in existing)
+            if shared or left.segments_free >= 1:
+                out.append(Claim(a.ref, ClaimKind.DMA, key, segments=1, bytes=a.segment_size))
+    return out

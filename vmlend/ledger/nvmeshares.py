@@ -31,7 +31,12 @@ from vmlend.errors import (
 )
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.linkfaults import links_down_in
-from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
+from vmlend.ledger.nvmeadmit import (
+    check_share_claims,
+    is_share_msi_claim,
+    share_claims,
+    share_msi_claims,
+)
 from vmlend.ledger.shareops import SHARE_RECORD as SHARE_RECORD  # its home: no geometry
 from vmlend.nvme.shares import Geometry, Share, ShareBook
 from vmlend.registry import Registry, StateTxn
@@ -98,6 +103,16 @@ def holder_share(tx: StateTxn, fdid: int, holder: Holder) -> Share | None:
         if e.share.name == key:
             return e.share
     return None
+
+
+def interrupt_windows(tx: StateTxn, fdid: int, holder: Holder) -> list[Claim]:
+    """The interrupt windows ``holder``'s share of ``fdid`` was admitted with (MSI over the
+    NTB, ``nvmeadmit.share_msi_claims``): none means its interrupts are relayed."""
+    key = vm_share(holder)
+    for r in tx.runtime(fdid, SHARE_RECORD):
+        if r.key == key:
+            return [c for c in claims_from(r.data.get("claims")) if is_share_msi_claim(c)]
+    return []
 
 
 def shares_held(tx: StateTxn, holder: Holder) -> list[int]:
@@ -222,6 +237,8 @@ def reserve_share(
         topology = without_links(stored_topology(tx.topology()), links_down_in(tx))
         claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram), paths)
         check_share_claims(topology, tx.claims(), fdid, holder, claims)
+        # its completion interrupts' window: never a refusal (none left: they are relayed)
+        claims += share_msi_claims(topology, tx.claims(), fdid, holder, claims, paths)
         tx.put_runtime(
             fdid,
             SHARE_RECORD,

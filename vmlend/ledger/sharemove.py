@@ -28,7 +28,7 @@ import msgspec
 from vmlend.errors import FabricError, NotSharedError
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.ledger import parent_name
-from vmlend.ledger.nvmeadmit import check_share_claims, share_claims
+from vmlend.ledger.nvmeadmit import check_share_claims, share_claims, share_msi_claims
 from vmlend.ledger.nvmeshares import SHARE_RECORD, claims_from, share_entry, store_claims
 from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.nvme.shares import Share
@@ -92,6 +92,9 @@ def claim(
         check_share_claims(topology, tx.claims(), fdid, destination, claims)
     except FabricError as e:
         raise FabricError(f"the NVMe share of {fd}: {e}") from e
+    # its interrupt window follows it: the destination's, admitted like the rest (never a
+    # refusal); the source's stays in ``leaving`` until the source is released
+    claims += share_msi_claims(topology, tx.claims(), fdid, destination, claims, share.paths)
     incoming = {"holder": msgspec.to_builtins(destination), "claims": msgspec.to_builtins(claims)}
     _put(tx, fdid, r.key, {**r.data, "incoming": incoming})
     return claims

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from vmlend.errors import ConfigError, MdevError, MdevOwnedError
 from vmlend.registry import Registry, StateTxn
-from vmlend.registry.records import MdevRecord
+from vmlend.registry.records import Claim, MdevRecord
 from vmlend.topology.model import GuestRam, Holder, MdevInfo
 
 if TYPE_CHECKING:
@@ -91,6 +91,14 @@ class ShareOps:
 
         with self._reg.read() as tx:
             return ledger.holder_share(tx, fdid, holder)
+
+    def share_interrupt_windows(self, fdid: int, holder: Holder) -> list[Claim]:
+        """The interrupt windows (MSI over the NTB) ``holder``'s share of ``fdid`` has: none,
+        its interrupts are relayed."""
+        from vmlend.ledger import nvmeshares as ledger
+
+        with self._reg.read() as tx:
+            return ledger.interrupt_windows(tx, fdid, holder)
 
     def create_share_mdev(self, fdid: int, uuid: str, holder: Holder) -> MdevInfo:
         from vmlend.ledger import nvmeshares as ledger

@@ -171,11 +171,12 @@ def test_a_share_claims_the_ntb_resources_of_its_dma_path_and_returns_them(fab, 
     a, a2 = Holder("gamma", "a"), Holder("gamma", "a2")
     ledger.reserve_share(reg, NVME, a, 1, 10, guest_ram=8 * GiB)
     after_a = _use(fab)
-    assert after_a[lender] == (before[lender][0] + 1, before[lender][1] + segs)
+    # its DMA windows and one segment for its interrupt window (MSI over the NTB)
+    assert after_a[lender] == (before[lender][0] + 1, before[lender][1] + segs + 1)
     assert after_a[borrower] == (before[borrower][0] + 1, before[borrower][1])
     # a second VM on the same node shares the drive's LUT entries, not its windows
     ledger.reserve_share(reg, NVME, a2, 1, 10, guest_ram=8 * GiB)
-    assert _use(fab)[lender] == (before[lender][0] + 1, before[lender][1] + 2 * segs)
+    assert _use(fab)[lender] == (before[lender][0] + 1, before[lender][1] + 2 * segs + 2)
     assert _use(fab)[borrower] == after_a[borrower]
     assert ledger.release_share(reg, NVME, a)
     assert _use(fab) == after_a  # a2's windows and the crossing it still uses remain
@@ -212,8 +213,9 @@ def test_a_share_with_a_backup_path_claims_both_paths_and_returns_them(fab, reg)
     assert share.paths == 2 and len(share.asids) == 2
     after = _use(fab)
     # both routes leave alpha:0: one LUT entry there, both paths' windows, each with its rings
+    # and its interrupt window
     assert RING_SEGMENTS == 1
-    assert after["alpha:0"] == (before["alpha:0"][0] + 1, before["alpha:0"][1] + 2 * segs + 2)
+    assert after["alpha:0"] == (before["alpha:0"][0] + 1, before["alpha:0"][1] + 2 * segs + 4)
     # one LUT entry on each of gamma's adapters: the primary's and the backup's
     assert after["gamma:0"][0] == before["gamma:0"][0] + 1
     assert after["gamma:1"][0] == before["gamma:1"][0] + 1
