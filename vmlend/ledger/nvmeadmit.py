@@ -197,8 +197,8 @@ def share_msi_claims(
         if backup is not None:
             a = backup.src
             key = msi_share(holder) + BACKUP_SUFFIX
-            left = usage(topology, [*mine, *((fdid, c) for c in out)], [a.ref])[a.ref]
+            room = usage(topology, [*mine, *((fdid, c) for c in out)], [a.ref])[a.ref]
             shared = any((c.adapter, c.share) == (a.ref, key) for _f, c in existing)
-            if shared or left.segments_free >= 1:
+            if shared or room.segments_free >= 1:
                 out.append(Claim(a.ref, ClaimKind.DMA, key, segments=1, bytes=a.segment_size))
     return out

@@ -80,8 +80,8 @@ import msgspec
 from vmlend.errors import FabricError
 from vmlend.ledger.admission import usage, vm_share
 from vmlend.ledger.msiadmit import msi_share
-from vmlend.ledger.nvmeadmit import BACKUP_SUFFIX, share_window_key
-from vmlend.ledger.nvmeshares import SHARE_RECORD, share_entry
+from vmlend.ledger.nvmeadmit import BACKUP_SUFFIX, is_share_msi_claim, share_window_key
+from vmlend.ledger.nvmeshares import SHARE_RECORD, claims_from, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.registry.api import Registry
@@ -89,6 +89,7 @@ from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import FRAME
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
+from vmlend.sim.msitarget import IRQ_REGION, MSI_IOVA
 from vmlend.sim.ntb import NtbAdapter, SegmentMapping
 from vmlend.sim.switchports import PortUser, user_fdid
 from vmlend.topology.model import MANAGER_VM, Holder
@@ -117,10 +118,19 @@ class ShareGrant(msgspec.Struct, frozen=True):
     backup: bool = False  # the address space of a two-path share's backup path
     #: The share's extent of the drive's controller memory buffer (offset, bytes), if any.
     cmb: tuple[int, int] | None = None
+    #: Its interrupt window was admitted (this path's MSI over the NTB): the address space may
+    #: map its VM's interrupt target, and only then.
+    msi: bool = False
 
     @property
     def owner(self) -> Owner:
         return (self.node, self.vm)
+
+    @property
+    def msi_key(self) -> str:
+        """The claim key of this address space's interrupt window."""
+        key = msi_share(Holder(self.node, self.vm))
+        return key + BACKUP_SUFFIX if self.backup else key
 
     @property
     def window_key(self) -> str:
@@ -131,15 +141,31 @@ class ShareGrant(msgspec.Struct, frozen=True):
 
 def registry_grants(tx: StateTxn) -> list[ShareGrant]:
     """The NVMe shares the registry records now, as the checker's justifications."""
-    entries = [share_entry(r) for r in tx.runtime(None, SHARE_RECORD)]
     out = []
-    for e in entries:
+    for r in tx.runtime(None, SHARE_RECORD):
+        e = share_entry(r)
+        windows = {c.share for c in claims_from(r.data.get("claims")) if is_share_msi_claim(c)}
+        key = msi_share(e.holder)
         out.append(
-            ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.asid, cmb=e.share.cmb_extent)
+            ShareGrant(
+                e.fdid,
+                e.holder.node,
+                e.holder.vm,
+                e.share.asid,
+                cmb=e.share.cmb_extent,
+                msi=key in windows,
+            )
         )
         if e.share.paths > 1:
             out.append(
-                ShareGrant(e.fdid, e.holder.node, e.holder.vm, e.share.backup_asid, backup=True)
+                ShareGrant(
+                    e.fdid,
+                    e.holder.node,
+                    e.holder.vm,
+                    e.share.backup_asid,
+                    backup=True,
+                    msi=key + BACKUP_SUFFIX in windows,
+                )
             )
     return out
 
@@ -206,6 +232,11 @@ def _users(users: frozenset[PortUser] | set[PortUser]) -> str:
     )
 
 
+def _target_owner(vm: str) -> str:
+    """The owner name of ``vm``'s interrupt target page (``MsiTarget.owner``)."""
+    return f"msi-target:{vm}"
+
+
 def _fmt(m: IommuMapping) -> str:
     return f"{m.iova:#x}+{m.size:#x}->{m.phys:#x}"
 
@@ -224,6 +255,8 @@ class _Checker:
             self.grants.setdefault(g.fdid, {})[g.asid] = g
         # (adapter ref, segment) -> the shares whose windows point into it
         self.share_segments: dict[tuple[str, int], set[ShareGrant]] = {}
+        # (adapter ref, segment) -> the shares' address spaces whose interrupt route uses it
+        self.share_msi: dict[tuple[str, int], set[ShareGrant]] = {}
         # (adapter ref, segment) -> what those mappings reach through it ("ram", "bar", ...)
         self.segment_reaches: dict[tuple[str, int], set[str]] = {}
         # shared drive -> its controller memory buffer's frames (physical -> CMB offset)
@@ -248,6 +281,12 @@ class _Checker:
             tag = self.hw.node(node).memory.owner_of(addr)
             if node != owner[0] or tag != owner[1]:
                 return f"{addr:#x} is RAM of {tag or 'nobody'} on {node}, not of {owner[1]}"
+        elif region.kind == IRQ_REGION:
+            if node != owner[0] or region.owner != _target_owner(owner[1]):
+                return (
+                    f"{addr:#x} is the interrupt target {region.owner} on {node}, not "
+                    f"{owner[1]}'s"
+                )
         elif region.kind == "bar":
             assert region.fdid is not None
             if self.owners.get(region.fdid) != owner:
@@ -295,6 +334,9 @@ class _Checker:
         if self._cmb_mapping(fdid, m, grant, where):
             return
         for adapter, index, seg in self._crossed_segments(fdid, lender, m, grant.owner, where):
+            if seg.remote_addr == MSI_IOVA:  # an interrupt segment: the share's MSI route
+                self._share_msi(fdid, adapter, index, seg, m, grant, where)
+                continue
             self.share_segments.setdefault((adapter.ref, index), set()).add(grant)
             if seg.remote_node != grant.node:
                 self.bad(
@@ -309,6 +351,52 @@ class _Checker:
                     where,
                     f"segment {index} of {adapter.ref} leaves address space {asid}",
                 )
+
+    def _share_msi(
+        self,
+        fdid: int,
+        adapter: NtbAdapter,
+        index: int,
+        seg: SegmentMapping,
+        m: IommuMapping,
+        grant: ShareGrant,
+        where: str,
+    ) -> None:
+        """A share's address space mapped onto an interrupt segment: only with its interrupt
+        window admitted, and reaching its own VM's target through the drive's ingress domain
+        on the VM's node (never another VM's)."""
+        self.share_msi.setdefault((adapter.ref, index), set()).add(grant)
+        if not grant.msi:
+            self.bad(
+                "msi",
+                where,
+                f"address space {grant.asid} of {grant.node}/{grant.vm} maps an interrupt route"
+                " its share was not admitted with",
+            )
+        if seg.remote_node != grant.node:
+            self.bad(
+                "msi",
+                where,
+                f"crosses to {seg.remote_node}, but address space {grant.asid} is the share of "
+                f"{grant.node}/{grant.vm}",
+            )
+            return
+        remote = seg.remote_addr + m.phys - adapter.segment_base(index)
+        domain = self._ingress_domain(fdid, seg.remote_node)
+        found = domain.lookup(remote) if domain is not None else None
+        if found is None:
+            self.bad("msi", where, f"reaches nothing at {remote:#x} on {seg.remote_node}")
+            return
+        why = self._target_ok(seg.remote_node, found.phys + remote - found.iova, grant.owner)
+        if why:
+            self.bad("msi", where, why)
+
+    def _ingress_domain(self, fdid: int, node: str) -> IommuDomain | None:
+        """Shared drive ``fdid``'s ingress domain on ``node``, if its DMA enters there."""
+        for requester, domain in self.hw.node(node).iommu.attached().items():
+            if self.hw.crossing_source(node, requester) == fdid:
+                return domain
+        return None
 
     def _cmb_mapping(self, fdid: int, m: IommuMapping, grant: ShareGrant, where: str) -> bool:
         """A mapping of a share's address space into the drive's CMB: inside the share's own
@@ -480,6 +568,9 @@ class _Checker:
                 for m in domain.mappings():
                     where = f"{domain.name} {_fmt(m)}"
                     asid = m.iova >> ADDRESS_BITS
+                    if not asid and m.iova >= MSI_IOVA:
+                        self._share_slot(fdid, name, m, where)
+                        continue
                     grant = self._grant(fdid, asid)
                     if grant is None or grant.node != name:
                         self.bad(
@@ -493,6 +584,24 @@ class _Checker:
                         if why:
                             self.bad("share-domain", where, why)
                             break
+
+    def _share_slot(self, fdid: int, node: str, m: IommuMapping, where: str) -> None:
+        """An interrupt slot in a shared drive's ingress domain: onto the target of a VM on
+        ``node`` with a current share of the drive admitted with an interrupt window."""
+        region = self.hw.node(node).address_map.find(m.phys)
+        vms = {
+            _target_owner(g.vm): g
+            for g in self.grants.get(fdid, {}).values()
+            if g.node == node and g.msi
+        }
+        if region is None or region.kind != IRQ_REGION or region.owner not in vms:
+            got = f"{region.kind} {region.owner}" if region is not None else "nothing"
+            self.bad(
+                "share-domain",
+                where,
+                f"an interrupt slot onto {got}: no VM on {node} with a current share of "
+                f"{fdid:#x} and its interrupt window",
+            )
 
     def _share_crosses(self, fdid: int, node: str, adapter: str | None = None) -> bool:
         """A current share of ``fdid`` is of a VM on ``node`` (``adapter``: reached through
@@ -818,16 +927,19 @@ class _Checker:
             for g in grants:
                 key = (ref, g.window_key)
                 windows[key] = windows.get(key, 0) + 1
+        # interrupt windows (MSI over the NTB): one per adapter and VM, claimed as such; a
+        # segment a VM's borrowed devices and its shares both use counts once for it
+        irq: set[tuple[str, str, int]] = set()
+        for (ref, index), grants in self.share_msi.items():
+            irq |= {(ref, g.msi_key, index) for g in grants}
         p2p: dict[str, int] = {}
         for (ref, index), users in self.segment_users.items():
             users = users - self.shared  # a shared drive's segments are its shares' (above)
             if not users:
                 continue
             if "irq" in self.segment_reaches.get((ref, index), set()):
-                # an interrupt window (MSI over the NTB): one per adapter and VM, claimed as such
                 for owner in {self.owners[f] for f in users if f in self.owners}:
-                    key = (ref, msi_share(Holder(*owner)))
-                    windows[key] = windows.get(key, 0) + 1
+                    irq.add((ref, msi_share(Holder(*owner)), index))
                 continue
             if not self._is_window_segment(ref, index, users):
                 p2p[ref] = p2p.get(ref, 0) + 1
@@ -835,6 +947,8 @@ class _Checker:
             for owner in {self.owners[f] for f in users if f in self.owners}:
                 key = (ref, vm_share(Holder(*owner)))
                 windows[key] = windows.get(key, 0) + 1
+        for ref, key_, _index in irq:
+            windows[(ref, key_)] = windows.get((ref, key_), 0) + 1
         for key in sorted(windows):
             have, want = windows[key], window_claims.get(key, 0)
             if have != want:  # admission counts with the planner: exactly what enable maps

@@ -53,27 +53,30 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 
 from vmlend.errors import (
     ConfigError,
+    DmaFault,
     FabricError,
     NoPathError,
     StaleTokenError,
     SwitchPortFullError,
 )
 from vmlend.ledger.admission import vm_share
+from vmlend.ledger.nvmeadmit import BACKUP_SUFFIX, is_share_msi_claim
 from vmlend.ledger.nvmeshares import record_usage
 from vmlend.memory.windows import window_groups
 from vmlend.nvme import spec
 from vmlend.nvme.cmb import GUEST_CMB_BASE, cmbsz
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import Share
-from vmlend.registry import Registry
+from vmlend.registry import Claim, Registry
 from vmlend.sim.guest import Frame
 from vmlend.sim.hardware import (
     Borrow,
@@ -87,6 +90,7 @@ from vmlend.sim.hardware import (
 from vmlend.sim.hostmem import FRAME, HostMemory, OwnedFrames
 from vmlend.sim.invariants import ShareGrant
 from vmlend.sim.iommu import IommuDomain, Requester
+from vmlend.sim.msitarget import MSI_IOVA, PAGE, MsiTarget, MsiTargets
 from vmlend.sim.nvme.cmb import CmbMemory, CmbWindow
 from vmlend.sim.nvme.controller import ControllerConfig
 from vmlend.sim.nvme.driver import NvmeDriver
@@ -97,6 +101,7 @@ from vmlend.sim.nvme.timer import COMMAND_TIMEOUT, Clock, CommandTimer
 from vmlend.sim.nvme.virtual import VirtualNvmeController
 from vmlend.sim.nvmedrive import DeviceBar0, HostDmaMemory, attach_nvme
 from vmlend.sim.pci import regs
+from vmlend.sim.resolver import Hop
 from vmlend.topology.model import MANAGER_VM, GuestRange, Holder
 from vmlend.topology.paths import NtbPath
 from vmlend.topology.requesters import requester_device, route_ports
@@ -146,10 +151,40 @@ class _Windows(msgspec.Struct):
             self.undo.pop()()
 
 
+NTB = "ntb"
+RELAY = "relay"
+
+
+def msi_paths(claims: Sequence[Claim]) -> frozenset[int]:
+    """The paths of a share whose interrupt window was admitted (its claims' MSI windows:
+    ``nvmeadmit.share_msi_claims``): their interrupts cross the NTB, the others' are relayed."""
+    return frozenset(
+        BACKUP if c.share.endswith(BACKUP_SUFFIX) else PRIMARY
+        for c in claims
+        if is_share_msi_claim(c)
+    )
+
+
+class MsiStats(msgspec.Struct):
+    """A share's completion interrupts: posted over the NTB and delivered at its VM's target,
+    posted and lost (the write faulted: a dead link, a mapping gone), or relayed in software."""
+
+    delivered: int = 0
+    lost: int = 0
+    relayed: int = 0
+
+
 class VmNvmeShare:
     """One VM's share: its virtual controller's BAR0 (``bar0``), its interrupts."""
 
-    def __init__(self, drive: SharedNvmeDrive, node: str, vm: str, share: Share) -> None:
+    def __init__(
+        self,
+        drive: SharedNvmeDrive,
+        node: str,
+        vm: str,
+        share: Share,
+        msi: Collection[int] = (),
+    ) -> None:
         self.drive = drive
         self.node = node
         self.vm = vm
@@ -157,6 +192,16 @@ class VmNvmeShare:
         self.windows = _Windows()
         self.interrupts: dict[int, int] = {}
         self._listeners: list[Callable[[int], object]] = []
+        #: The paths whose interrupt window admission granted (``msi_paths``): while mapped,
+        #: their completion interrupts are posted writes over the NTB to the VM's target.
+        self.msi_paths = frozenset(msi)
+        self.msi_mapped: set[int] = set()  # paths whose interrupt route is mapped now
+        self.msi_target: MsiTarget | None = None
+        self.msi_first = 0  # the first data value of its vectors in the target
+        self.msi = MsiStats()
+        self.msi_faults: list[DmaFault] = []
+        self.last_hops: tuple[Hop, ...] = ()
+        self._triggers: dict[int, int] = {}  # guest vector -> our dup of the VM's eventfd
         self.traps = 0  # software steps taken for the guest's I/O doorbell writes
         #: Doorbells and traps before the first failover of a two-path share, and after it.
         self.steps = {"before_fault": DoorbellSteps(), "after_fault": DoorbellSteps()}
@@ -227,6 +272,72 @@ class VmNvmeShare:
     def on_interrupt(self, fn: Callable[[int], object]) -> None:
         self._listeners.append(fn)
 
+    def interrupt_path(self, path: int = PRIMARY) -> str:
+        """``"ntb"`` while path ``path``'s completion interrupts cross the NTB as MSI, else
+        ``"relay"`` (not admitted, not mapped yet, or a VM on the drive's lender)."""
+        return NTB if path in self.msi_mapped else RELAY
+
+    def set_triggers(self, fds: Mapping[int, int]) -> None:
+        """The VMM's eventfds for guest vectors (1..queue pairs; -1 de-assigns one), as its
+        ``VFIO_DEVICE_SET_IRQS`` on the share's mdev: the VM's target signals them. A
+        two-path share's completions go to its relay first, which signals the guest."""
+        for vector, fd in fds.items():
+            if not 1 <= vector <= self.share.queue_pairs:
+                raise FabricError(
+                    f"NVMe share {self.name}: vector {vector} is not one of its 1.."
+                    f"{self.share.queue_pairs}"
+                )
+            old = self._triggers.pop(vector, None)
+            if old is not None:
+                os.close(old)
+            if fd >= 0:
+                self._triggers[vector] = os.dup(fd)
+            if self.msi_target is not None and self.relay is None:
+                self.msi_target.assign(self.msi_first + vector - 1, self._triggers.get(vector, -1))
+
+    def _data(self, path: int, vector: int) -> int:
+        return self.msi_first + path * self.share.queue_pairs + vector - 1
+
+    def from_drive(self, path: int, vector: int) -> None:
+        """The drive raised the completion interrupt of guest vector ``vector`` on path
+        ``path``'s queue pair: a posted write over the NTB when that path's route is mapped,
+        else the relay (mechanism 7, the manager's software here)."""
+        if path in self.msi_mapped:
+            self._post(path, vector)
+            return
+        self.msi.relayed += 1
+        self._deliver(path, vector)
+
+    def _deliver(self, path: int, vector: int) -> None:
+        """What reaches the VM's host: a two-path share's relay takes both pairs'
+        completions; a one-path share's guest vector fires."""
+        if self.relay is not None:
+            self.relay.on_interrupt(path, vector)
+        else:
+            self._interrupt(vector)
+
+    def _post(self, path: int, vector: int) -> None:
+        """The drive's posted write of the vector's message in the path's address space,
+        resolved hop by hop like its DMA: lender IOMMU, NTB segment, requester LUTs, the
+        drive's ingress domain on the VM's node, the target page. A fault (a dead link, a
+        mapping gone) loses it: nothing reaches the VM."""
+        drive = self.drive
+        asid = self.share.asid if path == PRIMARY else self.share.backup_asid
+        data = self._data(path, vector)
+        try:
+            hit = drive.hw.resolve_dma(drive.fdid, asid_base(asid) + MSI_IOVA, write=True)
+        except DmaFault as fault:
+            self.msi.lost += 1
+            self.msi_faults.append(fault)
+            log.debug("MSI of share %s vector %d faulted: %s", self.name, vector, fault)
+            return
+        self.last_hops = hit.hops
+        target = drive.msi_targets.at(hit.node, hit.address) if hit.kind == "irq" else None
+        if target is None or not target.write(hit.address - target.base, data):
+            self.msi.lost += 1  # it decodes as something else: no interrupt
+            return
+        self.msi.delivered += 1
+
     def mastering(self) -> bool:
         """Bus Master is on: the share's DMA windows are mapped."""
         return bool(self.config.command & regs.COMMAND_MASTER)
@@ -259,6 +370,13 @@ class VmNvmeShare:
         }
         if self.relay is not None:
             out["relay"] = self.relay.status()
+        out["interrupts"] = {
+            "paths": {
+                "primary" if p == PRIMARY else "backup": self.interrupt_path(p)
+                for p in range(self.share.paths)
+            },
+            **msgspec.structs.asdict(self.msi),
+        }
         out["steps"] = {k: msgspec.structs.asdict(v) for k, v in self.steps.items()}
         return out
 
@@ -325,6 +443,12 @@ class VmNvmeShare:
         if self.open:
             self.open = False
             self.drive._end_share(self)
+        self._close_triggers()
+
+    def _close_triggers(self) -> None:
+        for fd in self._triggers.values():
+            os.close(fd)
+        self._triggers.clear()
 
     def revoke(self) -> None:
         """The share was taken from the VM (the hardware cuts its open mdev): its queues,
@@ -335,6 +459,7 @@ class VmNvmeShare:
         if self.open:
             self.open = False
             self.drive._end_share(self)
+        self._close_triggers()
         log.warning(
             "NVMe share %s of %#x was taken from %s/%s",
             self.name,
@@ -464,8 +589,11 @@ class SharedNvmeDrive:
         clock: Clock = time.monotonic,
         command_timeout: float = COMMAND_TIMEOUT,
         cmb_bytes: int = 0,
+        msi_targets: MsiTargets | None = None,
     ) -> None:
-        """``cmb_bytes``: lender memory the manager keeps as the drive's controller memory
+        """``msi_targets``: the VMs' interrupt targets of this hardware, which its borrowed
+        devices' MSI routes use too (one per hardware; None: the drive's own).
+        ``cmb_bytes``: lender memory the manager keeps as the drive's controller memory
         buffer, an extent of it for each one-path share's submission queues (0: none).
         ``link_events=False``: the drive's manager and the VMs' virtual controllers do not
         hear link events (their hosts missed them): crossings are not moved, and a two-path
@@ -501,6 +629,10 @@ class SharedNvmeDrive:
         self._domains: dict[str, IommuDomain] = {}  # node -> the drive's ingress domain there
         self._backups: dict[str, ShareCrossing] = {}  # share -> its backup crossing, if mapped
         self.shares: dict[str, VmNvmeShare] = {}
+        self.msi_targets = msi_targets if msi_targets is not None else MsiTargets(hardware)
+        #: (node, target slot) -> the share paths whose interrupt route maps it in the node's
+        #: ingress domain (both paths of a two-path share enter the same domain)
+        self._msi_ingress: dict[tuple[str, int], int] = {}
         self.memory: HostDmaMemory | None = None
         self.cmb: CmbMemory | None = None
         self._remove_irq: Callable[[], None] = lambda: None
@@ -553,10 +685,13 @@ class SharedNvmeDrive:
         blocks: int = 0,
         share: Share | None = None,
         paths: int = 1,
+        interrupts: Sequence[Claim] = (),
     ) -> VmNvmeShare:
         """Give VM ``vm`` on ``node`` (a running guest) a share of ``queue_pairs`` and
         ``blocks`` on ``paths`` paths, or the ``share`` the registry reserved for it; all or
-        nothing."""
+        nothing. ``interrupts``: the interrupt windows its admission granted
+        (``ShareOps.share_interrupt_windows``): those paths' completion interrupts cross the
+        NTB as MSI once its windows are mapped; without, they are relayed."""
         self.hw.guest(node, vm)  # a running guest, or FabricError
         borrow = self.hw.borrowed(self.fdid)
         if self.ended is not None or borrow is None or borrow.vm != MANAGER_VM:
@@ -572,19 +707,27 @@ class SharedNvmeDrive:
             )
         share = self.manager.add_share(name, queue_pairs, blocks, decided=share, paths=paths)
         try:
-            vms = VmNvmeShare(self, node, vm, share)
-            relay = vms.relay
-            self.manager.connect(
-                name,
-                vms.virtual.admin_doorbell,
-                vms._interrupt,
-                None if relay is None else relay.on_interrupt,
-            )
+            vms = VmNvmeShare(self, node, vm, share, msi_paths(interrupts))
+            self.connect(vms)
         except Exception:
             self.manager.remove_share(name)
             raise
         self.shares[name] = vms
         return vms
+
+    def connect(self, vms: VmNvmeShare) -> None:
+        """The manager routes ``vms``'s admin doorbells to its virtual controller and its
+        completion interrupts to it (``VmNvmeShare.from_drive``: over the NTB or relayed)."""
+
+        def one_path(vector: int) -> None:
+            vms.from_drive(PRIMARY, vector)
+
+        self.manager.connect(
+            vms.name,
+            vms.virtual.admin_doorbell,
+            one_path,
+            None if vms.relay is None else vms.from_drive,
+        )
 
     def _map_share(self, vms: VmNvmeShare) -> None:
         """Bus Master of ``vms``'s controller went on: pin and map its RAM; all or nothing."""
@@ -622,6 +765,10 @@ class SharedNvmeDrive:
         ingress = self._enter(vms.node, path)
         undo.append(lambda: self._leave(vms.node))
         self._map_path(vms, ranges, frames, ingress.domain, path.src.ref, base, None)
+        if vms.msi_paths:
+            self._msi_vectors(vms)
+        if PRIMARY in vms.msi_paths:
+            self._map_msi(vms, PRIMARY, ingress.domain, path.src.ref, base, None)
         if vms.relay is None:
             return
         # two paths: the primary's relay rings, then the backup path through the node's other
@@ -658,6 +805,89 @@ class SharedNvmeDrive:
         via = backup.dst.ref
         self._map_path(vms, ranges, frames, ingress.domain, backup.src.ref, bbase, via)
         self._map_rings(vms, BACKUP, ingress.domain, backup.src.ref, bbase, via)
+        if BACKUP in vms.msi_paths:
+            self._map_msi(vms, BACKUP, ingress.domain, backup.src.ref, bbase, via)
+
+    def _msi_vectors(self, vms: VmNvmeShare) -> None:
+        """Data values for the share's vectors (each path's) in its VM's target, each
+        handled by the share (a one-path share's also signal the VMM's eventfds)."""
+        target = self.msi_targets.target(vms.node, vms.vm)
+        qp = vms.share.queue_pairs
+        count = qp * vms.share.paths
+        first = target.allocate(count)
+        vms.msi_target, vms.msi_first = target, first
+        for path in range(vms.share.paths):
+            for vector in range(1, qp + 1):
+
+                def handle(path: int = path, vector: int = vector) -> None:
+                    vms._deliver(path, vector)
+
+                target.listen(first + path * qp + vector - 1, handle)
+        if vms.relay is None:
+            for vector, fd in vms._triggers.items():
+                target.assign(first + vector - 1, fd)
+
+        def free() -> None:
+            vms.msi_target = None
+            target.free(first, count)
+
+        vms.windows.undo.append(free)
+
+    def _map_msi(
+        self,
+        vms: VmNvmeShare,
+        path: int,
+        domain: IommuDomain,
+        src_ref: str,
+        base: int,
+        via: str | None,
+    ) -> None:
+        """Path ``path``'s interrupt route, as a borrowed device's (``vmlend.sim.ntbmsi``):
+        the lender IOMMU maps ``MSI_IOVA`` of the path's address space onto the VM's slot in
+        the interrupt segment of ``src_ref`` towards the VM's node (shared with the node's
+        borrowed devices and other shares), and the drive's ingress domain there maps that
+        slot onto the VM's target page. Not mapped (the share's interrupts are then relayed,
+        and the check says so) when the segment cannot be had."""
+        assert vms.msi_target is not None
+        target, node = vms.msi_target, vms.node
+        lender_domain = self.hw.lender_domain(self.fdid)
+        user = (self.fdid, vms.name, path)
+        offset = target.slot * PAGE
+        undo: list[Callable[[], object]] = []
+        try:
+            if offset >= self.hw.adapter(src_ref).segment_size:
+                raise FabricError(f"{src_ref}: no room for interrupt slot {target.slot}")
+            window = self.msi_targets.acquire_segment(src_ref, node, user, via=via)
+            undo.append(lambda: self.msi_targets.release_segment(src_ref, node, user, via=via))
+            key = (node, target.slot)
+            if not self._msi_ingress.get(key):
+                domain.map(MSI_IOVA + offset, target.base, PAGE)
+            self._msi_ingress[key] = self._msi_ingress.get(key, 0) + 1
+
+            def unmap_ingress() -> None:
+                self._msi_ingress[key] -= 1
+                if not self._msi_ingress[key]:
+                    del self._msi_ingress[key]
+                    domain.unmap(MSI_IOVA + offset, PAGE)
+
+            undo.append(unmap_ingress)
+            # the device's side last: it never reaches a segment that leads nowhere
+            lender_domain.map(base + MSI_IOVA, window + offset, PAGE)
+            undo.append(lambda: lender_domain.unmap(base + MSI_IOVA, PAGE))
+        except FabricError as e:
+            while undo:
+                undo.pop()()
+            log.warning(
+                "NVMe share %s of %#x: interrupts of its path %d relayed: %s",
+                vms.name,
+                self.fdid,
+                path,
+                e,
+            )
+            return
+        vms.msi_mapped.add(path)
+        undo.append(lambda: vms.msi_mapped.discard(path))
+        vms.windows.undo.extend(undo)
 
     def _map_cmb(self, vms: VmNvmeShare, base: int) -> None:
         """The share's address space maps ``GUEST_CMB_BASE`` onto its CMB extent, and no
@@ -759,7 +989,13 @@ class SharedNvmeDrive:
         lender_domain.map(base + RING_IOVA + offset, src.segment_base(index) + offset, size)
         undo.append(lambda: lender_domain.unmap(base + RING_IOVA + offset, size))
 
-    def move_share(self, vms: VmNvmeShare, node: str, token: int) -> None:
+    def move_share(
+        self,
+        vms: VmNvmeShare,
+        node: str,
+        token: int,
+        interrupts: Sequence[Claim] | None = None,
+    ) -> None:
         """A hot migration's switch-over (the VM paused, its guest's RAM existing on ``node``
         too): ``vms`` follows its VM to ``node``. Its real queues, vectors, blocks and address
         space stay, so commands the guest queued are fetched on ``node``; its DMA windows are
@@ -769,8 +1005,11 @@ class SharedNvmeDrive:
         The controller runs a command when its doorbell is rung, so at the pause nothing of
         the share is in flight: that is its quiesce. ``token``: the share's new epoch (the
         registry's hand-over); ``StaleTokenError`` for one not newer than the last move's.
-        All or nothing: a refused mapping puts the share back on its node."""
+        All or nothing: a refused mapping puts the share back on its node. ``interrupts``: the
+        interrupt windows admitted for it on ``node`` (None: as it had); its interrupt route
+        is mapped again with its windows, towards its VM's target on ``node``."""
         old_node, old_name = vms.node, vms.name
+        old_msi = vms.msi_paths
         if vms.relay is not None:
             raise FabricError(
                 f"NVMe share {old_name} of {self.fdid:#x} relays onto two paths from memory of"
@@ -787,10 +1026,12 @@ class SharedNvmeDrive:
         try:
             vms.node = node
             vms.virtual.memory = guest
+            if interrupts is not None:
+                vms.msi_paths = msi_paths(interrupts)
             if mastering:
                 self._map_share(vms)
         except Exception:
-            vms.node, vms.virtual.memory = old_node, before
+            vms.node, vms.virtual.memory, vms.msi_paths = old_node, before, old_msi
             if mastering:
                 self._map_share(vms)
             raise
@@ -1085,11 +1326,23 @@ class SharedNvmeDrive:
         """The shares open now, as justifications for the fabric's invariant checker."""
         out = []
         for v in self.shares.values():
+            msi = PRIMARY in v.msi_paths
             out.append(
-                ShareGrant(self.fdid, v.node, v.vm, v.share.asid, cmb=v.share.cmb_extent)
+                ShareGrant(
+                    self.fdid, v.node, v.vm, v.share.asid, cmb=v.share.cmb_extent, msi=msi
+                )
             )
             if v.share.paths > 1:
-                out.append(ShareGrant(self.fdid, v.node, v.vm, v.share.backup_asid, backup=True))
+                out.append(
+                    ShareGrant(
+                        self.fdid,
+                        v.node,
+                        v.vm,
+                        v.share.backup_asid,
+                        backup=True,
+                        msi=BACKUP in v.msi_paths,
+                    )
+                )
         return out
 
     # --- life -----------------------------------------------------------------------------------

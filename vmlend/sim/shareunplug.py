@@ -14,13 +14,15 @@ new controller and finds its namespace, its blocks, as it left them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import msgspec
 
 from vmlend.errors import FabricError, StaleTokenError
 from vmlend.ledger.admission import vm_share
 from vmlend.nvme.shares import Share
-from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare
+from vmlend.registry import Claim
+from vmlend.sim.nvmeshare import SharedNvmeDrive, VmNvmeShare, msi_paths
 from vmlend.topology.model import Holder
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ class UnpluggedShare(msgspec.Struct, frozen=True):
     share: Share
     epoch: int
     mdev: str | None
+    #: The paths whose interrupts crossed the NTB (``nvmeshare.msi_paths``).
+    msi: frozenset[int] = frozenset()
 
 
 def unplug_share(drive: SharedNvmeDrive, vms: VmNvmeShare) -> UnpluggedShare:
@@ -49,28 +53,28 @@ def unplug_share(drive: SharedNvmeDrive, vms: VmNvmeShare) -> UnpluggedShare:
     vms._free_rings()
     del drive.shares[vms.name]
     log.info("NVMe share %s of %#x: controller unplugged, share kept", vms.name, drive.fdid)
-    return UnpluggedShare(drive.fdid, vms.vm, vms.share, vms.epoch, vms.mdev)
+    return UnpluggedShare(drive.fdid, vms.vm, vms.share, vms.epoch, vms.mdev, vms.msi_paths)
 
 
 def replug_share(
-    drive: SharedNvmeDrive, gone: UnpluggedShare, node: str, token: int
+    drive: SharedNvmeDrive,
+    gone: UnpluggedShare,
+    node: str,
+    token: int,
+    interrupts: Sequence[Claim] | None = None,
 ) -> VmNvmeShare:
     """``gone``'s share opens again for its VM on ``node`` (its guest running there) under
-    epoch ``token``: ``StaleTokenError`` for one not newer than its last; all or nothing."""
+    epoch ``token``: ``StaleTokenError`` for one not newer than its last; all or nothing.
+    ``interrupts``: the interrupt windows admitted for it on ``node`` (None: as it had)."""
     if token <= gone.epoch:
         raise StaleTokenError(drive.fdid, token, gone.epoch, "an NVMe share's unplugged move")
     old, new = gone.share.name, vm_share(Holder(node, gone.vm))
     share = drive.manager.rename_share(old, new) if new != old else gone.share
     vms: VmNvmeShare | None = None
     try:
-        vms = VmNvmeShare(drive, node, gone.vm, share)
-        relay = vms.relay
-        drive.manager.connect(
-            new,
-            vms.virtual.admin_doorbell,
-            vms._interrupt,
-            None if relay is None else relay.on_interrupt,
-        )
+        msi = gone.msi if interrupts is None else msi_paths(interrupts)
+        vms = VmNvmeShare(drive, node, gone.vm, share, msi)
+        drive.connect(vms)
         if gone.mdev is not None:
             drive.hw.open_mdev(gone.mdev, drive.fdid, node, gone.vm, vms.revoke, share=True)
     except Exception:

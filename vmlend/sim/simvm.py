@@ -19,6 +19,7 @@ import msgspec
 from vmlend.domain import read_domain
 from vmlend.errors import ConfigError, FabricError, ResourceExhaustedError
 from vmlend.ledger.admission import vm_share
+from vmlend.ledger.shareops import ShareOps
 from vmlend.lending.shares import ShareFabric
 from vmlend.memory.domain_memory import domain_layout
 from vmlend.memory.layout import CpuVendor, Family, Layout
@@ -215,7 +216,13 @@ class SimVm:
                 f"VM {self.name} has an NVMe share mdev for {fdid:#x} but "
                 + ("no manager serves that drive here" if drive is None else "no share of it")
             )
-        opened = drive.open_share(self.node, self.name, share=share)
+        # the interrupt windows its admission granted: those paths' interrupts cross the NTB
+        windows = (
+            self.fabric.share_interrupt_windows(fdid, self.holder)
+            if isinstance(self.fabric, ShareOps)
+            else []
+        )
+        opened = drive.open_share(self.node, self.name, share=share, interrupts=windows)
         try:
             self.hw.open_mdev(mdev, fdid, self.node, self.name, opened.revoke, share=True)
         except BaseException:
