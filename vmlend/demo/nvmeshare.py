@@ -39,12 +39,19 @@ def nvme_share_step(s: Story) -> Json:
         ]
         backing = s.state_path.parent / "nvme"  # the namespace's sparse file
         backing.mkdir(exist_ok=True)
-        drive = SharedNvmeDrive(hw, fdid, backing, blocks=NAMESPACE_BLOCKS)
+        # the cluster's interrupt targets: a share's MSI lands on the same page per VM
+        drive = SharedNvmeDrive(
+            hw, fdid, backing, blocks=NAMESPACE_BLOCKS, msi_targets=s.c.msi_targets
+        )
         vms, drivers = [], []
-        for (node, vm), share in zip(VMS, shares, strict=True):
+        for (node, vm), share, h in zip(VMS, shares, holders, strict=True):
             guest = hw.create_guest(node, vm, [GuestRange(0, GUEST_RAM)])
-            vms.append(drive.open_share(node, vm, share=share))
+            with reg.read() as tx:  # its completion interrupts cross the NTB if admitted
+                windows = ledger.interrupt_windows(tx, fdid, h)
+            vms.append(drive.open_share(node, vm, share=share, interrupts=windows))
             vms[-1].set_master()  # the guest's driver enables its controller: windows mapped
+            want = "ntb" if windows else "relay"
+            require(vms[-1].interrupt_path() == want, f"{vm}'s interrupts are not on the {want}")
             drivers.append(NvmeDriver(vms[-1].bar0, guest, BumpAllocator(16 * MiB, 32 * MiB)))
         queues = [d.start(queues=1)[0] for d in drivers]
         seen = [d.identify_namespace(1) for d in drivers]
