@@ -10,8 +10,10 @@ operator and an attacker do, in any order:
 - start a VM with free devices and, sometimes, a share of the drive (the hook's prepare; the
   guest enables everything and its NVMe driver starts, its submission queue in the share's
   extent of the drive's controller memory buffer when it has one; the CMB holds two, so a
-  third one-path share is refused until a release returns one), share I/O, a guest's register
-  write to one of its devices (MMIO through the adapters);
+  third one-path share is refused until a release returns one), share I/O (its completion
+  interrupts over the NTB when its interrupt window was admitted, each write reaching its
+  VM's target, else relayed), a guest's register write to one of its devices (MMIO through
+  the adapters);
 - enable, Bus Master and memory decoding on and off, BAR moves (peer-to-peer re-plans),
   function level resets, hot-remove (the VM's own hold released);
 - hand-overs: the fabric's give-back behind the VM's back, a release after a crash, a share
@@ -488,6 +490,8 @@ class FabricMachine(RuleBasedStateMachine):
             dead = path is not None and bool(self.c.hw.dead_links(path))
         except VmlendError:  # no crossing set up and no live route to set one up over
             dead = True
+        active = BACKUP if share.relay is not None and share.relay.active == BACKUP else 0
+        msi = msgspec.structs.replace(share.msi)  # what the share's interrupts did so far
         try:
             done = entry.driver.write(entry.queue, lba, data)
             back = entry.driver.read(entry.queue, lba, 1)[1]
@@ -507,6 +511,14 @@ class FabricMachine(RuleBasedStateMachine):
         mode = f" (two paths, {share.relay.mode} mode)" if share.relay is not None else ""
         event("share_io: done" + mode)
         assert done.ok and back == data
+        # its completions interrupted the VM the way it was admitted: over the NTB with its
+        # interrupt window (each a posted write that reached its target), else relayed
+        if share.interrupt_path(active) == "ntb":
+            event("share_io: interrupts over the NTB")
+            assert share.msi.delivered > msi.delivered and share.msi.lost == msi.lost
+        else:
+            event("share_io: interrupts relayed")
+            assert share.msi.relayed > msi.relayed and share.msi.delivered == msi.delivered
 
     def _ours(self, vm: SimVm, fdid: int) -> bool:
         """The device is under ``vm``'s borrow and its session is live."""

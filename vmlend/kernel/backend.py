@@ -501,8 +501,15 @@ class SmartioFabric:
         paths: int = 1,
     ) -> Share:
         self._require_shareable(fdid, paths)
+        # its interrupts' window only where the driver maps MSI over the NTB (section 6)
         return self._state.reserve_share(
-            fdid, holder, queue_pairs, blocks, guest_ram=guest_ram, paths=paths
+            fdid,
+            holder,
+            queue_pairs,
+            blocks,
+            guest_ram=guest_ram,
+            paths=paths,
+            msi=self.driver.msi_capable(fdid),
         )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:

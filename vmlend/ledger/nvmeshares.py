@@ -208,10 +208,12 @@ def reserve_share(
     *,
     guest_ram: GuestRam | int = 0,
     paths: int = 1,
+    msi: bool = True,
 ) -> Share:
     """Claim a share of ``fdid`` for ``holder`` (the same share again for the same VM) and
     the NTB resources its DMA path into RAM ``guest_ram`` uses (both paths' with ``paths=2``:
-    a backup queue pair per queue pair through another adapter of the VM's host);
+    a backup queue pair per queue pair through another adapter of the VM's host), and, with
+    ``msi``, its interrupt windows where there is room (``nvmeadmit.share_msi_claims``);
     ``ResourceExhaustedError`` when the controller or an adapter has not enough left,
     ``NoBackupPathError`` when the host has no second adapter reached; nothing claimed."""
     key = vm_share(holder)
@@ -238,7 +240,8 @@ def reserve_share(
         claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram), paths)
         check_share_claims(topology, tx.claims(), fdid, holder, claims)
         # its completion interrupts' window: never a refusal (none left: they are relayed)
-        claims += share_msi_claims(topology, tx.claims(), fdid, holder, claims, paths)
+        if msi:
+            claims += share_msi_claims(topology, tx.claims(), fdid, holder, claims, paths)
         tx.put_runtime(
             fdid,
             SHARE_RECORD,

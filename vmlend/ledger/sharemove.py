@@ -28,7 +28,12 @@ import msgspec
 from vmlend.errors import FabricError, NotSharedError
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.ledger import parent_name
-from vmlend.ledger.nvmeadmit import check_share_claims, share_claims, share_msi_claims
+from vmlend.ledger.nvmeadmit import (
+    check_share_claims,
+    is_share_msi_claim,
+    share_claims,
+    share_msi_claims,
+)
 from vmlend.ledger.nvmeshares import SHARE_RECORD, claims_from, share_entry, store_claims
 from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.nvme.shares import Share
@@ -93,8 +98,10 @@ def claim(
     except FabricError as e:
         raise FabricError(f"the NVMe share of {fd}: {e}") from e
     # its interrupt window follows it: the destination's, admitted like the rest (never a
-    # refusal); the source's stays in ``leaving`` until the source is released
-    claims += share_msi_claims(topology, tx.claims(), fdid, destination, claims, share.paths)
+    # refusal), for a share that had one; the source's stays in ``leaving`` until the source
+    # is released
+    if any(is_share_msi_claim(c) for c in claims_from(r.data.get("claims"))):
+        claims += share_msi_claims(topology, tx.claims(), fdid, destination, claims, share.paths)
     incoming = {"holder": msgspec.to_builtins(destination), "claims": msgspec.to_builtins(claims)}
     _put(tx, fdid, r.key, {**r.data, "incoming": incoming})
     return claims

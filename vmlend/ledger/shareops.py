@@ -61,11 +61,21 @@ class ShareOps:
         *,
         guest_ram: GuestRam | int = 0,
         paths: int = 1,
+        msi: bool = True,
     ) -> Share:
+        """``msi``: ask for the share's interrupt windows (MSI over the NTB; never a
+        refusal). The kernel backend asks only where the driver can map them."""
         from vmlend.ledger import nvmeshares as ledger
 
         return ledger.reserve_share(
-            self._reg, fdid, holder, queue_pairs, blocks, guest_ram=guest_ram, paths=paths
+            self._reg,
+            fdid,
+            holder,
+            queue_pairs,
+            blocks,
+            guest_ram=guest_ram,
+            paths=paths,
+            msi=msi,
         )
 
     def release_share(self, fdid: int, holder: Holder) -> bool:

@@ -286,3 +286,28 @@ def test_a_share_release_keeps_the_parent_another_vms_start_is_using(fabric, sha
     assert shared.share_writes[U2] == [written(fabric.share_of(NVME, DB))]
     assert return_shares(fabric, DB, [U2]) == []
     assert fabric.bus.parent_names() == [] and shared.runs[NVME] == {}
+
+
+def windows(state) -> list:  # type: ignore[no-untyped-def]
+    """The interrupt windows the registry gives WEB's share of the drive."""
+    with SqliteRegistry.open(state) as reg, reg.read() as tx:
+        return ledger.interrupt_windows(tx, NVME, WEB)
+
+
+def test_a_shares_interrupt_window_is_claimed_only_where_the_driver_maps_msi(
+    fabric, fake, state, shared
+):
+    """As a borrowed device's (section 6): a driver without ``msi/capable`` relays a share's
+    interrupts, so its reservation claims no window; one that says 1 gets it (section 7,
+    "Share interrupts": one segment per lender adapter and VM, ``msi:<node>/<vm>``)."""
+    fabric.reserve_share(NVME, WEB, 1, 64, guest_ram=64 * MiB)
+    assert windows(state) == []
+    assert fabric.release_share(NVME, WEB)
+    msi = fake.env.smartio / "smartio-12" / "msi"
+    msi.mkdir()
+    (msi / "capable").write_text("1\n")
+    fabric.reserve_share(NVME, WEB, 1, 64, guest_ram=64 * MiB)
+    (window,) = windows(state)
+    assert (window.adapter, window.share, window.segments) == ("alpha:0", "msi:gamma/web", 1)
+    assert fabric.release_share(NVME, WEB)
+    assert windows(state) == []
