@@ -43,7 +43,13 @@ drive, VM, address-space id):
   or reaching anything but that share's VM's RAM (directly on the lender, or through NTB
   segments into the drive's ingress domain on the VM's node);
 - ``share-domain``: the per-node ingress domain of a shared drive maps an address space of no
-  current share on that node, or RAM that is not that share's VM's;
+  current share on that node, or RAM that is not that share's VM's, or an interrupt slot onto
+  anything but the target page of a VM on that node whose share was admitted with its
+  interrupt window;
+- ``msi``: a share's address space maps an interrupt route (MSI over the NTB) without its
+  share's interrupt window admitted (``ShareGrant.msi``), or one that reaches another VM's
+  interrupt target or nothing; its interrupt segments count against its ``msi:`` claim once
+  per adapter with the VM's borrowed devices' (``claims``);
 - ``context``/``lut``: a shared drive's crossing into a node (LUT entries on both adapters, the
   ingress context) where no current share needs it.
 - ``cmb``: a share's address space maps frames of the drive's controller memory buffer outside
