@@ -11,6 +11,7 @@ from vmlend.ledger.nvmeshares import SHARE_RECORD
 from vmlend.ledger.shareops import SHARE_MDEV_TYPE
 from vmlend.registry import Registry
 from vmlend.sim.register import LenderRegister, borrower_of
+from vmlend.topology.model import MANAGER_VM
 
 
 def registry_violations(
@@ -27,7 +28,8 @@ def registry_violations(
     - a hold carries claims made for the same VM on another node (a destination's room, or a
       source's not yet released) while no hot migration of that VM is under way (``moving``:
       the names of the VMs whose move is), or a hand-over record names a VM or source that
-      does not hold;
+      does not hold; a shared drive's hold carries an interrupt window (``msi:``) that no
+      share record of the drive keeps (its own claims, a move's incoming or leaving);
     - with ``lenders``: a held device whose lender serves a borrow other than its hold's
       (its token, its node and VM) once an mdev was made for it.
     """
@@ -52,10 +54,24 @@ def registry_violations(
         hold = holds.get(m.fdid)
         if hold is None or (hold.holder.node, hold.holder.vm) != (m.node, m.vm):
             out.append(f"mdev {m.uuid} of {m.node}/{m.vm} on {m.fdid:#x}, held by {hold}")
+    # a shared drive's hold (its manager's) claims its shares' interrupt windows: each one a
+    # share record of the drive keeps (its own, a move's incoming or leaving)
+    share_windows: dict[int, set[str]] = {}
+    for (fdid, _key), data in shares.items():
+        kept = [
+            *(data.get("claims") or ()),
+            *((data.get("incoming") or {}).get("claims") or ()),
+            *(data.get("leaving") or ()),
+        ]
+        share_windows.setdefault(fdid, set()).update(c["share"] for c in kept)
     for fdid, c in claims:
         hold = holds[fdid]
         mine = f"{hold.holder.node}/{hold.holder.vm}"
         owner = c.share.split(":", 1)[1] if c.share.startswith(("vm:", "msi:")) else None
+        if hold.holder.vm == MANAGER_VM:
+            if c.share.startswith("msi:") and c.share not in share_windows.get(fdid, set()):
+                out.append(f"{fdid:#x} shared carries {c} of no share of it")
+            continue
         if owner is not None and owner != mine and hold.holder.vm not in moving:
             out.append(f"{fdid:#x} held by {hold.holder} carries {c}, and no move is under way")
     for fdid, r in records.items():

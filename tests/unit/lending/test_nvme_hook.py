@@ -73,10 +73,16 @@ def test_prepare_claims_the_share_and_its_mdev_release_returns_them(env):
     entries = {str(e.holder): e.share for e in ledger.shared_drives(reg)[NVME][2]}
     assert entries["gamma/vm-a"].queue_pairs == 2 and entries["gamma/vm-a"].blocks == 131072
     assert entries["beta/vm-b"].queue_pairs == 1
-    # the shares' DMA windows (the domain's RAM) are claimed on the lender's adapter
+    # the shares' DMA windows (the domain's RAM) and their interrupt windows are claimed on
+    # the lender's adapter
     with reg.read() as tx:
         share_windows = {c.share: c.segments for _f, c in tx.claims() if c.kind == "dma"}
-    assert share_windows == {"nvme:0x12:gamma/vm-a": 1, "nvme:0x12:beta/vm-b": 1}
+    assert share_windows == {
+        "nvme:0x12:gamma/vm-a": 1,
+        "nvme:0x12:beta/vm-b": 1,
+        "msi:gamma/vm-a": 1,
+        "msi:beta/vm-b": 1,
+    }
     HookOps(fabric("gamma"), NullLog()).release(a)
     assert fabric("gamma").mdevs() == []
     with reg.read() as tx:
@@ -107,7 +113,12 @@ def test_a_domain_asking_for_a_backup_path_claims_both_paths(env):
         share_windows = {c.share: c.segments for _f, c in tx.claims() if c.kind == "dma"}
         luts = {c.adapter for _f, c in tx.claims() if c.kind == "lut"}
     # each path's windows and its relay rings' segment
-    assert share_windows == {"nvme:0x12:gamma/vm-a": 2, "nvme:0x12:gamma/vm-a#backup": 2}
+    assert share_windows == {
+        "nvme:0x12:gamma/vm-a": 2,
+        "nvme:0x12:gamma/vm-a#backup": 2,
+        "msi:gamma/vm-a": 1,
+        "msi:gamma/vm-a#backup": 1,
+    }
     assert {"gamma:0", "gamma:1", "alpha:0"} <= luts
     # a VM on a node with one adapter cannot have one: the start fails, nothing stays
     with pytest.raises(HookError, match="no backup path for beta's share"):

@@ -50,7 +50,8 @@ def test_a_share_follows_its_vm_hot_and_the_neighbours_shares_stay(shared):
     assert {k: moved["share"][k] for k in keep} == {k: was["share"][k] for k in keep}
     assert moved["share"]["name"] == "vm:beta/vm1"
     windows = {c["share"] for c in moved["claims"] if c["kind"] == "dma"}
-    assert windows == {"nvme:0x12:beta/vm1"}  # the source's windows went with the release
+    # the source's windows (DMA and interrupt) went with the release
+    assert windows == {"nvme:0x12:beta/vm1", "msi:beta/vm1"}
     # the neighbours' shares: the very same records
     assert after["vm:gamma/sb"] == before["vm:gamma/sb"]
     assert after["vm:beta/sc"] == before["vm:beta/sc"]

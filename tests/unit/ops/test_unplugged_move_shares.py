@@ -80,7 +80,8 @@ def test_an_unplugged_move_keeps_the_share_and_plugs_it_back_at_its_address(shar
     assert identity(moved) == identity(was)
     assert moved["share"]["name"] == "vm:beta/vm1" and moved["epoch"] == 1
     assert "incoming" not in moved and "leaving" not in moved
-    assert {c["share"] for c in moved["claims"] if c["kind"] == "dma"} == {"nvme:0x12:beta/vm1"}
+    windows = {c["share"] for c in moved["claims"] if c["kind"] == "dma"}
+    assert windows == {"nvme:0x12:beta/vm1", "msi:beta/vm1"}  # its interrupt window moved too
     assert after["vm:gamma/sb"] == before["vm:gamma/sb"]
     assert after["vm:beta/sc"] == before["vm:beta/sc"]
     assert share_mdevs(cluster) == {("beta", "vm1"), ("gamma", "sb"), ("beta", "sc")}
