@@ -48,6 +48,7 @@ import msgspec
 from vmlend.errors import FabricError, QuiesceError
 from vmlend.ledger import handover
 from vmlend.ledger.admission import vm_share
+from vmlend.ledger.nvmeshares import interrupt_windows
 from vmlend.lending.quiesce import how_to_quiesce
 from vmlend.nvme.guard import asid_base
 from vmlend.registry import Registry
@@ -301,8 +302,10 @@ def hot_migrate(
         route = msi.get(fdid)
         if route is not None:
             route.repoint()
+    with registry.read() as tx:  # the interrupt windows handed over with each share
+        irq = {f: interrupt_windows(tx, f, dst_holder) for f in shares}
     for fdid, vms in sorted(shares.items()):
-        vms.drive.move_share(vms, dest, tokens[fdid])
+        vms.drive.move_share(vms, dest, tokens[fdid], irq[fdid])
     old_windows.close()
     close = getattr(old_p2p, "close", None)
     if close is not None:

@@ -30,6 +30,7 @@ import msgspec
 from vmlend.errors import FabricError
 from vmlend.ledger import shareunplug
 from vmlend.ledger.admission import vm_share
+from vmlend.ledger.nvmeshares import interrupt_windows
 from vmlend.lending.shares import ShareFabric
 from vmlend.registry import Registry
 from vmlend.sim.dmawin import VmDmaWindows
@@ -102,11 +103,14 @@ def unplug_migrate(
     check("migrated")
     shareunplug.finish(registry, drives, src_holder, dst_holder, time.time())
     check("source released")
+    with registry.read() as tx:  # the interrupt windows handed over with each share
+        irq = {f: interrupt_windows(tx, f, dst_holder) for f in drives}
     for fdid in drives:
         mdev = gone[fdid].mdev
         if mdev is not None and isinstance(dst, ShareFabric):
             dst.ensure_mdev_parent(fdid)  # the first of the drive's mdevs on this node
             dst.create_share_mdev(fdid, mdev, dst_holder)
-        vm.share_plugged(fdid, replug_share(by_drive[fdid], gone[fdid], dest, epochs[fdid]))
+        plugged = replug_share(by_drive[fdid], gone[fdid], dest, epochs[fdid], irq[fdid])
+        vm.share_plugged(fdid, plugged)
     check("plugged back")
     return UnplugMigration(name, source, dest, epochs, len(pages))

@@ -113,6 +113,10 @@ def test_a_share_follows_its_vm_hot_and_its_neighbours_keep_working(setup):
     # sa's commands after the move go through beta's RAM (gamma's is gone)
     assert da.write(qa, 16, b"z" * 4096).ok
     assert da.read(qa, 16, 8)[1] == b"z" * 4096
+    # and its completion interrupts reach its target on beta over the NTB
+    moved_share = sa.nvme_share(NVME)
+    assert moved_share.interrupt_path() == "ntb"
+    assert [(h.stage, h.node) for h in moved_share.last_hops][-1] == ("irq", "beta")
     with pytest.raises(FabricError):
         c.hw.guest("gamma", "sa")
     # the neighbours, untouched: each command completes into its own RAM

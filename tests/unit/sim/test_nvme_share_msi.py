@@ -293,3 +293,40 @@ def test_an_interrupt_whose_write_faults_is_lost_not_delivered(hw, tmp_path):
         assert share.interrupts == heard  # nothing reached the VM
     finally:
         drive.close()
+
+
+def test_a_hot_move_takes_the_destinations_window_or_the_relay(setup):
+    """The share moves hot to beta, where the lender's window has room for its DMA windows
+    but not for another interrupt window: admitted there without one, its interrupts are
+    relayed on beta, and the checker holds at every phase (a route mapped without a claim
+    would not)."""
+    from vmlend.sim.hotmig import hot_migrate
+
+    c, drive = setup
+    vm, drv, queue = start_sharing_vm(c, drive, "sa", "gamma")
+    assert vm.nvme_share(NVME).interrupt_path() == "ntb"
+    topo = c.fabric("gamma").topology()
+    path = route(topo, topo.device(NVME).lender, "beta")
+    assert path is not None
+    ref, seg = path.src.ref, path.src.segment_size
+    need = window_segments(guest_ram_of(256 * MiB).ranges, seg)
+    free = c.fabric("gamma").usage()[ref].segments_free - need - 1  # the filler's window too
+    ram = next(
+        n * seg
+        for n in range(free, 0, -1)
+        if window_segments(guest_ram_of(n * seg).ranges, seg) == free
+    )
+    nvmeshares.reserve_share(c.registry, NVME, Holder("beta", "filler"), 1, 64, guest_ram=ram)
+
+    def check(step: str) -> None:
+        found = check_with_registry(c.hw, c.registry)
+        assert found == [], f"after {step}:\n" + "\n".join(map(str, found))
+
+    hot_migrate(vm, c.fabric("beta"), c.registry, check=check)
+    share = vm.nvme_share(NVME)
+    assert vm.node == "beta" and share.interrupt_path() == "relay"
+    assert msi_claims(c) == ["msi:beta/filler"]
+    drv.memory = c.hw.guest("beta", "sa")
+    relayed = share.msi.relayed
+    assert drv.write(queue, 1, b"m" * 512).ok and share.msi.relayed > relayed
+    clean(c)
