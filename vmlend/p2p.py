@@ -28,7 +28,7 @@ skipped with the reason rather than refused: the other pairs still work.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -263,11 +263,14 @@ def plan_p2p(
     devices: Sequence[PeerDevice],
     bars: Sequence[GuestBar],
     ram: Iterable[GuestRange] = (),
+    route_of: Callable[[str, str], NtbPath | None] | None = None,
 ) -> P2PPlan:
     """Every mapping the VM on ``borrower`` needs so each of ``devices`` reaches every memory
     BAR of every other one at the BAR's guest-physical address (``bars``, as the guest
     programmed them). Checks ``bars`` first (see ``check_guest_bars``); ``NoPathError`` names
-    two lenders no NTB joins; nothing is mapped here."""
+    two lenders no NTB joins; nothing is mapped here. ``route_of(lender, lender)``: the route
+    between two lenders (default: the topology's cheapest; the simulated hardware passes its
+    own, which leaves out dead cables, so a re-plan after a link event re-routes)."""
     topology.node(borrower)
     by_fdid = {d.fdid: d for d in devices}
     if len(by_fdid) != len(devices):
@@ -288,7 +291,8 @@ def plan_p2p(
                 continue
             pair = (src.lender, dst.lender)
             if pair not in paths:
-                paths[pair] = route(topology, *pair)  # NoPathError(src lender, dst lender)
+                # NoPathError(src lender, dst lender)
+                paths[pair] = route_of(*pair) if route_of else route(topology, *pair)
             path = paths[pair]
             if path is None:
                 case = SAME_LENDER

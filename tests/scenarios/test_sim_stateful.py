@@ -154,6 +154,7 @@ name = "alpha"
 id = 4
 ram = "64GiB"
 {_ADAPTER}
+{_ADAPTER.replace("index = 0", "index = 1")}
   [[node.device]]
   fdid = 0x10
   bdf = "0000:41:00.0"
@@ -174,6 +175,7 @@ name = "beta"
 id = 8
 ram = "64GiB"
 {_ADAPTER}
+{_ADAPTER.replace("index = 0", "index = 1")}
   [[node.device]]
   fdid = 0x20
   bdf = "0000:41:00.0"
@@ -211,6 +213,9 @@ ports = ["gamma:1"]
 
 [[switch_link]]
 ends = ["sw", "sw2"]
+
+[[link]]
+ends = ["alpha:1", "beta:1"]
 """
 
 #: The same cluster on switches whose ports hold two requesters each: gamma's and delta's
@@ -240,8 +245,11 @@ PROBE_GPAS = (0x1000, 512 * MiB)
 #: A BAR0 offset no device here decodes as anything but plain memory (NVMe's registers end
 #: below it, no MSI-X table sits in BAR0 at 0).
 MMIO_REG = 0x100
-#: Cables a link fault can cut: gamma's primary and backup, a lender's, the switches' cable.
-LINKS = ("sw/gamma:0", "sw2/gamma:1", "sw/alpha:0", "sw-sw2")
+#: Cables a link fault can cut: gamma's primary and backup, a lender's, the switches' cable,
+#: and the lenders' own cable (alpha:1 to beta:1, the cheapest route between them, so
+#: peer-to-peer between alpha and beta crosses it and moves onto the switch when it dies).
+LENDERS_CABLE = "alpha:1-beta:1"
+LINKS = ("sw/gamma:0", "sw2/gamma:1", "sw/alpha:0", "sw-sw2", LENDERS_CABLE)
 
 slots = st.sampled_from(range(len(SLOTS)))
 picks = st.integers(min_value=0, max_value=len(DEVICES) - 1)
@@ -761,22 +769,44 @@ class FabricMachine(RuleBasedStateMachine):
 
     @rule(link=st.sampled_from(LINKS))
     def link_down(self, link: str) -> None:
-        """A cable fails: the devices across it are re-routed where another route is up."""
+        """A cable fails: the devices across it are re-routed where another route is up, and
+        so is peer-to-peer between two lenders."""
+        before = self._p2p_routes()
         change = self.c.fabric().set_link_up(link, False)
         assert change.changed == (link not in self.links_down)
         self.links_down.add(link)
         for f in change.faults:
             event(f"link down: {f.state}")
+        if self._p2p_routes() != before:
+            event("link down: peer-to-peer re-routed")
+
+    @precondition(lambda self: LENDERS_CABLE not in self.links_down and self._p2p_routes())
+    @rule()
+    def cut_the_lenders_cable_under_peer_to_peer(self) -> None:
+        """The cable peer-to-peer between alpha and beta takes dies while a VM's devices use
+        it: the crossing moves onto the switch (``link_down`` picks it only now and then)."""
+        self.link_down(LENDERS_CABLE)
+
+    def _p2p_routes(self) -> set[tuple[int, int, int, str]]:
+        """Each running VM's peer-to-peer maps that cross an NTB, with their routes (the
+        lenders' own cable holds no switch port, so ``p2p_crossings`` does not list them)."""
+        return {(slot, m.source, m.target, m.path.describe())
+                for slot, entry in self.vms.items()
+                if isinstance(entry.vm.p2p, P2PMapper)
+                for m in entry.vm.p2p.maps() if m.path is not None}  # fmt: skip
 
     @precondition(lambda self: self.links_down)
     @rule(link=st.sampled_from(LINKS), keep=st.booleans())
     def link_up(self, link: str, keep: bool) -> None:
         """A cable comes back, with its mappings or without (its adapters reset)."""
+        before = self._p2p_routes()
         change = self.c.fabric().set_link_up(link, True, keep_mappings=keep)
         assert change.changed == (link in self.links_down)
         self.links_down.discard(link)
         for f in change.faults:
             event(f"link up ({'kept' if keep else 'lost'}): {f.state}")
+        if self._p2p_routes() != before:
+            event("link up: peer-to-peer re-routed")
 
     @precondition(lambda self: self.drive is None or self.drive.ended is not None)
     @rule()

@@ -35,7 +35,7 @@ peer-to-peer with remote devices may.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import msgspec
 
@@ -415,7 +415,10 @@ def p2p_share(holder: Holder, target: int, bar: int) -> str:
 
 
 def p2p_claims(
-    topology: Topology, holder: Holder, devices: Sequence[DeviceSpec]
+    topology: Topology,
+    holder: Holder,
+    devices: Sequence[DeviceSpec],
+    crosses_from: Callable[[int], str | None] | None = None,
 ) -> list[tuple[int, Claim]]:
     """The adapter resources peer-to-peer among ``devices`` (one VM's, on ``holder.node``)
     can use, each owned by the target device's fdid (its hold).
@@ -428,7 +431,10 @@ def p2p_claims(
     needs the source named in that lender adapter's LUT (once per source and adapter). Where
     the guest puts the BARs is not known before it runs, so the count is the most the BAR can
     touch. ``NoPathError`` when two
-    lenders of the VM have no NTB between them."""
+    lenders of the VM have no NTB between them. ``crosses_from(fdid)``: the adapter the
+    device's own crossing leaves its lender by, where the hardware says (None: not known,
+    its route on ``topology``); a peer-to-peer route leaving by another adapter needs the
+    source named in that adapter's LUT too (a re-route after a link event can do that)."""
     from vmlend.memory.layout import PAGE
 
     out: list[tuple[int, Claim]] = []
@@ -454,7 +460,9 @@ def p2p_claims(
                 req = requester_share(source)
                 for port in route_ports(path):
                     out.append((target.fdid, Claim(port.name, ClaimKind.P2P, req, entries=1)))
-            if source.lender == holder.node:
+            if source.lender == holder.node or _leaves_by(
+                topology, source, holder.node, crosses_from
+            ) not in (None, adapter.ref):
                 rid = Claim(adapter.ref, ClaimKind.P2P, f"p2p-rid:{source.fdid:#x}", entries=1)
                 out.append((target.fdid, rid))
             if target.lender != holder.node:
@@ -463,6 +471,20 @@ def p2p_claims(
                 far = Claim(path.dst.ref, ClaimKind.P2P, f"p2p-in:{source.fdid:#x}", entries=1)
                 out.append((target.fdid, far))
     return out
+
+
+def _leaves_by(
+    topology: Topology,
+    source: DeviceSpec,
+    node: str,
+    crosses_from: Callable[[int], str | None] | None,
+) -> str | None:
+    """The adapter ``source``'s own crossing to ``node`` leaves its lender by (None: none)."""
+    known = crosses_from(source.fdid) if crosses_from is not None else None
+    if known is not None:
+        return known
+    own = route(topology, source.lender, node)
+    return own.src.ref if own is not None else None
 
 
 def _p2p_checks(

@@ -51,6 +51,7 @@ from vmlend.ledger.linkfaults import (
     LinkChange,
     LinkFault,
     follow_crossings,
+    follow_p2p,
     follow_ports,
     links_down_in,
     on_link_down,
@@ -482,6 +483,7 @@ class Ledger(ShareOps):
         def record(tx: StateTxn) -> None:
             record_faults(tx, faults, up=up)
             follow_crossings(tx, topo, self._hw)
+            follow_p2p(tx, self._topology(tx), self._hw)
 
         self._reg.transact(record)
         log.info("link %s marked %s", link, "up" if up else "down")

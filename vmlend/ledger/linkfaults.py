@@ -262,6 +262,42 @@ def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
             _move_claims(tx, fdid, claim.adapter, now.dst.ref)
 
 
+def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
+    """Peer-to-peer claims follow a link event. The mapper of a VM's peer-to-peer re-plans
+    its crossings between two lenders onto the routes that work now (the simulator's
+    ``P2PMapper``; a real host's driver does the same), which take segments, LUT entries and
+    switch port entries elsewhere. So each VM's peer-to-peer claims become what they were
+    plus what its devices need on ``live`` (the topology without the dead cables): an upper
+    bound, as these claims are, since the maps stay where they were when the new route had no
+    room. A release counts them anew and drops what no route of the VM uses any more."""
+    from vmlend.ledger.admission import p2p_claims  # it imports this module
+
+    def crosses_from(fdid: int) -> str | None:
+        # where each device's own crossing really is: one that found no live route stayed
+        # on its dead cable, so a peer-to-peer route of its lender may leave by another
+        b = hw.borrowed(fdid) if isinstance(hw, RerouteHardware) else None
+        return b.path.src.ref if b is not None and b.path is not None else None
+
+    vms: dict[tuple[str, str], list[HoldRecord]] = {}
+    for hold in tx.holds().values():
+        h = hold.holder
+        vms.setdefault((h.node, h.vm_uuid or h.vm), []).append(hold)
+    claims = tx.claims()
+    for holds in vms.values():
+        fdids = sorted(h.fdid for h in holds if live.has_device(h.fdid))
+        if len(fdids) < 2:
+            continue  # peer-to-peer needs two devices
+        try:
+            specs = [live.device(f) for f in fdids]
+            needed = p2p_claims(live, holds[0].holder, specs, crosses_from)
+        except VmlendError:  # no route left between two lenders: the maps stay cut
+            continue
+        had = [(f, c) for f, c in claims if f in fdids and c.kind is ClaimKind.P2P]
+        added = [fc for fc in needed if fc not in had]
+        if added:
+            tx.replace_claims(ClaimKind.P2P, fdids, had + added)
+
+
 def follow_ports(tx: StateTxn, topology: Topology, hw: object, fdid: int) -> None:
     """The hold of ``fdid`` claims requester entries on the switch ports its crossing passes
     now: a re-route (or a borrow made after a cable changed since the reserve) moved it to

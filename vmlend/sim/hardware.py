@@ -818,13 +818,17 @@ class SimHardware:
                 return p
         return self.route(dev.lender, node)
 
-    def attach_ingress(self, fdid: int, node: str, domain: IommuDomain) -> Requester:
+    def attach_ingress(
+        self, fdid: int, node: str, domain: IommuDomain, path: NtbPath | None = None
+    ) -> Requester:
         """Let ``fdid``'s DMA entering ``node`` be translated by ``domain`` (peer-to-peer to a
         device on a third node: ``domain`` maps to that device's BAR), giving the device a LUT
-        entry on ``node``'s adapter if it has none. Undone by ``detach_ingress`` or
+        entry on ``node``'s adapter if it has none: the adapter ``path`` enters by (the peer
+        map's route; default: the cheapest live route). Undone by ``detach_ingress`` or
         ``give_back``."""
         dev = self.device(fdid)
-        path = self.route(dev.lender, node)
+        if path is None:
+            path = self.route(dev.lender, node)
         if path is None:
             raise FabricError(f"device {fdid:#x} is local to {node}: its DMA does not cross")
         dst = self.adapter(path.dst.ref)

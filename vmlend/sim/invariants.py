@@ -785,7 +785,7 @@ class _Checker:
                 continue  # reserved: the claims are made before the hardware follows
             if (hold.holder.node, hold.holder.vm) != (b.node, b.vm):
                 continue  # ``holds`` reports it
-            between = ports_between(self.hw.topology, b.lender, b.node)
+            between = self._only_between(b.lender, b.node)
             share = requester_share(self.hw.device(fdid).spec)
             for port, claimed_share in sorted(mine - have):
                 if port in between or claimed_share != share:
@@ -795,6 +795,20 @@ class _Checker:
                         f"requester entry {claimed_share} claimed for {fdid:#x}, whose"
                         " crossing does not hold it",
                     )
+
+    def _only_between(self, lender: str, node: str) -> set[str]:
+        """The ports of routes between ``lender`` and ``node`` that no route from ``lender``
+        to another node passes: where a claim of the hold's crossing can only have been left
+        behind by a re-route (which moves a crossing between routes to the same node). A
+        port also on a route to another node may be claimed for that node: a hot migration
+        claims the destination's route before the switch-over and releases the source's after
+        it, and on a fabric with two routes between two nodes those can share a port."""
+        topology = self.hw.topology
+        others: set[str] = set()
+        for n in topology.nodes:
+            if n.name not in (lender, node):
+                others |= ports_between(topology, lender, n.name)
+        return ports_between(topology, lender, node) - others
 
     def contexts(self) -> None:
         for name, node in self.hw.nodes.items():

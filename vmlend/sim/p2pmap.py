@@ -35,12 +35,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from vmlend.errors import DeviceHeldError, FabricError, P2PError, ResourceExhaustedError
+from vmlend.errors import (
+    DeviceHeldError,
+    FabricError,
+    NoPathError,
+    P2PError,
+    ResourceExhaustedError,
+    VmlendError,
+)
 from vmlend.ledger.admission import vm_share
 from vmlend.p2p import RECORD_KIND, GuestBar, P2PMap, P2PPlan, Skipped, peer_device, plan_p2p
 from vmlend.sim.iommu import IommuDomain
 from vmlend.topology.model import BarKind, Holder
-from vmlend.topology.paths import NtbPath
+from vmlend.topology.paths import NtbPath, route
 from vmlend.topology.requesters import requester_device, route_ports
 
 if TYPE_CHECKING:
@@ -154,6 +161,8 @@ class P2PMapper:
         self._defer_records = False  # inside a borrow end: keep record changes for settle
         self._unrecorded: list[tuple[int, str, dict[str, Any] | None]] = []  # still to record
         self._unsubscribe = hardware.on_borrow_end(self._borrow_ended)
+        self._unfollow = hardware.on_link_change(self._link_changed)
+        self._rerouting = False  # inside a link event's re-plan: routes may change
         #: Each (source, target) crossing holding switch port entries now.
         self._crossings: dict[tuple[int, int], P2PCrossing] = {}
         self._unregister = hardware.add_p2p_crossings(self.crossings)
@@ -194,6 +203,7 @@ class P2PMapper:
         for fdid in sorted(self._members):
             self.remove_device(fdid)
         self._unsubscribe()
+        self._unfollow()
         self._unregister()
         self.settle()
 
@@ -211,6 +221,27 @@ class P2PMapper:
         if (borrow.node, borrow.vm) != (self.node, self.vm):
             return
         self._drop(fdid)
+
+    def _link_changed(self, link: str, up: bool) -> None:
+        """A cable went down or came back: re-plan on the routes that work now, so a crossing
+        between two lenders leaves a dead cable (as the device's own crossing does,
+        ``SimHardware.reroute``) and takes the cheapest route again once it is back. The maps
+        whose route changed are made again on the new one (segments, LUT entries, switch port
+        entries), all or nothing: when no live route is left or the new route has no room
+        (a full requester table), the maps stay where they are, cut at the dead cable, and
+        the next link event or BAR change tries again."""
+        if not self._applied:
+            return
+        self._rerouting = True
+        try:
+            self._update(self._members, self._bars)
+        except VmlendError as e:
+            log.warning(
+                "%s/%s: peer-to-peer not re-routed after link %s went %s: %s",
+                self.node, self.vm, link, "up" if up else "down", e,
+            )  # fmt: skip
+        finally:
+            self._rerouting = False
 
     def _drop(self, fdid: int) -> None:
         """Drop ``fdid``'s maps without writing the registry now (see ``settle``)."""
@@ -261,7 +292,34 @@ class P2PMapper:
             r for g in self.hw.guests() if (g.node, g.vm) == (self.node, self.vm) for r in g.ranges
         ]
         guest_bars = [g for k, g in sorted(bars.items()) if k[0] in fdids]
-        return plan_p2p(self.hw.topology, self.node, live, guest_bars, ram)
+        # the hardware's routes: over live cables only, so a re-plan after a link event moves
+        # a crossing whose cable died onto another route (``_link_changed``)
+        return plan_p2p(self.hw.topology, self.node, live, guest_bars, ram, self._route)
+
+    def _route(self, src: str, dst: str) -> NtbPath | None:
+        """The route maps between lenders ``src`` and ``dst`` take. Only a link event moves
+        maps between routes (``_link_changed``), and only onto a route that works: any other
+        re-plan, and a link event that leaves no live route, keeps the route the pair's maps
+        have, so removing one device never re-makes another's maps (which fails on a cut
+        route, inside a give-back)."""
+        held = next(
+            (
+                a.map.path
+                for a in self._applied.values()
+                if a.map.path is not None and (a.map.source_node, a.map.target_node) == (src, dst)
+            ),
+            None,
+        )
+        if held is not None and not self._rerouting:
+            return held
+        try:
+            return self.hw.route(src, dst)
+        except NoPathError:
+            if held is not None:
+                return held  # cut, and nowhere else to go: the maps stay as they are
+            # a new pair with every route cut: the cheapest, cut at its dead cable, as
+            # before link events were followed (the route coming back brings the maps back)
+            return route(self.hw.topology, src, dst)
 
     def _update(self, members: set[int], bars: dict[tuple[int, int], GuestBar]) -> None:
         plan = self._plan(members, bars)
@@ -373,7 +431,9 @@ class P2PMapper:
         if ingress_key in self._shared or not self._enters(m.source, m.target_node):
 
             def attach() -> tuple[None, Undo]:
-                self.hw.attach_ingress(m.source, m.target_node, target)
+                # on the map's own route: an undo re-making a map cut at a dead cable puts
+                # its entry back where it was, not on the live route
+                self.hw.attach_ingress(m.source, m.target_node, target, m.path)
                 return None, lambda: self.hw.detach_ingress(m.source, m.target_node)
 
             self._share(applied, ingress_key, attach)

@@ -1,0 +1,160 @@
+"""Peer-to-peer follows link events: a crossing between two lenders whose cable dies is made
+again over another live route (segments, LUT entries, switch port entries), and comes back
+to the cheapest route with the cable, as a borrowed device's own crossing does; the
+registry's peer-to-peer claims follow (proven by the invariant checker and the DMA resolver)."""
+
+from __future__ import annotations
+
+from tests.support.simcluster import Cluster
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.invariants import check_hardware, check_with_registry
+from vmlend.sim.p2pmap import P2PMapper
+from vmlend.sim.pci import regs
+from vmlend.topology.model import GiB, GuestRange, Holder, MiB
+from vmlend.topology.parse import parse_topology
+from vmlend.wiring.fabric import default_topology_text
+
+GPU, GPU2, BETA_GPU = 0x10, 0x11, 0x20  # alpha's two GPUs and beta's
+RAM = [GuestRange(0, 2 * GiB)]
+BARS = {
+    GPU: {0: (0xC000_0000, 16 * MiB)},
+    GPU2: {0: (0xC200_0000, 16 * MiB)},
+    BETA_GPU: {0: (0xC100_0000, 16 * MiB)},
+}
+BETA_CABLE = "mxs824/beta:0"
+#: beta gets a second adapter on the cascaded switch: alpha reaches it over two routes
+_BETA_1 = """  [[node.adapter]]
+  index = 1
+  model = "PXH830"
+  window = "128GiB"
+  segments = 32
+  lut_entries = 32
+  cpus = 1
+  slot = "chassis1"
+
+"""
+
+
+def two_route_text() -> str:
+    text, _source = default_topology_text()
+    at = text.index('name = "beta"')
+    device = text.index("  [[node.device]]", at)
+    text = text[:device] + _BETA_1 + text[device:]
+    text = text.replace('ports = ["gamma:1"]', 'ports = ["gamma:1", "beta:1"]')
+    return text
+
+
+def hardware(devices: tuple[int, ...] = (GPU, BETA_GPU)) -> SimHardware:
+    hw = SimHardware.from_topology(parse_topology(two_route_text()))
+    hw.create_guest("gamma", "web", RAM)
+    for f in devices:
+        hw.borrow(f, "gamma", "web")
+        hw.device(f).config.write(regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER)
+    return hw
+
+
+def program(p2p: P2PMapper, fdid: int) -> None:
+    for index, (gpa, size) in BARS[fdid].items():
+        p2p.program_bar(fdid, index, gpa, size)
+
+
+def lands(hw: SimHardware, data: bytes) -> None:
+    """alpha's GPU writes into beta's GPU's BAR 0 at its guest-physical address."""
+    gpa, _size = BARS[BETA_GPU][0]
+    (target,) = hw.dma_write(GPU, gpa + 0x40, data)
+    assert target is not None, "dropped at a dead cable"
+    assert (target.kind, target.owner, target.bar, target.node) == ("bar", BETA_GPU, 0, "beta")
+    assert hw.dma_read(GPU, gpa + 0x40, len(data)) == data
+
+
+def crossing(p2p: P2PMapper) -> str:
+    (c,) = [c for c in p2p.crossings() if (c.source, c.target) == (GPU, BETA_GPU)]
+    return c.path.describe()
+
+
+def clean(hw: SimHardware) -> None:
+    found = check_hardware(hw)
+    assert not found, "\n".join(map(str, found))
+
+
+def test_a_crossing_between_lenders_leaves_a_dead_cable_and_comes_back_with_it():
+    hw = hardware()
+    p2p = P2PMapper(hw, "gamma", "web")
+    program(p2p, GPU)
+    program(p2p, BETA_GPU)
+    assert crossing(p2p) == "alpha:0 -> beta:0 via mxs824"
+    lands(hw, b"before")
+    hw.link_down(BETA_CABLE)
+    assert crossing(p2p) == "alpha:0 -> beta:1 via mxs824, mxs824b"
+    lands(hw, b"rerouted")  # through beta's other adapter
+    assert "alpha/0000:41:00" not in hw.switch_ports.entries(BETA_CABLE)  # left the dead port
+    clean(hw)
+    hw.link_up(BETA_CABLE)
+    assert crossing(p2p) == "alpha:0 -> beta:0 via mxs824"
+    lands(hw, b"back")
+    clean(hw)
+    p2p.close()
+    clean(hw)
+
+
+def test_with_no_live_route_left_the_maps_stay_cut_and_follow_the_cable_back():
+    hw = hardware()
+    p2p = P2PMapper(hw, "gamma", "web")
+    program(p2p, GPU)
+    program(p2p, BETA_GPU)
+    hw.link_down("mxs824/alpha:0")  # alpha's only cable: no route from alpha at all
+    assert crossing(p2p) == "alpha:0 -> beta:0 via mxs824"
+    gpa, _size = BARS[BETA_GPU][0]
+    assert not any(hw.dma_write(GPU, gpa, b"cut"))  # dropped at the dead cable
+    assert hw.dma_read(GPU, gpa, 4) == b"\xff" * 4
+    clean(hw)
+    program(p2p, BETA_GPU)  # a BAR programmed meanwhile maps on the cut route, as before
+    hw.link_up("mxs824/alpha:0")
+    lands(hw, b"back")
+    clean(hw)
+    p2p.close()
+
+
+def test_a_give_back_while_every_route_is_cut_leaves_the_other_maps_alone():
+    """Found by the state machine: with the maps of alpha and beta on a route that died and
+    no other one up, giving one of alpha's GPUs back re-planned the other GPU's maps onto
+    another route and failed to make them there, inside the give-back (the device fenced).
+    Only a link event moves maps between routes."""
+    hw = hardware((GPU, GPU2, BETA_GPU))
+    p2p = P2PMapper(hw, "gamma", "web")
+    for f in (GPU, GPU2, BETA_GPU):
+        program(p2p, f)
+    hw.link_down(BETA_CABLE)  # onto beta:1
+    hw.link_down("mxs824-mxs824b")  # and that one dies too: no route from alpha to beta
+    before = [m for m in p2p.maps() if GPU not in (m.source, m.target)]
+    hw.give_back(GPU)
+    assert hw.fenced(GPU) is None
+    assert p2p.maps() == before
+    clean(hw)
+    p2p.close()
+
+
+def test_the_registry_claims_follow_the_rerouted_crossing(tmp_path):
+    c = Cluster.create(tmp_path / "state.db", two_route_text())
+    try:
+        holder = Holder("gamma", "web")
+        fabric = c.fabric()
+        for f in (GPU, BETA_GPU):
+            fabric.reserve(f, holder, guest_ram=2 * GiB)
+        c.hw.create_guest("gamma", "web", RAM)
+        for f in (GPU, BETA_GPU):
+            fabric.borrow(f, holder)
+        p2p = P2PMapper(c.hw, "gamma", "web")
+        program(p2p, GPU)
+        program(p2p, BETA_GPU)
+        assert not check_with_registry(c.hw, c.registry)
+        fabric.set_link_up(BETA_CABLE, False)
+        assert crossing(p2p) == "alpha:0 -> beta:1 via mxs824, mxs824b"
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        fabric.set_link_up(BETA_CABLE, True)
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        p2p.close()
+    finally:
+        c.close()
