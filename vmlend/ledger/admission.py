@@ -419,6 +419,7 @@ def p2p_claims(
     holder: Holder,
     devices: Sequence[DeviceSpec],
     crosses_from: Callable[[int], str | None] | None = None,
+    route_of: Callable[[DeviceSpec, DeviceSpec], NtbPath | None] | None = None,
 ) -> list[tuple[int, Claim]]:
     """The adapter resources peer-to-peer among ``devices`` (one VM's, on ``holder.node``)
     can use, each owned by the target device's fdid (its hold).
@@ -434,7 +435,10 @@ def p2p_claims(
     lenders of the VM have no NTB between them. ``crosses_from(fdid)``: the adapter the
     device's own crossing leaves its lender by, where the hardware says (None: not known,
     its route on ``topology``); a peer-to-peer route leaving by another adapter needs the
-    source named in that adapter's LUT too (a re-route after a link event can do that)."""
+    source named in that adapter's LUT too (a re-route after a link event can do that).
+    ``route_of(source, target)``: the route peer-to-peer from ``source`` to ``target`` takes
+    (default: the cheapest on ``topology``; after a link event, the one the hardware's maps
+    use)."""
     from vmlend.memory.layout import PAGE
 
     out: list[tuple[int, Claim]] = []
@@ -442,7 +446,10 @@ def p2p_claims(
         for source in sorted(devices, key=lambda d: d.fdid):
             if source.fdid == target.fdid:
                 continue
-            path = route(topology, source.lender, target.lender)
+            if route_of is not None:
+                path = route_of(source, target)
+            else:
+                path = route(topology, source.lender, target.lender)
             if path is None:
                 continue  # same lender: the lender IOMMU alone, no NTB resource
             adapter = path.src

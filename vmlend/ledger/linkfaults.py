@@ -26,7 +26,7 @@ from vmlend.errors import NoPathError, VmlendError
 from vmlend.registry import HoldRecord, Phase, StateTxn, same_holder
 from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.records import Claim, ClaimKind
-from vmlend.topology.model import Holder, Topology
+from vmlend.topology.model import DeviceSpec, Holder, Topology
 from vmlend.topology.paths import NtbPath, route
 from vmlend.topology.requesters import is_port, ports_between, requester_share, route_ports
 
@@ -266,10 +266,12 @@ def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
     """Peer-to-peer claims follow a link event. The mapper of a VM's peer-to-peer re-plans
     its crossings between two lenders onto the routes that work now (the simulator's
     ``P2PMapper``; a real host's driver does the same), which take segments, LUT entries and
-    switch port entries elsewhere. So each VM's peer-to-peer claims become what they were
-    plus what its devices need on ``live`` (the topology without the dead cables): an upper
-    bound, as these claims are, since the maps stay where they were when the new route had no
-    room. A release counts them anew and drops what no route of the VM uses any more."""
+    switch port entries elsewhere, or leaves them where they were when the new route has no
+    room. So each VM's peer-to-peer claims are counted again on the routes its maps use now
+    (where the hardware lists a pair's crossing, its route; else, for a pair not mapped
+    yet, the cheapest live one), and replace the old ones: exact, so link events
+    going back and forth do not pile claims up (a hot move's hand-over re-makes every claim
+    in one transaction, within etcd's 128 operations)."""
     from vmlend.ledger.admission import p2p_claims  # it imports this module
 
     def crosses_from(fdid: int) -> str | None:
@@ -277,6 +279,15 @@ def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
         # on its dead cable, so a peer-to-peer route of its lender may leave by another
         b = hw.borrowed(fdid) if isinstance(hw, RerouteHardware) else None
         return b.path.src.ref if b is not None and b.path is not None else None
+
+    # the route each mapped pair's maps take, as the hardware lists them
+    mapped = {(x.source, x.target): x.path for x in getattr(hw, "p2p_crossings", list)()}
+
+    def route_of(source: DeviceSpec, target: DeviceSpec) -> NtbPath | None:
+        if source.lender == target.lender:
+            return None
+        found = mapped.get((source.fdid, target.fdid))
+        return found if found is not None else route(live, source.lender, target.lender)
 
     vms: dict[tuple[str, str], list[HoldRecord]] = {}
     for hold in tx.holds().values():
@@ -289,13 +300,12 @@ def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
             continue  # peer-to-peer needs two devices
         try:
             specs = [live.device(f) for f in fdids]
-            needed = p2p_claims(live, holds[0].holder, specs, crosses_from)
+            needed = p2p_claims(live, holds[0].holder, specs, crosses_from, route_of)
         except VmlendError:  # no route left between two lenders: the maps stay cut
             continue
         had = [(f, c) for f, c in claims if f in fdids and c.kind is ClaimKind.P2P]
-        added = [fc for fc in needed if fc not in had]
-        if added:
-            tx.replace_claims(ClaimKind.P2P, fdids, had + added)
+        if set(needed) != set(had):
+            tx.replace_claims(ClaimKind.P2P, fdids, needed)
 
 
 def follow_ports(tx: StateTxn, topology: Topology, hw: object, fdid: int) -> None:

@@ -208,7 +208,8 @@ class P2PMapper:
         self.settle()
 
     def crossings(self) -> list[P2PCrossing]:
-        """The crossings between the VM's devices' lenders that hold switch port entries."""
+        """The crossings between the VM's devices' lenders, each with the route its maps take
+        (those over a cluster switch hold its ports' requester entries)."""
         return [c for _k, c in sorted(self._crossings.items())]
 
     def settle(self) -> None:
@@ -459,20 +460,21 @@ class P2PMapper:
 
     def _hold_ports(self, applied: _Applied, crossing: P2PCrossing) -> None:
         """The source's requester entry on each switch port of the crossing (shared by the
-        target's BARs): a full port raises ``SwitchPortFullError``, nothing changed."""
+        target's BARs): a full port raises ``SwitchPortFullError``, nothing changed. The
+        crossing is listed either way (``crossings``), with the route its maps take."""
         ports = route_ports(crossing.path)
-        if not ports:
-            return
         requester = requester_device(self.hw.device(crossing.source).spec)
         pair = (crossing.source, crossing.target)
 
         def hold() -> tuple[None, Undo]:
-            self.hw.switch_ports.add(ports, requester, crossing.user)
+            if ports:
+                self.hw.switch_ports.add(ports, requester, crossing.user)
             self._crossings[pair] = crossing
 
             def release() -> None:
                 self._crossings.pop(pair, None)
-                self.hw.switch_ports.remove(ports, requester, crossing.user)
+                if ports:
+                    self.hw.switch_ports.remove(ports, requester, crossing.user)
 
             return None, release
 
