@@ -56,6 +56,7 @@ from vmlend.ledger.linkfaults import (
     links_down_in,
     on_link_down,
     on_link_up,
+    p2p_on_hardware,
     record_faults,
     recorded_faults,
 )
@@ -748,7 +749,11 @@ class Ledger(ShareOps):
             return
         specs = [topo.device(f) for f in left if topo.has_device(f)]
         try:
-            claims = p2p_claims(topo, holder, specs)
+            # on the routes the hardware's maps and borrows take, as a link event counted
+            # them: after a re-route those are not the cheapest live ones, and a count on
+            # these dropped the LUT entry of a source whose own crossing stayed on a dead
+            # cable while its peer-to-peer left by another adapter (the state machine)
+            claims = p2p_on_hardware(topo, holder, specs, self._hw)
         except VmlendError as e:  # the remaining devices were admitted; keep their claims
             log.warning("peer-to-peer claims of %s kept as they were: %s", holder, e)
             return

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -262,25 +262,22 @@ def follow_crossings(tx: StateTxn, topology: Topology, hw: object) -> None:
             _move_claims(tx, fdid, claim.adapter, now.dst.ref)
 
 
-def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
-    """Peer-to-peer claims follow a link event. The mapper of a VM's peer-to-peer re-plans
-    its crossings between two lenders onto the routes that work now (the simulator's
-    ``P2PMapper``; a real host's driver does the same), which take segments, LUT entries and
-    switch port entries elsewhere, or leaves them where they were when the new route has no
-    room. So each VM's peer-to-peer claims are counted again on the routes its maps use now
-    (where the hardware lists a pair's crossing, its route; else, for a pair not mapped
-    yet, the cheapest live one), and replace the old ones: exact, so link events
-    going back and forth do not pile claims up (a hot move's hand-over re-makes every claim
-    in one transaction, within etcd's 128 operations)."""
+def p2p_on_hardware(
+    live: Topology, holder: Holder, specs: Sequence[DeviceSpec], hw: object
+) -> list[tuple[int, Claim]]:
+    """The peer-to-peer claims of ``holder``'s devices ``specs``, counted on the routes the
+    hardware's maps take (where it lists a pair's crossing; else, for a pair not mapped yet,
+    the cheapest on ``live``) and from the adapter each device's own crossing really leaves
+    its lender by: after a link event these are not the cheapest live routes (a crossing
+    with no other route stays on its dead cable, so peer-to-peer re-routed off that cable
+    leaves by another adapter and holds an entry of its own there). ``NoPathError`` when two
+    lenders have no route between them. Without hardware (``hw`` None), the topology's."""
     from vmlend.ledger.admission import p2p_claims  # it imports this module
 
     def crosses_from(fdid: int) -> str | None:
-        # where each device's own crossing really is: one that found no live route stayed
-        # on its dead cable, so a peer-to-peer route of its lender may leave by another
         b = hw.borrowed(fdid) if isinstance(hw, RerouteHardware) else None
         return b.path.src.ref if b is not None and b.path is not None else None
 
-    # the route each mapped pair's maps take, as the hardware lists them
     mapped = {(x.source, x.target): x.path for x in getattr(hw, "p2p_crossings", list)()}
 
     def route_of(source: DeviceSpec, target: DeviceSpec) -> NtbPath | None:
@@ -289,6 +286,17 @@ def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
         found = mapped.get((source.fdid, target.fdid))
         return found if found is not None else route(live, source.lender, target.lender)
 
+    return p2p_claims(live, holder, specs, crosses_from, route_of)
+
+
+def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
+    """Peer-to-peer claims follow a link event. The mapper of a VM's peer-to-peer re-plans
+    its crossings between two lenders onto the routes that work now (the simulator's
+    ``P2PMapper``; a real host's driver does the same), which take segments, LUT entries and
+    switch port entries elsewhere, or leaves them where they were when the new route has no
+    room. So each VM's peer-to-peer claims are counted again on the routes its maps use now
+    (``p2p_on_hardware``) and replace the old ones: exact, so link events going back and
+    forth do not pile claims up. A release counts them the same way (``Ledger.release``)."""
     vms: dict[tuple[str, str], list[HoldRecord]] = {}
     for hold in tx.holds().values():
         h = hold.holder
@@ -300,7 +308,7 @@ def follow_p2p(tx: StateTxn, live: Topology, hw: object) -> None:
             continue  # peer-to-peer needs two devices
         try:
             specs = [live.device(f) for f in fdids]
-            needed = p2p_claims(live, holds[0].holder, specs, crosses_from, route_of)
+            needed = p2p_on_hardware(live, holds[0].holder, specs, hw)
         except VmlendError:  # no route left between two lenders: the maps stay cut
             continue
         had = [(f, c) for f, c in claims if f in fdids and c.kind is ClaimKind.P2P]
@@ -378,8 +386,7 @@ def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set
             mine = [
                 c
                 for c in kept
-                if c["kind"] == ClaimKind.LUT.value
-                and str(c["adapter"]).rsplit(":", 1)[0] == node
+                if c["kind"] == ClaimKind.LUT.value and str(c["adapter"]).rsplit(":", 1)[0] == node
             ]
             for c, adapter in zip(mine, want, strict=False):
                 c["adapter"] = adapter

@@ -6,6 +6,7 @@ registry's peer-to-peer claims follow (proven by the invariant checker and the D
 from __future__ import annotations
 
 from tests.support.simcluster import Cluster
+from vmlend.registry.records import FenceRecord
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import check_hardware, check_with_registry
 from vmlend.sim.p2pmap import P2PMapper
@@ -14,12 +15,13 @@ from vmlend.topology.model import GiB, GuestRange, Holder, MiB
 from vmlend.topology.parse import parse_topology
 from vmlend.wiring.fabric import default_topology_text
 
-GPU, GPU2, BETA_GPU = 0x10, 0x11, 0x20  # alpha's two GPUs and beta's
+GPU, GPU2, BETA_GPU, BETA_NIC = 0x10, 0x11, 0x20, 0x21  # alpha's two GPUs, beta's GPU, NIC
 RAM = [GuestRange(0, 2 * GiB)]
 BARS = {
     GPU: {0: (0xC000_0000, 16 * MiB)},
     GPU2: {0: (0xC200_0000, 16 * MiB)},
     BETA_GPU: {0: (0xC100_0000, 16 * MiB)},
+    BETA_NIC: {0: (0xC300_0000, 1 * MiB)},
 }
 BETA_CABLE = "mxs824/beta:0"
 #: beta gets a second adapter on the cascaded switch: alpha reaches it over two routes
@@ -153,6 +155,52 @@ def test_the_registry_claims_follow_the_rerouted_crossing(tmp_path):
         found = check_with_registry(c.hw, c.registry)
         assert not found, "\n".join(map(str, found))
         fabric.set_link_up(BETA_CABLE, True)
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        p2p.close()
+    finally:
+        c.close()
+
+
+def test_a_take_back_after_a_reroute_keeps_the_entry_a_source_left_on_the_new_route(tmp_path):
+    """Found by the SQLite state machine (CI's derandomized run): a VM on alpha with alpha's
+    GPU and beta's GPU and NIC; beta's cable dies; the borrows of beta's devices have no
+    other route from their adapter and stay on it, while peer-to-peer from them to alpha's
+    GPU moves onto beta's other adapter, where each source gets a LUT entry of its own. The
+    GPU's hold then ends and the lender takes it back: the release counted the claims of the
+    pairs left anew on the cheapest live route, taking the NIC's crossing to leave by that
+    adapter too, and dropped the claim of its entry there (the checker: beta:1 with an entry
+    in use that nothing claims). The pair left still works, and its claims cover it."""
+    c = Cluster.create(tmp_path / "state.db", two_route_text())
+    try:
+        holder = Holder("alpha", "c")
+        fabric = c.fabric("alpha")
+        devices = (GPU, BETA_GPU, BETA_NIC)
+        for f in devices:
+            fabric.reserve(f, holder, guest_ram=2 * GiB)
+        c.hw.create_guest("alpha", "c", RAM)
+        for f in devices:
+            fabric.borrow(f, holder)
+            c.hw.device(f).config.write(regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER)
+        p2p = P2PMapper(c.hw, "alpha", "c")
+        for f in devices:
+            program(p2p, f)
+        fabric.set_link_up(BETA_CABLE, False)
+        (nic,) = [x for x in p2p.crossings() if (x.source, x.target) == (BETA_NIC, GPU)]
+        assert nic.path.describe() == "beta:1 -> alpha:0 via mxs824b, mxs824"
+        borrow = c.hw.borrowed(BETA_NIC)
+        assert borrow is not None and borrow.path is not None
+        assert borrow.path.src.ref == "beta:0"  # its own crossing stayed on the dead cable
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        with c.registry.read() as tx:
+            hold = tx.hold(BETA_GPU)
+        assert hold is not None
+        fabric.release(BETA_GPU, holder)
+        c.fabric("beta").take_back(FenceRecord(BETA_GPU, holder, hold.token))
+        gpa, _size = BARS[GPU][0]
+        (target,) = c.hw.dma_write(BETA_NIC, gpa + 0x40, b"left")
+        assert target is not None and (target.owner, target.node) == (GPU, "alpha")
         found = check_with_registry(c.hw, c.registry)
         assert not found, "\n".join(map(str, found))
         p2p.close()
