@@ -477,7 +477,9 @@ def p2p_claims(
                 # towards the borrower itself the source's borrow made that entry already
                 far = Claim(path.dst.ref, ClaimKind.P2P, f"p2p-in:{source.fdid:#x}", entries=1)
                 out.append((target.fdid, far))
-    return out
+    # once each: two sources through one adapter claim a BAR's segments there alike, and a
+    # copy is one key more in every transaction that re-makes the hold (a hand-over)
+    return list(dict.fromkeys(out))
 
 
 def _leaves_by(

@@ -262,6 +262,9 @@ class EtcdTxn:
         self._fresh: set[str] = set()
         self._range_deletes: list[str] = []
         self._claimed: dict[str, dict[tuple[str, str], int]] = {}
+        #: Claim keys of holds this transaction dropped, by fdid: a hold made again in it
+        #: (a hand-over) writes its claims under them (``add_hold``).
+        self._dropped_claims: dict[int, list[str]] = {}
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
     def _write(self) -> None:
@@ -461,11 +464,16 @@ class EtcdTxn:
         n = min(n, left)
         sizes = [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
         begin = hint % cap if cap else 0
+        # blocks this transaction gave back (a hand-over moves a VM's units to its VM on the
+        # destination): taken again first, a put over a delete being one operation, not two
+        dropped = [k for k, v in self._writes.items() if v is None]
+        freed = sorted(self._spans(adapter, unit, dropped))
         picked: list[tuple[int, int]] = []
         while sizes:
             size = sizes.pop(0)
             first = -(-begin // size) * size
             starts = (
+                *(s for s, z in freed if z == size),
                 *range(first, cap - size + 1, size),
                 *range(0, min(first, cap - size + 1), size),
             )
@@ -490,7 +498,10 @@ class EtcdTxn:
                     holding = start - start % outer
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
-            self._put(self._k.unit_block(adapter, unit, start, size), value, leased=True)
+            # fresh: a block given back in this transaction and taken again is the new VM's
+            # and takes this host's lease, not the lease it had
+            key = self._k.unit_block(adapter, unit, start, size)
+            self._put(key, value, leased=True, fresh=True)
         if run:
             self._snap.guard(*self._k.unit_block_range(adapter, unit, *run))
         return sorted(picked)
@@ -941,8 +952,23 @@ class EtcdTxn:
         if self._hold_dict(hold.fdid) is not None:
             raise StateError(f"device {hold.fdid:#x} is already held")
         keys = []
-        for n, c in enumerate(claims):
-            key = self._k.claim(c.adapter, hold.fdid, n)
+        # A hold made again in the transaction that dropped it (a hand-over) writes each claim
+        # over a dropped key of the same adapter: a put where a delete and a put were two
+        # operations (a VM of three devices across two lenders went over etcd's 128).
+        dropped = self._dropped_claims.pop(hold.fdid, [])
+        reuse: dict[str, list[str]] = {}
+        for key in dropped:
+            reuse.setdefault(key.rsplit("/", 2)[0] + "/", []).append(key)  # its adapter's
+        taken = set(dropped)
+        n = 0
+        for c in claims:
+            spare = reuse.get(self._k.claims_on(c.adapter))
+            if spare:
+                key = spare.pop(0)
+            else:
+                while (key := self._k.claim(c.adapter, hold.fdid, n)) in taken:
+                    n += 1
+                taken.add(key)
             claim = enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)})
             self._put(key, claim, leased=True, fresh=True)
             keys.append(key)
@@ -982,6 +1008,7 @@ class EtcdTxn:
             return
         for key in d.get("claims", []):
             self._delete(key)
+        self._dropped_claims[fdid] = list(d.get("claims", []))
         for key in self._range(self._k.runtime_of(fdid)):
             self._delete(key)
         self._delete(self._k.hold(fdid))

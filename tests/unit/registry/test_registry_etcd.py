@@ -501,7 +501,8 @@ def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, 
     """A hot migration's hand-over re-makes the hold under its key: the destination's hold,
     its claims and its index entry go on the destination host's lease. Before, the hold and
     the claims kept the source's lease (a rewritten key keeps its lease), so stopping the
-    source's agent after moving its VMs away ended the destination's hold with it."""
+    source's agent after moving its VMs away ended the destination's hold with it. Its unit
+    blocks too: the blocks it gives back are taken again, put over their own keys."""
     from vmlend.ledger import handover
     from vmlend.registry.etcd_gateway import prefix_end
     from vmlend.registry.etcd_keys import Keys
@@ -529,4 +530,7 @@ def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, 
     assert leases(keys.held_on("beta", 0x10)) == {beta}
     for prefix in claims:
         assert leases(prefix + "0x10/") == {beta}, prefix
+    # and so do its unit blocks, those it gave back and took again in the same transaction
+    for a in ("alpha:0", "gamma:0"):
+        assert leases(keys.units_of(a)) == {beta}, a
     gw.close()
