@@ -282,11 +282,14 @@ def admit(
     guest_ram: GuestRam | int = 0,
     holder: Holder | None = None,
     msi_over_ntb: bool = False,
+    p2p_count: P2PCount | None = None,
 ) -> Admission:
     """Check whether ``borrower`` (for ``holder``'s VM with RAM ``guest_ram``) may take
     ``fdid``. Checks that cannot be evaluated after an earlier failure (no device, no path)
     are left out. ``msi_over_ntb`` also asks for an interrupt window (``msiadmit``), which is
-    never a reason to refuse."""
+    never a reason to refuse. ``p2p_count``: how the VM's peer-to-peer claims are counted
+    (default ``p2p_claims``; a ledger with hardware counts them on the routes its maps take,
+    ``linkfaults.p2p_on_hardware``)."""
     adm = Admission()
     ram = guest_ram_of(guest_ram)
     try:
@@ -357,7 +360,7 @@ def admit(
         _resource_checks(adm, topology, view, spec, path, ram, holder)
         if msi_over_ntb:
             _msi_check(adm, topology, view, spec, path, holder)
-    _p2p_checks(adm, topology, view, spec, holder)
+    _p2p_checks(adm, topology, view, spec, holder, p2p_count or p2p_claims)
     return adm
 
 
@@ -408,6 +411,10 @@ def _bar_chunks(size: int, segment: int) -> int:
     chunks = -(-size // segment)
     aligned = size & (size - 1) == 0 and (segment % size == 0 or size % segment == 0)
     return chunks if aligned else chunks + 1
+
+
+#: ``count(topology, holder, devices)``: a VM's peer-to-peer claims (``p2p_claims``'s shape).
+P2PCount = Callable[[Topology, Holder, Sequence[DeviceSpec]], list[tuple[int, Claim]]]
 
 
 def p2p_share(holder: Holder, target: int, bar: int) -> str:
@@ -497,7 +504,12 @@ def _leaves_by(
 
 
 def _p2p_checks(
-    adm: Admission, topology: Topology, view: StateView, spec: DeviceSpec, holder: Holder | None
+    adm: Admission,
+    topology: Topology,
+    view: StateView,
+    spec: DeviceSpec,
+    holder: Holder | None,
+    count: P2PCount,
 ) -> None:
     if holder is None:
         adm.add("p2p", "no VM given: peer-to-peer not counted")
@@ -512,7 +524,7 @@ def _p2p_checks(
         except UnknownDeviceError:
             continue  # a hold on a device the topology no longer has: nothing to reach
     try:
-        p2p = p2p_claims(topology, holder, specs)
+        p2p = count(topology, holder, specs)
     except FabricError as e:  # two lenders of the VM that no NTB joins
         adm.add("p2p", "", e)
         return

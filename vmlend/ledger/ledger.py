@@ -43,7 +43,6 @@ from vmlend.ledger.admission import (
     admit_vm,
     guest_ram_of,
     lender_problem,
-    p2p_claims,
     ports_in_use,
 )
 from vmlend.ledger.admission import usage as adapter_usage
@@ -543,7 +542,10 @@ class Ledger(ShareOps):
         with self._reg.read() as tx:
             topo = self._topology(tx)
             view = self._view(tx, topo, fdid, borrower, holder)
-            return admit(topo, view, fdid, borrower, guest_ram, holder, msi_over_ntb).checks
+            adm = admit(
+                topo, view, fdid, borrower, guest_ram, holder, msi_over_ntb, self._p2p_count
+            )
+            return adm.checks
 
     def vm_admission(
         self,
@@ -573,9 +575,8 @@ class Ledger(ShareOps):
             nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
         )
 
-    @staticmethod
     def _view(
-        tx: StateTxn, topo: Topology, fdid: int, borrower: str, holder: Holder | None
+        self, tx: StateTxn, topo: Topology, fdid: int, borrower: str, holder: Holder | None
     ) -> StateView:
         """What admission of ``fdid`` for ``borrower`` decides on, and nothing more, so a
         reserve reads (and, on etcd, conflicts on) a few keys however big the fabric:
@@ -585,7 +586,7 @@ class Ledger(ShareOps):
           own other devices;
         - the claims on the two adapters of the device's path (LUT, DMA and BAR windows, the
           MSI window share) and on every adapter that peer-to-peer among the VM's devices
-          would use (``p2p_claims``: their segments and LUT entries are counted there).
+          would use (``_p2p_count``: their segments and LUT entries are counted there).
         """
         try:
             spec = topo.device(fdid)
@@ -608,7 +609,7 @@ class Ledger(ShareOps):
             ]
             # two lenders no NTB joins: admit refuses, and reads no claims for it
             with contextlib.suppress(FabricError):
-                adapters += [c.adapter for _f, c in p2p_claims(topo, holder, specs)]
+                adapters += [c.adapter for _f, c in self._p2p_count(topo, holder, specs)]
         return StateView(
             nodes={} if node is None else {spec.lender: node},
             devices={} if rec is None else {fdid: rec},
@@ -662,7 +663,7 @@ class Ledger(ShareOps):
             if fence is not None:  # the last holder's lease ended; the lender must reset it
                 raise DeviceFencedError(fdid, spec.lender, str(fence.holder))
             view = self._view(tx, topo, fdid, holder.node, holder)
-            adm = admit(topo, view, fdid, holder.node, ram, holder, msi_over_ntb)
+            adm = admit(topo, view, fdid, holder.node, ram, holder, msi_over_ntb, self._p2p_count)
             adm.raise_if_refused()
             record = HoldRecord(fdid, holder, stamp, Phase.RESERVED, ram.size)
             tx.add_hold(record, adm.claims)
@@ -738,6 +739,15 @@ class Ledger(ShareOps):
             log.info("released %#x from %s", fdid, holder)
         return mine
 
+    def _p2p_count(
+        self, topo: Topology, holder: Holder, specs: Sequence[DeviceSpec]
+    ) -> list[tuple[int, Claim]]:
+        """The peer-to-peer claims of ``holder``'s devices ``specs`` on the routes this
+        node's hardware has their maps and borrows take (``p2p_on_hardware``): a reserve's
+        admission and a release count them as a link event does, or after a re-route they
+        drop the claim of an entry the maps still use (found by the state machine)."""
+        return p2p_on_hardware(topo, holder, specs, self._hw)
+
     def _reclaim_p2p(self, tx: StateTxn, holder: Holder) -> None:
         """Re-count the peer-to-peer claims of ``holder``'s remaining devices: a device gone
         takes its pairs with it, whichever hold owned their claims."""
@@ -753,7 +763,7 @@ class Ledger(ShareOps):
             # them: after a re-route those are not the cheapest live ones, and a count on
             # these dropped the LUT entry of a source whose own crossing stayed on a dead
             # cable while its peer-to-peer left by another adapter (the state machine)
-            claims = p2p_on_hardware(topo, holder, specs, self._hw)
+            claims = self._p2p_count(topo, holder, specs)
         except VmlendError as e:  # the remaining devices were admitted; keep their claims
             log.warning("peer-to-peer claims of %s kept as they were: %s", holder, e)
             return

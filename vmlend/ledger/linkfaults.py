@@ -274,11 +274,20 @@ def p2p_on_hardware(
     lenders have no route between them. Without hardware (``hw`` None), the topology's."""
     from vmlend.ledger.admission import p2p_claims  # it imports this module
 
+    vm = (holder.node, holder.vm)
+
     def crosses_from(fdid: int) -> str | None:
         b = hw.borrowed(fdid) if isinstance(hw, RerouteHardware) else None
-        return b.path.src.ref if b is not None and b.path is not None else None
+        if b is None or b.path is None or (getattr(b, "node", ""), getattr(b, "vm", "")) != vm:
+            return None  # not this VM's borrow (yet): its route on ``live``
+        return b.path.src.ref
 
-    mapped = {(x.source, x.target): x.path for x in getattr(hw, "p2p_crossings", list)()}
+    # this VM's mapper's crossings only (a hot move has one on each node for a while)
+    mapped = {
+        (x.source, x.target): x.path
+        for x in getattr(hw, "p2p_crossings", list)()
+        if (x.node, x.vm) == vm
+    }
 
     def route_of(source: DeviceSpec, target: DeviceSpec) -> NtbPath | None:
         if source.lender == target.lender:

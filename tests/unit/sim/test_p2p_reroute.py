@@ -206,3 +206,39 @@ def test_a_take_back_after_a_reroute_keeps_the_entry_a_source_left_on_the_new_ro
         p2p.close()
     finally:
         c.close()
+
+
+def test_a_device_hot_plugged_after_a_reroute_leaves_the_vms_entries_claimed(tmp_path):
+    """The same hand-over through a reserve: a VM on alpha with alpha's GPU and beta's GPU,
+    beta's cable cut (beta's GPU's own crossing stays on it, its peer-to-peer leaves by
+    beta's other adapter, with an entry of its own there), then beta's NIC hot-plugged.
+    The reserve's admission counted the VM's peer-to-peer claims anew on the cheapest live
+    route and dropped the GPU's entry there; the NIC's borrow took one more entry on that
+    adapter than was claimed. It counts them on the routes the maps take now."""
+    c = Cluster.create(tmp_path / "state.db", two_route_text())
+    try:
+        holder = Holder("alpha", "c")
+        fabric = c.fabric("alpha")
+        c.hw.create_guest("alpha", "c", RAM)
+        p2p = P2PMapper(c.hw, "alpha", "c")
+
+        def plug(fdid: int) -> None:
+            fabric.reserve(fdid, holder, guest_ram=2 * GiB)
+            fabric.borrow(fdid, holder)
+            command = regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+            c.hw.device(fdid).config.write(regs.COMMAND, 2, command)
+            program(p2p, fdid)
+            found = check_with_registry(c.hw, c.registry)
+            assert not found, f"{fdid:#x}\n" + "\n".join(map(str, found))
+
+        plug(GPU)
+        plug(BETA_GPU)
+        fabric.set_link_up(BETA_CABLE, False)
+        assert not check_with_registry(c.hw, c.registry)
+        plug(BETA_NIC)
+        gpa, _size = BARS[GPU][0]
+        (target,) = c.hw.dma_write(BETA_NIC, gpa + 0x40, b"plugged")
+        assert target is not None and (target.owner, target.node) == (GPU, "alpha")
+        p2p.close()
+    finally:
+        c.close()
