@@ -265,6 +265,7 @@ class EtcdTxn:
         #: Claim keys of holds this transaction dropped, by fdid: a hold made again in it
         #: (a hand-over) writes its claims under them (``add_hold``).
         self._dropped_claims: dict[int, list[str]] = {}
+        self._fresh_units = False  # inside ``add_hold``: the unit blocks taken are fresh
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
     def _write(self) -> None:
@@ -498,10 +499,10 @@ class EtcdTxn:
                     holding = start - start % outer
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
-            # fresh: a block given back in this transaction and taken again is the new VM's
-            # and takes this host's lease, not the lease it had
+            # a new hold's (``add_hold``): on this host's lease like the hold, also a block
+            # given back in this transaction and taken again (else it kept the lease it had)
             key = self._k.unit_block(adapter, unit, start, size)
-            self._put(key, value, leased=True, fresh=True)
+            self._put(key, value, leased=True, fresh=self._fresh_units)
         if run:
             self._snap.guard(*self._k.unit_block_range(adapter, unit, *run))
         return sorted(picked)
@@ -980,7 +981,11 @@ class EtcdTxn:
         self._touch_vm(hold.holder, hold.fdid)
         rows = [self._row(c) for c in claims]
         if rows:
-            self._set_ledger_rows(hold.holder.node, hold.holder.vm, hold.fdid, rows)
+            self._fresh_units = True
+            try:
+                self._set_ledger_rows(hold.holder.node, hold.holder.vm, hold.fdid, rows)
+            finally:
+                self._fresh_units = False
         # The fence outlives the hold when the lease ends. Written in the hold's Txn, its key's
         # creation revision is the hold's: its fencing token. Its "token" field keeps the lease
         # the hold was under (what the agent moves when the host's lease changes).
