@@ -32,11 +32,11 @@ from vmlend.sim.guest import SimGuest
 from vmlend.sim.hostmem import HUGE_2M, HostMemory
 from vmlend.sim.iommu import IommuDomain, NodeIommu, Requester
 from vmlend.sim.mmio import MmioResolver, MmioTarget
-from vmlend.sim.ntb import NtbAdapter
+from vmlend.sim.ntb import XLAT_ALIGN, NtbAdapter
 from vmlend.sim.pci import regs
 from vmlend.sim.resolver import DmaResolver, DmaTarget
 from vmlend.sim.switchports import SwitchPorts
-from vmlend.topology.model import GuestRange, NodeSpec, Topology
+from vmlend.topology.model import BarKind, GuestRange, NodeSpec, Topology
 from vmlend.topology.paths import NtbPath, route, routes
 from vmlend.topology.requesters import SwitchPort, requester_device, route_ports
 
@@ -69,6 +69,24 @@ class Borrow(msgspec.Struct, frozen=True):
     lender_entry: int | None = None  # LUT entry on the lender's adapter (the device's DMA)
     borrower_entry: int | None = None  # LUT entry on the borrower's adapter
     ingress: Requester | None = None  # how the device's DMA appears to the borrower's IOMMU
+
+
+class BarWindow(msgspec.Struct, frozen=True):
+    """A borrowed device's memory BAR ``bar`` as its borrower's CPU reaches it: segments
+    ``first`` .. ``first + count - 1`` of the borrower's adapter ``adapter`` (the adapter of
+    the device's crossing) translate to ``remote`` onward on the lender, the BAR's
+    lender-physical base rounded down to the segments' 4 KiB translation alignment. Each BAR
+    maps on its own whole segments, as admission counts them (``bar_segments``)."""
+
+    fdid: int
+    bar: int
+    adapter: str
+    first: int
+    count: int
+    remote: int
+
+    def segments(self) -> range:
+        return range(self.first, self.first + self.count)
 
 
 class _Ingress(msgspec.Struct, frozen=True):
@@ -225,6 +243,8 @@ class SimHardware:
         self._vm_domains: dict[tuple[str, str], IommuDomain] = {}
         self._guests: dict[tuple[str, str], SimGuest] = {}
         self._borrows: dict[int, Borrow] = {}
+        #: fdid -> its borrow's BAR windows in the borrower adapter's window (``BarWindow``)
+        self._bar_windows: dict[int, tuple[BarWindow, ...]] = {}
         self._attached: dict[int, list[_Ingress]] = {}  # fdid -> ingress attachments
         self._borrow_end: list[BorrowEndSubscriber] = []
         self._fenced: dict[int, str] = {}  # fdid -> why its last teardown failed
@@ -695,10 +715,20 @@ class SimHardware:
         old_ports = route_ports(b.path) if b.path is not None else ()
         new_ports = route_ports(new) if new is not None else ()
         added = [p for p in new_ports if p not in old_ports]
+        old_windows = self._bar_windows.get(fdid, ())
+        # the BAR windows stay where the borrower adapter and the lender's stay (a re-route
+        # through other switches); else they are made on the new adapter, the old ones go
+        keep = (
+            new is not None
+            and b.path is not None
+            and (new.dst.ref, new.src.ref) == (b.path.dst.ref, b.path.src.ref)
+        )
+        windows: tuple[BarWindow, ...] = ()
         if new is not None:
             src, dst = self.adapter(new.src.ref), self.adapter(new.dst.ref)
             had_src, had_dst = src.lut_lookup(rid) is not None, dst.lut_lookup(key) is not None
             self.switch_ports.add(added, requester, fdid)  # all or nothing
+            attached = False
             try:
                 lender_entry = src.lut_add(rid)  # again, if a reset lost it
                 entry = dst.lut_add(key)
@@ -706,7 +736,15 @@ class SimHardware:
                 host = self.node(node)
                 if host.iommu.domain_for(ingress) is None:
                     host.iommu.attach(ingress, self.vm_domain(node, vm))
+                    attached = True
+                if keep:  # programmed again where a reset lost them
+                    self._remap_bar_windows(old_windows, new.src.ref)
+                    windows = old_windows
+                else:
+                    windows = self._map_bar_windows(self.device(fdid), new)
             except Exception:
+                if attached and ingress is not None:
+                    self.node(node).iommu.detach(ingress)
                 if not had_dst:
                     dst.lut_remove(key)
                 if not had_src:
@@ -720,6 +758,12 @@ class SimHardware:
             if new is None or new.src.ref != b.path.src.ref:
                 self.adapter(b.path.src.ref).lut_remove(rid)
         self.switch_ports.remove([p for p in old_ports if p not in new_ports], requester, fdid)
+        if not keep:
+            self._unmap_bar_windows(old_windows)
+        if windows:
+            self._bar_windows[fdid] = windows
+        else:
+            self._bar_windows.pop(fdid, None)
         moved = Borrow(fdid, node, vm, b.lender, new, lender_entry, entry, ingress)
         self._borrows[fdid] = moved
         own = [] if ingress is None else [_Ingress(node, ingress)]
@@ -766,8 +810,80 @@ class SimHardware:
             dst.lut_remove(key)
             self.switch_ports.remove(ports, requester, dev.fdid)
             raise
+        try:
+            windows = self._map_bar_windows(dev, path)
+        except Exception:
+            self.node(node).iommu.detach(ingress)
+            src.lut_remove(dev.requester_id)
+            dst.lut_remove(key)
+            self.switch_ports.remove(ports, requester, dev.fdid)
+            raise
+        self._bar_windows[dev.fdid] = windows
         self._attached[dev.fdid] = [_Ingress(node, ingress)]
         return Borrow(dev.fdid, node, vm, dev.lender, path, lender_entry, borrower_entry, ingress)
+
+    # --- BAR windows: the borrower's CPU reaches the device's BARs through segments ---------
+    def _map_bar_windows(self, dev: SimDevice, path: NtbPath) -> tuple[BarWindow, ...]:
+        """Map each memory BAR of ``dev`` into the window of ``path``'s borrower adapter, on
+        whole segments of its own (what admission claims, ``bar_segments``), translated
+        through the lender's adapter of ``path``. All or nothing: ``ResourceExhaustedError``
+        naming the adapter when it has no run of free segments left, nothing mapped."""
+        dst = self.adapter(path.dst.ref)
+        seg = dst.segment_size
+        made: list[BarWindow] = []
+        mapped: list[int] = []
+        try:
+            for bar in sorted(dev.spec.bars, key=lambda b: b.index):
+                if bar.kind is BarKind.IO:
+                    continue
+                phys = dev.bar_phys[bar.index]
+                remote = phys - phys % XLAT_ALIGN
+                count = -(-(phys - remote + bar.size) // seg)
+                first = dst.free_segments(count)
+                for i in range(count):
+                    dst.map_segment(first + i, dev.lender, remote + i * seg, via=path.src.ref)
+                    mapped.append(first + i)
+                made.append(BarWindow(dev.fdid, bar.index, dst.ref, first, count, remote))
+        except Exception:
+            for index in mapped:
+                dst.unmap_segment(index)
+            raise
+        return tuple(made)
+
+    def _unmap_bar_windows(self, windows: Sequence[BarWindow]) -> None:
+        for w in windows:
+            adapter = self.adapter(w.adapter)
+            for index in w.segments():
+                adapter.unmap_segment(index)
+
+    def _remap_bar_windows(self, windows: Sequence[BarWindow], via: str) -> None:
+        """Program kept windows again where a reset lost them (``map_segment`` of the same
+        translation is a no-op where they are still there)."""
+        for w in windows:
+            adapter = self.adapter(w.adapter)
+            seg = adapter.segment_size
+            lender = self.device(w.fdid).lender
+            for i, index in enumerate(w.segments()):
+                adapter.map_segment(index, lender, w.remote + i * seg, via=via)
+
+    def bar_windows(self, fdid: int | None = None) -> list[BarWindow]:
+        """The BAR windows of the borrowed devices (``fdid``'s only, when given)."""
+        return [
+            w
+            for f in sorted(self._bar_windows)
+            if fdid in (None, f)
+            for w in self._bar_windows[f]
+        ]
+
+    def bar_window_address(self, fdid: int, bar: int, offset: int) -> tuple[str, int] | None:
+        """(borrower adapter, address in its window) where the borrower's CPU reaches
+        ``offset`` of BAR ``bar`` of the borrowed ``fdid``; None when no window maps it."""
+        for w in self._bar_windows.get(fdid, ()):
+            if w.bar == bar:
+                adapter = self.adapter(w.adapter)
+                delta = self.device(fdid).bar_phys[bar] - w.remote
+                return w.adapter, adapter.segment_base(w.first) + delta + offset
+        return None
 
     def ingress(self, fdid: int, node: str) -> Requester:
         """The requester a DMA of the (borrowed) device carries when it enters ``node`` through
@@ -927,6 +1043,7 @@ class SimHardware:
             src.lut_remove(dev.requester_id)
             dst.lut_remove(self.requester_key(fdid))
             self.switch_ports.remove(route_ports(current.path), requester_device(dev.spec), fdid)
+        self._unmap_bar_windows(self._bar_windows.pop(fdid, ()))  # its CPU path goes too
         left = self._lender_domains[fdid].mappings()
         if left:
             # the device's own domain is the borrow's: what no subscriber claimed goes with it,

@@ -199,6 +199,7 @@ def check_hardware(
     c.cmb_windows()
     c.vm_domains()
     c.share_domains()
+    c.bar_windows()
     c.segments()
     c.luts()
     c.ports()
@@ -216,6 +217,7 @@ def check_hardware(
     if holds is not None and claims is not None:
         c.claims_held(holds, claims)
         c.port_claims(holds, claims)
+        c.bar_claims(holds, claims)
     return c.found
 
 
@@ -270,6 +272,8 @@ class _Checker:
             fdid: {phys: i * FRAME for i, phys in enumerate(frames)}
             for fdid, frames in hw.share_cmbs().items()
         }
+        # (adapter ref, segment) -> the borrowed device whose BAR window it is
+        self.bar_segments: dict[tuple[str, int], int] = {}
         # (drive, address space) -> bytes of the CMB its share's address space maps
         self.cmb_mapped: dict[tuple[int, int], int] = {}
 
@@ -657,9 +661,78 @@ class _Checker:
             for p in ports
         )
 
+    def bar_windows(self) -> None:
+        """Each BAR window's segments sit on the borrower adapter of its device's crossing
+        and translate to a BAR its VM holds (``ntb-segment``); they are justified by it."""
+        for w in self.hw.bar_windows():
+            where = f"{w.adapter} BAR window of {w.fdid:#x} BAR {w.bar}"
+            b = self.hw.borrowed(w.fdid)
+            if b is None or b.path is None or b.path.dst.ref != w.adapter:
+                on = "not borrowed" if b is None else f"crossing by {b.path and b.path.dst.ref}"
+                self.bad("ntb-segment", where, f"kept while the device is {on}")
+                continue
+            adapter = self.hw.adapter(w.adapter)
+            dev = self.hw.device(w.fdid)
+            start = dev.bar_phys[w.bar]
+            for i, index in enumerate(w.segments()):
+                self.bar_segments[(w.adapter, index)] = w.fdid
+                seg = adapter.segment(index)
+                if seg is None:
+                    continue  # lost by a reset: promised, it reaches nothing until reprogrammed
+                addr = max(start, seg.remote_addr) if i == 0 else seg.remote_addr
+                region = self.hw.node(seg.remote_node).address_map.find(addr)
+                held = None if region is None else self.owners.get(region.fdid or -1)
+                if region is None or region.kind != "bar" or held != (b.node, b.vm):
+                    what = "nothing" if region is None else f"{region.kind} {region.fdid}"
+                    self.bad(
+                        "ntb-segment",
+                        f"{w.adapter}[{index}]",
+                        f"BAR window of {w.fdid:#x} translates to {seg.remote_node}:{addr:#x}"
+                        f" ({what}), not a BAR {b.node}/{b.vm} holds",
+                    )
+
+    def bar_claims(
+        self, holds: Mapping[int, HoldRecord], claims: Sequence[tuple[int, Claim]]
+    ) -> None:
+        """Per borrowed device, its BAR windows' segments on each adapter of its VM's node
+        equal its hold's ``bar`` claims there (admission's ``window-bars``): claimed ==
+        mapped, per adapter and VM."""
+        claimed: dict[int, dict[str, int]] = {}
+        for fdid, c in claims:
+            if c.kind is ClaimKind.BAR:
+                on = claimed.setdefault(fdid, {})
+                on[c.adapter] = max(on.get(c.adapter, 0), c.segments)
+        mapped: dict[int, dict[str, int]] = {}
+        for w in self.hw.bar_windows():
+            on = mapped.setdefault(w.fdid, {})
+            on[w.adapter] = on.get(w.adapter, 0) + w.count
+        for b in self.hw.borrows():
+            hold = holds.get(b.fdid)
+            if b.path is None or hold is None or hold.phase is not Phase.BORROWED:
+                continue  # reserved: the claims are made before the hardware follows
+            if (hold.holder.node, hold.holder.vm) != (b.node, b.vm):
+                continue  # ``holds`` reports it
+            have = mapped.get(b.fdid, {})
+            # claims on another node's adapters: a hot migration's other end, until released
+            want = {
+                ref: n
+                for ref, n in claimed.get(b.fdid, {}).items()
+                if ref.rsplit(":", 1)[0] == b.node
+            }
+            for ref in sorted(set(have) | set(want)):
+                if have.get(ref, 0) != want.get(ref, 0):
+                    self.bad(
+                        "claims",
+                        f"{ref} {b.node}/{b.vm}",
+                        f"{have.get(ref, 0)} BAR-window segment(s) of {b.fdid:#x} mapped,"
+                        f" {want.get(ref, 0)} claimed",
+                    )
+
     def segments(self) -> None:
         for adapter in self.hw.adapters():
             for seg in adapter.mapped_segments():
+                if (adapter.ref, seg.index) in self.bar_segments:
+                    continue  # a BAR window (``bar_windows``)
                 if not self.segment_users.get((adapter.ref, seg.index)):
                     self.bad(
                         "ntb-segment",

@@ -9,6 +9,8 @@ name a ``DmaFault.hop`` carries when it refuses:
 ``bar``          the device has no such BAR, or the access leaves it
 ``link-down``    a cable of the route is down: the adapter answers a read with all ones and
                  drops a write, as for DMA (``read`` and ``write`` do so; ``resolve`` names it)
+``ntb-segment``  the segment of the borrower's window that maps the BAR (its BAR window) is
+                 not translated (a reset lost it) or translates elsewhere: a master abort
 ``no-target``    the node does not hold the device (no current borrow, no shared drive's
                  crossing into it, and the caller named no route), the device is fenced, or
                  its memory decoding is off (command bit 1): the access ends in a master
@@ -18,8 +20,11 @@ The route is the one the device's crossing into the node takes now (``SimHardwar
 an exclusive borrow's path, a shared drive's crossing, each moved by a re-route), unless the
 caller names one (a two-path share's backup; ``FabricError`` when it does not join the node
 and the lender). A CPU's MMIO is carried by the LUT entries the
-adapters reserve for the CPUs (``ntb``), so no requester entry is looked up; the BAR windows
-take no segment of the borrower's window (admission does not count them).
+adapters reserve for the CPUs (``ntb``), so no requester entry is looked up. An exclusive
+borrow's access is carried by its BAR window (``SimHardware.bar_windows``: whole segments of
+the borrower's adapter, made at the hardware borrow, moved by a re-route, removed when the
+borrow ends; what admission claims as ``window-bars``): the ``borrower-adapter`` hop names
+the window address. A shared drive's doorbell writes take no window segment (not modelled).
 """
 
 from __future__ import annotations
@@ -111,7 +116,11 @@ class MmioResolver:
                     f"lender of {fdid:#x}: name a route from the lender to {node}"
                 )
             adapter = route.dst.ref
-            hops.append(Hop("borrower-adapter", node, phys, adapter))
+            borrow = self.hw.borrowed(fdid)
+            window = None
+            if borrow is not None and borrow.node == node and borrow.path == route:
+                window = self._window(fdid, bar, offset, adapter, phys)
+            hops.append(Hop("borrower-adapter", node, phys if window is None else window, adapter))
             dead = self.hw.dead_links(route)
             if dead:
                 raise DmaFault(
@@ -120,6 +129,8 @@ class MmioResolver:
                     f"link {', '.join(dead)} of {route.describe()} is down: reads return all"
                     " ones, writes are dropped",
                 )
+            if window is not None:
+                self._translate(fdid, bar, adapter, window, phys)
             hops.append(Hop("lender-adapter", dev.lender, phys, route.src.ref))
         if self.hw.fenced(fdid) is not None:
             raise DmaFault("no-target", phys, f"{phys:#x} is a BAR of fenced device {fdid:#x}")
@@ -132,6 +143,32 @@ class MmioResolver:
             )
         hops.append(Hop("bar", dev.lender, phys, f"{fdid:#x}"))
         return MmioTarget(fdid, bar, offset, adapter, tuple(hops))
+
+    def _window(self, fdid: int, bar: int, offset: int, adapter: str, phys: int) -> int:
+        """The address in ``adapter``'s window where the borrower's CPU reaches ``offset`` of
+        the borrowed ``fdid``'s BAR ``bar``; ``no-target`` when no window of it maps the
+        BAR (nothing in the borrower decodes the access)."""
+        found = self.hw.bar_window_address(fdid, bar, offset)
+        if found is None or found[0] != adapter:
+            raise DmaFault(
+                "no-target",
+                phys,
+                f"no segment of {adapter} maps BAR {bar} of {fdid:#x}: the borrower's access"
+                " decodes to nothing",
+            )
+        return found[1]
+
+    def _translate(self, fdid: int, bar: int, adapter: str, window: int, phys: int) -> None:
+        """The window's segment carries the access to the BAR: ``ntb-segment`` when it is
+        not translated (a reset lost it) or translates elsewhere."""
+        node, remote = self.hw.adapter(adapter).translate(window)
+        if (node, remote) != (self.hw.device(fdid).lender, phys):
+            raise DmaFault(
+                "ntb-segment",
+                window,
+                f"{adapter} translates {window:#x} to {node}:{remote:#x}, not BAR {bar} of"
+                f" {fdid:#x}",
+            )
 
     def _holds(self, fdid: int, node: str) -> bool:
         """``node`` may reach ``fdid``'s BARs: it borrows the device now, or a shared drive

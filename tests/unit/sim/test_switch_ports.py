@@ -7,6 +7,7 @@ import pytest
 
 from tests.support.simfabric import ports_topology
 from vmlend.errors import SwitchPortFullError
+from vmlend.ledger.admission import bar_segments, device_share
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.invariants import check_hardware
@@ -63,12 +64,15 @@ def test_a_full_port_refuses_the_borrow_and_changes_nothing():
 
 def _claims(hw: SimHardware, fdid: int) -> list[tuple[int, Claim]]:
     """What admission claims for ``fdid``'s borrow: LUT entries on both adapters and on the
-    ports of its route, under its requester's share."""
+    ports of its route, under its requester's share, and its BAR windows' segments."""
     b = hw.borrowed(fdid)
     assert b is not None and b.path is not None
-    share = requester_share(hw.device(fdid).spec)
+    spec = hw.device(fdid).spec
+    share = requester_share(spec)
     where = [b.path.src.ref, b.path.dst.ref, *(p.name for p in hw.crossing_ports(fdid))]
-    return [(fdid, Claim(w, ClaimKind.LUT, share, entries=1)) for w in where]
+    segs = bar_segments(spec, b.path.dst.segment_size)
+    bars = Claim(b.path.dst.ref, ClaimKind.BAR, device_share(fdid), segments=segs)
+    return [(fdid, Claim(w, ClaimKind.LUT, share, entries=1)) for w in where] + [(fdid, bars)]
 
 
 def _holds(hw: SimHardware) -> dict[int, HoldRecord]:
