@@ -679,7 +679,8 @@ class _Checker:
                 seg = adapter.segment(index)
                 if seg is None:
                     continue  # lost by a reset: promised, it reaches nothing until reprogrammed
-                addr = max(start, seg.remote_addr) if i == 0 else seg.remote_addr
+                # where the window's first byte of the BAR (of this segment) lands
+                addr = seg.remote_addr + (start - w.remote if i == 0 else 0)
                 region = self.hw.node(seg.remote_node).address_map.find(addr)
                 held = None if region is None else self.owners.get(region.fdid or -1)
                 if region is None or region.kind != "bar" or held != (b.node, b.vm):
