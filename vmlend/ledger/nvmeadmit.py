@@ -202,3 +202,46 @@ def share_msi_claims(
             if shared or room.segments_free >= 1:
                 out.append(Claim(a.ref, ClaimKind.DMA, key, segments=1, bytes=a.segment_size))
     return out
+
+
+#: The claim key suffix of a share's window onto its CMB extent (``cmb_window_claim``).
+CMB_SUFFIX = "#cmb"
+
+
+def cmb_window_claim(
+    topology: Topology, fdid: int, holder: Holder, extent: tuple[int, int] | None
+) -> Claim | None:
+    """The segments of the VM's adapter its window onto its CMB extent takes (mechanism 15:
+    the guest writes its submission queue entries across the NTB into the extent, leaving by
+    its node's adapter of the drive's crossing): whole segments, as a BAR window takes them
+    (``admission.bar_segments``), under a key of the share's own. None without an extent or
+    for a VM on the lender (its CPU reaches the CMB without the NTB)."""
+    if extent is None:
+        return None
+    path = route(topology, topology.device(fdid).lender, holder.node)
+    if path is None:
+        return None
+    a = path.dst
+    segs = -(-extent[1] // a.segment_size)
+    key = share_window_key(fdid, holder) + CMB_SUFFIX
+    return Claim(a.ref, ClaimKind.BAR, key, segments=segs, bytes=segs * a.segment_size)
+
+
+def check_cmb_window(
+    topology: Topology,
+    existing: Sequence[tuple[int, Claim]],
+    fdid: int,
+    holder: Holder,
+    claim: Claim,
+) -> None:
+    """``ResourceExhaustedError`` naming the adapter when the CMB window ``claim`` does not fit
+    beside ``existing``."""
+    free = usage(topology, existing, [claim.adapter])[claim.adapter].segments_free
+    if claim.segments > free:
+        raise ResourceExhaustedError(
+            f"NTB window segments for the CMB window of {holder}'s share of {fdid:#x}",
+            claim.adapter,
+            claim.segments,
+            free,
+            "segments",
+        )

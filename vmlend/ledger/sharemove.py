@@ -29,7 +29,9 @@ from vmlend.errors import FabricError, NotSharedError
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.ledger import parent_name
 from vmlend.ledger.nvmeadmit import (
+    check_cmb_window,
     check_share_claims,
+    cmb_window_claim,
     is_share_msi_claim,
     share_claims,
     share_msi_claims,
@@ -93,7 +95,11 @@ def claim(
             " host's memory: it moves unplugged (--unplug)"
         )
     claims = share_claims(topology, fdid, destination, guest_ram_of(guest_ram), share.paths)
+    window = cmb_window_claim(topology, fdid, destination, share.cmb_extent)
     try:
+        if window is not None:  # its window onto its CMB extent, from the destination
+            check_cmb_window(topology, tx.claims(), fdid, destination, window)
+            claims.append(window)
         check_share_claims(topology, tx.claims(), fdid, destination, claims)
     except FabricError as e:
         raise FabricError(f"the NVMe share of {fd}: {e}") from e
@@ -197,12 +203,17 @@ def move_problems(
         if r is None:
             problems.append(f"the NVMe share of {fd}: {source} has none")
             continue
-        paths = share_entry(r).share.paths
+        moving = share_entry(r).share
+        paths = moving.paths
         if paths > 1 and hot:
             problems.append(f"the NVMe share of {fd} has a backup path: it moves unplugged")
             continue
         try:
             claims = share_claims(topology, fdid, destination, guest_ram_of(guest_ram), paths)
+            window = cmb_window_claim(topology, fdid, destination, moving.cmb_extent)
+            if window is not None:
+                check_cmb_window(topology, tx.claims(), fdid, destination, window)
+                claims.append(window)
             check_share_claims(topology, tx.claims(), fdid, destination, claims)
         except FabricError as e:
             problems.append(f"the NVMe share of {fd}: {e}")
