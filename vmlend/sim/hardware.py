@@ -150,6 +150,10 @@ class CmbWindowMap(msgspec.Struct, frozen=True):
     vm: str
     asid: int
     frames: tuple[int, ...]
+    #: The segments of its node's adapter ``adapter`` the window takes ("": a VM on the
+    #: lender, whose CPU reaches the CMB without the NTB).
+    adapter: str = ""
+    segments: tuple[int, ...] = ()
 
 
 def share_user(fdid: int, node: str, backup_of: str = "") -> tuple[int, str]:

@@ -86,12 +86,17 @@ import msgspec
 from vmlend.errors import FabricError
 from vmlend.ledger.admission import usage, vm_share
 from vmlend.ledger.msiadmit import msi_share
-from vmlend.ledger.nvmeadmit import BACKUP_SUFFIX, is_share_msi_claim, share_window_key
+from vmlend.ledger.nvmeadmit import (
+    BACKUP_SUFFIX,
+    CMB_SUFFIX,
+    is_share_msi_claim,
+    share_window_key,
+)
 from vmlend.ledger.nvmeshares import SHARE_RECORD, claims_from, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.registry.api import Registry
-from vmlend.sim.hardware import SimHardware
+from vmlend.sim.hardware import CmbWindowMap, SimHardware
 from vmlend.sim.hostmem import FRAME
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
@@ -214,6 +219,7 @@ def check_hardware(
         c.holds(holds)
     if claims is not None:
         c.claims(claims)
+        c.cmb_window_claims(claims)
     if holds is not None and claims is not None:
         c.claims_held(holds, claims)
         c.port_claims(holds, claims)
@@ -274,6 +280,8 @@ class _Checker:
         }
         # (adapter ref, segment) -> the borrowed device whose BAR window it is
         self.bar_segments: dict[tuple[str, int], int] = {}
+        # (adapter ref, segment) -> the share's CPU window onto its CMB extent it belongs to
+        self.cmb_segments: dict[tuple[str, int], CmbWindowMap] = {}
         # (drive, address space) -> bytes of the CMB its share's address space maps
         self.cmb_mapped: dict[tuple[int, int], int] = {}
 
@@ -481,6 +489,50 @@ class _Checker:
                     where,
                     f"reaches {len(w.frames)} frame(s) other than its claimed extent"
                     f" {offset:#x}+{size:#x}",
+                )
+            if not w.adapter:
+                continue  # a VM on the lender: no NTB segment
+            adapter = self.hw.adapter(w.adapter)
+            lender = self.hw.device(w.fdid).lender
+            for i, index in enumerate(w.segments):
+                self.cmb_segments[(w.adapter, index)] = w
+                seg = adapter.segment(index)
+                if seg is None:
+                    continue  # lost by a reset: promised, it reaches nothing until reprogrammed
+                at = i * adapter.segment_size // FRAME  # the frame its first byte is in
+                first = want[at] if at < len(want) else -1
+                if (seg.remote_node, seg.remote_addr) != (lender, first):
+                    self.bad(
+                        "ntb-segment",
+                        f"{w.adapter}[{index}]",
+                        f"CMB window of {w.node}/{w.vm} translates to {seg.remote_node}:"
+                        f"{seg.remote_addr:#x}, not its claimed extent of {w.fdid:#x}",
+                    )
+
+    def cmb_window_claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
+        """Each open CMB window's segments equal its share's window claim, on its node's
+        adapters (``nvmeadmit.cmb_window_claim``): claimed == mapped, per adapter and VM."""
+        claimed: dict[str, dict[str, int]] = {}
+        for _fdid, c in claims:
+            if c.kind is ClaimKind.BAR and c.share.endswith(CMB_SUFFIX):
+                on = claimed.setdefault(c.share, {})
+                on[c.adapter] = max(on.get(c.adapter, 0), c.segments)
+        for w in self.hw.share_cmb_windows():
+            if not w.adapter:
+                continue
+            key = share_window_key(w.fdid, Holder(w.node, w.vm)) + CMB_SUFFIX
+            have = {w.adapter: len(w.segments)}
+            want = {
+                ref: n
+                for ref, n in claimed.get(key, {}).items()
+                if ref.rsplit(":", 1)[0] == w.node
+            }
+            if have != want:
+                self.bad(
+                    "claims",
+                    f"{w.adapter} {w.node}/{w.vm}",
+                    f"CMB window of {w.fdid:#x}: {len(w.segments)} segment(s) mapped on"
+                    f" {w.adapter}, claimed {want or 'none'}",
                 )
 
     def _crossed_segments(
@@ -734,6 +786,8 @@ class _Checker:
             for seg in adapter.mapped_segments():
                 if (adapter.ref, seg.index) in self.bar_segments:
                     continue  # a BAR window (``bar_windows``)
+                if (adapter.ref, seg.index) in self.cmb_segments:
+                    continue  # a CMB window (``cmb_windows``)
                 if not self.segment_users.get((adapter.ref, seg.index)):
                     self.bad(
                         "ntb-segment",

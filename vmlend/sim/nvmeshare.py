@@ -234,6 +234,8 @@ class VmNvmeShare:
         #: its virtual controller), None when its queues are in RAM only.
         self.cmb: CmbWindow | None = None
         self.cmb_mapped = False  # the drive's address space of the share maps the extent
+        #: Its window onto the extent: (its node's adapter, the segments it takes there).
+        self.cmb_window: tuple[str, tuple[int, ...]] | None = None
         extent = share.cmb_extent
         if extent is not None and drive.cmb is not None:
             self.cmb = CmbWindow(
@@ -245,6 +247,7 @@ class VmNvmeShare:
                 drive.hw.dead_links,
                 lambda: self.open and not self.revoked,
                 share.name,
+                self._cmb_carried,
             )
             for frame in self.cmb.frames:  # nothing of the extent's last owner is left
                 drive.cmb.memory.write(frame, bytes(FRAME))
@@ -430,6 +433,83 @@ class VmNvmeShare:
             return hw.route(lender, self.node)
         except NoPathError:
             return next(iter(hw.routes(lender, self.node)), None)
+
+    # --- the CPU's window onto its CMB extent (segments of its node's adapter) ----------------
+    def _cmb_remotes(self, count: int, segment: int) -> list[int]:
+        """Where each segment of the window translates: the frame its first byte is in."""
+        assert self.cmb is not None
+        return [self.cmb.frames[i * segment // FRAME] for i in range(count)]
+
+    def place_cmb_window(self) -> None:
+        """Map the window onto its extent in its node's adapter of the route its CPU takes
+        now (``doorbell_route``), or program it again where a reset lost it; the old one goes
+        once the new one is mapped. All or nothing: ``ResourceExhaustedError`` naming the
+        adapter when it has no free segments. Nothing for a VM on the lender."""
+        if self.cmb is None or not self.open or self.revoked:
+            return
+        path = self.doorbell_route()
+        if path is None:  # on the lender: no NTB between its CPU and the CMB
+            self.drop_cmb_window()
+            return
+        hw, lender = self.drive.hw, self.drive.device.lender
+        adapter = hw.adapter(path.dst.ref)
+        seg = adapter.segment_size
+        count = -(-self.cmb.size // seg)
+        remotes = self._cmb_remotes(count, seg)
+        if self.cmb_window is not None and self.cmb_window[0] == adapter.ref:
+            for index, remote in zip(self.cmb_window[1], remotes, strict=True):
+                if adapter.segment(index) is None:  # lost by a reset: programmed again
+                    adapter.map_segment(index, lender, remote)
+            return
+        first = adapter.free_segments(count)
+        done: list[int] = []
+        try:
+            for i, remote in enumerate(remotes):
+                adapter.map_segment(first + i, lender, remote)
+                done.append(first + i)
+        except Exception:
+            for index in done:
+                adapter.unmap_segment(index)
+            raise
+        self.drop_cmb_window()
+        self.cmb_window = (adapter.ref, tuple(done))
+
+    def drop_cmb_window(self) -> None:
+        if self.cmb_window is not None:
+            ref, indices = self.cmb_window
+            self.cmb_window = None
+            adapter = self.drive.hw.adapter(ref)
+            for index in indices:
+                adapter.unmap_segment(index)
+
+    def _cmb_carried(self, offset: int, path: NtbPath) -> int:
+        """The address in ``path``'s adapter window that carries ``offset`` of the extent:
+        ``no-target`` when no window of that adapter maps it, ``ntb-segment`` when its
+        segment is not translated (a reset lost it) or translates elsewhere."""
+        gpa = GUEST_CMB_BASE + offset
+        if self.cmb_window is None or self.cmb_window[0] != path.dst.ref:
+            raise DmaFault(
+                "no-target",
+                gpa,
+                f"no segment of {path.dst.ref} maps the CMB extent of {self.name}",
+            )
+        adapter = self.drive.hw.adapter(path.dst.ref)
+        seg = adapter.segment_size
+        i = offset // seg
+        index = self.cmb_window[1][i]
+        address = adapter.segment_base(index) + offset % seg
+        mapped = adapter.segment(index)
+        want = self._cmb_remotes(i + 1, seg)[i]
+        if mapped is None or (mapped.remote_node, mapped.remote_addr) != (
+            self.drive.device.lender,
+            want,
+        ):
+            raise DmaFault(
+                "ntb-segment",
+                address,
+                f"segment {index} of {adapter.ref} does not carry the CMB extent of {self.name}",
+            )
+        return address
 
     def _free_rings(self) -> None:
         if self.rings is not None:
@@ -706,10 +786,14 @@ class SharedNvmeDrive:
                 f"a VM on {node}, the lender of {self.fdid:#x}, crosses no NTB: one path only"
             )
         share = self.manager.add_share(name, queue_pairs, blocks, decided=share, paths=paths)
+        vms = None
         try:
             vms = VmNvmeShare(self, node, vm, share, msi_paths(interrupts))
             self.connect(vms)
+            vms.place_cmb_window()  # its CPU's window onto its CMB extent, if it has one
         except Exception:
+            if vms is not None:
+                vms.drop_cmb_window()
             self.manager.remove_share(name)
             raise
         self.shares[name] = vms
@@ -733,6 +817,8 @@ class SharedNvmeDrive:
         """Bus Master of ``vms``'s controller went on: pin and map its RAM; all or nothing."""
         try:
             self._map(vms, self.hw.guest(vms.node, vms.vm).ranges)
+            # the crossing into its node exists now: its CMB window leaves by that adapter
+            vms.place_cmb_window()
         except Exception:
             vms.windows.close()
             raise
@@ -1030,6 +1116,8 @@ class SharedNvmeDrive:
                 vms.msi_paths = msi_paths(interrupts)
             if mastering:
                 self._map_share(vms)
+            else:
+                vms.place_cmb_window()  # from ``node``'s adapter now
         except Exception:
             vms.node, vms.virtual.memory, vms.msi_paths = old_node, before, old_msi
             if mastering:
@@ -1222,6 +1310,9 @@ class SharedNvmeDrive:
         new_ports = route_ports(new)
         self.hw.switch_ports.remove([p for p in old_ports if p not in new_ports], requester, user)
         ingress.far, ingress.path = new.dst.ref, new
+        for vms in self.shares.values():  # the CPUs' CMB windows follow the crossing
+            if vms.node == node:
+                vms.place_cmb_window()
         self.reroutes.append((node, old.describe(), new.describe()))
         log.warning(
             "NVMe drive %#x: crossing to %s moved from %s to %s",
@@ -1260,6 +1351,7 @@ class SharedNvmeDrive:
         finally:
             self.manager.forget_share(vms.name)
             vms.windows.close()
+            vms.drop_cmb_window()
             vms._free_rings()
             self.shares.pop(vms.name, None)
 
@@ -1366,7 +1458,14 @@ class SharedNvmeDrive:
     def cmb_windows(self) -> list[CmbWindowMap]:
         """What each open share's VM reaches of the CMB through its window."""
         return [
-            CmbWindowMap(self.fdid, v.node, v.vm, v.share.asid, tuple(v.cmb.frames))
+            CmbWindowMap(
+                self.fdid,
+                v.node,
+                v.vm,
+                v.share.asid,
+                tuple(v.cmb.frames),
+                *(v.cmb_window if v.cmb_window is not None else ("", ())),
+            )
             for v in self.shares.values()
             if v.cmb is not None and v.open and not v.revoked
         ]

@@ -10,10 +10,17 @@ controller: stages, each with the name a ``DmaFault.hop`` carries when it refuse
 ``cmb``          the access leaves the share's extent (its VM's mapping of the BAR covers its
                  extent only: an access beyond it reaches nothing, another share's least of all)
 ``link-down``    a cable of the route is down: a read returns all ones, a write is dropped
-``no-target``    the share is closed or was taken from its VM (a removed device)
+``no-target``    the share is closed or was taken from its VM (a removed device), or no
+                 segment of the VM's adapter of the route maps its extent (its CMB window)
+``ntb-segment``  the window's segment is not translated (a reset lost it) or translates
+                 elsewhere than the extent
 
 then, from a VM on another node, its adapter and the lender's (the drive's crossing into the
-node, as the share's doorbells take it), then the lender's RAM frame of the extent.
+node, as the share's doorbells take it), then the lender's RAM frame of the extent. The window
+is whole segments of the VM's adapter (what admission claims with the share, ``nvmeadmit.
+cmb_window_claim``); each segment translates to the frame its first byte of the extent is in.
+The simulator's CMB is frames of lender RAM, not one BAR region, so the rest of a segment is
+resolved frame by frame.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class CmbWindow:
         dead: Callable[[NtbPath], list[str]],
         alive: Callable[[], bool],
         name: str,
+        carried: Callable[[int, NtbPath], int] | None = None,
     ) -> None:
         self.memory = memory
         self.lender = lender
@@ -87,6 +95,9 @@ class CmbWindow:
         self.dead = dead
         self.alive = alive
         self.name = name
+        #: ``carried(offset, route)``: the address in the window of ``route``'s adapter that
+        #: carries ``offset`` of the extent, or ``DmaFault`` (None: no window modelled)
+        self.carried = carried
         self.size = len(frames) * FRAME
         self.writes = 0  # CPU writes that reached the extent
         self.dropped = 0  # writes a dead cable dropped
@@ -109,7 +120,8 @@ class CmbWindow:
             path = self.route()
             if path is None:
                 raise DmaFault("no-target", gpa, f"no route joins {self.node} and {self.lender}")
-            hops.append(Hop("borrower-adapter", self.node, gpa, path.dst.ref))
+            window = self.carried(offset, path) if self.carried is not None else gpa
+            hops.append(Hop("borrower-adapter", self.node, window, path.dst.ref))
             down = self.dead(path)
             if down:
                 raise DmaFault(
@@ -131,7 +143,7 @@ class CmbWindow:
             try:
                 target: CmbAccess | None = self.resolve(at, n)
             except DmaFault as fault:
-                if fault.hop not in ("link-down", "no-target"):
+                if fault.hop not in ("link-down", "no-target", "ntb-segment"):
                     raise
                 target = None
             out.append((at - offset, n, target))
@@ -140,8 +152,8 @@ class CmbWindow:
 
     def write(self, offset: int, data: bytes) -> None:
         """The guest's CPU writes ``data`` at ``offset``: every piece resolved first (an access
-        outside the extent raises and writes nothing); a piece a dead cable or a closed
-        share stops is dropped."""
+        outside the extent raises and writes nothing); a piece a dead cable, a closed share or
+        an untranslated window stops is dropped."""
         for pos, n, target in self._pieces(offset, len(data)):
             if target is None:
                 self.dropped += 1

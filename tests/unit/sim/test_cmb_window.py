@@ -1,0 +1,128 @@
+"""A share's CPU window onto its CMB extent takes segments of its node's adapter (mechanism
+15, issue 40 points 1 and 2): mapped while the share is open, on the adapter of the drive's
+crossing into the node, exactly what admission claimed with the share; a re-route moves the
+window and its claim, the share's end returns both, and the guest's CMB writes go through it
+(an untranslated window drops them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.nvme_guest import share_xml
+from tests.support.simcluster import Cluster
+from vmlend.errors import DmaFault, ResourceExhaustedError
+from vmlend.ledger import nvmeshares
+from vmlend.ledger.nvmeadmit import CMB_SUFFIX
+from vmlend.registry import ClaimKind
+from vmlend.sim.hardware import SimHardware
+from vmlend.sim.invariants import check_hardware, check_with_registry
+from vmlend.sim.nvmedrive import drive_geometry
+from vmlend.sim.nvmeshare import SharedNvmeDrive
+from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
+from vmlend.sim.simvm import SimVm
+from vmlend.topology.model import GuestRange, MiB
+from vmlend.topology.parse import parse_topology
+
+NVME = 0x12
+BLOCKS = 1 << 20
+CMB = 128 * 1024  # two 64 KiB extents
+PRIMARY = "mxs824/gamma:0"
+
+
+def cmb_claims(c: Cluster) -> dict[str, int]:
+    return {
+        cl.adapter: cl.segments
+        for _f, cl in c.claims()
+        if cl.kind is ClaimKind.BAR and cl.share.endswith(CMB_SUFFIX)
+    }
+
+
+@pytest.fixture
+def shared(state_path, tmp_path):
+    c = Cluster.create(state_path)
+    geometry = drive_geometry(c.hw.device(NVME).spec, BLOCKS, CMB)
+    nvmeshares.lend_shared(c.registry, NVME, geometry)
+    drive = SharedNvmeDrive(c.hw, NVME, tmp_path, blocks=BLOCKS, cmb_bytes=CMB)
+    yield c, drive
+    drive.close()
+    c.close()
+
+
+def test_the_window_is_mapped_as_claimed_moved_by_a_reroute_and_returned(shared):
+    c, drive = shared
+    xml = share_xml("cmbvm", fdid=NVME)
+    c.prepare(xml, "gamma")
+    assert cmb_claims(c) == {"gamma:0": 1}  # claimed at reserve
+    vm = SimVm(xml, hardware=c.hw, fabric=c.fabric("gamma"), nvme={NVME: drive})
+    share = vm.nvme_share(NVME)
+    share.set_master()
+    assert share.cmb_window is not None and share.cmb_window[0] == "gamma:0"
+    assert len(share.cmb_window[1]) == 1
+    assert check_with_registry(c.hw, c.registry) == []
+    assert share.cmb is not None
+    share.cmb.write(0, b"sqe")
+    assert share.cmb.read(0, 3) == b"sqe"
+    access = share.cmb.resolve(0, 4)
+    window = c.hw.adapter("gamma:0").segment_base(share.cmb_window[1][0])
+    assert access.hops[1].address == window  # the guest's write leaves by its window
+    # the cable goes: the drive's crossing, the window and its claim move to gamma:1
+    c.fabric("gamma").set_link_up(PRIMARY, False)
+    assert share.cmb_window[0] == "gamma:1" and cmb_claims(c) == {"gamma:1": 1}
+    assert not c.hw.adapter("gamma:0").mapped_segments()
+    assert check_with_registry(c.hw, c.registry) == []
+    assert share.cmb.read(0, 3) == b"sqe"
+    c.fabric("gamma").set_link_up(PRIMARY, True)
+    assert check_with_registry(c.hw, c.registry) == []
+    vm.stop()
+    assert share.cmb_window is None
+    assert not c.hw.adapter("gamma:0").mapped_segments()
+    assert not c.hw.adapter("gamma:1").mapped_segments()
+    c.release(xml, "gamma")
+    assert cmb_claims(c) == {}
+    assert check_with_registry(c.hw, c.registry) == []
+
+
+@pytest.fixture
+def hw():
+    return SimHardware.from_topology(parse_topology(sharing_topology(2)), seed=3)
+
+
+def test_a_cmb_write_through_a_window_a_reset_lost_is_dropped(hw, tmp_path):
+    drive = SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS, cmb_bytes=CMB)
+    try:
+        hw.create_guest("b1", "vm", [GuestRange(0, 64 * MiB)])
+        share = drive.open_share("b1", "vm", 1, 4096)
+        assert share.cmb is not None and share.cmb_window is not None
+        share.cmb.write(0, b"one")
+        hw.link_down("sw/b1:0")
+        hw.link_up("sw/b1:0", keep_mappings=False)  # b1:0 lost the window's segment
+        with pytest.raises(DmaFault) as fault:
+            share.cmb.resolve(0, 4)
+        assert fault.value.hop == "ntb-segment" and "b1:0" in fault.value.why
+        share.cmb.write(0, b"two")
+        assert share.cmb.dropped == 1 and share.cmb.read(0, 3) == b"\xff" * 3
+        hw.reprogram("sw/b1:0")
+        assert share.cmb.read(0, 3) == b"one"  # the dropped write never arrived
+        assert check_hardware(hw, shares=drive.grants()) == []
+        share.close()
+        assert not hw.adapter("b1:0").mapped_segments()
+    finally:
+        drive.close()
+
+
+def test_a_full_adapter_refuses_the_share_in_one_line_leaving_nothing(hw, tmp_path):
+    drive = SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS, cmb_bytes=CMB)
+    try:
+        hw.create_guest("b1", "vm", [GuestRange(0, 64 * MiB)])
+        adapter = hw.adapter("b1:0")
+        for i in range(adapter.segments):  # every segment taken (by hand)
+            adapter.map_segment(i, "b2", i * 4096)
+        with pytest.raises(ResourceExhaustedError) as e:
+            drive.open_share("b1", "vm", 1, 4096)
+        assert "b1:0" in str(e.value) and "\n" not in str(e.value)
+        assert drive.shares == {} and drive.cmb_windows() == []
+        for i in range(adapter.segments):
+            adapter.unmap_segment(i)
+        assert drive.open_share("b1", "vm", 1, 4096).cmb_window is not None
+    finally:
+        drive.close()
