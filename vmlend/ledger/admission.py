@@ -18,7 +18,8 @@ What a remote reservation uses (docs/design.md, limits):
 - room in the lender's NTB window for the VM's DMA windows (its guest RAM, whole segments),
   counted once per (lender adapter, VM) however many devices the VM borrows from that lender
   (a VM here is node + domain name: ``vm_share`` says why);
-- room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments;
+- room in the borrower's NTB window for the device's memory BARs, each BAR in whole segments
+  (``bar_segments``: what the simulated hardware borrow maps as its BAR windows);
 - peer-to-peer among the VM's devices (``p2p_claims``): for every memory BAR of every device
   that another device of the VM reaches across an NTB, the segments of the source lender's
   adapter that BAR can occupy, a LUT entry for a source installed in the borrower itself
