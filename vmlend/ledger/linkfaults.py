@@ -399,7 +399,7 @@ def _follow_shares(tx: StateTxn, topology: Topology, hw: RerouteHardware) -> set
             ]
             for c, adapter in zip(mine, want, strict=False):
                 c["adapter"] = adapter
-            for c in kept:  # the window onto its CMB extent leaves by the crossing's adapter
+            for c in kept:  # its CPU's windows (CMB, doorbell page) leave by the crossing's
                 if c["kind"] == ClaimKind.BAR.value and str(c["adapter"]).startswith(f"{node}:"):
                     c["adapter"] = now.dst.ref
         holder = r.data.get("holder")

@@ -204,44 +204,65 @@ def share_msi_claims(
     return out
 
 
-#: The claim key suffix of a share's window onto its CMB extent (``cmb_window_claim``).
+#: The claim key suffixes of a share's CPU windows (``cpu_window_claims``): onto its CMB
+#: extent, and onto its own doorbell page (page mode).
 CMB_SUFFIX = "#cmb"
+DOORBELL_SUFFIX = "#doorbell"
 
 
-def cmb_window_claim(
-    topology: Topology, fdid: int, holder: Holder, extent: tuple[int, int] | None
-) -> Claim | None:
-    """The segments of the VM's adapter its window onto its CMB extent takes (mechanism 15:
-    the guest writes its submission queue entries across the NTB into the extent, leaving by
-    its node's adapter of the drive's crossing): whole segments, as a BAR window takes them
-    (``admission.bar_segments``), under a key of the share's own. None without an extent or
-    for a VM on the lender (its CPU reaches the CMB without the NTB)."""
-    if extent is None:
-        return None
+def cpu_window_claims(
+    topology: Topology,
+    fdid: int,
+    holder: Holder,
+    cmb_extent: tuple[int, int] | None,
+    page: bool,
+) -> list[Claim]:
+    """The segments of the VM's adapter its CPU's windows onto the drive take: onto its CMB
+    extent (mechanism 15: the guest writes its submission queue entries across the NTB into
+    it) and onto its own doorbell page when it has one (page mode), each leaving by its node's
+    adapter of the drive's crossing, in whole segments as a BAR window takes them
+    (``admission.bar_segments``), under keys of the share's own. [] for a VM on the lender
+    (its CPU reaches the drive without the NTB)."""
     path = route(topology, topology.device(fdid).lender, holder.node)
     if path is None:
-        return None
-    a = path.dst
-    segs = -(-extent[1] // a.segment_size)
-    key = share_window_key(fdid, holder) + CMB_SUFFIX
-    return Claim(a.ref, ClaimKind.BAR, key, segments=segs, bytes=segs * a.segment_size)
+        return []
+    a, key = path.dst, share_window_key(fdid, holder)
+    sizes = []
+    if cmb_extent is not None:
+        sizes.append((CMB_SUFFIX, cmb_extent[1]))
+    if page:
+        sizes.append((DOORBELL_SUFFIX, 4096))
+    out = []
+    for suffix, size in sizes:
+        segs = -(-size // a.segment_size)
+        out.append(
+            Claim(a.ref, ClaimKind.BAR, key + suffix, segments=segs, bytes=segs * a.segment_size)
+        )
+    return out
 
 
-def check_cmb_window(
+def check_cpu_windows(
     topology: Topology,
     existing: Sequence[tuple[int, Claim]],
     fdid: int,
     holder: Holder,
-    claim: Claim,
+    claims: Sequence[Claim],
 ) -> None:
-    """``ResourceExhaustedError`` naming the adapter when the CMB window ``claim`` does not fit
-    beside ``existing``."""
-    free = usage(topology, existing, [claim.adapter])[claim.adapter].segments_free
-    if claim.segments > free:
-        raise ResourceExhaustedError(
-            f"NTB window segments for the CMB window of {holder}'s share of {fdid:#x}",
-            claim.adapter,
-            claim.segments,
-            free,
-            "segments",
-        )
+    """``ResourceExhaustedError`` naming the adapter when the CPU windows ``claims`` do not
+    fit beside ``existing``."""
+    for ref in sorted({c.adapter for c in claims}):
+        need = sum(c.segments for c in claims if c.adapter == ref)
+        free = usage(topology, existing, [ref])[ref].segments_free
+        if need > free:
+            what = " and ".join(
+                "CMB" if c.share.endswith(CMB_SUFFIX) else "doorbell page"
+                for c in claims
+                if c.adapter == ref
+            )
+            raise ResourceExhaustedError(
+                f"NTB window segments for the {what} window of {holder}'s share of {fdid:#x}",
+                ref,
+                need,
+                free,
+                "segments",
+            )

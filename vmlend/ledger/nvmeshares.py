@@ -32,9 +32,9 @@ from vmlend.errors import (
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.linkfaults import links_down_in
 from vmlend.ledger.nvmeadmit import (
-    check_cmb_window,
+    check_cpu_windows,
     check_share_claims,
-    cmb_window_claim,
+    cpu_window_claims,
     is_share_msi_claim,
     share_claims,
     share_msi_claims,
@@ -196,7 +196,7 @@ def _claims_of(r: RuntimeRecord) -> list[Claim]:
 def store_claims(tx: StateTxn, fdid: int) -> None:
     """The manager's hold claims what its current shares use, and nothing more."""
     records = tx.runtime(fdid, SHARE_RECORD)
-    for kind in (ClaimKind.LUT, ClaimKind.DMA, ClaimKind.BAR):  # BAR: CMB windows
+    for kind in (ClaimKind.LUT, ClaimKind.DMA, ClaimKind.BAR):  # BAR: CPU windows
         mine = [(fdid, c) for r in records for c in _claims_of(r) if c.kind is kind]
         tx.replace_claims(kind, [fdid], mine)
 
@@ -240,10 +240,11 @@ def reserve_share(
         # routed as the hardware routes it now: around the cables marked down
         topology = without_links(stored_topology(tx.topology()), links_down_in(tx))
         claims = share_claims(topology, fdid, holder, guest_ram_of(guest_ram), paths)
-        window = cmb_window_claim(topology, fdid, holder, share.cmb_extent)
-        if window is not None:  # the guest's window onto its extent, in its adapter's window
-            check_cmb_window(topology, tx.claims(), fdid, holder, window)
-            claims.append(window)
+        # its CPU's windows onto its CMB extent and its doorbell page, in its adapter's window
+        page = share.page is not None
+        windows = cpu_window_claims(topology, fdid, holder, share.cmb_extent, page)
+        check_cpu_windows(topology, tx.claims(), fdid, holder, windows)
+        claims += windows
         check_share_claims(topology, tx.claims(), fdid, holder, claims)
         # its completion interrupts' window: never a refusal (none left: they are relayed)
         if msi:

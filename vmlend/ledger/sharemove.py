@@ -29,9 +29,9 @@ from vmlend.errors import FabricError, NotSharedError
 from vmlend.ledger.admission import guest_ram_of, vm_share
 from vmlend.ledger.ledger import parent_name
 from vmlend.ledger.nvmeadmit import (
-    check_cmb_window,
+    check_cpu_windows,
     check_share_claims,
-    cmb_window_claim,
+    cpu_window_claims,
     is_share_msi_claim,
     share_claims,
     share_msi_claims,
@@ -95,11 +95,12 @@ def claim(
             " host's memory: it moves unplugged (--unplug)"
         )
     claims = share_claims(topology, fdid, destination, guest_ram_of(guest_ram), share.paths)
-    window = cmb_window_claim(topology, fdid, destination, share.cmb_extent)
-    try:
-        if window is not None:  # its window onto its CMB extent, from the destination
-            check_cmb_window(topology, tx.claims(), fdid, destination, window)
-            claims.append(window)
+    windows = cpu_window_claims(
+        topology, fdid, destination, share.cmb_extent, share.page is not None
+    )
+    try:  # its CPU's windows onto the drive, from the destination
+        check_cpu_windows(topology, tx.claims(), fdid, destination, windows)
+        claims += windows
         check_share_claims(topology, tx.claims(), fdid, destination, claims)
     except FabricError as e:
         raise FabricError(f"the NVMe share of {fd}: {e}") from e
@@ -210,10 +211,11 @@ def move_problems(
             continue
         try:
             claims = share_claims(topology, fdid, destination, guest_ram_of(guest_ram), paths)
-            window = cmb_window_claim(topology, fdid, destination, moving.cmb_extent)
-            if window is not None:
-                check_cmb_window(topology, tx.claims(), fdid, destination, window)
-                claims.append(window)
+            windows = cpu_window_claims(
+                topology, fdid, destination, moving.cmb_extent, moving.page is not None
+            )
+            check_cpu_windows(topology, tx.claims(), fdid, destination, windows)
+            claims += windows
             check_share_claims(topology, tx.claims(), fdid, destination, claims)
         except FabricError as e:
             problems.append(f"the NVMe share of {fd}: {e}")

@@ -150,10 +150,20 @@ class CmbWindowMap(msgspec.Struct, frozen=True):
     vm: str
     asid: int
     frames: tuple[int, ...]
-    #: The segments of its node's adapter ``adapter`` the window takes ("": a VM on the
-    #: lender, whose CPU reaches the CMB without the NTB).
-    adapter: str = ""
-    segments: tuple[int, ...] = ()
+
+
+class ShareWindowMap(msgspec.Struct, frozen=True):
+    """A share's CPU window onto its drive, ``kind`` "cmb" (its CMB extent) or "doorbell" (its
+    own doorbell page): the segments of its node's adapter ``adapter`` it takes, for the
+    invariant checker to compare with what they translate to and with its claim."""
+
+    fdid: int
+    node: str
+    vm: str
+    asid: int
+    kind: str
+    adapter: str
+    segments: tuple[int, ...]
 
 
 def share_user(fdid: int, node: str, backup_of: str = "") -> tuple[int, str]:
@@ -214,6 +224,10 @@ class ShareWiring(Protocol):
 
     def cmb_windows(self) -> list[CmbWindowMap]:
         """What each open share's VM reaches of the CMB through its window."""
+        ...
+
+    def cpu_windows(self) -> list[ShareWindowMap]:
+        """The segments each open share's CPU windows onto the drive take."""
         ...
 
 
@@ -1189,6 +1203,10 @@ class SimHardware:
     def share_cmb_windows(self) -> list[CmbWindowMap]:
         """Every open share's window onto its CMB extent (``ShareWiring.cmb_windows``)."""
         return [w for d in self._share_wiring for w in d.cmb_windows()]
+
+    def share_cpu_windows(self) -> list[ShareWindowMap]:
+        """Every open share's CPU windows onto its drive (``ShareWiring.cpu_windows``)."""
+        return [w for d in self._share_wiring for w in d.cpu_windows()]
 
     def share_cmbs(self) -> dict[int, list[int]]:
         """Each shared drive's controller memory buffer frames (``ShareWiring.cmb_frames``)."""

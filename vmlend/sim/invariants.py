@@ -89,6 +89,7 @@ from vmlend.ledger.msiadmit import msi_share
 from vmlend.ledger.nvmeadmit import (
     BACKUP_SUFFIX,
     CMB_SUFFIX,
+    DOORBELL_SUFFIX,
     is_share_msi_claim,
     share_window_key,
 )
@@ -96,7 +97,7 @@ from vmlend.ledger.nvmeshares import SHARE_RECORD, claims_from, share_entry
 from vmlend.nvme.guard import ADDRESS_BITS
 from vmlend.registry import Claim, ClaimKind, HoldRecord, Phase, StateTxn
 from vmlend.registry.api import Registry
-from vmlend.sim.hardware import CmbWindowMap, SimHardware
+from vmlend.sim.hardware import ShareWindowMap, SimHardware
 from vmlend.sim.hostmem import FRAME
 from vmlend.sim.iommu import IommuDomain
 from vmlend.sim.iommu import Mapping as IommuMapping
@@ -202,6 +203,7 @@ def check_hardware(
     c.lender_domains()
     c.cmb_claims()
     c.cmb_windows()
+    c.share_windows()
     c.vm_domains()
     c.share_domains()
     c.bar_windows()
@@ -219,7 +221,7 @@ def check_hardware(
         c.holds(holds)
     if claims is not None:
         c.claims(claims)
-        c.cmb_window_claims(claims)
+        c.share_window_claims(claims)
     if holds is not None and claims is not None:
         c.claims_held(holds, claims)
         c.port_claims(holds, claims)
@@ -280,8 +282,8 @@ class _Checker:
         }
         # (adapter ref, segment) -> the borrowed device whose BAR window it is
         self.bar_segments: dict[tuple[str, int], int] = {}
-        # (adapter ref, segment) -> the share's CPU window onto its CMB extent it belongs to
-        self.cmb_segments: dict[tuple[str, int], CmbWindowMap] = {}
+        # (adapter ref, segment) -> the share's CPU window onto its drive it belongs to
+        self.window_segments: dict[tuple[str, int], ShareWindowMap] = {}
         # (drive, address space) -> bytes of the CMB its share's address space maps
         self.cmb_mapped: dict[tuple[int, int], int] = {}
 
@@ -490,48 +492,78 @@ class _Checker:
                     f"reaches {len(w.frames)} frame(s) other than its claimed extent"
                     f" {offset:#x}+{size:#x}",
                 )
-            if not w.adapter:
-                continue  # a VM on the lender: no NTB segment
+
+    def share_windows(self) -> None:
+        """Each open share's CPU windows onto its drive: their segments are justified by the
+        share, and translate only to its claimed CMB extent (the frame each segment's first
+        byte is in) or into the drive's BAR0, each VM onto a doorbell page of its own
+        (``ntb-segment``)."""
+        pages: dict[tuple[int, int], str] = {}
+        for w in self.hw.share_cpu_windows():
+            for index in w.segments:  # reported here, not again as nobody's segment
+                self.window_segments[(w.adapter, index)] = w
+            grant = self._grant(w.fdid, w.asid)
+            who = f"{w.node}/{w.vm}"
+            if grant is None or grant.owner != (w.node, w.vm):
+                self.bad(
+                    "ntb-segment",
+                    f"{w.adapter} {w.kind} window of {who}",
+                    f"kept for {who}, which has no current share of {w.fdid:#x}",
+                )
+                continue
             adapter = self.hw.adapter(w.adapter)
             lender = self.hw.device(w.fdid).lender
+            extent: tuple[int, ...] = ()
+            if w.kind == "cmb" and grant.cmb is not None:
+                offset, size = grant.cmb
+                frames = sorted(self.cmb_frames.get(w.fdid, {}).items(), key=lambda f: f[1])
+                extent = tuple(p for p, at in frames if offset <= at < offset + size)
             for i, index in enumerate(w.segments):
-                self.cmb_segments[(w.adapter, index)] = w
                 seg = adapter.segment(index)
                 if seg is None:
                     continue  # lost by a reset: promised, it reaches nothing until reprogrammed
-                at = i * adapter.segment_size // FRAME  # the frame its first byte is in
-                first = want[at] if at < len(want) else -1
-                if (seg.remote_node, seg.remote_addr) != (lender, first):
+                if w.kind == "cmb":
+                    at = i * adapter.segment_size // FRAME  # the frame its first byte is in
+                    ok = seg.remote_node == lender and seg.remote_addr == (
+                        extent[at] if at < len(extent) else -1
+                    )
+                else:
+                    region = self.hw.node(seg.remote_node).address_map.find(seg.remote_addr)
+                    ok = region is not None and region.kind == "bar" and region.fdid == w.fdid
+                    other = pages.setdefault((w.fdid, seg.remote_addr), who)
+                    ok = ok and other == who
+                if not ok:
                     self.bad(
                         "ntb-segment",
                         f"{w.adapter}[{index}]",
-                        f"CMB window of {w.node}/{w.vm} translates to {seg.remote_node}:"
-                        f"{seg.remote_addr:#x}, not its claimed extent of {w.fdid:#x}",
+                        f"{w.kind} window of {who} translates to {seg.remote_node}:"
+                        f"{seg.remote_addr:#x}, not its own "
+                        + ("claimed CMB extent" if w.kind == "cmb" else "doorbell page")
+                        + f" of {w.fdid:#x}",
                     )
 
-    def cmb_window_claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
-        """Each open CMB window's segments equal its share's window claim, on its node's
-        adapters (``nvmeadmit.cmb_window_claim``): claimed == mapped, per adapter and VM."""
+    def share_window_claims(self, claims: Sequence[tuple[int, Claim]]) -> None:
+        """Each open share's CPU windows take exactly the segments its share claimed for them
+        on its node's adapters (``nvmeadmit.cpu_window_claims``): claimed == mapped, per
+        adapter and VM."""
         claimed: dict[str, dict[str, int]] = {}
         for _fdid, c in claims:
-            if c.kind is ClaimKind.BAR and c.share.endswith(CMB_SUFFIX):
+            if c.kind is ClaimKind.BAR and c.share.endswith((CMB_SUFFIX, DOORBELL_SUFFIX)):
                 on = claimed.setdefault(c.share, {})
                 on[c.adapter] = max(on.get(c.adapter, 0), c.segments)
-        for w in self.hw.share_cmb_windows():
-            if not w.adapter:
-                continue
-            key = share_window_key(w.fdid, Holder(w.node, w.vm)) + CMB_SUFFIX
-            have = {w.adapter: len(w.segments)}
+        for w in self.hw.share_cpu_windows():
+            suffix = CMB_SUFFIX if w.kind == "cmb" else DOORBELL_SUFFIX
+            key = share_window_key(w.fdid, Holder(w.node, w.vm)) + suffix
             want = {
                 ref: n
                 for ref, n in claimed.get(key, {}).items()
                 if ref.rsplit(":", 1)[0] == w.node
             }
-            if have != want:
+            if {w.adapter: len(w.segments)} != want:
                 self.bad(
                     "claims",
                     f"{w.adapter} {w.node}/{w.vm}",
-                    f"CMB window of {w.fdid:#x}: {len(w.segments)} segment(s) mapped on"
+                    f"{w.kind} window of {w.fdid:#x}: {len(w.segments)} segment(s) mapped on"
                     f" {w.adapter}, claimed {want or 'none'}",
                 )
 
@@ -786,8 +818,8 @@ class _Checker:
             for seg in adapter.mapped_segments():
                 if (adapter.ref, seg.index) in self.bar_segments:
                     continue  # a BAR window (``bar_windows``)
-                if (adapter.ref, seg.index) in self.cmb_segments:
-                    continue  # a CMB window (``cmb_windows``)
+                if (adapter.ref, seg.index) in self.window_segments:
+                    continue  # a share's CPU window (``share_windows``)
                 if not self.segment_users.get((adapter.ref, seg.index)):
                     self.bad(
                         "ntb-segment",

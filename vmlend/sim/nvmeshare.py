@@ -82,6 +82,7 @@ from vmlend.sim.hardware import (
     Borrow,
     CmbWindowMap,
     ShareCrossing,
+    ShareWindowMap,
     ShareWire,
     SimHardware,
     fabric_requester_key,
@@ -234,8 +235,9 @@ class VmNvmeShare:
         #: its virtual controller), None when its queues are in RAM only.
         self.cmb: CmbWindow | None = None
         self.cmb_mapped = False  # the drive's address space of the share maps the extent
-        #: Its window onto the extent: (its node's adapter, the segments it takes there).
-        self.cmb_window: tuple[str, tuple[int, ...]] | None = None
+        #: Its CPU's windows onto the drive by kind ("cmb": its extent, "doorbell": its own
+        #: doorbell page): (its node's adapter, the segments each takes there).
+        self.cpu_windows: dict[str, tuple[str, tuple[int, ...]]] = {}
         extent = share.cmb_extent
         if extent is not None and drive.cmb is not None:
             self.cmb = CmbWindow(
@@ -434,82 +436,127 @@ class VmNvmeShare:
         except NoPathError:
             return next(iter(hw.routes(lender, self.node)), None)
 
-    # --- the CPU's window onto its CMB extent (segments of its node's adapter) ----------------
-    def _cmb_remotes(self, count: int, segment: int) -> list[int]:
-        """Where each segment of the window translates: the frame its first byte is in."""
-        assert self.cmb is not None
-        return [self.cmb.frames[i * segment // FRAME] for i in range(count)]
+    # --- the CPU's windows onto the drive (segments of its node's adapter) --------------------
+    @property
+    def cmb_window(self) -> tuple[str, tuple[int, ...]] | None:
+        """Its window onto its CMB extent: (its node's adapter, the segments it takes)."""
+        return self.cpu_windows.get("cmb")
 
-    def place_cmb_window(self) -> None:
-        """Map the window onto its extent in its node's adapter of the route its CPU takes
-        now (``doorbell_route``), or program it again where a reset lost it; the old one goes
-        once the new one is mapped. All or nothing: ``ResourceExhaustedError`` naming the
-        adapter when it has no free segments. Nothing for a VM on the lender."""
-        if self.cmb is None or not self.open or self.revoked:
+    @property
+    def doorbell_window(self) -> tuple[str, tuple[int, ...]] | None:
+        """Its window onto its own doorbell page (page mode), as ``cmb_window``."""
+        return self.cpu_windows.get("doorbell")
+
+    def _window_remotes(self, kind: str, segment: int) -> list[int]:
+        """Where each segment of window ``kind`` translates on the lender: for the CMB, the
+        frame its first byte of the extent is in; for the doorbell page, the page in the
+        drive's BAR0."""
+        if kind == "cmb":
+            assert self.cmb is not None
+            count = -(-self.cmb.size // segment)
+            return [self.cmb.frames[i * segment // FRAME] for i in range(count)]
+        assert self.bar0.page is not None
+        return [self.drive.device.bar_phys[0] + self.bar0.page]
+
+    def _window_kinds(self) -> list[str]:
+        kinds = ["cmb"] if self.cmb is not None else []
+        return kinds + (["doorbell"] if self.bar0.page is not None else [])
+
+    def place_cpu_windows(self) -> None:
+        """Map its CPU's windows (onto its CMB extent, onto its doorbell page) in its node's
+        adapter of the route its CPU takes now (``doorbell_route``), or program them again
+        where a reset lost them; the old ones go once the new ones are mapped. All or
+        nothing: ``ResourceExhaustedError`` naming the adapter when it has no free segments.
+        Nothing for a VM on the lender."""
+        kinds = self._window_kinds()
+        if not kinds or not self.open or self.revoked:
             return
         path = self.doorbell_route()
-        if path is None:  # on the lender: no NTB between its CPU and the CMB
-            self.drop_cmb_window()
+        if path is None:  # on the lender: no NTB between its CPU and the drive
+            self.drop_cpu_windows()
             return
-        hw, lender = self.drive.hw, self.drive.device.lender
-        adapter = hw.adapter(path.dst.ref)
+        lender = self.drive.device.lender
+        adapter = self.drive.hw.adapter(path.dst.ref)
         seg = adapter.segment_size
-        count = -(-self.cmb.size // seg)
-        remotes = self._cmb_remotes(count, seg)
-        if self.cmb_window is not None and self.cmb_window[0] == adapter.ref:
-            for index, remote in zip(self.cmb_window[1], remotes, strict=True):
-                if adapter.segment(index) is None:  # lost by a reset: programmed again
-                    adapter.map_segment(index, lender, remote)
-            return
-        first = adapter.free_segments(count)
-        done: list[int] = []
+        made: dict[str, tuple[str, tuple[int, ...]]] = {}
         try:
-            for i, remote in enumerate(remotes):
-                adapter.map_segment(first + i, lender, remote)
-                done.append(first + i)
+            for kind in kinds:
+                remotes = self._window_remotes(kind, seg)
+                have = self.cpu_windows.get(kind)
+                if have is not None and have[0] == adapter.ref:
+                    for index, remote in zip(have[1], remotes, strict=True):
+                        if adapter.segment(index) is None:  # lost by a reset: again
+                            adapter.map_segment(index, lender, remote)
+                    continue
+                first = adapter.free_segments(len(remotes))
+                done: list[int] = []
+                made[kind] = (adapter.ref, ())
+                for i, remote in enumerate(remotes):
+                    adapter.map_segment(first + i, lender, remote)
+                    done.append(first + i)
+                    made[kind] = (adapter.ref, tuple(done))
         except Exception:
-            for index in done:
-                adapter.unmap_segment(index)
+            for ref, indices in made.values():
+                for index in indices:
+                    self.drive.hw.adapter(ref).unmap_segment(index)
             raise
-        self.drop_cmb_window()
-        self.cmb_window = (adapter.ref, tuple(done))
+        for kind, window in made.items():
+            self._drop_window(kind)
+            self.cpu_windows[kind] = window
 
-    def drop_cmb_window(self) -> None:
-        if self.cmb_window is not None:
-            ref, indices = self.cmb_window
-            self.cmb_window = None
-            adapter = self.drive.hw.adapter(ref)
-            for index in indices:
+    def _drop_window(self, kind: str) -> None:
+        window = self.cpu_windows.pop(kind, None)
+        if window is not None:
+            adapter = self.drive.hw.adapter(window[0])
+            for index in window[1]:
                 adapter.unmap_segment(index)
 
-    def _cmb_carried(self, offset: int, path: NtbPath) -> int:
-        """The address in ``path``'s adapter window that carries ``offset`` of the extent:
-        ``no-target`` when no window of that adapter maps it, ``ntb-segment`` when its
-        segment is not translated (a reset lost it) or translates elsewhere."""
-        gpa = GUEST_CMB_BASE + offset
-        if self.cmb_window is None or self.cmb_window[0] != path.dst.ref:
+    def drop_cpu_windows(self) -> None:
+        """Its CPU's windows go (the share ends)."""
+        for kind in list(self.cpu_windows):
+            self._drop_window(kind)
+
+    def _carried(self, kind: str, offset: int, path: NtbPath) -> int:
+        """The address in ``path``'s adapter window that carries ``offset`` of window
+        ``kind``: ``no-target`` when no window of that adapter maps it, ``ntb-segment`` when
+        its segment is not translated (a reset lost it) or translates elsewhere."""
+        window = self.cpu_windows.get(kind)
+        what = "CMB extent" if kind == "cmb" else "doorbell page"
+        if window is None or window[0] != path.dst.ref:
             raise DmaFault(
-                "no-target",
-                gpa,
-                f"no segment of {path.dst.ref} maps the CMB extent of {self.name}",
+                "no-target", offset, f"no segment of {path.dst.ref} maps the {what} of {self.name}"
             )
         adapter = self.drive.hw.adapter(path.dst.ref)
         seg = adapter.segment_size
         i = offset // seg
-        index = self.cmb_window[1][i]
+        index = window[1][i]
         address = adapter.segment_base(index) + offset % seg
         mapped = adapter.segment(index)
-        want = self._cmb_remotes(i + 1, seg)[i]
-        if mapped is None or (mapped.remote_node, mapped.remote_addr) != (
-            self.drive.device.lender,
-            want,
-        ):
+        want = (self.drive.device.lender, self._window_remotes(kind, seg)[i])
+        if mapped is None or (mapped.remote_node, mapped.remote_addr) != want:
             raise DmaFault(
                 "ntb-segment",
                 address,
-                f"segment {index} of {adapter.ref} does not carry the CMB extent of {self.name}",
+                f"segment {index} of {adapter.ref} does not carry the {what} of {self.name}",
             )
         return address
+
+    def _cmb_carried(self, offset: int, path: NtbPath) -> int:
+        return self._carried("cmb", offset, path)
+
+    def page_write(self, offset: int, size: int, value: int) -> None:
+        """A guest write into its doorbell page mapped onto the share's real one (page mode):
+        through its doorbell window, then across the adapters as MMIO; a window that does not
+        carry it is a master abort, counted as the MMIO resolver counts them."""
+        assert self.bar0.page is not None
+        path = self.doorbell_route()
+        if path is not None:
+            try:
+                self._carried("doorbell", offset, path)
+            except DmaFault:
+                self.drive.hw.mmio.stats.aborted[path.dst.ref] += 1
+                return
+        self.mmio(self.bar0.page + offset, size, value)
 
     def _free_rings(self) -> None:
         if self.rings is not None:
@@ -640,7 +687,7 @@ class _GuestBar0:
             # (The count is the simulator's: a real mapping has none.)
             if slot is not None and slot[0] != 0:
                 self.s.count_doorbell(trapped=False)
-            self.s.mmio(self.page + offset - spec.DOORBELL_BASE, size, value)
+            self.s.page_write(offset - spec.DOORBELL_BASE, size, value)
             return
         if slot is None or size != 4:
             return
@@ -790,10 +837,10 @@ class SharedNvmeDrive:
         try:
             vms = VmNvmeShare(self, node, vm, share, msi_paths(interrupts))
             self.connect(vms)
-            vms.place_cmb_window()  # its CPU's window onto its CMB extent, if it has one
+            vms.place_cpu_windows()  # its CPU's window onto its CMB extent, if it has one
         except Exception:
             if vms is not None:
-                vms.drop_cmb_window()
+                vms.drop_cpu_windows()
             self.manager.remove_share(name)
             raise
         self.shares[name] = vms
@@ -818,7 +865,7 @@ class SharedNvmeDrive:
         try:
             self._map(vms, self.hw.guest(vms.node, vms.vm).ranges)
             # the crossing into its node exists now: its CMB window leaves by that adapter
-            vms.place_cmb_window()
+            vms.place_cpu_windows()
         except Exception:
             vms.windows.close()
             raise
@@ -1117,7 +1164,7 @@ class SharedNvmeDrive:
             if mastering:
                 self._map_share(vms)
             else:
-                vms.place_cmb_window()  # from ``node``'s adapter now
+                vms.place_cpu_windows()  # from ``node``'s adapter now
         except Exception:
             vms.node, vms.virtual.memory, vms.msi_paths = old_node, before, old_msi
             if mastering:
@@ -1312,7 +1359,7 @@ class SharedNvmeDrive:
         ingress.far, ingress.path = new.dst.ref, new
         for vms in self.shares.values():  # the CPUs' CMB windows follow the crossing
             if vms.node == node:
-                vms.place_cmb_window()
+                vms.place_cpu_windows()
         self.reroutes.append((node, old.describe(), new.describe()))
         log.warning(
             "NVMe drive %#x: crossing to %s moved from %s to %s",
@@ -1351,7 +1398,7 @@ class SharedNvmeDrive:
         finally:
             self.manager.forget_share(vms.name)
             vms.windows.close()
-            vms.drop_cmb_window()
+            vms.drop_cpu_windows()
             vms._free_rings()
             self.shares.pop(vms.name, None)
 
@@ -1458,16 +1505,17 @@ class SharedNvmeDrive:
     def cmb_windows(self) -> list[CmbWindowMap]:
         """What each open share's VM reaches of the CMB through its window."""
         return [
-            CmbWindowMap(
-                self.fdid,
-                v.node,
-                v.vm,
-                v.share.asid,
-                tuple(v.cmb.frames),
-                *(v.cmb_window if v.cmb_window is not None else ("", ())),
-            )
+            CmbWindowMap(self.fdid, v.node, v.vm, v.share.asid, tuple(v.cmb.frames))
             for v in self.shares.values()
             if v.cmb is not None and v.open and not v.revoked
+        ]
+
+    def cpu_windows(self) -> list[ShareWindowMap]:
+        """The segments each share's CPU windows onto the drive take now."""
+        return [
+            ShareWindowMap(self.fdid, v.node, v.vm, v.share.asid, kind, ref, indices)
+            for v in self.shares.values()
+            for kind, (ref, indices) in sorted(v.cpu_windows.items())
         ]
 
     def cmb_frames(self) -> list[int]:

@@ -50,6 +50,7 @@ def unplug_share(drive: SharedNvmeDrive, vms: VmNvmeShare) -> UnpluggedShare:
     drive.manager.disconnect(vms.name)
     vms.open = False
     vms.windows.close()  # its windows, pins and crossing use
+    vms.drop_cpu_windows()  # its CPU's windows onto the drive (CMB extent, doorbell page)
     vms._free_rings()
     del drive.shares[vms.name]
     log.info("NVMe share %s of %#x: controller unplugged, share kept", vms.name, drive.fdid)
@@ -75,10 +76,12 @@ def replug_share(
         msi = gone.msi if interrupts is None else msi_paths(interrupts)
         vms = VmNvmeShare(drive, node, gone.vm, share, msi)
         drive.connect(vms)
+        vms.place_cpu_windows()  # from ``node``'s adapter
         if gone.mdev is not None:
             drive.hw.open_mdev(gone.mdev, drive.fdid, node, gone.vm, vms.revoke, share=True)
     except Exception:
         if vms is not None:
+            vms.drop_cpu_windows()
             vms._free_rings()  # a two-path share's relay rings, made in the node's memory
         drive.manager.disconnect(new)
         if new != old:

@@ -9,7 +9,7 @@ import pytest
 from tests.support.simfabric import make_fabric
 from vmlend.errors import ResourceExhaustedError
 from vmlend.ledger import nvmeshares as ledger
-from vmlend.ledger.nvmeadmit import CMB_SUFFIX, share_window_key
+from vmlend.ledger.nvmeadmit import CMB_SUFFIX, DOORBELL_SUFFIX, share_window_key
 from vmlend.registry import ClaimKind
 from vmlend.sim.nvmedrive import drive_geometry
 from vmlend.topology.model import GiB, Holder
@@ -77,3 +77,18 @@ def test_a_full_adapter_window_refuses_the_cmb_share_in_one_line_claiming_nothin
     # beta's adapter has room: the same share from there is claimed
     ledger.reserve_share(fab.registry, NVME, Holder("beta", "a"), 1, 10, guest_ram=GiB)
     assert [c[1] for c in bar_claims(fab) if c[2].endswith(CMB_SUFFIX)] == ["beta:0"]
+
+
+def test_a_page_mode_share_claims_its_doorbell_window(state_path):
+    from vmlend.sim.nvmetopology import SHARED_NVME, sharing_topology
+
+    with make_fabric(state_path, sharing_topology(2), "b1") as f:
+        geometry = drive_geometry(f.topology().device(SHARED_NVME), BLOCKS)
+        ledger.lend_shared(f.registry, SHARED_NVME, geometry)
+        holder = Holder("b1", "a")
+        share = ledger.reserve_share(f.registry, SHARED_NVME, holder, 1, 10, guest_ram=GiB)
+        assert share.page is not None
+        key = share_window_key(SHARED_NVME, holder) + DOORBELL_SUFFIX
+        assert bar_claims(f) == [(SHARED_NVME, "b1:0", key, 1)]
+        assert ledger.release_share(f.registry, SHARED_NVME, holder)
+        assert bar_claims(f) == []

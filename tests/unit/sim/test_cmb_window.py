@@ -126,3 +126,49 @@ def test_a_full_adapter_refuses_the_share_in_one_line_leaving_nothing(hw, tmp_pa
         assert drive.open_share("b1", "vm", 1, 4096).cmb_window is not None
     finally:
         drive.close()
+
+
+def test_a_page_mode_doorbell_goes_through_its_window_onto_its_own_page(hw, tmp_path):
+    from vmlend.nvme import spec
+
+    drive = SharedNvmeDrive(hw, SHARED_NVME, tmp_path, blocks=BLOCKS)
+    try:
+        for node in ("b1", "b2"):
+            hw.create_guest(node, "vm", [GuestRange(0, 64 * MiB)])
+        a = drive.open_share("b1", "vm", 1, 4096)
+        b = drive.open_share("b2", "vm", 1, 4096)
+        assert a.bar0.mapped and a.doorbell_window is not None and a.cmb_window is None
+        ref, (index,) = a.doorbell_window
+        seg = hw.adapter(ref).segment(index)
+        assert seg is not None and a.bar0.page is not None
+        assert (ref, seg.remote_node, seg.remote_addr) == (
+            "b1:0",
+            "store",
+            hw.device(SHARED_NVME).bar_phys[0] + a.bar0.page,
+        )
+        assert check_hardware(hw, shares=drive.grants()) == []
+        sq1 = spec.DOORBELL_BASE + 8  # the guest's SQ 1 tail doorbell
+        a.bar0.write(sq1, 4, 1)
+        assert hw.mmio.stats.delivered["b1:0"] == 1
+        hw.link_down("sw/b1:0")
+        hw.link_up("sw/b1:0", keep_mappings=False)  # b1:0 lost the window
+        a.bar0.write(sq1, 4, 2)
+        assert hw.mmio.stats.aborted["b1:0"] == 1 and hw.mmio.stats.delivered["b1:0"] == 1
+        hw.reprogram("sw/b1:0")
+        a.bar0.write(sq1, 4, 3)
+        assert hw.mmio.stats.delivered["b1:0"] == 2
+        # a window onto another VM's page is caught
+        bref, (bindex,) = b.doorbell_window  # type: ignore[misc]
+        badapter = hw.adapter(bref)
+        badapter.unmap_segment(bindex)
+        badapter.map_segment(bindex, "store", seg.remote_addr)
+        assert [v.kind for v in check_hardware(hw, shares=drive.grants())] == ["ntb-segment"]
+        badapter.unmap_segment(bindex)
+        badapter.map_segment(bindex, "store", hw.device(SHARED_NVME).bar_phys[0] + b.bar0.page)
+        a.close()
+        b.close()
+        assert not hw.adapter("b1:0").mapped_segments()
+        assert not hw.adapter("b2:0").mapped_segments()
+        assert check_hardware(hw, shares=drive.grants()) == []
+    finally:
+        drive.close()

@@ -355,8 +355,11 @@ def test_a_share_justifies_only_its_own_vm(hw, drive):
         g if g.vm != "vm-a" else ShareGrant(g.fdid, g.node, "vm-x", g.asid) for g in drive.grants()
     ]
     found = check_hardware(hw, shares=wrong)
-    mapped = [v for v in found if v.kind != "share-wire"]
+    windows = [v for v in found if v.kind == "ntb-segment" and "window of" in v.where]
+    mapped = [v for v in found if v.kind != "share-wire" and v not in windows]
     assert mapped and all("not of vm-x" in v.detail for v in mapped), found
+    # its CPU's window onto its doorbell page, in b1's adapter, is no current share's either
+    assert [v.where for v in windows] == ["b1:0 doorbell window of b1/vm-a"]
     # and what the manager keeps for A (queues, routes, doorbell page) is nobody's share now
     wires = [v for v in found if v.kind == "share-wire"]
     assert wires and all("b1/vm-a, which has no current share" in v.detail for v in wires)
@@ -374,7 +377,10 @@ def test_a_shares_windows_follow_bus_master_of_its_controller(hw, drive):
     before = _fabric_snapshot(hw)
     hw.create_guest("b1", "vm-a", [GuestRange(0, 64 * MiB)])
     a = drive.open_share("b1", "vm-a", 1, 4096)
-    assert _fabric_snapshot(hw) == before  # a share opened, nothing mapped
+    # a share opened: nothing mapped for DMA, only its CPU's window onto its doorbell page
+    luts, segments, *rest = _fabric_snapshot(hw)
+    assert a.doorbell_window is not None and len(a.doorbell_window[1]) == 1
+    assert (luts, {**segments, "b1:0": segments["b1:0"] - 1}, *rest) == before
     drv = guest_driver(a.bar0, hw.guest("b1", "vm-a"))
     (qp,) = drv.start(queues=1, entries=16)  # admin emulation and queue creation need no DMA
     with pytest.raises(NvmeTimeoutError):  # the drive cannot fetch from the VM's RAM yet
