@@ -24,7 +24,8 @@ adapters reserve for the CPUs (``ntb``), so no requester entry is looked up. An 
 borrow's access is carried by its BAR window (``SimHardware.bar_windows``: whole segments of
 the borrower's adapter, made at the hardware borrow, moved by a re-route, removed when the
 borrow ends; what admission claims as ``window-bars``): the ``borrower-adapter`` hop names
-the window address. A shared drive's doorbell writes take no window segment (not modelled).
+the window address. A share's page-mode doorbell write passes its own window first
+(``VmNvmeShare.page_write``); a trap's forward and a relay's take no window (not modelled).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ admin queues in lender memory, and for each VM (``open_share``):
   admin queue, and a config space whose Bus Master bit maps the share's DMA windows (as for a
   borrowed device: set, the windows are mapped; cleared, they go).
 - the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
-  software on the I/O path); in trap mode each write is trapped and forwarded to the share's
+  software on the I/O path), from another node through a window segment of its adapter
+  (``place_cpu_windows``, with its window onto its CMB extent: what admission claims); in trap mode each write is trapped and forwarded to the share's
   own real queue ids only (one software step each). Either way the write reaches the drive as
   MMIO from the VM's node (``vmlend.sim.mmio``): through the node's adapter of the drive's
   crossing and the lender's, so a dead cable drops it.

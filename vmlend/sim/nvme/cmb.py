@@ -18,7 +18,7 @@ controller: stages, each with the name a ``DmaFault.hop`` carries when it refuse
 then, from a VM on another node, its adapter and the lender's (the drive's crossing into the
 node, as the share's doorbells take it), then the lender's RAM frame of the extent. The window
 is whole segments of the VM's adapter (what admission claims with the share, ``nvmeadmit.
-cmb_window_claim``); each segment translates to the frame its first byte of the extent is in.
+cpu_window_claims``); each segment translates to the frame its first byte of the extent is in.
 The simulator's CMB is frames of lender RAM, not one BAR region, so the rest of a segment is
 resolved frame by frame.
 """
