@@ -8,7 +8,10 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   segment whose far side does not translate the device into its VM's domain;
 - ``domain``: a VM's domain (its own, or its peer-to-peer domain on another lender) maps RAM
   or a BAR that is not that VM's;
-- ``ntb-segment``: a translated segment no borrowed device's mapping uses;
+- ``ntb-segment``: a translated segment no borrowed device's mapping uses and that is no
+  BAR window of a current borrow (on the borrower adapter of its crossing, translating only
+  to a BAR its VM holds) nor an open share's CPU window (translating only to its claimed CMB
+  extent, or to a doorbell page of its own in the drive's BAR0);
 - ``lut``: a requester LUT entry for a device that is not borrowed (or not through this adapter);
 - ``port``: a cluster switch port's requester table holds an entry for a crossing that does
   not pass the port, lacks one a crossing passing it needs (a borrowed device's, a shared
@@ -25,7 +28,9 @@ registry's holds and claims): every mapping is justified by a current borrow of 
   them (the planner's own count: claimed == mapped); more peer-to-peer segments mapped on an
   adapter than its P2P claims allow, or more LUT entries in use than its claims allow (P2P
   claims are an upper bound: where the guest puts a BAR is not known at reserve). A share's
-  windows and a VM's interrupt window (MSI over the NTB) must match their claims exactly too.
+  windows and a VM's interrupt window (MSI over the NTB) must match their claims exactly too,
+  and so must a borrowed device's BAR windows (its hold's ``bar`` claims on the adapters of its
+  VM's node) and an open share's CPU windows (its ``#cmb`` and ``#doorbell`` claims).
   On the switch ports, claimed == in use per port and requester: every entry a borrowed
   device's crossing holds is claimed by its hold (a shared drive's crossings': by its
   manager's hold; peer-to-peer's: by the target's hold, whose P2P claims on ports are an upper

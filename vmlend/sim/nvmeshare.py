@@ -13,10 +13,11 @@ admin queues in lender memory, and for each VM (``open_share``):
   borrowed device: set, the windows are mapped; cleared, they go).
 - the guest's doorbell page: in page mode mapped onto the share's own real doorbell page (no
   software on the I/O path), from another node through a window segment of its adapter
-  (``place_cpu_windows``, with its window onto its CMB extent: what admission claims); in trap mode each write is trapped and forwarded to the share's
-  own real queue ids only (one software step each). Either way the write reaches the drive as
-  MMIO from the VM's node (``vmlend.sim.mmio``): through the node's adapter of the drive's
-  crossing and the lender's, so a dead cable drops it.
+  (``place_cpu_windows``, beside its window onto its CMB extent: what admission claims); in
+  trap mode each write is trapped and forwarded to the share's own real queue ids only (one
+  software step each). Either way the write reaches the drive as MMIO from the VM's node
+  (``vmlend.sim.mmio``): through the node's adapter of the drive's crossing and the
+  lender's, so a dead cable drops it.
 
 A share of two paths (``--paths 2``) also gets a backup path through another adapter of the
 VM's node, in an address space of its own, and a backup queue pair per queue pair, its rings
@@ -838,7 +839,7 @@ class SharedNvmeDrive:
         try:
             vms = VmNvmeShare(self, node, vm, share, msi_paths(interrupts))
             self.connect(vms)
-            vms.place_cpu_windows()  # its CPU's window onto its CMB extent, if it has one
+            vms.place_cpu_windows()  # its CPU's windows onto its CMB extent, doorbell page
         except Exception:
             if vms is not None:
                 vms.drop_cpu_windows()
@@ -865,7 +866,7 @@ class SharedNvmeDrive:
         """Bus Master of ``vms``'s controller went on: pin and map its RAM; all or nothing."""
         try:
             self._map(vms, self.hw.guest(vms.node, vms.vm).ranges)
-            # the crossing into its node exists now: its CMB window leaves by that adapter
+            # the crossing into its node exists now: its CPU windows leave by that adapter
             vms.place_cpu_windows()
         except Exception:
             vms.windows.close()
@@ -1358,7 +1359,7 @@ class SharedNvmeDrive:
         new_ports = route_ports(new)
         self.hw.switch_ports.remove([p for p in old_ports if p not in new_ports], requester, user)
         ingress.far, ingress.path = new.dst.ref, new
-        for vms in self.shares.values():  # the CPUs' CMB windows follow the crossing
+        for vms in self.shares.values():  # the CPUs' windows follow the crossing
             if vms.node == node:
                 vms.place_cpu_windows()
         self.reroutes.append((node, old.describe(), new.describe()))
