@@ -92,3 +92,16 @@ def test_a_page_mode_share_claims_its_doorbell_window(state_path):
         assert bar_claims(f) == [(SHARED_NVME, "b1:0", key, 1)]
         assert ledger.release_share(f.registry, SHARED_NVME, holder)
         assert bar_claims(f) == []
+
+
+def test_a_borrowers_full_window_refuses_a_device_in_one_line_claiming_nothing(fab):
+    from vmlend.errors import VmlendError
+
+    # three GPUs (10 segments of BAR windows each) and the NIC (2) fill gamma:0
+    for i, fdid in enumerate((0x10, 0x11, 0x20, 0x21)):
+        fab.reserve(fdid, Holder("gamma", f"vm{i}"), guest_ram=GiB)
+    before = fab.usage()
+    with pytest.raises(VmlendError) as e:  # a VF: two 16 KiB BARs, one segment each
+        fab.reserve(0x22, Holder("gamma", "vm9"), guest_ram=GiB)
+    assert "gamma:0" in str(e.value) and "\n" not in str(e.value)
+    assert fab.usage() == before

@@ -157,3 +157,18 @@ def test_a_full_borrower_window_refuses_the_borrow_in_one_line_changing_nothing(
     assert check_hardware(hw) == []
     hw.borrow(NVME, "gamma", "web")  # one segment: fits
     assert [w.adapter for w in hw.bar_windows(NVME)] == ["gamma:0"]
+
+
+def test_a_hold_ended_behind_its_vm_and_the_take_back_leave_no_window(cluster):
+    from vmlend.registry import FenceRecord
+
+    _, vm = _run(cluster, (GPU,))
+    token = cluster.fabric().holds()[GPU].token
+    assert mapped(cluster.hw, GPU) == {"gamma:0": 10}
+    # its host's lease ran out: the hold ends behind the VM, the borrow with it
+    assert cluster.fabric().release(GPU, vm.holder)
+    assert cluster.hw.bar_windows() == [] and claimed(cluster, GPU) == {}
+    cluster.fabric("alpha").take_back(FenceRecord(GPU, vm.holder, token))
+    assert cluster.hw.bar_windows() == [] and not cluster.hw.adapter("gamma:0").mapped_segments()
+    assert cluster.hw.mmio_read("gamma", GPU, 0, 0x100, 4) == 0xFFFF_FFFF  # nothing decodes it
+    assert check_with_registry(cluster.hw, cluster.registry) == []
