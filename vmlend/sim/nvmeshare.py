@@ -67,6 +67,7 @@ from vmlend.errors import (
     DmaFault,
     FabricError,
     NoPathError,
+    ResourceExhaustedError,
     StaleTokenError,
     SwitchPortFullError,
 )
@@ -470,13 +471,22 @@ class VmNvmeShare:
         where a reset lost them; the old ones go once the new ones are mapped. All or
         nothing: ``ResourceExhaustedError`` naming the adapter when it has no free segments.
         Nothing for a VM on the lender."""
-        kinds = self._window_kinds()
-        if not kinds or not self.open or self.revoked:
+        if not self._window_kinds() or not self.open or self.revoked:
             return
         path = self.doorbell_route()
         if path is None:  # on the lender: no NTB between its CPU and the drive
             self.drop_cpu_windows()
             return
+        self.commit_cpu_windows(self.map_cpu_windows(path))
+
+    def map_cpu_windows(self, path: NtbPath) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The first half of ``place_cpu_windows`` for ``path``'s adapter on its node: the new
+        windows mapped beside the old ones (lost segments of windows already there programmed
+        again), to be kept by ``commit_cpu_windows`` or undone by ``unmap_cpu_windows``. All
+        or nothing: ``ResourceExhaustedError`` naming the adapter, nothing left mapped."""
+        kinds = self._window_kinds()
+        if not kinds or not self.open or self.revoked:
+            return {}
         lender = self.drive.device.lender
         adapter = self.drive.hw.adapter(path.dst.ref)
         seg = adapter.segment_size
@@ -498,13 +508,21 @@ class VmNvmeShare:
                     done.append(first + i)
                     made[kind] = (adapter.ref, tuple(done))
         except Exception:
-            for ref, indices in made.values():
-                for index in indices:
-                    self.drive.hw.adapter(ref).unmap_segment(index)
+            self.unmap_cpu_windows(made)
             raise
+        return made
+
+    def commit_cpu_windows(self, made: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Keep the windows ``map_cpu_windows`` made; the ones they replace go."""
         for kind, window in made.items():
             self._drop_window(kind)
             self.cpu_windows[kind] = window
+
+    def unmap_cpu_windows(self, made: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Undo ``map_cpu_windows``: its new segments go, the windows the share had stay."""
+        for ref, indices in made.values():
+            for index in indices:
+                self.drive.hw.adapter(ref).unmap_segment(index)
 
     def _drop_window(self, kind: str) -> None:
         window = self.cpu_windows.pop(kind, None)
@@ -1350,18 +1368,33 @@ class SharedNvmeDrive:
         except SwitchPortFullError as e:  # the route it has is the one it keeps
             log.warning("NVMe drive %#x: crossing to %s not moved: %s", self.fdid, node, e)
             return False
+        # The CPUs' windows follow the crossing, in the same all or nothing: mapped on the new
+        # adapter before anything moves, so a full adapter keeps the route it has (as a full
+        # switch port does) instead of moving the crossing without its windows.
+        windows: list[tuple[VmNvmeShare, dict[str, tuple[str, tuple[int, ...]]]]] = []
+        try:
+            for vms in self.shares.values():
+                if vms.node == node:
+                    windows.append((vms, vms.map_cpu_windows(new)))
+        except ResourceExhaustedError as e:
+            for vms, made in windows:
+                vms.unmap_cpu_windows(made)
+            self.hw.switch_ports.remove(added, requester, user)
+            log.warning("NVMe drive %#x: crossing to %s not moved: %s", self.fdid, node, e)
+            return False
         try:
             self._far_add(node, new.dst.ref)
         except Exception:
+            for vms, made in windows:
+                vms.unmap_cpu_windows(made)
             self.hw.switch_ports.remove(added, requester, user)
             raise
         self._far_drop(node, ingress.far)
         new_ports = route_ports(new)
         self.hw.switch_ports.remove([p for p in old_ports if p not in new_ports], requester, user)
         ingress.far, ingress.path = new.dst.ref, new
-        for vms in self.shares.values():  # the CPUs' windows follow the crossing
-            if vms.node == node:
-                vms.place_cpu_windows()
+        for vms, made in windows:
+            vms.commit_cpu_windows(made)
         self.reroutes.append((node, old.describe(), new.describe()))
         log.warning(
             "NVMe drive %#x: crossing to %s moved from %s to %s",

@@ -82,6 +82,39 @@ def test_the_window_is_mapped_as_claimed_moved_by_a_reroute_and_returned(shared)
     assert check_with_registry(c.hw, c.registry) == []
 
 
+def test_a_reroute_onto_an_adapter_without_room_for_the_window_keeps_the_route(shared):
+    """A link event whose new route's adapter has no segment left for the share's CMB window
+    moves nothing (as a full switch port): the crossing, the window and its claim stay on the
+    dead cable, and the event completes (before, the move went half way and the error left
+    the rest of the link event's re-routes and records undone)."""
+    c, drive = shared
+    xml = share_xml("cmbvm", fdid=NVME)
+    c.prepare(xml, "gamma")
+    vm = SimVm(xml, hardware=c.hw, fabric=c.fabric("gamma"), nvme={NVME: drive})
+    share = vm.nvme_share(NVME)
+    share.set_master()
+    other = c.hw.adapter("gamma:1")
+    filler = []
+    while True:  # what other users' windows would take
+        try:
+            index = other.free_segments(1)
+        except ResourceExhaustedError:
+            break
+        other.map_segment(index, "alpha", 0x1000_0000 + index * other.segment_size)
+        filler.append(index)
+    c.fabric("gamma").set_link_up(PRIMARY, False)  # completes: nothing raised
+    assert share.cmb_window is not None and share.cmb_window[0] == "gamma:0"
+    assert cmb_claims(c) == {"gamma:0": 1}
+    crossing = c.hw.crossing(NVME, "gamma")
+    assert crossing is not None and crossing.dst.ref == "gamma:0"
+    assert drive.reroutes == []
+    for index in filler:
+        other.unmap_segment(index)
+    assert check_with_registry(c.hw, c.registry) == []
+    vm.stop()
+    c.release(xml, "gamma")
+
+
 @pytest.fixture
 def hw():
     return SimHardware.from_topology(parse_topology(sharing_topology(2)), seed=3)
