@@ -289,10 +289,16 @@ def p2p_on_hardware(
         if (x.node, x.vm) == vm
     }
 
+    # the mapper gives a new pair the route the VM's maps between the same two lenders hold
+    # (``P2PMapper._route``), which after a re-plan that found no room is not the cheapest
+    held = {(p.src.node, p.dst.node): p for p in mapped.values() if p is not None}
+
     def route_of(source: DeviceSpec, target: DeviceSpec) -> NtbPath | None:
         if source.lender == target.lender:
             return None
         found = mapped.get((source.fdid, target.fdid))
+        if found is None:
+            found = held.get((source.lender, target.lender))
         return found if found is not None else route(live, source.lender, target.lender)
 
     return p2p_claims(live, holder, specs, crosses_from, route_of)

@@ -242,3 +242,51 @@ def test_a_device_hot_plugged_after_a_reroute_leaves_the_vms_entries_claimed(tmp
         p2p.close()
     finally:
         c.close()
+
+
+def test_a_pair_plugged_while_the_maps_stay_cut_is_claimed_on_their_route(tmp_path):
+    """The mapper gives a new pair the route the VM's maps between the same two lenders hold.
+    Beta's cable cut with no room on the other route (its port's requester table full): the
+    maps stay on the cut route. Alpha's second GPU plugged then is mapped there too, and its
+    claims must be counted there, not on the cheapest live route (before: "beta:0: 3 LUT
+    entries in use, 2 claimed", and entries on the cut route's ports unclaimed)."""
+    from vmlend.topology.requesters import route_ports
+
+    c = Cluster.create(tmp_path / "state.db", two_route_text())
+    try:
+        holder = Holder("gamma", "web")
+        fabric = c.fabric()
+        c.hw.create_guest("gamma", "web", RAM)
+        p2p = P2PMapper(c.hw, "gamma", "web")
+
+        def plug(fdid: int) -> None:
+            fabric.reserve(fdid, holder, guest_ram=2 * GiB)
+            fabric.borrow(fdid, holder)
+            command = regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+            c.hw.device(fdid).config.write(regs.COMMAND, 2, command)
+            program(p2p, fdid)
+
+        plug(GPU)
+        plug(BETA_GPU)
+        ports = c.hw.switch_ports
+        other = next(p for p in c.hw.routes("alpha", "beta") if p.dst.ref == "beta:1")
+        full = [p for p in route_ports(other) if "beta:1" in p.name]
+        fillers = []
+        while True:  # what other devices' crossings would hold there
+            who = f"zeta/0000:{len(fillers):02x}:00"
+            try:
+                ports.add(full, who, (0x999, who))
+            except Exception:
+                break
+            fillers.append(who)
+        fabric.set_link_up(BETA_CABLE, False)
+        assert "beta:0" in crossing(p2p)  # no room on the other route: the maps stay cut
+        plug(GPU2)
+        assert all("beta:0" in x.path.describe() for x in p2p.crossings())
+        for who in fillers:
+            ports.remove(full, who, (0x999, who))
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        p2p.close()
+    finally:
+        c.close()
