@@ -466,8 +466,11 @@ class EtcdTxn:
         sizes = [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
         begin = hint % cap if cap else 0
         # blocks this transaction gave back (a hand-over moves a VM's units to its VM on the
-        # destination): taken again first, a put over a delete being one operation, not two
-        dropped = [k for k, v in self._writes.items() if v is None]
+        # destination): taken again first, a put over a delete being one operation, not two.
+        # Only for a new hold's blocks, which are put fresh on its lease: elsewhere (claims
+        # recounted after a link event, several VMs in one transaction) a block taken again
+        # would keep the lease of the VM that gave it back.
+        dropped = [k for k, v in self._writes.items() if v is None] if self._fresh_units else []
         freed = sorted(self._spans(adapter, unit, dropped))
         picked: list[tuple[int, int]] = []
         while sizes:
