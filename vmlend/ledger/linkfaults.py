@@ -289,9 +289,15 @@ def p2p_on_hardware(
         if (x.node, x.vm) == vm
     }
 
-    # the mapper gives a new pair the route the VM's maps between the same two lenders hold
-    # (``P2PMapper._route``), which after a re-plan that found no room is not the cheapest
-    held = {(p.src.node, p.dst.node): p for p in mapped.values() if p is not None}
+    # the mapper gives a new pair the route the VM's maps between the same two lenders hold,
+    # or held before they all went (``P2PMapper._route``), which after a re-plan that found
+    # no room is not the cheapest
+    held = {
+        (r.path.src.node, r.path.dst.node): r.path
+        for r in getattr(hw, "p2p_routes", list)()
+        if (r.node, r.vm) == vm
+    }
+    held.update({(p.src.node, p.dst.node): p for p in mapped.values() if p is not None})
 
     def route_of(source: DeviceSpec, target: DeviceSpec) -> NtbPath | None:
         if source.lender == target.lender:

@@ -186,6 +186,19 @@ class ShareCrossing(msgspec.Struct, frozen=True):
         return share_user(self.fdid, self.node, self.backup_of)
 
 
+class P2PPairRouteLike(Protocol):
+    """The route a VM's peer-to-peer between two lenders takes (``vmlend.sim.p2pmap``)."""
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def vm(self) -> str: ...
+
+    @property
+    def path(self) -> NtbPath: ...
+
+
 class P2PCrossingLike(Protocol):
     """A peer-to-peer crossing as the hardware knows it (``vmlend.sim.p2pmap.P2PCrossing``)."""
 
@@ -290,6 +303,9 @@ class SimHardware:
         self.switch_ports = SwitchPorts(topology)
         #: The peer-to-peer mappers' crossings (``add_p2p_crossings``), for the checker.
         self._p2p_sources: list[Callable[[], Sequence[P2PCrossingLike]]] = []
+        #: Each mapper's route per lender pair, kept while the pair has no maps
+        #: (``P2PMapper.pair_routes``): what a reserve or release counts its claims on.
+        self._p2p_route_sources: list[Callable[[], Sequence[P2PPairRouteLike]]] = []
         for spec in topology.nodes:
             self._build_node(spec)
         self.resolver = DmaResolver(self)
@@ -1195,6 +1211,23 @@ class SimHardware:
                 self._p2p_sources.remove(crossings)
 
         return remove
+
+    def add_p2p_routes(
+        self, routes: Callable[[], Sequence[P2PPairRouteLike]]
+    ) -> Callable[[], None]:
+        """Make a peer-to-peer mapper's routes per lender pair visible to the ledger's count;
+        returns a remover."""
+        self._p2p_route_sources.append(routes)
+
+        def remove() -> None:
+            if routes in self._p2p_route_sources:
+                self._p2p_route_sources.remove(routes)
+
+        return remove
+
+    def p2p_routes(self) -> list[P2PPairRouteLike]:
+        """Every mapper's route per lender pair (maps or not)."""
+        return [r for source in self._p2p_route_sources for r in source()]
 
     def p2p_crossings(self) -> list[P2PCrossingLike]:
         """Every peer-to-peer crossing holding switch port entries now."""

@@ -112,6 +112,17 @@ class _Shared:
             item[2]()
 
 
+class P2PPairRoute(msgspec.Struct, frozen=True):
+    """The route VM ``vm`` on ``node``'s peer-to-peer from lender ``src`` to lender ``dst``
+    takes: its maps', or where its next maps go when it has none now."""
+
+    node: str
+    vm: str
+    src: str
+    dst: str
+    path: NtbPath
+
+
 class P2PCrossing(msgspec.Struct, frozen=True):
     """Peer-to-peer of VM ``vm`` on ``node`` from device ``source`` to device ``target``
     crossing ``path`` (the source's lender to the target's node)."""
@@ -166,6 +177,11 @@ class P2PMapper:
         #: Each (source, target) crossing holding switch port entries now.
         self._crossings: dict[tuple[int, int], P2PCrossing] = {}
         self._unregister = hardware.add_p2p_crossings(self.crossings)
+        #: The route each lender pair's maps take, kept when they are all gone (a guest that
+        #: unassigns and re-programs BARs): only a link event moves it, so maps made again go
+        #: where the registry counted them (``linkfaults.p2p_on_hardware`` reads it).
+        self._pair_routes: dict[tuple[str, str], NtbPath] = {}
+        self._unregister_routes = hardware.add_p2p_routes(self.pair_routes)
 
     # --- the interface the pass-through session calls -------------------------------------------
     def program_bar(self, fdid: int, bar_index: int, gpa: int, size: int) -> None:
@@ -205,12 +221,20 @@ class P2PMapper:
         self._unsubscribe()
         self._unfollow()
         self._unregister()
+        self._unregister_routes()
         self.settle()
 
     def crossings(self) -> list[P2PCrossing]:
         """The crossings between the VM's devices' lenders, each with the route its maps take
         (those over a cluster switch hold its ports' requester entries)."""
         return [c for _k, c in sorted(self._crossings.items())]
+
+    def pair_routes(self) -> list[P2PPairRoute]:
+        """The route of each lender pair between the VM's devices (``_pair_routes``)."""
+        return [
+            P2PPairRoute(self.node, self.vm, src, dst, path)
+            for (src, dst), path in sorted(self._pair_routes.items())
+        ]
 
     def settle(self) -> None:
         """Write the record changes of maps changed when a borrow ended."""
@@ -232,6 +256,7 @@ class P2PMapper:
         (a full requester table), the maps stay where they are, cut at the dead cable, and
         the next link event or BAR change tries again."""
         if not self._applied:
+            self._pair_routes = {}  # nothing mapped: the next maps take the routes that work
             return
         self._rerouting = True
         try:
@@ -309,7 +334,7 @@ class P2PMapper:
                 for a in self._applied.values()
                 if a.map.path is not None and (a.map.source_node, a.map.target_node) == (src, dst)
             ),
-            None,
+            self._pair_routes.get((src, dst)),
         )
         if held is not None and not self._rerouting:
             return held
@@ -349,6 +374,7 @@ class P2PMapper:
                 undo()
             raise
         self._members, self._bars, self._skipped = members, bars, plan.skipped
+        self._keep_pair_routes()
         if drop or add:
             log.info(
                 "%s/%s: peer-to-peer %d removed, %d added, %d in place",
@@ -358,6 +384,21 @@ class P2PMapper:
                 len(add),
                 len(self._applied),
             )
+
+    def _keep_pair_routes(self) -> None:
+        """After an update: each lender pair's route is its maps' now; a pair without maps
+        keeps the one it had while both lenders still have a device of the VM, except in a
+        link event's re-plan, which moves it (the next maps take the route that works then)."""
+        routes: dict[tuple[str, str], NtbPath] = {}
+        for a in self._applied.values():
+            if a.map.path is not None:
+                routes[(a.map.source_node, a.map.target_node)] = a.map.path
+        lenders = {self.hw.device(f).lender for f in self._members}
+        if not self._rerouting:
+            for pair, path in self._pair_routes.items():
+                if pair not in routes and pair[0] in lenders and pair[1] in lenders:
+                    routes[pair] = path
+        self._pair_routes = routes
 
     # --- applying one map ------------------------------------------------------------------------
     def _apply(self, m: P2PMap) -> None:

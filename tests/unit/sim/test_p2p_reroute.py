@@ -290,3 +290,58 @@ def test_a_pair_plugged_while_the_maps_stay_cut_is_claimed_on_their_route(tmp_pa
         p2p.close()
     finally:
         c.close()
+
+
+def test_maps_made_again_after_they_all_went_keep_the_route_the_claims_count(tmp_path):
+    """The tight-ports state machine's case: beta's cable cut with no room on the other route,
+    so the maps stay cut and the link event counts the claims there; room comes back; then the
+    guest unassigns and re-programs its BARs. The pair's maps all went, and the mapper made
+    them anew on the cheapest live route while the claims stayed on the cut one ("beta:0: 2
+    peer-to-peer segment(s) mapped, at most 0 claimed"). The pair keeps its route until a link
+    event moves it, and the count reads it."""
+    from vmlend.topology.requesters import route_ports
+
+    c = Cluster.create(tmp_path / "state.db", two_route_text())
+    try:
+        holder = Holder("gamma", "web")
+        fabric = c.fabric()
+        c.hw.create_guest("gamma", "web", RAM)
+        p2p = P2PMapper(c.hw, "gamma", "web")
+        for fdid in (GPU, BETA_GPU):
+            fabric.reserve(fdid, holder, guest_ram=2 * GiB)
+            fabric.borrow(fdid, holder)
+            command = regs.COMMAND_MEMORY | regs.COMMAND_MASTER
+            c.hw.device(fdid).config.write(regs.COMMAND, 2, command)
+            program(p2p, fdid)
+        ports = c.hw.switch_ports
+        other = next(p for p in c.hw.routes("alpha", "beta") if p.dst.ref == "beta:1")
+        full = [p for p in route_ports(other) if "beta:1" in p.name]
+        fillers = []
+        while True:
+            who = f"zeta/0000:{len(fillers):02x}:00"
+            try:
+                ports.add(full, who, (0x999, who))
+            except Exception:
+                break
+            fillers.append(who)
+        fabric.set_link_up(BETA_CABLE, False)
+        assert "beta:0" in crossing(p2p)  # no room on the other route: the maps stay cut
+        for who in fillers:
+            ports.remove(full, who, (0x999, who))
+        assert not check_with_registry(c.hw, c.registry)
+        for fdid in (GPU, BETA_GPU):  # the guest unassigns every BAR, then programs them again
+            for index in BARS[fdid]:
+                p2p.program_bar(fdid, index, 0, 0)
+        assert p2p.crossings() == []
+        for fdid in (GPU, BETA_GPU):
+            program(p2p, fdid)
+        assert "beta:0" in crossing(p2p)
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        # the cable back: the link event moves the pair and the claims follow
+        fabric.set_link_up(BETA_CABLE, True)
+        found = check_with_registry(c.hw, c.registry)
+        assert not found, "\n".join(map(str, found))
+        p2p.close()
+    finally:
+        c.close()
