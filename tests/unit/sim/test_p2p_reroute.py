@@ -5,6 +5,8 @@ registry's peer-to-peer claims follow (proven by the invariant checker and the D
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tests.support.simcluster import Cluster
 from vmlend.registry.records import FenceRecord
 from vmlend.sim.hardware import SimHardware
@@ -77,6 +79,40 @@ def crossing(p2p: P2PMapper) -> str:
 def clean(hw: SimHardware) -> None:
     found = check_hardware(hw)
     assert not found, "\n".join(map(str, found))
+
+
+def plug(c: Cluster, p2p: P2PMapper, fdid: int) -> None:
+    """Reserve and borrow ``fdid`` for the mapper's VM, enable it, program its BARs."""
+    holder = Holder(p2p.node, p2p.vm)
+    fabric = c.fabric(p2p.node)
+    fabric.reserve(fdid, holder, guest_ram=2 * GiB)
+    fabric.borrow(fdid, holder)
+    c.hw.device(fdid).config.write(regs.COMMAND, 2, regs.COMMAND_MEMORY | regs.COMMAND_MASTER)
+    program(p2p, fdid)
+
+
+def fill_the_other_route(hw: SimHardware) -> Callable[[], None]:
+    """Fill beta:1's switch port requester table (what other devices' crossings would hold
+    there), so a re-route off beta's cable finds no room; returns what empties it again."""
+    from vmlend.topology.requesters import route_ports
+
+    ports = hw.switch_ports
+    other = next(p for p in hw.routes("alpha", "beta") if p.dst.ref == "beta:1")
+    full = [p for p in route_ports(other) if "beta:1" in p.name]
+    fillers: list[str] = []
+    while True:
+        who = f"zeta/0000:{len(fillers):02x}:00"
+        try:
+            ports.add(full, who, (0x999, who))
+        except Exception:
+            break
+        fillers.append(who)
+
+    def empty() -> None:
+        for who in fillers:
+            ports.remove(full, who, (0x999, who))
+
+    return empty
 
 
 def test_a_crossing_between_lenders_leaves_a_dead_cable_and_comes_back_with_it():
@@ -250,41 +286,18 @@ def test_a_pair_plugged_while_the_maps_stay_cut_is_claimed_on_their_route(tmp_pa
     maps stay on the cut route. Alpha's second GPU plugged then is mapped there too, and its
     claims must be counted there, not on the cheapest live route (before: "beta:0: 3 LUT
     entries in use, 2 claimed", and entries on the cut route's ports unclaimed)."""
-    from vmlend.topology.requesters import route_ports
-
     c = Cluster.create(tmp_path / "state.db", two_route_text())
     try:
-        holder = Holder("gamma", "web")
-        fabric = c.fabric()
         c.hw.create_guest("gamma", "web", RAM)
         p2p = P2PMapper(c.hw, "gamma", "web")
-
-        def plug(fdid: int) -> None:
-            fabric.reserve(fdid, holder, guest_ram=2 * GiB)
-            fabric.borrow(fdid, holder)
-            command = regs.COMMAND_MEMORY | regs.COMMAND_MASTER
-            c.hw.device(fdid).config.write(regs.COMMAND, 2, command)
-            program(p2p, fdid)
-
-        plug(GPU)
-        plug(BETA_GPU)
-        ports = c.hw.switch_ports
-        other = next(p for p in c.hw.routes("alpha", "beta") if p.dst.ref == "beta:1")
-        full = [p for p in route_ports(other) if "beta:1" in p.name]
-        fillers = []
-        while True:  # what other devices' crossings would hold there
-            who = f"zeta/0000:{len(fillers):02x}:00"
-            try:
-                ports.add(full, who, (0x999, who))
-            except Exception:
-                break
-            fillers.append(who)
-        fabric.set_link_up(BETA_CABLE, False)
+        plug(c, p2p, GPU)
+        plug(c, p2p, BETA_GPU)
+        empty = fill_the_other_route(c.hw)
+        c.fabric().set_link_up(BETA_CABLE, False)
         assert "beta:0" in crossing(p2p)  # no room on the other route: the maps stay cut
-        plug(GPU2)
+        plug(c, p2p, GPU2)
         assert all("beta:0" in x.path.describe() for x in p2p.crossings())
-        for who in fillers:
-            ports.remove(full, who, (0x999, who))
+        empty()
         found = check_with_registry(c.hw, c.registry)
         assert not found, "\n".join(map(str, found))
         p2p.close()
@@ -299,35 +312,17 @@ def test_maps_made_again_after_they_all_went_keep_the_route_the_claims_count(tmp
     them anew on the cheapest live route while the claims stayed on the cut one ("beta:0: 2
     peer-to-peer segment(s) mapped, at most 0 claimed"). The pair keeps its route until a link
     event moves it, and the count reads it."""
-    from vmlend.topology.requesters import route_ports
-
     c = Cluster.create(tmp_path / "state.db", two_route_text())
     try:
-        holder = Holder("gamma", "web")
         fabric = c.fabric()
         c.hw.create_guest("gamma", "web", RAM)
         p2p = P2PMapper(c.hw, "gamma", "web")
-        for fdid in (GPU, BETA_GPU):
-            fabric.reserve(fdid, holder, guest_ram=2 * GiB)
-            fabric.borrow(fdid, holder)
-            command = regs.COMMAND_MEMORY | regs.COMMAND_MASTER
-            c.hw.device(fdid).config.write(regs.COMMAND, 2, command)
-            program(p2p, fdid)
-        ports = c.hw.switch_ports
-        other = next(p for p in c.hw.routes("alpha", "beta") if p.dst.ref == "beta:1")
-        full = [p for p in route_ports(other) if "beta:1" in p.name]
-        fillers = []
-        while True:
-            who = f"zeta/0000:{len(fillers):02x}:00"
-            try:
-                ports.add(full, who, (0x999, who))
-            except Exception:
-                break
-            fillers.append(who)
+        plug(c, p2p, GPU)
+        plug(c, p2p, BETA_GPU)
+        empty = fill_the_other_route(c.hw)
         fabric.set_link_up(BETA_CABLE, False)
         assert "beta:0" in crossing(p2p)  # no room on the other route: the maps stay cut
-        for who in fillers:
-            ports.remove(full, who, (0x999, who))
+        empty()
         assert not check_with_registry(c.hw, c.registry)
         for fdid in (GPU, BETA_GPU):  # the guest unassigns every BAR, then programs them again
             for index in BARS[fdid]:
