@@ -28,6 +28,7 @@ from vmlend.domain import (
     read_domain,
 )
 from vmlend.domain.indent import remove_child
+from vmlend.domain.metadata import find_metadata
 from vmlend.domain.model import DomainXML
 from vmlend.domain.slots import free_hotplug_ports, machine_family
 from vmlend.errors import FabricError, VmlendError
@@ -290,6 +291,25 @@ def _with_device_now(
     )
 
 
+def _unrecord(hv: Hypervisor, name: str, target: str, fdid: int) -> None:
+    """Undo an attach's metadata write: ``fdid``'s entry out of the metadata as it is now.
+    Not the copy read before the write: another writer may have changed it since (the
+    agent's recovery taking a lost device out while the attach was frozen), and writing
+    that copy back would bring the device back into the metadata."""
+    now = DomainDocument.parse(
+        hv.xml(name, inactive=target != LIVE), source=f"{target} XML of {name}"
+    )
+    meta = find_metadata(now.root)
+    entry = meta.entry(fdid) if meta is not None else None
+    if meta is None or entry is None:
+        return  # taken out already
+    remove_child(entry.element)
+    left = plain_metadata(now) if meta.entries() else None
+    hv.set_metadata(
+        name, NAMESPACE_URI, METADATA_KEY, left, live=target == LIVE, config=target != LIVE
+    )
+
+
 def _still_plugged(hv: Hypervisor, name: str, mdev: UUID) -> bool:
     try:
         return live_has_hostdev(hv, name, mdev)
@@ -325,14 +345,10 @@ def _attach_to(
         journal.push(f"{target} hostdev", unplug)
         progress(f"attach {target} hostdev mdev {device.mdev}: ok")
     fault_point("attach:after-hotplug")
-    old = hv.get_metadata(name, NAMESPACE_URI, inactive=not live)
     now = _with_device_now(hv, name, target, device, plan.templates)
     hv.set_metadata(
         name, NAMESPACE_URI, METADATA_KEY, plain_metadata(now), live=live, config=not live
     )
-    journal.push(
-        f"{target} metadata",
-        lambda: hv.set_metadata(name, NAMESPACE_URI, METADATA_KEY, old, live=live, config=not live),
-    )
+    journal.push(f"{target} metadata", lambda: _unrecord(hv, name, target, device.fdid))
     progress(f"{target} metadata: ok")
     fault_point("attach:after-metadata")

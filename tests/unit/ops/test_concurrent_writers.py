@@ -91,3 +91,40 @@ def test_a_hot_plug_that_lands_after_its_hold_ended_is_undone(cluster: SimCluste
     assert str(plan.device.mdev) not in plugged  # the hot-plug was undone
     with cluster.fabric() as f:
         assert f.device(0x21).holder == DB  # and db's hold left alone
+
+
+def test_an_undone_attach_does_not_bring_back_a_device_unplugged_while_it_ran(
+    cluster: SimCluster,
+):
+    """Found by the nemesis test (seed 71): `vmlend attach a1 0x21 --live` was frozen after
+    writing its metadata; alpha's agent, back from a restart, hot-unplugged a1's lost device
+    0x20 and took it out of the metadata; the attach went on, found its own hold ended and
+    undid itself by writing back the metadata it had read before its write, 0x20 included.
+    a1's live XML named 0x20 with no hostdev for it while gamma's g2 held and used 0x20. An
+    undo takes only its own device out of the metadata as it is then."""
+    import pytest
+
+    from tests.support.cluster_hosts import DB
+    from vmlend.errors import FabricError
+
+    cluster.define("gamma", "vm1", [0x10], running=True)
+    hv = cluster.hv("gamma")
+    with cluster.fabric() as f:
+        plan = plan_attach(hv, f, "vm1", 0x21, live=True, config=False)
+
+        class OthersMeanwhile(SimHypervisor):
+            done = False
+
+            def set_metadata(self, name, uri, key, metadata, live, config):
+                super().set_metadata(name, uri, key, metadata, live, config)
+                if not OthersMeanwhile.done:  # the attach's own write, not its undo
+                    OthersMeanwhile.done = True
+                    with cluster.fabric() as g:  # the agent's recovery, and the lease's end
+                        detach(hv, g, "vm1", 0x10, live=True, config=False, progress=str)
+                        g.release(0x21, plan.holder)
+                        g.reserve(0x21, DB)
+
+        slow = OthersMeanwhile("gamma", hv.store.data_dir, None)
+        with pytest.raises(FabricError, match="its hold ended meanwhile"):
+            apply_attach(slow, f, plan, lambda _m: None)
+    assert _devices(hv, "vm1") == []
