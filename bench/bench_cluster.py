@@ -476,7 +476,8 @@ def main() -> None:
                 f" {raw50 * ms:6.2f} ms, {et50 / raw50:5.2f}x (goal <= 1.2x)"
             )
             print(
-                f"  of which: the cycle's own 4 requests sent bare {replay50 * ms:6.2f} ms"
+                f"  of which: the cycle's own {len(reserving) + len(releasing)} requests sent bare"
+                f" {replay50 * ms:6.2f} ms"
                 f" ({replay50 / raw50:4.2f}x the raw ones: etcd's and the client's cost of"
                 f" the records); vmlend's work between them {(et50 - replay50) * ms:5.2f} ms"
             )
@@ -484,33 +485,20 @@ def main() -> None:
                 f"  what it sends: a reserve {', then '.join(map(str, reserving))};"
                 f" a release {', then '.join(map(str, releasing))}"
             )
-            # The cycle's own commits without its reads: what a process that committed from
-            # what it already knows (no read round trip) would send (docs/cluster.md,
-            # "Round trips, not keys").
-            commits = [s for s in (*reserving, *releasing) if not s.reads]
+            # The cycle's own requests (a process that committed before sends its commits
+            # alone: docs/cluster.md, "Commits from what the last commit knew").
+            today = [*reserving, *releasing]
             shaped = shaped_cycles(
-                server.url("shapes"),
-                {
-                    "raw": RAW,
-                    "today": [*reserving, *releasing],
-                    "four": FOUR_KEYS,
-                    "commits": commits,
-                },
-                value,
+                server.url("shapes"), {"raw": RAW, "today": today, "four": FOUR_KEYS}, value
             )
             print(
-                f"  bare requests, taken in turn: of the cycle's shape {shaped['today'] * ms:6.2f}"
-                f" ms, of a hold of at most 4 keys ({', '.join(map(str, FOUR_KEYS))})"
+                f"  bare requests, taken in turn: of the cycle's shape ({len(today)} requests)"
+                f" {shaped['today'] * ms:6.2f} ms, of a hold of at most 4 keys read first"
+                f" ({', '.join(map(str, FOUR_KEYS))})"
                 f" {shaped['four'] * ms:6.2f} ms, raw {shaped['raw'] * ms:6.2f} ms:"
                 f" {shaped['today'] / shaped['raw']:4.2f}x and"
                 f" {shaped['four'] / shaped['raw']:4.2f}x"
                 " (a floor for such a layout, before vmlend's own work)"
-            )
-            print(
-                f"  the cycle's {len(commits)} commits alone, no reads:"
-                f" {shaped['commits'] * ms:6.2f} ms,"
-                f" {shaped['commits'] / shaped['raw']:4.2f}x the raw floor"
-                " (today's keys, one round trip each: a floor for read-free commits)"
             )
             took, failed, floor, reruns = concurrent_cycles(server.url("many"))
             print(
@@ -529,15 +517,15 @@ def main() -> None:
                 f" {', '.join(f'{raw_s / four_s:.0%}' for raw_s, four_s in rounds)} of the"
                 " floor's throughput (a ceiling for such a layout)"
             )
-            alone_commits = [
+            own = [
                 (concurrent_shaped(server.url("shapes"), RAW, value),
-                 concurrent_shaped(server.url("shapes"), commits, value))
+                 concurrent_shaped(server.url("shapes"), today, value))
                 for _ in range(3)
             ]  # fmt: skip
             print(
-                "  10 threads x 20 bare cycles of the cycle's commits alone vs raw, 3 rounds:"
-                f" {', '.join(f'{raw_s / c_s:.0%}' for raw_s, c_s in alone_commits)} of the"
-                " floor's throughput"
+                "  10 threads x 20 bare cycles of the cycle's own requests vs raw, 3 rounds:"
+                f" {', '.join(f'{raw_s / c_s:.0%}' for raw_s, c_s in own)} of the"
+                " floor's throughput (a ceiling for vmlend's cycle)"
             )
             alone, crowded = crowded_node(server.url("crowded"))
             print(

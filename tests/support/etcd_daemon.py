@@ -223,3 +223,19 @@ def private_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def etcd_requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The path of every request an etcd gateway sends from now on."""
+    from vmlend.registry.etcd_gateway import EtcdGateway
+
+    sent: list[str] = []
+    real_call = EtcdGateway.call
+
+    def counting(self: EtcdGateway, path: str, body: dict) -> dict:
+        sent.append(path)
+        return real_call(self, path, body)
+
+    monkeypatch.setattr(EtcdGateway, "call", counting)
+    return sent

@@ -22,6 +22,7 @@ from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
+from vmlend.registry.etcd_warm import WarmCache
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.registry.topocache import TopologyCache
 from vmlend.registry.topopieces import StoredView
@@ -63,6 +64,10 @@ class EtcdRegistry:
         self.generations = EtcdTopology(gateway, self.keys, cache)
         #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.
         self.conflicts = 0
+        #: What this registry's commits knew, for the next transaction (``etcd_warm``).
+        self._warm = WarmCache()
+        #: Attempts from remembered items run again on fresh reads (``transact``).
+        self.stale = 0
 
     @property
     def where(self) -> str:
@@ -134,7 +139,7 @@ class EtcdRegistry:
         return self._host_lease()
 
     # --- transactions --------------------------------------------------------------------
-    def _txn(self, writable: bool) -> EtcdTxn:
+    def _txn(self, writable: bool, warm: WarmCache | None = None) -> EtcdTxn:
         memo: list[int] = []
 
         def lease() -> int:  # read once per attempt: a restarted agent has a new lease
@@ -145,7 +150,7 @@ class EtcdRegistry:
             return memo[0]
 
         return EtcdTxn(
-            Snapshot(self._gw),
+            Snapshot(self._gw, warm),
             self.keys,
             writable,
             self._topology_cache,
@@ -170,6 +175,10 @@ class EtcdRegistry:
         except StateError as e:
             log.warning("old topology generations left in %s: %s", self.where, e)
 
+    def forget(self) -> None:
+        """Drop what earlier commits knew: the next transaction reads everything."""
+        self._warm.clear()
+
     @contextlib.contextmanager
     def read(self) -> Iterator[StateTxn]:
         """A consistent snapshot for reading (every read at one revision)."""
@@ -177,25 +186,47 @@ class EtcdRegistry:
 
     def transact(self, body: Callable[[StateTxn], T]) -> T:
         """Run ``body`` and commit what it wrote iff nothing it read changed meanwhile;
-        otherwise run it again. ``body`` may run several times: it must not touch hardware."""
+        otherwise run it again. ``body`` may run several times: it must not touch hardware.
+
+        The first attempt takes what earlier commits knew (``etcd_warm``) instead of reading
+        it, so an unchanged cluster commits in one request. Only a commit is checked by etcd:
+        a refusal or an answer without writes from such an attempt, or a commit it fails, is
+        asked again from fresh reads (that attempt is not counted, nor paused after)."""
         start = time.monotonic()
         pause = _FIRST_PAUSE
-        for attempt in range(1, self._attempts + 1):
-            tx = self._txn(writable=True)
+        attempt = 0
+        warm: WarmCache | None = self._warm if self._warm else None
+        while attempt < self._attempts:
+            tx = self._txn(writable=True, warm=warm)
             ok = False
             try:
-                result = body(tx)
-                ops = tx.operations()
-                if not ops:
-                    return result  # read only: the snapshot was consistent, nothing to commit
-                ok, revision = self._gw.txn(tx.compares(), ops)
-            except RevisionCompactedError:
-                ok = False
+                try:
+                    result = body(tx)
+                    ops = tx.operations()
+                    if ops:
+                        ok, revision = self._gw.txn(tx.compares(), ops)
+                except RevisionCompactedError:
+                    ops = [{}]  # a revision gone: as a conflict
+                except Exception:
+                    if not tx.warmed:
+                        raise
+                    ops = []  # from remembered items: ask again, fresh
             finally:
                 self._settle(tx, ok)
             if ok:
                 log.debug("committed %d operations at revision %d", len(ops), revision)
+                tx.learn(self._warm, revision)
                 return result
+            if tx.warmed:
+                # What was remembered was stale somewhere (or the answer needs one
+                # revision's reads): forget it all, and run again on fresh reads.
+                self._warm.clear()
+                self.stale += 1
+                warm = None
+                continue
+            if not ops:
+                return result  # read only: the snapshot was consistent, nothing to commit
+            attempt += 1
             self.conflicts += 1
             log.debug("transaction conflict (attempt %d); re-running", attempt)
             if attempt < self._attempts:

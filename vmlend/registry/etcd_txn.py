@@ -26,6 +26,7 @@ from vmlend.registry.api import LINKS_DOWN_KEY
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_topology import EtcdTopology
+from vmlend.registry.etcd_warm import WarmCache, Write
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -57,19 +58,33 @@ _CAPACITIES: dict[str, Topology] = {}
 
 
 class Snapshot:
-    """The reads of one attempt, all at one revision, and the compares they imply."""
+    """The reads of one attempt and the compares they imply.
 
-    def __init__(self, gateway: EtcdGateway) -> None:
+    Read from etcd, every item is at one revision (``revision``, that of the first read).
+    With a ``WarmCache`` (``etcd_warm``), items an earlier commit knew are taken from it
+    instead, each known at its own revision: the compares then name each item's own revision,
+    so a commit is as safe as from fresh reads, but what is seen is no longer one snapshot
+    (``warmed``), and only a commit checks it."""
+
+    def __init__(self, gateway: EtcdGateway, warm: WarmCache | None = None) -> None:
         self._gw = gateway
+        self._warm = warm
+        #: Some item came from the warm cache: the attempt's view is not one revision's.
+        self.warmed = False
+        #: The revision of this attempt's reads from etcd (0: none yet).
         self.revision = 0
         self._keys: dict[str, KeyValue | None] = {}
         self._ranges: dict[str, dict[str, KeyValue]] = {}
         #: Ranges read without a prefix compare (``loose_range``); a key of one that is read
         #: through ``get`` is compared on its own.
         self._loose: dict[str, dict[str, KeyValue]] = {}
+        #: The revision each key, range and loose range is known at.
+        self._known: dict[str, int] = {}
+        self._range_known: dict[str, int] = {}
+        self._loose_known: dict[str, int] = {}
         #: Key ranges ``[start, end)`` compared as "nothing created or changed in them since
-        #: the snapshot" without being read themselves (``guard``).
-        self._guards: dict[tuple[str, str], None] = {}
+        #: the revision given" without being read themselves (``guard``).
+        self._guards: dict[tuple[str, str], int] = {}
         self._expected: dict[str, int] = {}
 
     def _range(self, key: str, range_end: str | None) -> list[KeyValue]:
@@ -78,6 +93,38 @@ class Snapshot:
             self.revision = revision
         return kvs
 
+    # --- the warm cache: items an earlier commit knew --------------------------------------
+    def _warm_key(self, key: str) -> bool:
+        found = self._warm.key(key) if self._warm is not None else None
+        if found is None:
+            return False
+        self._keys[key], self._known[key] = found
+        self.warmed = True
+        return True
+
+    def _warm_range(self, prefix: str) -> bool:
+        found = self._warm.range(prefix) if self._warm is not None else None
+        if found is None:
+            return False
+        self._ranges[prefix], self._range_known[prefix] = found
+        self.warmed = True
+        return True
+
+    def _warm_loose(self, prefixes: list[str]) -> bool:
+        """All of ``prefixes`` from the warm cache, or none (an adapter's claims and units
+        are decided on together: ``EtcdTxn._take_units`` compares their counts)."""
+        if self._warm is None or not prefixes:
+            return False
+        found = [self._warm.loose(p) for p in prefixes]
+        if any(f is None for f in found):
+            return False
+        for prefix, hit in zip(prefixes, found, strict=True):
+            assert hit is not None
+            self._loose[prefix], self._loose_known[prefix] = hit
+        self.warmed = True
+        return True
+
+    # --- reads ------------------------------------------------------------------------------
     def get(self, key: str) -> KeyValue | None:
         if key in self._keys:
             return self._keys[key]
@@ -87,29 +134,37 @@ class Snapshot:
         for prefix, kvs in self._loose.items():
             if key.startswith(prefix):
                 self._keys[key] = kvs.get(key)
+                self._known[key] = self._loose_known[prefix]
                 return self._keys[key]
+        if self._warm_key(key):
+            return self._keys[key]
         found = self._range(key, None)
         kv = found[0] if found else None
         self._keys[key] = kv
+        self._known[key] = self.revision
         return kv
 
     def range(self, prefix: str) -> dict[str, KeyValue]:
         if prefix not in self._ranges:
             loose = self._loose.pop(prefix, None)  # read already: now compared as a prefix
-            self._ranges[prefix] = (
-                loose
-                if loose is not None
-                else {kv.key: kv for kv in self._range(prefix, prefix_end(prefix))}
-            )
+            if loose is not None:
+                self._ranges[prefix] = loose
+                self._range_known[prefix] = self._loose_known.pop(prefix)
+            elif not self._warm_range(prefix):
+                kvs = self._range(prefix, prefix_end(prefix))
+                self._ranges[prefix] = {kv.key: kv for kv in kvs}
+                self._range_known[prefix] = self.revision
         return self._ranges[prefix]
 
     def loose_range(self, prefix: str) -> dict[str, KeyValue]:
-        """A range at the snapshot's revision that adds no compare: the caller compares what
-        it decides on through other keys."""
+        """A range that adds no compare: the caller compares what it decides on through
+        other keys, or guards (``guard``) from the revision it was read at."""
         if prefix in self._ranges:
             return self._ranges[prefix]
-        if prefix not in self._loose:
-            self._loose[prefix] = {kv.key: kv for kv in self._range(prefix, prefix_end(prefix))}
+        if prefix not in self._loose:  # the warm cache's only through ``prefetch``
+            kvs = self._range(prefix, prefix_end(prefix))
+            self._loose[prefix] = {kv.key: kv for kv in kvs}
+            self._loose_known[prefix] = self.revision
         return self._loose[prefix]
 
     def prefetch(
@@ -117,16 +172,22 @@ class Snapshot:
     ) -> None:
         """Read these keys, prefixes and ``loose`` ranges (see ``loose_range``) now, in one
         request, into the snapshot: a body that knows what it will read saves one round trip
-        per read."""
+        per read. What the warm cache knows is not read."""
         todo_keys = [
             k
             for k in dict.fromkeys(keys)
-            if k not in self._keys and not any(k.startswith(p) for p in self._ranges)
+            if k not in self._keys
+            and not any(k.startswith(p) for p in self._ranges)
+            and not self._warm_key(k)
         ]
-        todo_prefixes = [p for p in dict.fromkeys(prefixes) if p not in self._ranges]
+        todo_prefixes = [
+            p for p in dict.fromkeys(prefixes) if p not in self._ranges and not self._warm_range(p)
+        ]
         todo_loose = [
             p for p in dict.fromkeys(loose) if p not in self._ranges and p not in self._loose
         ]
+        if self._warm_loose(todo_loose):
+            todo_loose = []
         ranges: list[tuple[str, str | None]] = [(k, None) for k in todo_keys]
         ranges += [(p, prefix_end(p)) for p in todo_prefixes + todo_loose]
         if not ranges:
@@ -136,11 +197,14 @@ class Snapshot:
             self.revision = revision
         for k, kvs in zip(todo_keys, results, strict=False):
             self._keys[k] = kvs[0] if kvs else None
+            self._known[k] = self.revision
         rest = results[len(todo_keys) :]
         for p, kvs in zip(todo_prefixes, rest, strict=False):
             self._ranges[p] = {kv.key: kv for kv in kvs}
+            self._range_known[p] = self.revision
         for p, kvs in zip(todo_loose, rest[len(todo_prefixes) :], strict=False):
             self._loose[p] = {kv.key: kv for kv in kvs}
+            self._loose_known[p] = self.revision
 
     def peek(self, key: str) -> KeyValue | None:
         """``get`` without adding a compare when a loose range read the key already (for
@@ -155,15 +219,42 @@ class Snapshot:
         """What a ``loose_range`` of ``prefix`` read (a compared range if it became one)."""
         return self._ranges.get(prefix) or self._loose.get(prefix) or {}
 
+    def known_at(self, key: str) -> int:
+        """The revision ``key`` is known at (read, or remembered): every change to it before
+        that is in what was seen; one after it fails the commit's compares."""
+        if key in self._known:
+            return self._known[key]
+        for prefix, revision in (*self._range_known.items(), *self._loose_known.items()):
+            if key.startswith(prefix):
+                return revision
+        return self.revision
+
     def expect(self, key: str, mod_revision: int) -> None:
         """Compare at commit that ``key`` still has ``mod_revision`` (a key written outside
         this transaction, e.g. a staged topology generation's seal)."""
         self._expected[key] = mod_revision
 
-    def guard(self, start: str, end: str) -> None:
-        """Compare at commit that no key in ``[start, end)`` was created or changed after the
-        snapshot (the caller read what it decides on there through a wider loose range)."""
-        self._guards[(start, end)] = None
+    def guard(self, start: str, end: str, within: str) -> None:
+        """Compare at commit that no key in ``[start, end)`` was created or changed after
+        the range ``within`` (read loose, holding it) was read: the caller decided on what
+        that range showed there."""
+        known = self._range_known.get(within) or self._loose_known.get(within) or self.revision
+        self._guards[(start, end)] = min(known, self._guards.get((start, end), known))
+
+    def learned(
+        self,
+    ) -> tuple[
+        dict[str, KeyValue | None],
+        list[tuple[str, dict[str, KeyValue]]],
+        list[tuple[str, dict[str, KeyValue], int]],
+    ]:
+        """What this attempt read, for ``WarmCache.learn``: the keys it compared, the
+        ranges it compared, the loose ranges (with the revision each was read at)."""
+        return (
+            dict(self._keys),
+            list(self._ranges.items()),
+            [(p, kvs, self._loose_known[p]) for p, kvs in self._loose.items()],
+        )
 
     def compares(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
@@ -181,7 +272,7 @@ class Snapshot:
                 "range_end": b64(prefix_end(prefix)),
                 "target": "MOD",
                 "result": "LESS",
-                "mod_revision": self.revision + 1,
+                "mod_revision": self._range_known[prefix] + 1,
             }
             for prefix in self._ranges
         ]
@@ -191,9 +282,9 @@ class Snapshot:
                 "range_end": b64(end),
                 "target": "MOD",
                 "result": "LESS",
-                "mod_revision": self.revision + 1,
+                "mod_revision": known + 1,
             }
-            for start, end in self._guards
+            for (start, end), known in self._guards.items()
         ]
         out += [
             {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision}
@@ -266,6 +357,7 @@ class EtcdTxn:
         #: (a hand-over) writes its claims under them (``add_hold``).
         self._dropped_claims: dict[int, list[str]] = {}
         self._fresh_units = False  # inside ``add_hold``: the unit blocks taken are fresh
+        self._put_leases: dict[str, int] = {}  # the lease each put goes on (``operations``)
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
     def _write(self) -> None:
@@ -494,7 +586,8 @@ class EtcdTxn:
                 run[1] = start + size
             else:
                 if run:
-                    self._snap.guard(*self._k.unit_block_range(adapter, unit, *run))
+                    block_range = self._k.unit_block_range(adapter, unit, *run)
+                    self._snap.guard(*block_range, within=every)
                 run = [start, start + size]
             outer = size * 2
             while outer <= cap:
@@ -507,7 +600,7 @@ class EtcdTxn:
             key = self._k.unit_block(adapter, unit, start, size)
             self._put(key, value, leased=True, fresh=self._fresh_units)
         if run:
-            self._snap.guard(*self._k.unit_block_range(adapter, unit, *run))
+            self._snap.guard(*self._k.unit_block_range(adapter, unit, *run), within=every)
         return sorted(picked)
 
     def _change_ledger(
@@ -582,7 +675,14 @@ class EtcdTxn:
     def _lease_for(self, key: str) -> int:
         if key in self._fresh:
             return self.lease()
-        kv = None if self._deleted_by_range(key) else self._snap.peek(key)
+        if self._deleted_by_range(key):
+            kv = None
+        elif self._snap.warmed:
+            # the lease of a remembered key may be old: compared, so a key put again since
+            # (on another lease) fails the commit rather than moving to the lease it had
+            kv = self._snap.get(key)
+        else:
+            kv = self._snap.peek(key)
         return kv.lease if kv is not None else self.lease()
 
     def _delete(self, key: str) -> None:
@@ -614,11 +714,28 @@ class EtcdTxn:
                 put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
                 if key in self._leased and (lease := self._lease_for(key)):
                     put["lease"] = lease
+                    self._put_leases[key] = lease
                 ops.append({"request_put": put})
         return ops
 
     def compares(self) -> list[dict[str, Any]]:
         return self._snap.compares()
+
+    @property
+    def warmed(self) -> bool:
+        """Whether this attempt took items from the warm cache (see ``Snapshot``)."""
+        return self._snap.warmed
+
+    def learn(self, warm: WarmCache, revision: int) -> None:
+        """Tell ``warm`` what this attempt knew, after it committed at ``revision``."""
+        writes: dict[str, Write] = {}
+        for key, value in self._writes.items():
+            if value is None:
+                writes[key] = (None, 0)
+            elif not self._deleted_by_range(key):
+                writes[key] = (value, self._put_leases.get(key, 0))
+        keys, ranges, loose = self._snap.learned()
+        warm.learn(keys, ranges, loose, writes, self._range_deletes, revision)
 
     def prefetch(
         self,
@@ -700,7 +817,7 @@ class EtcdTxn:
                 )
             if self._generations is None:
                 raise RuntimeError("a transaction without the topology's generations")
-            return self._generations.load(head, self._snap.revision)
+            return self._generations.load(head, self._snap.known_at(self._k.topology_head))
         raw = self._get(self._k.topology_record)
         if raw is None:
             raise StateError(f"etcd holds a topology digest but no topology record ({digest})")
@@ -943,13 +1060,15 @@ class EtcdTxn:
         the destination's in one Txn, which etcd commits as a put of an existing key: its
         creation revision would stay the old holder's, and the device's side, told "the same
         token", would not refuse the old holder. So the re-made records carry the revision
-        after this attempt's reads: newer than every token issued for the device so far
-        (each was a revision at or before them), older than any issued after the commit, and
-        nobody else's, since a commit in between touching this device fails the compares."""
+        after the one the hold and fence are known at (read, or remembered by an earlier
+        commit: ``Snapshot.known_at``): newer than every token issued for the device so far
+        (each issue wrote them, at or before that revision), older than any issued after the
+        commit, and nobody else's, since a commit in between touching them fails the
+        compares."""
         hold, fence = self._k.hold(fdid), self._k.fence(fdid)
         if self._snap.peek(hold) is None and self._snap.peek(fence) is None:
             return 0
-        return self._snap.revision + 1
+        return max(self._snap.known_at(hold), self._snap.known_at(fence)) + 1
 
     def add_hold(self, hold: HoldRecord, claims: Iterable[Claim]) -> None:
         self._write()

@@ -12,15 +12,14 @@ import threading
 import pytest
 
 from tests.support.cluster_hosts import check_never_two_holders, history
+from tests.support.etcd_units import last_capacity, unit_keys_held, units_claimed
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
-from vmlend.ledger.admission import port_usage
 from vmlend.registry import parse_location
-from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
+from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
-from vmlend.topology.requesters import is_port
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 
@@ -41,54 +40,6 @@ def _with_landing_first(fabric, action) -> list[bool]:
     return landed
 
 
-def _units(url: str) -> dict[tuple[str, str], int]:
-    """Per (adapter, lut|seg), how many units the registry's unit keys hold."""
-    loc = parse_location(url)
-    keys = Keys(loc.cluster)
-    prefix = keys.base + "units/"
-    gw = EtcdGateway(loc.endpoints)
-    try:
-        _rev, kvs = gw.range(prefix, prefix_end(prefix))
-    finally:
-        gw.close()
-    out: dict[tuple[str, str], int] = {}
-    covered: set[tuple[str, str, int]] = set()
-    for kv in kvs:
-        # units/<adapter>/<unit>-blocks/<start>/<size>, or one unit: units/<adapter>/<unit>/<i>
-        # (a switch port's name, "switch/toward", has a "/" of its own: read from the end)
-        body = kv.key.removeprefix(prefix)
-        if "-blocks/" in body:
-            head, first, count = body.rsplit("/", 2)
-            start, size = int(first), int(count)
-        else:
-            head, first = body.rsplit("/", 1)
-            start, size = int(first), 1
-        adapter, unit = head.rsplit("/", 1)
-        unit = unit.removesuffix("-blocks")
-        out[(adapter, unit)] = out.get((adapter, unit), 0) + size
-        for i in range(start, start + size):
-            assert (adapter, unit, i) not in covered, f"unit {i} of {adapter} {unit} taken twice"
-            covered.add((adapter, unit, i))
-    return out
-
-
-def _used(fabric) -> dict[tuple[str, str], int]:
-    """Per (adapter, lut|seg), what the claims use (``admission.usage``), and per switch
-    port the requester entries (``admission.port_usage``)."""
-    out = {}
-    for ref, u in fabric.usage().items():
-        for unit, n in (("lut", u.lut_used), ("seg", u.segments_used)):
-            if n:
-                out[(ref, unit)] = n
-    with fabric.registry.read() as tx:
-        claims = tx.claims()
-    ports = {c.adapter for _f, c in claims if is_port(c.adapter)}
-    for port, n in port_usage(claims, ports).items():
-        if n:
-            out[(port, "lut")] = n
-    return out
-
-
 def test_another_vms_reserve_through_the_same_adapters_does_not_conflict(etcd_url):
     init_fabric(etcd_url, star_topology(1, 4), "star.toml")
     mine, other = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h0")
@@ -98,8 +49,8 @@ def test_another_vms_reserve_through_the_same_adapters_does_not_conflict(etcd_ur
         assert mine.registry.conflicts == 0  # the old code re-ran: a new claim on l:0 and h0:0
         assert other.device(0x101).holder == Holder("h0", "vm2")
         assert (
-            _units(etcd_url)
-            == _used(mine)
+            unit_keys_held(etcd_url)
+            == units_claimed(mine)
             == {
                 ("l:0", "lut"): 2,
                 ("h0:0", "lut"): 2,
@@ -113,16 +64,6 @@ def test_another_vms_reserve_through_the_same_adapters_does_not_conflict(etcd_ur
         other.close()
 
 
-def _last_capacity(limit: str, extra: int) -> tuple[str, int]:
-    """Three devices of ``l`` for borrowers h0 and h1 (each with its own adapter), with room
-    on ``l``'s adapter for ``1 + extra`` reservations: one usable LUT entry each (less the
-    two the CPU keeps), or two 1 GiB segments each, what 2 GiB of guest RAM's DMA windows take."""
-    if limit == "lut":
-        return star_topology(2, 3, lut_entries=3 + extra), 0
-    window = f"{2 * (1 + extra)}GiB"
-    return star_topology(2, 3, lender_window=window, lender_segments=2 * (1 + extra)), 2 * GiB
-
-
 @pytest.mark.parametrize("older_hold", [False, True], ids=["units", "older-hold"])
 @pytest.mark.parametrize("limit", ["lut", "segments"])
 def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(
@@ -133,7 +74,7 @@ def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(
     runs again and is refused. ``older-hold``: the adapter has room for one more, which a
     hold made as an older vmlend made it (claims without units) takes first; its claims
     count although it has no units (without that, the two would take distinct free units)."""
-    text, ram = _last_capacity(limit, 1 if older_hold else 0)
+    text, ram = last_capacity(limit, 1 if older_hold else 0)
     init_fabric(etcd_url, text, "star.toml")
     first, second = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h1")
     try:
@@ -141,7 +82,7 @@ def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(
             with monkeypatch.context() as m:  # an older vmlend: no unit ledger, no units
                 m.setattr(EtcdTxn, "_change_ledger", lambda *a, **kw: None)
                 second.reserve(0x102, Holder("h1", "older"), guest_ram=ram)
-            assert _units(etcd_url) == {}
+            assert unit_keys_held(etcd_url) == {}
         outcome: list[object] = []
 
         def land() -> None:
@@ -159,7 +100,7 @@ def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(
         second.release(0x101, Holder("h1", "vm2"))
         if older_hold:
             second.release(0x102, Holder("h1", "older"))
-        assert _units(etcd_url) == {}  # every unit went with its claims
+        assert unit_keys_held(etcd_url) == {}  # every unit went with its claims
     finally:
         first.close()
         second.close()
@@ -189,8 +130,8 @@ def test_the_units_always_add_up_to_what_the_claims_use(etcd_url):
                 fabric.reserve(fdid, holder, guest_ram=4 * GiB)
             else:
                 assert fabric.release(fdid, holder)
-            assert _units(etcd_url) == _used(fabric), (what, fdid, holder)
-        assert _units(etcd_url) == {}
+            assert unit_keys_held(etcd_url) == units_claimed(fabric), (what, fdid, holder)
+        assert unit_keys_held(etcd_url) == {}
     finally:
         fabric.close()
 
@@ -225,7 +166,7 @@ def test_ten_borrowers_cycling_distinct_devices_through_one_adapter_pair_never_f
     # every borrower ran to its end, and never ran a body twice: their reserves take distinct
     # units (each from its own fdid on), so they have nothing to conflict on
     assert conflicts == [0] * borrowers
-    assert _units(etcd_url) == {}
+    assert unit_keys_held(etcd_url) == {}
     check_never_two_holders(history(etcd_url))
 
 
@@ -255,7 +196,7 @@ def test_blocks_that_overlap_cannot_both_commit(etcd_url, monkeypatch, first, se
         assert gw.txn(b.compares(), b.operations())[0] is False
         c = _taking(f.registry, (4, 4))  # after a's commit: the other half is free
         assert gw.txn(c.compares(), c.operations())[0] is True
-    assert sum(_units(etcd_url).values()) == first[0] + 4
+    assert sum(unit_keys_held(etcd_url).values()) == first[0] + 4
 
 
 def test_a_fragmented_adapter_takes_smaller_blocks(etcd_url, monkeypatch):
@@ -272,7 +213,7 @@ def test_a_fragmented_adapter_takes_smaller_blocks(etcd_url, monkeypatch):
         picked = tx._take_units("l:0", "seg", 5, Holder("h0", "big"), 0)
         assert picked == [(0, 1), (2, 2), (6, 2)]
         assert gw.txn(tx.compares(), tx.operations())[0] is True
-    assert _units(etcd_url) == {("l:0", "seg"): 8}
+    assert unit_keys_held(etcd_url) == {("l:0", "seg"): 8}
 
 
 def _as_single_units(url: str, node: str, vm: str) -> None:
@@ -317,14 +258,14 @@ def test_single_unit_keys_of_before_blocks_count_and_go_with_their_claims(etcd_u
         older, newer = Holder("h0", "older"), Holder("h0", "newer")
         f.reserve(0x101, older, guest_ram=2 * GiB)  # segment 1 of each adapter
         _as_single_units(etcd_url, "h0", "older")
-        assert _units(etcd_url) == _used(f)
-        f.reserve(0x100, newer, guest_ram=4 * GiB)  # _units: no unit is taken twice
-        assert _units(etcd_url) == _used(f)
+        assert unit_keys_held(etcd_url) == units_claimed(f)
+        f.reserve(0x100, newer, guest_ram=4 * GiB)  # unit_keys_held: no unit is taken twice
+        assert unit_keys_held(etcd_url) == units_claimed(f)
         assert f.registry.conflicts == 0
         assert f.release(0x101, older)
-        assert _units(etcd_url) == _used(f)
+        assert unit_keys_held(etcd_url) == units_claimed(f)
         assert f.release(0x100, newer)
-        assert _units(etcd_url) == {}
+        assert unit_keys_held(etcd_url) == {}
 
 
 def test_a_requester_on_a_switch_port_is_one_unit_whichever_kind_claims_it():

@@ -1,0 +1,168 @@
+"""Commits from what earlier commits knew (``vmlend.registry.etcd_warm``), on a real etcd:
+what another host changed since is never decided on (a stale commit fails its compares and
+runs again on fresh reads), a refusal or an answer without writes is only ever taken from
+fresh reads, and the adapter units a stale view thought free are guarded from the revision
+that view was read at."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.etcd_units import last_capacity, unit_keys_held, units_claimed
+from tests.support.simfabric import make_fabric, star_topology
+from vmlend.errors import DeviceHeldError, ResourceExhaustedError
+from vmlend.registry.etcd_gateway import KeyValue
+from vmlend.registry.etcd_warm import WarmCache
+from vmlend.topology.model import GiB, Holder
+from vmlend.wiring.fabric import init_fabric, open_fabric
+
+WEB, DB = Holder("gamma", "web"), Holder("gamma", "db")
+
+
+def _cycle(fabric, fdid: int, holder: Holder, ram: int = 0) -> None:
+    fabric.reserve(fdid, holder, guest_ram=ram)
+    assert fabric.release(fdid, holder)
+
+
+def test_a_device_taken_by_another_host_since_is_refused_from_fresh_reads(etcd_url):
+    """gamma's process remembers 0x10 free (its last cycle); another process holds it
+    since: the remembered commit fails, the fresh one refuses (the other keeps it)."""
+    with make_fabric(etcd_url) as mine, open_fabric(etcd_url, "gamma") as other:
+        _cycle(mine, 0x10, WEB, 4 * GiB)
+        other.reserve(0x10, DB, guest_ram=4 * GiB)
+        with pytest.raises(DeviceHeldError):
+            mine.reserve(0x10, WEB, guest_ram=4 * GiB)
+        assert mine.registry.stale == 1
+        assert mine.device(0x10).holder == other.device(0x10).holder == DB
+
+
+def test_a_refusal_from_remembered_reads_is_asked_again_fresh(etcd_url):
+    """gamma's process remembers 0x10 held by web (it reserved it); another process
+    releases it since: db's reserve is not refused on what was remembered."""
+    with make_fabric(etcd_url) as mine, open_fabric(etcd_url, "gamma") as other:
+        mine.reserve(0x10, WEB)
+        assert other.release(0x10, WEB)
+        assert mine.reserve(0x10, DB).created  # the old view says "held by web"
+        assert mine.registry.stale == 1
+        assert other.device(0x10).holder == DB
+
+
+def test_an_answer_without_writes_is_taken_from_fresh_reads(etcd_url):
+    """A release of a device its VM does not hold writes nothing, and etcd checks nothing
+    without writes: gamma's process remembers 0x10 free (its last cycle), another process
+    has reserved it for web since, so web's release through gamma's process must release
+    it, not answer "not held" from memory."""
+    with make_fabric(etcd_url) as mine, open_fabric(etcd_url, "gamma") as other:
+        _cycle(mine, 0x10, WEB)
+        other.reserve(0x10, WEB)
+        assert mine.release(0x10, WEB) is True
+        assert other.device(0x10).holder is None
+
+
+@pytest.mark.parametrize("limit", ["lut", "segments"])
+def test_units_remembered_free_but_taken_since_are_not_taken_twice(etcd_url, limit):
+    """l's adapter has room for one reservation. h0's process cycled 0x100 (so it
+    remembers the adapter's units free); h1 takes the room since: h0's reserve from what it
+    remembered meets h1's units (its guards compare from the revision they were read at),
+    runs again on fresh reads and is refused. No unit is taken twice."""
+    text, ram = last_capacity(limit, 0)
+    init_fabric(etcd_url, text, "star.toml")
+    with open_fabric(etcd_url, "h0") as first, open_fabric(etcd_url, "h1") as second:
+        _cycle(first, 0x100, Holder("h0", "vm1"), ram)
+        second.reserve(0x101, Holder("h1", "vm2"), guest_ram=ram)
+        with pytest.raises(ResourceExhaustedError):
+            first.reserve(0x100, Holder("h0", "vm1"), guest_ram=ram)
+        assert first.registry.stale == 1
+        # (``unit_keys_held`` fails on a unit taken twice)
+        assert unit_keys_held(etcd_url) == units_claimed(first)
+        assert set(first.holds()) == {0x101}
+
+
+def test_ten_cycles_of_two_borrowers_through_one_adapter_pair_keep_the_units_exact(etcd_url):
+    """Two processes of one host cycling distinct devices through one adapter pair, each
+    from what it remembered, the other's commits landing in between: every commit after the
+    first two is one request, and the units always add up to the claims."""
+    init_fabric(etcd_url, star_topology(2, 4), "star.toml")
+    with open_fabric(etcd_url, "h0") as a, open_fabric(etcd_url, "h0") as b:
+        for _ in range(10):
+            a.reserve(0x100, Holder("h0", "a"), guest_ram=2 * GiB)
+            b.reserve(0x101, Holder("h0", "b"), guest_ram=2 * GiB)
+            assert unit_keys_held(etcd_url) == units_claimed(a)
+            assert a.release(0x100, Holder("h0", "a"))
+            assert b.release(0x101, Holder("h0", "b"))
+        assert unit_keys_held(etcd_url) == {}
+        assert a.registry.conflicts == b.registry.conflicts == 0
+
+
+def test_hand_overs_from_remembered_reads_issue_newer_tokens(etcd_url):
+    """A hand-over re-makes the hold under its key with a token of its own (``_reissue``:
+    the revision after the one its hold and fence are known at). From what a process
+    remembered, with other hosts' commits in between, each hand-over and hand-back still
+    issues a token newer than the device's last one, carried by hold and fence alike."""
+    from vmlend.ledger import handover
+
+    src = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
+    dst = Holder("beta", "vm1", src.vm_uuid)
+    with make_fabric(etcd_url) as mine, open_fabric(etcd_url, "beta") as other:
+        mine.reserve(0x10, src, guest_ram=GiB)
+        tokens = [mine.holds()[0x10].token]
+        for _ in range(3):
+            claimed = handover.claim_destination(mine.registry, [0x10], src, dst, GiB)
+            _cycle(other, 0x20, Holder("beta", "busy"))  # revisions move on meanwhile
+            tokens.append(handover.hand_over(mine.registry, claimed, {}, 0.0)[0x10])
+            _cycle(other, 0x20, Holder("beta", "busy"))
+            tokens.append(handover.hand_back(mine.registry, claimed, {}, 0.0)[0x10])
+            with mine.registry.read() as tx:
+                hold, fence = tx.hold(0x10), tx.fence(0x10)
+            assert hold is not None and fence is not None
+            assert hold.holder == src and hold.token == fence.token == tokens[-1]
+        assert tokens == sorted(set(tokens)) and len(tokens) == 7
+        assert mine.registry.stale == 0  # the hand-overs did commit from what was remembered
+
+
+def _kv(key: str, value: bytes, mod: int, created: int, lease: int = 0) -> KeyValue:
+    return KeyValue(key, value, mod, created, lease)
+
+
+def test_what_a_commit_knew_is_known_at_its_revision():
+    """Pure: keys compared and written are known at the commit's revision (a put over an
+    existing key keeps its creation revision, a new key's is the commit's); a compared
+    range takes the writes under it; a loose range keeps its read revision with the writes
+    laid over; a remembered key written blind, and a remembered compared range written in,
+    are forgotten."""
+    warm = WarmCache()
+    warm.learn(
+        keys={"/k/a": _kv("/k/a", b"1", 5, 3), "/k/b": None, "/k/blind": None},
+        ranges=[("/r/", {"/r/x": _kv("/r/x", b"x", 4, 4)})],
+        loose=[("/u/", {"/u/1": _kv("/u/1", b"1", 2, 2)}, 6)],
+        writes={"/k/a": (b"2", 7), "/k/b": (b"n", 0), "/r/y": (b"y", 0), "/u/2": (b"2", 9)},
+        deleted=["/u/1"],
+        revision=10,
+    )
+    assert warm.key("/k/a") == (_kv("/k/a", b"2", 10, 3, 7), 10)
+    assert warm.key("/k/b") == (_kv("/k/b", b"n", 10, 10), 10)
+    assert warm.key("/k/blind") == (None, 10)
+    in_range = {"/r/x": _kv("/r/x", b"x", 4, 4), "/r/y": _kv("/r/y", b"y", 10, 10)}
+    assert warm.range("/r/") == (in_range, 10)
+    assert warm.loose("/u/") == ({"/u/2": _kv("/u/2", b"2", 10, 10, 9)}, 6)
+    # a later commit that read none of them but wrote /k/a and under /r/ and /u/
+    warm.learn(
+        keys={},
+        ranges=[],
+        loose=[],
+        writes={"/k/a": (b"3", 0), "/r/z": (b"z", 0), "/u/3": (b"3", 0)},
+        deleted=[],
+        revision=12,
+    )
+    assert warm.key("/k/a") is None
+    assert warm.range("/r/") is None
+    loose, read_at = warm.loose("/u/") or ({}, 0)
+    assert (set(loose), read_at) == ({"/u/2", "/u/3"}, 6)
+
+
+def test_a_bounded_memory_starts_over():
+    warm = WarmCache(limit=3)
+    for i in range(5):
+        warm.learn({f"/k/{i}": None}, [], [], {}, [], revision=i + 1)
+    assert len([i for i in range(5) if warm.key(f"/k/{i}") is not None]) <= 4
+    assert warm.key("/k/4") == (None, 5)
