@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from tests.support.cli_cluster import one_line
 from tests.support.daemon_marks import REGISTRIES
 from tests.support.older_state import older_vmlend
+from tests.support.simfabric import fabric_topology
+from tests.support.sqlite_pages import overflow_pages_of, pages_of, smash
+from vmlend.cli import main
 from vmlend.errors import StateError
 from vmlend.registry import SqliteRegistry, TopologyRecord, create_registry, open_registry
 from vmlend.registry import schema as schema_mod
@@ -142,6 +148,82 @@ def test_corrupt_pages_are_refused(tmp_path):
         SqliteRegistry.open(path)
     assert "vmlend fabric init" in str(e.value)
     assert path.read_bytes() == bytes(data)
+
+
+def _inited(tmp_path) -> Path:
+    path = tmp_path / "state.db"
+    init_fabric(path, *default_topology_text(), hostname="x")
+    return path
+
+
+@pytest.mark.parametrize(
+    "table", ["meta", "topology", "holds", "claims", "mdev_parents", "mdevs", "runtime"]
+)
+def test_a_damaged_page_of_a_table_walked_at_open_is_refused_at_open(tmp_path, table):
+    path = _inited(tmp_path)
+    data = smash(path, pages_of(path, table))
+    with pytest.raises(StateError, match="is corrupt") as e:
+        SqliteRegistry.open(path)
+    assert "vmlend fabric init" in str(e.value)
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize("table", ["devices", "nodes"])
+def test_a_damaged_page_of_a_table_the_fabric_sizes_is_one_line_where_it_is_read(tmp_path, table):
+    """Nodes and devices are not walked at every open (their size is the fabric's): a page
+    of theirs damaged is refused, in one line, by the command that reads it."""
+    path = _inited(tmp_path)
+    data = smash(path, pages_of(path, table))
+    line = one_line(CliRunner().invoke(main, ["--state", str(path), "devices"]))
+    assert "corrupt" in line and "move it away" in line, line
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    ("keep", "said"),
+    [
+        # the bytes of its last page: the head's sha256 refuses the pieces
+        (4, "topology record generation"),
+        # all of its first page, the link to the next one too: SQLite refuses the read
+        (0, "corrupt"),
+    ],
+)
+def test_a_damaged_page_of_the_topology_pieces_is_one_line_where_they_are_read(
+    tmp_path, keep, said
+):
+    """The pieces are not walked at every open (7 MB at 1,024 nodes): what reads them
+    refuses a damaged page in one line."""
+    path = _inited(tmp_path)
+    pages = overflow_pages_of(path, "topology_pieces")
+    assert len(pages) >= 2  # the default topology's one piece overflows its row's page
+    smash(path, pages[-1:] if keep else pages[:1], keep=keep)
+    line = one_line(CliRunner().invoke(main, ["--state", str(path), "devices"]))
+    assert said in line, line
+    assert "fabric init" in line, line
+
+
+def _bytes_read() -> int:
+    """What this process has read through read(2) and pread(2) so far."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+def test_opening_a_state_reads_as_much_of_a_big_fabric_as_of_a_small_one(tmp_path):
+    """Every CLI command and hook call opens the state: what the open checks must not grow
+    with the fabric (it walked every page: 7 MB at 1,024 nodes)."""
+    read = {}
+    for nodes in (8, 128):
+        path = tmp_path / f"{nodes}.db"
+        init_fabric(path, fabric_topology(nodes, 16), "generated.toml")
+        SqliteRegistry.open(path).close()  # this process's first open (imports) not counted
+        before = _bytes_read()
+        SqliteRegistry.open(path).close()
+        read[nodes] = _bytes_read() - before
+    assert (tmp_path / "128.db").stat().st_size > 5 * (tmp_path / "8.db").stat().st_size
+    assert read[128] <= read[8] + 16 * 1024, read
 
 
 def test_newer_schema_is_refused(made):
