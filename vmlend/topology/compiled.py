@@ -166,7 +166,9 @@ def decode_compiled(blob: bytes | None, digest: str) -> Topology | None:
         envelope = msgspec.msgpack.decode(blob, type=_Compiled)
         if envelope.format != COMPILED_FORMAT or envelope.digest != digest:
             return None
-        body = bytes(envelope.topology)
+        # the Raw is a view into ``blob``: checked and decoded in place, not copied (3.5 MB
+        # of fresh memory at 1,024 nodes, in every process)
+        body = envelope.topology
         if zlib.crc32(body) != envelope.check:
             return None
         return _unslice(msgspec.msgpack.decode(body, type=_Sliced))
