@@ -148,14 +148,15 @@ class SqliteTxn:
         if known is not None:
             return known  # read and verified under this very head before
         head = topopieces.decode_head(raw.encode(), "head")
+        # row by row, not fetchall: each piece is copied into the content and dropped
         rows = self._c.execute(
             "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ? ORDER BY n",
             (head.generation,),
-        ).fetchall()
-        pieces = [bytes(data) for n, data in rows if isinstance(data, bytes)]
-        if [n for n, _data in rows] != list(range(len(rows))):
-            pieces = []  # numbered wrongly: not a whole generation
-        stored = topopieces.unpack(head, topopieces.join(head, pieces))
+        )
+        try:
+            stored = topopieces.unpack(head, topopieces.assemble(head, rows))
+        finally:
+            rows.close()  # refused halfway: no statement left running in the transaction
         if len(self._generations) >= 2:  # a process sees one topology, rarely a few
             self._generations.clear()
         self._generations[raw] = stored

@@ -171,6 +171,7 @@ def test_a_damaged_topology_in_the_state_is_blamed_on_the_state_not_on_the_defau
         "UPDATE topology_pieces SET data = x'00' || data",  # a byte more
         "DELETE FROM topology_pieces",  # no piece at all
         "UPDATE topology_pieces SET generation = 'f00d'",  # another generation's
+        "UPDATE topology_pieces SET n = n + 1",  # numbered from 1: piece 0 missing
         "UPDATE topology SET head = 'not json'",
     ],
 )

@@ -45,6 +45,39 @@ def test_a_mix_of_two_generations_a_missing_or_damaged_piece_is_refused():
             topopieces.join(head, bad)
 
 
+def test_pieces_read_one_by_one_assemble_into_what_join_gives():
+    head, pieces = _generation("x" * 5000, 1024)
+    assembled = topopieces.assemble(head, enumerate(pieces))
+    assert assembled == topopieces.join(head, pieces)
+    assert topopieces.unpack(head, assembled).whole() == _stored("x" * 5000)
+
+
+def test_assembling_refuses_what_join_refuses_and_misnumbered_pieces():
+    head, pieces = _generation("x" * 5000, 1024)
+    _other_head, other = _generation("y" * 5000, 1024)
+    damaged = [*pieces[:-1], pieces[-1][:-1] + b"\xff"]
+    numbered = [
+        list(enumerate([*pieces[:2], *other[2:]])),  # a mix of two generations
+        list(enumerate(pieces[:-1])),  # one missing
+        list(enumerate(damaged)),
+        list(enumerate([*pieces, b""])),  # one more
+        list(enumerate([*pieces[:-1], pieces[-1] + b"\x00"])),  # a byte more
+        [(n + 1, p) for n, p in enumerate(pieces)],  # numbered from 1
+        [(0, pieces[0]), *((n, p) for n, p in enumerate(pieces) if n != 1)],  # 0, 0, 2, ...
+        [(n, "text" if n == 2 else p) for n, p in enumerate(pieces)],  # not bytes
+    ]
+    for bad in numbered:
+        with pytest.raises(StateRecordError, match=r"fabric init --replace"):
+            topopieces.assemble(head, bad)
+
+
+def test_a_head_naming_more_than_any_topology_is_refused_before_allocating_it():
+    head, pieces = _generation("x" * 100, 1024)
+    huge = msgspec.structs.replace(head, size=1 << 60)
+    with pytest.raises(StateRecordError, match="more than any topology"):
+        topopieces.assemble(huge, enumerate(pieces))
+
+
 def test_content_of_another_topology_than_the_head_names_is_refused():
     head, pieces = _generation("x" * 100, 1024)
     blob = topopieces.join(head, pieces)
