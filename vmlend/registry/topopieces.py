@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -218,7 +219,7 @@ def join(head: TopologyHead, pieces: list[bytes]) -> bytes:
 MAX_BYTES = 256 << 20
 
 
-def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> bytearray:
+def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> bytes | bytearray:
     """``join`` for pieces read one after the other (``(n, bytes)``, in order): each is copied
     into one buffer of the head's size and hashed as it comes, so a reader holds the content
     once, not its pieces and their join too (13 MB of fresh memory at 1,024 nodes, in every
@@ -227,6 +228,12 @@ def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> byt
     where = f"generation {head.generation}"
     if head.size > MAX_BYTES:
         raise _damaged(where, f"its head names {head.size} bytes, more than any topology")
+    if head.pieces == 1:
+        # one piece is the content itself: used as it is, not copied (64 nodes: 0.4 MB)
+        rows = list(itertools.islice(pieces, 2))
+        if any(n != i or not isinstance(p, bytes) for i, (n, p) in enumerate(rows)):
+            raise _damaged(where, "its piece 0 is missing or not bytes")
+        return join(head, [p for _n, p in rows if isinstance(p, bytes)])
     out = bytearray(head.size)
     digest = hashlib.sha256()
     at = count = 0

@@ -45,8 +45,9 @@ def test_a_mix_of_two_generations_a_missing_or_damaged_piece_is_refused():
             topopieces.join(head, bad)
 
 
-def test_pieces_read_one_by_one_assemble_into_what_join_gives():
-    head, pieces = _generation("x" * 5000, 1024)
+@pytest.mark.parametrize("size", [1024, 1 << 20], ids=["pieces", "one piece"])
+def test_pieces_read_one_by_one_assemble_into_what_join_gives(size):
+    head, pieces = _generation("x" * 5000, size)
     assembled = topopieces.assemble(head, enumerate(pieces))
     assert assembled == topopieces.join(head, pieces)
     assert topopieces.unpack(head, assembled).whole() == _stored("x" * 5000)
@@ -67,6 +68,21 @@ def test_assembling_refuses_what_join_refuses_and_misnumbered_pieces():
         [(n, "text" if n == 2 else p) for n, p in enumerate(pieces)],  # not bytes
     ]
     for bad in numbered:
+        with pytest.raises(StateRecordError, match=r"fabric init --replace"):
+            topopieces.assemble(head, bad)
+
+
+def test_a_generation_of_one_piece_is_refused_for_the_same_damage():
+    head, pieces = _generation("x" * 5000, 1 << 20)
+    (piece,) = pieces
+    for bad in (
+        [],
+        [(0, piece[:-1] + b"\xff")],
+        [(0, piece + b"\x00")],
+        [(0, piece), (1, b"")],
+        [(1, piece)],
+        [(0, "text")],
+    ):
         with pytest.raises(StateRecordError, match=r"fabric init --replace"):
             topopieces.assemble(head, bad)
 
