@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar, cast
 
 from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.registry.api import StateTxn
@@ -30,6 +30,10 @@ from vmlend.registry.topopieces import StoredView
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: The compares etcd takes in one Txn (its default --max-txn-ops): an attempt from memory
+#: with more (a remembered range's keys are compared one by one) runs again on fresh reads.
+MAX_COMPARES = 128
 
 #: How often a write body runs before the transaction gives up on conflicts.
 ATTEMPTS = 12
@@ -198,34 +202,24 @@ class EtcdRegistry:
         warm: WarmCache | None = self._warm if self._warm else None
         while attempt < self._attempts:
             tx = self._txn(writable=True, warm=warm)
-            ok = False
+            outcome: _Outcome[T] = _Outcome("conflict")
             try:
-                try:
-                    result = body(tx)
-                    ops = tx.operations()
-                    if ops:
-                        ok, revision = self._gw.txn(tx.compares(), ops)
-                except RevisionCompactedError:
-                    ops = [{}]  # a revision gone: as a conflict
-                except Exception:
-                    if not tx.warmed:
-                        raise
-                    ops = []  # from remembered items: ask again, fresh
+                outcome = self._attempt(tx, body)
             finally:
-                self._settle(tx, ok)
-            if ok:
-                log.debug("committed %d operations at revision %d", len(ops), revision)
-                tx.learn(self._warm, revision)
-                return result
-            if tx.warmed:
+                self._settle(tx, outcome.kind == "committed")
+            if outcome.kind == "committed":
+                log.debug("committed at revision %d", outcome.revision)
+                tx.learn(self._warm, outcome.revision)
+                return cast(T, outcome.result)
+            if outcome.kind == "read":
+                return cast(T, outcome.result)  # the snapshot was consistent: nothing to commit
+            if outcome.kind == "fresh":
                 # What was remembered was stale somewhere (or the answer needs one
                 # revision's reads): forget it all, and run again on fresh reads.
                 self._warm.clear()
                 self.stale += 1
                 warm = None
                 continue
-            if not ops:
-                return result  # read only: the snapshot was consistent, nothing to commit
             attempt += 1
             self.conflicts += 1
             log.debug("transaction conflict (attempt %d); re-running", attempt)
@@ -236,6 +230,32 @@ class EtcdRegistry:
             f"the registry {self.where} kept changing under this transaction ({self._attempts}"
             f" attempts in {time.monotonic() - start:.1f} s); nothing was written; retry"
         )
+
+    def _attempt(self, tx: EtcdTxn, body: Callable[[StateTxn], T]) -> _Outcome[T]:
+        """One run of ``body`` and its commit."""
+        try:
+            result = body(tx)
+            ops = tx.operations()
+            compares = tx.compares() if ops else []
+        except Exception as e:
+            if tx.warmed:
+                return _Outcome("fresh")  # decided on remembered items: ask again, fresh
+            if isinstance(e, RevisionCompactedError):
+                return _Outcome("conflict")
+            raise
+        if not ops:
+            return _Outcome("fresh") if tx.warmed else _Outcome("read", result)
+        if tx.warmed and len(compares) > MAX_COMPARES:
+            return _Outcome("fresh")  # more than etcd takes: fresh reads compare fewer
+        # An error of the commit itself is raised, also from memory: a commit whose answer
+        # was lost may have landed, and must not be asked again as if refused.
+        try:
+            ok, revision = self._gw.txn(compares, ops)
+        except RevisionCompactedError:
+            ok, revision = False, 0
+        if ok:
+            return _Outcome("committed", result, revision)
+        return _Outcome("fresh") if tx.warmed else _Outcome("conflict")
 
     @contextlib.contextmanager
     def write(self) -> Iterator[StateTxn]:
@@ -255,6 +275,19 @@ class EtcdRegistry:
                 f"the registry {self.where} changed under this transaction; nothing was"
                 " written; retry"
             )
+
+
+class _Outcome(Generic[T]):
+    """How one attempt of ``transact`` ended: ``committed`` (at ``revision``), ``read`` (no
+    writes, from fresh reads: ``result`` stands), ``conflict`` (run again after a pause) or
+    ``fresh`` (decided on remembered items: run again at once on fresh reads)."""
+
+    __slots__ = ("kind", "result", "revision")
+
+    def __init__(self, kind: str, result: T | None = None, revision: int = 0) -> None:
+        self.kind = kind
+        self.result = result
+        self.revision = revision
 
 
 def check_schema(raw: str, where: str) -> int:

@@ -141,6 +141,8 @@ class WarmCache:
                     del self._ranges[prefix]
             for prefix in [p for p in self._loose if p not in learned_loose]:
                 read, read_at = self._loose[prefix]
+                if read_at >= revision:
+                    continue  # read after this commit (another thread's): it shows it already
                 if any(p.startswith(prefix) or prefix.startswith(p) for p in deleted):
                     del self._loose[prefix]
                 elif any(k.startswith(prefix) for k in writes):

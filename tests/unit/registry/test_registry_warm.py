@@ -166,3 +166,95 @@ def test_a_bounded_memory_starts_over():
         warm.learn({f"/k/{i}": None}, [], [], {}, [], revision=i + 1)
     assert len([i for i in range(5) if warm.key(f"/k/{i}") is not None]) <= 4
     assert warm.key("/k/4") == (None, 5)
+
+
+def _p2p_claim_per_hold(adapter: str):
+    """A body as ``linkfaults.follow_p2p`` is: for every hold it sees, rewrite its claims."""
+    from vmlend.registry.records import Claim, ClaimKind
+
+    def body(tx) -> None:
+        for fdid in tx.holds():
+            claim = Claim(adapter, ClaimKind.P2P, f"p2p:{fdid:#x}", entries=1)
+            tx.replace_claims(ClaimKind.P2P, [fdid], [(fdid, claim)])
+
+    return body
+
+
+def _remember_every_hold(tx) -> None:
+    tx.holds()
+    tx.set_meta("probe", "1")
+
+
+def test_a_hold_released_since_is_not_made_again_from_a_remembered_range(etcd_url):
+    """Found by review: gamma's process remembers the holds range with web's hold of 0x10;
+    another process releases it since (deleting the hold, rewriting web's marker). A body
+    that rewrites the claims of every hold it sees must not bring the hold back: a range
+    compare does not see a deletion, and the marker, read fresh, no longer names the hold.
+    Each key of a remembered range is compared too."""
+    with make_fabric(etcd_url) as mine, open_fabric(etcd_url, "gamma") as other:
+        other.reserve(0x10, WEB)
+        with other.registry.read() as tx:
+            adapter = next(c.adapter for f, c in tx.claims() if f == 0x10)
+        mine.registry.transact(_remember_every_hold)
+        assert other.release(0x10, WEB)
+        mine.registry.transact(_p2p_claim_per_hold(adapter))
+        with other.registry.read() as tx:
+            assert tx.hold(0x10) is None
+            assert [c for f, c in tx.claims() if f == 0x10] == []
+        assert mine.registry.stale == 1
+
+
+def test_a_late_learn_does_not_lay_an_older_commit_over_a_newer_read(etcd_url, monkeypatch):
+    """Found by review: threads of one agent share the memory. Thread A's release commits,
+    but its ``learn`` runs late, after another host took the same unit blocks and claim keys
+    and thread B read them fresh and learned them: laying A's deletions over B's newer read
+    would show those units free, and a reserve from memory would overcommit the adapter
+    (its guards compare from B's read, after the other host's blocks were made)."""
+    from vmlend.registry.etcd_txn import EtcdTxn
+
+    text, ram = last_capacity("lut", 1)  # room for two reservations on l's adapter
+    init_fabric(etcd_url, text, "star.toml")
+    with open_fabric(etcd_url, "h0") as mine, open_fabric(etcd_url, "h1") as other:
+        mine.reserve(0x100, Holder("h0", "a"), guest_ram=ram)
+        late = []
+        learn = EtcdTxn.learn
+        monkeypatch.setattr(EtcdTxn, "learn", lambda tx, w, r: late.append((tx, w, r)))
+        assert mine.release(0x100, Holder("h0", "a"))  # thread A: committed, learn pending
+        monkeypatch.setattr(EtcdTxn, "learn", learn)
+        other.reserve(0x100, Holder("h1", "p"), guest_ram=ram)  # the same keys again
+        mine.registry.forget()  # (another thread's stale attempt cleared the memory)
+        mine.reserve(0x102, Holder("h0", "b"), guest_ram=ram)  # thread B: reads, learns
+        for tx, warm, revision in late:
+            learn(tx, warm, revision)
+        with pytest.raises(ResourceExhaustedError):
+            mine.reserve(0x101, Holder("h0", "c"), guest_ram=ram)
+        assert set(mine.holds()) == {0x100, 0x102}
+        assert unit_keys_held(etcd_url) == units_claimed(mine)
+
+
+def test_a_lost_answer_to_a_commit_from_memory_is_an_error_not_a_fresh_refusal(
+    etcd_url, monkeypatch
+):
+    """Found by review: a hand-over from memory commits and its answer is lost. Asked again
+    fresh, it would be refused ("held by" the destination itself), which its caller takes
+    for "nothing changed". The commit's own error is raised, as from fresh reads."""
+    from vmlend.errors import RegistryUnreachableError
+    from vmlend.ledger import handover
+
+    src = Holder("gamma", "vm1", "11111111-1111-1111-1111-111111111111")
+    dst = Holder("beta", "vm1", src.vm_uuid)
+    with make_fabric(etcd_url) as mine:
+        mine.reserve(0x10, src)
+        claimed = handover.claim_destination(mine.registry, [0x10], src, dst, 0)
+        gateway = mine.registry.gateway
+        commit = gateway.txn
+
+        def answer_lost(compare, success):
+            commit(compare, success)
+            raise RegistryUnreachableError(gateway.where, "no answer (timed out)")
+
+        monkeypatch.setattr(gateway, "txn", answer_lost)
+        with pytest.raises(RegistryUnreachableError):
+            handover.hand_over(mine.registry, claimed, {}, 0.0)
+        monkeypatch.undo()
+        assert mine.holds()[0x10].holder == dst  # it did land
