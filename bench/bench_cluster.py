@@ -254,11 +254,12 @@ def concurrent_shaped(
 
 def concurrent_cycles(
     url: str, borrowers: int = 10, cycles: int = 20
-) -> tuple[float, int, float, int]:
+) -> tuple[float, int, float, int, int]:
     """``borrowers`` threads, each its own fabric on gamma and its own device of the star
     topology, each doing ``cycles`` reserve+release: the run's time, the failed cycles, the
-    same number of 4-request raw cycles done by as many threads (the floor), and how often a
-    transaction body ran again after a conflict."""
+    same number of 4-request raw cycles done by as many threads (the floor), how often a
+    transaction body ran again after a conflict, and how often an attempt from memory ran
+    again on fresh reads."""
     import threading
 
     from tests.support.simfabric import star_topology
@@ -269,6 +270,7 @@ def concurrent_cycles(
     init_fabric(url, star_topology(4, borrowers), "star.toml", node="h0")
     failures: list[str] = []
     conflicts: list[int] = []
+    stale: list[int] = []  # attempts from memory run again on fresh reads
 
     def borrower(i: int) -> None:
         f = open_fabric(url, "h0")
@@ -280,6 +282,7 @@ def concurrent_cycles(
             except VmlendError as e:
                 failures.append(str(e))
         conflicts.append(f.registry.conflicts)
+        stale.append(f.registry.stale)
         f.close()
 
     def raw(i: int) -> None:
@@ -301,7 +304,7 @@ def concurrent_cycles(
         for th in threads:
             th.join()
         times.append(time.perf_counter() - t)
-    return times[0], len(failures), times[1], sum(conflicts)
+    return times[0], len(failures), times[1], sum(conflicts), sum(stale)
 
 
 #: VMs on the borrower's node that hold a device each, for ``crowded_node``.
@@ -500,10 +503,10 @@ def main() -> None:
                 f" {shaped['four'] / shaped['raw']:4.2f}x"
                 " (a floor for such a layout, before vmlend's own work)"
             )
-            took, failed, floor, reruns = concurrent_cycles(server.url("many"))
+            took, failed, floor, reruns, stale = concurrent_cycles(server.url("many"))
             print(
                 f"10 concurrent borrowers x 20 cycles on etcd: {failed} failed cycles,"
-                f" {reruns} re-runs;"
+                f" {reruns} re-runs, {stale} attempts from memory read again;"
                 f" {took:5.2f} s vs {floor:5.2f} s for as many raw 4-request cycles,"
                 f" throughput {floor / took:5.0%} of the floor (goal >= 70 %, 0 failed)"
             )
