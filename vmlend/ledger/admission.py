@@ -348,8 +348,8 @@ def admit(
     if path is None:
         adm.add("path", f"{borrower} is the lender itself: no NTB crossing")
     else:
-        dma = device_to_ram(topology, fdid, borrower)  # hops as `vmlend path` counts them
-        adm.add("path", path.describe(), path=path.describe(), hops=dma.hops, roots=dma.roots)
+        hops, roots = _dma_counts(topology, fdid, borrower)  # as `vmlend path` counts them
+        adm.add("path", path.describe(), path=path.describe(), hops=hops, roots=roots)
     if mine:
         for name in ("lut", "ports", "window-dma", "window-bars", "segments", "p2p"):
             adm.add(name, "already claimed by this VM's reservation")
@@ -363,6 +363,23 @@ def admit(
             _msi_check(adm, topology, view, spec, path, holder)
     _p2p_checks(adm, topology, view, spec, holder, p2p_count or p2p_claims)
     return adm
+
+
+def _dma_memo(_topology: Topology) -> dict[tuple[int, str], tuple[int, int]]:
+    return {}
+
+
+def _dma_counts(topology: Topology, fdid: int, node: str) -> tuple[int, int]:
+    """The hops and root complexes of device ``fdid``'s DMA into ``node``'s RAM
+    (``device_to_ram``), computed once per topology: a pure function of it, and a changed
+    topology (a new generation, cables down) is another instance with nothing derived. A
+    reserve asks it every time; it walks the PCIe tree on both hosts."""
+    memo = topology.derived(_dma_memo)
+    counts = memo.get((fdid, node))
+    if counts is None:
+        dma = device_to_ram(topology, fdid, node)
+        counts = memo[(fdid, node)] = (dma.hops, dma.roots)
+    return counts
 
 
 def admit_vm(

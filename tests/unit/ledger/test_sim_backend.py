@@ -720,3 +720,25 @@ def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location,
     )
     assert code == 1 and "held by gamma/vm2" in err.getvalue()
     assert full_snapshot(path) == before
+
+
+def test_admission_counts_the_dma_path_of_the_topology_as_it_is_now(fab):
+    """The hops and roots admission reports follow the route a reserve would take now: a
+    cable going down (another route) and coming back, each answered afresh."""
+    from vmlend.topology.paths import without_links
+    from vmlend.topology.pcie import device_to_ram
+
+    def path() -> tuple[str, tuple[int, int]]:
+        checks = {c.name: c for c in fab.admission(0x10, "gamma", 8 * GiB, holder=VM1)}
+        return checks["path"].detail, (checks["path"].data["hops"], checks["path"].data["roots"])
+
+    first = ("alpha:0 -> gamma:0 via mxs824", (11, 2))
+    assert path() == first
+    assert path() == first  # asked again: the same
+    fab.set_link_up("mxs824/gamma:0", False)
+    live = device_to_ram(without_links(fab.topology(), ["mxs824/gamma:0"]), 0x10, "gamma")
+    detail, counts = path()
+    assert "gamma:1" in detail
+    assert counts == (live.hops, live.roots) != first[1]
+    fab.set_link_up("mxs824/gamma:0", True)
+    assert path() == first
