@@ -379,6 +379,7 @@ class EtcdTxn:
         self._dropped_claims: dict[int, list[str]] = {}
         self._fresh_units = False  # inside ``add_hold``: the unit blocks taken are fresh
         self._put_leases: dict[str, int] = {}  # the lease each put goes on (``operations``)
+        self._capacities: dict[tuple[str, str, str], int] = {}  # ``_capacity``
 
     # --- the overlay of buffered writes over the snapshot --------------------------------
     def _write(self) -> None:
@@ -481,8 +482,16 @@ class EtcdTxn:
     # blocks of one and are deleted when their VM gives them back.
 
     def _capacity(self, adapter: str, unit: str) -> int:
-        """The adapter's usable LUT entries or window segments (0: not in the topology)."""
+        """The adapter's usable LUT entries or window segments (0: not in the topology);
+        looked up once per transaction and topology digest."""
         digest = self.topology_digest() or ""
+        known = self._capacities.get((digest, adapter, unit))
+        if known is None:
+            known = self._capacity_in(digest, adapter, unit)
+            self._capacities[(digest, adapter, unit)] = known
+        return known
+
+    def _capacity_in(self, digest: str, adapter: str, unit: str) -> int:
         topo = _CAPACITIES.get(digest)
         if topo is None:
             from vmlend.topology.compiled import stored_topology

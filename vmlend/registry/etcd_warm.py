@@ -20,7 +20,7 @@ here (it was stale somewhere) and the next runs on fresh reads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from vmlend.registry.etcd_gateway import KeyValue
 
@@ -30,6 +30,14 @@ LIMIT = 4096
 
 #: A write as ``learn`` takes it: the value put (None: deleted) and the lease it went on.
 Write = tuple[bytes | None, int]
+
+
+def _prefixes_of(key: str) -> Iterator[str]:
+    """``a/``, ``a/b/``, ... of key ``a/b/c``."""
+    end = key.find("/")
+    while end != -1:
+        yield key[: end + 1]
+        end = key.find("/", end + 1)
 
 
 class WarmCache:
@@ -129,24 +137,30 @@ class WarmCache:
             # range it wrote in is dropped (its compare would meet this very write); a
             # remembered loose range takes the write (it stays known at its read revision,
             # which is what its guards compare from).
-            touched = [*writes, *deleted]
             for key in writes:
                 if key not in learned_keys:
                     self._keys.pop(key, None)
             if deleted:
                 for key in [k for k in self._keys if k not in learned_keys and gone(k)]:
                     del self._keys[key]
-            for prefix in [p for p in self._ranges if p not in learned_ranges]:
-                if any(k.startswith(prefix) or prefix.startswith(k) for k in touched):
-                    del self._ranges[prefix]
-            for prefix in [p for p in self._loose if p not in learned_loose]:
+            # the remembered ranges holding a written key, found by the key's own prefixes
+            # (every range prefix ends in "/"): not a scan of every range per commit
+            holding = {p for k in writes for p in _prefixes_of(k)}
+            for prefix in holding & set(self._ranges) - learned_ranges:
+                del self._ranges[prefix]
+            for prefix in holding & set(self._loose) - learned_loose:
                 read, read_at = self._loose[prefix]
-                if read_at >= revision:
-                    continue  # read after this commit (another thread's): it shows it already
-                if any(p.startswith(prefix) or prefix.startswith(p) for p in deleted):
-                    del self._loose[prefix]
-                elif any(k.startswith(prefix) for k in writes):
+                if read_at < revision:  # one read after it (another thread's) shows it
                     self._loose[prefix] = (overlaid(prefix, read), read_at)
+            if deleted:  # ranges under or over a prefix deleted whole: forgotten
+                for cached in (self._ranges, self._loose):
+                    for prefix in [
+                        p
+                        for p in cached
+                        if p not in learned_ranges | learned_loose
+                        and any(p.startswith(d) or d.startswith(p) for d in deleted)
+                    ]:
+                        del cached[prefix]
 
     def _size(self) -> int:
         return len(self._keys) + len(self._ranges) + len(self._loose)
