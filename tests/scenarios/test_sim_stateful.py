@@ -767,12 +767,14 @@ class FabricMachine(RuleBasedStateMachine):
         assert self._holder_of(fdid) is None
         event("discover: a device merged beside the holds")
 
-    @rule(link=st.sampled_from(LINKS))
-    def link_down(self, link: str) -> None:
+    @rule(link=st.sampled_from(LINKS), via=st.sampled_from(NODES))
+    def link_down(self, link: str, via: str = "gamma") -> None:
         """A cable fails: the devices across it are re-routed where another route is up, and
-        so is peer-to-peer between two lenders."""
+        so is peer-to-peer between two lenders. Recorded by ``via``'s process: on etcd each
+        has its own registry and what its earlier commits knew (``etcd_warm``), so the
+        recount runs from memories of different ages."""
         before = self._p2p_routes()
-        change = self.c.fabric().set_link_up(link, False)
+        change = self.c.fabric(via).set_link_up(link, False)
         assert change.changed == (link not in self.links_down)
         self.links_down.add(link)
         for f in change.faults:
@@ -796,11 +798,12 @@ class FabricMachine(RuleBasedStateMachine):
                 for m in entry.vm.p2p.maps() if m.path is not None}  # fmt: skip
 
     @precondition(lambda self: self.links_down)
-    @rule(link=st.sampled_from(LINKS), keep=st.booleans())
-    def link_up(self, link: str, keep: bool) -> None:
-        """A cable comes back, with its mappings or without (its adapters reset)."""
+    @rule(link=st.sampled_from(LINKS), keep=st.booleans(), via=st.sampled_from(NODES))
+    def link_up(self, link: str, keep: bool, via: str) -> None:
+        """A cable comes back, with its mappings or without (its adapters reset), recorded by
+        ``via``'s process (see ``link_down``)."""
         before = self._p2p_routes()
-        change = self.c.fabric().set_link_up(link, True, keep_mappings=keep)
+        change = self.c.fabric(via).set_link_up(link, True, keep_mappings=keep)
         assert change.changed == (link in self.links_down)
         self.links_down.discard(link)
         for f in change.faults:
