@@ -199,23 +199,15 @@ class P2PPairRouteLike(Protocol):
     def path(self) -> NtbPath: ...
 
 
-class P2PCrossingLike(Protocol):
-    """A peer-to-peer crossing as the hardware knows it (``vmlend.sim.p2pmap.P2PCrossing``)."""
+class P2PCrossingLike(P2PPairRouteLike, Protocol):
+    """A peer-to-peer crossing as the hardware knows it (``vmlend.sim.p2pmap.P2PCrossing``):
+    a pair route plus the two devices it joins and the share user it counts as."""
 
     @property
     def source(self) -> int: ...
 
     @property
     def target(self) -> int: ...
-
-    @property
-    def node(self) -> str: ...
-
-    @property
-    def vm(self) -> str: ...
-
-    @property
-    def path(self) -> NtbPath: ...
 
     @property
     def user(self) -> tuple[int, str]: ...
