@@ -1,7 +1,7 @@
 """One simulated cluster for tests (``Cluster``): one SimHardware, a SimFabric per borrower
 node driving it, the registry they share (a state file, or an etcd cluster's URL), and the
-hook's prepare/release; and the domain XML of a plain VM with remote devices
-(``domain_xml``)."""
+hook's prepare/release; the domain XML of a plain VM with remote devices (``domain_xml``);
+and the invariant checker's verdict on a cluster as an assertion (``assert_matches_registry``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from vmlend.sim.backend import SimFabric
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.hardware import SimHardware
 from vmlend.sim.hostmem import HUGE_2M
+from vmlend.sim.invariants import check_with_registry
 from vmlend.sim.simvm import SimVm
 from vmlend.topology.model import MiB
 
@@ -100,3 +101,12 @@ def domain_of(name: str, vm_uuid: str, fdids: tuple[int, ...]) -> bytes:
         devices=[DeviceRequest(f) for f in fdids],
     )
     return new_domain(spec, templates=TemplateSet()).to_bytes()
+
+
+def assert_matches_registry(cluster: Cluster, after: str = "") -> None:
+    """Fail, listing every finding, when the cluster's hardware holds anything its registry
+    does not justify (``vmlend.sim.invariants.check_with_registry``); ``after`` names the
+    step just done, for the message."""
+    found = check_with_registry(cluster.hw, cluster.registry)
+    where = f"after {after}: " if after else ""
+    assert not found, f"{where}{len(found)} violation(s):\n" + "\n".join(map(str, found))

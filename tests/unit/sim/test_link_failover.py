@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.simcluster import domain_xml
+from tests.support.simcluster import assert_matches_registry, domain_xml
 from vmlend.errors import StaleTokenError
 from vmlend.ledger.linkfaults import LINK_FAULT
-from vmlend.sim.invariants import check_hardware, check_with_registry
+from vmlend.sim.invariants import check_hardware
 from vmlend.topology.model import GiB
 
 GPA = 64 * 4096
@@ -26,11 +26,6 @@ def vm(cluster):
     vm.enable_device(0x12)
     vm.guest.write(GPA, b"guest data")
     return vm
-
-
-def clean(cluster) -> None:
-    found = check_with_registry(cluster.hw, cluster.registry)
-    assert found == [], "\n".join(map(str, found))
 
 
 def faults(cluster) -> dict[str, dict]:
@@ -63,12 +58,12 @@ def test_a_link_down_moves_the_crossing_without_resetting_the_device(cluster, vm
         "mxs824b/mxs824",
         "mxs824b/gamma:1",
     }
-    clean(cluster)
+    assert_matches_registry(cluster)
     # the cable comes back: the report ends, the device stays where it works
     back = cluster.fabric().set_link_up(PRIMARY, True)
     assert [f.state for f in back.faults] == ["recovered"] and faults(cluster) == {}
     assert hw.dma_read(0x12, GPA, 10) == b"moved over"
-    clean(cluster)
+    assert_matches_registry(cluster)
 
 
 def hold_token(cluster, fdid: int) -> int:
@@ -121,7 +116,7 @@ def test_without_another_route_the_fault_is_reported_until_the_link_is_back(clus
     assert fault.state == "down" and "no other route" in fault.detail
     assert hw.dma_read(0x12, GPA, 4) == b"\xff" * 4
     assert faults(cluster)[LENDER]["state"] == "down"
-    clean(cluster)  # nothing to re-route to: not a violation
+    assert_matches_registry(cluster)  # nothing to re-route to: not a violation
     (back,) = cluster.fabric().set_link_up(LENDER, True).faults
     assert back.state == "recovered" and faults(cluster) == {}
     assert hw.dma_read(0x12, GPA, 10) == b"guest data"
@@ -134,13 +129,13 @@ def test_a_link_back_without_its_mappings_has_them_programmed_again(cluster, vm)
     assert back.state == "recovered"
     assert not hw.adapter("alpha:0").lost
     assert hw.dma_read(0x12, GPA, 10) == b"guest data"
-    clean(cluster)
+    assert_matches_registry(cluster)
     # the borrower's side: gamma:0 reset while the device had moved to gamma:1
     cluster.fabric().set_link_up(PRIMARY, False)
     cluster.fabric().set_link_up(PRIMARY, True, keep_mappings=False)
     assert hw.borrowed(0x12).path.dst.ref == "gamma:1"
     assert hw.dma_read(0x12, GPA, 10) == b"guest data"
-    clean(cluster)
+    assert_matches_registry(cluster)
 
 
 def test_both_of_gammas_cables_down_then_one_back(cluster, vm):
@@ -152,7 +147,7 @@ def test_both_of_gammas_cables_down_then_one_back(cluster, vm):
     (back,) = cluster.fabric().set_link_up(PRIMARY, True).faults
     assert back.state == "recovered" and hw.borrowed(0x12).path.dst.ref == "gamma:0"
     assert hw.dma_read(0x12, GPA, 10) == b"guest data" and faults(cluster) == {}
-    clean(cluster)
+    assert_matches_registry(cluster)
 
 
 def test_new_reservations_route_around_a_dead_cable(cluster):
@@ -168,7 +163,7 @@ def test_new_reservations_route_around_a_dead_cable(cluster):
         "mxs824b/mxs824",
         "mxs824b/gamma:1",
     }
-    clean(cluster)
+    assert_matches_registry(cluster)
 
 
 def test_the_checker_flags_a_device_left_on_a_dead_route(cluster, vm):

@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.nvme_guest import guest_driver
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.invariants import check_hardware, check_with_registry
+from vmlend.sim.invariants import check_hardware
 from vmlend.sim.nvme.driver import NvmeTimeoutError
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRange, MiB
@@ -104,7 +104,7 @@ def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(st
     """After a failover the drive's crossing into gamma is on gamma:1; a later share reserve
     (which recomputes the manager's claims from the share records) must keep claiming it
     there, or the claims and the hardware disagree."""
-    from tests.support.simcluster import Cluster
+    from tests.support.simcluster import Cluster, assert_matches_registry
     from vmlend.ledger import nvmeshares as shares
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
@@ -121,16 +121,12 @@ def test_the_managers_claims_follow_the_moved_crossing_through_later_reserves(st
         c.hw.create_guest("gamma", "web", [GuestRange(0, ram)])
         drive.open_share("gamma", "web", share=share).set_master()
 
-        def clean() -> None:
-            found = check_with_registry(c.hw, c.registry)
-            assert found == [], "\n".join(map(str, found))
-
-        clean()
+        assert_matches_registry(c)
         c.fabric().set_link_up(PRIMARY, False)
         assert c.hw.crossing(DRIVE, "gamma").dst.ref == "gamma:1"
-        clean()
+        assert_matches_registry(c)
         shares.reserve_share(c.registry, DRIVE, Holder("beta", "other"), 1, 4096, guest_ram=ram)
-        clean()
+        assert_matches_registry(c)
         drive.close()
     finally:
         c.close()
@@ -141,7 +137,7 @@ def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_i
     it when the link returns, so a share reserved then (and the old one released) leaves the
     claims and the hardware agreeing. Found by the state machine: the crossing used to stay on
     gamma:1 while the new share claimed gamma:0."""
-    from tests.support.simcluster import Cluster
+    from tests.support.simcluster import Cluster, assert_matches_registry
     from vmlend.ledger import nvmeshares as shares
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
@@ -161,10 +157,6 @@ def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_i
             s.set_master()
             return s
 
-        def clean() -> None:
-            found = check_with_registry(c.hw, c.registry)
-            assert found == [], "\n".join(map(str, found))
-
         first = open_("one")
         c.fabric().set_link_up(PRIMARY, False)
         c.fabric().set_link_up(PRIMARY, True, keep_mappings=False)
@@ -172,7 +164,7 @@ def test_a_share_reserved_after_the_link_is_back_is_claimed_where_the_crossing_i
         open_("two")
         shares.release_share(c.registry, DRIVE, Holder("gamma", "one"))
         first.close()
-        clean()
+        assert_matches_registry(c)
         drive.close()
     finally:
         c.close()

@@ -18,7 +18,7 @@ from tests.support.simfabric import two_cable_topology
 from vmlend.errors import ConfigError, FabricError
 from vmlend.nvme import spec
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.invariants import check_hardware, check_with_registry
+from vmlend.sim.invariants import check_hardware
 from vmlend.sim.nvme.driver import NvmeTimeoutError
 from vmlend.sim.nvmeshare import SharedNvmeDrive
 from vmlend.topology.model import GuestRange, MiB
@@ -307,7 +307,7 @@ def test_the_registry_claims_match_what_both_paths_map_across_link_events(state_
     """Reserved with --paths 2, opened and mapped: the checker with the registry's claims
     finds every segment of both paths claimed (windows and rings), through a link-down and
     back, with the fabric's link handling (claims following moved crossings)."""
-    from tests.support.simcluster import Cluster
+    from tests.support.simcluster import Cluster, assert_matches_registry
     from vmlend.ledger import nvmeshares as shares
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
@@ -327,22 +327,18 @@ def test_the_registry_claims_match_what_both_paths_map_across_link_events(state_
         drv = guest_driver(vms.bar0, c.hw.guest("gamma", "web"))
         (queue,) = drv.start(queues=1, entries=32)
 
-        def clean() -> None:
-            found = check_with_registry(c.hw, c.registry)
-            assert found == [], "\n".join(map(str, found))
-
-        clean()
+        assert_matches_registry(c)
         assert io(drv, queue, 0, 2) == 4
         c.fabric().set_link_up(PRIMARY, False)
         assert vms.relay.status()["active"] == "backup"
         assert io(drv, queue, 2, 2) == 4
-        clean()
+        assert_matches_registry(c)
         c.fabric().set_link_up(PRIMARY, True)
         assert vms.relay.status()["active"] == "primary"
         assert io(drv, queue, 4, 2) == 4
-        clean()
+        assert_matches_registry(c)
         drive.close()
-        clean()
+        assert_matches_registry(c)
     finally:
         c.close()
 

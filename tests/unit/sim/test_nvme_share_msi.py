@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from tests.support.nvme_guest import guest_driver, share_xml, shared_drive, start_sharing_vm
+from tests.support.simcluster import assert_matches_registry
 from vmlend.errors import DmaFault
 from vmlend.ledger import nvmeshares
 from vmlend.ledger.admission import guest_ram_of
@@ -36,11 +37,6 @@ NVME = 0x12
 def setup(state_path, tmp_path):
     with shared_drive(state_path, tmp_path, fdid=NVME) as both:
         yield both
-
-
-def clean(c) -> None:  # type: ignore[no-untyped-def]
-    found = check_with_registry(c.hw, c.registry)
-    assert found == [], "\n".join(map(str, found))
 
 
 def msi_claims(c) -> list[str]:  # type: ignore[no-untyped-def]
@@ -66,7 +62,7 @@ def test_a_shares_interrupt_arrives_at_its_vms_eventfd_through_the_ntb(setup):
         assert share.last_hops[-1].node == "gamma"
         assert share.last_hops[-1].detail == "msi-target:web"
         assert share.status()["interrupts"]["paths"] == {"primary": "ntb"}
-        clean(c)
+        assert_matches_registry(c)
     finally:
         os.close(efd)
 
@@ -83,7 +79,7 @@ def test_two_vms_of_one_node_each_get_their_own_interrupts(setup):
         assert os.eventfd_read(fds[1]) >= 1
         with pytest.raises(BlockingIOError):  # web's eventfd heard nothing of db's I/O
             os.eventfd_read(fds[0])
-        clean(c)
+        assert_matches_registry(c)
     finally:
         for fd in fds:
             os.close(fd)
@@ -113,7 +109,7 @@ def test_a_full_window_relays_the_shares_interrupts_and_the_check_agrees(setup):
     assert share.interrupts[1] >= 1 and share.msi.relayed == share.interrupts[1]
     assert share.msi.delivered == 0
     assert share.status()["interrupts"]["paths"] == {"primary": "relay"}
-    clean(c)
+    assert_matches_registry(c)
 
 
 def test_the_interrupt_window_goes_with_the_share_and_a_stale_write_reaches_nothing(setup):
@@ -143,7 +139,7 @@ def test_the_interrupt_window_goes_with_the_share_and_a_stale_write_reaches_noth
         assert heard >= 1
         with pytest.raises(BlockingIOError):
             os.eventfd_read(efd)
-        clean(c)
+        assert_matches_registry(c)
     finally:
         os.close(efd)
 
@@ -157,7 +153,7 @@ def test_the_checker_catches_an_interrupt_route_left_behind_or_to_another_vm(set
     web_at = lender.lookup(asid_base(web.share.asid) + MSI_IOVA)
     db_at = lender.lookup(asid_base(db.share.asid) + MSI_IOVA)
     assert web_at is not None and db_at is not None and web_at.phys != db_at.phys
-    clean(c)
+    assert_matches_registry(c)
     # web's address space pointed at db's slot: its interrupts would reach db's target
     lender.unmap(asid_base(web.share.asid) + MSI_IOVA, PAGE)
     lender.map(asid_base(web.share.asid) + MSI_IOVA, db_at.phys, PAGE)
@@ -165,7 +161,7 @@ def test_the_checker_catches_an_interrupt_route_left_behind_or_to_another_vm(set
     assert [v.kind for v in found] == ["msi"] and "msi-target:db" in found[0].detail
     lender.unmap(asid_base(web.share.asid) + MSI_IOVA, PAGE)
     lender.map(asid_base(web.share.asid) + MSI_IOVA, web_at.phys, PAGE)
-    clean(c)
+    assert_matches_registry(c)
     # db's slot in the drive's ingress domain on gamma pointed at web's target page
     assert db.msi_target is not None and web.msi_target is not None
     ingress = drive._domain("gamma")
@@ -176,13 +172,13 @@ def test_the_checker_catches_an_interrupt_route_left_behind_or_to_another_vm(set
     assert {v.kind for v in found} == {"msi"}  # db's address space now reaches web's target
     ingress.unmap(slot, PAGE)
     ingress.map(slot, db.msi_target.base, PAGE)
-    clean(c)
+    assert_matches_registry(c)
     # db's share ends but its interrupt route is left behind in the lender IOMMU
     db_iova = asid_base(db.share.asid) + MSI_IOVA
     db_phys = db_at.phys
     other.stop()
     c.release(share_xml("db", fdid=NVME), "gamma")
-    clean(c)
+    assert_matches_registry(c)
     c.hw.lender_domain(NVME).map(db_iova, db_phys, PAGE)
     found = check_with_registry(c.hw, c.registry)
     assert found and all(v.kind == "lender-iommu" for v in found)
@@ -329,4 +325,4 @@ def test_a_hot_move_takes_the_destinations_window_or_the_relay(setup):
     drv.memory = c.hw.guest("beta", "sa")
     relayed = share.msi.relayed
     assert drv.write(queue, 1, b"m" * 512).ok and share.msi.relayed > relayed
-    clean(c)
+    assert_matches_registry(c)

@@ -320,9 +320,8 @@ def test_the_registry_claims_match_what_page_mode_maps_across_a_failover(state_p
     """Reserved with --paths 2 on the paged drive, in page mode: the checker with the
     registry's claims finds every segment and LUT entry of both paths claimed, exactly as
     mapped, before the fault, on the backup and back (page mode maps what relay mode maps)."""
-    from tests.support.simcluster import Cluster
+    from tests.support.simcluster import Cluster, assert_matches_registry
     from vmlend.ledger import nvmeshares as shares
-    from vmlend.sim.invariants import check_with_registry
     from vmlend.sim.nvmedrive import drive_geometry
     from vmlend.topology.model import Holder
 
@@ -341,22 +340,18 @@ def test_the_registry_claims_match_what_page_mode_maps_across_a_failover(state_p
         drv = guest_driver(vms.bar0, c.hw.guest("b1", "web"))
         (queue,) = drv.start(queues=1, entries=ENTRIES)
 
-        def clean() -> None:
-            found = check_with_registry(c.hw, c.registry)
-            assert found == [], "\n".join(map(str, found))
-
         assert vms.relay.mode == "page"
-        clean()
+        assert_matches_registry(c)
         assert io(drv, queue, 0, 4) == 8 and vms.traps == 0
         c.fabric("b1").set_link_up(PRIMARY, False)
         assert vms.relay.status()["active"] == "backup"
         assert io(drv, queue, 4, 4) == 8
-        clean()
+        assert_matches_registry(c)
         c.fabric("b1").set_link_up(PRIMARY, True)
         assert vms.relay.status()["active"] == "primary"
         assert io(drv, queue, 8, 4) == 8
-        clean()
+        assert_matches_registry(c)
         drive.close()
-        clean()
+        assert_matches_registry(c)
     finally:
         c.close()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tests.support.simcluster import Cluster
+from tests.support.simcluster import Cluster, assert_matches_registry
 from vmlend.registry.records import FenceRecord
 from vmlend.sim.hardware import SimHardware
-from vmlend.sim.invariants import check_hardware, check_with_registry
+from vmlend.sim.invariants import check_hardware
 from vmlend.sim.p2pmap import P2PMapper
 from vmlend.sim.pci import regs
 from vmlend.topology.model import GiB, GuestRange, Holder, MiB
@@ -185,14 +185,12 @@ def test_the_registry_claims_follow_the_rerouted_crossing(tmp_path):
         p2p = P2PMapper(c.hw, "gamma", "web")
         program(p2p, GPU)
         program(p2p, BETA_GPU)
-        assert not check_with_registry(c.hw, c.registry)
+        assert_matches_registry(c)
         fabric.set_link_up(BETA_CABLE, False)
         assert crossing(p2p) == "alpha:0 -> beta:1 via mxs824, mxs824b"
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         fabric.set_link_up(BETA_CABLE, True)
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         p2p.close()
     finally:
         c.close()
@@ -227,8 +225,7 @@ def test_a_take_back_after_a_reroute_keeps_the_entry_a_source_left_on_the_new_ro
         borrow = c.hw.borrowed(BETA_NIC)
         assert borrow is not None and borrow.path is not None
         assert borrow.path.src.ref == "beta:0"  # its own crossing stayed on the dead cable
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         with c.registry.read() as tx:
             hold = tx.hold(BETA_GPU)
         assert hold is not None
@@ -237,8 +234,7 @@ def test_a_take_back_after_a_reroute_keeps_the_entry_a_source_left_on_the_new_ro
         gpa, _size = BARS[GPU][0]
         (target,) = c.hw.dma_write(BETA_NIC, gpa + 0x40, b"left")
         assert target is not None and (target.owner, target.node) == (GPU, "alpha")
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         p2p.close()
     finally:
         c.close()
@@ -264,13 +260,12 @@ def test_a_device_hot_plugged_after_a_reroute_leaves_the_vms_entries_claimed(tmp
             command = regs.COMMAND_MEMORY | regs.COMMAND_MASTER
             c.hw.device(fdid).config.write(regs.COMMAND, 2, command)
             program(p2p, fdid)
-            found = check_with_registry(c.hw, c.registry)
-            assert not found, f"{fdid:#x}\n" + "\n".join(map(str, found))
+            assert_matches_registry(c, after=f"plugging {fdid:#x}")
 
         plug(GPU)
         plug(BETA_GPU)
         fabric.set_link_up(BETA_CABLE, False)
-        assert not check_with_registry(c.hw, c.registry)
+        assert_matches_registry(c)
         plug(BETA_NIC)
         gpa, _size = BARS[GPU][0]
         (target,) = c.hw.dma_write(BETA_NIC, gpa + 0x40, b"plugged")
@@ -298,8 +293,7 @@ def test_a_pair_plugged_while_the_maps_stay_cut_is_claimed_on_their_route(tmp_pa
         plug(c, p2p, GPU2)
         assert all("beta:0" in x.path.describe() for x in p2p.crossings())
         empty()
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         p2p.close()
     finally:
         c.close()
@@ -323,7 +317,7 @@ def test_maps_made_again_after_they_all_went_keep_the_route_the_claims_count(tmp
         fabric.set_link_up(BETA_CABLE, False)
         assert "beta:0" in crossing(p2p)  # no room on the other route: the maps stay cut
         empty()
-        assert not check_with_registry(c.hw, c.registry)
+        assert_matches_registry(c)
         for fdid in (GPU, BETA_GPU):  # the guest unassigns every BAR, then programs them again
             for index in BARS[fdid]:
                 p2p.program_bar(fdid, index, 0, 0)
@@ -331,12 +325,10 @@ def test_maps_made_again_after_they_all_went_keep_the_route_the_claims_count(tmp
         for fdid in (GPU, BETA_GPU):
             program(p2p, fdid)
         assert "beta:0" in crossing(p2p)
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         # the cable back: the link event moves the pair and the claims follow
         fabric.set_link_up(BETA_CABLE, True)
-        found = check_with_registry(c.hw, c.registry)
-        assert not found, "\n".join(map(str, found))
+        assert_matches_registry(c)
         p2p.close()
     finally:
         c.close()
