@@ -153,11 +153,12 @@ class WarmCache:
                 if read_at < revision:  # one read after it (another thread's) shows it
                     self._loose[prefix] = (overlaid(prefix, read), read_at)
             if deleted:  # ranges under or over a prefix deleted whole: forgotten
+                learned = learned_ranges | learned_loose  # once, not per remembered range
                 for cached in (self._ranges, self._loose):
                     for prefix in [
                         p
                         for p in cached
-                        if p not in learned_ranges | learned_loose
+                        if p not in learned
                         and any(p.startswith(d) or d.startswith(p) for d in deleted)
                     ]:
                         del cached[prefix]

@@ -160,6 +160,36 @@ def test_what_a_commit_knew_is_known_at_its_revision():
     assert (set(loose), read_at) == ({"/u/2", "/u/3"}, 6)
 
 
+def test_a_prefix_deleted_whole_forgets_the_ranges_under_and_over_it():
+    """Pure: a commit deleting a whole prefix forgets every remembered range, compared or
+    loose, that lies under it or holds it, but not one that commit itself read (it knows
+    that one at its revision) nor one elsewhere."""
+    warm = WarmCache()
+    x = _kv("/h/1/x", b"x", 2, 2)
+    warm.learn(
+        keys={},
+        ranges=[("/h/1/", {"/h/1/x": x}), ("/h/", {"/h/1/x": x}), ("/o/", {})],
+        loose=[("/h/1/a/", {}, 3), ("/p/", {}, 3)],
+        writes={},
+        deleted=[],
+        revision=4,
+    )
+    warm.learn(
+        keys={},
+        ranges=[("/q/", {})],
+        loose=[("/h/1/b/", {}, 5)],  # read by the deleting commit itself: kept
+        writes={},
+        deleted=["/h/1/", "/q/"],
+        revision=6,
+    )
+    assert warm.range("/h/1/") is None  # the prefix itself
+    assert warm.range("/h/") is None  # over it
+    assert warm.loose("/h/1/a/") is None  # under it
+    assert warm.range("/q/") == ({}, 6)
+    assert warm.loose("/h/1/b/") == ({}, 5)
+    assert warm.range("/o/") == ({}, 4) and warm.loose("/p/") == ({}, 3)
+
+
 def test_a_bounded_memory_starts_over():
     warm = WarmCache(limit=3)
     for i in range(5):
