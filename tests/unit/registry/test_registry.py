@@ -214,7 +214,6 @@ def _bytes_read() -> int:
     raise AssertionError("no rchar in /proc/thread-self/io")
 
 
-@pytest.mark.skipif(not _THREAD_IO.exists(), reason="needs Linux's /proc/thread-self/io")
 def test_opening_a_state_reads_as_much_of_a_big_fabric_as_of_a_small_one(tmp_path):
     """Every CLI command and hook call opens the state: what the open checks must not grow
     with the fabric (it walked every page: 7 MB at 1,024 nodes)."""
