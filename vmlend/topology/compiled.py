@@ -9,7 +9,10 @@ else (a record an older vmlend wrote, another format, damage) falls back to pars
 From format 4 the topology is stored *sliced* (``vmlend.topology.sliced``): each node's and
 each device's record its own msgpack slice, with indexes by name, fdid and lender, so that a
 process decodes only the records it asks for. At 1,024 nodes x 16 devices decoding all of them
-took ~0.1 s of every command; a hook call or a reserve needs a handful.
+took ~0.1 s of every command; a hook call or a reserve needs a handful. From format 7 the
+blob is *addressable*: a header says where each table lies, so that a reader of a generation
+verified chunk by chunk (``vmlend.topology.chunked``) reads the header, the index entries and
+the records a call uses, not the 3.5 MB of a 1,024-node topology.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import msgspec
 
 from vmlend.errors import TopologyError
 from vmlend.topology import sliced
+from vmlend.topology.chunked import Plain, Readable, Window
 from vmlend.topology.model import DeviceSpec, LinkSpec, NodeSpec, Topology
 
 if TYPE_CHECKING:
@@ -29,37 +33,48 @@ if TYPE_CHECKING:
 #: Bump when the same bytes would decode into a different ``Topology``: a change to any Struct
 #: reachable from it (tests/unit/topology/test_topology_compiled.py pins their shape) or to
 #: what the parser derives from the text. A record of another format is simply parsed from its TOML.
-COMPILED_FORMAT = "vmlend-topology/6"
+COMPILED_FORMAT = "vmlend-topology/7"
 
 #: What a damaged or foreign blob can raise while msgspec decodes it: besides its own errors,
 #: a bad byte inside a string (UnicodeDecodeError, a ValueError) and deep nesting.
 _UNDECODABLE = (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError)
 
 
-class _Compiled(msgspec.Struct, frozen=True, array_like=True):
+class _Header(msgspec.Struct, frozen=True, array_like=True):
+    """A compiled topology's header: its format, the digest of the text it came from, the
+    topology's small fields, and where each table's bytes lie after it (``_TABLES``): node
+    and device records as msgpack slices (``sliced``), their indexes as big-endian u32."""
+
     format: str
     digest: str  # the registry's digest of the TOML text this was compiled from
-    check: int  # CRC-32 of the topology bytes: damage that still decodes is not used
-    topology: msgspec.Raw  # a _Sliced, decoded only once format, digest and check match
-
-
-class _Sliced(msgspec.Struct, frozen=True, array_like=True):
-    """A ``Topology`` with its nodes and devices as slices (``sliced``); integers in the
-    index fields are big-endian u32 (``sliced.pack_u32``)."""
-
     name: str
     source: str
     links: tuple[LinkSpec, ...]
     switch_links: tuple[tuple[str, str], ...]
     node_names: tuple[str, ...]
-    nodes: bytes  # each NodeSpec's msgpack, one after the other
-    node_ends: bytes  # where each ends in ``nodes``
-    devices: bytes  # each DeviceSpec's msgpack, in declaration order
-    device_ends: bytes
-    fdids: bytes  # sorted
-    fdid_pos: bytes  # for each of ``fdids``: its device's position in ``devices``
-    lender_pos: bytes  # device positions grouped by lender, in node order
-    lender_ends: bytes  # for each node: where its group ends in ``lender_pos``
+    spans: tuple[tuple[int, int], ...]  # (start, end) in the blob, one per ``_TABLES``
+
+
+#: The tables after the header, in order: each NodeSpec's msgpack one after the other and
+#: where each ends; each DeviceSpec's, in declaration order, and where each ends; the fdids,
+#: sorted, with each one's device position; device positions grouped by lender in node order,
+#: and where each node's group ends.
+_TABLES = (
+    "nodes",
+    "node_ends",
+    "devices",
+    "device_ends",
+    "fdids",
+    "fdid_pos",
+    "lender_pos",
+    "lender_ends",
+)
+
+#: The blob: ``crc32(rest) | len(header) | header | tables``, lengths big-endian u32. The CRC
+#: guards bytes that were not verified otherwise (``decode_compiled``); within a generation
+#: read chunk by chunk, each chunk's sha256 does (``decode_compiled_view``), and the CRC,
+#: which would read every byte, is not taken.
+_PREFIX = 8
 
 
 def _sliceable(topology: Topology) -> bool:
@@ -87,7 +102,7 @@ def _ends(encoded: list[bytes]) -> bytes:
     return sliced.pack_u32(out)
 
 
-def _slice(topology: Topology) -> _Sliced:
+def _pack(topology: Topology, digest: str) -> bytes:
     enc = msgspec.msgpack.Encoder()
     nodes = [enc.encode(n) for n in topology.nodes]
     devices = [enc.encode(d) for d in topology.devices]
@@ -100,12 +115,7 @@ def _slice(topology: Topology) -> _Sliced:
     for g in groups:
         at += len(g)
         ends.append(at)
-    return _Sliced(
-        topology.name,
-        topology.source,
-        topology.links,
-        topology.switch_links,
-        tuple(n.name for n in topology.nodes),
+    tables = (
         b"".join(nodes),
         _ends(nodes),
         b"".join(devices),
@@ -116,28 +126,69 @@ def _slice(topology: Topology) -> _Sliced:
         sliced.pack_u32(ends),
     )
 
+    def header(base: int) -> bytes:
+        spans, at = [], base
+        for t in tables:
+            spans.append((at, at + len(t)))
+            at += len(t)
+        return enc.encode(
+            _Header(
+                COMPILED_FORMAT,
+                digest,
+                topology.name,
+                topology.source,
+                topology.links,
+                topology.switch_links,
+                tuple(n.name for n in topology.nodes),
+                tuple(spans),
+            )
+        )
 
-def _unslice(body: _Sliced) -> Topology | None:
-    nodes = sliced.NodeTable(body.node_names, body.nodes, body.node_ends)
+    # the spans count the header's own length: encode until it stops changing (twice at most)
+    head = header(_PREFIX)
+    while len(again := header(_PREFIX + len(head))) != len(head):
+        head = again
+    head = again
+    rest = len(head).to_bytes(4, "big") + head + b"".join(tables)
+    return zlib.crc32(rest).to_bytes(4, "big") + rest
+
+
+def _unpack(blob: Readable, digest: str) -> Topology | None:
+    size = int.from_bytes(blob.view(4, _PREFIX), "big")
+    header = msgspec.msgpack.decode(blob.view(_PREFIX, _PREFIX + size), type=_Header)
+    if header.format != COMPILED_FORMAT or header.digest != digest:
+        return None
+    spans = header.spans
+    at = _PREFIX + size
+    if len(spans) != len(_TABLES):
+        return None
+    for start, end in spans:  # in order, one after the other, within the blob
+        if start != at or end < start:
+            return None
+        at = end
+    if at != len(blob):
+        return None
+    t = dict(zip(_TABLES, (Window(blob, s, e) for s, e in spans), strict=True))
+    nodes = sliced.NodeTable(header.node_names, t["nodes"], t["node_ends"])
     devices = sliced.DeviceTable(
         nodes,
-        body.devices,
-        body.device_ends,
-        body.fdids,
-        body.fdid_pos,
-        body.lender_pos,
-        body.lender_ends,
+        t["devices"],
+        t["device_ends"],
+        t["fdids"],
+        t["fdid_pos"],
+        t["lender_pos"],
+        t["lender_ends"],
     )
     if not sliced.consistent(nodes, devices):
         return None
     return Topology(
-        name=body.name,
+        name=header.name,
         # the tables stand in for the tuples: equal to them, decoded on demand
         nodes=cast(tuple[NodeSpec, ...], nodes),
-        links=body.links,
+        links=header.links,
         devices=cast(tuple[DeviceSpec, ...], devices),
-        source=body.source,
-        switch_links=body.switch_links,
+        source=header.source,
+        switch_links=header.switch_links,
     )
 
 
@@ -149,36 +200,41 @@ def compile_topology(topology: Topology, digest: str) -> bytes | None:
     if not _sliceable(topology):
         return None
     try:
-        body = msgspec.msgpack.encode(_slice(topology))
+        blob = _pack(topology, digest)
     except (OverflowError, msgspec.EncodeError):
         return None
-    envelope = _Compiled(COMPILED_FORMAT, digest, zlib.crc32(body), msgspec.Raw(body))
-    blob = msgspec.msgpack.encode(envelope)
     return blob if decode_compiled(blob, digest) == topology else None
 
 
 def decode_compiled(blob: bytes | None, digest: str) -> Topology | None:
     """The topology ``blob`` holds, or None when it is missing, of another format, compiled
-    from another text, or does not decode into a ``Topology``."""
-    if not blob:
+    from another text, damaged (its CRC), or does not decode into a ``Topology``."""
+    if not blob or len(blob) < _PREFIX:
+        return None
+    if zlib.crc32(memoryview(blob)[4:]) != int.from_bytes(blob[:4], "big"):
+        return None
+    return decode_compiled_view(Plain(blob), digest)
+
+
+def decode_compiled_view(blob: Readable, digest: str) -> Topology | None:
+    """``decode_compiled`` for bytes that are verified as they are read (``chunked``): the
+    CRC, which would read them all, is not checked, and the tables are read when used. A
+    chunk that does not match its digest raises its ``VmlendError`` here or at that use."""
+    if len(blob) < _PREFIX:
         return None
     try:
-        envelope = msgspec.msgpack.decode(blob, type=_Compiled)
-        if envelope.format != COMPILED_FORMAT or envelope.digest != digest:
-            return None
-        # the Raw is a view into ``blob``: checked and decoded in place, not copied (3.5 MB
-        # of fresh memory at 1,024 nodes, in every process)
-        body = envelope.topology
-        if zlib.crc32(body) != envelope.check:
-            return None
-        return _unslice(msgspec.msgpack.decode(body, type=_Sliced))
-    except _UNDECODABLE:  # msgspec.ValidationError is a DecodeError
+        return _unpack(blob, digest)
+    except _UNDECODABLE:  # msgspec.ValidationError is a DecodeError; a span out of bounds
         return None
 
 
 def stored_topology(rec: TopologyRecord) -> Topology:
     """The topology a registry record holds: its compiled form, else its TOML parsed."""
-    topology = decode_compiled(rec.compiled, rec.digest)
+    compiled = rec.compiled
+    if compiled is None or isinstance(compiled, bytes):
+        topology = decode_compiled(compiled, rec.digest)
+    else:  # read from a generation, which verified it (whole or as it is read)
+        topology = decode_compiled_view(compiled, rec.digest)
     if topology is None:
         from vmlend.topology.parse import parse_topology  # only without a usable compiled form
 

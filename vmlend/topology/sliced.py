@@ -11,8 +11,10 @@ keeps each node's and each device's record as its own msgpack slice, with indexe
 
 ``NodeTable`` and ``DeviceTable`` stand in for ``Topology.nodes`` and ``Topology.devices``:
 sequences equal to the tuples they replace, decoding a record when it is first asked for, and
-everything at once only when iterated whole. The bytes they read were verified before
-(``compiled.decode_compiled``: the blob's CRC, and the registry's sha256 of its pieces).
+everything at once only when iterated whole. They read their bytes through a ``Readable``
+(``vmlend.topology.chunked``): checked before (``compiled.decode_compiled``: the blob's CRC),
+or chunk by chunk as they are read (a generation's chunks, against the digests its head names),
+so a lookup reads and verifies the few kilobytes it decodes, whatever the fabric's size.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Generic, TypeVar, overload
 
 import msgspec
 
+from vmlend.topology.chunked import Readable, whole
 from vmlend.topology.model import DeviceSpec, NodeSpec, SpecTable
 
 _S = TypeVar("_S", NodeSpec, DeviceSpec)
@@ -48,15 +51,36 @@ def unpack_u32(data: bytes) -> array[int]:
     return out
 
 
+class U32:
+    """A packed array of big-endian u32 (``pack_u32``) read a value at a time through its
+    ``Readable``: a lookup in 16,384 fdids reads (and verifies) the few chunks its bisection
+    touches, not the 64 KB of the whole array."""
+
+    def __init__(self, data: Readable) -> None:
+        self._data = data
+        self._len = len(data) // 4
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self._len:
+            raise IndexError("u32 index out of range")
+        return int.from_bytes(self._data.view(4 * i, 4 * i + 4), "big")
+
+    def span(self, start: int, end: int) -> array[int]:
+        """Values ``start`` to ``end``, in one read."""
+        return unpack_u32(bytes(self._data.view(4 * start, 4 * end)))
+
+
 class _Slices(Generic[_S]):
     """Records of one type, each its own msgpack slice of ``blob`` ending at ``ends[i]``."""
 
-    def __init__(self, kind: type[_S], blob: bytes, ends: array[int]) -> None:
+    def __init__(self, kind: type[_S], blob: Readable, ends: Readable) -> None:
         self._decoder: msgspec.msgpack.Decoder[_S] = msgspec.msgpack.Decoder(kind)
         self._all_decoder = msgspec.msgpack.Decoder(tuple[kind, ...])  # type: ignore[valid-type]
         self._blob = blob
-        self._view = memoryview(blob)
-        self._ends = ends
+        self._ends = U32(ends)
         self._one: dict[int, _S] = {}
         self._every: tuple[_S, ...] | None = None
 
@@ -68,14 +92,14 @@ class _Slices(Generic[_S]):
             return self._every[i]
         found = self._one.get(i)
         if found is None:
-            start = self._ends[i - 1] if i else 0
-            found = self._one[i] = self._decoder.decode(self._view[start : self._ends[i]])
+            bounds = self._ends.span(i - 1, i + 1) if i else (0, self._ends[0])
+            found = self._one[i] = self._decoder.decode(self._blob.view(bounds[0], bounds[1]))
         return found
 
     def every(self) -> tuple[_S, ...]:
         if self._every is None:
             header = _ARRAY32 + len(self._ends).to_bytes(4, "big")
-            self._every = self._all_decoder.decode(header + self._blob)
+            self._every = self._all_decoder.decode(header + bytes(whole(self._blob)))
         return self._every
 
 
@@ -120,8 +144,8 @@ class _Table(SpecTable[_K, _S]):
 class NodeTable(_Table[str, NodeSpec]):
     """``Topology.nodes``, decoded per node: ``get(name)`` decodes that node alone."""
 
-    def __init__(self, names: tuple[str, ...], blob: bytes, ends: bytes) -> None:
-        self._slices = _Slices(NodeSpec, blob, unpack_u32(ends))
+    def __init__(self, names: tuple[str, ...], blob: Readable, ends: Readable) -> None:
+        self._slices = _Slices(NodeSpec, blob, ends)
         self.names = names
         self._position: dict[str, int] | None = None
 
@@ -143,19 +167,19 @@ class DeviceTable(_Table[int, DeviceSpec]):
     def __init__(  # the tables of one compiled form
         self,
         nodes: NodeTable,
-        blob: bytes,
-        ends: bytes,
-        fdids: bytes,
-        fdid_pos: bytes,
-        lender_pos: bytes,
-        lender_ends: bytes,
+        blob: Readable,
+        ends: Readable,
+        fdids: Readable,
+        fdid_pos: Readable,
+        lender_pos: Readable,
+        lender_ends: Readable,
     ) -> None:
-        self._slices = _Slices(DeviceSpec, blob, unpack_u32(ends))
+        self._slices = _Slices(DeviceSpec, blob, ends)
         self._nodes = nodes
-        self._fdids = unpack_u32(fdids)
-        self._fdid_pos = unpack_u32(fdid_pos)
-        self._lender_pos = unpack_u32(lender_pos)
-        self._lender_ends = unpack_u32(lender_ends)
+        self._fdids = U32(fdids)
+        self._fdid_pos = U32(fdid_pos)
+        self._lender_pos = U32(lender_pos)
+        self._lender_ends = U32(lender_ends)
 
     def get(self, key: int) -> DeviceSpec | None:
         i = bisect.bisect_left(self._fdids, key)
@@ -167,8 +191,8 @@ class DeviceTable(_Table[int, DeviceSpec]):
         n = self._nodes.position(node)
         if n is None:
             return []
-        start = self._lender_ends[n - 1] if n else 0
-        return [self._slices.at(p) for p in self._lender_pos[start : self._lender_ends[n]]]
+        bounds = self._lender_ends.span(n - 1, n + 1) if n else (0, self._lender_ends[0])
+        return [self._slices.at(p) for p in self._lender_pos.span(bounds[0], bounds[1])]
 
 
 def consistent(nodes: NodeTable, devices: DeviceTable) -> bool:

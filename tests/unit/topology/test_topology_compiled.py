@@ -162,11 +162,11 @@ def test_the_model_shape_is_pinned_to_the_compiled_format():
     # renamed, retyped, a new default) could decode old bytes into a topology the TOML no
     # longer gives. Such a change must bump COMPILED_FORMAT and update this pin.
     described = shape(msgspec.inspect.type_info(Topology), set())
-    described += shape(msgspec.inspect.type_info(compiled_mod._Sliced), set())
+    described += shape(msgspec.inspect.type_info(compiled_mod._Header), set())
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
     # /3: NodeSpec.iommu; /4: PcieElement.chip, LinkSpec.chip; /5: sliced;
-    # /6: LinkSpec.requester_entries
-    pinned = {"vmlend-topology/6": "078a176dbaa5e2f0"}
+    # /6: LinkSpec.requester_entries; /7: a header naming where each table lies
+    pinned = {"vmlend-topology/7": "a6afb36178c57ed4"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the Topology model changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py)"
         f" and pin the new shape here ({digest}): {described}"
@@ -183,8 +183,9 @@ def test_what_the_parser_derives_is_pinned_to_the_compiled_format():
     digest = hashlib.sha256(body).hexdigest()[:16]
     # repinned without a bump when an input changes and the parser does not (issue 23 part 3:
     # the default topology gained gamma's second adapter; parse.py and the model are unchanged)
-    # /4: each element's chip; /5: sliced; /6: each switch's requester_entries
-    pinned = {"vmlend-topology/6": "f9daa7ac94089527"}
+    # /4: each element's chip; /5: sliced; /6: each switch's requester_entries; /7: the
+    # blob's layout only (the parser's output is unchanged)
+    pinned = {"vmlend-topology/7": "f9daa7ac94089527"}
     assert pinned.get(COMPILED_FORMAT) == digest, (
         "the parser's output changed: bump COMPILED_FORMAT (vmlend/topology/compiled.py) and pin"
         f" it here ({digest})"
