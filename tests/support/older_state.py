@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 
+from vmlend.registry import etcd_txn as etcd_txn_mod
 from vmlend.registry import schema as schema_mod
 from vmlend.registry import store as store_mod
+from vmlend.registry import topopieces
 from vmlend.registry import txn as txn_mod
+from vmlend.registry import upgrade as upgrade_mod
 
 
 def _replace_topology_before_v3(self, rec, nodes, devices):
@@ -28,13 +31,27 @@ def _replace_topology_before_v3(self, rec, nodes, devices):
 
 @contextlib.contextmanager
 def older_vmlend(monkeypatch, version):
-    """Within: state files are created and written as a vmlend of schema ``version`` did."""
+    """Within: state files are created and written as a vmlend of schema ``version`` did
+    (before 7: topology generations of format 1, read whole)."""
     with monkeypatch.context() as m:
         m.setattr(store_mod, "SCHEMA_VERSION", version)
+        if version < schema_mod.GENERATION_2_SINCE:
+            m.setattr(topopieces, "PIECES_FORMAT", topopieces.PIECES_FORMAT_1)
         older = {v: steps for v, steps in schema_mod.MIGRATIONS.items() if v < version}
         m.setattr(store_mod, "MIGRATIONS", older)
         if version < 3:
             m.setattr(txn_mod.SqliteTxn, "replace_topology", _replace_topology_before_v3)
+        yield
+
+
+@contextlib.contextmanager
+def etcd_layout_3(monkeypatch):
+    """Within: clusters are written as a vmlend of etcd layout 3 did (generations of format
+    1, read whole)."""
+    with monkeypatch.context() as m:
+        m.setattr(topopieces, "PIECES_FORMAT", topopieces.PIECES_FORMAT_1)
+        m.setattr(etcd_txn_mod, "ETCD_SCHEMA_VERSION", 3)
+        m.setattr(upgrade_mod, "ETCD_SCHEMA_VERSION", 3)
         yield
 
 

@@ -117,9 +117,9 @@ class EtcdTopology:
         """The content ``head`` names: this host's copy when it is that generation's, else
         its pieces as of ``revision`` (then kept on the host)."""
         if self._cache is not None:
-            blob = self._cache.get(self._where, head)
-            if blob is not None:
-                return topopieces.unpack(head, blob)
+            copy = self._cache.open(self._where, head)
+            if copy is not None:
+                return copy
         keys = [self._k.topology_piece(head.generation, n) for n in range(head.pieces)]
         pieces: list[bytes] = []
         for first in range(0, len(keys), PIECES_PER_READ):

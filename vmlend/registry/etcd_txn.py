@@ -863,7 +863,10 @@ class EtcdTxn:
     def topology(self) -> TopologyRecord:
         t = self._need_topology()
         # local_node stays empty: on a cluster, which node a host is is host configuration.
-        return TopologyRecord(t.name, t.source, t.text, t.digest, "", t.created, t.compiled)
+        # the text and the compiled form are read when used (a hook call needs neither whole)
+        return TopologyRecord(
+            t.name, t.source, lambda: t.text, t.digest, "", t.created, t.compiled_view
+        )
 
     def has_topology(self) -> bool:
         return self.topology_digest() is not None
@@ -932,6 +935,21 @@ class EtcdTxn:
             return False
         current = self._read_topology(digest)
         self._install(current.whole())
+        return True
+
+    def rewrite_topology_generation(self) -> bool:
+        """Write the topology's generation again in this vmlend's format (layout 4: format 2,
+        read a chunk at a time, its compiled form compiled again) when it is of format 1
+        (``vmlend registry upgrade``); whether it was."""
+        self._write()
+        digest = self.topology_digest()
+        raw = self._get(self._k.topology_head)
+        if digest is None or raw is None:
+            return False
+        head = topopieces.decode_head(raw, self._k.topology_head)
+        if head.format == topopieces.PIECES_FORMAT:
+            return False
+        self._install(topopieces.rewritten(self._read_topology(digest).whole()))
         return True
 
     def live_hosts(self) -> list[str]:

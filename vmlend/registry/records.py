@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from vmlend.topology.model import Holder
+
+if TYPE_CHECKING:
+    from vmlend.topology.chunked import Readable
 
 
 class Phase(enum.StrEnum):
@@ -24,16 +28,84 @@ class ClaimKind(enum.StrEnum):
     P2P = "p2p"  # segments (and LUT entries) peer-to-peer among a VM's devices can use
 
 
-class TopologyRecord(msgspec.Struct, frozen=True):
+class TopologyRecord:
+    """The installed topology: its name, the file it came from, its TOML text (the source of
+    truth), the digest of that text, this state's local node, when it was installed, and the
+    parsed topology compiled (``vmlend.topology.compiled``): what opening a fabric reads
+    instead of parsing the text (None: not compiled, written by an older vmlend).
+
+    A registry gives ``text`` as a function that reads it and ``compiled`` as bytes read when
+    used (``chunked.Readable``): a hook call or a command needs neither the 2.9 MB of TOML of
+    a 1,024-node fabric nor the whole of its compiled form. Read-only, equal by value."""
+
+    __slots__ = ("_text", "compiled", "created", "digest", "local_node", "name", "source")
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        text: str | Callable[[], str],
+        digest: str,
+        local_node: str,
+        created: float,
+        compiled: bytes | Readable | None = None,
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "name", name)
+        set_(self, "source", source)
+        set_(self, "_text", text)
+        set_(self, "digest", digest)
+        set_(self, "local_node", local_node)
+        set_(self, "created", created)
+        set_(self, "compiled", compiled)
+
     name: str
     source: str
-    text: str  # the TOML the topology was parsed from: the source of truth
+    _text: str | Callable[[], str]
     digest: str
     local_node: str
     created: float
-    #: The parsed topology, compiled (``vmlend.topology.compiled``): what opening a fabric
-    #: reads instead of parsing ``text``. None: not compiled (written by an older vmlend).
-    compiled: bytes | None = None
+    compiled: bytes | Readable | None
+
+    @property
+    def text(self) -> str:
+        """The TOML the topology was parsed from (read on first use)."""
+        if isinstance(self._text, str):
+            return self._text
+        text: str = self._text()
+        object.__setattr__(self, "_text", text)
+        return text
+
+    def compiled_bytes(self) -> bytes | None:
+        c = self.compiled
+        return c if c is None or isinstance(c, bytes) else bytes(c.view(0, len(c)))
+
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.name,
+            self.source,
+            self.text,
+            self.digest,
+            self.local_node,
+            self.created,
+            self.compiled_bytes(),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TopologyRecord):
+            return NotImplemented
+        return self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and not a key
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a TopologyRecord is read-only ({name})")
+
+    def __repr__(self) -> str:
+        return (
+            f"TopologyRecord(name={self.name!r}, source={self.source!r}, digest={self.digest!r},"
+            f" local_node={self.local_node!r}, created={self.created!r})"
+        )
 
 
 class NodeRecord(msgspec.Struct, frozen=True):

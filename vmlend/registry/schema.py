@@ -10,14 +10,16 @@ from __future__ import annotations
 APPLICATION_ID = 0x766D4C64
 
 #: The schema version this code writes (stored in ``meta``).
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: The version of the etcd layout (``etcd_keys``), in its ``meta/schema_version`` key. It was
 #: SQLite's until version 2; SQLite's version 3 adds a column, while etcd's topology record only
 #: gained an optional key that older readers ignore. Version 3: the topology in generations of
 #: pieces (``topopieces``) instead of one record an older vmlend would look for; a version-2
-#: layout is still read (its record), and installing a topology writes version 3.
-ETCD_SCHEMA_VERSION = 3
+#: layout is still read (its record), and installing a topology writes version 3. Version 4:
+#: generations of format 2 (read and verified a chunk at a time), which an older vmlend cannot
+#: read; a version-3 layout is still read (whole), ``vmlend registry upgrade`` rewrites it.
+ETCD_SCHEMA_VERSION = 4
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """
@@ -163,6 +165,16 @@ MIGRATE_V5_V6 = (
 #: The first version with the head (a read-only older state is read without it).
 HEAD_SINCE = 6
 
+#: Version 7: no table changes; the topology's generation is written again in format 2
+#: (``topopieces``: addressable, verified a chunk at a time, so that a process reads the few
+#: kilobytes it uses from this host's copy instead of every piece) by
+#: ``SqliteTxn.rewrite_topology_generation``, which ``SqliteRegistry._migrate`` runs after
+#: this step's (empty) statements. A version-6 state this process may not write is read as it
+#: is (its generation whole, its compiled form, of format 6, not used: its text is parsed).
+MIGRATE_V6_V7: tuple[str, ...] = ()
+#: The version whose step rewrites the generation.
+GENERATION_2_SINCE = 7
+
 #: ``MIGRATIONS[n]`` takes a version-``n`` database to version ``n + 1``. A new state file is
 #: created as version 1 and brought forward by the same steps, so both paths give one schema.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -171,6 +183,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: MIGRATE_V3_V4,
     4: MIGRATE_V4_V5,
     5: MIGRATE_V5_V6,
+    6: MIGRATE_V6_V7,
 }
 
 #: Tables a vmlend state file has; anything else under our application_id is suspicious.

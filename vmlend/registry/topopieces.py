@@ -9,6 +9,13 @@ then one small *head* (``TopologyHead``) names the generation, with the sha256 o
 and the digest of the TOML text. A reader reads the head, then the pieces it names, and uses
 them only when their bytes hash to the head's sha256: a mix of two generations, a piece lost
 or damaged, cannot pass. SQLite stores the same pieces and head (``topology_pieces``).
+
+Format 2 (``PIECES_FORMAT``) makes the content *addressable* and verifiable in parts: it starts
+with a small header (``_Layout``) saying where each large field lies, and the head's sha256 is
+that of the digests of its 16 KiB chunks (``vmlend.topology.chunked``). So a reader that has
+the content at hand (a host's copy, mapped) verifies and decodes only the chunks a call reads:
+the header, a few index entries and records, a few kilobytes whatever the fabric's size.
+Format 1 (one msgpack array, one sha256 of all its bytes) is still read, whole.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from vmlend.errors import StateRecordError
+from vmlend.topology.chunked import Plain, Readable, Window, digests_of, root_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -29,8 +37,11 @@ if TYPE_CHECKING:
     from vmlend.registry.records import DeviceRecord, TopologyRecord
     from vmlend.topology.model import Topology
 
-#: The format of the head and of the content it names. Another format is not read.
-PIECES_FORMAT = "vmlend-topology-pieces/1"
+#: The format of the head and of the content it names, as written. ``FORMATS`` are read.
+PIECES_FORMAT = "vmlend-topology-pieces/2"
+#: Format 1: the content one msgpack array, the head's sha256 that of all its bytes.
+PIECES_FORMAT_1 = "vmlend-topology-pieces/1"
+FORMATS = frozenset({PIECES_FORMAT, PIECES_FORMAT_1})
 
 #: The size of one piece: two of them and their keys stay well under etcd's default request
 #: limit of 1.5 MiB (``--max-request-bytes``).
@@ -67,6 +78,25 @@ class _Skeleton(msgspec.Struct, frozen=True, array_like=True):
     text: msgspec.Raw
 
 
+class _Layout(msgspec.Struct, frozen=True, array_like=True):
+    """The header of a format-2 content: its small fields, and where its large ones lie
+    (``_FIELDS``: the nodes and the device states as msgpack, the compiled form as it is
+    (``compiled`` False: none), the TOML as UTF-8), one after the other after the header."""
+
+    name: str
+    source: str
+    digest: str
+    created: float
+    compiled: bool
+    spans: tuple[tuple[int, int], ...]
+
+
+#: The large fields of a format-2 content, in order.
+_FIELDS = ("nodes", "devices", "compiled", "text")
+
+#: A format-2 content: ``len(header) | header | fields``, the length a big-endian u32.
+_PREFIX = 4
+
 _T = TypeVar("_T")
 
 
@@ -74,20 +104,37 @@ class StoredView:
     """One generation's content as a reader sees it: its small fields decoded, the large
     ones (the nodes, each device's initial state, the compiled form, the TOML) decoded on
     first use. A command that lists one lender's devices, or a hook call, needs the compiled
-    form and a few device states; at 1,024 nodes x 16 devices decoding the 16,384 states
-    alone took ~10 ms. The bytes were verified against the head's sha256 (``join``)."""
+    form's header and a few of its records; at 1,024 nodes x 16 devices decoding the 16,384
+    states alone took ~10 ms. Format 1's bytes were verified whole (``join``); format 2's are
+    read through a ``Readable`` that verifies them, whole or chunk by chunk (``unpack``)."""
 
-    def __init__(self, where: str, content: _Skeleton | StoredTopology) -> None:
+    def __init__(
+        self,
+        where: str,
+        content: _Skeleton | StoredTopology | _Layout,
+        data: Readable | None = None,
+    ) -> None:
         self._where = where
         self._content = content
+        self._data = data  # format 2: the content's bytes
         self.name = content.name
         self.source = content.source
         self.digest = content.digest
         self.created = content.created
 
-    def _field(self, value: object, kind: type[_T]) -> _T:
-        if not isinstance(value, msgspec.Raw):
-            return value  # type: ignore[return-value]  # a StoredTopology's: decoded already
+    def _span(self, field: str) -> Window:
+        assert isinstance(self._content, _Layout) and self._data is not None
+        start, end = self._content.spans[_FIELDS.index(field)]
+        return Window(self._data, start, end)
+
+    def _field(self, field: str, kind: type[_T]) -> _T:
+        value: object
+        if isinstance(self._content, _Layout):
+            value = self._span(field).whole()
+        else:
+            value = getattr(self._content, field)
+            if not isinstance(value, msgspec.Raw):
+                return value  # type: ignore[return-value]  # a StoredTopology's: decoded already
         try:
             return msgspec.msgpack.decode(value, type=kind)
         except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as e:
@@ -95,7 +142,7 @@ class StoredView:
 
     @functools.cached_property
     def nodes(self) -> list[str]:
-        return self._field(self._content.nodes, list[str])
+        return self._field("nodes", list[str])
 
     @functools.cached_property
     def node_set(self) -> frozenset[str]:
@@ -103,21 +150,44 @@ class StoredView:
 
     @functools.cached_property
     def devices(self) -> dict[str, tuple[str, bool]]:
-        return self._field(self._content.devices, dict[str, tuple[str, bool]])
+        return self._field("devices", dict[str, tuple[str, bool]])
+
+    @functools.cached_property
+    def compiled_view(self) -> Readable | None:
+        """The compiled form, read as it is used (format 2), or None without one."""
+        if isinstance(self._content, _Layout):
+            return self._span("compiled") if self._content.compiled else None
+        compiled = self.compiled
+        return None if compiled is None else Plain(compiled)
 
     @functools.cached_property
     def compiled(self) -> bytes | None:
-        return self._field(self._content.compiled, bytes | None)  # type: ignore[arg-type]
+        if isinstance(self._content, _Layout):
+            view = self.compiled_view
+            return None if view is None else bytes(view.view(0, len(view)))
+        return self._field("compiled", bytes | None)  # type: ignore[arg-type]
 
     @functools.cached_property
     def text(self) -> str:
-        return self._field(self._content.text, str)
+        if not isinstance(self._content, _Layout):
+            return self._field("text", str)
+        try:
+            return str(self._span("text").whole(), "utf-8")
+        except UnicodeDecodeError as e:
+            raise _damaged(self._where, f"its text is not UTF-8 ({e})") from None
 
     @functools.cached_property
     def _topology(self) -> Topology | None:
-        from vmlend.topology.compiled import decode_compiled
+        from vmlend.topology.compiled import decode_compiled, decode_compiled_view
 
+        if isinstance(self._content, _Layout):
+            view = self.compiled_view
+            return None if view is None else decode_compiled_view(view, self.digest)
         return decode_compiled(self.compiled, self.digest)
+
+    def topology(self) -> Topology | None:
+        """The compiled topology, None without a usable one (then its text is parsed)."""
+        return self._topology
 
     def device_default(self, fdid: int) -> tuple[str, bool] | None:
         """Device ``fdid``'s initial lender and whether it was lent. ``fabric init`` stores
@@ -147,7 +217,8 @@ class StoredView:
 
 class TopologyHead(msgspec.Struct, frozen=True):
     """What names the current generation: its pieces' count and total size, the sha256 of
-    their bytes, and the digest of the TOML text (what every transaction compares)."""
+    their bytes (format 2: of their chunks' digests), and the digest of the TOML text (what
+    every transaction compares)."""
 
     format: str
     generation: str
@@ -158,7 +229,44 @@ class TopologyHead(msgspec.Struct, frozen=True):
 
 
 def pack(stored: StoredTopology) -> bytes:
-    return msgspec.msgpack.encode(stored)
+    """``stored`` as a generation's content of format ``PIECES_FORMAT`` (which tests of what
+    an older vmlend wrote set to format 1)."""
+    if PIECES_FORMAT == PIECES_FORMAT_1:
+        return msgspec.msgpack.encode(stored)
+    enc = msgspec.msgpack.Encoder()
+    fields = (
+        enc.encode(stored.nodes),
+        enc.encode(stored.devices),
+        stored.compiled or b"",
+        stored.text.encode(),
+    )
+
+    def header(base: int) -> bytes:
+        spans, at = [], base
+        for f in fields:
+            spans.append((at, at + len(f)))
+            at += len(f)
+        layout = _Layout(
+            stored.name,
+            stored.source,
+            stored.digest,
+            stored.created,
+            stored.compiled is not None,
+            tuple(spans),
+        )
+        return enc.encode(layout)
+
+    # the spans count the header's own length: encode until that stops changing
+    head = header(_PREFIX)
+    while len(again := header(_PREFIX + len(head))) != len(head):
+        head = again
+    return len(again).to_bytes(4, "big") + again + b"".join(fields)
+
+
+def _sha256(fmt: str, blob: bytes | bytearray | memoryview) -> str:
+    if fmt == PIECES_FORMAT_1:
+        return hashlib.sha256(blob).hexdigest()
+    return root_of(digests_of(blob))
 
 
 def split(blob: bytes, size: int = PIECE_BYTES) -> list[bytes]:
@@ -167,14 +275,9 @@ def split(blob: bytes, size: int = PIECE_BYTES) -> list[bytes]:
 
 
 def head_of(generation: str, stored: StoredTopology, blob: bytes, pieces: int) -> TopologyHead:
-    return TopologyHead(
-        PIECES_FORMAT,
-        generation,
-        stored.digest,
-        hashlib.sha256(blob).hexdigest(),
-        len(blob),
-        pieces,
-    )
+    """The head naming ``blob`` (``pack``'s) as ``generation``."""
+    fmt = PIECES_FORMAT
+    return TopologyHead(fmt, generation, stored.digest, _sha256(fmt, blob), len(blob), pieces)
 
 
 def encode_head(head: TopologyHead) -> bytes:
@@ -195,7 +298,7 @@ def decode_head(raw: bytes, where: str) -> TopologyHead:
         head = msgspec.json.decode(raw, type=TopologyHead)
     except (msgspec.DecodeError, ValueError, RecursionError) as e:
         raise _damaged(where, f"not a topology head ({e})") from None
-    if head.format != PIECES_FORMAT:
+    if head.format not in FORMATS:
         raise _damaged(where, f"of format {head.format!r}, not {PIECES_FORMAT!r}")
     if not _GENERATION.match(head.generation) or head.pieces < 1 or head.size < 0:
         raise _damaged(where, "a head naming no valid generation")
@@ -209,7 +312,7 @@ def join(head: TopologyHead, pieces: list[bytes]) -> bytes:
     if len(pieces) != head.pieces:
         raise _damaged(where, f"{len(pieces)} of its {head.pieces} pieces found")
     blob = b"".join(pieces)
-    if len(blob) != head.size or hashlib.sha256(blob).hexdigest() != head.sha256:
+    if len(blob) != head.size or _sha256(head.format, blob) != head.sha256:
         raise _damaged(where, "its pieces do not hash to what its head says")
     return blob
 
@@ -235,6 +338,7 @@ def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> byt
             raise _damaged(where, "its piece 0 is missing or not bytes")
         return join(head, [p for _n, p in rows if isinstance(p, bytes)])
     out = bytearray(head.size)
+    whole = head.format == PIECES_FORMAT_1
     digest = hashlib.sha256()
     at = count = 0
     for n, piece in pieces:
@@ -243,27 +347,74 @@ def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> byt
         if at + len(piece) > head.size:
             raise _damaged(where, "its pieces do not hash to what its head says")
         out[at : at + len(piece)] = piece
-        digest.update(piece)
+        if whole:
+            digest.update(piece)
         at += len(piece)
         count += 1
     if count != head.pieces:
         raise _damaged(where, f"{count} of its {head.pieces} pieces found")
-    if at != head.size or digest.hexdigest() != head.sha256:
+    found = digest.hexdigest() if whole else _sha256(head.format, out)
+    if at != head.size or found != head.sha256:
         raise _damaged(where, "its pieces do not hash to what its head says")
     return out
 
 
-def unpack(head: TopologyHead, blob: bytes | bytearray) -> StoredView:
-    """The content of a verified ``blob`` (``join``); it must describe the head's digest.
-    Its large fields are decoded when first used (``StoredView``)."""
+def unpack(head: TopologyHead, blob: bytes | bytearray | Readable) -> StoredView:
+    """The content of ``blob``: verified whole (``join``, ``assemble``), or (format 2) a
+    ``Readable`` verifying each chunk as it is read (a host's copy: ``topocache``). It must
+    describe the head's digest. Its large fields are decoded when first used
+    (``StoredView``)."""
     where = f"generation {head.generation}"
     try:
-        skeleton = msgspec.msgpack.decode(blob, type=_Skeleton)
+        if head.format == PIECES_FORMAT_1:
+            if not isinstance(blob, bytes | bytearray):
+                raise TypeError("a format-1 content is verified whole: give its bytes")
+            content: _Skeleton | _Layout = msgspec.msgpack.decode(blob, type=_Skeleton)
+            data = None
+        else:
+            data = Plain(blob) if isinstance(blob, bytes | bytearray) else blob
+            size = int.from_bytes(data.view(0, _PREFIX), "big")
+            layout = msgspec.msgpack.decode(data.view(_PREFIX, _PREFIX + size), type=_Layout)
+            _check_spans(layout.spans, _PREFIX + size, len(data))
+            content = layout
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as e:
         raise _damaged(where, f"its content does not decode ({e})") from None
-    if skeleton.digest != head.digest:
+    if content.digest != head.digest:
         raise _damaged(where, "its content is of another topology than its head names")
-    return StoredView(where, skeleton)
+    return StoredView(where, content, data)
+
+
+def _check_spans(spans: tuple[tuple[int, int], ...], start: int, size: int) -> None:
+    """The fields lie one after the other from the header's end to the content's."""
+    if len(spans) != len(_FIELDS):
+        raise ValueError(f"{len(spans)} fields, not {len(_FIELDS)}")
+    at = start
+    for first, end in spans:
+        if first != at or end < first:
+            raise ValueError("its fields are not one after the other")
+        at = end
+    if at != size:
+        raise ValueError("its fields do not end where it does")
+
+
+def rewritten(stored: StoredTopology) -> StoredTopology:
+    """``stored`` to be written again in this vmlend's format: with its compiled form
+    compiled again from its text when this vmlend cannot read the one it has (another
+    format: a generation of format 1 holds compiled format 6). A text that does not parse is
+    left as it is, compiled form and all: opening the fabric reports it."""
+    from vmlend.errors import TopologyError
+    from vmlend.topology.compiled import compile_topology, decode_compiled
+
+    if decode_compiled(stored.compiled, stored.digest) is not None:
+        return stored
+    from vmlend.topology.parse import parse_topology
+
+    try:
+        topology = parse_topology(stored.text, stored.source)
+    except TopologyError:
+        return stored
+    compiled = compile_topology(topology, stored.digest)
+    return msgspec.structs.replace(stored, compiled=compiled)
 
 
 def new_generation() -> str:
@@ -285,7 +436,7 @@ def of_record(
         rec.created,
         list(nodes),
         {f"{d.fdid:#x}": (d.lender, bool(d.lent)) for d in devices},
-        rec.compiled,
+        rec.compiled_bytes(),
         rec.text,
     )
 

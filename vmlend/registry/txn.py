@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Collection, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -30,6 +30,9 @@ from vmlend.registry.records import (
     same_holder,
 )
 from vmlend.topology.model import Holder
+
+if TYPE_CHECKING:
+    from vmlend.registry.topocache import TopologyCache
 
 _T = TypeVar("_T")
 Row = tuple[Any, ...]  # what sqlite3 fetches: one value per selected column
@@ -71,9 +74,14 @@ class SqliteTxn:
         has_token: bool = True,
         has_head: bool = True,
         generations: dict[str, topopieces.StoredView] | None = None,
+        copy: TopologyCache | None = None,
+        where: str = "",
     ) -> None:
         self._c = conn
         self._generations = {} if generations is None else generations
+        #: This host's copy of the topology (``topocache``), the state's name in it.
+        self._copy = copy
+        self._where = where
         self.writable = writable
         #: False for a schema-2 file opened read-only: it has no compiled column (the
         #: migration that adds it needs a write), so its topology is parsed from the text.
@@ -130,14 +138,15 @@ class SqliteTxn:
         if row[7] is None:
             return TopologyRecord(*row[:7])
         stored = self._generation(row[7])
+        # the text and the compiled form are read when used (a hook call needs neither whole)
         return TopologyRecord(
             stored.name,
             stored.source,
-            stored.text,
+            lambda: stored.text,
             stored.digest,
             row[4],
             stored.created,
-            stored.compiled,
+            stored.compiled_view,
         )
 
     def _generation(self, raw: object) -> topopieces.StoredView:
@@ -148,15 +157,24 @@ class SqliteTxn:
         if known is not None:
             return known  # read and verified under this very head before
         head = topopieces.decode_head(raw.encode(), "head")
-        # row by row, not fetchall: each piece is copied into the content and dropped
-        rows = self._c.execute(
-            "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ? ORDER BY n",
-            (head.generation,),
-        )
-        try:
-            stored = topopieces.unpack(head, topopieces.assemble(head, rows))
-        finally:
-            rows.close()  # refused halfway: no statement left running in the transaction
+        # this host's copy of the generation: mapped, each chunk verified when read
+        copy = self._copy.open(self._where, head) if self._copy is not None else None
+        if copy is not None:
+            stored = copy
+        else:
+            # row by row, not fetchall: each piece is copied into the content and dropped
+            rows = self._c.execute(
+                "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ?"
+                " ORDER BY n",
+                (head.generation,),
+            )
+            try:
+                blob = topopieces.assemble(head, rows)
+            finally:
+                rows.close()  # refused halfway: no statement left running in the transaction
+            stored = topopieces.unpack(head, blob)
+            if self._copy is not None:
+                self._copy.put(self._where, head, blob)
         if len(self._generations) >= 2:  # a process sees one topology, rarely a few
             self._generations.clear()
         self._generations[raw] = stored
@@ -193,7 +211,7 @@ class SqliteTxn:
                 " compiled) VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rec.name, rec.source, rec.text, rec.digest, rec.local_node, rec.created,
-                    rec.compiled,
+                    rec.compiled_bytes(),
                 ),
             )  # fmt: skip
         self._c.executemany("INSERT INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
@@ -221,7 +239,7 @@ class SqliteTxn:
             self._c.execute(
                 "UPDATE topology SET name = ?, source = ?, text = ?, digest = ?, created = ?,"
                 " compiled = ? WHERE id = 1",
-                (rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled),
+                (rec.name, rec.source, rec.text, rec.digest, rec.created, rec.compiled_bytes()),
             )
         # the rows of known nodes and devices are their records: they stay as they are
         self._c.executemany("INSERT OR IGNORE INTO nodes (name) VALUES (?)", [(n,) for n in nodes])
@@ -259,6 +277,22 @@ class SqliteTxn:
             self._install(msgspec.structs.replace(stored.whole(), compiled=compiled))
             return
         self._c.execute("UPDATE topology SET compiled = ? WHERE id = 1", (compiled,))
+
+    def rewrite_topology_generation(self) -> bool:
+        """Write the topology's generation again in this vmlend's format (schema 7: format 2,
+        read a chunk at a time, its compiled form compiled again) when it is of format 1;
+        whether it was."""
+        self._write()
+        row = self._c.execute(
+            "SELECT head FROM topology WHERE id = 1" if self._has_head else "SELECT NULL"
+        ).fetchone()
+        if row is None or row[0] is None:
+            return False
+        head = topopieces.decode_head(str(row[0]).encode(), "head")
+        if head.format == topopieces.PIECES_FORMAT:
+            return False
+        self._install(topopieces.rewritten(self._generation(row[0]).whole()))
+        return True
 
     def set_local_node(self, node: str) -> None:
         self._write()

@@ -61,13 +61,28 @@ def _topology_in_generations(tx: EtcdTxn) -> str:
     )
 
 
+def _generation_read_in_chunks(tx: EtcdTxn) -> str:
+    """3 -> 4: the topology's generation written again in format 2 (``topopieces``: read and
+    verified a chunk at a time, so a command reads a few kilobytes of it, not all), its
+    compiled form in format 7; its content otherwise unchanged."""
+    return (
+        "the topology's generation was written again, to be read a chunk at a time"
+        if tx.rewrite_topology_generation()
+        else "the topology's generation was of that format already"
+    )
+
+
 def _same_records(_tx: EtcdTxn) -> str:
     """1 -> 2: the version was SQLite's schema's then; its version 2 changed SQLite alone."""
     return "no record changes (layout 2 differs from 1 in SQLite only)"
 
 
 #: Per stored version, the step that brings it to the next one.
-STEPS: dict[int, Callable[[EtcdTxn], str]] = {1: _same_records, 2: _topology_in_generations}
+STEPS: dict[int, Callable[[EtcdTxn], str]] = {
+    1: _same_records,
+    2: _topology_in_generations,
+    3: _generation_read_in_chunks,
+}
 
 
 def _step_body(found: int, step: Callable[[EtcdTxn], str], where: str) -> Callable[[StateTxn], str]:

@@ -185,7 +185,8 @@ def init_fabric(
             old_topo = parse_topology(old.text, old.source)
             if same_topology(old_topo, topo):
                 compiled = compile_topology(old_topo, old.digest)
-                if compiled is not None and decode_compiled(old.compiled, old.digest) != old_topo:
+                stored = decode_compiled(old.compiled_bytes(), old.digest)
+                if compiled is not None and stored != old_topo:
                     # Installed by an older vmlend, in another compiled format, damaged, or
                     # compiled by a parser that derived something else: compile it now, so
                     # that opening the fabric decodes what its text says.

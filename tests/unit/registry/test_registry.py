@@ -229,6 +229,41 @@ def test_opening_a_state_reads_as_much_of_a_big_fabric_as_of_a_small_one(tmp_pat
     assert read[128] <= read[8] + 16 * 1024, read
 
 
+def test_a_lenders_devices_read_as_little_of_a_big_topology_as_of_a_small_one(
+    tmp_path, monkeypatch
+):
+    """A command reads the topology from this host's copy a chunk at a time: listing one
+    lender's devices verifies the chunks of the few places it reads (the headers, the index
+    entries, the records), at most 10 whatever the topology's size, not the 50 of a 128-node
+    topology (it read and hashed every piece: 6.6 MB at 1,024 nodes, in every process)."""
+    from vmlend.topology import chunked
+    from vmlend.wiring.fabric import open_fabric
+
+    checked: list[int] = []
+    real = chunked.Chunked._check
+
+    def check(self, i):
+        checked.append(i)
+        return real(self, i)
+
+    monkeypatch.setattr(chunked.Chunked, "_check", check)
+    counts, sizes = {}, {}
+    for nodes in (8, 128):
+        path = tmp_path / f"{nodes}" / "state.db"
+        init_fabric(path, fabric_topology(nodes, 16), "generated.toml", node="n0")
+        with open_fabric(path, "n0") as fabric:  # the first read keeps the host's copy
+            assert len(fabric.devices("n5")) == 16
+        (copy,) = (path.parent / "topology").glob("*.topology")
+        sizes[nodes] = copy.stat().st_size
+        checked.clear()
+        with open_fabric(path, "n0") as fabric:
+            found = fabric.devices("n5")
+        assert [d.fdid for d in found] == [0x600 + i for i in range(16)]
+        counts[nodes] = len(set(checked))
+    assert sizes[128] > 10 * sizes[8] and sizes[128] > 40 * chunked.CHUNK_BYTES
+    assert 0 < counts[8] <= counts[128] <= 10, counts
+
+
 def test_newer_schema_is_refused(made):
     conn = sqlite3.connect(made)
     conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
@@ -296,7 +331,7 @@ def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(tmp
     assert init_fabric(path, text, source, node="gamma").action == "unchanged"
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
         rec = tx.topology()
-    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+    assert decode_compiled(rec.compiled_bytes(), rec.digest) == parse_topology(text, source)
 
 
 def test_a_version_3_state_learns_hold_tokens_and_every_new_hold_gets_a_larger_one(
@@ -361,6 +396,47 @@ def test_a_version_4_state_gains_the_indexes_and_reads_read_only_as_it_is(tmp_pa
     assert {"topology_digest", "holds_node", "claims_fdid"} <= indexes, indexes
 
 
+def test_a_version_6_state_migrates_to_a_generation_read_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """Schema 7 writes the topology's generation again in format 2 (addressable, verified a
+    chunk at a time), its compiled form in this vmlend's format: a version-6 file keeps its
+    records and its topology's content, and no piece of the old generation is left."""
+    from vmlend.registry import HoldRecord, Phase, topopieces
+    from vmlend.topology.compiled import decode_compiled
+    from vmlend.topology.model import Holder
+
+    text, source = default_topology_text()
+    path = tmp_path / "v6.db"
+    with older_vmlend(monkeypatch, 6):
+        init_fabric(path, text, source, node="gamma")
+        with SqliteRegistry.open(path) as reg, reg.write() as tx:
+            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+
+    def heads() -> list[topopieces.TopologyHead]:
+        conn = sqlite3.connect(path)
+        try:
+            rows = conn.execute("SELECT head FROM topology").fetchall()
+            pieces = conn.execute("SELECT DISTINCT generation FROM topology_pieces").fetchall()
+        finally:
+            conn.close()
+        found = [topopieces.decode_head(r[0].encode(), "head") for r in rows]
+        assert [p[0] for p in pieces] == [h.generation for h in found]  # its pieces alone
+        return found
+
+    (old,) = heads()
+    assert old.format == topopieces.PIECES_FORMAT_1
+    with SqliteRegistry.open(path) as reg, reg.read() as tx:
+        assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION) == "7"
+        rec = tx.topology()
+        assert rec.text == text and rec.local_node == "gamma" and rec.digest == old.digest
+        assert decode_compiled(rec.compiled_bytes(), rec.digest) is not None
+        assert tx.hold(0x10) is not None
+    (new,) = heads()
+    assert new.format == topopieces.PIECES_FORMAT and new.generation != old.generation
+    with SqliteRegistry.open(path) as reg, reg.read() as tx:  # once: nothing more to do
+        assert tx.topology().digest == old.digest
+    assert heads() == [new]
+
+
 def test_a_version_5_state_migrates_and_its_next_topology_is_a_generation(tmp_path, monkeypatch):
     """Schema 6 adds the topology's generations: a version-5 file keeps its topology in its
     row (read as it is, holds kept) until a topology is installed, which is then written as a
@@ -377,10 +453,10 @@ def test_a_version_5_state_migrates_and_its_next_topology_is_a_generation(tmp_pa
         with SqliteRegistry.open(path) as reg, reg.write() as tx:
             tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
-        assert tx.meta("schema_version") == "6" == str(schema_mod.SCHEMA_VERSION)
+        assert tx.meta("schema_version") == "7" == str(schema_mod.SCHEMA_VERSION)
         rec = tx.topology()
         assert rec.text == text and rec.local_node == "gamma" and tx.hold(0x10) is not None
-        assert decode_compiled(rec.compiled, rec.digest) is not None
+        assert decode_compiled(rec.compiled_bytes(), rec.digest) is not None
 
     def rows(sql):
         conn = sqlite3.connect(path)

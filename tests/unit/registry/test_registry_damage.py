@@ -10,11 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 from tests.support.cli_cluster import one_line
-from tests.support.simfabric import make_fabric
+from tests.support.simfabric import fabric_topology, make_fabric
 from vmlend.cli import main
 from vmlend.errors import StateRecordError
 from vmlend.registry import SqliteRegistry
+from vmlend.registry.store import COPY_DIRECTORY
+from vmlend.topology.chunked import CHUNK_BYTES
 from vmlend.topology.model import Holder
+from vmlend.wiring.fabric import init_fabric
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
 WEB = Holder("gamma", "web", "11111111-1111-1111-1111-111111111111")
@@ -36,6 +39,9 @@ def held(state_path):
 def _damage(path, sql: str, *args: object) -> None:
     with sqlite3.connect(path) as db:
         db.execute(sql, args)
+    # and no copy of the topology beside the state (a new host's view): the pieces are read
+    for copy in (path.parent / COPY_DIRECTORY).glob("*.topology"):
+        copy.unlink()
 
 
 def _read(path, what):
@@ -180,3 +186,25 @@ def test_a_damaged_topology_generation_is_one_line_naming_the_topology(held, sql
     r = CliRunner().invoke(main, ["--state", str(held), "devices"])
     line = one_line(r)
     assert "topology" in line and "vmlend fabric init --replace" in line, line
+
+
+def test_a_damaged_copy_of_the_topology_fails_where_read_and_is_read_again_next_time(tmp_path):
+    state = tmp_path / "s.db"
+    init_fabric(state, fabric_topology(16, 16), "f.toml", node="n0")
+    first = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
+    assert first.exit_code == 0, first.output
+    (copy,) = (tmp_path / COPY_DIRECTORY).glob("*.topology")
+    data = bytearray(copy.read_bytes())
+    # a byte of the last device record of the compiled topology (before the TOML, which
+    # follows it), chunks past the first one (read when the copy is opened): a listing reads it
+    at = data.rindex(b"0000:01:0f.0", 0, data.index(b'name = "generated"'))
+    assert at > 2 * CHUNK_BYTES
+    data[at + 3] ^= 0x20
+    copy.write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["--state", str(state), "devices"])
+    line = one_line(r)
+    assert r.exit_code == 1 and "copy of the topology" in line and "is damaged" in line, line
+    assert "run the command again" in line and not copy.exists()
+    again = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
+    assert again.exit_code == 0 and again.output == first.output, again.output
+    assert copy.read_bytes() != bytes(data)

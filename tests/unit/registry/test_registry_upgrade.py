@@ -10,13 +10,14 @@ import json
 import pytest
 from click.testing import CliRunner, Result
 
-from tests.support.older_state import etcd_before_generations
+from tests.support.older_state import etcd_before_generations, etcd_layout_3
 from vmlend.cli import main
-from vmlend.registry import open_registry, parse_location
+from vmlend.registry import open_registry, parse_location, topopieces
 from vmlend.registry import upgrade as upgrade_mod
 from vmlend.registry.etcd_gateway import b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.location import _gateway
+from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.wiring.fabric import default_topology_text, open_fabric
 
 
@@ -59,23 +60,32 @@ def _layout2(url: str) -> Keys:
     return keys
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, version):
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, version, monkeypatch):
     """Layouts 1 and 2 (the version was SQLite's then: the same etcd records) keep the topology
-    in one record; after the upgrade it is a generation, and the records without a lease are
-    as they were."""
-    keys = _layout2(etcd_url)
-    _put(etcd_url, keys.meta("schema_version"), str(version).encode())
+    in one record, layout 3 in a generation of format 1 (read whole); after the upgrade it is
+    a generation of format 2, and the records without a lease are as they were."""
+    if version == 3:
+        with etcd_layout_3(monkeypatch):  # layout 2 upgraded by a vmlend of layout 3
+            keys = _layout2(etcd_url)
+            assert _run(etcd_url).exit_code == 0
+        head = _stored(etcd_url)[keys.topology_head][0]
+        assert topopieces.decode_head(head, "head").format == topopieces.PIECES_FORMAT_1
+    else:
+        keys = _layout2(etcd_url)
+        _put(etcd_url, keys.meta("schema_version"), str(version).encode())
     before = _stored(etcd_url)
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["action"], out["before"], out["after"]) == ("upgraded", version, 3)
-    assert len(out["steps"]) == 3 - version
+    latest = ETCD_SCHEMA_VERSION
+    assert (out["action"], out["before"], out["after"]) == ("upgraded", version, latest)
+    assert len(out["steps"]) == latest - version
     after = _stored(etcd_url)
     assert keys.topology_record not in after
-    assert keys.topology_head in after
-    assert after[keys.meta("schema_version")][0] == b"3"
+    head = topopieces.decode_head(after[keys.topology_head][0], "head")
+    assert head.format == topopieces.PIECES_FORMAT
+    assert after[keys.meta("schema_version")][0] == str(latest).encode()
     for kept in (keys.fence(0x10), keys.device(0x11)):
         assert after[kept] == before[kept]  # not even rewritten
     assert after[keys.topology_digest][0] == before[keys.topology_digest][0]

@@ -13,12 +13,12 @@ from vmlend.hostenv import HostEnv
 from vmlend.registry import topopieces
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.records import TopologyRecord
-from vmlend.registry.topocache import CACHE_FORMAT, TopologyCache
+from vmlend.registry.topocache import CACHE_FORMAT, DamagedCopyError, TopologyCache
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 
 def _generation(text: str):
-    rec = TopologyRecord("t", "t.toml", text, "d-" + text, "", 1.0, None)
+    rec = TopologyRecord("t", "t.toml", text, "d-" + text[:40], "", 1.0, None)
     stored = topopieces.of_record(rec, ["a"], [])
     blob = topopieces.pack(stored)
     head = topopieces.head_of(topopieces.new_generation(), stored, blob, 1)
@@ -31,15 +31,19 @@ def test_a_copy_comes_back_only_for_its_own_head(tmp_path):
     other, _ = _generation("x")  # same content, another generation
     assert cache.get("etcd://a/lab", head) is None  # nothing kept yet
     cache.put("etcd://a/lab", head, blob)
-    assert cache.get("etcd://a/lab", head) == blob
+    assert _content(cache.get("etcd://a/lab", head)) == blob
     assert cache.get("etcd://a/lab", other) is None
     assert cache.get("etcd://b/lab", head) is None  # another registry's file
+
+
+def _content(found) -> bytes:
+    assert found is not None
+    return bytes(found.view(0, len(found)))
 
 
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda data: data[:-1] + bytes([data[-1] ^ 1]),  # one bit of the content
         lambda data: data.replace(CACHE_FORMAT, b"vmlend-topology-cache/0"),
         lambda data: data[: len(data) // 2],
         lambda data: b"",
@@ -53,6 +57,27 @@ def test_a_damaged_or_foreign_copy_is_not_used(tmp_path, damage):
     path = cache.path("r")
     path.write_bytes(damage(path.read_bytes()))
     assert cache.get("r", head) is None
+
+
+def test_a_chunk_that_does_not_match_its_digest_is_refused_where_read_and_the_copy_removed(
+    tmp_path,
+):
+    cache = TopologyCache(tmp_path)
+    head, blob = _generation("x" * 40_000)  # three chunks: the TOML fills the last two
+    cache.put("r", head, blob)
+    path = cache.path("r")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # one bit of the last chunk
+    path.write_bytes(bytes(data))
+    found = cache.get("r", head)
+    assert found is not None  # only the digests are checked when the copy is opened
+    stored = topopieces.unpack(head, found)
+    assert stored.name == "t" and stored.nodes == ["a"]  # the first chunk is sound
+    with pytest.raises(DamagedCopyError, match=r"copy of the topology .* is damaged.*again"):
+        _ = stored.text
+    assert not path.exists()  # the next process reads the registry
+    with pytest.raises(DamagedCopyError, match="damaged"):
+        found.view(len(found) - 1, len(found))  # refused every time, not only once
 
 
 def test_a_forged_copy_under_the_right_head_is_not_used(tmp_path):

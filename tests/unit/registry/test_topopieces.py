@@ -105,9 +105,10 @@ def test_content_of_another_topology_than_the_head_names_is_refused():
     with pytest.raises(StateRecordError, match="does not decode"):
         topopieces.unpack(head, b"\x93garbage")
     # a large field is decoded on first use: damage there is the same error, then
-    skeleton = msgspec.msgpack.decode(blob, type=list)
-    skeleton[5] = "not a map of devices"
-    lazy = topopieces.unpack(head, msgspec.msgpack.encode(skeleton))
+    devices = blob.index(msgspec.msgpack.encode({"0x10": ("a", True), "0x20": ("b", False)}))
+    damaged = bytearray(blob)
+    damaged[devices] = 0xC1  # a byte msgpack never uses
+    lazy = topopieces.unpack(head, damaged)
     assert lazy.name == "t" and lazy.nodes == ["a", "b"]
     with pytest.raises(StateRecordError, match="does not decode"):
         _ = lazy.devices

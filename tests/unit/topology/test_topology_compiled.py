@@ -283,7 +283,7 @@ def test_fabric_init_stores_the_compiled_topology(location):
     text, source = default_topology_text()
     init_fabric(location, text, source, node="gamma")
     rec = stored(location)
-    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+    assert decode_compiled(rec.compiled_bytes(), rec.digest) == parse_topology(text, source)
     with open_fabric(location, "gamma") as fabric:
         assert fabric.topology() == parse_topology(text, source)
 
@@ -293,24 +293,24 @@ def test_a_damaged_compiled_topology_opens_from_the_toml_and_init_compiles_it_ag
     init_fabric(location, text, source, node="gamma")
     with open_registry(location) as reg:
         reg.transact(lambda tx: tx.set_topology_compiled(b"\x93\xa1x damaged"))
-    assert decode_compiled(stored(location).compiled, stored(location).digest) is None
+    assert decode_compiled(stored(location).compiled_bytes(), stored(location).digest) is None
     with open_fabric(location, "gamma") as fabric:
         assert fabric.topology() == parse_topology(text, source)
     assert init_fabric(location, text, source, node="gamma").action == "unchanged"
     rec = stored(location)
-    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+    assert decode_compiled(rec.compiled_bytes(), rec.digest) == parse_topology(text, source)
 
 
 def test_an_etcd_record_without_the_compiled_key_opens_and_init_adds_it(etcd_url):
     text, source = default_topology_text()
     # as a vmlend before the compiled topology (and before generations) wrote it
     etcd_before_generations(etcd_url, text, source, compiled=False)
-    assert stored(etcd_url).compiled is None
+    assert stored(etcd_url).compiled_bytes() is None
     with open_fabric(etcd_url, "gamma") as fabric:
         assert fabric.topology() == parse_topology(text, source)
     assert init_fabric(etcd_url, text, source).action == "unchanged"
     rec = stored(etcd_url)
-    assert decode_compiled(rec.compiled, rec.digest) == parse_topology(text, source)
+    assert decode_compiled(rec.compiled_bytes(), rec.digest) == parse_topology(text, source)
     with open_registry(etcd_url) as reg:  # now a generation, the old record gone
         _rev, kvs = reg.gateway.range(reg.keys.topology_record, None, 0)
         assert kvs == []
