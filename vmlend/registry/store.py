@@ -46,7 +46,7 @@ from vmlend.registry.schema import (
     TABLES,
     TOKEN_SINCE,
 )
-from vmlend.registry.topocache import TopologyCache
+from vmlend.registry.topocache import TopologyCache, copy_beside
 from vmlend.registry.txn import SqliteTxn
 
 log = logging.getLogger(__name__)
@@ -127,12 +127,6 @@ def _connect(
     return conn
 
 
-#: Where, beside a state file, this host keeps its copy of the state's topology
-#: (``topocache``): the topology is read from the copy, mapped, a chunk at a time as it is
-#: used, instead of from its pieces in the file, all of them read and hashed in every process
-#: (6.6 MB at 1,024 nodes). For the default state (``var/lib/vmlend/state.db``) it is the
-#: directory a cluster registry's copy is kept in (``HostEnv.topology_cache``).
-COPY_DIRECTORY = "topology"
 
 
 class SqliteRegistry:
@@ -198,7 +192,9 @@ class SqliteRegistry:
             raise
         try:
             reg = cls(conn, path, busy_timeout, read_only)
-            reg._copy = TopologyCache(path.parent / COPY_DIRECTORY)
+            # the topology read from a copy beside the state, mapped, a chunk at a time as it
+            # is used, not from every piece in every process (6.6 MB at 1,024 nodes)
+            reg._copy = copy_beside(path)
             reg._migrate()
             _vet_tables(conn, path, reg._has_head)
         except BaseException:

@@ -64,13 +64,17 @@ class DamagedCopyError(StateError):
 
 
 class TopologyCache:
-    """The cache files under ``directory`` (created on first write, mode 0755)."""
+    """The cache files under ``directory`` (created on first write, mode 0755), or the one
+    file ``file`` (an SQLite state's, beside it: ``copy_beside``)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, file: Path | None = None) -> None:
         self.directory = directory
+        self._file = file
 
     def path(self, where: str) -> Path:
         """The file of the registry ``where`` names (an etcd URL and cluster, a state file)."""
+        if self._file is not None:
+            return self._file
         return self.directory / f"{hashlib.sha256(where.encode()).hexdigest()[:24]}.topology"
 
     def get(self, where: str, head: TopologyHead) -> bytes | Readable | None:
@@ -128,6 +132,17 @@ class TopologyCache:
             safefile.write_atomically(path, b"".join(parts), mode=0o644)
         except (OSError, UnsafePathError) as e:
             log.debug("topology cache %s not written: %s", path, e)
+
+
+def copy_beside(state: Path) -> TopologyCache:
+    """The copy of an SQLite state's topology: ``<state>-topology`` beside it, as SQLite
+    keeps its ``-wal`` and ``-shm`` files (written by whoever may write the state's
+    directory; anyone else reads the pieces)."""
+    return TopologyCache(state.parent, state.with_name(state.name + COPY_SUFFIX))
+
+
+#: The suffix of an SQLite state's copy of its topology (``copy_beside``).
+COPY_SUFFIX = "-topology"
 
 
 def _map(path: Path) -> mmap.mmap | None:

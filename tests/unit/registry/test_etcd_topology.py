@@ -15,6 +15,7 @@ from vmlend.hostenv import HostEnv
 from vmlend.registry import open_registry
 from vmlend.registry.etcd_gateway import b64, prefix_end
 from vmlend.registry.etcd_topology import EtcdTopology
+from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.registry.topopieces import decode_head
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
@@ -68,7 +69,7 @@ def test_replacing_deletes_the_old_generation_and_the_record_of_before(etcd_url)
     with open_registry(etcd_url) as reg:
         assert reg.gateway.range(reg.keys.topology_record)[1] == []
         with reg.read() as tx:
-            assert tx.meta("schema_version") == "3"
+            assert tx.meta("schema_version") == str(ETCD_SCHEMA_VERSION) == "4"
 
 
 def test_a_transaction_that_does_not_commit_deletes_the_generation_it_wrote(etcd_url):

@@ -253,7 +253,7 @@ def test_a_lenders_devices_read_as_little_of_a_big_topology_as_of_a_small_one(
         init_fabric(path, fabric_topology(nodes, 16), "generated.toml", node="n0")
         with open_fabric(path, "n0") as fabric:  # the first read keeps the host's copy
             assert len(fabric.devices("n5")) == 16
-        (copy,) = (path.parent / "topology").glob("*.topology")
+        copy = path.with_name("state.db-topology")
         sizes[nodes] = copy.stat().st_size
         checked.clear()
         with open_fabric(path, "n0") as fabric:

@@ -14,7 +14,7 @@ from tests.support.simfabric import fabric_topology, make_fabric
 from vmlend.cli import main
 from vmlend.errors import StateRecordError
 from vmlend.registry import SqliteRegistry
-from vmlend.registry.store import COPY_DIRECTORY
+from vmlend.registry.topocache import COPY_SUFFIX
 from vmlend.topology.chunked import CHUNK_BYTES
 from vmlend.topology.model import Holder
 from vmlend.wiring.fabric import init_fabric
@@ -40,8 +40,7 @@ def _damage(path, sql: str, *args: object) -> None:
     with sqlite3.connect(path) as db:
         db.execute(sql, args)
     # and no copy of the topology beside the state (a new host's view): the pieces are read
-    for copy in (path.parent / COPY_DIRECTORY).glob("*.topology"):
-        copy.unlink()
+    path.with_name(path.name + COPY_SUFFIX).unlink(missing_ok=True)
 
 
 def _read(path, what):
@@ -193,7 +192,7 @@ def test_a_damaged_copy_of_the_topology_fails_where_read_and_is_read_again_next_
     init_fabric(state, fabric_topology(16, 16), "f.toml", node="n0")
     first = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
     assert first.exit_code == 0, first.output
-    (copy,) = (tmp_path / COPY_DIRECTORY).glob("*.topology")
+    copy = state.with_name(state.name + COPY_SUFFIX)
     data = bytearray(copy.read_bytes())
     # a byte of the last device record of the compiled topology (before the TOML, which
     # follows it), chunks past the first one (read when the copy is opened): a listing reads it
