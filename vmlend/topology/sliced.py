@@ -180,12 +180,19 @@ class DeviceTable(_Table[int, DeviceSpec]):
         self._fdid_pos = U32(fdid_pos)
         self._lender_pos = U32(lender_pos)
         self._lender_ends = U32(lender_ends)
+        self._by_fdid: dict[int, int | None] = {}
 
     def get(self, key: int) -> DeviceSpec | None:
-        i = bisect.bisect_left(self._fdids, key)
-        if i == len(self._fdids) or self._fdids[i] != key:
-            return None
-        return self._slices.at(self._fdid_pos[i])
+        found = self._by_fdid.get(key, -1)
+        if found == -1:
+            # a bisection reads ~14 u32s at 16,384 devices; a reserve asks for its device
+            # many times, so each answer is kept (as the record it finds is)
+            i = bisect.bisect_left(self._fdids, key)
+            found = None
+            if i < len(self._fdids) and self._fdids[i] == key:
+                found = self._fdid_pos[i]
+            self._by_fdid[key] = found
+        return None if found is None else self._slices.at(found)
 
     def of_lender(self, node: str) -> list[DeviceSpec]:
         n = self._nodes.position(node)
