@@ -10,6 +10,7 @@ from vmlend.registry import store as store_mod
 from vmlend.registry import topopieces
 from vmlend.registry import txn as txn_mod
 from vmlend.registry import upgrade as upgrade_mod
+from vmlend.topology import compiled as compiled_mod
 
 
 def _replace_topology_before_v3(self, rec, nodes, devices):
@@ -37,6 +38,8 @@ def older_vmlend(monkeypatch, version):
         m.setattr(store_mod, "SCHEMA_VERSION", version)
         if version < schema_mod.GENERATION_2_SINCE:
             m.setattr(topopieces, "PIECES_FORMAT", topopieces.PIECES_FORMAT_1)
+            # and the compiled form of then, which this vmlend does not read
+            m.setattr(compiled_mod, "COMPILED_FORMAT", "vmlend-topology/6")
         older = {v: steps for v, steps in schema_mod.MIGRATIONS.items() if v < version}
         m.setattr(store_mod, "MIGRATIONS", older)
         if version < 3:
@@ -50,6 +53,7 @@ def etcd_layout_3(monkeypatch):
     1, read whole)."""
     with monkeypatch.context() as m:
         m.setattr(topopieces, "PIECES_FORMAT", topopieces.PIECES_FORMAT_1)
+        m.setattr(compiled_mod, "COMPILED_FORMAT", "vmlend-topology/6")
         m.setattr(etcd_txn_mod, "ETCD_SCHEMA_VERSION", 3)
         m.setattr(upgrade_mod, "ETCD_SCHEMA_VERSION", 3)
         yield

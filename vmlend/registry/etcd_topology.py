@@ -15,8 +15,10 @@ leave one whole generation, never a mix.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+from vmlend.errors import VmlendError
 from vmlend.registry import topopieces
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
@@ -117,7 +119,7 @@ class EtcdTopology:
         """The content ``head`` names: this host's copy when it is that generation's, else
         its pieces as of ``revision`` (then kept on the host)."""
         if self._cache is not None:
-            copy = self._cache.open(self._where, head)
+            copy = self._cache.open(self._where, head, self._pieces_of(head.generation))
             if copy is not None:
                 return copy
         keys = [self._k.topology_piece(head.generation, n) for n in range(head.pieces)]
@@ -133,6 +135,21 @@ class EtcdTopology:
         if self._cache is not None:
             self._cache.put(self._where, head, blob)
         return stored
+
+
+    def _pieces_of(self, generation: str) -> Callable[[int, int], bytes | None]:
+        """Bytes of ``generation``'s content read from its pieces in etcd (as they are now),
+        for a chunk of the host's copy that does not match; None when they are gone."""
+
+        def read(start: int, length: int) -> bytes | None:
+            n, at = divmod(start, topopieces.PIECE_BYTES)
+            try:
+                _rev, kvs = self._gw.range(self._k.topology_piece(generation, n))
+            except VmlendError:
+                return None
+            return kvs[0].value[at : at + length] if kvs else None
+
+        return read
 
 
 def _delete_prefix(prefix: str) -> dict[str, Any]:

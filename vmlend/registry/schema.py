@@ -169,8 +169,10 @@ HEAD_SINCE = 6
 #: (``topopieces``: addressable, verified a chunk at a time, so that a process reads the few
 #: kilobytes it uses from this host's copy instead of every piece) by
 #: ``SqliteTxn.rewrite_topology_generation``, which ``SqliteRegistry._migrate`` runs after
-#: this step's (empty) statements. A version-6 state this process may not write is read as it
-#: is (its generation whole, its compiled form, of format 6, not used: its text is parsed).
+#: this step's (empty) statements; a topology still kept in the row (schema 5 and before) has
+#: its compiled form compiled again there. A version-6 state this process may not write is
+#: read as it is (its generation whole, its compiled form, of format 6, not used: its text is
+#: parsed).
 MIGRATE_V6_V7: tuple[str, ...] = ()
 #: The version whose step rewrites the generation.
 GENERATION_2_SINCE = 7

@@ -127,8 +127,6 @@ def _connect(
     return conn
 
 
-
-
 class SqliteRegistry:
     """An open state database. Use ``read()`` / ``transact()`` (or ``write()``) for
     transactions. The SQLite backend of ``vmlend.registry.api.Registry``."""

@@ -5,14 +5,16 @@ One file per registry under the host's state directory: a first line naming the 
 second line the head the content was read under (JSON), then (format 2 heads) the sha256 of
 each 16 KiB chunk of the content, then the content's bytes exactly as the registry's pieces
 hold them. The file is used only when its head is the registry's current one *and* its chunks'
-digests hash to the sha256 that head names; the file is mapped, not read, and each chunk is
-checked against its digest when first read (``vmlend.topology.chunked``), so a process reads
-and hashes the few kilobytes it uses, whatever the topology's size. A file of another
-generation or cluster is read past and rewritten from the registry; a chunk that does not
-match (damage, or somebody else's bytes) is refused when read and the file removed: found
-while the copy is opened (its header), the registry is read instead; found later, the command
-fails in one line asking to run it again (it then reads the registry). A format-1 head's
-content is checked whole, as before. The content is decoded by msgspec into plain typed
+digests hash to the sha256 that head names. Its content is not read whole: each chunk is read
+when first used, checked against its digest and kept in the process's own memory
+(``vmlend.topology.chunked``), so a process reads and hashes the few kilobytes it uses,
+whatever the topology's size, and bytes changed in the file after they were checked are never
+used. A file of another generation or cluster is read past and rewritten from the registry. A
+chunk that does not match (damage, or somebody else's bytes) is read from the registry's own
+pieces instead, and the file removed (the next process that reads the pieces writes a good
+one); only when the registry no longer holds that generation either (another topology was
+installed meanwhile) does the command fail, in one line asking to run it again. A format-1
+head's content is checked whole, as before. The content is decoded by msgspec into plain typed
 records, never unpickled: decoding it runs no code, whoever wrote it.
 
 Writing is best effort: a host that may not write the directory (a user running
@@ -21,12 +23,11 @@ Writing is best effort: a host that may not write the directory (a user running
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import mmap
 import os
 import stat
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,9 +59,13 @@ _MAX_HEADER = 4096
 
 
 class DamagedCopyError(StateError):
-    """A chunk of this host's copy of the topology does not hash to its digest. Raised where
-    the chunk is read: when the copy is opened the caller reads the registry instead; later,
-    the command fails (the copy was removed, so running it again reads the registry)."""
+    """A chunk of this host's copy of the topology does not hash to its digest, and the
+    registry no longer holds that generation's pieces to read it from instead."""
+
+
+#: Reads ``length`` bytes of a generation's content from ``start`` out of the registry's own
+#: pieces (``refetch`` of ``chunked.Chunked``); None when they are gone.
+Refetch = Callable[[int, int], bytes | None]
 
 
 class TopologyCache:
@@ -77,41 +82,68 @@ class TopologyCache:
             return self._file
         return self.directory / f"{hashlib.sha256(where.encode()).hexdigest()[:24]}.topology"
 
-    def get(self, where: str, head: TopologyHead) -> bytes | Readable | None:
+    def get(
+        self, where: str, head: TopologyHead, refetch: Refetch | None = None
+    ) -> bytes | Readable | None:
         """The content of ``head``'s generation if this host has it, else None: for a format-2
-        head, read as it is used and verified chunk by chunk; for format 1, verified whole."""
+        head, read as it is used and verified chunk by chunk (a chunk that does not match:
+        from ``refetch``); for format 1, verified whole."""
         path = self.path(where)
-        data = _map(path)
-        if data is None:
+        fd = _open(path)
+        if fd is None:
             return None  # missing, unreadable, a link or a FIFO planted there: not used
-        first = data.find(b"\n", 0, _MAX_HEADER)
-        second = data.find(b"\n", first + 1, _MAX_HEADER) if first >= 0 else -1
-        if second < 0 or data[:first] != CACHE_FORMAT:
+        keep = False
+        try:
+            found = self._read(path, fd, head, refetch)
+            keep = isinstance(found, Chunked)
+            return found
+        except OSError:
+            return None
+        finally:
+            if not keep:
+                os.close(fd)
+
+    def _read(
+        self, path: Path, fd: int, head: TopologyHead, refetch: Refetch | None
+    ) -> bytes | Readable | None:
+        top = os.pread(fd, _MAX_HEADER, 0)
+        first = top.find(b"\n")
+        second = top.find(b"\n", first + 1) if first >= 0 else -1
+        if second < 0 or top[:first] != CACHE_FORMAT:
             return None
         try:
-            if msgspec.json.decode(data[first + 1 : second], type=TopologyHead) != head:
+            if msgspec.json.decode(top[first + 1 : second], type=TopologyHead) != head:
                 return None
         except (msgspec.DecodeError, ValueError, RecursionError):
             return None
-        view = memoryview(data)[second + 1 :]
+        at = second + 1
         if head.format == PIECES_FORMAT_1:
-            blob = bytes(view)
+            blob = os.pread(fd, head.size + 1, at)
             if len(blob) != head.size or hashlib.sha256(blob).hexdigest() != head.sha256:
                 log.info("topology cache %s is damaged; reading the registry", path)
                 return None
             return blob
         size = chunks_in(head.size) * DIGEST_BYTES
-        digests, content = view[:size], view[size:]
-        if len(content) != head.size or root_of(digests) != head.sha256:
+        digests = os.pread(fd, size, at)
+        if root_of(digests) != head.sha256 or os.fstat(fd).st_size != at + size + head.size:
             log.info("topology cache %s is damaged; reading the registry", path)
             return None
-        return Chunked(content, digests, _damaged_copy(path))
+        base = at + size
 
-    def open(self, where: str, head: TopologyHead) -> StoredView | None:
+        def read(start: int, length: int) -> bytes:
+            return os.pread(fd, length, base + start)
+
+        found = Chunked(head.size, digests, read, _damaged_copy(path), refetch=refetch)
+        weakref.finalize(found, os.close, fd)  # the file stays open while the copy is used
+        return found
+
+    def open(
+        self, where: str, head: TopologyHead, refetch: Refetch | None = None
+    ) -> StoredView | None:
         """``head``'s generation from this host's copy, or None (no usable copy: read the
-        registry, then ``put``). A chunk that does not match while its header is read is
-        read past like a missing copy (and the copy removed)."""
-        found = self.get(where, head)
+        registry, then ``put``). A chunk of the header that neither the copy nor ``refetch``
+        gives is read past like a missing copy."""
+        found = self.get(where, head, refetch)
         if found is None:
             return None
         try:
@@ -145,35 +177,50 @@ def copy_beside(state: Path) -> TopologyCache:
 COPY_SUFFIX = "-topology"
 
 
-def _map(path: Path) -> mmap.mmap | None:
-    """``path`` mapped read-only, if it is a regular file (not followed if a link) of at most
-    ``MAX_CACHE_BYTES``. The copy is replaced by rename, never rewritten in place, so the
-    mapped file does not change under the process."""
+def _open(path: Path) -> int | None:
+    """A descriptor of ``path`` if it is a regular file (not followed if a link) of at most
+    ``MAX_CACHE_BYTES``, else None. Read with ``pread``, never mapped: a file truncated or
+    rewritten in place under the process gives short or other bytes, which its chunks' digests
+    refuse, not a bus error."""
     try:
         fd = safefile.open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
     except (OSError, UnsafePathError):
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or not 0 < st.st_size <= MAX_CACHE_BYTES:
-            return None
-        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+        if stat.S_ISREG(st.st_mode) and 0 < st.st_size <= MAX_CACHE_BYTES:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _damaged_copy(path: Path) -> Callable[[str], Exception]:
-    """What a chunk of the copy at ``path`` that does not match its digest raises; the copy
-    is removed first, so the next process reads the registry and writes a good one."""
+    """What a chunk of the copy at ``path`` that does not match its digest makes: the copy
+    removed (once; the next process that reads the registry writes a good one) and a warning,
+    and the error raised if the registry cannot give the chunk either."""
+    removed: list[str] = []
 
     def damaged(problem: str) -> Exception:
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if not removed:
+            try:
+                path.unlink()
+                removed.append("it was removed")
+            except FileNotFoundError:
+                removed.append("it was removed")
+            except OSError as e:
+                removed.append(f"it could not be removed ({e.strerror}): remove it as its owner")
+            log.warning(
+                "this host's copy of the topology %s is damaged (%s); %s; reading the registry",
+                path,
+                problem,
+                removed[0],
+            )
         return DamagedCopyError(
-            f"this host's copy of the topology {path} is damaged ({problem}); it was"
-            " removed: run the command again (it then reads the topology from the registry)"
+            f"this host's copy of the topology {path} is damaged ({problem}) and the registry"
+            f" no longer holds that topology's generation (another was installed); {removed[0]}:"
+            " run the command again"
         )
 
     return damaged

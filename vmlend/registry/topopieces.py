@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from vmlend.errors import StateRecordError
-from vmlend.topology.chunked import Plain, Readable, Window, digests_of, root_of
+from vmlend.topology.chunked import CHUNK_BYTES, Plain, Readable, Window, digests_of, root_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -44,8 +44,10 @@ PIECES_FORMAT_1 = "vmlend-topology-pieces/1"
 FORMATS = frozenset({PIECES_FORMAT, PIECES_FORMAT_1})
 
 #: The size of one piece: two of them and their keys stay well under etcd's default request
-#: limit of 1.5 MiB (``--max-request-bytes``).
+#: limit of 1.5 MiB (``--max-request-bytes``). A multiple of the verified chunk's size, so a
+#: chunk lies within one piece (a chunk of a host's copy is read again from its piece).
 PIECE_BYTES = 512 * 1024
+assert PIECE_BYTES % CHUNK_BYTES == 0
 
 #: A generation name: what ``new_generation`` makes (hex), so it is one key level in etcd.
 _GENERATION = re.compile(r"^[0-9a-f]{8,64}$")

@@ -8,7 +8,7 @@ methods here never commit.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -63,6 +63,33 @@ def _flag(value: object) -> object:
 
 def _key(value: object) -> str:
     return f"{value:#x}" if type(value) is int else repr(value)
+
+
+def _pieces_of(state: str, generation: str) -> Callable[[int, int], bytes | None]:
+    """Bytes of ``generation``'s content read from its pieces in the state file ``state``, on
+    a connection of their own (a damaged chunk of the host's copy may be met in any thread,
+    within any transaction); None when the generation is gone."""
+    from urllib.parse import quote
+
+    def read(start: int, length: int) -> bytes | None:
+        n, at = divmod(start, topopieces.PIECE_BYTES)
+        try:
+            conn = sqlite3.connect(f"file:{quote(state)}?mode=ro", uri=True)
+            try:
+                row = conn.execute(
+                    "SELECT CAST(data AS BLOB) FROM topology_pieces"
+                    " WHERE generation = ? AND n = ?",
+                    (generation, n),
+                ).fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error:
+            return None
+        if row is None or not isinstance(row[0], bytes):
+            return None
+        return row[0][at : at + length]
+
+    return read
 
 
 class SqliteTxn:
@@ -157,8 +184,10 @@ class SqliteTxn:
         if known is not None:
             return known  # read and verified under this very head before
         head = topopieces.decode_head(raw.encode(), "head")
-        # this host's copy of the generation: mapped, each chunk verified when read
-        copy = self._copy.open(self._where, head) if self._copy is not None else None
+        # this host's copy of the generation: each chunk read and verified when first used
+        copy = None
+        if self._copy is not None:
+            copy = self._copy.open(self._where, head, _pieces_of(self._where, head.generation))
         if copy is not None:
             stored = copy
         else:
@@ -280,14 +309,23 @@ class SqliteTxn:
 
     def rewrite_topology_generation(self) -> bool:
         """Write the topology's generation again in this vmlend's format (schema 7: format 2,
-        read a chunk at a time, its compiled form compiled again) when it is of format 1;
-        whether it was."""
+        read a chunk at a time, its compiled form compiled again) when it is of format 1, or
+        compile a topology kept in the row (schema 5) again when this vmlend cannot read its
+        compiled form; whether it did."""
         self._write()
         row = self._c.execute(
             "SELECT head FROM topology WHERE id = 1" if self._has_head else "SELECT NULL"
         ).fetchone()
-        if row is None or row[0] is None:
+        if row is None:
             return False
+        if row[0] is None:  # the topology in the row (schema 5 and before): compile it again
+            rec = self.topology()
+            stored = topopieces.of_record(rec, [], [])
+            again = topopieces.rewritten(stored)
+            if again.compiled is None or again.compiled == stored.compiled:
+                return False
+            self._c.execute("UPDATE topology SET compiled = ? WHERE id = 1", (again.compiled,))
+            return True
         head = topopieces.decode_head(str(row[0]).encode(), "head")
         if head.format == topopieces.PIECES_FORMAT:
             return False

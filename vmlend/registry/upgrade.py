@@ -97,7 +97,11 @@ def _step_body(found: int, step: Callable[[EtcdTxn], str], where: str) -> Callab
             return ""
         _refuse_live_agents(tx, where)
         what = step(tx)
-        tx.set_meta("schema_version", str(found + 1))
+        # a step that installs a topology writes this vmlend's layout with it (2 -> 3 writes
+        # a generation of format 2: layout 4); never lower what it wrote
+        wrote = tx.meta("schema_version")
+        target = max(found + 1, int(wrote) if wrote and wrote.isdigit() else 0)
+        tx.set_meta("schema_version", str(target))
         return what
 
     return body
@@ -129,9 +133,10 @@ def upgrade(registry: EtcdRegistry) -> UpgradeResult:
             )
         target = version + 1
         what = registry.transact(_step_body(version, step, where))
-        if what:
-            done.append(f"{version} -> {target}: {what}")
         with registry.read() as tx:
             raw = tx.meta("schema_version")
-        version = check_schema(raw or str(target), where)
+        reached = check_schema(raw or str(target), where)
+        if what:
+            done.append(f"{version} -> {reached}: {what}")
+        version = reached
     return UpgradeResult(where, before, version, done)

@@ -8,13 +8,14 @@ sha256 of those chunks' digests (``root_of``), and a reader checks a chunk the f
 reads from it: what a call reads is verified, what it does not read is neither read nor hashed.
 
 ``Readable`` is what the compiled topology and the stored generation are decoded from: bytes
-checked already (``Plain``), bytes checked per chunk (``Chunked``), or a span of either
-(``Window``).
+checked already (``Plain``), bytes read and checked per chunk into this process's memory
+(``Chunked``), or a span of either (``Window``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 from collections.abc import Callable
 from typing import Protocol
 
@@ -71,41 +72,65 @@ class Plain:
 
 
 class Chunked:
-    """``data`` (a file's mapping, say) whose chunk ``i`` must hash to ``digests[i]``: each
-    is checked on its first read, and a chunk that does not match raises what ``damaged``
-    makes of the problem (a ``VmlendError`` telling the user what to do), every time."""
+    """``size`` bytes that ``read(start, length)`` gives (a host's copy of a generation, say)
+    whose chunk ``i`` must hash to ``digests[i]``. Each chunk is read and checked on its
+    first use and then kept in this process's own memory, so bytes changed in the source
+    after they were checked are never used. A chunk that does not match makes ``damaged``
+    say so (the source is then not trusted: it may remove it), and is asked of ``refetch``
+    (the registry's own pieces); when that cannot give matching bytes either, the exception
+    ``damaged`` made is raised, every time the chunk is read."""
 
     def __init__(
         self,
-        data: bytes | bytearray | memoryview,
-        digests: bytes | memoryview,
+        size: int,
+        digests: bytes,
+        read: Callable[[int, int], bytes],
         damaged: Callable[[str], Exception],
+        *,
+        refetch: Callable[[int, int], bytes | None] | None = None,
         chunk: int = CHUNK_BYTES,
     ) -> None:
-        self._view = memoryview(data)
-        self._digests = memoryview(digests)
+        self._size = size
+        self._digests = bytes(digests)
+        self._read = read
+        self._refetch = refetch
         self._damaged = damaged
         self._chunk = chunk
-        self._checked = bytearray(chunks_in(len(self._view), chunk))
+        self._checked = bytearray(chunks_in(size, chunk))
         if len(self._digests) != len(self._checked) * DIGEST_BYTES:
             raise damaged(f"{len(self._digests)} bytes of digests for {len(self._checked)} chunks")
+        # anonymous memory: its pages cost nothing until a checked chunk is copied in
+        self._memory = mmap.mmap(-1, max(size, 1))
+        self._view = memoryview(self._memory)[:size]
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._size
 
     def view(self, start: int, end: int) -> memoryview:
-        _bounds(len(self._view), start, end)
+        _bounds(self._size, start, end)
         size = self._chunk
         for i in range(start // size, chunks_in(end, size)):
             if not self._checked[i]:
                 self._check(i)
         return self._view[start:end]
 
+    def _matches(self, i: int, data: bytes | None, length: int) -> bool:
+        if data is None or len(data) != length:
+            return False
+        found = hashlib.sha256(data).digest()
+        return found == self._digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+
     def _check(self, i: int) -> None:
-        size = self._chunk
-        found = hashlib.sha256(self._view[i * size : (i + 1) * size]).digest()
-        if found != self._digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
-            raise self._damaged(f"its chunk {i} does not hash to its digest")
+        start = i * self._chunk
+        length = min(self._chunk, self._size - start)
+        data: bytes | None = self._read(start, length)
+        if not self._matches(i, data, length):
+            error = self._damaged(f"its chunk {i} does not hash to its digest")
+            data = self._refetch(start, length) if self._refetch is not None else None
+            if not self._matches(i, data, length):
+                raise error
+        assert data is not None
+        self._memory[start : start + length] = data
         self._checked[i] = 1
 
 

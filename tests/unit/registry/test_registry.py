@@ -309,7 +309,9 @@ def test_a_version_1_state_keeps_its_claims_and_learns_p2p_claims(tmp_path, monk
             assert tx.claims() == []
 
 
-def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(tmp_path, monkeypatch):
+def test_a_version_2_state_opens_from_its_toml_and_is_compiled_when_it_migrates(
+    tmp_path, monkeypatch
+):
     from vmlend.topology.compiled import decode_compiled
     from vmlend.topology.parse import parse_topology
     from vmlend.wiring.fabric import open_fabric
@@ -327,7 +329,9 @@ def test_a_version_2_state_opens_from_its_toml_until_fabric_init_compiles_it(tmp
         assert fabric.device(0x10).spec.fdid == 0x10
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
         assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
-        assert tx.topology().compiled is None
+        # schema 7's step compiles a topology this vmlend cannot read the compiled form of
+        rec = tx.topology()
+    assert decode_compiled(rec.compiled_bytes(), rec.digest) == parse_topology(text, source)
     assert init_fabric(path, text, source, node="gamma").action == "unchanged"
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
         rec = tx.topology()

@@ -80,7 +80,12 @@ def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, versi
     out = json.loads(r.stdout)
     latest = ETCD_SCHEMA_VERSION
     assert (out["action"], out["before"], out["after"]) == ("upgraded", version, latest)
-    assert len(out["steps"]) == latest - version
+    # 2 -> 3 installs a generation of this vmlend's format, so it reaches layout 4 at once
+    assert [step.split(":")[0] for step in out["steps"]] == {
+        1: ["1 -> 2", "2 -> 4"],
+        2: ["2 -> 4"],
+        3: ["3 -> 4"],
+    }[version]
     after = _stored(etcd_url)
     assert keys.topology_record not in after
     head = topopieces.decode_head(after[keys.topology_head][0], "head")

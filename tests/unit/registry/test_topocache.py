@@ -4,6 +4,7 @@ and rewritten, never trusted."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -78,6 +79,55 @@ def test_a_chunk_that_does_not_match_its_digest_is_refused_where_read_and_the_co
     assert not path.exists()  # the next process reads the registry
     with pytest.raises(DamagedCopyError, match="damaged"):
         found.view(len(found) - 1, len(found))  # refused every time, not only once
+
+
+def test_bytes_changed_in_the_copy_after_it_was_opened_are_not_used(tmp_path):
+    # whoever may write the file can change it under a process that opened it: a chunk
+    # checked before is kept as it was checked; a chunk changed before its check, digest and
+    # all, does not match the digests checked against the head at the open
+    cache = TopologyCache(tmp_path)
+    head, blob = _generation("x" * 40_000)
+    cache.put("r", head, blob)
+    path = cache.path("r")
+    found = cache.get("r", head)
+    assert found is not None
+    first = bytes(found.view(0, 100))  # checked, then kept in the process's memory
+    data = bytearray(path.read_bytes())
+    digests_at = len(data) - len(blob) - 3 * 32
+    forged = b"y" * (len(blob) - 2 * 16384)
+    data[-len(forged) :] = forged  # the last chunk's bytes and, below, its digest
+    data[digests_at + 64 : digests_at + 96] = hashlib.sha256(forged).digest()
+    data[len(data) - len(blob) : len(data) - len(blob) + 100] = b"z" * 100
+    path.write_bytes(bytes(data))  # in place: the same file the process has open
+    assert bytes(found.view(0, 100)) == first
+    with pytest.raises(DamagedCopyError):
+        found.view(len(found) - 1, len(found))
+    cache.put("r", head, blob)
+    again = cache.get("r", head)
+    assert again is not None
+    os.truncate(path, 0)  # truncated in place: short reads, refused, not a bus error
+    with pytest.raises(DamagedCopyError):
+        again.view(16384, 16385)
+
+
+def test_a_chunk_that_does_not_match_is_read_from_the_registrys_pieces(tmp_path):
+    cache = TopologyCache(tmp_path)
+    head, blob = _generation("x" * 40_000)
+    cache.put("r", head, blob)
+    path = cache.path("r")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    asked = []
+
+    def pieces(start, length):
+        asked.append((start, length))
+        return blob[start : start + length]
+
+    stored = cache.open("r", head, pieces)
+    assert stored is not None and stored.text == "x" * 40_000
+    assert asked == [(2 * 16384, len(blob) - 2 * 16384)]  # the last chunk alone
+    assert not path.exists()  # the next process reads the pieces and writes a good copy
 
 
 def test_a_forged_copy_under_the_right_head_is_not_used(tmp_path):
@@ -160,9 +210,12 @@ def test_a_damaged_copy_is_read_past_and_rewritten(etcd_url, reads):
     good = path.read_bytes()
     path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     reads.clear()
-    with open_fabric(etcd_url, "h0") as fabric:
+    with open_fabric(etcd_url, "h0") as fabric:  # the chunk read from its piece instead
         assert len(fabric.devices()) == 4
-    assert _pieces_read(reads) != [] and path.read_bytes() == good
+    assert _pieces_read(reads) != [] and not path.exists()
+    with open_fabric(etcd_url, "h0") as fabric:  # no copy: the pieces, then a good copy
+        assert len(fabric.devices()) == 4
+    assert path.read_bytes() == good
 
 
 def test_a_new_topology_is_read_once_whatever_the_copy_says(etcd_url, reads):
