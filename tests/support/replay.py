@@ -190,6 +190,9 @@ class Replay:
     #: renewals that came more than a TTL after the one before (etcd kept the lease: a
     #: leader change extends leases)
     late_renewals: int = 0
+    #: keepalives answered after the lease they renewed had ended (sent more than a TTL
+    #: before the answer): no time given, nothing follows from them
+    late_answers: int = 0
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
@@ -198,7 +201,8 @@ class Replay:
                 f" inferred (the closest {self.margin:.2f} s after the earliest it could),"
                 f" {self.device_refusals} stale step(s) the device refused as the"
                 f" model does, {self.lost_replies} commit(s) whose reply was lost,"
-                f" {self.late_renewals} renewal(s) more than a TTL after the last")
+                f" {self.late_renewals} renewal(s) more than a TTL after the last,"
+                f" {self.late_answers} answered after their lease ended")
 
 
 def _vm(node: str, vm: str) -> str:
@@ -323,6 +327,12 @@ class Replayer:
         if h.lease != lease:
             raise Refused(f"{e.actor} renews lease {lease}, its agent's is {h.lease}")
         sent = float(e.fields["sent"])
+        if get(s.leases, lease) is None and sent + self.model.ttl <= s.now:
+            # etcd answered the keepalive before it ended the lease, and the answer came
+            # after the end (the network's latency; seed 20, 2026-11-30: sent 3 s before):
+            # it gives the agent no time, its guard counting from the send (rule 2)
+            self.result.late_answers += 1
+            return s
         if sent - h.sent >= self.model.ttl:
             self.result.late_renewals += 1  # etcd kept the lease past its TTL (``renew``)
         return self.model.renew(s, e.actor, sent)

@@ -156,6 +156,13 @@ class SimFabric(Ledger):
                 self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
         released = super().release(fdid, holder, expected=expected)
         if self.events is not None and hold is not None and same_holder(hold.holder, holder):
+            if released and expected is not None and not expected.token:
+                # A pending release that knew no token: its VM's prepare met the registry
+                # away, and its reserve may have committed and lost its reply, noting
+                # nothing. Its hold is noted as made here (as a lost reply; one the history
+                # has seen already is the VM's own, no change), so its end has a beginning.
+                self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
+                                 token=hold.token, created=False)
             self._note_release(fdid, holder, hold.token, released)
         elif self.events is not None and hold is None and expected is not None and expected.token:
             # A pending release landing after its first run committed and lost its reply (the

@@ -46,6 +46,31 @@ def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
     fabric.close()
 
 
+def test_a_pending_release_of_a_reserve_whose_reply_was_lost_notes_the_hold_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Seen in CI's nemesis (seed 20, 2026-11-30): a VM's prepare met etcd without quorum
+    after its reserve had committed; the reserve raised and noted nothing, the release was
+    recorded pending without a token, and the agent landed it on that hold: the replay
+    refused the release of a hold it had never seen made."""
+    events = tmp_path / "events"
+    events.mkdir()
+    state = tmp_path / "state.db"
+    fabric = make_fabric(state)
+    with open_fabric(state, "gamma") as lost:  # committed; its reply (and note) lost
+        lost.reserve(0x10, VM)
+    token = fabric.holds_of(VM)[0x10].token
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    with open_fabric(state, "gamma") as landing:
+        assert landing.release(0x10, VM, expected=ExpectedHold(before=1e12))
+    noted = [(e.kind, e.fields.get("token"), e.fields.get("created"), e.fields.get("lost_reply"))
+             for e in read_events(events / EVENTS_FILE)]
+    # the replay takes a reserve not created as this call's own lost reply
+    # (tests/unit/sim/test_replay.py), then its release
+    assert noted == [("reserve", token, False, None), ("release", token, None, False)]
+    fabric.close()
+
+
 @pytest.mark.daemon
 def test_a_reserve_whose_lease_ends_before_the_read_back_notes_its_fences_token(
     etcd_url: str, etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -100,6 +100,23 @@ def test_a_history_of_holds_released_and_taken_back_is_allowed():
     assert run.ended == 1  # beta's lease, which the take-back needed ended
 
 
+def test_a_keepalive_answered_after_its_lease_ended_gives_no_time():
+    """Seed 20 (2026-11-30, the latency nemesis): alpha's keepalive sent at 0.9 was answered
+    at 4.0, after beta's lender took a1's device back (the lease had ended at 2.9)."""
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).serve("alpha/a1", 0x10, 5)
+    h.at(0.9)
+    sent = h.t
+    h.at(3.5).take_back(0x10, 5)
+    h.at(4.0).add("lease-renewed", "alpha", 1, lease=0xA1, ttl=TTL, sent=sent)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.late_answers == 1 and run.ended == 1
+    # an answer that would still give time after the lease's end is refused
+    h.at(4.1).add("lease-renewed", "alpha", 1, lease=0xA1, ttl=TTL, sent=3.0)
+    assert "is gone" in _why(h)
+
+
 def test_a_serve_of_an_older_token_than_one_served_is_refused():
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5).reserve("beta/b1", 0x11, 6, pid=11)
