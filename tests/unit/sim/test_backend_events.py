@@ -46,6 +46,33 @@ def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
     fabric.close()
 
 
+def test_a_pending_release_landing_after_another_vm_took_the_device_notes_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Seen in a nemesis run (seed 20, 2026-11-30): gamma/g2's release committed and lost its
+    reply, alpha/a2 reserved the device, and only then did g2's pending release land: it found
+    another VM's hold and noted nothing, so the replay refused a2's reserve as a second
+    holder."""
+    events = tmp_path / "events"
+    events.mkdir()
+    state = tmp_path / "state.db"
+    fabric = make_fabric(state)
+    fabric.reserve(0x10, VM)
+    token = fabric.holds_of(VM)[0x10].token
+    with open_fabric(state, "gamma") as first_run:  # committed; its reply (and note) lost
+        assert first_run.release(0x10, VM)
+    other = Holder("gamma", "vm2")
+    fabric.reserve(0x10, other)
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    with open_fabric(state, "gamma") as landing:
+        assert not landing.release(0x10, VM, expected=ExpectedHold(token=token, before=1e12))
+        assert landing.holds_of(other)[0x10].token > token  # the other VM's hold untouched
+    noted = [(e.kind, e.fields.get("vm"), e.fields.get("token"), e.fields.get("lost_reply"))
+             for e in read_events(events / EVENTS_FILE)]
+    assert noted == [("release", "vm1", token, True)]
+    fabric.close()
+
+
 def test_a_pending_release_of_a_reserve_whose_reply_was_lost_notes_the_hold_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
