@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.agent_model import Device, Host, Model, Refused, State, Vm, get
+from tests.support.agent_model import Device, Host, Model, Refused, State, Vm, get, put
 
 #: The register's ``serve``, ``end``, ``take-back``: events of the device.
 DEVICE_KINDS = ("serve", "end", "take-back")
@@ -215,6 +215,10 @@ class Replayer:
     def __init__(self, events: list[Event], ttl: float | None = None) -> None:
         ttls = [float(e.fields["ttl"]) for e in events if "ttl" in e.fields]
         self.model = Model(ttl=ttl if ttl is not None else min(ttls, default=2.0))
+        #: per device, reserves whose token is unknown (``on_reserve_unknown``), and the
+        #: take-backs of tokens no reserve made yet
+        self.unknown: dict[int, int] = {}
+        self.orphans: list[Event] = []
         nodes: set[str] = set()
         vms: dict[str, str] = {}
         fdids: set[int] = set()
@@ -223,7 +227,7 @@ class Replayer:
                 nodes.add(e.actor)
             if e.fdid is not None:
                 fdids.add(e.fdid)
-            if e.kind in ("reserve", "release"):
+            if e.kind in ("reserve", "release", "reserve-unknown"):
                 nodes.add(e.node)
                 vms[_vm(e.node, str(e.fields["vm"]))] = e.node
             if e.kind in ("serve", "end"):
@@ -269,6 +273,10 @@ class Replayer:
             done.append(e)
             self.result.events += 1
             self.result.counts[e.kind] = self.result.counts.get(e.kind, 0) + 1
+        if self.result.refusal is None and self.orphans:
+            e = self.orphans[0]
+            why = f"a take-back of {e.fdid:#x} with a token no reserve made"
+            self.result.refusal = Refusal(e, why, [], self.state)
         return self.result
 
     def _lease(self, etcd_id: int) -> int:
@@ -358,7 +366,9 @@ class Replayer:
         fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
         vm = _vm(e.node, str(e.fields["vm"]))
         if not token:
-            raise Refused("a reserve whose token is unknown (its hold ended before it was read)")
+            # its hold and fence were gone when it read them back: its lease ended and its
+            # lender took the device back (a take-back of a token the history had not seen)
+            return self.on_reserve_unknown(s, e)
         held = get(s.holds, fdid)
         if not e.fields.get("created", True):
             if held is not None and (held.vm, held.token) == (vm, token):
@@ -368,6 +378,18 @@ class Replayer:
             s = self._end(s, held.lease, f"{fdid:#x} is held by {held.vm} (token {held.token})")
         h = self.model.host(s, e.node)
         return self.model.take_hold(s, vm, fdid, token, h.lease_file)
+
+    def on_reserve_unknown(self, s: State, e: Event) -> State:
+        """A reserve that met the registry away and raised: its commit may have landed (etcd
+        answered 503 after applying it), its token unknown. A later take-back of a token the
+        history never saw made, on that device, is then that hold's end."""
+        fdid = int(e.fields["fdid"])
+        waiting = [x for x in self.orphans if x.fdid == fdid]
+        if waiting:
+            self.orphans.remove(waiting[0])  # the take-back of its hold came first
+        else:
+            self.unknown[fdid] = self.unknown.get(fdid, 0) + 1
+        return s
 
     def on_release(self, s: State, e: Event) -> State:
         fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
@@ -418,6 +440,18 @@ class Replayer:
         fence = get(s.fences, fdid)
         if fence is None and d.retired == token:
             return self._agree(s, e)  # the same take-back again (its fence's removal failed)
+        if fence is None and get(s.holds, fdid) is None and token > s.issued:
+            # the hold of a reserve whose token nobody read (``on_reserve_unknown``): made
+            # after every hold the history knows, never served, ended with its lease. That
+            # reserve's event may come later (its answer came after the take-back): until it
+            # does, the take-back waits for it, and the run is refused if it never comes
+            if self.unknown.get(fdid):
+                self.unknown[fdid] -= 1
+            else:
+                self.orphans.append(e)
+            self.result.lost_replies += 1
+            s = s._replace(fences=put(s.fences, fdid, token), issued=token)
+            fence = token
         if fence != token:
             raise Refused(f"a take-back of {fdid:#x} with token {token}; the fence's is {fence}")
         held = get(s.holds, fdid)

@@ -46,6 +46,33 @@ def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
     fabric.close()
 
 
+def test_a_reserve_that_meets_the_registry_away_notes_that_its_outcome_is_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Seed 78 (2026-11-30): a reserve whose commit landed while etcd was cut off raised and
+    noted nothing; its hold ended with the lease and the lender's take-back named a token the
+    replay had never seen made."""
+    from vmlend.errors import RegistryUnreachableError
+    from vmlend.ledger.ledger import Ledger
+
+    events = tmp_path / "events"
+    events.mkdir()
+    fabric = make_fabric(tmp_path / "state.db")
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+
+    def away(*_a: object, **_k: object) -> None:
+        raise RegistryUnreachableError("etcd://x", "etcd does not answer")
+
+    with open_fabric(tmp_path / "state.db", "gamma") as cut:
+        monkeypatch.setattr(Ledger, "reserve", away)
+        with pytest.raises(RegistryUnreachableError):
+            cut.reserve(0x10, VM)
+    noted = [(e.kind, e.fields.get("fdid"), e.fields.get("vm"))
+             for e in read_events(events / EVENTS_FILE)]
+    assert noted == [("reserve-unknown", 0x10, "vm1")]
+    fabric.close()
+
+
 def test_a_pending_release_landing_after_another_vm_took_the_device_notes_its_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

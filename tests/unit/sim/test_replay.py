@@ -117,6 +117,38 @@ def test_a_keepalive_answered_after_its_lease_ended_gives_no_time():
     assert "is gone" in _why(h)
 
 
+def test_a_take_back_of_a_hold_whose_reserve_lost_its_reply_is_allowed_after_it_only():
+    """Seed 78 (2026-11-30): gamma's reserve met etcd cut off and raised, but its commit had
+    landed; the hold (never served) ended with gamma's lease and alpha took the device back
+    with a token the history never saw made."""
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).serve("alpha/a1", 0x10, 5)
+    h.at(0.6).spend("alpha/a1", 0x10, 5).release("alpha/a1", 0x10, 5)
+    h.at(0.8).add("reserve-unknown", "beta", 11, fdid=0x10, node="beta", vm="b1")
+    h.at(0.9).renew("alpha", 0xA1).crash("beta")
+    h.at(3.5).take_back(0x10, 9)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.lost_replies == 1
+    # the same take-back without the reserve whose outcome was unknown: refused
+    bare = History()
+    bare.events = [e for e in h.events if e.kind != "reserve-unknown"]
+    assert "a token no reserve made" in _why(bare)
+    # unless that reserve's own event comes after it (its answer came late; its read-back
+    # found neither hold nor fence: token 0)
+    late = History()
+    late.events = list(bare.events)
+    late.at(3.9).add("reserve", "beta", 12, fdid=0x10, node="beta", vm="b1", token=0)
+    run = replay(late.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    # and one of a token older than a hold the history knows: refused
+    h.at(3.6).renew("alpha", 0xA1).reserve("alpha/a1", 0x10, 12)
+    h.at(3.7).add("reserve-unknown", "beta", 11, fdid=0x10, node="beta", vm="b1")
+    h.at(3.8).spend("alpha/a1", 0x10, 12).release("alpha/a1", 0x10, 12)
+    h.at(6.0).take_back(0x10, 11)
+    assert "the fence's is None" in _why(h)
+
+
 def test_a_serve_of_an_older_token_than_one_served_is_refused():
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5).reserve("beta/b1", 0x11, 6, pid=11)
