@@ -127,8 +127,10 @@ class LeaseExpiredError(StateError):
 
 
 class RegistryUnreachableError(StateError):
-    """The cluster registry cannot be reached, or answers without a quorum: nothing was read
-    or written. ``where`` names its endpoints."""
+    """The cluster registry cannot be reached, or answers without a quorum: nothing was read.
+    A commit's outcome is unknown: etcd may have applied one it then answered with an error
+    (a timeout inside raft), so a caller that must know reads again once it can (a hold
+    carries its reserve's stamp; a release is journalled). ``where`` names its endpoints."""
 
     def __init__(self, where: str, message: str) -> None:
         self.where = where
