@@ -137,6 +137,13 @@ class RegistryUnreachableError(StateError):
         super().__init__(message)
 
 
+class DamagedCopyError(StateError):
+    """A chunk of this host's copy of the topology (``vmlend.registry.topocache``) does not
+    hash to its digest, and the registry no longer holds that generation's pieces to read it
+    from instead. Raised wherever the topology is read, so a caller that sorts errors into
+    "not this check's" must let it through (it is about every check)."""
+
+
 class RegistryAuthError(StateError):
     """etcd's authentication refused this host: it needs a user and none was given, or the
     user's password is wrong. Nothing was read or written. ``where`` names the endpoints,

@@ -32,7 +32,7 @@ from vmlend.domain import (
     remove_device,
 )
 from vmlend.domain.model import DomainXML
-from vmlend.errors import FabricError, VmlendError
+from vmlend.errors import DamagedCopyError, FabricError, VmlendError
 from vmlend.fabric.base import ChecksShares, Fabric, MapsP2P, WritesDmaWindows
 from vmlend.kernel.dmafiles import (
     DmaReport,
@@ -257,6 +257,8 @@ def _look_share_children(
         holder = Holder(m.node or fabric.local_node, m.vm)
         try:
             expected = fabric.registry_share(m.fdid, holder)
+        except DamagedCopyError:
+            raise  # the topology could not be read: every check's problem
         except VmlendError:  # a share the driver cannot run (two paths): not this check's
             continue
         out.append(ShareChildCheck(m, holder, expected, report))
@@ -319,6 +321,8 @@ def _look_dma(fabric: Fabric, running: list[RunningVm], present: set[str]) -> li
                 continue
             try:
                 expected = fabric.expected_windows(dev.fdid, vm.ram)
+            except DamagedCopyError:
+                raise  # the topology could not be read: every check's problem
             except VmlendError:  # the device left the fabric: other drift says so
                 continue
             hold = holds.get(dev.fdid)

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from vmlend.domain import VmlendDevice, read_domain
-from vmlend.errors import UnknownDomainError, VmlendError
+from vmlend.errors import DamagedCopyError, UnknownDomainError, VmlendError
 from vmlend.fabric.base import Fabric, MapsP2P, WritesDmaWindows
 from vmlend.hypervisor import Hypervisor
 from vmlend.kernel.dmafiles import DmaReport, MappedWindow, Window
@@ -273,6 +273,8 @@ def add_history(views: list[VmView], state_dir: Path) -> None:
 def _dma_path(topology: Topology, fdid: int, node: str) -> PciePath | None:
     try:
         return device_to_ram(topology, fdid, node)
+    except DamagedCopyError:
+        raise  # the topology could not be read: not "no path"
     except VmlendError:  # e.g. no NTB path to the lender: admission says so where it matters
         return None
 

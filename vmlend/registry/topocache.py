@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 
 from vmlend import safefile
-from vmlend.errors import StateError, UnsafePathError
+from vmlend.errors import DamagedCopyError, UnsafePathError
 from vmlend.registry import topopieces
 from vmlend.registry.topopieces import PIECES_FORMAT_1, StoredView, TopologyHead
 from vmlend.topology.chunked import (
@@ -56,11 +56,6 @@ MAX_CACHE_BYTES = 256 << 20
 
 #: The most bytes the two lines before the content may take (a head is ~300 bytes).
 _MAX_HEADER = 4096
-
-
-class DamagedCopyError(StateError):
-    """A chunk of this host's copy of the topology does not hash to its digest, and the
-    registry no longer holds that generation's pieces to read it from instead."""
 
 
 #: Reads ``length`` bytes of a generation's content from ``start`` out of the registry's own

@@ -140,6 +140,28 @@ def test_a_damaged_state_file_is_one_drift_not_a_traceback(running, fake):
     assert "damaged" in d.cause and "unknown state" in d.cause and not d.fixable
 
 
+def test_a_damaged_copy_of_the_topology_is_raised_not_taken_for_a_device_gone(
+    running, fake, monkeypatch
+):
+    # the check skips a device whose windows cannot be computed (it left the fabric: other
+    # drift says so), but a topology that cannot be read is every check's problem
+    from vmlend.errors import DamagedCopyError, UnknownDeviceError
+
+    hv, fabric = running
+
+    def damaged(*_a, **_k):
+        raise DamagedCopyError("this host's copy of the topology is damaged")
+
+    def gone(*_a, **_k):
+        raise UnknownDeviceError(NVME)
+
+    monkeypatch.setattr(type(fabric), "expected_windows", gone)
+    assert _dma(hv, fabric) == []
+    monkeypatch.setattr(type(fabric), "expected_windows", damaged)
+    with pytest.raises(DamagedCopyError):
+        _dma(hv, fabric)
+
+
 def test_a_driver_without_the_group_is_no_drift(tmp_path, state, fake):
     fake.smartio.data_path = False
     hv = SimHypervisor("gamma", tmp_path / "hv", None)

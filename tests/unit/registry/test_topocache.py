@@ -10,11 +10,12 @@ import os
 import pytest
 
 from tests.support.simfabric import small_topology, star_topology
+from vmlend.errors import DamagedCopyError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import topopieces
 from vmlend.registry.etcd_gateway import EtcdGateway
 from vmlend.registry.records import TopologyRecord
-from vmlend.registry.topocache import CACHE_FORMAT, DamagedCopyError, TopologyCache
+from vmlend.registry.topocache import CACHE_FORMAT, TopologyCache
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 
