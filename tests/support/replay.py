@@ -128,6 +128,14 @@ def ordered(events: Iterable[Event]) -> list[Event]:
     reserves = [first[t] for t in sorted(first)]
     chained = {id(e) for e in reserves}
     releases = {(e.fdid, int(e.fields.get("token") or 0)): e for e in evs if e.kind == "release"}
+    # a release committed no sooner than its call began; a pending release's landing (noted
+    # when the agent landed it) no sooner than its first run began, which met the registry
+    # away and noted that (``release-unknown``); without it, no sooner than the landing
+    tried = {
+        (e.fdid, int(e.fields.get("token") or 0)): float(e.fields.get("began", e.t))
+        for e in evs
+        if e.kind == "release-unknown"
+    }
     served: dict[tuple[int | None, int], float] = {}
     for e in evs:
         if e.kind == "serve" and not e.fields.get("refused"):
@@ -143,6 +151,10 @@ def ordered(events: Iterable[Event]) -> list[Event]:
         rel = releases.get((e.fdid, token))
         if rel is not None:
             when[id(rel)] = min(rel.t, nxt)
+            if rel.fields.get("landing"):
+                when[id(rel)] = max(when[id(rel)], tried.get((e.fdid, token), rel.t))
+            elif "began" in rel.fields:
+                when[id(rel)] = max(when[id(rel)], float(rel.fields["began"]))
             t = min(t, when[id(rel)])
         when[id(e)] = t
         later_any = later_on[e.fdid] = t
@@ -215,10 +227,13 @@ class Replayer:
     def __init__(self, events: list[Event], ttl: float | None = None) -> None:
         ttls = [float(e.fields["ttl"]) for e in events if "ttl" in e.fields]
         self.model = Model(ttl=ttl if ttl is not None else min(ttls, default=2.0))
-        #: per device, reserves whose token is unknown (``on_reserve_unknown``), and the
-        #: take-backs of tokens no reserve made yet
-        self.unknown: dict[int, int] = {}
-        self.orphans: list[Event] = []
+        #: per (device, VM), reserves whose token is unknown (``on_reserve_unknown``): their
+        #: host and when their call began; and the take-backs of tokens no reserve made yet,
+        #: with the hosts that could not have lost a lease then
+        self.unknown: dict[tuple[int, str], tuple[str, float]] = {}
+        #: when the replay ended each lease (``_end``)
+        self.ended_at: dict[int, float] = {}
+        self.orphans: list[tuple[Event, frozenset[str]]] = []
         nodes: set[str] = set()
         vms: dict[str, str] = {}
         fdids: set[int] = set()
@@ -274,7 +289,7 @@ class Replayer:
             self.result.events += 1
             self.result.counts[e.kind] = self.result.counts.get(e.kind, 0) + 1
         if self.result.refusal is None and self.orphans:
-            e = self.orphans[0]
+            e = self.orphans[0][0]
             why = f"a take-back of {e.fdid:#x} with a token no reserve made"
             self.result.refusal = Refusal(e, why, [], self.state)
         return self.result
@@ -295,6 +310,7 @@ class Replayer:
                           f" keepalive's send), {found.expires - s.now:.3f} s later")
         self.result.ended += 1
         self.result.margin = min(self.result.margin, s.now - found.expires)
+        self.ended_at[lease] = s.now
         return self.model.expire(s, lease)
 
     # --- the test's kills and restarts -----------------------------------------------------
@@ -335,10 +351,13 @@ class Replayer:
         if h.lease != lease:
             raise Refused(f"{e.actor} renews lease {lease}, its agent's is {h.lease}")
         sent = float(e.fields["sent"])
-        if get(s.leases, lease) is None and sent + self.model.ttl <= s.now:
+        ended = self.ended_at.get(lease)
+        if get(s.leases, lease) is None and ended is not None and sent + self.model.ttl <= ended:
             # etcd answered the keepalive before it ended the lease, and the answer came
             # after the end (the network's latency; seed 20, 2026-11-30: sent 3 s before):
-            # it gives the agent no time, its guard counting from the send (rule 2)
+            # it gives the agent no time, its guard counting from the send (rule 2). The
+            # lease must have ended no sooner than TTL after that send, or the event that
+            # ended it in the replay came too early
             self.result.late_answers += 1
             return s
         if sent - h.sent >= self.model.ttl:
@@ -367,8 +386,15 @@ class Replayer:
         vm = _vm(e.node, str(e.fields["vm"]))
         if not token:
             # its hold and fence were gone when it read them back: its lease ended and its
-            # lender took the device back (a take-back of a token the history had not seen)
-            return self.on_reserve_unknown(s, e)
+            # lender took the device back first (a take-back of a token the history had not
+            # seen, waiting for this reserve); anything else is a reserve nobody can place
+            if not self._match_orphan(s, e):
+                raise Refused(
+                    "a reserve whose token is unknown (its hold ended before it was read)"
+                    " and no take-back of a hold nobody saw made before it"
+                )
+            return s
+        self.unknown.pop((fdid, vm), None)  # the VM's hold shows up: no unknown one pending
         held = get(s.holds, fdid)
         if not e.fields.get("created", True):
             if held is not None and (held.vm, held.token) == (vm, token):
@@ -380,21 +406,49 @@ class Replayer:
         return self.model.take_hold(s, vm, fdid, token, h.lease_file)
 
     def on_reserve_unknown(self, s: State, e: Event) -> State:
-        """A reserve that met the registry away and raised: its commit may have landed (etcd
-        answered 503 after applying it), its token unknown. A later take-back of a token the
-        history never saw made, on that device, is then that hold's end."""
-        fdid = int(e.fields["fdid"])
-        waiting = [x for x in self.orphans if x.fdid == fdid]
-        if waiting:
-            self.orphans.remove(waiting[0])  # the take-back of its hold came first
-        else:
-            self.unknown[fdid] = self.unknown.get(fdid, 0) + 1
+        """A reserve that met the registry away and raised (``began`` when its call did): its
+        commit may have landed (etcd answered 503 after applying it), its token unknown. A
+        take-back of a token the history never saw made, on that device, may then be that
+        hold's end: one that came first waits for this (``_match_orphan``); a later one takes
+        it (``on_take_back``), unless the VM's hold shows up with a token first."""
+        if not self._match_orphan(s, e):
+            fdid, vm = int(e.fields["fdid"]), _vm(e.node, str(e.fields["vm"]))
+            self.unknown[(fdid, vm)] = (e.node, float(e.fields.get("began", e.t)))
         return s
+
+    def on_release_unknown(self, s: State, e: Event) -> State:
+        """A release that met the registry away and raised: recorded pending, it lands later
+        (its landing's event is placed no sooner than this one: ``ordered``)."""
+        return s
+
+    def _match_orphan(self, s: State, e: Event) -> bool:
+        """Whether a take-back of a hold nobody saw made, on ``e``'s device, waits for the
+        reserve ``e``: one that came after the call began, when the VM's host could have lost
+        the lease that hold was on."""
+        began = float(e.fields.get("began", e.t))
+        for orphan, hosts in self.orphans:
+            if orphan.fdid == e.fdid and began <= orphan.t and e.node not in hosts:
+                self.orphans.remove((orphan, hosts))
+                return True
+        return False
+
+    def _leases_alive(self, s: State) -> frozenset[str]:
+        """The hosts every lease of which (the agent's, the lease file's) lives and cannot
+        have ended by now: none of their holds can have ended with a lease."""
+        out = set()
+        for name, h in s.hosts:
+            leases = [x for x in (h.lease, h.lease_file) if x is not None]
+            alive = [get(s.leases, x) for x in leases]
+            if alive and all(x is not None and s.now < x.expires for x in alive):
+                out.add(name)
+        return frozenset(out)
 
     def on_release(self, s: State, e: Event) -> State:
         fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
         held = get(s.holds, fdid)
         vm = _vm(e.node, str(e.fields["vm"]))
+        if token:
+            self.unknown.pop((fdid, vm), None)  # the VM's hold shows up: no unknown pending
         if e.fields.get("lost_reply"):
             # it found its hold and fence gone: its own earlier run ended them (or the lease
             # took the hold and the lender its fence, which the replay has seen then)
@@ -442,13 +496,19 @@ class Replayer:
             return self._agree(s, e)  # the same take-back again (its fence's removal failed)
         if fence is None and get(s.holds, fdid) is None and token > s.issued:
             # the hold of a reserve whose token nobody read (``on_reserve_unknown``): made
-            # after every hold the history knows, never served, ended with its lease. That
-            # reserve's event may come later (its answer came after the take-back): until it
-            # does, the take-back waits for it, and the run is refused if it never comes
-            if self.unknown.get(fdid):
-                self.unknown[fdid] -= 1
+            # after every hold the history knows, never served, ended with its host's lease.
+            # That reserve's event may come later (its answer came after the take-back):
+            # then the take-back waits for it, and the run is refused if it never comes
+            alive = self._leases_alive(s)
+            credits = [
+                (key, node)
+                for key, (node, began) in self.unknown.items()
+                if key[0] == fdid and began <= s.now and node not in alive
+            ]
+            if credits:
+                del self.unknown[credits[0][0]]
             else:
-                self.orphans.append(e)
+                self.orphans.append((e, alive))
             self.result.lost_replies += 1
             s = s._replace(fences=put(s.fences, fdid, token), issued=token)
             fence = token

@@ -70,6 +70,7 @@ class SimFabric(Ledger):
         guest_ram: GuestRam | int = 0,
         msi_over_ntb: bool = False,
     ) -> Reservation:
+        began = time.time()
         try:
             made = super().reserve(
                 fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
@@ -78,7 +79,8 @@ class SimFabric(Ledger):
             if self.events is not None:
                 # its commit may have landed all the same (etcd without quorum answers 503
                 # after applying it): the history says a hold of unknown token may exist
-                self.events.note("reserve-unknown", fdid=fdid, node=holder.node, vm=holder.vm)
+                self.events.note("reserve-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
+                                 began=began)
             raise
         if not made.created and self._hold_is_spent(fdid, holder):
             # A release of this hold spent its token at the device and then failed in the
@@ -94,7 +96,8 @@ class SimFabric(Ledger):
             # Not created: the VM had the hold, or this call made it and lost the reply (a
             # re-run then finds it); the replay tells them apart by the token
             self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
-                             token=self._token_read_back(fdid, holder), created=made.created)
+                             token=self._token_read_back(fdid, holder), created=made.created,
+                             began=began)
         return made
 
     def _token_read_back(self, fdid: int, holder: Holder) -> int:
@@ -168,7 +171,17 @@ class SimFabric(Ledger):
                 # and spends its token: an mdev creation that read the hold before this
                 # release (another process's) is refused when it serves it after
                 self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
-        released = super().release(fdid, holder, expected=expected)
+        began = time.time()
+        try:
+            released = super().release(fdid, holder, expected=expected)
+        except RegistryUnreachableError:
+            if self.events is not None and hold is not None and same_holder(hold.holder, holder):
+                # its commit may have landed; its journal lands it later, and that landing's
+                # commit was no sooner than this call began
+                self.events.note("release-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
+                                 token=hold.token, began=began)
+            raise
+        landing = expected is not None
         if self.events is not None and hold is not None and same_holder(hold.holder, holder):
             if released and expected is not None and not expected.token:
                 # A pending release that knew no token: its VM's prepare met the registry
@@ -177,17 +190,25 @@ class SimFabric(Ledger):
                 # has seen already is the VM's own, no change), so its end has a beginning.
                 self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
                                  token=hold.token, created=False)
-            self._note_release(fdid, holder, hold.token, released)
+            self._note_release(fdid, holder, hold.token, released, landing, began)
         elif self.events is not None and expected is not None and expected.token:
             # A pending release landing after its first run committed and lost its reply (the
             # registry went away mid-call): that run could note nothing, and here the hold is
             # gone already, the device free or held by another VM since (seed 20 on
             # 2026-11-30: alpha's reserve came 0.1 s before the landing). Its token is the
             # journal's, so the history still shows the end.
-            self._note_release(fdid, holder, expected.token, released)
+            self._note_release(fdid, holder, expected.token, released, landing, began)
         return released
 
-    def _note_release(self, fdid: int, holder: Holder, token: int, released: bool) -> None:
+    def _note_release(
+        self,
+        fdid: int,
+        holder: Holder,
+        token: int,
+        released: bool,
+        landing: bool = False,
+        began: float = 0.0,
+    ) -> None:
         """The event of ``holder``'s release of ``fdid`` (hold ``token``): it ended it; or it
         found it gone, and its fence with it (this call's earlier run committed and lost its
         reply), or not (the lease took the hold; nothing to note)."""
@@ -203,7 +224,7 @@ class SimFabric(Ledger):
             ):
                 return
         self.events.note("release", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
-                         lost_reply=not released)
+                         lost_reply=not released, landing=landing, began=began)
 
     def take_back(self, fence: FenceRecord) -> bool:
         if self.lenders is not None:

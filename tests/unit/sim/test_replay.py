@@ -138,7 +138,7 @@ def test_a_take_back_of_a_hold_whose_reserve_lost_its_reply_is_allowed_after_it_
     # found neither hold nor fence: token 0)
     late = History()
     late.events = list(bare.events)
-    late.at(3.9).add("reserve", "beta", 12, fdid=0x10, node="beta", vm="b1", token=0)
+    late.at(3.9).add("reserve", "beta", 12, fdid=0x10, node="beta", vm="b1", token=0, began=0.8)
     run = replay(late.events, ttl=TTL)
     assert run.refusal is None, run.refusal.describe()
     # and one of a token older than a hold the history knows: refused
@@ -147,6 +147,53 @@ def test_a_take_back_of_a_hold_whose_reserve_lost_its_reply_is_allowed_after_it_
     h.at(3.8).spend("alpha/a1", 0x10, 12).release("alpha/a1", 0x10, 12)
     h.at(6.0).take_back(0x10, 11)
     assert "the fence's is None" in _why(h)
+
+
+def test_what_a_lost_reply_explains_is_bounded_by_when_and_where_it_could_happen():
+    """A read-only review's sequences (2026-11-30): each explanation of a commit whose reply
+    was lost must not cover what the protocol forbids."""
+    # a keepalive whose send says the lease lived until 3.9 cannot excuse a take-back at 3.5
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5).serve("alpha/a1", 0x10, 5)
+    h.at(3.5).take_back(0x10, 5)
+    h.at(4.0).add("lease-renewed", "alpha", 1, lease=0xA1, ttl=TTL, sent=1.9)
+    assert "is gone" in _why(h)
+    # a landing of b1's release, its first run never seen, cannot go before a2's reserve
+    # made while b1's lease lived
+    h = _two_hosts()
+    h.at(0.5).reserve("beta/b1", 0x10, 5, pid=11)
+    h.at(0.9).renew("alpha", 0xA1).renew("beta", 0xB1)
+    h.at(1.0).reserve("alpha/a2", 0x10, 6)
+    h.at(1.5).renew("alpha", 0xA1).renew("beta", 0xB1)
+    h.at(1.6).add("release", "beta", 11, fdid=0x10, node="beta", vm="b1", token=5,
+                  lost_reply=True, landing=True)
+    assert "cannot have ended before" in _why(h)
+    # a reserve that read back another VM's hold (token 0) is not a lost reply
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5)
+    h.at(1.0).add("reserve", "beta", 11, fdid=0x10, node="beta", vm="b1", token=0, began=0.9)
+    assert "token is unknown" in _why(h)
+    # a take-back of an unknown hold while its host's lease surely lives
+    h = _two_hosts()
+    h.at(0.8).add("reserve-unknown", "beta", 11, fdid=0x10, node="beta", vm="b1", began=0.8)
+    h.at(0.9).renew("alpha", 0xA1).renew("beta", 0xB1)
+    h.at(1.0).take_back(0x10, 9)
+    assert "a token no reserve made" in _why(h)
+    # an unknown reserve whose VM's hold showed up with its token explains nothing else
+    h = _two_hosts()
+    h.at(0.8).add("reserve-unknown", "beta", 11, fdid=0x10, node="beta", vm="b1", began=0.8)
+    h.at(1.0).add("reserve", "beta", 12, fdid=0x10, node="beta", vm="b1", token=9,
+                  created=False)
+    h.add("release", "beta", 12, fdid=0x10, node="beta", vm="b1", token=9)
+    h.at(1.2).crash("beta")
+    h.at(5.0).take_back(0x10, 20)
+    assert "a token no reserve made" in _why(h)
+    # nor one whose call began after the take-back
+    h = _two_hosts()
+    h.at(0.5).crash("beta")
+    h.at(3.0).take_back(0x10, 9)
+    h.at(30.0).add("reserve-unknown", "beta", 13, fdid=0x10, node="beta", vm="b3", began=29.9)
+    assert "a token no reserve made" in _why(h)
 
 
 def test_a_serve_of_an_older_token_than_one_served_is_refused():
