@@ -23,6 +23,12 @@ etcd's *default* request limits, 1.5 MiB and 128 operations):
 - reserve CPU p50: ``--vms`` one-device VMs reserved one after the other through one open
   fabric (this process's CPU, ``time.process_time``), the median of the first 100 and of the
   last 100 reserves.
+
+With ``--crowd VMS`` it measures instead what issue 38's point 3 names: at each size, a
+fresh fabric, then VMS VMs holding two devices each (two reserves, each VM on the node half
+the fabric away from its lender), reserved one after the other through one open fabric; the
+median CPU of the first and of the last 100 admitted reserves, and the refusals (a resource
+exhausted: LUT entries, window segments) counted apart.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.* h
 from tests.support.etcd_daemon import EtcdServer, host_lease
 from tests.support.simfabric import fabric_topology
 from vmlend.domain import DeviceRequest, DomainSpec, TemplateSet, new_domain
+from vmlend.errors import ResourceExhaustedError
 from vmlend.hook.install import install_hook
 from vmlend.sim.backend import SimFabric
 from vmlend.topology.model import GiB, Holder, MiB
@@ -162,6 +169,41 @@ def reserve_p50(location: object, nodes: int, vms: int) -> tuple[float, float]:
     return statistics.median(cpu[:WINDOW]), statistics.median(cpu[-WINDOW:])
 
 
+def crowd(location: str, nodes: int, vms: int) -> dict[str, float]:
+    """``vms`` two-device VMs on a fresh fabric of ``nodes`` nodes (``--crowd``): the CPU of
+    each admitted reserve, the refusals apart."""
+    init_fabric(location, topology(nodes), "generated.toml")
+    f = open_fabric(location, "n1")  # type: ignore[arg-type]
+    assert isinstance(f, SimFabric)
+    lent = (nodes - 1) * PER_NODE  # n0's devices are not lent
+    cpu: list[float] = []
+    refused = 0
+    t = time.perf_counter()
+    try:
+        for vm in range(min(vms, lent // 2)):
+            for n in (2 * vm, 2 * vm + 1):
+                lender = 1 + n // PER_NODE
+                holder = Holder(f"n{(lender + nodes // 2) % nodes}", f"vm{vm}")
+                c = time.process_time()
+                try:
+                    f.reserve(_fdid(lender, n % PER_NODE), holder, guest_ram=GiB)
+                except ResourceExhaustedError:
+                    refused += 1
+                    continue
+                cpu.append(time.process_time() - c)
+    finally:
+        f.close()
+    return {
+        "VMs": min(vms, lent // 2),
+        "reserves admitted": len(cpu),
+        "reserves refused": refused,
+        "run s": time.perf_counter() - t,
+        "reserve CPU p50 first 100 ms": statistics.median(cpu[:WINDOW]) * ms,
+        "reserve CPU p50 last 100 ms": statistics.median(cpu[-WINDOW:]) * ms,
+        "last/first": statistics.median(cpu[-WINDOW:]) / statistics.median(cpu[:WINDOW]),
+    }
+
+
 def measure(location: str, nodes: int, env: dict[str, str], args: argparse.Namespace) -> dict:
     cli = [str(Path(sys.executable).with_name("vmlend"))]
     where = ["--registry", location]
@@ -194,6 +236,9 @@ def main() -> None:
     ap.add_argument("--registries", default="sqlite,etcd")
     ap.add_argument("--vms", type=int, default=400, help="VMs reserved per size (>= 200)")
     ap.add_argument("--rounds", type=int, default=5, help="runs of each CLI command")
+    ap.add_argument(
+        "--crowd", type=int, default=0, help="instead: this many two-device VMs at each size"
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     start = time.perf_counter()
@@ -217,7 +262,10 @@ def main() -> None:
                         if registry == "etcd" and server is not None
                         else f"sqlite://{root / 'host' / f'size{nodes}.db'}"  # the hook's root
                     )
-                    rows[nodes] = measure(location, nodes, env, args)
+                    if args.crowd:
+                        rows[nodes] = crowd(location, nodes, args.crowd)
+                    else:
+                        rows[nodes] = measure(location, nodes, env, args)
                     print(f"  ({registry} {nodes} nodes measured)", file=sys.stderr)
                 report(registry, sizes, rows)
                 if server is not None:
