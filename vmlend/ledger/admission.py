@@ -36,7 +36,7 @@ peer-to-peer with remote devices may.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -145,6 +145,26 @@ class StateView(msgspec.Struct, frozen=True):
     devices: Mapping[int, DeviceRecord]
     holds: Mapping[int, HoldRecord]
     claims: Sequence[tuple[int, Claim]]
+
+
+class ClaimsOn:
+    """``claims`` grouped by the adapter or port each is on, in one pass: admission asks about
+    the few adapters and ports of one path several times, and going over every claim for
+    each question made a reserve's cost grow with how full those adapters are."""
+
+    __slots__ = ("_on",)
+
+    def __init__(self, claims: Iterable[tuple[int, Claim]]) -> None:
+        on: dict[str, list[tuple[int, Claim]]] = {}
+        for item in claims:
+            on.setdefault(item[1].adapter, []).append(item)
+        self._on = on
+
+    def __call__(self, *refs: str) -> list[tuple[int, Claim]]:
+        """The claims on ``refs``, in the order the claims came."""
+        if len(refs) == 1:
+            return self._on.get(refs[0], [])
+        return [item for ref in dict.fromkeys(refs) for item in self._on.get(ref, ())]
 
 
 class AdapterUsage(msgspec.Struct, frozen=True):
@@ -358,9 +378,10 @@ def admit(
         for name in ("lut", "ports", "window-dma", "window-bars", "segments"):
             adm.add(name, "not needed: the device is local")
     else:
-        _resource_checks(adm, topology, view, spec, path, ram, holder)
+        on = ClaimsOn(view.claims)
+        _resource_checks(adm, topology, on, spec, path, ram, holder)
         if msi_over_ntb:
-            _msi_check(adm, topology, view, spec, path, holder)
+            _msi_check(adm, topology, on, spec, path, holder)
     _p2p_checks(adm, topology, view, spec, holder, p2p_count or p2p_claims)
     return adm
 
@@ -596,7 +617,7 @@ def _p2p_port_error(
 def _msi_check(
     adm: Admission,
     topology: Topology,
-    view: StateView,
+    on: ClaimsOn,
     spec: DeviceSpec,
     path: NtbPath,
     holder: Holder | None,
@@ -604,9 +625,10 @@ def _msi_check(
     from vmlend.ledger.msiadmit import msi_claim
 
     # Free segments after this reservation's own claims (shared claims count once).
-    mine = [*view.claims, *((spec.fdid, c) for c in adm.claims)]
+    there = on(path.src.ref)
+    mine = [*there, *((spec.fdid, c) for c in adm.claims)]
     left = usage(topology, mine, [path.src.ref])[path.src.ref]
-    claim, why = msi_claim(spec, path.src, left.segments_free, holder, view.claims)
+    claim, why = msi_claim(spec, path.src, left.segments_free, holder, there)
     adm.add("msi-ntb", why, path="ntb" if claim else "relay")
     if claim is not None:
         adm.claims.append(claim)
@@ -615,14 +637,14 @@ def _msi_check(
 def _resource_checks(
     adm: Admission,
     topology: Topology,
-    view: StateView,
+    on: ClaimsOn,
     spec: DeviceSpec,
     path: NtbPath,
     ram: GuestRam,
     holder: Holder | None,
 ) -> None:
     lender_a, borrower_a = path.src, path.dst
-    use = usage(topology, view.claims, [lender_a.ref, borrower_a.ref])
+    use = usage(topology, on(lender_a.ref, borrower_a.ref), [lender_a.ref, borrower_a.ref])
     lu, bu = use[lender_a.ref], use[borrower_a.ref]
     fd = f"{spec.fdid:#x}"
 
@@ -633,7 +655,7 @@ def _resource_checks(
     share = requester_share(spec)
     shared: list[str] = []
     for a, u in ((lender_a, lu), (borrower_a, bu)):
-        if _claimed(view.claims, a.ref, share):
+        if _claimed(on(a.ref), a.ref, share):
             shared.append(a.ref)
         elif u.lut_free < 1 and lut_error is None:
             lut_error = ResourceExhaustedError("requester LUT", a.ref, 1, u.lut_free, "entries")
@@ -648,7 +670,7 @@ def _resource_checks(
         lender_free=lu.lut_free,
         borrower_free=bu.lut_free,
     )
-    _port_checks(adm, topology, view, spec, path)
+    _port_checks(adm, topology, on, spec, path)
 
     # DMA windows: the VM's RAM in the lender's window, once per (lender adapter, VM).
     seg_l = lender_a.segment_size
@@ -659,8 +681,8 @@ def _resource_checks(
         prior = max(
             (
                 c.segments
-                for _f, c in view.claims
-                if c.adapter == lender_a.ref and c.kind is ClaimKind.DMA and c.share == share
+                for _f, c in on(lender_a.ref)
+                if c.kind is ClaimKind.DMA and c.share == share
             ),
             default=0,
         )
@@ -760,7 +782,7 @@ def _resource_checks(
 
 
 def _port_checks(
-    adm: Admission, topology: Topology, view: StateView, spec: DeviceSpec, path: NtbPath
+    adm: Admission, topology: Topology, on: ClaimsOn, spec: DeviceSpec, path: NtbPath
 ) -> None:
     """A requester entry on every cluster switch port the crossing passes: the port's table
     must have room for the device's requester unless another function of it is there."""
@@ -769,13 +791,14 @@ def _port_checks(
         adm.add("ports", "a back-to-back cable: no switch port to pass")
         return
     share = requester_share(spec)
-    used = port_usage(view.claims, [p.name for p in ports])
+    names = [p.name for p in ports]
+    used = port_usage(on(*names), names)
     parts: list[str] = []
     error: VmlendError | None = None
     for p in ports:
         size = topology.switch_requester_entries(p.switch)
         free = size - used[p.name]
-        if _claimed(view.claims, p.name, share):
+        if _claimed(on(p.name), p.name, share):
             parts.append(f"{p.name} has it")
         else:
             parts.append(f"{p.name} {free} of {size} free")

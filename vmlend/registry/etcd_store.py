@@ -23,6 +23,7 @@ from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
 from vmlend.registry.etcd_warm import WarmCache
+from vmlend.registry.records import Claim
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.registry.topocache import TopologyCache
 from vmlend.registry.topopieces import StoredView
@@ -64,6 +65,8 @@ class EtcdRegistry:
         self._attempts = attempts
         self._sleep = sleep
         self._topology_cache: dict[str, StoredView] = {}
+        #: Claims decoded from their values (``EtcdTxn._claims_of``), shared by the threads.
+        self._claims_seen: dict[bytes, tuple[int, Claim]] = {}
         #: The topology's generations, and this host's copy of the current one (``cache``).
         self.generations = EtcdTopology(gateway, self.keys, cache)
         #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.
@@ -160,6 +163,7 @@ class EtcdRegistry:
             self._topology_cache,
             lease,
             self.generations,
+            self._claims_seen,
         )
 
     def _settle(self, tx: EtcdTxn, committed: bool) -> None:

@@ -35,6 +35,7 @@ from vmlend.registry.conditions import (
     host_error,
     probe,
 )
+from vmlend.registry.records import Claim
 from vmlend.registry.schema import (
     APPLICATION_ID,
     COMPILED_SINCE,
@@ -154,6 +155,8 @@ class SqliteRegistry:
         #: The generations read, by their head (which names their sha256): a process reads
         #: and verifies one generation once, not in every transaction (``SqliteTxn``).
         self._generations: dict[str, topopieces.StoredView] = {}
+        #: Claims decoded from their rows, by row (``SqliteTxn._claim``).
+        self._claims_seen: dict[tuple[object, ...], Claim] = {}
         #: This host's copy of the topology (``topocache``: mapped, verified as it is read),
         #: beside the state; set by ``open`` (a state being created has none yet).
         self._copy: TopologyCache | None = None
@@ -332,6 +335,7 @@ class SqliteRegistry:
                 self._generations,
                 self._copy,
                 self._where,
+                self._claims_seen,
             )
         except sqlite3.Error as e:
             self._conn.rollback()

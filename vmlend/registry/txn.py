@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from vmlend.registry.topocache import TopologyCache
 
 _T = TypeVar("_T")
+#: At most this many decoded claims are kept per open state (``SqliteTxn._claim``): a full
+#: fabric of 16,384 devices holds about six claims a hold.
+_CLAIMS_SEEN = 1 << 17
 Row = tuple[Any, ...]  # what sqlite3 fetches: one value per selected column
 
 
@@ -77,8 +80,7 @@ def _pieces_of(state: str, generation: str) -> Callable[[int, int], bytes | None
             conn = sqlite3.connect(f"file:{quote(state)}?mode=ro", uri=True)
             try:
                 row = conn.execute(
-                    "SELECT CAST(data AS BLOB) FROM topology_pieces"
-                    " WHERE generation = ? AND n = ?",
+                    "SELECT CAST(data AS BLOB) FROM topology_pieces WHERE generation = ? AND n = ?",
                     (generation, n),
                 ).fetchone()
             finally:
@@ -103,8 +105,14 @@ class SqliteTxn:
         generations: dict[str, topopieces.StoredView] | None = None,
         copy: TopologyCache | None = None,
         where: str = "",
+        claims_seen: dict[Row, Claim] | None = None,
     ) -> None:
         self._c = conn
+        #: Claims decoded before, by their row: a reserve reads every claim on its path's
+        #: adapters, most of them unchanged since the last reserve, and decoding them again
+        #: made its cost grow with how full those adapters are (a row is its whole content,
+        #: so an equal row is an equal claim).
+        self._claims_seen = {} if claims_seen is None else claims_seen
         self._generations = {} if generations is None else generations
         #: This host's copy of the topology (``topocache``), the state's name in it.
         self._copy = copy
@@ -193,8 +201,7 @@ class SqliteTxn:
         else:
             # row by row, not fetchall: each piece is copied into the content and dropped
             rows = self._c.execute(
-                "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ?"
-                " ORDER BY n",
+                "SELECT n, CAST(data AS BLOB) FROM topology_pieces WHERE generation = ? ORDER BY n",
                 (head.generation,),
             )
             try:
@@ -479,8 +486,17 @@ class SqliteTxn:
         ).fetchall()
         return [(r[0], self._claim(r)) for r in rows]
 
+    def _claim(self, r: Row) -> Claim:
+        seen = self._claims_seen.get(r)
+        if seen is not None:
+            return seen
+        if len(self._claims_seen) >= _CLAIMS_SEEN:
+            self._claims_seen.clear()
+        claim = self._claims_seen[r] = self._decode_claim(r)
+        return claim
+
     @staticmethod
-    def _claim(r: Row) -> Claim:
+    def _decode_claim(r: Row) -> Claim:
         fields = dict(
             zip(("adapter", "kind", "share", "entries", "segments", "bytes"), r[1:], strict=True)
         )

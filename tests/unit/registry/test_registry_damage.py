@@ -223,3 +223,60 @@ def test_a_damaged_copy_of_a_topology_the_state_no_longer_holds_is_one_line(tmp_
     line = one_line(r)
     assert r.exit_code == 1 and "copy of the topology" in line and "is damaged" in line, line
     assert "run the command again" in line and "it was removed" in line and not copy.exists()
+
+
+# --- a claim read before and changed since: read as it is now ------------------------------
+# (An open registry keeps the claims it decoded, by their stored form: a changed or damaged
+# one must never be answered from what it was.)
+
+
+def _claims_on(reg, adapter: str):
+    with reg.read() as tx:
+        return {(f, c.kind.value): c for f, c in tx.claims_on([adapter])}
+
+
+def test_a_claim_changed_under_an_open_sqlite_state_is_read_as_it_now_is(held):
+    reg = SqliteRegistry.open(held)
+    try:
+        before = _claims_on(reg, "alpha:0")
+        assert before[(0x10, "lut")].entries == 1
+        _damage(held, "UPDATE claims SET entries = 3 WHERE fdid = 16 AND adapter = 'alpha:0'")
+        assert _claims_on(reg, "alpha:0")[(0x10, "lut")].entries == 3
+        _damage(held, "UPDATE claims SET entries = 'x' WHERE fdid = 16 AND adapter = 'alpha:0'")
+        with pytest.raises(StateRecordError, match="claim record 0x10 on 'alpha:0' is damaged"):
+            _claims_on(reg, "alpha:0")
+    finally:
+        reg.close()
+
+
+def test_a_claim_changed_under_an_open_etcd_registry_is_read_as_it_now_is(etcd_url):
+    import json
+
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_gateway import EtcdGateway, b64, unb64
+    from vmlend.registry.etcd_keys import Keys
+
+    fab = make_fabric(etcd_url)
+    gw = EtcdGateway(parse_location(etcd_url).endpoints)
+    try:
+        fab.reserve(0x10, WEB)
+        assert _claims_on(fab.registry, "alpha:0")[(0x10, "lut")].entries == 1
+        prefix = Keys(parse_location(etcd_url).cluster).claims_on("alpha:0")
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        kvs = gw.call("kv/range", {"key": b64(prefix), "range_end": b64(end)})["kvs"]
+        key = next(
+            unb64(kv["key"]).decode()
+            for kv in kvs
+            if json.loads(unb64(kv["value"]))["kind"] == "lut"
+        )
+        value = json.loads(
+            unb64(next(kv["value"] for kv in kvs if unb64(kv["key"]).decode() == key))
+        )
+        _put_raw(etcd_url, key, json.dumps({**value, "entries": 3}).encode())
+        assert _claims_on(fab.registry, "alpha:0")[(0x10, "lut")].entries == 3
+        _put_raw(etcd_url, key, json.dumps({**value, "entries": "x"}).encode())
+        with pytest.raises(StateRecordError, match="claim record"):
+            _claims_on(fab.registry, "alpha:0")
+    finally:
+        gw.close()
+        fab.close()
