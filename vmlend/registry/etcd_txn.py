@@ -631,8 +631,10 @@ class EtcdTxn:
                 run = [start, start + size]
             outer = size * 2
             while outer <= cap:
-                if start % outer:  # an aligned block holding this one, starting before it
-                    holding = start - start % outer
+                # an aligned block holding this one, starting before it; one starting inside
+                # this run is in the run's guarded range already (no compare of its own)
+                holding = start - start % outer
+                if holding < run[0]:
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
             # a new hold's (``add_hold``): on this host's lease like the hold, also a block

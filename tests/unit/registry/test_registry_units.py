@@ -180,8 +180,24 @@ def _taking(registry, take: tuple[int, int]) -> EtcdTxn:
 
 @pytest.mark.parametrize(
     "first,second",
-    [((2, 2), (1, 3)), ((1, 3), (2, 2)), ((4, 0), (1, 2)), ((1, 1), (4, 0)), ((2, 0), (2, 0))],
-    ids=["outer-first", "inner-first", "quad-then-one", "one-then-quad", "same-block"],
+    [
+        ((2, 2), (1, 3)),
+        ((1, 3), (2, 2)),
+        ((4, 0), (1, 2)),
+        ((1, 1), (4, 0)),
+        ((2, 0), (2, 0)),
+        ((3, 2), (2, 4)),
+        ((2, 4), (3, 2)),
+    ],
+    ids=[
+        "outer-first",
+        "inner-first",
+        "quad-then-one",
+        "one-then-quad",
+        "same-block",
+        "run-then-its-tail's-holder",
+        "a-run's-tail's-holder-first",
+    ],
 )
 def test_blocks_that_overlap_cannot_both_commit(etcd_url, monkeypatch, first, second):
     """Aligned blocks overlap only when one holds the other: two transactions that read one
