@@ -59,7 +59,7 @@ class EtcdTopology:
         blob = topopieces.pack(stored)
         pieces = topopieces.split(blob)
         generation = topopieces.new_generation()
-        head = topopieces.head_of(generation, stored, blob, len(pieces))
+        head, verified = topopieces.named(generation, stored, blob, len(pieces))
         seal = self._k.topology_seal(generation)
         revision = 0
         for first in range(0, len(pieces), PIECES_PER_REQUEST):
@@ -77,7 +77,8 @@ class EtcdTopology:
             _ok, revision = self._gw.txn([], ops)
         log.debug("staged topology generation %s: %d pieces", generation, len(pieces))
         if self._cache is not None:
-            self._cache.put(self._where, head, blob)  # this host installs it: keep it
+            # this host installs it: keep it
+            self._cache.put(self._where, head, blob, digests=verified.digests)
         return Staged(head, seal, revision)
 
     def drop(self, generation: str) -> None:
@@ -130,10 +131,10 @@ class EtcdTopology:
             ]
             _rev, results = self._gw.read_many(ranges, revision)
             pieces += [kvs[0].value for kvs in results if kvs]
-        blob = topopieces.join(head, pieces)
-        stored = topopieces.unpack(head, blob)
+        verified = topopieces.join_verified(head, pieces)
+        stored = topopieces.unpack(head, verified.blob)
         if self._cache is not None:
-            self._cache.put(self._where, head, blob)
+            self._cache.put(self._where, head, verified.blob, digests=verified.digests)
         return stored
 
 

@@ -147,13 +147,35 @@ class TopologyCache:
             log.info("%s; reading the registry", e)
             return None
 
-    def put(self, where: str, head: TopologyHead, blob: bytes | bytearray) -> None:
-        """Keep ``blob`` (verified against ``head`` by the caller) for the next process."""
+    def put(
+        self,
+        where: str,
+        head: TopologyHead,
+        blob: bytes | bytearray,
+        *,
+        digests: bytes | None = None,
+    ) -> None:
+        """Keep ``blob`` (verified against ``head`` by the caller) for the next process.
+        ``digests``: its chunks' digests (format 2) as the caller verified it by
+        (``topopieces.Verified``), so it is not hashed again; without them, computed here.
+        Given digests whose root is not the head's sha256 raise ``ValueError`` (a caller's
+        mistake): the copy's digests are always those its head names."""
         path = self.path(where)
-        parts = [CACHE_FORMAT, b"\n", msgspec.json.encode(head), b"\n"]
-        if head.format != PIECES_FORMAT_1:
-            parts.append(digests_of(blob))
-        parts.append(bytes(blob))
+        parts: list[bytes | bytearray] = [CACHE_FORMAT, b"\n", msgspec.json.encode(head), b"\n"]
+        if head.format == PIECES_FORMAT_1:
+            if digests is not None:
+                raise ValueError(f"generation {head.generation} is of format 1: no digests")
+        else:
+            if digests is None:
+                digests = digests_of(blob)
+            elif (
+                len(blob) != head.size
+                or len(digests) != chunks_in(len(blob)) * DIGEST_BYTES
+                or root_of(digests) != head.sha256
+            ):
+                raise ValueError(f"digests given for generation {head.generation} are not its")
+            parts.append(digests)
+        parts.append(blob)  # joined below: not copied on its own first
         try:
             self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
             safefile.write_atomically(path, b"".join(parts), mode=0o644)

@@ -24,7 +24,7 @@ import functools
 import hashlib
 import itertools
 import re
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -265,10 +265,22 @@ def pack(stored: StoredTopology) -> bytes:
     return len(again).to_bytes(4, "big") + again + b"".join(fields)
 
 
-def _sha256(fmt: str, blob: bytes | bytearray | memoryview) -> str:
+class Verified(NamedTuple):
+    """A generation's content and, for format 2, its chunks' digests (which hash to its
+    head's sha256): what ``TopologyCache.put`` keeps, so the content hashed once to verify
+    it is not hashed again to copy it (6.6 MB at 1,024 nodes)."""
+
+    blob: bytes | bytearray
+    digests: bytes | None  # format 1: None (its sha256 is that of the whole content)
+
+
+def _sha256(fmt: str, blob: bytes | bytearray | memoryview) -> tuple[str, bytes | None]:
+    """The sha256 a head of format ``fmt`` names for ``blob``, and the digests it is the
+    root of (format 2; None for format 1)."""
     if fmt == PIECES_FORMAT_1:
-        return hashlib.sha256(blob).hexdigest()
-    return root_of(digests_of(blob))
+        return hashlib.sha256(blob).hexdigest(), None
+    digests = digests_of(blob)
+    return root_of(digests), digests
 
 
 def split(blob: bytes, size: int = PIECE_BYTES) -> list[bytes]:
@@ -278,8 +290,17 @@ def split(blob: bytes, size: int = PIECE_BYTES) -> list[bytes]:
 
 def head_of(generation: str, stored: StoredTopology, blob: bytes, pieces: int) -> TopologyHead:
     """The head naming ``blob`` (``pack``'s) as ``generation``."""
+    return named(generation, stored, blob, pieces)[0]
+
+
+def named(
+    generation: str, stored: StoredTopology, blob: bytes, pieces: int
+) -> tuple[TopologyHead, Verified]:
+    """``head_of``, and ``blob`` with the digests its sha256 was computed from."""
     fmt = PIECES_FORMAT
-    return TopologyHead(fmt, generation, stored.digest, _sha256(fmt, blob), len(blob), pieces)
+    sha256, digests = _sha256(fmt, blob)
+    head = TopologyHead(fmt, generation, stored.digest, sha256, len(blob), pieces)
+    return head, Verified(blob, digests)
 
 
 def encode_head(head: TopologyHead) -> bytes:
@@ -310,13 +331,21 @@ def decode_head(raw: bytes, where: str) -> TopologyHead:
 def join(head: TopologyHead, pieces: list[bytes]) -> bytes:
     """The generation's content from its pieces, in order; ``StateRecordError`` unless there
     are as many as the head says and their bytes hash to its sha256."""
+    blob = join_verified(head, pieces).blob
+    assert isinstance(blob, bytes)
+    return blob
+
+
+def join_verified(head: TopologyHead, pieces: list[bytes]) -> Verified:
+    """``join``, with the digests the content was verified by."""
     where = f"generation {head.generation}"
     if len(pieces) != head.pieces:
         raise _damaged(where, f"{len(pieces)} of its {head.pieces} pieces found")
     blob = b"".join(pieces)
-    if len(blob) != head.size or _sha256(head.format, blob) != head.sha256:
+    sha256, digests = _sha256(head.format, blob)
+    if len(blob) != head.size or sha256 != head.sha256:
         raise _damaged(where, "its pieces do not hash to what its head says")
-    return blob
+    return Verified(blob, digests)
 
 
 #: The most bytes a head may name: the TOML's cap (64 MiB) with its compiled form, and room.
@@ -330,6 +359,11 @@ def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> byt
     once, not its pieces and their join too (13 MB of fresh memory at 1,024 nodes, in every
     process). ``StateRecordError`` unless the pieces are numbered 0, 1, ..., as many as the
     head says, and their bytes hash to its sha256."""
+    return assemble_verified(head, pieces).blob
+
+
+def assemble_verified(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> Verified:
+    """``assemble``, with the digests the content was verified by."""
     where = f"generation {head.generation}"
     if head.size > MAX_BYTES:
         raise _damaged(where, f"its head names {head.size} bytes, more than any topology")
@@ -338,7 +372,7 @@ def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> byt
         rows = list(itertools.islice(pieces, 2))
         if any(n != i or not isinstance(p, bytes) for i, (n, p) in enumerate(rows)):
             raise _damaged(where, "its piece 0 is missing or not bytes")
-        return join(head, [p for _n, p in rows if isinstance(p, bytes)])
+        return join_verified(head, [p for _n, p in rows if isinstance(p, bytes)])
     out = bytearray(head.size)
     whole = head.format == PIECES_FORMAT_1
     digest = hashlib.sha256()
@@ -355,10 +389,10 @@ def assemble(head: TopologyHead, pieces: Iterable[tuple[object, object]]) -> byt
         count += 1
     if count != head.pieces:
         raise _damaged(where, f"{count} of its {head.pieces} pieces found")
-    found = digest.hexdigest() if whole else _sha256(head.format, out)
+    found, digests = (digest.hexdigest(), None) if whole else _sha256(head.format, out)
     if at != head.size or found != head.sha256:
         raise _damaged(where, "its pieces do not hash to what its head says")
-    return out
+    return Verified(out, digests)
 
 
 def unpack(head: TopologyHead, blob: bytes | bytearray | Readable) -> StoredView:

@@ -205,12 +205,12 @@ class SqliteTxn:
                 (head.generation,),
             )
             try:
-                blob = topopieces.assemble(head, rows)
+                verified = topopieces.assemble_verified(head, rows)
             finally:
                 rows.close()  # refused halfway: no statement left running in the transaction
-            stored = topopieces.unpack(head, blob)
+            stored = topopieces.unpack(head, verified.blob)
             if self._copy is not None:
-                self._copy.put(self._where, head, blob)
+                self._copy.put(self._where, head, verified.blob, digests=verified.digests)
         if len(self._generations) >= 2:  # a process sees one topology, rarely a few
             self._generations.clear()
         self._generations[raw] = stored

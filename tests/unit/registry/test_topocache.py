@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import types
+from pathlib import Path
 
+import msgspec
 import pytest
 
-from tests.support.simfabric import small_topology, star_topology
+from tests.support.daemon_marks import REGISTRIES
+from tests.support.simfabric import fabric_topology, small_topology, star_topology
 from vmlend.errors import DamagedCopyError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import topopieces
@@ -140,6 +144,45 @@ def test_a_forged_copy_under_the_right_head_is_not_used(tmp_path):
     assert cache.get("r", head) is None
 
 
+def test_a_copy_put_with_its_verified_digests_is_the_copy_put_without_them(tmp_path):
+    head, blob = _generation("x" * 40_000)  # three chunks
+    verified = topopieces.join_verified(head, topopieces.split(blob))
+    assert verified.digests is not None and len(verified.digests) == 3 * 32
+    TopologyCache(tmp_path / "without").put("r", head, blob)
+    TopologyCache(tmp_path / "with").put("r", head, bytearray(blob), digests=verified.digests)
+    written = TopologyCache(tmp_path / "with").path("r").read_bytes()
+    assert written == TopologyCache(tmp_path / "without").path("r").read_bytes()
+    assert _content(TopologyCache(tmp_path / "with").get("r", head)) == blob
+
+
+_FORMAT_1 = topopieces.PIECES_FORMAT_1
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda h, blob, d, others: (h, blob, others),
+        lambda h, blob, d, others: (h, blob, d[:-32]),
+        lambda h, blob, d, others: (h, blob, d[32:64] + d[:32] + d[64:]),
+        lambda h, blob, d, others: (h, blob, b""),
+        lambda h, blob, d, others: (h, blob + b"x", d),
+        lambda h, blob, d, others: (msgspec.structs.replace(h, format=_FORMAT_1), blob, d),
+    ],
+    ids=["another generation's", "one short", "out of order", "none", "longer blob", "format 1"],
+)
+def test_digests_that_are_not_the_heads_are_refused_and_nothing_written(tmp_path, wrong):
+    # a caller's mistake must not leave a copy whose digests are not what its head names
+    cache = TopologyCache(tmp_path)
+    head, blob = _generation("x" * 40_000)
+    other_head, other = _generation("y" * 40_000)
+    digests = topopieces.join_verified(head, [blob]).digests
+    others = topopieces.join_verified(other_head, [other]).digests
+    put_head, put_blob, put_digests = wrong(head, blob, digests, others)
+    with pytest.raises(ValueError, match="digests"):
+        cache.put("r", put_head, put_blob, digests=put_digests)
+    assert not cache.path("r").exists()
+
+
 def test_a_link_or_fifo_where_the_copy_goes_is_neither_followed_nor_waited_on(tmp_path):
     cache = TopologyCache(tmp_path)
     head, blob = _generation("x")
@@ -217,6 +260,40 @@ def test_a_damaged_copy_is_read_past_and_rewritten(etcd_url, reads):
     with open_fabric(etcd_url, "h0") as fabric:  # no copy: the pieces, then a good copy
         assert len(fabric.devices()) == 4
     assert path.read_bytes() == good
+
+
+@pytest.mark.parametrize("registry", REGISTRIES)
+def test_reading_the_registry_and_keeping_a_copy_hashes_the_content_once(
+    registry, request, tmp_path, monkeypatch
+):
+    # it was hashed to verify the pieces and again to write the copy: 2 x 6.6 MB at 1,024 nodes
+    from vmlend.topology import chunked
+
+    if registry == "etcd":
+        location: str | Path = request.getfixturevalue("etcd_url")
+        copies = HostEnv.from_env().topology_cache
+    else:
+        location = tmp_path / "state.db"
+        copies = tmp_path
+    init_fabric(location, fabric_topology(32, 16), "t.toml", node="n0")
+    with open_fabric(location, "n0"):  # the copy as it is kept (etcd: already by init)
+        pass
+    (copy,) = (p for p in copies.iterdir() if p.name.endswith("topology"))
+    kept = copy.read_bytes()
+    copy.unlink()
+    hashed = []
+
+    def sha256(data=b""):
+        hashed.append(len(data))
+        return hashlib.sha256(data)
+
+    monkeypatch.setattr(chunked, "hashlib", types.SimpleNamespace(sha256=sha256))
+    with open_fabric(location, "n0") as fabric:  # reads the pieces, keeps the copy
+        assert len(fabric.devices("n5")) == 16
+    monkeypatch.undo()
+    assert copy.read_bytes() == kept
+    assert len(kept) > 10 * chunked.CHUNK_BYTES
+    assert len(kept) < sum(hashed) < 1.1 * len(kept)
 
 
 def test_a_new_topology_is_read_once_whatever_the_copy_says(etcd_url, reads):

@@ -53,6 +53,29 @@ def test_pieces_read_one_by_one_assemble_into_what_join_gives(size):
     assert topopieces.unpack(head, assembled).whole() == _stored("x" * 5000)
 
 
+@pytest.mark.parametrize("size", [1024, 1 << 20], ids=["pieces", "one piece"])
+def test_verified_content_comes_with_the_digests_its_head_names(size, monkeypatch):
+    # what a host's copy keeps beside the content (``TopologyCache.put``)
+    from vmlend.topology.chunked import digests_of, root_of
+
+    stored = _stored("x" * 40_000)
+    blob = topopieces.pack(stored)
+    head, named = topopieces.named(topopieces.new_generation(), stored, blob, 1)
+    pieces = topopieces.split(blob, size)
+    head = msgspec.structs.replace(head, pieces=len(pieces))
+    for verified in (
+        named,
+        topopieces.join_verified(head, pieces),
+        topopieces.assemble_verified(head, enumerate(pieces)),
+    ):
+        assert verified.blob == blob and verified.digests == digests_of(blob)
+        assert root_of(verified.digests) == head.sha256
+    monkeypatch.setattr(topopieces, "PIECES_FORMAT", topopieces.PIECES_FORMAT_1)
+    head, named = topopieces.named(topopieces.new_generation(), stored, blob, len(pieces))
+    assert named.digests is None  # format 1: one sha256 of the whole content
+    assert topopieces.assemble_verified(head, enumerate(pieces)) == (blob, None)
+
+
 def test_assembling_refuses_what_join_refuses_and_misnumbered_pieces():
     head, pieces = _generation("x" * 5000, 1024)
     _other_head, other = _generation("y" * 5000, 1024)
