@@ -30,6 +30,7 @@ import msgspec
 
 from vmlend.errors import StateRecordError
 from vmlend.topology.chunked import CHUNK_BYTES, Plain, Readable, Window, digests_of, root_of
+from vmlend.topology.layout import Span, header_before
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -243,26 +244,19 @@ def pack(stored: StoredTopology) -> bytes:
         stored.text.encode(),
     )
 
-    def header(base: int) -> bytes:
-        spans, at = [], base
-        for f in fields:
-            spans.append((at, at + len(f)))
-            at += len(f)
+    def header(spans: tuple[Span, ...]) -> bytes:
         layout = _Layout(
             stored.name,
             stored.source,
             stored.digest,
             stored.created,
             stored.compiled is not None,
-            tuple(spans),
+            spans,
         )
         return enc.encode(layout)
 
-    # the spans count the header's own length: encode until that stops changing
-    head = header(_PREFIX)
-    while len(again := header(_PREFIX + len(head))) != len(head):
-        head = again
-    return len(again).to_bytes(4, "big") + again + b"".join(fields)
+    head = header_before(_PREFIX, [len(f) for f in fields], header)
+    return len(head).to_bytes(4, "big") + head + b"".join(fields)
 
 
 class Verified(NamedTuple):

@@ -25,6 +25,7 @@ import msgspec
 from vmlend.errors import TopologyError
 from vmlend.topology import sliced
 from vmlend.topology.chunked import Plain, Readable, Window
+from vmlend.topology.layout import Span, header_before
 from vmlend.topology.model import DeviceSpec, LinkSpec, NodeSpec, Topology
 
 if TYPE_CHECKING:
@@ -126,11 +127,7 @@ def _pack(topology: Topology, digest: str) -> bytes:
         sliced.pack_u32(ends),
     )
 
-    def header(base: int) -> bytes:
-        spans, at = [], base
-        for t in tables:
-            spans.append((at, at + len(t)))
-            at += len(t)
+    def header(spans: tuple[Span, ...]) -> bytes:
         return enc.encode(
             _Header(
                 COMPILED_FORMAT,
@@ -140,15 +137,11 @@ def _pack(topology: Topology, digest: str) -> bytes:
                 topology.links,
                 topology.switch_links,
                 tuple(n.name for n in topology.nodes),
-                tuple(spans),
+                spans,
             )
         )
 
-    # the spans count the header's own length: encode until it stops changing (twice at most)
-    head = header(_PREFIX)
-    while len(again := header(_PREFIX + len(head))) != len(head):
-        head = again
-    head = again
+    head = header_before(_PREFIX, [len(t) for t in tables], header)
     rest = len(head).to_bytes(4, "big") + head + b"".join(tables)
     return zlib.crc32(rest).to_bytes(4, "big") + rest
 
