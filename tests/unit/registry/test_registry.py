@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from tests.support.cli_cluster import one_line
 from tests.support.daemon_marks import REGISTRIES
-from tests.support.older_state import older_vmlend
+from tests.support.older_state import older_state_with_a_hold, older_vmlend, stored_rows
 from tests.support.simfabric import fabric_topology
 from tests.support.sqlite_pages import overflow_pages_of, pages_of, smash
 from vmlend.cli import main
@@ -320,9 +320,7 @@ def test_a_version_2_state_opens_from_its_toml_and_is_compiled_when_it_migrates(
     text, source = default_topology_text()
     with older_vmlend(monkeypatch, 2):
         init_fabric(path, text, source, node="gamma")
-    conn = sqlite3.connect(path)
-    columns = [r[1] for r in conn.execute("PRAGMA table_info(topology)")]
-    conn.close()
+    columns = [r[1] for r in stored_rows(path, "PRAGMA table_info(topology)")]
     assert "compiled" not in columns  # a version-2 file, as that vmlend left it
     with open_fabric(path, "gamma") as fabric:  # migrates: the column is added, NULL
         assert fabric.topology() == parse_topology(text, source)
@@ -344,11 +342,7 @@ def test_a_version_3_state_learns_hold_tokens_and_every_new_hold_gets_a_larger_o
     from vmlend.registry import HoldRecord, Phase
     from vmlend.topology.model import Holder
 
-    path = tmp_path / "v3.db"
-    with older_vmlend(monkeypatch, 3):
-        init_fabric(path, *default_topology_text(), node="gamma")
-        with SqliteRegistry.open(path) as reg, reg.write() as tx:
-            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+    path = older_state_with_a_hold(monkeypatch, tmp_path / "v3.db", 3).path
     with SqliteRegistry.open(path) as reg:
         with reg.read() as tx:
             assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
@@ -370,16 +364,8 @@ def test_a_version_4_state_gains_the_indexes_and_reads_read_only_as_it_is(tmp_pa
     process may not write is read as it is."""
     import os
 
-    from vmlend.registry import HoldRecord, Phase
-    from vmlend.topology.model import Holder
-
-    path = tmp_path / "v4.db"
-    with older_vmlend(monkeypatch, 4):
-        init_fabric(path, *default_topology_text(), node="gamma")
-        with SqliteRegistry.open(path) as reg, reg.write() as tx:
-            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
-        with SqliteRegistry.open(path) as reg, reg.read() as tx:
-            token = tx.hold(0x10).token
+    older = older_state_with_a_hold(monkeypatch, tmp_path / "v4.db", 4)
+    path, token = older.path, older.hold.token
     if os.geteuid() != 0:  # root writes whatever the mode says: no read-only open as root
         path.chmod(0o444)
         tmp_path.chmod(0o555)
@@ -392,11 +378,7 @@ def test_a_version_4_state_gains_the_indexes_and_reads_read_only_as_it_is(tmp_pa
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
         assert tx.meta("schema_version") == str(schema_mod.SCHEMA_VERSION)
         assert tx.hold(0x10).token == token > 0 and tx.topology_digest()
-    conn = sqlite3.connect(path)
-    try:
-        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
-    finally:
-        conn.close()
+    indexes = {r[0] for r in stored_rows(path, "SELECT name FROM sqlite_master WHERE type='index'")}
     assert {"topology_digest", "holds_node", "claims_fdid"} <= indexes, indexes
 
 
@@ -404,24 +386,15 @@ def test_a_version_6_state_migrates_to_a_generation_read_a_chunk_at_a_time(tmp_p
     """Schema 7 writes the topology's generation again in format 2 (addressable, verified a
     chunk at a time), its compiled form in this vmlend's format: a version-6 file keeps its
     records and its topology's content, and no piece of the old generation is left."""
-    from vmlend.registry import HoldRecord, Phase, topopieces
+    from vmlend.registry import topopieces
     from vmlend.topology.compiled import decode_compiled
-    from vmlend.topology.model import Holder
 
-    text, source = default_topology_text()
-    path = tmp_path / "v6.db"
-    with older_vmlend(monkeypatch, 6):
-        init_fabric(path, text, source, node="gamma")
-        with SqliteRegistry.open(path) as reg, reg.write() as tx:
-            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+    older = older_state_with_a_hold(monkeypatch, tmp_path / "v6.db", 6)
+    path, text = older.path, older.text
 
     def heads() -> list[topopieces.TopologyHead]:
-        conn = sqlite3.connect(path)
-        try:
-            rows = conn.execute("SELECT head FROM topology").fetchall()
-            pieces = conn.execute("SELECT DISTINCT generation FROM topology_pieces").fetchall()
-        finally:
-            conn.close()
+        rows = stored_rows(path, "SELECT head FROM topology")
+        pieces = stored_rows(path, "SELECT DISTINCT generation FROM topology_pieces")
         found = [topopieces.decode_head(r[0].encode(), "head") for r in rows]
         assert [p[0] for p in pieces] == [h.generation for h in found]  # its pieces alone
         return found
@@ -446,32 +419,17 @@ def test_a_version_5_state_migrates_and_its_next_topology_is_a_generation(tmp_pa
     row (read as it is, holds kept) until a topology is installed, which is then written as a
     generation of pieces, and installing another leaves that one's pieces alone."""
     from tests.support.simfabric import small_topology
-    from vmlend.registry import HoldRecord, Phase
     from vmlend.topology.compiled import decode_compiled
-    from vmlend.topology.model import Holder
 
-    text, source = default_topology_text()
-    path = tmp_path / "v5.db"
-    with older_vmlend(monkeypatch, 5):
-        init_fabric(path, text, source, node="gamma")
-        with SqliteRegistry.open(path) as reg, reg.write() as tx:
-            tx.add_hold(HoldRecord(0x10, Holder("gamma", "old"), 0.0, Phase.RESERVED), [])
+    older = older_state_with_a_hold(monkeypatch, tmp_path / "v5.db", 5)
+    path, text = older.path, older.text
     with SqliteRegistry.open(path) as reg, reg.read() as tx:
         assert tx.meta("schema_version") == "7" == str(schema_mod.SCHEMA_VERSION)
         rec = tx.topology()
         assert rec.text == text and rec.local_node == "gamma" and tx.hold(0x10) is not None
         assert decode_compiled(rec.compiled_bytes(), rec.digest) is not None
-
-    def rows(sql):
-        conn = sqlite3.connect(path)
-        try:
-            return conn.execute(sql).fetchall()
-        finally:
-            conn.close()
-
-    assert rows("SELECT head FROM topology") == [(None,)] and not rows(
-        "SELECT * FROM topology_pieces"
-    )
+    assert stored_rows(path, "SELECT head FROM topology") == [(None,)]
+    assert not stored_rows(path, "SELECT * FROM topology_pieces")
     with SqliteRegistry.open(path) as reg, reg.write() as tx:
         tx.delete_hold(0x10)
     other = small_topology()
@@ -479,8 +437,8 @@ def test_a_version_5_state_migrates_and_its_next_topology_is_a_generation(tmp_pa
         assert init_fabric(path, topology, "t.toml", replace=True).action == "replaced"
         with SqliteRegistry.open(path) as reg, reg.read() as tx:
             assert tx.topology().text == topology
-        assert rows("SELECT text, compiled FROM topology") == [("", None)]
-        assert len(rows("SELECT DISTINCT generation FROM topology_pieces")) == 1
+        assert stored_rows(path, "SELECT text, compiled FROM topology") == [("", None)]
+        assert len(stored_rows(path, "SELECT DISTINCT generation FROM topology_pieces")) == 1
 
 
 def test_a_write_waits_then_fails_clearly_when_locked(made):
