@@ -202,8 +202,13 @@ def usage(
     shared: dict[tuple[str, ClaimKind, str], tuple[int, int]] = {}
     for _fdid, c in claims:
         key = (c.adapter, c.kind, c.share)
-        entries, segments = shared.get(key, (0, 0))
-        shared[key] = (max(entries, c.entries), max(segments, c.segments))
+        had = shared.get(key)
+        # most claims share with none: compared only where one already counts
+        shared[key] = (
+            (c.entries, c.segments)
+            if had is None
+            else (max(had[0], c.entries), max(had[1], c.segments))
+        )
     lut: dict[str, int] = {}
     segs: dict[str, int] = {}
     for (ref, _kind, _share), (entries, segments) in shared.items():

@@ -397,7 +397,7 @@ class EtcdTxn:
             raise RuntimeError("write inside a read transaction")  # a programming error
 
     def _deleted_by_range(self, key: str) -> bool:
-        return any(key.startswith(p) for p in self._range_deletes)
+        return bool(self._range_deletes) and any(key.startswith(p) for p in self._range_deletes)
 
     def _get(self, key: str) -> bytes | None:
         if key in self._writes:
@@ -417,7 +417,10 @@ class EtcdTxn:
     def _overlaid(self, prefix: str, read: dict[str, KeyValue]) -> dict[str, bytes]:
         """The values under ``prefix`` as this transaction sees them: what was ``read``, less
         what it deleted, with what it wrote."""
-        out = {k: kv.value for k, kv in read.items() if not self._deleted_by_range(k)}
+        if any(d.startswith(prefix) or prefix.startswith(d) for d in self._range_deletes):
+            out = {k: kv.value for k, kv in read.items() if not self._deleted_by_range(k)}
+        else:  # no range this transaction deleted reaches in: each key need not be tested
+            out = {k: kv.value for k, kv in read.items()}
         for k, v in self._writes.items():
             if k.startswith(prefix):
                 if v is None:
@@ -544,11 +547,11 @@ class EtcdTxn:
         not); computed once per adapter and transaction."""
         used = self._claimed.get(adapter)
         if used is None:
-            rows = []
-            for kv in self._snap.loose_before(self._k.claims_on(adapter)).values():
-                d = enc.load(kv.value)
-                row = [adapter, d["kind"], d["share"], d.get("entries", 0), d.get("segments", 0)]
-                rows.append(row)
+            before = self._snap.loose_before(self._k.claims_on(adapter)).values()
+            rows = [
+                [adapter, c.kind.value, c.share, c.entries, c.segments]
+                for _fdid, c in self._claims_of(kv.value for kv in before)
+            ]
             used = self._claimed[adapter] = self._units_needed(rows)
         return used.get((adapter, unit), 0)
 

@@ -107,11 +107,20 @@ class WarmCache:
             return KeyValue(key, value, revision, created, lease)
 
         def overlaid(prefix: str, read: dict[str, KeyValue]) -> dict[str, KeyValue]:
-            out: dict[str, KeyValue] = {}
-            for key in {*read, *(k for k in writes if k.startswith(prefix))}:
-                kv = after(key, read.get(key))
-                if kv is not None:
-                    out[key] = kv
+            if any(d.startswith(prefix) or prefix.startswith(d) for d in deleted):
+                keys = {*read, *(k for k in writes if k.startswith(prefix))}
+                return {k: kv for k in keys if (kv := after(k, read.get(k))) is not None}
+            # no deleted prefix reaches into this range: what was read stands but for the
+            # keys written (a range holds hundreds of keys on a full adapter, a commit writes
+            # a few)
+            out = dict(read)
+            for key in writes:
+                if key.startswith(prefix):
+                    kv = after(key, read.get(key))
+                    if kv is None:
+                        out.pop(key, None)
+                    else:
+                        out[key] = kv
             return out
 
         with self._lock:

@@ -155,8 +155,8 @@ class SqliteRegistry:
         #: The generations read, by their head (which names their sha256): a process reads
         #: and verifies one generation once, not in every transaction (``SqliteTxn``).
         self._generations: dict[str, topopieces.StoredView] = {}
-        #: Claims decoded from their rows, by row (``SqliteTxn._claim``).
-        self._claims_seen: dict[tuple[object, ...], Claim] = {}
+        #: Claims decoded from their rows, by row (``SqliteTxn._claims_of``).
+        self._claims_seen: dict[tuple[object, ...], tuple[int, Claim]] = {}
         #: This host's copy of the topology (``topocache``: mapped, verified as it is read),
         #: beside the state; set by ``open`` (a state being created has none yet).
         self._copy: TopologyCache | None = None

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from vmlend.registry.topocache import TopologyCache
 
 _T = TypeVar("_T")
-#: At most this many decoded claims are kept per open state (``SqliteTxn._claim``): a full
+#: At most this many decoded claims are kept per open state (``SqliteTxn._claims_of``): a full
 #: fabric of 16,384 devices holds about six claims a hold.
 _CLAIMS_SEEN = 1 << 17
 Row = tuple[Any, ...]  # what sqlite3 fetches: one value per selected column
@@ -105,7 +105,7 @@ class SqliteTxn:
         generations: dict[str, topopieces.StoredView] | None = None,
         copy: TopologyCache | None = None,
         where: str = "",
-        claims_seen: dict[Row, Claim] | None = None,
+        claims_seen: dict[Row, tuple[int, Claim]] | None = None,
     ) -> None:
         self._c = conn
         #: Claims decoded before, by their row: a reserve reads every claim on its path's
@@ -484,16 +484,20 @@ class SqliteTxn:
         rows = self._c.execute(
             "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
         ).fetchall()
-        return [(r[0], self._claim(r)) for r in rows]
+        return self._claims_of(rows)
 
-    def _claim(self, r: Row) -> Claim:
-        seen = self._claims_seen.get(r)
-        if seen is not None:
-            return seen
-        if len(self._claims_seen) >= _CLAIMS_SEEN:
-            self._claims_seen.clear()
-        claim = self._claims_seen[r] = self._decode_claim(r)
-        return claim
+    def _claims_of(self, rows: list[Row]) -> list[tuple[int, Claim]]:
+        """Each row's ``(fdid, claim)``, decoded once per open state (``_claims_seen``)."""
+        seen = self._claims_seen
+        out = []
+        for r in rows:
+            pair = seen.get(r)
+            if pair is None:
+                if len(seen) >= _CLAIMS_SEEN:
+                    seen.clear()
+                pair = seen[r] = (r[0], self._decode_claim(r))
+            out.append(pair)
+        return out
 
     @staticmethod
     def _decode_claim(r: Row) -> Claim:
@@ -522,7 +526,7 @@ class SqliteTxn:
             f" WHERE adapter IN ({', '.join('?' * len(refs))})",
             refs,
         ).fetchall()
-        return [(r[0], self._claim(r)) for r in rows]
+        return self._claims_of(rows)
 
     # --- mdevs -----------------------------------------------------------------------------
     def parent(self, node: str, fdid: int) -> ParentRecord | None:
