@@ -346,6 +346,14 @@ def _decoding(table: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     return wrap
 
 
+@functools.lru_cache(maxsize=1 << 13)
+def _block_span(tail: str) -> tuple[int, int]:
+    """``(start, size)`` of a unit block key's tail ``<start>/<size>`` (``Keys.unit_block``):
+    parsed once, as the same tails recur on every adapter a reserve reads."""
+    start, size = tail.split("/")
+    return int(start), int(size)
+
+
 #: At most this many decoded claims are kept per registry (``EtcdTxn._claims_of``): a full
 #: fabric of 16,384 devices holds about six claims a hold.
 CLAIMS_SEEN = 1 << 17
@@ -527,10 +535,15 @@ class EtcdTxn:
         switch port a requester's entry is one whatever claims it (a crossing's LUT claim, a
         peer-to-peer one), as ``admission.port_usage`` counts it."""
         groups: dict[tuple[str, str, str], tuple[int, int]] = {}
+        ports: dict[str, bool] = {}  # rows name a few adapters, each many times
         for adapter, kind, share, entries, segments in rows:
-            key = (adapter, "" if is_port(adapter) else kind, share)
-            e, s = groups.get(key, (0, 0))
-            groups[key] = (max(e, int(entries)), max(s, int(segments)))
+            port = ports.get(adapter)
+            if port is None:
+                port = ports[adapter] = is_port(adapter)
+            key = (adapter, "" if port else kind, share)
+            e, s = int(entries), int(segments)
+            had = groups.get(key)
+            groups[key] = (e, s) if had is None else (max(had[0], e), max(had[1], s))
         out: dict[tuple[str, str], int] = {}
         for (adapter, _kind, _share), (e, s) in groups.items():
             for unit, n in (("lut", e), ("seg", s)):
@@ -560,13 +573,13 @@ class EtcdTxn:
         blocks, and single units as vmlend wrote them before blocks (size 1)."""
         single = self._k.units_on(adapter, unit)
         blocks = self._k.unit_blocks(adapter, unit)
+        at_block, at_single = len(blocks), len(single)
         out = []
         for k in keys:
             if k.startswith(blocks):
-                start, size = k[len(blocks) :].split("/")
-                out.append((int(start), int(size)))
+                out.append(_block_span(k[at_block:]))
             elif k.startswith(single):
-                out.append((int(k[len(single) :]), 1))
+                out.append((int(k[at_single:]), 1))
         return out
 
     def _take_units(
