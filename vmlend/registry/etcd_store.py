@@ -18,6 +18,7 @@ from typing import Generic, TypeVar, cast
 
 from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.registry.api import StateTxn
+from vmlend.registry.decoded import Decoded
 from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_topology import EtcdTopology
@@ -66,7 +67,7 @@ class EtcdRegistry:
         self._sleep = sleep
         self._topology_cache: dict[str, StoredView] = {}
         #: Claims decoded from their values (``EtcdTxn._claims_of``), shared by the threads.
-        self._claims_seen: dict[bytes, tuple[int, Claim]] = {}
+        self._claims_seen: Decoded[bytes, tuple[int, Claim]] = Decoded()
         #: The topology's generations, and this host's copy of the current one (``cache``).
         self.generations = EtcdTopology(gateway, self.keys, cache)
         #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.

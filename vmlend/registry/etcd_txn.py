@@ -23,6 +23,7 @@ from vmlend.errors import StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry import topopieces
 from vmlend.registry.api import LINKS_DOWN_KEY
+from vmlend.registry.decoded import Decoded
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_topology import EtcdTopology
@@ -346,17 +347,17 @@ def _decoding(table: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     return wrap
 
 
+def _claim_pair(raw: bytes) -> tuple[int, Claim]:
+    d = enc.load(raw)
+    return int(d["fdid"]), enc.claim_from_dict(d)
+
+
 @functools.lru_cache(maxsize=1 << 13)
 def _block_span(tail: str) -> tuple[int, int]:
     """``(start, size)`` of a unit block key's tail ``<start>/<size>`` (``Keys.unit_block``):
     parsed once, as the same tails recur on every adapter a reserve reads."""
     start, size = tail.split("/")
     return int(start), int(size)
-
-
-#: At most this many decoded claims are kept per registry (``EtcdTxn._claims_of``): a full
-#: fabric of 16,384 devices holds about six claims a hold.
-CLAIMS_SEEN = 1 << 17
 
 
 class EtcdTxn:
@@ -370,13 +371,11 @@ class EtcdTxn:
         topology_cache: dict[str, StoredView],
         host_lease: Callable[[], int] | None = None,
         generations: EtcdTopology | None = None,
-        claims_seen: dict[bytes, tuple[int, Claim]] | None = None,
+        claims_seen: Decoded[bytes, tuple[int, Claim]] | None = None,
     ) -> None:
         self._snap = snapshot
-        #: Claims decoded before, by their stored value (which holds the fdid and every
-        #: field): a reserve reads every claim on its path's adapters, most unchanged since
-        #: the last one, and decoding them again made its cost grow with how full they are.
-        self._claims_seen = {} if claims_seen is None else claims_seen
+        #: Claims decoded before, by their stored value (``vmlend.registry.decoded``).
+        self._claims_seen = Decoded() if claims_seen is None else claims_seen
         self._k = keys
         self.writable = writable
         self._topo_cache = topology_cache
@@ -1308,17 +1307,7 @@ class EtcdTxn:
 
     def _claims_of(self, values: Iterable[bytes]) -> list[tuple[int, Claim]]:
         seen = self._claims_seen
-        out = []
-        for raw in values:
-            claim = seen.get(raw)
-            if claim is None:
-                d = enc.load(raw)
-                claim = (int(d["fdid"]), enc.claim_from_dict(d))
-                if len(seen) >= CLAIMS_SEEN:
-                    seen.clear()
-                seen[raw] = claim
-            out.append(claim)
-        return out
+        return [seen(raw, _claim_pair) for raw in values]
 
     @_decoding("claim")
     def claims(self) -> list[tuple[int, Claim]]:

@@ -35,6 +35,7 @@ from vmlend.registry.conditions import (
     host_error,
     probe,
 )
+from vmlend.registry.decoded import Decoded
 from vmlend.registry.records import Claim
 from vmlend.registry.schema import (
     APPLICATION_ID,
@@ -156,7 +157,7 @@ class SqliteRegistry:
         #: and verifies one generation once, not in every transaction (``SqliteTxn``).
         self._generations: dict[str, topopieces.StoredView] = {}
         #: Claims decoded from their rows, by row (``SqliteTxn._claims_of``).
-        self._claims_seen: dict[tuple[object, ...], tuple[int, Claim]] = {}
+        self._claims_seen: Decoded[tuple[object, ...], tuple[int, Claim]] = Decoded()
         #: This host's copy of the topology (``topocache``: mapped, verified as it is read),
         #: beside the state; set by ``open`` (a state being created has none yet).
         self._copy: TopologyCache | None = None

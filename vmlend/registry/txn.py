@@ -15,6 +15,7 @@ import msgspec
 
 from vmlend.errors import StateError, StateRecordError
 from vmlend.registry import topopieces
+from vmlend.registry.decoded import Decoded
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from vmlend.registry.topocache import TopologyCache
 
 _T = TypeVar("_T")
-#: At most this many decoded claims are kept per open state (``SqliteTxn._claims_of``): a full
-#: fabric of 16,384 devices holds about six claims a hold.
-_CLAIMS_SEEN = 1 << 17
 Row = tuple[Any, ...]  # what sqlite3 fetches: one value per selected column
 
 
@@ -105,14 +103,11 @@ class SqliteTxn:
         generations: dict[str, topopieces.StoredView] | None = None,
         copy: TopologyCache | None = None,
         where: str = "",
-        claims_seen: dict[Row, tuple[int, Claim]] | None = None,
+        claims_seen: Decoded[Row, tuple[int, Claim]] | None = None,
     ) -> None:
         self._c = conn
-        #: Claims decoded before, by their row: a reserve reads every claim on its path's
-        #: adapters, most of them unchanged since the last reserve, and decoding them again
-        #: made its cost grow with how full those adapters are (a row is its whole content,
-        #: so an equal row is an equal claim).
-        self._claims_seen = {} if claims_seen is None else claims_seen
+        #: Claims decoded before, by their row (``vmlend.registry.decoded``).
+        self._claims_seen = Decoded() if claims_seen is None else claims_seen
         self._generations = {} if generations is None else generations
         #: This host's copy of the topology (``topocache``), the state's name in it.
         self._copy = copy
@@ -487,17 +482,13 @@ class SqliteTxn:
         return self._claims_of(rows)
 
     def _claims_of(self, rows: list[Row]) -> list[tuple[int, Claim]]:
-        """Each row's ``(fdid, claim)``, decoded once per open state (``_claims_seen``)."""
-        seen = self._claims_seen
-        out = []
-        for r in rows:
-            pair = seen.get(r)
-            if pair is None:
-                if len(seen) >= _CLAIMS_SEEN:
-                    seen.clear()
-                pair = seen[r] = (r[0], self._decode_claim(r))
-            out.append(pair)
-        return out
+        """Each row's ``(fdid, claim)``, decoded once per open state."""
+        seen, pair = self._claims_seen, self._claim_pair
+        return [seen(r, pair) for r in rows]
+
+    @classmethod
+    def _claim_pair(cls, r: Row) -> tuple[int, Claim]:
+        return r[0], cls._decode_claim(r)
 
     @staticmethod
     def _decode_claim(r: Row) -> Claim:
