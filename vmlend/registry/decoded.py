@@ -15,8 +15,9 @@ from typing import Generic, TypeVar
 _K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
 
-#: A full fabric of 16,384 devices holds about six claims a hold.
-DEFAULT_LIMIT = 1 << 17
+#: A reserve reads a few hundred claims at most; this many (a few MB) cover the adapters of
+#: the last fifty or so, where a full fabric of 16,384 devices holds ~100,000 claims.
+DEFAULT_LIMIT = 1 << 14
 
 
 class Decoded(Generic[_K, _V]):
