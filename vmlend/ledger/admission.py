@@ -158,12 +158,12 @@ class ClaimsOn:
         on: dict[str, list[tuple[int, Claim]]] = {}
         for item in claims:
             on.setdefault(item[1].adapter, []).append(item)
-        self._on = on
+        self._on = {ref: tuple(items) for ref, items in on.items()}  # asked, never changed
 
-    def __call__(self, *refs: str) -> list[tuple[int, Claim]]:
+    def __call__(self, *refs: str) -> Sequence[tuple[int, Claim]]:
         """The claims on ``refs``, in the order the claims came."""
         if len(refs) == 1:
-            return self._on.get(refs[0], [])
+            return self._on.get(refs[0], ())
         return [item for ref in dict.fromkeys(refs) for item in self._on.get(ref, ())]
 
 

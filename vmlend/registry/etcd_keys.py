@@ -318,13 +318,16 @@ def claim_to_dict(c: Claim) -> dict[str, Any]:
 
 
 def claim_from_dict(d: dict[str, Any]) -> Claim:
+    entries, segments, size = (int(d.get(f, 0)) for f in ("entries", "segments", "bytes"))
+    if min(entries, segments, size) < 0:  # as ``Amount`` refuses in SQLite: not room to give
+        raise ValueError(f"a claim takes no negative amount: {entries}, {segments}, {size}")
     return Claim(
         adapter=d["adapter"],
         kind=ClaimKind(d["kind"]),
         share=d["share"],
-        entries=int(d.get("entries", 0)),
-        segments=int(d.get("segments", 0)),
-        bytes=int(d.get("bytes", 0)),
+        entries=entries,
+        segments=segments,
+        bytes=size,
     )
 
 

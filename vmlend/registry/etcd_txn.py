@@ -540,7 +540,8 @@ class EtcdTxn:
             if port is None:
                 port = ports[adapter] = is_port(adapter)
             key = (adapter, "" if port else kind, share)
-            e, s = int(entries), int(segments)
+            # a damaged ledger row's negative amount counts as none, never as room
+            e, s = max(0, int(entries)), max(0, int(segments))
             had = groups.get(key)
             groups[key] = (e, s) if had is None else (max(had[0], e), max(had[1], s))
         out: dict[tuple[str, str], int] = {}

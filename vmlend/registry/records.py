@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -161,6 +161,11 @@ class FenceRecord(msgspec.Struct, frozen=True):
     token: int
 
 
+#: An amount of an adapter resource a claim takes: never negative. A damaged record that says
+#: so is refused when read, never counted as room another reserve could take.
+Amount = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Claim(msgspec.Struct, frozen=True):
     """One adapter resource a hold uses.
 
@@ -175,9 +180,9 @@ class Claim(msgspec.Struct, frozen=True):
     #: "dev:<fdid>" for per-device resources, "req:<lender>/<bus:device>" for requester
     #: entries (one for the functions of a device), "vm:<node>/<vm>" for a VM's windows
     share: str
-    entries: int = 0  # LUT entries
-    segments: int = 0  # NTB window segments
-    bytes: int = 0  # window bytes (segments * segment size)
+    entries: Amount = 0  # LUT entries
+    segments: Amount = 0  # NTB window segments
+    bytes: Amount = 0  # window bytes (segments * segment size)
 
 
 class ParentRecord(msgspec.Struct, frozen=True):

@@ -280,3 +280,42 @@ def test_a_claim_changed_under_an_open_etcd_registry_is_read_as_it_now_is(etcd_u
     finally:
         gw.close()
         fab.close()
+
+
+# --- a negative amount is damage, never room --------------------------------------------------
+
+
+@pytest.mark.parametrize("column", ["entries", "segments", "bytes"])
+def test_a_claim_of_a_negative_amount_in_sqlite_is_a_damaged_record(held, column):
+    """Counted as it is, -5 LUT entries would show five more free than the adapter has."""
+    _damage(held, f"UPDATE claims SET {column} = -5 WHERE fdid = 16 AND adapter = 'alpha:0'")
+    reg = SqliteRegistry.open(held)
+    try:
+        with pytest.raises(StateRecordError, match="claim record 0x10 on 'alpha:0' is damaged"):
+            _claims_on(reg, "alpha:0")
+    finally:
+        reg.close()
+
+
+@pytest.mark.parametrize("field", ["entries", "segments", "bytes"])
+def test_a_claim_of_a_negative_amount_in_etcd_is_a_damaged_record(etcd_url, field):
+    import json
+
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_gateway import EtcdGateway, b64, unb64
+    from vmlend.registry.etcd_keys import Keys
+
+    fab = make_fabric(etcd_url)
+    gw = EtcdGateway(parse_location(etcd_url).endpoints)
+    try:
+        fab.reserve(0x10, WEB)
+        prefix = Keys(parse_location(etcd_url).cluster).claims_on("alpha:0")
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        kv = gw.call("kv/range", {"key": b64(prefix), "range_end": b64(end)})["kvs"][0]
+        value = json.loads(unb64(kv["value"]))
+        _put_raw(etcd_url, unb64(kv["key"]).decode(), json.dumps({**value, field: -5}).encode())
+        with pytest.raises(StateRecordError, match="claim record"):
+            _claims_on(fab.registry, "alpha:0")
+    finally:
+        gw.close()
+        fab.close()
