@@ -215,8 +215,10 @@ def _open(path: Path) -> int | None:
 
 def _damaged_copy(path: Path) -> Callable[[str], Exception]:
     """What a chunk of the copy at ``path`` that does not match its digest makes: the copy
-    removed (once; the next process that reads the registry writes a good one) and a warning,
-    and the error raised if the registry cannot give the chunk either."""
+    removed (once; the next process that reads the registry writes a good one) and a line at
+    INFO, and the error raised if the registry cannot give the chunk either. INFO, as a copy
+    read past at its open is: the process goes on from the registry, and a command that then
+    fails for its own reason says one line, not this one before it (the agent logs INFO)."""
     removed: list[str] = []
 
     def damaged(problem: str) -> Exception:
@@ -228,7 +230,7 @@ def _damaged_copy(path: Path) -> Callable[[str], Exception]:
                 removed.append("it was removed")
             except OSError as e:
                 removed.append(f"it could not be removed ({e.strerror}): remove it as its owner")
-            log.warning(
+            log.info(
                 "this host's copy of the topology %s is damaged (%s); %s; reading the registry",
                 path,
                 problem,

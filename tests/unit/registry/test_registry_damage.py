@@ -4,12 +4,16 @@ CLI prints it as one line: never a traceback from deep inside a caller."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
+import subprocess
 
 import pytest
 from click.testing import CliRunner
 
 from tests.support.cli_cluster import one_line
+from tests.support.cluster_hosts import VMLEND
 from tests.support.simfabric import fabric_topology, make_fabric
 from vmlend.cli import main
 from vmlend.errors import StateRecordError
@@ -205,10 +209,11 @@ def _damaged_copy(tmp_path):
 
 
 def test_a_damaged_chunk_of_the_topologys_copy_is_read_from_the_state_instead(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vmlend.registry.topocache")
     state, copy, listed = _damaged_copy(tmp_path)
     r = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
     assert r.exit_code == 0 and r.output == listed, r.output
-    assert not copy.exists() and "copy of the topology" in caplog.text  # a warning, logged
+    assert not copy.exists() and "copy of the topology" in caplog.text  # logged (INFO)
     again = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
     assert again.exit_code == 0 and again.output == listed
     assert copy.exists()  # written again from the pieces
@@ -319,3 +324,22 @@ def test_a_claim_of_a_negative_amount_in_etcd_is_a_damaged_record(etcd_url, fiel
     finally:
         gw.close()
         fab.close()
+
+
+def test_a_command_that_fails_after_reading_past_a_damaged_copy_says_one_line(tmp_path):
+    """A process run apart (as an operator runs it: the CLI's own logging, not pytest's)
+    that reads past a damaged chunk and then fails for its own reason prints its error
+    alone; the copy is removed all the same."""
+    state, copy, _listed = _damaged_copy(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMLEND_")}
+    r = subprocess.run(
+        [VMLEND, "--state", str(state), "devices", "--kind", "bogus"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 1, r.stderr
+    [line] = r.stderr.splitlines()
+    assert line.startswith("Error: no device of kind 'bogus'"), line
+    assert not copy.exists()
