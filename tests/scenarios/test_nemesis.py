@@ -5,8 +5,10 @@ devices that VMs on two hosts want. Then the nemeses (``tests/support/nemesis.py
 its lease ended; SIGSTOP of an agent past the TTL, in its loop and (restarted after its lease
 ended) in its start-up; SIGSTOP of a hook mid-prepare and of one mid-release past the TTL; a
 silent partition of one host from etcd past the TTL; loss of quorum past the TTL; kill -9 of the
-etcd leader; a domain the hypervisor does not answer for while its agent resumes it; and
-combined: a hook frozen mid-prepare or mid-release, or a ``vmlend attach --live`` frozen just
+etcd leader; a domain the hypervisor does not answer for while its agent resumes it; bytes of
+a host's copy of the topology flipped and its agent restarted, so a fresh process of the host
+meets the damage (it must read the registry instead, remove the copy, and a good copy follow);
+and combined: a hook frozen mid-prepare or mid-release, or a ``vmlend attach --live`` frozen just
 after its hot-plug, while its host's agent is dead past its lease; an agent killed while its
 guard has a VM paused (another paused by an operator), restarted past its lease; a partition
 together with a kill of the leader, a frozen agent together with a loss of quorum. A sampler

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
+
 from tests.support.cluster_hosts import VMLEND, Host, domain_xml, stopped_children
 from tests.support.etcd_daemon import EtcdServer, start_members
 from tests.support.paths import REPO
@@ -53,12 +55,16 @@ from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
 from vmlend.events import EVENTS_ENV, EVENTS_FILE, EventLog
 from vmlend.faults import FAULT_ENV
+from vmlend.hostenv import HostEnv
 from vmlend.memory.windows import window_segments
 from vmlend.registry import ClaimKind, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end, unb64
 from vmlend.registry.etcd_keys import Keys, claim_from_dict
+from vmlend.registry.topocache import CACHE_FORMAT
+from vmlend.registry.topopieces import PIECES_FORMAT_1, TopologyHead
 from vmlend.sim.hypervisor.node import SimHypervisor
 from vmlend.sim.register import LENDERS_ENV, LenderRegister, Serving, borrower_of
+from vmlend.topology.chunked import CHUNK_BYTES, DIGEST_BYTES, chunks_in, digests_of, root_of
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 TTL = 2
@@ -1612,6 +1618,149 @@ def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
         )
 
 
+#: The warning of a process that met a damaged chunk of its host's copy of the topology
+#: (``vmlend.registry.topocache``): what it did with the copy, then "reading the registry".
+_DAMAGED_COPY = re.compile(
+    r"this host's copy of the topology \S+ is damaged \(([^)]*)\); ([^;]*); reading the registry"
+)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A host's copy of the topology as its file holds it: the head, where the content
+    starts, the chunks' digests and the content."""
+
+    head: TopologyHead
+    at: int
+    digests: bytes
+    content: bytes
+
+    def whole(self) -> bool:
+        """Its digests are the ones its head names and every chunk hashes to its own."""
+        return root_of(self.digests) == self.head.sha256 and digests_of(self.content) == (
+            self.digests
+        )
+
+
+def _copy_dir(h: NHost) -> Path:
+    return HostEnv(h.host.root).topology_cache
+
+
+def _read_copy(h: NHost) -> tuple[Path, _Copy] | None:
+    """The host's one copy (its registry's) and what it holds; None when there is none."""
+    paths = sorted(_copy_dir(h).glob("*.topology")) if _copy_dir(h).is_dir() else []
+    assert len(paths) <= 1, f"{h.node} keeps copies of more than one registry: {paths}"
+    try:
+        data = paths[0].read_bytes() if paths else None
+    except FileNotFoundError:  # removed between the listing and the read
+        data = None
+    if data is None:
+        return None
+    first = data.index(b"\n")
+    second = data.index(b"\n", first + 1)
+    assert data[:first] == CACHE_FORMAT, data[:first]
+    head = msgspec.json.decode(data[first + 1 : second], type=TopologyHead)
+    assert head.format != PIECES_FORMAT_1, head.format  # a new fabric is of format 2
+    at = second + 1 + chunks_in(head.size) * DIGEST_BYTES
+    return paths[0], _Copy(head, at, data[second + 1 : at], data[at:])
+
+
+def _damage_met(
+    h: NHost, offsets: tuple[int, int], calls: list[CliCall]
+) -> list[tuple[str, str, str]]:
+    """Who logged the warning about a damaged copy since ``offsets`` (of ``h``'s agent.log
+    and hook.log): "agent", "hook", or a CLI call of ``calls`` on ``h``; with the problem it
+    saw and what it did with the copy."""
+    met = []
+    hook_log = h.host.root / "hook.log"
+    hooks = ""
+    if hook_log.exists():
+        with hook_log.open("rb") as f:
+            f.seek(offsets[1])
+            hooks = f.read().decode(errors="replace")
+    for who, text in [("agent", h.log_since(offsets[0])), ("hook", hooks)] + [
+        (f"vmlend {' '.join(x.argv)} (-> {x.returncode})", x.stderr)
+        for x in calls
+        if x.node == h.node
+    ]:
+        if found := _DAMAGED_COPY.search(text):
+            met.append((who, found.group(1), found.group(2)))
+    return met
+
+
+def damage_copy(c: Cluster, rng: random.Random, say: Say) -> None:
+    """A damaged copy of the topology on one host, met by a fresh process. The host's agent is
+    killed (kill -9) and bytes of one chunk of the content of the host's copy of the topology
+    flipped (its two lines and its chunks' digests left as they were, so the copy opens and
+    the damage is met at that chunk's first use); then the agent is started again while the
+    workload goes on. Whichever process of the host meets the damage first (the agent's
+    start-up, a hook mid-prepare, a CLI call) must read the chunk from the registry's pieces
+    instead, remove the copy and go on (the agent's log says so: INFO); the next process
+    that reads the pieces writes the copy whole again, with the same content (if the workload
+    has not within a TTL, a ``vmlend devices`` of the test's does). A failed CLI call that met
+    it must still say one line (the run's check). The test's topology is one chunk (under 16 KiB):
+    the damage is met when a process first reads the topology's header."""
+    work = c.work
+    assert work is not None
+    h = c.host(rng.choice(sorted(VMS)))
+    assert h.host.agent is not None
+    deadline = time.monotonic() + WAIT
+    while (found := _read_copy(h)) is None or not found[1].whole():  # written at start-up
+        assert time.monotonic() < deadline, f"{h.node} keeps no whole copy of the topology"
+        time.sleep(0.1)
+    path, copy = found
+    hook_log = h.host.root / "hook.log"
+    offsets = (h.log_size(), hook_log.stat().st_size if hook_log.exists() else 0)
+    calls = len(work.calls)
+    h.open_window()
+    h.kill_agent()
+    h.host.agent.wait(20)
+    chunk = rng.randrange(chunks_in(copy.head.size))
+    start = chunk * CHUNK_BYTES
+    spots = sorted(
+        rng.sample(range(start, min(start + CHUNK_BYTES, copy.head.size)), rng.randint(1, 4))
+    )
+    with path.open("r+b") as f:  # in place, as a disk or a stray write damages a file
+        for spot in spots:
+            f.seek(copy.at + spot)
+            f.write(bytes([copy.content[spot] ^ rng.randrange(1, 256)]))
+    damaged = _read_copy(h)
+    assert damaged is not None and not damaged[1].whole(), f"{path} was not damaged"
+    say(
+        f"kill -9 the agent of {h.node}; flip {len(spots)} byte(s) of chunk {chunk} of its"
+        f" copy of the topology ({path.name}, bytes {', '.join(map(str, spots))} of"
+        f" {copy.head.size}); restart the agent"
+    )
+    h.start_agent()
+    h.close_window()
+    # The agent's start-up reads the topology: by its end a process of the host has met the
+    # damage, read past it and removed the copy (a good one may be there again already).
+    deadline = time.monotonic() + WAIT
+    while (now := _read_copy(h)) is not None and now[1].content == damaged[1].content:
+        late = time.monotonic() > deadline
+        assert not late, f"{h.node}'s damaged copy of the topology was never removed"
+        time.sleep(0.05)
+    met = _damage_met(h, offsets, work.calls[calls:])
+    for who, problem, done in met:
+        say(f"{h.node}: met by {who}: the copy is damaged ({problem}); {done}")
+    if not met:  # said at INFO: a hook's action log and a CLI call at its default level omit it
+        say(f"{h.node}: the damaged copy was removed by a hook or a CLI call (said at INFO)")
+    kept = [who for who, _problem, done in met if done != "it was removed"]
+    assert not kept, f"{h.node}: a damaged copy of the topology was not removed by {kept}"
+    rewriter = "the workload"
+    deadline = time.monotonic() + TTL
+    while (again := _read_copy(h)) is None or not again[1].whole():
+        if time.monotonic() > deadline and rewriter == "the workload":
+            rewriter = "vmlend devices"  # a read of the pieces on the host writes the copy
+            r = h.cli("devices")
+            assert r.returncode == 0, f"{h.node}: vmlend devices: {r.stderr}"
+            deadline = time.monotonic() + WAIT
+        assert time.monotonic() < deadline, f"{h.node}'s copy of the topology stays damaged"
+        time.sleep(0.05)
+    assert again[1].head == copy.head and again[1].content == copy.content
+    say(f"{h.node}'s copy of the topology was written whole again (by {rewriter})")
+
+
 #: Every nemesis, by name. The CI's fixed seed runs each once (a shuffled list of them all).
 NEMESES: dict[str, Nemesis] = {
     "kill": kill_agent,
@@ -1624,6 +1773,7 @@ NEMESES: dict[str, Nemesis] = {
     "quorum": lose_quorum,
     "leader": kill_leader,
     "stall": stall_domain,
+    "copy": damage_copy,
     # combined
     "hook+kill-late": freeze_hook_and_kill_agent,
     "hook+blip": freeze_hook_and_blip,
