@@ -1618,7 +1618,7 @@ def freeze_hook_and_blip(c: Cluster, rng: random.Random, say: Say) -> None:
         )
 
 
-#: The warning of a process that met a damaged chunk of its host's copy of the topology
+#: The line (INFO) of a process that met a damaged chunk of its host's copy of the topology
 #: (``vmlend.registry.topocache``): what it did with the copy, then "reading the registry".
 _DAMAGED_COPY = re.compile(
     r"this host's copy of the topology \S+ is damaged \(([^)]*)\); ([^;]*); reading the registry"
@@ -1668,7 +1668,7 @@ def _read_copy(h: NHost) -> tuple[Path, _Copy] | None:
 def _damage_met(
     h: NHost, offsets: tuple[int, int], calls: list[CliCall]
 ) -> list[tuple[str, str, str]]:
-    """Who logged the warning about a damaged copy since ``offsets`` (of ``h``'s agent.log
+    """Who logged the line about a damaged copy since ``offsets`` (of ``h``'s agent.log
     and hook.log): "agent", "hook", or a CLI call of ``calls`` on ``h``; with the problem it
     saw and what it did with the copy."""
     met = []
