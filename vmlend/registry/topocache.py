@@ -218,11 +218,14 @@ def _damaged_copy(path: Path) -> Callable[[str], Exception]:
     removed (once; the next process that reads the registry writes a good one) and a line at
     INFO, and the error raised if the registry cannot give the chunk either. INFO, as a copy
     read past at its open is: the process goes on from the registry, and a command that then
-    fails for its own reason says one line, not this one before it (the agent logs INFO)."""
+    fails for its own reason says one line, not this one before it (the agent logs INFO).
+    A copy that cannot be removed is a WARNING: only its owner can, and until then every
+    process reads past it."""
     removed: list[str] = []
 
     def damaged(problem: str) -> Exception:
         if not removed:
+            say = log.info
             try:
                 path.unlink()
                 removed.append("it was removed")
@@ -230,7 +233,8 @@ def _damaged_copy(path: Path) -> Callable[[str], Exception]:
                 removed.append("it was removed")
             except OSError as e:
                 removed.append(f"it could not be removed ({e.strerror}): remove it as its owner")
-            log.info(
+                say = log.warning  # an operator must act: every process would meet it again
+            say(
                 "this host's copy of the topology %s is damaged (%s); %s; reading the registry",
                 path,
                 problem,

@@ -8,6 +8,7 @@ import logging
 import os
 import sqlite3
 import subprocess
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -217,6 +218,27 @@ def test_a_damaged_chunk_of_the_topologys_copy_is_read_from_the_state_instead(tm
     again = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
     assert again.exit_code == 0 and again.output == listed
     assert copy.exists()  # written again from the pieces
+
+
+def test_a_damaged_copy_that_cannot_be_removed_is_a_warning_naming_what_to_do(
+    tmp_path, caplog, monkeypatch
+):
+    """Read past, the command still succeeds; but every later process would meet the copy
+    again until its owner removes it, so that one is said above INFO."""
+    state, copy, listed = _damaged_copy(tmp_path)
+    real_unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == copy:
+            raise PermissionError(1, "Operation not permitted")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    caplog.set_level(logging.WARNING, logger="vmlend.registry.topocache")
+    r = CliRunner().invoke(main, ["--state", str(state), "devices", "--json"])
+    assert r.exit_code == 0 and r.output == listed, r.output
+    warned = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert warned and "remove it as its owner" in warned[0].getMessage()
 
 
 def test_a_damaged_copy_of_a_topology_the_state_no_longer_holds_is_one_line(tmp_path):
