@@ -27,7 +27,7 @@ from vmlend.registry.decoded import Decoded
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_topology import EtcdTopology
-from vmlend.registry.etcd_warm import WarmCache, Write
+from vmlend.registry.etcd_warm import WarmCache, Write, reaches_into
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -424,7 +424,7 @@ class EtcdTxn:
     def _overlaid(self, prefix: str, read: dict[str, KeyValue]) -> dict[str, bytes]:
         """The values under ``prefix`` as this transaction sees them: what was ``read``, less
         what it deleted, with what it wrote."""
-        if any(d.startswith(prefix) or prefix.startswith(d) for d in self._range_deletes):
+        if reaches_into(self._range_deletes, prefix):
             out = {k: kv.value for k, kv in read.items() if not self._deleted_by_range(k)}
         else:  # no range this transaction deleted reaches in: each key need not be tested
             out = {k: kv.value for k, kv in read.items()}

@@ -40,6 +40,12 @@ def _prefixes_of(key: str) -> Iterator[str]:
         end = key.find("/", end + 1)
 
 
+def reaches_into(deleted: Iterable[str], prefix: str) -> bool:
+    """Some prefix of ``deleted`` holds a key of the range ``prefix``: one of the two starts
+    with the other (under the range, or over it), so a key can start with both."""
+    return any(d.startswith(prefix) or prefix.startswith(d) for d in deleted)
+
+
 class WarmCache:
     """Keys and ranges known at a revision each, shared by a registry's transactions (and
     threads: every method holds the lock)."""
@@ -107,7 +113,7 @@ class WarmCache:
             return KeyValue(key, value, revision, created, lease)
 
         def overlaid(prefix: str, read: dict[str, KeyValue]) -> dict[str, KeyValue]:
-            if any(d.startswith(prefix) or prefix.startswith(d) for d in deleted):
+            if reaches_into(deleted, prefix):
                 keys = {*read, *(k for k in writes if k.startswith(prefix))}
                 return {k: kv for k in keys if (kv := after(k, read.get(k))) is not None}
             # no deleted prefix reaches into this range: what was read stands but for the
@@ -165,10 +171,7 @@ class WarmCache:
                 learned = learned_ranges | learned_loose  # once, not per remembered range
                 for cached in (self._ranges, self._loose):
                     for prefix in [
-                        p
-                        for p in cached
-                        if p not in learned
-                        and any(p.startswith(d) or d.startswith(p) for d in deleted)
+                        p for p in cached if p not in learned and reaches_into(deleted, p)
                     ]:
                         del cached[prefix]
 
