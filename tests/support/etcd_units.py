@@ -8,12 +8,14 @@ from vmlend.ledger.admission import port_usage
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
 from vmlend.registry.etcd_keys import Keys
-from vmlend.topology.model import GiB
+from vmlend.registry.etcd_txn import EtcdTxn
+from vmlend.topology.model import GiB, Holder
 from vmlend.topology.requesters import is_port
 
 
-def unit_keys_held(url: str) -> dict[tuple[str, str], int]:
-    """Per (adapter, lut|seg), how many units the registry's unit keys hold."""
+def unit_blocks_held(url: str) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    """Per (adapter, lut|seg), the ``(start, size)`` of each unit key the registry holds, in
+    order: blocks, and single units of vmlend before blocks as blocks of one."""
     loc = parse_location(url)
     keys = Keys(loc.cluster)
     prefix = keys.base + "units/"
@@ -22,8 +24,7 @@ def unit_keys_held(url: str) -> dict[tuple[str, str], int]:
         _rev, kvs = gw.range(prefix, prefix_end(prefix))
     finally:
         gw.close()
-    out: dict[tuple[str, str], int] = {}
-    covered: set[tuple[str, str, int]] = set()
+    out: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for kv in kvs:
         # units/<adapter>/<unit>-blocks/<start>/<size>, or one unit: units/<adapter>/<unit>/<i>
         # (a switch port's name, "switch/toward", has a "/" of its own: read from the end)
@@ -35,12 +36,30 @@ def unit_keys_held(url: str) -> dict[tuple[str, str], int]:
             head, first = body.rsplit("/", 1)
             start, size = int(first), 1
         adapter, unit = head.rsplit("/", 1)
-        unit = unit.removesuffix("-blocks")
-        out[(adapter, unit)] = out.get((adapter, unit), 0) + size
-        for i in range(start, start + size):
-            assert (adapter, unit, i) not in covered, f"unit {i} of {adapter} {unit} taken twice"
-            covered.add((adapter, unit, i))
+        out.setdefault((adapter, unit.removesuffix("-blocks")), []).append((start, size))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def unit_keys_held(url: str) -> dict[tuple[str, str], int]:
+    """Per (adapter, lut|seg), how many units the registry's unit keys hold; fails on a unit
+    that two keys hold."""
+    out: dict[tuple[str, str], int] = {}
+    for (adapter, unit), spans in unit_blocks_held(url).items():
+        covered: set[int] = set()
+        for start, size in spans:
+            for i in range(start, start + size):
+                assert i not in covered, f"unit {i} of {adapter} {unit} taken twice"
+                covered.add(i)
+        out[(adapter, unit)] = len(covered)
     return out
+
+
+def taking(registry, take: tuple[int, int]) -> tuple[EtcdTxn, list[tuple[int, int]]]:
+    """A transaction of ``registry`` that has taken ``take[0]`` units of ``l:0``'s segments
+    from index ``take[1]`` on (nothing committed yet), and the ``(start, size)`` blocks it
+    picked."""
+    tx = registry._txn(writable=True)
+    return tx, tx._take_units("l:0", "seg", take[0], Holder("h0", f"vm{take[1]}"), take[1])
 
 
 def units_claimed(fabric) -> dict[tuple[str, str], int]:

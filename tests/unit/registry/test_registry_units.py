@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from tests.support.cluster_hosts import check_never_two_holders, history
-from tests.support.etcd_units import last_capacity, unit_keys_held, units_claimed
+from tests.support.etcd_units import last_capacity, taking, unit_keys_held, units_claimed
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
 from vmlend.registry import parse_location
@@ -170,14 +170,6 @@ def test_ten_borrowers_cycling_distinct_devices_through_one_adapter_pair_never_f
     check_never_two_holders(history(etcd_url))
 
 
-def _taking(registry, take: tuple[int, int]) -> EtcdTxn:
-    """A transaction of ``registry`` that has taken ``take[0]`` units of ``l:0``'s segments
-    from index ``take[1]`` on (nothing committed yet)."""
-    tx = registry._txn(writable=True)
-    tx._take_units("l:0", "seg", take[0], Holder("h0", f"vm{take[1]}"), take[1])
-    return tx
-
-
 @pytest.mark.parametrize(
     "first,second",
     [
@@ -207,10 +199,10 @@ def test_blocks_that_overlap_cannot_both_commit(etcd_url, monkeypatch, first, se
     monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: 8)
     with open_fabric(etcd_url, "h0") as f:
         gw = f.registry.gateway
-        a, b = _taking(f.registry, first), _taking(f.registry, second)
+        (a, _), (b, _) = taking(f.registry, first), taking(f.registry, second)
         assert gw.txn(a.compares(), a.operations())[0] is True
         assert gw.txn(b.compares(), b.operations())[0] is False
-        c = _taking(f.registry, (4, 4))  # after a's commit: the other half is free
+        c, _ = taking(f.registry, (4, 4))  # after a's commit: the other half is free
         assert gw.txn(c.compares(), c.operations())[0] is True
     assert sum(unit_keys_held(etcd_url).values()) == first[0] + 4
 
@@ -223,7 +215,7 @@ def test_a_fragmented_adapter_takes_smaller_blocks(etcd_url, monkeypatch):
     with open_fabric(etcd_url, "h0") as f:
         gw = f.registry.gateway
         for start in (1, 4):  # taken: 1 and [4, 6); free: 0, 2, 3, 6, 7
-            tx = _taking(f.registry, (1 if start == 1 else 2, start))
+            tx, _ = taking(f.registry, (1 if start == 1 else 2, start))
             assert gw.txn(tx.compares(), tx.operations())[0] is True
         tx = f.registry._txn(writable=True)
         picked = tx._take_units("l:0", "seg", 5, Holder("h0", "big"), 0)
