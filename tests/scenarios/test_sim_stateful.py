@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sqlite3
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -91,7 +92,7 @@ from vmlend.nvme import spec as nvme_spec
 from vmlend.nvme.cmb import GUEST_CMB_BASE
 from vmlend.nvme.guard import asid_base
 from vmlend.nvme.shares import Share
-from vmlend.registry import FenceRecord, same_holder
+from vmlend.registry import FenceRecord, SqliteRegistry, same_holder
 from vmlend.sim.dmawin import RegistryWindowLedger
 from vmlend.sim.hostmem import FRAME
 from vmlend.sim.hotmig import hot_migrate
@@ -293,6 +294,7 @@ class FabricMachine(RuleBasedStateMachine):
         self.drive: SharedNvmeDrive | None = None
         self.drives: list[SharedNvmeDrive] = []
         self.discovered = 0  # devices ``discover_a_new_device`` merged
+        self.claimed_on: set[str] = set()  # adapters and ports a claim has ever been on
         self._share_drive()
 
     def _location(self) -> Path | str:
@@ -1306,6 +1308,29 @@ class FabricMachine(RuleBasedStateMachine):
                     assert share.config.read(regs.COMMAND, 2) == 0xFFFF
                     share.bar0.write(0x1000, 4, 1)  # dropped
                     event("probe: a revoked share poked")
+
+    @invariant()
+    def each_registry_reads_the_claims_the_state_holds(self) -> None:
+        """An open SQLite state keeps claims per adapter between its transactions
+        (``vmlend.registry.keptclaims``): after every step, every registry of the machine (the
+        cluster's and each node's, connections of their own) reads what the file holds, on
+        every adapter that has ever had a claim."""
+        if not isinstance(self.c.registry, SqliteRegistry):
+            return
+        with sqlite3.connect(self.c.path) as db:
+            rows = db.execute(
+                "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+            ).fetchall()
+        self.claimed_on |= {r[1] for r in rows}
+        refs = sorted(self.claimed_on)
+        held = sorted(r for r in rows if r[1] in self.claimed_on)
+        for reg in [self.c.registry, *(f.registry for f in self.c.fabrics.values())]:
+            with reg.read() as tx:
+                got = sorted(
+                    (f, c.adapter, c.kind.value, c.share, c.entries, c.segments, c.bytes)
+                    for f, c in tx.claims_on(refs)
+                )
+            assert got == held
 
 
 class FabricSmoke(FabricMachine):

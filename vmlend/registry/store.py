@@ -36,6 +36,7 @@ from vmlend.registry.conditions import (
     probe,
 )
 from vmlend.registry.decoded import Decoded
+from vmlend.registry.keptclaims import KeptClaims
 from vmlend.registry.records import Claim
 from vmlend.registry.schema import (
     APPLICATION_ID,
@@ -158,6 +159,9 @@ class SqliteRegistry:
         self._generations: dict[str, topopieces.StoredView] = {}
         #: Claims decoded from their rows, by row (``SqliteTxn._claims_of``).
         self._claims_seen: Decoded[tuple[object, ...], tuple[int, Claim]] = Decoded()
+        #: The claims per adapter between transactions (``keptclaims``; made usable by
+        #: ``open``, once the schema is current).
+        self._kept = KeptClaims()
         #: This host's copy of the topology (``topocache``: mapped, verified as it is read),
         #: beside the state; set by ``open`` (a state being created has none yet).
         self._copy: TopologyCache | None = None
@@ -199,6 +203,7 @@ class SqliteRegistry:
             reg._copy = copy_beside(path)
             reg._migrate()
             _vet_tables(conn, path, reg._has_head)
+            reg._kept.attach(conn)
         except BaseException:
             conn.close()
             raise
@@ -326,8 +331,10 @@ class SqliteRegistry:
             self._begin(begin)
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
+        log: list[tuple[object, ...]] = []
         try:
-            yield SqliteTxn(
+            self._kept.begin(self._conn)  # before the transaction's first read
+            tx = SqliteTxn(
                 self._conn,
                 writable,
                 self._has_compiled,
@@ -337,7 +344,11 @@ class SqliteRegistry:
                 self._copy,
                 self._where,
                 self._claims_seen,
+                self._kept,
             )
+            yield tx
+            if writable and self._kept.usable:
+                log = self._kept.log(self._conn)
         except sqlite3.Error as e:
             self._conn.rollback()
             raise self._sqlite_error(e) from None
@@ -348,7 +359,10 @@ class SqliteRegistry:
             self._conn.execute("COMMIT")
         except sqlite3.Error as e:
             self._conn.rollback()
+            self._kept.forget()
             raise self._sqlite_error(e) from None
+        if log:
+            self._kept.committed(log, tx.claim_pair)
 
     def _sqlite_error(self, e: sqlite3.Error) -> StateError:
         if _damaged(e):

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from vmlend.errors import StateError, StateRecordError
-from vmlend.registry import topopieces
+from vmlend.registry import keptclaims, topopieces
 from vmlend.registry.decoded import Decoded
+from vmlend.registry.keptclaims import KeptClaims
 from vmlend.registry.records import (
     Claim,
     ClaimKind,
@@ -104,8 +105,11 @@ class SqliteTxn:
         copy: TopologyCache | None = None,
         where: str = "",
         claims_seen: Decoded[Row, tuple[int, Claim]] | None = None,
+        kept: KeptClaims | None = None,
     ) -> None:
         self._c = conn
+        #: The claims per adapter this connection keeps between transactions (``keptclaims``).
+        self._kept = kept
         #: Claims decoded before, by their row (``vmlend.registry.decoded``).
         self._claims_seen = Decoded() if claims_seen is None else claims_seen
         self._generations = {} if generations is None else generations
@@ -490,6 +494,10 @@ class SqliteTxn:
     def _claim_pair(cls, r: Row) -> tuple[int, Claim]:
         return r[0], cls._decode_claim(r)
 
+    def claim_pair(self, r: Row) -> tuple[int, Claim]:
+        """One claim row decoded, or as decoded before (``_claims_of`` of one row)."""
+        return self._claims_seen(r, self._claim_pair)
+
     @staticmethod
     def _decode_claim(r: Row) -> Claim:
         fields = dict(
@@ -510,14 +518,25 @@ class SqliteTxn:
         return False
 
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
-        """The claims on the given adapters only (what one reservation's admission reads)."""
+        """The claims on the given adapters only (what one reservation's admission reads):
+        those kept since an earlier transaction (``keptclaims``) and the rest read."""
         refs = list(dict.fromkeys(adapters))
-        rows = self._c.execute(
-            "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
+        kept = self._kept
+        if kept is None or not kept.usable or kept.changed(self._c):
+            return self._claims_of(self._claim_rows(refs))
+        out, missing = kept.lookup(refs)
+        if missing:
+            read = self._claims_of(self._claim_rows(missing))
+            kept.store(missing, read)
+            out += read
+        return out
+
+    def _claim_rows(self, refs: list[str]) -> list[Row]:
+        return self._c.execute(
+            f"SELECT {keptclaims.COLUMNS} FROM claims"
             f" WHERE adapter IN ({', '.join('?' * len(refs))})",
             refs,
         ).fetchall()
-        return self._claims_of(rows)
 
     # --- mdevs -----------------------------------------------------------------------------
     def parent(self, node: str, fdid: int) -> ParentRecord | None:
