@@ -21,6 +21,7 @@ vmlend sees. A connection that cannot make them keeps nothing.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -47,6 +48,15 @@ _SETUP = (
     f" INSERT INTO {_LOG} (op, adapter) VALUES ('-', NEW.adapter); END",
 )
 
+#: The triggers the log needs, by name: a table rebuilt on this connection (``DROP TABLE``,
+#: a migration) drops them silently, and each transaction checks they are all still there.
+_TRIGGERS = tuple(f"{_LOG}_{op}" for op in ("insert", "delete", "update"))
+#: The data version and whether every trigger is there, in one statement (``begin``).
+_BEGIN = (
+    "SELECT (SELECT data_version FROM pragma_data_version()),"
+    " (SELECT count(*) FROM temp.sqlite_master WHERE type = 'trigger' AND name IN (?, ?, ?))"
+)
+
 #: Adapters kept at most (all forgotten past that): a full 1,024-node fabric has about 2,000
 #: adapters and switch ports; a host's own reserves use a few.
 LIMIT = 4096
@@ -54,7 +64,8 @@ LIMIT = 4096
 
 class KeptClaims:
     """One connection's claims per adapter (``begin``, ``lookup``/``store``, ``log``,
-    ``committed``). Not shared between connections: each has its own log and data version."""
+    ``staged``/``install``). Not shared between connections: each has its own log and data
+    version."""
 
     __slots__ = ("_on", "_version", "usable")
 
@@ -65,23 +76,32 @@ class KeptClaims:
         self.usable = False
 
     def attach(self, conn: sqlite3.Connection) -> None:
-        """Make the log of ``conn``'s own changes to claims (outside any transaction)."""
+        """Make the log of ``conn``'s own changes to claims (outside any transaction, after
+        every migration of the schema)."""
         try:
+            # a row that INSERT OR REPLACE deletes fires the delete trigger only so
+            conn.execute("PRAGMA recursive_triggers = ON")
             for statement in _SETUP:
                 conn.execute(statement)
         except sqlite3.Error:
             self.usable = False  # e.g. no room for temp objects: read every time, as before
+            for name in _TRIGGERS:  # none left half made, logging for nobody
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute(f"DROP TRIGGER IF EXISTS temp.{name}")
             return
         self.usable = True
 
     def begin(self, conn: sqlite3.Connection) -> None:
-        """At the start of a transaction, before it reads: forget everything if another
-        connection committed since the last one (read before the snapshot, so a commit that
-        lands between is seen next time, never kept as older)."""
+        """At the start of a transaction, as its first read (which opens its snapshot, so the
+        version read is the snapshot's): forget everything if another connection committed
+        since the last one. A connection whose triggers are gone keeps nothing from then on."""
         if not self.usable:
             return
-        version = conn.execute("PRAGMA data_version").fetchone()[0]
-        if version != self._version:
+        version, triggers = conn.execute(_BEGIN, _TRIGGERS).fetchone()
+        if triggers != len(_TRIGGERS):
+            self.usable = False
+            self._on.clear()
+        elif version != self._version:
             self._on.clear()
             self._version = version
 
@@ -111,26 +131,36 @@ class KeptClaims:
             self._on.clear()
         self._on.update((ref, tuple(items)) for ref, items in on.items())
 
-    def log(self, conn: sqlite3.Connection) -> list[Row]:
-        """This transaction's changes to claims, taken off the log before it commits (if it
-        rolls back instead, so does the log)."""
+    def staged(
+        self, conn: sqlite3.Connection, decode: Callable[[Row], Pair]
+    ) -> dict[str, tuple[Pair, ...]]:
+        """Before the transaction commits: take its changes to claims off the log (a rollback
+        puts them back), forget every adapter they touch, and return what those adapters
+        hold once it has committed (an inserted claim joins the ones kept; an adapter a claim
+        left or changed on is not kept). ``install`` it after the commit: an interruption
+        between leaves the adapters forgotten, never kept without the commit's claims."""
         rows = conn.execute(f"SELECT op, {COLUMNS} FROM {_LOG}").fetchall()
-        if rows:
-            conn.execute(f"DELETE FROM {_LOG}")
-        return rows
-
-    def committed(self, rows: Iterable[Row], decode: Callable[[Row], Pair]) -> None:
-        """Apply a committed transaction's ``log``: an inserted claim joins its adapter's kept
-        ones, an adapter a claim left or changed on is forgotten."""
+        if not rows:
+            return {}
+        conn.execute(f"DELETE FROM {_LOG}")
+        after: dict[str, tuple[Pair, ...] | None] = {}
         for op, *row in rows:
             adapter = row[1]
-            if op != "+":
-                self._on.pop(adapter, None)
-            elif (kept := self._on.get(adapter)) is not None:
-                try:
-                    self._on[adapter] = (*kept, decode(tuple(row)))
-                except StateRecordError:  # a row it wrote and cannot read: read it again
-                    self._on.pop(adapter, None)
+            if adapter not in after:
+                after[adapter] = self._on.pop(adapter, None)
+            kept = after[adapter]
+            if op != "+" or kept is None:
+                after[adapter] = None
+                continue
+            try:
+                after[adapter] = (*kept, decode(tuple(row)))
+            except StateRecordError:  # a row it wrote and cannot read: read it again
+                after[adapter] = None
+        return {adapter: kept for adapter, kept in after.items() if kept is not None}
+
+    def install(self, staged: dict[str, tuple[Pair, ...]]) -> None:
+        """Keep what ``staged`` returned, once its transaction committed."""
+        self._on.update(staged)
 
     def forget(self) -> None:
         self._on.clear()

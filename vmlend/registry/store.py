@@ -331,7 +331,7 @@ class SqliteRegistry:
             self._begin(begin)
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
-        log: list[tuple[object, ...]] = []
+        staged: dict[str, tuple[tuple[int, Claim], ...]] = {}
         try:
             self._kept.begin(self._conn)  # before the transaction's first read
             tx = SqliteTxn(
@@ -348,7 +348,7 @@ class SqliteRegistry:
             )
             yield tx
             if writable and self._kept.usable:
-                log = self._kept.log(self._conn)
+                staged = self._kept.staged(self._conn, tx.claim_pair)
         except sqlite3.Error as e:
             self._conn.rollback()
             raise self._sqlite_error(e) from None
@@ -361,8 +361,7 @@ class SqliteRegistry:
             self._conn.rollback()
             self._kept.forget()
             raise self._sqlite_error(e) from None
-        if log:
-            self._kept.committed(log, tx.claim_pair)
+        self._kept.install(staged)
 
     def _sqlite_error(self, e: sqlite3.Error) -> StateError:
         if _damaged(e):

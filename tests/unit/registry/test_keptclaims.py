@@ -228,3 +228,64 @@ class KeptClaimsMachine(RuleBasedStateMachine):
 
 KeptClaimsMachine.TestCase.settings = derandomized(60, 25)
 test_kept_claims_are_what_the_file_holds = KeptClaimsMachine.TestCase
+
+
+def test_an_interruption_between_the_commit_and_keeping_its_claims_forgets_them(
+    state, monkeypatch
+):
+    """Ctrl-C during the commit's fsync lands after it: the adapters the commit changed are
+    read again, never kept without its claims."""
+    from vmlend.registry.keptclaims import KeptClaims
+
+    reg = SqliteRegistry.open(state)
+    try:
+        assert _claims_on(reg) == []  # every adapter kept, empty
+        install = KeptClaims.install
+
+        def interrupted(self, staged):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(KeptClaims, "install", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _hold(reg, 0x100, Claim("l:0", ClaimKind.LUT, "req:a", entries=1))
+        monkeypatch.setattr(KeptClaims, "install", install)
+        assert _claims_on(reg) == _rows_now(state) != []
+    finally:
+        reg.close()
+
+
+def test_a_claims_table_rebuilt_on_the_connection_keeps_nothing_from_then_on(state):
+    """A rebuild (as a schema migration does) drops the TEMP triggers with the table: the
+    connection's own changes would go unlogged, so nothing is kept any more."""
+    reg = SqliteRegistry.open(state)
+    try:
+        assert _claims_on(reg) == []
+        conn = reg._conn
+        conn.execute("CREATE TABLE claims_copy AS SELECT * FROM claims")
+        conn.execute("PRAGMA foreign_keys = OFF")
+        conn.execute("DROP TABLE claims")
+        conn.execute("ALTER TABLE claims_copy RENAME TO claims")
+        conn.execute("PRAGMA foreign_keys = ON")
+        _hold(reg, 0x100, Claim("l:0", ClaimKind.LUT, "req:a", entries=1))
+        assert _claims_on(reg) == _rows_now(state) != []
+    finally:
+        reg.close()
+
+
+def test_a_claim_replaced_in_place_by_this_connection_is_read_again(state):
+    """INSERT OR REPLACE deletes the row it replaces without a delete statement: that
+    deletion is logged too (recursive triggers), so the old row is not kept."""
+    reg = SqliteRegistry.open(state)
+    try:
+        _hold(reg, 0x100, Claim("l:0", ClaimKind.LUT, "req:a", entries=1))
+        assert len(_claims_on(reg)) == 1
+        with reg.write() as tx:
+            tx._c.execute(
+                "INSERT OR REPLACE INTO claims"
+                " (rowid, fdid, adapter, kind, share, entries, segments, bytes)"
+                " SELECT rowid, fdid, 'h0:0', kind, share, entries, segments, bytes FROM claims"
+            )
+        assert _claims_on(reg) == _rows_now(state)
+        assert [c.adapter for _f, c in _claims_on(reg)] == ["h0:0"]
+    finally:
+        reg.close()
