@@ -28,7 +28,9 @@ With ``--crowd VMS`` it measures instead what issue 38's point 3 names: at each 
 fresh fabric, then VMS VMs holding two devices each (two reserves, each VM on the node half
 the fabric away from its lender), reserved one after the other through one open fabric; the
 median CPU of the first and of the last 100 admitted reserves, and the refusals (a resource
-exhausted: LUT entries, window segments) counted apart.
+exhausted: LUT entries, window segments) counted apart. Each of those first and last
+reserves is followed by one on a twin fabric kept nearly empty, and the ratio is also given
+with each end over its twin's (the machine's speed drifts between the two ends).
 """
 
 from __future__ import annotations
@@ -169,38 +171,68 @@ def reserve_p50(location: object, nodes: int, vms: int) -> tuple[float, float]:
     return statistics.median(cpu[:WINDOW]), statistics.median(cpu[-WINDOW:])
 
 
-def crowd(location: str, nodes: int, vms: int) -> dict[str, float]:
+def _crowd_reserve(f: SimFabric, nodes: int, vm: int, n: int) -> float | None:
+    """Reserve device ``n`` (of the fabric's numbering) for VM ``vm`` half the fabric away
+    from its lender; its CPU time, or None when refused for want of a resource."""
+    lender = 1 + n // PER_NODE
+    holder = Holder(f"n{(lender + nodes // 2) % nodes}", f"vm{vm}")
+    c = time.process_time()
+    try:
+        f.reserve(_fdid(lender, n % PER_NODE), holder, guest_ram=GiB)
+    except ResourceExhaustedError:
+        return None
+    return time.process_time() - c
+
+
+def crowd(location: str, control: str, nodes: int, vms: int) -> dict[str, float]:
     """``vms`` two-device VMs on a fresh fabric of ``nodes`` nodes (``--crowd``): the CPU of
-    each admitted reserve, the refusals apart."""
+    each admitted reserve, the refusals apart. Beside the first and the last ``WINDOW``
+    reserves, each followed by one on a twin fabric at ``control`` that stays nearly empty
+    (its first VMs, one reserve each time): the same work at both ends, so the machine's own
+    speed, which drifts by tens of percent over the minutes between them on a shared machine,
+    divides out of the ratio of the two ratios."""
     init_fabric(location, topology(nodes), "generated.toml")
+    init_fabric(control, topology(nodes), "generated.toml")
     f = open_fabric(location, "n1")  # type: ignore[arg-type]
-    assert isinstance(f, SimFabric)
+    twin = open_fabric(control, "n1")  # type: ignore[arg-type]
+    assert isinstance(f, SimFabric) and isinstance(twin, SimFabric)
     lent = (nodes - 1) * PER_NODE  # n0's devices are not lent
+    total = min(vms, lent // 2)
     cpu: list[float] = []
+    beside: dict[str, list[float]] = {"first": [], "last": []}
     refused = 0
+    twin_n = 0
     t = time.perf_counter()
     try:
-        for vm in range(min(vms, lent // 2)):
+        for vm in range(total):
             for n in (2 * vm, 2 * vm + 1):
-                lender = 1 + n // PER_NODE
-                holder = Holder(f"n{(lender + nodes // 2) % nodes}", f"vm{vm}")
-                c = time.process_time()
-                try:
-                    f.reserve(_fdid(lender, n % PER_NODE), holder, guest_ram=GiB)
-                except ResourceExhaustedError:
+                took = _crowd_reserve(f, nodes, vm, n)
+                if took is None:
                     refused += 1
                     continue
-                cpu.append(time.process_time() - c)
+                cpu.append(took)
+                end = "first" if n < WINDOW else "last" if n >= 2 * total - WINDOW else ""
+                if end:
+                    twin_took = _crowd_reserve(twin, nodes, twin_n // 2, twin_n)
+                    twin_n += 1
+                    if twin_took is not None:
+                        beside[end].append(twin_took)
     finally:
         f.close()
+        twin.close()
+    first, last = statistics.median(cpu[:WINDOW]), statistics.median(cpu[-WINDOW:])
+    twin_first, twin_last = (statistics.median(beside[e]) for e in ("first", "last"))
     return {
-        "VMs": min(vms, lent // 2),
+        "VMs": total,
         "reserves admitted": len(cpu),
         "reserves refused": refused,
         "run s": time.perf_counter() - t,
-        "reserve CPU p50 first 100 ms": statistics.median(cpu[:WINDOW]) * ms,
-        "reserve CPU p50 last 100 ms": statistics.median(cpu[-WINDOW:]) * ms,
-        "last/first": statistics.median(cpu[-WINDOW:]) / statistics.median(cpu[:WINDOW]),
+        "reserve CPU p50 first 100 ms": first * ms,
+        "reserve CPU p50 last 100 ms": last * ms,
+        "last/first": last / first,
+        "  empty twin beside first ms": twin_first * ms,
+        "  empty twin beside last ms": twin_last * ms,
+        "last/first, each over its twin": (last / twin_last) / (first / twin_first),
     }
 
 
@@ -263,7 +295,12 @@ def main() -> None:
                         else f"sqlite://{root / 'host' / f'size{nodes}.db'}"  # the hook's root
                     )
                     if args.crowd:
-                        rows[nodes] = crowd(location, nodes, args.crowd)
+                        control = (
+                            server.url(f"size{nodes}-twin")
+                            if registry == "etcd" and server is not None
+                            else f"sqlite://{root / 'host' / f'size{nodes}-twin.db'}"
+                        )
+                        rows[nodes] = crowd(location, control, nodes, args.crowd)
                     else:
                         rows[nodes] = measure(location, nodes, env, args)
                     print(f"  ({registry} {nodes} nodes measured)", file=sys.stderr)
