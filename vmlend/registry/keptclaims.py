@@ -9,9 +9,10 @@ still what the state file holds:
 - another connection's commit (another process, or another registry in this one) changes
   ``PRAGMA data_version``, read first in every transaction: everything kept is forgotten;
 - this connection's own changes to ``claims`` are logged by TEMP triggers, cascades from a
-  deleted hold included: at commit an inserted row joins its adapter's kept claims, and an
-  adapter a row was deleted from or changed on is forgotten; a transaction that rolls back
-  rolls its log back with it;
+  deleted hold and rows INSERT OR REPLACE deletes included: before the commit the adapters
+  the log touches are forgotten, after it an inserted row's adapter is kept again with it (an
+  adapter a row was deleted from or changed on is not); a transaction that rolls back rolls
+  its log back with it;
 - inside a transaction that has changed claims already nothing kept is used (its own
   uncommitted rows must be seen) and nothing read is kept.
 
@@ -27,9 +28,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vmlend.errors import StateRecordError
+from vmlend.registry.records import Claim
 
 Row = tuple[Any, ...]
-Pair = tuple[int, Any]  # (fdid, Claim): what ``SqliteTxn._claims_of`` makes of a row
+Pair = tuple[int, Claim]  # (fdid, claim): what ``SqliteTxn._claims_of`` makes of a row
+#: What ``KeptClaims.staged`` returns: each adapter's claims once its transaction committed.
+Staged = dict[str, tuple[Pair, ...]]
 
 #: The columns of a claim row, in ``SqliteTxn.claims_on``'s order.
 COLUMNS = "fdid, adapter, kind, share, entries, segments, bytes"
@@ -63,7 +67,7 @@ LIMIT = 4096
 
 
 class KeptClaims:
-    """One connection's claims per adapter (``begin``, ``lookup``/``store``, ``log``,
+    """One connection's claims per adapter (``begin``, ``changed``, ``lookup``/``store``,
     ``staged``/``install``). Not shared between connections: each has its own log and data
     version."""
 
@@ -131,9 +135,7 @@ class KeptClaims:
             self._on.clear()
         self._on.update((ref, tuple(items)) for ref, items in on.items())
 
-    def staged(
-        self, conn: sqlite3.Connection, decode: Callable[[Row], Pair]
-    ) -> dict[str, tuple[Pair, ...]]:
+    def staged(self, conn: sqlite3.Connection, decode: Callable[[Row], Pair]) -> Staged:
         """Before the transaction commits: take its changes to claims off the log (a rollback
         puts them back), forget every adapter they touch, and return what those adapters
         hold once it has committed (an inserted claim joins the ones kept; an adapter a claim
@@ -158,7 +160,7 @@ class KeptClaims:
                 after[adapter] = None
         return {adapter: kept for adapter, kept in after.items() if kept is not None}
 
-    def install(self, staged: dict[str, tuple[Pair, ...]]) -> None:
+    def install(self, staged: Staged) -> None:
         """Keep what ``staged`` returned, once its transaction committed."""
         self._on.update(staged)
 

@@ -36,7 +36,7 @@ from vmlend.registry.conditions import (
     probe,
 )
 from vmlend.registry.decoded import Decoded
-from vmlend.registry.keptclaims import KeptClaims
+from vmlend.registry.keptclaims import KeptClaims, Staged
 from vmlend.registry.records import Claim
 from vmlend.registry.schema import (
     APPLICATION_ID,
@@ -331,7 +331,7 @@ class SqliteRegistry:
             self._begin(begin)
         except sqlite3.OperationalError as e:
             raise self._sqlite_error(e) from None
-        staged: dict[str, tuple[tuple[int, Claim], ...]] = {}
+        staged: Staged = {}
         try:
             self._kept.begin(self._conn)  # before the transaction's first read
             tx = SqliteTxn(

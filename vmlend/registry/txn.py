@@ -480,9 +480,7 @@ class SqliteTxn:
         )
 
     def claims(self) -> list[tuple[int, Claim]]:
-        rows = self._c.execute(
-            "SELECT fdid, adapter, kind, share, entries, segments, bytes FROM claims"
-        ).fetchall()
+        rows = self._c.execute(f"SELECT {keptclaims.COLUMNS} FROM claims").fetchall()
         return self._claims_of(rows)
 
     def _claims_of(self, rows: list[Row]) -> list[tuple[int, Claim]]:
