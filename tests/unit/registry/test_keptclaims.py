@@ -213,6 +213,41 @@ class KeptClaimsMachine(RuleBasedStateMachine):
         except RuntimeError:
             pass
 
+    @rule(who=st.integers(0, 1), fdid=st.sampled_from(FDIDS), made=st.lists(claims, max_size=3))
+    def interrupted_after_commit(self, who: int, fdid: int, made: list[Claim]) -> None:
+        """Ctrl-C lands between the commit and keeping what it changed: the commit stands,
+        its adapters are read again."""
+        from vmlend.registry.keptclaims import KeptClaims
+
+        def interrupted(kept: KeptClaims, staged: object) -> None:
+            raise KeyboardInterrupt
+
+        install, KeptClaims.install = KeptClaims.install, interrupted  # type: ignore[method-assign]
+        try:
+            with self.regs[who].write() as tx:
+                tx.claims_on(ADAPTERS)
+                if tx.hold(fdid) is not None:
+                    tx.delete_hold(fdid)
+                else:
+                    tx.add_hold(HoldRecord(fdid, VM, 0.0, Phase.RESERVED), made)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            KeptClaims.install = install  # type: ignore[method-assign]
+
+    @rule(who=st.integers(0, 1), to=st.sampled_from(ADAPTERS))
+    def replaced_in_place(self, who: int, to: str) -> None:
+        """This connection moves a row with INSERT OR REPLACE (its deletion fires no delete
+        statement)."""
+        with self.regs[who].write() as tx:
+            tx._c.execute(
+                "INSERT OR REPLACE INTO claims"
+                " (rowid, fdid, adapter, kind, share, entries, segments, bytes)"
+                " SELECT rowid, fdid, ?, kind, share, entries, segments, bytes FROM claims"
+                " WHERE rowid = (SELECT MIN(rowid) FROM claims)",
+                (to,),
+            )
+
     @rule(amount=st.integers(0, 5))
     def raw_update(self, amount: int) -> None:
         """Another writer changes rows in place (an older vmlend, a repair by hand)."""
