@@ -84,8 +84,20 @@ class EtcdServer:
         return f"etcd://{self.endpoint}/{cluster}"
 
     def start(self) -> None:
-        self.spawn()
-        self.wait_healthy()
+        # A lone member's first start: nobody knows its ports yet, so a port another process
+        # bound between ``free_port`` and etcd's own bind is given up for fresh ones (CI met
+        # it: "bind: address already in use"). A restart keeps its ports: clients have them.
+        first = self.proc is None and self.initial_cluster is None
+        for attempt in range(3):
+            self.spawn()
+            try:
+                self.wait_healthy()
+                return
+            except RuntimeError as e:
+                if not first or attempt == 2 or "address already in use" not in str(e):
+                    raise
+            shutil.rmtree(self.root / "data", ignore_errors=True)
+            self.client_port, self.peer_port = free_port(), free_port()
 
     def spawn(self) -> None:
         client = f"http://{self.endpoint}"
