@@ -43,7 +43,7 @@ FDID = 0x12
 #: The borrower's lease: short, so that the test waits seconds for etcd to end it.
 BORROWER_TTL = 6
 #: What a hold leaves in the registry besides its fence: none of it may outlive the take-back.
-HOLD_KEYS = ("holds/", "held-on/", "held-vm/", "claims/", "units/", "fence/", "mdevs/", "parents/")
+HOLD_KEYS = ("holds/", "held-vm/", "units/", "fence/", "mdevs/", "parents/")
 
 
 def vmlend_exe() -> str:

@@ -111,11 +111,12 @@ def test_after_an_etcd_outage_longer_than_the_ttl_the_vm_runs_on_holds_of_a_live
         assert _lease_alive(gw, lease)
         assert _hold_lease(gw, keys, GPU) == lease, gamma.log()
         _rev, kvs = gw.range(keys.base, keys.base[:-1] + "0")
-        claims = [kv for kv in kvs if kv.key.startswith(keys.claims) and f"/{GPU:#x}/" in kv.key]
+        # the claims, on the unit blocks of the VM; its marker, the node's index of holds
+        units = [kv for kv in kvs if kv.key.startswith(keys.units)]
         mdevs = [kv for kv in kvs if kv.key.startswith(keys.mdevs_on("gamma"))]
-        index = [kv for kv in kvs if kv.key == keys.held_on("gamma", GPU)]
-        assert claims and mdevs and index
-        assert {kv.lease for kv in claims + mdevs + index} == {lease}
+        index = [kv for kv in kvs if kv.key == keys.vm_holds("gamma", "web")]
+        assert units and mdevs and index
+        assert {kv.lease for kv in units + mdevs + index} == {lease}
     finally:
         gw.close()
     assert hv.lookup("web").state is DomainState.RUNNING

@@ -69,6 +69,7 @@ from hypothesis.stateful import (
 
 from tests.support.discovery import device as found_device
 from tests.support.etcd_daemon import EtcdServer, host_lease
+from tests.support.etcd_units import ledgers_agree_with_blocks
 from tests.support.nvme_guest import guest_driver
 from tests.support.simcluster import Cluster
 from tests.support.stateful import derandomized
@@ -1360,7 +1361,15 @@ class FabricOnEtcd(FabricMachine):
     (tests/unit/ledger/test_handover_etcd.py)."""
 
     def _location(self) -> str:
-        return _ETCD[0].url(f"stateful-{uuid.uuid4().hex[:12]}")
+        self.url = _ETCD[0].url(f"stateful-{uuid.uuid4().hex[:12]}")
+        return self.url
+
+    @invariant()
+    def the_units_carry_what_the_ledgers_say(self) -> None:
+        """Layout 5 keeps each VM's claims twice, in its marker's ledger and on its head
+        unit block of each adapter (what admission reads): after every step they agree, and
+        every VM has exactly the units its claims use."""
+        ledgers_agree_with_blocks(self.url)
 
 
 @pytest.fixture

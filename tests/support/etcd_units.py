@@ -3,41 +3,92 @@ unit tests of ``_take_units`` and of commits from remembered reads."""
 
 from __future__ import annotations
 
+import json
+
 from tests.support.simfabric import star_topology
 from vmlend.ledger.admission import port_usage
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
-from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_keys import Keys, block_owner, claim_from_dict, claims_of_block
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
 from vmlend.topology.requesters import is_port
 
 
-def unit_blocks_held(url: str) -> dict[tuple[str, str], list[tuple[int, int]]]:
-    """Per (adapter, lut|seg), the ``(start, size)`` of each unit key the registry holds, in
-    order: blocks, and single units of vmlend before blocks as blocks of one."""
+def _read(url: str, prefix_of) -> tuple[Keys, list]:
     loc = parse_location(url)
     keys = Keys(loc.cluster)
-    prefix = keys.base + "units/"
+    prefix = prefix_of(keys)
     gw = EtcdGateway(loc.endpoints)
     try:
         _rev, kvs = gw.range(prefix, prefix_end(prefix))
     finally:
         gw.close()
+    return keys, kvs
+
+
+def _block_of(keys: Keys, key: str) -> tuple[str, str, int, int]:
+    """``(adapter, lut|seg, start, size)`` of a block key ``units/<adapter>/<unit>-blocks/
+    <start>/<size>`` (a switch port's name, "switch/toward", has a "/" of its own: read from
+    the end)."""
+    head, first, count = key.removeprefix(keys.units).rsplit("/", 2)
+    adapter, unit = head.rsplit("/", 1)
+    assert unit.endswith("-blocks"), key
+    return adapter, unit.removesuffix("-blocks"), int(first), int(count)
+
+
+def unit_blocks_held(url: str) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    """Per (adapter, lut|seg), the ``(start, size)`` of each unit block the registry holds,
+    in order."""
+    keys, kvs = _read(url, lambda k: k.units)
     out: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for kv in kvs:
-        # units/<adapter>/<unit>-blocks/<start>/<size>, or one unit: units/<adapter>/<unit>/<i>
-        # (a switch port's name, "switch/toward", has a "/" of its own: read from the end)
-        body = kv.key.removeprefix(prefix)
-        if "-blocks/" in body:
-            head, first, count = body.rsplit("/", 2)
-            start, size = int(first), int(count)
-        else:
-            head, first = body.rsplit("/", 1)
-            start, size = int(first), 1
-        adapter, unit = head.rsplit("/", 1)
-        out.setdefault((adapter, unit.removesuffix("-blocks")), []).append((start, size))
+        adapter, unit, start, size = _block_of(keys, kv.key)
+        out.setdefault((adapter, unit), []).append((start, size))
     return {k: sorted(v) for k, v in out.items()}
+
+
+def ledgers_agree_with_blocks(url: str) -> None:
+    """What the VMs' markers say against the unit blocks in etcd (layout 5): each block is
+    of a VM whose marker lists it, and each listed block is there; each VM has the units its
+    ledger's claims use (``_units_needed``); its first block on each adapter (its head)
+    carries exactly its ledger's claims there, its other blocks none; every hold a marker's
+    ledger has claims for is listed in that marker."""
+    keys, blocks = _read(url, lambda k: k.units)
+    _k, markers = _read(url, lambda k: k.vm_markers)
+    owned: dict[tuple[str, str], dict[str, bytes]] = {}  # (owner, adapter) -> key -> value
+    for kv in blocks:
+        adapter, _unit, _start, _size = _block_of(keys, kv.key)
+        owned.setdefault((block_owner(kv.value), adapter), {})[kv.key] = kv.value
+    listed: set[tuple[str, str]] = set()
+    for kv in markers:
+        node = kv.key.removeprefix(keys.vm_markers).split("/", 1)[0]
+        d = json.loads(kv.value)
+        owner = f"{node}/{d['vm']}"
+        ledger = d.get("ledger", {})
+        assert set(ledger) <= set(d.get("fdids", [])), (kv.key, "claims of a hold not listed")
+        rows = [EtcdTxn._row(c) for claims in ledger.values() for c in claims]
+        need = EtcdTxn._units_needed(rows)
+        have: dict[tuple[str, str], int] = {}
+        on = EtcdTxn._claims_by_adapter(ledger)
+        for adapter in set(d.get("blocks", {})) | set(on):
+            spans = d.get("blocks", {}).get(adapter, {})
+            want = sorted(
+                keys.unit_block(adapter, unit, s, z)
+                for unit, held in spans.items()
+                for s, z in held
+            )
+            there = owned.get((owner, adapter), {})
+            assert sorted(there) == want, (owner, adapter, sorted(there), want)
+            for i, key in enumerate(want):
+                assert claims_of_block(there[key]) == tuple(
+                    (c["fdid"], claim_from_dict(c)) for c in (on.get(adapter, []) if i == 0 else [])
+                ), (owner, key)
+            for unit, held in spans.items():
+                have[(adapter, unit)] = sum(z for _s, z in held)
+            listed.add((owner, adapter))
+        assert have == need, (owner, have, need)
+    assert set(owned) <= listed, ("blocks of no marker", set(owned) - listed)
 
 
 def unit_keys_held(url: str) -> dict[tuple[str, str], int]:

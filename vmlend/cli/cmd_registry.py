@@ -112,7 +112,7 @@ def upgrade_cmd(obj: CliContext, json_output: bool) -> None:
             "'vmlend registry upgrade' is for a cluster registry (--registry"
             " etcd://HOST:PORT/CLUSTER): an SQLite state file is upgraded when it is opened"
         )
-    with open_registry(loc) as reg:
+    with open_registry(loc, upgrading=True) as reg:
         result = upgrade(cast(EtcdRegistry, reg))  # an etcd location opens the etcd backend
     if json_output:
         emit_action(

@@ -13,28 +13,32 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
 - ``nodes/<name>``, ``devices/<fdid>``: only once a node or device differs from what the
   topology says (down, unlent, vanished), so initialising a 1,000-device fabric writes two
   keys instead of exceeding etcd's 128 operations per transaction;
-- ``held-on/<node>/<fdid>``: the index of a node's holds, naming each one's VM;
-  ``held-vm/<node>/<hash of VM name>``: rewritten with every hold the VM gains (a reserve
-  compares it, not the whole index);
-- ``holds/<fdid>``: who holds a device (the record lists its claims' keys); ``fence/<fdid>``:
-  written with every hold, without a lease, removed with it by a normal release (so a hold
-  that vanished by lease expiry leaves a fence that only the lender's agent removes);
+- ``held-vm/<node>/<hash of VM name>``: the VM's marker, created with its first hold and
+  deleted with its last: it lists the VM's holds, so the markers under ``held-vm/<node>/``
+  are the node's index, and it is rewritten with every hold the VM gains (a reserve compares
+  it). It also keeps the VM's unit ledger: each hold's claims, and the unit blocks they use;
+- ``holds/<fdid>``: who holds a device; ``fence/<fdid>``: written with every hold, without a
+  lease, removed with it by a normal release (so a hold that vanished by lease expiry leaves a
+  fence that only the lender's agent removes);
 - ``hosts/<node>``: the host's agent is alive (attached to its lease); ``agents/<node>``: the
   node runs an agent, bound to its host's machine-id (no lease; removed by ``vmlend drain``),
   so ``agents`` without ``hosts`` means its agent is not running (stopped or dead, not
   drained) and the node's devices are unavailable;
-- ``claims/<adapter>/<fdid>/<n>``: the adapter resources of a hold, under their adapter, so a
-  reserve reads exactly the claims of the adapters on its path;
 - ``units/<adapter>/<lut|seg>-blocks/<start>/<size>``: the LUT entries or window segments in
   use, in aligned blocks (``size`` a power of two, ``start`` a multiple of it, zero-padded,
   below the adapter's usable count), so two reserves that together overcommit an adapter must
   take overlapping blocks (one same block, or one inside the other) and cannot both commit,
   while reserves that fit do not conflict (a reserve compares the blocks it creates, not
-  every claim on the adapter). ``units/<adapter>/<lut|seg>/<i>``: one unit per key, as vmlend
-  wrote them before blocks (read as blocks of one). Which units a VM has, and the claims they
-  stand for, are listed in its ``held-vm`` key (its unit ledger);
+  every claim on the adapter). Each block names its VM; the VM's first block on an adapter
+  (its *head*, the first by key) also carries the VM's claims there, so one range per
+  adapter is both its claims and its units. Every claim uses a unit of its VM on its adapter,
+  so every claim has a head to be found in;
 - ``parents/<node>/<fdid>``, ``mdevs/<node>/<uuid>``: mdev parents and children per node;
 - ``runtime/<fdid>/<n>``: what the data path set up for a held device.
+
+Layout 4 (before version 5) also kept ``held-on/<node>/<fdid>`` (the node's index of its
+holds) and one ``claims/<adapter>/<fdid>/<n>`` key per claim; ``vmlend registry upgrade``
+deletes what is left of them (``Keys.layout4_prefixes``).
 """
 
 from __future__ import annotations
@@ -129,45 +133,34 @@ class Keys:
     def hold(self, fdid: int) -> str:
         return f"{self.holds}{fdid:#x}"
 
-    def holds_on(self, node: str) -> str:
-        """The index of the holds whose holder runs on ``node``: one key per held fdid, its
-        value the holder's VM name and UUID."""
-        return f"{self.base}held-on/{node}/"
-
-    def held_on(self, node: str, fdid: int) -> str:
-        return f"{self.holds_on(node)}{fdid:#x}"
-
     def vm_holds(self, node: str, vm: str) -> str:
-        """Rewritten with every hold a VM on ``node`` gains (leased): what a reserve compares
-        to know the VM's own set of holds did not grow, instead of the node's whole
-        ``held-on`` index, so reserves of unrelated VMs on one node do not conflict."""
+        """The marker of VM ``vm`` on ``node`` (leased): rewritten with every hold it gains,
+        what a reserve compares to know the VM's own set of holds did not grow, so reserves
+        of unrelated VMs on one node do not conflict."""
         digest = hashlib.sha256(vm.encode()).hexdigest()[:24]
         return f"{self.vm_holds_on(node)}{digest}"
 
+    @property
+    def vm_markers(self) -> str:
+        return self.base + "held-vm/"
+
     def vm_holds_on(self, node: str) -> str:
-        return f"{self.base}held-vm/{node}/"
+        """Every marker of ``node``'s VMs: the node's index of its holds."""
+        return f"{self.vm_markers}{node}/"
+
+    def layout4_prefixes(self) -> list[str]:
+        """What layout 4 kept and layout 5 does not: the nodes' indexes of their holds and
+        the claims, one key each (deleted by ``vmlend registry upgrade``)."""
+        return [self.base + "held-on/", self.base + "claims/"]
 
     @property
-    def claims(self) -> str:
-        return self.base + "claims/"
-
-    def claims_on(self, adapter: str) -> str:
-        return f"{self.claims}{adapter}/"
-
-    def claim(self, adapter: str, fdid: int, n: int) -> str:
-        return f"{self.claims_on(adapter)}{fdid:#x}/{n}"
+    def units(self) -> str:
+        return self.base + "units/"
 
     def units_of(self, adapter: str) -> str:
-        """Every unit key of an adapter (a reserve reads them in one range)."""
-        return f"{self.base}units/{adapter}/"
-
-    def units_on(self, adapter: str, unit: str) -> str:
-        """The unit keys of one adapter resource: ``unit`` is ``lut`` or ``seg``."""
-        return f"{self.units_of(adapter)}{unit}/"
-
-    def unit(self, adapter: str, unit: str, index: int) -> str:
-        """One unit, as vmlend wrote them before blocks (still read, and deleted on release)."""
-        return f"{self.units_on(adapter, unit)}{index}"
+        """Every unit block of an adapter, and so its claims (a reserve reads them in one
+        range)."""
+        return f"{self.units}{adapter}/"
 
     def unit_blocks(self, adapter: str, unit: str) -> str:
         """The block keys of one adapter resource (``unit_block``)."""
@@ -277,7 +270,7 @@ def compiled_of(record: dict[str, Any]) -> bytes | None:
         return None
 
 
-def hold_to_json(hold: HoldRecord, claim_keys: list[str], reissued: int = 0) -> bytes:
+def hold_to_json(hold: HoldRecord, reissued: int = 0) -> bytes:
     """``reissued``: the fencing token of a hold re-made under a key that exists (0: none, the
     key's creation revision is the token; ``EtcdTxn.add_hold``)."""
     h = hold.holder
@@ -289,7 +282,6 @@ def hold_to_json(hold: HoldRecord, claim_keys: list[str], reissued: int = 0) -> 
         "since": hold.since,
         "phase": hold.phase.value,
         "guest_ram": hold.guest_ram,
-        "claims": claim_keys,
     }
     if reissued:
         d["reissued"] = reissued
@@ -355,3 +347,28 @@ def mdev_from_dict(d: dict[str, Any]) -> MdevRecord:
         vm=d.get("vm", ""),
         created=float(d["created"]),
     )
+
+
+def block_to_json(owner: str, claims: list[dict[str, Any]] | None = None) -> bytes:
+    """A unit block's value: the VM it is of (``<node>/<vm>``); its head block on an adapter
+    (``claims`` not None) also lists the VM's claims there, each with its hold's ``fdid``."""
+    d: dict[str, Any] = {"vm": owner}
+    if claims is not None:
+        d["claims"] = claims
+    return dump(d)
+
+
+def block_owner(raw: bytes) -> str:
+    """The ``<node>/<vm>`` a unit block is of."""
+    owner = load(raw)["vm"]
+    if not isinstance(owner, str):
+        raise TypeError(f"a unit block's owner is not text: {owner!r}")
+    return owner
+
+
+def claims_of_block(raw: bytes) -> tuple[tuple[int, Claim], ...]:
+    """The claims a unit block carries (``(fdid, claim)`` each): none but on a head."""
+    listed = load(raw).get("claims", [])
+    if not isinstance(listed, list):
+        raise TypeError(f"a unit block's claims are not a list: {listed!r}")
+    return tuple((int(d["fdid"]), claim_from_dict(d)) for d in listed)

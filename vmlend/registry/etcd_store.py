@@ -25,7 +25,7 @@ from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.etcd_txn import EtcdTxn, Snapshot
 from vmlend.registry.etcd_warm import WarmCache
 from vmlend.registry.records import Claim
-from vmlend.registry.schema import ETCD_SCHEMA_VERSION
+from vmlend.registry.schema import ETCD_HOLDS_LAYOUT, ETCD_SCHEMA_VERSION
 from vmlend.registry.topocache import TopologyCache
 from vmlend.registry.topopieces import StoredView
 
@@ -66,8 +66,9 @@ class EtcdRegistry:
         self._attempts = attempts
         self._sleep = sleep
         self._topology_cache: dict[str, StoredView] = {}
-        #: Claims decoded from their values (``EtcdTxn._claims_of``), shared by the threads.
-        self._claims_seen: Decoded[bytes, tuple[int, Claim]] = Decoded()
+        #: Claims decoded from their unit blocks' values (``EtcdTxn._claims_of``), shared by
+        #: the threads.
+        self._claims_seen: Decoded[bytes, tuple[tuple[int, Claim], ...]] = Decoded()
         #: The topology's generations, and this host's copy of the current one (``cache``).
         self.generations = EtcdTopology(gateway, self.keys, cache)
         #: Conflicts seen by ``transact`` (re-runs), for benchmarks and tests.
@@ -93,9 +94,13 @@ class EtcdRegistry:
         cluster: str,
         host_lease: Callable[[], int] | None = None,
         cache: TopologyCache | None = None,
+        *,
+        upgrading: bool = False,
     ) -> EtcdRegistry:
-        """The cluster's state; ``StateError`` when there is none or it is from a newer
-        vmlend. ``cache``: this host's copy of the topology (none: read from etcd)."""
+        """The cluster's state; ``StateError`` when there is none, it is from a newer vmlend,
+        or (unless ``upgrading``: ``vmlend registry upgrade``) of a layout whose holds this
+        vmlend does not read. ``cache``: this host's copy of the topology (none: read from
+        etcd)."""
         reg = cls(gateway, cluster, host_lease=host_lease, cache=cache)
         with reg.read() as tx:
             raw = tx.meta("schema_version")
@@ -104,7 +109,13 @@ class EtcdRegistry:
                 f"no vmlend state in {reg.where}; run 'vmlend fabric init' with this --registry"
                 " first"
             )
-        check_schema(raw, reg.where)
+        version = check_schema(raw, reg.where)
+        if version < ETCD_HOLDS_LAYOUT and not upgrading:
+            raise StateError(
+                f"the vmlend state in {reg.where} has layout {version}, whose holds this vmlend"
+                f" does not read (it writes layout {ETCD_SCHEMA_VERSION}): stop 'vmlend agent'"
+                " on every host, run 'vmlend registry upgrade', then start the agents again"
+            )
         return reg
 
     @classmethod

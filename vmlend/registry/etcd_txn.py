@@ -19,7 +19,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import msgspec
 
-from vmlend.errors import StateError, StateRecordError
+from vmlend.errors import ResourceExhaustedError, StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry import topopieces
 from vmlend.registry.api import LINKS_DOWN_KEY
@@ -120,8 +120,8 @@ class Snapshot:
         return True
 
     def _warm_loose(self, prefixes: list[str]) -> bool:
-        """All of ``prefixes`` from the warm cache, or none (an adapter's claims and units
-        are decided on together: ``EtcdTxn._take_units`` compares their counts)."""
+        """All of ``prefixes`` (the adapters of a path: their claims and units) from the
+        warm cache, or none: a path's adapters are decided on together."""
         if self._warm is None or not prefixes:
             return False
         found = [self._warm.loose(p) for p in prefixes]
@@ -347,11 +347,6 @@ def _decoding(table: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     return wrap
 
 
-def _claim_pair(raw: bytes) -> tuple[int, Claim]:
-    d = enc.load(raw)
-    return int(d["fdid"]), enc.claim_from_dict(d)
-
-
 @functools.lru_cache(maxsize=1 << 13)
 def _block_span(tail: str) -> tuple[int, int]:
     """``(start, size)`` of a unit block key's tail ``<start>/<size>`` (``Keys.unit_block``):
@@ -371,10 +366,11 @@ class EtcdTxn:
         topology_cache: dict[str, StoredView],
         host_lease: Callable[[], int] | None = None,
         generations: EtcdTopology | None = None,
-        claims_seen: Decoded[bytes, tuple[int, Claim]] | None = None,
+        claims_seen: Decoded[bytes, tuple[tuple[int, Claim], ...]] | None = None,
     ) -> None:
         self._snap = snapshot
-        #: Claims decoded before, by their stored value (``vmlend.registry.decoded``).
+        #: The claims of unit blocks decoded before, by their stored value
+        #: (``vmlend.registry.decoded``).
         self._claims_seen = Decoded() if claims_seen is None else claims_seen
         self._k = keys
         self.writable = writable
@@ -390,10 +386,6 @@ class EtcdTxn:
         #: even where the key exists (a hand-over re-makes the hold under its key).
         self._fresh: set[str] = set()
         self._range_deletes: list[str] = []
-        self._claimed: dict[str, dict[tuple[str, str], int]] = {}
-        #: Claim keys of holds this transaction dropped, by fdid: a hold made again in it
-        #: (a hand-over) writes its claims under them (``add_hold``).
-        self._dropped_claims: dict[int, list[str]] = {}
         self._fresh_units = False  # inside ``add_hold``: the unit blocks taken are fresh
         self._put_leases: dict[str, int] = {}  # the lease each put goes on (``operations``)
         self._capacities: dict[tuple[str, str, str], int] = {}  # ``_capacity``
@@ -436,29 +428,28 @@ class EtcdTxn:
                     out[k] = v
         return out
 
-    # --- the VM's marker (``Keys.vm_holds``): what holds a VM has, read without the index --
+    # --- the VM's marker (``Keys.vm_holds``): what holds a VM has, read without an index ----
     #
     # Every hold a VM gains rewrites its marker ("n" counts them), so a concurrent reserve for
     # the same VM (which compares the marker) conflicts and one for another VM does not. The
-    # marker also lists the VM's holds ("fdids"): ``holds_of`` reads them there instead of
-    # scanning its node's index, which grows with every VM of the node. The list is complete
-    # only if it was written with the count ("fdids_n" == "n"): a marker from an older vmlend,
-    # one rewritten by an older vmlend since, or a missing one (its lease move was cut short)
-    # is rebuilt from the index. A list may name a hold that is gone or another VM's of the
-    # same name (an older vmlend's release does not update it): ``holds_of`` reads each hold.
+    # marker lists the VM's holds ("fdids"): ``holds_of`` reads them there, and the markers of
+    # a node are its index of holds. ``holds_of`` reads each hold it lists and keeps those of
+    # this holder (a VM of the same name redefined has another UUID). The marker goes with
+    # the VM's last hold.
 
     def _touch_vm(self, holder: Holder, fdid: int) -> None:
         """Rewrite the VM's marker as it gains the hold of ``fdid``."""
         key = self._k.vm_holds(holder.node, holder.vm)
         raw = self._get(key)
         d = enc.load(raw) if raw is not None else {}
-        fdids = self._marker_fdids(holder, d) | {fdid}
+        fdids = self._marker_fdids(d) | {fdid}
         n = int(d.get("n", 0)) + 1
         new = {**d, "vm": holder.vm, "n": n, "fdids": [f"{f:#x}" for f in sorted(fdids)]}
-        self._put(key, enc.dump({**new, "fdids_n": n}), leased=True)
+        self._put(key, enc.dump(new), leased=True)
 
     def _untrack_vm(self, node: str, vm: str, fdid: int) -> None:
-        """Take ``fdid`` off the list of the VM's marker (after ``_forget_units``)."""
+        """Take ``fdid`` off the list of the VM's marker (after ``_forget_units``); the
+        marker goes with the last hold it lists, when no unit is left in its ledger."""
         key = self._k.vm_holds(node, vm)
         raw = self._get(key)
         if raw is None:
@@ -467,18 +458,14 @@ class EtcdTxn:
         listed = d.get("fdids", [])
         if f"{fdid:#x}" in listed:
             d["fdids"] = [f for f in listed if f != f"{fdid:#x}"]
-            self._put(key, enc.dump(d), leased=True)
+            if not d["fdids"] and not d.get("ledger") and not d.get("blocks"):
+                self._delete(key)
+            else:
+                self._put(key, enc.dump(d), leased=True)
 
-    def _marker_fdids(self, holder: Holder, marker: dict[str, Any]) -> set[int]:
-        """The holds of ``holder``'s VM name on its node: the marker's list if it is complete,
-        else those its node's index names (read without a compare: the marker is compared)."""
-        if "fdids" in marker and marker.get("fdids_n") == marker.get("n"):
-            return {int(f, 16) for f in marker["fdids"]}
-        out = set()
-        for key, raw in self._loose_range(self._k.holds_on(holder.node)).items():
-            if enc.load(raw).get("vm", "") == holder.vm:
-                out.add(int(key.rsplit("/", 1)[1], 16))
-        return out
+    @staticmethod
+    def _marker_fdids(marker: dict[str, Any]) -> set[int]:
+        return {int(f, 16) for f in marker.get("fdids", [])}
 
     # --- adapter units: what makes two reserves that overcommit an adapter conflict ----------
     #
@@ -491,15 +478,16 @@ class EtcdTxn:
     # and that no block holding them exists. Reserves that together need more than is free
     # must take overlapping blocks (one same block, or one inside the other), so only one
     # commits (the other runs again and is refused); reserves that fit take blocks from their
-    # own fdid on and rarely meet. A GPU reserve with 16 GiB of guest RAM takes 6 keys (10
-    # segments as 8+2 and 5 as 4+1, and a LUT entry on each side) where one key per unit took
-    # 17. A VM's units, and the claims they stand for (shared claims count once, as in
-    # ``admission.usage``), are its unit ledger in its marker (``Keys.vm_holds``), which every
-    # reserve and release of the VM compares and rewrites. Claims written without units (by
-    # an older vmlend) are seen as an adapter whose claims use more than its units: a
-    # transaction growing there then compares the adapter's claims as a prefix, as before.
-    # Single unit keys ``units/<adapter>/<lut|seg>/<i>`` (vmlend before blocks) count as
-    # blocks of one and are deleted when their VM gives them back.
+    # own fdid on and rarely meet. A GPU reserve with 16 GiB of guest RAM takes 8 blocks (10
+    # segments as 8+2 and 5 as 4+1, and a LUT entry on each adapter and switch port).
+    #
+    # A VM's units, and the claims they stand for (shared claims count once, as in
+    # ``admission.usage``), are its unit ledger in its marker, which every reserve and release
+    # of the VM compares and rewrites. The claims are also on the VM's head block of each
+    # adapter (``Keys``): what ``claims_on`` reads, with the units, in one range. A VM counts
+    # a claim it shares with another VM (a requester entry of one device's two functions)
+    # once for itself, so its units can run out where admission, counting the entry once in
+    # all, sees room: such a reserve is refused.
 
     def _capacity(self, adapter: str, unit: str) -> int:
         """The adapter's usable LUT entries or window segments (0: not in the topology);
@@ -552,35 +540,15 @@ class EtcdTxn:
         return out
 
     @staticmethod
-    def _row(c: Claim) -> list[Any]:
-        return [c.adapter, c.kind.value, c.share, c.entries, c.segments]
-
-    def _claimed_before(self, adapter: str, unit: str) -> int:
-        """What the claims on ``adapter`` used at the snapshot (every VM's, with units or
-        not); computed once per adapter and transaction."""
-        used = self._claimed.get(adapter)
-        if used is None:
-            before = self._snap.loose_before(self._k.claims_on(adapter)).values()
-            rows = [
-                [adapter, c.kind.value, c.share, c.entries, c.segments]
-                for _fdid, c in self._claims_of(kv.value for kv in before)
-            ]
-            used = self._claimed[adapter] = self._units_needed(rows)
-        return used.get((adapter, unit), 0)
+    def _row(c: dict[str, Any]) -> list[Any]:
+        """A ledger claim (``etcd_keys.claim_to_dict``) as ``_units_needed`` counts it."""
+        return [c["adapter"], c["kind"], c["share"], c.get("entries", 0), c.get("segments", 0)]
 
     def _spans(self, adapter: str, unit: str, keys: Iterable[str]) -> list[tuple[int, int]]:
-        """The ``(start, size)`` of the unit keys of ``adapter``'s ``unit`` among ``keys``:
-        blocks, and single units as vmlend wrote them before blocks (size 1)."""
-        single = self._k.units_on(adapter, unit)
+        """The ``(start, size)`` of the blocks of ``adapter``'s ``unit`` among ``keys``."""
         blocks = self._k.unit_blocks(adapter, unit)
-        at_block, at_single = len(blocks), len(single)
-        out = []
-        for k in keys:
-            if k.startswith(blocks):
-                out.append(_block_span(k[at_block:]))
-            elif k.startswith(single):
-                out.append((int(k[at_single:]), 1))
-        return out
+        at = len(blocks)
+        return [_block_span(k[at:]) for k in keys if k.startswith(blocks)]
 
     def _take_units(
         self, adapter: str, unit: str, n: int, holder: Holder, hint: int
@@ -597,20 +565,21 @@ class EtcdTxn:
         and the absence of each aligned block that would hold it."""
         every = self._k.units_of(adapter)  # both resources of the adapter, in one range
         spans = self._spans(adapter, unit, self._loose_range(every))
-        self._loose_range(self._k.claims_on(adapter))  # read: what the claims used
-        before = sum(
-            size for _s, size in self._spans(adapter, unit, self._snap.loose_before(every))
-        )
         cap = self._capacity(adapter, unit)
         free = [True] * cap
         for start, size in spans:
             free[start : start + size] = [False] * len(free[start : start + size])
         left = sum(free)
-        if left < n or self._claimed_before(adapter, unit) > before:
-            # claims without units (an older vmlend), or fewer free units than the claims
-            # say: decide as before, on every claim of the adapter (a compared prefix)
-            self._snap.range(self._k.claims_on(adapter))
-        n = min(n, left)
+        if left < n:
+            # the VM counts for itself what it shares with another VM's claim (see above)
+            what = "requester entries" if unit == "lut" else "NTB window segments"
+            raise ResourceExhaustedError(
+                f"{what} (counted per VM)",
+                adapter,
+                n,
+                left,
+                "entries" if unit == "lut" else "segments",
+            )
         sizes = [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
         begin = hint % cap if cap else 0
         # blocks this transaction gave back (a hand-over moves a VM's units to its VM on the
@@ -635,7 +604,7 @@ class EtcdTxn:
                 continue
             free[found : found + size] = [False] * size
             picked.append((found, size))
-        value = f"{holder.node}/{holder.vm}".encode()
+        value = enc.block_to_json(f"{holder.node}/{holder.vm}")  # its head's: ``_heads``
         run: list[int] = []  # blocks in a row: one guard for the run (fewer compares)
         for start, size in sorted(picked):
             if run and run[1] == start:
@@ -661,52 +630,94 @@ class EtcdTxn:
             self._snap.guard(*self._k.unit_block_range(adapter, unit, *run), within=every)
         return sorted(picked)
 
+    def _block_values(
+        self, adapter: str, owner: str, blocks: dict[str, list[list[int]]], claims: list[Any]
+    ) -> dict[str, bytes]:
+        """The values of the VM ``owner``'s blocks on ``adapter`` (``blocks``: per unit,
+        ``[start, size]`` each) by key: the first carries ``claims``, its claims there (its
+        head), the others none."""
+        keys = sorted(
+            self._k.unit_block(adapter, unit, s, z)
+            for unit, spans in blocks.items()
+            for s, z in spans
+        )
+        if claims and not keys:
+            raise StateError(
+                f"a claim on {adapter} uses no LUT entry nor window segment: it would be found"
+                " nowhere (claims are kept on their VM's unit blocks)"
+            )
+        return {
+            key: enc.block_to_json(owner, claims if i == 0 else None) for i, key in enumerate(keys)
+        }
+
+    @staticmethod
+    def _claims_by_adapter(
+        ledger: dict[str, list[dict[str, Any]]],
+    ) -> dict[str, list[dict[str, Any]]]:
+        """A ledger's claims per adapter, each with its hold's ``fdid``, by fdid: what the
+        VM's head block there carries."""
+        on: dict[str, list[dict[str, Any]]] = {}
+        for f in sorted(ledger, key=lambda f: int(f, 16)):
+            for c in ledger[f]:
+                on.setdefault(c["adapter"], []).append({"fdid": int(f, 16), **c})
+        return on
+
     def _change_ledger(
-        self, node: str, vm: str, fdid: int, change: Callable[[dict[str, list[list[Any]]]], None]
+        self,
+        node: str,
+        vm: str,
+        fdid: int,
+        change: Callable[[dict[str, list[dict[str, Any]]]], None],
     ) -> None:
-        """Apply ``change`` to the unit ledger of VM ``vm`` on ``node`` (fdid -> its claim
-        rows), then create or delete unit blocks until the VM has what its claims use
-        (``fdid``: the hold the change is for). The ledger's ``blocks`` are ``[start, size]``
-        per adapter and unit; its ``units``, single units as vmlend wrote them before blocks,
-        are kept until given back."""
+        """Apply ``change`` to the unit ledger of VM ``vm`` on ``node`` (fdid -> its claims,
+        as ``etcd_keys.claim_to_dict``), then create or delete unit blocks until the VM has
+        what its claims use (``fdid``: the hold the change is for), and write its claims on
+        the head block of each adapter it has them on. The ledger's ``blocks`` are ``[start,
+        size]`` per adapter and unit."""
         key = self._k.vm_holds(node, vm)
         raw = self._get(key)
         d: dict[str, Any] = enc.load(raw) if raw is not None else {"vm": vm, "n": 0}
-        ledger = {f: [list(r) for r in rows] for f, rows in d.get("ledger", {}).items()}
+        old: dict[str, list[dict[str, Any]]] = d.get("ledger", {})
+        ledger = {f: [dict(c) for c in claims] for f, claims in old.items()}
         change(ledger)
-        ledger = {f: rows for f, rows in ledger.items() if rows}
-        need = self._units_needed(r for rows in ledger.values() for r in rows)
-        held: dict[str, dict[str, list[int]]] = d.get("units", {})
-        held_blocks: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
-        units: dict[str, dict[str, list[int]]] = {}
+        ledger = {f: claims for f, claims in ledger.items() if claims}
+        need = self._units_needed(self._row(c) for claims in ledger.values() for c in claims)
+        held: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
+        on, was = self._claims_by_adapter(ledger), self._claims_by_adapter(old)
         blocks: dict[str, dict[str, list[list[int]]]] = {}
         holder = Holder(node, vm)
-        for adapter in sorted({a for a, _u in need} | set(held) | set(held_blocks)):
+        for adapter in sorted({a for a, _u in need} | set(held) | set(on)):
+            mine: dict[str, list[list[int]]] = {}
+            moved = False
             for unit in ("lut", "seg"):
-                # (start, size, a single unit of before blocks); given back from the end
-                have = [(int(i), 1, True) for i in sorted(held.get(adapter, {}).get(unit, []))]
-                have += [
-                    (int(s), int(z), False)
-                    for s, z in sorted(held_blocks.get(adapter, {}).get(unit, []))
-                ]
+                have = [(int(s), int(z)) for s, z in sorted(held.get(adapter, {}).get(unit, []))]
                 want = need.get((adapter, unit), 0)
-                total = sum(z for _s, z, _single in have)
-                while total > want:
-                    start, size, single = have.pop()
-                    if single:
-                        self._delete(self._k.unit(adapter, unit, start))
-                    else:
-                        self._delete(self._k.unit_block(adapter, unit, start, size))
+                total = sum(z for _s, z in have)
+                while total > want:  # given back from the end
+                    start, size = have.pop()
+                    self._delete(self._k.unit_block(adapter, unit, start, size))
                     total -= size
+                    moved = True
                 if total < want:
-                    more = self._take_units(adapter, unit, want - total, holder, fdid)
-                    have += [(s, z, False) for s, z in more]
-                if singles := [s for s, _z, single in have if single]:
-                    units.setdefault(adapter, {})[unit] = singles
-                if taken := sorted([s, z] for s, z, single in have if not single):
-                    blocks.setdefault(adapter, {})[unit] = taken
-        new = {**d, "ledger": ledger, "units": units}
+                    have += self._take_units(adapter, unit, want - total, holder, fdid)
+                    moved = True
+                if have:
+                    mine[unit] = sorted([s, z] for s, z in have)
+            if mine:
+                blocks[adapter] = mine
+            if moved or on.get(adapter) != was.get(adapter):
+                # what the old ledger wrote there, so nothing need be read to know it
+                owner = f"{node}/{vm}"
+                before = self._block_values(
+                    adapter, owner, held.get(adapter, {}), was.get(adapter, [])
+                )
+                after = self._block_values(adapter, owner, mine, on.get(adapter, []))
+                for block, value in after.items():
+                    if before.get(block) != value or block in self._writes:
+                        self._put(block, value, leased=True, fresh=self._fresh_units)
+        new = {**d, "ledger": ledger}
         new.pop("blocks", None)
+        new.pop("units", None)
         if blocks:
             new["blocks"] = blocks
         if new != d:
@@ -817,8 +828,8 @@ class EtcdTxn:
             # content; the head is read again only when the digest changes.
             keys.append(self._k.topology_head)
         prefixes: list[str] = []
-        # claims and units are read without a prefix compare (see ``_take_units``)
-        loose = [p for a in adapters for p in (self._k.claims_on(a), self._k.units_of(a))]
+        # an adapter's claims and units, read without a prefix compare (see ``_take_units``)
+        loose = [self._k.units_of(a) for a in adapters]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
@@ -908,7 +919,8 @@ class EtcdTxn:
             self._k.nodes,
             self._k.devices,
             self._k.holds,
-            self._k.claims,
+            self._k.vm_markers,
+            self._k.units,  # the claims, on their unit blocks
             self._k.parents,
             self._k.mdevs,
             self._k.runtime,
@@ -1095,7 +1107,7 @@ class EtcdTxn:
         # Compared: the VM's marker, which every hold it gains rewrites, and each of its holds
         # (read below), which a release deletes.
         raw = self._get(self._k.vm_holds(holder.node, holder.vm))
-        fdids = sorted(self._marker_fdids(holder, enc.load(raw) if raw is not None else {}))
+        fdids = sorted(self._marker_fdids(enc.load(raw) if raw is not None else {}))
         self._snap.prefetch([self._k.hold(f) for f in fdids], [])
         out = {}
         for fdid in fdids:
@@ -1150,38 +1162,15 @@ class EtcdTxn:
         self._write()
         if self._hold_dict(hold.fdid) is not None:
             raise StateError(f"device {hold.fdid:#x} is already held")
-        keys = []
-        # A hold made again in the transaction that dropped it (a hand-over) writes each claim
-        # over a dropped key of the same adapter: a put where a delete and a put were two
-        # operations (a VM of three devices across two lenders went over etcd's 128).
-        dropped = self._dropped_claims.pop(hold.fdid, [])
-        reuse: dict[str, list[str]] = {}
-        for key in dropped:
-            reuse.setdefault(key.rsplit("/", 2)[0] + "/", []).append(key)  # its adapter's
-        taken = set(dropped)
-        n = 0
-        for c in claims:
-            spare = reuse.get(self._k.claims_on(c.adapter))
-            if spare:
-                key = spare.pop(0)
-            else:
-                while (key := self._k.claim(c.adapter, hold.fdid, n)) in taken:
-                    n += 1
-                taken.add(key)
-            claim = enc.dump({"fdid": hold.fdid, **enc.claim_to_dict(c)})
-            self._put(key, claim, leased=True, fresh=True)
-            keys.append(key)
         reissued = self._reissue(hold.fdid)
-        record = enc.hold_to_json(hold, keys, reissued)
+        record = enc.hold_to_json(hold, reissued)
         self._put(self._k.hold(hold.fdid), record, leased=True, fresh=True)
-        who = enc.dump({"vm": hold.holder.vm, "vm_uuid": hold.holder.vm_uuid})
-        self._put(self._k.held_on(hold.holder.node, hold.fdid), who, leased=True, fresh=True)
         self._touch_vm(hold.holder, hold.fdid)
-        rows = [self._row(c) for c in claims]
-        if rows:
+        listed = [enc.claim_to_dict(c) for c in claims]
+        if listed:
             self._fresh_units = True
             try:
-                self._set_ledger_rows(hold.holder.node, hold.holder.vm, hold.fdid, rows)
+                self._set_ledger_claims(hold.holder.node, hold.holder.vm, hold.fdid, listed)
             finally:
                 self._fresh_units = False
         # The fence outlives the hold when the lease ends. Written in the hold's Txn, its key's
@@ -1209,22 +1198,21 @@ class EtcdTxn:
         if d is None:
             self._write()
             return
-        for key in d.get("claims", []):
-            self._delete(key)
-        self._dropped_claims[fdid] = list(d.get("claims", []))
         for key in self._range(self._k.runtime_of(fdid)):
             self._delete(key)
         self._delete(self._k.hold(fdid))
-        self._delete(self._k.held_on(d["node"], fdid))
         self._delete(self._k.fence(fdid))  # a normal release needs no taking back
         self._forget_units(d["node"], d["vm"], fdid)
         self._untrack_vm(d["node"], d["vm"], fdid)
 
-    def _set_ledger_rows(self, node: str, vm: str, fdid: int, rows: list[list[Any]]) -> None:
-        """Record that ``fdid``'s hold has exactly the claims ``rows`` in its VM's ledger."""
+    def _set_ledger_claims(
+        self, node: str, vm: str, fdid: int, claims: list[dict[str, Any]]
+    ) -> None:
+        """Record that ``fdid``'s hold has exactly ``claims`` (``claim_to_dict`` each) in its
+        VM's ledger."""
 
-        def change(ledger: dict[str, list[list[Any]]]) -> None:
-            ledger[f"{fdid:#x}"] = rows
+        def change(ledger: dict[str, list[dict[str, Any]]]) -> None:
+            ledger[f"{fdid:#x}"] = claims
 
         self._change_ledger(node, vm, fdid, change)
 
@@ -1234,7 +1222,7 @@ class EtcdTxn:
         if raw is None or f"{fdid:#x}" not in enc.load(raw).get("ledger", {}):
             return  # a hold without units (an older vmlend's): nothing to give back
 
-        def drop(ledger: dict[str, list[list[Any]]]) -> None:
+        def drop(ledger: dict[str, list[dict[str, Any]]]) -> None:
             ledger.pop(f"{fdid:#x}", None)
 
         self._change_ledger(node, vm, fdid, drop)
@@ -1244,40 +1232,40 @@ class EtcdTxn:
         self, kind: ClaimKind, owners: Iterable[int], claims: Iterable[tuple[int, Claim]]
     ) -> None:
         """Replace the claims of ``kind`` held by the holds of ``owners`` with ``claims``
-        (each ``(owner fdid, claim)``; the owner must have a hold). Each owner's hold record
-        lists its claim keys, so it is rewritten with the new list (keeping its lease)."""
+        (each ``(owner fdid, claim)``; the owner must have a hold): each owner's claims in
+        its VM's ledger, and so its VM's units and head blocks."""
         self._write()
         replaced = set(owners)
-        added: dict[int, list[Claim]] = {}
+        added: dict[int, list[dict[str, Any]]] = {}
         for fdid, c in claims:
-            added.setdefault(fdid, []).append(c)
+            added.setdefault(fdid, []).append(enc.claim_to_dict(c))
         for fdid in sorted(replaced | set(added)):
             d = self._hold_dict(fdid)
             if d is None:
                 if fdid in added:
                     raise StateError(f"device {fdid:#x} has no hold to own {kind.value} claims")
                 continue
-            old: list[str] = list(d.get("claims", []))
-            keep = []
-            for key in old:
-                raw = self._get(key)
-                ours = raw is not None and enc.claim_from_dict(enc.load(raw)).kind is kind
-                if fdid in replaced and ours:
-                    self._delete(key)
-                    continue
-                keep.append(key)
-            # new keys after every old index: a key deleted above is never put again
-            n = 1 + max((int(k.rsplit("/", 1)[1]) for k in old), default=-1)
-            for c in added.get(fdid, []):
-                key = self._k.claim(c.adapter, fdid, n)
-                n += 1
-                self._put(key, enc.dump({"fdid": fdid, **enc.claim_to_dict(c)}), leased=True)
-                keep.append(key)
-            if keep != old:
-                self._put(self._k.hold(fdid), enc.dump({**d, "claims": keep}), leased=True)
-                values = [v for k in keep if (v := self._get(k)) is not None]  # read above
-                rows = [self._row(c) for _f, c in self._claims_of(values)]
-                self._set_ledger_rows(d["node"], d["vm"], fdid, rows)
+            raw = self._get(self._k.vm_holds(d["node"], d["vm"]))
+            ledger = enc.load(raw).get("ledger", {}) if raw is not None else {}
+            old: list[dict[str, Any]] = ledger.get(f"{fdid:#x}", [])
+            keep = [c for c in old if not (fdid in replaced and c["kind"] == kind.value)]
+            new = keep + added.get(fdid, [])
+            if new != old:
+                self._set_ledger_claims(d["node"], d["vm"], fdid, new)
+
+    def drop_layout4_holds(self) -> int:
+        """Layout 4 -> 5 (``vmlend registry upgrade``, every agent's lease ended): delete
+        what is left of holds, markers, unit blocks, claims and the nodes' indexes, all of
+        which the ended leases took with them but for records a process wrote without a
+        lease. A hold deleted so is one whose lease ended: its fence stays, so its lender
+        takes the device back. Returns how many keys went."""
+        self._write()
+        k = self._k
+        gone = 0
+        for prefix in (*k.layout4_prefixes(), k.vm_markers, k.units, k.holds):
+            gone += len(self._snap.range(prefix))
+            self._delete_range(prefix)
+        return gone
 
     def _fence_from(self, key: str, raw: bytes) -> FenceRecord:
         d = enc.load(raw)
@@ -1306,13 +1294,17 @@ class EtcdTxn:
         self._delete(self._k.fence(fdid))
         return True
 
-    def _claims_of(self, values: Iterable[bytes]) -> list[tuple[int, Claim]]:
+    def _claims_of(self, blocks: Iterable[bytes]) -> list[tuple[int, Claim]]:
+        """The claims the unit blocks ``blocks`` carry (on their VMs' heads)."""
         seen = self._claims_seen
-        return [seen(raw, _claim_pair) for raw in values]
+        out: list[tuple[int, Claim]] = []
+        for raw in blocks:
+            out += seen(raw, enc.claims_of_block)
+        return out
 
     @_decoding("claim")
     def claims(self) -> list[tuple[int, Claim]]:
-        return self._claims_of(self._range(self._k.claims).values())
+        return self._claims_of(self._range(self._k.units).values())
 
     @_decoding("claim")
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
@@ -1320,7 +1312,7 @@ class EtcdTxn:
         transaction takes (``_take_units``)."""
         out = []
         for a in dict.fromkeys(adapters):
-            out += self._claims_of(self._loose_range(self._k.claims_on(a)).values())
+            out += self._claims_of(self._loose_range(self._k.units_of(a)).values())
         return out
 
     # --- mdevs -----------------------------------------------------------------------------

@@ -221,8 +221,11 @@ def open_registry(
     location: str | Path | RegistryLocation,
     lease_file: Path | None = None,
     topology_cache: Path | None = None,
+    *,
+    upgrading: bool = False,
 ) -> Registry:
-    """The existing state at ``location``; ``StateError`` when it is missing or unusable.
+    """The existing state at ``location``; ``StateError`` when it is missing or unusable
+    (``upgrading``: a cluster of an older layout is opened, for ``vmlend registry upgrade``).
     ``lease_file``: where this host's agent publishes its lease (default: under the host
     root of ``$VMLEND_ROOT``); only a cluster registry uses it, and ``topology_cache``, the
     directory of this host's copy of its topology (``topocache``; None: none kept). An SQLite
@@ -236,7 +239,11 @@ def open_registry(
     gateway = _gateway(loc, path.parent)
     try:
         return EtcdRegistry.open(
-            gateway, loc.cluster, lambda: hostlease.read(path).lease, _cache(topology_cache)
+            gateway,
+            loc.cluster,
+            lambda: hostlease.read(path).lease,
+            _cache(topology_cache),
+            upgrading=upgrading,
         )
     except BaseException:
         gateway.close()

@@ -71,14 +71,10 @@ PREFIXES: tuple[Prefix, ...] = (
         "the node's agent binds the name to its machine-id; 'vmlend drain' removes it",
     ),
     Prefix(
-        "held-on/{node}/",
-        Writers.NODE,
-        "reserves and releases of the node's VMs (the index of its holds)",
-    ),
-    Prefix(
         "held-vm/{node}/",
         Writers.NODE,
-        "reserves and releases of the node's VMs (each VM's marker and unit ledger)",
+        "reserves and releases of the node's VMs (each VM's marker and unit ledger: the"
+        " node's index of its holds)",
     ),
     Prefix(
         "mdevs/{node}/",
@@ -102,14 +98,10 @@ PREFIXES: tuple[Prefix, ...] = (
         " take-back by the device's lender's agent",
     ),
     Prefix(
-        "claims/",
-        Writers.HOSTS,
-        "a reserve claims resources on every adapter of its path: its own and the lender's",
-    ),
-    Prefix(
         "units/",
         Writers.HOSTS,
-        "the unit blocks of those claims, on the same adapters",
+        "a reserve claims resources on every adapter of its path, its own and the lender's:"
+        " unit blocks, which carry the claims",
     ),
     Prefix(
         "runtime/",

@@ -19,7 +19,13 @@ SCHEMA_VERSION = 7
 #: layout is still read (its record), and installing a topology writes version 3. Version 4:
 #: generations of format 2 (read and verified a chunk at a time), which an older vmlend cannot
 #: read; a version-3 layout is still read (whole), ``vmlend registry upgrade`` rewrites it.
-ETCD_SCHEMA_VERSION = 4
+#: Version 5: a hold's claims kept in its VM's ledger and on its unit blocks (no ``claims/``
+#: key per claim, no ``held-on/`` index); an older layout is opened only to be upgraded.
+ETCD_SCHEMA_VERSION = 5
+
+#: The oldest etcd layout whose holds and claims this vmlend reads: a cluster of an older one
+#: is opened by ``vmlend registry upgrade`` only.
+ETCD_HOLDS_LAYOUT = 5
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """

@@ -241,8 +241,8 @@ class EtcdSession:
 
 def _old_leases(kvs: list[KeyValue], keys: Keys, node: str, current: int) -> set[int]:
     """The leases, other than ``current``, that this node's node-scoped records are on (its
-    hold index, mdevs, mdev parents): each was an earlier lease of this host."""
-    mine = (keys.holds_on(node), keys.mdevs_on(node), f"{keys.parents}{node}/")
+    VMs' markers, mdevs, mdev parents): each was an earlier lease of this host."""
+    mine = (keys.vm_holds_on(node), keys.mdevs_on(node), f"{keys.parents}{node}/")
     return {kv.lease for kv in kvs if kv.key.startswith(mine) and kv.lease not in (0, current)}
 
 

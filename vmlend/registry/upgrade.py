@@ -72,16 +72,34 @@ def _generation_read_in_chunks(tx: EtcdTxn) -> str:
     )
 
 
+def _holds_in_units(tx: EtcdTxn) -> str:
+    """4 -> 5: holds keep their claims in their VM's ledger and unit blocks, and the markers
+    are the nodes' index (``etcd_keys``): what layout 4 left without a lease goes."""
+    gone = tx.drop_layout4_holds()
+    if not gone:
+        return "no hold, claim or unit record was left (layout 5 keeps claims on unit blocks)"
+    return (
+        f"{gone} record(s) of holds, claims and units left without a lease deleted (their"
+        " fences stay: the lenders take the devices back); layout 5 keeps claims on unit"
+        " blocks"
+    )
+
+
 def _same_records(_tx: EtcdTxn) -> str:
     """1 -> 2: the version was SQLite's schema's then; its version 2 changed SQLite alone."""
     return "no record changes (layout 2 differs from 1 in SQLite only)"
 
+
+#: The layout a step that installs a topology brings a cluster to at most (its pieces'
+#: format is layout 4's); the steps after it convert other records.
+TOPOLOGY_LAYOUT = 4
 
 #: Per stored version, the step that brings it to the next one.
 STEPS: dict[int, Callable[[EtcdTxn], str]] = {
     1: _same_records,
     2: _topology_in_generations,
     3: _generation_read_in_chunks,
+    4: _holds_in_units,
 }
 
 
@@ -98,9 +116,11 @@ def _step_body(found: int, step: Callable[[EtcdTxn], str], where: str) -> Callab
         _refuse_live_agents(tx, where)
         what = step(tx)
         # a step that installs a topology writes this vmlend's layout with it (2 -> 3 writes
-        # a generation of format 2: layout 4); never lower what it wrote
+        # a generation of format 2: layout 4); never lower what it wrote, but never past the
+        # layout of the topology's format: later steps convert other records
         wrote = tx.meta("schema_version")
-        target = max(found + 1, int(wrote) if wrote and wrote.isdigit() else 0)
+        written = int(wrote) if wrote and wrote.isdigit() else 0
+        target = max(found + 1, min(written, TOPOLOGY_LAYOUT))
         tx.set_meta("schema_version", str(target))
         return what
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.older_state import etcd_before_generations
 from tests.support.simfabric import fabric_topology, small_topology, star_topology
-from vmlend.errors import StateRecordError
+from vmlend.errors import StateError, StateRecordError
 from vmlend.hostenv import HostEnv
 from vmlend.registry import open_registry
 from vmlend.registry.etcd_gateway import b64, prefix_end
@@ -57,8 +57,17 @@ def test_a_fabric_over_one_requests_limit_initialises_on_a_default_etcd(etcd_url
 
 
 def test_replacing_deletes_the_old_generation_and_the_record_of_before(etcd_url):
+    """Layout 2 kept the topology in one record: refused until upgraded (layout 5 does not
+    read its holds), which moves it into a generation; each replacement deletes the
+    generation before it."""
+    from vmlend.registry.upgrade import upgrade
+
     text, source = default_topology_text()
     etcd_before_generations(etcd_url, text, source)  # schema 2: one record, no head
+    with pytest.raises(StateError, match=r"has layout 2.*'vmlend registry upgrade'"):
+        open_fabric(etcd_url, "gamma")
+    with open_registry(etcd_url, upgrading=True) as reg:
+        assert upgrade(reg).after == ETCD_SCHEMA_VERSION  # type: ignore[arg-type]
     with open_fabric(etcd_url, "gamma") as fabric:
         assert len(fabric.devices()) == 9
     for topology in (small_topology(), star_topology(2, 2), text):
@@ -69,7 +78,7 @@ def test_replacing_deletes_the_old_generation_and_the_record_of_before(etcd_url)
     with open_registry(etcd_url) as reg:
         assert reg.gateway.range(reg.keys.topology_record)[1] == []
         with reg.read() as tx:
-            assert tx.meta("schema_version") == str(ETCD_SCHEMA_VERSION) == "4"
+            assert tx.meta("schema_version") == str(ETCD_SCHEMA_VERSION) == "5"
 
 
 def test_a_transaction_that_does_not_commit_deletes_the_generation_it_wrote(etcd_url):

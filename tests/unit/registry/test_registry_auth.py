@@ -229,7 +229,7 @@ def test_every_key_vmlend_writes_is_in_the_role_table():
     assert prefix_of(keys, keys.host("alpha2"), NODES) is None  # an exact key, not a prefix
     node_keys = [k for k in found if prefix_of(keys, k, NODES)[0].writers is Writers.NODE]
     assert {found[k] for k in node_keys} == {
-        "host", "agent", "held_on", "vm_holds", "mdev", "parent",
+        "host", "agent", "vm_holds", "mdev", "parent",
     }  # fmt: skip
     assert prefix_of(keys, keys.topology_digest, NODES)[0].writers is Writers.ADMIN
     for key in (keys.topology_head, keys.topology_piece("0123456789abcdef", 0)):
@@ -415,7 +415,6 @@ def test_a_hosts_user_cannot_write_another_hosts_keys(secured, tmp_path):
     theirs = [
         keys.host("beta"),
         keys.agent("beta"),
-        keys.held_on("beta", GPU),
         keys.vm_holds("beta", "db"),
         keys.mdev("beta", SAMPLES["uuid"]),  # type: ignore[arg-type]
         keys.parent("beta", GPU),
@@ -432,7 +431,7 @@ def test_a_hosts_user_cannot_write_another_hosts_keys(secured, tmp_path):
             gamma.call("kv/deleterange", {"key": _b64(key)})
     assert {k: _value(admin, k) for k in theirs} == before
     # Its own node's keys and the shared ones it may write.
-    for key in (keys.host("gamma"), keys.held_on("gamma", 0x99), keys.hold(0x99)):
+    for key in (keys.host("gamma"), keys.vm_holds("gamma", "db"), keys.hold(0x99)):
         _put(gamma, key)
         assert _value(admin, key) == b"x"
         gamma.call("kv/deleterange", {"key": _b64(key)})

@@ -276,36 +276,44 @@ def test_a_claim_changed_under_an_open_sqlite_state_is_read_as_it_now_is(held):
         reg.close()
 
 
-def test_a_claim_changed_under_an_open_etcd_registry_is_read_as_it_now_is(etcd_url):
+def _head_on(etcd_url: str, adapter: str) -> tuple[str, dict]:
+    """The key and value of the unit block of ``adapter`` that carries its VM's claims there
+    (layout 5: its head)."""
     import json
 
     from vmlend.registry import parse_location
-    from vmlend.registry.etcd_gateway import EtcdGateway, b64, unb64
+    from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
     from vmlend.registry.etcd_keys import Keys
 
+    loc = parse_location(etcd_url)
+    prefix = Keys(loc.cluster).units_of(adapter)
+    gw = EtcdGateway(loc.endpoints)
+    try:
+        _rev, kvs = gw.range(prefix, prefix_end(prefix))
+    finally:
+        gw.close()
+    return next((kv.key, d) for kv in kvs if "claims" in (d := json.loads(kv.value)))
+
+
+def _with_claim(head: dict, kind: str, **change: object) -> bytes:
+    import json
+
+    claims = [{**c, **change} if c["kind"] == kind else c for c in head["claims"]]
+    return json.dumps({**head, "claims": claims}).encode()
+
+
+def test_a_claim_changed_under_an_open_etcd_registry_is_read_as_it_now_is(etcd_url):
     fab = make_fabric(etcd_url)
-    gw = EtcdGateway(parse_location(etcd_url).endpoints)
     try:
         fab.reserve(0x10, WEB)
         assert _claims_on(fab.registry, "alpha:0")[(0x10, "lut")].entries == 1
-        prefix = Keys(parse_location(etcd_url).cluster).claims_on("alpha:0")
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        kvs = gw.call("kv/range", {"key": b64(prefix), "range_end": b64(end)})["kvs"]
-        key = next(
-            unb64(kv["key"]).decode()
-            for kv in kvs
-            if json.loads(unb64(kv["value"]))["kind"] == "lut"
-        )
-        value = json.loads(
-            unb64(next(kv["value"] for kv in kvs if unb64(kv["key"]).decode() == key))
-        )
-        _put_raw(etcd_url, key, json.dumps({**value, "entries": 3}).encode())
+        key, head = _head_on(etcd_url, "alpha:0")
+        _put_raw(etcd_url, key, _with_claim(head, "lut", entries=3))
         assert _claims_on(fab.registry, "alpha:0")[(0x10, "lut")].entries == 3
-        _put_raw(etcd_url, key, json.dumps({**value, "entries": "x"}).encode())
+        _put_raw(etcd_url, key, _with_claim(head, "lut", entries="x"))
         with pytest.raises(StateRecordError, match="claim record"):
             _claims_on(fab.registry, "alpha:0")
     finally:
-        gw.close()
         fab.close()
 
 
@@ -326,25 +334,14 @@ def test_a_claim_of_a_negative_amount_in_sqlite_is_a_damaged_record(held, column
 
 @pytest.mark.parametrize("field", ["entries", "segments", "bytes"])
 def test_a_claim_of_a_negative_amount_in_etcd_is_a_damaged_record(etcd_url, field):
-    import json
-
-    from vmlend.registry import parse_location
-    from vmlend.registry.etcd_gateway import EtcdGateway, b64, unb64
-    from vmlend.registry.etcd_keys import Keys
-
     fab = make_fabric(etcd_url)
-    gw = EtcdGateway(parse_location(etcd_url).endpoints)
     try:
         fab.reserve(0x10, WEB)
-        prefix = Keys(parse_location(etcd_url).cluster).claims_on("alpha:0")
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        kv = gw.call("kv/range", {"key": b64(prefix), "range_end": b64(end)})["kvs"][0]
-        value = json.loads(unb64(kv["value"]))
-        _put_raw(etcd_url, unb64(kv["key"]).decode(), json.dumps({**value, field: -5}).encode())
+        key, head = _head_on(etcd_url, "alpha:0")
+        _put_raw(etcd_url, key, _with_claim(head, "lut", **{field: -5}))
         with pytest.raises(StateRecordError, match="claim record"):
             _claims_on(fab.registry, "alpha:0")
     finally:
-        gw.close()
         fab.close()
 
 

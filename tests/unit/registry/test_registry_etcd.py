@@ -154,15 +154,17 @@ def test_records_live_one_per_key_under_the_cluster_prefix(etcd, etcd_url):
     _rev, kvs = gw.range("/vmlend/", "/vmlend0")
     keys = {kv.key.removeprefix(f"/vmlend/{cluster}/") for kv in kvs if cluster in kv.key}
     assert "holds/0x10" in keys and "topology/digest" in keys
-    assert any(k.startswith("claims/alpha:0/0x10/") for k in keys)
-    assert any(k.startswith("claims/gamma:0/0x10/") for k in keys)
+    # the claims, on the unit blocks of each adapter of the path (layout 5)
+    assert any(k.startswith("units/alpha:0/lut-blocks/") for k in keys)
+    assert any(k.startswith("units/gamma:0/lut-blocks/") for k in keys)
     # a switch port's requester entry, under the port's name
-    assert any(k.startswith("claims/mxs824/gamma:0/0x10/") for k in keys)
     assert any(k.startswith("units/mxs824/gamma:0/lut-blocks/") for k in keys)
+    assert not [k for k in keys if k.startswith(("claims/", "held-on/"))]  # layout 4's
     assert not any(k.startswith("devices/") for k in keys)  # all as the topology says
     fabric.release(0x10, VM1)
-    _rev, kvs = gw.range(f"/vmlend/{cluster}/claims/", f"/vmlend/{cluster}/claims0")
-    assert kvs == []
+    for gone in ("units/", "held-vm/", "holds/"):  # with its last hold, the VM's marker too
+        _rev, kvs = gw.range(f"/vmlend/{cluster}/{gone}", f"/vmlend/{cluster}/{gone[:-1]}0")
+        assert kvs == [], gone
 
 
 def test_a_fabric_bigger_than_one_etcd_transaction_initialises(etcd_url):
@@ -386,9 +388,9 @@ def _small_and_large_fabrics(etcd_url):
 
 def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, etcd_requests):
     """A reserve reads what it decides on in one request and commits in a second, on a small
-    fabric and on a fabric with 60 times more devices and many holds. A VM's first reserve on
-    its node reads the node's index once more: its marker, which lists its holds from then on,
-    does not exist yet."""
+    fabric and on a fabric with 60 times more devices and many holds, a VM's first as its
+    later ones (its marker, which lists its holds, is read with the rest, absent or not:
+    before layout 5 a VM's first reserve also read its node's index of holds)."""
     counts = []
     for f in _small_and_large_fabrics(etcd_url):
         probe = Holder("h1", "probe")
@@ -399,7 +401,7 @@ def test_a_reserve_costs_the_same_few_requests_however_big_the_fabric(etcd_url, 
         etcd_requests.clear()
         f.reserve(0x100, probe)
         counts.append((first, len(etcd_requests)))
-    assert counts[0] == counts[1] == (3, 2)
+    assert counts[0] == counts[1] == (2, 2)
 
 
 def test_a_release_costs_the_same_few_requests_however_big_the_fabric(etcd_url, etcd_requests):
@@ -441,13 +443,10 @@ def test_a_reserve_and_release_cycle_with_guest_ram_costs_four_requests_then_two
     assert counts == [(2, 4), (1, 2)]
 
 
-def test_a_warm_cycle_compares_neither_the_index_entry_it_writes_nor_the_topology_head(
-    etcd_url, monkeypatch
-):
+def test_a_warm_cycle_does_not_compare_the_topology_head(etcd_url, monkeypatch):
     """What a reserve and a release compare is what they decide on: once the process knows the
-    topology, its digest (compared) names it, and the node's index entry of the device is
-    written or deleted, never decided on. Each compare is an operation etcd evaluates at
-    every commit (``bench/bench_cluster.py``, "what it sends"); these two cost a read and a
+    topology, its digest (compared) names it. Each compare is an operation etcd evaluates at
+    every commit (``bench/bench_cluster.py``, "what it sends"); the head cost a read and a
     compare in each of the cycle's four requests."""
     from vmlend.registry.etcd_gateway import b64
     from vmlend.registry.etcd_keys import Keys
@@ -460,7 +459,7 @@ def test_a_warm_cycle_compares_neither_the_index_entry_it_writes_nor_the_topolog
         return real_call(self, path, body)
 
     keys = Keys(etcd_url.rsplit("/", 1)[1])
-    unwanted = {b64(keys.topology_head), b64(keys.held_on("gamma", 0x10))}
+    unwanted = {b64(keys.topology_head)}
     with make_fabric(etcd_url) as f:
         holder = Holder("gamma", "probe")
         f.reserve(0x10, holder)  # warm: the topology is read once
@@ -493,8 +492,8 @@ def test_a_topology_installed_by_another_process_is_read_by_a_warm_one(etcd_url)
 
 
 def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, tmp_path):
-    """A hot migration's hand-over re-makes the hold under its key: the destination's hold,
-    its claims and its index entry go on the destination host's lease. Before, the hold and
+    """A hot migration's hand-over re-makes the hold under its key: the destination's hold
+    and its VM's marker go on the destination host's lease. Before, the hold and
     the claims kept the source's lease (a rewritten key keeps its lease), so stopping the
     source's agent after moving its VMs away ended the destination's hold with it. Its unit
     blocks too: the blocks it gives back are taken again, put over their own keys."""
@@ -514,7 +513,6 @@ def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, 
         assert kvs, prefix
         return {kv.lease for kv in kvs}
 
-    claims = [keys.claims_on(a) for a in ("alpha:0", "gamma:0")]
     source = leases(keys.hold(0x10))
     beta = host_lease(etcd, tmp_path / "beta-host", "beta")
     assert beta not in source
@@ -522,10 +520,9 @@ def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, 
     claimed = handover.claim_destination(fabric.registry, [0x10], VM1, dst, GiB)
     handover.hand_over(there, claimed, {}, 0.0)
     assert leases(keys.hold(0x10)) == {beta}
-    assert leases(keys.held_on("beta", 0x10)) == {beta}
-    for prefix in claims:
-        assert leases(prefix + "0x10/") == {beta}, prefix
-    # and so do its unit blocks, those it gave back and took again in the same transaction
+    assert leases(keys.vm_holds("beta", VM1.vm)) == {beta}
+    # and so do its unit blocks, which carry its claims: those it gave back and took again
+    # in the same transaction
     for a in ("alpha:0", "gamma:0"):
         assert leases(keys.units_of(a)) == {beta}, a
     gw.close()

@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import uuid
 
+import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.etcd_units import taking, unit_blocks_held
 from tests.support.hypothesis_tiers import examples
 from tests.support.simfabric import star_topology
+from vmlend.errors import ResourceExhaustedError
 from vmlend.ledger.admission import port_usage, usage
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.registry.records import Claim, ClaimKind
@@ -68,6 +70,18 @@ def _fresh_cluster(etcd_url: str) -> str:
     return f"{server}/race-{uuid.uuid4().hex[:12]}"
 
 
+def _attempt(
+    registry, take: tuple[int, int], free: int
+) -> tuple[EtcdTxn | None, list[tuple[int, int]]]:
+    """``taking``, or (None, []) when it asks for more than is ``free``: then refused with
+    one error, nothing written."""
+    if take[0] <= free:
+        return taking(registry, take)
+    with pytest.raises(ResourceExhaustedError, match="counted per VM"):
+        taking(registry, take)
+    return None, []
+
+
 @settings(
     max_examples=examples(300),
     deadline=None,
@@ -86,9 +100,10 @@ def test_two_takes_from_one_snapshot_both_commit_iff_their_blocks_share_no_unit(
     etcd_url, monkeypatch, earlier, first, second
 ):
     """After 0-4 takes committed one by one (one that finds too few free units is skipped),
-    two transactions take blocks from one snapshot and commit, first then second: the first
-    always commits, the second exactly when its blocks share no unit with the first's; and the
-    blocks left in etcd are those of the committed takes, none overlapping another."""
+    two transactions take blocks from one snapshot and commit, first then second: a take of
+    more than is free is refused before it writes; the first, if not refused, commits; the
+    second exactly when its blocks share no unit with the first's; and the blocks left in
+    etcd are those of the committed takes, none overlapping another."""
     monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: CAPACITY)
     url = _fresh_cluster(etcd_url)
     init_fabric(url, star_topology(1, 2), "star.toml")
@@ -103,16 +118,20 @@ def test_two_takes_from_one_snapshot_both_commit_iff_their_blocks_share_no_unit(
             assert sum(size for _s, size in picked) == take[0]
             committed += picked
         free = CAPACITY - len(_units(committed))
-        (a, picked_a), (b, picked_b) = taking(f.registry, first), taking(f.registry, second)
-        # more than is free: what is free (the transaction then compares the claims, too)
-        assert sum(size for _s, size in picked_a) == min(first[0], free)
-        assert sum(size for _s, size in picked_b) == min(second[0], free)
+        a, picked_a = _attempt(f.registry, first, free)
+        b, picked_b = _attempt(f.registry, second, free)
         assert not _units(picked_a) & _units(committed)
         assert not _units(picked_b) & _units(committed)
-        assert gw.txn(a.compares(), a.operations())[0] is True
+        if a is not None:
+            assert sum(size for _s, size in picked_a) == first[0]
+            assert gw.txn(a.compares(), a.operations())[0] is True
         apart = not _units(picked_a) & _units(picked_b)
-        event(f"the second and the first: {_meeting(picked_a, picked_b)}")
-        assert gw.txn(b.compares(), b.operations())[0] is apart
+        if b is not None:
+            assert sum(size for _s, size in picked_b) == second[0]
+            event(f"the second and the first: {_meeting(picked_a, picked_b)}")
+            assert gw.txn(b.compares(), b.operations())[0] is apart
+        else:
+            event("a take refused: more than is free")
     committed += picked_a + (picked_b if apart else [])
     held = unit_blocks_held(url).get(("l:0", "seg"), [])
     assert held == sorted(committed)

@@ -1,8 +1,8 @@
 """Reserves on one adapter compare the units they take, not every claim on it (issue 20,
 defect 6). On a real etcd: another VM's reserve through the same adapters landing between a
 reserve's reads and its commit does not make it run again; two reserves that together need
-more than an adapter has left still cannot both commit (also next to claims an older vmlend
-wrote without units); the unit keys always add up to what the claims use; and ten borrowers
+more than an adapter has left still cannot both commit; the unit keys always add up to what
+the claims use; and ten borrowers
 reserving and releasing distinct devices through one adapter pair at once never fail."""
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from tests.support.cluster_hosts import check_never_two_holders, history
 from tests.support.etcd_units import last_capacity, taking, unit_keys_held, units_claimed
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
-from vmlend.registry import parse_location
-from vmlend.registry.etcd_gateway import EtcdGateway
-from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
 from vmlend.wiring.fabric import init_fabric, open_fabric
@@ -64,25 +61,15 @@ def test_another_vms_reserve_through_the_same_adapters_does_not_conflict(etcd_ur
         other.close()
 
 
-@pytest.mark.parametrize("older_hold", [False, True], ids=["units", "older-hold"])
 @pytest.mark.parametrize("limit", ["lut", "segments"])
-def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(
-    etcd_url, limit, older_hold, monkeypatch
-):
+def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(etcd_url, limit):
     """h0 and h1 each reserve a device of ``l`` for a VM, and ``l``'s adapter has room for
     one of them: the one landing between the other's reads and its commit wins, the other
-    runs again and is refused. ``older-hold``: the adapter has room for one more, which a
-    hold made as an older vmlend made it (claims without units) takes first; its claims
-    count although it has no units (without that, the two would take distinct free units)."""
-    text, ram = last_capacity(limit, 1 if older_hold else 0)
+    runs again and is refused."""
+    text, ram = last_capacity(limit, 0)
     init_fabric(etcd_url, text, "star.toml")
     first, second = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h1")
     try:
-        if older_hold:
-            with monkeypatch.context() as m:  # an older vmlend: no unit ledger, no units
-                m.setattr(EtcdTxn, "_change_ledger", lambda *a, **kw: None)
-                second.reserve(0x102, Holder("h1", "older"), guest_ram=ram)
-            assert unit_keys_held(etcd_url) == {}
         outcome: list[object] = []
 
         def land() -> None:
@@ -96,10 +83,8 @@ def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(
             first.reserve(0x100, Holder("h0", "vm1"), guest_ram=ram)
         assert outcome == [True]
         assert first.registry.conflicts == 1
-        assert set(first.holds()) == ({0x101, 0x102} if older_hold else {0x101})
+        assert set(first.holds()) == {0x101}
         second.release(0x101, Holder("h1", "vm2"))
-        if older_hold:
-            second.release(0x102, Holder("h1", "older"))
         assert unit_keys_held(etcd_url) == {}  # every unit went with its claims
     finally:
         first.close()
@@ -222,58 +207,6 @@ def test_a_fragmented_adapter_takes_smaller_blocks(etcd_url, monkeypatch):
         assert picked == [(0, 1), (2, 2), (6, 2)]
         assert gw.txn(tx.compares(), tx.operations())[0] is True
     assert unit_keys_held(etcd_url) == {("l:0", "seg"): 8}
-
-
-def _as_single_units(url: str, node: str, vm: str) -> None:
-    """Rewrite ``vm``'s unit blocks as vmlend wrote units before blocks: one key per unit
-    (``units/<adapter>/<unit>/<i>``, same value and lease), listed under ``units`` in the
-    VM's ledger."""
-    import json
-
-    from vmlend.registry.etcd_gateway import b64
-
-    loc = parse_location(url)
-    keys = Keys(loc.cluster)
-    gw = EtcdGateway(loc.endpoints)
-    try:
-        marker = gw.range(keys.vm_holds(node, vm))[1][0]
-        d = json.loads(marker.value)
-        ops = []
-        units: dict[str, dict[str, list[int]]] = {}
-        for adapter, per in d.pop("blocks").items():
-            for unit, blocks in per.items():
-                for start, size in blocks:
-                    old = gw.range(keys.unit_block(adapter, unit, start, size))[1][0]
-                    ops.append({"request_delete_range": {"key": b64(old.key)}})
-                    for i in range(start, start + size):
-                        units.setdefault(adapter, {}).setdefault(unit, []).append(i)
-                        put = {"key": b64(keys.unit(adapter, unit, i)), "value": b64(old.value)}
-                        ops.append({"request_put": {**put, "lease": old.lease}})
-        d["units"] = units
-        value = b64(json.dumps(d).encode())
-        ops.append({"request_put": {"key": b64(marker.key), "value": value, "lease": marker.lease}})
-        assert gw.txn([], ops)[0]
-    finally:
-        gw.close()
-
-
-def test_single_unit_keys_of_before_blocks_count_and_go_with_their_claims(etcd_url):
-    """A VM whose units are one key each (vmlend before blocks): another VM's reserve counts
-    them as taken (its block of two segments from index 0 on skips the older VM's segment 1),
-    and their VM's release deletes them."""
-    init_fabric(etcd_url, star_topology(1, 4), "star.toml")
-    with open_fabric(etcd_url, "h0") as f:
-        older, newer = Holder("h0", "older"), Holder("h0", "newer")
-        f.reserve(0x101, older, guest_ram=2 * GiB)  # segment 1 of each adapter
-        _as_single_units(etcd_url, "h0", "older")
-        assert unit_keys_held(etcd_url) == units_claimed(f)
-        f.reserve(0x100, newer, guest_ram=4 * GiB)  # unit_keys_held: no unit is taken twice
-        assert unit_keys_held(etcd_url) == units_claimed(f)
-        assert f.registry.conflicts == 0
-        assert f.release(0x101, older)
-        assert unit_keys_held(etcd_url) == units_claimed(f)
-        assert f.release(0x100, newer)
-        assert unit_keys_held(etcd_url) == {}
 
 
 def test_a_requester_on_a_switch_port_is_one_unit_whichever_kind_claims_it():

@@ -64,7 +64,8 @@ def _layout2(url: str) -> Keys:
 def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, version, monkeypatch):
     """Layouts 1 and 2 (the version was SQLite's then: the same etcd records) keep the topology
     in one record, layout 3 in a generation of format 1 (read whole); after the upgrade it is
-    a generation of format 2, and the records without a lease are as they were."""
+    a generation of format 2, and the records without a lease are as they were (4 -> 5 finds
+    no hold to delete)."""
     if version == 3:
         with etcd_layout_3(monkeypatch):  # layout 2 upgraded by a vmlend of layout 3
             keys = _layout2(etcd_url)
@@ -82,9 +83,9 @@ def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, versi
     assert (out["action"], out["before"], out["after"]) == ("upgraded", version, latest)
     # 2 -> 3 installs a generation of this vmlend's format, so it reaches layout 4 at once
     assert [step.split(":")[0] for step in out["steps"]] == {
-        1: ["1 -> 2", "2 -> 4"],
-        2: ["2 -> 4"],
-        3: ["3 -> 4"],
+        1: ["1 -> 2", "2 -> 4", "4 -> 5"],
+        2: ["2 -> 4", "4 -> 5"],
+        3: ["3 -> 4", "4 -> 5"],
     }[version]
     after = _stored(etcd_url)
     assert keys.topology_record not in after
@@ -107,6 +108,50 @@ def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, versi
     assert _stored(etcd_url) == after  # nothing written
     text = _run(etcd_url)
     assert text.exit_code == 0 and "nothing to upgrade" in text.stdout, text.output
+
+
+def _layout4_leftovers(url: str, keys: Keys) -> list[str]:
+    """What a layout-4 vmlend writing without a lease (no agent) left of a hold of 0x12 by
+    gamma's VM db: its hold, fence, index entry, claim, unit block and VM marker."""
+    fence = {"fdid": 0x12, "node": "gamma", "vm": "db", "vm_uuid": "", "token": 0}
+    _put(url, keys.fence(0x12), json.dumps(fence).encode())
+    left = [
+        keys.hold(0x12),
+        keys.base + "held-on/gamma/0x12",
+        keys.base + "claims/alpha:0/0x12/0",
+        keys.unit_block("alpha:0", "lut", 18, 1),
+        keys.vm_holds("gamma", "db"),
+    ]
+    for key in left:
+        _put(url, key, b"{}")
+    return left
+
+
+def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(etcd_url):
+    """A vmlend of layout 5 does not read layout 4's claims (one key each) nor its nodes'
+    indexes, so it opens such a cluster only to upgrade it: anything else is refused in one
+    line that says what to run. The upgrade deletes what was left of holds without a lease
+    and keeps their fences, so the lenders take the devices back."""
+    keys = _layout2(etcd_url)
+    assert _run(etcd_url).exit_code == 0  # layout 5 now: made layout 4 again below
+    _put(etcd_url, keys.meta("schema_version"), b"4")
+    left = _layout4_leftovers(etcd_url, keys)
+    status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
+    assert status.exit_code != 0
+    lines = status.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has layout 4" in lines[0], status.output
+    assert "'vmlend registry upgrade'" in lines[0] and "Traceback" not in status.output
+    r = _run(etcd_url, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["before"], out["after"]) == (4, 5)
+    assert "5 record(s)" in out["steps"][0], out["steps"]
+    after = _stored(etcd_url)
+    assert not set(left) & set(after)
+    assert keys.fence(0x12) in after and keys.fence(0x10) in after
+    with open_registry(etcd_url) as reg, reg.read() as tx:
+        assert tx.hold(0x12) is None and tx.fence(0x12) is not None
+        assert tx.claims() == []
 
 
 def test_a_live_agent_refuses_the_upgrade_in_one_line_and_nothing_changes(etcd, etcd_url):

@@ -1,6 +1,6 @@
 """A VM's marker (``held-vm/<node>/<digest>``) lists its holds, so that a reserve or a release
-reads its own VM's records and not every VM's of its node; markers an older vmlend wrote, or
-rewrote, are read through the node's index instead. On a real etcd."""
+reads its own VM's records and not every VM's of its node; the markers of a node are its index
+of holds. On a real etcd."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _holds_of(f, holder: Holder) -> list[int]:
 
 
 def _rewrite_marker(f, holder: Holder, **fields) -> None:
-    """The VM's marker as an older vmlend would leave it (on the lease it has)."""
+    """The VM's marker rewritten with ``fields`` (on the lease it has)."""
     key = f.registry.keys.vm_holds(holder.node, holder.vm)
     with f.registry.read() as tx:
         raw = tx._get(key)
@@ -72,20 +72,31 @@ def test_a_vms_holds_are_found_through_its_marker(etcd_url):
     assert _holds_of(f, APP) == [0x200, 0x202]
 
 
-def test_a_marker_an_older_vmlend_wrote_or_rewrote_is_read_through_the_index(etcd_url):
+def test_the_marker_goes_with_the_vms_last_hold(etcd_url):
+    """The markers of a node are its index of holds (layout 5): a VM's is made with its first
+    hold and deleted with its last, so the index holds no VM that holds nothing."""
     f = _fabric(etcd_url)
+    key = f.registry.keys.vm_holds(APP.node, APP.vm)
+
+    def marker() -> dict | None:
+        with f.registry.read() as tx:
+            raw = tx._get(key)
+        return None if raw is None else json.loads(raw)
+
     f.reserve(0x200, APP)
     f.reserve(0x201, APP)
-    _rewrite_marker(f, APP, fdids=None, fdids_n=None)  # written before markers listed holds
-    assert _holds_of(f, APP) == [0x200, 0x201]
-    f.reserve(0x202, APP)  # lists them all again
-    _rewrite_marker(f, APP, n=99)  # an older vmlend's reserve counted a hold it did not list
-    assert _holds_of(f, APP) == [0x200, 0x201, 0x202]
+    assert marker()["fdids"] == ["0x200", "0x201"]
+    f.release(0x200, APP)
+    assert marker()["fdids"] == ["0x201"]
+    f.release(0x201, APP)
+    assert marker() is None
+    f.reserve(0x201, APP)  # made again, from nothing
+    assert _holds_of(f, APP) == [0x201]
 
 
 def test_a_listed_hold_that_is_another_vms_now_is_not_this_vms(etcd_url):
-    """An older vmlend's release does not take the device off the list; a VM of the same name
-    (redefined, another UUID) may hold it since."""
+    """A list that names a hold no longer the VM's (as a damaged or hand-edited marker may):
+    a VM of the same name (redefined, another UUID) may hold it since."""
     f = _fabric(etcd_url)
     f.reserve(0x200, APP)
     f.reserve(0x201, APP)
