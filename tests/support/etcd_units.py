@@ -51,20 +51,27 @@ def unit_blocks_held(url: str) -> dict[tuple[str, str], list[tuple[int, int]]]:
 def ledgers_agree_with_blocks(url: str) -> None:
     """What the VMs' markers say against the unit blocks in etcd (layout 5): each block is
     of a VM whose marker lists it, and each listed block is there; each VM has the units its
-    ledger's claims use (``_units_needed``); its first block on each adapter (its head)
+    ledger's claims use (``_units_needed``), each of its blocks on its marker's lease; its
+    first block on each adapter (its head)
     carries exactly its ledger's claims there, its other blocks none; every hold a marker's
     ledger has claims for is listed in that marker."""
     keys, blocks = _read(url, lambda k: k.units)
     _k, markers = _read(url, lambda k: k.vm_markers)
     owned: dict[tuple[str, str], dict[str, bytes]] = {}  # (owner, adapter) -> key -> value
+    leases: dict[str, set[int]] = {}  # owner -> the leases its blocks are on
     for kv in blocks:
         adapter, _unit, _start, _size = _block_of(keys, kv.key)
-        owned.setdefault((block_owner(kv.value), adapter), {})[kv.key] = kv.value
+        owner = block_owner(kv.value)
+        owned.setdefault((owner, adapter), {})[kv.key] = kv.value
+        leases.setdefault(owner, set()).add(kv.lease)
     listed: set[tuple[str, str]] = set()
     for kv in markers:
         node = kv.key.removeprefix(keys.vm_markers).split("/", 1)[0]
         d = json.loads(kv.value)
         owner = f"{node}/{d['vm']}"
+        # on the marker's lease: they lapse together (a block left without its ledger
+        # entry could be given back by its VM's next change while another VM uses it)
+        assert leases.get(owner, {kv.lease}) == {kv.lease}, (owner, leases[owner], kv.lease)
         ledger = d.get("ledger", {})
         assert set(ledger) <= set(d.get("fdids", [])), (kv.key, "claims of a hold not listed")
         rows = [EtcdTxn._row(c) for claims in ledger.values() for c in claims]

@@ -237,16 +237,15 @@ def hand_over(
     epochs: dict[int, int] = {}
 
     def body(tx: StateTxn) -> list[tuple[int, list[Claim]]]:
-        moved = []
+        holds = [_own(tx, fdid, src) for fdid in fdids]
+        every = tx.claims()
+        moved = [(fdid, [c for f, c in every if f == fdid]) for fdid in fdids]
         for fdid in fdids:
-            hold = _own(tx, fdid, src)
-            claims = [c for f, c in tx.claims() if f == fdid]
             handover_record.clear(tx, [fdid], src.vm_uuid)  # it ends with the source's hold
             uuid = mdevs.get(fdid)
             if uuid is not None:
                 tx.delete_mdev(uuid)
-            _remake_hold(tx, hold, dst, src.node, claims, uuid, clock)
-            moved.append((fdid, claims))
+        _remake_holds(tx, holds, dst, src.node, dict(moved), mdevs, clock)
         for d in drives:
             handover_record.clear(tx, [d], src.vm_uuid)
             epochs[d] = sharemove.hand_over(tx, d, src, dst, mdevs.get(d), clock)
@@ -256,29 +255,35 @@ def hand_over(
     return _tokens_of(registry, fdids, dst) | epochs
 
 
-def _remake_hold(
+def _remake_holds(
     tx: StateTxn,
-    hold: HoldRecord,
+    holds: list[HoldRecord],
     holder: Holder,
     left: str,
-    claims: list[Claim],
-    mdev: str | None,
+    claims: Mapping[int, list[Claim]],
+    mdevs: Mapping[int, str],
     clock: float,
 ) -> None:
-    """``hold`` made again as ``holder``'s with ``claims`` (a new fencing token), its mdev
-    record (``mdev``, removed by the caller) made on ``holder``'s node under its parent, and
-    the parent record on ``left``, the node it leaves, dropped."""
-    fdid = hold.fdid
-    tx.delete_hold(fdid)
-    tx.add_hold(HoldRecord(fdid, holder, clock, hold.phase, hold.guest_ram), claims)
-    if mdev is not None:
-        if tx.parent(holder.node, fdid) is None:
-            tx.add_parent(ParentRecord(holder.node, fdid, parent_name(fdid)))
-        tx.add_mdev(
-            MdevRecord(mdev, fdid, holder.node, parent_name(fdid), MDEV_TYPE, holder.vm, clock)
-        )
-    if tx.parent(left, fdid) is not None:
-        tx.delete_parent(left, fdid)
+    """Each of ``holds`` made again as ``holder``'s with its ``claims`` (a new fencing
+    token), its mdev record (``mdevs``, removed by the caller) made on ``holder``'s node under
+    its parent, and the parent record on ``left``, the node it leaves, dropped. Every hold
+    is dropped before any is made again: a VM's shared claims (its DMA windows on a lender)
+    count once per VM, so the source's must be given back before the destination's are
+    taken, or a tight adapter would hold them twice until the last device moved."""
+    for hold in holds:
+        tx.delete_hold(hold.fdid)
+    for hold in holds:
+        fdid = hold.fdid
+        tx.add_hold(HoldRecord(fdid, holder, clock, hold.phase, hold.guest_ram), claims[fdid])
+        mdev = mdevs.get(fdid)
+        if mdev is not None:
+            if tx.parent(holder.node, fdid) is None:
+                tx.add_parent(ParentRecord(holder.node, fdid, parent_name(fdid)))
+            tx.add_mdev(
+                MdevRecord(mdev, fdid, holder.node, parent_name(fdid), MDEV_TYPE, holder.vm, clock)
+            )
+        if tx.parent(left, fdid) is not None:
+            tx.delete_parent(left, fdid)
 
 
 def release_source(registry: Registry, claimed: Claimed) -> None:
@@ -306,13 +311,17 @@ def hand_back(
     epochs: dict[int, int] = {}
 
     def body(tx: StateTxn) -> None:
+        holds = [_own(tx, fdid, dst) for fdid in fdids]
+        every = tx.claims()
+        keep = {
+            fdid: _minus([c for f, c in every if f == fdid], claimed.added.get(fdid, []))
+            for fdid in fdids
+        }
         for fdid in fdids:
-            hold = _own(tx, fdid, dst)
-            keep = _minus([c for f, c in tx.claims() if f == fdid], claimed.added.get(fdid, []))
             uuid = mdevs.get(fdid)
             if uuid is not None and tx.mdev(uuid) is not None:
                 tx.delete_mdev(uuid)
-            _remake_hold(tx, hold, src, dst.node, keep, uuid, clock)
+        _remake_holds(tx, holds, src, dst.node, keep, mdevs, clock)
         for d in sorted(claimed.shares):
             got = sharemove.hand_back(tx, d, dst, src, mdevs.get(d), clock)
             if got is not None:

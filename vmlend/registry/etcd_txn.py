@@ -19,7 +19,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import msgspec
 
-from vmlend.errors import ResourceExhaustedError, StateError, StateRecordError
+from vmlend.errors import StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry import topopieces
 from vmlend.registry.api import LINKS_DOWN_KEY
@@ -347,12 +347,51 @@ def _decoding(table: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     return wrap
 
 
+#: The largest unit block (units): a block compares the absence of each aligned block that
+#: would hold it and starts before it, so with no block above 16 a block of one unit
+#: compares at most 4 (2, 4, 8, 16) where on a switch port of 256 entries it compared 8.
+#: A need of more takes several blocks of 16 (a key each): rare, a GPU's 16 GiB of RAM
+#: takes 5 segments.
+MAX_BLOCK = 16
+
+
 @functools.lru_cache(maxsize=1 << 13)
 def _block_span(tail: str) -> tuple[int, int]:
     """``(start, size)`` of a unit block key's tail ``<start>/<size>`` (``Keys.unit_block``):
     parsed once, as the same tails recur on every adapter a reserve reads."""
     start, size = tail.split("/")
     return int(start), int(size)
+
+
+def _block_sizes(n: int) -> list[int]:
+    """The sizes of the blocks ``n`` units take: one per bit, none above ``MAX_BLOCK``."""
+    rest = n % MAX_BLOCK
+    return [MAX_BLOCK] * (n // MAX_BLOCK) + [
+        1 << b for b in reversed(range(rest.bit_length())) if rest >> b & 1
+    ]
+
+
+def _beyond(
+    cap: int, n: int, free: Callable[[int, int], bool], taken: set[int]
+) -> list[tuple[int, int]]:
+    """``n`` units past the capacity ``cap``: the first free aligned blocks from it on.
+
+    Admission decides on the claims, which count a claim two VMs share once, where each VM's
+    units count it for itself (two functions of one device, held by two VMs); and a hand-over
+    or a recount after a link event holds the units of the VM it gives back and of the one it
+    makes at once. So units can run out where admission saw room: the rest is taken beyond the
+    capacity, so that every claim keeps its units and its head block. While an adapter has
+    units beyond its capacity, those below it may be fewer than its claims use, so every
+    transaction that takes units there compares all of the adapter's (``_take_units``): as
+    before blocks, and only there, a change to the adapter makes it run again."""
+    out = []
+    for size in _block_sizes(n):
+        start = -(-cap // size) * size
+        while not free(start, size):
+            start += size
+        taken.update(range(start, start + size))
+        out.append((start, size))
+    return out
 
 
 class EtcdTxn:
@@ -386,7 +425,8 @@ class EtcdTxn:
         #: even where the key exists (a hand-over re-makes the hold under its key).
         self._fresh: set[str] = set()
         self._range_deletes: list[str] = []
-        self._fresh_units = False  # inside ``add_hold``: the unit blocks taken are fresh
+        #: Keys put on the lease of another key (``_put``'s ``lease_of``).
+        self._lease_of: dict[str, str] = {}
         self._put_leases: dict[str, int] = {}  # the lease each put goes on (``operations``)
         self._capacities: dict[tuple[str, str, str], int] = {}  # ``_capacity``
 
@@ -484,10 +524,10 @@ class EtcdTxn:
     # A VM's units, and the claims they stand for (shared claims count once, as in
     # ``admission.usage``), are its unit ledger in its marker, which every reserve and release
     # of the VM compares and rewrites. The claims are also on the VM's head block of each
-    # adapter (``Keys``): what ``claims_on`` reads, with the units, in one range. A VM counts
-    # a claim it shares with another VM (a requester entry of one device's two functions)
-    # once for itself, so its units can run out where admission, counting the entry once in
-    # all, sees room: such a reserve is refused.
+    # adapter (``Keys``): what ``claims_on`` reads, with the units, in one range. Admission
+    # decides; the units only make racing decisions conflict, so where they run out while
+    # admission saw room they are taken beyond the capacity (``_beyond``). A VM's blocks are
+    # on its marker's lease, so they lapse with it.
 
     def _capacity(self, adapter: str, unit: str) -> int:
         """The adapter's usable LUT entries or window segments (0: not in the topology);
@@ -553,42 +593,36 @@ class EtcdTxn:
     def _take_units(
         self, adapter: str, unit: str, n: int, holder: Holder, hint: int
     ) -> list[tuple[int, int]]:
-        """Create blocks of ``n`` free units (``(start, size)`` each: one block per bit of
-        ``n``, split in halves where no aligned free block of that size is left), each the
-        first free one from index ``hint`` on (modulo the capacity). The hint is the fdid the
-        change is for, so reserves of distinct devices (numbered in a row per lender) start at
-        distinct units and rarely meet unless the adapter is nearly full.
+        """Create blocks of ``n`` units (``(start, size)`` each: one block per bit of ``n``,
+        none larger than ``MAX_BLOCK``, split in halves where no aligned free block of that
+        size is left), each the first free one from index ``hint`` on (modulo the capacity).
+        The hint is the fdid the change is for, so reserves of distinct devices (numbered in
+        a row per lender) start at distinct units and rarely meet unless the adapter is
+        nearly full. What the capacity has no free unit for is taken beyond it, from the
+        capacity on (``_beyond``).
 
         Aligned blocks of powers of two overlap only when one holds the other, so two
         transactions that take one same unit conflict: each compares the key range of the
         blocks inside its own (``Snapshot.guard``: nothing created there since the snapshot)
-        and the absence of each aligned block that would hold it."""
+        and the absence of each aligned block that would hold it (up to ``MAX_BLOCK``: no
+        block is larger)."""
         every = self._k.units_of(adapter)  # both resources of the adapter, in one range
         spans = self._spans(adapter, unit, self._loose_range(every))
         cap = self._capacity(adapter, unit)
-        free = [True] * cap
+        taken: set[int] = set()
         for start, size in spans:
-            free[start : start + size] = [False] * len(free[start : start + size])
-        left = sum(free)
-        if left < n:
-            # the VM counts for itself what it shares with another VM's claim (see above)
-            what = "requester entries" if unit == "lut" else "NTB window segments"
-            raise ResourceExhaustedError(
-                f"{what} (counted per VM)",
-                adapter,
-                n,
-                left,
-                "entries" if unit == "lut" else "segments",
-            )
-        sizes = [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+            taken.update(range(start, start + size))
+
+        def free(start: int, size: int) -> bool:
+            return taken.isdisjoint(range(start, start + size))
+
+        within = min(n, cap - sum(1 for i in taken if i < cap))
         begin = hint % cap if cap else 0
         # blocks this transaction gave back (a hand-over moves a VM's units to its VM on the
-        # destination): taken again first, a put over a delete being one operation, not two.
-        # Only for a new hold's blocks, which are put fresh on its lease: elsewhere (claims
-        # recounted after a link event, several VMs in one transaction) a block taken again
-        # would keep the lease of the VM that gave it back.
-        dropped = [k for k, v in self._writes.items() if v is None] if self._fresh_units else []
-        freed = sorted(self._spans(adapter, unit, dropped))
+        # destination): taken again first, a put over a delete being one operation, not two
+        dropped = [k for k, v in self._writes.items() if v is None]
+        freed = sorted(s for s in self._spans(adapter, unit, dropped) if s[0] + s[1] <= cap)
+        sizes = _block_sizes(within)
         picked: list[tuple[int, int]] = []
         while sizes:
             size = sizes.pop(0)
@@ -598,13 +632,15 @@ class EtcdTxn:
                 *range(first, cap - size + 1, size),
                 *range(0, min(first, cap - size + 1), size),
             )
-            found = next((s for s in starts if all(free[s : s + size])), None)
+            found = next((s for s in starts if free(s, size)), None)
             if found is None:  # fragmented: two halves (a single unit is always found)
                 sizes[:0] = [size // 2, size // 2]
                 continue
-            free[found : found + size] = [False] * size
+            taken.update(range(found, found + size))
             picked.append((found, size))
-        value = enc.block_to_json(f"{holder.node}/{holder.vm}")  # its head's: ``_heads``
+        picked += _beyond(cap, n - within, free, taken)
+        owner = enc.block_to_json(f"{holder.node}/{holder.vm}")  # its head's: ``_block_values``
+        marker = self._k.vm_holds(holder.node, holder.vm)
         run: list[int] = []  # blocks in a row: one guard for the run (fewer compares)
         for start, size in sorted(picked):
             if run and run[1] == start:
@@ -615,33 +651,45 @@ class EtcdTxn:
                     self._snap.guard(*block_range, within=every)
                 run = [start, start + size]
             outer = size * 2
-            while outer <= cap:
+            # a block below the capacity is never held by one beyond it, nor the other way
+            largest = min(cap, MAX_BLOCK) if start < cap else MAX_BLOCK
+            while outer <= largest:
                 # an aligned block holding this one, starting before it; one starting inside
                 # this run is in the run's guarded range already (no compare of its own)
                 holding = start - start % outer
                 if holding < run[0]:
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
-            # a new hold's (``add_hold``): on this host's lease like the hold, also a block
-            # given back in this transaction and taken again (else it kept the lease it had)
             key = self._k.unit_block(adapter, unit, start, size)
-            self._put(key, value, leased=True, fresh=self._fresh_units)
+            self._put(key, owner, leased=True, lease_of=marker)
         if run:
             self._snap.guard(*self._k.unit_block_range(adapter, unit, *run), within=every)
+        if n > within or any(start + size > cap for start, size in spans):
+            # units beyond the capacity: fewer below it than the claims use, so the blocks
+            # alone no longer make two overcommitting reserves meet; decided on everything
+            # of the adapter instead (a compared prefix: any change there makes it run again)
+            self._snap.range(every)
         return sorted(picked)
 
     def _block_values(
-        self, adapter: str, owner: str, blocks: dict[str, list[list[int]]], claims: list[Any]
+        self,
+        adapter: str,
+        owner: str,
+        blocks: dict[str, list[list[int]]],
+        claims: list[Any],
+        *,
+        check: bool = True,
     ) -> dict[str, bytes]:
         """The values of the VM ``owner``'s blocks on ``adapter`` (``blocks``: per unit,
         ``[start, size]`` each) by key: the first carries ``claims``, its claims there (its
-        head), the others none."""
+        head), the others none. ``check``: a claim without a block is an error (not for
+        what a ledger said before, which only tells what to rewrite)."""
         keys = sorted(
             self._k.unit_block(adapter, unit, s, z)
             for unit, spans in blocks.items()
             for s, z in spans
         )
-        if claims and not keys:
+        if claims and not keys and check:
             raise StateError(
                 f"a claim on {adapter} uses no LUT entry nor window segment: it would be found"
                 " nowhere (claims are kept on their VM's unit blocks)"
@@ -676,14 +724,18 @@ class EtcdTxn:
         size]`` per adapter and unit."""
         key = self._k.vm_holds(node, vm)
         raw = self._get(key)
-        d: dict[str, Any] = enc.load(raw) if raw is not None else {"vm": vm, "n": 0}
-        old: dict[str, list[dict[str, Any]]] = d.get("ledger", {})
-        ledger = {f: [dict(c) for c in claims] for f, claims in old.items()}
-        change(ledger)
-        ledger = {f: claims for f, claims in ledger.items() if claims}
-        need = self._units_needed(self._row(c) for claims in ledger.values() for c in claims)
-        held: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
-        on, was = self._claims_by_adapter(ledger), self._claims_by_adapter(old)
+        try:  # a damaged marker is one error naming it, never a traceback
+            d: dict[str, Any] = enc.load(raw) if raw is not None else {"vm": vm, "n": 0}
+            old: dict[str, list[dict[str, Any]]] = d.get("ledger", {})
+            ledger = {f: [dict(c) for c in claims] for f, claims in old.items()}
+            change(ledger)
+            ledger = {f: claims for f, claims in ledger.items() if claims}
+            rows = [self._row(c) for claims in ledger.values() for c in claims]
+            need = self._units_needed(rows)
+            held: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
+            on, was = self._claims_by_adapter(ledger), self._claims_by_adapter(old)
+        except _DAMAGE as e:
+            raise StateRecordError("VM marker", key, f"{type(e).__name__}: {e}") from None
         blocks: dict[str, dict[str, list[list[int]]]] = {}
         holder = Holder(node, vm)
         for adapter in sorted({a for a, _u in need} | set(held) | set(on)):
@@ -709,12 +761,13 @@ class EtcdTxn:
                 # what the old ledger wrote there, so nothing need be read to know it
                 owner = f"{node}/{vm}"
                 before = self._block_values(
-                    adapter, owner, held.get(adapter, {}), was.get(adapter, [])
+                    adapter, owner, held.get(adapter, {}), was.get(adapter, []), check=False
                 )
                 after = self._block_values(adapter, owner, mine, on.get(adapter, []))
+                marker = self._k.vm_holds(node, vm)
                 for block, value in after.items():
                     if before.get(block) != value or block in self._writes:
-                        self._put(block, value, leased=True, fresh=self._fresh_units)
+                        self._put(block, value, leased=True, lease_of=marker)
         new = {**d, "ledger": ledger}
         new.pop("blocks", None)
         new.pop("units", None)
@@ -723,18 +776,31 @@ class EtcdTxn:
         if new != d:
             self._put(key, enc.dump(new), leased=True)
 
-    def _put(self, key: str, value: bytes, *, leased: bool = False, fresh: bool = False) -> None:
+    def _put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        leased: bool = False,
+        fresh: bool = False,
+        lease_of: str | None = None,
+    ) -> None:
         """Buffer a put. ``leased``: the record goes with its host (holds, claims, mdevs,
         runtime): a new key gets this host's agent lease, a rewritten one keeps its lease.
         ``fresh``: a record of a new hold, which gets this host's lease even where its key
         exists (a hand-over's destination hold would otherwise stay on the source host's
-        lease, and end with it while the destination's VM runs)."""
+        lease, and end with it while the destination's VM runs). ``lease_of``: the record
+        goes on the lease of that key, written in this transaction (a VM's unit blocks on its
+        marker's, whichever host writes them: they lapse together, so no block outlives its
+        place in a ledger, nor a ledger its blocks)."""
         self._write()
         self._writes[key] = value
         if leased:
             self._leased.add(key)
             if fresh:
                 self._fresh.add(key)
+            if lease_of is not None:
+                self._lease_of[key] = lease_of
             self._lease_for(key)  # no agent: refuse now, before anything else is decided
 
     def lease(self) -> int:
@@ -744,6 +810,8 @@ class EtcdTxn:
     def _lease_for(self, key: str) -> int:
         if key in self._fresh:
             return self.lease()
+        if key in self._lease_of:
+            return self._lease_for(self._lease_of[key])
         if self._deleted_by_range(key):
             kv = None
         elif self._snap.warmed:
@@ -816,8 +884,8 @@ class EtcdTxn:
         release_on: str | None = None,
     ) -> None:
         """A hint: the body is about to read these devices (record, hold, fence), nodes,
-        adapters' claims, the holds of the ``held_by`` VMs (their node's index and each VM's
-        marker), and the topology digest; fetch them in one request. A release
+        adapters' claims and units, the holds of the ``held_by`` VMs (each VM's marker), and
+        the topology digest; fetch them in one request. A release
         (``release_on``) also reads the devices' runtime records and that node's mdevs and
         mdev parents of them."""
         fdids = list(fdids)
@@ -834,10 +902,8 @@ class EtcdTxn:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
             keys += [self._k.node(node), self._k.agent(node), self._k.host(node)]
-        # The VM's own marker, which lists its holds (``holds_of``): not the node's index nor
-        # every marker of the node, reads that grew with the node's VMs. Not the index entries
-        # a reserve writes or a release deletes: nothing decides on them (a new hold's entry
-        # takes this host's lease whatever was there), and reading them added a compare each.
+        # The VM's own marker, which lists its holds (``holds_of``): not every marker of the
+        # node (its index), a read that grew with the node's VMs.
         for h in held_by:
             keys.append(self._k.vm_holds(h.node, h.vm))
         if release_on is not None:
@@ -1102,8 +1168,8 @@ class EtcdTxn:
     @_decoding("hold")
     def holds_of(self, holder: Holder) -> dict[int, HoldRecord]:
         """Through the VM's marker, never every hold of the cluster nor of its node: the
-        marker lists the VM's holds (or, when it cannot, the node's index names them), and
-        only those holds are fetched (in one request; none when it holds nothing)."""
+        marker lists the VM's holds, and only those holds are fetched (in one request; none
+        when it holds nothing)."""
         # Compared: the VM's marker, which every hold it gains rewrites, and each of its holds
         # (read below), which a release deletes.
         raw = self._get(self._k.vm_holds(holder.node, holder.vm))
@@ -1168,11 +1234,7 @@ class EtcdTxn:
         self._touch_vm(hold.holder, hold.fdid)
         listed = [enc.claim_to_dict(c) for c in claims]
         if listed:
-            self._fresh_units = True
-            try:
-                self._set_ledger_claims(hold.holder.node, hold.holder.vm, hold.fdid, listed)
-            finally:
-                self._fresh_units = False
+            self._set_ledger_claims(hold.holder.node, hold.holder.vm, hold.fdid, listed)
         # The fence outlives the hold when the lease ends. Written in the hold's Txn, its key's
         # creation revision is the hold's: its fencing token. Its "token" field keeps the lease
         # the hold was under (what the agent moves when the host's lease changes).
@@ -1220,7 +1282,7 @@ class EtcdTxn:
         """Drop ``fdid`` from its VM's unit ledger (the units no other claim needs go)."""
         raw = self._get(self._k.vm_holds(node, vm))
         if raw is None or f"{fdid:#x}" not in enc.load(raw).get("ledger", {}):
-            return  # a hold without units (an older vmlend's): nothing to give back
+            return  # a hold without claims (a device used on its own node): nothing to give
 
         def drop(ledger: dict[str, list[dict[str, Any]]]) -> None:
             ledger.pop(f"{fdid:#x}", None)

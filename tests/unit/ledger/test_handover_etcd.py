@@ -3,8 +3,10 @@
 source's claims and the destination's, in one transaction: a VM of three devices across two
 lenders joined by a cable of their own (the etcd state machine's cluster) went over (176
 operations: each claim key deleted and put again under another key, each unit block given
-back and another taken) and could never move. Now a hold re-made in the transaction that
-dropped it writes its claims over their own keys and takes back the unit blocks it gave."""
+back and another taken) and could never move. Now (layout 5) a hold's claims are in its VM's
+ledger and on its unit blocks, and the holds are all dropped before any is re-made, so the
+destination's take back the unit blocks the source's gave (a put over a delete: one
+operation)."""
 
 from __future__ import annotations
 

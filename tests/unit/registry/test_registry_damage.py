@@ -362,3 +362,30 @@ def test_a_command_that_fails_after_reading_past_a_damaged_copy_says_one_line(tm
     [line] = r.stderr.splitlines()
     assert line.startswith("Error: no device of kind 'bogus'"), line
     assert not copy.exists()
+
+
+def test_a_damaged_ledger_in_a_vm_marker_is_one_error_naming_the_marker(etcd_url):
+    """Layout 5 keeps a VM's claims in its marker's ledger: a claim there without its
+    adapter makes the VM's next reserve refuse in one error naming the marker, not a
+    KeyError traceback; other VMs are unaffected."""
+    import json
+
+    from vmlend.registry import parse_location
+    from vmlend.registry.etcd_gateway import EtcdGateway
+    from vmlend.registry.etcd_keys import Keys
+
+    fab = make_fabric(etcd_url)
+    loc = parse_location(etcd_url)
+    key = Keys(loc.cluster).vm_holds(WEB.node, WEB.vm)
+    gw = EtcdGateway(loc.endpoints)
+    try:
+        fab.reserve(0x10, WEB)
+        marker = json.loads(gw.range(key)[1][0].value)
+        marker["ledger"]["0x10"] = [{"kind": "lut", "share": "x", "entries": 1}]
+        _put_raw(etcd_url, key, json.dumps(marker).encode())
+        with pytest.raises(StateRecordError, match=r"VM marker record .*held-vm/gamma/"):
+            fab.reserve(0x11, WEB)
+        assert fab.reserve(0x11, Holder("gamma", "db")).created
+    finally:
+        gw.close()
+        fab.close()

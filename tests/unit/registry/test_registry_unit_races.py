@@ -12,27 +12,27 @@ from __future__ import annotations
 import functools
 import uuid
 
-import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.etcd_units import taking, unit_blocks_held
 from tests.support.hypothesis_tiers import examples
 from tests.support.simfabric import star_topology
-from vmlend.errors import ResourceExhaustedError
 from vmlend.ledger.admission import port_usage, usage
-from vmlend.registry.etcd_txn import EtcdTxn
+from vmlend.registry.etcd_txn import MAX_BLOCK, EtcdTxn
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import Topology
 from vmlend.topology.parse import parse_topology
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
 #: The adapter's usable segments in the race (``EtcdTxn._capacity`` patched): blocks of up
-#: to 8 in 16 units, so a take's blocks can hold, sit inside or run next to another's.
-CAPACITY = 16
+#: to ``MAX_BLOCK`` (16) in 32 units, so a take's blocks can hold, sit inside or run next to
+#: another's, and a take of more than 16 units takes several blocks of 16 (no block of 32
+#: exists, so none is compared).
+CAPACITY = 32
 
 #: One take: ``(units asked for, hint)``, the hint being where the search for free units starts.
-takes = st.tuples(st.integers(1, 8), st.integers(0, CAPACITY - 1))
+takes = st.tuples(st.integers(1, 20), st.integers(0, CAPACITY - 1))
 
 
 def _units(blocks: list[tuple[int, int]]) -> set[int]:
@@ -70,16 +70,20 @@ def _fresh_cluster(etcd_url: str) -> str:
     return f"{server}/race-{uuid.uuid4().hex[:12]}"
 
 
-def _attempt(
-    registry, take: tuple[int, int], free: int
-) -> tuple[EtcdTxn | None, list[tuple[int, int]]]:
-    """``taking``, or (None, []) when it asks for more than is ``free``: then refused with
-    one error, nothing written."""
-    if take[0] <= free:
-        return taking(registry, take)
-    with pytest.raises(ResourceExhaustedError, match="counted per VM"):
-        taking(registry, take)
-    return None, []
+def _free(committed: list[tuple[int, int]]) -> int:
+    return CAPACITY - len({u for u in _units(committed) if u < CAPACITY})
+
+
+def _attempt(registry, take: tuple[int, int], free: int) -> tuple[EtcdTxn, list[tuple[int, int]]]:
+    """``taking``, checked: exactly the units asked for, in blocks of at most ``MAX_BLOCK``,
+    and below the capacity all of them or every one that was ``free`` there."""
+    tx, picked = taking(registry, take)
+    assert sum(size for _s, size in picked) == take[0]
+    assert max(size for _s, size in picked) <= MAX_BLOCK
+    below = sum(size for start, size in picked if start < CAPACITY)
+    assert below == min(take[0], free)
+    assert all(start + size <= CAPACITY for start, size in picked if start < CAPACITY)
+    return tx, picked
 
 
 @settings(
@@ -99,11 +103,13 @@ def _attempt(
 def test_two_takes_from_one_snapshot_both_commit_iff_their_blocks_share_no_unit(
     etcd_url, monkeypatch, earlier, first, second
 ):
-    """After 0-4 takes committed one by one (one that finds too few free units is skipped),
-    two transactions take blocks from one snapshot and commit, first then second: a take of
-    more than is free is refused before it writes; the first, if not refused, commits; the
-    second exactly when its blocks share no unit with the first's; and the blocks left in
-    etcd are those of the committed takes, none overlapping another."""
+    """After 0-4 takes committed one by one (each may go beyond the capacity: ``_beyond``),
+    two transactions take blocks from one snapshot and commit, first then second: each takes
+    what is free below the capacity and the rest beyond it; the first always commits, the
+    second exactly when its blocks share no unit with the first's and it did not decide on
+    the whole adapter (it goes beyond the capacity, or units are there already), so two that
+    together need more than is free never both commit; and the blocks left in etcd are those
+    of the committed takes, none overlapping another."""
     monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: CAPACITY)
     url = _fresh_cluster(etcd_url)
     init_fabric(url, star_topology(1, 2), "star.toml")
@@ -111,28 +117,26 @@ def test_two_takes_from_one_snapshot_both_commit_iff_their_blocks_share_no_unit(
     with open_fabric(url, "h0") as f:
         gw = f.registry.gateway
         for take in earlier:
-            if take[0] > CAPACITY - len(_units(committed)):
-                continue
-            tx, picked = taking(f.registry, take)
+            tx, picked = _attempt(f.registry, take, _free(committed))
             assert gw.txn(tx.compares(), tx.operations())[0] is True
             assert sum(size for _s, size in picked) == take[0]
             committed += picked
-        free = CAPACITY - len(_units(committed))
+        free = _free(committed)
         a, picked_a = _attempt(f.registry, first, free)
         b, picked_b = _attempt(f.registry, second, free)
         assert not _units(picked_a) & _units(committed)
         assert not _units(picked_b) & _units(committed)
-        if a is not None:
-            assert sum(size for _s, size in picked_a) == first[0]
-            assert gw.txn(a.compares(), a.operations())[0] is True
+        assert gw.txn(a.compares(), a.operations())[0] is True
         apart = not _units(picked_a) & _units(picked_b)
-        if b is not None:
-            assert sum(size for _s, size in picked_b) == second[0]
-            event(f"the second and the first: {_meeting(picked_a, picked_b)}")
-            assert gw.txn(b.compares(), b.operations())[0] is apart
-        else:
-            event("a take refused: more than is free")
-    committed += picked_a + (picked_b if apart else [])
+        if first[0] + second[0] > free:
+            assert not apart or second[0] > free  # together more than is free: they meet
+        # beyond the capacity, or with units there already: decided on the whole adapter
+        whole = second[0] > free or any(s + z > CAPACITY for s, z in committed)
+        event(f"the second and the first: {_meeting(picked_a, picked_b)}")
+        if whole:
+            event("the second decided on the whole adapter")
+        assert gw.txn(b.compares(), b.operations())[0] is (apart and not whole)
+    committed += picked_a + (picked_b if apart and not whole else [])
     held = unit_blocks_held(url).get(("l:0", "seg"), [])
     assert held == sorted(committed)
     assert len(_units(held)) == sum(size for _s, size in held)  # no unit in two blocks

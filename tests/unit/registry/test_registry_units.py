@@ -12,10 +12,23 @@ import threading
 import pytest
 
 from tests.support.cluster_hosts import check_never_two_holders, history
-from tests.support.etcd_units import last_capacity, taking, unit_keys_held, units_claimed
+from tests.support.etcd_daemon import host_lease
+from tests.support.etcd_units import (
+    last_capacity,
+    ledgers_agree_with_blocks,
+    taking,
+    unit_blocks_held,
+    unit_keys_held,
+    units_claimed,
+)
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
+from vmlend.registry import open_registry, parse_location
+from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end
+from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_store import EtcdRegistry
 from vmlend.registry.etcd_txn import EtcdTxn
+from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase
 from vmlend.topology.model import GiB, Holder
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
@@ -220,3 +233,101 @@ def test_a_requester_on_a_switch_port_is_one_unit_whichever_kind_claims_it():
         ["b:0", "p2p", "req:l1/0000:41:00", 1, 0],  # on an adapter the kinds stay apart
     ]
     assert EtcdTxn._units_needed(rows) == {("sw/b:0", "lut"): 2, ("b:0", "lut"): 2}
+
+
+# --- units beyond the capacity (layout 5) -------------------------------------------------------
+WINDOW = Claim("l:0", ClaimKind.DMA, "vm:h0/app", segments=10)
+
+
+def _two_holds_sharing_a_window(url: str, monkeypatch):
+    """``app`` on h0 holds two devices of ``l`` whose DMA windows share 10 of the 16 segments
+    of ``l``'s adapter (one claim per hold, one window: counted once)."""
+    monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: 16)
+    init_fabric(url, star_topology(2, 4), "star.toml")
+    reg = open_registry(url)
+    app = Holder("h0", "app")
+
+    def reserve(tx):
+        for fdid in (0x100, 0x101):
+            tx.add_hold(HoldRecord(fdid, app, 1.0, Phase.RESERVED), [WINDOW])
+
+    reg.transact(reserve)
+    return reg
+
+
+def test_a_hand_over_one_device_at_a_time_takes_units_beyond_a_tight_capacity(
+    etcd_url, monkeypatch
+):
+    """A hand-over made a hold at a time holds the window twice (the source VM's for the
+    device not moved yet, the destination VM's), 20 units of 16: refused before, as "short by
+    4 segments" (admission saw room: one window). The units the capacity has no room for are
+    taken beyond it, so every claim keeps its units and head; and while any are beyond it, a
+    take on that adapter decides on all of it (its units prefix compared)."""
+    reg = _two_holds_sharing_a_window(etcd_url, monkeypatch)
+    moved = Holder("h1", "app")
+    try:
+
+        def one_at_a_time(tx):
+            for fdid in (0x100, 0x101):
+                tx.delete_hold(fdid)
+                tx.add_hold(HoldRecord(fdid, moved, 2.0, Phase.RESERVED), [WINDOW])
+
+        reg.transact(one_at_a_time)
+        ledgers_agree_with_blocks(etcd_url)
+        held = unit_blocks_held(etcd_url)[("l:0", "seg")]
+        assert sum(z for _s, z in held) == 10  # the source's went with its last hold
+        with reg.read() as tx:
+            assert sorted(f for f, _c in tx.claims_on(["l:0"])) == [0x100, 0x101]
+        tx = reg._txn(writable=True)  # type: ignore[attr-defined]
+        tx._take_units("l:0", "seg", 1, Holder("h0", "other"), 0)
+        assert any(s + z > 16 for s, z in held)  # the destination's, taken while both held
+        prefix = b64(reg.keys.units_of("l:0"))  # type: ignore[attr-defined]
+        assert any(c["key"] == prefix and "range_end" in c for c in tx.compares())
+    finally:
+        reg.close()
+
+
+def test_a_hand_over_gives_every_hold_back_before_it_makes_any(etcd_url, monkeypatch):
+    """``handover.hand_over`` drops the source's holds first, so the destination's take
+    the units they gave back: none beyond the capacity, none compared as a prefix after."""
+    from vmlend.ledger import handover
+
+    reg = _two_holds_sharing_a_window(etcd_url, monkeypatch)
+    src, dst = Holder("h0", "app"), Holder("h1", "app")
+    claimed = handover.Claimed(src, dst, {0x100: [WINDOW], 0x101: [WINDOW]})
+    try:
+        handover.hand_over(reg, claimed, {}, 2.0)
+        ledgers_agree_with_blocks(etcd_url)
+        held = unit_blocks_held(etcd_url)[("l:0", "seg")]
+        assert sum(z for _s, z in held) == 10 and all(s + z <= 16 for s, z in held)
+        with reg.read() as tx:
+            assert {h.holder for h in tx.holds().values()} == {dst}
+    finally:
+        reg.close()
+
+
+def test_a_vms_blocks_go_on_its_markers_lease_whoever_writes_them(etcd, etcd_url, tmp_path):
+    """A recount after a link event (``replace_claims``) may run on any host: the blocks it
+    takes for a VM go on that VM's marker's lease, not the writer's, so they lapse with the
+    VM's ledger (a block that outlived it could be taken by another VM and then deleted by
+    this VM's next change, its claims with it)."""
+    init_fabric(etcd_url, star_topology(2, 4), "star.toml")
+    mine = open_registry(etcd_url)
+    app = Holder("h0", "app")
+    lut = Claim("h0:0", ClaimKind.LUT, "req:a", entries=1)
+    mine.transact(lambda tx: tx.add_hold(HoldRecord(0x100, app, 1.0, Phase.BORROWED), [lut]))
+    loc = parse_location(etcd_url)
+    other = host_lease(etcd, tmp_path / "other-host", "h1")
+    theirs = EtcdRegistry.open(EtcdGateway(loc.endpoints), loc.cluster, host_lease=lambda: other)
+    moved = Claim("h0:1", ClaimKind.LUT, "req:a", entries=1)
+    try:
+        theirs.transact(lambda tx: tx.replace_claims(ClaimKind.LUT, [0x100], [(0x100, moved)]))
+        keys = Keys(loc.cluster)
+        gw = theirs.gateway
+        marker = gw.range(keys.vm_holds("h0", "app"))[1][0]
+        _rev, blocks = gw.range(keys.units_of("h0:1"), prefix_end(keys.units_of("h0:1")))
+        assert blocks and {kv.lease for kv in blocks} == {marker.lease} != {other}
+        ledgers_agree_with_blocks(etcd_url)
+    finally:
+        theirs.close()
+        mine.close()
