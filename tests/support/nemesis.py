@@ -59,7 +59,7 @@ from vmlend.hostenv import HostEnv
 from vmlend.memory.windows import window_segments
 from vmlend.registry import ClaimKind, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end, unb64
-from vmlend.registry.etcd_keys import Keys, claim_from_dict
+from vmlend.registry.etcd_keys import Keys, claims_of_block
 from vmlend.registry.topocache import CACHE_FORMAT
 from vmlend.registry.topopieces import PIECES_FORMAT_1, TopologyHead
 from vmlend.sim.hypervisor.node import SimHypervisor
@@ -581,7 +581,7 @@ class ClaimCheck:
         return self._need[(share, segment_size)]
 
     def read(self) -> None:
-        prefix = self._keys.claims
+        prefix = self._keys.units  # layout 5: the claims are on their VMs' unit blocks
         body = {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "serializable": True}
         try:
             answer = self._gw.call("kv/range", body)
@@ -589,8 +589,10 @@ class ClaimCheck:
             self.unread += 1
             return
         self.reads += 1
-        for kv in answer.get("kvs", []):
-            claim = claim_from_dict(json.loads(unb64(kv["value"])))
+        claims = [
+            c for kv in answer.get("kvs", []) for _f, c in claims_of_block(unb64(kv["value"]))
+        ]
+        for claim in claims:
             if claim.kind is not ClaimKind.DMA or not claim.share.startswith("vm:"):
                 continue  # the interrupt window (MSI over the NTB) is not the VM's RAM
             want = self.needs(claim.share, self._segment[claim.adapter])

@@ -764,13 +764,11 @@ class EtcdTxn:
                     adapter, owner, held.get(adapter, {}), was.get(adapter, []), check=False
                 )
                 after = self._block_values(adapter, owner, mine, on.get(adapter, []))
-                marker = self._k.vm_holds(node, vm)
                 for block, value in after.items():
                     if before.get(block) != value or block in self._writes:
-                        self._put(block, value, leased=True, lease_of=marker)
+                        self._put(block, value, leased=True, lease_of=key)
         new = {**d, "ledger": ledger}
         new.pop("blocks", None)
-        new.pop("units", None)
         if blocks:
             new["blocks"] = blocks
         if new != d:
