@@ -50,6 +50,8 @@ import json
 import re
 from typing import Any
 
+import msgspec
+
 from vmlend.errors import ConfigError
 from vmlend.registry.records import (
     Claim,
@@ -250,7 +252,11 @@ class Keys:
 
 # --- values: JSON ---------------------------------------------------------------------------
 def dump(data: Any) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    """Compact JSON, keys sorted (one record, one form). msgspec: a reserve and release
+    encode about 30 values, and ``json.dumps`` took a tenth of vmlend's own time in a cycle
+    (issue 38, point 5); text other than ASCII is UTF-8 rather than escaped, which readers
+    decode alike."""
+    return msgspec.json.encode(data, order="sorted")
 
 
 def load(raw: bytes) -> Any:
