@@ -331,3 +331,33 @@ def test_a_vms_blocks_go_on_its_markers_lease_whoever_writes_them(etcd, etcd_url
     finally:
         theirs.close()
         mine.close()
+
+
+@pytest.mark.parametrize("where", ["sqlite", "etcd"])
+def test_two_vms_sharing_a_devices_requester_entry_are_admitted_alike_on_both_registries(
+    etcd_url, tmp_path, where
+):
+    """Functions 0 and 1 of one device (0x100, 0x101) borrowed by VMs on two hosts share the
+    device's requester entry on the lender's adapter, whose one usable entry the first takes:
+    admission counts it once, so the second is admitted, on SQLite as on etcd. Each VM's
+    units count it for itself, so on etcd the second's unit is taken beyond the capacity
+    (refused before, "short by 1 entry", where SQLite admitted it); another device's entry
+    is refused on both (the adapter is full); the unit beyond it goes with its VM."""
+    text = star_topology(2, 3, lut_entries=3).replace(
+        '"0000:01:01.0"', '"0000:01:00.1"'
+    )  # 0x101: function 1 of 0x100's device
+    url = etcd_url if where == "etcd" else str(tmp_path / "state.db")
+    init_fabric(url, text, "star.toml")
+    first, second = Holder("h0", "vm1"), Holder("h1", "vm2")
+    with open_fabric(url, "h0") as f:
+        assert f.reserve(0x100, first).created
+        assert f.reserve(0x101, second).created
+        with pytest.raises(ResourceExhaustedError, match="requester LUT on l:0"):
+            f.reserve(0x102, Holder("h1", "vm3"))
+        if where == "etcd":
+            ledgers_agree_with_blocks(url)
+            assert unit_blocks_held(url)[("l:0", "lut")] == [(0, 1), (1, 1)]  # 1 is beyond
+        assert f.release(0x101, second)
+        if where == "etcd":
+            assert unit_blocks_held(url)[("l:0", "lut")] == [(0, 1)]
+            ledgers_agree_with_blocks(url)
