@@ -275,7 +275,8 @@ def location(request, tmp_path):
 
 
 def stored(location) -> TopologyRecord:
-    with open_registry(location) as reg, reg.read() as tx:
+    # opened as the upgrade opens it: a cluster of an older layout is read too
+    with open_registry(location, upgrading=True) as reg, reg.read() as tx:
         return tx.topology()
 
 
@@ -301,11 +302,18 @@ def test_a_damaged_compiled_topology_opens_from_the_toml_and_init_compiles_it_ag
     assert decode_compiled(rec.compiled_bytes(), rec.digest) == parse_topology(text, source)
 
 
-def test_an_etcd_record_without_the_compiled_key_opens_and_init_adds_it(etcd_url):
+def test_an_etcd_record_without_the_compiled_key_is_upgraded_with_it(etcd_url):
+    """A layout-2 cluster is opened only by ``vmlend registry upgrade`` (layout 5 does not
+    read its holds): the upgrade compiles a record that has no compiled form, and the fabric
+    then opens as its text says."""
+    from vmlend.registry.upgrade import upgrade
+
     text, source = default_topology_text()
     # as a vmlend before the compiled topology (and before generations) wrote it
     etcd_before_generations(etcd_url, text, source, compiled=False)
     assert stored(etcd_url).compiled_bytes() is None
+    with open_registry(etcd_url, upgrading=True) as reg:
+        upgrade(reg)  # type: ignore[arg-type]
     with open_fabric(etcd_url, "gamma") as fabric:
         assert fabric.topology() == parse_topology(text, source)
     assert init_fabric(etcd_url, text, source).action == "unchanged"
