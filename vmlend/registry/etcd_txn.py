@@ -609,6 +609,8 @@ class EtcdTxn:
         every = self._k.units_of(adapter)  # both resources of the adapter, in one range
         spans = self._spans(adapter, unit, self._loose_range(every))
         cap = self._capacity(adapter, unit)
+        if not cap:  # admission never asks it: a claim on what the topology does not have
+            raise StateError(f"{adapter} has no {unit} units in the topology to take {n} of")
         taken: set[int] = set()
         for start, size in spans:
             taken.update(range(start, start + size))
@@ -651,8 +653,9 @@ class EtcdTxn:
                     self._snap.guard(*block_range, within=every)
                 run = [start, start + size]
             outer = size * 2
-            # a block below the capacity is never held by one beyond it, nor the other way
-            largest = min(cap, MAX_BLOCK) if start < cap else MAX_BLOCK
+            # a block below the capacity is never held by one beyond it, nor the other way;
+            # one beyond it needs no holding block compared (the whole adapter is, below)
+            largest = min(cap, MAX_BLOCK) if start < cap else 0
             while outer <= largest:
                 # an aligned block holding this one, starting before it; one starting inside
                 # this run is in the run's guarded range already (no compare of its own)
@@ -669,6 +672,12 @@ class EtcdTxn:
             # alone no longer make two overcommitting reserves meet; decided on everything
             # of the adapter instead (a compared prefix: any change there makes it run again)
             self._snap.range(every)
+        else:
+            # and nothing went beyond it since this view: a prefix compare does not see a
+            # deletion, so one that went beyond from an older view (the units a release freed
+            # since then still taken in it) would not meet this take of those units
+            blocks = self._k.unit_blocks(adapter, unit)
+            self._snap.guard(f"{blocks}{cap:06d}", prefix_end(blocks), within=every)
         return sorted(picked)
 
     def _block_values(

@@ -19,6 +19,7 @@ from tests.support.etcd_units import taking, unit_blocks_held
 from tests.support.hypothesis_tiers import examples
 from tests.support.simfabric import star_topology
 from vmlend.ledger.admission import port_usage, usage
+from vmlend.registry.etcd_gateway import b64
 from vmlend.registry.etcd_txn import MAX_BLOCK, EtcdTxn
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import Topology
@@ -95,21 +96,31 @@ def _attempt(registry, take: tuple[int, int], free: int) -> tuple[EtcdTxn, list[
     # example makes its own cluster (``_fresh_cluster``)
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(earlier=st.lists(takes, max_size=4), first=takes, second=takes)
+@given(
+    earlier=st.lists(takes, max_size=4),
+    first=takes,
+    second=takes,
+    released=st.none() | st.integers(0, 7),
+)
 # always: a block of the first holding the second's and starting before its run (compared on
 # its own, not by the run's range), and two single units side by side (both commit)
-@example(earlier=[], first=(4, 1), second=(1, 5))
-@example(earlier=[], first=(1, 1), second=(1, 0))
+@example(earlier=[], first=(4, 1), second=(1, 5), released=None)
+@example(earlier=[], first=(1, 1), second=(1, 0), released=None)
+# a release seen by the second only: the first goes beyond the capacity, the second takes
+# the unit released (a review found them both committing: three entries on two)
+@example(earlier=[(16, 0), (16, 16)], first=(1, 0), second=(1, 0), released=0)
 def test_two_takes_from_one_snapshot_both_commit_iff_their_blocks_share_no_unit(
-    etcd_url, monkeypatch, earlier, first, second
+    etcd_url, monkeypatch, earlier, first, second, released
 ):
     """After 0-4 takes committed one by one (each may go beyond the capacity: ``_beyond``),
-    two transactions take blocks from one snapshot and commit, first then second: each takes
-    what is free below the capacity and the rest beyond it; the first always commits, the
-    second exactly when its blocks share no unit with the first's and it did not decide on
-    the whole adapter (it goes beyond the capacity, or units are there already), so two that
-    together need more than is free never both commit; and the blocks left in etcd are those
-    of the committed takes, none overlapping another."""
+    two transactions take blocks and commit, first then second, the second from the same
+    snapshot or (``released``) from one where an earlier block was given back since: each
+    takes what is free below the capacity and the rest beyond it; the first always commits,
+    the second exactly when its blocks share no unit with the first's, the first went not
+    beyond the capacity, and the second did not decide on the whole adapter (it goes beyond
+    the capacity, or units are there already), so two that together need more than is free
+    never both commit; and the blocks left in etcd are those of the committed takes and
+    releases, none overlapping another."""
     monkeypatch.setattr(EtcdTxn, "_capacity", lambda self, adapter, unit: CAPACITY)
     url = _fresh_cluster(etcd_url)
     init_fabric(url, star_topology(1, 2), "star.toml")
@@ -123,20 +134,27 @@ def test_two_takes_from_one_snapshot_both_commit_iff_their_blocks_share_no_unit(
             committed += picked
         free = _free(committed)
         a, picked_a = _attempt(f.registry, first, free)
-        b, picked_b = _attempt(f.registry, second, free)
         assert not _units(picked_a) & _units(committed)
+        if released is not None and committed:  # a release the second sees, the first not
+            gone = committed.pop(released % len(committed))
+            key = f.registry.keys.unit_block("l:0", "seg", *gone)
+            assert gw.txn([], [{"request_delete_range": {"key": b64(key)}}])[0] is True
+            event("a block released between the two reads")
+        b, picked_b = _attempt(f.registry, second, _free(committed))
         assert not _units(picked_b) & _units(committed)
         assert gw.txn(a.compares(), a.operations())[0] is True
         apart = not _units(picked_a) & _units(picked_b)
-        if first[0] + second[0] > free:
-            assert not apart or second[0] > free  # together more than is free: they meet
+        beyond = first[0] > free  # the first took units beyond the capacity
         # beyond the capacity, or with units there already: decided on the whole adapter
-        whole = second[0] > free or any(s + z > CAPACITY for s, z in committed)
+        whole = second[0] > _free(committed) or any(s + z > CAPACITY for s, z in committed)
         event(f"the second and the first: {_meeting(picked_a, picked_b)}")
         if whole:
             event("the second decided on the whole adapter")
-        assert gw.txn(b.compares(), b.operations())[0] is (apart and not whole)
-    committed += picked_a + (picked_b if apart and not whole else [])
+        if beyond and not whole:
+            event("the first went beyond the capacity, the second not")
+        both = apart and not whole and not beyond
+        assert gw.txn(b.compares(), b.operations())[0] is both
+    committed += picked_a + (picked_b if both else [])
     held = unit_blocks_held(url).get(("l:0", "seg"), [])
     assert held == sorted(committed)
     assert len(_units(held)) == sum(size for _s, size in held)  # no unit in two blocks

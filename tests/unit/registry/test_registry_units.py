@@ -319,13 +319,13 @@ def test_a_vms_blocks_go_on_its_markers_lease_whoever_writes_them(etcd, etcd_url
     loc = parse_location(etcd_url)
     other = host_lease(etcd, tmp_path / "other-host", "h1")
     theirs = EtcdRegistry.open(EtcdGateway(loc.endpoints), loc.cluster, host_lease=lambda: other)
-    moved = Claim("h0:1", ClaimKind.LUT, "req:a", entries=1)
+    moved = Claim("l:0", ClaimKind.LUT, "req:a", entries=1)
     try:
         theirs.transact(lambda tx: tx.replace_claims(ClaimKind.LUT, [0x100], [(0x100, moved)]))
         keys = Keys(loc.cluster)
         gw = theirs.gateway
         marker = gw.range(keys.vm_holds("h0", "app"))[1][0]
-        _rev, blocks = gw.range(keys.units_of("h0:1"), prefix_end(keys.units_of("h0:1")))
+        _rev, blocks = gw.range(keys.units_of("l:0"), prefix_end(keys.units_of("l:0")))
         assert blocks and {kv.lease for kv in blocks} == {marker.lease} != {other}
         ledgers_agree_with_blocks(etcd_url)
     finally:
