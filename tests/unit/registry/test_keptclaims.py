@@ -152,6 +152,16 @@ claims = st.builds(
 )
 
 
+def _flip(tx, fdid: int, made: list[Claim]) -> None:
+    """After reading the adapters' claims (as admission does): release ``fdid``'s hold if it
+    has one, else reserve it with the claims ``made``."""
+    tx.claims_on(ADAPTERS)
+    if tx.hold(fdid) is not None:
+        tx.delete_hold(fdid)
+    else:
+        tx.add_hold(HoldRecord(fdid, VM, 0.0, Phase.RESERVED), made)
+
+
 class KeptClaimsMachine(RuleBasedStateMachine):
     """Two registries open on one state file, and a raw connection beside them: whatever
     each does, each one's next transaction reads what the file holds."""
@@ -203,11 +213,7 @@ class KeptClaimsMachine(RuleBasedStateMachine):
     def rolled_back(self, who: int, fdid: int, made: list[Claim]) -> None:
         try:
             with self.regs[who].write() as tx:
-                tx.claims_on(ADAPTERS)
-                if tx.hold(fdid) is not None:
-                    tx.delete_hold(fdid)
-                else:
-                    tx.add_hold(HoldRecord(fdid, VM, 0.0, Phase.RESERVED), made)
+                _flip(tx, fdid, made)
                 tx.claims_on(ADAPTERS)
                 raise RuntimeError("rolled back")
         except RuntimeError:
@@ -225,11 +231,7 @@ class KeptClaimsMachine(RuleBasedStateMachine):
         install, KeptClaims.install = KeptClaims.install, interrupted  # type: ignore[method-assign]
         try:
             with self.regs[who].write() as tx:
-                tx.claims_on(ADAPTERS)
-                if tx.hold(fdid) is not None:
-                    tx.delete_hold(fdid)
-                else:
-                    tx.add_hold(HoldRecord(fdid, VM, 0.0, Phase.RESERVED), made)
+                _flip(tx, fdid, made)
         except KeyboardInterrupt:
             pass
         finally:
