@@ -3,7 +3,8 @@
 The nemesis test (``tests/scenarios/test_nemesis.py``) names a directory in ``$VMLEND_EVENTS``;
 every process of its simulated cluster then appends what it did to ``events.jsonl`` there: the
 agent its lease (granted, adopted, renewed, lost, followed) and its VMs' pauses and resumes,
-the sim backend a reserve and a release with the hold's fencing token, the lender register
+the sim backend a reserve and a release with the hold's fencing token (each call bracketed by
+``-begun`` and ``-done``: a process killed in it leaves the bracket open), the lender register
 every serve, end and take-back at the device (written under the device's lock, so their order
 per device is the device's), the test its kills and restarts of agents. The checker
 (``tests/support/replay.py``) replays them through the protocol's model.

@@ -197,7 +197,7 @@ class NHost:
         assert agent is not None
         agent.kill()
         agent.wait(20)
-        self.events().note("crash")
+        self.events().note("crash", agent=agent.pid)
 
     def events(self) -> EventLog:
         """The test's side of the event log (``vmlend.events``): kills and restarts."""

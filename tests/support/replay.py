@@ -12,12 +12,18 @@ What each event is, in the model:
 - ``lease-granted`` / ``lease-adopted`` (the agent, with the keepalive's send time):
   ``grant`` (from the send: etcd counts the TTL from later) / ``adopt``; a grant after a
   restart whose lease file names a lease the replay still has means etcd said that one was
-  gone, so it ``expire``s first; ``lease-followed``: ``follow`` (rule 1);
+  gone, so it ``expire``s first; ``lease-followed``: ``follow`` (rule 1), placed at its
+  ``done`` (when etcd took the move; the note may come seconds later, the agent stopped
+  between: seed 20, 2026-11-30, the freeze-start nemesis);
   ``lease-renewed``: ``renew``; ``lease-lost``: ``expire`` (if not already) then ``lose``.
 - ``reserve`` (the sim backend, once committed, with the hold's token): ``take_hold`` on the
   host's published lease (the lease file's), refused while the device is held or fenced or
   for a token not newer than every earlier one; ``release`` (a release that ended its hold):
-  the hold must be there with that token, then ``end_hold``.
+  the hold must be there with that token, then ``end_hold``. ``release-begun`` (the sim
+  backend, just before a release's commit): nothing by itself; but when the process that noted
+  it was killed (the test's ``crash`` names the agent's pid) before it noted how the release
+  ended, its commit may have landed unrecorded: a later reserve of the device finds that hold
+  ended by it (``unlogged_releases``), not by its lease.
 - ``serve`` / ``end`` / ``take-back`` (the lender register, in the device's order):
   ``open_mdev`` / ``give_back`` (``spend`` for a release) / ``take_back`` with the fence's
   token. After each, what the device says (its token, its retired token, whom it serves)
@@ -141,7 +147,7 @@ def ordered(events: Iterable[Event]) -> list[Event]:
         if e.kind == "serve" and not e.fields.get("refused"):
             key = (e.fdid, int(e.fields["token"]))
             served[key] = min(served.get(key, math.inf), e.t)
-    when: dict[int, float] = {id(e): e.t for e in evs}
+    when: dict[int, float] = {id(e): _at(e) for e in evs}
     later_any = math.inf  # the next reserve by token, anywhere: tokens are etcd's revisions
     later_on: dict[int | None, float] = {}  # the next reserve of the device
     for e in reversed(reserves):
@@ -165,6 +171,13 @@ def ordered(events: Iterable[Event]) -> list[Event]:
         return (when[id(e)], 1, 0, 0, 0)
 
     return sorted(evs, key=key)
+
+
+def _at(e: Event) -> float:
+    """When the event happened: its time, or for a follow when etcd took the move."""
+    if e.kind == "lease-followed" and "done" in e.fields:
+        return float(e.fields["done"])
+    return e.t
 
 
 @dataclass
@@ -205,6 +218,9 @@ class Replay:
     #: keepalives answered after the lease they renewed had ended (sent more than a TTL
     #: before the answer): no time given, nothing follows from them
     late_answers: int = 0
+    #: holds a later reserve found gone whose release began in an agent killed before it
+    #: noted the release's end (its commit landed, its note did not)
+    unlogged_releases: int = 0
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
@@ -214,11 +230,30 @@ class Replay:
                 f" {self.device_refusals} stale step(s) the device refused as the"
                 f" model does, {self.lost_replies} commit(s) whose reply was lost,"
                 f" {self.late_renewals} renewal(s) more than a TTL after the last,"
-                f" {self.late_answers} answered after their lease ended")
+                f" {self.late_answers} answered after their lease ended,"
+                f" {self.unlogged_releases} release(s) whose killed agent noted no end")
 
 
 def _vm(node: str, vm: str) -> str:
     return f"{node}/{vm}"
+
+
+def _cut_short(events: Iterable[Event]) -> set[tuple[int, float, int]]:
+    """The reserves and releases (``reserve-begun``, ``release-begun``) of an agent killed in
+    the call (a ``crash`` names its pid; the call noted no ``-done``): each may have committed
+    between its beginning and the kill, unrecorded. As (pid, t, seq) of their begun events."""
+    killed = {int(e.fields["agent"]) for e in events if e.kind == "crash" and "agent" in e.fields}
+    open_calls: dict[tuple[int, str, float], list[Event]] = {}
+    for e in events:
+        what, _, phase = e.kind.rpartition("-")
+        if what not in ("reserve", "release") or e.pid not in killed:
+            continue
+        key = (e.pid, what, float(e.fields["began"]))
+        if phase == "begun":
+            open_calls.setdefault(key, []).append(e)
+        elif phase == "done" and open_calls.get(key):
+            open_calls[key].pop()
+    return {(e.pid, e.t, e.seq) for calls in open_calls.values() for e in calls}
 
 
 class Replayer:
@@ -234,6 +269,10 @@ class Replayer:
         #: when the replay ended each lease (``_end``)
         self.ended_at: dict[int, float] = {}
         self.orphans: list[tuple[Event, frozenset[str]]] = []
+        #: the calls of killed agents that noted no end (``_cut_short``), and per (device,
+        #: token) the releases among them the replay has reached: each may have committed
+        self.cut_short = _cut_short(events)
+        self.released_maybe: dict[tuple[int, int], Event] = {}
         nodes: set[str] = set()
         vms: dict[str, str] = {}
         fdids: set[int] = set()
@@ -242,7 +281,8 @@ class Replayer:
                 nodes.add(e.actor)
             if e.fdid is not None:
                 fdids.add(e.fdid)
-            if e.kind in ("reserve", "release", "reserve-unknown"):
+            if e.kind in ("reserve", "release", "reserve-unknown", "reserve-begun",
+                          "release-begun"):
                 nodes.add(e.node)
                 vms[_vm(e.node, str(e.fields["vm"]))] = e.node
             if e.kind in ("serve", "end"):
@@ -340,6 +380,7 @@ class Replayer:
         return self.model.adopt(s, e.actor, float(e.fields["sent"]))
 
     def on_lease_followed(self, s: State, e: Event) -> State:
+        s = s._replace(now=_at(e))
         h = self.model.host(s, e.actor)
         if h.lease != self._lease(int(e.fields["lease"])):
             raise Refused(f"{e.actor} follows lease {e.fields['lease']:x}, not its own")
@@ -401,9 +442,46 @@ class Replayer:
                 return s  # the VM had it
             self.result.lost_replies += 1  # this call made it; its reply was lost
         if held is not None:
-            s = self._end(s, held.lease, f"{fdid:#x} is held by {held.vm} (token {held.token})")
+            if self.released_maybe.pop((fdid, held.token), None) is not None:
+                # its release's agent was killed after the commit, before the note
+                self.result.unlogged_releases += 1
+                s = self.model.end_hold(s, fdid)
+            else:
+                why = f"{fdid:#x} is held by {held.vm} (token {held.token})"
+                s = self._end(s, held.lease, why)
         h = self.model.host(s, e.node)
         return self.model.take_hold(s, vm, fdid, token, h.lease_file)
+
+    def on_reserve_begun(self, s: State, e: Event) -> State:
+        """A reserve's call began; cut short by its agent's kill, it is a reserve whose
+        commit may have landed, its token unknown (as ``reserve-unknown``)."""
+        if (e.pid, e.t, e.seq) in self.cut_short:
+            return self.on_reserve_unknown(s, e)
+        return s
+
+    def on_release_begun(self, s: State, e: Event) -> State:
+        """A release's call began; cut short by its agent's kill, its commit may have
+        landed: a later reserve of the device may find that hold ended (``on_reserve``)."""
+        token = int(e.fields.get("token") or 0)
+        if (e.pid, e.t, e.seq) in self.cut_short and token:
+            self.released_maybe[(int(e.fields["fdid"]), token)] = e
+        return s
+
+    def on_reserve_done(self, s: State, e: Event) -> State:
+        return s
+
+    def on_release_done(self, s: State, e: Event) -> State:
+        return s
+
+    def _cut_short_reserve(self, s: State, fdid: int, vm: str, token: int) -> bool:
+        """Whether a release of a hold the history never saw made (``token`` newer than every
+        one it knows) is the end of ``vm``'s reserve whose commit may have landed unrecorded
+        (``unknown``: its call met the registry away, or its agent was killed in it)."""
+        if token <= s.issued or (fdid, vm) not in self.unknown:
+            return False
+        del self.unknown[(fdid, vm)]
+        self.result.lost_replies += 1
+        return True
 
     def on_reserve_unknown(self, s: State, e: Event) -> State:
         """A reserve that met the registry away and raised (``began`` when its call did): its
@@ -447,6 +525,8 @@ class Replayer:
         fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
         held = get(s.holds, fdid)
         vm = _vm(e.node, str(e.fields["vm"]))
+        if held is None and token and self._cut_short_reserve(s, fdid, vm, token):
+            return s._replace(issued=token)
         if token:
             self.unknown.pop((fdid, vm), None)  # the VM's hold shows up: no unknown pending
         if e.fields.get("lost_reply"):

@@ -113,13 +113,15 @@ class LeaseClock:
                 self.events.note(kind, lease=lease, ttl=float(ttl), sent=wall(sent))
             self._notify()
 
-    def followed(self, lease: int) -> None:
-        """This host's records are on ``lease`` now."""
+    def followed(self, lease: int, done: float | None = None) -> None:
+        """This host's records are on ``lease`` now (moved there at ``done``, this clock's
+        time, when known)."""
         with self._cond:
             if lease == self._lease:
                 self._followed = True
                 if self.events is not None:
-                    self.events.note("lease-followed", lease=lease)
+                    at = {"done": wall(done)} if done is not None else {}
+                    self.events.note("lease-followed", lease=lease, **at)
                 self._notify()
 
     def renewed(self, lease: int, sent: float, ttl: float) -> None:

@@ -119,10 +119,13 @@ class LeaseHold:
 
         if self.until_reachable(announce, lease.id) is None:
             return
+        # etcd took the move and the announcement under the lease by now: the history's
+        # follow is then, however long this process is stopped before it says so below
+        done = self._now()
         hostlease.publish(
             self._lease_file, hostlease.HostLease(lease.id, self._node, lease.ttl, os.getpid())
         )
-        self._clock.followed(lease.id)
+        self._clock.followed(lease.id, done)
         log.info(
             "agent for %s: lease %x (TTL %d s) %s, published in %s",
             self._node,

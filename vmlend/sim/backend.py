@@ -17,9 +17,10 @@ nothing here differs from the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from vmlend.errors import (
     DeviceNotReservedError,
@@ -58,6 +59,21 @@ class SimFabric(Ledger):
         #: The protocol's event log (``vmlend.events``; None: none): reserves, releases.
         self.events = EventLog.from_env(local_node or "")
 
+    @contextlib.contextmanager
+    def _call(self, kind: str, **fields: int | str) -> Iterator[float]:
+        """A reserve's or a release's call between ``<kind>-begun`` and ``<kind>-done`` (when
+        it returns or raises): a process killed in it noted no done, and its commit may have
+        landed unrecorded (the replay takes it as unknown). Yields when the call began."""
+        began = time.time()
+        if self.events is None:
+            yield began
+            return
+        self.events.note(f"{kind}-begun", began=began, **fields)
+        try:
+            yield began
+        finally:
+            self.events.note(f"{kind}-done", began=began)
+
     def _hold(self, fdid: int) -> HoldRecord | None:
         with self.registry.read() as tx:
             return tx.hold(fdid)
@@ -70,35 +86,35 @@ class SimFabric(Ledger):
         guest_ram: GuestRam | int = 0,
         msi_over_ntb: bool = False,
     ) -> Reservation:
-        began = time.time()
-        try:
-            made = super().reserve(
-                fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
-            )
-        except RegistryUnreachableError:
+        with self._call("reserve", fdid=fdid, node=holder.node, vm=holder.vm) as began:
+            try:
+                made = super().reserve(
+                    fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
+                )
+            except RegistryUnreachableError:
+                if self.events is not None:
+                    # its commit may have landed all the same (etcd without quorum answers 503
+                    # after applying it): the history says a hold of unknown token may exist
+                    self.events.note("reserve-unknown", fdid=fdid, node=holder.node,
+                                     vm=holder.vm, began=began)
+                raise
+            if not made.created and self._hold_is_spent(fdid, holder):
+                # A release of this hold spent its token at the device and then failed in the
+                # registry (etcd away): the device refuses every step of it, so the VM's own
+                # hold is dead. End it and take a new one (a new token), as after that release.
+                log.info("the hold of %#x for %s was spent by a release that did not land;"
+                         " taking a new one", fdid, holder)
+                self.release(fdid, holder)
+                made = super().reserve(
+                    fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
+                )
             if self.events is not None:
-                # its commit may have landed all the same (etcd without quorum answers 503
-                # after applying it): the history says a hold of unknown token may exist
-                self.events.note("reserve-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
+                # Not created: the VM had the hold, or this call made it and lost the reply (a
+                # re-run then finds it); the replay tells them apart by the token
+                self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
+                                 token=self._token_read_back(fdid, holder), created=made.created,
                                  began=began)
-            raise
-        if not made.created and self._hold_is_spent(fdid, holder):
-            # A release of this hold spent its token at the device and then failed in the
-            # registry (etcd away): the device refuses every step of it, so the VM's own
-            # hold is dead. End it and take a new one (a new token), as after that release.
-            log.info("the hold of %#x for %s was spent by a release that did not land;"
-                     " taking a new one", fdid, holder)
-            self.release(fdid, holder)
-            made = super().reserve(
-                fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
-            )
-        if self.events is not None:
-            # Not created: the VM had the hold, or this call made it and lost the reply (a
-            # re-run then finds it); the replay tells them apart by the token
-            self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
-                             token=self._token_read_back(fdid, holder), created=made.created,
-                             began=began)
-        return made
+            return made
 
     def _token_read_back(self, fdid: int, holder: Holder) -> int:
         """The token of ``holder``'s hold of ``fdid``, read back after its commit (etcd's,
@@ -164,41 +180,57 @@ class SimFabric(Ledger):
 
     def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
         hold = self._hold(fdid) if self.lenders is not None or self.events is not None else None
-        if self.lenders is not None:
-            ours = hold is not None and same_holder(hold.holder, holder)
-            if ours and hold is not None and (expected is None or expected.admits(hold)):
-                # the device before the registry: it never serves a borrow the state ended
-                # and spends its token: an mdev creation that read the hold before this
-                # release (another process's) is refused when it serves it after
-                self.lenders.end(fdid, borrower_of(holder.node, holder.vm), hold.token, spend=True)
-        began = time.time()
-        try:
-            released = super().release(fdid, holder, expected=expected)
-        except RegistryUnreachableError:
-            if self.events is not None and hold is not None and same_holder(hold.holder, holder):
-                # its commit may have landed; its journal lands it later, and that landing's
-                # commit was no sooner than this call began
-                self.events.note("release-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
-                                 token=hold.token, began=began)
-            raise
+        mine = hold if hold is not None and same_holder(hold.holder, holder) else None
+        admitted = mine is not None and (expected is None or expected.admits(mine))
+        if self.lenders is not None and mine is not None and admitted:
+            # the device before the registry: it never serves a borrow the state ended and
+            # spends its token: an mdev creation that read the hold before this release
+            # (another process's) is refused when it serves it after
+            self.lenders.end(fdid, borrower_of(holder.node, holder.vm), mine.token, spend=True)
+        token = mine.token if mine is not None else 0
+        with self._call("release", fdid=fdid, node=holder.node, vm=holder.vm,
+                        token=token) as began:
+            try:
+                released = super().release(fdid, holder, expected=expected)
+            except RegistryUnreachableError:
+                if self.events is not None and mine is not None:
+                    # its commit may have landed; its journal lands it later, and that
+                    # landing's commit was no sooner than this call began
+                    self.events.note("release-unknown", fdid=fdid, node=holder.node,
+                                     vm=holder.vm, token=mine.token, began=began)
+                raise
+            if self.events is not None:
+                self._note_end(fdid, holder, mine, released, expected, began)
+            return released
+
+    def _note_end(
+        self,
+        fdid: int,
+        holder: Holder,
+        mine: HoldRecord | None,
+        released: bool,
+        expected: ExpectedHold | None,
+        began: float,
+    ) -> None:
+        """The events of a release that returned (``mine``: the holder's hold it found)."""
+        assert self.events is not None
         landing = expected is not None
-        if self.events is not None and hold is not None and same_holder(hold.holder, holder):
+        if mine is not None:
             if released and expected is not None and not expected.token:
                 # A pending release that knew no token: its VM's prepare met the registry
                 # away, and its reserve may have committed and lost its reply, noting
                 # nothing. Its hold is noted as made here (as a lost reply; one the history
                 # has seen already is the VM's own, no change), so its end has a beginning.
                 self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
-                                 token=hold.token, created=False)
-            self._note_release(fdid, holder, hold.token, released, landing, began)
-        elif self.events is not None and expected is not None and expected.token:
+                                 token=mine.token, created=False)
+            self._note_release(fdid, holder, mine.token, released, landing, began)
+        elif expected is not None and expected.token:
             # A pending release landing after its first run committed and lost its reply (the
             # registry went away mid-call): that run could note nothing, and here the hold is
             # gone already, the device free or held by another VM since (seed 20 on
             # 2026-11-30: alpha's reserve came 0.1 s before the landing). Its token is the
             # journal's, so the history still shows the end.
             self._note_release(fdid, holder, expected.token, released, landing, began)
-        return released
 
     def _note_release(
         self,

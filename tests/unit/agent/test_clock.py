@@ -82,3 +82,19 @@ def test_the_age_counts_from_the_last_answered_keepalives_send_time():
     now.advance(2)
     clock.renewed(7, sent, 10)
     assert clock.age() == 2
+
+
+def test_a_follow_is_noted_with_when_its_records_moved(tmp_path):
+    """The history places a follow when etcd took its move, not when the agent says so: an
+    agent stopped in between (seed 20, 2026-11-30) says so after its lease ended."""
+    import time
+
+    from tests.support.replay import read_events
+    from vmlend.events import EVENTS_FILE, EventLog
+
+    clock = LeaseClock(time.monotonic, EventLog(tmp_path, "beta"))
+    clock.start(9, 2, time.monotonic(), followed=False)
+    clock.followed(9, time.monotonic() - 3.0)  # moved 3 s ago, stopped past the TTL since
+    follow = [e for e in read_events(tmp_path / EVENTS_FILE) if e.kind == "lease-followed"]
+    assert len(follow) == 1
+    assert abs(follow[0].fields["done"] - (follow[0].t - 3.0)) < 0.5

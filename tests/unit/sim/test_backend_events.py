@@ -8,14 +8,48 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.replay import read_events
+from tests.support.replay import Event, read_events
 from tests.support.simfabric import make_fabric
+from vmlend.errors import DeviceHeldError
 from vmlend.events import EVENTS_ENV, EVENTS_FILE
 from vmlend.registry.records import ExpectedHold
 from vmlend.topology.model import Holder
 from vmlend.wiring.fabric import open_fabric
 
 VM = Holder("gamma", "vm1")
+
+
+def _outcomes(events: Path) -> list[Event]:
+    """The events noted, without the calls' brackets (``-begun``, ``-done``)."""
+    return [e for e in read_events(events / EVENTS_FILE)
+            if not e.kind.endswith(("-begun", "-done"))]
+
+
+def test_every_reserve_and_release_call_is_bracketed_even_one_that_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A process killed in a call notes no ``-done``: the replay then takes the call's commit
+    as possibly landed unrecorded (seed 20, 2026-11-30: alpha's agent was killed between a
+    release's commit and its note). Every call that returns or raises closes its bracket."""
+    events = tmp_path / "events"
+    events.mkdir()
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    fabric = make_fabric(tmp_path / "state.db")
+    fabric.reserve(0x10, VM)
+    token = fabric.holds_of(VM)[0x10].token
+    with pytest.raises(DeviceHeldError):
+        fabric.reserve(0x10, Holder("gamma", "vm2"))
+    assert fabric.release(0x10, VM)
+    noted = [(e.kind, e.fields.get("vm"), e.fields.get("token"))
+             for e in read_events(events / EVENTS_FILE)]
+    assert noted == [
+        ("reserve-begun", "vm1", None), ("reserve", "vm1", token), ("reserve-done", None, None),
+        ("reserve-begun", "vm2", None), ("reserve-done", None, None),
+        ("release-begun", "vm1", token), ("release", "vm1", token), ("release-done", None, None),
+    ]
+    began = [e.fields["began"] for e in read_events(events / EVENTS_FILE) if "-" in e.kind]
+    assert began[0] == began[1] and began[2] == began[3] and began[4] == began[5]
+    fabric.close()
 
 
 @pytest.mark.parametrize("journal_token", [True, False])
@@ -38,7 +72,7 @@ def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
     expected = ExpectedHold(token=token if journal_token else 0, before=1e12)
     assert not fabric.release(0x10, VM, expected=expected)  # the journal lands it
     noted = [(e.kind, e.fields.get("token"), e.fields.get("lost_reply"))
-             for e in read_events(events / EVENTS_FILE)]
+             for e in _outcomes(events)]
     if journal_token:
         assert noted == [("reserve", token, None), ("release", token, True)]
     else:  # no token recorded: nothing to name, and nothing invented
@@ -68,7 +102,7 @@ def test_a_reserve_that_meets_the_registry_away_notes_that_its_outcome_is_unknow
         with pytest.raises(RegistryUnreachableError):
             cut.reserve(0x10, VM)
     noted = [(e.kind, e.fields.get("fdid"), e.fields.get("vm"))
-             for e in read_events(events / EVENTS_FILE)]
+             for e in _outcomes(events)]
     assert noted == [("reserve-unknown", 0x10, "vm1")]
     fabric.close()
 
@@ -95,7 +129,7 @@ def test_a_pending_release_landing_after_another_vm_took_the_device_notes_its_en
         assert not landing.release(0x10, VM, expected=ExpectedHold(token=token, before=1e12))
         assert landing.holds_of(other)[0x10].token > token  # the other VM's hold untouched
     noted = [(e.kind, e.fields.get("vm"), e.fields.get("token"), e.fields.get("lost_reply"))
-             for e in read_events(events / EVENTS_FILE)]
+             for e in _outcomes(events)]
     assert noted == [("release", "vm1", token, True)]
     fabric.close()
 
@@ -118,7 +152,7 @@ def test_a_pending_release_of_a_reserve_whose_reply_was_lost_notes_the_hold_it_e
     with open_fabric(state, "gamma") as landing:
         assert landing.release(0x10, VM, expected=ExpectedHold(before=1e12))
     noted = [(e.kind, e.fields.get("token"), e.fields.get("created"), e.fields.get("lost_reply"))
-             for e in read_events(events / EVENTS_FILE)]
+             for e in _outcomes(events)]
     # the replay takes a reserve not created as this call's own lost reply
     # (tests/unit/sim/test_replay.py), then its release
     assert noted == [("reserve", token, False, None), ("release", token, None, False)]
@@ -162,6 +196,6 @@ def test_a_reserve_whose_lease_ends_before_the_read_back_notes_its_fences_token(
         assert tx.hold(0x10) is None  # the lease took it
         fence = tx.fence(0x10)
     assert fence is not None and fence.token > 0
-    noted = [(e.kind, e.fields.get("token")) for e in read_events(events / EVENTS_FILE)]
+    noted = [(e.kind, e.fields.get("token")) for e in _outcomes(events)]
     assert noted == [("reserve", fence.token)]
     fabric.close()

@@ -40,12 +40,21 @@ class History:
         return self.add("lease-renewed", node, _pid(node), lease=lease, ttl=TTL, sent=self.t)
 
     def crash(self, node: str) -> History:
-        return self.add("crash", node, pid=99)
+        return self.add("crash", node, pid=99, agent=_pid(node))
 
     # the registry, as a hook's process (pid 10+)
     def reserve(self, who: str, fdid: int, token: int, pid: int = 10) -> History:
         node, vm = who.split("/")
         return self.add("reserve", node, pid, fdid=fdid, node=node, vm=vm, token=token)
+
+    def begin(self, what: str, who: str, fdid: int, pid: int = 10, **more: object) -> History:
+        """A reserve's or release's call begins (``began`` the clock's now)."""
+        node, vm = who.split("/")
+        return self.add(f"{what}-begun", node, pid, fdid=fdid, node=node, vm=vm, began=self.t,
+                        **more)
+
+    def done(self, what: str, node: str, began: float, pid: int = 10) -> History:
+        return self.add(f"{what}-done", node, pid, began=began)
 
     def release(self, who: str, fdid: int, token: int, pid: int = 10) -> History:
         node, vm = who.split("/")
@@ -236,11 +245,96 @@ def test_two_holds_on_one_device_without_a_release_or_take_back_are_refused():
     assert "cannot have ended before" in _why(h)
 
 
+def test_a_release_whose_agent_was_killed_before_its_note_may_have_landed():
+    # seed 20, 2026-11-30: alpha's agent spent a2's token, committed the release and was
+    # killed before it noted it; a2's next prepare found no hold
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.8).spend("alpha/a1", 0x10, 5).begin("release", "alpha/a1", 0x10, pid=1, token=5)
+    h.at(0.81).crash("alpha")
+    h.at(1.0).reserve("alpha/a1", 0x10, 6, pid=12)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.unlogged_releases == 1
+
+
+def test_a_release_begun_explains_nothing_unless_its_agent_was_killed_in_it():
+    # the agent lives on: the release's end would have been noted
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.8).begin("release", "alpha/a1", 0x10, pid=1, token=5)
+    h.at(0.81).crash("beta")
+    h.at(1.0).reserve("beta/b1", 0x10, 6, pid=12)
+    assert "cannot have ended before" in _why(h)
+    # the call returned (it found its hold gone, say, and noted nothing), then the kill
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.8).begin("release", "alpha/a1", 0x10, pid=1, token=5).done("release", "alpha", 0.8,
+                                                                      pid=1)
+    h.at(0.9).crash("alpha")
+    h.at(1.0).reserve("beta/b1", 0x10, 6, pid=12)
+    assert "cannot have ended before" in _why(h)
+    # a reserve that came before the release began
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.7).reserve("beta/b1", 0x10, 6, pid=12)
+    h.at(0.8).begin("release", "alpha/a1", 0x10, pid=1, token=5)
+    h.at(0.81).crash("alpha")
+    assert "cannot have ended before" in _why(h)
+
+
+def test_a_reserve_whose_agent_was_killed_before_its_note_may_have_made_a_hold():
+    # its hold (token 7, never noted) is released by the restarted agent's reconcile
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.51).crash("alpha")
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.lost_replies == 1
+    # the same release after a reserve call that ended (it noted done, and no reserve: it
+    # raised) explains nothing
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1).done("reserve", "alpha", 0.5, pid=1)
+    h.at(0.51).crash("alpha")
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    assert "released its hold of 0x10 (token 7), but the hold is None" in _why(h)
+    # nor the release of a hold older than one the history knows
+    h = _two_hosts()
+    h.at(0.4).reserve("beta/b1", 0x11, 9, pid=11)
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.51).crash("alpha")
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    assert "but the hold is None" in _why(h)
+
+
 def test_a_new_hold_on_a_fenced_device_is_refused_even_after_the_lease_ended():
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5).crash("alpha")
     h.at(3.0).reserve("beta/b1", 0x10, 6, pid=11)  # the lease ended, nobody took it back
     assert "0x10 is fenced" in _why(h)
+
+
+def _stopped_before_its_follow_note(done: float | None) -> History:
+    """beta's new agent moves its records and publishes its lease file at 0.01, then is
+    stopped past the TTL (the freeze-start nemesis) and notes the follow at 3.0, after its
+    lender took back the device it re-reserved under that lease."""
+    h = History().up("alpha", 0xA1)
+    h.at(0.0).add("restart", "beta", pid=99)
+    h.at(0.001).add("lease-granted", "beta", 2, lease=0xB1, ttl=TTL, sent=0.001)
+    h.at(0.02).reserve("beta/b1", 0x10, 6, pid=2)
+    h.at(2.5).take_back(0x10, 6)
+    at = {"done": done} if done is not None else {}
+    return h.at(3.0).add("lease-followed", "beta", 2, lease=0xB1, **at)
+
+
+def test_a_follow_noted_after_its_lease_ended_is_placed_when_etcd_took_it():
+    run = replay(_stopped_before_its_follow_note(0.01).events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    # without the time of the move (an agent before it was noted), as refused as before
+    assert "lease 2 of beta is gone" in _why(_stopped_before_its_follow_note(None))
+    # and a move done after the lease ended is refused
+    assert "lease 2 of beta is gone" in _why(_stopped_before_its_follow_note(2.9))
 
 
 def test_a_take_back_before_the_lease_could_end_is_refused():
