@@ -19,11 +19,15 @@ What each event is, in the model:
 - ``reserve`` (the sim backend, once committed, with the hold's token): ``take_hold`` on the
   host's published lease (the lease file's), refused while the device is held or fenced or
   for a token not newer than every earlier one; ``release`` (a release that ended its hold):
-  the hold must be there with that token, then ``end_hold``. ``release-begun`` (the sim
-  backend, just before a release's commit): nothing by itself; but when the process that noted
-  it was killed (the test's ``crash`` names the agent's pid) before it noted how the release
-  ended, its commit may have landed unrecorded: a later reserve of the device finds that hold
-  ended by it (``unlogged_releases``), not by its lease.
+  the hold must be there with that token, then ``end_hold``.
+- ``reserve-begun`` / ``release-begun`` ... ``-done`` (the sim backend brackets each call;
+  ``_cut_short``): a call whose agent was killed in it (the test's ``crash`` names the pid)
+  may have committed unrecorded. Such a release of a hold whose token the device spent ends
+  it, or its fence, when a later reserve of the device needs them gone
+  (``unlogged_releases``), unless the hold shows up alive after. Such a reserve, like a
+  ``reserve-unknown``, is added as made when a release of a token no reserve noted, by that
+  VM on that device, comes after (``with_lost_reserves``; ``unlogged_reserves``), at the
+  latest its commit could be; it then takes its hold as any reserve does.
 - ``serve`` / ``end`` / ``take-back`` (the lender register, in the device's order):
   ``open_mdev`` / ``give_back`` (``spend`` for a release) / ``take_back`` with the fence's
   token. After each, what the device says (its token, its retired token, whom it serves)
@@ -55,11 +59,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tests.support.agent_model import Device, Host, Model, Refused, State, Vm, get, put
+from tests.support.agent_model import Device, Host, Model, Refused, State, Vm, drop, get, put
 
 #: The register's ``serve``, ``end``, ``take-back``: events of the device.
 DEVICE_KINDS = ("serve", "end", "take-back")
@@ -170,7 +174,9 @@ def ordered(events: Iterable[Event]) -> list[Event]:
             return (when[id(e)], 0, int(e.fields.get("token") or 0), e.kind == "release", 0)
         return (when[id(e)], 1, 0, 0, 0)
 
-    return sorted(evs, key=key)
+    # a reserve noted by nobody (``with_lost_reserves``) happens where it is placed
+    return [replace(e, t=when[id(e)]) if e.fields.get("unlogged") else e
+            for e in sorted(evs, key=key)]
 
 
 def _at(e: Event) -> float:
@@ -218,9 +224,11 @@ class Replay:
     #: keepalives answered after the lease they renewed had ended (sent more than a TTL
     #: before the answer): no time given, nothing follows from them
     late_answers: int = 0
-    #: holds a later reserve found gone whose release began in an agent killed before it
-    #: noted the release's end (its commit landed, its note did not)
+    #: holds (or fences) a later reserve found gone whose release began in an agent killed
+    #: before it noted the release's end (its commit landed, its note did not)
     unlogged_releases: int = 0
+    #: reserves added as made from the release of their hold (``with_lost_reserves``)
+    unlogged_reserves: int = 0
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
@@ -231,29 +239,75 @@ class Replay:
                 f" model does, {self.lost_replies} commit(s) whose reply was lost,"
                 f" {self.late_renewals} renewal(s) more than a TTL after the last,"
                 f" {self.late_answers} answered after their lease ended,"
-                f" {self.unlogged_releases} release(s) whose killed agent noted no end")
+                f" {self.unlogged_releases} release(s) and {self.unlogged_reserves} reserve(s)"
+                f" noted by nobody (their agent killed, or the registry away)")
 
 
 def _vm(node: str, vm: str) -> str:
     return f"{node}/{vm}"
 
 
-def _cut_short(events: Iterable[Event]) -> set[tuple[int, float, int]]:
+def _call_key(e: Event) -> tuple[int, str, str]:
+    """A bracketed call: its process, reserve or release, its id (the time it began in a
+    history written before calls had ids)."""
+    what = e.kind.rpartition("-")[0]
+    return e.pid, what, str(e.fields.get("call") or e.fields.get("began"))
+
+
+def _cut_short(events: Iterable[Event]) -> dict[tuple[int, float, int], float]:
     """The reserves and releases (``reserve-begun``, ``release-begun``) of an agent killed in
-    the call (a ``crash`` names its pid; the call noted no ``-done``): each may have committed
-    between its beginning and the kill, unrecorded. As (pid, t, seq) of their begun events."""
-    killed = {int(e.fields["agent"]) for e in events if e.kind == "crash" and "agent" in e.fields}
-    open_calls: dict[tuple[int, str, float], list[Event]] = {}
+    the call (a later ``crash`` names its pid; the call noted no ``-done``): each may have
+    committed between its beginning and the kill, unrecorded. Their begun events, as (pid,
+    t, seq), with the time of the kill."""
+    kills: dict[int, list[float]] = {}
+    for e in events:
+        if e.kind == "crash" and "agent" in e.fields:
+            kills.setdefault(int(e.fields["agent"]), []).append(e.t)
+    open_calls: dict[tuple[int, str, str], Event] = {}
     for e in events:
         what, _, phase = e.kind.rpartition("-")
-        if what not in ("reserve", "release") or e.pid not in killed:
+        if what not in ("reserve", "release") or e.pid not in kills:
             continue
-        key = (e.pid, what, float(e.fields["began"]))
         if phase == "begun":
-            open_calls.setdefault(key, []).append(e)
-        elif phase == "done" and open_calls.get(key):
-            open_calls[key].pop()
-    return {(e.pid, e.t, e.seq) for calls in open_calls.values() for e in calls}
+            open_calls[_call_key(e)] = e
+        elif phase == "done":
+            open_calls.pop(_call_key(e), None)
+    out = {}
+    for e in open_calls.values():
+        after = [t for t in kills[e.pid] if t >= e.t]  # a pid used again: its own kill
+        if after:
+            out[(e.pid, e.t, e.seq)] = min(after)
+    return out
+
+
+def with_lost_reserves(events: list[Event]) -> list[Event]:
+    """``events`` with a ``reserve`` added for each release of a token no reserve noted, by a
+    VM whose reserve of that device may have committed unrecorded (cut short by its agent's
+    kill, or ``reserve-unknown``: it met the registry away) before the release: made at the
+    latest it could have been (the kill, the raise), so that ``ordered`` places it by its
+    token and ``take_hold`` checks it as any reserve."""
+    cut = _cut_short(events)
+    pending = [(e, cut[(e.pid, e.t, e.seq)]) for e in events
+               if e.kind == "reserve-begun" and (e.pid, e.t, e.seq) in cut]
+    pending += [(e, e.t) for e in events if e.kind == "reserve-unknown"]
+    known = {(e.fdid, int(e.fields.get("token") or 0)) for e in events if e.kind == "reserve"}
+    out = list(events)
+    for rel in sorted((e for e in events if e.kind == "release"), key=lambda e: e.t):
+        token = int(rel.fields.get("token") or 0)
+        if not token or (rel.fdid, token) in known:
+            continue
+        fits = [(b, latest) for b, latest in pending
+                if (b.fdid, b.node, b.fields.get("vm")) == (rel.fdid, rel.node, rel.fields["vm"])
+                and latest <= rel.t]
+        if not fits:
+            continue
+        b, latest = max(fits, key=lambda x: x[1])
+        pending.remove((b, latest))
+        known.add((rel.fdid, token))
+        made = {"fdid": rel.fdid, "node": b.node, "vm": b.fields["vm"], "token": token,
+                "created": True, "began": float(b.fields.get("began", b.t)), "unlogged": True}
+        out.append(Event(latest, b.pid, b.seq, b.actor, "reserve", made, b.line))
+    return out
 
 
 class Replayer:
@@ -269,10 +323,10 @@ class Replayer:
         #: when the replay ended each lease (``_end``)
         self.ended_at: dict[int, float] = {}
         self.orphans: list[tuple[Event, frozenset[str]]] = []
-        #: the calls of killed agents that noted no end (``_cut_short``), and per (device,
-        #: token) the releases among them the replay has reached: each may have committed
+        #: the calls of killed agents that noted no end (``_cut_short``), and the (device,
+        #: token) of the releases among them the replay has reached: each may have committed
         self.cut_short = _cut_short(events)
-        self.released_maybe: dict[tuple[int, int], Event] = {}
+        self.released_maybe: set[tuple[int, int]] = set()
         nodes: set[str] = set()
         vms: dict[str, str] = {}
         fdids: set[int] = set()
@@ -439,18 +493,36 @@ class Replayer:
         held = get(s.holds, fdid)
         if not e.fields.get("created", True):
             if held is not None and (held.vm, held.token) == (vm, token):
+                self.released_maybe.discard((fdid, token))  # alive after the kill
                 return s  # the VM had it
             self.result.lost_replies += 1  # this call made it; its reply was lost
+        if e.fields.get("unlogged"):
+            if e.t < float(e.fields["began"]):
+                raise Refused(f"{vm}'s reserve of {fdid:#x} noted by nobody (token {token}) would"
+                              f" have committed at {e.t:.3f}, before its call began"
+                              f" ({float(e.fields['began']):.3f})")
+            self.result.unlogged_reserves += 1
+        fence = get(s.fences, fdid)
         if held is not None:
-            if self.released_maybe.pop((fdid, held.token), None) is not None:
-                # its release's agent was killed after the commit, before the note
-                self.result.unlogged_releases += 1
+            if self._released_unlogged(s, fdid, held.token):
                 s = self.model.end_hold(s, fdid)
             else:
                 why = f"{fdid:#x} is held by {held.vm} (token {held.token})"
                 s = self._end(s, held.lease, why)
+        elif fence is not None and self._released_unlogged(s, fdid, fence):
+            s = s._replace(fences=drop(s.fences, fdid))  # the hold had gone with its lease
         h = self.model.host(s, e.node)
         return self.model.take_hold(s, vm, fdid, token, h.lease_file)
+
+    def _released_unlogged(self, s: State, fdid: int, token: int) -> bool:
+        """Whether the hold ``token`` of ``fdid`` was ended by a release whose agent was
+        killed after its commit, before its note: one began (cut short) and spent the token
+        at the device first, as every release that can end its hold does."""
+        if (fdid, token) not in self.released_maybe or self.model.device(s, fdid).retired < token:
+            return False
+        self.released_maybe.discard((fdid, token))
+        self.result.unlogged_releases += 1
+        return True
 
     def on_reserve_begun(self, s: State, e: Event) -> State:
         """A reserve's call began; cut short by its agent's kill, it is a reserve whose
@@ -464,7 +536,7 @@ class Replayer:
         landed: a later reserve of the device may find that hold ended (``on_reserve``)."""
         token = int(e.fields.get("token") or 0)
         if (e.pid, e.t, e.seq) in self.cut_short and token:
-            self.released_maybe[(int(e.fields["fdid"]), token)] = e
+            self.released_maybe.add((int(e.fields["fdid"]), token))
         return s
 
     def on_reserve_done(self, s: State, e: Event) -> State:
@@ -472,16 +544,6 @@ class Replayer:
 
     def on_release_done(self, s: State, e: Event) -> State:
         return s
-
-    def _cut_short_reserve(self, s: State, fdid: int, vm: str, token: int) -> bool:
-        """Whether a release of a hold the history never saw made (``token`` newer than every
-        one it knows) is the end of ``vm``'s reserve whose commit may have landed unrecorded
-        (``unknown``: its call met the registry away, or its agent was killed in it)."""
-        if token <= s.issued or (fdid, vm) not in self.unknown:
-            return False
-        del self.unknown[(fdid, vm)]
-        self.result.lost_replies += 1
-        return True
 
     def on_reserve_unknown(self, s: State, e: Event) -> State:
         """A reserve that met the registry away and raised (``began`` when its call did): its
@@ -525,8 +587,6 @@ class Replayer:
         fdid, token = int(e.fields["fdid"]), int(e.fields["token"])
         held = get(s.holds, fdid)
         vm = _vm(e.node, str(e.fields["vm"]))
-        if held is None and token and self._cut_short_reserve(s, fdid, vm, token):
-            return s._replace(issued=token)
         if token:
             self.unknown.pop((fdid, vm), None)  # the VM's hold shows up: no unknown pending
         if e.fields.get("lost_reply"):
@@ -629,8 +689,9 @@ class Replayer:
 
 
 def replay(events: Iterable[Event], ttl: float | None = None) -> Replay:
-    """``events`` in order (``ordered``) through the model; the first refusal ends it."""
-    evs = ordered(events)
+    """``events`` (with ``with_lost_reserves``) in order (``ordered``) through the model; the
+    first refusal ends it."""
+    evs = ordered(with_lost_reserves(list(events)))
     return Replayer(evs, ttl).run(evs)
 
 

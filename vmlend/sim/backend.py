@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 from vmlend.errors import (
@@ -62,17 +63,19 @@ class SimFabric(Ledger):
     @contextlib.contextmanager
     def _call(self, kind: str, **fields: int | str) -> Iterator[float]:
         """A reserve's or a release's call between ``<kind>-begun`` and ``<kind>-done`` (when
-        it returns or raises): a process killed in it noted no done, and its commit may have
-        landed unrecorded (the replay takes it as unknown). Yields when the call began."""
+        it returns or raises), both naming the ``call``: a process killed in it noted no done,
+        and its commit may have landed unrecorded (the replay's ``_cut_short``). Yields when
+        the call began."""
         began = time.time()
         if self.events is None:
             yield began
             return
-        self.events.note(f"{kind}-begun", began=began, **fields)
+        call = uuid.uuid4().hex[:16]  # two threads' calls may begin at one clock reading
+        self.events.note(f"{kind}-begun", began=began, call=call, **fields)
         try:
             yield began
         finally:
-            self.events.note(f"{kind}-done", began=began)
+            self.events.note(f"{kind}-done", began=began, call=call)
 
     def _hold(self, fdid: int) -> HoldRecord | None:
         with self.registry.read() as tx:
@@ -187,7 +190,8 @@ class SimFabric(Ledger):
             # spends its token: an mdev creation that read the hold before this release
             # (another process's) is refused when it serves it after
             self.lenders.end(fdid, borrower_of(holder.node, holder.vm), mine.token, spend=True)
-        token = mine.token if mine is not None else 0
+        # a release its expected hold does not admit ends nothing: no token to name
+        token = mine.token if mine is not None and admitted else 0
         with self._call("release", fdid=fdid, node=holder.node, vm=holder.vm,
                         token=token) as began:
             try:

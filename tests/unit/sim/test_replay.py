@@ -48,13 +48,21 @@ class History:
         return self.add("reserve", node, pid, fdid=fdid, node=node, vm=vm, token=token)
 
     def begin(self, what: str, who: str, fdid: int, pid: int = 10, **more: object) -> History:
-        """A reserve's or release's call begins (``began`` the clock's now)."""
+        """A reserve's or release's call begins (``began`` the clock's now; ``call=`` its id)."""
         node, vm = who.split("/")
         return self.add(f"{what}-begun", node, pid, fdid=fdid, node=node, vm=vm, began=self.t,
                         **more)
 
-    def done(self, what: str, node: str, began: float, pid: int = 10) -> History:
-        return self.add(f"{what}-done", node, pid, began=began)
+    def done(self, what: str, node: str, began: float, pid: int = 10, **more: object) -> History:
+        return self.add(f"{what}-done", node, pid, began=began, **more)
+
+    def killed_in_release(self, who: str, fdid: int, token: int) -> History:
+        """``who``'s agent spends ``token``, begins the release, is killed (after its commit,
+        before its note)."""
+        node = who.split("/")[0]
+        self.spend(who, fdid, token).begin("release", who, fdid, pid=_pid(node), token=token)
+        self.t += 0.01
+        return self.crash(node)
 
     def release(self, who: str, fdid: int, token: int, pid: int = 10) -> History:
         node, vm = who.split("/")
@@ -246,13 +254,24 @@ def test_two_holds_on_one_device_without_a_release_or_take_back_are_refused():
 
 
 def test_a_release_whose_agent_was_killed_before_its_note_may_have_landed():
-    # seed 20, 2026-11-30: alpha's agent spent a2's token, committed the release and was
-    # killed before it noted it; a2's next prepare found no hold
+    # seed 20, 2026-11-30: alpha's agent spent a1's token, committed the release and was
+    # killed before it noted it; a1's next prepare found no hold
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
-    h.at(0.8).spend("alpha/a1", 0x10, 5).begin("release", "alpha/a1", 0x10, pid=1, token=5)
-    h.at(0.81).crash("alpha")
+    h.at(0.8).killed_in_release("alpha/a1", 0x10, 5)
     h.at(1.0).reserve("alpha/a1", 0x10, 6, pid=12)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.unlogged_releases == 1
+    # killed late (restarted after its lease ended): the hold went with the lease, the fence
+    # with the release, and a2's reserve finds the device free
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.8).killed_in_release("alpha/a1", 0x10, 5)
+    h.at(3.8).add("restart", "alpha", pid=99)
+    h.at(3.81).add("lease-granted", "alpha", 4, lease=0xA2, ttl=TTL, sent=3.81)
+    h.at(3.82).add("lease-followed", "alpha", 4, lease=0xA2)
+    h.at(4.0).reserve("alpha/a2", 0x10, 6, pid=12)
     run = replay(h.events, ttl=TTL)
     assert run.refusal is None, run.refusal.describe()
     assert run.unlogged_releases == 1
@@ -262,15 +281,15 @@ def test_a_release_begun_explains_nothing_unless_its_agent_was_killed_in_it():
     # the agent lives on: the release's end would have been noted
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
-    h.at(0.8).begin("release", "alpha/a1", 0x10, pid=1, token=5)
+    h.at(0.8).spend("alpha/a1", 0x10, 5).begin("release", "alpha/a1", 0x10, pid=1, token=5)
     h.at(0.81).crash("beta")
     h.at(1.0).reserve("beta/b1", 0x10, 6, pid=12)
     assert "cannot have ended before" in _why(h)
     # the call returned (it found its hold gone, say, and noted nothing), then the kill
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
-    h.at(0.8).begin("release", "alpha/a1", 0x10, pid=1, token=5).done("release", "alpha", 0.8,
-                                                                      pid=1)
+    h.at(0.8).spend("alpha/a1", 0x10, 5).begin("release", "alpha/a1", 0x10, pid=1, token=5)
+    h.done("release", "alpha", 0.8, pid=1)
     h.at(0.9).crash("alpha")
     h.at(1.0).reserve("beta/b1", 0x10, 6, pid=12)
     assert "cannot have ended before" in _why(h)
@@ -278,20 +297,55 @@ def test_a_release_begun_explains_nothing_unless_its_agent_was_killed_in_it():
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
     h.at(0.7).reserve("beta/b1", 0x10, 6, pid=12)
+    h.at(0.8).killed_in_release("alpha/a1", 0x10, 5)
+    assert "cannot have ended before" in _why(h)
+    # a release that spent no token could not end the hold (its expected hold was another)
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
     h.at(0.8).begin("release", "alpha/a1", 0x10, pid=1, token=5)
     h.at(0.81).crash("alpha")
+    h.at(1.0).reserve("beta/b1", 0x10, 6, pid=11)
+    assert "cannot have ended before" in _why(h)
+    # the hold showed up alive after the kill: the release did not land
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.8).killed_in_release("alpha/a1", 0x10, 5)
+    h.at(0.9).add("restart", "alpha", pid=99)
+    h.at(0.91).add("lease-adopted", "alpha", 4, lease=0xA1, ttl=TTL, sent=0.91)
+    h.at(0.92).add("lease-followed", "alpha", 4, lease=0xA1)
+    h.at(1.0).add("reserve", "alpha", 12, fdid=0x10, node="alpha", vm="a1", token=5,
+                  created=False)
+    h.at(1.2).reserve("beta/b1", 0x10, 6, pid=11)
     assert "cannot have ended before" in _why(h)
 
 
+def test_calls_are_told_apart_by_their_ids_not_their_clock_readings():
+    # two threads of alpha's agent begin releases at one clock reading; a2's returns, a1's
+    # is cut short after its commit
+    h = _two_hosts()
+    h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1).reserve("alpha/a2", 0x11, 6, pid=1)
+    h.at(0.8).spend("alpha/a2", 0x11, 6).spend("alpha/a1", 0x10, 5)
+    h.begin("release", "alpha/a2", 0x11, pid=1, token=6, call="c2")
+    h.begin("release", "alpha/a1", 0x10, pid=1, token=5, call="c1")
+    h.at(0.805).release("alpha/a2", 0x11, 6, pid=1).done("release", "alpha", 0.8, pid=1,
+                                                          call="c2")
+    h.at(0.81).crash("alpha")
+    h.at(1.0).reserve("beta/b1", 0x10, 7, pid=11)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+
+
 def test_a_reserve_whose_agent_was_killed_before_its_note_may_have_made_a_hold():
-    # its hold (token 7, never noted) is released by the restarted agent's reconcile
+    # its hold (token 7, never noted) is released by the restarted agent's reconcile, after
+    # another host's reserve (token 8) of another device
     h = _two_hosts()
     h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
     h.at(0.51).crash("alpha")
+    h.at(0.6).reserve("beta/b1", 0x11, 8, pid=11)
     h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
     run = replay(h.events, ttl=TTL)
     assert run.refusal is None, run.refusal.describe()
-    assert run.lost_replies == 1
+    assert run.unlogged_reserves == 1
     # the same release after a reserve call that ended (it noted done, and no reserve: it
     # raised) explains nothing
     h = _two_hosts()
@@ -299,20 +353,33 @@ def test_a_reserve_whose_agent_was_killed_before_its_note_may_have_made_a_hold()
     h.at(0.51).crash("alpha")
     h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
     assert "released its hold of 0x10 (token 7), but the hold is None" in _why(h)
-    # nor the release of a hold older than one the history knows
+    # nor the release of a hold older than one noted before the call began
     h = _two_hosts()
     h.at(0.4).reserve("beta/b1", 0x11, 9, pid=11)
     h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
     h.at(0.51).crash("alpha")
     h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
-    assert "but the hold is None" in _why(h)
+    assert "before its call began" in _why(h)
 
 
-def test_a_new_hold_on_a_fenced_device_is_refused_even_after_the_lease_ended():
+def test_a_reserve_noted_by_nobody_is_checked_as_any_reserve():
+    # on a fenced device (beta's hold ended with its lease, nobody took it back)
     h = _two_hosts()
-    h.at(0.5).reserve("alpha/a1", 0x10, 5).crash("alpha")
-    h.at(3.0).reserve("beta/b1", 0x10, 6, pid=11)  # the lease ended, nobody took it back
+    h.at(0.5).reserve("beta/b1", 0x10, 5, pid=11)
+    h.at(2.5).add("lease-lost", "beta", 2, lease=0xB1)
+    h.at(2.6).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(2.61).crash("alpha")
+    h.at(2.8).release("alpha/a1", 0x10, 7, pid=12)
     assert "0x10 is fenced" in _why(h)
+    # while another hold lived: token 7 > 6 committed after b1's (noted at 0.52), and b1's
+    # release began at 0.6 (both held 0x10 between)
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.51).crash("alpha")
+    h.at(0.52).reserve("beta/b1", 0x10, 6, pid=11)
+    h.at(0.7).add("release", "beta", 11, fdid=0x10, node="beta", vm="b1", token=6, began=0.6)
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    assert "cannot have ended before" in _why(h)
 
 
 def _stopped_before_its_follow_note(done: float | None) -> History:
