@@ -127,6 +127,8 @@ ETCD_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_ETCD_EXAMPLES", "100"))
 ETCD_STEPS = int(os.environ.get("VMLEND_STATEFUL_ETCD_STEPS", "40"))
 #: On ``TIGHT_TOPOLOGY`` (marked slow), of up to ``STEPS`` steps.
 TIGHT_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_TIGHT_EXAMPLES", "100"))
+#: On ``SHARED_ENTRY_TOPOLOGY`` on etcd (marked slow), of up to ``ETCD_STEPS`` steps.
+SHARED_ETCD_EXAMPLES = int(os.environ.get("VMLEND_STATEFUL_SHARED_ETCD_EXAMPLES", "100"))
 
 _GPU = """
   kind = "gpu"
@@ -1372,6 +1374,26 @@ class FabricOnEtcd(FabricMachine):
         ledgers_agree_with_blocks(self.url)
 
 
+#: The cluster with beta's NIC (0x21) a second function of its GPU's device (0x20), and one
+#: requester entry per port of ``sw``: VMs that borrow one function each share the device's
+#: entry on every port on the way, which admission counts once and each VM's units count for
+#: itself, so the units on such a port run beyond its capacity.
+SHARED_ENTRY_TOPOLOGY = TOPOLOGY.replace(
+    'fdid = 0x21\n  bdf = "0000:43:00.0"', 'fdid = 0x21\n  bdf = "0000:41:00.1"'
+).replace('name = "sw"\nports', 'name = "sw"\nrequester_entries = 1\nports')
+assert SHARED_ENTRY_TOPOLOGY.count("0000:41:00.1") == 1
+assert SHARED_ENTRY_TOPOLOGY.count("requester_entries = 1") == 1
+
+
+class FabricSharedEntryOnEtcd(FabricOnEtcd):
+    """The etcd machine on ``SHARED_ENTRY_TOPOLOGY``: with 0x20 and 0x21 in two VMs, beta's
+    port holds two units for its one entry, one beyond its capacity, and every take on that
+    port is then decided on the port as a whole (``EtcdTxn._take_units``, ``_beyond``),
+    under the same checks after every step."""
+
+    topology = SHARED_ENTRY_TOPOLOGY
+
+
 @pytest.fixture
 def etcd_for_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A private etcd and a host root with a published agent lease, for ``FabricOnEtcd`` (one
@@ -1393,6 +1415,7 @@ FabricMachine.TestCase.settings = derandomized(MAX_EXAMPLES, STEPS)
 FabricSmoke.TestCase.settings = derandomized(SMOKE_EXAMPLES, SMOKE_STEPS)
 FabricOnEtcd.TestCase.settings = derandomized(ETCD_EXAMPLES, ETCD_STEPS)
 FabricTightPorts.TestCase.settings = derandomized(TIGHT_EXAMPLES, STEPS)
+FabricSharedEntryOnEtcd.TestCase.settings = derandomized(SHARED_ETCD_EXAMPLES, ETCD_STEPS)
 FabricTightPortsSmoke.TestCase.settings = derandomized(SMOKE_EXAMPLES, SMOKE_STEPS)
 test_fabric_state_machine = pytest.mark.slow(FabricMachine.TestCase)
 test_fabric_state_machine_smoke = FabricSmoke.TestCase
@@ -1400,4 +1423,9 @@ test_fabric_state_machine_tight_ports = pytest.mark.slow(FabricTightPorts.TestCa
 test_fabric_state_machine_tight_ports_smoke = FabricTightPortsSmoke.TestCase
 test_fabric_state_machine_on_etcd = pytest.mark.slow(
     pytest.mark.daemon(pytest.mark.usefixtures("etcd_for_the_machine")(FabricOnEtcd.TestCase))
+)
+test_fabric_state_machine_shared_entry_on_etcd = pytest.mark.slow(
+    pytest.mark.daemon(
+        pytest.mark.usefixtures("etcd_for_the_machine")(FabricSharedEntryOnEtcd.TestCase)
+    )
 )
