@@ -82,7 +82,13 @@ from vmlend.domain import (
     new_domain,
     read_domain,
 )
-from vmlend.errors import BorrowTeardownError, DmaFault, StaleTokenError, VmlendError
+from vmlend.errors import (
+    BorrowTeardownError,
+    DmaFault,
+    StaleTokenError,
+    StateError,
+    VmlendError,
+)
 from vmlend.hook.actionlog import NullLog
 from vmlend.hook.ops import HookOps
 from vmlend.ledger import handover
@@ -260,6 +266,15 @@ picks = st.integers(min_value=0, max_value=len(DEVICES) - 1)
 devices = st.sampled_from(DEVICES)
 
 
+def _caused_by(e: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``e`` or an error it was raised from (the hook wraps its causes) is a ``kind``."""
+    while e is not None:
+        if isinstance(e, kind):
+            return True
+        e = e.__cause__
+    return False
+
+
 def vm_xml(name: str, fdids: tuple[int, ...], share: bool, paths: int = 1) -> bytes:
     requests = [DeviceRequest(f) for f in fdids]
     if share:
@@ -408,6 +423,9 @@ class FabricMachine(RuleBasedStateMachine):
         try:
             self.c.prepare(xml, node)
         except VmlendError as e:
+            # refused by admission or a held device, never by the state itself (a take of
+            # units that left a claim without its block, say)
+            assert not _caused_by(e, StateError), f"start refused by the state: {e}"
             self.c.release(xml, node)  # what libvirt runs after a failed prepare
             full = "requester table is full" in str(e)
             event("start: refused, a switch port full" if full else "start: refused")
