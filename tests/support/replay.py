@@ -254,11 +254,16 @@ def _call_key(e: Event) -> tuple[int, str, str]:
     return e.pid, what, str(e.fields.get("call") or e.fields.get("began"))
 
 
+def _ident(e: Event) -> tuple[int, float, int]:
+    """An event of the file as itself (events of one process never share time and seq)."""
+    return e.pid, e.t, e.seq
+
+
 def _cut_short(events: Iterable[Event]) -> dict[tuple[int, float, int], float]:
     """The reserves and releases (``reserve-begun``, ``release-begun``) of an agent killed in
     the call (a later ``crash`` names its pid; the call noted no ``-done``): each may have
-    committed between its beginning and the kill, unrecorded. Their begun events, as (pid,
-    t, seq), with the time of the kill."""
+    committed between its beginning and the kill, unrecorded. Their begun events
+    (``_ident``), with the time of the kill."""
     kills: dict[int, list[float]] = {}
     for e in events:
         if e.kind == "crash" and "agent" in e.fields:
@@ -276,7 +281,7 @@ def _cut_short(events: Iterable[Event]) -> dict[tuple[int, float, int], float]:
     for e in open_calls.values():
         after = [t for t in kills[e.pid] if t >= e.t]  # a pid used again: its own kill
         if after:
-            out[(e.pid, e.t, e.seq)] = min(after)
+            out[_ident(e)] = min(after)
     return out
 
 
@@ -287,8 +292,8 @@ def with_lost_reserves(events: list[Event]) -> list[Event]:
     latest it could have been (the kill, the raise), so that ``ordered`` places it by its
     token and ``take_hold`` checks it as any reserve."""
     cut = _cut_short(events)
-    pending = [(e, cut[(e.pid, e.t, e.seq)]) for e in events
-               if e.kind == "reserve-begun" and (e.pid, e.t, e.seq) in cut]
+    pending = [(e, cut[_ident(e)]) for e in events
+               if e.kind == "reserve-begun" and _ident(e) in cut]
     pending += [(e, e.t) for e in events if e.kind == "reserve-unknown"]
     known = {(e.fdid, int(e.fields.get("token") or 0)) for e in events if e.kind == "reserve"}
     out = list(events)
@@ -527,7 +532,7 @@ class Replayer:
     def on_reserve_begun(self, s: State, e: Event) -> State:
         """A reserve's call began; cut short by its agent's kill, it is a reserve whose
         commit may have landed, its token unknown (as ``reserve-unknown``)."""
-        if (e.pid, e.t, e.seq) in self.cut_short:
+        if _ident(e) in self.cut_short:
             return self.on_reserve_unknown(s, e)
         return s
 
@@ -535,7 +540,7 @@ class Replayer:
         """A release's call began; cut short by its agent's kill, its commit may have
         landed: a later reserve of the device may find that hold ended (``on_reserve``)."""
         token = int(e.fields.get("token") or 0)
-        if (e.pid, e.t, e.seq) in self.cut_short and token:
+        if _ident(e) in self.cut_short and token:
             self.released_maybe.add((int(e.fields["fdid"]), token))
         return s
 
