@@ -29,11 +29,15 @@ class History:
         return self
 
     # the agent's lease (pid per node), the test's kills
-    def up(self, node: str, lease: int) -> History:
-        pid = _pid(node)
+    def up(self, node: str, lease: int, pid: int | None = None, *, adopted: bool = False
+           ) -> History:
+        """The test starts ``node``'s agent (``pid``: a restarted one's own), which takes
+        ``lease`` (or adopts its lease file's) and moves its records onto it."""
+        pid = _pid(node) if pid is None else pid
         self.add("restart", node, pid=99)
         self.t += 0.001  # the agent runs after the test started it
-        self.add("lease-granted", node, pid, lease=lease, ttl=TTL, sent=self.t)
+        kind = "lease-adopted" if adopted else "lease-granted"
+        self.add(kind, node, pid, lease=lease, ttl=TTL, sent=self.t)
         return self.add("lease-followed", node, pid, lease=lease)
 
     def renew(self, node: str, lease: int) -> History:
@@ -268,9 +272,7 @@ def test_a_release_whose_agent_was_killed_before_its_note_may_have_landed():
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
     h.at(0.8).killed_in_release("alpha/a1", 0x10, 5)
-    h.at(3.8).add("restart", "alpha", pid=99)
-    h.at(3.81).add("lease-granted", "alpha", 4, lease=0xA2, ttl=TTL, sent=3.81)
-    h.at(3.82).add("lease-followed", "alpha", 4, lease=0xA2)
+    h.at(3.8).up("alpha", 0xA2, pid=4)
     h.at(4.0).reserve("alpha/a2", 0x10, 6, pid=12)
     run = replay(h.events, ttl=TTL)
     assert run.refusal is None, run.refusal.describe()
@@ -310,9 +312,7 @@ def test_a_release_begun_explains_nothing_unless_its_agent_was_killed_in_it():
     h = _two_hosts()
     h.at(0.5).reserve("alpha/a1", 0x10, 5, pid=1)
     h.at(0.8).killed_in_release("alpha/a1", 0x10, 5)
-    h.at(0.9).add("restart", "alpha", pid=99)
-    h.at(0.91).add("lease-adopted", "alpha", 4, lease=0xA1, ttl=TTL, sent=0.91)
-    h.at(0.92).add("lease-followed", "alpha", 4, lease=0xA1)
+    h.at(0.9).up("alpha", 0xA1, pid=4, adopted=True)
     h.at(1.0).add("reserve", "alpha", 12, fdid=0x10, node="alpha", vm="a1", token=5,
                   created=False)
     h.at(1.2).reserve("beta/b1", 0x10, 6, pid=11)
