@@ -184,14 +184,14 @@ class SimFabric(Ledger):
     def release(self, fdid: int, holder: Holder, *, expected: ExpectedHold | None = None) -> bool:
         hold = self._hold(fdid) if self.lenders is not None or self.events is not None else None
         mine = hold if hold is not None and same_holder(hold.holder, holder) else None
-        admitted = mine is not None and (expected is None or expected.admits(mine))
-        if self.lenders is not None and mine is not None and admitted:
+        # what this release ends: not a hold its expected hold does not admit
+        ends = mine if mine is not None and (expected is None or expected.admits(mine)) else None
+        if self.lenders is not None and ends is not None:
             # the device before the registry: it never serves a borrow the state ended and
             # spends its token: an mdev creation that read the hold before this release
             # (another process's) is refused when it serves it after
-            self.lenders.end(fdid, borrower_of(holder.node, holder.vm), mine.token, spend=True)
-        # a release its expected hold does not admit ends nothing: no token to name
-        token = mine.token if mine is not None and admitted else 0
+            self.lenders.end(fdid, borrower_of(holder.node, holder.vm), ends.token, spend=True)
+        token = ends.token if ends is not None else 0
         with self._call("release", fdid=fdid, node=holder.node, vm=holder.vm,
                         token=token) as began:
             try:
