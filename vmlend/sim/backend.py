@@ -30,6 +30,7 @@ from vmlend.errors import (
     VmlendError,
 )
 from vmlend.events import EventLog
+from vmlend.faults import fault_point
 from vmlend.ledger.ledger import MDEV_TYPE, BorrowHardware, Ledger, parent_name
 from vmlend.registry import FenceRecord, Registry, same_holder
 from vmlend.registry.records import ExpectedHold, HoldRecord
@@ -101,6 +102,7 @@ class SimFabric(Ledger):
                     self.events.note("reserve-unknown", fdid=fdid, node=holder.node,
                                      vm=holder.vm, began=began)
                 raise
+            fault_point("reserve:after-commit")  # killed here, nothing notes the hold
             if not made.created and self._hold_is_spent(fdid, holder):
                 # A release of this hold spent its token at the device and then failed in the
                 # registry (etcd away): the device refuses every step of it, so the VM's own
@@ -203,6 +205,7 @@ class SimFabric(Ledger):
                     self.events.note("release-unknown", fdid=fdid, node=holder.node,
                                      vm=holder.vm, token=mine.token, began=began)
                 raise
+            fault_point("release:after-commit")  # killed here, nothing notes the end
             if self.events is not None:
                 self._note_end(fdid, holder, mine, released, expected, began)
             return released
