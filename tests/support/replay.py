@@ -289,8 +289,10 @@ def with_lost_reserves(events: list[Event]) -> list[Event]:
     """``events`` with a ``reserve`` added for each release of a token no reserve noted, by a
     VM whose reserve of that device may have committed unrecorded (cut short by its agent's
     kill, or ``reserve-unknown``: it met the registry away) before the release: made at the
-    latest it could have been (the kill, the raise), so that ``ordered`` places it by its
-    token and ``take_hold`` checks it as any reserve."""
+    latest it could have been (the kill, the raise, or the release that names its token if
+    that came first: a ``crash`` is noted when the test learnt of the death, which for an agent
+    that killed itself at a fault point is after the hook it served failed and went on), so
+    that ``ordered`` places it by its token and ``take_hold`` checks it as any reserve."""
     cut = _cut_short(events)
     pending = [(e, cut[_ident(e)]) for e in events
                if e.kind == "reserve-begun" and _ident(e) in cut]
@@ -301,13 +303,13 @@ def with_lost_reserves(events: list[Event]) -> list[Event]:
         token = int(rel.fields.get("token") or 0)
         if not token or (rel.fdid, token) in known:
             continue
-        fits = [(b, latest) for b, latest in pending
+        fits = [(b, min(latest, rel.t)) for b, latest in pending
                 if (b.fdid, b.node, b.fields.get("vm")) == (rel.fdid, rel.node, rel.fields["vm"])
-                and latest <= rel.t]
+                and b.t <= rel.t]
         if not fits:
             continue
         b, latest = max(fits, key=lambda x: x[1])
-        pending.remove((b, latest))
+        pending = [(x, t) for x, t in pending if x is not b]
         known.add((rel.fdid, token))
         made = {"fdid": rel.fdid, "node": b.node, "vm": b.fields["vm"], "token": token,
                 "created": True, "began": float(b.fields.get("began", b.t)), "unlogged": True}
@@ -332,6 +334,9 @@ class Replayer:
         #: token) of the releases among them the replay has reached: each may have committed
         self.cut_short = _cut_short(events)
         self.released_maybe: set[tuple[int, int]] = set()
+        #: every token a reserve noted: etcd revisions, so one of a hold nobody noted is none
+        self.noted = {int(e.fields["token"]) for e in events
+                      if e.kind == "reserve" and e.fields.get("token")}
         nodes: set[str] = set()
         vms: dict[str, str] = {}
         fdids: set[int] = set()
@@ -639,11 +644,15 @@ class Replayer:
         fence = get(s.fences, fdid)
         if fence is None and d.retired == token:
             return self._agree(s, e)  # the same take-back again (its fence's removal failed)
-        if fence is None and get(s.holds, fdid) is None and token > s.issued:
+        if (fence is None and get(s.holds, fdid) is None and token > d.retired
+                and (token > s.issued or token not in self.noted)):
             # the hold of a reserve whose token nobody read (``on_reserve_unknown``): made
-            # after every hold the history knows, never served, ended with its host's lease.
-            # That reserve's event may come later (its answer came after the take-back):
-            # then the take-back waits for it, and the run is refused if it never comes
+            # after the device's every hold the history knows (holds of other devices noted
+            # since may be newer: a reserve's agent killed after its commit, the crash noted
+            # only once the start it served failed), never served, ended with its host's
+            # lease. That reserve's event may come later (its answer came after the
+            # take-back): then the take-back waits for it, and the run is refused if it
+            # never comes
             alive = self._leases_alive(s)
             credits = [
                 (key, node)
@@ -655,7 +664,7 @@ class Replayer:
             else:
                 self.orphans.append((e, alive))
             self.result.lost_replies += 1
-            s = s._replace(fences=put(s.fences, fdid, token), issued=token)
+            s = s._replace(fences=put(s.fences, fdid, token), issued=max(s.issued, token))
             fence = token
         if fence != token:
             raise Refused(f"a take-back of {fdid:#x} with token {token}; the fence's is {fence}")

@@ -362,6 +362,54 @@ def test_a_reserve_whose_agent_was_killed_before_its_note_may_have_made_a_hold()
     assert "before its call began" in _why(h)
 
 
+def test_a_reserve_whose_agent_killed_itself_may_be_released_before_the_kill_is_noted():
+    # the commit+kill nemesis: alpha's agent dies at a fault point right after the reserve's
+    # commit; its hook fails, and the failed start's release runs in the hook's own process
+    # (token 7) before the test, which learns of the death once the start returned, notes it
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    h.at(1.5).crash("alpha")
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    assert run.unlogged_reserves == 1
+    # a reserve begun only after that release explains nothing
+    h = _two_hosts()
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    h.at(0.9).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(1.5).crash("alpha")
+    assert "released its hold of 0x10 (token 7), but the hold is None" in _why(h)
+
+
+def test_a_take_back_of_a_hold_nobody_noted_may_follow_newer_holds_noted_meanwhile():
+    # the commit+kill nemesis beside busy loops (2026-11-30): alpha's agent dies right after
+    # its reserve's commit (token 7); beta notes a reserve of another device (token 8), then
+    # alpha's lease ends and the lender takes 0x10 back with 7, before the test notes the kill
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.6).reserve("beta/b1", 0x11, 8, pid=11)
+    h.at(2.8).take_back(0x10, 7)
+    h.at(3.0).crash("alpha")
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+    # a token a noted reserve has is not that hold's
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.6).reserve("beta/b1", 0x11, 8, pid=11)
+    h.at(2.8).take_back(0x10, 8)
+    h.at(3.0).crash("alpha")
+    assert "the fence's is None" in _why(h)
+    # nor is one the device has retired already
+    h = _two_hosts()
+    h.at(0.1).reserve("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.2).spend("alpha/a1", 0x10, 5).release("alpha/a1", 0x10, 5, pid=1)
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.6).reserve("beta/b1", 0x11, 8, pid=11)
+    h.at(2.8).take_back(0x10, 4)
+    h.at(3.0).crash("alpha")
+    assert "the fence's is None" in _why(h)
+
+
 def test_a_reserve_noted_by_nobody_is_checked_as_any_reserve():
     # on a fenced device (beta's hold ended with its lease, nobody took it back)
     h = _two_hosts()
