@@ -39,7 +39,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,7 +54,7 @@ from vmlend.domain import DomainDocument, mdev_uuid, read_domain
 from vmlend.domain.model import DomainXML
 from vmlend.errors import VmlendError
 from vmlend.events import EVENTS_ENV, EVENTS_FILE, EventLog
-from vmlend.faults import FAULT_ENV
+from vmlend.faults import FAULT_ENV, armed_path
 from vmlend.hostenv import HostEnv
 from vmlend.memory.windows import window_segments
 from vmlend.registry import ClaimKind, parse_location
@@ -1160,6 +1160,68 @@ def freeze_release_and_kill_agent(c: Cluster, rng: random.Random, say: Say) -> N
     freeze_release(c, rng, say, kill=True)
 
 
+def kill_agent_after_commit(c: Cluster, rng: random.Random, say: Say) -> None:
+    """kill -9 of an agent right after the registry committed a reserve or a release it
+    served, before the event that records it: the history then has a commit nobody noted (stop
+    54 met it by chance, an agent killed 15 ms after a release's commit, and the replay took
+    the device's next hold for a second holder). The host's agent is restarted with
+    ``VMLEND_FAULT=<reserve|release>:after-commit=ONCE`` for every process of the host (the
+    seed picks which), armed once it is up; a VM of the host (all of its VMs taken from the
+    workload meanwhile) is then started, or destroyed, through it. The hook, its agent gone
+    mid-call, fails in one line; a failed start's release then runs in the hook's own process,
+    past the point the agent used up. The agent is restarted at once without the fault; the
+    end state must come right without a human (the checks at the end), and the history must
+    still replay."""
+    node = rng.choice(sorted(VMS))
+    h, work = c.host(node), c.work
+    assert work is not None and h.host.agent is not None
+    op = rng.choice(("reserve", "release"))
+    vm = rng.choice(sorted(VMS[node]))
+    point = f"{op}:after-commit"
+    deadline = time.monotonic() + WAIT
+    with ExitStack() as taken:
+        for v in sorted(VMS[node]):  # no other call of the host meets the fault
+            taken.enter_context(work.claim(node, v))
+        if op == "release":
+            _start_kept(c, h, vm, deadline, say)
+        else:
+            if live_devices(h, vm) is not None:
+                work.call(h, "vm", "destroy", vm)
+            for fdid in VMS[node][vm]:
+                taken.enter_context(work.keep_off(fdid))
+            for fdid in VMS[node][vm]:
+                _free_up(c, fdid, deadline, say)
+        say(f"restart the agent of {node} to die right after a {op}'s commit ({vm})")
+        h.open_window()
+        h.kill_agent()
+        armed = Path(armed_path(str(h.host.root), point))
+        h.host.extra_env[FAULT_ENV] = f"{point}=ONCE"
+        try:
+            h.start_agent()
+            agent = h.host.agent
+            assert agent is not None
+            if op == "reserve":  # a start of the workload's, begun before they were kept off
+                for fdid in VMS[node][vm]:
+                    _free_up(c, fdid, deadline, say)
+            armed.touch()
+            argv = ("vm", "start", vm) if op == "reserve" else ("vm", "destroy", vm)
+            done = work.call(h, *argv)
+        finally:
+            del h.host.extra_env[FAULT_ENV]
+        with suppress(subprocess.TimeoutExpired):  # the call is over: any death came before
+            agent.wait(2)
+        said = f": {done.stderr.strip()}" if done.returncode else ""
+        if agent.poll() is not None:
+            h.events().note("crash", agent=agent.pid)
+            say(f"the agent died after the commit; {done.describe()}{said}")
+        else:  # refused before any commit (a device held meanwhile): a plain kill then
+            say(f"no commit reached the point: {done.describe()}{said}; kill -9 the agent")
+            h.kill_agent()
+        armed.unlink(missing_ok=True)
+        h.start_agent()
+        h.close_window()
+
+
 @dataclass
 class Frozen:
     """A CLI call that stopped itself, or whose hook did (``_start_frozen``)."""
@@ -1776,6 +1838,7 @@ NEMESES: dict[str, Nemesis] = {
     "leader": kill_leader,
     "stall": stall_domain,
     "copy": damage_copy,
+    "commit+kill": kill_agent_after_commit,
     # combined
     "hook+kill-late": freeze_hook_and_kill_agent,
     "hook+blip": freeze_hook_and_blip,
