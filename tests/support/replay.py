@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -285,6 +285,19 @@ def _cut_short(events: Iterable[Event]) -> dict[tuple[int, float, int], float]:
     return out
 
 
+def _newer_noted(events: Iterable[Event]) -> Callable[[int], float]:
+    """token -> the earliest time a reserve of a larger token was noted: a call begun then or
+    later commits a larger token (tokens are etcd revisions), so it cannot have made a hold
+    of ``token``."""
+    noted = sorted((int(e.fields["token"]), e.t) for e in events
+                   if e.kind == "reserve" and e.fields.get("token"))
+
+    def bound(token: int) -> float:
+        return min((t for k, t in noted if k > token), default=math.inf)
+
+    return bound
+
+
 def with_lost_reserves(events: list[Event]) -> list[Event]:
     """``events`` with a ``reserve`` added for each release of a token no reserve noted, by a
     VM whose reserve of that device may have committed unrecorded (cut short by its agent's
@@ -299,6 +312,7 @@ def with_lost_reserves(events: list[Event]) -> list[Event]:
     pending += [(e, e.t) for e in events if e.kind == "reserve-unknown"]
     known = {(e.fdid, int(e.fields.get("token") or 0)) for e in events if e.kind == "reserve"}
     out = list(events)
+    newer = _newer_noted(events)
     for rel in sorted((e for e in events if e.kind == "release"), key=lambda e: e.t):
         token = int(rel.fields.get("token") or 0)
         if not token or (rel.fdid, token) in known:
@@ -308,7 +322,9 @@ def with_lost_reserves(events: list[Event]) -> list[Event]:
                 and b.t <= rel.t]
         if not fits:
             continue
-        b, latest = max(fits, key=lambda x: x[1])
+        # a call that began before any newer token was noted first, then the latest
+        b, latest = max(fits, key=lambda x: (float(x[0].fields.get("began", x[0].t))
+                                             < newer(token), x[1]))
         pending = [(x, t) for x, t in pending if x is not b]
         known.add((rel.fdid, token))
         made = {"fdid": rel.fdid, "node": b.node, "vm": b.fields["vm"], "token": token,
@@ -337,6 +353,9 @@ class Replayer:
         #: every token a reserve noted: etcd revisions, so one of a hold nobody noted is none
         self.noted = {int(e.fields["token"]) for e in events
                       if e.kind == "reserve" and e.fields.get("token")}
+        self.newer = _newer_noted(events)
+        #: per device, the newest token the replay has made a hold of
+        self.newest_of: dict[int, int] = {}
         nodes: set[str] = set()
         vms: dict[str, str] = {}
         fdids: set[int] = set()
@@ -522,6 +541,7 @@ class Replayer:
         elif fence is not None and self._released_unlogged(s, fdid, fence):
             s = s._replace(fences=drop(s.fences, fdid))  # the hold had gone with its lease
         h = self.model.host(s, e.node)
+        self.newest_of[fdid] = max(self.newest_of.get(fdid, 0), token)
         return self.model.take_hold(s, vm, fdid, token, h.lease_file)
 
     def _released_unlogged(self, s: State, fdid: int, token: int) -> bool:
@@ -577,7 +597,8 @@ class Replayer:
         the lease that hold was on."""
         began = float(e.fields.get("began", e.t))
         for orphan, hosts in self.orphans:
-            if orphan.fdid == e.fdid and began <= orphan.t and e.node not in hosts:
+            if (orphan.fdid == e.fdid and began <= orphan.t and e.node not in hosts
+                    and began < self.newer(int(self._asked(orphan)[0]))):
                 self.orphans.remove((orphan, hosts))
                 return True
         return False
@@ -644,7 +665,8 @@ class Replayer:
         fence = get(s.fences, fdid)
         if fence is None and d.retired == token:
             return self._agree(s, e)  # the same take-back again (its fence's removal failed)
-        if (fence is None and get(s.holds, fdid) is None and token > d.retired
+        newest = max(d.retired, self.newest_of.get(fdid, 0))  # a hold of it made over this
+        if (fence is None and get(s.holds, fdid) is None and token > newest
                 and (token > s.issued or token not in self.noted)):
             # the hold of a reserve whose token nobody read (``on_reserve_unknown``): made
             # after the device's every hold the history knows (holds of other devices noted
@@ -658,6 +680,7 @@ class Replayer:
                 (key, node)
                 for key, (node, began) in self.unknown.items()
                 if key[0] == fdid and began <= s.now and node not in alive
+                and began < self.newer(token)
             ]
             if credits:
                 del self.unknown[credits[0][0]]

@@ -410,6 +410,43 @@ def test_a_take_back_of_a_hold_nobody_noted_may_follow_newer_holds_noted_meanwhi
     assert "the fence's is None" in _why(h)
 
 
+def test_a_hold_nobody_noted_is_credited_only_to_a_call_that_began_before_newer_tokens():
+    # (a review's four sequences, 2026-11-30) beta notes token 8 at 0.6; a call begun at 0.7
+    # commits a newer token, so a take-back of 7 on 0x10 cannot end its hold
+    h = _two_hosts()
+    h.at(0.6).reserve("beta/b1", 0x11, 8, pid=11)
+    h.at(0.7).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(2.8).take_back(0x10, 7)
+    h.at(3.0).crash("alpha")
+    assert "a take-back of 0x10" in _why(h)
+    # nor a registry-away reserve begun then, noted after the take-back
+    h = _two_hosts()
+    h.at(0.6).reserve("beta/b1", 0x11, 8, pid=11)
+    h.at(2.8).take_back(0x10, 7)
+    h.at(3.0).add("reserve-unknown", "alpha", 12, fdid=0x10, node="alpha", vm="a1", began=0.7)
+    assert "a take-back of 0x10" in _why(h)
+    # a hold 7 of 0x10 taken back after the device's hold 8 was made: 8 was made over it
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.6).reserve("beta/b1", 0x10, 8, pid=11)
+    h.at(0.7).release("beta/b1", 0x10, 8, pid=11)
+    h.at(2.8).take_back(0x10, 7)
+    h.at(3.0).crash("alpha")
+    assert "a take-back of 0x10" in _why(h)
+    # of two cut-short calls of one VM, the release of 7 is the first's (the second began
+    # after token 8 was noted)
+    h = _two_hosts()
+    h.at(0.5).begin("reserve", "alpha/a1", 0x10, pid=1)
+    h.at(0.51).crash("alpha")
+    h.at(0.6).up("alpha", 0xA1, pid=4, adopted=True)
+    h.at(0.65).reserve("beta/b1", 0x11, 8, pid=11)
+    h.at(0.7).begin("reserve", "alpha/a1", 0x10, pid=4)
+    h.at(0.8).release("alpha/a1", 0x10, 7, pid=12)
+    h.at(1.5).add("crash", "alpha", pid=99, agent=4)
+    run = replay(h.events, ttl=TTL)
+    assert run.refusal is None, run.refusal.describe()
+
+
 def test_a_reserve_noted_by_nobody_is_checked_as_any_reserve():
     # on a fenced device (beta's hold ended with its lease, nobody took it back)
     h = _two_hosts()
