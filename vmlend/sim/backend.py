@@ -114,12 +114,24 @@ class SimFabric(Ledger):
                     fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
                 )
             if self.events is not None:
-                # Not created: the VM had the hold, or this call made it and lost the reply (a
-                # re-run then finds it); the replay tells them apart by the token
-                self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm,
-                                 token=self._token_read_back(fdid, holder), created=made.created,
-                                 began=began)
+                self._note_made(fdid, holder, made, began)
             return made
+
+    def _note_made(self, fdid: int, holder: Holder, made: Reservation, began: float) -> None:
+        """The event of a reserve that returned. Not created: the VM had the hold, or this
+        call made it and lost the reply (a re-run then finds it); the replay tells them apart
+        by the token, read back. The registry gone away since the commit: the hold exists and
+        its token is unknown (``reserve-unknown``), and the reserve still returns what it
+        made, as it does with no event log (the log never changes an outcome)."""
+        assert self.events is not None
+        try:
+            token = self._token_read_back(fdid, holder)
+        except RegistryUnreachableError:
+            self.events.note("reserve-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
+                             began=began)
+            return
+        self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
+                         created=made.created, began=began)
 
     def _token_read_back(self, fdid: int, holder: Holder) -> int:
         """The token of ``holder``'s hold of ``fdid``, read back after its commit (etcd's,

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.replay import Event, read_events
 from tests.support.simfabric import make_fabric
-from vmlend.errors import DeviceHeldError
+from vmlend.errors import DeviceHeldError, RegistryUnreachableError
 from vmlend.events import EVENTS_ENV, EVENTS_FILE
 from vmlend.registry.records import ExpectedHold
 from vmlend.topology.model import Holder
@@ -198,4 +198,35 @@ def test_a_reserve_whose_lease_ends_before_the_read_back_notes_its_fences_token(
     assert fence is not None and fence.token > 0
     noted = [(e.kind, e.fields.get("token")) for e in _outcomes(events)]
     assert noted == [("reserve", fence.token)]
+    fabric.close()
+
+
+def test_a_reserve_whose_token_cannot_be_read_back_notes_a_hold_of_unknown_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The registry goes away between a reserve's commit and the read of its token for the
+    note: the hold exists, so the history must say one may (``reserve-unknown``), or the
+    replay refuses its later release ("the hold is None"); and the reserve returns what it
+    made, as it does with no event log."""
+    events = tmp_path / "events"
+    events.mkdir()
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    fabric = make_fabric(tmp_path / "state.db")
+
+    read_back = fabric._token_read_back
+    calls = []
+
+    def away_once(fdid: int, holder: Holder) -> int:
+        calls.append(fdid)
+        if len(calls) == 1:
+            raise RegistryUnreachableError("etcd", "no quorum")
+        return read_back(fdid, holder)
+
+    monkeypatch.setattr(fabric, "_token_read_back", away_once)
+    made = fabric.reserve(0x10, VM)
+    assert made.created and calls == [0x10]
+    token = fabric.holds_of(VM)[0x10].token
+    assert fabric.release(0x10, VM)
+    noted = [(e.kind, e.fields.get("token")) for e in _outcomes(events)]
+    assert noted == [("reserve-unknown", None), ("release", token)]
     fabric.close()
