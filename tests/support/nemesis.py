@@ -1166,12 +1166,12 @@ def kill_agent_after_commit(c: Cluster, rng: random.Random, say: Say) -> None:
     54 met it by chance, an agent killed 15 ms after a release's commit, and the replay took
     the device's next hold for a second holder). The host's agent is restarted with
     ``VMLEND_FAULT=<reserve|release>:after-commit=ONCE`` for every process of the host (the
-    seed picks which), armed once it is up; a VM of the host (all of its VMs taken from the
-    workload meanwhile) is then started, or destroyed, through it. The hook, its agent gone
-    mid-call, fails in one line; a failed start's release then runs in the hook's own process,
-    past the point the agent used up. The agent is restarted at once without the fault; the
-    end state must come right without a human (the checks at the end), and the history must
-    still replay."""
+    seed picks which); a VM of the host (all of its VMs taken from the workload meanwhile) is
+    made ready through it (stopped with its devices free, or running with them), the point
+    armed, and the VM started, or destroyed. The agent dies in that call; the hook fails in one
+    line, and a failed start's release then runs in the hook's own process, past the point
+    the agent used up. The agent is restarted at once without the fault; the end state must
+    come right without a human (the checks at the end), and the history must still replay."""
     node = rng.choice(sorted(VMS))
     h, work = c.host(node), c.work
     assert work is not None and h.host.agent is not None
@@ -1179,30 +1179,30 @@ def kill_agent_after_commit(c: Cluster, rng: random.Random, say: Say) -> None:
     vm = rng.choice(sorted(VMS[node]))
     point = f"{op}:after-commit"
     deadline = time.monotonic() + WAIT
+    armed = Path(armed_path(str(h.host.root), point))
     with ExitStack() as taken:
         for v in sorted(VMS[node]):  # no other call of the host meets the fault
             taken.enter_context(work.claim(node, v))
-        if op == "release":
-            _start_kept(c, h, vm, deadline, say)
-        else:
-            if live_devices(h, vm) is not None:
-                work.call(h, "vm", "destroy", vm)
-            for fdid in VMS[node][vm]:
-                taken.enter_context(work.keep_off(fdid))
-            for fdid in VMS[node][vm]:
-                _free_up(c, fdid, deadline, say)
         say(f"restart the agent of {node} to die right after a {op}'s commit ({vm})")
         h.open_window()
         h.kill_agent()
-        armed = Path(armed_path(str(h.host.root), point))
         h.host.extra_env[FAULT_ENV] = f"{point}=ONCE"
         try:
             h.start_agent()
+            h.close_window()
             agent = h.host.agent
             assert agent is not None
-            if op == "reserve":  # a start of the workload's, begun before they were kept off
+            # made ready through the new agent, so the holds are of its lease
+            if op == "release":
+                _start_kept(c, h, vm, deadline, say)
+            else:
+                if live_devices(h, vm) is not None:
+                    work.call(h, "vm", "destroy", vm)
+                for fdid in VMS[node][vm]:
+                    taken.enter_context(work.keep_off(fdid))
                 for fdid in VMS[node][vm]:
                     _free_up(c, fdid, deadline, say)
+            h.open_window()
             armed.touch()
             argv = ("vm", "start", vm) if op == "reserve" else ("vm", "destroy", vm)
             done = work.call(h, *argv)
