@@ -91,17 +91,21 @@ class SimFabric(Ledger):
         msi_over_ntb: bool = False,
     ) -> Reservation:
         with self._call("reserve", fdid=fdid, node=holder.node, vm=holder.vm) as began:
-            try:
-                made = super().reserve(
-                    fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
-                )
-            except RegistryUnreachableError:
-                if self.events is not None:
-                    # its commit may have landed all the same (etcd without quorum answers 503
-                    # after applying it): the history says a hold of unknown token may exist
-                    self.events.note("reserve-unknown", fdid=fdid, node=holder.node,
-                                     vm=holder.vm, began=began)
-                raise
+
+            def commit() -> Reservation:
+                try:
+                    return super(SimFabric, self).reserve(
+                        fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
+                    )
+                except RegistryUnreachableError:
+                    if self.events is not None:
+                        # its commit may have landed all the same (etcd without quorum answers
+                        # 503 after applying it): a hold of unknown token may exist
+                        self.events.note("reserve-unknown", fdid=fdid, node=holder.node,
+                                         vm=holder.vm, began=began)
+                    raise
+
+            made = commit()
             fault_point("reserve:after-commit")  # killed here, nothing notes the hold
             if not made.created and self._hold_is_spent(fdid, holder):
                 # A release of this hold spent its token at the device and then failed in the
@@ -110,9 +114,7 @@ class SimFabric(Ledger):
                 log.info("the hold of %#x for %s was spent by a release that did not land;"
                          " taking a new one", fdid, holder)
                 self.release(fdid, holder)
-                made = super().reserve(
-                    fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
-                )
+                made = commit()
             if self.events is not None:
                 self._note_made(fdid, holder, made, began)
             return made
@@ -217,7 +219,8 @@ class SimFabric(Ledger):
                     self.events.note("release-unknown", fdid=fdid, node=holder.node,
                                      vm=holder.vm, token=mine.token, began=began)
                 raise
-            fault_point("release:after-commit")  # killed here, nothing notes the end
+            if released:  # killed here, nothing notes the end
+                fault_point("release:after-commit")
             if self.events is not None:
                 self._note_end(fdid, holder, mine, released, expected, began)
             return released

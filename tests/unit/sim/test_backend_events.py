@@ -230,3 +230,34 @@ def test_a_reserve_whose_token_cannot_be_read_back_notes_a_hold_of_unknown_token
     noted = [(e.kind, e.fields.get("token")) for e in _outcomes(events)]
     assert noted == [("reserve-unknown", None), ("release", token)]
     fabric.close()
+
+
+def test_a_spent_hold_taken_again_over_a_registry_gone_away_notes_a_hold_of_unknown_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A reserve that finds its VM's hold spent ends it and takes a new one; when that second
+    commit meets the registry away (etcd may have applied it), the history must say a hold of
+    unknown token may exist, as for a first commit that met it (a review's finding)."""
+    from vmlend.ledger.ledger import Ledger
+
+    events = tmp_path / "events"
+    events.mkdir()
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    fabric = make_fabric(tmp_path / "state.db")
+    fabric.reserve(0x10, VM)
+    token = fabric.holds_of(VM)[0x10].token
+    monkeypatch.setattr(fabric, "_hold_is_spent", lambda fdid, holder: True)
+    reserve, calls = Ledger.reserve, []
+
+    def away_the_second_time(self, fdid, holder, **kw):  # type: ignore[no-untyped-def]
+        calls.append(fdid)
+        if len(calls) == 2:
+            raise RegistryUnreachableError("etcd", "no quorum")
+        return reserve(self, fdid, holder, **kw)
+
+    monkeypatch.setattr(Ledger, "reserve", away_the_second_time)
+    with pytest.raises(RegistryUnreachableError):
+        fabric.reserve(0x10, VM)
+    noted = [(e.kind, e.fields.get("token")) for e in _outcomes(events)]
+    assert noted == [("reserve", token), ("release", token), ("reserve-unknown", None)]
+    fabric.close()
