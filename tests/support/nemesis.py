@@ -1194,6 +1194,8 @@ def kill_agent_after_commit(c: Cluster, rng: random.Random, say: Say) -> None:
             assert agent is not None
             # made ready through the new agent, so the holds are of its lease
             if op == "release":
+                if live_devices(h, vm) is not None:  # its holds may be of the killed agent's
+                    work.call(h, "vm", "destroy", vm)  # lease, which may end before the call
                 _start_kept(c, h, vm, deadline, say)
             else:
                 if live_devices(h, vm) is not None:
