@@ -1192,14 +1192,13 @@ def kill_agent_after_commit(c: Cluster, rng: random.Random, say: Say) -> None:
             h.close_window()
             agent = h.host.agent
             assert agent is not None
-            # made ready through the new agent, so the holds are of its lease
+            # made ready through the new agent, so the holds are of its lease (a running VM's
+            # may be of the killed agent's, which may end before the call)
+            if live_devices(h, vm) is not None:
+                work.call(h, "vm", "destroy", vm)
             if op == "release":
-                if live_devices(h, vm) is not None:  # its holds may be of the killed agent's
-                    work.call(h, "vm", "destroy", vm)  # lease, which may end before the call
                 _start_kept(c, h, vm, deadline, say)
             else:
-                if live_devices(h, vm) is not None:
-                    work.call(h, "vm", "destroy", vm)
                 for fdid in VMS[node][vm]:
                     taken.enter_context(work.keep_off(fdid))
                 for fdid in VMS[node][vm]:

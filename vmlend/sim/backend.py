@@ -98,11 +98,9 @@ class SimFabric(Ledger):
                         fdid, holder, guest_ram=guest_ram, msi_over_ntb=msi_over_ntb
                     )
                 except RegistryUnreachableError:
-                    if self.events is not None:
-                        # its commit may have landed all the same (etcd without quorum answers
-                        # 503 after applying it): a hold of unknown token may exist
-                        self.events.note("reserve-unknown", fdid=fdid, node=holder.node,
-                                         vm=holder.vm, began=began)
+                    # its commit may have landed all the same (etcd without quorum answers 503
+                    # after applying it): a hold of unknown token may exist
+                    self._note_unknown(fdid, holder, began)
                     raise
 
             made = commit()
@@ -129,11 +127,17 @@ class SimFabric(Ledger):
         try:
             token = self._token_read_back(fdid, holder)
         except RegistryUnreachableError:
-            self.events.note("reserve-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
-                             began=began)
+            self._note_unknown(fdid, holder, began)
             return
         self.events.note("reserve", fdid=fdid, node=holder.node, vm=holder.vm, token=token,
                          created=made.created, began=began)
+
+    def _note_unknown(self, fdid: int, holder: Holder, began: float) -> None:
+        """``reserve-unknown``: a reserve that began at ``began`` may have made a hold whose
+        token nobody read (the replay's ``on_reserve_unknown``)."""
+        if self.events is not None:
+            self.events.note("reserve-unknown", fdid=fdid, node=holder.node, vm=holder.vm,
+                             began=began)
 
     def _token_read_back(self, fdid: int, holder: Holder) -> int:
         """The token of ``holder``'s hold of ``fdid``, read back after its commit (etcd's,

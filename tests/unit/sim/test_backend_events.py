@@ -19,6 +19,15 @@ from vmlend.wiring.fabric import open_fabric
 VM = Holder("gamma", "vm1")
 
 
+def _logging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An event log directory under ``tmp_path``, named in ``$VMLEND_EVENTS`` for the fabrics
+    made next (each reads it when made)."""
+    events = tmp_path / "events"
+    events.mkdir()
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    return events
+
+
 def _outcomes(events: Path) -> list[Event]:
     """The events noted, without the calls' brackets (``-begun``, ``-done``)."""
     return [e for e in read_events(events / EVENTS_FILE)
@@ -31,9 +40,7 @@ def test_every_reserve_and_release_call_is_bracketed_even_one_that_raises(
     """A process killed in a call notes no ``-done``: the replay then takes the call's commit
     as possibly landed unrecorded (seed 20, 2026-11-30: alpha's agent was killed between a
     release's commit and its note). Every call that returns or raises closes its bracket."""
-    events = tmp_path / "events"
-    events.mkdir()
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)
     fabric = make_fabric(tmp_path / "state.db")
     fabric.reserve(0x10, VM)
     token = fabric.holds_of(VM)[0x10].token
@@ -59,9 +66,7 @@ def test_a_pending_release_landing_on_a_hold_already_gone_notes_its_end(
     """Seen in CI's nemesis (seed 20): a VM's release met etcd without quorum, was recorded
     pending, and its first run had committed and lost the reply. The agent landed it later,
     found the hold gone and noted nothing, so the replay refused the VM's next reserve."""
-    events = tmp_path / "events"
-    events.mkdir()
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)
     state = tmp_path / "state.db"
     fabric = make_fabric(state)
     fabric.reserve(0x10, VM)
@@ -175,9 +180,7 @@ def test_a_reserve_whose_lease_ends_before_the_read_back_notes_its_fences_token(
     from vmlend.ledger.ledger import Ledger
     from vmlend.registry import hostlease
 
-    events = tmp_path / "events"
-    events.mkdir()
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)
     fabric = make_fabric(etcd_url)
     lease = hostlease.read(hostlease.lease_path(HostEnv(Path(os.environ["VMLEND_ROOT"])))).lease
     commit = Ledger.reserve
@@ -208,9 +211,7 @@ def test_a_reserve_whose_token_cannot_be_read_back_notes_a_hold_of_unknown_token
     note: the hold exists, so the history must say one may (``reserve-unknown``), or the
     replay refuses its later release ("the hold is None"); and the reserve returns what it
     made, as it does with no event log."""
-    events = tmp_path / "events"
-    events.mkdir()
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)
     fabric = make_fabric(tmp_path / "state.db")
 
     read_back = fabric._token_read_back
@@ -240,9 +241,7 @@ def test_a_spent_hold_taken_again_over_a_registry_gone_away_notes_a_hold_of_unkn
     unknown token may exist, as for a first commit that met it (a review's finding)."""
     from vmlend.ledger.ledger import Ledger
 
-    events = tmp_path / "events"
-    events.mkdir()
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)
     fabric = make_fabric(tmp_path / "state.db")
     fabric.reserve(0x10, VM)
     token = fabric.holds_of(VM)[0x10].token
