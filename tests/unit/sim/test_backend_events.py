@@ -94,10 +94,8 @@ def test_a_reserve_that_meets_the_registry_away_notes_that_its_outcome_is_unknow
     from vmlend.errors import RegistryUnreachableError
     from vmlend.ledger.ledger import Ledger
 
-    events = tmp_path / "events"
-    events.mkdir()
     fabric = make_fabric(tmp_path / "state.db")
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)  # the fabrics made from here on
 
     def away(*_a: object, **_k: object) -> None:
         raise RegistryUnreachableError("etcd://x", "etcd does not answer")
@@ -119,8 +117,6 @@ def test_a_pending_release_landing_after_another_vm_took_the_device_notes_its_en
     reply, alpha/a2 reserved the device, and only then did g2's pending release land: it found
     another VM's hold and noted nothing, so the replay refused a2's reserve as a second
     holder."""
-    events = tmp_path / "events"
-    events.mkdir()
     state = tmp_path / "state.db"
     fabric = make_fabric(state)
     fabric.reserve(0x10, VM)
@@ -129,7 +125,7 @@ def test_a_pending_release_landing_after_another_vm_took_the_device_notes_its_en
         assert first_run.release(0x10, VM)
     other = Holder("gamma", "vm2")
     fabric.reserve(0x10, other)
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)  # the fabric landing it from here on
     with open_fabric(state, "gamma") as landing:
         assert not landing.release(0x10, VM, expected=ExpectedHold(token=token, before=1e12))
         assert landing.holds_of(other)[0x10].token > token  # the other VM's hold untouched
@@ -146,14 +142,12 @@ def test_a_pending_release_of_a_reserve_whose_reply_was_lost_notes_the_hold_it_e
     after its reserve had committed; the reserve raised and noted nothing, the release was
     recorded pending without a token, and the agent landed it on that hold: the replay
     refused the release of a hold it had never seen made."""
-    events = tmp_path / "events"
-    events.mkdir()
     state = tmp_path / "state.db"
     fabric = make_fabric(state)
     with open_fabric(state, "gamma") as lost:  # committed; its reply (and note) lost
         lost.reserve(0x10, VM)
     token = fabric.holds_of(VM)[0x10].token
-    monkeypatch.setenv(EVENTS_ENV, str(events))
+    events = _logging(tmp_path, monkeypatch)  # the fabric landing it from here on
     with open_fabric(state, "gamma") as landing:
         assert landing.release(0x10, VM, expected=ExpectedHold(before=1e12))
     noted = [(e.kind, e.fields.get("token"), e.fields.get("created"), e.fields.get("lost_reply"))
