@@ -1386,9 +1386,10 @@ class FabricOnEtcd(FabricMachine):
 
     @invariant()
     def the_units_carry_what_the_ledgers_say(self) -> None:
-        """Layout 5 keeps each VM's claims twice, in its marker's ledger and on its head
-        unit block of each adapter (what admission reads): after every step they agree, and
-        every VM has exactly the units its claims use."""
+        """Layout 6 keeps each VM's claims in its marker's ledger, and where hosts contend
+        also on its head unit block of each adapter (what admission reads): after every step
+        they agree, every VM has exactly the units its claims there use, and on its node's
+        own places (no VM block there) its node's claims fit the node's extents."""
         ledgers_agree_with_blocks(self.url)
 
 

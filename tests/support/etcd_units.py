@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 
 from tests.support.simfabric import star_topology
-from vmlend.ledger.admission import port_usage
+from vmlend.ledger.admission import port_usage, usage
 from vmlend.registry import parse_location
+from vmlend.registry.decider import own_usage
 from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
-from vmlend.registry.etcd_keys import Keys, block_owner, claim_from_dict, claims_of_block
+from vmlend.registry.etcd_keys import (
+    Keys,
+    block_owner,
+    claim_from_dict,
+    claims_of_block,
+    is_extent,
+)
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
 from vmlend.topology.requesters import is_port
@@ -37,12 +44,25 @@ def _block_of(keys: Keys, key: str) -> tuple[str, str, int, int]:
     return adapter, unit.removesuffix("-blocks"), int(first), int(count)
 
 
-def unit_blocks_held(url: str) -> dict[tuple[str, str], list[tuple[int, int]]]:
+def own_node_of(adapter: str) -> str:
+    """The node whose own place ``adapter`` is (an adapter's, or a switch port's cabled to
+    an adapter; "" for a port toward another switch): the tests' adapter refs are
+    ``node:index``, their switch names have no colon."""
+    ref = adapter.split("/", 1)[1] if is_port(adapter) else adapter
+    return ref.rpartition(":")[0]
+
+
+def unit_blocks_held(
+    url: str, *, extents: bool | None = None
+) -> dict[tuple[str, str], list[tuple[int, int]]]:
     """Per (adapter, lut|seg), the ``(start, size)`` of each unit block the registry holds,
-    in order."""
+    in order: the VMs' and the nodes' extents (``extents`` None), the extents alone (True)
+    or the VMs' alone (False)."""
     keys, kvs = _read(url, lambda k: k.units)
     out: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for kv in kvs:
+        if extents is not None and is_extent(kv.value) != extents:
+            continue
         adapter, unit, start, size = _block_of(keys, kv.key)
         out.setdefault((adapter, unit), []).append((start, size))
     return {k: sorted(v) for k, v in out.items()}
@@ -57,14 +77,23 @@ def ledgers_agree_with_blocks(url: str) -> None:
     ledger has claims for is listed in that marker."""
     keys, blocks = _read(url, lambda k: k.units)
     _k, markers = _read(url, lambda k: k.vm_markers)
+    _k, deciders = _read(url, lambda k: k.base + "decider/")
     owned: dict[tuple[str, str], dict[str, bytes]] = {}  # (owner, adapter) -> key -> value
     leases: dict[str, set[int]] = {}  # owner -> the leases its blocks are on
+    extents: dict[tuple[str, str, str], list[tuple[int, int]]] = {}  # (node, place) -> spans
     for kv in blocks:
-        adapter, _unit, _start, _size = _block_of(keys, kv.key)
+        adapter, unit, start, size = _block_of(keys, kv.key)
+        if is_extent(kv.value):
+            node = block_owner(kv.value)
+            assert own_node_of(adapter) == node, ("an extent off its node's own", kv.key)
+            assert kv.lease == 0, ("an extent on a lease", kv.key)
+            extents.setdefault((node, adapter, unit), []).append((start, size))
+            continue
         owner = block_owner(kv.value)
         owned.setdefault((owner, adapter), {})[kv.key] = kv.value
         leases.setdefault(owner, set()).add(kv.lease)
     listed: set[tuple[str, str]] = set()
+    own_claims: dict[str, list] = {}  # node -> its VMs' claims on its own places
     for kv in markers:
         node = kv.key.removeprefix(keys.vm_markers).split("/", 1)[0]
         d = json.loads(kv.value)
@@ -74,10 +103,22 @@ def ledgers_agree_with_blocks(url: str) -> None:
         assert leases.get(owner, {kv.lease}) == {kv.lease}, (owner, leases[owner], kv.lease)
         ledger = d.get("ledger", {})
         assert set(ledger) <= set(d.get("fdids", [])), (kv.key, "claims of a hold not listed")
-        rows = [EtcdTxn._row(c) for claims in ledger.values() for c in claims]
+        # on its node's own places a VM has no blocks: its node's decider counts its claims
+        rows = [
+            EtcdTxn._row(c)
+            for claims in ledger.values()
+            for c in claims
+            if own_node_of(c["adapter"]) != node
+        ]
+        own_claims.setdefault(node, []).extend(
+            (int(f, 16), claim_from_dict(c))
+            for f, claims in ledger.items()
+            for c in claims
+            if own_node_of(c["adapter"]) == node
+        )
         need = EtcdTxn._units_needed(rows)
         have: dict[tuple[str, str], int] = {}
-        on = EtcdTxn._claims_by_adapter(ledger)
+        on = {a: c for a, c in EtcdTxn._claims_by_adapter(ledger).items() if own_node_of(a) != node}
         for adapter in set(d.get("blocks", {})) | set(on):
             spans = d.get("blocks", {}).get(adapter, {})
             want = sorted(
@@ -96,13 +137,41 @@ def ledgers_agree_with_blocks(url: str) -> None:
             listed.add((owner, adapter))
         assert have == need, (owner, have, need)
     assert set(owned) <= listed, ("blocks of no marker", set(owned) - listed)
+    # each node's epoch key lists its extents, and what its VMs use of its own places fits
+    listed_extents: dict[tuple[str, str, str], list[tuple[int, int]]] = {}
+    for kv in deciders:
+        node, _sep, what = kv.key.removeprefix(keys.base + "decider/").rpartition("/")
+        if what != "extents":
+            continue
+        for adapter, units in json.loads(kv.value).items():
+            for unit, spans in units.items():
+                listed_extents[(node, adapter, unit)] = sorted((s, z) for s, z in spans)
+    assert {k: sorted(v) for k, v in extents.items()} == listed_extents, (
+        extents,
+        listed_extents,
+    )
+    for node, pairs in own_claims.items():
+        places = {(c.adapter, u) for _f, c in pairs for u in ("lut", "seg")}
+        for (adapter, unit), n in own_usage(pairs, places).items():
+            room = sum(z for _s, z in extents.get((node, adapter, unit), []))
+            assert n <= room, (node, adapter, unit, n, room)
 
 
-def unit_keys_held(url: str) -> dict[tuple[str, str], int]:
-    """Per (adapter, lut|seg), how many units the registry's unit keys hold; fails on a unit
-    that two keys hold."""
+def own_units_fit(url: str, fabric) -> None:
+    """What the claims use is on the VMs' blocks exactly where hosts contend, and within
+    their node's extents on a node's own places (``ledgers_agree_with_blocks``)."""
+    with fabric.registry.read() as tx:
+        claims, holds = tx.claims(), tx.holds()
+    contended = [(f, c) for f, c in claims if own_node_of(c.adapter) != holds[f].holder.node]
+    assert unit_keys_held(url, extents=False) == _usage_of(fabric, contended)
+    ledgers_agree_with_blocks(url)
+
+
+def unit_keys_held(url: str, *, extents: bool | None = None) -> dict[tuple[str, str], int]:
+    """Per (adapter, lut|seg), how many units the registry's unit keys hold (``extents`` as
+    for ``unit_blocks_held``); fails on a unit that two keys hold."""
     out: dict[tuple[str, str], int] = {}
-    for (adapter, unit), spans in unit_blocks_held(url).items():
+    for (adapter, unit), spans in unit_blocks_held(url, extents=extents).items():
         covered: set[int] = set()
         for start, size in spans:
             for i in range(start, start + size):
@@ -123,13 +192,17 @@ def taking(registry, take: tuple[int, int]) -> tuple[EtcdTxn, list[tuple[int, in
 def units_claimed(fabric) -> dict[tuple[str, str], int]:
     """Per (adapter, lut|seg), what the claims use (``admission.usage``), and per switch
     port the requester entries (``admission.port_usage``)."""
+    with fabric.registry.read() as tx:
+        claims = tx.claims()
+    return _usage_of(fabric, claims)
+
+
+def _usage_of(fabric, claims) -> dict[tuple[str, str], int]:
     out = {}
-    for ref, u in fabric.usage().items():
+    for ref, u in usage(fabric.topology(), claims).items():
         for unit, n in (("lut", u.lut_used), ("seg", u.segments_used)):
             if n:
                 out[(ref, unit)] = n
-    with fabric.registry.read() as tx:
-        claims = tx.claims()
     ports = {c.adapter for _f, c in claims if is_port(c.adapter)}
     for port, n in port_usage(claims, ports).items():
         if n:

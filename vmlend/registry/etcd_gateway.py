@@ -145,6 +145,8 @@ class EtcdGateway:
         endpoint_file: Path | None = None,
         auth: EtcdAuth | None = None,
     ) -> None:
+        #: Per thread, the posts of the request in hand (``resent``).
+        self._posts = threading.local()
         if not endpoints:
             raise ValueError("an etcd gateway needs at least one endpoint")
         self.endpoints = list(endpoints)
@@ -364,6 +366,7 @@ class EtcdGateway:
                 client.timeout = min(self._timeout, left)
             try:
                 headers = {} if token is None else {"Authorization": token}
+                self._posts.n = getattr(self._posts, "n", 0) + 1
                 answer = client.post(client.get_url(path), data=json.dumps(body), headers=headers)
             except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError) as e:
                 failures.append(f"{self.endpoints[index]}: {_short(e)}")
@@ -427,8 +430,18 @@ class EtcdGateway:
 
     def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> tuple[bool, int]:
         """One transaction: ``success`` ops iff every ``compare`` holds. (succeeded, revision)"""
-        answer = self.call("kv/txn", {"compare": compare, "success": success, "failure": []})
+        self._posts.n = 0
+        try:
+            answer = self.call("kv/txn", {"compare": compare, "success": success, "failure": []})
+        finally:
+            self._posts.resent = self._posts.n > 1
         return bool(answer.get("succeeded", False)), _revision(answer)
+
+    def resent(self) -> bool:
+        """This thread's last ``txn`` was sent more than once (over a member that timed out,
+        or a transient failure): an answer "not succeeded" may follow a first send that
+        landed."""
+        return bool(getattr(self._posts, "resent", False))
 
 
 def _client(endpoint: Endpoint, timeout: float, tls: EtcdTls | None) -> Etcd3Client:

@@ -156,6 +156,23 @@ class Keys:
         return [self.base + "held-on/", self.base + "claims/"]
 
     @property
+    def deciders(self) -> str:
+        return self.base + "decider/"
+
+    def decider_of(self, node: str) -> str:
+        """The prefix of ``node``'s epoch and extents."""
+        return f"{self.base}decider/{node}/"
+
+    def decider(self, node: str) -> str:
+        """The epoch of the process deciding ``node``'s own places
+        (``vmlend.registry.decider``): written when a process takes the node over."""
+        return f"{self.base}decider/{node}/epoch"
+
+    def extents(self, node: str) -> str:
+        """The extents of ``node``'s own places: written when they change."""
+        return f"{self.base}decider/{node}/extents"
+
+    @property
     def units(self) -> str:
         return self.base + "units/"
 
@@ -362,6 +379,16 @@ def block_to_json(owner: str, claims: list[dict[str, Any]] | None = None) -> byt
     if claims is not None:
         d["claims"] = claims
     return dump(d)
+
+
+def extent_to_json(node: str) -> bytes:
+    """An extent's value: a unit block of ``node``'s own share of a place, no VM's."""
+    return dump({"vm": node, "extent": True})
+
+
+def is_extent(raw: bytes) -> bool:
+    """The unit block is an extent (``extent_to_json``)."""
+    return b'"extent"' in raw and load(raw).get("extent") is True
 
 
 def block_owner(raw: bytes) -> str:

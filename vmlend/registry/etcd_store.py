@@ -18,6 +18,7 @@ from typing import Generic, TypeVar, cast
 
 from vmlend.errors import AgentNotRunningError, StateError
 from vmlend.registry.api import StateTxn
+from vmlend.registry.decider import RunAgain, process_deciders
 from vmlend.registry.decoded import Decoded
 from vmlend.registry.etcd_gateway import EtcdGateway, RevisionCompactedError
 from vmlend.registry.etcd_keys import Keys
@@ -77,6 +78,11 @@ class EtcdRegistry:
         self._warm = WarmCache()
         #: Attempts from remembered items run again on fresh reads (``transact``).
         self.stale = 0
+        #: The nodes whose own places this process decides (``vmlend.registry.decider``):
+        #: one state for every registry of the process on this cluster (an agent opens
+        #: several), so that it decides as one; a test standing for another process gives
+        #: its registry a state of its own.
+        self.deciders = process_deciders(f"{self.where}|{cluster}")
 
     @property
     def where(self) -> str:
@@ -176,6 +182,7 @@ class EtcdRegistry:
             lease,
             self.generations,
             self._claims_seen,
+            self.deciders,
         )
 
     def _settle(self, tx: EtcdTxn, committed: bool) -> None:
@@ -218,11 +225,14 @@ class EtcdRegistry:
         warm: WarmCache | None = self._warm if self._warm else None
         while attempt < self._attempts:
             tx = self._txn(writable=True, warm=warm)
-            outcome: _Outcome[T] = _Outcome("conflict")
+            outcome: _Outcome[T] = _Outcome("unknown")
             try:
                 outcome = self._attempt(tx, body)
             finally:
-                self._settle(tx, outcome.kind == "committed")
+                try:
+                    self._settle(tx, outcome.kind == "committed")
+                finally:  # whatever that raised: the node's other threads wait on this
+                    tx.settle(outcome.kind, outcome.revision)
             if outcome.kind == "committed":
                 log.debug("committed at revision %d", outcome.revision)
                 tx.learn(self._warm, outcome.revision)
@@ -254,7 +264,9 @@ class EtcdRegistry:
             ops = tx.operations()
             compares = tx.compares() if ops else []
         except Exception as e:
-            if tx.warmed:
+            if isinstance(e, RunAgain) and e.pause:
+                return _Outcome("conflict")
+            if tx.warmed or isinstance(e, RunAgain):
                 return _Outcome("fresh")  # decided on remembered items: ask again, fresh
             if isinstance(e, RevisionCompactedError):
                 return _Outcome("conflict")
@@ -265,8 +277,10 @@ class EtcdRegistry:
             return _Outcome("fresh")  # more than etcd takes: fresh reads compare fewer
         # An error of the commit itself is raised, also from memory: a commit whose answer
         # was lost may have landed, and must not be asked again as if refused.
+        tx.sent = True
         try:
             ok, revision = self._gw.txn(compares, ops)
+            tx.resent = not ok and self._gw.resent()
         except RevisionCompactedError:
             ok, revision = False, 0
         if ok:
@@ -279,13 +293,20 @@ class EtcdRegistry:
         re-run; prefer ``transact``)."""
         tx = self._txn(writable=True)
         ok = False
+        kind, revision = "unknown", 0
         try:
             yield tx
             ops = tx.operations()
             if ops:
-                ok, _rev = self._gw.txn(tx.compares(), ops)
+                tx.sent = True
+                ok, revision = self._gw.txn(tx.compares(), ops)
+                tx.resent = not ok and self._gw.resent()
+            kind = "committed" if ok else "read" if not ops else "conflict"
         finally:
-            self._settle(tx, ok)
+            try:
+                self._settle(tx, ok)
+            finally:
+                tx.settle(kind, revision)
         if ops and not ok:
             raise StateError(
                 f"the registry {self.where} changed under this transaction; nothing was"
@@ -295,8 +316,9 @@ class EtcdRegistry:
 
 class _Outcome(Generic[T]):
     """How one attempt of ``transact`` ended: ``committed`` (at ``revision``), ``read`` (no
-    writes, from fresh reads: ``result`` stands), ``conflict`` (run again after a pause) or
-    ``fresh`` (decided on remembered items: run again at once on fresh reads)."""
+    writes, from fresh reads: ``result`` stands), ``conflict`` (run again after a pause),
+    ``fresh`` (decided on remembered items: run again at once on fresh reads) or, while it
+    runs or when it raised, ``unknown``."""
 
     __slots__ = ("kind", "result", "revision")
 

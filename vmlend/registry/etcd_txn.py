@@ -14,15 +14,27 @@ When the compares fail the caller (``EtcdRegistry.transact``) re-runs the whole 
 from __future__ import annotations
 
 import functools
+import secrets
+import threading
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import msgspec
 
-from vmlend.errors import StateError, StateRecordError
+from vmlend.errors import ResourceExhaustedError, StateError, StateRecordError
 from vmlend.registry import etcd_keys as enc
 from vmlend.registry import topopieces
 from vmlend.registry.api import LINKS_DOWN_KEY
+from vmlend.registry.decider import (
+    EXTENT_CHUNK,
+    Deciders,
+    NodeDecider,
+    Pairs,
+    Place,
+    RunAgain,
+    grows,
+    own_usage,
+)
 from vmlend.registry.decoded import Decoded
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
@@ -394,6 +406,38 @@ def _beyond(
     return out
 
 
+def _node_of_ref(ref: str) -> str | None:
+    """The node an adapter ref ``node:index``, or a switch port toward one, names by its
+    spelling (None: a port toward another switch); what ``prefetch`` reads before the
+    topology is known."""
+    toward = ref.split("/", 1)[1] if is_port(ref) else ref
+    node, sep, index = toward.rpartition(":")
+    return node if sep and index.isdigit() else None
+
+
+class _Plan:
+    """What one attempt decided for a node's own places (``EtcdTxn._decide``)."""
+
+    def __init__(
+        self,
+        dec: NodeDecider,
+        epoch: str,
+        extents: dict[Place, list[tuple[int, int]]],
+        taking: dict[str, Pairs] | None,
+    ) -> None:
+        self.dec = dec
+        self.epoch = epoch
+        #: The node's extents: as this process knows them, or as read (``extents_read``).
+        self.extents = extents
+        self.extents_read = False
+        #: The node's VMs' claims read to take the node over (None: this process decides).
+        self.taking = taking
+        #: Per VM marker key, its claims on the node's own places after this attempt.
+        self.changes: dict[str, Pairs] = {}
+        self.write_epoch = False
+        self.write_extents = False
+
+
 class EtcdTxn:
     """The ``StateTxn`` of the etcd backend (see ``vmlend.registry.api``)."""
 
@@ -406,8 +450,22 @@ class EtcdTxn:
         host_lease: Callable[[], int] | None = None,
         generations: EtcdTopology | None = None,
         claims_seen: Decoded[bytes, tuple[tuple[int, Claim], ...]] | None = None,
+        deciders: Deciders | None = None,
     ) -> None:
         self._snap = snapshot
+        #: This process's state of the nodes it decides for (``vmlend.registry.decider``).
+        self._deciders = Deciders() if deciders is None else deciders
+        #: Per node whose own places this attempt changes, what it decided (``_Plan``).
+        self._plans: dict[str, _Plan] = {}
+        #: The nodes whose VMs this attempt acts for (``prefetch``'s ``held_by``): their
+        #: places are seen as their decider sees them, taking the node over if need be.
+        self._acting: set[str] = set()
+        #: The nodes whose epoch or extents this attempt changes (``_hold_change``).
+        self._changing: set[str] = set()
+        #: The commit was sent (its outcome is known only from etcd's answer), and more
+        #: than once (``EtcdGateway.resent``).
+        self.sent = False
+        self.resent = False
         #: The claims of unit blocks decoded before, by their stored value
         #: (``vmlend.registry.decoded``).
         self._claims_seen = Decoded() if claims_seen is None else claims_seen
@@ -540,14 +598,7 @@ class EtcdTxn:
         return known
 
     def _capacity_in(self, digest: str, adapter: str, unit: str) -> int:
-        topo = _CAPACITIES.get(digest)
-        if topo is None:
-            from vmlend.topology.compiled import stored_topology
-
-            topo = stored_topology(self.topology())
-            if len(_CAPACITIES) >= 4:  # a process sees one topology, rarely a few
-                _CAPACITIES.clear()
-            _CAPACITIES[digest] = topo
+        topo = self._topo_compiled()
         if is_port(adapter):  # a switch port's requester table: entries only
             return topo.switch_requester_entries(port_switch(adapter)) if unit == "lut" else 0
         spec = topo.adapter(adapter)
@@ -591,7 +642,14 @@ class EtcdTxn:
         return [_block_span(k[at:]) for k in keys if k.startswith(blocks)]
 
     def _take_units(
-        self, adapter: str, unit: str, n: int, holder: Holder, hint: int
+        self,
+        adapter: str,
+        unit: str,
+        n: int,
+        holder: Holder,
+        hint: int,
+        *,
+        extent: bool = False,
     ) -> list[tuple[int, int]]:
         """Create blocks of ``n`` units (``(start, size)`` each: one block per bit of ``n``,
         none larger than ``MAX_BLOCK``, split in halves where no aligned free block of that
@@ -607,7 +665,8 @@ class EtcdTxn:
         and the absence of each aligned block that would hold it (up to ``MAX_BLOCK``: no
         block is larger)."""
         every = self._k.units_of(adapter)  # both resources of the adapter, in one range
-        spans = self._spans(adapter, unit, self._loose_range(every))
+        read = self._loose_range(every)
+        spans = self._spans(adapter, unit, read)
         cap = self._capacity(adapter, unit)
         if not cap:  # admission never asks it: a claim on what the topology does not have
             raise StateError(f"{adapter} has no {unit} units in the topology to take {n} of")
@@ -619,6 +678,27 @@ class EtcdTxn:
             return taken.isdisjoint(range(start, start + size))
 
         within = min(n, cap - sum(1 for i in taken if i < cap))
+        # a node's own place that has extents: its decider adds claims within them without
+        # taking or comparing a block, so nothing goes beyond the capacity there (a take
+        # beyond it decides on the adapter's blocks as a whole, which would not meet them),
+        # and another host's VM counts every unit held, beyond the capacity too (units a
+        # shared claim took there before the extents), so that its claims and the extents
+        # stay within the capacity
+        bounded = extent or (
+            self._own_node(adapter) is not None and any(enc.is_extent(v) for v in read.values())
+        )
+        if bounded:
+            within = max(0, min(n, cap - len(taken)))
+            if n > within and not extent and self._shrink_for(adapter, unit, n - within):
+                # the node gave claims back in this attempt: its extents' slack serves it
+                return self._take_units(adapter, unit, n, holder, hint)
+            if n > within:
+                what, units = (
+                    ("requester LUT", "entries")
+                    if unit == "lut"
+                    else ("NTB window segments", "segments")
+                )
+                raise ResourceExhaustedError(what, adapter, n, within, units)
         begin = hint % cap if cap else 0
         # blocks this transaction gave back (a hand-over moves a VM's units to its VM on the
         # destination): taken again first, a put over a delete being one operation, not two
@@ -641,7 +721,13 @@ class EtcdTxn:
             taken.update(range(found, found + size))
             picked.append((found, size))
         picked += _beyond(cap, n - within, free, taken)
-        owner = enc.block_to_json(f"{holder.node}/{holder.vm}")  # its head's: ``_block_values``
+        # a VM's block is on its marker's lease, its head's value written by ``_block_values``;
+        # an extent (``extent``: of node ``holder.node``) is on no lease: its node's decider
+        # gives it back
+        if extent:
+            owner = enc.extent_to_json(holder.node)
+        else:
+            owner = enc.block_to_json(f"{holder.node}/{holder.vm}")
         marker = self._k.vm_holds(holder.node, holder.vm)
         run: list[int] = []  # blocks in a row: one guard for the run (fewer compares)
         for start, size in sorted(picked):
@@ -664,7 +750,10 @@ class EtcdTxn:
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
             key = self._k.unit_block(adapter, unit, start, size)
-            self._put(key, owner, leased=True, lease_of=marker)
+            if extent:
+                self._put(key, owner)
+            else:
+                self._put(key, owner, leased=True, lease_of=marker)
         if run:
             self._snap.guard(*self._k.unit_block_range(adapter, unit, *run), within=every)
         if n > within or any(start + size > cap for start, size in spans):
@@ -739,12 +828,24 @@ class EtcdTxn:
             ledger = {f: [dict(c) for c in claims] for f, claims in old.items()}
             change(ledger)
             ledger = {f: claims for f, claims in ledger.items() if claims}
-            rows = [self._row(c) for claims in ledger.values() for c in claims]
+            # the node's own places are decided by count (``_decide``), not by the VM's blocks
+            own = self._own_places_of(node, [*ledger.values(), *old.values()])
+            rows = [
+                self._row(c)
+                for claims in ledger.values()
+                for c in claims
+                if c["adapter"] not in own
+            ]
             need = self._units_needed(rows)
             held: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
-            on, was = self._claims_by_adapter(ledger), self._claims_by_adapter(old)
+            on = {a: c for a, c in self._claims_by_adapter(ledger).items() if a not in own}
+            was = {a: c for a, c in self._claims_by_adapter(old).items() if a not in own}
+            mine_before = self._pairs_on(old, own)
+            mine_after = self._pairs_on(ledger, own)
         except _DAMAGE as e:
             raise StateRecordError("VM marker", key, f"{type(e).__name__}: {e}") from None
+        if mine_before or mine_after:
+            self._decide(node, key, mine_before, mine_after, fdid)
         blocks: dict[str, dict[str, list[list[int]]]] = {}
         holder = Holder(node, vm)
         for adapter in sorted({a for a, _u in need} | set(held) | set(on)):
@@ -783,6 +884,364 @@ class EtcdTxn:
         if new != d:
             self._put(key, enc.dump(new), leased=True)
 
+    # --- a node's own places: decided in one process (``vmlend.registry.decider``) -------
+
+    def _topo_compiled(self) -> Topology:
+        digest = self.topology_digest() or ""
+        topo = _CAPACITIES.get(digest)
+        if topo is None:
+            from vmlend.topology.compiled import stored_topology
+
+            topo = stored_topology(self.topology())
+            if len(_CAPACITIES) >= 4:  # a process sees one topology, rarely a few
+                _CAPACITIES.clear()
+            _CAPACITIES[digest] = topo
+        return topo
+
+    def _own_node(self, adapter: str) -> str | None:
+        """The node whose own place ``adapter`` is: an adapter's node, a switch port's
+        cabled to an adapter (None: a port toward another switch, or an unknown name)."""
+        ref = adapter.split("/", 1)[1] if is_port(adapter) else adapter
+        spec = self._topo_compiled().adapter(ref)
+        return None if spec is None else spec.node
+
+    def _own_places_of(self, node: str, ledgers: Iterable[list[dict[str, Any]]]) -> set[str]:
+        """The adapters and ports of ``node``'s own among those the claims of ``ledgers``
+        are on."""
+        seen = {c["adapter"] for claims in ledgers for c in claims}
+        return {a for a in seen if self._own_node(a) == node}
+
+    @staticmethod
+    def _pairs_on(ledger: dict[str, list[dict[str, Any]]], adapters: Collection[str]) -> Pairs:
+        """The ``(fdid, claim)`` of ``ledger`` on ``adapters``."""
+        return tuple(
+            (int(f, 16), enc.claim_from_dict(c))
+            for f in sorted(ledger, key=lambda f: int(f, 16))
+            for c in ledger[f]
+            if c["adapter"] in adapters
+        )
+
+    def _own_pairs(self, node: str, raw: bytes) -> Pairs:
+        """A marker's claims on its node's own places."""
+        ledger: dict[str, list[dict[str, Any]]] = enc.load(raw).get("ledger", {})
+        return self._pairs_on(ledger, self._own_places_of(node, ledger.values()))
+
+    def _node_plan(self, node: str, *, take_over: bool) -> _Plan | None:
+        """This attempt's plan for ``node``'s own places: as this process decides them (the
+        epoch key names its epoch), or taking the node over (``take_over``: reading the
+        markers of its VMs and its extents, compared, and writing a new epoch if it decides
+        anything); None when it neither decides for the node nor takes it over."""
+        plan = self._plans.get(node)
+        if plan is not None:
+            return plan
+        dec = self._deciders.of(node)
+        key = self._k.decider(node)
+        kv = self._snap.get(key)  # compared: a takeover by another process fails this
+        try:
+            epoch = str(enc.load(kv.value)["epoch"]) if kv is not None else ""
+        except _DAMAGE as e:
+            raise StateRecordError("node decider", key, f"{type(e).__name__}: {e}") from None
+        with dec.lock:
+            current = dec.current(epoch)
+            older = kv is not None and kv.mod_revision < dec.revision
+            if dec.revision and not current and (self._snap.warmed or older) and self.writable:
+                # this registry's memory of the key may be older than another thread's
+                # takeover: read it again before deciding the node was lost
+                raise RunAgain(f"node {node}'s epoch as remembered is not this process's")
+            if dec.revision and not current:
+                dec.lose()  # another process took the node over since
+            extents = {p: list(e) for p, e in dec.extents.items()}
+        if current:
+            plan = _Plan(dec, epoch, extents, None)
+        elif take_over:
+            self._hold_change(dec, node)
+            taking = {
+                k: self._own_pairs(node, raw)
+                for k, raw in self._range(self._k.vm_holds_on(node)).items()
+            }
+            plan = _Plan(dec, secrets.token_hex(8), self._read_extents(node), taking)
+            plan.extents_read = True
+        else:
+            return None
+        self._plans[node] = plan
+        return plan
+
+    def _hold_change(self, dec: NodeDecider, node: str) -> None:
+        """This attempt is to change the node's epoch or extents: one thread of the process
+        at a time does (a takeover or a growth by each of ten threads at once would conflict
+        nine times, each run again after a pause). Another thread's change in hand: wait
+        until it settled, then run again at once (``RunAgain``). Nested in this thread's own
+        attempt (a test's interleaving), the commits' compares decide alone."""
+        if node in self._changing or not self.writable:
+            return
+        me = threading.get_ident()
+        with dec.lock:
+            if dec.changer is None:
+                dec.changer = me
+                self._changing.add(node)
+                return
+            if dec.changer == me:
+                return
+            # never wait holding another node's change (two attempts would wait on each
+            # other): run again, after this attempt settled what it holds
+            self._wait_change(dec, node)
+
+    def _read_extents(self, node: str) -> dict[Place, list[tuple[int, int]]]:
+        """The node's extents as its extents key lists them (compared: two attempts that
+        change them conflict)."""
+        key = self._k.extents(node)
+        raw = self._get(key)
+        try:
+            d: dict[str, dict[str, list[list[int]]]] = enc.load(raw) if raw is not None else {}
+            listed = {
+                (a, u): [(int(s), int(z)) for s, z in spans]
+                for a, units in d.items()
+                for u, spans in units.items()
+            }
+        except _DAMAGE as e:
+            raise StateRecordError("node extents", key, f"{type(e).__name__}: {e}") from None
+        # only what stands as the node's extent blocks (a listing left by an older state
+        # would make the node decide within units no block holds)
+        out: dict[Place, list[tuple[int, int]]] = {}
+        for (adapter, unit), spans in listed.items():
+            blocks = self._loose_range(self._k.units_of(adapter))
+            for start, size in spans:
+                there = blocks.get(self._k.unit_block(adapter, unit, start, size))
+                if there is not None and enc.is_extent(there) and enc.block_owner(there) == node:
+                    out.setdefault((adapter, unit), []).append((start, size))
+        return out
+
+    def _decide(self, node: str, marker: str, before: Pairs, after: Pairs, hint: int) -> None:
+        """The VM of ``marker`` goes from claims ``before`` to ``after`` on ``node``'s own
+        places. What it gives back needs no decision; what it adds must fit the node's
+        extents with everything else the node's VMs use there (committed, and in flight in
+        this process), or the node takes one more extent (a block, which conflicts with any
+        other taken there). The epoch key is compared, and written when the node is taken
+        over; the extents key is read, compared and written when the extents change."""
+        places = {(c.adapter, u) for _f, c in (*before, *after) for u in ("lut", "seg")}
+        growing = grows(before, after)
+        if not growing and node not in self._plans and not self._deciders.of(node).revision:
+            return  # gives back, in a process that never decided for the node: nothing to tell
+        plan = self._node_plan(node, take_over=growing)
+        if plan is None:
+            return  # it only gives back: nothing to decide (the decider's count errs high)
+        plan.changes[marker] = after
+        if not growing:
+            if plan.taking is None:
+                self._give_back(node, plan)
+            return
+        dec = plan.dec
+        changed = [p for pairs in plan.changes.values() for p in pairs]
+        if plan.taking is None:
+            with dec.lock:
+                if dec.changer not in (None, threading.get_ident()):
+                    # another thread changes the extents: decide on what it leaves
+                    self._wait_change(dec, node)
+                dec.flight[id(self)] = tuple(changed)
+                use = own_usage(dec.pairs(), places)
+                if not plan.extents_read:
+                    # the extents as the process's last change left them: another thread
+                    # may have given some back since this attempt's plan was made (in its
+                    # admission), and a decision within extents compares no block
+                    plan.extents = {p: list(e) for p, e in dec.extents.items()}
+        else:
+            use = own_usage([*(p for v in plan.taking.values() for p in v), *changed], places)
+        for place in sorted(p for p in places if use.get(p, 0)):
+            if use[place] <= sum(z for _s, z in plan.extents.get(place, [])):
+                continue
+            if not plan.extents_read:  # the extents as stored, which the growth rewrites
+                self._hold_change(dec, node)
+                plan.extents = self._read_extents(node)
+                plan.extents_read = True
+            short = use[place] - sum(z for _s, z in plan.extents.get(place, []))
+            if short <= 0:
+                continue
+            adapter, unit = place
+            # padded, but never to more than half of what is free: other hosts borrowing the
+            # node's devices take their units there too
+            pad = min(self._chunk(place), self._free_below_capacity(adapter, unit) // 2)
+            take = max(short, pad)
+            got = self._take_units(adapter, unit, take, Holder(node, ""), hint, extent=True)
+            plan.extents.setdefault(place, []).extend(got)
+            plan.write_extents = True
+        if plan.taking is not None:
+            # taking the node over: what its extents hold beyond what its VMs use now goes
+            # back (a process that decided before kept what its VMs used at their most)
+            plan.write_epoch = True
+            every = [p for v in (*plan.taking.values(), *plan.changes.values()) for p in v]
+            now = own_usage(every, plan.extents)
+            for place, spans in plan.extents.items():
+                for start, size in sorted(spans, key=lambda sz: (-sz[1], sz[0])):
+                    if sum(z for _s, z in spans) - size >= now.get(place, 0):
+                        spans.remove((start, size))
+                        self._delete(self._k.unit_block(*place, start, size))
+                        plan.write_extents = True
+            self._put(self._k.decider(node), enc.dump({"epoch": plan.epoch}))
+        if plan.write_extents:
+            self._write_extents(node, plan)
+
+    def _write_extents(self, node: str, plan: _Plan) -> None:
+        listed: dict[str, dict[str, list[list[int]]]] = {}
+        for (a, u), spans in sorted(plan.extents.items()):
+            if spans:
+                listed.setdefault(a, {})[u] = [[s, z] for s, z in sorted(spans)]
+        if listed:
+            self._put(self._k.extents(node), enc.dump(listed))
+        else:
+            self._delete(self._k.extents(node))
+
+    def _give_back(self, node: str, plan: _Plan) -> None:
+        """After a VM of the node gave claims back, in the process deciding for it: an
+        extent block goes back where the node's slack on a place reaches two chunks, down to
+        one chunk of slack (so a VM's reserve and release cycle does not take and give back
+        every time, and other hosts borrowing the node's devices get the rest). What the
+        node's VMs use counts this attempt's changes and every other attempt in flight; an
+        attempt deciding after this one waits for it (``_hold_change``)."""
+        dec = plan.dec
+        with dec.lock:
+            if dec.changer is not None:
+                return  # another change in hand: the next release gives back
+            use = own_usage(dec.pairs_with(plan.changes, id(self)), dec.extents)
+            slack = {p: sum(z for _s, z in e) - use.get(p, 0) for p, e in dec.extents.items()}
+        if not any(n >= 2 * self._chunk(p) for p, n in slack.items()):
+            return
+        self._hold_change(dec, node)
+        plan.extents = self._read_extents(node)
+        plan.extents_read = True
+        with dec.lock:
+            use = own_usage(dec.pairs_with(plan.changes, id(self)), plan.extents)
+        for place, spans in plan.extents.items():
+            total = sum(z for _s, z in spans)
+            chunk = self._chunk(place)
+            if total - use.get(place, 0) < 2 * chunk:
+                continue
+            for start, size in sorted(spans, key=lambda sz: (-sz[1], sz[0])):
+                if total - size >= use.get(place, 0) + chunk:
+                    spans.remove((start, size))
+                    total -= size
+                    self._delete(self._k.unit_block(*place, start, size))
+                    plan.write_extents = True
+        if plan.write_extents:
+            self._write_extents(node, plan)
+
+    def _shrink_for(self, adapter: str, unit: str, short: int) -> bool:
+        """Make ``short`` units of ``adapter``'s ``unit`` free for a VM's blocks by giving back
+        extent blocks of the node whose own place it is, where what the node's VMs use once
+        this attempt committed leaves that much slack (a hot move gives its source VM's
+        claims back there, then takes them as its destination VM's blocks); this attempt
+        decides for the node then (taking it over if it must). False: nothing given back."""
+        node = self._own_node(adapter)
+        if node is None:
+            return False
+        plan = self._node_plan(node, take_over=True)
+        if plan is None:
+            return False
+        dec, place = plan.dec, (adapter, unit)
+        self._hold_change(dec, node)
+        if not plan.extents_read:
+            plan.extents = self._read_extents(node)
+            plan.extents_read = True
+        if plan.taking is None:
+            with dec.lock:
+                pairs = dec.pairs_with(plan.changes, id(self))
+        else:
+            taken = {**plan.taking, **plan.changes}
+            pairs = [p for v in taken.values() for p in v]
+        use = own_usage(pairs, [place]).get(place, 0)
+        spans = plan.extents.get(place, [])
+        total = sum(z for _s, z in spans)
+        if total - use < short:
+            return False
+        keep = max(use, total - short)
+        for start, size in sorted(spans, key=lambda sz: (sz[1], sz[0])):
+            if total - size >= keep:
+                spans.remove((start, size))
+                total -= size
+                self._delete(self._k.unit_block(adapter, unit, start, size))
+        if total > keep:
+            # the rest off one block too large to go whole (an extent of 8 units whose node
+            # uses 1): it is cut to the aligned blocks of what stays, from its start
+            start, size = min(spans, key=lambda sz: (sz[1], sz[0]))
+            spans.remove((start, size))
+            self._delete(self._k.unit_block(adapter, unit, start, size))
+            at = start
+            for part in _block_sizes(size - (total - keep)):
+                spans.append((at, part))
+                self._put(self._k.unit_block(adapter, unit, at, part), enc.extent_to_json(node))
+                at += part
+        plan.write_extents = True
+        self._write_extents(node, plan)
+        if plan.taking is not None and not plan.write_epoch:
+            plan.write_epoch = True
+            self._put(self._k.decider(node), enc.dump({"epoch": plan.epoch}))
+        return True
+
+    def _chunk(self, place: Place) -> int:
+        """The slack an extent is padded to and kept at on ``place``: ``EXTENT_CHUNK``
+        units, fewer on a small adapter (a quarter of it)."""
+        return min(EXTENT_CHUNK, max(1, self._capacity(*place) // 4))
+
+    def _wait_change(self, dec: NodeDecider, node: str) -> None:
+        """(``dec.lock`` held) Wait until another thread's change of the node settled, then
+        run again at once on what it left (``RunAgain``); if this attempt holds a change of
+        its own, without waiting, and after a pause (``RunAgain.pause``)."""
+        holding = bool(self._changing)
+        while dec.changer is not None and not holding:
+            dec.changed.wait()
+        changed = f"another thread of this process changed node {node}'s decider"
+        raise RunAgain(changed, pause=holding)
+
+    def _free_below_capacity(self, adapter: str, unit: str) -> int:
+        """How many of the adapter's units below its capacity no block holds."""
+        cap = self._capacity(adapter, unit)
+        spans = self._spans(adapter, unit, self._loose_range(self._k.units_of(adapter)))
+        return max(0, cap - sum(min(s + z, cap) - s for s, z in spans if s < cap))
+
+    def _own_view(self, node: str, adapter: str) -> list[tuple[int, Claim]] | None:
+        """The claims of ``node``'s VMs on its own ``adapter`` as this attempt decides (None
+        when it does not: it counts the node's extents there instead)."""
+        acting = node in self._acting
+        if not acting and node not in self._plans:
+            # not for a VM of the node: seen as any other host sees it, whether this process
+            # decides for it or not (no epoch read; its VMs' claims as their markers hold them)
+            return None
+        plan = self._node_plan(node, take_over=acting)
+        if plan is None:
+            return None
+        pairs: list[tuple[int, Claim]] = [p for v in plan.changes.values() for p in v]
+        if plan.taking is None:
+            with plan.dec.lock:
+                pairs += plan.dec.pairs()
+        else:
+            pairs += [p for v in plan.taking.values() for p in v]
+        return [(f, c) for f, c in pairs if c.adapter == adapter]
+
+    def settle(self, outcome: str, revision: int) -> None:
+        """After the attempt: ``outcome`` is ``committed`` (at ``revision``), ``unknown`` (the
+        body failed, or the commit's answer was lost) or anything else (not committed). The
+        nodes it decided for learn what it committed; what was in flight is no longer. A
+        commit that may have landed unanswered (lost, or sent twice and then refused: the
+        first send may have landed) leaves the node to be taken over again."""
+        for plan in self._plans.values():
+            dec = plan.dec
+            with dec.lock:
+                dec.flight.pop(id(self), None)
+                if outcome != "committed":
+                    if self.sent and (outcome == "unknown" or self.resent):
+                        dec.lose()  # it may have committed: what the node uses is read again
+                elif plan.write_epoch:
+                    read = {**(plan.taking or {}), **plan.changes}
+                    dec.install(revision, plan.epoch, plan.extents, (revision, read))
+                elif dec.revision and dec.epoch == plan.epoch:
+                    dec.learn(revision, plan.changes)
+                    if plan.write_extents:
+                        dec.install(dec.revision, plan.epoch, plan.extents, None)
+        for node in self._changing:  # whatever became of the attempt (after what it
+            held = self._deciders.of(node)  # installed): the waiting threads go on
+            with held.lock:
+                held.changer = None
+                held.changed.notify_all()
+
     def _put(
         self,
         key: str,
@@ -802,6 +1261,10 @@ class EtcdTxn:
         place in a ledger, nor a ledger its blocks)."""
         self._write()
         self._writes[key] = value
+        if not leased:  # a key put again unleased in this attempt (an extent where a VM's
+            self._leased.discard(key)  # block was given back) keeps none of its lease
+            self._fresh.discard(key)
+            self._lease_of.pop(key, None)
         if leased:
             self._leased.add(key)
             if fresh:
@@ -903,8 +1366,11 @@ class EtcdTxn:
             # content; the head is read again only when the digest changes.
             keys.append(self._k.topology_head)
         prefixes: list[str] = []
-        # an adapter's claims and units, read without a prefix compare (see ``_take_units``)
+        # an adapter's claims and units, read without a prefix compare (see ``_take_units``),
+        # and, for a node's own place, the markers of the node's VMs (``claims_on``)
+        adapters = list(adapters)
         loose = [self._k.units_of(a) for a in adapters]
+        loose += [self._k.vm_holds_on(n) for n in dict.fromkeys(map(_node_of_ref, adapters)) if n]
         for fdid in fdids:
             keys += [self._k.hold(fdid), self._k.fence(fdid), self._k.device(fdid)]
         for node in nodes:
@@ -913,6 +1379,16 @@ class EtcdTxn:
         # node (its index), a read that grew with the node's VMs.
         for h in held_by:
             keys.append(self._k.vm_holds(h.node, h.vm))
+            if h.node not in self._acting:
+                # the node's epoch and extents; and if this process does not decide for
+                # the node yet, what taking it over reads (its VMs' markers). Loose: each
+                # compared only once read (a release in a process that does not decide for
+                # the node reads none of them, and would otherwise conflict with every
+                # change to another VM of the node)
+                self._acting.add(h.node)
+                loose.append(self._k.decider_of(h.node))
+                if not self._deciders.of(h.node).revision:
+                    loose.append(self._k.vm_holds_on(h.node))
         if release_on is not None:
             keys += [self._k.parent(release_on, fdid) for fdid in fdids]
             prefixes += [self._k.runtime_of(fdid) for fdid in fdids]
@@ -994,6 +1470,7 @@ class EtcdTxn:
             self._k.holds,
             self._k.vm_markers,
             self._k.units,  # the claims, on their unit blocks
+            self._k.deciders,  # the nodes' epochs and extents, with the blocks of the latter
             self._k.parents,
             self._k.mdevs,
             self._k.runtime,
@@ -1331,7 +1808,7 @@ class EtcdTxn:
         self._write()
         k = self._k
         gone = 0
-        for prefix in (*k.layout4_prefixes(), k.vm_markers, k.units, k.holds):
+        for prefix in (*k.layout4_prefixes(), k.vm_markers, k.units, k.deciders, k.holds):
             gone += len(self._snap.range(prefix))
             self._delete_range(prefix)
         return gone
@@ -1373,15 +1850,41 @@ class EtcdTxn:
 
     @_decoding("claim")
     def claims(self) -> list[tuple[int, Claim]]:
-        return self._claims_of(self._range(self._k.units).values())
+        """Every claim: on the VMs' head blocks, and on their own node's places in their
+        markers' ledgers."""
+        out = self._claims_of(self._range(self._k.units).values())
+        markers = self._range(self._k.vm_markers)
+        for key, raw in markers.items():
+            out += self._own_pairs(key.removeprefix(self._k.vm_markers).split("/", 1)[0], raw)
+        return out
 
     @_decoding("claim")
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
         """Read without a prefix compare: what keeps a decision on them safe is the units a
-        transaction takes (``_take_units``)."""
+        transaction takes (``_take_units``) and, on a node's own places, its decider's
+        epoch (``_decide``). There the node's VMs' claims are as its decider knows them, or
+        for another process as their markers hold them: not the slack of the node's extents,
+        which a take short of units makes the node give back (``_shrink_for``), and not what
+        the node's decider has added since (the take finds no unit for that: refused)."""
         out = []
         for a in dict.fromkeys(adapters):
-            out += self._claims_of(self._loose_range(self._k.units_of(a)).values())
+            blocks = self._loose_range(self._k.units_of(a))
+            out += self._claims_of(blocks.values())
+            node = self._own_node(a)
+            if node is None:
+                continue
+            view = self._own_view(node, a)
+            if view is not None:
+                out += view
+                continue
+            # as any other host sees the node: its VMs' claims there, read from their
+            # markers (a reader finding a hold's claims needs them: a link event's recount)
+            out += [
+                (f, c)
+                for raw in self._loose_range(self._k.vm_holds_on(node)).values()
+                for f, c in self._own_pairs(node, raw)
+                if c.adapter == a
+            ]
         return out
 
     # --- mdevs -----------------------------------------------------------------------------

@@ -77,6 +77,12 @@ PREFIXES: tuple[Prefix, ...] = (
         " node's index of its holds)",
     ),
     Prefix(
+        "decider/{node}/",
+        Writers.NODE,
+        "the process deciding the node's own adapter places for its VMs: its epoch (which"
+        " the node's reserves compare, and write to take the node over) and its extents",
+    ),
+    Prefix(
         "mdevs/{node}/",
         Writers.NODE,
         "the node's hook and CLI create and remove the mdevs of its borrowed devices",

@@ -21,11 +21,15 @@ SCHEMA_VERSION = 7
 #: read; a version-3 layout is still read (whole), ``vmlend registry upgrade`` rewrites it.
 #: Version 5: a hold's claims kept in its VM's ledger and on its unit blocks (no ``claims/``
 #: key per claim, no ``held-on/`` index); an older layout is opened only to be upgraded.
-ETCD_SCHEMA_VERSION = 5
+#: Version 6: a node's own places (its adapters, the switch ports toward them) decided for
+#: its VMs by one process at a time, within the node's extents (``decider/<node>/``), with
+#: no unit block of a VM there; a vmlend of layout 5 would take blocks there unseen, so it is
+#: refused, and an older layout is opened only to be upgraded.
+ETCD_SCHEMA_VERSION = 6
 
 #: The oldest etcd layout whose holds and claims this vmlend reads: a cluster of an older one
 #: is opened by ``vmlend registry upgrade`` only.
-ETCD_HOLDS_LAYOUT = 5
+ETCD_HOLDS_LAYOUT = 6
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """

@@ -85,6 +85,20 @@ def _holds_in_units(tx: EtcdTxn) -> str:
     )
 
 
+def _own_places_decided(tx: EtcdTxn) -> str:
+    """5 -> 6: a node's own places are decided by one process of the node (``decider``),
+    within extents the first reserve takes: with every lease ended there is no VM block to
+    convert; what layout 5 left without a lease goes, as in 4 -> 5."""
+    gone = tx.drop_layout4_holds()
+    what = "each node's own adapter places are decided by one process of the node"
+    if not gone:
+        return f"no hold, marker or unit record was left; {what}"
+    return (
+        f"{gone} record(s) of holds, markers and units left without a lease deleted (their"
+        f" fences stay: the lenders take the devices back); {what}"
+    )
+
+
 def _same_records(_tx: EtcdTxn) -> str:
     """1 -> 2: the version was SQLite's schema's then; its version 2 changed SQLite alone."""
     return "no record changes (layout 2 differs from 1 in SQLite only)"
@@ -100,6 +114,7 @@ STEPS: dict[int, Callable[[EtcdTxn], str]] = {
     2: _topology_in_generations,
     3: _generation_read_in_chunks,
     4: _holds_in_units,
+    5: _own_places_decided,
 }
 
 

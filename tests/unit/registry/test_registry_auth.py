@@ -229,7 +229,7 @@ def test_every_key_vmlend_writes_is_in_the_role_table():
     assert prefix_of(keys, keys.host("alpha2"), NODES) is None  # an exact key, not a prefix
     node_keys = [k for k in found if prefix_of(keys, k, NODES)[0].writers is Writers.NODE]
     assert {found[k] for k in node_keys} == {
-        "host", "agent", "vm_holds", "mdev", "parent",
+        "host", "agent", "vm_holds", "mdev", "parent", "decider", "extents",
     }  # fmt: skip
     assert prefix_of(keys, keys.topology_digest, NODES)[0].writers is Writers.ADMIN
     for key in (keys.topology_head, keys.topology_piece("0123456789abcdef", 0)):

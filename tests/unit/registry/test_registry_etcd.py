@@ -24,6 +24,7 @@ from vmlend.registry import (
     parse_location,
 )
 from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
+from vmlend.registry.etcd_keys import is_extent
 from vmlend.topology.model import DeviceState, GiB, Holder
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
@@ -161,10 +162,20 @@ def test_records_live_one_per_key_under_the_cluster_prefix(etcd, etcd_url):
     assert any(k.startswith("units/mxs824/gamma:0/lut-blocks/") for k in keys)
     assert not [k for k in keys if k.startswith(("claims/", "held-on/"))]  # layout 4's
     assert not any(k.startswith("devices/") for k in keys)  # all as the topology says
+    # gamma's own places (its adapter, the switch port toward it) are its node's extents,
+    # and its decider's epoch and extents keys list them (layout 6); none is the VM's
+    assert {"decider/gamma/epoch", "decider/gamma/extents"} <= keys
     fabric.release(0x10, VM1)
+    gammas = ("gamma:0", "mxs824/gamma:0")
     for gone in ("units/", "held-vm/", "holds/"):  # with its last hold, the VM's marker too
         _rev, kvs = gw.range(f"/vmlend/{cluster}/{gone}", f"/vmlend/{cluster}/{gone[:-1]}0")
-        assert kvs == [], gone
+        # what stays: gamma's extents, which its decider keeps for its next VMs
+        left = [kv.key for kv in kvs if not is_extent(kv.value)]
+        assert left == [], gone
+        assert all(
+            kv.key.startswith(tuple(f"/vmlend/{cluster}/units/{a}/" for a in gammas))
+            for kv in kvs
+        ), gone
 
 
 def test_a_fabric_bigger_than_one_etcd_transaction_initialises(etcd_url):
@@ -522,7 +533,9 @@ def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, 
     assert leases(keys.hold(0x10)) == {beta}
     assert leases(keys.vm_holds("beta", VM1.vm)) == {beta}
     # and so do its unit blocks, which carry its claims: those it gave back and took again
-    # in the same transaction
+    # in the same transaction (gamma's own extents stay there, on no lease: gamma's)
     for a in ("alpha:0", "gamma:0"):
-        assert leases(keys.units_of(a)) == {beta}, a
+        _rev, kvs = gw.range(keys.units_of(a), prefix_end(keys.units_of(a)))
+        assert {kv.lease for kv in kvs if not is_extent(kv.value)} == {beta}, a
+        assert {kv.lease for kv in kvs if is_extent(kv.value)} <= {0}, a
     gw.close()

@@ -64,10 +64,14 @@ VM2 = Holder("b", "vm2", "11111111-0000-4000-8000-000000000002")
 
 
 def _reserve_with_another_landing_first(url: str, first: Holder, second: Holder) -> int:
-    """Reserve 0x100 for ``first`` while, just before its commit, another process of the host
-    reserves 0x200 for ``second``; how often the first one's body had to run again."""
+    """Reserve 0x100 for ``first`` while, just before its commit, another reserve of the
+    host's process (which decides the node's own places: it took b over before) reserves
+    0x200 for ``second``; how often the first one's body had to run again."""
     make_fabric(url, TWO_LENDERS, node="b").close()
     mine, other = open_fabric(url, "b"), open_fabric(url, "b")
+    warm = Holder("b", "warm")
+    mine.reserve(0x200, warm)
+    mine.release(0x200, warm)
     gateway = mine.registry.gateway
     commit = gateway.txn
     landed: list[bool] = []
@@ -82,7 +86,7 @@ def _reserve_with_another_landing_first(url: str, first: Holder, second: Holder)
     try:
         assert mine.reserve(0x100, first).created
         assert other.device(0x200).holder == second and other.device(0x100).holder == first
-        return mine.registry.conflicts
+        return mine.registry.conflicts + mine.registry.stale  # from fresh reads, or memory
     finally:
         mine.close()
         other.close()

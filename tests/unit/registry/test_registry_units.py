@@ -16,14 +16,15 @@ from tests.support.etcd_daemon import host_lease
 from tests.support.etcd_units import (
     last_capacity,
     ledgers_agree_with_blocks,
+    own_units_fit,
     taking,
     unit_blocks_held,
     unit_keys_held,
-    units_claimed,
 )
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
 from vmlend.registry import open_registry, parse_location
+from vmlend.registry.decider import EXTENT_CHUNK, Deciders
 from vmlend.registry.etcd_gateway import EtcdGateway, b64, prefix_end
 from vmlend.registry.etcd_keys import Keys
 from vmlend.registry.etcd_store import EtcdRegistry
@@ -50,28 +51,75 @@ def _with_landing_first(fabric, action) -> list[bool]:
     return landed
 
 
-def test_another_vms_reserve_through_the_same_adapters_does_not_conflict(etcd_url):
-    init_fabric(etcd_url, star_topology(1, 4), "star.toml")
-    mine, other = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h0")
+def test_another_hosts_reserve_through_the_same_lender_does_not_conflict(etcd_url):
+    init_fabric(etcd_url, star_topology(2, 4), "star.toml")
+    mine, other = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h1")
     try:
-        _with_landing_first(mine, lambda: other.reserve(0x101, Holder("h0", "vm2")))
+        _with_landing_first(mine, lambda: other.reserve(0x101, Holder("h1", "vm2")))
         assert mine.reserve(0x100, Holder("h0", "vm1")).created
-        assert mine.registry.conflicts == 0  # the old code re-ran: a new claim on l:0 and h0:0
-        assert other.device(0x101).holder == Holder("h0", "vm2")
-        assert (
-            unit_keys_held(etcd_url)
-            == units_claimed(mine)
-            == {
-                ("l:0", "lut"): 2,
-                ("h0:0", "lut"): 2,
-                ("h0:0", "seg"): 2,
-                ("sw/l:0", "lut"): 2,  # a requester entry for each device on each switch port
-                ("sw/h0:0", "lut"): 2,
-            }
-        )
+        assert mine.registry.conflicts == 0  # the old code re-ran: a new claim on l:0
+        assert other.device(0x101).holder == Holder("h1", "vm2")
+        # the lender's side is contended: each VM's blocks; each borrower's own side is its
+        # node's extents (``vmlend.registry.decider``), none of a VM
+        assert unit_keys_held(etcd_url, extents=False) == {
+            ("l:0", "lut"): 2,
+            ("sw/l:0", "lut"): 2,  # a requester entry for each device on the lender's port
+        }
+        own = unit_keys_held(etcd_url, extents=True)
+        assert set(own) == {
+            (a, u) for n in ("h0", "h1") for a, u in ((f"{n}:0", "lut"), (f"{n}:0", "seg"))
+        } | {("sw/h0:0", "lut"), ("sw/h1:0", "lut")}
+        own_units_fit(etcd_url, mine)
     finally:
         mine.close()
         other.close()
+
+
+def test_two_vms_of_one_node_reserved_at_once_by_one_process_do_not_conflict(etcd_url):
+    """The process deciding a node's own places counts what its attempts in flight claim:
+    a reserve landing inside another's commit fits the extents without a conflict."""
+    init_fabric(etcd_url, star_topology(1, 4), "star.toml")
+    mine = open_fabric(etcd_url, "h0")
+    try:
+        mine.reserve(0x102, Holder("h0", "vm0"))  # takes h0 over: its extents, its epoch
+        assert mine.release(0x102, Holder("h0", "vm0"))
+        _with_landing_first(mine, lambda: mine.reserve(0x101, Holder("h0", "vm2")))
+        assert mine.reserve(0x100, Holder("h0", "vm1")).created
+        assert mine.registry.conflicts == 0
+        assert set(mine.holds()) == {0x100, 0x101}
+        own_units_fit(etcd_url, mine)
+    finally:
+        mine.close()
+
+
+def test_a_second_process_for_a_node_takes_it_over_and_the_first_learns_it(etcd_url):
+    """Another process reserving for the node's VMs takes the node over (its epoch key): the
+    first one's next commit fails, reads the node's markers and takes it back; what the
+    node's VMs use stays within its extents throughout."""
+    init_fabric(etcd_url, star_topology(1, 6), "star.toml")
+    first, second = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h0")
+    second.registry.deciders = Deciders()  # another process: its own state
+    try:
+        first.reserve(0x100, Holder("h0", "vm0"))
+        _with_landing_first(first, lambda: second.reserve(0x101, Holder("h0", "vm1")))
+        assert first.reserve(0x102, Holder("h0", "vm2")).created
+        # its epoch was no longer the key's: the attempt ran again (from memory, or after a pause)
+        assert first.registry.conflicts + first.registry.stale == 1
+        own_units_fit(etcd_url, first)
+        second.reserve(0x103, Holder("h0", "vm3"))
+        assert first.release(0x100, Holder("h0", "vm0"))
+        first.reserve(0x104, Holder("h0", "vm4"))
+        assert set(first.holds()) == {0x101, 0x102, 0x103, 0x104}
+        own_units_fit(etcd_url, first)
+        for f, vm in ((0x101, "vm1"), (0x102, "vm2"), (0x103, "vm3"), (0x104, "vm4")):
+            assert second.release(f, Holder("h0", vm))
+        second.reserve(0x105, Holder("h0", "vm5"))  # takes it over: the extents shrink
+        own_units_fit(etcd_url, second)
+        # one block per place: what the 6 VMs used at their most, trimmed to what one uses
+        assert sum(unit_keys_held(etcd_url, extents=True).values()) <= 3 * EXTENT_CHUNK
+    finally:
+        first.close()
+        second.close()
 
 
 @pytest.mark.parametrize("limit", ["lut", "segments"])
@@ -98,7 +146,7 @@ def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(et
         assert first.registry.conflicts == 1
         assert set(first.holds()) == {0x101}
         second.release(0x101, Holder("h1", "vm2"))
-        assert unit_keys_held(etcd_url) == {}  # every unit went with its claims
+        assert unit_keys_held(etcd_url, extents=False) == {}  # every unit went with its claims
     finally:
         first.close()
         second.close()
@@ -128,8 +176,8 @@ def test_the_units_always_add_up_to_what_the_claims_use(etcd_url):
                 fabric.reserve(fdid, holder, guest_ram=4 * GiB)
             else:
                 assert fabric.release(fdid, holder)
-            assert unit_keys_held(etcd_url) == units_claimed(fabric), (what, fdid, holder)
-        assert unit_keys_held(etcd_url) == {}
+            own_units_fit(etcd_url, fabric)
+        assert unit_keys_held(etcd_url, extents=False) == {}
     finally:
         fabric.close()
 
@@ -140,6 +188,14 @@ def test_ten_borrowers_cycling_distinct_devices_through_one_adapter_pair_never_f
     again, and no two holders ever had one device."""
     borrowers, cycles = 10, 20
     init_fabric(etcd_url, star_topology(1, borrowers), "star.toml")
+    # the process takes h0 over and its extents grow to what the 10 VMs use together: each
+    # of those two runs the node's other attempts in flight again, once (a hook or an agent
+    # that has served the node's VMs before starts here)
+    with open_fabric(etcd_url, "h0") as f:
+        for i in range(borrowers):
+            f.reserve(0x100 + i, Holder("h0", f"vm{i}"))
+        for i in range(borrowers):
+            f.release(0x100 + i, Holder("h0", f"vm{i}"))
     failures: list[str] = []
     conflicts: list[int] = []
 
@@ -162,9 +218,10 @@ def test_ten_borrowers_cycling_distinct_devices_through_one_adapter_pair_never_f
     assert not any(t.is_alive() for t in threads)
     assert failures == []
     # every borrower ran to its end, and never ran a body twice: their reserves take distinct
-    # units (each from its own fdid on), so they have nothing to conflict on
+    # units on the lender's side (each from its own fdid on), and on h0's own this process
+    # decides, so they have nothing to conflict on
     assert conflicts == [0] * borrowers
-    assert unit_keys_held(etcd_url) == {}
+    assert unit_keys_held(etcd_url, extents=False) == {}
     check_never_two_holders(history(etcd_url))
 
 

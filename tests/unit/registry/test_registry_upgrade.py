@@ -83,9 +83,9 @@ def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, versi
     assert (out["action"], out["before"], out["after"]) == ("upgraded", version, latest)
     # 2 -> 3 installs a generation of this vmlend's format, so it reaches layout 4 at once
     assert [step.split(":")[0] for step in out["steps"]] == {
-        1: ["1 -> 2", "2 -> 4", "4 -> 5"],
-        2: ["2 -> 4", "4 -> 5"],
-        3: ["3 -> 4", "4 -> 5"],
+        1: ["1 -> 2", "2 -> 4", "4 -> 5", "5 -> 6"],
+        2: ["2 -> 4", "4 -> 5", "5 -> 6"],
+        3: ["3 -> 4", "4 -> 5", "5 -> 6"],
     }[version]
     after = _stored(etcd_url)
     assert keys.topology_record not in after
@@ -133,7 +133,7 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     line that says what to run. The upgrade deletes what was left of holds without a lease
     and keeps their fences, so the lenders take the devices back."""
     keys = _layout2(etcd_url)
-    assert _run(etcd_url).exit_code == 0  # layout 5 now: made layout 4 again below
+    assert _run(etcd_url).exit_code == 0  # layout 6 now: made layout 4 again below
     _put(etcd_url, keys.meta("schema_version"), b"4")
     left = _layout4_leftovers(etcd_url, keys)
     status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
@@ -144,7 +144,7 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["before"], out["after"]) == (4, 5)
+    assert (out["before"], out["after"]) == (4, 6)
     assert "5 record(s)" in out["steps"][0], out["steps"]
     after = _stored(etcd_url)
     assert not set(left) & set(after)
@@ -152,6 +152,28 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     with open_registry(etcd_url) as reg, reg.read() as tx:
         assert tx.hold(0x12) is None and tx.fence(0x12) is not None
         assert tx.claims() == []
+
+
+def test_a_layout_5_cluster_is_refused_until_upgraded(etcd_url):
+    """A vmlend of layout 5 takes its VMs' unit blocks on their own node's places, where
+    layout 6 decides by count within the node's extents: a layout-5 cluster is opened only to
+    be upgraded, and the upgrade deletes what was left without a lease."""
+    keys = _layout2(etcd_url)
+    assert _run(etcd_url).exit_code == 0
+    _put(etcd_url, keys.meta("schema_version"), b"5")
+    left = [keys.unit_block("gamma:0", "seg", 4, 2), keys.vm_holds("gamma", "db")]
+    for key in left:
+        _put(etcd_url, key, b"{}")
+    status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
+    assert status.exit_code != 0
+    lines = status.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has layout 5" in lines[0], status.output
+    r = _run(etcd_url, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["before"], out["after"]) == (5, 6)
+    assert "2 record(s)" in out["steps"][0], out["steps"]
+    assert not set(left) & set(_stored(etcd_url))
 
 
 def test_a_live_agent_refuses_the_upgrade_in_one_line_and_nothing_changes(etcd, etcd_url):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.etcd_units import last_capacity, unit_keys_held, units_claimed
+from tests.support.etcd_units import last_capacity, own_units_fit, unit_keys_held
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import DeviceHeldError, ResourceExhaustedError
 from vmlend.registry.etcd_gateway import KeyValue
@@ -74,7 +74,7 @@ def test_units_remembered_free_but_taken_since_are_not_taken_twice(etcd_url, lim
             first.reserve(0x100, Holder("h0", "vm1"), guest_ram=ram)
         assert first.registry.stale == 1
         # (``unit_keys_held`` fails on a unit taken twice)
-        assert unit_keys_held(etcd_url) == units_claimed(first)
+        own_units_fit(etcd_url, first)
         assert set(first.holds()) == {0x101}
 
 
@@ -87,10 +87,10 @@ def test_ten_cycles_of_two_borrowers_through_one_adapter_pair_keep_the_units_exa
         for _ in range(10):
             a.reserve(0x100, Holder("h0", "a"), guest_ram=2 * GiB)
             b.reserve(0x101, Holder("h0", "b"), guest_ram=2 * GiB)
-            assert unit_keys_held(etcd_url) == units_claimed(a)
+            own_units_fit(etcd_url, a)
             assert a.release(0x100, Holder("h0", "a"))
             assert b.release(0x101, Holder("h0", "b"))
-        assert unit_keys_held(etcd_url) == {}
+        assert unit_keys_held(etcd_url, extents=False) == {}
         assert a.registry.conflicts == b.registry.conflicts == 0
 
 
@@ -259,7 +259,7 @@ def test_a_late_learn_does_not_lay_an_older_commit_over_a_newer_read(etcd_url, m
         with pytest.raises(ResourceExhaustedError):
             mine.reserve(0x101, Holder("h0", "c"), guest_ram=ram)
         assert set(mine.holds()) == {0x100, 0x102}
-        assert unit_keys_held(etcd_url) == units_claimed(mine)
+        own_units_fit(etcd_url, mine)
 
 
 def test_a_lost_answer_to_a_commit_from_memory_is_an_error_not_a_fresh_refusal(
