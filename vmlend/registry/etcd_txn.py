@@ -943,7 +943,9 @@ class EtcdTxn:
             raise StateRecordError("node decider", key, f"{type(e).__name__}: {e}") from None
         with dec.lock:
             current = dec.current(epoch)
-            older = kv is not None and kv.mod_revision < dec.revision
+            # a read older than this process's last takeover (the key absent then: its
+            # first) says nothing of now
+            older = (kv.mod_revision if kv is not None else self._snap.revision) < dec.revision
             if dec.revision and not current and (self._snap.warmed or older) and self.writable:
                 # this registry's memory of the key may be older than another thread's
                 # takeover: read it again before deciding the node was lost
@@ -1009,6 +1011,10 @@ class EtcdTxn:
                 there = blocks.get(self._k.unit_block(adapter, unit, start, size))
                 if there is not None and enc.is_extent(there) and enc.block_owner(there) == node:
                     out.setdefault((adapter, unit), []).append((start, size))
+                elif self._snap.warmed:
+                    # remembered blocks may be older than the key (another process cut an
+                    # extent since): dropping a block listed now would leave it unlisted
+                    raise RunAgain(f"node {node}'s extents as remembered are older than its key")
         return out
 
     def _decide(self, node: str, marker: str, before: Pairs, after: Pairs, hint: int) -> None:
@@ -1037,6 +1043,7 @@ class EtcdTxn:
                 if dec.changer not in (None, threading.get_ident()):
                     # another thread changes the extents: decide on what it leaves
                     self._wait_change(dec, node)
+                self._still_deciding(plan, node)
                 dec.flight[id(self)] = tuple(changed)
                 use = own_usage(dec.pairs(), places)
                 if not plan.extents_read:
@@ -1099,8 +1106,10 @@ class EtcdTxn:
         attempt deciding after this one waits for it (``_hold_change``)."""
         dec = plan.dec
         with dec.lock:
-            if dec.changer is not None:
-                return  # another change in hand: the next release gives back
+            if dec.changer is not None or not dec.current(plan.epoch):
+                # another change in hand, or the tally dropped (``_still_deciding``): the
+                # next release gives back
+                return
             use = own_usage(dec.pairs_with(plan.changes, id(self)), dec.extents)
             slack = {p: sum(z for _s, z in e) - use.get(p, 0) for p, e in dec.extents.items()}
         if not any(n >= 2 * self._chunk(p) for p, n in slack.items()):
@@ -1109,6 +1118,8 @@ class EtcdTxn:
         plan.extents = self._read_extents(node)
         plan.extents_read = True
         with dec.lock:
+            if not dec.current(plan.epoch):
+                return
             use = own_usage(dec.pairs_with(plan.changes, id(self)), plan.extents)
         for place, spans in plan.extents.items():
             total = sum(z for _s, z in spans)
@@ -1143,6 +1154,7 @@ class EtcdTxn:
             plan.extents_read = True
         if plan.taking is None:
             with dec.lock:
+                self._still_deciding(plan, node)
                 pairs = dec.pairs_with(plan.changes, id(self))
         else:
             taken = {**plan.taking, **plan.changes}
@@ -1211,10 +1223,20 @@ class EtcdTxn:
         pairs: list[tuple[int, Claim]] = [p for v in plan.changes.values() for p in v]
         if plan.taking is None:
             with plan.dec.lock:
+                self._still_deciding(plan, node)
                 pairs += plan.dec.pairs()
         else:
             pairs += [p for v in plan.taking.values() for p in v]
         return [(f, c) for f, c in pairs if c.adapter == adapter]
+
+    @staticmethod
+    def _still_deciding(plan: _Plan, node: str) -> None:
+        """(``plan.dec.lock`` held) This attempt's plan decides from the process's tally:
+        it must still be the one its plan began with. Another thread's commit that may have
+        landed unanswered dropped it (``settle``: the node is to be taken over again), and
+        what stays of it is only the attempts in flight: run again, taking the node over."""
+        if not plan.dec.current(plan.epoch):
+            raise RunAgain(f"node {node}'s tally was dropped meanwhile: take it over again")
 
     def settle(self, outcome: str, revision: int) -> None:
         """After the attempt: ``outcome`` is ``committed`` (at ``revision``), ``unknown`` (the

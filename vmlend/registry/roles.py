@@ -77,10 +77,11 @@ PREFIXES: tuple[Prefix, ...] = (
         " node's index of its holds)",
     ),
     Prefix(
-        "decider/{node}/",
-        Writers.NODE,
-        "the process deciding the node's own adapter places for its VMs: its epoch (which"
-        " the node's reserves compare, and write to take the node over) and its extents",
+        "decider/",
+        Writers.HOSTS,
+        "the process deciding a node's own adapter places for its VMs: its epoch (which the"
+        " node's reserves compare, and write to take the node over) and its extents; any"
+        " host's reserve short of units takes a node over to give its slack back",
     ),
     Prefix(
         "mdevs/{node}/",

@@ -94,7 +94,10 @@ ops = st.tuples(
 #: A step: an operation, perhaps another landing inside it (just before its commit is sent,
 #: or in its admission, between what the attempt read and what it decides), and whether its
 #: process first forgets what its commits knew (its attempt then reads everything fresh).
-steps = st.tuples(ops, st.none() | ops, st.booleans(), st.sampled_from(["commit", "admission"]))
+#: ``lost``: in its admission, and the other's commit lands but its answer is lost.
+steps = st.tuples(
+    ops, st.none() | ops, st.booleans(), st.sampled_from(["commit", "admission", "lost"])
+)
 
 
 def _run(fabrics, op) -> str:
@@ -150,6 +153,26 @@ def _landing_in_admission(fabric, action) -> None:
         ledger.admit = admit
 
     fabric._restore = restore
+
+
+@contextlib.contextmanager
+def _answer_lost(fabric):
+    """``fabric``'s next commit lands, but its answer is lost (an error instead)."""
+    from vmlend.registry.etcd_gateway import RegistryUnreachableError
+
+    gateway = fabric.registry.gateway
+    commit = gateway.txn
+
+    def txn(compare, success):
+        gateway.txn = commit
+        commit(compare, success)
+        raise RegistryUnreachableError("etcd", "the answer was lost")
+
+    gateway.txn = txn
+    try:
+        yield
+    finally:
+        gateway.txn = commit
 
 
 def _within_capacity(fabric) -> None:
@@ -223,7 +246,15 @@ def test_racing_reserves_keep_every_place_within_its_room(etcd_url, script):
                 fabrics[first[0]].registry.forget()
             if inner is not None:
                 land = _landing_first if where == "commit" else _landing_in_admission
-                land(fabrics[first[0]], lambda inner=inner: event(_run(fabrics, inner)))
+
+                def other(inner=inner, lost=where == "lost") -> None:
+                    if lost:
+                        with _answer_lost(fabrics[inner[0]]):
+                            event(f"answer lost: {_run(fabrics, inner)}")
+                    else:
+                        event(_run(fabrics, inner))
+
+                land(fabrics[first[0]], other)
             outcome = _run(fabrics, first)
             event(f"{first[1]}: {outcome}")
             if inner is not None:
@@ -645,6 +676,55 @@ def test_a_release_by_a_process_not_deciding_meets_no_change_to_other_vms(etcd_u
         assert hook.release(0x100, Holder("c", "vm0"))
         hook._restore()
         assert (hook.registry.conflicts, hook.registry.stale) == (0, 0)
+        ledgers_agree_with_blocks(url)
+    finally:
+        _close(fabrics)
+
+
+def test_a_commit_left_unanswered_makes_another_threads_decision_run_again(etcd_url, monkeypatch):
+    """b's VMs use 2 of b's adapter's 3 usable entries. A reserve for a third VM of b is
+    admitted; meanwhile another thread of the process releases a VM and its commit's answer
+    is lost, which drops the process's tally (the node is to be taken over again), and c's
+    VM takes the last free entry. The reserve must not decide on what is left of the tally
+    (its attempts in flight, none of the committed claims): it runs again, takes b over,
+    and is refused; b's adapter never holds more than its room."""
+    from vmlend.ledger import ledger
+    from vmlend.registry.etcd_gateway import RegistryUnreachableError
+
+    url = _url(etcd_url)
+    fabrics = _open(url, TOPOLOGY, {"b": "b", "c": "c"})
+    b, c = fabrics["b"], fabrics["c"]
+    try:
+        b.reserve(0x100, Holder("b", "vm0"), guest_ram=GiB)
+        b.reserve(0x101, Holder("b", "vm1"), guest_ram=GiB)
+        gateway = b.registry.gateway
+        commit = gateway.txn
+
+        def lost(compare, success):
+            gateway.txn = commit
+            raise RegistryUnreachableError("etcd", "the answer was lost")
+
+        admit = ledger.admit
+        landed: list[str] = []
+
+        def admitting(*args, **kwargs):
+            if not landed:
+                landed.append("admission")
+                gateway.txn = lost
+                with contextlib.suppress(VmlendError, RegistryUnreachableError):
+                    b.release(0x101, Holder("b", "vm1"))
+                _landing_first(
+                    b, lambda: landed.append(str(c.reserve(0x200, Holder("c", "vm0")).created))
+                )
+            return admit(*args, **kwargs)
+
+        monkeypatch.setattr(ledger, "admit", admitting)
+        with contextlib.suppress(VmlendError):
+            b.reserve(0x102, Holder("b", "vm2"), guest_ram=GiB)
+        monkeypatch.setattr(ledger, "admit", admit)
+        b._restore()
+        assert landed == ["admission", "True"]
+        _within_capacity(c)
         ledgers_agree_with_blocks(url)
     finally:
         _close(fabrics)
