@@ -274,14 +274,8 @@ def test_racing_reserves_keep_every_place_within_its_room(etcd_url, script):
 
 def _cluster(etcd_url: str, *nodes: str) -> tuple[str, dict[str, object]]:
     """A cluster of ``TOPOLOGY`` of its own, and a fabric (process) per node of ``nodes``."""
-    server, _cluster = etcd_url.rsplit("/", 1)
-    url = f"{server}/picked-{uuid.uuid4().hex[:12]}"
-    init_fabric(url, TOPOLOGY, "tight.toml")
-    fabrics = {}
-    for n in nodes:
-        fabrics[n] = open_fabric(url, n)
-        fabrics[n].registry.deciders = Deciders()
-    return url, fabrics
+    url = _url(etcd_url)
+    return url, _open(url, TOPOLOGY, {n: n for n in nodes})
 
 
 def _close(fabrics) -> None:
@@ -415,20 +409,9 @@ def test_a_move_into_a_node_racing_its_decider_never_overcommits_its_adapter(etc
     (which b's decider would not meet): it is refused there instead."""
     from vmlend.ledger import handover
 
-    server, _cluster = etcd_url.rsplit("/", 1)
-    url = f"{server}/move-{uuid.uuid4().hex[:12]}"
-    wide = 'window = "16GiB"\n  segments = 16\n  lut_entries = 18'
-    text = (
-        'name = "move"\n'
-        + _node("a", 1, 4).replace('window = "4GiB"\n  segments = 4\n  lut_entries = 5', wide)
-        + _node("b", 2, 0)
-        + _node("c", 3, 0).replace('window = "4GiB"\n  segments = 4\n  lut_entries = 5', wide)
-        + '\n[[switch]]\nname = "sw"\nports = ["a:0", "b:0", "c:0"]\n'
-    )
-    init_fabric(url, text, "move.toml")
-    fabrics = {p: open_fabric(url, n) for p, n in (("b", "b"), ("c", "c"), ("mover", "c"))}
-    for f in fabrics.values():
-        f.registry.deciders = Deciders()
+    url = _url(etcd_url)
+    text = _text("move", _sized("a", 1, 4, 16), _node("b", 2, 0), _sized("c", 3, 0, 16))
+    fabrics = _open(url, text, {"b": "b", "c": "c", "mover": "c"})
     b, c, mover = fabrics["b"], fabrics["c"], fabrics["mover"]
     try:
         b.reserve(0x100, Holder("b", "vm0"), guest_ram=GiB)
@@ -467,21 +450,9 @@ def test_a_hot_move_from_a_node_whose_adapter_is_full_switches_over(etcd_url):
 
     from vmlend.ledger import handover
 
-    server, _cluster = etcd_url.rsplit("/", 1)
-    url = f"{server}/switch-{uuid.uuid4().hex[:12]}"
-    wide = 'window = "16GiB"\n  segments = 16\n  lut_entries = 18'
-    small = 'window = "4GiB"\n  segments = 4\n  lut_entries = 5'
-    text = (
-        'name = "switch"\n'
-        + _node("a", 1, 4).replace(small, wide)
-        + _node("b", 2, 0).replace(small, wide)
-        + _node("c", 3, 4)
-        + '\n[[switch]]\nname = "sw"\nports = ["a:0", "b:0", "c:0"]\n'
-    )
-    init_fabric(url, text, "switch.toml")
-    fabrics = {p: open_fabric(url, n) for p, n in (("a", "a"), ("c", "c"), ("mover", "b"))}
-    for f in fabrics.values():
-        f.registry.deciders = Deciders()
+    url = _url(etcd_url)
+    text = _text("switch", _sized("a", 1, 4, 16), _sized("b", 2, 0, 16), _node("c", 3, 4))
+    fabrics = _open(url, text, {"a": "a", "c": "c", "mover": "b"})
     a, c, mover = fabrics["a"], fabrics["c"], fabrics["mover"]
     try:
         c.reserve(0x100, Holder("c", "vm0"), guest_ram=GiB)
