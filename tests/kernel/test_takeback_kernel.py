@@ -34,7 +34,7 @@ from vmlend.kernel.driver import device_name
 from vmlend.kernel.mdev import MdevBus
 from vmlend.registry import FenceRecord, parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
-from vmlend.registry.etcd_keys import Keys, is_extent
+from vmlend.registry.etcd_keys import Keys, is_extent, lent_share
 from vmlend.wiring.fabric import open_fabric
 
 pytestmark = pytest.mark.libvirtd
@@ -79,14 +79,18 @@ def fences(url: str, node: str) -> list[FenceRecord]:
 def cluster_keys(url: str) -> list[str]:
     """Every key of the cluster, without its prefix, but a node's extents: unit blocks of
     its own share of its adapter, which its decider keeps for its next VMs (etcd layout 6),
-    no hold's."""
+    and a lender's lent entries (layout 7): no hold's."""
     keys = Keys(parse_location(url).cluster)
     gw = EtcdGateway(parse_location(url).endpoints)
     try:
         _rev, kvs = gw.range(keys.base, prefix_end(keys.base))
     finally:
         gw.close()
-    return sorted(kv.key.removeprefix(keys.base) for kv in kvs if not is_extent(kv.value))
+    return sorted(
+        kv.key.removeprefix(keys.base)
+        for kv in kvs
+        if not is_extent(kv.value) and lent_share(kv.value) is None
+    )
 
 
 def stop(agent: subprocess.Popen[bytes]) -> int:

@@ -34,7 +34,7 @@ from tests.support.simfabric import make_fabric
 from vmlend.hypervisor.base import DomainState
 from vmlend.registry import parse_location
 from vmlend.registry.etcd_gateway import EtcdGateway
-from vmlend.registry.etcd_keys import Keys, is_extent
+from vmlend.registry.etcd_keys import Keys, is_extent, lent_share
 from vmlend.topology.model import Holder
 
 #: Bounded waits for what an agent does after an event (process start-ups included).
@@ -112,8 +112,15 @@ def test_after_an_etcd_outage_longer_than_the_ttl_the_vm_runs_on_holds_of_a_live
         assert _hold_lease(gw, keys, GPU) == lease, gamma.log()
         _rev, kvs = gw.range(keys.base, keys.base[:-1] + "0")
         # the claims, on the unit blocks of the VM; its marker, the node's index of holds
-        # (gamma's extents, on no lease, are its node's: etcd layout 6)
-        units = [kv for kv in kvs if kv.key.startswith(keys.units) and not is_extent(kv.value)]
+        # (gamma's extents, on no lease, are its node's: etcd layout 6; the lender's lent
+        # entries its: layout 7)
+        units = [
+            kv
+            for kv in kvs
+            if kv.key.startswith(keys.units)
+            and not is_extent(kv.value)
+            and lent_share(kv.value) is None
+        ]
         mdevs = [kv for kv in kvs if kv.key.startswith(keys.mdevs_on("gamma"))]
         index = [kv for kv in kvs if kv.key == keys.vm_holds("gamma", "web")]
         assert units and mdevs and index

@@ -16,6 +16,7 @@ from vmlend.registry.etcd_keys import (
     claim_from_dict,
     claims_of_block,
     is_extent,
+    lent_share,
 )
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
@@ -56,15 +57,28 @@ def unit_blocks_held(
     url: str, *, extents: bool | None = None
 ) -> dict[tuple[str, str], list[tuple[int, int]]]:
     """Per (adapter, lut|seg), the ``(start, size)`` of each unit block the registry holds,
-    in order: the VMs' and the nodes' extents (``extents`` None), the extents alone (True)
-    or the VMs' alone (False)."""
+    in order: the VMs', the nodes' extents and lent entries (``extents`` None), the extents
+    alone (True) or the VMs' alone (False)."""
     keys, kvs = _read(url, lambda k: k.units)
     out: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for kv in kvs:
         if extents is not None and is_extent(kv.value) != extents:
             continue
+        if extents is False and lent_share(kv.value) is not None:
+            continue  # a lent entry: its lender's, no VM's
         adapter, unit, start, size = _block_of(keys, kv.key)
         out.setdefault((adapter, unit), []).append((start, size))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def lent_entries_held(url: str) -> dict[str, list[str]]:
+    """Per adapter or switch port, the requester shares of the lent entries there."""
+    keys, kvs = _read(url, lambda k: k.units)
+    out: dict[str, list[str]] = {}
+    for kv in kvs:
+        share = lent_share(kv.value)
+        if share is not None:
+            out.setdefault(_block_of(keys, kv.key)[0], []).append(share)
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -78,11 +92,19 @@ def ledgers_agree_with_blocks(url: str) -> None:
     keys, blocks = _read(url, lambda k: k.units)
     _k, markers = _read(url, lambda k: k.vm_markers)
     _k, deciders = _read(url, lambda k: k.base + "decider/")
+    devices = _device_requesters(url)
     owned: dict[tuple[str, str], dict[str, bytes]] = {}  # (owner, adapter) -> key -> value
     leases: dict[str, set[int]] = {}  # owner -> the leases its blocks are on
     extents: dict[tuple[str, str, str], list[tuple[int, int]]] = {}  # (node, place) -> spans
+    lent: dict[tuple[str, str], int] = {}  # (place, requester share) -> its lent entries
     for kv in blocks:
         adapter, unit, start, size = _block_of(keys, kv.key)
+        share = lent_share(kv.value)
+        if share is not None:
+            assert own_node_of(adapter) == block_owner(kv.value), ("lent off its node", kv.key)
+            assert (unit, size, kv.lease) == ("lut", 1, 0), ("a lent entry is one LUT unit", kv.key)
+            lent[(adapter, share)] = lent.get((adapter, share), 0) + 1
+            continue
         if is_extent(kv.value):
             node = block_owner(kv.value)
             assert own_node_of(adapter) == node, ("an extent off its node's own", kv.key)
@@ -103,22 +125,42 @@ def ledgers_agree_with_blocks(url: str) -> None:
         assert leases.get(owner, {kv.lease}) == {kv.lease}, (owner, leases[owner], kv.lease)
         ledger = d.get("ledger", {})
         assert set(ledger) <= set(d.get("fdids", [])), (kv.key, "claims of a hold not listed")
-        # on its node's own places a VM has no blocks: its node's decider counts its claims
+
+        # on its node's own places a VM has no blocks: its node's decider counts its claims;
+        # nor for a lent device's requester entries, its lender's lent entries
+        def covered(f: int, c: dict) -> bool:
+            lender, share = devices.get(f, ("", ""))
+            return (
+                c["kind"] == "lut" and c["share"] == share and own_node_of(c["adapter"]) == lender
+            )
+
+        for f, claims in ledger.items():
+            for c in claims:
+                if covered(int(f, 16), c):
+                    assert lent.get((c["adapter"], c["share"])) == 1, (
+                        "a lent device's entry held with no lent entry (or two)",
+                        kv.key,
+                        c,
+                    )
         rows = [
             EtcdTxn._row(c)
-            for claims in ledger.values()
+            for f, claims in ledger.items()
             for c in claims
-            if own_node_of(c["adapter"]) != node
+            if own_node_of(c["adapter"]) != node and not covered(int(f, 16), c)
         ]
         own_claims.setdefault(node, []).extend(
             (int(f, 16), claim_from_dict(c))
             for f, claims in ledger.items()
             for c in claims
-            if own_node_of(c["adapter"]) == node
+            if own_node_of(c["adapter"]) == node and not covered(int(f, 16), c)
         )
         need = EtcdTxn._units_needed(rows)
         have: dict[tuple[str, str], int] = {}
-        on = {a: c for a, c in EtcdTxn._claims_by_adapter(ledger).items() if own_node_of(a) != node}
+        on = {
+            a: kept
+            for a, c in EtcdTxn._claims_by_adapter(ledger).items()
+            if own_node_of(a) != node and (kept := [x for x in c if not covered(x["fdid"], x)])
+        }
         for adapter in set(d.get("blocks", {})) | set(on):
             spans = d.get("blocks", {}).get(adapter, {})
             want = sorted(
@@ -137,6 +179,7 @@ def ledgers_agree_with_blocks(url: str) -> None:
             listed.add((owner, adapter))
         assert have == need, (owner, have, need)
     assert set(owned) <= listed, ("blocks of no marker", set(owned) - listed)
+    assert all(n == 1 for n in lent.values()), ("two lent entries of one requester", lent)
     # each node's epoch key lists its extents, and what its VMs use of its own places fits
     listed_extents: dict[tuple[str, str, str], list[tuple[int, int]]] = {}
     for kv in deciders:
@@ -157,12 +200,41 @@ def ledgers_agree_with_blocks(url: str) -> None:
             assert n <= room, (node, adapter, unit, n, room)
 
 
+def _device_requesters(url: str) -> dict[int, tuple[str, str]]:
+    """Per device of the cluster's topology, its lender and requester share."""
+    from vmlend.registry import open_registry
+    from vmlend.topology.compiled import stored_topology
+    from vmlend.topology.requesters import requester_share
+
+    registry = open_registry(url)
+    try:
+        with registry.read() as tx:
+            record = tx.topology()
+    finally:
+        registry.close()
+    if record is None:
+        return {}
+    topo = stored_topology(record)
+    return {d.fdid: (d.lender, requester_share(d)) for d in topo.devices}
+
+
 def own_units_fit(url: str, fabric) -> None:
-    """What the claims use is on the VMs' blocks exactly where hosts contend, and within
-    their node's extents on a node's own places (``ledgers_agree_with_blocks``)."""
+    """What the claims use is on the VMs' blocks exactly where hosts contend (but a lent
+    device's requester entries, on its lender's lent entries), and within their node's
+    extents on a node's own places (``ledgers_agree_with_blocks``)."""
     with fabric.registry.read() as tx:
         claims, holds = tx.claims(), tx.holds()
-    contended = [(f, c) for f, c in claims if own_node_of(c.adapter) != holds[f].holder.node]
+    devices = _device_requesters(url)
+
+    def lent(f: int, c) -> bool:  # a lent device's requester entry: its lender's lent entry
+        lender, share = devices.get(f, ("", ""))
+        return c.kind.value == "lut" and c.share == share and own_node_of(c.adapter) == lender
+
+    contended = [
+        (f, c)
+        for f, c in claims
+        if own_node_of(c.adapter) != holds[f].holder.node and not lent(f, c)
+    ]
     assert unit_keys_held(url, extents=False) == _usage_of(fabric, contended)
     ledgers_agree_with_blocks(url)
 
@@ -218,3 +290,14 @@ def last_capacity(limit: str, extra: int) -> tuple[str, int]:
         return star_topology(2, 3, lut_entries=3 + extra), 0
     window = f"{2 * (1 + extra)}GiB"
     return star_topology(2, 3, lender_window=window, lender_segments=2 * (1 + extra)), 2 * GiB
+
+
+def set_aside_lut(fabric) -> dict[str, int]:
+    """Per adapter or switch port, the LUT entries the registry sets aside for no hold (a
+    lender's lent entries, etcd layout 7; none on SQLite)."""
+    with fabric.registry.read() as tx:
+        aside = tx.set_aside()
+    out: dict[str, int] = {}
+    for _fdid, claim in aside:
+        out[claim.adapter] = out.get(claim.adapter, 0) + claim.entries
+    return out

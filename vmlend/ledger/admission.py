@@ -425,7 +425,8 @@ def admit_vm(
     holds = {
         f: h for f, h in view.holds.items() if leaving is None or not same_holder(h.holder, leaving)
     }
-    claims = [(f, c) for f, c in view.claims if f in holds]
+    # the holds' claims, and what the registry sets aside with no hold (fdid 0)
+    claims = [(f, c) for f, c in view.claims if f in holds or f == 0]
     out: dict[int, Admission] = {}
     for fdid in fdids:
         adm = admit(

@@ -168,7 +168,10 @@ def claim_destination(
                 handover_record.clear(tx, sorted({*old.devices, *old.shares}), source.vm_uuid)
         topo = admission_topology(tx)
         view = StateView(
-            nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
+            nodes=tx.nodes(),
+            devices=tx.devices(),
+            holds=tx.holds(),
+            claims=tx.claims() + tx.set_aside(),
         )
         result = admit_vm(topo, view, fdids, destination.node, guest_ram, destination, source)
         for fdid, adm in result.items():

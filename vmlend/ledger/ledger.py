@@ -312,12 +312,12 @@ class Ledger(ShareOps):
     def usage(self) -> dict[str, AdapterUsage]:
         """Per adapter ref, the LUT entries and window segments the holds use."""
         with self._reg.read() as tx:
-            return adapter_usage(self._topology(tx), tx.claims())
+            return adapter_usage(self._topology(tx), tx.claims() + tx.set_aside())
 
     def port_usage(self) -> list[PortUsage]:
         """The cluster switch ports whose requester tables the holds use, by name."""
         with self._reg.read() as tx:
-            return ports_in_use(self._topology(tx), tx.claims())
+            return ports_in_use(self._topology(tx), tx.claims() + tx.set_aside())
 
     # --- lender side -----------------------------------------------------------------------
     def lend(self, fdid: int) -> DeviceStatus:
@@ -572,7 +572,10 @@ class Ledger(ShareOps):
     def _whole_view(tx: StateTxn) -> StateView:
         """The whole state: what a VM's admission on another node (a migration) sums over."""
         return StateView(
-            nodes=tx.nodes(), devices=tx.devices(), holds=tx.holds(), claims=tx.claims()
+            nodes=tx.nodes(),
+            devices=tx.devices(),
+            holds=tx.holds(),
+            claims=tx.claims() + tx.set_aside(),
         )
 
     def _view(

@@ -360,7 +360,13 @@ def follow_ports(tx: StateTxn, topology: Topology, hw: object, fdid: int) -> Non
     # its crossing's claims only: the hold's peer-to-peer claims on ports (another device's
     # requester, as the target) are not the crossing's
     on = tx.claims_on(sorted(between | want))
-    mine = {c.adapter for f, c in on if f == fdid and c.kind is ClaimKind.LUT}
+    # on the port toward its lender, the etcd registry shows the device's requester entry
+    # as its lender's lent entry (a claim of no hold: ``EtcdTxn._lent_claims``)
+    mine = {
+        c.adapter
+        for f, c in on
+        if c.kind is ClaimKind.LUT and (f == fdid or (f == 0 and c.share == share))
+    }
     stale, missing = (mine & between) - want, want - mine
     if not stale and not missing:
         return

@@ -243,9 +243,9 @@ def reserve_share(
         # its CPU's windows onto its CMB extent and its doorbell page, in its adapter's window
         page = share.page is not None
         windows = cpu_window_claims(topology, fdid, holder, share.cmb_extent, page)
-        check_cpu_windows(topology, tx.claims(), fdid, holder, windows)
+        check_cpu_windows(topology, tx.claims() + tx.set_aside(), fdid, holder, windows)
         claims += windows
-        check_share_claims(topology, tx.claims(), fdid, holder, claims)
+        check_share_claims(topology, tx.claims() + tx.set_aside(), fdid, holder, claims)
         # its completion interrupts' window: never a refusal (none left: they are relayed)
         if msi:
             claims += share_msi_claims(topology, tx.claims(), fdid, holder, claims, paths)

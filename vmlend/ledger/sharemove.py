@@ -99,9 +99,9 @@ def claim(
         topology, fdid, destination, share.cmb_extent, share.page is not None
     )
     try:  # its CPU's windows onto the drive, from the destination
-        check_cpu_windows(topology, tx.claims(), fdid, destination, windows)
+        check_cpu_windows(topology, tx.claims() + tx.set_aside(), fdid, destination, windows)
         claims += windows
-        check_share_claims(topology, tx.claims(), fdid, destination, claims)
+        check_share_claims(topology, tx.claims() + tx.set_aside(), fdid, destination, claims)
     except FabricError as e:
         raise FabricError(f"the NVMe share of {fd}: {e}") from e
     # its interrupt window follows it: the destination's, admitted like the rest (never a
@@ -214,9 +214,9 @@ def move_problems(
             windows = cpu_window_claims(
                 topology, fdid, destination, moving.cmb_extent, moving.page is not None
             )
-            check_cpu_windows(topology, tx.claims(), fdid, destination, windows)
+            check_cpu_windows(topology, tx.claims() + tx.set_aside(), fdid, destination, windows)
             claims += windows
-            check_share_claims(topology, tx.claims(), fdid, destination, claims)
+            check_share_claims(topology, tx.claims() + tx.set_aside(), fdid, destination, claims)
         except FabricError as e:
             problems.append(f"the NVMe share of {fd}: {e}")
     return problems

@@ -391,6 +391,21 @@ def is_extent(raw: bytes) -> bool:
     return b'"extent"' in raw and load(raw).get("extent") is True
 
 
+def lent_to_json(node: str, share: str) -> bytes:
+    """A lent entry's value: a unit block of the requester entry ``node`` sets aside for its
+    lent device(s) of requester ``share`` on its adapter or the switch port toward it (layout
+    7): the holds of those devices use it, with no block of their VM."""
+    return dump({"vm": node, "lent": share})
+
+
+def lent_share(raw: bytes) -> str | None:
+    """The requester share of a lent entry (``lent_to_json``); None: another block."""
+    if b'"lent"' not in raw:
+        return None
+    share = load(raw).get("lent")
+    return share if isinstance(share, str) else None
+
+
 def block_owner(raw: bytes) -> str:
     """The ``<node>/<vm>`` a unit block is of."""
     owner = load(raw)["vm"]

@@ -57,7 +57,7 @@ from vmlend.registry.records import (
 from vmlend.registry.schema import ETCD_SCHEMA_VERSION
 from vmlend.registry.topopieces import StoredTopology, StoredView
 from vmlend.topology.model import Holder, Topology
-from vmlend.topology.requesters import is_port, port_switch
+from vmlend.topology.requesters import is_port, port_switch, requester_share
 
 _AGENT_GONE = (
     "its vmlend agent is not running (stopped or dead: it has no live lease); start the agent"
@@ -406,6 +406,10 @@ def _beyond(
     return out
 
 
+#: Per (topology digest, fdid), the device's lender and requester share (``_covered``).
+_LENT_SHARES: dict[tuple[str, int], tuple[str, str]] = {}
+
+
 def _node_of_ref(ref: str) -> str | None:
     """The node an adapter ref ``node:index``, or a switch port toward one, names by its
     spelling (None: a port toward another switch); what ``prefetch`` reads before the
@@ -650,6 +654,7 @@ class EtcdTxn:
         hint: int,
         *,
         extent: bool = False,
+        lent: str | None = None,
     ) -> list[tuple[int, int]]:
         """Create blocks of ``n`` units (``(start, size)`` each: one block per bit of ``n``,
         none larger than ``MAX_BLOCK``, split in halves where no aligned free block of that
@@ -691,7 +696,7 @@ class EtcdTxn:
             within = max(0, min(n, cap - len(taken)))
             if n > within and not extent and self._shrink_for(adapter, unit, n - within):
                 # the node gave claims back in this attempt: its extents' slack serves it
-                return self._take_units(adapter, unit, n, holder, hint)
+                return self._take_units(adapter, unit, n, holder, hint, lent=lent)
             if n > within:
                 what, units = (
                     ("requester LUT", "entries")
@@ -726,6 +731,8 @@ class EtcdTxn:
         # gives it back
         if extent:
             owner = enc.extent_to_json(holder.node)
+        elif lent is not None:  # a lent entry: its node's, on no lease (``_lent_entry``)
+            owner = enc.lent_to_json(holder.node, lent)
         else:
             owner = enc.block_to_json(f"{holder.node}/{holder.vm}")
         marker = self._k.vm_holds(holder.node, holder.vm)
@@ -750,7 +757,7 @@ class EtcdTxn:
                     self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
                 outer *= 2
             key = self._k.unit_block(adapter, unit, start, size)
-            if extent:
+            if extent or lent is not None:
                 self._put(key, owner)
             else:
                 self._put(key, owner, leased=True, lease_of=marker)
@@ -808,6 +815,114 @@ class EtcdTxn:
                 on.setdefault(c["adapter"], []).append({"fdid": int(f, 16), **c})
         return on
 
+    def _on_blocks(
+        self, ledger: dict[str, list[dict[str, Any]]], own: Collection[str]
+    ) -> dict[str, list[dict[str, Any]]]:
+        """A ledger's claims its VM's head blocks carry, per adapter: not on its node's own
+        places, nor a lent device's requester entries (``_covered``)."""
+        return {
+            a: kept
+            for a, claims in self._claims_by_adapter(ledger).items()
+            if a not in own and (kept := [c for c in claims if not self._covered(c["fdid"], c)])
+        }
+
+    def _covered(self, fdid: int, c: dict[str, Any]) -> bool:
+        """The claim (of the hold of ``fdid``, as ``etcd_keys.claim_to_dict``) is its
+        device's requester entry on an adapter of its lender or on a switch port toward one:
+        an entry the lender sets aside while the device is lent (``_lent_entry``), which the
+        holds of the device use with no block of their VM (layout 7)."""
+        if c.get("kind") != ClaimKind.LUT.value:
+            return False
+        lender_share = self._lent_share_of(fdid)
+        if lender_share is None or c.get("share") != lender_share[1]:
+            return False
+        return self._own_node(str(c["adapter"])) == lender_share[0]
+
+    def _lent_share_of(self, fdid: int) -> tuple[str, str] | None:
+        """The lender and requester share of device ``fdid`` (None: not in the topology)."""
+        digest = self.topology_digest() or ""
+        found = _LENT_SHARES.get((digest, fdid))
+        if found is None:
+            topo = self._topo_compiled()
+            if not topo.has_device(fdid):
+                return None
+            spec = topo.device(fdid)
+            if len(_LENT_SHARES) >= 1 << 17:  # a process sees one topology, rarely a few
+                _LENT_SHARES.clear()
+            found = _LENT_SHARES[(digest, fdid)] = (spec.lender, requester_share(spec))
+        return found
+
+    def _lent_entry(self, adapter: str, share: str, fdid: int) -> None:
+        """The requester entry of ``share`` on ``adapter`` that the lender of device
+        ``fdid`` sets aside while it lends it. The device's record lists where it is (and
+        every record of its requester's devices, its functions, the same): the record a
+        reserve compares anyway, which an unlend that deletes the entry rewrites. Taken by
+        the first hold after a lend, on no lease (the lender's), and listed in those records
+        (written: two first holds of one requester conflict)."""
+        lender, _share = self._lent_share_of(fdid) or ("", "")
+        # its own record's listing, or another function's (one a topology amend added has
+        # none of its own yet): every record read is compared
+        where = next(
+            (
+                listed
+                for f in (fdid, *(g for g in self._siblings(fdid) if g != fdid))
+                if (listed := self._device_dict(f).get("entries", {}).get(adapter)) is not None
+            ),
+            None,
+        )
+        start: int | None = None
+        if where is not None:
+            key = self._k.unit_block(adapter, "lut", int(where), 1)
+            raw = self._get(key)  # compared: a remembered view may be older than the record
+            if raw is not None and enc.lent_share(raw) == share:
+                return
+            if raw is not None and self._covers_nothing(raw, lender):
+                # a topology amend renumbered the device while it was lent and idle: its
+                # entry, of a requester no device has now, becomes its new requester's
+                self._put(key, enc.lent_to_json(lender, share))
+                start = int(where)
+        if start is None:
+            (start, _size), *_rest = self._take_units(
+                adapter, "lut", 1, Holder(lender, ""), fdid, lent=share
+            )
+        for sibling in self._siblings(fdid):
+            d = self._device_dict(sibling)
+            d["entries"] = {**d.get("entries", {}), adapter: start}
+            self._put(self._k.device(sibling), enc.dump(d))
+
+    def _covers_nothing(self, raw: bytes, lender: str) -> bool:
+        """The block ``raw`` is a lent entry of ``lender`` for a requester none of its devices
+        has in the topology now (an amend changed its address): no hold uses it."""
+        share = enc.lent_share(raw)
+        if share is None or enc.block_owner(raw) != lender:
+            return False
+        return all(
+            (found := self._lent_share_of(d.fdid)) is None or found[1] != share
+            for d in self._topo_compiled().devices_of(lender)
+        )
+
+    def _siblings(self, fdid: int) -> list[int]:
+        """Device ``fdid`` and the other functions of its requester (same lender and
+        requester share), which share its requester entries."""
+        lender, share = self._lent_share_of(fdid) or ("", "")
+        return [
+            d.fdid
+            for d in self._topo_compiled().devices_of(lender)
+            if d.fdid == fdid or self._lent_share_of(d.fdid) == (lender, share)
+        ]
+
+    def _device_dict(self, fdid: int) -> dict[str, Any]:
+        """Device ``fdid``'s record as stored (with the lent entries it lists), or as the
+        topology starts it."""
+        raw = self._get(self._k.device(fdid))
+        if raw is not None:
+            d: dict[str, Any] = enc.load(raw)
+            return d
+        rec = self.device(fdid)
+        if rec is None:
+            return {}
+        return {"fdid": fdid, "lender": rec.lender, "lent": rec.lent, "available": rec.available}
+
     def _change_ledger(
         self,
         node: str,
@@ -828,24 +943,35 @@ class EtcdTxn:
             ledger = {f: [dict(c) for c in claims] for f, claims in old.items()}
             change(ledger)
             ledger = {f: claims for f, claims in ledger.items() if claims}
-            # the node's own places are decided by count (``_decide``), not by the VM's blocks
+            # the node's own places are decided by count (``_decide``), and a lent device's
+            # requester entries are its lender's (``_lent_entry``): not the VM's blocks
             own = self._own_places_of(node, [*ledger.values(), *old.values()])
             rows = [
                 self._row(c)
-                for claims in ledger.values()
+                for f, claims in ledger.items()
                 for c in claims
-                if c["adapter"] not in own
+                if c["adapter"] not in own and not self._covered(int(f, 16), c)
             ]
             need = self._units_needed(rows)
             held: dict[str, dict[str, list[list[int]]]] = d.get("blocks", {})
-            on = {a: c for a, c in self._claims_by_adapter(ledger).items() if a not in own}
-            was = {a: c for a, c in self._claims_by_adapter(old).items() if a not in own}
+            on = self._on_blocks(ledger, own)
+            was = self._on_blocks(old, own)
             mine_before = self._pairs_on(old, own)
             mine_after = self._pairs_on(ledger, own)
+            lent = sorted(
+                {
+                    (c["adapter"], c["share"], int(f, 16))
+                    for f, claims in ledger.items()
+                    for c in claims
+                    if self._covered(int(f, 16), c)
+                }
+            )
         except _DAMAGE as e:
             raise StateRecordError("VM marker", key, f"{type(e).__name__}: {e}") from None
         if mine_before or mine_after:
             self._decide(node, key, mine_before, mine_after, fdid)
+        for adapter, share, of in lent:
+            self._lent_entry(adapter, share, of)
         blocks: dict[str, dict[str, list[list[int]]]] = {}
         holder = Holder(node, vm)
         for adapter in sorted({a for a, _u in need} | set(held) | set(on)):
@@ -911,14 +1037,17 @@ class EtcdTxn:
         seen = {c["adapter"] for claims in ledgers for c in claims}
         return {a for a in seen if self._own_node(a) == node}
 
-    @staticmethod
-    def _pairs_on(ledger: dict[str, list[dict[str, Any]]], adapters: Collection[str]) -> Pairs:
-        """The ``(fdid, claim)`` of ``ledger`` on ``adapters``."""
+    def _pairs_on(
+        self, ledger: dict[str, list[dict[str, Any]]], adapters: Collection[str]
+    ) -> Pairs:
+        """The ``(fdid, claim)`` of ``ledger`` on ``adapters``, but a lent device's requester
+        entries (``_covered``: its lender's, even where the VM is on the lender's node, as a
+        hot move's destination is while its claims still name the source's crossing)."""
         return tuple(
             (int(f, 16), enc.claim_from_dict(c))
             for f in sorted(ledger, key=lambda f: int(f, 16))
             for c in ledger[f]
-            if c["adapter"] in adapters
+            if c["adapter"] in adapters and not self._covered(int(f, 16), c)
         )
 
     def _own_pairs(self, node: str, raw: bytes) -> Pairs:
@@ -1647,16 +1776,43 @@ class EtcdTxn:
         return self._device_default(self._topology(), fdid)
 
     def _set_device(self, fdid: int, **change: bool) -> None:
-        rec = self.device(fdid)
-        if rec is None:
+        d = self._device_dict(fdid)
+        if not d:
             self._write()
             return
-        d = {"fdid": fdid, "lender": rec.lender, "lent": rec.lent, "available": rec.available}
         d.update(change)
         self._put(self._k.device(fdid), enc.dump(d))
 
     def set_lent(self, fdid: int, lent: bool) -> None:
+        rec = self.device(fdid)
         self._set_device(fdid, lent=lent)
+        if rec is not None and rec.lent and not lent:
+            self._unlent_entries(fdid)
+
+    def _unlent_entries(self, fdid: int) -> None:
+        """Device ``fdid`` is no longer lent: where no other function of its requester still
+        is, the entries its record lists go (``_lent_entry``), from every record that lists
+        them. The others' records are compared: a lend of one of them meanwhile makes this
+        run again."""
+        siblings = self._siblings(fdid)
+        if any((rec := self.device(f)) is not None and rec.lent for f in siblings if f != fdid):
+            return
+        lender_share = self._lent_share_of(fdid)
+        # what any function's record lists (one a topology amend added lists none)
+        entries: dict[str, int] = {}
+        for f in siblings:
+            entries.update(self._device_dict(f).get("entries", {}))
+        for place, start in sorted(entries.items()):
+            key = self._k.unit_block(place, "lut", int(start), 1)
+            raw = self._loose_range(self._k.units_of(place)).get(key)
+            if lender_share is None or raw is None:
+                continue
+            if enc.lent_share(raw) == lender_share[1] or self._covers_nothing(raw, lender_share[0]):
+                self._delete(key)
+        for f in siblings:
+            d = self._device_dict(f)
+            if d.pop("entries", None) is not None:
+                self._put(self._k.device(f), enc.dump(d))
 
     def set_available(self, fdid: int, available: bool) -> None:
         self._set_device(fdid, available=available)
@@ -1872,13 +2028,45 @@ class EtcdTxn:
 
     @_decoding("claim")
     def claims(self) -> list[tuple[int, Claim]]:
-        """Every claim: on the VMs' head blocks, and on their own node's places in their
-        markers' ledgers."""
+        """Every claim of a hold: on the VMs' head blocks, and in their markers' ledgers
+        those on their own node's places and a lent device's requester entries."""
         out = self._claims_of(self._range(self._k.units).values())
         markers = self._range(self._k.vm_markers)
         for key, raw in markers.items():
-            out += self._own_pairs(key.removeprefix(self._k.vm_markers).split("/", 1)[0], raw)
+            node = key.removeprefix(self._k.vm_markers).split("/", 1)[0]
+            out += self._own_pairs(node, raw)
+            ledger: dict[str, list[dict[str, Any]]] = enc.load(raw).get("ledger", {})
+            out += [
+                (int(f, 16), enc.claim_from_dict(c))
+                for f in sorted(ledger, key=lambda f: int(f, 16))
+                for c in ledger[f]
+                if self._covered(int(f, 16), c)
+            ]
         return out
+
+    @_decoding("claim")
+    def set_aside(self) -> list[tuple[int, Claim]]:
+        """Every lent entry, as a claim of no hold (``_lent_claims``)."""
+        out: list[tuple[int, Claim]] = []
+        by_adapter: dict[str, dict[str, bytes]] = {}
+        for key, raw in self._range(self._k.units).items():
+            if enc.lent_share(raw) is not None:
+                # ``<adapter>/lut-blocks/<start>/<size>``: a switch port's name has a "/"
+                head = key.removeprefix(self._k.units).rpartition("-blocks/")[0]
+                adapter = head.rpartition("/")[0]
+                by_adapter.setdefault(adapter, {})[key] = raw
+        for adapter, blocks in sorted(by_adapter.items()):
+            out += self._lent_claims(adapter, blocks)
+        return out
+
+    def _lent_claims(self, adapter: str, blocks: dict[str, bytes]) -> list[tuple[int, Claim]]:
+        """The lent entries among ``adapter``'s ``blocks``, as claims of no hold."""
+        prefix = self._k.unit_blocks(adapter, "lut")
+        return [
+            (0, Claim(adapter, ClaimKind.LUT, share, entries=1))
+            for key, raw in blocks.items()
+            if key.startswith(prefix) and (share := enc.lent_share(raw)) is not None
+        ]
 
     @_decoding("claim")
     def claims_on(self, adapters: Iterable[str]) -> list[tuple[int, Claim]]:
@@ -1887,11 +2075,15 @@ class EtcdTxn:
         epoch (``_decide``). There the node's VMs' claims are as its decider knows them, or
         for another process as their markers hold them: not the slack of the node's extents,
         which a take short of units makes the node give back (``_shrink_for``), and not what
-        the node's decider has added since (the take finds no unit for that: refused)."""
+        the node's decider has added since (the take finds no unit for that: refused). A
+        lent device's requester entry, which its holds use with no block of their VM, is a
+        claim of no hold (fdid 0) while it is set aside (``_lent_entry``): counted once by
+        admission, however many holds use it."""
         out = []
         for a in dict.fromkeys(adapters):
             blocks = self._loose_range(self._k.units_of(a))
             out += self._claims_of(blocks.values())
+            out += self._lent_claims(a, blocks)
             node = self._own_node(a)
             if node is None:
                 continue

@@ -25,11 +25,15 @@ SCHEMA_VERSION = 7
 #: its VMs by one process at a time, within the node's extents (``decider/<node>/``), with
 #: no unit block of a VM there; a vmlend of layout 5 would take blocks there unseen, so it is
 #: refused, and an older layout is opened only to be upgraded.
-ETCD_SCHEMA_VERSION = 6
+#: Version 7: a lent device's requester entries (on its lender's adapter and the switch port
+#: toward it) are its lender's lent entries, set aside at its first borrow and listed in its
+#: record, which its holds use with no block of their VM; a vmlend of layout 6 would not
+#: count them, so it is refused.
+ETCD_SCHEMA_VERSION = 7
 
 #: The oldest etcd layout whose holds and claims this vmlend reads: a cluster of an older one
 #: is opened by ``vmlend registry upgrade`` only.
-ETCD_HOLDS_LAYOUT = 6
+ETCD_HOLDS_LAYOUT = 7
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """

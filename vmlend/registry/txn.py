@@ -483,6 +483,9 @@ class SqliteTxn:
         rows = self._c.execute(f"SELECT {keptclaims.COLUMNS} FROM claims").fetchall()
         return self._claims_of(rows)
 
+    def set_aside(self) -> list[tuple[int, Claim]]:
+        return []  # a single-host state sets nothing aside
+
     def _claims_of(self, rows: list[Row]) -> list[tuple[int, Claim]]:
         """Each row's ``(fdid, claim)``, decoded once per open state."""
         seen, pair = self._claims_seen, self._claim_pair

@@ -99,6 +99,20 @@ def _own_places_decided(tx: EtcdTxn) -> str:
     )
 
 
+def _lent_entries_of_lenders(tx: EtcdTxn) -> str:
+    """6 -> 7: a lent device's requester entries are its lender's, set aside by its first
+    borrow (``EtcdTxn._lent_entry``): with every lease ended no hold needs one yet; what
+    layout 6 left without a lease goes, as in 4 -> 5."""
+    gone = tx.drop_layout4_holds()
+    what = "a lent device's requester entries are its lender's, set aside at its first borrow"
+    if not gone:
+        return f"no hold, marker or unit record was left; {what}"
+    return (
+        f"{gone} record(s) of holds, markers and units left without a lease deleted (their"
+        f" fences stay: the lenders take the devices back); {what}"
+    )
+
+
 def _same_records(_tx: EtcdTxn) -> str:
     """1 -> 2: the version was SQLite's schema's then; its version 2 changed SQLite alone."""
     return "no record changes (layout 2 differs from 1 in SQLite only)"
@@ -115,6 +129,7 @@ STEPS: dict[int, Callable[[EtcdTxn], str]] = {
     3: _generation_read_in_chunks,
     4: _holds_in_units,
     5: _own_places_decided,
+    6: _lent_entries_of_lenders,
 }
 
 

@@ -7,6 +7,7 @@ import io
 import pytest
 
 from tests.support.daemon_marks import REGISTRIES
+from tests.support.etcd_units import set_aside_lut
 from tests.support.simcluster import domain_of
 from tests.support.simfabric import make_fabric, small_topology
 from vmlend.errors import (
@@ -29,6 +30,7 @@ from vmlend.hook.main import run as run_hook
 from vmlend.ledger.admission import vm_share
 from vmlend.ledger.ledger import MDEV_TYPE
 from vmlend.registry import open_registry
+from vmlend.registry.etcd_store import EtcdRegistry
 from vmlend.topology.model import DeviceState, GiB, Holder
 from vmlend.topology.parse import parse_topology
 from vmlend.wiring.fabric import open_fabric
@@ -57,6 +59,11 @@ def fab(location):
 def _used(f, ref):
     u = f.usage()[ref]
     return u.lut_used, u.segments_used
+
+
+def _aside(f, ref) -> int:
+    """The LUT entries of ``ref`` its lender sets aside for its lent devices (etcd)."""
+    return set_aside_lut(f).get(ref, 0)
 
 
 def test_is_a_fabric_and_lists_the_default_cluster(fab):
@@ -116,7 +123,9 @@ def test_release_only_releases_the_holders_own_device(fab):
     assert fab.release(0x10, VM1) is True
     assert fab.release(0x10, VM1) is False
     assert fab.device(0x10).state is DeviceState.AVAILABLE
-    assert _used(fab, "alpha:0") == (0, 0) and _used(fab, "gamma:0") == (0, 0)
+    # on etcd alpha keeps 0x10's requester entry aside while it lends it (layout 7)
+    assert _used(fab, "alpha:0") == (_aside(fab, "alpha:0"), 0) and _used(fab, "gamma:0") == (0, 0)
+    assert _aside(fab, "alpha:0") == (1 if isinstance(fab.registry, EtcdRegistry) else 0)
     assert fab.release(0x999, VM1) is False  # unknown device: nothing was held
 
 
@@ -238,9 +247,13 @@ def test_dma_windows_count_once_per_lender_adapter_and_vm(fab):
     fab.reserve(0x11, VM1, guest_ram=16 * GiB)  # a full window still admits vm1's own windows
     fab.release(0x12, VM2)
     fab.release(0x10, VM1)
-    assert _used(fab, "alpha:0") == (1 + 1, 5 + 10)  # 0x11 still needs the windows and P2P
+    # 0x11 still needs the windows and P2P; on etcd alpha keeps the requester entries of
+    # 0x10 and 0x12 aside while it lends them (layout 7), 0x11's among them
+    idle = 2 if isinstance(fab.registry, EtcdRegistry) else 0
+    assert _aside(fab, "alpha:0") == (3 if idle else 0)
+    assert _used(fab, "alpha:0") == (1 + 1 + idle, 5 + 10)
     fab.release(0x11, VM1)
-    assert _used(fab, "alpha:0") == (0, 0)
+    assert _used(fab, "alpha:0") == (_aside(fab, "alpha:0"), 0)  # 3 set aside on etcd
     assert _used(fab, "beta:0") == (1, 5)  # 0x20 alone: no peer to reach
 
 
@@ -719,7 +732,14 @@ def test_a_rolled_back_prepare_leaves_the_state_exactly_as_before(fab, location,
         },
     )
     assert code == 1 and "held by gamma/vm2" in err.getvalue()
-    assert full_snapshot(path) == before
+    after = full_snapshot(path)
+    if isinstance(fab.registry, EtcdRegistry):
+        # 0x10, borrowed and given back, keeps its requester entry aside on alpha while
+        # alpha lends it (layout 7): the lender's, no hold's; all else is as it was
+        assert _aside(fab, "alpha:0") == 2  # and 0x12's, which vm2 holds
+        usage = [(ref, lut + (ref == "alpha:0"), seg) for ref, lut, seg in before[1]]
+        before = (before[0], usage, *before[2:])
+    assert after == before
 
 
 def test_admission_counts_the_dma_path_of_the_topology_as_it_is_now(fab):

@@ -21,7 +21,7 @@ from vmlend.errors import StateRecordError
 from vmlend.registry import SqliteRegistry
 from vmlend.registry.topocache import COPY_SUFFIX
 from vmlend.topology.chunked import CHUNK_BYTES
-from vmlend.topology.model import Holder
+from vmlend.topology.model import GiB, Holder
 from vmlend.wiring.fabric import init_fabric
 
 U1 = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
@@ -305,12 +305,14 @@ def _with_claim(head: dict, kind: str, **change: object) -> bytes:
 def test_a_claim_changed_under_an_open_etcd_registry_is_read_as_it_now_is(etcd_url):
     fab = make_fabric(etcd_url)
     try:
-        fab.reserve(0x10, WEB)
-        assert _claims_on(fab.registry, "alpha:0")[(0x10, "lut")].entries == 1
+        # with guest RAM: its DMA window is the VM's block on the lender's adapter, whose
+        # head carries the claims (its requester entry there is the lender's lent entry)
+        fab.reserve(0x10, WEB, guest_ram=GiB)
+        assert _claims_on(fab.registry, "alpha:0")[(0x10, "dma")].segments == 1
         key, head = _head_on(etcd_url, "alpha:0")
-        _put_raw(etcd_url, key, _with_claim(head, "lut", entries=3))
-        assert _claims_on(fab.registry, "alpha:0")[(0x10, "lut")].entries == 3
-        _put_raw(etcd_url, key, _with_claim(head, "lut", entries="x"))
+        _put_raw(etcd_url, key, _with_claim(head, "dma", segments=3))
+        assert _claims_on(fab.registry, "alpha:0")[(0x10, "dma")].segments == 3
+        _put_raw(etcd_url, key, _with_claim(head, "dma", segments="x"))
         with pytest.raises(StateRecordError, match="claim record"):
             _claims_on(fab.registry, "alpha:0")
     finally:
@@ -336,9 +338,9 @@ def test_a_claim_of_a_negative_amount_in_sqlite_is_a_damaged_record(held, column
 def test_a_claim_of_a_negative_amount_in_etcd_is_a_damaged_record(etcd_url, field):
     fab = make_fabric(etcd_url)
     try:
-        fab.reserve(0x10, WEB)
+        fab.reserve(0x10, WEB, guest_ram=GiB)
         key, head = _head_on(etcd_url, "alpha:0")
-        _put_raw(etcd_url, key, _with_claim(head, "lut", **{field: -5}))
+        _put_raw(etcd_url, key, _with_claim(head, "dma", **{field: -5}))
         with pytest.raises(StateRecordError, match="claim record"):
             _claims_on(fab.registry, "alpha:0")
     finally:

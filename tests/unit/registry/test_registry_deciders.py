@@ -28,40 +28,19 @@ from tests.support.etcd_units import (
     unit_keys_held,
 )
 from tests.support.hypothesis_tiers import examples
+from tests.support.tight_clusters import (
+    _close,
+    _node,
+    _open,
+    _sized,
+    _text,
+    _url,
+    _within_capacity,
+)
 from vmlend.errors import ResourceExhaustedError, VmlendError
-from vmlend.ledger.admission import port_usage, usage
 from vmlend.registry.decider import Deciders
 from vmlend.topology.model import GiB, Holder
-from vmlend.topology.requesters import is_port
 from vmlend.wiring.fabric import init_fabric, open_fabric
-
-
-def _node(name: str, node_id: int, lends: int) -> str:
-    devices = "".join(
-        f"""
-  [[node.device]]
-  fdid = {node_id * 0x100 + i}
-  bdf = "0000:{i + 1:02x}:00.0"
-  kind = "nic"
-  vendor = 0x8086
-  device = 0x1521
-  class = 0x020000
-  bars = [ {{ index = 0, size = "16MiB" }} ]
-"""
-        for i in range(lends)
-    )
-    # 3 usable LUT entries (2 kept for the CPU), 4 window segments of 1 GiB
-    return f"""
-[[node]]
-name = "{name}"
-id = {node_id}
-  [[node.adapter]]
-  index = 0
-  window = "4GiB"
-  segments = 4
-  lut_entries = 5
-{devices}"""
-
 
 TOPOLOGY = (
     'name = "tight"\n'
@@ -87,7 +66,9 @@ DEVICES = (0x100, 0x101, 0x102, 0x200, 0x201, 0x202)
 
 ops = st.tuples(
     st.sampled_from(sorted(PROCESSES)),
-    st.sampled_from(["reserve", "release"]),
+    # an unlend (refused while held) gives a device's lent entries back; a lend after it
+    # lets its next borrow set them aside again (layout 7)
+    st.sampled_from(["reserve", "release", "reserve", "release", "unlend", "lend"]),
     st.integers(0, 2),  # the VM of the process's node
     st.sampled_from(DEVICES),
 )
@@ -107,6 +88,12 @@ def _run(fabrics, op) -> str:
         if kind == "reserve":
             fabrics[proc].reserve(fdid, holder, guest_ram=GiB)
             return "reserved"
+        if kind == "unlend":
+            fabrics[proc].unlend(fdid)
+            return "unlent"
+        if kind == "lend":
+            fabrics[proc].lend(fdid)
+            return "lent"
         return "released" if fabrics[proc].release(fdid, holder) else "not held"
     except VmlendError as e:
         return type(e).__name__
@@ -173,19 +160,6 @@ def _answer_lost(fabric):
         yield
     finally:
         gateway.txn = commit
-
-
-def _within_capacity(fabric) -> None:
-    """No adapter or switch port holds more claims than it has room for."""
-    topo = fabric.topology()
-    with fabric.registry.read() as tx:
-        claims = tx.claims()
-    for ref, u in usage(topo, claims).items():
-        assert u.lut_used <= u.adapter.lut_usable, (ref, u)
-        assert u.segments_used <= u.adapter.segments, (ref, u)
-    ports = {c.adapter for _f, c in claims if is_port(c.adapter)}
-    for port, n in port_usage(claims, ports).items():
-        assert n <= topo.switch_requester_entries(port.split("/", 1)[0]), (port, n)
 
 
 @settings(
@@ -276,11 +250,6 @@ def _cluster(etcd_url: str, *nodes: str) -> tuple[str, dict[str, object]]:
     """A cluster of ``TOPOLOGY`` of its own, and a fabric (process) per node of ``nodes``."""
     url = _url(etcd_url)
     return url, _open(url, TOPOLOGY, {n: n for n in nodes})
-
-
-def _close(fabrics) -> None:
-    for f in fabrics.values():
-        f.close()
 
 
 def test_a_commit_sent_twice_and_refused_makes_the_node_read_again(etcd_url, monkeypatch):
@@ -468,36 +437,6 @@ def test_a_hot_move_from_a_node_whose_adapter_is_full_switches_over(etcd_url):
         _within_capacity(c)
     finally:
         _close(fabrics)
-
-
-def _text(name: str, *nodes: str) -> str:
-    return (
-        f'name = "{name}"\n'
-        + "".join(nodes)
-        + ('\n[[switch]]\nname = "sw"\nports = ["a:0", "b:0", "c:0"]\n')
-    )
-
-
-_SMALL = 'window = "4GiB"\n  segments = 4\n  lut_entries = 5'
-
-
-def _sized(node: str, node_id: int, lends: int, segments: int, lut: int = 18) -> str:
-    size = f'window = "{segments}GiB"\n  segments = {segments}\n  lut_entries = {lut}'
-    return _node(node, node_id, lends).replace(_SMALL, size)
-
-
-def _open(url: str, text: str, procs: dict[str, str]) -> dict[str, object]:
-    init_fabric(url, text, "picked.toml")
-    fabrics = {}
-    for proc, node in procs.items():
-        fabrics[proc] = open_fabric(url, node)
-        fabrics[proc].registry.deciders = Deciders()
-    return fabrics
-
-
-def _url(etcd_url: str) -> str:
-    server, _cluster = etcd_url.rsplit("/", 1)
-    return f"{server}/picked-{uuid.uuid4().hex[:12]}"
 
 
 def test_a_decision_sees_the_extents_another_thread_gave_back_since_its_admission(

@@ -24,7 +24,7 @@ from vmlend.registry import (
     parse_location,
 )
 from vmlend.registry.etcd_gateway import Endpoint, EtcdGateway
-from vmlend.registry.etcd_keys import is_extent
+from vmlend.registry.etcd_keys import is_extent, lent_share
 from vmlend.topology.model import DeviceState, GiB, Holder
 from vmlend.wiring.fabric import init_fabric, open_fabric
 
@@ -161,7 +161,10 @@ def test_records_live_one_per_key_under_the_cluster_prefix(etcd, etcd_url):
     # a switch port's requester entry, under the port's name
     assert any(k.startswith("units/mxs824/gamma:0/lut-blocks/") for k in keys)
     assert not [k for k in keys if k.startswith(("claims/", "held-on/"))]  # layout 4's
-    assert not any(k.startswith("devices/") for k in keys)  # all as the topology says
+    # every device as the topology says but 0x10's, whose record lists its lent entries
+    # (its requester entry on alpha's adapter and on the port toward it: layout 7)
+    assert {k for k in keys if k.startswith("devices/")} == {"devices/0x10"}
+    assert any(k.startswith("units/mxs824/alpha:0/lut-blocks/") for k in keys)
     # gamma's own places (its adapter, the switch port toward it) are its node's extents,
     # and its decider's epoch and extents keys list them (layout 6); none is the VM's
     assert {"decider/gamma/epoch", "decider/gamma/extents"} <= keys
@@ -169,12 +172,13 @@ def test_records_live_one_per_key_under_the_cluster_prefix(etcd, etcd_url):
     gammas = ("gamma:0", "mxs824/gamma:0")
     for gone in ("units/", "held-vm/", "holds/"):  # with its last hold, the VM's marker too
         _rev, kvs = gw.range(f"/vmlend/{cluster}/{gone}", f"/vmlend/{cluster}/{gone[:-1]}0")
-        # what stays: gamma's extents, which its decider keeps for its next VMs
-        left = [kv.key for kv in kvs if not is_extent(kv.value)]
+        # what stays: gamma's extents, which its decider keeps for its next VMs, and
+        # alpha's lent entries for 0x10, while it lends it
+        left = [kv.key for kv in kvs if not is_extent(kv.value) and not lent_share(kv.value)]
         assert left == [], gone
+        places = (*gammas, "alpha:0", "mxs824/alpha:0")
         assert all(
-            kv.key.startswith(tuple(f"/vmlend/{cluster}/units/{a}/" for a in gammas))
-            for kv in kvs
+            kv.key.startswith(tuple(f"/vmlend/{cluster}/units/{a}/" for a in places)) for kv in kvs
         ), gone
 
 
@@ -533,9 +537,11 @@ def test_a_hold_handed_over_goes_on_the_destination_hosts_lease(etcd, etcd_url, 
     assert leases(keys.hold(0x10)) == {beta}
     assert leases(keys.vm_holds("beta", VM1.vm)) == {beta}
     # and so do its unit blocks, which carry its claims: those it gave back and took again
-    # in the same transaction (gamma's own extents stay there, on no lease: gamma's)
+    # in the same transaction (gamma's own extents stay there, on no lease: gamma's, and
+    # alpha's lent entry, alpha's)
     for a in ("alpha:0", "gamma:0"):
         _rev, kvs = gw.range(keys.units_of(a), prefix_end(keys.units_of(a)))
-        assert {kv.lease for kv in kvs if not is_extent(kv.value)} == {beta}, a
-        assert {kv.lease for kv in kvs if is_extent(kv.value)} <= {0}, a
+        mine = [kv for kv in kvs if not is_extent(kv.value) and not lent_share(kv.value)]
+        assert {kv.lease for kv in mine} == {beta}, a
+        assert {kv.lease for kv in kvs if kv not in mine} <= {0}, a
     gw.close()

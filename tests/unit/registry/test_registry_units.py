@@ -16,6 +16,7 @@ from tests.support.etcd_daemon import host_lease
 from tests.support.etcd_units import (
     last_capacity,
     ledgers_agree_with_blocks,
+    lent_entries_held,
     own_units_fit,
     taking,
     unit_blocks_held,
@@ -59,12 +60,12 @@ def test_another_hosts_reserve_through_the_same_lender_does_not_conflict(etcd_ur
         assert mine.reserve(0x100, Holder("h0", "vm1")).created
         assert mine.registry.conflicts == 0  # the old code re-ran: a new claim on l:0
         assert other.device(0x101).holder == Holder("h1", "vm2")
-        # the lender's side is contended: each VM's blocks; each borrower's own side is its
-        # node's extents (``vmlend.registry.decider``), none of a VM
-        assert unit_keys_held(etcd_url, extents=False) == {
-            ("l:0", "lut"): 2,
-            ("sw/l:0", "lut"): 2,  # a requester entry for each device on the lender's port
-        }
+        # the lender's side: each device's requester entry is its lender's lent entry (on its
+        # adapter and on the port toward it), none a VM's block; each borrower's own side is
+        # its node's extents (``vmlend.registry.decider``), none of a VM
+        assert unit_keys_held(etcd_url, extents=False) == {}
+        lent = lent_entries_held(etcd_url)
+        assert {k: len(v) for k, v in lent.items()} == {"l:0": 2, "sw/l:0": 2}
         own = unit_keys_held(etcd_url, extents=True)
         assert set(own) == {
             (a, u) for n in ("h0", "h1") for a, u in ((f"{n}:0", "lut"), (f"{n}:0", "seg"))
@@ -396,10 +397,10 @@ def test_two_vms_sharing_a_devices_requester_entry_are_admitted_alike_on_both_re
 ):
     """Functions 0 and 1 of one device (0x100, 0x101) borrowed by VMs on two hosts share the
     device's requester entry on the lender's adapter, whose one usable entry the first takes:
-    admission counts it once, so the second is admitted, on SQLite as on etcd. Each VM's
-    units count it for itself, so on etcd the second's unit is taken beyond the capacity
-    (refused before, "short by 1 entry", where SQLite admitted it); another device's entry
-    is refused on both (the adapter is full); the unit beyond it goes with its VM."""
+    admission counts it once, so the second is admitted, on SQLite as on etcd. On etcd the
+    entry is the lender's lent entry, which both holds use (no unit beyond the capacity, as
+    when each VM took a unit of its own); another device's entry is refused on both (the
+    adapter is full); the lent entry stays while the device is lent."""
     text = star_topology(2, 3, lut_entries=3).replace(
         '"0000:01:01.0"', '"0000:01:00.1"'
     )  # 0x101: function 1 of 0x100's device
@@ -413,8 +414,10 @@ def test_two_vms_sharing_a_devices_requester_entry_are_admitted_alike_on_both_re
             f.reserve(0x102, Holder("h1", "vm3"))
         if where == "etcd":
             ledgers_agree_with_blocks(url)
-            assert unit_blocks_held(url)[("l:0", "lut")] == [(0, 1), (1, 1)]  # 1 is beyond
+            # one lent entry for the device's requester, which both holds use
+            assert unit_blocks_held(url)[("l:0", "lut")] == [(0, 1)]
+            assert lent_entries_held(url)["l:0"] == ["req:l/0000:01:00"]
         assert f.release(0x101, second)
         if where == "etcd":
-            assert unit_blocks_held(url)[("l:0", "lut")] == [(0, 1)]
+            assert unit_blocks_held(url)[("l:0", "lut")] == [(0, 1)]  # lent: it stays
             ledgers_agree_with_blocks(url)

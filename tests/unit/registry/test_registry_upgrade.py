@@ -83,9 +83,9 @@ def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, versi
     assert (out["action"], out["before"], out["after"]) == ("upgraded", version, latest)
     # 2 -> 3 installs a generation of this vmlend's format, so it reaches layout 4 at once
     assert [step.split(":")[0] for step in out["steps"]] == {
-        1: ["1 -> 2", "2 -> 4", "4 -> 5", "5 -> 6"],
-        2: ["2 -> 4", "4 -> 5", "5 -> 6"],
-        3: ["3 -> 4", "4 -> 5", "5 -> 6"],
+        1: ["1 -> 2", "2 -> 4", "4 -> 5", "5 -> 6", "6 -> 7"],
+        2: ["2 -> 4", "4 -> 5", "5 -> 6", "6 -> 7"],
+        3: ["3 -> 4", "4 -> 5", "5 -> 6", "6 -> 7"],
     }[version]
     after = _stored(etcd_url)
     assert keys.topology_record not in after
@@ -133,7 +133,7 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     line that says what to run. The upgrade deletes what was left of holds without a lease
     and keeps their fences, so the lenders take the devices back."""
     keys = _layout2(etcd_url)
-    assert _run(etcd_url).exit_code == 0  # layout 6 now: made layout 4 again below
+    assert _run(etcd_url).exit_code == 0  # layout 7 now: made layout 4 again below
     _put(etcd_url, keys.meta("schema_version"), b"4")
     left = _layout4_leftovers(etcd_url, keys)
     status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
@@ -144,7 +144,7 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["before"], out["after"]) == (4, 6)
+    assert (out["before"], out["after"]) == (4, 7)
     assert "5 record(s)" in out["steps"][0], out["steps"]
     after = _stored(etcd_url)
     assert not set(left) & set(after)
@@ -171,7 +171,30 @@ def test_a_layout_5_cluster_is_refused_until_upgraded(etcd_url):
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["before"], out["after"]) == (5, 6)
+    assert (out["before"], out["after"]) == (5, 7)
+    assert "2 record(s)" in out["steps"][0], out["steps"]
+    assert not set(left) & set(_stored(etcd_url))
+
+
+def test_a_layout_6_cluster_is_refused_until_upgraded(etcd_url):
+    """A vmlend of layout 6 takes a VM's blocks for a lent device's requester entries and
+    does not count the lender's lent entries, which layout 7's holds use instead: a
+    layout-6 cluster is opened only to be upgraded, and the upgrade deletes what was left
+    without a lease (a node's extents too: no hold needs them)."""
+    keys = _layout2(etcd_url)
+    assert _run(etcd_url).exit_code == 0
+    _put(etcd_url, keys.meta("schema_version"), b"6")
+    left = [keys.unit_block("alpha:0", "lut", 0, 1), keys.vm_holds("gamma", "db")]
+    for key in left:
+        _put(etcd_url, key, b"{}")
+    status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
+    assert status.exit_code != 0
+    lines = status.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has layout 6" in lines[0], status.output
+    r = _run(etcd_url, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["before"], out["after"]) == (6, 7)
     assert "2 record(s)" in out["steps"][0], out["steps"]
     assert not set(left) & set(_stored(etcd_url))
 

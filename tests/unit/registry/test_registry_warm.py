@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.etcd_units import last_capacity, own_units_fit, unit_keys_held
+from tests.support.etcd_units import (
+    last_capacity,
+    lent_entries_held,
+    own_units_fit,
+    unit_keys_held,
+)
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import DeviceHeldError, ResourceExhaustedError
 from vmlend.registry.etcd_gateway import KeyValue
@@ -59,13 +64,13 @@ def test_an_answer_without_writes_is_taken_from_fresh_reads(etcd_url):
         assert other.device(0x10).holder is None
 
 
-@pytest.mark.parametrize("limit", ["lut", "segments"])
-def test_units_remembered_free_but_taken_since_are_not_taken_twice(etcd_url, limit):
-    """l's adapter has room for one reservation. h0's process cycled 0x100 (so it
-    remembers the adapter's units free); h1 takes the room since: h0's reserve from what it
-    remembered meets h1's units (its guards compare from the revision they were read at),
-    runs again on fresh reads and is refused. No unit is taken twice."""
-    text, ram = last_capacity(limit, 0)
+def test_units_remembered_free_but_taken_since_are_not_taken_twice(etcd_url):
+    """l's adapter has room for one reservation's DMA window. h0's process cycled 0x100 (so
+    it remembers the adapter's segments free); h1 takes the room since: h0's reserve from
+    what it remembered meets h1's units (its guards compare from the revision they were
+    read at), runs again on fresh reads and is refused. No unit is taken twice. (The LUT
+    entries there are the lender's lent entries: the next test.)"""
+    text, ram = last_capacity("segments", 0)
     init_fabric(etcd_url, text, "star.toml")
     with open_fabric(etcd_url, "h0") as first, open_fabric(etcd_url, "h1") as second:
         _cycle(first, 0x100, Holder("h0", "vm1"), ram)
@@ -76,6 +81,30 @@ def test_units_remembered_free_but_taken_since_are_not_taken_twice(etcd_url, lim
         # (``unit_keys_held`` fails on a unit taken twice)
         own_units_fit(etcd_url, first)
         assert set(first.holds()) == {0x101}
+
+
+def test_a_lent_entry_remembered_but_given_back_since_is_not_used(etcd_url):
+    """l's adapter has one usable LUT entry. h0's process cycled 0x100 (it remembers its
+    lent entry there); another process unlends 0x100 (its entry goes), h1 borrows 0x101
+    (its entry takes the unit) and 0x100 is lent again: h0's reserve of 0x100 from what it
+    remembered reads again (0x100's record, which listed the entry, changed) and is
+    refused, never given the unit 0x101's entry holds."""
+    text, ram = last_capacity("lut", 0)
+    init_fabric(etcd_url, text, "star.toml")
+    with (
+        open_fabric(etcd_url, "h0") as first,
+        open_fabric(etcd_url, "h1") as second,
+        open_fabric(etcd_url, "l") as lender,
+    ):
+        _cycle(first, 0x100, Holder("h0", "vm1"), ram)
+        lender.unlend(0x100)
+        second.reserve(0x101, Holder("h1", "vm2"), guest_ram=ram)
+        lender.lend(0x100)
+        with pytest.raises(ResourceExhaustedError, match="requester LUT on l:0"):
+            first.reserve(0x100, Holder("h0", "vm1"), guest_ram=ram)
+        assert first.registry.stale == 1
+        own_units_fit(etcd_url, first)
+        assert lent_entries_held(etcd_url)["l:0"] == ["req:l/0000:01:01"]
 
 
 def test_ten_cycles_of_two_borrowers_through_one_adapter_pair_keep_the_units_exact(etcd_url):
