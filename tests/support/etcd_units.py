@@ -12,11 +12,13 @@ from vmlend.registry.decider import own_usage
 from vmlend.registry.etcd_gateway import EtcdGateway, prefix_end
 from vmlend.registry.etcd_keys import (
     Keys,
+    aligned_size,
     block_owner,
     claim_from_dict,
     claims_of_block,
     is_extent,
     lent_share,
+    unit_span,
 )
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.topology.model import GiB, Holder
@@ -37,12 +39,17 @@ def _read(url: str, prefix_of) -> tuple[Keys, list]:
 
 def _block_of(keys: Keys, key: str) -> tuple[str, str, int, int]:
     """``(adapter, lut|seg, start, size)`` of a block key ``units/<adapter>/<unit>-blocks/
-    <start>/<size>`` (a switch port's name, "switch/toward", has a "/" of its own: read from
-    the end)."""
-    head, first, count = key.removeprefix(keys.units).rsplit("/", 2)
+    <start>/<size>`` or a run's ``.../<start>/<size>/<free>`` (a switch port's name,
+    "switch/toward", has a "/" of its own)."""
+    head, sep, tail = key.removeprefix(keys.units).rpartition("-blocks/")
+    assert sep, key
     adapter, unit = head.rsplit("/", 1)
-    assert unit.endswith("-blocks"), key
-    return adapter, unit.removesuffix("-blocks"), int(first), int(count)
+    start, size = unit_span(tail)
+    # the shape two takes' compares rely on: aligned to its size rounded up to a power of
+    # two, and the key vmlend makes of that span (a run's free count from 1 to its block's
+    # size less 1)
+    assert start % aligned_size(size) == 0 and keys.unit_block(adapter, unit, start, size) == key
+    return adapter, unit, start, size
 
 
 def own_node_of(adapter: str) -> str:

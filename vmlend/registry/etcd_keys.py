@@ -29,7 +29,10 @@ Everything of one cluster sits under ``/vmlend/<cluster>/``, one key per record:
   below the adapter's usable count), so two reserves that together overcommit an adapter must
   take overlapping blocks (one same block, or one inside the other) and cannot both commit,
   while reserves that fit do not conflict (a reserve compares the blocks it creates, not
-  every claim on the adapter). Each block names its VM; the VM's first block on an adapter
+  every claim on the adapter). A *run* (layout 8) is an aligned block less the last units it
+  leaves free, ``<start>/<size>/<free>`` (``free`` two digits, 1 to ``size - 1``): a DMA
+  window of 5 segments is one key, not a block of 4 and one of 1. Each block names its VM;
+  the VM's first block on an adapter
   (its *head*, the first by key) also carries the VM's claims there, so one range per
   adapter is both its claims and its units. Every claim uses a unit of its VM on its adapter,
   so every claim has a head to be found in;
@@ -73,6 +76,21 @@ def check_cluster_name(name: str) -> str:
             " (e.g. etcd://127.0.0.1:2379/lab)"
         )
     return name
+
+
+def aligned_size(size: int) -> int:
+    """The smallest power of two holding ``size`` units: the aligned block a run is named by."""
+    return 1 << max(0, size - 1).bit_length()
+
+
+def unit_span(tail: str) -> tuple[int, int]:
+    """``(start, size)`` of a unit block key's tail ``<start>/<size>`` or a run's
+    ``<start>/<size>/<free>`` (``Keys.unit_block``). A damaged free count (none of 1 to
+    ``size - 1``, or more parts) reads as the whole block used: damage is never room."""
+    start, size, *free = tail.split("/")
+    whole = int(size)
+    left = int(free[0]) if len(free) == 1 else 0
+    return int(start), whole - left if 0 < left < whole else whole
 
 
 class Keys:
@@ -186,9 +204,24 @@ class Keys:
         return f"{self.units_of(adapter)}{unit}-blocks/"
 
     def unit_block(self, adapter: str, unit: str, start: int, size: int) -> str:
-        """The units ``[start, start + size)``: ``size`` a power of two, ``start`` a multiple
-        of it. The start is zero-padded so a block's sub-blocks are one key range."""
-        return f"{self.unit_blocks(adapter, unit)}{start:06d}/{size}"
+        """The units ``[start, start + size)``: ``start`` a multiple of ``size`` rounded up
+        to a power of two; a size that is not one is a run, the aligned block less its last
+        units (``unit_span`` reads it back). The start is zero-padded so a block's sub-blocks
+        are one key range."""
+        whole = aligned_size(size)
+        tail = "" if whole == size else f"/{whole - size:02d}"
+        return f"{self.unit_blocks(adapter, unit)}{start:06d}/{whole}{tail}"
+
+    def unit_blocks_reaching(
+        self, adapter: str, unit: str, start: int, size: int, at: int
+    ) -> tuple[str, str]:
+        """The key range of the blocks and runs named by the aligned block ``[start, start
+        + size)`` that reach unit ``at`` (inside it, after ``start``): the whole block, and
+        the runs leaving fewer than ``start + size - at`` units free. The free count sorts
+        after the whole block's key, so they are one range, and a run that ends before
+        ``at`` is not in it (taking units after it does not conflict with it)."""
+        named = f"{self.unit_blocks(adapter, unit)}{start:06d}/{size}"
+        return named, f"{named}/{start + size - at:02d}"
 
     def unit_block_range(self, adapter: str, unit: str, start: int, end: int) -> tuple[str, str]:
         """The key range of every block starting in ``[start, end)``."""

@@ -37,7 +37,7 @@ from vmlend.registry.decider import (
 )
 from vmlend.registry.decoded import Decoded
 from vmlend.registry.etcd_gateway import EtcdGateway, KeyValue, b64, prefix_end
-from vmlend.registry.etcd_keys import Keys
+from vmlend.registry.etcd_keys import Keys, aligned_size, unit_span
 from vmlend.registry.etcd_topology import EtcdTopology
 from vmlend.registry.etcd_warm import WarmCache, Write, reaches_into
 from vmlend.registry.records import (
@@ -359,20 +359,19 @@ def _decoding(table: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     return wrap
 
 
-#: The largest unit block (units): a block compares the absence of each aligned block that
-#: would hold it and starts before it, so with no block above 16 a block of one unit
-#: compares at most 4 (2, 4, 8, 16) where on a switch port of 256 entries it compared 8.
-#: A need of more takes several blocks of 16 (a key each): rare, a GPU's 16 GiB of RAM
-#: takes 5 segments.
+#: The largest unit block (units), and the largest aligned block a run is named by: a block
+#: compares each aligned block that would hold it and starts before it, so with no block
+#: above 16 a block of one unit compares at most 4 (2, 4, 8, 16) where on a switch port of
+#: 256 entries it compared 8. A need of more takes several blocks of 16 (a key each): rare,
+#: a GPU's 16 GiB of RAM takes 5 segments (one run).
 MAX_BLOCK = 16
 
 
 @functools.lru_cache(maxsize=1 << 13)
 def _block_span(tail: str) -> tuple[int, int]:
-    """``(start, size)`` of a unit block key's tail ``<start>/<size>`` (``Keys.unit_block``):
-    parsed once, as the same tails recur on every adapter a reserve reads."""
-    start, size = tail.split("/")
-    return int(start), int(size)
+    """``(start, size)`` of a unit block key's tail (``etcd_keys.unit_span``): parsed once,
+    as the same tails recur on every adapter a reserve reads."""
+    return unit_span(tail)
 
 
 def _block_sizes(n: int) -> list[int]:
@@ -575,13 +574,14 @@ class EtcdTxn:
     # adapter by another VM would otherwise always conflict). What keeps two reserves from
     # overcommitting it instead: the LUT entries and window segments in use are unit keys
     # ``units/<adapter>/<lut|seg>-blocks/<start>/<size>``, aligned blocks of a power of two
-    # units below the adapter's usable count, and a transaction that uses more of an adapter
-    # creates blocks of that many free units, comparing that nothing was created inside them
-    # and that no block holding them exists. Reserves that together need more than is free
-    # must take overlapping blocks (one same block, or one inside the other), so only one
+    # units below the adapter's usable count, or a VM's runs (an aligned block less its last
+    # units, ``<start>/<size>/<free>``: layout 8), and a transaction that uses more of an
+    # adapter creates blocks of that many free units, comparing that nothing was created
+    # inside them and that no block holding them, nor a run it names reaching them, exists.
+    # Reserves that together need more than is free must take overlapping units, so only one
     # commits (the other runs again and is refused); reserves that fit take blocks from their
-    # own fdid on and rarely meet. A GPU reserve with 16 GiB of guest RAM takes 8 blocks (10
-    # segments as 8+2 and 5 as 4+1, and a LUT entry on each adapter and switch port).
+    # own fdid on and rarely meet. A GPU reserve with 16 GiB of guest RAM takes its 5 window
+    # segments on the lender's adapter as one run.
     #
     # A VM's units, and the claims they stand for (shared claims count once, as in
     # ``admission.usage``), are its unit ledger in its marker, which every reserve and release
@@ -656,19 +656,24 @@ class EtcdTxn:
         extent: bool = False,
         lent: str | None = None,
     ) -> list[tuple[int, int]]:
-        """Create blocks of ``n`` units (``(start, size)`` each: one block per bit of ``n``,
-        none larger than ``MAX_BLOCK``, split in halves where no aligned free block of that
-        size is left), each the first free one from index ``hint`` on (modulo the capacity).
+        """Create blocks of ``n`` units (``(start, size)`` each): a VM's as one run where an
+        aligned block of ``n`` rounded up to a power of two (at most ``MAX_BLOCK`` and the
+        capacity, up to which holding blocks are compared) has its first ``n`` units free;
+        else one block per bit of ``n``, none larger than ``MAX_BLOCK``, split in halves where
+        no aligned free block of that size is left; each the first free one from index
+        ``hint`` on (modulo the capacity).
         The hint is the fdid the change is for, so reserves of distinct devices (numbered in
         a row per lender) start at distinct units and rarely meet unless the adapter is
         nearly full. What the capacity has no free unit for is taken beyond it, from the
         capacity on (``_beyond``).
 
-        Aligned blocks of powers of two overlap only when one holds the other, so two
-        transactions that take one same unit conflict: each compares the key range of the
-        blocks inside its own (``Snapshot.guard``: nothing created there since the snapshot)
-        and the absence of each aligned block that would hold it (up to ``MAX_BLOCK``: no
-        block is larger)."""
+        Aligned blocks of powers of two overlap only when one holds the other, and a run is
+        within the block naming it, so two transactions that take one same unit conflict:
+        each compares the key range of the starts of its own units (``Snapshot.guard``:
+        nothing created there since the snapshot) and, for each aligned block that would
+        hold one of its blocks (up to ``MAX_BLOCK``: none is larger), that neither it nor a
+        run it names that reaches that block was created (``Keys.unit_blocks_reaching``).
+        Blocks that share no unit do not meet."""
         every = self._k.units_of(adapter)  # both resources of the adapter, in one range
         read = self._loose_range(every)
         spans = self._spans(adapter, unit, read)
@@ -709,8 +714,22 @@ class EtcdTxn:
         # destination): taken again first, a put over a delete being one operation, not two
         dropped = [k for k, v in self._writes.items() if v is None]
         freed = sorted(s for s in self._spans(adapter, unit, dropped) if s[0] + s[1] <= cap)
-        sizes = _block_sizes(within)
         picked: list[tuple[int, int]] = []
+        # a VM's units in one run where an aligned block has room for them at its start:
+        # one key, where blocks take one per bit of the count (layout 8)
+        whole = aligned_size(within)
+        if not extent and lent is None and 1 < within < whole <= min(cap, MAX_BLOCK):
+            first = -(-begin // whole) * whole
+            starts = (
+                *(s for s, z in freed if z == within),
+                *range(first, cap - within + 1, whole),
+                *range(0, min(first, cap - within + 1), whole),
+            )
+            found = next((s for s in starts if free(s, within)), None)
+            if found is not None:
+                taken.update(range(found, found + within))
+                picked.append((found, within))
+        sizes = [] if picked else _block_sizes(within)
         while sizes:
             size = sizes.pop(0)
             first = -(-begin // size) * size
@@ -737,6 +756,7 @@ class EtcdTxn:
             owner = enc.block_to_json(f"{holder.node}/{holder.vm}")
         marker = self._k.vm_holds(holder.node, holder.vm)
         run: list[int] = []  # blocks in a row: one guard for the run (fewer compares)
+        holders: set[tuple[int, int]] = set()  # compared already, from its widest end
         for start, size in sorted(picked):
             if run and run[1] == start:
                 run[1] = start + size
@@ -745,16 +765,21 @@ class EtcdTxn:
                     block_range = self._k.unit_block_range(adapter, unit, *run)
                     self._snap.guard(*block_range, within=every)
                 run = [start, start + size]
-            outer = size * 2
+            outer = aligned_size(size) * 2
             # a block below the capacity is never held by one beyond it, nor the other way;
             # one beyond it needs no holding block compared (the whole adapter is, below)
             largest = min(cap, MAX_BLOCK) if start < cap else 0
             while outer <= largest:
-                # an aligned block holding this one, starting before it; one starting inside
-                # this run is in the run's guarded range already (no compare of its own)
+                # an aligned block holding this one, starting before it, or a run it names
+                # that reaches this block; one starting inside this run of blocks is in the
+                # run's guarded range already (no compare of its own)
                 holding = start - start % outer
-                if holding < run[0]:
-                    self._snap.get(self._k.unit_block(adapter, unit, holding, outer))
+                if holding < run[0] and (holding, outer) not in holders:
+                    # the first block under it reaches furthest back: its range holds the
+                    # later blocks' ranges
+                    holders.add((holding, outer))
+                    reaching = self._k.unit_blocks_reaching(adapter, unit, holding, outer, start)
+                    self._snap.guard(*reaching, within=every)
                 outer *= 2
             key = self._k.unit_block(adapter, unit, start, size)
             if extent or lent is not None:
@@ -986,6 +1011,11 @@ class EtcdTxn:
                     self._delete(self._k.unit_block(adapter, unit, start, size))
                     total -= size
                     moved = True
+                    if total < want and start + size <= self._capacity(adapter, unit):
+                        # the first units of a block or run are one at its start (aligned to
+                        # what they round up to): kept in place, nothing taken anew
+                        have.append((start, want - total))
+                        total = want
                 if total < want:
                     have += self._take_units(adapter, unit, want - total, holder, fdid)
                     moved = True

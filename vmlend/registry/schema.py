@@ -29,11 +29,14 @@ SCHEMA_VERSION = 7
 #: toward it) are its lender's lent entries, set aside at its first borrow and listed in its
 #: record, which its holds use with no block of their VM; a vmlend of layout 6 would not
 #: count them, so it is refused.
-ETCD_SCHEMA_VERSION = 7
+#: Version 8: a VM's units on an adapter may be a run, an aligned block less its last units
+#: (``<start>/<size>/<free>``: a DMA window of 5 segments one key, not 4+1), which a vmlend of
+#: layout 7 neither parses nor compares when it takes units inside that block; it is refused.
+ETCD_SCHEMA_VERSION = 8
 
 #: The oldest etcd layout whose holds and claims this vmlend reads: a cluster of an older one
 #: is opened by ``vmlend registry upgrade`` only.
-ETCD_HOLDS_LAYOUT = 7
+ETCD_HOLDS_LAYOUT = 8
 
 #: Version 1: the first schema. Fdids are INTEGERs, times are UNIX seconds (REAL).
 SCHEMA_V1 = """

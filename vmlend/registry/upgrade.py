@@ -113,6 +113,12 @@ def _lent_entries_of_lenders(tx: EtcdTxn) -> str:
     )
 
 
+def _runs_of_units(_tx: EtcdTxn) -> str:
+    """7 -> 8: a VM's units may be runs; with every lease ended no VM's block is left, and
+    the lenders' lent entries and the nodes' extents stay as they are (blocks, as before)."""
+    return "no record changes (a VM's window segments may be one run from now on)"
+
+
 def _same_records(_tx: EtcdTxn) -> str:
     """1 -> 2: the version was SQLite's schema's then; its version 2 changed SQLite alone."""
     return "no record changes (layout 2 differs from 1 in SQLite only)"
@@ -130,6 +136,7 @@ STEPS: dict[int, Callable[[EtcdTxn], str]] = {
     4: _holds_in_units,
     5: _own_places_decided,
     6: _lent_entries_of_lenders,
+    7: _runs_of_units,
 }
 
 

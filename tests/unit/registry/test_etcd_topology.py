@@ -78,7 +78,7 @@ def test_replacing_deletes_the_old_generation_and_the_record_of_before(etcd_url)
     with open_registry(etcd_url) as reg:
         assert reg.gateway.range(reg.keys.topology_record)[1] == []
         with reg.read() as tx:
-            assert tx.meta("schema_version") == str(ETCD_SCHEMA_VERSION) == "7"
+            assert tx.meta("schema_version") == str(ETCD_SCHEMA_VERSION) == "8"
 
 
 def test_a_transaction_that_does_not_commit_deletes_the_generation_it_wrote(etcd_url):

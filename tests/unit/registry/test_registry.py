@@ -480,7 +480,8 @@ def test_create_never_replaces_existing_state(location):
 
 def test_newer_schema_of_either_backend_is_refused_in_one_line(location):
     with create_registry(location, _fill) as reg:
-        reg.transact(lambda tx: tx.set_meta("schema_version", str(schema_mod.SCHEMA_VERSION + 1)))
+        newer = max(schema_mod.SCHEMA_VERSION, schema_mod.ETCD_SCHEMA_VERSION) + 1
+        reg.transact(lambda tx: tx.set_meta("schema_version", str(newer)))
     with pytest.raises(StateError, match=r"newer than this vmlend understands.*upgrade vmlend"):
         open_registry(location)
 

@@ -186,6 +186,7 @@ SAMPLES: dict[str, object] = {
     "start": 0,
     "size": 1,
     "end": 2,
+    "at": 0,
     "uuid": "3b0b0c4e-0000-4000-8000-000000000001",
     "request_id": "r1",
     "vm_uuid": "3b0b0c4e-0000-4000-8000-000000000002",

@@ -1,6 +1,7 @@
 """Racing unit-block takes, explored at random (issue 38 follow-up). The etcd registry keeps an
-adapter's used units as aligned power-of-two blocks (``EtcdTxn._take_units``); two
-transactions that read one snapshot and take blocks sharing a unit must not both commit,
+adapter's used units as aligned power-of-two blocks, or runs that are such a block less its
+last units (``EtcdTxn._take_units``); two transactions that read one snapshot and take
+blocks sharing a unit must not both commit,
 and ones whose blocks share none must (reserves of distinct devices must not conflict).
 tests/unit/registry/test_registry_units.py holds hand-picked pairs; here hypothesis draws the
 adapter's earlier state and the two takes, on a real etcd. And what a VM's unit ledger asks
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import uuid
 
+import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +22,7 @@ from tests.support.hypothesis_tiers import examples
 from tests.support.simfabric import star_topology
 from vmlend.ledger.admission import port_usage, usage
 from vmlend.registry.etcd_gateway import b64
+from vmlend.registry.etcd_keys import Keys, aligned_size, unit_span
 from vmlend.registry.etcd_txn import MAX_BLOCK, EtcdTxn
 from vmlend.registry.records import Claim, ClaimKind
 from vmlend.topology.model import Topology
@@ -77,13 +80,17 @@ def _free(committed: list[tuple[int, int]]) -> int:
 
 def _attempt(registry, take: tuple[int, int], free: int) -> tuple[EtcdTxn, list[tuple[int, int]]]:
     """``taking``, checked: exactly the units asked for, in blocks of at most ``MAX_BLOCK``,
-    and below the capacity all of them or every one that was ``free`` there."""
+    below the capacity all of them or every one that was ``free`` there, and no key range
+    compared twice."""
     tx, picked = taking(registry, take)
     assert sum(size for _s, size in picked) == take[0]
     assert max(size for _s, size in picked) <= MAX_BLOCK
     below = sum(size for start, size in picked if start < CAPACITY)
     assert below == min(take[0], free)
     assert all(start + size <= CAPACITY for start, size in picked if start < CAPACITY)
+    # each holding block compared once (from its first block's unit: the widest range)
+    firsts = [c["key"] for c in tx.compares()]
+    assert len(firsts) == len(set(firsts)), "a key range compared twice"
     return tx, picked
 
 
@@ -106,6 +113,11 @@ def _attempt(registry, take: tuple[int, int], free: int) -> tuple[EtcdTxn, list[
 # its own, not by the run's range), and two single units side by side (both commit)
 @example(earlier=[], first=(4, 1), second=(1, 5), released=None)
 @example(earlier=[], first=(1, 1), second=(1, 0), released=None)
+# a run (5 units of the aligned block 16..23) and a unit inside it: they meet only through the
+# range of the runs the block names that reach the unit (an exact compare of that block's key
+# missed the run: both committed); a unit after the run in that block: both commit
+@example(earlier=[], first=(5, 9), second=(1, 17), released=None)
+@example(earlier=[], first=(5, 9), second=(1, 21), released=None)
 # a release seen by the second only: the first goes beyond the capacity, the second takes
 # the unit released (a review found them both committing: three entries on two)
 @example(earlier=[(16, 0), (16, 16)], first=(1, 0), second=(1, 0), released=0)
@@ -210,3 +222,21 @@ def test_the_units_a_ledger_needs_are_what_admission_counts(claims):
             counted[(port, "lut")] = n
     rows = [[c.adapter, c.kind.value, c.share, c.entries, c.segments] for c in claims]
     assert EtcdTxn._units_needed(rows) == counted
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(start_in=st.integers(0, 64), size=st.integers(1, MAX_BLOCK))
+def test_a_block_or_runs_key_reads_back_as_its_span(start_in, size):
+    """Every span ``_take_units`` writes (aligned to its size rounded up to a power of two)
+    reads back from its key as itself."""
+    start = start_in * aligned_size(size)
+    key = Keys("c").unit_block("sw/l:0", "seg", start, size)
+    assert unit_span(key.rpartition("-blocks/")[2]) == (start, size)
+
+
+@pytest.mark.parametrize("tail", ["000008/8/00", "000008/8/08", "000008/8/09", "000008/8/-3",
+                                  "000008/8/01/02"])  # fmt: skip
+def test_a_runs_damaged_free_count_reads_as_its_whole_block_used(tail):
+    """Damage is never room: a free count out of 1 to the size less 1 (or a key of more
+    parts) counts the whole aligned block as used."""
+    assert unit_span(tail) == (8, 8)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 
 from tests.support.cluster_hosts import check_never_two_holders, history
@@ -32,7 +33,7 @@ from vmlend.registry.etcd_store import EtcdRegistry
 from vmlend.registry.etcd_txn import EtcdTxn
 from vmlend.registry.records import Claim, ClaimKind, HoldRecord, Phase
 from vmlend.topology.model import GiB, Holder
-from vmlend.wiring.fabric import init_fabric, open_fabric
+from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 
 def _with_landing_first(fabric, action) -> list[bool]:
@@ -278,6 +279,54 @@ def test_a_fragmented_adapter_takes_smaller_blocks(etcd_url, monkeypatch):
         assert picked == [(0, 1), (2, 2), (6, 2)]
         assert gw.txn(tx.compares(), tx.operations())[0] is True
     assert unit_keys_held(etcd_url) == {("l:0", "seg"): 8}
+
+
+def test_a_dma_window_is_one_run_of_its_vm_and_leaves_the_rest_of_its_block(etcd_url):
+    """A GPU's DMA window with 16 GiB of guest RAM (5 of the lender's segments) is one key,
+    a run of the aligned block of 8 less its last 3 units (layout 8; blocks took 4+1), so
+    its hold is 4 keys: the hold, its fence, its VM's marker and the run. The units after it
+    in that block are another VM's for the taking, with no conflict."""
+    text, source = default_topology_text()
+    init_fabric(etcd_url, text, source, node="gamma")
+    with open_fabric(etcd_url, "gamma") as f:
+        f.reserve(0x10, Holder("gamma", "a"), guest_ram=16 * GiB)
+        segments = unit_blocks_held(etcd_url, extents=False)[("alpha:0", "seg")]
+        assert [size for _start, size in segments] == [5]
+        (start, _size), keys = segments[0], f.registry.keys
+        assert keys.unit_block("alpha:0", "seg", start, 5).endswith(f"{start:06d}/8/03")
+        ledgers_agree_with_blocks(etcd_url)
+        tx = f.registry._txn(writable=True)
+        after = tx._take_units("alpha:0", "seg", 1, Holder("gamma", "b"), start + 5)
+        assert after == [(start + 5, 1)]
+        assert f.registry.gateway.txn(tx.compares(), tx.operations())[0] is True
+        f.release(0x10, Holder("gamma", "a"))
+    assert unit_blocks_held(etcd_url, extents=False) == {("alpha:0", "seg"): [(start + 5, 1)]}
+
+
+def test_a_run_that_shrinks_keeps_its_first_units_in_place(etcd_url):
+    """A VM's window of 3 segments, one run its hold 0x100 took, shrinks to 2 for its hold
+    0x107: its first 2 units stay where they are and nothing is taken anew, so another VM's
+    take of the free units from 0x107 on, from a snapshot before the shrink, commits too (a
+    seventh review: the run was given back whole and 2 units taken again from 0x107 on,
+    where that take met them)."""
+    init_fabric(etcd_url, star_topology(1, 8), "star.toml")
+    vm = Holder("h0", "app")
+    window = Claim("l:0", ClaimKind.DMA, "vm:h0/app", segments=3)
+    with open_fabric(etcd_url, "h0") as f:
+        reg = f.registry
+        for fdid in (0x100, 0x107):  # one window, the VM's: 3 segments once
+            hold = HoldRecord(fdid, vm, 1.0, Phase.BORROWED)
+            reg.transact(lambda tx, hold=hold: tx.add_hold(hold, [window]))
+        reg.transact(lambda tx: tx.delete_hold(0x100))
+        [(start, size)] = unit_blocks_held(etcd_url, extents=False)[("l:0", "seg")]
+        assert size == 3
+        other = reg._txn(writable=True)
+        after = other._take_units("l:0", "seg", 2, Holder("h0", "db"), 0x107)
+        smaller = msgspec.structs.replace(window, segments=2)
+        reg.transact(lambda tx: tx.replace_claims(ClaimKind.DMA, [0x107], [(0x107, smaller)]))
+        assert unit_blocks_held(etcd_url, extents=False)[("l:0", "seg")] == [(start, 2)]
+        assert reg.gateway.txn(other.compares(), other.operations())[0] is True
+    assert unit_blocks_held(etcd_url)[("l:0", "seg")] == sorted([(start, 2), *after])
 
 
 def test_a_requester_on_a_switch_port_is_one_unit_whichever_kind_claims_it():

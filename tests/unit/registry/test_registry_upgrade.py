@@ -12,6 +12,7 @@ from click.testing import CliRunner, Result
 
 from tests.support.older_state import etcd_before_generations, etcd_layout_3
 from vmlend.cli import main
+from vmlend.registry import etcd_keys as enc
 from vmlend.registry import open_registry, parse_location, topopieces
 from vmlend.registry import upgrade as upgrade_mod
 from vmlend.registry.etcd_gateway import b64, prefix_end
@@ -83,9 +84,9 @@ def test_an_older_cluster_is_upgraded_once_and_keeps_its_records(etcd_url, versi
     assert (out["action"], out["before"], out["after"]) == ("upgraded", version, latest)
     # 2 -> 3 installs a generation of this vmlend's format, so it reaches layout 4 at once
     assert [step.split(":")[0] for step in out["steps"]] == {
-        1: ["1 -> 2", "2 -> 4", "4 -> 5", "5 -> 6", "6 -> 7"],
-        2: ["2 -> 4", "4 -> 5", "5 -> 6", "6 -> 7"],
-        3: ["3 -> 4", "4 -> 5", "5 -> 6", "6 -> 7"],
+        1: ["1 -> 2", "2 -> 4", "4 -> 5", "5 -> 6", "6 -> 7", "7 -> 8"],
+        2: ["2 -> 4", "4 -> 5", "5 -> 6", "6 -> 7", "7 -> 8"],
+        3: ["3 -> 4", "4 -> 5", "5 -> 6", "6 -> 7", "7 -> 8"],
     }[version]
     after = _stored(etcd_url)
     assert keys.topology_record not in after
@@ -133,7 +134,7 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     line that says what to run. The upgrade deletes what was left of holds without a lease
     and keeps their fences, so the lenders take the devices back."""
     keys = _layout2(etcd_url)
-    assert _run(etcd_url).exit_code == 0  # layout 7 now: made layout 4 again below
+    assert _run(etcd_url).exit_code == 0  # layout 8 now: made layout 4 again below
     _put(etcd_url, keys.meta("schema_version"), b"4")
     left = _layout4_leftovers(etcd_url, keys)
     status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
@@ -144,7 +145,7 @@ def test_a_layout_4_cluster_is_refused_until_upgraded_and_its_lapsed_holds_go(et
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["before"], out["after"]) == (4, 7)
+    assert (out["before"], out["after"]) == (4, 8)
     assert "5 record(s)" in out["steps"][0], out["steps"]
     after = _stored(etcd_url)
     assert not set(left) & set(after)
@@ -171,7 +172,7 @@ def test_a_layout_5_cluster_is_refused_until_upgraded(etcd_url):
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["before"], out["after"]) == (5, 7)
+    assert (out["before"], out["after"]) == (5, 8)
     assert "2 record(s)" in out["steps"][0], out["steps"]
     assert not set(left) & set(_stored(etcd_url))
 
@@ -194,9 +195,37 @@ def test_a_layout_6_cluster_is_refused_until_upgraded(etcd_url):
     r = _run(etcd_url, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert (out["before"], out["after"]) == (6, 7)
+    assert (out["before"], out["after"]) == (6, 8)
     assert "2 record(s)" in out["steps"][0], out["steps"]
     assert not set(left) & set(_stored(etcd_url))
+
+
+def test_a_layout_7_cluster_is_refused_until_upgraded_and_keeps_what_has_no_lease(etcd_url):
+    """A vmlend of layout 7 neither parses a VM's run of units nor compares one when it
+    takes units inside the block that names it: a layout-7 cluster is opened only to be
+    upgraded. What layout 7 keeps without a lease (a lender's lent entry, a node's extent)
+    is layout 8's too, so the upgrade keeps it."""
+    keys = _layout2(etcd_url)
+    assert _run(etcd_url).exit_code == 0
+    _put(etcd_url, keys.meta("schema_version"), b"7")
+    kept = {
+        keys.unit_block("alpha:0", "lut", 3, 1): enc.lent_to_json("alpha", "req:alpha/x"),
+        keys.unit_block("gamma:0", "seg", 0, 4): enc.extent_to_json("gamma"),
+    }
+    for key, value in kept.items():
+        _put(etcd_url, key, value)
+    status = CliRunner().invoke(main, ["--registry", etcd_url, "devices"])
+    assert status.exit_code != 0
+    lines = status.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has layout 7" in lines[0], status.output
+    r = _run(etcd_url, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["before"], out["after"]) == (7, 8)
+    assert out["steps"] == [
+        "7 -> 8: no record changes (a VM's window segments may be one run from now on)"
+    ], out["steps"]
+    assert set(kept) <= set(_stored(etcd_url))
 
 
 def test_a_live_agent_refuses_the_upgrade_in_one_line_and_nothing_changes(etcd, etcd_url):
