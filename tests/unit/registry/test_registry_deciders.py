@@ -28,6 +28,7 @@ from tests.support.etcd_units import (
     unit_keys_held,
 )
 from tests.support.hypothesis_tiers import examples
+from tests.support.landing import landing_first
 from tests.support.tight_clusters import (
     _close,
     _node,
@@ -101,22 +102,7 @@ def _run(fabrics, op) -> str:
 
 def _landing_first(fabric, action) -> None:
     """``action`` runs just before ``fabric``'s next commit is sent."""
-    gateway = fabric.registry.gateway
-    commit = gateway.txn
-    landed: list[bool] = []
-
-    def txn(compare, success):
-        if success and not landed:
-            landed.append(True)
-            action()
-        return commit(compare, success)
-
-    gateway.txn = txn
-
-    def restore() -> None:
-        gateway.txn = commit
-
-    fabric._restore = restore
+    fabric._restore = landing_first(fabric, action)
 
 
 def _landing_in_admission(fabric, action) -> None:

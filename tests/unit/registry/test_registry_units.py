@@ -23,6 +23,7 @@ from tests.support.etcd_units import (
     unit_blocks_held,
     unit_keys_held,
 )
+from tests.support.landing import landing_first
 from tests.support.simfabric import make_fabric, star_topology
 from vmlend.errors import ResourceExhaustedError, VmlendError
 from vmlend.registry import open_registry, parse_location
@@ -36,28 +37,11 @@ from vmlend.topology.model import GiB, Holder
 from vmlend.wiring.fabric import default_topology_text, init_fabric, open_fabric
 
 
-def _with_landing_first(fabric, action) -> list[bool]:
-    """Make ``fabric``'s next commit run ``action`` (another host's whole step) just before
-    it is sent: the worst interleaving, forced instead of left to timing."""
-    gateway = fabric.registry.gateway
-    commit = gateway.txn
-    landed: list[bool] = []
-
-    def txn(compare, success):
-        if success and not landed:
-            landed.append(True)
-            action()
-        return commit(compare, success)
-
-    gateway.txn = txn  # this fabric's commits only
-    return landed
-
-
 def test_another_hosts_reserve_through_the_same_lender_does_not_conflict(etcd_url):
     init_fabric(etcd_url, star_topology(2, 4), "star.toml")
     mine, other = open_fabric(etcd_url, "h0"), open_fabric(etcd_url, "h1")
     try:
-        _with_landing_first(mine, lambda: other.reserve(0x101, Holder("h1", "vm2")))
+        landing_first(mine, lambda: other.reserve(0x101, Holder("h1", "vm2")))
         assert mine.reserve(0x100, Holder("h0", "vm1")).created
         assert mine.registry.conflicts == 0  # the old code re-ran: a new claim on l:0
         assert other.device(0x101).holder == Holder("h1", "vm2")
@@ -85,7 +69,7 @@ def test_two_vms_of_one_node_reserved_at_once_by_one_process_do_not_conflict(etc
     try:
         mine.reserve(0x102, Holder("h0", "vm0"))  # takes h0 over: its extents, its epoch
         assert mine.release(0x102, Holder("h0", "vm0"))
-        _with_landing_first(mine, lambda: mine.reserve(0x101, Holder("h0", "vm2")))
+        landing_first(mine, lambda: mine.reserve(0x101, Holder("h0", "vm2")))
         assert mine.reserve(0x100, Holder("h0", "vm1")).created
         assert mine.registry.conflicts == 0
         assert set(mine.holds()) == {0x100, 0x101}
@@ -103,7 +87,7 @@ def test_a_second_process_for_a_node_takes_it_over_and_the_first_learns_it(etcd_
     second.registry.deciders = Deciders()  # another process: its own state
     try:
         first.reserve(0x100, Holder("h0", "vm0"))
-        _with_landing_first(first, lambda: second.reserve(0x101, Holder("h0", "vm1")))
+        landing_first(first, lambda: second.reserve(0x101, Holder("h0", "vm1")))
         assert first.reserve(0x102, Holder("h0", "vm2")).created
         # its epoch was no longer the key's: the attempt ran again (from memory, or after a pause)
         assert first.registry.conflicts + first.registry.stale == 1
@@ -141,7 +125,7 @@ def test_two_reserves_for_the_last_capacity_of_an_adapter_exactly_one_commits(et
             except VmlendError as e:  # reported below, not lost in the other's commit
                 outcome.append(e)
 
-        _with_landing_first(first, land)
+        landing_first(first, land)
         with pytest.raises(ResourceExhaustedError):
             first.reserve(0x100, Holder("h0", "vm1"), guest_ram=ram)
         assert outcome == [True]
