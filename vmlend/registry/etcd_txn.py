@@ -405,6 +405,10 @@ def _beyond(
     return out
 
 
+#: Per (topology digest, node, a VM marker's stored form), its claims on the node's own
+#: places (``_own_pairs``).
+_OWN_PAIRS: dict[tuple[str, str, bytes], Pairs] = {}
+
 #: Per (topology digest, fdid), the device's lender and requester share (``_covered``).
 _LENT_SHARES: dict[tuple[str, int], tuple[str, str]] = {}
 
@@ -1081,9 +1085,18 @@ class EtcdTxn:
         )
 
     def _own_pairs(self, node: str, raw: bytes) -> Pairs:
-        """A marker's claims on its node's own places."""
-        ledger: dict[str, list[dict[str, Any]]] = enc.load(raw).get("ledger", {})
-        return self._pairs_on(ledger, self._own_places_of(node, ledger.values()))
+        """A marker's claims on its node's own places: a function of the topology and the
+        marker's stored form, so kept per both (another node's reserves through this node's
+        adapter read every marker of the node, mostly unchanged since the last)."""
+        key = (self.topology_digest() or "", node, raw)
+        found = _OWN_PAIRS.get(key)
+        if found is None:
+            ledger: dict[str, list[dict[str, Any]]] = enc.load(raw).get("ledger", {})
+            found = self._pairs_on(ledger, self._own_places_of(node, ledger.values()))
+            if len(_OWN_PAIRS) >= 1 << 12:  # a node holds a few hundred VMs at most
+                _OWN_PAIRS.clear()
+            _OWN_PAIRS[key] = found
+        return found
 
     def _node_plan(self, node: str, *, take_over: bool) -> _Plan | None:
         """This attempt's plan for ``node``'s own places: as this process decides them (the
