@@ -85,12 +85,10 @@ def _holds_in_units(tx: EtcdTxn) -> str:
     )
 
 
-def _own_places_decided(tx: EtcdTxn) -> str:
-    """5 -> 6: a node's own places are decided by one process of the node (``decider``),
-    within extents the first reserve takes: with every lease ended there is no VM block to
-    convert; what layout 5 left without a lease goes, as in 4 -> 5."""
+def _leftovers_dropped(tx: EtcdTxn, what: str) -> str:
+    """Delete what the older layout left without a lease (``drop_layout4_holds``) and say
+    how much, then ``what`` the new layout changes."""
     gone = tx.drop_layout4_holds()
-    what = "each node's own adapter places are decided by one process of the node"
     if not gone:
         return f"no hold, marker or unit record was left; {what}"
     return (
@@ -99,17 +97,21 @@ def _own_places_decided(tx: EtcdTxn) -> str:
     )
 
 
+def _own_places_decided(tx: EtcdTxn) -> str:
+    """5 -> 6: a node's own places are decided by one process of the node (``decider``),
+    within extents the first reserve takes: with every lease ended there is no VM block to
+    convert; what layout 5 left without a lease goes, as in 4 -> 5."""
+    return _leftovers_dropped(
+        tx, "each node's own adapter places are decided by one process of the node"
+    )
+
+
 def _lent_entries_of_lenders(tx: EtcdTxn) -> str:
     """6 -> 7: a lent device's requester entries are its lender's, set aside by its first
     borrow (``EtcdTxn._lent_entry``): with every lease ended no hold needs one yet; what
     layout 6 left without a lease goes, as in 4 -> 5."""
-    gone = tx.drop_layout4_holds()
-    what = "a lent device's requester entries are its lender's, set aside at its first borrow"
-    if not gone:
-        return f"no hold, marker or unit record was left; {what}"
-    return (
-        f"{gone} record(s) of holds, markers and units left without a lease deleted (their"
-        f" fences stay: the lenders take the devices back); {what}"
+    return _leftovers_dropped(
+        tx, "a lent device's requester entries are its lender's, set aside at its first borrow"
     )
 
 

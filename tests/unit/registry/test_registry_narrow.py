@@ -5,6 +5,7 @@ first one's reads and its commit."""
 
 from __future__ import annotations
 
+from tests.support.landing import landing_first
 from tests.support.simfabric import make_fabric
 from vmlend.topology.model import Holder
 from vmlend.wiring.fabric import open_fabric
@@ -72,17 +73,7 @@ def _reserve_with_another_landing_first(url: str, first: Holder, second: Holder)
     warm = Holder("b", "warm")
     mine.reserve(0x200, warm)
     mine.release(0x200, warm)
-    gateway = mine.registry.gateway
-    commit = gateway.txn
-    landed: list[bool] = []
-
-    def txn(compare, success):
-        if success and not landed:
-            landed.append(True)
-            other.reserve(0x200, second)
-        return commit(compare, success)
-
-    gateway.txn = txn  # this fabric's commits only
+    landing_first(mine, lambda: other.reserve(0x200, second))
     try:
         assert mine.reserve(0x100, first).created
         assert other.device(0x200).holder == second and other.device(0x100).holder == first
